@@ -1,0 +1,259 @@
+"""Typed, validated seqpar configuration, built once at the edge.
+
+A config comes either from a standalone seqpar JSON (the ``sequence_parallel`` block at the top level,
+or under a ``"sequence_parallel"`` key) or from a DeepSpeed JSON config that carries a
+``"sequence_parallel": {...}`` block beside DeepSpeed's own keys. Everything is checked at load time;
+the core never reads JSON or environment variables.
+
+Example block::
+
+    "sequence_parallel": {
+        "size": 2,                  # SP degree: ranks that share one sequence
+        "mode": "ring",             # "ring" | "allgather"
+        "sharding": "zigzag",       # "contiguous" | "zigzag"
+        "overlap": true,            # overlap ring transfers with block compute
+        "check_inputs": true,       # cross-rank shape/dtype check before each call
+        "swap": "auto",             # what attention to replace in a model
+        "pattern": {"type": "dense"}
+    }
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError",
+    "MODES",
+    "SHARDINGS",
+    "PATTERN_TYPES",
+    "HEAD_LAYOUTS",
+    "PatternConfig",
+    "SeqParConfig",
+]
+
+MODES = ("ring", "allgather")
+SHARDINGS = ("contiguous", "zigzag")
+PATTERN_TYPES = ("dense", "dilated")
+HEAD_LAYOUTS = ("mixed", "grouped")
+SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
+
+# The key under which a DeepSpeed (or launcher) JSON carries the seqpar block.
+BLOCK_KEY = "sequence_parallel"
+
+
+class ConfigError(ValueError):
+    """A seqpar config key has a wrong type or an impossible value; the message says how to fix it."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"sequence_parallel.{key} = {value!r} is invalid: {allowed}")
+
+
+def _check_type(key: str, value: Any, types: tuple[type, ...], allowed: str) -> None:
+    # bool is a subclass of int: `"size": true` must not pass as 1.
+    if isinstance(value, bool) and bool not in types:
+        _fail(key, value, allowed)
+    if not isinstance(value, types):
+        _fail(key, value, allowed)
+
+
+def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(known)}"
+        )
+
+
+@dataclass(frozen=True)
+class PatternConfig:
+    """Which attention pattern the swapped layers compute.
+
+    ``dense`` is ordinary (full or causal) attention. ``dilated`` is LongNet dilated attention: a mix
+    of (segment length w, dilation rate r) patterns merged by their softmax denominators.
+    """
+
+    type: str = "dense"
+    """``"dense"`` or ``"dilated"``."""
+    segment_lengths: tuple[int, ...] = ()
+    """Dilated only: segment length w of each pattern; the sequence length must be a multiple of each."""
+    dilation_rates: tuple[int, ...] = ()
+    """Dilated only: dilation rate r of each pattern; r must divide the matching segment length."""
+    head_layout: str = "mixed"
+    """Dilated only: ``"mixed"`` (every head mixes all patterns, head j uses offset j mod r, as in the
+    LongNet paper) or ``"grouped"`` (heads split evenly among the patterns, one pattern per group)."""
+
+    def __post_init__(self) -> None:
+        if self.type not in PATTERN_TYPES:
+            _fail("pattern.type", self.type, f"choose one of {list(PATTERN_TYPES)}")
+        if self.head_layout not in HEAD_LAYOUTS:
+            _fail("pattern.head_layout", self.head_layout, f"choose one of {list(HEAD_LAYOUTS)}")
+        if self.type == "dense":
+            if self.segment_lengths or self.dilation_rates:
+                raise ConfigError(
+                    "sequence_parallel.pattern has segment_lengths/dilation_rates but type is "
+                    "'dense'; set \"type\": \"dilated\" or remove them"
+                )
+            return
+        for key in ("segment_lengths", "dilation_rates"):
+            values = getattr(self, key)
+            if not values:
+                _fail(f"pattern.{key}", list(values), "a dilated pattern needs a non-empty list")
+            for x in values:
+                if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                    _fail(f"pattern.{key}", list(values), "every entry must be a positive integer")
+        if len(self.segment_lengths) != len(self.dilation_rates):
+            raise ConfigError(
+                f"sequence_parallel.pattern: segment_lengths has {len(self.segment_lengths)} entries "
+                f"but dilation_rates has {len(self.dilation_rates)}; give one rate per segment length"
+            )
+        for w, r in zip(self.segment_lengths, self.dilation_rates):
+            if w % r:
+                raise ConfigError(
+                    f"sequence_parallel.pattern: dilation rate {r} does not divide segment length {w}; "
+                    f"choose a segment length that is a multiple of its rate"
+                )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PatternConfig":
+        if not isinstance(d, Mapping):
+            _fail("pattern", d, 'expected an object like {"type": "dense"}')
+        _check_unknown("sequence_parallel.pattern", d, cls)
+        kwargs = dict(d)
+        for key in ("segment_lengths", "dilation_rates"):
+            if key in kwargs:
+                if not isinstance(kwargs[key], (list, tuple)):
+                    _fail(f"pattern.{key}", kwargs[key], "expected a list of positive integers")
+                kwargs[key] = tuple(kwargs[key])
+        for key in ("type", "head_layout"):
+            if key in kwargs:
+                _check_type(f"pattern.{key}", kwargs[key], (str,), "expected a string")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class SeqParConfig:
+    """The ``sequence_parallel`` block: how sequences are split and how attention crosses the split."""
+
+    size: int = 1
+    """SP degree: how many consecutive ranks share one sequence. The world size must be a multiple
+    of it; the quotient is the data-parallel degree."""
+    mode: str = "ring"
+    """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank) or ``"allgather"``
+    (one collective, O(S) K/V per rank, fastest at moderate lengths)."""
+    sharding: str = "contiguous"
+    """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
+    holds chunks r and 2P-1-r of 2P, which balances causal work)."""
+    overlap: bool = True
+    """Overlap the next ring transfer with the current block's compute (double buffering)."""
+    check_inputs: bool = True
+    """Before each attention call, exchange a few integers to check that every rank passes the same
+    shapes and dtypes; turns a hang or silent corruption into a clear error. Costs one tiny
+    all-gather per call: switch off once a setup is known to be right."""
+    swap: str | tuple[str, ...] = "auto"
+    """What attention to replace in a model: ``"auto"`` (Hugging Face attention interface, modules
+    calling ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``), one of
+    ``"hf" | "sdpa" | "mha" | "none"``, or a list of module class names / name patterns."""
+    pattern: PatternConfig = field(default_factory=PatternConfig)
+    """The attention pattern: dense (default) or LongNet dilated."""
+    apex: bool = False
+    """Use NVIDIA apex fused kernels (e.g. fused RMSNorm) where apex is installed; falls back with a
+    log line where it is not."""
+
+    def __post_init__(self) -> None:
+        _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
+        if self.size < 1:
+            _fail("size", self.size, "expected a positive integer (the SP degree)")
+        _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
+        if self.mode not in MODES:
+            _fail("mode", self.mode, f"choose one of {list(MODES)}")
+        _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
+        if self.sharding not in SHARDINGS:
+            _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
+        for key in ("overlap", "check_inputs", "apex"):
+            _check_type(key, getattr(self, key), (bool,), "expected true or false")
+        if isinstance(self.swap, str):
+            if self.swap not in SWAP_KEYWORDS:
+                _fail(
+                    "swap",
+                    self.swap,
+                    f"use one of {list(SWAP_KEYWORDS)} or a list of module class names / name patterns",
+                )
+        elif isinstance(self.swap, tuple):
+            if not self.swap or not all(isinstance(s, str) and s for s in self.swap):
+                _fail("swap", list(self.swap), "a list of non-empty module class names / name patterns")
+        else:
+            _fail("swap", self.swap, "expected a string or a list of strings")
+        if not isinstance(self.pattern, PatternConfig):
+            _fail("pattern", self.pattern, "expected a pattern object")
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SeqParConfig":
+        """Build from a dict: either the block itself, or a dict with a ``"sequence_parallel"`` key
+        (a DeepSpeed or launcher config), whose other keys are left to their owners."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"expected a JSON object for the seqpar config, got {type(d).__name__}")
+        if BLOCK_KEY in d:
+            block = d[BLOCK_KEY]
+            if not isinstance(block, Mapping):
+                raise ConfigError(
+                    f"'{BLOCK_KEY}' must be a JSON object like {{\"size\": 2, \"mode\": \"ring\"}}, "
+                    f"got {block!r}"
+                )
+        else:
+            block = d
+        _check_unknown(BLOCK_KEY, block, cls)
+        kwargs = dict(block)
+        if "pattern" in kwargs:
+            kwargs["pattern"] = PatternConfig.from_dict(kwargs["pattern"])
+        if isinstance(kwargs.get("swap"), list):
+            kwargs["swap"] = tuple(kwargs["swap"])
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "SeqParConfig":
+        """Read a standalone seqpar JSON or a DeepSpeed JSON with a ``sequence_parallel`` block."""
+        with open(path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike) -> "SeqParConfig":
+        """The ``sequence_parallel`` block of a DeepSpeed config (dict or path). A config without the
+        block gives the defaults (SP size 1), so a plain DeepSpeed run keeps working."""
+        if not isinstance(ds_config, Mapping):
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        return cls.from_dict(ds_config.get(BLOCK_KEY, {}))
+
+    @classmethod
+    def load(cls, source: "SeqParConfig | Mapping[str, Any] | str | os.PathLike | None") -> "SeqParConfig":
+        """Accept whatever a user has at hand: a config, a dict, a JSON path, or None (defaults)."""
+        if source is None:
+            return cls()
+        if isinstance(source, SeqParConfig):
+            return source
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        return cls.from_json(source)
+
+    def replace(self, **changes: Any) -> "SeqParConfig":
+        """A copy with some fields changed (validated again), e.g. from command-line flags."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["pattern"] = {k: list(v) if isinstance(v, tuple) else v for k, v in d["pattern"].items()}
+        if isinstance(d["swap"], tuple):
+            d["swap"] = list(d["swap"])
+        return d
