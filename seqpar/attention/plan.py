@@ -1,0 +1,70 @@
+"""Which (query rows, key rows, mask) kernel calls one rank makes against one key/value block.
+
+Sequences are cut into equal chunks (see :mod:`seqpar.sharding`); a rank's queries and a key block
+are each a list of global chunk ids in local order. Under causal masking, query chunk a sees key
+chunk b fully if b < a, causally (top-left diagonal) if b == a, and not at all if b > a. The planner
+turns that into as few kernel calls as it can: blocks entirely in the future are skipped, runs of
+fully visible key chunks become one call, and query chunks with the same view share a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["BlockCall", "plan_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One kernel call: ``q[:, :, q_rows]`` against ``k[:, :, k_rows]`` (local row ranges)."""
+
+    q_rows: slice
+    k_rows: slice
+    causal: bool
+
+
+def plan_blocks(
+    q_chunks: Sequence[int], k_chunks: Sequence[int], chunk_len: int, causal: bool
+) -> list[BlockCall]:
+    """Kernel calls for queries holding chunks ``q_chunks`` against keys holding ``k_chunks``."""
+    nq, nk = len(q_chunks) * chunk_len, len(k_chunks) * chunk_len
+    if not causal:
+        return [BlockCall(slice(0, nq), slice(0, nk), False)]
+    if list(q_chunks) == list(k_chunks) and list(q_chunks) == sorted(q_chunks):
+        # The same ascending chunks on both sides: local order is global order, so the causal
+        # mask over the local concatenation is exactly the global one (covers zigzag's own block).
+        return [BlockCall(slice(0, nq), slice(0, nk), True)]
+
+    # Per query chunk: (first k chunk, end k chunk, causal) runs.
+    rows: list[list[tuple[int, int, bool]]] = []
+    for a in q_chunks:
+        runs: list[tuple[int, int, bool]] = []
+        j = 0
+        while j < len(k_chunks):
+            b = k_chunks[j]
+            if b == a:
+                runs.append((j, j + 1, True))
+                j += 1
+            elif b < a:
+                j0 = j
+                while j < len(k_chunks) and k_chunks[j] < a:
+                    j += 1
+                runs.append((j0, j, False))
+            else:
+                j += 1
+        rows.append(runs)
+
+    calls: list[BlockCall] = []
+    i = 0
+    while i < len(rows):
+        i0 = i
+        # distinct query chunks never share a diagonal, so equal run lists are all-full runs
+        while i + 1 < len(rows) and rows[i + 1] == rows[i0]:
+            i += 1
+        for j0, j1, diag in rows[i0]:
+            calls.append(
+                BlockCall(slice(i0 * chunk_len, (i + 1) * chunk_len), slice(j0 * chunk_len, j1 * chunk_len), diag)
+            )
+        i += 1
+    return calls

@@ -1,0 +1,163 @@
+"""Ring attention: K/V blocks travel around the SP ring while each rank attends its local queries.
+
+Forward (rank r of P, step s = 0..P-1): attend q to the K/V block of rank (r - s) mod P and merge
+with the log-sum-exp rule, while the block is already being forwarded to rank r+1 and the next one
+received from rank r-1 (double-buffered: two receive buffers alternate). Per rank the forward sends
+P-1 K/V blocks.
+
+Backward: dQ stays local (fp32). dK/dV of a block travel with it: the accumulator of rank j's block
+starts at rank j+1 (the first to see that block after j itself), gathers every rank's contribution
+as it goes round, and arrives home after P-1 hops, where j adds its own (diagonal) share, computed
+first so it overlaps the first transfer. Per rank the backward sends P-1 K/V blocks (input dtype) and
+P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
+holds more than a few blocks of size S/P: memory O(S/P).
+
+Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seqpar.attention.plan import plan_blocks
+from seqpar.comm.ring import RingExchange
+from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_into, new_accumulators
+from seqpar.sharding import chunk_ids
+
+__all__ = ["AttentionOptions", "ring_forward", "ring_backward", "RingAttention"]
+
+_KV = 0  # channel of the K/V blocks
+_DKV = 1  # channel of the travelling dK/dV accumulators
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Static options of one distributed attention call."""
+
+    causal: bool
+    scale: float
+    sharding: str = "contiguous"
+    overlap: bool = True
+
+
+def _chunk_len(seq_local: int, rank: int, world: int, sharding: str) -> int:
+    return seq_local // len(chunk_ids(rank, world, sharding))
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions) -> tuple[Tensor, Tensor]:
+    """Returns ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``."""
+    world, rank = comm.world_size, comm.rank
+    q_chunks = chunk_ids(rank, world, opts.sharding)
+    clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
+    out, lse = new_accumulators(q, lse_dtype(q.dtype))
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    buffers: list[list[Tensor] | None] = [None, None]
+    for step in range(world):
+        pending = None
+        if step + 1 < world:
+            pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
+            if not opts.overlap:
+                pending.wait()
+        src = (rank - step) % world
+        for call in plan_blocks(q_chunks, chunk_ids(src, world, opts.sharding), clen, opts.causal):
+            o, l = block_forward(
+                q[:, :, call.q_rows], k_cur[:, :, call.k_rows], v_cur[:, :, call.k_rows],
+                scale=opts.scale, causal=call.causal,
+            )
+            merge_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
+        if pending is not None:
+            k_cur, v_cur = received = pending.wait()
+            buffers[step % 2] = received
+    return out, lse
+
+
+def _block_grads(
+    dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
+    q_chunks: list[int], k_chunks: list[int], clen: int, opts: AttentionOptions,
+    dq_acc: Tensor, dk_acc: Tensor, dv_acc: Tensor,
+) -> None:
+    """Add one K/V block's shares of dq, dk, dv into the fp32 accumulators."""
+    for call in plan_blocks(q_chunks, k_chunks, clen, opts.causal):
+        qr, kr = call.q_rows, call.k_rows
+        dq, dk, dv = block_backward(
+            dout[:, :, qr], q[:, :, qr], k_blk[:, :, kr], v_blk[:, :, kr], out[:, :, qr], lse[:, :, qr],
+            scale=opts.scale, causal=call.causal,
+        )
+        dq_acc[:, :, qr] += dq
+        dk_acc[:, :, kr] += dk
+        dv_acc[:, :, kr] += dv
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    comm: RingExchange, opts: AttentionOptions,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
+    Returns dq, dk, dv in the input dtypes."""
+    world, rank = comm.world_size, comm.rank
+    acc = lse_dtype(q.dtype)
+    q_chunks = chunk_ids(rank, world, opts.sharding)
+    clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
+    dout = dout.contiguous()
+    k, v = k.contiguous(), v.contiguous()
+
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
+
+    kv_pending = comm.exchange([k, v], channel=_KV) if world > 1 else None
+    if kv_pending is not None and not opts.overlap:
+        kv_pending.wait()
+    # own block first: its share waits for the accumulator coming home at the end
+    _block_grads(dout, q, k, v, out, lse, q_chunks, q_chunks, clen, opts, dq_acc, dk_own, dv_own)
+
+    buffers: list[list[Tensor] | None] = [None, None]
+    dkv_pending = None
+    for step in range(1, world):
+        k_cur, v_cur = received = kv_pending.wait()
+        kv_pending = None
+        if step + 1 < world:
+            kv_pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
+            if not opts.overlap:
+                kv_pending.wait()
+        buffers[(step + 1) % 2] = received
+        src = (rank - step) % world
+        dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
+        _block_grads(
+            dout, q, k_cur, v_cur, out, lse, q_chunks, chunk_ids(src, world, opts.sharding), clen, opts,
+            dq_acc, dk_blk, dv_blk,
+        )
+        if dkv_pending is not None:  # the accumulator of block src, from rank r-1
+            dk_in, dv_in = dkv_pending.wait()
+            dk_blk += dk_in
+            dv_blk += dv_in
+        dkv_pending = comm.exchange([dk_blk, dv_blk], channel=_DKV)
+    if dkv_pending is not None:  # own block's accumulator, home after P-1 hops
+        dk_in, dv_in = dkv_pending.wait()
+        dk_own += dk_in
+        dv_own += dv_in
+    return dq_acc.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Exact attention over the SP ring; a thin autograd wrapper of :func:`ring_forward` /
+    :func:`ring_backward`. The backward is the forward's mirror: the same ring, the same blocks, and
+    the gradients of each block sent back along with it."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions) -> Tensor:  # noqa: ANN001
+        out_acc, lse = ring_forward(q, k, v, comm, opts)
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.opts = comm, opts
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.comm, ctx.opts)
+        return dq, dk, dv, None, None
