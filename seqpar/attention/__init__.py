@@ -1,0 +1,88 @@
+"""Exact attention across the ranks of a sequence-parallel group.
+
+One module per algorithm (``ring``, ``allgather``, ``dilated``), the kernel planning in ``plan`` and the
+input checks in ``checks``; :func:`attention` is the public entry that picks one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqpar.attention.allgather import AllGatherAttention
+from seqpar.attention.checks import check_across_ranks, check_local, check_options
+from seqpar.attention.ring import AttentionOptions, RingAttention
+from seqpar.comm.ring import RingComm
+from seqpar.groups import resolve_group
+
+__all__ = ["attention", "AttentionOptions"]
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    mode: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    sharding: str = "contiguous",
+    overlap: bool = True,
+    check_inputs: bool = True,
+) -> Tensor:
+    """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
+
+    Args:
+        q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries.
+        k, v: ``(batch, kv_heads, seq_local, head_dim)``; q_heads a multiple of kv_heads (GQA/MQA).
+        causal: causal masking over the *global* positions of the sharded sequence.
+        scale: score multiplier, default ``head_dim ** -0.5``.
+        mode: ``"ring"`` (P2P ring, O(S/P) memory) or ``"allgather"`` (gathered K/V, O(S) memory).
+        group: the SP process group; ``None`` = the default manager's SP group, or the whole world
+            when no manager was made, or a single process when torch.distributed is not initialised.
+        sharding: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see seqpar.sharding).
+        overlap: overlap ring transfers with block compute.
+        check_inputs: all-gather a few integers first to check every rank passes the same shapes
+            (turns a would-be hang into an error on every rank).
+    Returns:
+        ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
+    Raises:
+        ValueError / TypeError naming the problem and the fix, on every rank of the group.
+    """
+    check_options(mode, sharding)
+    group = resolve_group(group)
+    world = 1 if group is None else dist.get_world_size(group)
+    if check_inputs and world > 1:
+        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding)
+    check_local(q, k, v, world_size=world, sharding=sharding)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if world == 1:
+        # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    opts = AttentionOptions(causal=causal, scale=float(scale), sharding=sharding, overlap=overlap)
+    if mode == "ring":
+        return RingAttention.apply(q, k, v, RingComm(group), opts)
+    return AllGatherAttention.apply(q, k, v, group, opts)
+
+
+class _AttentionPackage(types.ModuleType):
+    """Lets ``seqpar.attention(q, k, v, ...)`` call :func:`attention` while ``seqpar.attention`` stays
+    the package of algorithm modules (so ``import seqpar.attention.ring as ring`` keeps working)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return attention(*args, **kwargs)
+
+
+__signature__ = inspect.signature(attention)
+__wrapped__ = attention
+sys.modules[__name__].__class__ = _AttentionPackage

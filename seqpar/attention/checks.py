@@ -1,0 +1,107 @@
+"""Input checks for the distributed attention calls: clear errors, the same on every rank, never a hang.
+
+Local checks (shapes, dtypes, devices, divisibility) give the same verdict on every rank as long as
+every rank passes the same shapes. That is itself checked first, across ranks, by all-gathering a
+few integers that describe the call: if any rank differs, every rank raises the same error naming
+each rank's shapes, instead of some ranks entering a collective the others never reach.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.config import MODES, SHARDINGS
+
+__all__ = ["check_options", "check_local", "check_across_ranks"]
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+_META_LEN = 1 + 3 * 5 + 4  # ndim-tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding
+
+
+def check_options(mode: str, sharding: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
+
+
+def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
+    """Shapes, dtypes and devices of one rank's q, k, v ``(batch, heads, seq_local, head_dim)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); seqpar.attention expects "
+                f"(batch, heads, seq_local, head_dim) — transpose (batch, seq, heads, dim) inputs with .transpose(1, 2)"
+            )
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; use one of float16, bfloat16, float32, float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq_local and head_dim "
+            f"(layout (batch, heads, seq_local, head_dim))"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: q_heads must be a multiple of kv_heads (GQA)"
+        )
+    if q.shape[2] == 0:
+        raise ValueError("seq_local is 0: every rank needs at least one token of the sequence")
+    if sharding == "zigzag" and q.shape[2] % 2:
+        raise ValueError(
+            f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={q.shape[2]}: "
+            f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sharding.pad_to_multiple) "
+            f"or use sharding='contiguous'"
+        )
+
+
+def _describe(t: Tensor) -> list[int]:
+    dims = list(t.shape[:4]) + [-1] * (4 - min(t.dim(), 4))
+    return [t.dim(), *dims]
+
+
+def check_across_ranks(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str
+) -> None:
+    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options."""
+    meta = [1]
+    for t in (q, k, v):
+        meta += _describe(t)
+    meta += [
+        _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
+        {"cpu": 0, "cuda": 1}.get(q.device.type, 2),
+        int(causal),
+        MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
+    ]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    everyone = torch.empty(world, _META_LEN, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.cpu().tolist()
+    if all(row == rows[0] for row in rows):
+        return
+
+    def show(row: list[int]) -> str:
+        shapes = []
+        for i, name in enumerate("qkv"):
+            nd, *dims = row[1 + 5 * i: 6 + 5 * i]
+            shapes.append(f"{name}{tuple(d for d in dims[:nd] if d >= 0)}")
+        dt = _DTYPES[row[16]] if 0 <= row[16] < len(_DTYPES) else "?"
+        return f"{' '.join(shapes)} {dt} causal={bool(row[18])}"
+
+    detail = "; ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
+    raise ValueError(
+        "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
+        f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
+        "seq_local and head_dim, same dtype and options (shard with seqpar.shard_sequence)."
+    )
