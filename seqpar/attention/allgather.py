@@ -19,6 +19,7 @@ from torch import Tensor
 
 from seqpar.attention.plan import plan_blocks
 from seqpar.attention.ring import AttentionOptions, _block_grads, _chunk_len
+from seqpar.comm.compat import all_gather_into, reduce_scatter_into
 from seqpar.kernels import block_forward, lse_dtype, merge_into, new_accumulators
 from seqpar.sharding import chunk_ids
 
@@ -27,9 +28,9 @@ __all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention"]
 
 def _gather_blocks(x: Tensor, group: dist.ProcessGroup, world: int) -> Tensor:
     """``(B, H, L, D)`` -> ``(P, B, H, L, D)``, block p from SP rank p."""
-    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    all_gather_into(out, x, group=group)
+    return out.view(world, *x.shape)
 
 
 def allgather_forward(
@@ -73,8 +74,8 @@ def allgather_backward(
     del k_all, v_all
     dk = torch.empty(k.shape, dtype=acc, device=k.device)
     dv = torch.empty(v.shape, dtype=acc, device=v.device)
-    dist.reduce_scatter_tensor(dk, dk_all.view(-1, *k.shape[1:]), group=group)
-    dist.reduce_scatter_tensor(dv, dv_all.view(-1, *v.shape[1:]), group=group)
+    reduce_scatter_into(dk, dk_all.view(-1, *k.shape[1:]), group=group)
+    reduce_scatter_into(dv, dv_all.view(-1, *v.shape[1:]), group=group)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.comm.compat import all_gather_into
 from seqpar.config import MODES, SHARDINGS
 
 __all__ = ["check_options", "check_local", "check_across_ranks"]
@@ -85,9 +86,9 @@ def check_across_ranks(
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    everyone = torch.empty(world, _META_LEN, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
-    rows = everyone.cpu().tolist()
+    everyone = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
+    all_gather_into(everyone, mine, group=group)
+    rows = everyone.view(world, _META_LEN).cpu().tolist()
     if all(row == rows[0] for row in rows):
         return
 
