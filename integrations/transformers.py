@@ -1,0 +1,390 @@
+"""Hugging Face transformers glue for :func:`seqpar.swap.swap_attention` (the ``"hf"`` route).
+
+What it registers, under the name ``"seqpar"``:
+
+- an attention function (``transformers.AttentionInterface``): called by every modern HF attention
+  module with ``query`` ``(batch, q_heads, seq_local, head_dim)``, ``key``/``value``
+  ``(batch, kv_heads, seq_local, head_dim)`` (GQA included), it runs seqpar attention on the
+  shards and returns ``(out (batch, seq_local, q_heads, head_dim), None)``;
+- a mask function (``transformers.masking_utils.AttentionMaskInterface``): the mask transformers
+  would build is the local ``S_local x S_local`` one, wrong on a shard. seqpar attention is causal
+  (or bidirectional) over the *global* sequence by construction, so the mask function only checks
+  that the model asked for nothing more (no padding, no packed-document or custom mask) and returns
+  ``None``.
+
+And, on every swapped ``PreTrainedModel``, a forward pre-hook that
+
+- fills ``position_ids`` with the *global* positions of this rank's shard when they are absent
+  (transformers would number the shard from 0, which is wrong for rotary and absolute positions),
+  and checks given ones: positions that restart are packed documents, which need a document mask;
+- passes an all-ones ``attention_mask`` when none is given: without one, transformers reads the jump
+  in a zigzag shard's positions as two packed documents;
+- refuses a padding mask with zeros, a KV cache and ``use_cache=True`` (a cache of a sharded
+  sequence is meaningless), and turns ``use_cache`` off when it is not given.
+
+Layer features checked when swapping (named with the layer): sliding-window layers (``layer_types``
+entries ``"sliding_attention"``/``"chunked_attention"``), logit soft-capping, attention sinks,
+cross-attention, ``output_attentions`` in the config, attention dropout in training. A window set
+for every layer (Mistral's ``config.sliding_window``) is accepted: while the whole sequence fits in
+the window it *is* causal attention; a longer sequence is refused at call time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+from transformers import masking_utils
+
+from seqpar.data import global_positions, sp_rank_and_size
+from seqpar.swap import SwapError, SwapOptions
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "register",
+    "is_hf_attention",
+    "swap_problems",
+    "apply",
+    "seqpar_attention_forward",
+    "seqpar_mask",
+]
+
+logger = logging.getLogger("seqpar")
+
+ATTN_IMPLEMENTATION = "seqpar"
+_OPTIONS_ATTR = "_seqpar_options"
+_HOOK_ATTR = "_seqpar_input_hook"
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+def _name(module: nn.Module) -> str:
+    return getattr(module, "_seqpar_name", type(module).__name__)
+
+
+# ----------------------------------------------------------------------------- registration
+def register() -> None:
+    """Register the ``"seqpar"`` attention and mask functions with transformers (idempotent)."""
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, seqpar_attention_forward)
+    masking_utils.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, seqpar_mask)
+
+
+@functools.cache
+def _dispatches_through_interface(cls: type) -> bool:
+    if not cls.__module__.startswith("transformers"):
+        return False
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def is_hf_attention(module: nn.Module) -> bool:
+    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
+    return _dispatches_through_interface(type(module))
+
+
+def _dropout_p(module: nn.Module) -> float:
+    for attr in ("attention_dropout", "attn_dropout", "dropout"):
+        value = getattr(module, attr, None)
+        if isinstance(value, nn.Dropout):
+            return float(value.p)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return 0.0
+
+
+def swap_problems(module: nn.Module) -> list[str]:
+    """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
+    config = getattr(module, "config", None)
+    problems = []
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    layer_type = getattr(module, "layer_type", None)
+    if layer_type is None and layer_types is not None and isinstance(layer_idx, int):
+        if 0 <= layer_idx < len(layer_types):
+            layer_type = layer_types[layer_idx]
+    if layer_type in _SLIDING_TYPES:
+        window = getattr(module, "sliding_window", None) or getattr(config, "sliding_window", None)
+        problems.append(
+            f"{layer_type} layer (window {window}): seqpar computes full causal attention over the "
+            "whole sequence; use a config without sliding layers (e.g. use_sliding_window=False)"
+        )
+    softcap = getattr(config, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
+    if softcap:
+        problems.append(
+            f"attention logit soft-capping ({softcap}) is not supported; set "
+            "config.attn_logit_softcapping=None"
+        )
+    if getattr(module, "sinks", None) is not None:
+        problems.append("attention sinks (learned per-head sink logits) are not supported")
+    if getattr(module, "is_cross_attention", False):
+        problems.append("cross-attention is not supported (self-attention on a sharded sequence only)")
+    if getattr(config, "output_attentions", False):
+        problems.append(
+            "config.output_attentions=True: attention weights of a sharded sequence are never "
+            "materialised; set it to False"
+        )
+    p = _dropout_p(module)
+    if p > 0 and module.training:
+        problems.append(
+            f"attention dropout {p} in training is not supported; set it to 0.0 in the config "
+            "(attention_dropout / attn_pdrop)"
+        )
+    return problems
+
+
+# ----------------------------------------------------------------------------- the swap
+def _top_pretrained(model: nn.Module) -> list[nn.Module]:
+    """The outermost PreTrainedModel instances in ``model`` (``model`` itself if it is one)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, transformers.PreTrainedModel) and not any(
+            name.startswith(f"{n}.") or n == "" for n, _ in found
+        ):
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+def apply(model: nn.Module, modules: list[tuple[str, nn.Module]], options: SwapOptions) -> None:
+    """Point the given attention modules (and the models holding them) at seqpar."""
+    register()
+    for name, module in modules:
+        setattr(module, _OPTIONS_ATTR, options)
+        module._seqpar_name = name
+    tops = _top_pretrained(model)
+    if not tops:
+        raise SwapError(
+            f"found transformers attention modules in {type(model).__name__} but no PreTrainedModel "
+            "holding them: swap the transformers model itself"
+        )
+    for top in tops:
+        top.set_attn_implementation(ATTN_IMPLEMENTATION)
+    for name, module in modules:
+        impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if impl != ATTN_IMPLEMENTATION:
+            raise SwapError(
+                f"layer '{name}': transformers kept attn_implementation={impl!r} for "
+                f"{type(module).__name__} (it does not support switching dynamically); load the "
+                f"model with attn_implementation='{ATTN_IMPLEMENTATION}' after "
+                "seqpar.integrations.transformers.register()"
+            )
+    for pm in model.modules():
+        if isinstance(pm, transformers.PreTrainedModel):
+            old = getattr(pm, _HOOK_ATTR, None)
+            if old is not None:
+                old.remove()
+            setattr(pm, _HOOK_ATTR, pm.register_forward_pre_hook(
+                functools.partial(_prepare_inputs, options), with_kwargs=True
+            ))
+
+
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _padding_error(where: str) -> ValueError:
+    return ValueError(
+        f"seqpar ({where}): the attention_mask marks padding, but seqpar attention takes no key "
+        "mask. Cut batches with seqpar.data.shard_batch, which accepts right padding under causal "
+        "attention (real tokens never see later pads) and ignores the pads' labels; left padding "
+        "and holes cannot be honoured"
+    )
+
+
+def _prepare_inputs(
+    options: SwapOptions, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook of a swapped PreTrainedModel (see the module docstring)."""
+    try:
+        bound = _forward_signature(type(module)).bind_partial(module, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # let the model raise its own error for a bad call
+    arguments = bound.arguments
+    params = _forward_signature(type(module)).parameters
+    ref = arguments.get("input_ids")
+    if ref is None:
+        ref = arguments.get("inputs_embeds")
+    if not isinstance(ref, Tensor) or ref.dim() < 2:
+        return args, kwargs
+    batch, seq_local = ref.shape[0], ref.shape[1]
+    where = type(module).__name__
+
+    if arguments.get("past_key_values") is not None:
+        raise ValueError(
+            f"seqpar ({where}): past_key_values given; a KV cache of a sequence-sharded model is "
+            "not supported (generate with the unswapped model)"
+        )
+    if "use_cache" in params:
+        if arguments.get("use_cache"):
+            raise ValueError(
+                f"seqpar ({where}): use_cache=True is not supported on a sequence-sharded model; "
+                "pass use_cache=False"
+            )
+        arguments["use_cache"] = False
+
+    if "attention_mask" in params:
+        mask = arguments.get("attention_mask")
+        if mask is None:
+            arguments["attention_mask"] = torch.ones(batch, seq_local, dtype=torch.long, device=ref.device)
+        elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+            raise _padding_error(where)
+
+    if "position_ids" in params:
+        rank, world_size = sp_rank_and_size(options.group)
+        expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                    device=ref.device)[None]  # (1, S_local)
+        given = arguments.get("position_ids")
+        if given is None:
+            arguments["position_ids"] = expected.expand(batch, seq_local)
+        elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+            row = given.reshape(-1, given.shape[-1])[0]
+            restarts = bool((row.diff() < 0).any())
+            what = (
+                "they restart (packed sequences): a document mask would be needed, which seqpar "
+                "does not honour; train on unpacked sequences"
+                if restarts else
+                "pass the global positions of the shard, or none (seqpar fills them in)"
+            )
+            raise ValueError(
+                f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the global "
+                f"positions of this rank's {options.sharding} shard (expected "
+                f"{_short(expected[0])}, got {_short(row)}): {what}. seqpar.data.shard_batch makes "
+                "them right"
+            )
+    # Hand everything back by keyword: transformers' forward decorators also inject keywords
+    # (e.g. use_cache), which would collide with a positional copy.
+    new_kwargs: dict[str, Any] = {}
+    self_name = next(iter(params))
+    for pname, value in arguments.items():
+        kind = params[pname].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            new_kwargs.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            return bound.args[1:], bound.kwargs  # cannot be passed by keyword; rare
+        elif pname != self_name:
+            new_kwargs[pname] = value
+    return (), new_kwargs
+
+
+def _short(x: Tensor) -> str:
+    values = x.tolist()
+    return str(values) if len(values) <= 8 else f"[{', '.join(map(str, values[:4]))}, ..., {values[-1]}]"
+
+
+# ----------------------------------------------------------------------------- called by transformers
+def seqpar_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = masking_utils.causal_mask_function,
+    attention_mask: Tensor | None = None,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs: Any,
+) -> None:
+    """transformers' mask factory for ``"seqpar"``: checks, then returns ``None`` (no mask).
+
+    Raises ``ValueError`` for padding (a 2D mask with zeros) and for any pattern other than plain
+    causal, bidirectional or a whole-model sliding window (checked against the length at call time):
+    packed-document, block-wise or custom ``or``/``and`` masks.
+    """
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise _padding_error("mask")
+    plain = mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
+    # create_sliding_window_causal_mask passes the window as local_size; it keeps
+    # allow_is_causal_skip only when nothing (packing, or/and masks, blocks) was added to it.
+    sliding_only = local_size is not None and allow_is_causal_skip
+    if not (plain or sliding_only):
+        raise ValueError(
+            "seqpar: the model asked for an attention mask other than causal/bidirectional "
+            "(packed-sequence document mask, block-wise mask, or a custom and/or mask function); "
+            "seqpar attention does not honour it. Unpack sequences (position_ids must be the global "
+            "positions 0..S-1) and use a model without custom masks"
+        )
+    return None
+
+
+def seqpar_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention function for ``"seqpar"``.
+
+    Args:
+        module: the attention layer (its ``is_causal`` gives causality unless ``is_causal`` is passed).
+        query: ``(batch, q_heads, seq_local, head_dim)``; key, value:
+            ``(batch, kv_heads, seq_local, head_dim)``, this rank's shard.
+        attention_mask: whatever the mask function returned (``None``), or a 4D mask the caller
+            passed itself, accepted only when it masks nothing.
+
+    Returns:
+        ``(out (batch, seq_local, q_heads, head_dim), None)``.
+    """
+    options: SwapOptions | None = getattr(module, _OPTIONS_ATTR, None)
+    if options is None:
+        # A layer the swap config left out (name patterns): transformers' own SDPA path.
+        return transformers.AttentionInterface._global_mapping["sdpa"](
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )
+    layer = _name(module)
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
+    for feature, key_name in (("logit soft-capping", "softcap"), ("attention sinks", "s_aux"),
+                              ("a position bias", "position_bias")):
+        if kwargs.get(key_name) is not None:
+            raise ValueError(f"seqpar (layer '{layer}'): {feature} ({key_name}=...) is not supported")
+    if dropout:
+        raise ValueError(
+            f"seqpar (layer '{layer}'): attention dropout {dropout} in training is not supported; "
+            "set the config's attention dropout to 0.0"
+        )
+    seq_local = query.shape[2]
+    if key.shape[2] != seq_local:
+        raise ValueError(
+            f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
+            "cross-attention is not supported on a sharded sequence"
+        )
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        _, world_size = sp_rank_and_size(options.group)
+        if seq_local * world_size > window:
+            raise ValueError(
+                f"seqpar (layer '{layer}'): sliding-window attention (window {window}) on a sequence "
+                f"of {seq_local * world_size} tokens is not supported; seqpar computes full causal "
+                f"attention, which equals the window only for sequences of at most {window} tokens. "
+                "Shorten the sequences or set config.sliding_window=None"
+            )
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
+            raise ValueError(
+                f"seqpar (layer '{layer}'): got a custom attention mask ({type(attention_mask).__name__}"
+                f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "
+                "attention honours only causal or bidirectional attention with no mask"
+            )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = options.attention(query, key, value, causal=bool(causal), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _masks_nothing(mask: Tensor) -> bool:
+    if mask.dtype == torch.bool:
+        return bool(mask.all())
+    return bool((mask == 0).all())

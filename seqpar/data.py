@@ -1,0 +1,330 @@
+"""Cut training batches along the sequence for sequence parallelism, and feed them to every rank.
+
+Every rank of one SP group receives the *same* sample and keeps its own piece of the sequence;
+ranks of different DP groups receive different samples. ``shard_batch`` does the cut for one batch,
+``ShardedDataLoader`` wraps a ``DataLoader`` so that both rules hold for a whole epoch.
+
+Causal-LM labels are shifted **before** the cut: ``shift_labels[:, t]`` is the target of the
+logits at position ``t`` (the token at ``t + 1``), so the last token of a shard keeps its true next
+token even though that token lives on another rank. ``shard_batch`` returns them under the key
+``shift_labels`` and drops ``labels``, so a Hugging Face model called as ``model(**batch)`` cannot
+compute a silently wrong per-shard loss; compute the loss with
+:func:`seqpar.loss.sequence_parallel_loss` (or pass ``shift_labels=`` to transformers'
+``ForCausalLMLoss``, then reduce with :func:`seqpar.loss.sequence_parallel_mean`).
+
+Why padding goes at the end only: seqpar attention takes no key mask. A length that does not divide
+into ``P`` (``2P`` for zigzag) chunks is padded at the end; under causal attention a real token never
+attends to a later position, so end padding cannot change any real token's output, and the padded
+positions get ``ignore_index`` labels so they add nothing to the loss. Right-padded batches (an
+``attention_mask`` of ones followed by zeros) are the same situation and are accepted the same way.
+Left padding, holes, and any padding under non-causal attention would need a key mask: they are
+refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+)
+
+from seqpar.groups import default_manager, resolve_group
+from seqpar.sharding import chunk_ids, num_chunks
+
+__all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size"]
+
+logger = logging.getLogger("seqpar")
+
+# Keys whose padding value is fixed by their meaning; any other cut tensor is padded with 0.
+_LABEL_KEYS = ("labels", "shift_labels")
+
+
+def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """This rank's position in the SP group and the group's size; ``(0, 1)`` without a group.
+
+    ``group=None`` means the default manager's SP group, else the world (see
+    :func:`seqpar.groups.resolve_group`).
+    """
+    group = resolve_group(group)
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_positions(
+    seq_len: int, rank: int, world_size: int, sharding: str = "contiguous",
+    *, device: torch.device | str | None = None,
+) -> Tensor:
+    """Global positions ``(seq_len // world_size,)`` (int64) of the tokens rank ``rank`` holds.
+
+    ``seq_len`` is the full (padded) length; it must divide into ``num_chunks`` equal chunks.
+    """
+    n = num_chunks(world_size, sharding)
+    if seq_len % n:
+        raise ValueError(
+            f"sequence length {seq_len} does not divide into {n} chunks ({sharding} sharding over "
+            f"{world_size} ranks); pad it with shard_batch or choose a length divisible by {n}"
+        )
+    chunk = seq_len // n
+    return torch.cat([
+        torch.arange(c * chunk, (c + 1) * chunk, device=device)
+        for c in chunk_ids(rank, world_size, sharding)
+    ])
+
+
+def _is_right_padded(mask: Tensor) -> bool:
+    """True when every row of a (batch, seq) 0/1 mask is ones followed by zeros."""
+    m = mask.bool().to(torch.int8)
+    # Once a row turns 0 it must stay 0: the sequence never increases.
+    return bool((m[:, 1:] <= m[:, :-1]).all())
+
+
+def _shift_left(labels: Tensor, ignore_index: int) -> Tensor:
+    # (B, S, ...) -> (B, S, ...): out[:, t] = labels[:, t + 1], the last position has no target.
+    tail = torch.full_like(labels[:, :1], ignore_index)
+    return torch.cat([labels[:, 1:], tail], dim=1)
+
+
+def _pad_end(x: Tensor, pad: int, value: int | float | bool) -> Tensor:
+    # (B, S, ...) -> (B, S + pad, ...), `value` in the new positions.
+    if pad == 0:
+        return x
+    fill = torch.full((x.shape[0], pad, *x.shape[2:]), value, dtype=x.dtype, device=x.device)
+    return torch.cat([x, fill], dim=1)
+
+
+def shard_batch(
+    batch: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    sharding: str = "contiguous",
+    causal_lm: bool = True,
+    ignore_index: int = -100,
+    pad_token_id: int = 0,
+) -> dict[str, Any]:
+    """This rank's piece of a batch, cut along the sequence (dim 1).
+
+    Every tensor whose dim 1 has the sequence length ``S`` (taken from ``input_ids``, else
+    ``inputs_embeds``, else ``labels``) is cut: ``input_ids`` ``(B, S)``, ``labels``,
+    ``position_ids`` ``(B, S)`` or ``(1, S)``, ``attention_mask`` ``(B, S)``, ``inputs_embeds``
+    ``(B, S, H)``, ... Everything else is passed through unchanged.
+
+    Args:
+        batch: the full batch, identical on every rank of the SP group.
+        group: the SP group (default: the default manager's SP group, else the world).
+        sharding: ``"contiguous"`` or ``"zigzag"``, as configured for attention.
+        causal_lm: the model is a causal LM: ``labels`` are shifted by one before the cut and
+            returned as ``shift_labels`` (``labels`` is dropped), and end padding needs no key mask.
+            With ``False``, ``labels`` are cut as they are and any padding is refused.
+        ignore_index: label of positions that must not count in the loss.
+        pad_token_id: ``input_ids`` value of padded positions.
+
+    Returns:
+        A new dict: cut tensors ``(B, S_pad // P, ...)`` in this rank's sharding order, where
+        ``S_pad`` is ``S`` rounded up to a multiple of ``P`` (``2P`` for zigzag); ``position_ids``
+        (created as ``0..S_pad-1`` when absent) hold *global* positions so rotary and absolute
+        position embeddings see the true positions; ``shift_labels`` when ``causal_lm`` and
+        ``labels`` were given.
+
+    Raises:
+        ValueError: no sequence tensor found; an ``attention_mask`` that is not right padding;
+            padding needed with ``causal_lm=False``.
+    """
+    rank, world_size = sp_rank_and_size(group)
+    out: dict[str, Any] = dict(batch)
+    ref = next((out[k] for k in ("input_ids", "inputs_embeds", "labels", "shift_labels")
+                if isinstance(out.get(k), Tensor)), None)
+    if ref is None or ref.dim() < 2:
+        raise ValueError(
+            "shard_batch needs 'input_ids' (B, S), 'inputs_embeds' (B, S, H) or 'labels' (B, S) "
+            f"to find the sequence length; got keys {sorted(batch)}"
+        )
+    batch_size, seq_len = ref.shape[0], ref.shape[1]
+    device = ref.device
+    multiple = num_chunks(world_size, sharding)
+    pad = (-seq_len) % multiple
+
+    mask = out.get("attention_mask")
+    if isinstance(mask, Tensor):
+        if mask.dim() != 2:
+            raise ValueError(
+                f"shard_batch takes a 2D attention_mask (batch, seq); got shape {tuple(mask.shape)}. "
+                "seqpar attention takes no custom (4D) mask"
+            )
+        if not bool(mask.bool().all()):
+            if not causal_lm:
+                raise ValueError(
+                    "the batch has padding (attention_mask has zeros) but causal_lm=False: non-causal "
+                    "attention would need a key mask, which seqpar attention does not take. Use "
+                    "unpadded sequences of a length divisible by the SP size"
+                )
+            if not _is_right_padded(mask):
+                raise ValueError(
+                    "attention_mask is not right padding (ones then zeros in every row): left "
+                    "padding or holes need a key mask, which seqpar attention does not take. Pad on "
+                    "the right (tokenizer.padding_side = 'right'); for packed documents, train on "
+                    "unpacked sequences"
+                )
+            # Right padding under causal attention: real tokens never see the later pads, so the
+            # mask can become all ones, provided pads carry no loss (done below on the labels).
+            if "labels" in out and isinstance(out["labels"], Tensor):
+                valid = mask.bool().reshape(mask.shape + (1,) * (out["labels"].dim() - 2))
+                out["labels"] = out["labels"].masked_fill(~valid, ignore_index)
+            out["attention_mask"] = torch.ones_like(mask)
+    if pad and not causal_lm:
+        raise ValueError(
+            f"sequence length {seq_len} is not a multiple of {multiple} ({sharding} sharding over "
+            f"{world_size} ranks) and causal_lm=False: padding a non-causal model would need a key "
+            f"mask, which seqpar attention does not take. Use a length divisible by {multiple}"
+        )
+
+    if causal_lm and isinstance(out.get("labels"), Tensor):
+        # Shift on the full sequence, before the cut, so a shard's last token keeps its target.
+        out["shift_labels"] = _shift_left(out.pop("labels"), ignore_index)
+    if not isinstance(out.get("position_ids"), Tensor):
+        out["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+
+    keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device)
+    for key, value in out.items():
+        if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len):
+            continue
+        if key == "position_ids":
+            # Padded tokens continue the count (S, S+1, ...): the positions stay increasing by one,
+            # so nothing downstream mistakes the padding for a new packed document.
+            tail = torch.arange(seq_len, seq_len + pad, device=value.device, dtype=value.dtype)
+            value = torch.cat([value, (value[:, -1:] - (seq_len - 1)) + tail], dim=1) if pad else value
+        elif key in _LABEL_KEYS:
+            value = _pad_end(value, pad, ignore_index)
+        elif key == "input_ids":
+            value = _pad_end(value, pad, pad_token_id)
+        elif key == "attention_mask":
+            value = _pad_end(value, pad, 1)  # causal: pads need no key mask (module docstring)
+        else:
+            value = _pad_end(value, pad, 0)
+        out[key] = value.index_select(1, keep.to(value.device))
+    if pad:
+        logger.debug("shard_batch: padded sequence length %d -> %d at the end", seq_len, seq_len + pad)
+    return out
+
+
+class ShardedDataLoader:
+    """A ``DataLoader`` whose batches are cut for sequence parallelism.
+
+    The wrapped loader's dataset, batch size and collate function are kept; its sampler is replaced
+    by a ``DistributedSampler`` over the **DP** axis, so ranks of one SP group draw the same samples
+    (and keep distinct shards of them) while DP replicas draw distinct samples. Shuffling follows
+    the wrapped loader (``RandomSampler`` -> shuffled, seeded by ``seed`` and the epoch).
+
+    Args:
+        dataloader: a map-style ``DataLoader`` yielding dict batches. A loader that already has a
+            ``DistributedSampler`` is kept as it is, provided that sampler is over the DP axis.
+        manager: the ``ProcessGroupManager`` (default: ``seqpar.groups.default_manager()``; without
+            one, every rank is one SP group and there is no data parallelism).
+        group: SP group override (default: the manager's SP group).
+        sharding, causal_lm, ignore_index, pad_token_id: as for :func:`shard_batch`.
+        seed: shuffling seed, the same on every rank.
+
+    ``len(loader)`` is the number of batches per epoch; call ``loader.set_epoch(epoch)`` (or
+    ``loader.sampler.set_epoch``) each epoch to reshuffle.
+    """
+
+    def __init__(
+        self,
+        dataloader: DataLoader,
+        *,
+        manager: Any | None = None,
+        group: dist.ProcessGroup | None = None,
+        sharding: str = "contiguous",
+        causal_lm: bool = True,
+        ignore_index: int = -100,
+        pad_token_id: int = 0,
+        seed: int = 0,
+    ) -> None:
+        manager = manager if manager is not None else default_manager()
+        if manager is not None:
+            dp_rank, dp_size = manager.get_data_parallel_rank(), manager.get_data_parallel_world_size()
+            group = group if group is not None else manager.get_sequence_parallel_group()
+        else:
+            dp_rank, dp_size = 0, 1
+        self.group = group
+        self.sharding = sharding
+        self.causal_lm = causal_lm
+        self.ignore_index = ignore_index
+        self.pad_token_id = pad_token_id
+        self.dataloader = self._with_dp_sampler(dataloader, dp_rank, dp_size, seed)
+
+    @staticmethod
+    def _with_dp_sampler(dl: DataLoader, dp_rank: int, dp_size: int, seed: int) -> DataLoader:
+        if isinstance(dl.dataset, IterableDataset):
+            raise ValueError(
+                "ShardedDataLoader needs a map-style dataset to give DP replicas distinct samples and "
+                "SP ranks the same ones; an IterableDataset must do that itself: yield the same "
+                "samples on every rank of an SP group, then call seqpar.data.shard_batch per batch"
+            )
+        if isinstance(dl.sampler, DistributedSampler):
+            if (dl.sampler.num_replicas, dl.sampler.rank) != (dp_size, dp_rank):
+                raise ValueError(
+                    f"the loader's DistributedSampler has num_replicas={dl.sampler.num_replicas}, "
+                    f"rank={dl.sampler.rank}, but the data-parallel axis is size {dp_size}, rank "
+                    f"{dp_rank}: ranks of one SP group must draw the same samples. Build it with "
+                    "num_replicas=manager.dp_size, rank=manager.dp_rank, or pass a plain loader"
+                )
+            return dl
+        if dl.batch_size is None or type(dl.batch_sampler) is not BatchSampler:
+            raise ValueError(
+                "ShardedDataLoader cannot re-split a loader with a custom batch_sampler (or "
+                "batch_size=None) across DP replicas; give it a loader built with batch_size=..."
+            )
+        sampler = DistributedSampler(
+            dl.dataset, num_replicas=dp_size, rank=dp_rank,
+            shuffle=isinstance(dl.sampler, RandomSampler), seed=seed, drop_last=dl.drop_last,
+        )
+        return DataLoader(
+            dl.dataset, batch_size=dl.batch_size, sampler=sampler, collate_fn=dl.collate_fn,
+            num_workers=dl.num_workers, pin_memory=dl.pin_memory, drop_last=dl.drop_last,
+            timeout=dl.timeout, worker_init_fn=dl.worker_init_fn,
+            persistent_workers=dl.persistent_workers,
+        )
+
+    @property
+    def sampler(self) -> Any:
+        """The (DP-axis) sampler; ``set_epoch`` reshuffles."""
+        return self.dataloader.sampler
+
+    @property
+    def dataset(self) -> Any:
+        return self.dataloader.dataset
+
+    @property
+    def batch_size(self) -> int | None:
+        return self.dataloader.batch_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (the same order on every rank of an SP group)."""
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataloader:
+            if not isinstance(batch, Mapping):
+                raise TypeError(
+                    f"ShardedDataLoader needs dict batches (e.g. {{'input_ids': ..., 'labels': ...}}), "
+                    f"got {type(batch).__name__}; return a dict from the dataset or collate_fn"
+                )
+            yield shard_batch(
+                batch, group=self.group, sharding=self.sharding, causal_lm=self.causal_lm,
+                ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
+            )
