@@ -1,0 +1,136 @@
+"""Sequence-parallel loss: the single-device value on every rank, and each rank exactly its share of
+the single-device gradient (no factor P, no rank-to-rank differences)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from seqpar.data import global_positions, shard_batch
+from seqpar.loss import (
+    sequence_parallel_causal_lm_loss,
+    sequence_parallel_loss,
+    sequence_parallel_mean,
+)
+
+VOCAB = 61
+
+
+def _case(seq_len: int = 16, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(batch, seq_len, VOCAB, generator=g)
+    labels = torch.randint(0, VOCAB, (batch, seq_len), generator=g)
+    # Uneven valid tokens per shard: a mean of per-rank means would be wrong here.
+    labels[0, : seq_len // 2 + 3] = -100
+    return logits, labels
+
+
+def _shifted_reference(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    full = logits.clone().requires_grad_()
+    loss = F.cross_entropy(full[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach(), full.grad
+
+
+def _loss_parity(rank: int, world_size: int, sharding: str, variant: str) -> float:
+    logits, labels = _case()
+    ref_loss, ref_grad = _shifted_reference(logits, labels)
+    seq = logits.shape[1]
+    pos = global_positions(seq, rank, world_size, sharding)
+    local = logits[:, pos].clone().requires_grad_()
+    if variant == "shifted":
+        batch = shard_batch({"input_ids": labels.clamp(min=0), "labels": labels}, sharding=sharding)
+        loss = sequence_parallel_loss(local, batch["shift_labels"])
+    else:  # labels cut like input_ids, shifted across shard boundaries by the loss
+        loss = sequence_parallel_causal_lm_loss(local, labels[:, pos], sharding=sharding)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
+    # Exactly this rank's share: not multiplied by P, no need to reduce logits' grads at all.
+    torch.testing.assert_close(local.grad, ref_grad[:, pos], rtol=1e-6, atol=1e-7)
+    return loss.item()
+
+
+@pytest.mark.parametrize("world,sharding,variant", [
+    (1, "contiguous", "shifted"),
+    (2, "contiguous", "shifted"),
+    (2, "zigzag", "shifted"),
+    (2, "zigzag", "unshifted"),
+    (4, "zigzag", "unshifted"),
+    (4, "contiguous", "unshifted"),
+])
+def test_loss_and_gradient_shares(dist_pool, world, sharding, variant):
+    losses = dist_pool.run(world, _loss_parity, sharding, variant)
+    assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
+
+
+def _reductions(rank: int, world_size: int) -> None:
+    logits, labels = _case()
+    pos = global_positions(16, rank, world_size, "contiguous")
+    targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ref_sum = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+    got = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="sum")
+    torch.testing.assert_close(got, ref_sum)
+    per_token = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="none")
+    assert per_token.shape == (2, 8)
+    # A rank with no valid token still takes part, and a group with none gives 0, not NaN.
+    none_valid = torch.full_like(targets[:, pos], -100)
+    assert sequence_parallel_loss(logits[:, pos], none_valid).item() == 0.0
+    # Custom per-token losses: the same reduction from sums and counts.
+    mean = sequence_parallel_mean(per_token.sum(), (targets[:, pos] != -100).sum())
+    torch.testing.assert_close(mean, ref_sum / (targets != -100).sum())
+
+
+def test_reductions(dist_pool):
+    dist_pool.run(2, _reductions)
+
+
+def test_single_process_matches_cross_entropy():
+    logits, labels = _case()
+    targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    ref = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+    torch.testing.assert_close(sequence_parallel_loss(logits, targets), ref)
+    torch.testing.assert_close(sequence_parallel_causal_lm_loss(logits, labels), ref)
+    with pytest.raises(ValueError, match="reduction="):
+        sequence_parallel_loss(logits, targets, reduction="avg")
+    with pytest.raises(ValueError, match="disagree"):
+        sequence_parallel_loss(logits, targets[:, :-1])
+
+
+def _llama_end_to_end(rank: int, world_size: int, sharding: str, seq_len: int) -> float:
+    """A padded (non-dividing) length: shard_batch + swap + loss == the model's own loss at SP=1."""
+    from test_swap import build_model
+
+    from seqpar.swap import swap_attention
+
+    torch.manual_seed(0)
+    model = build_model("llama")
+    ref = copy.deepcopy(model)
+    swap_attention(model, {"size": world_size, "sharding": sharding})
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (2, seq_len), generator=g)
+    ref_loss = ref(input_ids=ids, labels=ids).loss
+    ref_loss.backward()
+
+    batch = shard_batch({"input_ids": ids, "labels": ids}, sharding=sharding)
+    shift_labels = batch.pop("shift_labels")
+    logits = model(**batch).logits
+    loss = sequence_parallel_loss(logits, shift_labels)
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.loss)
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
+    return loss.item()
+
+
+@pytest.mark.parametrize("world,sharding,seq_len", [(2, "zigzag", 13), (2, "contiguous", 15)])
+def test_llama_padded_sequence_loss_matches_single_device(dist_pool, world, sharding, seq_len):
+    pytest.importorskip("transformers")
+    losses = dist_pool.run(world, _llama_end_to_end, sharding, seq_len)
+    assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
