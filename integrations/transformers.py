@@ -339,7 +339,16 @@ def seqpar_attention_forward(
     """
     options: SwapOptions | None = getattr(module, _OPTIONS_ATTR, None)
     if options is None:
-        # A layer the swap config left out (name patterns): transformers' own SDPA path.
+        # A layer the swap config left out (name patterns): transformers' own SDPA path, which is
+        # only right while the sequence is not sharded.
+        _, world_size = sp_rank_and_size(None)
+        if world_size > 1:
+            raise ValueError(
+                f"seqpar: attention layer {type(module).__name__} (layer_idx "
+                f"{getattr(module, 'layer_idx', '?')}) was left out by sequence_parallel.swap, but "
+                f"the model runs on sequence shards of {world_size} ranks, where it would see only "
+                "this rank's keys. Include every attention layer in sequence_parallel.swap"
+            )
         return transformers.AttentionInterface._global_mapping["sdpa"](
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,

@@ -17,7 +17,10 @@ Three routes, chosen per module:
   the same parameter objects and state_dict keys.
 
 Every swapped module runs on a shard of the sequence: inputs ``(batch, seq_local, ...)`` in the
-configured sharding, as produced by :func:`seqpar.data.shard_batch`. Features seqpar does not honour
+configured sharding, as produced by :func:`seqpar.data.shard_batch`. Positions must be the shard's
+*global* positions (``position_ids`` from ``shard_batch``): Hugging Face models get them filled in
+by the swap, but code that numbers positions from the local length (nanoGPT's
+``pos = torch.arange(t)``) must take them as an argument instead. Features seqpar does not honour
 (sliding windows shorter than the sequence, soft-capping, sinks, attention dropout, custom or
 padding masks, attention weights) are refused, at swap time where the model says so, else at call
 time, with the layer named: never silently computed as plain attention.

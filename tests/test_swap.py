@@ -250,6 +250,19 @@ def test_hf_gradient_checkpointing(dist_pool):
     dist_pool.run(2, _hf_checkpointed)
 
 
+def _partial_swap_refused_on_shards(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = build_model("llama")
+    swap_attention(model, {"size": world_size, "swap": ["model.layers.1.*"]})
+    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))})
+    with pytest.raises(ValueError, match="left out by sequence_parallel.swap"):
+        model(**local)
+
+
+def test_layers_left_out_refused_on_shards(dist_pool):
+    dist_pool.run(2, _partial_swap_refused_on_shards)
+
+
 # ----------------------------------------------------------------------------- single process
 def tiny_llama(**overrides) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)
