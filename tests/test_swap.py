@@ -234,7 +234,8 @@ def _hf_checkpointed(rank: int, world_size: int) -> None:
 
     SwapOptions.attention = counting
     try:
-        logits = model(**local).logits
+        # No position_ids: the swap fills in the zigzag shard's global positions.
+        logits = model(input_ids=local["input_ids"]).logits
         (logits.square().sum() / (ids.numel() * VOCAB)).backward()
     finally:
         SwapOptions.attention = original
@@ -386,6 +387,30 @@ def test_sdpa_route_refusals():
         manual(x)
     # The failed call left no active frame behind: SDPA outside is plain again.
     F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+def test_sdpa_dispatch_is_per_thread():
+    import threading
+
+    seen = {}
+
+    class Threaded(NanoAttention):
+        def forward(self, x):
+            q = torch.randn(1, 2, 4, 8)
+            mask = torch.ones(4, 4, dtype=torch.bool)
+
+            def other():  # another thread is outside any swapped module: plain SDPA, masks allowed
+                seen["out"] = F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+            return super().forward(x)
+
+    model = Threaded(HIDDEN, 4)
+    swap_attention(model, {"swap": "sdpa"})
+    model(torch.randn(1, 8, HIDDEN))
+    assert seen["out"].shape == (1, 2, 4, 8)
 
 
 def test_mha_state_dict_compatible_and_refusals():
