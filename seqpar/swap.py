@@ -408,9 +408,9 @@ class SeqParMultiheadAttention(nn.Module):
         if attn_mask.dtype == torch.bool:
             causal = torch.equal(attn_mask, future)  # True = masked out
         else:
-            causal = bool(
-                torch.isneginf(attn_mask[future]).all() and (attn_mask[~future] == 0).all()
-            )
+            # -inf, or the dtype's lowest value as some code writes it, above the diagonal.
+            lowest = torch.finfo(attn_mask.dtype).min
+            causal = bool((attn_mask[future] <= lowest).all() and (attn_mask[~future] == 0).all())
         if not causal:
             raise ValueError(
                 "SeqParMultiheadAttention: attn_mask is not the causal mask; seqpar attention "
@@ -564,6 +564,11 @@ def swap_attention(
             route = "mha"
             if isinstance(module, nn.MultiheadAttention):
                 problems += [f"layer '{name}': {p}" for p in _mha_problems(module)]
+                if not name:
+                    problems.append(
+                        "the model is itself an nn.MultiheadAttention, which cannot be replaced in "
+                        "place; wrap it in a module, or use SeqParMultiheadAttention.from_module"
+                    )
         elif glue is not None and glue.is_hf_attention(module):
             route = "hf"
             problems += [f"layer '{name}': {p}" for p in glue.swap_problems(module)]
@@ -603,15 +608,8 @@ def swap_attention(
             if isinstance(module, SeqParMultiheadAttention):
                 module.options = options
                 continue
-            new = SeqParMultiheadAttention.from_module(module, options)
-            if name:
-                parent, attr = _parent_and_attr(model, name)
-                setattr(parent, attr, new)
-            else:
-                raise SwapError(
-                    "swap_attention cannot replace the model object itself; wrap the "
-                    "nn.MultiheadAttention in a module, or build SeqParMultiheadAttention.from_module"
-                )
+            parent, attr = _parent_and_attr(model, name)
+            setattr(parent, attr, SeqParMultiheadAttention.from_module(module, options))
         elif route == "hf":
             hf_modules.append((name, module))
         else:
