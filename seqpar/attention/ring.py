@@ -24,7 +24,7 @@ from torch import Tensor
 
 from seqpar.attention.plan import plan_blocks
 from seqpar.comm.ring import RingExchange
-from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_into, new_accumulators
+from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_owned_into, new_accumulators
 from seqpar.sharding import chunk_ids
 
 __all__ = ["AttentionOptions", "ring_forward", "ring_backward", "RingAttention"]
@@ -67,7 +67,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: Atte
                 q[:, :, call.q_rows], k_cur[:, :, call.k_rows], v_cur[:, :, call.k_rows],
                 scale=opts.scale, causal=call.causal,
             )
-            merge_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
+            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
         if pending is not None:
             k_cur, v_cur = received = pending.wait()
             buffers[step % 2] = received
@@ -89,6 +89,29 @@ def _block_grads(
         dq_acc[:, :, qr] += dq
         dk_acc[:, :, kr] += dk
         dv_acc[:, :, kr] += dv
+
+
+def _remote_block_grads(
+    dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
+    q_chunks: list[int], k_chunks: list[int], clen: int, opts: AttentionOptions, dq_acc: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """dq share into ``dq_acc``; returns this rank's fp32 dK/dV share of a remote block. When one
+    kernel call covers every key row (the usual case) its outputs are used as they are, instead of
+    being added into fresh zero buffers: two block-sized buffers fewer at the backward's peak."""
+    acc = dq_acc.dtype
+    calls = plan_blocks(q_chunks, k_chunks, clen, opts.causal)
+    if len(calls) == 1 and calls[0].k_rows == slice(0, k_blk.shape[2]):
+        qr = calls[0].q_rows
+        dq, dk, dv = block_backward(
+            dout[:, :, qr], q[:, :, qr], k_blk, v_blk, out[:, :, qr], lse[:, :, qr],
+            scale=opts.scale, causal=calls[0].causal,
+        )
+        dq_acc[:, :, qr] += dq
+        return dk.to(acc), dv.to(acc)
+    dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device)
+    dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v_blk.device)
+    _block_grads(dout, q, k_blk, v_blk, out, lse, q_chunks, k_chunks, clen, opts, dq_acc, dk_blk, dv_blk)
+    return dk_blk, dv_blk
 
 
 def ring_backward(
@@ -116,6 +139,7 @@ def ring_backward(
 
     buffers: list[list[Tensor] | None] = [None, None]
     dkv_pending = None
+    dkv_sent: list[Tensor] | None = None  # the accumulators last sent; reused as the next receive buffers
     for step in range(1, world):
         k_cur, v_cur = received = kv_pending.wait()
         kv_pending = None
@@ -125,17 +149,20 @@ def ring_backward(
                 kv_pending.wait()
         buffers[(step + 1) % 2] = received
         src = (rank - step) % world
-        dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-        _block_grads(
-            dout, q, k_cur, v_cur, out, lse, q_chunks, chunk_ids(src, world, opts.sharding), clen, opts,
-            dq_acc, dk_blk, dv_blk,
+        dk_blk, dv_blk = _remote_block_grads(
+            dout, q, k_cur, v_cur, out, lse, q_chunks, chunk_ids(src, world, opts.sharding), clen, opts, dq_acc
         )
-        if dkv_pending is not None:  # the accumulator of block src, from rank r-1
-            dk_in, dv_in = dkv_pending.wait()
-            dk_blk += dk_in
-            dv_blk += dv_in
-        dkv_pending = comm.exchange([dk_blk, dv_blk], channel=_DKV)
+        if dkv_pending is None:  # first hop of block src's accumulator
+            send = [dk_blk.contiguous(), dv_blk.contiguous()]
+        else:  # the accumulator of block src arrives from rank r-1 (and our last send is done)
+            dk_in, dv_in = send = dkv_pending.wait()
+            dk_in += dk_blk
+            dv_in += dv_blk
+        del dk_blk, dv_blk
+        dkv_pending = comm.exchange(send, out=dkv_sent, channel=_DKV)
+        if not opts.overlap:
+            dkv_pending.wait()
+        dkv_sent = send
     if dkv_pending is not None:  # own block's accumulator, home after P-1 hops
         dk_in, dv_in = dkv_pending.wait()
         dk_own += dk_in

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["merge_into", "new_accumulators"]
+__all__ = ["merge_into", "merge_owned_into", "new_accumulators"]
 
 
 def new_accumulators(q: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -38,4 +38,17 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor, block_lse: T
     w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
     w_blk = torch.exp(block_lse - ref).unsqueeze(-1)
     out_acc.mul_(w_acc).add_(block_out.to(out_acc.dtype) * w_blk)
+    lse_acc.copy_(new_lse)
+
+
+def merge_owned_into(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """:func:`merge_into` for a ``block_out`` the caller owns and drops afterwards: it is scaled in
+    place when it already has the accumulator's dtype, saving one block-sized temporary."""
+    if block_out.dtype != out_acc.dtype:
+        merge_into(out_acc, lse_acc, block_out, block_lse)
+        return
+    block_lse = block_lse.to(lse_acc.dtype)
+    new_lse = torch.logaddexp(lse_acc, block_lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1)).add_(block_out.mul_(torch.exp(block_lse - ref).unsqueeze(-1)))
     lse_acc.copy_(new_lse)
