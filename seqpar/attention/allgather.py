@@ -20,7 +20,7 @@ from torch import Tensor
 from seqpar.attention.plan import plan_blocks
 from seqpar.attention.ring import AttentionOptions, _block_grads, _chunk_len
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
-from seqpar.kernels import block_forward, lse_dtype, merge_into, new_accumulators
+from seqpar.kernels import block_forward, lse_dtype, merge_owned_into, new_accumulators
 from seqpar.sharding import chunk_ids
 
 __all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention"]
@@ -48,7 +48,7 @@ def allgather_forward(
                 q[:, :, call.q_rows], k_all[src][:, :, call.k_rows], v_all[src][:, :, call.k_rows],
                 scale=opts.scale, causal=call.causal,
             )
-            merge_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
+            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
     return out, lse
 
 
