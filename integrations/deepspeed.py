@@ -1,0 +1,371 @@
+"""DeepSpeed with sequence parallelism: a drop-in for ``deepspeed.initialize``.
+
+Add a ``"sequence_parallel"`` block to the DeepSpeed JSON and call
+``seqpar.integrations.deepspeed.initialize`` where ``deepspeed.initialize`` was called::
+
+    engine, optimizer, loader, scheduler = initialize(model=model, config="ds.json", ...)
+
+What it does, in order: reads the block (``config=``, ``config_params=`` or
+``args.deepspeed_config``; dict or path), initialises torch.distributed through
+``deepspeed.init_distributed`` if needed, builds the SP x DP groups
+(:func:`seqpar.groups.init_process_groups`), swaps the model's attention
+(:func:`seqpar.swap.swap_attention`), and hands the :class:`~seqpar.groups.ProcessGroupManager` to
+DeepSpeed as ``mpu``.
+
+Gradient meaning (read from DeepSpeed 0.19's engine and ZeRO optimizers). With an ``mpu`` that has
+``get_sequence_data_parallel_group``, DeepSpeed partitions ZeRO state and reduces gradients over the
+sequence-data-parallel group (all ``dp x sp`` ranks), summing there and dividing by
+``world / sequence_parallel_size`` = the DP size (``engine._reduce_non_expert_gradients`` for ZeRO-0,
+``stage_1_and_2.average_tensor`` for ZeRO-1/2, ``stage3.__avg_scatter_grads`` for ZeRO-3). With
+:func:`seqpar.loss.sequence_parallel_loss`, each SP rank's backward yields its share of the
+full-sequence gradient (the shares sum to it), so the reduced gradient is the mean over DP replicas of
+the full-sequence gradient: what single-device training on the global batch gives. No loss rescaling
+is needed (``tests/test_engines.py`` checks this numerically for every ZeRO stage).
+
+The data loader DeepSpeed builds from ``training_data`` samples over the DP axis only
+(``mpu.get_data_parallel_*``), so ranks of one SP group see the same samples; the returned loader
+cuts each batch with :func:`seqpar.data.shard_batch`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig
+
+__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
+
+logger = logging.getLogger("seqpar")
+
+_INSTALL_HINT = "pip install 'deepspeed>=0.15' (or pip install 'seqpar[deepspeed]')"
+
+
+def _import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as e:  # pragma: no cover - exercised by a monkeypatched test
+        raise ImportError(
+            f"seqpar.integrations.deepspeed needs DeepSpeed, which is not installed: {_INSTALL_HINT}"
+        ) from e
+    return deepspeed
+
+
+def load_deepspeed_config(
+    args: Any = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed config as a fresh dict, from wherever ``deepspeed.initialize`` would read it.
+
+    Raises:
+        ConfigError: no config given, two given, or the file is not valid JSON.
+    """
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError(
+                "a DeepSpeed config was given both as args.deepspeed_config and as config=; pass one"
+            )
+        config = from_args
+    if config is None:
+        raise ConfigError(
+            "no DeepSpeed config: pass config=<dict or path> or args with --deepspeed_config"
+        )
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    try:
+        with open(config) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{config}: not valid JSON ({e})") from None
+
+
+def _rank_prefix() -> str:
+    import torch.distributed as dist
+
+    return f"[rank {dist.get_rank()}]" if dist.is_available() and dist.is_initialized() else "[rank -]"
+
+
+class ShardedDeepSpeedLoader:
+    """Wraps DeepSpeed's training loader (DP-axis sampler): every batch is cut along the sequence.
+
+    Iterating yields ``shard_batch(batch)`` dicts; ``len`` and other attributes come from the
+    wrapped loader. DeepSpeed's loader is itself an iterator (``next(loader)`` works), so this is too.
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        group: Any,
+        sharding: str,
+        causal_lm: bool = True,
+        ignore_index: int = -100,
+        pad_token_id: int = 0,
+    ) -> None:
+        self.loader = loader
+        self.group = group
+        self.sharding = sharding
+        self.causal_lm = causal_lm
+        self.ignore_index = ignore_index
+        self.pad_token_id = pad_token_id
+        self._it: Iterator[Any] | None = None
+
+    def _shard(self, batch: Any) -> dict[str, Any]:
+        from seqpar.data import shard_batch
+
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                "sequence-parallel training needs dict batches ({'input_ids': ..., 'labels': ...}) "
+                f"to know which tensors to cut; the loader gave {type(batch).__name__}. Return a dict "
+                "from the dataset or collate_fn"
+            )
+        return shard_batch(
+            batch, group=self.group, sharding=self.sharding, causal_lm=self.causal_lm,
+            ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            yield self._shard(batch)
+
+    def __next__(self) -> dict[str, Any]:
+        if self._it is None:
+            self._it = iter(self)
+        return next(self._it)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: str | os.PathLike | Mapping[str, Any] | None = None,
+    mesh_param: Any = None,
+    config_params: str | os.PathLike | Mapping[str, Any] | None = None,
+    *,
+    seqpar_config: SeqParConfig | Mapping[str, Any] | None = None,
+    swap: bool = True,
+    causal_lm: bool = True,
+    ignore_index: int = -100,
+    pad_token_id: int = 0,
+) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` with sequence parallelism from the config's ``sequence_parallel`` block.
+
+    Arguments up to ``config_params`` are DeepSpeed's, with the same meaning. Keyword-only extras:
+
+    Args:
+        seqpar_config: overrides the block in the DeepSpeed config (e.g. after command-line flags).
+        swap: swap the model's attention (default). ``False`` when the model already calls
+            ``seqpar.attention`` itself.
+        causal_lm, ignore_index, pad_token_id: how the returned loader cuts batches
+            (see :func:`seqpar.data.shard_batch`).
+
+    Returns:
+        ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them; the
+        loader (when ``training_data`` was given) yields sharded batches. The manager is
+        ``engine.seqpar_manager`` and the swap report ``engine.seqpar_swap_report``.
+
+    Raises:
+        ConfigError: a bad ``sequence_parallel`` block, or ``mpu``/``mesh_param`` given as well
+            (seqpar builds the groups itself).
+        ValueError: the world size is not divisible by the SP size.
+        seqpar.swap.SwapError: nothing in the model could be swapped, or a feature cannot be honoured.
+    """
+    if model is None:
+        raise ValueError("initialize requires a model (as deepspeed.initialize does)")
+    ds_config = load_deepspeed_config(args, config, config_params)
+    sp_config = (
+        SeqParConfig.load(seqpar_config)
+        if seqpar_config is not None
+        else SeqParConfig.from_deepspeed_config(ds_config)
+    )
+    if mpu is not None or mesh_param is not None:
+        raise ConfigError(
+            "seqpar builds the sequence/data-parallel groups itself and passes them to DeepSpeed as "
+            "mpu; do not pass mpu= or mesh_param= (tensor/pipeline parallelism is not supported)"
+        )
+    for key in ("sequence_parallel_size", "data_parallel_size"):
+        if key in ds_config:
+            raise ConfigError(
+                f"the DeepSpeed config has '{key}', which makes DeepSpeed build its own mesh; set the "
+                f"SP degree in the '{BLOCK_KEY}' block (\"size\") instead and remove '{key}'"
+            )
+    zero = ds_config.get("zero_optimization") or {}
+    if sp_config.size > 1 and zero.get("stage") == 3 and zero.get("reduce_scatter") is False:
+        raise ConfigError(
+            "ZeRO-3 with \"reduce_scatter\": false mixes two gradient averages in DeepSpeed 0.19 "
+            "(over dp for buckets that fit, over dp x sp otherwise), so sequence-parallel gradients "
+            "would be scaled inconsistently; remove \"reduce_scatter\": false (the default is true)"
+        )
+    # DeepSpeed ignores unknown top-level keys; drop ours anyway so it never has to.
+    ds_config.pop(BLOCK_KEY, None)
+
+    deepspeed = _import_deepspeed()
+    import torch.distributed as dist
+
+    from seqpar.groups import init_process_groups
+
+    init_kw: dict[str, Any] = {"dist_init_required": dist_init_required}
+    if distributed_port is not None:
+        init_kw["distributed_port"] = distributed_port
+    if not dist.is_initialized():
+        _init_env_for_single_process()
+    elif "LOCAL_RANK" not in os.environ:
+        # torch.distributed was started by something other than a launcher (a notebook, a test
+        # pool); DeepSpeed insists on LOCAL_RANK. One process per device is the only layout we know.
+        n_dev = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        os.environ["LOCAL_RANK"] = str(dist.get_rank() % n_dev if n_dev else 0)
+        logger.info("%s seqpar: LOCAL_RANK not set; using %s", _rank_prefix(), os.environ["LOCAL_RANK"])
+    deepspeed.init_distributed(**init_kw)
+    manager = init_process_groups(config=sp_config)
+
+    report = None
+    if swap and sp_config.swap != "none":
+        from seqpar.swap import swap_attention
+
+        report = swap_attention(model, sp_config, group=manager.sp_group)
+        logger.info("%s seqpar: %s", _rank_prefix(), report)
+
+    if (ds_config.get("zero_optimization") or {}).get("stage") == 3:
+        _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
+
+    ds_args = args
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        ds_args = copy.copy(args)  # the config travels as a dict; DeepSpeed refuses both
+        ds_args.deepspeed_config = None
+    ds_kw: dict[str, Any] = {}
+    if distributed_port is not None:
+        ds_kw["distributed_port"] = distributed_port
+    engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
+        args=ds_args,
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=manager,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=ds_config,
+        **ds_kw,
+    )
+    if engine.seq_dp_world_size != manager.world_size or (
+        engine.sequence_parallel_size != manager.sp_size
+    ):  # pragma: no cover - a DeepSpeed version that reads mpu differently
+        raise RuntimeError(
+            f"DeepSpeed did not take seqpar's groups: engine reports seq_dp_world_size="
+            f"{engine.seq_dp_world_size}, sequence_parallel_size={engine.sequence_parallel_size}; "
+            f"expected {manager.world_size} and {manager.sp_size}. Check the DeepSpeed version"
+        )
+    if engine.zero_optimization_stage() == 3 and manager.sp_size > 1:
+        _fix_zero3_gradient_average(engine, manager.sp_size)
+    if loader is not None:
+        loader = ShardedDeepSpeedLoader(
+            loader, group=manager.sp_group, sharding=sp_config.sharding, causal_lm=causal_lm,
+            ignore_index=ignore_index, pad_token_id=pad_token_id,
+        )
+        engine.training_dataloader = loader
+    engine.seqpar_manager = manager
+    engine.seqpar_config = sp_config
+    engine.seqpar_swap_report = report
+    logger.info(
+        "%s seqpar: DeepSpeed engine over dp %d x sp %d (mode %s, sharding %s, ZeRO stage %d)",
+        _rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, sp_config.sharding,
+        engine.zero_optimization_stage(),
+    )
+    return engine, ds_optimizer, loader, scheduler
+
+
+def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_config: dict[str, Any],
+                                manager: Any) -> None:
+    """Partition ZeRO-3 parameters over the sequence-data-parallel group (all ranks).
+
+    DeepSpeed 0.19 converts a model's parameters for ZeRO-3 over ``mpu.get_data_parallel_group()``
+    (``parameter_offload._convert_to_zero_parameters``): with SP that is the DP group, so SP ranks
+    would never sum their gradient shares (seen here: each rank stepped with its own local
+    gradient). DeepSpeed's own Ulysses mpu has no ``get_data_parallel_group`` for this reason. We
+    convert the parameters first, over the SP-DP group; DeepSpeed then keeps that partitioning.
+    """
+    params = list(model.parameters())
+    zero_params = [p for p in params if hasattr(p, "ds_id")]
+    if zero_params:
+        bad = [p for p in zero_params if p.ds_process_group is None
+               or deepspeed.comm.get_world_size(p.ds_process_group) != manager.world_size]
+        if bad:
+            raise ConfigError(
+                "the model was built under deepspeed.zero.Init with a partition group smaller than the "
+                "world: with sequence parallelism ZeRO-3 must partition over all ranks. Build it with "
+                "deepspeed.zero.Init(data_parallel_group=manager.sp_dp_group, ...) where manager = "
+                "seqpar.init_process_groups(config=...)"
+            )
+        if len(zero_params) == len(params):
+            return
+    if ds_config.get("bf16", {}).get("enabled"):
+        dtype = torch.bfloat16
+    elif ds_config.get("fp16", {}).get("enabled"):
+        dtype = torch.float16
+    else:
+        dtype = torch.float32
+    deepspeed.zero.Init(
+        module=model, data_parallel_group=manager.sp_dp_group, dtype=dtype,
+        config_dict_or_path=ds_config, mpu=manager,
+    )
+
+
+def _fix_zero3_gradient_average(engine: Any, sp_size: int) -> None:
+    """Make ZeRO-3's gradient average mean "over DP replicas", as ZeRO 0-2 do with an ``mpu``.
+
+    DeepSpeed 0.19's ZeRO-3 reduce-scatter path (``stage3.__avg_scatter_grads`` via
+    ``reduce_scatter_coalesced``, the default ``reduce_scatter: true``) divides the sum over the
+    sequence-data-parallel group by its full size ``dp x sp``, ignoring ``sequence_parallel_size``,
+    while ZeRO 0-2 and ZeRO-3's all-reduce path divide by ``dp``. With seqpar's loss (each SP rank's
+    backward is a share of the full-sequence gradient) that leaves ZeRO-3 gradients ``sp`` times too
+    small. Multiplying the loss by ``sp`` inside ``engine.backward`` restores them; the loss the user
+    holds is unchanged. Checked numerically in tests/test_engines.py.
+    """
+    backward = engine.backward
+
+    def backward_sp_scaled(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return backward(loss * sp_size, *args, **kwargs)
+
+    engine.backward = backward_sp_scaled
+    logger.info(
+        "%s seqpar: ZeRO-3 averages gradients over dp x sp ranks; engine.backward scales the loss by "
+        "sp=%d so gradients are the DP mean of the full-sequence gradient", _rank_prefix(), sp_size,
+    )
+
+
+def _init_env_for_single_process() -> None:
+    """Let ``deepspeed.init_distributed`` start a 1-rank group under a plain ``python script.py``."""
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        return
+    import socket
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")

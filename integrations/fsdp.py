@@ -1,0 +1,339 @@
+"""PyTorch FSDP (FSDP2 ``fully_shard`` and FSDP1 ``FullyShardedDataParallel``) with sequence parallelism.
+
+Which group, and why. There is no tensor or pipeline parallelism, so every rank of the ``(dp, sp)``
+grid holds a replica of the same parameters: FSDP shards parameters and reduces gradients over the
+sequence-data-parallel group (all ``dp x sp`` ranks), as DeepSpeed does with seqpar's ``mpu``. The
+mesh is one-dimensional over that group (:func:`build_mesh`).
+
+Gradient scaling, worked out and checked numerically in ``tests/test_engines.py``. With
+:func:`seqpar.loss.sequence_parallel_loss`, every SP rank's backward gives its *share* of the
+full-sequence gradient ``g`` of its DP replica (the SP shares sum to ``g``). FSDP's default divides the
+sum over its group by the group size ``W = dp x sp``::
+
+    default:  (1/W) * sum_{d, s} share_{d,s} = (1/W) * sum_d g_d = (1/sp) * mean_d g_d   (too small)
+
+so seqpar sets the divide factor to ``dp``, giving ``mean_d g_d``: the gradient of single-device
+training on the global batch (FSDP2: ``set_gradient_divide_factor``; FSDP1: the pre/post-divide
+factors of every FSDP unit). A loss whose value is averaged but whose backward is *not* a share (e.g.
+each rank's local-token mean) would need a different factor: use the seqpar loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from seqpar.config import SeqParConfig
+from seqpar.groups import ProcessGroupManager, default_manager, init_process_groups
+
+__all__ = [
+    "FSDPOptions",
+    "build_mesh",
+    "wrap",
+    "find_block_classes",
+    "save_checkpoint",
+    "load_checkpoint",
+    "dtype_from_name",
+    "set_fsdp1_divide_factor",
+]
+
+logger = logging.getLogger("seqpar")
+
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+# Class-name suffixes of the repeated blocks that become their own FSDP unit.
+_BLOCK_SUFFIXES = ("DecoderLayer", "EncoderLayer", "Block", "TransformerBlock")
+
+
+def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` -> ``torch.bfloat16`` (also ``fp16``, ``fp32`` and the long names); None stays None."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(_DTYPES)}") from None
+
+
+class FSDPOptions:
+    """The ``"fsdp"`` section of a seqpar launcher JSON.
+
+    Args:
+        version: 2 (``fully_shard``, default) or 1 (``FullyShardedDataParallel``).
+        param_dtype: compute dtype of parameters (``"bf16"``/``"fp16"``/``"fp32"``; None = as stored).
+        reduce_dtype: dtype of gradient reduction (None = ``param_dtype``; ``"fp32"`` recommended).
+        reshard_after_forward: free unsharded parameters after forward (ZeRO-3 like; False ~ ZeRO-2).
+        wrap_classes: class names of the blocks that become FSDP units (default: found by name).
+    """
+
+    KEYS = ("version", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap_classes")
+
+    def __init__(
+        self,
+        version: int = 2,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        reshard_after_forward: bool = True,
+        wrap_classes: Iterable[str] | None = None,
+    ) -> None:
+        if version not in (1, 2):
+            raise ValueError(f"fsdp.version = {version!r} is invalid: choose 1 or 2")
+        self.version = version
+        self.param_dtype = dtype_from_name(param_dtype)
+        self.reduce_dtype = dtype_from_name(reduce_dtype)
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.wrap_classes = tuple(wrap_classes) if wrap_classes is not None else None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> FSDPOptions:
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in 'fsdp'; allowed keys are {list(cls.KEYS)}")
+        return cls(**d)
+
+
+def _rank_prefix() -> str:
+    return f"[rank {dist.get_rank()}]" if dist.is_initialized() else "[rank -]"
+
+
+def build_mesh(manager: ProcessGroupManager, device_type: str | None = None) -> Any:
+    """A 1-D ``DeviceMesh`` over the sequence-data-parallel group (all ranks of the grid).
+
+    FSDP shards over it and reduces gradients over it; parameters are the same on every SP rank.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return DeviceMesh.from_group(manager.sp_dp_group, device_type, mesh_dim_names=("dp_sp",))
+
+
+def find_block_classes(model: nn.Module, names: Iterable[str] | None = None) -> set[type[nn.Module]]:
+    """Module classes to wrap as FSDP units: those named in ``names``, else the repeated blocks
+    (class names ending in DecoderLayer, EncoderLayer, Block, TransformerBlock)."""
+    found: set[type[nn.Module]] = set()
+    wanted = set(names) if names is not None else None
+    for module in model.modules():
+        cls_name = type(module).__name__
+        if wanted is not None:
+            if cls_name in wanted:
+                found.add(type(module))
+        elif cls_name.endswith(_BLOCK_SUFFIXES):
+            found.add(type(module))
+    if wanted is not None:
+        missing = wanted - {c.__name__ for c in found}
+        if missing:
+            raise ValueError(
+                f"fsdp.wrap_classes names {sorted(missing)}, which the model does not contain; "
+                f"module classes present: {sorted({type(m).__name__ for m in model.modules()})}"
+            )
+    return found
+
+
+def _resolve_manager(config: SeqParConfig, manager: ProcessGroupManager | None) -> ProcessGroupManager:
+    if manager is None:
+        manager = default_manager()
+        if manager is None or manager.sp_size != config.size:
+            manager = init_process_groups(config=config)
+    elif manager.sp_size != config.size:
+        raise ValueError(
+            f"the manager has SP size {manager.sp_size} but the config says {config.size}; build the "
+            "manager from the same config"
+        )
+    return manager
+
+
+def wrap(
+    model: nn.Module,
+    config: SeqParConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+    *,
+    manager: ProcessGroupManager | None = None,
+    fsdp: FSDPOptions | Mapping[str, Any] | None = None,
+    swap: bool = True,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Swap the model's attention and shard it with FSDP over the sequence-data-parallel group.
+
+    Args:
+        model: the model (on CPU or its device); every rank must build the same initial weights
+            or FSDP1's ``sync_module_states`` / an explicit broadcast must fix them (FSDP2 keeps
+            each rank's own slice of its own weights: seed the init the same on every rank).
+        config: the seqpar config (object, dict, JSON path; None = defaults).
+        manager: process groups (default: the default manager, made from ``config`` if needed).
+        fsdp: FSDP options (see :class:`FSDPOptions`).
+        swap: swap attention first (default); ``False`` when the model calls seqpar itself.
+        device: FSDP1's ``device_id`` (default: the current CUDA device, else CPU).
+
+    Returns:
+        The wrapped model: the same object for FSDP2 (now an ``FSDPModule``), an
+        ``FullyShardedDataParallel`` for FSDP1. ``model.seqpar_manager`` is set on it.
+
+    Raises:
+        ConfigError / ValueError: bad config or options; seqpar.swap.SwapError from the swap.
+    """
+    sp_config = SeqParConfig.load(config)
+    opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
+    manager = _resolve_manager(sp_config, manager)
+    if swap and sp_config.swap != "none":
+        from seqpar.swap import swap_attention
+
+        report = swap_attention(model, sp_config, group=manager.sp_group)
+        logger.info("%s seqpar: %s", _rank_prefix(), report)
+    if sp_config.apex:
+        from seqpar.integrations.apex import apply_fused_norms
+
+        apply_fused_norms(model)
+    block_classes = find_block_classes(model, opts.wrap_classes)
+    if opts.version == 2:
+        wrapped = _wrap_fsdp2(model, manager, opts, block_classes)
+    else:
+        wrapped = _wrap_fsdp1(model, manager, opts, block_classes, device)
+    wrapped.seqpar_manager = manager  # type: ignore[assignment]
+    logger.info(
+        "%s seqpar: FSDP%d over %d ranks (dp %d x sp %d), %d block class(es) wrapped, "
+        "gradient divide factor %d",
+        _rank_prefix(), opts.version, manager.world_size, manager.dp_size, manager.sp_size,
+        len(block_classes), manager.dp_size,
+    )
+    return wrapped
+
+
+def _wrap_fsdp2(
+    model: nn.Module,
+    manager: ProcessGroupManager,
+    opts: FSDPOptions,
+    block_classes: set[type[nn.Module]],
+) -> nn.Module:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mesh = build_mesh(manager)
+    mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
+    kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
+    blocks = [m for m in model.modules() if type(m) in block_classes]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **kw)
+    fully_shard(model, **kw)
+    # gloo has no AVG / PREMUL_SUM reduce ops: reduce with SUM and divide afterwards.
+    force_sum = dist.get_backend(manager.sp_dp_group) == "gloo"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(manager.dp_size))
+            if force_sum:
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _wrap_fsdp1(
+    model: nn.Module,
+    manager: ProcessGroupManager,
+    opts: FSDPOptions,
+    block_classes: set[type[nn.Module]],
+    device: torch.device | str | None,
+) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    mixed = None
+    if opts.param_dtype is not None or opts.reduce_dtype is not None:
+        mixed = MixedPrecision(
+            param_dtype=opts.param_dtype,
+            reduce_dtype=opts.reduce_dtype or opts.param_dtype,
+            buffer_dtype=opts.param_dtype,
+        )
+    wrapped = FSDP(
+        model,
+        process_group=manager.sp_dp_group,
+        auto_wrap_policy=ModuleWrapPolicy(block_classes) if block_classes else None,
+        sharding_strategy=(
+            ShardingStrategy.FULL_SHARD if opts.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        ),
+        mixed_precision=mixed,
+        device_id=torch.device(device),
+        use_orig_params=True,
+        sync_module_states=torch.device(device).type != "cpu",  # CPU: needs identical init
+    )
+    set_fsdp1_divide_factor(wrapped, manager.dp_size)
+    return wrapped
+
+
+def set_fsdp1_divide_factor(model: nn.Module, factor: int) -> None:
+    """Make every FSDP1 unit in ``model`` divide reduced gradients by ``factor`` in total.
+
+    FSDP1 splits its division into a pre-divide (before the reduction, to avoid fp16 overflow) and a
+    post-divide whose product is the group size; split ``factor`` the same way instead.
+    """
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    # FSDP1 only divides by factors > 1, so split ``factor`` itself (pre <= post, both >= 1).
+    pre = default_hooks.DefaultState._get_gradient_predivide_factor(factor)
+    for unit in model.modules():
+        if isinstance(unit, FSDP):
+            unit._gradient_predivide_factor = pre
+            unit._gradient_postdivide_factor = factor / pre
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Save model and optimizer with ``torch.distributed.checkpoint`` (each rank writes its shards).
+
+    Collective. ``extra`` (small, picklable, the same on every rank) is stored beside them.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.save(state, checkpoint_id=os.fspath(path))
+    if extra is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        torch.save(dict(extra), os.path.join(os.fspath(path), "seqpar_extra.pt"))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Load what :func:`save_checkpoint` wrote, in place; returns its ``extra`` dict (or ``{}``).
+
+    Collective. The world may differ from the one that saved (DCP reshards).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
+    extra_path = os.path.join(os.fspath(path), "seqpar_extra.pt")
+    return torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else {}
+
