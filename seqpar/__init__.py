@@ -30,9 +30,14 @@ _LAZY = {
     "gather_sequence": "seqpar.sharding",
     "dilated_attention": "seqpar.attention.dilated",
     "swap_attention": "seqpar.swap",
+    "SwapReport": "seqpar.swap",
     "SwapError": "seqpar.swap",
+    "SeqParMultiheadAttention": "seqpar.swap",
     "shard_batch": "seqpar.data",
+    "ShardedDataLoader": "seqpar.data",
     "sequence_parallel_loss": "seqpar.loss",
+    "sequence_parallel_causal_lm_loss": "seqpar.loss",
+    "sequence_parallel_mean": "seqpar.loss",
     "estimate_memory": "seqpar.memory",
 }
 
