@@ -1,0 +1,315 @@
+"""Process groups for sequence parallelism, all cut from one rank grid.
+
+Axis order (outermost first)::
+
+    grid = torch.arange(world_size).view(dp_size, sp_size)   # (dp, sp)
+
+- SP group i = row i = ranks ``[i*sp, (i+1)*sp)``: consecutive ranks, so SP traffic (the heavy,
+  latency-bound K/V exchange) stays inside a node when ranks are numbered node by node.
+- DP group j = column j = ranks ``j, j+sp, j+2*sp, ...``: the strided complement.
+- SP-DP group = every rank: all ranks hold replicas of the same parameters (no tensor or pipeline
+  parallelism here), so gradients are reduced over the whole world. It is its own group object.
+- Model-parallel group = this rank alone (size 1), for tools that ask for one.
+
+``ProcessGroupManager`` exposes the Megatron/DeepSpeed ``mpu`` methods, so it can be handed to
+``deepspeed.initialize(mpu=manager)``: DeepSpeed then reduces gradients over
+``get_sequence_data_parallel_group()`` and sizes its data loader by ``get_data_parallel_*``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from seqpar.config import SeqParConfig
+
+__all__ = [
+    "ProcessGroupManager",
+    "init_process_groups",
+    "default_manager",
+    "set_default_manager",
+    "resolve_group",
+    "rank_grid",
+    "check_divisible",
+]
+
+logger = logging.getLogger("seqpar")
+
+_DEFAULT: ProcessGroupManager | None = None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_divisible(world_size: int, sp_size: int) -> None:
+    """Raise ``ValueError`` unless ``sp_size`` is a positive divisor of ``world_size``."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(
+            f"sequence_parallel.size must be a positive integer, got {sp_size!r}; choose a size "
+            f"that divides the number of ranks {tuple(_divisors(world_size))}"
+        )
+    if world_size % sp_size:
+        raise ValueError(
+            f"world size {world_size} is not divisible by sequence_parallel.size {sp_size}; "
+            f"choose a size that divides the number of ranks ({', '.join(map(str, _divisors(world_size)))})"
+        )
+
+
+def rank_grid(world_size: int, sp_size: int) -> torch.Tensor:
+    """The rank grid ``(dp_size, sp_size)``: row i is SP group i, column j is DP group j."""
+    check_divisible(world_size, sp_size)
+    return torch.arange(world_size).view(world_size // sp_size, sp_size)  # (dp, sp)
+
+
+class ProcessGroupManager:
+    """The SP, DP, SP-DP and model-parallel groups of one ``(dp, sp)`` rank grid.
+
+    Build it once, collectively (every rank, same arguments), after
+    ``torch.distributed.init_process_group``; then pass it (or its groups) to what needs them.
+
+    Args:
+        sp_size: sequence-parallel degree; must divide the world size.
+        backend: backend for the new groups (default: the default group's backend).
+        timeout: timeout of the new groups' collectives (default: torch's).
+    """
+
+    def __init__(
+        self, sp_size: int, *, backend: str | None = None, timeout: timedelta | None = None
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ProcessGroupManager needs torch.distributed to be initialised; call "
+                "seqpar.init_process_groups(...) (which initialises it from the environment) or "
+                "torch.distributed.init_process_group(...) first"
+            )
+        self._world_size = dist.get_world_size()
+        self._rank = dist.get_rank()
+        self.grid = rank_grid(self._world_size, sp_size)  # (dp, sp)
+        self._dp_rank, self._sp_rank = divmod(self._rank, sp_size)
+
+        kw: dict[str, Any] = {"backend": backend}
+        if timeout is not None:
+            kw["timeout"] = timeout
+        # dist.new_group is collective: every rank creates every group, in the same order.
+        self._sp_group = self._new_groups(self.grid.tolist(), kw)
+        self._dp_group = self._new_groups(self.grid.t().tolist(), kw)
+        self._sp_dp_group = self._new_groups([list(range(self._world_size))], kw)
+        self._mp_group = self._new_groups([[r] for r in range(self._world_size)], kw)
+        logger.info(
+            "[rank %d] seqpar groups: world %d = dp %d x sp %d; sp group %s, dp group %s",
+            self._rank,
+            self._world_size,
+            self.dp_size,
+            self.sp_size,
+            self.sp_ranks,
+            self.dp_ranks,
+        )
+
+    def _new_groups(self, rank_lists: list[list[int]], kw: dict[str, Any]) -> dist.ProcessGroup:
+        """Create one group per list on every rank; return the one that holds this rank."""
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, **kw)
+            if self._rank in ranks:
+                mine = group
+        assert mine is not None
+        return mine
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupManager(rank={self._rank}, world_size={self._world_size}, "
+            f"dp={self.dp_size}, sp={self.sp_size})"
+        )
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self._rank
+
+    @property
+    def sp_size(self) -> int:
+        return self.grid.shape[1]
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.shape[0]
+
+    @property
+    def sp_rank(self) -> int:
+        """Rank inside the SP group (= position of this rank's shard in the sequence)."""
+        return self._sp_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """Rank inside the DP group (= which data-parallel replica this rank feeds)."""
+        return self._dp_rank
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self._sp_group
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self._dp_group
+
+    @property
+    def sp_dp_group(self) -> dist.ProcessGroup:
+        return self._sp_dp_group
+
+    @property
+    def sp_ranks(self) -> list[int]:
+        """Global ranks of this rank's SP group, in SP-rank order."""
+        return self.grid[self._dp_rank].tolist()
+
+    @property
+    def dp_ranks(self) -> list[int]:
+        """Global ranks of this rank's DP group, in DP-rank order."""
+        return self.grid[:, self._sp_rank].tolist()
+
+    # ---------------------------------------------------------------- mpu interface
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
+        return self._sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.sp_size
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._sp_rank
+
+    def get_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self._dp_rank
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.dp_ranks
+
+    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._sp_dp_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._rank
+
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        """A group holding only this rank: there is no tensor or pipeline parallelism."""
+        return self._mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    # Newer Megatron/DeepSpeed spellings of the same (trivial) model-parallel axis.
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self._rank
+
+    get_pipeline_model_parallel_group = get_model_parallel_group
+    get_pipeline_model_parallel_world_size = get_model_parallel_world_size
+    get_pipeline_model_parallel_rank = get_model_parallel_rank
+
+
+# -------------------------------------------------------------------- default instance
+def default_manager() -> ProcessGroupManager | None:
+    """The manager last made by ``init_process_groups`` (or set), if any. An edge convenience."""
+    return _DEFAULT
+
+
+def set_default_manager(manager: ProcessGroupManager | None) -> None:
+    """Record ``manager`` as the default (``None`` forgets it)."""
+    global _DEFAULT
+    _DEFAULT = manager
+
+
+def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """The group a collective should use.
+
+    ``group`` if given; else the default manager's SP group; else ``dist.group.WORLD`` when
+    torch.distributed is initialised; else ``None`` (single process: treat as world size 1).
+    """
+    if group is not None:
+        return group
+    if _DEFAULT is not None:
+        return _DEFAULT.sp_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return None
+
+
+def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
+        # A plain `python script.py`: a world of one, so the same code runs unlaunched.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+        logger.info("[rank 0] no launcher environment found: starting a 1-rank %s group", backend)
+    kw: dict[str, Any] = {"backend": backend, "init_method": "env://"}
+    if timeout is not None:
+        kw["timeout"] = timeout
+    if backend == "nccl" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(**kw)
+
+
+def init_process_groups(
+    sp_size: int | None = None,
+    *,
+    config: SeqParConfig | None = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+) -> ProcessGroupManager:
+    """Build the SP/DP groups (initialising torch.distributed from the environment if needed).
+
+    Collective: call it on every rank with the same arguments.
+
+    Args:
+        sp_size: SP degree; default ``config.size``, or 1 when neither is given.
+        config: a ``SeqParConfig`` whose ``size`` is used when ``sp_size`` is ``None``.
+        backend: for a fresh ``init_process_group`` (``"nccl"`` when CUDA is available, else
+            ``"gloo"``) and for the new groups.
+        timeout: for a fresh ``init_process_group`` and the new groups' collectives.
+
+    Returns:
+        The manager, also recorded as the default (see ``default_manager``).
+
+    Raises:
+        ValueError: the world size is not divisible by the SP size.
+    """
+    if sp_size is None:
+        sp_size = config.size if config is not None else 1
+    if not dist.is_initialized():
+        _init_from_env(backend, timeout)
+    check_divisible(dist.get_world_size(), sp_size)
+    manager = ProcessGroupManager(sp_size, backend=backend, timeout=timeout)
+    set_default_manager(manager)
+    return manager
