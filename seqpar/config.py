@@ -23,8 +23,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
     "ConfigError",
@@ -121,7 +122,7 @@ class PatternConfig:
                 )
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "PatternConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> PatternConfig:
         if not isinstance(d, Mapping):
             _fail("pattern", d, 'expected an object like {"type": "dense"}')
         _check_unknown("sequence_parallel.pattern", d, cls)
@@ -195,7 +196,7 @@ class SeqParConfig:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "SeqParConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> SeqParConfig:
         """Build from a dict: either the block itself, or a dict with a ``"sequence_parallel"`` key
         (a DeepSpeed or launcher config), whose other keys are left to their owners."""
         if not isinstance(d, Mapping):
@@ -218,7 +219,7 @@ class SeqParConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "SeqParConfig":
+    def from_json(cls, path: str | os.PathLike) -> SeqParConfig:
         """Read a standalone seqpar JSON or a DeepSpeed JSON with a ``sequence_parallel`` block."""
         with open(path) as f:
             try:
@@ -228,7 +229,7 @@ class SeqParConfig:
         return cls.from_dict(d)
 
     @classmethod
-    def from_deepspeed_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike) -> "SeqParConfig":
+    def from_deepspeed_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike) -> SeqParConfig:
         """The ``sequence_parallel`` block of a DeepSpeed config (dict or path). A config without the
         block gives the defaults (SP size 1), so a plain DeepSpeed run keeps working."""
         if not isinstance(ds_config, Mapping):
@@ -237,7 +238,7 @@ class SeqParConfig:
         return cls.from_dict(ds_config.get(BLOCK_KEY, {}))
 
     @classmethod
-    def load(cls, source: "SeqParConfig | Mapping[str, Any] | str | os.PathLike | None") -> "SeqParConfig":
+    def load(cls, source: SeqParConfig | Mapping[str, Any] | str | os.PathLike | None) -> SeqParConfig:
         """Accept whatever a user has at hand: a config, a dict, a JSON path, or None (defaults)."""
         if source is None:
             return cls()
@@ -247,7 +248,7 @@ class SeqParConfig:
             return cls.from_dict(source)
         return cls.from_json(source)
 
-    def replace(self, **changes: Any) -> "SeqParConfig":
+    def replace(self, **changes: Any) -> SeqParConfig:
         """A copy with some fields changed (validated again), e.g. from command-line flags."""
         return dataclasses.replace(self, **changes)
 

@@ -83,7 +83,7 @@ def test_exact_fp32(dist_pool, world: int) -> None:
         cases.append((case, mode, sharding, causal, scale))
         meta.append((mode, sharding, causal, heads, scale))
     per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240)
-    for idx, ((case, mode, sharding, causal, scale), m) in enumerate(zip(cases, meta)):
+    for idx, ((case, _mode, sharding, causal, scale), m) in enumerate(zip(cases, meta)):
         got = _gather_results(per_rank, world, sharding, idx)
         want = reference(case, causal, scale)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):

@@ -44,11 +44,11 @@ def allgather_forward(
     out, lse = new_accumulators(q, lse_dtype(q.dtype))
     for src in range(world):
         for call in plan_blocks(q_chunks, chunk_ids(src, world, opts.sharding), clen, opts.causal):
-            o, l = block_forward(
+            o, o_lse = block_forward(
                 q[:, :, call.q_rows], k_all[src][:, :, call.k_rows], v_all[src][:, :, call.k_rows],
                 scale=opts.scale, causal=call.causal,
             )
-            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
+            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, o_lse)
     return out, lse
 
 

@@ -9,8 +9,8 @@ fully visible key chunks become one call, and query chunks with the same view sh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 __all__ = ["BlockCall", "plan_blocks"]
 

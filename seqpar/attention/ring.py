@@ -24,7 +24,13 @@ from torch import Tensor
 
 from seqpar.attention.plan import plan_blocks
 from seqpar.comm.ring import RingExchange
-from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_owned_into, new_accumulators
+from seqpar.kernels import (
+    block_backward,
+    block_forward,
+    lse_dtype,
+    merge_owned_into,
+    new_accumulators,
+)
 from seqpar.sharding import chunk_ids
 
 __all__ = ["AttentionOptions", "ring_forward", "ring_backward", "RingAttention"]
@@ -63,11 +69,11 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: Atte
                 pending.wait()
         src = (rank - step) % world
         for call in plan_blocks(q_chunks, chunk_ids(src, world, opts.sharding), clen, opts.causal):
-            o, l = block_forward(
+            o, o_lse = block_forward(
                 q[:, :, call.q_rows], k_cur[:, :, call.k_rows], v_cur[:, :, call.k_rows],
                 scale=opts.scale, causal=call.causal,
             )
-            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, l)
+            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, o_lse)
         if pending is not None:
             k_cur, v_cur = received = pending.wait()
             buffers[step % 2] = received

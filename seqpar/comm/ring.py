@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -116,10 +117,10 @@ class ThreadRing:
         with self._lock:
             return self._boxes.setdefault((src, dst, tag), queue.Queue())
 
-    def comm(self, rank: int) -> "ThreadRingComm":
+    def comm(self, rank: int) -> ThreadRingComm:
         return ThreadRingComm(self, rank)
 
-    def run(self, fn: Callable[["ThreadRingComm"], object]) -> list[object]:
+    def run(self, fn: Callable[[ThreadRingComm], object]) -> list[object]:
         """Run ``fn(comm)`` for every virtual rank in its own thread; return the per-rank results,
         re-raising the first exception."""
         results: list[object] = [None] * self.world_size
