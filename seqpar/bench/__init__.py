@@ -1,0 +1,1 @@
+"""Benchmarks: python -m seqpar.bench <suite> (see BENCHMARKS.md)."""

@@ -1,0 +1,1 @@
+"""Communicators: the SP ring (point-to-point), collectives, and version shims."""
