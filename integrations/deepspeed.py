@@ -245,8 +245,7 @@ def initialize(
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 
-        report = swap_attention(model, sp_config, group=manager.sp_group)
-        logger.info("%s seqpar: %s", _rank_prefix(), report)
+        report = swap_attention(model, sp_config, group=manager.sp_group)  # logs what it swapped
 
     if (ds_config.get("zero_optimization") or {}).get("stage") == 3:
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)

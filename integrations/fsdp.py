@@ -187,8 +187,7 @@ def wrap(
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 
-        report = swap_attention(model, sp_config, group=manager.sp_group)
-        logger.info("%s seqpar: %s", _rank_prefix(), report)
+        swap_attention(model, sp_config, group=manager.sp_group)  # logs what it swapped
     if sp_config.apex:
         from seqpar.integrations.apex import apply_fused_norms
 

@@ -1,0 +1,644 @@
+"""Train a small Llama on a long-range recall task with sequence parallelism (DeepSpeed or FSDP).
+
+Launch it as you would any training script::
+
+    deepspeed --num_gpus 2 launch/train.py --config configs/deepspeed_ring.json
+    torchrun --nproc_per_node 2 launch/train.py --config configs/fsdp_ring.json
+    python launch/train.py --config configs/fsdp_ring.json --sp-size 1      # one process
+
+On a CPU-only machine both launchers start CPU ranks (gloo).
+
+The task. Each sample is ``BOS k1 v1 k2 v2 ... kN vN <filler ...> (SEP k v)*Q``: key/value pairs at
+the start, random filler, then queries at the end whose answer is the value paired with the key
+earlier. Only the answers carry a loss. With contiguous (or zigzag) sharding the pairs and the
+queries sit on different ranks, so the model can only learn the task if attention crosses shards
+exactly; chance accuracy is ``1 / num_values``.
+
+The config JSON. A DeepSpeed config (recognised by DeepSpeed's own keys) or a standalone seqpar
+config, with three extra sections the launcher reads and removes before the engine sees the rest::
+
+    "sequence_parallel": {...}                        # seqpar.config.SeqParConfig
+    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields
+    "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
+    "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
+
+Metrics (``--metrics-out``): per-step ``loss`` (global: mean over DP replicas of the SP-group loss),
+``tokens_per_s`` (global tokens of the timed steps / their wall time), ``peak_mem_bytes`` per rank
+and ``peak_mem_kind`` saying what that figure is, ``recall_accuracy`` on held-out samples, and the
+run's settings. A resumed run continues with the same losses as an uninterrupted one (the data of
+step ``s`` depends only on the seed and ``s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["TrainSettings", "RecallTask", "parse_args", "main"]
+
+logger = logging.getLogger("seqpar")
+
+_DEEPSPEED_KEYS = (
+    "zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size",
+    "gradient_accumulation_steps", "optimizer", "bf16", "fp16",
+)
+_LAUNCHER_KEYS = ("model", "train", "fsdp")
+IGNORE = -100
+
+
+# ============================================================================ settings
+@dataclass
+class TrainSettings:
+    """The ``"train"`` section; every field can be overridden by the flag of the same name."""
+
+    engine: str = "auto"
+    """``"deepspeed"``, ``"fsdp"``, or ``"auto"`` (DeepSpeed when the config has DeepSpeed keys)."""
+    seq_len: int = 1024
+    """Tokens per sample (before end padding to a multiple of the SP chunk count)."""
+    steps: int = 30
+    """Optimizer steps in total (a resumed run continues up to this number)."""
+    seed: int = 0
+    """Seeds the model init and the data (sample i of the run depends only on seed and i)."""
+    micro_batch_size: int = 1
+    """Samples per rank per micro-step (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
+    lr: float = 3e-3
+    """AdamW learning rate (FSDP; DeepSpeed takes its ``optimizer`` block)."""
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Max gradient norm, 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
+    dtype: str = "fp32"
+    """``fp32`` | ``bf16`` | ``fp16`` (DeepSpeed: its ``bf16``/``fp16`` blocks; FSDP: param dtype,
+    fp32 reduction; fp16 needs loss scaling, so FSDP refuses it)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (the ring exchange is repeated there too)."""
+    num_pairs: int = 16
+    """Key/value pairs at the start of each sample."""
+    num_queries: int = 8
+    """Queries at the end of each sample (each carries one answer token)."""
+    num_keys: int = 64
+    num_values: int = 16
+    filler_vocab: int = 32
+    eval_samples: int = 16
+    """Held-out samples for the final recall accuracy (0 = skip)."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("auto", "deepspeed", "fsdp"):
+            raise ValueError(f"train.engine = {self.engine!r}: choose 'deepspeed', 'fsdp' or 'auto'")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"train.dtype = {self.dtype!r}: choose 'fp32', 'bf16' or 'fp16'")
+        for name in ("seq_len", "steps", "micro_batch_size", "grad_accum", "num_pairs",
+                     "num_queries", "num_keys", "num_values", "filler_vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} = {getattr(self, name)!r}: must be >= 1")
+        if self.num_pairs > self.num_keys:
+            raise ValueError("train.num_pairs must be <= train.num_keys (keys are distinct)")
+        need = 1 + 2 * self.num_pairs + 3 * self.num_queries + 1
+        if self.seq_len < need:
+            raise ValueError(
+                f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
+                f"{self.num_queries} queries; use at least {need}"
+            )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in 'train'; allowed keys are {sorted(known)}")
+        return cls(**d)
+
+
+# ============================================================================ data
+class RecallTask:
+    """Deterministic long-range key/value recall samples (see the module docstring)."""
+
+    PAD, BOS, SEP = 0, 1, 2
+
+    def __init__(self, s: TrainSettings) -> None:
+        self.s = s
+        self.key0 = 3
+        self.value0 = self.key0 + s.num_keys
+        self.filler0 = self.value0 + s.num_values
+        self.vocab_size = self.filler0 + s.filler_vocab
+
+    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``index``: ``(input_ids (S,), labels (S,))``; labels are ``-100`` except answers."""
+        s = self.s
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + index)
+        keys = torch.randperm(s.num_keys, generator=g)[: s.num_pairs] + self.key0
+        values = torch.randint(0, s.num_values, (s.num_pairs,), generator=g) + self.value0
+        asked = torch.randint(0, s.num_pairs, (s.num_queries,), generator=g)
+        head = torch.stack([keys, values], dim=1).flatten()  # k1 v1 k2 v2 ...
+        tail = torch.stack(
+            [torch.full((s.num_queries,), self.SEP), keys[asked], values[asked]], dim=1
+        ).flatten()  # SEP k v SEP k v ...
+        n_fill = s.seq_len - 1 - head.numel() - tail.numel()
+        filler = torch.randint(0, s.filler_vocab, (n_fill,), generator=g) + self.filler0
+        ids = torch.cat([torch.tensor([self.BOS]), head, filler, tail])
+        labels = torch.full_like(ids, IGNORE)
+        answer_pos = torch.arange(s.seq_len - tail.numel() + 2, s.seq_len, 3)
+        labels[answer_pos] = ids[answer_pos]
+        return ids, labels
+
+    def batch(self, first: int, n: int) -> dict[str, torch.Tensor]:
+        """Samples ``first .. first+n-1`` stacked: ``input_ids``/``labels`` ``(n, S)``."""
+        pairs = [self.sample(first + i) for i in range(n)]
+        return {
+            "input_ids": torch.stack([p[0] for p in pairs]),
+            "labels": torch.stack([p[1] for p in pairs]),
+        }
+
+
+# ============================================================================ arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
+    p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
+    p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
+    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather)")
+    p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
+    p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--grad-accum", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
+    p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
+    p.add_argument("--save-every", type=int)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.resume and not args.save_dir:
+        p.error("--resume needs --save-dir")
+    return args
+
+
+def _load_json(path: str) -> dict[str, Any]:
+    from seqpar.config import ConfigError
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"--config {path}: expected a JSON object")
+    return d
+
+
+@dataclass
+class Plan:
+    """Everything resolved from the JSON and the flags, validated before any process group exists."""
+
+    engine: str
+    train: TrainSettings
+    sp: Any  # SeqParConfig
+    model: dict[str, Any]
+    engine_config: dict[str, Any] = field(default_factory=dict)  # DeepSpeed JSON or "fsdp" section
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """Read the config, apply the flags, validate; raises ConfigError/ValueError with a fix."""
+    from seqpar.config import ConfigError, SeqParConfig
+
+    raw = _load_json(args.config)
+    train_d = dict(raw.get("train") or {})
+    for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr",
+                 "dtype", "activation_checkpointing", "save_every"):
+        value = getattr(args, name, None)
+        if value is not None:
+            train_d[name] = value
+    train = TrainSettings.from_dict(train_d)
+    engine = train.engine
+    if engine == "auto":
+        engine = "deepspeed" if any(k in raw for k in _DEEPSPEED_KEYS) else "fsdp"
+    sp = SeqParConfig.from_dict({"sequence_parallel": raw.get("sequence_parallel") or {}})
+    changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
+                                  ("sharding", args.sharding)) if v is not None}
+    if changes:
+        sp = sp.replace(**changes)
+    model = dict(raw.get("model") or {})
+
+    if engine == "deepspeed":
+        ds = {k: v for k, v in raw.items() if k not in _LAUNCHER_KEYS}
+        ds["sequence_parallel"] = sp.to_dict()
+        if "train_micro_batch_size_per_gpu" in raw:
+            train.micro_batch_size = int(raw["train_micro_batch_size_per_gpu"])
+        if args.micro_batch_size is not None or "train_micro_batch_size_per_gpu" not in raw:
+            ds["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+        if args.grad_accum is not None or "gradient_accumulation_steps" not in raw:
+            ds["gradient_accumulation_steps"] = train.grad_accum
+        train.grad_accum = int(ds["gradient_accumulation_steps"])
+        ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro x accum x dp
+        if args.zero_stage is not None:
+            ds.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+        if args.dtype is not None:
+            ds.pop("bf16", None)
+            ds.pop("fp16", None)
+            if args.dtype != "fp32":
+                ds[args.dtype] = {"enabled": True}
+        if args.lr is not None and isinstance(ds.get("optimizer"), dict):
+            ds["optimizer"].setdefault("params", {})["lr"] = args.lr
+        ds.setdefault("optimizer", {"type": "AdamW", "params": {
+            "lr": train.lr, "weight_decay": train.weight_decay, "torch_adam": True}})
+        ds.setdefault("gradient_clipping", train.grad_clip)
+        ds.setdefault("steps_per_print", 10**9)
+        train.dtype = "bf16" if ds.get("bf16", {}).get("enabled") else (
+            "fp16" if ds.get("fp16", {}).get("enabled") else "fp32")
+        engine_config = ds
+    else:
+        if args.zero_stage is not None:
+            raise ConfigError("--zero-stage is a DeepSpeed option; this config runs FSDP")
+        from seqpar.integrations.fsdp import FSDPOptions
+
+        fsdp_d = dict(raw.get("fsdp") or {})
+        FSDPOptions.from_dict(fsdp_d)  # validate now
+        if train.dtype == "fp16":
+            raise ConfigError(
+                "dtype fp16 needs loss scaling, which this FSDP launcher does not do; use bf16, or "
+                "DeepSpeed with its fp16 block"
+            )
+        if train.dtype == "bf16":
+            fsdp_d.setdefault("param_dtype", "bf16")
+            fsdp_d.setdefault("reduce_dtype", "fp32")
+        engine_config = fsdp_d
+    return Plan(engine=engine, train=train, sp=sp, model=model, engine_config=engine_config)
+
+
+# ============================================================================ model
+def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Module:
+    """A randomly initialised Llama (seeded), sizes from the ``"model"`` section."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise ImportError(
+            "launch/train.py needs transformers: pip install 'transformers>=4.48' "
+            "(or pip install 'seqpar[hf]')"
+        ) from e
+    sizes = {
+        "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2,
+    }
+    sizes.update(plan.model)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, max_position_embeddings=max(seq_len_padded, 64),
+        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, **sizes,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(plan.train.seed)
+    model = LlamaForCausalLM(cfg)
+    if plan.train.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+# ============================================================================ engines
+class _Engine:
+    """The few things the loop needs from an engine."""
+
+    model: Any
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        return out.logits
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        raise NotImplementedError
+
+    def save(self, save_dir: str, step: int) -> None:
+        raise NotImplementedError
+
+    def load(self, save_dir: str) -> int:
+        raise NotImplementedError
+
+    def eval(self) -> None:
+        self.model.eval()
+
+
+class _DeepSpeedEngine(_Engine):
+    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
+        from seqpar.integrations.deepspeed import initialize
+
+        self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
+        self.manager = self.model.seqpar_manager
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        self.model.backward(loss)
+        self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
+
+    def save(self, save_dir: str, step: int) -> None:
+        self.model.save_checkpoint(save_dir, tag=f"step{step}", client_state={"step": step})
+
+    def load(self, save_dir: str) -> int:
+        path, client = self.model.load_checkpoint(save_dir)
+        if path is None:
+            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint in {save_dir}")
+        return int(client["step"])
+
+
+class _FSDPEngine(_Engine):
+    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
+        from seqpar.integrations import fsdp
+
+        from seqpar.groups import init_process_groups
+
+        self.manager = init_process_groups(config=plan.sp)
+        self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay
+        )
+        self.grad_accum = plan.train.grad_accum
+        self.grad_clip = plan.train.grad_clip
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        (loss / self.grad_accum).backward()
+        if last_micro:
+            if self.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def save(self, save_dir: str, step: int) -> None:
+        from seqpar.integrations import fsdp
+
+        fsdp.save_checkpoint(os.path.join(save_dir, f"step{step}"), self.model, self.optimizer,
+                             extra={"step": step})
+        if self.manager.rank == 0:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(f"step{step}")
+        dist.barrier()
+
+    def load(self, save_dir: str) -> int:
+        from seqpar.integrations import fsdp
+
+        latest = os.path.join(save_dir, "latest")
+        if not os.path.exists(latest):
+            raise FileNotFoundError(f"--resume: no FSDP checkpoint in {save_dir} (no 'latest' file)")
+        with open(latest) as f:
+            tag = f.read().strip()
+        extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
+        return int(extra["step"])
+
+
+# ============================================================================ loop helpers
+def _configure_logging(level: str) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+    log = logging.getLogger("seqpar")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(message)s"))
+        log.addHandler(handler)
+    # Only rank 0 talks at INFO; others warn and worse.
+    log.setLevel(getattr(logging, level.upper()) if rank == 0 else logging.WARNING)
+
+
+class _PeakMemory:
+    """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: MemTracker)."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.kind = "unknown"
+        self.value = 0
+        self._tracker: Any = None
+        self._engine = engine
+
+    def __enter__(self) -> _PeakMemory:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.kind = "cuda_max_memory_allocated over the run"
+            return self
+        try:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self._tracker = MemTracker()
+            optim = getattr(self._engine, "optimizer", None) or getattr(self._engine.model, "optimizer", None)
+            while optim is not None and not isinstance(optim, torch.optim.Optimizer):
+                optim = getattr(optim, "optimizer", None)  # DeepSpeed's ZeRO wrappers hold the torch one
+            self._tracker.track_external(self._engine.model, *([optim] if optim is not None else []))
+            self._tracker.__enter__()
+        except Exception as e:  # noqa: BLE001 - a measurement must not stop training
+            logger.warning("MemTracker unavailable (%s); reporting peak RSS instead", e)
+            self._tracker = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch.cuda.is_available():
+            self.value = int(torch.cuda.max_memory_allocated())
+            return
+        if self._tracker is not None:
+            try:
+                self._tracker.__exit__(*exc)
+                snap = self._tracker.get_tracker_snapshot("peak")
+                self.value = int(sum(d.get("Total", 0) for d in snap.values()))
+                self.kind = "cpu tensor bytes at the peak of one tracked step (MemTracker)"
+                return
+            except Exception as e:  # noqa: BLE001
+                logger.warning("MemTracker failed (%s); reporting peak RSS instead", e)
+        self.value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self.kind = "process peak RSS (ru_maxrss), not tensor memory"
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@torch.no_grad()
+def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -> float:
+    """Greedy accuracy on the answers of ``eval_samples`` held-out samples (every rank returns it)."""
+    from seqpar.data import shard_batch
+
+    manager = engine.manager
+    n = plan.train.eval_samples
+    correct = torch.zeros(2, dtype=torch.float64)
+    engine.eval()
+    per_replica = math.ceil(n / manager.dp_size)
+    for i in range(per_replica):
+        idx = first + i * manager.dp_size + manager.dp_rank
+        b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
+        logits = engine.forward(b)
+        labels = b["shift_labels"]
+        mask = labels != IGNORE
+        pred = logits.argmax(-1)
+        correct[0] += (pred[mask] == labels[mask]).sum().item()
+        correct[1] += mask.sum().item()
+    dist.all_reduce(correct)
+    return float(correct[0] / correct[1].clamp(min=1))
+
+
+def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -> str:
+    losses = metrics["loss"]
+    mem = ", ".join(f"{b / 2**20:.1f}" for b in metrics["peak_mem_bytes"])
+    lines = [
+        "=" * 72,
+        f"seqpar train: {plan.engine} | world {manager.world_size} = dp {manager.dp_size} x "
+        f"sp {manager.sp_size} | mode {plan.sp.mode} | sharding {plan.sp.sharding}",
+        f"model: Llama {n_params / 1e6:.2f} M params ({plan.model or 'default sizes'}) | dtype "
+        f"{plan.train.dtype} | activation checkpointing {plan.train.activation_checkpointing}",
+        f"data: recall, seq_len {plan.train.seq_len}, {metrics['global_batch']} samples/step "
+        f"(micro {plan.train.micro_batch_size} x accum {plan.train.grad_accum} x dp {manager.dp_size})",
+        f"steps {metrics['start_step']}..{metrics['steps']}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        if losses else "no steps run",
+        f"throughput: {metrics['tokens_per_s']:.0f} tokens/s | wall {metrics['train_seconds']:.1f} s",
+        f"peak memory per rank (MiB): {mem} [{metrics['peak_mem_kind']}]",
+    ]
+    if metrics.get("recall_accuracy") is not None:
+        lines.append(
+            f"recall accuracy on {plan.train.eval_samples} held-out samples: "
+            f"{metrics['recall_accuracy']:.3f} (chance {1 / plan.train.num_values:.3f})"
+        )
+    lines.append("=" * 72)
+    return "\n".join(lines)
+
+
+# ============================================================================ main
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train; returns the metrics dict (on every rank). Raises before training on a bad config."""
+    args = parse_args(argv)
+    _configure_logging(args.log_level)
+    plan = build_plan(args)  # no process group yet: config errors surface first
+    from seqpar.data import shard_batch
+    from seqpar.loss import sequence_parallel_loss
+    from seqpar.sharding import num_chunks
+
+    task = RecallTask(plan.train)
+    chunks = num_chunks(plan.sp.size, plan.sp.sharding)
+    seq_padded = -(-plan.train.seq_len // chunks) * chunks
+    model = build_model(plan, task.vocab_size, seq_padded)
+    n_params = sum(p.numel() for p in model.parameters())
+    engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
+    manager = engine.manager
+    _configure_logging(args.log_level)  # now that the rank is known
+    rank0 = manager.rank == 0
+    t = plan.train
+    global_batch = t.micro_batch_size * t.grad_accum * manager.dp_size
+
+    start = 0
+    if args.resume:
+        start = engine.load(args.save_dir)
+        logger.info("[rank %d] resumed from step %d of %s", manager.rank, start, args.save_dir)
+    if args.save_dir and rank0:
+        os.makedirs(args.save_dir, exist_ok=True)
+
+    bar = None
+    if rank0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=t.steps, initial=start, desc=f"{plan.engine} sp{manager.sp_size}",
+                   dynamic_ncols=True, file=sys.stderr)
+    losses: list[float] = []
+    step_times: list[float] = []
+    mem = _PeakMemory(engine)
+    track_step = min(start + 1, t.steps - 1)
+    for step in range(start, t.steps):
+        engine.model.train()
+        tic = time.perf_counter()
+        tracking = step == track_step
+        if tracking:
+            mem.__enter__()
+        total = torch.zeros((), dtype=torch.float64)
+        for m in range(t.grad_accum):
+            first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
+            batch = shard_batch(task.batch(first, t.micro_batch_size), group=manager.sp_group,
+                                sharding=plan.sp.sharding)
+            logits = engine.forward(batch)
+            loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
+            engine.backward(loss, last_micro=m == t.grad_accum - 1)
+            total += loss.detach().double() / t.grad_accum
+        if tracking:
+            mem.__exit__(None, None, None)
+        dist.all_reduce(total, group=manager.dp_group)
+        step_loss = total.item() / manager.dp_size
+        losses.append(step_loss)
+        step_times.append(time.perf_counter() - tic)
+        if not math.isfinite(step_loss):
+            raise FloatingPointError(f"step {step}: loss is {step_loss}; lower the learning rate")
+        if bar is not None:
+            timed = step_times[1:] or step_times
+            tps = global_batch * t.seq_len * len(timed) / sum(timed)
+            bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:.0f}")
+            bar.update(1)
+        done = step + 1
+        if args.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
+            engine.save(args.save_dir, done)
+    if bar is not None:
+        bar.close()
+
+    # Steady-state throughput: the first step of a run pays for lazy init and warm-up.
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    tokens_per_s = global_batch * t.seq_len * len(timed) / max(sum(timed), 1e-9)
+    if mem.kind == "unknown":  # no step ran (resumed at the end)
+        mem.kind = "not measured (no training step ran)"
+    acc = None
+    if t.eval_samples:
+        acc = recall_accuracy(engine, task, plan, first=10**9)
+    metrics: dict[str, Any] = {
+        "loss": losses,
+        "start_step": start,
+        "steps": t.steps,
+        "tokens_per_s": tokens_per_s,
+        "step_seconds": step_times,
+        "train_seconds": sum(step_times),
+        "peak_mem_bytes": _all_gather(mem.value),
+        "peak_mem_kind": mem.kind,
+        "recall_accuracy": acc,
+        "global_batch": global_batch,
+        "engine": plan.engine,
+        "world_size": manager.world_size,
+        "sp_size": manager.sp_size,
+        "dp_size": manager.dp_size,
+        "mode": plan.sp.mode,
+        "sharding": plan.sp.sharding,
+        "seq_len": t.seq_len,
+        "dtype": t.dtype,
+        "grad_accum": t.grad_accum,
+        "activation_checkpointing": t.activation_checkpointing,
+        "n_params": n_params,
+    }
+    if rank0:
+        print(_summary(plan, manager, metrics, n_params), file=sys.stderr, flush=True)
+        if args.metrics_out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out)), exist_ok=True)
+            with open(args.metrics_out, "w") as f:
+                json.dump(metrics, f, indent=1)
+    return metrics
+
+
+def _cli() -> None:
+    try:
+        main()
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # gloo: without it a rank can abort at exit (DESIGN.md)
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _cli()
