@@ -247,10 +247,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if engine == "deepspeed":
         ds = {k: v for k, v in raw.items() if k not in _LAUNCHER_KEYS}
         ds["sequence_parallel"] = sp.to_dict()
-        if "train_micro_batch_size_per_gpu" in raw:
-            train.micro_batch_size = int(raw["train_micro_batch_size_per_gpu"])
+        # A flag wins over the DeepSpeed keys, which win over the "train" section.
         if args.micro_batch_size is not None or "train_micro_batch_size_per_gpu" not in raw:
             ds["train_micro_batch_size_per_gpu"] = train.micro_batch_size
+        train.micro_batch_size = int(ds["train_micro_batch_size_per_gpu"])
         if args.grad_accum is not None or "gradient_accumulation_steps" not in raw:
             ds["gradient_accumulation_steps"] = train.grad_accum
         train.grad_accum = int(ds["gradient_accumulation_steps"])
@@ -422,16 +422,24 @@ def _configure_logging(level: str) -> None:
 class _PeakMemory:
     """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: MemTracker)."""
 
-    def __init__(self, engine: _Engine) -> None:
+    def __init__(self, engine: _Engine, settings: TrainSettings) -> None:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
         self._engine = engine
+        # MemTracker refuses a module called twice in one tracked window (accumulation micro-steps,
+        # checkpointed recomputation): RSS then.
+        self._usable = settings.grad_accum == 1 and not settings.activation_checkpointing
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             self.kind = "cuda_max_memory_allocated over the run"
+            return self
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not self._usable or isinstance(self._engine.model, FullyShardedDataParallel):
+            # FSDP1 swaps parameters for non-leaf views in forward; MemTracker's hooks then fail.
             return self
         try:
             from torch.distributed._tools.mem_tracker import MemTracker
@@ -555,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    dynamic_ncols=True, file=sys.stderr)
     losses: list[float] = []
     step_times: list[float] = []
-    mem = _PeakMemory(engine)
+    mem = _PeakMemory(engine, t)
     track_step = min(start + 1, t.steps - 1)
     for step in range(start, t.steps):
         engine.model.train()

@@ -1,0 +1,260 @@
+"""launch/train.py end to end: a swapped Hugging Face Llama trained with SP under DeepSpeed and FSDP.
+
+Runs ``main(argv)`` inside the persistent gloo ranks of ``dist_pool`` (no launcher start-up per
+case); the two real launch commands run once each in ``slow`` tests. Parity means: per-step losses
+of an SP run equal the SP=1 run of the same engine on the same global batches within 1e-4 relative
+(fp32). Gradient parity of the engines themselves is in test_engines.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RTOL = 1e-4
+SHORT = ["--seq-len", "256", "--steps", "5", "--no-progress", "--log-level", "WARNING"]
+
+
+def _train_module() -> Any:
+    name = "seqpar_launch_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _config(name: str) -> str:
+    return str(ROOT / "configs" / name)
+
+
+def _run_main(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """Body run on every rank: train and return the metrics."""
+    return _train_module().main(argv)
+
+
+def _losses(dist_pool, world: int, argv: list[str], timeout: float = 240) -> list[float]:
+    out = dist_pool.run(world, _run_main, argv, timeout=timeout)
+    losses = out[0]["loss"]
+    for m in out[1:]:
+        assert m["loss"] == losses, "every rank must report the same global loss"
+    return losses
+
+
+def _close(got: list[float], ref: list[float], rtol: float = RTOL) -> None:
+    assert len(got) == len(ref), (got, ref)
+    for i, (a, b) in enumerate(zip(got, ref, strict=True)):
+        assert abs(a - b) <= rtol * abs(b), f"step {i}: {a} vs SP=1 {b} (all: {got} vs {ref})"
+
+
+_REFS: dict[tuple, list[float]] = {}
+
+
+def _reference(dist_pool, config: str, extra: tuple[str, ...] = ()) -> list[float]:
+    """SP=1 on one rank, the same global batch (micro-batch scaled to the DP size of the other run)."""
+    key = (config, extra)
+    if key not in _REFS:
+        _REFS[key] = _losses(dist_pool, 1, ["--config", _config(config), "--sp-size", "1", *SHORT, *extra])
+    return _REFS[key]
+
+
+# --------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize(
+    "config,world,sp,mode",
+    [
+        ("deepspeed_ring.json", 2, 2, "ring"),
+        ("deepspeed_ring.json", 2, 2, "allgather"),
+        ("fsdp_ring.json", 2, 2, "ring"),
+        ("fsdp_ring.json", 2, 2, "allgather"),
+    ],
+)
+def test_sp2_matches_sp1(dist_pool, config, world, sp, mode):
+    ref = _reference(dist_pool, config)
+    got = _losses(dist_pool, world, ["--config", _config(config), "--sp-size", str(sp), "--mode", mode, *SHORT])
+    _close(got, ref)
+    assert ref[-1] < ref[0], "the loss should move in 5 steps"
+
+
+@pytest.mark.parametrize(
+    "config,sp,mode",
+    [
+        ("deepspeed_ring.json", 4, "ring"),
+        ("deepspeed_ring.json", 2, "allgather"),
+        ("fsdp_ring.json", 4, "allgather"),
+        ("fsdp_ring.json", 2, "ring"),
+    ],
+)
+def test_four_ranks_match_sp1(dist_pool, config, sp, mode):
+    dp = 4 // sp
+    ref = _reference(dist_pool, config, ("--micro-batch-size", str(dp)))
+    got = _losses(dist_pool, 4, ["--config", _config(config), "--sp-size", str(sp), "--mode", mode, *SHORT])
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_deepspeed_zero_stages_match(dist_pool, stage):
+    ref = _reference(dist_pool, "deepspeed_ring.json")[:3]
+    argv = ["--config", _config("deepspeed_ring.json"), "--zero-stage", str(stage), *SHORT, "--steps", "3"]
+    _close(_losses(dist_pool, 2, argv), ref)
+
+
+def test_fsdp1_matches_sp1(dist_pool, tmp_path):
+    cfg = json.loads(Path(_config("fsdp_ring.json")).read_text())
+    cfg["fsdp"]["version"] = 1
+    path = tmp_path / "fsdp1.json"
+    path.write_text(json.dumps(cfg))
+    ref = _reference(dist_pool, "fsdp_ring.json")[:3]
+    _close(_losses(dist_pool, 2, ["--config", str(path), *SHORT, "--steps", "3"]), ref)
+
+
+# --------------------------------------------------------------------------- training features
+
+
+@pytest.mark.parametrize("config", ["deepspeed_ring.json", "fsdp_ring.json"])
+def test_grad_accumulation_matches_bigger_batch(dist_pool, config):
+    ref = _reference(dist_pool, config, ("--micro-batch-size", "2"))
+    got = _losses(dist_pool, 2, ["--config", _config(config), *SHORT, "--grad-accum", "2"])
+    _close(got, ref)
+
+
+@pytest.mark.parametrize("config", ["deepspeed_allgather.json", "fsdp_ring.json"])
+def test_activation_checkpointing_matches(dist_pool, config):
+    ref = _reference(dist_pool, config)
+    got = _losses(dist_pool, 2, ["--config", _config(config), *SHORT, "--activation-checkpointing"])
+    _close(got, ref)
+
+
+def test_uneven_length_is_padded_and_matches(dist_pool):
+    # 250 tokens do not cut into 4 zigzag chunks: padded at the end, loss unchanged.
+    argv = ["--config", _config("fsdp_ring.json"), *SHORT, "--seq-len", "250", "--steps", "3"]
+    ref = _losses(dist_pool, 1, [*argv, "--sp-size", "1"])
+    _close(_losses(dist_pool, 2, argv), ref)
+
+
+@pytest.mark.parametrize("config", ["deepspeed_ring.json", "fsdp_ring.json"])
+def test_bf16_trains(dist_pool, config):
+    ref = _reference(dist_pool, config)
+    got = _losses(dist_pool, 2, ["--config", _config(config), *SHORT, "--dtype", "bf16"])
+    assert all(torch.isfinite(torch.tensor(got)))
+    _close(got, ref, rtol=3e-2)  # bf16 rounding, not a different computation
+
+
+@pytest.mark.parametrize("config", ["deepspeed_ring.json", "fsdp_ring.json"])
+def test_resume_continues_like_uninterrupted(dist_pool, config):
+    full = _reference(dist_pool, config)  # 5 steps, but at SP=1: resume at SP=2 must equal it too
+    save_dir = tempfile.mkdtemp(prefix="seqpar-ckpt-")
+    try:
+        argv = ["--config", _config(config), *SHORT, "--save-dir", save_dir]
+        first = _losses(dist_pool, 2, [*argv, "--steps", "3"])
+        rest = _losses(dist_pool, 2, [*argv, "--steps", "5", "--resume"])
+    finally:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    _close(first + rest, full)
+
+
+def test_metrics_json(dist_pool, tmp_path):
+    out = tmp_path / "m.json"
+    dist_pool.run(2, _run_main, ["--config", _config("fsdp_ring.json"), *SHORT, "--steps", "3",
+                                 "--metrics-out", str(out)])
+    m = json.loads(out.read_text())
+    assert len(m["loss"]) == 3 and m["tokens_per_s"] > 0
+    assert len(m["peak_mem_bytes"]) == 2 and all(b > 0 for b in m["peak_mem_bytes"])
+    assert m["peak_mem_kind"] and 0.0 <= m["recall_accuracy"] <= 1.0
+    assert (m["world_size"], m["sp_size"], m["dp_size"]) == (2, 2, 1)
+
+
+# --------------------------------------------------------------------------- bad configs
+
+
+def _expect_error(rank: int, world: int, argv: list[str], exc_name: str, needle: str) -> str:
+    """Run main; it must raise ``exc_name`` containing ``needle`` (before any training step)."""
+    try:
+        _train_module().main(argv)
+    except Exception as e:  # noqa: BLE001 - the type is checked by name below
+        names = {c.__name__ for c in type(e).__mro__}
+        assert exc_name in names, f"expected {exc_name}, got {type(e).__name__}: {e}"
+        assert needle in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"main({argv}) trained instead of refusing")
+
+
+def test_unknown_mode_fails_before_any_process_group():
+    from seqpar.config import ConfigError
+
+    train = _train_module()
+    with pytest.raises(ConfigError, match="mode"):
+        train.build_plan(train.parse_args(["--config", _config("fsdp_ring.json"), "--mode", "spiral"]))
+
+
+@pytest.mark.parametrize("config", ["deepspeed_ring.json", "fsdp_ring.json"])
+def test_sp_size_not_dividing_world(dist_pool, config):
+    msgs = dist_pool.run(2, _expect_error, ["--config", _config(config), *SHORT, "--sp-size", "3"],
+                         "ValueError", "not divisible")
+    assert "choose a size that divides" in msgs[0]
+
+
+@pytest.mark.parametrize("config", ["deepspeed_ring.json", "fsdp_ring.json"])
+def test_swap_matching_nothing(dist_pool, tmp_path, config):
+    cfg = json.loads(Path(_config(config)).read_text())
+    cfg["sequence_parallel"]["swap"] = ["NoSuchAttention"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(cfg))
+    dist_pool.run(2, _expect_error, ["--config", str(path), *SHORT], "SwapError", "NoSuchAttention")
+
+
+def test_unknown_train_key_and_fp16_fsdp_refused(tmp_path):
+    from seqpar.config import ConfigError
+
+    train = _train_module()
+    cfg = json.loads(Path(_config("fsdp_ring.json")).read_text())
+    cfg["train"]["stpes"] = 3
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="stpes"):
+        train.build_plan(train.parse_args(["--config", str(path)]))
+    with pytest.raises(ConfigError, match="bf16"):
+        train.build_plan(train.parse_args(["--config", _config("fsdp_ring.json"), "--dtype", "fp16"]))
+
+
+# --------------------------------------------------------------------------- the real launchers
+
+
+def _launch(cmd: list[str], metrics: Path, timeout: int = 300) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(metrics.read_text())
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher(tmp_path, dist_pool):
+    if shutil.which("deepspeed") is None:
+        pytest.skip("the deepspeed launcher is not on PATH")
+    out = tmp_path / "ds.json"
+    m = _launch(["deepspeed", "--num_gpus", "2", "launch/train.py", "--config", _config("deepspeed_ring.json"),
+                 *SHORT, "--metrics-out", str(out)], out)
+    assert (m["engine"], m["world_size"], m["sp_size"]) == ("deepspeed", 2, 2)
+    _close(m["loss"], _reference(dist_pool, "deepspeed_ring.json"))
+
+
+@pytest.mark.slow
+def test_torchrun_launcher(tmp_path, dist_pool):
+    out = tmp_path / "fsdp.json"
+    m = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "launch/train.py",
+                 "--config", _config("fsdp_ring.json"), *SHORT, "--metrics-out", str(out)], out)
+    assert (m["engine"], m["world_size"], m["sp_size"]) == ("fsdp", 2, 2)
+    _close(m["loss"], _reference(dist_pool, "fsdp_ring.json"))
