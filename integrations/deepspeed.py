@@ -246,6 +246,10 @@ def initialize(
         from seqpar.swap import swap_attention
 
         report = swap_attention(model, sp_config, group=manager.sp_group)  # logs what it swapped
+    if sp_config.apex:
+        from seqpar.integrations.apex import apply_fused_norms
+
+        apply_fused_norms(model)
 
     if (ds_config.get("zero_optimization") or {}).get("stage") == 3:
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)

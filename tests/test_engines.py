@@ -8,6 +8,7 @@ batch (fp32, AdamW, no clipping).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
@@ -275,3 +276,157 @@ def test_fsdp_default_divide_factor_would_be_wrong():
     shares = [g / sp for g in full_grads for _ in range(sp)]  # each SP rank holds a share
     assert math.isclose(sum(shares).item() / (dp * sp), 1.0)  # default: mean/sp, wrong
     assert math.isclose(sum(shares).item() / dp, 2.0)  # seqpar's factor: the DP mean, right
+
+
+# ------------------------------------------------------------------------ DeepSpeed extras
+
+
+class _Samples(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(SEQ) + 100 * i  # sample i is recognisable from any of its tokens
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _ds_loader(rank, world, sp):
+    from seqpar.integrations.deepspeed import ShardedDeepSpeedLoader, initialize
+
+    dp = world // sp
+    cfg = ds_config(sp, "ring", 2, dp)
+    engine, _, loader, _ = initialize(model=ToyLM(), config=cfg, training_data=_Samples())
+    assert isinstance(loader, ShardedDeepSpeedLoader) and engine.training_dataloader is loader
+    loader.loader.num_local_io_workers = 0  # pool ranks are daemonic: no loader worker processes
+    batch = next(iter(loader))
+    return batch["input_ids"].tolist(), batch["position_ids"].tolist(), engine.seqpar_manager.dp_rank
+
+
+@pytest.mark.parametrize("world,sp", [(2, 2), (4, 2)])
+def test_deepspeed_training_data_is_sharded(dist_pool, world, sp):
+    out = dist_pool.run(world, _ds_loader, sp, timeout=240)
+    for dp_rank in range(world // sp):
+        group = [o for o in out if o[2] == dp_rank]
+        samples = {ids[0][0] // 100 for ids, _, _ in group}
+        assert len(samples) == 1, "every rank of an SP group gets the same sample"
+        positions = [pos[0] for _, pos, _ in group]
+        assert sorted(p for ps in positions for p in ps) == list(range(SEQ)), "distinct shards"
+    firsts = {o[0][0][0] // 100 for o in out}
+    assert len(firsts) == world // sp, "DP replicas get distinct samples"
+
+
+def test_deepspeed_refusals_before_engine_start(monkeypatch):
+    from seqpar.integrations import deepspeed as ds
+
+    from seqpar.config import ConfigError
+
+    cfg = ds_config(2, "ring", 3, 1)
+    cfg["zero_optimization"]["reduce_scatter"] = False
+    with pytest.raises(ConfigError, match="reduce_scatter"):
+        ds.initialize(model=ToyLM(), config=cfg)
+    with pytest.raises(ConfigError, match="mpu"):
+        ds.initialize(model=ToyLM(), config=ds_config(2, "ring", 2, 1), mpu=object())
+    bad = ds_config(2, "ring", 2, 1)
+    bad["sequence_parallel"]["mode"] = "spiral"
+    with pytest.raises(ConfigError, match="mode"):
+        ds.initialize(model=ToyLM(), config=bad)
+    monkeypatch.setitem(__import__("sys").modules, "deepspeed", None)
+    with pytest.raises(ImportError, match="pip install"):
+        ds.initialize(model=ToyLM(), config=ds_config(2, "ring", 2, 1))
+
+
+# ------------------------------------------------------------------------ FairScale
+
+
+def _fairscale_wrap(rank, world, sp):
+    from seqpar.integrations import fairscale as fs
+
+    manager = seqpar.init_process_groups(sp)
+    fsdp_cls = fs.import_fairscale_fsdp()
+    model = ToyLM()
+    root = fs._wrap_units(fsdp_cls, model, manager, fs.FairScaleOptions(), {_Block},
+                          compute_device=torch.device("cpu"))
+    units = [m for m in root.modules() if isinstance(m, fsdp_cls)]
+    return {
+        "units": len(units),
+        "group_sizes": sorted({u.process_group.size() for u in units}),
+        "factors": sorted({(u.gradient_predivide_factor, u.gradient_postdivide_factor) for u in units}),
+        "dp": manager.dp_size,
+    }
+
+
+@pytest.mark.parametrize("world,sp", [(2, 2), (4, 2), (4, 1)])
+def test_fairscale_wrapping_logic_on_cpu(dist_pool, world, sp):
+    pytest.importorskip("fairscale")
+    out = dist_pool.run(world, _fairscale_wrap, sp, timeout=120)
+    for o in out:
+        assert o["units"] == 3  # two blocks + the root
+        assert o["group_sizes"] == [world], "shard/reduce over the SP-DP group (all ranks)"
+        (pre, post), = o["factors"]
+        assert pre * post == o["dp"] and pre >= 1 and post >= 1
+
+
+def test_fairscale_divide_factors_and_options():
+    from seqpar.integrations import fairscale as fs
+
+    for dp in (1, 2, 3, 4, 8, 12):
+        pre, post = fs.divide_factors(dp)
+        assert pre * post == dp and 1 <= pre <= post
+    opts = fs.FairScaleOptions.from_dict({"mixed_precision": True, "compute_dtype": "bf16"})
+    assert opts.compute_dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="unknown key"):
+        fs.FairScaleOptions.from_dict({"mixed_precison": True})
+    with pytest.raises(ValueError, match="mixed_precision"):
+        fs.FairScaleOptions.from_dict({"compute_dtype": "bf16"})
+
+
+def test_fairscale_refuses_cpu_and_explains_missing_package(monkeypatch):
+    from seqpar.integrations import fairscale as fs
+
+    if not torch.cuda.is_available() and importlib.util.find_spec("fairscale") is not None:
+        with pytest.raises(RuntimeError, match="use seqpar.integrations.fsdp on CPU"):
+            fs.wrap(ToyLM(), {"size": 1, "swap": "none"})
+    monkeypatch.setitem(__import__("sys").modules, "fairscale", None)
+    monkeypatch.setitem(__import__("sys").modules, "fairscale.nn.data_parallel", None)
+    with pytest.raises(ImportError, match="pip install fairscale"):
+        fs.wrap(ToyLM(), {"size": 1, "swap": "none"})
+
+
+# ------------------------------------------------------------------------ apex
+
+
+class _FakeApexNormalization:
+    """Stand-ins with apex's constructor signatures, to test the replacement logic without apex."""
+
+    class FusedLayerNorm(nn.LayerNorm):
+        def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True):
+            super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+
+    class FusedRMSNorm(nn.RMSNorm):
+        def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True):
+            super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+
+
+def test_apex_fallback_and_replacement(caplog):
+    from seqpar.integrations import apex
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    toy = ToyLM()
+    if not apex.apex_available():
+        with caplog.at_level("INFO", logger="seqpar"):
+            assert apex.apply_fused_norms(toy) == 0
+            assert apex.apply_fused_norms(toy) == 0
+        assert sum("apex is not importable" in r.getMessage() for r in caplog.records) <= 1
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    llama = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # norms' weights away from 1
+    ids = torch.randint(0, 50, (1, 12))
+    before = llama(ids).logits
+    n = apex.apply_fused_norms(llama, normalization=_FakeApexNormalization)
+    assert n == 2 * 2 + 1  # two per layer and the final norm
+    torch.testing.assert_close(llama(ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert apex.apply_fused_norms(toy, normalization=_FakeApexNormalization) == 5  # 2 x 2 + 1 LayerNorms
