@@ -270,6 +270,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
         ds.setdefault("steps_per_print", 10**9)
         train.dtype = "bf16" if ds.get("bf16", {}).get("enabled") else (
             "fp16" if ds.get("fp16", {}).get("enabled") else "fp32")
+        if train.dtype == "fp16" and not torch.cuda.is_available():
+            raise ConfigError(
+                "DeepSpeed runs fp16 only on GPUs (its CPU accelerator refuses it); on CPU use "
+                "--dtype bf16 (or a \"bf16\": {\"enabled\": true} block)"
+            )
         engine_config = ds
     else:
         if args.zero_stage is not None:

@@ -228,6 +228,9 @@ def test_unknown_train_key_and_fp16_fsdp_refused(tmp_path):
         train.build_plan(train.parse_args(["--config", str(path)]))
     with pytest.raises(ConfigError, match="bf16"):
         train.build_plan(train.parse_args(["--config", _config("fsdp_ring.json"), "--dtype", "fp16"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="bf16"):
+            train.build_plan(train.parse_args(["--config", _config("deepspeed_ring.json"), "--dtype", "fp16"]))
 
 
 # --------------------------------------------------------------------------- the real launchers
