@@ -8,7 +8,23 @@ Layouts (P = SP size):
 
 from __future__ import annotations
 
-__all__ = ["num_chunks", "chunk_ids"]
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqpar.comm.collectives import all_gather
+from seqpar.comm.compat import all_gather_into
+from seqpar.groups import resolve_group
+
+__all__ = [
+    "num_chunks",
+    "chunk_ids",
+    "shard_index",
+    "shard_sequence",
+    "gather_sequence",
+    "pad_to_multiple",
+]
 
 
 def num_chunks(world_size: int, sharding: str) -> int:
@@ -27,3 +43,106 @@ def chunk_ids(rank: int, world_size: int, sharding: str) -> list[int]:
     if sharding == "zigzag":
         return [rank, 2 * world_size - 1 - rank]
     raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous' or 'zigzag'")
+
+
+def _check_length(seq_len: int, world_size: int, sharding: str) -> int:
+    n = num_chunks(world_size, sharding)
+    if seq_len % n:
+        fix = f"pad it to a multiple of {n} (seqpar.sharding.pad_to_multiple(x, dim, {n}, value))"
+        if sharding == "zigzag" and seq_len % world_size == 0:
+            fix += " or use sharding='contiguous'"
+        raise ValueError(
+            f"sequence length {seq_len} cannot be cut for {world_size} ranks with sharding='{sharding}' "
+            f"({n} equal chunks needed): {fix}"
+        )
+    return seq_len // n
+
+
+def shard_index(seq_len: int, rank: int, world_size: int, sharding: str = "contiguous", *,
+                device: torch.device | str | None = None) -> Tensor:
+    """Global positions (LongTensor ``(seq_len / P,)``) that ``rank`` holds, in local order."""
+    c = _check_length(seq_len, world_size, sharding)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, world_size, sharding)])
+
+
+def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    group = resolve_group(group)
+    if group is None:
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
+                   sharding: str = "contiguous") -> Tensor:
+    """This rank's part of a full tensor (the same full tensor on every rank).
+
+    Args:
+        x: any tensor whose ``dim`` is the sequence, e.g. ``(batch, seq, hidden)`` with ``dim=1``.
+        dim: the sequence dimension (negative allowed).
+        group: the SP group (default: the default manager's SP group, else the world).
+        sharding: ``"contiguous"`` or ``"zigzag"``.
+    Returns:
+        ``x`` with ``dim`` cut to ``seq / P``. Differentiable: the gradient of the full input is this
+        rank's gradient scattered into zeros (sum it over the SP group to get the full gradient).
+    Raises:
+        ValueError: the length does not divide into P chunks (2P for zigzag); the message says how to pad.
+    """
+    group, world, rank = _world_and_rank(group)
+    c = _check_length(x.shape[dim], world, sharding)
+    parts = [x.narrow(dim, i * c, c) for i in chunk_ids(rank, world, sharding)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def gather_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
+                    sharding: str = "contiguous", grad_reduction: str = "slice") -> Tensor:
+    """The inverse of :func:`shard_sequence`: every rank gets the full tensor, in global order.
+
+    Args:
+        x: this rank's shard, ``dim`` of length ``seq / P`` (the same on every rank).
+        grad_reduction: ``"slice"`` (default) — the backward keeps this rank's part of the incoming
+            gradient: right when every rank computes the same loss on the gathered tensor (the
+            usual case: the ranks' gradients are copies, not terms). ``"sum"`` — the backward
+            reduce-scatters (the dual of the all-gather): right when each rank's loss is a separate
+            term of the total.
+    Returns:
+        The full tensor, ``dim`` of length ``seq``.
+    Raises:
+        ValueError on every rank if the ranks' shard lengths differ.
+    """
+    group, world, rank = _world_and_rank(group)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    all_gather_into(lengths, mine, group=group)
+    lengths_l = lengths.tolist()
+    if len(set(lengths_l)) != 1:
+        raise ValueError(
+            f"gather_sequence: the ranks hold shards of different lengths along dim {dim} ({lengths_l}); "
+            f"every rank must pass its shard of the same sequence (cut with shard_sequence)"
+        )
+    per_rank = len(chunk_ids(0, world, sharding))
+    if x.shape[dim] % per_rank:
+        raise ValueError(f"gather_sequence: a zigzag shard needs an even length, got {x.shape[dim]}")
+    full_rank_order = all_gather(x, dim, group, grad_reduction=grad_reduction)
+    if sharding == "contiguous":
+        return full_rank_order
+    c = x.shape[dim] // per_rank
+    where = {}  # global chunk id -> position in rank order
+    for r in range(world):
+        for j, i in enumerate(chunk_ids(r, world, sharding)):
+            where[i] = r * per_rank + j
+    return torch.cat([full_rank_order.narrow(dim, where[i] * c, c) for i in range(len(where))], dim=dim)
+
+
+def pad_to_multiple(x: Tensor, dim: int, multiple: int, value: float = 0) -> Tensor:
+    """Pad ``dim`` at the end to a multiple of ``multiple`` with ``value``."""
+    extra = (-x.shape[dim]) % multiple
+    if extra == 0:
+        return x
+    dim = dim % x.dim()
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    return F.pad(x, pad, value=value)
