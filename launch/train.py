@@ -645,12 +645,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _cli() -> None:
-    try:
-        main()
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # gloo: without it a rank can abort at exit (DESIGN.md)
-            dist.destroy_process_group()
+    main()
+    # Only after success: a rank that failed alone must not wait here for ranks stuck in a
+    # collective; the launcher stops them when it exits non-zero.
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # gloo: without it a rank can abort at exit (DESIGN.md)
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
