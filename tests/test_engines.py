@@ -430,3 +430,25 @@ def test_apex_fallback_and_replacement(caplog):
     assert n == 2 * 2 + 1  # two per layer and the final norm
     torch.testing.assert_close(llama(ids).logits, before, rtol=1e-5, atol=1e-5)
     assert apex.apply_fused_norms(toy, normalization=_FakeApexNormalization) == 5  # 2 x 2 + 1 LayerNorms
+
+
+def test_deepspeed_config_sources(tmp_path):
+    import argparse
+    import json
+
+    from seqpar.integrations.deepspeed import load_deepspeed_config
+
+    from seqpar.config import ConfigError, SeqParConfig
+
+    cfg = ds_config(2, "allgather", 2, 1)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    for kw in ({"config": cfg}, {"config": str(path)}, {"config_params": str(path)},
+               {"args": argparse.Namespace(deepspeed_config=str(path))}):
+        got = load_deepspeed_config(**kw)
+        assert got == cfg and SeqParConfig.from_deepspeed_config(got).mode == "allgather"
+    assert load_deepspeed_config(config=cfg) is not cfg  # the caller's dict is never edited
+    with pytest.raises(ConfigError, match="both"):
+        load_deepspeed_config(argparse.Namespace(deepspeed_config=str(path)), config=cfg)
+    with pytest.raises(ConfigError, match="no DeepSpeed config"):
+        load_deepspeed_config()
