@@ -18,8 +18,11 @@ over SP ranks of the per-rank gradients. Had the backward been an all-reduce too
 libraries most often report.
 
 Consequences for the optimizer step: reduce parameter gradients with a **sum over the SP group**
-(and a mean over DP replicas). An engine that averages over all SP x DP ranks (DeepSpeed with an
-``mpu``) divides by P too many: multiply the loss by the SP size before ``backward`` there.
+(and a mean over DP replicas). The integrations arrange exactly that for each engine (checked
+numerically in tests/test_engines.py): DeepSpeed ZeRO 0-2 with the manager as ``mpu`` already sums
+over all ranks and divides by the DP size; ZeRO-3, FSDP and FairScale get their divide factor or
+loss scale set by ``seqpar.integrations``. A hand-written loop must do the same: all-reduce (sum)
+gradients over the SP x DP group and divide by the DP size.
 """
 
 from __future__ import annotations
