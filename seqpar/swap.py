@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.config import SeqParConfig
+from seqpar.config import PatternConfig, SeqParConfig
 
 __all__ = [
     "swap_attention",
@@ -84,11 +84,13 @@ class SwapOptions:
     sharding: str = "contiguous"
     overlap: bool = True
     check_inputs: bool = True
+    pattern: PatternConfig = field(default_factory=PatternConfig)
+    """Dense attention, or LongNet dilated attention (``seqpar.attention.dilated``)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=config.sharding,
-                   overlap=config.overlap, check_inputs=config.check_inputs)
+                   overlap=config.overlap, check_inputs=config.check_inputs, pattern=config.pattern)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -103,6 +105,15 @@ class SwapOptions:
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
         # suspend the dispatcher so that call is the plain kernel, not a recursion.
         with _suspended():
+            if self.pattern.type == "dilated":
+                from seqpar.attention.dilated import dilated_attention
+
+                return dilated_attention(
+                    q, k, v, segment_lengths=self.pattern.segment_lengths,
+                    dilation_rates=self.pattern.dilation_rates, causal=causal, scale=scale,
+                    mode=self.mode, group=self.group, sharding=self.sharding,
+                    head_layout=self.pattern.head_layout, check_inputs=self.check_inputs,
+                )
             return attention(
                 q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=self.check_inputs,
@@ -540,10 +551,12 @@ def swap_attention(
             (all such modules are named, and nothing is changed).
     """
     cfg = SeqParConfig.load(config)
-    if cfg.pattern.type != "dense":
+    if cfg.pattern.type == "dilated" and cfg.sharding != "contiguous":
         raise SwapError(
-            f"swap_attention routes dense attention only; pattern.type={cfg.pattern.type!r} is "
-            "computed by seqpar.attention.dilated_attention, which models must call themselves"
+            "sequence_parallel.pattern is dilated but sharding is "
+            f"{cfg.sharding!r}: dilated segments are contiguous runs of the sequence, so shard with "
+            "\"sharding\": \"contiguous\" (dilated attention needs no zigzag balancing: its causal "
+            "work is the same in every segment)"
         )
     if cfg.swap == "none":
         logger.info("seqpar swap: swap='none', attention left as it is")

@@ -1,0 +1,64 @@
+"""Dilated attention through the swap and the main job: a dilated config trains under DeepSpeed and
+FSDP, and SP=2 gives the per-step losses of SP=1 (where dilated attention runs on one rank, exactly
+the definition tested in test_dilated.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_attention import make_case
+from test_train import SHORT, _close, _config, _losses
+
+import seqpar
+from seqpar.config import SeqParConfig
+from seqpar.swap import SwapOptions
+
+# fits --seq-len 256 of the short runs: on 2 ranks (128 tokens each) w=32 and w=128 stay local,
+# w=256 spans both ranks and exchanges its dilated rows
+PATTERN = {"type": "dilated", "segment_lengths": [32, 128, 256], "dilation_rates": [1, 2, 4], "head_layout": "mixed"}
+
+
+def _short_dilated_config(tmp_path, name: str) -> str:
+    cfg = json.loads(open(_config(name)).read())
+    cfg["sequence_parallel"]["pattern"] = PATTERN
+    path = tmp_path / name
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("name", ["deepspeed_dilated.json", "fsdp_dilated.json"])
+def test_dilated_config_sp2_matches_sp1(dist_pool, tmp_path, name: str) -> None:
+    config = _short_dilated_config(tmp_path, name)
+    ref = _losses(dist_pool, 1, ["--config", config, "--sp-size", "1", *SHORT])
+    got = _losses(dist_pool, 2, ["--config", config, "--sp-size", "2", *SHORT])
+    _close(got, ref)
+    assert ref[-1] < ref[0]
+
+
+def test_shipped_dilated_configs_load() -> None:
+    for name in ("deepspeed_dilated.json", "fsdp_dilated.json"):
+        cfg = SeqParConfig.from_json(_config(name))
+        assert cfg.pattern.type == "dilated" and cfg.sharding == "contiguous"
+
+
+def test_swap_options_route_dilated_pattern() -> None:
+    """SwapOptions.attention with a dilated pattern is seqpar.dilated_attention (one process)."""
+    case = make_case(5, 1, (4, 2, 16))
+    q, k, v = (case[n].float() for n in "qkv")
+    cfg = SeqParConfig.from_dict({"pattern": {"type": "dilated", "segment_lengths": [4, 12],
+                                              "dilation_rates": [1, 2]}})
+    got = SwapOptions.from_config(cfg, None).attention(q, k, v, causal=True, scale=None)
+    want = seqpar.dilated_attention(q, k, v, segment_lengths=[4, 12], dilation_rates=[1, 2], causal=True)
+    torch.testing.assert_close(got, want)
+    dense = seqpar.attention(q, k, v, causal=True)
+    assert not torch.allclose(got, dense), "the dilated pattern must differ from dense attention"
+
+
+def test_dilated_with_zigzag_is_refused() -> None:
+    from seqpar.swap import SwapError, swap_attention
+
+    cfg = {"sharding": "zigzag", "pattern": PATTERN}
+    with pytest.raises(SwapError, match="contiguous"):
+        swap_attention(torch.nn.MultiheadAttention(8, 2), cfg)
