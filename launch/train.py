@@ -243,6 +243,22 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})
+    if sp.pattern.type == "dilated":
+        # the shape rules of a dilated pattern need the sequence and head counts: check them now,
+        # before any process group or model exists
+        from seqpar.attention.dilated import check_pattern
+        from seqpar.sharding import num_chunks
+
+        chunks = num_chunks(sp.size, sp.sharding)
+        seq_padded = -(-train.seq_len // chunks) * chunks
+        try:
+            check_pattern(sp.pattern.segment_lengths, sp.pattern.dilation_rates,
+                          head_layout=sp.pattern.head_layout,
+                          q_heads=model.get("num_attention_heads"),
+                          seq_local=seq_padded // sp.size, world_size=sp.size)
+        except ValueError as e:
+            raise ConfigError(f"sequence_parallel.pattern does not fit --seq-len {train.seq_len} on "
+                              f"{sp.size} ranks: {e}") from None
 
     if engine == "deepspeed":
         ds = {k: v for k, v in raw.items() if k not in _LAUNCHER_KEYS}

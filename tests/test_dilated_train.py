@@ -62,3 +62,12 @@ def test_dilated_with_zigzag_is_refused() -> None:
     cfg = {"sharding": "zigzag", "pattern": PATTERN}
     with pytest.raises(SwapError, match="contiguous"):
         swap_attention(torch.nn.MultiheadAttention(8, 2), cfg)
+
+
+def test_pattern_that_does_not_fit_fails_before_training() -> None:
+    from test_train import _train_module
+
+    from seqpar.config import ConfigError
+
+    with pytest.raises(ConfigError, match="straddle rank boundaries"):
+        _train_module().main(["--config", _config("fsdp_dilated.json"), "--sp-size", "2", "--seq-len", "768", *SHORT[2:]])
