@@ -384,9 +384,8 @@ class _DeepSpeedEngine(_Engine):
 
 class _FSDPEngine(_Engine):
     def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
-        from seqpar.integrations import fsdp
-
         from seqpar.groups import init_process_groups
+        from seqpar.integrations import fsdp
 
         self.manager = init_process_groups(config=plan.sp)
         self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config)

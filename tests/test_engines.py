@@ -158,6 +158,7 @@ def ds_config(sp: int, mode: str, stage: int, dp: int, micro: int = 1, ga: int =
 
 def _ds_run(rank, world, sp, mode, stage, steps, micro=1, ga=1, sharding="contiguous"):
     from deepspeed.utils import safe_get_full_grad
+
     from seqpar.integrations.deepspeed import initialize
 
     dp = world // sp
@@ -222,10 +223,10 @@ def test_deepspeed_grad_accumulation_zigzag(dist_pool):
 
 
 def _fsdp_run(rank, world, sp, mode, version, steps, sharding="contiguous"):
-    from seqpar.integrations import fsdp
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from seqpar.config import SeqParConfig
+    from seqpar.integrations import fsdp
 
     cfg = SeqParConfig(size=sp, mode=mode, sharding=sharding, swap="none")
     manager = seqpar.init_process_groups(config=cfg)
@@ -316,9 +317,8 @@ def test_deepspeed_training_data_is_sharded(dist_pool, world, sp):
 
 
 def test_deepspeed_refusals_before_engine_start(monkeypatch):
-    from seqpar.integrations import deepspeed as ds
-
     from seqpar.config import ConfigError
+    from seqpar.integrations import deepspeed as ds
 
     cfg = ds_config(2, "ring", 3, 1)
     cfg["zero_optimization"]["reduce_scatter"] = False
@@ -408,8 +408,9 @@ class _FakeApexNormalization:
 
 
 def test_apex_fallback_and_replacement(caplog):
-    from seqpar.integrations import apex
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from seqpar.integrations import apex
 
     torch.manual_seed(0)
     toy = ToyLM()
@@ -436,9 +437,8 @@ def test_deepspeed_config_sources(tmp_path):
     import argparse
     import json
 
-    from seqpar.integrations.deepspeed import load_deepspeed_config
-
     from seqpar.config import ConfigError, SeqParConfig
+    from seqpar.integrations.deepspeed import load_deepspeed_config
 
     cfg = ds_config(2, "allgather", 2, 1)
     path = tmp_path / "ds.json"
