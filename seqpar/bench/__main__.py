@@ -1,0 +1,145 @@
+"""``python -m seqpar.bench <suite> [options]`` (also ``seqpar-bench``): see BENCHMARKS.md.
+
+Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``. Presets: ``--quick``
+(P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
+used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
+Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
+the machine and versions) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "build_parser", "SUITES"]
+
+SUITES = ("attention", "peers", "memory", "train", "comm")
+
+# preset -> defaults (flags given on the command line win)
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"seq_lens": [128, 256], "worlds": [2], "q_heads": 2, "kv_heads": 2, "head_dim": 16,
+             "warmup": 1, "repeats": 1, "budget_mib": 1.0, "train_seq_len": 64, "train_steps": 2,
+             "sp_sizes": [1, 2]},
+    "quick": {"seq_lens": [2048, 4096], "worlds": [2], "q_heads": 8, "kv_heads": 8, "head_dim": 64,
+              "warmup": 1, "repeats": 3, "budget_mib": 64.0, "train_seq_len": 512, "train_steps": 4,
+              "sp_sizes": [1, 2]},
+    "full": {"seq_lens": [2048, 4096, 8192], "worlds": [2, 4], "q_heads": 8, "kv_heads": 8, "head_dim": 64,
+             "warmup": 1, "repeats": 3, "budget_mib": 256.0, "train_seq_len": 2048, "train_steps": 6,
+             "sp_sizes": [1, 2, 4]},
+}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _pair(text: str) -> tuple[int, int]:
+    """``"1048576:8"``, ``"1024k:8"`` or ``"1m:8"`` -> ``(S, P)``."""
+    try:
+        s, p = text.lower().split(":")
+        mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1:], 1)
+        return int(s[:-1] if mult > 1 else s) * mult, int(p)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not S:P, e.g. 1048576:8 or 1024k:8") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="seqpar-bench",
+        description="Benchmarks of seqpar's sequence-parallel attention against single-device attention and peers.",
+    )
+    p.add_argument("suite", choices=[*SUITES, "all"], help="what to measure")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="P=2, S up to 4096 (a few minutes on 2 CPU cores)")
+    preset.add_argument("--tiny", action="store_true", help="toy shapes: checks that every path runs (tests)")
+    p.add_argument("--out", metavar="DIR", help="write DIR/<suite>.json and PNG plots")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g = p.add_argument_group("shapes")
+    g.add_argument("--seq-lens", type=_ints, help="total sequence lengths S, e.g. 2048,4096,8192")
+    g.add_argument("--worlds", type=_ints, help="ranks P, e.g. 2,4")
+    g.add_argument("--batch", type=int, default=1)
+    g.add_argument("--q-heads", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+    g.add_argument("--methods", help="attention suite: comma list of sdpa,ring,allgather,dilated (default all)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--warmup", type=int)
+    g.add_argument("--repeats", type=int)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak-memory pass")
+    g.add_argument("--profile", action="store_true", help="attention: split each step into phases")
+    g.add_argument("--simulate", type=_pair, action="append", metavar="S:P",
+                   help="attention: time one rank of a P-rank ring on this device (default on CUDA: 1048576:8)")
+    g.add_argument("--budget-mib", type=float, help="memory: per-rank budget for the largest-S search")
+    g.add_argument("--sp-sizes", type=_ints, help="train: SP sizes (default 1,2[,4])")
+    g.add_argument("--train-config", default="configs/fsdp_ring.json", help="train: launch/train.py config")
+    g.add_argument("--train-launcher", default="torchrun", choices=["torchrun", "deepspeed"])
+    g.add_argument("--train-seq-len", type=int)
+    g.add_argument("--train-steps", type=int)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill unset options from the preset (``tiny`` / ``quick`` / ``full``) and the device."""
+    from seqpar.bench.runner import resolve_device
+
+    args.preset = "tiny" if args.tiny else "quick" if args.quick else "full"
+    for key, value in _PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.device = resolve_device(args.device)
+    args.causal_list = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.simulate is None:
+        args.simulate = []
+        if args.device == "cuda" and args.suite in ("attention", "all"):
+            args.simulate = [(262144, 8)] if args.preset != "full" else [(1048576, 8)]
+    return args
+
+
+def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one suite, print its report, write JSON/plots when ``--out``; returns the JSON payload."""
+    from seqpar.bench.report import machine_info, write_json
+    from seqpar.bench.runner import Progress
+
+    mod = importlib.import_module(f"seqpar.bench.{name}")
+    cfg = mod.configure(args)
+    bar = Progress(mod.count(cfg), desc=name, enabled=not args.no_progress)
+    t0 = time.perf_counter()
+    try:
+        payload = mod.run(cfg, bar)
+    finally:
+        bar.close()
+    payload = {"suite": name, "command": " ".join(["python -m seqpar.bench", *sys.argv[1:]]),
+               "preset": args.preset, "wall_s": time.perf_counter() - t0, "machine": machine_info(), **payload}
+    print(mod.render(payload), flush=True)
+    if args.out:
+        payload["plots"] = [os.path.relpath(p, args.out) for p in mod.plots(payload, args.out)]
+        path = os.path.join(args.out, f"{name}.json")
+        write_json(path, payload)
+        print(f"wrote {path}" + "".join(f", {os.path.join(args.out, p)}" for p in payload["plots"]), flush=True)
+    return payload
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``."""
+    args = resolve(build_parser().parse_args(argv))
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    for name in names:
+        run_suite(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Peak memory per rank of one attention call, forward + backward: ``estimate_memory(...)``.
+
+The estimate is the live set of tensors at the step's peak moment, read off the algorithms in
+:mod:`seqpar.attention` and checked against exact CPU tensor accounting (MemTracker) by
+``python -m seqpar.bench memory`` and ``tests/test_bench.py`` (within 15%). Units, per rank, with
+``L = seq_len / world_size`` local rows, ``e`` the input element size and ``a`` the accumulator's
+(4 bytes, 8 for float64)::
+
+    Q   = batch * q_heads  * L * head_dim * e      K   = batch * kv_heads * L * head_dim * e
+    Q32 = batch * q_heads  * L * head_dim * a      K32 = batch * kv_heads * L * head_dim * a
+
+Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp (``batch * q_heads
+* L * a``). On top of that, at the peak:
+
+- ``single`` (one process, ``F.scaled_dot_product_attention`` on the whole sequence): the gradients
+  ``dq, dk, dv`` (Q + 2 K) and one Q-sized kernel workspace.
+- ``ring`` (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
+  (Q32 + 2 K32), two K/V receive buffers (4 K, double-buffered), the travelling dK/dV accumulator being
+  sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K; with
+  low-precision inputs also their 2 K32 fp32 copies). Under causal zigzag some ranks' calls cover half
+  a key block, which adds zeroed 2 K32 dK/dV buffers instead. P = 2 has a single remote step: one K/V
+  buffer (2 K) and the accumulator's first hop.
+- ``allgather``: the gathered K/V of all ranks (2 P K) and their fp32 dK/dV (2 P K32), plus the fp32
+  dq accumulator and the kernel's outputs.
+
+All three include the inputs, the output and their gradients, i.e. what a training step holds for
+the attention call. The forward alone peaks lower in every case measured. The model describes the CPU
+kernels; on CUDA the kernels' workspaces (and GQA's expanded K/V in the flash backend) add to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len"]
+
+ESTIMATOR_MODES = ("single", "ring", "allgather")
+
+
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}.get(dtype, dtype)
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype={dtype!r} is not a torch dtype; pass e.g. torch.bfloat16 or 'bfloat16'")
+    return value
+
+
+def estimate_memory(
+    seq_len: int,
+    *,
+    world_size: int,
+    mode: str,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | str = torch.float32,
+    causal: bool = True,
+) -> int:
+    """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
+
+    Args:
+        seq_len: total sequence length S (over the whole SP group).
+        world_size: SP group size P (``mode="single"`` ignores it: one process holds all of S).
+        mode: ``"single"`` (alias ``"sdpa"``), ``"ring"`` or ``"allgather"``.
+        batch, q_heads, kv_heads, head_dim: the attention shape (q_heads a multiple of kv_heads).
+        dtype: the inputs' dtype (accumulators are fp32, fp64 for fp64 inputs).
+        causal: causal attention (zigzag sharding for the distributed modes).
+    Returns:
+        bytes, an estimate of the per-rank peak (the largest over the ranks).
+    Raises:
+        ValueError: unknown mode, a sequence that does not split over the ranks, or bad sizes.
+    """
+    if mode == "sdpa":
+        mode = "single"
+    if mode not in ESTIMATOR_MODES:
+        raise ValueError(f"mode={mode!r} is invalid: choose one of {list(ESTIMATOR_MODES)}")
+    for name, value in (("seq_len", seq_len), ("world_size", world_size), ("batch", batch),
+                        ("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: a positive integer is needed")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
+    dt = _dtype(dtype)
+    world = 1 if mode == "single" else world_size
+    chunks = 2 * world if (causal and world > 1) else world
+    if seq_len % chunks:
+        raise ValueError(f"seq_len={seq_len} does not split into {chunks} equal chunks for world_size={world}")
+    if mode != "single" and world == 1:  # seqpar.attention runs plain SDPA on one rank
+        mode = "single"
+
+    e = torch.tensor([], dtype=dt).element_size()
+    a = 8 if dt == torch.float64 else 4
+    low = e != a  # low-precision inputs: fp32 copies appear where the algorithms upcast
+    rows = batch * (seq_len // world)
+    Q, K = rows * q_heads * head_dim * e, rows * kv_heads * head_dim * e
+    Q32, K32 = rows * q_heads * head_dim * a, rows * kv_heads * head_dim * a
+    lse = rows * q_heads * a
+    base = 3 * Q + 2 * K + lse  # q, out, dout, k, v, saved lse
+
+    if mode == "single":
+        return int(base + (Q + 2 * K) + Q)  # + dq, dk, dv, one Q-sized kernel workspace
+
+    if mode == "allgather":
+        gathered = 2 * world * K + 2 * world * K32
+        at_kernel = base + Q32 + gathered + (Q + 2 * K) + (K32 if low else 0)
+        at_end = base + Q32 + 2 * world * K32 + 2 * K32 + ((Q + 2 * K) if low else 0)
+        return int(max(at_kernel, at_end))
+
+    # ring
+    acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
+    kernel_out = Q + 2 * K + (2 * K32 if low else 0)
+    if causal:  # a call over half a key block: zeroed fp32 dK/dV of the block + outputs for half of it
+        kernel_out = max(kernel_out, 2 * K32 + Q + K + (K32 // 2 if low else 0))
+    convert = (Q + 2 * K) if low else 0  # final casts of the accumulators to the input dtype
+    if world == 2:
+        at_kernel = base + acc + 2 * K + kernel_out
+        at_end = base + acc + 2 * K + 4 * K32 + convert
+    else:
+        at_kernel = base + acc + 4 * K + 4 * K32 + kernel_out
+        at_end = base + acc + 4 * K + 4 * K32 + convert
+    return int(max(at_kernel, at_end))
+
+
+def max_seq_len(
+    budget_bytes: int,
+    *,
+    world_size: int,
+    mode: str,
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | str = torch.float32,
+    causal: bool = True,
+    multiple: int = 1,
+) -> int:
+    """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_memory`
+    fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
+    world = 1 if mode in ("single", "sdpa") else world_size
+    step = (2 * world if causal and world > 1 else world) * multiple
+
+    def fits(s: int) -> bool:
+        return estimate_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
+                               kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal) <= budget_bytes
+
+    if not fits(step):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi * step):  # the estimate is linear in S: doubling finds a bound fast
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
