@@ -8,6 +8,8 @@ Layouts (P = SP size):
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -58,11 +60,22 @@ def _check_length(seq_len: int, world_size: int, sharding: str) -> int:
     return seq_len // n
 
 
-def shard_index(seq_len: int, rank: int, world_size: int, sharding: str = "contiguous", *,
-                device: torch.device | str | None = None) -> Tensor:
+def shard_index(
+    seq_len: int,
+    rank: int,
+    world_size: int,
+    sharding: str = "contiguous",
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
     """Global positions (LongTensor ``(seq_len / P,)``) that ``rank`` holds, in local order."""
     c = _check_length(seq_len, world_size, sharding)
-    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunk_ids(rank, world_size, sharding)])
+    return torch.cat(
+        [
+            torch.arange(i * c, (i + 1) * c, device=device)
+            for i in chunk_ids(rank, world_size, sharding)
+        ]
+    )
 
 
 def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -72,8 +85,9 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup 
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
-def shard_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
-                   sharding: str = "contiguous") -> Tensor:
+def shard_sequence(
+    x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None, sharding: str = "contiguous"
+) -> Tensor:
     """This rank's part of a full tensor (the same full tensor on every rank).
 
     Args:
@@ -93,12 +107,56 @@ def shard_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = Non
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def gather_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None,
-                    sharding: str = "contiguous", grad_reduction: str = "slice") -> Tensor:
+_META_DIMS = 8  # shapes are compared on up to 8 dims (more are folded into the last)
+
+
+def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup, world: int) -> None:
+    """Raise on every rank unless all ranks pass shards of one shape and element size.
+
+    One tiny all-gather of ``(dim length, itemsize, ndim, *shape)``; without it, unequal shards
+    would hang the all-gather or return garbage.
+    """
+    shape = list(x.shape)
+    if len(shape) > _META_DIMS:
+        shape[_META_DIMS - 1 :] = [math.prod(shape[_META_DIMS - 1 :])]
+    meta = [x.shape[dim], x.element_size(), x.dim(), *shape, *[-1] * (_META_DIMS - len(shape))]
+    # the backend decides where a tensor may live: gloo wants CPU, NCCL the current CUDA device
+    device = x.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+    mine = torch.tensor(meta, dtype=torch.int64, device=device)
+    every = torch.empty(world * len(meta), dtype=torch.int64, device=device)
+    all_gather_into(every, mine, group=group)
+    rows = every.view(world, len(meta)).tolist()
+    seq_locals = [row[0] for row in rows]
+    if len(set(seq_locals)) != 1:
+        raise ValueError(
+            f"gather_sequence: the ranks hold shards of different lengths along dim {dim} "
+            f"({seq_locals}); every rank must pass its shard of the same sequence "
+            f"(cut with shard_sequence)"
+        )
+    if any(row != rows[0] for row in rows):
+        shapes = [tuple(row[3 : 3 + min(row[2], _META_DIMS)]) for row in rows]
+        itemsizes = [row[1] for row in rows]
+        raise ValueError(
+            f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
+            f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
+        )
+
+
+def gather_sequence(
+    x: Tensor,
+    dim: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sharding: str = "contiguous",
+    grad_reduction: str = "slice",
+) -> Tensor:
     """The inverse of :func:`shard_sequence`: every rank gets the full tensor, in global order.
 
     Args:
-        x: this rank's shard, ``dim`` of length ``seq / P`` (the same on every rank).
+        x: this rank's shard, ``dim`` of length ``seq / P`` (the same shape on every rank).
+        dim: the sequence dimension (negative allowed).
+        group: the SP group (default: the default manager's SP group, else the world).
+        sharding: ``"contiguous"`` or ``"zigzag"``, as the shard was cut.
         grad_reduction: ``"slice"`` (default) — the backward keeps this rank's part of the incoming
             gradient: right when every rank computes the same loss on the gathered tensor (the
             usual case: the ranks' gradients are copies, not terms). ``"sum"`` — the backward
@@ -107,42 +165,47 @@ def gather_sequence(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = No
     Returns:
         The full tensor, ``dim`` of length ``seq``.
     Raises:
-        ValueError on every rank if the ranks' shard lengths differ.
+        ValueError: on every rank, if the ranks' shards differ in length or shape.
     """
-    group, world, rank = _world_and_rank(group)
+    group, world, _ = _world_and_rank(group)
+    per_rank = len(chunk_ids(0, world, sharding))  # also validates `sharding`
     if world == 1:
-        return x
+        return all_gather(x, dim, group=group, grad_reduction=grad_reduction)  # identity, checked
     dim = dim % x.dim()
-    backend = dist.get_backend(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=device)
-    lengths = torch.empty(world, dtype=torch.int64, device=device)
-    all_gather_into(lengths, mine, group=group)
-    lengths_l = lengths.tolist()
-    if len(set(lengths_l)) != 1:
-        raise ValueError(
-            f"gather_sequence: the ranks hold shards of different lengths along dim {dim} ({lengths_l}); "
-            f"every rank must pass its shard of the same sequence (cut with shard_sequence)"
-        )
-    per_rank = len(chunk_ids(0, world, sharding))
+    _check_same_shape(x, dim, group, world)
     if x.shape[dim] % per_rank:
-        raise ValueError(f"gather_sequence: a zigzag shard needs an even length, got {x.shape[dim]}")
-    full_rank_order = all_gather(x, dim, group, grad_reduction=grad_reduction)
+        raise ValueError(
+            f"gather_sequence: a zigzag shard holds two equal chunks, so its length must be even, "
+            f"got {x.shape[dim]}"
+        )
+    full_rank_order = all_gather(x, dim, group=group, grad_reduction=grad_reduction)
     if sharding == "contiguous":
         return full_rank_order
+    # rank order holds chunks [0, 2P-1, 1, 2P-2, ...]; put each global chunk back in its place
     c = x.shape[dim] // per_rank
-    where = {}  # global chunk id -> position in rank order
-    for r in range(world):
-        for j, i in enumerate(chunk_ids(r, world, sharding)):
-            where[i] = r * per_rank + j
-    return torch.cat([full_rank_order.narrow(dim, where[i] * c, c) for i in range(len(where))], dim=dim)
+    position = {
+        i: r * per_rank + j
+        for r in range(world)
+        for j, i in enumerate(chunk_ids(r, world, sharding))
+    }
+    chunks = [full_rank_order.narrow(dim, position[i] * c, c) for i in range(world * per_rank)]
+    return torch.cat(chunks, dim=dim)
 
 
 def pad_to_multiple(x: Tensor, dim: int, multiple: int, value: float = 0) -> Tensor:
-    """Pad ``dim`` at the end to a multiple of ``multiple`` with ``value``."""
+    """Pad ``dim`` at its end with ``value`` up to the next multiple of ``multiple``.
+
+    E.g. before sharding: ``pad_to_multiple(input_ids, 1, 2 * P, pad_id)`` for zigzag (pad labels
+    with the loss's ignore index so the padding does not count).
+
+    Returns:
+        ``x`` itself if already a multiple, else a padded copy.
+    """
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"pad_to_multiple: multiple must be a positive integer, got {multiple!r}")
     extra = (-x.shape[dim]) % multiple
     if extra == 0:
         return x
     dim = dim % x.dim()
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]  # F.pad lists the last dim first
     return F.pad(x, pad, value=value)

@@ -168,8 +168,8 @@ class _Pool:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         return done
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> tuple[list, bool]:
-        """Run one task. Returns (per-rank values, pool still usable)."""
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float) -> list:
+        """Run one task on every rank; the per-rank return values."""
         task_id = self.next_id
         self.next_id += 1
         payload = pickle.dumps((fn, args, kwargs))
@@ -188,7 +188,7 @@ class _Pool:
             raise _TaskFailed(
                 f"{name} failed on rank(s) {list(failed)}:\n{report}", usable=not stuck
             )
-        return [pickle.loads(done[r][1]) for r in range(self.world_size)], True
+        return [pickle.loads(done[r][1]) for r in range(self.world_size)]
 
     def send_stop(self) -> None:
         for q in self.tasks:
@@ -232,8 +232,7 @@ class DistPool:
             self._pools[world_size] = _Pool(world_size)
         pool = self._pools[world_size]
         try:
-            values, _ = pool.run(fn, args, kwargs, timeout)
-            return values
+            return pool.run(fn, args, kwargs, timeout)
         except _TaskFailed as e:
             if not e.usable:
                 self._drop(world_size)

@@ -8,7 +8,9 @@
 - :class:`ReduceScatter` — forward: sum over ranks, each keeps its block along ``dim``; backward:
   all-gather (the dual).
 
-dtype and device come from the inputs; nothing here hard-codes either.
+dtype and device come from the inputs; nothing here hard-codes either. ``group=None`` means
+:func:`seqpar.groups.resolve_group` (the default manager's SP group, else the world); a group of
+one, or no process group at all, makes every op the identity.
 """
 
 from __future__ import annotations
@@ -18,38 +20,40 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
+from seqpar.groups import resolve_group
 
-__all__ = ["AllGather", "ReduceScatter", "all_gather", "reduce_scatter"]
+__all__ = ["GRAD_REDUCTIONS", "AllGather", "ReduceScatter", "all_gather", "reduce_scatter"]
 
 GRAD_REDUCTIONS = ("slice", "sum")
 
 
 def _gather(x: Tensor, dim: int, group: dist.ProcessGroup, world: int) -> Tensor:
-    # gather along dim 0 (what the backends concatenate along), then move the blocks to `dim`
+    """``(.., n, ..)`` -> ``(.., world * n, ..)``: the backends concatenate along dim 0."""
     x0 = x.movedim(dim, 0).contiguous()  # (n, ...)
-    out = torch.empty((world * x0.shape[0], *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    all_gather_into(out, x0, group=group)
-    return out.movedim(0, dim)
+    out0 = x0.new_empty((world * x0.shape[0], *x0.shape[1:]))  # (world * n, ...)
+    all_gather_into(out0, x0, group=group)
+    return out0.movedim(0, dim)
 
 
 def _reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup, world: int) -> Tensor:
+    """``(.., world * n, ..)`` -> ``(.., n, ..)``: block ``rank`` of the sum over ranks."""
     x0 = x.movedim(dim, 0).contiguous()  # (world * n, ...)
-    out = torch.empty((x0.shape[0] // world, *x0.shape[1:]), dtype=x.dtype, device=x.device)
-    reduce_scatter_into(out, x0, group=group)
-    return out.movedim(0, dim)
+    out0 = x0.new_empty((x0.shape[0] // world, *x0.shape[1:]))  # (n, ...)
+    reduce_scatter_into(out0, x0, group=group)
+    return out0.movedim(0, dim)
 
 
 class AllGather(torch.autograd.Function):
-    """``(.., n, ..)`` on each rank -> ``(.., world * n, ..)``, rank order along ``dim``."""
+    """All-gather along ``dim``; backward: reduce-scatter (its dual) or this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup, grad_reduction: str) -> Tensor:  # noqa: ANN001
+    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup, grad_reduction: str) -> Tensor:
         ctx.dim, ctx.group, ctx.grad_reduction = dim, group, grad_reduction
         ctx.world, ctx.rank = dist.get_world_size(group), dist.get_rank(group)
         return _gather(x, dim, group, ctx.world)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         if ctx.grad_reduction == "sum":
             return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.world), None, None, None
         n = grad.shape[ctx.dim] // ctx.world
@@ -57,33 +61,72 @@ class AllGather(torch.autograd.Function):
 
 
 class ReduceScatter(torch.autograd.Function):
-    """``(.., world * n, ..)`` on each rank -> the sum over ranks of block ``rank``: ``(.., n, ..)``."""
+    """Reduce-scatter (sum) along ``dim``; backward: all-gather (its dual)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:  # noqa: ANN001
+    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
         ctx.dim, ctx.group, ctx.world = dim, group, dist.get_world_size(group)
-        if x.shape[dim] % ctx.world:
-            raise ValueError(
-                f"reduce_scatter: dim {dim} has length {x.shape[dim]}, not a multiple of the group size {ctx.world}"
-            )
         return _reduce_scatter(x, dim, group, ctx.world)
 
     @staticmethod
-    def backward(ctx, grad: Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         return _gather(grad, ctx.dim, ctx.group, ctx.world), None, None
 
 
-def all_gather(x: Tensor, dim: int, group: dist.ProcessGroup | None, *, grad_reduction: str = "slice") -> Tensor:
-    """Differentiable all-gather along ``dim``; identity for a group of one (or no group)."""
-    if grad_reduction not in GRAD_REDUCTIONS:
-        raise ValueError(f"grad_reduction={grad_reduction!r} is invalid: choose one of {list(GRAD_REDUCTIONS)}")
+def _group_of_many(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The resolved group, or ``None`` when the op is the identity (no group, or a group of one)."""
+    group = resolve_group(group)
     if group is None or dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def all_gather(
+    x: Tensor,
+    dim: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    grad_reduction: str = "slice",
+) -> Tensor:
+    """Differentiable all-gather along ``dim``.
+
+    Args:
+        x: ``(.., n, ..)`` with ``n`` at ``dim``; the same shape on every rank.
+        dim: the dimension to concatenate along (negative allowed).
+        group: the process group (default: :func:`seqpar.groups.resolve_group`).
+        grad_reduction: ``"slice"`` or ``"sum"``, see the module docstring.
+    Returns:
+        ``(.., world * n, ..)``, the ranks' blocks in rank order; ``x`` itself for a group of one.
+    """
+    if grad_reduction not in GRAD_REDUCTIONS:
+        raise ValueError(
+            f"grad_reduction={grad_reduction!r} is invalid: choose one of {list(GRAD_REDUCTIONS)}"
+        )
+    group = _group_of_many(group)
+    if group is None:
         return x
     return AllGather.apply(x, dim % x.dim(), group, grad_reduction)
 
 
-def reduce_scatter(x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
-    """Differentiable reduce-scatter (sum) along ``dim``; identity for a group of one."""
-    if group is None or dist.get_world_size(group) == 1:
+def reduce_scatter(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Differentiable reduce-scatter (sum over ranks) along ``dim``.
+
+    Args:
+        x: ``(.., world * n, ..)``; the same shape on every rank.
+        dim: the dimension to scatter along (negative allowed).
+        group: the process group (default: :func:`seqpar.groups.resolve_group`).
+    Returns:
+        ``(.., n, ..)``: block ``rank`` of the sum over ranks; ``x`` itself for a group of one.
+    Raises:
+        ValueError: ``dim`` is not a multiple of the group size.
+    """
+    group = _group_of_many(group)
+    if group is None:
         return x
+    world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"reduce_scatter: dim {dim} has length {x.shape[dim]}, not a multiple of the group "
+            f"size {world}; pad it to a multiple of {world}"
+        )
     return ReduceScatter.apply(x, dim % x.dim(), group)
