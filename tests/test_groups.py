@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -50,3 +53,181 @@ def test_harness_timeout_kills_and_restarts(dist_pool):
         dist_pool.run(2, _sleep, 60.0, timeout=1.0)
     assert time.monotonic() - start < 10.0
     assert dist_pool.run(2, _rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+
+
+# ------------------------------------------------------------------ ProcessGroupManager
+
+# (world size, SP size) -> (SP groups, DP groups), written out from the documented grid.
+GRIDS = {
+    (4, 1): ([[0], [1], [2], [3]], [[0, 1, 2, 3]]),
+    (4, 2): ([[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    (4, 4): ([[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    (3, 3): ([[0, 1, 2]], [[0], [1], [2]]),
+    (3, 1): ([[0], [1], [2]], [[0, 1, 2]]),
+    (8, 2): ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]),
+    (8, 4): ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]]),
+}
+
+MPU_METHODS = [
+    "get_sequence_parallel_group",
+    "get_sequence_parallel_world_size",
+    "get_sequence_parallel_rank",
+    "get_data_parallel_group",
+    "get_data_parallel_world_size",
+    "get_data_parallel_rank",
+    "get_sequence_data_parallel_group",
+    "get_sequence_data_parallel_world_size",
+    "get_sequence_data_parallel_rank",
+    "get_model_parallel_group",
+    "get_model_parallel_world_size",
+    "get_model_parallel_rank",
+]
+
+
+def _members(group) -> list[int]:
+    """Global ranks in ``group``, read back by an all-reduce of one bit per rank."""
+    bits = torch.tensor([float(1 << dist.get_rank())], dtype=torch.float64)
+    dist.all_reduce(bits, group=group)
+    total = int(bits.item())
+    return [r for r in range(dist.get_world_size()) if total >> r & 1]
+
+
+def _describe_groups(rank: int, world_size: int, sp_sizes: list[int]) -> list[dict]:
+    from seqpar.groups import default_manager, init_process_groups, resolve_group
+
+    out = []
+    for sp in sp_sizes:
+        m = init_process_groups(sp)
+        assert default_manager() is m and resolve_group() is m.sp_group
+        out.append(
+            {
+                "sizes": (m.world_size, m.rank, m.sp_size, m.dp_size, m.sp_rank, m.dp_rank),
+                "sp": _members(m.sp_group),
+                "dp": _members(m.dp_group),
+                "sp_dp": _members(m.sp_dp_group),
+                "mp": _members(m.get_model_parallel_group()),
+                "sp_ranks_prop": (m.sp_ranks, m.dp_ranks),
+                "group_ranks": (  # torch's own view of the groups: same ranks, same order
+                    dist.get_process_group_ranks(m.sp_group),
+                    dist.get_process_group_ranks(m.dp_group),
+                ),
+                "rank_in": (dist.get_rank(m.sp_group), dist.get_rank(m.dp_group)),
+                "mpu": {name: getattr(m, name)() for name in MPU_METHODS if "group" not in name},
+                "mpu_groups": [
+                    getattr(m, name)() is g
+                    for name, g in [
+                        ("get_sequence_parallel_group", m.sp_group),
+                        ("get_data_parallel_group", m.dp_group),
+                        ("get_sequence_data_parallel_group", m.sp_dp_group),
+                    ]
+                ],
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("world_size, sp_sizes", [(3, [3, 1]), (4, [1, 2, 4]), (8, [2, 4])])
+def test_grid_groups(dist_pool, world_size: int, sp_sizes: list[int]) -> None:
+    per_rank = dist_pool.run(world_size, _describe_groups, sp_sizes)
+    for i, sp in enumerate(sp_sizes):
+        sp_groups, dp_groups = GRIDS[(world_size, sp)]
+        dp = world_size // sp
+        for rank in range(world_size):
+            d = per_rank[rank][i]
+            my_sp = next(g for g in sp_groups if rank in g)
+            my_dp = next(g for g in dp_groups if rank in g)
+            sp_rank, dp_rank = my_sp.index(rank), my_dp.index(rank)
+            assert d["sizes"] == (world_size, rank, sp, dp, sp_rank, dp_rank), (sp, rank, d)
+            assert d["sp"] == my_sp and d["dp"] == my_dp, (sp, rank, d)
+            assert d["sp_dp"] == list(range(world_size)) and d["mp"] == [rank]
+            assert d["sp_ranks_prop"] == (my_sp, my_dp) == d["group_ranks"]
+            assert d["rank_in"] == (sp_rank, dp_rank)
+            assert d["mpu"] == {
+                "get_sequence_parallel_world_size": sp,
+                "get_sequence_parallel_rank": sp_rank,
+                "get_data_parallel_world_size": dp,
+                "get_data_parallel_rank": dp_rank,
+                "get_sequence_data_parallel_world_size": world_size,
+                "get_sequence_data_parallel_rank": rank,
+                "get_model_parallel_world_size": 1,
+                "get_model_parallel_rank": 0,
+            }
+            assert all(d["mpu_groups"])
+
+
+def _init_bad(rank: int, world_size: int) -> list[str]:
+    from seqpar.config import SeqParConfig
+    from seqpar.groups import default_manager, init_process_groups
+
+    messages = []
+    for kwargs in ({"sp_size": 2}, {"config": SeqParConfig(size=2)}, {"sp_size": 0}):
+        with pytest.raises(ValueError) as info:
+            init_process_groups(**kwargs)
+        messages.append(str(info.value))
+    assert default_manager() is None  # a failed call records nothing
+    # the ranks are still in step: a collective after the errors completes
+    assert _members(None) == list(range(world_size))
+    return messages
+
+
+def test_indivisible_sp_size_is_a_clear_error_on_every_rank(dist_pool) -> None:
+    for messages in dist_pool.run(3, _init_bad):
+        want = (
+            "world size 3 is not divisible by sequence_parallel.size 2; "
+            "choose a size that divides the number of ranks (1, 3)"
+        )
+        assert messages[0] == messages[1] == want
+        assert "positive integer" in messages[2] and "0" in messages[2]
+
+
+def test_indivisible_message_lists_the_divisors() -> None:
+    from seqpar.groups import check_divisible, rank_grid
+
+    with pytest.raises(ValueError) as info:
+        check_divisible(6, 4)
+    assert str(info.value) == (
+        "world size 6 is not divisible by sequence_parallel.size 4; "
+        "choose a size that divides the number of ranks (1, 2, 3, 6)"
+    )
+    assert rank_grid(6, 3).tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def _resolve_rules(rank: int, world_size: int) -> None:
+    from seqpar.groups import default_manager, init_process_groups, resolve_group
+
+    assert default_manager() is None  # the harness resets it between tasks
+    assert resolve_group() is dist.group.WORLD  # no manager: the world
+    m = init_process_groups(1)
+    assert resolve_group() is m.sp_group  # the default manager's SP group
+    assert resolve_group(m.dp_group) is m.dp_group  # an explicit group wins
+
+
+def test_resolve_group_rules(dist_pool) -> None:
+    dist_pool.run(2, _resolve_rules)
+
+
+def test_resolve_group_single_process() -> None:
+    from seqpar.groups import ProcessGroupManager, resolve_group
+
+    if dist.is_initialized():
+        pytest.skip("this test process already joined a process group")
+    assert resolve_group() is None  # callers treat it as world size 1
+    with pytest.raises(RuntimeError, match="init_process_groups"):
+        ProcessGroupManager(1)
+
+
+def test_init_process_groups_without_a_launcher_makes_a_world_of_one() -> None:
+    # A fresh interpreter: this test process must not join a process group itself.
+    code = (
+        "import torch.distributed as dist, seqpar\n"
+        "m = seqpar.init_process_groups(config=seqpar.SeqParConfig(size=1))\n"
+        "print(m.world_size, m.sp_size, m.dp_size, dist.get_backend())\n"
+        "dist.barrier(); dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "1", "1", "gloo"]

@@ -17,10 +17,14 @@ def expected_positions(seq: int, rank: int, world: int, sharding: str) -> list[i
         c = seq // world
         return list(range(rank * c, (rank + 1) * c))
     c = seq // (2 * world)
-    return list(range(rank * c, (rank + 1) * c)) + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
+    return list(range(rank * c, (rank + 1) * c)) + list(
+        range((2 * world - 1 - rank) * c, (2 * world - rank) * c)
+    )
 
 
-def _round_trip(rank: int, world: int, full: torch.Tensor, dim: int, sharding: str, grad_reduction: str) -> dict:
+def _round_trip(
+    rank: int, world: int, full: torch.Tensor, dim: int, sharding: str, grad_reduction: str
+) -> dict:
     x = full.clone().requires_grad_()
     shard = seqpar.shard_sequence(x, dim, sharding=sharding)
     # every rank applies the same weights to the gathered tensor: the loss is replicated
@@ -33,7 +37,11 @@ def _round_trip(rank: int, world: int, full: torch.Tensor, dim: int, sharding: s
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_shard_gather_round_trip_and_grads(dist_pool, world: int) -> None:
     for sharding in SHARDINGS:
-        for dim, shape in ((1, (2, 12 * world, 3)), (2, (2, 3, 12 * world, 5)), (-2, (3, 12 * world, 4))):
+        for dim, shape in (
+            (1, (2, 12 * world, 3)),
+            (2, (2, 3, 12 * world, 5)),
+            (-2, (3, 12 * world, 4)),
+        ):
             full = torch.randn(shape, dtype=torch.float64)
             w = torch.arange(full.numel(), dtype=full.dtype).view(full.shape).sin()
             seq = full.shape[dim]
@@ -43,13 +51,17 @@ def test_shard_gather_round_trip_and_grads(dist_pool, world: int) -> None:
                 for rank, r in enumerate(res):
                     pos = torch.tensor(expected_positions(seq, rank, world, sharding))
                     assert shard_index(seq, rank, world, sharding).tolist() == pos.tolist()
-                    torch.testing.assert_close(r["shard"], full.index_select(dim, pos), rtol=0, atol=0)
+                    torch.testing.assert_close(
+                        r["shard"], full.index_select(dim, pos), rtol=0, atol=0
+                    )
                     torch.testing.assert_close(r["gathered"], full, rtol=0, atol=0)
                     grads += r["grad"]
                 # 'slice': each rank's grad is w at its own positions -> summed over ranks = w.
                 # 'sum': each rank's loss is a separate term -> summed grads = P * w.
                 scale = 1 if grad_reduction == "slice" else world
-                torch.testing.assert_close(grads, scale * w, msg=f"{sharding} dim={dim} {grad_reduction}")
+                torch.testing.assert_close(
+                    grads, scale * w, msg=f"{sharding} dim={dim} {grad_reduction}"
+                )
 
 
 def _bad_gather(rank: int, world: int) -> str:
@@ -86,7 +98,102 @@ def test_single_process_and_padding() -> None:
     assert seqpar.shard_sequence(x, 1) is x or torch.equal(seqpar.shard_sequence(x, 1), x)
     assert torch.equal(seqpar.gather_sequence(x, 1), x)
     padded = pad_to_multiple(x, 1, 4, value=-1.0)
-    assert padded.shape == (2, 8, 3) and torch.equal(padded[:, :6], x) and (padded[:, 6:] == -1).all()
+    assert (
+        padded.shape == (2, 8, 3) and torch.equal(padded[:, :6], x) and (padded[:, 6:] == -1).all()
+    )
     assert chunk_ids(1, 3, "zigzag") == [1, 4]
     with pytest.raises(ValueError, match="striped"):
         chunk_ids(0, 2, "striped")
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def _collectives(rank: int, world: int, xs: torch.Tensor, ws: torch.Tensor, dim: int) -> dict:
+    from seqpar.comm import all_gather, reduce_scatter
+
+    out, d = {}, dim % xs[rank].dim()
+    # reduce_scatter: rank r feeds xs[r] (.., world * n, ..) and weighs its block with ws[r]
+    x = xs[rank].clone().requires_grad_()
+    y = reduce_scatter(x, dim)
+    (y * ws[rank].narrow(dim, 0, y.shape[dim])).sum().backward()
+    out["rs"], out["rs_grad"] = y.detach(), x.grad
+    # all_gather of this rank's block, both backward rules
+    for rule in ("slice", "sum"):
+        part = xs[rank].narrow(d, 0, xs.shape[d + 1] // world).clone().requires_grad_()
+        full = all_gather(part, dim, grad_reduction=rule)
+        (full * ws[rank]).sum().backward()
+        out[f"ag_{rule}"], out[f"ag_{rule}_grad"] = full.detach(), part.grad
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collectives_and_their_dual_backwards(dist_pool, world: int) -> None:
+    for dim in (1, -1):
+        xs = torch.randn(world, 2, 3 * world, 4 * world, dtype=torch.float64)  # one input per rank
+        ws = torch.randn_like(xs)
+        d = dim % 3  # dim inside one rank's (2, 3w, 4w) tensor
+        n = xs.shape[d + 1] // world
+        res = dist_pool.run(world, _collectives, xs, ws, dim)
+        total = xs.sum(0)
+        blocks = [xs[r].narrow(d, 0, n) for r in range(world)]
+        gathered = torch.cat(blocks, dim=d)
+        for rank, r in enumerate(res):
+            torch.testing.assert_close(r["rs"], total.narrow(d, rank * n, n))
+            # backward of reduce-scatter = all-gather of every rank's upstream grad
+            upstream = torch.cat([ws[q].narrow(d, 0, n) for q in range(world)], dim=d)
+            torch.testing.assert_close(r["rs_grad"], upstream)
+            for rule in ("slice", "sum"):
+                torch.testing.assert_close(r[f"ag_{rule}"], gathered, rtol=0, atol=0)
+            # slice: my block of my own upstream grad; sum: my block summed over every rank's
+            torch.testing.assert_close(r["ag_slice_grad"], ws[rank].narrow(d, rank * n, n))
+            torch.testing.assert_close(r["ag_sum_grad"], ws.sum(0).narrow(d, rank * n, n))
+
+
+def _collectives_single(rank: int, world: int) -> bool:
+    from seqpar.comm import all_gather, reduce_scatter
+
+    x = torch.randn(2, 3)
+    return all_gather(x, 0) is x and reduce_scatter(x, 1) is x
+
+
+def test_collectives_are_identity_for_one_rank(dist_pool) -> None:
+    assert dist_pool.run(1, _collectives_single) == [True]
+    from seqpar.comm import all_gather
+
+    with pytest.raises(ValueError, match="grad_reduction"):
+        all_gather(torch.randn(2), 0, grad_reduction="mean")
+
+
+# ------------------------------------------------------------------ groups and bad shapes
+
+
+def _per_sp_group(rank: int, world: int, fulls: torch.Tensor, sharding: str) -> torch.Tensor:
+    m = seqpar.init_process_groups(2)
+    full = fulls[m.dp_rank]  # each SP group works on its own sequence
+    shard = seqpar.shard_sequence(full, 1, sharding=sharding)  # default: the manager's SP group
+    explicit = seqpar.shard_sequence(full, 1, group=m.sp_group, sharding=sharding)
+    assert torch.equal(shard, explicit)
+    return seqpar.gather_sequence(shard, 1, group=m.sp_group, sharding=sharding)
+
+
+def test_each_sp_group_shards_and_gathers_its_own_sequence(dist_pool) -> None:
+    fulls = torch.randn(2, 3, 8, 5)  # (dp, batch, seq, hidden)
+    for sharding in SHARDINGS:
+        res = dist_pool.run(4, _per_sp_group, fulls, sharding)
+        for rank, gathered in enumerate(res):
+            torch.testing.assert_close(gathered, fulls[rank // 2], rtol=0, atol=0)
+
+
+def _bad_shape(rank: int, world: int) -> str:
+    x = torch.randn(2, 4, 3 if rank == 0 else 5)  # same length, different hidden size
+    try:
+        seqpar.gather_sequence(x, 1)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_gather_with_unequal_shapes_fails_on_every_rank(dist_pool) -> None:
+    for msg in dist_pool.run(2, _bad_shape, timeout=60):
+        assert "differ outside dim 1" in msg and "[(2, 4, 3), (2, 4, 5)]" in msg, msg
