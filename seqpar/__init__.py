@@ -28,6 +28,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "shard_sequence": "seqpar.sharding",
     "gather_sequence": "seqpar.sharding",
+    "shard_index": "seqpar.sharding",
+    "pad_to_multiple": "seqpar.sharding",
+    "set_default_manager": "seqpar.groups",
+    "resolve_group": "seqpar.groups",
     "dilated_attention": "seqpar.attention.dilated",
     "swap_attention": "seqpar.swap",
     "SwapReport": "seqpar.swap",
