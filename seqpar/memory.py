@@ -24,7 +24,9 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   dq accumulator and the kernel's outputs.
 
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
-the attention call. The forward alone peaks lower in every case measured. The model describes the CPU
+the attention call. The forward peaks lower, except with low-precision inputs and few K/V heads:
+there the merge's two fp32 copies of a block output (2 Q32) on top of ``q, k, v, dout``, the fp32
+output accumulator and the K/V buffers can be the step's peak. The model describes the CPU
 kernels; on CUDA the kernels' workspaces (and GQA's expanded K/V in the flash backend) add to it.
 """
 
@@ -103,11 +105,15 @@ def estimate_memory(
     if mode == "single":
         return int(base + (Q + 2 * K) + Q)  # + dq, dk, dv, one Q-sized kernel workspace
 
+    # forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the K/V buffers, the block's
+    # output; low-precision outputs are upcast for the merge (two Q32 temporaries), plus lse temporaries
+    fwd_merge = 2 * Q + 2 * K + Q32 + Q + (2 * Q32 if low else 0) + 5 * lse
+
     if mode == "allgather":
         gathered = 2 * world * K + 2 * world * K32
         at_kernel = base + Q32 + gathered + (Q + 2 * K) + (K32 if low else 0)
         at_end = base + Q32 + 2 * world * K32 + 2 * K32 + ((Q + 2 * K) if low else 0)
-        return int(max(at_kernel, at_end))
+        return int(max(at_kernel, at_end, fwd_merge + 2 * world * K))
 
     # ring
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
@@ -118,10 +124,12 @@ def estimate_memory(
     if world == 2:
         at_kernel = base + acc + 2 * K + kernel_out
         at_end = base + acc + 2 * K + 4 * K32 + convert
+        fwd = fwd_merge + 2 * K
     else:
         at_kernel = base + acc + 4 * K + 4 * K32 + kernel_out
         at_end = base + acc + 4 * K + 4 * K32 + convert
-    return int(max(at_kernel, at_end))
+        fwd = fwd_merge + 4 * K
+    return int(max(at_kernel, at_end, fwd))
 
 
 def max_seq_len(

@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int)
     g.add_argument("--repeats", type=int)
+    g.add_argument("--rounds", type=int, default=1,
+                   help="interleave the cases this many times (fair against drifting background load)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-memory", action="store_true", help="skip the (untimed) peak-memory pass")
     g.add_argument("--profile", action="store_true", help="attention: split each step into phases")
@@ -96,6 +98,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     from seqpar.bench.runner import resolve_device
 
     args.preset = "tiny" if args.tiny else "quick" if args.quick else "full"
+    args.explicit = {key for key in _PRESETS[args.preset] if getattr(args, key, None) is not None}
     for key, value in _PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

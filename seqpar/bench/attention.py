@@ -30,14 +30,22 @@ import importlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqpar.bench.runner import RankContext, RankPool, combine, peak_memory, sync, time_step
+from seqpar.bench.runner import (
+    PoolSet,
+    RankContext,
+    combine,
+    merge_rounds,
+    peak_memory,
+    sync,
+    time_step,
+)
 from seqpar.comm.ring import Pending
 
 __all__ = [
@@ -86,6 +94,12 @@ class Settings:
     """Also run one step under the memory tracker (untimed)."""
     profile: bool = False
     """Also run one step with phase timers (untimed)."""
+    rounds: int = 1
+    """Interleave the cases this many times (A, B, C, A, B, C, ...); repeats of all rounds pool."""
+
+    def first_round(self, rnd: int) -> Settings:
+        """The settings of round ``rnd``: memory and profile passes only in the first round."""
+        return self if rnd == 0 else replace(self, memory=False, profile=False)
 
 
 def make_inputs(
@@ -483,35 +497,32 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, *
     ``progress(label)`` is called before each case (the CLI drives a progress bar with it).
     """
     cases, skipped = plan_cases(cfg)
-    rows: list[dict[str, Any]] = []
-    by_world: dict[int, list[tuple[str, int, int, bool]]] = {}
-    for c in cases:
-        by_world.setdefault(c[1], []).append(c)
     device = cfg.device
-    for world, world_cases in by_world.items():
+    runnable = []
+    for method, world, seq_len, causal in cases:
         if device == "cuda" and torch.cuda.device_count() < world:
-            for method, _, seq_len, causal in world_cases:
-                skipped.append({"method": method, "P": world, "S": seq_len, "causal": causal, "status": "skipped",
-                                "reason": f"needs {world} GPUs for a real NCCL ring, this machine has "
-                                          f"{torch.cuda.device_count()}; see the one-rank simulation"})
-                if progress:
-                    progress(f"skip {method} P={world}")
-            continue
-        with RankPool(world, device=device) as pool:
-            for method, _, seq_len, causal in world_cases:
+            skipped.append({"method": method, "P": world, "S": seq_len, "causal": causal, "status": "skipped",
+                            "reason": f"needs {world} GPUs for a real NCCL ring, this machine has "
+                                      f"{torch.cuda.device_count()}; see the one-rank simulation"})
+        else:
+            runnable.append((method, world, seq_len, causal))
+    raw: dict[tuple[str, int, int, bool], list[list[dict[str, Any]]]] = {c: [] for c in runnable}
+    simulated: list[dict[str, Any]] = []
+    with PoolSet(device) as pools:
+        for rnd in range(cfg.settings.rounds):
+            settings = cfg.settings.first_round(rnd)
+            for method, world, seq_len, causal in runnable:
                 if progress:
                     progress(f"{method} P={world} S={seq_len}{' causal' if causal else ''}")
-                per_rank = pool.run(run_case, method, seq_len, causal, cfg.shape, cfg.settings)
-                rows.append(summarize_case(method, seq_len, world, causal, cfg.shape, per_rank))
+                raw[(method, world, seq_len, causal)].append(
+                    pools.get(world).run(run_case, method, seq_len, causal, cfg.shape, settings))
+        for seq_len, sim_world in cfg.simulate:  # one process plays one rank of the ring
+            for causal in cfg.causal:
+                if progress:
+                    progress(f"simulate rank of P={sim_world} S={seq_len}")
+                simulated.append(pools.get(1).run(simulate_rank, seq_len, sim_world, causal, cfg.shape, cfg.settings)[0])
+    rows = [summarize_case(m, s, w, c, cfg.shape, merge_rounds(raw[(m, w, s, c)])) for m, w, s, c in runnable]
     attach_ideal(rows)
-    simulated = []
-    if cfg.simulate:
-        with RankPool(1, device=device) as pool:
-            for seq_len, world in cfg.simulate:
-                for causal in cfg.causal:
-                    if progress:
-                        progress(f"simulate rank of P={world} S={seq_len}")
-                    simulated.append(pool.run(simulate_rank, seq_len, world, causal, cfg.shape, cfg.settings)[0])
     return {
         "config": {
             "seq_lens": list(cfg.seq_lens), "worlds": list(cfg.worlds), "methods": list(cfg.methods),
@@ -527,7 +538,7 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, *
 def count_cases(cfg: SuiteConfig) -> int:
     """How many progress steps :func:`run_suite` will report."""
     cases, _ = plan_cases(cfg)
-    return len(cases) + len(cfg.simulate) * len(cfg.causal)
+    return len(cases) * cfg.settings.rounds + len(cfg.simulate) * len(cfg.causal)
 
 
 # ------------------------------------------------------------------------------------- reporting
@@ -648,7 +659,7 @@ def configure(args: Any) -> SuiteConfig:
         shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
                          head_dim=args.head_dim, dtype=args.dtype),
         settings=Settings(warmup=args.warmup, repeats=args.repeats, seed=args.seed,
-                          memory=not args.no_memory, profile=args.profile),
+                          memory=not args.no_memory, profile=args.profile, rounds=args.rounds),
         device=args.device, simulate=args.simulate,
     )
 

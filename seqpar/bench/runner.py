@@ -43,6 +43,8 @@ __all__ = [
     "peak_memory",
     "resolve_device",
     "Progress",
+    "PoolSet",
+    "merge_rounds",
 ]
 
 _STOP = "__stop__"
@@ -151,6 +153,7 @@ class RankPool:
             for r in range(world_size)
         ]
         self._next_id = 0
+        self._closed = False
         for p in self._procs:
             p.start()
         try:
@@ -197,6 +200,8 @@ class RankPool:
 
     def close(self) -> None:
         """Stop the workers (barrier, destroy the group, exit); kill stragglers."""
+        if self._closed:
+            return
         for q in self._tasks:
             q.put(_STOP)
         deadline = time.monotonic() + 15.0
@@ -205,6 +210,10 @@ class RankPool:
         self.kill()
 
     def kill(self) -> None:
+        """End the workers now (after a failure, or once they were told to stop)."""
+        if self._closed:
+            return
+        self._closed = True
         for p in self._procs:
             if p.is_alive():
                 p.kill()
@@ -327,3 +336,43 @@ class Progress:
             if self._started:
                 self._bar.update(1)
             self._bar.close()
+
+
+def merge_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per-rank records of one case measured in several rounds -> one record per rank.
+
+    Suites interleave their cases round by round (case A, B, C, then A, B, C again) so that a change
+    in background load hits every method alike instead of whichever ran at that moment. The timing
+    lists of the rounds are concatenated; every other key comes from the first round.
+    """
+    merged = []
+    for rank_recs in zip(*rounds):
+        rec = dict(rank_recs[0])
+        rec["timing"] = {key: [x for r in rank_recs for x in r["timing"][key]] for key in rank_recs[0]["timing"]}
+        merged.append(rec)
+    return merged
+
+
+class PoolSet:
+    """One :class:`RankPool` per world size, started on first use and kept until :meth:`close`
+    (idle ranks block on their queue and cost no CPU)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        if world not in self._pools or self._pools[world]._closed:
+            self._pools[world] = RankPool(world, device=self.device)
+        return self._pools[world]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+    def __enter__(self) -> PoolSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,273 @@
+"""The ``comm`` suite: bytes each rank sends per attention call (one layer), against the theory.
+
+Bytes are counted inside the ranks by wrapping torch.distributed's own entry points while one
+forward+backward runs, so the figure is what goes on the wire, not what seqpar's counters say:
+``batch_isend_irecv`` (the bytes of every isend), ``all_gather_*`` ((P-1) x the input: a ring
+all-gather sends every block but one's own), ``reduce_scatter_*`` ((P-1) x the output),
+``all_to_all_single`` ((P-1)/P of the input) and ``all_reduce`` (2 (P-1)/P of the tensor).
+
+Theory per rank, with ``B`` one rank's K (or V) block in the input dtype and ``B32`` the same in fp32:
+
+- ring:      forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (the K/V again, the travelling dK/dV)
+- allgather: forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (re-gather, reduce-scatter dK/dV)
+- ulysses:   forward (P-1)/P (2 Q + 2 K) (all-to-all of q, k, v and of the output); backward the same
+- dilated:   see :mod:`seqpar.attention.dilated` (depends on the pattern); measured only
+
+plus a few bytes for seqpar's cross-rank shape check. The suite also times one K/V block exchange
+between ring neighbours to show what the transport costs next to the compute of a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from seqpar.bench.attention import BenchShape, _dilated_problem, _forward_fn, make_inputs
+from seqpar.bench.runner import RankContext, RankPool, sync
+
+__all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
+
+_MODES = ("ring", "allgather", "ulysses", "dilated")
+
+
+@dataclass(frozen=True)
+class CommConfig:
+    """What one ``comm`` run covers."""
+
+    seq_lens: list[int]
+    worlds: list[int]
+    causal: list[bool]
+    shape: BenchShape
+    seed: int = 0
+    device: str = "cpu"
+    repeats: int = 5
+
+
+def _tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs[name]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# name -> (kind, bytes this rank sends given (world, args, kwargs)). dist.isend / dist.send are left
+# alone: P2POp checks them by identity, and seqpar's ring posts them through batch_isend_irecv.
+_COUNTERS: dict[str, tuple[str, Callable[[int, tuple[Any, ...], dict[str, Any]], int]]] = {
+    "batch_isend_irecv": ("p2p", lambda w, a, k: sum(
+        _nbytes(op.tensor) for op in _tensor_arg(a, k, 0, "p2p_op_list") if op.op is dist.isend)),
+    "all_gather_single": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "input_tensor"))),
+    "all_gather_into_tensor": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "input_tensor"))),
+    "all_gather": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "tensor"))),
+    "reduce_scatter_single": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 0, "output"))),
+    "reduce_scatter_tensor": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 0, "output"))),
+    "all_to_all_single": ("collective", lambda w, a, k: _nbytes(_tensor_arg(a, k, 1, "input")) * (w - 1) // w),
+    "all_reduce": ("collective", lambda w, a, k: 2 * _nbytes(_tensor_arg(a, k, 0, "tensor")) * (w - 1) // w),
+}
+
+
+@contextlib.contextmanager
+def _counting(world: int) -> Iterator[dict[str, int]]:
+    """Count bytes sent by this rank through torch.distributed while the block runs (also through
+    the aliases seqpar.comm.compat resolved at import time)."""
+    import seqpar.comm.compat as compat
+
+    sent = {"p2p": 0, "collective": 0}
+    saved: list[tuple[Any, str, Any]] = []
+
+    def counted(fn: Callable[..., Any], kind: str, nbytes: Callable[..., int]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            sent[kind] += nbytes(world, args, kwargs)
+            return fn(*args, **kwargs)
+        return call
+
+    originals = {}
+    for name, (kind, nbytes) in _COUNTERS.items():
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            originals[fn] = (kind, nbytes)
+            saved.append((dist, name, fn))
+            setattr(dist, name, counted(fn, kind, nbytes))
+    for alias in ("_all_gather", "_reduce_scatter"):
+        fn = getattr(compat, alias, None)
+        if fn in originals:
+            saved.append((compat, alias, fn))
+            setattr(compat, alias, counted(fn, *originals[fn]))
+    try:
+        yield sent
+    finally:
+        for obj, name, fn in reversed(saved):
+            setattr(obj, name, fn)
+
+
+def count_bytes(ctx: RankContext, mode: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> dict[str, int]:
+    """Bytes this rank sends in one forward and one backward of ``mode``."""
+    seq_local = seq_len // ctx.world_size
+    if mode == "ulysses":
+        from deepspeed.sequence.layer import DistributedAttention
+
+        from seqpar.bench.peers import _deepspeed_ready, _SDPALocal, _ulysses_inputs
+
+        _deepspeed_ready(ctx.device)
+        attn = DistributedAttention(_SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
+        q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
+
+        def fwd() -> torch.Tensor:
+            return attn(q, k, v, 0)
+    else:
+        f = _forward_fn(mode, causal, seq_len)
+        q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
+
+        def fwd() -> torch.Tensor:
+            return f(q, k, v)
+
+    with _counting(ctx.world_size) as sent:
+        out = fwd()
+        f_bytes = dict(sent)
+        out.backward(dout)
+    return {"fwd": sum(f_bytes.values()), "bwd": sum(sent.values()) - sum(f_bytes.values()),
+            "fwd_p2p": f_bytes["p2p"], "bwd_p2p": sent["p2p"] - f_bytes["p2p"]}
+
+
+def exchange_time(ctx: RankContext, seq_len: int, shape: BenchShape, seed: int, repeats: int) -> float:
+    """Median seconds of one ring exchange of this rank's K and V blocks (send next, receive previous)."""
+    from seqpar.comm.ring import RingComm
+
+    comm = RingComm()
+    _, k, v, _ = make_inputs(shape, seq_len // ctx.world_size, ctx.device, seed + ctx.rank, requires_grad=False)
+    times = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        sync(ctx.device)
+        t0 = time.perf_counter()
+        comm.exchange([k, v]).wait()
+        sync(ctx.device)
+        if i:  # the first exchange sets up the connections
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def theory(mode: str, seq_len: int, world: int, shape: BenchShape) -> dict[str, int] | None:
+    """Bytes per rank per forward / backward from the formulas in the module docstring."""
+    e = torch.tensor([], dtype=shape.torch_dtype).element_size()
+    a = 8 if shape.torch_dtype == torch.float64 else 4
+    elems_kv = shape.batch * shape.kv_heads * (seq_len // world) * shape.head_dim
+    elems_q = shape.batch * shape.q_heads * (seq_len // world) * shape.head_dim
+    if mode in ("ring", "allgather"):
+        return {"fwd": 2 * (world - 1) * elems_kv * e, "bwd": 2 * (world - 1) * elems_kv * (e + a)}
+    if mode == "ulysses":
+        per = (2 * elems_q + 2 * elems_kv) * e * (world - 1) // world
+        return {"fwd": per, "bwd": per}
+    return None
+
+
+def configure(args: Any) -> CommConfig:
+    """A :class:`CommConfig` from the CLI's resolved arguments."""
+    worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
+    return CommConfig(
+        seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
+        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, dtype=args.dtype),
+        seed=args.seed, device=args.device, repeats=max(3, args.repeats),
+    )
+
+
+def count(cfg: CommConfig) -> int:
+    """Progress steps of :func:`run`."""
+    return len(cfg.worlds) * len(cfg.seq_lens) * (len(cfg.causal) * len(_MODES) + 1)
+
+
+def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> str | None:
+    if mode == "ulysses" and (shape.kv_heads % world or shape.q_heads % world):
+        return f"Ulysses needs q_heads and kv_heads divisible by P={world}"
+    if mode == "dilated":
+        return _dilated_problem(seq_len, world, shape)
+    if seq_len % (2 * world if causal else world):
+        return f"S={seq_len} does not split into {2 * world if causal else world} chunks"
+    return None
+
+
+def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Count every mode's bytes at every (P, S, causal) and time a block exchange; returns the payload."""
+    rows: list[dict[str, Any]] = []
+    exchanges: list[dict[str, Any]] = []
+    for world in cfg.worlds:
+        if cfg.device == "cuda" and torch.cuda.device_count() < world:
+            continue
+        with RankPool(world, device=cfg.device) as pool:
+            for seq_len in cfg.seq_lens:
+                for causal in cfg.causal:
+                    for mode in _MODES:
+                        progress(f"{mode} P={world} S={seq_len}")
+                        why = _problem(mode, seq_len, world, causal, cfg.shape)
+                        row: dict[str, Any] = {"mode": mode, "P": world, "S": seq_len, "causal": causal}
+                        if why:
+                            rows.append({**row, "status": "skipped", "reason": why})
+                            continue
+                        per_rank = pool.run(count_bytes, mode, seq_len, causal, cfg.shape, cfg.seed)
+                        row.update(status="ok", fwd_bytes=max(r["fwd"] for r in per_rank),
+                                   bwd_bytes=max(r["bwd"] for r in per_rank), per_rank=per_rank)
+                        th = theory(mode, seq_len, world, cfg.shape)
+                        if th:
+                            row.update(theory_fwd=th["fwd"], theory_bwd=th["bwd"],
+                                       vs_theory=(row["fwd_bytes"] + row["bwd_bytes"]) / (th["fwd"] + th["bwd"]))
+                        rows.append(row)
+                progress(f"exchange P={world} S={seq_len}")
+                secs = max(pool.run(exchange_time, seq_len, cfg.shape, cfg.seed, cfg.repeats))
+                nbytes = 2 * cfg.shape.batch * cfg.shape.kv_heads * (seq_len // world) * cfg.shape.head_dim \
+                    * torch.tensor([], dtype=cfg.shape.torch_dtype).element_size()
+                exchanges.append({"P": world, "S": seq_len, "bytes": nbytes, "seconds": secs,
+                                  "GB_per_s": nbytes / secs / 1e9})
+    return {"config": {"seq_lens": cfg.seq_lens, "worlds": cfg.worlds, "causal": cfg.causal,
+                       "shape": asdict(cfg.shape), "device": cfg.device},
+            "results": rows, "exchange": exchanges}
+
+
+def render(payload: dict[str, Any]) -> str:
+    """Measured bytes per rank per layer against the theory, and the block-exchange timings."""
+    from seqpar.bench.report import fmt_bytes, fmt_s, format_table
+
+    ok = [r for r in payload["results"] if r["status"] == "ok"]
+    rows = [{
+        "mode": r["mode"], "P": r["P"], "S": r["S"], "causal": "yes" if r["causal"] else "no",
+        "fwd": fmt_bytes(r["fwd_bytes"]), "tfwd": fmt_bytes(r.get("theory_fwd")),
+        "bwd": fmt_bytes(r["bwd_bytes"]), "tbwd": fmt_bytes(r.get("theory_bwd")), "x": r.get("vs_theory"),
+    } for r in ok]
+    cols = [("mode", "mode"), ("P", "P"), ("S", "S"), ("causal", "causal"), ("fwd sent", "fwd"),
+            ("theory", "tfwd"), ("bwd sent", "bwd"), ("theory", "tbwd"), ("x theory", "x")]
+    out = ["comm: bytes sent per rank per attention call (measured at torch.distributed)", format_table(rows, cols)]
+    skipped = [r for r in payload["results"] if r["status"] == "skipped"]
+    if skipped:
+        out.append("not run:")
+        out += [f"  {r['mode']} P={r['P']} S={r['S']}: {r['reason']}" for r in skipped]
+    ex = [{"P": e["P"], "S": e["S"], "bytes": fmt_bytes(e["bytes"]), "t": fmt_s(e["seconds"]),
+           "bw": f"{e['GB_per_s']:.2f} GB/s"} for e in payload["exchange"]]
+    out += ["one ring exchange of a rank's K and V blocks (slowest rank, median):",
+            format_table(ex, [("P", "P"), ("S", "S"), ("K+V bytes", "bytes"), ("time", "t"), ("bandwidth", "bw")])]
+    return "\n".join(out)
+
+
+def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
+    """Bytes per rank per layer (fwd+bwd) against S, measured and theory."""
+    from seqpar.bench.report import plot_series
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    for r in payload["results"]:
+        if r["status"] != "ok" or r["causal"]:
+            continue
+        series.setdefault(f"{r['mode']} P={r['P']}", []).append((r["S"], (r["fwd_bytes"] + r["bwd_bytes"]) / 2**20))
+        if r.get("theory_fwd") is not None:
+            series.setdefault(f"{r['mode']} P={r['P']} (theory)", []).append(
+                (r["S"], (r["theory_fwd"] + r["theory_bwd"]) / 2**20))
+    path = plot_series(os.path.join(out_dir, "comm_bytes_vs_S.png"), series,
+                       title="bytes sent per rank per attention call, fwd+bwd (non-causal)",
+                       xlabel="total sequence length S", ylabel="MiB", logx=True, logy=True)
+    return [path] if path else []

@@ -1,0 +1,174 @@
+"""The ``memory`` suite: peak bytes per rank against S, the largest S a budget fits, the estimator.
+
+For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring`` and ``allgather``
+(inputs, outputs and gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA) and
+prints :func:`seqpar.memory.estimate_memory`'s prediction beside it. Then, for a per-rank budget, it
+asks the estimator for the largest S each method fits and measures that S to confirm it fits.
+No timing here: the attention suite times, this one only counts bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from seqpar.bench.attention import BenchShape, _forward_fn, make_inputs
+from seqpar.bench.runner import RankContext, RankPool, peak_memory
+from seqpar.memory import estimate_memory, max_seq_len
+
+__all__ = ["MemoryConfig", "measure_peak", "configure", "count", "run", "render", "plots"]
+
+_METHODS = ("sdpa", "ring", "allgather")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What one ``memory`` run covers."""
+
+    seq_lens: list[int]
+    worlds: list[int]
+    causal: list[bool]
+    shape: BenchShape
+    budget_bytes: int
+    seed: int = 0
+    device: str = "cpu"
+
+
+def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> int:
+    """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included."""
+    fwd = _forward_fn(method, causal, seq_len)
+    seq_local = seq_len // ctx.world_size
+
+    def step() -> None:
+        q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
+        fwd(q, k, v).backward(dout)
+
+    return peak_memory(step, ctx.device)
+
+
+def _estimate(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> int:
+    return estimate_memory(seq_len, world_size=world, mode="single" if method == "sdpa" else method,
+                           batch=shape.batch, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
+                           head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal)
+
+
+def _largest(method: str, world: int, causal: bool, cfg: MemoryConfig) -> int:
+    s = cfg.shape
+    return max_seq_len(cfg.budget_bytes, world_size=world, mode="single" if method == "sdpa" else method,
+                       batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
+                       dtype=s.torch_dtype, causal=causal, multiple=64)
+
+
+def configure(args: Any) -> MemoryConfig:
+    """A :class:`MemoryConfig` from the CLI's resolved arguments (P = 2 and 4 unless ``--worlds``)."""
+    worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
+    return MemoryConfig(
+        seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
+        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                         head_dim=args.head_dim, dtype=args.dtype),
+        budget_bytes=int(args.budget_mib * 2**20), seed=args.seed, device=args.device,
+    )
+
+
+def count(cfg: MemoryConfig) -> int:
+    """Progress steps of :func:`run`."""
+    per_causal = len(cfg.seq_lens) * (1 + 2 * len(cfg.worlds)) + 1 + 2 * len(cfg.worlds)
+    return per_causal * len(cfg.causal)
+
+
+def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload."""
+    rows: list[dict[str, Any]] = []
+    largest: list[dict[str, Any]] = []
+    for world in [1, *cfg.worlds]:
+        if cfg.device == "cuda" and torch.cuda.device_count() < world:
+            continue
+        methods = ["sdpa"] if world == 1 else ["ring", "allgather"]
+        with RankPool(world, device=cfg.device) as pool:
+            for causal in cfg.causal:
+                for method in methods:
+                    for seq_len in cfg.seq_lens:
+                        progress(f"{method} P={world} S={seq_len}")
+                        peaks = pool.run(measure_peak, method, seq_len, causal, cfg.shape, cfg.seed)
+                        est = _estimate(method, seq_len, world, causal, cfg.shape)
+                        rows.append({"method": method, "P": world, "S": seq_len, "causal": causal,
+                                     "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
+                                     "bytes_per_token": max(peaks) / (seq_len / world),
+                                     "estimate_bytes": est, "estimate_error": est / max(peaks) - 1.0})
+                    progress(f"largest S {method} P={world}")
+                    s_max = _largest(method, world, causal, cfg)
+                    entry: dict[str, Any] = {"method": method, "P": world, "causal": causal,
+                                             "budget_bytes": cfg.budget_bytes, "largest_S": s_max}
+                    if s_max:
+                        peaks = pool.run(measure_peak, method, s_max, causal, cfg.shape, cfg.seed)
+                        entry["measured_bytes"] = max(peaks)
+                        entry["fits"] = max(peaks) <= cfg.budget_bytes
+                        entry["measured_vs_budget"] = max(peaks) / cfg.budget_bytes
+                    largest.append(entry)
+    _ratios(rows)
+    return {"config": {"seq_lens": cfg.seq_lens, "worlds": cfg.worlds, "causal": cfg.causal,
+                       "shape": asdict(cfg.shape), "budget_bytes": cfg.budget_bytes, "device": cfg.device},
+            "results": rows, "largest": largest}
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    single = {(r["S"], r["causal"]): r["peak_bytes"] for r in rows if r["method"] == "sdpa"}
+    for r in rows:
+        base = single.get((r["S"], r["causal"]))
+        if r["method"] != "sdpa" and base:
+            r["mem_vs_single"] = r["peak_bytes"] / base
+
+
+def render(payload: dict[str, Any]) -> str:
+    """Measured vs estimated peak per rank, memory per token, and the budget's largest S."""
+    from seqpar.bench.report import fmt_bytes, format_table
+
+    rows = [{
+        "method": r["method"], "P": r["P"], "S": r["S"], "causal": "yes" if r["causal"] else "no",
+        "peak": fmt_bytes(r["peak_bytes"]), "est": fmt_bytes(r["estimate_bytes"]),
+        "err": f"{r['estimate_error']:+.1%}", "tok": fmt_bytes(r["bytes_per_token"]), "ratio": r.get("mem_vs_single"),
+    } for r in payload["results"]]
+    cols = [("method", "method"), ("P", "P"), ("S", "S"), ("causal", "causal"), ("measured peak/rank", "peak"),
+            ("estimate", "est"), ("est err", "err"), ("per local token", "tok"), ("vs single", "ratio")]
+    out = ["memory: peak tensor bytes per rank over forward+backward (inputs, outputs, gradients included)",
+           format_table(rows, cols)]
+    budget = fmt_bytes(payload["config"]["budget_bytes"])
+    big = [{"method": e["method"], "P": e["P"], "causal": "yes" if e["causal"] else "no", "S": e["largest_S"],
+            "meas": fmt_bytes(e.get("measured_bytes")), "x": e.get("measured_vs_budget"), "fits": e.get("fits")}
+           for e in payload["largest"]]
+    out += [f"largest S within {budget} per rank (estimator; measured at that S):",
+            format_table(big, [("method", "method"), ("P", "P"), ("causal", "causal"), ("largest S", "S"),
+                               ("measured", "meas"), ("x budget", "x"), ("fits", "fits")])]
+    for r in payload["results"]:
+        if r["method"] == "ring" and r["P"] == 4 and r.get("mem_vs_single"):
+            out.append(f"ring P=4 S={r['S']}{' causal' if r['causal'] else ''}: peak per rank "
+                       f"{r['mem_vs_single']:.2f}x single-process (issue 5 target <= 0.35x)")
+    return "\n".join(out)
+
+
+def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
+    """Memory vs S (measured points, estimator alongside) and bytes per local token vs S."""
+    from seqpar.bench.report import plot_series
+
+    def key(r: dict[str, Any]) -> str:
+        world = "" if r["P"] == 1 else f" P={r['P']}"
+        return f"{r['method']}{world}{' causal' if r['causal'] else ''}"
+
+    meas: dict[str, list[tuple[float, float]]] = {}
+    per_tok: dict[str, list[tuple[float, float]]] = {}
+    for r in payload["results"]:
+        meas.setdefault(key(r), []).append((r["S"], r["peak_bytes"] / 2**20))
+        meas.setdefault(key(r) + " (estimate)", []).append((r["S"], r["estimate_bytes"] / 2**20))
+        per_tok.setdefault(key(r), []).append((r["S"], r["bytes_per_token"] / 2**10))
+    paths = [
+        plot_series(os.path.join(out_dir, "memory_vs_S.png"), meas, title="peak memory per rank: measured and estimated",
+                    xlabel="total sequence length S", ylabel="MiB", logx=True, logy=True),
+        plot_series(os.path.join(out_dir, "memory_per_token.png"), per_tok,
+                    title="peak memory per local token (flat = O(S/P) per rank)",
+                    xlabel="total sequence length S", ylabel="KiB per token held", logx=True),
+    ]
+    return [p for p in paths if p]
