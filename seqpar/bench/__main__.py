@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--q-heads", type=int)
     g.add_argument("--kv-heads", type=int)
     g.add_argument("--head-dim", type=int)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default float32 on CPU, bfloat16 on CUDA (flash kernels)")
     g.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     g.add_argument("--methods", help="attention suite: comma list of sdpa,ring,allgather,dilated (default all)")
     g = p.add_argument_group("measurement")
@@ -103,6 +104,12 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.device = resolve_device(args.device)
+    if args.device == "cuda":  # GPU kernels need longer sequences before they are worth timing
+        cuda_lens = {"tiny": [1024, 2048], "quick": [8192, 32768], "full": [8192, 32768, 131072]}
+        if "seq_lens" not in args.explicit:
+            args.seq_lens = cuda_lens[args.preset]
+        args.dtype = args.dtype or "bfloat16"
+    args.dtype = args.dtype or "float32"
     args.causal_list = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.simulate is None:
         args.simulate = []

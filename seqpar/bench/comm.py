@@ -198,9 +198,11 @@ def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShap
 def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """Count every mode's bytes at every (P, S, causal) and time a block exchange; returns the payload."""
     rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     exchanges: list[dict[str, Any]] = []
     for world in cfg.worlds:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
+            skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
         with RankPool(world, device=cfg.device) as pool:
             for seq_len in cfg.seq_lens:
@@ -228,7 +230,7 @@ def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                                   "GB_per_s": nbytes / secs / 1e9})
     return {"config": {"seq_lens": cfg.seq_lens, "worlds": cfg.worlds, "causal": cfg.causal,
                        "shape": asdict(cfg.shape), "device": cfg.device},
-            "results": rows, "exchange": exchanges}
+            "results": rows, "exchange": exchanges, "skipped": skipped}
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -252,6 +254,7 @@ def render(payload: dict[str, Any]) -> str:
            "bw": f"{e['GB_per_s']:.2f} GB/s"} for e in payload["exchange"]]
     out += ["one ring exchange of a rank's K and V blocks (slowest rank, median):",
             format_table(ex, [("P", "P"), ("S", "S"), ("K+V bytes", "bytes"), ("time", "t"), ("bandwidth", "bw")])]
+    out += [f"P={r['P']} not run: {r['reason']}" for r in payload.get("skipped", [])]
     return "\n".join(out)
 
 

@@ -83,9 +83,11 @@ def count(cfg: MemoryConfig) -> int:
 def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload."""
     rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
     largest: list[dict[str, Any]] = []
     for world in [1, *cfg.worlds]:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
+            skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
         methods = ["sdpa"] if world == 1 else ["ring", "allgather"]
         with RankPool(world, device=cfg.device) as pool:
@@ -112,7 +114,7 @@ def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     _ratios(rows)
     return {"config": {"seq_lens": cfg.seq_lens, "worlds": cfg.worlds, "causal": cfg.causal,
                        "shape": asdict(cfg.shape), "budget_bytes": cfg.budget_bytes, "device": cfg.device},
-            "results": rows, "largest": largest}
+            "results": rows, "largest": largest, "skipped": skipped}
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
@@ -147,6 +149,7 @@ def render(payload: dict[str, Any]) -> str:
         if r["method"] == "ring" and r["P"] == 4 and r.get("mem_vs_single"):
             out.append(f"ring P=4 S={r['S']}{' causal' if r['causal'] else ''}: peak per rank "
                        f"{r['mem_vs_single']:.2f}x single-process (issue 5 target <= 0.35x)")
+    out += [f"P={r['P']} not run: {r['reason']}" for r in payload.get("skipped", [])]
     return "\n".join(out)
 
 

@@ -8,8 +8,9 @@
   and back (views). Contiguous sharding: after its all-to-all every rank holds the whole sequence for
   ``heads / P`` heads, so causal masking needs no load balancing. It needs ``kv_heads`` divisible by P.
 - ``torch context_parallel``: ``torch.distributed.tensor.experimental.context_parallel`` around SDPA
-  (its ring, with its own causal load balancer). On CUDA only: in torch 2.13 the CPU SDPA op has no
-  sharding strategy; on CPU the suite makes one tiny attempt and records the error it gets as the reason.
+  (its ring, with its own causal load balancer). On CUDA only: in torch 2.13 the CPU SDPA backward has
+  no DTensor sharding strategy. On CPU the suite makes one toy attempt and records the error it gets
+  as the reason (``--tiny`` reads DTensor's sharding registry instead: the attempt takes ~20 s).
 - ``ring-flash-attn``: ``ring_flash_attn.zigzag_ring_flash_attn_func`` / ``ring_flash_attn_func``,
   when ``flash_attn`` and ``ring_flash_attn`` import and a GPU per rank exists.
 
@@ -59,6 +60,9 @@ class PeersConfig:
     shape: BenchShape
     settings: Settings
     device: str = "cpu"
+    attempt_cpu_context_parallel: bool = True
+    """On CPU, run context_parallel once at a toy shape to record its real error (about 20 s: DTensor
+    decomposes the CPU kernel before giving up); otherwise read torch's sharding registry."""
 
 
 # ------------------------------------------------------------------------------------ Ulysses
@@ -204,7 +208,7 @@ def configure(args: Any) -> PeersConfig:
                          head_dim=args.head_dim, dtype=args.dtype),
         settings=Settings(warmup=args.warmup, repeats=args.repeats, seed=args.seed, memory=not args.no_memory,
                           rounds=args.rounds),
-        device=args.device,
+        device=args.device, attempt_cpu_context_parallel=args.preset != "tiny",
     )
 
 
@@ -228,6 +232,23 @@ def try_context_parallel(ctx: RankContext) -> str | None:
     return None
 
 
+def _cp_registry_reason() -> str | None:
+    """Why context_parallel cannot run backward on CPU, read off DTensor's sharding registry, or
+    ``None`` when the CPU SDPA ops have strategies (or the private registry moved)."""
+    try:
+        from torch.distributed.tensor import DTensor
+
+        prop = DTensor._op_dispatcher.sharding_propagator
+        registered = {**prop.op_strategy_funcs, **prop.op_to_rules}
+    except Exception:  # noqa: BLE001 - a private API; fall back to the attempt
+        return None
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    if op in registered:
+        return None
+    return (f"no CPU path in torch {torch.__version__}: DTensor registers no sharding strategy for {op} "
+            f"(the CPU SDPA backward); runs on CUDA")
+
+
 def _cp_reason(error: str | None) -> str | None:
     if error is None:
         return None
@@ -247,7 +268,9 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
                     _skip(rows, peer, world, s, c, f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
             continue
         cp_why = None
-        if dev == "cpu":  # both ranks fail the same way on CPU; a hang would end at the timeout
+        if dev == "cpu" and not cfg.attempt_cpu_context_parallel:
+            cp_why = _cp_registry_reason()
+        if dev == "cpu" and cp_why is None:  # both ranks fail alike on CPU; a hang ends at the timeout
             try:
                 cp_why = _cp_reason(pools.get(world).run(try_context_parallel, timeout=120)[0])
             except PoolError as e:
