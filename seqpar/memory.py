@@ -21,7 +21,8 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   a key block, which adds zeroed 2 K32 dK/dV buffers instead. P = 2 has a single remote step: one K/V
   buffer (2 K) and the accumulator's first hop.
 - ``allgather``: the gathered K/V of all ranks (2 P K) and their fp32 dK/dV (2 P K32), plus the fp32
-  dq accumulator and the kernel's outputs.
+  dq accumulator and the kernel's outputs; at the own block (computed while the reduce-scatter is in
+  flight) also the scatter's outputs and the own block's fp32 shares (4 K32).
 
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
 the attention call. The forward peaks lower, except with low-precision inputs and few K/V heads:
@@ -112,8 +113,11 @@ def estimate_memory(
     if mode == "allgather":
         gathered = 2 * world * K + 2 * world * K32
         at_kernel = base + Q32 + gathered + (Q + 2 * K) + (K32 if low else 0)
-        at_end = base + Q32 + 2 * world * K32 + 2 * K32 + ((Q + 2 * K) if low else 0)
-        return int(max(at_kernel, at_end, fwd_merge + 2 * world * K))
+        # own block last, while the dK/dV reduce-scatter is in flight: its outputs (2 K32), the own
+        # block's fp32 shares (2 K32) and the kernel's outputs beside the fp32 dK/dV of all ranks
+        at_own = base + Q32 + 2 * world * K32 + 4 * K32 + (Q + 2 * K) + (K32 if low else 0)
+        at_end = base + Q32 + 2 * world * K32 + 4 * K32 + ((Q + 2 * K) if low else 0)
+        return int(max(at_kernel, at_own, at_end, fwd_merge + 2 * world * K))
 
     # ring
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
