@@ -125,6 +125,7 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     mod = importlib.import_module(f"seqpar.bench.{name}")
     cfg = mod.configure(args)
+    machine = machine_info()  # before the run: its load average is everybody else's
     bar = Progress(mod.count(cfg), desc=name, enabled=not args.no_progress)
     t0 = time.perf_counter()
     try:
@@ -132,7 +133,8 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         bar.close()
     payload = {"suite": name, "command": " ".join(["python -m seqpar.bench", *sys.argv[1:]]),
-               "preset": args.preset, "wall_s": time.perf_counter() - t0, "machine": machine_info(), **payload}
+               "preset": args.preset, "wall_s": time.perf_counter() - t0, "machine": machine, **payload}
+    machine["load_avg_after_run"] = list(os.getloadavg())
     print(mod.render(payload), flush=True)
     if args.out:
         payload["plots"] = [os.path.relpath(p, args.out) for p in mod.plots(payload, args.out)]

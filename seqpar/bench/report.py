@@ -57,7 +57,7 @@ def machine_info() -> dict[str, Any]:
         "date_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "cpu_model": _cpu_model(),
         "cpu_cores": os.cpu_count(),
-        "load_avg_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_avg_1_5_15": list(os.getloadavg()),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
