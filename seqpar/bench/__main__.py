@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+from seqpar.bench.report import machine_info, write_json
 
 __all__ = ["main", "build_parser", "SUITES"]
 
@@ -91,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-seq-len", type=int)
     g.add_argument("--train-steps", type=int)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--replot", metavar="DIR", help="no measuring: print the table and redraw the plots of DIR/<suite>.json")
     return p
 
 
@@ -120,7 +124,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
 
 def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run one suite, print its report, write JSON/plots when ``--out``; returns the JSON payload."""
-    from seqpar.bench.report import machine_info, write_json
     from seqpar.bench.runner import Progress
 
     mod = importlib.import_module(f"seqpar.bench.{name}")
@@ -144,10 +147,29 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
+def replot(name: str, out_dir: str) -> None:
+    """Print the table of ``out_dir/<name>.json`` and redraw its plots (the JSON keeps its figures)."""
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        print(f"--replot: {path} does not exist; skipped", file=sys.stderr)
+        return
+    mod = importlib.import_module(f"seqpar.bench.{name}")
+    with open(path) as f:
+        payload = json.load(f)
+    print(mod.render(payload), flush=True)
+    payload["plots"] = [os.path.relpath(p, out_dir) for p in mod.plots(payload, out_dir)]
+    write_json(path, payload)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``."""
-    args = resolve(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.replot:
+        for name in names:
+            replot(name, args.replot)
+        return 0
+    args = resolve(args)
     for name in names:
         run_suite(name, args)
     return 0

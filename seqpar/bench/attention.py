@@ -610,40 +610,49 @@ def fmt_time(s: float) -> str:
 
 
 def plots(payload: dict[str, Any], out_dir: str, prefix: str = "attention") -> list[str]:
-    """time vs S, memory vs S, scaling efficiency vs P (PNG files in ``out_dir``)."""
+    """time vs S, memory vs S, scaling efficiency vs P (PNG files in ``out_dir``), one panel per mask."""
     import os
 
     from seqpar.bench.report import plot_series
 
     ok = [r for r in payload["results"] if r["status"] == "ok"]
-    paths = []
-    series: dict[str, list[tuple[float, float]]] = {}
-    for r in ok:
-        series.setdefault(_label(r), []).append((r["S"], r["time_s"]))
-    paths.append(plot_series(os.path.join(out_dir, f"{prefix}_time_vs_S.png"), series,
-                             title="forward+backward time per step (slowest rank, median)",
-                             xlabel="total sequence length S", ylabel="seconds", logx=True, logy=True))
-    series = {}
-    for r in ok:
-        if r.get("peak_bytes"):
-            series.setdefault(_label(r), []).append((r["S"], r["peak_bytes"] / 2**20))
-    paths.append(plot_series(os.path.join(out_dir, f"{prefix}_memory_vs_S.png"), series,
-                             title="peak tensor memory per rank, fwd+bwd (inputs, outputs, grads)",
-                             xlabel="total sequence length S", ylabel="MiB", logx=True, logy=True))
-    series = {}
+    masks = {False: "full (non-causal)", True: "causal"}
+
+    def by_mask(value: Callable[[dict[str, Any]], float | None]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+        panels: dict[str, dict[str, list[tuple[float, float]]]] = {masks[c]: {} for c in payload["config"]["causal"]}
+        for r in ok:
+            y = value(r)
+            if y is not None:
+                world = "" if r["P"] == 1 else f" P={r['P']}"
+                panels[masks[r["causal"]]].setdefault(f"{r['method']}{world}", []).append((r["S"], y))
+        return panels
+
+    paths = [
+        plot_series(os.path.join(out_dir, f"{prefix}_time_vs_S.png"), panels=by_mask(lambda r: r["time_s"]),
+                    title="forward+backward per step (slowest rank, median)", xlabel="total sequence length S",
+                    ylabel="seconds", logx=True, logy=True),
+        plot_series(os.path.join(out_dir, f"{prefix}_memory_vs_S.png"),
+                    panels=by_mask(lambda r: r["peak_bytes"] / 2**20 if r.get("peak_bytes") else None),
+                    title="peak tensor memory per rank, fwd+bwd (inputs, outputs, gradients included)",
+                    xlabel="total sequence length S", ylabel="MiB", logx=True, logy=True),
+    ]
+    # efficiency vs P at the longest S; with more ranks than cores, CPU time too (dashed)
     cores = os.cpu_count() or 1
+    longest = max((r["S"] for r in ok), default=0)
+    oversub = payload["config"]["device"] == "cpu" and any(p > cores for p in payload["config"]["worlds"])
+    panels: dict[str, dict[str, list[tuple[float, float]]]] = {masks[c]: {} for c in payload["config"]["causal"]}
     for r in ok:
-        if r.get("efficiency") is None:
+        if r.get("efficiency") is None or r["S"] != longest:
             continue
-        key = f"{r['method']} S={r['S']}{' causal' if r['causal'] else ''}"
-        series.setdefault(key, []).append((r["P"], r["efficiency"]))
-        if payload["config"]["device"] == "cpu" and r["P"] > cores and r.get("cpu_ratio_to_ideal"):
-            series.setdefault(key + " (cpu time)", []).append((r["P"], 1.0 / r["cpu_ratio_to_ideal"]))
-    paths.append(plot_series(os.path.join(out_dir, f"{prefix}_efficiency_vs_P.png"), series,
-                             title="scaling efficiency = (reference time / P) / time"
-                                   + (f"  [P > {cores} cores: wall time oversubscribed]" if any(
-                                       p > cores for p in payload["config"]["worlds"]) else ""),
-                             xlabel="ranks P", ylabel="efficiency", hline=1.0, hline_label="ideal"))
+        ser = panels[masks[r["causal"]]]
+        ser.setdefault(r["method"], []).append((r["P"], r["efficiency"]))
+        if oversub and r.get("cpu_ratio_to_ideal"):
+            ser.setdefault(f"{r['method']} (cpu time)", []).append((r["P"], 1.0 / r["cpu_ratio_to_ideal"]))
+    paths.append(plot_series(
+        os.path.join(out_dir, f"{prefix}_efficiency_vs_P.png"), panels=panels,
+        title=f"scaling efficiency at S={longest}: (reference / P) / time"
+              + (f"; P > {cores} cores oversubscribes wall time, dashed = CPU time" if oversub else ""),
+        xlabel="ranks P", ylabel="efficiency", hline=1.0, hline_label="ideal"))
     return [p for p in paths if p]
 
 

@@ -158,19 +158,21 @@ def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
     from seqpar.bench.report import plot_series
 
     def key(r: dict[str, Any]) -> str:
-        world = "" if r["P"] == 1 else f" P={r['P']}"
-        return f"{r['method']}{world}{' causal' if r['causal'] else ''}"
+        return r["method"] + ("" if r["P"] == 1 else f" P={r['P']}")
 
-    meas: dict[str, list[tuple[float, float]]] = {}
-    per_tok: dict[str, list[tuple[float, float]]] = {}
+    masks = {False: "full (non-causal)", True: "causal"}
+    meas: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    per_tok: dict[str, dict[str, list[tuple[float, float]]]] = {}
     for r in payload["results"]:
-        meas.setdefault(key(r), []).append((r["S"], r["peak_bytes"] / 2**20))
-        meas.setdefault(key(r) + " (estimate)", []).append((r["S"], r["estimate_bytes"] / 2**20))
-        per_tok.setdefault(key(r), []).append((r["S"], r["bytes_per_token"] / 2**10))
+        m, t = meas.setdefault(masks[r["causal"]], {}), per_tok.setdefault(masks[r["causal"]], {})
+        m.setdefault(key(r), []).append((r["S"], r["peak_bytes"] / 2**20))
+        m.setdefault(key(r) + " (estimate)", []).append((r["S"], r["estimate_bytes"] / 2**20))
+        t.setdefault(key(r), []).append((r["S"], r["bytes_per_token"] / 2**10))
     paths = [
-        plot_series(os.path.join(out_dir, "memory_vs_S.png"), meas, title="peak memory per rank: measured and estimated",
+        plot_series(os.path.join(out_dir, "memory_vs_S.png"), panels=meas,
+                    title="peak memory per rank: measured (solid) and estimated (dashed)",
                     xlabel="total sequence length S", ylabel="MiB", logx=True, logy=True),
-        plot_series(os.path.join(out_dir, "memory_per_token.png"), per_tok,
+        plot_series(os.path.join(out_dir, "memory_per_token.png"), panels=per_tok,
                     title="peak memory per local token (flat = O(S/P) per rank)",
                     xlabel="total sequence length S", ylabel="KiB per token held", logx=True),
     ]

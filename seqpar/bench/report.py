@@ -119,42 +119,58 @@ def write_json(path: str, payload: Mapping[str, Any]) -> None:
 
 def plot_series(
     path: str,
-    series: Mapping[str, Sequence[tuple[float, float]]],
+    series: Mapping[str, Sequence[tuple[float, float]]] | None = None,
     *,
     title: str,
     xlabel: str,
     ylabel: str,
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float]]]] | None = None,
     logx: bool = False,
     logy: bool = False,
     hline: float | None = None,
     hline_label: str | None = None,
 ) -> str | None:
-    """One line per series (``label -> [(x, y), ...]``) into a PNG; returns the path, or ``None``
-    when there is nothing to plot. Imports matplotlib (Agg backend) only here."""
-    series = {k: sorted(v) for k, v in series.items() if v}
-    if not series:
+    """Lines (``label -> [(x, y), ...]``) into a PNG, in one panel (``series``) or side by side
+    (``panels``: panel title -> series); labels ending in ``(cpu time)`` or ``(estimate)`` are dashed.
+    Returns the path, or ``None`` when there is nothing to plot. Imports matplotlib (Agg) only here."""
+    if panels is None:
+        panels = {"": series or {}}
+    panels = {t: {k: sorted(v) for k, v in ser.items() if v} for t, ser in panels.items()}
+    panels = {t: ser for t, ser in panels.items() if ser}
+    if not panels:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=110)
+    n = len(panels)
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.4), dpi=110, squeeze=False, sharey=True)
     markers = "osD^vP*X<>"
-    for i, (label, pts) in enumerate(series.items()):
-        xs, ys = zip(*pts)
-        ax.plot(xs, ys, marker=markers[i % len(markers)], label=label)
-    if hline is not None:
-        ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=hline_label)
-    if logx:
-        ax.set_xscale("log", base=2)
-    if logy:
-        ax.set_yscale("log")
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (panel, ser) in zip(axes[0], panels.items()):
+        base_index: dict[str, int] = {}
+        for label, pts in ser.items():
+            xs, ys = zip(*pts)
+            base, dashed = label, False
+            for suffix in (" (cpu time)", " (estimate)"):
+                if label.endswith(suffix):
+                    base, dashed = label[: -len(suffix)], True
+            i = base_index.setdefault(base, len(base_index))  # a variant shares its base's colour
+            ax.plot(xs, ys, marker=markers[i % len(markers)], color=colors[i % len(colors)], label=label,
+                    linestyle="--" if dashed else "-", markersize=4)
+        if hline is not None:
+            ax.axhline(hline, color="grey", linestyle=":", linewidth=1, label=hline_label)
+        if logx:
+            ax.set_xscale("log", base=2)
+        if logy:
+            ax.set_yscale("log")
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6, loc="best")
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
