@@ -112,7 +112,9 @@ def estimate_memory(
 
     if mode == "allgather":
         gathered = 2 * world * K + 2 * world * K32
-        at_kernel = base + Q32 + gathered + (Q + 2 * K) + (K32 if low else 0)
+        # + K: one more K-sized transient that MemTracker shows from S ~ 2048 up (not at S = 768),
+        # not yet pinned to a line of the algorithm; modelled so realistic sizes are exact
+        at_kernel = base + Q32 + gathered + (Q + 2 * K) + K + (K32 if low else 0)
         # own block last, while the dK/dV reduce-scatter is in flight: its outputs (2 K32), the own
         # block's fp32 shares (2 K32) and the kernel's outputs beside the fp32 dK/dV of all ranks
         at_own = base + Q32 + 2 * world * K32 + 4 * K32 + (Q + 2 * K) + (K32 if low else 0)
