@@ -39,7 +39,7 @@ from torch.utils.data import (
 )
 
 from seqpar.groups import default_manager, resolve_group
-from seqpar.sharding import chunk_ids, num_chunks
+from seqpar.sharding import num_chunks, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size"]
 
@@ -61,25 +61,8 @@ def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def global_positions(
-    seq_len: int, rank: int, world_size: int, sharding: str = "contiguous",
-    *, device: torch.device | str | None = None,
-) -> Tensor:
-    """Global positions ``(seq_len // world_size,)`` (int64) of the tokens rank ``rank`` holds.
-
-    ``seq_len`` is the full (padded) length; it must divide into ``num_chunks`` equal chunks.
-    """
-    n = num_chunks(world_size, sharding)
-    if seq_len % n:
-        raise ValueError(
-            f"sequence length {seq_len} does not divide into {n} chunks ({sharding} sharding over "
-            f"{world_size} ranks); pad it with shard_batch or choose a length divisible by {n}"
-        )
-    chunk = seq_len // n
-    return torch.cat([
-        torch.arange(c * chunk, (c + 1) * chunk, device=device)
-        for c in chunk_ids(rank, world_size, sharding)
-    ])
+# The global positions a rank holds: one definition, in seqpar.sharding (kept here under its old name).
+global_positions = shard_index
 
 
 def _is_right_padded(mask: Tensor) -> bool:
