@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["BlockCall", "plan_blocks"]
+__all__ = ["BlockCall", "plan_blocks", "head_chunk_slices"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,16 @@ def plan_blocks(
             )
         i += 1
     return calls
+
+
+def head_chunk_slices(q_heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
+    """``(q_heads slice, kv_heads slice)`` of each of ``chunks`` equal head chunks.
+
+    Chunk c holds kv heads ``[c * kv_heads / chunks, (c + 1) * kv_heads / chunks)`` and the query heads
+    that read them under GQA (query head h reads kv head ``h // (q_heads // kv_heads)``), so every
+    chunk is an independent attention problem. ``chunks`` must divide ``kv_heads``.
+    """
+    if chunks < 1 or kv_heads % chunks:
+        raise ValueError(f"head_chunks={chunks} must be a positive divisor of kv_heads={kv_heads}")
+    kc, qc = kv_heads // chunks, q_heads // chunks
+    return [(slice(c * qc, (c + 1) * qc), slice(c * kc, (c + 1) * kc)) for c in range(chunks)]

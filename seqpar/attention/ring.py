@@ -47,6 +47,7 @@ class AttentionOptions:
     scale: float
     sharding: str = "contiguous"
     overlap: bool = True
+    head_chunks: int = 1  # heads processed in this many independent passes (resolved, >= 1)
 
 
 def _chunk_len(seq_local: int, rank: int, world: int, sharding: str) -> int:
