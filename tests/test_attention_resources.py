@@ -51,43 +51,8 @@ def test_ring_sends_p_minus_1_blocks(dist_pool, world: int) -> None:
             assert got["bwd"] == (world - 1) * 2 * (block + fp32_block), (r, got)
 
 
-def _collective_bytes_allgather(rank: int, world: int) -> dict:
-    import seqpar.comm.compat as compat
-
-    calls: list[tuple[str, int]] = []
-    gather, scatter = compat._all_gather, compat._reduce_scatter
-
-    def count_gather(out, inp, **kw):  # noqa: ANN001, ANN003, ANN202
-        calls.append(("gather", inp.numel() * inp.element_size()))
-        return gather(out, inp, **kw)
-
-    def count_scatter(out, inp, **kw):  # noqa: ANN001, ANN003, ANN202
-        calls.append(("scatter", out.numel() * out.element_size()))
-        return scatter(out, inp, **kw)
-
-    q = torch.randn(1, 4, 8, 16, requires_grad=True)
-    k = torch.randn(1, 4, 8, 16, requires_grad=True)
-    v = torch.randn(1, 4, 8, 16, requires_grad=True)
-    compat._all_gather, compat._reduce_scatter = count_gather, count_scatter
-    try:
-        out = seqpar.attention(q, k, v, mode="allgather", check_inputs=False)
-        fwd = list(calls)
-        out.backward(torch.randn_like(out))
-    finally:
-        compat._all_gather, compat._reduce_scatter = gather, scatter
-    return {"fwd": fwd, "bwd": calls[len(fwd):], "block": k.numel() * 4}
-
-
-def test_allgather_volume(dist_pool) -> None:
-    for got in dist_pool.run(2, _collective_bytes_allgather):
-        b = got["block"]
-        assert got["fwd"] == [("gather", b), ("gather", b)]  # K and V, once each
-        # backward re-gathers K and V, then reduce-scatters fp32 dK and dV
-        assert got["bwd"] == [("gather", b), ("gather", b), ("scatter", b), ("scatter", b)]
-
-
 # ---------------------------------------------------------------------------------- memory
-def _peak_bytes(rank: int, world: int, mode: str, seq: int) -> int:
+def _peak_bytes(rank: int, world: int, mode: str, seq: int, head_chunks: int = 1) -> int:
     """Peak bytes of live tensors on this rank over forward + backward, inputs and grads included."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -98,7 +63,9 @@ def _peak_bytes(rank: int, world: int, mode: str, seq: int) -> int:
         q = torch.randn(1, 8, local, 32, requires_grad=True)
         k = torch.randn(1, 8, local, 32, requires_grad=True)
         v = torch.randn(1, 8, local, 32, requires_grad=True)
-        out = seqpar.attention(q, k, v, causal=True, mode=mode, sharding="zigzag", check_inputs=False)
+        out = seqpar.attention(
+            q, k, v, causal=True, mode=mode, sharding="zigzag", check_inputs=False, head_chunks=head_chunks
+        )
         out.backward(torch.randn_like(out))
         del out
     return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]

@@ -16,12 +16,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seqpar.attention.allgather import AllGatherAttention
-from seqpar.attention.checks import check_across_ranks, check_local, check_options
+from seqpar.attention.checks import (
+    AUTO_HEAD_CHUNKS,
+    check_across_ranks,
+    check_local,
+    check_options,
+    resolve_head_chunks,
+)
 from seqpar.attention.ring import AttentionOptions, RingAttention
 from seqpar.comm.ring import RingComm
 from seqpar.groups import resolve_group
 
-__all__ = ["attention", "AttentionOptions"]
+__all__ = ["attention", "AttentionOptions", "AUTO_HEAD_CHUNKS", "resolve_head_chunks"]
 
 
 def attention(
@@ -36,6 +42,7 @@ def attention(
     sharding: str = "contiguous",
     overlap: bool = True,
     check_inputs: bool = True,
+    head_chunks: int | str = "auto",
 ) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
 
@@ -51,6 +58,11 @@ def attention(
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a few integers first to check every rank passes the same shapes
             (turns a would-be hang into an error on every rank).
+        head_chunks: run the algorithm this many times, each on ``kv_heads / head_chunks`` K/V heads
+            and their query heads: the transient buffers (travelling K/V and dK/dV, gathered K/V,
+            kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
+            divide kv_heads. ``"auto"`` = the largest divisor of kv_heads that is at most
+            :data:`AUTO_HEAD_CHUNKS` (4).
     Returns:
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
@@ -60,8 +72,11 @@ def attention(
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     if check_inputs and world > 1:
-        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding)
+        check_across_ranks(
+            q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks
+        )
     check_local(q, k, v, world_size=world, sharding=sharding)
+    chunks = resolve_head_chunks(head_chunks, k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if world == 1:
@@ -69,7 +84,9 @@ def attention(
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    opts = AttentionOptions(causal=causal, scale=float(scale), sharding=sharding, overlap=overlap)
+    opts = AttentionOptions(
+        causal=causal, scale=float(scale), sharding=sharding, overlap=overlap, head_chunks=chunks
+    )
     if mode == "ring":
         return RingAttention.apply(q, k, v, RingComm(group), opts)
     return AllGatherAttention.apply(q, k, v, group, opts)
