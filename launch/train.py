@@ -260,6 +260,16 @@ def build_plan(args: argparse.Namespace) -> Plan:
             raise ConfigError(f"sequence_parallel.pattern does not fit --seq-len {train.seq_len} on "
                               f"{sp.size} ranks: {e}") from None
 
+    if sp.head_chunks != "auto":
+        from seqpar.attention import resolve_head_chunks
+
+        kv_heads = model.get("num_key_value_heads") or model.get("num_attention_heads")
+        if isinstance(kv_heads, int):
+            try:
+                resolve_head_chunks(sp.head_chunks, kv_heads)
+            except ValueError as e:
+                raise ConfigError(f"sequence_parallel.head_chunks does not fit the model: {e}") from None
+
     if engine == "deepspeed":
         ds = {k: v for k, v in raw.items() if k not in _LAUNCHER_KEYS}
         ds["sequence_parallel"] = sp.to_dict()

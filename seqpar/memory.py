@@ -24,6 +24,11 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   dq accumulator and the kernel's outputs; at the own block (computed while the reduce-scatter is in
   flight) also the scatter's outputs and the own block's fp32 shares (4 K32).
 
+Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
+gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
+transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G; with
+batch > 1 a head slice is strided, so each pass also copies its ``dout, k, v`` slices (Q + 2 K) / G.
+
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
 the attention call. The forward peaks lower, except with low-precision inputs and few K/V heads:
 there the merge's two fp32 copies of a block output (2 Q32) on top of ``q, k, v, dout``, the fp32
@@ -34,6 +39,8 @@ kernels; on CUDA the kernels' workspaces (and GQA's expanded K/V in the flash ba
 from __future__ import annotations
 
 import torch
+
+from seqpar.attention.checks import resolve_head_chunks
 
 __all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len"]
 
@@ -61,6 +68,7 @@ def estimate_memory(
     head_dim: int,
     dtype: torch.dtype | str = torch.float32,
     causal: bool = True,
+    head_chunks: int | str = "auto",
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
@@ -71,6 +79,7 @@ def estimate_memory(
         batch, q_heads, kv_heads, head_dim: the attention shape (q_heads a multiple of kv_heads).
         dtype: the inputs' dtype (accumulators are fp32, fp64 for fp64 inputs).
         causal: causal attention (zigzag sharding for the distributed modes).
+        head_chunks: :func:`seqpar.attention`'s ``head_chunks`` (an int dividing kv_heads, or "auto").
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
@@ -87,10 +96,11 @@ def estimate_memory(
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
     dt = _dtype(dtype)
+    chunks = resolve_head_chunks(head_chunks, kv_heads)
     world = 1 if mode == "single" else world_size
-    chunks = 2 * world if (causal and world > 1) else world
-    if seq_len % chunks:
-        raise ValueError(f"seq_len={seq_len} does not split into {chunks} equal chunks for world_size={world}")
+    seq_chunks = 2 * world if (causal and world > 1) else world
+    if seq_len % seq_chunks:
+        raise ValueError(f"seq_len={seq_len} does not split into {seq_chunks} equal chunks for world_size={world}")
     if mode != "single" and world == 1:  # seqpar.attention runs plain SDPA on one rank
         mode = "single"
 
@@ -121,21 +131,24 @@ def estimate_memory(
         at_end = base + Q32 + 2 * world * K32 + 4 * K32 + ((Q + 2 * K) if low else 0)
         return int(max(at_kernel, at_own, at_end, fwd_merge + 2 * world * K))
 
-    # ring
+    # ring: one pass per head chunk, each on 1/chunks of every tensor below
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
     kernel_out = Q + 2 * K + (2 * K32 if low else 0)
     if causal:  # a call over half a key block: zeroed fp32 dK/dV of the block + outputs for half of it
         kernel_out = max(kernel_out, 2 * K32 + Q + K + (K32 // 2 if low else 0))
     convert = (Q + 2 * K) if low else 0  # final casts of the accumulators to the input dtype
-    if world == 2:
-        at_kernel = base + acc + 2 * K + kernel_out
-        at_end = base + acc + 2 * K + 4 * K32 + convert
-        fwd = fwd_merge + 2 * K
-    else:
-        at_kernel = base + acc + 4 * K + 4 * K32 + kernel_out
-        at_end = base + acc + 4 * K + 4 * K32 + convert
-        fwd = fwd_merge + 4 * K
-    return int(max(at_kernel, at_end, fwd))
+    kv_bufs = 2 * K if world == 2 else 4 * K  # P = 2 has one remote step: a single K/V buffer
+    at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * K32) + kernel_out
+    at_end = acc + kv_bufs + 4 * K32 + convert
+    fwd = fwd_merge + kv_bufs
+    if chunks == 1:  # the fp32 accumulators are the gradients
+        return int(max(base + at_kernel, base + at_end, fwd))
+    # chunked: full-size gradients written chunk by chunk; with batch > 1 a head slice is strided,
+    # so each pass also copies its dout, k, v slices contiguous
+    grads = Q + 2 * K
+    copies = (Q + 2 * K) if batch > 1 else 0
+    fwd = 3 * Q + 2 * K + lse + (fwd_merge - (2 * Q + 2 * K) + kv_bufs + 2 * lse) / chunks
+    return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
 def max_seq_len(
@@ -150,6 +163,7 @@ def max_seq_len(
     dtype: torch.dtype | str = torch.float32,
     causal: bool = True,
     multiple: int = 1,
+    head_chunks: int | str = "auto",
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_memory`
     fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
@@ -158,7 +172,8 @@ def max_seq_len(
 
     def fits(s: int) -> bool:
         return estimate_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
-                               kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal) <= budget_bytes
+                               kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                               head_chunks=head_chunks) <= budget_bytes
 
     if not fits(step):
         return 0

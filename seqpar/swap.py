@@ -84,13 +84,15 @@ class SwapOptions:
     sharding: str = "contiguous"
     overlap: bool = True
     check_inputs: bool = True
+    head_chunks: int | str = "auto"
     pattern: PatternConfig = field(default_factory=PatternConfig)
     """Dense attention, or LongNet dilated attention (``seqpar.attention.dilated``)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=config.sharding,
-                   overlap=config.overlap, check_inputs=config.check_inputs, pattern=config.pattern)
+                   overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
+                   pattern=config.pattern)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -117,6 +119,7 @@ class SwapOptions:
             return attention(
                 q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=self.check_inputs,
+                head_chunks=self.head_chunks,
             )
 
 

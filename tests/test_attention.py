@@ -57,13 +57,15 @@ def reference(case: dict, causal: bool, scale: float | None) -> list[torch.Tenso
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def run_cases(rank: int, world: int, cases: list[tuple], dtype: torch.dtype) -> list[list[torch.Tensor]]:
+def run_cases(
+    rank: int, world: int, cases: list[tuple], dtype: torch.dtype, **options: object
+) -> list[list[torch.Tensor]]:
     """Worker body: forward + backward of each case through seqpar.attention on this rank's shard."""
     results = []
     for case, mode, sharding, causal, scale in cases:
         q, k, v, dout = (shard_rows(case[n], rank, world, sharding).to(dtype) for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = seqpar.attention(q, k, v, causal=causal, scale=scale, mode=mode, sharding=sharding)
+        out = seqpar.attention(q, k, v, causal=causal, scale=scale, mode=mode, sharding=sharding, **options)
         out.backward(dout)
         assert out.dtype == dtype and q.grad.dtype == dtype and k.grad.dtype == dtype, "dtype not kept"
         results.append([out.detach(), q.grad, k.grad, v.grad])
@@ -90,6 +92,24 @@ def test_exact_fp32(dist_pool, world: int) -> None:
             torch.testing.assert_close(
                 g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name, m=m: f"{n} {m}: {s}"
             )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_head_chunks_are_exact(dist_pool, world: int) -> None:
+    """Every head-chunk count gives the same exact result: 8 query heads over 4 K/V heads (GQA), run
+    as 1, 2 and 4 ring passes (the default fp32 test above covers "auto")."""
+    cases = []
+    for i, (sharding, causal) in enumerate((s, c) for s in SHARDINGS for c in (False, True)):
+        cases.append((make_case(50 + 10 * world + i, world, (8, 4, 24)), "ring", sharding, causal, None))
+    for chunks in (1, 2, 4):
+        per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240, head_chunks=chunks)
+        for idx, (case, _mode, sharding, causal, _scale) in enumerate(cases):
+            got = _gather_results(per_rank, world, sharding, idx)
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, None)):
+                torch.testing.assert_close(
+                    g.double(), w, rtol=1e-5, atol=1e-5,
+                    msg=lambda s, n=name, c=(chunks, sharding, causal): f"{n} head_chunks/sharding/causal={c}: {s}",
+                )
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -47,6 +47,12 @@ def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
         kwargs["mode"] = "ulysses2"
     if case == "bad_sharding":
         kwargs["sharding"] = "striped"
+    if case == "head_chunks_not_dividing":
+        kwargs["head_chunks"] = 3  # k/v have 2 heads
+    if case == "head_chunks_bad":
+        kwargs["head_chunks"] = "many"
+    if case == "head_chunks_differ":
+        kwargs["head_chunks"] = 1 if rank == 0 else 2
     try:
         seqpar.attention(q, k, v, **kwargs)
     except (ValueError, TypeError) as e:
@@ -69,6 +75,9 @@ CASES = {
     "zigzag_odd_length": ["zigzag", "even", "pad", "contiguous"],
     "bad_mode": ["mode", "ring", "allgather"],
     "bad_sharding": ["sharding", "contiguous", "zigzag"],
+    "head_chunks_not_dividing": ["head_chunks=3", "2 k/v heads", "[1, 2]", "auto"],
+    "head_chunks_bad": ["head_chunks='many'", "positive integer", "auto"],
+    "head_chunks_differ": ["different inputs", "head_chunks=1", "head_chunks=2"],
 }
 
 
@@ -84,6 +93,7 @@ def test_every_rank_gets_a_clear_error(dist_pool, world: int) -> None:
 
 
 def test_errors_without_a_process_group() -> None:
-    for case in ("dtype_mismatch", "three_dims", "heads_not_multiple", "bad_mode", "zigzag_odd_length"):
+    for case in ("dtype_mismatch", "three_dims", "heads_not_multiple", "bad_mode", "zigzag_odd_length",
+                 "head_chunks_not_dividing", "head_chunks_bad"):
         res = _call(0, 1, case)
         assert res is not None, case

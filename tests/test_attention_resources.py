@@ -52,7 +52,7 @@ def test_ring_sends_p_minus_1_blocks(dist_pool, world: int) -> None:
 
 
 # ---------------------------------------------------------------------------------- memory
-def _peak_bytes(rank: int, world: int, mode: str, seq: int, head_chunks: int = 1) -> int:
+def _peak_bytes(rank: int, world: int, mode: str, seq: int, head_chunks: int | str = 1) -> int:
     """Peak bytes of live tensors on this rank over forward + backward, inputs and grads included."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -84,3 +84,17 @@ def test_peak_memory_per_rank_falls_as_one_over_p_for_the_ring(dist_pool) -> Non
     # all-gather: 4 S-sized buffers (gathered K/V, fp32 dK/dV) put a floor under it
     assert gathered[8] > 0.75 * gathered[4], gathered
     assert gathered[8] > 1.8 * ring[8], (ring, gathered)
+
+
+def test_head_chunks_bring_the_ring_to_a_third_of_single_process_memory(dist_pool) -> None:
+    """Issue 5's target: at P = 4 the ring's peak per rank is <= 0.35x of single-process attention on
+    the same S (inputs, output and gradients included) once it runs in 4 head chunks; "auto" picks 4
+    for 8 K/V heads. One chunk holds ~19 blocks of S/P (0.53x)."""
+    seq = 2048
+    single = dist_pool.run(1, _peak_bytes, "ring", seq)[0]  # one rank: plain SDPA on the whole sequence
+    one = max(dist_pool.run(4, _peak_bytes, "ring", seq, 1))
+    four = max(dist_pool.run(4, _peak_bytes, "ring", seq, 4))
+    auto = max(dist_pool.run(4, _peak_bytes, "ring", seq, "auto"))
+    assert four <= 0.35 * single, (four / single, single)
+    assert auto == four, (auto, four)
+    assert one > 0.5 * single, (one / single, single)  # what chunking saves is real

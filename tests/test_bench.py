@@ -117,7 +117,14 @@ def test_estimator_api() -> None:
     ring4 = estimate_memory(8192, world_size=4, mode="ring", **kw)
     block = 8192 * 8 * 64 * 4  # one (S, heads, head_dim) fp32 tensor
     assert single == pytest.approx(9 * block, rel=0.01)
-    assert ring4 == pytest.approx(20 * block / 4, rel=0.01)  # causal zigzag: 20 blocks of S/4
+    ring4_one = estimate_memory(8192, world_size=4, mode="ring", head_chunks=1, **kw)
+    assert ring4_one == pytest.approx(20 * block / 4, rel=0.01)  # causal zigzag: 20 blocks of S/4
+    # 4 head chunks ("auto" for 8 K/V heads): q, k, v, out, dout and the full-size gradients (8 blocks)
+    # + one chunk's fp32 accumulators (3), K/V buffers (4), travelling dK/dV (4), kernel outputs (4)
+    assert ring4 == pytest.approx((8 + 15 / 4) * block / 4, rel=0.01)
+    assert ring4 <= 0.35 * single
+    with pytest.raises(ValueError, match="head_chunks=3"):
+        estimate_memory(8192, world_size=4, mode="ring", head_chunks=3, **kw)
     assert estimate_memory(8192, world_size=4, mode="allgather", **kw) > ring4
     assert estimate_memory(8192, world_size=1, mode="ring", **kw) == single  # one rank runs plain SDPA
     s = max_seq_len(64 * 2**20, world_size=2, mode="ring", **kw)

@@ -228,6 +228,12 @@ def test_unknown_train_key_and_fp16_fsdp_refused(tmp_path):
         train.build_plan(train.parse_args(["--config", str(path)]))
     with pytest.raises(ConfigError, match="bf16"):
         train.build_plan(train.parse_args(["--config", _config("fsdp_ring.json"), "--dtype", "fp16"]))
+    cfg = json.loads(Path(_config("deepspeed_allgather.json")).read_text())  # 2 K/V heads
+    cfg["sequence_parallel"]["head_chunks"] = 4
+    path = tmp_path / "chunks.json"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"head_chunks=4 does not divide the 2 K/V heads"):
+        train.build_plan(train.parse_args(["--config", str(path)]))
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="bf16"):
             train.build_plan(train.parse_args(["--config", _config("deepspeed_ring.json"), "--dtype", "fp16"]))

@@ -12,6 +12,11 @@ first so it overlaps the first transfer. Per rank the backward sends P-1 K/V blo
 P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
 holds more than a few blocks of size S/P: memory O(S/P).
 
+Head chunks (``opts.head_chunks = G``): the ring runs G times, each pass on kv_heads / G K/V heads and
+their query heads, writing into full-size outputs. Volume is unchanged (G passes of 1/G blocks); the
+buffers in flight and the kernels' outputs shrink by G, which is most of the ring's memory beyond the
+inputs, outputs and gradients themselves (at P = 4: ~8 + 11/G blocks of S/P instead of 19).
+
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
 """
 
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqpar.attention.plan import plan_blocks
+from seqpar.attention.plan import head_chunk_slices, plan_blocks
 from seqpar.comm.ring import RingExchange
 from seqpar.kernels import (
     block_backward,
@@ -33,7 +38,10 @@ from seqpar.kernels import (
 )
 from seqpar.sharding import chunk_ids
 
-__all__ = ["AttentionOptions", "ring_forward", "ring_backward", "RingAttention"]
+__all__ = [
+    "AttentionOptions", "ring_forward", "ring_backward", "ring_attention_forward", "ring_attention_backward",
+    "RingAttention",
+]
 
 _KV = 0  # channel of the K/V blocks
 _DKV = 1  # channel of the travelling dK/dV accumulators
@@ -177,15 +185,51 @@ def ring_backward(
     return dq_acc.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
+def ring_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions
+) -> tuple[Tensor, Tensor]:
+    """Ring forward over ``opts.head_chunks`` head chunks, one ring pass each.
+
+    Returns ``out`` in q's dtype and layout and the fp32 ``lse`` ``(batch, q_heads, seq_local)``. Each
+    pass moves only its chunk's K/V, so the buffers in flight are ``1 / head_chunks`` of a block."""
+    if opts.head_chunks == 1:
+        out_acc, lse = ring_forward(q, k, v, comm, opts)
+        return out_acc.to(q.dtype), lse
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
+    for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
+        out_c, lse_c = ring_forward(q[:, qs], k[:, ks], v[:, ks], comm, opts)
+        out[:, qs] = out_c
+        lse[:, qs] = lse_c
+        del out_c, lse_c
+    return out, lse
+
+
+def ring_attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    comm: RingExchange, opts: AttentionOptions,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Ring backward over ``opts.head_chunks`` head chunks; dq, dk, dv in the input dtypes."""
+    if opts.head_chunks == 1:
+        return ring_backward(dout, q, k, v, out, lse, comm, opts)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
+        dq_c, dk_c, dv_c = ring_backward(
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous(), comm, opts
+        )
+        dq[:, qs], dk[:, ks], dv[:, ks] = dq_c, dk_c, dv_c
+        del dq_c, dk_c, dv_c
+    return dq, dk, dv
+
+
 class RingAttention(torch.autograd.Function):
-    """Exact attention over the SP ring; a thin autograd wrapper of :func:`ring_forward` /
-    :func:`ring_backward`. The backward is the forward's mirror: the same ring, the same blocks, and
-    the gradients of each block sent back along with it."""
+    """Exact attention over the SP ring; a thin autograd wrapper of :func:`ring_attention_forward` /
+    :func:`ring_attention_backward`. The backward is the forward's mirror: the same ring, the same
+    blocks, and the gradients of each block sent back along with it."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions) -> Tensor:  # noqa: ANN001
-        out_acc, lse = ring_forward(q, k, v, comm, opts)
-        out = out_acc.to(q.dtype)
+        out, lse = ring_attention_forward(q, k, v, comm, opts)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.opts = comm, opts
         return out
@@ -193,5 +237,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.comm, ctx.opts)
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.comm, ctx.opts)
         return dq, dk, dv, None, None

@@ -55,6 +55,18 @@ def _pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not S:P, e.g. 1048576:8 or 1024k:8") from None
 
 
+def _head_chunks(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'auto'")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="seqpar-bench",
@@ -75,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head-dim", type=int)
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default float32 on CPU, bfloat16 on CUDA (flash kernels)")
+    g.add_argument("--head-chunks", type=_head_chunks, default="auto",
+                   help="seqpar.attention head_chunks for ring / all-gather: an integer or 'auto' (default)")
     g.add_argument("--causal", default="both", choices=["both", "yes", "no"])
     g.add_argument("--methods", help="attention suite: comma list of sdpa,ring,allgather,dilated (default all)")
     g = p.add_argument_group("measurement")

@@ -77,6 +77,8 @@ class BenchShape:
     head_dim: int = 64
     dtype: str = "float32"
     """torch dtype name: float32, bfloat16, float16."""
+    head_chunks: int | str = "auto"
+    """``seqpar.attention``'s head_chunks for the ring and all-gather (an int or ``"auto"``)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -100,6 +102,12 @@ class Settings:
     def first_round(self, rnd: int) -> Settings:
         """The settings of round ``rnd``: memory and profile passes only in the first round."""
         return self if rnd == 0 else replace(self, memory=False, profile=False)
+
+
+def shape_from_args(args: Any) -> BenchShape:
+    """The :class:`BenchShape` of the CLI's resolved arguments."""
+    return BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                      dtype=args.dtype, head_chunks=getattr(args, "head_chunks", "auto"))
 
 
 def make_inputs(
@@ -157,7 +165,9 @@ def _sharding(method: str, causal: bool) -> str:
     return "zigzag" if causal and method in ("ring", "allgather") else "contiguous"
 
 
-def _forward_fn(method: str, causal: bool, seq_len: int) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def _forward_fn(
+    method: str, causal: bool, seq_len: int, head_chunks: int | str = "auto"
+) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The attention call of ``method`` on this rank's shard."""
     if method == "sdpa":
         def sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -176,7 +186,7 @@ def _forward_fn(method: str, causal: bool, seq_len: int) -> Callable[[Tensor, Te
     sharding = _sharding(method, causal)
 
     def distributed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return seqpar.attention(q, k, v, causal=causal, mode=method, sharding=sharding)
+        return seqpar.attention(q, k, v, causal=causal, mode=method, sharding=sharding, head_chunks=head_chunks)
     return distributed
 
 
@@ -282,7 +292,7 @@ def run_case(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: B
     and a phase profile. Returns this rank's raw records."""
     torch.manual_seed(settings.seed)
     seq_local = seq_len // ctx.world_size
-    fwd = _forward_fn(method, causal, seq_len)
+    fwd = _forward_fn(method, causal, seq_len, shape.head_chunks)
     rec = _timed(ctx, fwd, shape, seq_local, settings)
     if settings.memory:
         def fresh_step() -> None:
@@ -312,6 +322,7 @@ def summarize_case(
             row["estimate_bytes"] = estimate_memory(
                 seq_len, world_size=world, mode=est_mode, batch=shape.batch, q_heads=shape.q_heads,
                 kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
+                head_chunks=shape.head_chunks,
             )
             row["estimate_error"] = row["estimate_bytes"] / row["peak_bytes"] - 1.0
     if "profile" in per_rank[0]:
@@ -432,10 +443,12 @@ def simulate_rank(
         (fraction of the transfer time the overlap hid: ``(serial - overlap) / (serial - compute)``),
         ``peak_bytes``, ``bytes_sent`` per step, and projected transfer times at :data:`LINKS_GBPS`.
     """
+    from seqpar.attention import resolve_head_chunks
     from seqpar.attention.ring import AttentionOptions, RingAttention
 
     seq_local = seq_len // world
-    opts_kw = {"causal": causal, "scale": shape.head_dim ** -0.5, "sharding": "zigzag" if causal else "contiguous"}
+    opts_kw = {"causal": causal, "scale": shape.head_dim ** -0.5, "sharding": "zigzag" if causal else "contiguous",
+               "head_chunks": resolve_head_chunks(shape.head_chunks, shape.kv_heads)}
     res: dict[str, Any] = {"S": seq_len, "P": world, "causal": causal, "seq_local": seq_local, "rank": rank,
                            "device": str(ctx.device)}
     res.update(_simulated_times(ctx, seq_local, world, rank, opts_kw, shape, settings))
@@ -665,8 +678,7 @@ def configure(args: Any) -> SuiteConfig:
         raise SystemExit(f"--methods: unknown {bad}; choose from {list(METHODS)}")
     return SuiteConfig(
         seq_lens=args.seq_lens, worlds=args.worlds, methods=methods, causal=args.causal_list,
-        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, dtype=args.dtype),
+        shape=shape_from_args(args),
         settings=Settings(warmup=args.warmup, repeats=args.repeats, seed=args.seed,
                           memory=not args.no_memory, profile=args.profile, rounds=args.rounds),
         device=args.device, simulate=args.simulate,

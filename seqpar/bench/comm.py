@@ -30,7 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from seqpar.bench.attention import BenchShape, _dilated_problem, _forward_fn, make_inputs
+from seqpar.bench.attention import (
+    BenchShape,
+    _dilated_problem,
+    _forward_fn,
+    make_inputs,
+    shape_from_args,
+)
 from seqpar.bench.runner import RankContext, RankPool, sync
 
 __all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
@@ -123,7 +129,7 @@ def count_bytes(ctx: RankContext, mode: str, seq_len: int, causal: bool, shape: 
         def fwd() -> torch.Tensor:
             return attn(q, k, v, 0)
     else:
-        f = _forward_fn(mode, causal, seq_len)
+        f = _forward_fn(mode, causal, seq_len, shape.head_chunks)
         q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
 
         def fwd() -> torch.Tensor:
@@ -174,8 +180,7 @@ def configure(args: Any) -> CommConfig:
     worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
     return CommConfig(
         seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
-        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, dtype=args.dtype),
+        shape=shape_from_args(args),
         seed=args.seed, device=args.device, repeats=max(3, args.repeats),
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from seqpar.bench.attention import BenchShape, _forward_fn, make_inputs
+from seqpar.bench.attention import BenchShape, _forward_fn, make_inputs, shape_from_args
 from seqpar.bench.runner import RankContext, RankPool, peak_memory
 from seqpar.memory import estimate_memory, max_seq_len
 
@@ -40,7 +40,7 @@ class MemoryConfig:
 
 def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> int:
     """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included."""
-    fwd = _forward_fn(method, causal, seq_len)
+    fwd = _forward_fn(method, causal, seq_len, shape.head_chunks)
     seq_local = seq_len // ctx.world_size
 
     def step() -> None:
@@ -53,14 +53,15 @@ def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shap
 def _estimate(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> int:
     return estimate_memory(seq_len, world_size=world, mode="single" if method == "sdpa" else method,
                            batch=shape.batch, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
-                           head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal)
+                           head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
+                           head_chunks=shape.head_chunks)
 
 
 def _largest(method: str, world: int, causal: bool, cfg: MemoryConfig) -> int:
     s = cfg.shape
     return max_seq_len(cfg.budget_bytes, world_size=world, mode="single" if method == "sdpa" else method,
                        batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                       dtype=s.torch_dtype, causal=causal, multiple=64)
+                       dtype=s.torch_dtype, causal=causal, multiple=64, head_chunks=s.head_chunks)
 
 
 def configure(args: Any) -> MemoryConfig:
@@ -68,8 +69,7 @@ def configure(args: Any) -> MemoryConfig:
     worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
     return MemoryConfig(
         seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
-        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, dtype=args.dtype),
+        shape=shape_from_args(args),
         budget_bytes=int(args.budget_mib * 2**20), seed=args.seed, device=args.device,
     )
 

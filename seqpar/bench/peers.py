@@ -30,7 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.bench.attention import BenchShape, Settings, make_inputs, run_case, summarize_case
+from seqpar.bench.attention import (
+    BenchShape,
+    Settings,
+    make_inputs,
+    run_case,
+    shape_from_args,
+    summarize_case,
+)
 from seqpar.bench.runner import (
     PoolError,
     PoolSet,
@@ -204,8 +211,7 @@ def configure(args: Any) -> PeersConfig:
     """A :class:`PeersConfig` from the CLI's resolved arguments."""
     return PeersConfig(
         seq_lens=list(args.seq_lens), worlds=list(args.worlds), causal=list(args.causal_list),
-        shape=BenchShape(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads,
-                         head_dim=args.head_dim, dtype=args.dtype),
+        shape=shape_from_args(args),
         settings=Settings(warmup=args.warmup, repeats=args.repeats, seed=args.seed, memory=not args.no_memory,
                           rounds=args.rounds),
         device=args.device, attempt_cpu_context_parallel=args.preset != "tiny",
