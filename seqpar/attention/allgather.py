@@ -1,15 +1,32 @@
 """All-gather attention (the Llama-3 style): gather K/V from the SP group, attend locally.
 
-Forward: one all-gather of K and one of V, in flight while the rank attends to its own block; then
-the other ranks' blocks (causal blocks in the future skipped, as in the ring). The gathered K/V are
-not kept for backward — holding them would cost O(S) per layer until backward — so backward gathers
-them again, computes the remote blocks' dK/dV shares in fp32 and reduce-scatters them to their
-owners (the dual of the gather) while it computes its own block's share.
+The heads are processed in ``opts.head_chunks`` chunks (GQA-consistent, see
+:func:`seqpar.attention.plan.head_chunk_slices`), each an independent attention problem, run as a
+software pipeline so that every collective but the first is in flight while a chunk computes:
 
-Volume per rank: forward (P-1) K/V blocks; backward (P-1) K/V blocks plus (P-1) fp32 dK/dV blocks.
-Memory: O(S) for the gathered K/V and the fp32 dK/dV of the full sequence, transiently, per layer.
+- Forward: one all-gather of chunk c's K and V (packed into one buffer) starts while chunk c-1's
+  remote blocks are computed (chunk 0's while its own block is); then chunk c attends to its own
+  block and to the other ranks' blocks (causal blocks in the future skipped, as in the ring).
+- Backward: the gathered K/V are not kept from the forward — holding them would cost O(S) per layer
+  until backward — so each chunk is gathered again, one chunk ahead of the compute. Each chunk's
+  fp32 dK/dV shares of every rank's block are written into one buffer and reduce-scattered to their
+  owners (the dual of the gather) while the next chunk computes; the last chunk's scatter hides
+  behind its own block, whose share is added once the scatter is done.
+
+Volume per rank, the same for every chunk count (G collectives of 1/G of it each way): forward
+(P-1) K/V blocks; backward (P-1) K/V blocks plus (P-1) fp32 dK/dV blocks. Collectives: forward one
+all-gather per chunk; backward one all-gather and one reduce-scatter per chunk.
+
+Memory: O(S) per layer, transiently, but only about two chunks' worth: at a backward kernel the
+gathered K/V of chunks c and c+1 and the fp32 dK/dV shares of chunks c and c-1 (in flight), i.e.
+4 P (K + K32) / G against 2 P (K + K32) unchunked (K, K32: one rank's K block in the input dtype /
+fp32). So G = 2 holds as much at a kernel as G = 1 (it saves on the scatters' transients) and
+G = 4 halves it. On gloo a reduce-scatter is an all-reduce of a clone of its input: a second copy
+of the chunk's dK/dV buffer exists while a scatter is in flight.
 
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
+Per chunk, the gathered K/V is ``(P, 2, batch, kv_heads / G, seq_local, head_dim)`` (rank, K|V, ...),
+and so is the dK/dV buffer that is reduce-scattered.
 """
 
 from __future__ import annotations
@@ -18,47 +35,102 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.plan import plan_blocks
+from seqpar.attention.plan import head_chunk_slices, plan_blocks
 from seqpar.attention.ring import AttentionOptions, _block_grads, _chunk_len
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
-from seqpar.kernels import block_forward, lse_dtype, merge_owned_into, new_accumulators
+from seqpar.comm.ring import Pending
+from seqpar.kernels import (
+    block_backward,
+    block_forward,
+    lse_dtype,
+    merge_owned_into,
+    new_accumulators,
+)
 from seqpar.sharding import chunk_ids
 
 __all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention"]
 
 
-def _start_gather(x: Tensor, group: dist.ProcessGroup, world: int) -> tuple[Tensor, object]:
-    """Start gathering ``(B, H, L, D)`` blocks; the result views as ``(P, B, H, L, D)`` (block p from
-    SP rank p) once the returned work is waited on."""
-    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    work = all_gather_into(out, x, group=group, async_op=True)
-    return out.view(world, *x.shape), work
+def _start_gather(k: Tensor, v: Tensor, heads: slice, group: dist.ProcessGroup, world: int) -> Pending:
+    """Start gathering heads ``heads`` of this rank's K and V ``(B, Hkv, L, D)`` in one collective.
+
+    The send buffer packs them as ``(2, B, h, L, D)`` (a contiguous copy: head slices of a batch > 1
+    are strided). ``wait()`` returns ``[kv_all]``, ``(P, 2, B, h, L, D)``: K and V of SP rank p at
+    ``kv_all[p]``. A :class:`Pending`, so that waiting is timed like the ring's transfers."""
+    kv = torch.stack((k[:, heads], v[:, heads]))  # (2, B, h, L, D)
+    out = torch.empty((world * 2, *kv.shape[1:]), dtype=kv.dtype, device=kv.device)
+    work = all_gather_into(out, kv, group=group, async_op=True)
+    return Pending(work.wait, [out.view(world, *kv.shape)])
+
+
+def _start_scatter(dkv_all: Tensor, group: dist.ProcessGroup) -> Pending:
+    """Start summing ``dkv_all`` ``(P, 2, B, h, L, D)`` over the ranks, slot p to rank p, in one
+    collective; ``wait()`` returns ``[dkv]``, this rank's ``(2, B, h, L, D)`` dK|dV."""
+    dkv = torch.empty(dkv_all.shape[1:], dtype=dkv_all.dtype, device=dkv_all.device)
+    work = reduce_scatter_into(dkv, dkv_all.view(-1, *dkv_all.shape[2:]), group=group, async_op=True)
+    reading = [dkv_all]  # the collective reads it until done: referenced (and counted) until the wait
+
+    def wait() -> None:
+        work.wait()
+        reading.clear()
+
+    return Pending(wait, [dkv])
+
+
+def _grads_into(
+    dkv_slot: Tensor, dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
+    q_chunks: list[int], k_chunks: list[int], clen: int, opts: AttentionOptions, dq_acc: Tensor,
+) -> None:
+    """Add one K/V block's dq share into ``dq_acc`` and write its fp32 dK|dV shares into ``dkv_slot``
+    ``(2, B, h, L, D)``, overwriting it. When one kernel call covers every key row (the usual case)
+    its outputs are copied in as they are; only a block split into several calls (or skipped
+    entirely under causal masking) is zeroed and accumulated into."""
+    calls = plan_blocks(q_chunks, k_chunks, clen, opts.causal)
+    if len(calls) == 1 and calls[0].k_rows == slice(0, k_blk.shape[2]):
+        qr = calls[0].q_rows
+        dq, dk, dv = block_backward(
+            dout[:, :, qr], q[:, :, qr], k_blk, v_blk, out[:, :, qr], lse[:, :, qr],
+            scale=opts.scale, causal=calls[0].causal,
+        )
+        dq_acc[:, :, qr] += dq
+        dkv_slot[0].copy_(dk)
+        dkv_slot[1].copy_(dv)
+        return
+    dkv_slot.zero_()
+    _block_grads(dout, q, k_blk, v_blk, out, lse, q_chunks, k_chunks, clen, opts, dq_acc, dkv_slot[0], dkv_slot[1])
 
 
 def allgather_forward(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions
 ) -> tuple[Tensor, Tensor]:
-    """Returns the fp32 ``out`` accumulator and ``lse`` ``(batch, q_heads, seq_local)``."""
+    """Returns the ``out`` accumulator ``(batch, q_heads, seq_local, head_dim)`` and ``lse``
+    ``(batch, q_heads, seq_local)``, both fp32 (fp64 for fp64 inputs)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_chunks = chunk_ids(rank, world, opts.sharding)
     clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
-    (k_all, k_work), (v_all, v_work) = _start_gather(k, group, world), _start_gather(v, group, world)
     out, lse = new_accumulators(q, lse_dtype(q.dtype))
+    heads = head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks)
 
-    def attend(src: int, k_blk: Tensor, v_blk: Tensor) -> None:
+    def attend(src: int, qs: slice, k_blk: Tensor, v_blk: Tensor) -> None:
+        q_c, out_c, lse_c = q[:, qs], out[:, qs], lse[:, qs]  # this chunk's heads (views)
         for call in plan_blocks(q_chunks, chunk_ids(src, world, opts.sharding), clen, opts.causal):
             o, o_lse = block_forward(
-                q[:, :, call.q_rows], k_blk[:, :, call.k_rows], v_blk[:, :, call.k_rows],
+                q_c[:, :, call.q_rows], k_blk[:, :, call.k_rows], v_blk[:, :, call.k_rows],
                 scale=opts.scale, causal=call.causal,
             )
-            merge_owned_into(out[:, :, call.q_rows], lse[:, :, call.q_rows], o, o_lse)
+            merge_owned_into(out_c[:, :, call.q_rows], lse_c[:, :, call.q_rows], o, o_lse)
 
-    attend(rank, k, v)  # the own block needs no communication: it hides the gather
-    k_work.wait()
-    v_work.wait()
-    for src in range(world):
-        if src != rank:
-            attend(src, k_all[src], v_all[src])
+    pending: Pending | None = _start_gather(k, v, heads[0][1], group, world)
+    for c, (qs, ks) in enumerate(heads):
+        attend(rank, qs, k[:, ks], v[:, ks])  # needs no communication: hides the gather in flight
+        (kv_all,) = pending.wait()
+        # the next chunk's gather hides behind this chunk's remote blocks; dropping the waited
+        # Pending leaves kv_all as the only reference, so it is freed with the del below
+        pending = _start_gather(k, v, heads[c + 1][1], group, world) if c + 1 < len(heads) else None
+        for src in range(world):
+            if src != rank:
+                attend(src, qs, kv_all[src, 0], kv_all[src, 1])
+        del kv_all  # before the next chunk's buffer arrives: two chunks live at most
     return out, lse
 
 
@@ -66,47 +138,80 @@ def allgather_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     group: dist.ProcessGroup, opts: AttentionOptions,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in the input dtypes; dK/dV shares are summed across ranks in fp32.
+    """dq, dk, dv in the input dtypes; dq is accumulated in fp32 (fp64), and the dK/dV shares are
+    summed across ranks in that dtype. ``out`` is the forward output (input dtype), ``lse`` its fp32
+    log-sum-exp.
 
-    The remote blocks' dK/dV shares are reduce-scattered while this rank computes its own block's
-    share, which needs no communication; the own slot of the reduce-scatter input stays zero."""
+    Per chunk c of G, into one fp32 ``(P, 2, B, h, L, D)`` buffer of dK|dV shares (slot p: rank p's
+    block): the own block's share first (no communication: it hides the gather in flight), then wait
+    for c's K/V, start gathering c+1's, the remote blocks' shares; then wait for chunk c-1's scatter
+    (it ran while c computed) and start c's. The last chunk computes its own block after starting
+    its scatter instead, to hide it (own slot zeroed, share added after the wait); with G = 1 this
+    leaves the backward's one gather exposed, as before chunking."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = lse_dtype(q.dtype)
     q_chunks = chunk_ids(rank, world, opts.sharding)
     clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
+    heads = head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks)
     dout = dout.contiguous()
-    (k_all, k_work), (v_all, v_work) = _start_gather(k, group, world), _start_gather(v, group, world)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_all = torch.zeros(k_all.shape, dtype=acc, device=k.device)  # (P, B, Hkv, L, D)
-    dv_all = torch.zeros(v_all.shape, dtype=acc, device=v.device)
-    k_work.wait()
-    v_work.wait()
-    for src in range(world):
-        if src != rank:
-            _block_grads(
-                dout, q, k_all[src], v_all[src], out, lse, q_chunks, chunk_ids(src, world, opts.sharding),
-                clen, opts, dq, dk_all[src], dv_all[src],
-            )
-    del k_all, v_all, k_work, v_work  # the works hold the gathered buffers too
-    dk = torch.empty(k.shape, dtype=acc, device=k.device)
-    dv = torch.empty(v.shape, dtype=acc, device=v.device)
-    works = [
-        reduce_scatter_into(dk, dk_all.view(-1, *k.shape[1:]), group=group, async_op=True),
-        reduce_scatter_into(dv, dv_all.view(-1, *v.shape[1:]), group=group, async_op=True),
-    ]
-    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-    _block_grads(dout, q, k, v, out, lse, q_chunks, q_chunks, clen, opts, dq, dk_own, dv_own)
-    for w in works:
-        w.wait()
-    dk += dk_own
-    dv += dv_own
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dk: Tensor | None = None  # in the input dtype, filled chunk by chunk
+    dv: Tensor | None = None
+
+    def grads_into(dkv_slot: Tensor, src: int, qs: slice, k_blk: Tensor, v_blk: Tensor) -> None:
+        _grads_into(
+            dkv_slot, dout[:, qs], q[:, qs], k_blk, v_blk, out[:, qs], lse[:, qs], q_chunks,
+            chunk_ids(src, world, opts.sharding), clen, opts, dq[:, qs],
+        )
+
+    def finish(dkv: Tensor, ks: slice) -> None:
+        """A chunk's reduced ``(2, B, h, L, D)`` dK|dV into its heads of dk, dv (cast here)."""
+        nonlocal dk, dv
+        if dk is None:  # allocated late: with one chunk, once the gathered buffers are gone
+            dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk[:, ks] = dkv[0]
+        dv[:, ks] = dkv[1]
+
+    gather: Pending | None = _start_gather(k, v, heads[0][1], group, world)
+    scatter: tuple[Pending, slice] | None = None  # the previous chunk's, in flight
+    for c, (qs, ks) in enumerate(heads):
+        last = c + 1 == len(heads)
+        dkv_all = torch.empty(
+            (world, 2, k.shape[0], ks.stop - ks.start, *k.shape[2:]), dtype=acc, device=k.device
+        )  # (P, 2, B, h, L, D)
+        if not last:  # own block first: no communication, hides the gather in flight
+            grads_into(dkv_all[rank], rank, qs, k[:, ks], v[:, ks])
+        (kv_all,) = gather.wait()
+        # the next chunk's K/V arrive while this chunk computes (None: free kv_all on del)
+        gather = None if last else _start_gather(k, v, heads[c + 1][1], group, world)
+        for src in range(world):
+            if src != rank:
+                grads_into(dkv_all[src], src, qs, kv_all[src, 0], kv_all[src, 1])
+        del kv_all
+        if last:
+            dkv_all[rank].zero_()  # the own share is added after the scatter
+        if scatter is not None:  # chunk c-1's, reduced while this chunk computed
+            finish(scatter[0].wait()[0], scatter[1])
+        scatter = (_start_scatter(dkv_all, group), ks)
+        del dkv_all  # the scatter holds it until waited
+
+    # the last chunk's own block, while its scatter is in flight
+    qs, ks = heads[-1]
+    dkv_own = torch.empty((2, *k[:, ks].shape), dtype=acc, device=k.device)  # (2, B, h, L, D)
+    grads_into(dkv_own, rank, qs, k[:, ks], v[:, ks])
+    (dkv,) = scatter[0].wait()
+    del scatter  # frees the last chunk's dK/dV of all ranks
+    dkv += dkv_own
+    del dkv_own
+    finish(dkv, ks)
+    del dkv
+    return dq.to(q.dtype), dk, dv
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """Exact attention by all-gathered K/V; backward re-gathers and reduce-scatters dK/dV (the dual
-    of the forward's all-gather)."""
+    """Exact attention by all-gathered K/V, head chunk by head chunk; backward re-gathers and
+    reduce-scatters dK/dV (the dual of the forward's all-gather)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions) -> Tensor:  # noqa: ANN001
