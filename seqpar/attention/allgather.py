@@ -82,22 +82,30 @@ def _grads_into(
     q_chunks: list[int], k_chunks: list[int], clen: int, opts: AttentionOptions, dq_acc: Tensor,
 ) -> None:
     """Add one K/V block's dq share into ``dq_acc`` and write its fp32 dK|dV shares into ``dkv_slot``
-    ``(2, B, h, L, D)``, overwriting it. When one kernel call covers every key row (the usual case)
-    its outputs are copied in as they are; only a block split into several calls (or skipped
-    entirely under causal masking) is zeroed and accumulated into."""
-    calls = plan_blocks(q_chunks, k_chunks, clen, opts.causal)
-    if len(calls) == 1 and calls[0].k_rows == slice(0, k_blk.shape[2]):
-        qr = calls[0].q_rows
+    ``(2, B, h, L, D)``, overwriting it.
+
+    When no two kernel calls share a key row (every plan of the contiguous and zigzag shardings: one
+    call over all key rows, one over the half of them this rank's queries see, or none), each call's
+    outputs are copied in as they are and only the rows no call reaches are zeroed: no zero-fill and
+    add of the whole slot. Otherwise the slot is zeroed and accumulated into."""
+    calls = sorted(plan_blocks(q_chunks, k_chunks, clen, opts.causal), key=lambda c: c.k_rows.start)
+    if any(a.k_rows.stop > b.k_rows.start for a, b in zip(calls, calls[1:])):
+        dkv_slot.zero_()
+        _block_grads(dout, q, k_blk, v_blk, out, lse, q_chunks, k_chunks, clen, opts, dq_acc, dkv_slot[0], dkv_slot[1])
+        return
+    done = 0  # key rows [0, done) are written
+    for call in calls:
+        qr, kr = call.q_rows, call.k_rows
+        dkv_slot[:, :, :, done:kr.start].zero_()  # keys that no query of this rank sees
         dq, dk, dv = block_backward(
-            dout[:, :, qr], q[:, :, qr], k_blk, v_blk, out[:, :, qr], lse[:, :, qr],
-            scale=opts.scale, causal=calls[0].causal,
+            dout[:, :, qr], q[:, :, qr], k_blk[:, :, kr], v_blk[:, :, kr], out[:, :, qr], lse[:, :, qr],
+            scale=opts.scale, causal=call.causal,
         )
         dq_acc[:, :, qr] += dq
-        dkv_slot[0].copy_(dk)
-        dkv_slot[1].copy_(dv)
-        return
-    dkv_slot.zero_()
-    _block_grads(dout, q, k_blk, v_blk, out, lse, q_chunks, k_chunks, clen, opts, dq_acc, dkv_slot[0], dkv_slot[1])
+        dkv_slot[0, :, :, kr] = dk
+        dkv_slot[1, :, :, kr] = dv
+        done = kr.stop
+    dkv_slot[:, :, :, done:].zero_()
 
 
 def allgather_forward(
