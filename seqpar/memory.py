@@ -20,9 +20,10 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   low-precision inputs also their 2 K32 fp32 copies). Under causal zigzag some ranks' calls cover half
   a key block, which adds zeroed 2 K32 dK/dV buffers instead. P = 2 has a single remote step: one K/V
   buffer (2 K) and the accumulator's first hop.
-- ``allgather``: the gathered K/V of all ranks (2 P K) and their fp32 dK/dV (2 P K32), plus the fp32
-  dq accumulator and the kernel's outputs; at the own block (computed while the reduce-scatter is in
-  flight) also the scatter's outputs and the own block's fp32 shares (4 K32).
+- ``allgather`` (pipelined over G head chunks): one chunk's gathered K/V of all ranks (2 P K / G) and
+  their fp32 dK/dV (2 P K32 / G), the next chunk's gather in flight and the previous chunk's
+  reduce-scatter in flight (each about as large), the fp32 dq accumulator and the kernel's outputs;
+  the final dk, dv once the first chunk is scattered. G = 1 holds all heads' gathered K/V and dK/dV.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -121,15 +122,27 @@ def estimate_memory(
     fwd_merge = 2 * Q + 2 * K + Q32 + Q + (2 * Q32 if low else 0) + 5 * lse
 
     if mode == "allgather":
-        gathered = 2 * world * K + 2 * world * K32
-        # + K: one more K-sized transient that MemTracker shows from S ~ 2048 up (not at S = 768),
-        # not yet pinned to a line of the algorithm; modelled so realistic sizes are exact
-        at_kernel = base + Q32 + gathered + (Q + 2 * K) + K + (K32 if low else 0)
-        # own block last, while the dK/dV reduce-scatter is in flight: its outputs (2 K32), the own
-        # block's fp32 shares (2 K32) and the kernel's outputs beside the fp32 dK/dV of all ranks
-        at_own = base + Q32 + 2 * world * K32 + 4 * K32 + (Q + 2 * K) + (K32 if low else 0)
-        at_end = base + Q32 + 2 * world * K32 + 4 * K32 + ((Q + 2 * K) if low else 0)
-        return int(max(at_kernel, at_own, at_end, fwd_merge + 2 * world * K))
+        # one chunk's gathered K/V (all ranks), its fp32 dK/dV (all ranks) and kernel outputs
+        G = chunks
+        Kc, K32c, Qc = K / G, K32 / G, Q / G
+        gath, dkv, kern = 2 * world * Kc, 2 * world * K32c, Qc + 2 * Kc
+        grads = 2 * K  # dk, dv in the input dtype, made when chunk 0's scatter is done
+        nxt = gath + 2 * Kc  # the next chunk's gather in flight: receive + packed send buffer
+        prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
+        acc_b = base + Q32  # + the fp32 dq accumulator
+        peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
+                 + (2 * Q32 / G if low else 0) + 4 * lse / G]  # forward
+        for c in range(G):
+            done = grads if c >= 2 else 0
+            ahead = nxt if c < G - 1 else 0
+            peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern)  # a kernel
+            if c >= 1:  # waiting for the previous scatter (gloo copies its input meanwhile)
+                peaks.append(acc_b + done + ahead + 3 * dkv + 2 * K32c)
+        own = grads if G >= 2 else 0
+        peaks.append(acc_b + own + dkv + 4 * K32c + kern)  # last chunk's own block, scatter in flight
+        peaks.append(acc_b + own + 2 * dkv + 4 * K32c)
+        peaks.append(acc_b + grads + 2 * K32c + (Q if low else 0))
+        return int(max(peaks))
 
     # ring: one pass per head chunk, each on 1/chunks of every tensor below
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own

@@ -218,6 +218,7 @@ _PHASE_TARGETS = (
     ("seqpar.attention.ring", "merge_owned_into", "merge"),
     ("seqpar.attention.allgather", "block_forward", "kernel_fwd"),
     ("seqpar.attention.allgather", "merge_owned_into", "merge"),
+    ("seqpar.attention.allgather", "block_backward", "kernel_bwd"),
     ("seqpar.attention.allgather", "all_gather_into", "collective"),
     ("seqpar.attention.allgather", "reduce_scatter_into", "collective"),
     ("seqpar.attention.dilated", "block_forward", "kernel_fwd"),
