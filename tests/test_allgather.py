@@ -6,30 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_attention import shard_rows, unshard_rows
+from test_attention_resources import _peak_bytes
 
 import seqpar
-from seqpar.sharding import chunk_ids, num_chunks
 
 
 # ------------------------------------------------------------------------------------ exactness
-def _shard(x: torch.Tensor, rank: int, world: int, sharding: str) -> torch.Tensor:
-    """Rank's rows of x ``(B, H, S, D)``, cut from the documented chunk layout."""
-    c = x.shape[2] // num_chunks(world, sharding)
-    return torch.cat([x[:, :, i * c:(i + 1) * c] for i in chunk_ids(rank, world, sharding)], dim=2)
-
-
-def _unshard(parts: list[torch.Tensor], world: int, sharding: str) -> torch.Tensor:
-    c = parts[0].shape[2] // len(chunk_ids(0, world, sharding))
-    rows = {i: part[:, :, j * c:(j + 1) * c] for r, part in enumerate(parts)
-            for j, i in enumerate(chunk_ids(r, world, sharding))}
-    return torch.cat([rows[i] for i in sorted(rows)], dim=2)
-
-
 def _run_allgather(rank: int, world: int, cases: list[tuple], head_chunks: int) -> list[list[torch.Tensor]]:
     """Worker body: fp32 forward + backward of each case on this rank's shard -> out, dq, dk, dv."""
     results = []
     for full, sharding, causal in cases:
-        q, k, v, dout = (_shard(full[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
+        q, k, v, dout = (shard_rows(full[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         out = seqpar.attention(q, k, v, causal=causal, mode="allgather", sharding=sharding, head_chunks=head_chunks)
         out.backward(dout)
@@ -58,7 +46,7 @@ def test_head_chunks_are_exact(dist_pool, world: int) -> None:
         per_rank = dist_pool.run(world, _run_allgather, cases, chunks, timeout=240)
         for idx, ((_full, sharding, causal), want) in enumerate(zip(cases, refs)):
             for j, (name, w) in enumerate(zip(("out", "dq", "dk", "dv"), want)):
-                got = _unshard([per_rank[r][idx][j] for r in range(world)], world, sharding)
+                got = unshard_rows([per_rank[r][idx][j] for r in range(world)], world, sharding)
                 torch.testing.assert_close(
                     got.double(), w, rtol=1e-5, atol=1e-5,
                     msg=lambda s, n=name, c=(chunks, sharding, causal): f"{n} head_chunks/sharding/causal={c}: {s}",
@@ -120,30 +108,10 @@ def test_head_chunks_split_the_volume(dist_pool, dtype: torch.dtype) -> None:
 
 
 # ------------------------------------------------------------------------------------ memory
-def _peak_bytes(rank: int, world: int, seq: int, head_chunks: int) -> int:
-    """Peak bytes of live tensors on this rank over forward + backward (MemTracker: exact CPU tensor
-    accounting), inputs and gradients included."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    torch.manual_seed(rank)
-    local = seq // world
-    tracker = MemTracker()
-    with tracker:
-        q = torch.randn(1, 8, local, 32, requires_grad=True)
-        k = torch.randn(1, 8, local, 32, requires_grad=True)
-        v = torch.randn(1, 8, local, 32, requires_grad=True)
-        out = seqpar.attention(
-            q, k, v, causal=True, mode="allgather", sharding="zigzag", check_inputs=False, head_chunks=head_chunks
-        )
-        out.backward(torch.randn_like(out))
-        del out
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-
-
 def test_head_chunks_lower_the_peak(dist_pool) -> None:
     """At P = 4 the gathered K/V and fp32 dK/dV of all ranks dominate the peak (16 of ~26 K-sized
     blocks with one chunk); with 4 chunks the pipeline holds two chunks' worth of each (8 blocks), on
     top of what every chunk count holds (inputs, output, gradients, fp32 dq). Measured: 0.68x (0.71x
     if gloo's reduce-scatter did not clone its input)."""
-    peak = {g: max(dist_pool.run(4, _peak_bytes, 2048, g, timeout=240)) for g in (1, 4)}
+    peak = {g: max(dist_pool.run(4, _peak_bytes, "allgather", 2048, g, timeout=240)) for g in (1, 4)}
     assert peak[4] <= 0.72 * peak[1], peak
