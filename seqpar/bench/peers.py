@@ -102,6 +102,33 @@ def _ulysses_inputs(shape: BenchShape, seq_local: int, device: torch.device, see
     return tuple(x.transpose(1, 2).contiguous().requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout)))
 
 
+def _time_and_peak(
+    ctx: RankContext, shape: BenchShape, seq_local: int, settings: Settings,
+    call: Callable[[Tensor, Tensor, Tensor], Tensor],
+) -> dict[str, Any]:
+    """Time fwd+bwd of ``call(q, k, v)`` on ``(batch, seq_local, heads, head_dim)`` inputs, and (with
+    ``settings.memory``) its peak memory over one step on fresh inputs."""
+    def inputs() -> tuple[Tensor, ...]:
+        return _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
+
+    q, k, v, dout = inputs()
+
+    def step() -> None:
+        call(q, k, v).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    rec: dict[str, Any] = {
+        "timing": time_step(step, device=ctx.device, warmup=settings.warmup, repeats=settings.repeats)
+    }
+    if settings.memory:
+        def fresh_step() -> None:
+            q2, k2, v2, dout2 = inputs()
+            call(q2, k2, v2).backward(dout2)
+
+        rec["peak_bytes"] = peak_memory(fresh_step, ctx.device)
+    return rec
+
+
 def run_ulysses(ctx: RankContext, seq_len: int, causal: bool, shape: BenchShape, settings: Settings) -> dict[str, Any]:
     """Time DeepSpeed Ulysses forward+backward on this rank (contiguous shards)."""
     from deepspeed.sequence.layer import DistributedAttention
@@ -110,23 +137,7 @@ def run_ulysses(ctx: RankContext, seq_len: int, causal: bool, shape: BenchShape,
     seq_local = seq_len // ctx.world_size
     attn = DistributedAttention(_SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
 
-    def timed() -> dict[str, Any]:
-        q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
-
-        def step() -> None:
-            attn(q, k, v, 0).backward(dout)
-            q.grad = k.grad = v.grad = None
-
-        return time_step(step, device=ctx.device, warmup=settings.warmup, repeats=settings.repeats)
-
-    rec: dict[str, Any] = {"timing": timed()}
-    if settings.memory:
-        def fresh_step() -> None:
-            q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
-            attn(q, k, v, 0).backward(dout)
-
-        rec["peak_bytes"] = peak_memory(fresh_step, ctx.device)
-    return rec
+    return _time_and_peak(ctx, shape, seq_local, settings, lambda q, k, v: attn(q, k, v, 0))
 
 
 # ------------------------------------------------------------------------ torch context_parallel
@@ -187,23 +198,7 @@ def run_ring_flash(ctx: RankContext, seq_len: int, causal: bool, shape: BenchSha
     fn = rfa.zigzag_ring_flash_attn_func if causal else rfa.ring_flash_attn_func
     seq_local = seq_len // ctx.world_size
 
-    def timed() -> dict[str, Any]:
-        q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
-
-        def step() -> None:
-            fn(q, k, v, causal=causal).backward(dout)
-            q.grad = k.grad = v.grad = None
-
-        return time_step(step, device=ctx.device, warmup=settings.warmup, repeats=settings.repeats)
-
-    rec: dict[str, Any] = {"timing": timed()}
-    if settings.memory:
-        def fresh_step() -> None:
-            q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
-            fn(q, k, v, causal=causal).backward(dout)
-
-        rec["peak_bytes"] = peak_memory(fresh_step, ctx.device)
-    return rec
+    return _time_and_peak(ctx, shape, seq_local, settings, lambda q, k, v: fn(q, k, v, causal=causal))
 
 
 # ------------------------------------------------------------------------------------- the suite
