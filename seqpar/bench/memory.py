@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from seqpar.bench.attention import BenchShape, _forward_fn, make_inputs, shape_from_args
+from seqpar.bench.attention import BenchShape, forward_fn, make_inputs, shape_from_args
 from seqpar.bench.runner import RankContext, RankPool, peak_memory
 from seqpar.memory import estimate_memory, max_seq_len
 
@@ -40,7 +40,7 @@ class MemoryConfig:
 
 def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> int:
     """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included."""
-    fwd = _forward_fn(method, causal, seq_len, shape.head_chunks)
+    fwd = forward_fn(method, causal, seq_len, shape.head_chunks)
     seq_local = seq_len // ctx.world_size
 
     def step() -> None:
