@@ -674,7 +674,7 @@ def _cli() -> None:
     # Only after success: a rank that failed alone must not wait here for ranks stuck in a
     # collective; the launcher stops them when it exits non-zero.
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # gloo: without it a rank can abort at exit (DESIGN.md)
+        dist.barrier()  # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it
         dist.destroy_process_group()
 
 
