@@ -657,7 +657,8 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     if metrics.get("recall_accuracy") is not None:
         lines.append(
             f"recall accuracy on {plan.train.eval_samples} held-out samples: "
-            f"{metrics['recall_accuracy']:.3f} (chance {1 / plan.train.num_values:.3f})"
+            f"{metrics['recall_accuracy']:.3f} (chance 1/{plan.train.num_values} = "
+            f"{1 / plan.train.num_values:.4g})"
         )
     lines.append("=" * 72)
     return "\n".join(lines)
