@@ -22,8 +22,8 @@ Stages (:data:`STAGES`, in order):
 - ``host-sync``: steady-state training steps of a tiny swapped Llama under
   ``torch.cuda.set_sync_debug_mode("error")``; lists every synchronising call site it saw.
 
-The lent machines stop a command after 10 minutes, so the default limits add up to less than that
-for the first five stages; run the rest in a second call (README, "GPU run-book").
+The lent machines stop a command after 10 minutes, so the limits of the first five stages add up to
+8.5 minutes and those of the last three to 9.5: run them as two calls (README, "GPU run-book").
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ STAGES = (
     Stage("host-sync", 60, "set_sync_debug_mode('error') around steady-state steps of a swapped model"),
     Stage("fairscale", 60, "FairScale FSDP steps of a swapped Llama vs the plain model"),
     Stage("attention", 240, "attention suite, CUDA preset (--quick)"),
-    Stage("dilated", 180, "dilated attention at 32K/128K/512K and the longest that fits"),
-    Stage("peers", 240, "peers suite (torch context_parallel, DeepSpeed Ulysses) at P = 1, 2"),
+    Stage("dilated", 150, "dilated attention at 32K/128K/512K and the longest that fits"),
+    Stage("peers", 180, "peers suite (torch context_parallel, DeepSpeed Ulysses) at P = 1, 2"),
 )
 _BY_NAME = {s.name: s for s in STAGES}
 
