@@ -15,7 +15,8 @@ Example block::
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
         "swap": "auto",             # what attention to replace in a model
-        "pattern": {"type": "dense"}
+        "pattern": {"type": "dense"},
+        "timeout_s": 600            # bound on the process groups seqpar creates (seconds)
     }
 """
 
@@ -171,6 +172,11 @@ class SeqParConfig:
     apex: bool = False
     """Use NVIDIA apex fused kernels (e.g. fused RMSNorm) where apex is installed; falls back with a
     log line where it is not."""
+    timeout_s: int | None = None
+    """Seconds a collective may wait before it fails (instead of hanging) in the process groups
+    seqpar creates: the world group when seqpar initialises torch.distributed
+    (``init_process_group`` or ``deepspeed.init_distributed``) and the SP/DP groups. A world group
+    the user created keeps its own timeout. ``None``: torch's default."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
@@ -201,6 +207,11 @@ class SeqParConfig:
                 _fail("swap", list(self.swap), "a list of non-empty module class names / name patterns")
         else:
             _fail("swap", self.swap, "expected a string or a list of strings")
+        if self.timeout_s is not None:
+            hint = "expected a positive integer number of seconds (or null for torch's default)"
+            _check_type("timeout_s", self.timeout_s, (int,), hint)
+            if self.timeout_s < 1:
+                _fail("timeout_s", self.timeout_s, hint)
         if not isinstance(self.pattern, PatternConfig):
             _fail("pattern", self.pattern, "expected a pattern object")
 

@@ -37,6 +37,8 @@ __all__ = [
     "resolve_group",
     "rank_grid",
     "check_divisible",
+    "single_process_env",
+    "timeout_of",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -259,19 +261,36 @@ def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
     return None
 
 
+def single_process_env() -> bool:
+    """Under a plain ``python script.py`` (no launcher variables), set the environment of a world of
+    one (``MASTER_ADDR``/``MASTER_PORT`` on a free local port, ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_SIZE``), so the same code runs unlaunched. Returns whether it did."""
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_SIZE", "1")
+    return True
+
+
+def timeout_of(config: SeqParConfig | None, timeout: timedelta | None = None) -> timedelta | None:
+    """``timeout`` if given, else the config's ``timeout_s`` as a ``timedelta`` (None: torch's default)."""
+    if timeout is not None or config is None or config.timeout_s is None:
+        return timeout
+    return timedelta(seconds=config.timeout_s)
+
+
 def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
-        # A plain `python script.py`: a world of one, so the same code runs unlaunched.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+    if single_process_env():
         logger.info("[rank 0] no launcher environment found: starting a 1-rank %s group", backend)
     kw: dict[str, Any] = {"backend": backend, "init_method": "env://"}
     if timeout is not None:
@@ -297,7 +316,8 @@ def init_process_groups(
         config: a ``SeqParConfig`` whose ``size`` is used when ``sp_size`` is ``None``.
         backend: for a fresh ``init_process_group`` (``"nccl"`` when CUDA is available, else
             ``"gloo"``) and for the new groups.
-        timeout: for a fresh ``init_process_group`` and the new groups' collectives.
+        timeout: for a fresh ``init_process_group`` and the new groups' collectives (default:
+            ``config.timeout_s``; a world group created before keeps its own).
 
     Returns:
         The manager, also recorded as the default (see ``default_manager``).
@@ -307,6 +327,7 @@ def init_process_groups(
     """
     if sp_size is None:
         sp_size = config.size if config is not None else 1
+    timeout = timeout_of(config, timeout)
     if not dist.is_initialized():
         _init_from_env(backend, timeout)
     check_divisible(dist.get_world_size(), sp_size)

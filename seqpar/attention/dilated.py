@@ -102,6 +102,7 @@ __all__ = [
     "PatternPlan",
     "DilatedPlan",
     "check_pattern",
+    "pattern_row",
     "plan_dilated",
     "dilated_forward",
     "dilated_backward",
@@ -627,6 +628,19 @@ class DilatedAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public entry
+def pattern_row(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], head_layout: str
+) -> list[int]:
+    """The dilated pattern as integers for the cross-rank check (invalid entries become -1; they are
+    refused by :func:`check_pattern` right after)."""
+
+    def ints(xs: Sequence[int]) -> list[int]:
+        return [x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in xs]
+
+    layout = HEAD_LAYOUTS.index(head_layout) if head_layout in HEAD_LAYOUTS else -1
+    return [len(segment_lengths), *ints(segment_lengths), len(dilation_rates), *ints(dilation_rates), layout]
+
+
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -677,7 +691,10 @@ def dilated_attention(
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     if check_inputs and world > 1:
-        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding)
+        # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
+        # mismatched collectives, so it is part of what every rank must agree on.
+        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
+                           extra=pattern_row(segment_lengths, dilation_rates, head_layout))
     check_local(q, k, v, world_size=world, sharding=sharding)
     check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
                   seq_local=q.shape[2], world_size=world)
