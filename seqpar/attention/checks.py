@@ -8,6 +8,8 @@ each rank's shapes, instead of some ranks entering a collective the others never
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -91,9 +93,12 @@ def _describe(t: Tensor) -> list[int]:
 
 def check_across_ranks(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
-    head_chunks: int | str = "auto",
+    head_chunks: int | str = "auto", extra: Sequence[int] = (),
 ) -> None:
-    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options."""
+    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options.
+
+    ``extra``: more integers every rank must agree on (appended to the compared row, length
+    included); every call site passes a fixed number of them, so the rows have one length."""
     meta = [1]
     for t in (q, k, v):
         meta += _describe(t)
@@ -103,13 +108,15 @@ def check_across_ranks(
         int(causal),
         MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
+        len(extra), *(int(x) for x in extra),
     ]
+    row_len = len(meta)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(meta, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    everyone = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
+    everyone = torch.empty(world * row_len, dtype=torch.int64, device=device)
     all_gather_into(everyone, mine, group=group)
-    rows = everyone.view(world, _META_LEN).cpu().tolist()
+    rows = everyone.view(world, row_len).cpu().tolist()
     if all(row == rows[0] for row in rows):
         return
 
@@ -120,11 +127,13 @@ def check_across_ranks(
             shapes.append(f"{name}{tuple(d for d in dims[:nd] if d >= 0)}")
         dt = _DTYPES[row[16]] if 0 <= row[16] < len(_DTYPES) else "?"
         chunks = "auto" if row[20] == 0 else row[20]
-        return f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks}"
+        more = f" extra={row[_META_LEN + 1:]}" if row[_META_LEN] else ""
+        return f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks}{more}"
 
     detail = "; ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
     raise ValueError(
         "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
         f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
-        "seq_local and head_dim, same dtype and options (shard with seqpar.shard_sequence)."
+        "seq_local and head_dim, same dtype and options, the same cu_seqlens, window and sinks shape "
+        "(shard with seqpar.shard_sequence)."
     )

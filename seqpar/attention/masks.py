@@ -19,13 +19,20 @@ with no visible pair give no call; adjacent rectangles are fused into one call.
 from __future__ import annotations
 
 import bisect
+import struct
 import sys
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from seqpar.attention.plan import BlockCall
 
-__all__ = ["MaskSpec", "plan_pieces", "visible_pair_count"]
+__all__ = [
+    "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs",
+]
 
 
 @dataclass(frozen=True)
@@ -169,3 +176,75 @@ def visible_pair_count(calls: Sequence[BlockCall]) -> int:
         n, m = c.q_rows.stop - c.q_rows.start, c.k_rows.stop - c.k_rows.start
         total += n * (n + 1) // 2 if (c.causal or c.anti) else n * m
     return total
+
+
+# --------------------------------------------------------------------------- inputs of the public call
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def host_boundaries(cu_seqlens: Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as host integers: one device-to-host copy (the plan's only one), or none for a
+    list/tuple. Raises TypeError for anything but a 1-D int32/int64 tensor or a sequence of ints."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT_DTYPES:
+            raise TypeError(
+                f"cu_seqlens must be a 1-D int32/int64 tensor of document boundaries, got shape "
+                f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+            )
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    if isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
+        return tuple(cu_seqlens)
+    raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {type(cu_seqlens).__name__}")
+
+
+def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object) -> list[int]:
+    """Four integers every rank must agree on (for the cross-rank check): the number of boundaries
+    (-1: none), their CRC32, the window (0: none, -1: not an int) and the sinks' length (-1: none)."""
+    n = -1 if bounds is None else len(bounds)
+    crc = 0 if bounds is None else zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))
+    if window is None:
+        w = 0
+    else:
+        w = window if isinstance(window, int) and not isinstance(window, bool) else -1
+    s = -1 if sinks is None else (sinks.numel() if isinstance(sinks, Tensor) else -2)
+    return [n, crc, w, s]
+
+
+def check_mask_inputs(
+    bounds: tuple[int, ...] | None, window: object, sinks: object, *, q: Tensor, seq_len: int
+) -> None:
+    """Raise ValueError/TypeError naming the problem and the fix (the same verdict on every rank,
+    once the ranks are known to agree on these inputs)."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(
+            f"window={window!r} is invalid: pass an int >= 1 (query i sees key j when 0 <= i - j < window, "
+            f"or |i - j| < window without causal) or None for no window"
+        )
+    if bounds is not None:
+        fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"
+        if len(bounds) < 2 or bounds[0] != 0:
+            raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S]; got {_show(bounds)}: {fix}")
+        bad = next((i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]), None)
+        if bad is not None:
+            raise ValueError(
+                f"cu_seqlens must increase strictly; got {bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
+            )
+        if bounds[-1] != seq_len:
+            raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {bounds[-1]}: {fix}")
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"cu_seqlens needs batch 1 (documents packed into one sequence, as flash varlen), got batch "
+                f"{q.shape[0]}: pack the batch's rows into one sequence and concatenate their boundaries"
+            )
+    if sinks is not None:
+        if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+            shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a ({q.shape[1]},) tensor, one logit per query head; got {shape}")
+        if not sinks.is_floating_point() or sinks.device != q.device:
+            raise TypeError(f"sinks must be a floating-point tensor on {q.device}; got {sinks.dtype} on {sinks.device}")
+
+
+def _show(bounds: tuple[int, ...]) -> str:
+    return str(list(bounds)) if len(bounds) <= 12 else f"[{', '.join(map(str, bounds[:6]))}, ..., {bounds[-1]}]"
