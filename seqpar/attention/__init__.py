@@ -1,7 +1,8 @@
 """Exact attention across the ranks of a sequence-parallel group.
 
-One module per algorithm (``ring``, ``allgather``, ``dilated``), the kernel planning in ``plan`` and the
-input checks in ``checks``; :func:`attention` is the public entry that picks one.
+One module per algorithm (``ring``, ``allgather``, ``dilated``), their shared options and piece kernels in
+``common``, the kernel planning in ``plan`` (chunks) and ``masks`` (documents, windows), and the input
+checks in ``checks``; :func:`attention` is the public entry that picks one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from seqpar.attention.checks import (
     check_options,
     resolve_head_chunks,
 )
-from seqpar.attention.ring import AttentionOptions, RingAttention
+from seqpar.attention.common import AttentionOptions, SingleRank
+from seqpar.attention.masks import check_mask_inputs, host_boundaries, mask_digest
+from seqpar.attention.ring import RingAttention
 from seqpar.comm.ring import RingComm
 from seqpar.groups import resolve_group
 
@@ -43,6 +46,9 @@ def attention(
     overlap: bool = True,
     check_inputs: bool = True,
     head_chunks: int | str = "auto",
+    cu_seqlens: Tensor | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
 
@@ -63,6 +69,14 @@ def attention(
             kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
             divide kv_heads. ``"auto"`` = the largest divisor of kv_heads that is at most
             :data:`AUTO_HEAD_CHUNKS` (4).
+        cu_seqlens: packed documents: a 1-D int32/int64 tensor (any device; a tuple of ints also
+            works and needs no device-to-host copy) of the boundaries of the *whole* sequence,
+            ``[0, l1, l1 + l2, ..., S]`` with ``S = seq_local * P``, the same on every rank. Query i
+            sees key j only inside its document. Needs batch 1.
+        window: sliding window, an int >= 1: with ``causal``, query i sees key j iff
+            ``0 <= i - j < window`` (transformers' ``sliding_window``); without, iff ``|i - j| < window``.
+        sinks: ``(q_heads,)`` learned per-head sink logits (GPT-OSS): ``exp(sinks[h])`` joins every
+            softmax denominator of head h; the sinks get their gradient (this rank's rows' share).
     Returns:
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
@@ -71,25 +85,39 @@ def attention(
     check_options(mode, sharding)
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
+    bounds, bad_bounds = None, None
+    try:
+        bounds = host_boundaries(cu_seqlens)  # the call's one device-to-host copy, when documents are given
+    except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
+        bad_bounds = e
     if check_inputs and world > 1:
+        extra = mask_digest(bounds, window, sinks)
         check_across_ranks(
-            q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks
+            q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+            extra=[-2, *extra[1:]] if bad_bounds is not None else extra,
         )
+    if bad_bounds is not None:
+        raise bad_bounds
     check_local(q, k, v, world_size=world, sharding=sharding)
+    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world)
     chunks = resolve_head_chunks(head_chunks, k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if world == 1:
+    masked = bounds is not None or window is not None or sinks is not None
+    if world == 1 and not masked:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
     opts = AttentionOptions(
-        causal=causal, scale=float(scale), sharding=sharding, overlap=overlap, head_chunks=chunks
+        causal=causal, scale=float(scale), sharding=sharding, overlap=overlap, head_chunks=chunks,
+        window=window, cu_seqlens=bounds,
     )
+    if world == 1:  # documents, windows or sinks on one rank: the planner, no exchange
+        return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
     if mode == "ring":
-        return RingAttention.apply(q, k, v, RingComm(group), opts)
-    return AllGatherAttention.apply(q, k, v, group, opts)
+        return RingAttention.apply(q, k, v, RingComm(group), opts, sinks)
+    return AllGatherAttention.apply(q, k, v, group, opts, sinks)
 
 
 class _AttentionPackage(types.ModuleType):

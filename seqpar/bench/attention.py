@@ -217,12 +217,10 @@ class PhaseTimer:
 
 
 _PHASE_TARGETS = (
-    ("seqpar.attention.ring", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.ring", "block_backward", "kernel_bwd"),
-    ("seqpar.attention.ring", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.allgather", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_backward", "kernel_bwd"),
+    # ring and all-gather run their kernels and merges through the shared piece helpers
+    ("seqpar.attention.common", "block_forward", "kernel_fwd"),
+    ("seqpar.attention.common", "block_backward", "kernel_bwd"),
+    ("seqpar.kernels.merge", "merge_into", "merge"),
     ("seqpar.attention.allgather", "all_gather_into", "collective"),
     ("seqpar.attention.allgather", "reduce_scatter_into", "collective"),
     ("seqpar.attention.dilated", "block_forward", "kernel_fwd"),
