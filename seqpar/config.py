@@ -9,7 +9,8 @@ Example block::
 
     "sequence_parallel": {
         "size": 2,                  # SP degree: ranks that share one sequence
-        "mode": "ring",             # "ring" | "allgather"
+        "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
+        "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
         "sharding": "zigzag",       # "contiguous" | "zigzag"
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
@@ -38,7 +39,7 @@ __all__ = [
     "SeqParConfig",
 ]
 
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
 SHARDINGS = ("contiguous", "zigzag")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
@@ -147,8 +148,15 @@ class SeqParConfig:
     """SP degree: how many consecutive ranks share one sequence. The world size must be a multiple
     of it; the quotient is the data-parallel degree."""
     mode: str = "ring"
-    """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank) or ``"allgather"``
-    (one collective, O(S) K/V per rank, fastest at moderate lengths)."""
+    """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank), ``"allgather"``
+    (one collective, O(S) K/V per rank, fastest at moderate lengths), ``"ulysses"`` (all-to-all from
+    sequence to head shards over the whole SP group; needs q_heads divisible by the SP size),
+    ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` consecutive ranks, ring across them) or
+    ``"auto"`` (the cheapest of these that the groups and the call allow, see seqpar.costmodel)."""
+    ulysses_size: int | str = 1
+    """Ulysses degree u of ``mode="hybrid"``/``"auto"``: the SP group splits into size/u groups of u
+    consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
+    ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
     sharding: str = "contiguous"
     """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
     holds chunks r and 2P-1-r of 2P, which balances causal work)."""
@@ -179,6 +187,11 @@ class SeqParConfig:
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
             _fail("mode", self.mode, f"choose one of {list(MODES)}")
+        if self.ulysses_size != "auto":
+            u_hint = f'a positive integer dividing size {self.size}, or "auto"'
+            _check_type("ulysses_size", self.ulysses_size, (int,), u_hint)
+            if self.ulysses_size < 1 or self.size % self.ulysses_size:
+                _fail("ulysses_size", self.ulysses_size, u_hint)
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
