@@ -157,6 +157,9 @@ class SeqParConfig:
     """Ulysses degree u of ``mode="hybrid"``/``"auto"``: the SP group splits into size/u groups of u
     consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
     ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
+    links: dict[str, float] | None = None
+    """Link figures for ``mode="auto"`` (seqpar.costmodel.Links): any of ``intra_gbps``, ``inter_gbps``,
+    ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
     sharding: str = "contiguous"
     """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
     holds chunks r and 2P-1-r of 2P, which balances causal work)."""
@@ -192,6 +195,13 @@ class SeqParConfig:
             _check_type("ulysses_size", self.ulysses_size, (int,), u_hint)
             if self.ulysses_size < 1 or self.size % self.ulysses_size:
                 _fail("ulysses_size", self.ulysses_size, u_hint)
+        if self.links is not None:
+            link_keys = ("intra_gbps", "inter_gbps", "flops", "node_size", "latency_s")
+            links_hint = f"an object with positive numbers for any of {list(link_keys)}"
+            if not isinstance(self.links, Mapping) or not set(self.links) <= set(link_keys) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in self.links.values()
+            ):
+                _fail("links", self.links, links_hint)
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
@@ -274,6 +284,9 @@ class SeqParConfig:
     def replace(self, **changes: Any) -> SeqParConfig:
         """A copy with some fields changed (validated again), e.g. from command-line flags."""
         return dataclasses.replace(self, **changes)
+
+    def __hash__(self) -> int:  # the links dict is not hashable; the JSON form is
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

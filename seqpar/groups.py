@@ -122,6 +122,8 @@ class ProcessGroupManager:
         check_ulysses_size(sp_size, ulysses_size)
         self._dp_rank, self._sp_rank = divmod(self._rank, sp_size)
         self._ulysses_size = ulysses_size
+        # link figures for mode="auto" (seqpar.costmodel.Links); None = probe on first use
+        self.links: Any = None
 
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
@@ -417,9 +419,14 @@ def init_process_groups(
     if ulysses_size == "auto":
         from seqpar.costmodel import choose_ulysses_size
 
-        ulysses_size = choose_ulysses_size(sp_size, heads=heads)
+        node = config.links.get("node_size") if config is not None and getattr(config, "links", None) else None
+        ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
         logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
     check_ulysses_size(sp_size, ulysses_size)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
+    if config is not None and getattr(config, "links", None):
+        from seqpar.costmodel import Links
+
+        manager.links = Links(**config.links)
     set_default_manager(manager)
     return manager

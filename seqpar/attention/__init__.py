@@ -103,7 +103,7 @@ def attention(
     if mode == "auto":
         from seqpar.costmodel import choose_mode
 
-        mode = choose_mode(q, k, world=world, manager=manager, causal=causal)
+        mode = choose_mode(q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks)
     if mode == "hybrid":
         if manager is None:
             raise ValueError(
