@@ -37,7 +37,6 @@ import json
 import logging
 import math
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -450,56 +449,31 @@ def _configure_logging(level: str) -> None:
 
 
 class _PeakMemory:
-    """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: MemTracker)."""
+    """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: every live tensor
+    storage, counted by seqpar.memtrack in every setting: checkpointing, accumulation, tiling)."""
 
     def __init__(self, engine: _Engine, settings: TrainSettings) -> None:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
-        self._engine = engine
-        # MemTracker refuses a module called twice in one tracked window (accumulation micro-steps,
-        # checkpointed recomputation): RSS then.
-        self._usable = settings.grad_accum == 1 and not settings.activation_checkpointing
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             self.kind = "cuda_max_memory_allocated over the run"
             return self
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from seqpar.memtrack import TensorMemoryTracker
 
-        if not self._usable or isinstance(self._engine.model, FullyShardedDataParallel):
-            # FSDP1 swaps parameters for non-leaf views in forward; MemTracker's hooks then fail.
-            return self
-        try:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self._tracker = MemTracker()
-            optim = getattr(self._engine, "optimizer", None) or getattr(self._engine.model, "optimizer", None)
-            while optim is not None and not isinstance(optim, torch.optim.Optimizer):
-                optim = getattr(optim, "optimizer", None)  # DeepSpeed's ZeRO wrappers hold the torch one
-            self._tracker.track_external(self._engine.model, *([optim] if optim is not None else []))
-            self._tracker.__enter__()
-        except Exception as e:  # noqa: BLE001 - a measurement must not stop training
-            logger.warning("MemTracker unavailable (%s); reporting peak RSS instead", e)
-            self._tracker = None
+        self._tracker = TensorMemoryTracker("cpu").__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if torch.cuda.is_available():
             self.value = int(torch.cuda.max_memory_allocated())
             return
-        if self._tracker is not None:
-            try:
-                self._tracker.__exit__(*exc)
-                snap = self._tracker.get_tracker_snapshot("peak")
-                self.value = int(sum(d.get("Total", 0) for d in snap.values()))
-                self.kind = "cpu tensor bytes at the peak of one tracked step (MemTracker)"
-                return
-            except Exception as e:  # noqa: BLE001
-                logger.warning("MemTracker failed (%s); reporting peak RSS instead", e)
-        self.value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.kind = "process peak RSS (ru_maxrss), not tensor memory"
+        self._tracker.__exit__(*exc)
+        self.value = int(self._tracker.peak)
+        self.kind = "cpu tensor bytes at the peak of one tracked step (seqpar.memtrack)"
 
 
 def _all_gather(obj: Any) -> list[Any]:
