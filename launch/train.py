@@ -335,6 +335,9 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
         "num_attention_heads": 4, "num_key_value_heads": 2,
     }
     sizes.update(plan.model)
+    # "vocab_size" may widen the vocabulary beyond the task's tokens (the first ids; the rest are
+    # never sampled): the LM head then has the shape of a real model's
+    vocab_size = max(vocab_size, int(sizes.pop("vocab_size", vocab_size)))
     cfg = LlamaConfig(
         vocab_size=vocab_size, max_position_embeddings=max(seq_len_padded, 64),
         attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, **sizes,
@@ -580,8 +583,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
             batch = shard_batch(task.batch(first, t.micro_batch_size), group=manager.sp_group,
                                 sharding=plan.sp.sharding)
-            logits = engine.forward(batch)
-            loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
+            if plan.sp.tiled_loss:  # the swapped model computes the SP loss itself, never the logits
+                loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                    shift_labels=batch["shift_labels"]).loss
+            else:
+                logits = engine.forward(batch)
+                loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
             engine.backward(loss, last_micro=m == t.grad_accum - 1)
             total += loss.detach().double() / t.grad_accum
         if tracking:

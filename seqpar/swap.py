@@ -641,4 +641,7 @@ def swap_attention(
     if hf_modules:
         glue.apply(model, hf_modules, options)
     logger.info("%s", report)
+    from seqpar.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
+
+    report.tiling = apply_tiling(model, cfg, group=group)
     return report
