@@ -143,12 +143,11 @@ class _TiledLMLoss(torch.autograd.Function):
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True)
-            dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab)
+            dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
             if want_h:
                 dhidden[sl] = dlogits @ weight
             if want_w:
-                dweight.addmm_(dlogits.t().float(), hidden[sl].float()) if hidden.dtype != torch.float32 \
-                    else dweight.addmm_(dlogits.t(), hidden[sl])
+                dweight.addmm_(dlogits.t().float(), hidden[sl].float())  # .float(): no copy in fp32
             del dlogits
         return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None
 
@@ -315,23 +314,21 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        from seqpar.groups import resolve_group
         from seqpar.loss import sequence_parallel_mean
 
-        labels = kwargs.pop("labels", None)
-        shift_labels = kwargs.pop("shift_labels", None)
-        if labels is None and shift_labels is None and not args[5:6]:
-            return original(*args, **kwargs)
-        bound = signature.bind_partial(*args, **kwargs)
-        call = dict(bound.arguments)
+        call = dict(signature.bind_partial(*args, **kwargs).arguments)
         extra = call.pop("kwargs", {})
-        labels = call.pop("labels", labels)
+        labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
+        if labels is None and shift_labels is None:
+            return original(*args, **kwargs)  # no loss wanted: logits as before (evaluation)
         num_items = extra.pop("num_items_in_batch", None)
         call.pop("logits_to_keep", None)
         if shift_labels is None:
-            sp_size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
-            if sp_size > 1:
+            sp_group = resolve_group(group)
+            if sp_group is not None and dist.get_world_size(sp_group) > 1:
                 raise ValueError(
-                    "tiled_loss under sequence parallelism needs shift_labels (labels shifted before "
+                    "tiled_loss under sequence parallelism needs shift_labels= (labels shifted before "
                     "sharding, from seqpar.data.shard_batch); unshifted labels cannot be shifted on a shard"
                 )
             shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
