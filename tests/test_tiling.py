@@ -139,7 +139,7 @@ def test_tiled_mlp_gradients_returned_once_and_exact() -> None:
     ref(x_ref).backward(dout.double())
     torch.testing.assert_close(out.double(), ref(x_ref).detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(x.grad.double(), x_ref.grad, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, r) in zip(mlp.named_parameters(), ref.named_parameters()):
+    for p, r in zip(mlp.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.double(), r.grad, rtol=1e-5, atol=1e-5)
     # one complete gradient per parameter: what ZeRO's reduce hooks and FSDP's reduce-scatter need
     assert set(calls.values()) == {1}, calls
