@@ -181,6 +181,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--tiled-loss", action="store_true", default=None,
+                   help="override sequence_parallel.tiled_loss (LM head + loss over sequence chunks)")
+    p.add_argument("--tiled-mlp", type=lambda v: v if v == "auto" else int(v),
+                   help="override sequence_parallel.tiled_mlp: number of chunks or 'auto'")
+    p.add_argument("--offload-activations", action="store_true", default=None,
+                   help="override sequence_parallel.offload_activations (CUDA; a no-op on CPU)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
     p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
     p.add_argument("--save-every", type=int)
@@ -238,7 +244,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         engine = "deepspeed" if any(k in raw for k in _DEEPSPEED_KEYS) else "fsdp"
     sp = SeqParConfig.from_dict({"sequence_parallel": raw.get("sequence_parallel") or {}})
     changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
-                                  ("sharding", args.sharding)) if v is not None}
+                                  ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
+                                  ("tiled_mlp", args.tiled_mlp),
+                                  ("offload_activations", args.offload_activations)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})

@@ -108,6 +108,7 @@ class TensorMemoryTracker(TorchDispatchMode):
                     self._register(st)
 
     def _register_all_live(self) -> None:
+        gc.collect()  # garbage in reference cycles is not memory the block can use
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # isinstance() on deprecated module proxies warns
             for obj in gc.get_objects():
