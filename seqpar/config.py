@@ -16,6 +16,9 @@ Example block::
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
         "swap": "auto",             # what attention to replace in a model
+        "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
+        "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
+        "offload_activations": false,  # checkpointed layer inputs in pinned CPU memory
         "pattern": {"type": "dense"},
         "timeout_s": 600            # bound on the process groups seqpar creates (seconds)
     }
@@ -188,6 +191,17 @@ class SeqParConfig:
     seqpar creates: the world group when seqpar initialises torch.distributed
     (``init_process_group`` or ``deepspeed.init_distributed``) and the SP/DP groups. A world group
     the user created keeps its own timeout. ``None``: torch's default."""
+    tiled_loss: bool = False
+    """Compute LM head + cross-entropy over chunks of the local sequence (exact gradient, recomputed
+    per chunk in backward): the full ``(seq_local, vocab)`` logits never exist. Applied by the swap
+    to Hugging Face causal LMs of the Llama family (see :mod:`seqpar.tiling`)."""
+    tiled_mlp: int | str | bool = False
+    """Run each decoder MLP over this many sequence chunks, recomputed in backward, so only one
+    chunk's intermediate activations are alive: an integer >= 1, ``"auto"`` (chunks of about
+    ``hidden_size`` tokens), or ``false``."""
+    offload_activations: bool = False
+    """Keep checkpointed layer inputs in pinned CPU memory, prefetched in backward (CUDA only; on a
+    CPU-only build it changes nothing). Needs activation checkpointing."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
@@ -211,13 +225,18 @@ class SeqParConfig:
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
-        for key in ("overlap", "check_inputs", "apex"):
+        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":
             _check_type("head_chunks", self.head_chunks, (int,), chunks_hint)
             if self.head_chunks < 1:
                 _fail("head_chunks", self.head_chunks, chunks_hint)
+        mlp_hint = 'a positive integer (the number of chunks), "auto", or false'
+        if self.tiled_mlp is not False and self.tiled_mlp != "auto":
+            _check_type("tiled_mlp", self.tiled_mlp, (int,), mlp_hint)
+            if self.tiled_mlp < 1:
+                _fail("tiled_mlp", self.tiled_mlp, mlp_hint)
         if isinstance(self.swap, str):
             if self.swap not in SWAP_KEYWORDS:
                 _fail(
