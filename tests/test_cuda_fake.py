@@ -92,6 +92,8 @@ def test_every_cuda_branch_shapes(backend: Backend, dtype: torch.dtype, monkeypa
             case = f"{backend.value} {dtype} heads={hq}/{hkv} d={d} causal={causal}"
             chosen = cuda_backend(q, k, causal, H100)
             assert chosen in (backend, Backend.MATH), case  # forced, or refused -> exact math
+            if chosen is not backend:
+                continue  # the math branch is run by the MATH parametrization
             rec.calls.clear()
             out, lse = block_forward(q, k, v, scale=d**-0.5, causal=causal, caps=H100)
             dq, dk, dv = block_backward(dout, q, k, v, out, lse, scale=d**-0.5, causal=causal, caps=H100)
