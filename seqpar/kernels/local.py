@@ -287,8 +287,10 @@ def _unused_rng(device: torch.device) -> Tensor:
 
 def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
     # Mirrors what torch's own autograd and context_parallel pass: dense (non-varlen) calls have
-    # undefined cum_seq tensors. dK/dV come back at kv_heads: flash_api.cpp mha_bwd computes them at
-    # the query head count and sums each group itself (at::sum_out over the group axis).
+    # undefined cum_seq tensors. dK/dV come back at kv_heads: mha_bwd checks num_heads % num_heads_k,
+    # computes dK/dV at the query head count (dk_expanded) and sums each group itself (at::sum_out
+    # over the group axis) -- pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
+    # flash_api.cpp and, identically, Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp.
     d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
     qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v, dout, out))
     rng = _unused_rng(q.device)
