@@ -1,0 +1,198 @@
+"""Packed documents, sliding windows and sinks (issue 10) against a float64 dense masked reference.
+
+The reference builds the S x S visibility mask from the definition (same document; causal:
+0 <= i - j < window; not causal: |i - j| < window), adds the sink as one more logit with value 0, and
+differentiates in float64 on the full sequence. Each rank takes its shard with the documented chunk
+layout (test_attention's helpers), runs seqpar.attention forward and backward, and the parent
+reassembles out, dq, dk, dv (and sums the ranks' sink gradients, the usual reduction of a replicated
+weight) and compares at 1e-5.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_attention import shard_rows, unshard_rows
+
+import seqpar
+from seqpar.attention.masks import MaskSpec, plan_pieces
+
+# (q_heads, kv_heads, head_dim): GQA with an odd head dim, MQA, MHA
+HEADS = ((4, 2, 12), (4, 1, 8), (2, 2, 6))
+
+
+def boundaries(seq: int, world: int, variant: int) -> list[int]:
+    """Document boundaries of a sequence of ``seq`` tokens (zigzag chunk ``seq / 2P``, shard ``seq / P``).
+
+    variant 0: a length-1 document, documents shorter than a chunk, and one spanning three or more
+    shards where P >= 3 (two at P = 2: the whole rest); variant 1: short documents only (each
+    shorter than a chunk), several per chunk."""
+    chunk = seq // (2 * world)
+    if variant == 0:
+        lens = [1, chunk // 2, 1, min(seq - chunk // 2 - 2 - 3, int(2.5 * seq / world))]
+    else:
+        lens = []
+        while sum(lens) < seq - chunk:
+            lens += [1, chunk - 1, 3, chunk // 3 + 1]
+    cu = [0]
+    for n in lens:
+        if cu[-1] + n < seq:
+            cu.append(cu[-1] + n)
+    return cu + [seq]
+
+
+def visible(seq: int, causal: bool, window: int | None, cu: list[int] | None) -> torch.Tensor:
+    i = torch.arange(seq)[:, None]
+    j = torch.arange(seq)[None, :]
+    ok = torch.ones(seq, seq, dtype=torch.bool)
+    if cu is not None:
+        doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+        ok &= doc[:, None] == doc[None, :]
+    if causal:
+        ok &= j <= i
+        if window is not None:
+            ok &= i - j < window
+    elif window is not None:
+        ok &= (i - j).abs() < window
+    return ok
+
+
+def reference(case: dict) -> list[torch.Tensor]:
+    """out, dq, dk, dv (and dsinks) in float64 on the full sequence."""
+    q, k, v = (case[n].clone().requires_grad_() for n in "qkv")
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ ke.transpose(-1, -2) * case["scale"]
+    mask = visible(q.shape[2], case["causal"], case["window"], case["cu"])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sinks = None
+    if case["sinks"] is not None:
+        sinks = case["sinks"].clone().requires_grad_()
+        sink_col = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = probs @ ve
+    out.backward(case["dout"])
+    grads = [out.detach(), q.grad, k.grad, v.grad]
+    return grads + ([sinks.grad] if sinks is not None else [])
+
+
+def make_case(seed: int, world: int, heads: tuple[int, int, int], *, mode: str, sharding: str, causal: bool,
+              window: int | None, docs: int | None, sinks: bool) -> dict:
+    hq, hkv, d = heads
+    seq = 12 * 2 * world
+    g = torch.Generator().manual_seed(seed)
+    case = {n: torch.randn(1, h, seq, d, generator=g, dtype=torch.float64)
+            for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("dout", hq))}
+    case.update(
+        mode=mode, sharding=sharding, causal=causal, window=window, scale=d ** -0.5,
+        cu=None if docs is None else boundaries(seq, world, docs),
+        sinks=torch.randn(hq, generator=g, dtype=torch.float64) if sinks else None,
+    )
+    return case
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[list[torch.Tensor]]:
+    """Worker: forward + backward of each case through seqpar.attention on this rank's shard."""
+    results = []
+    for case in cases:
+        q, k, v, dout = (shard_rows(case[n], rank, world, case["sharding"]).float() for n in ("q", "k", "v", "dout"))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        sinks = None if case["sinks"] is None else case["sinks"].float().requires_grad_()
+        cu = None if case["cu"] is None else torch.tensor(case["cu"], dtype=torch.int32)
+        out = seqpar.attention(
+            q, k, v, causal=case["causal"], mode=case["mode"], sharding=case["sharding"],
+            cu_seqlens=cu, window=case["window"], sinks=sinks,
+        )
+        out.backward(dout)
+        results.append([out.detach(), q.grad, k.grad, v.grad] + ([sinks.grad] if sinks is not None else []))
+    return results
+
+
+def check(per_rank: list, cases: list[dict], world: int) -> None:
+    for idx, case in enumerate(cases):
+        sharding = case["sharding"]
+        got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, sharding) for j in range(4)]
+        if case["sinks"] is not None:
+            got.append(sum(per_rank[r][idx][4] for r in range(world)))
+        label = {n: case[n] for n in ("mode", "sharding", "causal", "window", "cu")}
+        label["heads"] = (case["q"].shape[1], case["k"].shape[1], case["q"].shape[3])
+        for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, reference(case)):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name, lb=label: f"{n} {lb}: {s}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_documents_and_windows_exact(dist_pool, world: int) -> None:
+    """Both modes, both shardings, causal or not; documents of length 1 to more than three shards;
+    windows smaller than a chunk (3) and larger than a shard (shard + 5); sinks on some cases."""
+    shard = 24
+    variants = [  # (window, docs, sinks)
+        (None, 0, False), (3, 0, True), (shard + 5, None, False), (shard + 5, 1, False), (None, 1, True),
+    ]
+    cases = []
+    for i, (mode, sharding, causal, (window, docs, sinks)) in enumerate(
+        itertools.product(("ring", "allgather"), ("contiguous", "zigzag"), (False, True), variants)
+    ):
+        cases.append(make_case(100 * world + i, world, HEADS[i % len(HEADS)], mode=mode, sharding=sharding,
+                               causal=causal, window=window, docs=docs, sinks=sinks))
+    per_rank = dist_pool.run(world, run_cases, cases, timeout=300)
+    check(per_rank, cases, world)
+
+
+def test_short_documents_skip_invisible_blocks() -> None:
+    """No call for a block pair with no visible pair; every call covers visible pairs only (the
+    planner's full property is checked exhaustively in test_plan)."""
+    spec = MaskSpec(causal=True, cu_seqlens=(0, 5, 12, 24, 30, 36))
+    assert plan_pieces(spec, [(12, 24)], [(0, 12)]) == []  # documents end at the shard's edge
+    assert plan_pieces(MaskSpec(causal=False, window=4), [(0, 12)], [(24, 36)]) == []
+
+
+def _bad_call(rank: int, world: int, case: str) -> tuple[str, str] | None:
+    torch.manual_seed(rank)
+    batch = 2 if case == "batch_two" else 1
+    q = torch.randn(batch, 4, 8, 16, requires_grad=True)
+    k, v = torch.randn(batch, 2, 8, 16), torch.randn(batch, 2, 8, 16)
+    seq = 8 * world
+    kwargs: dict = {"causal": True, "cu_seqlens": torch.tensor([0, 5, seq])}
+    if case == "not_from_zero":
+        kwargs["cu_seqlens"] = torch.tensor([1, 5, seq])
+    if case == "not_increasing":
+        kwargs["cu_seqlens"] = torch.tensor([0, 9, 5, seq])
+    if case == "not_ending_at_s":
+        kwargs["cu_seqlens"] = torch.tensor([0, 5, seq - 1])
+    if case == "differ_across_ranks":
+        kwargs["cu_seqlens"] = torch.tensor([0, 5 + rank, seq])
+    if case == "float_boundaries":
+        kwargs["cu_seqlens"] = torch.tensor([0.0, 5.0, seq])
+    if case == "window_zero":
+        kwargs["window"] = 0
+    if case == "window_differs":
+        kwargs["window"] = 4 + rank
+    if case == "sinks_wrong_shape":
+        kwargs["sinks"] = torch.zeros(3)
+    try:
+        seqpar.attention(q, k, v, **kwargs)
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("not_from_zero", "must start at 0"),
+    ("not_increasing", "must increase strictly"),
+    ("not_ending_at_s", "must end at the global sequence length 16"),
+    ("differ_across_ranks", "same cu_seqlens, window and sinks"),
+    ("float_boundaries", "int32/int64"),
+    ("batch_two", "batch 1"),
+    ("window_zero", "int >= 1"),
+    ("window_differs", "same cu_seqlens, window and sinks"),
+    ("sinks_wrong_shape", "one logit per query head"),
+])
+def test_bad_mask_inputs_raise_on_every_rank(dist_pool, case: str, expect: str) -> None:
+    got = dist_pool.run(2, _bad_call, case, timeout=60)
+    for rank, res in enumerate(got):
+        assert res is not None, f"rank {rank} did not raise for {case}"
+        assert expect in res[1], (rank, res)
