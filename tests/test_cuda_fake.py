@@ -387,3 +387,31 @@ def test_gpu_check_without_cuda_says_so(capsys: pytest.CaptureFixture[str], monk
     assert main(["gpu-check"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "gpu-check" in err
+
+
+def test_gpu_check_records_each_stage_and_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """A stage that fails, hangs, skips or runs no test is recorded as such (the runner never raises)."""
+    import sys
+
+    import seqpar.bench.gpu_check as gc
+
+    def script(body: str) -> list[str]:
+        return [sys.executable, "-c", body]
+
+    bodies = {
+        "fails": "import sys; print('boom'); sys.exit(3)",
+        "hangs": "import time; time.sleep(30)",
+        "skips": "import json, sys; json.dump({'passed': None, 'skipped': 'no fairscale'}, open(sys.argv[1], 'w'))",
+        "passes": "import json, sys; json.dump({'passed': True}, open(sys.argv[1], 'w'))",
+        "cuda-tests": "print('26 skipped in 1.0s')",  # pytest exits 0 when every test skips
+    }
+    monkeypatch.setattr(gc, "_command", lambda stage, out, res: [*script(bodies[stage.name]), res])
+    rows = {name: gc.run_stage(gc.Stage(name, 1 if name == "hangs" else 120, name), str(tmp_path)) for name in bodies}
+    status = {name: row["status"] for name, row in rows.items()}
+    assert status == {"fails": "fail", "hangs": "timeout", "skips": "skipped", "passes": "pass", "cuda-tests": "fail"}
+    assert "boom" in rows["fails"]["output_tail"] and rows["fails"]["returncode"] == 3
+    summary = {"command": "gpu-check", "date": "today", "stages": list(rows.values()), "environment": {
+        "device": "X", "capability": [9, 0], "memory_gib": 80, "gpus": 1, "torch": "2.11", "cuda": "13.0",
+        "cudnn": 91002, "python": "3.12", "transformers": "5.17", "fairscale": None, "deepspeed": None}}
+    md = gc.render_markdown(summary)
+    assert "| hangs | timeout |" in md and "no fairscale" in md and "sm90" in md

@@ -294,7 +294,7 @@ def run_stage(stage: Stage, out_dir: str, scale: float = 1.0) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result_json = os.path.join(tmp, "result.json")
         cmd = _command(stage, out_dir, result_json)
-        limit = max(5, int(stage.limit_s * scale))
+        limit = max(1, int(stage.limit_s * scale))
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False, cwd=REPO_ROOT)
