@@ -29,6 +29,7 @@ The lent machines stop a command after 10 minutes, so the limits of the first fi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -81,6 +82,7 @@ _BY_NAME = {s.name: s for s in STAGES}
 
 # --------------------------------------------------------------------------- stages run in-process
 _DEVICE = "cuda"  # the in-process stages' device (a CPU smoke run of their logic patches it)
+
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """A seeded 2-layer Llama (GQA 4/2 heads, vocab 256) on the check's device."""
@@ -138,7 +140,7 @@ def stage_choice() -> dict[str, Any]:
                     if ours != theirs:
                         differ.append(row)
     unexplained = [r for r in differ if not _explained(r)]
-    return {"passed": not unexplained, "caps": caps.__dict__, "rows": rows, "differ": differ,
+    return {"passed": not unexplained, "caps": dataclasses.asdict(caps), "rows": rows, "differ": differ,
             "unexplained": unexplained}
 
 
