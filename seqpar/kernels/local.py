@@ -175,10 +175,12 @@ def _cuda_forward(
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    # GQA native: flash-attn's mha_fwd checks only num_heads % num_heads_k == 0 and indexes kv head
-    # h / (num_heads / num_heads_k) (pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
-    # flash_api.cpp, params.h_h_k_ratio); its head dim must be a multiple of 8 ("ensured by padding",
-    # which SDPA does in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
+    # GQA native: torch's op (aten/src/ATen/native/transformers/cuda/attention.cu,
+    # _scaled_dot_product_flash_attention_cuda) checks only that K and V have the same length, then
+    # transposes to (B, S, H, D) and calls flash-attn's mha_fwd, which checks num_heads % num_heads_k
+    # == 0 and reads kv head h / (num_heads / num_heads_k) (cuda/flash_attn/flash_api.cpp,
+    # params.h_h_k_ratio). Its head dim must be a multiple of 8 ("ensured by padding", which SDPA does
+    # in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
     d = q.shape[-1]
     qp, kp, vp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v))
     res = _aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
