@@ -172,6 +172,8 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
         dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.loss)
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
 
+    if how != "labels":
+        return loss.item()
     # A pooled (not token-level) loss cannot be split by tokens: refused on every rank, not wrong.
     torch.manual_seed(0)
     classifier = transformers.LlamaForSequenceClassification(
