@@ -68,8 +68,9 @@ def attention(
             Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
         sharding: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
-        check_inputs: all-gather a few integers first to check every rank passes the same shapes
-            (turns a would-be hang into an error on every rank).
+        check_inputs: all-gather a digest of the call first to check every rank passes the same
+            shapes and options (turns a would-be hang into an error on every rank). It costs a
+            host sync per call; a swapped model checks once per batch instead and passes False.
         head_chunks: run the algorithm this many times, each on ``kv_heads / head_chunks`` K/V heads
             and their query heads: the transient buffers (travelling K/V and dK/dV, gathered K/V,
             kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
