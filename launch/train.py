@@ -523,9 +523,19 @@ class _FSDPEngine(_Engine):
         (loss / self.grad_accum).backward()
         if last_micro:
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                self._clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.model, FullyShardedDataParallel):
+            # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
+            # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
+            self.model.clip_grad_norm_(self.grad_clip)
+        else:  # FSDP2: DTensor parameters, the norm is already the global one
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
         from seqpar.integrations import fsdp
