@@ -196,3 +196,49 @@ def test_bad_mask_inputs_raise_on_every_rank(dist_pool, case: str, expect: str) 
     for rank, res in enumerate(got):
         assert res is not None, f"rank {rank} did not raise for {case}"
         assert expect in res[1], (rank, res)
+
+
+def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int = 0) -> tuple[list[int], int]:
+    """Run the ring forward + backward on ThreadRing virtual ranks (contiguous, causal, fp32, one head
+    chunk); check the result against the reference; return each rank's bytes sent and the hops."""
+    from seqpar.attention.common import AttentionOptions, ring_hops
+    from seqpar.attention.ring import ring_attention_backward, ring_attention_forward
+    from seqpar.comm.ring import ThreadRing
+
+    case = make_case(seed, world, (4, 2, 8), mode="ring", sharding="contiguous", causal=True, window=window,
+                     docs=None, sinks=False)
+    case["cu"] = cu
+    opts = AttentionOptions(causal=True, scale=case["scale"], window=window,
+                            cu_seqlens=None if cu is None else tuple(cu))
+
+    def body(comm) -> list:  # noqa: ANN001
+        q, k, v, dout = (shard_rows(case[n], comm.rank, world, "contiguous").float() for n in ("q", "k", "v", "dout"))
+        out, lse = ring_attention_forward(q, k, v, comm, opts)
+        grads = ring_attention_backward(dout, q, k, v, out, lse, comm, opts)
+        return [out, *grads, comm.bytes_sent]
+
+    res = ThreadRing(world, timeout=30).run(body)
+    got = [unshard_rows([r[j] for r in res], world, "contiguous") for j in range(4)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case)):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n} cu={cu}: {s}")
+    return [r[4] for r in res], ring_hops(opts, world, case["q"].shape[2] // world)
+
+
+def test_ring_sends_blocks_only_as_far_as_they_are_seen() -> None:
+    """P = 4, contiguous, causal. Documents all shorter than a shard: one hop, not P - 1; a document
+    spanning three shards: two hops (the dK/dV then go home in one message from rank j + 2). Bytes per
+    rank equal the plan's theory: forward H K/V blocks, backward H K/V blocks and H fp32 dK/dV blocks,
+    against P - 1 of each for the dense ring."""
+    world, seq_local = 4, 24
+    kv = 2 * 2 * seq_local * 8 * 4  # K and V of one rank: 2 heads, head_dim 8, fp32
+    theory = lambda hops: hops * (kv + kv + kv)  # noqa: E731 - fwd K/V, bwd K/V, bwd dK/dV (fp32 here)
+    short = [0, 5, 17, 30, 41, 50, 66, 77, 90, 96]  # every document shorter than a shard (24)
+    sent, hops = _ring_bytes(world, short, None)
+    assert hops == 1 and sent == [theory(1)] * world, (hops, sent)
+    spanning = [0, 10, 60, 96]  # [10, 60) spans shards 0, 1, 2
+    sent, hops = _ring_bytes(world, spanning, None)
+    assert hops == 2 and sent == [theory(2)] * world, (hops, sent)
+    sent, hops = _ring_bytes(world, None, 7)  # a window shorter than a shard: one hop
+    assert hops == 1 and sent == [theory(1)] * world, (hops, sent)
+    dense, hops = _ring_bytes(world, None, None)
+    assert hops == world - 1 and dense == [theory(world - 1)] * world, (hops, dense)

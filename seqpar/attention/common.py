@@ -23,7 +23,7 @@ from seqpar.sharding import chunk_ids
 
 __all__ = [
     "AttentionOptions", "SingleRank", "chunk_len", "block_calls", "piece_forward", "piece_backward",
-    "forward_block", "block_grads",
+    "forward_block", "block_grads", "ring_hops",
 ]
 
 
@@ -71,6 +71,20 @@ def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, se
         return tuple(plan_blocks(q_chunks, k_chunks, clen, opts.causal))
     ranges = [[(c * clen, (c + 1) * clen) for c in chunks] for chunks in (q_chunks, k_chunks)]
     return tuple(plan_pieces(opts.mask, ranges[0], ranges[1]))
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
+    """How many hops the ring's K/V blocks make: the farthest ring distance (rank r's block to rank
+    r + s) at which some rank still sees some key of the block. Every rank derives the same number
+    from the same integers. P - 1 for dense masks; 1 for causal documents (or a window) no longer
+    than a shard under contiguous sharding; 0 when no rank sees another's keys."""
+    if opts.mask.dense:
+        return world - 1
+    return max(
+        (s for s in range(1, world) for j in range(world) if block_calls(opts, world, (j + s) % world, j, seq_local)),
+        default=0,
+    )
 
 
 def _rows(x: Tensor, s: slice) -> Tensor:
