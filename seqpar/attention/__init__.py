@@ -60,7 +60,8 @@ def attention(
         mode: ``"ring"`` (P2P ring, O(S/P) memory) or ``"allgather"`` (gathered K/V, O(S) memory).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
-        sharding: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see seqpar.sharding).
+        sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
+            layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a few integers first to check every rank passes the same shapes
             (turns a would-be hang into an error on every rank).
@@ -99,7 +100,7 @@ def attention(
     if bad_bounds is not None:
         raise bad_bounds
     check_local(q, k, v, world_size=world, sharding=sharding)
-    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world)
+    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world, world=world, sharding=sharding)
     chunks = resolve_head_chunks(head_chunks, k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -19,6 +19,9 @@ from seqpar.config import MODES, SHARDINGS
 
 __all__ = ["check_options", "check_local", "check_across_ranks", "resolve_head_chunks", "AUTO_HEAD_CHUNKS"]
 
+# attention also takes the per-batch "balanced" layout (seqpar.sharding), which needs the document
+# boundaries and so is not a training-config sharding
+_SHARDINGS = (*SHARDINGS, "balanced")
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 _META_LEN = 1 + 3 * 5 + 5  # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks
 
@@ -45,8 +48,8 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int) -> int:
 def check_options(mode: str, sharding: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
+    if sharding not in _SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(_SHARDINGS)}")
 
 
 def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
@@ -106,7 +109,7 @@ def check_across_ranks(
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
         {"cpu": 0, "cuda": 1}.get(q.device.type, 2),
         int(causal),
-        MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
+        MODES.index(mode) * len(_SHARDINGS) + _SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
         len(extra), *(int(x) for x in extra),
     ]

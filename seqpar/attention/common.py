@@ -22,7 +22,7 @@ from seqpar.kernels import Partials, block_backward, block_forward
 from seqpar.sharding import chunk_ids
 
 __all__ = [
-    "AttentionOptions", "SingleRank", "chunk_len", "block_calls", "piece_forward", "piece_backward",
+    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops",
 ]
 
@@ -57,16 +57,17 @@ class SingleRank:
         raise RuntimeError("a single-rank ring has nothing to exchange")
 
 
-def chunk_len(seq_local: int, rank: int, world: int, sharding: str) -> int:
-    """Length of each of the equal chunks a rank holds."""
-    return seq_local // len(chunk_ids(rank, world, sharding))
+def rank_chunks(opts: AttentionOptions, world: int, rank: int, seq_local: int) -> list[int]:
+    """Global chunk ids that ``rank`` holds, in local order (the balanced layout depends on the
+    sequence length and the documents)."""
+    return chunk_ids(rank, world, opts.sharding, seq_len=seq_local * world, cu_seqlens=opts.cu_seqlens)
 
 
 @functools.lru_cache(maxsize=4096)
 def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, seq_local: int) -> tuple[BlockCall, ...]:
     """Kernel calls of rank ``q_rank``'s queries against rank ``k_rank``'s K/V block (local rows)."""
-    q_chunks, k_chunks = chunk_ids(q_rank, world, opts.sharding), chunk_ids(k_rank, world, opts.sharding)
-    clen = chunk_len(seq_local, q_rank, world, opts.sharding)
+    q_chunks, k_chunks = rank_chunks(opts, world, q_rank, seq_local), rank_chunks(opts, world, k_rank, seq_local)
+    clen = seq_local // len(q_chunks)
     if opts.mask.dense:
         return tuple(plan_blocks(q_chunks, k_chunks, clen, opts.causal))
     ranges = [[(c * clen, (c + 1) * clen) for c in chunks] for chunks in (q_chunks, k_chunks)]
