@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
@@ -25,9 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
-from seqpar.comm.compat import all_gather_into
 from seqpar.groups import resolve_group
+from seqpar.verified import batch_verified
 
 __all__ = [
     "num_chunks",
@@ -197,39 +197,29 @@ def shard_sequence(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-_META_DIMS = 8  # shapes are compared on up to 8 dims (more are folded into the last)
-
-
-def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup, world: int) -> None:
+def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup) -> None:
     """Raise on every rank unless all ranks pass shards of one shape and element size.
 
-    One tiny all-gather of ``(dim length, itemsize, ndim, *shape)``; without it, unequal shards
-    would hang the all-gather or return garbage.
+    One tiny all-gather (seqpar.comm.agree); without it, unequal shards would hang the all-gather
+    or return garbage.
     """
-    shape = list(x.shape)
-    if len(shape) > _META_DIMS:
-        shape[_META_DIMS - 1 :] = [math.prod(shape[_META_DIMS - 1 :])]
-    meta = [x.shape[dim], x.element_size(), x.dim(), *shape, *[-1] * (_META_DIMS - len(shape))]
-    # the backend decides where a tensor may live: gloo wants CPU, NCCL the current CUDA device
-    device = x.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    every = torch.empty(world * len(meta), dtype=torch.int64, device=device)
-    all_gather_into(every, mine, group=group)
-    rows = every.view(world, len(meta)).tolist()
-    seq_locals = [row[0] for row in rows]
+    row = [x.shape[dim], x.element_size(), x.dim(), *x.shape]
+    rows = rows_across_ranks(row, group)
+    if rows is None:
+        return
+    seq_locals = [r[0] for r in rows]
     if len(set(seq_locals)) != 1:
         raise ValueError(
             f"gather_sequence: the ranks hold shards of different lengths along dim {dim} "
             f"({seq_locals}); every rank must pass its shard of the same sequence "
             f"(cut with shard_sequence)"
         )
-    if any(row != rows[0] for row in rows):
-        shapes = [tuple(row[3 : 3 + min(row[2], _META_DIMS)]) for row in rows]
-        itemsizes = [row[1] for row in rows]
-        raise ValueError(
-            f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
-            f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
-        )
+    shapes = [tuple(r[3:]) for r in rows]
+    itemsizes = [r[1] for r in rows]
+    raise ValueError(
+        f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
+        f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
+    )
 
 
 def gather_sequence(
@@ -239,6 +229,7 @@ def gather_sequence(
     group: dist.ProcessGroup | None = None,
     sharding: str = "contiguous",
     grad_reduction: str = "slice",
+    check_inputs: bool = True,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
     """The inverse of :func:`shard_sequence`: every rank gets the full tensor, in global order.
@@ -253,6 +244,9 @@ def gather_sequence(
             usual case: the ranks' gradients are copies, not terms). ``"sum"`` — the backward
             reduce-scatters (the dual of the all-gather): right when each rank's loss is a separate
             term of the total.
+        check_inputs: first check across ranks that every shard has the same shape (one tiny
+            collective and a host sync); skipped inside a swapped model's verified forward, where
+            the batch check already covered it (seqpar.verified).
         cu_seqlens: with ``"balanced"``, the boundaries the shard was cut with.
     Returns:
         The full tensor, ``dim`` of length ``seq``.
@@ -266,7 +260,8 @@ def gather_sequence(
     if world == 1:
         return all_gather(x, dim, group=group, grad_reduction=grad_reduction)  # identity, checked
     dim = dim % x.dim()
-    _check_same_shape(x, dim, group, world)
+    if check_inputs and not batch_verified():
+        _check_same_shape(x, dim, group)
     if balanced:  # after the shape check: equal shapes give every rank the same layout (or error)
         per_rank = len(chunk_ids(0, world, sharding, **layout))
     if x.shape[dim] % per_rank:

@@ -204,11 +204,11 @@ def _bad_call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     ("not_from_zero", "must start at 0"),
     ("not_increasing", "must increase strictly"),
     ("not_ending_at_s", "must end at the global sequence length 16"),
-    ("differ_across_ranks", "same cu_seqlens, window and sinks"),
+    ("differ_across_ranks", "cu_seqlens, window and sinks, when given: the same on every rank"),
     ("float_boundaries", "int32/int64"),
     ("batch_two", "batch 1"),
     ("window_zero", "int >= 1"),
-    ("window_differs", "same cu_seqlens, window and sinks"),
+    ("window_differs", "cu_seqlens, window and sinks, when given: the same on every rank"),
     ("sinks_wrong_shape", "one logit per query head"),
 ])
 def test_bad_mask_inputs_raise_on_every_rank(dist_pool, case: str, expect: str) -> None:

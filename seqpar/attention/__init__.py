@@ -25,10 +25,11 @@ from seqpar.attention.checks import (
     resolve_head_chunks,
 )
 from seqpar.attention.common import AttentionOptions, SingleRank
+from seqpar.attention.hybrid import hybrid_attention, ulysses_attention
 from seqpar.attention.masks import check_mask_inputs, host_boundaries, mask_digest
 from seqpar.attention.ring import RingAttention
 from seqpar.comm.ring import RingComm
-from seqpar.groups import resolve_group
+from seqpar.groups import default_manager, resolve_group
 
 __all__ = ["attention", "AttentionOptions", "AUTO_HEAD_CHUNKS", "resolve_head_chunks"]
 
@@ -57,9 +58,14 @@ def attention(
         k, v: ``(batch, kv_heads, seq_local, head_dim)``; q_heads a multiple of kv_heads (GQA/MQA).
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
-        mode: ``"ring"`` (P2P ring, O(S/P) memory) or ``"allgather"`` (gathered K/V, O(S) memory).
+        mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
+            ``"ulysses"`` (all-to-all to head shards over the whole SP group; q_heads divisible by P),
+            ``"hybrid"`` (Ulysses over the manager's Ulysses groups, ring across them; see
+            ``init_process_groups(ulysses_size=u)``) or ``"auto"`` (the cheapest allowed, see
+            :mod:`seqpar.costmodel`).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
+            Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
         sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
             layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
@@ -84,6 +90,12 @@ def attention(
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
     check_options(mode, sharding)
+    if mode == "hybrid" and group is not None:
+        raise ValueError(
+            "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
+            "call seqpar.init_process_groups(sp_size=P, ulysses_size=u) first (or use mode='ulysses' / 'ring' with group=)"
+        )
+    explicit_group = group is not None
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     bounds, bad_bounds = None, None
@@ -116,9 +128,43 @@ def attention(
     )
     if world == 1:  # documents, windows or sinks on one rank: the planner, no exchange
         return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
+    manager = None if explicit_group else default_manager()
+    if mode == "auto":
+        from seqpar.costmodel import choose_mode
+
+        mode = choose_mode(
+            q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
+            features=_mask_features(bounds, window, sinks, sharding),
+        )
+    if (masked or sharding == "balanced") and mode in ("ulysses", "hybrid"):
+        raise ValueError(
+            f"mode={mode!r} does not take cu_seqlens/window/sinks or sharding='balanced' yet: use mode='ring' "
+            "or 'allgather' (or mode='auto', which only picks modes that support the call's features)"
+        )
+    if mode == "hybrid":
+        if manager is None:
+            raise ValueError(
+                "mode='hybrid' needs the Ulysses and ring groups of a process-group manager: call "
+                "seqpar.init_process_groups(sp_size=P, ulysses_size=u) on every rank first"
+            )
+        if manager.ulysses_size == manager.sp_size:
+            mode = "ulysses"  # u = P: no ring axis
+        elif manager.ulysses_size > 1:
+            return hybrid_attention(q, k, v, manager, opts, head_chunks)
+        else:
+            mode = "ring"  # u = 1: the ring
+    if mode == "ulysses":
+        return ulysses_attention(q, k, v, group, opts, head_chunks)
     if mode == "ring":
         return RingAttention.apply(q, k, v, RingComm(group), opts, sinks)
     return AllGatherAttention.apply(q, k, v, group, opts, sinks)
+
+
+def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
+    """The features of a call that :func:`seqpar.costmodel.choose_mode` must find in a mode."""
+    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
+            "balanced": sharding == "balanced"}
+    return {name for name, on in used.items() if on}
 
 
 class _AttentionPackage(types.ModuleType):

@@ -48,7 +48,10 @@ from seqpar.bench.runner import (
     time_step,
 )
 
-__all__ = ["PEERS", "PeersConfig", "configure", "count", "run", "render", "plots"]
+__all__ = [
+    "PEERS", "PeersConfig", "SDPALocal", "deepspeed_ready", "ulysses_inputs",
+    "configure", "count", "run", "render", "plots",
+]
 
 PEERS = ("sdpa", "ring", "allgather", "ulysses", "context_parallel", "ring_flash_attn")
 _LABELS = {
@@ -73,7 +76,7 @@ class PeersConfig:
 
 
 # ------------------------------------------------------------------------------------ Ulysses
-class _SDPALocal(nn.Module):
+class SDPALocal(nn.Module):
     """Ulysses' local attention: ``(batch, seq, heads, head_dim)`` in and out, SDPA inside."""
 
     def __init__(self, causal: bool) -> None:
@@ -89,15 +92,17 @@ class _SDPALocal(nn.Module):
         return out.transpose(1, 2)
 
 
-def _deepspeed_ready(device: torch.device) -> None:
+def deepspeed_ready(device: torch.device) -> None:
+    """Start DeepSpeed's communication layer on the running process group (once per process)."""
     import deepspeed
 
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
 
 
-def _ulysses_inputs(shape: BenchShape, seq_local: int, device: torch.device, seed: int) -> tuple[Tensor, ...]:
-    # the same values as the seqpar inputs, laid out (B, S_local, H, D)
+def ulysses_inputs(shape: BenchShape, seq_local: int, device: torch.device, seed: int) -> tuple[Tensor, ...]:
+    """``q, k, v, dout`` with the same values as :func:`make_inputs`, laid out ``(batch, seq_local, heads, head_dim)``
+    as DeepSpeed's ``DistributedAttention`` takes them."""
     q, k, v, dout = make_inputs(shape, seq_local, device, seed, requires_grad=False)
     return tuple(x.transpose(1, 2).contiguous().requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout)))
 
@@ -109,7 +114,7 @@ def _time_and_peak(
     """Time fwd+bwd of ``call(q, k, v)`` on ``(batch, seq_local, heads, head_dim)`` inputs, and (with
     ``settings.memory``) its peak memory over one step on fresh inputs."""
     def inputs() -> tuple[Tensor, ...]:
-        return _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
+        return ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
 
     q, k, v, dout = inputs()
 
@@ -133,9 +138,9 @@ def run_ulysses(ctx: RankContext, seq_len: int, causal: bool, shape: BenchShape,
     """Time DeepSpeed Ulysses forward+backward on this rank (contiguous shards)."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    _deepspeed_ready(ctx.device)
+    deepspeed_ready(ctx.device)
     seq_local = seq_len // ctx.world_size
-    attn = DistributedAttention(_SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
+    attn = DistributedAttention(SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
 
     return _time_and_peak(ctx, shape, seq_local, settings, lambda q, k, v: attn(q, k, v, 0))
 
