@@ -63,8 +63,8 @@ logger = logging.getLogger("seqpar")
 # What each mode supports beyond dense causal/full attention. The engineers adding documents
 # (cu_seqlens), windows and sinks to a mode add the feature name to its entry here.
 MODE_FEATURES: dict[str, frozenset[str]] = {
-    "ring": frozenset({"dilated", "documents", "window", "sinks"}),
-    "allgather": frozenset({"dilated", "documents", "window", "sinks"}),
+    "ring": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
+    "allgather": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
     "ulysses": frozenset(),
     "hybrid": frozenset(),
 }

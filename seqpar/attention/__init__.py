@@ -66,7 +66,8 @@ def attention(
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
             Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
-        sharding: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see seqpar.sharding).
+        sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
+            layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a digest of the call first to check every rank passes the same
             shapes and options (turns a would-be hang into an error on every rank). It costs a
@@ -112,7 +113,7 @@ def attention(
     if bad_bounds is not None:
         raise bad_bounds
     check_local(q, k, v, world_size=world, sharding=sharding)
-    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world)
+    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world, world=world, sharding=sharding)
     chunks = resolve_head_chunks(head_chunks, k.shape[1])
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -134,12 +135,12 @@ def attention(
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
-            features=_mask_features(bounds, window, sinks),
+            features=_mask_features(bounds, window, sinks, sharding),
         )
-    if masked and mode in ("ulysses", "hybrid"):
+    if (masked or sharding == "balanced") and mode in ("ulysses", "hybrid"):
         raise ValueError(
-            f"mode={mode!r} does not take cu_seqlens/window/sinks yet: use mode='ring' or 'allgather' "
-            "(or mode='auto', which only picks modes that support the call's features)"
+            f"mode={mode!r} does not take cu_seqlens/window/sinks or sharding='balanced' yet: use mode='ring' "
+            "or 'allgather' (or mode='auto', which only picks modes that support the call's features)"
         )
     if mode == "hybrid":
         if manager is None:
@@ -160,9 +161,10 @@ def attention(
     return AllGatherAttention.apply(q, k, v, group, opts, sinks)
 
 
-def _mask_features(bounds: object, window: int | None, sinks: Tensor | None) -> set[str]:
+def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
     """The features of a call that :func:`seqpar.costmodel.choose_mode` must find in a mode."""
-    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None}
+    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
+            "balanced": sharding == "balanced"}
     return {name for name, on in used.items() if on}
 
 

@@ -22,8 +22,8 @@ from seqpar.kernels import Partials, block_backward, block_forward
 from seqpar.sharding import chunk_ids
 
 __all__ = [
-    "AttentionOptions", "SingleRank", "chunk_len", "block_calls", "piece_forward", "piece_backward",
-    "forward_block", "block_grads",
+    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
+    "forward_block", "block_grads", "ring_hops",
 ]
 
 
@@ -57,20 +57,35 @@ class SingleRank:
         raise RuntimeError("a single-rank ring has nothing to exchange")
 
 
-def chunk_len(seq_local: int, rank: int, world: int, sharding: str) -> int:
-    """Length of each of the equal chunks a rank holds."""
-    return seq_local // len(chunk_ids(rank, world, sharding))
+def rank_chunks(opts: AttentionOptions, world: int, rank: int, seq_local: int) -> list[int]:
+    """Global chunk ids that ``rank`` holds, in local order (the balanced layout depends on the
+    sequence length and the documents)."""
+    return chunk_ids(rank, world, opts.sharding, seq_len=seq_local * world, cu_seqlens=opts.cu_seqlens)
 
 
 @functools.lru_cache(maxsize=4096)
 def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, seq_local: int) -> tuple[BlockCall, ...]:
     """Kernel calls of rank ``q_rank``'s queries against rank ``k_rank``'s K/V block (local rows)."""
-    q_chunks, k_chunks = chunk_ids(q_rank, world, opts.sharding), chunk_ids(k_rank, world, opts.sharding)
-    clen = chunk_len(seq_local, q_rank, world, opts.sharding)
+    q_chunks, k_chunks = rank_chunks(opts, world, q_rank, seq_local), rank_chunks(opts, world, k_rank, seq_local)
+    clen = seq_local // len(q_chunks)
     if opts.mask.dense:
         return tuple(plan_blocks(q_chunks, k_chunks, clen, opts.causal))
     ranges = [[(c * clen, (c + 1) * clen) for c in chunks] for chunks in (q_chunks, k_chunks)]
     return tuple(plan_pieces(opts.mask, ranges[0], ranges[1]))
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
+    """How many hops the ring's K/V blocks make: the farthest ring distance (rank r's block to rank
+    r + s) at which some rank still sees some key of the block. Every rank derives the same number
+    from the same integers. P - 1 for dense masks; 1 for causal documents (or a window) no longer
+    than a shard under contiguous sharding; 0 when no rank sees another's keys."""
+    if opts.mask.dense:
+        return world - 1
+    return max(
+        (s for s in range(1, world) for j in range(world) if block_calls(opts, world, (j + s) % world, j, seq_local)),
+        default=0,
+    )
 
 
 def _rows(x: Tensor, s: slice) -> Tensor:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from seqpar.attention.plan import BlockCall
+from seqpar.sharding import num_chunks
 
 __all__ = [
     "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs",
@@ -213,10 +214,13 @@ def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object) -
 
 
 def check_mask_inputs(
-    bounds: tuple[int, ...] | None, window: object, sinks: object, *, q: Tensor, seq_len: int
+    bounds: tuple[int, ...] | None, window: object, sinks: object, *, q: Tensor, seq_len: int,
+    world: int = 1, sharding: str = "contiguous",
 ) -> None:
     """Raise ValueError/TypeError naming the problem and the fix (the same verdict on every rank,
     once the ranks are known to agree on these inputs)."""
+    if sharding == "balanced":
+        num_chunks(world, sharding, seq_len=seq_len)  # raises with the padding to use
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(
             f"window={window!r} is invalid: pass an int >= 1 (query i sees key j when 0 <= i - j < window, "

@@ -12,6 +12,14 @@ first so it overlaps the first transfer. Per rank the backward sends P-1 K/V blo
 P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
 holds more than a few blocks of size S/P: memory O(S/P).
 
+Documents and windows (``opts.cu_seqlens``, ``opts.window``): the blocks make only
+:func:`~seqpar.attention.common.ring_hops` H <= P-1 hops, the farthest ring distance at which any rank
+still sees a key of the block (every rank derives H from the same integers); forward H K/V blocks per
+rank, backward H K/V blocks and H dK/dV blocks: each accumulator collects over H - 1 hops and then
+goes straight home from rank j + H to j. Causal documents no longer than a shard under contiguous
+sharding: H = 1. Whole blocks travel (under zigzag a block's two chunks have neighbours on ranks
+r + 1 and r - 1 = r + P - 1, so zigzag keeps H = P - 1 once a document crosses a chunk edge).
+
 Head chunks (``opts.head_chunks = G``): the ring runs G times, each pass on kv_heads / G K/V heads and
 their query heads, writing into full-size outputs. Volume is unchanged (G passes of 1/G blocks); the
 buffers in flight and the kernels' outputs shrink by G, which is most of the ring's memory beyond the
@@ -31,6 +39,7 @@ from seqpar.attention.common import (
     block_grads,
     forward_block,
     piece_backward,
+    ring_hops,
 )
 from seqpar.attention.plan import BlockCall, head_chunk_slices
 from seqpar.comm.ring import RingExchange
@@ -51,12 +60,13 @@ def ring_forward(
     """Returns ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``.
     ``sinks``: optional ``(q_heads,)`` sink logits, one more term of every row's softmax."""
     world, rank = comm.world_size, comm.rank
+    hops = ring_hops(opts, world, q.shape[2])
     acc = Partials.like(q, lse_dtype(q.dtype))
     k_cur, v_cur = k.contiguous(), v.contiguous()
     buffers: list[list[Tensor] | None] = [None, None]
-    for step in range(world):
+    for step in range(hops + 1):
         pending = None
-        if step + 1 < world:
+        if step + 1 <= hops:
             pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
             if not opts.overlap:
                 pending.wait()
@@ -99,6 +109,7 @@ def ring_backward(
     world, rank = comm.world_size, comm.rank
     acc = lse_dtype(q.dtype)
     seq_local = q.shape[2]
+    hops = ring_hops(opts, world, seq_local)
     dout = dout.contiguous()
     k, v = k.contiguous(), v.contiguous()
 
@@ -106,7 +117,7 @@ def ring_backward(
     dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
 
-    kv_pending = comm.exchange([k, v], channel=_KV) if world > 1 else None
+    kv_pending = comm.exchange([k, v], channel=_KV) if hops > 0 else None
     if kv_pending is not None and not opts.overlap:
         kv_pending.wait()
     # own block first: its share waits for the accumulator coming home at the end
@@ -116,10 +127,10 @@ def ring_backward(
     buffers: list[list[Tensor] | None] = [None, None]
     dkv_pending = None
     dkv_sent: list[Tensor] | None = None  # the accumulators last sent; reused as the next receive buffers
-    for step in range(1, world):
+    for step in range(1, hops + 1):
         k_cur, v_cur = received = kv_pending.wait()
         kv_pending = None
-        if step + 1 < world:
+        if step + 1 <= hops:
             kv_pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
             if not opts.overlap:
                 kv_pending.wait()
@@ -135,11 +146,15 @@ def ring_backward(
             dk_in += dk_blk
             dv_in += dv_blk
         del dk_blk, dv_blk
-        dkv_pending = comm.exchange(send, out=dkv_sent, channel=_DKV)
+        # on to the next rank; after the block's last hop, straight home (rank - hops: the next
+        # rank when the ring goes all the way round)
+        shift = 1 if step < hops else world - hops
+        # (shift passed only when != 1: communicators without it still run every full ring)
+        dkv_pending = comm.exchange(send, out=dkv_sent, channel=_DKV, **({"shift": shift} if shift != 1 else {}))
         if not opts.overlap:
             dkv_pending.wait()
         dkv_sent = send
-    if dkv_pending is not None:  # own block's accumulator, home after P-1 hops
+    if dkv_pending is not None:  # own block's accumulator, home from rank + hops
         dk_in, dv_in = dkv_pending.wait()
         dk_own += dk_in
         dv_own += dv_in
