@@ -1,0 +1,23 @@
+"""Parity of the main job in the new modes: launch/train.py with Ulysses at SP=2 and the 2 x 2 hybrid at
+SP=4 gives the SP=1 losses over 5 steps, under DeepSpeed ZeRO-2 and FSDP2 (see test_train.py for how)."""
+
+from __future__ import annotations
+
+import pytest
+from test_train import SHORT, _close, _config, _losses, _reference
+
+
+@pytest.mark.parametrize(
+    "config,world,extra",
+    [
+        ("deepspeed_ring.json", 2, ["--sp-size", "2", "--mode", "ulysses"]),
+        ("fsdp_ring.json", 2, ["--sp-size", "2", "--mode", "ulysses"]),
+        ("deepspeed_ring.json", 4, ["--sp-size", "4", "--mode", "hybrid", "--ulysses-size", "2"]),
+        ("fsdp_ring.json", 4, ["--sp-size", "4", "--mode", "hybrid", "--ulysses-size", "2"]),
+    ],
+)
+def test_new_modes_match_sp1(dist_pool, config: str, world: int, extra: list[str]) -> None:
+    ref = _reference(dist_pool, config)  # SP = 1 on one rank; both runs here are pure SP (DP = 1)
+    got = _losses(dist_pool, world, ["--config", _config(config), *extra, *SHORT])
+    _close(got, ref)
+    assert ref[-1] < ref[0], "the loss should move in 5 steps"
