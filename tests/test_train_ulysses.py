@@ -4,7 +4,17 @@ SP=4 gives the SP=1 losses over 5 steps, under DeepSpeed ZeRO-2 and FSDP2 (see t
 from __future__ import annotations
 
 import pytest
-from test_train import SHORT, _close, _config, _losses, _reference
+from test_train import _REFS, SHORT, _close, _config, _losses
+
+TIMEOUT = 600  # 4 ranks of a 2-layer Llama on a shared 2-core machine
+
+
+def _reference(dist_pool, config: str) -> list[float]:  # noqa: ANN001
+    """SP=1 on one rank (shared with test_train.py's cache when both run in one session)."""
+    key = (config, ())
+    if key not in _REFS:
+        _REFS[key] = _losses(dist_pool, 1, ["--config", _config(config), "--sp-size", "1", *SHORT], timeout=TIMEOUT)
+    return _REFS[key]
 
 
 @pytest.mark.parametrize(
@@ -18,6 +28,6 @@ from test_train import SHORT, _close, _config, _losses, _reference
 )
 def test_new_modes_match_sp1(dist_pool, config: str, world: int, extra: list[str]) -> None:
     ref = _reference(dist_pool, config)  # SP = 1 on one rank; both runs here are pure SP (DP = 1)
-    got = _losses(dist_pool, world, ["--config", _config(config), *extra, *SHORT])
+    got = _losses(dist_pool, world, ["--config", _config(config), *extra, *SHORT], timeout=TIMEOUT)
     _close(got, ref)
     assert ref[-1] < ref[0], "the loss should move in 5 steps"

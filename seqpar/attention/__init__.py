@@ -59,7 +59,8 @@ def attention(
             :mod:`seqpar.costmodel`).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
-            Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
+            Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
+            manager's own SP group is accepted: it is the same as ``None``).
         sharding: how the sequence was cut, ``"contiguous"`` or ``"zigzag"`` (see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a few integers first to check every rank passes the same shapes
@@ -75,6 +76,9 @@ def attention(
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
     check_options(mode, sharding)
+    manager = default_manager()
+    if manager is not None and group is manager.sp_group:
+        group = None  # the manager's own SP group (what the integrations pass): its two axes are known
     if mode == "hybrid" and group is not None:
         raise ValueError(
             "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
@@ -99,7 +103,8 @@ def attention(
     opts = AttentionOptions(
         causal=causal, scale=float(scale), sharding=sharding, overlap=overlap, head_chunks=chunks
     )
-    manager = None if explicit_group else default_manager()
+    if explicit_group:
+        manager = None
     if mode == "auto":
         from seqpar.costmodel import choose_mode
 
