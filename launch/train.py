@@ -180,7 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
-    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather)")
+    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
+    p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
+                   help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
     p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
     p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
     p.add_argument("--seq-len", type=int)
@@ -350,7 +352,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
                                   ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
                                   ("tiled_mlp", args.tiled_mlp),
-                                  ("offload_activations", args.offload_activations)) if v is not None}
+                                  ("offload_activations", args.offload_activations),
+                                  ("ulysses_size", args.ulysses_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})

@@ -65,7 +65,8 @@ def attention(
             :mod:`seqpar.costmodel`).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
-            Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
+            Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
+            manager's own SP group is accepted: it is the same as ``None``).
         sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
             layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
@@ -91,6 +92,9 @@ def attention(
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
     check_options(mode, sharding)
+    manager = default_manager()
+    if manager is not None and group is manager.sp_group:
+        group = None  # the manager's own SP group (what the integrations pass): its two axes are known
     if mode == "hybrid" and group is not None:
         raise ValueError(
             "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
@@ -129,7 +133,8 @@ def attention(
     )
     if world == 1:  # documents, windows or sinks on one rank: the planner, no exchange
         return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
-    manager = None if explicit_group else default_manager()
+    if explicit_group:
+        manager = None
     if mode == "auto":
         from seqpar.costmodel import choose_mode
 
