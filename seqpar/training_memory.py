@@ -208,7 +208,8 @@ def estimate_training_memory(
     if offload_optimizer:  # DeepSpeed offload_optimizer: fp32 master, moments and reduced grads on the host
         params -= part * 4
         optimizer = grads_reduced = 0
-    bucket = min(p_all, reduce_bucket_size) * e if engine == "deepspeed" else 0
+    # DeepSpeed allocates its gradient bucket at the configured size, whatever the model's
+    bucket = reduce_bucket_size * e if engine == "deepspeed" else 0
     head_grad = m.vocab_size * h * e  # lm_head's whole gradient, made by the loss backward
     embed_grad = 0 if m.tie_word_embeddings else m.vocab_size * h * e
 
@@ -220,9 +221,12 @@ def estimate_training_memory(
         if offload_activations and device == "cuda":
             inputs_kept = 2 * rows * h * e  # the layer in use and its prefetched predecessor
         activations = inputs_kept + per_layer  # plus one layer recomputed in backward
+        activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
     else:
-        activations = n_layers * per_layer
-    activations += rows * h * e * 3  # the final norm's input and outputs, saved for the head
+        activations = activations_at_loss = n_layers * per_layer
+    head_inputs = rows * h * e * 3  # the final norm's input and outputs, saved for the head
+    activations += head_inputs
+    activations_at_loss += head_inputs
     mlp_transient = 0
     if tiled_mlp is not False:
         # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
@@ -250,7 +254,7 @@ def estimate_training_memory(
     static = params + optimizer
     moments = {
         # the loss's backward: every layer's activations and the logits' buffers
-        "loss_backward": static + activations + logits,
+        "loss_backward": static + activations_at_loss + logits,
         # the last layer's backward (the first to run): the head's gradient made, the layer's own
         # whole gradients in flight, attention's transients (or the tiled MLP's)
         "layer_backward": static + activations + head_grad + p_layer * e + max(attention, mlp_transient) + comm,
