@@ -584,6 +584,7 @@ class _PeakMemory:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
+        self._engine = engine
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
@@ -592,7 +593,11 @@ class _PeakMemory:
             return self
         from seqpar.memtrack import TensorMemoryTracker
 
-        self._tracker = TensorMemoryTracker("cpu").__enter__()
+        # what this job holds (model, optimizer, engine buffers) plus what the step allocates; not
+        # other tensors of the process (a test's persistent ranks run several jobs in turn)
+        self._tracker = TensorMemoryTracker("cpu", count_existing=False)
+        self._tracker.track_reachable(self._engine)
+        self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
