@@ -78,7 +78,7 @@ def test_dilated_pattern() -> None:
         ({"size": 0}, ["size", "0", "positive"]),
         ({"size": "2"}, ["size", "'2'"]),
         ({"size": True}, ["size", "True"]),
-        ({"mode": "ulysses"}, ["mode", "'ulysses'", "ring", "allgather"]),
+        ({"mode": "tree"}, ["mode", "'tree'", "ring", "allgather", "ulysses", "hybrid", "auto"]),
         ({"sharding": "striped"}, ["sharding", "striped", "contiguous", "zigzag"]),
         ({"overlap": "yes"}, ["overlap", "true or false"]),
         ({"check_inputs": 1}, ["check_inputs", "true or false"]),

@@ -687,6 +687,11 @@ def dilated_attention(
             "already does the same work, which is what zigzag buys dense causal attention. Shard the "
             "sequence with seqpar.shard_sequence(x, dim, sharding='contiguous')"
         )
+    if mode in ("ulysses", "hybrid"):
+        raise ValueError(
+            f"dilated attention runs with mode='ring' or 'allgather' (or 'auto', which picks one of them), "
+            f"not mode={mode!r}: its segments exchange selected rows between the ranks of a segment"
+        )
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -695,6 +700,10 @@ def dilated_attention(
         # mismatched collectives, so it is part of what every rank must agree on.
         check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
                            extra=pattern_row(segment_lengths, dilation_rates, head_layout))
+    if mode == "auto":
+        from seqpar.costmodel import choose_mode
+
+        mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"})
     check_local(q, k, v, world_size=world, sharding=sharding)
     check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
                   seq_local=q.shape[2], world_size=world)

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -52,6 +53,8 @@ class SwapReport:
     """What :func:`swap_attention` changed."""
 
     swapped: list[SwappedModule] = field(default_factory=list)
+    tiling: Any = None
+    """What :func:`seqpar.tiling.apply_tiling` did (tiled loss / MLP, offload), or None."""
 
     @property
     def names(self) -> list[str]:
@@ -150,6 +153,9 @@ def swap_attention(
     report, preparers = _apply(model, plan, options, glue)
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers)
     logger.info("%s", report)
+    from seqpar.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
+
+    report.tiling = apply_tiling(model, cfg, group=group)
     return report
 
 
