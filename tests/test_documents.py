@@ -293,3 +293,51 @@ def test_balanced_sharding_evens_the_work(world: int) -> None:
         worst[sharding] = max(ratios)
     assert worst["zigzag"] > 1.10, worst  # the imbalance the layout exists for
     assert worst["balanced"] <= 1.05, worst
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pieces_run_the_cuda_kernels_on_fake_tensors(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's pieces (rectangle, causal square, anti-causal square = the causal kernel on
+    reversed rows) on fake CUDA tensors with H100 capabilities: the CUDA ops' schemas accept them and
+    return out/lse/dq/dk/dv of the piece's shapes and dtypes (GQA 8/2 heads)."""
+    from test_cuda_fake import H100
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import seqpar.kernels.backends as backends
+    from seqpar.attention.common import piece_backward, piece_forward
+    from seqpar.attention.plan import BlockCall
+
+    monkeypatch.setattr(backends, "device_caps", lambda device: H100)
+    calls = [BlockCall(slice(0, 24), slice(8, 48), False), BlockCall(slice(24, 40), slice(0, 16), True),
+             BlockCall(slice(40, 56), slice(16, 32), False, anti=True)]
+    with FakeTensorMode():
+        q, dout, out = (torch.empty(1, 8, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+        k, v = (torch.empty(1, 2, 64, 64, device="cuda", dtype=dtype) for _ in range(2))
+        lse = torch.empty(1, 8, 64, device="cuda", dtype=torch.float32)
+        for c in calls:
+            n, m = c.q_rows.stop - c.q_rows.start, c.k_rows.stop - c.k_rows.start
+            o, o_lse = piece_forward(q, k, v, c, 0.125)
+            dq, dk, dv = piece_backward(dout, q, k, v, out, lse, c, 0.125)
+            assert (o.shape, o.dtype, o.device.type) == ((1, 8, n, 64), dtype, "cuda"), c
+            assert (o_lse.shape, o_lse.dtype) == ((1, 8, n), torch.float32), c
+            assert (dq.shape, dk.shape, dv.shape) == ((1, 8, n, 64), (1, 2, m, 64), (1, 2, m, 64)), c
+            assert dq.dtype == dk.dtype == dv.dtype == dtype, c
+
+
+def test_boundaries_are_copied_to_the_host_once_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer passes the same cu_seqlens tensor: one device-to-host copy for all of them; a new
+    tensor or an in-place change is copied again (never a stale plan)."""
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(1) or tolist(t))
+    q = torch.randn(1, 2, 16, 8)
+    cu = torch.tensor([0, 5, 16])
+    first = seqpar.attention(q, q, q, causal=True, cu_seqlens=cu)
+    for _ in range(3):
+        assert torch.equal(seqpar.attention(q, q, q, causal=True, cu_seqlens=cu), first)
+    assert len(copies) == 1
+    cu[1] = 9  # in place: the plan must follow
+    moved = seqpar.attention(q, q, q, causal=True, cu_seqlens=cu)
+    assert len(copies) == 2 and not torch.equal(moved, first)
+    seqpar.attention(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 9, 16]))
+    assert len(copies) == 3
