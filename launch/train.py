@@ -180,7 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
-    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather)")
+    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
+    p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
+                   help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
     p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
     p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
     p.add_argument("--seq-len", type=int)
@@ -350,7 +352,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
                                   ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
                                   ("tiled_mlp", args.tiled_mlp),
-                                  ("offload_activations", args.offload_activations)) if v is not None}
+                                  ("offload_activations", args.offload_activations),
+                                  ("ulysses_size", args.ulysses_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})
@@ -523,9 +526,19 @@ class _FSDPEngine(_Engine):
         (loss / self.grad_accum).backward()
         if last_micro:
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                self._clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.model, FullyShardedDataParallel):
+            # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
+            # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
+            self.model.clip_grad_norm_(self.grad_clip)
+        else:  # FSDP2: DTensor parameters, the norm is already the global one
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
         from seqpar.integrations import fsdp
@@ -571,6 +584,7 @@ class _PeakMemory:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
+        self._engine = engine
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
@@ -579,7 +593,11 @@ class _PeakMemory:
             return self
         from seqpar.memtrack import TensorMemoryTracker
 
-        self._tracker = TensorMemoryTracker("cpu").__enter__()
+        # what this job holds (model, optimizer, engine buffers) plus what the step allocates; not
+        # other tensors of the process (a test's persistent ranks run several jobs in turn)
+        self._tracker = TensorMemoryTracker("cpu", count_existing=False)
+        self._tracker.track_reachable(self._engine)
+        self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,6 +22,7 @@ tensor (the CPU allocator's caches, Python objects).
 from __future__ import annotations
 
 import gc
+import types
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -107,6 +108,24 @@ class TensorMemoryTracker(TorchDispatchMode):
                 for st in tensor_storages(t):
                     self._register(st)
 
+    def track_reachable(self, *roots: Any) -> None:
+        """Register every tensor reachable from ``roots`` through object references (attributes,
+        containers, closures), not through modules, classes or functions' globals: e.g. a
+        training engine, whose optimizer and flat buffers hang off it. Unlike ``count_existing``
+        this ignores tensors of other jobs in the same process (a test's persistent ranks)."""
+        seen: set[int] = set()
+        todo = list(roots)
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, _OPAQUE):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                for t in _tensors_of(obj):
+                    for st in tensor_storages(t):
+                        self._register(st)
+            todo.extend(gc.get_referents(obj))
+
     def _register_all_live(self) -> None:
         gc.collect()  # garbage in reference cycles is not memory the block can use
         with warnings.catch_warnings():
@@ -162,6 +181,10 @@ class TensorMemoryTracker(TorchDispatchMode):
                 for st in tensor_storages(x):
                     self._register(st)
         return out
+
+
+# Followed no further by track_reachable: they lead to whole modules' globals, not to a job's state.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes, int, float)
 
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:

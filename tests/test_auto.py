@@ -148,3 +148,20 @@ def test_auto_is_exact_identical_on_every_rank_and_logged_once(dist_pool, links:
     got = [unshard_rows([per_rank[r]["results"][j] for r in range(4)], 4, "zigzag") for j in range(4)]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, True, None)):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_readme_table_is_what_the_model_picks() -> None:
+    """The README's table of auto's choices is regenerated here from the model: it cannot go stale."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and " / " in line and "**" in line]
+    settings = [(8, 131072), (16, 131072), (32, 524288)]
+    assert len(rows) == 6, rows
+    for line in rows:
+        name_cell, *cells = [c.strip() for c in line.strip("|").split("|")]
+        hq, hkv = (int(x) for x in name_cell.rsplit("(", 1)[1].rstrip(")").split(" / "))
+        for cell, (p, s) in zip(cells, settings, strict=True):
+            u = choose_ulysses_size(p, heads=(hq, hkv), node_size=8)
+            best = rank_modes(CallShape(1, hq, hkv, s // p, 128, 2, True, p, u), Links())[0]
+            assert cell.startswith(f"**{best.mode}**"), (name_cell, p, cell, best)

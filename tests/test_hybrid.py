@@ -102,3 +102,19 @@ def test_hybrid_moves_the_theoretical_bytes(dist_pool) -> None:
         assert g["fwd"]["a2a"] == [qkv, out] and sorted(g["bwd"]["a2a"]) == sorted([out, qkv]), (r, g)
         assert g["fwd"]["p2p"] == 2 * kv_block, (r, g)
         assert g["bwd"]["p2p"] == 2 * kv_block + 2 * kv_block, (r, g)  # fp32 inputs: dK/dV as big as K/V
+
+
+def test_super_ranks_are_a_valid_sharding_over_p_over_u() -> None:
+    """The claim the hybrid rests on: the sorted chunks of u consecutive ranks under a sharding over P are
+    exactly super-rank g's chunks of the same sharding over P/u (super-chunks of u chunks)."""
+    from seqpar.attention.ulysses import sequence_order
+    from seqpar.sharding import chunk_ids
+
+    for p, sharding in itertools.product(range(1, 9), SHARDINGS):
+        for u in (d for d in range(1, p + 1) if p % d == 0):
+            for g in range(p // u):
+                ids = [c for r in range(g * u, (g + 1) * u) for c in chunk_ids(r, p, sharding)]
+                order = sequence_order(g * u, u, p, sharding) or list(range(len(ids)))
+                got = [ids[i] for i in order]
+                want = [s * u + j for s in chunk_ids(g, p // u, sharding) for j in range(u)]
+                assert got == want, (p, u, g, sharding, got, want)

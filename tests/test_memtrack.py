@@ -85,3 +85,19 @@ def test_in_place_resize_is_followed() -> None:
         del t
     assert tr.current == 0
     assert tr.peak == 8 * KIB
+
+
+def test_track_reachable_counts_a_jobs_state_not_other_tensors() -> None:
+    class Job:
+        def __init__(self) -> None:
+            self.model = Block()  # 256 KiB
+            self.state = {"buffers": [torch.empty(16 * 1024)]}  # 64 KiB, reachable through a dict
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    unrelated = torch.empty(1024 * 1024)  # 4 MiB another job holds  # noqa: F841
+    job = Job()
+    tr = TensorMemoryTracker(count_existing=False)
+    tr.track_reachable(job)
+    assert tr.current == (256 + 64) * KIB
+    del job  # freed storages leave the count
+    assert tr.current == 0

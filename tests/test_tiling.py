@@ -194,3 +194,52 @@ def test_offload_is_an_exact_no_op_on_cpu() -> None:
     (l0, g0), (l1, g1) = results
     assert torch.equal(l0, l1)
     assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+class _CloneTransfer:
+    """A stand-in for the CUDA transfer: 'offloads' by cloning and logs the order of the copies."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def applies(self, args) -> bool:
+        return any(isinstance(a, torch.Tensor) for a in args)
+
+    def to_host(self, t: torch.Tensor):
+        n = sum(1 for k, _ in self.log if k == "offload")
+        self.log.append(("offload", n))
+        return n, t.detach().clone()
+
+    def prefetch(self, handle):
+        self.log.append(("prefetch", handle[0]))
+        return handle[1].clone()
+
+    def fetch(self, handle) -> torch.Tensor:
+        return handle
+
+
+def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer() -> None:
+    from seqpar.offload import apply_offload
+
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(**_llama_config(num_hidden_layers=3))
+    cfg._attn_implementation = "sdpa"
+    base = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 24))
+    results, transfer = [], _CloneTransfer()
+    for offload in (False, True):
+        model = copy.deepcopy(base)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if offload:
+            apply_offload(model, transfer=transfer)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)
+    for a, b in zip(g1, g0):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # forward offloads layers 0, 1, 2; backward fetches 2 and starts 1 ahead, then 0 ahead of its use
+    assert transfer.log == [("offload", 0), ("offload", 1), ("offload", 2),
+                            ("prefetch", 2), ("prefetch", 1), ("prefetch", 0)], transfer.log

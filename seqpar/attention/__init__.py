@@ -65,12 +65,14 @@ def attention(
             :mod:`seqpar.costmodel`).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
-            Not allowed with ``mode="hybrid"``, which needs the manager's two axes.
+            Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
+            manager's own SP group is accepted: it is the same as ``None``).
         sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
             layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
         overlap: overlap ring transfers with block compute.
-        check_inputs: all-gather a few integers first to check every rank passes the same shapes
-            (turns a would-be hang into an error on every rank).
+        check_inputs: all-gather a digest of the call first to check every rank passes the same
+            shapes and options (turns a would-be hang into an error on every rank). It costs a
+            host sync per call; a swapped model checks once per batch instead and passes False.
         head_chunks: run the algorithm this many times, each on ``kv_heads / head_chunks`` K/V heads
             and their query heads: the transient buffers (travelling K/V and dK/dV, gathered K/V,
             kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
@@ -90,6 +92,9 @@ def attention(
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
     check_options(mode, sharding)
+    manager = default_manager()
+    if manager is not None and group is manager.sp_group:
+        group = None  # the manager's own SP group (what the integrations pass): its two axes are known
     if mode == "hybrid" and group is not None:
         raise ValueError(
             "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
@@ -128,7 +133,8 @@ def attention(
     )
     if world == 1:  # documents, windows or sinks on one rank: the planner, no exchange
         return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
-    manager = None if explicit_group else default_manager()
+    if explicit_group:
+        manager = None
     if mode == "auto":
         from seqpar.costmodel import choose_mode
 

@@ -162,6 +162,6 @@ def check_across_ranks(
     raise ValueError(
         "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
         f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
-        "seq_local and head_dim, same dtype and options (extra: cu_seqlens, window and sinks, when "
-        "given: the same on every rank) (shard with seqpar.shard_sequence)."
+        "seq_local and head_dim, same dtype and options; cu_seqlens, window and sinks, when given: the "
+        "same on every rank, as is a dilated pattern (shard with seqpar.shard_sequence)."
     )

@@ -180,11 +180,16 @@ def _start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, g
     qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
     b, _, n, d = q.shape
     send = q.new_empty((u, b, qc + 2 * kc, n, d))
-    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
     for j in range(u):
         send[j, :, :qc] = q[:, plan.q_slice(j, chunk)]
-    send[:, :, qc:qc + kc] = k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
-    send[:, :, qc + kc:] = v.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u: pick them (repeats included)
+        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
+        send[:, :, qc:qc + kc] = k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+        send[:, :, qc + kc:] = v.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+    else:  # rank j reads heads [j * Hkv/u, (j+1) * Hkv/u): a strided view, copied once into the buffer
+        heads = slice(chunk * kc, (chunk + 1) * kc)
+        send[:, :, qc:qc + kc] = k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
+        send[:, :, qc + kc:] = v.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
     return start_all_to_all(send, group)
 
 

@@ -85,8 +85,13 @@ def _largest(method: str, world: int, causal: bool, cfg: MemoryConfig) -> int:
                        ulysses_size=2 if method == "hybrid" else None)
 
 
-def configure(args: Any) -> MemoryConfig:
-    """A :class:`MemoryConfig` from the CLI's resolved arguments (P = 2 and 4 unless ``--worlds``)."""
+def configure(args: Any) -> Any:
+    """A :class:`MemoryConfig` from the CLI's resolved arguments (P = 2 and 4 unless ``--worlds``);
+    with ``--model``, the whole-model suite's config (:mod:`seqpar.bench.model_memory`)."""
+    if getattr(args, "model", None):
+        from seqpar.bench import model_memory
+
+        return model_memory.configure(args)
     worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
     return MemoryConfig(
         seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
@@ -97,12 +102,20 @@ def configure(args: Any) -> MemoryConfig:
 
 def count(cfg: MemoryConfig) -> int:
     """Progress steps of :func:`run`."""
+    if not isinstance(cfg, MemoryConfig):
+        from seqpar.bench import model_memory
+
+        return model_memory.count(cfg)
     runs = sum(len(_methods(w, cfg.shape)) for w in [1, *cfg.worlds])
     return (len(cfg.seq_lens) + 1) * runs * len(cfg.causal)
 
 
 def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload."""
+    if not isinstance(cfg, MemoryConfig):
+        from seqpar.bench import model_memory
+
+        return model_memory.run(cfg, progress)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     largest: list[dict[str, Any]] = []
@@ -148,6 +161,10 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 def render(payload: dict[str, Any]) -> str:
     """Measured vs estimated peak per rank, memory per token, and the budget's largest S."""
+    if payload.get("kind") == "model":
+        from seqpar.bench import model_memory
+
+        return model_memory.render(payload)
     from seqpar.bench.report import fmt_bytes, format_table
 
     rows = [{
@@ -176,6 +193,8 @@ def render(payload: dict[str, Any]) -> str:
 
 def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
     """Memory vs S (measured points, estimator alongside) and bytes per local token vs S."""
+    if payload.get("kind") == "model":
+        return []
     from seqpar.bench.report import plot_series
 
     def key(r: dict[str, Any]) -> str:

@@ -20,8 +20,10 @@ module): ``select_sdp_backend`` walks ``priority_order`` and returns the first b
 - **Memory-efficient** (``can_use_mem_efficient_attention``): sm50-sm121; fp16/fp32, plus bf16 on
   sm80+; head_dim a multiple of ``minimum_gemm_alignment`` (8 for half types on sm70+, 4 for fp32 on
   sm80+, else 1): seqpar pads the head dim with zeros instead of refusing (exact: zero columns add
-  nothing to q.k, and the padded output/gradient columns are sliced off). Needs equal head counts
-  (its backward returns dK/dV at the query head count), so K/V are expanded for GQA.
+  nothing to q.k, and the padded output/gradient columns are sliced off). The op itself needs equal
+  head counts: its shape function (``torch/_meta_registrations.py``,
+  ``meta__scaled_dot_product_efficient_backward``) returns dK/dV at the *query* head count, so K/V
+  are expanded for GQA and dK/dV summed back over the group.
 - **cuDNN** (``can_use_cudnn_attention``): sm80-sm121, fp16/bf16, cuDNN >= 9.0, not under
   ``torch.use_deterministic_algorithms(True)``, head_dim a multiple of 8 and <= 128 (torch allows 256
   on sm90/sm10x only with a cuDNN frontend version Python cannot see, so seqpar stays at 128),

@@ -148,7 +148,7 @@ def block_forward(
         out ``(batch, q_heads, len_q, head_dim)`` in q.dtype and lse ``(batch, q_heads, len_q)`` in
         fp32 (fp64 for fp64 inputs).
     """
-    group = _check_block(q, k, v)
+    _check_block(q, k, v)
     if q.device.type == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -156,21 +156,31 @@ def block_forward(
         return out, lse.to(lse_dtype(q.dtype))
     if q.device.type == "cuda":
         backend = cuda_backend(q, k, causal, caps)
-        if backend is Backend.FLASH:
-            return _flash_forward(q, k, v, scale, causal)
-        if backend is Backend.EFFICIENT:
-            align = efficient_alignment(_caps(q, caps), q.dtype)
-            return _efficient_forward(q, _expand_kv(k, group), _expand_kv(v, group), scale, causal, align)
-        if backend is Backend.CUDNN:
-            return _cudnn_forward(q, _expand_kv(k, group), _expand_kv(v, group), scale, causal)
+        if backend is not Backend.MATH:
+            return _cuda_forward(q, k, v, scale, causal, backend, efficient_alignment(_caps(q, caps), q.dtype))
     return _math_forward(q, k, v, scale, causal)
 
 
+def _cuda_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, backend: Backend, align: int
+) -> tuple[Tensor, Tensor]:
+    """One fused kernel's forward; ``align``: the efficient kernel's head-dim multiple."""
+    if backend is Backend.FLASH:
+        return _flash_forward(q, k, v, scale, causal)
+    group = q.shape[1] // k.shape[1]
+    k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
+    if backend is Backend.EFFICIENT:
+        return _efficient_forward(q, k_e, v_e, scale, causal, align)
+    return _cudnn_forward(q, k_e, v_e, scale, causal)
+
+
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    # GQA native: flash-attn's mha_fwd checks only num_heads % num_heads_k == 0 and indexes kv head
-    # h / (num_heads / num_heads_k) (pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
-    # flash_api.cpp, params.h_h_k_ratio); its head dim must be a multiple of 8 ("ensured by padding",
-    # which SDPA does in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
+    # GQA native: torch's op (aten/src/ATen/native/transformers/cuda/attention.cu,
+    # _scaled_dot_product_flash_attention_cuda) checks only that K and V have the same length, then
+    # transposes to (B, S, H, D) and calls flash-attn's mha_fwd, which checks num_heads % num_heads_k
+    # == 0 and reads kv head h / (num_heads / num_heads_k) (cuda/flash_attn/flash_api.cpp,
+    # params.h_h_k_ratio). Its head dim must be a multiple of 8 ("ensured by padding", which SDPA does
+    # in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
     d = q.shape[-1]
     qp, kp, vp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v))
     res = _aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
@@ -190,7 +200,10 @@ def _efficient_forward(
 def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
     # k, v already at q's head count; head_dim is a multiple of 8 (the backend rules). lse: (B, H, len_q, 1).
     qc, kc, vc = (_dense(x) for x in (q, k, v))
-    res = _aten._scaled_dot_product_cudnn_attention(qc, kc, vc, None, True, 0.0, causal, False, scale=scale)
+    res = _aten._scaled_dot_product_cudnn_attention(
+        query=qc, key=kc, value=vc, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+        return_debug_mask=False, scale=scale,
+    )
     return res[0], res[1].squeeze(-1)
 
 
@@ -241,7 +254,7 @@ def block_backward(
     The kernel is chosen again here from the flags current at this call (any kernel's backward is
     exact given the merged out/lse, whichever kernel ran the forward).
     """
-    group = _check_block(q, k, v)
+    _check_block(q, k, v)
     if q.device.type == "cpu":
         # the CPU kernel wants lse in its own accumulation dtype (fp32 for half types)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -250,17 +263,23 @@ def block_backward(
         return dq, dk, dv
     if q.device.type == "cuda":
         backend = cuda_backend(q, k, causal, caps)
-        if backend is Backend.FLASH:
-            return _flash_backward(dout, q, k, v, out, lse, scale, causal)
         if backend is not Backend.MATH:
-            k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
-            if backend is Backend.EFFICIENT:
-                align = efficient_alignment(_caps(q, caps), q.dtype)
-                dq, dk, dv = _efficient_backward(dout, q, k_e, v_e, out, lse, scale, causal, align)
-            else:
-                dq, dk, dv = _cudnn_backward(dout, q, k_e, v_e, out, lse, scale, causal)
-            return dq, _fold_kv_grad(dk, group), _fold_kv_grad(dv, group)
+            align = efficient_alignment(_caps(q, caps), q.dtype)
+            return _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align)
     return _math_backward(dout, q, k, v, out, lse, scale, causal)
+
+
+def _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align):  # noqa: ANN001, ANN202 (private)
+    """One fused kernel's backward; dK/dV at kv_heads (flash natively, the others folded)."""
+    if backend is Backend.FLASH:
+        return _flash_backward(dout, q, k, v, out, lse, scale, causal)
+    group = q.shape[1] // k.shape[1]
+    k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
+    if backend is Backend.EFFICIENT:
+        dq, dk, dv = _efficient_backward(dout, q, k_e, v_e, out, lse, scale, causal, align)
+    else:
+        dq, dk, dv = _cudnn_backward(dout, q, k_e, v_e, out, lse, scale, causal)
+    return dq, _fold_kv_grad(dk, group), _fold_kv_grad(dv, group)
 
 
 def _unused_rng(device: torch.device) -> Tensor:
@@ -270,8 +289,10 @@ def _unused_rng(device: torch.device) -> Tensor:
 
 def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
     # Mirrors what torch's own autograd and context_parallel pass: dense (non-varlen) calls have
-    # undefined cum_seq tensors. dK/dV come back at kv_heads: flash_api.cpp mha_bwd computes them at
-    # the query head count and sums each group itself (at::sum_out over the group axis).
+    # undefined cum_seq tensors. dK/dV come back at kv_heads: mha_bwd checks num_heads % num_heads_k,
+    # computes dK/dV at the query head count (dk_expanded) and sums each group itself (at::sum_out
+    # over the group axis) -- pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
+    # flash_api.cpp and, identically, Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp.
     d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
     qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v, dout, out))
     rng = _unused_rng(q.device)
