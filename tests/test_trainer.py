@@ -79,3 +79,20 @@ def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
         # Full batches reach training_step (cut inside it); the count is the full one, once.
         assert r["seen"] == [((BATCH, hf_tiny.SEQ), float(targets))] * STEPS
     assert torch.tensor(out[0]["losses"]).equal(torch.tensor(out[1]["losses"]))
+
+
+def test_trainer_refusals_name_the_fix(tmp_path):
+    """Refused before any process group or engine exists, each naming what to do instead."""
+    from transformers import TrainingArguments
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    plain = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    with pytest.raises(ConfigError, match="deepspeed='ds_config.json'.*seqpar.integrations.accelerate.prepare"):
+        SeqParTrainer(model=hf_tiny.tiny_llama(), args=plain)
+    rebalance = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True,
+                                  train_sampling_strategy="batch_rebalance")
+    rebalance.deepspeed = ds_config(2, 2)  # as if given; only the strategy is checked before groups
+    with pytest.raises(ConfigError, match="batch_rebalance.*'sequential'"):
+        SeqParTrainer(model=hf_tiny.tiny_llama(), args=rebalance)
