@@ -41,7 +41,7 @@ import torch
 
 from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig
 from seqpar.groups import init_process_groups, single_process_env, timeout_of
-from seqpar.integrations.common import rank_prefix
+from seqpar.integrations.common import rank_prefix, resolve_manager
 
 __all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
 
@@ -167,6 +167,7 @@ def initialize(
     causal_lm: bool = True,
     ignore_index: int = -100,
     pad_token_id: int = 0,
+    manager: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` with sequence parallelism from the config's ``sequence_parallel`` block.
 
@@ -178,6 +179,8 @@ def initialize(
             ``seqpar.attention`` itself.
         causal_lm, ignore_index, pad_token_id: how the returned loader cuts batches
             (see :func:`seqpar.data.shard_batch`).
+        manager: groups built earlier from the same config (e.g. by ``SeqParTrainer``, whose data
+            loader needs them first); default: built here.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them; the
@@ -203,7 +206,7 @@ def initialize(
     deepspeed = _import_deepspeed()
 
     _init_distributed(deepspeed, sp_config, distributed_port, dist_init_required)
-    manager = init_process_groups(config=sp_config)
+    manager = init_process_groups(config=sp_config) if manager is None else resolve_manager(sp_config, manager)
     report = _prepare_model(model, sp_config, manager, swap=swap)
     if _zero_stage(ds_config) == 3:
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
