@@ -169,11 +169,15 @@ def ring_backward(
         onward = send is not None and step < hops[src]
         chain = _exchange(comm, send if onward else [dk_own, dv_own], free if chain_recv else None, _DKV,
                           send=onward, recv=chain_recv)
-        if send is not None and not onward:  # the block's last hop: straight home (the next rank after P-1)
+        home_send = send is not None and not onward  # the block's last hop: straight home
+        home_buf = None if chain_recv else free
+        if home_send and home_recv:  # one exchange (a dense ring's last step: the next rank, shift 1)
+            home_in = _exchange(comm, send, home_buf, _HOME, shift=world - step)
+            home_sends.append(home_in)
+        elif home_send:
             home_sends.append(_exchange(comm, send, None, _HOME, shift=world - step, recv=False))
-        if home_recv:
-            home_in = _exchange(comm, [dk_own, dv_own], None if chain_recv else free, _HOME,
-                                shift=world - step, send=False)
+        elif home_recv:
+            home_in = _exchange(comm, [dk_own, dv_own], home_buf, _HOME, shift=world - step, send=False)
         if not opts.overlap:
             for p in (chain, home_in, *home_sends):
                 if p is not None:
