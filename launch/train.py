@@ -47,7 +47,6 @@ import logging
 import math
 import os
 import re
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -181,7 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
-    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather)")
+    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
+    p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
+                   help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
     p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
     p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
     p.add_argument("--seq-len", type=int)
@@ -192,6 +193,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--activation-checkpointing", action="store_true", default=None)
+    p.add_argument("--tiled-loss", action="store_true", default=None,
+                   help="override sequence_parallel.tiled_loss (LM head + loss over sequence chunks)")
+    p.add_argument("--tiled-mlp", type=lambda v: v if v == "auto" else int(v),
+                   help="override sequence_parallel.tiled_mlp: number of chunks or 'auto'")
+    p.add_argument("--offload-activations", action="store_true", default=None,
+                   help="override sequence_parallel.offload_activations (CUDA; a no-op on CPU)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
     p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
     p.add_argument("--save-every", type=int)
@@ -343,7 +350,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     _check_top_level(raw, engine, args.config)
     sp = SeqParConfig.from_dict({"sequence_parallel": raw.get("sequence_parallel") or {}})
     changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
-                                  ("sharding", args.sharding)) if v is not None}
+                                  ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
+                                  ("tiled_mlp", args.tiled_mlp),
+                                  ("offload_activations", args.offload_activations),
+                                  ("ulysses_size", args.ulysses_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})
@@ -567,56 +577,36 @@ def _configure_logging(level: str) -> None:
 
 
 class _PeakMemory:
-    """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: MemTracker)."""
+    """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: every live tensor
+    storage, counted by seqpar.memtrack in every setting: checkpointing, accumulation, tiling)."""
 
     def __init__(self, engine: _Engine, settings: TrainSettings) -> None:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
         self._engine = engine
-        # MemTracker refuses a module called twice in one tracked window (accumulation micro-steps,
-        # checkpointed recomputation): RSS then.
-        self._usable = settings.grad_accum == 1 and not settings.activation_checkpointing
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             self.kind = "cuda_max_memory_allocated over the run"
             return self
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from seqpar.memtrack import TensorMemoryTracker
 
-        if not self._usable or isinstance(self._engine.model, FullyShardedDataParallel):
-            # FSDP1 swaps parameters for non-leaf views in forward; MemTracker's hooks then fail.
-            return self
-        try:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self._tracker = MemTracker()
-            optim = getattr(self._engine, "optimizer", None) or getattr(self._engine.model, "optimizer", None)
-            while optim is not None and not isinstance(optim, torch.optim.Optimizer):
-                optim = getattr(optim, "optimizer", None)  # DeepSpeed's ZeRO wrappers hold the torch one
-            self._tracker.track_external(self._engine.model, *([optim] if optim is not None else []))
-            self._tracker.__enter__()
-        except Exception as e:  # noqa: BLE001 - a measurement must not stop training
-            logger.warning("MemTracker unavailable (%s); reporting peak RSS instead", e)
-            self._tracker = None
+        # what this job holds (model, optimizer, engine buffers) plus what the step allocates; not
+        # other tensors of the process (a test's persistent ranks run several jobs in turn)
+        self._tracker = TensorMemoryTracker("cpu", count_existing=False)
+        self._tracker.track_reachable(self._engine)
+        self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if torch.cuda.is_available():
             self.value = int(torch.cuda.max_memory_allocated())
             return
-        if self._tracker is not None:
-            try:
-                self._tracker.__exit__(*exc)
-                snap = self._tracker.get_tracker_snapshot("peak")
-                self.value = int(sum(d.get("Total", 0) for d in snap.values()))
-                self.kind = "cpu tensor bytes at the peak of one tracked step (MemTracker)"
-                return
-            except Exception as e:  # noqa: BLE001
-                logger.warning("MemTracker failed (%s); reporting peak RSS instead", e)
-        self.value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        self.kind = "process peak RSS (ru_maxrss), not tensor memory"
+        self._tracker.__exit__(*exc)
+        self.value = int(self._tracker.peak)
+        self.kind = "cpu tensor bytes at the peak of one tracked step (seqpar.memtrack)"
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -724,8 +714,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
             batch = shard_batch(task.batch(first, t.micro_batch_size), group=manager.sp_group,
                                 sharding=plan.sp.sharding)
-            logits = engine.forward(batch)
-            loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
+            if plan.sp.tiled_loss:  # the swapped model computes the SP loss itself, never the logits
+                loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                    shift_labels=batch["shift_labels"]).loss
+            else:
+                logits = engine.forward(batch)
+                loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
             engine.backward(loss, last_micro=m == t.grad_accum - 1)
             total += loss.detach().double() / t.grad_accum
         if tracking:

@@ -8,6 +8,8 @@ Public API (layouts are ``(batch, heads, seq_local, head_dim)``):
 - ``SeqParConfig``: the validated ``sequence_parallel`` config block.
 - ``init_process_groups(...)`` -> ``ProcessGroupManager`` (SP x DP groups, a DeepSpeed/Megatron ``mpu``).
 - ``swap_attention(model, config)``: route an existing model's attention through seqpar.
+- ``estimate_training_memory(model_config, *, seq_len, sp_size, ...)``: per-rank bytes of a training
+  step by category (``seqpar.training_memory``).
 
 ``seqpar.attention`` is both the package of attention algorithms (``seqpar.attention.ring``, ...) and
 callable as the function above.
@@ -43,6 +45,8 @@ _LAZY = {
     "sequence_parallel_causal_lm_loss": "seqpar.loss",
     "sequence_parallel_mean": "seqpar.loss",
     "estimate_memory": "seqpar.memory",
+    "estimate_training_memory": "seqpar.training_memory",
+    "apply_tiling": "seqpar.tiling",
 }
 
 __all__ = [

@@ -1,6 +1,7 @@
 """``python -m seqpar.bench <suite> [options]`` (also ``seqpar-bench``): see BENCHMARKS.md.
 
-Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``. Presets: ``--quick``
+Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``; ``gpu-check`` (its own
+flags, see :mod:`seqpar.bench.gpu_check`) is the GPU run-book. Presets: ``--quick``
 (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
@@ -102,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--simulate", type=_pair, action="append", metavar="S:P",
                    help="attention: time one rank of a P-rank ring on this device (default on CUDA: 1048576:8)")
     g.add_argument("--budget-mib", type=float, help="memory: per-rank budget for the largest-S search")
+    g.add_argument("--model", help="memory: a whole model instead of one attention call, e.g. llama3-8b "
+                   "(seqpar.training_memory.MODEL_SHAPES): the longest trainable sequence, modelled")
+    g.add_argument("--gpus", type=int, help="memory --model: GPUs, all one SP group (default: 1 and 8)")
+    g.add_argument("--gpu-mem", type=float, default=80.0, help="memory --model: GB (GiB) per GPU (default 80)")
+    g.add_argument("--model-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="memory --model: training dtype (default bf16)")
+    g.add_argument("--gpu-reserve", type=float, default=0.05,
+                   help="memory --model: fraction of --gpu-mem kept for the CUDA context and fragmentation")
     g.add_argument("--sp-sizes", type=_ints, help="train: SP sizes (default 1,2[,4])")
     g.add_argument("--train-config", default="configs/fsdp_ring.json", help="train: launch/train.py config")
     g.add_argument("--train-launcher", default="torchrun", choices=["torchrun", "deepspeed"])
@@ -177,6 +186,11 @@ def replot(name: str, out_dir: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-check"]:  # the GPU run-book: a command of its own, not a suite
+        from seqpar.bench.gpu_check import main as gpu_check_main
+
+        return gpu_check_main(argv[1:])
     args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.replot:

@@ -166,7 +166,26 @@ def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: Ben
 
 
 def _sharding(method: str, causal: bool) -> str:
-    return "zigzag" if causal and method in ("ring", "allgather") else "contiguous"
+    # Ulysses holds the whole sequence after its all-to-all: causal work is balanced whatever the cut
+    return "zigzag" if causal and method in ("ring", "allgather", "hybrid") else "contiguous"
+
+
+# seqpar's Ulysses under a name that does not clash with the peers suite's "ulysses" (DeepSpeed's)
+SEQPAR_MODE_OF_METHOD = {"seqpar_ulysses": "ulysses"}
+_HYBRID_MANAGERS: dict[int, Any] = {}
+
+
+def hybrid_manager(world: int) -> Any:
+    """A (P/2) x 2 process-group manager for ``method="hybrid"`` (Ulysses pairs, ring across them), made
+    once per pool: group creation is collective, every rank gets here on the same call."""
+    if world not in _HYBRID_MANAGERS:
+        import seqpar
+
+        _HYBRID_MANAGERS[world] = seqpar.init_process_groups(sp_size=world, ulysses_size=2 if world % 2 == 0 else 1)
+    from seqpar.groups import set_default_manager
+
+    set_default_manager(_HYBRID_MANAGERS[world])
+    return _HYBRID_MANAGERS[world]
 
 
 def forward_fn(
@@ -188,9 +207,14 @@ def forward_fn(
     import seqpar
 
     sharding = _sharding(method, causal)
+    mode = SEQPAR_MODE_OF_METHOD.get(method, method)
+    if mode == "hybrid":
+        import torch.distributed as dist
+
+        hybrid_manager(dist.get_world_size())
 
     def distributed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return seqpar.attention(q, k, v, causal=causal, mode=method, sharding=sharding, head_chunks=head_chunks)
+        return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks)
     return distributed
 
 
@@ -217,12 +241,10 @@ class PhaseTimer:
 
 
 _PHASE_TARGETS = (
-    ("seqpar.attention.ring", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.ring", "block_backward", "kernel_bwd"),
-    ("seqpar.attention.ring", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.allgather", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_backward", "kernel_bwd"),
+    # ring and all-gather run their kernels and merges through the shared piece helpers
+    ("seqpar.attention.common", "block_forward", "kernel_fwd"),
+    ("seqpar.attention.common", "block_backward", "kernel_bwd"),
+    ("seqpar.kernels.merge", "merge_into", "merge"),
     ("seqpar.attention.allgather", "all_gather_into", "collective"),
     ("seqpar.attention.allgather", "reduce_scatter_into", "collective"),
     ("seqpar.attention.dilated", "block_forward", "kernel_fwd"),

@@ -10,6 +10,11 @@ Theory per rank, with ``B`` one rank's K (or V) block in the input dtype and ``B
 - ring:      forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (the K/V again, the travelling dK/dV)
 - allgather: forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (re-gather, reduce-scatter dK/dV)
 - ulysses:   forward (P-1)/P (2 Q + 2 K) (all-to-all of q, k, v and of the output); backward the same
+- seqpar_ulysses (u = P) / hybrid (u = 2, ring over P/2 super-ranks), with ``h = max(kv_heads / u, 1)``
+  K/V heads per rank and ``Qr``, ``Kr`` one rank's q / one K/V head's block: forward (u-1)/u ((2 q_heads
+  + 2 u h) Kr) (one packed q/k/v all-to-all + the output's); backward the same (dout + packed dq/dk/dv);
+  the hybrid adds the ring across super-ranks on blocks of h heads x u L rows: 2 (P/u - 1) blocks
+  forward, 2 (P/u - 1) blocks + 2 (P/u - 1) fp32 dK/dV backward
 - dilated:   see :mod:`seqpar.attention.dilated` (depends on the pattern); measured only
 
 plus a few bytes for seqpar's cross-rank shape check. The suite also times one K/V block exchange
@@ -40,7 +45,7 @@ from seqpar.comm.traffic import counting
 
 __all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
 
-_MODES = ("ring", "allgather", "ulysses", "dilated")
+_MODES = ("ring", "allgather", "ulysses", "seqpar_ulysses", "hybrid", "dilated")
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,13 @@ def theory(mode: str, seq_len: int, world: int, shape: BenchShape) -> dict[str, 
     if mode == "ulysses":
         per = (2 * elems_q + 2 * elems_kv) * e * (world - 1) // world
         return {"fwd": per, "bwd": per}
+    if mode in ("seqpar_ulysses", "hybrid"):
+        u = world if mode == "seqpar_ulysses" else 2
+        h = max(shape.kv_heads // u, 1)
+        head = elems_kv // shape.kv_heads  # one head of one rank's rows
+        per = (2 * shape.q_heads + 2 * u * h) * head * e * (u - 1) // u
+        ring, blk = world // u, h * u * head  # super-ranks; a super-rank's K (or V) block
+        return {"fwd": per + 2 * (ring - 1) * blk * e, "bwd": per + 2 * (ring - 1) * blk * (e + a)}
     return None
 
 
@@ -135,6 +147,14 @@ def count(cfg: CommConfig) -> int:
 def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> str | None:
     if mode == "ulysses" and (shape.kv_heads % world or shape.q_heads % world):
         return f"Ulysses needs q_heads and kv_heads divisible by P={world}"
+    if mode in ("seqpar_ulysses", "hybrid"):
+        from seqpar.costmodel import ulysses_heads_ok
+
+        u = world if mode == "seqpar_ulysses" else 2
+        if mode == "hybrid" and (world < 4 or world % 2):
+            return f"the (P/2) x 2 hybrid needs an even P >= 4, not P={world}"
+        if not ulysses_heads_ok(shape.q_heads, shape.kv_heads, u):
+            return f"q_heads={shape.q_heads}, kv_heads={shape.kv_heads} do not split over {u} Ulysses ranks"
     if mode == "dilated":
         return dilated_problem(seq_len, world, shape)
     if seq_len % (2 * world if causal else world):

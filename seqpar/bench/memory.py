@@ -1,6 +1,7 @@
 """The ``memory`` suite: peak bytes per rank against S, the largest S a budget fits, the estimator.
 
-For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring`` and ``allgather``
+For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring``, ``allgather``,
+``seqpar_ulysses`` and the ``hybrid`` ((P/2) x 2, P >= 4) where the head counts allow them
 (inputs, outputs and gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA) and
 prints :func:`seqpar.memory.estimate_memory`'s prediction beside it. Then, for a per-rank budget, it
 asks the estimator for the largest S each method fits and measures that S to confirm it fits.
@@ -50,22 +51,47 @@ def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shap
     return peak_memory(step, ctx.device)
 
 
+def _estimator_mode(method: str) -> str:
+    return {"sdpa": "single", "seqpar_ulysses": "ulysses"}.get(method, method)
+
+
+def _methods(world: int, shape: BenchShape) -> list[str]:
+    """What runs at P = world: SDPA alone at P = 1; ring, all-gather, and Ulysses / the (P/2) x 2 hybrid
+    where the head counts allow them (see seqpar.costmodel.ulysses_heads_ok)."""
+    from seqpar.costmodel import ulysses_heads_ok
+
+    if world == 1:
+        return ["sdpa"]
+    methods = ["ring", "allgather"]
+    if ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
+        methods.append("seqpar_ulysses")
+    if world > 2 and world % 2 == 0 and ulysses_heads_ok(shape.q_heads, shape.kv_heads, 2):
+        methods.append("hybrid")
+    return methods
+
+
 def _estimate(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> int:
-    return estimate_memory(seq_len, world_size=world, mode="single" if method == "sdpa" else method,
+    return estimate_memory(seq_len, world_size=world, mode=_estimator_mode(method),
                            batch=shape.batch, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
                            head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
-                           head_chunks=shape.head_chunks)
+                           head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None)
 
 
 def _largest(method: str, world: int, causal: bool, cfg: MemoryConfig) -> int:
     s = cfg.shape
-    return max_seq_len(cfg.budget_bytes, world_size=world, mode="single" if method == "sdpa" else method,
+    return max_seq_len(cfg.budget_bytes, world_size=world, mode=_estimator_mode(method),
                        batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                       dtype=s.torch_dtype, causal=causal, multiple=64, head_chunks=s.head_chunks)
+                       dtype=s.torch_dtype, causal=causal, multiple=64, head_chunks=s.head_chunks,
+                       ulysses_size=2 if method == "hybrid" else None)
 
 
-def configure(args: Any) -> MemoryConfig:
-    """A :class:`MemoryConfig` from the CLI's resolved arguments (P = 2 and 4 unless ``--worlds``)."""
+def configure(args: Any) -> Any:
+    """A :class:`MemoryConfig` from the CLI's resolved arguments (P = 2 and 4 unless ``--worlds``);
+    with ``--model``, the whole-model suite's config (:mod:`seqpar.bench.model_memory`)."""
+    if getattr(args, "model", None):
+        from seqpar.bench import model_memory
+
+        return model_memory.configure(args)
     worlds = args.worlds if "worlds" in args.explicit or args.preset == "tiny" else [2, 4]
     return MemoryConfig(
         seq_lens=list(args.seq_lens), worlds=list(worlds), causal=list(args.causal_list),
@@ -76,12 +102,20 @@ def configure(args: Any) -> MemoryConfig:
 
 def count(cfg: MemoryConfig) -> int:
     """Progress steps of :func:`run`."""
-    per_causal = len(cfg.seq_lens) * (1 + 2 * len(cfg.worlds)) + 1 + 2 * len(cfg.worlds)
-    return per_causal * len(cfg.causal)
+    if not isinstance(cfg, MemoryConfig):
+        from seqpar.bench import model_memory
+
+        return model_memory.count(cfg)
+    runs = sum(len(_methods(w, cfg.shape)) for w in [1, *cfg.worlds])
+    return (len(cfg.seq_lens) + 1) * runs * len(cfg.causal)
 
 
 def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload."""
+    if not isinstance(cfg, MemoryConfig):
+        from seqpar.bench import model_memory
+
+        return model_memory.run(cfg, progress)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     largest: list[dict[str, Any]] = []
@@ -89,7 +123,7 @@ def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
             skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
-        methods = ["sdpa"] if world == 1 else ["ring", "allgather"]
+        methods = _methods(world, cfg.shape)
         with RankPool(world, device=cfg.device) as pool:
             for causal in cfg.causal:
                 for method in methods:
@@ -127,6 +161,10 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 def render(payload: dict[str, Any]) -> str:
     """Measured vs estimated peak per rank, memory per token, and the budget's largest S."""
+    if payload.get("kind") == "model":
+        from seqpar.bench import model_memory
+
+        return model_memory.render(payload)
     from seqpar.bench.report import fmt_bytes, format_table
 
     rows = [{
@@ -155,6 +193,8 @@ def render(payload: dict[str, Any]) -> str:
 
 def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
     """Memory vs S (measured points, estimator alongside) and bytes per local token vs S."""
+    if payload.get("kind") == "model":
+        return []
     from seqpar.bench.report import plot_series
 
     def key(r: dict[str, Any]) -> str:

@@ -2,6 +2,9 @@
 
 - ``sdpa``: single-process SDPA on the full sequence (the reference; ideal = its time / P).
 - ``seqpar ring`` / ``seqpar allgather``: :func:`seqpar.attention` (causal: zigzag).
+- ``seqpar ulysses``: ``mode="ulysses"`` (contiguous shards: after its all-to-all each rank holds the
+  whole sequence). ``seqpar hybrid``: ``mode="hybrid"`` on a (P/2) x 2 grid (Ulysses pairs, ring across
+  them; causal: zigzag), at P >= 4.
 - ``deepspeed ulysses``: ``deepspeed.sequence.layer.DistributedAttention`` with SDPA as its local
   attention. Its inputs are ``(batch, seq_local, heads, head_dim)`` (what it expects with
   ``scatter_idx=2, gather_idx=1, batch_dim_idx=0``); the local attention transposes to SDPA's layout
@@ -53,9 +56,10 @@ __all__ = [
     "configure", "count", "run", "render", "plots",
 ]
 
-PEERS = ("sdpa", "ring", "allgather", "ulysses", "context_parallel", "ring_flash_attn")
+PEERS = ("sdpa", "ring", "allgather", "seqpar_ulysses", "hybrid", "ulysses", "context_parallel", "ring_flash_attn")
 _LABELS = {
     "sdpa": "single-process SDPA", "ring": "seqpar ring", "allgather": "seqpar allgather",
+    "seqpar_ulysses": "seqpar ulysses", "hybrid": "seqpar hybrid (P/2 x 2)",
     "ulysses": "deepspeed ulysses", "context_parallel": "torch context_parallel", "ring_flash_attn": "ring-flash-attn",
 }
 
@@ -285,8 +289,22 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
         if cfg.shape.kv_heads % world or cfg.shape.q_heads % world:
             uly_why = (f"Ulysses splits heads over ranks: q_heads={cfg.shape.q_heads} and kv_heads="
                        f"{cfg.shape.kv_heads} must be multiples of P={world}")
+        from seqpar.costmodel import ulysses_heads_ok
+
+        hq, hkv = cfg.shape.q_heads, cfg.shape.kv_heads
+        ours_why = {
+            "seqpar_ulysses": None if ulysses_heads_ok(hq, hkv, world) else
+            f"q_heads={hq} must be a multiple of P={world} and kv_heads={hkv} a multiple or divisor of it",
+            "hybrid": None if world >= 4 and world % 2 == 0 and ulysses_heads_ok(hq, hkv, 2) else
+            f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two",
+        }
         for s, c in cases:
             jobs += [("ring", world, s, c), ("allgather", world, s, c)]
+            for mode, why in ours_why.items():
+                if why:
+                    _skip(rows, mode, world, s, c, why)
+                else:
+                    jobs.append((mode, world, s, c))
             for peer, why in (("ulysses", uly_why), ("context_parallel", cp_why), ("ring_flash_attn", ring_flash_why)):
                 if why:
                     _skip(rows, peer, world, s, c, why)

@@ -92,7 +92,8 @@ def counting(world_size: int) -> Iterator[Traffic]:
         def call(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
                 traffic.calls[name] = traffic.calls.get(name, 0) + 1
-                nbytes = rule(world_size, args, kwargs)
+                group = kwargs.get("group")  # a sub-group (the hybrid's Ulysses axis) has its own size
+                nbytes = rule(world_size if group is None else dist.get_world_size(group), args, kwargs)
                 if name == "batch_isend_irecv":
                     traffic.p2p_bytes += nbytes
                 else:

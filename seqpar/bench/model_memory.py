@@ -1,0 +1,96 @@
+"""``python -m seqpar.bench memory --model llama3-8b --gpus 8 --gpu-mem 80``: the longest sequence a
+whole model trains at, per configuration, with the per-rank breakdown (modelled, no GPU needed).
+
+The model shapes are config dicts in :data:`seqpar.training_memory.MODEL_SHAPES` (no download). Each
+configuration is ZeRO-3 over ``--gpus`` ranks, all of them one SP group, activation checkpointing on,
+in ``--dtype`` (bf16 by default), and adds one tool at a time: the tiled loss, the tiled MLP, the
+offload of checkpointed inputs; on one GPU the optimizer state and fp32 master weights are offloaded
+to the host as well (as ALST does), since an 8B model's AdamW state alone exceeds 80 GB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from seqpar.training_memory import CATEGORIES, MODEL_SHAPES, longest_sequence, shape_dict
+
+__all__ = ["ModelMemoryConfig", "CONFIGURATIONS", "configure", "count", "run", "render"]
+
+# ALST (Arctic Long Sequence Training, arXiv 2506.13996): Llama-8B, H100 80 GB, published figures
+PUBLISHED = {"alst": {1: "500K", 8: "3.7M"}}
+
+CONFIGURATIONS: list[tuple[str, dict[str, Any]]] = [
+    ("AC only", {}),
+    ("+ tiled loss", {"tiled_loss": True}),
+    ("+ tiled loss + tiled MLP", {"tiled_loss": True, "tiled_mlp": "auto"}),
+    ("+ tiled loss + tiled MLP + offload", {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True}),
+]
+
+
+@dataclass(frozen=True)
+class ModelMemoryConfig:
+    model: str
+    gpus: list[int]
+    gpu_mem_gb: float
+    reserve: float
+    dtype: str
+    mode: str
+
+
+def configure(args: Any) -> ModelMemoryConfig:
+    if args.model not in MODEL_SHAPES:
+        raise SystemExit(f"--model {args.model!r}: choose one of {sorted(MODEL_SHAPES)}")
+    dtype = args.model_dtype
+    gpus = [args.gpus] if args.gpus else [1, 8]
+    return ModelMemoryConfig(model=args.model, gpus=gpus, gpu_mem_gb=args.gpu_mem, reserve=args.gpu_reserve,
+                             dtype=dtype, mode="ring")
+
+
+def count(cfg: ModelMemoryConfig) -> int:
+    return len(cfg.gpus) * len(CONFIGURATIONS)
+
+
+def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+    budget = int(cfg.gpu_mem_gb * 2**30 * (1 - cfg.reserve))
+    rows = []
+    for gpus in cfg.gpus:
+        for name, tools in CONFIGURATIONS:
+            progress(f"{name} on {gpus}")
+            kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
+                      mode=cfg.mode, device="cuda", offload_optimizer=gpus == 1, **tools)
+            seq, breakdown = longest_sequence(cfg.model, budget, sp_size=gpus, **kw)
+            rows.append({"gpus": gpus, "configuration": name, "tools": tools, "longest_seq": seq,
+                         "breakdown": breakdown, "published_alst": PUBLISHED["alst"].get(gpus)})
+    return {"kind": "model", "model": cfg.model, "shape": shape_dict(cfg.model), "budget_bytes": budget,
+            "gpu_mem_gb": cfg.gpu_mem_gb, "reserve": cfg.reserve, "dtype": cfg.dtype, "results": rows,
+            "modelled": True}
+
+
+def _tokens(n: int) -> str:
+    """Tokens in binary units, as sequence lengths are counted (1K = 1024)."""
+    return f"{n / 2**20:.2f}M" if n >= 2**20 else f"{n // 1024}K"
+
+
+def render(payload: dict[str, Any]) -> str:
+    from seqpar.bench.report import fmt_bytes, format_table
+
+    table = []
+    for r in payload["results"]:
+        b = r["breakdown"]
+        row = {"gpus": r["gpus"], "cfg": r["configuration"], "seq": _tokens(r["longest_seq"]) if r["longest_seq"] else "-",
+               "alst": r["published_alst"] or "", "moment": b.get("moment", "")}
+        row.update({c: fmt_bytes(b.get(c)) for c in CATEGORIES})
+        row["peak"] = fmt_bytes(b.get("peak"))
+        table.append(row)
+    cols = [("GPUs", "gpus"), ("configuration", "cfg"), ("longest seq", "seq"), ("ALST published", "alst"),
+            ("peak/rank", "peak"), ("at", "moment")] + [(c.replace("_", " "), c) for c in CATEGORIES]
+    head = (f"{payload['model']}: longest trainable sequence per configuration (MODELLED, not measured): ZeRO-3, "
+            f"{payload['dtype']}, activation checkpointing, SP over all GPUs, {payload['gpu_mem_gb']:g} GB per GPU "
+            f"less {payload['reserve']:.0%} reserve = {fmt_bytes(payload['budget_bytes'])} usable")
+    return "\n".join([head, format_table(table, cols)])
+
+
+def plots(payload: dict[str, Any], out_dir: str) -> list[str]:
+    return []

@@ -1,0 +1,209 @@
+"""Exact peak tensor memory of a stretch of code, in every setting: ``TensorMemoryTracker``.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it attributes memory to modules through
+forward/backward hooks, and refuses a module that runs twice in one tracked window, which is what
+activation checkpointing (the recompute), gradient accumulation (several micro-steps) and the tiled
+MLP (one call per chunk, recomputed in backward) all do. Attribution is not needed to answer "how
+many bytes of tensors were alive at the worst moment", so this tracker counts storages only:
+
+- at entry, every tensor the garbage collector can see (parameters, gradients, optimizer state,
+  engine buffers, the batch) is registered once per storage: the baseline;
+- inside, a ``TorchDispatchMode`` registers the storage of every tensor an op returns (forward,
+  backward, optimizer, collectives alike) and updates the peak after each op;
+- a weak reference per storage subtracts its bytes when the storage is freed, and
+  ``UntypedStorage.resize_`` (FSDP2 frees and refills its unsharded parameters that way, outside the
+  dispatcher) is wrapped to follow size changes.
+
+A storage is counted once however many views share it. Storages allocated by C++ code without a
+Python op (e.g. inside a communication backend) are not counted; neither is memory that is not a
+tensor (the CPU allocator's caches, Python objects).
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import warnings
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["TensorMemoryTracker", "tensor_storages"]
+
+
+def tensor_storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t`` (a wrapper subclass such as FSDP2's DTensor: its inner tensors')."""
+    todo, out = [t], []
+    while todo:
+        x = todo.pop()
+        if is_traceable_wrapper_subclass(x):
+            attrs, _ = x.__tensor_flatten__()
+            todo.extend(v for v in (getattr(x, a) for a in attrs) if isinstance(v, torch.Tensor))
+            continue
+        try:
+            out.append(x.untyped_storage())
+        except (RuntimeError, NotImplementedError):  # meta / sparse tensors: no plain storage
+            pass
+    return out
+
+
+class TensorMemoryTracker(TorchDispatchMode):
+    """Live and peak bytes of tensor storages on one device type while the ``with`` block runs.
+
+    Args:
+        device: device type to count (``"cpu"`` or ``"cuda"``); storages elsewhere are ignored.
+        count_existing: register the tensors alive at entry (found through the garbage collector) so
+            that ``peak`` is the whole process's tensor memory; with ``False`` only what the block
+            allocates is counted (``peak`` is then relative to entry).
+
+    After (or during) the block: ``baseline`` (bytes alive at entry), ``current``, ``peak``.
+    Re-entering the same tracker keeps its counts (one peak over several windows).
+    """
+
+    def __init__(self, device: str = "cpu", *, count_existing: bool = True) -> None:
+        super().__init__()
+        self.device_type = torch.device(device).type
+        self.count_existing = count_existing
+        self.baseline = 0
+        self.current = 0
+        self.peak = 0
+        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes counted]
+        self._entered = False
+        self._orig_resize: Any = None
+
+    # ------------------------------------------------------------------ registration
+    def _register(self, st: torch.UntypedStorage) -> None:
+        if st.device.type != self.device_type:
+            return
+        nbytes = st.nbytes()
+        counted = self._sizes.get(st)  # a one-item list shared with the storage's finalizer
+        if counted is None:
+            counted = self._sizes[st] = [nbytes]
+            weakref.finalize(st, self._release, weakref.ref(self), counted)
+            self.current += nbytes
+        elif counted[0] != nbytes:  # resized in place (e.g. a zero-size storage refilled)
+            self.current += nbytes - counted[0]
+            counted[0] = nbytes
+        self.peak = max(self.peak, self.current)
+
+    @staticmethod
+    def _release(tracker_ref: weakref.ref, nbytes_ref: list[int]) -> None:
+        tracker = tracker_ref()
+        if tracker is not None:
+            tracker.current -= nbytes_ref[0]
+
+    def track(self, *objs: Any) -> None:
+        """Register tensors reachable from ``objs`` (tensors, modules, optimizers, containers)."""
+        for obj in objs:
+            for t in _tensors_of(obj):
+                for st in tensor_storages(t):
+                    self._register(st)
+
+    def track_reachable(self, *roots: Any) -> None:
+        """Register every tensor reachable from ``roots`` through object references (attributes,
+        containers, closures), not through modules, classes or functions' globals: e.g. a
+        training engine, whose optimizer and flat buffers hang off it. Unlike ``count_existing``
+        this ignores tensors of other jobs in the same process (a test's persistent ranks)."""
+        seen: set[int] = set()
+        todo = list(roots)
+        while todo:
+            obj = todo.pop()
+            if id(obj) in seen or isinstance(obj, _OPAQUE):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                for t in _tensors_of(obj):
+                    for st in tensor_storages(t):
+                        self._register(st)
+            todo.extend(gc.get_referents(obj))
+
+    def _register_all_live(self) -> None:
+        gc.collect()  # garbage in reference cycles is not memory the block can use
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # isinstance() on deprecated module proxies warns
+            for obj in gc.get_objects():
+                try:
+                    is_tensor = isinstance(obj, torch.Tensor)
+                except Exception:  # noqa: BLE001 - exotic proxies may raise on isinstance
+                    continue
+                if is_tensor:
+                    for st in tensor_storages(obj):
+                        self._register(st)
+
+    # ------------------------------------------------------------------ mode
+    def __enter__(self) -> TensorMemoryTracker:
+        if not self._entered:
+            self._entered = True
+            if self.count_existing:
+                self._register_all_live()
+            self.baseline = self.current
+            self.peak = max(self.peak, self.current)
+        self._wrap_resize()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._restore_resize()
+
+    def _wrap_resize(self) -> None:
+        # UntypedStorage.resize_ does not go through the dispatcher: follow it here.
+        self._orig_resize = torch.UntypedStorage.resize_
+        orig, tracker = self._orig_resize, self
+
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:
+            out = orig(st, size)
+            tracker._register(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+
+    def _restore_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
+            self._orig_resize = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # let DTensor desugar into plain ops, which come back here
+        out = func(*args, **(kwargs or {}))
+        for x in tree_flatten(out)[0]:
+            if isinstance(x, torch.Tensor):
+                for st in tensor_storages(x):
+                    self._register(st)
+        return out
+
+
+# Followed no further by track_reachable: they lead to whole modules' globals, not to a job's state.
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes, int, float)
+
+
+def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield from _tensors_of(p)
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from _tensors_of(list(state.values()))
+        for group in obj.param_groups:
+            yield from _tensors_of(group["params"])
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors_of(v)

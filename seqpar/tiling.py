@@ -1,0 +1,438 @@
+"""Memory beyond attention: the LM head + loss and the decoder MLPs over sequence chunks.
+
+Once attention costs O(S/P) per rank, two other terms dominate a long-context step:
+
+- the logits, ``(batch, seq_local, vocab)``, with their fp32 softmax and gradient (Llama-3-8B at
+  128K local tokens: ~33 GB in bf16 before the softmax);
+- each decoder MLP's intermediate activations, ``(batch, seq_local, intermediate)``, three to four
+  of them saved per layer for backward.
+
+Both are token-wise, so computing them over chunks of the local rows is exact. Two autograd
+Functions do it; each saves only its input and recomputes one chunk at a time in backward:
+
+- :func:`tiled_lm_loss`: ``sum of cross-entropy(hidden @ W^T, target)`` over chunks of rows. Forward
+  keeps a running fp32 sum; backward recomputes each chunk's logits, turns them into
+  ``softmax - onehot`` in place and multiplies back. At most one chunk's ``(rows, vocab)`` logits
+  exist, in fp32.
+- :func:`tiled_mlp`: ``mlp(x)`` chunk by chunk under ``no_grad``; backward recomputes each chunk
+  with grad and takes ``torch.autograd.grad`` with respect to the chunk and the parameters. The
+  parameters' gradients are summed inside the Function and returned **once**, as the gradients of
+  the Function's parameter inputs: the engine's per-parameter gradient hooks (DeepSpeed ZeRO-1/2/3's
+  reduce hooks, FSDP's post-backward reduce-scatter) see one complete gradient, as for an untiled
+  MLP. (DeepSpeed's own TiledMLP lets each chunk accumulate into ``.grad`` and has to flag
+  ``ds_grad_is_ready`` on all but the last chunk instead.) Under ZeRO-3 the MLP is marked a "leaf"
+  module, so its parameters are gathered once for the whole MLP and are whole tensors when they
+  enter the Function.
+
+:func:`apply_tiling` applies both to a Hugging Face causal LM of the Llama family from the
+``sequence_parallel`` config (``tiled_loss``, ``tiled_mlp``, ``offload_activations``); the swap
+calls it. It refuses, naming the module, what it cannot tile exactly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from seqpar.config import SeqParConfig
+
+__all__ = [
+    "TilingError",
+    "TilingReport",
+    "apply_tiling",
+    "tiled_lm_loss",
+    "tiled_mlp",
+    "loss_chunk_rows",
+    "mlp_chunks",
+    "CAUSAL_LM_CLASSES",
+    "MLP_CLASSES",
+]
+
+logger = logging.getLogger("seqpar")
+
+# The Hugging Face causal LMs whose head is a bias-free nn.Linear over the last hidden state and
+# whose decoder MLPs are token-wise (checked against transformers 5.x modeling files).
+CAUSAL_LM_CLASSES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM",
+)
+MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "MistralMLP", "GemmaMLP", "Phi3MLP")
+
+
+class TilingError(ValueError):
+    """The model cannot be tiled exactly; the message names the module and the fix."""
+
+
+# ============================================================================ chunk sizes
+MAX_LOSS_CHUNK_ELEMENTS = 2**27  # 512 MiB of fp32 logits
+
+
+def loss_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:
+    """Rows per loss chunk: a chunk's fp32 logits are about as large as the hidden states
+    ``(rows, hidden_size)``, so the loss never holds more than a few hidden-state-sized buffers,
+    and at most :data:`MAX_LOSS_CHUNK_ELEMENTS` (long sequences: the chunk stops growing)."""
+    by_hidden = math.ceil(rows * hidden_size / vocab_size)
+    return max(1, min(rows, by_hidden, MAX_LOSS_CHUNK_ELEMENTS // vocab_size))
+
+
+def mlp_chunks(setting: int | str, rows: int, hidden_size: int) -> int:
+    """Number of MLP chunks for ``rows`` local tokens: the integer given (at most ``rows``), or for
+    ``"auto"`` chunks of about ``hidden_size`` rows (one chunk's intermediate activations are then
+    ``intermediate / hidden`` times a hidden-state-sized ``(hidden, hidden)`` block)."""
+    n = math.ceil(rows / hidden_size) if setting == "auto" else int(setting)
+    return max(1, min(rows, n))
+
+
+def _row_slices(rows: int, chunk_rows: int) -> list[slice]:
+    return [slice(i, min(i + chunk_rows, rows)) for i in range(0, rows, chunk_rows)]
+
+
+# ============================================================================ tiled loss
+def _chunk_loss_and_grad(
+    hidden_c: Tensor, weight: Tensor, target_c: Tensor, ignore_index: int, want_grad: bool
+) -> tuple[Tensor, Tensor | None]:
+    """One chunk: ``(sum of per-token losses (fp32 scalar), dlogits (rows, vocab) fp32 or None)``.
+
+    ``hidden_c (rows, hidden)``, ``weight (vocab, hidden)``, ``target_c (rows,)`` with
+    ``ignore_index`` for tokens without a loss. Logits are computed in the input dtype and upcast,
+    as transformers' loss does.
+    """
+    logits = (hidden_c @ weight.t()).float()  # (rows, vocab) fp32
+    valid = target_c != ignore_index
+    safe_target = torch.where(valid, target_c, 0).unsqueeze(1)  # (rows, 1)
+    lse = torch.logsumexp(logits, dim=-1)  # (rows,)
+    picked = logits.gather(1, safe_target).squeeze(1)
+    loss_sum = ((lse - picked) * valid).sum()
+    if not want_grad:
+        return loss_sum, None
+    # d(lse - picked)/dlogits = softmax - onehot, zero on ignored rows; computed in place
+    dlogits = logits.sub_(lse.unsqueeze(1)).exp_()
+    dlogits.scatter_add_(1, safe_target, torch.full_like(picked, -1.0).unsqueeze(1))
+    dlogits.mul_(valid.unsqueeze(1))
+    return loss_sum, dlogits
+
+
+class _TiledLMLoss(torch.autograd.Function):
+    """``sum over valid rows of CE(hidden @ weight^T, target)``; see :func:`tiled_lm_loss`."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, chunk_rows: int,  # type: ignore[override]
+                ignore_index: int) -> Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for sl in _row_slices(hidden.shape[0], chunk_rows):
+            loss_c, _ = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False)
+            total += loss_c
+        ctx.save_for_backward(hidden, target)
+        # the weight as an attribute, not a saved tensor: FSDP2 / ZeRO-3 refill a parameter's
+        # storage between forward and backward, which a saved tensor's version check would refuse
+        ctx.weight = weight
+        ctx.chunk_rows, ctx.ignore_index = chunk_rows, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, target = ctx.saved_tensors
+        weight = ctx.weight
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dhidden = torch.empty_like(hidden) if want_h else None
+        # fp32 accumulator for dW over the chunks (one matmul would accumulate in fp32 as well)
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
+            _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True)
+            dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
+            if want_h:
+                dhidden[sl] = dlogits @ weight
+            if want_w:
+                dweight.addmm_(dlogits.t().float(), hidden[sl].float())  # .float(): no copy in fp32
+            del dlogits
+        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None
+
+
+def tiled_lm_loss(
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, chunk_rows: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """LM head + cross-entropy over row chunks: ``(loss_sum, count)``, never the full logits.
+
+    Args:
+        hidden: ``(batch, seq_local, hidden)`` final hidden states of this rank's shard.
+        weight: ``(vocab, hidden)`` LM-head weight (bias-free).
+        targets: ``(batch, seq_local)`` already-shifted labels (``shift_labels`` of
+            :func:`seqpar.data.shard_batch`), ``ignore_index`` where a token has no loss.
+        chunk_rows: rows per chunk (default :func:`loss_chunk_rows`).
+
+    Returns:
+        ``loss_sum``: fp32 scalar, the sum of the valid tokens' losses (differentiable w.r.t.
+        ``hidden`` and ``weight``, exact); ``count``: int64 scalar, the number of valid tokens.
+        The SP-correct mean over the group is ``seqpar.loss.sequence_parallel_mean(loss_sum, count)``.
+    """
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden states {tuple(hidden.shape)} and labels {tuple(targets.shape)} disagree: expected "
+            "(batch, seq_local, hidden) and (batch, seq_local) of the same shard"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"LM-head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # (batch * seq_local, hidden)
+    targets_1d = targets.reshape(-1).to(hidden.device)
+    rows = hidden_2d.shape[0]
+    chunk = chunk_rows or loss_chunk_rows(rows, hidden.shape[-1], weight.shape[0])
+    loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index)
+    count = (targets_1d != ignore_index).sum()
+    return loss_sum, count
+
+
+# ============================================================================ tiled MLP
+class _TiledMLP(torch.autograd.Function):
+    """``forward_fn(x)`` over row chunks; backward recomputes per chunk. See :func:`tiled_mlp`."""
+
+    @staticmethod
+    def forward(ctx, forward_fn: Callable[[Tensor], Tensor], x: Tensor, chunks: int,  # type: ignore[override]
+                *params: Tensor) -> Tensor:
+        x_2d = x.reshape(-1, x.shape[-1])  # (batch * seq_local, hidden): the MLP is token-wise
+        chunk_rows = math.ceil(x_2d.shape[0] / chunks)
+        with torch.no_grad():
+            out = torch.cat([forward_fn(x_2d[sl]) for sl in _row_slices(x_2d.shape[0], chunk_rows)])
+        ctx.save_for_backward(x)
+        ctx.forward_fn, ctx.chunk_rows = forward_fn, chunk_rows
+        ctx.params = params  # attributes, not saved tensors: engines refill parameter storages
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        params = ctx.params
+        want_x = ctx.needs_input_grad[1]
+        want_p = [ctx.needs_input_grad[3 + i] for i in range(len(params))]
+        wrt = [p for p, w in zip(params, want_p) if w]
+        x_2d = x.detach().reshape(-1, x.shape[-1])
+        g_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = torch.empty_like(x_2d) if want_x else None
+        acc: list[Tensor | None] = [None] * len(wrt)
+        for sl in _row_slices(x_2d.shape[0], ctx.chunk_rows):
+            x_c = x_2d[sl].detach().requires_grad_(want_x)
+            with torch.enable_grad():
+                out_c = ctx.forward_fn(x_c)
+            inputs = ([x_c] if want_x else []) + wrt
+            grads = torch.autograd.grad(out_c, inputs, g_2d[sl], allow_unused=True)
+            if want_x:
+                dx[sl] = grads[0]
+                grads = grads[1:]
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                if acc[i] is None:  # the first chunk's gradient becomes the accumulator
+                    acc[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+                else:
+                    acc[i].add_(g)
+            del out_c, grads
+        it = iter(acc)
+        dparams = []
+        for p, w in zip(params, want_p):
+            g = next(it) if w else None
+            dparams.append(None if g is None else g.to(p.dtype))
+        return (None, dx.view_as(x) if want_x else None, None, *dparams)
+
+
+def tiled_mlp(mlp_forward: Callable[[Tensor], Tensor], x: Tensor, chunks: int, params: Sequence[Tensor]) -> Tensor:
+    """``mlp_forward(x)`` computed over ``chunks`` chunks of the rows of ``x``, recomputed in backward.
+
+    Args:
+        mlp_forward: the token-wise function (the MLP module's own forward); it must read exactly
+            ``params`` (their gradients come from ``torch.autograd.grad`` through it).
+        x: ``(batch, seq_local, hidden)`` (any leading shape; rows are the flattened leading dims).
+        chunks: number of row chunks (>= 1).
+        params: the parameters ``mlp_forward`` uses; their gradients are returned once, complete.
+    Returns:
+        ``(batch, seq_local, out_features)``, equal to ``mlp_forward(x)``.
+    """
+    return _TiledMLP.apply(mlp_forward, x, chunks, *params)
+
+
+# ============================================================================ applying to a model
+@dataclass
+class TilingReport:
+    """What :func:`apply_tiling` changed."""
+
+    loss: str | None = None
+    """The causal LM whose LM head + loss is tiled (its class name), or None."""
+    mlps: list[str] = field(default_factory=list)
+    """Qualified names of the tiled MLP modules."""
+    mlp_chunks: int | str | bool = False
+    offload: str | None = None
+    """What ``offload_activations`` did (or why it changed nothing)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.loss or self.mlps or self.offload)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.loss:
+            parts.append(f"tiled loss on {self.loss}")
+        if self.mlps:
+            parts.append(f"tiled MLP ({self.mlp_chunks} chunks) on {len(self.mlps)} modules: "
+                         + ", ".join(self.mlps))
+        if self.offload:
+            parts.append(f"offload_activations: {self.offload}")
+        return "seqpar tiling: " + ("; ".join(parts) if parts else "nothing")
+
+
+def _find_causal_lm(model: nn.Module, key: str) -> tuple[str, nn.Module]:
+    for name, module in model.named_modules():
+        if type(module).__name__ in CAUSAL_LM_CLASSES:
+            return name, module
+    raise TilingError(
+        f"sequence_parallel.{key} is on, but {type(model).__name__} has no Hugging Face causal LM of the "
+        f"Llama family ({', '.join(CAUSAL_LM_CLASSES)}) inside; seqpar tiles only those. Set "
+        f"\"{key}\": false, or call seqpar.tiling.tiled_lm_loss / tiled_mlp from your model's code"
+    )
+
+
+def _loss_problems(name: str, lm: nn.Module) -> list[str]:
+    where = f"'{name or type(lm).__name__}' ({type(lm).__name__})"
+    head = getattr(lm, "lm_head", None)
+    problems = []
+    if not isinstance(head, nn.Linear):
+        problems.append(f"{where}: lm_head is {type(head).__name__}, not nn.Linear")
+    elif head.bias is not None:
+        problems.append(f"{where}: lm_head has a bias, which the tiled loss does not add")
+    cfg = getattr(lm, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None):
+        problems.append(f"{where}: final_logit_softcapping is set, which the tiled loss does not apply")
+    if not hasattr(lm, "model"):
+        problems.append(f"{where}: no .model (the decoder) to take the hidden states from")
+    return problems
+
+
+def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> Callable[..., Any]:
+    """A replacement ``forward`` for a causal LM: with ``labels`` / ``shift_labels`` it returns the
+    SP-correct loss from the tiled LM head and ``logits=None``; without, the original forward."""
+    original = lm.forward
+    signature = inspect.signature(original)
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        from seqpar.groups import resolve_group
+        from seqpar.loss import sequence_parallel_mean
+
+        call = dict(signature.bind_partial(*args, **kwargs).arguments)
+        extra = call.pop("kwargs", {})
+        labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
+        if labels is None and shift_labels is None:
+            return original(*args, **kwargs)  # no loss wanted: logits as before (evaluation)
+        num_items = extra.pop("num_items_in_batch", None)
+        call.pop("logits_to_keep", None)
+        if shift_labels is None:
+            sp_group = resolve_group(group)
+            if sp_group is not None and dist.get_world_size(sp_group) > 1:
+                raise ValueError(
+                    "tiled_loss under sequence parallelism needs shift_labels= (labels shifted before "
+                    "sharding, from seqpar.data.shard_batch); unshifted labels cannot be shifted on a shard"
+                )
+            shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
+        outputs = self.model(**call, **extra)
+        hidden = outputs.last_hidden_state  # (batch, seq_local, hidden)
+        loss_sum, count = tiled_lm_loss(hidden, self.lm_head.weight, shift_labels)
+        if num_items is not None:  # transformers' convention: a sum over the micro-batches' tokens
+            from seqpar.loss import all_reduce_identity_backward
+
+            loss = all_reduce_identity_backward(loss_sum, group=group) / num_items
+        else:
+            loss = sequence_parallel_mean(loss_sum, count, group=group)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                      hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+    return types.MethodType(forward, lm)
+
+
+def _tiled_mlp_forward(mlp: nn.Module, setting: int | str) -> Callable[[Tensor], Tensor]:
+    original = mlp.forward
+    hidden_size = None
+
+    def forward(self: nn.Module, x: Tensor) -> Tensor:
+        nonlocal hidden_size
+        hidden_size = hidden_size or x.shape[-1]
+        rows = x.numel() // x.shape[-1]
+        chunks = mlp_chunks(setting, rows, hidden_size)
+        params = [p for p in self.parameters()]
+        if chunks == 1 or not torch.is_grad_enabled():
+            return original(x)
+        return tiled_mlp(original, x, chunks, params)
+
+    return types.MethodType(forward, mlp)
+
+
+def _mark_zero3_leaf(module: nn.Module) -> None:
+    # ZeRO-3 then gathers the MLP's parameters once, for the whole module, so they are whole
+    # tensors when they enter the tiled Function (and the backward's re-gather covers them).
+    if "deepspeed" in sys.modules:
+        from deepspeed.utils import set_z3_leaf_module
+
+        set_z3_leaf_module(module, True)
+
+
+def apply_tiling(
+    model: nn.Module, config: SeqParConfig | dict | str | None, *, group: dist.ProcessGroup | None = None
+) -> TilingReport:
+    """Tile the LM head + loss and/or the decoder MLPs of a Llama-family causal LM, in place.
+
+    Reads ``tiled_loss``, ``tiled_mlp`` and ``offload_activations`` from the config; all off: no-op.
+    Call before the engine wraps the model (the swap does it). With ``tiled_loss`` the model must be
+    called with ``shift_labels=`` (or ``labels=`` at SP size 1) and returns ``loss`` (the SP-correct
+    token-weighted mean over ``group``) with ``logits=None``; without labels it returns logits as
+    before.
+
+    Raises:
+        TilingError: naming every module that cannot be tiled exactly; nothing is changed then.
+    """
+    cfg = SeqParConfig.load(config)
+    report = TilingReport()
+    if not (cfg.tiled_loss or cfg.tiled_mlp is not False or cfg.offload_activations):
+        return report
+    key = "tiled_loss" if cfg.tiled_loss else "tiled_mlp" if cfg.tiled_mlp is not False else "offload_activations"
+    lm_name, lm = _find_causal_lm(model, key)
+    problems: list[str] = []
+    if cfg.tiled_loss:
+        problems += _loss_problems(lm_name, lm)
+    mlps: list[tuple[str, nn.Module]] = []
+    if cfg.tiled_mlp is not False:
+        prefix = f"{lm_name}." if lm_name else ""
+        for name, module in lm.named_modules():
+            if name.endswith("mlp") and isinstance(module, nn.Module) and ".layers." in f".{name}":
+                if type(module).__name__ in MLP_CLASSES:
+                    mlps.append((prefix + name, module))
+                else:
+                    problems.append(f"'{prefix + name}' ({type(module).__name__}) is not a token-wise MLP "
+                                    f"seqpar knows ({', '.join(MLP_CLASSES)})")
+        if not mlps and not problems:
+            problems.append(f"'{lm_name or type(lm).__name__}' has no decoder MLPs under .layers")
+    if problems:
+        raise TilingError("seqpar cannot tile this model exactly:\n  - " + "\n  - ".join(problems)
+                          + "\nSet the key to false, or nothing is changed.")
+    if cfg.tiled_loss and not getattr(lm, "_seqpar_tiled_loss", False):
+        lm.forward = _tiled_causal_lm_forward(lm, group)
+        lm._seqpar_tiled_loss = True
+    if cfg.tiled_loss:
+        report.loss = type(lm).__name__
+    for name, mlp in mlps:
+        if not getattr(mlp, "_seqpar_tiled_mlp", False):
+            mlp.forward = _tiled_mlp_forward(mlp, cfg.tiled_mlp)
+            mlp._seqpar_tiled_mlp = True
+            _mark_zero3_leaf(mlp)
+        report.mlps.append(name)
+    report.mlp_chunks = cfg.tiled_mlp
+    if cfg.offload_activations:
+        from seqpar.offload import apply_offload
+
+        report.offload = apply_offload(lm)
+    logger.info("%s", report)
+    return report

@@ -1,0 +1,302 @@
+"""Per-rank memory of a whole training step: ``estimate_training_memory(model_config, ...)``.
+
+Attention is one term among several once it is O(S/P). This model adds up, per rank, the bytes
+alive at the step's worst moment, by category:
+
+- ``parameters``: the engine's copy of the weights (sharded or whole) plus the whole-layer copies it
+  gathers for compute (FSDP2: the root module and up to two decoder layers; ZeRO-3: a layer and
+  its prefetch) and, with low-precision training, the fp32 master partition;
+- ``gradients``: the reduced gradient partition plus the unreduced whole-layer gradients in flight;
+- ``optimizer_state``: AdamW's two moments, fp32, on the engine's partition;
+- ``activations``: what each decoder layer saves for backward (per token: the tensors listed in
+  :func:`_layer_saved_per_token`), or only its input with activation checkpointing plus one layer
+  recomputed; the tiled MLP keeps one chunk's intermediate activations instead of the whole;
+- ``attention_transients``: :func:`seqpar.memory.estimate_memory` for one layer's attention call,
+  less the q, k, v, output already counted as activations;
+- ``logits_loss``: the ``(seq_local, vocab)`` logits, their fp32 log-softmax and two gradients of that
+  size (untiled), or one chunk of each plus the fp32 dW accumulator (``tiled_loss``);
+- ``communication``: the engines' gradient-reduction buckets.
+
+``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
+the gradients' reduction at the end of backward), each a sum of the categories alive then. The figures are those of
+``launch/train.py``'s Llama on CPU (fp32, exact tensor accounting); ``tests/test_training_memory.py``
+holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activation checkpointing
+on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
+come on top: the GPU figures in BENCHMARKS.md are labelled as modelled.
+
+``offload_activations`` moves the checkpointed layer inputs to host memory: on a GPU they then cost
+one or two layers' inputs (the one in use and the prefetched one) instead of all layers'.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from seqpar.memory import as_dtype, estimate_memory
+
+__all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "attention_transients",
+              "logits_loss", "communication")
+ENGINES = ("fsdp2", "deepspeed")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The shapes of a Llama-family decoder (Hugging Face config field names)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a dict, a ``transformers`` config object or a ModelShape."""
+        if isinstance(config, ModelShape):
+            return config
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if get(k) is None]
+        if missing:
+            raise ValueError(f"model_config lacks {missing}: give the Hugging Face config fields")
+        return cls(
+            vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
+            intermediate_size=int(get("intermediate_size")), num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=int(get("num_attention_heads")),
+            num_key_value_heads=int(get("num_key_value_heads") or get("num_attention_heads")),
+            head_dim=get("head_dim"), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.d
+        attn = h * self.num_attention_heads * d * 2 + h * self.num_key_value_heads * d * 2  # q, o; k, v
+        return attn + 3 * h * i + 2 * h  # gate, up, down; two RMSNorms
+
+    @property
+    def root_params(self) -> int:
+        heads = 1 if self.tie_word_embeddings else 2
+        return heads * self.vocab_size * self.hidden_size + self.hidden_size  # embed, lm_head, norm
+
+    @property
+    def params(self) -> int:
+        return self.root_params + self.num_hidden_layers * self.layer_params
+
+
+# Shapes from the models' published config.json files, written out here: no download.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
+    "llama3-70b": {"vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                   "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    "qwen2-7b": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                 "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4},
+    "mistral-7b": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
+    "train-py": {"vocab_size": 32000, "hidden_size": 64, "intermediate_size": 256,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+
+
+def _layer_saved_per_token(m: ModelShape, mlp_saved: bool) -> int:
+    """Elements one decoder layer saves for backward per token (Hugging Face Llama, seqpar attention):
+    layer input; each RMSNorm's normalised and scaled outputs (2 H each); q, k, v and their rotated
+    copies; the attention output and its reshaped copy for o_proj; the residual sum; and, unless the
+    MLP is tiled, gate, up, act(gate) and their product (4 I)."""
+    h, kvd, qd = m.hidden_size, m.num_key_value_heads * m.d, m.num_attention_heads * m.d
+    saved = h + 2 * h + 2 * qd + 4 * kvd + 2 * qd + h + 2 * h
+    if mlp_saved:
+        saved += 4 * m.intermediate_size
+    return saved
+
+
+def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
+    if tiled_mlp is False:
+        return rows
+    from seqpar.tiling import mlp_chunks
+
+    return math.ceil(rows / mlp_chunks(tiled_mlp, rows, hidden))
+
+
+def estimate_training_memory(
+    model_config: Any,
+    *,
+    seq_len: int,
+    sp_size: int,
+    dp_size: int = 1,
+    engine: str = "fsdp2",
+    zero_stage: int = 3,
+    dtype: torch.dtype | str = torch.float32,
+    activation_checkpointing: bool = False,
+    tiled_loss: bool = False,
+    tiled_mlp: int | str | bool = False,
+    offload_activations: bool = False,
+    mode: str = "ring",
+    batch: int = 1,
+    head_chunks: int | str = "auto",
+    device: str = "cpu",
+    offload_optimizer: bool = False,
+    reduce_bucket_size: int = 500_000_000,
+) -> dict[str, int]:
+    """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
+
+    Args:
+        model_config: a Llama-family shape: a dict or transformers config with the Hugging Face
+            fields (``vocab_size``, ``hidden_size``, ...), or a name in :data:`MODEL_SHAPES`.
+        seq_len: tokens per sample over the whole SP group; sp_size / dp_size: the mesh.
+        engine: ``"fsdp2"`` or ``"deepspeed"`` (``zero_stage`` 1, 2 or 3; FSDP2 shards like ZeRO-3).
+        dtype: training dtype; low precision keeps an fp32 master partition and fp32 optimizer state.
+        activation_checkpointing, tiled_loss, tiled_mlp, offload_activations: the settings of the
+            same names (``offload_activations`` counts only on ``device="cuda"``: a no-op on CPU).
+        mode: attention algorithm (``"ring"`` or ``"allgather"``) for the attention transients.
+        batch: samples per rank per micro-step.
+        head_chunks: attention's ``head_chunks``. device: ``"cpu"`` or ``"cuda"``.
+        offload_optimizer: DeepSpeed's ``offload_optimizer`` (fp32 master and AdamW state on the host).
+        reduce_bucket_size: DeepSpeed's gradient bucket, in elements (its default 5e8).
+
+    Returns:
+        ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
+        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
+    """
+    if isinstance(model_config, str):
+        if model_config not in MODEL_SHAPES:
+            raise ValueError(f"unknown model {model_config!r}; known: {sorted(MODEL_SHAPES)}, or pass a config dict")
+        model_config = MODEL_SHAPES[model_config]
+    m = ModelShape.from_config(model_config)
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {list(ENGINES)}")
+    if engine == "deepspeed" and zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: choose 1, 2 or 3")
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
+    dt = as_dtype(dtype)
+    e = torch.empty((), dtype=dt).element_size()
+    low = e < 4
+    world = sp_size * dp_size
+    rows = batch * seq_len // sp_size  # local tokens
+    h, v, n_layers = m.hidden_size, m.vocab_size, m.num_hidden_layers
+    p_all, p_layer, p_root = m.params, m.layer_params, m.root_params
+    sharded = engine == "fsdp2" or zero_stage == 3
+
+    # ---------------------------------------------------------------- static: weights, AdamW
+    part = math.ceil(p_all / world)
+    gathered = (p_root + 2 * p_layer) * e  # whole copies for compute: root + a layer + its prefetch
+    if engine == "fsdp2":
+        # the fp32 shard (cast to the training dtype when gathered) plus the whole copies gathered
+        # for compute: FSDP2 keeps the root (embedding, head, norm) gathered through the step
+        params = part * 4 + gathered
+    elif sharded:
+        params = part * e + part * 4 + gathered  # ZeRO-3: its partition + the fp32 optimizer partition
+    else:
+        params = p_all * e + part * 4  # whole weights + the optimizer's fp32 partition
+    optimizer = 2 * part * 4
+    grads_reduced = part * 4
+    if offload_optimizer:  # DeepSpeed offload_optimizer: fp32 master, moments and reduced grads on the host
+        params -= part * 4
+        optimizer = grads_reduced = 0
+    # DeepSpeed allocates its gradient bucket at the configured size, whatever the model's
+    bucket = reduce_bucket_size * e if engine == "deepspeed" else 0
+    head_grad = m.vocab_size * h * e  # lm_head's whole gradient, made by the loss backward
+    embed_grad = 0 if m.tie_word_embeddings else m.vocab_size * h * e
+
+    # ---------------------------------------------------------------- activations
+    mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
+    per_layer = _layer_saved_per_token(m, mlp_saved=tiled_mlp is False) * rows * e
+    if activation_checkpointing:
+        inputs_kept = n_layers * rows * h * e
+        if offload_activations and device == "cuda":
+            inputs_kept = 2 * rows * h * e  # the layer in use and its prefetched predecessor
+        activations = inputs_kept + per_layer  # plus one layer recomputed in backward
+        activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
+    else:
+        activations = activations_at_loss = n_layers * per_layer
+    head_inputs = rows * h * e * 3  # the final norm's input and outputs, saved for the head
+    activations += head_inputs
+    activations_at_loss += head_inputs
+    mlp_transient = 0
+    if tiled_mlp is not False:
+        # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
+        # chunk's gradient (fp32 accumulator when low precision)
+        mlp_transient = 5 * m.intermediate_size * mlp_rows * e + 3 * h * m.intermediate_size * (e + (4 if low else e))
+
+    # ---------------------------------------------------------------- attention, loss
+    attn = estimate_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
+                           batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                           head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks)
+    qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
+    attention = max(0, attn - qkvo)
+
+    if tiled_loss:
+        from seqpar.tiling import loss_chunk_rows
+
+        chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
+        logits = 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden
+    else:
+        # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
+        logits = rows * v * (e + 4 + 4 + 4) if low else 4 * rows * v * 4
+    comm = bucket
+
+    # ---------------------------------------------------------------- moments
+    static = params + optimizer
+    moments = {
+        # the loss's backward: every layer's activations and the logits' buffers
+        "loss_backward": static + activations_at_loss + logits,
+        # the last layer's backward (the first to run): the head's gradient made, the layer's own
+        # whole gradients in flight, attention's transients (or the tiled MLP's)
+        "layer_backward": static + activations + head_grad + p_layer * e + max(attention, mlp_transient) + comm,
+        # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
+        # reduce-scatter input while the last whole gradient is still alive, and the output shard),
+        # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
+        "grad_reduction": static + (
+            p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
+            else grads_reduced + (head_grad + embed_grad if sharded else 0) + comm),
+    }
+    moment = max(moments, key=moments.get)
+    return {
+        "parameters": int(params), "gradients": int(grads_reduced + head_grad + embed_grad),
+        "optimizer_state": int(optimizer), "activations": int(activations),
+        "attention_transients": int(max(attention, mlp_transient)), "logits_loss": int(logits),
+        "communication": int(comm), "peak": int(moments[moment]), "moment": moment,
+    }
+
+
+def longest_sequence(model_config: Any, budget_bytes: int, *, sp_size: int, granularity: int = 1024,
+                     **kwargs: Any) -> tuple[int, dict[str, Any]]:
+    """The longest ``seq_len`` (a multiple of ``granularity * sp_size``) whose modelled peak fits
+    ``budget_bytes`` per rank, and its breakdown; ``(0, {})`` when not even one step fits."""
+    step = granularity * sp_size
+
+    def fits(n: int) -> bool:
+        return estimate_training_memory(model_config, seq_len=n * step, sp_size=sp_size, **kwargs)["peak"] <= budget_bytes
+
+    if not fits(1):
+        return 0, {}
+    hi = 1
+    while fits(hi * 2):
+        hi *= 2
+        if hi > 1 << 24:
+            break
+    lo, hi = hi, hi * 2  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    best = lo * step
+    return best, estimate_training_memory(model_config, seq_len=best, sp_size=sp_size, **kwargs)
+
+
+def shape_dict(model_config: Any) -> dict[str, Any]:
+    return asdict(ModelShape.from_config(MODEL_SHAPES.get(model_config, model_config)
+                                         if isinstance(model_config, str) else model_config))
