@@ -51,7 +51,7 @@ def _saved_keys(path: str) -> list[str]:
 # ---------------------------------------------------------------------------------- ZeRO-3
 def _zero3_run(rank: int, world: int, tmp: str) -> dict:
     import deepspeed
-    from test_trainer import training_args, ds_config  # noqa: F401 (same arguments as the Trainer test)
+    from test_trainer import training_args  # the Trainer test's arguments, ZeRO stage 3
 
     from seqpar.integrations.trainer import SeqParTrainer
 
