@@ -263,13 +263,19 @@ def choose_mode(
         pg = manager.sp_group if manager is not None else group
         links = probe_links(pg) if pg is not None else Links()
     ranked = rank_modes(c, links, features)
+    if not ranked:
+        raise ValueError(
+            f"mode='auto': no sequence-parallel mode supports {sorted(features)} for this call "
+            f"({c.q_heads} query / {c.kv_heads} K/V heads, P={world}); pass an explicit mode"
+        )
     best = ranked[0]
     key = (c, links, tuple(sorted(features)))
     if key not in _LOGGED:
         _LOGGED.add(key)
         others = "; ".join(f"{m.mode} {m.seconds * 1e3:.3g} ms ({m.reason})" for m in ranked[1:])
-        logger.info("seqpar auto: mode=%r for %s: %.3g ms modelled (%s); others: %s",
-                    best.mode, c, best.seconds * 1e3, best.reason, others or "none allowed")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        logger.info("[rank %d] seqpar auto: mode=%r for %s: %.3g ms modelled (%s); others: %s",
+                    rank, best.mode, c, best.seconds * 1e3, best.reason, others or "none allowed")
     return best.mode
 
 

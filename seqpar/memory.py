@@ -52,12 +52,13 @@ import torch
 
 from seqpar.attention.checks import resolve_head_chunks
 
-__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len"]
+__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
 ESTIMATOR_MODES = ("single", "ring", "allgather", "ulysses", "hybrid")
 
 
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name (``"bf16"``, ``"bfloat16"``, ...)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}.get(dtype, dtype)
@@ -107,7 +108,7 @@ def estimate_memory(
             raise ValueError(f"{name}={value!r} is invalid: a positive integer is needed")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    dt = _dtype(dtype)
+    dt = as_dtype(dtype)
     chunks = resolve_head_chunks(head_chunks, kv_heads)
     world = 1 if mode == "single" else world_size
     seq_chunks = 2 * world if (causal and world > 1) else world

@@ -73,10 +73,15 @@ class TilingError(ValueError):
 
 
 # ============================================================================ chunk sizes
+MAX_LOSS_CHUNK_ELEMENTS = 2**27  # 512 MiB of fp32 logits
+
+
 def loss_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:
     """Rows per loss chunk: a chunk's fp32 logits are about as large as the hidden states
-    ``(rows, hidden_size)``, so the loss never holds more than a few hidden-state-sized buffers."""
-    return max(1, min(rows, math.ceil(rows * hidden_size / vocab_size)))
+    ``(rows, hidden_size)``, so the loss never holds more than a few hidden-state-sized buffers,
+    and at most :data:`MAX_LOSS_CHUNK_ELEMENTS` (long sequences: the chunk stops growing)."""
+    by_hidden = math.ceil(rows * hidden_size / vocab_size)
+    return max(1, min(rows, by_hidden, MAX_LOSS_CHUNK_ELEMENTS // vocab_size))
 
 
 def mlp_chunks(setting: int | str, rows: int, hidden_size: int) -> int:

@@ -17,8 +17,8 @@ alive at the step's worst moment, by category:
   size (untiled), or one chunk of each plus the fp32 dW accumulator (``tiled_loss``);
 - ``communication``: the engines' gradient-reduction buckets.
 
-``peak`` is the largest of the step's candidate moments (the loss backward, a layer's backward,
-the optimizer step), each a sum of the categories alive then. The figures are those of
+``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
+the gradients' reduction at the end of backward), each a sum of the categories alive then. The figures are those of
 ``launch/train.py``'s Llama on CPU (fp32, exact tensor accounting); ``tests/test_training_memory.py``
 holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activation checkpointing
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from seqpar.memory import _dtype as _as_dtype
-from seqpar.memory import estimate_memory
+from seqpar.memory import as_dtype, estimate_memory
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
 
@@ -170,7 +169,7 @@ def estimate_training_memory(
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
-        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"optimizer"``).
+        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
     """
     if isinstance(model_config, str):
         if model_config not in MODEL_SHAPES:
@@ -183,7 +182,7 @@ def estimate_training_memory(
         raise ValueError(f"zero_stage={zero_stage!r}: choose 1, 2 or 3")
     if seq_len % sp_size:
         raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
-    dt = _as_dtype(dtype)
+    dt = as_dtype(dtype)
     e = torch.empty((), dtype=dt).element_size()
     low = e < 4
     world = sp_size * dp_size
@@ -258,9 +257,12 @@ def estimate_training_memory(
         # the last layer's backward (the first to run): the head's gradient made, the layer's own
         # whole gradients in flight, attention's transients (or the tiled MLP's)
         "layer_backward": static + activations + head_grad + p_layer * e + max(attention, mlp_transient) + comm,
-        # the end of backward / the optimizer step: every gradient, reduced, and the whole ones
-        # of the root until they are reduced
-        "optimizer": static + grads_reduced + (head_grad + embed_grad if sharded else 0) + comm,
+        # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
+        # reduce-scatter input while the last whole gradient is still alive, and the output shard),
+        # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
+        "grad_reduction": static + (
+            p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
+            else grads_reduced + (head_grad + embed_grad if sharded else 0) + comm),
     }
     moment = max(moments, key=moments.get)
     return {

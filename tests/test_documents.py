@@ -102,14 +102,15 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[list[torch.Tenso
     balanced layout is cut and gathered back with seqpar's shard_sequence / gather_sequence."""
     results = []
     for case in cases:
+        dtype = torch.float32 if case["q"].dtype == torch.float64 else case["q"].dtype  # fp64 cases run in fp32
         cu = None if case["cu"] is None else torch.tensor(case["cu"], dtype=torch.int32)
         balanced = case["sharding"] == "balanced"
 
         if balanced:
-            q, k, v, dout = (seqpar.shard_sequence(case[n], 2, sharding="balanced", cu_seqlens=cu).float()
+            q, k, v, dout = (seqpar.shard_sequence(case[n], 2, sharding="balanced", cu_seqlens=cu).to(dtype)
                              for n in ("q", "k", "v", "dout"))
         else:
-            q, k, v, dout = (shard_rows(case[n], rank, world, case["sharding"]).float() for n in ("q", "k", "v", "dout"))
+            q, k, v, dout = (shard_rows(case[n], rank, world, case["sharding"]).to(dtype) for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         sinks = None if case["sinks"] is None else case["sinks"].float().requires_grad_()
         out = seqpar.attention(
@@ -293,3 +294,94 @@ def test_balanced_sharding_evens_the_work(world: int) -> None:
         worst[sharding] = max(ratios)
     assert worst["zigzag"] > 1.10, worst  # the imbalance the layout exists for
     assert worst["balanced"] <= 1.05, worst
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pieces_run_the_cuda_kernels_on_fake_tensors(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's pieces (rectangle, causal square, anti-causal square = the causal kernel on
+    reversed rows) on fake CUDA tensors with H100 capabilities: the CUDA ops' schemas accept them and
+    return out/lse/dq/dk/dv of the piece's shapes and dtypes (GQA 8/2 heads)."""
+    from test_cuda_fake import H100
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import seqpar.kernels.backends as backends
+    from seqpar.attention.common import piece_backward, piece_forward
+    from seqpar.attention.plan import BlockCall
+
+    monkeypatch.setattr(backends, "device_caps", lambda device: H100)
+    calls = [BlockCall(slice(0, 24), slice(8, 48), False), BlockCall(slice(24, 40), slice(0, 16), True),
+             BlockCall(slice(40, 56), slice(16, 32), False, anti=True)]
+    with FakeTensorMode():
+        q, dout, out = (torch.empty(1, 8, 64, 64, device="cuda", dtype=dtype) for _ in range(3))
+        k, v = (torch.empty(1, 2, 64, 64, device="cuda", dtype=dtype) for _ in range(2))
+        lse = torch.empty(1, 8, 64, device="cuda", dtype=torch.float32)
+        for c in calls:
+            n, m = c.q_rows.stop - c.q_rows.start, c.k_rows.stop - c.k_rows.start
+            o, o_lse = piece_forward(q, k, v, c, 0.125)
+            dq, dk, dv = piece_backward(dout, q, k, v, out, lse, c, 0.125)
+            assert (o.shape, o.dtype, o.device.type) == ((1, 8, n, 64), dtype, "cuda"), c
+            assert (o_lse.shape, o_lse.dtype) == ((1, 8, n), torch.float32), c
+            assert (dq.shape, dk.shape, dv.shape) == ((1, 8, n, 64), (1, 2, m, 64), (1, 2, m, 64)), c
+            assert dq.dtype == dk.dtype == dv.dtype == dtype, c
+
+
+def test_boundaries_are_copied_to_the_host_once_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer passes the same cu_seqlens tensor: one device-to-host copy for all of them; a new
+    tensor or an in-place change is copied again (never a stale plan)."""
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(1) or tolist(t))
+    q = torch.randn(1, 2, 16, 8)
+    cu = torch.tensor([0, 5, 16])
+    first = seqpar.attention(q, q, q, causal=True, cu_seqlens=cu)
+    for _ in range(3):
+        assert torch.equal(seqpar.attention(q, q, q, causal=True, cu_seqlens=cu), first)
+    assert len(copies) == 1
+    cu[1] = 9  # in place: the plan must follow
+    moved = seqpar.attention(q, q, q, causal=True, cu_seqlens=cu)
+    assert len(copies) == 2 and not torch.equal(moved, first)
+    seqpar.attention(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 9, 16]))
+    assert len(copies) == 3
+
+
+def _masked_sdpa(case: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Single-process SDPA in ``dtype`` with the dense boolean mask (and the sink as an extra key with
+    value 0): the rounding a user of plain PyTorch would get."""
+    q, k, v = (case[n].to(dtype).clone().requires_grad_() for n in "qkv")
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = visible(q.shape[2], case["causal"], case["window"], case["cu"])
+    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=case["scale"])
+    out.backward(case["dout"].to(dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_low_precision_documents_no_worse_than_sdpa(dist_pool, dtype: torch.dtype) -> None:
+    """bf16 at P = 4 (ring and all-gather, zigzag and balanced, documents + window, causal or not):
+    norm-relative error vs the float64 reference within twice single-process bf16 SDPA's own error
+    with the same mask."""
+    world, cases = 4, []
+    for i, (mode, sharding, causal) in enumerate(
+        itertools.product(("ring", "allgather"), ("zigzag", "balanced"), (False, True))
+    ):
+        cases.append(make_case(900 + i, world, (4, 2, 16), mode=mode, sharding=sharding, causal=causal,
+                               window=13, docs=i % 2, sinks=False))
+    per_rank = dist_pool.run(world, run_cases_in, cases, dtype, timeout=300)
+    for idx, case in enumerate(cases):
+        if case["sharding"] == "balanced":
+            got = list(per_rank[0][idx][:4])
+        else:
+            got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, case["sharding"])
+                   for j in range(4)]
+        for name, g, w, base in zip(("out", "dq", "dk", "dv"), got, reference(case), _masked_sdpa(case, dtype)):
+            assert g.dtype == dtype
+            err = ((g.double() - w).norm() / w.norm()).item()
+            base_err = ((base.double() - w).norm() / w.norm()).item()
+            assert err <= 2 * base_err, f"{name} {case['mode']} {case['sharding']} causal={case['causal']}: {err:.2e} vs SDPA {base_err:.2e}"
+
+
+def run_cases_in(rank: int, world: int, cases: list[dict], dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """:func:`run_cases` in ``dtype`` (the inputs rounded from the float64 case)."""
+    cast = [{**c, **{n: c[n].to(dtype) for n in ("q", "k", "v", "dout")}} for c in cases]
+    return run_cases(rank, world, cast)

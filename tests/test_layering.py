@@ -18,18 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "seqpar"
 INTEGRATIONS = ROOT / "integrations"
 
-# Known offenders being fixed on other branches this round (issue 9 §3); the lead removes each
-# entry when the fix lands. Keys: (file relative to the repo root, imported module, name).
-ALLOWED_PRIVATE = {
-    ("seqpar/attention/allgather.py", "seqpar.attention.ring", "_block_grads"),
-    ("seqpar/attention/allgather.py", "seqpar.attention.ring", "_chunk_len"),
-    ("seqpar/bench/comm.py", "seqpar.bench.attention", "_dilated_problem"),
-    ("seqpar/bench/comm.py", "seqpar.bench.attention", "_forward_fn"),
-    ("seqpar/bench/comm.py", "seqpar.bench.peers", "_deepspeed_ready"),
-    ("seqpar/bench/comm.py", "seqpar.bench.peers", "_SDPALocal"),
-    ("seqpar/bench/comm.py", "seqpar.bench.peers", "_ulysses_inputs"),
-    ("seqpar/bench/memory.py", "seqpar.bench.attention", "_forward_fn"),
-}
+# (file relative to the repo root, imported module, name) exceptions to the private-import rule: none.
+ALLOWED_PRIVATE: set[tuple[str, str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -17,6 +17,7 @@ def _reference(dist_pool, config: str) -> list[float]:  # noqa: ANN001
     return _REFS[key]
 
 
+@pytest.mark.timeout(2 * TIMEOUT)  # the SP=1 reference and the run, each up to TIMEOUT on a loaded machine
 @pytest.mark.parametrize(
     "config,world,extra",
     [

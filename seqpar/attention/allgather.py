@@ -37,10 +37,10 @@ from torch import Tensor
 
 from seqpar.attention.common import (
     AttentionOptions,
+    backward_pieces,
     block_calls,
     block_grads,
     forward_block,
-    piece_backward,
 )
 from seqpar.attention.plan import BlockCall, head_chunk_slices
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
@@ -92,16 +92,16 @@ def _grads_into(
         dkv_slot.zero_()
         block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dkv_slot[0], dkv_slot[1])
         return
-    done = 0  # key rows [0, done) are written
+    done = 0  # zero the key rows that no query of this rank sees
     for call in calls:
+        dkv_slot[:, :, :, done:call.k_rows.start].zero_()
+        done = call.k_rows.stop
+    dkv_slot[:, :, :, done:].zero_()
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale):
         qr, kr = call.q_rows, call.k_rows
-        dkv_slot[:, :, :, done:kr.start].zero_()  # keys that no query of this rank sees
-        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale)
         dq_acc[:, :, qr] += dq
         dkv_slot[0, :, :, kr] = dk
         dkv_slot[1, :, :, kr] = dv
-        done = kr.stop
-    dkv_slot[:, :, :, done:].zero_()
 
 
 def allgather_forward(
