@@ -6,8 +6,9 @@ engine), in float64, so a seqpar run (fp32) must match it to ~1e-5 relative; the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,19 +67,27 @@ def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype],
     return losses
 
 
-def set_launcher_env(rank: int, world: int) -> None:
-    """What a launcher would set; accelerate and DeepSpeed read it (the pool joined gloo already)."""
+@contextlib.contextmanager
+def launcher_env(rank: int, world: int) -> Iterator[None]:
+    """What a launcher would set (accelerate and DeepSpeed read it; the pool joined gloo already),
+    undone on exit with everything accelerate / transformers left behind: pool ranks run later tests
+    in the same process (``ACCELERATE_USE_DEEPSPEED``, accelerate's singletons, transformers'
+    global DeepSpeed config, which would make later models build under ``zero.Init``)."""
+    saved = dict(os.environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-
-def reset_accelerate() -> None:
-    """accelerate keeps process-wide singletons; pool ranks run several tests in one process."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        unset_hf_deepspeed_config()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-4) -> None:

@@ -23,8 +23,7 @@ def _accelerate_run(rank: int, world: int, sp: int) -> dict:
 
     from seqpar.integrations.accelerate import prepare
 
-    hf_tiny.set_launcher_env(rank, world)
-    try:
+    with hf_tiny.launcher_env(rank, world):
         accelerator = Accelerator()
         model = hf_tiny.tiny_llama()
         loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=BATCH)
@@ -41,8 +40,6 @@ def _accelerate_run(rank: int, world: int, sp: int) -> dict:
             opt.zero_grad()
             losses.append(loss.item())
         return {"losses": losses, "shapes": shapes, "first_ids": batch["position_ids"][0].tolist()}
-    finally:
-        hf_tiny.reset_accelerate()
 
 
 def test_accelerate_fsdp2_sp2_matches_single_device(dist_pool):

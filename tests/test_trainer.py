@@ -48,7 +48,6 @@ def training_args(tmp: str, sp: int, stage: int, **extra):
 def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
     from seqpar.integrations.trainer import SeqParTrainer
 
-    hf_tiny.set_launcher_env(rank, world)
     seen: list[tuple] = []
 
     class Recording(SeqParTrainer):
@@ -56,7 +55,7 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
             seen.append((tuple(inputs["input_ids"].shape), float(num_items_in_batch)))
             return super().training_step(model, inputs, num_items_in_batch)
 
-    try:
+    with hf_tiny.launcher_env(rank, world):
         args = training_args(f"{tmp}/r{rank}", sp, stage)
         trainer = Recording(model=hf_tiny.tiny_llama(), args=args,
                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()))
@@ -65,8 +64,6 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
         engine = trainer.model_wrapped
         return {"losses": losses, "seen": seen,
                 "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
-    finally:
-        hf_tiny.reset_accelerate()
 
 
 def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
