@@ -37,11 +37,14 @@ def ds_config(sp: int, stage: int) -> dict:
 def training_args(tmp: str, sp: int, stage: int, **extra):
     from transformers import TrainingArguments
 
+    # use_cpu: without it accelerate finds no distributed backend on a CPU-only machine and Trainer
+    # runs as a world of 1 (no token-count gather, no loss scaling): the path under test is the one
+    # a GPU launch takes, world_size = 2.
     return TrainingArguments(
         output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=BATCH,
         max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant",
         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[],
-        train_sampling_strategy="sequential", seed=0, disable_tqdm=True, **extra,
+        train_sampling_strategy="sequential", seed=0, disable_tqdm=True, use_cpu=True, **extra,
     )
 
 
@@ -62,7 +65,7 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         engine = trainer.model_wrapped
-        return {"losses": losses, "seen": seen,
+        return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
                 "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
 
 
@@ -71,7 +74,7 @@ def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
     ref = hf_tiny.reference_losses(STEPS, BATCH)
     targets = BATCH * (hf_tiny.SEQ - 1)  # every position but the last has a target
     for r in out:
-        assert r["groups"] == (2, 2)
+        assert r["groups"] == (2, 2) and r["world"] == 2  # Trainer saw both processes
         hf_tiny.assert_losses_close(r["losses"], ref)
         # Full batches reach training_step (cut inside it); the count is the full one, once.
         assert r["seen"] == [((BATCH, hf_tiny.SEQ), float(targets))] * STEPS
