@@ -1,7 +1,7 @@
 """seqpar.integrations.accelerate.prepare: a plain accelerate loop with FSDP2 under SP.
 
-Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2, and DP2 x SP2) equal single-device training
-on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
+Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2, and DP2 x SP2) equal
+single-device training on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
 samples, and each batch reached the model cut along the sequence.
 """
 

@@ -59,12 +59,16 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
             return super().training_step(model, inputs, num_items_in_batch)
 
     with hf_tiny.launcher_env(rank, world):
+        import deepspeed
+
+        original = deepspeed.initialize
         args = training_args(f"{tmp}/r{rank}", sp, stage)
         trainer = Recording(model=hf_tiny.tiny_llama(), args=args,
                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         engine = trainer.model_wrapped
+        assert deepspeed.initialize is original, "the route to seqpar's initialize must not outlive prepare"
         return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
                 "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
 
