@@ -49,8 +49,9 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype], Any] = tiny_llama,
-                     params: Callable[[Any], Any] | None = None) -> list[float]:
-    """Per-step losses of single-device AdamW training on ``batch`` rows per step, in float64."""
+                     params: Callable[[Any], Any] | None = None, eval_rows: int = 0) -> list[float]:
+    """Per-step losses of single-device AdamW training on ``batch`` rows per step, in float64; with
+    ``eval_rows``, followed by the trained model's loss on the first ``eval_rows`` samples."""
     model = make_model(torch.float64)
     trainable = [p for p in (params(model) if params else model.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
@@ -64,6 +65,10 @@ def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype],
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if eval_rows:
+        ids = torch.stack([r["input_ids"] for r in data[:eval_rows]])
+        with torch.no_grad():
+            losses.append(model(input_ids=ids, labels=ids).loss.item())
     return losses
 
 
