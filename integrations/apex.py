@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqpar.integrations.common import rank_prefix
+
 __all__ = ["apex_available", "apply_fused_norms", "RMS_NORM_CLASSES"]
 
 logger = logging.getLogger("seqpar")
@@ -39,12 +41,6 @@ def _import_apex_normalization() -> Any | None:
 def apex_available() -> bool:
     """Whether NVIDIA apex's fused norms can be imported."""
     return _import_apex_normalization() is not None
-
-
-def _rank_prefix() -> str:
-    import torch.distributed as dist
-
-    return f"[rank {dist.get_rank()}]" if dist.is_available() and dist.is_initialized() else "[rank -]"
 
 
 def _replacement(module: nn.Module, fused: Any) -> nn.Module | None:
@@ -92,7 +88,7 @@ def apply_fused_norms(model: nn.Module, *, normalization: Any | None = None) -> 
         if not _said_absent:
             logger.info(
                 "%s seqpar: apex requested but NVIDIA apex is not importable; keeping PyTorch norms "
-                "(install apex from https://github.com/NVIDIA/apex for fused kernels)", _rank_prefix()
+                "(install apex from https://github.com/NVIDIA/apex for fused kernels)", rank_prefix()
             )
             _said_absent = True
         return 0
@@ -103,5 +99,5 @@ def apply_fused_norms(model: nn.Module, *, normalization: Any | None = None) -> 
             if new is not None:
                 setattr(parent, name, new)
                 replaced += 1
-    logger.info("%s seqpar: apex fused norms replaced %d module(s)", _rank_prefix(), replaced)
+    logger.info("%s seqpar: apex fused norms replaced %d module(s)", rank_prefix(), replaced)
     return replaced

@@ -5,9 +5,10 @@ Add a ``"sequence_parallel"`` block to the DeepSpeed JSON and call
 
     engine, optimizer, loader, scheduler = initialize(model=model, config="ds.json", ...)
 
-What it does, in order: reads the block (``config=``, ``config_params=`` or
-``args.deepspeed_config``; dict or path), initialises torch.distributed through
-``deepspeed.init_distributed`` if needed, builds the SP x DP groups
+What it does, in order (one small function per step): reads the block (``config=``,
+``config_params=`` or ``args.deepspeed_config``; dict or path), refuses settings that would make
+DeepSpeed build its own groups, initialises torch.distributed through ``deepspeed.init_distributed``
+if needed (bounded by ``timeout_s``), builds the SP x DP groups
 (:func:`seqpar.groups.init_process_groups`), swaps the model's attention
 (:func:`seqpar.swap.swap_attention`), and hands the :class:`~seqpar.groups.ProcessGroupManager` to
 DeepSpeed as ``mpu``.
@@ -39,6 +40,8 @@ from typing import Any
 import torch
 
 from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig
+from seqpar.groups import init_process_groups, single_process_env, timeout_of
+from seqpar.integrations.common import rank_prefix, resolve_manager
 
 __all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
 
@@ -87,12 +90,6 @@ def load_deepspeed_config(
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{config}: not valid JSON ({e})") from None
-
-
-def _rank_prefix() -> str:
-    import torch.distributed as dist
-
-    return f"[rank {dist.get_rank()}]" if dist.is_available() and dist.is_initialized() else "[rank -]"
 
 
 class ShardedDeepSpeedLoader:
@@ -170,6 +167,7 @@ def initialize(
     causal_lm: bool = True,
     ignore_index: int = -100,
     pad_token_id: int = 0,
+    manager: Any = None,
 ) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` with sequence parallelism from the config's ``sequence_parallel`` block.
 
@@ -181,6 +179,8 @@ def initialize(
             ``seqpar.attention`` itself.
         causal_lm, ignore_index, pad_token_id: how the returned loader cuts batches
             (see :func:`seqpar.data.shard_batch`).
+        manager: groups built earlier from the same config (e.g. by ``SeqParTrainer``, whose data
+            loader needs them first); default: built here.
 
     Returns:
         ``(engine, optimizer, training_dataloader, lr_scheduler)`` as DeepSpeed returns them; the
@@ -201,6 +201,49 @@ def initialize(
         if seqpar_config is not None
         else SeqParConfig.from_deepspeed_config(ds_config)
     )
+    _check_compatible(ds_config, sp_config, mpu, mesh_param)
+    ds_config.pop(BLOCK_KEY, None)  # DeepSpeed ignores unknown top-level keys; drop ours anyway
+    deepspeed = _import_deepspeed()
+
+    _init_distributed(deepspeed, sp_config, distributed_port, dist_init_required)
+    manager = init_process_groups(config=sp_config) if manager is None else resolve_manager(sp_config, manager)
+    report = _prepare_model(model, sp_config, manager, swap=swap)
+    if _zero_stage(ds_config) == 3:
+        _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
+    engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
+        args=_args_without_config_path(args),
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=manager,
+        dist_init_required=dist_init_required,
+        collate_fn=collate_fn,
+        config=ds_config,
+        **({"distributed_port": distributed_port} if distributed_port is not None else {}),
+    )
+    _check_engine_groups(engine, manager)
+    if engine.zero_optimization_stage() == 3 and manager.sp_size > 1:
+        _fix_zero3_gradient_average(engine, manager.sp_size)
+    if loader is not None:
+        loader = ShardedDeepSpeedLoader(
+            loader, group=manager.sp_group, sharding=sp_config.sharding, causal_lm=causal_lm,
+            ignore_index=ignore_index, pad_token_id=pad_token_id,
+        )
+        engine.training_dataloader = loader
+    _record_on_engine(engine, manager, sp_config, report)
+    return engine, ds_optimizer, loader, scheduler
+
+
+# ----------------------------------------------------------------------------- the steps
+def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:
+    return (ds_config.get("zero_optimization") or {}).get("stage")
+
+
+def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu: Any,
+                      mesh_param: Any) -> None:
+    """Refuse what would make DeepSpeed build groups of its own or average gradients wrongly."""
     if mpu is not None or mesh_param is not None:
         raise ConfigError(
             "seqpar builds the sequence/data-parallel groups itself and passes them to DeepSpeed as "
@@ -219,28 +262,33 @@ def initialize(
             "(over dp for buckets that fit, over dp x sp otherwise), so sequence-parallel gradients "
             "would be scaled inconsistently; remove \"reduce_scatter\": false (the default is true)"
         )
-    # DeepSpeed ignores unknown top-level keys; drop ours anyway so it never has to.
-    ds_config.pop(BLOCK_KEY, None)
 
-    deepspeed = _import_deepspeed()
+
+def _init_distributed(deepspeed: Any, sp_config: SeqParConfig, distributed_port: int | None,
+                      dist_init_required: bool | None) -> None:
+    """``deepspeed.init_distributed`` with the environment it needs, bounded by ``timeout_s``."""
     import torch.distributed as dist
 
-    from seqpar.groups import init_process_groups
-
-    init_kw: dict[str, Any] = {"dist_init_required": dist_init_required}
-    if distributed_port is not None:
-        init_kw["distributed_port"] = distributed_port
     if not dist.is_initialized():
-        _init_env_for_single_process()
+        single_process_env()  # a plain `python script.py`: a world of one
     elif "LOCAL_RANK" not in os.environ:
         # torch.distributed was started by something other than a launcher (a notebook, a test
         # pool); DeepSpeed insists on LOCAL_RANK. One process per device is the only layout we know.
         n_dev = torch.cuda.device_count() if torch.cuda.is_available() else 0
         os.environ["LOCAL_RANK"] = str(dist.get_rank() % n_dev if n_dev else 0)
-        logger.info("%s seqpar: LOCAL_RANK not set; using %s", _rank_prefix(), os.environ["LOCAL_RANK"])
+        logger.info("%s seqpar: LOCAL_RANK not set; using %s", rank_prefix(), os.environ["LOCAL_RANK"])
+    init_kw: dict[str, Any] = {"dist_init_required": dist_init_required}
+    if distributed_port is not None:
+        init_kw["distributed_port"] = distributed_port
+    timeout = timeout_of(sp_config)
+    if timeout is not None:
+        init_kw["timeout"] = timeout  # applies only when DeepSpeed creates the world group
     deepspeed.init_distributed(**init_kw)
-    manager = init_process_groups(config=sp_config)
 
+
+def _prepare_model(model: torch.nn.Module, sp_config: SeqParConfig, manager: Any, *,
+                   swap: bool) -> Any:
+    """Swap attention (unless told not to) and apply apex's fused norms; returns the swap report."""
     report = None
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
@@ -250,30 +298,30 @@ def initialize(
         from seqpar.integrations.apex import apply_fused_norms
 
         apply_fused_norms(model)
+    return report
 
-    if (ds_config.get("zero_optimization") or {}).get("stage") == 3:
-        _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
 
-    ds_args = args
+def _args_without_config_path(args: Any) -> Any:
+    """``args`` with ``deepspeed_config`` cleared: the config travels as a dict, and DeepSpeed
+    refuses both."""
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
-        ds_args = copy.copy(args)  # the config travels as a dict; DeepSpeed refuses both
-        ds_args.deepspeed_config = None
-    ds_kw: dict[str, Any] = {}
-    if distributed_port is not None:
-        ds_kw["distributed_port"] = distributed_port
-    engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
-        args=ds_args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        mpu=manager,
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn,
-        config=ds_config,
-        **ds_kw,
+        args = copy.copy(args)
+        args.deepspeed_config = None
+    return args
+
+
+def _record_on_engine(engine: Any, manager: Any, sp_config: SeqParConfig, report: Any) -> None:
+    engine.seqpar_manager = manager
+    engine.seqpar_config = sp_config
+    engine.seqpar_swap_report = report
+    logger.info(
+        "%s seqpar: DeepSpeed engine over dp %d x sp %d (mode %s, sharding %s, ZeRO stage %d)",
+        rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, sp_config.sharding,
+        engine.zero_optimization_stage(),
     )
+
+
+def _check_engine_groups(engine: Any, manager: Any) -> None:
     if engine.seq_dp_world_size != manager.world_size or (
         engine.sequence_parallel_size != manager.sp_size
     ):  # pragma: no cover - a DeepSpeed version that reads mpu differently
@@ -282,23 +330,6 @@ def initialize(
             f"{engine.seq_dp_world_size}, sequence_parallel_size={engine.sequence_parallel_size}; "
             f"expected {manager.world_size} and {manager.sp_size}. Check the DeepSpeed version"
         )
-    if engine.zero_optimization_stage() == 3 and manager.sp_size > 1:
-        _fix_zero3_gradient_average(engine, manager.sp_size)
-    if loader is not None:
-        loader = ShardedDeepSpeedLoader(
-            loader, group=manager.sp_group, sharding=sp_config.sharding, causal_lm=causal_lm,
-            ignore_index=ignore_index, pad_token_id=pad_token_id,
-        )
-        engine.training_dataloader = loader
-    engine.seqpar_manager = manager
-    engine.seqpar_config = sp_config
-    engine.seqpar_swap_report = report
-    logger.info(
-        "%s seqpar: DeepSpeed engine over dp %d x sp %d (mode %s, sharding %s, ZeRO stage %d)",
-        _rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, sp_config.sharding,
-        engine.zero_optimization_stage(),
-    )
-    return engine, ds_optimizer, loader, scheduler
 
 
 def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_config: dict[str, Any],
@@ -356,19 +387,5 @@ def _fix_zero3_gradient_average(engine: Any, sp_size: int) -> None:
     engine.backward = backward_sp_scaled
     logger.info(
         "%s seqpar: ZeRO-3 averages gradients over dp x sp ranks; engine.backward scales the loss by "
-        "sp=%d so gradients are the DP mean of the full-sequence gradient", _rank_prefix(), sp_size,
+        "sp=%d so gradients are the DP mean of the full-sequence gradient", rank_prefix(), sp_size,
     )
-
-
-def _init_env_for_single_process() -> None:
-    """Let ``deepspeed.init_distributed`` start a 1-rank group under a plain ``python script.py``."""
-    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
-        return
-    import socket
-
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1")

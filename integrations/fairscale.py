@@ -24,6 +24,7 @@ from torch import nn
 
 from seqpar.config import SeqParConfig
 from seqpar.groups import ProcessGroupManager
+from seqpar.integrations.common import resolve_manager
 
 __all__ = ["FairScaleOptions", "wrap", "fairscale_kwargs", "divide_factors", "import_fairscale_fsdp"]
 
@@ -141,11 +142,11 @@ def wrap(
     fsdp_cls = import_fairscale_fsdp()
     if not torch.cuda.is_available():
         raise RuntimeError(CPU_MESSAGE)
-    from seqpar.integrations.fsdp import _resolve_manager, find_block_classes
+    from seqpar.integrations.fsdp import find_block_classes
 
     sp_config = SeqParConfig.load(config)
     opts = fairscale if isinstance(fairscale, FairScaleOptions) else FairScaleOptions.from_dict(fairscale)
-    manager = _resolve_manager(sp_config, manager)
+    manager = resolve_manager(sp_config, manager)
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.groups import ProcessGroupManager, default_manager, init_process_groups
+from seqpar.groups import ProcessGroupManager
+from seqpar.integrations.common import rank_prefix, resolve_manager
 
 __all__ = [
     "FSDPOptions",
@@ -102,10 +103,6 @@ class FSDPOptions:
         return cls(**d)
 
 
-def _rank_prefix() -> str:
-    return f"[rank {dist.get_rank()}]" if dist.is_initialized() else "[rank -]"
-
-
 def build_mesh(manager: ProcessGroupManager, device_type: str | None = None) -> Any:
     """A 1-D ``DeviceMesh`` over the sequence-data-parallel group (all ranks of the grid).
 
@@ -140,19 +137,6 @@ def find_block_classes(model: nn.Module, names: Iterable[str] | None = None) -> 
     return found
 
 
-def _resolve_manager(config: SeqParConfig, manager: ProcessGroupManager | None) -> ProcessGroupManager:
-    if manager is None:
-        manager = default_manager()
-        if manager is None or manager.sp_size != config.size:
-            manager = init_process_groups(config=config)
-    elif manager.sp_size != config.size:
-        raise ValueError(
-            f"the manager has SP size {manager.sp_size} but the config says {config.size}; build the "
-            "manager from the same config"
-        )
-    return manager
-
-
 def wrap(
     model: nn.Module,
     config: SeqParConfig | Mapping[str, Any] | str | os.PathLike | None = None,
@@ -183,7 +167,7 @@ def wrap(
     """
     sp_config = SeqParConfig.load(config)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
-    manager = _resolve_manager(sp_config, manager)
+    manager = resolve_manager(sp_config, manager)
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 
@@ -201,7 +185,7 @@ def wrap(
     logger.info(
         "%s seqpar: FSDP%d over %d ranks (dp %d x sp %d), %d block class(es) wrapped, "
         "gradient divide factor %d",
-        _rank_prefix(), opts.version, manager.world_size, manager.dp_size, manager.sp_size,
+        rank_prefix(), opts.version, manager.world_size, manager.dp_size, manager.sp_size,
         len(block_classes), manager.dp_size,
     )
     return wrapped

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start the shipped configs on CPU ranks (gloo). Usage:
-#   bash launch/run_cpu.sh [deepspeed_ring|deepspeed_allgather|deepspeed_ring_zero3|fsdp_ring|fsdp_allgather|all] [extra train.py flags]
+#   bash launch/run_cpu.sh [CONFIG|all] [extra train.py flags]     # CONFIG: a name in configs/ without .json
 # Examples:
 #   bash launch/run_cpu.sh deepspeed_ring                    # 2 CPU ranks, SP=2, ring
 #   NPROC=4 bash launch/run_cpu.sh fsdp_ring --sp-size 2     # 4 ranks = DP 2 x SP 2

@@ -22,6 +22,11 @@ config, with three extra sections the launcher reads and removes before the engi
     "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
     "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
 
+An unknown key in any of them, or at the top level (other than DeepSpeed's own keys), fails before
+any process group starts, naming the key and the allowed ones. ``model.vocab_size`` may exceed what
+the task needs (``3 + num_keys + num_values + filler_vocab``): the task's tokens keep the first ids
+and the ids above are never sampled.
+
 Metrics (``--metrics-out``): per-step ``loss`` (global: mean over DP replicas of the SP-group loss),
 ``tokens_per_s`` (global tokens of the timed steps / their wall time), ``peak_mem_bytes`` per rank
 and ``peak_mem_kind`` saying what that figure is, ``recall_accuracy`` on held-out samples, and the
@@ -33,10 +38,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import functools
+import importlib.util
+import inspect
 import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -170,7 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
-    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather)")
+    p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
+    p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
+                   help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
     p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
     p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
     p.add_argument("--seq-len", type=int)
@@ -216,6 +228,97 @@ def _load_json(path: str) -> dict[str, Any]:
     return d
 
 
+_BLOCKS = ("sequence_parallel", *_LAUNCHER_KEYS)
+"""Top-level keys the launcher reads; a DeepSpeed config may also hold DeepSpeed's own keys."""
+
+
+def _did_you_mean(key: str, known: Any) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+@functools.lru_cache(maxsize=1)
+def _deepspeed_keys() -> frozenset[str]:
+    """Names DeepSpeed reads from its config, found in its sources without importing them.
+
+    DeepSpeed accepts any top-level key and ignores those it does not know, so a misspelt launcher
+    block ("modle") would vanish silently. This superset (config constants, ``param_dict`` look-ups,
+    pydantic config fields and aliases) lets the launcher flag keys that neither it nor DeepSpeed reads.
+    """
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return frozenset()
+    patterns = [
+        re.compile(r"^\s*[A-Z][A-Z0-9_]* = [\"']([a-z][a-z0-9_]*)[\"']", re.M),
+        re.compile(r"param_dict(?:\.get\(|\[)\s*[\"']([a-z][a-z0-9_]*)[\"']"),
+        re.compile(r"get_\w+\(\s*param_dict\s*,\s*[\"']([a-z][a-z0-9_]*)[\"']"),
+        re.compile(r"alias=[\"']([a-z][a-z0-9_]*)[\"']"),
+    ]
+    field = re.compile(r"^    ([a-z][a-z0-9_]*): [^=\n]+", re.M)
+    keys: set[str] = set()
+    for folder, _, files in os.walk(os.path.dirname(spec.origin)):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), errors="ignore") as f:
+                    text = f.read()
+                for pattern in patterns:
+                    keys.update(pattern.findall(text))
+                if "ConfigModel" in text:
+                    keys.update(field.findall(text))
+    return frozenset(keys)
+
+
+def _check_top_level(raw: dict[str, Any], engine: str, path: str) -> None:
+    """Every top-level key is a launcher block or (DeepSpeed engine) a key DeepSpeed reads."""
+    from seqpar.config import ConfigError
+
+    for block in _BLOCKS:
+        if raw.get(block) is not None and not isinstance(raw[block], dict):
+            raise ConfigError(f"--config {path}: {block!r} must be a JSON object, got {type(raw[block]).__name__}")
+    ds_keys = _deepspeed_keys() if engine == "deepspeed" else frozenset()
+    for key in raw:
+        if key in _BLOCKS or key in ds_keys:
+            continue
+        if engine == "deepspeed":
+            allowed = f"the launcher's blocks {list(_BLOCKS)} or a DeepSpeed config key"
+        elif key in _DEEPSPEED_KEYS:
+            raise ConfigError(f"--config {path}: {key!r} is a DeepSpeed key, but this config runs FSDP "
+                              f"(train.engine); remove it or run with --engine deepspeed")
+        else:
+            allowed = f"the launcher's blocks {list(_BLOCKS)} (FSDP engine)"
+        raise ConfigError(f"--config {path}: unknown top-level key {key!r}{_did_you_mean(key, _BLOCKS)}; "
+                          f"allowed are {allowed}")
+
+
+def _llama_keys() -> list[str]:
+    """The fields ``transformers.LlamaConfig`` takes (it would store any other key silently)."""
+    from transformers import LlamaConfig
+
+    if dataclasses.is_dataclass(LlamaConfig):
+        return sorted(f.name for f in dataclasses.fields(LlamaConfig))
+    params = inspect.signature(LlamaConfig.__init__).parameters.values()
+    return sorted(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)
+
+
+def _check_model(model: dict[str, Any], train: TrainSettings) -> None:
+    """Unknown ``model`` keys fail by name; ``vocab_size`` must hold the recall task's tokens."""
+    from seqpar.config import ConfigError
+
+    known = _llama_keys()
+    for key in model:
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r} in 'model'{_did_you_mean(key, known)}; allowed keys are "
+                              f"transformers.LlamaConfig's fields: {known}")
+    if "vocab_size" in model:
+        vocab, need = model["vocab_size"], RecallTask(train).vocab_size
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < need:
+            raise ConfigError(
+                f"model.vocab_size = {vocab!r} is smaller than the recall task needs: {need} ids (3 special "
+                f"+ train.num_keys {train.num_keys} + train.num_values {train.num_values} + train.filler_vocab "
+                f"{train.filler_vocab}); use vocab_size >= {need} or shrink those train keys"
+            )
+
+
 @dataclass
 class Plan:
     """Everything resolved from the JSON and the flags, validated before any process group exists."""
@@ -232,6 +335,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     from seqpar.config import ConfigError, SeqParConfig
 
     raw = _load_json(args.config)
+    if not isinstance(raw.get("train") or {}, dict):
+        raise ConfigError(f"--config {args.config}: 'train' must be a JSON object")
     train_d = dict(raw.get("train") or {})
     for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr",
                  "dtype", "activation_checkpointing", "save_every"):
@@ -242,14 +347,21 @@ def build_plan(args: argparse.Namespace) -> Plan:
     engine = train.engine
     if engine == "auto":
         engine = "deepspeed" if any(k in raw for k in _DEEPSPEED_KEYS) else "fsdp"
+    _check_top_level(raw, engine, args.config)
     sp = SeqParConfig.from_dict({"sequence_parallel": raw.get("sequence_parallel") or {}})
     changes = {k: v for k, v in (("size", args.sp_size), ("mode", args.mode),
                                   ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
                                   ("tiled_mlp", args.tiled_mlp),
-                                  ("offload_activations", args.offload_activations)) if v is not None}
+                                  ("offload_activations", args.offload_activations),
+                                  ("ulysses_size", args.ulysses_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     model = dict(raw.get("model") or {})
+    _check_model(model, train)
+    if raw.get("fsdp"):
+        from seqpar.integrations.fsdp import FSDPOptions
+
+        FSDPOptions.from_dict(dict(raw["fsdp"]))  # unknown keys fail now, whichever engine runs
     if sp.pattern.type == "dilated":
         # the shape rules of a dilated pattern need the sequence and head counts: check them now,
         # before any process group or model exists
@@ -312,10 +424,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     else:
         if args.zero_stage is not None:
             raise ConfigError("--zero-stage is a DeepSpeed option; this config runs FSDP")
-        from seqpar.integrations.fsdp import FSDPOptions
-
         fsdp_d = dict(raw.get("fsdp") or {})
-        FSDPOptions.from_dict(fsdp_d)  # validate now
         if train.dtype == "fp16":
             raise ConfigError(
                 "dtype fp16 needs loss scaling, which this FSDP launcher does not do; use bf16, or "
@@ -330,7 +439,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 # ============================================================================ model
 def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Module:
-    """A randomly initialised Llama (seeded), sizes from the ``"model"`` section."""
+    """A randomly initialised Llama (seeded); any ``LlamaConfig`` field can be set in the ``"model"``
+    section. ``vocab_size`` is the task's (the default); ``model.vocab_size`` (>= it) wins: the task's
+    tokens keep the first ids and the ids above are never sampled."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError as e:
@@ -338,18 +449,14 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
             "launch/train.py needs transformers: pip install 'transformers>=4.48' "
             "(or pip install 'seqpar[hf]')"
         ) from e
-    sizes = {
+    fields: dict[str, Any] = {
         "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": vocab_size, "max_position_embeddings": max(seq_len_padded, 64),
+        "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": False,
     }
-    sizes.update(plan.model)
-    # "vocab_size" may widen the vocabulary beyond the task's tokens (the first ids; the rest are
-    # never sampled): the LM head then has the shape of a real model's
-    vocab_size = max(vocab_size, int(sizes.pop("vocab_size", vocab_size)))
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, max_position_embeddings=max(seq_len_padded, 64),
-        attention_dropout=0.0, tie_word_embeddings=False, use_cache=False, **sizes,
-    )
+    fields.update(plan.model)  # the "model" section wins (build_plan checked its keys and vocab_size)
+    cfg = LlamaConfig(**fields)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(plan.train.seed)
     model = LlamaForCausalLM(cfg)
@@ -419,9 +526,19 @@ class _FSDPEngine(_Engine):
         (loss / self.grad_accum).backward()
         if last_micro:
             if self.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+                self._clip()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.model, FullyShardedDataParallel):
+            # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
+            # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
+            self.model.clip_grad_norm_(self.grad_clip)
+        else:  # FSDP2: DTensor parameters, the norm is already the global one
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
         from seqpar.integrations import fsdp
@@ -540,7 +657,8 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     if metrics.get("recall_accuracy") is not None:
         lines.append(
             f"recall accuracy on {plan.train.eval_samples} held-out samples: "
-            f"{metrics['recall_accuracy']:.3f} (chance {1 / plan.train.num_values:.3f})"
+            f"{metrics['recall_accuracy']:.3f} (chance 1/{plan.train.num_values} = "
+            f"{1 / plan.train.num_values:.4g})"
         )
     lines.append("=" * 72)
     return "\n".join(lines)
@@ -668,7 +786,7 @@ def _cli() -> None:
     # Only after success: a rank that failed alone must not wait here for ranks stuck in a
     # collective; the launcher stops them when it exits non-zero.
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()  # gloo: without it a rank can abort at exit (DESIGN.md)
+        dist.barrier()  # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it
         dist.destroy_process_group()
 
 

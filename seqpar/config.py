@@ -9,7 +9,8 @@ Example block::
 
     "sequence_parallel": {
         "size": 2,                  # SP degree: ranks that share one sequence
-        "mode": "ring",             # "ring" | "allgather"
+        "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
+        "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
         "sharding": "zigzag",       # "contiguous" | "zigzag"
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
@@ -18,7 +19,8 @@ Example block::
         "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
         "offload_activations": false,  # checkpointed layer inputs in pinned CPU memory
-        "pattern": {"type": "dense"}
+        "pattern": {"type": "dense"},
+        "timeout_s": 600            # bound on the process groups seqpar creates (seconds)
     }
 """
 
@@ -41,7 +43,7 @@ __all__ = [
     "SeqParConfig",
 ]
 
-MODES = ("ring", "allgather")
+MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
 SHARDINGS = ("contiguous", "zigzag")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
@@ -150,8 +152,18 @@ class SeqParConfig:
     """SP degree: how many consecutive ranks share one sequence. The world size must be a multiple
     of it; the quotient is the data-parallel degree."""
     mode: str = "ring"
-    """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank) or ``"allgather"``
-    (one collective, O(S) K/V per rank, fastest at moderate lengths)."""
+    """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank), ``"allgather"``
+    (one collective, O(S) K/V per rank, fastest at moderate lengths), ``"ulysses"`` (all-to-all from
+    sequence to head shards over the whole SP group; needs q_heads divisible by the SP size),
+    ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` consecutive ranks, ring across them) or
+    ``"auto"`` (the cheapest of these that the groups and the call allow, see seqpar.costmodel)."""
+    ulysses_size: int | str = 1
+    """Ulysses degree u of ``mode="hybrid"``/``"auto"``: the SP group splits into size/u groups of u
+    consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
+    ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
+    links: dict[str, float] | None = None
+    """Link figures for ``mode="auto"`` (seqpar.costmodel.Links): any of ``intra_gbps``, ``inter_gbps``,
+    ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
     sharding: str = "contiguous"
     """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
     holds chunks r and 2P-1-r of 2P, which balances causal work)."""
@@ -174,6 +186,11 @@ class SeqParConfig:
     apex: bool = False
     """Use NVIDIA apex fused kernels (e.g. fused RMSNorm) where apex is installed; falls back with a
     log line where it is not."""
+    timeout_s: int | None = None
+    """Seconds a collective may wait before it fails (instead of hanging) in the process groups
+    seqpar creates: the world group when seqpar initialises torch.distributed
+    (``init_process_group`` or ``deepspeed.init_distributed``) and the SP/DP groups. A world group
+    the user created keeps its own timeout. ``None``: torch's default."""
     tiled_loss: bool = False
     """Compute LM head + cross-entropy over chunks of the local sequence (exact gradient, recomputed
     per chunk in backward): the full ``(seq_local, vocab)`` logits never exist. Applied by the swap
@@ -193,6 +210,18 @@ class SeqParConfig:
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
             _fail("mode", self.mode, f"choose one of {list(MODES)}")
+        if self.ulysses_size != "auto":
+            u_hint = f'a positive integer dividing size {self.size}, or "auto"'
+            _check_type("ulysses_size", self.ulysses_size, (int,), u_hint)
+            if self.ulysses_size < 1 or self.size % self.ulysses_size:
+                _fail("ulysses_size", self.ulysses_size, u_hint)
+        if self.links is not None:
+            link_keys = ("intra_gbps", "inter_gbps", "flops", "node_size", "latency_s")
+            links_hint = f"an object with positive numbers for any of {list(link_keys)}"
+            if not isinstance(self.links, Mapping) or not set(self.links) <= set(link_keys) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in self.links.values()
+            ):
+                _fail("links", self.links, links_hint)
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
@@ -220,6 +249,11 @@ class SeqParConfig:
                 _fail("swap", list(self.swap), "a list of non-empty module class names / name patterns")
         else:
             _fail("swap", self.swap, "expected a string or a list of strings")
+        if self.timeout_s is not None:
+            hint = "expected a positive integer number of seconds (or null for torch's default)"
+            _check_type("timeout_s", self.timeout_s, (int,), hint)
+            if self.timeout_s < 1:
+                _fail("timeout_s", self.timeout_s, hint)
         if not isinstance(self.pattern, PatternConfig):
             _fail("pattern", self.pattern, "expected a pattern object")
 
@@ -280,6 +314,9 @@ class SeqParConfig:
     def replace(self, **changes: Any) -> SeqParConfig:
         """A copy with some fields changed (validated again), e.g. from command-line flags."""
         return dataclasses.replace(self, **changes)
+
+    def __hash__(self) -> int:  # the links dict is not hashable; the JSON form is
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -11,6 +11,15 @@ Axis order (outermost first)::
   parallelism here), so gradients are reduced over the whole world. It is its own group object.
 - Model-parallel group = this rank alone (size 1), for tools that ask for one.
 
+With ``ulysses_size = u`` (u divides sp), each SP group is itself a ``(sp/u, u)`` grid::
+
+    sp_grid = sp_ranks.view(sp // u, u)   # (ring, ulysses)
+
+- Ulysses group = row = ``u`` consecutive SP ranks (the inner, intra-node axis: all-to-all traffic);
+- ring group = column = SP ranks ``i, i+u, i+2u, ...`` (the outer axis: point-to-point ring traffic).
+``u = 1`` (the default) makes no new groups (Ulysses group = this rank, ring group = the SP group), and
+``u = sp`` neither (Ulysses group = the SP group, ring group = this rank).
+
 ``ProcessGroupManager`` exposes the Megatron/DeepSpeed ``mpu`` methods, so it can be handed to
 ``deepspeed.initialize(mpu=manager)``: DeepSpeed then reduces gradients over
 ``get_sequence_data_parallel_group()`` and sizes its data loader by ``get_data_parallel_*``.
@@ -37,6 +46,9 @@ __all__ = [
     "resolve_group",
     "rank_grid",
     "check_divisible",
+    "single_process_env",
+    "timeout_of",
+    "check_ulysses_size",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -62,6 +74,15 @@ def check_divisible(world_size: int, sp_size: int) -> None:
         )
 
 
+def check_ulysses_size(sp_size: int, ulysses_size: int) -> None:
+    """Raise ``ValueError`` unless ``ulysses_size`` is a positive divisor of ``sp_size``."""
+    fix = f"choose a ulysses_size that divides sequence_parallel.size {sp_size} ({', '.join(map(str, _divisors(sp_size)))})"
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
+        raise ValueError(f"ulysses_size must be a positive integer or 'auto', got {ulysses_size!r}; {fix}")
+    if sp_size % ulysses_size:
+        raise ValueError(f"ulysses_size {ulysses_size} does not divide sequence_parallel.size {sp_size}; {fix}")
+
+
 def rank_grid(world_size: int, sp_size: int) -> torch.Tensor:
     """The rank grid ``(dp_size, sp_size)``: row i is SP group i, column j is DP group j."""
     check_divisible(world_size, sp_size)
@@ -76,12 +97,20 @@ class ProcessGroupManager:
 
     Args:
         sp_size: sequence-parallel degree; must divide the world size.
+        ulysses_size: the Ulysses (all-to-all) degree inside each SP group; must divide ``sp_size``.
+            The SP group splits into ``sp_size / u`` Ulysses groups of ``u`` consecutive ranks and
+            ``u`` ring groups across them (see the module docstring). Default 1: no Ulysses axis.
         backend: backend for the new groups (default: the default group's backend).
         timeout: timeout of the new groups' collectives (default: torch's).
     """
 
     def __init__(
-        self, sp_size: int, *, backend: str | None = None, timeout: timedelta | None = None
+        self,
+        sp_size: int,
+        *,
+        ulysses_size: int = 1,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -92,7 +121,11 @@ class ProcessGroupManager:
         self._world_size = dist.get_world_size()
         self._rank = dist.get_rank()
         self.grid = rank_grid(self._world_size, sp_size)  # (dp, sp)
+        check_ulysses_size(sp_size, ulysses_size)
         self._dp_rank, self._sp_rank = divmod(self._rank, sp_size)
+        self._ulysses_size = ulysses_size
+        # link figures for mode="auto" (seqpar.costmodel.Links); None = probe on first use
+        self.links: Any = None
 
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
@@ -102,6 +135,7 @@ class ProcessGroupManager:
         self._dp_group = self._new_groups(self.grid.t().tolist(), kw)
         self._sp_dp_group = self._new_groups([list(range(self._world_size))], kw)
         self._mp_group = self._new_groups([[r] for r in range(self._world_size)], kw)
+        self._ulysses_group, self._ring_group = self._make_ulysses_ring_groups(kw)
         logger.info(
             "[rank %d] seqpar groups: world %d = dp %d x sp %d; sp group %s, dp group %s",
             self._rank,
@@ -122,10 +156,23 @@ class ProcessGroupManager:
         assert mine is not None
         return mine
 
+    def _make_ulysses_ring_groups(self, kw: dict[str, Any]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """The (Ulysses, ring) groups of this rank; new groups only when ``1 < u < sp``."""
+        u, sp = self._ulysses_size, self.sp_size
+        if u == 1:
+            return self._mp_group, self._sp_group
+        if u == sp:
+            return self._sp_group, self._mp_group
+        # every SP group's (sp/u, u) grid, stacked: (dp, ring, ulysses); collective, same order everywhere
+        cube = self.grid.view(self.dp_size, sp // u, u)
+        ulysses = self._new_groups(cube.reshape(-1, u).tolist(), kw)
+        ring = self._new_groups(cube.transpose(1, 2).reshape(-1, sp // u).tolist(), kw)
+        return ulysses, ring
+
     def __repr__(self) -> str:
         return (
             f"ProcessGroupManager(rank={self._rank}, world_size={self._world_size}, "
-            f"dp={self.dp_size}, sp={self.sp_size})"
+            f"dp={self.dp_size}, sp={self.sp_size}, ulysses={self.ulysses_size})"
         )
 
     # ---------------------------------------------------------------- properties
@@ -167,6 +214,36 @@ class ProcessGroupManager:
     @property
     def sp_dp_group(self) -> dist.ProcessGroup:
         return self._sp_dp_group
+
+    @property
+    def ulysses_size(self) -> int:
+        """Ranks per Ulysses group (the inner SP axis); 1 when there is no Ulysses axis."""
+        return self._ulysses_size
+
+    @property
+    def ring_size(self) -> int:
+        """Ranks per ring group (the outer SP axis): ``sp_size / ulysses_size``."""
+        return self.sp_size // self._ulysses_size
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup:
+        """The ``ulysses_size`` consecutive SP ranks around this rank (this rank alone when u = 1)."""
+        return self._ulysses_group
+
+    @property
+    def ring_group(self) -> dist.ProcessGroup:
+        """SP ranks ``i, i+u, i+2u, ...`` with ``i`` = this rank's Ulysses rank (this rank alone when u = sp)."""
+        return self._ring_group
+
+    @property
+    def ulysses_rank(self) -> int:
+        """Rank inside the Ulysses group."""
+        return self._sp_rank % self._ulysses_size
+
+    @property
+    def ring_rank(self) -> int:
+        """Rank inside the ring group (= which super-rank of ``u`` consecutive shards this rank is in)."""
+        return self._sp_rank // self._ulysses_size
 
     @property
     def sp_ranks(self) -> list[int]:
@@ -259,19 +336,36 @@ def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
     return None
 
 
+def single_process_env() -> bool:
+    """Under a plain ``python script.py`` (no launcher variables), set the environment of a world of
+    one (``MASTER_ADDR``/``MASTER_PORT`` on a free local port, ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``LOCAL_SIZE``), so the same code runs unlaunched. Returns whether it did."""
+    if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+        return False
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_SIZE", "1")
+    return True
+
+
+def timeout_of(config: SeqParConfig | None, timeout: timedelta | None = None) -> timedelta | None:
+    """``timeout`` if given, else the config's ``timeout_s`` as a ``timedelta`` (None: torch's default)."""
+    if timeout is not None or config is None or config.timeout_s is None:
+        return timeout
+    return timedelta(seconds=config.timeout_s)
+
+
 def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "WORLD_SIZE" not in os.environ and "RANK" not in os.environ:
-        # A plain `python script.py`: a world of one, so the same code runs unlaunched.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = "0", "1"
+    if single_process_env():
         logger.info("[rank 0] no launcher environment found: starting a 1-rank %s group", backend)
     kw: dict[str, Any] = {"backend": backend, "init_method": "env://"}
     if timeout is not None:
@@ -281,35 +375,79 @@ def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
     dist.init_process_group(**kw)
 
 
+def _check_same_on_every_rank(sp_size: object, ulysses_size: object) -> None:
+    """All-gather the requested sizes on the default group and raise on every rank if they differ:
+    ranks that disagree would create different groups and hang in ``new_group``."""
+    def code(x: object) -> int:
+        return x if isinstance(x, int) and not isinstance(x, bool) else (0 if x == "auto" else -1)
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor([code(sp_size), code(ulysses_size)], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    rows = [t.cpu().tolist() for t in everyone]
+    if any(row != rows[0] for row in rows):
+        detail = "; ".join(f"rank {r}: sp_size={a}, ulysses_size={'auto' if b == 0 else b}" for r, (a, b) in enumerate(rows))
+        raise ValueError(
+            f"init_process_groups: the ranks asked for different group sizes ({detail}); "
+            "call it on every rank with the same sp_size and ulysses_size (the same config)"
+        )
+
+
 def init_process_groups(
     sp_size: int | None = None,
     *,
+    ulysses_size: int | str | None = None,
     config: SeqParConfig | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> ProcessGroupManager:
-    """Build the SP/DP groups (initialising torch.distributed from the environment if needed).
+    """Build the SP/DP (and Ulysses/ring) groups, initialising torch.distributed from the environment
+    if needed.
 
     Collective: call it on every rank with the same arguments.
 
     Args:
         sp_size: SP degree; default ``config.size``, or 1 when neither is given.
-        config: a ``SeqParConfig`` whose ``size`` is used when ``sp_size`` is ``None``.
+        ulysses_size: Ulysses degree ``u`` inside the SP group (divides ``sp_size``); default
+            ``config.ulysses_size``, or 1. ``"auto"`` chooses it once, here, with
+            :func:`seqpar.costmodel.choose_ulysses_size` (the largest divisor of ``sp_size`` that fits
+            in a node and, when ``heads`` is given, divides the query and K/V head counts).
+        config: a ``SeqParConfig`` whose ``size`` / ``ulysses_size`` are used when the arguments are ``None``.
         backend: for a fresh ``init_process_group`` (``"nccl"`` when CUDA is available, else
             ``"gloo"``) and for the new groups.
-        timeout: for a fresh ``init_process_group`` and the new groups' collectives.
+        timeout: for a fresh ``init_process_group`` and the new groups' collectives (default:
+            ``config.timeout_s``; a world group created before keeps its own).
+        heads: ``(q_heads, kv_heads)`` of the model, used only by ``ulysses_size="auto"``.
 
     Returns:
         The manager, also recorded as the default (see ``default_manager``).
 
     Raises:
-        ValueError: the world size is not divisible by the SP size.
+        ValueError (on every rank): the world size is not divisible by the SP size, ``ulysses_size``
+        does not divide the SP size, or the ranks passed different sizes.
     """
     if sp_size is None:
         sp_size = config.size if config is not None else 1
+    timeout = timeout_of(config, timeout)
+    if ulysses_size is None:
+        ulysses_size = getattr(config, "ulysses_size", 1) if config is not None else 1
     if not dist.is_initialized():
         _init_from_env(backend, timeout)
+    _check_same_on_every_rank(sp_size, ulysses_size)
     check_divisible(dist.get_world_size(), sp_size)
-    manager = ProcessGroupManager(sp_size, backend=backend, timeout=timeout)
+    if ulysses_size == "auto":
+        from seqpar.costmodel import choose_ulysses_size
+
+        node = config.links.get("node_size") if config is not None and getattr(config, "links", None) else None
+        ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
+        logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
+    check_ulysses_size(sp_size, ulysses_size)
+    manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
+    if config is not None and getattr(config, "links", None):
+        from seqpar.costmodel import Links
+
+        manager.links = Links(**config.links)
     set_default_manager(manager)
     return manager

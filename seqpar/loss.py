@@ -41,6 +41,7 @@ __all__ = [
     "sequence_parallel_causal_lm_loss",
     "sequence_parallel_mean",
     "all_reduce_identity_backward",
+    "shift_labels_across_shards",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -144,11 +145,19 @@ def sequence_parallel_loss(
     return sequence_parallel_mean(total, count, group=group)
 
 
-def _shift_across_shards(
-    labels_local: Tensor, group: dist.ProcessGroup | None, sharding: str, ignore_index: int
+def shift_labels_across_shards(
+    labels_local: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    sharding: str = "contiguous",
+    ignore_index: int = -100,
 ) -> Tensor:
-    """Targets ``(B, S_local)`` for unshifted sharded labels: each chunk's next-token labels, the
-    last position of every chunk taking the first label of the next global chunk."""
+    """Next-token targets ``(B, S_local)`` for labels sharded unshifted (like ``input_ids``).
+
+    Each chunk's labels move one to the left; the last position of every chunk takes the first
+    label of the next global chunk (one tiny all-gather of ``(B, chunks per rank)`` integers), and
+    the sequence's last position gets ``ignore_index``. Collective over the SP group.
+    """
     rank, world_size = sp_rank_and_size(group)
     n = num_chunks(world_size, sharding)
     mine = chunk_ids(rank, world_size, sharding)
@@ -195,7 +204,9 @@ def sequence_parallel_causal_lm_loss(
         group, ignore_index, reduction: as for :func:`sequence_parallel_loss`.
         sharding: ``"contiguous"`` or ``"zigzag"``.
     """
-    targets = _shift_across_shards(labels_local, group, sharding, ignore_index)
+    targets = shift_labels_across_shards(
+        labels_local, group=group, sharding=sharding, ignore_index=ignore_index
+    )
     return sequence_parallel_loss(
         logits_local, targets, group=group, ignore_index=ignore_index, reduction=reduction
     )

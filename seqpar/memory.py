@@ -25,6 +25,15 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   reduce-scatter in flight (each about as large), the fp32 dq accumulator and the kernel's outputs;
   the final dk, dv once the first chunk is scattered. G = 1 holds all heads' gathered K/V and dK/dV.
 
+- ``ulysses`` (u = P) and ``hybrid`` (u = ``ulysses_size``): the head-layout tensors the backward reuses
+  (q, k, v, out and lse for H/u heads over u L rows: 2 Q + 2 Kh, Kh = K when u divides kv_heads, K u /
+  kv_heads when K/V heads are replicated), the gradients (Q + 2 K; fp32 dK/dV when replicated), and per
+  head chunk (G = head chunks of each rank's K/V heads) at a kernel: the head-layout dout, the kernel's
+  outputs and their ~2 Q workspace, the previous chunk's packed dq/dk/dv all-to-all in flight (send +
+  receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1. The
+  hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
+  for one chunk.
+
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
 transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G; with
@@ -43,12 +52,13 @@ import torch
 
 from seqpar.attention.checks import resolve_head_chunks
 
-__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len"]
+__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
-ESTIMATOR_MODES = ("single", "ring", "allgather")
+ESTIMATOR_MODES = ("single", "ring", "allgather", "ulysses", "hybrid")
 
 
-def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name (``"bf16"``, ``"bfloat16"``, ...)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp64": "float64"}.get(dtype, dtype)
@@ -70,17 +80,19 @@ def estimate_memory(
     dtype: torch.dtype | str = torch.float32,
     causal: bool = True,
     head_chunks: int | str = "auto",
+    ulysses_size: int | None = None,
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
     Args:
         seq_len: total sequence length S (over the whole SP group).
         world_size: SP group size P (``mode="single"`` ignores it: one process holds all of S).
-        mode: ``"single"`` (alias ``"sdpa"``), ``"ring"`` or ``"allgather"``.
+        mode: ``"single"`` (alias ``"sdpa"``), ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
         batch, q_heads, kv_heads, head_dim: the attention shape (q_heads a multiple of kv_heads).
         dtype: the inputs' dtype (accumulators are fp32, fp64 for fp64 inputs).
         causal: causal attention (zigzag sharding for the distributed modes).
         head_chunks: :func:`seqpar.attention`'s ``head_chunks`` (an int dividing kv_heads, or "auto").
+        ulysses_size: the hybrid's Ulysses degree u (divides world_size); required for ``"hybrid"``.
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
@@ -96,7 +108,7 @@ def estimate_memory(
             raise ValueError(f"{name}={value!r} is invalid: a positive integer is needed")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    dt = _dtype(dtype)
+    dt = as_dtype(dtype)
     chunks = resolve_head_chunks(head_chunks, kv_heads)
     world = 1 if mode == "single" else world_size
     seq_chunks = 2 * world if (causal and world > 1) else world
@@ -104,6 +116,20 @@ def estimate_memory(
         raise ValueError(f"seq_len={seq_len} does not split into {seq_chunks} equal chunks for world_size={world}")
     if mode != "single" and world == 1:  # seqpar.attention runs plain SDPA on one rank
         mode = "single"
+    u = world if mode == "ulysses" else ulysses_size
+    if mode == "hybrid":
+        if not isinstance(u, int) or u < 1 or world % u:
+            raise ValueError(f"mode='hybrid' needs ulysses_size, a divisor of world_size={world}; got {u!r}")
+        if u == 1:
+            mode = "ring"
+        elif u == world:
+            mode = "ulysses"
+    if mode in ("ulysses", "hybrid"):
+        from seqpar.costmodel import ulysses_heads_ok
+
+        if not ulysses_heads_ok(q_heads, kv_heads, u):
+            raise ValueError(f"{q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks")
+        chunks = resolve_head_chunks(head_chunks, max(kv_heads // u, 1))
 
     e = torch.tensor([], dtype=dt).element_size()
     a = 8 if dt == torch.float64 else 4
@@ -116,6 +142,9 @@ def estimate_memory(
 
     if mode == "single":
         return int(base + (Q + 2 * K) + Q)  # + dq, dk, dv, one Q-sized kernel workspace
+
+    if mode in ("ulysses", "hybrid"):
+        return _ulysses_peak(Q, K, Q32, K32, lse, base, world=world, u=u, kv_heads=kv_heads, chunks=chunks, low=low)
 
     # forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the K/V buffers, the block's
     # output; low-precision outputs are upcast for the merge (two Q32 temporaries), plus lse temporaries
@@ -164,6 +193,33 @@ def estimate_memory(
     return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
+def _ulysses_peak(
+    Q: float, K: float, Q32: float, K32: float, lse: float, base: float, *, world: int, u: int, kv_heads: int,
+    chunks: int, low: bool,
+) -> int:
+    """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks."""
+    G = chunks
+    replicated = kv_heads < u
+    Kh, Kh32 = (K * u / kv_heads, K32 * u / kv_heads) if replicated else (K, K32)
+    saved = 2 * Q + 2 * Kh + lse  # q, k, v, out (head layout) and lse
+    grads = Q + (2 * K32 if replicated else 2 * K)
+    grads_h = Q + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
+    # at a kernel: dout (head layout), the kernel's outputs and its workspace (~2 Q), and with G > 1 the
+    # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
+    at_kernel = (Q + grads_h + 2 * Q + (2 * grads_h + 2 * Q if G > 1 else 0)) / G
+    # placing a chunk's received grads: send + receive, and the K/V grads reordered for index_add
+    at_place = (2 * grads_h + 2 * Kh + (2 * Q if G > 1 else 0)) / G
+    a2a = max(at_kernel, at_place)
+    workspace = 0.0
+    inner = 0.0
+    ring = world // u
+    if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV (its fp32 accumulators are grads_h)
+        kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
+        inner = (kv_bufs + 4 * Kh32 + (Q32 + 2 * Kh32 if low else 0)) / G
+    fwd = base - Q - lse + saved + (2 * Q + 4 * Kh + 3 * Q) / G + inner  # q, k, v, out + saved + in flight
+    return int(max(base + saved + grads + a2a + workspace + inner, fwd))
+
+
 def max_seq_len(
     budget_bytes: int,
     *,
@@ -177,6 +233,7 @@ def max_seq_len(
     causal: bool = True,
     multiple: int = 1,
     head_chunks: int | str = "auto",
+    ulysses_size: int | None = None,
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_memory`
     fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
@@ -186,7 +243,7 @@ def max_seq_len(
     def fits(s: int) -> bool:
         return estimate_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                               head_chunks=head_chunks) <= budget_bytes
+                               head_chunks=head_chunks, ulysses_size=ulysses_size) <= budget_bytes
 
     if not fits(step):
         return 0

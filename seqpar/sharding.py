@@ -4,20 +4,30 @@ Layouts (P = SP size):
 - ``contiguous``: the sequence is cut into P chunks; rank r holds chunk r.
 - ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and 2P-1-r, in that order.
   Under causal masking every rank then does the same amount of attention work.
+- ``balanced``: the sequence is cut into m*P chunks (m = 8, 4 or 2: the most that divide it) and each
+  rank holds m of them, in ascending order, chosen per batch from the document boundaries
+  ``cu_seqlens`` so that every rank has about the same causal attention work (visible pairs):
+  zigzag's balance breaks with packed documents. The layout depends on the sequence length and
+  ``cu_seqlens`` (host integers, the same on every rank), so ``shard_sequence``/``gather_sequence``
+  and ``seqpar.attention`` must be given the same ``cu_seqlens`` (none: one document). Attention and
+  the shard/gather functions only: the batch helpers take contiguous and zigzag.
 """
 
 from __future__ import annotations
 
-import math
+import bisect
+import functools
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
-from seqpar.comm.compat import all_gather_into
 from seqpar.groups import resolve_group
+from seqpar.verified import batch_verified
 
 __all__ = [
     "num_chunks",
@@ -26,11 +36,16 @@ __all__ = [
     "shard_sequence",
     "gather_sequence",
     "pad_to_multiple",
+    "balanced_layout",
 ]
 
+BALANCED = "balanced"
 
-def num_chunks(world_size: int, sharding: str) -> int:
-    """How many equal chunks the full sequence is cut into."""
+
+def num_chunks(world_size: int, sharding: str, *, seq_len: int | None = None) -> int:
+    """How many equal chunks the full sequence is cut into (``balanced`` needs ``seq_len``)."""
+    if sharding == BALANCED:
+        return _balanced_per_rank(_need_len(seq_len), world_size) * world_size
     if sharding == "contiguous":
         return world_size
     if sharding == "zigzag":
@@ -38,8 +53,14 @@ def num_chunks(world_size: int, sharding: str) -> int:
     raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous' or 'zigzag'")
 
 
-def chunk_ids(rank: int, world_size: int, sharding: str) -> list[int]:
-    """The global chunk indices rank ``rank`` holds, in local (ascending) order."""
+def chunk_ids(
+    rank: int, world_size: int, sharding: str, *, seq_len: int | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+) -> list[int]:
+    """The global chunk indices rank ``rank`` holds, in local (ascending) order (``balanced`` needs
+    the global ``seq_len`` and the batch's ``cu_seqlens``)."""
+    if sharding == BALANCED:
+        return list(balanced_layout(_need_len(seq_len), world_size, _host_ints(cu_seqlens))[rank])
     if sharding == "contiguous":
         return [rank]
     if sharding == "zigzag":
@@ -47,7 +68,71 @@ def chunk_ids(rank: int, world_size: int, sharding: str) -> list[int]:
     raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous' or 'zigzag'")
 
 
+def _need_len(seq_len: int | None) -> int:
+    if seq_len is None:
+        raise ValueError("sharding='balanced' depends on the sequence length: pass seq_len=")
+    return seq_len
+
+
+def _balanced_per_rank(seq_len: int, world_size: int) -> int:
+    for m in (8, 4, 2):  # more chunks balance finer (8: max/mean <= 1.02 on long-tailed mixes)
+        if seq_len % (m * world_size) == 0:
+            return m
+    raise ValueError(
+        f"sequence length {seq_len} cannot be cut for {world_size} ranks with sharding='balanced' (at least "
+        f"2 * {world_size} equal chunks): pad it to a multiple of {2 * world_size}, best {8 * world_size} "
+        f"(seqpar.sharding.pad_to_multiple)"
+    )
+
+
+def _host_ints(cu_seqlens: Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, Tensor):
+        return tuple(int(x) for x in cu_seqlens.tolist())
+    return tuple(int(x) for x in cu_seqlens)
+
+
+def _causal_chunk_work(cu: tuple[int, ...], seq_len: int, n: int) -> list[int]:
+    """Visible (query, key) pairs of each of ``n`` equal query chunks under causal document masks:
+    row i of a document starting at ds sees i - ds + 1 keys."""
+    length, work = seq_len // n, []
+    for c in range(n):
+        a, b = c * length, (c + 1) * length
+        d, i, total = bisect.bisect_right(cu, a) - 1, a, 0
+        while i < b:
+            ds, de = cu[d], cu[d + 1]
+            e = min(b, de)
+            rows, first = e - i, i - ds + 1
+            total += rows * first + rows * (rows - 1) // 2
+            i, d = e, d + 1
+        work.append(total)
+    return work
+
+
+@functools.lru_cache(maxsize=256)
+def balanced_layout(seq_len: int, world_size: int, cu_seqlens: tuple[int, ...] | None) -> tuple[tuple[int, ...], ...]:
+    """Chunks of each rank under ``balanced``: the m*P chunks by decreasing causal work, each to the
+    rank with the least work so far that still has room (m chunks each; ties to the lower rank and
+    chunk, so every rank computes the same layout). Returns one ascending tuple per rank."""
+    m = _balanced_per_rank(seq_len, world_size)
+    cu = cu_seqlens if cu_seqlens is not None else (0, seq_len)
+    if cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
+        raise ValueError(
+            f"cu_seqlens must be the boundaries [0, ..., {seq_len}] of the whole sequence, strictly increasing"
+        )
+    work = _causal_chunk_work(cu, seq_len, m * world_size)
+    load, held = [0] * world_size, [[] for _ in range(world_size)]
+    for c in sorted(range(len(work)), key=lambda c: (-work[c], c)):
+        r = min((r for r in range(world_size) if len(held[r]) < m), key=lambda r: (load[r], r))
+        load[r] += work[c]
+        held[r].append(c)
+    return tuple(tuple(sorted(h)) for h in held)
+
+
 def _check_length(seq_len: int, world_size: int, sharding: str) -> int:
+    if sharding == BALANCED:
+        return seq_len // num_chunks(world_size, sharding, seq_len=seq_len)
     n = num_chunks(world_size, sharding)
     if seq_len % n:
         fix = f"pad it to a multiple of {n} (seqpar.sharding.pad_to_multiple(x, dim, {n}, value))"
@@ -67,13 +152,14 @@ def shard_index(
     sharding: str = "contiguous",
     *,
     device: torch.device | str | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
     """Global positions (LongTensor ``(seq_len / P,)``) that ``rank`` holds, in local order."""
     c = _check_length(seq_len, world_size, sharding)
     return torch.cat(
         [
             torch.arange(i * c, (i + 1) * c, device=device)
-            for i in chunk_ids(rank, world_size, sharding)
+            for i in chunk_ids(rank, world_size, sharding, seq_len=seq_len, cu_seqlens=cu_seqlens)
         ]
     )
 
@@ -86,7 +172,8 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup 
 
 
 def shard_sequence(
-    x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None, sharding: str = "contiguous"
+    x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None, sharding: str = "contiguous",
+    cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
     """This rank's part of a full tensor (the same full tensor on every rank).
 
@@ -94,7 +181,9 @@ def shard_sequence(
         x: any tensor whose ``dim`` is the sequence, e.g. ``(batch, seq, hidden)`` with ``dim=1``.
         dim: the sequence dimension (negative allowed).
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"`` or ``"zigzag"``.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+        cu_seqlens: with ``"balanced"``, the global document boundaries the layout balances (the
+            same ones seqpar.attention gets); ignored otherwise.
     Returns:
         ``x`` with ``dim`` cut to ``seq / P``. Differentiable: the gradient of the full input is this
         rank's gradient scattered into zeros (sum it over the SP group to get the full gradient).
@@ -103,43 +192,34 @@ def shard_sequence(
     """
     group, world, rank = _world_and_rank(group)
     c = _check_length(x.shape[dim], world, sharding)
-    parts = [x.narrow(dim, i * c, c) for i in chunk_ids(rank, world, sharding)]
+    ids = chunk_ids(rank, world, sharding, seq_len=x.shape[dim], cu_seqlens=cu_seqlens)
+    parts = [x.narrow(dim, i * c, c) for i in ids]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-_META_DIMS = 8  # shapes are compared on up to 8 dims (more are folded into the last)
-
-
-def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup, world: int) -> None:
+def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup) -> None:
     """Raise on every rank unless all ranks pass shards of one shape and element size.
 
-    One tiny all-gather of ``(dim length, itemsize, ndim, *shape)``; without it, unequal shards
-    would hang the all-gather or return garbage.
+    One tiny all-gather (seqpar.comm.agree); without it, unequal shards would hang the all-gather
+    or return garbage.
     """
-    shape = list(x.shape)
-    if len(shape) > _META_DIMS:
-        shape[_META_DIMS - 1 :] = [math.prod(shape[_META_DIMS - 1 :])]
-    meta = [x.shape[dim], x.element_size(), x.dim(), *shape, *[-1] * (_META_DIMS - len(shape))]
-    # the backend decides where a tensor may live: gloo wants CPU, NCCL the current CUDA device
-    device = x.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    every = torch.empty(world * len(meta), dtype=torch.int64, device=device)
-    all_gather_into(every, mine, group=group)
-    rows = every.view(world, len(meta)).tolist()
-    seq_locals = [row[0] for row in rows]
+    row = [x.shape[dim], x.element_size(), x.dim(), *x.shape]
+    rows = rows_across_ranks(row, group)
+    if rows is None:
+        return
+    seq_locals = [r[0] for r in rows]
     if len(set(seq_locals)) != 1:
         raise ValueError(
             f"gather_sequence: the ranks hold shards of different lengths along dim {dim} "
             f"({seq_locals}); every rank must pass its shard of the same sequence "
             f"(cut with shard_sequence)"
         )
-    if any(row != rows[0] for row in rows):
-        shapes = [tuple(row[3 : 3 + min(row[2], _META_DIMS)]) for row in rows]
-        itemsizes = [row[1] for row in rows]
-        raise ValueError(
-            f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
-            f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
-        )
+    shapes = [tuple(r[3:]) for r in rows]
+    itemsizes = [r[1] for r in rows]
+    raise ValueError(
+        f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
+        f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
+    )
 
 
 def gather_sequence(
@@ -149,6 +229,8 @@ def gather_sequence(
     group: dist.ProcessGroup | None = None,
     sharding: str = "contiguous",
     grad_reduction: str = "slice",
+    check_inputs: bool = True,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
     """The inverse of :func:`shard_sequence`: every rank gets the full tensor, in global order.
 
@@ -156,23 +238,32 @@ def gather_sequence(
         x: this rank's shard, ``dim`` of length ``seq / P`` (the same shape on every rank).
         dim: the sequence dimension (negative allowed).
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"`` or ``"zigzag"``, as the shard was cut.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the shard was cut.
         grad_reduction: ``"slice"`` (default) — the backward keeps this rank's part of the incoming
             gradient: right when every rank computes the same loss on the gathered tensor (the
             usual case: the ranks' gradients are copies, not terms). ``"sum"`` — the backward
             reduce-scatters (the dual of the all-gather): right when each rank's loss is a separate
             term of the total.
+        check_inputs: first check across ranks that every shard has the same shape (one tiny
+            collective and a host sync); skipped inside a swapped model's verified forward, where
+            the batch check already covered it (seqpar.verified).
+        cu_seqlens: with ``"balanced"``, the boundaries the shard was cut with.
     Returns:
         The full tensor, ``dim`` of length ``seq``.
     Raises:
         ValueError: on every rank, if the ranks' shards differ in length or shape.
     """
     group, world, _ = _world_and_rank(group)
-    per_rank = len(chunk_ids(0, world, sharding))  # also validates `sharding`
+    balanced = sharding == BALANCED
+    layout = {"seq_len": x.shape[dim] * world, "cu_seqlens": _host_ints(cu_seqlens)} if balanced else {}
+    per_rank = 1 if balanced else len(chunk_ids(0, world, sharding))  # also validates `sharding`
     if world == 1:
         return all_gather(x, dim, group=group, grad_reduction=grad_reduction)  # identity, checked
     dim = dim % x.dim()
-    _check_same_shape(x, dim, group, world)
+    if check_inputs and not batch_verified():
+        _check_same_shape(x, dim, group)
+    if balanced:  # after the shape check: equal shapes give every rank the same layout (or error)
+        per_rank = len(chunk_ids(0, world, sharding, **layout))
     if x.shape[dim] % per_rank:
         raise ValueError(
             f"gather_sequence: a zigzag shard holds two equal chunks, so its length must be even, "
@@ -186,7 +277,7 @@ def gather_sequence(
     position = {
         i: r * per_rank + j
         for r in range(world)
-        for j, i in enumerate(chunk_ids(r, world, sharding))
+        for j, i in enumerate(chunk_ids(r, world, sharding, **layout))
     }
     chunks = [full_rank_order.narrow(dim, position[i] * c, c) for i in range(world * per_rank)]
     return torch.cat(chunks, dim=dim)

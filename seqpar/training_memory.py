@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from seqpar.memory import _dtype as _as_dtype
-from seqpar.memory import estimate_memory
+from seqpar.memory import as_dtype, estimate_memory
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
 
@@ -183,7 +182,7 @@ def estimate_training_memory(
         raise ValueError(f"zero_stage={zero_stage!r}: choose 1, 2 or 3")
     if seq_len % sp_size:
         raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
-    dt = _as_dtype(dtype)
+    dt = as_dtype(dtype)
     e = torch.empty((), dtype=dt).element_size()
     low = e < 4
     world = sp_size * dp_size

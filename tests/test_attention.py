@@ -112,6 +112,25 @@ def test_head_chunks_are_exact(dist_pool, world: int) -> None:
                 )
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlap_off_is_exact(dist_pool, world: int) -> None:
+    """``overlap=False`` (the ring waits for each transfer at once instead of computing meanwhile)
+    takes other code paths than the default; it must be just as exact: both shardings, causal or not,
+    on GQA with an odd head dim and on MQA (all-gather accepts the option too)."""
+    cases = []
+    combos = itertools.product(MODES, SHARDINGS, (False, True), ((4, 2, 40), (6, 1, 24)))
+    for i, (mode, sharding, causal, heads) in enumerate(combos):
+        cases.append((make_case(700 + 40 * world + i, world, heads), mode, sharding, causal, None))
+    per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240, overlap=False)
+    for idx, (case, mode, sharding, causal, _scale) in enumerate(cases):
+        got = _gather_results(per_rank, world, sharding, idx)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, None)):
+            torch.testing.assert_close(
+                g.double(), w, rtol=1e-5, atol=1e-5,
+                msg=lambda s, n=name, c=(mode, sharding, causal, case["k"].shape): f"{n} overlap=False {c}: {s}",
+            )
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm()).item()
 

@@ -54,7 +54,14 @@ def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     if case == "head_chunks_differ":
         kwargs["head_chunks"] = 1 if rank == 0 else 2
     try:
-        seqpar.attention(q, k, v, **kwargs)
+        if case == "dilated_pattern_differs":  # each rank valid alone, the ranks disagree
+            pattern = ([8], [1]) if rank == 0 else ([8 * world], [2])
+            seqpar.dilated_attention(q, k, v, segment_lengths=pattern[0], dilation_rates=pattern[1])
+        elif case == "extra_differs":  # what later features (documents, windows) add to the check
+            seqpar.attention.check_across_ranks(q, k, v, group=torch.distributed.group.WORLD, causal=True,
+                                                mode="ring", sharding="contiguous", extra=[7] * (1 + rank))
+        else:
+            seqpar.attention(q, k, v, **kwargs)
     except (ValueError, TypeError) as e:
         return type(e).__name__, str(e)
     return None
@@ -78,6 +85,8 @@ CASES = {
     "head_chunks_not_dividing": ["head_chunks=3", "2 k/v heads", "[1, 2]", "auto"],
     "head_chunks_bad": ["head_chunks='many'", "positive integer", "auto"],
     "head_chunks_differ": ["different inputs", "head_chunks=1", "head_chunks=2"],
+    "dilated_pattern_differs": ["different inputs", "extra="],
+    "extra_differs": ["different inputs", "extra=[7]", "extra=[7, 7]"],
 }
 
 

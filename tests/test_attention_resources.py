@@ -89,7 +89,8 @@ def test_peak_memory_per_rank_falls_as_one_over_p_for_the_ring(dist_pool) -> Non
 def test_head_chunks_bring_the_ring_to_a_third_of_single_process_memory(dist_pool) -> None:
     """Issue 5's target: at P = 4 the ring's peak per rank is <= 0.35x of single-process attention on
     the same S (inputs, output and gradients included) once it runs in 4 head chunks; "auto" picks 4
-    for 8 K/V heads. One chunk holds ~19 blocks of S/P (0.53x)."""
+    for 8 K/V heads; and the chunks are what brings it there (one chunk holds ~19 blocks of S/P,
+    0.53x single when this was written)."""
     seq = 2048
     single = dist_pool.run(1, _peak_bytes, "ring", seq)[0]  # one rank: plain SDPA on the whole sequence
     one = max(dist_pool.run(4, _peak_bytes, "ring", seq, 1))
@@ -97,4 +98,6 @@ def test_head_chunks_bring_the_ring_to_a_third_of_single_process_memory(dist_poo
     auto = max(dist_pool.run(4, _peak_bytes, "ring", seq, "auto"))
     assert four <= 0.35 * single, (four / single, single)
     assert auto == four, (auto, four)
-    assert one > 0.5 * single, (one / single, single)  # what chunking saves is real
+    # what chunking saves is real: four chunks hold about a third less than one chunk. (Not a bound on
+    # `one` against `single`, which would fail the day the unchunked ring got leaner.)
+    assert four <= 0.75 * one, (four / one, one, four)

@@ -81,7 +81,8 @@ def test_memory_suite_estimator_within_15_percent(tmp_path: Path) -> None:
     # GQA and bf16 here; the attention suite covers MHA fp32
     payload, stdout = _bench(tmp_path, "memory", "--q-heads", "4", "--kv-heads", "1", "--dtype", "bfloat16",
                              "--seq-lens", "256,512")
-    assert {(r["method"], r["P"]) for r in payload["results"]} == {("sdpa", 1), ("ring", 2), ("allgather", 2)}
+    assert {(r["method"], r["P"]) for r in payload["results"]} == {
+        ("sdpa", 1), ("ring", 2), ("allgather", 2), ("seqpar_ulysses", 2)}
     for r in payload["results"]:
         assert abs(r["estimate_error"]) <= EST_TOL, r
     for e in payload["largest"]:  # the estimator's S measures within its tolerance of the budget
@@ -92,7 +93,7 @@ def test_memory_suite_estimator_within_15_percent(tmp_path: Path) -> None:
 def test_comm_suite_matches_theory(tmp_path: Path) -> None:
     payload, _ = _bench(tmp_path, "comm", "--causal", "no")
     rows = {r["mode"]: r for r in payload["results"] if r["status"] == "ok" and r["S"] == 256}
-    for mode in ("ring", "allgather", "ulysses"):
+    for mode in ("ring", "allgather", "ulysses", "seqpar_ulysses"):
         r = rows[mode]
         # seqpar adds one tiny all-gather of shapes for its cross-rank input check
         assert r["theory_fwd"] <= r["fwd_bytes"] <= r["theory_fwd"] + 1024, r
@@ -131,6 +132,6 @@ def test_estimator_api() -> None:
     assert estimate_memory(s, world_size=2, mode="ring", **kw) <= 64 * 2**20
     assert estimate_memory(s + 4, world_size=2, mode="ring", **kw) > 64 * 2**20
     with pytest.raises(ValueError, match="mode="):
-        estimate_memory(1024, world_size=2, mode="ulysses", **kw)
+        estimate_memory(1024, world_size=2, mode="tree", **kw)
     with pytest.raises(ValueError, match="chunks"):
         estimate_memory(1026, world_size=2, mode="ring", **kw)

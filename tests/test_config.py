@@ -20,6 +20,8 @@ def test_defaults_and_round_trip() -> None:
     )
     again = SeqParConfig.from_dict(cfg.to_dict())
     assert again == cfg
+    assert cfg.timeout_s is None  # torch's default
+    assert SeqParConfig.from_dict({"timeout_s": 120}).timeout_s == 120
 
 
 def test_standalone_and_deepspeed_json(tmp_path) -> None:
@@ -76,7 +78,7 @@ def test_dilated_pattern() -> None:
         ({"size": 0}, ["size", "0", "positive"]),
         ({"size": "2"}, ["size", "'2'"]),
         ({"size": True}, ["size", "True"]),
-        ({"mode": "ulysses"}, ["mode", "'ulysses'", "ring", "allgather"]),
+        ({"mode": "tree"}, ["mode", "'tree'", "ring", "allgather", "ulysses", "hybrid", "auto"]),
         ({"sharding": "striped"}, ["sharding", "striped", "contiguous", "zigzag"]),
         ({"overlap": "yes"}, ["overlap", "true or false"]),
         ({"check_inputs": 1}, ["check_inputs", "true or false"]),
@@ -118,6 +120,9 @@ def test_dilated_pattern() -> None:
         ({"sequence_parallel": {"mode": "x"}}, ["mode", "'x'", "ring"]),
         ({"size": -2}, ["size", "-2", "positive"]),
         ({"apex": "no"}, ["apex", "true or false"]),
+        ({"timeout_s": 0}, ["timeout_s", "0", "positive integer"]),
+        ({"timeout_s": 1.5}, ["timeout_s", "1.5", "seconds"]),
+        ({"timeout_s": True}, ["timeout_s", "True", "positive"]),
         ({"head_chunks": 0}, ["head_chunks", "0", "positive integer", "auto"]),
         ({"head_chunks": "all"}, ["head_chunks", "'all'", "auto"]),
         ({"head_chunks": True}, ["head_chunks", "True", "auto"]),

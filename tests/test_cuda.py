@@ -1,8 +1,13 @@
-"""CUDA paths: the local kernels (flash / memory-efficient) and the ring on one GPU.
+"""CUDA paths: the local kernels (flash / memory-efficient / cuDNN / math) and the ring on one GPU.
 
 A single GPU cannot host a multi-rank NCCL ring, so the ring runs as P virtual ranks in one process
 (ThreadRing) with real CUDA kernels and merges, compared with SDPA on the full sequence. Skipped on
-machines without CUDA (CI is CPU-only); run with `python -m pytest tests/test_cuda.py` on a GPU.
+machines without CUDA (CI is CPU-only; tests/test_cuda_fake.py runs every CUDA branch there on fake
+tensors); on a GPU, ``python -m seqpar.bench gpu-check`` runs this file first.
+
+Every reference is float64 attention on the full sequence. fp32 must match to ~1e-5; fp16/bf16 must be
+no worse than torch's own SDPA in that dtype on the same inputs (its error against the same
+reference, doubled, plus a rounding step of the dtype).
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from seqpar.attention.ring import AttentionOptions, ring_backward, ring_forward
 from seqpar.comm.ring import ThreadRing
 from seqpar.kernels import block_backward, block_forward
+from seqpar.kernels.backends import Backend
+from seqpar.kernels.local import cuda_backend
 
 pytestmark = [
     pytest.mark.cuda,
@@ -24,31 +32,81 @@ pytestmark = [
 
 from test_attention import shard_rows, unshard_rows  # noqa: E402
 
+_SDP = {Backend.FLASH: SDPBackend.FLASH_ATTENTION, Backend.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+        Backend.CUDNN: SDPBackend.CUDNN_ATTENTION, Backend.MATH: SDPBackend.MATH}
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+
+def _reference(q, k, v, dout, causal):  # noqa: ANN001, ANN202
+    """float64 output, lse and gradients on the full block (GQA by repeat)."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+    grads = torch.autograd.grad(ref, leaves, dout.double())
+    group = q.shape[1] // k.shape[1]
+    s = leaves[0].detach() @ leaves[1].detach().repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return [ref.detach(), *grads], torch.logsumexp(s, -1)
+
+
+def _sdpa_errors(q, k, v, dout, causal, want):  # noqa: ANN001, ANN202
+    """torch's own SDPA in q's dtype (its default backend): max error of out, dq, dk, dv."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    return [float((a.detach().double() - b).abs().max()) for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("backend", list(Backend), ids=lambda b: b.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("heads", [(8, 8, 64), (8, 2, 128), (4, 1, 40)])
-def test_block_kernels_match_sdpa(dtype: torch.dtype, causal: bool, heads: tuple[int, int, int]) -> None:
+@pytest.mark.parametrize("heads", [(8, 8, 64), (8, 2, 128), (4, 1, 40), (4, 2, 100), (2, 1, 256)],
+                         ids=lambda h: f"{h[0]}/{h[1]}x{h[2]}")
+def test_block_kernels_match_reference(backend: Backend, dtype: torch.dtype, causal: bool,
+                                       heads: tuple[int, int, int]) -> None:
+    """Each kernel (forced with torch's own switch; one that refuses the shape falls back to exact
+    math) against float64: MHA/GQA/MQA, head dims 40/64/100 (padded)/128/256, rectangular blocks
+    whose lengths are not multiples of 32 or 128."""
     hq, hkv, d = heads
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(2, hq, 256, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
-    k = torch.randn(2, hkv, 256, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
-    v = torch.randn(2, hkv, 256, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
-    dout = torch.randn(2, hq, 256, d, device="cuda", dtype=dtype, generator=g)
-    ref = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), is_causal=causal, enable_gqa=True)
-    want = [ref, *torch.autograd.grad(ref, (q, k, v), dout.double())]
-    out, lse = block_forward(q, k, v, scale=d**-0.5, causal=causal)
-    got = [out, *block_backward(dout, q, k, v, out, lse, scale=d**-0.5, causal=causal)]
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-        assert a.dtype == dtype
-        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=lambda s, n=name: f"{n}: {s}")
+    lq, lk = (264, 264) if causal else (200, 328)
+    g = torch.Generator(device="cuda").manual_seed(hq * 1000 + d)
+    q = torch.randn(2, hq, lq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, hkv, lk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(2, hkv, lk, d, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(2, hq, lq, d, device="cuda", dtype=dtype, generator=g)
+    want, want_lse = _reference(q, k, v, dout, causal)
+    with sdpa_kernel([_SDP[backend]]):
+        chosen = cuda_backend(q, k, causal)
+        out, lse = block_forward(q, k, v, scale=d**-0.5, causal=causal)
+        got = [out, *block_backward(dout, q, k, v, out, lse, scale=d**-0.5, causal=causal)]
+    assert chosen in (backend, Backend.MATH)
+    assert lse.shape == (2, hq, lq) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        bounds = [1e-5] * 4
+    else:
+        step = torch.finfo(dtype).eps
+        bounds = [2 * e + 4 * step for e in _sdpa_errors(q, k, v, dout, causal, want)]
+    for name, a, b, bound in zip(("out", "dq", "dk", "dv"), got, want, bounds):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        err = float((a.double() - b).abs().max())
+        scale = float(b.abs().max()) if dtype == torch.float32 else 1.0
+        assert err <= bound * max(scale, 1.0), f"{chosen.value} {name}: max error {err:.3g} > {bound:.3g}"
 
 
+def test_default_choice_is_torchs() -> None:
+    """With default flags seqpar picks the kernel torch's SDPA picks (``torch._fused_sdp_choice``)."""
+    names = {0: Backend.MATH, 1: Backend.FLASH, 2: Backend.EFFICIENT, 3: Backend.CUDNN}
+    for dtype, d, causal in itertools.product((torch.bfloat16, torch.float16, torch.float32), (64, 128), (False, True)):
+        q = torch.randn(1, 8, 256, d, device="cuda", dtype=dtype, requires_grad=True)
+        theirs = names[int(torch.ops.aten._fused_sdp_choice(q, q, q, None, 0.0, causal))]
+        assert cuda_backend(q, q, causal) is theirs, (dtype, d, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("world,sharding,causal", list(itertools.product((2, 4), ("contiguous", "zigzag"), (False, True))))
-def test_thread_ring_on_one_gpu(world: int, sharding: str, causal: bool) -> None:
+def test_thread_ring_on_one_gpu(world: int, sharding: str, causal: bool, dtype: torch.dtype) -> None:
     g = torch.Generator(device="cuda").manual_seed(world)
-    full = {n: torch.randn(1, 8 if n in "q dout" else 2, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    full = {n: torch.randn(1, 8 if n in "q dout" else 2, 512, 64, device="cuda", dtype=dtype, generator=g)
             for n in ("q", "k", "v", "dout")}
     q, k, v = (full[n].double().requires_grad_() for n in "qkv")
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
@@ -62,6 +120,7 @@ def test_thread_ring_on_one_gpu(world: int, sharding: str, causal: bool) -> None
         return [out, *ring_backward(ds, qs, ks, vs, out, lse, comm, opts)]
 
     per_rank = ThreadRing(world).run(body)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = unshard_rows([per_rank[r][j] for r in range(world)], world, sharding)
-        torch.testing.assert_close(got.double(), want[j], rtol=3e-2, atol=3e-2, msg=lambda s, n=name: f"{n}: {s}")
+        torch.testing.assert_close(got.double(), want[j], rtol=tol, atol=tol, msg=lambda s, n=name: f"{n}: {s}")

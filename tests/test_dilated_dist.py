@@ -13,10 +13,10 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_dilated import dilated_reference
 
 from seqpar.attention.dilated import dilated_attention
+from seqpar.comm.traffic import counting
 
 SEQ_LOCAL = 8
 # Per world size: pattern sets (segment_lengths, dilation_rates) with segments inside a shard
@@ -88,36 +88,20 @@ def test_parity_fp32(dist_pool, world: int) -> None:
 
 
 # --------------------------------------------------------------------------- communication volume
-def sent_bytes(rank: int, world: int, mode: str, causal: bool, patterns: tuple) -> dict[str, int]:
-    """Worker body: bytes this rank hands to point-to-point sends and to collectives, forward and
-    backward separately, counted by wrapping torch.distributed."""
-    counts = {"p2p": 0, "collective": 0}
-    real_batch, real_ag, real_agt = dist.batch_isend_irecv, dist.all_gather, dist.all_gather_into_tensor
-
-    def batch(ops):  # noqa: ANN001, ANN202
-        counts["p2p"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return real_batch(ops)
-
-    def ag(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        counts["collective"] += 1
-        return real_ag(*args, **kwargs)
-
-    def agt(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        counts["collective"] += 1
-        return real_agt(*args, **kwargs)
-
-    dist.batch_isend_irecv, dist.all_gather, dist.all_gather_into_tensor = batch, ag, agt
-    try:
-        g = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(2, 4, SEQ_LOCAL, 8, generator=g).requires_grad_() for _ in range(3))
-        ws, rs = patterns
+def sent_bytes(rank: int, world: int, mode: str, causal: bool, patterns: tuple,
+               check_inputs: bool = False) -> dict[str, int]:
+    """Worker body: bytes this rank hands to point-to-point sends, forward and backward separately,
+    and the number of collective calls, counted by :func:`seqpar.comm.traffic.counting` (which also
+    sees the collectives seqpar makes through ``seqpar.comm.compat``, bound at import time)."""
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(2, 4, SEQ_LOCAL, 8, generator=g).requires_grad_() for _ in range(3))
+    ws, rs = patterns
+    with counting(world) as sent:
         out = dilated_attention(q, k, v, segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode,
-                                check_inputs=False)
-        fwd = dict(counts)
+                                check_inputs=check_inputs)
+        fwd = sent.snapshot()
         out.sum().backward()
-        return {"fwd": fwd["p2p"], "bwd": counts["p2p"] - fwd["p2p"], "collectives": counts["collective"]}
-    finally:
-        dist.batch_isend_irecv, dist.all_gather, dist.all_gather_into_tensor = real_batch, real_ag, real_agt
+    return {"fwd": fwd.p2p_bytes, "bwd": sent.p2p_bytes - fwd.p2p_bytes, "collectives": sent.collectives}
 
 
 def expected_bytes(rank: int, mode: str, causal: bool, patterns: tuple) -> dict[str, int]:
@@ -157,6 +141,13 @@ def test_communication_volume(dist_pool, mode: str) -> None:
 def test_local_patterns_send_nothing(dist_pool) -> None:
     for got in dist_pool.run(2, sent_bytes, "ring", True, ((2, 4, 8), (1, 2, 4))):
         assert got == {"fwd": 0, "bwd": 0, "collectives": 0}
+
+
+def test_collective_counter_sees_the_cross_rank_check(dist_pool) -> None:
+    # The zero counts above mean something only if the counter sees seqpar's collectives: the
+    # default cross-rank input check is exactly one all-gather (through seqpar.comm.compat).
+    for got in dist_pool.run(2, sent_bytes, "ring", True, ((2, 4, 8), (1, 2, 4)), True):
+        assert got == {"fwd": 0, "bwd": 0, "collectives": 1}
 
 
 # ----------------------------------------------------------------------------------------- errors

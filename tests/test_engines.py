@@ -452,3 +452,25 @@ def test_deepspeed_config_sources(tmp_path):
         load_deepspeed_config(argparse.Namespace(deepspeed_config=str(path)), config=cfg)
     with pytest.raises(ConfigError, match="no DeepSpeed config"):
         load_deepspeed_config()
+
+
+def test_deepspeed_init_distributed_gets_timeout_s(monkeypatch):
+    """timeout_s reaches deepspeed.init_distributed (which uses it when it creates the world group)."""
+    from datetime import timedelta
+
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations import deepspeed as ds_glue
+
+    calls = []
+
+    class FakeDeepSpeed:
+        @staticmethod
+        def init_distributed(**kwargs):
+            calls.append(kwargs)
+
+    monkeypatch.setenv("RANK", "0")  # as under a launcher: the environment is left alone
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    ds_glue._init_distributed(FakeDeepSpeed, SeqParConfig(timeout_s=42), None, None)
+    ds_glue._init_distributed(FakeDeepSpeed, SeqParConfig(), 29501, True)
+    assert calls[0]["timeout"] == timedelta(seconds=42)
+    assert "timeout" not in calls[1] and calls[1]["distributed_port"] == 29501

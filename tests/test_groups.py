@@ -218,10 +218,13 @@ def test_resolve_group_single_process() -> None:
 
 def test_init_process_groups_without_a_launcher_makes_a_world_of_one() -> None:
     # A fresh interpreter: this test process must not join a process group itself.
+    # timeout_s bounds the world group seqpar creates, and its own groups.
     code = (
-        "import torch.distributed as dist, seqpar\n"
-        "m = seqpar.init_process_groups(config=seqpar.SeqParConfig(size=1))\n"
-        "print(m.world_size, m.sp_size, m.dp_size, dist.get_backend())\n"
+        "import torch, torch.distributed as dist, seqpar\n"
+        "m = seqpar.init_process_groups(config=seqpar.SeqParConfig(size=1, timeout_s=7))\n"
+        "t = [g._get_backend(torch.device('cpu')).options._timeout.total_seconds()\n"
+        "     for g in (dist.group.WORLD, m.sp_group, m.dp_group)]\n"
+        "print(m.world_size, m.sp_size, m.dp_size, dist.get_backend(), *map(int, t))\n"
         "dist.barrier(); dist.destroy_process_group()\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -230,4 +233,21 @@ def test_init_process_groups_without_a_launcher_makes_a_world_of_one() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "1", "1", "gloo"]
+    assert done.stdout.split() == ["1", "1", "1", "gloo", "7", "7", "7"]
+
+
+def _timeouts(rank: int, world_size: int) -> list[int]:
+    import torch
+
+    from seqpar import SeqParConfig, init_process_groups
+    from seqpar.groups import set_default_manager
+
+    m = init_process_groups(config=SeqParConfig(size=world_size, timeout_s=9))
+    set_default_manager(None)  # leave the pool's ranks as they were for later tests
+    groups = (dist.group.WORLD, m.sp_group, m.dp_group, m.sp_dp_group)
+    return [int(g._get_backend(torch.device("cpu")).options._timeout.total_seconds()) for g in groups]
+
+
+def test_timeout_s_bounds_seqpars_groups_not_a_users_world(dist_pool) -> None:
+    # The pool created the world group with a 60 s timeout: it keeps it; seqpar's groups get 9 s.
+    assert dist_pool.run(2, _timeouts) == [[60, 9, 9, 9]] * 2

@@ -134,3 +134,62 @@ def test_llama_padded_sequence_loss_matches_single_device(dist_pool, world, shar
     pytest.importorskip("transformers")
     losses = dist_pool.run(world, _llama_end_to_end, sharding, seq_len)
     assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
+
+
+def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> float:
+    """``labels=`` (or shard_batch's ``shift_labels``) given to a swapped HF model: its ``.loss`` is
+    the single-process model's, and the ranks' gradients sum to the single-process ones."""
+    import transformers
+    from test_swap import build_model
+
+    from seqpar.sharding import shard_sequence
+    from seqpar.swap import swap_attention
+
+    torch.manual_seed(0)
+    model = build_model("llama")
+    ref = copy.deepcopy(model)
+    swap_attention(model, {"size": world_size, "sharding": sharding})
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    labels = ids.clone()
+    labels[0, :11] = -100  # uneven valid tokens per shard: a mean of per-rank means is wrong
+    extra = {}
+    if how == "num_items":  # transformers' Trainer passes the batch's token count: sum / count
+        extra = {"num_items_in_batch": int((labels[:, 1:] != -100).sum())}
+    ref_loss = ref(input_ids=ids, labels=labels, **extra).loss
+    ref_loss.backward()
+
+    if how == "shift_labels":  # model(**shard_batch(batch)) must return the loss too
+        loss = model(**shard_batch({"input_ids": ids, "labels": labels}, sharding=sharding)).loss
+    else:  # labels cut unshifted, like input_ids: the shift crosses shard boundaries
+        local_ids, local_labels = (shard_sequence(t, 1, sharding=sharding) for t in (ids, labels))
+        loss = model(input_ids=local_ids, labels=local_labels, **extra).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.loss)
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
+
+    if how != "labels":
+        return loss.item()
+    # A pooled (not token-level) loss cannot be split by tokens: refused on every rank, not wrong.
+    torch.manual_seed(0)
+    classifier = transformers.LlamaForSequenceClassification(
+        transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    )
+    swap_attention(classifier, {"size": world_size, "sharding": sharding})
+    with pytest.raises(ValueError, match="sequence_parallel_loss"):
+        classifier(input_ids=shard_sequence(ids, 1, sharding=sharding), labels=torch.tensor([0, 2]))
+    return loss.item()
+
+
+@pytest.mark.parametrize("sharding,how", [
+    ("zigzag", "labels"), ("contiguous", "shift_labels"), ("zigzag", "num_items"),
+])
+def test_hf_model_labels_loss_is_sequence_parallel(dist_pool, sharding, how):
+    pytest.importorskip("transformers")
+    losses = dist_pool.run(2, _hf_labels_loss, sharding, how)
+    assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"

@@ -436,3 +436,44 @@ def test_mha_state_dict_compatible_and_refusals():
         swap_attention(nn.Sequential(nn.MultiheadAttention(HIDDEN, 4, add_bias_kv=True)))
     with pytest.raises(SwapError, match="dropout 0.1"):
         swap_attention(nn.Sequential(nn.MultiheadAttention(HIDDEN, 4, dropout=0.1)))
+
+
+# ----------------------------------------------------------------------------- the batch check
+def _batch_check_errors(rank: int, world_size: int) -> dict[str, str]:
+    """Ranks that disagree about a batch all raise, at the model's entry (seqpar.swap.batch)."""
+    messages = {}
+
+    def error(fn) -> str:
+        with pytest.raises(ValueError) as e:
+            fn()
+        return str(e.value)
+
+    torch.manual_seed(0)
+    nano = build_model("nanogpt")
+    swap_attention(nano, SeqParConfig(size=world_size))
+    seq_local = 4 if rank == 0 else 6  # rank 1 holds a longer shard
+    ids = torch.randint(0, VOCAB, (2, seq_local))
+    messages["shapes"] = error(lambda: nano(ids, torch.arange(seq_local).expand(2, -1)))
+
+    other = build_model("nanogpt")
+    swap_attention(other, SeqParConfig(size=world_size, mode="ring" if rank == 0 else "allgather"))
+    ids = torch.randint(0, VOCAB, (2, 4))
+    messages["options"] = error(lambda: other(ids, torch.arange(4).expand(2, -1)))
+
+    llama = build_model("llama")
+    swap_attention(llama, SeqParConfig(size=world_size))
+    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))})
+    if rank == 1:
+        local["position_ids"] = local["position_ids"] - 4  # numbered from 0: refused on rank 1 only
+    messages["refused"] = error(lambda: llama(**local))
+    return messages
+
+
+def test_batch_check_raises_on_every_rank(dist_pool):
+    for rank, m in enumerate(dist_pool.run(2, _batch_check_errors, timeout=120)):
+        assert "different inputs" in m["shapes"], m["shapes"]
+        assert "rank 0: arg0(2, 4) int64" in m["shapes"] and "rank 1: arg0(2, 6) int64" in m["shapes"]
+        assert "shard_batch" in m["shapes"]
+        assert "different model or different sequence_parallel options" in m["options"], m["options"]
+        expected = "not the global positions" if rank == 1 else "SP rank(s) [1] refused this batch"
+        assert expected in m["refused"], m["refused"]

@@ -35,18 +35,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.plan import head_chunk_slices, plan_blocks
-from seqpar.attention.ring import AttentionOptions, _block_grads, _chunk_len
+from seqpar.attention.common import (
+    AttentionOptions,
+    backward_pieces,
+    block_calls,
+    block_grads,
+    forward_block,
+)
+from seqpar.attention.plan import BlockCall, head_chunk_slices
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
 from seqpar.comm.ring import Pending
-from seqpar.kernels import (
-    block_backward,
-    block_forward,
-    lse_dtype,
-    merge_owned_into,
-    new_accumulators,
-)
-from seqpar.sharding import chunk_ids
+from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
 
 __all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention"]
 
@@ -79,7 +78,7 @@ def _start_scatter(dkv_all: Tensor, group: dist.ProcessGroup) -> Pending:
 
 def _grads_into(
     dkv_slot: Tensor, dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
-    q_chunks: list[int], k_chunks: list[int], clen: int, opts: AttentionOptions, dq_acc: Tensor,
+    calls: tuple[BlockCall, ...], opts: AttentionOptions, dq_acc: Tensor,
 ) -> None:
     """Add one K/V block's dq share into ``dq_acc`` and write its fp32 dK|dV shares into ``dkv_slot``
     ``(2, B, h, L, D)``, overwriting it.
@@ -88,57 +87,54 @@ def _grads_into(
     call over all key rows, one over the half of them this rank's queries see, or none), each call's
     outputs are copied in as they are and only the rows no call reaches are zeroed: no zero-fill and
     add of the whole slot. Otherwise the slot is zeroed and accumulated into."""
-    calls = sorted(plan_blocks(q_chunks, k_chunks, clen, opts.causal), key=lambda c: c.k_rows.start)
+    calls = sorted(calls, key=lambda c: c.k_rows.start)
     if any(a.k_rows.stop > b.k_rows.start for a, b in zip(calls, calls[1:])):
         dkv_slot.zero_()
-        _block_grads(dout, q, k_blk, v_blk, out, lse, q_chunks, k_chunks, clen, opts, dq_acc, dkv_slot[0], dkv_slot[1])
+        block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dkv_slot[0], dkv_slot[1])
         return
-    done = 0  # key rows [0, done) are written
+    done = 0  # zero the key rows that no query of this rank sees
     for call in calls:
+        dkv_slot[:, :, :, done:call.k_rows.start].zero_()
+        done = call.k_rows.stop
+    dkv_slot[:, :, :, done:].zero_()
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale):
         qr, kr = call.q_rows, call.k_rows
-        dkv_slot[:, :, :, done:kr.start].zero_()  # keys that no query of this rank sees
-        dq, dk, dv = block_backward(
-            dout[:, :, qr], q[:, :, qr], k_blk[:, :, kr], v_blk[:, :, kr], out[:, :, qr], lse[:, :, qr],
-            scale=opts.scale, causal=call.causal,
-        )
         dq_acc[:, :, qr] += dq
         dkv_slot[0, :, :, kr] = dk
         dkv_slot[1, :, :, kr] = dv
-        done = kr.stop
-    dkv_slot[:, :, :, done:].zero_()
 
 
 def allgather_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, sinks: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Returns the ``out`` accumulator ``(batch, q_heads, seq_local, head_dim)`` and ``lse``
-    ``(batch, q_heads, seq_local)``, both fp32 (fp64 for fp64 inputs)."""
+    ``(batch, q_heads, seq_local)``, both fp32 (fp64 for fp64 inputs); ``sinks``: optional
+    ``(q_heads,)`` sink logits, one more term of every row's softmax."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    q_chunks = chunk_ids(rank, world, opts.sharding)
-    clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
-    out, lse = new_accumulators(q, lse_dtype(q.dtype))
+    acc_dtype = lse_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
     heads = head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks)
 
-    def attend(src: int, qs: slice, k_blk: Tensor, v_blk: Tensor) -> None:
-        q_c, out_c, lse_c = q[:, qs], out[:, qs], lse[:, qs]  # this chunk's heads (views)
-        for call in plan_blocks(q_chunks, chunk_ids(src, world, opts.sharding), clen, opts.causal):
-            o, o_lse = block_forward(
-                q_c[:, :, call.q_rows], k_blk[:, :, call.k_rows], v_blk[:, :, call.k_rows],
-                scale=opts.scale, causal=call.causal,
-            )
-            merge_owned_into(out_c[:, :, call.q_rows], lse_c[:, :, call.q_rows], o, o_lse)
+    def attend(src: int, qs: slice, k_blk: Tensor, v_blk: Tensor, acc: Partials) -> None:
+        calls = block_calls(opts, world, rank, src, q.shape[2])
+        forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc)
 
     pending: Pending | None = _start_gather(k, v, heads[0][1], group, world)
     for c, (qs, ks) in enumerate(heads):
-        attend(rank, qs, k[:, ks], v[:, ks])  # needs no communication: hides the gather in flight
+        acc = Partials(out[:, qs], lse[:, qs])  # this chunk's heads (views)
+        attend(rank, qs, k[:, ks], v[:, ks], acc)  # needs no communication: hides the gather in flight
         (kv_all,) = pending.wait()
         # the next chunk's gather hides behind this chunk's remote blocks; dropping the waited
         # Pending leaves kv_all as the only reference, so it is freed with the del below
         pending = _start_gather(k, v, heads[c + 1][1], group, world) if c + 1 < len(heads) else None
         for src in range(world):
             if src != rank:
-                attend(src, qs, kv_all[src, 0], kv_all[src, 1])
+                attend(src, qs, kv_all[src, 0], kv_all[src, 1], acc)
         del kv_all  # before the next chunk's buffer arrives: two chunks live at most
+        acc.finish()
+    if sinks is not None:
+        add_sink(out, lse, sinks)
     return out, lse
 
 
@@ -158,8 +154,6 @@ def allgather_backward(
     leaves the backward's one gather exposed, as before chunking."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc = lse_dtype(q.dtype)
-    q_chunks = chunk_ids(rank, world, opts.sharding)
-    clen = _chunk_len(q.shape[2], rank, world, opts.sharding)
     heads = head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks)
     dout = dout.contiguous()
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -168,8 +162,8 @@ def allgather_backward(
 
     def grads_into(dkv_slot: Tensor, src: int, qs: slice, k_blk: Tensor, v_blk: Tensor) -> None:
         _grads_into(
-            dkv_slot, dout[:, qs], q[:, qs], k_blk, v_blk, out[:, qs], lse[:, qs], q_chunks,
-            chunk_ids(src, world, opts.sharding), clen, opts, dq[:, qs],
+            dkv_slot, dout[:, qs], q[:, qs], k_blk, v_blk, out[:, qs], lse[:, qs],
+            block_calls(opts, world, rank, src, q.shape[2]), opts, dq[:, qs],
         )
 
     def finish(dkv: Tensor, ks: slice) -> None:
@@ -219,18 +213,23 @@ def allgather_backward(
 
 class AllGatherAttention(torch.autograd.Function):
     """Exact attention by all-gathered K/V, head chunk by head chunk; backward re-gathers and
-    reduce-scatters dK/dV (the dual of the forward's all-gather)."""
+    reduce-scatters dK/dV (the dual of the forward's all-gather). ``sinks`` ``(q_heads,)`` (or None)
+    gets this rank's share of its gradient (its rows' terms), like any replicated weight."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions) -> Tensor:  # noqa: ANN001
-        out_acc, lse = allgather_forward(q, k, v, group, opts)
+    def forward(  # noqa: ANN001
+        ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions,
+        sinks: Tensor | None = None,
+    ) -> Tensor:
+        out_acc, lse = allgather_forward(q, k, v, group, opts, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.opts = group, opts
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.opts)
-        return dq, dk, dv, None, None
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dk, dv, None, None, dsinks

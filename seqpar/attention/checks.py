@@ -2,23 +2,37 @@
 
 Local checks (shapes, dtypes, devices, divisibility) give the same verdict on every rank as long as
 every rank passes the same shapes. That is itself checked first, across ranks, by all-gathering a
-few integers that describe the call: if any rank differs, every rank raises the same error naming
-each rank's shapes, instead of some ranks entering a collective the others never reach.
+digest of the integers that describe the call (:mod:`seqpar.comm.agree`): if any rank differs, every
+rank raises the same error naming each rank's shapes, instead of some ranks entering a collective the
+others never reach. That check costs a device-to-host read, so a swapped model makes it once per
+batch for all its layers (:mod:`seqpar.swap.batch`) and its layers skip the per-call check.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.comm.compat import all_gather_into
+from seqpar.comm.agree import rows_across_ranks
 from seqpar.config import MODES, SHARDINGS
 
-__all__ = ["check_options", "check_local", "check_across_ranks", "resolve_head_chunks", "AUTO_HEAD_CHUNKS"]
+__all__ = [
+    "check_options",
+    "check_local",
+    "check_across_ranks",
+    "describe_call",
+    "resolve_head_chunks",
+    "AUTO_HEAD_CHUNKS",
+]
 
+# attention also takes the per-batch "balanced" layout (seqpar.sharding), which needs the document
+# boundaries and so is not a training-config sharding
+_SHARDINGS = (*SHARDINGS, "balanced")
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-_META_LEN = 1 + 3 * 5 + 5  # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks
+_BASE_LEN = 1 + 3 * 5 + 5  # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks
 
 # "auto" head chunks: up to 4 passes. At P = 4 that brings the ring's peak per rank from ~19 blocks
 # of S/P to ~11 (inputs, output and gradients are 8 of them); more chunks save less and add messages.
@@ -43,8 +57,8 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int) -> int:
 def check_options(mode: str, sharding: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}")
-    if sharding not in SHARDINGS:
-        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
+    if sharding not in _SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(_SHARDINGS)}")
 
 
 def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
@@ -89,11 +103,13 @@ def _describe(t: Tensor) -> list[int]:
     return [t.dim(), *dims]
 
 
-def check_across_ranks(
-    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
-    head_chunks: int | str = "auto",
-) -> None:
-    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options."""
+def describe_call(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, mode: str, sharding: str,
+    head_chunks: int | str = "auto", extra: Sequence[int] = (),
+) -> list[int]:
+    """The row of integers the ranks of a group must agree on for one attention call:
+    ``[tag, 3 x (ndim, 4 dims), dtype, device type, causal, mode/sharding, head chunks, len(extra),
+    *extra]``."""
     meta = [1]
     for t in (q, k, v):
         meta += _describe(t)
@@ -101,30 +117,51 @@ def check_across_ranks(
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
         {"cpu": 0, "cuda": 1}.get(q.device.type, 2),
         int(causal),
-        MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
+        MODES.index(mode) * len(_SHARDINGS) + _SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
     ]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(meta, dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
-    everyone = torch.empty(world * _META_LEN, dtype=torch.int64, device=device)
-    all_gather_into(everyone, mine, group=group)
-    rows = everyone.view(world, _META_LEN).cpu().tolist()
-    if all(row == rows[0] for row in rows):
+    extra = [int(x) for x in extra]
+    return meta + [len(extra), *extra]
+
+
+def _show(row: list[int]) -> str:
+    shapes = []
+    for i, name in enumerate("qkv"):
+        nd, *dims = row[1 + 5 * i: 6 + 5 * i]
+        shapes.append(f"{name}{tuple(d for d in dims[:nd] if d >= 0)}")
+    dt = _DTYPES[row[16]] if 0 <= row[16] < len(_DTYPES) else "?"
+    chunks = "auto" if row[20] == 0 else row[20]
+    text = f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks}"
+    extra = row[_BASE_LEN + 1:]
+    return f"{text} extra={extra}" if extra else text
+
+
+def check_across_ranks(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
+    head_chunks: int | str = "auto", extra: Sequence[int] = (),
+) -> None:
+    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options.
+
+    Args:
+        q, k, v: this rank's ``(batch, heads, seq_local, head_dim)`` inputs (only shapes, dtype and
+            device are read).
+        group: the SP group; collective: every rank of it must call this.
+        causal, mode, sharding, head_chunks: the call's options.
+        extra: more integers every rank must agree on (a mask description, a pattern, ...);
+            compared with their length, so ranks may even pass different lengths.
+    Raises:
+        ValueError: on every rank, naming each rank's inputs.
+    Cost: one all-gather of 3 int64 and one device-to-host read (seqpar.comm.agree).
+    """
+    row = describe_call(q, k, v, causal=causal, mode=mode, sharding=sharding,
+                        head_chunks=head_chunks, extra=extra)
+    rows = rows_across_ranks(row, group)
+    if rows is None:
         return
-
-    def show(row: list[int]) -> str:
-        shapes = []
-        for i, name in enumerate("qkv"):
-            nd, *dims = row[1 + 5 * i: 6 + 5 * i]
-            shapes.append(f"{name}{tuple(d for d in dims[:nd] if d >= 0)}")
-        dt = _DTYPES[row[16]] if 0 <= row[16] < len(_DTYPES) else "?"
-        chunks = "auto" if row[20] == 0 else row[20]
-        return f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks}"
-
-    detail = "; ".join(f"rank {r}: {show(row)}" for r, row in enumerate(rows))
+    detail = "; ".join(f"rank {r}: {_show(row)}" for r, row in enumerate(rows))
     raise ValueError(
         "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
         f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
-        "seq_local and head_dim, same dtype and options (shard with seqpar.shard_sequence)."
+        "seq_local and head_dim, same dtype and options; cu_seqlens, window and sinks, when given: the "
+        "same on every rank, as is a dilated pattern (shard with seqpar.shard_sequence)."
     )

@@ -102,6 +102,7 @@ __all__ = [
     "PatternPlan",
     "DilatedPlan",
     "check_pattern",
+    "pattern_row",
     "plan_dilated",
     "dilated_forward",
     "dilated_backward",
@@ -627,6 +628,19 @@ class DilatedAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public entry
+def pattern_row(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], head_layout: str
+) -> list[int]:
+    """The dilated pattern as integers for the cross-rank check (invalid entries become -1; they are
+    refused by :func:`check_pattern` right after)."""
+
+    def ints(xs: Sequence[int]) -> list[int]:
+        return [x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in xs]
+
+    layout = HEAD_LAYOUTS.index(head_layout) if head_layout in HEAD_LAYOUTS else -1
+    return [len(segment_lengths), *ints(segment_lengths), len(dilation_rates), *ints(dilation_rates), layout]
+
+
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -673,11 +687,23 @@ def dilated_attention(
             "already does the same work, which is what zigzag buys dense causal attention. Shard the "
             "sequence with seqpar.shard_sequence(x, dim, sharding='contiguous')"
         )
+    if mode in ("ulysses", "hybrid"):
+        raise ValueError(
+            f"dilated attention runs with mode='ring' or 'allgather' (or 'auto', which picks one of them), "
+            f"not mode={mode!r}: its segments exchange selected rows between the ranks of a segment"
+        )
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     if check_inputs and world > 1:
-        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding)
+        # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
+        # mismatched collectives, so it is part of what every rank must agree on.
+        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
+                           extra=pattern_row(segment_lengths, dilation_rates, head_layout))
+    if mode == "auto":
+        from seqpar.costmodel import choose_mode
+
+        mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"})
     check_local(q, k, v, world_size=world, sharding=sharding)
     check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
                   seq_local=q.shape[2], world_size=world)

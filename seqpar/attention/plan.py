@@ -17,11 +17,16 @@ __all__ = ["BlockCall", "plan_blocks", "head_chunk_slices"]
 
 @dataclass(frozen=True)
 class BlockCall:
-    """One kernel call: ``q[:, :, q_rows]`` against ``k[:, :, k_rows]`` (local row ranges)."""
+    """One kernel call: ``q[:, :, q_rows]`` against ``k[:, :, k_rows]`` (local row ranges).
+
+    ``causal``: row x sees key y <= x (top-left); ``anti``: row x sees key y >= x (a square whose
+    rows and keys run backwards is causal: see :mod:`seqpar.attention.common`); neither: all keys.
+    """
 
     q_rows: slice
     k_rows: slice
     causal: bool
+    anti: bool = False
 
 
 def plan_blocks(

@@ -1,6 +1,7 @@
 """``python -m seqpar.bench <suite> [options]`` (also ``seqpar-bench``): see BENCHMARKS.md.
 
-Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``. Presets: ``--quick``
+Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``; ``gpu-check`` (its own
+flags, see :mod:`seqpar.bench.gpu_check`) is the GPU run-book. Presets: ``--quick``
 (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
@@ -185,6 +186,11 @@ def replot(name: str, out_dir: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["gpu-check"]:  # the GPU run-book: a command of its own, not a suite
+        from seqpar.bench.gpu_check import main as gpu_check_main
+
+        return gpu_check_main(argv[1:])
     args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.replot:

@@ -46,6 +46,7 @@ from seqpar.bench.runner import (
     sync,
     time_step,
 )
+from seqpar.comm.loopback import LoopbackComm
 from seqpar.comm.ring import Pending
 
 __all__ = [
@@ -54,6 +55,9 @@ __all__ = [
     "METHODS",
     "make_inputs",
     "dilated_pattern",
+    "dilated_problem",
+    "case_problem",
+    "forward_fn",
     "run_case",
     "LoopbackComm",
     "simulate_rank",
@@ -131,7 +135,7 @@ def dilated_pattern(seq_len: int) -> tuple[list[int], list[int]]:
     return [seq_len // 4, seq_len // 2, seq_len], [1, 2, 4]
 
 
-def _dilated_problem(seq_len: int, world: int, shape: BenchShape) -> str | None:
+def dilated_problem(seq_len: int, world: int, shape: BenchShape) -> str | None:
     """Why the dilated method cannot run this case, or ``None``."""
     try:
         mod = importlib.import_module("seqpar.attention.dilated")
@@ -152,7 +156,7 @@ def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: Ben
     if method == "sdpa":
         return None if world == 1 else "sdpa is the single-process reference (P = 1 only)"
     if method == "dilated":
-        return _dilated_problem(seq_len, world, shape)
+        return dilated_problem(seq_len, world, shape)
     if world == 1:
         return f"{method} with P = 1 is plain SDPA (measured as 'sdpa')"
     chunks = 2 * world if causal else world
@@ -162,10 +166,29 @@ def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: Ben
 
 
 def _sharding(method: str, causal: bool) -> str:
-    return "zigzag" if causal and method in ("ring", "allgather") else "contiguous"
+    # Ulysses holds the whole sequence after its all-to-all: causal work is balanced whatever the cut
+    return "zigzag" if causal and method in ("ring", "allgather", "hybrid") else "contiguous"
 
 
-def _forward_fn(
+# seqpar's Ulysses under a name that does not clash with the peers suite's "ulysses" (DeepSpeed's)
+SEQPAR_MODE_OF_METHOD = {"seqpar_ulysses": "ulysses"}
+_HYBRID_MANAGERS: dict[int, Any] = {}
+
+
+def hybrid_manager(world: int) -> Any:
+    """A (P/2) x 2 process-group manager for ``method="hybrid"`` (Ulysses pairs, ring across them), made
+    once per pool: group creation is collective, every rank gets here on the same call."""
+    if world not in _HYBRID_MANAGERS:
+        import seqpar
+
+        _HYBRID_MANAGERS[world] = seqpar.init_process_groups(sp_size=world, ulysses_size=2 if world % 2 == 0 else 1)
+    from seqpar.groups import set_default_manager
+
+    set_default_manager(_HYBRID_MANAGERS[world])
+    return _HYBRID_MANAGERS[world]
+
+
+def forward_fn(
     method: str, causal: bool, seq_len: int, head_chunks: int | str = "auto"
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """The attention call of ``method`` on this rank's shard."""
@@ -184,9 +207,14 @@ def _forward_fn(
     import seqpar
 
     sharding = _sharding(method, causal)
+    mode = SEQPAR_MODE_OF_METHOD.get(method, method)
+    if mode == "hybrid":
+        import torch.distributed as dist
+
+        hybrid_manager(dist.get_world_size())
 
     def distributed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return seqpar.attention(q, k, v, causal=causal, mode=method, sharding=sharding, head_chunks=head_chunks)
+        return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks)
     return distributed
 
 
@@ -213,12 +241,10 @@ class PhaseTimer:
 
 
 _PHASE_TARGETS = (
-    ("seqpar.attention.ring", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.ring", "block_backward", "kernel_bwd"),
-    ("seqpar.attention.ring", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.allgather", "merge_owned_into", "merge"),
-    ("seqpar.attention.allgather", "block_backward", "kernel_bwd"),
+    # ring and all-gather run their kernels and merges through the shared piece helpers
+    ("seqpar.attention.common", "block_forward", "kernel_fwd"),
+    ("seqpar.attention.common", "block_backward", "kernel_bwd"),
+    ("seqpar.kernels.merge", "merge_into", "merge"),
     ("seqpar.attention.allgather", "all_gather_into", "collective"),
     ("seqpar.attention.allgather", "reduce_scatter_into", "collective"),
     ("seqpar.attention.dilated", "block_forward", "kernel_fwd"),
@@ -293,7 +319,7 @@ def run_case(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: B
     and a phase profile. Returns this rank's raw records."""
     torch.manual_seed(settings.seed)
     seq_local = seq_len // ctx.world_size
-    fwd = _forward_fn(method, causal, seq_len, shape.head_chunks)
+    fwd = forward_fn(method, causal, seq_len, shape.head_chunks)
     rec = _timed(ctx, fwd, shape, seq_local, settings)
     if settings.memory:
         def fresh_step() -> None:
@@ -355,50 +381,6 @@ def attach_ideal(rows: list[dict[str, Any]]) -> None:
 
 
 # ---------------------------------------------------------------------------- one-GPU simulation
-class LoopbackComm:
-    """Rank ``rank`` of a ``world_size``-rank ring whose neighbours this rank plays itself.
-
-    ``exchange`` "receives" a copy of what it sends, so the ring code runs each of its P steps on
-    K/V blocks (and dK/dV accumulators) of the right shape, with the causal plan of the right source
-    rank (the plan depends on ranks, not on values). ``transfer=False`` hands the sent tensors back
-    with no copy at all (compute alone). On CUDA the copy runs on a side stream, as a real transfer
-    would, and ``wait`` makes the compute stream wait for it; on CPU it is a plain copy.
-    """
-
-    def __init__(self, rank: int, world_size: int, *, transfer: bool = True) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.transfer = transfer
-        self.bytes_sent = 0
-        self._stream: Any = None
-
-    def exchange(self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0) -> Pending:
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
-        if not self.transfer:
-            sent = list(tensors)
-            return Pending(lambda: None, sent)
-        recv = list(out) if out is not None else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-        dev = tensors[0].device
-        if dev.type != "cuda":
-            for r, t in zip(recv, tensors):
-                r.copy_(t)
-            return Pending(lambda: None, recv)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=dev)
-        side, main = self._stream, torch.cuda.current_stream(dev)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            for r, t in zip(recv, tensors):
-                r.copy_(t, non_blocking=True)
-                t.record_stream(side)
-                r.record_stream(side)
-
-        def finish() -> None:
-            main.wait_stream(side)
-
-        return Pending(finish, recv)
-
-
 def _simulated_times(ctx: RankContext, seq_local: int, world: int, rank: int, opts_kw: dict[str, Any],
                      shape: BenchShape, settings: Settings) -> dict[str, Any]:
     from seqpar.attention.ring import AttentionOptions, RingAttention

@@ -1,16 +1,20 @@
 """The ``comm`` suite: bytes each rank sends per attention call (one layer), against the theory.
 
-Bytes are counted inside the ranks by wrapping torch.distributed's own entry points while one
-forward+backward runs, so the figure is what goes on the wire, not what seqpar's counters say:
-``batch_isend_irecv`` (the bytes of every isend), ``all_gather_*`` ((P-1) x the input: a ring
-all-gather sends every block but one's own), ``reduce_scatter_*`` ((P-1) x the output),
-``all_to_all_single`` ((P-1)/P of the input) and ``all_reduce`` (2 (P-1)/P of the tensor).
+Bytes are counted inside the ranks by :func:`seqpar.comm.traffic.counting`, which wraps
+torch.distributed's own entry points (and seqpar's collective helpers) while one forward+backward
+runs, so the figure is what goes on the wire, not what seqpar's counters say; its docstring gives the
+bytes charged per call.
 
 Theory per rank, with ``B`` one rank's K (or V) block in the input dtype and ``B32`` the same in fp32:
 
 - ring:      forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (the K/V again, the travelling dK/dV)
 - allgather: forward 2 (P-1) B;   backward 2 (P-1) B + 2 (P-1) B32 (re-gather, reduce-scatter dK/dV)
 - ulysses:   forward (P-1)/P (2 Q + 2 K) (all-to-all of q, k, v and of the output); backward the same
+- seqpar_ulysses (u = P) / hybrid (u = 2, ring over P/2 super-ranks), with ``h = max(kv_heads / u, 1)``
+  K/V heads per rank and ``Qr``, ``Kr`` one rank's q / one K/V head's block: forward (u-1)/u ((2 q_heads
+  + 2 u h) Kr) (one packed q/k/v all-to-all + the output's); backward the same (dout + packed dq/dk/dv);
+  the hybrid adds the ring across super-ranks on blocks of h heads x u L rows: 2 (P/u - 1) blocks
+  forward, 2 (P/u - 1) blocks + 2 (P/u - 1) fp32 dK/dV backward
 - dilated:   see :mod:`seqpar.attention.dilated` (depends on the pattern); measured only
 
 plus a few bytes for seqpar's cross-rank shape check. The suite also times one K/V block exchange
@@ -19,11 +23,10 @@ between ring neighbours to show what the transport costs next to the compute of 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,16 +35,17 @@ import torch.distributed as dist
 
 from seqpar.bench.attention import (
     BenchShape,
-    _dilated_problem,
-    _forward_fn,
+    dilated_problem,
+    forward_fn,
     make_inputs,
     shape_from_args,
 )
 from seqpar.bench.runner import RankContext, RankPool, sync
+from seqpar.comm.traffic import counting
 
 __all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
 
-_MODES = ("ring", "allgather", "ulysses", "dilated")
+_MODES = ("ring", "allgather", "ulysses", "seqpar_ulysses", "hybrid", "dilated")
 
 
 @dataclass(frozen=True)
@@ -57,90 +61,33 @@ class CommConfig:
     repeats: int = 5
 
 
-def _tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs[name]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-# name -> (kind, bytes this rank sends given (world, args, kwargs)). dist.isend / dist.send are left
-# alone: P2POp checks them by identity, and seqpar's ring posts them through batch_isend_irecv.
-_COUNTERS: dict[str, tuple[str, Callable[[int, tuple[Any, ...], dict[str, Any]], int]]] = {
-    "batch_isend_irecv": ("p2p", lambda w, a, k: sum(
-        _nbytes(op.tensor) for op in _tensor_arg(a, k, 0, "p2p_op_list") if op.op is dist.isend)),
-    "all_gather_single": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "input_tensor"))),
-    "all_gather_into_tensor": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "input_tensor"))),
-    "all_gather": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 1, "tensor"))),
-    "reduce_scatter_single": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 0, "output"))),
-    "reduce_scatter_tensor": ("collective", lambda w, a, k: (w - 1) * _nbytes(_tensor_arg(a, k, 0, "output"))),
-    "all_to_all_single": ("collective", lambda w, a, k: _nbytes(_tensor_arg(a, k, 1, "input")) * (w - 1) // w),
-    "all_reduce": ("collective", lambda w, a, k: 2 * _nbytes(_tensor_arg(a, k, 0, "tensor")) * (w - 1) // w),
-}
-
-
-@contextlib.contextmanager
-def _counting(world: int) -> Iterator[dict[str, int]]:
-    """Count bytes sent by this rank through torch.distributed while the block runs (also through
-    the aliases seqpar.comm.compat resolved at import time)."""
-    import seqpar.comm.compat as compat
-
-    sent = {"p2p": 0, "collective": 0}
-    saved: list[tuple[Any, str, Any]] = []
-
-    def counted(fn: Callable[..., Any], kind: str, nbytes: Callable[..., int]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            sent[kind] += nbytes(world, args, kwargs)
-            return fn(*args, **kwargs)
-        return call
-
-    originals = {}
-    for name, (kind, nbytes) in _COUNTERS.items():
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            originals[fn] = (kind, nbytes)
-            saved.append((dist, name, fn))
-            setattr(dist, name, counted(fn, kind, nbytes))
-    for alias in ("_all_gather", "_reduce_scatter"):
-        fn = getattr(compat, alias, None)
-        if fn in originals:
-            saved.append((compat, alias, fn))
-            setattr(compat, alias, counted(fn, *originals[fn]))
-    try:
-        yield sent
-    finally:
-        for obj, name, fn in reversed(saved):
-            setattr(obj, name, fn)
-
-
 def count_bytes(ctx: RankContext, mode: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> dict[str, int]:
     """Bytes this rank sends in one forward and one backward of ``mode``."""
     seq_local = seq_len // ctx.world_size
     if mode == "ulysses":
         from deepspeed.sequence.layer import DistributedAttention
 
-        from seqpar.bench.peers import _deepspeed_ready, _SDPALocal, _ulysses_inputs
+        from seqpar.bench.peers import SDPALocal, deepspeed_ready, ulysses_inputs
 
-        _deepspeed_ready(ctx.device)
-        attn = DistributedAttention(_SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
-        q, k, v, dout = _ulysses_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
+        deepspeed_ready(ctx.device)
+        attn = DistributedAttention(SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
+        q, k, v, dout = ulysses_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
 
         def fwd() -> torch.Tensor:
             return attn(q, k, v, 0)
     else:
-        f = _forward_fn(mode, causal, seq_len, shape.head_chunks)
+        f = forward_fn(mode, causal, seq_len, shape.head_chunks)
         q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
 
         def fwd() -> torch.Tensor:
             return f(q, k, v)
 
-    with _counting(ctx.world_size) as sent:
+    with counting(ctx.world_size) as sent:
         out = fwd()
-        f_bytes = dict(sent)
+        f = sent.snapshot()
         out.backward(dout)
-    return {"fwd": sum(f_bytes.values()), "bwd": sum(sent.values()) - sum(f_bytes.values()),
-            "fwd_p2p": f_bytes["p2p"], "bwd_p2p": sent["p2p"] - f_bytes["p2p"]}
+    f_total, total = f.p2p_bytes + f.collective_bytes, sent.p2p_bytes + sent.collective_bytes
+    return {"fwd": f_total, "bwd": total - f_total, "fwd_p2p": f.p2p_bytes, "bwd_p2p": sent.p2p_bytes - f.p2p_bytes}
 
 
 def exchange_time(ctx: RankContext, seq_len: int, shape: BenchShape, seed: int, repeats: int) -> float:
@@ -172,6 +119,13 @@ def theory(mode: str, seq_len: int, world: int, shape: BenchShape) -> dict[str, 
     if mode == "ulysses":
         per = (2 * elems_q + 2 * elems_kv) * e * (world - 1) // world
         return {"fwd": per, "bwd": per}
+    if mode in ("seqpar_ulysses", "hybrid"):
+        u = world if mode == "seqpar_ulysses" else 2
+        h = max(shape.kv_heads // u, 1)
+        head = elems_kv // shape.kv_heads  # one head of one rank's rows
+        per = (2 * shape.q_heads + 2 * u * h) * head * e * (u - 1) // u
+        ring, blk = world // u, h * u * head  # super-ranks; a super-rank's K (or V) block
+        return {"fwd": per + 2 * (ring - 1) * blk * e, "bwd": per + 2 * (ring - 1) * blk * (e + a)}
     return None
 
 
@@ -193,8 +147,16 @@ def count(cfg: CommConfig) -> int:
 def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> str | None:
     if mode == "ulysses" and (shape.kv_heads % world or shape.q_heads % world):
         return f"Ulysses needs q_heads and kv_heads divisible by P={world}"
+    if mode in ("seqpar_ulysses", "hybrid"):
+        from seqpar.costmodel import ulysses_heads_ok
+
+        u = world if mode == "seqpar_ulysses" else 2
+        if mode == "hybrid" and (world < 4 or world % 2):
+            return f"the (P/2) x 2 hybrid needs an even P >= 4, not P={world}"
+        if not ulysses_heads_ok(shape.q_heads, shape.kv_heads, u):
+            return f"q_heads={shape.q_heads}, kv_heads={shape.kv_heads} do not split over {u} Ulysses ranks"
     if mode == "dilated":
-        return _dilated_problem(seq_len, world, shape)
+        return dilated_problem(seq_len, world, shape)
     if seq_len % (2 * world if causal else world):
         return f"S={seq_len} does not split into {2 * world if causal else world} chunks"
     return None

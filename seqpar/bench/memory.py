@@ -1,6 +1,7 @@
 """The ``memory`` suite: peak bytes per rank against S, the largest S a budget fits, the estimator.
 
-For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring`` and ``allgather``
+For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring``, ``allgather``,
+``seqpar_ulysses`` and the ``hybrid`` ((P/2) x 2, P >= 4) where the head counts allow them
 (inputs, outputs and gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA) and
 prints :func:`seqpar.memory.estimate_memory`'s prediction beside it. Then, for a per-rank budget, it
 asks the estimator for the largest S each method fits and measures that S to confirm it fits.
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from seqpar.bench.attention import BenchShape, _forward_fn, make_inputs, shape_from_args
+from seqpar.bench.attention import BenchShape, forward_fn, make_inputs, shape_from_args
 from seqpar.bench.runner import RankContext, RankPool, peak_memory
 from seqpar.memory import estimate_memory, max_seq_len
 
@@ -40,7 +41,7 @@ class MemoryConfig:
 
 def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> int:
     """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included."""
-    fwd = _forward_fn(method, causal, seq_len, shape.head_chunks)
+    fwd = forward_fn(method, causal, seq_len, shape.head_chunks)
     seq_local = seq_len // ctx.world_size
 
     def step() -> None:
@@ -50,18 +51,38 @@ def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shap
     return peak_memory(step, ctx.device)
 
 
+def _estimator_mode(method: str) -> str:
+    return {"sdpa": "single", "seqpar_ulysses": "ulysses"}.get(method, method)
+
+
+def _methods(world: int, shape: BenchShape) -> list[str]:
+    """What runs at P = world: SDPA alone at P = 1; ring, all-gather, and Ulysses / the (P/2) x 2 hybrid
+    where the head counts allow them (see seqpar.costmodel.ulysses_heads_ok)."""
+    from seqpar.costmodel import ulysses_heads_ok
+
+    if world == 1:
+        return ["sdpa"]
+    methods = ["ring", "allgather"]
+    if ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
+        methods.append("seqpar_ulysses")
+    if world > 2 and world % 2 == 0 and ulysses_heads_ok(shape.q_heads, shape.kv_heads, 2):
+        methods.append("hybrid")
+    return methods
+
+
 def _estimate(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> int:
-    return estimate_memory(seq_len, world_size=world, mode="single" if method == "sdpa" else method,
+    return estimate_memory(seq_len, world_size=world, mode=_estimator_mode(method),
                            batch=shape.batch, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
                            head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
-                           head_chunks=shape.head_chunks)
+                           head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None)
 
 
 def _largest(method: str, world: int, causal: bool, cfg: MemoryConfig) -> int:
     s = cfg.shape
-    return max_seq_len(cfg.budget_bytes, world_size=world, mode="single" if method == "sdpa" else method,
+    return max_seq_len(cfg.budget_bytes, world_size=world, mode=_estimator_mode(method),
                        batch=s.batch, q_heads=s.q_heads, kv_heads=s.kv_heads, head_dim=s.head_dim,
-                       dtype=s.torch_dtype, causal=causal, multiple=64, head_chunks=s.head_chunks)
+                       dtype=s.torch_dtype, causal=causal, multiple=64, head_chunks=s.head_chunks,
+                       ulysses_size=2 if method == "hybrid" else None)
 
 
 def configure(args: Any) -> Any:
@@ -85,8 +106,8 @@ def count(cfg: MemoryConfig) -> int:
         from seqpar.bench import model_memory
 
         return model_memory.count(cfg)
-    per_causal = len(cfg.seq_lens) * (1 + 2 * len(cfg.worlds)) + 1 + 2 * len(cfg.worlds)
-    return per_causal * len(cfg.causal)
+    runs = sum(len(_methods(w, cfg.shape)) for w in [1, *cfg.worlds])
+    return (len(cfg.seq_lens) + 1) * runs * len(cfg.causal)
 
 
 def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -102,7 +123,7 @@ def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
             skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
-        methods = ["sdpa"] if world == 1 else ["ring", "allgather"]
+        methods = _methods(world, cfg.shape)
         with RankPool(world, device=cfg.device) as pool:
             for causal in cfg.causal:
                 for method in methods:

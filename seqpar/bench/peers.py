@@ -2,6 +2,9 @@
 
 - ``sdpa``: single-process SDPA on the full sequence (the reference; ideal = its time / P).
 - ``seqpar ring`` / ``seqpar allgather``: :func:`seqpar.attention` (causal: zigzag).
+- ``seqpar ulysses``: ``mode="ulysses"`` (contiguous shards: after its all-to-all each rank holds the
+  whole sequence). ``seqpar hybrid``: ``mode="hybrid"`` on a (P/2) x 2 grid (Ulysses pairs, ring across
+  them; causal: zigzag), at P >= 4.
 - ``deepspeed ulysses``: ``deepspeed.sequence.layer.DistributedAttention`` with SDPA as its local
   attention. Its inputs are ``(batch, seq_local, heads, head_dim)`` (what it expects with
   ``scatter_idx=2, gather_idx=1, batch_dim_idx=0``); the local attention transposes to SDPA's layout
@@ -48,11 +51,15 @@ from seqpar.bench.runner import (
     time_step,
 )
 
-__all__ = ["PEERS", "PeersConfig", "configure", "count", "run", "render", "plots"]
+__all__ = [
+    "PEERS", "PeersConfig", "SDPALocal", "deepspeed_ready", "ulysses_inputs",
+    "configure", "count", "run", "render", "plots",
+]
 
-PEERS = ("sdpa", "ring", "allgather", "ulysses", "context_parallel", "ring_flash_attn")
+PEERS = ("sdpa", "ring", "allgather", "seqpar_ulysses", "hybrid", "ulysses", "context_parallel", "ring_flash_attn")
 _LABELS = {
     "sdpa": "single-process SDPA", "ring": "seqpar ring", "allgather": "seqpar allgather",
+    "seqpar_ulysses": "seqpar ulysses", "hybrid": "seqpar hybrid (P/2 x 2)",
     "ulysses": "deepspeed ulysses", "context_parallel": "torch context_parallel", "ring_flash_attn": "ring-flash-attn",
 }
 
@@ -73,7 +80,7 @@ class PeersConfig:
 
 
 # ------------------------------------------------------------------------------------ Ulysses
-class _SDPALocal(nn.Module):
+class SDPALocal(nn.Module):
     """Ulysses' local attention: ``(batch, seq, heads, head_dim)`` in and out, SDPA inside."""
 
     def __init__(self, causal: bool) -> None:
@@ -89,15 +96,17 @@ class _SDPALocal(nn.Module):
         return out.transpose(1, 2)
 
 
-def _deepspeed_ready(device: torch.device) -> None:
+def deepspeed_ready(device: torch.device) -> None:
+    """Start DeepSpeed's communication layer on the running process group (once per process)."""
     import deepspeed
 
     if not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
 
 
-def _ulysses_inputs(shape: BenchShape, seq_local: int, device: torch.device, seed: int) -> tuple[Tensor, ...]:
-    # the same values as the seqpar inputs, laid out (B, S_local, H, D)
+def ulysses_inputs(shape: BenchShape, seq_local: int, device: torch.device, seed: int) -> tuple[Tensor, ...]:
+    """``q, k, v, dout`` with the same values as :func:`make_inputs`, laid out ``(batch, seq_local, heads, head_dim)``
+    as DeepSpeed's ``DistributedAttention`` takes them."""
     q, k, v, dout = make_inputs(shape, seq_local, device, seed, requires_grad=False)
     return tuple(x.transpose(1, 2).contiguous().requires_grad_(i < 3) for i, x in enumerate((q, k, v, dout)))
 
@@ -109,7 +118,7 @@ def _time_and_peak(
     """Time fwd+bwd of ``call(q, k, v)`` on ``(batch, seq_local, heads, head_dim)`` inputs, and (with
     ``settings.memory``) its peak memory over one step on fresh inputs."""
     def inputs() -> tuple[Tensor, ...]:
-        return _ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
+        return ulysses_inputs(shape, seq_local, ctx.device, settings.seed + ctx.rank)
 
     q, k, v, dout = inputs()
 
@@ -133,9 +142,9 @@ def run_ulysses(ctx: RankContext, seq_len: int, causal: bool, shape: BenchShape,
     """Time DeepSpeed Ulysses forward+backward on this rank (contiguous shards)."""
     from deepspeed.sequence.layer import DistributedAttention
 
-    _deepspeed_ready(ctx.device)
+    deepspeed_ready(ctx.device)
     seq_local = seq_len // ctx.world_size
-    attn = DistributedAttention(_SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
+    attn = DistributedAttention(SDPALocal(causal), dist.group.WORLD, scatter_idx=2, gather_idx=1)
 
     return _time_and_peak(ctx, shape, seq_local, settings, lambda q, k, v: attn(q, k, v, 0))
 
@@ -280,8 +289,22 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
         if cfg.shape.kv_heads % world or cfg.shape.q_heads % world:
             uly_why = (f"Ulysses splits heads over ranks: q_heads={cfg.shape.q_heads} and kv_heads="
                        f"{cfg.shape.kv_heads} must be multiples of P={world}")
+        from seqpar.costmodel import ulysses_heads_ok
+
+        hq, hkv = cfg.shape.q_heads, cfg.shape.kv_heads
+        ours_why = {
+            "seqpar_ulysses": None if ulysses_heads_ok(hq, hkv, world) else
+            f"q_heads={hq} must be a multiple of P={world} and kv_heads={hkv} a multiple or divisor of it",
+            "hybrid": None if world >= 4 and world % 2 == 0 and ulysses_heads_ok(hq, hkv, 2) else
+            f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two",
+        }
         for s, c in cases:
             jobs += [("ring", world, s, c), ("allgather", world, s, c)]
+            for mode, why in ours_why.items():
+                if why:
+                    _skip(rows, mode, world, s, c, why)
+                else:
+                    jobs.append((mode, world, s, c))
             for peer, why in (("ulysses", uly_why), ("context_parallel", cp_why), ("ring_flash_attn", ring_flash_why)):
                 if why:
                     _skip(rows, peer, world, s, c, why)

@@ -52,10 +52,11 @@ class RingExchange(Protocol):
     bytes_sent: int
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
     ) -> Pending:
         """Start sending ``tensors`` to the next rank and receiving same-shaped ones from the previous
-        rank (into ``out`` when given)."""
+        rank (into ``out`` when given). ``shift``: send to rank + shift and receive from rank - shift
+        instead (mod P; a ring whose blocks stop early sends their gradients home in one message)."""
         ...
 
 
@@ -82,14 +83,18 @@ class RingComm:
         self.bytes_sent = 0
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
     ) -> Pending:
         recv = _recv_buffers(tensors, out)
+        dst, src = self.next_rank, self.prev_rank
+        if shift % self.world_size != 1:
+            dst = dist.get_global_rank(self.group, (self.rank + shift) % self.world_size)
+            src = dist.get_global_rank(self.group, (self.rank - shift) % self.world_size)
         ops = []
         for i, (t, r) in enumerate(zip(tensors, recv)):
             tag = channel * _MAX_TENSORS_PER_EXCHANGE + i
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next_rank, self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev_rank, self.group, tag))
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, self.group, tag))
+            ops.append(dist.P2POp(dist.irecv, r, src, self.group, tag))
             self.bytes_sent += t.numel() * t.element_size()
         works = dist.batch_isend_irecv(ops)
 
@@ -154,10 +159,10 @@ class ThreadRingComm:
         self.bytes_sent = 0
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
     ) -> Pending:
         recv = _recv_buffers(tensors, out)
-        nxt, prv = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        nxt, prv = (self.rank + shift) % self.world_size, (self.rank - shift) % self.world_size
         for i, t in enumerate(tensors):
             self.ring._box(self.rank, nxt, channel * _MAX_TENSORS_PER_EXCHANGE + i).put(t.clone())
             self.bytes_sent += t.numel() * t.element_size()

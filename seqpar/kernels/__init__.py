@@ -1,6 +1,9 @@
 """Local attention kernels: one block of queries against one block of keys, and the LSE merge."""
 
 from seqpar.kernels.local import block_backward, block_forward, lse_dtype
-from seqpar.kernels.merge import merge_into, merge_owned_into, new_accumulators
+from seqpar.kernels.merge import Partials, add_sink, merge_into, new_accumulators, sink_grad
 
-__all__ = ["block_forward", "block_backward", "lse_dtype", "merge_into", "merge_owned_into", "new_accumulators"]
+__all__ = [
+    "block_forward", "block_backward", "lse_dtype", "merge_into", "add_sink", "Partials", "new_accumulators",
+    "sink_grad",
+]

@@ -16,18 +16,34 @@ full, or diagonal with len_q == len_k).
 
 Backends, chosen per call:
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward). Handles GQA natively.
-- CUDA: the flash kernel for fp16/bf16 with head_dim <= 256, else the memory-efficient kernel
-  (it pads lse to a multiple of 32 rows, sliced off here); both need equal head counts, so K/V are
-  expanded for GQA and dK/dV summed back over the group.
-- anything else: an exact math fallback computed in fp32 (or fp64).
+- CUDA: the kernel torch's SDPA would choose for the same shapes, flags and device
+  (:mod:`seqpar.kernels.backends`): flash (GQA native: K/V go in at kv_heads and dK/dV come back at
+  kv_heads), memory-efficient (K/V expanded for GQA, dK/dV summed back over the group) or cuDNN (K/V
+  expanded likewise). Head dims the kernel cannot take are zero-padded and sliced back (exact).
+- anything else (fp64, ROCm, every fused kernel refused): an exact math fallback in fp32 (or fp64).
+
+The module uses ``narrow``/``unsqueeze``/``view``/``expand`` and never Python indexing of tensors:
+indexing a fake CUDA tensor on a CPU-only build raises, and views keep the code traceable.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["block_forward", "block_backward", "lse_dtype"]
+import seqpar.kernels.backends as backends
+from seqpar.kernels.backends import (
+    Backend,
+    BlockSpec,
+    DeviceCaps,
+    choose_backend,
+    efficient_alignment,
+)
+
+__all__ = ["block_forward", "block_backward", "cuda_backend", "lse_dtype"]
 
 _aten = torch.ops.aten
 
@@ -51,7 +67,7 @@ def _expand_kv(x: Tensor, group: int) -> Tensor:
     if group == 1:
         return x
     b, h, n, d = x.shape
-    return x[:, :, None].expand(b, h, group, n, d).reshape(b, h * group, n, d)
+    return x.unsqueeze(2).expand(b, h, group, n, d).reshape(b, h * group, n, d)
 
 
 def _fold_kv_grad(dx: Tensor, group: int) -> Tensor:
@@ -59,15 +75,67 @@ def _fold_kv_grad(dx: Tensor, group: int) -> Tensor:
     if group == 1:
         return dx
     b, hg, n, d = dx.shape
-    return dx.view(b, hg // group, group, n, d).sum(dim=2)
+    return dx.reshape(b, hg // group, group, n, d).sum(dim=2)
 
 
-def _use_cuda_flash(q: Tensor) -> bool:
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
+    # zero columns add nothing to q.k^T, and P @ v_pad has zeros in the padded output columns
+    extra = (-x.shape[-1]) % multiple
+    return F.pad(x, (0, extra)) if extra else x
+
+
+def _unpad(x: Tensor, head_dim: int) -> Tensor:
+    return x if x.shape[-1] == head_dim else x.narrow(-1, 0, head_dim)
+
+
+def _kernel_ready(x: Tensor, alignment: int = 1) -> Tensor:
+    # fused kernels need a unit stride on the head dim and (efficient, sm80+) storage offsets aligned
+    # to the head-dim multiple; anything else (an expanded dout, an odd view) gets a dense copy
+    if x.stride(-1) == 1 and x.storage_offset() % alignment == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _dense(x: Tensor) -> Tensor:
+    # not x.contiguous(): on a CPU-only build that raises for a non-contiguous fake CUDA tensor
+    return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
+def _warn_rocm() -> None:
+    warnings.warn(
+        "seqpar on ROCm: the fused attention kernels return their log-sum-exp in layouts seqpar has not "
+        "verified (CK flash: (batch, seq, heads); efficient: unpadded), so every block runs seqpar's exact "
+        "math kernel (slow, O(len_q * len_k) memory per block). Use smaller blocks (more ranks, "
+        "head_chunks) or a CUDA GPU.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def cuda_backend(q: Tensor, k: Tensor, causal: bool, caps: DeviceCaps | None = None) -> Backend:
+    """The kernel :func:`block_forward` / :func:`block_backward` use for a CUDA block right now.
+
+    Args:
+        q: ``(batch, q_heads, len_q, head_dim)`` on a CUDA device; k: ``(batch, kv_heads, len_k, head_dim)``.
+        causal: top-left aligned causal mask.
+        caps: the device's capabilities (default: read from ``q.device``; tests inject their own).
+    """
+    if q.dtype == torch.float64:
+        return Backend.MATH  # no fused kernel takes fp64; SDPA uses math too
+    caps = _caps(q, caps)
+    if caps.rocm:
+        _warn_rocm()
+    return choose_backend(BlockSpec.of(q, k, causal), caps)
+
+
+def _caps(q: Tensor, caps: DeviceCaps | None) -> DeviceCaps:
+    return backends.device_caps(q.device) if caps is None else caps
 
 
 # ---------------------------------------------------------------------------------------- forward
-def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, caps: DeviceCaps | None = None
+) -> tuple[Tensor, Tensor]:
     """Attention of q against (k, v) -> ``(out, lse)``.
 
     Args:
@@ -75,29 +143,68 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool
         k, v: ``(batch, kv_heads, len_k, head_dim)``.
         scale: multiplier of q @ k^T (usually head_dim ** -0.5).
         causal: top-left aligned causal mask.
+        caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
     Returns:
         out ``(batch, q_heads, len_q, head_dim)`` in q.dtype and lse ``(batch, q_heads, len_q)`` in
         fp32 (fp64 for fp64 inputs).
     """
-    group = _check_block(q, k, v)
+    _check_block(q, k, v)
     if q.device.type == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
         )
         return out, lse.to(lse_dtype(q.dtype))
-    if q.device.type == "cuda" and q.dtype != torch.float64:
-        return _cuda_forward(q, _expand_kv(k, group), _expand_kv(v, group), scale, causal)
+    if q.device.type == "cuda":
+        backend = cuda_backend(q, k, causal, caps)
+        if backend is not Backend.MATH:
+            return _cuda_forward(q, k, v, scale, causal, backend, efficient_alignment(_caps(q, caps), q.dtype))
     return _math_forward(q, k, v, scale, causal)
 
 
-def _cuda_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    if _use_cuda_flash(q):
-        res = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return res[0], res[1].float()
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale
+def _cuda_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, backend: Backend, align: int
+) -> tuple[Tensor, Tensor]:
+    """One fused kernel's forward; ``align``: the efficient kernel's head-dim multiple."""
+    if backend is Backend.FLASH:
+        return _flash_forward(q, k, v, scale, causal)
+    group = q.shape[1] // k.shape[1]
+    k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
+    if backend is Backend.EFFICIENT:
+        return _efficient_forward(q, k_e, v_e, scale, causal, align)
+    return _cudnn_forward(q, k_e, v_e, scale, causal)
+
+
+def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    # GQA native: torch's op (aten/src/ATen/native/transformers/cuda/attention.cu,
+    # _scaled_dot_product_flash_attention_cuda) checks only that K and V have the same length, then
+    # transposes to (B, S, H, D) and calls flash-attn's mha_fwd, which checks num_heads % num_heads_k
+    # == 0 and reads kv head h / (num_heads / num_heads_k) (cuda/flash_attn/flash_api.cpp,
+    # params.h_h_k_ratio). Its head dim must be a multiple of 8 ("ensured by padding", which SDPA does
+    # in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
+    d = q.shape[-1]
+    qp, kp, vp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v))
+    res = _aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
+    return _unpad(res[0], d), res[1]
+
+
+def _efficient_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, align: int
+) -> tuple[Tensor, Tensor]:
+    # k, v already at q's head count. lse comes back padded to a multiple of 32 rows: sliced off.
+    d, lq = q.shape[-1], q.shape[2]
+    qp, kp, vp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v))
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(qp, kp, vp, None, True, 0.0, causal, scale=scale)
+    return _unpad(out, d), lse.narrow(-1, 0, lq)
+
+
+def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    # k, v already at q's head count; head_dim is a multiple of 8 (the backend rules). lse: (B, H, len_q, 1).
+    qc, kc, vc = (_dense(x) for x in (q, k, v))
+    res = _aten._scaled_dot_product_cudnn_attention(
+        query=qc, key=kc, value=vc, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+        return_debug_mask=False, scale=scale,
     )
-    return out, lse[..., : q.shape[2]].float()
+    return res[0], res[1].squeeze(-1)
 
 
 def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
@@ -106,8 +213,9 @@ def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     s = torch.matmul(q.to(acc), _expand_kv(k, group).to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
     if causal:
         lq, lk = s.shape[-2:]
-        visible = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~visible, float("-inf"))
+        # keys after the query row; triu(1) rather than ~tril(): `~` on a fake CUDA tensor raises
+        hidden = torch.ones(lq, lk, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(hidden, float("-inf"))
     return s
 
 
@@ -131,6 +239,7 @@ def block_backward(
     *,
     scale: float,
     causal: bool,
+    caps: DeviceCaps | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of (dq, dk, dv), given the row's merged ``out`` and ``lse``.
 
@@ -138,40 +247,85 @@ def block_backward(
         dout, out: ``(batch, q_heads, len_q, head_dim)`` (out is the merged output over all blocks).
         q: ``(batch, q_heads, len_q, head_dim)``; k, v: ``(batch, kv_heads, len_k, head_dim)``.
         lse: ``(batch, q_heads, len_q)`` merged log-sum-exp (fp32 / fp64).
+        caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
     Returns:
         dq like q, dk and dv like k and v (kv_heads), each in its input's dtype.
+
+    The kernel is chosen again here from the flags current at this call (any kernel's backward is
+    exact given the merged out/lse, whichever kernel ran the forward).
     """
-    group = _check_block(q, k, v)
+    _check_block(q, k, v)
     if q.device.type == "cpu":
         # the CPU kernel wants lse in its own accumulation dtype (fp32 for half types)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse.to(lse_dtype(q.dtype)), 0.0, causal, scale=scale
         )
         return dq, dk, dv
-    if q.device.type == "cuda" and q.dtype != torch.float64:
-        dq, dk, dv = _cuda_backward(
-            dout, q, _expand_kv(k, group), _expand_kv(v, group), out, lse, scale, causal
-        )
-        return dq, _fold_kv_grad(dk, group), _fold_kv_grad(dv, group)
+    if q.device.type == "cuda":
+        backend = cuda_backend(q, k, causal, caps)
+        if backend is not Backend.MATH:
+            align = efficient_alignment(_caps(q, caps), q.dtype)
+            return _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align)
     return _math_backward(dout, q, k, v, out, lse, scale, causal)
 
 
-def _cuda_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
+def _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align):  # noqa: ANN001, ANN202 (private)
+    """One fused kernel's backward; dK/dV at kv_heads (flash natively, the others folded)."""
+    if backend is Backend.FLASH:
+        return _flash_backward(dout, q, k, v, out, lse, scale, causal)
+    group = q.shape[1] // k.shape[1]
+    k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
+    if backend is Backend.EFFICIENT:
+        dq, dk, dv = _efficient_backward(dout, q, k_e, v_e, out, lse, scale, causal, align)
+    else:
+        dq, dk, dv = _cudnn_backward(dout, q, k_e, v_e, out, lse, scale, causal)
+    return dq, _fold_kv_grad(dk, group), _fold_kv_grad(dv, group)
+
+
+def _unused_rng(device: torch.device) -> Tensor:
+    # philox seed/offset: read by the kernels only when dropout_p > 0, and seqpar never drops out
+    return torch.zeros(2, dtype=torch.int64, device=device)
+
+
+def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
     # Mirrors what torch's own autograd and context_parallel pass: dense (non-varlen) calls have
-    # undefined cum_seq tensors, and with dropout 0 the philox state is never read.
-    # NOTE: written against the 2.13 schemas, not yet run on a GPU (no device in the session that wrote it).
-    lq, lk = q.shape[2], k.shape[2]
-    rng = torch.zeros(2, dtype=torch.int64, device=q.device)
-    if _use_cuda_flash(q):
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.float().contiguous(), None, None, lq, lk, 0.0, causal,
-            rng, rng, scale=scale,
-        )
-        return dq, dk, dv
-    # the efficient kernel reads lse padded to a multiple of 32 rows
-    lse_p = torch.nn.functional.pad(lse.float(), (0, (-lq) % 32)).contiguous()
+    # undefined cum_seq tensors. dK/dV come back at kv_heads: mha_bwd checks num_heads % num_heads_k,
+    # computes dK/dV at the query head count (dk_expanded) and sums each group itself (at::sum_out
+    # over the group axis) -- pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
+    # flash_api.cpp and, identically, Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp.
+    d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
+    qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v, dout, out))
+    rng = _unused_rng(q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dop, qp, kp, vp, outp, _dense(lse.float()), None, None, lq, lk, 0.0, causal,
+        rng, rng, scale=scale,
+    )
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa: ANN001, ANN202 (private)
+    # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows.
+    d, lq = q.shape[-1], q.shape[2]
+    qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v, dout, out))
+    lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
+    rng = _unused_rng(q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale,
+        dop, qp, kp, vp, None, outp, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale,
+    )
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d)
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
+    # Keywords, not positions: torch 2.11 and 2.13 share this schema (philox_seed/offset come BEFORE
+    # attn_bias, unlike the flash backward), and a renamed argument fails loudly instead of binding
+    # to the wrong slot. Same dense layout for out and dout; lse back to cuDNN's (B, H, len_q, 1).
+    rng = _unused_rng(q.device)
+    qc, kc, vc, doc, outc = (_dense(x) for x in (q, k, v, dout, out))
+    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+        grad_out=doc, query=qc, key=kc, value=vc, out=outc,
+        logsumexp=_dense(lse.float().unsqueeze(-1)),
+        philox_seed=rng, philox_offset=rng, attn_bias=None, cum_seq_q=None, cum_seq_k=None,
+        max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=causal, scale=scale,
     )
     return dq, dk, dv
 

@@ -2,8 +2,17 @@
 
 For two partials (out_a, lse_a) and (out_b, lse_b) of the same query rows:
     lse = logaddexp(lse_a, lse_b)
-    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
-A row that has seen no key yet carries lse = -inf; a row that never sees one ends with out = 0.
+    out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b = lerp(out_a, out_b, sigmoid(lse_b - lse_a))
+The lerp form (ring-flash-attn's) is one fused pass over ``out`` and needs no ``-inf`` guard as long
+as the block's lse is finite wherever the accumulator's is ``-inf`` (weight 1: the block replaces it).
+
+Accumulators are initialised from the first partial that reaches each row (:class:`Partials`), not
+from zeros and ``-inf``: a copy instead of a fill plus a merge. Pieces may cover only some rows (the
+planners hand out row ranges); rows that no piece reaches end as out = 0, lse = -inf. A learned
+per-head sink is one more term with a single logit and value 0 (:func:`add_sink`).
+
+Layouts: out ``(batch, heads, len, head_dim)``, lse ``(batch, heads, len)``; accumulators fp32 (fp64
+for fp64 inputs), blocks in any float dtype.
 """
 
 from __future__ import annotations
@@ -11,44 +20,127 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["merge_into", "merge_owned_into", "new_accumulators"]
+__all__ = ["merge_into", "add_sink", "sink_grad", "Partials", "new_accumulators"]
 
 
 def new_accumulators(q: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Empty partials for q ``(batch, heads, len, head_dim)``: out zeros, lse -inf, in ``acc_dtype``."""
+    """The empty partial for q ``(batch, heads, len, head_dim)``: out zeros, lse -inf, in ``acc_dtype``.
+    For callers whose pieces reach rows in patterns too irregular to track (dilated attention)."""
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
     return out, lse
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Merge a block's partial into the accumulators, in place.
+    """Merge a block's partial into initialised accumulators, in place.
 
     Args:
         out_acc: ``(batch, heads, len, head_dim)`` accumulator (fp32/fp64; may be a view).
-        lse_acc: ``(batch, heads, len)`` accumulator, same dtype.
+        lse_acc: ``(batch, heads, len)`` accumulator, same dtype; ``-inf`` allowed where ``out_acc`` is 0
+            (the empty partial) provided ``block_lse`` is finite there.
         block_out: ``(batch, heads, len, head_dim)`` in any float dtype.
-        block_lse: ``(batch, heads, len)``.
+        block_lse: ``(batch, heads, len)``; ``-inf`` (a row that saw no key of the block) allowed
+            where ``lse_acc`` is finite.
     """
     block_lse = block_lse.to(lse_acc.dtype)
-    new_lse = torch.logaddexp(lse_acc, block_lse)
-    # Where both are -inf, logaddexp is -inf and exp(-inf - -inf) would be NaN: subtract 0 there
-    # instead, which makes both weights exp(-inf) = 0 and keeps the row at 0.
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_acc = torch.exp(lse_acc - ref).unsqueeze(-1)
-    w_blk = torch.exp(block_lse - ref).unsqueeze(-1)
-    out_acc.mul_(w_acc).add_(block_out.to(out_acc.dtype) * w_blk)
-    lse_acc.copy_(new_lse)
+    weight = torch.sigmoid(block_lse - lse_acc).unsqueeze(-1)  # = exp(block_lse - merged lse)
+    out_acc.lerp_(block_out.to(out_acc.dtype), weight)
+    torch.logaddexp(lse_acc, block_lse, out=lse_acc)
 
 
-def merge_owned_into(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """:func:`merge_into` for a ``block_out`` the caller owns and drops afterwards: it is scaled in
-    place when it already has the accumulator's dtype, saving one block-sized temporary."""
-    if block_out.dtype != out_acc.dtype:
-        merge_into(out_acc, lse_acc, block_out, block_lse)
-        return
-    block_lse = block_lse.to(lse_acc.dtype)
-    new_lse = torch.logaddexp(lse_acc, block_lse)
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    out_acc.mul_(torch.exp(lse_acc - ref).unsqueeze(-1)).add_(block_out.mul_(torch.exp(block_lse - ref).unsqueeze(-1)))
-    lse_acc.copy_(new_lse)
+def add_sink(out_acc: Tensor, lse_acc: Tensor, sink: Tensor) -> None:
+    """Add a per-head sink logit ``sink`` ``(heads,)`` to the softmax denominators, in place.
+
+    A sink is a key with logit ``sink[h]`` and value 0: merging it rescales ``out`` by
+    ``exp(lse - lse_new) = sigmoid(lse - sink)`` and sets ``lse_new = logaddexp(lse, sink)``. A row
+    with no key (lse = -inf, out = 0) stays out = 0 and gets lse = sink."""
+    s = sink.to(lse_acc.dtype).view(1, -1, 1)
+    out_acc.mul_(torch.sigmoid(lse_acc - s).unsqueeze(-1))
+    torch.logaddexp(lse_acc, s, out=lse_acc)
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:
+    """Gradient of the sink logits ``(heads,)`` from these rows, in ``sink``'s dtype.
+
+    With ``p = exp(sink - lse)`` the sink's softmax probability and ``out`` the final output,
+    ``d out / d sink = -p * out``, so ``d sink[h] = -sum over batch, rows of p * rowsum(dout * out)``.
+    ``dout``, ``out``: ``(batch, heads, len, head_dim)``; ``lse``: ``(batch, heads, len)`` with the sink in it.
+    """
+    acc = lse.dtype
+    p = torch.exp(sink.to(acc).view(1, -1, 1) - lse)
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)
+    return (-(p * delta).sum(dim=(0, 2))).to(sink.dtype)
+
+
+class Partials:
+    """fp32 out/lse accumulators of one query block, each row initialised by the first piece that
+    reaches it (a copy), merged with :func:`merge_into` by every later one.
+
+    Which rows have been reached is tracked on the host, from the pieces' row ranges: the planners
+    build those from host integers, so this costs no device work and no sync.
+
+    Args:
+        out: ``(batch, heads, len, head_dim)`` storage (uninitialised; may be a view).
+        lse: ``(batch, heads, len)`` storage, same dtype.
+    """
+
+    def __init__(self, out: Tensor, lse: Tensor) -> None:
+        self.out, self.lse = out, lse
+        self._reached: list[tuple[int, int]] = []  # disjoint, sorted row ranges
+
+    @classmethod
+    def like(cls, q: Tensor, acc_dtype: torch.dtype) -> Partials:
+        """Fresh storage for queries ``q`` ``(batch, heads, len, head_dim)``."""
+        return cls(
+            torch.empty(q.shape, dtype=acc_dtype, device=q.device),
+            torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device),
+        )
+
+    def add(self, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
+        """Fold a piece covering rows ``rows`` (``block_out`` ``(batch, heads, n, head_dim)``,
+        ``block_lse`` ``(batch, heads, n)``, n = rows' length; every row saw at least one key)."""
+        start = rows.start
+        for a, b, reached in self._split(rows.start, rows.stop):
+            o = block_out.narrow(2, a - start, b - a)
+            s = block_lse.narrow(2, a - start, b - a)
+            out, lse = self.out.narrow(2, a, b - a), self.lse.narrow(2, a, b - a)
+            if reached:
+                merge_into(out, lse, o, s)
+            else:
+                out.copy_(o)
+                lse.copy_(s)
+        self._reach(rows.start, rows.stop)
+
+    def finish(self) -> tuple[Tensor, Tensor]:
+        """``(out, lse)``; rows no piece reached are set to out = 0, lse = -inf."""
+        done = 0
+        for a, b in [*self._reached, (self.out.shape[2], self.out.shape[2])]:
+            if a > done:
+                self.out.narrow(2, done, a - done).zero_()
+                self.lse.narrow(2, done, a - done).fill_(float("-inf"))
+            done = b
+        return self.out, self.lse
+
+    def _split(self, a: int, b: int) -> list[tuple[int, int, bool]]:
+        """``[a, b)`` cut into runs of rows reached before (True) or not (False)."""
+        runs: list[tuple[int, int, bool]] = []
+        pos = a
+        for ra, rb in self._reached:
+            if rb <= pos or ra >= b:
+                continue
+            if ra > pos:
+                runs.append((pos, ra, False))
+            runs.append((max(ra, pos), min(rb, b), True))
+            pos = min(rb, b)
+        if pos < b:
+            runs.append((pos, b, False))
+        return runs
+
+    def _reach(self, a: int, b: int) -> None:
+        merged: list[tuple[int, int]] = []
+        for ra, rb in sorted([*self._reached, (a, b)]):
+            if merged and ra <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], rb))
+            else:
+                merged.append((ra, rb))
+        self._reached = merged

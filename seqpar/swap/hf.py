@@ -1,4 +1,7 @@
-"""Hugging Face transformers glue for :func:`seqpar.swap.swap_attention` (the ``"hf"`` route).
+"""The ``"hf"`` route of :func:`seqpar.swap.swap_attention`: Hugging Face transformers models.
+
+transformers is a model library, not an engine, so its glue lives with the swap; the swap imports
+this module only when transformers is installed (``import seqpar`` does not need it).
 
 What it registers, under the name ``"seqpar"``:
 
@@ -12,7 +15,9 @@ What it registers, under the name ``"seqpar"``:
   that the model asked for nothing more (no padding, no packed-document or custom mask) and returns
   ``None``.
 
-And, on every swapped ``PreTrainedModel``, a forward pre-hook that
+And, on every swapped ``PreTrainedModel``, an input preparer (run by the swapped model's batch
+check, :mod:`seqpar.swap.batch`, for the outermost model; a forward pre-hook of its own for models
+nested in something else) that
 
 - fills ``position_ids`` with the *global* positions of this rank's shard when they are absent
   (transformers would number the shard from 0, which is wrong for rotary and absolute positions),
@@ -20,7 +25,16 @@ And, on every swapped ``PreTrainedModel``, a forward pre-hook that
 - passes an all-ones ``attention_mask`` when none is given: without one, transformers reads the jump
   in a zigzag shard's positions as two packed documents;
 - refuses a padding mask with zeros, a KV cache and ``use_cache=True`` (a cache of a sharded
-  sequence is meaningless), and turns ``use_cache`` off when it is not given.
+  sequence is meaningless), and turns ``use_cache`` off when it is not given;
+- passes ``shift_labels`` (as :func:`seqpar.data.shard_batch` returns them) on as ``labels`` too, so
+  ``model(**shard_batch(batch)).loss`` is computed;
+- refuses ``labels=`` under SP for models whose loss is not token-level (sequence classification ...).
+
+Losses: the model's ``loss_function`` becomes :class:`SequenceParallelLMLoss`. Under SP, transformers'
+own causal-LM loss would shift the labels inside each shard (losing every shard's last target) and
+average per rank: a wrong loss. seqpar's is token-weighted over the whole sequence, with the shift
+done before the cut (``shift_labels``) or across shards (``labels`` cut unshifted), and its backward
+gives every rank its share of the full-sequence gradient (see :mod:`seqpar.loss`).
 
 Layer features checked when swapping (named with the layer): sliding-window layers (``layer_types``
 entries ``"sliding_attention"``/``"chunked_attention"``), logit soft-capping, attention sinks,
@@ -41,9 +55,12 @@ import torch
 import transformers
 from torch import Tensor, nn
 from transformers import masking_utils
+from transformers.loss.loss_utils import LOSS_MAPPING
 
 from seqpar.data import global_positions, sp_rank_and_size
-from seqpar.swap import SwapError, SwapOptions
+from seqpar.loss import sequence_parallel_loss, shift_labels_across_shards
+from seqpar.swap.batch import Preparer
+from seqpar.swap.options import SwapError, SwapOptions
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -53,6 +70,7 @@ __all__ = [
     "apply",
     "seqpar_attention_forward",
     "seqpar_mask",
+    "SequenceParallelLMLoss",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -152,8 +170,15 @@ def _top_pretrained(model: nn.Module) -> list[nn.Module]:
     return [m for _, m in found]
 
 
-def apply(model: nn.Module, modules: list[tuple[str, nn.Module]], options: SwapOptions) -> None:
-    """Point the given attention modules (and the models holding them) at seqpar."""
+def apply(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], options: SwapOptions
+) -> list[Preparer]:
+    """Point the given attention modules (and the models holding them) at seqpar.
+
+    Returns:
+        The input preparers for ``model`` itself, for its batch check to run (empty when ``model``
+        is not a ``PreTrainedModel``: nested models then prepare their inputs in their own hook).
+    """
     register()
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
@@ -173,16 +198,89 @@ def apply(model: nn.Module, modules: list[tuple[str, nn.Module]], options: SwapO
                 f"layer '{name}': transformers kept attn_implementation={impl!r} for "
                 f"{type(module).__name__} (it does not support switching dynamically); load the "
                 f"model with attn_implementation='{ATTN_IMPLEMENTATION}' after "
-                "seqpar.integrations.transformers.register()"
+                "seqpar.swap.hf.register()"
             )
+    preparers: list[Preparer] = []
     for pm in model.modules():
-        if isinstance(pm, transformers.PreTrainedModel):
-            old = getattr(pm, _HOOK_ATTR, None)
-            if old is not None:
-                old.remove()
-            setattr(pm, _HOOK_ATTR, pm.register_forward_pre_hook(
-                functools.partial(_prepare_inputs, options), with_kwargs=True
-            ))
+        if not isinstance(pm, transformers.PreTrainedModel):
+            continue
+        if "labels" in _forward_signature(type(pm)).parameters:
+            pm.loss_function = SequenceParallelLMLoss(options, _loss_type(pm))
+        old = getattr(pm, _HOOK_ATTR, None)
+        if old is not None:
+            old.remove()
+            delattr(pm, _HOOK_ATTR)
+        prepare = functools.partial(_prepare_inputs, options)
+        if pm is model:
+            preparers.append(prepare)
+        else:
+            setattr(pm, _HOOK_ATTR, pm.register_forward_pre_hook(prepare, with_kwargs=True))
+    return preparers
+
+
+def _loss_type(model: nn.Module) -> str:
+    # transformers' own rule (PreTrainedModel.loss_function): an unknown type means ForCausalLM.
+    loss_type = getattr(model, "loss_type", None)
+    return loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"
+
+
+# Losses that are a mean over tokens, so a token-weighted mean over the SP group is exact.
+_TOKEN_LOSSES = ("ForCausalLM", "ForMaskedLM")
+
+
+class SequenceParallelLMLoss:
+    """A swapped model's ``loss_function``: transformers' token-level loss, exact under SP.
+
+    Called by transformers as ``loss_function(logits=..., labels=..., vocab_size=..., **kwargs)``
+    with this rank's ``logits`` ``(batch, seq_local, vocab)`` and ``labels`` ``(batch, seq_local)``.
+
+    - Causal LM: the targets are ``shift_labels`` when given (shifted before the cut, as
+      :func:`seqpar.data.shard_batch` returns them), else ``labels`` cut unshifted like
+      ``input_ids``, shifted across shard boundaries here (one tiny all-gather).
+    - Masked LM: ``labels`` as cut.
+    - ``num_items_in_batch`` (given by transformers' Trainer): the loss is the sum over the whole
+      sequences divided by it, so it must count the target tokens of the *full* sequences of this
+      replica's batch; without it, the token-weighted mean over the SP group.
+
+    With one rank it is transformers' own loss. The value is the same on every SP rank, and each
+    rank's backward gives its share of the full-sequence gradient (sum them over the SP group).
+    """
+
+    def __init__(self, options: SwapOptions, loss_type: str) -> None:
+        self.options = options
+        self.loss_type = loss_type
+
+    def __call__(
+        self,
+        logits: Tensor,
+        labels: Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor:
+        _, world_size = sp_rank_and_size(self.options.group)
+        if world_size == 1 or self.loss_type not in _TOKEN_LOSSES:
+            return LOSS_MAPPING[self.loss_type](
+                logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,
+            )
+        if self.loss_type == "ForCausalLM":
+            targets = shift_labels if shift_labels is not None else shift_labels_across_shards(
+                labels, group=self.options.group, sharding=self.options.sharding,
+                ignore_index=ignore_index,
+            )
+        else:
+            targets = labels
+        if num_items_in_batch is None:
+            return sequence_parallel_loss(logits, targets, group=self.options.group,
+                                          ignore_index=ignore_index, reduction="mean")
+        total = sequence_parallel_loss(logits, targets, group=self.options.group,
+                                       ignore_index=ignore_index, reduction="sum")
+        if isinstance(num_items_in_batch, Tensor):
+            num_items_in_batch = num_items_in_batch.to(total.device)
+        return total / num_items_in_batch
 
 
 @functools.cache
@@ -237,6 +335,8 @@ def _prepare_inputs(
         elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
             raise _padding_error(where)
 
+    _prepare_labels(arguments, params, module, options, where)
+
     if "position_ids" in params:
         rank, world_size = sp_rank_and_size(options.group)
         expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
@@ -272,6 +372,29 @@ def _prepare_inputs(
         elif pname != self_name:
             new_kwargs[pname] = value
     return (), new_kwargs
+
+
+def _prepare_labels(
+    arguments: dict[str, Any], params: Any, module: nn.Module, options: SwapOptions, where: str
+) -> None:
+    """``shift_labels`` alone still yields a loss; ``labels`` of a non-token loss are refused on shards."""
+    if "labels" not in params:
+        return
+    var_kw = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    extra = arguments.get(var_kw) or {} if var_kw else {}
+    shift = arguments.get("shift_labels", extra.get("shift_labels"))
+    if arguments.get("labels") is None and isinstance(shift, Tensor):
+        arguments["labels"] = shift  # transformers computes a loss only when labels are given
+    if arguments.get("labels") is None:
+        return
+    loss_type = _loss_type(module)
+    if loss_type not in _TOKEN_LOSSES and sp_rank_and_size(options.group)[1] > 1:
+        raise ValueError(
+            f"seqpar ({where}): labels= with a {loss_type} loss on sequence shards would give each "
+            "rank a loss of its own shard only. Call the model without labels and compute the loss "
+            "from the gathered outputs, or for token-level losses use seqpar.sequence_parallel_loss "
+            "with the shift_labels of seqpar.data.shard_batch"
+        )
 
 
 def _short(x: Tensor) -> str:

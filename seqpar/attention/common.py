@@ -1,0 +1,215 @@
+"""What the attention algorithms share: their options, the plan of each (query block, key block)
+pair, and the kernels of one planned piece.
+
+Every algorithm asks :func:`block_calls` what to compute between this rank's queries and one rank's
+K/V block. Dense masks go to the shardings' chunk planner (:func:`seqpar.attention.plan.plan_blocks`);
+documents and windows to the mask planner (:func:`seqpar.attention.masks.plan_pieces`). Plans depend on
+host integers only and are cached, so a layer repeats no planning work and no rank can disagree.
+
+Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seqpar.attention.masks import MaskSpec, plan_pieces
+from seqpar.attention.plan import BlockCall, plan_blocks
+from seqpar.kernels import Partials, block_backward, block_forward
+from seqpar.sharding import chunk_ids
+
+__all__ = [
+    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
+    "forward_block", "block_grads", "ring_hops", "forward_pieces", "backward_pieces",
+]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Static options of one distributed attention call (hashable: plans are cached on it).
+
+    ``window`` and ``cu_seqlens`` (global document boundaries ``(0, ..., S)``) are validated at the
+    public entry, :func:`seqpar.attention.attention`."""
+
+    causal: bool
+    scale: float
+    sharding: str = "contiguous"
+    overlap: bool = True
+    head_chunks: int = 1  # heads processed in this many independent passes (resolved, >= 1)
+    window: int | None = None
+    cu_seqlens: tuple[int, ...] | None = None
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(self.causal, self.window, self.cu_seqlens)
+
+
+class SingleRank:
+    """The ring of one rank (P = 1): the ring code runs its own block and never exchanges."""
+
+    rank = 0
+    world_size = 1
+
+    def exchange(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("a single-rank ring has nothing to exchange")
+
+
+def rank_chunks(opts: AttentionOptions, world: int, rank: int, seq_local: int) -> list[int]:
+    """Global chunk ids that ``rank`` holds, in local order (the balanced layout depends on the
+    sequence length and the documents)."""
+    return chunk_ids(rank, world, opts.sharding, seq_len=seq_local * world, cu_seqlens=opts.cu_seqlens)
+
+
+@functools.lru_cache(maxsize=4096)
+def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, seq_local: int) -> tuple[BlockCall, ...]:
+    """Kernel calls of rank ``q_rank``'s queries against rank ``k_rank``'s K/V block (local rows)."""
+    q_chunks, k_chunks = rank_chunks(opts, world, q_rank, seq_local), rank_chunks(opts, world, k_rank, seq_local)
+    clen = seq_local // len(q_chunks)
+    if opts.mask.dense:
+        return tuple(plan_blocks(q_chunks, k_chunks, clen, opts.causal))
+    ranges = [[(c * clen, (c + 1) * clen) for c in chunks] for chunks in (q_chunks, k_chunks)]
+    return tuple(plan_pieces(opts.mask, ranges[0], ranges[1]))
+
+
+@functools.lru_cache(maxsize=1024)
+def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
+    """How many hops the ring's K/V blocks make: the farthest ring distance (rank r's block to rank
+    r + s) at which some rank still sees some key of the block. Every rank derives the same number
+    from the same integers. P - 1 for dense masks; 1 for causal documents (or a window) no longer
+    than a shard under contiguous sharding; 0 when no rank sees another's keys."""
+    if opts.mask.dense:
+        return world - 1
+    return max(
+        (s for s in range(1, world) for j in range(world) if block_calls(opts, world, (j + s) % world, j, seq_local)),
+        default=0,
+    )
+
+
+def _rows(x: Tensor, s: slice) -> Tensor:
+    # narrow, not x[:, :, s]: indexing a fake CUDA tensor fails on CPU-only builds
+    return x.narrow(2, s.start, s.stop - s.start)
+
+
+def piece_forward(q: Tensor, k: Tensor, v: Tensor, call: BlockCall, scale: float) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one planned piece, for the rows ``call.q_rows`` of ``q``.
+
+    An anti-causal square (row x sees key y >= x) is the causal one with rows and keys reversed:
+    the kernels only know top-left causal masks, and a flip is O(n) against the kernel's O(n^2)."""
+    qs, ks, vs = _rows(q, call.q_rows), _rows(k, call.k_rows), _rows(v, call.k_rows)
+    if call.anti:
+        out, lse = block_forward(qs.flip(2), ks.flip(2), vs.flip(2), scale=scale, causal=True)
+        return out.flip(2), lse.flip(2)
+    return block_forward(qs, ks, vs, scale=scale, causal=call.causal)
+
+
+def piece_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: BlockCall, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This piece's share of dq (rows ``call.q_rows``) and dk, dv (rows ``call.k_rows``), given the
+    merged ``out`` and ``lse`` of every query row."""
+    qr, kr = call.q_rows, call.k_rows
+    args = [_rows(dout, qr), _rows(q, qr), _rows(k, kr), _rows(v, kr), _rows(out, qr), _rows(lse, qr)]
+    if call.anti:
+        args = [a.flip(2) for a in args]
+    dout_r, q_r, k_r, v_r, out_r, lse_r = args
+    dq, dk, dv = block_backward(
+        dout_r, q_r, k_r, v_r, out_r, lse_r, scale=scale, causal=call.causal or call.anti
+    )
+    if call.anti:
+        return dq.flip(2), dk.flip(2), dv.flip(2)
+    return dq, dk, dv
+
+
+# Pieces of one shape (many short documents, a window's tiles) are stacked along the batch dimension
+# into one kernel call: per-call overhead dominated such pieces (512 documents of 8 tokens took 4x the
+# time of 64 of 64 at 1/8 of the work). Only small pieces, and at most this many stacked query rows
+# per call, so that the stacked copies stay a small transient.
+BATCH_PIECE_ROWS = 512
+BATCH_ROWS = 4096
+
+
+def _batches(calls: Sequence[BlockCall]) -> list[list[BlockCall]]:
+    """The calls in groups that run as one kernel call: same shape and mask, small; others alone."""
+    groups: dict[tuple, list[BlockCall]] = {}
+    out: list[list[BlockCall]] = []
+    for c in calls:
+        n, m = c.q_rows.stop - c.q_rows.start, c.k_rows.stop - c.k_rows.start
+        if n > BATCH_PIECE_ROWS or m > BATCH_PIECE_ROWS:
+            out.append([c])
+            continue
+        group = groups.setdefault((n, m, c.causal, c.anti), [])
+        group.append(c)
+        if (len(group) + 1) * n > BATCH_ROWS:
+            out.append(groups.pop((n, m, c.causal, c.anti)))
+    return out + list(groups.values())
+
+
+def _stack(x: Tensor, spans: list[slice]) -> Tensor:
+    """Rows ``spans`` of ``x`` ``(B, H, L, ...)`` stacked along the batch: ``(len(spans) * B, H, n, ...)``."""
+    return _rows(x, spans[0]) if len(spans) == 1 else torch.cat([_rows(x, s) for s in spans], dim=0)
+
+
+def forward_pieces(
+    q: Tensor, k: Tensor, v: Tensor, calls: Sequence[BlockCall], scale: float
+) -> Iterator[tuple[BlockCall, Tensor, Tensor]]:
+    """``(call, out, lse)`` of every planned piece, same-shaped small pieces in one kernel call."""
+    b = q.shape[0]
+    for group in _batches(calls):
+        if len(group) == 1:
+            yield group[0], *piece_forward(q, k, v, group[0], scale)
+            continue
+        first = group[0]
+        qr, kr = [c.q_rows for c in group], [c.k_rows for c in group]
+        qs, ks, vs = _stack(q, qr), _stack(k, kr), _stack(v, kr)
+        if first.anti:
+            qs, ks, vs = qs.flip(2), ks.flip(2), vs.flip(2)
+        o, o_lse = block_forward(qs, ks, vs, scale=scale, causal=first.causal or first.anti)
+        if first.anti:
+            o, o_lse = o.flip(2), o_lse.flip(2)
+        for i, c in enumerate(group):
+            yield c, o.narrow(0, i * b, b), o_lse.narrow(0, i * b, b)
+
+
+def backward_pieces(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, calls: Sequence[BlockCall], scale: float
+) -> Iterator[tuple[BlockCall, Tensor, Tensor, Tensor]]:
+    """``(call, dq, dk, dv)`` of every planned piece, same-shaped small pieces in one kernel call."""
+    b = q.shape[0]
+    for group in _batches(calls):
+        if len(group) == 1:
+            yield group[0], *piece_backward(dout, q, k, v, out, lse, group[0], scale)
+            continue
+        first = group[0]
+        qr, kr = [c.q_rows for c in group], [c.k_rows for c in group]
+        args = [_stack(dout, qr), _stack(q, qr), _stack(k, kr), _stack(v, kr), _stack(out, qr), _stack(lse, qr)]
+        if first.anti:
+            args = [a.flip(2) for a in args]
+        dq, dk, dv = block_backward(*args, scale=scale, causal=first.causal or first.anti)
+        if first.anti:
+            dq, dk, dv = dq.flip(2), dk.flip(2), dv.flip(2)
+        for i, c in enumerate(group):
+            yield c, dq.narrow(0, i * b, b), dk.narrow(0, i * b, b), dv.narrow(0, i * b, b)
+
+
+def forward_block(
+    q: Tensor, k_blk: Tensor, v_blk: Tensor, calls: tuple[BlockCall, ...], scale: float, acc: Partials
+) -> None:
+    """Attend ``q`` to one K/V block along its planned pieces, folding each into ``acc``."""
+    for call, o, o_lse in forward_pieces(q, k_blk, v_blk, calls, scale):
+        acc.add(call.q_rows, o, o_lse)
+
+
+def block_grads(
+    dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
+    calls: tuple[BlockCall, ...], scale: float, dq_acc: Tensor, dk_acc: Tensor, dv_acc: Tensor,
+) -> None:
+    """Add one K/V block's shares of dq, dk, dv into the fp32 accumulators."""
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, scale):
+        _rows(dq_acc, call.q_rows).add_(dq)
+        _rows(dk_acc, call.k_rows).add_(dk)
+        _rows(dv_acc, call.k_rows).add_(dv)

@@ -1,0 +1,60 @@
+"""2-D hybrid sequence parallelism: Ulysses inside groups of ``u`` consecutive ranks, ring across them
+(USP in yunchang, ``a2a+p2p`` in TransformerEngine, Double-Ring in LoongTrain).
+
+The SP group of ``P`` ranks is a ``(P/u, u)`` grid (:class:`seqpar.groups.ProcessGroupManager`): rows are
+Ulysses groups, columns ring groups. The all-to-all inside a Ulysses group turns its ``u`` sequence
+shards into one "super-rank" holding all ``u`` shards for ``Hq/u`` query heads; rank i of every Ulysses
+group holds the same heads, so the ``u`` ring groups (one per head share) run the ring attention of
+:mod:`seqpar.attention.ring` across the ``P/u`` super-ranks, overlapped and zigzag-aware as ever.
+
+Why the sharding still fits: super-rank g holds the chunks of SP ranks ``g*u .. g*u+u-1``. Contiguous:
+chunks ``g*u .. g*u+u-1``, i.e. super-chunk g of ``P/u``. Zigzag over P (rank r holds chunks r and
+2P-1-r of 2P): chunks ``g*u .. g*u+u-1`` and ``2P-g*u-u .. 2P-1-g*u``, i.e. super-chunks g and
+``2(P/u)-1-g`` of ``2P/u`` chunks of ``u`` each: the zigzag over P/u. Once sorted into ascending order
+(:func:`seqpar.attention.ulysses.sequence_order`), the ring code sees an ordinary P/u-rank sharding, so
+one sharding serves every mode and the user never re-shards.
+
+Edge cases: ``u = 1`` is the ring (dispatched to it directly), ``u = P`` is Ulysses (no ring step).
+Compute per ring step is ``u`` times that of a plain ring at the same P, with the same K/V bytes per
+step, which is what hides a slow inter-node link.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.attention.checks import resolve_head_chunks
+from seqpar.attention.ring import AttentionOptions
+from seqpar.attention.ulysses import UlyssesAttention, UlyssesPlan, head_split
+from seqpar.comm.ring import RingComm
+from seqpar.groups import ProcessGroupManager
+
+__all__ = ["hybrid_attention", "ulysses_attention"]
+
+
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, head_chunks: int | str
+) -> Tensor:
+    """Ulysses over the whole of ``group`` (``u = P``). Layouts as :func:`seqpar.attention.attention`."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    split = head_split(q.shape[1], k.shape[1], world, sp_size=world, mode="ulysses")
+    plan = UlyssesPlan.make(
+        opts, split, rank=rank, first=0, sp_size=world, head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank)
+    )
+    return UlyssesAttention.apply(q, k, v, group, None, plan)
+
+
+def hybrid_attention(
+    q: Tensor, k: Tensor, v: Tensor, manager: ProcessGroupManager, opts: AttentionOptions, head_chunks: int | str
+) -> Tensor:
+    """Ulysses over ``manager.ulysses_group`` and the ring across ``manager.ring_group``; needs
+    ``1 < manager.ulysses_size`` (``u = 1`` is the plain ring, which the caller runs itself)."""
+    u, sp = manager.ulysses_size, manager.sp_size
+    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode="hybrid")
+    plan = UlyssesPlan.make(
+        opts, split, rank=manager.ulysses_rank, first=manager.ring_rank * u, sp_size=sp,
+        head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank),
+    )
+    ring = RingComm(manager.ring_group) if manager.ring_size > 1 else None
+    return UlyssesAttention.apply(q, k, v, manager.ulysses_group, ring, plan)

@@ -1,0 +1,333 @@
+"""Ulysses attention: an all-to-all turns sequence shards into head shards, attention runs on the whole
+sequence for ``1/u`` of the heads, and a second all-to-all turns the output back into sequence shards.
+
+Rank j of a Ulysses group of ``u`` ranks receives, from every member, that member's tokens of
+
+- query heads ``[j * Hq/u, (j+1) * Hq/u)`` (``Hq`` must be a multiple of ``u``), and
+- the K/V heads those query heads read, and no others: ``Hkv/u`` of them when ``u`` divides ``Hkv``;
+  when ``Hkv < u`` (GQA/MQA with few K/V heads) the single K/V head ``j * Hkv // u``, so each K/V head
+  is replicated on ``u / Hkv`` ranks — the minimum — and never expanded to the query head count.
+
+One all-to-all carries q, k and v together (packed into one buffer ``(u, batch, hq + 2 hkv, seq_local,
+head_dim)``), and one carries dq, dk and dv back in the backward (dK/dV of a replicated K/V head are
+summed over its replicas on arrival, in fp32). The output and the incoming gradient take one all-to-all
+each. DeepSpeed's Ulysses issues one all-to-all per tensor.
+
+Sequence order: after the all-to-all a rank holds its group's shards in rank order; they are put into
+ascending global chunk order (for zigzag, the ``u`` first halves then the ``u`` second halves reversed),
+so causal masking over the local concatenation is the global one. In a hybrid (:mod:`.hybrid`), the
+``P/u`` Ulysses groups of consecutive ranks are "super-ranks" whose sorted chunks are again a valid
+contiguous / zigzag sharding over ``P/u`` (super-rank g holds super-chunks g and 2P/u-1-g of u chunks
+each), so the ring code runs across them unchanged.
+
+Overlap: the heads are processed in ``head_chunks`` chunks (of each rank's share), pipelined: chunk
+c+1's q/k/v all-to-all is in flight while chunk c computes, and chunk c's output all-to-all while
+chunk c+1 computes. The backward does the same with dout and the packed dq/dk/dv.
+
+Volume per rank (``L = S/P`` tokens, ``h_kv`` = K/V heads received per rank, ``max(Hkv/u, 1)``): forward
+``(u-1)/u * L * (Hq + 2 u h_kv) * d`` for q/k/v plus ``(u-1)/u * L * Hq * d`` for the output; the backward
+the same again (dout, then dq/dk/dv).
+
+Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``;
+head layout ``(batch, heads / u, u * seq_local, head_dim)`` in sorted sequence order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.attention.ring import AttentionOptions, ring_backward, ring_forward
+from seqpar.comm.alltoall import start_all_to_all
+from seqpar.comm.ring import Pending, RingExchange
+from seqpar.kernels import block_backward, block_forward, lse_dtype
+from seqpar.sharding import chunk_ids
+
+__all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """Which heads each rank of a Ulysses group of ``u`` ranks attends."""
+
+    q_heads: int
+    kv_heads: int
+    u: int
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.q_heads // self.u
+
+    @property
+    def kv_per_rank(self) -> int:
+        """K/V heads per rank: ``Hkv/u``, or 1 when ``Hkv < u`` (replicated ``u/Hkv`` times)."""
+        return max(self.kv_heads // self.u, 1)
+
+    @property
+    def replicated(self) -> bool:
+        return self.kv_heads < self.u
+
+    def kv_index(self, rank: int, chunk: int, chunks: int) -> list[int]:
+        """Global K/V heads rank ``rank`` receives for head chunk ``chunk`` of ``chunks``."""
+        kc = self.kv_per_rank // chunks
+        first = rank * self.kv_heads // self.u + chunk * kc
+        return list(range(first, first + kc))
+
+
+def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) -> HeadSplit:
+    """Validate that ``u`` ranks can share the heads; raise ``ValueError`` naming the fix otherwise."""
+    if q_heads % u:
+        smaller = [d for d in _divisors(sp_size) if q_heads % d == 0 and d < u]
+        raise ValueError(
+            f"mode={mode!r}: {q_heads} query heads cannot be split over {u} Ulysses ranks ({q_heads} is not a "
+            f"multiple of {u}). Use mode='hybrid' with a smaller ulysses_size that divides the head count "
+            f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'"
+        )
+    if kv_heads % u and u % kv_heads:
+        fits = [d for d in _divisors(sp_size) if q_heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        raise ValueError(
+            f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
+            f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "
+            f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'"
+        )
+    return HeadSplit(q_heads, kv_heads, u)
+
+
+def sequence_order(first: int, u: int, world: int, sharding: str) -> list[int] | None:
+    """The local order that puts the chunks of SP ranks ``first .. first+u-1`` (concatenated in rank order,
+    each holding ``chunk_ids(rank, world, sharding)``) into ascending global order; ``None`` if they
+    already are. Entry m is the rank-order slot of the m-th smallest chunk."""
+    ids = [c for r in range(first, first + u) for c in chunk_ids(r, world, sharding)]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return None if order == list(range(len(ids))) else order
+
+
+@dataclass(frozen=True)
+class UlyssesPlan:
+    """Static description of one Ulysses (or hybrid) call; the same on every rank of a Ulysses group.
+
+    ``order``: :func:`sequence_order` (``None`` = identity); ``chunks_per_rank``:
+    sequence chunks each rank holds (1 contiguous, 2 zigzag); ``head_chunks``: pipelined head passes,
+    dividing ``split.kv_per_rank``."""
+
+    attn: AttentionOptions
+    split: HeadSplit
+    rank: int  # in the Ulysses group
+    order: tuple[int, ...] | None
+    chunks_per_rank: int
+    head_chunks: int
+
+    @classmethod
+    def make(
+        cls, attn: AttentionOptions, split: HeadSplit, *, rank: int, first: int, sp_size: int, head_chunks: int
+    ) -> UlyssesPlan:
+        order = sequence_order(first, split.u, sp_size, attn.sharding)
+        return cls(
+            attn, split, rank, None if order is None else tuple(order),
+            len(chunk_ids(0, sp_size, attn.sharding)), head_chunks,
+        )
+
+    def q_slice(self, rank: int, chunk: int) -> slice:
+        qc = self.split.q_per_rank // self.head_chunks
+        first = rank * self.split.q_per_rank + chunk * qc
+        return slice(first, first + qc)
+
+
+# ------------------------------------------------------------------------------ layout changes
+def _slot_index(plan: UlyssesPlan, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(rank, chunk) of the m-th smallest chunk, for advanced indexing of ``(.., u, chunks_per_rank, ..)``."""
+    c = plan.chunks_per_rank
+    order = torch.tensor(plan.order, device=device)
+    return order // c, order % c
+
+
+def _seq_to_heads(x: Tensor, plan: UlyssesPlan) -> Tensor:
+    """Received slots ``(u, B, h, L, D)`` (slot i = rank i's tokens) -> ``(B, h, u * L, D)`` in ascending
+    global order (one copy)."""
+    u, b, h, n, d = x.shape
+    if plan.order is None:
+        return x.permute(1, 2, 0, 3, 4).reshape(b, h, u * n, d)
+    c = plan.chunks_per_rank
+    ranks, chunks = _slot_index(plan, x.device)
+    x = x.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
+    return x[:, :, ranks, chunks].reshape(b, h, u * n, d)  # (B, h, u * c, chunk_len, D) gathered
+
+
+def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
+    """``x`` ``(B, h, u * L, D)`` in ascending order -> ``out`` ``(u, B, h, L, D)`` (slot j = rank j's
+    tokens), written in place (one copy)."""
+    u, b, h, n, d = out.shape
+    if plan.order is None:
+        out.copy_(x.reshape(b, h, u, n, d).permute(2, 0, 1, 3, 4))
+        return
+    c = plan.chunks_per_rank
+    ranks, chunks = _slot_index(plan, x.device)
+    target = out.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
+    target[:, :, ranks, chunks] = x.reshape(b, h, u * c, n // c, d)
+
+
+def _start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+    """Pack chunk ``chunk`` of every rank's q/k/v heads into one ``(u, B, hq + 2 hkv, L, D)`` buffer and
+    start its all-to-all."""
+    u, hc = plan.split.u, plan.head_chunks
+    qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
+    b, _, n, d = q.shape
+    send = q.new_empty((u, b, qc + 2 * kc, n, d))
+    for j in range(u):
+        send[j, :, :qc] = q[:, plan.q_slice(j, chunk)]
+    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u: pick them (repeats included)
+        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
+        send[:, :, qc:qc + kc] = k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+        send[:, :, qc + kc:] = v.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+    else:  # rank j reads heads [j * Hkv/u, (j+1) * Hkv/u): a strided view, copied once into the buffer
+        heads = slice(chunk * kc, (chunk + 1) * kc)
+        send[:, :, qc:qc + kc] = k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
+        send[:, :, qc + kc:] = v.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
+    return start_all_to_all(send, group)
+
+
+def _start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+    """Pack head-layout tensors ``(B, h_i, u * L, D)`` (one dtype) into ``(u, B, sum h_i, L, D)`` and
+    start the all-to-all that returns each rank its tokens."""
+    b, _, n_all, d = tensors[0].shape
+    u = plan.split.u
+    send = tensors[0].new_empty((u, b, sum(t.shape[1] for t in tensors), n_all // u, d))
+    at = 0
+    for t in tensors:
+        _heads_to_slots(t, send[:, :, at:at + t.shape[1]], plan)
+        at += t.shape[1]
+    return start_all_to_all(send, group)
+
+
+# ------------------------------------------------------------------------------ inner attention
+def _inner_forward(q: Tensor, k: Tensor, v: Tensor, ring: RingExchange | None, opts: AttentionOptions) -> tuple[Tensor, Tensor]:
+    """Attention over the (super-)rank's sorted sequence: local kernels, or the ring across super-ranks."""
+    if ring is None:
+        return block_forward(q, k, v, scale=opts.scale, causal=opts.causal)
+    out_acc, lse = ring_forward(q, k, v, ring, opts)
+    return out_acc.to(q.dtype), lse
+
+
+def _inner_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: RingExchange | None,
+    opts: AttentionOptions,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if ring is None:
+        return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal)
+    return ring_backward(dout, q, k, v, out, lse, ring, opts)
+
+
+# ------------------------------------------------------------------------------ forward / backward
+def ulysses_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan
+) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+    """Returns ``out`` ``(B, Hq, L, D)`` in q's dtype and, per head chunk, the head-layout tensors the
+    backward needs: ``(q, k, v, out, lse)`` of that chunk."""
+    hc = plan.head_chunks
+    out = torch.empty_like(q)
+    saved: list[tuple[Tensor, ...]] = []
+    qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
+    k, v = k.contiguous(), v.contiguous()
+    pending_in: Pending | None = _start_qkv(q, k, v, 0, plan, group)
+    pending_out: tuple[int, Pending] | None = None
+    for c in range(hc):
+        (recv,) = pending_in.wait()
+        pending_in = _start_qkv(q, k, v, c + 1, plan, group) if c + 1 < hc else None
+        q_h = _seq_to_heads(recv[:, :, :qc], plan)  # (B, qc, u * L, D)
+        k_h = _seq_to_heads(recv[:, :, qc:qc + kc], plan)  # (B, kc, u * L, D)
+        v_h = _seq_to_heads(recv[:, :, qc + kc:], plan)
+        del recv
+        out_h, lse_h = _inner_forward(q_h, k_h, v_h, ring, plan.attn)
+        saved.append((q_h, k_h, v_h, out_h, lse_h))
+        started = (c, _start_heads_back([out_h], plan, group))
+        if pending_out is not None:  # the previous chunk's output came back while this one computed
+            _place_out(out, *pending_out, plan)
+        pending_out = started
+    _place_out(out, *pending_out, plan)
+    return out, saved
+
+
+def _place_out(out: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
+    (recv,) = pending.wait()  # (u, B, qc, L, D): slot j = heads of rank j's chunk
+    for j in range(plan.split.u):
+        out[:, plan.q_slice(j, chunk)] = recv[j]
+
+
+def ulysses_backward(
+    dout: Tensor, saved: list[tuple[Tensor, ...]], k_shape: torch.Size, group: dist.ProcessGroup,
+    ring: RingExchange | None, plan: UlyssesPlan,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv in sequence layout and the input dtype. Per head chunk: one all-to-all of dout to the
+    head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
+    hc, u = plan.head_chunks, plan.split.u
+    qc = plan.split.q_per_rank // hc
+    dq = torch.empty_like(dout)
+    # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32
+    acc = lse_dtype(dout.dtype) if plan.split.replicated else dout.dtype
+    dk = torch.zeros(k_shape, dtype=acc, device=dout.device)
+    dv = torch.zeros(k_shape, dtype=acc, device=dout.device)
+    dout = dout.contiguous()
+
+    def start_dout(c: int) -> Pending:
+        send = dout.new_empty((u, *dout.shape[:1], qc, *dout.shape[2:]))
+        for j in range(u):
+            send[j] = dout[:, plan.q_slice(j, c)]
+        return start_all_to_all(send, group)
+
+    def place(c: int, pending: Pending) -> None:
+        (recv,) = pending.wait()  # (u, B, qc + 2 kc, L, D)
+        kc = (recv.shape[2] - qc) // 2
+        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, c, hc)], device=dk.device)
+        for j in range(u):
+            dq[:, plan.q_slice(j, c)] = recv[j, :, :qc]
+        # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
+        dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(dk.shape[0], u * kc, *dk.shape[2:]).to(acc))
+        dv.index_add_(1, kv_idx, recv[:, :, qc + kc:].transpose(0, 1).reshape(dv.shape[0], u * kc, *dv.shape[2:]).to(acc))
+
+    pending_in: Pending | None = start_dout(0)
+    pending_back: tuple[int, Pending] | None = None
+    for c in range(hc):
+        (recv,) = pending_in.wait()
+        pending_in = start_dout(c + 1) if c + 1 < hc else None
+        dout_h = _seq_to_heads(recv, plan)
+        del recv
+        q_h, k_h, v_h, out_h, lse_h = saved[c]
+        dq_h, dk_h, dv_h = _inner_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring, plan.attn)
+        del dout_h
+        started = (c, _start_heads_back([dq_h, dk_h.to(dq_h.dtype), dv_h.to(dq_h.dtype)], plan, group))
+        del dq_h, dk_h, dv_h
+        if pending_back is not None:
+            place(*pending_back)
+        pending_back = started
+    place(*pending_back)
+    return dq, dk.to(dout.dtype), dv.to(dout.dtype)
+
+
+class UlyssesAttention(torch.autograd.Function):
+    """Ulysses (``ring=None``) or hybrid attention; a thin wrapper of :func:`ulysses_forward` /
+    :func:`ulysses_backward`. The backward mirrors the forward: the same all-to-alls in the other
+    direction, the inner (local or ring) backward in between."""
+
+    @staticmethod
+    def forward(  # noqa: ANN205
+        ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None,  # noqa: ANN001
+        plan: UlyssesPlan,
+    ):
+        out, saved = ulysses_forward(q, k, v, group, ring, plan)
+        ctx.save_for_backward(*(t for chunk in saved for t in chunk))
+        ctx.group, ctx.ring, ctx.plan, ctx.k_shape = group, ring, plan, k.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
+        flat = ctx.saved_tensors
+        saved = [flat[i:i + 5] for i in range(0, len(flat), 5)]
+        dq, dk, dv = ulysses_backward(dout, saved, ctx.k_shape, ctx.group, ctx.ring, ctx.plan)
+        return dq, dk, dv, None, None, None

@@ -1,0 +1,297 @@
+"""The cost model behind ``mode="auto"`` and ``ulysses_size="auto"``: which SP algorithm is cheapest.
+
+Per attention layer (forward + backward), per rank, with ``L = S/P`` tokens per rank, ``e`` bytes per
+element of the input dtype, ``B`` batch, ``d`` head_dim, ``Hq``/``Hkv`` query/K/V heads, ``u`` the
+Ulysses degree and ``h = max(Hkv/u, 1)`` the K/V heads a Ulysses rank receives:
+
+================  ===============================================================  ==================
+mode              bytes sent per rank (forward + backward)                         link
+================  ===============================================================  ==================
+ring              (P-1) * 2 B Hkv L d * (2e + 4)        (K/V twice, fp32 dK/dV)     ring link
+allgather         the same volume, in one all-gather / reduce-scatter per chunk    ring link
+ulysses (u = P)   (P-1)/P * 2 B L d e * (2 Hq + 2 P h)  (q,k,v + out; dout + grads)  all-to-all link
+hybrid (u < P)    ulysses over u, plus the ring across P/u super-ranks with blocks  both
+                  of B h (u L) d: (P/u - 1) * 2 B h u L d * (2e + 4)
+================  ===============================================================  ==================
+
+Links: the all-to-all of a Ulysses group of ``u`` consecutive ranks runs at ``intra_gbps`` while the
+group fits in a node (``u <= node_size``), else at ``inter_gbps``; a ring over the whole SP group (ring,
+all-gather) crosses nodes as soon as ``P > node_size`` (so it runs at ``inter_gbps``), and the ring
+across hybrid super-ranks likewise when ``P > node_size``.
+
+Overlap: attention compute per rank is ``C = 4 B Hq S^2 d / P`` FLOPs forward (half of it when causal)
+and 2.5x that backward, at ``flops`` FLOP/s. The ring hides each step's transfer behind the step's
+compute, so its time is ``sum over steps of max(compute step, transfer step)``; Ulysses and all-gather
+pipeline their collectives over ``G`` head chunks, leaving ``1/G`` of the transfer exposed plus whatever
+of the rest exceeds the compute. A fixed ``latency_s`` per message round stands for the per-collective
+cost. Memory traffic around the kernels, at ``mem_gbps``: the ring and all-gather merge a fp32 partial
+output into the accumulator for each of the P-1 remote blocks (read + write of the accumulator and the
+partial, ~3 fp32 outputs per merge) and add a fp32 dq share per block in backward; Ulysses packs and
+unpacks what it sends (~2x its bytes); the hybrid pays both at its own sizes. The model ranks modes; it
+does not predict absolute times.
+
+Validity (never chosen when it would fail): Ulysses/hybrid need ``Hq`` divisible by ``u`` and ``Hkv`` a
+multiple or divisor of ``u``; a mode lacking a feature the call uses (documents, windows, sinks, dilated
+patterns: :data:`MODE_FEATURES`) is skipped. The choice depends only on integers every rank shares (shapes,
+group sizes) and on link figures that are either configured or probed once and broadcast from one rank,
+so it is identical on every rank and the same on every call, activation-checkpoint recompute included;
+it is logged once per distinct call shape, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from seqpar.groups import ProcessGroupManager
+
+__all__ = [
+    "Links", "CallShape", "ModeCost", "MODE_FEATURES", "ulysses_heads_ok", "mode_costs", "rank_modes",
+    "choose_mode", "choose_ulysses_size", "probe_links",
+]
+
+logger = logging.getLogger("seqpar")
+
+# What each mode supports beyond dense causal/full attention. The engineers adding documents
+# (cu_seqlens), windows and sinks to a mode add the feature name to its entry here.
+MODE_FEATURES: dict[str, frozenset[str]] = {
+    "ring": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
+    "allgather": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
+    "ulysses": frozenset(),
+    "hybrid": frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link and compute figures of one machine; from config, or :func:`probe_links`.
+
+    Attributes:
+        intra_gbps: GB/s per rank inside a node (NVLink: ~450; the Ulysses all-to-all).
+        inter_gbps: GB/s per rank across nodes (InfiniBand: ~50; the ring across super-ranks).
+        flops: attention kernel throughput per rank, FLOP/s (H100 flash: ~4e14 sustained).
+        node_size: ranks per node (``LOCAL_WORLD_SIZE``); an SP axis longer than this crosses nodes.
+        latency_s: fixed cost per message round (collective call or ring step).
+        mem_gbps: device memory bandwidth, GB/s, for the copies and merges each mode adds around the
+            kernels (H100 HBM3: ~3000).
+    """
+
+    intra_gbps: float = 450.0
+    inter_gbps: float = 50.0
+    flops: float = 4e14
+    node_size: int = 8
+    latency_s: float = 2e-5
+    mem_gbps: float = 3000.0
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """The integers one attention call is decided on (the same on every rank once checked)."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq_local: int
+    head_dim: int
+    elem_bytes: int
+    causal: bool
+    sp_size: int
+    ulysses_size: int  # the manager's Ulysses degree (1: no hybrid axis)
+    head_chunks: int = 4
+
+
+@dataclass(frozen=True)
+class ModeCost:
+    mode: str
+    seconds: float  # modelled time of forward + backward of one layer
+    bytes_sent: int  # per rank, forward + backward
+    exposed_s: float  # modelled communication time not hidden behind compute
+    reason: str
+
+
+def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int) -> bool:
+    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attention.ulysses)."""
+    return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
+
+
+def _compute_s(c: CallShape, links: Links) -> float:
+    s = c.seq_local * c.sp_size
+    fwd = 4 * c.batch * c.q_heads * s * s * c.head_dim / c.sp_size * (0.5 if c.causal else 1.0)
+    return 3.5 * fwd / links.flops  # forward + backward (2.5x)
+
+
+def _merge_s(c: CallShape, links: Links, world: int, q_heads: int, tokens: int) -> float:
+    """Memory time of the P-1 fp32 merges (forward) and dq additions (backward) of a ring/all-gather."""
+    acc = c.batch * q_heads * tokens * c.head_dim * 4
+    return (world - 1) * (3 * acc + 2 * acc) / (links.mem_gbps * 1e9)
+
+
+def _ring_cost(
+    c: CallShape, links: Links, world: int, q_heads: int, kv_heads: int, tokens: int, gbps: float
+) -> tuple[float, int, float]:
+    """(time, bytes, exposed) of a ring over ``world`` ranks, each holding ``tokens`` tokens of ``q_heads``
+    query and ``kv_heads`` K/V heads."""
+    compute = _compute_s(c, links)
+    if world == 1:
+        return compute, 0, 0.0
+    compute += _merge_s(c, links, world, q_heads, tokens)
+    block = c.batch * kv_heads * tokens * c.head_dim
+    sent = (world - 1) * 2 * block * (2 * c.elem_bytes + 4)
+    step_compute = compute / world
+    step_comm = sent / (world - 1) / (gbps * 1e9) + links.latency_s
+    exposed = (world - 1) * max(0.0, step_comm - step_compute)
+    return compute + exposed, sent, exposed
+
+
+def _pipelined(compute: float, comm: float, chunks: int) -> float:
+    """Exposed part of ``comm`` pipelined over ``chunks`` behind ``compute``."""
+    return comm / chunks + max(0.0, comm * (chunks - 1) / chunks - compute)
+
+
+def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeCost]:
+    """Modelled cost of each mode in ``allowed`` (validity is the caller's business)."""
+    p = c.sp_size
+    compute = _compute_s(c, links)
+    ring_gbps = links.inter_gbps if p > links.node_size else links.intra_gbps
+    costs = []
+    for mode in allowed:
+        if mode in ("ring", "allgather"):
+            t, sent, exposed = _ring_cost(c, links, p, c.q_heads, c.kv_heads, c.seq_local, ring_gbps)
+            if mode == "allgather":  # one collective per chunk and direction instead of P-1 steps
+                comm = sent / (ring_gbps * 1e9) + 3 * c.head_chunks * links.latency_s
+                exposed = _pipelined(compute, comm, c.head_chunks)
+                t = compute + _merge_s(c, links, p, c.q_heads, c.seq_local) + exposed
+            reason = f"{sent / 2**20:.1f} MiB over the {'inter' if p > links.node_size else 'intra'}-node ring link"
+            costs.append(ModeCost(mode, t, sent, exposed, reason))
+            continue
+        u = p if mode == "ulysses" else c.ulysses_size
+        h = max(c.kv_heads // u, 1)
+        a2a_sent = int((u - 1) / u * 2 * c.batch * c.seq_local * c.head_dim * c.elem_bytes * (2 * c.q_heads + 2 * u * h))
+        a2a_gbps = links.intra_gbps if u <= links.node_size else links.inter_gbps
+        chunks = math.gcd(h, c.head_chunks)
+        a2a_s = a2a_sent / (a2a_gbps * 1e9) + 4 * chunks * links.latency_s
+        ring_t, ring_sent, ring_exposed = _ring_cost(c, links, p // u, c.q_heads // u, h, u * c.seq_local, ring_gbps)
+        a2a_exposed = _pipelined(ring_t, a2a_s, chunks)  # the all-to-alls hide behind the (ring) attention
+        copies = 2 * a2a_sent * u / max(u - 1, 1) / (links.mem_gbps * 1e9)  # pack + unpack of every slot
+        reason = f"{a2a_sent / 2**20:.1f} MiB all-to-all over {u} ranks"
+        if p // u > 1:
+            reason += f" + {ring_sent / 2**20:.1f} MiB ring over {p // u} super-ranks"
+        costs.append(ModeCost(mode, ring_t + copies + a2a_exposed, a2a_sent + ring_sent, a2a_exposed + ring_exposed, reason))
+    return costs
+
+
+def allowed_modes(c: CallShape, features: Iterable[str] = ()) -> list[str]:
+    """The modes that would not fail on this call: head-count rule, the manager's axes, features used."""
+    features = frozenset(features)
+    modes = ["ring", "allgather"]
+    if ulysses_heads_ok(c.q_heads, c.kv_heads, c.sp_size):
+        modes.append("ulysses")
+    if 1 < c.ulysses_size < c.sp_size and ulysses_heads_ok(c.q_heads, c.kv_heads, c.ulysses_size):
+        modes.append("hybrid")
+    return [m for m in modes if features <= MODE_FEATURES[m]]
+
+
+def rank_modes(c: CallShape, links: Links, features: Iterable[str] = ()) -> list[ModeCost]:
+    """Allowed modes, cheapest first (ties: fewer bytes, then the fixed order of ``allowed_modes``)."""
+    allowed = allowed_modes(c, features)
+    costs = mode_costs(c, links, allowed)
+    return sorted(costs, key=lambda m: (round(m.seconds, 12), m.bytes_sent, allowed.index(m.mode)))
+
+
+# ------------------------------------------------------------------------------ links: config or probe
+_PROBED: dict[int, Links] = {}
+
+
+def probe_links(group: dist.ProcessGroup, base: Links = Links(), nbytes: int = 1 << 22) -> Links:
+    """Measure once per group: an all-to-all of ``nbytes`` per rank and a matmul, timed on the group's
+    rank 0 and broadcast from it, so every rank holds the same figures (a collective: call on every rank).
+    On one machine both link figures are the measured one (node_size = the group size)."""
+    key = id(group)
+    if key in _PROBED:
+        return _PROBED[key]
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    out = torch.empty_like(buf)
+    dist.all_to_all_single(out, buf, group=group)  # warm-up
+    start = time.perf_counter()
+    dist.all_to_all_single(out, buf, group=group)
+    a2a_s = time.perf_counter() - start
+    a = torch.randn(256, 256, device=device)
+    start = time.perf_counter()
+    for _ in range(4):
+        a = a @ a
+        a = a / a.norm()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    mm_s = max(time.perf_counter() - start, 1e-9)
+    figures = torch.tensor([nbytes * (world - 1) / world / max(a2a_s, 1e-9) / 1e9, 4 * 2 * 256**3 / mm_s],
+                           dtype=torch.float64, device=device)
+    dist.broadcast(figures, src=dist.get_global_rank(group, 0), group=group)
+    gbps, flops = figures.tolist()
+    links = replace(base, intra_gbps=gbps, inter_gbps=gbps, flops=flops, node_size=world)
+    _PROBED[key] = links
+    logger.info("[rank %d] seqpar auto: probed links %s", dist.get_rank(), links)
+    return links
+
+
+# ------------------------------------------------------------------------------ the choices
+_LOGGED: set[tuple] = set()
+
+
+def choose_mode(
+    q: torch.Tensor, k: torch.Tensor, *, world: int, manager: ProcessGroupManager | None, causal: bool,
+    group: dist.ProcessGroup | None = None, head_chunks: int = 4, features: Iterable[str] = (),
+) -> str:
+    """The cheapest allowed mode for this call (see the module docstring); logs its reason once.
+
+    Links come from ``manager.links`` when set (config), else from :func:`probe_links` on ``group``
+    (probed on the first call, then cached)."""
+    u = manager.ulysses_size if manager is not None else 1
+    c = CallShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(), bool(causal),
+                  world, u, head_chunks)
+    links = getattr(manager, "links", None) if manager is not None else None
+    if links is None:
+        pg = manager.sp_group if manager is not None else group
+        links = probe_links(pg) if pg is not None else Links()
+    ranked = rank_modes(c, links, features)
+    if not ranked:
+        raise ValueError(
+            f"mode='auto': no sequence-parallel mode supports {sorted(features)} for this call "
+            f"({c.q_heads} query / {c.kv_heads} K/V heads, P={world}); pass an explicit mode"
+        )
+    best = ranked[0]
+    key = (c, links, tuple(sorted(features)))
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        others = "; ".join(f"{m.mode} {m.seconds * 1e3:.3g} ms ({m.reason})" for m in ranked[1:])
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        logger.info("[rank %d] seqpar auto: mode=%r for %s: %.3g ms modelled (%s); others: %s",
+                    rank, best.mode, c, best.seconds * 1e3, best.reason, others or "none allowed")
+    return best.mode
+
+
+def choose_ulysses_size(
+    sp_size: int, *, heads: tuple[int, int] | None = None, node_size: int | None = None
+) -> int:
+    """``ulysses_size="auto"`` at init: the largest divisor of ``sp_size`` that fits in a node (Ulysses
+    all-to-all on the fast intra-node links, the ring across nodes hides the slow ones) and, when the
+    model's ``heads = (q_heads, kv_heads)`` are known, satisfies the head-count rule.
+
+    ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` from the launcher, else ``sp_size`` (one node)."""
+    import os
+
+    if node_size is None:
+        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", sp_size))
+    fits = [u for u in range(1, sp_size + 1)
+            if sp_size % u == 0 and u <= max(node_size, 1)
+            and (heads is None or ulysses_heads_ok(heads[0], heads[1], u))]
+    return max(fits)

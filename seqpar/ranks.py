@@ -1,0 +1,348 @@
+"""Persistent local ranks: run a function on P processes of one machine and collect what each returns.
+
+Process start-up dominates short distributed jobs on CPU (3-5 s per spawn), so a :class:`RankPool`
+starts its P workers once (gloo on CPU, NCCL with one GPU per rank), and every later ``run(fn, ...)``
+reuses them. The benchmarks (``python -m seqpar.bench``) and the test suite (``tests/dist_harness.py``)
+both run on it.
+
+Protocol: each worker has its own task queue; all workers answer on one result queue. Tasks and
+answers travel as ``pickle`` bytes (tensors included), so no shared-memory file descriptors stay open.
+``fn`` must be a module-level function (pickled by reference) and is called as ``fn(ctx, *args,
+**kwargs)`` with a :class:`RankContext`. After every task the worker forgets seqpar's default
+process-group manager, so one task's groups never leak into the next.
+
+Failure rules (a caller never hangs):
+
+- some ranks raise -> :class:`RankFailed` carrying their tracebacks. If every other rank finishes
+  within a short grace period the pool stays usable (``usable=True``); if some are stuck (e.g. in a
+  collective the failed rank skipped) the pool is killed;
+- a task outliving its timeout -> :class:`PoolTimeout` (also a ``TimeoutError``), pool killed;
+- a worker dying, or start-up failing -> :class:`PoolError`, pool killed.
+
+A killed pool reports ``closed``; :class:`PoolSet` starts a fresh one on next use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RankContext",
+    "RankPool",
+    "PoolSet",
+    "PoolError",
+    "RankFailed",
+    "PoolTimeout",
+    "free_port",
+]
+
+_STOP = "__stop__"
+_READY = "__ready__"
+_START_TIMEOUT_S = 120.0
+# After one rank fails, how long the others get to finish before the pool is declared stuck.
+_GRACE_S = 5.0
+_POLL_S = 0.1
+
+
+class PoolError(RuntimeError):
+    """A pool could not start, a worker died, or (subclasses) a task failed or timed out."""
+
+
+class RankFailed(PoolError):
+    """Some ranks raised; ``usable`` says whether the others finished (the pool is still in step)."""
+
+    def __init__(self, message: str, *, usable: bool) -> None:
+        super().__init__(message)
+        self.usable = usable
+
+
+class PoolTimeout(PoolError, TimeoutError):
+    """A task did not finish on every rank within its timeout; the pool was killed."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a task receives on each rank."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    """``cpu``, or ``cuda:<local rank>`` when the pool runs one rank per GPU."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join_group(rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float) -> torch.device:
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dev, backend = torch.device("cuda", rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=pg_timeout_s),
+    )
+    return dev
+
+
+def _worker(
+    rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any
+) -> None:
+    """One rank: join the process group, then run tasks until told to stop."""
+    try:
+        dev = _join_group(rank, world, port, device, threads, pg_timeout_s)
+        import torch.distributed as dist
+
+        from seqpar import groups
+    except BaseException:  # noqa: B036 - the parent shows it
+        results.put((_READY, rank, False, traceback.format_exc()))
+        return
+    results.put((_READY, rank, True, b""))
+    ctx = RankContext(rank, world, dev)
+    while True:
+        msg = tasks.get()
+        if msg == _STOP:
+            break
+        task_id, payload = msg
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            out = (task_id, rank, True, pickle.dumps(fn(ctx, *args, **kwargs)))
+        except BaseException:  # noqa: B036 - report everything, the parent decides
+            out = (task_id, rank, False, traceback.format_exc())
+        finally:
+            groups.set_default_manager(None)
+        results.put(out)
+    # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it.
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: every answer was delivered before the stop message
+
+
+class RankPool:
+    """``world_size`` persistent ranks; ``run(fn, *args, **kwargs)`` calls ``fn(ctx, *args, **kwargs)`` on each.
+
+    Args:
+        world_size: number of ranks (processes), >= 1.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank: needs ``world_size`` GPUs).
+        threads: intra-op threads per rank (1: one core per rank).
+        timeout: default seconds a task may take before the pool is killed and :class:`PoolTimeout` raised.
+        pg_timeout_s: the process group's own timeout (a collective waiting longer raises on the rank).
+    """
+
+    def __init__(
+        self, world_size: int, *, device: str = "cpu", threads: int = 1, timeout: float = 900.0,
+        pg_timeout_s: float = 600.0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r} is invalid: choose 'cpu' or 'cuda'")
+        if device == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"a CUDA pool of {world_size} ranks needs {world_size} GPUs, this machine has "
+                f"{torch.cuda.device_count()}; run the CPU suite or the one-GPU ring-rank simulation"
+            )
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.device = device
+        self.timeout = timeout
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, device, threads, pg_timeout_s, self._tasks[r], self._results),
+                name=f"seqpar-rank{r}-of{world_size}", daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        self._next_id = 0
+        self._closed = False
+        for p in self._procs:
+            p.start()
+        try:
+            done = self._collect(_READY, _START_TIMEOUT_S, "start-up (init_process_group)")
+            failed = self._failures(done)
+            if failed:
+                raise PoolError(f"RankPool(world_size={world_size}): start-up failed:\n{failed}")
+        except BaseException:
+            self.kill()
+            raise
+
+    @property
+    def closed(self) -> bool:
+        """True once the pool was stopped or killed; it cannot run tasks any more."""
+        return self._closed
+
+    def _dead(self) -> list[str]:
+        return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs) if not p.is_alive()]
+
+    @staticmethod
+    def _failures(done: dict[int, tuple[bool, Any]]) -> str:
+        return "\n".join(f"--- rank {r} raised:\n{tb}" for r, (ok, tb) in sorted(done.items()) if not ok)
+
+    def _collect(self, task_id: Any, timeout: float, what: str) -> dict[int, tuple[bool, Any]]:
+        """Every rank's ``(ok, payload)`` for ``task_id``; after a failure the others get ``_GRACE_S``."""
+        done: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.world_size:
+            if time.monotonic() > deadline:
+                if any(not ok for ok, _ in done.values()):
+                    return done  # a rank failed and others are stuck: the caller reports the failure
+                pending = sorted(set(range(self.world_size)) - set(done))
+                self.kill()
+                raise PoolTimeout(
+                    f"RankPool(world_size={self.world_size}): {what} did not finish within {timeout:.1f} s; "
+                    f"ranks still running: {pending}. The pool was killed."
+                )
+            try:
+                tid, rank, ok, payload = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = self._dead()
+                if dead:
+                    self.kill()
+                    raise PoolError(
+                        f"RankPool(world_size={self.world_size}): worker(s) died during {what}: {', '.join(dead)}"
+                    ) from None
+                continue
+            if tid != task_id:  # a late answer to a task given up on; cannot happen after kill
+                continue
+            done[rank] = (ok, payload)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+        return done
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``[fn(ctx_0, *args, **kwargs), ..., fn(ctx_{P-1}, *args, **kwargs)]``.
+
+        Raises:
+            RankFailed: some ranks raised (their tracebacks in the message).
+            PoolTimeout: ``timeout`` (default: the pool's) seconds passed.
+            PoolError: a worker died.
+        """
+        if self._closed:
+            raise PoolError(f"RankPool(world_size={self.world_size}) is closed; start a new one")
+        task_id = self._next_id
+        self._next_id += 1
+        payload = pickle.dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put((task_id, payload))
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            done = self._collect(task_id, timeout or self.timeout, f"task {name}")
+        except BaseException:  # Ctrl-C, a test runner's timeout...: the ranks' state is unknown
+            self.kill()
+            raise
+        failures = self._failures(done)
+        if failures:
+            stuck = sorted(set(range(self.world_size)) - set(done))
+            failed = [r for r, (ok, _) in sorted(done.items()) if not ok]
+            note = f" (ranks {stuck} did not finish: stuck waiting for the failed ranks)" if stuck else ""
+            if stuck:
+                self.kill()
+            raise RankFailed(
+                f"{name} failed on rank(s) {failed} of {self.world_size}{note}:\n{failures}", usable=not stuck
+            )
+        return [pickle.loads(done[r][1]) for r in range(self.world_size)]
+
+    def send_stop(self) -> None:
+        """Tell the workers to stop (barrier, destroy the group, exit); :meth:`stop` waits for them."""
+        if not self._closed:
+            for q in self._tasks:
+                q.put(_STOP)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Wait for the workers told to stop by :meth:`send_stop` to exit; kill stragglers."""
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def close(self) -> None:
+        """Stop the workers (barrier, destroy the group, exit); kill stragglers."""
+        if self._closed:
+            return
+        self.send_stop()
+        self.stop()
+
+    def kill(self) -> None:
+        """End the workers now (after a failure, or once they were told to stop)."""
+        if self._closed:
+            return
+        self._closed = True
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(5.0)
+        for q in [self._results, *self._tasks]:
+            q.cancel_join_thread()
+            q.close()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PoolSet:
+    """One :class:`RankPool` per world size, started on first use and kept until :meth:`close`
+    (idle ranks block on their queue and cost no CPU); a pool that was killed restarts on next use.
+
+    Args:
+        device, threads, timeout, pg_timeout_s: passed to every :class:`RankPool`.
+    """
+
+    def __init__(self, device: str = "cpu", *, threads: int = 1, timeout: float = 900.0,
+                 pg_timeout_s: float = 600.0) -> None:
+        self.device = device
+        self._options = {"threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s}
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        """The pool of ``world`` ranks, started now if there is none or the last one was killed."""
+        if world not in self._pools or self._pools[world].closed:
+            self._pools[world] = RankPool(world, device=self.device, **self._options)
+        return self._pools[world]
+
+    def run(self, world: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            **kwargs: Any) -> list[Any]:
+        """:meth:`RankPool.run` on the pool of ``world`` ranks."""
+        return self.get(world).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        """Stop every pool; all of them wind down at once."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.send_stop()
+        for pool in pools:
+            pool.stop()
+
+    def __enter__(self) -> PoolSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

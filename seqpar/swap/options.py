@@ -1,0 +1,116 @@
+"""How a swapped module calls seqpar attention (:class:`SwapOptions`), and the swap's error type."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.config import PatternConfig, SeqParConfig
+from seqpar.swap.sdpa import suspended
+from seqpar.verified import batch_verified
+
+__all__ = ["SwapError", "SwapOptions", "value_digest"]
+
+
+class SwapError(ValueError):
+    """The model's attention cannot be swapped as configured; the message says what and how to fix."""
+
+
+def value_digest(value: Any) -> list[int]:
+    """Integers that identify an option value the same way in every process (no salted ``hash``):
+    bools and ints as themselves, strings by CRC-32, tuples/lists element-wise with their length,
+    dataclasses field by field, anything else by its type name."""
+    if value is None:
+        return [-1]
+    if isinstance(value, (bool, int)):
+        return [int(value)]
+    if isinstance(value, float):
+        return [zlib.crc32(repr(value).encode())]
+    if isinstance(value, str):
+        return [zlib.crc32(value.encode())]
+    if isinstance(value, (tuple, list)):
+        out = [len(value)]
+        for item in value:
+            out += value_digest(item)
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = []
+        for f in dataclasses.fields(value):
+            out += value_digest(getattr(value, f.name))
+        return out
+    return [zlib.crc32(type(value).__qualname__.encode())]
+
+
+@dataclass(frozen=True)
+class SwapOptions:
+    """How a swapped module calls seqpar attention; attached to each swapped module.
+
+    ``deepcopy`` returns the same object: a process group cannot be copied, and a copied model
+    (e.g. an EMA or reference copy) shares the groups of the original.
+    """
+
+    group: dist.ProcessGroup | None = None
+    """The SP group (``None``: the default manager's SP group, else the world)."""
+    mode: str = "ring"
+    sharding: str = "contiguous"
+    overlap: bool = True
+    check_inputs: bool = True
+    """Check across ranks that every rank passes the same shapes and options: once per batch in the
+    swapped model's forward pre-hook (:mod:`seqpar.swap.batch`), per call outside it."""
+    head_chunks: int | str = "auto"
+    pattern: PatternConfig = field(default_factory=PatternConfig)
+    """Dense attention, or LongNet dilated attention (``seqpar.attention.dilated``)."""
+
+    @classmethod
+    def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
+        return cls(group=group, mode=config.mode, sharding=config.sharding,
+                   overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
+                   pattern=config.pattern)
+
+    def __deepcopy__(self, memo: dict) -> SwapOptions:
+        return self
+
+    def digest(self) -> list[int]:
+        """Every option except the group, as integers the ranks must agree on (fields added later,
+        e.g. a window or a Ulysses degree, are included without further code)."""
+        out: list[int] = []
+        for f in dataclasses.fields(self):
+            if f.name != "group":
+                out += value_digest(getattr(self, f.name))
+        return out
+
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None
+    ) -> Tensor:
+        """seqpar attention on shards: q ``(batch, q_heads, seq_local, head_dim)``, k/v
+        ``(batch, kv_heads, seq_local, head_dim)`` -> ``(batch, q_heads, seq_local, head_dim)``.
+
+        Inside a verified batch (the swapped model's pre-hook compared its inputs across ranks) the
+        per-call cross-rank check is skipped: it would cost a host sync per layer and could only
+        repeat the batch's verdict (seqpar.verified).
+        """
+        from seqpar.attention import attention
+
+        check = self.check_inputs and not batch_verified()
+        # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
+        # suspend the dispatcher so that call is the plain kernel, not a recursion.
+        with suspended():
+            if self.pattern.type == "dilated":
+                from seqpar.attention.dilated import dilated_attention
+
+                return dilated_attention(
+                    q, k, v, segment_lengths=self.pattern.segment_lengths,
+                    dilation_rates=self.pattern.dilation_rates, causal=causal, scale=scale,
+                    mode=self.mode, group=self.group, sharding=self.sharding,
+                    head_layout=self.pattern.head_layout, check_inputs=check,
+                )
+            return attention(
+                q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
+                sharding=self.sharding, overlap=self.overlap, check_inputs=check,
+                head_chunks=self.head_chunks,
+            )

@@ -1,0 +1,251 @@
+"""The model walk: find the attention modules of a model and route each to seqpar attention.
+
+One route per module (``"hf"``, ``"sdpa"``, ``"mha"``; see :mod:`seqpar.swap`). Nothing is changed
+unless every matched module can be swapped exactly; then the batch check
+(:mod:`seqpar.swap.batch`) goes on the model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from seqpar.config import SeqParConfig
+from seqpar.swap.batch import Preparer, install_batch_check
+from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
+from seqpar.swap.options import SwapError, SwapOptions
+from seqpar.swap.sdpa import class_calls_sdpa, track_module
+
+__all__ = ["swap_attention", "SwapReport", "SwappedModule", "ROUTES"]
+
+logger = logging.getLogger("seqpar")
+
+ROUTES = ("hf", "sdpa", "mha")
+# The oldest transformers the 'hf' route is tested with (setup.cfg's floor says the same).
+TRANSFORMERS_FLOOR = "5.17"
+_ROUTE_HELP = {
+    "hf": "Hugging Face transformers attention modules (dispatching through ALL_ATTENTION_FUNCTIONS)",
+    "sdpa": "modules whose code calls torch.nn.functional.scaled_dot_product_attention",
+    "mha": "torch.nn.MultiheadAttention modules",
+}
+
+
+@dataclass(frozen=True)
+class SwappedModule:
+    name: str
+    """Qualified name in the model (``""`` for the model itself)."""
+    route: str
+    """``"hf"``, ``"sdpa"`` or ``"mha"``."""
+    cls: str
+    """Class name of the module before the swap."""
+
+
+@dataclass
+class SwapReport:
+    """What :func:`swap_attention` changed."""
+
+    swapped: list[SwappedModule] = field(default_factory=list)
+    tiling: Any = None
+    """What :func:`seqpar.tiling.apply_tiling` did (tiled loss / MLP, offload), or None."""
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.swapped]
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """Module name -> route."""
+        return {m.name: m.route for m in self.swapped}
+
+    def __len__(self) -> int:
+        return len(self.swapped)
+
+    def __iter__(self) -> Iterator[SwappedModule]:
+        return iter(self.swapped)
+
+    def __str__(self) -> str:
+        if not self.swapped:
+            return "seqpar swap: nothing swapped"
+        counts = {r: sum(m.route == r for m in self.swapped) for r in ROUTES}
+        head = ", ".join(f"{n} via {r}" for r, n in counts.items() if n)
+        width = max(len(m.name or "<model>") for m in self.swapped)
+        lines = [f"seqpar swap: {len(self.swapped)} attention module(s) swapped ({head})"]
+        lines += [f"  {(m.name or '<model>'):<{width}}  {m.cls} -> {m.route}" for m in self.swapped]
+        return "\n".join(lines)
+
+
+def _hf_glue() -> ModuleType | None:
+    """The transformers glue (:mod:`seqpar.swap.hf`), or None when transformers is not installed
+    (or too old for it: then the 'hf' route is off, with a warning saying why)."""
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError:
+        return None
+    try:
+        return importlib.import_module("seqpar.swap.hf")
+    except ImportError as e:
+        logger.warning(
+            "seqpar: transformers %s is too old for the 'hf' swap route (%s); install "
+            "transformers>=%s", getattr(transformers, "__version__", "?"), e, TRANSFORMERS_FLOOR,
+        )
+        return None
+
+
+def _matches(name: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
+    cls = type(module)
+    keys = (name, cls.__name__, f"{cls.__module__}.{cls.__qualname__}")
+    return any(fnmatch.fnmatchcase(k, p) for p in patterns for k in keys)
+
+
+def _parent_and_attr(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+def swap_attention(
+    model: nn.Module,
+    config: SeqParConfig | dict | str | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> SwapReport:
+    """Route the attention of ``model`` to seqpar attention, in place.
+
+    Call it on every rank, before wrapping the model in an engine and before building the
+    optimizer (``nn.MultiheadAttention`` parameters are kept as the same objects either way).
+
+    Args:
+        model: any ``nn.Module``; after the swap it must be fed sequence shards
+            (:func:`seqpar.data.shard_batch`), on every rank of the SP group.
+        config: a ``SeqParConfig`` (or dict / JSON path); uses ``swap``, ``mode``, ``sharding``,
+            ``overlap``, ``check_inputs``. ``swap="auto"`` tries every route, ``"hf"``, ``"sdpa"``,
+            ``"mha"`` one route, a tuple of class names / fnmatch patterns (matched against the
+            qualified module name, the class name and the dotted class path) limits the swap to
+            those modules, ``"none"`` swaps nothing.
+        group: the SP group (default: the default manager's SP group, else the world).
+
+    Returns:
+        A :class:`SwapReport` of the swapped modules and their routes.
+
+    Raises:
+        SwapError: nothing matched; or a matched module uses a feature seqpar does not honour
+            (all such modules are named, and nothing is changed).
+    """
+    cfg = SeqParConfig.load(config)
+    _check_config(cfg)
+    if cfg.swap == "none":
+        logger.info("seqpar swap: swap='none', attention left as it is")
+        return SwapReport()
+    patterns = cfg.swap if isinstance(cfg.swap, tuple) else None
+    routes = set(ROUTES) if cfg.swap == "auto" or patterns else {cfg.swap}
+    glue = _hf_glue() if "hf" in routes else None
+    plan = _plan(model, routes, patterns, glue)
+    if not plan:
+        _refuse_nothing_found(model, cfg, routes, patterns, glue)
+    options = SwapOptions.from_config(cfg, group)
+    report, preparers = _apply(model, plan, options, glue)
+    install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers)
+    logger.info("%s", report)
+    from seqpar.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
+
+    report.tiling = apply_tiling(model, cfg, group=group)
+    return report
+
+
+def _check_config(cfg: SeqParConfig) -> None:
+    if cfg.pattern.type == "dilated" and cfg.sharding != "contiguous":
+        raise SwapError(
+            "sequence_parallel.pattern is dilated but sharding is "
+            f"{cfg.sharding!r}: dilated segments are contiguous runs of the sequence, so shard with "
+            "\"sharding\": \"contiguous\" (dilated attention needs no zigzag balancing: its causal "
+            "work is the same in every segment)"
+        )
+
+
+def _route_of(name: str, module: nn.Module, routes: set[str], glue: ModuleType | None,
+              sdpa_prefixes: list[str]) -> tuple[str | None, list[str]]:
+    """The route for one module (None: not attention) and the features that stop its swap."""
+    if "mha" in routes and isinstance(module, (nn.MultiheadAttention, SeqParMultiheadAttention)):
+        problems = []
+        if isinstance(module, nn.MultiheadAttention):
+            problems = mha_problems(module)
+            if not name:
+                problems.append(
+                    "the model is itself an nn.MultiheadAttention, which cannot be replaced in "
+                    "place; wrap it in a module, or use SeqParMultiheadAttention.from_module"
+                )
+        return "mha", problems
+    if glue is not None and glue.is_hf_attention(module):
+        return "hf", glue.swap_problems(module)
+    if (
+        "sdpa" in routes
+        and class_calls_sdpa(type(module))
+        and not any(name.startswith(p) for p in sdpa_prefixes)
+    ):
+        sdpa_prefixes.append(f"{name}." if name else "")  # its submodules are inside the route
+        return "sdpa", []
+    return None, []
+
+
+def _plan(model: nn.Module, routes: set[str], patterns: tuple[str, ...] | None,
+          glue: ModuleType | None) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, route)`` of every module to swap; raises naming every unswappable one."""
+    plan: list[tuple[str, nn.Module, str]] = []
+    problems: list[str] = []
+    sdpa_prefixes: list[str] = []
+    for name, module in model.named_modules():
+        if patterns is not None and not _matches(name, module, patterns):
+            continue
+        route, issues = _route_of(name, module, routes, glue, sdpa_prefixes)
+        problems += [f"layer '{name}': {p}" for p in issues]
+        if route is not None:
+            plan.append((name, module, route))
+    if problems:
+        raise SwapError(
+            "seqpar cannot swap this model's attention exactly:\n  - " + "\n  - ".join(problems)
+            + "\nNothing was changed."
+        )
+    return plan
+
+
+def _refuse_nothing_found(model: nn.Module, cfg: SeqParConfig, routes: set[str],
+                          patterns: tuple[str, ...] | None, glue: ModuleType | None) -> None:
+    looked = "; ".join(_ROUTE_HELP[r] for r in ROUTES if r in routes)
+    if patterns is not None:
+        looked = f"modules matching {list(patterns)} among {looked}"
+    hint = ""
+    if "hf" in routes and glue is None:
+        hint = " (transformers is not installed, so the 'hf' route was unavailable)"
+    raise SwapError(
+        f"swap_attention found nothing to swap in {type(model).__name__} with "
+        f"swap={cfg.swap!r}: looked for {looked}{hint}. Set sequence_parallel.swap to a route "
+        "or to class names / name patterns of the attention modules"
+    )
+
+
+def _apply(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: SwapOptions,
+           glue: ModuleType | None) -> tuple[SwapReport, list[Preparer]]:
+    """Swap every planned module; returns the report and the model's input preparers."""
+    report = SwapReport()
+    hf_modules: list[tuple[str, nn.Module]] = []
+    for name, module, route in plan:
+        report.swapped.append(SwappedModule(name, route, type(module).__name__))
+        if route == "mha":
+            if isinstance(module, SeqParMultiheadAttention):
+                module.options = options
+                continue
+            parent, attr = _parent_and_attr(model, name)
+            setattr(parent, attr, SeqParMultiheadAttention.from_module(module, options))
+        elif route == "hf":
+            hf_modules.append((name, module))
+        else:
+            track_module(module, name, options)
+    preparers = glue.apply(model, hf_modules, options) if hf_modules else []
+    return report, preparers

@@ -1,0 +1,167 @@
+"""mode="auto" and ulysses_size="auto": the cost model picks the lowest modelled cost among the modes that
+would not fail (head-count rule, the manager's axes, features used), the same on every rank and on every
+call (activation-checkpoint recompute included), logged once; its byte counts are the counted ones."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+from test_attention import make_case, reference, shard_rows, unshard_rows
+from test_ulysses import _count_all_to_all
+
+import seqpar
+from seqpar.attention.ulysses import head_split
+from seqpar.costmodel import (
+    MODE_FEATURES,
+    CallShape,
+    Links,
+    allowed_modes,
+    choose_ulysses_size,
+    mode_costs,
+    rank_modes,
+    ulysses_heads_ok,
+)
+
+LINKS = (Links(), Links(inter_gbps=5.0), Links(intra_gbps=20.0, inter_gbps=20.0, node_size=4), Links(flops=1e11))
+
+
+def test_choice_is_the_cheapest_valid_mode() -> None:
+    """Over a sweep of shapes, links and features: the first ranked mode has the lowest modelled time of
+    all allowed modes, and it never breaks the head-count rule, the manager's axes or a feature."""
+    seen = set()
+    for (hq, hkv), p, links, feats, causal in itertools.product(
+        ((4, 4), (6, 1), (28, 4), (32, 8), (64, 8), (12, 3)), (2, 4, 8, 16), LINKS,
+        ((), ("dilated",), ("documents",)), (False, True),
+    ):
+        for u in (d for d in range(1, p + 1) if p % d == 0):
+            c = CallShape(1, hq, hkv, 32768 // p, 128, 2, causal, p, u)
+            ranked = rank_modes(c, links, feats)
+            allowed = allowed_modes(c, feats)
+            assert [m.mode for m in ranked] == sorted(allowed, key=[m.mode for m in ranked].index)
+            if not ranked:
+                assert "documents" in feats  # no mode supports documents yet
+                continue
+            best = ranked[0]
+            assert best.seconds == min(m.seconds for m in mode_costs(c, links, allowed))
+            assert set(feats) <= MODE_FEATURES[best.mode]
+            if best.mode == "ulysses":
+                head_split(hq, hkv, p, sp_size=p, mode="ulysses")  # would not raise
+            if best.mode == "hybrid":
+                assert 1 < u < p
+                head_split(hq, hkv, u, sp_size=p, mode="hybrid")
+            seen.add(best.mode)
+    assert seen == {"ring", "ulysses", "hybrid", "allgather"}, seen  # the sweep exercises every choice
+
+
+def test_head_count_rule_and_axes() -> None:
+    c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 8)  # Qwen2-7B at P = 8: 28 heads do not split 8 ways
+    assert allowed_modes(c) == ["ring", "allgather"]
+    c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 4)
+    assert allowed_modes(c) == ["ring", "allgather", "hybrid"]
+    assert not ulysses_heads_ok(6, 2, 3) and ulysses_heads_ok(6, 1, 3) and ulysses_heads_ok(8, 2, 4)
+
+
+def test_slow_inter_node_link_favours_the_hybrid() -> None:
+    """MHA, 32 heads, P = 16 over two 8-rank nodes on a 50 GB/s link: the ring's K/V steps are exposed,
+    the hybrid's ring steps carry 8x the compute and hide; with one fast node (P = 8) Ulysses or ring."""
+    slow = rank_modes(CallShape(1, 32, 32, 8192, 128, 2, True, 16, 8), Links())
+    assert slow[0].mode == "hybrid" and slow[0].exposed_s < 0.01 * slow[0].seconds
+    ring = next(m for m in slow if m.mode == "ring")
+    assert ring.exposed_s > 0.3 * ring.seconds
+    fast = rank_modes(CallShape(1, 32, 32, 4096, 128, 2, True, 8, 8), Links())
+    assert fast[0].mode in ("ulysses", "ring")
+
+
+def test_choose_ulysses_size() -> None:
+    assert choose_ulysses_size(16, node_size=8) == 8
+    assert choose_ulysses_size(8, heads=(28, 4), node_size=8) == 4
+    assert choose_ulysses_size(8, heads=(6, 1), node_size=8) == 2
+    assert choose_ulysses_size(4, node_size=1) == 1
+
+
+@pytest.mark.parametrize("world, heads, u", [(2, (4, 4), None), (4, (8, 2), 2)])
+def test_modelled_bytes_are_the_counted_bytes(dist_pool, world: int, heads: tuple[int, int], u: int | None) -> None:
+    """What the model charges a rank = what torch's entry points see leave it: all-to-all buffers less
+    the slot a rank keeps, plus the hybrid ring's point-to-point bytes."""
+    got = dist_pool.run(world, _count_all_to_all, heads, 1, u)
+    c = CallShape(2, heads[0], heads[1], 8, 16, 4, True, world, u or 1)
+    (cost,) = mode_costs(c, Links(), ["ulysses" if u is None else "hybrid"])
+    slots = u or world
+    for g in got:
+        counted = sum(g["fwd"]["a2a"]) + sum(g["bwd"]["a2a"])
+        assert cost.bytes_sent == counted * (slots - 1) // slots + g["fwd"]["p2p"] + g["bwd"]["p2p"], (cost, g)
+
+
+# ------------------------------------------------------------------------------ distributed
+def _auto_calls(rank: int, world: int, case: dict, links: dict | None) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    records: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "seqpar auto: mode=" in record.getMessage():
+                records.append(record.getMessage())
+
+    handler = Grab()
+    logger = logging.getLogger("seqpar")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        cfg = seqpar.SeqParConfig(size=world, ulysses_size=2, links=links)
+        manager = seqpar.init_process_groups(config=cfg)
+        q, k, v, dout = (shard_rows(case[n], rank, world, "zigzag").float() for n in ("q", "k", "v", "dout"))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode="auto")
+
+        out = checkpoint(attend, q, k, v, use_reentrant=False)  # backward re-runs attend: same choice
+        out.backward(dout)
+        again = attend(q.detach(), k.detach(), v.detach())
+        assert torch.equal(again, out.detach())
+        from seqpar.costmodel import choose_mode
+
+        chosen = choose_mode(q, k, world=world, manager=manager, causal=True, head_chunks=2)  # as attention resolves it
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    return {"results": [out.detach(), q.grad, k.grad, v.grad], "logs": records, "mode": chosen}
+
+
+@pytest.mark.parametrize("links", [{"intra_gbps": 1e4, "inter_gbps": 1e-3, "node_size": 2, "flops": 1e9}, None])
+def test_auto_is_exact_identical_on_every_rank_and_logged_once(dist_pool, links: dict | None) -> None:
+    """P = 4 with a 2 x 2 grid. With configured links (a hopeless inter-node link, a fast node) auto must
+    take the hybrid; with the probe (broadcast from rank 0) whatever it picks is the same on every rank."""
+    case = make_case(77 if links else 78, 4, (4, 2, 16))
+    per_rank = dist_pool.run(4, _auto_calls, case, links, timeout=240)
+    modes = {r["mode"] for r in per_rank}
+    assert len(modes) == 1, modes
+    if links:
+        assert modes == {"hybrid"}
+    for r in per_rank:
+        assert len(r["logs"]) == 1 and f"mode={next(iter(modes))!r}" in r["logs"][0], r["logs"]
+    got = [unshard_rows([per_rank[r]["results"][j] for r in range(4)], 4, "zigzag") for j in range(4)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, True, None)):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
+
+
+def test_readme_table_is_what_the_model_picks() -> None:
+    """The README's table of auto's choices is regenerated here from the model: it cannot go stale."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and " / " in line and "**" in line]
+    settings = [(8, 131072), (16, 131072), (32, 524288)]
+    assert len(rows) == 6, rows
+    for line in rows:
+        name_cell, *cells = [c.strip() for c in line.strip("|").split("|")]
+        hq, hkv = (int(x) for x in name_cell.rsplit("(", 1)[1].rstrip(")").split(" / "))
+        for cell, (p, s) in zip(cells, settings, strict=True):
+            u = choose_ulysses_size(p, heads=(hq, hkv), node_size=8)
+            best = rank_modes(CallShape(1, hq, hkv, s // p, 128, 2, True, p, u), Links())[0]
+            assert cell.startswith(f"**{best.mode}**"), (name_cell, p, cell, best)

@@ -1,0 +1,192 @@
+"""Ulysses attention (mode="ulysses"): exact against a float64 single-process reference on the full
+sequence, GQA/MQA with fewer K/V heads than ranks, one packed all-to-all each way (counted at torch's
+entry point), the all-to-all communicator's round trip, and clear errors on every rank."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_attention import make_case, reference, unshard_rows
+from test_attention import run_cases as _run_cases
+
+import seqpar
+
+SHARDINGS = ("contiguous", "zigzag")
+# (q_heads, kv_heads, head_dim) per world size: MHA, GQA, MQA / fewer K/V heads than ranks, odd head dims
+HEADS = {
+    2: ((4, 4, 24), (4, 2, 40), (6, 1, 24)),
+    3: ((6, 6, 24), (6, 3, 40), (6, 1, 20)),
+    4: ((8, 8, 24), (8, 2, 40), (4, 1, 24)),
+}
+
+
+def run_cases(rank: int, world: int, cases: list[tuple], dtype: torch.dtype, ulysses_size: int | None = None,
+              **options: object) -> list[list[torch.Tensor]]:
+    """Worker body: optionally build the (Ulysses x ring) groups, then seqpar.attention per case."""
+    if ulysses_size is not None:
+        seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
+    return _run_cases(rank, world, cases, dtype, **options)
+
+
+def check_cases(per_rank: list, cases: list[tuple], world: int, tol: float = 1e-5) -> None:
+    for idx, (case, mode, sharding, causal, scale) in enumerate(cases):
+        got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, sharding) for j in range(4)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, scale)):
+            torch.testing.assert_close(
+                g.double(), w, rtol=tol, atol=tol,
+                msg=lambda s, n=name, m=(mode, sharding, causal, tuple(case["k"].shape)): f"{n} {m}: {s}",
+            )
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_exact_fp32(dist_pool, world: int) -> None:
+    cases = []
+    for i, (sharding, causal, heads) in enumerate(itertools.product(SHARDINGS, (False, True), HEADS[world])):
+        scale = 0.3 if heads[2] == 40 else None
+        cases.append((make_case(7000 + 100 * world + i, world, heads), "ulysses", sharding, causal, scale))
+    check_cases(dist_pool.run(world, run_cases, cases, torch.float32, timeout=240), cases, world)
+
+
+def test_ulysses_bf16_within_sdpa_rounding(dist_pool) -> None:
+    """bf16 at P = 4 (GQA, zigzag, causal): norm-relative error no worse than twice SDPA's own in bf16."""
+    g = torch.Generator().manual_seed(11)
+    case = {n: torch.randn(2, 8 if n in ("q", "dout") else 2, 64, 32, generator=g, dtype=torch.float64)
+            for n in ("q", "k", "v", "dout")}
+    cases = [(case, "ulysses", "zigzag", True, None)]
+    per_rank = dist_pool.run(4, run_cases, cases, torch.bfloat16, timeout=240)
+    got = [unshard_rows([per_rank[r][0][j] for r in range(4)], 4, "zigzag") for j in range(4)]
+    want = reference(case, True, None)
+    low = reference({n: t.to(torch.bfloat16) for n, t in case.items()}, True, None)
+    for name, gt, w, base in zip(("out", "dq", "dk", "dv"), got, want, low):
+        err = ((gt.double() - w).norm() / w.norm()).item()
+        base_err = ((base.double() - w).norm() / w.norm()).item()
+        assert gt.dtype == torch.bfloat16 and err <= 2 * base_err + 1e-3, (name, err, base_err)
+
+
+# ------------------------------------------------------------------------ one all-to-all each way
+def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks: int, ulysses_size: int | None) -> dict:
+    """Count the collectives and bytes of one forward and one backward, at torch's entry points."""
+    if ulysses_size is not None:
+        seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
+    calls = {"a2a": [], "p2p": 0, "other": 0}
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tensor",
+                                               "all_gather", "all_reduce", "all_to_all")}
+
+    def a2a(out, inp, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls["a2a"].append(inp.numel() * inp.element_size())
+        return originals["all_to_all_single"](out, inp, *args, **kwargs)
+
+    def p2p(ops):  # noqa: ANN001, ANN202
+        calls["p2p"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return originals["batch_isend_irecv"](ops)
+
+    def other(name):  # noqa: ANN001, ANN202
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls["other"] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    hq, hkv = heads
+    torch.manual_seed(rank)
+    q = torch.randn(2, hq, 8, 16, requires_grad=True)
+    k = torch.randn(2, hkv, 8, 16, requires_grad=True)
+    v = torch.randn(2, hkv, 8, 16, requires_grad=True)
+    dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
+    for name in ("all_gather_into_tensor", "all_gather", "all_reduce", "all_to_all"):
+        setattr(dist, name, other(name))
+    try:
+        mode = "ulysses" if ulysses_size is None else "hybrid"
+        out = seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, head_chunks=head_chunks,
+                               check_inputs=False)
+        fwd = dict(a2a=list(calls["a2a"]), p2p=calls["p2p"], other=calls["other"])
+        calls["a2a"].clear()
+        calls["p2p"] = 0
+        out.backward(torch.randn_like(out))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"fwd": fwd, "bwd": dict(calls)}
+
+
+@pytest.mark.parametrize("world, heads", [(2, (4, 4)), (4, (8, 2)), (4, (4, 1))])
+def test_one_packed_all_to_all_each_way(dist_pool, world: int, heads: tuple[int, int]) -> None:
+    """Per head chunk: forward = one all-to-all of q, k, v packed + one of the output; backward = one of
+    dout + one of dq, dk, dv packed. Bytes = the theory: only the K/V heads each rank's query heads need
+    (one replica per rank when kv_heads < P), never K/V expanded to the query heads; no other collective."""
+    hq, hkv = heads
+    elem, tokens, d = 4, 2 * 8, 16  # fp32, batch x seq_local, head_dim
+    kv_per = max(hkv // world, 1)
+    qkv_bytes = world * (hq // world + 2 * kv_per) * tokens * d * elem
+    out_bytes = hq * tokens * d * elem
+    for chunks in sorted({1, kv_per}):
+        for r, got in enumerate(dist_pool.run(world, _count_all_to_all, heads, chunks, None)):
+            fwd, bwd = got["fwd"], got["bwd"]
+            assert fwd["p2p"] == bwd["p2p"] == fwd["other"] == bwd["other"] == 0, (r, got)
+            assert len(fwd["a2a"]) == len(bwd["a2a"]) == 2 * chunks, (r, chunks, got)
+            assert sum(fwd["a2a"]) == sum(bwd["a2a"]) == qkv_bytes + out_bytes, (r, chunks, got)
+            assert sorted(fwd["a2a"]) == sorted(bwd["a2a"]) == sorted([qkv_bytes // chunks, out_bytes // chunks] * chunks)
+
+
+# ------------------------------------------------------------------------ the communicator
+def _round_trip(rank: int, world: int) -> list[torch.Tensor]:
+    from seqpar.comm.alltoall import all_to_all
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 6 * world, 5 * world, 3, generator=g, dtype=torch.float64)  # (B, H, S, D)
+    x = full[:, :, 5 * rank:5 * (rank + 1)].clone().requires_grad_()  # this rank's sequence shard
+    heads = all_to_all(x, scatter_dim=1, gather_dim=2, group=dist.group.WORLD)  # (B, H/P, S, D)
+    assert torch.equal(heads, full[:, 6 * rank:6 * (rank + 1)]), "head shard of the full sequence"
+    back = all_to_all(heads, scatter_dim=2, gather_dim=1, group=dist.group.WORLD)
+    assert torch.equal(back, x), "sequence -> heads -> sequence is the identity"
+    w = torch.randn(heads.shape, generator=torch.Generator().manual_seed(10 + rank), dtype=torch.float64)
+    (heads * w).sum().backward()
+    return [x.grad, w]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_round_trip_and_dual_backward(dist_pool, world: int) -> None:
+    per_rank = dist_pool.run(world, _round_trip)
+    w_full = torch.cat([per_rank[r][1] for r in range(world)], dim=1)  # (B, H, S, D): d loss / d heads
+    for r in range(world):
+        torch.testing.assert_close(per_rank[r][0], w_full[:, :, 5 * r:5 * (r + 1)], rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------ errors, never a hang
+def _bad_calls(rank: int, world: int) -> list[str]:
+    messages = []
+    q = torch.randn(1, 4, 4, 8)
+    kv = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError) as e:  # 4 query heads over 3 ranks
+        seqpar.attention(q, kv, kv, mode="ulysses")
+    messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # shapes differ across ranks
+        seqpar.attention(torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8),
+                         mode="ulysses")
+    messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # K/V heads neither a multiple nor a divisor of 3
+        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses")
+    messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # hybrid needs the manager's axes
+        seqpar.attention(torch.randn(1, 6, 4, 8), kv, kv, mode="hybrid", group=dist.group.WORLD)
+    messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:  # ... and a manager
+        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mode="hybrid")
+    messages.append(str(e.value))
+    # still in step: a good call completes
+    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses")
+    assert out.shape == (1, 6, 4, 8)
+    return messages
+
+
+def test_bad_input_is_a_clear_error_on_every_rank(dist_pool) -> None:
+    per_rank = dist_pool.run(3, _bad_calls, timeout=60)
+    heads, shapes, kv, explicit, manager = per_rank[0]
+    assert all(m == per_rank[0] for m in per_rank)
+    assert "4 query heads" in heads and "hybrid" in heads and "ulysses_size" in heads and "[1]" in heads
+    assert "different inputs" in shapes and "rank 2" in shapes
+    assert "2 K/V heads" in kv and "ulysses_size" in kv
+    assert "hybrid" in explicit and "group=" in explicit
+    assert "init_process_groups" in manager and "ulysses_size" in manager
