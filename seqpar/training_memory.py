@@ -251,6 +251,8 @@ def estimate_training_memory(
 
     # ---------------------------------------------------------------- moments
     static = params + optimizer
+    if engine == "deepspeed" and sharded:
+        static += grads_reduced  # ZeRO-3 allocates its gradient partition up front
     moments = {
         # the loss's backward: every layer's activations and the logits' buffers
         "loss_backward": static + activations_at_loss + logits,
@@ -262,7 +264,7 @@ def estimate_training_memory(
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
         "grad_reduction": static + (
             p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
-            else grads_reduced + (head_grad + embed_grad if sharded else 0) + comm),
+            else (0 if sharded else grads_reduced) + (head_grad + embed_grad if sharded else 0) + comm),
     }
     moment = max(moments, key=moments.get)
     return {
