@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from dist_harness import DistPool
+
+# DeepSpeed JIT-builds its CPU shared-memory comm op on first init, under TORCH_EXTENSIONS_DIR
+# (default: one folder per user). Environments with other include paths sharing that folder rebuild
+# it in turn, and a rank killed mid-build (a timed-out test) leaves a lock that makes every later
+# build wait forever. One folder per Python environment avoids both; inherited by the test ranks.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")

@@ -219,10 +219,10 @@ def test_bad_mask_inputs_raise_on_every_rank(dist_pool, case: str, expect: str) 
         assert expect in res[1], (rank, res)
 
 
-def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int = 0) -> tuple[list[int], int]:
+def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int = 0) -> tuple[list[int], tuple]:
     """Run the ring forward + backward on ThreadRing virtual ranks (contiguous, causal, fp32, one head
-    chunk); check the result against the reference; return each rank's bytes sent and the hops."""
-    from seqpar.attention.common import AttentionOptions, ring_hops
+    chunk); check the result against the reference; return each rank's bytes sent and the hop plan."""
+    from seqpar.attention.common import AttentionOptions, block_hops
     from seqpar.attention.ring import ring_attention_backward, ring_attention_forward
     from seqpar.comm.ring import ThreadRing
 
@@ -242,27 +242,39 @@ def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int 
     got = [unshard_rows([r[j] for r in res], world, "contiguous") for j in range(4)]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case)):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n} cu={cu}: {s}")
-    return [r[4] for r in res], ring_hops(opts, world, case["q"].shape[2] // world)
+    return [r[4] for r in res], block_hops(opts, world, case["q"].shape[2] // world)
+
+
+def _theory(hops: tuple, world: int, block: int) -> list[int]:
+    """Bytes per rank from the hop plan: rank r passes block r - s on at step s while s + 1 <= its hops
+    (forward, and again in the backward), and sends block r - s's accumulator once (on or home) for
+    every s in 1..hops of that block; K/V and accumulators are both fp32 here."""
+    out = []
+    for r in range(world):
+        kv = sum(1 for s in range(world) if s + 1 <= hops[(r - s) % world])
+        dkv = sum(1 for s in range(1, world) if s <= hops[(r - s) % world])
+        out.append((2 * kv + dkv) * block)
+    return out
 
 
 def test_ring_sends_blocks_only_as_far_as_they_are_seen() -> None:
     """P = 4, contiguous, causal. Documents all shorter than a shard: one hop, not P - 1; a document
-    spanning three shards: two hops (the dK/dV then go home in one message from rank j + 2). Bytes per
-    rank equal the plan's theory: forward H K/V blocks, backward H K/V blocks and H fp32 dK/dV blocks,
-    against P - 1 of each for the dense ring."""
+    over three shards: block 0 makes two hops, the others one or none (no rank needs the last block),
+    and each dK/dV accumulator goes home in one message from its last rank. Bytes per rank equal the
+    hop plan's theory exactly, against P - 1 hops of everything for the dense ring."""
     world, seq_local = 4, 24
-    kv = 2 * 2 * seq_local * 8 * 4  # K and V of one rank: 2 heads, head_dim 8, fp32
-    theory = lambda hops: hops * (kv + kv + kv)  # noqa: E731 - fwd K/V, bwd K/V, bwd dK/dV (fp32 here)
+    block = 2 * 2 * seq_local * 8 * 4  # K and V of one rank: 2 heads, head_dim 8, fp32
     short = [0, 5, 17, 30, 41, 50, 66, 77, 90, 96]  # every document shorter than a shard (24)
     sent, hops = _ring_bytes(world, short, None)
-    assert hops == 1 and sent == [theory(1)] * world, (hops, sent)
+    assert hops == (1, 1, 1, 0) and sent == _theory(hops, world, block), (hops, sent)
+    assert max(sent) == 3 * block  # one hop of K/V each way and one accumulator message
     spanning = [0, 10, 60, 96]  # [10, 60) spans shards 0, 1, 2
     sent, hops = _ring_bytes(world, spanning, None)
-    assert hops == 2 and sent == [theory(2)] * world, (hops, sent)
+    assert hops == (2, 1, 1, 0) and sent == _theory(hops, world, block), (hops, sent)
     sent, hops = _ring_bytes(world, None, 7)  # a window shorter than a shard: one hop
-    assert hops == 1 and sent == [theory(1)] * world, (hops, sent)
+    assert hops == (1, 1, 1, 0) and sent == _theory(hops, world, block), (hops, sent)
     dense, hops = _ring_bytes(world, None, None)
-    assert hops == world - 1 and dense == [theory(world - 1)] * world, (hops, dense)
+    assert hops == (3,) * world and dense == [9 * block] * world, (hops, dense)
 
 
 def _long_tailed(seq: int, seed: int) -> tuple[int, ...]:

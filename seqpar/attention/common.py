@@ -25,7 +25,7 @@ from seqpar.sharding import chunk_ids
 
 __all__ = [
     "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
-    "forward_block", "block_grads", "ring_hops", "forward_pieces", "backward_pieces",
+    "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
 ]
 
 
@@ -77,17 +77,22 @@ def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, se
 
 
 @functools.lru_cache(maxsize=1024)
-def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
-    """How many hops the ring's K/V blocks make: the farthest ring distance (rank r's block to rank
-    r + s) at which some rank still sees some key of the block. Every rank derives the same number
-    from the same integers. P - 1 for dense masks; 1 for causal documents (or a window) no longer
-    than a shard under contiguous sharding; 0 when no rank sees another's keys."""
+def block_hops(opts: AttentionOptions, world: int, seq_local: int) -> tuple[int, ...]:
+    """How many hops each rank's K/V block makes round the ring: for block j, the farthest ring
+    distance s (rank j + s) at which a rank still sees one of its keys; 0 when no other rank does.
+    Every rank derives the same tuple from the same integers. P - 1 each for dense masks; 1 for
+    causal documents (or a window) no longer than a shard under contiguous sharding."""
     if opts.mask.dense:
-        return world - 1
-    return max(
-        (s for s in range(1, world) for j in range(world) if block_calls(opts, world, (j + s) % world, j, seq_local)),
-        default=0,
+        return (world - 1,) * world
+    return tuple(
+        max((s for s in range(1, world) if block_calls(opts, world, (j + s) % world, j, seq_local)), default=0)
+        for j in range(world)
     )
+
+
+def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
+    """The most hops any block makes (the ring's number of steps beyond the own block)."""
+    return max(block_hops(opts, world, seq_local), default=0)
 
 
 def _rows(x: Tensor, s: slice) -> Tensor:

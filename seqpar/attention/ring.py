@@ -12,13 +12,15 @@ first so it overlaps the first transfer. Per rank the backward sends P-1 K/V blo
 P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
 holds more than a few blocks of size S/P: memory O(S/P).
 
-Documents and windows (``opts.cu_seqlens``, ``opts.window``): the blocks make only
-:func:`~seqpar.attention.common.ring_hops` H <= P-1 hops, the farthest ring distance at which any rank
-still sees a key of the block (every rank derives H from the same integers); forward H K/V blocks per
-rank, backward H K/V blocks and H dK/dV blocks: each accumulator collects over H - 1 hops and then
-goes straight home from rank j + H to j. Causal documents no longer than a shard under contiguous
-sharding: H = 1. Whole blocks travel (under zigzag a block's two chunks have neighbours on ranks
-r + 1 and r - 1 = r + P - 1, so zigzag keeps H = P - 1 once a document crosses a chunk edge).
+Documents and windows (``opts.cu_seqlens``, ``opts.window``): block j makes only
+``h_j = block_hops(...)[j] <= P-1`` hops, the farthest ring distance at which a rank still sees one of
+its keys (every rank derives the same tuple from the same integers, so sends and receives pair up
+with no extra message): a rank passes a block on only while someone further needs it and takes the
+next only while it or someone further needs it. The block's dK/dV accumulator collects over h_j - 1
+hops and then goes straight home from rank j + h_j (a send with ``shift``). Causal documents no
+longer than a shard under contiguous sharding: one hop. Whole blocks travel (under zigzag a block's
+two chunks have neighbours on ranks r + 1 and r - 1 = r + P - 1, so zigzag keeps P - 1 hops for any
+block whose chunk edge a document crosses). Dense masks: h_j = P - 1 and the same messages as above.
 
 Head chunks (``opts.head_chunks = G``): the ring runs G times, each pass on kv_heads / G K/V heads and
 their query heads, writing into full-size outputs. Volume is unchanged (G passes of 1/G blocks); the
@@ -37,12 +39,12 @@ from seqpar.attention.common import (
     AttentionOptions,
     block_calls,
     block_grads,
+    block_hops,
     forward_block,
     piece_backward,
-    ring_hops,
 )
 from seqpar.attention.plan import BlockCall, head_chunk_slices
-from seqpar.comm.ring import RingExchange
+from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
 
 _KV = 0  # channel of the K/V blocks
 _DKV = 1  # channel of the travelling dK/dV accumulators
+_HOME = 2  # channel of the accumulators going home after their block's last hop
 
 
 def ring_forward(
@@ -60,21 +63,25 @@ def ring_forward(
     """Returns ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``.
     ``sinks``: optional ``(q_heads,)`` sink logits, one more term of every row's softmax."""
     world, rank = comm.world_size, comm.rank
-    hops = ring_hops(opts, world, q.shape[2])
+    hops = block_hops(opts, world, q.shape[2])
     acc = Partials.like(q, lse_dtype(q.dtype))
     k_cur, v_cur = k.contiguous(), v.contiguous()
     buffers: list[list[Tensor] | None] = [None, None]
-    for step in range(hops + 1):
-        pending = None
-        if step + 1 <= hops:
-            pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
-            if not opts.overlap:
-                pending.wait()
-        src = (rank - step) % world
-        forward_block(q, k_cur, v_cur, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
+    for step in range(max(hops) + 1):
+        src, prev = (rank - step) % world, (rank - 1 - step) % world
+        # pass block src on while someone further needs it; take the next while it is needed here
+        # or further (every rank decides from the same hop plan, so sends and receives pair up)
+        recv = step + 1 <= hops[prev]
+        pending = _exchange(comm, [k_cur, v_cur], buffers[step % 2], _KV, send=step + 1 <= hops[src], recv=recv)
+        if pending is not None and not opts.overlap:
+            pending.wait()
+        if step <= hops[src]:  # we hold block src (step 0: our own)
+            forward_block(q, k_cur, v_cur, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
         if pending is not None:
-            k_cur, v_cur = received = pending.wait()
-            buffers[step % 2] = received
+            received = pending.wait()
+            if recv:
+                k_cur, v_cur = received
+                buffers[step % 2] = received
     out, lse = acc.finish()
     if sinks is not None:
         add_sink(out, lse, sinks)
@@ -105,11 +112,14 @@ def ring_backward(
     comm: RingExchange, opts: AttentionOptions,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
-    Returns dq, dk, dv in the input dtypes."""
+    Returns dq, dk, dv in the input dtypes.
+
+    Block j makes ``hops[j]`` hops (see :func:`~seqpar.attention.common.block_hops`); its dK/dV
+    accumulator starts at rank j+1, collects at each rank up to j + hops[j] and goes home from there."""
     world, rank = comm.world_size, comm.rank
     acc = lse_dtype(q.dtype)
     seq_local = q.shape[2]
-    hops = ring_hops(opts, world, seq_local)
+    hops = block_hops(opts, world, seq_local)
     dout = dout.contiguous()
     k, v = k.contiguous(), v.contiguous()
 
@@ -117,7 +127,7 @@ def ring_backward(
     dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
 
-    kv_pending = comm.exchange([k, v], channel=_KV) if hops > 0 else None
+    kv_pending = _exchange(comm, [k, v], None, _KV, send=hops[rank] >= 1, recv=hops[(rank - 1) % world] >= 1)
     if kv_pending is not None and not opts.overlap:
         kv_pending.wait()
     # own block first: its share waits for the accumulator coming home at the end
@@ -125,40 +135,76 @@ def ring_backward(
     block_grads(dout, q, k, v, out, lse, own, opts.scale, dq_acc, dk_own, dv_own)
 
     buffers: list[list[Tensor] | None] = [None, None]
-    dkv_pending = None
-    dkv_sent: list[Tensor] | None = None  # the accumulators last sent; reused as the next receive buffers
-    for step in range(1, hops + 1):
-        k_cur, v_cur = received = kv_pending.wait()
-        kv_pending = None
-        if step + 1 <= hops:
-            kv_pending = comm.exchange([k_cur, v_cur], out=buffers[step % 2], channel=_KV)
-            if not opts.overlap:
-                kv_pending.wait()
-        buffers[(step + 1) % 2] = received
-        src = (rank - step) % world
-        dk_blk, dv_blk = _remote_block_grads(
-            dout, q, k_cur, v_cur, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
-        )
-        if dkv_pending is None:  # first hop of block src's accumulator
-            send = [dk_blk.contiguous(), dv_blk.contiguous()]
-        else:  # the accumulator of block src arrives from rank r-1 (and our last send is done)
-            dk_in, dv_in = send = dkv_pending.wait()
-            dk_in += dk_blk
-            dv_in += dv_blk
-        del dk_blk, dv_blk
-        # on to the next rank; after the block's last hop, straight home (rank - hops: the next
-        # rank when the ring goes all the way round)
-        shift = 1 if step < hops else world - hops
-        # (shift passed only when != 1: communicators without it still run every full ring)
-        dkv_pending = comm.exchange(send, out=dkv_sent, channel=_DKV, **({"shift": shift} if shift != 1 else {}))
+    chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1
+    dkv_sent: list[Tensor] | None = None  # the accumulators last sent on; reused as receive buffers
+    home_sends: list[Pending] = []  # accumulators sent home (waited at the end)
+    home_in: Pending | None = None  # our own block's accumulator
+    for step in range(1, max(hops) + 1):
+        src, prev = (rank - step) % world, (rank - 1 - step) % world
+        have = step <= hops[src]  # block src reached us (its recv was posted at the last step)
+        received = kv_pending.wait() if kv_pending is not None else None
+        incoming = chain.wait() if chain is not None else None  # also completes our last send
+        kv_pending = chain = None
+        send_kv, recv_kv = step + 1 <= hops[src], step + 1 <= hops[prev]
+        kv_pending = _exchange(comm, received if have else [k, v], buffers[step % 2], _KV, send=send_kv, recv=recv_kv)
+        if kv_pending is not None and not opts.overlap:
+            kv_pending.wait()
+        chain_recv = step < hops[prev]  # block prev's accumulator comes on from rank r-1
+        home_recv = step == hops[rank]  # our own block's accumulator comes home from rank r + step
+        free = dkv_sent  # the accumulators sent on at the last step: that send is complete
+        send: list[Tensor] | None = None
+        if have:
+            k_cur, v_cur = received
+            buffers[(step + 1) % 2] = received
+            dk_blk, dv_blk = _remote_block_grads(
+                dout, q, k_cur, v_cur, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
+            )
+            if step == 1:  # first hop of block src's accumulator
+                send = [dk_blk.contiguous(), dv_blk.contiguous()]
+            else:  # the accumulator of block src arrived from rank r-1
+                dk_in, dv_in = send = incoming
+                dk_in += dk_blk
+                dv_in += dv_blk
+            del dk_blk, dv_blk, incoming
+        onward = send is not None and step < hops[src]
+        chain = _exchange(comm, send if onward else [dk_own, dv_own], free if chain_recv else None, _DKV,
+                          send=onward, recv=chain_recv)
+        home_send = send is not None and not onward  # the block's last hop: straight home
+        home_buf = None if chain_recv else free
+        if home_send and home_recv:  # one exchange (a dense ring's last step: the next rank, shift 1)
+            home_in = _exchange(comm, send, home_buf, _HOME, shift=world - step)
+            home_sends.append(home_in)
+        elif home_send:
+            home_sends.append(_exchange(comm, send, None, _HOME, shift=world - step, recv=False))
+        elif home_recv:
+            home_in = _exchange(comm, [dk_own, dv_own], home_buf, _HOME, shift=world - step, send=False)
         if not opts.overlap:
-            dkv_pending.wait()
-        dkv_sent = send
-    if dkv_pending is not None:  # own block's accumulator, home from rank + hops
-        dk_in, dv_in = dkv_pending.wait()
+            for p in (chain, home_in, *home_sends):
+                if p is not None:
+                    p.wait()
+        dkv_sent = send if onward else None  # a buffer on its way home is not reused
+    if chain is not None:
+        chain.wait()
+    for p in home_sends:
+        p.wait()
+    if home_in is not None:  # own block's accumulator, home from rank + hops[rank]
+        dk_in, dv_in = home_in.wait()
         dk_own += dk_in
         dv_own += dv_in
     return dq_acc.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+def _exchange(
+    comm: RingExchange, tensors: list[Tensor], out: list[Tensor] | None, channel: int, *,
+    shift: int = 1, send: bool = True, recv: bool = True,
+) -> Pending | None:
+    """One exchange, or None when this rank neither sends nor receives. Arguments at their defaults
+    are not passed, so communicators without ``shift``/``send``/``recv`` still run full rings."""
+    if not (send or recv):
+        return None
+    extra = {name: val for name, val, default in (("shift", shift, 1), ("send", send, True), ("recv", recv, True))
+             if val != default}
+    return comm.exchange(tensors, out=out if recv else None, channel=channel, **extra)
 
 
 def ring_attention_forward(

@@ -8,7 +8,7 @@ Three figures, printed as markdown tables (``--json PATH`` also writes them):
 2. Balance: per-rank visible pairs max/mean, causal, documents log-uniform 64..S/2, zigzag against
    the balanced layout, P = 2, 4, 8 (counted from the attention planner's calls).
 3. Bytes: the ring's bytes per rank on P = 4 ThreadRing virtual ranks (contiguous, causal), against
-   the hop plan's theory and the dense ring.
+   the hop plan's theory (per block: how far it travels) and the dense ring.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 import seqpar
-from seqpar.attention.common import AttentionOptions, block_calls, ring_hops
+from seqpar.attention.common import AttentionOptions, block_calls, block_hops
 from seqpar.attention.masks import visible_pair_count
 from seqpar.attention.ring import ring_attention_backward, ring_attention_forward
 from seqpar.comm.ring import ThreadRing
@@ -121,10 +121,22 @@ def ring_bytes(world: int, seq_local: int, heads: int, dim: int) -> list[dict]:
             return comm.bytes_sent
 
         sent = ThreadRing(world, timeout=120).run(body)
-        hops = ring_hops(opts, world, seq_local)
-        rows.append({"case": name, "hops": hops, "bytes_per_rank": max(sent), "theory": 3 * hops * block,
-                     "dense": 3 * (world - 1) * block})
+        hops = block_hops(opts, world, seq_local)
+        rows.append({"case": name, "hops per block": list(hops), "bytes per rank": sent,
+                     "theory": _theory(hops, world, block), "dense ring": 3 * (world - 1) * block})
     return rows
+
+
+def _theory(hops: Sequence[int], world: int, block: int) -> list[int]:
+    """Bytes per rank from the hop plan: rank r passes block r - s on at step s while s + 1 <= that
+    block's hops (forward, and again in the backward) and sends its accumulator once (on, or home
+    after the last hop) for every s in 1..hops; K/V and accumulators are both fp32 here."""
+    out = []
+    for r in range(world):
+        kv = sum(1 for s in range(world) if s + 1 <= hops[(r - s) % world])
+        dkv = sum(1 for s in range(1, world) if s <= hops[(r - s) % world])
+        out.append((2 * kv + dkv) * block)
+    return out
 
 
 def _table(rows: list[dict]) -> str:

@@ -52,11 +52,13 @@ class RingExchange(Protocol):
     bytes_sent: int
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
+        send: bool = True, recv: bool = True,
     ) -> Pending:
         """Start sending ``tensors`` to the next rank and receiving same-shaped ones from the previous
         rank (into ``out`` when given). ``shift``: send to rank + shift and receive from rank - shift
-        instead (mod P; a ring whose blocks stop early sends their gradients home in one message)."""
+        instead (mod P; a ring whose blocks stop early sends their gradients home in one message).
+        ``send`` / ``recv`` False: only the other half (``tensors`` then only give the shapes)."""
         ...
 
 
@@ -83,26 +85,29 @@ class RingComm:
         self.bytes_sent = 0
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
+        send: bool = True, recv: bool = True,
     ) -> Pending:
-        recv = _recv_buffers(tensors, out)
+        bufs = _recv_buffers(tensors, out) if recv else []
         dst, src = self.next_rank, self.prev_rank
         if shift % self.world_size != 1:
             dst = dist.get_global_rank(self.group, (self.rank + shift) % self.world_size)
             src = dist.get_global_rank(self.group, (self.rank - shift) % self.world_size)
         ops = []
-        for i, (t, r) in enumerate(zip(tensors, recv)):
+        for i, t in enumerate(tensors):
             tag = channel * _MAX_TENSORS_PER_EXCHANGE + i
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, self.group, tag))
-            ops.append(dist.P2POp(dist.irecv, r, src, self.group, tag))
-            self.bytes_sent += t.numel() * t.element_size()
-        works = dist.batch_isend_irecv(ops)
+            if send:
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), dst, self.group, tag))
+                self.bytes_sent += t.numel() * t.element_size()
+            if recv:
+                ops.append(dist.P2POp(dist.irecv, bufs[i], src, self.group, tag))
+        works = dist.batch_isend_irecv(ops) if ops else []
 
         def finish() -> None:
             for w in works:
                 w.wait()
 
-        return Pending(finish, recv)
+        return Pending(finish, bufs)
 
 
 class ThreadRing:
@@ -159,16 +164,17 @@ class ThreadRingComm:
         self.bytes_sent = 0
 
     def exchange(
-        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
+        send: bool = True, recv: bool = True,
     ) -> Pending:
-        recv = _recv_buffers(tensors, out)
+        bufs = _recv_buffers(tensors, out) if recv else []
         nxt, prv = (self.rank + shift) % self.world_size, (self.rank - shift) % self.world_size
-        for i, t in enumerate(tensors):
+        for i, t in enumerate(tensors if send else []):
             self.ring._box(self.rank, nxt, channel * _MAX_TENSORS_PER_EXCHANGE + i).put(t.clone())
             self.bytes_sent += t.numel() * t.element_size()
 
         def finish() -> None:
-            for i, r in enumerate(recv):
+            for i, r in enumerate(bufs):
                 box = self.ring._box(prv, self.rank, channel * _MAX_TENSORS_PER_EXCHANGE + i)
                 try:
                     r.copy_(box.get(timeout=self.ring.timeout))
@@ -177,4 +183,4 @@ class ThreadRingComm:
                         f"ThreadRing rank {self.rank}: nothing arrived from rank {prv} in {self.ring.timeout}s"
                     ) from None
 
-        return Pending(finish, recv)
+        return Pending(finish, bufs)
