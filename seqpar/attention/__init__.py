@@ -142,11 +142,6 @@ def attention(
             q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
             features=_mask_features(bounds, window, sinks, sharding),
         )
-    if (masked or sharding == "balanced") and mode in ("ulysses", "hybrid"):
-        raise ValueError(
-            f"mode={mode!r} does not take cu_seqlens/window/sinks or sharding='balanced' yet: use mode='ring' "
-            "or 'allgather' (or mode='auto', which only picks modes that support the call's features)"
-        )
     if mode == "hybrid":
         if manager is None:
             raise ValueError(
@@ -156,11 +151,17 @@ def attention(
         if manager.ulysses_size == manager.sp_size:
             mode = "ulysses"  # u = P: no ring axis
         elif manager.ulysses_size > 1:
-            return hybrid_attention(q, k, v, manager, opts, head_chunks)
+            if sharding == "balanced":
+                raise ValueError(
+                    "mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no balanced "
+                    "layout across the ring): use sharding='zigzag' or 'contiguous', or mode='ulysses' / 'ring' / "
+                    "'allgather' (or mode='auto', which only picks modes that support the call's features)"
+                )
+            return hybrid_attention(q, k, v, manager, opts, head_chunks, sinks)
         else:
             mode = "ring"  # u = 1: the ring
     if mode == "ulysses":
-        return ulysses_attention(q, k, v, group, opts, head_chunks)
+        return ulysses_attention(q, k, v, group, opts, head_chunks, sinks)
     if mode == "ring":
         return RingAttention.apply(q, k, v, RingComm(group), opts, sinks)
     return AllGatherAttention.apply(q, k, v, group, opts, sinks)

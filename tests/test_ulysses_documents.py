@@ -1,0 +1,80 @@
+"""Packed documents, sliding windows and sinks (issue 10) in the Ulysses and hybrid modes (issue 11),
+against test_documents' float64 dense masked reference on the full sequence.
+
+Ulysses at P = 2 and 4 (contiguous, zigzag, balanced) and hybrid at P = 4 as 2 x 2 (contiguous,
+zigzag); causal or not; documents of length 1, shorter than a chunk and spanning shards; a window
+smaller than a chunk and one larger than a shard; sinks (summed over the ranks, the usual reduction of
+a replicated weight); GQA, MQA with fewer K/V heads than Ulysses ranks, and two head chunks with sinks
+(each chunk's sink slice). Plus the clear refusal of hybrid with the balanced sharding.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_documents import check, make_case
+from test_documents import run_cases as _run_cases
+
+import seqpar
+from seqpar.costmodel import MODE_FEATURES
+
+# (q_heads, kv_heads, head_dim) per Ulysses degree: GQA with an odd head dim, MQA with fewer K/V heads
+# than ranks, two head chunks per rank (8 / 4 at u = 2: two K/V heads each)
+HEADS = {2: ((4, 2, 12), (2, 1, 8), (8, 4, 6)), 4: ((4, 2, 12), (4, 1, 8), (8, 4, 6))}
+# (window, docs, sinks): test_documents.boundaries variant 0 has a length-1 document, one shorter than
+# a chunk and one spanning the rest; variant 1 only short documents; shard = 24 tokens per rank
+VARIANTS = ((None, 0, False), (3, 0, True), (29, 1, True), (29, None, False))
+
+
+def run_cases(rank: int, world: int, cases: list[dict], ulysses_size: int | None = None) -> list[list[torch.Tensor]]:
+    """Worker: the (Ulysses x ring) groups for hybrid cases, then test_documents' worker."""
+    if ulysses_size is not None:
+        seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
+    return _run_cases(rank, world, cases)
+
+
+def _cases(world: int, mode: str, shardings: tuple[str, ...], u: int, seed: int) -> list[dict]:
+    cases = []
+    for i, (sharding, causal, (window, docs, sinks)) in enumerate(
+        itertools.product(shardings, (False, True), VARIANTS)
+    ):
+        cases.append(make_case(seed + i, world, HEADS[u][i % len(HEADS[u])], mode=mode, sharding=sharding,
+                               causal=causal, window=window, docs=docs, sinks=sinks))
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_documents_windows_sinks_exact(dist_pool, world: int) -> None:
+    cases = _cases(world, "ulysses", ("contiguous", "zigzag", "balanced"), world, 3000 + 100 * world)
+    check(dist_pool.run(world, run_cases, cases, timeout=300), cases, world)
+
+
+def test_hybrid_documents_windows_sinks_exact(dist_pool) -> None:
+    """P = 4 as 2 x 2: the masked ring across the two super-ranks (its hop plan included)."""
+    cases = _cases(4, "hybrid", ("contiguous", "zigzag"), 2, 3900)
+    check(dist_pool.run(4, run_cases, cases, 2, timeout=300), cases, 4)
+
+
+def _hybrid_balanced(rank: int, world: int) -> str | None:
+    seqpar.init_process_groups(sp_size=world, ulysses_size=2)
+    q = torch.randn(1, 4, 16, 8)
+    try:
+        seqpar.attention(q, q, q, causal=True, mode="hybrid", sharding="balanced",
+                         cu_seqlens=torch.tensor([0, 5, 64]))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_hybrid_refuses_balanced_on_every_rank(dist_pool) -> None:
+    for rank, msg in enumerate(dist_pool.run(4, _hybrid_balanced, timeout=60)):
+        assert msg is not None, f"rank {rank} did not raise"
+        assert "sharding='balanced'" in msg and "zigzag" in msg and "ulysses" in msg, msg
+
+
+def test_auto_may_pick_ulysses_and_hybrid_for_masked_calls() -> None:
+    assert {"documents", "window", "sinks", "balanced"} <= MODE_FEATURES["ulysses"]
+    assert {"documents", "window", "sinks"} <= MODE_FEATURES["hybrid"]
+    assert "balanced" not in MODE_FEATURES["hybrid"]
