@@ -5,7 +5,7 @@ Ulysses at P = 2 and 4 (contiguous, zigzag, balanced) and hybrid at P = 4 as 2 x
 zigzag); causal or not; documents of length 1, shorter than a chunk and spanning shards; a window
 smaller than a chunk and one larger than a shard; sinks (summed over the ranks, the usual reduction of
 a replicated weight); GQA, MQA with fewer K/V heads than Ulysses ranks, and two head chunks with sinks
-(each chunk's sink slice). Plus the clear refusal of hybrid with the balanced sharding.
+(each chunk's sink slice); bf16 within SDPA's own rounding. Plus the clear refusal of hybrid with the balanced sharding.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import itertools
 
 import pytest
 import torch
-from test_documents import check, make_case
+from test_attention import unshard_rows
+from test_documents import check, make_case, reference, visible
 from test_documents import run_cases as _run_cases
 
 import seqpar
@@ -55,6 +56,47 @@ def test_hybrid_documents_windows_sinks_exact(dist_pool) -> None:
     """P = 4 as 2 x 2: the masked ring across the two super-ranks (its hop plan included)."""
     cases = _cases(4, "hybrid", ("contiguous", "zigzag"), 2, 3900)
     check(dist_pool.run(4, run_cases, cases, 2, timeout=300), cases, 4)
+
+
+def masked_sdpa(case: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Single-process SDPA in ``dtype`` with the dense boolean mask: the rounding plain PyTorch gives."""
+    q, k, v = (case[n].to(dtype).clone().requires_grad_() for n in "qkv")
+    group = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    mask = visible(q.shape[2], case["causal"], case["window"], case["cu"])
+    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=case["scale"])
+    out.backward(case["dout"].to(dtype))
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def run_cases_in(rank: int, world: int, cases: list[dict], dtype: torch.dtype,
+                 ulysses_size: int | None = None) -> list[list[torch.Tensor]]:
+    """:func:`run_cases` in ``dtype`` (the inputs rounded from the float64 case)."""
+    cast = [{**c, **{n: c[n].to(dtype) for n in ("q", "k", "v", "dout")}} for c in cases]
+    return run_cases(rank, world, cast, ulysses_size)
+
+
+@pytest.mark.parametrize("mode, u", [("ulysses", None), ("hybrid", 2)])
+def test_bf16_documents_no_worse_than_sdpa(dist_pool, mode: str, u: int | None) -> None:
+    """bf16 at P = 4 with documents and a window, causal or not: norm-relative error vs the float64
+    reference within twice single-process bf16 SDPA's own with the same mask."""
+    world, dtype = 4, torch.bfloat16
+    shardings = ("zigzag", "balanced") if mode == "ulysses" else ("zigzag", "contiguous")
+    cases = [make_case(3950 + i, world, (4, 2, 16), mode=mode, sharding=sharding, causal=causal, window=13,
+                       docs=i % 2, sinks=False)
+             for i, (sharding, causal) in enumerate(itertools.product(shardings, (False, True)))]
+    per_rank = dist_pool.run(world, run_cases_in, cases, dtype, u, timeout=300)
+    for idx, case in enumerate(cases):
+        if case["sharding"] == "balanced":  # gathered by the workers
+            got = list(per_rank[0][idx][:4])
+        else:
+            got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, case["sharding"])
+                   for j in range(4)]
+        for name, g, w, base in zip(("out", "dq", "dk", "dv"), got, reference(case), masked_sdpa(case, dtype)):
+            assert g.dtype == dtype
+            err = ((g.double() - w).norm() / w.norm()).item()
+            base_err = ((base.double() - w).norm() / w.norm()).item()
+            assert err <= 2 * base_err, f"{name} {mode} {case['sharding']} causal={case['causal']}: {err:.2e} vs {base_err:.2e}"
 
 
 def _hybrid_balanced(rank: int, world: int) -> str | None:
