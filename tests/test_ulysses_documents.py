@@ -1,7 +1,7 @@
 """Packed documents, sliding windows and sinks (issue 10) in the Ulysses and hybrid modes (issue 11),
 against test_documents' float64 dense masked reference on the full sequence.
 
-Ulysses at P = 2 and 4 (contiguous, zigzag, balanced) and hybrid at P = 4 as 2 x 2 (contiguous,
+Ulysses at P = 2, 3 and 4 (contiguous, zigzag, balanced) and hybrid at P = 4 as 2 x 2 (contiguous,
 zigzag); causal or not; documents of length 1, shorter than a chunk and spanning shards; a window
 smaller than a chunk and one larger than a shard; sinks (summed over the ranks, the usual reduction of
 a replicated weight); GQA, MQA with fewer K/V heads than Ulysses ranks, and two head chunks with sinks
@@ -23,7 +23,7 @@ from seqpar.costmodel import MODE_FEATURES
 
 # (q_heads, kv_heads, head_dim) per Ulysses degree: GQA with an odd head dim, MQA with fewer K/V heads
 # than ranks, two head chunks per rank (8 / 4 at u = 2: two K/V heads each)
-HEADS = {2: ((4, 2, 12), (2, 1, 8), (8, 4, 6)), 4: ((4, 2, 12), (4, 1, 8), (8, 4, 6))}
+HEADS = {2: ((4, 2, 12), (2, 1, 8), (8, 4, 6)), 3: ((6, 3, 12), (3, 1, 8), (6, 6, 6)), 4: ((4, 2, 12), (4, 1, 8), (8, 4, 6))}
 # (window, docs, sinks): test_documents.boundaries variant 0 has a length-1 document, one shorter than
 # a chunk and one spanning the rest; variant 1 only short documents; shard = 24 tokens per rank
 VARIANTS = ((None, 0, False), (3, 0, True), (29, 1, True), (29, None, False))
@@ -46,7 +46,7 @@ def _cases(world: int, mode: str, shardings: tuple[str, ...], u: int, seed: int)
     return cases
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_ulysses_documents_windows_sinks_exact(dist_pool, world: int) -> None:
     cases = _cases(world, "ulysses", ("contiguous", "zigzag", "balanced"), world, 3000 + 100 * world)
     check(dist_pool.run(world, run_cases, cases, timeout=300), cases, world)
