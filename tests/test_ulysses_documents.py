@@ -99,6 +99,40 @@ def test_bf16_documents_no_worse_than_sdpa(dist_pool, mode: str, u: int | None) 
             assert err <= 2 * base_err, f"{name} {mode} {case['sharding']} causal={case['causal']}: {err:.2e} vs {base_err:.2e}"
 
 
+def _hybrid_ring_bytes(rank: int, world: int, cu: list[int]) -> int:
+    """Bytes this rank sends over the ring axis (point-to-point) in one causal hybrid forward + backward."""
+    import torch.distributed as dist
+
+    seqpar.init_process_groups(sp_size=world, ulysses_size=2)
+    sent = [0]
+    original = dist.batch_isend_irecv
+
+    def p2p(ops):  # noqa: ANN001, ANN202
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return original(ops)
+
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(1, 4, 8, 8, requires_grad=True) for _ in range(3))
+    dist.batch_isend_irecv = p2p
+    try:
+        out = seqpar.attention(q, k, v, causal=True, mode="hybrid", cu_seqlens=torch.tensor(cu))
+        out.backward(torch.randn_like(out))
+    finally:
+        dist.batch_isend_irecv = original
+    return sent[0]
+
+
+def test_hybrid_ring_sends_only_what_is_seen(dist_pool) -> None:
+    """P = 4 as 2 x 2, contiguous, causal, S = 32: super-rank 0 holds [0, 16). Documents that stop at 16:
+    no super-rank sees the other's keys, so the ring axis sends nothing; a document across 16: super-rank
+    0's block makes its one hop (K and V, in the forward and again in the backward) and its dK/dV
+    accumulator comes home from super-rank 1; super-rank 1's block travels nowhere."""
+    assert dist_pool.run(4, _hybrid_ring_bytes, [0, 5, 16, 20, 32], timeout=60) == [0] * 4
+    block = 4 * 16 * 8 * 2  # one K/V tensor of a super-rank: 2 heads per Ulysses rank, 16 rows, head_dim 8, fp32
+    sent = dist_pool.run(4, _hybrid_ring_bytes, [0, 5, 20, 32], timeout=60)
+    assert sent == [2 * 2 * block, 2 * 2 * block, 2 * block, 2 * block], sent
+
+
 def _hybrid_balanced(rank: int, world: int) -> str | None:
     seqpar.init_process_groups(sp_size=world, ulysses_size=2)
     q = torch.randn(1, 4, 16, 8)
