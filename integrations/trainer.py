@@ -195,13 +195,20 @@ class SeqParTrainer(transformers.Trainer):
         return super().training_step(model, self._sp_shard(inputs), num_items_in_batch)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: Any = None) -> Any:
+                        ignore_keys: Any = None) -> tuple[Any, None, None]:
+        """The SP-exact loss of a cut batch (Trainer's own would see no ``labels`` once they are
+        shifted into ``shift_labels``); logits stay sharded, so only the loss is returned."""
         if not prediction_loss_only:
             raise ValueError(
                 "under sequence parallelism each rank holds a shard of the logits; evaluate with "
-                "prediction_loss_only=True (TrainingArguments) or gather the logits yourself"
+                "TrainingArguments(prediction_loss_only=True) or gather the logits yourself"
             )
-        return super().prediction_step(model, self._sp_shard(inputs), prediction_loss_only, ignore_keys)
+        if inputs.get("labels") is None and inputs.get("shift_labels") is None:
+            return None, None, None
+        inputs = self._prepare_inputs(self._sp_shard(inputs))
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)  # no num_items_in_batch: the token mean
+        return loss.detach().mean(), None, None
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:

@@ -6,8 +6,9 @@ engine), in float64, so a seqpar run (fp32) must match it to ~1e-5 relative; the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,8 +49,9 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype], Any] = tiny_llama,
-                     params: Callable[[Any], Any] | None = None) -> list[float]:
-    """Per-step losses of single-device AdamW training on ``batch`` rows per step, in float64."""
+                     params: Callable[[Any], Any] | None = None, eval_rows: int = 0) -> list[float]:
+    """Per-step losses of single-device AdamW training on ``batch`` rows per step, in float64; with
+    ``eval_rows``, followed by the trained model's loss on the first ``eval_rows`` samples."""
     model = make_model(torch.float64)
     trainable = [p for p in (params(model) if params else model.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
@@ -63,22 +65,34 @@ def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype],
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if eval_rows:
+        ids = torch.stack([r["input_ids"] for r in data[:eval_rows]])
+        with torch.no_grad():
+            losses.append(model(input_ids=ids, labels=ids).loss.item())
     return losses
 
 
-def set_launcher_env(rank: int, world: int) -> None:
-    """What a launcher would set; accelerate and DeepSpeed read it (the pool joined gloo already)."""
+@contextlib.contextmanager
+def launcher_env(rank: int, world: int) -> Iterator[None]:
+    """What a launcher would set (accelerate and DeepSpeed read it; the pool joined gloo already),
+    undone on exit with everything accelerate / transformers left behind: pool ranks run later tests
+    in the same process (``ACCELERATE_USE_DEEPSPEED``, accelerate's singletons, transformers'
+    global DeepSpeed config, which would make later models build under ``zero.Init``)."""
+    saved = dict(os.environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    try:
+        yield
+    finally:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-
-def reset_accelerate() -> None:
-    """accelerate keeps process-wide singletons; pool ranks run several tests in one process."""
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    PartialState._reset_state()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        unset_hf_deepspeed_config()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-4) -> None:

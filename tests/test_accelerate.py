@@ -1,7 +1,7 @@
 """seqpar.integrations.accelerate.prepare: a plain accelerate loop with FSDP2 under SP.
 
-Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2) equal single-device training
-on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
+Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2, and DP2 x SP2) equal
+single-device training on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
 samples, and each batch reached the model cut along the sequence.
 """
 
@@ -18,16 +18,16 @@ STEPS = 5
 BATCH = 2
 
 
-def _accelerate_run(rank: int, world: int, sp: int) -> dict:
+def _accelerate_run(rank: int, world: int, sp: int, micro: int) -> dict:
+    import torch.distributed as dist
     from accelerate import Accelerator
 
     from seqpar.integrations.accelerate import prepare
 
-    hf_tiny.set_launcher_env(rank, world)
-    try:
+    with hf_tiny.launcher_env(rank, world):
         accelerator = Accelerator()
         model = hf_tiny.tiny_llama()
-        loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=BATCH)
+        loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=micro)
         model, opt, loader = prepare(
             accelerator, model, lambda params: torch.optim.AdamW(params, lr=hf_tiny.LR, weight_decay=0.0),
             loader, config={"size": sp, "mode": "ring", "sharding": "zigzag"},
@@ -39,17 +39,21 @@ def _accelerate_run(rank: int, world: int, sp: int) -> dict:
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
-            losses.append(loss.item())
+            # The replica's loss, averaged over DP (every row has the same number of targets).
+            mean = torch.tensor([loss.item()], dtype=torch.float64)
+            dist.all_reduce(mean, group=model.seqpar_manager.dp_group)
+            losses.append(mean.item() / model.seqpar_manager.dp_size)
         return {"losses": losses, "shapes": shapes, "first_ids": batch["position_ids"][0].tolist()}
-    finally:
-        hf_tiny.reset_accelerate()
 
 
-def test_accelerate_fsdp2_sp2_matches_single_device(dist_pool):
-    out = dist_pool.run(2, _accelerate_run, 2, timeout=240)
+@pytest.mark.parametrize("world,sp", [(2, 2), (4, 2)])
+def test_accelerate_fsdp2_sp2_matches_single_device(dist_pool, world, sp):
+    dp = world // sp
+    micro = BATCH // dp  # the global batch is BATCH rows per step either way
+    out = dist_pool.run(world, _accelerate_run, sp, micro, timeout=240)
     ref = hf_tiny.reference_losses(STEPS, BATCH)
     for r in out:
         hf_tiny.assert_losses_close(r["losses"], ref)
-        # SEQ=14 padded to 16 (zigzag: 4 chunks) and cut in two: each rank holds 8 positions of the same 2 samples.
-        assert r["shapes"] == [(BATCH, 8)] * STEPS
+        # SEQ=14 padded to 16 (zigzag: 4 chunks) and cut in two: each rank holds 8 positions.
+        assert r["shapes"] == [(micro, 8)] * STEPS
     assert out[0]["first_ids"] != out[1]["first_ids"]  # different shards of the sequence

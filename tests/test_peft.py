@@ -51,12 +51,11 @@ def _saved_keys(path: str) -> list[str]:
 # ---------------------------------------------------------------------------------- ZeRO-3
 def _zero3_run(rank: int, world: int, tmp: str) -> dict:
     import deepspeed
-    from test_trainer import training_args, ds_config  # noqa: F401 (same arguments as the Trainer test)
+    from test_trainer import training_args  # the Trainer test's arguments, ZeRO stage 3
 
     from seqpar.integrations.trainer import SeqParTrainer
 
-    hf_tiny.set_launcher_env(rank, world)
-    try:
+    with hf_tiny.launcher_env(rank, world):
         args = training_args(f"{tmp}/z3", 2, 3)
         args.hf_deepspeed_config.config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
         model = lora_llama()
@@ -73,8 +72,6 @@ def _zero3_run(rank: int, world: int, tmp: str) -> dict:
         if rank == 0:
             out["saved"] = _saved_keys(f"{tmp}/z3/adapter")
         return out
-    finally:
-        hf_tiny.reset_accelerate()
 
 
 # ---------------------------------------------------------------------------------- FSDP2
@@ -85,8 +82,7 @@ def _fsdp2_run(rank: int, world: int, tmp: str) -> dict:
 
     from seqpar.integrations.accelerate import prepare
 
-    hf_tiny.set_launcher_env(rank, world)
-    try:
+    with hf_tiny.launcher_env(rank, world):
         accelerator = Accelerator()
         model = lora_llama()
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -114,8 +110,6 @@ def _fsdp2_run(rank: int, world: int, tmp: str) -> dict:
             out["saved"] = _saved_keys(f"{tmp}/fsdp2/adapter")
         dist.barrier()
         return out
-    finally:
-        hf_tiny.reset_accelerate()
 
 
 def _reference() -> list[float]:

@@ -18,6 +18,7 @@ pytest.importorskip("accelerate")
 
 STEPS = 5
 BATCH = 2
+EVAL_ROWS = 4
 
 
 def ds_config(sp: int, stage: int) -> dict:
@@ -37,18 +38,20 @@ def ds_config(sp: int, stage: int) -> dict:
 def training_args(tmp: str, sp: int, stage: int, **extra):
     from transformers import TrainingArguments
 
+    # use_cpu: without it accelerate finds no distributed backend on a CPU-only machine and Trainer
+    # runs as a world of 1 (no token-count gather, no loss scaling): the path under test is the one
+    # a GPU launch takes, world_size = 2.
     return TrainingArguments(
         output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=BATCH,
         max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[],
-        train_sampling_strategy="sequential", seed=0, disable_tqdm=True, **extra,
+        max_grad_norm=0.0, logging_steps=1, per_device_eval_batch_size=BATCH, prediction_loss_only=True, save_strategy="no", report_to=[],
+        train_sampling_strategy="sequential", seed=0, disable_tqdm=True, use_cpu=True, **extra,
     )
 
 
 def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
     from seqpar.integrations.trainer import SeqParTrainer
 
-    hf_tiny.set_launcher_env(rank, world)
     seen: list[tuple] = []
 
     class Recording(SeqParTrainer):
@@ -56,25 +59,29 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
             seen.append((tuple(inputs["input_ids"].shape), float(num_items_in_batch)))
             return super().training_step(model, inputs, num_items_in_batch)
 
-    try:
+    with hf_tiny.launcher_env(rank, world):
+        import deepspeed
+
+        original = deepspeed.initialize
         args = training_args(f"{tmp}/r{rank}", sp, stage)
         trainer = Recording(model=hf_tiny.tiny_llama(), args=args,
-                            train_dataset=hf_tiny.ListDataset(hf_tiny.samples()))
+                            train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                            eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses.append(trainer.evaluate()["eval_loss"])  # cut batches too, DP-split, loss only
         engine = trainer.model_wrapped
-        return {"losses": losses, "seen": seen,
+        assert deepspeed.initialize is original, "the route to seqpar's initialize must not outlive prepare"
+        return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
                 "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
-    finally:
-        hf_tiny.reset_accelerate()
 
 
 def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
     out = dist_pool.run(2, _trainer_run, 2, 2, str(tmp_path), timeout=300)
-    ref = hf_tiny.reference_losses(STEPS, BATCH)
+    ref = hf_tiny.reference_losses(STEPS, BATCH, eval_rows=EVAL_ROWS)  # 5 steps, then the eval loss
     targets = BATCH * (hf_tiny.SEQ - 1)  # every position but the last has a target
     for r in out:
-        assert r["groups"] == (2, 2)
+        assert r["groups"] == (2, 2) and r["world"] == 2  # Trainer saw both processes
         hf_tiny.assert_losses_close(r["losses"], ref)
         # Full batches reach training_step (cut inside it); the count is the full one, once.
         assert r["seen"] == [((BATCH, hf_tiny.SEQ), float(targets))] * STEPS
