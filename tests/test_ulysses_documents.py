@@ -19,7 +19,7 @@ from test_documents import check, make_case, reference, visible
 from test_documents import run_cases as _run_cases
 
 import seqpar
-from seqpar.costmodel import MODE_FEATURES
+from seqpar.costmodel import MODE_FEATURES, CallShape, Links, rank_modes
 
 # (q_heads, kv_heads, head_dim) per Ulysses degree: GQA with an odd head dim, MQA with fewer K/V heads
 # than ranks, two head chunks per rank (8 / 4 at u = 2: two K/V heads each)
@@ -151,6 +151,12 @@ def test_hybrid_refuses_balanced_on_every_rank(dist_pool) -> None:
 
 
 def test_auto_may_pick_ulysses_and_hybrid_for_masked_calls() -> None:
-    assert {"documents", "window", "sinks", "balanced"} <= MODE_FEATURES["ulysses"]
-    assert {"documents", "window", "sinks"} <= MODE_FEATURES["hybrid"]
+    """Llama-3-8B heads (32 / 8), causal, default links: the modes auto ranks first for dense calls stay
+    first with documents, a window and sinks; with the balanced sharding hybrid drops out (refused)."""
+    for p, u, best in ((8, 8, "ulysses"), (16, 8, "hybrid")):
+        c = CallShape(1, 32, 8, 32768 // p, 128, 2, True, p, u)
+        assert rank_modes(c, Links())[0].mode == best
+        assert rank_modes(c, Links(), ("documents", "window", "sinks"))[0].mode == best
+        ranked = [m.mode for m in rank_modes(c, Links(), ("documents", "balanced"))]
+        assert ranked[0] == "ulysses" and "hybrid" not in ranked, ranked
     assert "balanced" not in MODE_FEATURES["hybrid"]
