@@ -85,7 +85,9 @@ def attention(
         window: sliding window, an int >= 1: with ``causal``, query i sees key j iff
             ``0 <= i - j < window`` (transformers' ``sliding_window``); without, iff ``|i - j| < window``.
         sinks: ``(q_heads,)`` learned per-head sink logits (GPT-OSS): ``exp(sinks[h])`` joins every
-            softmax denominator of head h; the sinks get their gradient (this rank's rows' share).
+            softmax denominator of head h; the sinks get their gradient (this rank's rows' share;
+            Ulysses/hybrid: the full gradient of this rank's heads, 0 for the others; summed over
+            ranks like any replicated weight). ``balanced`` is refused in ``hybrid`` (1 < u < P).
     Returns:
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
