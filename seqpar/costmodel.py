@@ -65,8 +65,8 @@ logger = logging.getLogger("seqpar")
 MODE_FEATURES: dict[str, frozenset[str]] = {
     "ring": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
     "allgather": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
-    "ulysses": frozenset(),
-    "hybrid": frozenset(),
+    "ulysses": frozenset({"documents", "window", "sinks", "balanced"}),
+    "hybrid": frozenset({"documents", "window", "sinks"}),  # not balanced: see seqpar.attention.hybrid
 }
 
 

@@ -85,7 +85,9 @@ def attention(
         window: sliding window, an int >= 1: with ``causal``, query i sees key j iff
             ``0 <= i - j < window`` (transformers' ``sliding_window``); without, iff ``|i - j| < window``.
         sinks: ``(q_heads,)`` learned per-head sink logits (GPT-OSS): ``exp(sinks[h])`` joins every
-            softmax denominator of head h; the sinks get their gradient (this rank's rows' share).
+            softmax denominator of head h; the sinks get their gradient (this rank's rows' share;
+            Ulysses/hybrid: the full gradient of this rank's heads, 0 for the others; summed over
+            ranks like any replicated weight). ``balanced`` is refused in ``hybrid`` (1 < u < P).
     Returns:
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
@@ -142,11 +144,6 @@ def attention(
             q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
             features=_mask_features(bounds, window, sinks, sharding),
         )
-    if (masked or sharding == "balanced") and mode in ("ulysses", "hybrid"):
-        raise ValueError(
-            f"mode={mode!r} does not take cu_seqlens/window/sinks or sharding='balanced' yet: use mode='ring' "
-            "or 'allgather' (or mode='auto', which only picks modes that support the call's features)"
-        )
     if mode == "hybrid":
         if manager is None:
             raise ValueError(
@@ -156,11 +153,17 @@ def attention(
         if manager.ulysses_size == manager.sp_size:
             mode = "ulysses"  # u = P: no ring axis
         elif manager.ulysses_size > 1:
-            return hybrid_attention(q, k, v, manager, opts, head_chunks)
+            if sharding == "balanced":
+                raise ValueError(
+                    "mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no balanced "
+                    "layout across the ring): use sharding='zigzag' or 'contiguous', or mode='ulysses' / 'ring' / "
+                    "'allgather' (or mode='auto', which only picks modes that support the call's features)"
+                )
+            return hybrid_attention(q, k, v, manager, opts, head_chunks, sinks)
         else:
             mode = "ring"  # u = 1: the ring
     if mode == "ulysses":
-        return ulysses_attention(q, k, v, group, opts, head_chunks)
+        return ulysses_attention(q, k, v, group, opts, head_chunks, sinks)
     if mode == "ring":
         return RingAttention.apply(q, k, v, RingComm(group), opts, sinks)
     return AllGatherAttention.apply(q, k, v, group, opts, sinks)

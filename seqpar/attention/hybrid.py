@@ -34,27 +34,33 @@ __all__ = ["hybrid_attention", "ulysses_attention"]
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, head_chunks: int | str
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, head_chunks: int | str,
+    sinks: Tensor | None = None,
 ) -> Tensor:
-    """Ulysses over the whole of ``group`` (``u = P``). Layouts as :func:`seqpar.attention.attention`."""
+    """Ulysses over the whole of ``group`` (``u = P``). Layouts as :func:`seqpar.attention.attention`;
+    documents, windows, sinks and every sharding (``balanced`` included) as there."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     split = head_split(q.shape[1], k.shape[1], world, sp_size=world, mode="ulysses")
     plan = UlyssesPlan.make(
-        opts, split, rank=rank, first=0, sp_size=world, head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank)
+        opts, split, rank=rank, first=0, sp_size=world, head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank),
+        seq_local=q.shape[2],
     )
-    return UlyssesAttention.apply(q, k, v, group, None, plan)
+    return UlyssesAttention.apply(q, k, v, group, None, plan, sinks)
 
 
 def hybrid_attention(
-    q: Tensor, k: Tensor, v: Tensor, manager: ProcessGroupManager, opts: AttentionOptions, head_chunks: int | str
+    q: Tensor, k: Tensor, v: Tensor, manager: ProcessGroupManager, opts: AttentionOptions, head_chunks: int | str,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Ulysses over ``manager.ulysses_group`` and the ring across ``manager.ring_group``; needs
-    ``1 < manager.ulysses_size`` (``u = 1`` is the plain ring, which the caller runs itself)."""
+    ``1 < manager.ulysses_size`` (``u = 1`` is the plain ring, which the caller runs itself).
+    Documents, windows and sinks as :func:`seqpar.attention.attention`; contiguous or zigzag only (the
+    caller refuses ``balanced``: its super-ranks' chunks are no ``P/u``-rank layout)."""
     u, sp = manager.ulysses_size, manager.sp_size
     split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode="hybrid")
     plan = UlyssesPlan.make(
         opts, split, rank=manager.ulysses_rank, first=manager.ring_rank * u, sp_size=sp,
-        head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank),
+        head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2],
     )
     ring = RingComm(manager.ring_group) if manager.ring_size > 1 else None
-    return UlyssesAttention.apply(q, k, v, manager.ulysses_group, ring, plan)
+    return UlyssesAttention.apply(q, k, v, manager.ulysses_group, ring, plan, sinks)

@@ -28,22 +28,34 @@ Volume per rank (``L = S/P`` tokens, ``h_kv`` = K/V heads received per rank, ``m
 ``(u-1)/u * L * (Hq + 2 u h_kv) * d`` for q/k/v plus ``(u-1)/u * L * Hq * d`` for the output; the backward
 the same again (dout, then dq/dk/dv).
 
+Documents, windows and sinks (``opts.cu_seqlens``, ``opts.window``, ``sinks``): after the all-to-all a
+Ulysses rank holds the whole sequence in ascending global order for its heads, so the inner attention is
+the ring code on a single rank (:class:`~seqpar.attention.common.SingleRank`) whose one "chunk" is the
+whole sequence: the mask planner maps its rows to global positions, no mask tensor, no exchange. Any
+sharding works, ``balanced`` included (its chunks, sorted, are again the whole sequence). In a hybrid
+the super-ranks run the masked ring across them (contiguous / zigzag over ``P/u``; not ``balanced``,
+whose super-rank chunks are no ``P/u``-rank layout). Sinks are per query head: each rank adds the
+sinks of its own head slice, and returns the full gradient of those heads (it holds all their rows,
+or in a hybrid all its super-rank's rows) and 0 for the others, so the usual sum over ranks of a
+replicated weight's gradient is the exact one.
+
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``;
 head layout ``(batch, heads / u, u * seq_local, head_dim)`` in sorted sequence order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.ring import AttentionOptions, ring_backward, ring_forward
+from seqpar.attention.common import AttentionOptions, SingleRank, rank_chunks
+from seqpar.attention.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all
 from seqpar.comm.ring import Pending, RingExchange
-from seqpar.kernels import block_backward, block_forward, lse_dtype
+from seqpar.kernels import block_backward, block_forward, lse_dtype, sink_grad
 from seqpar.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
@@ -100,11 +112,16 @@ def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) 
     return HeadSplit(q_heads, kv_heads, u)
 
 
-def sequence_order(first: int, u: int, world: int, sharding: str) -> list[int] | None:
+def sequence_order(
+    first: int, u: int, world: int, sharding: str, *, seq_len: int | None = None,
+    cu_seqlens: tuple[int, ...] | None = None,
+) -> list[int] | None:
     """The local order that puts the chunks of SP ranks ``first .. first+u-1`` (concatenated in rank order,
     each holding ``chunk_ids(rank, world, sharding)``) into ascending global order; ``None`` if they
-    already are. Entry m is the rank-order slot of the m-th smallest chunk."""
-    ids = [c for r in range(first, first + u) for c in chunk_ids(r, world, sharding)]
+    already are. Entry m is the rank-order slot of the m-th smallest chunk. ``seq_len`` and
+    ``cu_seqlens``: for ``sharding="balanced"``, whose layout depends on them."""
+    ids = [c for r in range(first, first + u) for c in chunk_ids(r, world, sharding, seq_len=seq_len,
+                                                                  cu_seqlens=cu_seqlens)]
     order = sorted(range(len(ids)), key=ids.__getitem__)
     return None if order == list(range(len(ids))) else order
 
@@ -126,12 +143,14 @@ class UlyssesPlan:
 
     @classmethod
     def make(
-        cls, attn: AttentionOptions, split: HeadSplit, *, rank: int, first: int, sp_size: int, head_chunks: int
+        cls, attn: AttentionOptions, split: HeadSplit, *, rank: int, first: int, sp_size: int, head_chunks: int,
+        seq_local: int,
     ) -> UlyssesPlan:
-        order = sequence_order(first, split.u, sp_size, attn.sharding)
+        seq_len = seq_local * sp_size if attn.sharding == "balanced" else None
+        order = sequence_order(first, split.u, sp_size, attn.sharding, seq_len=seq_len, cu_seqlens=attn.cu_seqlens)
         return cls(
             attn, split, rank, None if order is None else tuple(order),
-            len(chunk_ids(0, sp_size, attn.sharding)), head_chunks,
+            len(rank_chunks(attn, sp_size, 0, seq_local)), head_chunks,
         )
 
     def q_slice(self, rank: int, chunk: int) -> slice:
@@ -207,11 +226,23 @@ def _start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.Proc
 
 
 # ------------------------------------------------------------------------------ inner attention
-def _inner_forward(q: Tensor, k: Tensor, v: Tensor, ring: RingExchange | None, opts: AttentionOptions) -> tuple[Tensor, Tensor]:
-    """Attention over the (super-)rank's sorted sequence: local kernels, or the ring across super-ranks."""
-    if ring is None:
+def _inner_ring(ring: RingExchange | None, opts: AttentionOptions) -> tuple[RingExchange, AttentionOptions]:
+    """The ring the inner attention runs: across super-ranks, or (Ulysses) one rank whose single chunk
+    is the whole sorted sequence, which the mask planner reads as global positions ``[0, S)``."""
+    if ring is not None:
+        return ring, opts
+    return SingleRank(), replace(opts, sharding="contiguous")
+
+
+def _inner_forward(
+    q: Tensor, k: Tensor, v: Tensor, ring: RingExchange | None, opts: AttentionOptions, sinks: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Attention over the (super-)rank's sorted sequence: local kernels, or the (masked) ring code
+    across super-ranks or on the one rank. ``sinks``: this rank's heads' sink logits, or None."""
+    if ring is None and opts.mask.dense and sinks is None:
         return block_forward(q, k, v, scale=opts.scale, causal=opts.causal)
-    out_acc, lse = ring_forward(q, k, v, ring, opts)
+    comm, inner = _inner_ring(ring, opts)
+    out_acc, lse = ring_forward(q, k, v, comm, inner, sinks)
     return out_acc.to(q.dtype), lse
 
 
@@ -219,17 +250,25 @@ def _inner_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, ring: RingExchange | None,
     opts: AttentionOptions,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if ring is None:
+    """dq, dk, dv of the inner attention; ``lse`` includes the sinks, which is all their effect on these."""
+    if ring is None and opts.mask.dense:
         return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal)
-    return ring_backward(dout, q, k, v, out, lse, ring, opts)
+    comm, inner = _inner_ring(ring, opts)
+    return ring_backward(dout, q, k, v, out, lse, comm, inner)
 
 
 # ------------------------------------------------------------------------------ forward / backward
+def _chunk_sinks(sinks: Tensor | None, plan: UlyssesPlan, chunk: int) -> Tensor | None:
+    """Sink logits of the query heads this rank attends in head chunk ``chunk``."""
+    return None if sinks is None else sinks[plan.q_slice(plan.rank, chunk)]
+
+
 def ulysses_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
     """Returns ``out`` ``(B, Hq, L, D)`` in q's dtype and, per head chunk, the head-layout tensors the
-    backward needs: ``(q, k, v, out, lse)`` of that chunk."""
+    backward needs: ``(q, k, v, out, lse)`` of that chunk. ``sinks``: ``(q_heads,)`` or None."""
     hc = plan.head_chunks
     out = torch.empty_like(q)
     saved: list[tuple[Tensor, ...]] = []
@@ -244,7 +283,7 @@ def ulysses_forward(
         k_h = _seq_to_heads(recv[:, :, qc:qc + kc], plan)  # (B, kc, u * L, D)
         v_h = _seq_to_heads(recv[:, :, qc + kc:], plan)
         del recv
-        out_h, lse_h = _inner_forward(q_h, k_h, v_h, ring, plan.attn)
+        out_h, lse_h = _inner_forward(q_h, k_h, v_h, ring, plan.attn, _chunk_sinks(sinks, plan, c))
         saved.append((q_h, k_h, v_h, out_h, lse_h))
         started = (c, _start_heads_back([out_h], plan, group))
         if pending_out is not None:  # the previous chunk's output came back while this one computed
@@ -262,10 +301,11 @@ def _place_out(out: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> 
 
 def ulysses_backward(
     dout: Tensor, saved: list[tuple[Tensor, ...]], k_shape: torch.Size, group: dist.ProcessGroup,
-    ring: RingExchange | None, plan: UlyssesPlan,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv in sequence layout and the input dtype. Per head chunk: one all-to-all of dout to the
-    head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
+    ring: RingExchange | None, plan: UlyssesPlan, sinks: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """dq, dk, dv in sequence layout and the input dtype, and the sinks' gradient ``(q_heads,)`` (this
+    rank's heads' full gradient, 0 for the other heads; None without sinks). Per head chunk: one
+    all-to-all of dout to the head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
     hc, u = plan.head_chunks, plan.split.u
     qc = plan.split.q_per_rank // hc
     dq = torch.empty_like(dout)
@@ -273,6 +313,7 @@ def ulysses_backward(
     acc = lse_dtype(dout.dtype) if plan.split.replicated else dout.dtype
     dk = torch.zeros(k_shape, dtype=acc, device=dout.device)
     dv = torch.zeros(k_shape, dtype=acc, device=dout.device)
+    dsinks = None if sinks is None else torch.zeros_like(sinks)
     dout = dout.contiguous()
 
     def start_dout(c: int) -> Pending:
@@ -299,6 +340,8 @@ def ulysses_backward(
         dout_h = _seq_to_heads(recv, plan)
         del recv
         q_h, k_h, v_h, out_h, lse_h = saved[c]
+        if dsinks is not None:
+            dsinks[plan.q_slice(plan.rank, c)] = sink_grad(dout_h, out_h, lse_h, _chunk_sinks(sinks, plan, c))
         dq_h, dk_h, dv_h = _inner_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring, plan.attn)
         del dout_h
         started = (c, _start_heads_back([dq_h, dk_h.to(dq_h.dtype), dv_h.to(dq_h.dtype)], plan, group))
@@ -307,27 +350,28 @@ def ulysses_backward(
             place(*pending_back)
         pending_back = started
     place(*pending_back)
-    return dq, dk.to(dout.dtype), dv.to(dout.dtype)
+    return dq, dk.to(dout.dtype), dv.to(dout.dtype), dsinks
 
 
 class UlyssesAttention(torch.autograd.Function):
     """Ulysses (``ring=None``) or hybrid attention; a thin wrapper of :func:`ulysses_forward` /
     :func:`ulysses_backward`. The backward mirrors the forward: the same all-to-alls in the other
-    direction, the inner (local or ring) backward in between."""
+    direction, the inner (local or ring) backward in between. ``sinks`` ``(q_heads,)`` (or None) gets
+    this rank's share of its gradient, like any replicated weight."""
 
     @staticmethod
     def forward(  # noqa: ANN205
         ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None,  # noqa: ANN001
-        plan: UlyssesPlan,
+        plan: UlyssesPlan, sinks: Tensor | None = None,
     ):
-        out, saved = ulysses_forward(q, k, v, group, ring, plan)
-        ctx.save_for_backward(*(t for chunk in saved for t in chunk))
+        out, saved = ulysses_forward(q, k, v, group, ring, plan, sinks)
+        ctx.save_for_backward(sinks, *(t for chunk in saved for t in chunk))
         ctx.group, ctx.ring, ctx.plan, ctx.k_shape = group, ring, plan, k.shape
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        flat = ctx.saved_tensors
+        sinks, *flat = ctx.saved_tensors
         saved = [flat[i:i + 5] for i in range(0, len(flat), 5)]
-        dq, dk, dv = ulysses_backward(dout, saved, ctx.k_shape, ctx.group, ctx.ring, ctx.plan)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, dsinks = ulysses_backward(dout, saved, ctx.k_shape, ctx.group, ctx.ring, ctx.plan, sinks)
+        return dq, dk, dv, None, None, None, dsinks
