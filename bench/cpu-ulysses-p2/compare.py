@@ -1,11 +1,15 @@
 """Interleaved P=2 S=8192 8 heads hd64 fp32: seqpar ulysses vs DeepSpeed ulysses, CPU time per step."""
-import json, sys
-from seqpar.bench.runner import RankPool, combine, merge_rounds
+import json
+import sys
+
 from seqpar.bench.attention import BenchShape, Settings, run_case
 from seqpar.bench.peers import run_ulysses
+from seqpar.bench.runner import RankPool, combine
+
 
 def main():
-    S = int(sys.argv[1]); world = int(sys.argv[2]); rounds = int(sys.argv[3]); methods = sys.argv[4].split(",")
+    S, world, rounds = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    methods = sys.argv[4].split(",")
     shape = BenchShape(batch=1, q_heads=8, kv_heads=8, head_dim=64)
     settings = Settings(warmup=1, repeats=2, seed=0, memory=False)
     out = {}
