@@ -584,12 +584,26 @@ class _DeepSpeedEngine(_Engine):
         self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
 
     def save(self, save_dir: str, step: int) -> None:
-        self.model.save_checkpoint(save_dir, tag=f"step{step}", client_state={"step": step})
+        from seqpar import checkpoint
+
+        # written as "<tag>.tmp" and renamed once complete: a rank killed mid-save leaves no torn
+        # checkpoint behind ("latest" is ours to write, after the rename)
+        tag = f"step{step}"
+        self.model.save_checkpoint(save_dir, tag=f"{tag}.tmp", client_state={"step": step}, save_latest=False)
+        dist.barrier()
+        if self.manager.rank == 0:
+            checkpoint.commit(save_dir, tag)
+        dist.barrier()
 
     def load(self, save_dir: str) -> int:
-        path, client = self.model.load_checkpoint(save_dir)
+        from seqpar import checkpoint
+
+        tag = checkpoint.latest_complete(save_dir)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        path, client = self.model.load_checkpoint(save_dir, tag=tag)
         if path is None:
-            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint in {save_dir}")
+            raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
         return int(client["step"])
 
 
@@ -625,23 +639,25 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
+        from seqpar import checkpoint
         from seqpar.integrations import fsdp
 
-        fsdp.save_checkpoint(os.path.join(save_dir, f"step{step}"), self.model, self.optimizer,
+        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.checkpoint)
+        tag = f"step{step}"
+        fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
                              extra={"step": step})
+        dist.barrier()
         if self.manager.rank == 0:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(f"step{step}")
+            checkpoint.commit(save_dir, tag)
         dist.barrier()
 
     def load(self, save_dir: str) -> int:
+        from seqpar import checkpoint
         from seqpar.integrations import fsdp
 
-        latest = os.path.join(save_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"--resume: no FSDP checkpoint in {save_dir} (no 'latest' file)")
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = checkpoint.latest_complete(save_dir)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
         extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
         return int(extra["step"])
 
