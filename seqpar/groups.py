@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ProcessGroupManager",
     "init_process_groups",
+    "destroy_process_groups",
     "default_manager",
     "set_default_manager",
     "resolve_group",
@@ -127,6 +128,8 @@ class ProcessGroupManager:
         # link figures for mode="auto" (seqpar.costmodel.Links); None = probe on first use
         self.links: Any = None
 
+        self._created: list[dist.ProcessGroup] = []  # what destroy() tears down
+        self.owns_world = False  # set by init_process_groups when it created the world group
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
             kw["timeout"] = timeout
@@ -153,6 +156,7 @@ class ProcessGroupManager:
             group = dist.new_group(ranks, **kw)
             if self._rank in ranks:
                 mine = group
+                self._created.append(group)  # other ranks' groups are not objects on this rank
         assert mine is not None
         return mine
 
@@ -168,6 +172,25 @@ class ProcessGroupManager:
         ulysses = self._new_groups(cube.reshape(-1, u).tolist(), kw)
         ring = self._new_groups(cube.transpose(1, 2).reshape(-1, sp // u).tolist(), kw)
         return ulysses, ring
+
+    def destroy(self) -> None:
+        """Destroy the groups this manager created (collective: every rank, once training is done).
+
+        A barrier first: gloo can abort a peer still inside a collective of a group destroyed under it.
+        The world group is destroyed too when :func:`init_process_groups` created it
+        (``owns_world``); a world group the user created is theirs to destroy. Idempotent.
+        """
+        if not self._created or not dist.is_initialized():
+            self._created = []
+            return
+        dist.barrier()
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._created = []
+        if default_manager() is self:
+            set_default_manager(None)
+        if self.owns_world:
+            dist.destroy_process_group()
 
     def __repr__(self) -> str:
         return (
@@ -433,7 +456,8 @@ def init_process_groups(
     timeout = timeout_of(config, timeout)
     if ulysses_size is None:
         ulysses_size = getattr(config, "ulysses_size", 1) if config is not None else 1
-    if not dist.is_initialized():
+    owns_world = not dist.is_initialized()
+    if owns_world:
         _init_from_env(backend, timeout)
     _check_same_on_every_rank(sp_size, ulysses_size)
     check_divisible(dist.get_world_size(), sp_size)
@@ -445,9 +469,18 @@ def init_process_groups(
         logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
     check_ulysses_size(sp_size, ulysses_size)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
+    manager.owns_world = owns_world
     if config is not None and getattr(config, "links", None):
         from seqpar.costmodel import Links
 
         manager.links = Links(**config.links)
     set_default_manager(manager)
     return manager
+
+
+def destroy_process_groups(manager: ProcessGroupManager | None = None) -> None:
+    """Destroy what :func:`init_process_groups` created: ``manager``'s groups (default: the default
+    manager's), and the world group if seqpar initialised it. Collective; a no-op when none is left."""
+    manager = manager if manager is not None else default_manager()
+    if manager is not None:
+        manager.destroy()
