@@ -50,6 +50,7 @@ __all__ = [
     "single_process_env",
     "timeout_of",
     "check_ulysses_size",
+    "node_layout_problems",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -417,6 +418,30 @@ def _check_same_on_every_rank(sp_size: object, ulysses_size: object) -> None:
         )
 
 
+def node_layout_problems(world_size: int, sp_size: int, ulysses_size: int, node_size: int | None) -> list[str]:
+    """Why the SP / Ulysses groups of this layout would cross node boundaries (empty: they do not).
+
+    Ranks are assumed numbered node by node (torchrun, the DeepSpeed launcher and SLURM do so), so
+    the groups of consecutive ranks stay inside a node when their size divides the node size, or
+    span whole nodes when it is a multiple of it.
+    """
+    if not node_size or node_size < 1 or node_size >= world_size:
+        return []
+    problems = []
+    if sp_size % node_size and node_size % sp_size:
+        problems.append(
+            f"sequence_parallel.size {sp_size} neither divides nor is a multiple of the {node_size} ranks per "
+            f"node: some SP groups straddle two nodes, so their ring exchange runs over the slow inter-node "
+            f"link; choose a size dividing {node_size} or a multiple of it"
+        )
+    if ulysses_size > node_size or node_size % ulysses_size:
+        problems.append(
+            f"sequence_parallel.ulysses_size {ulysses_size} does not fit in a node of {node_size} ranks: its "
+            f"all-to-all crosses nodes; choose a divisor of {node_size} (the ring axis goes across nodes)"
+        )
+    return problems
+
+
 def init_process_groups(
     sp_size: int | None = None,
     *,
@@ -468,6 +493,11 @@ def init_process_groups(
         ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
         logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
     check_ulysses_size(sp_size, ulysses_size)
+    node_size = os.environ.get("LOCAL_WORLD_SIZE", "")  # set by torchrun / deepspeed / our SLURM script
+    for problem in node_layout_problems(dist.get_world_size(), sp_size, int(ulysses_size),
+                                        int(node_size) if node_size.isdigit() else None):
+        if dist.get_rank() == 0:
+            logger.warning("seqpar: group layout: %s", problem)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
     manager.owns_world = owns_world
     if config is not None and getattr(config, "links", None):
