@@ -8,8 +8,12 @@ skip both and continue from the last complete checkpoint with the losses of an u
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -72,3 +76,50 @@ def test_resume_after_crash_during_save_matches_uninterrupted(dist_pool, tmp_pat
     tail = dist_pool.run(2, _run_main, [*argv, "--steps", "4", "--resume"], timeout=240)[0]
     assert len(head) == 2 and len(tail) == 2, (head, tail)
     assert head + tail == full, f"resumed {head + tail} vs uninterrupted {full}"
+
+
+# ---------------------------------------------------------------------------- two local "nodes"
+TIMEOUT_S = 5
+MARGIN_S = 60  # process start-up and rendezvous on a loaded 2-core machine; the bound is what matters
+
+
+def _agent(node: int, port: int, victim: int, how: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--rdzv-id", f"failures-{port}", "--max-restarts", "0", "--monitor-interval", "0.5",
+           str(ROOT / "tests" / "failure_worker.py"), "--victim", str(victim), "--how", how,
+           "--timeout-s", str(TIMEOUT_S)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # own process group: killpg cleans up everything
+
+
+@pytest.mark.parametrize("how", ["kill", "stop", "raise"])
+def test_lost_rank_ends_every_node(how):
+    from seqpar.ranks import free_port
+
+    port = free_port()
+    victim = 3  # node 1's second rank; its SP peer (rank 2) waits in the ring, node 0 in the DP reduce
+    agents = [_agent(node, port, victim, how) for node in (0, 1)]
+    outputs = []
+    try:
+        for agent in agents:
+            try:
+                out, _ = agent.communicate(timeout=TIMEOUT_S + MARGIN_S + 60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{how}: an agent was still running after {TIMEOUT_S + MARGIN_S + 60} s (a hang)")
+            outputs.append(out)
+    finally:
+        for agent in agents:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(agent.pid, signal.SIGKILL)  # no zombies, whatever happened
+            agent.wait()
+    for node, out in enumerate(outputs):  # kept for a reader of a failure
+        (Path(os.environ.get("SEQPAR_FAILURE_LOGS", "/tmp")) / f"seqpar-failure-{how}-node{node}.log").write_text(out)
+    joined = "\n".join(outputs)
+    assert f"{how} at step 3" in joined, joined[-3000:]
+    assert all(agent.returncode != 0 for agent in agents), ([a.returncode for a in agents], joined[-3000:])
+    # node 0 lost no rank itself: one of its ranks must have failed on its own (not just been torn down
+    # by its agent), with gloo naming the timeout (a stalled peer) or the closed connection (a dead one)
+    why = "Timed out waiting" if how == "stop" else "Timed out waiting|Connection (closed|reset) by peer"
+    assert re.search(rf"\[rank[01]\]: RuntimeError: .*({why})", outputs[0]), outputs[0][-3000:]
