@@ -765,8 +765,9 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
 
 
 # ============================================================================ main
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Train; returns the metrics dict (on every rank). Raises before training on a bad config."""
+def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
+    """Train; returns the metrics dict (on every rank). Raises before training on a bad config.
+    ``on_step(step)``, if given, is called on every rank after each optimizer step (launch/soak.py)."""
     args = parse_args(argv)
     _configure_logging(args.log_level)
     plan = build_plan(args)  # no process group yet: config errors surface first
@@ -840,6 +841,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:.0f}")
             bar.update(1)
         done = step + 1
+        if on_step is not None:
+            on_step(done)
         if args.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
             engine.save(args.save_dir, done)
     if bar is not None:
