@@ -107,6 +107,7 @@ class TrainSettings:
     """Save a checkpoint every N steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.engine not in ("auto", "deepspeed", "fsdp"):
             raise ValueError(f"train.engine = {self.engine!r}: choose 'deepspeed', 'fsdp' or 'auto'")
         if self.dtype not in ("fp32", "bf16", "fp16"):
@@ -123,6 +124,17 @@ class TrainSettings:
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
                 f"{self.num_queries} queries; use at least {need}"
             )
+
+    def _check_types(self) -> None:
+        """Each field has its annotated JSON type (an int is a valid float; a bool is no number)."""
+        accepted = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}
+        for f in dataclasses.fields(self):
+            value, types = getattr(self, f.name), accepted[str(f.type)]
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise ValueError(f"train.{f.name} = {value!r}: expected {str(f.type)}")
+        for name in ("lr", "weight_decay", "grad_clip", "eval_samples", "save_every", "seed"):
+            if getattr(self, name) < 0 or not math.isfinite(getattr(self, name)):
+                raise ValueError(f"train.{name} = {getattr(self, name)!r}: must be a finite number >= 0")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainSettings:
@@ -204,6 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--validate-only", action="store_true",
+                   help="check the config, every block and the model, then exit 0 (or non-zero naming the "
+                        "key) before any process group exists")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
@@ -377,7 +392,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                           seq_local=seq_padded // sp.size, world_size=sp.size)
         except ValueError as e:
             raise ConfigError(f"sequence_parallel.pattern does not fit --seq-len {train.seq_len} on "
-                              f"{sp.size} ranks: {e}") from None
+                              f"sequence_parallel.size = {sp.size} ranks: {e}") from None
 
     if sp.head_chunks != "auto":
         from seqpar.attention import resolve_head_chunks
@@ -438,17 +453,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 
 # ============================================================================ model
-def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Module:
-    """A randomly initialised Llama (seeded); any ``LlamaConfig`` field can be set in the ``"model"``
-    section. ``vocab_size`` is the task's (the default); ``model.vocab_size`` (>= it) wins: the task's
-    tokens keep the first ids and the ids above are never sampled."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:
-        raise ImportError(
-            "launch/train.py needs transformers: pip install 'transformers>=4.48' "
-            "(or pip install 'seqpar[hf]')"
-        ) from e
+def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
+    """The ``transformers.LlamaConfig`` of the run: small defaults, then the ``"model"`` section."""
+    from transformers import LlamaConfig
+
     fields: dict[str, Any] = {
         "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -458,6 +466,82 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     fields.update(plan.model)  # the "model" section wins (build_plan checked its keys and vocab_size)
     cfg = LlamaConfig(**fields)
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def validate_model(plan: Plan) -> None:
+    """Check the ``model`` block without building the model (no memory, no process group): sizes,
+    head divisibility, then transformers' own field validators, as a ConfigError naming the key."""
+    from seqpar.config import ConfigError
+    from seqpar.sharding import num_chunks
+
+    _check_model_values(plan.model)
+    if os.environ.get("WORLD_SIZE", "").isdigit():  # under a launcher the world size is known already
+        from seqpar.groups import check_divisible
+
+        check_divisible(int(os.environ["WORLD_SIZE"]), plan.sp.size)
+    task = RecallTask(plan.train)
+    chunks = num_chunks(plan.sp.size, plan.sp.sharding)
+    seq_padded = -(-plan.train.seq_len // chunks) * chunks
+    try:
+        llama_config(plan, task.vocab_size, seq_padded)  # transformers' strict field validators
+    except Exception as e:  # transformers' validators name the field; say which block it is in
+        raise ConfigError(f"'model' block (transformers.LlamaConfig) refused: {type(e).__name__}: {e}") from None
+
+
+_POSITIVE_INT_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+
+
+def _check_model_values(model: dict[str, Any]) -> None:
+    """Sizes are positive integers and the head counts divide as attention needs."""
+    from seqpar.config import ConfigError
+
+    for key in _POSITIVE_INT_MODEL_KEYS:
+        if key not in model or (key == "head_dim" and model[key] is None):  # None: derived from hidden_size
+            continue
+        value = model[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"model.{key} = {value!r}: expected a positive integer")
+    heads, kv_heads = model.get("num_attention_heads", 4), model.get("num_key_value_heads", 2)
+    if "num_attention_heads" in model and "num_key_value_heads" not in model:
+        kv_heads = heads
+    if heads % kv_heads:
+        raise ConfigError(f"model.num_key_value_heads = {kv_heads} does not divide model.num_attention_heads "
+                          f"= {heads}; choose a divisor (grouped-query attention)")
+    hidden = model.get("hidden_size", 64)
+    if "head_dim" not in model and hidden % heads:
+        raise ConfigError(f"model.hidden_size = {hidden} is not a multiple of model.num_attention_heads = "
+                          f"{heads}; change one of them (or set model.head_dim)")
+    act = model.get("hidden_act")
+    if act is not None:
+        from transformers.activations import ACT2FN
+
+        if not isinstance(act, str) or act not in ACT2FN:
+            raise ConfigError(f"model.hidden_act = {act!r}: choose one of {sorted(ACT2FN)}")
+
+
+def validate(argv: list[str] | None = None) -> Plan:
+    """Everything ``--validate-only`` checks, in process: the JSON, every block, the flags and the
+    model (on the meta device). No process group is created. Raises ConfigError/ValueError naming
+    the key and the fix."""
+    plan = build_plan(parse_args(argv))
+    validate_model(plan)
+    return plan
+
+
+def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Module:
+    """A randomly initialised Llama (seeded); any ``LlamaConfig`` field can be set in the ``"model"``
+    section. ``vocab_size`` is the task's (the default); ``model.vocab_size`` (>= it) wins: the task's
+    tokens keep the first ids and the ids above are never sampled."""
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError as e:
+        raise ImportError(
+            "launch/train.py needs transformers: pip install 'transformers>=4.48' "
+            "(or pip install 'seqpar[hf]')"
+        ) from e
+    cfg = llama_config(plan, vocab_size, seq_len_padded)
     torch.manual_seed(plan.train.seed)
     model = LlamaForCausalLM(cfg)
     if plan.train.activation_checkpointing:
@@ -500,12 +584,26 @@ class _DeepSpeedEngine(_Engine):
         self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
 
     def save(self, save_dir: str, step: int) -> None:
-        self.model.save_checkpoint(save_dir, tag=f"step{step}", client_state={"step": step})
+        from seqpar import checkpoint
+
+        # written as "<tag>.tmp" and renamed once complete: a rank killed mid-save leaves no torn
+        # checkpoint behind ("latest" is ours to write, after the rename)
+        tag = f"step{step}"
+        self.model.save_checkpoint(save_dir, tag=f"{tag}.tmp", client_state={"step": step}, save_latest=False)
+        dist.barrier()
+        if self.manager.rank == 0:
+            checkpoint.commit(save_dir, tag)
+        dist.barrier()
 
     def load(self, save_dir: str) -> int:
-        path, client = self.model.load_checkpoint(save_dir)
+        from seqpar import checkpoint
+
+        tag = checkpoint.latest_complete(save_dir)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        path, client = self.model.load_checkpoint(save_dir, tag=tag)
         if path is None:
-            raise FileNotFoundError(f"--resume: no DeepSpeed checkpoint in {save_dir}")
+            raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
         return int(client["step"])
 
 
@@ -541,23 +639,25 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
+        from seqpar import checkpoint
         from seqpar.integrations import fsdp
 
-        fsdp.save_checkpoint(os.path.join(save_dir, f"step{step}"), self.model, self.optimizer,
+        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.checkpoint)
+        tag = f"step{step}"
+        fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
                              extra={"step": step})
+        dist.barrier()
         if self.manager.rank == 0:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(f"step{step}")
+            checkpoint.commit(save_dir, tag)
         dist.barrier()
 
     def load(self, save_dir: str) -> int:
+        from seqpar import checkpoint
         from seqpar.integrations import fsdp
 
-        latest = os.path.join(save_dir, "latest")
-        if not os.path.exists(latest):
-            raise FileNotFoundError(f"--resume: no FSDP checkpoint in {save_dir} (no 'latest' file)")
-        with open(latest) as f:
-            tag = f.read().strip()
+        tag = checkpoint.latest_complete(save_dir)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
         extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
         return int(extra["step"])
 
@@ -665,11 +765,16 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
 
 
 # ============================================================================ main
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Train; returns the metrics dict (on every rank). Raises before training on a bad config."""
+def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
+    """Train; returns the metrics dict (on every rank). Raises before training on a bad config.
+    ``on_step(step)``, if given, is called on every rank after each optimizer step (launch/soak.py)."""
     args = parse_args(argv)
     _configure_logging(args.log_level)
     plan = build_plan(args)  # no process group yet: config errors surface first
+    if args.validate_only:
+        validate_model(plan)
+        print(f"{args.config}: valid ({plan.engine}, sp size {plan.sp.size}, mode {plan.sp.mode})", flush=True)
+        return {}
     from seqpar.data import shard_batch
     from seqpar.loss import sequence_parallel_loss
     from seqpar.sharding import num_chunks
@@ -736,6 +841,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:.0f}")
             bar.update(1)
         done = step + 1
+        if on_step is not None:
+            on_step(done)
         if args.save_dir and ((t.save_every and done % t.save_every == 0) or done == t.steps):
             engine.save(args.save_dir, done)
     if bar is not None:

@@ -22,7 +22,12 @@ from typing import Any
 
 from seqpar import attention  # the package is callable: seqpar.attention(q, k, v, ...)
 from seqpar.config import ConfigError, PatternConfig, SeqParConfig
-from seqpar.groups import ProcessGroupManager, default_manager, init_process_groups
+from seqpar.groups import (
+    ProcessGroupManager,
+    default_manager,
+    destroy_process_groups,
+    init_process_groups,
+)
 
 __version__ = "0.1.0"
 
@@ -57,6 +62,7 @@ __all__ = [
     "ProcessGroupManager",
     "default_manager",
     "init_process_groups",
+    "destroy_process_groups",
     *_LAZY,
 ]
 

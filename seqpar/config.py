@@ -20,7 +20,8 @@ Example block::
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
         "offload_activations": false,  # checkpointed layer inputs in pinned CPU memory
         "pattern": {"type": "dense"},
-        "timeout_s": 600            # bound on the process groups seqpar creates (seconds)
+        "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
+        "check_finite": false       # collective NaN/Inf check of attention inputs/outputs
     }
 """
 
@@ -191,6 +192,10 @@ class SeqParConfig:
     seqpar creates: the world group when seqpar initialises torch.distributed
     (``init_process_group`` or ``deepspeed.init_distributed``) and the SP/DP groups. A world group
     the user created keeps its own timeout. ``None``: torch's default."""
+    check_finite: bool = False
+    """Check attention inputs and outputs of every swapped layer for NaN/Inf; the decision is collective
+    over the SP group, so every rank raises together naming the layer and the rank. One all-reduce and
+    one host sync per layer call: a debugging aid, off by default (free when off)."""
     tiled_loss: bool = False
     """Compute LM head + cross-entropy over chunks of the local sequence (exact gradient, recomputed
     per chunk in backward): the full ``(seq_local, vocab)`` logits never exist. Applied by the swap
@@ -225,7 +230,7 @@ class SeqParConfig:
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
-        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations"):
+        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":

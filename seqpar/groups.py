@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ProcessGroupManager",
     "init_process_groups",
+    "destroy_process_groups",
     "default_manager",
     "set_default_manager",
     "resolve_group",
@@ -49,6 +50,7 @@ __all__ = [
     "single_process_env",
     "timeout_of",
     "check_ulysses_size",
+    "node_layout_problems",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -127,6 +129,8 @@ class ProcessGroupManager:
         # link figures for mode="auto" (seqpar.costmodel.Links); None = probe on first use
         self.links: Any = None
 
+        self._created: list[dist.ProcessGroup] = []  # what destroy() tears down
+        self.owns_world = False  # set by init_process_groups when it created the world group
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
             kw["timeout"] = timeout
@@ -153,6 +157,7 @@ class ProcessGroupManager:
             group = dist.new_group(ranks, **kw)
             if self._rank in ranks:
                 mine = group
+                self._created.append(group)  # other ranks' groups are not objects on this rank
         assert mine is not None
         return mine
 
@@ -168,6 +173,25 @@ class ProcessGroupManager:
         ulysses = self._new_groups(cube.reshape(-1, u).tolist(), kw)
         ring = self._new_groups(cube.transpose(1, 2).reshape(-1, sp // u).tolist(), kw)
         return ulysses, ring
+
+    def destroy(self) -> None:
+        """Destroy the groups this manager created (collective: every rank, once training is done).
+
+        A barrier first: gloo can abort a peer still inside a collective of a group destroyed under it.
+        The world group is destroyed too when :func:`init_process_groups` created it
+        (``owns_world``); a world group the user created is theirs to destroy. Idempotent.
+        """
+        if not self._created or not dist.is_initialized():
+            self._created = []
+            return
+        dist.barrier()
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._created = []
+        if default_manager() is self:
+            set_default_manager(None)
+        if self.owns_world:
+            dist.destroy_process_group()
 
     def __repr__(self) -> str:
         return (
@@ -394,6 +418,30 @@ def _check_same_on_every_rank(sp_size: object, ulysses_size: object) -> None:
         )
 
 
+def node_layout_problems(world_size: int, sp_size: int, ulysses_size: int, node_size: int | None) -> list[str]:
+    """Why the SP / Ulysses groups of this layout would cross node boundaries (empty: they do not).
+
+    Ranks are assumed numbered node by node (torchrun, the DeepSpeed launcher and SLURM do so), so
+    the groups of consecutive ranks stay inside a node when their size divides the node size, or
+    span whole nodes when it is a multiple of it.
+    """
+    if not node_size or node_size < 1 or node_size >= world_size:
+        return []
+    problems = []
+    if sp_size % node_size and node_size % sp_size:
+        problems.append(
+            f"sequence_parallel.size {sp_size} neither divides nor is a multiple of the {node_size} ranks per "
+            f"node: some SP groups straddle two nodes, so their ring exchange runs over the slow inter-node "
+            f"link; choose a size dividing {node_size} or a multiple of it"
+        )
+    if ulysses_size > node_size or node_size % ulysses_size:
+        problems.append(
+            f"sequence_parallel.ulysses_size {ulysses_size} does not fit in a node of {node_size} ranks: its "
+            f"all-to-all crosses nodes; choose a divisor of {node_size} (the ring axis goes across nodes)"
+        )
+    return problems
+
+
 def init_process_groups(
     sp_size: int | None = None,
     *,
@@ -433,7 +481,8 @@ def init_process_groups(
     timeout = timeout_of(config, timeout)
     if ulysses_size is None:
         ulysses_size = getattr(config, "ulysses_size", 1) if config is not None else 1
-    if not dist.is_initialized():
+    owns_world = not dist.is_initialized()
+    if owns_world:
         _init_from_env(backend, timeout)
     _check_same_on_every_rank(sp_size, ulysses_size)
     check_divisible(dist.get_world_size(), sp_size)
@@ -444,10 +493,24 @@ def init_process_groups(
         ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
         logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
     check_ulysses_size(sp_size, ulysses_size)
+    node_size = os.environ.get("LOCAL_WORLD_SIZE", "")  # set by torchrun / deepspeed / our SLURM script
+    for problem in node_layout_problems(dist.get_world_size(), sp_size, int(ulysses_size),
+                                        int(node_size) if node_size.isdigit() else None):
+        if dist.get_rank() == 0:
+            logger.warning("seqpar: group layout: %s", problem)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
+    manager.owns_world = owns_world
     if config is not None and getattr(config, "links", None):
         from seqpar.costmodel import Links
 
         manager.links = Links(**config.links)
     set_default_manager(manager)
     return manager
+
+
+def destroy_process_groups(manager: ProcessGroupManager | None = None) -> None:
+    """Destroy what :func:`init_process_groups` created: ``manager``'s groups (default: the default
+    manager's), and the world group if seqpar initialised it. Collective; a no-op when none is left."""
+    manager = manager if manager is not None else default_manager()
+    if manager is not None:
+        manager.destroy()

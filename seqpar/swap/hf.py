@@ -512,7 +512,7 @@ def seqpar_attention_forward(
                 "attention honours only causal or bidirectional attention with no mask"
             )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = options.attention(query, key, value, causal=bool(causal), scale=scaling)
+    out = options.attention(query, key, value, causal=bool(causal), scale=scaling, layer=layer)
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
 
 

@@ -63,6 +63,8 @@ class SwapOptions:
     """Check across ranks that every rank passes the same shapes and options: once per batch in the
     swapped model's forward pre-hook (:mod:`seqpar.swap.batch`), per call outside it."""
     head_chunks: int | str = "auto"
+    check_finite: bool = False
+    """Collective NaN/Inf check of each call's inputs and output (:mod:`seqpar.guard`)."""
     pattern: PatternConfig = field(default_factory=PatternConfig)
     """Dense attention, or LongNet dilated attention (``seqpar.attention.dilated``)."""
 
@@ -70,7 +72,7 @@ class SwapOptions:
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=config.sharding,
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
-                   pattern=config.pattern)
+                   pattern=config.pattern, check_finite=config.check_finite)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -85,7 +87,7 @@ class SwapOptions:
         return out
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, layer: str | None = None
     ) -> Tensor:
         """seqpar attention on shards: q ``(batch, q_heads, seq_local, head_dim)``, k/v
         ``(batch, kv_heads, seq_local, head_dim)`` -> ``(batch, q_heads, seq_local, head_dim)``.
@@ -94,6 +96,17 @@ class SwapOptions:
         per-call cross-rank check is skipped: it would cost a host sync per layer and could only
         repeat the batch's verdict (seqpar.verified).
         """
+        if self.check_finite:  # off by default: then this branch is the whole cost
+            from seqpar.guard import check_finite
+
+            where = f"layer {layer or '?'}"
+            check_finite({"query": q, "key": k, "value": v}, self.group, f"{where} attention inputs")
+            out = self._attention(q, k, v, causal=causal, scale=scale)
+            check_finite({"output": out}, self.group, f"{where} attention output")
+            return out
+        return self._attention(q, k, v, causal=causal, scale=scale)
+
+    def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None) -> Tensor:
         from seqpar.attention import attention
 
         check = self.check_inputs and not batch_verified()

@@ -1,0 +1,188 @@
+"""Config fuzzing: seeded mutations of the shipped configs' ``sequence_parallel``, ``model`` and
+``train`` blocks either validate or fail naming the key, before any process group exists.
+
+The launcher's validation (``launch/train.py: validate``, the in-process form of ``--validate-only``)
+runs in this process: 200 mutations cost about a second, not 200 launcher start-ups. A mutation
+passes when it validates, or raises ``ValueError`` (``ConfigError`` is one) whose message names the
+mutated key; any other exception (a ``TypeError`` from deep inside transformers, torch or DeepSpeed)
+is a failure. A few valid mutations also train one step on two ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import random
+import sys
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.json")))
+N_MUTATIONS = 200
+SEED = 13
+
+
+def _train_module() -> Any:
+    name = "seqpar_launch_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "launch", "train.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _block_keys(block: str) -> list[str]:
+    from seqpar.config import SeqParConfig
+
+    if block == "sequence_parallel":
+        return [f.name for f in dataclasses.fields(SeqParConfig)]
+    if block == "train":
+        return [f.name for f in dataclasses.fields(_train_module().TrainSettings)]
+    return ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "vocab_size", "head_dim", "hidden_act", "rms_norm_eps",
+            "max_position_embeddings"]
+
+
+# values that break types; out-of-range numbers; sizes chosen not to divide the shipped ones
+_WRONG_TYPES = ["two", [2], {"a": 1}, None, True, 1.5, -0.0]
+_OUT_OF_RANGE = [0, -1, -7, 10**12, float("nan"), float("inf")]
+_NON_DIVIDING = {
+    "size": [3, 5], "ulysses_size": [3, 4], "head_chunks": [3, 5], "hidden_size": [63, 66],
+    "num_key_value_heads": [3], "num_attention_heads": [3, 5], "seq_len": [7, 33],
+    "num_pairs": [65, 500], "tiled_mlp": [7],
+}
+
+
+@dataclasses.dataclass
+class Mutation:
+    config: str
+    block: str
+    kind: str  # wrong_type | out_of_range | unknown | missing | non_dividing
+    key: str
+    value: Any = None
+
+    def apply(self, raw: dict[str, Any]) -> dict[str, Any]:
+        raw = copy.deepcopy(raw)
+        block = raw.setdefault(self.block, {})
+        if self.kind == "missing":
+            block.pop(self.key, None)
+        else:
+            block[self.key] = self.value
+        return raw
+
+
+def _mutations() -> list[Mutation]:
+    rng = random.Random(SEED)
+    out = []
+    for _ in range(N_MUTATIONS):
+        config = rng.choice(CONFIGS)
+        block = rng.choice(["sequence_parallel", "model", "train"])
+        kind = rng.choice(["wrong_type", "out_of_range", "unknown", "missing", "non_dividing"])
+        if kind == "non_dividing":
+            key = rng.choice(sorted(_NON_DIVIDING))
+            block = ("sequence_parallel" if key in ("size", "ulysses_size", "head_chunks", "tiled_mlp")
+                     else "model" if key in ("hidden_size", "num_key_value_heads", "num_attention_heads")
+                     else "train")
+            out.append(Mutation(config, block, kind, key, rng.choice(_NON_DIVIDING[key])))
+            continue
+        if kind == "unknown":
+            key = rng.choice(_block_keys(block))
+            typos = [t for t in (key[:-1], key + "s", key.replace("_", ""), "extra_" + key)
+                     if t not in _block_keys(block)]  # "seeds"[:-1] is a real key
+            typo = rng.choice(typos)
+            out.append(Mutation(config, block, kind, typo, 1))
+            continue
+        key = rng.choice(_block_keys(block))
+        pool = _WRONG_TYPES if kind == "wrong_type" else _OUT_OF_RANGE
+        out.append(Mutation(config, block, kind, key, rng.choice(pool)))
+    return out
+
+
+MUTATIONS = _mutations()
+
+
+def _validate(mutation: Mutation, tmp_path) -> Any:
+    """The launcher's validation on the mutated config; returns the plan or the exception."""
+    with open(mutation.config) as f:
+        raw = mutation.apply(json.load(f))
+    path = tmp_path / "mutated.json"
+    path.write_text(json.dumps(raw))
+    try:
+        return _train_module().validate(["--config", str(path)])
+    except ValueError as e:  # ConfigError is a ValueError
+        return e
+
+
+def test_mutations_cover_every_kind_and_block():
+    kinds = {(m.block, m.kind) for m in MUTATIONS}
+    for block in ("sequence_parallel", "model", "train"):
+        for kind in ("wrong_type", "out_of_range", "unknown", "missing", "non_dividing"):
+            if kind == "non_dividing" and block not in ("sequence_parallel", "model", "train"):
+                continue
+            assert (block, kind) in kinds, (block, kind)
+
+
+def test_each_mutation_validates_or_names_the_key(tmp_path):
+    outcomes = {"valid": 0, "refused": 0}
+    for i, mutation in enumerate(MUTATIONS):
+        result = _validate(mutation, tmp_path)  # any non-ValueError propagates: a test failure
+        assert not (dist.is_available() and dist.is_initialized()), "validation created a process group"
+        if isinstance(result, ValueError):
+            message = str(result)
+            assert mutation.key in message, f"mutation {i} {mutation}: the error does not name the key: {message}"
+            outcomes["refused"] += 1
+        else:
+            assert mutation.kind in ("missing", "out_of_range", "wrong_type", "non_dividing"), (
+                f"mutation {i} {mutation}: an unknown key validated")
+            outcomes["valid"] += 1
+    # the fuzz must exercise both outcomes, or it tests nothing
+    assert outcomes["refused"] > 100 and outcomes["valid"] > 5, outcomes
+
+
+def test_validate_only_flag_exits_before_any_process_group(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"sequence_parallel": {"size": 2}, "model": {"hidden_size": 65},
+                               "train": {"engine": "fsdp"}}))
+    with pytest.raises(ValueError, match="hidden_size"):
+        _train_module().main(["--config", str(bad), "--validate-only"])
+    assert _train_module().main(["--config", CONFIGS[0], "--validate-only"]) == {}
+    assert "valid" in capsys.readouterr().out
+    assert not dist.is_initialized()
+
+
+def _train_one_step(rank: int, world: int, argv: list[str]) -> list[float]:
+    return _train_module().main(argv)["loss"]
+
+
+def test_valid_mutations_train_one_step(dist_pool, tmp_path):
+    plans = [(m, _validate(m, tmp_path)) for m in MUTATIONS if m.kind != "unknown"]
+    valid = [m for m, plan in plans if not isinstance(plan, ValueError) and 2 % plan.sp.size == 0]
+    # cheap ones (the flags below bound the run)
+    picked = {}
+    for m in valid:
+        engine = "deepspeed" if "deepspeed" in os.path.basename(m.config) else "fsdp"
+        if engine not in picked and m.block != "train":
+            picked[engine] = m
+    assert len(picked) == 2, picked
+    picked.pop("deepspeed")  # one valid mutation per engine costs ~1 min on the shared 2 cores; keep FSDP
+    for i, m in enumerate(picked.values()):
+        with open(m.config) as f:
+            raw = m.apply(json.load(f))
+        raw.get("sequence_parallel", {}).pop("pattern", None)  # dilated segments need the full length
+        path = tmp_path / f"valid{i}.json"
+        path.write_text(json.dumps(raw))
+        argv = ["--config", str(path), "--steps", "1", "--seq-len", "128", "--no-progress",
+                "--log-level", "WARNING"]
+        raw.setdefault("train", {})["eval_samples"] = 0
+        path.write_text(json.dumps(raw))
+        losses = dist_pool.run(2, _train_one_step, argv, timeout=180)
+        assert len(losses[0]) == 1 and losses[0] == losses[1], (m, losses)
+        assert losses[0][0] == losses[0][0] and 0 < losses[0][0] < 100, (m, losses)
