@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from transformers import masking_utils
 from transformers.loss.loss_utils import LOSS_MAPPING
 
-from seqpar.data import global_positions, sp_rank_and_size
+from seqpar.data import PACKED_KEYS, document_boundaries, global_positions, sp_rank_and_size
 from seqpar.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions
@@ -128,20 +128,17 @@ def swap_problems(module: nn.Module) -> list[str]:
     if layer_type is None and layer_types is not None and isinstance(layer_idx, int):
         if 0 <= layer_idx < len(layer_types):
             layer_type = layer_types[layer_idx]
-    if layer_type in _SLIDING_TYPES:
-        window = getattr(module, "sliding_window", None) or getattr(config, "sliding_window", None)
+    if layer_type == "chunked_attention":
         problems.append(
-            f"{layer_type} layer (window {window}): seqpar computes full causal attention over the "
-            "whole sequence; use a config without sliding layers (e.g. use_sliding_window=False)"
+            "chunked_attention layer (Llama 4 chunked local attention) is not supported; seqpar runs "
+            "causal, sliding-window and packed-document attention only"
         )
     softcap = getattr(config, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
     if softcap:
         problems.append(
-            f"attention logit soft-capping ({softcap}) is not supported; set "
-            "config.attn_logit_softcapping=None"
+            f"attention logit soft-capping ({softcap}) is not supported (seqpar's kernels "
+            "have no score modifier); set config.attn_logit_softcapping=None"
         )
-    if getattr(module, "sinks", None) is not None:
-        problems.append("attention sinks (learned per-head sink logits) are not supported")
     if getattr(module, "is_cross_attention", False):
         problems.append("cross-attention is not supported (self-attention on a sharded sequence only)")
     if getattr(config, "output_attentions", False):
@@ -342,14 +339,29 @@ def _prepare_inputs(
         expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
                                     device=ref.device)[None]  # (1, S_local)
         given = arguments.get("position_ids")
+        bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
+        if bounds is not None:
+            expected = _document_positions(expected, bounds)
+            if given is None:
+                arguments["position_ids"] = expected
+            elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+                raise ValueError(
+                    f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
+                    f"per-document positions of this rank's {options.sharding} shard of the packed "
+                    f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
+                    f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
+                    "Cut packed batches with seqpar.data.shard_batch"
+                )
+            given = expected
         if given is None:
             arguments["position_ids"] = expected.expand(batch, seq_local)
         elif given.shape[-1] != seq_local or not bool((given == expected).all()):
             row = given.reshape(-1, given.shape[-1])[0]
             restarts = bool((row.diff() < 0).any())
             what = (
-                "they restart (packed sequences): a document mask would be needed, which seqpar "
-                "does not honour; train on unpacked sequences"
+                "they restart (packed sequences): on shards the global document boundaries are "
+                "needed; cut packed batches (batch 1) with seqpar.data.shard_batch, which passes "
+                "them as cu_seq_lens_q/k"
                 if restarts else
                 "pass the global positions of the shard, or none (seqpar fills them in)"
             )
@@ -372,6 +384,51 @@ def _prepare_inputs(
         elif pname != self_name:
             new_kwargs[pname] = value
     return (), new_kwargs
+
+
+def _var_keyword(arguments: dict[str, Any], params: Any) -> dict[str, Any]:
+    """The forward's ``**kwargs`` dict inside ``arguments`` (created when absent; ``{}`` if none)."""
+    name = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if name is None:
+        return {}
+    return arguments.setdefault(name, {})
+
+
+def _packed_boundaries(
+    arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str
+) -> list[int] | None:
+    """The global document boundaries of a packed batch, put on the host once for all layers.
+
+    From ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or DataCollatorWithFlattening
+    give them); on one rank also from restarting ``position_ids`` (the shard is the whole sequence).
+    The boundaries are written back as one host int32 tensor under both keys, which transformers
+    hands to every attention layer: the plan then reads host integers, no per-layer device sync.
+    """
+    extra = _var_keyword(arguments, params)
+    found = {k: extra[k] for k in PACKED_KEYS if k in extra}
+    if "cu_seq_lens_q" not in found and "cu_seq_lens_k" not in found:
+        if world_size > 1:
+            return None  # restarting positions are refused by the caller with the fix
+        found["position_ids"] = arguments.get("position_ids")
+    full = {"input_ids": torch.empty(batch, seq_local * world_size, dtype=torch.long, device="meta"),
+            **found}
+    try:
+        bounds = document_boundaries(full, seq_local * world_size)
+    except ValueError as e:
+        raise ValueError(f"seqpar ({where}): {e}") from None
+    if bounds is None:
+        return None
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return bounds
+
+
+def _document_positions(global_pos: Tensor, bounds: list[int]) -> Tensor:
+    # (1, S_local) global positions -> positions inside their document.
+    edges = torch.tensor(bounds, device=global_pos.device, dtype=global_pos.dtype)
+    doc = torch.searchsorted(edges, global_pos, right=True) - 1
+    return global_pos - edges[doc]
 
 
 def _prepare_labels(
@@ -479,8 +536,7 @@ def seqpar_attention_forward(
     layer = _name(module)
     if kwargs.get("output_attentions"):
         raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
-    for feature, key_name in (("logit soft-capping", "softcap"), ("attention sinks", "s_aux"),
-                              ("a position bias", "position_bias")):
+    for feature, key_name in (("logit soft-capping", "softcap"), ("a position bias", "position_bias")):
         if kwargs.get(key_name) is not None:
             raise ValueError(f"seqpar (layer '{layer}'): {feature} ({key_name}=...) is not supported")
     if dropout:
@@ -494,16 +550,6 @@ def seqpar_attention_forward(
             f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
             "cross-attention is not supported on a sharded sequence"
         )
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        _, world_size = sp_rank_and_size(options.group)
-        if seq_local * world_size > window:
-            raise ValueError(
-                f"seqpar (layer '{layer}'): sliding-window attention (window {window}) on a sequence "
-                f"of {seq_local * world_size} tokens is not supported; seqpar computes full causal "
-                f"attention, which equals the window only for sequences of at most {window} tokens. "
-                "Shorten the sequences or set config.sliding_window=None"
-            )
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
             raise ValueError(
@@ -511,9 +557,24 @@ def seqpar_attention_forward(
                 f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "
                 "attention honours only causal or bidirectional attention with no mask"
             )
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = options.attention(query, key, value, causal=bool(causal), scale=scaling)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = options.attention(query, key, value, causal=causal, scale=scaling,
+                            cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                            window=_window(kwargs.get("sliding_window"), causal),
+                            sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _window(sliding_window: int | None, causal: bool) -> int | None:
+    """transformers' ``sliding_window`` as seqpar's ``window``.
+
+    Causal: key j is visible to query i iff ``0 <= i - j < sliding_window``, which is seqpar's
+    window exactly. Bidirectional: transformers keeps ``|i - j| <= sliding_window`` (inclusive),
+    seqpar's ``|i - j| < window``, so one more.
+    """
+    if sliding_window is None:
+        return None
+    return int(sliding_window) if causal else int(sliding_window) + 1
 
 
 def _masks_nothing(mask: Tensor) -> bool:
