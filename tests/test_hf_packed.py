@@ -10,8 +10,6 @@ shorter than a shard chunk, one spanning every shard, and a total that needs end
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
