@@ -171,7 +171,8 @@ def shard_batch(
     Args:
         batch: the full batch, identical on every rank of the SP group.
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"`` or ``"zigzag"``, as configured for attention.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (packed batches: the layout
+            comes from their boundaries), as configured for attention.
         causal_lm: the model is a causal LM: ``labels`` are shifted by one before the cut and
             returned as ``shift_labels`` (``labels`` is dropped), and end padding needs no key mask.
             With ``False``, ``labels`` are cut as they are and any padding is refused.
@@ -202,7 +203,8 @@ def shard_batch(
         )
     batch_size, seq_len = ref.shape[0], ref.shape[1]
     device = ref.device
-    multiple = num_chunks(world_size, sharding)
+    # balanced: 8 chunks per rank balance finest (seqpar.sharding), so pad to a multiple of 8P.
+    multiple = 8 * world_size if sharding == "balanced" else num_chunks(world_size, sharding)
     pad = (-seq_len) % multiple
     bounds = document_boundaries(out, seq_len)  # global, before the cut
 
@@ -246,7 +248,9 @@ def shard_batch(
     if not isinstance(out.get("position_ids"), Tensor):
         out["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
 
-    keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device)
+    padded_bounds = None if bounds is None else (bounds + [seq_len + pad] if pad else bounds)
+    keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device,
+                            cu_seqlens=padded_bounds)
     for key, value in out.items():
         if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len):
             continue
@@ -268,8 +272,8 @@ def shard_batch(
         else:
             value = _pad_end(value, pad, 0)
         out[key] = value.index_select(1, keep.to(value.device))
-    if bounds is not None:
-        _set_boundaries(out, bounds + [seq_len + pad] if pad else bounds)
+    if padded_bounds is not None:
+        _set_boundaries(out, padded_bounds)
     if pad:
         logger.debug("shard_batch: padded sequence length %d -> %d at the end", seq_len, seq_len + pad)
     return out

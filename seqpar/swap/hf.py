@@ -336,10 +336,10 @@ def _prepare_inputs(
 
     if "position_ids" in params:
         rank, world_size = sp_rank_and_size(options.group)
-        expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
-                                    device=ref.device)[None]  # (1, S_local)
-        given = arguments.get("position_ids")
         bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
+        expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                    device=ref.device, cu_seqlens=bounds)[None]  # (1, S_local)
+        given = arguments.get("position_ids")
         if bounds is not None:
             expected = _document_positions(expected, bounds)
             if given is None:
