@@ -21,7 +21,12 @@ nested in something else) that
 
 - fills ``position_ids`` with the *global* positions of this rank's shard when they are absent
   (transformers would number the shard from 0, which is wrong for rotary and absolute positions),
-  and checks given ones: positions that restart are packed documents, which need a document mask;
+  and checks given ones (per-document positions for packed batches);
+- reads packed documents (batch 1): ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` give them; they win), or on one rank
+  restarting ``position_ids``; the *global* boundaries go to the host once per batch, are compared
+  across ranks by the batch check, and every layer passes them to ``seqpar.attention(cu_seqlens=)``,
+  so each document sees only itself, with or without ``use_cache`` given;
 - passes an all-ones ``attention_mask`` when none is given: without one, transformers reads the jump
   in a zigzag shard's positions as two packed documents;
 - refuses a padding mask with zeros, a KV cache and ``use_cache=True`` (a cache of a sharded
@@ -36,11 +41,14 @@ average per rank: a wrong loss. seqpar's is token-weighted over the whole sequen
 done before the cut (``shift_labels``) or across shards (``labels`` cut unshifted), and its backward
 gives every rank its share of the full-sequence gradient (see :mod:`seqpar.loss`).
 
-Layer features checked when swapping (named with the layer): sliding-window layers (``layer_types``
-entries ``"sliding_attention"``/``"chunked_attention"``), logit soft-capping, attention sinks,
-cross-attention, ``output_attentions`` in the config, attention dropout in training. A window set
-for every layer (Mistral's ``config.sliding_window``) is accepted: while the whole sequence fits in
-the window it *is* causal attention; a longer sequence is refused at call time.
+Sliding-window layers run exactly: the ``sliding_window`` transformers passes to each layer's
+attention call (Mistral: every layer; Qwen2, Gemma 2/3, GPT-OSS: the ``"sliding_attention"`` entries
+of ``layer_types``, ``None`` for full layers) becomes ``window`` (causal: the same number; bidirectional:
+one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=``.
+
+Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
+soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
+config, attention dropout in training.
 """
 
 from __future__ import annotations
@@ -475,8 +483,10 @@ def seqpar_mask(
     """transformers' mask factory for ``"seqpar"``: checks, then returns ``None`` (no mask).
 
     Raises ``ValueError`` for padding (a 2D mask with zeros) and for any pattern other than plain
-    causal, bidirectional or a whole-model sliding window (checked against the length at call time):
-    packed-document, block-wise or custom ``or``/``and`` masks.
+    causal, bidirectional or sliding window (run by the attention function from its
+    ``sliding_window``): block-wise or custom ``or``/``and`` masks. Packed documents never reach
+    here as a mask: the input preparer passes an all-ones ``attention_mask`` (so transformers does
+    not build its packed mask) and the boundaries as ``cu_seq_lens_q/k``.
     """
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise _padding_error("mask")
@@ -486,10 +496,10 @@ def seqpar_mask(
     sliding_only = local_size is not None and allow_is_causal_skip
     if not (plain or sliding_only):
         raise ValueError(
-            "seqpar: the model asked for an attention mask other than causal/bidirectional "
+            "seqpar: the model asked for an attention mask other than causal/bidirectional/sliding "
             "(packed-sequence document mask, block-wise mask, or a custom and/or mask function); "
-            "seqpar attention does not honour it. Unpack sequences (position_ids must be the global "
-            "positions 0..S-1) and use a model without custom masks"
+            "seqpar attention does not honour it. Pass packed documents as cu_seq_lens_q/k "
+            "(seqpar.data.shard_batch derives them) and use a model without custom masks"
         )
     return None
 
