@@ -103,6 +103,10 @@ class TrainSettings:
     filler_vocab: int = 32
     eval_samples: int = 16
     """Held-out samples for the final recall accuracy (0 = skip)."""
+    packed: bool = False
+    """Pack recall samples of long-tailed lengths (log-uniform between the shortest valid sample and
+    ``seq_len``) into each sequence, as DataCollatorWithFlattening does: documents are separated
+    exactly by seqpar (global boundaries from ``shard_batch``). Needs ``micro_batch_size`` 1."""
     save_every: int = 0
     """Save a checkpoint every N steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
 
@@ -119,6 +123,11 @@ class TrainSettings:
         if self.num_pairs > self.num_keys:
             raise ValueError("train.num_pairs must be <= train.num_keys (keys are distinct)")
         need = 1 + 2 * self.num_pairs + 3 * self.num_queries + 1
+        if self.packed and self.micro_batch_size != 1:
+            raise ValueError(
+                f"train.packed needs train.micro_batch_size = 1 (got {self.micro_batch_size}): a packed "
+                "row already holds several documents; raise seq_len or grad_accum instead"
+            )
         if self.seq_len < need:
             raise ValueError(
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
@@ -158,9 +167,15 @@ class RecallTask:
         self.filler0 = self.value0 + s.num_values
         self.vocab_size = self.filler0 + s.filler_vocab
 
-    def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``index``: ``(input_ids (S,), labels (S,))``; labels are ``-100`` except answers."""
-        s = self.s
+    @property
+    def min_len(self) -> int:
+        """The shortest valid sample: BOS, the pairs, the queries and one filler token."""
+        return 1 + 2 * self.s.num_pairs + 3 * self.s.num_queries + 1
+
+    def sample(self, index: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample ``index``: ``(input_ids (L,), labels (L,))`` with ``L = length or seq_len``; labels
+        are ``-100`` except answers."""
+        s = dataclasses.replace(self.s, seq_len=length) if length is not None else self.s
         g = torch.Generator().manual_seed(s.seed * 1_000_003 + index)
         keys = torch.randperm(s.num_keys, generator=g)[: s.num_pairs] + self.key0
         values = torch.randint(0, s.num_values, (s.num_pairs,), generator=g) + self.value0
@@ -183,6 +198,32 @@ class RecallTask:
         return {
             "input_ids": torch.stack([p[0] for p in pairs]),
             "labels": torch.stack([p[1] for p in pairs]),
+        }
+
+
+    def packed_lengths(self, first: int) -> list[int]:
+        """Document lengths of packed row ``first``: log-uniform in ``[min_len, seq_len]`` (a long
+        tail of short samples), the last one taking what is left so they sum to ``seq_len``."""
+        g = torch.Generator().manual_seed(self.s.seed * 7_000_003 + first)
+        lo, hi, left = math.log(self.min_len), math.log(self.s.seq_len), self.s.seq_len
+        lengths: list[int] = []
+        while left:
+            n = min(left, int(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
+            if left - n < self.min_len:
+                n = left
+            lengths.append(n)
+            left -= n
+        return lengths
+
+    def packed_batch(self, first: int) -> dict[str, torch.Tensor]:
+        """Packed row ``first``: ``input_ids``/``labels``/``position_ids`` ``(1, seq_len)`` as
+        ``transformers.DataCollatorWithFlattening`` makes them (positions restart per document;
+        each document starts with BOS, whose label is already -100)."""
+        docs = [self.sample(first * 1_000 + i, n) for i, n in enumerate(self.packed_lengths(first))]
+        return {
+            "input_ids": torch.cat([d[0] for d in docs])[None],
+            "labels": torch.cat([d[1] for d in docs])[None],
+            "position_ids": torch.cat([torch.arange(d[0].numel()) for d in docs])[None],
         }
 
 
@@ -211,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override sequence_parallel.tiled_mlp: number of chunks or 'auto'")
     p.add_argument("--offload-activations", action="store_true", default=None,
                    help="override sequence_parallel.offload_activations (CUDA; a no-op on CPU)")
+    p.add_argument("--packed", action="store_true", default=None,
+                   help="train on packed documents of long-tailed lengths (sets train.packed)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
     p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
     p.add_argument("--save-every", type=int)
@@ -354,7 +397,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--config {args.config}: 'train' must be a JSON object")
     train_d = dict(raw.get("train") or {})
     for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr",
-                 "dtype", "activation_checkpointing", "save_every"):
+                 "dtype", "activation_checkpointing", "save_every", "packed"):
         value = getattr(args, name, None)
         if value is not None:
             train_d[name] = value
@@ -549,6 +592,13 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     return model
 
 
+def _packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The packed-document boundaries shard_batch added (cu_seq_lens_q/k ...), for the model."""
+    from seqpar.data import PACKED_KEYS
+
+    return {k: batch[k] for k in PACKED_KEYS if k in batch}
+
+
 # ============================================================================ engines
 class _Engine:
     """The few things the loop needs from an engine."""
@@ -556,7 +606,8 @@ class _Engine:
     model: Any
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         **_packed_kwargs(batch))
         return out.logits
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
@@ -817,11 +868,11 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         total = torch.zeros((), dtype=torch.float64)
         for m in range(t.grad_accum):
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
-            batch = shard_batch(task.batch(first, t.micro_batch_size), group=manager.sp_group,
-                                sharding=plan.sp.sharding)
+            full = task.packed_batch(first) if t.packed else task.batch(first, t.micro_batch_size)
+            batch = shard_batch(full, group=manager.sp_group, sharding=plan.sp.sharding)
             if plan.sp.tiled_loss:  # the swapped model computes the SP loss itself, never the logits
                 loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                    shift_labels=batch["shift_labels"]).loss
+                                    shift_labels=batch["shift_labels"], **_packed_kwargs(batch)).loss
             else:
                 logits = engine.forward(batch)
                 loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)

@@ -19,6 +19,16 @@ positions get ``ignore_index`` labels so they add nothing to the loss. Right-pad
 ``attention_mask`` of ones followed by zeros) are the same situation and are accepted the same way.
 Left padding, holes, and any padding under non-causal attention would need a key mask: they are
 refused with a message that says what to do.
+
+Packed documents (batch 1, as ``transformers.DataCollatorWithFlattening`` makes them): the *global*
+boundaries are derived from the full batch before the cut (:func:`document_boundaries`):
+``cu_seq_lens_q``/``cu_seq_lens_k`` when given (they win), else the restarts of ``position_ids``.
+``shard_batch`` returns them as ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32, on the host, identical
+on every rank; ``max_length_q/k`` updated), which the swapped attention hands to
+``seqpar.attention(cu_seqlens=...)``. For a packed batch the end padding is **one more segment**
+(its positions restart at 0, it sees only itself) instead of continuing the last document's count:
+the boundaries, not the positions, tell documents apart there. Unpacked batches keep the old rule
+(padded positions count on, so the padding never looks like a new document).
 """
 
 from __future__ import annotations
@@ -41,9 +51,13 @@ from torch.utils.data import (
 from seqpar.groups import default_manager, resolve_group
 from seqpar.sharding import num_chunks, shard_index
 
-__all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size"]
+__all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
+           "document_boundaries", "PACKED_KEYS"]
 
 logger = logging.getLogger("seqpar")
+
+# transformers' flash-varlen keyword inputs of a packed batch (DataCollatorWithFlattening).
+PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 # Keys whose padding value is fixed by their meaning; any other cut tensor is padded with 0.
 _LABEL_KEYS = ("labels", "shift_labels")
@@ -63,6 +77,58 @@ def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 # The global positions a rank holds: one definition, in seqpar.sharding (kept here under its old name).
 global_positions = shard_index
+
+
+def _check_boundaries(bounds: list[int], seq_len: int, where: str) -> list[int]:
+    if (not bounds or bounds[0] != 0 or bounds[-1] != seq_len
+            or any(b <= a for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(
+            f"{where}: packed-document boundaries {bounds[:8]}{'...' if len(bounds) > 8 else ''} must "
+            f"start at 0, strictly increase and end at the sequence length {seq_len} (the "
+            "cu_seq_lens_q of transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+        )
+    return bounds
+
+
+def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> list[int] | None:
+    """Global packed-document boundaries ``[0, l1, l1+l2, ..., seq_len]`` of a full batch, or ``None``.
+
+    ``cu_seq_lens_q`` (else ``cu_seq_lens_k``) wins when given; otherwise a ``position_ids`` row that
+    does not go up by one (transformers' own rule, ``find_packed_sequence_indices``) starts a new
+    document. Unpacked batches (no key, positions counting up) give ``None``.
+
+    Raises:
+        ValueError: packed with batch size > 1 (boundaries are per sequence, as for flash varlen);
+            ``cu_seq_lens_q`` and ``cu_seq_lens_k`` that differ; malformed boundaries.
+    """
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    ref = next((batch[k] for k in ("input_ids", "inputs_embeds", "labels", "shift_labels")
+                if isinstance(batch.get(k), Tensor)), None)
+    batch_size = ref.shape[0] if ref is not None else 1
+    if cu_q is not None or cu_k is not None:
+        bounds = [int(b) for b in (cu_q if cu_q is not None else cu_k).reshape(-1).tolist()]
+        if cu_q is not None and cu_k is not None and [int(b) for b in cu_k.reshape(-1).tolist()] != bounds:
+            raise ValueError("packed batch: cu_seq_lens_q and cu_seq_lens_k differ; seqpar supports "
+                             "self-attention over one packed sequence (they must be equal)")
+    else:
+        pos = batch.get("position_ids")
+        if not isinstance(pos, Tensor) or pos.dim() != 2 or pos.shape[-1] != seq_len:
+            return None
+        restarts = pos.diff(dim=-1) != 1
+        if not bool(restarts.any()):
+            return None
+        if pos.shape[0] != 1 or batch_size != 1:
+            raise ValueError(
+                f"packed sequences (position_ids restart) need batch size 1, got {batch_size}: pack "
+                "the documents into one row (transformers.DataCollatorWithFlattening does)"
+            )
+        bounds = [0, *(restarts[0].nonzero().reshape(-1) + 1).tolist(), seq_len]
+    if batch_size != 1:
+        raise ValueError(
+            f"packed documents (cu_seq_lens_q) need batch size 1, got {batch_size}: pack the "
+            "documents into one row (transformers.DataCollatorWithFlattening does)"
+        )
+    return _check_boundaries(bounds, seq_len, "packed batch")
 
 
 def _is_right_padded(mask: Tensor) -> bool:
@@ -105,7 +171,8 @@ def shard_batch(
     Args:
         batch: the full batch, identical on every rank of the SP group.
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"`` or ``"zigzag"``, as configured for attention.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (packed batches: the layout
+            comes from their boundaries), as configured for attention.
         causal_lm: the model is a causal LM: ``labels`` are shifted by one before the cut and
             returned as ``shift_labels`` (``labels`` is dropped), and end padding needs no key mask.
             With ``False``, ``labels`` are cut as they are and any padding is refused.
@@ -117,7 +184,9 @@ def shard_batch(
         ``S_pad`` is ``S`` rounded up to a multiple of ``P`` (``2P`` for zigzag); ``position_ids``
         (created as ``0..S_pad-1`` when absent) hold *global* positions so rotary and absolute
         position embeddings see the true positions; ``shift_labels`` when ``causal_lm`` and
-        ``labels`` were given.
+        ``labels`` were given; for packed batches (see the module docstring) the global
+        boundaries as ``cu_seq_lens_q``/``cu_seq_lens_k`` (end padding as one more document) and
+        ``max_length_q``/``max_length_k``.
 
     Raises:
         ValueError: no sequence tensor found; an ``attention_mask`` that is not right padding;
@@ -134,8 +203,10 @@ def shard_batch(
         )
     batch_size, seq_len = ref.shape[0], ref.shape[1]
     device = ref.device
-    multiple = num_chunks(world_size, sharding)
+    # balanced: 8 chunks per rank balance finest (seqpar.sharding), so pad to a multiple of 8P.
+    multiple = 8 * world_size if sharding == "balanced" else num_chunks(world_size, sharding)
     pad = (-seq_len) % multiple
+    bounds = document_boundaries(out, seq_len)  # global, before the cut
 
     mask = out.get("attention_mask")
     if isinstance(mask, Tensor):
@@ -177,11 +248,17 @@ def shard_batch(
     if not isinstance(out.get("position_ids"), Tensor):
         out["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
 
-    keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device)
+    padded_bounds = None if bounds is None else (bounds + [seq_len + pad] if pad else bounds)
+    keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device,
+                            cu_seqlens=padded_bounds)
     for key, value in out.items():
         if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len):
             continue
-        if key == "position_ids":
+        if key == "position_ids" and bounds is not None:
+            # Packed: the padding is one more document, so its positions restart at 0.
+            tail = torch.arange(pad, device=value.device, dtype=value.dtype).expand(value.shape[0], pad)
+            value = torch.cat([value, tail], dim=1)
+        elif key == "position_ids":
             # Padded tokens continue the count (S, S+1, ...): the positions stay increasing by one,
             # so nothing downstream mistakes the padding for a new packed document.
             tail = torch.arange(seq_len, seq_len + pad, device=value.device, dtype=value.dtype)
@@ -195,9 +272,19 @@ def shard_batch(
         else:
             value = _pad_end(value, pad, 0)
         out[key] = value.index_select(1, keep.to(value.device))
+    if padded_bounds is not None:
+        _set_boundaries(out, padded_bounds)
     if pad:
         logger.debug("shard_batch: padded sequence length %d -> %d at the end", seq_len, seq_len + pad)
     return out
+
+
+def _set_boundaries(out: dict[str, Any], bounds: list[int]) -> None:
+    # On the host on purpose: the attention plan is built from host integers, so a GPU copy would
+    # cost a device-to-host read; int32 like DataCollatorWithFlattening's.
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
 
 
 class ShardedDataLoader:

@@ -21,7 +21,12 @@ nested in something else) that
 
 - fills ``position_ids`` with the *global* positions of this rank's shard when they are absent
   (transformers would number the shard from 0, which is wrong for rotary and absolute positions),
-  and checks given ones: positions that restart are packed documents, which need a document mask;
+  and checks given ones (per-document positions for packed batches);
+- reads packed documents (batch 1): ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or
+  ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` give them; they win), or on one rank
+  restarting ``position_ids``; the *global* boundaries go to the host once per batch, are compared
+  across ranks by the batch check, and every layer passes them to ``seqpar.attention(cu_seqlens=)``,
+  so each document sees only itself, with or without ``use_cache`` given;
 - passes an all-ones ``attention_mask`` when none is given: without one, transformers reads the jump
   in a zigzag shard's positions as two packed documents;
 - refuses a padding mask with zeros, a KV cache and ``use_cache=True`` (a cache of a sharded
@@ -36,11 +41,14 @@ average per rank: a wrong loss. seqpar's is token-weighted over the whole sequen
 done before the cut (``shift_labels``) or across shards (``labels`` cut unshifted), and its backward
 gives every rank its share of the full-sequence gradient (see :mod:`seqpar.loss`).
 
-Layer features checked when swapping (named with the layer): sliding-window layers (``layer_types``
-entries ``"sliding_attention"``/``"chunked_attention"``), logit soft-capping, attention sinks,
-cross-attention, ``output_attentions`` in the config, attention dropout in training. A window set
-for every layer (Mistral's ``config.sliding_window``) is accepted: while the whole sequence fits in
-the window it *is* causal attention; a longer sequence is refused at call time.
+Sliding-window layers run exactly: the ``sliding_window`` transformers passes to each layer's
+attention call (Mistral: every layer; Qwen2, Gemma 2/3, GPT-OSS: the ``"sliding_attention"`` entries
+of ``layer_types``, ``None`` for full layers) becomes ``window`` (causal: the same number; bidirectional:
+one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=``.
+
+Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
+soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
+config, attention dropout in training.
 """
 
 from __future__ import annotations
@@ -57,7 +65,7 @@ from torch import Tensor, nn
 from transformers import masking_utils
 from transformers.loss.loss_utils import LOSS_MAPPING
 
-from seqpar.data import global_positions, sp_rank_and_size
+from seqpar.data import PACKED_KEYS, document_boundaries, global_positions, sp_rank_and_size
 from seqpar.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions
@@ -128,20 +136,17 @@ def swap_problems(module: nn.Module) -> list[str]:
     if layer_type is None and layer_types is not None and isinstance(layer_idx, int):
         if 0 <= layer_idx < len(layer_types):
             layer_type = layer_types[layer_idx]
-    if layer_type in _SLIDING_TYPES:
-        window = getattr(module, "sliding_window", None) or getattr(config, "sliding_window", None)
+    if layer_type == "chunked_attention":
         problems.append(
-            f"{layer_type} layer (window {window}): seqpar computes full causal attention over the "
-            "whole sequence; use a config without sliding layers (e.g. use_sliding_window=False)"
+            "chunked_attention layer (Llama 4 chunked local attention) is not supported; seqpar runs "
+            "causal, sliding-window and packed-document attention only"
         )
     softcap = getattr(config, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
     if softcap:
         problems.append(
-            f"attention logit soft-capping ({softcap}) is not supported; set "
-            "config.attn_logit_softcapping=None"
+            f"attention logit soft-capping ({softcap}) is not supported (seqpar's kernels "
+            "have no score modifier); set config.attn_logit_softcapping=None"
         )
-    if getattr(module, "sinks", None) is not None:
-        problems.append("attention sinks (learned per-head sink logits) are not supported")
     if getattr(module, "is_cross_attention", False):
         problems.append("cross-attention is not supported (self-attention on a sharded sequence only)")
     if getattr(config, "output_attentions", False):
@@ -339,17 +344,32 @@ def _prepare_inputs(
 
     if "position_ids" in params:
         rank, world_size = sp_rank_and_size(options.group)
+        bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
         expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
-                                    device=ref.device)[None]  # (1, S_local)
+                                    device=ref.device, cu_seqlens=bounds)[None]  # (1, S_local)
         given = arguments.get("position_ids")
+        if bounds is not None:
+            expected = _document_positions(expected, bounds)
+            if given is None:
+                arguments["position_ids"] = expected
+            elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+                raise ValueError(
+                    f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
+                    f"per-document positions of this rank's {options.sharding} shard of the packed "
+                    f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
+                    f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
+                    "Cut packed batches with seqpar.data.shard_batch"
+                )
+            given = expected
         if given is None:
             arguments["position_ids"] = expected.expand(batch, seq_local)
         elif given.shape[-1] != seq_local or not bool((given == expected).all()):
             row = given.reshape(-1, given.shape[-1])[0]
             restarts = bool((row.diff() < 0).any())
             what = (
-                "they restart (packed sequences): a document mask would be needed, which seqpar "
-                "does not honour; train on unpacked sequences"
+                "they restart (packed sequences): on shards the global document boundaries are "
+                "needed; cut packed batches (batch 1) with seqpar.data.shard_batch, which passes "
+                "them as cu_seq_lens_q/k"
                 if restarts else
                 "pass the global positions of the shard, or none (seqpar fills them in)"
             )
@@ -372,6 +392,51 @@ def _prepare_inputs(
         elif pname != self_name:
             new_kwargs[pname] = value
     return (), new_kwargs
+
+
+def _var_keyword(arguments: dict[str, Any], params: Any) -> dict[str, Any]:
+    """The forward's ``**kwargs`` dict inside ``arguments`` (created when absent; ``{}`` if none)."""
+    name = next((n for n, p in params.items() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+    if name is None:
+        return {}
+    return arguments.setdefault(name, {})
+
+
+def _packed_boundaries(
+    arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str
+) -> list[int] | None:
+    """The global document boundaries of a packed batch, put on the host once for all layers.
+
+    From ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or DataCollatorWithFlattening
+    give them); on one rank also from restarting ``position_ids`` (the shard is the whole sequence).
+    The boundaries are written back as one host int32 tensor under both keys, which transformers
+    hands to every attention layer: the plan then reads host integers, no per-layer device sync.
+    """
+    extra = _var_keyword(arguments, params)
+    found = {k: extra[k] for k in PACKED_KEYS if k in extra}
+    if "cu_seq_lens_q" not in found and "cu_seq_lens_k" not in found:
+        if world_size > 1:
+            return None  # restarting positions are refused by the caller with the fix
+        found["position_ids"] = arguments.get("position_ids")
+    full = {"input_ids": torch.empty(batch, seq_local * world_size, dtype=torch.long, device="meta"),
+            **found}
+    try:
+        bounds = document_boundaries(full, seq_local * world_size)
+    except ValueError as e:
+        raise ValueError(f"seqpar ({where}): {e}") from None
+    if bounds is None:
+        return None
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+    return bounds
+
+
+def _document_positions(global_pos: Tensor, bounds: list[int]) -> Tensor:
+    # (1, S_local) global positions -> positions inside their document.
+    edges = torch.tensor(bounds, device=global_pos.device, dtype=global_pos.dtype)
+    doc = torch.searchsorted(edges, global_pos, right=True) - 1
+    return global_pos - edges[doc]
 
 
 def _prepare_labels(
@@ -418,8 +483,10 @@ def seqpar_mask(
     """transformers' mask factory for ``"seqpar"``: checks, then returns ``None`` (no mask).
 
     Raises ``ValueError`` for padding (a 2D mask with zeros) and for any pattern other than plain
-    causal, bidirectional or a whole-model sliding window (checked against the length at call time):
-    packed-document, block-wise or custom ``or``/``and`` masks.
+    causal, bidirectional or sliding window (run by the attention function from its
+    ``sliding_window``): block-wise or custom ``or``/``and`` masks. Packed documents never reach
+    here as a mask: the input preparer passes an all-ones ``attention_mask`` (so transformers does
+    not build its packed mask) and the boundaries as ``cu_seq_lens_q/k``.
     """
     if attention_mask is not None and not bool(attention_mask.bool().all()):
         raise _padding_error("mask")
@@ -429,10 +496,10 @@ def seqpar_mask(
     sliding_only = local_size is not None and allow_is_causal_skip
     if not (plain or sliding_only):
         raise ValueError(
-            "seqpar: the model asked for an attention mask other than causal/bidirectional "
+            "seqpar: the model asked for an attention mask other than causal/bidirectional/sliding "
             "(packed-sequence document mask, block-wise mask, or a custom and/or mask function); "
-            "seqpar attention does not honour it. Unpack sequences (position_ids must be the global "
-            "positions 0..S-1) and use a model without custom masks"
+            "seqpar attention does not honour it. Pass packed documents as cu_seq_lens_q/k "
+            "(seqpar.data.shard_batch derives them) and use a model without custom masks"
         )
     return None
 
@@ -479,8 +546,7 @@ def seqpar_attention_forward(
     layer = _name(module)
     if kwargs.get("output_attentions"):
         raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
-    for feature, key_name in (("logit soft-capping", "softcap"), ("attention sinks", "s_aux"),
-                              ("a position bias", "position_bias")):
+    for feature, key_name in (("logit soft-capping", "softcap"), ("a position bias", "position_bias")):
         if kwargs.get(key_name) is not None:
             raise ValueError(f"seqpar (layer '{layer}'): {feature} ({key_name}=...) is not supported")
     if dropout:
@@ -494,16 +560,6 @@ def seqpar_attention_forward(
             f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
             "cross-attention is not supported on a sharded sequence"
         )
-    window = kwargs.get("sliding_window")
-    if window is not None:
-        _, world_size = sp_rank_and_size(options.group)
-        if seq_local * world_size > window:
-            raise ValueError(
-                f"seqpar (layer '{layer}'): sliding-window attention (window {window}) on a sequence "
-                f"of {seq_local * world_size} tokens is not supported; seqpar computes full causal "
-                f"attention, which equals the window only for sequences of at most {window} tokens. "
-                "Shorten the sequences or set config.sliding_window=None"
-            )
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
             raise ValueError(
@@ -511,9 +567,24 @@ def seqpar_attention_forward(
                 f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "
                 "attention honours only causal or bidirectional attention with no mask"
             )
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = options.attention(query, key, value, causal=bool(causal), scale=scaling, layer=layer)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
+                            cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                            window=_window(kwargs.get("sliding_window"), causal),
+                            sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _window(sliding_window: int | None, causal: bool) -> int | None:
+    """transformers' ``sliding_window`` as seqpar's ``window``.
+
+    Causal: key j is visible to query i iff ``0 <= i - j < sliding_window``, which is seqpar's
+    window exactly. Bidirectional: transformers keeps ``|i - j| <= sliding_window`` (inclusive),
+    seqpar's ``|i - j| < window``, so one more.
+    """
+    if sliding_window is None:
+        return None
+    return int(sliding_window) if causal else int(sliding_window) + 1
 
 
 def _masks_nothing(mask: Tensor) -> bool:

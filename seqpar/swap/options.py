@@ -87,7 +87,9 @@ class SwapOptions:
         return out
 
     def attention(
-        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, layer: str | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
+        layer: str | None = None, cu_seqlens: Any = None, window: int | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """seqpar attention on shards: q ``(batch, q_heads, seq_local, head_dim)``, k/v
         ``(batch, kv_heads, seq_local, head_dim)`` -> ``(batch, q_heads, seq_local, head_dim)``.
@@ -95,18 +97,27 @@ class SwapOptions:
         Inside a verified batch (the swapped model's pre-hook compared its inputs across ranks) the
         per-call cross-rank check is skipped: it would cost a host sync per layer and could only
         repeat the batch's verdict (seqpar.verified).
+
+        ``cu_seqlens`` (global packed-document boundaries), ``window`` and ``sinks`` are passed to
+        :func:`seqpar.attention` as they are (see there); the dilated pattern takes none of them.
+        ``check_finite`` (off by default, then free) raises on every rank, naming ``layer``, when
+        the inputs or the output hold a NaN or an Inf.
         """
+        masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks))
+                  if v is not None}
         if self.check_finite:  # off by default: then this branch is the whole cost
             from seqpar.guard import check_finite
 
             where = f"layer {layer or '?'}"
             check_finite({"query": q, "key": k, "value": v}, self.group, f"{where} attention inputs")
-            out = self._attention(q, k, v, causal=causal, scale=scale)
+            out = self._attention(q, k, v, causal=causal, scale=scale, masked=masked)
             check_finite({"output": out}, self.group, f"{where} attention output")
             return out
-        return self._attention(q, k, v, causal=causal, scale=scale)
+        return self._attention(q, k, v, causal=causal, scale=scale, masked=masked)
 
-    def _attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None) -> Tensor:
+    def _attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
+    ) -> Tensor:
         from seqpar.attention import attention
 
         check = self.check_inputs and not batch_verified()
@@ -114,6 +125,11 @@ class SwapOptions:
         # suspend the dispatcher so that call is the plain kernel, not a recursion.
         with suspended():
             if self.pattern.type == "dilated":
+                if masked:
+                    raise ValueError(
+                        f"seqpar: the dilated pattern does not take {sorted(masked)} (packed documents, "
+                        "sliding windows, sinks); use the dense pattern for such models"
+                    )
                 from seqpar.attention.dilated import dilated_attention
 
                 return dilated_attention(
@@ -125,5 +141,5 @@ class SwapOptions:
             return attention(
                 q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
-                head_chunks=self.head_chunks,
+                head_chunks=self.head_chunks, **masked,
             )

@@ -1,0 +1,100 @@
+"""Sliding-window (and sink) layers through the Hugging Face swap, exactly (issue 10).
+
+Each case builds a tiny random model on every rank, keeps an unswapped float64 copy (transformers'
+own sdpa or eager path with its sliding-window mask) as the single-process reference on the full
+sequence, swaps the other, and feeds it this rank's shard (seqpar.data.shard_batch). The loss and
+the gradients summed over the SP ranks must equal the reference's (fp32 vs float64, 1e-4). The
+sequence is longer than the window, so a layer that ignored its window would fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.config import SeqParConfig
+from seqpar.data import shard_batch
+from seqpar.swap import SwapError, swap_attention
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+RTOL, ATOL = 1e-4, 1e-5
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+
+
+def build(kind: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    if kind == "mistral":  # one window for every layer
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=48, attn_implementation="sdpa")
+        model = transformers.MistralForCausalLM(cfg)
+    elif kind == "gemma2":  # alternating sliding / full layers; eager-only in transformers 5.23
+        cfg = transformers.Gemma2Config(**COMMON, sliding_window=16, attn_logit_softcapping=None,
+                                        final_logit_softcapping=None, attn_implementation="eager")
+        model = transformers.Gemma2ForCausalLM(cfg)
+    elif kind == "qwen2":  # use_sliding_window with max_window_layers: layer 1 slides
+        cfg = transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=12,
+                                       max_window_layers=1, attn_implementation="sdpa")
+        model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "gpt_oss":  # sliding + full layers, learned sinks
+        cfg = transformers.GptOssConfig(**COMMON, sliding_window=16, num_local_experts=2,
+                                        num_experts_per_tok=1, attn_implementation="eager",
+                                        experts_implementation="eager")  # grouped_mm has no float64
+        model = transformers.GptOssForCausalLM(cfg)
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "sinks"):
+                    m.sinks.normal_()  # fresh sinks, not the zero init
+    else:
+        raise ValueError(kind)
+    return model.to(dtype)
+
+
+def _window_parity(rank: int, world: int, kind: str, sharding: str, seq_len: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
+    ref = build(kind, torch.float64)
+    ref_out = ref(input_ids=ids, labels=ids, use_cache=False)
+    ref_out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = build(kind, torch.float32)
+    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding))
+    local = shard_batch({"input_ids": ids, "labels": ids}, sharding=sharding)
+    out = model(**local)
+    out.loss.backward()
+    assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss)
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert name not in ref_grads, f"{name} got no gradient"
+            continue
+        grad = p.grad.detach().clone().double()
+        if world > 1:
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{kind} grad of {name}: {m}")
+
+
+CASES = [
+    ("mistral", 2, "zigzag", 256),  # window 48 at S=256, the issue's case
+    ("gemma2", 2, "contiguous", 64),
+    ("gemma2", 1, "contiguous", 64),
+    ("qwen2", 2, "zigzag", 48),
+]
+if hasattr(transformers, "GptOssForCausalLM"):
+    CASES.append(("gpt_oss", 2, "zigzag", 48))
+
+
+@pytest.mark.parametrize("kind,world,sharding,seq_len", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_sliding_window_layers_equal_the_unswapped_model(dist_pool, kind, world, sharding, seq_len):
+    dist_pool.run(world, _window_parity, kind, sharding, seq_len)
+
+
+def test_softcap_still_refused_with_the_fix():
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(**COMMON, sliding_window=16, attn_logit_softcapping=50.0,
+                                    attn_implementation="eager")
+    with pytest.raises(SwapError, match=r"soft-capping \(50.0\).*attn_logit_softcapping=None"):
+        swap_attention(transformers.Gemma2ForCausalLM(cfg))
