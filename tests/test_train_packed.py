@@ -53,12 +53,15 @@ def test_packed_rows_are_flattened_documents():
         train.TrainSettings(packed=True, micro_batch_size=2)
 
 
-def test_packed_sp2_losses_equal_sp1(dist_pool):
+def test_packed_sp2_and_sp4_losses_equal_sp1(dist_pool):
     ref = dist_pool.run(1, _run_main, [*ARGV, "--sp-size", "1"], timeout=240)[0]
     got = dist_pool.run(2, _run_main, [*ARGV, "--sp-size", "2", "--sharding", "zigzag"], timeout=240)
     assert got[0] == got[1], "every rank must report the same global loss"
     for i, (a, b) in enumerate(zip(got[0], ref, strict=True)):
         assert abs(a - b) <= RTOL * abs(b), f"step {i}: SP=2 {a} vs SP=1 {b}"
+    got4 = dist_pool.run(4, _run_main, [*ARGV, "--sp-size", "4", "--sharding", "contiguous"], timeout=240)
+    for i, (a, b) in enumerate(zip(got4[0], ref, strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {i}: SP=4 {a} vs SP=1 {b}"
     unpacked = dist_pool.run(1, _run_main, [a for a in ARGV if a != "--packed"] + ["--sp-size", "1",
                                                                                   "--steps", "1"],
                              timeout=240)[0]
