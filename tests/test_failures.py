@@ -9,7 +9,6 @@ skip both and continue from the last complete checkpoint with the losses of an u
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_module import train_module
 
 from seqpar import checkpoint
 
@@ -27,13 +27,7 @@ SHORT = ["--seq-len", "128", "--no-progress", "--log-level", "WARNING"]
 
 
 def _train_module() -> Any:
-    name = "seqpar_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return train_module()
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:

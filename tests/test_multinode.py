@@ -41,16 +41,9 @@ def test_ulysses_across_nodes_is_explained():
 
 # ---------------------------------------------------------------------------- two local "nodes"
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:
-    import importlib.util
-    import sys
+    from launch_module import train_module
 
-    name = "seqpar_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name].main(argv)["loss"]
+    return train_module().main(argv)["loss"]
 
 
 def test_two_nodes_sp2_dp2_match_one_four_rank_run(dist_pool, tmp_path):

@@ -8,7 +8,6 @@ of an SP run equal the SP=1 run of the same engine on the same global batches wi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from launch_module import train_module
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -27,13 +27,7 @@ SHORT = ["--seq-len", "256", "--steps", "5", "--no-progress", "--log-level", "WA
 
 
 def _train_module() -> Any:
-    name = "seqpar_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return train_module()
 
 
 def _config(name: str) -> str:

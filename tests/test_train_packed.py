@@ -9,13 +9,12 @@ DataCollatorWithFlattening would make of those documents.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from launch_module import train_module
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -25,13 +24,7 @@ ARGV = ["--config", str(ROOT / "configs" / "fsdp_ring.json"), "--packed", "--seq
 
 
 def _train() -> Any:
-    name = "seqpar_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return train_module()
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:

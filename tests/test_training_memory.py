@@ -5,13 +5,12 @@ Plus the estimator's own rules and the model-level CLI."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from launch_module import train_module
 
 import seqpar
 from seqpar.training_memory import CATEGORIES, estimate_training_memory, longest_sequence
@@ -35,13 +34,7 @@ SETTINGS = [
 
 
 def _train_module() -> Any:
-    name = "seqpar_launch_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / "train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return train_module()
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
