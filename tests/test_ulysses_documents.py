@@ -14,8 +14,7 @@ import itertools
 
 import pytest
 import torch
-from test_attention import unshard_rows
-from test_documents import check, make_case, reference, visible
+from test_documents import check, check_low_precision, make_case
 from test_documents import run_cases as _run_cases
 
 import seqpar
@@ -58,17 +57,6 @@ def test_hybrid_documents_windows_sinks_exact(dist_pool) -> None:
     check(dist_pool.run(4, run_cases, cases, 2, timeout=300), cases, 4)
 
 
-def masked_sdpa(case: dict, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Single-process SDPA in ``dtype`` with the dense boolean mask: the rounding plain PyTorch gives."""
-    q, k, v = (case[n].to(dtype).clone().requires_grad_() for n in "qkv")
-    group = q.shape[1] // k.shape[1]
-    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    mask = visible(q.shape[2], case["causal"], case["window"], case["cu"])
-    out = torch.nn.functional.scaled_dot_product_attention(q, ke, ve, attn_mask=mask, scale=case["scale"])
-    out.backward(case["dout"].to(dtype))
-    return [out.detach(), q.grad, k.grad, v.grad]
-
-
 def run_cases_in(rank: int, world: int, cases: list[dict], dtype: torch.dtype,
                  ulysses_size: int | None = None) -> list[list[torch.Tensor]]:
     """:func:`run_cases` in ``dtype`` (the inputs rounded from the float64 case)."""
@@ -85,18 +73,7 @@ def test_bf16_documents_no_worse_than_sdpa(dist_pool, mode: str, u: int | None) 
     cases = [make_case(3950 + i, world, (4, 2, 16), mode=mode, sharding=sharding, causal=causal, window=13,
                        docs=i % 2, sinks=False)
              for i, (sharding, causal) in enumerate(itertools.product(shardings, (False, True)))]
-    per_rank = dist_pool.run(world, run_cases_in, cases, dtype, u, timeout=300)
-    for idx, case in enumerate(cases):
-        if case["sharding"] == "balanced":  # gathered by the workers
-            got = list(per_rank[0][idx][:4])
-        else:
-            got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, case["sharding"])
-                   for j in range(4)]
-        for name, g, w, base in zip(("out", "dq", "dk", "dv"), got, reference(case), masked_sdpa(case, dtype)):
-            assert g.dtype == dtype
-            err = ((g.double() - w).norm() / w.norm()).item()
-            base_err = ((base.double() - w).norm() / w.norm()).item()
-            assert err <= 2 * base_err, f"{name} {mode} {case['sharding']} causal={case['causal']}: {err:.2e} vs {base_err:.2e}"
+    check_low_precision(dist_pool.run(world, run_cases_in, cases, dtype, u, timeout=300), cases, world, dtype)
 
 
 def _hybrid_ring_bytes(rank: int, world: int, cu: list[int]) -> int:

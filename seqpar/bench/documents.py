@@ -31,7 +31,7 @@ from seqpar.attention.ring import ring_attention_backward, ring_attention_forwar
 from seqpar.comm.ring import ThreadRing
 from seqpar.sharding import shard_index
 
-__all__ = ["main", "time_documents", "balance", "ring_bytes"]
+__all__ = ["main", "time_documents", "balance", "ring_bytes", "ring_bytes_theory"]
 
 
 def _equal_docs(seq: int, n: int) -> list[int]:
@@ -123,11 +123,11 @@ def ring_bytes(world: int, seq_local: int, heads: int, dim: int) -> list[dict]:
         sent = ThreadRing(world, timeout=120).run(body)
         hops = block_hops(opts, world, seq_local)
         rows.append({"case": name, "hops per block": list(hops), "bytes per rank": sent,
-                     "theory": _theory(hops, world, block), "dense ring": 3 * (world - 1) * block})
+                     "theory": ring_bytes_theory(hops, world, block), "dense ring": 3 * (world - 1) * block})
     return rows
 
 
-def _theory(hops: Sequence[int], world: int, block: int) -> list[int]:
+def ring_bytes_theory(hops: Sequence[int], world: int, block: int) -> list[int]:
     """Bytes per rank from the hop plan: rank r passes block r - s on at step s while s + 1 <= that
     block's hops (forward, and again in the backward) and sends its accumulator once (on, or home
     after the last hop) for every s in 1..hops; K/V and accumulators are both fp32 here."""
