@@ -3,8 +3,8 @@
 Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2, and DP2 x SP2) equal
 single-device training on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
 samples, and each batch reached the model cut along the sequence. Packed rows from
-``transformers.DataCollatorWithFlattening`` as the loader's ``collate_fn``: SP=2 equals SP=1, and both
-equal training on each document alone.
+``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` as the loader's
+``collate_fn``: SP=2 equals SP=1, and both equal training on each document alone.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ def _accelerate_run(rank: int, world: int, sp: int, micro: int, packed: bool = F
     with hf_tiny.launcher_env(rank, world):
         accelerator = Accelerator()
         model = hf_tiny.tiny_llama()
-        if packed:  # micro documents flattened into one row per step
+        if packed:  # micro documents flattened into one row per step, boundaries as cu_seq_lens_q/k
             loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.documents()), batch_size=micro,
-                                                 collate_fn=DataCollatorWithFlattening())
+                                                 collate_fn=DataCollatorWithFlattening(return_flash_attn_kwargs=True))
         else:
             loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=micro)
         model, opt, loader = prepare(
