@@ -69,7 +69,8 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: b
 
         original = deepspeed.initialize
         if packed:  # DOCS_PER_ROW documents flattened into one row per step
-            args = training_args(f"{tmp}/r{rank}", sp, stage, batch=hf_tiny.DOCS_PER_ROW)
+            args = training_args(f"{tmp}/r{rank}", sp, stage, batch=hf_tiny.DOCS_PER_ROW,
+                                 include_num_input_tokens_seen="all")
             data, collator = hf_tiny.documents(), DataCollatorWithFlattening()
             eval_data = data[:PACKED_EVAL_ROWS * hf_tiny.DOCS_PER_ROW]
         else:
@@ -84,7 +85,8 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: b
         engine = trainer.model_wrapped
         assert deepspeed.initialize is original, "the route to seqpar's initialize must not outlive prepare"
         return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
-                "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
+                "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size),
+                "tokens": trainer.state.num_input_tokens_seen, "flos": trainer.state.total_flos}
 
 
 def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
@@ -113,6 +115,9 @@ def test_trainer_packed_documents_sp2_equals_sp1_and_each_document_alone(dist_po
         hf_tiny.assert_losses_close(r["losses"], sp1["losses"])
         assert [shape for shape, _ in r["seen"]] == rows  # one packed row per step, cut inside
         assert [count for _, count in r["seen"]] == [float(n) for n in hf_tiny.targets_per_row()]
+        # Logged counts summed over all processes count each SP group's rows once, too.
+        assert r["tokens"] == sum(hf_tiny.DOC_LENGTHS)
+        assert r["flos"] == pytest.approx(sp1["flos"], rel=1e-12) and r["flos"] > 0
     assert sp2[0]["groups"] == (2, 2) and sp2[0]["world"] == 2
     assert torch.tensor(sp2[0]["losses"]).equal(torch.tensor(sp2[1]["losses"]))
 
