@@ -11,7 +11,7 @@ Example block::
         "size": 2,                  # SP degree: ranks that share one sequence
         "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
-        "sharding": "zigzag",       # "contiguous" | "zigzag"
+        "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
@@ -45,7 +45,9 @@ __all__ = [
 ]
 
 MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
-SHARDINGS = ("contiguous", "zigzag")
+# balanced: chunks dealt per batch from the packed documents' boundaries (seqpar.sharding), so
+# causal work stays even where zigzag's balance breaks
+SHARDINGS = ("contiguous", "zigzag", "balanced")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
 SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
@@ -230,6 +232,11 @@ class SeqParConfig:
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
+        if (self.sharding == "balanced" and self.mode == "hybrid" and self.ulysses_size != "auto"
+                and 1 < self.ulysses_size < self.size):
+            _fail("sharding", self.sharding,
+                  f"the hybrid's super-ranks (ulysses_size {self.ulysses_size} of size {self.size}) hold no "
+                  "balanced layout: use \"zigzag\", or mode \"ring\" / \"ulysses\" with \"balanced\"")
         for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
