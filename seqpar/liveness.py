@@ -61,6 +61,7 @@ logger = logging.getLogger("seqpar")
 
 PREFIX = "seqpar/liveness/"
 _DONE = "done"
+_FAILED = "failed"  # "R1 R2 ...": the ranks that recorded an exception
 _MAX_MESSAGE = 400
 # What the backends say when a peer is gone or late: gloo ("Connection closed by peer", "Timed out
 # waiting 5000ms for recv operation"), NCCL ("Watchdog caught collective operation timeout", "NCCL
@@ -173,11 +174,12 @@ def _connect(host: str, port: int, timeout_s: float) -> dist.Store:
 
 
 def _read(store: dist.Store, keys: dict[int, str]) -> dict[int, str | None]:
-    """rank -> value of each key, None when unset (``check`` first: ``get`` of a missing key waits)."""
-    out: dict[int, str | None] = {}
-    for rank, key in keys.items():
-        out[rank] = store.get(key).decode() if store.check([key]) else None
-    return out
+    """rank -> value of each key, None when unset. One round trip when every key is set (the usual
+    case for heartbeats); else ``check`` each first, since ``get`` of a missing key waits."""
+    names = list(keys.values())
+    if names and store.check(names):
+        return {rank: value.decode() for rank, value in zip(keys, store.multi_get(names))}
+    return {rank: store.get(key).decode() if store.check([key]) else None for rank, key in keys.items()}
 
 
 # ---------------------------------------------------------------------------- the heartbeat
@@ -266,6 +268,7 @@ class Heartbeat:
         message = " ".join(str(exc).split())[:_MAX_MESSAGE]
         try:
             self.store.set(self.error_key(self.rank), f"rank {self.rank}: {type(exc).__name__}: {message}")
+            self.store.append(_FAILED, f"{self.rank} ")  # the index: readers need not scan every rank
         except Exception:  # noqa: BLE001 - the store may be gone; the traceback still prints
             pass
 
@@ -277,7 +280,8 @@ class Heartbeat:
         before = _read(self.store, keys)
         time.sleep(window_s)
         after = _read(self.store, keys)
-        errors = {r: v for r, v in _read(self.store, {r: self.error_key(r) for r in keys}).items() if v}
+        failed = self.store.get(_FAILED).decode().split() if self.store.check([_FAILED]) else []
+        errors = {r: v for r, v in _read(self.store, {int(r): self.error_key(int(r)) for r in set(failed)}).items() if v}
         return Observation(before=before, after=after, now=time.time(), window_s=window_s, errors=errors)
 
     def diagnose(self, exc: BaseException | None = None) -> str:
