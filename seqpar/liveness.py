@@ -288,7 +288,7 @@ class Heartbeat:
         """``"seqpar: rank R: a collective failed (...): <who was lost>"``, in bounded time."""
         what = "a collective failed"
         if exc is not None and _TIMEOUT_RE.search(str(exc)):
-            limit = f"timeout_s={self.timeout_s:g}" if self.timeout_s else "torch's default timeout"
+            limit = f"timeout_s={self.timeout_s:g}" if self.timeout_s else "process group's timeout"
             what = f"a collective timed out (the {limit} elapsed)"
         elif exc is not None:
             what = "a collective failed (a peer's connection closed or failed)"
