@@ -409,6 +409,18 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     (_PREVIOUS_HOOK or sys.__excepthook__)(exc_type, exc, tb)
 
 
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker) has no heartbeat thread and must not write on the parent's
+    # store connection: it starts with no heartbeat, no client and the hook it inherited passing through.
+    global _ACTIVE, _LOCK
+    _ACTIVE = None
+    _CLIENTS.clear()
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 @atexit.register
 def _stop_at_exit() -> None:
     # A daemon thread inside a store call at interpreter shutdown can abort the process: stop it first.

@@ -138,3 +138,21 @@ def test_start_release_hook_and_reraise(server, monkeypatch):
     assert liveness.active() is None and sys.excepthook is hook and threading.active_count() == threads
     assert hb.store.get("hb/0").decode() == "done"
     assert liveness.start(0, 1, 1) is None  # a world of one has no peer to lose
+
+
+def test_a_forked_child_forgets_the_heartbeat(server, monkeypatch):
+    import os
+
+    _, port = server
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hb = liveness.start(rank=0, world_size=2, timeout_s=1)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: no heartbeat of its own, nothing written on the parent's connection
+            os._exit(0 if liveness.active() is None else 1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert liveness.active() is hb and hb.running
+        hb.beat()  # the parent's connection still works
+    finally:
+        hb.release()
