@@ -888,6 +888,8 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
             tps = global_batch * t.seq_len * len(timed) / sum(timed)
             bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{tps:.0f}")
             bar.update(1)
+        elif rank0:  # --no-progress: a log line per step instead (repr: the exact value, for comparisons)
+            logger.info("step %d/%d: loss %r", step + 1, t.steps, step_loss)
         done = step + 1
         if on_step is not None:
             on_step(done)

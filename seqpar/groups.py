@@ -131,6 +131,8 @@ class ProcessGroupManager:
 
         self._created: list[dist.ProcessGroup] = []  # what destroy() tears down
         self.owns_world = False  # set by init_process_groups when it created the world group
+        # this rank's heartbeat (seqpar.liveness), started by init_process_groups, released by destroy()
+        self.liveness: Any = None
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
             kw["timeout"] = timeout
@@ -179,12 +181,19 @@ class ProcessGroupManager:
 
         A barrier first: gloo can abort a peer still inside a collective of a group destroyed under it.
         The world group is destroyed too when :func:`init_process_groups` created it
-        (``owns_world``); a world group the user created is theirs to destroy. Idempotent.
+        (``owns_world``); a world group the user created is theirs to destroy. The rank's heartbeat
+        (:mod:`seqpar.liveness`) stops here too, marking the rank as gone cleanly. Idempotent.
         """
         if not self._created or not dist.is_initialized():
             self._created = []
+            if self.liveness is not None:
+                self.liveness.release()
+                self.liveness = None
             return
         dist.barrier()
+        if self.liveness is not None:  # after the barrier: a peer lost there is still diagnosed
+            self.liveness.release()
+            self.liveness = None
         for group in self._created:
             dist.destroy_process_group(group)
         self._created = []
@@ -500,6 +509,10 @@ def init_process_groups(
             logger.warning("seqpar: group layout: %s", problem)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
     manager.owns_world = owns_world
+    from seqpar import liveness
+
+    # names the lost rank when a collective fails (a heartbeat in the rendezvous store; no collectives)
+    manager.liveness = liveness.start(dist.get_rank(), dist.get_world_size(), timeout.total_seconds() if timeout else None)
     if config is not None and getattr(config, "links", None):
         from seqpar.costmodel import Links
 

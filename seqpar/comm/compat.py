@@ -14,6 +14,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.liveness import reraise
+
 __all__ = ["all_gather_into", "reduce_scatter_into", "intercepted"]
 
 _ALL_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -25,12 +27,18 @@ _reduce_scatter = getattr(dist, _REDUCE_SCATTER_NAME)
 
 def all_gather_into(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):  # noqa: ANN201
     """``out`` ``(world * n, ...)`` <- every rank's ``inp`` ``(n, ...)``, in rank order."""
-    return _all_gather(out, inp.contiguous(), group=group, async_op=async_op)
+    try:
+        return _all_gather(out, inp.contiguous(), group=group, async_op=async_op)
+    except RuntimeError as error:  # a peer lost or late: name it (seqpar.liveness)
+        reraise(error)
 
 
 def reduce_scatter_into(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False):  # noqa: ANN201
     """``out`` ``(n, ...)`` <- the sum over ranks of block ``rank`` of ``inp`` ``(world * n, ...)``."""
-    return _reduce_scatter(out, inp.contiguous(), group=group, async_op=async_op)
+    try:
+        return _reduce_scatter(out, inp.contiguous(), group=group, async_op=async_op)
+    except RuntimeError as error:
+        reraise(error)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.liveness import reraise
+
 __all__ = ["Pending", "RingExchange", "RingComm", "ThreadRing", "ThreadRingComm"]
 
 _MAX_TENSORS_PER_EXCHANGE = 16
@@ -39,7 +41,10 @@ class Pending:
 
     def wait(self) -> list[Tensor]:
         if self._finish is not None:
-            self._finish()
+            try:
+                self._finish()
+            except RuntimeError as error:  # a peer lost or late: name it (seqpar.liveness)
+                reraise(error)
             self._finish = None
         return self._received
 
