@@ -160,23 +160,23 @@ class UlyssesPlan:
 
 
 # ------------------------------------------------------------------------------ layout changes
-def _slot_index(plan: UlyssesPlan, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(rank, chunk) of the m-th smallest chunk, for advanced indexing of ``(.., u, chunks_per_rank, ..)``."""
+def _sorted_runs(plan: UlyssesPlan) -> list[tuple[int, int, int]]:
+    """``(m, rank, chunk)`` for every m: the m-th smallest chunk is chunk ``chunk`` of rank-order slot ``rank``."""
     c = plan.chunks_per_rank
-    order = torch.tensor(plan.order, device=device)
-    return order // c, order % c
+    return [(m, slot // c, slot % c) for m, slot in enumerate(plan.order)]  # type: ignore[arg-type]
 
 
 def seq_to_heads(x: Tensor, plan: UlyssesPlan) -> Tensor:
     """Received slots ``(u, B, h, L, D)`` (slot i = rank i's tokens) -> ``(B, h, u * L, D)`` in ascending
-    global order (one copy)."""
+    global order (one copy: a permute, or one slice copy per chunk for a reordered sharding)."""
     u, b, h, n, d = x.shape
     if plan.order is None:
         return x.permute(1, 2, 0, 3, 4).reshape(b, h, u * n, d)
-    c = plan.chunks_per_rank
-    ranks, chunks = _slot_index(plan, x.device)
-    x = x.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
-    return x[:, :, ranks, chunks].reshape(b, h, u * n, d)  # (B, h, u * c, chunk_len, D) gathered
+    clen = n // plan.chunks_per_rank
+    out = x.new_empty((b, h, u * n, d))
+    for m, r, c in _sorted_runs(plan):  # plain strided copies: cheaper than an index gather
+        out.narrow(2, m * clen, clen).copy_(x[r].narrow(2, c * clen, clen))
+    return out
 
 
 def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
@@ -186,10 +186,9 @@ def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
     if plan.order is None:
         out.copy_(x.reshape(b, h, u, n, d).permute(2, 0, 1, 3, 4))
         return
-    c = plan.chunks_per_rank
-    ranks, chunks = _slot_index(plan, x.device)
-    target = out.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
-    target[:, :, ranks, chunks] = x.reshape(b, h, u * c, n // c, d)
+    clen = n // plan.chunks_per_rank
+    for m, r, c in _sorted_runs(plan):
+        out[r].narrow(2, c * clen, clen).copy_(x.narrow(2, m * clen, clen))
 
 
 def start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
@@ -311,15 +310,22 @@ def start_dout(dout: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessG
 
 def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
     """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, qc + 2 kc, L, D)`` (slot j: the gradients
-    of this rank's tokens for rank j's heads) and write them into the sequence-layout gradients; a
-    replicated K/V head's replicas are summed (``index_add_`` in dk's dtype, fp32 then)."""
+    of this rank's tokens for rank j's heads) and write them into the sequence-layout gradients. Each
+    K/V head comes from one rank, and is copied, unless it is replicated: then its replicas are summed
+    (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
     (recv,) = pending.wait()
     u, hc = plan.split.u, plan.head_chunks
     qc = plan.split.q_per_rank // hc
     kc = (recv.shape[2] - qc) // 2
-    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
     for j in range(u):
         dq[:, plan.q_slice(j, chunk)] = recv[j, :, :qc]
+    if not plan.split.replicated:
+        for j in range(u):
+            heads = plan.split.kv_index(j, chunk, hc)
+            dk.narrow(1, heads[0], kc).copy_(recv[j, :, qc:qc + kc])
+            dv.narrow(1, heads[0], kc).copy_(recv[j, :, qc + kc:])
+        return
+    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
     # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
     b = dk.shape[0]
     dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
@@ -335,10 +341,14 @@ def ulysses_backward(
     all-to-all of dout to the head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
     hc = plan.head_chunks
     dq = torch.empty_like(dout)
-    # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32
-    acc = lse_dtype(dout.dtype) if plan.split.replicated else dout.dtype
-    dk = torch.zeros(k_shape, dtype=acc, device=dout.device)
-    dv = torch.zeros(k_shape, dtype=acc, device=dout.device)
+    # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32 from zeros;
+    # otherwise every head is copied in once (place_grads)
+    if plan.split.replicated:
+        dk = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+        dv = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+    else:
+        dk = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
     dsinks = None if sinks is None else torch.zeros_like(sinks)
     dout = dout.contiguous()
 
