@@ -70,7 +70,7 @@ def test_attention_profile_ulysses_and_hybrid(tmp_path: Path) -> None:
     rows = {r["method"]: r for r in payload["results"]}
     expected = {"seqpar_ulysses": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd"},
                 "hybrid": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd",
-                           "ring_wait", "ring_other", "merge"}}
+                           "ring_start", "ring_wait", "ring_other", "merge"}}
     for method, phases in expected.items():
         assert len(rows[method]["profile_per_rank"]) == 4
         for prof in rows[method]["profile_per_rank"]:

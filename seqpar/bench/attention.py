@@ -16,8 +16,8 @@ and their gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUD
 :func:`seqpar.memory.estimate_memory`'s prediction beside it.
 
 ``--profile`` splits each method's step into phases by wrapping the functions the algorithms call
-(block kernels, LSE merges, communication waits, collectives, the cross-rank input check, the ring's
-own bookkeeping, the all-to-alls' packing and unpacking copies), in wall and thread-CPU seconds, each
+(block kernels, LSE merges, communication launches and waits, collectives, the cross-rank input check,
+the ring's own bookkeeping, the all-to-alls' packing and unpacking copies), in wall and thread-CPU seconds, each
 phase exclusive of the phases it calls; what is left (``other``) is Python, autograd and allocation.
 
 On a single GPU, :func:`simulate_rank` plays one rank of a P-rank ring: a loopback communicator hands
@@ -50,7 +50,7 @@ from seqpar.bench.runner import (
     time_step,
 )
 from seqpar.comm.loopback import LoopbackComm
-from seqpar.comm.ring import Pending
+from seqpar.comm.ring import Pending, RingComm
 
 __all__ = [
     "BenchShape",
@@ -329,6 +329,9 @@ def phase_patches(timer: PhaseTimer) -> Iterator[PhaseTimer]:
                 setattr(mod, attr, timer.wrap(phase, getattr(mod, attr)))
         saved.append((Pending, "wait", Pending.wait))
         Pending.wait = timer.wrap(_wait_phase, Pending.wait)  # type: ignore[method-assign]
+        # launching a ring exchange (gloo/NCCL P2P ops, receive buffers) is a cost per message
+        saved.append((RingComm, "exchange", RingComm.exchange))
+        RingComm.exchange = timer.wrap("ring_start", RingComm.exchange)  # type: ignore[method-assign]
         yield timer
     finally:
         for obj, attr, orig in reversed(saved):
