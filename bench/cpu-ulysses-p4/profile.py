@@ -1,6 +1,6 @@
 """Phase profile of ring, seqpar Ulysses and the 2 x 2 hybrid at P = 4 (S, 8 heads, head_dim 64, fp32).
 
-    python bench/cpu-ulysses-p4/profile.py S ROUNDS CAUSAL(yes|no|both) METHODS OUT.json
+    python bench/cpu-ulysses-p4/profile.py S ROUNDS CAUSAL(yes|no|both) METHODS OUT.json [HEAD_CHUNKS]
 
 Per round and method (interleaved, so load changes hit every method alike): one warm-up step, one
 timed step, one profiled step (``seqpar.bench.attention._profile_step`` via ``run_case``), every rank.
@@ -33,7 +33,8 @@ def main() -> None:
     seq_len, n_rounds = int(sys.argv[1]), int(sys.argv[2])
     causals = {"yes": [True], "no": [False], "both": [False, True]}[sys.argv[3]]
     methods = sys.argv[4].split(",")
-    shape = BenchShape(batch=1, q_heads=8, kv_heads=8, head_dim=64)
+    head_chunks = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6] != "auto" else "auto"
+    shape = BenchShape(batch=1, q_heads=8, kv_heads=8, head_dim=64, head_chunks=head_chunks)
     settings = Settings(warmup=1, repeats=1, seed=0, memory=False, profile=True)
     raw: dict[str, list] = {}
     with RankPool(4, device="cpu") as pool:
@@ -46,7 +47,7 @@ def main() -> None:
                     print(rnd, key, "step cpu", max(r["timing"]["cpu_s"][0] for r in per),
                           {p: round(statistics.mean(r["profile"]["phases_cpu_s"].get(p, 0) for r in per), 3)
                            for p in per[0]["profile"]["phases_cpu_s"]}, flush=True)
-            out = {"S": seq_len, "P": 4, "rounds_done": rnd + 1, "summary": {k: summarize(v) for k, v in raw.items()},
+            out = {"S": seq_len, "P": 4, "head_chunks": head_chunks, "rounds_done": rnd + 1, "summary": {k: summarize(v) for k, v in raw.items()},
                    "raw": {k: [[{"timing": r["timing"], "profile": r["profile"]} for r in per] for per in v]
                            for k, v in raw.items()}}
             with open(sys.argv[5], "w") as f:
