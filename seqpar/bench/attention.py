@@ -411,12 +411,12 @@ def summarize_case(
     if "peak_bytes" in per_rank[0]:
         row["peak_bytes_per_rank"] = [r["peak_bytes"] for r in per_rank]
         row["peak_bytes"] = max(row["peak_bytes_per_rank"])
-        if method in ("sdpa", "ring", "allgather"):
-            est_mode = "single" if method == "sdpa" else method
+        if method != "dilated":
+            est_mode = {"sdpa": "single", "seqpar_ulysses": "ulysses"}.get(method, method)
             row["estimate_bytes"] = estimate_memory(
                 seq_len, world_size=world, mode=est_mode, batch=shape.batch, q_heads=shape.q_heads,
                 kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
-                head_chunks=shape.head_chunks,
+                head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None,
             )
             row["estimate_error"] = row["estimate_bytes"] / row["peak_bytes"] - 1.0
     if "profile" in per_rank[0]:

@@ -1,6 +1,6 @@
 """Phase profile of ring, seqpar Ulysses and the 2 x 2 hybrid at P = 4 (S, 8 heads, head_dim 64, fp32).
 
-    python bench/cpu-ulysses-p4/profile.py S ROUNDS CAUSAL(yes|no|both) METHODS OUT.json [HEAD_CHUNKS]
+    python bench/cpu-ulysses-p4/phase_profile.py S ROUNDS CAUSAL(yes|no|both) METHODS OUT.json [HEAD_CHUNKS]
 
 Per round and method (interleaved, so load changes hit every method alike): one warm-up step, one
 timed step, one profiled step (``seqpar.bench.attention._profile_step`` via ``run_case``), every rank.
