@@ -61,6 +61,27 @@ def test_attention_suite(tmp_path: Path) -> None:
         assert sim["bytes_sent"] == 3 * 3 * block
 
 
+def test_attention_profile_ulysses_and_hybrid(tmp_path: Path) -> None:
+    # --profile splits Ulysses and the 2 x 2 hybrid into their phases (exclusive, CPU seconds); GQA with
+    # 2 K/V heads over 4 Ulysses ranks (replicated) and causal zigzag for the hybrid's ring
+    payload, stdout = _bench(tmp_path, "attention", "--worlds", "4", "--seq-lens", "128", "--causal", "yes",
+                             "--methods", "seqpar_ulysses,hybrid", "--q-heads", "4", "--kv-heads", "2",
+                             "--profile", "--no-memory")
+    rows = {r["method"]: r for r in payload["results"]}
+    expected = {"seqpar_ulysses": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd"},
+                "hybrid": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd",
+                           "ring_start", "ring_wait", "ring_other", "merge"}}
+    for method, phases in expected.items():
+        assert len(rows[method]["profile_per_rank"]) == 4
+        for prof in rows[method]["profile_per_rank"]:
+            assert phases <= {p for p, n in prof["calls"].items() if n > 0}, (method, prof["calls"])
+            assert set(prof["phases_cpu_s"]) == set(prof["phases_s"]) == set(prof["calls"]) | {"other"}
+            assert all(t >= -1e-3 for t in prof["phases_cpu_s"].values()), prof
+            # exclusive phases: they add up to the step's CPU time, nothing counted twice
+            assert sum(prof["phases_cpu_s"].values()) == pytest.approx(prof["cpu_s"], abs=2e-3), prof
+    assert "hybrid P=4 causal S=128" in stdout and "a2a_pack" in stdout
+
+
 def test_peers_suite_lists_every_peer(tmp_path: Path) -> None:
     payload, stdout = _bench(tmp_path, "peers", "--seq-lens", "128")
     by_method: dict[str, list[dict[str, Any]]] = {}

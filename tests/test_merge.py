@@ -38,6 +38,36 @@ def test_pieces_over_some_rows_merge_to_the_softmax_over_their_union() -> None:
         torch.testing.assert_close(lse[:, :, i:i + 1].double(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+def test_a_first_piece_over_every_row_becomes_the_accumulator() -> None:
+    """A ring's own block covers every row: Partials.like adopts its (fresh) tensors instead of copying
+    them, and later pieces merge into them; a piece in another dtype is copied (converted) instead.
+    Both give the softmax over the union (fp64 reference)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 10, 8, generator=g, dtype=torch.float64)
+    ks = [torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2)]
+    vs = [torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64) for _ in range(2)]
+    rows = [slice(0, 10), slice(3, 10)]
+    want_all = _partial(q, torch.cat(ks, 2), torch.cat(vs, 2))
+    want_top = _partial(q[:, :, :3], ks[0], vs[0])
+    for piece_dtype in (torch.float32, torch.float64):
+        acc = Partials.like(q.float(), torch.float32)
+        first = None
+        for r, k, v in zip(rows, ks, vs):
+            o, lse = _partial(q[:, :, r], k, v)
+            o, lse = o.to(piece_dtype), lse.to(piece_dtype)
+            first = first if first is not None else o
+            acc.add(r, o, lse)
+        out, lse = acc.finish()
+        assert out.dtype == torch.float32 and (out is first) == (piece_dtype == torch.float32)
+        torch.testing.assert_close(out[:, :, 3:].double(), want_all[0][:, :, 3:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse[:, :, 3:].double(), want_all[1][:, :, 3:], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out[:, :, :3].double(), want_top[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse[:, :, :3].double(), want_top[1], rtol=1e-6, atol=1e-6)
+    empty = Partials.like(q.float(), torch.float32)  # no piece at all: zeros and -inf
+    out, lse = empty.finish()
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
 def test_merge_edges_give_no_nan() -> None:
     """The empty partial (out 0, lse -inf) takes a block as it is; a block row with lse -inf leaves
     the accumulator as it is; a sink on an empty row gives out 0 and lse = sink."""

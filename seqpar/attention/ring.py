@@ -88,23 +88,55 @@ def ring_forward(
     return out, lse
 
 
+def _widen(x: Tensor, rows: slice, n: int, acc: torch.dtype) -> Tensor:
+    """``x`` ``(B, H, rows, D)`` as a ``(B, H, n, D)`` ``acc`` tensor that is 0 outside ``rows``: ``x``
+    itself when it covers all ``n`` rows already in ``acc`` (no copy), else one copy and a fill of the rest
+    (instead of zeroing all n rows and adding)."""
+    if rows == slice(0, n):
+        return x.to(acc)
+    full = x.new_empty((*x.shape[:2], n, *x.shape[3:]), dtype=acc)
+    full.narrow(2, rows.start, rows.stop - rows.start).copy_(x)
+    full.narrow(2, 0, rows.start).zero_()
+    full.narrow(2, rows.stop, n - rows.stop).zero_()
+    return full
+
+
 def _remote_block_grads(
     dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
     calls: tuple[BlockCall, ...], opts: AttentionOptions, dq_acc: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """dq share into ``dq_acc``; returns this rank's fp32 dK/dV share of a remote block. When one
-    kernel call covers every key row (the usual case) its outputs are used as they are, instead of
-    being added into fresh zero buffers: two block-sized buffers fewer at the backward's peak."""
+    kernel call makes the whole share (the usual case, dense masks) its outputs are used as they are
+    (or widened to the block's rows), instead of being added into fresh zero buffers: two block-sized
+    buffers fewer at the backward's peak, and no zero-fill-and-add pass."""
     acc = dq_acc.dtype
-    if len(calls) == 1 and calls[0].k_rows == slice(0, k_blk.shape[2]):
-        qr = calls[0].q_rows
-        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, calls[0], opts.scale)
-        dq_acc[:, :, qr] += dq
-        return dk.to(acc), dv.to(acc)
+    if len(calls) == 1:
+        call, n = calls[0], k_blk.shape[2]
+        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale)
+        dq_acc[:, :, call.q_rows] += dq
+        return _widen(dk, call.k_rows, n, acc), _widen(dv, call.k_rows, n, acc)
     dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device)
     dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v_blk.device)
     block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk)
     return dk_blk, dv_blk
+
+
+def _own_block_grads(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    calls: tuple[BlockCall, ...], opts: AttentionOptions, acc: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The ``acc`` (fp32) accumulators of dq, dk, dv, started from the own block's shares. The own block
+    is one kernel call over every row for dense masks (the causal diagonal included): its outputs then
+    become the accumulators themselves, instead of zero fills and adds (three block-sized passes)."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    if len(calls) == 1 and calls[0].q_rows == slice(0, n_q) and calls[0].k_rows == slice(0, n_k):
+        dq, dk, dv = piece_backward(dout, q, k, v, out, lse, calls[0], opts.scale)
+        return dq.to(acc), dk.to(acc), dv.to(acc)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
+    block_grads(dout, q, k, v, out, lse, calls, opts.scale, dq_acc, dk_own, dv_own)
+    return dq_acc, dk_own, dv_own
 
 
 def ring_backward(
@@ -123,16 +155,12 @@ def ring_backward(
     dout = dout.contiguous()
     k, v = k.contiguous(), v.contiguous()
 
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-
     kv_pending = _exchange(comm, [k, v], None, _KV, send=hops[rank] >= 1, recv=hops[(rank - 1) % world] >= 1)
     if kv_pending is not None and not opts.overlap:
         kv_pending.wait()
     # own block first: its share waits for the accumulator coming home at the end
     own = block_calls(opts, world, rank, rank, seq_local)
-    block_grads(dout, q, k, v, out, lse, own, opts.scale, dq_acc, dk_own, dv_own)
+    dq_acc, dk_own, dv_own = _own_block_grads(dout, q, k, v, out, lse, own, opts, acc)
 
     buffers: list[list[Tensor] | None] = [None, None]
     chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1

@@ -160,23 +160,23 @@ class UlyssesPlan:
 
 
 # ------------------------------------------------------------------------------ layout changes
-def _slot_index(plan: UlyssesPlan, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(rank, chunk) of the m-th smallest chunk, for advanced indexing of ``(.., u, chunks_per_rank, ..)``."""
+def _sorted_runs(plan: UlyssesPlan) -> list[tuple[int, int, int]]:
+    """``(m, rank, chunk)`` for every m: the m-th smallest chunk is chunk ``chunk`` of rank-order slot ``rank``."""
     c = plan.chunks_per_rank
-    order = torch.tensor(plan.order, device=device)
-    return order // c, order % c
+    return [(m, slot // c, slot % c) for m, slot in enumerate(plan.order)]  # type: ignore[arg-type]
 
 
-def _seq_to_heads(x: Tensor, plan: UlyssesPlan) -> Tensor:
+def seq_to_heads(x: Tensor, plan: UlyssesPlan) -> Tensor:
     """Received slots ``(u, B, h, L, D)`` (slot i = rank i's tokens) -> ``(B, h, u * L, D)`` in ascending
-    global order (one copy)."""
+    global order (one copy: a permute, or one slice copy per chunk for a reordered sharding)."""
     u, b, h, n, d = x.shape
     if plan.order is None:
         return x.permute(1, 2, 0, 3, 4).reshape(b, h, u * n, d)
-    c = plan.chunks_per_rank
-    ranks, chunks = _slot_index(plan, x.device)
-    x = x.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
-    return x[:, :, ranks, chunks].reshape(b, h, u * n, d)  # (B, h, u * c, chunk_len, D) gathered
+    clen = n // plan.chunks_per_rank
+    out = x.new_empty((b, h, u * n, d))
+    for m, r, c in _sorted_runs(plan):  # plain strided copies: cheaper than an index gather
+        out.narrow(2, m * clen, clen).copy_(x[r].narrow(2, c * clen, clen))
+    return out
 
 
 def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
@@ -186,13 +186,12 @@ def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
     if plan.order is None:
         out.copy_(x.reshape(b, h, u, n, d).permute(2, 0, 1, 3, 4))
         return
-    c = plan.chunks_per_rank
-    ranks, chunks = _slot_index(plan, x.device)
-    target = out.view(u, b, h, c, n // c, d).permute(1, 2, 0, 3, 4, 5)  # (B, h, u, c, chunk_len, D), a view
-    target[:, :, ranks, chunks] = x.reshape(b, h, u * c, n // c, d)
+    clen = n // plan.chunks_per_rank
+    for m, r, c in _sorted_runs(plan):
+        out[r].narrow(2, c * clen, clen).copy_(x.narrow(2, m * clen, clen))
 
 
-def _start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+def start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
     """Pack chunk ``chunk`` of every rank's q/k/v heads into one ``(u, B, hq + 2 hkv, L, D)`` buffer and
     start its all-to-all."""
     u, hc = plan.split.u, plan.head_chunks
@@ -212,7 +211,7 @@ def _start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, g
     return start_all_to_all(send, group)
 
 
-def _start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+def start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
     """Pack head-layout tensors ``(B, h_i, u * L, D)`` (one dtype) into ``(u, B, sum h_i, L, D)`` and
     start the all-to-all that returns each rank its tokens."""
     b, _, n_all, d = tensors[0].shape
@@ -274,29 +273,63 @@ def ulysses_forward(
     saved: list[tuple[Tensor, ...]] = []
     qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
     k, v = k.contiguous(), v.contiguous()
-    pending_in: Pending | None = _start_qkv(q, k, v, 0, plan, group)
+    pending_in: Pending | None = start_qkv(q, k, v, 0, plan, group)
     pending_out: tuple[int, Pending] | None = None
     for c in range(hc):
         (recv,) = pending_in.wait()
-        pending_in = _start_qkv(q, k, v, c + 1, plan, group) if c + 1 < hc else None
-        q_h = _seq_to_heads(recv[:, :, :qc], plan)  # (B, qc, u * L, D)
-        k_h = _seq_to_heads(recv[:, :, qc:qc + kc], plan)  # (B, kc, u * L, D)
-        v_h = _seq_to_heads(recv[:, :, qc + kc:], plan)
+        pending_in = start_qkv(q, k, v, c + 1, plan, group) if c + 1 < hc else None
+        q_h = seq_to_heads(recv[:, :, :qc], plan)  # (B, qc, u * L, D)
+        k_h = seq_to_heads(recv[:, :, qc:qc + kc], plan)  # (B, kc, u * L, D)
+        v_h = seq_to_heads(recv[:, :, qc + kc:], plan)
         del recv
         out_h, lse_h = _inner_forward(q_h, k_h, v_h, ring, plan.attn, _chunk_sinks(sinks, plan, c))
         saved.append((q_h, k_h, v_h, out_h, lse_h))
-        started = (c, _start_heads_back([out_h], plan, group))
+        started = (c, start_heads_back([out_h], plan, group))
         if pending_out is not None:  # the previous chunk's output came back while this one computed
-            _place_out(out, *pending_out, plan)
+            place_out(out, *pending_out, plan)
         pending_out = started
-    _place_out(out, *pending_out, plan)
+    place_out(out, *pending_out, plan)
     return out, saved
 
 
-def _place_out(out: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
+def place_out(out: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
     (recv,) = pending.wait()  # (u, B, qc, L, D): slot j = heads of rank j's chunk
     for j in range(plan.split.u):
         out[:, plan.q_slice(j, chunk)] = recv[j]
+
+
+def start_dout(dout: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+    """Pack head chunk ``chunk`` of every rank's share of ``dout`` ``(B, Hq, L, D)`` into ``(u, B, qc, L, D)``
+    and start its all-to-all (the backward's mirror of the output's return trip)."""
+    u, qc = plan.split.u, plan.split.q_per_rank // plan.head_chunks
+    send = dout.new_empty((u, dout.shape[0], qc, *dout.shape[2:]))
+    for j in range(u):
+        send[j] = dout[:, plan.q_slice(j, chunk)]
+    return start_all_to_all(send, group)
+
+
+def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
+    """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, qc + 2 kc, L, D)`` (slot j: the gradients
+    of this rank's tokens for rank j's heads) and write them into the sequence-layout gradients. Each
+    K/V head comes from one rank, and is copied, unless it is replicated: then its replicas are summed
+    (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
+    (recv,) = pending.wait()
+    u, hc = plan.split.u, plan.head_chunks
+    qc = plan.split.q_per_rank // hc
+    kc = (recv.shape[2] - qc) // 2
+    for j in range(u):
+        dq[:, plan.q_slice(j, chunk)] = recv[j, :, :qc]
+    if not plan.split.replicated:
+        for j in range(u):
+            heads = plan.split.kv_index(j, chunk, hc)
+            dk.narrow(1, heads[0], kc).copy_(recv[j, :, qc:qc + kc])
+            dv.narrow(1, heads[0], kc).copy_(recv[j, :, qc + kc:])
+        return
+    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
+    # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
+    b = dk.shape[0]
+    dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
+    dv.index_add_(1, kv_idx, recv[:, :, qc + kc:].transpose(0, 1).reshape(b, u * kc, *dv.shape[2:]).to(dv.dtype))
 
 
 def ulysses_backward(
@@ -306,50 +339,37 @@ def ulysses_backward(
     """dq, dk, dv in sequence layout and the input dtype, and the sinks' gradient ``(q_heads,)`` (this
     rank's heads' full gradient, 0 for the other heads; None without sinks). Per head chunk: one
     all-to-all of dout to the head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
-    hc, u = plan.head_chunks, plan.split.u
-    qc = plan.split.q_per_rank // hc
+    hc = plan.head_chunks
     dq = torch.empty_like(dout)
-    # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32
-    acc = lse_dtype(dout.dtype) if plan.split.replicated else dout.dtype
-    dk = torch.zeros(k_shape, dtype=acc, device=dout.device)
-    dv = torch.zeros(k_shape, dtype=acc, device=dout.device)
+    # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32 from zeros;
+    # otherwise every head is copied in once (place_grads)
+    if plan.split.replicated:
+        dk = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+        dv = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+    else:
+        dk = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
     dsinks = None if sinks is None else torch.zeros_like(sinks)
     dout = dout.contiguous()
 
-    def start_dout(c: int) -> Pending:
-        send = dout.new_empty((u, *dout.shape[:1], qc, *dout.shape[2:]))
-        for j in range(u):
-            send[j] = dout[:, plan.q_slice(j, c)]
-        return start_all_to_all(send, group)
-
-    def place(c: int, pending: Pending) -> None:
-        (recv,) = pending.wait()  # (u, B, qc + 2 kc, L, D)
-        kc = (recv.shape[2] - qc) // 2
-        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, c, hc)], device=dk.device)
-        for j in range(u):
-            dq[:, plan.q_slice(j, c)] = recv[j, :, :qc]
-        # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
-        dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(dk.shape[0], u * kc, *dk.shape[2:]).to(acc))
-        dv.index_add_(1, kv_idx, recv[:, :, qc + kc:].transpose(0, 1).reshape(dv.shape[0], u * kc, *dv.shape[2:]).to(acc))
-
-    pending_in: Pending | None = start_dout(0)
+    pending_in: Pending | None = start_dout(dout, 0, plan, group)
     pending_back: tuple[int, Pending] | None = None
     for c in range(hc):
         (recv,) = pending_in.wait()
-        pending_in = start_dout(c + 1) if c + 1 < hc else None
-        dout_h = _seq_to_heads(recv, plan)
+        pending_in = start_dout(dout, c + 1, plan, group) if c + 1 < hc else None
+        dout_h = seq_to_heads(recv, plan)
         del recv
         q_h, k_h, v_h, out_h, lse_h = saved[c]
         if dsinks is not None:
             dsinks[plan.q_slice(plan.rank, c)] = sink_grad(dout_h, out_h, lse_h, _chunk_sinks(sinks, plan, c))
         dq_h, dk_h, dv_h = _inner_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, ring, plan.attn)
         del dout_h
-        started = (c, _start_heads_back([dq_h, dk_h.to(dq_h.dtype), dv_h.to(dq_h.dtype)], plan, group))
+        started = (c, start_heads_back([dq_h, dk_h.to(dq_h.dtype), dv_h.to(dq_h.dtype)], plan, group))
         del dq_h, dk_h, dv_h
         if pending_back is not None:
-            place(*pending_back)
+            place_grads(dq, dk, dv, *pending_back, plan)
         pending_back = started
-    place(*pending_back)
+    place_grads(dq, dk, dv, *pending_back, plan)
     return dq, dk.to(dout.dtype), dv.to(dout.dtype), dsinks
 
 

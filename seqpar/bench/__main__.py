@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head-chunks", type=_head_chunks, default="auto",
                    help="seqpar.attention head_chunks for ring / all-gather: an integer or 'auto' (default)")
     g.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-    g.add_argument("--methods", help="attention suite: comma list of sdpa,ring,allgather,dilated (default all)")
+    g.add_argument("--methods", help="attention suite: comma list of sdpa,ring,allgather,dilated (default all), or also seqpar_ulysses,hybrid")
     g = p.add_argument_group("measurement")
     g.add_argument("--warmup", type=int)
     g.add_argument("--repeats", type=int)

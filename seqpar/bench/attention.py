@@ -7,6 +7,8 @@ Methods, all on the same total sequence S and the same per-rank inputs:
 - ``ring``, ``allgather``: :func:`seqpar.attention` (causal: zigzag sharding; full: contiguous).
 - ``dilated``: :func:`seqpar.dilated_attention` with LongNet's pattern ``w = (S/4, S/2, S)``,
   ``r = (1, 2, 4)`` (contiguous sharding); its reference is the same call on one process.
+- on request (``--methods``): ``seqpar_ulysses`` (``mode="ulysses"`` over all P ranks, contiguous) and
+  ``hybrid`` (``mode="hybrid"`` on a (P/2) x 2 grid; zigzag when causal).
 
 Each case is timed with :func:`seqpar.bench.runner.time_step` (one thread per rank, warm-up, repeats,
 median of the slowest rank) and measured once more for peak tensor memory per rank (inputs, outputs
@@ -14,8 +16,9 @@ and their gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUD
 :func:`seqpar.memory.estimate_memory`'s prediction beside it.
 
 ``--profile`` splits each method's step into phases by wrapping the functions the algorithms call
-(block kernels, LSE merges, communication waits, collectives, the cross-rank input check); what is
-left is bookkeeping (buffer zeroing, fp32 accumulation, copies, Python).
+(block kernels, LSE merges, communication launches and waits, collectives, the cross-rank input check,
+the ring's own bookkeeping, the all-to-alls' packing and unpacking copies), in wall and thread-CPU seconds, each
+phase exclusive of the phases it calls; what is left (``other``) is Python, autograd and allocation.
 
 On a single GPU, :func:`simulate_rank` plays one rank of a P-rank ring: a loopback communicator hands
 the rank its own K/V back at every step, so it runs the exact ring code with blocks of the right shape
@@ -47,12 +50,13 @@ from seqpar.bench.runner import (
     time_step,
 )
 from seqpar.comm.loopback import LoopbackComm
-from seqpar.comm.ring import Pending
+from seqpar.comm.ring import Pending, RingComm
 
 __all__ = [
     "BenchShape",
     "Settings",
     "METHODS",
+    "EXTRA_METHODS",
     "make_inputs",
     "dilated_pattern",
     "dilated_problem",
@@ -65,7 +69,11 @@ __all__ = [
 ]
 
 METHODS = ("sdpa", "ring", "allgather", "dilated")
-"""Every method the suite knows; ``sdpa`` is single-process only."""
+"""The methods the suite runs by default; ``sdpa`` is single-process only."""
+
+EXTRA_METHODS = ("seqpar_ulysses", "hybrid")
+"""Methods run only when asked for (``--methods``): seqpar's Ulysses over all P ranks (``u = P``, contiguous
+sharding) and the (P/2) x 2 hybrid (Ulysses pairs, ring across them; zigzag when causal)."""
 
 LINKS_GBPS = {"NVLink4 (450 GB/s)": 450.0, "PCIe5 x16 (64 GB/s)": 64.0, "IB NDR 400 Gb/s (50 GB/s)": 50.0}
 """One-direction link bandwidths for the simulated rank's transfer-time projection."""
@@ -151,14 +159,20 @@ def dilated_problem(seq_len: int, world: int, shape: BenchShape) -> str | None:
 
 def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> str | None:
     """Why ``method`` cannot run at (S, P), or ``None`` when it can."""
-    if method not in METHODS:
-        return f"unknown method {method!r}; known: {list(METHODS)}"
+    if method not in METHODS + EXTRA_METHODS:
+        return f"unknown method {method!r}; known: {list(METHODS + EXTRA_METHODS)}"
     if method == "sdpa":
         return None if world == 1 else "sdpa is the single-process reference (P = 1 only)"
     if method == "dilated":
         return dilated_problem(seq_len, world, shape)
     if world == 1:
         return f"{method} with P = 1 is plain SDPA (measured as 'sdpa')"
+    from seqpar.costmodel import ulysses_heads_ok
+
+    if method == "seqpar_ulysses" and not ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
+        return f"{shape.q_heads} query / {shape.kv_heads} K/V heads do not split over {world} Ulysses ranks"
+    if method == "hybrid" and (world < 4 or world % 2 or not ulysses_heads_ok(shape.q_heads, shape.kv_heads, 2)):
+        return f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two"
     chunks = 2 * world if causal else world
     if seq_len % chunks:
         return f"S={seq_len} is not a multiple of {chunks} chunks"
@@ -220,23 +234,43 @@ def forward_fn(
 
 # ------------------------------------------------------------------------------------ profiling
 class PhaseTimer:
-    """Accumulates seconds per phase while wrapped functions run (see :func:`phase_patches`)."""
+    """Accumulates seconds per phase while wrapped functions run (see :func:`phase_patches`).
+
+    Phases nest (a packing helper starts an all-to-all, an unpacking one waits for it): each phase
+    gets its *exclusive* time, its children's subtracted, so the phases of a step add up to at most
+    its total. ``seconds``: wall time; ``cpu_seconds``: this thread's CPU time, which stays
+    meaningful when more ranks than cores share the machine (waits cost wall time, not CPU time)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.cpu_seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self._open: list[list[float]] = []  # per running phase: [children's wall, children's CPU]
+        self._names: list[str] = []  # the running phases, innermost last
 
-    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(self, phase: str | Callable[[str | None], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` timed as ``phase``; a callable ``phase`` names it from the innermost running phase
+        (a communication wait inside the ring's code is the ring's, elsewhere the all-to-all's)."""
         def timed(*args: Any, **kwargs: Any) -> Any:
+            name = phase if isinstance(phase, str) else phase(self._names[-1] if self._names else None)
+            self._names.append(name)
             sync(self.device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            self._open.append([0.0, 0.0])
             try:
                 return fn(*args, **kwargs)
             finally:
                 sync(self.device)
-                self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-                self.calls[phase] = self.calls.get(phase, 0) + 1
+                wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+                child_wall, child_cpu = self._open.pop()
+                self._names.pop()
+                if self._open:
+                    self._open[-1][0] += wall
+                    self._open[-1][1] += cpu
+                self.seconds[name] = self.seconds.get(name, 0.0) + wall - child_wall
+                self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu - child_cpu
+                self.calls[name] = self.calls.get(name, 0) + 1
         return timed
 
 
@@ -251,7 +285,33 @@ _PHASE_TARGETS = (
     ("seqpar.attention.dilated", "block_backward", "kernel_bwd"),
     ("seqpar.attention.dilated", "merge_into", "merge"),
     ("seqpar.attention", "check_across_ranks", "input_check"),
+    # the ring's own bookkeeping (accumulators, fp32 sums, buffer copies), outside its kernels and merges
+    ("seqpar.attention.ring", "ring_forward", "ring_other"),
+    ("seqpar.attention.ring", "ring_backward", "ring_other"),
+    # Ulysses and the hybrid: the all-to-alls' packing and unpacking copies, their launches, and the
+    # inner attention (local kernels, or for the hybrid the ring across super-ranks, as above)
+    ("seqpar.attention.ulysses", "ulysses_forward", "ulysses_other"),
+    ("seqpar.attention.ulysses", "ulysses_backward", "ulysses_other"),
+    ("seqpar.attention.ulysses", "start_qkv", "a2a_pack"),
+    ("seqpar.attention.ulysses", "start_dout", "a2a_pack"),
+    ("seqpar.attention.ulysses", "start_heads_back", "a2a_pack"),
+    ("seqpar.attention.ulysses", "start_all_to_all", "a2a_start"),
+    ("seqpar.attention.ulysses", "seq_to_heads", "a2a_unpack"),
+    ("seqpar.attention.ulysses", "place_out", "a2a_unpack"),
+    ("seqpar.attention.ulysses", "place_grads", "a2a_unpack"),
+    ("seqpar.attention.ulysses", "block_forward", "kernel_fwd"),
+    ("seqpar.attention.ulysses", "block_backward", "kernel_bwd"),
+    ("seqpar.attention.ulysses", "ring_forward", "ring_other"),
+    ("seqpar.attention.ulysses", "ring_backward", "ring_other"),
 )
+
+
+def _wait_phase(parent: str | None) -> str:
+    """A communication wait: the ring's inside the ring code, the all-to-all's inside Ulysses' own
+    code, ``comm_wait`` elsewhere (all-gather, dilated)."""
+    if parent == "ring_other":
+        return "ring_wait"
+    return "a2a_wait" if parent in ("a2a_unpack", "ulysses_other") else "comm_wait"
 
 
 @contextlib.contextmanager
@@ -268,7 +328,10 @@ def phase_patches(timer: PhaseTimer) -> Iterator[PhaseTimer]:
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, timer.wrap(phase, getattr(mod, attr)))
         saved.append((Pending, "wait", Pending.wait))
-        Pending.wait = timer.wrap("comm_wait", Pending.wait)  # type: ignore[method-assign]
+        Pending.wait = timer.wrap(_wait_phase, Pending.wait)  # type: ignore[method-assign]
+        # launching a ring exchange (gloo/NCCL P2P ops, receive buffers) is a cost per message
+        saved.append((RingComm, "exchange", RingComm.exchange))
+        RingComm.exchange = timer.wrap("ring_start", RingComm.exchange)  # type: ignore[method-assign]
         yield timer
     finally:
         for obj, attr, orig in reversed(saved):
@@ -278,22 +341,26 @@ def phase_patches(timer: PhaseTimer) -> Iterator[PhaseTimer]:
 def _profile_step(
     fwd: Callable[[Tensor, Tensor, Tensor], Tensor], inputs: tuple[Tensor, Tensor, Tensor, Tensor], device: torch.device
 ) -> dict[str, Any]:
+    """One forward+backward under :func:`phase_patches`: wall and thread-CPU seconds per phase
+    (exclusive; ``other`` is the rest of the step: Python, autograd, allocation)."""
     q, k, v, dout = inputs
     timer = PhaseTimer(device)
     with phase_patches(timer):
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = fwd(q, k, v)
         sync(device)
         t1 = time.perf_counter()
         out.backward(dout)
         sync(device)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
     q.grad = k.grad = v.grad = None
-    total = t2 - t0
-    phases = dict(timer.seconds)
+    total, total_cpu = t2 - t0, c2 - c0
+    phases, phases_cpu = dict(timer.seconds), dict(timer.cpu_seconds)
     phases["other"] = max(0.0, total - sum(phases.values()))
-    return {"forward_s": t1 - t0, "backward_s": t2 - t1, "total_s": total, "phases_s": phases, "calls": timer.calls}
+    phases_cpu["other"] = max(0.0, total_cpu - sum(phases_cpu.values()))
+    return {"forward_s": t1 - t0, "backward_s": t2 - t1, "total_s": total, "cpu_s": total_cpu,
+            "phases_s": phases, "phases_cpu_s": phases_cpu, "calls": timer.calls}
 
 
 # -------------------------------------------------------------------------------------- one case
@@ -344,12 +411,12 @@ def summarize_case(
     if "peak_bytes" in per_rank[0]:
         row["peak_bytes_per_rank"] = [r["peak_bytes"] for r in per_rank]
         row["peak_bytes"] = max(row["peak_bytes_per_rank"])
-        if method in ("sdpa", "ring", "allgather"):
-            est_mode = "single" if method == "sdpa" else method
+        if method != "dilated":
+            est_mode = {"sdpa": "single", "seqpar_ulysses": "ulysses"}.get(method, method)
             row["estimate_bytes"] = estimate_memory(
                 seq_len, world_size=world, mode=est_mode, batch=shape.batch, q_heads=shape.q_heads,
                 kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
-                head_chunks=shape.head_chunks,
+                head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None,
             )
             row["estimate_error"] = row["estimate_bytes"] / row["peak_bytes"] - 1.0
     if "profile" in per_rank[0]:
@@ -474,7 +541,7 @@ def plan_cases(cfg: SuiteConfig) -> tuple[list[tuple[str, int, int, bool]], list
                 for method in cfg.methods:
                     if method == "sdpa" and world != 1:
                         continue
-                    if method in ("ring", "allgather") and world == 1:
+                    if method not in ("sdpa", "dilated") and world == 1:
                         continue
                     if method == "dilated" and world == 1 and not any(p > 1 for p in cfg.worlds):
                         continue
@@ -569,10 +636,10 @@ def render(payload: dict[str, Any]) -> str:
                 for s in payload["skipped"]]
     profiled = [r for r in payload["results"] if r.get("profile_per_rank")]
     if profiled:
-        out.append("phases (rank 0, one profiled step; seconds):")
+        out.append("phases (rank 0, one profiled step; CPU seconds of the rank's thread):")
         for r in profiled:
             p = r["profile_per_rank"][0]
-            phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p["phases_s"].items(), key=lambda kv: -kv[1]))
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p["phases_cpu_s"].items(), key=lambda kv: -kv[1]))
             out.append(f"  {_label(r)} S={r['S']}: fwd {p['forward_s']:.3f} bwd {p['backward_s']:.3f} | {phases}")
     for sim in payload.get("simulated", []):
         hidden = "-" if sim["overlap_hidden"] is None else f"{sim['overlap_hidden']:.0%}"
@@ -656,9 +723,9 @@ def plots(payload: dict[str, Any], out_dir: str, prefix: str = "attention") -> l
 def configure(args: Any) -> SuiteConfig:
     """A :class:`SuiteConfig` from the CLI's resolved arguments."""
     methods = args.methods.split(",") if args.methods else list(METHODS)
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in METHODS + EXTRA_METHODS]
     if bad:
-        raise SystemExit(f"--methods: unknown {bad}; choose from {list(METHODS)}")
+        raise SystemExit(f"--methods: unknown {bad}; choose from {list(METHODS + EXTRA_METHODS)}")
     return SuiteConfig(
         seq_lens=args.seq_lens, worlds=args.worlds, methods=methods, causal=args.causal_list,
         shape=shape_from_args(args),

@@ -87,18 +87,36 @@ class Partials:
     def __init__(self, out: Tensor, lse: Tensor) -> None:
         self.out, self.lse = out, lse
         self._reached: list[tuple[int, int]] = []  # disjoint, sorted row ranges
+        self._pending: tuple[torch.Size, torch.dtype, torch.device] | None = None  # storage not made yet
 
     @classmethod
     def like(cls, q: Tensor, acc_dtype: torch.dtype) -> Partials:
-        """Fresh storage for queries ``q`` ``(batch, heads, len, head_dim)``."""
-        return cls(
-            torch.empty(q.shape, dtype=acc_dtype, device=q.device),
-            torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device),
-        )
+        """Accumulators for queries ``q`` ``(batch, heads, len, head_dim)``, made on first use: a first
+        piece that covers every row in ``acc_dtype`` (a ring's own block, one kernel call) becomes the
+        accumulator itself, with no copy."""
+        acc = cls.__new__(cls)
+        acc.out = acc.lse = None  # type: ignore[assignment]
+        acc._reached = []
+        acc._pending = (q.shape, acc_dtype, q.device)
+        return acc
+
+    def _allocate(self) -> None:
+        shape, dtype, device = self._pending  # type: ignore[misc]
+        self.out = torch.empty(shape, dtype=dtype, device=device)
+        self.lse = torch.empty(shape[:-1], dtype=dtype, device=device)
+        self._pending = None
 
     def add(self, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
         """Fold a piece covering rows ``rows`` (``block_out`` ``(batch, heads, n, head_dim)``,
-        ``block_lse`` ``(batch, heads, n)``, n = rows' length; every row saw at least one key)."""
+        ``block_lse`` ``(batch, heads, n)``, n = rows' length; every row saw at least one key).
+        The piece's tensors may become the accumulators (see :meth:`like`): hand over fresh ones."""
+        if self._pending is not None:
+            shape, dtype, _ = self._pending
+            if rows == slice(0, shape[2]) and block_out.dtype == dtype and block_lse.dtype == dtype:
+                self.out, self.lse, self._pending = block_out, block_lse, None
+                self._reach(rows.start, rows.stop)
+                return
+            self._allocate()
         start = rows.start
         for a, b, reached in self._split(rows.start, rows.stop):
             o = block_out.narrow(2, a - start, b - a)
@@ -113,6 +131,8 @@ class Partials:
 
     def finish(self) -> tuple[Tensor, Tensor]:
         """``(out, lse)``; rows no piece reached are set to out = 0, lse = -inf."""
+        if self._pending is not None:
+            self._allocate()
         done = 0
         for a, b in [*self._reached, (self.out.shape[2], self.out.shape[2])]:
             if a > done:
