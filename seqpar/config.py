@@ -19,6 +19,7 @@ Example block::
         "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
         "offload_activations": false,  # checkpointed layer inputs in pinned CPU memory
+        "recompute_norm": false,    # RMSNorms save only their input, recomputed in backward
         "pattern": {"type": "dense"},
         "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
         "check_finite": false       # collective NaN/Inf check of attention inputs/outputs
@@ -207,6 +208,10 @@ class SeqParConfig:
     offload_activations: bool = False
     """Keep checkpointed layer inputs in pinned CPU memory, prefetched in backward (CUDA only; on a
     CPU-only build it changes nothing). Needs activation checkpointing."""
+    recompute_norm: bool = False
+    """Make the decoder's RMSNorms save only their input and recompute the norm in backward (bitwise
+    the same forward, the same gradients) instead of keeping the fp32 upcast and the normalised
+    copy: applied by the swap to Hugging Face causal LMs of the Llama family (see :mod:`seqpar.norm`)."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
@@ -230,7 +235,8 @@ class SeqParConfig:
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
-        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
+        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite",
+                    "recompute_norm"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":

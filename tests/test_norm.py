@@ -1,0 +1,136 @@
+"""recompute_norm (seqpar.norm): the lean RMSNorm's forward is bitwise the Hugging Face module's,
+its gradients equal the module's in float64 / fp32 and are no worse than the module's own bf16
+rounding; it saves less; the swap applies it to the Llama family from the config and names what it
+changed; an unknown norm class is refused, naming the module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from seqpar.config import ConfigError, SeqParConfig
+from seqpar.norm import NormError, apply_recompute_norm
+from seqpar.tiling import TilingError, apply_tiling
+
+transformers = pytest.importorskip("transformers")
+
+
+def _norms() -> list[tuple[str, type]]:
+    t = transformers.models
+    return [("llama", t.llama.modeling_llama.LlamaRMSNorm), ("qwen2", t.qwen2.modeling_qwen2.Qwen2RMSNorm),
+            ("mistral", t.mistral.modeling_mistral.MistralRMSNorm), ("phi3", t.phi3.modeling_phi3.Phi3RMSNorm),
+            ("gemma", t.gemma.modeling_gemma.GemmaRMSNorm)]
+
+
+def _pair(cls: type, dtype: torch.dtype, hidden: int = 40) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(11)
+    hf = cls(hidden, eps=1e-5)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(hidden) * 0.5 + (0.0 if cls.__name__.startswith("Gemma") else 1.0))
+    hf = hf.to(dtype)
+    lean = copy.deepcopy(hf)
+    assert apply_recompute_norm(lean) == [""]
+    return hf, lean
+
+
+def _run(module: torch.nn.Module, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = x.detach().clone().requires_grad_(True)
+    module.zero_grad()
+    out = module(x)
+    out.backward(g)
+    return out.detach(), x.grad, module.weight.grad
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "phi3", "gemma"])
+def test_lean_norm_bitwise_forward_and_exact_gradients(name: str) -> None:
+    cls = dict(_norms())[name]
+    x = torch.randn(2, 9, 40) * 3
+    g = torch.randn(2, 9, 40)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        hf, lean = _pair(cls, dtype)
+        ref, got = _run(hf, x.to(dtype), g.to(dtype)), _run(lean, x.to(dtype), g.to(dtype))
+        assert torch.equal(got[0], ref[0]), (name, dtype)  # the same operations: bitwise
+        for a, b in zip(got[1:], ref[1:]):
+            assert a.dtype == b.dtype
+            if dtype == torch.bfloat16:
+                # no worse than the module's own rounding, against the module in float64
+                hf64, _ = _pair(cls, torch.float64)
+                exact = _run(hf64, x.double(), g.to(dtype).double())
+                for lean_g, hf_g, ex in zip(got[1:], ref[1:], exact[1:]):
+                    assert (lean_g.double() - ex).abs().max() <= (hf_g.double() - ex).abs().max() * 1.01 + 1e-12
+                break
+            torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+
+
+def test_lean_norm_saves_only_its_input() -> None:
+    cls = dict(_norms())["llama"]
+    hf, lean = _pair(cls, torch.bfloat16, hidden=64)
+    x = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)
+
+    def saved_bytes(module: torch.nn.Module) -> int:
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if t is not module.weight and s.data_ptr() != module.weight.untyped_storage().data_ptr():
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module(x)
+        return sum(storages.values())
+
+    unit = x.numel() * 2
+    # HF: the fp32 upcast (2 units) and the normalised bf16 copy (1); lean: the input only (1)
+    assert saved_bytes(hf) >= 3 * unit
+    assert saved_bytes(lean) == unit
+
+
+def _llama_config(**kw):
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=False, use_cache=False, bos_token_id=1, eos_token_id=2)
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma"])
+def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
+    t = transformers
+    cls, cfg = ((t.LlamaForCausalLM, t.LlamaConfig(**_llama_config())) if name == "llama"
+                else (t.GemmaForCausalLM, t.GemmaConfig(**_llama_config(head_dim=8))))
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(4)
+    model = cls(cfg)
+    ref = copy.deepcopy(model)
+    report = apply_tiling(model, {"recompute_norm": True})
+    assert report.norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+                            "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
+                            "model.norm"], report
+    assert "recompute_norm on 5 modules" in str(report)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24))
+    out, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert torch.equal(out.logits, want.logits)
+    out.loss.backward()
+    want.loss.backward()
+    grads = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        r = grads[pname].grad
+        torch.testing.assert_close(p.grad, r, rtol=1e-5, atol=1e-6 * r.abs().max().item(), msg=pname)
+
+
+def test_unknown_norm_refused_naming_the_module_and_config_key_checked() -> None:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_llama_config()))
+    model.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(32)
+    with pytest.raises(TilingError, match=r"model\.layers\.1\.post_attention_layernorm.*LayerNorm.*recompute_norm"):
+        apply_tiling(model, {"recompute_norm": True})
+    assert not getattr(model.model.layers[0].input_layernorm, "_seqpar_lean_norm", False)  # nothing changed
+    with pytest.raises(NormError, match="LayerNorm"):
+        apply_recompute_norm(model)
+    assert SeqParConfig().recompute_norm is False
+    assert SeqParConfig.from_dict({"recompute_norm": True}).recompute_norm is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="sequence_parallel.recompute_norm"):
+            SeqParConfig.from_dict({"recompute_norm": bad})
