@@ -20,7 +20,7 @@ MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "vocab_size": 32000}
 TOLERANCE = 0.10
 
-# (engine, zero stage, SP size, seq len, tiled_loss, tiled_mlp, activation checkpointing)
+# (engine, zero stage, SP size, seq len, tiled_loss, tiled_mlp, activation checkpointing[, recompute_norm])
 SETTINGS = [
     ("fsdp2", 0, 1, 2048, False, False, False),
     ("fsdp2", 0, 2, 2048, False, False, True),
@@ -30,6 +30,7 @@ SETTINGS = [
     ("deepspeed", 2, 2, 2048, True, "auto", True),
     ("deepspeed", 3, 2, 2048, False, False, True),
     ("deepspeed", 3, 2, 2048, True, False, False),
+    ("fsdp2", 0, 2, 8192, True, "auto", False, True),
 ]
 
 
@@ -63,17 +64,19 @@ def _config(tmp_path: Path, engine: str, stage: int) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(str(x) for x in s))
 def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, setting: tuple) -> None:
-    engine, stage, sp, seq, tiled_loss, tiled_mlp, ac = setting
+    engine, stage, sp, seq, tiled_loss, tiled_mlp, ac, *rest = setting
+    recompute_norm = bool(rest and rest[0])
     argv = ["--config", _config(tmp_path, engine, stage), "--sp-size", str(sp), "--seq-len", str(seq),
             "--no-progress", "--log-level", "WARNING"]
     argv += ["--tiled-loss"] * tiled_loss + (["--tiled-mlp", str(tiled_mlp)] if tiled_mlp else [])
     argv += ["--activation-checkpointing"] * ac
+    argv += ["--recompute-norm"] * recompute_norm
     out = dist_pool.run(sp, _run_main, argv, timeout=400)
     measured = max(out[0]["peak_mem_bytes"])
     assert "seqpar.memtrack" in out[0]["peak_mem_kind"]
     est = estimate_training_memory(MODEL, seq_len=seq, sp_size=sp, engine=engine, zero_stage=stage,
                                    activation_checkpointing=ac, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
-                                   reduce_bucket_size=5_000_000)
+                                   reduce_bucket_size=5_000_000, recompute_norm=recompute_norm)
     print(f"\nestimate vs measured {setting}: {est['peak'] / 2**20:.1f} MiB vs {measured / 2**20:.1f} MiB "
           f"({est['peak'] / measured - 1:+.1%}, at {est['moment']})")  # BENCHMARKS.md's table (pytest -s)
     assert abs(est["peak"] / measured - 1) <= TOLERANCE, (setting, est, measured)

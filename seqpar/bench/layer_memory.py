@@ -6,6 +6,8 @@ measures them: a tiny Llama (GQA 4:1 like Llama-3) swapped to seqpar attention a
 decoder layer's forward under ``torch.autograd.graph.saved_tensors_hooks``, every saved storage
 counted once (parameters and the layer's input left out: the input is the checkpointed one,
 counted apart), in units. With ``recompute_norm`` and the tiled MLP as the configuration says.
+Under ``torchrun --nproc_per_node P`` (gloo), the layer runs ring attention over P ranks on
+``tokens`` local tokens each (``--head-chunks`` as attention's ``head_chunks``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def _model(dtype: torch.dtype, config: dict[str, Any]) -> Any:
                       tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(dtype)
-    swap_attention(model, {"size": 1, **config})
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    swap_attention(model, {"size": world, "mode": "ring", "sharding": "zigzag", **config})
     return model
 
 
@@ -66,9 +71,15 @@ def saved_units(dtype: torch.dtype = torch.bfloat16, tokens: int = 1024, **confi
 
     layer.register_forward_pre_hook(pre, with_kwargs=True)
     layer.register_forward_hook(post, with_kwargs=True)
-    ids = torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(1))
+    import torch.distributed as dist
+
+    from seqpar.data import shard_batch
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ids = torch.randint(0, 64, (1, tokens * world), generator=torch.Generator().manual_seed(1))
+    batch = shard_batch({"input_ids": ids}, sharding="zigzag") if world > 1 else {"input_ids": ids}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids).logits.float().sum()
+        model(**batch).logits.float().sum()
     unit = tokens * model.config.hidden_size * torch.empty((), dtype=dtype).element_size()
     out: dict[str, float] = {"total": 0.0}
     for nbytes, dt in seen.values():
@@ -81,13 +92,27 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m seqpar.bench.layer_memory", description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--head-chunks", type=int, default=1)
     args = p.parse_args(argv)
+    import os
+
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    print(f"one decoder layer's saved tensors, in units of {args.tokens} x hidden {args.dtype} (measured):")
+    lines = [f"one decoder layer's saved tensors at SP size {world}, in units of {args.tokens} local tokens x "
+             f"hidden {args.dtype} (measured):"]
     for name, cfg in (("HF norms", {}), ("recompute_norm", {"recompute_norm": True}),
                       ("HF norms, tiled MLP", {"tiled_mlp": 4}),
                       ("recompute_norm, tiled MLP", {"recompute_norm": True, "tiled_mlp": 4})):
-        print(f"  {name:<28} {saved_units(dtype, args.tokens, **cfg)}")
+        cfg["head_chunks"] = args.head_chunks
+        lines.append(f"  {name:<28} {saved_units(dtype, args.tokens, **cfg)}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print("\n".join(lines))
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
