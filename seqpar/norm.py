@@ -8,10 +8,11 @@ Two norms per layer make that ~6 of the ~15 hidden-sized units a recomputed laye
 
 :class:`LeanRMSNorm` computes the same forward with the same operations in the same order (so the
 output is bitwise that of the module it replaces), saves only its input (which is usually alive
-anyway: the layer's input, or the residual sum), and recomputes the norm in backward, one call at a
-time, to differentiate it with autograd. The gradients are therefore those of the Hugging Face
-module (the same operations run in backward), and the recompute's fp32 transients live only during
-that norm's own backward.
+anyway: the layer's input, or the residual sum), and recomputes the norm in backward over chunks of
+rows (about 64 MiB of fp32 each), so that the recompute's fp32 copies stay small. The input's
+gradient goes through autograd of the same row-wise operations (bitwise the module's); the
+weight's is summed over the chunks in fp32 (the module sums products already rounded to the input
+dtype, so this is at least as accurate; fp32: equal to rounding).
 
 Two formulas, as in transformers 5.x:
 
@@ -43,58 +44,113 @@ class NormError(ValueError):
     """A norm module cannot be made lean exactly; the message names the module and the fix."""
 
 
-def _llama_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # the exact operations of LlamaRMSNorm.forward (bitwise-identical output)
+def _llama_normed(x: Tensor, eps: float) -> Tensor:
+    # LlamaRMSNorm.forward up to the weight, with its exact operations
     input_dtype = x.dtype
     h = x.to(torch.float32)
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
+    return h.to(input_dtype)
+
+
+def _llama_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return weight * _llama_normed(x, eps)  # bitwise LlamaRMSNorm.forward
+
+
+def _gemma_normed(x: Tensor, eps: float) -> Tensor:
+    # GemmaRMSNorm.forward up to the weight (fp32)
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def _gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # the exact operations of GemmaRMSNorm.forward
-    h = x.float()
-    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = out * (1.0 + weight.float())
-    return out.type_as(x)
+    out = _gemma_normed(x, eps) * (1.0 + weight.float())
+    return out.type_as(x)  # bitwise GemmaRMSNorm.forward
 
 
 _FORMULAS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"llama": _llama_norm, "gemma": _gemma_norm}
+_NORMED: dict[str, Callable[[Tensor, float], Tensor]] = {"llama": _llama_normed, "gemma": _gemma_normed}
+
+# rows per backward chunk: about 64 MiB of one fp32 row-chunk, so the recompute's fp32 copies stay
+# small beside the layer's saved tensors however long the local sequence
+_CHUNK_BYTES = 64 * 2**20
+
+
+def _chunk_rows(hidden: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * hidden))
+
+
+def _weight_grad_input(formula: str, grad: Tensor, weight: Tensor) -> Tensor:
+    """The gradient reaching the normalised value, as autograd computes it through the weight:
+    ``weight * n`` (Llama: ``grad * weight``, cast to n's dtype) or ``(n * (1 + weight.float())).type_as(x)``
+    (Gemma: the fp32 gradient times ``1 + weight``)."""
+    if formula == "llama":
+        return grad * weight
+    return grad.float() * (1.0 + weight.float())
+
+
+def _chunked_forward(fn: Callable[[Tensor, Tensor, float], Tensor], x: Tensor, weight: Tensor, eps: float,
+                     chunk_rows: int) -> Tensor:
+    """``fn`` over row chunks into one output (row-wise: bitwise the same), so that its fp32
+    temporaries are one chunk's, not the whole input's."""
+    rows, hidden = x.numel() // x.shape[-1], x.shape[-1]
+    if rows <= chunk_rows:
+        return fn(x, weight, eps)
+    x_2d = x.reshape(rows, hidden)
+    first = fn(x_2d[:chunk_rows], weight, eps)
+    out = torch.empty((rows, hidden), dtype=first.dtype, device=first.device)
+    out[:chunk_rows] = first
+    del first
+    for start in range(chunk_rows, rows, chunk_rows):
+        out[start:start + chunk_rows] = fn(x_2d[start:start + chunk_rows], weight, eps)
+    return out.view(*x.shape[:-1], hidden)
 
 
 class _LeanRMSNorm(torch.autograd.Function):
-    """Forward without autograd; backward recomputes the norm from the saved input."""
+    """Forward without autograd over row chunks, saving only the input; backward recomputes the norm
+    over row chunks: ``dx`` through autograd of the same operations (row-wise: bitwise the module's), the
+    weight's gradient summed over chunks in fp32 (the module sums ``grad * n`` products rounded to
+    the input dtype: this is at least as accurate)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float, formula: str) -> Tensor:  # type: ignore[override]
-        fn = _FORMULAS[formula]
-        out = fn(x, weight, eps)  # autograd is off inside a Function's forward: nothing is saved
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, formula: str,  # type: ignore[override]
+                chunk_rows: int | None) -> Tensor:
+        chunk_rows = chunk_rows or _chunk_rows(x.shape[-1])
+        out = _chunked_forward(_FORMULAS[formula], x, weight, eps, chunk_rows)
         ctx.save_for_backward(x)
         # the weight as an attribute, not a saved tensor: ZeRO-3 / FSDP2 refill parameter storages
         # between forward and backward (as for the tiled MLP)
-        ctx.weight, ctx.eps, ctx.fn = weight, eps, fn
+        ctx.weight, ctx.eps, ctx.formula = weight, eps, formula
+        ctx.chunk_rows = chunk_rows
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
-        weight = ctx.weight
+        weight, formula = ctx.weight, ctx.formula
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        x_ = x.detach().requires_grad_(want_x)
-        with torch.enable_grad():
-            w_ = weight.detach().requires_grad_(want_w)
-            out = ctx.fn(x_, w_, ctx.eps)
-        inputs = [t for t, want in ((x_, want_x), (w_, want_w)) if want]
-        if not inputs:
-            return None, None, None, None
-        grads = list(torch.autograd.grad(out, inputs, grad_out))
-        dx = grads.pop(0) if want_x else None
-        dw = grads.pop(0) if want_w else None
-        return dx, dw, None, None
+        x_2d = x.detach().reshape(-1, x.shape[-1])  # (rows, hidden): the norm is row-wise
+        g_2d = grad_out.reshape(-1, x.shape[-1])
+        dx = torch.empty_like(x_2d) if want_x else None
+        acc = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)  # fp32 or fp64
+        dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        w = weight.detach()
+        for start in range(0, x_2d.shape[0], ctx.chunk_rows):
+            sl = slice(start, start + ctx.chunk_rows)
+            x_c = x_2d[sl].detach().requires_grad_(want_x)
+            with torch.enable_grad():
+                n = _NORMED[formula](x_c, ctx.eps)
+            if want_w:
+                dw += (g_2d[sl].to(acc) * n.detach().to(acc)).sum(0)
+            if want_x:
+                dn = _weight_grad_input(formula, g_2d[sl], w).to(n.dtype)
+                dx[sl] = torch.autograd.grad(n, x_c, dn)[0]
+            del n
+        return (dx.view_as(x) if want_x else None, dw.to(weight.dtype) if want_w else None, None, None, None)
 
 
-def lean_rms_norm(x: Tensor, weight: Tensor, eps: float, formula: str = "llama") -> Tensor:
+def lean_rms_norm(x: Tensor, weight: Tensor, eps: float, formula: str = "llama",
+                  chunk_rows: int | None = None) -> Tensor:
     """RMSNorm over the last dimension that saves only ``x`` for backward.
 
     Args:
@@ -102,13 +158,15 @@ def lean_rms_norm(x: Tensor, weight: Tensor, eps: float, formula: str = "llama")
         weight: ``(hidden,)``.
         eps: added to the mean square.
         formula: ``"llama"`` (Llama, Qwen2, Mistral, Phi3) or ``"gemma"`` (``1 + weight``, scaled in fp32).
+        chunk_rows: rows per backward chunk (default: about 64 MiB of fp32 per chunk).
 
     Returns:
-        Bitwise the output of the Hugging Face module of that formula; gradients those of its autograd.
+        Bitwise the output of the Hugging Face module of that formula; ``dx`` bitwise its autograd's,
+        the weight's gradient summed in fp32.
     """
     if formula not in _FORMULAS:
         raise ValueError(f"formula={formula!r}: choose one of {list(_FORMULAS)}")
-    return _LeanRMSNorm.apply(x, weight, eps, formula)
+    return _LeanRMSNorm.apply(x, weight, eps, formula, chunk_rows)
 
 
 def _formula_of(module: nn.Module) -> str | None:
@@ -125,7 +183,7 @@ def _lean_forward(module: nn.Module, formula: str) -> Callable[[Tensor], Tensor]
     def forward(self: nn.Module, hidden_states: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             return _FORMULAS[formula](hidden_states, self.weight, _eps_of(self))
-        return _LeanRMSNorm.apply(hidden_states, self.weight, _eps_of(self), formula)
+        return _LeanRMSNorm.apply(hidden_states, self.weight, _eps_of(self), formula, None)
 
     return types.MethodType(forward, module)
 

@@ -120,3 +120,34 @@ def test_model_memory_cli(capsys: pytest.CaptureFixture) -> None:
     assert main(["memory", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "llama3-8b" in out and "MODELLED" in out and "tiled MLP" in out and "ALST" in out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_layer_activations_equal_the_measured_saved_tensors(dtype: str) -> None:
+    # what one recomputed decoder layer saves (the estimator's activations less the checkpointed
+    # inputs and the gradient coming down), against seqpar.bench.layer_memory's measurement, with the
+    # Hugging Face RMSNorms and with recompute_norm, MLP tiled and not
+    import torch
+
+    from seqpar.bench.layer_memory import saved_units
+
+    shape = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+             "num_attention_heads": 8, "num_key_value_heads": 2}
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    tokens = 256
+    unit = tokens * 256 * torch.empty((), dtype=torch_dtype).element_size()
+    for recompute_norm in (False, True):
+        for tiled_mlp in (False, 4):
+            measured = saved_units(torch_dtype, tokens, recompute_norm=recompute_norm, tiled_mlp=tiled_mlp)["total"]
+            est = estimate_training_memory(shape, seq_len=tokens, sp_size=1, dtype=dtype, activation_checkpointing=True,
+                                           tiled_mlp=tiled_mlp, recompute_norm=recompute_norm)
+            modelled = est["activations"] / unit - 2  # less the checkpointed input and the incoming gradient
+            assert abs(modelled - measured) <= 0.02 * measured, (dtype, recompute_norm, tiled_mlp, modelled, measured)
+    lean = estimate_training_memory("llama3-8b", seq_len=2**22, sp_size=8, dtype="bf16", engine="deepspeed",
+                                    activation_checkpointing=True, tiled_loss=True, tiled_mlp="auto",
+                                    offload_activations=True, device="cuda", recompute_norm=True)
+    hf = estimate_training_memory("llama3-8b", seq_len=2**22, sp_size=8, dtype="bf16", engine="deepspeed",
+                                  activation_checkpointing=True, tiled_loss=True, tiled_mlp="auto",
+                                  offload_activations=True, device="cuda")
+    # 512K local tokens x 4096 x bf16 = 4 GiB a unit: the lean norms save 5 of them in the recomputed layer
+    assert hf["activations"] - lean["activations"] == pytest.approx(5 * 2**30 * 4, rel=0.01)
