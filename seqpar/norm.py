@@ -9,7 +9,7 @@ Two norms per layer make that ~6 of the ~15 hidden-sized units a recomputed laye
 :class:`LeanRMSNorm` computes the same forward with the same operations in the same order (so the
 output is bitwise that of the module it replaces), saves only its input (which is usually alive
 anyway: the layer's input, or the residual sum), and recomputes the norm in backward over chunks of
-rows (about 64 MiB of fp32 each), so that the recompute's fp32 copies stay small. The input's
+rows (at most ~64 MiB of fp32 and an eighth of the rows each), so that the recompute's fp32 copies stay small. The input's
 gradient goes through autograd of the same row-wise operations (bitwise the module's); the
 weight's is summed over the chunks in fp32 (the module sums products already rounded to the input
 dtype, so this is at least as accurate; fp32: equal to rounding).
@@ -26,6 +26,7 @@ class it does not know is refused, naming the module.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 
@@ -71,13 +72,14 @@ def _gemma_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 _FORMULAS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"llama": _llama_norm, "gemma": _gemma_norm}
 _NORMED: dict[str, Callable[[Tensor, float], Tensor]] = {"llama": _llama_normed, "gemma": _gemma_normed}
 
-# rows per backward chunk: about 64 MiB of one fp32 row-chunk, so the recompute's fp32 copies stay
-# small beside the layer's saved tensors however long the local sequence
+# rows per chunk: at most about 64 MiB of one fp32 row-chunk and at most an eighth of the rows, so
+# the recompute's fp32 copies stay small beside the layer's saved tensors at any sequence length
 _CHUNK_BYTES = 64 * 2**20
+_MIN_CHUNKS = 8
 
 
-def _chunk_rows(hidden: int) -> int:
-    return max(1, _CHUNK_BYTES // (4 * hidden))
+def _chunk_rows(rows: int, hidden: int) -> int:
+    return max(1, min(_CHUNK_BYTES // (4 * hidden), math.ceil(rows / _MIN_CHUNKS)))
 
 
 def _weight_grad_input(formula: str, grad: Tensor, weight: Tensor) -> Tensor:
@@ -115,7 +117,7 @@ class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float, formula: str,  # type: ignore[override]
                 chunk_rows: int | None) -> Tensor:
-        chunk_rows = chunk_rows or _chunk_rows(x.shape[-1])
+        chunk_rows = chunk_rows or _chunk_rows(x.numel() // x.shape[-1], x.shape[-1])
         out = _chunked_forward(_FORMULAS[formula], x, weight, eps, chunk_rows)
         ctx.save_for_backward(x)
         # the weight as an attribute, not a saved tensor: ZeRO-3 / FSDP2 refill parameter storages
@@ -141,7 +143,9 @@ class _LeanRMSNorm(torch.autograd.Function):
             with torch.enable_grad():
                 n = _NORMED[formula](x_c, ctx.eps)
             if want_w:
-                dw += (g_2d[sl].to(acc) * n.detach().to(acc)).sum(0)
+                prod = g_2d[sl].to(acc, copy=True).mul_(n.detach())  # one fp32 chunk, not three
+                dw += prod.sum(0)
+                del prod
             if want_x:
                 dn = _weight_grad_input(formula, g_2d[sl], w).to(n.dtype)
                 dx[sl] = torch.autograd.grad(n, x_c, dn)[0]
@@ -158,7 +162,7 @@ def lean_rms_norm(x: Tensor, weight: Tensor, eps: float, formula: str = "llama",
         weight: ``(hidden,)``.
         eps: added to the mean square.
         formula: ``"llama"`` (Llama, Qwen2, Mistral, Phi3) or ``"gemma"`` (``1 + weight``, scaled in fp32).
-        chunk_rows: rows per backward chunk (default: about 64 MiB of fp32 per chunk).
+        chunk_rows: rows per chunk (default: at most ~64 MiB of fp32 and an eighth of the rows).
 
     Returns:
         Bitwise the output of the Hugging Face module of that formula; ``dx`` bitwise its autograd's,
