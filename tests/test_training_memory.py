@@ -151,3 +151,21 @@ def test_layer_activations_equal_the_measured_saved_tensors(dtype: str) -> None:
                                   offload_activations=True, device="cuda")
     # 512K local tokens x 4096 x bf16 = 4 GiB a unit: the lean norms save 5 of them in the recomputed layer
     assert hf["activations"] - lean["activations"] == pytest.approx(5 * 2**30 * 4, rel=0.01)
+
+
+def _saved_units_sp(rank: int, world: int, mode: str) -> float:
+    import torch
+
+    from seqpar.bench.layer_memory import saved_units
+
+    return saved_units(torch.bfloat16, 128, mode=mode, tiled_mlp=2, head_chunks=2)["total"]
+
+
+@pytest.mark.timeout(300)
+def test_ring_output_shares_o_proj_storage_at_sp2(dist_pool) -> None:
+    # the ring returns its output in q's (batch, seq, heads, dim) memory layout, so o_proj saves the
+    # storage attention saves, not a contiguous copy: one hidden unit less per layer than allgather,
+    # which copies (as the estimator's out_copy says)
+    ring = dist_pool.run(2, _saved_units_sp, "ring", timeout=200)[0]
+    allgather = dist_pool.run(2, _saved_units_sp, "allgather", timeout=200)[0]
+    assert allgather - ring == pytest.approx(1.0, abs=0.01), (ring, allgather)

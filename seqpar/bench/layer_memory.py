@@ -7,7 +7,7 @@ decoder layer's forward under ``torch.autograd.graph.saved_tensors_hooks``, ever
 counted once (parameters and the layer's input left out: the input is the checkpointed one,
 counted apart), in units. With ``recompute_norm`` and the tiled MLP as the configuration says.
 Under ``torchrun --nproc_per_node P`` (gloo), the layer runs ring attention over P ranks on
-``tokens`` local tokens each (``--head-chunks`` as attention's ``head_chunks``).
+``tokens`` local tokens each (``--mode``, ``--head-chunks`` as attention's).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _model(dtype: torch.dtype, config: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    swap_attention(model, {"size": world, "mode": "ring", "sharding": "zigzag", **config})
+    swap_attention(model, {"size": world, "mode": "ring", "sharding": "zigzag", **config})  # config may set mode
     return model
 
 
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--head-chunks", type=int, default=1)
+    p.add_argument("--mode", default="ring", choices=["ring", "allgather", "ulysses"])
     args = p.parse_args(argv)
     import os
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, cfg in (("HF norms", {}), ("recompute_norm", {"recompute_norm": True}),
                       ("HF norms, tiled MLP", {"tiled_mlp": 4}),
                       ("recompute_norm, tiled MLP", {"recompute_norm": True, "tiled_mlp": 4})):
-        cfg["head_chunks"] = args.head_chunks
+        cfg.update(head_chunks=args.head_chunks, mode=args.mode)
         lines.append(f"  {name:<28} {saved_units(dtype, args.tokens, **cfg)}")
     if not dist.is_initialized() or dist.get_rank() == 0:
         print("\n".join(lines))
