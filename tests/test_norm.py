@@ -124,16 +124,28 @@ def _llama_config(**kw):
     return base
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma"])
-def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
+def _family(name: str) -> tuple[type, object]:
     t = transformers
-    cls, cfg = ((t.LlamaForCausalLM, t.LlamaConfig(**_llama_config())) if name == "llama"
-                else (t.GemmaForCausalLM, t.GemmaConfig(**_llama_config(head_dim=8))))
+    return {
+        "llama": (t.LlamaForCausalLM, lambda: t.LlamaConfig(**_llama_config())),
+        "qwen2": (t.Qwen2ForCausalLM, lambda: t.Qwen2Config(**_llama_config())),
+        "mistral": (t.MistralForCausalLM, lambda: t.MistralConfig(**_llama_config(sliding_window=None))),
+        "phi3": (t.Phi3ForCausalLM, lambda: t.Phi3Config(**_llama_config(pad_token_id=0))),
+        "gemma": (t.GemmaForCausalLM, lambda: t.GemmaConfig(**_llama_config(head_dim=8))),
+    }[name]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "phi3", "gemma"])
+def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
+    from seqpar.swap import swap_attention
+
+    cls, make_cfg = _family(name)
+    cfg = make_cfg()
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(4)
     model = cls(cfg)
     ref = copy.deepcopy(model)
-    report = apply_tiling(model, {"recompute_norm": True})
+    report = swap_attention(model, {"size": 1, "recompute_norm": True}).tiling  # the swap applies it
     assert report.norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
                             "model.norm"], report
