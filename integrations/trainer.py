@@ -35,6 +35,12 @@ What it changes in Trainer, and why (each a small override or hook):
   ``sp``. Trainer then multiplies the loss by the process count so that an average of gradients over
   all ranks is right; DeepSpeed with seqpar's mpu averages over the ``dp`` replicas only (summing the
   SP ranks' gradient shares), so the factor becomes ``dp``. The logged loss is the single-device one.
+  ``num_input_tokens_seen`` and ``total_flos`` (also summed over all processes) count each SP
+  group's batch once as well.
+- **Packed batches** (``data_collator=transformers.DataCollatorWithFlattening()``) need nothing
+  more: ``shard_batch`` takes the documents' global boundaries from the full row before the cut, the
+  collator's ``-100`` at each document start keeps the shifted labels from crossing documents, and
+  Trainer's count of those labels is each row's real targets.
 
 Only the DeepSpeed path is covered; an accelerate loop with FSDP2 uses
 :func:`seqpar.integrations.accelerate.prepare`. accelerate's own ``ParallelismConfig`` with
@@ -222,6 +228,20 @@ class SeqParTrainer(transformers.Trainer):
         if return_outputs:
             return result[0] / sp, result[1]
         return result / sp
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> float:
+        """Trainer's estimate for the full batch it was given, divided by ``sp``: each SP rank does
+        its share of that batch, and ``total_flos`` sums the estimate over all processes."""
+        return super().floating_point_ops(inputs) / self.seqpar_manager.sp_size
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        # Trainer sums the full batch's token count over all processes (include_num_input_tokens_seen),
+        # so every SP rank counted the same batch: keep one count per SP group. Its own hook, as for
+        # num_items_in_batch; a transformers without it never calls this.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        counted = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + counted // self.seqpar_manager.sp_size
 
     def get_total_train_batch_size(self, args: Any) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.seqpar_manager.dp_size

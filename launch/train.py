@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
-    p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag)")
+    p.add_argument("--sharding", help="override sequence_parallel.sharding (contiguous | zigzag | balanced)")
     p.add_argument("--zero-stage", type=int, help="DeepSpeed: override zero_optimization.stage")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--steps", type=int)
@@ -427,10 +427,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         # the shape rules of a dilated pattern need the sequence and head counts: check them now,
         # before any process group or model exists
         from seqpar.attention.dilated import check_pattern
-        from seqpar.sharding import num_chunks
+        from seqpar.sharding import padded_length
 
-        chunks = num_chunks(sp.size, sp.sharding)
-        seq_padded = -(-train.seq_len // chunks) * chunks
+        seq_padded = padded_length(train.seq_len, sp.size, sp.sharding)
         try:
             check_pattern(sp.pattern.segment_lengths, sp.pattern.dilation_rates,
                           head_layout=sp.pattern.head_layout,
@@ -519,7 +518,7 @@ def validate_model(plan: Plan) -> None:
     """Check the ``model`` block without building the model (no memory, no process group): sizes,
     head divisibility, then transformers' own field validators, as a ConfigError naming the key."""
     from seqpar.config import ConfigError
-    from seqpar.sharding import num_chunks
+    from seqpar.sharding import padded_length
 
     _check_model_values(plan.model)
     if os.environ.get("WORLD_SIZE", "").isdigit():  # under a launcher the world size is known already
@@ -527,8 +526,7 @@ def validate_model(plan: Plan) -> None:
 
         check_divisible(int(os.environ["WORLD_SIZE"]), plan.sp.size)
     task = RecallTask(plan.train)
-    chunks = num_chunks(plan.sp.size, plan.sp.sharding)
-    seq_padded = -(-plan.train.seq_len // chunks) * chunks
+    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding)
     try:
         llama_config(plan, task.vocab_size, seq_padded)  # transformers' strict field validators
     except Exception as e:  # transformers' validators name the field; say which block it is in
@@ -831,11 +829,10 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         return {}
     from seqpar.data import shard_batch
     from seqpar.loss import sequence_parallel_loss
-    from seqpar.sharding import num_chunks
+    from seqpar.sharding import padded_length
 
     task = RecallTask(plan.train)
-    chunks = num_chunks(plan.sp.size, plan.sp.sharding)
-    seq_padded = -(-plan.train.seq_len // chunks) * chunks
+    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding)
     model = build_model(plan, task.vocab_size, seq_padded)
     n_params = sum(p.numel() for p in model.parameters())
     engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)

@@ -11,7 +11,7 @@ Example block::
         "size": 2,                  # SP degree: ranks that share one sequence
         "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
-        "sharding": "zigzag",       # "contiguous" | "zigzag"
+        "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
@@ -46,7 +46,9 @@ __all__ = [
 ]
 
 MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
-SHARDINGS = ("contiguous", "zigzag")
+# balanced: chunks dealt per batch from the packed documents' boundaries (seqpar.sharding), so
+# causal work stays even where zigzag's balance breaks
+SHARDINGS = ("contiguous", "zigzag", "balanced")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
 SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
@@ -209,9 +211,10 @@ class SeqParConfig:
     """Keep checkpointed layer inputs in pinned CPU memory, prefetched in backward (CUDA only; on a
     CPU-only build it changes nothing). Needs activation checkpointing."""
     recompute_norm: bool = False
-    """Make the decoder's RMSNorms save only their input and recompute the norm in backward (bitwise
-    the same forward, the same gradients) instead of keeping the fp32 upcast and the normalised
-    copy: applied by the swap to Hugging Face causal LMs of the Llama family (see :mod:`seqpar.norm`)."""
+    """Make the decoder's RMSNorms save only their input and recompute the norm in backward over row
+    chunks, instead of keeping the fp32 upcast and the normalised copy (bitwise the same forward and
+    input gradient; the weight's gradient summed in fp32): applied by the swap to Hugging Face causal
+    LMs of the Llama family (see :mod:`seqpar.norm`)."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
@@ -235,9 +238,14 @@ class SeqParConfig:
         _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
         if self.sharding not in SHARDINGS:
             _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
-        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite",
-                    "recompute_norm"):
+        if (self.sharding == "balanced" and self.mode == "hybrid" and self.ulysses_size != "auto"
+                and 1 < self.ulysses_size < self.size):
+            _fail("sharding", self.sharding,
+                  f"the hybrid's super-ranks (ulysses_size {self.ulysses_size} of size {self.size}) hold no "
+                  "balanced layout: use \"zigzag\", or mode \"ring\" / \"ulysses\" with \"balanced\"")
+        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
+        _check_type("recompute_norm", self.recompute_norm, (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":
             _check_type("head_chunks", self.head_chunks, (int,), chunks_hint)

@@ -49,7 +49,7 @@ from torch.utils.data import (
 )
 
 from seqpar.groups import default_manager, resolve_group
-from seqpar.sharding import num_chunks, shard_index
+from seqpar.sharding import length_multiple, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
            "document_boundaries", "PACKED_KEYS"]
@@ -203,8 +203,7 @@ def shard_batch(
         )
     batch_size, seq_len = ref.shape[0], ref.shape[1]
     device = ref.device
-    # balanced: 8 chunks per rank balance finest (seqpar.sharding), so pad to a multiple of 8P.
-    multiple = 8 * world_size if sharding == "balanced" else num_chunks(world_size, sharding)
+    multiple = length_multiple(world_size, sharding)
     pad = (-seq_len) % multiple
     bounds = document_boundaries(out, seq_len)  # global, before the cut
 

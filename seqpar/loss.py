@@ -159,6 +159,12 @@ def shift_labels_across_shards(
     the sequence's last position gets ``ignore_index``. Collective over the SP group.
     """
     rank, world_size = sp_rank_and_size(group)
+    if sharding == "balanced":
+        raise ValueError(
+            "labels cut with sharding='balanced' cannot be shifted after the cut: the layout depends on "
+            "the batch's document boundaries. Cut the batch with seqpar.data.shard_batch, which shifts "
+            "the labels before the cut and passes shift_labels to the model"
+        )
     n = num_chunks(world_size, sharding)
     mine = chunk_ids(rank, world_size, sharding)
     batch, seq_local = labels_local.shape

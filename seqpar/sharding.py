@@ -9,8 +9,9 @@ Layouts (P = SP size):
   ``cu_seqlens`` so that every rank has about the same causal attention work (visible pairs):
   zigzag's balance breaks with packed documents. The layout depends on the sequence length and
   ``cu_seqlens`` (host integers, the same on every rank), so ``shard_sequence``/``gather_sequence``
-  and ``seqpar.attention`` must be given the same ``cu_seqlens`` (none: one document). Attention and
-  the shard/gather functions only: the batch helpers take contiguous and zigzag.
+  and ``seqpar.attention`` must be given the same ``cu_seqlens`` (none: one document).
+  ``seqpar.data.shard_batch`` cuts packed batches this way and hands the boundaries to the model
+  (``cu_seq_lens_q``), so ``"sharding": "balanced"`` works from the config.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "shard_sequence",
     "gather_sequence",
     "pad_to_multiple",
+    "length_multiple",
+    "padded_length",
     "balanced_layout",
 ]
 
@@ -51,6 +54,19 @@ def num_chunks(world_size: int, sharding: str, *, seq_len: int | None = None) ->
     if sharding == "zigzag":
         return 2 * world_size
     raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous' or 'zigzag'")
+
+
+def length_multiple(world_size: int, sharding: str) -> int:
+    """What :func:`seqpar.data.shard_batch` pads a sequence to a multiple of before the cut: ``P``
+    (contiguous), ``2P`` (zigzag) or ``8P`` (balanced: its finest layout, 8 chunks per rank, whatever
+    the documents)."""
+    return 8 * world_size if sharding == BALANCED else num_chunks(world_size, sharding)
+
+
+def padded_length(seq_len: int, world_size: int, sharding: str) -> int:
+    """``seq_len`` rounded up to :func:`length_multiple`."""
+    multiple = length_multiple(world_size, sharding)
+    return -(-seq_len // multiple) * multiple
 
 
 def chunk_ids(

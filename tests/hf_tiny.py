@@ -72,6 +72,62 @@ def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype],
     return losses
 
 
+# Packed batches (transformers.DataCollatorWithFlattening): documents of varied lengths, packed
+# DOCS_PER_ROW to a row. Row lengths 15, 22, 22, 23, 26: most need end padding for zigzag over 2; a
+# 1-token document has nothing to predict.
+DOC_LENGTHS = (5, 1, 9, 12, 3, 7, 14, 2, 6, 11, 4, 8, 13, 10, 3)
+DOCS_PER_ROW = 3
+
+
+def documents() -> list[dict[str, torch.Tensor]]:
+    """Fresh random documents of :data:`DOC_LENGTHS` tokens (labels = input_ids)."""
+    g = torch.Generator().manual_seed(4321)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in DOC_LENGTHS]
+    return [{"input_ids": d, "labels": d.clone()} for d in docs]
+
+
+def targets_per_row(docs_per_row: int = DOCS_PER_ROW) -> list[int]:
+    """Real target tokens of each packed row: every token but each document's first (once, not x SP)."""
+    lengths = DOC_LENGTHS
+    return [sum(n - 1 for n in lengths[i:i + docs_per_row]) for i in range(0, len(lengths), docs_per_row)]
+
+
+def _per_document_loss(model: Any, docs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    # Each document alone (no packing): token losses summed over every document, over their count.
+    total, count = 0.0, 0
+    for d in docs:
+        n = d["input_ids"].numel()
+        if n < 2:
+            continue  # nothing to predict
+        out = model(input_ids=d["input_ids"][None], labels=d["labels"][None])
+        total = total + out.loss * (n - 1)
+        count += n - 1
+    return total / count
+
+
+def per_document_reference_losses(steps: int, docs_per_row: int = DOCS_PER_ROW,
+                                  eval_rows: int = 0) -> list[float]:
+    """Per-step losses of single-device float64 AdamW training where each step's ``docs_per_row``
+    documents are run one at a time, unpacked: what packed training must equal (no attention or
+    label leak across documents). With ``eval_rows``, followed by the trained model's mean over the
+    first ``eval_rows`` rows of each row's per-document token mean (Trainer's eval loss)."""
+    model = tiny_llama(torch.float64)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    docs = documents()
+    rows = [docs[i:i + docs_per_row] for i in range(0, len(docs), docs_per_row)]
+    losses = []
+    for step in range(steps):
+        loss = _per_document_loss(model, rows[step % len(rows)])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if eval_rows:
+        with torch.no_grad():
+            losses.append(sum(_per_document_loss(model, r).item() for r in rows[:eval_rows]) / eval_rows)
+    return losses
+
+
 @contextlib.contextmanager
 def launcher_env(rank: int, world: int) -> Iterator[None]:
     """What a launcher would set (accelerate and DeepSpeed read it; the pool joined gloo already),

@@ -2,7 +2,9 @@
 
 Per-step losses of a tiny Llama trained for 5 steps at SP=2 (world 2, and DP2 x SP2) equal
 single-device training on the full sequences (float64 reference) within 1e-4; the ranks of the SP group saw the same
-samples, and each batch reached the model cut along the sequence.
+samples, and each batch reached the model cut along the sequence. Packed rows from
+``transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` as the loader's
+``collate_fn``: SP=2 equals SP=1, and both equal training on each document alone.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ STEPS = 5
 BATCH = 2
 
 
-def _accelerate_run(rank: int, world: int, sp: int, micro: int) -> dict:
+def _accelerate_run(rank: int, world: int, sp: int, micro: int, packed: bool = False) -> dict:
     import torch.distributed as dist
     from accelerate import Accelerator
+    from transformers import DataCollatorWithFlattening
 
     from seqpar.integrations.accelerate import prepare
 
     with hf_tiny.launcher_env(rank, world):
         accelerator = Accelerator()
         model = hf_tiny.tiny_llama()
-        loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=micro)
+        if packed:  # micro documents flattened into one row per step, boundaries as cu_seq_lens_q/k
+            loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.documents()), batch_size=micro,
+                                                 collate_fn=DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+        else:
+            loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=micro)
         model, opt, loader = prepare(
             accelerator, model, lambda params: torch.optim.AdamW(params, lr=hf_tiny.LR, weight_decay=0.0),
             loader, config={"size": sp, "mode": "ring", "sharding": "zigzag"},
@@ -39,7 +46,8 @@ def _accelerate_run(rank: int, world: int, sp: int, micro: int) -> dict:
             accelerator.backward(loss)
             opt.step()
             opt.zero_grad()
-            # The replica's loss, averaged over DP (every row has the same number of targets).
+            # The replica's loss, averaged over DP (every row has the same number of targets; packed
+            # runs have DP 1).
             mean = torch.tensor([loss.item()], dtype=torch.float64)
             dist.all_reduce(mean, group=model.seqpar_manager.dp_group)
             losses.append(mean.item() / model.seqpar_manager.dp_size)
@@ -57,3 +65,19 @@ def test_accelerate_fsdp2_sp2_matches_single_device(dist_pool, world, sp):
         # SEQ=14 padded to 16 (zigzag: 4 chunks) and cut in two: each rank holds 8 positions.
         assert r["shapes"] == [(micro, 8)] * STEPS
     assert out[0]["first_ids"] != out[1]["first_ids"]  # different shards of the sequence
+
+
+def test_accelerate_fsdp2_packed_documents_sp2_equals_sp1_and_each_document_alone(dist_pool):
+    """DataCollatorWithFlattening rows (varied document lengths, end padding for zigzag) through
+    prepare's loader: SP=2 equals SP=1, and both equal training on each document alone (float64)."""
+    ref = hf_tiny.per_document_reference_losses(STEPS)
+    sp1 = dist_pool.run(1, _accelerate_run, 1, hf_tiny.DOCS_PER_ROW, True, timeout=240)[0]
+    sp2 = dist_pool.run(2, _accelerate_run, 2, hf_tiny.DOCS_PER_ROW, True, timeout=240)
+    hf_tiny.assert_losses_close(sp1["losses"], ref, rtol=1e-5)  # no leak across documents
+    rows = [sum(hf_tiny.DOC_LENGTHS[i:i + hf_tiny.DOCS_PER_ROW])
+            for i in range(0, len(hf_tiny.DOC_LENGTHS), hf_tiny.DOCS_PER_ROW)]
+    # Each row padded at the end to a multiple of 2 x SP (zigzag), then cut in SP pieces.
+    assert sp1["shapes"] == [(1, (n + 1) // 2 * 2) for n in rows]
+    for r in sp2:
+        hf_tiny.assert_losses_close(r["losses"], sp1["losses"])
+        assert r["shapes"] == [(1, (n + 3) // 4 * 2) for n in rows]

@@ -128,3 +128,13 @@ def test_loader_refuses_what_it_cannot_split():
         ShardedDataLoader(DataLoader(_Samples(), batch_size=2, sampler=wrong))
     plain = ShardedDataLoader(DataLoader(_Samples(), batch_size=4))
     assert len(plain) == 3 and next(iter(plain))["input_ids"].shape == (4, 8)
+
+
+def test_balanced_labels_must_be_shifted_before_the_cut():
+    from seqpar.loss import shift_labels_across_shards
+
+    with pytest.raises(ValueError, match="shard_batch"):
+        shift_labels_across_shards(torch.arange(8).view(1, 8), sharding="balanced")
+    out = shard_batch({"input_ids": torch.arange(5).view(1, 5), "labels": torch.arange(5).view(1, 5)},
+                      sharding="balanced")  # one rank: pads to a multiple of 8, shifts before the cut
+    assert out["shift_labels"].tolist() == [[1, 2, 3, 4, -100, -100, -100, -100]]

@@ -55,6 +55,19 @@ def test_packed_sp2_and_sp4_losses_equal_sp1(dist_pool):
     got4 = dist_pool.run(4, _run_main, [*ARGV, "--sp-size", "4", "--sharding", "contiguous"], timeout=240)
     for i, (a, b) in enumerate(zip(got4[0], ref, strict=True)):
         assert abs(a - b) <= RTOL * abs(b), f"step {i}: SP=4 {a} vs SP=1 {b}"
+    # balanced: chunks dealt per row from its documents (pads 250 to 256, 8 chunks per rank); the
+    # first row's layout is neither contiguous nor zigzag, so this run is a third layout
+    from itertools import accumulate
+
+    from seqpar.sharding import balanced_layout
+
+    train = _train()
+    lengths = train.RecallTask(train.TrainSettings(seq_len=250, packed=True)).packed_lengths(0)
+    layout = balanced_layout(256, 2, (0, *accumulate(lengths), 256))
+    assert layout[0] not in ((0, 1, 2, 3, 4, 5, 6, 7), (0, 1, 2, 3, 12, 13, 14, 15)), layout
+    bal = dist_pool.run(2, _run_main, [*ARGV, "--sp-size", "2", "--sharding", "balanced"], timeout=240)
+    for i, (a, b) in enumerate(zip(bal[0], ref, strict=True)):
+        assert abs(a - b) <= RTOL * abs(b), f"step {i}: SP=2 balanced {a} vs SP=1 {b}"
     unpacked = dist_pool.run(1, _run_main, [a for a in ARGV if a != "--packed"] + ["--sp-size", "1",
                                                                                   "--steps", "1"],
                              timeout=240)[0]

@@ -4,6 +4,8 @@ A tiny Llama trained by Trainer for 5 steps at SP=2 (world 2, gloo) logs the per
 single-device training on the full sequences (float64 reference) within 1e-4: same samples on both
 SP ranks, token counts not multiplied by the SP size, batches cut after the shift, the default
 ``compute_loss`` (the swapped model's labels= loss), gradients averaged over DP replicas only.
+Packed rows from ``transformers.DataCollatorWithFlattening`` take the same path (issue 13 §1): SP=2
+equals SP=1, and both equal training on each document alone.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ pytest.importorskip("accelerate")
 STEPS = 5
 BATCH = 2
 EVAL_ROWS = 4
+PACKED_EVAL_ROWS = 2
 
 
 def ds_config(sp: int, stage: int) -> dict:
@@ -35,21 +38,23 @@ def ds_config(sp: int, stage: int) -> dict:
     }
 
 
-def training_args(tmp: str, sp: int, stage: int, **extra):
+def training_args(tmp: str, sp: int, stage: int, batch: int = BATCH, **extra):
     from transformers import TrainingArguments
 
     # use_cpu: without it accelerate finds no distributed backend on a CPU-only machine and Trainer
     # runs as a world of 1 (no token-count gather, no loss scaling): the path under test is the one
     # a GPU launch takes, world_size = 2.
     return TrainingArguments(
-        output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=BATCH,
+        output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=batch,
         max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, per_device_eval_batch_size=BATCH, prediction_loss_only=True, save_strategy="no", report_to=[],
+        max_grad_norm=0.0, logging_steps=1, per_device_eval_batch_size=batch, prediction_loss_only=True, save_strategy="no", report_to=[],
         train_sampling_strategy="sequential", seed=0, disable_tqdm=True, use_cpu=True, **extra,
     )
 
 
-def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
+def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: bool = False) -> dict:
+    from transformers import DataCollatorWithFlattening
+
     from seqpar.integrations.trainer import SeqParTrainer
 
     seen: list[tuple] = []
@@ -63,17 +68,25 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str) -> dict:
         import deepspeed
 
         original = deepspeed.initialize
-        args = training_args(f"{tmp}/r{rank}", sp, stage)
-        trainer = Recording(model=hf_tiny.tiny_llama(), args=args,
-                            train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
-                            eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]))
+        if packed:  # DOCS_PER_ROW documents flattened into one row per step
+            args = training_args(f"{tmp}/r{rank}", sp, stage, batch=hf_tiny.DOCS_PER_ROW,
+                                 include_num_input_tokens_seen="all")
+            data, collator = hf_tiny.documents(), DataCollatorWithFlattening()
+            eval_data = data[:PACKED_EVAL_ROWS * hf_tiny.DOCS_PER_ROW]
+        else:
+            args = training_args(f"{tmp}/r{rank}", sp, stage)
+            data, collator, eval_data = hf_tiny.samples(), None, hf_tiny.samples()[:EVAL_ROWS]
+        trainer = Recording(model=hf_tiny.tiny_llama(), args=args, data_collator=collator,
+                            train_dataset=hf_tiny.ListDataset(data),
+                            eval_dataset=hf_tiny.ListDataset(eval_data))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         losses.append(trainer.evaluate()["eval_loss"])  # cut batches too, DP-split, loss only
         engine = trainer.model_wrapped
         assert deepspeed.initialize is original, "the route to seqpar's initialize must not outlive prepare"
         return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
-                "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size)}
+                "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size),
+                "tokens": trainer.state.num_input_tokens_seen, "flos": trainer.state.total_flos}
 
 
 def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
@@ -86,6 +99,27 @@ def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
         # Full batches reach training_step (cut inside it); the count is the full one, once.
         assert r["seen"] == [((BATCH, hf_tiny.SEQ), float(targets))] * STEPS
     assert torch.tensor(out[0]["losses"]).equal(torch.tensor(out[1]["losses"]))
+
+
+def test_trainer_packed_documents_sp2_equals_sp1_and_each_document_alone(dist_pool, tmp_path):
+    """DataCollatorWithFlattening rows (documents of varied lengths, -100 at each document start,
+    position_ids restarting) through SeqParTrainer: SP=2 logs the losses of SP=1, and both equal
+    training on each document alone (float64); the target count is each row's real tokens, once."""
+    ref = hf_tiny.per_document_reference_losses(STEPS, eval_rows=PACKED_EVAL_ROWS)
+    sp1 = dist_pool.run(1, _trainer_run, 1, 2, str(tmp_path / "sp1"), True, timeout=300)[0]
+    sp2 = dist_pool.run(2, _trainer_run, 2, 2, str(tmp_path / "sp2"), True, timeout=300)
+    hf_tiny.assert_losses_close(sp1["losses"], ref, rtol=1e-5)  # no leak across documents
+    rows = [(1, sum(n for n in hf_tiny.DOC_LENGTHS[i:i + hf_tiny.DOCS_PER_ROW]))
+            for i in range(0, len(hf_tiny.DOC_LENGTHS), hf_tiny.DOCS_PER_ROW)]
+    for r in [sp1, *sp2]:
+        hf_tiny.assert_losses_close(r["losses"], sp1["losses"])
+        assert [shape for shape, _ in r["seen"]] == rows  # one packed row per step, cut inside
+        assert [count for _, count in r["seen"]] == [float(n) for n in hf_tiny.targets_per_row()]
+        # Logged counts summed over all processes count each SP group's rows once, too.
+        assert r["tokens"] == sum(hf_tiny.DOC_LENGTHS)
+        assert r["flos"] == pytest.approx(sp1["flos"], rel=1e-12) and r["flos"] > 0
+    assert sp2[0]["groups"] == (2, 2) and sp2[0]["world"] == 2
+    assert torch.tensor(sp2[0]["losses"]).equal(torch.tensor(sp2[1]["losses"]))
 
 
 def test_trainer_refusals_name_the_fix(tmp_path):

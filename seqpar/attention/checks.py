@@ -28,9 +28,6 @@ __all__ = [
     "AUTO_HEAD_CHUNKS",
 ]
 
-# attention also takes the per-batch "balanced" layout (seqpar.sharding), which needs the document
-# boundaries and so is not a training-config sharding
-_SHARDINGS = (*SHARDINGS, "balanced")
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 _BASE_LEN = 1 + 3 * 5 + 5  # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks
 
@@ -57,8 +54,8 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int) -> int:
 def check_options(mode: str, sharding: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}")
-    if sharding not in _SHARDINGS:
-        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(_SHARDINGS)}")
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
 
 
 def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
@@ -117,7 +114,7 @@ def describe_call(
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
         {"cpu": 0, "cuda": 1}.get(q.device.type, 2),
         int(causal),
-        MODES.index(mode) * len(_SHARDINGS) + _SHARDINGS.index(sharding),
+        MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
     ]
     extra = [int(x) for x in extra]
