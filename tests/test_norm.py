@@ -146,6 +146,10 @@ def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
     model = cls(cfg)
     ref = copy.deepcopy(model)
     report = swap_attention(model, {"size": 1, "recompute_norm": True}).tiling  # the swap applies it
+    # under activation checkpointing too: the recompute runs the lean norm's forward again
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref.train()
     assert report.norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
                             "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm",
                             "model.norm"], report
