@@ -4,15 +4,16 @@ Why: in low precision, a Hugging Face RMSNorm keeps three tensors of the hidden 
 for backward per call: the fp32 upcast of its input (saved by ``pow`` and by the multiplication by
 the reciprocal RMS: two bf16 units), the normalised value in the input dtype (saved by the
 multiplication by the weight: one unit), besides its output, which the next projection saves anyway.
-Two norms per layer make that ~6 of the ~15 hidden-sized units a recomputed layer holds.
+Two norms per layer make that 6 of the ~11 hidden-sized units a recomputed layer holds with the
+tiled MLP (measured by ``python -m seqpar.bench.layer_memory``).
 
-:class:`LeanRMSNorm` computes the same forward with the same operations in the same order (so the
+:func:`lean_rms_norm` computes the same forward with the same operations in the same order (so the
 output is bitwise that of the module it replaces), saves only its input (which is usually alive
-anyway: the layer's input, or the residual sum), and recomputes the norm in backward over chunks of
-rows (at most ~64 MiB of fp32 and an eighth of the rows each), so that the recompute's fp32 copies stay small. The input's
-gradient goes through autograd of the same row-wise operations (bitwise the module's); the
-weight's is summed over the chunks in fp32 (the module sums products already rounded to the input
-dtype, so this is at least as accurate; fp32: equal to rounding).
+anyway: the layer's input, or the residual sum), and recomputes the norm in backward. Both run over
+chunks of rows (at most ~64 MiB of fp32 and an eighth of the rows each), so that the fp32 copies
+stay small. The input's gradient goes through autograd of the same row-wise operations (bitwise
+the module's); the weight's is summed over the chunks in fp32 (the module sums products already
+rounded to the input dtype, so this is at least as accurate; fp32: equal to rounding).
 
 Two formulas, as in transformers 5.x:
 

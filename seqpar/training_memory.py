@@ -9,8 +9,9 @@ alive at the step's worst moment, by category:
 - ``gradients``: the reduced gradient partition plus the unreduced whole-layer gradients in flight;
 - ``optimizer_state``: AdamW's two moments, fp32, on the engine's partition;
 - ``activations``: what each decoder layer saves for backward (per token: the tensors listed in
-  :func:`_layer_saved_bytes`, measured by ``python -m seqpar.bench.layer_memory``), or only its input with activation checkpointing plus one layer
-  recomputed; the tiled MLP keeps one chunk's intermediate activations instead of the whole;
+  :func:`_layer_saved_bytes`, as ``python -m seqpar.bench.layer_memory`` measures them; fewer with
+  ``recompute_norm``), or only its input with activation checkpointing plus one layer recomputed;
+  the tiled MLP keeps one chunk's intermediate activations instead of the whole;
 - ``attention_transients``: :func:`seqpar.memory.estimate_memory` for one layer's attention call,
   less the q, k, v, output already counted as activations;
 - ``logits_loss``: the ``(seq_local, vocab)`` logits, their fp32 log-softmax and two gradients of that
