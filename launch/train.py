@@ -252,6 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override sequence_parallel.tiled_mlp: number of chunks or 'auto'")
     p.add_argument("--offload-activations", action="store_true", default=None,
                    help="override sequence_parallel.offload_activations (CUDA; a no-op on CPU)")
+    p.add_argument("--recompute-norm", action="store_true", default=None,
+                   help="override sequence_parallel.recompute_norm (RMSNorms save only their input)")
     p.add_argument("--packed", action="store_true", default=None,
                    help="train on packed documents of long-tailed lengths (sets train.packed)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
@@ -411,6 +413,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("sharding", args.sharding), ("tiled_loss", args.tiled_loss),
                                   ("tiled_mlp", args.tiled_mlp),
                                   ("offload_activations", args.offload_activations),
+                                  ("recompute_norm", args.recompute_norm),
                                   ("ulysses_size", args.ulysses_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)

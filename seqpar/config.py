@@ -19,6 +19,7 @@ Example block::
         "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
         "offload_activations": false,  # checkpointed layer inputs in pinned CPU memory
+        "recompute_norm": false,    # RMSNorms save only their input, recomputed in backward
         "pattern": {"type": "dense"},
         "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
         "check_finite": false       # collective NaN/Inf check of attention inputs/outputs
@@ -209,6 +210,11 @@ class SeqParConfig:
     offload_activations: bool = False
     """Keep checkpointed layer inputs in pinned CPU memory, prefetched in backward (CUDA only; on a
     CPU-only build it changes nothing). Needs activation checkpointing."""
+    recompute_norm: bool = False
+    """Make the decoder's RMSNorms save only their input and recompute the norm in backward over row
+    chunks, instead of keeping the fp32 upcast and the normalised copy (bitwise the same forward and
+    input gradient; the weight's gradient summed in fp32): applied by the swap to Hugging Face causal
+    LMs of the Llama family (see :mod:`seqpar.norm`)."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
@@ -239,6 +245,7 @@ class SeqParConfig:
                   "balanced layout: use \"zigzag\", or mode \"ring\" / \"ulysses\" with \"balanced\"")
         for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
+        _check_type("recompute_norm", self.recompute_norm, (bool,), "expected true or false")
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":
             _check_type("head_chunks", self.head_chunks, (int,), chunks_hint)

@@ -269,9 +269,11 @@ class TilingReport:
     mlp_chunks: int | str | bool = False
     offload: str | None = None
     """What ``offload_activations`` did (or why it changed nothing)."""
+    norms: list[str] = field(default_factory=list)
+    """Qualified names of the RMSNorms made lean (``recompute_norm``, :mod:`seqpar.norm`)."""
 
     def __bool__(self) -> bool:
-        return bool(self.loss or self.mlps or self.offload)
+        return bool(self.loss or self.mlps or self.offload or self.norms)
 
     def __str__(self) -> str:
         parts = []
@@ -282,6 +284,8 @@ class TilingReport:
                          + ", ".join(self.mlps))
         if self.offload:
             parts.append(f"offload_activations: {self.offload}")
+        if self.norms:
+            parts.append(f"recompute_norm on {len(self.norms)} modules: " + ", ".join(self.norms))
         return "seqpar tiling: " + ("; ".join(parts) if parts else "nothing")
 
 
@@ -385,7 +389,8 @@ def apply_tiling(
 ) -> TilingReport:
     """Tile the LM head + loss and/or the decoder MLPs of a Llama-family causal LM, in place.
 
-    Reads ``tiled_loss``, ``tiled_mlp`` and ``offload_activations`` from the config; all off: no-op.
+    Reads ``tiled_loss``, ``tiled_mlp``, ``offload_activations`` and ``recompute_norm`` (the lean
+    RMSNorms of :mod:`seqpar.norm`) from the config; all off: no-op.
     Call before the engine wraps the model (the swap does it). With ``tiled_loss`` the model must be
     called with ``shift_labels=`` (or ``labels=`` at SP size 1) and returns ``loss`` (the SP-correct
     token-weighted mean over ``group``) with ``logits=None``; without labels it returns logits as
@@ -396,9 +401,10 @@ def apply_tiling(
     """
     cfg = SeqParConfig.load(config)
     report = TilingReport()
-    if not (cfg.tiled_loss or cfg.tiled_mlp is not False or cfg.offload_activations):
+    if not (cfg.tiled_loss or cfg.tiled_mlp is not False or cfg.offload_activations or cfg.recompute_norm):
         return report
-    key = "tiled_loss" if cfg.tiled_loss else "tiled_mlp" if cfg.tiled_mlp is not False else "offload_activations"
+    key = ("tiled_loss" if cfg.tiled_loss else "tiled_mlp" if cfg.tiled_mlp is not False
+           else "offload_activations" if cfg.offload_activations else "recompute_norm")
     lm_name, lm = _find_causal_lm(model, key)
     problems: list[str] = []
     if cfg.tiled_loss:
@@ -415,6 +421,10 @@ def apply_tiling(
                                     f"seqpar knows ({', '.join(MLP_CLASSES)})")
         if not mlps and not problems:
             problems.append(f"'{lm_name or type(lm).__name__}' has no decoder MLPs under .layers")
+    if cfg.recompute_norm:
+        from seqpar.norm import norm_problems
+
+        problems += norm_problems(lm, f"{lm_name}." if lm_name else "")
     if problems:
         raise TilingError("seqpar cannot tile this model exactly:\n  - " + "\n  - ".join(problems)
                           + "\nSet the key to false, or nothing is changed.")
@@ -430,6 +440,10 @@ def apply_tiling(
             _mark_zero3_leaf(mlp)
         report.mlps.append(name)
     report.mlp_chunks = cfg.tiled_mlp
+    if cfg.recompute_norm:
+        from seqpar.norm import apply_recompute_norm
+
+        report.norms = apply_recompute_norm(lm, f"{lm_name}." if lm_name else "")
     if cfg.offload_activations:
         from seqpar.offload import apply_offload
 

@@ -9,8 +9,9 @@ alive at the step's worst moment, by category:
 - ``gradients``: the reduced gradient partition plus the unreduced whole-layer gradients in flight;
 - ``optimizer_state``: AdamW's two moments, fp32, on the engine's partition;
 - ``activations``: what each decoder layer saves for backward (per token: the tensors listed in
-  :func:`_layer_saved_per_token`), or only its input with activation checkpointing plus one layer
-  recomputed; the tiled MLP keeps one chunk's intermediate activations instead of the whole;
+  :func:`_layer_saved_bytes`, as ``python -m seqpar.bench.layer_memory`` measures them; fewer with
+  ``recompute_norm``), or only its input with activation checkpointing plus one layer recomputed;
+  the tiled MLP keeps one chunk's intermediate activations instead of the whole;
 - ``attention_transients``: :func:`seqpar.memory.estimate_memory` for one layer's attention call,
   less the q, k, v, output already counted as activations;
 - ``logits_loss``: the ``(seq_local, vocab)`` logits, their fp32 log-softmax and two gradients of that
@@ -111,15 +112,33 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _layer_saved_per_token(m: ModelShape, mlp_saved: bool) -> int:
-    """Elements one decoder layer saves for backward per token (Hugging Face Llama, seqpar attention):
-    layer input; each RMSNorm's normalised and scaled outputs (2 H each); q, k, v and their rotated
-    copies; the attention output and its reshaped copy for o_proj; the residual sum; and, unless the
-    MLP is tiled, gate, up, act(gate) and their product (4 I)."""
+def _norm_saved_bytes(h: int, e: int, recompute_norm: bool, input_saved_elsewhere: bool) -> int:
+    """Bytes per token one RMSNorm call keeps for backward, its output included (the next projection
+    saves it), measured by ``python -m seqpar.bench.layer_memory``: Hugging Face's saves the fp32
+    upcast of its input (the input itself in fp32) and the normalised copy; the lean one
+    (``recompute_norm``) only its input. ``input_saved_elsewhere``: the input is counted apart (the
+    checkpointed layer input)."""
+    if recompute_norm:
+        return h * e + (0 if input_saved_elsewhere else h * e)
+    upcast = 0 if (e == 4 and input_saved_elsewhere) else h * 4  # fp32: .float() is the input itself
+    return upcast + 2 * h * e + 4  # + the fp32 reciprocal RMS per row
+
+
+def _layer_saved_bytes(m: ModelShape, e: int, *, mlp_saved: bool, recompute_norm: bool, input_counted: bool,
+                       out_copy: bool) -> int:
+    """Bytes per token one decoder layer saves for backward (Hugging Face Llama, seqpar attention),
+    measured by ``python -m seqpar.bench.layer_memory``: the two RMSNorms (:func:`_norm_saved_bytes`;
+    the first one's input is the layer input, ``input_counted`` when the caller counts it as a
+    checkpointed input; the second one's is the residual sum); the rotated q, k, v, the output and
+    the fp32 log-sum-exp attention saves, the rotary cos / sin, and the contiguous
+    ``(batch, seq, heads, dim)`` copy o_proj saves when attention's output is laid out otherwise
+    (``out_copy``); and, unless the MLP is tiled, gate, up, act(gate) and their product (4 I)."""
     h, kvd, qd = m.hidden_size, m.num_key_value_heads * m.d, m.num_attention_heads * m.d
-    saved = h + 2 * h + 2 * qd + 4 * kvd + 2 * qd + h + 2 * h
+    saved = _norm_saved_bytes(h, e, recompute_norm, input_counted)
+    saved += _norm_saved_bytes(h, e, recompute_norm, False)
+    saved += (2 * qd + 2 * kvd + (qd if out_copy else 0) + 2 * m.d) * e + m.num_attention_heads * 4
     if mlp_saved:
-        saved += 4 * m.intermediate_size
+        saved += 4 * m.intermediate_size * e
     return saved
 
 
@@ -150,6 +169,7 @@ def estimate_training_memory(
     device: str = "cpu",
     offload_optimizer: bool = False,
     reduce_bucket_size: int = 500_000_000,
+    recompute_norm: bool = False,
 ) -> dict[str, int]:
     """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
 
@@ -166,6 +186,7 @@ def estimate_training_memory(
         head_chunks: attention's ``head_chunks``. device: ``"cpu"`` or ``"cuda"``.
         offload_optimizer: DeepSpeed's ``offload_optimizer`` (fp32 master and AdamW state on the host).
         reduce_bucket_size: DeepSpeed's gradient bucket, in elements (its default 5e8).
+        recompute_norm: the lean RMSNorms of :mod:`seqpar.norm` (save only their input).
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
@@ -214,7 +235,11 @@ def estimate_training_memory(
 
     # ---------------------------------------------------------------- activations
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
-    per_layer = _layer_saved_per_token(m, mlp_saved=tiled_mlp is False) * rows * e
+    # seqpar attention returns its output in q's layout at SP size 1 (plain SDPA) and in ring mode:
+    # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
+    out_copy = sp_size > 1 and mode != "ring"
+    per_layer = _layer_saved_bytes(m, e, mlp_saved=tiled_mlp is False, recompute_norm=recompute_norm,
+                                   input_counted=activation_checkpointing, out_copy=out_copy) * rows
     if activation_checkpointing:
         inputs_kept = n_layers * rows * h * e
         if offload_activations and device == "cuda":
@@ -223,9 +248,10 @@ def estimate_training_memory(
         activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
     else:
         activations = activations_at_loss = n_layers * per_layer
-    head_inputs = rows * h * e * 3  # the final norm's input and outputs, saved for the head
-    activations += head_inputs
-    activations_at_loss += head_inputs
+    # the final norm's saved tensors (its output is the head's input) live until the loss's backward
+    # has gone through the norm; the last layer's backward then holds the gradient coming down
+    activations_at_loss += _norm_saved_bytes(h, e, recompute_norm, False) * rows
+    activations += rows * h * e
     mlp_transient = 0
     if tiled_mlp is not False:
         # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the

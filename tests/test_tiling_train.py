@@ -37,21 +37,23 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 def _loss(model: Any, batch: dict[str, torch.Tensor], tiled: bool, group: Any) -> torch.Tensor:
     from seqpar.loss import sequence_parallel_loss
 
-    if tiled:
+    if tiled is True:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                      shift_labels=batch["shift_labels"]).loss
     logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     return sequence_parallel_loss(logits, batch["shift_labels"], group=group)
 
 
-def _sp_block(sp: int, tiled: bool) -> dict[str, Any]:
+def _sp_block(sp: int, tiled: bool | str) -> dict[str, Any]:
     block = {"size": sp, "mode": "ring", "sharding": "zigzag"}
-    if tiled:
+    if tiled is True:
         block.update(tiled_loss=True, tiled_mlp=3)
+    elif tiled == "recompute_norm":  # the lean RMSNorms alone, against the same run without
+        block.update(recompute_norm=True)
     return block
 
 
-def _run(rank: int, world: int, engine: str, stage: int, tiled: bool) -> tuple[list[float], dict]:
+def _run(rank: int, world: int, engine: str, stage: int, tiled: bool | str) -> tuple[list[float], dict]:
     from seqpar.data import shard_batch
 
     model = _model()
@@ -105,8 +107,18 @@ def _run(rank: int, world: int, engine: str, stage: int, tiled: bool) -> tuple[l
      ("deepspeed", 3, 1), ("deepspeed", 3, 2), ("deepspeed", 3, 4)],
 )
 def test_tiling_equals_untiled_under_engines(dist_pool, engine: str, stage: int, world: int) -> None:
+    _check_equal(dist_pool, engine, stage, world, True)
+
+
+@pytest.mark.parametrize("engine,stage", [("fsdp2", 0), ("deepspeed", 3)])
+def test_recompute_norm_equals_hf_norms_under_engines(dist_pool, engine: str, stage: int) -> None:
+    # SP = 2 only: the norm is token-wise, the engines' reduction of its weight's gradient is the point
+    _check_equal(dist_pool, engine, stage, 2, "recompute_norm")
+
+
+def _check_equal(dist_pool, engine: str, stage: int, world: int, tiled: bool | str) -> None:
     plain = dist_pool.run(world, _run, engine, stage, False, timeout=240)
-    tiled = dist_pool.run(world, _run, engine, stage, True, timeout=240)
+    tiled = dist_pool.run(world, _run, engine, stage, tiled, timeout=240)
     for (ref_losses, ref_grads), (losses, grads) in zip(plain, tiled):
         for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= RTOL * abs(b), f"step {i}: tiled {a} vs untiled {b}"

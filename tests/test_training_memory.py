@@ -20,7 +20,7 @@ MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "vocab_size": 32000}
 TOLERANCE = 0.10
 
-# (engine, zero stage, SP size, seq len, tiled_loss, tiled_mlp, activation checkpointing)
+# (engine, zero stage, SP size, seq len, tiled_loss, tiled_mlp, activation checkpointing[, recompute_norm])
 SETTINGS = [
     ("fsdp2", 0, 1, 2048, False, False, False),
     ("fsdp2", 0, 2, 2048, False, False, True),
@@ -30,6 +30,7 @@ SETTINGS = [
     ("deepspeed", 2, 2, 2048, True, "auto", True),
     ("deepspeed", 3, 2, 2048, False, False, True),
     ("deepspeed", 3, 2, 2048, True, False, False),
+    ("fsdp2", 0, 2, 8192, True, "auto", False, True),
 ]
 
 
@@ -63,17 +64,19 @@ def _config(tmp_path: Path, engine: str, stage: int) -> str:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(str(x) for x in s))
 def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, setting: tuple) -> None:
-    engine, stage, sp, seq, tiled_loss, tiled_mlp, ac = setting
+    engine, stage, sp, seq, tiled_loss, tiled_mlp, ac, *rest = setting
+    recompute_norm = bool(rest and rest[0])
     argv = ["--config", _config(tmp_path, engine, stage), "--sp-size", str(sp), "--seq-len", str(seq),
             "--no-progress", "--log-level", "WARNING"]
     argv += ["--tiled-loss"] * tiled_loss + (["--tiled-mlp", str(tiled_mlp)] if tiled_mlp else [])
     argv += ["--activation-checkpointing"] * ac
+    argv += ["--recompute-norm"] * recompute_norm
     out = dist_pool.run(sp, _run_main, argv, timeout=400)
     measured = max(out[0]["peak_mem_bytes"])
     assert "seqpar.memtrack" in out[0]["peak_mem_kind"]
     est = estimate_training_memory(MODEL, seq_len=seq, sp_size=sp, engine=engine, zero_stage=stage,
                                    activation_checkpointing=ac, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
-                                   reduce_bucket_size=5_000_000)
+                                   reduce_bucket_size=5_000_000, recompute_norm=recompute_norm)
     print(f"\nestimate vs measured {setting}: {est['peak'] / 2**20:.1f} MiB vs {measured / 2**20:.1f} MiB "
           f"({est['peak'] / measured - 1:+.1%}, at {est['moment']})")  # BENCHMARKS.md's table (pytest -s)
     assert abs(est["peak"] / measured - 1) <= TOLERANCE, (setting, est, measured)
@@ -117,3 +120,52 @@ def test_model_memory_cli(capsys: pytest.CaptureFixture) -> None:
     assert main(["memory", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "80", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "llama3-8b" in out and "MODELLED" in out and "tiled MLP" in out and "ALST" in out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_layer_activations_equal_the_measured_saved_tensors(dtype: str) -> None:
+    # what one recomputed decoder layer saves (the estimator's activations less the checkpointed
+    # inputs and the gradient coming down), against seqpar.bench.layer_memory's measurement, with the
+    # Hugging Face RMSNorms and with recompute_norm, MLP tiled and not
+    import torch
+
+    from seqpar.bench.layer_memory import saved_units
+
+    shape = {"vocab_size": 64, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+             "num_attention_heads": 8, "num_key_value_heads": 2}
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    tokens = 256
+    unit = tokens * 256 * torch.empty((), dtype=torch_dtype).element_size()
+    for recompute_norm in (False, True):
+        for tiled_mlp in (False, 4):
+            measured = saved_units(torch_dtype, tokens, recompute_norm=recompute_norm, tiled_mlp=tiled_mlp)["total"]
+            est = estimate_training_memory(shape, seq_len=tokens, sp_size=1, dtype=dtype, activation_checkpointing=True,
+                                           tiled_mlp=tiled_mlp, recompute_norm=recompute_norm)
+            modelled = est["activations"] / unit - 2  # less the checkpointed input and the incoming gradient
+            assert abs(modelled - measured) <= 0.02 * measured, (dtype, recompute_norm, tiled_mlp, modelled, measured)
+    lean = estimate_training_memory("llama3-8b", seq_len=2**22, sp_size=8, dtype="bf16", engine="deepspeed",
+                                    activation_checkpointing=True, tiled_loss=True, tiled_mlp="auto",
+                                    offload_activations=True, device="cuda", recompute_norm=True)
+    hf = estimate_training_memory("llama3-8b", seq_len=2**22, sp_size=8, dtype="bf16", engine="deepspeed",
+                                  activation_checkpointing=True, tiled_loss=True, tiled_mlp="auto",
+                                  offload_activations=True, device="cuda")
+    # 512K local tokens x 4096 x bf16 = 4 GiB a unit: the lean norms save 5 of them in the recomputed layer
+    assert hf["activations"] - lean["activations"] == pytest.approx(5 * 2**30 * 4, rel=0.01)
+
+
+def _saved_units_sp(rank: int, world: int, mode: str) -> float:
+    import torch
+
+    from seqpar.bench.layer_memory import saved_units
+
+    return saved_units(torch.bfloat16, 128, mode=mode, tiled_mlp=2, head_chunks=2)["total"]
+
+
+@pytest.mark.timeout(300)
+def test_ring_output_shares_o_proj_storage_at_sp2(dist_pool) -> None:
+    # the ring returns its output in q's (batch, seq, heads, dim) memory layout, so o_proj saves the
+    # storage attention saves, not a contiguous copy: one hidden unit less per layer than allgather,
+    # which copies (as the estimator's out_copy says)
+    ring = dist_pool.run(2, _saved_units_sp, "ring", timeout=200)[0]
+    allgather = dist_pool.run(2, _saved_units_sp, "allgather", timeout=200)[0]
+    assert allgather - ring == pytest.approx(1.0, abs=0.01), (ring, allgather)

@@ -243,10 +243,15 @@ def ring_attention_forward(
     Returns ``out`` in q's dtype and layout and the fp32 ``lse`` ``(batch, q_heads, seq_local)``
     (sinks included). Each pass moves only its chunk's K/V, so the buffers in flight are
     ``1 / head_chunks`` of a block."""
+    # ``out`` takes q's memory layout: a Hugging Face q is a (batch, seq, heads, dim) buffer seen
+    # transposed, so the caller's transpose back + .contiguous() is then free, and o_proj saves the
+    # very storage attention saves instead of a copy (one hidden-sized tensor per layer)
     if opts.head_chunks == 1:
         out_acc, lse = ring_forward(q, k, v, comm, opts, sinks)
-        return out_acc.to(q.dtype), lse
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out_acc.dtype == q.dtype and out_acc.stride() == q.stride():
+            return out_acc, lse
+        return torch.empty_like(q).copy_(out_acc), lse
+    out = torch.empty_like(q)
     lse = torch.empty(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
     for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
         sinks_c = None if sinks is None else sinks[qs]

@@ -4,7 +4,8 @@ whole model trains at, per configuration, with the per-rank breakdown (modelled,
 The model shapes are config dicts in :data:`seqpar.training_memory.MODEL_SHAPES` (no download). Each
 configuration is ZeRO-3 over ``--gpus`` ranks, all of them one SP group, activation checkpointing on,
 in ``--dtype`` (bf16 by default), and adds one tool at a time: the tiled loss, the tiled MLP, the
-offload of checkpointed inputs; on one GPU the optimizer state and fp32 master weights are offloaded
+offload of checkpointed inputs, the lean RMSNorms (``recompute_norm``), then on several GPUs
+attention's ``head_chunks`` 8 (one K/V head per ring pass) or Ulysses instead of the ring; on one GPU the optimizer state and fp32 master weights are offloaded
 to the host as well (as ALST does), since an 8B model's AdamW state alone exceeds 80 GB.
 """
 
@@ -26,7 +27,17 @@ CONFIGURATIONS: list[tuple[str, dict[str, Any]]] = [
     ("+ tiled loss", {"tiled_loss": True}),
     ("+ tiled loss + tiled MLP", {"tiled_loss": True, "tiled_mlp": "auto"}),
     ("+ tiled loss + tiled MLP + offload", {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True}),
+    ("+ tiled loss + tiled MLP + offload + recompute norm",
+     {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True, "recompute_norm": True}),
+    # attention settings: they change nothing on one GPU (plain SDPA), so those rows are for SP > 1
+    ("+ tiled loss + tiled MLP + offload + recompute norm, head_chunks 8",
+     {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True, "recompute_norm": True,
+      "head_chunks": 8}),
+    ("+ tiled loss + tiled MLP + offload + recompute norm, Ulysses",
+     {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True, "recompute_norm": True,
+      "mode": "ulysses"}),
 ]
+_ATTENTION_KEYS = ("head_chunks", "mode")
 
 
 @dataclass(frozen=True)
@@ -48,18 +59,23 @@ def configure(args: Any) -> ModelMemoryConfig:
                              dtype=dtype, mode="ring")
 
 
+def _configurations(gpus: int) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, t) for n, t in CONFIGURATIONS if gpus > 1 or not any(k in t for k in _ATTENTION_KEYS)]
+
+
 def count(cfg: ModelMemoryConfig) -> int:
-    return len(cfg.gpus) * len(CONFIGURATIONS)
+    return sum(len(_configurations(g)) for g in cfg.gpus)
 
 
 def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     budget = int(cfg.gpu_mem_gb * 2**30 * (1 - cfg.reserve))
     rows = []
     for gpus in cfg.gpus:
-        for name, tools in CONFIGURATIONS:
+        for name, tools in _configurations(gpus):
             progress(f"{name} on {gpus}")
             kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
-                      mode=cfg.mode, device="cuda", offload_optimizer=gpus == 1, **tools)
+                      mode=cfg.mode, device="cuda", offload_optimizer=gpus == 1)
+            kw.update(tools)
             seq, breakdown = longest_sequence(cfg.model, budget, sp_size=gpus, **kw)
             rows.append({"gpus": gpus, "configuration": name, "tools": tools, "longest_seq": seq,
                          "breakdown": breakdown, "published_alst": PUBLISHED["alst"].get(gpus)})
