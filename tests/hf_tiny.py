@@ -19,6 +19,15 @@ ROWS = 10  # samples in the data set: 5 steps of batch 2
 LR = 1e-2
 
 
+def family_config(**overrides: Any) -> dict[str, Any]:
+    """Fields of a tiny Llama-family config (Llama, Qwen2, Mistral, Phi3, Gemma take them all), with
+    ``overrides`` applied: for the tiling and norm swaps' per-family tests."""
+    return {"vocab_size": 211, "hidden_size": 32, "intermediate_size": 96, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+            "tie_word_embeddings": False, "use_cache": False, "bos_token_id": 1, "eos_token_id": 2,
+            **overrides}
+
+
 def tiny_llama(dtype: torch.dtype = torch.float32) -> Any:
     """A 2-layer GQA Llama with seeded random weights (the same on every rank)."""
     from transformers import LlamaConfig, LlamaForCausalLM

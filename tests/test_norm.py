@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from hf_tiny import family_config
 
 from seqpar.config import ConfigError, SeqParConfig
 from seqpar.memtrack import TensorMemoryTracker
@@ -116,22 +117,15 @@ def test_lean_norm_saves_only_its_input() -> None:
     assert hf_peak >= 10 * unit and lean_peak <= 5 * unit, (hf_peak / unit, lean_peak / unit)
 
 
-def _llama_config(**kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                tie_word_embeddings=False, use_cache=False, bos_token_id=1, eos_token_id=2)
-    base.update(kw)
-    return base
-
 
 def _family(name: str) -> tuple[type, object]:
     t = transformers
     return {
-        "llama": (t.LlamaForCausalLM, lambda: t.LlamaConfig(**_llama_config())),
-        "qwen2": (t.Qwen2ForCausalLM, lambda: t.Qwen2Config(**_llama_config())),
-        "mistral": (t.MistralForCausalLM, lambda: t.MistralConfig(**_llama_config(sliding_window=None))),
-        "phi3": (t.Phi3ForCausalLM, lambda: t.Phi3Config(**_llama_config(pad_token_id=0))),
-        "gemma": (t.GemmaForCausalLM, lambda: t.GemmaConfig(**_llama_config(head_dim=8))),
+        "llama": (t.LlamaForCausalLM, lambda: t.LlamaConfig(**_cfg())),
+        "qwen2": (t.Qwen2ForCausalLM, lambda: t.Qwen2Config(**_cfg())),
+        "mistral": (t.MistralForCausalLM, lambda: t.MistralConfig(**_cfg(sliding_window=None))),
+        "phi3": (t.Phi3ForCausalLM, lambda: t.Phi3Config(**_cfg(pad_token_id=0))),
+        "gemma": (t.GemmaForCausalLM, lambda: t.GemmaConfig(**_cfg(head_dim=8))),
     }[name]
 
 
@@ -166,7 +160,7 @@ def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
 
 
 def test_unknown_norm_refused_naming_the_module_and_config_key_checked() -> None:
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_llama_config()))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_cfg()))
     model.model.layers[1].post_attention_layernorm = torch.nn.LayerNorm(32)
     with pytest.raises(TilingError, match=r"model\.layers\.1\.post_attention_layernorm.*LayerNorm.*recompute_norm"):
         apply_tiling(model, {"recompute_norm": True})
@@ -178,3 +172,7 @@ def test_unknown_norm_refused_naming_the_module_and_config_key_checked() -> None
     for bad in ("yes", 1, None):
         with pytest.raises(ConfigError, match="sequence_parallel.recompute_norm"):
             SeqParConfig.from_dict({"recompute_norm": bad})
+
+
+def _cfg(**kw):
+    return family_config(vocab_size=97, intermediate_size=64, max_position_embeddings=64, **kw)

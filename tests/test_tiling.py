@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_tiny import family_config
 from torch import nn
 
 from seqpar.config import ConfigError, SeqParConfig
@@ -62,22 +63,15 @@ def test_tiled_loss_bf16_within_autograd_rounding() -> None:
         torch.testing.assert_close(tiled.float(), untiled.float(), rtol=2e-2, atol=2e-2)
 
 
-def _llama_config(**kw):
-    base = dict(vocab_size=211, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                tie_word_embeddings=False, use_cache=False, bos_token_id=1, eos_token_id=2)
-    base.update(kw)
-    return base
-
 
 def _family() -> list[tuple[str, type, dict]]:
     t = transformers
     return [
-        ("llama", t.LlamaForCausalLM, t.LlamaConfig(**_llama_config())),
-        ("qwen2", t.Qwen2ForCausalLM, t.Qwen2Config(**_llama_config())),
-        ("mistral", t.MistralForCausalLM, t.MistralConfig(**_llama_config(sliding_window=None))),
-        ("gemma", t.GemmaForCausalLM, t.GemmaConfig(**_llama_config(head_dim=8))),
-        ("phi3", t.Phi3ForCausalLM, t.Phi3Config(**_llama_config(pad_token_id=0))),
+        ("llama", t.LlamaForCausalLM, t.LlamaConfig(**_cfg())),
+        ("qwen2", t.Qwen2ForCausalLM, t.Qwen2Config(**_cfg())),
+        ("mistral", t.MistralForCausalLM, t.MistralConfig(**_cfg(sliding_window=None))),
+        ("gemma", t.GemmaForCausalLM, t.GemmaConfig(**_cfg(head_dim=8))),
+        ("phi3", t.Phi3ForCausalLM, t.Phi3Config(**_cfg(pad_token_id=0))),
     ]
 
 
@@ -115,7 +109,7 @@ def test_refuses_models_it_cannot_tile_and_names_them() -> None:
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(TilingError, match="GPT2LMHeadModel.*tiled_loss"):
         apply_tiling(gpt2, {"tiled_loss": True})
-    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_llama_config()))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_cfg()))
     llama.model.layers[1].mlp = nn.Sequential(nn.Linear(32, 32))
     with pytest.raises(TilingError, match=r"model\.layers\.1\.mlp.*Sequential"):
         apply_tiling(llama, {"tiled_mlp": "auto"})
@@ -126,7 +120,7 @@ def test_refuses_models_it_cannot_tile_and_names_them() -> None:
 
 def test_tiled_mlp_gradients_returned_once_and_exact() -> None:
     torch.manual_seed(4)
-    mlp = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(**_llama_config()))
+    mlp = transformers.models.llama.modeling_llama.LlamaMLP(transformers.LlamaConfig(**_cfg()))
     ref = copy.deepcopy(mlp).double()
     calls = {n: 0 for n, _ in mlp.named_parameters()}
     for n, p in mlp.named_parameters():
@@ -146,7 +140,7 @@ def test_tiled_mlp_gradients_returned_once_and_exact() -> None:
 
 
 def test_tiled_mlp_keeps_one_chunk_of_intermediates() -> None:
-    cfg = transformers.LlamaConfig(**_llama_config(hidden_size=16, intermediate_size=1024))
+    cfg = transformers.LlamaConfig(**_cfg(hidden_size=16, intermediate_size=1024))
     mlp = transformers.models.llama.modeling_llama.LlamaMLP(cfg)
     params = list(mlp.parameters())
 
@@ -175,7 +169,7 @@ def test_config_keys_fail_at_load_with_their_name() -> None:
 
 def test_offload_is_an_exact_no_op_on_cpu() -> None:
     torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(**_llama_config())
+    cfg = transformers.LlamaConfig(**_cfg())
     cfg._attn_implementation = "sdpa"
     base = transformers.LlamaForCausalLM(cfg)
     results = []
@@ -222,7 +216,7 @@ def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer() -> None
     from seqpar.offload import apply_offload
 
     torch.manual_seed(7)
-    cfg = transformers.LlamaConfig(**_llama_config(num_hidden_layers=3))
+    cfg = transformers.LlamaConfig(**_cfg(num_hidden_layers=3))
     cfg._attn_implementation = "sdpa"
     base = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 24))
@@ -243,3 +237,7 @@ def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer() -> None
     # forward offloads layers 0, 1, 2; backward fetches 2 and starts 1 ahead, then 0 ahead of its use
     assert transfer.log == [("offload", 0), ("offload", 1), ("offload", 2),
                             ("prefetch", 2), ("prefetch", 1), ("prefetch", 0)], transfer.log
+
+
+def _cfg(**kw):
+    return family_config(**kw)
