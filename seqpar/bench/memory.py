@@ -24,6 +24,7 @@ from seqpar.memory import estimate_memory, max_seq_len
 __all__ = ["MemoryConfig", "measure_peak", "configure", "count", "run", "render", "plots"]
 
 _METHODS = ("sdpa", "ring", "allgather")
+MEASURE_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class MemoryConfig:
 
 
 def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shape: BenchShape, seed: int) -> int:
-    """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included."""
+    """Peak tensor bytes on this rank over one forward+backward, inputs and gradients included (the
+    lowest of 3 runs: see :func:`seqpar.bench.runner.peak_memory`)."""
     fwd = forward_fn(method, causal, seq_len, shape.head_chunks)
     seq_local = seq_len // ctx.world_size
 
@@ -48,7 +50,7 @@ def measure_peak(ctx: RankContext, method: str, seq_len: int, causal: bool, shap
         q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
         fwd(q, k, v).backward(dout)
 
-    return peak_memory(step, ctx.device)
+    return peak_memory(step, ctx.device, repeats=MEASURE_REPEATS)
 
 
 def _estimator_mode(method: str) -> str:

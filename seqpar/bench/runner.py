@@ -110,13 +110,26 @@ def combine(per_rank: Sequence[dict[str, list[float]]]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------- memory
-def peak_memory(step: Callable[[], object], device: torch.device) -> int:
+def peak_memory(step: Callable[[], object], device: torch.device, *, repeats: int = 1) -> int:
     """Peak bytes of tensors alive while ``step()`` runs, counting what ``step`` allocates
-    (create the inputs inside ``step`` to count them too).
+    (create the inputs inside ``step`` to count them too); the lowest of ``repeats`` runs.
 
     CPU: ``torch.distributed._tools.mem_tracker.MemTracker`` (exact storage accounting).
     CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the step.
+
+    Why the lowest: a finished gloo collective's buffers are freed by gloo's worker thread, not by
+    the caller, and on an oversubscribed CPU (P ranks on 2 cores) that thread is sometimes scheduled
+    only after the caller's next allocations. The peak of such a run includes buffers the algorithm
+    has already let go (seen for Ulysses' all-to-alls in ~10% of steps: the just-waited dout
+    all-to-all's send and receive buffers; a 3 ms pause after each wait removes it). The lowest of a
+    few runs is the algorithm's peak, as the median of a few runs is its time.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} is invalid: at least 1 run is needed")
+    return min(_peak_once(step, device) for _ in range(repeats))
+
+
+def _peak_once(step: Callable[[], object], device: torch.device) -> int:
     if device.type == "cuda":
         sync(device)
         torch.cuda.empty_cache()
