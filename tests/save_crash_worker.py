@@ -46,7 +46,9 @@ def _kill_in_deepspeed_write(rank: int, step: int) -> None:
     """Wrap DeepSpeed's torch checkpoint engine: rank ``rank`` dies once it has written its own
     optimizer partition of ``step<step>.tmp`` (rank 0's model states may or may not be there yet)."""
     try:
-        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import (
+            TorchCheckpointEngine,
+        )
     except ImportError:  # an FSDP-only environment: nothing to wrap
         return
     save = TorchCheckpointEngine.save
