@@ -210,14 +210,13 @@ def _ulysses_peak(
     # placing a chunk's received grads: send + receive, and the K/V grads reordered for index_add
     at_place = (2 * grads_h + 2 * Kh + (2 * Q if G > 1 else 0)) / G
     a2a = max(at_kernel, at_place)
-    workspace = 0.0
     inner = 0.0
     ring = world // u
     if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV (its fp32 accumulators are grads_h)
         kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
         inner = (kv_bufs + 4 * Kh32 + (Q32 + 2 * Kh32 if low else 0)) / G
     fwd = base - Q - lse + saved + (2 * Q + 4 * Kh + 3 * Q) / G + inner  # q, k, v, out + saved + in flight
-    return int(max(base + saved + grads + a2a + workspace + inner, fwd))
+    return int(max(base + saved + grads + a2a + inner, fwd))
 
 
 def max_seq_len(
