@@ -168,27 +168,38 @@ def offloading_checkpoint(checkpoint_fn: Callable[..., Any], state: OffloadState
     return checkpoint
 
 
-def _install_hook(state: OffloadState) -> Callable[[nn.Module, Any], None]:
-    def hook(layer: nn.Module, args: Any) -> None:
-        # activation checkpointing may be enabled after the swap: wrap its function on first use
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+            and type(m).__name__.endswith("DecoderLayer")]
+
+
+def _wrap_layers(layers: list[nn.Module], state: OffloadState) -> None:
+    """Route each layer's checkpoint function (when activation checkpointing has set one, and it is
+    not routed already) through :func:`offloading_checkpoint`."""
+    for layer in layers:
         fn = getattr(layer, "_gradient_checkpointing_func", None)
         if fn is not None and not getattr(fn, "_seqpar_offload", False):
             layer._gradient_checkpointing_func = offloading_checkpoint(fn, state)
 
-    return hook
-
 
 def apply_offload(model: nn.Module, transfer: Transfer | None = None) -> str:
     """Offload the checkpointed inputs of the model's checkpointable decoder layers (Hugging Face
-    ``GradientCheckpointingLayer``s); returns a line saying what happens (CPU-only: nothing, exactly)."""
+    ``GradientCheckpointingLayer``s); returns a line saying what happens (CPU-only: nothing, exactly).
+
+    The layers' checkpoint functions are wrapped now, and again by a forward pre-hook on ``model``
+    whenever activation checkpointing was enabled (or re-enabled) after this call. The hook sits on
+    the model, not on the layers: transformers 5.17 calls a layer's checkpoint function from the
+    layer's ``__call__``, before the layer's own hooks run, so a hook on the layer would come one
+    call too late (5.2x checkpoints ``forward`` instead, inside the hooks)."""
     state = OffloadState(transfer)
-    layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
-              and type(m).__name__.endswith("DecoderLayer")]
-    for layer in layers:
-        old = getattr(layer, "_seqpar_offload_hook", None)
-        if old is not None:
-            old.remove()
-        layer._seqpar_offload_hook = layer.register_forward_pre_hook(_install_hook(state))
+    layers = _decoder_layers(model)
+    _wrap_layers(layers, state)
+    old = getattr(model, "_seqpar_offload_hook", None)
+    if old is not None:
+        old.remove()
+    # the layers are looked up from the hooked module each time, so a deep copy of the model wraps its own
+    model._seqpar_offload_hook = model.register_forward_pre_hook(
+        lambda module, _args: _wrap_layers(_decoder_layers(module), state))
     if transfer is None and not torch.cuda.is_available():
         return (f"{len(layers)} decoder layers hooked; this build has no CUDA, so their checkpointed "
                 "inputs stay where they are (an exact no-op)")

@@ -19,6 +19,16 @@ ROWS = 10  # samples in the data set: 5 steps of batch 2
 LR = 1e-2
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Non-reentrant HF activation checkpointing on any transformers 5.x: 5.2x names it
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` deprecated), 5.17 (the lent
+    GPU machines' version) only has ``gradient_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def family_config(**overrides: Any) -> dict[str, Any]:
     """Fields of a tiny Llama-family config (Llama, Qwen2, Mistral, Phi3, Gemma take them all), with
     ``overrides`` applied: for the tiling and norm swaps' per-family tests."""

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from hf_tiny import family_config
+from hf_tiny import enable_checkpointing, family_config
 
 from seqpar.config import ConfigError, SeqParConfig
 from seqpar.memtrack import TensorMemoryTracker
@@ -141,7 +141,7 @@ def test_swap_config_applies_it_to_the_model_exactly(name: str) -> None:
     ref = copy.deepcopy(model)
     report = swap_attention(model, {"size": 1, "recompute_norm": True}).tiling  # the swap applies it
     # under activation checkpointing too: the recompute runs the lean norm's forward again
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     ref.train()
     assert report.norms == ["model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",

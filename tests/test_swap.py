@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hf_tiny import enable_checkpointing
 from torch import nn
 
 from seqpar.config import SeqParConfig
@@ -216,10 +217,7 @@ def _hf_checkpointed(rank: int, world_size: int) -> None:
     model = build_model("llama")
     ref = copy.deepcopy(model)
     swap_attention(model, {"size": world_size, "sharding": "zigzag"})
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     model.train()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (1, 16), generator=g)

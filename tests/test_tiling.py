@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_tiny import family_config
+from hf_tiny import enable_checkpointing, family_config
 from torch import nn
 
 from seqpar.config import ConfigError, SeqParConfig
@@ -175,7 +175,7 @@ def test_offload_is_an_exact_no_op_on_cpu() -> None:
     results = []
     for offload in (False, True):
         model = copy.deepcopy(base)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.train()
         report = apply_tiling(model, {"offload_activations": offload})
         if offload:
@@ -212,7 +212,10 @@ class _CloneTransfer:
         return handle
 
 
-def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer() -> None:
+@pytest.mark.parametrize("checkpointing_first", [True, False], ids=["ac-then-offload", "offload-then-ac"])
+def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer(checkpointing_first: bool) -> None:
+    """Offload engages from the first forward whichever comes first, activation checkpointing or
+    apply_offload (on transformers 5.17 a layer-level hook came one call too late)."""
     from seqpar.offload import apply_offload
 
     torch.manual_seed(7)
@@ -223,10 +226,13 @@ def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer() -> None
     results, transfer = [], _CloneTransfer()
     for offload in (False, True):
         model = copy.deepcopy(base)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
+        if checkpointing_first:
+            enable_checkpointing(model)
         if offload:
             apply_offload(model, transfer=transfer)
+        if not checkpointing_first:
+            enable_checkpointing(model)
+        model.train()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
