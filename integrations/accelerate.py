@@ -12,7 +12,7 @@ A plain ``accelerate.Accelerator`` loop with FSDP2 gets SP by replacing its ``pr
 
 What :func:`prepare` does, in order (one small function per step):
 
-1. builds the SP x DP groups (:func:`seqpar.groups.init_process_groups`, or the default manager);
+1. builds the SP x DP groups (:func:`seqpar.runtime.groups.init_process_groups`, or the default manager);
 2. swaps the model's attention and shards it with FSDP2 over all ``dp x sp`` ranks, with the gradient
    divide factor set to ``dp`` (:func:`seqpar.integrations.fsdp.wrap`, which explains why);
 3. builds the optimizer *after* sharding when given a factory (FSDP2 replaces parameters by DTensors;
@@ -22,8 +22,8 @@ What :func:`prepare` does, in order (one small function per step):
    :func:`accelerate.data_loader.prepare_data_loader` (``num_processes=dp``, ``process_index=dp_rank``):
    ``Accelerator.prepare`` would split it over every process, giving the ranks of one SP group
    different samples. This works because seqpar's rank grid is ``(dp, sp)`` with SP innermost
-   (:func:`seqpar.groups.rank_grid`);
-5. wraps the loader so every batch is cut with :func:`seqpar.data.shard_batch` (labels shifted on the
+   (:func:`seqpar.runtime.groups.rank_grid`);
+5. wraps the loader so every batch is cut with :func:`seqpar.sequence.batch.shard_batch` (labels shifted on the
    full sequence, before the cut).
 
 Why not ``Accelerator(fsdp_plugin=...)``: accelerate's FSDP2 path builds its mesh over all processes
@@ -43,9 +43,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from seqpar.config import SeqParConfig
-from seqpar.data import shard_batch
-from seqpar.groups import ProcessGroupManager
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.runtime.groups import ProcessGroupManager
+from seqpar.sequence.batch import shard_batch
 
 __all__ = ["prepare", "prepare_data_loader", "ShardedBatches"]
 
@@ -157,7 +157,7 @@ def prepare(
         manager: process groups (default: the default manager, made from ``config`` if needed).
         fsdp: options of :class:`seqpar.integrations.fsdp.FSDPOptions` (``version`` must stay 2).
         swap: swap the model's attention (default).
-        causal_lm, ignore_index, pad_token_id: how batches are cut (:func:`seqpar.data.shard_batch`).
+        causal_lm, ignore_index, pad_token_id: how batches are cut (:func:`seqpar.sequence.batch.shard_batch`).
 
     Returns:
         ``(model, optimizer, loader)``: the FSDP2 model, the accelerate-wrapped optimizer, and the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
-from seqpar.groups import ProcessGroupManager, default_manager, init_process_groups
+from seqpar.runtime.groups import ProcessGroupManager, default_manager, init_process_groups
 
 __all__ = ["rank_prefix", "resolve_manager"]
 

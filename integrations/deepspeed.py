@@ -9,8 +9,8 @@ What it does, in order (one small function per step): reads the block (``config=
 ``config_params=`` or ``args.deepspeed_config``; dict or path), refuses settings that would make
 DeepSpeed build its own groups, initialises torch.distributed through ``deepspeed.init_distributed``
 if needed (bounded by ``timeout_s``), builds the SP x DP groups
-(:func:`seqpar.groups.init_process_groups`), swaps the model's attention
-(:func:`seqpar.swap.swap_attention`), and hands the :class:`~seqpar.groups.ProcessGroupManager` to
+(:func:`seqpar.runtime.groups.init_process_groups`), swaps the model's attention
+(:func:`seqpar.swap.swap_attention`), and hands the :class:`~seqpar.runtime.groups.ProcessGroupManager` to
 DeepSpeed as ``mpu``.
 
 Gradient meaning (read from DeepSpeed 0.19's engine and ZeRO optimizers). With an ``mpu`` that has
@@ -18,14 +18,14 @@ Gradient meaning (read from DeepSpeed 0.19's engine and ZeRO optimizers). With a
 sequence-data-parallel group (all ``dp x sp`` ranks), summing there and dividing by
 ``world / sequence_parallel_size`` = the DP size (``engine._reduce_non_expert_gradients`` for ZeRO-0,
 ``stage_1_and_2.average_tensor`` for ZeRO-1/2, ``stage3.__avg_scatter_grads`` for ZeRO-3). With
-:func:`seqpar.loss.sequence_parallel_loss`, each SP rank's backward yields its share of the
+:func:`seqpar.sequence.loss.sequence_parallel_loss`, each SP rank's backward yields its share of the
 full-sequence gradient (the shares sum to it), so the reduced gradient is the mean over DP replicas of
 the full-sequence gradient: what single-device training on the global batch gives. No loss rescaling
 is needed (``tests/test_engines.py`` checks this numerically for every ZeRO stage).
 
 The data loader DeepSpeed builds from ``training_data`` samples over the DP axis only
 (``mpu.get_data_parallel_*``), so ranks of one SP group see the same samples; the returned loader
-cuts each batch with :func:`seqpar.data.shard_batch`.
+cuts each batch with :func:`seqpar.sequence.batch.shard_batch`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig
-from seqpar.groups import init_process_groups, single_process_env, timeout_of
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.runtime.groups import init_process_groups, single_process_env, timeout_of
 
 __all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
 
@@ -118,7 +118,7 @@ class ShardedDeepSpeedLoader:
         self._it: Iterator[Any] | None = None
 
     def _shard(self, batch: Any) -> dict[str, Any]:
-        from seqpar.data import shard_batch
+        from seqpar.sequence.batch import shard_batch
 
         if not isinstance(batch, Mapping):
             raise TypeError(
@@ -178,7 +178,7 @@ def initialize(
         swap: swap the model's attention (default). ``False`` when the model already calls
             ``seqpar.attention`` itself.
         causal_lm, ignore_index, pad_token_id: how the returned loader cuts batches
-            (see :func:`seqpar.data.shard_batch`).
+            (see :func:`seqpar.sequence.batch.shard_batch`).
         manager: groups built earlier from the same config (e.g. by ``SeqParTrainer``, whose data
             loader needs them first); default: built here.
 

@@ -3,7 +3,7 @@
 Same group and scaling as :mod:`seqpar.integrations.fsdp`: parameters are sharded and gradients
 reduced over the sequence-data-parallel group (all ``dp x sp`` ranks), and the total gradient divide
 factor is the DP size, so the reduced gradient is the DP mean of the full-sequence gradient (each SP
-rank's backward of :func:`seqpar.loss.sequence_parallel_loss` yields a share of it). FairScale splits
+rank's backward of :func:`seqpar.sequence.loss.sequence_parallel_loss` yields a share of it). FairScale splits
 the division into a pre- and a post-divide, both applied only when > 1; seqpar splits the DP size
 the same way (:func:`divide_factors`).
 
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.groups import ProcessGroupManager
 from seqpar.integrations.common import resolve_manager
+from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = ["FairScaleOptions", "wrap", "fairscale_kwargs", "divide_factors", "import_fairscale_fsdp"]
 

@@ -6,7 +6,7 @@ sequence-data-parallel group (all ``dp x sp`` ranks), as DeepSpeed does with seq
 mesh is one-dimensional over that group (:func:`build_mesh`).
 
 Gradient scaling, worked out and checked numerically in ``tests/test_engines.py``. With
-:func:`seqpar.loss.sequence_parallel_loss`, every SP rank's backward gives its *share* of the
+:func:`seqpar.sequence.loss.sequence_parallel_loss`, every SP rank's backward gives its *share* of the
 full-sequence gradient ``g`` of its DP replica (the SP shares sum to ``g``). FSDP's default divides the
 sum over its group by the group size ``W = dp x sp``::
 
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.groups import ProcessGroupManager
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = [
     "FSDPOptions",

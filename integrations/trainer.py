@@ -12,7 +12,7 @@ they are::
 What it changes in Trainer, and why (each a small override or hook):
 
 - **Groups and the model** (``__init__``): the SP x DP groups are built from the block
-  (:func:`seqpar.groups.init_process_groups`; torch.distributed is already up, ``TrainingArguments``
+  (:func:`seqpar.runtime.groups.init_process_groups`; torch.distributed is already up, ``TrainingArguments``
   started it) and the model's attention is swapped (:func:`seqpar.swap.swap_attention`). The swapped
   Hugging Face model's ``labels=`` loss is the SP-exact token-weighted one (:mod:`seqpar.swap.hf`),
   so Trainer's default ``compute_loss`` is right.
@@ -28,7 +28,7 @@ What it changes in Trainer, and why (each a small override or hook):
 - **Same samples on an SP group**: accelerate's ``prepare`` splits loaders over all processes; this
   trainer's accelerator splits them over the DP axis only
   (:func:`seqpar.integrations.accelerate.prepare_data_loader`).
-- **Batches are cut** in ``training_step`` / ``prediction_step`` with :func:`seqpar.data.shard_batch`
+- **Batches are cut** in ``training_step`` / ``prediction_step`` with :func:`seqpar.sequence.batch.shard_batch`
   (labels shifted on the full sequence, before the cut), *after* Trainer counted the target tokens.
 - **Token counts** (``num_items_in_batch``): Trainer sums the count over all processes
   (``average_tokens_across_devices``), which counts every sample ``sp`` times; it is divided by
@@ -59,10 +59,10 @@ import torch
 import transformers
 
 from seqpar.config import ConfigError, SeqParConfig
-from seqpar.data import shard_batch
-from seqpar.groups import ProcessGroupManager
 from seqpar.integrations.accelerate import prepare_data_loader
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.runtime.groups import ProcessGroupManager
+from seqpar.sequence.batch import shard_batch
 
 __all__ = ["SeqParTrainer", "deepspeed_initialize_with"]
 

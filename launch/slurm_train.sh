@@ -4,7 +4,7 @@
 #   sbatch --nodes 2 --gpus-per-node 8 launch/slurm_train.sh --config configs/fsdp_ring.json --sp-size 8
 #
 # Every argument goes to launch/train.py. Ranks are numbered node by node, so SP groups of consecutive
-# ranks (seqpar.groups) stay inside a node when the SP size divides the GPUs per node; torchrun sets
+# ranks (seqpar.runtime.groups) stay inside a node when the SP size divides the GPUs per node; torchrun sets
 # LOCAL_WORLD_SIZE, from which seqpar warns about a layout that crosses nodes. Put "timeout_s" in the
 # sequence_parallel block so that a lost or stalled rank ends the job instead of hanging it.
 #SBATCH --job-name=seqpar

@@ -5,7 +5,7 @@
 
 Arguments after ``--`` go to launch/train.py (``--steps`` is set from ``--steps`` here). At step
 ``--check-at`` and at the last step every rank records the bytes of all live tensor storages (a
-``gc`` scan after ``gc.collect()``, via seqpar.memtrack; RSS is too noisy to judge by), torch's count
+``gc`` scan after ``gc.collect()``, via seqpar.memory.tracker; RSS is too noisy to judge by), torch's count
 of process groups, threads and open file descriptors. Exit status 1 when any of them differs between
 the two points on any rank. Rank 0 prints (and with ``--out`` writes) the figures per rank.
 """
@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def live_tensor_bytes() -> int:
     """Bytes of every distinct tensor storage reachable in this process."""
-    from seqpar.memtrack import tensor_storages
+    from seqpar.memory.tracker import tensor_storages
 
     gc.collect()
     seen: dict[tuple[int, str], int] = {}

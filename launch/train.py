@@ -426,8 +426,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if sp.pattern.type == "dilated":
         # the shape rules of a dilated pattern need the sequence and head counts: check them now,
         # before any process group or model exists
-        from seqpar.attention.dilated import check_pattern
-        from seqpar.sharding import padded_length
+        from seqpar.attn.dilated import check_pattern
+        from seqpar.sequence.sharding import padded_length
 
         seq_padded = padded_length(train.seq_len, sp.size, sp.sharding)
         try:
@@ -440,7 +440,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
                               f"sequence_parallel.size = {sp.size} ranks: {e}") from None
 
     if sp.head_chunks != "auto":
-        from seqpar.attention import resolve_head_chunks
+        from seqpar.attn import resolve_head_chunks
 
         kv_heads = model.get("num_key_value_heads") or model.get("num_attention_heads")
         if isinstance(kv_heads, int):
@@ -518,11 +518,11 @@ def validate_model(plan: Plan) -> None:
     """Check the ``model`` block without building the model (no memory, no process group): sizes,
     head divisibility, then transformers' own field validators, as a ConfigError naming the key."""
     from seqpar.config import ConfigError
-    from seqpar.sharding import padded_length
+    from seqpar.sequence.sharding import padded_length
 
     _check_model_values(plan.model)
     if os.environ.get("WORLD_SIZE", "").isdigit():  # under a launcher the world size is known already
-        from seqpar.groups import check_divisible
+        from seqpar.runtime.groups import check_divisible
 
         check_divisible(int(os.environ["WORLD_SIZE"]), plan.sp.size)
     task = RecallTask(plan.train)
@@ -595,7 +595,7 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
 
 def _packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
     """The packed-document boundaries shard_batch added (cu_seq_lens_q/k ...), for the model."""
-    from seqpar.data import PACKED_KEYS
+    from seqpar.sequence.batch import PACKED_KEYS
 
     return {k: batch[k] for k in PACKED_KEYS if k in batch}
 
@@ -636,7 +636,7 @@ class _DeepSpeedEngine(_Engine):
         self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
 
     def save(self, save_dir: str, step: int) -> None:
-        from seqpar import checkpoint
+        from seqpar.runtime import checkpoint
 
         # written as "<tag>.tmp" and renamed once complete: a rank killed mid-save leaves no torn
         # checkpoint behind ("latest" is ours to write, after the rename)
@@ -648,7 +648,7 @@ class _DeepSpeedEngine(_Engine):
         dist.barrier()
 
     def load(self, save_dir: str) -> int:
-        from seqpar import checkpoint
+        from seqpar.runtime import checkpoint
 
         tag = checkpoint.latest_complete(save_dir)
         if tag is None:
@@ -661,8 +661,8 @@ class _DeepSpeedEngine(_Engine):
 
 class _FSDPEngine(_Engine):
     def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
-        from seqpar.groups import init_process_groups
         from seqpar.integrations import fsdp
+        from seqpar.runtime.groups import init_process_groups
 
         self.manager = init_process_groups(config=plan.sp)
         self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config)
@@ -691,10 +691,10 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
-        from seqpar import checkpoint
         from seqpar.integrations import fsdp
+        from seqpar.runtime import checkpoint
 
-        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.checkpoint)
+        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
         tag = f"step{step}"
         fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
                              extra={"step": step})
@@ -704,8 +704,8 @@ class _FSDPEngine(_Engine):
         dist.barrier()
 
     def load(self, save_dir: str) -> int:
-        from seqpar import checkpoint
         from seqpar.integrations import fsdp
+        from seqpar.runtime import checkpoint
 
         tag = checkpoint.latest_complete(save_dir)
         if tag is None:
@@ -730,7 +730,7 @@ def _configure_logging(level: str) -> None:
 
 class _PeakMemory:
     """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: every live tensor
-    storage, counted by seqpar.memtrack in every setting: checkpointing, accumulation, tiling)."""
+    storage, counted by seqpar.memory.tracker in every setting: checkpointing, accumulation, tiling)."""
 
     def __init__(self, engine: _Engine, settings: TrainSettings) -> None:
         self.kind = "unknown"
@@ -743,7 +743,7 @@ class _PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.kind = "cuda_max_memory_allocated over the run"
             return self
-        from seqpar.memtrack import TensorMemoryTracker
+        from seqpar.memory.tracker import TensorMemoryTracker
 
         # what this job holds (model, optimizer, engine buffers) plus what the step allocates; not
         # other tensors of the process (a test's persistent ranks run several jobs in turn)
@@ -758,7 +758,7 @@ class _PeakMemory:
             return
         self._tracker.__exit__(*exc)
         self.value = int(self._tracker.peak)
-        self.kind = "cpu tensor bytes at the peak of one tracked step (seqpar.memtrack)"
+        self.kind = "cpu tensor bytes at the peak of one tracked step (seqpar.memory.tracker)"
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -770,7 +770,7 @@ def _all_gather(obj: Any) -> list[Any]:
 @torch.no_grad()
 def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -> float:
     """Greedy accuracy on the answers of ``eval_samples`` held-out samples (every rank returns it)."""
-    from seqpar.data import shard_batch
+    from seqpar.sequence.batch import shard_batch
 
     manager = engine.manager
     n = plan.train.eval_samples
@@ -827,9 +827,9 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         validate_model(plan)
         print(f"{args.config}: valid ({plan.engine}, sp size {plan.sp.size}, mode {plan.sp.mode})", flush=True)
         return {}
-    from seqpar.data import shard_batch
-    from seqpar.loss import sequence_parallel_loss
-    from seqpar.sharding import padded_length
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+    from seqpar.sequence.sharding import padded_length
 
     task = RecallTask(plan.train)
     seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding)

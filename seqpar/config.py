@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
-# balanced: chunks dealt per batch from the packed documents' boundaries (seqpar.sharding), so
+# balanced: chunks dealt per batch from the packed documents' boundaries (seqpar.sequence.sharding), so
 # causal work stays even where zigzag's balance breaks
 SHARDINGS = ("contiguous", "zigzag", "balanced")
 PATTERN_TYPES = ("dense", "dilated")
@@ -160,13 +160,13 @@ class SeqParConfig:
     (one collective, O(S) K/V per rank, fastest at moderate lengths), ``"ulysses"`` (all-to-all from
     sequence to head shards over the whole SP group; needs q_heads divisible by the SP size),
     ``"hybrid"`` (Ulysses inside groups of ``ulysses_size`` consecutive ranks, ring across them) or
-    ``"auto"`` (the cheapest of these that the groups and the call allow, see seqpar.costmodel)."""
+    ``"auto"`` (the cheapest of these that the groups and the call allow, see seqpar.attn.choose)."""
     ulysses_size: int | str = 1
     """Ulysses degree u of ``mode="hybrid"``/``"auto"``: the SP group splits into size/u groups of u
     consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
     ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
     links: dict[str, float] | None = None
-    """Link figures for ``mode="auto"`` (seqpar.costmodel.Links): any of ``intra_gbps``, ``inter_gbps``,
+    """Link figures for ``mode="auto"`` (seqpar.attn.choose.Links): any of ``intra_gbps``, ``inter_gbps``,
     ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
     sharding: str = "contiguous"
     """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
@@ -202,7 +202,7 @@ class SeqParConfig:
     tiled_loss: bool = False
     """Compute LM head + cross-entropy over chunks of the local sequence (exact gradient, recomputed
     per chunk in backward): the full ``(seq_local, vocab)`` logits never exist. Applied by the swap
-    to Hugging Face causal LMs of the Llama family (see :mod:`seqpar.tiling`)."""
+    to Hugging Face causal LMs of the Llama family (see :mod:`seqpar.memory.tiling`)."""
     tiled_mlp: int | str | bool = False
     """Run each decoder MLP over this many sequence chunks, recomputed in backward, so only one
     chunk's intermediate activations are alive: an integer >= 1, ``"auto"`` (chunks of about
@@ -214,7 +214,7 @@ class SeqParConfig:
     """Make the decoder's RMSNorms save only their input and recompute the norm in backward over row
     chunks, instead of keeping the fp32 upcast and the normalised copy (bitwise the same forward and
     input gradient; the weight's gradient summed in fp32): applied by the swap to Hugging Face causal
-    LMs of the Llama family (see :mod:`seqpar.norm`)."""
+    LMs of the Llama family (see :mod:`seqpar.memory.norm`)."""
 
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")

@@ -1,11 +1,11 @@
-"""Run a test body on N persistent gloo ranks (CPU processes), on :mod:`seqpar.ranks`' pools.
+"""Run a test body on N persistent gloo ranks (CPU processes), on :mod:`seqpar.testing.ranks`' pools.
 
 Process start-up dominates distributed tests on CPU (3-5 s per spawn), so one pool of ranks is
 started per world size, lazily, and reused by every later test. A test hands a module-level
 function ``fn(rank, world_size, *args, **kwargs)`` (picklable by reference) to ``DistPool.run``
 and gets back the per-rank return values.
 
-Failure rules (those of :class:`seqpar.ranks.RankPool`, surfaced the way pytest reads best):
+Failure rules (those of :class:`seqpar.testing.ranks.RankPool`, surfaced the way pytest reads best):
 - a rank raising -> ``AssertionError`` in the caller carrying that rank's traceback; the pool
   stays up when every rank finishes the task within a short grace period, and is killed
   (restarted on next use) when the others are stuck, e.g. in a collective the failed rank skipped;
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from seqpar.ranks import PoolError, PoolSet, PoolTimeout, RankContext, free_port
+from seqpar.testing.ranks import PoolError, PoolSet, PoolTimeout, RankContext, free_port
 
 __all__ = ["DistPool", "free_port"]
 

@@ -15,9 +15,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from seqpar.attention import attention
+from seqpar.attn import attention
 from seqpar.config import SeqParConfig
-from seqpar.groups import init_process_groups
+from seqpar.runtime.groups import init_process_groups
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from seqpar.sharding import chunk_ids, num_chunks
+from seqpar.sequence.sharding import chunk_ids, num_chunks
 
 MODES = ("ring", "allgather")
 SHARDINGS = ("contiguous", "zigzag")
@@ -167,7 +167,7 @@ def test_low_precision_does_not_degrade_with_ring_size(dist_pool, dtype: torch.d
 def test_thread_ring_matches_reference_up_to_8_ranks() -> None:
     """The ring maths with P virtual ranks in one process (ThreadRing): the same code a one-GPU
     machine uses to check P ranks on one device."""
-    from seqpar.attention.ring import AttentionOptions, ring_backward, ring_forward
+    from seqpar.attn.ring import AttentionOptions, ring_backward, ring_forward
     from seqpar.comm.ring import ThreadRing
 
     for world, sharding, causal in itertools.product((3, 8), SHARDINGS, (False, True)):

@@ -13,8 +13,7 @@ from test_attention import make_case, reference, shard_rows, unshard_rows
 from test_ulysses import _count_all_to_all
 
 import seqpar
-from seqpar.attention.ulysses import head_split
-from seqpar.costmodel import (
+from seqpar.attn.choose import (
     MODE_FEATURES,
     CallShape,
     Links,
@@ -24,6 +23,7 @@ from seqpar.costmodel import (
     rank_modes,
     ulysses_heads_ok,
 )
+from seqpar.attn.ulysses import head_split
 
 LINKS = (Links(), Links(inter_gbps=5.0), Links(intra_gbps=20.0, inter_gbps=20.0, node_size=4), Links(flops=1e11))
 
@@ -124,7 +124,7 @@ def _auto_calls(rank: int, world: int, case: dict, links: dict | None) -> dict:
         out.backward(dout)
         again = attend(q.detach(), k.detach(), v.detach())
         assert torch.equal(again, out.detach())
-        from seqpar.costmodel import choose_mode
+        from seqpar.attn.choose import choose_mode
 
         chosen = choose_mode(q, k, world=world, manager=manager, causal=True, head_chunks=2)  # as attention resolves it
     finally:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from seqpar.memory import estimate_memory, max_seq_len
+from seqpar.memory.attention import estimate_attention_memory, max_seq_len
 
 ROOT = Path(__file__).resolve().parents[1]
 EST_TOL = 0.15
@@ -135,24 +135,24 @@ def test_train_suite(tmp_path: Path) -> None:
 
 def test_estimator_api() -> None:
     kw = {"batch": 1, "q_heads": 8, "kv_heads": 8, "head_dim": 64, "dtype": torch.float32}
-    single = estimate_memory(8192, world_size=1, mode="single", **kw)
-    ring4 = estimate_memory(8192, world_size=4, mode="ring", **kw)
+    single = estimate_attention_memory(8192, world_size=1, mode="single", **kw)
+    ring4 = estimate_attention_memory(8192, world_size=4, mode="ring", **kw)
     block = 8192 * 8 * 64 * 4  # one (S, heads, head_dim) fp32 tensor
     assert single == pytest.approx(9 * block, rel=0.01)
-    ring4_one = estimate_memory(8192, world_size=4, mode="ring", head_chunks=1, **kw)
+    ring4_one = estimate_attention_memory(8192, world_size=4, mode="ring", head_chunks=1, **kw)
     assert ring4_one == pytest.approx(20 * block / 4, rel=0.01)  # causal zigzag: 20 blocks of S/4
     # 4 head chunks ("auto" for 8 K/V heads): q, k, v, out, dout and the full-size gradients (8 blocks)
     # + one chunk's fp32 accumulators (3), K/V buffers (4), travelling dK/dV (4), kernel outputs (4)
     assert ring4 == pytest.approx((8 + 15 / 4) * block / 4, rel=0.01)
     assert ring4 <= 0.35 * single
     with pytest.raises(ValueError, match="head_chunks=3"):
-        estimate_memory(8192, world_size=4, mode="ring", head_chunks=3, **kw)
-    assert estimate_memory(8192, world_size=4, mode="allgather", **kw) > ring4
-    assert estimate_memory(8192, world_size=1, mode="ring", **kw) == single  # one rank runs plain SDPA
+        estimate_attention_memory(8192, world_size=4, mode="ring", head_chunks=3, **kw)
+    assert estimate_attention_memory(8192, world_size=4, mode="allgather", **kw) > ring4
+    assert estimate_attention_memory(8192, world_size=1, mode="ring", **kw) == single  # one rank runs plain SDPA
     s = max_seq_len(64 * 2**20, world_size=2, mode="ring", **kw)
-    assert estimate_memory(s, world_size=2, mode="ring", **kw) <= 64 * 2**20
-    assert estimate_memory(s + 4, world_size=2, mode="ring", **kw) > 64 * 2**20
+    assert estimate_attention_memory(s, world_size=2, mode="ring", **kw) <= 64 * 2**20
+    assert estimate_attention_memory(s + 4, world_size=2, mode="ring", **kw) > 64 * 2**20
     with pytest.raises(ValueError, match="mode="):
-        estimate_memory(1024, world_size=2, mode="tree", **kw)
+        estimate_attention_memory(1024, world_size=2, mode="tree", **kw)
     with pytest.raises(ValueError, match="chunks"):
-        estimate_memory(1026, world_size=2, mode="ring", **kw)
+        estimate_attention_memory(1026, world_size=2, mode="ring", **kw)

@@ -45,7 +45,7 @@ def test_every_rank_raises_naming_layer_and_rank(dist_pool, where):
 
 
 def _clean_call(rank: int, world: int) -> float:
-    from seqpar.attention import attention
+    from seqpar.attn import attention
 
     q, k, v = _qkv(rank)
     on = SwapOptions.from_config(SeqParConfig(size=world, mode="ring", check_finite=True), group=None)
@@ -59,10 +59,10 @@ def test_finite_inputs_pass_unchanged(dist_pool):
 
 
 def test_off_by_default_and_never_called(monkeypatch):
-    import seqpar.guard
+    import seqpar.runtime.guard
 
     assert SeqParConfig().check_finite is False
-    monkeypatch.setattr(seqpar.guard, "check_finite", lambda *a, **k: pytest.fail("called while off"))
+    monkeypatch.setattr(seqpar.runtime.guard, "check_finite", lambda *a, **k: pytest.fail("called while off"))
     q, k, v = _qkv(0)
     q[0, 0, 0, 0] = float("nan")
     SwapOptions.from_config(SeqParConfig(), group=None).attention(q, k, v, causal=True, scale=None, layer=LAYER)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from seqpar.attention.ring import AttentionOptions, ring_backward, ring_forward
+from seqpar.attn.ring import AttentionOptions, ring_backward, ring_forward
 from seqpar.comm.ring import ThreadRing
 from seqpar.kernels import block_backward, block_forward
 from seqpar.kernels.backends import Backend

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
-from seqpar.data import ShardedDataLoader, global_positions, shard_batch
-from seqpar.groups import init_process_groups
-from seqpar.sharding import chunk_ids, num_chunks
+from seqpar.runtime.groups import init_process_groups
+from seqpar.sequence.batch import ShardedDataLoader, global_positions, shard_batch
+from seqpar.sequence.sharding import chunk_ids, num_chunks
 
 
 def test_single_rank_shift_and_positions():
@@ -131,7 +131,7 @@ def test_loader_refuses_what_it_cannot_split():
 
 
 def test_balanced_labels_must_be_shifted_before_the_cut():
-    from seqpar.loss import shift_labels_across_shards
+    from seqpar.sequence.loss import shift_labels_across_shards
 
     with pytest.raises(ValueError, match="shard_batch"):
         shift_labels_across_shards(torch.arange(8).view(1, 8), sharding="balanced")

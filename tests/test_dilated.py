@@ -1,6 +1,6 @@
 """Single-process tests of LongNet dilated attention against a float64 reference built from masks.
 
-The reference follows the definition in :mod:`seqpar.attention.dilated` literally: one boolean
+The reference follows the definition in :mod:`seqpar.attn.dilated` literally: one boolean
 ``(S, S)`` mask per (head, pattern); the patterns' scores are concatenated along the key axis, so one
 softmax over the concatenation weights every pattern by its softmax denominator (the LSE merge), and a
 key selected by two patterns counts once in each. Rows no pattern selects give 0.
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from seqpar.attention.dilated import DilatedOptions, check_pattern, dilated_attention, plan_dilated
+from seqpar.attn.dilated import DilatedOptions, check_pattern, dilated_attention, plan_dilated
 
 # ----------------------------------------------------------------------------------- reference
 

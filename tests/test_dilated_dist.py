@@ -4,7 +4,7 @@ The parent draws fresh full-length inputs, each rank takes its contiguous shard 
 independently of seqpar's sharding helpers), runs forward and backward through
 ``dilated_attention``, and returns its shards of out, dq, dk, dv; the parent reassembles and compares
 them with :func:`test_dilated.dilated_reference` on the full sequence. A second test counts the bytes
-every rank sends and checks them against the volumes documented in ``seqpar.attention.dilated``.
+every rank sends and checks them against the volumes documented in ``seqpar.attn.dilated``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_dilated import dilated_reference
 
-from seqpar.attention.dilated import dilated_attention
-from seqpar.comm.traffic import counting
+from seqpar.attn.dilated import dilated_attention
+from seqpar.testing.traffic import counting
 
 SEQ_LOCAL = 8
 # Per world size: pattern sets (segment_lengths, dilation_rates) with segments inside a shard
@@ -91,7 +91,7 @@ def test_parity_fp32(dist_pool, world: int) -> None:
 def sent_bytes(rank: int, world: int, mode: str, causal: bool, patterns: tuple,
                check_inputs: bool = False) -> dict[str, int]:
     """Worker body: bytes this rank hands to point-to-point sends, forward and backward separately,
-    and the number of collective calls, counted by :func:`seqpar.comm.traffic.counting` (which also
+    and the number of collective calls, counted by :func:`seqpar.testing.traffic.counting` (which also
     sees the collectives seqpar makes through ``seqpar.comm.compat``, bound at import time)."""
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(2, 4, SEQ_LOCAL, 8, generator=g).requires_grad_() for _ in range(3))

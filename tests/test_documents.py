@@ -19,7 +19,7 @@ import torch
 from test_attention import shard_rows, unshard_rows
 
 import seqpar
-from seqpar.attention.masks import MaskSpec, plan_pieces
+from seqpar.attn.masks import MaskSpec, plan_pieces
 from seqpar.bench.documents import ring_bytes_theory
 
 # (q_heads, kv_heads, head_dim): GQA with an odd head dim, MQA, MHA
@@ -223,8 +223,8 @@ def test_bad_mask_inputs_raise_on_every_rank(dist_pool, case: str, expect: str) 
 def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int = 0) -> tuple[list[int], tuple]:
     """Run the ring forward + backward on ThreadRing virtual ranks (contiguous, causal, fp32, one head
     chunk); check the result against the reference; return each rank's bytes sent and the hop plan."""
-    from seqpar.attention.common import AttentionOptions, block_hops
-    from seqpar.attention.ring import ring_attention_backward, ring_attention_forward
+    from seqpar.attn.common import AttentionOptions, block_hops
+    from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
     from seqpar.comm.ring import ThreadRing
 
     case = make_case(seed, world, (4, 2, 8), mode="ring", sharding="contiguous", causal=True, window=window,
@@ -281,8 +281,8 @@ def test_balanced_sharding_evens_the_work(world: int) -> None:
     """Per-rank visible pairs (counted from the attention planner's calls, not from the layout's own
     cost model), causal, long-tailed documents: zigzag's max/mean is over 1.10 for some mixes, the
     balanced layout's is <= 1.05 for every one."""
-    from seqpar.attention.common import AttentionOptions, block_calls
-    from seqpar.attention.masks import visible_pair_count
+    from seqpar.attn.common import AttentionOptions, block_calls
+    from seqpar.attn.masks import visible_pair_count
 
     seq = 8192
     worst = {}
@@ -307,8 +307,8 @@ def test_pieces_run_the_cuda_kernels_on_fake_tensors(dtype: torch.dtype, monkeyp
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import seqpar.kernels.backends as backends
-    from seqpar.attention.common import piece_backward, piece_forward
-    from seqpar.attention.plan import BlockCall
+    from seqpar.attn.common import piece_backward, piece_forward
+    from seqpar.attn.plan import BlockCall
 
     monkeypatch.setattr(backends, "device_caps", lambda device: H100)
     calls = [BlockCall(slice(0, 24), slice(8, 48), False), BlockCall(slice(24, 40), slice(0, 16), True),

@@ -84,8 +84,8 @@ def _clean(name: str) -> str:
 
 def _reference(steps: int, global_bs: int, seq: int = SEQ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process fp32 training on the full global batch: the ground truth."""
-    from seqpar.data import shard_batch
-    from seqpar.loss import sequence_parallel_loss
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
 
     torch.manual_seed(0)
     model = ToyLM()
@@ -125,8 +125,8 @@ def _check(ref, got, rtol: float = RTOL) -> None:
 
 
 def _sp_step_loss(model, batch, manager, sharding):
-    from seqpar.data import shard_batch
-    from seqpar.loss import sequence_parallel_loss
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
 
     b = shard_batch(batch, group=manager.sp_group, sharding=sharding)
     logits = model(b["input_ids"], b["position_ids"])

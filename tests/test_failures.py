@@ -1,11 +1,11 @@
 """Failures end cleanly: atomic checkpoints, resume after a crash, lost ranks named, no process left.
 
 A save is written as ``<tag>.tmp`` by every rank and renamed by rank 0 once all are done
-(:mod:`seqpar.checkpoint`). A rank killed during a save can therefore leave only a ``.tmp`` directory
+(:mod:`seqpar.runtime.checkpoint`). A rank killed during a save can therefore leave only a ``.tmp`` directory
 (or, killed between the write and the marker, a directory without ``COMPLETE``); ``--resume`` must
 skip both and continue from the last complete checkpoint with the losses of an uninterrupted run.
 A rank lost mid-step (killed, stopped, raising) must end every other rank, with a message naming it
-or the timeout (:mod:`seqpar.liveness`), within a bound, and leave no process (alive or zombie) behind.
+or the timeout (:mod:`seqpar.runtime.liveness`), within a bound, and leave no process (alive or zombie) behind.
 
 Every process a test starts carries ``SEQPAR_TEST_RUN=<token>`` in its environment (torchrun passes
 its environment to the workers, which run in sessions of their own), so the test finds them all.
@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from launch_module import train_module
 
-from seqpar import checkpoint
+from seqpar.runtime import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--seq-len", "128", "--no-progress", "--log-level", "WARNING"]
@@ -214,7 +214,7 @@ def _agent(token: str, node: int, port: int, victim: int, how: str) -> subproces
                              "--victim", str(victim), "--how", how, "--timeout-s", str(TIMEOUT_S)])
 
 
-# What node 0 must print (seqpar.liveness): the lost rank, its exception, or the timeout.
+# What node 0 must print (seqpar.runtime.liveness): the lost rank, its exception, or the timeout.
 _DIAGNOSIS = {
     "kill": r"seqpar: rank [01]: a collective failed \(a peer's connection closed or failed\): "
             r"[^\n]*rank 3 was lost \(no heartbeat for [\d.]+ s; killed, preempted or stopped\)",
@@ -237,7 +237,7 @@ def _wait_listening(port: int, agent: subprocess.Popen, bound_s: float) -> None:
 
 @pytest.mark.parametrize("how", ["kill", "stop", "raise"])
 def test_lost_rank_ends_every_node(how):
-    from seqpar.ranks import free_port
+    from seqpar.testing.ranks import free_port
 
     port = free_port()
     victim = 3  # node 1's second rank; its SP peer (rank 2) waits in the ring, node 0 in the DP reduce

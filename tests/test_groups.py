@@ -93,7 +93,7 @@ def _members(group) -> list[int]:
 
 
 def _describe_groups(rank: int, world_size: int, sp_sizes: list[int]) -> list[dict]:
-    from seqpar.groups import default_manager, init_process_groups, resolve_group
+    from seqpar.runtime.groups import default_manager, init_process_groups, resolve_group
 
     out = []
     for sp in sp_sizes:
@@ -157,7 +157,7 @@ def test_grid_groups(dist_pool, world_size: int, sp_sizes: list[int]) -> None:
 
 def _init_bad(rank: int, world_size: int) -> list[str]:
     from seqpar.config import SeqParConfig
-    from seqpar.groups import default_manager, init_process_groups
+    from seqpar.runtime.groups import default_manager, init_process_groups
 
     messages = []
     for kwargs in ({"sp_size": 2}, {"config": SeqParConfig(size=2)}, {"sp_size": 0}):
@@ -181,7 +181,7 @@ def test_indivisible_sp_size_is_a_clear_error_on_every_rank(dist_pool) -> None:
 
 
 def test_indivisible_message_lists_the_divisors() -> None:
-    from seqpar.groups import check_divisible, rank_grid
+    from seqpar.runtime.groups import check_divisible, rank_grid
 
     with pytest.raises(ValueError) as info:
         check_divisible(6, 4)
@@ -193,7 +193,7 @@ def test_indivisible_message_lists_the_divisors() -> None:
 
 
 def _resolve_rules(rank: int, world_size: int) -> None:
-    from seqpar.groups import default_manager, init_process_groups, resolve_group
+    from seqpar.runtime.groups import default_manager, init_process_groups, resolve_group
 
     assert default_manager() is None  # the harness resets it between tasks
     assert resolve_group() is dist.group.WORLD  # no manager: the world
@@ -207,7 +207,7 @@ def test_resolve_group_rules(dist_pool) -> None:
 
 
 def test_resolve_group_single_process() -> None:
-    from seqpar.groups import ProcessGroupManager, resolve_group
+    from seqpar.runtime.groups import ProcessGroupManager, resolve_group
 
     if dist.is_initialized():
         pytest.skip("this test process already joined a process group")
@@ -240,7 +240,7 @@ def _timeouts(rank: int, world_size: int) -> list[int]:
     import torch
 
     from seqpar import SeqParConfig, init_process_groups
-    from seqpar.groups import set_default_manager
+    from seqpar.runtime.groups import set_default_manager
 
     m = init_process_groups(config=SeqParConfig(size=world_size, timeout_s=9))
     set_default_manager(None)  # leave the pool's ranks as they were for later tests

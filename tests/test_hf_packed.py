@@ -2,7 +2,7 @@
 
 A packed batch as ``transformers.DataCollatorWithFlattening`` makes it (input_ids (1, N), labels -100
 at each document start, position_ids restarting at 0, optionally cu_seq_lens_q/k) is cut with
-seqpar.data.shard_batch and fed to the swapped model on each rank. The loss and the gradients
+seqpar.sequence.batch.shard_batch and fed to the swapped model on each rank. The loss and the gradients
 (summed over the SP ranks) must equal a float64 single-process run of each document ALONE, with the
 token-weighted mean over every predicted token, to 1e-4. Lengths include a 1-token document, one
 shorter than a shard chunk, one spanning every shard, and a total that needs end padding.
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
-from seqpar.data import shard_batch
+from seqpar.sequence.batch import shard_batch
 from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")

@@ -2,7 +2,7 @@
 
 Each case builds a tiny random model on every rank, keeps an unswapped float64 copy (transformers'
 own sdpa or eager path with its sliding-window mask) as the single-process reference on the full
-sequence, swaps the other, and feeds it this rank's shard (seqpar.data.shard_batch). The loss and
+sequence, swaps the other, and feeds it this rank's shard (seqpar.sequence.batch.shard_batch). The loss and
 the gradients summed over the SP ranks must equal the reference's (fp32 vs float64, 1e-4). The
 sequence is longer than the window, so a layer that ignored its window would fail.
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
-from seqpar.data import shard_batch
+from seqpar.sequence.batch import shard_batch
 from seqpar.swap import SwapError, swap_attention
 
 transformers = pytest.importorskip("transformers")

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpar
 import seqpar.comm.compat as compat
-from seqpar.data import shard_batch
+from seqpar.sequence.batch import shard_batch
 from seqpar.swap import swap_attention
 
 VOCAB, HIDDEN, SEQ = 32, 32, 16

@@ -107,8 +107,8 @@ def test_hybrid_moves_the_theoretical_bytes(dist_pool) -> None:
 def test_super_ranks_are_a_valid_sharding_over_p_over_u() -> None:
     """The claim the hybrid rests on: the sorted chunks of u consecutive ranks under a sharding over P are
     exactly super-rank g's chunks of the same sharding over P/u (super-chunks of u chunks)."""
-    from seqpar.attention.ulysses import sequence_order
-    from seqpar.sharding import chunk_ids
+    from seqpar.attn.ulysses import sequence_order
+    from seqpar.sequence.sharding import chunk_ids
 
     for p, sharding in itertools.product(range(1, 9), SHARDINGS):
         for u in (d for d in range(1, p + 1) if p % d == 0):

@@ -1,4 +1,4 @@
-"""seqpar.liveness in one process: heartbeats in a real TCPStore on localhost, one client per "rank".
+"""seqpar.runtime.liveness in one process: heartbeats in a real TCPStore on localhost, one client per "rank".
 
 The two-"node" tests (tests/test_failures.py) show the diagnosis reaching the user of a real job;
 these check its logic, quickly: who is named lost, left or failed, the timeout, a dead store, the
@@ -17,9 +17,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from seqpar import liveness
-from seqpar.liveness import Heartbeat, Observation, PeerFailure, describe
-from seqpar.ranks import free_port
+from seqpar.runtime import liveness
+from seqpar.runtime.liveness import Heartbeat, Observation, PeerFailure, describe
+from seqpar.testing.ranks import free_port
 
 INTERVAL = 0.05
 

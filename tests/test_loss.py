@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from seqpar.data import global_positions, shard_batch
-from seqpar.loss import (
+from seqpar.sequence.batch import global_positions, shard_batch
+from seqpar.sequence.loss import (
     sequence_parallel_causal_lm_loss,
     sequence_parallel_loss,
     sequence_parallel_mean,
@@ -124,7 +124,7 @@ def _llama_end_to_end(rank: int, world_size: int, sharding: str, seq_len: int) -
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         grad = p.grad.clone()
-        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.loss)
+        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.sequence.loss)
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
     return loss.item()
 
@@ -142,7 +142,7 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
     import transformers
     from test_swap import build_model
 
-    from seqpar.sharding import shard_sequence
+    from seqpar.sequence.sharding import shard_sequence
     from seqpar.swap import swap_attention
 
     torch.manual_seed(0)
@@ -169,7 +169,7 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         grad = p.grad.clone()
-        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.loss)
+        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.sequence.loss)
         torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
 
     if how != "labels":

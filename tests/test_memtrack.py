@@ -1,4 +1,4 @@
-"""seqpar.memtrack.TensorMemoryTracker against hand-counted bytes, in the settings MemTracker refuses:
+"""seqpar.memory.tracker.TensorMemoryTracker against hand-counted bytes, in the settings MemTracker refuses:
 activation checkpointing (a module recomputed in backward), gradient accumulation (a module run twice
 in one window), storages resized in place (FSDP2's way of freeing unsharded parameters)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from seqpar.memtrack import TensorMemoryTracker
+from seqpar.memory.tracker import TensorMemoryTracker
 
 KIB = 1024
 SCALARS = 64  # loss scalars and their gradients: a few 4-byte storages, below this slack

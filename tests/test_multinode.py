@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from seqpar.groups import node_layout_problems, rank_grid
+from seqpar.runtime.groups import node_layout_problems, rank_grid
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:
 def test_two_nodes_sp2_dp2_match_one_four_rank_run(dist_pool, tmp_path):
     """Two torchrun agents (c10d rendezvous on localhost, 2 ranks each) train SP=2 x DP=2: each SP group
     lies inside one "node", the DP reduce crosses them; losses equal one 4-rank run's."""
-    from seqpar.ranks import free_port
+    from seqpar.testing.ranks import free_port
 
     cfg = json.loads((ROOT / "configs" / "fsdp_ring.json").read_text())
     cfg["train"]["eval_samples"] = 0

@@ -1,4 +1,4 @@
-"""recompute_norm (seqpar.norm): the lean RMSNorm's forward is bitwise the Hugging Face module's,
+"""recompute_norm (seqpar.memory.norm): the lean RMSNorm's forward is bitwise the Hugging Face module's,
 its gradients equal the module's in float64 / fp32 and are no worse than the module's own bf16
 rounding; it saves less; the swap applies it to the Llama family from the config and names what it
 changed; an unknown norm class is refused, naming the module."""
@@ -12,9 +12,9 @@ import torch
 from hf_tiny import enable_checkpointing, family_config
 
 from seqpar.config import ConfigError, SeqParConfig
-from seqpar.memtrack import TensorMemoryTracker
-from seqpar.norm import NormError, apply_recompute_norm, lean_rms_norm
-from seqpar.tiling import TilingError, apply_tiling
+from seqpar.memory.norm import NormError, apply_recompute_norm, lean_rms_norm
+from seqpar.memory.tiling import TilingError, apply_tiling
+from seqpar.memory.tracker import TensorMemoryTracker
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from seqpar.attention.masks import MaskSpec, plan_pieces
-from seqpar.attention.plan import BlockCall, plan_blocks
-from seqpar.sharding import chunk_ids
+from seqpar.attn.masks import MaskSpec, plan_pieces
+from seqpar.attn.plan import BlockCall, plan_blocks
+from seqpar.sequence.sharding import chunk_ids
 
 
 def visible_pairs(q_chunks: list[int], k_chunks: list[int], clen: int, causal: bool) -> set[tuple[int, int]]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import seqpar
-from seqpar.sharding import chunk_ids, pad_to_multiple, shard_index
+from seqpar.sequence.sharding import chunk_ids, pad_to_multiple, shard_index
 
 SHARDINGS = ("contiguous", "zigzag")
 

@@ -24,7 +24,7 @@ def _resources() -> dict[str, int]:
 
 
 def _cycles(rank: int, world: int, n: int) -> list[dict[str, int]]:
-    from seqpar.groups import default_manager, destroy_process_groups, init_process_groups
+    from seqpar.runtime.groups import default_manager, destroy_process_groups, init_process_groups
 
     seen = []
     for i in range(n + 1):

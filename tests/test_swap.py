@@ -2,7 +2,7 @@
 
 Each distributed case builds the same tiny random-init model on every rank (fixed seed), keeps an
 unswapped copy as the reference, swaps the other, feeds it this rank's shard (cut with
-seqpar.data.shard_batch), gathers the logits and sums the parameter gradients over the SP ranks;
+seqpar.sequence.batch.shard_batch), gathers the logits and sums the parameter gradients over the SP ranks;
 both must equal the reference's on the full sequence (fp32). Refusals run in one process.
 """
 
@@ -19,7 +19,7 @@ from hf_tiny import enable_checkpointing
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.data import global_positions, shard_batch
+from seqpar.sequence.batch import global_positions, shard_batch
 from seqpar.swap import SeqParMultiheadAttention, SwapError, SwapOptions, swap_attention
 
 transformers = pytest.importorskip("transformers")

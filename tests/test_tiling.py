@@ -1,4 +1,4 @@
-"""seqpar.tiling / seqpar.offload on one process: the tiled LM-head loss and the tiled MLP against
+"""seqpar.memory.tiling / seqpar.memory.offload on one process: the tiled LM-head loss and the tiled MLP against
 float64 references (outputs and every gradient), the models the swap tiles (and refuses), the
 parameter-gradient contract engines rely on, the config keys, and offload's CPU no-op.
 Distributed exactness under FSDP2 / ZeRO-2/3 is in test_tiling_train.py."""
@@ -14,8 +14,8 @@ from hf_tiny import enable_checkpointing, family_config
 from torch import nn
 
 from seqpar.config import ConfigError, SeqParConfig
-from seqpar.memtrack import TensorMemoryTracker
-from seqpar.tiling import TilingError, apply_tiling, tiled_lm_loss, tiled_mlp
+from seqpar.memory.tiling import TilingError, apply_tiling, tiled_lm_loss, tiled_mlp
+from seqpar.memory.tracker import TensorMemoryTracker
 
 transformers = pytest.importorskip("transformers")
 
@@ -216,7 +216,7 @@ class _CloneTransfer:
 def test_offload_recompute_and_prefetch_order_with_a_stand_in_transfer(checkpointing_first: bool) -> None:
     """Offload engages from the first forward whichever comes first, activation checkpointing or
     apply_offload (on transformers 5.17 a layer-level hook came one call too late)."""
-    from seqpar.offload import apply_offload
+    from seqpar.memory.offload import apply_offload
 
     torch.manual_seed(7)
     cfg = transformers.LlamaConfig(**_cfg(num_hidden_layers=3))

@@ -35,7 +35,7 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 
 
 def _loss(model: Any, batch: dict[str, torch.Tensor], tiled: bool, group: Any) -> torch.Tensor:
-    from seqpar.loss import sequence_parallel_loss
+    from seqpar.sequence.loss import sequence_parallel_loss
 
     if tiled is True:
         return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
@@ -54,7 +54,7 @@ def _sp_block(sp: int, tiled: bool | str) -> dict[str, Any]:
 
 
 def _run(rank: int, world: int, engine: str, stage: int, tiled: bool | str) -> tuple[list[float], dict]:
-    from seqpar.data import shard_batch
+    from seqpar.sequence.batch import shard_batch
 
     model = _model()
     if engine == "fsdp2":

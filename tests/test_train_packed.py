@@ -59,7 +59,7 @@ def test_packed_sp2_and_sp4_losses_equal_sp1(dist_pool):
     # first row's layout is neither contiguous nor zigzag, so this run is a third layout
     from itertools import accumulate
 
-    from seqpar.sharding import balanced_layout
+    from seqpar.sequence.sharding import balanced_layout
 
     train = _train()
     lengths = train.RecallTask(train.TrainSettings(seq_len=250, packed=True)).packed_lengths(0)

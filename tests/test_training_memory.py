@@ -1,5 +1,5 @@
 """seqpar.estimate_training_memory against the measured peak of the main job (launch/train.py on CPU,
-exact tensor accounting by seqpar.memtrack) within 10%, over SP 1/2/4, tiling on/off, activation
+exact tensor accounting by seqpar.memory.tracker) within 10%, over SP 1/2/4, tiling on/off, activation
 checkpointing on/off, FSDP2 and DeepSpeed ZeRO-2/3, a 32000-token vocabulary, seq-len up to 8192.
 Plus the estimator's own rules and the model-level CLI."""
 
@@ -13,7 +13,7 @@ import pytest
 from launch_module import train_module
 
 import seqpar
-from seqpar.training_memory import CATEGORIES, estimate_training_memory, longest_sequence
+from seqpar.memory.training import CATEGORIES, estimate_training_memory, longest_sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -73,7 +73,7 @@ def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, 
     argv += ["--recompute-norm"] * recompute_norm
     out = dist_pool.run(sp, _run_main, argv, timeout=400)
     measured = max(out[0]["peak_mem_bytes"])
-    assert "seqpar.memtrack" in out[0]["peak_mem_kind"]
+    assert "seqpar.memory.tracker" in out[0]["peak_mem_kind"]
     est = estimate_training_memory(MODEL, seq_len=seq, sp_size=sp, engine=engine, zero_stage=stage,
                                    activation_checkpointing=ac, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
                                    reduce_bucket_size=5_000_000, recompute_norm=recompute_norm)

@@ -18,7 +18,7 @@ from test_documents import check, check_low_precision, make_case
 from test_documents import run_cases as _run_cases
 
 import seqpar
-from seqpar.costmodel import MODE_FEATURES, CallShape, Links, rank_modes
+from seqpar.attn.choose import MODE_FEATURES, CallShape, Links, rank_modes
 
 # (q_heads, kv_heads, head_dim) per Ulysses degree: GQA with an odd head dim, MQA with fewer K/V heads
 # than ranks, two head chunks per rank (8 / 4 at u = 2: two K/V heads each)

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention: time one rank of a P-rank ring on this device (default on CUDA: 1048576:8)")
     g.add_argument("--budget-mib", type=float, help="memory: per-rank budget for the largest-S search")
     g.add_argument("--model", help="memory: a whole model instead of one attention call, e.g. llama3-8b "
-                   "(seqpar.training_memory.MODEL_SHAPES): the longest trainable sequence, modelled")
+                   "(seqpar.memory.training.MODEL_SHAPES): the longest trainable sequence, modelled")
     g.add_argument("--gpus", type=int, help="memory --model: GPUs, all one SP group (default: 1 and 8)")
     g.add_argument("--gpu-mem", type=float, default=80.0, help="memory --model: GB (GiB) per GPU (default 80)")
     g.add_argument("--model-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],

@@ -13,7 +13,7 @@ Methods, all on the same total sequence S and the same per-rank inputs:
 Each case is timed with :func:`seqpar.bench.runner.time_step` (one thread per rank, warm-up, repeats,
 median of the slowest rank) and measured once more for peak tensor memory per rank (inputs, outputs
 and their gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA), with
-:func:`seqpar.memory.estimate_memory`'s prediction beside it.
+:func:`seqpar.memory.estimate_attention_memory`'s prediction beside it.
 
 ``--profile`` splits each method's step into phases by wrapping the functions the algorithms call
 (block kernels, LSE merges, communication launches and waits, collectives, the cross-rank input check,
@@ -146,9 +146,9 @@ def dilated_pattern(seq_len: int) -> tuple[list[int], list[int]]:
 def dilated_problem(seq_len: int, world: int, shape: BenchShape) -> str | None:
     """Why the dilated method cannot run this case, or ``None``."""
     try:
-        mod = importlib.import_module("seqpar.attention.dilated")
+        mod = importlib.import_module("seqpar.attn.dilated")
     except Exception as e:  # noqa: BLE001 - reported, not raised
-        return f"seqpar.attention.dilated does not import: {type(e).__name__}: {e}"
+        return f"seqpar.attn.dilated does not import: {type(e).__name__}: {e}"
     ws, rs = dilated_pattern(seq_len)
     try:
         mod.check_pattern(ws, rs, q_heads=shape.q_heads, seq_local=seq_len // world, world_size=world)
@@ -167,7 +167,7 @@ def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: Ben
         return dilated_problem(seq_len, world, shape)
     if world == 1:
         return f"{method} with P = 1 is plain SDPA (measured as 'sdpa')"
-    from seqpar.costmodel import ulysses_heads_ok
+    from seqpar.attn.choose import ulysses_heads_ok
 
     if method == "seqpar_ulysses" and not ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
         return f"{shape.q_heads} query / {shape.kv_heads} K/V heads do not split over {world} Ulysses ranks"
@@ -196,7 +196,7 @@ def hybrid_manager(world: int) -> Any:
         import seqpar
 
         _HYBRID_MANAGERS[world] = seqpar.init_process_groups(sp_size=world, ulysses_size=2 if world % 2 == 0 else 1)
-    from seqpar.groups import set_default_manager
+    from seqpar.runtime.groups import set_default_manager
 
     set_default_manager(_HYBRID_MANAGERS[world])
     return _HYBRID_MANAGERS[world]
@@ -211,7 +211,7 @@ def forward_fn(
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
         return sdpa
     if method == "dilated":
-        from seqpar.attention.dilated import dilated_attention
+        from seqpar.attn.dilated import dilated_attention
 
         ws, rs = dilated_pattern(seq_len)
 
@@ -276,33 +276,33 @@ class PhaseTimer:
 
 _PHASE_TARGETS = (
     # ring and all-gather run their kernels and merges through the shared piece helpers
-    ("seqpar.attention.common", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.common", "block_backward", "kernel_bwd"),
+    ("seqpar.attn.common", "block_forward", "kernel_fwd"),
+    ("seqpar.attn.common", "block_backward", "kernel_bwd"),
     ("seqpar.kernels.merge", "merge_into", "merge"),
-    ("seqpar.attention.allgather", "all_gather_into", "collective"),
-    ("seqpar.attention.allgather", "reduce_scatter_into", "collective"),
-    ("seqpar.attention.dilated", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.dilated", "block_backward", "kernel_bwd"),
-    ("seqpar.attention.dilated", "merge_into", "merge"),
+    ("seqpar.attn.allgather", "all_gather_into", "collective"),
+    ("seqpar.attn.allgather", "reduce_scatter_into", "collective"),
+    ("seqpar.attn.dilated", "block_forward", "kernel_fwd"),
+    ("seqpar.attn.dilated", "block_backward", "kernel_bwd"),
+    ("seqpar.attn.dilated", "merge_into", "merge"),
     ("seqpar.attention", "check_across_ranks", "input_check"),
     # the ring's own bookkeeping (accumulators, fp32 sums, buffer copies), outside its kernels and merges
-    ("seqpar.attention.ring", "ring_forward", "ring_other"),
-    ("seqpar.attention.ring", "ring_backward", "ring_other"),
+    ("seqpar.attn.ring", "ring_forward", "ring_other"),
+    ("seqpar.attn.ring", "ring_backward", "ring_other"),
     # Ulysses and the hybrid: the all-to-alls' packing and unpacking copies, their launches, and the
     # inner attention (local kernels, or for the hybrid the ring across super-ranks, as above)
-    ("seqpar.attention.ulysses", "ulysses_forward", "ulysses_other"),
-    ("seqpar.attention.ulysses", "ulysses_backward", "ulysses_other"),
-    ("seqpar.attention.ulysses", "start_qkv", "a2a_pack"),
-    ("seqpar.attention.ulysses", "start_dout", "a2a_pack"),
-    ("seqpar.attention.ulysses", "start_heads_back", "a2a_pack"),
-    ("seqpar.attention.ulysses", "start_all_to_all", "a2a_start"),
-    ("seqpar.attention.ulysses", "seq_to_heads", "a2a_unpack"),
-    ("seqpar.attention.ulysses", "place_out", "a2a_unpack"),
-    ("seqpar.attention.ulysses", "place_grads", "a2a_unpack"),
-    ("seqpar.attention.ulysses", "block_forward", "kernel_fwd"),
-    ("seqpar.attention.ulysses", "block_backward", "kernel_bwd"),
-    ("seqpar.attention.ulysses", "ring_forward", "ring_other"),
-    ("seqpar.attention.ulysses", "ring_backward", "ring_other"),
+    ("seqpar.attn.ulysses", "ulysses_forward", "ulysses_other"),
+    ("seqpar.attn.ulysses", "ulysses_backward", "ulysses_other"),
+    ("seqpar.attn.ulysses", "start_qkv", "a2a_pack"),
+    ("seqpar.attn.ulysses", "start_dout", "a2a_pack"),
+    ("seqpar.attn.ulysses", "start_heads_back", "a2a_pack"),
+    ("seqpar.attn.ulysses", "start_all_to_all", "a2a_start"),
+    ("seqpar.attn.ulysses", "seq_to_heads", "a2a_unpack"),
+    ("seqpar.attn.ulysses", "place_out", "a2a_unpack"),
+    ("seqpar.attn.ulysses", "place_grads", "a2a_unpack"),
+    ("seqpar.attn.ulysses", "block_forward", "kernel_fwd"),
+    ("seqpar.attn.ulysses", "block_backward", "kernel_bwd"),
+    ("seqpar.attn.ulysses", "ring_forward", "ring_other"),
+    ("seqpar.attn.ulysses", "ring_backward", "ring_other"),
 )
 
 
@@ -401,7 +401,7 @@ def summarize_case(
     method: str, seq_len: int, world: int, causal: bool, shape: BenchShape, per_rank: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
     """One result row from the ranks' raw records."""
-    from seqpar.memory import estimate_memory
+    from seqpar.memory.attention import estimate_attention_memory
 
     row: dict[str, Any] = {
         "method": method, "P": world, "S": seq_len, "causal": causal,
@@ -413,7 +413,7 @@ def summarize_case(
         row["peak_bytes"] = max(row["peak_bytes_per_rank"])
         if method != "dilated":
             est_mode = {"sdpa": "single", "seqpar_ulysses": "ulysses"}.get(method, method)
-            row["estimate_bytes"] = estimate_memory(
+            row["estimate_bytes"] = estimate_attention_memory(
                 seq_len, world_size=world, mode=est_mode, batch=shape.batch, q_heads=shape.q_heads,
                 kv_heads=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
                 head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None,
@@ -450,7 +450,7 @@ def attach_ideal(rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------- one-GPU simulation
 def _simulated_times(ctx: RankContext, seq_local: int, world: int, rank: int, opts_kw: dict[str, Any],
                      shape: BenchShape, settings: Settings) -> dict[str, Any]:
-    from seqpar.attention.ring import AttentionOptions, RingAttention
+    from seqpar.attn.ring import AttentionOptions, RingAttention
 
     q, k, v, dout = make_inputs(shape, seq_local, ctx.device, settings.seed)
     res: dict[str, Any] = {}
@@ -493,8 +493,8 @@ def simulate_rank(
         (fraction of the transfer time the overlap hid: ``(serial - overlap) / (serial - compute)``),
         ``peak_bytes``, ``bytes_sent`` per step, and projected transfer times at :data:`LINKS_GBPS`.
     """
-    from seqpar.attention import resolve_head_chunks
-    from seqpar.attention.ring import AttentionOptions, RingAttention
+    from seqpar.attn import resolve_head_chunks
+    from seqpar.attn.ring import AttentionOptions, RingAttention
 
     seq_local = seq_len // world
     opts_kw = {"causal": causal, "scale": shape.head_dim ** -0.5, "sharding": "zigzag" if causal else "contiguous",

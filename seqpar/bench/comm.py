@@ -1,6 +1,6 @@
 """The ``comm`` suite: bytes each rank sends per attention call (one layer), against the theory.
 
-Bytes are counted inside the ranks by :func:`seqpar.comm.traffic.counting`, which wraps
+Bytes are counted inside the ranks by :func:`seqpar.testing.traffic.counting`, which wraps
 torch.distributed's own entry points (and seqpar's collective helpers) while one forward+backward
 runs, so the figure is what goes on the wire, not what seqpar's counters say; its docstring gives the
 bytes charged per call.
@@ -15,7 +15,7 @@ Theory per rank, with ``B`` one rank's K (or V) block in the input dtype and ``B
   + 2 u h) Kr) (one packed q/k/v all-to-all + the output's); backward the same (dout + packed dq/dk/dv);
   the hybrid adds the ring across super-ranks on blocks of h heads x u L rows: 2 (P/u - 1) blocks
   forward, 2 (P/u - 1) blocks + 2 (P/u - 1) fp32 dK/dV backward
-- dilated:   see :mod:`seqpar.attention.dilated` (depends on the pattern); measured only
+- dilated:   see :mod:`seqpar.attn.dilated` (depends on the pattern); measured only
 
 plus a few bytes for seqpar's cross-rank shape check. The suite also times one K/V block exchange
 between ring neighbours to show what the transport costs next to the compute of a block.
@@ -41,7 +41,7 @@ from seqpar.bench.attention import (
     shape_from_args,
 )
 from seqpar.bench.runner import RankContext, RankPool, sync
-from seqpar.comm.traffic import counting
+from seqpar.testing.traffic import counting
 
 __all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
 
@@ -148,7 +148,7 @@ def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShap
     if mode == "ulysses" and (shape.kv_heads % world or shape.q_heads % world):
         return f"Ulysses needs q_heads and kv_heads divisible by P={world}"
     if mode in ("seqpar_ulysses", "hybrid"):
-        from seqpar.costmodel import ulysses_heads_ok
+        from seqpar.attn.choose import ulysses_heads_ok
 
         u = world if mode == "seqpar_ulysses" else 2
         if mode == "hybrid" and (world < 4 or world % 2):

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from seqpar.attention.dilated import dilated_attention
+from seqpar.attn.dilated import dilated_attention
 
 __all__ = ["bench_dilated"]
 
@@ -52,7 +52,7 @@ def bench_dilated(
     device: str | torch.device = "cpu",
     repeats: int = 3,
 ) -> list[dict]:
-    """Time forward+backward of :func:`~seqpar.attention.dilated.dilated_attention` on one process.
+    """Time forward+backward of :func:`~seqpar.attn.dilated.dilated_attention` on one process.
 
     Returns one dict per length: ``seq``, ``ms`` (median of ``repeats`` timed steps after one warm-up),
     ``peak_mib`` (peak tensor memory of one step, inputs and gradients included) and ``ratio``

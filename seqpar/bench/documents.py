@@ -25,11 +25,11 @@ from collections.abc import Sequence
 import torch
 
 import seqpar
-from seqpar.attention.common import AttentionOptions, block_calls, block_hops
-from seqpar.attention.masks import visible_pair_count
-from seqpar.attention.ring import ring_attention_backward, ring_attention_forward
+from seqpar.attn.common import AttentionOptions, block_calls, block_hops
+from seqpar.attn.masks import visible_pair_count
+from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.comm.ring import ThreadRing
-from seqpar.sharding import shard_index
+from seqpar.sequence.sharding import shard_index
 
 __all__ = ["main", "time_documents", "balance", "ring_bytes", "ring_bytes_theory"]
 

@@ -191,7 +191,7 @@ def stage_host_sync(warmup: int = 2, steps: int = 3) -> dict[str, Any]:
     loopback transfers on a side stream), per causal/zigzag and full/contiguous; (2) training steps of
     a swapped tiny Llama. A single GPU holds one NCCL rank only, so (2) runs at SP = 1, where
     seqpar.attention calls SDPA directly: the cross-rank input check needs a multi-GPU run."""
-    from seqpar.attention.ring import AttentionOptions, RingAttention
+    from seqpar.attn.ring import AttentionOptions, RingAttention
     from seqpar.comm.loopback import LoopbackComm
     from seqpar.swap import swap_attention
 

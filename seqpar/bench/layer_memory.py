@@ -1,6 +1,6 @@
 """What one Hugging Face decoder layer saves for backward, measured: ``python -m seqpar.bench.layer_memory``.
 
-The whole-step model (:mod:`seqpar.training_memory`) counts a recomputed layer's saved tensors in
+The whole-step model (:mod:`seqpar.memory.training`) counts a recomputed layer's saved tensors in
 units of the hidden states (``seq_local x hidden_size`` elements of the training dtype). This
 measures them: a tiny Llama (GQA 4:1 like Llama-3) swapped to seqpar attention at SP size 1, one
 decoder layer's forward under ``torch.autograd.graph.saved_tensors_hooks``, every saved storage
@@ -73,7 +73,7 @@ def saved_units(dtype: torch.dtype = torch.bfloat16, tokens: int = 1024, **confi
     layer.register_forward_hook(post, with_kwargs=True)
     import torch.distributed as dist
 
-    from seqpar.data import shard_batch
+    from seqpar.sequence.batch import shard_batch
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ids = torch.randint(0, 64, (1, tokens * world), generator=torch.Generator().manual_seed(1))

@@ -3,7 +3,7 @@
 For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring``, ``allgather``,
 ``seqpar_ulysses`` and the ``hybrid`` ((P/2) x 2, P >= 4) where the head counts allow them
 (inputs, outputs and gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA) and
-prints :func:`seqpar.memory.estimate_memory`'s prediction beside it. Then, for a per-rank budget, it
+prints :func:`seqpar.memory.estimate_attention_memory`'s prediction beside it. Then, for a per-rank budget, it
 asks the estimator for the largest S each method fits and measures that S to confirm it fits.
 No timing here: the attention suite times, this one only counts bytes.
 """
@@ -19,7 +19,7 @@ import torch
 
 from seqpar.bench.attention import BenchShape, forward_fn, make_inputs, shape_from_args
 from seqpar.bench.runner import RankContext, RankPool, peak_memory
-from seqpar.memory import estimate_memory, max_seq_len
+from seqpar.memory.attention import estimate_attention_memory, max_seq_len
 
 __all__ = ["MemoryConfig", "measure_peak", "configure", "count", "run", "render", "plots"]
 
@@ -59,8 +59,8 @@ def _estimator_mode(method: str) -> str:
 
 def _methods(world: int, shape: BenchShape) -> list[str]:
     """What runs at P = world: SDPA alone at P = 1; ring, all-gather, and Ulysses / the (P/2) x 2 hybrid
-    where the head counts allow them (see seqpar.costmodel.ulysses_heads_ok)."""
-    from seqpar.costmodel import ulysses_heads_ok
+    where the head counts allow them (see seqpar.attn.choose.ulysses_heads_ok)."""
+    from seqpar.attn.choose import ulysses_heads_ok
 
     if world == 1:
         return ["sdpa"]
@@ -73,7 +73,7 @@ def _methods(world: int, shape: BenchShape) -> list[str]:
 
 
 def _estimate(method: str, seq_len: int, world: int, causal: bool, shape: BenchShape) -> int:
-    return estimate_memory(seq_len, world_size=world, mode=_estimator_mode(method),
+    return estimate_attention_memory(seq_len, world_size=world, mode=_estimator_mode(method),
                            batch=shape.batch, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
                            head_dim=shape.head_dim, dtype=shape.torch_dtype, causal=causal,
                            head_chunks=shape.head_chunks, ulysses_size=2 if method == "hybrid" else None)

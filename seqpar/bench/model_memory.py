@@ -1,7 +1,7 @@
 """``python -m seqpar.bench memory --model llama3-8b --gpus 8 --gpu-mem 80``: the longest sequence a
 whole model trains at, per configuration, with the per-rank breakdown (modelled, no GPU needed).
 
-The model shapes are config dicts in :data:`seqpar.training_memory.MODEL_SHAPES` (no download). Each
+The model shapes are config dicts in :data:`seqpar.memory.training.MODEL_SHAPES` (no download). Each
 configuration is ZeRO-3 over ``--gpus`` ranks, all of them one SP group, activation checkpointing on,
 in ``--dtype`` (bf16 by default), and adds one tool at a time: the tiled loss, the tiled MLP, the
 offload of checkpointed inputs, the lean RMSNorms (``recompute_norm``), then on several GPUs
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from seqpar.training_memory import CATEGORIES, MODEL_SHAPES, longest_sequence, shape_dict
+from seqpar.memory.training import CATEGORIES, MODEL_SHAPES, longest_sequence, shape_dict
 
 __all__ = ["ModelMemoryConfig", "CONFIGURATIONS", "configure", "count", "run", "render"]
 

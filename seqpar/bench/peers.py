@@ -289,7 +289,7 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
         if cfg.shape.kv_heads % world or cfg.shape.q_heads % world:
             uly_why = (f"Ulysses splits heads over ranks: q_heads={cfg.shape.q_heads} and kv_heads="
                        f"{cfg.shape.kv_heads} must be multiples of P={world}")
-        from seqpar.costmodel import ulysses_heads_ok
+        from seqpar.attn.choose import ulysses_heads_ok
 
         hq, hkv = cfg.shape.q_heads, cfg.shape.kv_heads
         ours_why = {

@@ -1,6 +1,6 @@
 """Run benchmark bodies on P ranks and time them the same way for every method.
 
-- :class:`RankPool` / :class:`PoolSet` (from :mod:`seqpar.ranks`, re-exported here) start P worker
+- :class:`RankPool` / :class:`PoolSet` (from :mod:`seqpar.testing.ranks`, re-exported here) start P worker
   processes once (gloo on CPU, NCCL when there is a GPU per rank), each with one intra-op thread by
   default (one core per rank), and run module-level functions ``fn(ctx, *args)`` on all of them,
   returning the per-rank results. Start-up (3-5 s on CPU) is paid once per world size, not per case.
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from seqpar.ranks import PoolError, PoolSet, RankContext, RankPool, free_port
+from seqpar.testing.ranks import PoolError, PoolSet, RankContext, RankPool, free_port
 
 __all__ = [
     "RankContext",

@@ -9,7 +9,7 @@
   all-gather (the dual).
 
 dtype and device come from the inputs; nothing here hard-codes either. ``group=None`` means
-:func:`seqpar.groups.resolve_group` (the default manager's SP group, else the world); a group of
+:func:`seqpar.runtime.groups.resolve_group` (the default manager's SP group, else the world); a group of
 one, or no process group at all, makes every op the identity.
 """
 
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
-from seqpar.groups import resolve_group
+from seqpar.runtime.groups import resolve_group
 
 __all__ = ["GRAD_REDUCTIONS", "AllGather", "ReduceScatter", "all_gather", "reduce_scatter"]
 
@@ -93,7 +93,7 @@ def all_gather(
     Args:
         x: ``(.., n, ..)`` with ``n`` at ``dim``; the same shape on every rank.
         dim: the dimension to concatenate along (negative allowed).
-        group: the process group (default: :func:`seqpar.groups.resolve_group`).
+        group: the process group (default: :func:`seqpar.runtime.groups.resolve_group`).
         grad_reduction: ``"slice"`` or ``"sum"``, see the module docstring.
     Returns:
         ``(.., world * n, ..)``, the ranks' blocks in rank order; ``x`` itself for a group of one.
@@ -114,7 +114,7 @@ def reduce_scatter(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = Non
     Args:
         x: ``(.., world * n, ..)``; the same shape on every rank.
         dim: the dimension to scatter along (negative allowed).
-        group: the process group (default: :func:`seqpar.groups.resolve_group`).
+        group: the process group (default: :func:`seqpar.runtime.groups.resolve_group`).
     Returns:
         ``(.., n, ..)``: block ``rank`` of the sum over ranks; ``x`` itself for a group of one.
     Raises:

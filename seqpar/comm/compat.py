@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.liveness import reraise
+from seqpar.runtime.liveness import reraise
 
 __all__ = ["all_gather_into", "reduce_scatter_into", "intercepted"]
 
@@ -29,7 +29,7 @@ def all_gather_into(out: Tensor, inp: Tensor, group: dist.ProcessGroup | None = 
     """``out`` ``(world * n, ...)`` <- every rank's ``inp`` ``(n, ...)``, in rank order."""
     try:
         return _all_gather(out, inp.contiguous(), group=group, async_op=async_op)
-    except RuntimeError as error:  # a peer lost or late: name it (seqpar.liveness)
+    except RuntimeError as error:  # a peer lost or late: name it (seqpar.runtime.liveness)
         reraise(error)
 
 
@@ -46,7 +46,7 @@ def intercepted(wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]) -
     """While the block runs, :func:`all_gather_into` and :func:`reduce_scatter_into` call
     ``wrap(name, fn)(...)`` instead of ``fn``, ``name`` being the torch.distributed function ``fn``.
 
-    For traffic counters (:mod:`seqpar.comm.traffic`): seqpar's modules import these helpers by name
+    For traffic counters (:mod:`seqpar.testing.traffic`): seqpar's modules import these helpers by name
     at import time, so wrapping ``torch.distributed`` alone would never see their collectives.
     """
     global _all_gather, _reduce_scatter

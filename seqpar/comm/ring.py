@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.liveness import reraise
+from seqpar.runtime.liveness import reraise
 
 __all__ = ["Pending", "RingExchange", "RingComm", "ThreadRing", "ThreadRingComm"]
 
@@ -43,7 +43,7 @@ class Pending:
         if self._finish is not None:
             try:
                 self._finish()
-            except RuntimeError as error:  # a peer lost or late: name it (seqpar.liveness)
+            except RuntimeError as error:  # a peer lost or late: name it (seqpar.runtime.liveness)
                 reraise(error)
             self._finish = None
         return self._received

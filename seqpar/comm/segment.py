@@ -1,6 +1,6 @@
 """Segment-local point-to-point exchange: the few ranks of an SP group that share one segment.
 
-Dilated attention (see :mod:`seqpar.attention.dilated`) cuts the sequence into segments of length w.
+Dilated attention (see :mod:`seqpar.attn.dilated`) cuts the sequence into segments of length w.
 With contiguous sharding and ``w`` a multiple of the local length, each segment covers ``c = w /
 seq_local`` consecutive ranks of the SP group, and only those ranks ever need each other's rows.
 :class:`SegmentComm` addresses them by their *index within the segment* (0..c-1) and posts one

@@ -16,7 +16,7 @@ The walk over the model is :mod:`seqpar.swap.walk`; the options every swapped la
 (:mod:`seqpar.swap.batch`), so its layers make no per-call check (no host sync per layer).
 
 Every swapped module runs on a shard of the sequence: inputs ``(batch, seq_local, ...)`` in the
-configured sharding, as produced by :func:`seqpar.data.shard_batch`. Positions must be the shard's
+configured sharding, as produced by :func:`seqpar.sequence.batch.shard_batch`. Positions must be the shard's
 *global* positions (``position_ids`` from ``shard_batch``): Hugging Face models get them filled in
 by the swap, but code that numbers positions from the local length (nanoGPT's
 ``pos = torch.arange(t)``) must take them as an argument instead. Features seqpar does not honour

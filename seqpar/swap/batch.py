@@ -1,4 +1,4 @@
-"""The once-per-batch cross-rank check of a swapped model (see :mod:`seqpar.verified` for why).
+"""The once-per-batch cross-rank check of a swapped model (see :mod:`seqpar.runtime.verified` for why).
 
 :func:`install_batch_check` puts a forward pre-hook on the swapped model. Every rank of the SP group
 runs the model's forward together, once per batch, so the hook is a point where a collective is
@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.comm.agree import rows_across_ranks
-from seqpar.groups import resolve_group
+from seqpar.runtime.groups import resolve_group
+from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
 from seqpar.swap.options import SwapOptions
-from seqpar.verified import enter_verified, exit_verified, mark_unverified
 
 __all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer"]
 
@@ -170,7 +170,7 @@ class _BatchCheck:
             f"seqpar ({where}): the ranks of the sequence-parallel group called the swapped model with "
             f"{what} ({detail}). Every rank of an SP group must pass its own shard of the same batch "
             "(same batch size, shard length, dtypes and packed-document boundaries): cut batches with "
-            "seqpar.data.shard_batch, and build and swap the same model with the same config on every rank"
+            "seqpar.sequence.batch.shard_batch, and build and swap the same model with the same config on every rank"
         )
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:

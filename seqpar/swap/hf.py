@@ -22,7 +22,7 @@ nested in something else) that
 - fills ``position_ids`` with the *global* positions of this rank's shard when they are absent
   (transformers would number the shard from 0, which is wrong for rotary and absolute positions),
   and checks given ones (per-document positions for packed batches);
-- reads packed documents (batch 1): ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or
+- reads packed documents (batch 1): ``cu_seq_lens_q/k`` (as :func:`seqpar.sequence.batch.shard_batch` or
   ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` give them; they win), or on one rank
   restarting ``position_ids``; the *global* boundaries go to the host once per batch, are compared
   across ranks by the batch check, and every layer passes them to ``seqpar.attention(cu_seqlens=)``,
@@ -31,7 +31,7 @@ nested in something else) that
   in a zigzag shard's positions as two packed documents;
 - refuses a padding mask with zeros, a KV cache and ``use_cache=True`` (a cache of a sharded
   sequence is meaningless), and turns ``use_cache`` off when it is not given;
-- passes ``shift_labels`` (as :func:`seqpar.data.shard_batch` returns them) on as ``labels`` too, so
+- passes ``shift_labels`` (as :func:`seqpar.sequence.batch.shard_batch` returns them) on as ``labels`` too, so
   ``model(**shard_batch(batch)).loss`` is computed;
 - refuses ``labels=`` under SP for models whose loss is not token-level (sequence classification ...).
 
@@ -39,7 +39,7 @@ Losses: the model's ``loss_function`` becomes :class:`SequenceParallelLMLoss`. U
 own causal-LM loss would shift the labels inside each shard (losing every shard's last target) and
 average per rank: a wrong loss. seqpar's is token-weighted over the whole sequence, with the shift
 done before the cut (``shift_labels``) or across shards (``labels`` cut unshifted), and its backward
-gives every rank its share of the full-sequence gradient (see :mod:`seqpar.loss`).
+gives every rank its share of the full-sequence gradient (see :mod:`seqpar.sequence.loss`).
 
 Sliding-window layers run exactly: the ``sliding_window`` transformers passes to each layer's
 attention call (Mistral: every layer; Qwen2, Gemma 2/3, GPT-OSS: the ``"sliding_attention"`` entries
@@ -65,8 +65,13 @@ from torch import Tensor, nn
 from transformers import masking_utils
 from transformers.loss.loss_utils import LOSS_MAPPING
 
-from seqpar.data import PACKED_KEYS, document_boundaries, global_positions, sp_rank_and_size
-from seqpar.loss import sequence_parallel_loss, shift_labels_across_shards
+from seqpar.sequence.batch import (
+    PACKED_KEYS,
+    document_boundaries,
+    global_positions,
+    sp_rank_and_size,
+)
+from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions
 
@@ -240,7 +245,7 @@ class SequenceParallelLMLoss:
     with this rank's ``logits`` ``(batch, seq_local, vocab)`` and ``labels`` ``(batch, seq_local)``.
 
     - Causal LM: the targets are ``shift_labels`` when given (shifted before the cut, as
-      :func:`seqpar.data.shard_batch` returns them), else ``labels`` cut unshifted like
+      :func:`seqpar.sequence.batch.shard_batch` returns them), else ``labels`` cut unshifted like
       ``input_ids``, shifted across shard boundaries here (one tiny all-gather).
     - Masked LM: ``labels`` as cut.
     - ``num_items_in_batch`` (given by transformers' Trainer): the loss is the sum over the whole
@@ -296,7 +301,7 @@ def _forward_signature(cls: type) -> inspect.Signature:
 def _padding_error(where: str) -> ValueError:
     return ValueError(
         f"seqpar ({where}): the attention_mask marks padding, but seqpar attention takes no key "
-        "mask. Cut batches with seqpar.data.shard_batch, which accepts right padding under causal "
+        "mask. Cut batches with seqpar.sequence.batch.shard_batch, which accepts right padding under causal "
         "attention (real tokens never see later pads) and ignores the pads' labels; left padding "
         "and holes cannot be honoured"
     )
@@ -358,7 +363,7 @@ def _prepare_inputs(
                     f"per-document positions of this rank's {options.sharding} shard of the packed "
                     f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
                     f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
-                    "Cut packed batches with seqpar.data.shard_batch"
+                    "Cut packed batches with seqpar.sequence.batch.shard_batch"
                 )
             given = expected
         if given is None:
@@ -368,7 +373,7 @@ def _prepare_inputs(
             restarts = bool((row.diff() < 0).any())
             what = (
                 "they restart (packed sequences): on shards the global document boundaries are "
-                "needed; cut packed batches (batch 1) with seqpar.data.shard_batch, which passes "
+                "needed; cut packed batches (batch 1) with seqpar.sequence.batch.shard_batch, which passes "
                 "them as cu_seq_lens_q/k"
                 if restarts else
                 "pass the global positions of the shard, or none (seqpar fills them in)"
@@ -376,7 +381,7 @@ def _prepare_inputs(
             raise ValueError(
                 f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the global "
                 f"positions of this rank's {options.sharding} shard (expected "
-                f"{_short(expected[0])}, got {_short(row)}): {what}. seqpar.data.shard_batch makes "
+                f"{_short(expected[0])}, got {_short(row)}): {what}. seqpar.sequence.batch.shard_batch makes "
                 "them right"
             )
     # Hand everything back by keyword: transformers' forward decorators also inject keywords
@@ -407,7 +412,7 @@ def _packed_boundaries(
 ) -> list[int] | None:
     """The global document boundaries of a packed batch, put on the host once for all layers.
 
-    From ``cu_seq_lens_q/k`` (as :func:`seqpar.data.shard_batch` or DataCollatorWithFlattening
+    From ``cu_seq_lens_q/k`` (as :func:`seqpar.sequence.batch.shard_batch` or DataCollatorWithFlattening
     give them); on one rank also from restarting ``position_ids`` (the shard is the whole sequence).
     The boundaries are written back as one host int32 tensor under both keys, which transformers
     hands to every attention layer: the plan then reads host integers, no per-layer device sync.
@@ -458,7 +463,7 @@ def _prepare_labels(
             f"seqpar ({where}): labels= with a {loss_type} loss on sequence shards would give each "
             "rank a loss of its own shard only. Call the model without labels and compute the loss "
             "from the gathered outputs, or for token-level losses use seqpar.sequence_parallel_loss "
-            "with the shift_labels of seqpar.data.shard_batch"
+            "with the shift_labels of seqpar.sequence.batch.shard_batch"
         )
 
 
@@ -499,7 +504,7 @@ def seqpar_mask(
             "seqpar: the model asked for an attention mask other than causal/bidirectional/sliding "
             "(packed-sequence document mask, block-wise mask, or a custom and/or mask function); "
             "seqpar attention does not honour it. Pass packed documents as cu_seq_lens_q/k "
-            "(seqpar.data.shard_batch derives them) and use a model without custom masks"
+            "(seqpar.sequence.batch.shard_batch derives them) and use a model without custom masks"
         )
     return None
 

@@ -168,7 +168,7 @@ class SeqParMultiheadAttention(nn.Module):
         if key_padding_mask is not None:
             raise ValueError(
                 "SeqParMultiheadAttention: key_padding_mask is not supported (seqpar attention takes "
-                "no key mask); pad at the end under causal attention, see seqpar.data.shard_batch"
+                "no key mask); pad at the end under causal attention, see seqpar.sequence.batch.shard_batch"
             )
         if self.dropout and self.training:
             raise ValueError(

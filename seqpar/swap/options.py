@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.config import PatternConfig, SeqParConfig
+from seqpar.runtime.verified import batch_verified
 from seqpar.swap.sdpa import suspended
-from seqpar.verified import batch_verified
 
 __all__ = ["SwapError", "SwapOptions", "value_digest"]
 
@@ -64,9 +64,9 @@ class SwapOptions:
     swapped model's forward pre-hook (:mod:`seqpar.swap.batch`), per call outside it."""
     head_chunks: int | str = "auto"
     check_finite: bool = False
-    """Collective NaN/Inf check of each call's inputs and output (:mod:`seqpar.guard`)."""
+    """Collective NaN/Inf check of each call's inputs and output (:mod:`seqpar.runtime.guard`)."""
     pattern: PatternConfig = field(default_factory=PatternConfig)
-    """Dense attention, or LongNet dilated attention (``seqpar.attention.dilated``)."""
+    """Dense attention, or LongNet dilated attention (``seqpar.attn.dilated``)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
@@ -96,7 +96,7 @@ class SwapOptions:
 
         Inside a verified batch (the swapped model's pre-hook compared its inputs across ranks) the
         per-call cross-rank check is skipped: it would cost a host sync per layer and could only
-        repeat the batch's verdict (seqpar.verified).
+        repeat the batch's verdict (seqpar.runtime.verified).
 
         ``cu_seqlens`` (global packed-document boundaries), ``window`` and ``sinks`` are passed to
         :func:`seqpar.attention` as they are (see there); the dilated pattern takes none of them.
@@ -106,7 +106,7 @@ class SwapOptions:
         masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks))
                   if v is not None}
         if self.check_finite:  # off by default: then this branch is the whole cost
-            from seqpar.guard import check_finite
+            from seqpar.runtime.guard import check_finite
 
             where = f"layer {layer or '?'}"
             check_finite({"query": q, "key": k, "value": v}, self.group, f"{where} attention inputs")
@@ -118,7 +118,7 @@ class SwapOptions:
     def _attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
-        from seqpar.attention import attention
+        from seqpar.attn import attention
 
         check = self.check_inputs and not batch_verified()
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
@@ -130,7 +130,7 @@ class SwapOptions:
                         f"seqpar: the dilated pattern does not take {sorted(masked)} (packed documents, "
                         "sliding windows, sinks); use the dense pattern for such models"
                     )
-                from seqpar.attention.dilated import dilated_attention
+                from seqpar.attn.dilated import dilated_attention
 
                 return dilated_attention(
                     q, k, v, segment_lengths=self.pattern.segment_lengths,

@@ -81,7 +81,7 @@ def _sdpa_dispatch(
         raise ValueError(
             f"{where} got an attn_mask: seqpar attention takes no mask (a local mask is wrong on a "
             "sequence shard). For causal attention pass attn_mask=None, is_causal=True; padding at "
-            "the end needs no mask (see seqpar.data.shard_batch)"
+            "the end needs no mask (see seqpar.sequence.batch.shard_batch)"
         )
     if dropout_p:
         raise ValueError(

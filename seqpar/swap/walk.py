@@ -54,7 +54,7 @@ class SwapReport:
 
     swapped: list[SwappedModule] = field(default_factory=list)
     tiling: Any = None
-    """What :func:`seqpar.tiling.apply_tiling` did (tiled loss / MLP, offload), or None."""
+    """What :func:`seqpar.memory.tiling.apply_tiling` did (tiled loss / MLP, offload), or None."""
 
     @property
     def names(self) -> list[str]:
@@ -123,7 +123,7 @@ def swap_attention(
 
     Args:
         model: any ``nn.Module``; after the swap it must be fed sequence shards
-            (:func:`seqpar.data.shard_batch`), on every rank of the SP group.
+            (:func:`seqpar.sequence.batch.shard_batch`), on every rank of the SP group.
         config: a ``SeqParConfig`` (or dict / JSON path); uses ``swap``, ``mode``, ``sharding``,
             ``overlap``, ``check_inputs``. ``swap="auto"`` tries every route, ``"hf"``, ``"sdpa"``,
             ``"mha"`` one route, a tuple of class names / fnmatch patterns (matched against the
@@ -153,7 +153,7 @@ def swap_attention(
     report, preparers = _apply(model, plan, options, glue)
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers)
     logger.info("%s", report)
-    from seqpar.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
+    from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 
     report.tiling = apply_tiling(model, cfg, group=group)
     return report

@@ -30,7 +30,7 @@ the same again (dout, then dq/dk/dv).
 
 Documents, windows and sinks (``opts.cu_seqlens``, ``opts.window``, ``sinks``): after the all-to-all a
 Ulysses rank holds the whole sequence in ascending global order for its heads, so the inner attention is
-the ring code on a single rank (:class:`~seqpar.attention.common.SingleRank`) whose one "chunk" is the
+the ring code on a single rank (:class:`~seqpar.attn.common.SingleRank`) whose one "chunk" is the
 whole sequence: the mask planner maps its rows to global positions, no mask tensor, no exchange. Any
 sharding works, ``balanced`` included (its chunks, sorted, are again the whole sequence). In a hybrid
 the super-ranks run the masked ring across them (contiguous / zigzag over ``P/u``; not ``balanced``,
@@ -51,12 +51,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.common import AttentionOptions, SingleRank, rank_chunks
-from seqpar.attention.ring import ring_backward, ring_forward
+from seqpar.attn.common import AttentionOptions, SingleRank, rank_chunks
+from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import block_backward, block_forward, lse_dtype, sink_grad
-from seqpar.sharding import chunk_ids
+from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
 

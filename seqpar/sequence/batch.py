@@ -9,8 +9,8 @@ logits at position ``t`` (the token at ``t + 1``), so the last token of a shard 
 token even though that token lives on another rank. ``shard_batch`` returns them under the key
 ``shift_labels`` and drops ``labels``, so a Hugging Face model called as ``model(**batch)`` cannot
 compute a silently wrong per-shard loss; compute the loss with
-:func:`seqpar.loss.sequence_parallel_loss` (or pass ``shift_labels=`` to transformers'
-``ForCausalLMLoss``, then reduce with :func:`seqpar.loss.sequence_parallel_mean`).
+:func:`seqpar.sequence.loss.sequence_parallel_loss` (or pass ``shift_labels=`` to transformers'
+``ForCausalLMLoss``, then reduce with :func:`seqpar.sequence.loss.sequence_parallel_mean`).
 
 Why padding goes at the end only: seqpar attention takes no key mask. A length that does not divide
 into ``P`` (``2P`` for zigzag) chunks is padded at the end; under causal attention a real token never
@@ -48,8 +48,8 @@ from torch.utils.data import (
     RandomSampler,
 )
 
-from seqpar.groups import default_manager, resolve_group
-from seqpar.sharding import length_multiple, shard_index
+from seqpar.runtime.groups import default_manager, resolve_group
+from seqpar.sequence.sharding import length_multiple, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
            "document_boundaries", "PACKED_KEYS"]
@@ -67,7 +67,7 @@ def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """This rank's position in the SP group and the group's size; ``(0, 1)`` without a group.
 
     ``group=None`` means the default manager's SP group, else the world (see
-    :func:`seqpar.groups.resolve_group`).
+    :func:`seqpar.runtime.groups.resolve_group`).
     """
     group = resolve_group(group)
     if group is None:
@@ -75,7 +75,7 @@ def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-# The global positions a rank holds: one definition, in seqpar.sharding (kept here under its old name).
+# The global positions a rank holds: one definition, in seqpar.sequence.sharding (kept here under its old name).
 global_positions = shard_index
 
 
@@ -297,7 +297,7 @@ class ShardedDataLoader:
     Args:
         dataloader: a map-style ``DataLoader`` yielding dict batches. A loader that already has a
             ``DistributedSampler`` is kept as it is, provided that sampler is over the DP axis.
-        manager: the ``ProcessGroupManager`` (default: ``seqpar.groups.default_manager()``; without
+        manager: the ``ProcessGroupManager`` (default: ``seqpar.runtime.groups.default_manager()``; without
             one, every rank is one SP group and there is no data parallelism).
         group: SP group override (default: the manager's SP group).
         sharding, causal_lm, ignore_index, pad_token_id: as for :func:`shard_batch`.
@@ -338,7 +338,7 @@ class ShardedDataLoader:
             raise ValueError(
                 "ShardedDataLoader needs a map-style dataset to give DP replicas distinct samples and "
                 "SP ranks the same ones; an IterableDataset must do that itself: yield the same "
-                "samples on every rank of an SP group, then call seqpar.data.shard_batch per batch"
+                "samples on every rank of an SP group, then call seqpar.sequence.batch.shard_batch per batch"
             )
         if isinstance(dl.sampler, DistributedSampler):
             if (dl.sampler.num_replicas, dl.sampler.rank) != (dp_size, dp_rank):

@@ -90,7 +90,7 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
     if sharding == "zigzag" and q.shape[2] % 2:
         raise ValueError(
             f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={q.shape[2]}: "
-            f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sharding.pad_to_multiple) "
+            f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sequence.sharding.pad_to_multiple) "
             f"or use sharding='contiguous'"
         )
 

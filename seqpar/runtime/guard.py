@@ -35,7 +35,7 @@ def check_finite(tensors: dict[str, Tensor], group: dist.ProcessGroup | None, wh
         if bad_local:
             raise NonFiniteError(f"seqpar check_finite: NaN/Inf in {where} ({', '.join(bad_local)}) on rank 0")
         return
-    from seqpar.groups import resolve_group
+    from seqpar.runtime.groups import resolve_group
 
     group = resolve_group(group)  # None: the default manager's SP group, else the world
     size, me = dist.get_world_size(group), dist.get_rank(group)

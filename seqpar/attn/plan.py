@@ -1,6 +1,6 @@
 """Which (query rows, key rows, mask) kernel calls one rank makes against one key/value block.
 
-Sequences are cut into equal chunks (see :mod:`seqpar.sharding`); a rank's queries and a key block
+Sequences are cut into equal chunks (see :mod:`seqpar.sequence.sharding`); a rank's queries and a key block
 are each a list of global chunk ids in local order. Under causal masking, query chunk a sees key
 chunk b fully if b < a, causally (top-left diagonal) if b == a, and not at all if b > a. The planner
 turns that into as few kernel calls as it can: blocks entirely in the future are skipped, runs of
@@ -20,7 +20,7 @@ class BlockCall:
     """One kernel call: ``q[:, :, q_rows]`` against ``k[:, :, k_rows]`` (local row ranges).
 
     ``causal``: row x sees key y <= x (top-left); ``anti``: row x sees key y >= x (a square whose
-    rows and keys run backwards is causal: see :mod:`seqpar.attention.common`); neither: all keys.
+    rows and keys run backwards is causal: see :mod:`seqpar.attn.common`); neither: all keys.
     """
 
     q_rows: slice

@@ -90,10 +90,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.checks import check_across_ranks, check_local, check_options
+from seqpar.attn.checks import check_across_ranks, check_local, check_options
 from seqpar.comm.segment import SegmentComm
-from seqpar.groups import resolve_group
 from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_into, new_accumulators
+from seqpar.runtime.groups import resolve_group
 
 __all__ = [
     "HEAD_LAYOUTS",
@@ -701,7 +701,7 @@ def dilated_attention(
         check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
                            extra=pattern_row(segment_lengths, dilation_rates, head_layout))
     if mode == "auto":
-        from seqpar.costmodel import choose_mode
+        from seqpar.attn.choose import choose_mode
 
         mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"})
     check_local(q, k, v, world_size=world, sharding=sharding)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqpar.attention.common import (
+from seqpar.attn.common import (
     AttentionOptions,
     block_calls,
     block_grads,
@@ -43,7 +43,7 @@ from seqpar.attention.common import (
     forward_block,
     piece_backward,
 )
-from seqpar.attention.plan import BlockCall, head_chunk_slices
+from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
 
@@ -146,7 +146,7 @@ def ring_backward(
     """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
     Returns dq, dk, dv in the input dtypes.
 
-    Block j makes ``hops[j]`` hops (see :func:`~seqpar.attention.common.block_hops`); its dK/dV
+    Block j makes ``hops[j]`` hops (see :func:`~seqpar.attn.common.block_hops`); its dK/dV
     accumulator starts at rank j+1, collects at each rank up to j + hops[j] and goes home from there."""
     world, rank = comm.world_size, comm.rank
     acc = lse_dtype(q.dtype)

@@ -126,12 +126,12 @@ class ProcessGroupManager:
         check_ulysses_size(sp_size, ulysses_size)
         self._dp_rank, self._sp_rank = divmod(self._rank, sp_size)
         self._ulysses_size = ulysses_size
-        # link figures for mode="auto" (seqpar.costmodel.Links); None = probe on first use
+        # link figures for mode="auto" (seqpar.attn.choose.Links); None = probe on first use
         self.links: Any = None
 
         self._created: list[dist.ProcessGroup] = []  # what destroy() tears down
         self.owns_world = False  # set by init_process_groups when it created the world group
-        # this rank's heartbeat (seqpar.liveness), started by init_process_groups, released by destroy()
+        # this rank's heartbeat (seqpar.runtime.liveness), started by init_process_groups, released by destroy()
         self.liveness: Any = None
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
@@ -182,7 +182,7 @@ class ProcessGroupManager:
         A barrier first: gloo can abort a peer still inside a collective of a group destroyed under it.
         The world group is destroyed too when :func:`init_process_groups` created it
         (``owns_world``); a world group the user created is theirs to destroy. The rank's heartbeat
-        (:mod:`seqpar.liveness`) stops here too, marking the rank as gone cleanly. Idempotent.
+        (:mod:`seqpar.runtime.liveness`) stops here too, marking the rank as gone cleanly. Idempotent.
         """
         if not self._created or not dist.is_initialized():
             self._created = []
@@ -469,7 +469,7 @@ def init_process_groups(
         sp_size: SP degree; default ``config.size``, or 1 when neither is given.
         ulysses_size: Ulysses degree ``u`` inside the SP group (divides ``sp_size``); default
             ``config.ulysses_size``, or 1. ``"auto"`` chooses it once, here, with
-            :func:`seqpar.costmodel.choose_ulysses_size` (the largest divisor of ``sp_size`` that fits
+            :func:`seqpar.attn.choose.choose_ulysses_size` (the largest divisor of ``sp_size`` that fits
             in a node and, when ``heads`` is given, divides the query and K/V head counts).
         config: a ``SeqParConfig`` whose ``size`` / ``ulysses_size`` are used when the arguments are ``None``.
         backend: for a fresh ``init_process_group`` (``"nccl"`` when CUDA is available, else
@@ -496,7 +496,7 @@ def init_process_groups(
     _check_same_on_every_rank(sp_size, ulysses_size)
     check_divisible(dist.get_world_size(), sp_size)
     if ulysses_size == "auto":
-        from seqpar.costmodel import choose_ulysses_size
+        from seqpar.attn.choose import choose_ulysses_size
 
         node = config.links.get("node_size") if config is not None and getattr(config, "links", None) else None
         ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
@@ -509,12 +509,12 @@ def init_process_groups(
             logger.warning("seqpar: group layout: %s", problem)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
     manager.owns_world = owns_world
-    from seqpar import liveness
+    from seqpar.runtime import liveness
 
     # names the lost rank when a collective fails (a heartbeat in the rendezvous store; no collectives)
     manager.liveness = liveness.start(dist.get_rank(), dist.get_world_size(), timeout.total_seconds() if timeout else None)
     if config is not None and getattr(config, "links", None):
-        from seqpar.costmodel import Links
+        from seqpar.attn.choose import Links
 
         manager.links = Links(**config.links)
     set_default_manager(manager)

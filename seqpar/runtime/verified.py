@@ -5,7 +5,7 @@ device-to-host sync. Made once per attention call, that is one sync per layer pe
 stalls a GPU's run-ahead. A swapped model instead checks once per batch, in a forward pre-hook that
 every rank reaches together (:mod:`seqpar.swap.batch`): it compares a digest of the model's inputs
 and the attention options, and then runs its forward inside this scope, where the swapped layers
-(and :func:`seqpar.sharding.gather_sequence`) skip their per-call check. Their inputs follow from
+(and :func:`seqpar.sequence.sharding.gather_sequence`) skip their per-call check. Their inputs follow from
 the model's inputs, which the ranks agreed on.
 
 Why there is no per-rank cache of verdicts: a rank that had already seen a signature would skip the

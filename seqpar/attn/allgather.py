@@ -1,7 +1,7 @@
 """All-gather attention (the Llama-3 style): gather K/V from the SP group, attend locally.
 
 The heads are processed in ``opts.head_chunks`` chunks (GQA-consistent, see
-:func:`seqpar.attention.plan.head_chunk_slices`), each an independent attention problem, run as a
+:func:`seqpar.attn.plan.head_chunk_slices`), each an independent attention problem, run as a
 software pipeline so that every collective but the first is in flight while a chunk computes:
 
 - Forward: one all-gather of chunk c's K and V (packed into one buffer) starts while chunk c-1's
@@ -35,14 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.common import (
+from seqpar.attn.common import (
     AttentionOptions,
     backward_pieces,
     block_calls,
     block_grads,
     forward_block,
 )
-from seqpar.attention.plan import BlockCall, head_chunk_slices
+from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
 from seqpar.comm.ring import Pending
 from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad

@@ -24,7 +24,7 @@ no tensor, no collective and no host sync on the training step. Every store call
 client's own timeout, so neither the heartbeat nor the diagnosis can hang.
 
 Public surface: :func:`start` / :meth:`Heartbeat.release` (called by
-:func:`seqpar.groups.init_process_groups` and :meth:`seqpar.groups.ProcessGroupManager.destroy`),
+:func:`seqpar.runtime.groups.init_process_groups` and :meth:`seqpar.runtime.groups.ProcessGroupManager.destroy`),
 :func:`active`, :func:`explain`, :class:`PeerFailure`, and the pure :func:`describe` for tests.
 """
 

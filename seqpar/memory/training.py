@@ -12,7 +12,7 @@ alive at the step's worst moment, by category:
   :func:`_layer_saved_bytes`, as ``python -m seqpar.bench.layer_memory`` measures them; fewer with
   ``recompute_norm``), or only its input with activation checkpointing plus one layer recomputed;
   the tiled MLP keeps one chunk's intermediate activations instead of the whole;
-- ``attention_transients``: :func:`seqpar.memory.estimate_memory` for one layer's attention call,
+- ``attention_transients``: :func:`seqpar.memory.attention.estimate_attention_memory` for one layer's attention call,
   less the q, k, v, output already counted as activations;
 - ``logits_loss``: the ``(seq_local, vocab)`` logits, their fp32 log-softmax and two gradients of that
   size (untiled), or one chunk of each plus the fp32 dW accumulator (``tiled_loss``);
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from seqpar.memory import as_dtype, estimate_memory
+from seqpar.memory.attention import as_dtype, estimate_attention_memory
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
 
@@ -145,7 +145,7 @@ def _layer_saved_bytes(m: ModelShape, e: int, *, mlp_saved: bool, recompute_norm
 def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
     if tiled_mlp is False:
         return rows
-    from seqpar.tiling import mlp_chunks
+    from seqpar.memory.tiling import mlp_chunks
 
     return math.ceil(rows / mlp_chunks(tiled_mlp, rows, hidden))
 
@@ -186,7 +186,7 @@ def estimate_training_memory(
         head_chunks: attention's ``head_chunks``. device: ``"cpu"`` or ``"cuda"``.
         offload_optimizer: DeepSpeed's ``offload_optimizer`` (fp32 master and AdamW state on the host).
         reduce_bucket_size: DeepSpeed's gradient bucket, in elements (its default 5e8).
-        recompute_norm: the lean RMSNorms of :mod:`seqpar.norm` (save only their input).
+        recompute_norm: the lean RMSNorms of :mod:`seqpar.memory.norm` (save only their input).
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
@@ -259,14 +259,14 @@ def estimate_training_memory(
         mlp_transient = 5 * m.intermediate_size * mlp_rows * e + 3 * h * m.intermediate_size * (e + (4 if low else e))
 
     # ---------------------------------------------------------------- attention, loss
-    attn = estimate_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
+    attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
                            batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
                            head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks)
     qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
     attention = max(0, attn - qkvo)
 
     if tiled_loss:
-        from seqpar.tiling import loss_chunk_rows
+        from seqpar.memory.tiling import loss_chunk_rows
 
         chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
         logits = 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden

@@ -114,7 +114,7 @@ def _worker(
         dev = _join_group(rank, world, port, device, threads, pg_timeout_s)
         import torch.distributed as dist
 
-        from seqpar import groups
+        from seqpar.runtime import groups
     except BaseException:  # noqa: B036 - the parent shows it
         results.put((_READY, rank, False, traceback.format_exc()))
         return

@@ -1,4 +1,4 @@
-"""Peak memory per rank of one attention call, forward + backward: ``estimate_memory(...)``.
+"""Peak memory per rank of one attention call, forward + backward: ``estimate_attention_memory(...)``.
 
 The estimate is the live set of tensors at the step's peak moment, read off the algorithms in
 :mod:`seqpar.attention` and checked against exact CPU tensor accounting (MemTracker) by
@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import torch
 
-from seqpar.attention.checks import resolve_head_chunks
+from seqpar.attn.checks import resolve_head_chunks
 
-__all__ = ["estimate_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
+__all__ = ["estimate_attention_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
 ESTIMATOR_MODES = ("single", "ring", "allgather", "ulysses", "hybrid")
 
@@ -68,7 +68,7 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return value
 
 
-def estimate_memory(
+def estimate_attention_memory(
     seq_len: int,
     *,
     world_size: int,
@@ -125,7 +125,7 @@ def estimate_memory(
         elif u == world:
             mode = "ulysses"
     if mode in ("ulysses", "hybrid"):
-        from seqpar.costmodel import ulysses_heads_ok
+        from seqpar.attn.choose import ulysses_heads_ok
 
         if not ulysses_heads_ok(q_heads, kv_heads, u):
             raise ValueError(f"{q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks")
@@ -234,13 +234,13 @@ def max_seq_len(
     head_chunks: int | str = "auto",
     ulysses_size: int | None = None,
 ) -> int:
-    """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_memory`
+    """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_attention_memory`
     fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
     world = 1 if mode in ("single", "sdpa") else world_size
     step = (2 * world if causal and world > 1 else world) * multiple
 
     def fits(s: int) -> bool:
-        return estimate_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
+        return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                head_chunks=head_chunks, ulysses_size=ulysses_size) <= budget_bytes
 

@@ -10,7 +10,7 @@ Layouts (P = SP size):
   zigzag's balance breaks with packed documents. The layout depends on the sequence length and
   ``cu_seqlens`` (host integers, the same on every rank), so ``shard_sequence``/``gather_sequence``
   and ``seqpar.attention`` must be given the same ``cu_seqlens`` (none: one document).
-  ``seqpar.data.shard_batch`` cuts packed batches this way and hands the boundaries to the model
+  ``seqpar.sequence.batch.shard_batch`` cuts packed batches this way and hands the boundaries to the model
   (``cu_seq_lens_q``), so ``"sharding": "balanced"`` works from the config.
 """
 
@@ -27,8 +27,8 @@ from torch import Tensor
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
-from seqpar.groups import resolve_group
-from seqpar.verified import batch_verified
+from seqpar.runtime.groups import resolve_group
+from seqpar.runtime.verified import batch_verified
 
 __all__ = [
     "num_chunks",
@@ -57,7 +57,7 @@ def num_chunks(world_size: int, sharding: str, *, seq_len: int | None = None) ->
 
 
 def length_multiple(world_size: int, sharding: str) -> int:
-    """What :func:`seqpar.data.shard_batch` pads a sequence to a multiple of before the cut: ``P``
+    """What :func:`seqpar.sequence.batch.shard_batch` pads a sequence to a multiple of before the cut: ``P``
     (contiguous), ``2P`` (zigzag) or ``8P`` (balanced: its finest layout, 8 chunks per rank, whatever
     the documents)."""
     return 8 * world_size if sharding == BALANCED else num_chunks(world_size, sharding)
@@ -97,7 +97,7 @@ def _balanced_per_rank(seq_len: int, world_size: int) -> int:
     raise ValueError(
         f"sequence length {seq_len} cannot be cut for {world_size} ranks with sharding='balanced' (at least "
         f"2 * {world_size} equal chunks): pad it to a multiple of {2 * world_size}, best {8 * world_size} "
-        f"(seqpar.sharding.pad_to_multiple)"
+        f"(seqpar.sequence.sharding.pad_to_multiple)"
     )
 
 
@@ -151,7 +151,7 @@ def _check_length(seq_len: int, world_size: int, sharding: str) -> int:
         return seq_len // num_chunks(world_size, sharding, seq_len=seq_len)
     n = num_chunks(world_size, sharding)
     if seq_len % n:
-        fix = f"pad it to a multiple of {n} (seqpar.sharding.pad_to_multiple(x, dim, {n}, value))"
+        fix = f"pad it to a multiple of {n} (seqpar.sequence.sharding.pad_to_multiple(x, dim, {n}, value))"
         if sharding == "zigzag" and seq_len % world_size == 0:
             fix += " or use sharding='contiguous'"
         raise ValueError(
@@ -262,7 +262,7 @@ def gather_sequence(
             term of the total.
         check_inputs: first check across ranks that every shard has the same shape (one tiny
             collective and a host sync); skipped inside a swapped model's verified forward, where
-            the batch check already covered it (seqpar.verified).
+            the batch check already covered it (seqpar.runtime.verified).
         cu_seqlens: with ``"balanced"``, the boundaries the shard was cut with.
     Returns:
         The full tensor, ``dim`` of length ``seq``.

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqpar.data import sp_rank_and_size
-from seqpar.groups import resolve_group
-from seqpar.sharding import chunk_ids, num_chunks
+from seqpar.runtime.groups import resolve_group
+from seqpar.sequence.batch import sp_rank_and_size
+from seqpar.sequence.sharding import chunk_ids, num_chunks
 
 __all__ = [
     "sequence_parallel_loss",
@@ -120,7 +120,7 @@ def sequence_parallel_loss(
     Args:
         logits_local: ``(batch, seq_local, vocab)``, this rank's shard.
         labels_local: ``(batch, seq_local)`` targets aligned with the logits, i.e. labels shifted
-            for causal LM **before** sharding: the ``shift_labels`` of :func:`seqpar.data.shard_batch`.
+            for causal LM **before** sharding: the ``shift_labels`` of :func:`seqpar.sequence.batch.shard_batch`.
             For labels sharded unshifted, use :func:`sequence_parallel_causal_lm_loss`.
         group: the SP group (default: the default manager's SP group, else the world).
         ignore_index: targets that do not count.
@@ -162,7 +162,7 @@ def shift_labels_across_shards(
     if sharding == "balanced":
         raise ValueError(
             "labels cut with sharding='balanced' cannot be shifted after the cut: the layout depends on "
-            "the batch's document boundaries. Cut the batch with seqpar.data.shard_batch, which shifts "
+            "the batch's document boundaries. Cut the batch with seqpar.sequence.batch.shard_batch, which shifts "
             "the labels before the cut and passes shift_labels to the model"
         )
     n = num_chunks(world_size, sharding)

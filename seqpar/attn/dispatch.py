@@ -7,31 +7,25 @@ checks in ``checks``; :func:`attention` is the public entry that picks one.
 
 from __future__ import annotations
 
-import inspect
-import sys
-import types
-from typing import Any
-
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqpar.attention.allgather import AllGatherAttention
-from seqpar.attention.checks import (
-    AUTO_HEAD_CHUNKS,
+from seqpar.attn.allgather import AllGatherAttention
+from seqpar.attn.checks import (
     check_across_ranks,
     check_local,
     check_options,
     resolve_head_chunks,
 )
-from seqpar.attention.common import AttentionOptions, SingleRank
-from seqpar.attention.hybrid import hybrid_attention, ulysses_attention
-from seqpar.attention.masks import check_mask_inputs, host_boundaries, mask_digest
-from seqpar.attention.ring import RingAttention
+from seqpar.attn.common import AttentionOptions, SingleRank
+from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
+from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
+from seqpar.attn.ring import RingAttention
 from seqpar.comm.ring import RingComm
-from seqpar.groups import default_manager, resolve_group
+from seqpar.runtime.groups import default_manager, resolve_group
 
-__all__ = ["attention", "AttentionOptions", "AUTO_HEAD_CHUNKS", "resolve_head_chunks"]
+__all__ = ["attention"]
 
 
 def attention(
@@ -62,13 +56,13 @@ def attention(
             ``"ulysses"`` (all-to-all to head shards over the whole SP group; q_heads divisible by P),
             ``"hybrid"`` (Ulysses over the manager's Ulysses groups, ring across them; see
             ``init_process_groups(ulysses_size=u)``) or ``"auto"`` (the cheapest allowed, see
-            :mod:`seqpar.costmodel`).
+            :mod:`seqpar.attn.choose`).
         group: the SP process group; ``None`` = the default manager's SP group, or the whole world
             when no manager was made, or a single process when torch.distributed is not initialised.
             Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
             manager's own SP group is accepted: it is the same as ``None``).
         sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
-            layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sharding).
+            layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sequence.sharding).
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a digest of the call first to check every rank passes the same
             shapes and options (turns a would-be hang into an error on every rank). It costs a
@@ -138,7 +132,7 @@ def attention(
     if explicit_group:
         manager = None
     if mode == "auto":
-        from seqpar.costmodel import choose_mode
+        from seqpar.attn.choose import choose_mode
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
@@ -170,20 +164,7 @@ def attention(
 
 
 def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
-    """The features of a call that :func:`seqpar.costmodel.choose_mode` must find in a mode."""
+    """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode."""
     used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
             "balanced": sharding == "balanced"}
     return {name for name, on in used.items() if on}
-
-
-class _AttentionPackage(types.ModuleType):
-    """Lets ``seqpar.attention(q, k, v, ...)`` call :func:`attention` while ``seqpar.attention`` stays
-    the package of algorithm modules (so ``import seqpar.attention.ring as ring`` keeps working)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        return attention(*args, **kwargs)
-
-
-__signature__ = inspect.signature(attention)
-__wrapped__ = attention
-sys.modules[__name__].__class__ = _AttentionPackage

@@ -166,13 +166,13 @@ def tiled_lm_loss(
         hidden: ``(batch, seq_local, hidden)`` final hidden states of this rank's shard.
         weight: ``(vocab, hidden)`` LM-head weight (bias-free).
         targets: ``(batch, seq_local)`` already-shifted labels (``shift_labels`` of
-            :func:`seqpar.data.shard_batch`), ``ignore_index`` where a token has no loss.
+            :func:`seqpar.sequence.batch.shard_batch`), ``ignore_index`` where a token has no loss.
         chunk_rows: rows per chunk (default :func:`loss_chunk_rows`).
 
     Returns:
         ``loss_sum``: fp32 scalar, the sum of the valid tokens' losses (differentiable w.r.t.
         ``hidden`` and ``weight``, exact); ``count``: int64 scalar, the number of valid tokens.
-        The SP-correct mean over the group is ``seqpar.loss.sequence_parallel_mean(loss_sum, count)``.
+        The SP-correct mean over the group is ``seqpar.sequence.loss.sequence_parallel_mean(loss_sum, count)``.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
@@ -270,7 +270,7 @@ class TilingReport:
     offload: str | None = None
     """What ``offload_activations`` did (or why it changed nothing)."""
     norms: list[str] = field(default_factory=list)
-    """Qualified names of the RMSNorms made lean (``recompute_norm``, :mod:`seqpar.norm`)."""
+    """Qualified names of the RMSNorms made lean (``recompute_norm``, :mod:`seqpar.memory.norm`)."""
 
     def __bool__(self) -> bool:
         return bool(self.loss or self.mlps or self.offload or self.norms)
@@ -296,7 +296,7 @@ def _find_causal_lm(model: nn.Module, key: str) -> tuple[str, nn.Module]:
     raise TilingError(
         f"sequence_parallel.{key} is on, but {type(model).__name__} has no Hugging Face causal LM of the "
         f"Llama family ({', '.join(CAUSAL_LM_CLASSES)}) inside; seqpar tiles only those. Set "
-        f"\"{key}\": false, or call seqpar.tiling.tiled_lm_loss / tiled_mlp from your model's code"
+        f"\"{key}\": false, or call seqpar.memory.tiling.tiled_lm_loss / tiled_mlp from your model's code"
     )
 
 
@@ -323,8 +323,8 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
     signature = inspect.signature(original)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        from seqpar.groups import resolve_group
-        from seqpar.loss import sequence_parallel_mean
+        from seqpar.runtime.groups import resolve_group
+        from seqpar.sequence.loss import sequence_parallel_mean
 
         call = dict(signature.bind_partial(*args, **kwargs).arguments)
         extra = call.pop("kwargs", {})
@@ -338,14 +338,14 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
             if sp_group is not None and dist.get_world_size(sp_group) > 1:
                 raise ValueError(
                     "tiled_loss under sequence parallelism needs shift_labels= (labels shifted before "
-                    "sharding, from seqpar.data.shard_batch); unshifted labels cannot be shifted on a shard"
+                    "sharding, from seqpar.sequence.batch.shard_batch); unshifted labels cannot be shifted on a shard"
                 )
             shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
         outputs = self.model(**call, **extra)
         hidden = outputs.last_hidden_state  # (batch, seq_local, hidden)
         loss_sum, count = tiled_lm_loss(hidden, self.lm_head.weight, shift_labels)
         if num_items is not None:  # transformers' convention: a sum over the micro-batches' tokens
-            from seqpar.loss import all_reduce_identity_backward
+            from seqpar.sequence.loss import all_reduce_identity_backward
 
             loss = all_reduce_identity_backward(loss_sum, group=group) / num_items
         else:
@@ -390,7 +390,7 @@ def apply_tiling(
     """Tile the LM head + loss and/or the decoder MLPs of a Llama-family causal LM, in place.
 
     Reads ``tiled_loss``, ``tiled_mlp``, ``offload_activations`` and ``recompute_norm`` (the lean
-    RMSNorms of :mod:`seqpar.norm`) from the config; all off: no-op.
+    RMSNorms of :mod:`seqpar.memory.norm`) from the config; all off: no-op.
     Call before the engine wraps the model (the swap does it). With ``tiled_loss`` the model must be
     called with ``shift_labels=`` (or ``labels=`` at SP size 1) and returns ``loss`` (the SP-correct
     token-weighted mean over ``group``) with ``logits=None``; without labels it returns logits as
@@ -422,7 +422,7 @@ def apply_tiling(
         if not mlps and not problems:
             problems.append(f"'{lm_name or type(lm).__name__}' has no decoder MLPs under .layers")
     if cfg.recompute_norm:
-        from seqpar.norm import norm_problems
+        from seqpar.memory.norm import norm_problems
 
         problems += norm_problems(lm, f"{lm_name}." if lm_name else "")
     if problems:
@@ -441,11 +441,11 @@ def apply_tiling(
         report.mlps.append(name)
     report.mlp_chunks = cfg.tiled_mlp
     if cfg.recompute_norm:
-        from seqpar.norm import apply_recompute_norm
+        from seqpar.memory.norm import apply_recompute_norm
 
         report.norms = apply_recompute_norm(lm, f"{lm_name}." if lm_name else "")
     if cfg.offload_activations:
-        from seqpar.offload import apply_offload
+        from seqpar.memory.offload import apply_offload
 
         report.offload = apply_offload(lm)
     logger.info("%s", report)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqpar.attention.plan import BlockCall
-from seqpar.sharding import num_chunks
+from seqpar.attn.plan import BlockCall
+from seqpar.sequence.sharding import num_chunks
 
 __all__ = [
     "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs",

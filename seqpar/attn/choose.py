@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from seqpar.groups import ProcessGroupManager
+    from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = [
     "Links", "CallShape", "ModeCost", "MODE_FEATURES", "ulysses_heads_ok", "mode_costs", "rank_modes",
@@ -66,7 +66,7 @@ MODE_FEATURES: dict[str, frozenset[str]] = {
     "ring": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
     "allgather": frozenset({"dilated", "documents", "window", "sinks", "balanced"}),
     "ulysses": frozenset({"documents", "window", "sinks", "balanced"}),
-    "hybrid": frozenset({"documents", "window", "sinks"}),  # not balanced: see seqpar.attention.hybrid
+    "hybrid": frozenset({"documents", "window", "sinks"}),  # not balanced: see seqpar.attn.hybrid
 }
 
 
@@ -118,7 +118,7 @@ class ModeCost:
 
 
 def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int) -> bool:
-    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attention.ulysses)."""
+    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses)."""
     return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
 
 

@@ -2,8 +2,8 @@
 pair, and the kernels of one planned piece.
 
 Every algorithm asks :func:`block_calls` what to compute between this rank's queries and one rank's
-K/V block. Dense masks go to the shardings' chunk planner (:func:`seqpar.attention.plan.plan_blocks`);
-documents and windows to the mask planner (:func:`seqpar.attention.masks.plan_pieces`). Plans depend on
+K/V block. Dense masks go to the shardings' chunk planner (:func:`seqpar.attn.plan.plan_blocks`);
+documents and windows to the mask planner (:func:`seqpar.attn.masks.plan_pieces`). Plans depend on
 host integers only and are cached, so a layer repeats no planning work and no rank can disagree.
 
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from seqpar.attention.masks import MaskSpec, plan_pieces
-from seqpar.attention.plan import BlockCall, plan_blocks
+from seqpar.attn.masks import MaskSpec, plan_pieces
+from seqpar.attn.plan import BlockCall, plan_blocks
 from seqpar.kernels import Partials, block_backward, block_forward
-from seqpar.sharding import chunk_ids
+from seqpar.sequence.sharding import chunk_ids
 
 __all__ = [
     "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",

@@ -1,17 +1,17 @@
 """2-D hybrid sequence parallelism: Ulysses inside groups of ``u`` consecutive ranks, ring across them
 (USP in yunchang, ``a2a+p2p`` in TransformerEngine, Double-Ring in LoongTrain).
 
-The SP group of ``P`` ranks is a ``(P/u, u)`` grid (:class:`seqpar.groups.ProcessGroupManager`): rows are
+The SP group of ``P`` ranks is a ``(P/u, u)`` grid (:class:`seqpar.runtime.groups.ProcessGroupManager`): rows are
 Ulysses groups, columns ring groups. The all-to-all inside a Ulysses group turns its ``u`` sequence
 shards into one "super-rank" holding all ``u`` shards for ``Hq/u`` query heads; rank i of every Ulysses
 group holds the same heads, so the ``u`` ring groups (one per head share) run the ring attention of
-:mod:`seqpar.attention.ring` across the ``P/u`` super-ranks, overlapped and zigzag-aware as ever.
+:mod:`seqpar.attn.ring` across the ``P/u`` super-ranks, overlapped and zigzag-aware as ever.
 
 Why the sharding still fits: super-rank g holds the chunks of SP ranks ``g*u .. g*u+u-1``. Contiguous:
 chunks ``g*u .. g*u+u-1``, i.e. super-chunk g of ``P/u``. Zigzag over P (rank r holds chunks r and
 2P-1-r of 2P): chunks ``g*u .. g*u+u-1`` and ``2P-g*u-u .. 2P-1-g*u``, i.e. super-chunks g and
 ``2(P/u)-1-g`` of ``2P/u`` chunks of ``u`` each: the zigzag over P/u. Once sorted into ascending order
-(:func:`seqpar.attention.ulysses.sequence_order`), the ring code sees an ordinary P/u-rank sharding, so
+(:func:`seqpar.attn.ulysses.sequence_order`), the ring code sees an ordinary P/u-rank sharding, so
 one sharding serves every mode and the user never re-shards.
 
 Edge cases: ``u = 1`` is the ring (dispatched to it directly), ``u = P`` is Ulysses (no ring step).
@@ -24,11 +24,11 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attention.checks import resolve_head_chunks
-from seqpar.attention.ring import AttentionOptions
-from seqpar.attention.ulysses import UlyssesAttention, UlyssesPlan, head_split
+from seqpar.attn.checks import resolve_head_chunks
+from seqpar.attn.ring import AttentionOptions
+from seqpar.attn.ulysses import UlyssesAttention, UlyssesPlan, head_split
 from seqpar.comm.ring import RingComm
-from seqpar.groups import ProcessGroupManager
+from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = ["hybrid_attention", "ulysses_attention"]
 
