@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import seqpar
+from seqpar.attn.checks import check_across_ranks
 
 
 def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
@@ -58,8 +59,8 @@ def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
             pattern = ([8], [1]) if rank == 0 else ([8 * world], [2])
             seqpar.dilated_attention(q, k, v, segment_lengths=pattern[0], dilation_rates=pattern[1])
         elif case == "extra_differs":  # what later features (documents, windows) add to the check
-            seqpar.attention.check_across_ranks(q, k, v, group=torch.distributed.group.WORLD, causal=True,
-                                                mode="ring", sharding="contiguous", extra=[7] * (1 + rank))
+            check_across_ranks(q, k, v, group=torch.distributed.group.WORLD, causal=True,
+                               mode="ring", sharding="contiguous", extra=[7] * (1 + rank))
         else:
             seqpar.attention(q, k, v, **kwargs)
     except (ValueError, TypeError) as e:

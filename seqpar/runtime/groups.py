@@ -128,6 +128,9 @@ class ProcessGroupManager:
         self._ulysses_size = ulysses_size
         # link figures for mode="auto" (seqpar.attn.choose.Links); None = probe on first use
         self.links: Any = None
+        # the sharding declared for this run (config / init_process_groups(sharding=)); None = undeclared,
+        # and each call's own argument decides (seqpar.sequence.sharding.resolve_sharding)
+        self.sharding: str | None = None
 
         self._created: list[dist.ProcessGroup] = []  # what destroy() tears down
         self.owns_world = False  # set by init_process_groups when it created the world group

@@ -27,10 +27,11 @@ from torch import Tensor
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
-from seqpar.runtime.groups import resolve_group
+from seqpar.runtime.groups import ProcessGroupManager, default_manager, resolve_group
 from seqpar.runtime.verified import batch_verified
 
 __all__ = [
+    "resolve_sharding",
     "num_chunks",
     "chunk_ids",
     "shard_index",
@@ -43,6 +44,39 @@ __all__ = [
 ]
 
 BALANCED = "balanced"
+SHARDINGS = ("contiguous", "zigzag", BALANCED)
+UNDECLARED_DEFAULT = "contiguous"  # what a call without sharding= gets when the run declared none
+
+
+def resolve_sharding(sharding: str | None, *, manager: ProcessGroupManager | None = None, where: str = "sharding") -> str:
+    """The sharding a call uses: one source for the whole run.
+
+    A sharding declared for the run (``init_process_groups(sharding=)`` or the config's ``sharding``,
+    kept on the manager) binds: a call without ``sharding=`` gets it, and a call whose explicit
+    ``sharding=`` contradicts it raises. While none is declared, the call's own argument wins and
+    ``None`` means ``"contiguous"``.
+
+    Args:
+        sharding: the call's ``sharding=`` argument (``None``: not given).
+        manager: whose declaration binds (default: the default manager, if any).
+        where: the function's name, for the error message.
+    Raises:
+        ValueError: an unknown sharding, or one that contradicts the declared one (on every rank
+            alike: the declaration and the argument are the same on every rank of a correct program).
+    """
+    manager = manager if manager is not None else default_manager()
+    declared = manager.sharding if manager is not None else None
+    if sharding is not None and sharding not in SHARDINGS:
+        raise ValueError(f"{where}: unknown sharding {sharding!r}; choose one of {list(SHARDINGS)}")
+    if declared is None:
+        return sharding if sharding is not None else UNDECLARED_DEFAULT
+    if sharding is not None and sharding != declared:
+        raise ValueError(
+            f"{where}: sharding={sharding!r} contradicts the run's declared sharding {declared!r} (from the config "
+            f"or init_process_groups(sharding=)); drop the argument to use {declared!r}, or declare {sharding!r} "
+            "for the run: one sharding must cut the batch, run attention and gather the output"
+        )
+    return declared
 
 
 def num_chunks(world_size: int, sharding: str, *, seq_len: int | None = None) -> int:
