@@ -424,3 +424,19 @@ def _auto_ulysses(rank: int, world_size: int) -> tuple:
 def test_ulysses_auto_and_links_without_attention(dist_pool) -> None:
     # heads (6, 2): u = 4 cannot share 6 query heads; u = 2 can; links come from the config as Links
     assert dist_pool.run(4, _auto_ulysses) == [(2, "Links", 4, 100)] * 4
+
+
+def test_an_integration_declares_the_configs_sharding_on_a_manager_it_reuses() -> None:
+    """resolve_manager (every engine adapter) passes the config's sharding through: declared on a
+    manager that had none, an error on one that declares another; an undeclared config leaves it."""
+    from types import SimpleNamespace
+
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations.common import resolve_manager
+
+    manager = SimpleNamespace(sp_size=2, sharding=None)
+    assert resolve_manager(SeqParConfig(size=2), manager).sharding is None
+    assert resolve_manager(SeqParConfig(size=2, sharding="zigzag"), manager).sharding == "zigzag"
+    assert resolve_manager(SeqParConfig(size=2), manager).sharding == "zigzag"  # undeclared config: kept
+    with pytest.raises(ValueError, match="the manager declares sharding 'zigzag' but the config says 'contiguous'"):
+        resolve_manager(SeqParConfig(size=2, sharding="contiguous"), manager)
