@@ -62,7 +62,7 @@ class ShardedBatches:
     wrapped loader.
     """
 
-    def __init__(self, loader: Any, *, manager: ProcessGroupManager, sharding: str,
+    def __init__(self, loader: Any, *, manager: ProcessGroupManager, sharding: str | None,
                  causal_lm: bool = True, ignore_index: int = -100, pad_token_id: int = 0) -> None:
         self.loader = loader
         self.manager = manager

@@ -17,18 +17,27 @@ def rank_prefix() -> str:
 
 def resolve_manager(config: SeqParConfig, manager: ProcessGroupManager | None) -> ProcessGroupManager:
     """``manager`` checked against ``config``; else the default manager if it has the config's SP
-    size; else a new one built from ``config`` (collective: every rank must call it).
+    size; else a new one built from ``config`` (collective: every rank must call it). The config's
+    sharding, when it declares one, is declared on the manager (so batches, attention and the loss
+    follow it by default).
 
     Raises:
-        ValueError: ``manager`` has another SP size than ``config``.
+        ValueError: ``manager`` has another SP size than ``config``, or declares another sharding.
     """
     if manager is None:
         manager = default_manager()
         if manager is None or manager.sp_size != config.size:
-            manager = init_process_groups(config=config)
+            return init_process_groups(config=config)  # declares config.sharding itself
     elif manager.sp_size != config.size:
         raise ValueError(
             f"the manager has SP size {manager.sp_size} but the config says {config.size}; build the "
             "manager from the same config"
         )
+    if config.sharding is not None and manager.sharding not in (None, config.sharding):
+        raise ValueError(
+            f"the manager declares sharding {manager.sharding!r} but the config says {config.sharding!r}; "
+            "build the manager from the same config (init_process_groups(config=...))"
+        )
+    if config.sharding is not None:
+        manager.sharding = config.sharding
     return manager

@@ -104,7 +104,7 @@ class ShardedDeepSpeedLoader:
         loader: Any,
         *,
         group: Any,
-        sharding: str,
+        sharding: str | None,
         causal_lm: bool = True,
         ignore_index: int = -100,
         pad_token_id: int = 0,
@@ -316,7 +316,7 @@ def _record_on_engine(engine: Any, manager: Any, sp_config: SeqParConfig, report
     engine.seqpar_swap_report = report
     logger.info(
         "%s seqpar: DeepSpeed engine over dp %d x sp %d (mode %s, sharding %s, ZeRO stage %d)",
-        rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, sp_config.sharding,
+        rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, manager.sharding or "contiguous",
         engine.zero_optimization_stage(),
     )
 

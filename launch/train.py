@@ -427,9 +427,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         # the shape rules of a dilated pattern need the sequence and head counts: check them now,
         # before any process group or model exists
         from seqpar.attn.dilated import check_pattern
-        from seqpar.sequence.sharding import padded_length
+        from seqpar.sequence.sharding import UNDECLARED_DEFAULT, padded_length
 
-        seq_padded = padded_length(train.seq_len, sp.size, sp.sharding)
+        seq_padded = padded_length(train.seq_len, sp.size, sp.sharding or UNDECLARED_DEFAULT)
         try:
             check_pattern(sp.pattern.segment_lengths, sp.pattern.dilation_rates,
                           head_layout=sp.pattern.head_layout,
@@ -518,7 +518,7 @@ def validate_model(plan: Plan) -> None:
     """Check the ``model`` block without building the model (no memory, no process group): sizes,
     head divisibility, then transformers' own field validators, as a ConfigError naming the key."""
     from seqpar.config import ConfigError
-    from seqpar.sequence.sharding import padded_length
+    from seqpar.sequence.sharding import UNDECLARED_DEFAULT, padded_length
 
     _check_model_values(plan.model)
     if os.environ.get("WORLD_SIZE", "").isdigit():  # under a launcher the world size is known already
@@ -526,7 +526,7 @@ def validate_model(plan: Plan) -> None:
 
         check_divisible(int(os.environ["WORLD_SIZE"]), plan.sp.size)
     task = RecallTask(plan.train)
-    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding)
+    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding or UNDECLARED_DEFAULT)
     try:
         llama_config(plan, task.vocab_size, seq_padded)  # transformers' strict field validators
     except Exception as e:  # transformers' validators name the field; say which block it is in
@@ -796,7 +796,7 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     lines = [
         "=" * 72,
         f"seqpar train: {plan.engine} | world {manager.world_size} = dp {manager.dp_size} x "
-        f"sp {manager.sp_size} | mode {plan.sp.mode} | sharding {plan.sp.sharding}",
+        f"sp {manager.sp_size} | mode {plan.sp.mode} | sharding {manager.sharding or 'contiguous'}",
         f"model: Llama {n_params / 1e6:.2f} M params ({plan.model or 'default sizes'}) | dtype "
         f"{plan.train.dtype} | activation checkpointing {plan.train.activation_checkpointing}",
         f"data: recall, seq_len {plan.train.seq_len}, {metrics['global_batch']} samples/step "
@@ -829,10 +829,10 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         return {}
     from seqpar.sequence.batch import shard_batch
     from seqpar.sequence.loss import sequence_parallel_loss
-    from seqpar.sequence.sharding import padded_length
+    from seqpar.sequence.sharding import UNDECLARED_DEFAULT, padded_length
 
     task = RecallTask(plan.train)
-    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding)
+    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding or UNDECLARED_DEFAULT)
     model = build_model(plan, task.vocab_size, seq_padded)
     n_params = sum(p.numel() for p in model.parameters())
     engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
@@ -925,7 +925,7 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         "sp_size": manager.sp_size,
         "dp_size": manager.dp_size,
         "mode": plan.sp.mode,
-        "sharding": plan.sp.sharding,
+        "sharding": manager.sharding or "contiguous",  # the declared one, else the undeclared default
         "seq_len": t.seq_len,
         "dtype": t.dtype,
         "grad_accum": t.grad_accum,

@@ -11,7 +11,7 @@ Example block::
         "size": 2,                  # SP degree: ranks that share one sequence
         "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
-        "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"
+        "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"; absent: undeclared
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
@@ -37,6 +37,9 @@ from typing import Any
 
 __all__ = [
     "ConfigError",
+    "Links",
+    "SIZE_ALIASES",
+    "COMM_TYPES",
     "MODES",
     "SHARDINGS",
     "PATTERN_TYPES",
@@ -55,6 +58,11 @@ SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
 
 # The key under which a DeepSpeed (or launcher) JSON carries the seqpar block.
 BLOCK_KEY = "sequence_parallel"
+
+# Other frameworks' names, accepted inside the block (README "Names in other frameworks"):
+# they set `size`, and Megatron's cp_comm_type sets `mode`. Resolved once, in from_dict.
+SIZE_ALIASES = ("cp_size", "context_parallel_degree", "sequence_parallel_size")
+COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 
 
 class ConfigError(ValueError):
@@ -80,6 +88,30 @@ def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
         raise ConfigError(
             f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(known)}"
         )
+
+
+@dataclass(frozen=True)
+class Links:
+    """Link and compute figures of one machine, for ``mode="auto"`` and ``ulysses_size="auto"``: the
+    config's ``links`` block, or measured (:func:`seqpar.attn.choose.probe_links`). Plain data, so
+    the process groups (``ProcessGroupManager.links``) can hold it without importing attention.
+
+    Attributes:
+        intra_gbps: GB/s per rank inside a node (NVLink: ~450; the Ulysses all-to-all).
+        inter_gbps: GB/s per rank across nodes (InfiniBand: ~50; the ring across super-ranks).
+        flops: attention kernel throughput per rank, FLOP/s (H100 flash: ~4e14 sustained).
+        node_size: ranks per node (``LOCAL_WORLD_SIZE``); an SP axis longer than this crosses nodes.
+        latency_s: fixed cost per message round (collective call or ring step).
+        mem_gbps: device memory bandwidth, GB/s, for the copies and merges each mode adds around the
+            kernels (H100 HBM3: ~3000).
+    """
+
+    intra_gbps: float = 450.0
+    inter_gbps: float = 50.0
+    flops: float = 4e14
+    node_size: int = 8
+    latency_s: float = 2e-5
+    mem_gbps: float = 3000.0
 
 
 @dataclass(frozen=True)
@@ -148,6 +180,39 @@ class PatternConfig:
         return cls(**kwargs)
 
 
+def _resolve_aliases(block: Mapping[str, Any]) -> dict[str, Any]:
+    """The block with other frameworks' names turned into seqpar's: ``cp_size``,
+    ``context_parallel_degree`` and ``sequence_parallel_size`` set ``size``; ``cp_comm_type``
+    (Megatron) sets ``mode``. Two keys that say different things raise, naming both."""
+    kwargs = dict(block)
+    said: dict[str, tuple[str, Any]] = {}  # seqpar key -> (the key that said it first, its value)
+    if "size" in kwargs:
+        said["size"] = ("size", kwargs["size"])
+    if "mode" in kwargs:
+        said["mode"] = ("mode", kwargs["mode"])
+    for alias in (*SIZE_ALIASES, "cp_comm_type"):
+        if alias not in kwargs:
+            continue
+        value = kwargs.pop(alias)
+        target = "size" if alias in SIZE_ALIASES else "mode"
+        if alias == "cp_comm_type":
+            if not isinstance(value, str) or value not in COMM_TYPES:
+                _fail(alias, value, f"choose one of {list(COMM_TYPES)} (Megatron's names for the modes "
+                      f"{list(COMM_TYPES.values())}), or set \"mode\" instead")
+            value = COMM_TYPES[value]
+        if target in said:
+            first, before = said[target]
+            if type(before) is not type(value) or before != value:
+                raise ConfigError(
+                    f"{BLOCK_KEY}.{first} = {block[first]!r} and {BLOCK_KEY}.{alias} = {block[alias]!r} "
+                    f"disagree (both set {target!r}); keep one of them"
+                )
+            continue
+        said[target] = (alias, value)
+        kwargs[target] = value
+    return kwargs
+
+
 @dataclass(frozen=True)
 class SeqParConfig:
     """The ``sequence_parallel`` block: how sequences are split and how attention crosses the split."""
@@ -166,11 +231,15 @@ class SeqParConfig:
     consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
     ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
     links: dict[str, float] | None = None
-    """Link figures for ``mode="auto"`` (seqpar.attn.choose.Links): any of ``intra_gbps``, ``inter_gbps``,
+    """Link figures for ``mode="auto"`` (:class:`Links`): any of ``intra_gbps``, ``inter_gbps``,
     ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
-    sharding: str = "contiguous"
-    """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P) or ``"zigzag"`` (rank r
-    holds chunks r and 2P-1-r of 2P, which balances causal work)."""
+    sharding: str | None = None
+    """How a sequence is cut: ``"contiguous"`` (rank r holds chunk r of P), ``"zigzag"`` (rank r
+    holds chunks r and 2P-1-r of 2P, which balances causal work) or ``"balanced"`` (per batch, from
+    the packed documents' boundaries). A declared value binds the run: the manager built from this
+    config keeps it, and batch/sequence cuts, attention and the loss default to it (an explicit
+    argument that contradicts it is an error). ``None`` (absent): undeclared; each call's own
+    argument decides, and a call without one gets ``"contiguous"``."""
     overlap: bool = True
     """Overlap the next ring transfer with the current block's compute (double buffering)."""
     check_inputs: bool = True
@@ -235,9 +304,10 @@ class SeqParConfig:
                 isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in self.links.values()
             ):
                 _fail("links", self.links, links_hint)
-        _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}")
-        if self.sharding not in SHARDINGS:
-            _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}")
+        if self.sharding is not None:  # None: undeclared (the run's calls decide)
+            _check_type("sharding", self.sharding, (str,), f"choose one of {list(SHARDINGS)}, or leave it out")
+            if self.sharding not in SHARDINGS:
+                _fail("sharding", self.sharding, f"choose one of {list(SHARDINGS)}, or leave it out")
         if (self.sharding == "balanced" and self.mode == "hybrid" and self.ulysses_size != "auto"
                 and 1 < self.ulysses_size < self.size):
             _fail("sharding", self.sharding,
@@ -292,8 +362,8 @@ class SeqParConfig:
                 )
         else:
             block = d
-        _check_unknown(BLOCK_KEY, block, cls)
-        kwargs = dict(block)
+        kwargs = _resolve_aliases(block)
+        _check_unknown(BLOCK_KEY, kwargs, cls)
         if "pattern" in kwargs:
             kwargs["pattern"] = PatternConfig.from_dict(kwargs["pattern"])
         if isinstance(kwargs.get("swap"), list):
@@ -329,6 +399,11 @@ class SeqParConfig:
         if isinstance(source, Mapping):
             return cls.from_dict(source)
         return cls.from_json(source)
+
+    @property
+    def links_figures(self) -> Links | None:
+        """The ``links`` block as :class:`Links` (``None``: not given, measure on first use)."""
+        return Links(**self.links) if self.links else None
 
     def replace(self, **changes: Any) -> SeqParConfig:
         """A copy with some fields changed (validated again), e.g. from command-line flags."""

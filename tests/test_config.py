@@ -14,7 +14,7 @@ def test_defaults_and_round_trip() -> None:
     assert (cfg.size, cfg.mode, cfg.sharding, cfg.overlap, cfg.check_inputs) == (
         1,
         "ring",
-        "contiguous",
+        None,  # undeclared (issue 18): the run's calls decide, "contiguous" when none says
         True,
         True,
     )
@@ -172,3 +172,68 @@ def test_loaders_accept_what_users_have() -> None:
     assert SeqParConfig.from_deepspeed_config({"sequence_parallel": {"size": 4}}).size == 4
     with pytest.raises(ConfigError, match="JSON object"):
         SeqParConfig.from_dict([("size", 2)])
+
+
+# ------------------------------------------------------------------ other frameworks' names (issue 18)
+
+
+@pytest.mark.parametrize("alias", ["cp_size", "context_parallel_degree", "sequence_parallel_size"])
+def test_size_aliases(alias) -> None:
+    assert SeqParConfig.from_dict({alias: 4}).size == 4
+    assert SeqParConfig.from_dict({"sequence_parallel": {alias: 4, "size": 4}}).size == 4  # agreeing: fine
+    assert SeqParConfig.from_dict({alias: 4}).to_dict()["size"] == 4 and alias not in SeqParConfig.from_dict({alias: 4}).to_dict()
+
+
+@pytest.mark.parametrize("comm_type, mode", [("p2p", "ring"), ("all_gather", "allgather"), ("a2a", "ulysses"),
+                                             ("a2a+p2p", "hybrid")])
+def test_cp_comm_type_sets_the_mode(comm_type, mode) -> None:
+    cfg = SeqParConfig.from_dict({"cp_size": 4, "cp_comm_type": comm_type, "ulysses_size": 2})
+    assert (cfg.size, cfg.mode) == (4, mode)
+    assert SeqParConfig.from_dict({"mode": mode, "cp_comm_type": comm_type}).mode == mode
+
+
+@pytest.mark.parametrize("block, first, second", [
+    ({"size": 2, "cp_size": 4}, "size = 2", "cp_size = 4"),
+    ({"cp_size": 2, "context_parallel_degree": 4}, "cp_size = 2", "context_parallel_degree = 4"),
+    ({"size": 2, "sequence_parallel_size": 8}, "size = 2", "sequence_parallel_size = 8"),
+    ({"mode": "ring", "cp_comm_type": "a2a"}, "mode = 'ring'", "cp_comm_type = 'a2a'"),
+    ({"mode": "auto", "cp_comm_type": "p2p"}, "mode = 'auto'", "cp_comm_type = 'p2p'"),
+])
+def test_keys_that_disagree_are_named(block, first, second) -> None:
+    with pytest.raises(ConfigError) as info:
+        SeqParConfig.from_dict({"sequence_parallel": block})
+    message = str(info.value)
+    assert f"sequence_parallel.{first}" in message and f"sequence_parallel.{second}" in message, message
+    assert "disagree" in message and "keep one of them" in message
+
+
+def test_unknown_cp_comm_type_lists_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"cp_comm_type = 'ring' is invalid: choose one of \['p2p', 'all_gather', "
+                                          r"'a2a', 'a2a\+p2p'\]"):
+        SeqParConfig.from_dict({"cp_comm_type": "ring"})
+
+
+def test_top_level_deepspeed_sequence_parallel_size_stays_refused() -> None:
+    """DeepSpeed acts on a top-level sequence_parallel_size itself (it builds its own mesh), so the
+    DeepSpeed adapter refuses it; only inside the block is it seqpar's alias of size."""
+    import torch
+
+    from seqpar.integrations.deepspeed import initialize
+
+    block = {"sequence_parallel": {"sequence_parallel_size": 2}}
+    assert SeqParConfig.from_deepspeed_config(block).size == 2  # inside the block: seqpar's alias of size
+    assert SeqParConfig.from_deepspeed_config({"sequence_parallel_size": 2}).size == 1  # top level: not ours
+    # refused before any process group or DeepSpeed import
+    with pytest.raises(ConfigError, match="the DeepSpeed config has 'sequence_parallel_size'"):
+        initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 2, "sequence_parallel_size": 2, **block})
+
+
+def test_sharding_is_undeclared_unless_given() -> None:
+    assert SeqParConfig().sharding is None and SeqParConfig.from_dict({}).sharding is None
+    assert SeqParConfig.from_dict({"sharding": "zigzag"}).sharding == "zigzag"
+    # balanced + hybrid is refused only when balanced is declared
+    SeqParConfig(size=4, mode="hybrid", ulysses_size=2)
+    with pytest.raises(ConfigError, match="hold no balanced layout"):
+        SeqParConfig(size=4, mode="hybrid", ulysses_size=2, sharding="balanced")
+    with pytest.raises(ConfigError, match="sharding = 'diagonal' is invalid"):
+        SeqParConfig(sharding="diagonal")

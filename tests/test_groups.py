@@ -251,3 +251,192 @@ def _timeouts(rank: int, world_size: int) -> list[int]:
 def test_timeout_s_bounds_seqpars_groups_not_a_users_world(dist_pool) -> None:
     # The pool created the world group with a 60 s timeout: it keeps it; seqpar's groups get 9 s.
     assert dist_pool.run(2, _timeouts) == [[60, 9, 9, 9]] * 2
+
+
+# ------------------------------------------------------------------ config forms (issue 18)
+
+
+def _from_config_forms(rank: int, world_size: int, standalone: str, deepspeed: str) -> list:
+    import torch
+
+    from seqpar import SeqParConfig, init_process_groups
+    from seqpar.runtime.groups import set_default_manager
+
+    out = []
+    for config in (SeqParConfig(size=2, timeout_s=11, sharding="zigzag"),
+                   {"size": 2, "timeout_s": 12, "sharding": "zigzag"},  # the block itself
+                   {"sequence_parallel": {"size": 2, "timeout_s": 13, "sharding": "zigzag"}},  # a dict holding it
+                   standalone, deepspeed):  # JSON paths: standalone, DeepSpeed
+        m = init_process_groups(config=config)
+        timeout = int(m.sp_group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+        out.append((m.sp_size, m.sharding, timeout))
+        m.destroy()
+    set_default_manager(None)
+    return out
+
+
+def test_init_process_groups_takes_what_swap_attention_takes(dist_pool, tmp_path) -> None:
+    import json
+
+    block = {"size": 2, "timeout_s": 14, "sharding": "zigzag"}
+    standalone = tmp_path / "sp.json"
+    standalone.write_text(json.dumps(block))
+    deepspeed = tmp_path / "ds.json"
+    deepspeed.write_text(json.dumps({"train_batch_size": 2, "sequence_parallel": {**block, "timeout_s": 15}}))
+    want = [(2, "zigzag", t) for t in (11, 12, 13, 14, 15)]
+    assert dist_pool.run(2, _from_config_forms, str(standalone), str(deepspeed)) == [want, want]
+
+
+# ------------------------------------------------------------------ DeviceMesh (issue 18)
+
+
+def _mesh_view(rank: int, world_size: int, shape: tuple, names: tuple, ulysses_size: int = 1) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    user = init_device_mesh("cpu", shape, mesh_dim_names=names) if names else None
+    m = init_process_groups(mesh=user, ulysses_size=ulysses_size) if user is not None else init_process_groups(2)
+    sp_dim = next((n for n in names if n in ("sp", "cp")), None)
+    wide_dp = [n for n in names if n.startswith("dp") and user[n].size() > 1]
+    out = {
+        "sizes": (m.sp_size, m.dp_size, m.sp_rank, m.dp_rank),
+        "ranks": (m.sp_ranks, m.dp_ranks),
+        "members": (_members(m.sp_group), _members(m.dp_group)),
+        "torch_ranks": (dist.get_process_group_ranks(m.sp_group), dist.get_process_group_ranks(m.dp_group)),
+        "rank_in": (dist.get_rank(m.sp_group), dist.get_rank(m.dp_group)),
+        # the manager's mesh: named (dp, sp), over the manager's own group objects
+        "mesh_names": m.mesh.mesh_dim_names,
+        "mesh_grid": m.mesh.mesh.tolist(),
+        "mesh_groups_are_the_managers": (m.mesh["sp"].get_group() is m.sp_group,
+                                         m.mesh["dp"].get_group() is m.dp_group),
+        # with a user mesh: the mesh's own groups, no new SP/DP communicator
+        "user_sp_group": user is not None and user.get_group(sp_dim) is m.sp_group,
+        "user_dp_group": len(wide_dp) == 1 and user.get_group(wide_dp[0]) is m.dp_group,
+        "ulysses": _members(m.ulysses_group),
+    }
+    m.destroy()
+    set_default_manager(None)
+    return out
+
+
+@pytest.mark.parametrize("shape, names, ulysses, sp_groups, dp_groups", [
+    ((2, 2), ("dp", "sp"), 1, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    ((1, 2, 2), ("dp_replicate", "dp_shard", "cp"), 1, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    ((2, 2), ("cp", "dp"), 1, [[0, 2], [1, 3]], [[0, 1], [2, 3]]),  # SP groups of strided ranks
+    ((2, 2, 1), ("dp_replicate", "dp_shard", "sp"), 1, [[0], [1], [2], [3]], [[0, 1, 2, 3]]),  # DP flattened
+    ((1, 4), ("dp", "sp"), 2, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),  # Ulysses pairs inside the mesh's SP
+    ((2, 2), (), 1, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),  # no user mesh: seqpar's grid, viewed as a mesh
+])
+def test_mesh_view_and_user_mesh(dist_pool, shape, names, ulysses, sp_groups, dp_groups) -> None:
+    per_rank = dist_pool.run(4, _mesh_view, shape, names, ulysses)
+    # the manager's (dp, sp) grid: row i is the SP group whose members are DP rank i
+    grid = sorted(sp_groups, key=lambda g: next(dp.index(g[0]) for dp in dp_groups if g[0] in dp))
+    for rank, d in enumerate(per_rank):
+        my_sp = next(g for g in sp_groups if rank in g)
+        my_dp = next(g for g in dp_groups if rank in g)
+        assert d["sizes"] == (len(my_sp), len(my_dp), my_sp.index(rank), my_dp.index(rank)), (rank, d)
+        assert d["ranks"] == d["members"] == d["torch_ranks"] == (my_sp, my_dp), (rank, d)
+        assert d["rank_in"] == (my_sp.index(rank), my_dp.index(rank))
+        assert d["mesh_names"] == ("dp", "sp") and all(d["mesh_groups_are_the_managers"])
+        assert d["mesh_grid"] == grid, (rank, d["mesh_grid"], grid)
+        if names:
+            assert d["user_sp_group"]
+            assert d["user_dp_group"] == (names != ("dp_replicate", "dp_shard", "sp") and len(my_dp) > 1)
+        u = ulysses
+        assert d["ulysses"] == my_sp[my_sp.index(rank) // u * u:][:u]
+
+
+def _bad_mesh(rank: int, world_size: int, shape: tuple, names: tuple | None) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.runtime.groups import default_manager, init_process_groups
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    with pytest.raises(ValueError) as info:
+        init_process_groups(mesh=mesh)
+    assert default_manager() is None
+    assert _members(None) == list(range(world_size))  # still in step
+    return str(info.value)
+
+
+@pytest.mark.parametrize("shape, names, expected", [
+    ((2, 2), ("pp", "sp"), "the mesh has a 'pp' dim (pipeline parallelism is not supported"),
+    ((2, 2), ("dp", "ep"), "the mesh has a 'ep' dim (expert parallelism is not supported"),
+    ((2, 2), ("dp", "tp"), "the mesh has a 'tp' dim (tensor parallelism is not supported"),
+    ((2, 2), ("dp", "foo"), "the mesh has a 'foo' dim (seqpar does not know this dim)"),
+    ((2, 2), ("sp", "cp"), "needs exactly one SP dim, named 'sp' or 'cp'"),
+    ((2, 2), ("dp_shard", "dp"), "needs exactly one SP dim, named 'sp' or 'cp' (got none)"),
+    ((4,), None, "the mesh's dims have no names"),
+])
+def test_mesh_dims_seqpar_cannot_represent_are_refused_by_name(dist_pool, shape, names, expected) -> None:
+    for message in dist_pool.run(4, _bad_mesh, shape, names):
+        assert expected in message and "init_process_groups(mesh=...)" in message, message
+
+
+# ------------------------------------------------------------------ layering of runtime (issue 18)
+
+
+def test_runtime_imports_no_higher_layer() -> None:
+    """runtime/ stands below attention, sequences, memory and the swap: it imports none of them,
+    not even lazily inside a function (the old init_process_groups imported seqpar.attn.choose)."""
+    import ast
+    from pathlib import Path
+
+    higher = ("seqpar.attn", "seqpar.attention", "seqpar.sequence", "seqpar.memory", "seqpar.swap",
+              "seqpar.mixers", "seqpar.integrations")
+    root = Path(__file__).resolve().parents[1] / "seqpar" / "runtime"
+    bad = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                    if any(n == h or n.startswith(h + ".") for h in higher)]
+    assert bad == []
+
+
+def test_divisors_has_one_home() -> None:
+    import re
+    from pathlib import Path
+
+    from seqpar.runtime.groups import divisors
+
+    assert divisors(12) == [1, 2, 3, 4, 6, 12] and divisors(1) == [1] and divisors(7) == [1, 7]
+    root = Path(__file__).resolve().parents[1]
+    homes = [str(p.relative_to(root)) for p in sorted((root / "seqpar").rglob("*.py")) + sorted((root / "integrations").rglob("*.py"))
+             if re.search(r"^def _?divisors\(", p.read_text(), re.M)]
+    assert homes == ["seqpar/runtime/groups.py"]
+
+
+def _auto_ulysses(rank: int, world_size: int) -> tuple:
+    import seqpar
+    from seqpar.runtime.groups import set_default_manager
+
+    m = seqpar.init_process_groups(sp_size=4, ulysses_size="auto", heads=(6, 2),
+                                   config={"size": 4, "links": {"node_size": 4, "intra_gbps": 100}})
+    out = (m.ulysses_size, type(m.links).__name__, m.links.node_size, m.links.intra_gbps)
+    m.destroy()
+    set_default_manager(None)
+    return out
+
+
+def test_ulysses_auto_and_links_without_attention(dist_pool) -> None:
+    # heads (6, 2): u = 4 cannot share 6 query heads; u = 2 can; links come from the config as Links
+    assert dist_pool.run(4, _auto_ulysses) == [(2, "Links", 4, 100)] * 4
+
+
+def test_an_integration_declares_the_configs_sharding_on_a_manager_it_reuses() -> None:
+    """resolve_manager (every engine adapter) passes the config's sharding through: declared on a
+    manager that had none, an error on one that declares another; an undeclared config leaves it."""
+    from types import SimpleNamespace
+
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations.common import resolve_manager
+
+    manager = SimpleNamespace(sp_size=2, sharding=None)
+    assert resolve_manager(SeqParConfig(size=2), manager).sharding is None
+    assert resolve_manager(SeqParConfig(size=2, sharding="zigzag"), manager).sharding == "zigzag"
+    assert resolve_manager(SeqParConfig(size=2), manager).sharding == "zigzag"  # undeclared config: kept
+    with pytest.raises(ValueError, match="the manager declares sharding 'zigzag' but the config says 'contiguous'"):
+        resolve_manager(SeqParConfig(size=2, sharding="contiguous"), manager)

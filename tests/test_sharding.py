@@ -197,3 +197,76 @@ def _bad_shape(rank: int, world: int) -> str:
 def test_gather_with_unequal_shapes_fails_on_every_rank(dist_pool) -> None:
     for msg in dist_pool.run(2, _bad_shape, timeout=60):
         assert "differ outside dim 1" in msg and "[(2, 4, 3), (2, 4, 5)]" in msg, msg
+
+
+# ------------------------------------------------------------------ one source for the sharding (issue 18)
+
+
+def _declared_sharding(rank: int, world: int) -> dict:
+    from torch.utils.data import DataLoader
+
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+    from seqpar.sequence.batch import ShardedDataLoader, shard_batch
+    from seqpar.sequence.loss import sequence_parallel_causal_lm_loss
+    from seqpar.sequence.sharding import gather_sequence, shard_sequence
+
+    full = torch.arange(2 * 8, dtype=torch.float64).view(2, 8)  # (batch, seq)
+    batch = {"input_ids": torch.arange(8).view(1, 8), "labels": torch.arange(8).view(1, 8)}
+    out: dict = {}
+
+    # undeclared: each call's argument wins, none means contiguous (as before)
+    m = init_process_groups(world)
+    out["undeclared"] = m.sharding
+    out["undeclared_default"] = shard_sequence(full, 1).tolist()
+    out["undeclared_zigzag"] = shard_sequence(full, 1, sharding="zigzag").tolist()
+    out["undeclared_batch"] = shard_batch(batch)["input_ids"].tolist()
+    m.destroy()
+
+    # declared by the argument: binds every default; a contradicting argument raises
+    m = init_process_groups(world, sharding="zigzag")
+    out["declared"] = m.sharding
+    out["declared_default"] = shard_sequence(full, 1).tolist()
+    out["declared_round_trip"] = gather_sequence(shard_sequence(full, 1), 1).equal(full)
+    out["declared_batch"] = shard_batch(batch)["input_ids"].tolist()
+    out["declared_loader"] = ShardedDataLoader(DataLoader([batch["input_ids"][0]] * 2, batch_size=1)).sharding
+    errors = []
+    for call in (lambda: shard_sequence(full, 1, sharding="contiguous"),
+                 lambda: shard_batch(batch, sharding="contiguous"),
+                 lambda: gather_sequence(full[:, :4], 1, sharding="contiguous"),
+                 lambda: ShardedDataLoader(DataLoader([0], batch_size=1), sharding="contiguous"),
+                 lambda: sequence_parallel_causal_lm_loss(torch.zeros(1, 4, 3), torch.zeros(1, 4, dtype=torch.long),
+                                                          sharding="contiguous")):
+        with pytest.raises(ValueError) as info:
+            call()
+        errors.append(str(info.value))
+    out["errors"] = errors
+    m.destroy()
+
+    # declared by the config (a dict, as swap_attention takes it); an argument that contradicts it raises
+    m = init_process_groups(config={"size": world, "sharding": "zigzag"})
+    out["from_config"] = m.sharding
+    m.destroy()
+    with pytest.raises(ValueError) as info:
+        init_process_groups(config={"size": world, "sharding": "zigzag"}, sharding="contiguous")
+    out["conflict"] = str(info.value)
+    set_default_manager(None)
+    return out
+
+
+def test_a_declared_sharding_binds_and_undeclared_behaves_as_before(dist_pool) -> None:
+    for rank, out in enumerate(dist_pool.run(2, _declared_sharding)):
+        contiguous = [list(range(8 * b + 4 * rank, 8 * b + 4 * rank + 4)) for b in range(2)]
+        zigzag_ids = [[0, 1, 6, 7], [2, 3, 4, 5]][rank]
+        zigzag = [[8 * b + i for i in zigzag_ids] for b in range(2)]
+        assert out["undeclared"] is None
+        assert out["undeclared_default"] == contiguous and out["undeclared_zigzag"] == zigzag
+        assert out["undeclared_batch"] == [contiguous[0]]
+        assert out["declared"] == "zigzag" and out["declared_default"] == zigzag and out["declared_round_trip"]
+        assert out["declared_batch"] == [zigzag[0]] and out["declared_loader"] == "zigzag"
+        assert len(out["errors"]) == 5
+        for where, message in zip(("shard_sequence", "shard_batch", "gather_sequence", "ShardedDataLoader",
+                                   "sequence_parallel_causal_lm_loss"), out["errors"]):
+            assert message.startswith(f"{where}: sharding='contiguous' contradicts the run's declared sharding "
+                                      "'zigzag'"), message
+        assert out["from_config"] == "zigzag"
+        assert "contradicts the config's sequence_parallel.sharding 'zigzag'" in out["conflict"]

@@ -50,6 +50,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+# Plain data and pure integer rules that the process groups need too: they live below attention (Links
+# with the config, the Ulysses-size rules with the groups), so runtime never imports attention; kept
+# importable from here, where the cost model uses them.
+from seqpar.config import Links
+from seqpar.runtime.groups import choose_ulysses_size, ulysses_heads_ok
+
 if TYPE_CHECKING:
     from seqpar.runtime.groups import ProcessGroupManager
 
@@ -68,28 +74,6 @@ MODE_FEATURES: dict[str, frozenset[str]] = {
     "ulysses": frozenset({"documents", "window", "sinks", "balanced"}),
     "hybrid": frozenset({"documents", "window", "sinks"}),  # not balanced: see seqpar.attn.hybrid
 }
-
-
-@dataclass(frozen=True)
-class Links:
-    """Link and compute figures of one machine; from config, or :func:`probe_links`.
-
-    Attributes:
-        intra_gbps: GB/s per rank inside a node (NVLink: ~450; the Ulysses all-to-all).
-        inter_gbps: GB/s per rank across nodes (InfiniBand: ~50; the ring across super-ranks).
-        flops: attention kernel throughput per rank, FLOP/s (H100 flash: ~4e14 sustained).
-        node_size: ranks per node (``LOCAL_WORLD_SIZE``); an SP axis longer than this crosses nodes.
-        latency_s: fixed cost per message round (collective call or ring step).
-        mem_gbps: device memory bandwidth, GB/s, for the copies and merges each mode adds around the
-            kernels (H100 HBM3: ~3000).
-    """
-
-    intra_gbps: float = 450.0
-    inter_gbps: float = 50.0
-    flops: float = 4e14
-    node_size: int = 8
-    latency_s: float = 2e-5
-    mem_gbps: float = 3000.0
 
 
 @dataclass(frozen=True)
@@ -115,11 +99,6 @@ class ModeCost:
     bytes_sent: int  # per rank, forward + backward
     exposed_s: float  # modelled communication time not hidden behind compute
     reason: str
-
-
-def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int) -> bool:
-    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses)."""
-    return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
 
 
 def _compute_s(c: CallShape, links: Links) -> float:
@@ -210,7 +189,10 @@ def rank_modes(c: CallShape, links: Links, features: Iterable[str] = ()) -> list
 _PROBED: dict[int, Links] = {}
 
 
-def probe_links(group: dist.ProcessGroup, base: Links = Links(), nbytes: int = 1 << 22) -> Links:
+DEFAULT_LINKS = Links()  # frozen: one shared default is safe
+
+
+def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: int = 1 << 22) -> Links:
     """Measure once per group: an all-to-all of ``nbytes`` per rank and a matmul, timed on the group's
     rank 0 and broadcast from it, so every rank holds the same figures (a collective: call on every rank).
     On one machine both link figures are the measured one (node_size = the group size)."""
@@ -277,21 +259,3 @@ def choose_mode(
         logger.info("[rank %d] seqpar auto: mode=%r for %s: %.3g ms modelled (%s); others: %s",
                     rank, best.mode, c, best.seconds * 1e3, best.reason, others or "none allowed")
     return best.mode
-
-
-def choose_ulysses_size(
-    sp_size: int, *, heads: tuple[int, int] | None = None, node_size: int | None = None
-) -> int:
-    """``ulysses_size="auto"`` at init: the largest divisor of ``sp_size`` that fits in a node (Ulysses
-    all-to-all on the fast intra-node links, the ring across nodes hides the slow ones) and, when the
-    model's ``heads = (q_heads, kv_heads)`` are known, satisfies the head-count rule.
-
-    ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` from the launcher, else ``sp_size`` (one node)."""
-    import os
-
-    if node_size is None:
-        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", sp_size))
-    fits = [u for u in range(1, sp_size + 1)
-            if sp_size % u == 0 and u <= max(node_size, 1)
-            and (heads is None or ulysses_heads_ok(heads[0], heads[1], u))]
-    return max(fits)

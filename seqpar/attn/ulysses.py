@@ -56,13 +56,10 @@ from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import block_backward, block_forward, lse_dtype, sink_grad
+from seqpar.runtime.groups import divisors
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclass(frozen=True)
@@ -96,14 +93,14 @@ class HeadSplit:
 def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) -> HeadSplit:
     """Validate that ``u`` ranks can share the heads; raise ``ValueError`` naming the fix otherwise."""
     if q_heads % u:
-        smaller = [d for d in _divisors(sp_size) if q_heads % d == 0 and d < u]
+        smaller = [d for d in divisors(sp_size) if q_heads % d == 0 and d < u]
         raise ValueError(
             f"mode={mode!r}: {q_heads} query heads cannot be split over {u} Ulysses ranks ({q_heads} is not a "
             f"multiple of {u}). Use mode='hybrid' with a smaller ulysses_size that divides the head count "
             f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'"
         )
     if kv_heads % u and u % kv_heads:
-        fits = [d for d in _divisors(sp_size) if q_heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+        fits = [d for d in divisors(sp_size) if q_heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
         raise ValueError(
             f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
             f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "

@@ -20,6 +20,14 @@ With ``ulysses_size = u`` (u divides sp), each SP group is itself a ``(sp/u, u)`
 ``u = 1`` (the default) makes no new groups (Ulysses group = this rank, ring group = the SP group), and
 ``u = sp`` neither (Ulysses group = the SP group, ring group = this rank).
 
+The same grid as a named ``DeviceMesh`` (dims ``("dp", "sp")``, over the manager's own groups: no
+communicator is created twice) is ``manager.mesh``, for FSDP2 and DTensor. A torchtitan-style mesh can
+be the source instead (``init_process_groups(mesh=...)``): its ``"sp"`` or ``"cp"`` dim is SP, its
+``"dp"`` / ``"dp_replicate"`` / ``"dp_shard"`` dims, flattened in mesh order, are DP, and the manager
+takes the mesh's groups. Its grid is then the mesh's ranks permuted to ``(dp..., sp)`` and reshaped to
+``(dp, sp)``, so SP groups need not be consecutive ranks; every property reads the grid, so the
+manager reports them as they are.
+
 ``ProcessGroupManager`` exposes the Megatron/DeepSpeed ``mpu`` methods, so it can be handed to
 ``deepspeed.initialize(mpu=manager)``: DeepSpeed then reduces gradients over
 ``get_sequence_data_parallel_group()`` and sizes its data loader by ``get_data_parallel_*``.
@@ -29,14 +37,18 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from seqpar.config import SHARDINGS, Links, SeqParConfig
+
 if TYPE_CHECKING:
-    from seqpar.config import SeqParConfig
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ProcessGroupManager",
@@ -51,6 +63,13 @@ __all__ = [
     "timeout_of",
     "check_ulysses_size",
     "node_layout_problems",
+    "divisors",
+    "ulysses_heads_ok",
+    "choose_ulysses_size",
+    "MeshAxes",
+    "mesh_axes",
+    "SP_DIMS",
+    "DP_DIMS",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -58,7 +77,8 @@ logger = logging.getLogger("seqpar")
 _DEFAULT: ProcessGroupManager | None = None
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (the sizes an axis of ``n`` ranks can be cut into)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -67,28 +87,115 @@ def check_divisible(world_size: int, sp_size: int) -> None:
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
         raise ValueError(
             f"sequence_parallel.size must be a positive integer, got {sp_size!r}; choose a size "
-            f"that divides the number of ranks {tuple(_divisors(world_size))}"
+            f"that divides the number of ranks {tuple(divisors(world_size))}"
         )
     if world_size % sp_size:
         raise ValueError(
             f"world size {world_size} is not divisible by sequence_parallel.size {sp_size}; "
-            f"choose a size that divides the number of ranks ({', '.join(map(str, _divisors(world_size)))})"
+            f"choose a size that divides the number of ranks ({', '.join(map(str, divisors(world_size)))})"
         )
 
 
 def check_ulysses_size(sp_size: int, ulysses_size: int) -> None:
     """Raise ``ValueError`` unless ``ulysses_size`` is a positive divisor of ``sp_size``."""
-    fix = f"choose a ulysses_size that divides sequence_parallel.size {sp_size} ({', '.join(map(str, _divisors(sp_size)))})"
+    fix = f"choose a ulysses_size that divides sequence_parallel.size {sp_size} ({', '.join(map(str, divisors(sp_size)))})"
     if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1:
         raise ValueError(f"ulysses_size must be a positive integer or 'auto', got {ulysses_size!r}; {fix}")
     if sp_size % ulysses_size:
         raise ValueError(f"ulysses_size {ulysses_size} does not divide sequence_parallel.size {sp_size}; {fix}")
 
 
+def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int) -> bool:
+    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses):
+    ``u`` divides the query heads, and the K/V head count is a multiple or a divisor of ``u``."""
+    return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
+
+
+def choose_ulysses_size(
+    sp_size: int, *, heads: tuple[int, int] | None = None, node_size: int | None = None
+) -> int:
+    """``ulysses_size="auto"`` at init: the largest divisor of ``sp_size`` that fits in a node (Ulysses
+    all-to-all on the fast intra-node links, the ring across nodes hides the slow ones) and, when the
+    model's ``heads = (q_heads, kv_heads)`` are known, satisfies the head-count rule
+    (:func:`ulysses_heads_ok`).
+
+    ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` from the launcher, else ``sp_size`` (one node).
+    Integer arithmetic on the group layout only, so it lives with the groups (no attention import)."""
+    if node_size is None:
+        node_size = int(os.environ.get("LOCAL_WORLD_SIZE", sp_size))
+    fits = [u for u in divisors(sp_size)
+            if u <= max(node_size, 1) and (heads is None or ulysses_heads_ok(heads[0], heads[1], u))]
+    return max(fits)
+
+
 def rank_grid(world_size: int, sp_size: int) -> torch.Tensor:
     """The rank grid ``(dp_size, sp_size)``: row i is SP group i, column j is DP group j."""
     check_divisible(world_size, sp_size)
     return torch.arange(world_size).view(world_size // sp_size, sp_size)  # (dp, sp)
+
+
+# The DeviceMesh dim names init_process_groups(mesh=) understands (torchtitan's spellings).
+SP_DIMS = ("sp", "cp")
+DP_DIMS = ("dp", "dp_replicate", "dp_shard")
+_REFUSED_DIMS = {
+    "pp": "pipeline parallelism",
+    "ep": "expert parallelism",
+    "tp": "tensor parallelism",
+}
+
+
+@dataclass(frozen=True)
+class MeshAxes:
+    """What a user's ``DeviceMesh`` means to seqpar (see :func:`mesh_axes`)."""
+
+    sp_dim: str
+    """The mesh dim that is SP (``"sp"`` or ``"cp"``)."""
+    dp_dims: tuple[str, ...]
+    """The mesh dims that together are DP, in mesh order (flattened row-major)."""
+    grid: torch.Tensor
+    """The mesh's ranks as the manager's ``(dp, sp)`` grid."""
+
+
+def mesh_axes(mesh: DeviceMesh, world_size: int) -> MeshAxes:
+    """Read a torchtitan-style mesh: its ``"sp"`` or ``"cp"`` dim is SP; its ``"dp"``,
+    ``"dp_replicate"`` and ``"dp_shard"`` dims, flattened in mesh order, are DP.
+
+    Raises:
+        ValueError: unnamed dims; a ``"pp"``, ``"ep"``, ``"tp"`` or unknown dim (named); no SP dim or
+            two; a mesh that does not span the world (seqpar's SP-DP group is every rank).
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    known = [*SP_DIMS, *DP_DIMS]
+    if len(names) != mesh.ndim:
+        raise ValueError(
+            f"init_process_groups(mesh=...): the mesh's dims have no names; build it with mesh_dim_names, "
+            f"e.g. init_device_mesh(device_type, (dp, sp), mesh_dim_names=('dp', 'sp')) (allowed: {known})"
+        )
+    for name in names:
+        if name in known:
+            continue
+        what = _REFUSED_DIMS.get(name)
+        why = f"{what} is not supported with seqpar's groups" if what else "seqpar does not know this dim"
+        raise ValueError(
+            f"init_process_groups(mesh=...): the mesh has a {name!r} dim ({why}); pass a mesh whose dims are "
+            f"among {known}: SP is 'sp' or 'cp', DP is 'dp' / 'dp_replicate' / 'dp_shard'"
+        )
+    sp_dims = [n for n in names if n in SP_DIMS]
+    if len(sp_dims) != 1:
+        raise ValueError(
+            f"init_process_groups(mesh=...): the mesh has dims {list(names)}; it needs exactly one SP dim, "
+            f"named 'sp' or 'cp' (got {sp_dims or 'none'})"
+        )
+    if mesh.mesh.numel() != world_size:
+        raise ValueError(
+            f"init_process_groups(mesh=...): the mesh holds {mesh.mesh.numel()} ranks but the world has "
+            f"{world_size}; seqpar's groups cover every rank (dp x sp = world): pass the whole-world mesh"
+        )
+    dp_dims = tuple(n for n in names if n in DP_DIMS)
+    order = [names.index(n) for n in dp_dims] + [names.index(sp_dims[0])]
+    ranks = mesh.mesh.detach().to("cpu", torch.int64).permute(*order)  # (dp dims..., sp)
+    sp_size = ranks.shape[-1]
+    return MeshAxes(sp_dim=sp_dims[0], dp_dims=dp_dims, grid=ranks.reshape(-1, sp_size).contiguous())
 
 
 class ProcessGroupManager:
@@ -98,21 +205,28 @@ class ProcessGroupManager:
     ``torch.distributed.init_process_group``; then pass it (or its groups) to what needs them.
 
     Args:
-        sp_size: sequence-parallel degree; must divide the world size.
+        sp_size: sequence-parallel degree; must divide the world size (with ``mesh``: the mesh's SP
+            size, or ``None``).
         ulysses_size: the Ulysses (all-to-all) degree inside each SP group; must divide ``sp_size``.
             The SP group splits into ``sp_size / u`` Ulysses groups of ``u`` consecutive ranks and
             ``u`` ring groups across them (see the module docstring). Default 1: no Ulysses axis.
         backend: backend for the new groups (default: the default group's backend).
         timeout: timeout of the new groups' collectives (default: torch's).
+        mesh: a named ``DeviceMesh`` over the whole world to take the SP and DP groups from instead of
+            creating them (see :func:`mesh_axes` for the dims it understands). The SP-DP and
+            model-parallel groups, and the Ulysses/ring groups when ``1 < ulysses_size < sp``, are
+            still created; so is the DP group when two or more DP dims are larger than 1 and the mesh
+            has no flattened ``"dp"``.
     """
 
     def __init__(
         self,
-        sp_size: int,
+        sp_size: int | None = None,
         *,
         ulysses_size: int = 1,
         backend: str | None = None,
         timeout: timedelta | None = None,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -122,12 +236,22 @@ class ProcessGroupManager:
             )
         self._world_size = dist.get_world_size()
         self._rank = dist.get_rank()
-        self.grid = rank_grid(self._world_size, sp_size)  # (dp, sp)
+        axes = mesh_axes(mesh, self._world_size) if mesh is not None else None
+        if axes is not None and sp_size is not None and sp_size != axes.grid.shape[1]:
+            raise ValueError(
+                f"sp_size {sp_size} disagrees with the mesh's {axes.sp_dim!r} dim of size {axes.grid.shape[1]}; "
+                "leave sp_size out (the mesh decides) or pass a mesh with that SP size"
+            )
+        self.grid = axes.grid if axes is not None else rank_grid(self._world_size, sp_size)  # (dp, sp)
+        sp_size = self.grid.shape[1]
         check_ulysses_size(sp_size, ulysses_size)
-        self._dp_rank, self._sp_rank = divmod(self._rank, sp_size)
+        # this rank's (dp, sp) position: divmod(rank, sp) for seqpar's own grid, anywhere in a mesh's
+        self._dp_rank, self._sp_rank = (int(i) for i in (self.grid == self._rank).nonzero()[0])
         self._ulysses_size = ulysses_size
-        # link figures for mode="auto" (seqpar.attn.choose.Links); None = probe on first use
-        self.links: Any = None
+        self._mesh: DeviceMesh | None = None  # built on first use of .mesh
+        self._device_type = mesh.device_type if mesh is not None else None
+        # link figures for mode="auto" (seqpar.config.Links); None = probe on first use
+        self.links: Links | None = None
         # the sharding declared for this run (config / init_process_groups(sharding=)); None = undeclared,
         # and each call's own argument decides (seqpar.sequence.sharding.resolve_sharding)
         self.sharding: str | None = None
@@ -140,10 +264,15 @@ class ProcessGroupManager:
         if timeout is not None:
             kw["timeout"] = timeout
         # dist.new_group is collective: every rank creates every group, in the same order.
-        self._sp_group = self._new_groups(self.grid.tolist(), kw)
-        self._dp_group = self._new_groups(self.grid.t().tolist(), kw)
+        if axes is None:
+            self._sp_group = self._new_groups(self.grid.tolist(), kw)
+            self._dp_group = self._new_groups(self.grid.t().tolist(), kw)
+        else:
+            self._sp_group = mesh.get_group(axes.sp_dim)
         self._sp_dp_group = self._new_groups([list(range(self._world_size))], kw)
         self._mp_group = self._new_groups([[r] for r in range(self._world_size)], kw)
+        if axes is not None:
+            self._dp_group = self._mesh_dp_group(mesh, axes, kw)
         self._ulysses_group, self._ring_group = self._make_ulysses_ring_groups(kw)
         logger.info(
             "[rank %d] seqpar groups: world %d = dp %d x sp %d; sp group %s, dp group %s",
@@ -165,6 +294,23 @@ class ProcessGroupManager:
                 self._created.append(group)  # other ranks' groups are not objects on this rank
         assert mine is not None
         return mine
+
+    def _mesh_dp_group(self, mesh: DeviceMesh, axes: MeshAxes, kw: dict[str, Any]) -> dist.ProcessGroup:
+        """The DP group of a user mesh: its one DP dim larger than 1, its flattened ``"dp"`` when it has
+        one, this rank alone when DP is 1; else new groups over the grid's columns (collective, taken
+        the same way on every rank: the mesh's shape is the same everywhere)."""
+        wide = [n for n in axes.dp_dims if mesh.size(mesh.mesh_dim_names.index(n)) > 1]
+        if not wide:
+            return self._mp_group
+        if len(wide) == 1:
+            return mesh.get_group(wide[0])
+        try:
+            flat = mesh["dp"].get_group() if "dp" not in mesh.mesh_dim_names else None
+        except (KeyError, ValueError, RuntimeError):  # no flattened "dp" on this mesh
+            flat = None
+        if flat is not None and dist.get_process_group_ranks(flat) == self.dp_ranks:
+            return flat
+        return self._new_groups(self.grid.t().tolist(), kw)
 
     def _make_ulysses_ring_groups(self, kw: dict[str, Any]) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """The (Ulysses, ring) groups of this rank; new groups only when ``1 < u < sp``."""
@@ -280,6 +426,25 @@ class ProcessGroupManager:
     def ring_rank(self) -> int:
         """Rank inside the ring group (= which super-rank of ``u`` consecutive shards this rank is in)."""
         return self._sp_rank // self._ulysses_size
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The ``(dp, sp)`` grid as a named ``DeviceMesh`` (dims ``"dp"``, ``"sp"``) over this manager's
+        own groups (``mesh["sp"].get_group()`` is :attr:`sp_group`, ``mesh["dp"].get_group()`` is
+        :attr:`dp_group`): ``DeviceMesh.from_group`` creates no communicator. For FSDP2
+        (``fully_shard(..., mesh=manager.mesh["dp"])``) and DTensor. Built on first use, on this rank
+        only (no collective). Its device type is the source mesh's, else ``"cuda"`` on NCCL and
+        ``"cpu"`` otherwise."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device_type = self._device_type
+            if device_type is None:
+                device_type = "cuda" if "nccl" in str(dist.get_backend(self._sp_group)) else "cpu"
+            self._mesh = DeviceMesh.from_group(
+                [self._dp_group, self._sp_group], device_type, mesh=self.grid, mesh_dim_names=("dp", "sp")
+            )
+        return self._mesh
 
     @property
     def sp_ranks(self) -> list[int]:
@@ -411,22 +576,29 @@ def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
     dist.init_process_group(**kw)
 
 
-def _check_same_on_every_rank(sp_size: object, ulysses_size: object) -> None:
-    """All-gather the requested sizes on the default group and raise on every rank if they differ:
-    ranks that disagree would create different groups and hang in ``new_group``."""
+def _check_same_on_every_rank(sp_size: object, ulysses_size: object, sharding: object = None) -> None:
+    """All-gather the requested sizes (and declared sharding) on the default group and raise on every
+    rank if they differ: ranks that disagree would create different groups and hang in ``new_group``,
+    or cut one sequence two ways."""
     def code(x: object) -> int:
         return x if isinstance(x, int) and not isinstance(x, bool) else (0 if x == "auto" else -1)
 
+    names = (None, *SHARDINGS)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    mine = torch.tensor([code(sp_size), code(ulysses_size)], dtype=torch.int64, device=device)
+    mine = torch.tensor([code(sp_size), code(ulysses_size), names.index(sharding) if sharding in names else -1],
+                        dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     rows = [t.cpu().tolist() for t in everyone]
     if any(row != rows[0] for row in rows):
-        detail = "; ".join(f"rank {r}: sp_size={a}, ulysses_size={'auto' if b == 0 else b}" for r, (a, b) in enumerate(rows))
+        def shown(c: int) -> str:
+            return repr(names[c]) if 0 <= c < len(names) else "invalid"
+
+        detail = "; ".join(f"rank {r}: sp_size={a}, ulysses_size={'auto' if b == 0 else b}, sharding={shown(c)}"
+                           for r, (a, b, c) in enumerate(rows))
         raise ValueError(
-            f"init_process_groups: the ranks asked for different group sizes ({detail}); "
-            "call it on every rank with the same sp_size and ulysses_size (the same config)"
+            f"init_process_groups: the ranks asked for different group sizes or shardings ({detail}); "
+            "call it on every rank with the same sp_size, ulysses_size and sharding (the same config)"
         )
 
 
@@ -454,11 +626,27 @@ def node_layout_problems(world_size: int, sp_size: int, ulysses_size: int, node_
     return problems
 
 
+def _declared_sharding(sharding: str | None, config: SeqParConfig) -> tuple[str | None, str | None]:
+    """``(the run's declared sharding, what is wrong with the request or None)``: the argument, else the
+    config's; both given and different, or an unknown name, is an error (raised after the ranks
+    compared their requests, so every rank raises it)."""
+    if sharding is not None and sharding not in SHARDINGS:
+        return None, f"init_process_groups: unknown sharding {sharding!r}; choose one of {list(SHARDINGS)}"
+    if sharding is not None and config.sharding is not None and sharding != config.sharding:
+        return None, (
+            f"init_process_groups: sharding={sharding!r} contradicts the config's sequence_parallel.sharding "
+            f"{config.sharding!r}; pass one of them (one sharding must cut, attend and gather)"
+        )
+    return (sharding if sharding is not None else config.sharding), None
+
+
 def init_process_groups(
     sp_size: int | None = None,
     *,
     ulysses_size: int | str | None = None,
-    config: SeqParConfig | None = None,
+    config: SeqParConfig | Mapping[str, Any] | str | os.PathLike | None = None,
+    sharding: str | None = None,
+    mesh: DeviceMesh | None = None,
     backend: str | None = None,
     timeout: timedelta | None = None,
     heads: tuple[int, int] | None = None,
@@ -469,12 +657,23 @@ def init_process_groups(
     Collective: call it on every rank with the same arguments.
 
     Args:
-        sp_size: SP degree; default ``config.size``, or 1 when neither is given.
+        sp_size: SP degree; default ``config.size`` (1 without a config), or the mesh's SP dim.
         ulysses_size: Ulysses degree ``u`` inside the SP group (divides ``sp_size``); default
             ``config.ulysses_size``, or 1. ``"auto"`` chooses it once, here, with
-            :func:`seqpar.attn.choose.choose_ulysses_size` (the largest divisor of ``sp_size`` that fits
-            in a node and, when ``heads`` is given, divides the query and K/V head counts).
-        config: a ``SeqParConfig`` whose ``size`` / ``ulysses_size`` are used when the arguments are ``None``.
+            :func:`choose_ulysses_size` (the largest divisor of ``sp_size`` that fits in a node and,
+            when ``heads`` is given, divides the query and K/V head counts).
+        config: what ``swap_attention`` takes: a ``SeqParConfig``, a dict (the ``sequence_parallel``
+            block, or a dict holding it), or a JSON path (standalone or DeepSpeed); see
+            ``SeqParConfig.load``. Its ``size`` / ``ulysses_size`` / ``sharding`` / ``timeout_s`` /
+            ``links`` are used where the arguments are ``None``.
+        sharding: the run's sharding (``"contiguous"``, ``"zigzag"``, ``"balanced"``), kept on the
+            manager: batch and sequence cuts, attention and the loss then default to it, and an
+            explicit argument that contradicts it raises (see
+            :func:`seqpar.sequence.sharding.resolve_sharding`). Default ``config.sharding``; ``None``
+            there too: undeclared (each call decides; ``"contiguous"`` when it does not say).
+        mesh: a torchtitan-style named ``DeviceMesh`` of the whole world to take the SP and DP groups
+            from (``"sp"`` or ``"cp"`` is SP; ``"dp"``, ``"dp_replicate"``, ``"dp_shard"`` are DP;
+            ``"pp"``, ``"ep"`` and other dims are refused): see :func:`mesh_axes`.
         backend: for a fresh ``init_process_group`` (``"nccl"`` when CUDA is available, else
             ``"gloo"``) and for the new groups.
         timeout: for a fresh ``init_process_group`` and the new groups' collectives (default:
@@ -485,41 +684,56 @@ def init_process_groups(
         The manager, also recorded as the default (see ``default_manager``).
 
     Raises:
+        seqpar.config.ConfigError: an invalid config (before any collective: the same on every rank).
         ValueError (on every rank): the world size is not divisible by the SP size, ``ulysses_size``
-        does not divide the SP size, or the ranks passed different sizes.
+        does not divide the SP size, the ranks passed different sizes or shardings, ``sharding``
+        contradicts the config's, or the mesh has a dim seqpar cannot represent.
     """
-    if sp_size is None:
-        sp_size = config.size if config is not None else 1
-    timeout = timeout_of(config, timeout)
-    if ulysses_size is None:
-        ulysses_size = getattr(config, "ulysses_size", 1) if config is not None else 1
+    cfg = SeqParConfig.load(config)  # defaults when None: size 1, ulysses 1, sharding undeclared
     owns_world = not dist.is_initialized()
+    timeout = timeout_of(cfg, timeout)
     if owns_world:
         _init_from_env(backend, timeout)
-    _check_same_on_every_rank(sp_size, ulysses_size)
+    axes = mesh_axes(mesh, dist.get_world_size()) if mesh is not None else None
+    if axes is not None:
+        mesh_sp = axes.grid.shape[1]
+        # a config's size 1 (the default) is read as "not set": the mesh decides
+        for what, asked in (("sp_size", sp_size), ("sequence_parallel.size", cfg.size if cfg.size != 1 else None)):
+            if asked is not None and asked != mesh_sp:
+                raise ValueError(
+                    f"init_process_groups: {what} {asked} disagrees with the mesh's {axes.sp_dim!r} dim of size "
+                    f"{mesh_sp}; leave it out (the mesh decides) or make them equal"
+                )
+        sp_size = mesh_sp
+    if sp_size is None:
+        sp_size = cfg.size
+    if ulysses_size is None:
+        ulysses_size = cfg.ulysses_size
+    declared, sharding_problem = _declared_sharding(sharding, cfg)
+    _check_same_on_every_rank(sp_size, ulysses_size, declared)
+    if sharding_problem:
+        raise ValueError(sharding_problem)
     check_divisible(dist.get_world_size(), sp_size)
+    links = cfg.links_figures
     if ulysses_size == "auto":
-        from seqpar.attn.choose import choose_ulysses_size
-
-        node = config.links.get("node_size") if config is not None and getattr(config, "links", None) else None
-        ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=node)
+        ulysses_size = choose_ulysses_size(sp_size, heads=heads, node_size=links.node_size if links else None)
         logger.info("[rank %d] seqpar: ulysses_size='auto' chose %d for sp_size %d", dist.get_rank(), ulysses_size, sp_size)
     check_ulysses_size(sp_size, ulysses_size)
     node_size = os.environ.get("LOCAL_WORLD_SIZE", "")  # set by torchrun / deepspeed / our SLURM script
-    for problem in node_layout_problems(dist.get_world_size(), sp_size, int(ulysses_size),
-                                        int(node_size) if node_size.isdigit() else None):
+    # the problems assume seqpar's grid (SP groups of consecutive ranks); a user's mesh is laid out by the user
+    problems = [] if mesh is not None else node_layout_problems(
+        dist.get_world_size(), sp_size, int(ulysses_size), int(node_size) if node_size.isdigit() else None)
+    for problem in problems:
         if dist.get_rank() == 0:
             logger.warning("seqpar: group layout: %s", problem)
-    manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout)
+    manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout, mesh=mesh)
     manager.owns_world = owns_world
+    manager.sharding = declared
     from seqpar.runtime import liveness
 
     # names the lost rank when a collective fails (a heartbeat in the rendezvous store; no collectives)
     manager.liveness = liveness.start(dist.get_rank(), dist.get_world_size(), timeout.total_seconds() if timeout else None)
-    if config is not None and getattr(config, "links", None):
-        from seqpar.attn.choose import Links
-
-        manager.links = Links(**config.links)
+    manager.links = links
     set_default_manager(manager)
     return manager
 

@@ -49,7 +49,7 @@ from torch.utils.data import (
 )
 
 from seqpar.runtime.groups import default_manager, resolve_group
-from seqpar.sequence.sharding import length_multiple, shard_index
+from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
            "document_boundaries", "PACKED_KEYS"]
@@ -156,7 +156,7 @@ def shard_batch(
     batch: Mapping[str, Any],
     *,
     group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
+    sharding: str | None = None,
     causal_lm: bool = True,
     ignore_index: int = -100,
     pad_token_id: int = 0,
@@ -172,7 +172,8 @@ def shard_batch(
         batch: the full batch, identical on every rank of the SP group.
         group: the SP group (default: the default manager's SP group, else the world).
         sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (packed batches: the layout
-            comes from their boundaries), as configured for attention.
+            comes from their boundaries), as configured for attention. Default: the run's declared
+            sharding, else ``"contiguous"`` (:func:`seqpar.sequence.sharding.resolve_sharding`).
         causal_lm: the model is a causal LM: ``labels`` are shifted by one before the cut and
             returned as ``shift_labels`` (``labels`` is dropped), and end padding needs no key mask.
             With ``False``, ``labels`` are cut as they are and any padding is refused.
@@ -190,92 +191,115 @@ def shard_batch(
 
     Raises:
         ValueError: no sequence tensor found; an ``attention_mask`` that is not right padding;
-            padding needed with ``causal_lm=False``.
+            padding needed with ``causal_lm=False``; ``sharding`` contradicts the run's declared one.
     """
+    sharding = resolve_sharding(sharding, where="shard_batch")
     rank, world_size = sp_rank_and_size(group)
     out: dict[str, Any] = dict(batch)
-    ref = next((out[k] for k in ("input_ids", "inputs_embeds", "labels", "shift_labels")
-                if isinstance(out.get(k), Tensor)), None)
-    if ref is None or ref.dim() < 2:
-        raise ValueError(
-            "shard_batch needs 'input_ids' (B, S), 'inputs_embeds' (B, S, H) or 'labels' (B, S) "
-            f"to find the sequence length; got keys {sorted(batch)}"
-        )
-    batch_size, seq_len = ref.shape[0], ref.shape[1]
-    device = ref.device
+    batch_size, seq_len, device = _sequence_shape(out)
     multiple = length_multiple(world_size, sharding)
     pad = (-seq_len) % multiple
     bounds = document_boundaries(out, seq_len)  # global, before the cut
-
-    mask = out.get("attention_mask")
-    if isinstance(mask, Tensor):
-        if mask.dim() != 2:
-            raise ValueError(
-                f"shard_batch takes a 2D attention_mask (batch, seq); got shape {tuple(mask.shape)}. "
-                "seqpar attention takes no custom (4D) mask"
-            )
-        if not bool(mask.bool().all()):
-            if not causal_lm:
-                raise ValueError(
-                    "the batch has padding (attention_mask has zeros) but causal_lm=False: non-causal "
-                    "attention would need a key mask, which seqpar attention does not take. Use "
-                    "unpadded sequences of a length divisible by the SP size"
-                )
-            if not _is_right_padded(mask):
-                raise ValueError(
-                    "attention_mask is not right padding (ones then zeros in every row): left "
-                    "padding or holes need a key mask, which seqpar attention does not take. Pad on "
-                    "the right (tokenizer.padding_side = 'right'); for packed documents, train on "
-                    "unpacked sequences"
-                )
-            # Right padding under causal attention: real tokens never see the later pads, so the
-            # mask can become all ones, provided pads carry no loss (done below on the labels).
-            if "labels" in out and isinstance(out["labels"], Tensor):
-                valid = mask.bool().reshape(mask.shape + (1,) * (out["labels"].dim() - 2))
-                out["labels"] = out["labels"].masked_fill(~valid, ignore_index)
-            out["attention_mask"] = torch.ones_like(mask)
+    _accept_right_padding(out, causal_lm=causal_lm, ignore_index=ignore_index)
     if pad and not causal_lm:
         raise ValueError(
             f"sequence length {seq_len} is not a multiple of {multiple} ({sharding} sharding over "
             f"{world_size} ranks) and causal_lm=False: padding a non-causal model would need a key "
             f"mask, which seqpar attention does not take. Use a length divisible by {multiple}"
         )
-
-    if causal_lm and isinstance(out.get("labels"), Tensor):
-        # Shift on the full sequence, before the cut, so a shard's last token keeps its target.
-        out["shift_labels"] = _shift_left(out.pop("labels"), ignore_index)
-    if not isinstance(out.get("position_ids"), Tensor):
-        out["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
-
+    _shift_labels_and_add_positions(out, causal_lm=causal_lm, ignore_index=ignore_index,
+                                    batch_size=batch_size, seq_len=seq_len, device=device)
     padded_bounds = None if bounds is None else (bounds + [seq_len + pad] if pad else bounds)
     keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device,
                             cu_seqlens=padded_bounds)
     for key, value in out.items():
-        if not (isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len):
-            continue
-        if key == "position_ids" and bounds is not None:
-            # Packed: the padding is one more document, so its positions restart at 0.
-            tail = torch.arange(pad, device=value.device, dtype=value.dtype).expand(value.shape[0], pad)
-            value = torch.cat([value, tail], dim=1)
-        elif key == "position_ids":
-            # Padded tokens continue the count (S, S+1, ...): the positions stay increasing by one,
-            # so nothing downstream mistakes the padding for a new packed document.
-            tail = torch.arange(seq_len, seq_len + pad, device=value.device, dtype=value.dtype)
-            value = torch.cat([value, (value[:, -1:] - (seq_len - 1)) + tail], dim=1) if pad else value
-        elif key in _LABEL_KEYS:
-            value = _pad_end(value, pad, ignore_index)
-        elif key == "input_ids":
-            value = _pad_end(value, pad, pad_token_id)
-        elif key == "attention_mask":
-            value = _pad_end(value, pad, 1)  # causal: pads need no key mask (module docstring)
-        else:
-            value = _pad_end(value, pad, 0)
-        out[key] = value.index_select(1, keep.to(value.device))
+        if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == seq_len:
+            padded = _pad_sequence_tensor(key, value, seq_len=seq_len, pad=pad, packed=bounds is not None,
+                                          ignore_index=ignore_index, pad_token_id=pad_token_id)
+            out[key] = padded.index_select(1, keep.to(padded.device))
     if padded_bounds is not None:
         _set_boundaries(out, padded_bounds)
     if pad:
         logger.debug("shard_batch: padded sequence length %d -> %d at the end", seq_len, seq_len + pad)
     return out
+
+
+def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int, torch.device]:
+    """``(batch size, sequence length, device)`` of the batch's reference tensor: ``input_ids``, else
+    ``inputs_embeds``, ``labels``, ``shift_labels``."""
+    ref = next((batch[k] for k in ("input_ids", "inputs_embeds", "labels", "shift_labels")
+                if isinstance(batch.get(k), Tensor)), None)
+    if ref is None or ref.dim() < 2:
+        raise ValueError(
+            "shard_batch needs 'input_ids' (B, S), 'inputs_embeds' (B, S, H) or 'labels' (B, S) "
+            f"to find the sequence length; got keys {sorted(batch)}"
+        )
+    return ref.shape[0], ref.shape[1], ref.device
+
+
+def _accept_right_padding(out: dict[str, Any], *, causal_lm: bool, ignore_index: int) -> None:
+    """Turn a right-padded ``attention_mask`` into all ones, its pads' labels into ``ignore_index``
+    (in place); refuse any other mask (see the module docstring: seqpar attention takes no key mask)."""
+    mask = out.get("attention_mask")
+    if not isinstance(mask, Tensor):
+        return
+    if mask.dim() != 2:
+        raise ValueError(
+            f"shard_batch takes a 2D attention_mask (batch, seq); got shape {tuple(mask.shape)}. "
+            "seqpar attention takes no custom (4D) mask"
+        )
+    if bool(mask.bool().all()):
+        return
+    if not causal_lm:
+        raise ValueError(
+            "the batch has padding (attention_mask has zeros) but causal_lm=False: non-causal "
+            "attention would need a key mask, which seqpar attention does not take. Use "
+            "unpadded sequences of a length divisible by the SP size"
+        )
+    if not _is_right_padded(mask):
+        raise ValueError(
+            "attention_mask is not right padding (ones then zeros in every row): left "
+            "padding or holes need a key mask, which seqpar attention does not take. Pad on "
+            "the right (tokenizer.padding_side = 'right'); for packed documents, train on "
+            "unpacked sequences"
+        )
+    # Right padding under causal attention: real tokens never see the later pads, so the
+    # mask can become all ones, provided pads carry no loss.
+    if "labels" in out and isinstance(out["labels"], Tensor):
+        valid = mask.bool().reshape(mask.shape + (1,) * (out["labels"].dim() - 2))
+        out["labels"] = out["labels"].masked_fill(~valid, ignore_index)
+    out["attention_mask"] = torch.ones_like(mask)
+
+
+def _shift_labels_and_add_positions(out: dict[str, Any], *, causal_lm: bool, ignore_index: int,
+                                    batch_size: int, seq_len: int, device: torch.device) -> None:
+    """In place: causal-LM ``labels`` -> ``shift_labels`` (shifted on the full sequence, before the
+    cut, so a shard's last token keeps its target); ``position_ids`` ``0..S-1`` when absent."""
+    if causal_lm and isinstance(out.get("labels"), Tensor):
+        out["shift_labels"] = _shift_left(out.pop("labels"), ignore_index)
+    if not isinstance(out.get("position_ids"), Tensor):
+        out["position_ids"] = torch.arange(seq_len, device=device).expand(batch_size, seq_len)
+
+
+def _pad_sequence_tensor(key: str, value: Tensor, *, seq_len: int, pad: int, packed: bool,
+                         ignore_index: int, pad_token_id: int) -> Tensor:
+    """``value`` (``(B, S, ...)``) padded at the end of dim 1 by ``pad``, with what its key means."""
+    if key == "position_ids" and packed:
+        # Packed: the padding is one more document, so its positions restart at 0.
+        tail = torch.arange(pad, device=value.device, dtype=value.dtype).expand(value.shape[0], pad)
+        return torch.cat([value, tail], dim=1)
+    if key == "position_ids":
+        # Padded tokens continue the count (S, S+1, ...): the positions stay increasing by one,
+        # so nothing downstream mistakes the padding for a new packed document.
+        tail = torch.arange(seq_len, seq_len + pad, device=value.device, dtype=value.dtype)
+        return torch.cat([value, (value[:, -1:] - (seq_len - 1)) + tail], dim=1) if pad else value
+    if key in _LABEL_KEYS:
+        return _pad_end(value, pad, ignore_index)
+    if key == "input_ids":
+        return _pad_end(value, pad, pad_token_id)
+    if key == "attention_mask":
+        return _pad_end(value, pad, 1)  # causal: pads need no key mask (module docstring)
+    return _pad_end(value, pad, 0)
 
 
 def _set_boundaries(out: dict[str, Any], bounds: list[int]) -> None:
@@ -300,7 +324,8 @@ class ShardedDataLoader:
         manager: the ``ProcessGroupManager`` (default: ``seqpar.runtime.groups.default_manager()``; without
             one, every rank is one SP group and there is no data parallelism).
         group: SP group override (default: the manager's SP group).
-        sharding, causal_lm, ignore_index, pad_token_id: as for :func:`shard_batch`.
+        sharding, causal_lm, ignore_index, pad_token_id: as for :func:`shard_batch` (``sharding``
+            defaults to the manager's declared sharding).
         seed: shuffling seed, the same on every rank.
 
     ``len(loader)`` is the number of batches per epoch; call ``loader.set_epoch(epoch)`` (or
@@ -313,7 +338,7 @@ class ShardedDataLoader:
         *,
         manager: Any | None = None,
         group: dist.ProcessGroup | None = None,
-        sharding: str = "contiguous",
+        sharding: str | None = None,
         causal_lm: bool = True,
         ignore_index: int = -100,
         pad_token_id: int = 0,
@@ -326,7 +351,8 @@ class ShardedDataLoader:
         else:
             dp_rank, dp_size = 0, 1
         self.group = group
-        self.sharding = sharding
+        # resolved here, against the manager's declaration: a contradiction fails before the first batch
+        self.sharding = resolve_sharding(sharding, manager=manager, where="ShardedDataLoader")
         self.causal_lm = causal_lm
         self.ignore_index = ignore_index
         self.pad_token_id = pad_token_id

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.batch import sp_rank_and_size
-from seqpar.sequence.sharding import chunk_ids, num_chunks
+from seqpar.sequence.sharding import chunk_ids, num_chunks, resolve_sharding
 
 __all__ = [
     "sequence_parallel_loss",
@@ -149,15 +149,18 @@ def shift_labels_across_shards(
     labels_local: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
+    sharding: str | None = None,
     ignore_index: int = -100,
 ) -> Tensor:
     """Next-token targets ``(B, S_local)`` for labels sharded unshifted (like ``input_ids``).
 
     Each chunk's labels move one to the left; the last position of every chunk takes the first
     label of the next global chunk (one tiny all-gather of ``(B, chunks per rank)`` integers), and
-    the sequence's last position gets ``ignore_index``. Collective over the SP group.
+    the sequence's last position gets ``ignore_index``. Collective over the SP group. ``sharding``:
+    the layout the labels were cut with (default: the run's declared sharding, else ``"contiguous"``;
+    see :func:`seqpar.sequence.sharding.resolve_sharding`).
     """
+    sharding = resolve_sharding(sharding, where="shift_labels_across_shards")
     rank, world_size = sp_rank_and_size(group)
     if sharding == "balanced":
         raise ValueError(
@@ -194,7 +197,7 @@ def sequence_parallel_causal_lm_loss(
     labels_local: Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
+    sharding: str | None = None,
     ignore_index: int = -100,
     reduction: str = "mean",
 ) -> Tensor:
@@ -208,8 +211,10 @@ def sequence_parallel_causal_lm_loss(
         logits_local: ``(batch, seq_local, vocab)``.
         labels_local: ``(batch, seq_local)``, the same positions as the input ids of this shard.
         group, ignore_index, reduction: as for :func:`sequence_parallel_loss`.
-        sharding: ``"contiguous"`` or ``"zigzag"``.
+        sharding: ``"contiguous"`` or ``"zigzag"``; default: the run's declared sharding, else
+            ``"contiguous"``. A value that contradicts the declared one raises ``ValueError``.
     """
+    sharding = resolve_sharding(sharding, where="sequence_parallel_causal_lm_loss")
     targets = shift_labels_across_shards(
         labels_local, group=group, sharding=sharding, ignore_index=ignore_index
     )

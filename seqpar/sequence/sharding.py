@@ -222,7 +222,7 @@ def _world_and_rank(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup 
 
 
 def shard_sequence(
-    x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None, sharding: str = "contiguous",
+    x: Tensor, dim: int, *, group: dist.ProcessGroup | None = None, sharding: str | None = None,
     cu_seqlens: Tensor | Sequence[int] | None = None,
 ) -> Tensor:
     """This rank's part of a full tensor (the same full tensor on every rank).
@@ -231,15 +231,18 @@ def shard_sequence(
         x: any tensor whose ``dim`` is the sequence, e.g. ``(batch, seq, hidden)`` with ``dim=1``.
         dim: the sequence dimension (negative allowed).
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; default: the run's declared sharding,
+            else ``"contiguous"`` (:func:`resolve_sharding`).
         cu_seqlens: with ``"balanced"``, the global document boundaries the layout balances (the
             same ones seqpar.attention gets); ignored otherwise.
     Returns:
         ``x`` with ``dim`` cut to ``seq / P``. Differentiable: the gradient of the full input is this
         rank's gradient scattered into zeros (sum it over the SP group to get the full gradient).
     Raises:
-        ValueError: the length does not divide into P chunks (2P for zigzag); the message says how to pad.
+        ValueError: the length does not divide into P chunks (2P for zigzag); the message says how to pad;
+            ``sharding`` contradicts the run's declared sharding.
     """
+    sharding = resolve_sharding(sharding, where="shard_sequence")
     group, world, rank = _world_and_rank(group)
     c = _check_length(x.shape[dim], world, sharding)
     ids = chunk_ids(rank, world, sharding, seq_len=x.shape[dim], cu_seqlens=cu_seqlens)
@@ -277,7 +280,7 @@ def gather_sequence(
     dim: int,
     *,
     group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
+    sharding: str | None = None,
     grad_reduction: str = "slice",
     check_inputs: bool = True,
     cu_seqlens: Tensor | Sequence[int] | None = None,
@@ -288,7 +291,8 @@ def gather_sequence(
         x: this rank's shard, ``dim`` of length ``seq / P`` (the same shape on every rank).
         dim: the sequence dimension (negative allowed).
         group: the SP group (default: the default manager's SP group, else the world).
-        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the shard was cut.
+        sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the shard was cut; default: the
+            run's declared sharding, else ``"contiguous"`` (:func:`resolve_sharding`).
         grad_reduction: ``"slice"`` (default) — the backward keeps this rank's part of the incoming
             gradient: right when every rank computes the same loss on the gathered tensor (the
             usual case: the ranks' gradients are copies, not terms). ``"sum"`` — the backward
@@ -301,8 +305,10 @@ def gather_sequence(
     Returns:
         The full tensor, ``dim`` of length ``seq``.
     Raises:
-        ValueError: on every rank, if the ranks' shards differ in length or shape.
+        ValueError: on every rank, if the ranks' shards differ in length or shape, or ``sharding``
+            contradicts the run's declared sharding.
     """
+    sharding = resolve_sharding(sharding, where="gather_sequence")
     group, world, _ = _world_and_rank(group)
     balanced = sharding == BALANCED
     layout = {"seq_len": x.shape[dim] * world, "cu_seqlens": _host_ints(cu_seqlens)} if balanced else {}

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from seqpar.config import PatternConfig, SeqParConfig
 from seqpar.runtime.verified import batch_verified
+from seqpar.sequence.sharding import resolve_sharding
 from seqpar.swap.sdpa import suspended
 
 __all__ = ["SwapError", "SwapOptions", "value_digest"]
@@ -70,7 +71,7 @@ class SwapOptions:
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
-        return cls(group=group, mode=config.mode, sharding=config.sharding,
+        return cls(group=group, mode=config.mode, sharding=resolve_sharding(config.sharding, where="swap_attention"),
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
                    pattern=config.pattern, check_finite=config.check_finite)
 

@@ -160,7 +160,7 @@ def swap_attention(
 
 
 def _check_config(cfg: SeqParConfig) -> None:
-    if cfg.pattern.type == "dilated" and cfg.sharding != "contiguous":
+    if cfg.pattern.type == "dilated" and cfg.sharding not in (None, "contiguous"):  # None: undeclared
         raise SwapError(
             "sequence_parallel.pattern is dilated but sharding is "
             f"{cfg.sharding!r}: dilated segments are contiguous runs of the sequence, so shard with "
