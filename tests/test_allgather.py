@@ -19,7 +19,8 @@ def _run_allgather(rank: int, world: int, cases: list[tuple], head_chunks: int) 
     for full, sharding, causal in cases:
         q, k, v, dout = (shard_rows(full[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = seqpar.attention(q, k, v, causal=causal, mode="allgather", sharding=sharding, head_chunks=head_chunks)
+        out = seqpar.attention(q, k, v, causal=causal, mode="allgather", sharding=sharding, head_chunks=head_chunks,
+                               group=torch.distributed.group.WORLD)
         out.backward(dout)
         results.append([out.detach(), q.grad, k.grad, v.grad])
     return results
@@ -76,7 +77,8 @@ def _collectives(rank: int, world: int, head_chunks: int, dtype: torch.dtype) ->
     v = torch.randn(2, 4, 8, 16, dtype=dtype, requires_grad=True)
     compat._all_gather, compat._reduce_scatter = count_gather, count_scatter
     try:
-        out = seqpar.attention(q, k, v, mode="allgather", check_inputs=False, head_chunks=head_chunks)
+        out = seqpar.attention(q, k, v, mode="allgather", check_inputs=False, head_chunks=head_chunks,
+                               group=torch.distributed.group.WORLD)
         fwd = list(calls)
         out.backward(torch.randn_like(out))
     finally:

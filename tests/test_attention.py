@@ -57,6 +57,13 @@ def reference(case: dict, causal: bool, scale: float | None) -> list[torch.Tenso
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
+def sp_group() -> object:
+    """The SP group of a worker body: the manager's SP group when the test built one (Ulysses/hybrid
+    runs reuse these bodies), else the whole world, on purpose (group=None without a manager raises)."""
+    manager = seqpar.default_manager()
+    return manager.sp_group if manager is not None else torch.distributed.group.WORLD
+
+
 def run_cases(
     rank: int, world: int, cases: list[tuple], dtype: torch.dtype, **options: object
 ) -> list[list[torch.Tensor]]:
@@ -65,7 +72,8 @@ def run_cases(
     for case, mode, sharding, causal, scale in cases:
         q, k, v, dout = (shard_rows(case[n], rank, world, sharding).to(dtype) for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = seqpar.attention(q, k, v, causal=causal, scale=scale, mode=mode, sharding=sharding, **options)
+        out = seqpar.attention(q, k, v, causal=causal, scale=scale, mode=mode, sharding=sharding,
+                               group=sp_group(), **options)
         out.backward(dout)
         assert out.dtype == dtype and q.grad.dtype == dtype and k.grad.dtype == dtype, "dtype not kept"
         results.append([out.detach(), q.grad, k.grad, v.grad])

@@ -17,7 +17,7 @@ from seqpar.attn.checks import check_across_ranks
 def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     torch.manual_seed(rank)
     shape_q, shape_kv = (1, 4, 8, 16), (1, 2, 8, 16)
-    kwargs: dict = {}
+    kwargs: dict = {"group": torch.distributed.group.WORLD}
     if case == "local_shape_differs":  # rank 1 holds a shorter shard than rank 0
         shape_q = shape_kv = (1, 4, 8 if rank == 0 else 6, 16)
     if case == "batch_differs":
@@ -57,7 +57,8 @@ def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     try:
         if case == "dilated_pattern_differs":  # each rank valid alone, the ranks disagree
             pattern = ([8], [1]) if rank == 0 else ([8 * world], [2])
-            seqpar.dilated_attention(q, k, v, segment_lengths=pattern[0], dilation_rates=pattern[1])
+            seqpar.dilated_attention(q, k, v, segment_lengths=pattern[0], dilation_rates=pattern[1],
+                                     group=torch.distributed.group.WORLD)
         elif case == "extra_differs":  # what later features (documents, windows) add to the check
             check_across_ranks(q, k, v, group=torch.distributed.group.WORLD, causal=True,
                                mode="ring", sharding="contiguous", extra=[7] * (1 + rank))

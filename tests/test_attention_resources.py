@@ -29,7 +29,7 @@ def _sent_bytes_ring(rank: int, world: int, causal: bool, sharding: str, dtype: 
     v = torch.randn(2, 2, 16, 32, dtype=dtype, requires_grad=True)
     dist.batch_isend_irecv = counting
     try:
-        out = seqpar.attention(q, k, v, causal=causal, sharding=sharding, mode="ring")
+        out = seqpar.attention(q, k, v, causal=causal, sharding=sharding, mode="ring", group=dist.group.WORLD)
         fwd = sent["n"]
         out.backward(torch.randn_like(out))
         bwd = sent["n"] - fwd
@@ -64,7 +64,8 @@ def _peak_bytes(rank: int, world: int, mode: str, seq: int, head_chunks: int | s
         k = torch.randn(1, 8, local, 32, requires_grad=True)
         v = torch.randn(1, 8, local, 32, requires_grad=True)
         out = seqpar.attention(
-            q, k, v, causal=True, mode=mode, sharding="zigzag", check_inputs=False, head_chunks=head_chunks
+            q, k, v, causal=True, mode=mode, sharding="zigzag", check_inputs=False, head_chunks=head_chunks,
+            group=dist.group.WORLD,
         )
         out.backward(torch.randn_like(out))
         del out

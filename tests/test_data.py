@@ -52,7 +52,8 @@ def _layout(rank: int, world_size: int, sharding: str, seq_len: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 50, (2, seq_len), generator=g)
     embeds = torch.randn(2, seq_len, 3, generator=g)
-    out = shard_batch({"input_ids": ids, "labels": ids, "inputs_embeds": embeds}, sharding=sharding)
+    out = shard_batch({"input_ids": ids, "labels": ids, "inputs_embeds": embeds}, group=torch.distributed.group.WORLD,
+                      sharding=sharding)
     return {k: out[k] for k in ("input_ids", "shift_labels", "position_ids", "inputs_embeds")} | {"ids": ids}
 
 

@@ -43,10 +43,10 @@ def _loss_parity(rank: int, world_size: int, sharding: str, variant: str) -> flo
     pos = global_positions(seq, rank, world_size, sharding)
     local = logits[:, pos].clone().requires_grad_()
     if variant == "shifted":
-        batch = shard_batch({"input_ids": labels.clamp(min=0), "labels": labels}, sharding=sharding)
-        loss = sequence_parallel_loss(local, batch["shift_labels"])
+        batch = shard_batch({"input_ids": labels.clamp(min=0), "labels": labels}, group=dist.group.WORLD, sharding=sharding)
+        loss = sequence_parallel_loss(local, batch["shift_labels"], group=dist.group.WORLD)
     else:  # labels cut like input_ids, shifted across shard boundaries by the loss
-        loss = sequence_parallel_causal_lm_loss(local, labels[:, pos], sharding=sharding)
+        loss = sequence_parallel_causal_lm_loss(local, labels[:, pos], group=dist.group.WORLD, sharding=sharding)
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-6, atol=1e-6)
     # Exactly this rank's share: not multiplied by P, no need to reduce logits' grads at all.
@@ -72,15 +72,15 @@ def _reductions(rank: int, world_size: int) -> None:
     pos = global_positions(16, rank, world_size, "contiguous")
     targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     ref_sum = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
-    got = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="sum")
+    got = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="sum", group=dist.group.WORLD)
     torch.testing.assert_close(got, ref_sum)
-    per_token = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="none")
+    per_token = sequence_parallel_loss(logits[:, pos], targets[:, pos], reduction="none", group=dist.group.WORLD)
     assert per_token.shape == (2, 8)
     # A rank with no valid token still takes part, and a group with none gives 0, not NaN.
     none_valid = torch.full_like(targets[:, pos], -100)
-    assert sequence_parallel_loss(logits[:, pos], none_valid).item() == 0.0
+    assert sequence_parallel_loss(logits[:, pos], none_valid, group=dist.group.WORLD).item() == 0.0
     # Custom per-token losses: the same reduction from sums and counts.
-    mean = sequence_parallel_mean(per_token.sum(), (targets[:, pos] != -100).sum())
+    mean = sequence_parallel_mean(per_token.sum(), (targets[:, pos] != -100).sum(), group=dist.group.WORLD)
     torch.testing.assert_close(mean, ref_sum / (targets != -100).sum())
 
 
@@ -109,16 +109,16 @@ def _llama_end_to_end(rank: int, world_size: int, sharding: str, seq_len: int) -
     torch.manual_seed(0)
     model = build_model("llama")
     ref = copy.deepcopy(model)
-    swap_attention(model, {"size": world_size, "sharding": sharding})
+    swap_attention(model, {"size": world_size, "sharding": sharding}, group=dist.group.WORLD)
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, VOCAB, (2, seq_len), generator=g)
     ref_loss = ref(input_ids=ids, labels=ids).loss
     ref_loss.backward()
 
-    batch = shard_batch({"input_ids": ids, "labels": ids}, sharding=sharding)
+    batch = shard_batch({"input_ids": ids, "labels": ids}, group=dist.group.WORLD, sharding=sharding)
     shift_labels = batch.pop("shift_labels")
     logits = model(**batch).logits
-    loss = sequence_parallel_loss(logits, shift_labels)
+    loss = sequence_parallel_loss(logits, shift_labels, group=dist.group.WORLD)
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     ref_params = dict(ref.named_parameters())
@@ -148,7 +148,7 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
     torch.manual_seed(0)
     model = build_model("llama")
     ref = copy.deepcopy(model)
-    swap_attention(model, {"size": world_size, "sharding": sharding})
+    swap_attention(model, {"size": world_size, "sharding": sharding}, group=dist.group.WORLD)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 16), generator=g)
     labels = ids.clone()
@@ -160,9 +160,9 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
     ref_loss.backward()
 
     if how == "shift_labels":  # model(**shard_batch(batch)) must return the loss too
-        loss = model(**shard_batch({"input_ids": ids, "labels": labels}, sharding=sharding)).loss
+        loss = model(**shard_batch({"input_ids": ids, "labels": labels}, group=dist.group.WORLD, sharding=sharding)).loss
     else:  # labels cut unshifted, like input_ids: the shift crosses shard boundaries
-        local_ids, local_labels = (shard_sequence(t, 1, sharding=sharding) for t in (ids, labels))
+        local_ids, local_labels = (shard_sequence(t, 1, group=dist.group.WORLD, sharding=sharding) for t in (ids, labels))
         loss = model(input_ids=local_ids, labels=local_labels, **extra).loss
     loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -180,9 +180,9 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
         transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=4, num_key_value_heads=2, num_labels=3, pad_token_id=0)
     )
-    swap_attention(classifier, {"size": world_size, "sharding": sharding})
+    swap_attention(classifier, {"size": world_size, "sharding": sharding}, group=dist.group.WORLD)
     with pytest.raises(ValueError, match="sequence_parallel_loss"):
-        classifier(input_ids=shard_sequence(ids, 1, sharding=sharding), labels=torch.tensor([0, 2]))
+        classifier(input_ids=shard_sequence(ids, 1, group=dist.group.WORLD, sharding=sharding), labels=torch.tensor([0, 2]))
     return loss.item()
 
 

@@ -26,10 +26,10 @@ def _round_trip(
     rank: int, world: int, full: torch.Tensor, dim: int, sharding: str, grad_reduction: str
 ) -> dict:
     x = full.clone().requires_grad_()
-    shard = seqpar.shard_sequence(x, dim, sharding=sharding)
+    shard = seqpar.shard_sequence(x, dim, group=torch.distributed.group.WORLD, sharding=sharding)
     # every rank applies the same weights to the gathered tensor: the loss is replicated
     w = torch.arange(full.numel(), dtype=full.dtype).view(full.shape).sin()
-    gathered = seqpar.gather_sequence(shard, dim, sharding=sharding, grad_reduction=grad_reduction)
+    gathered = seqpar.gather_sequence(shard, dim, group=torch.distributed.group.WORLD, sharding=sharding, grad_reduction=grad_reduction)
     (gathered * w).sum().backward()
     return {"shard": shard.detach(), "gathered": gathered.detach(), "grad": x.grad}
 
@@ -67,7 +67,7 @@ def test_shard_gather_round_trip_and_grads(dist_pool, world: int) -> None:
 def _bad_gather(rank: int, world: int) -> str:
     x = torch.randn(2, 4 if rank == 0 else 6, 3)
     try:
-        seqpar.gather_sequence(x, 1)
+        seqpar.gather_sequence(x, 1, group=torch.distributed.group.WORLD)
     except ValueError as e:
         return str(e)
     return ""
@@ -80,7 +80,7 @@ def test_gather_with_unequal_shards_fails_on_every_rank(dist_pool) -> None:
 
 def _bad_shard(rank: int, world: int, seq: int, sharding: str) -> str:
     try:
-        seqpar.shard_sequence(torch.randn(1, seq, 2), 1, sharding=sharding)
+        seqpar.shard_sequence(torch.randn(1, seq, 2), 1, group=torch.distributed.group.WORLD, sharding=sharding)
     except ValueError as e:
         return str(e)
     return ""
@@ -115,13 +115,13 @@ def _collectives(rank: int, world: int, xs: torch.Tensor, ws: torch.Tensor, dim:
     out, d = {}, dim % xs[rank].dim()
     # reduce_scatter: rank r feeds xs[r] (.., world * n, ..) and weighs its block with ws[r]
     x = xs[rank].clone().requires_grad_()
-    y = reduce_scatter(x, dim)
+    y = reduce_scatter(x, dim, group=torch.distributed.group.WORLD)
     (y * ws[rank].narrow(dim, 0, y.shape[dim])).sum().backward()
     out["rs"], out["rs_grad"] = y.detach(), x.grad
     # all_gather of this rank's block, both backward rules
     for rule in ("slice", "sum"):
         part = xs[rank].narrow(d, 0, xs.shape[d + 1] // world).clone().requires_grad_()
-        full = all_gather(part, dim, grad_reduction=rule)
+        full = all_gather(part, dim, group=torch.distributed.group.WORLD, grad_reduction=rule)
         (full * ws[rank]).sum().backward()
         out[f"ag_{rule}"], out[f"ag_{rule}_grad"] = full.detach(), part.grad
     return out
@@ -188,7 +188,7 @@ def test_each_sp_group_shards_and_gathers_its_own_sequence(dist_pool) -> None:
 def _bad_shape(rank: int, world: int) -> str:
     x = torch.randn(2, 4, 3 if rank == 0 else 5)  # same length, different hidden size
     try:
-        seqpar.gather_sequence(x, 1)
+        seqpar.gather_sequence(x, 1, group=torch.distributed.group.WORLD)
     except ValueError as e:
         return str(e)
     return ""

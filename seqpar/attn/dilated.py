@@ -668,8 +668,10 @@ def dilated_attention(
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: how segments spanning several ranks exchange their selected K/V rows: ``"ring"`` or
             ``"allgather"`` (see the module docstring for volumes).
-        group: the SP process group; ``None`` = the default manager's SP group, the whole world when
-            no manager was made, or a single process when torch.distributed is not initialised.
+        group: the SP process group; ``None`` = the default manager's SP group, or a single
+            process when torch.distributed is not initialised (or has one rank); without a manager on a
+            world > 1 it is an error: call ``seqpar.init_process_groups(...)`` first, or pass
+            ``group=torch.distributed.group.WORLD`` to use the whole world on purpose.
         sharding: must be ``"contiguous"`` (LongNet segments are contiguous position ranges).
         head_layout: ``"mixed"`` (LongNet: head h uses offset h mod r in every pattern) or
             ``"grouped"`` (heads split evenly among the patterns; dilated-attention-pytorch's layout).

@@ -27,6 +27,11 @@ from seqpar.runtime.groups import default_manager, resolve_group
 
 __all__ = ["attention"]
 
+_HYBRID_NEEDS_MANAGER = (
+    "mode='hybrid' needs the Ulysses and ring groups of a process-group manager: call "
+    "seqpar.init_process_groups(sp_size=P, ulysses_size=u) on every rank first"
+)
+
 
 def attention(
     q: Tensor,
@@ -57,8 +62,10 @@ def attention(
             ``"hybrid"`` (Ulysses over the manager's Ulysses groups, ring across them; see
             ``init_process_groups(ulysses_size=u)``) or ``"auto"`` (the cheapest allowed, see
             :mod:`seqpar.attn.choose`).
-        group: the SP process group; ``None`` = the default manager's SP group, or the whole world
-            when no manager was made, or a single process when torch.distributed is not initialised.
+        group: the SP process group; ``None`` = the default manager's SP group, or a single
+            process when torch.distributed is not initialised (or has one rank); without a manager on a
+            world > 1 it is an error: call ``seqpar.init_process_groups(...)`` first, or pass
+            ``group=torch.distributed.group.WORLD`` to use the whole world on purpose.
             Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
             manager's own SP group is accepted: it is the same as ``None``).
         sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
@@ -97,6 +104,9 @@ def attention(
             "call seqpar.init_process_groups(sp_size=P, ulysses_size=u) first (or use mode='ulysses' / 'ring' with group=)"
         )
     explicit_group = group is not None
+    if mode == "hybrid" and manager is None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        raise ValueError(_HYBRID_NEEDS_MANAGER)  # resolve_group would raise too, less specifically
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     bounds, bad_bounds = None, None
@@ -140,10 +150,7 @@ def attention(
         )
     if mode == "hybrid":
         if manager is None:
-            raise ValueError(
-                "mode='hybrid' needs the Ulysses and ring groups of a process-group manager: call "
-                "seqpar.init_process_groups(sp_size=P, ulysses_size=u) on every rank first"
-            )
+            raise ValueError(_HYBRID_NEEDS_MANAGER)
         if manager.ulysses_size == manager.sp_size:
             mode = "ulysses"  # u = P: no ring axis
         elif manager.ulysses_size > 1:

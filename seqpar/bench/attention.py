@@ -202,6 +202,20 @@ def hybrid_manager(world: int) -> Any:
     return _HYBRID_MANAGERS[world]
 
 
+def _group() -> Any:
+    """The bench's SP group: the default manager's (a hybrid run sets one) if any, else the whole world
+    (``None`` without torch.distributed). Explicit, since ``group=None`` without a manager on a world > 1
+    is an error."""
+    import torch.distributed as dist
+
+    from seqpar.runtime.groups import default_manager
+
+    manager = default_manager()
+    if manager is not None:
+        return manager.sp_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
 def forward_fn(
     method: str, causal: bool, seq_len: int, head_chunks: int | str = "auto"
 ) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
@@ -216,7 +230,7 @@ def forward_fn(
         ws, rs = dilated_pattern(seq_len)
 
         def dilated(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return dilated_attention(q, k, v, segment_lengths=ws, dilation_rates=rs, causal=causal)
+            return dilated_attention(q, k, v, segment_lengths=ws, dilation_rates=rs, causal=causal, group=_group())
         return dilated
     import seqpar
 
@@ -228,7 +242,8 @@ def forward_fn(
         hybrid_manager(dist.get_world_size())
 
     def distributed(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks)
+        return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+                                group=None if mode == "hybrid" else _group())
     return distributed
 
 

@@ -33,7 +33,8 @@ def _model(dtype: torch.dtype, config: dict[str, Any]) -> Any:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    swap_attention(model, {"size": world, "mode": "ring", "sharding": "zigzag", **config})  # config may set mode
+    # config may set mode; the SP group is the whole torchrun world (None: no torch.distributed)
+    swap_attention(model, {"size": world, "mode": "ring", "sharding": "zigzag", **config}, group=dist.group.WORLD)
     return model
 
 
@@ -77,7 +78,8 @@ def saved_units(dtype: torch.dtype = torch.bfloat16, tokens: int = 1024, **confi
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     ids = torch.randint(0, 64, (1, tokens * world), generator=torch.Generator().manual_seed(1))
-    batch = shard_batch({"input_ids": ids}, sharding="zigzag") if world > 1 else {"input_ids": ids}
+    batch = (shard_batch({"input_ids": ids}, group=dist.group.WORLD, sharding="zigzag") if world > 1
+             else {"input_ids": ids})
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(**batch).logits.float().sum()
     unit = tokens * model.config.hidden_size * torch.empty((), dtype=dtype).element_size()

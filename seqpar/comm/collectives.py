@@ -9,7 +9,7 @@
   all-gather (the dual).
 
 dtype and device come from the inputs; nothing here hard-codes either. ``group=None`` means
-:func:`seqpar.runtime.groups.resolve_group` (the default manager's SP group, else the world); a group of
+:func:`seqpar.runtime.groups.resolve_group` (the default manager's SP group; without one on a world > 1: an error); a group of
 one, or no process group at all, makes every op the identity.
 """
 

@@ -523,18 +523,32 @@ def set_default_manager(manager: ProcessGroupManager | None) -> None:
 
 
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
-    """The group a collective should use.
+    """The group a collective should use; the one rule behind every ``group=None`` in seqpar.
 
-    ``group`` if given; else the default manager's SP group; else ``dist.group.WORLD`` when
-    torch.distributed is initialised; else ``None`` (single process: treat as world size 1).
+    - ``group`` if given (``torch.distributed.group.WORLD`` to use the whole world on purpose);
+    - else the default manager's SP group (``seqpar.init_process_groups``);
+    - else ``None`` when torch.distributed is not available or not initialised (a single process:
+      world size 1);
+    - else ``dist.group.WORLD`` on a world of one rank (the SP group can only be that rank);
+    - else (a world of more than one rank and no manager) ``ValueError``: the SP group is not known,
+      and silently taking the whole world would run SP across the DP ranks of a DP x SP job.
+      Every rank raises the same error (it reads only the world size and the manager).
     """
     if group is not None:
         return group
     if _DEFAULT is not None:
         return _DEFAULT.sp_group
-    if dist.is_available() and dist.is_initialized():
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    if world == 1:
         return dist.group.WORLD
-    return None
+    raise ValueError(
+        f"group=None needs a process-group manager on a world of {world} ranks: call "
+        "seqpar.init_process_groups(sp_size=...) on every rank first (its SP group is then the default), "
+        "or pass group= explicitly (group=torch.distributed.group.WORLD to run sequence parallelism over "
+        "the whole world on purpose)"
+    )
 
 
 def single_process_env() -> bool:

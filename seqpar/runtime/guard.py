@@ -25,8 +25,9 @@ def check_finite(tensors: dict[str, Tensor], group: dist.ProcessGroup | None, wh
 
     Args:
         tensors: name -> tensor on this rank (any shape, e.g. ``(batch, heads, seq_local, head_dim)``).
-        group: the ranks that must decide together (the SP group); ``None`` = the world, or this process
-            alone when torch.distributed is not initialised.
+        group: the ranks that must decide together (the SP group); ``None`` = the default manager's SP
+            group (without one on a world > 1: an error), or this process alone when torch.distributed
+            is not initialised.
         where: the layer and the point, e.g. ``"layer model.layers.0.self_attn, inputs"``.
     """
     names = list(tensors)
@@ -37,7 +38,7 @@ def check_finite(tensors: dict[str, Tensor], group: dist.ProcessGroup | None, wh
         return
     from seqpar.runtime.groups import resolve_group
 
-    group = resolve_group(group)  # None: the default manager's SP group, else the world
+    group = resolve_group(group)  # None: the default manager's SP group (without one on a world > 1: an error)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     # one row per rank, one column per tensor: every rank learns who saw what
     seen = torch.zeros(size, max(len(names), 1), dtype=torch.int32)

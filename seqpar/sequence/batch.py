@@ -66,8 +66,8 @@ _LABEL_KEYS = ("labels", "shift_labels")
 def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """This rank's position in the SP group and the group's size; ``(0, 1)`` without a group.
 
-    ``group=None`` means the default manager's SP group, else the world (see
-    :func:`seqpar.runtime.groups.resolve_group`).
+    ``group=None`` means the default manager's SP group; without one on a world > 1 it is an error
+    (see :func:`seqpar.runtime.groups.resolve_group`).
     """
     group = resolve_group(group)
     if group is None:
@@ -170,7 +170,8 @@ def shard_batch(
 
     Args:
         batch: the full batch, identical on every rank of the SP group.
-        group: the SP group (default: the default manager's SP group, else the world).
+        group: the SP group (default: the default manager's SP group; without one on a world > 1: an
+            error, see :func:`seqpar.runtime.groups.resolve_group`).
         sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (packed batches: the layout
             comes from their boundaries), as configured for attention. Default: the run's declared
             sharding, else ``"contiguous"`` (:func:`seqpar.sequence.sharding.resolve_sharding`).
@@ -322,8 +323,9 @@ class ShardedDataLoader:
         dataloader: a map-style ``DataLoader`` yielding dict batches. A loader that already has a
             ``DistributedSampler`` is kept as it is, provided that sampler is over the DP axis.
         manager: the ``ProcessGroupManager`` (default: ``seqpar.runtime.groups.default_manager()``; without
-            one, every rank is one SP group and there is no data parallelism).
-        group: SP group override (default: the manager's SP group).
+            one, the SP group is ``group`` and there is no data parallelism).
+        group: SP group override (default: the manager's SP group; with neither on a world > 1: an
+            error at construction, see :func:`seqpar.runtime.groups.resolve_group`).
         sharding, causal_lm, ignore_index, pad_token_id: as for :func:`shard_batch` (``sharding``
             defaults to the manager's declared sharding).
         seed: shuffling seed, the same on every rank.
@@ -350,6 +352,8 @@ class ShardedDataLoader:
             group = group if group is not None else manager.get_sequence_parallel_group()
         else:
             dp_rank, dp_size = 0, 1
+            if group is None:
+                resolve_group(None)  # no manager on a world > 1: the error now, not at the first batch
         self.group = group
         # resolved here, against the manager's declaration: a contradiction fails before the first batch
         self.sharding = resolve_sharding(sharding, manager=manager, where="ShardedDataLoader")

@@ -122,7 +122,8 @@ def sequence_parallel_loss(
         labels_local: ``(batch, seq_local)`` targets aligned with the logits, i.e. labels shifted
             for causal LM **before** sharding: the ``shift_labels`` of :func:`seqpar.sequence.batch.shard_batch`.
             For labels sharded unshifted, use :func:`sequence_parallel_causal_lm_loss`.
-        group: the SP group (default: the default manager's SP group, else the world).
+        group: the SP group (default: the default manager's SP group; without one on a world > 1: an
+            error, see :func:`seqpar.runtime.groups.resolve_group`).
         ignore_index: targets that do not count.
         reduction: ``"mean"`` (token-weighted over the whole sequence and batch, as single-device
             ``cross_entropy`` would give; 0 when no token is valid), ``"sum"`` (the global sum),

@@ -230,7 +230,8 @@ def shard_sequence(
     Args:
         x: any tensor whose ``dim`` is the sequence, e.g. ``(batch, seq, hidden)`` with ``dim=1``.
         dim: the sequence dimension (negative allowed).
-        group: the SP group (default: the default manager's SP group, else the world).
+        group: the SP group (default: the default manager's SP group; without one on a world > 1: an
+            error, see :func:`seqpar.runtime.groups.resolve_group`).
         sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; default: the run's declared sharding,
             else ``"contiguous"`` (:func:`resolve_sharding`).
         cu_seqlens: with ``"balanced"``, the global document boundaries the layout balances (the
@@ -290,7 +291,8 @@ def gather_sequence(
     Args:
         x: this rank's shard, ``dim`` of length ``seq / P`` (the same shape on every rank).
         dim: the sequence dimension (negative allowed).
-        group: the SP group (default: the default manager's SP group, else the world).
+        group: the SP group (default: the default manager's SP group; without one on a world > 1: an
+            error, see :func:`seqpar.runtime.groups.resolve_group`).
         sharding: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``, as the shard was cut; default: the
             run's declared sharding, else ``"contiguous"`` (:func:`resolve_sharding`).
         grad_reduction: ``"slice"`` (default) — the backward keeps this rank's part of the incoming

@@ -56,7 +56,7 @@ class SwapOptions:
     """
 
     group: dist.ProcessGroup | None = None
-    """The SP group (``None``: the default manager's SP group, else the world)."""
+    """The SP group (``None``: the default manager's SP group; without one on a world > 1: an error)."""
     mode: str = "ring"
     sharding: str = "contiguous"
     overlap: bool = True

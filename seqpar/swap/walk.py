@@ -129,7 +129,8 @@ def swap_attention(
             ``"mha"`` one route, a tuple of class names / fnmatch patterns (matched against the
             qualified module name, the class name and the dotted class path) limits the swap to
             those modules, ``"none"`` swaps nothing.
-        group: the SP group (default: the default manager's SP group, else the world).
+        group: the SP group (default: the default manager's SP group; without one on a world > 1: an
+            error, see :func:`seqpar.runtime.groups.resolve_group`).
 
     Returns:
         A :class:`SwapReport` of the swapped modules and their routes.
