@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from test_attention import shard_rows, unshard_rows
+from test_attention import shard_rows, sp_group, unshard_rows
 
 import seqpar
 from seqpar.attn.masks import MaskSpec, plan_pieces
@@ -108,7 +108,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[list[torch.Tenso
         balanced = case["sharding"] == "balanced"
 
         if balanced:
-            q, k, v, dout = (seqpar.shard_sequence(case[n], 2, sharding="balanced", cu_seqlens=cu).to(dtype)
+            q, k, v, dout = (seqpar.shard_sequence(case[n], 2, group=sp_group(), sharding="balanced", cu_seqlens=cu).to(dtype)
                              for n in ("q", "k", "v", "dout"))
         else:
             q, k, v, dout = (shard_rows(case[n], rank, world, case["sharding"]).to(dtype) for n in ("q", "k", "v", "dout"))
@@ -116,12 +116,12 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[list[torch.Tenso
         sinks = None if case["sinks"] is None else case["sinks"].float().requires_grad_()
         out = seqpar.attention(
             q, k, v, causal=case["causal"], mode=case["mode"], sharding=case["sharding"],
-            cu_seqlens=cu, window=case["window"], sinks=sinks,
+            cu_seqlens=cu, window=case["window"], sinks=sinks, group=sp_group(),
         )
         out.backward(dout)
         res = [out.detach(), q.grad, k.grad, v.grad]
         if balanced:
-            res = [seqpar.gather_sequence(t, 2, sharding="balanced", cu_seqlens=cu) for t in res]
+            res = [seqpar.gather_sequence(t, 2, group=sp_group(), sharding="balanced", cu_seqlens=cu) for t in res]
         results.append(res + ([sinks.grad] if sinks is not None else []))
     return results
 
@@ -178,7 +178,7 @@ def _bad_call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     q = torch.randn(batch, 4, 8, 16, requires_grad=True)
     k, v = torch.randn(batch, 2, 8, 16), torch.randn(batch, 2, 8, 16)
     seq = 8 * world
-    kwargs: dict = {"causal": True, "cu_seqlens": torch.tensor([0, 5, seq])}
+    kwargs: dict = {"causal": True, "cu_seqlens": torch.tensor([0, 5, seq]), "group": torch.distributed.group.WORLD}
     if case == "not_from_zero":
         kwargs["cu_seqlens"] = torch.tensor([1, 5, seq])
     if case == "not_increasing":

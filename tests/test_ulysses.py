@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from test_attention import make_case, reference, unshard_rows
+from test_attention import make_case, reference, sp_group, unshard_rows
 from test_attention import run_cases as _run_cases
 
 import seqpar
@@ -100,7 +100,7 @@ def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks
     try:
         mode = "ulysses" if ulysses_size is None else "hybrid"
         out = seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, head_chunks=head_chunks,
-                               check_inputs=False)
+                               check_inputs=False, group=sp_group())
         fwd = dict(a2a=list(calls["a2a"]), p2p=calls["p2p"], other=calls["other"])
         calls["a2a"].clear()
         calls["p2p"] = 0
@@ -160,14 +160,15 @@ def _bad_calls(rank: int, world: int) -> list[str]:
     q = torch.randn(1, 4, 4, 8)
     kv = torch.randn(1, 4, 4, 8)
     with pytest.raises(ValueError) as e:  # 4 query heads over 3 ranks
-        seqpar.attention(q, kv, kv, mode="ulysses")
+        seqpar.attention(q, kv, kv, mode="ulysses", group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # shapes differ across ranks
         seqpar.attention(torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8),
-                         mode="ulysses")
+                         mode="ulysses", group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # K/V heads neither a multiple nor a divisor of 3
-        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses")
+        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses",
+                         group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # hybrid needs the manager's axes
         seqpar.attention(torch.randn(1, 6, 4, 8), kv, kv, mode="hybrid", group=dist.group.WORLD)
@@ -176,7 +177,8 @@ def _bad_calls(rank: int, world: int) -> list[str]:
         seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mode="hybrid")
     messages.append(str(e.value))
     # still in step: a good call completes
-    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses")
+    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses",
+                           group=dist.group.WORLD)
     assert out.shape == (1, 6, 4, 8)
     return messages
 
