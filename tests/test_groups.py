@@ -196,7 +196,9 @@ def _resolve_rules(rank: int, world_size: int) -> None:
     from seqpar.runtime.groups import default_manager, init_process_groups, resolve_group
 
     assert default_manager() is None  # the harness resets it between tasks
-    assert resolve_group() is dist.group.WORLD  # no manager: the world
+    with pytest.raises(ValueError, match="init_process_groups"):  # no manager on 2 ranks: an error (issue 18)
+        resolve_group()
+    assert resolve_group(dist.group.WORLD) is dist.group.WORLD  # the whole world, on purpose
     m = init_process_groups(1)
     assert resolve_group() is m.sp_group  # the default manager's SP group
     assert resolve_group(m.dp_group) is m.dp_group  # an explicit group wins
@@ -204,6 +206,54 @@ def _resolve_rules(rank: int, world_size: int) -> None:
 
 def test_resolve_group_rules(dist_pool) -> None:
     dist_pool.run(2, _resolve_rules)
+
+
+def _group_none_without_a_manager(rank: int, world_size: int) -> dict:
+    """The public entries with group=None and no manager on a world > 1: each raises (never runs SP over
+    the whole world silently); with group=WORLD each runs."""
+    import seqpar
+    from seqpar.runtime.groups import default_manager
+
+    assert default_manager() is None  # the harness resets it between tasks
+    q = torch.randn(1, 2, 4, 8)
+    full = torch.arange(2 * 4 * world_size, dtype=torch.float32).view(2, 4 * world_size)  # (batch, seq)
+    batch = {"input_ids": torch.arange(4 * world_size).view(1, -1)}
+    calls = {
+        "attention": lambda **g: seqpar.attention(q, q, q, causal=True, **g),
+        "shard_sequence": lambda **g: seqpar.shard_sequence(full, 1, **g),
+        "shard_batch": lambda **g: seqpar.shard_batch(batch, **g),
+    }
+    out: dict = {}
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as info:
+            call()
+        out[name] = str(info.value)
+        result = call(group=dist.group.WORLD)
+        out[name + "_world"] = tuple((result["input_ids"] if name == "shard_batch" else result).shape)
+    return out
+
+
+def test_group_none_without_a_manager_is_an_error(dist_pool) -> None:
+    """Issue 18: forgetting init_process_groups under DP x SP must not silently run SP over the world."""
+    per_rank = dist_pool.run(2, _group_none_without_a_manager, timeout=60)
+    for rank, out in enumerate(per_rank):
+        for name in ("attention", "shard_sequence", "shard_batch"):
+            assert "init_process_groups" in out[name], f"rank {rank} {name}: {out[name]}"
+            assert "group=" in out[name] and "2 ranks" in out[name], f"rank {rank} {name}: {out[name]}"
+        assert out["attention_world"] == (1, 2, 4, 8)
+        assert out["shard_sequence_world"] == (2, 4)
+        assert out["shard_batch_world"] == (1, 4)
+
+
+def test_group_none_single_process_still_runs() -> None:
+    """No torch.distributed at all: group=None is a single process, as before."""
+    import seqpar
+
+    if dist.is_initialized():
+        pytest.skip("this test process already joined a process group")
+    q = torch.randn(1, 2, 4, 8)
+    out = seqpar.attention(q, q, q, causal=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
 
 
 def test_resolve_group_single_process() -> None:
