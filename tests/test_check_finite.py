@@ -20,7 +20,8 @@ def _qkv(rank: int) -> tuple[torch.Tensor, ...]:
 
 
 def _poisoned_call(rank: int, world: int, bad_rank: int, where: str) -> str:
-    options = SwapOptions.from_config(SeqParConfig(size=world, mode="ring", check_finite=True), group=None)
+    options = SwapOptions.from_config(SeqParConfig(size=world, mode="ring", check_finite=True),
+                                      group=torch.distributed.group.WORLD)
     q, k, v = _qkv(rank)
     if rank == bad_rank and where == "input":
         k[0, 1, 3, 5] = float("nan")
@@ -48,9 +49,10 @@ def _clean_call(rank: int, world: int) -> float:
     from seqpar.attn import attention
 
     q, k, v = _qkv(rank)
-    on = SwapOptions.from_config(SeqParConfig(size=world, mode="ring", check_finite=True), group=None)
+    on = SwapOptions.from_config(SeqParConfig(size=world, mode="ring", check_finite=True),
+                                 group=torch.distributed.group.WORLD)
     got = on.attention(q, k, v, causal=True, scale=None, layer=LAYER)
-    ref = attention(q, k, v, causal=True, mode="ring")
+    ref = attention(q, k, v, causal=True, mode="ring", group=torch.distributed.group.WORLD)
     return float((got - ref).abs().max())
 
 

@@ -42,7 +42,7 @@ def run_cases(rank: int, world: int, cases: list[dict], dtype: torch.dtype) -> l
     for case in cases:
         q, k, v, dout = (_shard(case[n], rank).to(dtype) for n in ("q", "k", "v", "dout"))
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = dilated_attention(q, k, v, **case["kwargs"])
+        out = dilated_attention(q, k, v, **case["kwargs"], group=torch.distributed.group.WORLD)
         out.backward(dout)
         assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype, "dtype not kept"
         results.append([out.detach(), q.grad, k.grad, v.grad])
@@ -98,7 +98,7 @@ def sent_bytes(rank: int, world: int, mode: str, causal: bool, patterns: tuple,
     ws, rs = patterns
     with counting(world) as sent:
         out = dilated_attention(q, k, v, segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode,
-                                check_inputs=check_inputs)
+                                check_inputs=check_inputs, group=torch.distributed.group.WORLD)
         fwd = sent.snapshot()
         out.sum().backward()
     return {"fwd": fwd.p2p_bytes, "bwd": sent.p2p_bytes - fwd.p2p_bytes, "collectives": sent.collectives}
@@ -154,7 +154,7 @@ def test_collective_counter_sees_the_cross_rank_check(dist_pool) -> None:
 def call_straddling(rank: int, world: int) -> str:
     x = torch.randn(1, 2, SEQ_LOCAL, 8)
     try:
-        dilated_attention(x, x, x, segment_lengths=[12], dilation_rates=[1])
+        dilated_attention(x, x, x, segment_lengths=[12], dilation_rates=[1], group=torch.distributed.group.WORLD)
     except ValueError as e:
         return str(e)
     return "no error"

@@ -130,11 +130,11 @@ def _step(model: nn.Module, batch: dict) -> None:
 
 def _counts_per_step(rank: int, world_size: int, kind: str, mode: str) -> dict:
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
-    batch = shard_batch({"input_ids": ids}, sharding="zigzag")
+    batch = shard_batch({"input_ids": ids}, group=dist.group.WORLD, sharding="zigzag")
     result = {}
     for layers in (1, 3):
         model = build(kind, layers)
-        swap_attention(model, {"size": world_size, "sharding": "zigzag", "mode": mode})
+        swap_attention(model, {"size": world_size, "sharding": "zigzag", "mode": mode}, group=dist.group.WORLD)
         _step(model, batch)  # warm-up: first-call work (caches, lazy imports) is not steady state
         with counting() as counts:
             _step(model, batch)
@@ -144,7 +144,8 @@ def _counts_per_step(rank: int, world_size: int, kind: str, mode: str) -> dict:
     q, k, v = (torch.randn(2, n, SEQ // world_size, HIDDEN // 4, requires_grad=True)
                for n in (4, kv_heads, kv_heads))
     def bare(q, k, v):
-        return seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, check_inputs=False)
+        return seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, check_inputs=False,
+                                group=dist.group.WORLD)
 
     with counting() as counts:
         if kind == "nano_ckpt":  # the recompute repeats the forward's exchange
@@ -157,7 +158,7 @@ def _counts_per_step(rank: int, world_size: int, kind: str, mode: str) -> dict:
         bare(q, k, v).sum().backward()
     result["bare"] = dict(counts)
     with counting() as counts:
-        seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode).sum().backward()
+        seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, group=dist.group.WORLD).sum().backward()
     result["checked"] = dict(counts)
     return result
 
