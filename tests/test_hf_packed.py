@@ -72,8 +72,8 @@ def _packed_parity(rank: int, world: int, sharding: str, flash_kwargs: bool) -> 
     docs = documents()
     ref_loss, ref_grads = per_document_reference(tiny_llama, docs)
     model = tiny_llama(torch.float32)
-    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding))
-    local = shard_batch(packed_batch(docs, flash_kwargs), sharding=sharding)
+    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=torch.distributed.group.WORLD)
+    local = shard_batch(packed_batch(docs, flash_kwargs), group=torch.distributed.group.WORLD, sharding=sharding)
     assert local["cu_seq_lens_q"].tolist()[:-1] == [0, 7, 8, 31, 34, 45][: len(local["cu_seq_lens_q"]) - 1]
     out = model(**local)
     out.loss.backward()
@@ -113,7 +113,7 @@ def test_shard_batch_boundaries_and_padding_segment():
 
 def _padding_segment(rank: int, world: int) -> tuple[list[int], list[int]]:
     batch = {"input_ids": torch.arange(5)[None], "position_ids": torch.tensor([[0, 1, 2, 0, 1]])}
-    out = shard_batch(batch, sharding="zigzag")  # 5 tokens -> padded to 8 for zigzag over 2
+    out = shard_batch(batch, group=torch.distributed.group.WORLD, sharding="zigzag")  # 5 tokens -> padded to 8 for zigzag over 2
     return out["cu_seq_lens_q"].tolist(), out["position_ids"][0].tolist()
 
 

@@ -61,8 +61,8 @@ def _window_parity(rank: int, world: int, kind: str, sharding: str, seq_len: int
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
     model = build(kind, torch.float32)
-    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding))
-    local = shard_batch({"input_ids": ids, "labels": ids}, sharding=sharding)
+    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=torch.distributed.group.WORLD)
+    local = shard_batch({"input_ids": ids, "labels": ids}, group=torch.distributed.group.WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
     assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss)

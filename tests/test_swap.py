@@ -160,7 +160,7 @@ def _parity(rank: int, world_size: int, kind: str, sharding: str, mode: str, seq
     torch.manual_seed(0)
     model = build_model(kind)
     ref = copy.deepcopy(model)
-    report = swap_attention(model, SeqParConfig(size=world_size, mode=mode, sharding=sharding))
+    report = swap_attention(model, SeqParConfig(size=world_size, mode=mode, sharding=sharding), group=dist.group.WORLD)
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, seq_len), generator=g)
@@ -169,7 +169,7 @@ def _parity(rank: int, world_size: int, kind: str, sharding: str, mode: str, seq
     logits_ref = run_model(kind, ref, ids, None)
     (logits_ref * weight).sum().backward()
 
-    local = shard_batch({"input_ids": ids, "weight": weight}, sharding=sharding)
+    local = shard_batch({"input_ids": ids, "weight": weight}, group=dist.group.WORLD, sharding=sharding)
     logits = run_model(kind, model, local["input_ids"], local["position_ids"])
     (logits * local["weight"]).sum().backward()
 
@@ -216,13 +216,13 @@ def _hf_checkpointed(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = build_model("llama")
     ref = copy.deepcopy(model)
-    swap_attention(model, {"size": world_size, "sharding": "zigzag"})
+    swap_attention(model, {"size": world_size, "sharding": "zigzag"}, group=dist.group.WORLD)
     enable_checkpointing(model)
     model.train()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (1, 16), generator=g)
     ref(input_ids=ids).logits.square().mean().backward()
-    local = shard_batch({"input_ids": ids}, sharding="zigzag")
+    local = shard_batch({"input_ids": ids}, group=dist.group.WORLD, sharding="zigzag")
     calls = []
     original = SwapOptions.attention
 
@@ -252,8 +252,8 @@ def test_hf_gradient_checkpointing(dist_pool):
 def _partial_swap_refused_on_shards(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = build_model("llama")
-    swap_attention(model, {"size": world_size, "swap": ["model.layers.1.*"]})
-    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))})
+    swap_attention(model, {"size": world_size, "swap": ["model.layers.1.*"]}, group=dist.group.WORLD)
+    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))}, group=dist.group.WORLD)
     with pytest.raises(ValueError, match="left out by sequence_parallel.swap"):
         model(**local)
 
@@ -442,19 +442,19 @@ def _batch_check_errors(rank: int, world_size: int) -> dict[str, str]:
 
     torch.manual_seed(0)
     nano = build_model("nanogpt")
-    swap_attention(nano, SeqParConfig(size=world_size))
+    swap_attention(nano, SeqParConfig(size=world_size), group=dist.group.WORLD)
     seq_local = 4 if rank == 0 else 6  # rank 1 holds a longer shard
     ids = torch.randint(0, VOCAB, (2, seq_local))
     messages["shapes"] = error(lambda: nano(ids, torch.arange(seq_local).expand(2, -1)))
 
     other = build_model("nanogpt")
-    swap_attention(other, SeqParConfig(size=world_size, mode="ring" if rank == 0 else "allgather"))
+    swap_attention(other, SeqParConfig(size=world_size, mode="ring" if rank == 0 else "allgather"), group=dist.group.WORLD)
     ids = torch.randint(0, VOCAB, (2, 4))
     messages["options"] = error(lambda: other(ids, torch.arange(4).expand(2, -1)))
 
     llama = build_model("llama")
-    swap_attention(llama, SeqParConfig(size=world_size))
-    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))})
+    swap_attention(llama, SeqParConfig(size=world_size), group=dist.group.WORLD)
+    local = shard_batch({"input_ids": torch.randint(0, VOCAB, (1, 8))}, group=dist.group.WORLD)
     if rank == 1:
         local["position_ids"] = local["position_ids"] - 4  # numbered from 0: refused on rank 1 only
     messages["refused"] = error(lambda: llama(**local))

@@ -60,6 +60,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import Tensor, nn
 from transformers import masking_utils
@@ -536,7 +537,10 @@ def seqpar_attention_forward(
     if options is None:
         # A layer the swap config left out (name patterns): transformers' own SDPA path, which is
         # only right while the sequence is not sharded.
-        _, world_size = sp_rank_and_size(None)
+        try:
+            _, world_size = sp_rank_and_size(None)
+        except ValueError:  # no manager on a world > 1: the SP group is unknown, so the world may be shards
+            world_size = dist.get_world_size()  # (a refusal either way; this one names the left-out layer)
         if world_size > 1:
             raise ValueError(
                 f"seqpar: attention layer {type(module).__name__} (layer_idx "
