@@ -257,12 +257,15 @@ def test_the_cycle_check_sees_a_package_init(tmp_path):
     """Importing a package runs its __init__: ``from seqpar.probe import X`` is an edge to the package's
     ``__init__``, which here imports the importer back. A module importing its own parent is no edge."""
     (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / "__init__.py").write_text("from seqpar.other import helper\nX = 1\n")
-    (tmp_path / "probe" / "inner.py").write_text("from seqpar.probe import X\n")  # its parent: not an edge
+    (tmp_path / "probe" / "__init__.py").write_text("from seqpar.other import helper\nX = 1\nfrom .inner import Y\n")
+    (tmp_path / "probe" / "inner.py").write_text("from seqpar.probe import X\nY = X\n")  # its parent: not an edge
     (tmp_path / "other.py").write_text("def helper():\n    from seqpar.probe import X\n    return X\n")
     modules = {"seqpar.probe": tmp_path / "probe" / "__init__.py", "seqpar.probe.inner": tmp_path / "probe" / "inner.py",
                "seqpar.other": tmp_path / "other.py"}
-    assert find_cycles(import_graph(modules)) == [["seqpar.other", "seqpar.probe"]]
+    graph = import_graph(modules)
+    assert graph == {"seqpar.probe": {"seqpar.other", "seqpar.probe.inner"}, "seqpar.probe.inner": set(),
+                     "seqpar.other": {"seqpar.probe"}}, graph
+    assert find_cycles(graph) == [["seqpar.other", "seqpar.probe"]]
 
 
 def test_the_harness_check_sees_a_library_import(tmp_path):
