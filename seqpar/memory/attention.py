@@ -1,7 +1,7 @@
 """Peak memory per rank of one attention call, forward + backward: ``estimate_attention_memory(...)``.
 
 The estimate is the live set of tensors at the step's peak moment, read off the algorithms in
-:mod:`seqpar.attention` and checked against exact CPU tensor accounting (MemTracker) by
+:mod:`seqpar.attn` and checked against exact CPU tensor accounting (MemTracker) by
 ``python -m seqpar.bench memory`` and ``tests/test_bench.py`` (within 15%). Units, per rank, with
 ``L = seq_len / world_size`` local rows, ``e`` the input element size and ``a`` the accumulator's
 (4 bytes, 8 for float64)::
