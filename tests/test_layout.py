@@ -198,3 +198,19 @@ def test_a_call_is_resolved_once(dist_pool, route: str) -> None:
         assert counts.get("checks.resolve_head_chunks") == 2, counts
         assert counts.get("groups.ulysses_heads_ok") == 1, counts  # the head rule, inside head_split
         assert "choose.choose_mode" not in counts and "choose.rank_modes" not in counts, counts  # explicit mode
+
+
+def _layouts_differ(rank: int, world: int) -> str:
+    seqpar.init_process_groups(sp_size=world)
+    try:
+        q = torch.randn(1, 4, 4, 8)  # square: the shapes alone cannot show that the ranks read it two ways
+        with pytest.raises(ValueError) as e:
+            seqpar.attention(q, q, q, layout="bhsd" if rank == 0 else "bshd")
+        return str(e.value)
+    finally:
+        seqpar.destroy_process_groups()
+
+
+def test_ranks_passing_different_layouts_all_raise(dist_pool) -> None:
+    for message in dist_pool.run(2, _layouts_differ, timeout=120):
+        assert "different inputs or options" in message, message
