@@ -71,6 +71,7 @@ from seqpar.sequence.batch import (
     global_positions,
     sp_rank_and_size,
 )
+from seqpar.sequence.boundaries import boundary_tensor
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions
@@ -436,13 +437,14 @@ def _var_keyword(arguments: dict[str, Any], params: Any) -> dict[str, Any]:
 
 def _packed_boundaries(
     arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str
-) -> list[int] | None:
+) -> tuple[int, ...] | None:
     """The global document boundaries of a packed batch, put on the host once for all layers.
 
     From ``cu_seq_lens_q/k`` (as :func:`seqpar.sequence.batch.shard_batch` or DataCollatorWithFlattening
     give them); on one rank also from restarting ``position_ids`` (the shard is the whole sequence).
     The boundaries are written back as one host int32 tensor under both keys, which transformers
-    hands to every attention layer: the plan then reads host integers, no per-layer device sync.
+    hands to every attention layer; its host ints are known (:func:`seqpar.sequence.boundaries.
+    boundary_tensor`), so the batch's one device-to-host copy is the one made here, none per layer.
     """
     extra = _var_keyword(arguments, params)
     found = {k: extra[k] for k in PACKED_KEYS if k in extra}
@@ -458,13 +460,13 @@ def _packed_boundaries(
         raise ValueError(f"seqpar ({where}): {e}") from None
     if bounds is None:
         return None
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = boundary_tensor(bounds)  # its host ints known: no layer copies it again
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return bounds
 
 
-def _document_positions(global_pos: Tensor, bounds: list[int]) -> Tensor:
+def _document_positions(global_pos: Tensor, bounds: tuple[int, ...]) -> Tensor:
     # (1, S_local) global positions -> positions inside their document.
     edges = torch.tensor(bounds, device=global_pos.device, dtype=global_pos.dtype)
     doc = torch.searchsorted(edges, global_pos, right=True) - 1
