@@ -121,3 +121,10 @@ def test_hf_packed_one_conversion_per_batch_one_rank(layers):
 def test_hf_packed_one_conversion_per_batch_two_ranks(dist_pool, layers):
     for per_rank in dist_pool.run(2, _conversions_per_forward, layers):
         assert per_rank == [{"one_function": 1, "tolist": 1}] * 2
+
+
+def test_boundary_tensor_is_free_in_inference_mode():
+    with torch.inference_mode(), counting_conversions((0, 4, 5)) as counts:
+        made = boundary_tensor((0, 4, 5))
+        assert host_boundaries(made) == (0, 4, 5) and host_boundaries(made) == (0, 4, 5)
+    assert counts["one_function"] == 0

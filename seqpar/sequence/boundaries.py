@@ -64,7 +64,8 @@ def boundary_tensor(bounds: Sequence[int]) -> Tensor:
     """``bounds`` as a host int32 tensor (the dtype of transformers' ``cu_seq_lens_q``) whose
     :func:`host_boundaries` is known already: reading it back costs no copy."""
     ints = tuple(operator.index(b) for b in bounds)
-    cu = torch.tensor(ints, dtype=torch.int32)
+    with torch.inference_mode(False):  # a normal tensor keeps a version counter, so it can be cached
+        cu = torch.tensor(ints, dtype=torch.int32)
     _remember(cu, ints)
     return cu
 
