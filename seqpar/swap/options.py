@@ -13,7 +13,7 @@ from torch import Tensor
 from seqpar.config import PatternConfig, SeqParConfig
 from seqpar.runtime.verified import batch_verified
 from seqpar.sequence.sharding import resolve_sharding
-from seqpar.swap.sdpa import suspended
+from seqpar.swap.state import suspended
 
 __all__ = ["SwapError", "SwapOptions", "value_digest"]
 
