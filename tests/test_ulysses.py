@@ -160,24 +160,26 @@ def _bad_calls(rank: int, world: int) -> list[str]:
     q = torch.randn(1, 4, 4, 8)
     kv = torch.randn(1, 4, 4, 8)
     with pytest.raises(ValueError) as e:  # 4 query heads over 3 ranks
-        seqpar.attention(q, kv, kv, mode="ulysses", group=dist.group.WORLD)
+        seqpar.attention(q, kv, kv, mode="ulysses", layout="bhsd",
+                         group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # shapes differ across ranks
         seqpar.attention(torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8),
-                         mode="ulysses", group=dist.group.WORLD)
+                         mode="ulysses", layout="bhsd",
+                         group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # K/V heads neither a multiple nor a divisor of 3
-        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses",
+        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses", layout="bhsd",
                          group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # hybrid needs the manager's axes
-        seqpar.attention(torch.randn(1, 6, 4, 8), kv, kv, mode="hybrid", group=dist.group.WORLD)
+        seqpar.attention(torch.randn(1, 6, 4, 8), kv, kv, mode="hybrid", group=dist.group.WORLD, layout="bhsd")
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # ... and a manager
-        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mode="hybrid")
+        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mode="hybrid", layout="bhsd")
     messages.append(str(e.value))
     # still in step: a good call completes
-    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses",
+    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses", layout="bhsd",
                            group=dist.group.WORLD)
     assert out.shape == (1, 6, 4, 8)
     return messages

@@ -34,7 +34,7 @@ class AttentionOptions:
     """Static options of one distributed attention call (hashable: plans are cached on it).
 
     ``window`` and ``cu_seqlens`` (global document boundaries ``(0, ..., S)``) are validated at the
-    public entry, :func:`seqpar.attention.attention`."""
+    public entry, :func:`seqpar.attention`."""
 
     causal: bool
     scale: float

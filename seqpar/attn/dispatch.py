@@ -1,8 +1,9 @@
-"""Exact attention across the ranks of a sequence-parallel group.
+"""The public entry :func:`attention` (``seqpar.attention``): resolve a call once
+(:mod:`seqpar.attn.resolve`), then run the one algorithm the plan names.
 
-One module per algorithm (``ring``, ``allgather``, ``dilated``), their shared options and piece kernels in
-``common``, the kernel planning in ``plan`` (chunks) and ``masks`` (documents, windows), and the input
-checks in ``checks``; :func:`attention` is the public entry that picks one.
+One module per algorithm (``ring``, ``allgather``, ``ulysses``, ``hybrid``, ``dilated``), their shared
+options and piece kernels in ``common``, the kernel planning in ``plan`` (chunks) and ``masks``
+(documents, windows), the input checks in ``checks``.
 """
 
 from __future__ import annotations
@@ -12,25 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seqpar.attn.allgather import AllGatherAttention
-from seqpar.attn.checks import (
-    check_across_ranks,
-    check_local,
-    check_options,
-    resolve_head_chunks,
-)
-from seqpar.attn.common import AttentionOptions, SingleRank
+from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
-from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
+from seqpar.attn.resolve import AttentionPlan, from_bhsd, resolve_attention, to_bhsd
 from seqpar.attn.ring import RingAttention
 from seqpar.comm.ring import RingComm
-from seqpar.runtime.groups import default_manager, resolve_group
 
-__all__ = ["attention"]
-
-_HYBRID_NEEDS_MANAGER = (
-    "mode='hybrid' needs the Ulysses and ring groups of a process-group manager: call "
-    "seqpar.init_process_groups(sp_size=P, ulysses_size=u) on every rank first"
-)
+__all__ = ["attention", "run_attention"]
 
 
 def attention(
@@ -42,19 +31,22 @@ def attention(
     scale: float | None = None,
     mode: str = "ring",
     group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
+    sharding: str | None = None,
     overlap: bool = True,
     check_inputs: bool = True,
     head_chunks: int | str = "auto",
     cu_seqlens: Tensor | None = None,
     window: int | None = None,
     sinks: Tensor | None = None,
+    layout: str | None = None,
 ) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
 
     Args:
-        q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries.
-        k, v: ``(batch, kv_heads, seq_local, head_dim)``; q_heads a multiple of kv_heads (GQA/MQA).
+        q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries (with
+            ``layout="bshd"``: ``(batch, seq_local, q_heads, head_dim)``).
+        k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
+            q_heads a multiple of kv_heads (GQA/MQA).
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
@@ -62,18 +54,23 @@ def attention(
             ``"hybrid"`` (Ulysses over the manager's Ulysses groups, ring across them; see
             ``init_process_groups(ulysses_size=u)``) or ``"auto"`` (the cheapest allowed, see
             :mod:`seqpar.attn.choose`).
-        group: the SP process group; ``None`` = the default manager's SP group, or a single
-            process when torch.distributed is not initialised (or has one rank); without a manager on a
-            world > 1 it is an error: call ``seqpar.init_process_groups(...)`` first, or pass
-            ``group=torch.distributed.group.WORLD`` to use the whole world on purpose.
+        group: the SP process group; ``None`` = the default manager's SP group, or a single process
+            when torch.distributed is not initialised (on a world of more than one rank without a
+            manager, ``None`` is an error: call ``seqpar.init_process_groups`` or pass the group).
             Not allowed with ``mode="hybrid"``, which needs the manager's two axes (the default
             manager's own SP group is accepted: it is the same as ``None``).
-        sharding: how the sequence was cut, ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
+        sharding: how the sequence was cut (``None``: the run's declared sharding, see
+            ``init_process_groups(sharding=)``, else ``"contiguous"``; an explicit value that
+            contradicts the declared one raises), ``"contiguous"``, ``"zigzag"`` or ``"balanced"`` (per-batch
             layout from ``cu_seqlens``; cut with ``shard_sequence(..., cu_seqlens=)``; see seqpar.sequence.sharding).
         overlap: overlap ring transfers with block compute.
         check_inputs: all-gather a digest of the call first to check every rank passes the same
-            shapes and options (turns a would-be hang into an error on every rank). It costs a
-            host sync per call; a swapped model checks once per batch instead and passes False.
+            shapes and options (turns a would-be hang into an error on every rank), and refuse an
+            ambiguous layout (see ``layout``). Its cost: one small all-gather (a few int64) and one
+            host read per call. A swapped model checks once per batch instead. Once a training loop
+            is known good, pass ``check_inputs=False`` (or ``"check_inputs": false`` in the config)
+            to drop it; verdicts are never cached per rank (a cache that differed across ranks
+            could hang).
         head_chunks: run the algorithm this many times, each on ``kv_heads / head_chunks`` K/V heads
             and their query heads: the transient buffers (travelling K/V and dK/dV, gathered K/V,
             kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
@@ -89,89 +86,45 @@ def attention(
             softmax denominator of head h; the sinks get their gradient (this rank's rows' share;
             Ulysses/hybrid: the full gradient of this rank's heads, 0 for the others; summed over
             ranks like any replicated weight). ``balanced`` is refused in ``hybrid`` (1 < u < P).
+        layout: ``"bhsd"`` (default) or ``"bshd"`` (flash-attn's ``(batch, seq_local, heads, head_dim)``,
+            taken as a transposed view: no copy on the way in or out). Shapes and strides cannot tell
+            them apart, so with ``check_inputs`` a call whose ``q.size(1) > q.size(2)`` and no explicit
+            ``layout=`` raises, naming both readings.
     Returns:
-        ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
+        ``(batch, q_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, q_heads, head_dim)``) in
+        q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
-    check_options(mode, sharding)
-    manager = default_manager()
-    if manager is not None and group is manager.sp_group:
-        group = None  # the manager's own SP group (what the integrations pass): its two axes are known
-    if mode == "hybrid" and group is not None:
-        raise ValueError(
-            "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
-            "call seqpar.init_process_groups(sp_size=P, ulysses_size=u) first (or use mode='ulysses' / 'ring' with group=)"
-        )
-    explicit_group = group is not None
-    if mode == "hybrid" and manager is None and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
-        raise ValueError(_HYBRID_NEEDS_MANAGER)  # resolve_group would raise too, less specifically
-    group = resolve_group(group)
-    world = 1 if group is None else dist.get_world_size(group)
-    bounds, bad_bounds = None, None
-    try:
-        bounds = host_boundaries(cu_seqlens)  # the call's one device-to-host copy, when documents are given
-    except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
-        bad_bounds = e
-    if check_inputs and world > 1:
-        extra = mask_digest(bounds, window, sinks)
-        check_across_ranks(
-            q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
-            extra=[-2, *extra[1:]] if bad_bounds is not None else extra,
-        )
-    if bad_bounds is not None:
-        raise bad_bounds
-    check_local(q, k, v, world_size=world, sharding=sharding)
-    check_mask_inputs(bounds, window, sinks, q=q, seq_len=q.shape[2] * world, world=world, sharding=sharding)
-    chunks = resolve_head_chunks(head_chunks, k.shape[1])
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    masked = bounds is not None or window is not None or sinks is not None
-    if world == 1 and not masked:
-        # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
-    opts = AttentionOptions(
-        causal=causal, scale=float(scale), sharding=sharding, overlap=overlap, head_chunks=chunks,
-        window=window, cu_seqlens=bounds,
+    plan = resolve_attention(
+        q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
+        check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
+        layout=layout,
     )
-    if world == 1:  # documents, windows or sinks on one rank: the planner, no exchange
-        return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
-    if explicit_group:
-        manager = None
-    if mode == "auto":
-        from seqpar.attn.choose import choose_mode
+    return run_attention(plan, q, k, v, sinks)
 
-        mode = choose_mode(
-            q, k, world=world, manager=manager, causal=causal, group=group, head_chunks=chunks,
-            features=_mask_features(bounds, window, sinks, sharding),
+
+def run_attention(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
+    """Run a resolved call (:func:`seqpar.attn.resolve.resolve_attention`) on q, k, v in the plan's
+    layout; returns the output in that layout. No check or choice is made again here."""
+    qb, kb, vb = (to_bhsd(t, plan.layout) for t in (q, k, v))
+    return from_bhsd(_run_bhsd(plan, qb, kb, vb, sinks), plan.layout)
+
+
+def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:
+    opts = plan.opts
+    if plan.algorithm == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=q.shape[1] != k.shape[1]
         )
-    if mode == "hybrid":
-        if manager is None:
-            raise ValueError(_HYBRID_NEEDS_MANAGER)
-        if manager.ulysses_size == manager.sp_size:
-            mode = "ulysses"  # u = P: no ring axis
-        elif manager.ulysses_size > 1:
-            if sharding == "balanced":
-                raise ValueError(
-                    "mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no balanced "
-                    "layout across the ring): use sharding='zigzag' or 'contiguous', or mode='ulysses' / 'ring' / "
-                    "'allgather' (or mode='auto', which only picks modes that support the call's features)"
-                )
-            return hybrid_attention(q, k, v, manager, opts, head_chunks, sinks)
-        else:
-            mode = "ring"  # u = 1: the ring
-    if mode == "ulysses":
-        return ulysses_attention(q, k, v, group, opts, head_chunks, sinks)
-    if mode == "ring":
-        return RingAttention.apply(q, k, v, RingComm(group), opts, sinks)
-    return AllGatherAttention.apply(q, k, v, group, opts, sinks)
-
-
-def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
-    """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode."""
-    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
-            "balanced": sharding == "balanced"}
-    return {name for name, on in used.items() if on}
+    if plan.algorithm == "single":  # documents, windows or sinks on one rank: the planner, no exchange
+        return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
+    if plan.algorithm == "hybrid":
+        assert plan.manager is not None and plan.ulysses is not None
+        return hybrid_attention(q, k, v, plan.manager, plan.ulysses, sinks)
+    if plan.algorithm == "ulysses":
+        assert plan.ulysses is not None
+        return ulysses_attention(q, k, v, plan.group, plan.ulysses, sinks)
+    if plan.algorithm == "ring":
+        return RingAttention.apply(q, k, v, RingComm(plan.group), opts, sinks)
+    return AllGatherAttention.apply(q, k, v, plan.group, opts, sinks)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attn.checks import resolve_head_chunks
-from seqpar.attn.ring import AttentionOptions
-from seqpar.attn.ulysses import UlyssesAttention, UlyssesPlan, head_split
+from seqpar.attn.ulysses import UlyssesAttention, UlyssesPlan
 from seqpar.comm.ring import RingComm
 from seqpar.runtime.groups import ProcessGroupManager
 
@@ -34,33 +32,20 @@ __all__ = ["hybrid_attention", "ulysses_attention"]
 
 
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, head_chunks: int | str,
-    sinks: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, plan: UlyssesPlan, sinks: Tensor | None = None,
 ) -> Tensor:
-    """Ulysses over the whole of ``group`` (``u = P``). Layouts as :func:`seqpar.attention.attention`;
-    documents, windows, sinks and every sharding (``balanced`` included) as there."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    split = head_split(q.shape[1], k.shape[1], world, sp_size=world, mode="ulysses")
-    plan = UlyssesPlan.make(
-        opts, split, rank=rank, first=0, sp_size=world, head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank),
-        seq_local=q.shape[2],
-    )
+    """Ulysses over the whole of ``group`` (``u = P``): q ``(batch, q_heads, seq_local, head_dim)``, k/v
+    ``(batch, kv_heads, seq_local, head_dim)`` -> like q. ``plan``: the call's head split and chunk
+    order (:mod:`seqpar.attn.resolve`). Documents, windows, sinks and every sharding, ``balanced`` included."""
     return UlyssesAttention.apply(q, k, v, group, None, plan, sinks)
 
 
 def hybrid_attention(
-    q: Tensor, k: Tensor, v: Tensor, manager: ProcessGroupManager, opts: AttentionOptions, head_chunks: int | str,
-    sinks: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, manager: ProcessGroupManager, plan: UlyssesPlan, sinks: Tensor | None = None,
 ) -> Tensor:
-    """Ulysses over ``manager.ulysses_group`` and the ring across ``manager.ring_group``; needs
-    ``1 < manager.ulysses_size`` (``u = 1`` is the plain ring, which the caller runs itself).
-    Documents, windows and sinks as :func:`seqpar.attention.attention`; contiguous or zigzag only (the
-    caller refuses ``balanced``: its super-ranks' chunks are no ``P/u``-rank layout)."""
-    u, sp = manager.ulysses_size, manager.sp_size
-    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode="hybrid")
-    plan = UlyssesPlan.make(
-        opts, split, rank=manager.ulysses_rank, first=manager.ring_rank * u, sp_size=sp,
-        head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2],
-    )
+    """Ulysses over ``manager.ulysses_group`` and the ring across ``manager.ring_group`` (``1 < u < P``;
+    the resolver sends ``u = 1`` to the ring and ``u = P`` to Ulysses). Layouts as
+    :func:`ulysses_attention`; contiguous or zigzag only (the resolver refuses ``balanced``: its
+    super-ranks' chunks are no ``P/u``-rank layout)."""
     ring = RingComm(manager.ring_group) if manager.ring_size > 1 else None
     return UlyssesAttention.apply(q, k, v, manager.ulysses_group, ring, plan, sinks)

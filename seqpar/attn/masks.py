@@ -21,15 +21,14 @@ from __future__ import annotations
 import bisect
 import struct
 import sys
-import weakref
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from seqpar.attn.plan import BlockCall
+from seqpar.sequence.boundaries import host_boundaries  # re-exported: the one conversion
 from seqpar.sequence.sharding import num_chunks
 
 __all__ = [
@@ -181,50 +180,6 @@ def visible_pair_count(calls: Sequence[BlockCall]) -> int:
 
 
 # --------------------------------------------------------------------------- inputs of the public call
-_INT_DTYPES = (torch.int32, torch.int64)
-
-
-# id(tensor) -> (weak reference, version counter, host copy): every layer of a model passes the same
-# cu_seqlens tensor, which is then copied to the host once per batch, not once per layer. The weak
-# reference proves it is the same tensor (not a new one at a reused address), the version counter
-# that it was not written in place since.
-_HOST_COPIES: dict[int, tuple[weakref.ref, int, tuple[int, ...]]] = {}
-
-
-def host_boundaries(cu_seqlens: Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
-    """``cu_seqlens`` as host integers: one device-to-host copy per tensor (the plan's only one; the
-    same unmodified tensor again costs nothing), or none for a list/tuple. Raises TypeError for
-    anything but a 1-D int32/int64 tensor or a sequence of ints."""
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in _INT_DTYPES:
-            raise TypeError(
-                f"cu_seqlens must be a 1-D int32/int64 tensor of document boundaries, got shape "
-                f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
-            )
-        return _host_copy(cu_seqlens)
-    if isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens):
-        return tuple(cu_seqlens)
-    raise TypeError(f"cu_seqlens must be a 1-D int32/int64 tensor, got {type(cu_seqlens).__name__}")
-
-
-def _host_copy(t: Tensor) -> tuple[int, ...]:
-    try:
-        version = t._version
-    except RuntimeError:  # an inference-mode tensor keeps no version counter: copy every time
-        return tuple(int(x) for x in t.tolist())
-    hit = _HOST_COPIES.get(id(t))
-    if hit is not None and hit[0]() is t and hit[1] == version:
-        return hit[2]
-    bounds = tuple(int(x) for x in t.tolist())
-    if len(_HOST_COPIES) >= 64:  # drop the copies of tensors that are gone
-        for key in [key for key, (ref, _, _) in _HOST_COPIES.items() if ref() is None]:
-            del _HOST_COPIES[key]
-    _HOST_COPIES[id(t)] = (weakref.ref(t), version, bounds)
-    return bounds
-
-
 def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object) -> list[int]:
     """Four integers every rank must agree on (for the cross-rank check): the number of boundaries
     (-1: none), their CRC32, the window (0: none, -1: not an int) and the sinks' length (-1: none)."""

@@ -56,7 +56,7 @@ from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import block_backward, block_forward, lse_dtype, sink_grad
-from seqpar.runtime.groups import divisors
+from seqpar.runtime.groups import divisors, ulysses_heads_ok
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
@@ -91,7 +91,12 @@ class HeadSplit:
 
 
 def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) -> HeadSplit:
-    """Validate that ``u`` ranks can share the heads; raise ``ValueError`` naming the fix otherwise."""
+    """Validate that ``u`` ranks can share the heads (the rule is
+    :func:`seqpar.runtime.groups.ulysses_heads_ok`, the one the cost model uses too); raise
+    ``ValueError`` naming the fix otherwise."""
+    if ulysses_heads_ok(q_heads, kv_heads, u):
+        return HeadSplit(q_heads, kv_heads, u)
+    fits = [d for d in divisors(sp_size) if ulysses_heads_ok(q_heads, kv_heads, d)]
     if q_heads % u:
         smaller = [d for d in divisors(sp_size) if q_heads % d == 0 and d < u]
         raise ValueError(
@@ -99,14 +104,11 @@ def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) 
             f"multiple of {u}). Use mode='hybrid' with a smaller ulysses_size that divides the head count "
             f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'"
         )
-    if kv_heads % u and u % kv_heads:
-        fits = [d for d in divisors(sp_size) if q_heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
-        raise ValueError(
-            f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
-            f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "
-            f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'"
-        )
-    return HeadSplit(q_heads, kv_heads, u)
+    raise ValueError(
+        f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
+        f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "
+        f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'"
+    )
 
 
 def sequence_order(

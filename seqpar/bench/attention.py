@@ -13,7 +13,7 @@ Methods, all on the same total sequence S and the same per-rank inputs:
 Each case is timed with :func:`seqpar.bench.runner.time_step` (one thread per rank, warm-up, repeats,
 median of the slowest rank) and measured once more for peak tensor memory per rank (inputs, outputs
 and their gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA), with
-:func:`seqpar.memory.estimate_attention_memory`'s prediction beside it.
+:func:`seqpar.memory.attention.estimate_attention_memory`'s prediction beside it.
 
 ``--profile`` splits each method's step into phases by wrapping the functions the algorithms call
 (block kernels, LSE merges, communication launches and waits, collectives, the cross-rank input check,

@@ -29,6 +29,7 @@ from seqpar.attn.common import AttentionOptions, block_calls, block_hops
 from seqpar.attn.masks import visible_pair_count
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.comm.ring import ThreadRing
+from seqpar.sequence.boundaries import host_boundaries
 from seqpar.sequence.sharding import shard_index
 
 __all__ = ["main", "time_documents", "balance", "ring_bytes", "ring_bytes_theory"]
@@ -73,7 +74,7 @@ def time_documents(seq: int, heads: int, dim: int, repeats: int) -> list[dict]:
         dense = dense if dense is not None else s
         cu = kwargs.get("cu_seqlens")
         opts = AttentionOptions(causal=True, scale=1.0, window=kwargs.get("window"),
-                                cu_seqlens=None if cu is None else tuple(cu.tolist()))
+                                cu_seqlens=host_boundaries(cu))
         work = visible_pair_count(block_calls(opts, 1, 0, 0, seq)) / (seq * (seq + 1) // 2)
         rows.append({"variant": name, "seconds": round(s, 3), "vs_dense": round(s / dense, 3),
                      "work_vs_dense": round(work, 3)})

@@ -3,7 +3,7 @@
 For each P and S it measures one forward+backward of ``sdpa`` (P = 1), ``ring``, ``allgather``,
 ``seqpar_ulysses`` and the ``hybrid`` ((P/2) x 2, P >= 4) where the head counts allow them
 (inputs, outputs and gradients included; MemTracker on CPU, ``max_memory_allocated`` on CUDA) and
-prints :func:`seqpar.memory.estimate_attention_memory`'s prediction beside it. Then, for a per-rank budget, it
+prints :func:`seqpar.memory.attention.estimate_attention_memory`'s prediction beside it. Then, for a per-rank budget, it
 asks the estimator for the largest S each method fits and measures that S to confirm it fits.
 No timing here: the attention suite times, this one only counts bytes.
 """

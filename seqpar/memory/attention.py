@@ -1,7 +1,7 @@
 """Peak memory per rank of one attention call, forward + backward: ``estimate_attention_memory(...)``.
 
 The estimate is the live set of tensors at the step's peak moment, read off the algorithms in
-:mod:`seqpar.attention` and checked against exact CPU tensor accounting (MemTracker) by
+:mod:`seqpar.attn` and checked against exact CPU tensor accounting (MemTracker) by
 ``python -m seqpar.bench memory`` and ``tests/test_bench.py`` (within 15%). Units, per rank, with
 ``L = seq_len / world_size`` local rows, ``e`` the input element size and ``a`` the accumulator's
 (4 bytes, 8 for float64)::
@@ -47,6 +47,8 @@ kernels; on CUDA the kernels' workspaces (and GQA's expanded K/V in the flash ba
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -98,17 +100,58 @@ def estimate_attention_memory(
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, or bad sizes.
     """
-    if mode == "sdpa":
-        mode = "single"
-    if mode not in ESTIMATOR_MODES:
+    _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
+                 head_dim=head_dim)
+    dt = as_dtype(dtype)
+    mode, world, u, chunks = _effective_run(mode, seq_len=seq_len, world_size=world_size, causal=causal,
+                                            q_heads=q_heads, kv_heads=kv_heads, head_chunks=head_chunks,
+                                            ulysses_size=ulysses_size)
+    sizes = _tensor_sizes(dt, rows=batch * (seq_len // world), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    if mode == "single":
+        return _single_peak(sizes)
+    if mode in ("ulysses", "hybrid"):
+        return _ulysses_peak(sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.base, world=world, u=u,
+                             kv_heads=kv_heads, chunks=chunks, low=sizes.low)
+    if mode == "allgather":
+        return _allgather_peak(sizes, world=world, chunks=chunks)
+    return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch)
+
+
+class _Sizes(NamedTuple):
+    """The per-rank tensor sizes in bytes the peaks are sums of (see the module docstring): ``Q`` and ``K``
+    in the input dtype, ``Q32`` and ``K32`` in the accumulator's, the row log-sum-exp, and ``low`` when
+    the inputs are low precision (fp32 copies appear where the algorithms upcast)."""
+
+    Q: int
+    K: int
+    Q32: int
+    K32: int
+    lse: int
+    low: bool
+
+    @property
+    def base(self) -> int:
+        """Always live: q, out, dout, k, v and the saved lse."""
+        return 3 * self.Q + 2 * self.K + self.lse
+
+
+def _check_sizes(mode: str, **sizes: int) -> None:
+    if mode not in ESTIMATOR_MODES and mode != "sdpa":
         raise ValueError(f"mode={mode!r} is invalid: choose one of {list(ESTIMATOR_MODES)}")
-    for name, value in (("seq_len", seq_len), ("world_size", world_size), ("batch", batch),
-                        ("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+    for name, value in sizes.items():
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid: a positive integer is needed")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    dt = as_dtype(dtype)
+    if sizes["q_heads"] % sizes["kv_heads"]:
+        raise ValueError(f"q_heads={sizes['q_heads']} is not a multiple of kv_heads={sizes['kv_heads']}")
+
+
+def _effective_run(mode: str, *, seq_len: int, world_size: int, causal: bool, q_heads: int, kv_heads: int,
+                   head_chunks: int | str, ulysses_size: int | None) -> tuple[str, int, int | None, int]:
+    """The run the call really makes, ``(mode, world, ulysses degree u, head chunks)``: one rank runs plain
+    SDPA, a hybrid with u = 1 is the ring and with u = P is Ulysses; Ulysses chunks its local K/V heads.
+    Raises ValueError where the sequence or the heads do not split."""
+    if mode == "sdpa":
+        mode = "single"
     chunks = resolve_head_chunks(head_chunks, kv_heads)
     world = 1 if mode == "single" else world_size
     seq_chunks = 2 * world if (causal and world > 1) else world
@@ -130,50 +173,62 @@ def estimate_attention_memory(
         if not ulysses_heads_ok(q_heads, kv_heads, u):
             raise ValueError(f"{q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks")
         chunks = resolve_head_chunks(head_chunks, max(kv_heads // u, 1))
+    return mode, world, u, chunks
 
+
+def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, head_dim: int) -> _Sizes:
+    """The unit sizes over ``rows = batch * L`` local rows."""
     e = torch.tensor([], dtype=dt).element_size()
     a = 8 if dt == torch.float64 else 4
-    low = e != a  # low-precision inputs: fp32 copies appear where the algorithms upcast
-    rows = batch * (seq_len // world)
-    Q, K = rows * q_heads * head_dim * e, rows * kv_heads * head_dim * e
-    Q32, K32 = rows * q_heads * head_dim * a, rows * kv_heads * head_dim * a
-    lse = rows * q_heads * a
-    base = 3 * Q + 2 * K + lse  # q, out, dout, k, v, saved lse
+    return _Sizes(Q=rows * q_heads * head_dim * e, K=rows * kv_heads * head_dim * e,
+                  Q32=rows * q_heads * head_dim * a, K32=rows * kv_heads * head_dim * a,
+                  lse=rows * q_heads * a, low=e != a)
 
-    if mode == "single":
-        return int(base + (Q + 2 * K) + Q)  # + dq, dk, dv, one Q-sized kernel workspace
 
-    if mode in ("ulysses", "hybrid"):
-        return _ulysses_peak(Q, K, Q32, K32, lse, base, world=world, u=u, kv_heads=kv_heads, chunks=chunks, low=low)
+def _single_peak(sizes: _Sizes) -> int:
+    """One process, SDPA on the whole sequence: + dq, dk, dv and one Q-sized kernel workspace."""
+    Q, K = sizes.Q, sizes.K
+    return int(sizes.base + (Q + 2 * K) + Q)
 
-    # forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the K/V buffers, the block's
-    # output; low-precision outputs are upcast for the merge (two Q32 temporaries), plus lse temporaries
-    fwd_merge = 2 * Q + 2 * K + Q32 + Q + (2 * Q32 if low else 0) + 5 * lse
 
-    if mode == "allgather":
-        # one chunk's gathered K/V (all ranks), its fp32 dK/dV (all ranks) and kernel outputs
-        G = chunks
-        Kc, K32c, Qc = K / G, K32 / G, Q / G
-        gath, dkv, kern = 2 * world * Kc, 2 * world * K32c, Qc + 2 * Kc
-        grads = 2 * K  # dk, dv in the input dtype, made when chunk 0's scatter is done
-        nxt = gath + 2 * Kc  # the next chunk's gather in flight: receive + packed send buffer
-        prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
-        acc_b = base + Q32  # + the fp32 dq accumulator
-        peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
-                 + (2 * Q32 / G if low else 0) + 4 * lse / G]  # forward
-        for c in range(G):
-            done = grads if c >= 2 else 0
-            ahead = nxt if c < G - 1 else 0
-            peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern)  # a kernel
-            if c >= 1:  # waiting for the previous scatter (gloo copies its input meanwhile)
-                peaks.append(acc_b + done + ahead + 3 * dkv + 2 * K32c)
-        own = grads if G >= 2 else 0
-        peaks.append(acc_b + own + dkv + 4 * K32c + kern)  # last chunk's own block, scatter in flight
-        peaks.append(acc_b + own + 2 * dkv + 4 * K32c)
-        peaks.append(acc_b + grads + 2 * K32c + (Q if low else 0))
-        return int(max(peaks))
+def _forward_merge_bytes(sizes: _Sizes) -> int:
+    """Forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the block's output; low-precision
+    outputs are upcast for the merge (two Q32 temporaries), plus lse temporaries (the K/V buffers apart)."""
+    Q, K, Q32, lse = sizes.Q, sizes.K, sizes.Q32, sizes.lse
+    return 2 * Q + 2 * K + Q32 + Q + (2 * Q32 if sizes.low else 0) + 5 * lse
 
-    # ring: one pass per head chunk, each on 1/chunks of every tensor below
+
+def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
+    """All-gather pipelined over G head chunks: the largest of the forward and each chunk's backward moments."""
+    Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
+    # one chunk's gathered K/V (all ranks), its fp32 dK/dV (all ranks) and kernel outputs
+    G = chunks
+    Kc, K32c, Qc = K / G, K32 / G, Q / G
+    gath, dkv, kern = 2 * world * Kc, 2 * world * K32c, Qc + 2 * Kc
+    grads = 2 * K  # dk, dv in the input dtype, made when chunk 0's scatter is done
+    nxt = gath + 2 * Kc  # the next chunk's gather in flight: receive + packed send buffer
+    prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
+    acc_b = base + Q32  # + the fp32 dq accumulator
+    peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
+             + (2 * Q32 / G if low else 0) + 4 * lse / G]  # forward
+    for c in range(G):
+        done = grads if c >= 2 else 0
+        ahead = nxt if c < G - 1 else 0
+        peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern)  # a kernel
+        if c >= 1:  # waiting for the previous scatter (gloo copies its input meanwhile)
+            peaks.append(acc_b + done + ahead + 3 * dkv + 2 * K32c)
+    own = grads if G >= 2 else 0
+    peaks.append(acc_b + own + dkv + 4 * K32c + kern)  # last chunk's own block, scatter in flight
+    peaks.append(acc_b + own + 2 * dkv + 4 * K32c)
+    peaks.append(acc_b + grads + 2 * K32c + (Q if low else 0))
+    return int(max(peaks))
+
+
+def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: int) -> int:
+    """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
+    pass per head chunk, each on 1/chunks of every transient."""
+    Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
+    fwd_merge = _forward_merge_bytes(sizes)
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
     kernel_out = Q + 2 * K + (2 * K32 if low else 0)
     if causal:  # a call over half a key block: zeroed fp32 dK/dV of the block + outputs for half of it

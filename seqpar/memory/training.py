@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -150,6 +150,163 @@ def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
     return math.ceil(rows / mlp_chunks(tiled_mlp, rows, hidden))
 
 
+class _StateBytes(NamedTuple):
+    """The step's static bytes per rank: weights (with the gathered whole copies), AdamW's moments, and the
+    reduced gradient partition."""
+
+    params: int
+    optimizer: int
+    grads_reduced: int
+
+
+class _ActivationBytes(NamedTuple):
+    """Saved activations per rank at the last layer's backward (``backward``) and at the loss's backward
+    (``at_loss``), and the tiled MLP's transient (0 untiled)."""
+
+    backward: int
+    at_loss: int
+    mlp_transient: int
+
+
+def _model_shape(model_config: Any) -> ModelShape:
+    """The ModelShape of a name in :data:`MODEL_SHAPES`, a config dict or object, or a ModelShape."""
+    if isinstance(model_config, str):
+        if model_config not in MODEL_SHAPES:
+            raise ValueError(f"unknown model {model_config!r}; known: {sorted(MODEL_SHAPES)}, or pass a config dict")
+        model_config = MODEL_SHAPES[model_config]
+    return ModelShape.from_config(model_config)
+
+
+def _check_run(engine: str, zero_stage: int, seq_len: int, sp_size: int) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: choose one of {list(ENGINES)}")
+    if engine == "deepspeed" and zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: choose 1, 2 or 3")
+    if seq_len % sp_size:
+        raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
+
+
+def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: bool,
+                 offload_optimizer: bool) -> _StateBytes:
+    """Parameters, AdamW state and the reduced gradients, on the engine's partition of ``world`` ranks."""
+    p_all, p_layer, p_root = m.params, m.layer_params, m.root_params
+    part = math.ceil(p_all / world)
+    gathered = (p_root + 2 * p_layer) * e  # whole copies for compute: root + a layer + its prefetch
+    if engine == "fsdp2":
+        # the fp32 shard (cast to the training dtype when gathered) plus the whole copies gathered
+        # for compute: FSDP2 keeps the root (embedding, head, norm) gathered through the step
+        params = part * 4 + gathered
+    elif sharded:
+        params = part * e + part * 4 + gathered  # ZeRO-3: its partition + the fp32 optimizer partition
+    else:
+        params = p_all * e + part * 4  # whole weights + the optimizer's fp32 partition
+    optimizer = 2 * part * 4
+    grads_reduced = part * 4
+    if offload_optimizer:  # DeepSpeed offload_optimizer: fp32 master, moments and reduced grads on the host
+        params -= part * 4
+        optimizer = grads_reduced = 0
+    return _StateBytes(params, optimizer, grads_reduced)
+
+
+def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: str, tiled_mlp: int | str | bool,
+                      recompute_norm: bool, activation_checkpointing: bool, offload_activations: bool,
+                      device: str) -> _ActivationBytes:
+    """What the decoder layers save for backward over ``rows`` local tokens (all layers, or their
+    checkpointed inputs plus one layer recomputed), and the tiled MLP's one-chunk transient."""
+    h, n_layers = m.hidden_size, m.num_hidden_layers
+    low = e < 4
+    mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
+    # seqpar attention returns its output in q's layout at SP size 1 (plain SDPA) and in ring mode:
+    # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
+    out_copy = sp_size > 1 and mode != "ring"
+    per_layer = _layer_saved_bytes(m, e, mlp_saved=tiled_mlp is False, recompute_norm=recompute_norm,
+                                   input_counted=activation_checkpointing, out_copy=out_copy) * rows
+    if activation_checkpointing:
+        inputs_kept = n_layers * rows * h * e
+        if offload_activations and device == "cuda":
+            inputs_kept = 2 * rows * h * e  # the layer in use and its prefetched predecessor
+        activations = inputs_kept + per_layer  # plus one layer recomputed in backward
+        activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
+    else:
+        activations = activations_at_loss = n_layers * per_layer
+    # the final norm's saved tensors (its output is the head's input) live until the loss's backward
+    # has gone through the norm; the last layer's backward then holds the gradient coming down
+    activations_at_loss += _norm_saved_bytes(h, e, recompute_norm, False) * rows
+    activations += rows * h * e
+    mlp_transient = 0
+    if tiled_mlp is not False:
+        # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
+        # chunk's gradient (fp32 accumulator when low precision)
+        mlp_transient = 5 * m.intermediate_size * mlp_rows * e + 3 * h * m.intermediate_size * (e + (4 if low else e))
+    return _ActivationBytes(activations, activations_at_loss, mlp_transient)
+
+
+def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
+                               batch: int, head_chunks: int | str) -> int:
+    """One layer's attention call (:func:`estimate_attention_memory`) less its q, k, v and output, which
+    the layer's activations already count."""
+    e = torch.empty((), dtype=dt).element_size()
+    attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
+                                     batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
+                                     head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks)
+    qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
+    return max(0, attn - qkvo)
+
+
+def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool) -> int:
+    """The LM head's logits and the loss's buffers over ``rows`` local tokens (one chunk's when tiled)."""
+    h, v = m.hidden_size, m.vocab_size
+    if tiled_loss:
+        from seqpar.memory.tiling import loss_chunk_rows
+
+        chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
+        return 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden
+    # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
+    return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
+
+
+def _zero12_reduce_bytes(m: ModelShape, e: int, *, world: int, reduce_bucket_size: int,
+                         offload_optimizer: bool) -> int:
+    """ZeRO-1/2 reducing its last bucket: a flat copy of the bucket's gradients (allreduce_bucket's
+    _flatten_dense_tensors) and the fp32 partitions of the buckets reduced before it. Measured on
+    CPU: one more partition-sized tensor is sometimes alive at that moment too (about 1 run in 5 of
+    the validation's ZeRO-2 setting, -9.7% there); the model counts what is always there."""
+    p_all = m.params
+    part = math.ceil(p_all / world)
+    bucket_elems = min(reduce_bucket_size, p_all)
+    return bucket_elems * e + (0 if offload_optimizer else max(0, part - math.ceil(bucket_elems / world)) * 4)
+
+
+def _root_grad_bytes(m: ModelShape, e: int) -> tuple[int, int]:
+    """The whole gradients of the LM head (made by the loss backward) and of the embedding (0 when tied)."""
+    head_grad = m.vocab_size * m.hidden_size * e
+    embed_grad = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size * e
+    return head_grad, embed_grad
+
+
+def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
+             comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool) -> dict[str, float]:
+    """The bytes alive at each candidate peak moment of the step; the peak is the largest."""
+    p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
+    head_grad, embed_grad = _root_grad_bytes(m, e)
+    static = state.params + state.optimizer
+    if engine == "deepspeed" and sharded:
+        static += state.grads_reduced  # ZeRO-3 allocates its gradient partition up front
+    return {
+        # the loss's backward: every layer's activations and the logits' buffers
+        "loss_backward": static + acts.at_loss + logits,
+        # the last layer's backward (the first to run): the head's gradient made, the layer's own
+        # whole gradients in flight, attention's transients (or the tiled MLP's)
+        "layer_backward": static + acts.backward + head_grad + p_layer * e + max(attention, acts.mlp_transient) + comm,
+        # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
+        # reduce-scatter input while the last whole gradient is still alive, and the output shard),
+        # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
+        "grad_reduction": static + (
+            p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
+            else (zero12_reduce if not sharded else head_grad + embed_grad) + comm),
+    }
+
+
 def estimate_training_memory(
     model_config: Any,
     *,
@@ -192,118 +349,34 @@ def estimate_training_memory(
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
         ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
     """
-    if isinstance(model_config, str):
-        if model_config not in MODEL_SHAPES:
-            raise ValueError(f"unknown model {model_config!r}; known: {sorted(MODEL_SHAPES)}, or pass a config dict")
-        model_config = MODEL_SHAPES[model_config]
-    m = ModelShape.from_config(model_config)
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r}: choose one of {list(ENGINES)}")
-    if engine == "deepspeed" and zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r}: choose 1, 2 or 3")
-    if seq_len % sp_size:
-        raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
+    m = _model_shape(model_config)
+    _check_run(engine, zero_stage, seq_len, sp_size)
     dt = as_dtype(dtype)
     e = torch.empty((), dtype=dt).element_size()
-    low = e < 4
     world = sp_size * dp_size
     rows = batch * seq_len // sp_size  # local tokens
-    h, v, n_layers = m.hidden_size, m.vocab_size, m.num_hidden_layers
-    p_all, p_layer, p_root = m.params, m.layer_params, m.root_params
     sharded = engine == "fsdp2" or zero_stage == 3
 
-    # ---------------------------------------------------------------- static: weights, AdamW
-    part = math.ceil(p_all / world)
-    gathered = (p_root + 2 * p_layer) * e  # whole copies for compute: root + a layer + its prefetch
-    if engine == "fsdp2":
-        # the fp32 shard (cast to the training dtype when gathered) plus the whole copies gathered
-        # for compute: FSDP2 keeps the root (embedding, head, norm) gathered through the step
-        params = part * 4 + gathered
-    elif sharded:
-        params = part * e + part * 4 + gathered  # ZeRO-3: its partition + the fp32 optimizer partition
-    else:
-        params = p_all * e + part * 4  # whole weights + the optimizer's fp32 partition
-    optimizer = 2 * part * 4
-    grads_reduced = part * 4
-    if offload_optimizer:  # DeepSpeed offload_optimizer: fp32 master, moments and reduced grads on the host
-        params -= part * 4
-        optimizer = grads_reduced = 0
+    state = _state_bytes(m, e, world=world, engine=engine, sharded=sharded, offload_optimizer=offload_optimizer)
+    acts = _activation_bytes(m, e, rows=rows, sp_size=sp_size, mode=mode, tiled_mlp=tiled_mlp,
+                             recompute_norm=recompute_norm, activation_checkpointing=activation_checkpointing,
+                             offload_activations=offload_activations, device=device)
+    attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
+                                           batch=batch, head_chunks=head_chunks)
+    logits = _logits_loss_bytes(m, e, rows=rows, tiled_loss=tiled_loss)
     # DeepSpeed allocates its gradient bucket at the configured size, whatever the model's
-    bucket = reduce_bucket_size * e if engine == "deepspeed" else 0
-    head_grad = m.vocab_size * h * e  # lm_head's whole gradient, made by the loss backward
-    embed_grad = 0 if m.tie_word_embeddings else m.vocab_size * h * e
+    comm = reduce_bucket_size * e if engine == "deepspeed" else 0
+    zero12_reduce = _zero12_reduce_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
+                                         offload_optimizer=offload_optimizer)
 
-    # ---------------------------------------------------------------- activations
-    mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
-    # seqpar attention returns its output in q's layout at SP size 1 (plain SDPA) and in ring mode:
-    # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
-    out_copy = sp_size > 1 and mode != "ring"
-    per_layer = _layer_saved_bytes(m, e, mlp_saved=tiled_mlp is False, recompute_norm=recompute_norm,
-                                   input_counted=activation_checkpointing, out_copy=out_copy) * rows
-    if activation_checkpointing:
-        inputs_kept = n_layers * rows * h * e
-        if offload_activations and device == "cuda":
-            inputs_kept = 2 * rows * h * e  # the layer in use and its prefetched predecessor
-        activations = inputs_kept + per_layer  # plus one layer recomputed in backward
-        activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
-    else:
-        activations = activations_at_loss = n_layers * per_layer
-    # the final norm's saved tensors (its output is the head's input) live until the loss's backward
-    # has gone through the norm; the last layer's backward then holds the gradient coming down
-    activations_at_loss += _norm_saved_bytes(h, e, recompute_norm, False) * rows
-    activations += rows * h * e
-    mlp_transient = 0
-    if tiled_mlp is not False:
-        # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
-        # chunk's gradient (fp32 accumulator when low precision)
-        mlp_transient = 5 * m.intermediate_size * mlp_rows * e + 3 * h * m.intermediate_size * (e + (4 if low else e))
-
-    # ---------------------------------------------------------------- attention, loss
-    attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
-                           batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
-                           head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks)
-    qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
-    attention = max(0, attn - qkvo)
-
-    if tiled_loss:
-        from seqpar.memory.tiling import loss_chunk_rows
-
-        chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
-        logits = 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden
-    else:
-        # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
-        logits = rows * v * (e + 4 + 4 + 4) if low else 4 * rows * v * 4
-    comm = bucket
-
-    # ZeRO-1/2 reducing its last bucket: a flat copy of the bucket's gradients (allreduce_bucket's
-    # _flatten_dense_tensors) and the fp32 partitions of the buckets reduced before it. Measured on
-    # CPU: one more partition-sized tensor is sometimes alive at that moment too (about 1 run in 5 of
-    # the validation's ZeRO-2 setting, -9.7% there); the model counts what is always there.
-    bucket_elems = min(reduce_bucket_size, p_all)
-    zero12_reduce = bucket_elems * e + (0 if offload_optimizer else max(0, part - math.ceil(bucket_elems / world)) * 4)
-
-    # ---------------------------------------------------------------- moments
-    static = params + optimizer
-    if engine == "deepspeed" and sharded:
-        static += grads_reduced  # ZeRO-3 allocates its gradient partition up front
-    moments = {
-        # the loss's backward: every layer's activations and the logits' buffers
-        "loss_backward": static + activations_at_loss + logits,
-        # the last layer's backward (the first to run): the head's gradient made, the layer's own
-        # whole gradients in flight, attention's transients (or the tiled MLP's)
-        "layer_backward": static + activations + head_grad + p_layer * e + max(attention, mlp_transient) + comm,
-        # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
-        # reduce-scatter input while the last whole gradient is still alive, and the output shard),
-        # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
-        "grad_reduction": static + (
-            p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
-            else (zero12_reduce if not sharded else head_grad + embed_grad) + comm),
-    }
+    moments = _moments(m, e, state, acts, attention=attention, logits=logits, comm=comm, zero12_reduce=zero12_reduce,
+                       world=world, engine=engine, sharded=sharded)
     moment = max(moments, key=moments.get)
+    head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
-        "parameters": int(params), "gradients": int(grads_reduced + head_grad + embed_grad),
-        "optimizer_state": int(optimizer), "activations": int(activations),
-        "attention_transients": int(max(attention, mlp_transient)), "logits_loss": int(logits),
+        "parameters": int(state.params), "gradients": int(state.grads_reduced + head_grad + embed_grad),
+        "optimizer_state": int(state.optimizer), "activations": int(acts.backward),
+        "attention_transients": int(max(attention, acts.mlp_transient)), "logits_loss": int(logits),
         "communication": int(comm), "peak": int(moments[moment]), "moment": moment,
     }
 

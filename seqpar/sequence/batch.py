@@ -49,6 +49,7 @@ from torch.utils.data import (
 )
 
 from seqpar.runtime.groups import default_manager, resolve_group
+from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
@@ -79,23 +80,24 @@ def sp_rank_and_size(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 global_positions = shard_index
 
 
-def _check_boundaries(bounds: list[int], seq_len: int, where: str) -> list[int]:
+def _check_boundaries(bounds: tuple[int, ...], seq_len: int, where: str) -> tuple[int, ...]:
     if (not bounds or bounds[0] != 0 or bounds[-1] != seq_len
             or any(b <= a for a, b in zip(bounds, bounds[1:]))):
         raise ValueError(
-            f"{where}: packed-document boundaries {bounds[:8]}{'...' if len(bounds) > 8 else ''} must "
+            f"{where}: packed-document boundaries {list(bounds[:8])}{'...' if len(bounds) > 8 else ''} must "
             f"start at 0, strictly increase and end at the sequence length {seq_len} (the "
             "cu_seq_lens_q of transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
         )
     return bounds
 
 
-def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> list[int] | None:
-    """Global packed-document boundaries ``[0, l1, l1+l2, ..., seq_len]`` of a full batch, or ``None``.
+def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> tuple[int, ...] | None:
+    """Global packed-document boundaries ``(0, l1, l1+l2, ..., seq_len)`` of a full batch, or ``None``.
 
     ``cu_seq_lens_q`` (else ``cu_seq_lens_k``) wins when given; otherwise a ``position_ids`` row that
     does not go up by one (transformers' own rule, ``find_packed_sequence_indices``) starts a new
-    document. Unpacked batches (no key, positions counting up) give ``None``.
+    document. Unpacked batches (no key, positions counting up) give ``None``. Given boundaries are
+    read with one device-to-host copy (:func:`seqpar.sequence.boundaries.host_boundaries`).
 
     Raises:
         ValueError: packed with batch size > 1 (boundaries are per sequence, as for flash varlen);
@@ -106,10 +108,7 @@ def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> list[int] | N
                 if isinstance(batch.get(k), Tensor)), None)
     batch_size = ref.shape[0] if ref is not None else 1
     if cu_q is not None or cu_k is not None:
-        bounds = [int(b) for b in (cu_q if cu_q is not None else cu_k).reshape(-1).tolist()]
-        if cu_q is not None and cu_k is not None and [int(b) for b in cu_k.reshape(-1).tolist()] != bounds:
-            raise ValueError("packed batch: cu_seq_lens_q and cu_seq_lens_k differ; seqpar supports "
-                             "self-attention over one packed sequence (they must be equal)")
+        bounds = _given_boundaries(cu_q, cu_k)
     else:
         pos = batch.get("position_ids")
         if not isinstance(pos, Tensor) or pos.dim() != 2 or pos.shape[-1] != seq_len:
@@ -122,13 +121,31 @@ def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> list[int] | N
                 f"packed sequences (position_ids restart) need batch size 1, got {batch_size}: pack "
                 "the documents into one row (transformers.DataCollatorWithFlattening does)"
             )
-        bounds = [0, *(restarts[0].nonzero().reshape(-1) + 1).tolist(), seq_len]
+        starts = restarts[0].nonzero().reshape(-1) + 1  # where documents 2, 3, ... begin
+        bounds = (0, *host_boundaries(starts), seq_len)
     if batch_size != 1:
         raise ValueError(
             f"packed documents (cu_seq_lens_q) need batch size 1, got {batch_size}: pack the "
             "documents into one row (transformers.DataCollatorWithFlattening does)"
         )
     return _check_boundaries(bounds, seq_len, "packed batch")
+
+
+def _given_boundaries(cu_q: Any, cu_k: Any) -> tuple[int, ...]:
+    """``cu_seq_lens_q``/``cu_seq_lens_k`` as host ints, checked equal: one copy to the host for
+    both (a batch moved to an accelerator key by key holds them as two tensors)."""
+    flat_q, flat_k = (t.reshape(-1) if isinstance(t, Tensor) and t.dim() != 1 else t for t in (cu_q, cu_k))
+    if flat_q is None or flat_k is None or flat_k is flat_q:
+        return host_boundaries(flat_q if flat_q is not None else flat_k)
+    if isinstance(flat_q, Tensor) and isinstance(flat_k, Tensor) and flat_q.device == flat_k.device:
+        both = host_boundaries(torch.cat([flat_q, flat_k.to(flat_q.dtype)]))
+        bounds, bounds_k = both[: flat_q.numel()], both[flat_q.numel():]
+    else:
+        bounds, bounds_k = host_boundaries(flat_q), host_boundaries(flat_k)
+    if bounds_k != bounds:
+        raise ValueError("packed batch: cu_seq_lens_q and cu_seq_lens_k differ; seqpar supports "
+                         "self-attention over one packed sequence (they must be equal)")
+    return bounds
 
 
 def _is_right_padded(mask: Tensor) -> bool:
@@ -210,7 +227,7 @@ def shard_batch(
         )
     _shift_labels_and_add_positions(out, causal_lm=causal_lm, ignore_index=ignore_index,
                                     batch_size=batch_size, seq_len=seq_len, device=device)
-    padded_bounds = None if bounds is None else (bounds + [seq_len + pad] if pad else bounds)
+    padded_bounds = None if bounds is None else ((*bounds, seq_len + pad) if pad else bounds)
     keep = global_positions(seq_len + pad, rank, world_size, sharding, device=device,
                             cu_seqlens=padded_bounds)
     for key, value in out.items():
@@ -303,12 +320,12 @@ def _pad_sequence_tensor(key: str, value: Tensor, *, seq_len: int, pad: int, pac
     return _pad_end(value, pad, 0)
 
 
-def _set_boundaries(out: dict[str, Any], bounds: list[int]) -> None:
+def _set_boundaries(out: dict[str, Any], bounds: tuple[int, ...]) -> None:
     # On the host on purpose: the attention plan is built from host integers, so a GPU copy would
-    # cost a device-to-host read; int32 like DataCollatorWithFlattening's.
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    # cost a device-to-host read; int32 like DataCollatorWithFlattening's; their host ints known.
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    out.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=longest, max_length_k=longest)
+    out.update(cu_seq_lens_q=boundary_tensor(bounds), cu_seq_lens_k=boundary_tensor(bounds),
+               max_length_q=longest, max_length_k=longest)
 
 
 class ShardedDataLoader:

@@ -29,6 +29,7 @@ from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, resolve_group
 from seqpar.runtime.verified import batch_verified
+from seqpar.sequence.boundaries import host_boundaries
 
 __all__ = [
     "resolve_sharding",
@@ -110,7 +111,7 @@ def chunk_ids(
     """The global chunk indices rank ``rank`` holds, in local (ascending) order (``balanced`` needs
     the global ``seq_len`` and the batch's ``cu_seqlens``)."""
     if sharding == BALANCED:
-        return list(balanced_layout(_need_len(seq_len), world_size, _host_ints(cu_seqlens))[rank])
+        return list(balanced_layout(_need_len(seq_len), world_size, host_boundaries(cu_seqlens))[rank])
     if sharding == "contiguous":
         return [rank]
     if sharding == "zigzag":
@@ -133,14 +134,6 @@ def _balanced_per_rank(seq_len: int, world_size: int) -> int:
         f"2 * {world_size} equal chunks): pad it to a multiple of {2 * world_size}, best {8 * world_size} "
         f"(seqpar.sequence.sharding.pad_to_multiple)"
     )
-
-
-def _host_ints(cu_seqlens: Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
-    if cu_seqlens is None:
-        return None
-    if isinstance(cu_seqlens, Tensor):
-        return tuple(int(x) for x in cu_seqlens.tolist())
-    return tuple(int(x) for x in cu_seqlens)
 
 
 def _causal_chunk_work(cu: tuple[int, ...], seq_len: int, n: int) -> list[int]:
@@ -313,7 +306,7 @@ def gather_sequence(
     sharding = resolve_sharding(sharding, where="gather_sequence")
     group, world, _ = _world_and_rank(group)
     balanced = sharding == BALANCED
-    layout = {"seq_len": x.shape[dim] * world, "cu_seqlens": _host_ints(cu_seqlens)} if balanced else {}
+    layout = {"seq_len": x.shape[dim] * world, "cu_seqlens": host_boundaries(cu_seqlens)} if balanced else {}
     per_rank = 1 if balanced else len(chunk_ids(0, world, sharding))  # also validates `sharding`
     if world == 1:
         return all_gather(x, dim, group=group, grad_reduction=grad_reduction)  # identity, checked

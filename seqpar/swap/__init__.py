@@ -1,4 +1,4 @@
-"""Find the attention in an existing model and route it to :func:`seqpar.attention.attention`.
+"""Find the attention in an existing model and route it to :func:`seqpar.attention`.
 
 Three routes, chosen per module:
 

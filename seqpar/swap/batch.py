@@ -23,12 +23,14 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.runtime.groups import resolve_group
 from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
+from seqpar.sequence.boundaries import host_boundaries
 from seqpar.swap.options import SwapOptions
 
 __all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer"]
@@ -53,7 +55,10 @@ def _leaf_row(value: Any, name: str) -> list[int]:
     if isinstance(value, Tensor):
         row = [_TENSOR, value.dim(), *value.shape, _code(str(value.dtype)), _code(value.device.type)]
         if name in VALUE_KEYS and value.numel() <= _MAX_VALUES and not value.is_floating_point():
-            values = value.reshape(-1).tolist()  # one host read per batch, only for packed batches
+            if value.dim() == 1 and value.dtype in (torch.int32, torch.int64):
+                values = list(host_boundaries(value))  # the batch's one host copy, shared with the layers
+            else:
+                values = value.reshape(-1).tolist()  # one host read per batch, only for packed batches
             row += [len(values), *values]
         return row
     if value is None:

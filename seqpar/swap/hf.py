@@ -72,6 +72,7 @@ from seqpar.sequence.batch import (
     global_positions,
     sp_rank_and_size,
 )
+from seqpar.sequence.boundaries import boundary_tensor
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions
@@ -323,9 +324,18 @@ def _prepare_inputs(
         ref = arguments.get("inputs_embeds")
     if not isinstance(ref, Tensor) or ref.dim() < 2:
         return args, kwargs
-    batch, seq_local = ref.shape[0], ref.shape[1]
     where = type(module).__name__
 
+    _refuse_cache(arguments, params, where)
+    _fill_attention_mask(arguments, params, ref, where)
+    _prepare_labels(arguments, params, module, options, where)
+    if "position_ids" in params:
+        _fill_positions(arguments, params, options, ref, where)
+    return _as_keywords(bound, params)
+
+
+def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
+    """A KV cache of a sharded sequence is meaningless: refuse one, and turn ``use_cache`` off."""
     if arguments.get("past_key_values") is not None:
         raise ValueError(
             f"seqpar ({where}): past_key_values given; a KV cache of a sequence-sharded model is "
@@ -339,57 +349,75 @@ def _prepare_inputs(
             )
         arguments["use_cache"] = False
 
-    if "attention_mask" in params:
-        mask = arguments.get("attention_mask")
-        if mask is None:
-            arguments["attention_mask"] = torch.ones(batch, seq_local, dtype=torch.long, device=ref.device)
-        elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
-            raise _padding_error(where)
 
-    _prepare_labels(arguments, params, module, options, where)
+def _fill_attention_mask(arguments: dict[str, Any], params: Any, ref: Tensor, where: str) -> None:
+    """An all-ones mask when none is given (see the module docstring); a padding mask is refused."""
+    if "attention_mask" not in params:
+        return
+    mask = arguments.get("attention_mask")
+    if mask is None:
+        batch, seq_local = ref.shape[0], ref.shape[1]
+        arguments["attention_mask"] = torch.ones(batch, seq_local, dtype=torch.long, device=ref.device)
+    elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+        raise _padding_error(where)
 
-    if "position_ids" in params:
-        rank, world_size = sp_rank_and_size(options.group)
-        bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
-        expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
-                                    device=ref.device, cu_seqlens=bounds)[None]  # (1, S_local)
-        given = arguments.get("position_ids")
-        if bounds is not None:
-            expected = _document_positions(expected, bounds)
-            if given is None:
-                arguments["position_ids"] = expected
-            elif given.shape[-1] != seq_local or not bool((given == expected).all()):
-                raise ValueError(
-                    f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
-                    f"per-document positions of this rank's {options.sharding} shard of the packed "
-                    f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
-                    f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
-                    "Cut packed batches with seqpar.sequence.batch.shard_batch"
-                )
-            given = expected
+
+def _fill_positions(
+    arguments: dict[str, Any], params: Any, options: SwapOptions, ref: Tensor, where: str
+) -> None:
+    """Fill in ``position_ids`` (global, or per document for a packed batch) or check given ones."""
+    batch, seq_local = ref.shape[0], ref.shape[1]
+    rank, world_size = sp_rank_and_size(options.group)
+    bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
+    expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                device=ref.device, cu_seqlens=bounds)[None]  # (1, S_local)
+    given = arguments.get("position_ids")
+    if bounds is not None:
+        expected = _document_positions(expected, bounds)
         if given is None:
-            arguments["position_ids"] = expected.expand(batch, seq_local)
+            arguments["position_ids"] = expected
         elif given.shape[-1] != seq_local or not bool((given == expected).all()):
-            row = given.reshape(-1, given.shape[-1])[0]
-            restarts = bool((row.diff() < 0).any())
-            what = (
-                "they restart (packed sequences): on shards the global document boundaries are "
-                "needed; cut packed batches (batch 1) with seqpar.sequence.batch.shard_batch, which passes "
-                "them as cu_seq_lens_q/k"
-                if restarts else
-                "pass the global positions of the shard, or none (seqpar fills them in)"
-            )
             raise ValueError(
-                f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the global "
-                f"positions of this rank's {options.sharding} shard (expected "
-                f"{_short(expected[0])}, got {_short(row)}): {what}. seqpar.sequence.batch.shard_batch makes "
-                "them right"
+                f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
+                f"per-document positions of this rank's {options.sharding} shard of the packed "
+                f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
+                f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
+                "Cut packed batches with seqpar.sequence.batch.shard_batch"
             )
-    # Hand everything back by keyword: transformers' forward decorators also inject keywords
-    # (e.g. use_cache), which would collide with a positional copy.
+        return
+    if given is None:
+        arguments["position_ids"] = expected.expand(batch, seq_local)
+    elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+        _refuse_positions(given, expected, rank, world_size, options.sharding, where)
+
+
+def _refuse_positions(
+    given: Tensor, expected: Tensor, rank: int, world_size: int, sharding: str, where: str
+) -> None:
+    """Raise for ``position_ids`` that are not the shard's global positions, saying why they may be wrong."""
+    row = given.reshape(-1, given.shape[-1])[0]
+    restarts = bool((row.diff() < 0).any())
+    what = (
+        "they restart (packed sequences): on shards the global document boundaries are "
+        "needed; cut packed batches (batch 1) with seqpar.sequence.batch.shard_batch, which passes "
+        "them as cu_seq_lens_q/k"
+        if restarts else
+        "pass the global positions of the shard, or none (seqpar fills them in)"
+    )
+    raise ValueError(
+        f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the global "
+        f"positions of this rank's {sharding} shard (expected "
+        f"{_short(expected[0])}, got {_short(row)}): {what}. seqpar.sequence.batch.shard_batch makes "
+        "them right"
+    )
+
+
+def _as_keywords(bound: inspect.BoundArguments, params: Any) -> tuple[tuple, dict[str, Any]]:
+    """The bound arguments (less ``self``) handed back by keyword: transformers' forward decorators
+    also inject keywords (e.g. use_cache), which would collide with a positional copy."""
     new_kwargs: dict[str, Any] = {}
     self_name = next(iter(params))
-    for pname, value in arguments.items():
+    for pname, value in bound.arguments.items():
         kind = params[pname].kind
         if kind is inspect.Parameter.VAR_KEYWORD:
             new_kwargs.update(value)
@@ -410,13 +438,14 @@ def _var_keyword(arguments: dict[str, Any], params: Any) -> dict[str, Any]:
 
 def _packed_boundaries(
     arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str
-) -> list[int] | None:
+) -> tuple[int, ...] | None:
     """The global document boundaries of a packed batch, put on the host once for all layers.
 
     From ``cu_seq_lens_q/k`` (as :func:`seqpar.sequence.batch.shard_batch` or DataCollatorWithFlattening
     give them); on one rank also from restarting ``position_ids`` (the shard is the whole sequence).
     The boundaries are written back as one host int32 tensor under both keys, which transformers
-    hands to every attention layer: the plan then reads host integers, no per-layer device sync.
+    hands to every attention layer; its host ints are known (:func:`seqpar.sequence.boundaries.
+    boundary_tensor`), so the batch's one device-to-host copy is the one made here, none per layer.
     """
     extra = _var_keyword(arguments, params)
     found = {k: extra[k] for k in PACKED_KEYS if k in extra}
@@ -432,13 +461,13 @@ def _packed_boundaries(
         raise ValueError(f"seqpar ({where}): {e}") from None
     if bounds is None:
         return None
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    cu = boundary_tensor(bounds)  # its host ints known: no layer copies it again
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     extra.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return bounds
 
 
-def _document_positions(global_pos: Tensor, bounds: list[int]) -> Tensor:
+def _document_positions(global_pos: Tensor, bounds: tuple[int, ...]) -> Tensor:
     # (1, S_local) global positions -> positions inside their document.
     edges = torch.tensor(bounds, device=global_pos.device, dtype=global_pos.dtype)
     doc = torch.searchsorted(edges, global_pos, right=True) - 1

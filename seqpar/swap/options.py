@@ -13,7 +13,7 @@ from torch import Tensor
 from seqpar.config import PatternConfig, SeqParConfig
 from seqpar.runtime.verified import batch_verified
 from seqpar.sequence.sharding import resolve_sharding
-from seqpar.swap.sdpa import suspended
+from seqpar.swap.state import suspended
 
 __all__ = ["SwapError", "SwapOptions", "value_digest"]
 
@@ -119,7 +119,8 @@ class SwapOptions:
     def _attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
-        from seqpar.attn import attention
+        from seqpar.attn.dispatch import run_attention
+        from seqpar.attn.resolve import resolve_attention
 
         check = self.check_inputs and not batch_verified()
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
@@ -139,8 +140,10 @@ class SwapOptions:
                     mode=self.mode, group=self.group, sharding=self.sharding,
                     head_layout=self.pattern.head_layout, check_inputs=check,
                 )
-            return attention(
+            # resolved once here and handed down: the run makes no check or choice again
+            plan = resolve_attention(
                 q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
-                head_chunks=self.head_chunks, **masked,
+                head_chunks=self.head_chunks, layout="bhsd", **masked,
             )
+            return run_attention(plan, q, k, v, masked.get("sinks"))

@@ -14,11 +14,12 @@ import inspect
 import logging
 import sys
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from seqpar.swap.state import Frame, stack, suspended
 
 if TYPE_CHECKING:
     from seqpar.swap.options import SwapOptions
@@ -30,33 +31,6 @@ logger = logging.getLogger("seqpar")
 # torch's own function, captured before any patch: what the dispatcher calls outside swapped modules.
 ORIGINAL_SDPA = F.scaled_dot_product_attention
 _PATCH_LOCK = threading.Lock()
-_local = threading.local()
-
-
-@dataclass
-class _Frame:
-    """One running swapped module on this thread's stack; ``None`` frames suspend dispatch."""
-
-    name: str
-    options: SwapOptions
-    calls: int = 0
-
-
-def _stack() -> list[_Frame | None]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-class suspended:
-    """Context in which F.scaled_dot_product_attention is the plain kernel again."""
-
-    def __enter__(self) -> None:
-        _stack().append(None)
-
-    def __exit__(self, *exc: object) -> None:
-        _stack().pop()
 
 
 def _sdpa_dispatch(
@@ -71,8 +45,8 @@ def _sdpa_dispatch(
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` while seqpar is installed: the original outside swapped
     modules; seqpar attention on shards inside them."""
-    stack = _stack()
-    frame = stack[-1] if stack else None
+    frames = stack()
+    frame = frames[-1] if frames else None
     if frame is None:
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -123,17 +97,17 @@ def install_dispatcher() -> None:
 
 def _enter_hook(name: str, options: SwapOptions) -> Any:
     def hook(module: nn.Module, args: Any) -> None:
-        _stack().append(_Frame(name, options))
+        stack().append(Frame(name, options))
 
     return hook
 
 
 def _exit_hook(name: str) -> Any:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        stack = _stack()
+        frames = stack()
         # Pop back to this module's frame (a failing forward may have left inner frames behind).
-        while stack:
-            frame = stack.pop()
+        while frames:
+            frame = frames.pop()
             if frame is not None and frame.name == name:
                 break
         else:

@@ -1,0 +1,213 @@
+"""Resolve one attention call, once, into an :class:`AttentionPlan`; :mod:`seqpar.attn.dispatch` runs it.
+
+Everything a call needs decided is decided here, in this order, and nowhere again downstream:
+
+1. the layout (``bhsd`` or ``bshd``: a transpose view, no copy) and the sharding (the run's declared
+   one binds, :func:`seqpar.sequence.sharding.resolve_sharding`);
+2. the group and its size (the default manager's SP group, or the explicit one);
+3. the cross-rank check (when ``check_inputs``): every rank agrees on shapes and options first, so
+   the local checks below give the same verdict on every rank;
+4. the local checks (shapes, dtypes, masks) and the head chunks;
+5. the algorithm: ``"auto"`` through the cost model, ``"hybrid"`` with ``u = 1`` or ``u = P`` to the
+   ring or Ulysses, and for Ulysses / hybrid the head split and its :class:`UlyssesPlan`.
+
+A swapped layer resolves its call here as a direct call does (:mod:`seqpar.swap.options`), so that
+following ``q`` from the swap to the kernels visits each check once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.attn.checks import check_across_ranks, check_local, check_options, resolve_head_chunks
+from seqpar.attn.common import AttentionOptions
+from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
+from seqpar.attn.ulysses import UlyssesPlan, head_split
+from seqpar.runtime.groups import ProcessGroupManager, default_manager, resolve_group
+from seqpar.sequence.sharding import resolve_sharding
+
+__all__ = ["AttentionPlan", "resolve_attention", "LAYOUTS", "to_bhsd", "from_bhsd"]
+
+LAYOUTS = ("bhsd", "bshd")
+"""``bhsd``: ``(batch, heads, seq_local, head_dim)`` (SDPA's); ``bshd``: ``(batch, seq_local, heads,
+head_dim)`` (flash-attn's, ring-flash-attn's, DeepSpeed Ulysses')."""
+
+_HYBRID_NEEDS_MANAGER = (
+    "mode='hybrid' needs the Ulysses and ring groups of a process-group manager: call "
+    "seqpar.init_process_groups(sp_size=P, ulysses_size=u) on every rank first"
+)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One attention call, resolved: every check made, every choice taken (the same on every rank).
+
+    ``algorithm``: ``"sdpa"`` (one rank, nothing masked: torch's SDPA), ``"single"`` (one rank with
+    documents / window / sinks: the block planner, no exchange), ``"ring"``, ``"allgather"``,
+    ``"ulysses"`` or ``"hybrid"``. ``group``: the SP group (``None`` on one process); ``manager``:
+    the process-group manager (``"hybrid"`` only); ``ulysses``: the head split and chunk order of a
+    Ulysses or hybrid call."""
+
+    algorithm: str
+    opts: AttentionOptions
+    layout: str
+    group: dist.ProcessGroup | None = None
+    manager: ProcessGroupManager | None = None
+    ulysses: UlyssesPlan | None = None
+
+
+def to_bhsd(t: Tensor, layout: str) -> Tensor:
+    """``t`` as ``(batch, heads, seq_local, head_dim)``: itself, or a transposed view of a ``bshd`` tensor."""
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def from_bhsd(t: Tensor, layout: str) -> Tensor:
+    """The inverse of :func:`to_bhsd` (a view)."""
+    return t.transpose(1, 2) if layout == "bshd" else t
+
+
+def _check_layout(layout: str | None) -> str:
+    if layout is None:
+        return "bhsd"
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid: pass 'bhsd' (batch, heads, seq, dim) or 'bshd' (batch, seq, heads, dim)")
+    return layout
+
+
+def _check_unambiguous(q: Tensor) -> None:
+    """Shapes and strides cannot tell ``bhsd`` from ``bshd``; a bhsd reading with more heads than
+    tokens per rank is far more likely a bshd tensor, so without an explicit ``layout=`` it is refused."""
+    if q.dim() == 4 and q.shape[1] > q.shape[2]:
+        b, d1, d2, d = q.shape
+        raise ValueError(
+            f"seqpar.attention: q {tuple(q.shape)} is ambiguous: read as layout='bhsd' it has {d1} heads and "
+            f"seq_local={d2}; read as layout='bshd' (flash-attn's) it has seq_local={d1} and {d2} heads. "
+            "Pass layout='bhsd' or layout='bshd' explicitly (or check_inputs=False once a loop is known good)"
+        )
+
+
+def _group_and_manager(mode: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, ProcessGroupManager | None]:
+    """The SP group and, when the call runs on the manager's own SP group, the manager (whose
+    Ulysses / ring axes ``"hybrid"`` and ``"auto"`` use)."""
+    manager = default_manager()
+    if manager is not None and group is manager.sp_group:
+        group = None  # the manager's own SP group (what the integrations pass): its two axes are known
+    if mode == "hybrid" and group is not None:
+        raise ValueError(
+            "mode='hybrid' takes its Ulysses and ring groups from the process-group manager: drop group= and "
+            "call seqpar.init_process_groups(sp_size=P, ulysses_size=u) first (or use mode='ulysses' / 'ring' with group=)"
+        )
+    if group is not None:
+        return group, None
+    if mode == "hybrid" and manager is None and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        raise ValueError(_HYBRID_NEEDS_MANAGER)  # resolve_group would raise too, less specifically
+    return resolve_group(None), manager
+
+
+def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
+    """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode."""
+    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
+            "balanced": sharding == "balanced"}
+    return {name for name, on in used.items() if on}
+
+
+def _algorithm(
+    mode: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
+    manager: ProcessGroupManager | None, opts: AttentionOptions, sinks: Tensor | None,
+) -> str:
+    """The algorithm a multi-rank call runs: ``"auto"`` through the cost model; ``"hybrid"`` with
+    ``u = 1`` is the ring and with ``u = P`` Ulysses."""
+    if mode == "auto":
+        from seqpar.attn.choose import choose_mode  # the cost model is only needed for "auto"
+
+        mode = choose_mode(
+            q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
+            features=_mask_features(opts.cu_seqlens, opts.window, sinks, opts.sharding),
+        )
+    if mode != "hybrid":
+        return mode
+    if manager is None:
+        raise ValueError(_HYBRID_NEEDS_MANAGER)
+    if manager.ulysses_size == manager.sp_size:
+        return "ulysses"  # u = P: no ring axis
+    if manager.ulysses_size == 1:
+        return "ring"  # u = 1: the ring
+    if opts.sharding == "balanced":
+        raise ValueError(
+            "mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no balanced "
+            "layout across the ring): use sharding='zigzag' or 'contiguous', or mode='ulysses' / 'ring' / "
+            "'allgather' (or mode='auto', which only picks modes that support the call's features)"
+        )
+    return "hybrid"
+
+
+def _ulysses_plan(
+    algorithm: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
+    manager: ProcessGroupManager | None, opts: AttentionOptions, head_chunks: int | str,
+) -> UlyssesPlan:
+    """The head split and chunk order of a Ulysses (over the whole group) or hybrid call."""
+    if algorithm == "ulysses":
+        u, sp, rank, first = world, world, dist.get_rank(group), 0
+    else:
+        assert manager is not None
+        u, sp, rank, first = manager.ulysses_size, manager.sp_size, manager.ulysses_rank, manager.ring_rank * manager.ulysses_size
+    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode=algorithm)
+    return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
+                            head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2])
+
+
+def resolve_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None, mode: str = "ring",
+    group: dist.ProcessGroup | None = None, sharding: str | None = None, overlap: bool = True,
+    check_inputs: bool = True, head_chunks: int | str = "auto", cu_seqlens: Tensor | tuple[int, ...] | None = None,
+    window: int | None = None, sinks: Tensor | None = None, layout: str | None = None,
+) -> AttentionPlan:
+    """Check a call and take every decision it needs (arguments as :func:`seqpar.attention`; q, k, v
+    in the caller's ``layout``). Collective when ``check_inputs`` and the group has more than one rank.
+
+    Raises:
+        ValueError / TypeError naming the problem and the fix, on every rank of the group.
+    """
+    check_options(mode, sharding if sharding is not None else "contiguous")
+    explicit_layout = layout is not None
+    layout = _check_layout(layout)
+    sharding = resolve_sharding(sharding, where="seqpar.attention")
+    qb, kb, vb = (to_bhsd(t, layout) if isinstance(t, Tensor) else t for t in (q, k, v))
+    group, manager = _group_and_manager(mode, group)
+    world = 1 if group is None else dist.get_world_size(group)
+    bounds, bad_bounds = None, None
+    try:
+        bounds = host_boundaries(cu_seqlens)  # the call's one device-to-host copy, when documents are given
+    except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
+        bad_bounds = e
+    if check_inputs and world > 1:
+        extra = mask_digest(bounds, window, sinks)
+        check_across_ranks(
+            qb, kb, vb, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+            # the layout too: two ranks reading the same shapes two ways would exchange garbage
+            extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout)],
+        )
+    if bad_bounds is not None:
+        raise bad_bounds
+    if check_inputs and not explicit_layout:
+        _check_unambiguous(q)
+    check_local(qb, kb, vb, world_size=world, sharding=sharding)
+    check_mask_inputs(bounds, window, sinks, q=qb, seq_len=qb.shape[2] * world, world=world, sharding=sharding)
+    opts = AttentionOptions(
+        causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
+        overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1]), window=window, cu_seqlens=bounds,
+    )
+    if world == 1:
+        # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
+        masked = bounds is not None or window is not None or sinks is not None
+        return AttentionPlan("single" if masked else "sdpa", opts, layout)
+    algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks)
+    ulysses = None
+    if algorithm in ("ulysses", "hybrid"):
+        ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,
+                                head_chunks=head_chunks)
+    return AttentionPlan(algorithm, opts, layout, group, manager if algorithm == "hybrid" else None, ulysses)

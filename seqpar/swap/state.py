@@ -1,0 +1,53 @@
+"""The SDPA dispatcher's per-thread state: the stack of running swapped modules, and
+:class:`suspended`.
+
+Kept apart from :mod:`seqpar.swap.sdpa` (which pushes and reads frames) and
+:mod:`seqpar.swap.options` (which suspends dispatch around seqpar's own kernels) so that neither
+imports the other.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor
+
+__all__ = ["Attends", "Frame", "stack", "suspended"]
+
+_local = threading.local()
+
+
+class Attends(Protocol):
+    """What a frame routes SDPA calls to (a :class:`seqpar.swap.SwapOptions`)."""
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
+                  **masked: Any) -> Tensor: ...
+
+
+@dataclass
+class Frame:
+    """One running swapped module on this thread's stack; ``None`` frames suspend dispatch."""
+
+    name: str
+    options: Attends
+    calls: int = 0
+
+
+def stack() -> list[Frame | None]:
+    """This thread's stack of running swapped modules (innermost last)."""
+    frames = getattr(_local, "stack", None)
+    if frames is None:
+        frames = _local.stack = []
+    return frames
+
+
+class suspended:
+    """Context in which F.scaled_dot_product_attention is the plain kernel again."""
+
+    def __enter__(self) -> None:
+        stack().append(None)
+
+    def __exit__(self, *exc: object) -> None:
+        stack().pop()
