@@ -215,7 +215,7 @@ def test_rules_catch_buffers_used_before_wait(dist_pool) -> None:
         assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
     written = dist_pool.run(2, _buffer_misuse, free_port(), "write", timeout=60)
     for o in written:
-        assert o["error"] and "written between the isend and its wait()" in o["error"], o
+        assert o["error"] and "written between the post and its wait()" in o["error"], o
     read = dist_pool.run(2, _buffer_misuse, free_port(), "read", timeout=60)
     for rank, o in enumerate(read):  # a read before wait() sees poison, never the message
         assert o["error"] is None and torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))

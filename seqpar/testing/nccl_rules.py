@@ -26,7 +26,9 @@ against three of NCCL's rules:
    snapshot taken at the post, and a send buffer that differs from it at ``wait()`` raises (seqpar
    wrote into it before the send was complete); a receive buffer is poisoned (NaN, or the dtype's
    maximum) from the post until ``wait()`` copies the message in, so a read before the ``wait()`` gives
-   poison and a write before it raises; a work never waited raises on leaving the block.
+   poison and a write before it raises; a work never waited raises on leaving the block. The same holds
+   for the asynchronous collectives seqpar pipelines (``all_to_all_single``, all-gather and
+   reduce-scatter into a tensor, with ``async_op=True``): input snapshotted, output poisoned.
 
 Used by ``tests/test_nccl_rules.py`` over every mode x documents x windows. Not for production runs.
 """
@@ -57,8 +59,9 @@ COLLECTIVES = (
 """The torch.distributed collectives checked (rule 1) while :func:`nccl_rules` is active."""
 
 
-class NcclRuleError(RuntimeError):
-    """An operation NCCL would hang on or corrupt (see the module docstring)."""
+class NcclRuleError(AssertionError):
+    """An operation NCCL would hang on or corrupt (see the module docstring). An ``AssertionError``: a
+    test failure, which seqpar's own waits do not mistake for a lost peer."""
 
 
 def _poison(t: torch.Tensor) -> None:
@@ -99,11 +102,12 @@ class _Record:
 
 
 class _CheckedWork:
-    """A P2P work whose ``wait()`` enforces rule 3 on ``buffers=True`` (see the module docstring)."""
+    """A work whose ``wait()`` enforces rule 3 on ``buffers=True`` (see the module docstring): its
+    ``(kind, user buffer, private copy)`` triples are checked, and received data copied in, at ``wait()``."""
 
-    def __init__(self, rules: NcclRules, work: Any, kind: str, user: torch.Tensor, mine: torch.Tensor,
+    def __init__(self, rules: NcclRules, work: Any, buffers: list[tuple[str, torch.Tensor, torch.Tensor]],
                  what: str) -> None:
-        self._rules, self._work, self._kind, self._user, self._mine, self.what = rules, work, kind, user, mine, what
+        self._rules, self._work, self._buffers, self.what = rules, work, buffers, what
         self.waited = False
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
@@ -111,19 +115,21 @@ class _CheckedWork:
         if self.waited:
             return result
         self.waited = True
-        if self._kind == "send" and not _same_bits(self._user, self._mine):
-            raise NcclRuleError(
-                f"rank {self._rules.rank}: the send buffer of {self.what} was written between the isend and its "
-                "wait(); on NCCL the transfer may still be reading it (wait() orders streams, not the host), so the "
-                "peer may receive either value. Write into a send buffer only after its wait()"
-            )
-        if self._kind == "recv":
-            if not _is_poison(self._user):
+        for kind, user, mine in self._buffers:
+            if kind == "send" and not _same_bits(user, mine):
                 raise NcclRuleError(
-                    f"rank {self._rules.rank}: the receive buffer of {self.what} was written before its wait(); on "
-                    "NCCL the incoming message may land after that write. Touch a receive buffer only after wait()"
+                    f"rank {self._rules.rank}: the send buffer of {self.what} was written between the post and its "
+                    "wait(); on NCCL the transfer may still be reading it (wait() orders streams, not the host), so "
+                    "the peer may receive either value. Write into a send buffer only after its wait()"
                 )
-            self._user.copy_(self._mine)
+            if kind == "recv":
+                if not _is_poison(user):
+                    raise NcclRuleError(
+                        f"rank {self._rules.rank}: the receive buffer of {self.what} was written before its wait(); "
+                        "on NCCL the incoming message may land after that write. Touch a receive buffer only after "
+                        "wait()"
+                    )
+                user.copy_(mine)
         return result
 
     def is_completed(self) -> bool:
@@ -131,6 +137,13 @@ class _CheckedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
+
+
+# Asynchronous collectives whose buffers rule 3 covers: name -> (output, input) positions.
+_ASYNC_BUFFERS = {
+    "all_to_all_single": (0, 1), "all_gather_into_tensor": (0, 1), "all_gather_single": (0, 1),
+    "reduce_scatter_tensor": (0, 1), "reduce_scatter_single": (0, 1),
+}
 
 
 @dataclass
@@ -214,7 +227,7 @@ class NcclRules:
             if not sending:
                 _poison(t)
             posted.append(dist.P2POp(op.op, mine, peer, op.group, op.tag))
-            checks.append(("send" if sending else "recv", t, mine, what))
+            checks.append(([("send" if sending else "recv", t, mine)], what))
         works = original(posted)
         if not self.buffers:
             return works
@@ -222,6 +235,22 @@ class NcclRules:
             raise NcclRuleError(f"batch_isend_irecv returned {len(works)} works for {len(checks)} operations")
         wrapped = [_CheckedWork(self, w, *c) for w, c in zip(works, checks)]
         self.works.extend(wrapped)
+        return wrapped
+
+    def async_collective(self, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> Any:
+        """Rule 3 for an asynchronous collective: the input snapshotted, the output poisoned until ``wait()``."""
+        out_at, in_at = _ASYNC_BUFFERS[name]
+        args = list(args)
+        out, inp = args[out_at], args[in_at]
+        mine_in = inp.clone(memory_format=torch.contiguous_format)
+        mine_out = torch.empty_like(out)
+        _poison(out)
+        args[out_at], args[in_at] = mine_out, mine_in
+        work = fn(*args, **kwargs)
+        what = f"an asynchronous {name} ({tuple(inp.shape)} {inp.dtype} in, {tuple(out.shape)} out)"
+        wrapped = _CheckedWork(self, work, [("send", inp, mine_in), ("recv", out, mine_out)], what)
+        self.works.append(wrapped)
         return wrapped
 
     def check_order(self) -> None:
@@ -266,7 +295,7 @@ class NcclRules:
         late = [w.what for w in self.works if not w.waited]
         if late:
             raise NcclRuleError(
-                f"rank {self.rank}: {len(late)} point-to-point works never waited ({late[:3]}...); on NCCL the "
+                f"rank {self.rank}: {len(late)} asynchronous works never waited ({late[:3]}...); on NCCL the "
                 "compute stream never synchronised with them: wait() every work before using its buffers"
             )
 
@@ -307,10 +336,13 @@ def nccl_rules(
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
-            if depth[0] == 0:
+            outer = depth[0] == 0
+            if outer:
                 rules.before(name, _group_of(fn, args, kwargs))
             depth[0] += 1
             try:
+                if outer and buffers and kwargs.get("async_op") and name in _ASYNC_BUFFERS and len(args) >= 2:
+                    return rules.async_collective(name, fn, args, kwargs)
                 return fn(*args, **kwargs)
             finally:
                 depth[0] -= 1
