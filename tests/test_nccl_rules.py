@@ -132,6 +132,9 @@ def test_the_matrix_has_idle_ranks() -> None:
     """The example leaves a ring rank with no hop at all (hop plan of the ring / the hybrid's ring)."""
     opts = AttentionOptions(causal=True, scale=1.0, cu_seqlens=(0, 48, 72))
     assert block_hops(opts, 3, 24) == (1, 0, 0)  # rank 2 neither sends nor receives in either pass
+    # the hybrid's ring over 3 super-ranks of 2 x 24 tokens: super-rank 2 idle
+    super_opts = AttentionOptions(causal=True, scale=1.0, cu_seqlens=tuple(_idle_docs(6, 2)))
+    assert block_hops(super_opts, 3, 48) == (1, 0, 0)
     assert _idle_docs(3) == [0, 48, 72] and _idle_docs(6, 2) == [0, 96, 144]
 
 
@@ -150,6 +153,45 @@ def test_hybrid_three_super_ranks_under_nccl_rules(dist_pool) -> None:
     out = dist_pool.run(6, _run_under_rules, free_port(), cases, 2, timeout=400)
     _check_clean(out)
     check([o["results"] for o in out], cases, 6)
+
+
+def _dilated_under_rules(rank: int, world: int, port: int, cases: list[dict]) -> dict:
+    """Worker: dilated attention (segment exchanges among the few ranks of a segment) under the rules."""
+    from seqpar.attn.dilated import dilated_attention
+
+    store = _store(port, rank, world)
+    with nccl_rules(store, prefix="dilated") as rules:
+        manager = seqpar.init_process_groups(sp_size=world)
+        results = []
+        for case in cases:
+            q, k, v, dout = (case[n][:, :, rank * 8:(rank + 1) * 8].float() for n in ("q", "k", "v", "dout"))
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            out = dilated_attention(q, k, v, **case["kwargs"], group=manager.sp_group)
+            out.backward(dout)
+            results.append([out.detach(), q.grad, k.grad, v.grad])
+            dist.all_reduce(torch.ones(1), group=manager.sp_dp_group)
+        first_ops, messages = list(rules.first_ops), len(rules.records)
+        manager.destroy()
+    return {"results": results, "error": None, "first_ops": first_ops, "messages": messages}
+
+
+def test_dilated_under_nccl_rules(dist_pool) -> None:
+    """Dilated attention at P = 3: segments inside a shard (no exchange), over one shard and over all
+    three (segment exchanges that leave the other ranks idle), ring and all-gather, exact."""
+    from test_dilated_dist import PATTERNS, _make_case, _reference
+
+    cases = [_make_case(7500 + i, 3, (6, 2), dict(segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode,
+                                                  head_layout="mixed"))
+             for i, ((ws, rs), mode, causal) in enumerate(itertools.product(PATTERNS[3], ("ring", "allgather"),
+                                                                            (False, True)))]
+    out = dist_pool.run(3, _dilated_under_rules, free_port(), cases, timeout=300)
+    _check_clean(out)
+    assert all(o["messages"] > 0 for o in out)  # the segment exchanges ran under the rules
+    for idx, case in enumerate(cases):
+        got = [torch.cat([out[r]["results"][idx][j] for r in range(3)], dim=2) for j in range(4)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, _reference(case)):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, n=name, kw=case["kwargs"]: f"{n} {kw}: {m}")
 
 
 def test_rules_catch_groups_set_up_lazily(dist_pool) -> None:
