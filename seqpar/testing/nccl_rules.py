@@ -166,12 +166,6 @@ class NcclRules:
     _batches: int = 0
 
     # ------------------------------------------------------------ rule 1: lazy set-up rendezvous
-    def group_key(self, group: Any) -> tuple[str, int]:
-        group = dist.group.WORLD if group is None else group
-        if group not in self.initialized:
-            self._set_up(group, "an operation")
-        return self.initialized[group]
-
     def _set_up(self, group: Any, what: str) -> None:
         name = str(group.group_name)
         incarnation = self._incarnations.get(name, 0)
