@@ -13,7 +13,10 @@ of their first exchange until the timeout. One small all-reduce per group at cre
 case for any backend (gloo connects at creation anyway; the fake backend makes it a no-op); the
 collectives run in creation order on every rank, the order ``new_group`` already imposes, so they
 cannot deadlock. A world created with ``device_id=`` (torch's eager NCCL init) is initialised by torch
-itself; the all-reduce then costs one tiny collective per group at start-up.
+itself; the all-reduce then costs one tiny collective per group at start-up. A group the user creates
+and passes as ``group=`` is the user's to initialise (``device_id=``, one collective, or the input digest
+of ``check_inputs=True``, a collective on the group before every call): seqpar keeps no per-rank record
+of the groups it has seen, since a record that differed across ranks could itself hang.
 
 Group families whose groups are single ranks (the model-parallel group today; the SP, DP, Ulysses or
 ring groups of a degenerate layout) cost one ``new_group(..., use_local_synchronization=True)`` per
