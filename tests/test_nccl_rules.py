@@ -11,7 +11,8 @@
   input digest sets the SP group up first).
 - The rules fail on each break: groups made without the eager set-up (the example hangs: the waiting
   ranks name the missing ones), one side of seqpar's ring batches reordered, a send buffer written
-  and a receive buffer read before ``wait()``.
+  (seqpar's ring backward with a stray write into an accumulator in flight) and a receive buffer read
+  before ``wait()``; and dilated attention's segment exchanges run under the rules too.
 """
 
 from __future__ import annotations
@@ -226,6 +227,44 @@ def test_rules_catch_a_reordered_batch(dist_pool) -> None:
     out = dist_pool.run(2, _run_under_rules, free_port(), cases, 1, reorder=True, timeout=120)
     for o in out:
         assert o["error"] and "pairs messages by order" in o["error"], o["error"]
+
+
+def _ring_backward_writes_early(rank: int, world: int, port: int, case: dict) -> str | None:
+    """Worker: the ring with a stray write into every dK/dV accumulator right after it is posted (the
+    break the backward's buffer reuse must never make); returns the rules' verdict on this rank."""
+    import seqpar.attn.ring as ring_module
+
+    store = _store(port, rank, world)
+    exchange = ring_module._exchange
+
+    def early_write(comm, tensors, out, channel, **kw):  # noqa: ANN001, ANN003, ANN202
+        pending = exchange(comm, tensors, out, channel, **kw)
+        if channel == 1 and kw.get("send", True):  # the travelling accumulators (ring._DKV), still in flight
+            tensors[0].add_(0.5)
+        return pending
+
+    manager, error = None, None
+    ring_module._exchange = early_write
+    try:
+        with nccl_rules(store, prefix="early-write"):
+            manager = seqpar.init_process_groups(sp_size=world)
+            _attend(rank, world, case, manager)
+    except NcclRuleError as e:
+        error = str(e)
+    finally:
+        ring_module._exchange = exchange
+    if manager is not None:
+        manager.destroy()
+    return error
+
+
+def test_rules_catch_a_ring_backward_write_before_wait(dist_pool) -> None:
+    """The backward reuses a sent accumulator only after its wait(); the break writes into it while in
+    flight, and every rank that forwards an accumulator is stopped, naming the send."""
+    case = _cases(3, "ring", (2, 1, 8), 7600, [(None, None)])[0]
+    out = dist_pool.run(3, _ring_backward_writes_early, free_port(), case, timeout=120)
+    for rank, error in enumerate(out):
+        assert error and "written between the post and its wait()" in error and "tag 16" in error, (rank, error)
 
 
 def _buffer_misuse(rank: int, world: int, port: int, misuse: str) -> dict:
