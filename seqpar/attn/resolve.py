@@ -188,6 +188,7 @@ def resolve_attention(
         extra = mask_digest(bounds, window, sinks)
         check_across_ranks(
             qb, kb, vb, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+            scale=scale,
             # the layout too: two ranks reading the same shapes two ways would exchange garbage
             extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout)],
         )
