@@ -1,0 +1,91 @@
+"""MLA latent transfer (issue 19 §3): the ring moves the compressed latent ``(c, r)`` and expands each
+block with ``kv_b_proj`` locally; output and every gradient (q, c, r, kv_b_proj's weight, sinks) equal a
+float64 single-process MLA attention on the full sequence, and the ring sends latent-sized blocks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from test_attention import shard_rows, unshard_rows
+from test_documents import boundaries, visible
+
+from seqpar.attn.common import AttentionOptions
+from seqpar.attn.latent import LatentRingAttention, MLADims
+from seqpar.comm.ring import ThreadRing
+
+DIMS = MLADims(heads=4, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, kv_lora_rank=7)
+
+
+def make_case(seed: int, seq: int, dims: MLADims = DIMS, sinks: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    h, dn, dr, dv, rank = dims.heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, dims.kv_lora_rank
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return {"q": rnd(1, h, seq, dn + dr), "c": rnd(1, 1, seq, rank), "r": rnd(1, 1, seq, dr),
+            "w": rnd(h * (dn + dv), rank) / rank ** 0.5, "dout": rnd(1, h, seq, dv),
+            "sinks": rnd(h) if sinks else None}
+
+
+def reference(case: dict, causal: bool, window: int | None, cu: list[int] | None) -> list[torch.Tensor]:
+    """float64 MLA attention written out: expand the latent, masked softmax, every gradient."""
+    d = DIMS
+    q, c, r, w = (case[n].clone().requires_grad_() for n in "qcrw")
+    seq = q.shape[2]
+    kv = (c.squeeze(1) @ w.t()).view(1, seq, d.heads, -1).transpose(1, 2)
+    k = torch.cat([kv[..., :d.qk_nope_head_dim], r.expand(1, d.heads, seq, -1)], -1)
+    v = kv[..., d.qk_nope_head_dim:]
+    s = (q @ k.transpose(-1, -2)) * 0.3
+    s = s.masked_fill(~visible(seq, causal, window, cu), float("-inf"))
+    leaves = [q, c, r, w]
+    if case["sinks"] is not None:
+        sinks = case["sinks"].clone().requires_grad_()
+        leaves.append(sinks)
+        p = torch.softmax(torch.cat([s, sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    out = p @ v
+    return [out.detach(), *torch.autograd.grad(out, leaves, case["dout"])]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_latent_ring_exact(world: int) -> None:
+    """P virtual ranks (ThreadRing): contiguous and zigzag, causal or not, documents, a window, sinks."""
+    seq = 12 * 2 * world
+    variants = [(None, None, False), (None, 0, True), (5, 1, False)]  # (window, docs, sinks)
+    for i, (sharding, causal, (window, docs, sinks)) in enumerate(
+        itertools.product(("contiguous", "zigzag"), (False, True), variants)
+    ):
+        case = make_case(100 * world + i, seq, sinks=sinks)
+        cu = None if docs is None else boundaries(seq, world, docs)
+        want = reference(case, causal, window, cu)
+        opts = AttentionOptions(causal=causal, scale=0.3, sharding=sharding, window=window,
+                                cu_seqlens=None if cu is None else tuple(cu))
+
+        def body(comm, case=case, opts=opts, sharding=sharding):  # noqa: ANN001, ANN202
+            q, c, r, dout = (shard_rows(case[n], comm.rank, world, sharding).clone().requires_grad_()
+                             for n in ("q", "c", "r", "dout"))
+            w = case["w"].clone().requires_grad_()
+            sk = None if case["sinks"] is None else case["sinks"].clone().requires_grad_()
+            out = LatentRingAttention.apply(q, c, r, w, comm, opts, DIMS, sk)
+            grads = torch.autograd.grad(out, [q, c, r, w] + ([sk] if sk is not None else []), dout.detach())
+            return [out.detach(), *grads], comm.bytes_sent
+
+        results = ThreadRing(world, timeout=60).run(body)
+        per_rank = [res[0] for res in results]
+        label = f"P={world} {sharding} causal={causal} window={window} docs={docs} sinks={sinks}"
+        names = ["out", "dq", "dc", "dr", "dw", "dsinks"]
+        for j, name in enumerate(names[: len(want)]):
+            if name in ("dw", "dsinks"):  # replicated: each rank holds its share
+                got = sum(per_rank[rk][j] for rk in range(world))
+            else:
+                got = unshard_rows([per_rank[rk][j] for rk in range(world)], world, sharding)
+            torch.testing.assert_close(got, want[j], rtol=1e-10, atol=1e-10, msg=lambda s, n=name, lb=label: f"{lb} {n}: {s}")
+        if window is None and docs is None and world > 1:
+            # dense ring, per rank: P-1 latent blocks forward, P-1 latent blocks and P-1 latent gradient
+            # accumulators (fp32, here float64 as the data) backward; nothing expanded travels
+            block = seq // world * DIMS.latent_width * 8
+            assert all(res[1] == 3 * (world - 1) * block for res in results), [res[1] for res in results]
