@@ -73,8 +73,10 @@ def _tokens(packed: bool) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (SEQ,), generator=g)]
 
 
-def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool) -> float:
-    """Worker: the swapped model on this rank's shard against the one-process reference."""
+def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool,
+            transfer: str = "latent") -> float:
+    """Worker: the swapped model on this rank's shard against the one-process reference
+    (``transfer``: the ring's MLA transfer, latent or expanded K/V)."""
     docs = _tokens(packed)
     ref_loss, ref_grads = _reference(name, docs)
     group = dist.group.WORLD
@@ -82,8 +84,13 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
         seqpar.init_process_groups(sp_size=world, ulysses_size=2)
         group = None
     model = tiny_mla(name)
-    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding,
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding, mla_transfer=transfer,
                                        ulysses_size=2 if mode == "hybrid" else 1), group=group)
+    stashes = []
+    if mode == "ring" and transfer == "latent":  # the latent path really runs: count its stashes
+        for module in model.modules():
+            if hasattr(module, "_seqpar_expand_kv"):
+                module.register_forward_hook(lambda m, a, o: stashes.append("_seqpar_latent" in m.__dict__))
     if packed:
         batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
             [{"input_ids": d.tolist()} for d in docs])
@@ -92,6 +99,10 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     local = shard_batch(batch, group=dist.group.WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
+    if mode == "ring" and transfer == "latent":
+        layers = model.config.num_hidden_layers
+        assert stashes == [False] * layers, stashes  # each layer's latent was taken by its ring call
+        assert all(m._seqpar_latent_ok for m in model.modules() if hasattr(m, "_seqpar_expand_kv"))
     assert abs(float(out.loss.detach()) - ref_loss) <= RTOL * abs(ref_loss), (float(out.loss.detach()), ref_loss)
     worst = 0.0
     scale = max(float(g.abs().max()) for g in ref_grads.values())  # the model's gradient scale
@@ -105,17 +116,21 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     return worst
 
 
-CASES = [  # (world, mode, sharding, packed)
-    (2, "ring", "zigzag", False), (2, "ring", "contiguous", True), (2, "allgather", "zigzag", True),
-    (2, "ulysses", "zigzag", True), (4, "ring", "zigzag", True), (4, "allgather", "contiguous", False),
-    (4, "ulysses", "contiguous", True), (4, "hybrid", "zigzag", True),
+CASES = [  # (world, mode, sharding, packed, ring transfer)
+    (2, "ring", "zigzag", False, "latent"), (2, "ring", "contiguous", True, "latent"),
+    (2, "ring", "zigzag", True, "expanded"), (2, "allgather", "zigzag", True, "latent"),
+    (2, "ulysses", "zigzag", True, "latent"), (4, "ring", "zigzag", True, "latent"),
+    (4, "ring", "contiguous", False, "expanded"), (4, "allgather", "contiguous", False, "latent"),
+    (4, "ulysses", "contiguous", True, "latent"), (4, "hybrid", "zigzag", True, "latent"),
 ]
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "minicpm3"])
 def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
-    for world, mode, sharding, packed in CASES:
-        if name != "deepseek_v3" and (world, mode) not in ((2, "ring"), (4, "ulysses")):
-            continue  # the other families: one SP=2 and one SP=4 run each
-        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, timeout=300)
-        assert max(worst) < 1e-5, (name, world, mode, worst)
+    """The ring's latent transfer (the default) and expanded K/V, and every other mode."""
+    for world, mode, sharding, packed, transfer in CASES:
+        if name != "deepseek_v3" and (world, mode, transfer) not in ((2, "ring", "latent"), (4, "ring", "latent"),
+                                                                      (4, "ulysses", "latent")):
+            continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
+        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
+        assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
