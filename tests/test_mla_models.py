@@ -134,3 +134,41 @@ def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
             continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
         worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
         assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
+
+
+def _ring_bytes(rank: int, world: int, transfer: str) -> int:
+    """Worker: point-to-point bytes this rank sends in one forward + backward of DeepSeek-V3 (plain
+    batch, contiguous, dense causal ring) with the given MLA transfer."""
+    from seqpar.testing.traffic import counting
+
+    docs = _tokens(False)
+    model = tiny_mla("deepseek_v3")
+    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding="contiguous", mla_transfer=transfer,
+                                       check_inputs=False), group=dist.group.WORLD)
+    local = shard_batch({"input_ids": docs[0][None], "labels": docs[0][None].clone()},
+                        group=dist.group.WORLD, sharding="contiguous")
+    with counting(world) as traffic:
+        model(**local).loss.backward()
+    return traffic.p2p_bytes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_latent_ring_bytes_per_layer(dist_pool, world: int) -> None:
+    """Bytes per rank counted at torch.distributed's entry (seqpar.testing.traffic) against
+    seqpar.attn.latent.ring_bytes_per_rank for both transfers: the two runs differ by exactly
+    layers x (expanded - latent), and what is left beyond the attention rings (the loss's label
+    shift) is the same small amount in both."""
+    from seqpar.attn.latent import MLADims, ring_bytes_per_rank
+
+    cfg = tiny_mla("deepseek_v3").config
+    dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                   cfg.kv_lora_rank)
+    theory = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world, transfer=t,
+                                                             elem_bytes=8, acc_bytes=8)
+              for t in ("latent", "expanded")}
+    counted = {t: dist_pool.run(world, _ring_bytes, t, timeout=300) for t in ("latent", "expanded")}
+    for rank in range(world):
+        rest = {t: counted[t][rank] - theory[t] for t in theory}
+        assert rest["latent"] == rest["expanded"], (rank, counted, theory)
+        assert 0 <= rest["latent"] < theory["latent"] / 10, (rank, counted, theory)
+    assert theory["expanded"] == theory["latent"] * dims.expanded_width // dims.latent_width

@@ -36,7 +36,12 @@ from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.ring import RingExchange
 from seqpar.kernels import in_layout_of, output_like, sink_grad
 
-__all__ = ["MLADims", "MLAExpander", "LatentRingAttention", "latent_bytes_per_token", "expanded_bytes_per_token"]
+__all__ = [
+    "MLADims", "MLAExpander", "LatentRingAttention", "latent_bytes_per_token", "expanded_bytes_per_token",
+    "ring_bytes_per_rank", "TRANSFERS",
+]
+
+TRANSFERS = ("latent", "expanded")
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,21 @@ def latent_bytes_per_token(dims: MLADims, elem_bytes: int) -> int:
 def expanded_bytes_per_token(dims: MLADims, elem_bytes: int) -> int:
     """Bytes of one token's expanded K and V."""
     return dims.expanded_width * elem_bytes
+
+
+def ring_bytes_per_rank(
+    dims: MLADims, *, seq_local: int, world: int, transfer: str, elem_bytes: int, batch: int = 1,
+    acc_bytes: int = 4,
+) -> int:
+    """Bytes one rank sends for one layer over a dense ring (no documents or window), forward +
+    backward: P-1 blocks forward, the same P-1 blocks again in the backward and P-1 travelling
+    gradient accumulators (``acc_bytes`` per value: fp32, fp64 for fp64 inputs), each block
+    ``batch * seq_local`` tokens of ``dims.latent_width`` values (``transfer="latent"``) or
+    ``dims.expanded_width`` (``"expanded"``: K and V)."""
+    if transfer not in TRANSFERS:
+        raise ValueError(f"transfer={transfer!r} is invalid: choose one of {list(TRANSFERS)}")
+    width = dims.latent_width if transfer == "latent" else dims.expanded_width
+    return (world - 1) * batch * seq_local * width * (2 * elem_bytes + acc_bytes)
 
 
 class MLAExpander:
