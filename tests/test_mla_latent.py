@@ -89,3 +89,36 @@ def test_latent_ring_exact(world: int) -> None:
             # accumulators (fp32, here float64 as the data) backward; nothing expanded travels
             block = seq // world * DIMS.latent_width * 8
             assert all(res[1] == 3 * (world - 1) * block for res in results), [res[1] for res in results]
+
+
+def test_latent_ring_on_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The expansion and its reduction on fake CUDA tensors (H100 capabilities), DeepSeek-V3's dims at
+    a few tokens: every op has a CUDA schema and no host sync; shapes and dtypes of out, dq, dc, dr, dW.
+    fp32 (the efficient kernel): with bf16 the merge copies the kernel's output into the fp32
+    accumulator, and ``copy_`` of any fake CUDA tensor raises on a CPU-only build (the bf16 kernels
+    themselves: tests/test_mla_dims.py)."""
+    dtype = torch.float32
+    from test_cuda_fake import H100
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import seqpar.kernels.backends as backends
+    from seqpar.attn.common import SingleRank
+    from seqpar.attn.latent import MLAExpander
+    from seqpar.attn.ring import ring_backward, ring_forward
+
+    monkeypatch.setattr(backends, "device_caps", lambda device: H100)
+    dims = MLADims(heads=16, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, kv_lora_rank=512)
+    opts = AttentionOptions(causal=True, scale=192**-0.5)
+    with FakeTensorMode():
+        q = torch.empty(1, 16, 32, 192, device="cuda", dtype=dtype)
+        c = torch.empty(1, 1, 32, 512, device="cuda", dtype=dtype)
+        r = torch.empty(1, 1, 32, 64, device="cuda", dtype=dtype)
+        w = torch.empty(16 * 256, 512, device="cuda", dtype=dtype)
+        dout = torch.empty(1, 16, 32, 128, device="cuda", dtype=dtype)
+        out_acc, lse = ring_forward(q, c, r, SingleRank(), opts, expander=MLAExpander(w, dims))
+        expander = MLAExpander(w, dims)
+        dq, dc, dr = ring_backward(dout, q, c, r, out_acc.to(dtype), lse, SingleRank(), opts, expander=expander)
+        assert out_acc.shape == (1, 16, 32, 128) and out_acc.device.type == "cuda"
+        assert (dq.shape, dc.shape, dr.shape) == (q.shape, c.shape, r.shape)
+        assert dq.dtype == dc.dtype == dr.dtype == dtype
+        assert expander.grad_weight.shape == w.shape and expander.grad_weight.dtype == torch.float32

@@ -107,9 +107,8 @@ class MLAExpander:
         b, _, n, _ = c.shape
         kv = torch.matmul(c.squeeze(1), self.weight.t().to(c.dtype))  # (B, L, H * (d_nope + d_v))
         kv = kv.view(b, n, d.heads, d.qk_nope_head_dim + d.v_head_dim).transpose(1, 2)  # (B, H, L, d_nope + d_v)
-        k = kv.new_empty(b, d.heads, n, d.qk_nope_head_dim + d.qk_rope_head_dim)
-        k.narrow(-1, 0, d.qk_nope_head_dim).copy_(kv.narrow(-1, 0, d.qk_nope_head_dim))
-        k.narrow(-1, d.qk_nope_head_dim, d.qk_rope_head_dim).copy_(r.expand(b, d.heads, n, d.qk_rope_head_dim))
+        # one cat, not copies into narrowed views of an empty k (those raise on fake CUDA tensors)
+        k = torch.cat((kv.narrow(-1, 0, d.qk_nope_head_dim), r.expand(b, d.heads, n, d.qk_rope_head_dim)), dim=-1)
         return k, kv.narrow(-1, d.qk_nope_head_dim, d.v_head_dim)
 
     def reduce(self, c: Tensor, r: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
