@@ -258,8 +258,8 @@ class SeqParConfig:
     ``kv_b_proj`` by each rank: 71x fewer bytes than its 40960 expanded K/V values, exact) or
     ``"expanded"`` (K and V as the model computes them, as for any other model). Default
     ``"latent"``: same result, far fewer bytes, and the extra work (one ``kv_b_proj`` matmul per
-    block) is ``kv_lora_rank / seq_local`` of the block's attention. Only ``mode="ring"`` moves
-    latents; the other modes, and a layer whose ``expand_kv`` does not match the latent expansion
+    block) is ``kv_lora_rank / seq_local`` of the block's attention. ``mode="ring"`` and
+    ``"allgather"`` move latents; Ulysses and hybrid, and a layer whose ``expand_kv`` does not match the latent expansion
     (checked once per layer), use the expanded K/V."""
     swap: str | tuple[str, ...] = "auto"
     """What attention to replace in a model: ``"auto"`` (Hugging Face attention interface, modules

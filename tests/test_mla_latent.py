@@ -122,3 +122,47 @@ def test_latent_ring_on_fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         assert (dq.shape, dc.shape, dr.shape) == (q.shape, c.shape, r.shape)
         assert dq.dtype == dc.dtype == dr.dtype == dtype
         assert expander.grad_weight.shape == w.shape and expander.grad_weight.dtype == torch.float32
+
+
+def _allgather_worker(rank: int, world: int, cases: list[dict]) -> list:
+    """Worker: LatentAllGatherAttention on this rank's shard of each case."""
+    import torch.distributed as dist
+
+    from seqpar.attn.latent import LatentAllGatherAttention
+
+    results = []
+    for case in cases:
+        sharding = case["sharding"]
+        q, c, r, dout = (shard_rows(case[n], rank, world, sharding).clone().requires_grad_()
+                         for n in ("q", "c", "r", "dout"))
+        w = case["w"].clone().requires_grad_()
+        sk = None if case["sinks"] is None else case["sinks"].clone().requires_grad_()
+        out = LatentAllGatherAttention.apply(q, c, r, w, dist.group.WORLD, case["opts"], DIMS, sk)
+        results.append([out.detach(), *torch.autograd.grad(out, [q, c, r, w] + ([sk] if sk is not None else []),
+                                                           dout.detach())])
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_latent_allgather_exact(dist_pool, world: int) -> None:
+    """The all-gather moving latents (backward: latent gradients reduce-scattered), gloo ranks."""
+    seq = 12 * 2 * world
+    cases, meta = [], []
+    for i, (sharding, causal, (window, docs, sinks)) in enumerate(
+        itertools.product(("contiguous", "zigzag"), (False, True), [(None, None, False), (5, 0, True)])
+    ):
+        case = make_case(500 * world + i, seq, sinks=sinks)
+        cu = None if docs is None else boundaries(seq, world, docs)
+        case.update(sharding=sharding, opts=AttentionOptions(causal=causal, scale=0.3, sharding=sharding,
+                                                             window=window, cu_seqlens=None if cu is None else tuple(cu)))
+        cases.append(case)
+        meta.append((causal, window, cu, f"P={world} {sharding} causal={causal} window={window} docs={docs}"))
+    per_rank = dist_pool.run(world, _allgather_worker, cases, timeout=300)
+    for idx, (case, (causal, window, cu, label)) in enumerate(zip(cases, meta)):
+        want = reference(case, causal, window, cu)
+        for j, name in enumerate(["out", "dq", "dc", "dr", "dw", "dsinks"][: len(want)]):
+            if name in ("dw", "dsinks"):
+                got = sum(per_rank[rk][idx][j] for rk in range(world))
+            else:
+                got = unshard_rows([per_rank[rk][idx][j] for rk in range(world)], world, case["sharding"])
+            torch.testing.assert_close(got, want[j], rtol=1e-10, atol=1e-10, msg=lambda s, n=name, lb=label: f"{lb} {n}: {s}")

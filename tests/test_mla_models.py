@@ -87,7 +87,7 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding, mla_transfer=transfer,
                                        ulysses_size=2 if mode == "hybrid" else 1), group=group)
     stashes = []
-    if mode == "ring" and transfer == "latent":  # the latent path really runs: count its stashes
+    if mode in ("ring", "allgather") and transfer == "latent":  # the latent path runs: count its stashes
         for module in model.modules():
             if hasattr(module, "_seqpar_expand_kv"):
                 module.register_forward_hook(lambda m, a, o: stashes.append("_seqpar_latent" in m.__dict__))
@@ -99,7 +99,7 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     local = shard_batch(batch, group=dist.group.WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
-    if mode == "ring" and transfer == "latent":
+    if mode in ("ring", "allgather") and transfer == "latent":
         layers = model.config.num_hidden_layers
         assert stashes == [False] * layers, stashes  # each layer's latent was taken by its ring call
         assert all(m._seqpar_latent_ok for m in model.modules() if hasattr(m, "_seqpar_expand_kv"))
@@ -121,6 +121,7 @@ CASES = [  # (world, mode, sharding, packed, ring transfer)
     (2, "ring", "zigzag", True, "expanded"), (2, "allgather", "zigzag", True, "latent"),
     (2, "ulysses", "zigzag", True, "latent"), (4, "ring", "zigzag", True, "latent"),
     (4, "ring", "contiguous", False, "expanded"), (4, "allgather", "contiguous", False, "latent"),
+    (2, "allgather", "contiguous", False, "expanded"),
     (4, "ulysses", "contiguous", True, "latent"), (4, "hybrid", "zigzag", True, "latent"),
 ]
 
@@ -136,28 +137,33 @@ def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
         assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
 
 
-def _ring_bytes(rank: int, world: int, transfer: str) -> int:
-    """Worker: point-to-point bytes this rank sends in one forward + backward of DeepSeek-V3 (plain
-    batch, contiguous, dense causal ring) with the given MLA transfer."""
+def _ring_bytes(rank: int, world: int, transfer: str, mode: str = "ring") -> int:
+    """Worker: bytes this rank sends (point-to-point for the ring, collectives for the all-gather) in
+    one forward + backward of DeepSeek-V3 (plain batch, contiguous, dense causal) with the given MLA
+    transfer."""
     from seqpar.testing.traffic import counting
 
     docs = _tokens(False)
     model = tiny_mla("deepseek_v3")
-    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding="contiguous", mla_transfer=transfer,
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding="contiguous", mla_transfer=transfer,
                                        check_inputs=False), group=dist.group.WORLD)
     local = shard_batch({"input_ids": docs[0][None], "labels": docs[0][None].clone()},
                         group=dist.group.WORLD, sharding="contiguous")
     with counting(world) as traffic:
         model(**local).loss.backward()
-    return traffic.p2p_bytes
+    if mode == "ring":
+        return traffic.p2p_bytes
+    # the all-gathers and reduce-scatters of attention (the loss's all-reduces are the same in both runs)
+    return traffic.collective_bytes
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_latent_ring_bytes_per_layer(dist_pool, world: int) -> None:
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (4, "ring"), (4, "allgather")])
+def test_latent_ring_bytes_per_layer(dist_pool, world: int, mode: str) -> None:
     """Bytes per rank counted at torch.distributed's entry (seqpar.testing.traffic) against
     seqpar.attn.latent.ring_bytes_per_rank for both transfers: the two runs differ by exactly
     layers x (expanded - latent), and what is left beyond the attention rings (the loss's label
-    shift) is the same small amount in both."""
+    shift, the loss's all-reduces) is the same in both. The all-gather moves the same volume as the ring:
+    P-1 blocks gathered forward and again backward, P-1 gradient blocks reduce-scattered."""
     from seqpar.attn.latent import MLADims, ring_bytes_per_rank
 
     cfg = tiny_mla("deepseek_v3").config
@@ -166,9 +172,9 @@ def test_latent_ring_bytes_per_layer(dist_pool, world: int) -> None:
     theory = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world, transfer=t,
                                                              elem_bytes=8, acc_bytes=8)
               for t in ("latent", "expanded")}
-    counted = {t: dist_pool.run(world, _ring_bytes, t, timeout=300) for t in ("latent", "expanded")}
+    counted = {t: dist_pool.run(world, _ring_bytes, t, mode, timeout=300) for t in ("latent", "expanded")}
     for rank in range(world):
         rest = {t: counted[t][rank] - theory[t] for t in theory}
         assert rest["latent"] == rest["expanded"], (rank, counted, theory)
-        assert 0 <= rest["latent"] < theory["latent"] / 10, (rank, counted, theory)
+        assert 0 <= rest["latent"] < theory["latent"] / (10 if mode == "ring" else 1), (rank, counted, theory)
     assert theory["expanded"] == theory["latent"] * dims.expanded_width // dims.latent_width

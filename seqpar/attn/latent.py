@@ -1,4 +1,5 @@
-"""MLA latent transfer: the ring moves each block's compressed latent instead of its expanded K/V.
+"""MLA latent transfer: the ring (or all-gather) moves each block's compressed latent instead of its
+expanded K/V.
 
 Multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, MiniCPM3) computes every head's K
 and V from one small per-token latent: ``c`` (``kv_lora_rank`` values, after the model's norm) and a
@@ -29,15 +30,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions
 from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.ring import RingExchange
 from seqpar.kernels import in_layout_of, output_like, sink_grad
 
 __all__ = [
-    "MLADims", "MLAExpander", "LatentRingAttention", "latent_bytes_per_token", "expanded_bytes_per_token",
+    "MLADims", "MLAExpander", "LatentRingAttention", "LatentAllGatherAttention", "latent_bytes_per_token", "expanded_bytes_per_token",
     "ring_bytes_per_rank", "TRANSFERS",
 ]
 
@@ -151,6 +154,32 @@ class LatentRingAttention(torch.autograd.Function):
         q, c, r, weight, out, lse, sinks = ctx.saved_tensors
         expander = MLAExpander(weight, ctx.dims)
         dq, dc, dr = ring_backward(dout, q, c, r, out, lse, ctx.comm, ctx.opts, expander=expander)
+        d_weight = expander.grad_weight.to(weight.dtype)
+        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+        return dq, dc, dr, d_weight, None, None, None, dsinks
+
+
+class LatentAllGatherAttention(torch.autograd.Function):
+    """All-gather attention whose blocks are gathered as MLA latents and expanded per block (the
+    backward reduce-scatters latent gradients); gradients as :class:`LatentRingAttention`'s."""
+
+    @staticmethod
+    def forward(  # noqa: ANN001
+        ctx, q: Tensor, c: Tensor, r: Tensor, weight: Tensor, group: dist.ProcessGroup, opts: AttentionOptions,
+        dims: MLADims, sinks: Tensor | None = None,
+    ) -> Tensor:
+        opts = replace(opts, head_chunks=1)  # every head reads the one latent: no head passes
+        out_acc, lse = allgather_forward(q, c, r, group, opts, sinks, expander=MLAExpander(weight, dims))
+        out = output_like(q, dims.v_head_dim).copy_(out_acc)
+        ctx.save_for_backward(q, c, r, weight, out, lse, sinks)
+        ctx.group, ctx.opts, ctx.dims = group, opts, dims
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
+        q, c, r, weight, out, lse, sinks = ctx.saved_tensors
+        expander = MLAExpander(weight, ctx.dims)
+        dq, dc, dr = allgather_backward(dout, q, c, r, out, lse, ctx.group, ctx.opts, expander=expander)
         d_weight = expander.grad_weight.to(weight.dtype)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq, dc, dr, d_weight, None, None, None, dsinks

@@ -4,11 +4,11 @@ transformers 5.x MLA attention modules (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, Mini
 with ``key, value = self.expand_kv(kv_nope, k_rot)`` from the normalised latent ``kv_nope`` ``(batch, 1,
 seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rope_head_dim)``, and pass
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
-attribute): when the layer's call will run the ring (``mode="ring"``, more than one SP rank, the dense
-pattern), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
+attribute): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
+``"allgather"``, more than one SP rank, the dense pattern), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
 (broadcast views, no storage); seqpar's attention function takes the latent back
 (:func:`take_latent`, matching the stand-in by identity) and runs
-:class:`~seqpar.attn.latent.LatentRingAttention`. Otherwise ``expand_kv`` runs as the model wrote it.
+:class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``). Otherwise ``expand_kv`` runs as the model wrote it.
 
 The wrapper checks once per layer (host sync once), on a fixed seeded input, that the layer's own
 ``expand_kv`` equals the latent expansion seqpar does (:class:`~seqpar.attn.latent.MLAExpander`); a
@@ -87,8 +87,8 @@ def _matches(module: nn.Module, original: Callable, dims: MLADims) -> bool:
 
 
 def _ring_will_run(options: Any) -> bool:
-    """The layer's call will be the ring over more than one rank (the only latent path)."""
-    if options.mode != "ring" or options.pattern.type != "dense":
+    """The layer's call will be the ring or the all-gather over more than one rank (the latent paths)."""
+    if options.mode not in ("ring", "allgather") or options.pattern.type != "dense":
         return False
     group = resolve_group(options.group)
     return group is not None and dist.get_world_size(group) > 1

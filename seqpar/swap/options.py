@@ -157,10 +157,10 @@ class SwapOptions:
         """seqpar attention of an MLA layer whose K/V stay latent (:mod:`seqpar.swap.mla`): q ``(batch,
         heads, seq_local, d_nope + d_rope)`` and the layer call's :class:`~seqpar.swap.mla.LatentCall`
         -> ``(batch, heads, seq_local, v_head_dim)``. The call is resolved as :meth:`attention`
-        resolves it (the stand-in K/V give the shapes); the ring then moves the latent
-        (:class:`~seqpar.attn.latent.LatentRingAttention`), any other plan gets the expanded K/V."""
+        resolves it (the stand-in K/V give the shapes); the ring or the all-gather then moves the latent
+        (:mod:`seqpar.attn.latent`), any other plan gets the expanded K/V."""
         from seqpar.attn.dispatch import run_attention
-        from seqpar.attn.latent import LatentRingAttention
+        from seqpar.attn.latent import LatentAllGatherAttention, LatentRingAttention
         from seqpar.attn.resolve import resolve_attention
         from seqpar.comm.ring import RingComm
 
@@ -173,7 +173,7 @@ class SwapOptions:
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
                 head_chunks=self.head_chunks, layout="bhsd", **masked,
             )
-            if plan.algorithm != "ring":
+            if plan.algorithm not in ("ring", "allgather"):
                 k, v = call.expand(call.c, call.r)
                 return run_attention(plan, q, k, v, sinks)
             if self.check_finite:
@@ -181,8 +181,12 @@ class SwapOptions:
 
                 check_finite({"query": q, "latent": call.c, "rope key": call.r}, self.group,
                              f"layer {layer or '?'} attention inputs")
-            out = LatentRingAttention.apply(q, call.c, call.r, call.weight, RingComm(plan.group), plan.opts,
-                                            call.dims, sinks)
+            if plan.algorithm == "ring":
+                out = LatentRingAttention.apply(q, call.c, call.r, call.weight, RingComm(plan.group), plan.opts,
+                                                call.dims, sinks)
+            else:
+                out = LatentAllGatherAttention.apply(q, call.c, call.r, call.weight, plan.group, plan.opts,
+                                                     call.dims, sinks)
             if self.check_finite:
                 check_finite({"output": out}, self.group, f"layer {layer or '?'} attention output")
             return out
