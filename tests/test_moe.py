@@ -61,12 +61,18 @@ def make(family: str, **overrides: object):  # noqa: ANN201
     return model
 
 
-def _batch(seq: int, packed: bool) -> dict:
+def _batch(seq: int, packed: bool, right_padded: bool = False) -> dict:
+    """``seq`` = 14 (and 15 packed) is not a multiple of 2 x SP: shard_batch pads the end, and the
+    router statistics must skip those pads as one process never sees them."""
     g = torch.Generator().manual_seed(11)
     if not packed:
         ids = torch.randint(0, VOCAB, (2, seq), generator=g)
-        return {"input_ids": ids, "labels": ids.clone()}
-    lengths = (5, 1, 7, 3)  # 16 tokens: a multiple of 2 x SP for SP 2 and 4 (no end padding)
+        if not right_padded:
+            return {"input_ids": ids, "labels": ids.clone()}
+        mask = torch.ones_like(ids)
+        mask[1, seq - 5:] = 0  # the second row is 5 tokens shorter (right padding, as tokenizers pad)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    lengths = (5, 1, 7, 2)  # 15 tokens
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     return collate([{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in lengths])
 
@@ -130,8 +136,9 @@ def assert_grads(model, ref_grads: dict, world: int, where: str) -> None:
                                    msg=lambda m, name=name: f"{where}: grad of {name}: {m}")
 
 
-def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bool) -> tuple[float, float]:
-    batch = _batch(16, packed)
+def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bool,
+                   right_padded: bool = False) -> tuple[float, float]:
+    batch = _batch(14, packed, right_padded)
     ref = make(family)
     ref_loss, ref_grads, ref_aux = _reference(_with_ce(ref) if packed else ref, batch, packed)
     model = make(family)
@@ -139,7 +146,7 @@ def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bo
     local = shard_batch(batch, group=WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
-    where = f"{family} SP={world} {sharding}{' packed' if packed else ''}"
+    where = f"{family} SP={world} {sharding}{' packed' if packed else ''}{' right-padded' if right_padded else ''}"
     torch.testing.assert_close(out.aux_loss.detach(), ref_aux, rtol=1e-5, atol=0, msg=lambda m: f"{where} aux: {m}")
     torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}")
     assert_grads(model, ref_grads, world, where)
@@ -166,6 +173,13 @@ def test_router_losses_exact_packed(dist_pool, family: str, world: int) -> None:
     dist_pool.run(world, _family_parity, family, "zigzag", True, timeout=300)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_router_losses_exact_right_padded(dist_pool, world: int) -> None:
+    """A right-padded batch (attention_mask zeros): one process leaves the pads out of the router
+    statistics (transformers weights them by the mask); so does SP, and SP=1 through shard_batch."""
+    dist_pool.run(world, _family_parity, "mixtral", "zigzag", False, True, timeout=300)
+
+
 def test_router_loss_forms_are_recognised() -> None:
     """Every installed decoder's load_balancing_loss_func is one seqpar knows (probed by value and
     gradient against its own form); the encoder-decoders' (not swapped: no decoder-only LM) are not."""
@@ -187,7 +201,7 @@ def test_router_loss_forms_are_recognised() -> None:
 
 
 def test_one_process_and_unswapped_models_keep_transformers_loss() -> None:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
     ref = make("mixtral")
     want = ref(**batch)
     model = make("mixtral")
@@ -248,7 +262,7 @@ def _bamba(dtype: torch.dtype = torch.float32):  # noqa: ANN202
 
 
 def _bamba_parity(rank: int, world: int) -> None:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
     ref = _bamba(torch.float64)
     out = ref(**batch)
     out.loss.backward()
@@ -281,7 +295,7 @@ def _glm4_moe():  # noqa: ANN202
 
 
 def _counts(rank: int, world: int) -> dict[str, list[int]]:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
     alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     ref = _glm4_moe()
     ref_counter = moe.ExpertCounter(ref, group=alone[rank])  # one process: its own group of one
@@ -294,7 +308,7 @@ def _counts(rank: int, world: int) -> dict[str, list[int]]:
     assert set(counter.counts) == set(ref_counter.counts) and len(counter.counts) == 2, counter.counts
     for name, counts in counter.counts.items():
         assert torch.equal(counts, ref_counter.counts[name]), (name, counts, ref_counter.counts[name])
-        assert int(counts.sum()) == 2 * 16 * 2  # every token of the batch, top-2
+        assert int(counts.sum()) == 2 * 14 * 2  # every token of the batch, top-2 (not the end pads)
     model(**local)  # accumulates until reset
     assert all(torch.equal(c, 2 * ref_counter.counts[n]) for n, c in counter.counts.items())
     counter.reset()
