@@ -411,3 +411,12 @@ def test_architecture_key_selects_the_config_class(tmp_path):
         _plan_of(tmp_path, "fsdp_ring.json", lambda c: c["model"].update(num_local_experts=4))
     with pytest.raises(ConfigError, match=r"model.architecture = 'mixtrel' is not a transformers model type.*mixtral"):
         _plan_of(tmp_path, "deepspeed_moe.json", lambda c: c["model"].update(architecture="mixtrel"))
+
+
+def test_mla_architecture_sp2_matches_sp1(dist_pool):
+    """``"model": {"architecture": "deepseek_v3", ...}``: MLA attention (Q/K head dim 16, V's 8) and
+    DeepSeek-V3's group-limited MoE routing; SP=2 gives the losses of SP=1."""
+    extra = ("--seq-len", "64", "--steps", "3")
+    ref = _reference(dist_pool, "deepspeed_mla.json", extra)
+    got = _losses(dist_pool, 2, ["--config", _config("deepspeed_mla.json"), "--sp-size", "2", *SHORT, *extra])
+    _close(got, ref)
