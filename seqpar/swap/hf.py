@@ -46,6 +46,12 @@ attention call (Mistral: every layer; Qwen2, Gemma 2/3, GPT-OSS: the ``"sliding_
 of ``layer_types``, ``None`` for full layers) becomes ``window`` (causal: the same number; bidirectional:
 one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=``.
 
+MoE router losses (``output_router_logits``) and Bamba's z-loss are made those of the whole sequence
+by :mod:`seqpar.swap.moe` (installed by :func:`apply`); the input preparer hands it the batch's
+``seqpar_token_mask`` (padding to leave out of the router statistics) and removes it from the call.
+A sliding-window mask reaches the attention function as a :class:`WindowMask`, so layers that leave
+the window to the mask (PhiMoE) run it too.
+
 Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
 soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
 config, attention dropout in training.
