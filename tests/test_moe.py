@@ -294,13 +294,32 @@ def _glm4_moe():  # noqa: ANN202
     return model
 
 
-def _counts(rank: int, world: int) -> dict[str, list[int]]:
+def _deepseek_v3():  # noqa: ANN202
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=1, first_k_dense_replace=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.1)
+    return model
+
+
+_COUNTED = {"glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3}
+
+
+def _counts(rank: int, world: int, family: str = "glm4_moe") -> dict[str, list[int]]:
     batch = _batch(14, False)
     alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    ref = _glm4_moe()
+    build = _COUNTED[family]
+    ref = build()
     ref_counter = moe.ExpertCounter(ref, group=alone[rank])  # one process: its own group of one
     ref(**batch)
-    model = _glm4_moe()
+    model = build()
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
     counter = moe.ExpertCounter(model, group=WORLD)
     local = shard_batch(batch, group=WORLD, sharding="zigzag")
@@ -316,8 +335,10 @@ def _counts(rank: int, world: int) -> dict[str, list[int]]:
     return {n: c.tolist() for n, c in ref_counter.counts.items()}
 
 
-def test_expert_counts_are_the_whole_sequence(dist_pool) -> None:
-    per_rank = dist_pool.run(2, _counts, timeout=300)
+@pytest.mark.parametrize("family", sorted(_COUNTED))
+def test_expert_counts_are_the_whole_sequence(dist_pool, family: str) -> None:
+    """DeepSeek-V3's group-limited routing with its e_score_correction_bias (MLA attention), and GLM-4.5's."""
+    per_rank = dist_pool.run(2, _counts, family, timeout=300)
     assert per_rank[0] == per_rank[1]
 
 
