@@ -592,6 +592,9 @@ def _check_model_values(model: dict[str, Any]) -> None:
     if "head_dim" not in model and hidden % heads:
         raise ConfigError(f"model.hidden_size = {hidden} is not a multiple of model.num_attention_heads = "
                           f"{heads}; change one of them (or set model.head_dim)")
+    eps = model.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+        raise ConfigError(f"model.rms_norm_eps = {eps!r}: expected a positive finite number (e.g. 1e-6)")
     act = model.get("hidden_act")
     if act is not None:
         from transformers.activations import ACT2FN
