@@ -90,14 +90,15 @@ def _grads_into(
     calls = sorted(calls, key=lambda c: c.k_rows.start)
     if any(a.k_rows.stop > b.k_rows.start for a, b in zip(calls, calls[1:])):
         dkv_slot.zero_()
-        block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dkv_slot[0], dkv_slot[1])
+        block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dkv_slot[0], dkv_slot[1],
+                    opts.softcap)
         return
     done = 0  # zero the key rows that no query of this rank sees
     for call in calls:
         dkv_slot[:, :, :, done:call.k_rows.start].zero_()
         done = call.k_rows.stop
     dkv_slot[:, :, :, done:].zero_()
-    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale):
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, opts.softcap):
         qr, kr = call.q_rows, call.k_rows
         dq_acc[:, :, qr] += dq
         dkv_slot[0, :, :, kr] = dk
@@ -118,7 +119,7 @@ def allgather_forward(
 
     def attend(src: int, qs: slice, k_blk: Tensor, v_blk: Tensor, acc: Partials) -> None:
         calls = block_calls(opts, world, rank, src, q.shape[2])
-        forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc)
+        forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc, opts.softcap)
 
     pending: Pending | None = _start_gather(k, v, heads[0][1], group, world)
     for c, (qs, ks) in enumerate(heads):
