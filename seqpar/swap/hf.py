@@ -54,6 +54,10 @@ positions (of the packed row, as one process numbers them). Gemma 2's logit soft
 becomes ``softcap=`` (seqpar's math kernel: CPU, or float64 on CUDA; refused at swap time for a model
 on CUDA in another dtype, whose fused kernels have no soft-capping).
 
+ALiBi models (BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute their own
+scores, get a forward of their own (:mod:`seqpar.swap.hf_alibi`) that runs ``seqpar.attention`` with
+``alibi_slopes=`` at global positions.
+
 Layer features refused when swapping (named with the layer): a ``"chunked_attention"`` layer without
 ``attention_chunk_size``, soft-capping on CUDA (outside float64), cross-attention,
 ``output_attentions`` in the config, attention dropout in training.
@@ -83,6 +87,8 @@ from seqpar.sequence.batch import (
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
+from seqpar.swap.hf_alibi import alibi_problems, is_alibi_attention
+from seqpar.swap.hf_alibi import install as install_alibi
 from seqpar.swap.options import SwapError, SwapOptions
 
 __all__ = [
@@ -127,8 +133,9 @@ def _dispatches_through_interface(cls: type) -> bool:
 
 
 def is_hf_attention(module: nn.Module) -> bool:
-    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
-    return _dispatches_through_interface(type(module))
+    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``, or one of
+    the ALiBi modules (BLOOM, MPT, Falcon with alibi=True) served by :mod:`seqpar.swap.hf_alibi`."""
+    return _dispatches_through_interface(type(module)) or is_alibi_attention(module)
 
 
 def _dropout_p(module: nn.Module) -> float:
@@ -161,6 +168,8 @@ def _chunk_size(module: nn.Module) -> int | None:
 
 def swap_problems(module: nn.Module) -> list[str]:
     """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
+    if is_alibi_attention(module):
+        return alibi_problems(module)
     config = getattr(module, "config", None)
     problems = []
     if _layer_type(module) == "chunked_attention" and _chunk_size(module) is None:
@@ -221,13 +230,16 @@ def apply(
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
         module._seqpar_name = name
+        if is_alibi_attention(module):
+            install_alibi(module, options)  # its own forward: no attention interface to switch
+    modules = [(name, module) for name, module in modules if not is_alibi_attention(module)]
     tops = _top_pretrained(model)
     if not tops:
         raise SwapError(
             f"found transformers attention modules in {type(model).__name__} but no PreTrainedModel "
             "holding them: swap the transformers model itself"
         )
-    for top in tops:
+    for top in tops if modules else ():
         top.set_attn_implementation(ATTN_IMPLEMENTATION)
     for name, module in modules:
         impl = getattr(getattr(module, "config", None), "_attn_implementation", None)

@@ -91,6 +91,7 @@ class SwapOptions:
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
         layer: str | None = None, cu_seqlens: Any = None, window: int | None = None,
         sinks: Tensor | None = None, chunk_size: int | None = None, softcap: float | None = None,
+        alibi_slopes: Tensor | None = None,
     ) -> Tensor:
         """seqpar attention on shards: q ``(batch, q_heads, seq_local, head_dim)``, k/v
         ``(batch, kv_heads, seq_local, head_dim)`` -> ``(batch, q_heads, seq_local, head_dim)``.
@@ -99,14 +100,15 @@ class SwapOptions:
         per-call cross-rank check is skipped: it would cost a host sync per layer and could only
         repeat the batch's verdict (seqpar.runtime.verified).
 
-        ``cu_seqlens`` (global packed-document boundaries), ``window``, ``sinks``, ``chunk_size`` and
-        ``softcap`` are passed to :func:`seqpar.attention` as they are (see there); the dilated pattern
+        ``cu_seqlens`` (global packed-document boundaries), ``window``, ``sinks``, ``chunk_size``,
+        ``softcap`` and ``alibi_slopes`` are passed to :func:`seqpar.attention` as they are (see there); the dilated pattern
         takes none of them.
         ``check_finite`` (off by default, then free) raises on every rank, naming ``layer``, when
         the inputs or the output hold a NaN or an Inf.
         """
         masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks),
-                                    ("chunk_size", chunk_size), ("softcap", softcap)) if v is not None}
+                                    ("chunk_size", chunk_size), ("softcap", softcap), ("alibi_slopes", alibi_slopes))
+                  if v is not None}
         if self.check_finite:  # off by default: then this branch is the whole cost
             from seqpar.runtime.guard import check_finite
 
@@ -147,4 +149,4 @@ class SwapOptions:
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
                 head_chunks=self.head_chunks, layout="bhsd", **masked,
             )
-            return run_attention(plan, q, k, v, masked.get("sinks"))
+            return run_attention(plan, q, k, v, masked.get("sinks"), masked.get("alibi_slopes"))
