@@ -178,3 +178,17 @@ def test_alibi_bf16_long_no_worse_than_one_process() -> None:
     err_one = float((one.double() - ref).norm() / ref.norm())
     err = float((got.double() - ref).norm() / ref.norm())
     assert err <= 1.5 * err_one + 1e-3, (err, err_one)
+
+
+def test_no_host_sync_with_chunks_softcap_alibi() -> None:
+    """No device-to-host read per call (a host sync on a GPU): the ALiBi columns' digit count comes
+    from the host sequence length, chunks from host integers (one rank, bf16 ALiBi, fp32 the others)."""
+    from test_host_sync import counting
+
+    q = torch.randn(1, 4, 64, 8, dtype=torch.bfloat16, requires_grad=True)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    qf = torch.randn(1, 4, 64, 8, requires_grad=True)
+    with counting() as counts:
+        seqpar.attention(q, q, q, causal=True, alibi_slopes=slopes, check_inputs=False).float().sum().backward()
+        seqpar.attention(qf, qf, qf, causal=True, chunk_size=5, softcap=2.0, check_inputs=False).sum().backward()
+    assert counts.get("sync", 0) == 0, dict(counts)

@@ -27,7 +27,9 @@ __all__ = ["alibi_columns", "with_alibi"]
 _PARTS_HALF = 3  # parts of m_h / scale in bf16 / fp16: ~8 bits each
 
 
-def alibi_columns(slopes: Tensor, positions: Tensor, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def alibi_columns(
+    slopes: Tensor, positions: Tensor, scale: float, dtype: torch.dtype, max_position: int
+) -> tuple[Tensor, Tensor]:
     """``(q_cols (q_heads, n), k_cols (len, n))`` in ``dtype`` with ``scale * q_cols[h] . k_cols[j]`` =
     ``slopes[h] * positions[j]`` (to fp32 accuracy).
 
@@ -35,12 +37,13 @@ def alibi_columns(slopes: Tensor, positions: Tensor, scale: float, dtype: torch.
         slopes: ``(q_heads,)`` ALiBi slopes ``m_h``.
         positions: ``(len,)`` global key positions (int64).
         scale: the kernels' score multiplier.
+        max_position: the largest global position of the sequence (a host int: no device read).
     """
     m = slopes.detach().to(torch.float64) / scale  # (H,)
     pos = positions.to(torch.float64)
     if dtype in (torch.float32, torch.float64):
         return m.to(dtype)[:, None], pos.to(dtype)[:, None]
-    top = int(positions.max()) if positions.numel() else 0
+    top = max_position
     digits = max(1, math.ceil(math.log(top + 1, 256)))
     if dtype == torch.float16 and top >= 65536:
         raise ValueError(
@@ -61,13 +64,16 @@ def alibi_columns(slopes: Tensor, positions: Tensor, scale: float, dtype: torch.
     return q_cols, k_cols
 
 
-def with_alibi(q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, positions: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def with_alibi(
+    q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, positions: Tensor, scale: float, max_position: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v ``(batch, heads, seq_local, head_dim)`` widened by the ALiBi columns (v by zeros);
-    ``positions``: ``(seq_local,)`` global positions of this rank's rows. The attention output's first
-    ``head_dim`` columns are the ALiBi attention; gradients reach q, k, v through the concatenation."""
+    ``positions``: ``(seq_local,)`` global positions of this rank's rows, the largest in the whole
+    sequence ``max_position``. The attention output's first ``head_dim`` columns are the ALiBi
+    attention; gradients reach q, k, v through the concatenation."""
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
-    q_cols, k_cols = alibi_columns(slopes.to(q.device), positions.to(q.device), scale, q.dtype)
+    q_cols, k_cols = alibi_columns(slopes.to(q.device), positions.to(q.device), scale, q.dtype, max_position)
     extra = q_cols.shape[-1]
     q2 = torch.cat([q, q_cols.view(1, hq, 1, extra).expand(b, hq, n, extra)], dim=-1)
     k2 = torch.cat([k, k_cols.view(1, 1, n, extra).expand(b, hkv, n, extra).to(k.dtype)], dim=-1)

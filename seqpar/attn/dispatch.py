@@ -135,7 +135,7 @@ def run_attention(
     seq_local, head_dim = qb.shape[2], vb.shape[-1]
     positions = shard_index(seq_local * world, rank, world, plan.opts.sharding, device=qb.device,
                             cu_seqlens=plan.opts.cu_seqlens)  # (seq_local,) global positions
-    q2, k2, v2 = with_alibi(qb, kb, vb, alibi_slopes, positions, plan.opts.scale)
+    q2, k2, v2 = with_alibi(qb, kb, vb, alibi_slopes, positions, plan.opts.scale, seq_local * world - 1)
     return from_bhsd(_run_bhsd(plan, q2, k2, v2, sinks).narrow(-1, 0, head_dim), plan.layout)
 
 
