@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
-from seqpar.swap import SwapError, swap_attention
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 

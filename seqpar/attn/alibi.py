@@ -4,7 +4,7 @@ ALiBi adds ``-m_h (i - j)`` to the score of query i and key j in head h. Softmax
 constant, so that is the per-key bias ``m_h j`` (transformers' BLOOM and MPT build exactly such a
 per-key bias), and a per-key bias is one more term of the dot product: with
 ``q' = [q, m_h / scale]`` and ``k' = [k, j]`` the kernels' ``scale * q'.k'`` is ``scale * q.k + m_h j``
-(``v' = [v, 0]``; the extra output columns are zero and sliced off). ``j`` is the key's *global*
+(v unchanged: the kernels take a K head dim other than V's). ``j`` is the key's *global*
 position, so the columns travel with K/V through every mode (ring, all-gather, Ulysses, hybrid) and
 every kernel unchanged, and the slopes stay on the query side (GQA needs no K/V expansion).
 
@@ -67,15 +67,14 @@ def alibi_columns(
 def with_alibi(
     q: Tensor, k: Tensor, v: Tensor, slopes: Tensor, positions: Tensor, scale: float, max_position: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v ``(batch, heads, seq_local, head_dim)`` widened by the ALiBi columns (v by zeros);
-    ``positions``: ``(seq_local,)`` global positions of this rank's rows, the largest in the whole
-    sequence ``max_position``. The attention output's first ``head_dim`` columns are the ALiBi
-    attention; gradients reach q, k, v through the concatenation."""
+    """q, k ``(batch, heads, seq_local, head_dim)`` widened by the ALiBi columns, v as it is (the
+    attention takes a Q/K head dim other than V's); ``positions``: ``(seq_local,)`` global positions of
+    this rank's rows, the largest in the whole sequence ``max_position``. Gradients reach q and k
+    through the concatenation."""
     b, hq, n, _ = q.shape
     hkv = k.shape[1]
     q_cols, k_cols = alibi_columns(slopes.to(q.device), positions.to(q.device), scale, q.dtype, max_position)
     extra = q_cols.shape[-1]
     q2 = torch.cat([q, q_cols.view(1, hq, 1, extra).expand(b, hq, n, extra)], dim=-1)
     k2 = torch.cat([k, k_cols.view(1, 1, n, extra).expand(b, hkv, n, extra).to(k.dtype)], dim=-1)
-    v2 = torch.cat([v, v.new_zeros(b, hkv, n, extra)], dim=-1)
-    return q2, k2, v2
+    return q2, k2, v

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,8 +25,9 @@ from seqpar.kernels import Partials, block_backward, block_forward
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = [
-    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
+    "AttentionOptions", "BlockExpander", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
+    "packed_views",
 ]
 
 
@@ -49,6 +51,24 @@ class AttentionOptions:
     @property
     def mask(self) -> MaskSpec:
         return MaskSpec(self.causal, self.window, self.cu_seqlens, self.chunk_size)
+
+
+class BlockExpander(Protocol):
+    """A compressed K/V block (what travels) and its expansion to K/V (what the kernels take): MLA's
+    latent, :mod:`seqpar.attn.latent`. The ring (:func:`seqpar.attn.ring.ring_forward`) calls
+    :meth:`expand` on every block it attends and, in the backward, :meth:`reduce` on every block's
+    K/V gradient shares, so that the shares travel compressed too."""
+
+    v_head_dim: int
+
+    def expand(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """The block's ``(k, v)``: ``(batch, kv_heads, len, head_dim)`` and ``(..., v_head_dim)``."""
+        ...
+
+    def reduce(self, a: Tensor, b: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradients of the compressed block ``(a, b)`` from its K/V shares ``dk``, ``dv`` (fp32),
+        in fp32; parameters of the expansion accumulate their own gradients on the expander."""
+        ...
 
 
 class SingleRank:
@@ -95,6 +115,22 @@ def block_hops(opts: AttentionOptions, world: int, seq_local: int) -> tuple[int,
 def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
     """The most hops any block makes (the ring's number of steps beyond the own block)."""
     return max(block_hops(opts, world, seq_local), default=0)
+
+
+def packed_views(buf: Tensor, *shapes: Sequence[int]) -> list[Tensor]:
+    """Views of consecutive tensors packed along the last dim of ``buf`` ``(..., sum of numels)``: one
+    ``(..., *shape)`` view per shape, in order. K and V of different head dims (MLA) share one
+    collective buffer this way; for equal shapes it is the same memory as stacking them."""
+    lead, views, at = buf.shape[:-1], [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        views.append(buf.narrow(-1, at, n).view(*lead, *shape))
+        at += n
+    if at != buf.shape[-1]:
+        raise ValueError(f"packed buffer holds {buf.shape[-1]} values per slot, the shapes {shapes} take {at}")
+    return views
 
 
 def _rows(x: Tensor, s: slice) -> Tensor:

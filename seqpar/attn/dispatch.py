@@ -51,7 +51,8 @@ def attention(
         q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries (with
             ``layout="bshd"``: ``(batch, seq_local, q_heads, head_dim)``).
         k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
-            q_heads a multiple of kv_heads (GQA/MQA).
+            q_heads a multiple of kv_heads (GQA/MQA). V's head dim may differ from q/k's (MLA); the
+            output then has V's.
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
@@ -108,7 +109,7 @@ def attention(
             them apart, so with ``check_inputs`` a call whose ``q.size(1) > q.size(2)`` and no explicit
             ``layout=`` raises, naming both readings.
     Returns:
-        ``(batch, q_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, q_heads, head_dim)``) in
+        ``(batch, q_heads, seq_local, v_head_dim)`` (bshd: ``(batch, seq_local, q_heads, v_head_dim)``) in
         q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
@@ -132,11 +133,11 @@ def run_attention(
         return from_bhsd(_run_bhsd(plan, qb, kb, vb, sinks), plan.layout)
     world = 1 if plan.group is None else dist.get_world_size(plan.group)
     rank = 0 if plan.group is None else dist.get_rank(plan.group)
-    seq_local, head_dim = qb.shape[2], vb.shape[-1]
+    seq_local = qb.shape[2]
     positions = shard_index(seq_local * world, rank, world, plan.opts.sharding, device=qb.device,
                             cu_seqlens=plan.opts.cu_seqlens)  # (seq_local,) global positions
     q2, k2, v2 = with_alibi(qb, kb, vb, alibi_slopes, positions, plan.opts.scale, seq_local * world - 1)
-    return from_bhsd(_run_bhsd(plan, q2, k2, v2, sinks).narrow(-1, 0, head_dim), plan.layout)
+    return from_bhsd(_run_bhsd(plan, q2, k2, v2, sinks), plan.layout)
 
 
 def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:

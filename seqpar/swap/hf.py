@@ -89,6 +89,7 @@ from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_sha
 from seqpar.swap.batch import Preparer
 from seqpar.swap.hf_alibi import alibi_problems, is_alibi_attention
 from seqpar.swap.hf_alibi import install as install_alibi
+from seqpar.swap.mla import install_latent_transfer, take_latent
 from seqpar.swap.options import SwapError, SwapOptions
 
 __all__ = [
@@ -230,6 +231,8 @@ def apply(
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
         module._seqpar_name = name
+        if options.mla_transfer == "latent":
+            install_latent_transfer(module, options)  # MLA layers only: their ring moves the latent
         if is_alibi_attention(module):
             install_alibi(module, options)  # its own forward: no attention interface to switch
     modules = [(name, module) for name, module in modules if not is_alibi_attention(module)]
@@ -672,6 +675,14 @@ def seqpar_attention_forward(
             )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     query = _global_temperature(module, query, options, kwargs.get("cu_seq_lens_q"))
+    latent = take_latent(module, key, value)
+    if latent is not None:  # an MLA layer whose ring moves the latent (seqpar.swap.mla)
+        out = options.latent_attention(query, latent, causal=causal, scale=scaling, layer=layer,
+                                       cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                                       window=_window(kwargs.get("sliding_window"), causal),
+                                       sinks=kwargs.get("s_aux"), chunk_size=_chunk_size(module),
+                                       softcap=kwargs.get("softcap"))
+        return out.transpose(1, 2).contiguous(), None
     out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
                             cu_seqlens=kwargs.get("cu_seq_lens_q"),
                             window=_window(kwargs.get("sliding_window"), causal),

@@ -17,8 +17,8 @@ Per family (transformers 5.x):
 - Falcon (``alibi=True``): scores ``(q.k + b_h(j)) / sqrt(d)`` (the bias scaled too, eager and sdpa
   alike) where transformers builds ``b_h(j) = bf16(bf16(m_h) * j)``, rounded to bfloat16 whatever the
   model's dtype: not linear in j, so no slope reproduces it. Those exact values ride instead in one
-  extra q/k column per head (``q' = [q, e_h]``, ``k' = [k, b_1(j), ..., b_H(j)]``, ``v' = [v, 0]``, at
-  global j), which the kernels scale with the scores; GQA / MQA K/V heads; returns ``(dense(ctx), None)``.
+  extra q/k column per head (``q' = [q, e_h]``, ``k' = [k, b_1(j), ..., b_H(j)]``, at global j; V keeps
+  its head dim), which the kernels scale with the scores; GQA / MQA K/V heads; returns ``(dense(ctx), None)``.
 
 Refused by name: a KV cache, ``output_attentions``, attention dropout in training, BLOOM's
 ``pretraining_tp > 1`` with ``slow_but_exact``, and Falcon-ALiBi on transformers' eager path, which adds
@@ -170,9 +170,8 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
     h, d = self.num_heads, self.head_dim
     q2 = torch.cat([q, torch.eye(h, dtype=q.dtype, device=q.device).view(1, h, 1, h).expand(b, h, n, h)], dim=-1)
     k2 = torch.cat([k, bias.t().reshape(1, 1, n, h).expand(b, kv_heads, n, h)], dim=-1)
-    v2 = torch.cat([v, v.new_zeros(b, kv_heads, n, h)], dim=-1)
-    out = options.attention(q2, k2, v2, causal=True, scale=self.inv_norm_factor, layer=layer, cu_seqlens=cu)
-    ctx = out.narrow(-1, 0, d).transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
+    out = options.attention(q2, k2, v, causal=True, scale=self.inv_norm_factor, layer=layer, cu_seqlens=cu)
+    ctx = out.transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
     return self.dense(ctx), None
 
 
