@@ -68,7 +68,7 @@ def _batch(packed: bool, seq_len: int) -> dict:
     return collate([{"input_ids": d.tolist()} for d in docs])
 
 
-def _parity(rank: int, world: int, kind: str, sharding: str, packed: bool, seq_len: int) -> None:
+def _parity(rank: int, world: int, kind: str, sharding: str, packed: bool, seq_len: int, mode: str = "ring") -> None:
     batch = _batch(packed, seq_len)
     ref = build(kind, torch.float64)
     ref_inputs = {k: batch[k] for k in ("input_ids", "labels", "position_ids") if k in batch}
@@ -77,7 +77,7 @@ def _parity(rank: int, world: int, kind: str, sharding: str, packed: bool, seq_l
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
     model = build(kind, torch.float32)
-    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=dist.group.WORLD)
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding), group=dist.group.WORLD)
     local = shard_batch(batch, group=dist.group.WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
@@ -107,3 +107,9 @@ CASES = [
 @pytest.mark.parametrize("kind,world,sharding,packed,seq_len", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_chunked_and_softcapped_models_equal_one_process(dist_pool, kind, world, sharding, packed, seq_len):
     dist_pool.run(world, _parity, kind, sharding, packed, seq_len, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["ulysses", "allgather"])
+def test_llama4_packed_in_other_modes(dist_pool, mode):
+    """The same Llama 4, packed, at SP=2 through Ulysses and the all-gather (the ring above)."""
+    dist_pool.run(2, _parity, "llama4", "zigzag", True, 0, mode, timeout=300)
