@@ -18,7 +18,7 @@ The config JSON. A DeepSpeed config (recognised by DeepSpeed's own keys) or a st
 config, with three extra sections the launcher reads and removes before the engine sees the rest::
 
     "sequence_parallel": {...}                        # seqpar.config.SeqParConfig
-    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields
+    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields (sizes: MODEL_SIZE_RANGES)
     "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
     "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
 
@@ -75,40 +75,44 @@ class TrainSettings:
     engine: str = "auto"
     """``"deepspeed"``, ``"fsdp"``, or ``"auto"`` (DeepSpeed when the config has DeepSpeed keys)."""
     seq_len: int = 1024
-    """Tokens per sample (before end padding to a multiple of the SP chunk count)."""
+    """Tokens per sample (before end padding to a multiple of the SP chunk count); >= 1."""
     steps: int = 30
-    """Optimizer steps in total (a resumed run continues up to this number)."""
+    """Optimizer steps in total (a resumed run continues up to this number); >= 1."""
     seed: int = 0
-    """Seeds the model init and the data (sample i of the run depends only on seed and i)."""
+    """Seeds the model init and the data (sample i of the run depends only on seed and i); >= 0."""
     micro_batch_size: int = 1
-    """Samples per rank per micro-step (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
+    """Samples per rank per micro-step, >= 1 (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
     grad_accum: int = 1
-    """Micro-steps per optimizer step (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
+    """Micro-steps per optimizer step, >= 1 (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
     lr: float = 3e-3
-    """AdamW learning rate (FSDP; DeepSpeed takes its ``optimizer`` block)."""
+    """AdamW learning rate, a finite number >= 0 (FSDP; DeepSpeed takes its ``optimizer`` block)."""
     weight_decay: float = 0.0
+    """AdamW weight decay, a finite number >= 0 (FSDP)."""
     grad_clip: float = 1.0
-    """Max gradient norm, 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
+    """Max gradient norm, a finite number >= 0; 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
     dtype: str = "fp32"
     """``fp32`` | ``bf16`` | ``fp16`` (DeepSpeed: its ``bf16``/``fp16`` blocks; FSDP: param dtype,
     fp32 reduction; fp16 needs loss scaling, so FSDP refuses it)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (the ring exchange is repeated there too)."""
     num_pairs: int = 16
-    """Key/value pairs at the start of each sample."""
+    """Key/value pairs at the start of each sample; >= 1 and <= ``num_keys``."""
     num_queries: int = 8
-    """Queries at the end of each sample (each carries one answer token)."""
+    """Queries at the end of each sample (each carries one answer token); >= 1."""
     num_keys: int = 64
+    """Distinct key tokens of the recall task; >= 1."""
     num_values: int = 16
+    """Distinct value tokens of the recall task; >= 1."""
     filler_vocab: int = 32
+    """Filler tokens between the pairs and the queries; >= 1."""
     eval_samples: int = 16
-    """Held-out samples for the final recall accuracy (0 = skip)."""
+    """Held-out samples for the final recall accuracy, >= 0 (0 = skip)."""
     packed: bool = False
     """Pack recall samples of long-tailed lengths (log-uniform between the shortest valid sample and
     ``seq_len``) into each sequence, as DataCollatorWithFlattening does: documents are separated
     exactly by seqpar (global boundaries from ``shard_batch``). Needs ``micro_batch_size`` 1."""
     save_every: int = 0
-    """Save a checkpoint every N steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
+    """Save a checkpoint every N >= 0 steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -533,20 +537,27 @@ def validate_model(plan: Plan) -> None:
         raise ConfigError(f"'model' block (transformers.LlamaConfig) refused: {type(e).__name__}: {e}") from None
 
 
-_POSITIVE_INT_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+# The ``model`` block's sizes: integers in [1, upper bound]. The bounds are far above any model
+# trained today (Llama-3-405B: hidden 16384, 126 layers, 128 heads, vocab 128256, 131072 positions)
+# and far below sizes no machine can build: a typo such as 10**12 layers is refused here, by name,
+# instead of exhausting memory inside transformers.
+MODEL_SIZE_RANGES: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 2**18), "intermediate_size": (1, 2**20), "num_hidden_layers": (1, 2**12),
+    "num_attention_heads": (1, 2**12), "num_key_value_heads": (1, 2**12), "head_dim": (1, 2**12),
+    "vocab_size": (1, 2**24), "max_position_embeddings": (1, 2**26),
+}
 
 
 def _check_model_values(model: dict[str, Any]) -> None:
-    """Sizes are positive integers and the head counts divide as attention needs."""
+    """Sizes are integers within :data:`MODEL_SIZE_RANGES` and the head counts divide as attention needs."""
     from seqpar.config import ConfigError
 
-    for key in _POSITIVE_INT_MODEL_KEYS:
+    for key, (low, high) in MODEL_SIZE_RANGES.items():
         if key not in model or (key == "head_dim" and model[key] is None):  # None: derived from hidden_size
             continue
         value = model[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"model.{key} = {value!r}: expected a positive integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"model.{key} = {value!r}: expected an integer from {low} to {high}")
     heads, kv_heads = model.get("num_attention_heads", 4), model.get("num_key_value_heads", 2)
     if "num_attention_heads" in model and "num_key_value_heads" not in model:
         kv_heads = heads

@@ -219,8 +219,8 @@ class SeqParConfig:
     """The ``sequence_parallel`` block: how sequences are split and how attention crosses the split."""
 
     size: int = 1
-    """SP degree: how many consecutive ranks share one sequence. The world size must be a multiple
-    of it; the quotient is the data-parallel degree."""
+    """SP degree, a positive integer: how many consecutive ranks share one sequence. The world size
+    must be a multiple of it; the quotient is the data-parallel degree."""
     mode: str = "ring"
     """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank), ``"allgather"``
     (one collective, O(S) K/V per rank, fastest at moderate lengths), ``"ulysses"`` (all-to-all from

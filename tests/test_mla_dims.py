@@ -257,3 +257,36 @@ def test_cost_and_memory_models_count_v_head_dim() -> None:
         estimate_attention_memory(4096, head_dim=192, **kw)
     assert estimate_attention_memory(4096, head_dim=192, v_head_dim=128, **kw) == \
         estimate_attention_memory(4096, head_dim=160, **kw)
+
+
+# ------------------------------------------------------------------------------------- dilated
+def _dilated_case(seed: int, world: int, heads: tuple, kwargs: dict) -> dict:
+    from test_dilated_dist import SEQ_LOCAL
+
+    hq, hkv, (dk, dv) = heads
+    g = torch.Generator().manual_seed(seed)
+    case = {n: torch.randn(2, h, SEQ_LOCAL * world, d, generator=g, dtype=torch.float64)
+            for n, h, d in (("q", hq, dk), ("k", hkv, dk), ("v", hkv, dv), ("dout", hq, dv))}
+    case["kwargs"] = kwargs
+    return case
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dilated_unequal_head_dims_exact(dist_pool, world: int) -> None:
+    """LongNet dilated attention (local and spanning segments, ring and all-gather) with V's head dim
+    different from q/k's, against test_dilated's O(S^2) float64 reference."""
+    from test_dilated_dist import PATTERNS, _reference
+    from test_dilated_dist import run_cases as dilated_cases
+
+    cases = []
+    for i, ((ws, rs), mode, causal) in enumerate(itertools.product(PATTERNS[world], ("ring", "allgather"),
+                                                                   (False, True))):
+        kwargs = dict(segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode, head_layout="mixed")
+        cases.append(_dilated_case(31 * world + i, world, HEADS[i % len(HEADS)], kwargs))
+    per_rank = dist_pool.run(world, dilated_cases, cases, torch.float32, timeout=300)
+    for idx, case in enumerate(cases):
+        got = [torch.cat([per_rank[r][idx][j] for r in range(world)], dim=2) for j in range(4)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, _reference(case), strict=True):
+            assert g.shape == w.shape, name
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5,
+                                       msg=lambda s, n=name, kw=case["kwargs"]: f"{n} {kw}: {s}")

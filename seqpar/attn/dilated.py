@@ -705,7 +705,7 @@ def dilated_attention(
     if check_inputs and world > 1:
         # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
         # mismatched collectives, so it is part of what every rank must agree on.
-        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
+        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, scale=scale,
                            extra=pattern_row(segment_lengths, dilation_rates, head_layout))
     if mode == "auto":
         from seqpar.attn.choose import choose_mode

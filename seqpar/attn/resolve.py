@@ -229,6 +229,7 @@ def resolve_attention(
             _float_digest(softcap), -1 if alibi_slopes is None else (alibi_slopes.numel() if isinstance(alibi_slopes, Tensor) else -2)]
         check_across_ranks(
             qb, kb, vb, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+            scale=scale,
             # the layout too: two ranks reading the same shapes two ways would exchange garbage
             extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout)],
         )

@@ -27,6 +27,19 @@ their query heads, writing into full-size outputs. Volume is unchanged (G passes
 buffers in flight and the kernels' outputs shrink by G, which is most of the ring's memory beyond the
 inputs, outputs and gradients themselves (at P = 4: ~8 + 11/G blocks of S/P instead of 19).
 
+Buffers and NCCL (the guarantee seqpar relies on, and keeps): **a tensor handed to an exchange is
+neither written (sent or received) nor read (received) until that exchange's ``wait()`` has returned**;
+after it, the buffer is free: the backward reuses the accumulators it sent on at the last step as the
+next step's receive buffers, and the forward reuses a received K/V pair two steps later, each only after
+the ``wait()`` of the exchange that sent it. On NCCL, ``wait()`` orders the compute stream after the
+communication stream rather than blocking the host, and the work object keeps its tensors alive (torch
+stashes them or records them on the NCCL stream) until then, so this rule is all that makes reuse safe:
+writing into a send buffer before its ``wait()`` could change what the peer receives. Reading a buffer
+that is being sent (the forward attends to the K/V block it is passing on) is safe. Every communicator
+group the ring runs on was initialised at creation (:mod:`seqpar.runtime.communicators`), so a rank
+with no hop in a step never leaves its peers in NCCL's lazy communicator set-up. Both rules are checked
+on gloo by :mod:`seqpar.testing.nccl_rules` (``tests/test_nccl_rules.py``).
+
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
 """
 
@@ -192,7 +205,7 @@ def ring_backward(
             kv_pending.wait()
         chain_recv = step < hops[prev]  # block prev's accumulator comes on from rank r-1
         home_recv = step == hops[rank]  # our own block's accumulator comes home from rank r + step
-        free = dkv_sent  # the accumulators sent on at the last step: that send is complete
+        free = dkv_sent  # the accumulators sent on at the last step: that send was waited (chain.wait() above)
         send: list[Tensor] | None = None
         if have:
             k_cur, v_cur = received

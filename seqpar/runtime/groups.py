@@ -9,7 +9,13 @@ Axis order (outermost first)::
 - DP group j = column j = ranks ``j, j+sp, j+2*sp, ...``: the strided complement.
 - SP-DP group = every rank: all ranks hold replicas of the same parameters (no tensor or pipeline
   parallelism here), so gradients are reduced over the whole world. It is its own group object.
-- Model-parallel group = this rank alone (size 1), for tools that ask for one.
+- Model-parallel group = this rank alone (size 1), for tools that ask for one (DeepSpeed's gradient
+  clipping all-reduces the norm over it; ``None`` there would mean the whole world). Made with one
+  local group creation per rank, not one collective creation per rank of the world.
+
+Every group is initialised when it is made, by one small collective of all its members
+(:mod:`seqpar.runtime.communicators`): NCCL would otherwise create a group's communicator at its first
+operation, which a ring rank with nothing to exchange in a step never joins.
 
 With ``ulysses_size = u`` (u divides sp), each SP group is itself a ``(sp/u, u)`` grid::
 
@@ -46,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.config import SHARDINGS, Links, SeqParConfig
+from seqpar.runtime.communicators import init_communicator, new_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -263,13 +270,17 @@ class ProcessGroupManager:
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
             kw["timeout"] = timeout
-        # dist.new_group is collective: every rank creates every group, in the same order.
+        # dist.new_group is collective: every rank creates every group, in the same order. Every group
+        # is initialised at once, by all its members (seqpar.runtime.communicators): NCCL would otherwise
+        # create it at its first operation, which a ring rank with no hop in a step never joins.
         if axes is None:
             self._sp_group = self._new_groups(self.grid.tolist(), kw)
             self._dp_group = self._new_groups(self.grid.t().tolist(), kw)
         else:
             self._sp_group = mesh.get_group(axes.sp_dim)
+            init_communicator(self._sp_group)  # the user's group, but seqpar's ring runs on it
         self._sp_dp_group = self._new_groups([list(range(self._world_size))], kw)
+        # model-parallel group: this rank alone (the TP group later); one local creation per rank
         self._mp_group = self._new_groups([[r] for r in range(self._world_size)], kw)
         if axes is not None:
             self._dp_group = self._mesh_dp_group(mesh, axes, kw)
@@ -285,14 +296,10 @@ class ProcessGroupManager:
         )
 
     def _new_groups(self, rank_lists: list[list[int]], kw: dict[str, Any]) -> dist.ProcessGroup:
-        """Create one group per list on every rank; return the one that holds this rank."""
-        mine = None
-        for ranks in rank_lists:
-            group = dist.new_group(ranks, **kw)
-            if self._rank in ranks:
-                mine = group
-                self._created.append(group)  # other ranks' groups are not objects on this rank
-        assert mine is not None
+        """Create the groups of ``rank_lists`` (a partition of the world) on every rank; return the one
+        that holds this rank, initialised (:func:`seqpar.runtime.communicators.new_groups`)."""
+        mine = new_groups(rank_lists, self._rank, **kw)
+        self._created.append(mine)  # other ranks' groups are not objects on this rank
         return mine
 
     def _mesh_dp_group(self, mesh: DeviceMesh, axes: MeshAxes, kw: dict[str, Any]) -> dist.ProcessGroup:
@@ -303,12 +310,15 @@ class ProcessGroupManager:
         if not wide:
             return self._mp_group
         if len(wide) == 1:
-            return mesh.get_group(wide[0])
+            group = mesh.get_group(wide[0])
+            init_communicator(group)
+            return group
         try:
             flat = mesh["dp"].get_group() if "dp" not in mesh.mesh_dim_names else None
         except (KeyError, ValueError, RuntimeError):  # no flattened "dp" on this mesh
             flat = None
         if flat is not None and dist.get_process_group_ranks(flat) == self.dp_ranks:
+            init_communicator(flat)
             return flat
         return self._new_groups(self.grid.t().tolist(), kw)
 
