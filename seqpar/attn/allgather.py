@@ -102,7 +102,8 @@ def _grads_into(
     if any(a.k_rows.stop > b.k_rows.start for a, b in zip(calls, calls[1:])):
         dk_slot.zero_()
         dv_slot.zero_()
-        block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_slot, dv_slot)
+        block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_slot, dv_slot,
+                    opts.softcap)
         return
     done = 0  # zero the key rows that no query of this rank sees
     for call in calls:
@@ -111,7 +112,7 @@ def _grads_into(
         done = call.k_rows.stop
     for slot in (dk_slot, dv_slot):
         slot[:, :, done:].zero_()
-    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale):
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, opts.softcap):
         qr, kr = call.q_rows, call.k_rows
         dq_acc[:, :, qr] += dq
         dk_slot[:, :, kr] = dk
@@ -138,7 +139,7 @@ def allgather_forward(
         calls = block_calls(opts, world, rank, src, q.shape[2])
         if expander is not None:
             k_blk, v_blk = expander.expand(k_blk, v_blk)
-        forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc)
+        forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc, opts.softcap)
 
     pending: Pending | None = _start_gather(k, v, heads[0][1], group, world)
     for c, (qs, ks) in enumerate(heads):

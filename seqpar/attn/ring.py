@@ -94,7 +94,8 @@ def ring_forward(
             pending.wait()
         if step <= hops[src]:  # we hold block src (step 0: our own)
             k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
-            forward_block(q, k_blk, v_blk, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
+            forward_block(q, k_blk, v_blk, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc,
+                          opts.softcap)
             del k_blk, v_blk
         if pending is not None:
             received = pending.wait()
@@ -131,12 +132,12 @@ def _remote_block_grads(
     acc = dq_acc.dtype
     if len(calls) == 1:
         call, n = calls[0], k_blk.shape[2]
-        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale)
+        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale, opts.softcap)
         dq_acc[:, :, call.q_rows] += dq
         return _widen(dk, call.k_rows, n, acc), _widen(dv, call.k_rows, n, acc)
     dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device)
     dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v_blk.device)
-    block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk)
+    block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk, opts.softcap)
     return dk_blk, dv_blk
 
 
@@ -149,12 +150,12 @@ def _own_block_grads(
     become the accumulators themselves, instead of zero fills and adds (three block-sized passes)."""
     n_q, n_k = q.shape[2], k.shape[2]
     if len(calls) == 1 and calls[0].q_rows == slice(0, n_q) and calls[0].k_rows == slice(0, n_k):
-        dq, dk, dv = piece_backward(dout, q, k, v, out, lse, calls[0], opts.scale)
+        dq, dk, dv = piece_backward(dout, q, k, v, out, lse, calls[0], opts.scale, opts.softcap)
         return dq.to(acc), dk.to(acc), dv.to(acc)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-    block_grads(dout, q, k, v, out, lse, calls, opts.scale, dq_acc, dk_own, dv_own)
+    block_grads(dout, q, k, v, out, lse, calls, opts.scale, dq_acc, dk_own, dv_own, opts.softcap)
     return dq_acc, dk_own, dv_own
 
 

@@ -248,7 +248,7 @@ def _inner_forward(
     """Attention over the (super-)rank's sorted sequence: local kernels, or the (masked) ring code
     across super-ranks or on the one rank. ``sinks``: this rank's heads' sink logits, or None."""
     if ring is None and opts.mask.dense and sinks is None:
-        return block_forward(q, k, v, scale=opts.scale, causal=opts.causal)
+        return block_forward(q, k, v, scale=opts.scale, causal=opts.causal, softcap=opts.softcap)
     comm, inner = _inner_ring(ring, opts)
     out_acc, lse = ring_forward(q, k, v, comm, inner, sinks)
     return out_acc.to(q.dtype), lse
@@ -260,7 +260,7 @@ def _inner_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of the inner attention; ``lse`` includes the sinks, which is all their effect on these."""
     if ring is None and opts.mask.dense:
-        return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal)
+        return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal, softcap=opts.softcap)
     comm, inner = _inner_ring(ring, opts)
     return ring_backward(dout, q, k, v, out, lse, comm, inner)
 

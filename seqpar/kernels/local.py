@@ -28,6 +28,9 @@ Backends, chosen per call:
   rowsum(dout * out) is unchanged). The memory-efficient kernel takes a V head dim of its own natively
   (torch's SDPA sends such calls there), so only each side's alignment padding applies.
 - anything else (fp64, ROCm, every fused kernel refused): an exact math fallback in fp32 (or fp64).
+- logit soft-capping (``softcap=c``: scores ``s -> c * tanh(s / c)``, Gemma 2) on any device: the math
+  kernel, which has the scores; its backward multiplies dS by ``1 - tanh(s / c) ** 2``. The fused
+  kernels have no score modifier (the public entry refuses soft-capping on CUDA outside fp64).
 
 The module uses ``narrow``/``unsqueeze``/``view``/``expand`` and never Python indexing of tensors:
 indexing a fake CUDA tensor on a CPU-only build raises, and views keep the code traceable.
@@ -157,7 +160,8 @@ def _caps(q: Tensor, caps: DeviceCaps | None) -> DeviceCaps:
 
 # ---------------------------------------------------------------------------------------- forward
 def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, caps: DeviceCaps | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, caps: DeviceCaps | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of q against (k, v) -> ``(out, lse)``.
 
@@ -167,11 +171,14 @@ def block_forward(
         scale: multiplier of q @ k^T (usually head_dim ** -0.5).
         causal: top-left aligned causal mask.
         caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
+        softcap: scores ``s -> softcap * tanh(s / softcap)`` before the softmax (math kernel).
     Returns:
         out ``(batch, q_heads, len_q, v_head_dim)`` in q.dtype and lse ``(batch, q_heads, len_q)`` in
         fp32 (fp64 for fp64 inputs).
     """
     _check_block(q, k, v)
+    if softcap is not None:
+        return _math_forward(q, k, v, scale, causal, softcap)
     if q.device.type == "cpu":
         # the CPU kernel takes one head dim for q, k and v: pad the narrower side (exact)
         dv, d = v.shape[-1], _common_head_dim(q, v)
@@ -239,10 +246,12 @@ def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) 
     return _unpad(res[0], v.shape[-1]), res[1].squeeze(-1)
 
 
-def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool, softcap: float | None = None) -> Tensor:
     acc = lse_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     s = torch.matmul(q.to(acc), _expand_kv(k, group).to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if causal:
         lq, lk = s.shape[-2:]
         # keys after the query row; triu(1) rather than ~tril(): `~` on a fake CUDA tensor raises
@@ -251,9 +260,11 @@ def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     return s
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _math_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
     group = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal)
+    s = _math_scores(q, k, scale, causal, softcap)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
     out = torch.matmul(p, _expand_kv(v, group).to(p.dtype))
@@ -272,6 +283,7 @@ def block_backward(
     scale: float,
     causal: bool,
     caps: DeviceCaps | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of (dq, dk, dv), given the row's merged ``out`` and ``lse``.
 
@@ -281,6 +293,7 @@ def block_backward(
             v: ``(batch, kv_heads, len_k, v_head_dim)``.
         lse: ``(batch, q_heads, len_q)`` merged log-sum-exp (fp32 / fp64).
         caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
+        softcap: as in :func:`block_forward` (math kernel).
     Returns:
         dq like q, dk and dv like k and v (kv_heads), each in its input's dtype.
 
@@ -288,6 +301,8 @@ def block_backward(
     exact given the merged out/lse, whichever kernel ran the forward).
     """
     _check_block(q, k, v)
+    if softcap is not None:
+        return _math_backward(dout, q, k, v, out, lse, scale, causal, softcap)
     if q.device.type == "cpu":
         # the CPU kernel wants lse in its own accumulation dtype (fp32 for half types); unequal head
         # dims padded as in the forward (zero dout columns: delta = rowsum(dout * out) is unchanged)
@@ -369,9 +384,9 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
     return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
+def _math_backward(dout, q, k, v, out, lse, scale, causal, softcap=None):  # noqa: ANN001, ANN202 (private)
     group = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal)
+    s = _math_scores(q, k, scale, causal, softcap)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num_(0.0)  # (B, H, Lq, Lk)
     dout_a = dout.to(acc)
@@ -380,6 +395,10 @@ def _math_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN
     dp = torch.matmul(dout_a, v_e.transpose(-1, -2))
     delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
+    if softcap is not None:
+        # d/dx [c tanh(x / c)] = 1 - tanh(x / c)^2 = 1 - (s / c)^2; the clamp turns a masked score's
+        # -inf into a factor 0 (its p is 0 too) instead of 0 * inf = NaN
+        ds = ds * (1 - (s / softcap).clamp(-1, 1).square())
     dq = torch.matmul(ds, _expand_kv(k, group).to(acc))
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
     return (

@@ -52,9 +52,21 @@ by :mod:`seqpar.swap.moe` (installed by :func:`apply`); the input preparer hands
 A sliding-window mask reaches the attention function as a :class:`WindowMask`, so layers that leave
 the window to the mask (PhiMoE) run it too.
 
-Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
-soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
-config, attention dropout in training.
+Llama 4's ``"chunked_attention"`` layers pass ``config.attention_chunk_size`` as ``chunk_size=`` (chunks
+counted from each packed document's start, as transformers' own packed mask does). Its NoPE layers'
+attention temperature tuning scales each query row by a function of the row's position, which
+transformers numbers from 0 on every shard: the attention function rescales the rows to their *global*
+positions (of the packed row, as one process numbers them). Gemma 2's logit soft-capping (``softcap``)
+becomes ``softcap=`` (seqpar's math kernel: CPU, or float64 on CUDA; refused at swap time for a model
+on CUDA in another dtype, whose fused kernels have no soft-capping).
+
+ALiBi models (BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute their own
+scores, get a forward of their own (:mod:`seqpar.swap.hf_alibi`) that runs ``seqpar.attention`` with
+``alibi_slopes=`` at global positions.
+
+Layer features refused when swapping (named with the layer): a ``"chunked_attention"`` layer without
+``attention_chunk_size``, soft-capping on CUDA (outside float64), cross-attention,
+``output_attentions`` in the config, attention dropout in training.
 """
 
 from __future__ import annotations
@@ -78,10 +90,12 @@ from seqpar.sequence.batch import (
     global_positions,
     sp_rank_and_size,
 )
-from seqpar.sequence.boundaries import boundary_tensor
+from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap import moe
 from seqpar.swap.batch import Preparer
+from seqpar.swap.hf_alibi import alibi_problems, is_alibi_attention
+from seqpar.swap.hf_alibi import install as install_alibi
 from seqpar.swap.mla import install_latent_transfer, take_latent
 from seqpar.swap.options import SwapError, SwapOptions
 
@@ -128,8 +142,9 @@ def _dispatches_through_interface(cls: type) -> bool:
 
 
 def is_hf_attention(module: nn.Module) -> bool:
-    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
-    return _dispatches_through_interface(type(module))
+    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``, or one of
+    the ALiBi modules (BLOOM, MPT, Falcon with alibi=True) served by :mod:`seqpar.swap.hf_alibi`."""
+    return _dispatches_through_interface(type(module)) or is_alibi_attention(module)
 
 
 def _dropout_p(module: nn.Module) -> float:
@@ -142,26 +157,42 @@ def _dropout_p(module: nn.Module) -> float:
     return 0.0
 
 
-def swap_problems(module: nn.Module) -> list[str]:
-    """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
-    config = getattr(module, "config", None)
-    problems = []
-    layer_types = getattr(config, "layer_types", None)
-    layer_idx = getattr(module, "layer_idx", None)
+def _layer_type(module: nn.Module) -> str | None:
+    """The layer's entry of ``config.layer_types`` (or its own ``layer_type``), None if unknown."""
     layer_type = getattr(module, "layer_type", None)
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
     if layer_type is None and layer_types is not None and isinstance(layer_idx, int):
         if 0 <= layer_idx < len(layer_types):
             layer_type = layer_types[layer_idx]
-    if layer_type == "chunked_attention":
+    return layer_type
+
+
+def _chunk_size(module: nn.Module) -> int | None:
+    """Llama 4's chunked local attention: ``config.attention_chunk_size`` on ``"chunked_attention"`` layers."""
+    if _layer_type(module) != "chunked_attention":
+        return None
+    return getattr(getattr(module, "config", None), "attention_chunk_size", None)
+
+
+def swap_problems(module: nn.Module) -> list[str]:
+    """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
+    if is_alibi_attention(module):
+        return alibi_problems(module)
+    config = getattr(module, "config", None)
+    problems = []
+    if _layer_type(module) == "chunked_attention" and _chunk_size(module) is None:
         problems.append(
-            "chunked_attention layer (Llama 4 chunked local attention) is not supported; seqpar runs "
-            "causal, sliding-window and packed-document attention only"
+            "chunked_attention layer without config.attention_chunk_size: seqpar cannot tell its chunks; "
+            "set attention_chunk_size"
         )
     softcap = getattr(config, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
-    if softcap:
+    param = next(module.parameters(), None)
+    if softcap and param is not None and param.device.type == "cuda" and param.dtype != torch.float64:
         problems.append(
-            f"attention logit soft-capping ({softcap}) is not supported (seqpar's kernels "
-            "have no score modifier); set config.attn_logit_softcapping=None"
+            f"attention logit soft-capping ({softcap}) on CUDA: torch's fused attention kernels have no "
+            "soft-capping and seqpar's exact math kernel runs on CPU or in float64 only; set "
+            "config.attn_logit_softcapping=None or train this model on CPU"
         )
     if getattr(module, "is_cross_attention", False):
         problems.append("cross-attention is not supported (self-attention on a sharded sequence only)")
@@ -207,13 +238,16 @@ def apply(
         module._seqpar_name = name
         if options.mla_transfer == "latent":
             install_latent_transfer(module, options)  # MLA layers only: their ring moves the latent
+        if is_alibi_attention(module):
+            install_alibi(module, options)  # its own forward: no attention interface to switch
+    modules = [(name, module) for name, module in modules if not is_alibi_attention(module)]
     tops = _top_pretrained(model)
     if not tops:
         raise SwapError(
             f"found transformers attention modules in {type(model).__name__} but no PreTrainedModel "
             "holding them: swap the transformers model itself"
         )
-    for top in tops:
+    for top in tops if modules else ():
         top.set_attn_implementation(ATTN_IMPLEMENTATION)
     for name, module in modules:
         impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
@@ -614,9 +648,8 @@ def seqpar_attention_forward(
     layer = _name(module)
     if kwargs.get("output_attentions"):
         raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
-    for feature, key_name in (("logit soft-capping", "softcap"), ("a position bias", "position_bias")):
-        if kwargs.get(key_name) is not None:
-            raise ValueError(f"seqpar (layer '{layer}'): {feature} ({key_name}=...) is not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"seqpar (layer '{layer}'): a position bias (position_bias=...) is not supported")
     if dropout:
         raise ValueError(
             f"seqpar (layer '{layer}'): attention dropout {dropout} in training is not supported; "
@@ -644,18 +677,47 @@ def seqpar_attention_forward(
                 "attention honours only causal or bidirectional attention with no mask"
             )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    query = _global_temperature(module, query, options, kwargs.get("cu_seq_lens_q"))
     latent = take_latent(module, key, value)
     if latent is not None:  # an MLA layer whose ring moves the latent (seqpar.swap.mla)
         out = options.latent_attention(query, latent, causal=causal, scale=scaling, layer=layer,
                                        cu_seqlens=kwargs.get("cu_seq_lens_q"),
                                        window=_window(kwargs.get("sliding_window"), causal),
-                                       sinks=kwargs.get("s_aux"))
+                                       sinks=kwargs.get("s_aux"), chunk_size=_chunk_size(module),
+                                       softcap=kwargs.get("softcap"))
         return out.transpose(1, 2).contiguous(), None
     out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
                             cu_seqlens=kwargs.get("cu_seq_lens_q"),
                             window=_window(sliding_window, causal),
-                            sinks=kwargs.get("s_aux"))
+                            sinks=kwargs.get("s_aux"), chunk_size=_chunk_size(module),
+                            softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, cu_seqlens: Any) -> Tensor:
+    """Llama 4's attention temperature tuning, at the rows' global positions.
+
+    Its NoPE layers scale query row t by ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1`` with
+    ``t`` numbered from 0 on the tensor it sees (``torch.arange``, not ``position_ids``): on a shard that
+    is the local row. Each row is rescaled here by ``scale(global t) / scale(local t)`` (the scales in
+    fp32 as transformers computes them, their ratio in float64): ``query`` ``(batch, q_heads,
+    seq_local, head_dim)``, and its gradient flows through the same factor.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    rank, world_size = sp_rank_and_size(options.group)
+    if world_size == 1:
+        return query
+    seq_local = query.shape[2]
+    glob = global_positions(seq_local * world_size, rank, world_size, options.sharding, device=query.device,
+                            cu_seqlens=host_boundaries(cu_seqlens))
+
+    def temperature(pos: Tensor) -> Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    local = torch.arange(seq_local, device=query.device)
+    factor = temperature(glob).double() / temperature(local).double()  # (seq_local,)
+    return query * factor.to(query.dtype).view(1, 1, seq_local, 1)
 
 
 def _window(sliding_window: int | None, causal: bool) -> int | None:
