@@ -419,7 +419,8 @@ def test_mixtral_seqpar_trainer_loss_includes_the_router_loss(dist_pool, tmp_pat
 
 
 def _trainer_reference(steps: int, batch: int, eval_rows: int, **attrs: float) -> list[float]:
-    """One process, fp32 (MoE grouped matmuls take no float64): AdamW steps on ``batch`` rows, then the
+    """One process, fp32 (MoE grouped matmuls take no float64): SGD steps (``hf_tiny.sgd``, as the
+    Trainer runs use: a gradient off by a factor shows in the losses) on ``batch`` rows, then the
     eval loss as Trainer reports it, the mean of per-batch losses (the router loss is not linear in
     the rows, so one call on every eval row would differ)."""
     import hf_tiny
@@ -427,7 +428,7 @@ def _trainer_reference(steps: int, batch: int, eval_rows: int, **attrs: float) -
     model = _tiny_mixtral()
     for k, v in attrs.items():
         setattr(model, k, v)
-    opt = torch.optim.AdamW(model.parameters(), lr=hf_tiny.LR, weight_decay=0.0)
+    opt = hf_tiny.sgd(model.parameters())
     data = hf_tiny.samples()
     losses = []
     for step in range(steps):
