@@ -159,14 +159,30 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n_text": {"num_kv_shared_layers": 0, "hidden_size_per_layer_input": 8,
                      "vocab_size_per_layer_input": VOCAB, "laurel_rank": 4},
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "per_layer_config": {}},
-    "dots3_note_text": {"index_head_dim": 8, "index_n_heads": 2, "per_layer_config": {}},
+    "dots3_note_text": {"index_head_dim": 8, "index_n_heads": 2, "per_layer_config": {}, "head_dim": 12},
+    "cohere_compass_text": {"rope_parameters": {k: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for k in ("full_attention", "sliding_attention")}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Defaults with one kind where the released models mix two:
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "llama4_text": {"moe_layers": [1]},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": LENGTH,
+                       "indexer_compress_ratio": 2, "hc_lowrank": 8, "ple_embed_dim": 32, "heads_per_ngram": 2,
+                       "ngram_vocab_size_base": VOCAB, "make_ngram_vocab_size_divisible_by": 8,
+                       "split_ngram_parts": 4},
+    "dory": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_hidden_layers": 3,
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # a shared transformer block is tied across its hybrid layers: two of them
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
     "kimi_linear": {"linear_head_dim": 8, "linear_num_heads": 4, "qk_head_dim": 12, "head_dim": 4},
     "longcat_flash": {"qk_head_dim": 12, "head_dim": 4, "num_layers": 2},
     "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8, "d_rel": 4,
                       "unpadded_vocab_size": VOCAB},
     "inkling2_loop_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
                            "d_rel": 4, "unpadded_vocab_size": VOCAB},
-    "dbrx": {"attn_config": {"kv_n_heads": 2}, "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4,
+    "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4,
                                                               "moe_top_k": 2, "hidden_size": 32}},
 }
 
@@ -205,9 +221,10 @@ def tiny_kwargs(model_type: str) -> dict[str, Any]:
     n_layers = fields.get("num_hidden_layers", getattr(default, "num_hidden_layers", 2))
     # Every per-layer list (``layer_types``, ``mlp_layer_types``, ``layers_block_type``, a per-layer
     # ``intermediate_size``, ...) of the default's length: keep one layer of each distinct combination.
+    # Lists of layer indices (``moe_layers``, ``full_attn_idxs``) are not patterns: they are set per model.
     patterns = {k: v for k, v in fields.items()
-                if isinstance(v, (list, str)) and n_layers and len(v) == n_layers and not k.startswith("_")
-                and (isinstance(v, list) or k in _PATTERN_LISTS)}
+                if isinstance(v, (list, str)) and n_layers and len(v) == n_layers
+                and (k in _PATTERN_LISTS or k.endswith("_types") or k in _SIZES or "pattern" in k)}
     if patterns:
         keep = _pattern_indices(patterns)
         if len(keep) == 1:  # one kind: two layers of it
