@@ -48,7 +48,13 @@ one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=
 
 Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
 soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
-config, attention dropout in training.
+config, attention dropout in training. Keyword arguments of the attention call outside
+:data:`ATTENTION_KWARGS` (DSA's ``indices=``) are refused by name at every call.
+
+Before anything is changed, :func:`probe_at_swap` runs the position-mixing probe
+(:mod:`seqpar.swap.probe`) on 13 synthetic tokens, with the attention routed to seqpar (self-only) for
+the probe alone: a module mixing positions outside attention, or a refused keyword argument, is a
+:class:`SwapError` naming it, and the model is left as it was.
 """
 
 from __future__ import annotations
