@@ -81,6 +81,7 @@ from seqpar.sequence.batch import (
 )
 from seqpar.sequence.boundaries import boundary_tensor
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
+from seqpar.swap import moe
 from seqpar.swap.batch import Preparer
 from seqpar.swap.options import SwapError, SwapOptions, self_only_attention
 from seqpar.swap.probe import (
@@ -101,6 +102,7 @@ __all__ = [
     "apply",
     "seqpar_attention_forward",
     "seqpar_mask",
+    "WindowMask",
     "SequenceParallelLMLoss",
     "probe_at_swap",
     "ATTENTION_KWARGS",
@@ -210,10 +212,7 @@ def apply(
         is not a ``PreTrainedModel``: nested models then prepare their inputs in their own hook).
     """
     register()
-    for pm in _top_pretrained(model):
-        problem = router_loss_problem(getattr(pm, "config", None))
-        if problem is not None:
-            raise SwapError(f"{type(pm).__name__}: {problem}")
+    moe.install(model, options.group)  # router losses and z-loss over the whole sequence
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
         module._seqpar_name = name
@@ -504,39 +503,11 @@ def _prepare_inputs(
     where = type(module).__name__
 
     _refuse_cache(arguments, params, where)
-    _refuse_router_losses(arguments, module, where)
     _fill_attention_mask(arguments, params, ref, where)
     _prepare_labels(arguments, params, module, options, where)
     if "position_ids" in params:
         _fill_positions(arguments, params, options, ref, where)
     return _as_keywords(bound, params)
-
-
-# Why router losses are refused for now: transformers' load-balancing loss (load_balancing_loss_func) is a
-# product of per-expert token fractions and mean router probabilities over the tokens of the call, so on
-# a shard it is the shard's own value, not the sequence's (measured at SP=2: loss 3e-4 off, router gate
-# gradient 140% off). Until seqpar reduces those statistics over the SP group, refusing is the honest answer.
-_ROUTER_LOSS_FIX = (
-    "MoE router auxiliary losses are computed from each rank's tokens only under sequence parallelism, "
-    "so the loss and the router's gradients would differ from one process; pass output_router_logits=False "
-    "(and set config.output_router_logits=False) to train without them under seqpar"
-)
-
-
-def router_loss_problem(config: Any) -> str | None:
-    """Why a model whose config asks for router logits cannot be swapped (None: it does not)."""
-    if getattr(config, "output_router_logits", False):
-        return f"config.output_router_logits=True: {_ROUTER_LOSS_FIX}"
-    return None
-
-
-def _refuse_router_losses(arguments: dict[str, Any], module: nn.Module, where: str) -> None:
-    """Refuse a forward that would add a shard-local router loss (``output_router_logits=True``)."""
-    asked = arguments.get("output_router_logits")
-    if asked is None:
-        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
-    if asked:
-        raise ValueError(f"seqpar ({where}): output_router_logits=True: {_ROUTER_LOSS_FIX}")
 
 
 def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
@@ -719,7 +690,7 @@ def seqpar_mask(
     local_size: int | None = None,
     allow_is_causal_skip: bool = True,
     **kwargs: Any,
-) -> None:
+) -> WindowMask | None:
     """transformers' mask factory for ``"seqpar"``: checks, then returns ``None`` (no mask).
 
     Raises ``ValueError`` for padding (a 2D mask with zeros) and for any pattern other than plain
@@ -741,7 +712,20 @@ def seqpar_mask(
             "seqpar attention does not honour it. Pass packed documents as cu_seq_lens_q/k "
             "(seqpar.sequence.batch.shard_batch derives them) and use a model without custom masks"
         )
-    return None
+    # A sliding-window mask: pass the window itself on, because some attention modules (PhiMoE) do not
+    # hand their sliding_window to the attention function and rely on this mask alone.
+    return WindowMask(int(local_size)) if local_size is not None else None
+
+
+class WindowMask:
+    """What :func:`seqpar_mask` returns for a sliding-window mask: the model's window (key j visible to
+    query i iff ``i - j < window``), which :func:`seqpar_attention_forward` applies globally."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __repr__(self) -> str:
+        return f"WindowMask({self.window})"
 
 
 def seqpar_attention_forward(
@@ -786,6 +770,10 @@ def seqpar_attention_forward(
                 f"the model runs on sequence shards of {world_size} ranks, where it would see only "
                 "this rank's keys. Include every attention layer in sequence_parallel.swap"
             )
+        if isinstance(attention_mask, WindowMask):  # the unsharded sequence: the window as a tensor
+            i = torch.arange(query.shape[2], device=query.device)[:, None]
+            j = torch.arange(key.shape[2], device=query.device)[None, :]
+            attention_mask = ((j <= i) & (i - j < attention_mask.window))[None, None]
         return transformers.AttentionInterface._global_mapping["sdpa"](
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
@@ -808,6 +796,14 @@ def seqpar_attention_forward(
             f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
             "cross-attention is not supported on a sharded sequence"
         )
+    sliding_window = kwargs.get("sliding_window")
+    if isinstance(attention_mask, WindowMask):
+        if sliding_window is not None and sliding_window != attention_mask.window:
+            raise ValueError(
+                f"seqpar (layer '{layer}'): the layer passed sliding_window={sliding_window} but its mask "
+                f"is a window of {attention_mask.window}; the model is inconsistent"
+            )
+        sliding_window, attention_mask = attention_mask.window, None
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
             raise ValueError(
@@ -818,7 +814,7 @@ def seqpar_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
                             cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                            window=_window(kwargs.get("sliding_window"), causal),
+                            window=_window(sliding_window, causal),
                             sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
 
