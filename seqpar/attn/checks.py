@@ -59,7 +59,8 @@ def check_options(mode: str, sharding: str) -> None:
 
 
 def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
-    """Shapes, dtypes and devices of one rank's q, k, v ``(batch, heads, seq_local, head_dim)``."""
+    """Shapes, dtypes and devices of one rank's q, k ``(batch, heads, seq_local, head_dim)`` and v
+    ``(batch, kv_heads, seq_local, v_head_dim)`` (V's head dim may differ from q/k's: MLA)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -74,12 +75,15 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
         raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, kv_heads and seq_local "
+            f"(layout (batch, heads, seq_local, head_dim); only the head dims may differ, as in MLA)"
+        )
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq_local and head_dim "
-            f"(layout (batch, heads, seq_local, head_dim))"
+            f"(layout (batch, heads, seq_local, head_dim); v's head_dim may differ)"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(

@@ -26,6 +26,7 @@ from seqpar.sequence.sharding import chunk_ids
 __all__ = [
     "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
+    "packed_views",
 ]
 
 
@@ -93,6 +94,22 @@ def block_hops(opts: AttentionOptions, world: int, seq_local: int) -> tuple[int,
 def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
     """The most hops any block makes (the ring's number of steps beyond the own block)."""
     return max(block_hops(opts, world, seq_local), default=0)
+
+
+def packed_views(buf: Tensor, *shapes: Sequence[int]) -> list[Tensor]:
+    """Views of consecutive tensors packed along the last dim of ``buf`` ``(..., sum of numels)``: one
+    ``(..., *shape)`` view per shape, in order. K and V of different head dims (MLA) share one
+    collective buffer this way; for equal shapes it is the same memory as stacking them."""
+    lead, views, at = buf.shape[:-1], [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        views.append(buf.narrow(-1, at, n).view(*lead, *shape))
+        at += n
+    if at != buf.shape[-1]:
+        raise ValueError(f"packed buffer holds {buf.shape[-1]} values per slot, the shapes {shapes} take {at}")
+    return views
 
 
 def _rows(x: Tensor, s: slice) -> Tensor:

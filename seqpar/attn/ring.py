@@ -45,7 +45,7 @@ from seqpar.attn.common import (
 )
 from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.ring import Pending, RingExchange
-from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
+from seqpar.kernels import Partials, add_sink, in_layout_of, lse_dtype, output_like, sink_grad
 
 __all__ = [
     "AttentionOptions", "ring_forward", "ring_backward", "ring_attention_forward", "ring_attention_backward",
@@ -60,11 +60,12 @@ _HOME = 2  # channel of the accumulators going home after their block's last hop
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``.
-    ``sinks``: optional ``(q_heads,)`` sink logits, one more term of every row's softmax."""
+    """Returns ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``) and ``lse``
+    ``(batch, q_heads, seq_local)``. ``sinks``: optional ``(q_heads,)`` sink logits, one more term of
+    every row's softmax."""
     world, rank = comm.world_size, comm.rank
     hops = block_hops(opts, world, q.shape[2])
-    acc = Partials.like(q, lse_dtype(q.dtype))
+    acc = Partials.like(q, lse_dtype(q.dtype), v.shape[-1])
     k_cur, v_cur = k.contiguous(), v.contiguous()
     buffers: list[list[Tensor] | None] = [None, None]
     for step in range(max(hops) + 1):
@@ -240,18 +241,18 @@ def ring_attention_forward(
 ) -> tuple[Tensor, Tensor]:
     """Ring forward over ``opts.head_chunks`` head chunks, one ring pass each.
 
-    Returns ``out`` in q's dtype and layout and the fp32 ``lse`` ``(batch, q_heads, seq_local)``
-    (sinks included). Each pass moves only its chunk's K/V, so the buffers in flight are
+    Returns ``out`` ``(batch, q_heads, seq_local, v_head_dim)`` in q's dtype and memory layout and the
+    fp32 ``lse`` ``(batch, q_heads, seq_local)`` (sinks included). Each pass moves only its chunk's K/V, so the buffers in flight are
     ``1 / head_chunks`` of a block."""
     # ``out`` takes q's memory layout: a Hugging Face q is a (batch, seq, heads, dim) buffer seen
     # transposed, so the caller's transpose back + .contiguous() is then free, and o_proj saves the
     # very storage attention saves instead of a copy (one hidden-sized tensor per layer)
     if opts.head_chunks == 1:
         out_acc, lse = ring_forward(q, k, v, comm, opts, sinks)
-        if out_acc.dtype == q.dtype and out_acc.stride() == q.stride():
+        if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):
             return out_acc, lse
-        return torch.empty_like(q).copy_(out_acc), lse
-    out = torch.empty_like(q)
+        return output_like(q, v.shape[-1]).copy_(out_acc), lse
+    out = output_like(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
     for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
         sinks_c = None if sinks is None else sinks[qs]
