@@ -115,6 +115,8 @@ _SIZES: dict[str, Any] = {
     "rotary_dim": 4,
     "max_position_embeddings": 256,
     "use_cache": False,
+    # MoE router losses on, as anyone training an MoE sets them, and weighted enough to show in the gradients
+    "output_router_logits": True, "router_aux_loss_coef": 0.1, "z_loss_coefficient": 0.1,
     # MoE
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "num_experts_per_token": 2,
@@ -174,6 +176,21 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
                        "split_ngram_parts": 4},
     "dory": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_hidden_layers": 3,
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # byte-level: the patcher, local encoder / decoder and global transformer are sub-configs
+    "blt": {"vocab_size": 260, "local_attention_window_len": LENGTH, "encoder_hash_byte_group_size": [3, 4],
+            "encoder_hash_byte_group_vocab": 64, "max_position_embeddings": 256,
+            "patcher_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 64,
+                               "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "encoder_config": {"hidden_size": 32, "hidden_size_global": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 64,
+                               "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "decoder_config": {"hidden_size": 32, "hidden_size_global": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+                               "intermediate_size": 64, "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "global_config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 64,
+                              "max_position_embeddings": 256}},
     # a shared transformer block is tied across its hybrid layers: two of them
     "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
     "kimi_linear": {"linear_head_dim": 8, "linear_num_heads": 4, "qk_head_dim": 12, "head_dim": 4},
@@ -452,14 +469,21 @@ def counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {s: c.get(s, 0) for s in STATUSES}
 
 
-def refusal_reason(detail: str) -> str:
-    """The first problem of a ``SwapError`` message, without the layer path (families share it)."""
-    lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
-    problems = [ln.removeprefix("- ") for ln in lines if ln.startswith("- ")] or lines[:1]
-    reason = re.sub(r"^layer '[^']*': ", "", problems[0]) if problems else detail
-    reason = re.sub(r"\b(model|layers?)\.\d+\.", "", reason)
-    reason = re.sub(r"found nothing to swap in \w+", "found nothing to swap", reason)
-    return reason[:200]
+def refusal_reason(detail: str) -> tuple[str, str]:
+    """``(reason, class)`` of a ``SwapError`` message: the reason without paths and numbers (so that a
+    family shares one), and the refused module's class where the message names one."""
+    m = re.search(r"'[\w.]+' \((\w+)\): its output changed", detail)
+    if m:
+        return "mixes positions outside attention (state space, linear attention, convolution)", m.group(1)
+    if "found nothing to swap" in detail:
+        return ("no attention seqpar can route: the model computes attention in its own code "
+                "(found nothing to swap)"), ""
+    m = (re.search(r"seqpar \(layer '[\w.]+'(?:, (\w+))?\): (.+?)(?:[.;]\s|$)", detail)
+         or re.search(r"layer '[\w.]+'()(?:, \w+)?: (.+?)(?:[.;(]\s?|$)", detail)
+         or re.search(r"seqpar()[^:]*: (.+?)(?:[.;(]\s|$)", detail))
+    cls, reason = (m.group(1) or "", m.group(2)) if m else ("", detail.splitlines()[0])
+    reason = re.sub(r"\d+(\.\d+)?", "N", reason).strip()
+    return reason[:160], cls
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -477,17 +501,23 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         *[f"| {_LABELS[s]} | {c[s]} |" for s in STATUSES],
         f"| total | {sum(c.values())} |",
         "",
-        "Refused, by reason:",
+        "Refused, by reason (the `SwapError` names each module by its path):",
         "",
-        "| reason | model types |",
+        "| reason | model types (refused module's class) |",
         "|---|---|",
     ]
     by_reason: dict[str, list[str]] = {}
     for t, r in sorted(results.items()):
         if r["status"] == "refused":
-            by_reason.setdefault(refusal_reason(r["detail"]), []).append(t)
+            reason, cls = refusal_reason(r["detail"])
+            by_reason.setdefault(reason, []).append(f"{t} ({cls})" if cls else t)
     for reason, types in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| {reason.replace('|', '/')} | {', '.join(types)} |")
+    failing = {t: r for t, r in sorted(results.items()) if r["status"] in ("wrong", "crash", "cannot_run")}
+    if failing:
+        lines += ["", "Not yet exact or refused:", "", "| model type | outcome |", "|---|---|"]
+        lines += [f"| {t} | {r['status']}: {(r['detail'] or '').splitlines()[0][:160].replace('|', '/')} |"
+                  for t, r in failing.items()]
     return "\n".join(lines)
 
 
