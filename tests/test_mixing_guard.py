@@ -188,6 +188,20 @@ def test_unknown_mixer_in_a_llama_layer_is_refused_by_path_and_class(mixer):
     _assert_untouched(model, before)
 
 
+def test_every_mixer_is_named_not_only_the_first():
+    """After a mixer, the probe splices the other positions back, so a second one downstream is judged
+    on clean inputs and named too; the position-wise modules between them are not."""
+    model = tiny("Llama")
+    model.model.layers[0].mlp = Then(SequenceCumsum(), model.model.layers[0].mlp)
+    model.model.layers[1].mlp = Then(CausalConv(BASE["hidden_size"]), model.model.layers[1].mlp)
+    with pytest.raises(SwapError) as e:
+        swap_attention(model, {"size": 1})
+    text = str(e.value)
+    assert "'model.layers.0.mlp.first' (SequenceCumsum)" in text, text
+    assert "'model.layers.1.mlp.first' (CausalConv)" in text, text
+    assert text.count("\n  - ") == 2, text
+
+
 def test_unknown_attention_kwarg_is_refused_at_run_time_too():
     """A kwarg that appears only in a later forward (not at swap time) is refused by name, not ignored."""
     model = tiny("Llama")
