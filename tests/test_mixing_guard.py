@@ -188,6 +188,20 @@ def test_unknown_mixer_in_a_llama_layer_is_refused_by_path_and_class(mixer):
     _assert_untouched(model, before)
 
 
+def test_every_mixer_is_named_not_only_the_first():
+    """After a mixer, the probe splices the other positions back, so a second one downstream is judged
+    on clean inputs and named too; the position-wise modules between them are not."""
+    model = tiny("Llama")
+    model.model.layers[0].mlp = Then(SequenceCumsum(), model.model.layers[0].mlp)
+    model.model.layers[1].mlp = Then(CausalConv(BASE["hidden_size"]), model.model.layers[1].mlp)
+    with pytest.raises(SwapError) as e:
+        swap_attention(model, {"size": 1})
+    text = str(e.value)
+    assert "'model.layers.0.mlp.first' (SequenceCumsum)" in text, text
+    assert "'model.layers.1.mlp.first' (CausalConv)" in text, text
+    assert text.count("\n  - ") == 2, text
+
+
 def test_unknown_attention_kwarg_is_refused_at_run_time_too():
     """A kwarg that appears only in a later forward (not at swap time) is refused by name, not ignored."""
     model = tiny("Llama")
@@ -291,17 +305,26 @@ def _refused_on_every_rank(rank: int, world_size: int, mixer: str) -> str:
     raise AssertionError(f"rank {rank}: {mixer} mixer not refused")
 
 
-def _first_forward_refused_on_every_rank(rank: int, world_size: int) -> str:
+class RankZeroCumsum(SequenceCumsum):
+    """Mixes on rank 0 only: the probe refuses on one rank, and the other must still say why."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if dist.get_rank() == 0 else x
+
+
+def _first_forward_refused_on_every_rank(rank: int, world_size: int, mixer: str) -> str:
     group = dist.group.WORLD
     torch.manual_seed(0)
-    model = NanoModel(SequenceCumsum())
+    model = NanoModel(SequenceCumsum() if mixer == "cumsum" else RankZeroCumsum())
     swap_attention(model, {"size": world_size, "sharding": "zigzag"}, group=group)
     ids = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
     local = shard_sequence(ids, 1, group=group, sharding="zigzag")
     try:
         model(local)
     except SwapError as e:
-        assert "'block.mixer' (SequenceCumsum)" in str(e), str(e)
+        assert f"'block.mixer' ({type(model.block.mixer).__name__})" in str(e), str(e)
+        if mixer == "rank0" and rank == 1:
+            assert "SP rank(s) [0] refused this batch" in str(e), str(e)
         return str(e)
     raise AssertionError(f"rank {rank}: the first forward ran")
 
@@ -309,5 +332,6 @@ def _first_forward_refused_on_every_rank(rank: int, world_size: int) -> str:
 def test_refused_on_every_rank(dist_pool):
     texts = dist_pool.run(2, _refused_on_every_rank, "conv1d")
     assert len(texts) == 2 and texts[0] == texts[1], texts
-    texts = dist_pool.run(2, _first_forward_refused_on_every_rank)
-    assert len(texts) == 2, texts
+    for mixer in ("cumsum", "rank0"):
+        texts = dist_pool.run(2, _first_forward_refused_on_every_rank, mixer)
+        assert len(texts) == 2, texts
