@@ -478,11 +478,12 @@ def refusal_reason(detail: str) -> tuple[str, str]:
     if "found nothing to swap" in detail:
         return ("no attention seqpar can route: the model computes attention in its own code "
                 "(found nothing to swap)"), ""
-    m = (re.search(r"seqpar \(layer '[\w.]+'(?:, (\w+))?\): (.+?)(?:[.;]\s|$)", detail)
-         or re.search(r"layer '[\w.]+'()(?:, \w+)?: (.+?)(?:[.;(]\s?|$)", detail)
-         or re.search(r"seqpar()[^:]*: (.+?)(?:[.;(]\s|$)", detail))
+    m = (re.search(r"seqpar \(layer '[\w.]+'(?:, (\w+))?\): (.+?)(?:\.\s|\.?$)", detail, re.M)
+         or re.search(r"layer '[\w.]+'()(?:, \w+)?: (.+?)(?:\.\s|\.?$)", detail, re.M)
+         or re.search(r"seqpar()[^:]*: (.+?)(?:\.\s|\.?$)", detail, re.M))
     cls, reason = (m.group(1) or "", m.group(2)) if m else ("", detail.splitlines()[0])
-    reason = re.sub(r"\d+(\.\d+)?", "N", reason).strip()
+    reason = re.sub(r"\b\d+ (queries|keys)\b", r"N \1", reason)  # per-model numbers: families share a reason
+    reason = re.sub(r"\(\d+(\.\d+)?\)", "(N)", reason).strip()
     return reason[:160], cls
 
 
