@@ -4,7 +4,9 @@ Issue 19 §1. For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that 
 model (:func:`decoder_model_types` states the rule), :func:`tiny_config` builds a tiny random-init
 config in code, with one layer of each kind the full-size default has and every length parameter
 (sliding window, chunk, top-k, block) below the shard length, so the mechanism fires across shards.
-Every dropout and jitter is zero.
+Every dropout and jitter is zero. MoE router losses are on (``output_router_logits``, coefficient 0.1,
+and Bamba's z-loss), and experts run transformers' ``experts_implementation="eager"`` loop, which takes
+float64 where the grouped matmul takes only fp32, so MoE models compare in float64 too.
 
 On 2 ranks (ring, zigzag; seqpar's public path: ``init_process_groups``, ``swap_attention``,
 ``shard_batch``) each model lands in exactly one class:
@@ -158,7 +160,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8, "head_dim": 8},
     "zaya": {"num_experts_per_tok": 1},
     "cpmant": {"dim_head": 8, "dim_ff": 64, "position_bias_num_buckets": 32, "position_bias_max_distance": 64},
-    "gemma3n_text": {"num_kv_shared_layers": 0, "hidden_size_per_layer_input": 8,
+    "gemma3n_text": {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
                      "vocab_size_per_layer_input": VOCAB, "laurel_rank": 4},
     "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "per_layer_config": {}},
     "dots3_note_text": {"index_head_dim": 8, "index_n_heads": 2, "per_layer_config": {}, "head_dim": 12},
