@@ -239,6 +239,25 @@ def test_hybrid_models_are_refused_naming_their_mixer(name):
     _assert_untouched(model, before)
 
 
+DSA = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=16,
+           qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4, first_k_dense_replace=1,
+           n_group=1, topk_group=1, index_topk=4, index_head_dim=16, index_n_heads=2)
+
+
+@pytest.mark.parametrize("name", ["DeepseekV32", "GlmMoeDsa"])
+def test_sparse_attention_models_refused_not_crashing(name):
+    """DSA models crashed inside the model under seqpar (their indexer reads the mask seqpar does not
+    build, then passes indices=): refused at swap time naming the layer, the model left as it was."""
+    if not hasattr(transformers, f"{name}Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    model = tiny(name, **DSA)
+    before = _untouched(model)
+    with pytest.raises(SwapError) as e:
+        swap_attention(model, {"size": 1})
+    assert f"'model.layers.0.self_attn' ({name}Attention)" in str(e.value), e.value
+    _assert_untouched(model, before)
+
+
 def test_parameters_on_meta_are_probed_at_the_first_forward():
     """Not materialised at swap time (meta here, ZeRO-3 partitions alike): the same probe runs at the
     first forward, and every forward after it refuses."""

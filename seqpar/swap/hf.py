@@ -87,10 +87,12 @@ from seqpar.swap.options import SwapError, SwapOptions, self_only_attention
 from seqpar.swap.probe import (
     PROBE_LENGTH,
     PROBE_POSITION,
+    ProbeFailed,
     find_mixers,
     first_forward_probe,
     is_materialised,
     mixing_refusal,
+    raised_by_seqpar,
 )
 from seqpar.swap.state import is_probing
 
@@ -285,9 +287,22 @@ def probe_at_swap(
     with _probe_routing([top for _, top in tops], modules, options) as routed:
         if not routed:
             return None  # apply() refuses: transformers kept another attention implementation
-        if not _probe_tops(tops, "Nothing was changed."):
-            return first_forward_probe
-    return None
+        failure = _probe_tops(tops, "Nothing was changed.")
+    if failure is None:
+        return None
+    top, failed = failure
+    if _runs_plain(top):  # it runs with its own attention: routing it to seqpar is what breaks it
+        raise SwapError(
+            f"{type(top).__name__} fails with its attention routed to seqpar: {failed}. Its attention needs "
+            "something seqpar does not provide (e.g. DeepSeek-V3.2 / GLM-MoE-DSA sparse attention indexes "
+            "the attention mask and passes indices= of the keys each query may see); run this model "
+            "without sequence parallelism. Nothing was changed."
+        ) from failed.error
+    logger.warning(
+        "seqpar: %s did not run on %d synthetic tokens for the position-mixing probe, with or without "
+        "seqpar (%s); the probe runs on the first batch instead", type(top).__name__, PROBE_LENGTH, failed,
+    )
+    return first_forward_probe
 
 
 def _named_top_pretrained(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -302,39 +317,38 @@ def _named_top_pretrained(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _first_forward_tops(tops: list[tuple[str, nn.Module]], model: nn.Module, args: tuple, kwargs: dict) -> None:
-    if not _probe_tops(tops, "The model stays swapped, and refuses every forward."):
+    failure = _probe_tops(tops, "The model stays swapped, and refuses every forward.")
+    if failure is not None:
+        logger.warning("seqpar: %s did not run on %d synthetic tokens for the position-mixing probe (%s); "
+                       "probing this batch instead", type(failure[0]).__name__, PROBE_LENGTH, failure[1])
         first_forward_probe(model, args, kwargs)
 
 
-def _probe_tops(tops: list[tuple[str, nn.Module]], after: str) -> bool:
-    """Probe each model on synthetic tokens; raises SwapError naming what it found. False when a model
-    could not run on synthetic tokens (its error is not seqpar's)."""
+def _probe_tops(tops: list[tuple[str, nn.Module]], after: str) -> tuple[nn.Module, ProbeFailed] | None:
+    """Probe each model on synthetic tokens; raises SwapError naming what it found (``after`` ends the
+    message). Returns the first model that raised, with the failure (not a seqpar refusal), or None."""
     for prefix, top in tops:
         try:
             mixers = find_mixers(top, _synthetic_run(top), PROBE_LENGTH, PROBE_POSITION)
-        except SwapError:
-            raise
-        except Exception as e:  # noqa: BLE001 - seqpar's refusals become SwapErrors, the model's own are reported
-            if not _raised_by_seqpar(e):
-                logger.warning(
-                    "seqpar: %s did not run on %d synthetic tokens for the position-mixing probe (%s: %s); "
-                    "the probe runs on the first batch instead", type(top).__name__, PROBE_LENGTH,
-                    type(e).__name__, e,
-                )
-                return False
+        except ProbeFailed as failed:
+            if not raised_by_seqpar(failed.error):
+                return top, failed
             raise SwapError(
-                f"{type(top).__name__}: seqpar refused a layer while probing the model: {e}. {after}"
-            ) from e
+                f"{type(top).__name__}: seqpar refused a layer while probing the model: {failed.error}. {after}"
+            ) from failed.error
         if mixers:
             raise SwapError(f"{mixing_refusal(mixers, type(top).__name__, prefix)} {after}")
+    return None
+
+
+def _runs_plain(top: nn.Module) -> bool:
+    """Whether ``top`` runs on the probe's tokens with its own attention (no seqpar)."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            _synthetic_run(top)(False)
+    except Exception:  # noqa: BLE001 - any failure means: not seqpar's routing alone
+        return False
     return True
-
-
-def _raised_by_seqpar(error: BaseException) -> bool:
-    tb = error.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("seqpar.")
 
 
 def _synthetic_run(top: nn.Module) -> Callable[[bool], Any]:

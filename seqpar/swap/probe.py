@@ -55,6 +55,8 @@ __all__ = [
     "PROBE_LENGTH",
     "PROBE_POSITION",
     "Mixer",
+    "ProbeFailed",
+    "raised_by_seqpar",
     "find_mixers",
     "mixing_refusal",
     "slice_probe",
@@ -88,6 +90,22 @@ class Mixer:
     def describe(self, prefix: str = "") -> str:
         path = f"{prefix}.{self.path}" if prefix and self.path else (self.path or prefix)
         return f"'{path or '<model>'}' ({self.cls}): {self.how}"
+
+
+class ProbeFailed(Exception):
+    """The model raised while the probe ran it; ``path``/``cls`` name the innermost module running."""
+
+    def __init__(self, path: str, cls: str, error: BaseException) -> None:
+        super().__init__(f"'{path or '<model>'}' ({cls}) raised {type(error).__name__}: {error}")
+        self.path, self.cls, self.error = path, cls, error
+
+
+def raised_by_seqpar(error: BaseException) -> bool:
+    """Whether ``error`` was raised by seqpar's own code (a refusal), not by the model."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("seqpar.")
 
 
 # ----------------------------------------------------------------------------- tensor structures
@@ -268,6 +286,9 @@ def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, posi
 
     Returns:
         The mixers, in the order the probe met them (empty: the model is position-wise).
+
+    Raises:
+        ProbeFailed: ``run`` raised (the error, and the innermost module that was running).
     """
     recorder = _Recorder(seq_len, position)
     handles = []
@@ -288,7 +309,11 @@ def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, posi
                 torch.random.default_generator.manual_seed(_SEED)  # the same dropout / jitter in both runs
                 for index in cuda:
                     torch.cuda.default_generators[index].manual_seed(_SEED)
-                run(perturbed)
+                try:
+                    run(perturbed)
+                except Exception as e:
+                    name, module = (recorder.stack[-1][0], recorder.stack[-1][1]) if recorder.stack else ("", model)
+                    raise ProbeFailed(name, type(module).__name__, e) from e
     finally:
         for handle in handles:
             handle.remove()
@@ -374,7 +399,15 @@ def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
     Raises:
         SwapError: naming every module that mixes positions.
     """
-    mixers = slice_probe(model, args, kwargs)
+    try:
+        mixers = slice_probe(model, args, kwargs)
+    except ProbeFailed as failed:
+        if raised_by_seqpar(failed.error):
+            raise SwapError(f"{type(model).__name__}: seqpar refused a layer while probing the model: "
+                            f"{failed.error}. The model stays swapped, and refuses every forward.") from failed.error
+        logger.warning("seqpar: the position-mixing probe could not run the model on the first %d positions "
+                       "of this batch (%s); modules mixing positions are not checked", PROBE_LENGTH, failed)
+        return
     if mixers is None:
         logger.warning("seqpar: the position-mixing probe could not run on this batch (fewer than 3 "
                        "positions, or a single distinct token id): modules mixing positions are not checked")
