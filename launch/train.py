@@ -18,7 +18,9 @@ The config JSON. A DeepSpeed config (recognised by DeepSpeed's own keys) or a st
 config, with three extra sections the launcher reads and removes before the engine sees the rest::
 
     "sequence_parallel": {...}                        # seqpar.config.SeqParConfig
-    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields
+    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields, or with
+                                                      # "architecture": "mixtral" (a transformers model
+                                                      # type) that config class's fields
     "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
     "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
 
@@ -350,13 +352,32 @@ def _check_top_level(raw: dict[str, Any], engine: str, path: str) -> None:
                           f"allowed are {allowed}")
 
 
-def _llama_keys() -> list[str]:
-    """The fields ``transformers.LlamaConfig`` takes (it would store any other key silently)."""
-    from transformers import LlamaConfig
+ARCHITECTURE_KEY = "architecture"
+"""``"model": {"architecture": "mixtral", ...}`` picks the transformers config class (``model_type`` as
+transformers registers it: ``"llama"`` by default, ``"mixtral"``, ``"qwen3_moe"``, ``"deepseek_v3"``, ...);
+the other keys set that config's fields."""
 
-    if dataclasses.is_dataclass(LlamaConfig):
-        return sorted(f.name for f in dataclasses.fields(LlamaConfig))
-    params = inspect.signature(LlamaConfig.__init__).parameters.values()
+
+def config_class(model: dict[str, Any]) -> Any:
+    """The transformers config class the ``"model"`` block names (``LlamaConfig`` when it names none)."""
+    from transformers import CONFIG_MAPPING
+
+    from seqpar.config import ConfigError
+
+    arch = model.get(ARCHITECTURE_KEY, "llama")
+    if not isinstance(arch, str) or arch not in CONFIG_MAPPING:
+        known = sorted(CONFIG_MAPPING.keys())
+        raise ConfigError(f"model.{ARCHITECTURE_KEY} = {arch!r} is not a transformers model type"
+                          f"{_did_you_mean(str(arch), known)}; e.g. 'llama', 'mixtral', 'qwen3_moe'")
+    return CONFIG_MAPPING[arch]
+
+
+def _llama_keys(model: dict[str, Any] | None = None) -> list[str]:
+    """The fields the ``"model"`` block's config class takes (it would store any other key silently)."""
+    cls = config_class(model or {})
+    if dataclasses.is_dataclass(cls):
+        return sorted(f.name for f in dataclasses.fields(cls))
+    params = inspect.signature(cls.__init__).parameters.values()
     return sorted(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)
 
 
@@ -364,11 +385,12 @@ def _check_model(model: dict[str, Any], train: TrainSettings) -> None:
     """Unknown ``model`` keys fail by name; ``vocab_size`` must hold the recall task's tokens."""
     from seqpar.config import ConfigError
 
-    known = _llama_keys()
+    known = _llama_keys(model)
     for key in model:
-        if key not in known:
+        if key != ARCHITECTURE_KEY and key not in known:
             raise ConfigError(f"unknown key {key!r} in 'model'{_did_you_mean(key, known)}; allowed keys are "
-                              f"transformers.LlamaConfig's fields: {known}")
+                              f"{ARCHITECTURE_KEY!r} and transformers.{config_class(model).__name__}'s fields: "
+                              f"{known}")
     if "vocab_size" in model:
         vocab, need = model["vocab_size"], RecallTask(train).vocab_size
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < need:
@@ -499,9 +521,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 # ============================================================================ model
 def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
-    """The ``transformers.LlamaConfig`` of the run: small defaults, then the ``"model"`` section."""
-    from transformers import LlamaConfig
-
+    """The transformers config of the run (``model.architecture``'s class, ``LlamaConfig`` by
+    default): small defaults, then the ``"model"`` section."""
     fields: dict[str, Any] = {
         "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -509,7 +530,8 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
         "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": False,
     }
     fields.update(plan.model)  # the "model" section wins (build_plan checked its keys and vocab_size)
-    cfg = LlamaConfig(**fields)
+    fields.pop(ARCHITECTURE_KEY, None)
+    cfg = config_class(plan.model)(**fields)
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -530,7 +552,8 @@ def validate_model(plan: Plan) -> None:
     try:
         llama_config(plan, task.vocab_size, seq_padded)  # transformers' strict field validators
     except Exception as e:  # transformers' validators name the field; say which block it is in
-        raise ConfigError(f"'model' block (transformers.LlamaConfig) refused: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"'model' block (transformers.{config_class(plan.model).__name__}) refused: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 _POSITIVE_INT_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -579,7 +602,7 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     section. ``vocab_size`` is the task's (the default); ``model.vocab_size`` (>= it) wins: the task's
     tokens keep the first ids and the ids above are never sampled."""
     try:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ImportError(
             "launch/train.py needs transformers: pip install 'transformers>=4.48' "
@@ -587,7 +610,7 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
         ) from e
     cfg = llama_config(plan, vocab_size, seq_len_padded)
     torch.manual_seed(plan.train.seed)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if plan.train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -870,7 +893,9 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
             full = task.packed_batch(first) if t.packed else task.batch(first, t.micro_batch_size)
             batch = shard_batch(full, group=manager.sp_group, sharding=plan.sp.sharding)
-            if plan.sp.tiled_loss:  # the swapped model computes the SP loss itself, never the logits
+            # The swapped model computes the SP loss itself: never the logits with a tiled loss, and
+            # with its router losses (MoE, output_router_logits) added over the whole sequence.
+            if plan.sp.tiled_loss or plan.model.get("output_router_logits"):
                 loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                     shift_labels=batch["shift_labels"], **_packed_kwargs(batch)).loss
             else:

@@ -61,12 +61,18 @@ def make(family: str, **overrides: object):  # noqa: ANN201
     return model
 
 
-def _batch(seq: int, packed: bool) -> dict:
+def _batch(seq: int, packed: bool, right_padded: bool = False) -> dict:
+    """``seq`` = 14 (and 15 packed) is not a multiple of 2 x SP: shard_batch pads the end, and the
+    router statistics must skip those pads as one process never sees them."""
     g = torch.Generator().manual_seed(11)
     if not packed:
         ids = torch.randint(0, VOCAB, (2, seq), generator=g)
-        return {"input_ids": ids, "labels": ids.clone()}
-    lengths = (5, 1, 7, 3)  # 16 tokens: a multiple of 2 x SP for SP 2 and 4 (no end padding)
+        if not right_padded:
+            return {"input_ids": ids, "labels": ids.clone()}
+        mask = torch.ones_like(ids)
+        mask[1, seq - 5:] = 0  # the second row is 5 tokens shorter (right padding, as tokenizers pad)
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    lengths = (5, 1, 7, 2)  # 15 tokens
     collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     return collate([{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in lengths])
 
@@ -130,8 +136,9 @@ def assert_grads(model, ref_grads: dict, world: int, where: str) -> None:
                                    msg=lambda m, name=name: f"{where}: grad of {name}: {m}")
 
 
-def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bool) -> tuple[float, float]:
-    batch = _batch(16, packed)
+def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bool,
+                   right_padded: bool = False) -> tuple[float, float]:
+    batch = _batch(14, packed, right_padded)
     ref = make(family)
     ref_loss, ref_grads, ref_aux = _reference(_with_ce(ref) if packed else ref, batch, packed)
     model = make(family)
@@ -139,7 +146,7 @@ def _family_parity(rank: int, world: int, family: str, sharding: str, packed: bo
     local = shard_batch(batch, group=WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
-    where = f"{family} SP={world} {sharding}{' packed' if packed else ''}"
+    where = f"{family} SP={world} {sharding}{' packed' if packed else ''}{' right-padded' if right_padded else ''}"
     torch.testing.assert_close(out.aux_loss.detach(), ref_aux, rtol=1e-5, atol=0, msg=lambda m: f"{where} aux: {m}")
     torch.testing.assert_close(out.loss.detach(), ref_loss, rtol=1e-5, atol=0, msg=lambda m: f"{where} loss: {m}")
     assert_grads(model, ref_grads, world, where)
@@ -166,6 +173,13 @@ def test_router_losses_exact_packed(dist_pool, family: str, world: int) -> None:
     dist_pool.run(world, _family_parity, family, "zigzag", True, timeout=300)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_router_losses_exact_right_padded(dist_pool, world: int) -> None:
+    """A right-padded batch (attention_mask zeros): one process leaves the pads out of the router
+    statistics (transformers weights them by the mask); so does SP, and SP=1 through shard_batch."""
+    dist_pool.run(world, _family_parity, "mixtral", "zigzag", False, True, timeout=300)
+
+
 def test_router_loss_forms_are_recognised() -> None:
     """Every installed decoder's load_balancing_loss_func is one seqpar knows (probed by value and
     gradient against its own form); the encoder-decoders' (not swapped: no decoder-only LM) are not."""
@@ -187,7 +201,7 @@ def test_router_loss_forms_are_recognised() -> None:
 
 
 def test_one_process_and_unswapped_models_keep_transformers_loss() -> None:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
     ref = make("mixtral")
     want = ref(**batch)
     model = make("mixtral")
@@ -248,7 +262,7 @@ def _bamba(dtype: torch.dtype = torch.float32):  # noqa: ANN202
 
 
 def _bamba_parity(rank: int, world: int) -> None:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
     ref = _bamba(torch.float64)
     out = ref(**batch)
     out.loss.backward()
@@ -257,7 +271,7 @@ def _bamba_parity(rank: int, world: int) -> None:
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
     got = model(**shard_batch(batch, group=WORLD, sharding="zigzag"))
     got.loss.backward()
-    torch.testing.assert_close(got.loss.double(), out.loss.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.loss.detach().double(), out.loss.detach().double(), rtol=1e-5, atol=0)
     assert_grads(model, ref_grads, world, f"bamba z-loss SP={world}")
 
 
@@ -281,9 +295,10 @@ def _glm4_moe():  # noqa: ANN202
 
 
 def _counts(rank: int, world: int) -> dict[str, list[int]]:
-    batch = _batch(16, False)
+    batch = _batch(14, False)
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     ref = _glm4_moe()
-    ref_counter = moe.ExpertCounter(ref)
+    ref_counter = moe.ExpertCounter(ref, group=alone[rank])  # one process: its own group of one
     ref(**batch)
     model = _glm4_moe()
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
@@ -293,7 +308,7 @@ def _counts(rank: int, world: int) -> dict[str, list[int]]:
     assert set(counter.counts) == set(ref_counter.counts) and len(counter.counts) == 2, counter.counts
     for name, counts in counter.counts.items():
         assert torch.equal(counts, ref_counter.counts[name]), (name, counts, ref_counter.counts[name])
-        assert int(counts.sum()) == 2 * 16 * 2  # every token of the batch, top-2
+        assert int(counts.sum()) == 2 * 14 * 2  # every token of the batch, top-2 (not the end pads)
     model(**local)  # accumulates until reset
     assert all(torch.equal(c, 2 * ref_counter.counts[n]) for n, c in counter.counts.items())
     counter.reset()
@@ -304,3 +319,107 @@ def _counts(rank: int, world: int) -> dict[str, list[int]]:
 def test_expert_counts_are_the_whole_sequence(dist_pool) -> None:
     per_rank = dist_pool.run(2, _counts, timeout=300)
     assert per_rank[0] == per_rank[1]
+
+
+# ----------------------------------------------------------------------------- engines
+def _deepspeed_zero2(rank: int, world: int) -> float:
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils import safe_get_full_grad
+
+    from seqpar.integrations.deepspeed import initialize
+
+    batch = _batch(14, False)
+    ref = make("mixtral")
+    ref_loss, ref_grads, _ = _reference(ref, batch, False)
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "train_batch_size": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}},
+        "zero_optimization": {"stage": 2}, "gradient_clipping": 0.0, "steps_per_print": 10**6,
+        "sequence_parallel": {"size": world, "mode": "ring", "sharding": "zigzag", "swap": "auto"},
+    }
+    engine, _, _, _ = initialize(model=make("mixtral"), config=config)
+    manager = engine.seqpar_manager
+    loss = engine(**shard_batch(batch, group=manager.sp_group, sharding="zigzag")).loss
+    engine.backward(loss)
+    torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-5, atol=0)
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    for name, p in engine.module.named_parameters():
+        # ZeRO-2 with seqpar's mpu: summed over the SP ranks, averaged over DP (1 here): one process's.
+        torch.testing.assert_close(safe_get_full_grad(p), ref_grads[name], rtol=1e-4, atol=1e-5 * scale,
+                                   msg=lambda m, name=name: f"ZeRO-2 grad of {name}: {m}")
+    engine.step()
+    return float(loss)
+
+
+def test_mixtral_deepspeed_zero2_router_loss_exact(dist_pool) -> None:
+    losses = dist_pool.run(2, _deepspeed_zero2, timeout=300)
+    assert losses[0] == losses[1]
+
+
+def _tiny_mixtral(dtype: torch.dtype = torch.float32):  # noqa: ANN202
+    import hf_tiny
+
+    config = transformers.MixtralConfig(**{**COMMON, **FAMILIES["mixtral"][2], "vocab_size": hf_tiny.VOCAB,
+                                           "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).to(dtype)
+
+
+def _trainer(rank: int, world: int, tmp: str) -> list[float]:
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("accelerate")
+    import hf_tiny
+    from test_trainer import EVAL_ROWS, training_args
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        trainer = SeqParTrainer(model=_tiny_mixtral(), args=training_args(f"{tmp}/r{rank}", world, 2),
+                                train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                                eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]))
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses.append(trainer.evaluate()["eval_loss"])  # transformers #48167: not x the SP size
+        return losses
+
+
+def test_mixtral_seqpar_trainer_loss_includes_the_router_loss(dist_pool, tmp_path) -> None:
+    """SeqParTrainer (DeepSpeed ZeRO-2, SP=2) on a Mixtral with its router loss: the logged training
+    losses and the eval loss are those of single-device training (fp32), aux term included."""
+    import hf_tiny
+    from test_trainer import BATCH, EVAL_ROWS, STEPS
+
+    ref = _trainer_reference(STEPS, BATCH, EVAL_ROWS)
+    no_aux = _trainer_reference(1, BATCH, 0, router_aux_loss_coef=0.0)
+    assert abs(ref[0] - no_aux[0]) > 0.1, "the aux term must weigh in the loss for this test to mean anything"
+    out = dist_pool.run(2, _trainer, str(tmp_path), timeout=400)
+    for losses in out:
+        hf_tiny.assert_losses_close(losses, ref)
+
+
+def _trainer_reference(steps: int, batch: int, eval_rows: int, **attrs: float) -> list[float]:
+    """One process, fp32 (MoE grouped matmuls take no float64): AdamW steps on ``batch`` rows, then the
+    eval loss as Trainer reports it, the mean of per-batch losses (the router loss is not linear in
+    the rows, so one call on every eval row would differ)."""
+    import hf_tiny
+
+    model = _tiny_mixtral()
+    for k, v in attrs.items():
+        setattr(model, k, v)
+    opt = torch.optim.AdamW(model.parameters(), lr=hf_tiny.LR, weight_decay=0.0)
+    data = hf_tiny.samples()
+    losses = []
+    for step in range(steps):
+        ids = torch.stack([data[(step * batch + i) % len(data)]["input_ids"] for i in range(batch)])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if eval_rows:
+        model.eval()
+        with torch.no_grad():
+            per_batch = [model(input_ids=ids, labels=ids).loss.item() for ids in
+                         torch.stack([d["input_ids"] for d in data[:eval_rows]]).split(batch)]
+        losses.append(sum(per_batch) / len(per_batch))
+    return losses

@@ -168,23 +168,32 @@ def pkm_routing_statistics(
     return RouterStatistics(counts, probs, rows, count_rows=assignments)
 
 
-def sequence_parallel_z_loss(logits_local: Tensor, *, group: dist.ProcessGroup | None = None) -> Tensor:
+def sequence_parallel_z_loss(logits_local: Tensor, *, group: dist.ProcessGroup | None = None,
+                             mask: Tensor | None = None) -> Tensor:
     """Mean over the whole sequence's tokens of ``logsumexp(logits)**2`` (Bamba's LM-logit z-loss).
 
     Args:
-        logits_local: ``(..., vocab)``, this rank's shard; every position counts.
+        logits_local: ``(batch, seq_local, vocab)``, this rank's shard.
+        mask: ``(batch, seq_local)``, the positions that count (default: all; seqpar's end padding
+            is left out with the :data:`~seqpar.sequence.batch.TOKEN_MASK_KEY` mask).
 
     Returns:
         A scalar, the same on every SP rank; backward gives each rank its share (sum over SP).
     """
-    squares = logits_local.logsumexp(dim=-1).pow(2)  # (..., )
+    squares = logits_local.logsumexp(dim=-1).pow(2)  # (batch, seq_local)
+    if mask is not None:
+        weight = mask.to(device=squares.device, dtype=squares.dtype).reshape(squares.shape)
+        squares = squares * weight
+        count = weight.sum()
+    else:
+        count = torch.tensor(float(squares.numel()), dtype=squares.dtype, device=squares.device)
     total = all_reduce_identity_backward(squares.sum(), group=group)
-    count = torch.tensor(float(squares.numel()), dtype=total.dtype, device=total.device)
     return total / _sum_over(count, resolve_group(group))
 
 
 def sequence_parallel_expert_counts(
-    expert_indices: Tensor, num_experts: int, *, group: dist.ProcessGroup | None = None
+    expert_indices: Tensor, num_experts: int, *, group: dist.ProcessGroup | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Tokens routed to each expert over the whole sequence of the SP group.
 
@@ -193,13 +202,15 @@ def sequence_parallel_expert_counts(
     (and nothing more) they are the counts one process would see.
 
     Args:
-        expert_indices: ``(tokens_local, top_k)`` (any shape) integer expert ids of this rank's tokens.
+        expert_indices: ``(tokens_local, top_k)`` integer expert ids of this rank's tokens.
         num_experts: E.
+        mask: ``(tokens_local,)`` (any shape of that many elements): tokens that count (default: all).
 
     Returns:
         ``(E,)`` int64 counts, the same on every SP rank.
     """
     counts = torch.zeros(num_experts, dtype=torch.int64, device=expert_indices.device)
-    flat = expert_indices.reshape(-1).long()
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    flat = expert_indices.reshape(expert_indices.shape[0], -1).long()  # (tokens_local, top_k)
+    weight = torch.ones_like(flat) if mask is None else mask.reshape(-1, 1).to(flat).expand_as(flat)
+    counts.scatter_add_(0, flat.reshape(-1), weight.reshape(-1))
     return _sum_over(counts, resolve_group(group))

@@ -517,6 +517,7 @@ def _prepare_inputs(
     where = type(module).__name__
 
     _refuse_cache(arguments, params, where)
+    moe.take_token_mask(_var_keyword(arguments, params))  # padding the router statistics must skip
     _fill_attention_mask(arguments, params, ref, where)
     _prepare_labels(arguments, params, module, options, where)
     if "position_ids" in params:

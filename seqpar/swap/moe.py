@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.runtime.groups import resolve_group
+from seqpar.sequence.batch import TOKEN_MASK_KEY
 from seqpar.sequence.router import (
     pkm_routing_statistics,
     routing_statistics,
@@ -58,12 +59,43 @@ _Z_LOSS_SOURCE = "logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()"
 _local = threading.local()
 
 
-def _groups() -> list[dist.ProcessGroup | None]:
-    """This thread's stack of running swapped models' SP groups (innermost last)."""
+class _Frame:
+    """A running swapped model: its SP group (resolved) and the batch's token mask, if any."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.token_mask: Tensor | None = None
+
+
+def _frames() -> list[_Frame]:
+    """This thread's stack of running swapped models (innermost last)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
     return stack
+
+
+def take_token_mask(kwargs: dict[str, Any]) -> None:
+    """Remove :data:`~seqpar.sequence.batch.TOKEN_MASK_KEY` from a swapped model's keyword arguments
+    and keep it for the running forward's router statistics (called by the input preparer)."""
+    mask = kwargs.pop(TOKEN_MASK_KEY, None)
+    stack = _frames()
+    if stack and mask is not None:
+        stack[-1].token_mask = mask
+
+
+def _token_mask() -> Tensor | None:
+    """The running batch's token mask (given to the outermost swapped model; nested ones share it)."""
+    return next((f.token_mask for f in reversed(_frames()) if f.token_mask is not None), None)
+
+
+def _masked(attention_mask: Tensor | None, token_mask: Tensor | None) -> Tensor | None:
+    # (B, S_local) both; the model's mask is all ones under the swap, the token mask drops padding.
+    if token_mask is None:
+        return attention_mask
+    if attention_mask is None:
+        return token_mask
+    return attention_mask * token_mask.to(attention_mask.device)
 
 
 def _world(group: dist.ProcessGroup | None) -> int:
@@ -72,9 +104,10 @@ def _world(group: dist.ProcessGroup | None) -> int:
 
 # ----------------------------------------------------------------------------- the two known forms
 # A form takes the running model's SP group as resolved (None: no group, as in the probe).
-def _switch_form(original: Callable, group: dist.ProcessGroup | None) -> Callable:
+def _switch_form(original: Callable, group: dist.ProcessGroup | None, token_mask: Tensor | None = None) -> Callable:
     def sp_loss(gate_logits: Any, num_experts: int | None = None, top_k: int = 2,
                 attention_mask: Tensor | None = None) -> Tensor | int:
+        attention_mask = _masked(attention_mask, token_mask)
         if gate_logits is None or not isinstance(gate_logits, tuple):
             return 0
         stats = routing_statistics(gate_logits, num_experts, top_k, attention_mask)
@@ -82,9 +115,10 @@ def _switch_form(original: Callable, group: dist.ProcessGroup | None) -> Callabl
     return sp_loss
 
 
-def _pkm_form(original: Callable, group: dist.ProcessGroup | None) -> Callable:
+def _pkm_form(original: Callable, group: dist.ProcessGroup | None, token_mask: Tensor | None = None) -> Callable:
     def sp_loss(gate_logits: Any, num_experts: int | None = None, num_keys: int | None = None,
                 top_k: int = 2, attention_mask: Tensor | None = None) -> Tensor | int:
+        attention_mask = _masked(attention_mask, token_mask)
         if gate_logits is None or not isinstance(gate_logits, tuple):
             return 0
         stats = pkm_routing_statistics(gate_logits, num_experts, num_keys, top_k, attention_mask)
@@ -163,13 +197,14 @@ def _dispatcher(original: Callable, module_name: str) -> Callable:
     form = _form_of(original)
 
     def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
-        stack = _groups()
-        group = stack[-1] if stack else None
-        if _world(group) == 1:
+        stack = _frames()
+        frame = stack[-1] if stack else None
+        token_mask = _token_mask()
+        if frame is None or (_world(frame.group) == 1 and token_mask is None):
             return original(*args, **kwargs)
         if form is None:
             raise ValueError(f"seqpar: {router_loss_problem_of(module_name)}")
-        return form(original, group)(*args, **kwargs)
+        return form(original, frame.group, token_mask)(*args, **kwargs)
 
     setattr(load_balancing_loss_func, _ORIGINAL_ATTR, original)
     load_balancing_loss_func.__doc__ = (
@@ -248,13 +283,14 @@ def _z_loss_hook(group: dist.ProcessGroup | None) -> Callable:
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
         coef = getattr(module, "z_loss_coefficient", 0) or 0
         loss = getattr(output, "loss", None)
-        if coef <= 0 or loss is None or _world(resolve_group(group)) == 1:
+        token_mask = _token_mask()
+        if coef <= 0 or loss is None or (_world(resolve_group(group)) == 1 and token_mask is None):
             return output
         logits = output.logits
         # The forward added coef * (this shard's mean); replace it by the sequence's mean. Both terms
         # are computed here the same way as the forward did, so their gradients cancel.
         local = logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
-        whole = sequence_parallel_z_loss(logits.to(loss.dtype), group=group)
+        whole = sequence_parallel_z_loss(logits.to(loss.dtype), group=group, mask=token_mask)
         output.loss = loss + coef * (whole - local)
         return output
     return hook
@@ -275,12 +311,10 @@ def install(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     for pm in _pretrained(model):
         for handle in getattr(pm, _HOOKS_ATTR, ()):
             handle.remove()
-        handles = [
-            pm.register_forward_pre_hook(_enter(group)),
-            pm.register_forward_hook(_exit, always_call=True),
-        ]
-        if getattr(pm, "z_loss_coefficient", None) is not None:
+        handles = [pm.register_forward_pre_hook(_enter(group))]
+        if getattr(pm, "z_loss_coefficient", None) is not None:  # before _exit: it reads the frame
             handles.append(pm.register_forward_hook(_z_loss_hook(group), with_kwargs=True))
+        handles.append(pm.register_forward_hook(_exit, always_call=True))
         setattr(pm, _HOOKS_ATTR, tuple(handles))
 
 
@@ -292,12 +326,12 @@ def _pretrained(model: nn.Module) -> list[nn.Module]:
 
 def _enter(group: dist.ProcessGroup | None) -> Callable:
     def hook(module: nn.Module, args: Any) -> None:
-        _groups().append(resolve_group(group))
+        _frames().append(_Frame(resolve_group(group)))
     return hook
 
 
 def _exit(module: nn.Module, args: Any, output: Any) -> None:
-    stack = _groups()
+    stack = _frames()
     if stack:
         stack.pop()
 
@@ -370,7 +404,8 @@ class ExpertCounter:
                 raise ValueError(
                     f"seqpar: router '{name}' ({type(module).__name__}) returned no integer expert ids; "
                     "ExpertCounter needs routers returning (logits, weights, indices)")
-            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, group=self.group)
+            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, group=self.group,
+                                                     mask=_token_mask())
             self.counts[name] = counts + self.counts[name] if name in self.counts else counts
         return hook
 
