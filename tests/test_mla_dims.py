@@ -234,3 +234,26 @@ def test_cuda_glue_with_unequal_head_dims_is_exact(backend: Backend, causal: boo
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert a.shape == b.shape, f"{case} {name}"
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m, n=name, c=case: f"{c} {n}: {m}")
+
+
+# ------------------------------------------------------------------------- cost and memory models
+def test_cost_and_memory_models_count_v_head_dim() -> None:
+    """The ``mode="auto"`` cost model and the memory estimate read V's head dim: K/V bytes are
+    ``head_dim + v_head_dim`` per pair (DeepSeek-V3: 192 + 128, not 2 x 192), and equal dims change nothing."""
+    from seqpar.attn.choose import CallShape, Links, mode_costs
+    from seqpar.memory.attention import estimate_attention_memory
+
+    base = dict(batch=1, q_heads=8, kv_heads=8, seq_local=1024, head_dim=192, elem_bytes=2, causal=True,
+                sp_size=4, ulysses_size=1)
+    mla = {c.mode: c.bytes_sent for c in mode_costs(CallShape(**base, v_head_dim=128), Links(), ["ring", "ulysses"])}
+    wide = {c.mode: c.bytes_sent for c in mode_costs(CallShape(**base), Links(), ["ring", "ulysses"])}
+    same = {c.mode: c.bytes_sent for c in mode_costs(CallShape(**base, v_head_dim=192), Links(), ["ring", "ulysses"])}
+    assert same == wide
+    # ring: 3 steps of K (192) + V (128) per rank, each 2 bytes forward and backward plus fp32 dK/dV
+    assert mla["ring"] == 3 * 8 * 1024 * (192 + 128) * (2 * 2 + 4)
+    assert mla["ulysses"] * 2 * 192 == wide["ulysses"] * (192 + 128)
+    kw = dict(world_size=4, mode="ring", batch=1, q_heads=8, kv_heads=8, dtype=torch.bfloat16)
+    assert estimate_attention_memory(4096, head_dim=192, v_head_dim=192, **kw) == \
+        estimate_attention_memory(4096, head_dim=192, **kw)
+    assert estimate_attention_memory(4096, head_dim=192, v_head_dim=128, **kw) == \
+        estimate_attention_memory(4096, head_dim=160, **kw)

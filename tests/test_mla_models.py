@@ -73,8 +73,10 @@ def _tokens(packed: bool) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (SEQ,), generator=g)]
 
 
-def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool) -> float:
-    """Worker: the swapped model on this rank's shard against the one-process reference."""
+def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool,
+            transfer: str = "latent") -> float:
+    """Worker: the swapped model on this rank's shard against the one-process reference
+    (``transfer``: the ring's MLA transfer, latent or expanded K/V)."""
     docs = _tokens(packed)
     ref_loss, ref_grads = _reference(name, docs)
     group = dist.group.WORLD
@@ -82,8 +84,13 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
         seqpar.init_process_groups(sp_size=world, ulysses_size=2)
         group = None
     model = tiny_mla(name)
-    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding,
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding, mla_transfer=transfer,
                                        ulysses_size=2 if mode == "hybrid" else 1), group=group)
+    stashes = []
+    if mode in ("ring", "allgather") and transfer == "latent":  # the latent path runs: count its stashes
+        for module in model.modules():
+            if hasattr(module, "_seqpar_expand_kv"):
+                module.register_forward_hook(lambda m, a, o: stashes.append("_seqpar_latent" in m.__dict__))
     if packed:
         batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
             [{"input_ids": d.tolist()} for d in docs])
@@ -92,6 +99,10 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     local = shard_batch(batch, group=dist.group.WORLD, sharding=sharding)
     out = model(**local)
     out.loss.backward()
+    if mode in ("ring", "allgather") and transfer == "latent":
+        layers = model.config.num_hidden_layers
+        assert stashes == [False] * layers, stashes  # each layer's latent was taken by its ring call
+        assert all(m._seqpar_latent_ok for m in model.modules() if hasattr(m, "_seqpar_expand_kv"))
     assert abs(float(out.loss.detach()) - ref_loss) <= RTOL * abs(ref_loss), (float(out.loss.detach()), ref_loss)
     worst = 0.0
     scale = max(float(g.abs().max()) for g in ref_grads.values())  # the model's gradient scale
@@ -105,17 +116,65 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
     return worst
 
 
-CASES = [  # (world, mode, sharding, packed)
-    (2, "ring", "zigzag", False), (2, "ring", "contiguous", True), (2, "allgather", "zigzag", True),
-    (2, "ulysses", "zigzag", True), (4, "ring", "zigzag", True), (4, "allgather", "contiguous", False),
-    (4, "ulysses", "contiguous", True), (4, "hybrid", "zigzag", True),
+CASES = [  # (world, mode, sharding, packed, ring transfer)
+    (2, "ring", "zigzag", False, "latent"), (2, "ring", "contiguous", True, "latent"),
+    (2, "ring", "zigzag", True, "expanded"), (2, "allgather", "zigzag", True, "latent"),
+    (2, "ulysses", "zigzag", True, "latent"), (4, "ring", "zigzag", True, "latent"),
+    (4, "ring", "contiguous", False, "expanded"), (4, "allgather", "contiguous", False, "latent"),
+    (2, "allgather", "contiguous", False, "expanded"),
+    (4, "ulysses", "contiguous", True, "latent"), (4, "hybrid", "zigzag", True, "latent"),
 ]
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "minicpm3"])
 def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
-    for world, mode, sharding, packed in CASES:
-        if name != "deepseek_v3" and (world, mode) not in ((2, "ring"), (4, "ulysses")):
-            continue  # the other families: one SP=2 and one SP=4 run each
-        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, timeout=300)
-        assert max(worst) < 1e-5, (name, world, mode, worst)
+    """The ring's latent transfer (the default) and expanded K/V, and every other mode."""
+    for world, mode, sharding, packed, transfer in CASES:
+        if name != "deepseek_v3" and (world, mode, transfer) not in ((2, "ring", "latent"), (4, "ring", "latent"),
+                                                                      (4, "ulysses", "latent")):
+            continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
+        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
+        assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
+
+
+def _ring_bytes(rank: int, world: int, transfer: str, mode: str = "ring") -> int:
+    """Worker: bytes this rank sends (point-to-point for the ring, collectives for the all-gather) in
+    one forward + backward of DeepSeek-V3 (plain batch, contiguous, dense causal) with the given MLA
+    transfer."""
+    from seqpar.testing.traffic import counting
+
+    docs = _tokens(False)
+    model = tiny_mla("deepseek_v3")
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding="contiguous", mla_transfer=transfer,
+                                       check_inputs=False), group=dist.group.WORLD)
+    local = shard_batch({"input_ids": docs[0][None], "labels": docs[0][None].clone()},
+                        group=dist.group.WORLD, sharding="contiguous")
+    with counting(world) as traffic:
+        model(**local).loss.backward()
+    if mode == "ring":
+        return traffic.p2p_bytes
+    # the all-gathers and reduce-scatters of attention (the loss's all-reduces are the same in both runs)
+    return traffic.collective_bytes
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (4, "ring"), (4, "allgather")])
+def test_latent_ring_bytes_per_layer(dist_pool, world: int, mode: str) -> None:
+    """Bytes per rank counted at torch.distributed's entry (seqpar.testing.traffic) against
+    seqpar.attn.latent.ring_bytes_per_rank for both transfers: the two runs differ by exactly
+    layers x (expanded - latent), and what is left beyond the attention rings (the loss's label
+    shift, the loss's all-reduces) is the same in both. The all-gather moves the same volume as the ring:
+    P-1 blocks gathered forward and again backward, P-1 gradient blocks reduce-scattered."""
+    from seqpar.attn.latent import MLADims, ring_bytes_per_rank
+
+    cfg = tiny_mla("deepseek_v3").config
+    dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                   cfg.kv_lora_rank)
+    theory = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world, transfer=t,
+                                                             elem_bytes=8, acc_bytes=8)
+              for t in ("latent", "expanded")}
+    counted = {t: dist_pool.run(world, _ring_bytes, t, mode, timeout=300) for t in ("latent", "expanded")}
+    for rank in range(world):
+        rest = {t: counted[t][rank] - theory[t] for t in theory}
+        assert rest["latent"] == rest["expanded"], (rank, counted, theory)
+        assert 0 <= rest["latent"] < theory["latent"] / (10 if mode == "ring" else 1), (rank, counted, theory)
+    assert theory["expanded"] == theory["latent"] * dims.expanded_width // dims.latent_width

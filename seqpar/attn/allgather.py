@@ -39,6 +39,7 @@ from torch import Tensor
 
 from seqpar.attn.common import (
     AttentionOptions,
+    BlockExpander,
     backward_pieces,
     block_calls,
     block_grads,
@@ -118,19 +119,25 @@ def _grads_into(
 
 
 def allgather_forward(
-    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, sinks: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions, sinks: Tensor | None = None,
+    expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns the ``out`` accumulator ``(batch, q_heads, seq_local, v_head_dim)`` and ``lse``
     ``(batch, q_heads, seq_local)``, both fp32 (fp64 for fp64 inputs); ``sinks``: optional
-    ``(q_heads,)`` sink logits, one more term of every row's softmax."""
+    ``(q_heads,)`` sink logits, one more term of every row's softmax. ``expander``: ``k``, ``v`` are
+    a compressed form of the blocks (MLA's latent, one "head") that is gathered instead of K/V and
+    expanded before each block's kernels (then ``opts.head_chunks`` must be 1)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     acc_dtype = lse_dtype(q.dtype)
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=acc_dtype, device=q.device)
+    v_dim = v.shape[-1] if expander is None else expander.v_head_dim
+    out = torch.empty((*q.shape[:-1], v_dim), dtype=acc_dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=acc_dtype, device=q.device)
     heads = head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks)
 
     def attend(src: int, qs: slice, k_blk: Tensor, v_blk: Tensor, acc: Partials) -> None:
         calls = block_calls(opts, world, rank, src, q.shape[2])
+        if expander is not None:
+            k_blk, v_blk = expander.expand(k_blk, v_blk)
         forward_block(q[:, qs], k_blk, v_blk, calls, opts.scale, acc)
 
     pending: Pending | None = _start_gather(k, v, heads[0][1], group, world)
@@ -153,7 +160,7 @@ def allgather_forward(
 
 def allgather_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    group: dist.ProcessGroup, opts: AttentionOptions,
+    group: dist.ProcessGroup, opts: AttentionOptions, expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv in the input dtypes; dq is accumulated in fp32 (fp64), and the dK/dV shares are
     summed across ranks in that dtype. ``out`` is the forward output (input dtype), ``lse`` its fp32
@@ -175,10 +182,20 @@ def allgather_backward(
 
     def grads_into(dkv_slot: Tensor, src: int, qs: slice, ks: slice, k_blk: Tensor, v_blk: Tensor) -> None:
         dk_slot, dv_slot = packed_views(dkv_slot, k[:, ks].shape, v[:, ks].shape)
-        _grads_into(
-            dk_slot, dv_slot, dout[:, qs], q[:, qs], k_blk, v_blk, out[:, qs], lse[:, qs],
-            block_calls(opts, world, rank, src, q.shape[2]), opts, dq[:, qs],
-        )
+        calls = block_calls(opts, world, rank, src, q.shape[2])
+        if expander is None:
+            _grads_into(dk_slot, dv_slot, dout[:, qs], q[:, qs], k_blk, v_blk, out[:, qs], lse[:, qs],
+                        calls, opts, dq[:, qs])
+            return
+        # expanded shares first (fp32), then reduced to the compressed block's into the slot
+        k_e, v_e = expander.expand(k_blk, v_blk)
+        dk_e = torch.empty(k_e.shape, dtype=acc, device=k_e.device)
+        dv_e = torch.empty(v_e.shape, dtype=acc, device=v_e.device)
+        _grads_into(dk_e, dv_e, dout[:, qs], q[:, qs], k_e, v_e, out[:, qs], lse[:, qs], calls, opts, dq[:, qs])
+        del k_e, v_e
+        dc, dr = expander.reduce(k_blk, v_blk, dk_e, dv_e)
+        dk_slot.copy_(dc)
+        dv_slot.copy_(dr)
 
     def finish(dk_c: Tensor, dv_c: Tensor, ks: slice) -> None:
         """A chunk's reduced dK ``(B, h, L, Dk)`` and dV ``(B, h, L, Dv)`` into its heads of dk, dv (cast here)."""

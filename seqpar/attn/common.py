@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,7 +25,7 @@ from seqpar.kernels import Partials, block_backward, block_forward
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = [
-    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
+    "AttentionOptions", "BlockExpander", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
     "packed_views",
 ]
@@ -48,6 +49,24 @@ class AttentionOptions:
     @property
     def mask(self) -> MaskSpec:
         return MaskSpec(self.causal, self.window, self.cu_seqlens)
+
+
+class BlockExpander(Protocol):
+    """A compressed K/V block (what travels) and its expansion to K/V (what the kernels take): MLA's
+    latent, :mod:`seqpar.attn.latent`. The ring (:func:`seqpar.attn.ring.ring_forward`) calls
+    :meth:`expand` on every block it attends and, in the backward, :meth:`reduce` on every block's
+    K/V gradient shares, so that the shares travel compressed too."""
+
+    v_head_dim: int
+
+    def expand(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """The block's ``(k, v)``: ``(batch, kv_heads, len, head_dim)`` and ``(..., v_head_dim)``."""
+        ...
+
+    def reduce(self, a: Tensor, b: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradients of the compressed block ``(a, b)`` from its K/V shares ``dk``, ``dv`` (fp32),
+        in fp32; parameters of the expansion accumulate their own gradients on the expander."""
+        ...
 
 
 class SingleRank:

@@ -46,7 +46,8 @@ def attention(
         q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries (with
             ``layout="bshd"``: ``(batch, seq_local, q_heads, head_dim)``).
         k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
-            q_heads a multiple of kv_heads (GQA/MQA).
+            q_heads a multiple of kv_heads (GQA/MQA). V's head dim may differ from q/k's (MLA); the
+            output then has V's.
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
@@ -91,7 +92,7 @@ def attention(
             them apart, so with ``check_inputs`` a call whose ``q.size(1) > q.size(2)`` and no explicit
             ``layout=`` raises, naming both readings.
     Returns:
-        ``(batch, q_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, q_heads, head_dim)``) in
+        ``(batch, q_heads, seq_local, v_head_dim)`` (bshd: ``(batch, seq_local, q_heads, v_head_dim)``) in
         q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group.

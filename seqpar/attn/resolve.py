@@ -118,6 +118,7 @@ def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sha
 def _algorithm(
     mode: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
     manager: ProcessGroupManager | None, opts: AttentionOptions, sinks: Tensor | None,
+    v_head_dim: int | None = None,
 ) -> str:
     """The algorithm a multi-rank call runs: ``"auto"`` through the cost model; ``"hybrid"`` with
     ``u = 1`` is the ring and with ``u = P`` Ulysses."""
@@ -126,7 +127,7 @@ def _algorithm(
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
-            features=_mask_features(opts.cu_seqlens, opts.window, sinks, opts.sharding),
+            features=_mask_features(opts.cu_seqlens, opts.window, sinks, opts.sharding), v_head_dim=v_head_dim,
         )
     if mode != "hybrid":
         return mode
@@ -205,7 +206,8 @@ def resolve_attention(
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
         masked = bounds is not None or window is not None or sinks is not None
         return AttentionPlan("single" if masked else "sdpa", opts, layout)
-    algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks)
+    algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks,
+                           v_head_dim=vb.shape[-1])
     ulysses = None
     if algorithm in ("ulysses", "hybrid"):
         ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from seqpar.attn.common import (
     AttentionOptions,
+    BlockExpander,
     block_calls,
     block_grads,
     block_hops,
@@ -58,14 +59,16 @@ _HOME = 2  # channel of the accumulators going home after their block's last hop
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None,
+    expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Returns ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``) and ``lse``
     ``(batch, q_heads, seq_local)``. ``sinks``: optional ``(q_heads,)`` sink logits, one more term of
-    every row's softmax."""
+    every row's softmax. ``expander``: ``k``, ``v`` are a compressed form of the block (MLA's latent)
+    that travels instead of K/V and is expanded at each rank before its kernels."""
     world, rank = comm.world_size, comm.rank
     hops = block_hops(opts, world, q.shape[2])
-    acc = Partials.like(q, lse_dtype(q.dtype), v.shape[-1])
+    acc = Partials.like(q, lse_dtype(q.dtype), v.shape[-1] if expander is None else expander.v_head_dim)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     buffers: list[list[Tensor] | None] = [None, None]
     for step in range(max(hops) + 1):
@@ -77,7 +80,9 @@ def ring_forward(
         if pending is not None and not opts.overlap:
             pending.wait()
         if step <= hops[src]:  # we hold block src (step 0: our own)
-            forward_block(q, k_cur, v_cur, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
+            k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
+            forward_block(q, k_blk, v_blk, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
+            del k_blk, v_blk
         if pending is not None:
             received = pending.wait()
             if recv:
@@ -142,10 +147,12 @@ def _own_block_grads(
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    comm: RingExchange, opts: AttentionOptions,
+    comm: RingExchange, opts: AttentionOptions, expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
-    Returns dq, dk, dv in the input dtypes.
+    Returns dq, dk, dv in the input dtypes. With an ``expander``, ``k``, ``v`` are the compressed
+    blocks (see :func:`ring_forward`): each block's K/V shares are reduced to the compressed form
+    (:meth:`BlockExpander.reduce`) before they travel, and dk, dv are the compressed blocks' gradients.
 
     Block j makes ``hops[j]`` hops (see :func:`~seqpar.attn.common.block_hops`); its dK/dV
     accumulator starts at rank j+1, collects at each rank up to j + hops[j] and goes home from there."""
@@ -161,7 +168,11 @@ def ring_backward(
         kv_pending.wait()
     # own block first: its share waits for the accumulator coming home at the end
     own = block_calls(opts, world, rank, rank, seq_local)
-    dq_acc, dk_own, dv_own = _own_block_grads(dout, q, k, v, out, lse, own, opts, acc)
+    if expander is None:
+        dq_acc, dk_own, dv_own = _own_block_grads(dout, q, k, v, out, lse, own, opts, acc)
+    else:
+        dq_acc, dk_own, dv_own = _own_block_grads(dout, q, *expander.expand(k, v), out, lse, own, opts, acc)
+        dk_own, dv_own = expander.reduce(k, v, dk_own, dv_own)
 
     buffers: list[list[Tensor] | None] = [None, None]
     chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1
@@ -185,9 +196,13 @@ def ring_backward(
         if have:
             k_cur, v_cur = received
             buffers[(step + 1) % 2] = received
+            k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
             dk_blk, dv_blk = _remote_block_grads(
-                dout, q, k_cur, v_cur, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
+                dout, q, k_blk, v_blk, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
             )
+            del k_blk, v_blk
+            if expander is not None:
+                dk_blk, dv_blk = expander.reduce(k_cur, v_cur, dk_blk, dv_blk)
             if step == 1:  # first hop of block src's accumulator
                 send = [dk_blk.contiguous(), dv_blk.contiguous()]
             else:  # the accumulator of block src arrived from rank r-1

@@ -83,6 +83,7 @@ from seqpar.sequence.boundaries import boundary_tensor
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap import moe
 from seqpar.swap.batch import Preparer
+from seqpar.swap.mla import install_latent_transfer, take_latent
 from seqpar.swap.options import SwapError, SwapOptions, self_only_attention
 from seqpar.swap.probe import (
     PROBE_LENGTH,
@@ -218,6 +219,8 @@ def apply(
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
         module._seqpar_name = name
+        if options.mla_transfer == "latent":
+            install_latent_transfer(module, options)  # MLA layers only: their ring moves the latent
     tops = _top_pretrained(model)
     if not tops:
         raise SwapError(
@@ -827,6 +830,13 @@ def seqpar_attention_forward(
                 "attention honours only causal or bidirectional attention with no mask"
             )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    latent = take_latent(module, key, value)
+    if latent is not None:  # an MLA layer whose ring moves the latent (seqpar.swap.mla)
+        out = options.latent_attention(query, latent, causal=causal, scale=scaling, layer=layer,
+                                       cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                                       window=_window(sliding_window, causal),
+                                       sinks=kwargs.get("s_aux"))
+        return out.transpose(1, 2).contiguous(), None
     out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
                             cu_seqlens=kwargs.get("cu_seq_lens_q"),
                             window=_window(sliding_window, causal),

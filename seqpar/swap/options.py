@@ -77,12 +77,14 @@ class SwapOptions:
     """Collective NaN/Inf check of each call's inputs and output (:mod:`seqpar.runtime.guard`)."""
     pattern: PatternConfig = field(default_factory=PatternConfig)
     """Dense attention, or LongNet dilated attention (``seqpar.attn.dilated``)."""
+    mla_transfer: str = "latent"
+    """MLA layers' ring transfer: ``"latent"`` or ``"expanded"`` (:attr:`SeqParConfig.mla_transfer`)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=resolve_sharding(config.sharding, where="swap_attention"),
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
-                   pattern=config.pattern, check_finite=config.check_finite)
+                   pattern=config.pattern, check_finite=config.check_finite, mla_transfer=config.mla_transfer)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -162,3 +164,44 @@ class SwapOptions:
                 head_chunks=self.head_chunks, layout="bhsd", **masked,
             )
             return run_attention(plan, q, k, v, masked.get("sinks"))
+
+    def latent_attention(
+        self, q: Tensor, call: Any, *, causal: bool, scale: float | None, layer: str | None = None,
+        cu_seqlens: Any = None, window: int | None = None, sinks: Tensor | None = None,
+    ) -> Tensor:
+        """seqpar attention of an MLA layer whose K/V stay latent (:mod:`seqpar.swap.mla`): q ``(batch,
+        heads, seq_local, d_nope + d_rope)`` and the layer call's :class:`~seqpar.swap.mla.LatentCall`
+        -> ``(batch, heads, seq_local, v_head_dim)``. The call is resolved as :meth:`attention`
+        resolves it (the stand-in K/V give the shapes); the ring or the all-gather then moves the latent
+        (:mod:`seqpar.attn.latent`), any other plan gets the expanded K/V."""
+        from seqpar.attn.dispatch import run_attention
+        from seqpar.attn.latent import LatentAllGatherAttention, LatentRingAttention
+        from seqpar.attn.resolve import resolve_attention
+        from seqpar.comm.ring import RingComm
+
+        masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks))
+                  if v is not None}
+        check = self.check_inputs and not batch_verified()
+        with suspended():
+            plan = resolve_attention(
+                q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,
+                sharding=self.sharding, overlap=self.overlap, check_inputs=check,
+                head_chunks=self.head_chunks, layout="bhsd", **masked,
+            )
+            if plan.algorithm not in ("ring", "allgather"):
+                k, v = call.expand(call.c, call.r)
+                return run_attention(plan, q, k, v, sinks)
+            if self.check_finite:
+                from seqpar.runtime.guard import check_finite
+
+                check_finite({"query": q, "latent": call.c, "rope key": call.r}, self.group,
+                             f"layer {layer or '?'} attention inputs")
+            if plan.algorithm == "ring":
+                out = LatentRingAttention.apply(q, call.c, call.r, call.weight, RingComm(plan.group), plan.opts,
+                                                call.dims, sinks)
+            else:
+                out = LatentAllGatherAttention.apply(q, call.c, call.r, call.weight, plan.group, plan.opts,
+                                                     call.dims, sinks)
+            if self.check_finite:
+                check_finite({"output": out}, self.group, f"layer {layer or '?'} attention output")
+            return out
