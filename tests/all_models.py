@@ -14,7 +14,8 @@ On 2 ranks (ring, zigzag; seqpar's public path: ``init_process_groups``, ``swap_
 - ``exact``: loss within 1e-4 relative, and every parameter gradient (summed over the SP ranks)
   within 1e-4 of the largest gradient entry of the whole model, of one process without seqpar on the
   full sequence (float64 where the model runs in it, else fp32);
-- ``refused``: ``swap_attention`` raised :class:`seqpar.swap.SwapError` (its message names the module);
+- ``refused``: ``swap_attention`` raised :class:`seqpar.swap.SwapError` (its message names the module),
+  or the first forward did, before any communication (models of the "sdpa" route are probed there);
 - ``cannot_run``: the tiny config does not run even in one process without seqpar;
 - ``crash``: anything else raised under seqpar (a failure: it must be a clear refusal instead);
 - ``wrong``: ran, but the loss or a gradient differs (a failure: silently wrong).
@@ -344,10 +345,12 @@ def _sp_run(model_type: str, dtype: torch.dtype) -> dict[str, Any]:
         try:
             seqpar.swap_attention(model, {"size": WORLD, "mode": "ring", "sharding": "zigzag"})
         except SwapError as e:
-            return {"status": "refused", "error": str(e)}
+            return {"status": "refused", "error": str(e), "where": "swap"}
         try:
             out = model(**seqpar.shard_batch(make_batch()))
             out.loss.backward()
+        except SwapError as e:  # models of the sdpa / mha routes are probed at their first forward
+            return {"status": "refused", "error": str(e), "where": "first forward"}
         except Exception as e:  # noqa: BLE001 - a crash under seqpar is a finding, not a test error
             return {"status": "crash", "error": _short_error(e), "trace": traceback.format_exc()[-2000:]}
         grads = {}
@@ -405,13 +408,13 @@ def classify_pair(rank: int, world: int, model_types: list[str]) -> list[dict[st
         t1 = time.process_time()
         got = _sp_run(model_type, getattr(torch, dtype_name))
         statuses: list[Any] = [None] * world
-        dist.all_gather_object(statuses, (got["status"], got.get("error")))
+        dist.all_gather_object(statuses, (got["status"], got.get("error"), got.get("where")))
         if i != rank:
             continue
         record["cpu_s"] = round(ref_cpu + time.process_time() - t1, 2)
         bad = [s for s in statuses if s[0] != "ran"]
         if bad:
-            record.update(status=bad[0][0], detail=bad[0][1])
+            record.update(status=bad[0][0], detail=bad[0][1], where=bad[0][2])
             if "trace" in got:
                 record["trace"] = got["trace"]
         else:
@@ -459,7 +462,7 @@ def run_all(pool: Any, model_types: list[str] | None = None, timeout: float = 30
 
 _LABELS = {
     "exact": "exact (loss and every gradient within 1e-4)",
-    "refused": "refused at swap time (`SwapError` naming the module)",
+    "refused": "refused by a `SwapError` naming the module, at swap time (sdpa route: first forward)",
     "cannot_run": "tiny config cannot run even without seqpar",
     "wrong": "silently wrong",
     "crash": "error in the forward or backward under seqpar (must be a refusal at swap time)",
@@ -513,7 +516,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     for t, r in sorted(results.items()):
         if r["status"] == "refused":
             reason, cls = refusal_reason(r["detail"])
-            by_reason.setdefault(reason, []).append(f"{t} ({cls})" if cls else t)
+            where = " at its first forward" if r.get("where") == "first forward" else ""
+            by_reason.setdefault(reason, []).append(f"{t} ({cls}{where})" if cls or where else t)
     for reason, types in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| {reason.replace('|', '/')} | {', '.join(types)} |")
     failing = {t: r for t, r in sorted(results.items()) if r["status"] in ("wrong", "crash", "cannot_run")}
