@@ -480,6 +480,10 @@ def refusal_reason(detail: str) -> tuple[str, str]:
     m = re.search(r"'[\w.]+' \((\w+)\): its output changed", detail)
     if m:
         return "mixes positions outside attention (state space, linear attention, convolution)", m.group(1)
+    m = re.search(r"'[\w.]+' \((\w+)\) raised (\w+)", detail)
+    if m:
+        return (f"the model fails with its attention routed to seqpar ({m.group(2)} in the layer: DSA "
+                "indexers read the dense mask and pass indices=)"), m.group(1)
     if "found nothing to swap" in detail:
         return ("no attention seqpar can route: the model computes attention in its own code "
                 "(found nothing to swap)"), ""
@@ -516,8 +520,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     for t, r in sorted(results.items()):
         if r["status"] == "refused":
             reason, cls = refusal_reason(r["detail"])
-            where = " at its first forward" if r.get("where") == "first forward" else ""
-            by_reason.setdefault(reason, []).append(f"{t} ({cls}{where})" if cls or where else t)
+            notes = [n for n in (cls, "at its first forward" if r.get("where") == "first forward" else "") if n]
+            by_reason.setdefault(reason, []).append(f"{t} ({', '.join(notes)})" if notes else t)
     for reason, types in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| {reason.replace('|', '/')} | {', '.join(types)} |")
     failing = {t: r for t, r in sorted(results.items()) if r["status"] in ("wrong", "crash", "cannot_run")}
