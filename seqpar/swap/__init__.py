@@ -25,6 +25,11 @@ by the swap, but code that numbers positions from the local length (nanoGPT's
 (soft-capping on CUDA outside float64, attention dropout, custom or padding masks, attention
 weights, ...; windows, sinks, chunks, soft-capping on CPU and ALiBi are honoured) are refused, at swap time where the model says so, else at call
 time, with the layer named: never silently computed as plain attention.
+
+Every other module that mixes information across positions (state-space, linear-attention and
+convolution layers, cumulative sums, ...) is refused by name too, found by the position-mixing probe
+(:mod:`seqpar.swap.probe`: two forwards of 13 tokens with self-only attention, at swap time for Hugging
+Face models, at the first forward otherwise).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from seqpar.attn.latent import MLADims, MLAExpander
 from seqpar.runtime.groups import resolve_group
+from seqpar.swap.state import is_probing
 
 __all__ = ["mla_dims", "install_latent_transfer", "take_latent", "LatentCall"]
 
@@ -105,7 +106,7 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
     setattr(module, _VERDICT_ATTR, None)
 
     def expand_kv(kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
-        if not _ring_will_run(options):
+        if is_probing() or not _ring_will_run(options):  # the position-mixing probe attends self-only
             return original(kv_nope, k_rot)
         if getattr(module, _VERDICT_ATTR) is None:
             ok = _matches(module, original, dims)
