@@ -437,19 +437,24 @@ def _probe_routing(
     Yields whether transformers took the routing for every module."""
     register()
     configs = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _all_configs(tops)]
-    saved = [(m, m.__dict__.get(_OPTIONS_ATTR, _MISSING), m.__dict__.get("_seqpar_name", _MISSING))
-             for _, m in modules]
+    saved = [(m, m.__dict__.get(_OPTIONS_ATTR, _MISSING), m.__dict__.get("_seqpar_name", _MISSING),
+              m.__dict__.get("forward", _MISSING)) for _, m in modules]
+    # ALiBi modules (BLOOM, MPT, Falcon) compute their own scores: they get seqpar's forward for the
+    # probe, as apply() gives them for good; the others are routed through transformers' interface.
+    interfaced = [m for _, m in modules if not is_alibi_attention(m)]
     try:
         for name, module in modules:
             setattr(module, _OPTIONS_ATTR, options)
             module._seqpar_name = name
-        for top in tops:
+            if is_alibi_attention(module):
+                install_alibi(module, options)
+        for top in tops if interfaced else ():
             top.set_attn_implementation(ATTN_IMPLEMENTATION)
         yield all(getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
-                  for _, m in modules)
+                  for m in interfaced)
     finally:
-        for module, old_options, old_name in saved:
-            for attr, old in ((_OPTIONS_ATTR, old_options), ("_seqpar_name", old_name)):
+        for module, old_options, old_name, old_forward in saved:
+            for attr, old in ((_OPTIONS_ATTR, old_options), ("_seqpar_name", old_name), ("forward", old_forward)):
                 if old is _MISSING:
                     module.__dict__.pop(attr, None)
                 else:
