@@ -354,3 +354,4 @@ def test_refused_on_every_rank(dist_pool):
     for mixer in ("cumsum", "rank0"):
         texts = dist_pool.run(2, _first_forward_refused_on_every_rank, mixer)
         assert len(texts) == 2, texts
+
