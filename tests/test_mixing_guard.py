@@ -10,6 +10,7 @@ models must pass and real hybrids be refused naming their mixer. Single-process 
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -370,3 +371,31 @@ def test_alibi_models_are_probed_with_their_own_seqpar_forward():
     with pytest.raises(SwapError) as e:
         swap_attention(model, {"size": 1})
     assert "'transformer.h.1.mlp.dense_4h_to_h.first'" in str(e.value) and "SequenceCumsum" in str(e.value), e.value
+
+
+def _zero3_partitioned_refused_at_first_forward(rank: int, world_size: int) -> str:
+    deepspeed = pytest.importorskip("deepspeed")
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed reads it
+    deepspeed.init_distributed(dist_backend="gloo")
+    group = dist.group.WORLD
+    cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world_size, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+    model, path, cls = llama_with("cumsum")
+    deepspeed.zero.Init(module=model, config_dict_or_path=cfg)  # partitioned: nothing to probe with yet
+    assert all(p.numel() == 0 for p in model.parameters())
+    swap_attention(model, {"size": world_size}, group=group)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(5))
+    try:
+        engine(input_ids=shard_sequence(ids, 1, group=group, sharding="contiguous"))
+    except SwapError as e:  # the probe ran inside the engine's forward, gathering the parameters
+        assert f"'{path}' ({cls})" in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"rank {rank}: the first forward ran")
+
+
+def test_zero3_partitioned_parameters_probed_at_the_first_forward(dist_pool):
+    pytest.importorskip("deepspeed")
+    texts = dist_pool.run(2, _zero3_partitioned_refused_at_first_forward, timeout=300)
+    assert len(texts) == 2 and texts[0] == texts[1], texts

@@ -901,6 +901,8 @@ def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, 
     """
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return query
+    if is_probing():  # self-only attention returns the values: the queries' scale cannot matter
+        return query
     rank, world_size = sp_rank_and_size(options.group)
     if world_size == 1:
         return query

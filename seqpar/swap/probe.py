@@ -403,8 +403,7 @@ def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
         mixers = slice_probe(model, args, kwargs)
     except ProbeFailed as failed:
         if raised_by_seqpar(failed.error):
-            raise SwapError(f"{type(model).__name__}: seqpar refused a layer while probing the model: "
-                            f"{failed.error}. The model stays swapped, and refuses every forward.") from failed.error
+            raise failed.error from None  # seqpar's own refusal of this batch, as the forward would raise it
         logger.warning("seqpar: the position-mixing probe could not run the model on the first %d positions "
                        "of this batch (%s); modules mixing positions are not checked", PROBE_LENGTH, failed)
         return
