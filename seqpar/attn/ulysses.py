@@ -199,10 +199,12 @@ def start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, gr
     send = q.new_empty((u, b, qc + 2 * kc, n, d))
     for j in range(u):
         send[j, :, :qc] = q[:, plan.q_slice(j, chunk)]
-    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u: pick them (repeats included)
-        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
-        send[:, :, qc:qc + kc] = k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
-        send[:, :, qc + kc:] = v.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u (repeats included): one copy per slot
+        # (narrow, not an index tensor: building one from host ints is a blocking host-to-device copy)
+        for j in range(u):
+            first = plan.split.kv_index(j, chunk, hc)[0]
+            send[j, :, qc:qc + kc] = k.narrow(1, first, kc)
+            send[j, :, qc + kc:] = v.narrow(1, first, kc)
     else:  # rank j reads heads [j * Hkv/u, (j+1) * Hkv/u): a strided view, copied once into the buffer
         heads = slice(chunk * kc, (chunk + 1) * kc)
         send[:, :, qc:qc + kc] = k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
@@ -311,7 +313,7 @@ def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending
     """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, qc + 2 kc, L, D)`` (slot j: the gradients
     of this rank's tokens for rank j's heads) and write them into the sequence-layout gradients. Each
     K/V head comes from one rank, and is copied, unless it is replicated: then its replicas are summed
-    (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
+    (added into zeroed fp32 ``dk``, ``dv``)."""
     (recv,) = pending.wait()
     u, hc = plan.split.u, plan.head_chunks
     qc = plan.split.q_per_rank // hc
@@ -324,11 +326,11 @@ def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending
             dk.narrow(1, heads[0], kc).copy_(recv[j, :, qc:qc + kc])
             dv.narrow(1, heads[0], kc).copy_(recv[j, :, qc + kc:])
         return
-    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
-    # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
-    b = dk.shape[0]
-    dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
-    dv.index_add_(1, kv_idx, recv[:, :, qc + kc:].transpose(0, 1).reshape(b, u * kc, *dv.shape[2:]).to(dv.dtype))
+    # replicas of a K/V head add up (in fp32); narrow, not an index tensor built from host ints
+    for j in range(u):
+        first = plan.split.kv_index(j, chunk, hc)[0]
+        dk.narrow(1, first, kc).add_(recv[j, :, qc:qc + kc])
+        dv.narrow(1, first, kc).add_(recv[j, :, qc + kc:])
 
 
 def ulysses_backward(
