@@ -188,17 +188,18 @@ class _UnequalContracts(_CudaContractsOnCpu):
     cpu_fwd = staticmethod(_ref_forward)
     cpu_bwd = staticmethod(_ref_backward)
 
-    def _scaled_dot_product_flash_attention(self, q, k, v, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        assert q.shape[-1] == k.shape[-1] == v.shape[-1], "flash takes one head dim"
-        return super()._scaled_dot_product_flash_attention(q, k, v, *args, **kwargs)
+    def _scaled_dot_product_flash_attention(self, **kw):  # noqa: ANN003, ANN202
+        assert kw["query"].shape[-1] == kw["key"].shape[-1] == kw["value"].shape[-1], "flash takes one head dim"
+        return super()._scaled_dot_product_flash_attention(**kw)
 
-    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        assert dout.shape[-1] == q.shape[-1] == k.shape[-1] == v.shape[-1], "flash takes one head dim"
-        return super()._scaled_dot_product_flash_attention_backward(dout, q, k, v, *args, **kwargs)
+    def _scaled_dot_product_flash_attention_backward(self, **kw):  # noqa: ANN003, ANN202
+        dims = {kw[n].shape[-1] for n in ("grad_out", "query", "key", "value")}
+        assert len(dims) == 1, "flash takes one head dim"
+        return super()._scaled_dot_product_flash_attention_backward(**kw)
 
-    def _scaled_dot_product_efficient_attention(self, q, k, v, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        assert q.shape[-1] == k.shape[-1] and v.shape[-1] % self.align == 0
-        return super()._scaled_dot_product_efficient_attention(q, k, v, *args, **kwargs)
+    def _scaled_dot_product_efficient_attention(self, **kw):  # noqa: ANN003, ANN202
+        assert kw["query"].shape[-1] == kw["key"].shape[-1] and kw["value"].shape[-1] % self.align == 0
+        return super()._scaled_dot_product_efficient_attention(**kw)
 
     def _scaled_dot_product_cudnn_attention(self, **kw):  # noqa: ANN003, ANN202
         assert kw["query"].shape[-1] == kw["key"].shape[-1] == kw["value"].shape[-1], "cuDNN: one head dim here"

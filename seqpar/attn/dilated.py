@@ -304,6 +304,15 @@ class _Rows:
         return x[:, :, self.start :: self.step].unflatten(2, (self.n_seg, self.m))
 
 
+def kv_index(off: OffsetPlan, q_heads: int, group: int, device: torch.device) -> Tensor:
+    """``off.kv_heads`` as an index tensor, made on ``device`` by an arange (a tensor built from host
+    ints would be a blocking host-to-device copy in every layer). The i-th entry is the kv head of the
+    query head ``q[i * per]`` of the offset's heads ``q``, ``per`` = query heads per entry."""
+    heads = range(q_heads)[off.q_heads]
+    per = len(heads) // len(off.kv_heads)
+    return torch.arange(heads.start, heads.stop, heads.step * per, device=device).div_(group, rounding_mode="floor")
+
+
 def _my_rows(pat: PatternPlan, off: OffsetPlan) -> _Rows:
     return _Rows(off.start, pat.rate, pat.n_seg, off.counts[pat.index] // pat.n_seg)
 
@@ -361,7 +370,7 @@ def _local_forward(q: Tensor, k: Tensor, v: Tensor, pat: PatternPlan, opts: Dila
     b = q.shape[0]
     for off in pat.offsets:
         rows = _my_rows(pat, off)
-        idx = torch.tensor(off.kv_heads, device=k.device)
+        idx = kv_index(off, q.shape[1], q.shape[1] // k.shape[1], k.device)
         o, lse = block_forward(
             _gather_q(q, rows, off.q_heads), _gather_kv(k, rows, idx), _gather_kv(v, rows, idx),
             scale=opts.scale, causal=opts.causal,
@@ -376,7 +385,7 @@ def _local_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     b = q.shape[0]
     for off in pat.offsets:
         rows = _my_rows(pat, off)
-        idx = torch.tensor(off.kv_heads, device=k.device)
+        idx = kv_index(off, q.shape[1], q.shape[1] // k.shape[1], k.device)
         dq, dk, dv = block_backward(
             _gather_q(dout, rows, off.q_heads), _gather_q(q, rows, off.q_heads),
             _gather_kv(k, rows, idx), _gather_kv(v, rows, idx),
@@ -428,7 +437,7 @@ class _Span:
         self.batch, self.head_dim, self.v_head_dim = q.shape[0], q.shape[-1], v.shape[-1]
         self.dtype, self.device = k.dtype, k.device
         self.rows = [_my_rows(pat, off) for off in pat.offsets]
-        self.idx = [torch.tensor(off.kv_heads, device=k.device) for off in pat.offsets]
+        self.idx = [kv_index(off, q.shape[1], q.shape[1] // k.shape[1], k.device) for off in pat.offsets]
         self.q = [_gather_q(q, r, off.q_heads) for r, off in zip(self.rows, pat.offsets, strict=True)]
         own = []
         for r, i in zip(self.rows, self.idx, strict=True):

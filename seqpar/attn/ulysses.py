@@ -210,10 +210,12 @@ def start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, gr
     send_q, send_k, send_v = _qkv_views(send, plan, n, d, dv)
     for j in range(u):
         send_q[j] = q[:, plan.q_slice(j, chunk)]
-    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u: pick them (repeats included)
-        kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
-        send_k.copy_(k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1))
-        send_v.copy_(v.index_select(1, kv_idx).view(b, u, kc, n, dv).transpose(0, 1))
+    if plan.split.replicated:  # rank j reads K/V head j * Hkv // u (repeats included): one copy per slot
+        # (narrow, not an index tensor: building one from host ints is a blocking host-to-device copy)
+        for j in range(u):
+            first = plan.split.kv_index(j, chunk, hc)[0]
+            send_k[j] = k.narrow(1, first, kc)
+            send_v[j] = v.narrow(1, first, kc)
     else:  # rank j reads heads [j * Hkv/u, (j+1) * Hkv/u): a strided view, copied once into the buffer
         heads = slice(chunk * kc, (chunk + 1) * kc)
         send_k.copy_(k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1))
@@ -324,7 +326,7 @@ def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending
     """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, m)`` (slot j: the gradients of this rank's
     tokens for rank j's heads, laid out as :func:`start_qkv` packs q/k/v) and write them into the
     sequence-layout gradients. Each K/V head comes from one rank, and is copied, unless it is
-    replicated: then its replicas are summed (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
+    replicated: then its replicas are summed (added into zeroed fp32 ``dk``, ``dv``)."""
     (recv,) = pending.wait()
     u, hc = plan.split.u, plan.head_chunks
     kc = plan.split.kv_per_rank // hc
@@ -337,11 +339,11 @@ def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending
             dk.narrow(1, heads[0], kc).copy_(recv_k[j])
             dv.narrow(1, heads[0], kc).copy_(recv_v[j])
         return
-    kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
-    # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
-    b = dk.shape[0]
-    dk.index_add_(1, kv_idx, recv_k.transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
-    dv.index_add_(1, kv_idx, recv_v.transpose(0, 1).reshape(b, u * kc, *dv.shape[2:]).to(dv.dtype))
+    # replicas of a K/V head add up (in fp32); narrow, not an index tensor built from host ints
+    for j in range(u):
+        first = plan.split.kv_index(j, chunk, hc)[0]
+        dk.narrow(1, first, kc).add_(recv_k[j])
+        dv.narrow(1, first, kc).add_(recv_v[j])
 
 
 def ulysses_backward(

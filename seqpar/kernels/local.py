@@ -55,6 +55,10 @@ from seqpar.kernels.backends import (
 
 __all__ = ["block_forward", "block_backward", "cuda_backend", "lse_dtype"]
 
+# Private ops (schemas not covered by torch's BC policy) are called by keyword only: torch 2.11 and
+# 2.13 share these schemas, and a renamed or reordered argument then fails loudly ("unexpected
+# keyword") instead of binding to the wrong slot. tests/test_cuda_fake.py checks every keyword used
+# against the installed torch's schemas.
 _aten = torch.ops.aten
 
 
@@ -184,7 +188,7 @@ def block_forward(
         dv, d = v.shape[-1], _common_head_dim(q, v)
         qp, kp, vp = (_pad_to(x, d, 1) for x in (q, k, v))
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            qp, kp, vp, 0.0, causal, scale=scale
+            query=qp, key=kp, value=vp, dropout_p=0.0, is_causal=causal, scale=scale
         )
         return _unpad(out, dv), lse.to(lse_dtype(q.dtype))
     if q.device.type == "cuda":
@@ -217,7 +221,9 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) 
     # Unequal q/k and v head dims: all three padded to the wider one (exact, see the module docstring).
     d = _common_head_dim(q, v)
     qp, kp, vp = (_kernel_ready(_pad_to(x, d, 8)) for x in (q, k, v))
-    res = _aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
+    res = _aten._scaled_dot_product_flash_attention(
+        query=qp, key=kp, value=vp, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale
+    )
     return _unpad(res[0], v.shape[-1]), res[1]
 
 
@@ -229,7 +235,10 @@ def _efficient_forward(
     # to the alignment on its own.
     lq = q.shape[2]
     qp, kp, vp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v))
-    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(qp, kp, vp, None, True, 0.0, causal, scale=scale)
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        query=qp, key=kp, value=vp, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+        scale=scale,
+    )
     return _unpad(out, v.shape[-1]), lse.narrow(-1, 0, lq)
 
 
@@ -309,7 +318,8 @@ def block_backward(
         dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
         dop, qp, kp, vp, outp = (_pad_to(x, d, 1) for x in (dout, q, k, v, out))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dop, qp, kp, vp, outp, lse.to(lse_dtype(q.dtype)), 0.0, causal, scale=scale
+            grad_out=dop, query=qp, key=kp, value=vp, out=outp, logsumexp=lse.to(lse_dtype(q.dtype)), dropout_p=0.0,
+            is_causal=causal, scale=scale,
         )
         return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
     if q.device.type == "cuda":
@@ -349,8 +359,9 @@ def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
     qp, kp, vp, dop, outp = (_kernel_ready(_pad_to(x, d, 8)) for x in (q, k, v, dout, out))
     rng = _unused_rng(q.device)
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-        dop, qp, kp, vp, outp, _dense(lse.float()), None, None, lq, lk, 0.0, causal,
-        rng, rng, scale=scale,
+        grad_out=dop, query=qp, key=kp, value=vp, out=outp, logsumexp=_dense(lse.float()), cum_seq_q=None,
+        cum_seq_k=None, max_q=lq, max_k=lk, dropout_p=0.0, is_causal=causal, philox_seed=rng, philox_offset=rng,
+        scale=scale,
     )
     return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
 
@@ -363,15 +374,15 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa:
     lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
     rng = _unused_rng(q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-        dop, qp, kp, vp, None, outp, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale,
+        grad_out_=dop, query=qp, key=kp, value=vp, attn_bias=None, out=outp, logsumexp=lse_p, philox_seed=rng,
+        philox_offset=rng, dropout_p=0.0, grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale,
     )
     return _unpad(dq, d), _unpad(dk, d), _unpad(dv, v.shape[-1])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
-    # Keywords, not positions: torch 2.11 and 2.13 share this schema (philox_seed/offset come BEFORE
-    # attn_bias, unlike the flash backward), and a renamed argument fails loudly instead of binding
-    # to the wrong slot. Same dense layout for out and dout; lse back to cuDNN's (B, H, len_q, 1).
+    # Keywords (as every private op here): philox_seed/offset come BEFORE attn_bias, unlike the flash
+    # backward. Same dense layout for out and dout; lse back to cuDNN's (B, H, len_q, 1).
     rng = _unused_rng(q.device)
     dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
     qc, kc, vc, doc, outc = (_dense(_pad_to(x, d, 1)) for x in (q, k, v, dout, out))

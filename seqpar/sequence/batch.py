@@ -49,7 +49,7 @@ from torch.utils.data import (
 )
 
 from seqpar.runtime.groups import default_manager, resolve_group
-from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
+from seqpar.sequence.boundaries import boundary_tensor, host_boundaries, known_boundaries
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
@@ -143,7 +143,10 @@ def _given_boundaries(cu_q: Any, cu_k: Any) -> tuple[int, ...]:
     flat_q, flat_k = (t.reshape(-1) if isinstance(t, Tensor) and t.dim() != 1 else t for t in (cu_q, cu_k))
     if flat_q is None or flat_k is None or flat_k is flat_q:
         return host_boundaries(flat_q if flat_q is not None else flat_k)
-    if isinstance(flat_q, Tensor) and isinstance(flat_k, Tensor) and flat_q.device == flat_k.device:
+    known = [known_boundaries(t) if isinstance(t, Tensor) else None for t in (flat_q, flat_k)]
+    if None not in known:  # both read before (shard_batch's, boundary_tensor's): no copy at all
+        bounds, bounds_k = known
+    elif isinstance(flat_q, Tensor) and isinstance(flat_k, Tensor) and flat_q.device == flat_k.device:
         both = host_boundaries(torch.cat([flat_q, flat_k.to(flat_q.dtype)]))
         bounds, bounds_k = both[: flat_q.numel()], both[flat_q.numel():]
     else:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["host_boundaries", "boundary_tensor"]
+__all__ = ["host_boundaries", "boundary_tensor", "known_boundaries"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -68,6 +68,16 @@ def boundary_tensor(bounds: Sequence[int]) -> Tensor:
         cu = torch.tensor(ints, dtype=torch.int32)
     _remember(cu, ints)
     return cu
+
+
+def known_boundaries(t: Tensor) -> tuple[int, ...] | None:
+    """The host ints of ``t`` when :func:`host_boundaries` already holds them (no copy), else None."""
+    try:
+        version = t._version
+    except RuntimeError:
+        return None
+    hit = _HOST_COPIES.get(id(t))
+    return hit[2] if hit is not None and hit[0]() is t and hit[1] == version else None
 
 
 def _cached_copy(t: Tensor) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ stay valid and checkpoints load either way.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -135,14 +136,13 @@ class SeqParMultiheadAttention(nn.Module):
                 f"SeqParMultiheadAttention: attn_mask of shape {tuple(attn_mask.shape)} is not "
                 f"supported; only the ({seq_q}, {seq_k}) causal mask (or is_causal=True) is"
             )
-        future = torch.ones(seq_q, seq_k, dtype=torch.bool, device=attn_mask.device).triu(1)
-        if attn_mask.dtype == torch.bool:
-            causal = torch.equal(attn_mask, future)  # True = masked out
-        else:
-            # -inf, or the dtype's lowest value as some code writes it, above the diagonal.
-            lowest = torch.finfo(attn_mask.dtype).min
-            causal = bool((attn_mask[future] <= lowest).all() and (attn_mask[~future] == 0).all())
-        if not causal:
+        if is_causal:
+            # torch's own contract: is_causal=True is the caller's promise that attn_mask is the causal
+            # mask (nn.MultiheadAttention then drops the mask; nn.TransformerEncoder passes the hint to
+            # every layer after checking the mask once). Reading the mask here would make every layer
+            # wait for the device.
+            return True
+        if not _is_causal_mask(attn_mask):
             raise ValueError(
                 "SeqParMultiheadAttention: attn_mask is not the causal mask; seqpar attention "
                 "honours only causal (is_causal=True or the square subsequent mask) or no mask"
@@ -202,6 +202,37 @@ class SeqParMultiheadAttention(nn.Module):
         if not self.batch_first:  # (B, S, E) -> (S, B, E)
             out = out.transpose(0, 1)
         return out, None
+
+
+# id(mask) -> (weak reference, version counter, verdict): a mask handed to every layer is read once
+_MASK_VERDICTS: dict[int, tuple[weakref.ref, int, bool]] = {}
+_MAX_VERDICTS = 64
+
+
+def _is_causal_mask(attn_mask: Tensor) -> bool:
+    """Whether a square ``attn_mask`` (bool: True = masked out; float: -inf, or the dtype's lowest
+    value, above the diagonal and 0 elsewhere) is the causal mask. One host read per distinct mask
+    tensor: the verdict is remembered while the tensor lives unchanged (on a GPU each read waits for
+    the device; a model hands the same mask to all its layers)."""
+    try:
+        version = attn_mask._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        version = None
+    hit = _MASK_VERDICTS.get(id(attn_mask))
+    if version is not None and hit is not None and hit[0]() is attn_mask and hit[1] == version:
+        return hit[2]
+    future = torch.ones(attn_mask.shape, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        verdict = torch.equal(attn_mask, future)
+    else:  # one reduction, one read (no boolean-mask indexing, which reads the mask's size first)
+        lowest = torch.finfo(attn_mask.dtype).min
+        verdict = bool(torch.where(future, attn_mask <= lowest, attn_mask == 0).all())
+    if version is not None:
+        if len(_MASK_VERDICTS) >= _MAX_VERDICTS:
+            for key in [key for key, (ref, _, _) in _MASK_VERDICTS.items() if ref() is None]:
+                del _MASK_VERDICTS[key]
+        _MASK_VERDICTS[id(attn_mask)] = (weakref.ref(attn_mask), version, verdict)
+    return verdict
 
 
 def _no_fused_fast_path(module: nn.Module, args: Any) -> None:
