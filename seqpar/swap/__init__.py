@@ -23,6 +23,11 @@ by the swap, but code that numbers positions from the local length (nanoGPT's
 (sliding windows shorter than the sequence, soft-capping, sinks, attention dropout, custom or
 padding masks, attention weights) are refused, at swap time where the model says so, else at call
 time, with the layer named: never silently computed as plain attention.
+
+Every other module that mixes information across positions (state-space, linear-attention and
+convolution layers, cumulative sums, ...) is refused by name too, found by the position-mixing probe
+(:mod:`seqpar.swap.probe`: two forwards of 13 tokens with self-only attention, at swap time for Hugging
+Face models, at the first forward otherwise).
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ from seqpar.comm.agree import rows_across_ranks
 from seqpar.runtime.groups import resolve_group
 from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
 from seqpar.sequence.boundaries import host_boundaries
-from seqpar.swap.options import SwapOptions
+from seqpar.swap.options import SwapError, SwapOptions
+from seqpar.swap.state import is_probing
 
-__all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer"]
+__all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer", "FirstForward"]
 
 # Keyword inputs whose *values* every rank must share (packed-document boundaries and lengths).
 VALUE_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "max_length_q", "max_length_k")
@@ -42,6 +43,10 @@ _MAX_VALUES = 1 << 16  # a cu_seqlens longer than this is compared by shape only
 Preparer = Callable[[nn.Module, tuple, dict], tuple[tuple, dict]]
 """``(module, args, kwargs) -> (args, kwargs)``: fills in or validates inputs before the check;
 raising refuses the batch (on every rank, see the module docstring)."""
+
+FirstForward = Callable[[nn.Module, tuple, dict], None]
+"""``(module, args, kwargs) -> None``: a check put off to the first forward (the position-mixing probe
+of :mod:`seqpar.swap.probe`), run once after the preparers; raising refuses this and every later batch."""
 
 _TENSOR, _NONE, _BOOL, _SEQ, _MAP, _OTHER = range(6)
 _HOOK_ATTR = "_seqpar_batch_check"
@@ -111,28 +116,44 @@ def describe_inputs(args: tuple, kwargs: Mapping[str, Any]) -> str:
 class _BatchCheck:
     """The pre-hook / post-hook pair of one swapped model."""
 
-    def __init__(self, options: SwapOptions, swapped: Sequence[str], preparers: list[Preparer]) -> None:
+    def __init__(self, options: SwapOptions, swapped: Sequence[str], preparers: list[Preparer],
+                 first_forward: FirstForward | None = None) -> None:
         self.options = options
         self.preparers = preparers
+        self.first_forward = first_forward
+        self.refused: BaseException | None = None  # the first-forward check's refusal, raised again each batch
         # Which modules were swapped, by route and name: ranks that swapped different models
         # would run different collectives.
         self.structure = [_code("\n".join(swapped)), len(swapped)]
         self.handles: tuple[Any, ...] = ()
         self.active: list[bool] = []  # one entry per running forward: did it enter the scope?
 
-    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _prepare(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.refused is not None:
+            raise self.refused
+        for prepare in self.preparers:
+            args, kwargs = prepare(module, args, kwargs)
+        if self.first_forward is not None:
+            check, self.first_forward = self.first_forward, None
+            try:
+                check(module, args, kwargs)
+            except SwapError as e:
+                self.refused = e
+                raise
+        return args, kwargs
+
+    def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if is_probing():  # the probe's own forwards: no check, no collective
+            return None
         mark_unverified()
         self.active.append(False)
         if not self.options.check_inputs:  # the user switched checking off
-            for prepare in self.preparers:
-                args, kwargs = prepare(module, args, kwargs)
-            return args, kwargs
+            return self._prepare(module, args, kwargs)
         group = resolve_group(self.options.group)
         world = 1 if group is None else dist.get_world_size(group)
         refusal: BaseException | None = None
         try:
-            for prepare in self.preparers:
-                args, kwargs = prepare(module, args, kwargs)
+            args, kwargs = self._prepare(module, args, kwargs)
         except (ValueError, TypeError) as e:
             if world == 1:
                 raise
@@ -156,12 +177,17 @@ class _BatchCheck:
             return
         where = type(module).__name__
         refused = [r for r, other in enumerate(rows) if not other[0]]
-        if refusal is not None:
-            raise refusal
         if refused:
-            raise ValueError(
-                f"seqpar ({where}): SP rank(s) {refused} refused this batch (their error names the "
-                "problem); every rank stops here instead of waiting for them in a collective"
+            # Every rank says why (one object gather, on this error path only).
+            said: list[Any] = [None] * len(rows)
+            mine = None if refusal is None else (isinstance(refusal, SwapError), str(refusal))
+            dist.all_gather_object(said, mine, group=group)
+            if refusal is not None:
+                raise refusal
+            swap_error, text = said[refused[0]]
+            raise (SwapError if swap_error else ValueError)(
+                f"seqpar ({where}): SP rank(s) {refused} refused this batch; every rank stops here instead "
+                f"of waiting for them in a collective. Rank {refused[0]} said: {text}"
             )
         notes: list[str | None] = [None] * len(rows)
         dist.all_gather_object(notes, describe_inputs(args, kwargs), group=group)
@@ -180,12 +206,15 @@ class _BatchCheck:
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also runs when the forward (or the pre-hook) raised.
+        if is_probing():
+            return
         if self.active and self.active.pop():
             exit_verified()
 
 
 def install_batch_check(
-    model: nn.Module, options: SwapOptions, swapped: Sequence[str], preparers: Sequence[Preparer] = ()
+    model: nn.Module, options: SwapOptions, swapped: Sequence[str], preparers: Sequence[Preparer] = (),
+    first_forward: FirstForward | None = None,
 ) -> None:
     """Check ``model``'s inputs across the SP group once per forward (replacing an earlier check).
 
@@ -194,12 +223,14 @@ def install_batch_check(
         options: the swapped layers' options (compared across ranks, and their group is used).
         swapped: ``"route name"`` of every swapped module (compared across ranks).
         preparers: input fillers/validators run before the check (e.g. the Hugging Face one).
+        first_forward: run once, at the first forward, after the preparers (the position-mixing probe
+            when it could not run at swap time); a refusal is raised on every rank of the SP group.
     """
     old: _BatchCheck | None = getattr(model, _HOOK_ATTR, None)
     if old is not None:
         for handle in old.handles:
             handle.remove()
-    check = _BatchCheck(options, list(swapped), list(preparers))
+    check = _BatchCheck(options, list(swapped), list(preparers), first_forward)
     check.handles = (
         model.register_forward_pre_hook(check.pre_hook, with_kwargs=True),
         model.register_forward_hook(check.post_hook, always_call=True),

@@ -48,15 +48,22 @@ one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=
 
 Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
 soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
-config, attention dropout in training.
+config, attention dropout in training. Keyword arguments of the attention call outside
+:data:`ATTENTION_KWARGS` (DSA's ``indices=``) are refused by name at every call.
+
+Before anything is changed, :func:`probe_at_swap` runs the position-mixing probe
+(:mod:`seqpar.swap.probe`) on 13 synthetic tokens, with the attention routed to seqpar (self-only) for
+the probe alone: a module mixing positions outside attention, or a refused keyword argument, is a
+:class:`SwapError` naming it, and the model is left as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -75,7 +82,18 @@ from seqpar.sequence.batch import (
 from seqpar.sequence.boundaries import boundary_tensor
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.swap.batch import Preparer
-from seqpar.swap.options import SwapError, SwapOptions
+from seqpar.swap.options import SwapError, SwapOptions, self_only_attention
+from seqpar.swap.probe import (
+    PROBE_LENGTH,
+    PROBE_POSITION,
+    ProbeFailed,
+    find_mixers,
+    first_forward_probe,
+    is_materialised,
+    mixing_refusal,
+    raised_by_seqpar,
+)
+from seqpar.swap.state import is_probing
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -86,6 +104,8 @@ __all__ = [
     "seqpar_attention_forward",
     "seqpar_mask",
     "SequenceParallelLMLoss",
+    "probe_at_swap",
+    "ATTENTION_KWARGS",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -234,6 +254,172 @@ def apply(
     return preparers
 
 
+# ----------------------------------------------------------------------------- the position-mixing probe
+_MISSING = object()
+FirstForward = Callable[[nn.Module, tuple, dict], None]
+"""A probe put off to the swapped model's first forward: ``(model, args, kwargs) -> None``, raising
+:class:`SwapError`."""
+
+
+def probe_at_swap(
+    model: nn.Module, modules: list[tuple[str, nn.Module]], options: SwapOptions
+) -> FirstForward | None:
+    """The position-mixing probe (:mod:`seqpar.swap.probe`) of the transformers models in ``model``.
+
+    Each outermost ``PreTrainedModel`` runs twice on 13 synthetic tokens of its vocabulary (the same on
+    every rank, so the verdict is too, with no collective), with its attention routed to seqpar in
+    self-only mode for the probe only.
+
+    Returns:
+        None when the probe ran and found nothing. When the parameters are not materialised (meta
+        device, DeepSpeed ZeRO-3 partitions), the same probe to run at the swapped model's first
+        forward, when the engine gathers them; when the model cannot run on synthetic tokens alone
+        (it needs other inputs), a probe of the first forward's real batch, cut to 13 positions.
+
+    Raises:
+        SwapError: naming every module that mixes positions, or an attention keyword argument or mask
+            seqpar does not know; the model is left as it was.
+    """
+    tops = _named_top_pretrained(model)
+    if not tops:
+        return None  # apply() refuses with its own message
+    if not all(is_materialised(top) for _, top in tops):
+        return functools.partial(_first_forward_tops, tops)
+    with _probe_routing([top for _, top in tops], modules, options) as routed:
+        if not routed:
+            return None  # apply() refuses: transformers kept another attention implementation
+        failure = _probe_tops(tops, "Nothing was changed.")
+    if failure is None:
+        return None
+    top, failed = failure
+    if _runs_plain(top):  # it runs with its own attention: routing it to seqpar is what breaks it
+        raise SwapError(
+            f"{type(top).__name__} fails with its attention routed to seqpar: {failed}. Its attention needs "
+            "something seqpar does not provide (e.g. DeepSeek-V3.2 / GLM-MoE-DSA sparse attention indexes "
+            "the attention mask and passes indices= of the keys each query may see); run this model "
+            "without sequence parallelism. Nothing was changed."
+        ) from failed.error
+    logger.warning(
+        "seqpar: %s did not run on %d synthetic tokens for the position-mixing probe, with or without "
+        "seqpar (%s); the probe runs on the first batch instead", type(top).__name__, PROBE_LENGTH, failed,
+    )
+    return first_forward_probe
+
+
+def _named_top_pretrained(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    tops = {id(m) for m in _top_pretrained(model)}
+    seen: set[int] = set()
+    named = []
+    for name, module in model.named_modules():
+        if id(module) in tops and id(module) not in seen:
+            seen.add(id(module))
+            named.append((name, module))
+    return named
+
+
+def _first_forward_tops(tops: list[tuple[str, nn.Module]], model: nn.Module, args: tuple, kwargs: dict) -> None:
+    failure = _probe_tops(tops, "The model stays swapped, and refuses every forward.")
+    if failure is not None:
+        logger.warning("seqpar: %s did not run on %d synthetic tokens for the position-mixing probe (%s); "
+                       "probing this batch instead", type(failure[0]).__name__, PROBE_LENGTH, failure[1])
+        first_forward_probe(model, args, kwargs)
+
+
+def _probe_tops(tops: list[tuple[str, nn.Module]], after: str) -> tuple[nn.Module, ProbeFailed] | None:
+    """Probe each model on synthetic tokens; raises SwapError naming what it found (``after`` ends the
+    message). Returns the first model that raised, with the failure (not a seqpar refusal), or None."""
+    for prefix, top in tops:
+        try:
+            mixers = find_mixers(top, _synthetic_run(top), PROBE_LENGTH, PROBE_POSITION)
+        except ProbeFailed as failed:
+            if not raised_by_seqpar(failed.error):
+                return top, failed
+            raise SwapError(
+                f"{type(top).__name__}: seqpar refused a layer while probing the model: {failed.error}. {after}"
+            ) from failed.error
+        if mixers:
+            raise SwapError(f"{mixing_refusal(mixers, type(top).__name__, prefix)} {after}")
+    return None
+
+
+def _runs_plain(top: nn.Module) -> bool:
+    """Whether ``top`` runs on the probe's tokens with its own attention (no seqpar)."""
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            _synthetic_run(top)(False)
+    except Exception:  # noqa: BLE001 - any failure means: not seqpar's routing alone
+        return False
+    return True
+
+
+def _synthetic_run(top: nn.Module) -> Callable[[bool], Any]:
+    """``run(perturbed)`` for :func:`seqpar.swap.probe.find_mixers`: ``top`` on 13 seeded tokens of its
+    vocabulary, batch 1, no cache; perturbed: the middle token replaced by the next id."""
+    embeddings = top.get_input_embeddings()
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is None:
+        vocab = top.config.get_text_config().vocab_size
+    weight = getattr(embeddings, "weight", None)
+    device = weight.device if isinstance(weight, Tensor) else next(top.parameters()).device
+    ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+    changed = ids.clone()
+    changed[0, PROBE_POSITION] = (ids[0, PROBE_POSITION] + 1) % vocab
+    extra = {"use_cache": False} if "use_cache" in _forward_signature(type(top)).parameters else {}
+
+    def run(perturbed: bool) -> Any:
+        return top(input_ids=changed if perturbed else ids, **extra)
+
+    return run
+
+
+def _all_configs(tops: list[nn.Module]) -> list[Any]:
+    found: dict[int, Any] = {}
+    queue = [m.config for top in tops for m in top.modules()
+             if isinstance(getattr(m, "config", None), transformers.PretrainedConfig)]
+    while queue:
+        config = queue.pop()
+        if id(config) in found:
+            continue
+        found[id(config)] = config
+        for key in getattr(config, "sub_configs", {}) or {}:
+            sub = getattr(config, key, None)
+            if isinstance(sub, transformers.PretrainedConfig):
+                queue.append(sub)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _probe_routing(
+    tops: list[nn.Module], modules: list[tuple[str, nn.Module]], options: SwapOptions
+) -> Iterator[bool]:
+    """Route the attention modules to seqpar for the probe only; everything is put back afterwards.
+    Yields whether transformers took the routing for every module."""
+    register()
+    configs = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _all_configs(tops)]
+    saved = [(m, m.__dict__.get(_OPTIONS_ATTR, _MISSING), m.__dict__.get("_seqpar_name", _MISSING))
+             for _, m in modules]
+    try:
+        for name, module in modules:
+            setattr(module, _OPTIONS_ATTR, options)
+            module._seqpar_name = name
+        for top in tops:
+            top.set_attn_implementation(ATTN_IMPLEMENTATION)
+        yield all(getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
+                  for _, m in modules)
+    finally:
+        for module, old_options, old_name in saved:
+            for attr, old in ((_OPTIONS_ATTR, old_options), ("_seqpar_name", old_name)):
+                if old is _MISSING:
+                    module.__dict__.pop(attr, None)
+                else:
+                    setattr(module, attr, old)
+        for config, old in configs:
+            if old is _MISSING:
+                config.__dict__.pop("_attn_implementation_internal", None)
+            else:
+                config._attn_implementation_internal = old
+
+
 def _loss_type(model: nn.Module) -> str:
     # transformers' own rule (PreTrainedModel.loss_function): an unknown type means ForCausalLM.
     loss_type = getattr(model, "loss_type", None)
@@ -276,7 +462,8 @@ class SequenceParallelLMLoss:
         shift_labels: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
-        _, world_size = sp_rank_and_size(self.options.group)
+        # While the position-mixing probe runs, nothing is communicated: the loss stays this rank's.
+        world_size = 1 if is_probing() else sp_rank_and_size(self.options.group)[1]
         if world_size == 1 or self.loss_type not in _TOKEN_LOSSES:
             return LOSS_MAPPING[self.loss_type](
                 logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
@@ -595,6 +782,10 @@ def seqpar_attention_forward(
         ``(out (batch, seq_local, q_heads, head_dim), None)``.
     """
     options: SwapOptions | None = getattr(module, _OPTIONS_ATTR, None)
+    if options is None and is_probing():
+        # Left out by the swap's name patterns: refused at run time on shards (below); the probe
+        # judges the rest of the model around it.
+        return self_only_attention(query, value).transpose(1, 2).contiguous(), None
     if options is None:
         # A layer the swap config left out (name patterns): transformers' own SDPA path, which is
         # only right while the sequence is not sharded.
@@ -614,6 +805,7 @@ def seqpar_attention_forward(
             is_causal=is_causal, **kwargs,
         )
     layer = _name(module)
+    _refuse_unknown_kwargs(kwargs, layer, module)
     if kwargs.get("output_attentions"):
         raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
     for feature, key_name in (("logit soft-capping", "softcap"), ("a position bias", "position_bias")):
@@ -643,6 +835,55 @@ def seqpar_attention_forward(
                             window=_window(kwargs.get("sliding_window"), causal),
                             sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+# The keyword arguments transformers' decoders pass to the attention function, found by running the
+# installed transformers (5.24) decoders and reading their attention calls. Any other one with a value is
+# refused by name: seqpar would ignore it and silently compute plain attention (DSA's ``indices=``, the
+# top-k keys each query may see, is the known case).
+_HONOURED_KWARGS = {
+    "cu_seq_lens_q": "packed-document boundaries (seqpar attention's cu_seqlens)",
+    "cu_seq_lens_k": "packed-document boundaries (the same as cu_seq_lens_q)",
+    "max_length_q": "the longest document (implied by the boundaries)",
+    "max_length_k": "the longest document (implied by the boundaries)",
+    "sliding_window": "the layer's window (seqpar attention's window)",
+    "s_aux": "attention sinks (seqpar attention's sinks)",
+    "position_ids": "positions (already applied by rotary embeddings; packing comes as cu_seq_lens_q/k)",
+    "output_attentions": "refused when True",
+    "softcap": "refused when set",
+    "position_bias": "refused when set",
+}
+# Model-level flags that transformers threads through the layers' **kwargs down to the attention call;
+# none of them changes what attention computes.
+_PASS_THROUGH_KWARGS = frozenset({
+    "use_cache", "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+    "cache_position", "past_key_values", "past_key_value", "labels", "shift_labels", "seq_idx",
+    "token_type_ids", "layer_idx",
+})
+ATTENTION_KWARGS = frozenset(_HONOURED_KWARGS) | _PASS_THROUGH_KWARGS
+"""Keyword arguments seqpar's attention function accepts (besides ``dropout``, ``scaling``, ``is_causal``);
+any other one with a value other than None is refused, naming it and the layer."""
+
+_KWARG_HINTS = {
+    "indices": "DeepSeek-V3.2 / GLM-MoE-DSA sparse attention: an indexer picks the top-k keys each query "
+               "attends to, which seqpar's dense attention cannot honour",
+    "sinks": "attention sinks under another name than s_aux",
+    "block_indices": "block-sparse attention, which seqpar's dense attention cannot honour",
+}
+
+
+def _refuse_unknown_kwargs(kwargs: dict[str, Any], layer: str, module: nn.Module) -> None:
+    unknown = sorted(k for k, v in kwargs.items() if k not in ATTENTION_KWARGS and v is not None)
+    if not unknown:
+        return
+    hints = "; ".join(f"{k}: {_KWARG_HINTS[k]}" for k in unknown if k in _KWARG_HINTS)
+    raise ValueError(
+        f"seqpar (layer '{layer}', {type(module).__name__}): the attention function got keyword "
+        f"argument(s) {', '.join(f'{k}=' for k in unknown)} that seqpar does not know"
+        f"{f' ({hints})' if hints else ''}; seqpar attention would ignore them and compute plain dense "
+        "attention, a silently different model. Run this model without sequence parallelism, or teach "
+        "seqpar.swap.hf the argument (seqpar attention must honour it on shards)"
+    )
 
 
 def _window(sliding_window: int | None, causal: bool) -> int | None:

@@ -13,13 +13,22 @@ from torch import Tensor
 from seqpar.config import PatternConfig, SeqParConfig
 from seqpar.runtime.verified import batch_verified
 from seqpar.sequence.sharding import resolve_sharding
-from seqpar.swap.state import suspended
+from seqpar.swap.state import is_probing, suspended
 
-__all__ = ["SwapError", "SwapOptions", "value_digest"]
+__all__ = ["SwapError", "SwapOptions", "value_digest", "self_only_attention"]
 
 
 class SwapError(ValueError):
     """The model's attention cannot be swapped as configured; the message says what and how to fix."""
+
+
+def self_only_attention(q: Tensor, v: Tensor) -> Tensor:
+    """Attention in which each query sees only its own key: softmax over one score is 1, so the output
+    is the value at the same position. q ``(batch, q_heads, seq, head_dim)``, v
+    ``(batch, kv_heads, seq, v_dim)`` -> ``(batch, q_heads, seq, v_dim)`` (GQA: each KV head repeated
+    for its group of query heads, as the attention kernels do)."""
+    group_size = q.shape[1] // v.shape[1]
+    return v.repeat_interleave(group_size, dim=1) if group_size > 1 else v.clone()
 
 
 def value_digest(value: Any) -> list[int]:
@@ -103,7 +112,13 @@ class SwapOptions:
         :func:`seqpar.attention` as they are (see there); the dilated pattern takes none of them.
         ``check_finite`` (off by default, then free) raises on every rank, naming ``layer``, when
         the inputs or the output hold a NaN or an Inf.
+
+        While the position-mixing probe runs (:class:`seqpar.swap.state.probing`) the attention is
+        self-only: each query attends to its own key alone, so the output is its value (GQA heads
+        repeated), with no communication (see :mod:`seqpar.swap.probe`).
         """
+        if is_probing():
+            return self_only_attention(q, v)
         masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks))
                   if v is not None}
         if self.check_finite:  # off by default: then this branch is the whole cost

@@ -1,5 +1,5 @@
 """The SDPA dispatcher's per-thread state: the stack of running swapped modules, and
-:class:`suspended`.
+:class:`suspended`; and whether the position-mixing probe is running (:class:`probing`).
 
 Kept apart from :mod:`seqpar.swap.sdpa` (which pushes and reads frames) and
 :mod:`seqpar.swap.options` (which suspends dispatch around seqpar's own kernels) so that neither
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-__all__ = ["Attends", "Frame", "stack", "suspended"]
+__all__ = ["Attends", "Frame", "stack", "suspended", "probing", "is_probing"]
 
 _local = threading.local()
 
@@ -51,3 +51,20 @@ class suspended:
 
     def __exit__(self, *exc: object) -> None:
         stack().pop()
+
+
+class probing:
+    """Context in which every swapped attention is *self-only* (each query sees only its own key, so
+    the output is its own value, with no communication), the batch check stands aside and losses stay
+    local: the whole model must then be position-wise, which :mod:`seqpar.swap.probe` checks."""
+
+    def __enter__(self) -> None:
+        _local.probing = getattr(_local, "probing", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.probing -= 1
+
+
+def is_probing() -> bool:
+    """Whether this thread runs the position-mixing probe (see :class:`probing`)."""
+    return getattr(_local, "probing", 0) > 0

@@ -3,6 +3,14 @@
 One route per module (``"hf"``, ``"sdpa"``, ``"mha"``; see :mod:`seqpar.swap`). Nothing is changed
 unless every matched module can be swapped exactly; then the batch check
 (:mod:`seqpar.swap.batch`) goes on the model.
+
+Attention is not the only thing that mixes information across positions: state-space scans, linear
+attention, causal convolutions, cumulative sums would run on each rank's shard and compute something
+else. The position-mixing probe (:mod:`seqpar.swap.probe`) accounts for every such module: with the
+swapped attention self-only, the model must be position-wise, and each module that is not is named in a
+:class:`SwapError` with its path and class. Hugging Face models are probed at swap time on 13 synthetic
+tokens (one extra pair of tiny forwards); models of the other routes, and models whose parameters are
+not materialised yet (meta device, ZeRO-3 partitions), at their first forward, before any communication.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.swap.batch import Preparer, install_batch_check
+from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
 from seqpar.swap.options import SwapError, SwapOptions
+from seqpar.swap.probe import first_forward_probe
 from seqpar.swap.sdpa import class_calls_sdpa, track_module
 
 __all__ = ["swap_attention", "SwapReport", "SwappedModule", "ROUTES"]
@@ -137,7 +146,14 @@ def swap_attention(
 
     Raises:
         SwapError: nothing matched; or a matched module uses a feature seqpar does not honour
-            (all such modules are named, and nothing is changed).
+            (all such modules are named, and nothing is changed); or a module other than the swapped
+            attention mixes information across sequence positions (a state-space, linear-attention
+            or convolution layer, a cumulative sum ...), or an attention layer passes a keyword
+            argument seqpar does not know: found by the position-mixing probe
+            (:mod:`seqpar.swap.probe`), which costs one pair of forwards of 13 tokens. Hugging Face
+            models are probed here (nothing is changed on refusal); models of the "sdpa" and "mha"
+            routes, and models whose parameters are not materialised yet, at their first forward on
+            every rank, which then raises this error (the model stays swapped and refuses every forward).
     """
     cfg = SeqParConfig.load(config)
     _check_config(cfg)
@@ -151,13 +167,38 @@ def swap_attention(
     if not plan:
         _refuse_nothing_found(model, cfg, routes, patterns, glue)
     options = SwapOptions.from_config(cfg, group)
+    first_forward = _probe(model, plan, options, glue)
     report, preparers = _apply(model, plan, options, glue)
-    install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers)
+    install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 
     report.tiling = apply_tiling(model, cfg, group=group)
     return report
+
+
+def _probe(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: SwapOptions,
+           glue: ModuleType | None) -> FirstForward | None:
+    """The position-mixing probe (:mod:`seqpar.swap.probe`): runs it now where it can (Hugging Face
+    models: raises SwapError), and returns what must run at the first forward (None: nothing)."""
+    hf_modules = [(name, module) for name, module, route in plan if route == "hf"]
+    later: list[FirstForward] = []
+    if hf_modules and glue is not None:
+        deferred = glue.probe_at_swap(model, hf_modules, options)
+        if deferred is not None:
+            later.append(deferred)
+    if any(route != "hf" for _, _, route in plan) and first_forward_probe not in later:
+        later.append(first_forward_probe)
+    if not later:
+        return None
+    if len(later) == 1:
+        return later[0]
+
+    def both(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for check in later:
+            check(module, args, kwargs)
+
+    return both
 
 
 def _check_config(cfg: SeqParConfig) -> None:
