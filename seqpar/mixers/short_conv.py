@@ -66,9 +66,8 @@ class SeqParShortConv(nn.Module):
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False) -> None:
         super().__init__()
-        self.in_proj = original.in_proj
-        self.conv = original.conv
-        self.out_proj = original.out_proj
+        for name, child in original.named_children():  # the same modules, in the same order: same state_dict
+            self.add_module(name, child)
         self.layer_idx = getattr(original, "layer_idx", None)
         self.conv_kernel_size = self.conv.kernel_size[0]
         self.original_class = type(original).__name__
