@@ -129,12 +129,22 @@ LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens, padded at the end; the 23-token docume
 RTOL, ATOL = 1e-4, 1e-6
 
 
-def tiny_lfm2(dtype: torch.dtype) -> transformers.Lfm2ForCausalLM:
+# The LFM2 family: (extra config fields). LFM2-MoE's layer 2 (a conv layer) has experts.
+FAMILIES = {
+    "Lfm2": {},
+    "Lfm2Moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=2),
+    "Lfm3": {},
+}
+
+
+def tiny_lfm2(dtype: torch.dtype, family: str = "Lfm2") -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                  num_attention_heads=4, num_key_value_heads=4, conv_L_cache=4,
-                                  layer_types=["conv", "full_attention", "conv"], use_cache=False)
-    model = transformers.Lfm2ForCausalLM(cfg).to(dtype)
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, conv_L_cache=4, layer_types=["conv", "full_attention", "conv"], use_cache=False,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, **FAMILIES[family])
+    # grouped_mm (the MoE default) has no float64
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(dtype)
     with torch.no_grad():  # random (not zero) conv biases, so their gradients are checked too
         for layer in model.model.layers:
             if hasattr(layer, "conv") and layer.conv.conv.bias is not None:
@@ -151,9 +161,9 @@ def packed_batch(docs: list[torch.Tensor]) -> dict:
     return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
 
 
-def per_document_reference(docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def per_document_reference(docs: list[torch.Tensor], family: str = "Lfm2") -> tuple[float, dict[str, torch.Tensor]]:
     """float64 loss and gradients of each document run alone by transformers itself, token-weighted."""
-    ref = tiny_lfm2(torch.float64)
+    ref = tiny_lfm2(torch.float64, family)
     total, count = 0.0, 0
     for d in docs:
         if len(d) < 2:
@@ -184,16 +194,16 @@ def _modes(world: int) -> list[dict]:
     return modes
 
 
-def _lfm2_parity(rank: int, world: int, sharding: str) -> list[str]:
+def _lfm2_parity(rank: int, world: int, sharding: str, family: str = "Lfm2", modes: list[dict] | None = None) -> list[str]:
     docs = documents()
-    ref_loss, ref_grads = per_document_reference(docs)
+    ref_loss, ref_grads = per_document_reference(docs, family)
     done = []
-    for mode in _modes(world):
+    for mode in modes if modes is not None else _modes(world):
         # the hybrid takes its Ulysses and ring groups from a manager; the halo then uses its SP group
         manager = seqpar.init_process_groups(sp_size=world, ulysses_size=2) if mode["mode"] == "hybrid" else None
         group = None if manager is not None else WORLD
         try:
-            model = tiny_lfm2(torch.float32)
+            model = tiny_lfm2(torch.float32, family)
             report = swap_attention(model, SeqParConfig(size=world, sharding=sharding, **mode), group=group)
             assert report.routes == {"model.layers.1.self_attn": "hf", "model.layers.0.conv": "mixer",
                                      "model.layers.2.conv": "mixer"}, report.routes
@@ -225,6 +235,14 @@ def test_lfm2_packed_one_process_equals_each_document_alone():
 def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
     done = dist_pool.run(world, _lfm2_parity, sharding, timeout=600)[0]
     assert done == [m["mode"] for m in _modes(world)]
+
+
+@pytest.mark.parametrize("family,sharding", [("Lfm2", "balanced"), ("Lfm2Moe", "zigzag"), ("Lfm3", "zigzag")])
+def test_lfm2_family_and_balanced_at_two_ranks(dist_pool, family, sharding):
+    if not hasattr(transformers, f"{family}Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    modes = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(2, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
 
 
 def test_swap_keeps_parameters_and_state_dict():
