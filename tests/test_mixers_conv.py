@@ -252,6 +252,10 @@ def test_swap_keeps_parameters_and_state_dict():
     swap_attention(model)
     assert dict(model.named_parameters()) == before  # the same parameter objects, the same names
     assert list(model.state_dict()) == keys
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes["model.layers.0.conv"] == "mixer" and report.swapped[-1].cls == "Lfm2ShortConv"
+    assert model.model.layers[0].conv.sharding == "zigzag"
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
 
 
 def test_conv_left_out_of_the_swap_is_still_refused():

@@ -56,7 +56,8 @@ class SeqParShortConv(nn.Module):
     """A sequence-parallel drop-in for an LFM2-family short convolution layer.
 
     Args:
-        original: the transformers layer (its ``in_proj``, ``conv``, ``out_proj`` are taken over).
+        original: the transformers layer (its ``in_proj``, ``conv``, ``out_proj`` are taken over), or a
+            :class:`SeqParShortConv` to re-swap with other options.
         group: the SP group (None: the default manager's).
         sharding: the layout the model's inputs are cut in.
         position_wise: called at each forward; True -> only the current position's tap, no
@@ -70,7 +71,8 @@ class SeqParShortConv(nn.Module):
             self.add_module(name, child)
         self.layer_idx = getattr(original, "layer_idx", None)
         self.conv_kernel_size = self.conv.kernel_size[0]
-        self.original_class = type(original).__name__
+        # swapping an already swapped layer again (new options) keeps the transformers class's name
+        self.original_class = getattr(original, "original_class", type(original).__name__)
         self.group = group
         self.sharding = sharding
         self.position_wise = position_wise

@@ -184,8 +184,8 @@ def swap_attention(
     except BaseException:
         _restore_mixers(model, mixers)  # a refusal changes nothing
         raise
-    report.swapped += [SwappedModule(name, MIXER_ROUTE, original.__class__.__name__)
-                       for name, original in mixers]
+    report.swapped += [SwappedModule(name, MIXER_ROUTE, getattr(before, "original_class", type(before).__name__))
+                       for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
@@ -220,11 +220,13 @@ def _probe(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: Sw
 
 def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
                  options: SwapOptions) -> list[tuple[str, nn.Module]]:
-    """Replace every handled mixer (:mod:`seqpar.mixers`) by its sequence-parallel form; returns
-    ``(name, original module)`` of each, for the report and for :func:`_restore_mixers`."""
+    """Replace every handled mixer (:mod:`seqpar.mixers`) by its sequence-parallel form (one swapped
+    before gets the new options); returns ``(name, module before)`` of each, for the report and for
+    :func:`_restore_mixers`."""
     found = [(name, module) for name, module in model.named_modules()
-             if is_short_conv(module) and (patterns is None or _matches(name, module, patterns))]
-    swapped = []
+             if (is_short_conv(module) or isinstance(module, SeqParShortConv))
+             and (patterns is None or _matches(name, module, patterns))]
+    swapped: list[tuple[str, nn.Module]] = []
     for name, module in found:
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, SeqParShortConv(module, group=options.group, sharding=options.sharding,
@@ -234,9 +236,9 @@ def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
 
 
 def _restore_mixers(model: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
-    for name, original in mixers:
+    for name, before in mixers:
         parent, attr = _parent_and_attr(model, name)
-        setattr(parent, attr, original)
+        setattr(parent, attr, before)
 
 
 def _check_config(cfg: SeqParConfig) -> None:
