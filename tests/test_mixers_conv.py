@@ -83,6 +83,27 @@ def test_conv_sharded_equals_each_document_alone(dist_pool, world):
             dist_pool.run(world, _conv_parity, sharding, seq, k, cu, timeout=300)
 
 
+def _conv_bf16(rank: int, world: int) -> tuple[float, float]:
+    g = torch.Generator().manual_seed(11)
+    seq, k, cu = 48, 4, [0, 5, 29, 48]
+    x = torch.randn(2, 16, seq, generator=g, dtype=torch.float64)
+    weight = torch.randn(16, k, generator=g, dtype=torch.float64)
+    bias = torch.randn(16, generator=g, dtype=torch.float64)
+    exact = reference_conv(x, weight, bias, cu)
+    own = reference_conv(*(t.bfloat16() for t in (x, weight, bias)), cu).double()  # transformers' own bf16
+    x_local = shard_sequence(x.bfloat16(), -1, group=WORLD, sharding="zigzag")
+    out_local = causal_conv_shard(x_local, weight.bfloat16(), bias.bfloat16(), group=WORLD, sharding="zigzag",
+                                  cu_seqlens=cu)
+    assert out_local.dtype == torch.bfloat16
+    out = gather_sequence(out_local, -1, group=WORLD, sharding="zigzag").double()
+    return float((out - exact).abs().max()), float((own - exact).abs().max())
+
+
+def test_conv_bf16_no_worse_than_one_process_bf16(dist_pool):
+    for ours, own in dist_pool.run(2, _conv_bf16):
+        assert ours <= 1.01 * own, (ours, own)
+
+
 def test_halo_plan_spans_chunks_and_skips_document_starts():
     # 4 ranks zigzag, S=24: chunks of 3; rank r holds chunks r and 7-r. k=5: halo of 4 > chunk.
     plan = halo_plan(4, "zigzag", 24, None, 4)
@@ -243,6 +264,23 @@ def test_lfm2_family_and_balanced_at_two_ranks(dist_pool, family, sharding):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     modes = [{"mode": "ring"}, {"mode": "ulysses"}]
     assert dist_pool.run(2, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
+
+
+def _lfm2_checkpointed(rank: int, world: int) -> None:
+    from hf_tiny import enable_checkpointing
+
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(docs)
+    model = tiny_lfm2(torch.float32).train()
+    enable_checkpointing(model)  # the recompute repeats the halo exchange, on every rank alike
+    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
+    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+
+
+def test_lfm2_with_activation_checkpointing(dist_pool):
+    dist_pool.run(2, _lfm2_checkpointed, timeout=300)
 
 
 def test_swap_keeps_parameters_and_state_dict():

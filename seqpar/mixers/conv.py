@@ -86,11 +86,15 @@ def causal_conv_chunks(x: Tensor, halo: Tensor, weight: Tensor, bias: Tensor | N
     batch, channels, seq_local = x.shape
     n, c = doc_pos.shape
     k = weight.shape[-1]
-    x = x.to(weight.dtype)
+    out_dtype = weight.dtype
+    # The k products are summed in fp32 at least (as conv1d accumulates), not rounded to bf16 per tap.
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    x, weight = x.to(compute), weight.to(compute)
+    bias = None if bias is None else bias.to(compute)
     if position_wise:
         out = x * weight[:, k - 1].view(1, channels, 1)
-        return out if bias is None else out + bias.view(1, channels, 1)
-    ext = torch.cat([halo.to(weight.dtype), x.view(batch, channels, n, c)], dim=-1)  # (B, C, n, k-1+c)
+        return (out if bias is None else out + bias.view(1, channels, 1)).to(out_dtype)
+    ext = torch.cat([halo.to(compute), x.view(batch, channels, n, c)], dim=-1)  # (B, C, n, k-1+c)
     doc_pos = doc_pos.to(x.device)
     out = None
     for i in range(k):
@@ -101,7 +105,7 @@ def causal_conv_chunks(x: Tensor, halo: Tensor, weight: Tensor, bias: Tensor | N
         out = term if out is None else out + term
     if bias is not None:
         out = out + bias.view(1, channels, 1, 1)
-    return out.reshape(batch, channels, seq_local)
+    return out.reshape(batch, channels, seq_local).to(out_dtype)
 
 
 def causal_conv_shard(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
