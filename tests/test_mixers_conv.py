@@ -258,12 +258,21 @@ def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
     assert done == [m["mode"] for m in _modes(world)]
 
 
-@pytest.mark.parametrize("family,sharding", [("Lfm2", "balanced"), ("Lfm2Moe", "zigzag"), ("Lfm3", "zigzag")])
-def test_lfm2_family_and_balanced_at_two_ranks(dist_pool, family, sharding):
+@pytest.mark.parametrize("world,family,sharding", [(2, "Lfm2", "balanced"), (4, "Lfm2", "balanced"),
+                                                   (2, "Lfm2Moe", "zigzag"), (2, "Lfm3", "zigzag")])
+def test_lfm2_family_and_balanced(dist_pool, world, family, sharding):
     if not hasattr(transformers, f"{family}Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
     modes = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
+    assert dist_pool.run(world, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
+
+
+def test_bad_shards_are_a_clear_error():
+    weight = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="cu_seqlens .* strictly increasing from 0 to the global length 10"):
+        causal_conv_shard(torch.randn(1, 3, 10), weight, cu_seqlens=[0, 4, 9])
+    with pytest.raises(ValueError, match="cannot be cut .* zigzag"):
+        causal_conv_shard(torch.randn(1, 3, 7), weight, sharding="zigzag")
 
 
 def _lfm2_checkpointed(rank: int, world: int) -> None:

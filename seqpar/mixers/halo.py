@@ -82,7 +82,10 @@ def halo_plan(world_size: int, sharding: str, seq_len: int, cu_seqlens: tuple[in
     n = len(ids[0])
     total_chunks = n * world_size
     if seq_len % total_chunks:
-        raise ValueError(f"sequence length {seq_len} does not cut into {total_chunks} equal chunks")
+        raise ValueError(
+            f"causal convolution: sequence length {seq_len} cannot be cut into {total_chunks} equal chunks for "
+            f"{world_size} rank(s) with sharding='{sharding}': pad it to a multiple of {total_chunks} "
+            "(seqpar.sequence.batch.shard_batch pads and cuts a batch the way the swapped model expects)")
     c = seq_len // total_chunks
     owner = {g: (r, j) for r, chunks in enumerate(ids) for j, g in enumerate(chunks)}
     starts = list(cu_seqlens) if cu_seqlens is not None else [0]
