@@ -271,7 +271,7 @@ def test_bad_shards_are_a_clear_error():
     weight = torch.randn(3, 4)
     with pytest.raises(ValueError, match="cu_seqlens .* strictly increasing from 0 to the global length 10"):
         causal_conv_shard(torch.randn(1, 3, 10), weight, cu_seqlens=[0, 4, 9])
-    with pytest.raises(ValueError, match="cannot be cut .* zigzag"):
+    with pytest.raises(ValueError, match="cannot be cut into 2 equal chunks .*sharding='zigzag': pad it"):
         causal_conv_shard(torch.randn(1, 3, 7), weight, sharding="zigzag")
 
 
