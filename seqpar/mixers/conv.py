@@ -37,11 +37,12 @@ class ConvLayout:
     rank: int
     doc_pos: Tensor
     """``(n, c)`` int64: position of each local position inside its document (global position when
-    there are no documents), on the CPU."""
+    there are no documents), on the input's device (made once per batch layout: no copy per layer)."""
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, ...] | None, halo: int) -> ConvLayout:
+def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, ...] | None, halo: int,
+            device: torch.device) -> ConvLayout:
     plan = halo_plan(world, sharding, seq_len, cu, halo)
     positions = shard_index(seq_len, rank, world, sharding, cu_seqlens=cu)  # (seq_local,)
     if cu is None:
@@ -49,11 +50,12 @@ def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, .
     else:
         edges = torch.tensor(cu, dtype=torch.long)
         doc_pos = positions - edges[torch.searchsorted(edges, positions, right=True) - 1]
-    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len))
+    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len).to(device))
 
 
 def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | None, sharding: str,
-                cu_seqlens: Tensor | Sequence[int] | None = None) -> ConvLayout:
+                cu_seqlens: Tensor | Sequence[int] | None = None,
+                device: torch.device | str = "cpu") -> ConvLayout:
     """The layout of this rank's shard (cached per batch shape and boundaries).
 
     Args:
@@ -62,6 +64,7 @@ def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | 
         group: the SP group (resolved as everywhere in seqpar: None -> the default manager's).
         sharding: how the sequence was cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``).
         cu_seqlens: global document boundaries ``[0, ..., S]`` (host ints are read once per batch).
+        device: where ``doc_pos`` lives (the input's device).
     """
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
@@ -71,7 +74,7 @@ def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | 
     if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:]))):
         raise ValueError(f"causal convolution: cu_seqlens {list(cu)} must be strictly increasing from 0 to the "
                          f"global length {seq_len} (seq_local {seq_local} x {world} ranks)")
-    return _layout(world, rank, sharding, seq_len, cu, kernel_size - 1)
+    return _layout(world, rank, sharding, seq_len, cu, kernel_size - 1, torch.device(device))
 
 
 def causal_conv_chunks(x: Tensor, halo: Tensor, weight: Tensor, bias: Tensor | None, doc_pos: Tensor,
@@ -95,7 +98,6 @@ def causal_conv_chunks(x: Tensor, halo: Tensor, weight: Tensor, bias: Tensor | N
         out = x * weight[:, k - 1].view(1, channels, 1)
         return (out if bias is None else out + bias.view(1, channels, 1)).to(out_dtype)
     ext = torch.cat([halo.to(compute), x.view(batch, channels, n, c)], dim=-1)  # (B, C, n, k-1+c)
-    doc_pos = doc_pos.to(x.device)
     out = None
     for i in range(k):
         lag = k - 1 - i
@@ -125,8 +127,9 @@ def causal_conv_shard(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
         ``(batch, channels, seq_local)`` in ``weight``'s dtype.
     """
     if position_wise:  # the probe's 13 tokens need not cut into chunks: no layout, no communication
-        doc_pos = torch.zeros(1, x.shape[-1], dtype=torch.long)
+        doc_pos = torch.zeros(1, x.shape[-1], dtype=torch.long, device=x.device)
         return causal_conv_chunks(x, x.new_empty(0), weight, bias, doc_pos, position_wise=True)
-    layout = conv_layout(x.shape[-1], weight.shape[-1], group=group, sharding=sharding, cu_seqlens=cu_seqlens)
+    layout = conv_layout(x.shape[-1], weight.shape[-1], group=group, sharding=sharding, cu_seqlens=cu_seqlens,
+                         device=x.device)
     halo = halo_exchange(x, layout.plan, layout.rank, resolve_group(group))
     return causal_conv_chunks(x, halo, weight, bias, layout.doc_pos)
