@@ -18,7 +18,10 @@ The config JSON. A DeepSpeed config (recognised by DeepSpeed's own keys) or a st
 config, with three extra sections the launcher reads and removes before the engine sees the rest::
 
     "sequence_parallel": {...}                        # seqpar.config.SeqParConfig
-    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields
+    "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields, or with
+                                                      # "architecture": "mixtral" (a transformers model
+                                                      # type) that config class's fields (sizes:
+                                                      # MODEL_SIZE_RANGES)
     "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
     "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
 
@@ -75,40 +78,44 @@ class TrainSettings:
     engine: str = "auto"
     """``"deepspeed"``, ``"fsdp"``, or ``"auto"`` (DeepSpeed when the config has DeepSpeed keys)."""
     seq_len: int = 1024
-    """Tokens per sample (before end padding to a multiple of the SP chunk count)."""
+    """Tokens per sample (before end padding to a multiple of the SP chunk count); >= 1."""
     steps: int = 30
-    """Optimizer steps in total (a resumed run continues up to this number)."""
+    """Optimizer steps in total (a resumed run continues up to this number); >= 1."""
     seed: int = 0
-    """Seeds the model init and the data (sample i of the run depends only on seed and i)."""
+    """Seeds the model init and the data (sample i of the run depends only on seed and i); >= 0."""
     micro_batch_size: int = 1
-    """Samples per rank per micro-step (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
+    """Samples per rank per micro-step, >= 1 (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
     grad_accum: int = 1
-    """Micro-steps per optimizer step (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
+    """Micro-steps per optimizer step, >= 1 (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
     lr: float = 3e-3
-    """AdamW learning rate (FSDP; DeepSpeed takes its ``optimizer`` block)."""
+    """AdamW learning rate, a finite number >= 0 (FSDP; DeepSpeed takes its ``optimizer`` block)."""
     weight_decay: float = 0.0
+    """AdamW weight decay, a finite number >= 0 (FSDP)."""
     grad_clip: float = 1.0
-    """Max gradient norm, 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
+    """Max gradient norm, a finite number >= 0; 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
     dtype: str = "fp32"
     """``fp32`` | ``bf16`` | ``fp16`` (DeepSpeed: its ``bf16``/``fp16`` blocks; FSDP: param dtype,
     fp32 reduction; fp16 needs loss scaling, so FSDP refuses it)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (the ring exchange is repeated there too)."""
     num_pairs: int = 16
-    """Key/value pairs at the start of each sample."""
+    """Key/value pairs at the start of each sample; >= 1 and <= ``num_keys``."""
     num_queries: int = 8
-    """Queries at the end of each sample (each carries one answer token)."""
+    """Queries at the end of each sample (each carries one answer token); >= 1."""
     num_keys: int = 64
+    """Distinct key tokens of the recall task; >= 1."""
     num_values: int = 16
+    """Distinct value tokens of the recall task; >= 1."""
     filler_vocab: int = 32
+    """Filler tokens between the pairs and the queries; >= 1."""
     eval_samples: int = 16
-    """Held-out samples for the final recall accuracy (0 = skip)."""
+    """Held-out samples for the final recall accuracy, >= 0 (0 = skip)."""
     packed: bool = False
     """Pack recall samples of long-tailed lengths (log-uniform between the shortest valid sample and
     ``seq_len``) into each sequence, as DataCollatorWithFlattening does: documents are separated
     exactly by seqpar (global boundaries from ``shard_batch``). Needs ``micro_batch_size`` 1."""
     save_every: int = 0
-    """Save a checkpoint every N steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
+    """Save a checkpoint every N >= 0 steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -350,13 +357,32 @@ def _check_top_level(raw: dict[str, Any], engine: str, path: str) -> None:
                           f"allowed are {allowed}")
 
 
-def _llama_keys() -> list[str]:
-    """The fields ``transformers.LlamaConfig`` takes (it would store any other key silently)."""
-    from transformers import LlamaConfig
+ARCHITECTURE_KEY = "architecture"
+"""``"model": {"architecture": "mixtral", ...}`` picks the transformers config class (``model_type`` as
+transformers registers it: ``"llama"`` by default, ``"mixtral"``, ``"qwen3_moe"``, ``"deepseek_v3"``, ...);
+the other keys set that config's fields."""
 
-    if dataclasses.is_dataclass(LlamaConfig):
-        return sorted(f.name for f in dataclasses.fields(LlamaConfig))
-    params = inspect.signature(LlamaConfig.__init__).parameters.values()
+
+def config_class(model: dict[str, Any]) -> Any:
+    """The transformers config class the ``"model"`` block names (``LlamaConfig`` when it names none)."""
+    from transformers import CONFIG_MAPPING
+
+    from seqpar.config import ConfigError
+
+    arch = model.get(ARCHITECTURE_KEY, "llama")
+    if not isinstance(arch, str) or arch not in CONFIG_MAPPING:
+        known = sorted(CONFIG_MAPPING.keys())
+        raise ConfigError(f"model.{ARCHITECTURE_KEY} = {arch!r} is not a transformers model type"
+                          f"{_did_you_mean(str(arch), known)}; e.g. 'llama', 'mixtral', 'qwen3_moe'")
+    return CONFIG_MAPPING[arch]
+
+
+def _llama_keys(model: dict[str, Any] | None = None) -> list[str]:
+    """The fields the ``"model"`` block's config class takes (it would store any other key silently)."""
+    cls = config_class(model or {})
+    if dataclasses.is_dataclass(cls):
+        return sorted(f.name for f in dataclasses.fields(cls))
+    params = inspect.signature(cls.__init__).parameters.values()
     return sorted(p.name for p in params if p.name != "self" and p.kind is not p.VAR_KEYWORD)
 
 
@@ -364,11 +390,12 @@ def _check_model(model: dict[str, Any], train: TrainSettings) -> None:
     """Unknown ``model`` keys fail by name; ``vocab_size`` must hold the recall task's tokens."""
     from seqpar.config import ConfigError
 
-    known = _llama_keys()
+    known = _llama_keys(model)
     for key in model:
-        if key not in known:
+        if key != ARCHITECTURE_KEY and key not in known:
             raise ConfigError(f"unknown key {key!r} in 'model'{_did_you_mean(key, known)}; allowed keys are "
-                              f"transformers.LlamaConfig's fields: {known}")
+                              f"{ARCHITECTURE_KEY!r} and transformers.{config_class(model).__name__}'s fields: "
+                              f"{known}")
     if "vocab_size" in model:
         vocab, need = model["vocab_size"], RecallTask(train).vocab_size
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < need:
@@ -499,9 +526,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
 
 # ============================================================================ model
 def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
-    """The ``transformers.LlamaConfig`` of the run: small defaults, then the ``"model"`` section."""
-    from transformers import LlamaConfig
-
+    """The transformers config of the run (``model.architecture``'s class, ``LlamaConfig`` by
+    default): small defaults, then the ``"model"`` section."""
     fields: dict[str, Any] = {
         "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -509,7 +535,8 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
         "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": False,
     }
     fields.update(plan.model)  # the "model" section wins (build_plan checked its keys and vocab_size)
-    cfg = LlamaConfig(**fields)
+    fields.pop(ARCHITECTURE_KEY, None)
+    cfg = config_class(plan.model)(**fields)
     cfg._attn_implementation = "sdpa"
     return cfg
 
@@ -530,23 +557,31 @@ def validate_model(plan: Plan) -> None:
     try:
         llama_config(plan, task.vocab_size, seq_padded)  # transformers' strict field validators
     except Exception as e:  # transformers' validators name the field; say which block it is in
-        raise ConfigError(f"'model' block (transformers.LlamaConfig) refused: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"'model' block (transformers.{config_class(plan.model).__name__}) refused: "
+                          f"{type(e).__name__}: {e}") from None
 
 
-_POSITIVE_INT_MODEL_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings")
+# The ``model`` block's sizes: integers in [1, upper bound]. The bounds are far above any model
+# trained today (Llama-3-405B: hidden 16384, 126 layers, 128 heads, vocab 128256, 131072 positions)
+# and far below sizes no machine can build: a typo such as 10**12 layers is refused here, by name,
+# instead of exhausting memory inside transformers.
+MODEL_SIZE_RANGES: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, 2**18), "intermediate_size": (1, 2**20), "num_hidden_layers": (1, 2**12),
+    "num_attention_heads": (1, 2**12), "num_key_value_heads": (1, 2**12), "head_dim": (1, 2**12),
+    "vocab_size": (1, 2**24), "max_position_embeddings": (1, 2**26),
+}
 
 
 def _check_model_values(model: dict[str, Any]) -> None:
-    """Sizes are positive integers and the head counts divide as attention needs."""
+    """Sizes are integers within :data:`MODEL_SIZE_RANGES` and the head counts divide as attention needs."""
     from seqpar.config import ConfigError
 
-    for key in _POSITIVE_INT_MODEL_KEYS:
+    for key, (low, high) in MODEL_SIZE_RANGES.items():
         if key not in model or (key == "head_dim" and model[key] is None):  # None: derived from hidden_size
             continue
         value = model[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"model.{key} = {value!r}: expected a positive integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"model.{key} = {value!r}: expected an integer from {low} to {high}")
     heads, kv_heads = model.get("num_attention_heads", 4), model.get("num_key_value_heads", 2)
     if "num_attention_heads" in model and "num_key_value_heads" not in model:
         kv_heads = heads
@@ -557,6 +592,9 @@ def _check_model_values(model: dict[str, Any]) -> None:
     if "head_dim" not in model and hidden % heads:
         raise ConfigError(f"model.hidden_size = {hidden} is not a multiple of model.num_attention_heads = "
                           f"{heads}; change one of them (or set model.head_dim)")
+    eps = model.get("rms_norm_eps")
+    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf):
+        raise ConfigError(f"model.rms_norm_eps = {eps!r}: expected a positive finite number (e.g. 1e-6)")
     act = model.get("hidden_act")
     if act is not None:
         from transformers.activations import ACT2FN
@@ -579,7 +617,7 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     section. ``vocab_size`` is the task's (the default); ``model.vocab_size`` (>= it) wins: the task's
     tokens keep the first ids and the ids above are never sampled."""
     try:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as e:
         raise ImportError(
             "launch/train.py needs transformers: pip install 'transformers>=4.48' "
@@ -587,7 +625,7 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
         ) from e
     cfg = llama_config(plan, vocab_size, seq_len_padded)
     torch.manual_seed(plan.train.seed)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if plan.train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -870,7 +908,9 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
             full = task.packed_batch(first) if t.packed else task.batch(first, t.micro_batch_size)
             batch = shard_batch(full, group=manager.sp_group, sharding=plan.sp.sharding)
-            if plan.sp.tiled_loss:  # the swapped model computes the SP loss itself, never the logits
+            # The swapped model computes the SP loss itself: never the logits with a tiled loss, and
+            # with its router losses (MoE, output_router_logits) added over the whole sequence.
+            if plan.sp.tiled_loss or plan.model.get("output_router_logits"):
                 loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
                                     shift_labels=batch["shift_labels"], **_packed_kwargs(batch)).loss
             else:

@@ -15,6 +15,7 @@ Example block::
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
+        "mla_transfer": "latent",   # MLA models' ring: move the latent ("latent") or expanded K/V
         "swap": "auto",             # what attention to replace in a model
         "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
@@ -218,8 +219,8 @@ class SeqParConfig:
     """The ``sequence_parallel`` block: how sequences are split and how attention crosses the split."""
 
     size: int = 1
-    """SP degree: how many consecutive ranks share one sequence. The world size must be a multiple
-    of it; the quotient is the data-parallel degree."""
+    """SP degree, a positive integer: how many consecutive ranks share one sequence. The world size
+    must be a multiple of it; the quotient is the data-parallel degree."""
     mode: str = "ring"
     """How K/V cross ranks: ``"ring"`` (point-to-point, O(S/P) memory per rank), ``"allgather"``
     (one collective, O(S) K/V per rank, fastest at moderate lengths), ``"ulysses"`` (all-to-all from
@@ -250,6 +251,16 @@ class SeqParConfig:
     """Run the ring / all-gather once per chunk of ``kv_heads / head_chunks`` K/V heads: buffers in
     flight shrink by that factor (ring at SP = 4: ~0.32x of single-process memory with 4 chunks,
     0.53x with 1). An integer dividing the model's kv_heads, or ``"auto"`` (largest divisor <= 4)."""
+    mla_transfer: str = "latent"
+    """What an MLA layer (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, MiniCPM3: transformers modules with
+    ``expand_kv`` and ``kv_b_proj``) sends round the ring: ``"latent"`` (the compressed latent,
+    ``kv_lora_rank + qk_rope_head_dim`` values per token, 576 for DeepSeek-V3, expanded with
+    ``kv_b_proj`` by each rank: 71x fewer bytes than its 40960 expanded K/V values, exact) or
+    ``"expanded"`` (K and V as the model computes them, as for any other model). Default
+    ``"latent"``: same result, far fewer bytes, and the extra work (one ``kv_b_proj`` matmul per
+    block) is ``kv_lora_rank / seq_local`` of the block's attention. ``mode="ring"`` and
+    ``"allgather"`` move latents; Ulysses and hybrid, and a layer whose ``expand_kv`` does not match the latent expansion
+    (checked once per layer), use the expanded K/V."""
     swap: str | tuple[str, ...] = "auto"
     """What attention to replace in a model: ``"auto"`` (Hugging Face attention interface, modules
     calling ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``), one of
@@ -316,6 +327,9 @@ class SeqParConfig:
         for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         _check_type("recompute_norm", self.recompute_norm, (bool,), "expected true or false")
+        _check_type("mla_transfer", self.mla_transfer, (str,), 'choose "latent" or "expanded"')
+        if self.mla_transfer not in ("latent", "expanded"):
+            _fail("mla_transfer", self.mla_transfer, 'choose "latent" or "expanded"')
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":
             _check_type("head_chunks", self.head_chunks, (int,), chunks_hint)

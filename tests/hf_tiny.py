@@ -2,6 +2,9 @@
 
 The reference is single-device training on the full sequences with plain PyTorch (no seqpar, no
 engine), in float64, so a seqpar run (fp32) must match it to ~1e-5 relative; the tests allow 1e-4.
+Every run trains with plain SGD (:func:`sgd`): its step is proportional to the gradient, so a
+gradient scaled by the SP size changes the losses from the second step on (by ~1e-3 relative at
+``LR``), where Adam's step is scale-invariant and would hide it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,12 @@ import torch
 VOCAB = 53
 SEQ = 14  # not a multiple of 2 x SP: the cut pads at the end
 ROWS = 10  # samples in the data set: 5 steps of batch 2
-LR = 1e-2
+LR = 0.1  # SGD: large enough that a gradient x2 moves step 1's loss by ~1e-3 relative (tolerance 1e-4)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    """The optimizer of every run and reference here: plain SGD at ``LR`` (see the module docstring)."""
+    return torch.optim.SGD(params, lr=LR)
 
 
 def enable_checkpointing(model: Any) -> None:
@@ -69,11 +77,11 @@ class ListDataset(torch.utils.data.Dataset):
 
 def reference_losses(steps: int, batch: int, make_model: Callable[[torch.dtype], Any] = tiny_llama,
                      params: Callable[[Any], Any] | None = None, eval_rows: int = 0) -> list[float]:
-    """Per-step losses of single-device AdamW training on ``batch`` rows per step, in float64; with
+    """Per-step losses of single-device SGD training on ``batch`` rows per step, in float64; with
     ``eval_rows``, followed by the trained model's loss on the first ``eval_rows`` samples."""
     model = make_model(torch.float64)
     trainable = [p for p in (params(model) if params else model.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.0)
+    opt = sgd(trainable)
     data = samples()
     losses = []
     for step in range(steps):
@@ -126,12 +134,12 @@ def _per_document_loss(model: Any, docs: list[dict[str, torch.Tensor]]) -> torch
 
 def per_document_reference_losses(steps: int, docs_per_row: int = DOCS_PER_ROW,
                                   eval_rows: int = 0) -> list[float]:
-    """Per-step losses of single-device float64 AdamW training where each step's ``docs_per_row``
+    """Per-step losses of single-device float64 SGD training where each step's ``docs_per_row``
     documents are run one at a time, unpacked: what packed training must equal (no attention or
     label leak across documents). With ``eval_rows``, followed by the trained model's mean over the
     first ``eval_rows`` rows of each row's per-document token mean (Trainer's eval loss)."""
     model = tiny_llama(torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    opt = sgd(model.parameters())
     docs = documents()
     rows = [docs[i:i + docs_per_row] for i in range(0, len(docs), docs_per_row)]
     losses = []

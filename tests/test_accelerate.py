@@ -36,7 +36,7 @@ def _accelerate_run(rank: int, world: int, sp: int, micro: int, packed: bool = F
         else:
             loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=micro)
         model, opt, loader = prepare(
-            accelerator, model, lambda params: torch.optim.AdamW(params, lr=hf_tiny.LR, weight_decay=0.0),
+            accelerator, model, hf_tiny.sgd,
             loader, config={"size": sp, "mode": "ring", "sharding": "zigzag"},
         )
         losses, shapes = [], []

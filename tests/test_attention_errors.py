@@ -54,8 +54,13 @@ def _call(rank: int, world: int, case: str) -> tuple[str, str] | None:
         kwargs["head_chunks"] = "many"
     if case == "head_chunks_differ":
         kwargs["head_chunks"] = 1 if rank == 0 else 2
+    if case == "scale_differs":  # same shapes, a different softmax on each rank
+        kwargs["scale"] = 0.25 * (1 + rank)
     try:
-        if case == "dilated_pattern_differs":  # each rank valid alone, the ranks disagree
+        if case == "dilated_scale_differs":
+            seqpar.dilated_attention(q, k, v, segment_lengths=[8], dilation_rates=[1], scale=0.25 * (1 + rank),
+                                     group=torch.distributed.group.WORLD)
+        elif case == "dilated_pattern_differs":  # each rank valid alone, the ranks disagree
             pattern = ([8], [1]) if rank == 0 else ([8 * world], [2])
             seqpar.dilated_attention(q, k, v, segment_lengths=pattern[0], dilation_rates=pattern[1],
                                      group=torch.distributed.group.WORLD)
@@ -89,6 +94,8 @@ CASES = {
     "head_chunks_differ": ["different inputs", "head_chunks=1", "head_chunks=2"],
     "dilated_pattern_differs": ["different inputs", "extra="],
     "extra_differs": ["different inputs", "extra=[7]", "extra=[7, 7]"],
+    "scale_differs": ["different inputs", "scale=0.25", "scale=0.5"],
+    "dilated_scale_differs": ["different inputs", "scale=0.25", "scale=0.5"],
 }
 
 

@@ -6,6 +6,12 @@ runs in this process: 200 mutations cost about a second, not 200 launcher start-
 passes when it validates, or raises ``ValueError`` (``ConfigError`` is one) whose message names the
 mutated key; any other exception (a ``TypeError`` from deep inside transformers, torch or DeepSpeed)
 is a failure. A few valid mutations also train one step on two ranks.
+
+Validating is not enough: a mutation that validates must hold a value inside the type and range its
+field's documentation states (:data:`STATED`: transcribed from the docstrings of
+``seqpar.config.SeqParConfig`` and ``launch/train.py``'s ``TrainSettings``, and the model sizes'
+``MODEL_SIZE_RANGES``), or validation let a wrong value through (``num_hidden_layers=10**12`` did).
+Every field of every block has an entry, so a new field must state its range here too.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import dataclasses
 import glob
 import importlib.util
 import json
+import math
 import os
 import random
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -121,6 +129,77 @@ def _validate(mutation: Mutation, tmp_path) -> Any:
         return e
 
 
+# ----------------------------------------------------------------------------- stated ranges
+def _is_int(v: Any, low: int = 1, high: float = math.inf) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _is_number(v: Any, low: float = 0.0) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= low
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, (str, type(None))) and v in choices
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
+    """(block, key) -> whether a value lies inside the type and range the field's docstring states."""
+    from seqpar.config import MODES, SHARDINGS
+
+    sizes = _train_module().MODEL_SIZE_RANGES
+    stated: dict[tuple[str, str], Callable[[Any], bool]] = {
+        # seqpar.config.SeqParConfig
+        ("sequence_parallel", "size"): _is_int,  # a positive integer
+        ("sequence_parallel", "mode"): _one_of(*MODES),
+        ("sequence_parallel", "ulysses_size"): lambda v: v == "auto" or _is_int(v),  # dividing size: checked
+        ("sequence_parallel", "links"): lambda v: v is None or isinstance(v, dict),
+        ("sequence_parallel", "sharding"): _one_of(None, *SHARDINGS),
+        ("sequence_parallel", "overlap"): _is_bool,
+        ("sequence_parallel", "check_inputs"): _is_bool,
+        ("sequence_parallel", "head_chunks"): lambda v: v == "auto" or _is_int(v),
+        ("sequence_parallel", "mla_transfer"): _one_of("latent", "expanded"),
+        ("sequence_parallel", "swap"): lambda v: isinstance(v, str) or (
+            isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
+        ("sequence_parallel", "pattern"): lambda v: isinstance(v, dict),
+        ("sequence_parallel", "apex"): _is_bool,
+        ("sequence_parallel", "timeout_s"): lambda v: v is None or _is_int(v),  # seconds, or None
+        ("sequence_parallel", "check_finite"): _is_bool,
+        ("sequence_parallel", "tiled_loss"): _is_bool,
+        ("sequence_parallel", "tiled_mlp"): lambda v: v is False or v == "auto" or _is_int(v),
+        ("sequence_parallel", "offload_activations"): _is_bool,
+        ("sequence_parallel", "recompute_norm"): _is_bool,
+        # launch/train.py TrainSettings
+        ("train", "engine"): _one_of("auto", "deepspeed", "fsdp"),
+        ("train", "dtype"): _one_of("fp32", "bf16", "fp16"),
+        **{("train", k): _is_int for k in ("seq_len", "steps", "micro_batch_size", "grad_accum", "num_pairs",
+                                           "num_queries", "num_keys", "num_values", "filler_vocab")},
+        **{("train", k): (lambda v: _is_int(v, 0)) for k in ("seed", "eval_samples", "save_every")},
+        **{("train", k): _is_number for k in ("lr", "weight_decay", "grad_clip")},  # finite, >= 0
+        ("train", "activation_checkpointing"): _is_bool,
+        ("train", "packed"): _is_bool,
+        # the model block: sizes within MODEL_SIZE_RANGES (head_dim may be None: from hidden_size)
+        **{("model", k): (lambda v, lo=lo, hi=hi: _is_int(v, lo, hi)) for k, (lo, hi) in sizes.items()},
+        ("model", "hidden_act"): lambda v: isinstance(v, str),  # a transformers activation name
+        ("model", "rms_norm_eps"): lambda v: _is_number(v) and v > 0,
+    }
+    head_dim = stated[("model", "head_dim")]
+    stated[("model", "head_dim")] = lambda v: v is None or head_dim(v)
+    return stated
+
+
+STATED = _stated()
+
+
+def test_every_field_states_its_range():
+    for block in ("sequence_parallel", "model", "train"):
+        missing = [k for k in _block_keys(block) if (block, k) not in STATED]
+        assert not missing, f"{block}: no stated type and range for {missing}"
+
+
 def test_mutations_cover_every_kind_and_block():
     kinds = {(m.block, m.kind) for m in MUTATIONS}
     for block in ("sequence_parallel", "model", "train"):
@@ -142,6 +221,10 @@ def test_each_mutation_validates_or_names_the_key(tmp_path):
         else:
             assert mutation.kind in ("missing", "out_of_range", "wrong_type", "non_dividing"), (
                 f"mutation {i} {mutation}: an unknown key validated")
+            assert mutation.kind == "missing" or STATED[mutation.block, mutation.key](mutation.value), (
+                f"mutation {i} {mutation}: {mutation.block}.{mutation.key} = {mutation.value!r} validated, but "
+                "lies outside the type and range its documentation states"
+            )
             outcomes["valid"] += 1
     # the fuzz must exercise both outcomes, or it tests nothing
     assert outcomes["refused"] > 100 and outcomes["valid"] > 5, outcomes

@@ -124,3 +124,31 @@ def test_thread_ring_on_one_gpu(world: int, sharding: str, causal: bool, dtype: 
     for j, name in enumerate(("out", "dq", "dk", "dv")):
         got = unshard_rows([per_rank[r][j] for r in range(world)], world, sharding)
         torch.testing.assert_close(got.double(), want[j], rtol=tol, atol=tol, msg=lambda s, n=name: f"{n}: {s}")
+
+
+@pytest.mark.parametrize("backend", list(Backend), ids=lambda b: b.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 100), (40, 24)], ids=lambda d: f"dk{d[0]}-dv{d[1]}")
+def test_unequal_head_dims_match_reference(backend: Backend, dtype: torch.dtype, causal: bool,
+                                           dims: tuple[int, int]) -> None:
+    """MLA shapes (V's head dim differs from q/k's; DeepSeek-V3's 192/128) on each kernel against float64
+    SDPA: flash and cuDNN get V or q/k zero-padded to one head dim, the efficient kernel takes V's own."""
+    dk, dv = dims
+    lq, lk = (264, 264) if causal else (200, 328)
+    g = torch.Generator(device="cuda").manual_seed(dk * 1000 + dv)
+    q = torch.randn(2, 8, lq, dk, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(2, 2, lk, dk, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(2, 2, lk, dv, device="cuda", dtype=dtype, generator=g)
+    dout = torch.randn(2, 8, lq, dv, device="cuda", dtype=dtype, generator=g)
+    want, _ = _reference(q, k, v, dout, causal)
+    with sdpa_kernel([_SDP[backend]]):
+        out, lse = block_forward(q, k, v, scale=dk**-0.5, causal=causal)
+        got = [out, *block_backward(dout, q, k, v, out, lse, scale=dk**-0.5, causal=causal)]
+    bounds = [1e-5] * 4 if dtype == torch.float32 else \
+        [2 * e + 4 * torch.finfo(dtype).eps for e in _sdpa_errors(q, k, v, dout, causal, want)]
+    for name, a, b, bound in zip(("out", "dq", "dk", "dv"), got, want, bounds):
+        assert a.dtype == dtype and a.shape == b.shape, name
+        err = float((a.double() - b).abs().max())
+        scale = float(b.abs().max()) if dtype == torch.float32 else 1.0
+        assert err <= bound * max(scale, 1.0), f"{backend.value} dk={dk} dv={dv} {name}: max error {err:.3g} > {bound:.3g}"

@@ -415,3 +415,19 @@ def test_gpu_check_records_each_stage_and_goes_on(monkeypatch: pytest.MonkeyPatc
         "cudnn": 91002, "python": "3.12", "transformers": "5.17", "fairscale": None, "deepspeed": None}}
     md = gc.render_markdown(summary)
     assert "| hangs | timeout |" in md and "no fairscale" in md and "sm90" in md
+
+
+def test_softcap_refused_on_fused_cuda_paths_and_math_in_fp64() -> None:
+    """Soft-capping needs the scores: on CUDA the fused kernels have none, so seqpar.attention refuses
+    it (every half/fp32 dtype) with the fix; fp64 blocks run the math kernel, soft-capped, forward and back."""
+    import seqpar
+
+    with FakeTensorMode():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            q = torch.empty(1, 4, 8, 64, device="cuda", dtype=dtype)
+            with pytest.raises(ValueError, match=r"softcap=50.0 on CUDA.*no logit soft-capping.*attn_logit_softcapping=None"):
+                seqpar.attention(q, q, q, causal=True, softcap=50.0)
+        q = torch.empty(1, 4, 8, 64, device="cuda", dtype=torch.float64)
+        out, lse = block_forward(q, q, q, scale=0.125, causal=True, caps=H100, softcap=50.0)
+        dq, dk, dv = block_backward(q, q, q, q, out, lse, scale=0.125, causal=True, caps=H100, softcap=50.0)
+        assert lse.dtype == torch.float64 and dq.shape == dk.shape == q.shape

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -65,6 +66,62 @@ def test_latest_complete_skips_torn_saves(tmp_path):
     os.makedirs(checkpoint.staging_dir(str(tmp_path), "step2"))  # a re-save of step 2 replaces it
     checkpoint.commit(str(tmp_path), "step2")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1", "step2", "step3.tmp", "step4"]
+
+
+class _Crash(Exception):
+    """A process killed at this point of a save."""
+
+
+def _stage(save_dir: Path, tag: str, content: str) -> None:
+    tmp = Path(checkpoint.staging_dir(str(save_dir), tag))
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "weights").write_text(content)
+
+
+def _weights(save_dir: Path) -> tuple[str | None, str | None]:
+    tag = checkpoint.latest_complete(str(save_dir))
+    return tag, None if tag is None else (save_dir / tag / "weights").read_text()
+
+
+def test_resave_leaves_a_complete_step_at_every_crash_point(tmp_path, monkeypatch):
+    """Re-saving step 2 and killed before any rename or delete of the commit: step 2 stays loadable
+    (the old copy or the new one), and the next save of it completes and leaves no copy aside."""
+    crash_at, crashed = 0, True
+    while crashed:
+        save_dir = tmp_path / f"crash{crash_at}"
+        for tag, content in (("step1", "one"), ("step2", "two-old")):
+            _stage(save_dir, tag, content)
+            checkpoint.commit(str(save_dir), tag)
+        _stage(save_dir, "step2", "two-new")
+        calls = []
+
+        def fail_at(original, crash_at=crash_at, calls=calls):
+            def op(*args, **kwargs):
+                calls.append(args[0])
+                if len(calls) - 1 == crash_at:
+                    raise _Crash(crash_at)
+                return original(*args, **kwargs)
+            return op
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "replace", fail_at(os.replace))
+            m.setattr(shutil, "rmtree", fail_at(shutil.rmtree))
+            try:
+                checkpoint.commit(str(save_dir), "step2")
+                crashed = False
+            except _Crash:
+                pass
+        tag, content = _weights(save_dir)
+        assert checkpoint.step_of(tag.removesuffix(".old")) == 2 and content in ("two-old", "two-new"), (
+            f"killed at file operation {crash_at} ({calls[-1]}) of a re-save: latest complete is {tag} "
+            f"holding {content!r}, step 2 was lost ({sorted(p.name for p in save_dir.iterdir())})"
+        )
+        _stage(save_dir, "step2", "two-again")  # the resumed job saves step 2 once more
+        checkpoint.commit(str(save_dir), "step2")
+        assert _weights(save_dir) == ("step2", "two-again")
+        assert sorted(p.name for p in save_dir.iterdir()) == ["latest", "step1", "step2"], crash_at
+        crash_at += 1
+    assert crash_at >= 3  # the commit renames aside, renames in and deletes: each point was hit
 
 
 # ---------------------------------------------------------------------------- processes of a test

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
-from seqpar.swap import SwapError, swap_attention
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -92,9 +92,25 @@ def test_sliding_window_layers_equal_the_unswapped_model(dist_pool, kind, world,
     dist_pool.run(world, _window_parity, kind, sharding, seq_len)
 
 
-def test_softcap_still_refused_with_the_fix():
-    torch.manual_seed(0)
+def test_softcap_swaps_on_cpu_and_is_refused_on_cuda_with_the_fix():
+    """Soft-capping runs seqpar's math kernel (exact on CPU: tests/test_hf_chunked_softcap.py); on CUDA
+    outside float64 the fused kernels have none, so the swap names the layer's problem and the fix
+    (the layer's weights made fake CUDA tensors: a CPU-only build cannot hold real ones)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+
+    from seqpar.swap.hf import swap_problems
+
     cfg = transformers.Gemma2Config(**COMMON, sliding_window=16, attn_logit_softcapping=50.0,
                                     attn_implementation="eager")
-    with pytest.raises(SwapError, match=r"soft-capping \(50.0\).*attn_logit_softcapping=None"):
-        swap_attention(transformers.Gemma2ForCausalLM(cfg))
+    attn = Gemma2Attention(cfg, 0)
+    assert swap_problems(attn) == []
+    with FakeTensorMode():
+        for dtype in (torch.bfloat16, torch.float64):
+            attn.q_proj.weight = torch.nn.Parameter(torch.empty(32, 32, device="cuda", dtype=dtype))
+            problems = swap_problems(attn)
+            if dtype == torch.float64:
+                assert problems == []
+            else:
+                assert len(problems) == 1
+                assert "soft-capping (50.0) on CUDA" in problems[0] and "attn_logit_softcapping=None" in problems[0]

@@ -101,3 +101,21 @@ def test_track_reachable_counts_a_jobs_state_not_other_tensors() -> None:
     assert tr.current == (256 + 64) * KIB
     del job  # freed storages leave the count
     assert tr.current == 0
+
+
+def test_non_leaf_tensors_are_tracked_without_warnings() -> None:
+    """A job's state holds activations (non-leaf tensors): reading their ``.grad`` makes torch print a
+    UserWarning into every user's training log. The tracker reads it only where torch keeps one."""
+    import warnings
+
+    w = torch.randn(256, 256, requires_grad=True)
+    hidden = torch.randn(64, 256) @ w  # non-leaf, no .grad kept: 64 KiB
+    kept = torch.randn(64, 256) @ w
+    kept.retain_grad()
+    (hidden.sum() + kept.sum()).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for how in ("track", "track_reachable"):
+            tr = TensorMemoryTracker(count_existing=False)
+            getattr(tr, how)({"state": [hidden, kept]})
+            assert tr.current == 3 * 64 * KIB, (how, tr.current)  # hidden, kept and kept.grad

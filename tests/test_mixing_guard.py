@@ -372,3 +372,19 @@ def test_refused_on_every_rank(dist_pool):
     for mixer in ("cumsum", "rank0"):
         texts = dist_pool.run(2, _first_forward_refused_on_every_rank, mixer)
         assert len(texts) == 2, texts
+
+
+def test_alibi_models_are_probed_with_their_own_seqpar_forward():
+    """BLOOM's attention computes its own scores (no attention interface): the probe gives it seqpar's
+    ALiBi forward for the probe, so a mixer elsewhere in a BLOOM is still found (the probe once skipped
+    these models, as transformers cannot route their attention)."""
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    plain = transformers.BloomForCausalLM(config)
+    swap_attention(plain, {"size": 1})  # position-wise apart from attention: passes
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(config)
+    model.transformer.h[1].mlp.dense_4h_to_h = Then(SequenceCumsum(), model.transformer.h[1].mlp.dense_4h_to_h)
+    with pytest.raises(SwapError) as e:
+        swap_attention(model, {"size": 1})
+    assert "'transformer.h.1.mlp.dense_4h_to_h.first'" in str(e.value) and "SequenceCumsum" in str(e.value), e.value

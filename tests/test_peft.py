@@ -88,7 +88,7 @@ def _fsdp2_run(rank: int, world: int, tmp: str) -> dict:
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         loader = torch.utils.data.DataLoader(hf_tiny.ListDataset(hf_tiny.samples()), batch_size=BATCH)
         wrapped, opt, loader = prepare(
-            accelerator, model, lambda params: torch.optim.AdamW(params, lr=hf_tiny.LR, weight_decay=0.0),
+            accelerator, model, hf_tiny.sgd,
             loader, config={"size": 2, "mode": "allgather"},
         )
         assert all(_is_adapter(n) for group in opt.param_groups for p in group["params"]

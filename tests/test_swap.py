@@ -319,9 +319,8 @@ def test_sliding_window_layers_run_exactly():
     torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=RTOL, atol=ATOL)
 
 
-def test_softcap_dropout_output_attentions_refused_at_swap_time():
-    with pytest.raises(SwapError, match="soft-capping"):
-        swap_attention(tiny_llama(attn_logit_softcapping=30.0))
+def test_dropout_output_attentions_refused_at_swap_time():
+    # (soft-capping swaps now, on CPU: tests/test_hf_window.py, tests/test_hf_chunked_softcap.py)
     with pytest.raises(SwapError, match=r"layer 'model.layers.0.self_attn': attention dropout 0.1"):
         swap_attention(tiny_llama(attention_dropout=0.1).train())
     with pytest.raises(SwapError, match="output_attentions"):

@@ -386,3 +386,37 @@ def test_torchrun_launcher(tmp_path, dist_pool):
                  "--config", _config("fsdp_ring.json"), *SHORT, "--metrics-out", str(out)], out)
     assert (m["engine"], m["world_size"], m["sp_size"]) == ("fsdp", 2, 2)
     _close(m["loss"], _reference(dist_pool, "fsdp_ring.json"))
+
+
+# --------------------------------------------------------------------------- model.architecture
+def test_moe_architecture_with_router_loss_sp2_matches_sp1(dist_pool):
+    """``"model": {"architecture": "mixtral", "output_router_logits": true, ...}``: a Mixtral with its
+    load-balancing loss in the trained loss; SP=2 gives the losses of SP=1 (router statistics summed
+    over the SP group, issue 19)."""
+    extra = ("--seq-len", "64", "--steps", "3")
+    ref = _reference(dist_pool, "deepspeed_moe.json", extra)
+    got = _losses(dist_pool, 2, ["--config", _config("deepspeed_moe.json"), "--sp-size", "2", *SHORT, *extra])
+    _close(got, ref)
+
+
+def test_architecture_key_selects_the_config_class(tmp_path):
+    train = _train_module()
+    from seqpar.config import ConfigError
+
+    plan = _plan_of(tmp_path, "deepspeed_moe.json", lambda c: None)
+    model = train.build_model(plan, train.RecallTask(plan.train).vocab_size, 64)
+    assert type(model).__name__ == "MixtralForCausalLM" and model.config.num_local_experts == 4
+    assert model.config.output_router_logits
+    with pytest.raises(ConfigError, match=r"unknown key 'num_local_experts' in 'model'.*LlamaConfig"):
+        _plan_of(tmp_path, "fsdp_ring.json", lambda c: c["model"].update(num_local_experts=4))
+    with pytest.raises(ConfigError, match=r"model.architecture = 'mixtrel' is not a transformers model type.*mixtral"):
+        _plan_of(tmp_path, "deepspeed_moe.json", lambda c: c["model"].update(architecture="mixtrel"))
+
+
+def test_mla_architecture_sp2_matches_sp1(dist_pool):
+    """``"model": {"architecture": "deepseek_v3", ...}``: MLA attention (Q/K head dim 16, V's 8) and
+    DeepSeek-V3's group-limited MoE routing; SP=2 gives the losses of SP=1."""
+    extra = ("--seq-len", "64", "--steps", "3")
+    ref = _reference(dist_pool, "deepspeed_mla.json", extra)
+    got = _losses(dist_pool, 2, ["--config", _config("deepspeed_mla.json"), "--sp-size", "2", *SHORT, *extra])
+    _close(got, ref)

@@ -30,8 +30,8 @@ def ds_config(sp: int, stage: int) -> dict:
         "gradient_accumulation_steps": "auto",
         "train_batch_size": "auto",
         "gradient_clipping": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "betas": "auto",
-                                                   "eps": "auto", "torch_adam": True}},
+        # no "optimizer": Trainer builds args.optim (plain SGD, as the reference; Adam would hide a
+        # gradient scaled by the SP size) and hands it to DeepSpeed
         "zero_optimization": {"stage": stage},
         "steps_per_print": 10**6,
         "sequence_parallel": {"size": sp, "mode": "ring", "sharding": "zigzag"},
@@ -46,7 +46,7 @@ def training_args(tmp: str, sp: int, stage: int, batch: int = BATCH, **extra):
     # a GPU launch takes, world_size = 2.
     return TrainingArguments(
         output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=batch,
-        max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant",
+        max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant", optim="sgd",
         max_grad_norm=0.0, logging_steps=1, per_device_eval_batch_size=batch, prediction_loss_only=True, save_strategy="no", report_to=[],
         train_sampling_strategy="sequential", seed=0, disable_tqdm=True, use_cpu=True, **extra,
     )

@@ -10,6 +10,7 @@ batch for all its layers (:mod:`seqpar.swap.batch`) and its layers skip the per-
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +30,8 @@ __all__ = [
 ]
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-_BASE_LEN = 1 + 3 * 5 + 5  # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks
+# tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks, scale bits
+_BASE_LEN = 1 + 3 * 5 + 6
 
 # "auto" head chunks: up to 4 passes. At P = 4 that brings the ring's peak per rank from ~19 blocks
 # of S/P to ~11 (inputs, output and gradients are 8 of them); more chunks save less and add messages.
@@ -59,7 +61,8 @@ def check_options(mode: str, sharding: str) -> None:
 
 
 def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
-    """Shapes, dtypes and devices of one rank's q, k, v ``(batch, heads, seq_local, head_dim)``."""
+    """Shapes, dtypes and devices of one rank's q, k ``(batch, heads, seq_local, head_dim)`` and v
+    ``(batch, kv_heads, seq_local, v_head_dim)`` (V's head dim may differ from q/k's: MLA)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -74,12 +77,15 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
         raise TypeError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, kv_heads and seq_local "
+            f"(layout (batch, heads, seq_local, head_dim); only the head dims may differ, as in MLA)"
+        )
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq_local and head_dim "
-            f"(layout (batch, heads, seq_local, head_dim))"
+            f"(layout (batch, heads, seq_local, head_dim); v's head_dim may differ)"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(
@@ -100,13 +106,23 @@ def _describe(t: Tensor) -> list[int]:
     return [t.dim(), *dims]
 
 
+def _scale_bits(scale: float) -> int:
+    """The float64 bit pattern of ``scale`` as an int64: equal exactly when the scales are."""
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _bits_scale(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
 def describe_call(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, mode: str, sharding: str,
-    head_chunks: int | str = "auto", extra: Sequence[int] = (),
+    head_chunks: int | str = "auto", extra: Sequence[int] = (), scale: float | None = None,
 ) -> list[int]:
     """The row of integers the ranks of a group must agree on for one attention call:
-    ``[tag, 3 x (ndim, 4 dims), dtype, device type, causal, mode/sharding, head chunks, len(extra),
-    *extra]``."""
+    ``[tag, 3 x (ndim, 4 dims), dtype, device type, causal, mode/sharding, head chunks, scale bits,
+    len(extra), *extra]``. ``scale=None`` stands for its default ``head_dim ** -0.5``, so a rank
+    passing that value explicitly agrees with one passing None."""
     meta = [1]
     for t in (q, k, v):
         meta += _describe(t)
@@ -116,6 +132,8 @@ def describe_call(
         int(causal),
         MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
+        # a scale differing between ranks would merge partial results of different softmaxes
+        _scale_bits(q.shape[-1] ** -0.5 if scale is None else scale),
     ]
     extra = [int(x) for x in extra]
     return meta + [len(extra), *extra]
@@ -128,22 +146,23 @@ def _show(row: list[int]) -> str:
         shapes.append(f"{name}{tuple(d for d in dims[:nd] if d >= 0)}")
     dt = _DTYPES[row[16]] if 0 <= row[16] < len(_DTYPES) else "?"
     chunks = "auto" if row[20] == 0 else row[20]
-    text = f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks}"
+    text = f"{' '.join(shapes)} {dt} causal={bool(row[18])} head_chunks={chunks} scale={_bits_scale(row[21]):.6g}"
     extra = row[_BASE_LEN + 1:]
     return f"{text} extra={extra}" if extra else text
 
 
 def check_across_ranks(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
-    head_chunks: int | str = "auto", extra: Sequence[int] = (),
+    head_chunks: int | str = "auto", extra: Sequence[int] = (), scale: float | None = None,
 ) -> None:
-    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device or options.
+    """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device, scale or options.
 
     Args:
         q, k, v: this rank's ``(batch, heads, seq_local, head_dim)`` inputs (only shapes, dtype and
             device are read).
         group: the SP group; collective: every rank of it must call this.
-        causal, mode, sharding, head_chunks: the call's options.
+        causal, mode, sharding, head_chunks, scale: the call's options (``scale=None``: the
+            default ``head_dim ** -0.5``).
         extra: more integers every rank must agree on (a mask description, a pattern, ...);
             compared with their length, so ranks may even pass different lengths.
     Raises:
@@ -151,7 +170,7 @@ def check_across_ranks(
     Cost: one all-gather of 3 int64 and one device-to-host read (seqpar.comm.agree).
     """
     row = describe_call(q, k, v, causal=causal, mode=mode, sharding=sharding,
-                        head_chunks=head_chunks, extra=extra)
+                        head_chunks=head_chunks, extra=extra, scale=scale)
     rows = rows_across_ranks(row, group)
     if rows is None:
         return
@@ -159,6 +178,6 @@ def check_across_ranks(
     raise ValueError(
         "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
         f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
-        "seq_local and head_dim, same dtype and options; cu_seqlens, window and sinks, when given: the "
+        "seq_local and head_dim, same dtype, scale and options; cu_seqlens, window and sinks, when given: the "
         "same on every rank, as is a dilated pattern (shard with seqpar.shard_sequence)."
     )

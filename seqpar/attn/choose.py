@@ -90,6 +90,13 @@ class CallShape:
     sp_size: int
     ulysses_size: int  # the manager's Ulysses degree (1: no hybrid axis)
     head_chunks: int = 4
+    v_head_dim: int | None = None  # V's head dim where it differs from q/k's (MLA); None: head_dim
+
+    @property
+    def qkv_dims(self) -> int:
+        """Q/K head dim + V head dim (2 head_dim for ordinary attention): K and V travel together, and a
+        kernel's work is q.k^T (head_dim) plus P.v (v_head_dim)."""
+        return self.head_dim + (self.head_dim if self.v_head_dim is None else self.v_head_dim)
 
 
 @dataclass(frozen=True)
@@ -103,14 +110,15 @@ class ModeCost:
 
 def _compute_s(c: CallShape, links: Links) -> float:
     s = c.seq_local * c.sp_size
-    fwd = 4 * c.batch * c.q_heads * s * s * c.head_dim / c.sp_size * (0.5 if c.causal else 1.0)
+    fwd = 2 * c.batch * c.q_heads * s * s * c.qkv_dims / c.sp_size * (0.5 if c.causal else 1.0)
     return 3.5 * fwd / links.flops  # forward + backward (2.5x)
 
 
 def _merge_s(c: CallShape, links: Links, world: int, q_heads: int, tokens: int) -> float:
     """Memory time of the P-1 fp32 merges (forward) and dq additions (backward) of a ring/all-gather."""
-    acc = c.batch * q_heads * tokens * c.head_dim * 4
-    return (world - 1) * (3 * acc + 2 * acc) / (links.mem_gbps * 1e9)
+    rows = c.batch * q_heads * tokens * 4
+    out_acc, dq_acc = rows * (c.qkv_dims - c.head_dim), rows * c.head_dim  # fp32 out (V's dim), dq (q's)
+    return (world - 1) * (3 * out_acc + 2 * dq_acc) / (links.mem_gbps * 1e9)
 
 
 def _ring_cost(
@@ -122,8 +130,8 @@ def _ring_cost(
     if world == 1:
         return compute, 0, 0.0
     compute += _merge_s(c, links, world, q_heads, tokens)
-    block = c.batch * kv_heads * tokens * c.head_dim
-    sent = (world - 1) * 2 * block * (2 * c.elem_bytes + 4)
+    kv_block = c.batch * kv_heads * tokens * c.qkv_dims  # K and V of one rank
+    sent = (world - 1) * kv_block * (2 * c.elem_bytes + 4)
     step_compute = compute / world
     step_comm = sent / (world - 1) / (gbps * 1e9) + links.latency_s
     exposed = (world - 1) * max(0.0, step_comm - step_compute)
@@ -153,7 +161,8 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
             continue
         u = p if mode == "ulysses" else c.ulysses_size
         h = max(c.kv_heads // u, 1)
-        a2a_sent = int((u - 1) / u * 2 * c.batch * c.seq_local * c.head_dim * c.elem_bytes * (2 * c.q_heads + 2 * u * h))
+        # q + out (q_heads) and k + v (u h), each at head_dim + v_head_dim, forward and backward
+        a2a_sent = int((u - 1) / u * 2 * c.batch * c.seq_local * c.qkv_dims * c.elem_bytes * (c.q_heads + u * h))
         a2a_gbps = links.intra_gbps if u <= links.node_size else links.inter_gbps
         chunks = math.gcd(h, c.head_chunks)
         a2a_s = a2a_sent / (a2a_gbps * 1e9) + 4 * chunks * links.latency_s
@@ -232,6 +241,7 @@ _LOGGED: set[tuple] = set()
 def choose_mode(
     q: torch.Tensor, k: torch.Tensor, *, world: int, manager: ProcessGroupManager | None, causal: bool,
     group: dist.ProcessGroup | None = None, head_chunks: int = 4, features: Iterable[str] = (),
+    v_head_dim: int | None = None,
 ) -> str:
     """The cheapest allowed mode for this call (see the module docstring); logs its reason once.
 
@@ -239,7 +249,7 @@ def choose_mode(
     (probed on the first call, then cached)."""
     u = manager.ulysses_size if manager is not None else 1
     c = CallShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(), bool(causal),
-                  world, u, head_chunks)
+                  world, u, head_chunks, None if v_head_dim in (None, q.shape[3]) else v_head_dim)
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group

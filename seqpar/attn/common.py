@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,8 +25,9 @@ from seqpar.kernels import Partials, block_backward, block_forward
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = [
-    "AttentionOptions", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
+    "AttentionOptions", "BlockExpander", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
+    "packed_views",
 ]
 
 
@@ -33,8 +35,8 @@ __all__ = [
 class AttentionOptions:
     """Static options of one distributed attention call (hashable: plans are cached on it).
 
-    ``window`` and ``cu_seqlens`` (global document boundaries ``(0, ..., S)``) are validated at the
-    public entry, :func:`seqpar.attention`."""
+    ``window``, ``cu_seqlens`` (global document boundaries ``(0, ..., S)``), ``chunk_size`` and
+    ``softcap`` are validated at the public entry, :func:`seqpar.attention`."""
 
     causal: bool
     scale: float
@@ -43,10 +45,30 @@ class AttentionOptions:
     head_chunks: int = 1  # heads processed in this many independent passes (resolved, >= 1)
     window: int | None = None
     cu_seqlens: tuple[int, ...] | None = None
+    chunk_size: int | None = None
+    softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) (Gemma 2), in the kernels
 
     @property
     def mask(self) -> MaskSpec:
-        return MaskSpec(self.causal, self.window, self.cu_seqlens)
+        return MaskSpec(self.causal, self.window, self.cu_seqlens, self.chunk_size)
+
+
+class BlockExpander(Protocol):
+    """A compressed K/V block (what travels) and its expansion to K/V (what the kernels take): MLA's
+    latent, :mod:`seqpar.attn.latent`. The ring (:func:`seqpar.attn.ring.ring_forward`) calls
+    :meth:`expand` on every block it attends and, in the backward, :meth:`reduce` on every block's
+    K/V gradient shares, so that the shares travel compressed too."""
+
+    v_head_dim: int
+
+    def expand(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """The block's ``(k, v)``: ``(batch, kv_heads, len, head_dim)`` and ``(..., v_head_dim)``."""
+        ...
+
+    def reduce(self, a: Tensor, b: Tensor, dk: Tensor, dv: Tensor) -> tuple[Tensor, Tensor]:
+        """The gradients of the compressed block ``(a, b)`` from its K/V shares ``dk``, ``dv`` (fp32),
+        in fp32; parameters of the expansion accumulate their own gradients on the expander."""
+        ...
 
 
 class SingleRank:
@@ -95,25 +117,44 @@ def ring_hops(opts: AttentionOptions, world: int, seq_local: int) -> int:
     return max(block_hops(opts, world, seq_local), default=0)
 
 
+def packed_views(buf: Tensor, *shapes: Sequence[int]) -> list[Tensor]:
+    """Views of consecutive tensors packed along the last dim of ``buf`` ``(..., sum of numels)``: one
+    ``(..., *shape)`` view per shape, in order. K and V of different head dims (MLA) share one
+    collective buffer this way; for equal shapes it is the same memory as stacking them."""
+    lead, views, at = buf.shape[:-1], [], 0
+    for shape in shapes:
+        n = 1
+        for s in shape:
+            n *= s
+        views.append(buf.narrow(-1, at, n).view(*lead, *shape))
+        at += n
+    if at != buf.shape[-1]:
+        raise ValueError(f"packed buffer holds {buf.shape[-1]} values per slot, the shapes {shapes} take {at}")
+    return views
+
+
 def _rows(x: Tensor, s: slice) -> Tensor:
     # narrow, not x[:, :, s]: indexing a fake CUDA tensor fails on CPU-only builds
     return x.narrow(2, s.start, s.stop - s.start)
 
 
-def piece_forward(q: Tensor, k: Tensor, v: Tensor, call: BlockCall, scale: float) -> tuple[Tensor, Tensor]:
+def piece_forward(
+    q: Tensor, k: Tensor, v: Tensor, call: BlockCall, scale: float, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one planned piece, for the rows ``call.q_rows`` of ``q``.
 
     An anti-causal square (row x sees key y >= x) is the causal one with rows and keys reversed:
     the kernels only know top-left causal masks, and a flip is O(n) against the kernel's O(n^2)."""
     qs, ks, vs = _rows(q, call.q_rows), _rows(k, call.k_rows), _rows(v, call.k_rows)
     if call.anti:
-        out, lse = block_forward(qs.flip(2), ks.flip(2), vs.flip(2), scale=scale, causal=True)
+        out, lse = block_forward(qs.flip(2), ks.flip(2), vs.flip(2), scale=scale, causal=True, softcap=softcap)
         return out.flip(2), lse.flip(2)
-    return block_forward(qs, ks, vs, scale=scale, causal=call.causal)
+    return block_forward(qs, ks, vs, scale=scale, causal=call.causal, softcap=softcap)
 
 
 def piece_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: BlockCall, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, call: BlockCall, scale: float,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This piece's share of dq (rows ``call.q_rows``) and dk, dv (rows ``call.k_rows``), given the
     merged ``out`` and ``lse`` of every query row."""
@@ -123,7 +164,7 @@ def piece_backward(
         args = [a.flip(2) for a in args]
     dout_r, q_r, k_r, v_r, out_r, lse_r = args
     dq, dk, dv = block_backward(
-        dout_r, q_r, k_r, v_r, out_r, lse_r, scale=scale, causal=call.causal or call.anti
+        dout_r, q_r, k_r, v_r, out_r, lse_r, scale=scale, causal=call.causal or call.anti, softcap=softcap
     )
     if call.anti:
         return dq.flip(2), dk.flip(2), dv.flip(2)
@@ -160,20 +201,20 @@ def _stack(x: Tensor, spans: list[slice]) -> Tensor:
 
 
 def forward_pieces(
-    q: Tensor, k: Tensor, v: Tensor, calls: Sequence[BlockCall], scale: float
+    q: Tensor, k: Tensor, v: Tensor, calls: Sequence[BlockCall], scale: float, softcap: float | None = None
 ) -> Iterator[tuple[BlockCall, Tensor, Tensor]]:
     """``(call, out, lse)`` of every planned piece, same-shaped small pieces in one kernel call."""
     b = q.shape[0]
     for group in _batches(calls):
         if len(group) == 1:
-            yield group[0], *piece_forward(q, k, v, group[0], scale)
+            yield group[0], *piece_forward(q, k, v, group[0], scale, softcap)
             continue
         first = group[0]
         qr, kr = [c.q_rows for c in group], [c.k_rows for c in group]
         qs, ks, vs = _stack(q, qr), _stack(k, kr), _stack(v, kr)
         if first.anti:
             qs, ks, vs = qs.flip(2), ks.flip(2), vs.flip(2)
-        o, o_lse = block_forward(qs, ks, vs, scale=scale, causal=first.causal or first.anti)
+        o, o_lse = block_forward(qs, ks, vs, scale=scale, causal=first.causal or first.anti, softcap=softcap)
         if first.anti:
             o, o_lse = o.flip(2), o_lse.flip(2)
         for i, c in enumerate(group):
@@ -181,20 +222,21 @@ def forward_pieces(
 
 
 def backward_pieces(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, calls: Sequence[BlockCall], scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, calls: Sequence[BlockCall], scale: float,
+    softcap: float | None = None,
 ) -> Iterator[tuple[BlockCall, Tensor, Tensor, Tensor]]:
     """``(call, dq, dk, dv)`` of every planned piece, same-shaped small pieces in one kernel call."""
     b = q.shape[0]
     for group in _batches(calls):
         if len(group) == 1:
-            yield group[0], *piece_backward(dout, q, k, v, out, lse, group[0], scale)
+            yield group[0], *piece_backward(dout, q, k, v, out, lse, group[0], scale, softcap)
             continue
         first = group[0]
         qr, kr = [c.q_rows for c in group], [c.k_rows for c in group]
         args = [_stack(dout, qr), _stack(q, qr), _stack(k, kr), _stack(v, kr), _stack(out, qr), _stack(lse, qr)]
         if first.anti:
             args = [a.flip(2) for a in args]
-        dq, dk, dv = block_backward(*args, scale=scale, causal=first.causal or first.anti)
+        dq, dk, dv = block_backward(*args, scale=scale, causal=first.causal or first.anti, softcap=softcap)
         if first.anti:
             dq, dk, dv = dq.flip(2), dk.flip(2), dv.flip(2)
         for i, c in enumerate(group):
@@ -202,19 +244,21 @@ def backward_pieces(
 
 
 def forward_block(
-    q: Tensor, k_blk: Tensor, v_blk: Tensor, calls: tuple[BlockCall, ...], scale: float, acc: Partials
+    q: Tensor, k_blk: Tensor, v_blk: Tensor, calls: tuple[BlockCall, ...], scale: float, acc: Partials,
+    softcap: float | None = None,
 ) -> None:
     """Attend ``q`` to one K/V block along its planned pieces, folding each into ``acc``."""
-    for call, o, o_lse in forward_pieces(q, k_blk, v_blk, calls, scale):
+    for call, o, o_lse in forward_pieces(q, k_blk, v_blk, calls, scale, softcap):
         acc.add(call.q_rows, o, o_lse)
 
 
 def block_grads(
     dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
     calls: tuple[BlockCall, ...], scale: float, dq_acc: Tensor, dk_acc: Tensor, dv_acc: Tensor,
+    softcap: float | None = None,
 ) -> None:
     """Add one K/V block's shares of dq, dk, dv into the fp32 accumulators."""
-    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, scale):
+    for call, dq, dk, dv in backward_pieces(dout, q, k_blk, v_blk, out, lse, calls, scale, softcap):
         _rows(dq_acc, call.q_rows).add_(dq)
         _rows(dk_acc, call.k_rows).add_(dk)
         _rows(dv_acc, call.k_rows).add_(dv)

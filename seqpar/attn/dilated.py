@@ -343,12 +343,15 @@ def _unpack(flat: Tensor, shapes: Sequence[tuple[int, ...]]) -> list[Tensor]:
     return [t.view(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
 
 
-def _block_shapes(pat: PatternPlan, member: int, batch: int, head_dim: int) -> list[tuple[int, ...]]:
+def _block_shapes(
+    pat: PatternPlan, member: int, batch: int, head_dim: int, v_head_dim: int
+) -> list[tuple[int, ...]]:
     """Shapes of the K/V block of segment member ``member``: ``[K_o, V_o]`` per offset,
-    each ``(batch, kv_sel, rows, head_dim)``."""
+    ``(batch, kv_sel, rows, head_dim)`` and ``(batch, kv_sel, rows, v_head_dim)``."""
     shapes = []
     for off in pat.offsets:
-        shapes += [(batch, len(off.kv_heads), off.counts[member], head_dim)] * 2
+        rows = (batch, len(off.kv_heads), off.counts[member])
+        shapes += [(*rows, head_dim), (*rows, v_head_dim)]
     return shapes
 
 
@@ -422,7 +425,7 @@ class _Span:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, pat: PatternPlan, opts: DilatedOptions) -> None:
         self.pat, self.opts = pat, opts
-        self.batch, self.head_dim = q.shape[0], q.shape[-1]
+        self.batch, self.head_dim, self.v_head_dim = q.shape[0], q.shape[-1], v.shape[-1]
         self.dtype, self.device = k.dtype, k.device
         self.rows = [_my_rows(pat, off) for off in pat.offsets]
         self.idx = [torch.tensor(off.kv_heads, device=k.device) for off in pat.offsets]
@@ -433,7 +436,7 @@ class _Span:
         self.own = _pack(own)
 
     def shapes(self, j: int) -> list[tuple[int, ...]]:
-        return _block_shapes(self.pat, j, self.batch, self.head_dim)
+        return _block_shapes(self.pat, j, self.batch, self.head_dim, self.v_head_dim)
 
     def numel(self, j: int) -> int:
         return sum(math.prod(s) for s in self.shapes(j))
@@ -575,11 +578,12 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
 def dilated_forward(
     q: Tensor, k: Tensor, v: Tensor, plan: DilatedPlan, comms: dict[int, SegmentComm]
 ) -> tuple[Tensor, Tensor]:
-    """Merged ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``.
+    """Merged ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``) and ``lse``
+    ``(batch, q_heads, seq_local)``.
 
     ``comms[p]`` is the segment communicator of spanning pattern ``p`` (absent for local patterns).
     """
-    out_acc, lse_acc = new_accumulators(q, lse_dtype(q.dtype))
+    out_acc, lse_acc = new_accumulators(q, lse_dtype(q.dtype), v.shape[-1])
     for p, pat in enumerate(plan.patterns):
         if pat.span == 1:
             _local_forward(q, k, v, pat, plan.opts, out_acc, lse_acc)
@@ -660,7 +664,8 @@ def dilated_attention(
 
     Args:
         q: ``(batch, q_heads, seq_local, head_dim)``, this rank's contiguous shard of the queries.
-        k, v: ``(batch, kv_heads, seq_local, head_dim)``; q_heads a multiple of kv_heads (GQA/MQA).
+        k, v: ``(batch, kv_heads, seq_local, head_dim)``; q_heads a multiple of kv_heads (GQA/MQA);
+            v's head dim may differ (MLA), the output then has v's.
         segment_lengths: segment length ``w`` of each pattern, in global positions; each divides the
             global length ``seq_local * P`` and, for ``P > 1``, divides or is a multiple of ``seq_local``.
         dilation_rates: dilation rate ``r`` of each pattern; ``r`` divides its ``w``.
@@ -700,7 +705,7 @@ def dilated_attention(
     if check_inputs and world > 1:
         # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
         # mismatched collectives, so it is part of what every rank must agree on.
-        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding,
+        check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, scale=scale,
                            extra=pattern_row(segment_lengths, dilation_rates, head_layout))
     if mode == "auto":
         from seqpar.attn.choose import choose_mode

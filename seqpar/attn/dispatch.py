@@ -12,12 +12,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
 from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
 from seqpar.attn.resolve import AttentionPlan, from_bhsd, resolve_attention, to_bhsd
 from seqpar.attn.ring import RingAttention
 from seqpar.comm.ring import RingComm
+from seqpar.sequence.sharding import shard_index
 
 __all__ = ["attention", "run_attention"]
 
@@ -39,6 +41,9 @@ def attention(
     window: int | None = None,
     sinks: Tensor | None = None,
     layout: str | None = None,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: Tensor | None = None,
 ) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
 
@@ -46,7 +51,8 @@ def attention(
         q: ``(batch, q_heads, seq_local, head_dim)``, this rank's shard of the queries (with
             ``layout="bshd"``: ``(batch, seq_local, q_heads, head_dim)``).
         k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
-            q_heads a multiple of kv_heads (GQA/MQA).
+            q_heads a multiple of kv_heads (GQA/MQA). V's head dim may differ from q/k's (MLA); the
+            output then has V's.
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
@@ -82,6 +88,18 @@ def attention(
             sees key j only inside its document. Needs batch 1.
         window: sliding window, an int >= 1: with ``causal``, query i sees key j iff
             ``0 <= i - j < window`` (transformers' ``sliding_window``); without, iff ``|i - j| < window``.
+        chunk_size: chunked local attention (Llama 4's ``attention_chunk_size``), an int >= 1: each
+            document (the whole sequence without ``cu_seqlens``) is cut into chunks of ``chunk_size``
+            tokens counted from its start, and query i sees key j only inside its own chunk (with
+            ``causal``: j <= i as well). Combines with documents and ``window``.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``), a float > 0: every score
+            ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the softmax, gradients
+            included. Runs seqpar's exact math kernel (it needs the scores), so it is refused on CUDA
+            except in float64: torch's fused kernels have no score modifier.
+        alibi_slopes: ``(q_heads,)`` ALiBi slopes ``m_h`` (BLOOM, MPT, Falcon ``alibi=True``): the score of
+            key j gains ``m_h * j`` (j its *global* position), which under a causal mask is ALiBi's
+            ``-m_h (i - j)`` up to a per-row constant the softmax ignores. Carried as extra q/k columns
+            (:mod:`seqpar.attn.alibi`), so every mode, sharding and kernel runs it; constants, no gradient.
         sinks: ``(q_heads,)`` learned per-head sink logits (GPT-OSS): ``exp(sinks[h])`` joins every
             softmax denominator of head h; the sinks get their gradient (this rank's rows' share;
             Ulysses/hybrid: the full gradient of this rank's heads, 0 for the others; summed over
@@ -91,7 +109,7 @@ def attention(
             them apart, so with ``check_inputs`` a call whose ``q.size(1) > q.size(2)`` and no explicit
             ``layout=`` raises, naming both readings.
     Returns:
-        ``(batch, q_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, q_heads, head_dim)``) in
+        ``(batch, q_heads, seq_local, v_head_dim)`` (bshd: ``(batch, seq_local, q_heads, v_head_dim)``) in
         q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
@@ -99,16 +117,27 @@ def attention(
     plan = resolve_attention(
         q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
         check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
-        layout=layout,
+        layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
     )
-    return run_attention(plan, q, k, v, sinks)
+    return run_attention(plan, q, k, v, sinks, alibi_slopes)
 
 
-def run_attention(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None) -> Tensor:
+def run_attention(
+    plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
     """Run a resolved call (:func:`seqpar.attn.resolve.resolve_attention`) on q, k, v in the plan's
     layout; returns the output in that layout. No check or choice is made again here."""
     qb, kb, vb = (to_bhsd(t, plan.layout) for t in (q, k, v))
-    return from_bhsd(_run_bhsd(plan, qb, kb, vb, sinks), plan.layout)
+    if alibi_slopes is None:
+        return from_bhsd(_run_bhsd(plan, qb, kb, vb, sinks), plan.layout)
+    world = 1 if plan.group is None else dist.get_world_size(plan.group)
+    rank = 0 if plan.group is None else dist.get_rank(plan.group)
+    seq_local = qb.shape[2]
+    positions = shard_index(seq_local * world, rank, world, plan.opts.sharding, device=qb.device,
+                            cu_seqlens=plan.opts.cu_seqlens)  # (seq_local,) global positions
+    q2, k2, v2 = with_alibi(qb, kb, vb, alibi_slopes, positions, plan.opts.scale, seq_local * world - 1)
+    return from_bhsd(_run_bhsd(plan, q2, k2, v2, sinks), plan.layout)
 
 
 def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:

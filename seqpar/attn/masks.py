@@ -1,8 +1,10 @@
-"""Attention masks as a description (documents, sliding window, causal) and their block planner.
+"""Attention masks as a description (documents, chunks, sliding window, causal) and their block planner.
 
 A mask is never a tensor here. :class:`MaskSpec` holds host integers: the global document
-boundaries ``cu_seqlens`` (``[0, l1, l1 + l2, ..., S]``), a sliding ``window`` and ``causal``. Query
-at global position ``i`` sees key ``j`` iff both lie in the same document and
+boundaries ``cu_seqlens`` (``[0, l1, l1 + l2, ..., S]``), a ``chunk_size``, a sliding ``window`` and
+``causal``. Query at global position ``i`` sees key ``j`` iff both lie in the same document, in the
+same chunk of it (Llama 4's chunked local attention: chunk ``c`` of a document starting at ``s`` is
+``[s + c * chunk_size, s + (c + 1) * chunk_size)``, so a chunk is one more document to the planner), and
 - causal: ``0 <= i - j < window``,
 - not causal: ``|i - j| < window``
 (``window=None``: no window). Every row sees at least itself, so no row of a result is ever empty.
@@ -44,27 +46,41 @@ class MaskSpec:
         causal: keys after the query are hidden.
         window: sliding window (``>= 1``) or None.
         cu_seqlens: global document boundaries ``(0, ..., S)``, or None for one document.
+        chunk_size: chunked local attention (``>= 1``): each document cut into chunks of this many
+            tokens from its own start, each chunk seeing only itself; or None.
     """
 
     causal: bool
     window: int | None = None
     cu_seqlens: tuple[int, ...] | None = None
+    chunk_size: int | None = None
 
     @property
     def dense(self) -> bool:
         """Plain (causal or full) attention: the shardings' own chunk planner applies."""
-        return self.window is None and self.cu_seqlens is None
+        return self.window is None and self.cu_seqlens is None and self.chunk_size is None
 
     def documents(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """``[start, stop)`` of the documents that hold a position ``>= lo`` and one ``< hi``: those that
-        meet both a query range and a key range, for ``lo`` the larger start and ``hi`` the smaller
-        stop (one unbounded document when there are no boundaries)."""
+        """``[start, stop)`` of the documents (chunks of them, with ``chunk_size``) that hold a position
+        ``>= lo`` and one ``< hi``: those that meet both a query range and a key range, for ``lo`` the
+        larger start and ``hi`` the smaller stop (one unbounded document when there are no boundaries)."""
         if self.cu_seqlens is None:
-            return [(0, sys.maxsize)]
-        cu = self.cu_seqlens
-        first = bisect.bisect_right(cu, lo) - 1
-        last = bisect.bisect_left(cu, hi)
-        return [(cu[d], cu[d + 1]) for d in range(max(first, 0), min(last, len(cu) - 1))]
+            docs = [(0, sys.maxsize)]
+        else:
+            cu = self.cu_seqlens
+            first = bisect.bisect_right(cu, lo) - 1
+            last = bisect.bisect_left(cu, hi)
+            docs = [(cu[d], cu[d + 1]) for d in range(max(first, 0), min(last, len(cu) - 1))]
+        if self.chunk_size is None:
+            return docs
+        c = self.chunk_size
+        # chunk n of a document starting at s: [s + n c, s + (n + 1) c); it meets both ranges iff its
+        # start is < hi and its stop > lo
+        return [
+            (s + n * c, min(s + (n + 1) * c, e))
+            for s, e in docs
+            for n in range(max(0, (lo - s) // c), (min(hi, e) - 1 - s) // c + 1)
+        ]
 
 
 def _band_pieces(q0: int, q1: int, k0: int, k1: int, causal: bool, window: int | None) -> list[tuple]:
@@ -180,22 +196,25 @@ def visible_pair_count(calls: Sequence[BlockCall]) -> int:
 
 
 # --------------------------------------------------------------------------- inputs of the public call
-def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object) -> list[int]:
-    """Four integers every rank must agree on (for the cross-rank check): the number of boundaries
-    (-1: none), their CRC32, the window (0: none, -1: not an int) and the sinks' length (-1: none)."""
+def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object, chunk_size: object = None) -> list[int]:
+    """Five integers every rank must agree on (for the cross-rank check): the number of boundaries
+    (-1: none), their CRC32, the window (0: none, -1: not an int), the sinks' length (-1: none) and
+    the chunk size (0: none, -1: not an int)."""
     n = -1 if bounds is None else len(bounds)
     crc = 0 if bounds is None else zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))
-    if window is None:
-        w = 0
-    else:
-        w = window if isinstance(window, int) and not isinstance(window, bool) else -1
     s = -1 if sinks is None else (sinks.numel() if isinstance(sinks, Tensor) else -2)
-    return [n, crc, w, s]
+    return [n, crc, _int_digest(window), s, _int_digest(chunk_size)]
+
+
+def _int_digest(value: object) -> int:
+    if value is None:
+        return 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
 
 
 def check_mask_inputs(
     bounds: tuple[int, ...] | None, window: object, sinks: object, *, q: Tensor, seq_len: int,
-    world: int = 1, sharding: str = "contiguous",
+    world: int = 1, sharding: str = "contiguous", chunk_size: object = None,
 ) -> None:
     """Raise ValueError/TypeError naming the problem and the fix (the same verdict on every rank,
     once the ranks are known to agree on these inputs)."""
@@ -205,6 +224,11 @@ def check_mask_inputs(
         raise ValueError(
             f"window={window!r} is invalid: pass an int >= 1 (query i sees key j when 0 <= i - j < window, "
             f"or |i - j| < window without causal) or None for no window"
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(
+            f"chunk_size={chunk_size!r} is invalid: pass an int >= 1 (chunked local attention: query i sees "
+            "key j only inside the same chunk of chunk_size tokens of its document) or None for no chunks"
         )
     if bounds is not None:
         fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"

@@ -17,8 +17,10 @@ following ``q`` from the swap to the kernels visits each check once.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -108,16 +110,18 @@ def _group_and_manager(mode: str, group: dist.ProcessGroup | None) -> tuple[dist
     return resolve_group(None), manager
 
 
-def _mask_features(bounds: object, window: int | None, sinks: Tensor | None, sharding: str) -> set[str]:
-    """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode."""
-    used = {"documents": bounds is not None, "window": window is not None, "sinks": sinks is not None,
-            "balanced": sharding == "balanced"}
+def _mask_features(opts: AttentionOptions, sinks: Tensor | None) -> set[str]:
+    """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode
+    (chunks are documents to the planner)."""
+    used = {"documents": opts.cu_seqlens is not None or opts.chunk_size is not None,
+            "window": opts.window is not None, "sinks": sinks is not None, "balanced": opts.sharding == "balanced"}
     return {name for name, on in used.items() if on}
 
 
 def _algorithm(
     mode: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
     manager: ProcessGroupManager | None, opts: AttentionOptions, sinks: Tensor | None,
+    v_head_dim: int | None = None,
 ) -> str:
     """The algorithm a multi-rank call runs: ``"auto"`` through the cost model; ``"hybrid"`` with
     ``u = 1`` is the ring and with ``u = P`` Ulysses."""
@@ -126,7 +130,7 @@ def _algorithm(
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
-            features=_mask_features(opts.cu_seqlens, opts.window, sinks, opts.sharding),
+            features=_mask_features(opts, sinks), v_head_dim=v_head_dim,
         )
     if mode != "hybrid":
         return mode
@@ -160,11 +164,47 @@ def _ulysses_plan(
                             head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2])
 
 
+def _float_digest(value: object) -> int:
+    """An int every rank derives alike from an optional float option (0: None, -1: not a number)."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return -1
+    return zlib.crc32(repr(float(value)).encode())
+
+
+def _check_softcap(softcap: object, q: Tensor) -> None:
+    """Soft-capping needs the scores: seqpar's exact math kernel computes them (CPU, and fp64 anywhere);
+    the fused CUDA kernels (flash, efficient, cuDNN) have no score modifier, so a CUDA call is refused."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap={softcap!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
+    if q.device.type == "cuda" and q.dtype != torch.float64:
+        raise ValueError(
+            f"softcap={softcap} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
+            "cuDNN) have no logit soft-capping, and seqpar's exact math kernel would materialise every block's "
+            "scores. Run soft-capped attention on CPU or in float64, or drop the soft-capping "
+            "(transformers: config.attn_logit_softcapping=None)"
+        )
+
+
+def _check_alibi(slopes: object, q: Tensor) -> None:
+    if slopes is None:
+        return
+    if not isinstance(slopes, Tensor) or slopes.dim() != 1 or slopes.shape[0] != q.shape[1]:
+        shape = tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__
+        raise ValueError(f"alibi_slopes must be a ({q.shape[1]},) tensor, one ALiBi slope per query head; got {shape}")
+    if not slopes.is_floating_point():
+        raise TypeError(f"alibi_slopes must be a floating-point tensor; got {slopes.dtype}")
+
+
 def resolve_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None, mode: str = "ring",
     group: dist.ProcessGroup | None = None, sharding: str | None = None, overlap: bool = True,
     check_inputs: bool = True, head_chunks: int | str = "auto", cu_seqlens: Tensor | tuple[int, ...] | None = None,
     window: int | None = None, sinks: Tensor | None = None, layout: str | None = None,
+    chunk_size: int | None = None, softcap: float | None = None, alibi_slopes: Tensor | None = None,
 ) -> AttentionPlan:
     """Check a call and take every decision it needs (arguments as :func:`seqpar.attention`; q, k, v
     in the caller's ``layout``). Collective when ``check_inputs`` and the group has more than one rank.
@@ -185,9 +225,11 @@ def resolve_attention(
     except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
         bad_bounds = e
     if check_inputs and world > 1:
-        extra = mask_digest(bounds, window, sinks)
+        extra = mask_digest(bounds, window, sinks, chunk_size) + [
+            _float_digest(softcap), -1 if alibi_slopes is None else (alibi_slopes.numel() if isinstance(alibi_slopes, Tensor) else -2)]
         check_across_ranks(
             qb, kb, vb, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
+            scale=scale,
             # the layout too: two ranks reading the same shapes two ways would exchange garbage
             extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout)],
         )
@@ -196,16 +238,21 @@ def resolve_attention(
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
     check_local(qb, kb, vb, world_size=world, sharding=sharding)
-    check_mask_inputs(bounds, window, sinks, q=qb, seq_len=qb.shape[2] * world, world=world, sharding=sharding)
+    check_mask_inputs(bounds, window, sinks, q=qb, seq_len=qb.shape[2] * world, world=world, sharding=sharding,
+                      chunk_size=chunk_size)
+    _check_softcap(softcap, qb)
+    _check_alibi(alibi_slopes, qb)
     opts = AttentionOptions(
         causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
         overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1]), window=window, cu_seqlens=bounds,
+        chunk_size=chunk_size, softcap=None if softcap is None else float(softcap),
     )
     if world == 1:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
-        masked = bounds is not None or window is not None or sinks is not None
+        masked = not opts.mask.dense or sinks is not None or opts.softcap is not None
         return AttentionPlan("single" if masked else "sdpa", opts, layout)
-    algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks)
+    algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks,
+                           v_head_dim=vb.shape[-1])
     ulysses = None
     if algorithm in ("ulysses", "hybrid"):
         ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,

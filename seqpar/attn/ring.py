@@ -50,6 +50,7 @@ from torch import Tensor
 
 from seqpar.attn.common import (
     AttentionOptions,
+    BlockExpander,
     block_calls,
     block_grads,
     block_hops,
@@ -58,7 +59,7 @@ from seqpar.attn.common import (
 )
 from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.ring import Pending, RingExchange
-from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
+from seqpar.kernels import Partials, add_sink, in_layout_of, lse_dtype, output_like, sink_grad
 
 __all__ = [
     "AttentionOptions", "ring_forward", "ring_backward", "ring_attention_forward", "ring_attention_backward",
@@ -71,13 +72,16 @@ _HOME = 2  # channel of the accumulators going home after their block's last hop
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None,
+    expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Returns ``out`` (fp32/fp64 accumulator, q's layout) and ``lse`` ``(batch, q_heads, seq_local)``.
-    ``sinks``: optional ``(q_heads,)`` sink logits, one more term of every row's softmax."""
+    """Returns ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``) and ``lse``
+    ``(batch, q_heads, seq_local)``. ``sinks``: optional ``(q_heads,)`` sink logits, one more term of
+    every row's softmax. ``expander``: ``k``, ``v`` are a compressed form of the block (MLA's latent)
+    that travels instead of K/V and is expanded at each rank before its kernels."""
     world, rank = comm.world_size, comm.rank
     hops = block_hops(opts, world, q.shape[2])
-    acc = Partials.like(q, lse_dtype(q.dtype))
+    acc = Partials.like(q, lse_dtype(q.dtype), v.shape[-1] if expander is None else expander.v_head_dim)
     k_cur, v_cur = k.contiguous(), v.contiguous()
     buffers: list[list[Tensor] | None] = [None, None]
     for step in range(max(hops) + 1):
@@ -89,7 +93,10 @@ def ring_forward(
         if pending is not None and not opts.overlap:
             pending.wait()
         if step <= hops[src]:  # we hold block src (step 0: our own)
-            forward_block(q, k_cur, v_cur, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc)
+            k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
+            forward_block(q, k_blk, v_blk, block_calls(opts, world, rank, src, q.shape[2]), opts.scale, acc,
+                          opts.softcap)
+            del k_blk, v_blk
         if pending is not None:
             received = pending.wait()
             if recv:
@@ -125,12 +132,12 @@ def _remote_block_grads(
     acc = dq_acc.dtype
     if len(calls) == 1:
         call, n = calls[0], k_blk.shape[2]
-        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale)
+        dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale, opts.softcap)
         dq_acc[:, :, call.q_rows] += dq
         return _widen(dk, call.k_rows, n, acc), _widen(dv, call.k_rows, n, acc)
     dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device)
     dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v_blk.device)
-    block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk)
+    block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk, opts.softcap)
     return dk_blk, dv_blk
 
 
@@ -143,21 +150,23 @@ def _own_block_grads(
     become the accumulators themselves, instead of zero fills and adds (three block-sized passes)."""
     n_q, n_k = q.shape[2], k.shape[2]
     if len(calls) == 1 and calls[0].q_rows == slice(0, n_q) and calls[0].k_rows == slice(0, n_k):
-        dq, dk, dv = piece_backward(dout, q, k, v, out, lse, calls[0], opts.scale)
+        dq, dk, dv = piece_backward(dout, q, k, v, out, lse, calls[0], opts.scale, opts.softcap)
         return dq.to(acc), dk.to(acc), dv.to(acc)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_own = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv_own = torch.zeros(v.shape, dtype=acc, device=v.device)
-    block_grads(dout, q, k, v, out, lse, calls, opts.scale, dq_acc, dk_own, dv_own)
+    block_grads(dout, q, k, v, out, lse, calls, opts.scale, dq_acc, dk_own, dv_own, opts.softcap)
     return dq_acc, dk_own, dv_own
 
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    comm: RingExchange, opts: AttentionOptions,
+    comm: RingExchange, opts: AttentionOptions, expander: BlockExpander | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
-    Returns dq, dk, dv in the input dtypes.
+    Returns dq, dk, dv in the input dtypes. With an ``expander``, ``k``, ``v`` are the compressed
+    blocks (see :func:`ring_forward`): each block's K/V shares are reduced to the compressed form
+    (:meth:`BlockExpander.reduce`) before they travel, and dk, dv are the compressed blocks' gradients.
 
     Block j makes ``hops[j]`` hops (see :func:`~seqpar.attn.common.block_hops`); its dK/dV
     accumulator starts at rank j+1, collects at each rank up to j + hops[j] and goes home from there."""
@@ -173,7 +182,11 @@ def ring_backward(
         kv_pending.wait()
     # own block first: its share waits for the accumulator coming home at the end
     own = block_calls(opts, world, rank, rank, seq_local)
-    dq_acc, dk_own, dv_own = _own_block_grads(dout, q, k, v, out, lse, own, opts, acc)
+    if expander is None:
+        dq_acc, dk_own, dv_own = _own_block_grads(dout, q, k, v, out, lse, own, opts, acc)
+    else:
+        dq_acc, dk_own, dv_own = _own_block_grads(dout, q, *expander.expand(k, v), out, lse, own, opts, acc)
+        dk_own, dv_own = expander.reduce(k, v, dk_own, dv_own)
 
     buffers: list[list[Tensor] | None] = [None, None]
     chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1
@@ -197,9 +210,13 @@ def ring_backward(
         if have:
             k_cur, v_cur = received
             buffers[(step + 1) % 2] = received
+            k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
             dk_blk, dv_blk = _remote_block_grads(
-                dout, q, k_cur, v_cur, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
+                dout, q, k_blk, v_blk, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
             )
+            del k_blk, v_blk
+            if expander is not None:
+                dk_blk, dv_blk = expander.reduce(k_cur, v_cur, dk_blk, dv_blk)
             if step == 1:  # first hop of block src's accumulator
                 send = [dk_blk.contiguous(), dv_blk.contiguous()]
             else:  # the accumulator of block src arrived from rank r-1
@@ -253,18 +270,18 @@ def ring_attention_forward(
 ) -> tuple[Tensor, Tensor]:
     """Ring forward over ``opts.head_chunks`` head chunks, one ring pass each.
 
-    Returns ``out`` in q's dtype and layout and the fp32 ``lse`` ``(batch, q_heads, seq_local)``
-    (sinks included). Each pass moves only its chunk's K/V, so the buffers in flight are
+    Returns ``out`` ``(batch, q_heads, seq_local, v_head_dim)`` in q's dtype and memory layout and the
+    fp32 ``lse`` ``(batch, q_heads, seq_local)`` (sinks included). Each pass moves only its chunk's K/V, so the buffers in flight are
     ``1 / head_chunks`` of a block."""
     # ``out`` takes q's memory layout: a Hugging Face q is a (batch, seq, heads, dim) buffer seen
     # transposed, so the caller's transpose back + .contiguous() is then free, and o_proj saves the
     # very storage attention saves instead of a copy (one hidden-sized tensor per layer)
     if opts.head_chunks == 1:
         out_acc, lse = ring_forward(q, k, v, comm, opts, sinks)
-        if out_acc.dtype == q.dtype and out_acc.stride() == q.stride():
+        if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):
             return out_acc, lse
-        return torch.empty_like(q).copy_(out_acc), lse
-    out = torch.empty_like(q)
+        return output_like(q, v.shape[-1]).copy_(out_acc), lse
+    out = output_like(q, v.shape[-1])
     lse = torch.empty(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
     for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
         sinks_c = None if sinks is None else sinks[qs]

@@ -51,11 +51,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attn.common import AttentionOptions, SingleRank, rank_chunks
+from seqpar.attn.common import AttentionOptions, SingleRank, packed_views, rank_chunks
 from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all
 from seqpar.comm.ring import Pending, RingExchange
-from seqpar.kernels import block_backward, block_forward, lse_dtype, sink_grad
+from seqpar.kernels import block_backward, block_forward, lse_dtype, output_like, sink_grad
 from seqpar.runtime.groups import divisors, ulysses_heads_ok
 from seqpar.sequence.sharding import chunk_ids
 
@@ -190,36 +190,46 @@ def _heads_to_slots(x: Tensor, out: Tensor, plan: UlyssesPlan) -> None:
         out[r].narrow(2, c * clen, clen).copy_(x.narrow(2, m * clen, clen))
 
 
+def _qkv_views(buf: Tensor, plan: UlyssesPlan, n: int, dk: int, dv: int) -> list[Tensor]:
+    """The q, k, v parts ``(u, B, qc, n, dk)``, ``(u, B, kc, n, dk)``, ``(u, B, kc, n, dv)`` of a packed
+    ``(u, B, m)`` all-to-all buffer (for dk == dv the same memory as ``(u, B, qc + 2 kc, n, d)``)."""
+    hc = plan.head_chunks
+    qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
+    return packed_views(buf, (qc, n, dk), (kc, n, dk), (kc, n, dv))
+
+
 def start_qkv(q: Tensor, k: Tensor, v: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
-    """Pack chunk ``chunk`` of every rank's q/k/v heads into one ``(u, B, hq + 2 hkv, L, D)`` buffer and
-    start its all-to-all."""
+    """Pack chunk ``chunk`` of every rank's q/k/v heads into one ``(u, B, m)`` buffer (per slot and batch
+    row: qc query heads, kc K heads, kc V heads, each ``(heads, L, head_dim)``; V's head dim may differ)
+    and start its all-to-all."""
     u, hc = plan.split.u, plan.head_chunks
     qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
     b, _, n, d = q.shape
-    send = q.new_empty((u, b, qc + 2 * kc, n, d))
+    dv = v.shape[-1]
+    send = q.new_empty((u, b, (qc + kc) * n * d + kc * n * dv))
+    send_q, send_k, send_v = _qkv_views(send, plan, n, d, dv)
     for j in range(u):
-        send[j, :, :qc] = q[:, plan.q_slice(j, chunk)]
+        send_q[j] = q[:, plan.q_slice(j, chunk)]
     if plan.split.replicated:  # rank j reads K/V head j * Hkv // u: pick them (repeats included)
         kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=q.device)
-        send[:, :, qc:qc + kc] = k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
-        send[:, :, qc + kc:] = v.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1)
+        send_k.copy_(k.index_select(1, kv_idx).view(b, u, kc, n, d).transpose(0, 1))
+        send_v.copy_(v.index_select(1, kv_idx).view(b, u, kc, n, dv).transpose(0, 1))
     else:  # rank j reads heads [j * Hkv/u, (j+1) * Hkv/u): a strided view, copied once into the buffer
         heads = slice(chunk * kc, (chunk + 1) * kc)
-        send[:, :, qc:qc + kc] = k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
-        send[:, :, qc + kc:] = v.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1)
+        send_k.copy_(k.view(b, u, plan.split.kv_per_rank, n, d)[:, :, heads].transpose(0, 1))
+        send_v.copy_(v.view(b, u, plan.split.kv_per_rank, n, dv)[:, :, heads].transpose(0, 1))
     return start_all_to_all(send, group)
 
 
 def start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
-    """Pack head-layout tensors ``(B, h_i, u * L, D)`` (one dtype) into ``(u, B, sum h_i, L, D)`` and
-    start the all-to-all that returns each rank its tokens."""
-    b, _, n_all, d = tensors[0].shape
-    u = plan.split.u
-    send = tensors[0].new_empty((u, b, sum(t.shape[1] for t in tensors), n_all // u, d))
-    at = 0
-    for t in tensors:
-        _heads_to_slots(t, send[:, :, at:at + t.shape[1]], plan)
-        at += t.shape[1]
+    """Pack head-layout tensors ``(B, h_i, u * L, D_i)`` (one dtype; head dims may differ) into one
+    ``(u, B, m)`` buffer (per slot and batch row: each tensor's ``(h_i, L, D_i)``, in order) and start
+    the all-to-all that returns each rank its tokens."""
+    b, _, n_all, _ = tensors[0].shape
+    u, n = plan.split.u, n_all // plan.split.u
+    send = tensors[0].new_empty((u, b, sum(t.shape[1] * n * t.shape[3] for t in tensors)))
+    for t, slots in zip(tensors, packed_views(send, *((t.shape[1], n, t.shape[3]) for t in tensors))):
+        _heads_to_slots(t, slots, plan)
     return start_all_to_all(send, group)
 
 
@@ -238,7 +248,7 @@ def _inner_forward(
     """Attention over the (super-)rank's sorted sequence: local kernels, or the (masked) ring code
     across super-ranks or on the one rank. ``sinks``: this rank's heads' sink logits, or None."""
     if ring is None and opts.mask.dense and sinks is None:
-        return block_forward(q, k, v, scale=opts.scale, causal=opts.causal)
+        return block_forward(q, k, v, scale=opts.scale, causal=opts.causal, softcap=opts.softcap)
     comm, inner = _inner_ring(ring, opts)
     out_acc, lse = ring_forward(q, k, v, comm, inner, sinks)
     return out_acc.to(q.dtype), lse
@@ -250,7 +260,7 @@ def _inner_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of the inner attention; ``lse`` includes the sinks, which is all their effect on these."""
     if ring is None and opts.mask.dense:
-        return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal)
+        return block_backward(dout, q, k, v, out, lse, scale=opts.scale, causal=opts.causal, softcap=opts.softcap)
     comm, inner = _inner_ring(ring, opts)
     return ring_backward(dout, q, k, v, out, lse, comm, inner)
 
@@ -265,22 +275,23 @@ def ulysses_forward(
     q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan,
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
-    """Returns ``out`` ``(B, Hq, L, D)`` in q's dtype and, per head chunk, the head-layout tensors the
+    """Returns ``out`` ``(B, Hq, L, Dv)`` in q's dtype and, per head chunk, the head-layout tensors the
     backward needs: ``(q, k, v, out, lse)`` of that chunk. ``sinks``: ``(q_heads,)`` or None."""
     hc = plan.head_chunks
-    out = torch.empty_like(q)
+    n, d, dv = q.shape[2], q.shape[3], v.shape[3]
+    out = output_like(q, dv)
     saved: list[tuple[Tensor, ...]] = []
-    qc, kc = plan.split.q_per_rank // hc, plan.split.kv_per_rank // hc
     k, v = k.contiguous(), v.contiguous()
     pending_in: Pending | None = start_qkv(q, k, v, 0, plan, group)
     pending_out: tuple[int, Pending] | None = None
     for c in range(hc):
         (recv,) = pending_in.wait()
         pending_in = start_qkv(q, k, v, c + 1, plan, group) if c + 1 < hc else None
-        q_h = seq_to_heads(recv[:, :, :qc], plan)  # (B, qc, u * L, D)
-        k_h = seq_to_heads(recv[:, :, qc:qc + kc], plan)  # (B, kc, u * L, D)
-        v_h = seq_to_heads(recv[:, :, qc + kc:], plan)
-        del recv
+        recv_q, recv_k, recv_v = _qkv_views(recv, plan, n, d, dv)
+        q_h = seq_to_heads(recv_q, plan)  # (B, qc, u * L, D)
+        k_h = seq_to_heads(recv_k, plan)  # (B, kc, u * L, D)
+        v_h = seq_to_heads(recv_v, plan)  # (B, kc, u * L, Dv)
+        del recv, recv_q, recv_k, recv_v
         out_h, lse_h = _inner_forward(q_h, k_h, v_h, ring, plan.attn, _chunk_sinks(sinks, plan, c))
         saved.append((q_h, k_h, v_h, out_h, lse_h))
         started = (c, start_heads_back([out_h], plan, group))
@@ -292,9 +303,11 @@ def ulysses_forward(
 
 
 def place_out(out: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
-    (recv,) = pending.wait()  # (u, B, qc, L, D): slot j = heads of rank j's chunk
+    (recv,) = pending.wait()  # (u, B, qc * L * Dv): slot j = heads of rank j's chunk
+    qc = plan.split.q_per_rank // plan.head_chunks
+    (recv_out,) = packed_views(recv, (qc, *out.shape[2:]))  # (u, B, qc, L, Dv)
     for j in range(plan.split.u):
-        out[:, plan.q_slice(j, chunk)] = recv[j]
+        out[:, plan.q_slice(j, chunk)] = recv_out[j]
 
 
 def start_dout(dout: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
@@ -308,46 +321,48 @@ def start_dout(dout: Tensor, chunk: int, plan: UlyssesPlan, group: dist.ProcessG
 
 
 def place_grads(dq: Tensor, dk: Tensor, dv: Tensor, chunk: int, pending: Pending, plan: UlyssesPlan) -> None:
-    """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, qc + 2 kc, L, D)`` (slot j: the gradients
-    of this rank's tokens for rank j's heads) and write them into the sequence-layout gradients. Each
-    K/V head comes from one rank, and is copied, unless it is replicated: then its replicas are summed
-    (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
+    """Wait for head chunk ``chunk``'s packed dq/dk/dv ``(u, B, m)`` (slot j: the gradients of this rank's
+    tokens for rank j's heads, laid out as :func:`start_qkv` packs q/k/v) and write them into the
+    sequence-layout gradients. Each K/V head comes from one rank, and is copied, unless it is
+    replicated: then its replicas are summed (``index_add_`` into zeroed fp32 ``dk``, ``dv``)."""
     (recv,) = pending.wait()
     u, hc = plan.split.u, plan.head_chunks
-    qc = plan.split.q_per_rank // hc
-    kc = (recv.shape[2] - qc) // 2
+    kc = plan.split.kv_per_rank // hc
+    recv_q, recv_k, recv_v = _qkv_views(recv, plan, dq.shape[2], dq.shape[3], dv.shape[3])
     for j in range(u):
-        dq[:, plan.q_slice(j, chunk)] = recv[j, :, :qc]
+        dq[:, plan.q_slice(j, chunk)] = recv_q[j]
     if not plan.split.replicated:
         for j in range(u):
             heads = plan.split.kv_index(j, chunk, hc)
-            dk.narrow(1, heads[0], kc).copy_(recv[j, :, qc:qc + kc])
-            dv.narrow(1, heads[0], kc).copy_(recv[j, :, qc + kc:])
+            dk.narrow(1, heads[0], kc).copy_(recv_k[j])
+            dv.narrow(1, heads[0], kc).copy_(recv_v[j])
         return
     kv_idx = torch.tensor([i for j in range(u) for i in plan.split.kv_index(j, chunk, hc)], device=dk.device)
     # (u, B, kc, L, D) -> (B, u * kc, L, D), heads in kv_idx order; index_add sums replicas
     b = dk.shape[0]
-    dk.index_add_(1, kv_idx, recv[:, :, qc:qc + kc].transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
-    dv.index_add_(1, kv_idx, recv[:, :, qc + kc:].transpose(0, 1).reshape(b, u * kc, *dv.shape[2:]).to(dv.dtype))
+    dk.index_add_(1, kv_idx, recv_k.transpose(0, 1).reshape(b, u * kc, *dk.shape[2:]).to(dk.dtype))
+    dv.index_add_(1, kv_idx, recv_v.transpose(0, 1).reshape(b, u * kc, *dv.shape[2:]).to(dv.dtype))
 
 
 def ulysses_backward(
     dout: Tensor, saved: list[tuple[Tensor, ...]], k_shape: torch.Size, group: dist.ProcessGroup,
-    ring: RingExchange | None, plan: UlyssesPlan, sinks: Tensor | None = None,
+    ring: RingExchange | None, plan: UlyssesPlan, sinks: Tensor | None = None, *, v_head_dim: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq, dk, dv in sequence layout and the input dtype, and the sinks' gradient ``(q_heads,)`` (this
     rank's heads' full gradient, 0 for the other heads; None without sinks). Per head chunk: one
-    all-to-all of dout to the head layout, the inner backward, one all-to-all of dq, dk, dv packed together."""
+    all-to-all of dout to the head layout, the inner backward, one all-to-all of dq, dk, dv packed together.
+    ``dout`` ``(B, Hq, L, Dv)``; ``k_shape`` ``(B, Hkv, L, D)``; ``v_head_dim``: Dv (default D)."""
     hc = plan.head_chunks
-    dq = torch.empty_like(dout)
+    v_shape = k_shape if v_head_dim is None else torch.Size((*k_shape[:3], v_head_dim))
+    dq = output_like(dout, k_shape[3])
     # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32 from zeros;
     # otherwise every head is copied in once (place_grads)
     if plan.split.replicated:
         dk = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
-        dv = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+        dv = torch.zeros(v_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
     else:
         dk = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
-        dv = torch.empty(k_shape, dtype=dout.dtype, device=dout.device)
+        dv = torch.empty(v_shape, dtype=dout.dtype, device=dout.device)
     dsinks = None if sinks is None else torch.zeros_like(sinks)
     dout = dout.contiguous()
 
@@ -385,12 +400,14 @@ class UlyssesAttention(torch.autograd.Function):
     ):
         out, saved = ulysses_forward(q, k, v, group, ring, plan, sinks)
         ctx.save_for_backward(sinks, *(t for chunk in saved for t in chunk))
-        ctx.group, ctx.ring, ctx.plan, ctx.k_shape = group, ring, plan, k.shape
+        ctx.group, ctx.ring, ctx.plan, ctx.k_shape, ctx.v_head_dim = group, ring, plan, k.shape, v.shape[-1]
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
         sinks, *flat = ctx.saved_tensors
         saved = [flat[i:i + 5] for i in range(0, len(flat), 5)]
-        dq, dk, dv, dsinks = ulysses_backward(dout, saved, ctx.k_shape, ctx.group, ctx.ring, ctx.plan, sinks)
+        dq, dk, dv, dsinks = ulysses_backward(
+            dout, saved, ctx.k_shape, ctx.group, ctx.ring, ctx.plan, sinks, v_head_dim=ctx.v_head_dim
+        )
         return dq, dk, dv, None, None, None, dsinks

@@ -129,6 +129,8 @@ class BlockSpec:
 
     dtype: torch.dtype
     head_dim: int
+    """The head dim the equal-dims kernels (flash, cuDNN) see: the wider of q/k's and v's (the
+    narrower side is zero-padded to it, see :mod:`seqpar.kernels.local`)."""
     q_heads: int
     kv_heads: int
     len_q: int
@@ -137,10 +139,11 @@ class BlockSpec:
     batch: int = 1
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> BlockSpec:
-        """From q ``(batch, q_heads, len_q, head_dim)`` and k ``(batch, kv_heads, len_k, head_dim)``."""
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, *, v_head_dim: int | None = None) -> BlockSpec:
+        """From q ``(batch, q_heads, len_q, head_dim)``, k ``(batch, kv_heads, len_k, head_dim)`` and
+        V's head dim (default: ``head_dim``)."""
         b, hq, lq, d = q.shape
-        return cls(q.dtype, d, hq, k.shape[1], lq, k.shape[2], causal, b)
+        return cls(q.dtype, max(d, d if v_head_dim is None else v_head_dim), hq, k.shape[1], lq, k.shape[2], causal, b)
 
 
 @functools.cache

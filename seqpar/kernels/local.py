@@ -9,8 +9,10 @@ Every distributed algorithm in seqpar is built from these two calls plus :func:`
   exact gradient: with P = exp(S - lse_merged) the softmax restricted to the block's columns, and
   delta = rowsum(dout * out_merged), dS = P * (dP - delta) is the true gradient of those columns.
 
-Layouts: q ``(batch, q_heads, len_q, head_dim)``; k, v ``(batch, kv_heads, len_k, head_dim)`` with
-q_heads a multiple of kv_heads (GQA/MQA: query head h reads kv head h // (q_heads // kv_heads)).
+Layouts: q, k ``(batch, q_heads | kv_heads, len, head_dim)``; v ``(batch, kv_heads, len_k, v_head_dim)``
+with q_heads a multiple of kv_heads (GQA/MQA: query head h reads kv head h // (q_heads // kv_heads)).
+``v_head_dim`` may differ from ``head_dim`` (MLA: DeepSeek-V2/V3 have 192 and 128); ``out`` and ``dout``
+then have ``v_head_dim`` columns.
 ``causal`` is top-left aligned: query row i sees keys 0..i (the blocks the planners hand in are either
 full, or diagonal with len_q == len_k).
 
@@ -20,7 +22,15 @@ Backends, chosen per call:
   (:mod:`seqpar.kernels.backends`): flash (GQA native: K/V go in at kv_heads and dK/dV come back at
   kv_heads), memory-efficient (K/V expanded for GQA, dK/dV summed back over the group) or cuDNN (K/V
   expanded likewise). Head dims the kernel cannot take are zero-padded and sliced back (exact).
+  Unequal Q/K and V head dims: flash and cuDNN (and the CPU kernel) take one head dim for q, k and v,
+  so the narrower side is zero-padded to the wider one (exact: zero q/k columns add nothing to q.k^T,
+  zero v columns give zero output columns, which are sliced off; their dout is zero, so delta =
+  rowsum(dout * out) is unchanged). The memory-efficient kernel takes a V head dim of its own natively
+  (torch's SDPA sends such calls there), so only each side's alignment padding applies.
 - anything else (fp64, ROCm, every fused kernel refused): an exact math fallback in fp32 (or fp64).
+- logit soft-capping (``softcap=c``: scores ``s -> c * tanh(s / c)``, Gemma 2) on any device: the math
+  kernel, which has the scores; its backward multiplies dS by ``1 - tanh(s / c) ** 2``. The fused
+  kernels have no score modifier (the public entry refuses soft-capping on CUDA outside fp64).
 
 The module uses ``narrow``/``unsqueeze``/``view``/``expand`` and never Python indexing of tensors:
 indexing a fake CUDA tensor on a CPU-only build raises, and views keep the code traceable.
@@ -55,6 +65,8 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _check_block(q: Tensor, k: Tensor, v: Tensor) -> int:
     """Return the GQA group size (q_heads // kv_heads)."""
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head dims differ ({q.shape[-1]} vs {k.shape[-1]}): q.k^T needs them equal")
     if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: q_heads must be a multiple of kv_heads"
@@ -82,6 +94,17 @@ def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
     # zero columns add nothing to q.k^T, and P @ v_pad has zeros in the padded output columns
     extra = (-x.shape[-1]) % multiple
     return F.pad(x, (0, extra)) if extra else x
+
+
+def _common_head_dim(q: Tensor, v: Tensor) -> int:
+    # the one head dim a kernel that takes equal q/k/v dims sees (before its own alignment padding)
+    return max(q.shape[-1], v.shape[-1])
+
+
+def _pad_to(x: Tensor, head_dim: int, multiple: int) -> Tensor:
+    # zero columns up to head_dim, then up to the kernel's multiple (exact, see the module docstring)
+    target = head_dim + (-head_dim) % multiple
+    return F.pad(x, (0, target - x.shape[-1])) if x.shape[-1] != target else x
 
 
 def _unpad(x: Tensor, head_dim: int) -> Tensor:
@@ -112,20 +135,23 @@ def _warn_rocm() -> None:
     )
 
 
-def cuda_backend(q: Tensor, k: Tensor, causal: bool, caps: DeviceCaps | None = None) -> Backend:
+def cuda_backend(
+    q: Tensor, k: Tensor, causal: bool, caps: DeviceCaps | None = None, *, v_head_dim: int | None = None
+) -> Backend:
     """The kernel :func:`block_forward` / :func:`block_backward` use for a CUDA block right now.
 
     Args:
         q: ``(batch, q_heads, len_q, head_dim)`` on a CUDA device; k: ``(batch, kv_heads, len_k, head_dim)``.
         causal: top-left aligned causal mask.
         caps: the device's capabilities (default: read from ``q.device``; tests inject their own).
+        v_head_dim: V's head dim when it differs from ``head_dim`` (default: the same).
     """
     if q.dtype == torch.float64:
         return Backend.MATH  # no fused kernel takes fp64; SDPA uses math too
     caps = _caps(q, caps)
     if caps.rocm:
         _warn_rocm()
-    return choose_backend(BlockSpec.of(q, k, causal), caps)
+    return choose_backend(BlockSpec.of(q, k, causal, v_head_dim=v_head_dim), caps)
 
 
 def _caps(q: Tensor, caps: DeviceCaps | None) -> DeviceCaps:
@@ -134,28 +160,35 @@ def _caps(q: Tensor, caps: DeviceCaps | None) -> DeviceCaps:
 
 # ---------------------------------------------------------------------------------------- forward
 def block_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, caps: DeviceCaps | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, causal: bool, caps: DeviceCaps | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of q against (k, v) -> ``(out, lse)``.
 
     Args:
         q: ``(batch, q_heads, len_q, head_dim)``.
-        k, v: ``(batch, kv_heads, len_k, head_dim)``.
+        k: ``(batch, kv_heads, len_k, head_dim)``; v: ``(batch, kv_heads, len_k, v_head_dim)``.
         scale: multiplier of q @ k^T (usually head_dim ** -0.5).
         causal: top-left aligned causal mask.
         caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
+        softcap: scores ``s -> softcap * tanh(s / softcap)`` before the softmax (math kernel).
     Returns:
-        out ``(batch, q_heads, len_q, head_dim)`` in q.dtype and lse ``(batch, q_heads, len_q)`` in
+        out ``(batch, q_heads, len_q, v_head_dim)`` in q.dtype and lse ``(batch, q_heads, len_q)`` in
         fp32 (fp64 for fp64 inputs).
     """
     _check_block(q, k, v)
+    if softcap is not None:
+        return _math_forward(q, k, v, scale, causal, softcap)
     if q.device.type == "cpu":
+        # the CPU kernel takes one head dim for q, k and v: pad the narrower side (exact)
+        dv, d = v.shape[-1], _common_head_dim(q, v)
+        qp, kp, vp = (_pad_to(x, d, 1) for x in (q, k, v))
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
+            qp, kp, vp, 0.0, causal, scale=scale
         )
-        return out, lse.to(lse_dtype(q.dtype))
+        return _unpad(out, dv), lse.to(lse_dtype(q.dtype))
     if q.device.type == "cuda":
-        backend = cuda_backend(q, k, causal, caps)
+        backend = cuda_backend(q, k, causal, caps, v_head_dim=v.shape[-1])
         if backend is not Backend.MATH:
             return _cuda_forward(q, k, v, scale, causal, backend, efficient_alignment(_caps(q, caps), q.dtype))
     return _math_forward(q, k, v, scale, causal)
@@ -181,36 +214,44 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) 
     # == 0 and reads kv head h / (num_heads / num_heads_k) (cuda/flash_attn/flash_api.cpp,
     # params.h_h_k_ratio). Its head dim must be a multiple of 8 ("ensured by padding", which SDPA does
     # in attention.cpp and seqpar does here). lse: (B, H, len_q) fp32.
-    d = q.shape[-1]
-    qp, kp, vp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v))
+    # Unequal q/k and v head dims: all three padded to the wider one (exact, see the module docstring).
+    d = _common_head_dim(q, v)
+    qp, kp, vp = (_kernel_ready(_pad_to(x, d, 8)) for x in (q, k, v))
     res = _aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)
-    return _unpad(res[0], d), res[1]
+    return _unpad(res[0], v.shape[-1]), res[1]
 
 
 def _efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, align: int
 ) -> tuple[Tensor, Tensor]:
     # k, v already at q's head count. lse comes back padded to a multiple of 32 rows: sliced off.
-    d, lq = q.shape[-1], q.shape[2]
+    # V's head dim may differ from q/k's: the kernel takes it natively (out has V's), each side padded
+    # to the alignment on its own.
+    lq = q.shape[2]
     qp, kp, vp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v))
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(qp, kp, vp, None, True, 0.0, causal, scale=scale)
-    return _unpad(out, d), lse.narrow(-1, 0, lq)
+    return _unpad(out, v.shape[-1]), lse.narrow(-1, 0, lq)
 
 
 def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    # k, v already at q's head count; head_dim is a multiple of 8 (the backend rules). lse: (B, H, len_q, 1).
-    qc, kc, vc = (_dense(x) for x in (q, k, v))
+    # k, v already at q's head count; head dims multiples of 8 (the backend rules). lse: (B, H, len_q, 1).
+    # Unequal q/k and v head dims: padded to the wider one, as for flash (torch 2.11's cuDNN path is not
+    # known here to take a V head dim of its own; padding is exact either way).
+    d = _common_head_dim(q, v)
+    qc, kc, vc = (_dense(_pad_to(x, d, 1)) for x in (q, k, v))
     res = _aten._scaled_dot_product_cudnn_attention(
         query=qc, key=kc, value=vc, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
         return_debug_mask=False, scale=scale,
     )
-    return res[0], res[1].squeeze(-1)
+    return _unpad(res[0], v.shape[-1]), res[1].squeeze(-1)
 
 
-def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool, softcap: float | None = None) -> Tensor:
     acc = lse_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     s = torch.matmul(q.to(acc), _expand_kv(k, group).to(acc).transpose(-1, -2)) * scale  # (B, H, Lq, Lk)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if causal:
         lq, lk = s.shape[-2:]
         # keys after the query row; triu(1) rather than ~tril(): `~` on a fake CUDA tensor raises
@@ -219,9 +260,11 @@ def _math_scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     return s
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def _math_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, softcap: float | None = None
+) -> tuple[Tensor, Tensor]:
     group = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal)
+    s = _math_scores(q, k, scale, causal, softcap)
     lse = torch.logsumexp(s, dim=-1)  # (B, H, Lq)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
     out = torch.matmul(p, _expand_kv(v, group).to(p.dtype))
@@ -240,14 +283,17 @@ def block_backward(
     scale: float,
     causal: bool,
     caps: DeviceCaps | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """This block's share of (dq, dk, dv), given the row's merged ``out`` and ``lse``.
 
     Args:
-        dout, out: ``(batch, q_heads, len_q, head_dim)`` (out is the merged output over all blocks).
-        q: ``(batch, q_heads, len_q, head_dim)``; k, v: ``(batch, kv_heads, len_k, head_dim)``.
+        dout, out: ``(batch, q_heads, len_q, v_head_dim)`` (out is the merged output over all blocks).
+        q: ``(batch, q_heads, len_q, head_dim)``; k: ``(batch, kv_heads, len_k, head_dim)``;
+            v: ``(batch, kv_heads, len_k, v_head_dim)``.
         lse: ``(batch, q_heads, len_q)`` merged log-sum-exp (fp32 / fp64).
         caps: CUDA only: the device's capabilities (default read from the device; tests inject them).
+        softcap: as in :func:`block_forward` (math kernel).
     Returns:
         dq like q, dk and dv like k and v (kv_heads), each in its input's dtype.
 
@@ -255,14 +301,19 @@ def block_backward(
     exact given the merged out/lse, whichever kernel ran the forward).
     """
     _check_block(q, k, v)
+    if softcap is not None:
+        return _math_backward(dout, q, k, v, out, lse, scale, causal, softcap)
     if q.device.type == "cpu":
-        # the CPU kernel wants lse in its own accumulation dtype (fp32 for half types)
+        # the CPU kernel wants lse in its own accumulation dtype (fp32 for half types); unequal head
+        # dims padded as in the forward (zero dout columns: delta = rowsum(dout * out) is unchanged)
+        dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
+        dop, qp, kp, vp, outp = (_pad_to(x, d, 1) for x in (dout, q, k, v, out))
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.to(lse_dtype(q.dtype)), 0.0, causal, scale=scale
+            dop, qp, kp, vp, outp, lse.to(lse_dtype(q.dtype)), 0.0, causal, scale=scale
         )
-        return dq, dk, dv
+        return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
     if q.device.type == "cuda":
-        backend = cuda_backend(q, k, causal, caps)
+        backend = cuda_backend(q, k, causal, caps, v_head_dim=v.shape[-1])
         if backend is not Backend.MATH:
             align = efficient_alignment(_caps(q, caps), q.dtype)
             return _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align)
@@ -293,18 +344,20 @@ def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
     # computes dK/dV at the query head count (dk_expanded) and sums each group itself (at::sum_out
     # over the group axis) -- pytorch/pytorch aten/src/ATen/native/transformers/cuda/flash_attn/
     # flash_api.cpp and, identically, Dao-AILab/flash-attention csrc/flash_attn/flash_api.cpp.
-    d, lq, lk = q.shape[-1], q.shape[2], k.shape[2]
-    qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, 8)) for x in (q, k, v, dout, out))
+    dk_dim, dv_dim, lq, lk = q.shape[-1], v.shape[-1], q.shape[2], k.shape[2]
+    d = _common_head_dim(q, v)
+    qp, kp, vp, dop, outp = (_kernel_ready(_pad_to(x, d, 8)) for x in (q, k, v, dout, out))
     rng = _unused_rng(q.device)
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
         dop, qp, kp, vp, outp, _dense(lse.float()), None, None, lq, lk, 0.0, causal,
         rng, rng, scale=scale,
     )
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d)
+    return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
 
 
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa: ANN001, ANN202 (private)
-    # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows.
+    # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows. V's head dim may
+    # differ from q/k's (taken natively, as in the forward).
     d, lq = q.shape[-1], q.shape[2]
     qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v, dout, out))
     lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
@@ -312,7 +365,7 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa:
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dop, qp, kp, vp, None, outp, lse_p, rng, rng, 0.0, [True, True, True, False], causal, scale=scale,
     )
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, d)
+    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, v.shape[-1])
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
@@ -320,19 +373,20 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
     # attn_bias, unlike the flash backward), and a renamed argument fails loudly instead of binding
     # to the wrong slot. Same dense layout for out and dout; lse back to cuDNN's (B, H, len_q, 1).
     rng = _unused_rng(q.device)
-    qc, kc, vc, doc, outc = (_dense(x) for x in (q, k, v, dout, out))
+    dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
+    qc, kc, vc, doc, outc = (_dense(_pad_to(x, d, 1)) for x in (q, k, v, dout, out))
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
         grad_out=doc, query=qc, key=kc, value=vc, out=outc,
         logsumexp=_dense(lse.float().unsqueeze(-1)),
         philox_seed=rng, philox_offset=rng, attn_bias=None, cum_seq_q=None, cum_seq_k=None,
         max_q=q.shape[2], max_k=k.shape[2], dropout_p=0.0, is_causal=causal, scale=scale,
     )
-    return dq, dk, dv
+    return _unpad(dq, dk_dim), _unpad(dk, dk_dim), _unpad(dv, dv_dim)
 
 
-def _math_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
+def _math_backward(dout, q, k, v, out, lse, scale, causal, softcap=None):  # noqa: ANN001, ANN202 (private)
     group = q.shape[1] // k.shape[1]
-    s = _math_scores(q, k, scale, causal)
+    s = _math_scores(q, k, scale, causal, softcap)
     acc = s.dtype
     p = torch.exp(s - lse.to(acc).unsqueeze(-1)).nan_to_num_(0.0)  # (B, H, Lq, Lk)
     dout_a = dout.to(acc)
@@ -341,6 +395,10 @@ def _math_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN
     dp = torch.matmul(dout_a, v_e.transpose(-1, -2))
     delta = (dout_a * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta) * scale
+    if softcap is not None:
+        # d/dx [c tanh(x / c)] = 1 - tanh(x / c)^2 = 1 - (s / c)^2; the clamp turns a masked score's
+        # -inf into a factor 0 (its p is 0 too) instead of 0 * inf = NaN
+        ds = ds * (1 - (s / softcap).clamp(-1, 1).square())
     dq = torch.matmul(ds, _expand_kv(k, group).to(acc))
     dk = torch.matmul(ds.transpose(-1, -2), q.to(acc))
     return (

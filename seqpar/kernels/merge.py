@@ -11,8 +11,8 @@ from zeros and ``-inf``: a copy instead of a fill plus a merge. Pieces may cover
 planners hand out row ranges); rows that no piece reaches end as out = 0, lse = -inf. A learned
 per-head sink is one more term with a single logit and value 0 (:func:`add_sink`).
 
-Layouts: out ``(batch, heads, len, head_dim)``, lse ``(batch, heads, len)``; accumulators fp32 (fp64
-for fp64 inputs), blocks in any float dtype.
+Layouts: out ``(batch, heads, len, v_head_dim)`` (V's head dim, which may differ from q/k's), lse
+``(batch, heads, len)``; accumulators fp32 (fp64 for fp64 inputs), blocks in any float dtype.
 """
 
 from __future__ import annotations
@@ -20,13 +20,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["merge_into", "add_sink", "sink_grad", "Partials", "new_accumulators"]
+__all__ = ["merge_into", "add_sink", "sink_grad", "Partials", "new_accumulators", "output_like", "in_layout_of"]
 
 
-def new_accumulators(q: Tensor, acc_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """The empty partial for q ``(batch, heads, len, head_dim)``: out zeros, lse -inf, in ``acc_dtype``.
-    For callers whose pieces reach rows in patterns too irregular to track (dilated attention)."""
-    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+def _out_shape(q: Tensor, v_head_dim: int | None) -> tuple[int, ...]:
+    # the output has q's rows and V's head dim (MLA: V's differs from q/k's)
+    return (*q.shape[:-1], q.shape[-1] if v_head_dim is None else v_head_dim)
+
+
+def _dim_order(q: Tensor) -> list[int]:
+    # q's dimensions from outermost to innermost in memory (ties: in index order)
+    return sorted(range(q.dim()), key=lambda i: -q.stride(i))
+
+
+def output_like(q: Tensor, v_head_dim: int | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised output ``(batch, heads, len, v_head_dim)`` for q ``(batch, heads, len, head_dim)``,
+    laid out in memory as q is (a Hugging Face q is a ``(batch, seq, heads, dim)`` buffer seen
+    transposed: the output then is too, and the caller's transpose back is free). ``v_head_dim``
+    default: q's; ``dtype`` default: q's."""
+    dtype = q.dtype if dtype is None else dtype
+    if v_head_dim is None or v_head_dim == q.shape[-1]:
+        return torch.empty_like(q, dtype=dtype)
+    order = _dim_order(q)
+    shape = _out_shape(q, v_head_dim)
+    buf = torch.empty([shape[i] for i in order], dtype=dtype, device=q.device)
+    return buf.permute([order.index(i) for i in range(q.dim())])
+
+
+def in_layout_of(x: Tensor, q: Tensor) -> bool:
+    """``x`` is dense in q's memory order (what :func:`output_like` makes), whatever its last dim."""
+    return x.permute(_dim_order(q)).is_contiguous()
+
+
+def new_accumulators(q: Tensor, acc_dtype: torch.dtype, v_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
+    """The empty partial for q ``(batch, heads, len, head_dim)``: out ``(batch, heads, len, v_head_dim)``
+    zeros (``v_head_dim`` default: q's), lse -inf, in ``acc_dtype``. For callers whose pieces reach rows
+    in patterns too irregular to track (dilated attention)."""
+    out = torch.zeros(_out_shape(q, v_head_dim), dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
     return out, lse
 
@@ -90,14 +120,14 @@ class Partials:
         self._pending: tuple[torch.Size, torch.dtype, torch.device] | None = None  # storage not made yet
 
     @classmethod
-    def like(cls, q: Tensor, acc_dtype: torch.dtype) -> Partials:
-        """Accumulators for queries ``q`` ``(batch, heads, len, head_dim)``, made on first use: a first
-        piece that covers every row in ``acc_dtype`` (a ring's own block, one kernel call) becomes the
-        accumulator itself, with no copy."""
+    def like(cls, q: Tensor, acc_dtype: torch.dtype, v_head_dim: int | None = None) -> Partials:
+        """Accumulators for queries ``q`` ``(batch, heads, len, head_dim)`` and an output of
+        ``v_head_dim`` columns (default: q's), made on first use: a first piece that covers every row
+        in ``acc_dtype`` (a ring's own block, one kernel call) becomes the accumulator itself, with no copy."""
         acc = cls.__new__(cls)
         acc.out = acc.lse = None  # type: ignore[assignment]
         acc._reached = []
-        acc._pending = (q.shape, acc_dtype, q.device)
+        acc._pending = (torch.Size(_out_shape(q, v_head_dim)), acc_dtype, q.device)
         return acc
 
     def _allocate(self) -> None:

@@ -9,6 +9,11 @@ The estimate is the live set of tensors at the step's peak moment, read off the 
     Q   = batch * q_heads  * L * head_dim * e      K   = batch * kv_heads * L * head_dim * e
     Q32 = batch * q_heads  * L * head_dim * a      K32 = batch * kv_heads * L * head_dim * a
 
+MLA (``v_head_dim`` != ``head_dim``): K/V come in pairs (k and v, dk and dv, their buffers), so ``K``
+and ``K32`` use the mean of the two head dims, which is exact for every pair; ``Q``-sized terms use
+that mean too (q and dq have ``head_dim`` columns, out and dout ``v_head_dim``: within
+``|head_dim - v_head_dim| / (head_dim + v_head_dim)`` of those terms, 20% for DeepSeek-V3's 192/128).
+
 Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp (``batch * q_heads
 * L * a``). On top of that, at the peak:
 
@@ -83,6 +88,7 @@ def estimate_attention_memory(
     causal: bool = True,
     head_chunks: int | str = "auto",
     ulysses_size: int | None = None,
+    v_head_dim: int | None = None,
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
@@ -95,18 +101,20 @@ def estimate_attention_memory(
         causal: causal attention (zigzag sharding for the distributed modes).
         head_chunks: :func:`seqpar.attention`'s ``head_chunks`` (an int dividing kv_heads, or "auto").
         ulysses_size: the hybrid's Ulysses degree u (divides world_size); required for ``"hybrid"``.
+        v_head_dim: V's head dim where it differs from ``head_dim`` (MLA; see the module docstring).
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, or bad sizes.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
-                 head_dim=head_dim)
+                 head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
     dt = as_dtype(dtype)
     mode, world, u, chunks = _effective_run(mode, seq_len=seq_len, world_size=world_size, causal=causal,
                                             q_heads=q_heads, kv_heads=kv_heads, head_chunks=head_chunks,
                                             ulysses_size=ulysses_size)
-    sizes = _tensor_sizes(dt, rows=batch * (seq_len // world), q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim)
+    sizes = _tensor_sizes(dt, rows=batch * (seq_len // world), q_heads=q_heads, kv_heads=kv_heads,
+                          head_dim=head_dim if v_head_dim is None else (head_dim + v_head_dim) / 2)
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
@@ -176,8 +184,8 @@ def _effective_run(mode: str, *, seq_len: int, world_size: int, causal: bool, q_
     return mode, world, u, chunks
 
 
-def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, head_dim: int) -> _Sizes:
-    """The unit sizes over ``rows = batch * L`` local rows."""
+def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, head_dim: float) -> _Sizes:
+    """The unit sizes over ``rows = batch * L`` local rows (``head_dim``: the mean of Q/K's and V's)."""
     e = torch.tensor([], dtype=dt).element_size()
     a = 8 if dt == torch.float64 else 4
     return _Sizes(Q=rows * q_heads * head_dim * e, K=rows * kv_heads * head_dim * e,
@@ -288,6 +296,7 @@ def max_seq_len(
     multiple: int = 1,
     head_chunks: int | str = "auto",
     ulysses_size: int | None = None,
+    v_head_dim: int | None = None,
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_attention_memory`
     fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
@@ -297,7 +306,8 @@ def max_seq_len(
     def fits(s: int) -> bool:
         return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                               head_chunks=head_chunks, ulysses_size=ulysses_size) <= budget_bytes
+                               head_chunks=head_chunks, ulysses_size=ulysses_size,
+                               v_head_dim=v_head_dim) <= budget_bytes
 
     if not fits(step):
         return 0

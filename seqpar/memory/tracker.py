@@ -190,7 +190,9 @@ _OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
-        if obj.grad is not None:
+        # only leaves and retain_grad() tensors keep a .grad; reading it on any other tensor (a
+        # job's saved activations) makes torch warn into the user's training log
+        if (obj.is_leaf or obj.retains_grad) and obj.grad is not None:
             yield obj.grad
     elif isinstance(obj, torch.nn.Module):
         for p in obj.parameters():

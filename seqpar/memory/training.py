@@ -161,11 +161,14 @@ class _StateBytes(NamedTuple):
 
 class _ActivationBytes(NamedTuple):
     """Saved activations per rank at the last layer's backward (``backward``) and at the loss's backward
-    (``at_loss``), and the tiled MLP's transient (0 untiled)."""
+    (``at_loss``), the MLP backward's transient (tiled: one chunk recomputed; untiled: the gradients
+    of its intermediates), and what the last layer's MLP block saved (``after_attention``: freed by
+    its backward, which runs before attention's)."""
 
     backward: int
     at_loss: int
     mlp_transient: int
+    after_attention: int = 0
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -238,7 +241,13 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
         # chunk's gradient (fp32 accumulator when low precision)
         mlp_transient = 5 * m.intermediate_size * mlp_rows * e + 3 * h * m.intermediate_size * (e + (4 if low else e))
-    return _ActivationBytes(activations, activations_at_loss, mlp_transient)
+    else:
+        # the untiled MLP's backward, just before attention's: the gradients of its intermediates
+        # (the product, then up and act(gate), then gate: at most three of size I per token at once)
+        mlp_transient = 3 * m.intermediate_size * rows * e
+    # the MLP's saved intermediates are gone once its backward ran, before attention's backward
+    after_attention = 4 * m.intermediate_size * e * rows if tiled_mlp is False else 0
+    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -263,6 +272,12 @@ def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool) ->
         return 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden
     # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
     return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
+
+
+def _communication_bytes(e: int, *, engine: str, reduce_bucket_size: int) -> int:
+    """The engine's gradient-reduction bucket: DeepSpeed allocates it at the configured size, whatever
+    the model's (FSDP2: none apart from what the gradients' terms count)."""
+    return reduce_bucket_size * e if engine == "deepspeed" else 0
 
 
 def _zero12_reduce_bytes(m: ModelShape, e: int, *, world: int, reduce_bucket_size: int,
@@ -296,8 +311,10 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # the loss's backward: every layer's activations and the logits' buffers
         "loss_backward": static + acts.at_loss + logits,
         # the last layer's backward (the first to run): the head's gradient made, the layer's own
-        # whole gradients in flight, attention's transients (or the tiled MLP's)
-        "layer_backward": static + acts.backward + head_grad + p_layer * e + max(attention, acts.mlp_transient) + comm,
+        # whole gradients in flight, attention's transients (its MLP's saved tensors freed by then)
+        # or the tiled MLP's
+        "layer_backward": static + acts.backward + head_grad + p_layer * e + comm
+        + max(attention - acts.after_attention, acts.mlp_transient, 0),
         # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
         # reduce-scatter input while the last whole gradient is still alive, and the output shard),
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
@@ -364,8 +381,7 @@ def estimate_training_memory(
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
                                            batch=batch, head_chunks=head_chunks)
     logits = _logits_loss_bytes(m, e, rows=rows, tiled_loss=tiled_loss)
-    # DeepSpeed allocates its gradient bucket at the configured size, whatever the model's
-    comm = reduce_bucket_size * e if engine == "deepspeed" else 0
+    comm = _communication_bytes(e, engine=engine, reduce_bucket_size=reduce_bucket_size)
     zero12_reduce = _zero12_reduce_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
                                          offload_optimizer=offload_optimizer)
 

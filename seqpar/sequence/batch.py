@@ -53,12 +53,18 @@ from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
-           "document_boundaries", "PACKED_KEYS"]
+           "document_boundaries", "PACKED_KEYS", "TOKEN_MASK_KEY"]
 
 logger = logging.getLogger("seqpar")
 
 # transformers' flash-varlen keyword inputs of a packed batch (DataCollatorWithFlattening).
 PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+TOKEN_MASK_KEY = "seqpar_token_mask"
+"""Added by :func:`shard_batch` only when the batch has padding (seqpar's end padding, or a right-padded
+``attention_mask``): ``(B, S_local)`` int64, 1 where one process would have a token its attention mask
+keeps. Statistics over the tokens of a call (MoE router losses and expert counts) must skip the rest;
+the swapped Hugging Face model takes the key out of the call (:mod:`seqpar.swap.moe`)."""
 
 # Keys whose padding value is fixed by their meaning; any other cut tensor is padded with 0.
 _LABEL_KEYS = ("labels", "shift_labels")
@@ -218,7 +224,12 @@ def shard_batch(
     multiple = length_multiple(world_size, sharding)
     pad = (-seq_len) % multiple
     bounds = document_boundaries(out, seq_len)  # global, before the cut
+    given_mask = out.get("attention_mask")
     _accept_right_padding(out, causal_lm=causal_lm, ignore_index=ignore_index)
+    if pad or (isinstance(given_mask, Tensor) and given_mask is not out.get("attention_mask")):
+        kept = given_mask.long() if isinstance(given_mask, Tensor) and given_mask.dim() == 2 else None
+        out[TOKEN_MASK_KEY] = kept if kept is not None else torch.ones(batch_size, seq_len, dtype=torch.long,
+                                                                       device=device)
     if pad and not causal_lm:
         raise ValueError(
             f"sequence length {seq_len} is not a multiple of {multiple} ({sharding} sharding over "

@@ -5,7 +5,9 @@ Three routes, chosen per module:
 - ``"hf"``: Hugging Face transformers attention modules (those dispatching through
   ``ALL_ATTENTION_FUNCTIONS``). A ``"seqpar"`` attention function and mask function are registered
   with transformers, and the model's attention implementation is switched to it
-  (:mod:`seqpar.swap.hf`, imported only when transformers is installed).
+  (:mod:`seqpar.swap.hf`, imported only when transformers is installed). The ALiBi modules (BLOOM,
+  MPT, Falcon ``alibi=True``), which compute their own scores, get a forward of their own on this route
+  (:mod:`seqpar.swap.hf_alibi`).
 - ``"sdpa"``: any other module whose code calls ``torch.nn.functional.scaled_dot_product_attention``
   (nanoGPT style), through one global dispatcher (:mod:`seqpar.swap.sdpa`).
 - ``"mha"``: ``nn.MultiheadAttention`` is replaced by :class:`SeqParMultiheadAttention`, which keeps
@@ -24,8 +26,8 @@ configured sharding, as produced by :func:`seqpar.sequence.batch.shard_batch`. P
 *global* positions (``position_ids`` from ``shard_batch``): Hugging Face models get them filled in
 by the swap, but code that numbers positions from the local length (nanoGPT's
 ``pos = torch.arange(t)``) must take them as an argument instead. Features seqpar does not honour
-(sliding windows shorter than the sequence, soft-capping, sinks, attention dropout, custom or
-padding masks, attention weights) are refused, at swap time where the model says so, else at call
+(soft-capping on CUDA outside float64, attention dropout, custom or padding masks, attention
+weights, ...; windows, sinks, chunks, soft-capping on CPU and ALiBi are honoured) are refused, at swap time where the model says so, else at call
 time, with the layer named: never silently computed as plain attention.
 
 Every other module that mixes information across positions (state-space, linear-attention and

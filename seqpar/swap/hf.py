@@ -46,10 +46,27 @@ attention call (Mistral: every layer; Qwen2, Gemma 2/3, GPT-OSS: the ``"sliding_
 of ``layer_types``, ``None`` for full layers) becomes ``window`` (causal: the same number; bidirectional:
 one more, transformers' is inclusive). GPT-OSS sinks (``s_aux``) become ``sinks=``.
 
-Layer features refused when swapping (named with the layer): ``"chunked_attention"`` layers, logit
-soft-capping (no score modifier in seqpar's kernels), cross-attention, ``output_attentions`` in the
-config, attention dropout in training. Keyword arguments of the attention call outside
-:data:`ATTENTION_KWARGS` (DSA's ``indices=``) are refused by name at every call.
+MoE router losses (``output_router_logits``) and Bamba's z-loss are made those of the whole sequence
+by :mod:`seqpar.swap.moe` (installed by :func:`apply`); the input preparer hands it the batch's
+``seqpar_token_mask`` (padding to leave out of the router statistics) and removes it from the call.
+A sliding-window mask reaches the attention function as a :class:`WindowMask`, so layers that leave
+the window to the mask (PhiMoE) run it too.
+
+Llama 4's ``"chunked_attention"`` layers pass ``config.attention_chunk_size`` as ``chunk_size=`` (chunks
+counted from each packed document's start, as transformers' own packed mask does). Its NoPE layers'
+attention temperature tuning scales each query row by a function of the row's position, which
+transformers numbers from 0 on every shard: the attention function rescales the rows to their *global*
+positions (of the packed row, as one process numbers them). Gemma 2's logit soft-capping (``softcap``)
+becomes ``softcap=`` (seqpar's math kernel: CPU, or float64 on CUDA; refused at swap time for a model
+on CUDA in another dtype, whose fused kernels have no soft-capping).
+
+ALiBi models (BLOOM, MPT, Falcon with ``alibi=True``), whose attention modules compute their own
+scores, get a forward of their own (:mod:`seqpar.swap.hf_alibi`) that runs ``seqpar.attention`` with
+``alibi_slopes=`` at global positions.
+
+Layer features refused when swapping (named with the layer): a ``"chunked_attention"`` layer without
+``attention_chunk_size``, soft-capping on CUDA (outside float64), cross-attention,
+``output_attentions`` in the config, attention dropout in training. Keyword arguments of the attention call outside :data:`ATTENTION_KWARGS` (DSA's ``indices=``) are refused by name at every call.
 
 Before anything is changed, :func:`probe_at_swap` runs the position-mixing probe
 (:mod:`seqpar.swap.probe`) on 13 synthetic tokens, with the attention routed to seqpar (self-only) for
@@ -79,9 +96,13 @@ from seqpar.sequence.batch import (
     global_positions,
     sp_rank_and_size,
 )
-from seqpar.sequence.boundaries import boundary_tensor
+from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
+from seqpar.swap import moe
 from seqpar.swap.batch import Preparer
+from seqpar.swap.hf_alibi import alibi_problems, is_alibi_attention
+from seqpar.swap.hf_alibi import install as install_alibi
+from seqpar.swap.mla import install_latent_transfer, take_latent
 from seqpar.swap.options import SwapError, SwapOptions, self_only_attention
 from seqpar.swap.probe import (
     PROBE_LENGTH,
@@ -103,6 +124,7 @@ __all__ = [
     "apply",
     "seqpar_attention_forward",
     "seqpar_mask",
+    "WindowMask",
     "SequenceParallelLMLoss",
     "probe_at_swap",
     "ATTENTION_KWARGS",
@@ -139,8 +161,9 @@ def _dispatches_through_interface(cls: type) -> bool:
 
 
 def is_hf_attention(module: nn.Module) -> bool:
-    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``."""
-    return _dispatches_through_interface(type(module))
+    """A transformers attention module that dispatches through ``ALL_ATTENTION_FUNCTIONS``, or one of
+    the ALiBi modules (BLOOM, MPT, Falcon with alibi=True) served by :mod:`seqpar.swap.hf_alibi`."""
+    return _dispatches_through_interface(type(module)) or is_alibi_attention(module)
 
 
 def _dropout_p(module: nn.Module) -> float:
@@ -153,26 +176,42 @@ def _dropout_p(module: nn.Module) -> float:
     return 0.0
 
 
-def swap_problems(module: nn.Module) -> list[str]:
-    """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
-    config = getattr(module, "config", None)
-    problems = []
-    layer_types = getattr(config, "layer_types", None)
-    layer_idx = getattr(module, "layer_idx", None)
+def _layer_type(module: nn.Module) -> str | None:
+    """The layer's entry of ``config.layer_types`` (or its own ``layer_type``), None if unknown."""
     layer_type = getattr(module, "layer_type", None)
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
     if layer_type is None and layer_types is not None and isinstance(layer_idx, int):
         if 0 <= layer_idx < len(layer_types):
             layer_type = layer_types[layer_idx]
-    if layer_type == "chunked_attention":
+    return layer_type
+
+
+def _chunk_size(module: nn.Module) -> int | None:
+    """Llama 4's chunked local attention: ``config.attention_chunk_size`` on ``"chunked_attention"`` layers."""
+    if _layer_type(module) != "chunked_attention":
+        return None
+    return getattr(getattr(module, "config", None), "attention_chunk_size", None)
+
+
+def swap_problems(module: nn.Module) -> list[str]:
+    """Features of this attention layer that seqpar does not honour (empty when it can swap)."""
+    if is_alibi_attention(module):
+        return alibi_problems(module)
+    config = getattr(module, "config", None)
+    problems = []
+    if _layer_type(module) == "chunked_attention" and _chunk_size(module) is None:
         problems.append(
-            "chunked_attention layer (Llama 4 chunked local attention) is not supported; seqpar runs "
-            "causal, sliding-window and packed-document attention only"
+            "chunked_attention layer without config.attention_chunk_size: seqpar cannot tell its chunks; "
+            "set attention_chunk_size"
         )
     softcap = getattr(config, "attn_logit_softcapping", None) or getattr(module, "softcap", None)
-    if softcap:
+    param = next(module.parameters(), None)
+    if softcap and param is not None and param.device.type == "cuda" and param.dtype != torch.float64:
         problems.append(
-            f"attention logit soft-capping ({softcap}) is not supported (seqpar's kernels "
-            "have no score modifier); set config.attn_logit_softcapping=None"
+            f"attention logit soft-capping ({softcap}) on CUDA: torch's fused attention kernels have no "
+            "soft-capping and seqpar's exact math kernel runs on CPU or in float64 only; set "
+            "config.attn_logit_softcapping=None or train this model on CPU"
         )
     if getattr(module, "is_cross_attention", False):
         problems.append("cross-attention is not supported (self-attention on a sharded sequence only)")
@@ -212,20 +251,22 @@ def apply(
         is not a ``PreTrainedModel``: nested models then prepare their inputs in their own hook).
     """
     register()
-    for pm in _top_pretrained(model):
-        problem = router_loss_problem(getattr(pm, "config", None))
-        if problem is not None:
-            raise SwapError(f"{type(pm).__name__}: {problem}")
+    moe.install(model, options.group)  # router losses and z-loss over the whole sequence
     for name, module in modules:
         setattr(module, _OPTIONS_ATTR, options)
         module._seqpar_name = name
+        if options.mla_transfer == "latent":
+            install_latent_transfer(module, options)  # MLA layers only: their ring moves the latent
+        if is_alibi_attention(module):
+            install_alibi(module, options)  # its own forward: no attention interface to switch
+    modules = [(name, module) for name, module in modules if not is_alibi_attention(module)]
     tops = _top_pretrained(model)
     if not tops:
         raise SwapError(
             f"found transformers attention modules in {type(model).__name__} but no PreTrainedModel "
             "holding them: swap the transformers model itself"
         )
-    for top in tops:
+    for top in tops if modules else ():
         top.set_attn_implementation(ATTN_IMPLEMENTATION)
     for name, module in modules:
         impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
@@ -396,19 +437,24 @@ def _probe_routing(
     Yields whether transformers took the routing for every module."""
     register()
     configs = [(c, c.__dict__.get("_attn_implementation_internal", _MISSING)) for c in _all_configs(tops)]
-    saved = [(m, m.__dict__.get(_OPTIONS_ATTR, _MISSING), m.__dict__.get("_seqpar_name", _MISSING))
-             for _, m in modules]
+    saved = [(m, m.__dict__.get(_OPTIONS_ATTR, _MISSING), m.__dict__.get("_seqpar_name", _MISSING),
+              m.__dict__.get("forward", _MISSING)) for _, m in modules]
+    # ALiBi modules (BLOOM, MPT, Falcon) compute their own scores: they get seqpar's forward for the
+    # probe, as apply() gives them for good; the others are routed through transformers' interface.
+    interfaced = [m for _, m in modules if not is_alibi_attention(m)]
     try:
         for name, module in modules:
             setattr(module, _OPTIONS_ATTR, options)
             module._seqpar_name = name
-        for top in tops:
+            if is_alibi_attention(module):
+                install_alibi(module, options)
+        for top in tops if interfaced else ():
             top.set_attn_implementation(ATTN_IMPLEMENTATION)
         yield all(getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION
-                  for _, m in modules)
+                  for m in interfaced)
     finally:
-        for module, old_options, old_name in saved:
-            for attr, old in ((_OPTIONS_ATTR, old_options), ("_seqpar_name", old_name)):
+        for module, old_options, old_name, old_forward in saved:
+            for attr, old in ((_OPTIONS_ATTR, old_options), ("_seqpar_name", old_name), ("forward", old_forward)):
                 if old is _MISSING:
                     module.__dict__.pop(attr, None)
                 else:
@@ -518,39 +564,12 @@ def _prepare_inputs(
     where = type(module).__name__
 
     _refuse_cache(arguments, params, where)
-    _refuse_router_losses(arguments, module, where)
+    moe.take_token_mask(_var_keyword(arguments, params))  # padding the router statistics must skip
     _fill_attention_mask(arguments, params, ref, where)
     _prepare_labels(arguments, params, module, options, where)
     if "position_ids" in params:
         _fill_positions(arguments, params, options, ref, where)
     return _as_keywords(bound, params)
-
-
-# Why router losses are refused for now: transformers' load-balancing loss (load_balancing_loss_func) is a
-# product of per-expert token fractions and mean router probabilities over the tokens of the call, so on
-# a shard it is the shard's own value, not the sequence's (measured at SP=2: loss 3e-4 off, router gate
-# gradient 140% off). Until seqpar reduces those statistics over the SP group, refusing is the honest answer.
-_ROUTER_LOSS_FIX = (
-    "MoE router auxiliary losses are computed from each rank's tokens only under sequence parallelism, "
-    "so the loss and the router's gradients would differ from one process; pass output_router_logits=False "
-    "(and set config.output_router_logits=False) to train without them under seqpar"
-)
-
-
-def router_loss_problem(config: Any) -> str | None:
-    """Why a model whose config asks for router logits cannot be swapped (None: it does not)."""
-    if getattr(config, "output_router_logits", False):
-        return f"config.output_router_logits=True: {_ROUTER_LOSS_FIX}"
-    return None
-
-
-def _refuse_router_losses(arguments: dict[str, Any], module: nn.Module, where: str) -> None:
-    """Refuse a forward that would add a shard-local router loss (``output_router_logits=True``)."""
-    asked = arguments.get("output_router_logits")
-    if asked is None:
-        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
-    if asked:
-        raise ValueError(f"seqpar ({where}): output_router_logits=True: {_ROUTER_LOSS_FIX}")
 
 
 def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
@@ -733,7 +752,7 @@ def seqpar_mask(
     local_size: int | None = None,
     allow_is_causal_skip: bool = True,
     **kwargs: Any,
-) -> None:
+) -> WindowMask | None:
     """transformers' mask factory for ``"seqpar"``: checks, then returns ``None`` (no mask).
 
     Raises ``ValueError`` for padding (a 2D mask with zeros) and for any pattern other than plain
@@ -755,7 +774,20 @@ def seqpar_mask(
             "seqpar attention does not honour it. Pass packed documents as cu_seq_lens_q/k "
             "(seqpar.sequence.batch.shard_batch derives them) and use a model without custom masks"
         )
-    return None
+    # A sliding-window mask: pass the window itself on, because some attention modules (PhiMoE) do not
+    # hand their sliding_window to the attention function and rely on this mask alone.
+    return WindowMask(int(local_size)) if local_size is not None else None
+
+
+class WindowMask:
+    """What :func:`seqpar_mask` returns for a sliding-window mask: the model's window (key j visible to
+    query i iff ``i - j < window``), which :func:`seqpar_attention_forward` applies globally."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+
+    def __repr__(self) -> str:
+        return f"WindowMask({self.window})"
 
 
 def seqpar_attention_forward(
@@ -800,6 +832,10 @@ def seqpar_attention_forward(
                 f"the model runs on sequence shards of {world_size} ranks, where it would see only "
                 "this rank's keys. Include every attention layer in sequence_parallel.swap"
             )
+        if isinstance(attention_mask, WindowMask):  # the unsharded sequence: the window as a tensor
+            i = torch.arange(query.shape[2], device=query.device)[:, None]
+            j = torch.arange(key.shape[2], device=query.device)[None, :]
+            attention_mask = ((j <= i) & (i - j < attention_mask.window))[None, None]
         return transformers.AttentionInterface._global_mapping["sdpa"](
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs,
@@ -808,9 +844,8 @@ def seqpar_attention_forward(
     _refuse_unknown_kwargs(kwargs, layer, module)
     if kwargs.get("output_attentions"):
         raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
-    for feature, key_name in (("logit soft-capping", "softcap"), ("a position bias", "position_bias")):
-        if kwargs.get(key_name) is not None:
-            raise ValueError(f"seqpar (layer '{layer}'): {feature} ({key_name}=...) is not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"seqpar (layer '{layer}'): a position bias (position_bias=...) is not supported")
     if dropout:
         raise ValueError(
             f"seqpar (layer '{layer}'): attention dropout {dropout} in training is not supported; "
@@ -822,6 +857,14 @@ def seqpar_attention_forward(
             f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
             "cross-attention is not supported on a sharded sequence"
         )
+    sliding_window = kwargs.get("sliding_window")
+    if isinstance(attention_mask, WindowMask):
+        if sliding_window is not None and sliding_window != attention_mask.window:
+            raise ValueError(
+                f"seqpar (layer '{layer}'): the layer passed sliding_window={sliding_window} but its mask "
+                f"is a window of {attention_mask.window}; the model is inconsistent"
+            )
+        sliding_window, attention_mask = attention_mask.window, None
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
             raise ValueError(
@@ -830,11 +873,47 @@ def seqpar_attention_forward(
                 "attention honours only causal or bidirectional attention with no mask"
             )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    query = _global_temperature(module, query, options, kwargs.get("cu_seq_lens_q"))
+    latent = take_latent(module, key, value)
+    if latent is not None:  # an MLA layer whose ring moves the latent (seqpar.swap.mla)
+        out = options.latent_attention(query, latent, causal=causal, scale=scaling, layer=layer,
+                                       cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                                       window=_window(sliding_window, causal),
+                                       sinks=kwargs.get("s_aux"), chunk_size=_chunk_size(module),
+                                       softcap=kwargs.get("softcap"))
+        return out.transpose(1, 2).contiguous(), None
     out = options.attention(query, key, value, causal=causal, scale=scaling, layer=layer,
                             cu_seqlens=kwargs.get("cu_seq_lens_q"),
-                            window=_window(kwargs.get("sliding_window"), causal),
-                            sinks=kwargs.get("s_aux"))
+                            window=_window(sliding_window, causal),
+                            sinks=kwargs.get("s_aux"), chunk_size=_chunk_size(module),
+                            softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, cu_seqlens: Any) -> Tensor:
+    """Llama 4's attention temperature tuning, at the rows' global positions.
+
+    Its NoPE layers scale query row t by ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1`` with
+    ``t`` numbered from 0 on the tensor it sees (``torch.arange``, not ``position_ids``): on a shard that
+    is the local row. Each row is rescaled here by ``scale(global t) / scale(local t)`` (the scales in
+    fp32 as transformers computes them, their ratio in float64): ``query`` ``(batch, q_heads,
+    seq_local, head_dim)``, and its gradient flows through the same factor.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    rank, world_size = sp_rank_and_size(options.group)
+    if world_size == 1:
+        return query
+    seq_local = query.shape[2]
+    glob = global_positions(seq_local * world_size, rank, world_size, options.sharding, device=query.device,
+                            cu_seqlens=host_boundaries(cu_seqlens))
+
+    def temperature(pos: Tensor) -> Tensor:
+        return torch.log1p(torch.floor((pos.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    local = torch.arange(seq_local, device=query.device)
+    factor = temperature(glob).double() / temperature(local).double()  # (seq_local,)
+    return query * factor.to(query.dtype).view(1, 1, seq_local, 1)
 
 
 # The keyword arguments transformers' decoders pass to the attention function, found by running the
@@ -850,7 +929,7 @@ _HONOURED_KWARGS = {
     "s_aux": "attention sinks (seqpar attention's sinks)",
     "position_ids": "positions (already applied by rotary embeddings; packing comes as cu_seq_lens_q/k)",
     "output_attentions": "refused when True",
-    "softcap": "refused when set",
+    "softcap": "logit soft-capping (seqpar attention's softcap)",
     "position_bias": "refused when set",
 }
 # Model-level flags that transformers threads through the layers' **kwargs down to the attention call;

@@ -77,12 +77,14 @@ class SwapOptions:
     """Collective NaN/Inf check of each call's inputs and output (:mod:`seqpar.runtime.guard`)."""
     pattern: PatternConfig = field(default_factory=PatternConfig)
     """Dense attention, or LongNet dilated attention (``seqpar.attn.dilated``)."""
+    mla_transfer: str = "latent"
+    """MLA layers' ring transfer: ``"latent"`` or ``"expanded"`` (:attr:`SeqParConfig.mla_transfer`)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=resolve_sharding(config.sharding, where="swap_attention"),
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
-                   pattern=config.pattern, check_finite=config.check_finite)
+                   pattern=config.pattern, check_finite=config.check_finite, mla_transfer=config.mla_transfer)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -99,7 +101,8 @@ class SwapOptions:
     def attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
         layer: str | None = None, cu_seqlens: Any = None, window: int | None = None,
-        sinks: Tensor | None = None,
+        sinks: Tensor | None = None, chunk_size: int | None = None, softcap: float | None = None,
+        alibi_slopes: Tensor | None = None,
     ) -> Tensor:
         """seqpar attention on shards: q ``(batch, q_heads, seq_local, head_dim)``, k/v
         ``(batch, kv_heads, seq_local, head_dim)`` -> ``(batch, q_heads, seq_local, head_dim)``.
@@ -108,8 +111,9 @@ class SwapOptions:
         per-call cross-rank check is skipped: it would cost a host sync per layer and could only
         repeat the batch's verdict (seqpar.runtime.verified).
 
-        ``cu_seqlens`` (global packed-document boundaries), ``window`` and ``sinks`` are passed to
-        :func:`seqpar.attention` as they are (see there); the dilated pattern takes none of them.
+        ``cu_seqlens`` (global packed-document boundaries), ``window``, ``sinks``, ``chunk_size``,
+        ``softcap`` and ``alibi_slopes`` are passed to :func:`seqpar.attention` as they are (see there); the dilated pattern
+        takes none of them.
         ``check_finite`` (off by default, then free) raises on every rank, naming ``layer``, when
         the inputs or the output hold a NaN or an Inf.
 
@@ -119,7 +123,8 @@ class SwapOptions:
         """
         if is_probing():
             return self_only_attention(q, v)
-        masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks))
+        masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks),
+                                    ("chunk_size", chunk_size), ("softcap", softcap), ("alibi_slopes", alibi_slopes))
                   if v is not None}
         if self.check_finite:  # off by default: then this branch is the whole cost
             from seqpar.runtime.guard import check_finite
@@ -145,7 +150,7 @@ class SwapOptions:
                 if masked:
                     raise ValueError(
                         f"seqpar: the dilated pattern does not take {sorted(masked)} (packed documents, "
-                        "sliding windows, sinks); use the dense pattern for such models"
+                        "sliding windows, sinks, chunks, soft-capping); use the dense pattern for such models"
                     )
                 from seqpar.attn.dilated import dilated_attention
 
@@ -161,4 +166,47 @@ class SwapOptions:
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
                 head_chunks=self.head_chunks, layout="bhsd", **masked,
             )
-            return run_attention(plan, q, k, v, masked.get("sinks"))
+            return run_attention(plan, q, k, v, masked.get("sinks"), masked.get("alibi_slopes"))
+
+    def latent_attention(
+        self, q: Tensor, call: Any, *, causal: bool, scale: float | None, layer: str | None = None,
+        cu_seqlens: Any = None, window: int | None = None, sinks: Tensor | None = None,
+        chunk_size: int | None = None, softcap: float | None = None,
+    ) -> Tensor:
+        """seqpar attention of an MLA layer whose K/V stay latent (:mod:`seqpar.swap.mla`): q ``(batch,
+        heads, seq_local, d_nope + d_rope)`` and the layer call's :class:`~seqpar.swap.mla.LatentCall`
+        -> ``(batch, heads, seq_local, v_head_dim)``. The call is resolved as :meth:`attention`
+        resolves it (the stand-in K/V give the shapes); the ring or the all-gather then moves the latent
+        (:mod:`seqpar.attn.latent`), any other plan (and soft-capping, which the latent kernels do not
+        take) gets the expanded K/V."""
+        from seqpar.attn.dispatch import run_attention
+        from seqpar.attn.latent import LatentAllGatherAttention, LatentRingAttention
+        from seqpar.attn.resolve import resolve_attention
+        from seqpar.comm.ring import RingComm
+
+        masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks),
+                                    ("chunk_size", chunk_size), ("softcap", softcap)) if v is not None}
+        check = self.check_inputs and not batch_verified()
+        with suspended():
+            plan = resolve_attention(
+                q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,
+                sharding=self.sharding, overlap=self.overlap, check_inputs=check,
+                head_chunks=self.head_chunks, layout="bhsd", **masked,
+            )
+            if plan.algorithm not in ("ring", "allgather") or plan.opts.softcap is not None:
+                k, v = call.expand(call.c, call.r)
+                return run_attention(plan, q, k, v, sinks)
+            if self.check_finite:
+                from seqpar.runtime.guard import check_finite
+
+                check_finite({"query": q, "latent": call.c, "rope key": call.r}, self.group,
+                             f"layer {layer or '?'} attention inputs")
+            if plan.algorithm == "ring":
+                out = LatentRingAttention.apply(q, call.c, call.r, call.weight, RingComm(plan.group), plan.opts,
+                                                call.dims, sinks)
+            else:
+                out = LatentAllGatherAttention.apply(q, call.c, call.r, call.weight, plan.group, plan.opts,
+                                                     call.dims, sinks)
+            if self.check_finite:
+                check_finite({"output": out}, self.group, f"layer {layer or '?'} attention output")
+            return out

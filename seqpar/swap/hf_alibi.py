@@ -1,0 +1,188 @@
+"""The transformers ALiBi attention modules (BLOOM, MPT, Falcon with ``alibi=True``) on seqpar attention.
+
+These modules do not dispatch through ``ALL_ATTENTION_FUNCTIONS``: each computes its scores itself,
+adding a per-key ALiBi bias the model builds from *local* positions (BLOOM and Falcon from the
+attention mask's cumsum, MPT from ``max_seq_len``). A swapped module's forward is replaced by one
+that makes q, k, v with the module's own projections, reads the slopes ``m_h`` off the bias tensor the
+model passes (the model's own numbers: ``bias[..., 1] - bias[..., 0]`` for BLOOM / Falcon, whose
+key 0 has bias 0, and ``bias[..., -1] - bias[..., -2]`` for MPT, whose last key has bias 0), and calls
+seqpar attention with ``alibi_slopes=`` (global key positions: :mod:`seqpar.attn.alibi`), causal, then
+applies the module's own output projection (and BLOOM's residual dropout-add).
+
+Per family (transformers 5.x):
+
+- BLOOM: scores ``q.k / sqrt(d) + m_h j``; returns ``(dropout_add(dense(ctx), residual), None)``.
+- MPT: scores ``q.k * softmax_scale + m_h (j - (L - 1))``; ``clip_qkv`` clamps the fused projection;
+  returns ``(out_proj(ctx), None)``.
+- Falcon (``alibi=True``): scores ``(q.k + b_h(j)) / sqrt(d)`` (the bias scaled too, eager and sdpa
+  alike) where transformers builds ``b_h(j) = bf16(bf16(m_h) * j)``, rounded to bfloat16 whatever the
+  model's dtype: not linear in j, so no slope reproduces it. Those exact values ride instead in one
+  extra q/k column per head (``q' = [q, e_h]``, ``k' = [k, b_1(j), ..., b_H(j)]``, at global j; V keeps
+  its head dim), which the kernels scale with the scores; GQA / MQA K/V heads; returns ``(dense(ctx), None)``.
+
+Refused by name: a KV cache, ``output_attentions``, attention dropout in training, BLOOM's
+``pretraining_tp > 1`` with ``slow_but_exact``, and Falcon-ALiBi on transformers' eager path, which adds
+the bias twice (once to the scores, once through the mask it folds the bias into; its sdpa path adds it
+once, which is what seqpar does): load it with ``attn_implementation="sdpa"``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from seqpar.sequence.batch import global_positions, sp_rank_and_size
+from seqpar.sequence.boundaries import host_boundaries
+from seqpar.swap.options import SwapOptions
+
+__all__ = ["is_alibi_attention", "alibi_problems", "install"]
+
+_OPTIONS_ATTR = "_seqpar_options"
+
+
+def _family(module: nn.Module) -> str | None:
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models."):
+        return None
+    name = cls.__name__
+    if name == "BloomAttention":
+        return "bloom"
+    if name == "MptAttention":
+        return "mpt"
+    if name == "FalconAttention" and getattr(getattr(module, "config", None), "alibi", False):
+        return "falcon"
+    return None
+
+
+def is_alibi_attention(module: nn.Module) -> bool:
+    """A transformers ALiBi attention module this route serves (BLOOM, MPT, Falcon with alibi=True)."""
+    return _family(module) is not None
+
+
+def _dropout_p(module: nn.Module) -> float:
+    p = getattr(module, "attn_dropout_p", None)
+    if p is None:
+        drop = getattr(module, "attention_dropout", None)
+        p = drop.p if isinstance(drop, nn.Dropout) else 0.0
+    return float(p)
+
+
+def alibi_problems(module: nn.Module) -> list[str]:
+    """Features of this ALiBi layer that seqpar does not honour (empty when it can swap)."""
+    problems = []
+    if _family(module) == "falcon" and getattr(module.config, "_attn_implementation", None) == "eager":
+        problems.append(
+            "Falcon with alibi=True on transformers' eager attention adds the ALiBi bias twice (to the scores "
+            "and again through the attention mask), its sdpa path once, as seqpar does; load the model with "
+            "attn_implementation='sdpa' (transformers' default) so that one process and seqpar agree"
+        )
+    if _family(module) == "bloom" and module.pretraining_tp > 1 and module.slow_but_exact:
+        problems.append("BLOOM pretraining_tp > 1 with slow_but_exact is not supported; set slow_but_exact=False")
+    if getattr(getattr(module, "config", None), "output_attentions", False):
+        problems.append("config.output_attentions=True: attention weights of a sharded sequence are never materialised")
+    if _dropout_p(module) > 0 and module.training:
+        problems.append(f"attention dropout {_dropout_p(module)} in training is not supported; set it to 0.0 in the config")
+    return problems
+
+
+def _check_call(module: nn.Module, cache: Any, output_attentions: bool) -> str:
+    layer = getattr(module, "_seqpar_name", type(module).__name__)
+    if cache is not None:
+        raise ValueError(f"seqpar (layer '{layer}'): a KV cache is not supported on a sharded sequence")
+    if output_attentions:
+        raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
+    if _dropout_p(module) > 0 and module.training:
+        raise ValueError(f"seqpar (layer '{layer}'): attention dropout {_dropout_p(module)} in training is not "
+                         "supported; set the config's attention dropout to 0.0")
+    return layer
+
+
+def _slopes_from_first_keys(bias: Tensor, batch: int, heads: int, layer: str) -> Tensor:
+    # BLOOM / Falcon: (batch * heads, 1, seq_local) with bias m_h * (local position); key 0 has bias 0
+    per_key = bias.reshape(batch, heads, -1)[0]  # (heads, seq_local)
+    if per_key.shape[-1] < 2:
+        raise ValueError(f"seqpar (layer '{layer}'): ALiBi needs at least 2 tokens per rank to read the slopes")
+    return (per_key[:, 1] - per_key[:, 0]).float()
+
+
+def _attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, scale: float, slopes: Tensor,
+            layer: str, kwargs: dict[str, Any]) -> Tensor:
+    """seqpar attention of q ``(batch, q_heads, seq_local, d)``, k/v ``(batch, kv_heads, seq_local, d)``
+    -> ``(batch, seq_local, q_heads * d)``."""
+    options: SwapOptions = getattr(module, _OPTIONS_ATTR)
+    out = options.attention(q, k, v, causal=True, scale=scale, layer=layer,
+                            cu_seqlens=kwargs.get("cu_seq_lens_q"), alibi_slopes=slopes)
+    b, h, n, d = out.shape
+    return out.transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
+
+
+def _bloom_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor, alibi: Tensor,
+                   attention_mask: Tensor | None, layer_past: Any = None, use_cache: bool = False,
+                   output_attentions: bool = False, **kwargs: Any) -> tuple[Tensor, None]:
+    layer = _check_call(self, layer_past, output_attentions)
+    batch = hidden_states.shape[0]
+    q, k, v = self._reshape(self.query_key_value(hidden_states))  # 3 x (B, H, S, D)
+    slopes = _slopes_from_first_keys(alibi, batch, self.num_heads, layer)
+    ctx = _attend(self, q, k, v, scale=self.inv_norm_factor, slopes=slopes, layer=layer, kwargs=kwargs)
+    dropout_add = sys.modules[type(self).__module__].dropout_add
+    return dropout_add(self.dense(ctx), residual, self.hidden_dropout, self.training), None
+
+
+def _mpt_forward(self: nn.Module, hidden_states: Tensor, position_bias: Tensor, cache: Any = None,
+                 attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
+    layer = _check_call(self, cache if cache is not None else kwargs.pop("past_key_values", None),
+                        bool(kwargs.get("output_attentions")))
+    b, n = hidden_states.shape[:2]
+    mixed = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    q, k, v = (t.reshape(b, n, self.n_heads, self.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=2))
+    # (heads, 1, max_seq_len): m_h (j - (L - 1)), so the last key has bias 0 and the one before -m_h
+    slopes = (position_bias[:, 0, -1] - position_bias[:, 0, -2]).float()
+    ctx = _attend(self, q, k, v, scale=self.softmax_scale, slopes=slopes, layer=layer, kwargs=kwargs)
+    return self.out_proj(ctx), None
+
+
+def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None, attention_mask: Tensor | None,
+                    position_ids: Tensor | None = None, layer_past: Any = None, use_cache: bool = False,
+                    output_attentions: bool = False, position_embeddings: Any = None,
+                    **kwargs: Any) -> tuple[Tensor, None]:
+    layer = _check_call(self, layer_past, output_attentions)
+    q, k, v = self._split_heads(self.query_key_value(hidden_states))  # 3 x (B, S, heads, D)
+    b, n = q.shape[:2]
+    kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+    q = q.transpose(1, 2).reshape(b, self.num_heads, n, self.head_dim)
+    k = k.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
+    v = v.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
+    slopes = _slopes_from_first_keys(alibi, b, self.num_heads, layer)  # bf16(m_h), exactly
+    options: SwapOptions = getattr(self, _OPTIONS_ATTR)
+    rank, world = sp_rank_and_size(options.group)
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = global_positions(n * world, rank, world, options.sharding, device=q.device,
+                           cu_seqlens=host_boundaries(cu))  # (seq_local,) global positions
+    # transformers' own op (build_alibi_tensor): bf16 slopes times integer positions, a bf16 result
+    bias = (slopes.to(q.device).bfloat16()[:, None] * pos[None, :]).to(q.dtype)  # (heads, seq_local)
+    h, d = self.num_heads, self.head_dim
+    q2 = torch.cat([q, torch.eye(h, dtype=q.dtype, device=q.device).view(1, h, 1, h).expand(b, h, n, h)], dim=-1)
+    k2 = torch.cat([k, bias.t().reshape(1, 1, n, h).expand(b, kv_heads, n, h)], dim=-1)
+    out = options.attention(q2, k2, v, causal=True, scale=self.inv_norm_factor, layer=layer, cu_seqlens=cu)
+    ctx = out.transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
+    return self.dense(ctx), None
+
+
+_FORWARDS: dict[str, Callable[..., tuple[Tensor, None]]] = {
+    "bloom": _bloom_forward, "mpt": _mpt_forward, "falcon": _falcon_forward,
+}
+
+
+def install(module: nn.Module, options: SwapOptions) -> None:
+    """Point one ALiBi attention module at seqpar (its forward replaced on the instance)."""
+    family = _family(module)
+    assert family is not None
+    setattr(module, _OPTIONS_ATTR, options)
+    module.forward = types.MethodType(_FORWARDS[family], module)

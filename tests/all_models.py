@@ -1,0 +1,595 @@
+"""Every decoder-only causal-LM class of the installed transformers under SP=2: exact, or refused by name.
+
+Issue 19 §1. For each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` that is a decoder-only text
+model (:func:`decoder_model_types` states the rule), :func:`tiny_config` builds a tiny random-init
+config in code, with one layer of each kind the full-size default has and every length parameter
+(sliding window, chunk, top-k, block) below the shard length, so the mechanism fires across shards.
+Every dropout and jitter is zero. MoE router losses are on (``output_router_logits``, coefficient 0.1,
+and Bamba's z-loss), and experts run transformers' ``experts_implementation="eager"`` loop, which takes
+float64 where the grouped matmul takes only fp32, so MoE models compare in float64 too.
+
+On 2 ranks (ring, zigzag; seqpar's public path: ``init_process_groups``, ``swap_attention``,
+``shard_batch``) each model lands in exactly one class:
+
+- ``exact``: loss within 1e-4 relative, and every parameter gradient (summed over the SP ranks)
+  within 1e-4 of the largest gradient entry of the whole model, of one process without seqpar on the
+  full sequence (float64 where the model runs in it, else fp32);
+- ``refused``: ``swap_attention`` raised :class:`seqpar.swap.SwapError` (its message names the module),
+  or the first forward did, before any communication (models of the "sdpa" route are probed there);
+- ``cannot_run``: the tiny config does not run even in one process without seqpar;
+- ``crash``: anything else raised under seqpar (a failure: it must be a clear refusal instead);
+- ``wrong``: ran, but the loss or a gradient differs (a failure: silently wrong).
+
+Run ``python -m tests.all_models --table`` (repository root) to print README's table, ``--write-readme``
+to replace it in README.md, ``--only TYPE ...`` to run some model types with their details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEQ = 48  # zigzag over 2 ranks: 4 chunks of 12 tokens, 24 per rank
+BATCH = 2
+WORLD = 2
+VOCAB = 96
+LENGTH = 6  # every window / chunk / top-k / block length: below a zigzag chunk, so it fires across shards
+RTOL = 1e-4
+MAX_PARAMS = 2_000_000
+STATUSES = ("exact", "refused", "cannot_run", "wrong", "crash")
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE_BEGIN = "<!-- all-models table: python -m tests.all_models --write-readme -->"
+TABLE_END = "<!-- end of all-models table -->"
+
+
+# --------------------------------------------------------------------------------------------------
+# Which model types count
+# --------------------------------------------------------------------------------------------------
+
+# Decoders of speech / vision / audio models whose config is not composite (so the rule below cannot
+# see it from the config): TrOCR is the text decoder of a VisionEncoderDecoder; MusicGen's and Moshi's
+# causal LMs predict audio codebooks.
+_MEDIA_DECODERS = frozenset({"trocr", "musicgen", "musicgen_melody", "moshi"})
+
+
+def excluded_reason(model_type: str) -> str | None:
+    """Why ``model_type`` is not a decoder-only text model (``None``: it is one).
+
+    The rule: drop encoders (the type also has a masked-LM head: BERT, RoBERTa, ...), encoder-decoders
+    (the type has a seq2seq head, or its config says ``is_encoder_decoder``), and speech / vision /
+    multimodal decoders (a ``*ForConditionalGeneration`` class, a composite config with sub-configs
+    such as ``text_config`` / ``vision_config`` / ``audio_config``, a speech-seq2seq or
+    image-text-to-text model type, or one of :data:`_MEDIA_DECODERS`).
+    """
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto import modeling_auto as auto
+
+    cls_name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    if model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "encoder (has a masked-LM head)"
+    if model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return "encoder-decoder (has a seq2seq head)"
+    if model_type in auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES or model_type in _MEDIA_DECODERS:
+        return "speech / vision / audio decoder"
+    if model_type in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return "image-text-to-text model"
+    if cls_name.endswith("ForConditionalGeneration"):
+        return "conditional-generation (multimodal) class"
+    config_cls = CONFIG_MAPPING[model_type]
+    subs = {k for k in (getattr(config_cls, "sub_configs", None) or {})}
+    if subs & {"text_config", "vision_config", "audio_config", "audio_encoder_config", "vq_config",
+               "text_encoder", "audio_encoder"}:
+        return f"multimodal (composite config: {sorted(subs)})"
+    if getattr(config_cls, "is_encoder_decoder", False) is True:
+        return "encoder-decoder (config)"
+    return None
+
+
+def decoder_model_types() -> list[str]:
+    """Model types of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` kept by :func:`excluded_reason`, sorted."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return sorted(t for t in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if excluded_reason(t) is None)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny configs
+# --------------------------------------------------------------------------------------------------
+
+# Sizes set wherever the default config has the field (attribute_map names count).
+_SIZES: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rotary_dim": 4,
+    "max_position_embeddings": 256,
+    "use_cache": False,
+    # MoE router losses on, as anyone training an MoE sets them, and weighted enough to show in the gradients
+    "output_router_logits": True, "router_aux_loss_coef": 0.1, "z_loss_coefficient": 0.1,
+    # MoE
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "num_experts_per_token": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "shared_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+    "expert_ffn_hidden_size": 32, "dense_intermediate_size": 64, "intermediate_size_mlp": 64,
+    "prefix_dense_intermediate_size": 64,
+    "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "first_k_dense_replace": 1, "num_dense_layers": 1, "decoder_sparse_step": 1, "mlp_only_layers": [0],
+    "num_nextn_predict_layers": 0,
+    # MLA: Q/K head dim (nope + rope) differs from V's, as in DeepSeek-V3
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8,
+    # state-space / linear-attention mixers
+    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_d_ssm": 64,
+    "mamba_n_groups": 1, "n_groups": 1, "mamba_expand": 2, "mamba_d_conv": 4, "conv_kernel": 4,
+    "chunk_size": 8, "mamba_chunk_size": 8, "time_step_rank": 4, "mamba_dt_rank": 4,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    # lengths below the shard length
+    "sliding_window": LENGTH, "attention_chunk_size": LENGTH, "index_topk": LENGTH, "block_size": LENGTH,
+    "attention_window_size": LENGTH, "window_size": LENGTH, "sliding_window_size": LENGTH,
+    "floor_scale": LENGTH, "local_attention_window_len": LENGTH,
+}
+
+_ZERO_NAME = re.compile(r"dropout|pdrop|jitter|layerdrop|_noise$")
+
+# Per-layer pattern fields: the tiny model keeps one layer of each distinct combination.
+_PATTERN_LISTS = ("layer_types", "mlp_layer_types", "layers_block_type", "block_types",
+                  "no_rope_layers", "hybrid_override_pattern", "attention_layers")
+
+# Model-specific fields (after the generic ones).
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+              "num_hidden_layers": 2},
+    "bamba": {"attn_layer_indices": [1], "num_hidden_layers": 2},
+    "ernie4_5_moe": {"moe_layer_start_index": 1, "moe_layer_end_index": 1, "moe_layer_interval": 1,
+                     "num_hidden_layers": 2},
+    "xlnet": {"d_head": 8},
+    "mamba2": {"num_heads": 8, "head_dim": 8},
+    "zaya": {"num_experts_per_tok": 1},
+    "cpmant": {"dim_head": 8, "dim_ff": 64, "position_bias_num_buckets": 32, "position_bias_max_distance": 64},
+    "gemma3n_text": {"num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8,
+                     "vocab_size_per_layer_input": VOCAB, "laurel_rank": 4},
+    "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB, "per_layer_config": {}},
+    "dots3_note_text": {"index_head_dim": 8, "index_n_heads": 2, "per_layer_config": {}, "head_dim": 12},
+    "cohere_compass_text": {"rope_parameters": {k: {"rope_type": "default", "rope_theta": 10000.0}
+                                                for k in ("full_attention", "sliding_attention")}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Defaults with one kind where the released models mix two:
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
+    "llama4_text": {"moe_layers": [1]},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": LENGTH,
+                       "indexer_compress_ratio": 2, "hc_lowrank": 8, "ple_embed_dim": 32, "heads_per_ngram": 2,
+                       "ngram_vocab_size_base": VOCAB, "make_ngram_vocab_size_divisible_by": 8,
+                       "split_ngram_parts": 4},
+    "dory": {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"], "num_hidden_layers": 3,
+             "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
+    # byte-level: the patcher, local encoder / decoder and global transformer are sub-configs
+    "blt": {"vocab_size": 260, "local_attention_window_len": LENGTH, "encoder_hash_byte_group_size": [3, 4],
+            "encoder_hash_byte_group_vocab": 64, "max_position_embeddings": 256,
+            "patcher_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                               "num_key_value_heads": 4, "head_dim": 8, "intermediate_size": 64,
+                               "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "encoder_config": {"hidden_size": 32, "hidden_size_global": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 64,
+                               "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "decoder_config": {"hidden_size": 32, "hidden_size_global": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8,
+                               "intermediate_size": 64, "sliding_window": LENGTH, "max_position_embeddings": 256},
+            "global_config": {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                              "num_key_value_heads": 4, "head_dim": 16, "intermediate_size": 64,
+                              "max_position_embeddings": 256}},
+    # a shared transformer block is tied across its hybrid layers: two of them
+    "zamba": {"layers_block_type": ["linear_attention", "hybrid", "hybrid"], "num_hidden_layers": 3},
+    "kimi_linear": {"linear_head_dim": 8, "linear_num_heads": 4, "qk_head_dim": 12, "head_dim": 4},
+    "longcat_flash": {"qk_head_dim": 12, "head_dim": 4, "num_layers": 2},
+    "inkling2_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8, "d_rel": 4,
+                      "unpadded_vocab_size": VOCAB},
+    "inkling2_loop_text": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
+                           "d_rel": 4, "unpadded_vocab_size": VOCAB},
+    "dbrx": {"d_model": 32, "n_heads": 4, "n_layers": 2, "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 64, "moe_num_experts": 4,
+                                                              "moe_top_k": 2, "hidden_size": 32}},
+}
+
+
+def _default_config(model_type: str) -> Any:
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]()
+
+
+def _pattern_indices(fields: dict[str, list | str]) -> list[int]:
+    """First index of each distinct combination of the per-layer pattern fields."""
+    seen: dict[tuple, int] = {}
+    n = len(next(iter(fields.values())))
+    for i in range(n):
+        key = tuple(json.dumps(v[i], sort_keys=True, default=str) for v in fields.values())
+        seen.setdefault(key, i)
+    return sorted(seen.values())
+
+
+def tiny_kwargs(model_type: str) -> dict[str, Any]:
+    """The config keyword arguments of ``model_type``'s tiny model (see the module docstring)."""
+    default = _default_config(model_type)
+    fields = default.to_dict()
+
+    def has(name: str) -> bool:
+        return name in fields or name in getattr(default, "attribute_map", {})
+
+    kw: dict[str, Any] = {k: v for k, v in _SIZES.items() if has(k)}
+    for name, value in fields.items():
+        if _ZERO_NAME.search(name) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            kw[name] = 0.0 if isinstance(value, float) else 0
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if has(name) and fields.get(name) is not None:
+            kw[name] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[name]
+    n_layers = fields.get("num_hidden_layers", getattr(default, "num_hidden_layers", 2))
+    # Every per-layer list (``layer_types``, ``mlp_layer_types``, ``layers_block_type``, a per-layer
+    # ``intermediate_size``, ...) of the default's length: keep one layer of each distinct combination.
+    # Lists of layer indices (``moe_layers``, ``full_attn_idxs``) are not patterns: they are set per model.
+    patterns = {k: v for k, v in fields.items()
+                if isinstance(v, (list, str)) and n_layers and len(v) == n_layers
+                and (k in _PATTERN_LISTS or k.endswith("_types") or k in _SIZES or "pattern" in k)}
+    if patterns:
+        keep = _pattern_indices(patterns)
+        if len(keep) == 1:  # one kind: two layers of it
+            keep = keep * 2
+        for k, v in patterns.items():
+            kept = [v[i] for i in keep]
+            if k in _SIZES:  # a per-layer size: tiny, same kinds
+                kept = [_SIZES[k] for _ in kept]
+            kw[k] = "".join(kept) if isinstance(v, str) else kept
+        kw["num_hidden_layers"] = len(keep)
+    else:
+        kw["num_hidden_layers"] = 2
+    if "kv_lora_rank" in kw:
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)  # MLA: one K/V head per query head
+        kw.pop("head_dim", None)
+    kw.update(_OVERRIDES.get(model_type, {}))
+    return kw
+
+
+def tiny_config(model_type: str) -> Any:
+    """``model_type``'s tiny config (float32 weights; the caller converts)."""
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type](experts_implementation="eager", **tiny_kwargs(model_type))
+
+
+def build_model(model_type: str, dtype: torch.dtype) -> Any:
+    """The tiny causal LM of ``model_type`` with seeded random weights (the same on every rank), in train
+    mode (every dropout is zero)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    cls = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    config = tiny_config(model_type)
+    with torch.device("meta"):  # a field the tiny config missed must not build a full-size model
+        size = sum(p.numel() for p in cls(config).parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {size} parameters (> {MAX_PARAMS}): a size field is missed")
+    torch.manual_seed(0)
+    model = cls(config).to(dtype)
+    model.train()
+    return model
+
+
+def make_batch() -> dict[str, torch.Tensor]:
+    """Fresh random tokens (labels = input_ids); ids >= 3 so that no pad / bos / eos id occurs."""
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+# --------------------------------------------------------------------------------------------------
+# One process, no seqpar
+# --------------------------------------------------------------------------------------------------
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text[:300]
+
+
+def reference(model_type: str) -> dict[str, Any]:
+    """Loss and gradients of one process on the full batch, float64 if the model runs in it, else fp32.
+
+    Returns ``{"ok": True, "dtype", "loss", "grads"}`` or ``{"ok": False, "error"}``.
+    """
+    errors = []
+    for dtype in (torch.float64, torch.float32):
+        try:
+            model = build_model(model_type, dtype)
+            out = model(**make_batch())
+            loss = out.loss
+            if loss is None or not torch.isfinite(loss):
+                raise RuntimeError(f"loss is {loss}")
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return {"ok": True, "dtype": str(dtype).removeprefix("torch."), "loss": float(loss.detach()),
+                    "grads": grads}
+        except Exception as e:  # noqa: BLE001 - recorded as "cannot run"
+            errors.append(_short_error(e))
+    return {"ok": False, "error": errors[0] if errors[0] == errors[-1] else f"{errors[0]} / fp32: {errors[-1]}"}
+
+
+# --------------------------------------------------------------------------------------------------
+# SP=2 on the rank pool
+# --------------------------------------------------------------------------------------------------
+
+def _sp_run(model_type: str, dtype: torch.dtype) -> dict[str, Any]:
+    """This rank's part of the SP=2 run: ``{"status": "ran", "loss", "grads"}`` (gradients summed over
+    the SP ranks), or ``{"status": "refused" | "crash", "error"}``."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.swap import SwapError
+
+    manager = seqpar.init_process_groups(config={"size": WORLD, "mode": "ring", "sharding": "zigzag"})
+    try:
+        model = build_model(model_type, dtype)
+        try:
+            seqpar.swap_attention(model, {"size": WORLD, "mode": "ring", "sharding": "zigzag"})
+        except SwapError as e:
+            return {"status": "refused", "error": str(e), "where": "swap"}
+        try:
+            out = model(**seqpar.shard_batch(make_batch()))
+            out.loss.backward()
+        except SwapError as e:  # models of the sdpa / mha routes are probed at their first forward
+            return {"status": "refused", "error": str(e), "where": "first forward"}
+        except Exception as e:  # noqa: BLE001 - a crash under seqpar is a finding, not a test error
+            return {"status": "crash", "error": _short_error(e), "trace": traceback.format_exc()[-2000:]}
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=manager.sp_group)  # each rank holds its share of the full gradient
+            grads[name] = g
+        return {"status": "ran", "loss": float(out.loss.detach()), "grads": grads}
+    finally:
+        seqpar.destroy_process_groups()
+
+
+def compare(ref: dict[str, Any], got: dict[str, Any]) -> tuple[bool, str]:
+    """Loss within ``RTOL`` relative; every gradient within ``RTOL`` x the largest reference gradient entry
+    of the whole model (a gradient that is ~0 in exact arithmetic is judged on the model's scale, not on
+    its own rounding noise). Returns (exact, the worst difference as text)."""
+    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    scale = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    missing = sorted(set(ref["grads"]) ^ set(got["grads"]))
+    if missing:
+        return False, f"gradients present on one side only: {missing[:4]}"
+    worst_name, worst = "", 0.0
+    for name, g in ref["grads"].items():
+        d = float((got["grads"][name].to(g.dtype) - g).abs().max()) if g.numel() else 0.0
+        if not math.isfinite(d) or d > worst:
+            worst_name, worst = name, d if math.isfinite(d) else math.inf
+    grad_rel = worst / scale if scale > 0 else (0.0 if worst == 0 else math.inf)
+    text = f"loss rel {loss_rel:.1e}, worst grad {worst_name} {grad_rel:.1e} of the model's max |grad|"
+    return loss_rel <= RTOL and grad_rel <= RTOL, text
+
+
+def classify_pair(rank: int, world: int, model_types: list[str]) -> list[dict[str, Any]]:
+    """Pool task (every rank): classify up to ``world`` model types. Rank ``i`` builds the one-process
+    reference of ``model_types[i]`` (so the references of a pair cost one model's time), then every rank
+    runs each model under SP=2 and the reference's owner compares. Returns the owner's records."""
+    import torch.distributed as dist
+
+    assert world == WORLD, world
+    mine = model_types[rank] if rank < len(model_types) else None
+    t0 = time.process_time()
+    ref = reference(mine) if mine is not None else None
+    ref_cpu = time.process_time() - t0
+    refs_ok: list[Any] = [None] * world
+    dist.all_gather_object(refs_ok, None if ref is None else (ref["ok"], ref.get("dtype")))
+    records = []
+    for i, model_type in enumerate(model_types):
+        ok, dtype_name = refs_ok[i]
+        record: dict[str, Any] = {"model_type": model_type, "dtype": dtype_name}
+        if not ok:
+            if i == rank:
+                records.append({**record, "status": "cannot_run", "detail": ref["error"]})
+            continue
+        t1 = time.process_time()
+        got = _sp_run(model_type, getattr(torch, dtype_name))
+        statuses: list[Any] = [None] * world
+        dist.all_gather_object(statuses, (got["status"], got.get("error"), got.get("where")))
+        if i != rank:
+            continue
+        record["cpu_s"] = round(ref_cpu + time.process_time() - t1, 2)
+        bad = [s for s in statuses if s[0] != "ran"]
+        if bad:
+            record.update(status=bad[0][0], detail=bad[0][1], where=bad[0][2])
+            if "trace" in got:
+                record["trace"] = got["trace"]
+        else:
+            exact, text = compare(ref, got)
+            record.update(status="exact" if exact else "wrong", detail=text)
+        records.append(record)
+    return records
+
+
+def run_all(pool: Any, model_types: list[str] | None = None, timeout: float = 300.0,
+            progress: bool = False) -> dict[str, dict[str, Any]]:
+    """Classify ``model_types`` (default: :func:`decoder_model_types`) on ``pool``, a
+    ``tests/dist_harness.DistPool``. A pair whose task fails or hangs is re-run one model at a time, and a
+    model that still fails is a ``crash`` carrying the pool's error."""
+    types = list(model_types or decoder_model_types())
+    results: dict[str, dict[str, Any]] = {}
+
+    def run(group: list[str]) -> list[dict[str, Any]]:
+        out = pool.run(WORLD, classify_pair, group, timeout=timeout)
+        return [r for per_rank in out for r in per_rank]
+
+    for start in range(0, len(types), WORLD):
+        group = types[start:start + WORLD]
+        try:
+            records = run(group)
+        except (AssertionError, TimeoutError) as e:
+            records = []
+            for t in group:
+                try:
+                    records += run([t])
+                except (AssertionError, TimeoutError) as e1:
+                    records.append({"model_type": t, "status": "crash", "detail": _short_error(e1)})
+            del e
+        for r in records:
+            results[r["model_type"]] = r
+            if progress:
+                print(f"{r['model_type']:28s} {r['status']:10s} {r.get('dtype') or '':8s} "
+                      f"{(r.get('detail') or '')[:160]}", file=sys.stderr, flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------------------------------
+# README's table
+# --------------------------------------------------------------------------------------------------
+
+_LABELS = {
+    "exact": "exact (loss and every gradient within 1e-4)",
+    "refused": "refused by a `SwapError` naming the module, at swap time (sdpa route: first forward)",
+    "cannot_run": "tiny config cannot run even without seqpar",
+    "wrong": "silently wrong",
+    "crash": "error in the forward or backward under seqpar (must be a refusal at swap time)",
+}
+
+
+def counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
+    c = Counter(r["status"] for r in results.values())
+    return {s: c.get(s, 0) for s in STATUSES}
+
+
+def refusal_reason(detail: str) -> tuple[str, str]:
+    """``(reason, class)`` of a ``SwapError`` message: the reason without paths and numbers (so that a
+    family shares one), and the refused module's class where the message names one."""
+    m = re.search(r"'[\w.]+' \((\w+)\): its output changed", detail)
+    if m:
+        return "mixes positions outside attention (state space, linear attention, convolution)", m.group(1)
+    m = re.search(r"'[\w.]+' \((\w+)\) raised (\w+)", detail)
+    if m:
+        return (f"the model fails with its attention routed to seqpar ({m.group(2)} in the layer: DSA "
+                "indexers read the dense mask and pass indices=)"), m.group(1)
+    if "found nothing to swap" in detail:
+        return ("no attention seqpar can route: the model computes attention in its own code "
+                "(found nothing to swap)"), ""
+    m = (re.search(r"seqpar \(layer '[\w.]+'(?:, (\w+))?\): (.+?)(?:\.\s|\.?$)", detail, re.M)
+         or re.search(r"layer '[\w.]+'()(?:, \w+)?: (.+?)(?:\.\s|\.?$)", detail, re.M)
+         or re.search(r"seqpar()[^:]*: (.+?)(?:\.\s|\.?$)", detail, re.M))
+    cls, reason = (m.group(1) or "", m.group(2)) if m else ("", detail.splitlines()[0])
+    reason = re.sub(r"\b\d+ (queries|keys)\b", r"N \1", reason)  # per-model numbers: families share a reason
+    reason = re.sub(r"\(\d+(\.\d+)?\)", "(N)", reason).strip()
+    return reason[:160], cls
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """README's markdown: the counts, then the refused model types grouped by reason."""
+    import transformers
+
+    c = counts(results)
+    lines = [
+        f"Decoder-only causal-LM model types of transformers {transformers.__version__} "
+        f"(`tests/all_models.py` states the filter), tiny random-init configs, SP=2, ring, zigzag, "
+        f"against one process without seqpar (float64 where the model runs in it):",
+        "",
+        "| outcome | models |",
+        "|---|---|",
+        *[f"| {_LABELS[s]} | {c[s]} |" for s in STATUSES],
+        f"| total | {sum(c.values())} |",
+        "",
+        "Refused, by reason (the `SwapError` names each module by its path):",
+        "",
+        "| reason | model types (refused module's class) |",
+        "|---|---|",
+    ]
+    by_reason: dict[str, list[str]] = {}
+    for t, r in sorted(results.items()):
+        if r["status"] == "refused":
+            reason, cls = refusal_reason(r["detail"])
+            notes = [n for n in (cls, "at its first forward" if r.get("where") == "first forward" else "") if n]
+            by_reason.setdefault(reason, []).append(f"{t} ({', '.join(notes)})" if notes else t)
+    for reason, types in sorted(by_reason.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"| {reason.replace('|', '/')} | {', '.join(types)} |")
+    failing = {t: r for t, r in sorted(results.items()) if r["status"] in ("wrong", "crash", "cannot_run")}
+    if failing:
+        lines += ["", "Not yet exact or refused:", "", "| model type | outcome |", "|---|---|"]
+        lines += [f"| {t} | {r['status']}: {(r['detail'] or '').splitlines()[0][:160].replace('|', '/')} |"
+                  for t, r in failing.items()]
+    return "\n".join(lines)
+
+
+def readme_table(readme: Path = README) -> str:
+    """The table README.md holds between :data:`TABLE_BEGIN` and :data:`TABLE_END`."""
+    text = readme.read_text()
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise ValueError(f"README.md has no all-models table (between {TABLE_BEGIN!r} and {TABLE_END!r})")
+    return text.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip()
+
+
+def readme_counts(readme: Path = README) -> dict[str, int]:
+    """The counts README's table states, by status."""
+    found = {}
+    for line in readme_table(readme).splitlines():
+        for s, label in _LABELS.items():
+            if line.startswith(f"| {label} |"):
+                found[s] = int(line.rsplit("|", 2)[1])
+    return found
+
+
+def write_readme(results: dict[str, dict[str, Any]], readme: Path = README) -> None:
+    text = readme.read_text()
+    head, rest = text.split(TABLE_BEGIN, 1)
+    tail = rest.split(TABLE_END, 1)[1]
+    readme.write_text(f"{head}{TABLE_BEGIN}\n{table(results)}\n{TABLE_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.all_models", description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="TYPE", help="model types to run (default: all)")
+    parser.add_argument("--table", action="store_true", help="print README's table")
+    parser.add_argument("--write-readme", action="store_true", help="replace README's table")
+    parser.add_argument("--json", metavar="PATH", help="write every record (status, detail, cpu_s) to PATH")
+    args = parser.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dist_harness import DistPool
+
+    import tests.all_models as this  # pickled by this name in the rank pool, not as __main__
+
+    pool = DistPool()
+    t0, c0 = time.time(), time.process_time()
+    try:
+        results = this.run_all(pool, args.only, progress=True)
+    finally:
+        pool.close()
+    print(f"{len(results)} model types in {time.time() - t0:.0f} s wall, "
+          f"{sum(r.get('cpu_s', 0) for r in results.values()):.0f} s CPU on rank 0+1 "
+          f"(+{time.process_time() - c0:.0f} s here)", file=sys.stderr)
+    print(json.dumps(counts(results)), file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    if args.table:
+        print(table(results))
+    if args.write_readme:
+        write_readme(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""MLA models of transformers 5.24 end to end under SP (issue 19 §3): DeepSeek-V3, DeepSeek-V2 and
+MiniCPM3, whose attention has a Q/K head dim (nope + rope) different from V's.
+
+Each tiny random-init model runs in float64 (MoE experts on transformers' eager loop: the grouped
+matmul takes only fp32; router losses off, output_router_logits=False, as the MoE refusal requires),
+swapped to seqpar at SP=2 and SP=4 in the ring, all-gather, Ulysses and hybrid modes, on a plain
+batch and on a packed batch of documents (DataCollatorWithFlattening). The loss on every rank and the
+gradients summed over the SP ranks must equal one process without seqpar: the whole sequence, or
+each document alone, token-weighted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.config import SeqParConfig
+from seqpar.sequence.batch import shard_batch
+from seqpar.swap import swap_attention
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+SEQ = 24
+LENGTHS = (7, 1, 13, 3)  # 24 tokens: a 1-token document, one spanning shards
+# float64 throughout, but transformers' causal-LM loss upcasts the logits with .float(), i.e. to fp32:
+# summed in another order on the shards, loss and gradients agree to fp32 rounding (measured: loss
+# ~1e-8 relative, gradients up to ~1e-6 of the model's gradient scale), the bar of fp32 exactness
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def tiny_mla(name: str, dtype: torch.dtype = torch.float64) -> transformers.PreTrainedModel:
+    """A 2-layer model of family ``name`` with seeded weights; Q/K head dim 10 (nope 6 + rope 4), V's 6."""
+    mla = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+               qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=6, max_position_embeddings=64,
+               attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    moe = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+               first_k_dense_replace=1, output_router_logits=False, experts_implementation="eager")
+    if name == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(**mla, **moe, n_group=1, topk_group=1)
+        cls = transformers.DeepseekV3ForCausalLM
+    elif name == "deepseek_v2":
+        cfg = transformers.DeepseekV2Config(**mla, **moe, n_group=1, topk_group=1)
+        cls = transformers.DeepseekV2ForCausalLM
+    else:
+        cfg = transformers.MiniCPM3Config(**mla)
+        cls = transformers.MiniCPM3ForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg).to(dtype)
+
+
+def _reference(name: str, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """float64 loss and gradients of one process without seqpar, each document alone, token-weighted."""
+    ref = tiny_mla(name)
+    total, count = 0.0, 0
+    for d in docs:
+        if len(d) < 2:
+            continue
+        total = total + ref(input_ids=d[None], labels=d[None]).loss * (len(d) - 1)
+        count += len(d) - 1
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def _tokens(packed: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    if packed:
+        return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+    return [torch.randint(0, VOCAB, (SEQ,), generator=g)]
+
+
+def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool,
+            transfer: str = "latent") -> float:
+    """Worker: the swapped model on this rank's shard against the one-process reference
+    (``transfer``: the ring's MLA transfer, latent or expanded K/V)."""
+    docs = _tokens(packed)
+    ref_loss, ref_grads = _reference(name, docs)
+    group = dist.group.WORLD
+    if mode == "hybrid":
+        seqpar.init_process_groups(sp_size=world, ulysses_size=2)
+        group = None
+    model = tiny_mla(name)
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding, mla_transfer=transfer,
+                                       ulysses_size=2 if mode == "hybrid" else 1), group=group)
+    stashes = []
+    if mode in ("ring", "allgather") and transfer == "latent":  # the latent path runs: count its stashes
+        for module in model.modules():
+            if hasattr(module, "_seqpar_expand_kv"):
+                module.register_forward_hook(lambda m, a, o: stashes.append("_seqpar_latent" in m.__dict__))
+    if packed:
+        batch = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
+            [{"input_ids": d.tolist()} for d in docs])
+    else:
+        batch = {"input_ids": docs[0][None], "labels": docs[0][None].clone()}
+    local = shard_batch(batch, group=dist.group.WORLD, sharding=sharding)
+    out = model(**local)
+    out.loss.backward()
+    if mode in ("ring", "allgather") and transfer == "latent":
+        layers = model.config.num_hidden_layers
+        assert stashes == [False] * layers, stashes  # each layer's latent was taken by its ring call
+        assert all(m._seqpar_latent_ok for m in model.modules() if hasattr(m, "_seqpar_expand_kv"))
+    assert abs(float(out.loss.detach()) - ref_loss) <= RTOL * abs(ref_loss), (float(out.loss.detach()), ref_loss)
+    worst = 0.0
+    scale = max(float(g.abs().max()) for g in ref_grads.values())  # the model's gradient scale
+    for pname, p in model.named_parameters():
+        grad = p.grad.detach().clone()
+        dist.all_reduce(grad)  # each rank holds its share of the full-sequence gradient
+        want = ref_grads[pname]
+        torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL * scale,
+                                   msg=lambda m, n=pname: f"{name} {mode} {sharding} packed={packed}: grad of {n}: {m}")
+        worst = max(worst, float((grad - want).abs().max()) / scale)
+    return worst
+
+
+CASES = [  # (world, mode, sharding, packed, ring transfer)
+    (2, "ring", "zigzag", False, "latent"), (2, "ring", "contiguous", True, "latent"),
+    (2, "ring", "zigzag", True, "expanded"), (2, "allgather", "zigzag", True, "latent"),
+    (2, "ulysses", "zigzag", True, "latent"), (4, "ring", "zigzag", True, "latent"),
+    (4, "ring", "contiguous", False, "expanded"), (4, "allgather", "contiguous", False, "latent"),
+    (2, "allgather", "contiguous", False, "expanded"),
+    (4, "ulysses", "contiguous", True, "latent"), (4, "hybrid", "zigzag", True, "latent"),
+]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "minicpm3"])
+def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
+    """The ring's latent transfer (the default) and expanded K/V, and every other mode."""
+    for world, mode, sharding, packed, transfer in CASES:
+        if name != "deepseek_v3" and (world, mode, transfer) not in ((2, "ring", "latent"), (4, "ring", "latent"),
+                                                                      (4, "ulysses", "latent")):
+            continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
+        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
+        assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
+
+
+def _ring_bytes(rank: int, world: int, transfer: str, mode: str = "ring") -> int:
+    """Worker: bytes this rank sends (point-to-point for the ring, collectives for the all-gather) in
+    one forward + backward of DeepSeek-V3 (plain batch, contiguous, dense causal) with the given MLA
+    transfer."""
+    from seqpar.testing.traffic import counting
+
+    docs = _tokens(False)
+    model = tiny_mla("deepseek_v3")
+    swap_attention(model, SeqParConfig(size=world, mode=mode, sharding="contiguous", mla_transfer=transfer,
+                                       check_inputs=False), group=dist.group.WORLD)
+    local = shard_batch({"input_ids": docs[0][None], "labels": docs[0][None].clone()},
+                        group=dist.group.WORLD, sharding="contiguous")
+    with counting(world) as traffic:
+        model(**local).loss.backward()
+    if mode == "ring":
+        return traffic.p2p_bytes
+    # the all-gathers and reduce-scatters of attention (the loss's all-reduces are the same in both runs)
+    return traffic.collective_bytes
+
+
+@pytest.mark.parametrize("world,mode", [(2, "ring"), (4, "ring"), (4, "allgather")])
+def test_latent_ring_bytes_per_layer(dist_pool, world: int, mode: str) -> None:
+    """Bytes per rank counted at torch.distributed's entry (seqpar.testing.traffic) against
+    seqpar.attn.latent.ring_bytes_per_rank for both transfers: the two runs differ by exactly
+    layers x (expanded - latent), and what is left beyond the attention rings (the loss's label
+    shift, the loss's all-reduces) is the same in both. The all-gather moves the same volume as the ring:
+    P-1 blocks gathered forward and again backward, P-1 gradient blocks reduce-scattered."""
+    from seqpar.attn.latent import MLADims, ring_bytes_per_rank
+
+    cfg = tiny_mla("deepseek_v3").config
+    dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                   cfg.kv_lora_rank)
+    theory = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world, transfer=t,
+                                                             elem_bytes=8, acc_bytes=8)
+              for t in ("latent", "expanded")}
+    counted = {t: dist_pool.run(world, _ring_bytes, t, mode, timeout=300) for t in ("latent", "expanded")}
+    for rank in range(world):
+        rest = {t: counted[t][rank] - theory[t] for t in theory}
+        assert rest["latent"] == rest["expanded"], (rank, counted, theory)
+        assert 0 <= rest["latent"] < theory["latent"] / (10 if mode == "ring" else 1), (rank, counted, theory)
+    assert theory["expanded"] == theory["latent"] * dims.expanded_width // dims.latent_width
