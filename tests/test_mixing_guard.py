@@ -68,13 +68,22 @@ HYBRIDS = {
     "FalconH1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
                       mamba_chunk_size=4, head_dim=8),
                  "model.layers.0.mamba", "FalconH1Mixer"),
-    "Lfm2": (dict(layer_types=["conv", "full_attention"]), "model.layers.0.conv", "Lfm2ShortConv"),
     "RecurrentGemma": (dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8,
                             num_key_value_heads=1),
                        "model.layers.0.temporal_block", "RecurrentGemmaRecurrentBlock"),
     "MiniMax": (dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2,
                      num_experts_per_tok=1, head_dim=8, block_size=4),
                 "model.layers.0.self_attn", "MiniMaxLightningAttention"),
+}
+
+
+# Hybrids whose mixers seqpar makes sequence-parallel (seqpar.mixers): swapped beside attention, route
+# "mixer", so the probe finds nothing left (their exactness: tests/test_mixers_conv.py).
+HANDLED = {
+    "Lfm2": (dict(layer_types=["conv", "full_attention"]), "model.layers.0.conv"),
+    "Lfm2Moe": (dict(layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=16, num_dense_layers=1), "model.layers.0.conv"),
+    "Lfm3": (dict(layer_types=["conv", "full_attention"], pad_token_id=0), "model.layers.0.conv"),
 }
 
 
@@ -238,6 +247,15 @@ def test_hybrid_models_are_refused_naming_their_mixer(name):
     text = str(e.value)
     assert f"'{path}' ({cls})" in text, text
     _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("name", sorted(HANDLED))
+def test_handled_mixers_are_swapped_not_refused(name):
+    if not hasattr(transformers, f"{name}Config"):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    fields, path = HANDLED[name]
+    report = swap_attention(tiny(name, **fields), {"size": 1})
+    assert report.routes == {path: "mixer", "model.layers.1.self_attn": "hf"}, report
 
 
 DSA = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=16,

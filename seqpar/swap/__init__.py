@@ -13,6 +13,10 @@ Three routes, chosen per module:
 - ``"mha"``: ``nn.MultiheadAttention`` is replaced by :class:`SeqParMultiheadAttention`, which keeps
   the same parameter objects and state_dict keys (:mod:`seqpar.swap.mha`).
 
+Beside the attention, the mixers of hybrid models that seqpar makes sequence-parallel
+(:mod:`seqpar.mixers`: LFM2's short convolutions) are replaced by their sharded form (report route
+``"mixer"``); every other module mixing positions is refused by the position-mixing probe.
+
 The walk over the model is :mod:`seqpar.swap.walk`; the options every swapped layer carries are
 :mod:`seqpar.swap.options`. The swapped model checks its inputs across the SP group once per batch
 (:mod:`seqpar.swap.batch`), so its layers make no per-call check (no host sync per layer).

@@ -27,17 +27,21 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
+from seqpar.mixers.short_conv import SeqParShortConv, is_short_conv
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
 from seqpar.swap.options import SwapError, SwapOptions
 from seqpar.swap.probe import first_forward_probe
 from seqpar.swap.sdpa import class_calls_sdpa, track_module
+from seqpar.swap.state import is_probing
 
-__all__ = ["swap_attention", "SwapReport", "SwappedModule", "ROUTES"]
+__all__ = ["swap_attention", "SwapReport", "SwappedModule", "ROUTES", "MIXER_ROUTE"]
 
 logger = logging.getLogger("seqpar")
 
 ROUTES = ("hf", "sdpa", "mha")
+MIXER_ROUTE = "mixer"
+"""The report's route of a swapped non-attention mixer (:mod:`seqpar.mixers`: LFM2 short convolutions)."""
 # The oldest transformers the 'hf' route is tested with (setup.cfg's floor says the same).
 TRANSFORMERS_FLOOR = "5.17"
 _ROUTE_HELP = {
@@ -52,7 +56,8 @@ class SwappedModule:
     name: str
     """Qualified name in the model (``""`` for the model itself)."""
     route: str
-    """``"hf"``, ``"sdpa"`` or ``"mha"``."""
+    """``"hf"``, ``"sdpa"`` or ``"mha"`` (attention), or ``"mixer"`` (a sequence-parallel mixer of
+    :mod:`seqpar.mixers`)."""
     cls: str
     """Class name of the module before the swap."""
 
@@ -86,7 +91,10 @@ class SwapReport:
         counts = {r: sum(m.route == r for m in self.swapped) for r in ROUTES}
         head = ", ".join(f"{n} via {r}" for r, n in counts.items() if n)
         width = max(len(m.name or "<model>") for m in self.swapped)
-        lines = [f"seqpar swap: {len(self.swapped)} attention module(s) swapped ({head})"]
+        attention = sum(counts.values())
+        mixers = len(self.swapped) - attention
+        extra = f", {mixers} mixer(s) made sequence-parallel" if mixers else ""
+        lines = [f"seqpar swap: {attention} attention module(s) swapped ({head}){extra}"]
         lines += [f"  {(m.name or '<model>'):<{width}}  {m.cls} -> {m.route}" for m in self.swapped]
         return "\n".join(lines)
 
@@ -167,8 +175,17 @@ def swap_attention(
     if not plan:
         _refuse_nothing_found(model, cfg, routes, patterns, glue)
     options = SwapOptions.from_config(cfg, group)
-    first_forward = _probe(model, plan, options, glue)
-    report, preparers = _apply(model, plan, options, glue)
+    # Mixers first: the position-mixing probe must see them in their sequence-parallel form
+    # (position-wise while it probes), and every module it still finds is one seqpar does not handle.
+    mixers = _swap_mixers(model, patterns, options) if glue is not None else []
+    try:
+        first_forward = _probe(model, plan, options, glue)
+        report, preparers = _apply(model, plan, options, glue)
+    except BaseException:
+        _restore_mixers(model, mixers)  # a refusal changes nothing
+        raise
+    report.swapped += [SwappedModule(name, MIXER_ROUTE, getattr(before, "original_class", type(before).__name__))
+                       for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
@@ -199,6 +216,29 @@ def _probe(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: Sw
             check(module, args, kwargs)
 
     return both
+
+
+def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
+                 options: SwapOptions) -> list[tuple[str, nn.Module]]:
+    """Replace every handled mixer (:mod:`seqpar.mixers`) by its sequence-parallel form (one swapped
+    before gets the new options); returns ``(name, module before)`` of each, for the report and for
+    :func:`_restore_mixers`."""
+    found = [(name, module) for name, module in model.named_modules()
+             if (is_short_conv(module) or isinstance(module, SeqParShortConv))
+             and (patterns is None or _matches(name, module, patterns))]
+    swapped: list[tuple[str, nn.Module]] = []
+    for name, module in found:
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, SeqParShortConv(module, group=options.group, sharding=options.sharding,
+                                              position_wise=is_probing))
+        swapped.append((name, module))
+    return swapped
+
+
+def _restore_mixers(model: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
+    for name, before in mixers:
+        parent, attr = _parent_and_attr(model, name)
+        setattr(parent, attr, before)
 
 
 def _check_config(cfg: SeqParConfig) -> None:

@@ -1,0 +1,135 @@
+"""A sequence-parallel causal depthwise convolution of width k (``padding = k - 1``, the output cut
+to the input length: LFM2's short convolutions, the convolution in front of Mamba / GDN).
+
+Each rank holds ``n`` chunks of the global sequence (:mod:`seqpar.sequence.sharding`). Output ``t``
+reads inputs ``t - k + 1 .. t``; the ones before a chunk start come from the halo
+(:mod:`seqpar.mixers.halo`, one point-to-point exchange). With packed documents the convolution
+restarts at each document start: lag ``l`` contributes to position ``t`` only when ``t`` is at least
+``l`` positions into its document, as if every document ran alone (zero-padded on the left).
+
+The local maths is k shifted multiply-adds on ``(batch, channels, n, h + c)``, left to autograd: only
+the exchange needs a hand-written backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
+from seqpar.runtime.groups import resolve_group
+from seqpar.sequence.boundaries import host_boundaries
+from seqpar.sequence.sharding import shard_index
+
+__all__ = ["ConvLayout", "conv_layout", "causal_conv_shard", "causal_conv_chunks"]
+
+
+@dataclass(frozen=True)
+class ConvLayout:
+    """Where this rank's positions sit: the halo plan and each local position's offset in its document."""
+
+    plan: HaloPlan
+    rank: int
+    doc_pos: Tensor
+    """``(n, c)`` int64: position of each local position inside its document (global position when
+    there are no documents), on the input's device (made once per batch layout: no copy per layer)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, ...] | None, halo: int,
+            device: torch.device) -> ConvLayout:
+    plan = halo_plan(world, sharding, seq_len, cu, halo)
+    positions = shard_index(seq_len, rank, world, sharding, cu_seqlens=cu)  # (seq_local,)
+    if cu is None:
+        doc_pos = positions
+    else:
+        edges = torch.tensor(cu, dtype=torch.long)
+        doc_pos = positions - edges[torch.searchsorted(edges, positions, right=True) - 1]
+    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len).to(device))
+
+
+def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | None, sharding: str,
+                cu_seqlens: Tensor | Sequence[int] | None = None,
+                device: torch.device | str = "cpu") -> ConvLayout:
+    """The layout of this rank's shard (cached per batch shape and boundaries).
+
+    Args:
+        seq_local: this rank's shard length.
+        kernel_size: k.
+        group: the SP group (resolved as everywhere in seqpar: None -> the default manager's).
+        sharding: how the sequence was cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``).
+        cu_seqlens: global document boundaries ``[0, ..., S]`` (host ints are read once per batch).
+        device: where ``doc_pos`` lives (the input's device).
+    """
+    group = resolve_group(group)
+    world = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    seq_len = seq_local * world
+    cu = host_boundaries(cu_seqlens)
+    if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:]))):
+        raise ValueError(f"causal convolution: cu_seqlens {list(cu)} must be strictly increasing from 0 to the "
+                         f"global length {seq_len} (seq_local {seq_local} x {world} ranks)")
+    return _layout(world, rank, sharding, seq_len, cu, kernel_size - 1, torch.device(device))
+
+
+def causal_conv_chunks(x: Tensor, halo: Tensor, weight: Tensor, bias: Tensor | None, doc_pos: Tensor,
+                       *, position_wise: bool = False) -> Tensor:
+    """The local maths: x ``(batch, channels, n*c)``, halo ``(batch, channels, n, k-1)``, weight
+    ``(channels, k)`` (``conv1d`` order: tap ``k-1`` is the current position), bias ``(channels,)``
+    or None, doc_pos ``(n, c)`` -> ``(batch, channels, n*c)`` in the weight's dtype.
+
+    ``position_wise``: only the current position's tap (every token its own document): what the
+    position-mixing probe must see of a handled mixer (:mod:`seqpar.swap.probe`).
+    """
+    batch, channels, seq_local = x.shape
+    n, c = doc_pos.shape
+    k = weight.shape[-1]
+    out_dtype = weight.dtype
+    # The k products are summed in fp32 at least (as conv1d accumulates), not rounded to bf16 per tap.
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    x, weight = x.to(compute), weight.to(compute)
+    bias = None if bias is None else bias.to(compute)
+    if position_wise:
+        out = x * weight[:, k - 1].view(1, channels, 1)
+        return (out if bias is None else out + bias.view(1, channels, 1)).to(out_dtype)
+    ext = torch.cat([halo.to(compute), x.view(batch, channels, n, c)], dim=-1)  # (B, C, n, k-1+c)
+    out = None
+    for i in range(k):
+        lag = k - 1 - i
+        term = ext[..., i:i + c] * weight[:, i].view(1, channels, 1, 1)
+        if lag:
+            term = term * (doc_pos >= lag).to(term.dtype)  # lag l reaches before the document start
+        out = term if out is None else out + term
+    if bias is not None:
+        out = out + bias.view(1, channels, 1, 1)
+    return out.reshape(batch, channels, seq_local).to(out_dtype)
+
+
+def causal_conv_shard(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                      group: dist.ProcessGroup | None = None, sharding: str = "contiguous",
+                      cu_seqlens: Tensor | Sequence[int] | None = None, position_wise: bool = False) -> Tensor:
+    """Causal depthwise convolution of this rank's shard, equal to the full sequence's (each document's).
+
+    Args:
+        x: ``(batch, channels, seq_local)``, this rank's shard in ``sharding``'s layout.
+        weight: ``(channels, k)`` (``nn.Conv1d(groups=channels).weight.squeeze(1)``).
+        bias: ``(channels,)`` or None.
+        group: the SP group (None: the default manager's; one process: no communication).
+        sharding: the layout the sequence was cut in.
+        cu_seqlens: global document boundaries; the convolution restarts at each.
+        position_wise: see :func:`causal_conv_chunks` (no communication).
+    Returns:
+        ``(batch, channels, seq_local)`` in ``weight``'s dtype.
+    """
+    if position_wise:  # the probe's 13 tokens need not cut into chunks: no layout, no communication
+        doc_pos = torch.zeros(1, x.shape[-1], dtype=torch.long, device=x.device)
+        return causal_conv_chunks(x, x.new_empty(0), weight, bias, doc_pos, position_wise=True)
+    layout = conv_layout(x.shape[-1], weight.shape[-1], group=group, sharding=sharding, cu_seqlens=cu_seqlens,
+                         device=x.device)
+    halo = halo_exchange(x, layout.plan, layout.rank, resolve_group(group))
+    return causal_conv_chunks(x, halo, weight, bias, layout.doc_pos)

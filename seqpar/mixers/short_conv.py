@@ -1,0 +1,97 @@
+"""LFM2's gated short convolution layer, sequence-parallel.
+
+transformers' ``Lfm2ShortConv`` (and the identical ``Lfm2MoeShortConv``, ``Lfm3ShortConv``) computes,
+on ``hidden_states (batch, seq, hidden)``::
+
+    B, C, x = in_proj(h).transpose(-1, -2).chunk(3, dim=-2)     # each (batch, hidden, seq)
+    y = out_proj((C * causal_conv(B * x)).transpose(-1, -2))     # depthwise, width conv_L_cache
+
+Only ``causal_conv`` mixes positions. :class:`SeqParShortConv` replaces the layer, keeping the same
+child modules (``in_proj``, ``conv``, ``out_proj``: the same parameter objects and state_dict keys), and
+runs the convolution with :func:`seqpar.mixers.conv.causal_conv_shard`: a halo exchange, documents
+restarting at every ``cu_seq_lens_q`` boundary (transformers' torch path ignores them and would mix
+the documents of a packed batch). A KV cache (generation) is refused: a cache of a sharded sequence
+means nothing.
+
+The layer is recognised by class name and structure, not by import (the core does not import
+transformers): one of :data:`SHORT_CONV_CLASSES` from a ``transformers`` module, with a depthwise
+``conv`` whose padding is ``k - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from seqpar.mixers.conv import causal_conv_shard
+
+__all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs"]
+
+SHORT_CONV_CLASSES = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"})
+"""transformers classes whose forward :class:`SeqParShortConv` reproduces (read in transformers 5.2x:
+the three are the same code)."""
+
+
+def is_short_conv(module: nn.Module) -> bool:
+    """Whether ``module`` is an LFM2-family gated short convolution layer that seqpar can shard."""
+    cls = type(module)
+    if cls.__name__ not in SHORT_CONV_CLASSES or not cls.__module__.startswith("transformers."):
+        return False
+    conv = getattr(module, "conv", None)
+    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+            and isinstance(getattr(module, "in_proj", None), nn.Linear)
+            and isinstance(getattr(module, "out_proj", None), nn.Linear))
+
+
+def find_short_convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every short convolution layer in ``model`` (swapped ones included)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SeqParShortConv) or is_short_conv(m)]
+
+
+class SeqParShortConv(nn.Module):
+    """A sequence-parallel drop-in for an LFM2-family short convolution layer.
+
+    Args:
+        original: the transformers layer (its ``in_proj``, ``conv``, ``out_proj`` are taken over), or a
+            :class:`SeqParShortConv` to re-swap with other options.
+        group: the SP group (None: the default manager's).
+        sharding: the layout the model's inputs are cut in.
+        position_wise: called at each forward; True -> only the current position's tap, no
+            communication (what the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+    """
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        for name, child in original.named_children():  # the same modules, in the same order: same state_dict
+            self.add_module(name, child)
+        self.layer_idx = getattr(original, "layer_idx", None)
+        self.conv_kernel_size = self.conv.kernel_size[0]
+        # swapping an already swapped layer again (new options) keeps the transformers class's name
+        self.original_class = getattr(original, "original_class", type(original).__name__)
+        self.group = group
+        self.sharding = sharding
+        self.position_wise = position_wise
+
+    def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
+                past_key_values: Any = None, **kwargs: Any) -> Tensor:
+        """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
+        if cache is not None or past_key_values is not None:
+            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
+                             "sharded sequence; call the model with use_cache=False")
+        if attention_mask is not None:  # transformers' apply_mask_to_padding_states (2D padding mask)
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        bcx = self.in_proj(hidden_states).transpose(-1, -2)  # (B, 3*hidden, S_local)
+        b, c, x = bcx.chunk(3, dim=-2)
+        conv = causal_conv_shard(b * x, self.conv.weight.squeeze(1), self.conv.bias, group=self.group,
+                                 sharding=self.sharding, cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                                 position_wise=self.position_wise())
+        y = (c * conv.to(x.dtype)).transpose(-1, -2).contiguous()  # (B, S_local, hidden)
+        return self.out_proj(y)
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, kernel_size={self.conv_kernel_size}, sharding={self.sharding!r}"
