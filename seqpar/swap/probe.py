@@ -296,8 +296,10 @@ def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, posi
     for name, module in model.named_modules():
         modules.setdefault(id(module), (name, module))
     buffers = {id(b): (b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"}
+    # CUDA generators to fork and seed; none without a driver (CUDA tensors are then fake ones, as in the
+    # fake-CUDA host-sync checker, and the CUDA RNG cannot even be read)
     cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()]
-                   if t.device.type == "cuda"})
+                   if t.device.type == "cuda"}) if torch.cuda.is_available() else []
     try:
         for name, module in modules.values():
             handles.append(module.register_forward_pre_hook(
