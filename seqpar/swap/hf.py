@@ -111,6 +111,7 @@ from seqpar.swap.probe import (
     find_mixers,
     first_forward_probe,
     is_materialised,
+    is_simulated,
     mixing_refusal,
     raised_by_seqpar,
 )
@@ -324,6 +325,8 @@ def probe_at_swap(
     tops = _named_top_pretrained(model)
     if not tops:
         return None  # apply() refuses with its own message
+    if any(is_simulated(top) for _, top in tops):
+        return None  # fake tensors: nothing to compare (seqpar.swap.probe.is_simulated)
     if not all(is_materialised(top) for _, top in tops):
         return functools.partial(_first_forward_tops, tops)
     with _probe_routing([top for _, top in tops], modules, options) as routed:

@@ -62,6 +62,7 @@ __all__ = [
     "slice_probe",
     "first_forward_probe",
     "is_materialised",
+    "is_simulated",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -273,6 +274,15 @@ def is_materialised(model: nn.Module) -> bool:
                for p in model.parameters())
 
 
+def is_simulated(model: nn.Module) -> bool:
+    """Whether the model's tensors are fake ones (``FakeTensorMode``: tracing, or seqpar's fake-CUDA
+    host-sync checker): such a model computes no values, so there is nothing for the probe to compare,
+    and it is skipped (a real run of the same model is probed)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, FakeTensor) for t in (*model.parameters(), *model.buffers()))
+
+
 def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, position: int) -> list[Mixer]:
     """The modules of ``model`` that mix information across sequence positions (see the module docstring).
 
@@ -358,7 +368,7 @@ def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | No
 
     The sequence input is the first tensor of at least 2 dims among the arguments (``(batch, seq, ...)``,
     the layout :func:`seqpar.sequence.batch.shard_batch` cuts); every tensor argument with the same
-    dim-1 size is cut to the same positions. Integer inputs (token ids) at the middle position are
+    dim-1 size is cut to the same positions, and a mask (last two dims the sequence) in both. Integer inputs (token ids) at the middle position are
     changed to another id seen in the batch, float inputs shifted by their scale.
 
     Returns:
@@ -371,7 +381,8 @@ def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | No
     full = seq_input.shape[1]
     length = min(full, PROBE_LENGTH)
     position = length // 2
-    cut = {id(t): t.narrow(1, 0, length) for t in leaves if t.dim() >= 2 and t.shape[1] == full}
+    cut = {id(t): _cut(t, full, length) for t in leaves
+           if t.dim() >= 2 and (t.shape[1] == full or t.shape[-2:] == (full, full))}
     first = cut[id(seq_input)]
     changed = first.clone()
     if first.dtype.is_floating_point:
@@ -393,6 +404,15 @@ def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | No
     return find_mixers(model, run, length, position)
 
 
+def _cut(t: Tensor, full: int, length: int) -> Tensor:
+    """The first ``length`` positions of a batch tensor: a mask-like one (its last two dims both the
+    sequence: ``(S, S)``, ``(B, S, S)``, ``(B, H, S, S)``) in both of them, any other on dim 1
+    (``(batch, seq, ...)``)."""
+    if t.shape[-2:] == (full, full):
+        return t.narrow(-2, 0, length).narrow(-1, 0, length)
+    return t.narrow(1, 0, length)
+
+
 def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """The probe at a swapped model's first forward, on the real batch cut to :data:`PROBE_LENGTH`
     positions (:func:`slice_probe`); run by the batch check (:mod:`seqpar.swap.batch`) before any
@@ -401,6 +421,8 @@ def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
     Raises:
         SwapError: naming every module that mixes positions.
     """
+    if is_simulated(model):
+        return
     try:
         mixers = slice_probe(model, args, kwargs)
     except ProbeFailed as failed:
