@@ -194,6 +194,8 @@ def test_router_loss_forms_are_recognised() -> None:
             fn = getattr(importlib.import_module(name), moe.FUNCTION_NAME)
         except Exception:  # noqa: BLE001 - a model whose optional dependency is missing
             continue
+        # an earlier test's swap may have left seqpar's dispatcher in the module: judge its original
+        fn = getattr(fn, "__seqpar_original__", fn)
         (known if moe._form_of(fn) is not None else unknown).append(name.split(".")[2])
     assert len(known) >= 32, known
     assert set(unknown) <= {"nllb_moe", "switch_transformers"}, unknown

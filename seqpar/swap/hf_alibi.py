@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from seqpar.sequence.batch import global_positions, sp_rank_and_size
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.swap.options import SwapOptions
+from seqpar.swap.state import is_probing
 
 __all__ = ["is_alibi_attention", "alibi_problems", "install"]
 
@@ -163,8 +164,11 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
     options: SwapOptions = getattr(self, _OPTIONS_ATTR)
     rank, world = sp_rank_and_size(options.group)
     cu = kwargs.get("cu_seq_lens_q")
-    pos = global_positions(n * world, rank, world, options.sharding, device=q.device,
-                           cu_seqlens=host_boundaries(cu))  # (seq_local,) global positions
+    if is_probing():  # the probe's self-only attention ignores every bias: no global positions needed
+        pos = torch.arange(n, device=q.device)
+    else:
+        pos = global_positions(n * world, rank, world, options.sharding, device=q.device,
+                               cu_seqlens=host_boundaries(cu))  # (seq_local,) global positions
     # transformers' own op (build_alibi_tensor): bf16 slopes times integer positions, a bf16 result
     bias = (slopes.to(q.device).bfloat16()[:, None] * pos[None, :]).to(q.dtype)  # (heads, seq_local)
     h, d = self.num_heads, self.head_dim

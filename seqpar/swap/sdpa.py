@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from seqpar.swap.options import SwapError
 from seqpar.swap.state import Frame, stack, suspended
 
 if TYPE_CHECKING:
@@ -51,8 +52,8 @@ def _sdpa_dispatch(
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     where = f"seqpar: F.scaled_dot_product_attention in swapped module '{frame.name}'"
-    if attn_mask is not None:
-        raise ValueError(
+    if attn_mask is not None:  # a SwapError (a ValueError): this module's attention cannot be swapped as called
+        raise SwapError(
             f"{where} got an attn_mask: seqpar attention takes no mask (a local mask is wrong on a "
             "sequence shard). For causal attention pass attn_mask=None, is_causal=True; padding at "
             "the end needs no mask (see seqpar.sequence.batch.shard_batch)"
