@@ -417,3 +417,22 @@ def test_zero3_partitioned_parameters_probed_at_the_first_forward(dist_pool):
     pytest.importorskip("deepspeed")
     texts = dist_pool.run(2, _zero3_partitioned_refused_at_first_forward, timeout=300)
     assert len(texts) == 2 and texts[0] == texts[1], texts
+
+
+@pytest.mark.parametrize("name", ["mamba", "gpt_neo"])
+def test_models_with_nothing_to_swap_name_their_mixers(name):
+    """A transformers model with no attention seqpar can route (Mamba: none; GPT-Neo: it computes its
+    own scores) is refused naming each mixing module, not only "found nothing to swap"."""
+    if name == "mamba":
+        model = transformers.MambaForCausalLM(transformers.MambaConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
+        path, cls = "backbone.layers.1.mixer", "MambaMixer"
+    else:
+        model = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
+            vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+            window_size=4, bos_token_id=0, eos_token_id=0))
+        path, cls = "transformer.h.1.attn.attention", "GPTNeoSelfAttention"
+    with pytest.raises(SwapError) as e:
+        swap_attention(model, {"size": 1})
+    text = str(e.value)
+    assert "found nothing to swap" in text and f"'{path}' ({cls})" in text, text

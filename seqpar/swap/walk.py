@@ -172,9 +172,9 @@ def swap_attention(
     routes = set(ROUTES) if cfg.swap == "auto" or patterns else {cfg.swap}
     glue = _hf_glue() if "hf" in routes else None
     plan = _plan(model, routes, patterns, glue)
-    if not plan:
-        _refuse_nothing_found(model, cfg, routes, patterns, glue)
     options = SwapOptions.from_config(cfg, group)
+    if not plan:
+        _refuse_nothing_found(model, cfg, routes, patterns, glue, options)
     # Mixers first: the position-mixing probe must see them in their sequence-parallel form
     # (position-wise while it probes), and every module it still finds is one seqpar does not handle.
     mixers = _swap_mixers(model, patterns, options) if glue is not None else []
@@ -298,17 +298,27 @@ def _plan(model: nn.Module, routes: set[str], patterns: tuple[str, ...] | None,
 
 
 def _refuse_nothing_found(model: nn.Module, cfg: SeqParConfig, routes: set[str],
-                          patterns: tuple[str, ...] | None, glue: ModuleType | None) -> None:
+                          patterns: tuple[str, ...] | None, glue: ModuleType | None,
+                          options: SwapOptions) -> None:
     looked = "; ".join(_ROUTE_HELP[r] for r in ROUTES if r in routes)
     if patterns is not None:
         looked = f"modules matching {list(patterns)} among {looked}"
     hint = ""
     if "hf" in routes and glue is None:
         hint = " (transformers is not installed, so the 'hf' route was unavailable)"
+    named = ""
+    if glue is not None:
+        # A transformers model whose attention seqpar cannot route (it computes its own scores: GPT-Neo,
+        # xGLM, ...) or that has none (Mamba, RWKV, xLSTM): the probe, with nothing routed, names every
+        # module that mixes positions, so the refusal says which ones seqpar would have to handle.
+        try:
+            glue.probe_at_swap(model, [], options)
+        except SwapError as e:
+            named = f". {e}"
     raise SwapError(
         f"swap_attention found nothing to swap in {type(model).__name__} with "
         f"swap={cfg.swap!r}: looked for {looked}{hint}. Set sequence_parallel.swap to a route "
-        "or to class names / name patterns of the attention modules"
+        f"or to class names / name patterns of the attention modules{named}"
     )
 
 
