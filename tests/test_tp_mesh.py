@@ -251,3 +251,37 @@ def test_launcher_tp_size_flag(monkeypatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ValueError, match="world size 6 is not divisible by sequence_parallel.size 4"):
         train.validate(["--config", fsdp, "--sp-size", "4"])
+
+
+def _eight(rank: int, world: int) -> list[dict]:
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    out = []
+    for sp, tp, u in ((2, 2, 1), (4, 2, 2)):  # DP2 x SP2 x TP2; SP4 (hybrid 2 x 2) x TP2
+        m = init_process_groups(sp, tp_size=tp, ulysses_size=u, heads=(8, 4))
+        groups = {"tp": m.tp_group, "sp": m.sp_group, "dp": m.dp_group, "ulysses": m.ulysses_group,
+                  "ring": m.ring_group}
+        out.append({"members": {k: dist.get_process_group_ranks(g) for k, g in groups.items()},
+                    "sums": {k: _summed(g, rank) for k, g in groups.items()},
+                    "mesh": m.mesh.mesh.tolist()})
+        m.destroy()
+        set_default_manager(None)
+    return out
+
+
+def test_eight_ranks_dp_sp_tp_and_hybrid_inside_tp(dist_pool) -> None:
+    """DP2 x SP2 x TP2, and the hybrid's Ulysses / ring groups of SP4 x TP2: each runs over the ranks of
+    one TP rank's SP group (Ulysses = u consecutive SP ranks, ring = SP ranks u apart)."""
+    per_rank = dist_pool.run(8, _eight, timeout=300)
+    for rank, (three_d, hybrid) in enumerate(per_rank):
+        want = _theory(rank, 8, 2, 2)
+        assert three_d["mesh"] == want["cube"]
+        assert {k: three_d["members"][k] for k in ("tp", "sp", "dp")} == {k: want[k] for k in ("tp", "sp", "dp")}
+        want = _theory(rank, 8, 4, 2)
+        sp = want["sp"]
+        i = sp.index(rank)
+        assert hybrid["members"]["sp"] == sp and hybrid["members"]["tp"] == want["tp"]
+        assert hybrid["members"]["ulysses"] == sp[i // 2 * 2:][:2], (rank, hybrid["members"])
+        assert hybrid["members"]["ring"] == sp[i % 2::2], (rank, hybrid["members"])
+        for record in (three_d, hybrid):
+            assert record["sums"] == {k: float(sum(r + 1 for r in g)) for k, g in record["members"].items()}
