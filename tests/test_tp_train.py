@@ -1,5 +1,6 @@
 """Tensor parallelism from the model's own plan (seqpar.integrations.tp) composed with seqpar's
-attention (issue 22, step 2): TP2 x SP2 on 4 gloo ranks, ring mode, zigzag, against one process.
+attention (issue 22, step 2): TP2 x SP2 on 4 gloo ranks, ring and Ulysses modes, zigzag, against one
+process.
 
 Tiny Llama and Qwen3 (8 query heads, 4 K/V heads; Qwen3's per-head q_norm / k_norm carry the
 ``replicated_with_grad_allreduce`` style), fp32. The loss touches every logit; every parameter's
@@ -19,6 +20,7 @@ import torch.distributed as dist
 VOCAB = 53
 SEQ = 16
 CONFIG = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
+MODES = ("ring", "ulysses")
 
 
 def _model(kind: str):  # noqa: ANN202
@@ -39,7 +41,7 @@ def _model(kind: str):  # noqa: ANN202
     return model
 
 
-def _parity(manager, kind: str) -> dict:  # noqa: ANN001
+def _parity(manager, kind: str, mode: str) -> dict:  # noqa: ANN001
     """One forward/backward of ``kind`` at the manager's TP x SP against one process; asserts the loss
     and every gradient."""
     from torch.distributed.tensor import DTensor
@@ -51,7 +53,7 @@ def _parity(manager, kind: str) -> dict:  # noqa: ANN001
     model = _model(kind)
     ref = copy.deepcopy(model)
     plan = apply_tensor_parallel(model, manager)
-    swap_attention(model, CONFIG, group=manager.sp_group)
+    swap_attention(model, {**CONFIG, "mode": mode}, group=manager.sp_group)
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
@@ -79,7 +81,7 @@ def _parity(manager, kind: str) -> dict:  # noqa: ANN001
         dist.all_reduce(grad, group=manager.sp_group)  # the SP gradient is the sum of the ranks' shares
         want = ref_params[name].grad
         torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
-                                   msg=lambda m, name=name: f"{kind}: grad of {name}: {m}")
+                                   msg=lambda m, name=name: f"{kind} {mode}: grad of {name}: {m}")
     return {"plan": sorted(set(plan.values())), "sharded": len(sharded), "loss": total.item()}
 
 
@@ -89,24 +91,25 @@ def _tp_sp_steps(rank: int, world: int) -> dict:
     # one manager for both models: see seqpar.integrations.tp's caveat on recreating a layout
     manager = init_process_groups(config=CONFIG)
     try:
-        return {kind: _parity(manager, kind) for kind in ("llama", "qwen3")}
+        return {(kind, mode): _parity(manager, kind, mode) for kind in ("llama", "qwen3") for mode in MODES}
     finally:
         manager.destroy()
         set_default_manager(None)
 
 
 def test_tp2_sp2_matches_one_process(dist_pool) -> None:
-    """Llama and Qwen3 at TP2 x SP2, ring, zigzag: loss and every reduced gradient equal one process."""
+    """Llama and Qwen3 at TP2 x SP2, ring and Ulysses (each rank's 4 query / 2 K/V heads over 2 SP
+    ranks), zigzag: loss and every reduced gradient equal one process."""
     per_rank = dist_pool.run(4, _tp_sp_steps, timeout=300)
-    for kind in ("llama", "qwen3"):
+    for kind, mode in ((k, m) for k in ("llama", "qwen3") for m in MODES):
         styles = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}
         if kind == "qwen3":
             styles.add("replicated_with_grad_allreduce")
         for got in per_rank:
-            assert set(got[kind]["plan"]) == styles, got[kind]["plan"]
+            assert set(got[kind, mode]["plan"]) == styles, got[kind, mode]["plan"]
             # 2 layers x 7 projections, the embedding and the head
-            assert got[kind]["sharded"] == 2 * 7 + 2, got[kind]
-        assert len({round(r[kind]["loss"], 6) for r in per_rank}) == 1
+            assert got[kind, mode]["sharded"] == 2 * 7 + 2, got[kind, mode]
+        assert len({round(r[kind, mode]["loss"], 6) for r in per_rank}) == 1
 
 
 def test_unknown_style_refused_by_name() -> None:
