@@ -5,7 +5,8 @@ head's entries: ``model.tp_plan``, e.g. Llama's ``q/k/v/gate/up_proj -> "colwise
 ``o/down_proj -> "rowwise"``, ``lm_head -> "colwise_gather_output"``) and applies it with its own
 DTensor styles (``transformers.distributed.tensor_parallel.apply_tensor_parallelism``): this module
 expands the plan's ``*`` layer wildcards to the model's module names and hands it, with the manager's
-TP sub-mesh (``manager.mesh["tp"]``), to that function. Nothing here re-implements a style.
+TP sub-mesh (``manager.dp_sp_tp_mesh["tp"]``, whose ``"dp_sp"`` dim FSDP2 shards over), to that
+function. Nothing here re-implements a style.
 
 Only the styles checked against one process (tests/test_tp_train.py) are accepted; any other style in
 a plan is refused by name, before anything is sharded. ``replicated_with_grad_allreduce`` (Qwen3's
@@ -82,8 +83,9 @@ def apply_tensor_parallel(
     expanded plan applied (empty when ``tp_size`` is 1: nothing changes).
 
     Call it on every rank of the TP group with the same model (same seed: each rank keeps its slice of
-    the weights it already holds, so no weight is sent), before the optimizer is built. Sharded
-    parameters become DTensors on ``manager.mesh["tp"]``; replicated ones stay plain tensors.
+    the weights it already holds, so no weight is sent), before FSDP2 and the optimizer
+    (:func:`seqpar.integrations.fsdp.wrap` calls it when ``tp_size`` > 1). Sharded parameters become
+    DTensors on ``manager.dp_sp_tp_mesh["tp"]``; replicated ones stay plain tensors.
 
     Args:
         model: a transformers ``PreTrainedModel`` (anything with ``tp_plan``, or pass ``plan``).
@@ -115,5 +117,6 @@ def apply_tensor_parallel(
     expanded = expand_tp_plan(model, plan)
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    apply_tensor_parallelism(model, manager.mesh["tp"], expanded)
+    # the "tp" dim of the (dp x sp, tp) mesh, so FSDP2 can shard the same DTensors over "dp_sp"
+    apply_tensor_parallelism(model, manager.dp_sp_tp_mesh["tp"], expanded)
     return expanded

@@ -85,13 +85,56 @@ def _parity(manager, kind: str, mode: str) -> dict:  # noqa: ANN001
     return {"plan": sorted(set(plan.values())), "sharded": len(sharded), "loss": total.item()}
 
 
+def _fsdp_steps(manager, kind: str) -> list[float]:  # noqa: ANN001
+    """3 SGD steps of ``kind`` through ``seqpar.integrations.fsdp.wrap`` (TP from the model's plan, FSDP2
+    over dp x sp, the swap) against one process: every gradient of step 1 and the 3 losses."""
+    from torch.distributed.tensor import DTensor
+
+    from seqpar.integrations.fsdp import wrap
+    from seqpar.sequence.batch import shard_batch
+
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    wrap(model, CONFIG, manager=manager, fsdp={"version": 2})
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        weight = torch.randn(2, SEQ, VOCAB, generator=g) / ids.numel()
+        loss_ref = (ref(input_ids=ids).logits * weight).sum()
+        loss_ref.backward()
+        local = shard_batch({"input_ids": ids, "weight": weight}, group=manager.sp_group, sharding="zigzag")
+        loss = (model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits * local["weight"]).sum()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=manager.sp_group)
+        torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-5, atol=1e-5 * loss_ref.abs().item(),
+                                   msg=lambda m, step=step: f"{kind} FSDP2 step {step} loss: {m}")
+        losses.append(total.item())
+        if step == 0:
+            ref_params = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                assert isinstance(p.grad, DTensor), name  # FSDP2 over dp_sp (x TP)
+                grad, want = p.grad.full_tensor(), ref_params[name].grad  # reduced by FSDP2 over dp x sp
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                           msg=lambda m, name=name: f"{kind} FSDP2: grad of {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return losses
+
+
 def _tp_sp_steps(rank: int, world: int) -> dict:
     from seqpar.runtime.groups import init_process_groups, set_default_manager
 
     # one manager for both models: see seqpar.integrations.tp's caveat on recreating a layout
     manager = init_process_groups(config=CONFIG)
     try:
-        return {(kind, mode): _parity(manager, kind, mode) for kind in ("llama", "qwen3") for mode in MODES}
+        out = {(kind, mode): _parity(manager, kind, mode) for kind in ("llama", "qwen3") for mode in MODES}
+        out.update({(kind, "fsdp2"): _fsdp_steps(manager, kind) for kind in ("llama", "qwen3")})
+        return out
     finally:
         manager.destroy()
         set_default_manager(None)
@@ -99,7 +142,8 @@ def _tp_sp_steps(rank: int, world: int) -> dict:
 
 def test_tp2_sp2_matches_one_process(dist_pool) -> None:
     """Llama and Qwen3 at TP2 x SP2, ring and Ulysses (each rank's 4 query / 2 K/V heads over 2 SP
-    ranks), zigzag: loss and every reduced gradient equal one process."""
+    ranks), zigzag: loss and every reduced gradient equal one process; then through
+    ``seqpar.integrations.fsdp.wrap`` (FSDP2 over dp x sp), 3 SGD steps equal one process's."""
     per_rank = dist_pool.run(4, _tp_sp_steps, timeout=300)
     for kind, mode in ((k, m) for k in ("llama", "qwen3") for m in MODES):
         styles = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}
@@ -110,6 +154,10 @@ def test_tp2_sp2_matches_one_process(dist_pool) -> None:
             # 2 layers x 7 projections, the embedding and the head
             assert got[kind, mode]["sharded"] == 2 * 7 + 2, got[kind, mode]
         assert len({round(r[kind, mode]["loss"], 6) for r in per_rank}) == 1
+    for kind in ("llama", "qwen3"):  # FSDP2 x TP x SP: 3 SGD steps, the same losses on every rank
+        losses = [r[kind, "fsdp2"] for r in per_rank]
+        assert len(losses[0]) == 3 and all(x == losses[0] for x in losses), losses
+        assert losses[0][0] != losses[0][2]  # the steps moved the model
 
 
 def test_unknown_style_refused_by_name() -> None:

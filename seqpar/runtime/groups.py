@@ -332,6 +332,7 @@ class ProcessGroupManager:
         check_ulysses_size(sp_size, ulysses_size)
         self._ulysses_size = ulysses_size
         self._mesh: DeviceMesh | None = None  # built on first use of .mesh
+        self._dp_sp_tp_mesh: DeviceMesh | None = None  # built on first use of .dp_sp_tp_mesh
         self._device_type = mesh.device_type if mesh is not None else None
         # link figures for mode="auto" (seqpar.config.Links); None = probe on first use
         self.links: Links | None = None
@@ -571,6 +572,21 @@ class ProcessGroupManager:
                 mesh_dim_names=("dp", "sp", "tp"),
             )
         return self._mesh
+
+    @property
+    def dp_sp_tp_mesh(self) -> DeviceMesh:
+        """The cube as a 2-D named ``DeviceMesh`` ``(dp x sp, tp)`` (dims ``"dp_sp"``, ``"tp"``) over
+        :attr:`sp_dp_group` and :attr:`tp_group`: FSDP2 shards over ``"dp_sp"`` the DTensor parameters
+        tensor parallelism placed on ``"tp"`` (FSDP2 + TP needs both dims of one mesh). Built on first
+        use, on this rank only (no collective), with :attr:`mesh`'s device type."""
+        if self._dp_sp_tp_mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self._dp_sp_tp_mesh = DeviceMesh.from_group(
+                [self._sp_dp_group, self._tp_group], self.mesh.device_type,
+                mesh=self.cube.reshape(-1, self.tp_size), mesh_dim_names=("dp_sp", "tp"),
+            )
+        return self._dp_sp_tp_mesh
 
     @property
     def sp_ranks(self) -> list[int]:
