@@ -26,13 +26,15 @@ Sequence parallelism composes with it unchanged: the attention inputs a TP rank 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, tp_heads_problem
 
-__all__ = ["SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel"]
+__all__ = ["SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel", "clip_grad_norm"]
 
 SUPPORTED_STYLES = (
     "colwise",  # weight Shard(0): output features split, input replicated
@@ -120,3 +122,27 @@ def apply_tensor_parallel(
     # the "tp" dim of the (dp x sp, tp) mesh, so FSDP2 can shard the same DTensors over "dp_sp"
     apply_tensor_parallelism(model, manager.dp_sp_tp_mesh["tp"], expanded)
     return expanded
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes (FSDP2 x TP:
+    the TP-sharded ones on ``(dp_sp, tp)``, the replicated ones on ``dp_sp``), which torch's own refuses
+    to stack. The 2-norm of each mesh's gradients is made whole (``full_tensor``: a reduction over that
+    mesh), the squares are summed, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
+    as torch does. Returns the total norm (a plain tensor, the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    squares = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total

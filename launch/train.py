@@ -523,7 +523,8 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
 
 def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:
     """``sequence_parallel.tp_size`` against DeepSpeed's ``tensor_parallel.autotp_size`` and the model's
-    heads; then refuse TP > 1, which neither engine of this launcher applies yet (issue 22)."""
+    heads. TP > 1 runs on the FSDP engine (FSDP2 only); the DeepSpeed engine refuses it (AutoTP is not
+    wired yet, issue 22)."""
     from seqpar.config import ConfigError, check_autotp
     from seqpar.runtime.groups import tp_heads_problem
 
@@ -534,8 +535,13 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
     kv_heads = model.get("num_key_value_heads", heads if "num_attention_heads" in model else 2)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (problem := tp_heads_problem(heads, kv_heads, sp.tp_size)):
         raise ConfigError(f"model heads vs {problem}")
+    if engine == "fsdp":  # seqpar.integrations.fsdp.wrap applies the model's tp plan, then FSDP2 over dp x sp
+        version = (raw.get("fsdp") or {}).get("version", 2)
+        if version != 2:
+            raise ConfigError(f"sequence_parallel.tp_size = {sp.tp_size} needs FSDP2 (DTensor parameters): set "
+                              f"fsdp.version = 2 (got {version!r}), or tp_size 1")
+        return
     missing = {
-        "fsdp": "applying the model's base_model_tp_plan with torch TP on the mesh's 'tp' dim, with FSDP2 on dp x sp",
         "deepspeed": "DeepSpeed AutoTP (tensor_parallel.autotp_size) with seqpar's SP groups inside its DP group "
                      "and its 1/sp gradient scale compensated",
     }[engine]
@@ -726,6 +732,10 @@ class _FSDPEngine(_Engine):
             # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
             # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
             self.model.clip_grad_norm_(self.grad_clip)
+        elif self.manager.tp_size > 1:  # FSDP2 x TP: gradients on two meshes, which torch's clip cannot stack
+            from seqpar.integrations.tp import clip_grad_norm
+
+            clip_grad_norm(self.model.parameters(), self.grad_clip)
         else:  # FSDP2: DTensor parameters, the norm is already the global one
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -232,16 +234,21 @@ def test_node_layout_counts_tp() -> None:
     assert any("ulysses_size" in p for p in problems), problems
 
 
-def test_launcher_tp_size_flag(monkeypatch) -> None:
-    """``launch/train.py --tp-size``: validated with the rest, and refused above 1 naming what is missing."""
+def test_launcher_tp_size_flag(monkeypatch, tmp_path) -> None:
+    """``launch/train.py --tp-size``: validated with the rest; above 1 the DeepSpeed engine and FSDP1 are
+    refused naming what is missing."""
     from test_config_fuzz import CONFIGS, _train_module
 
     train = _train_module()
     fsdp = next(c for c in CONFIGS if "deepspeed" not in c)
     assert train.validate(["--config", fsdp, "--tp-size", "1"]).sp.tp_size == 1
-    for engine, missing in (("fsdp", "base_model_tp_plan"), ("deepspeed", "AutoTP")):
-        with pytest.raises(ConfigError, match=rf"tp_size = 2: launch/train.py's {engine} engine .*{missing}"):
-            train.validate(["--config", fsdp, "--engine", engine, "--tp-size", "2"])
+    assert train.validate(["--config", fsdp, "--tp-size", "2"]).sp.tp_size == 2  # FSDP2 applies TP
+    with pytest.raises(ConfigError, match=r"tp_size = 2: launch/train.py's deepspeed engine .*AutoTP"):
+        train.validate(["--config", fsdp, "--engine", "deepspeed", "--tp-size", "2"])
+    fsdp1 = tmp_path / "fsdp1.json"
+    fsdp1.write_text(json.dumps({**json.loads(open(fsdp).read()), "fsdp": {"version": 1}}))
+    with pytest.raises(ConfigError, match=r"tp_size = 2 needs FSDP2 .*fsdp.version = 2 \(got 1\)"):
+        train.validate(["--config", str(fsdp1), "--tp-size", "2"])
     for bad in ("0", "-2"):
         with pytest.raises(ConfigError, match="sequence_parallel.tp_size"):
             train.validate(["--config", fsdp, "--tp-size", bad])

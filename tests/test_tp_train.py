@@ -87,10 +87,12 @@ def _parity(manager, kind: str, mode: str) -> dict:  # noqa: ANN001
 
 def _fsdp_steps(manager, kind: str) -> list[float]:  # noqa: ANN001
     """3 SGD steps of ``kind`` through ``seqpar.integrations.fsdp.wrap`` (TP from the model's plan, FSDP2
-    over dp x sp, the swap) against one process: every gradient of step 1 and the 3 losses."""
+    over dp x sp, the swap) against one process: every gradient of step 1, its clipped global norm, and
+    the 3 losses."""
     from torch.distributed.tensor import DTensor
 
     from seqpar.integrations.fsdp import wrap
+    from seqpar.integrations.tp import clip_grad_norm
     from seqpar.sequence.batch import shard_batch
 
     model = _model(kind)
@@ -119,6 +121,12 @@ def _fsdp_steps(manager, kind: str) -> list[float]:  # noqa: ANN001
                 grad, want = p.grad.full_tensor(), ref_params[name].grad  # reduced by FSDP2 over dp x sp
                 torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
                                            msg=lambda m, name=name: f"{kind} FSDP2: grad of {name}: {m}")
+            # gradients on two meshes ((dp_sp, tp) and dp_sp): clipped by the global norm, as torch clips
+            # one process's; the later steps' losses then check the clipped gradients
+            norm = clip_grad_norm(model.parameters(), 0.5)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            assert ref_norm > 0.5, ref_norm  # the clip acts
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -170,3 +178,15 @@ def test_unknown_style_refused_by_name() -> None:
     assert expanded["model.layers.1.self_attn.o_proj"] == expanded["model.layers.1.self_attn.o_proj.weight"] == "rowwise"
     assert expanded["lm_head"] == expanded["lm_head.weight"] == "colwise_gather_output"
     assert len(expanded) == 2 * (2 * 7 + 2)  # each module and its weight (no biases)
+
+
+def test_launcher_fsdp_tp2_sp2_matches_sp1(dist_pool) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2`` (FSDP2, 4 ranks): the losses of SP = 1 x TP = 1 on one rank."""
+    from test_train import _close, _config, _losses
+
+    short = ["--seq-len", "256", "--steps", "3", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, ["--config", _config("fsdp_ring.json"), "--sp-size", "1", *short])
+    got = _losses(dist_pool, 4, ["--config", _config("fsdp_ring.json"), "--sp-size", "2", "--tp-size", "2", *short],
+                  timeout=400)
+    _close(got, ref)
+    assert ref[-1] != ref[0]
