@@ -14,10 +14,9 @@ a plan is refused by name, before anything is sharded. ``replicated_with_grad_al
 gradient over the TP group in a post-accumulate hook. torch's plain ``parallelize_module`` has no such
 style and would leave those gradients per-rank partial sums.
 
-Caveat (torch 2.13): DTensor caches sharding decisions keyed by meshes that compare equal when they
-cover the same ranks, whatever their process groups; after a manager is destroyed, a new one over
-the same layout in the same process can be handed the destroyed groups ("Could not resolve the
-process group"). Build the groups once per process.
+Torch 2.13 caches DTensor sharding plans keyed by meshes that compare equal when they cover the same
+ranks, whatever their process groups: ``ProcessGroupManager.destroy`` drops those plans, so a later
+manager of the same layout in the same process is not handed the destroyed groups.
 
 Layering: an integration (``seqpar.integrations.tp``); it imports the core, the core never imports it.
 Sequence parallelism composes with it unchanged: the attention inputs a TP rank sees are

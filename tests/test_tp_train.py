@@ -137,7 +137,7 @@ def _fsdp_steps(manager, kind: str) -> list[float]:  # noqa: ANN001
 def _tp_sp_steps(rank: int, world: int) -> dict:
     from seqpar.runtime.groups import init_process_groups, set_default_manager
 
-    # one manager for both models: see seqpar.integrations.tp's caveat on recreating a layout
+    # one manager for every model and mode (the launcher test after it builds the same layout again)
     manager = init_process_groups(config=CONFIG)
     try:
         out = {(kind, mode): _parity(manager, kind, mode) for kind in ("llama", "qwen3") for mode in MODES}

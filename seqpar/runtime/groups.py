@@ -450,6 +450,8 @@ class ProcessGroupManager:
         for group in self._created:
             dist.destroy_process_group(group)
         self._created = []
+        if self._mesh is not None or self._dp_sp_tp_mesh is not None:
+            _forget_dtensor_plans()
         if default_manager() is self:
             set_default_manager(None)
         if self.owns_world:
@@ -657,6 +659,19 @@ class ProcessGroupManager:
 
     def get_pipeline_model_parallel_rank(self) -> int:
         return 0
+
+
+def _forget_dtensor_plans() -> None:
+    """Drop DTensor's cached sharding and redistribution plans (torch 2.13). They are keyed by meshes,
+    and two meshes over the same ranks compare equal whatever their process groups: a later manager of
+    the same layout in this process would be handed plans naming this manager's destroyed groups
+    ("Could not resolve the process group registered under the name ..."). Torch exposes the clearing
+    only in its debug module; where it is missing there is nothing to clear."""
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:
+        return
+    getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
 
 
 # -------------------------------------------------------------------- default instance
