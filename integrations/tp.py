@@ -126,8 +126,8 @@ def apply_tensor_parallel(
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for gradients that are DTensors on different meshes (FSDP2 x TP:
     the TP-sharded ones on ``(dp_sp, tp)``, the replicated ones on ``dp_sp``), which torch's own refuses
-    to stack. The 2-norm of each mesh's gradients is made whole (``full_tensor``: a reduction over that
-    mesh), the squares are summed, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
+    to stack. The 2-norm of each mesh's gradients (``get_total_norm``: reduced over that mesh, then a
+    plain tensor by ``full_tensor``) is squared, the squares are summed, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
     as torch does. Returns the total norm (a plain tensor, the same on every rank)."""
     from torch.distributed.tensor import DTensor
 
