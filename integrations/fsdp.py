@@ -107,8 +107,13 @@ def build_mesh(manager: ProcessGroupManager, device_type: str | None = None) -> 
     """A 1-D ``DeviceMesh`` over the sequence-data-parallel group (all ranks of the grid).
 
     FSDP shards over it and reduces gradients over it; parameters are the same on every SP rank.
+    With tensor parallelism: the ``"dp_sp"`` dim of ``manager.dp_sp_tp_mesh``, whose ``"tp"`` dim holds
+    the TP-sharded parameters (FSDP2 + TP needs one mesh).
     """
     from torch.distributed.device_mesh import DeviceMesh
+
+    if manager.tp_size > 1:
+        return manager.dp_sp_tp_mesh["dp_sp"]
 
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,7 +151,8 @@ def wrap(
     swap: bool = True,
     device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Swap the model's attention and shard it with FSDP over the sequence-data-parallel group.
+    """Swap the model's attention and shard it with FSDP over the sequence-data-parallel group (with
+    ``tp_size`` > 1: first tensor parallelism from the model's own plan, :mod:`seqpar.integrations.tp`).
 
     Args:
         model: the model (on CPU or its device); every rank must build the same initial weights
@@ -168,6 +174,13 @@ def wrap(
     sp_config = SeqParConfig.load(config)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
     manager = resolve_manager(sp_config, manager)
+    if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
+        if opts.version != 2:
+            raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
+                             f"set fsdp.version = 2 (got {opts.version})")
+        from seqpar.integrations.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model, manager)
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 

@@ -240,6 +240,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
+    p.add_argument("--tp-size", type=int, help="override sequence_parallel.tp_size (world = dp x sp x tp)")
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
@@ -441,9 +442,11 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("tiled_mlp", args.tiled_mlp),
                                   ("offload_activations", args.offload_activations),
                                   ("recompute_norm", args.recompute_norm),
-                                  ("ulysses_size", args.ulysses_size)) if v is not None}
+                                  ("ulysses_size", args.ulysses_size),
+                                  ("tp_size", args.tp_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
+    _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
     model = dict(raw.get("model") or {})
     _check_model(model, train)
     if raw.get("fsdp"):
@@ -541,6 +544,37 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
     return cfg
 
 
+def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:
+    """``sequence_parallel.tp_size`` against DeepSpeed's ``tensor_parallel.autotp_size`` and the model's
+    heads. TP > 1 runs on the FSDP engine (FSDP2 only); the DeepSpeed engine refuses it (AutoTP is not
+    wired yet, issue 22)."""
+    from seqpar.config import ConfigError, check_autotp
+    from seqpar.runtime.groups import tp_heads_problem
+
+    check_autotp(raw, sp)
+    if sp.tp_size == 1:
+        return
+    heads = model.get("num_attention_heads", 4)
+    kv_heads = model.get("num_key_value_heads", heads if "num_attention_heads" in model else 2)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (problem := tp_heads_problem(heads, kv_heads, sp.tp_size)):
+        raise ConfigError(f"model heads vs {problem}")
+    if engine == "fsdp":  # seqpar.integrations.fsdp.wrap applies the model's tp plan, then FSDP2 over dp x sp
+        version = (raw.get("fsdp") or {}).get("version", 2)
+        if version != 2:
+            raise ConfigError(f"sequence_parallel.tp_size = {sp.tp_size} needs FSDP2 (DTensor parameters): set "
+                              f"fsdp.version = 2 (got {version!r}), or tp_size 1")
+        return
+    missing = {
+        "deepspeed": "DeepSpeed AutoTP (tensor_parallel.autotp_size) with seqpar's SP groups inside its DP group "
+                     "and its 1/sp gradient scale compensated",
+    }[engine]
+    raise ConfigError(
+        f"sequence_parallel.tp_size = {sp.tp_size}: launch/train.py's {engine} engine does not run tensor "
+        f"parallelism yet (missing: {missing}); use tp_size 1 (--tp-size 1) and put the ranks on "
+        "sequence_parallel.size"
+    )
+
+
 def validate_model(plan: Plan) -> None:
     """Check the ``model`` block without building the model (no memory, no process group): sizes,
     head divisibility, then transformers' own field validators, as a ConfigError naming the key."""
@@ -549,9 +583,9 @@ def validate_model(plan: Plan) -> None:
 
     _check_model_values(plan.model)
     if os.environ.get("WORLD_SIZE", "").isdigit():  # under a launcher the world size is known already
-        from seqpar.runtime.groups import check_divisible
+        from seqpar.runtime.groups import check_layout
 
-        check_divisible(int(os.environ["WORLD_SIZE"]), plan.sp.size)
+        check_layout(int(os.environ["WORLD_SIZE"]), plan.sp.size, plan.sp.tp_size)
     task = RecallTask(plan.train)
     seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding or UNDECLARED_DEFAULT)
     try:
@@ -725,6 +759,10 @@ class _FSDPEngine(_Engine):
             # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
             # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
             self.model.clip_grad_norm_(self.grad_clip)
+        elif self.manager.tp_size > 1:  # FSDP2 x TP: gradients on two meshes, which torch's clip cannot stack
+            from seqpar.integrations.tp import clip_grad_norm
+
+            clip_grad_norm(self.model.parameters(), self.grad_clip)
         else:  # FSDP2: DTensor parameters, the norm is already the global one
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 

@@ -11,6 +11,7 @@ Example block::
         "size": 2,                  # SP degree: ranks that share one sequence
         "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
+        "tp_size": 1,               # tensor-parallel degree (innermost mesh dim); world = dp x size x tp_size
         "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"; absent: undeclared
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
@@ -38,6 +39,7 @@ from typing import Any
 
 __all__ = [
     "ConfigError",
+    "check_autotp",
     "Links",
     "SIZE_ALIASES",
     "COMM_TYPES",
@@ -214,6 +216,17 @@ def _resolve_aliases(block: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def check_autotp(ds_config: Mapping[str, Any], config: SeqParConfig) -> None:
+    """Raise ``ConfigError`` when a DeepSpeed config's ``tensor_parallel.autotp_size`` differs from
+    ``config.tp_size``: one TP degree, DeepSpeed's AutoTP shards the weights and seqpar lays out the
+    mesh around it."""
+    tp_block = ds_config.get("tensor_parallel")
+    autotp = tp_block.get("autotp_size") if isinstance(tp_block, Mapping) else None
+    if autotp is not None and autotp != config.tp_size:
+        _fail("tp_size", config.tp_size, f"DeepSpeed's tensor_parallel.autotp_size is {autotp!r}; set "
+              "sequence_parallel.tp_size to the same value (or leave autotp_size out)")
+
+
 @dataclass(frozen=True)
 class SeqParConfig:
     """The ``sequence_parallel`` block: how sequences are split and how attention crosses the split."""
@@ -231,6 +244,11 @@ class SeqParConfig:
     """Ulysses degree u of ``mode="hybrid"``/``"auto"``: the SP group splits into size/u groups of u
     consecutive ranks (all-to-all inside, ideally one node) and a ring across them. Must divide
     ``size``; 1 = no Ulysses axis. ``"auto"`` chooses it once at init_process_groups."""
+    tp_size: int = 1
+    """Tensor-parallel degree, a positive integer: how many consecutive ranks share each layer's
+    weights (Megatron-style, innermost on the mesh ``("dp", "sp", "tp")``, see seqpar.runtime.groups).
+    The world size must equal dp x ``size`` x ``tp_size``; each rank then holds ``heads / tp_size``
+    query and K/V heads, so both head counts must be multiples of it. 1 = no tensor parallelism."""
     links: dict[str, float] | None = None
     """Link figures for ``mode="auto"`` (:class:`Links`): any of ``intra_gbps``, ``inter_gbps``,
     ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
@@ -300,6 +318,9 @@ class SeqParConfig:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
         if self.size < 1:
             _fail("size", self.size, "expected a positive integer (the SP degree)")
+        _check_type("tp_size", self.tp_size, (int,), "expected a positive integer (the TP degree)")
+        if self.tp_size < 1:
+            _fail("tp_size", self.tp_size, "expected a positive integer (the TP degree)")
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
             _fail("mode", self.mode, f"choose one of {list(MODES)}")
@@ -382,7 +403,10 @@ class SeqParConfig:
             kwargs["pattern"] = PatternConfig.from_dict(kwargs["pattern"])
         if isinstance(kwargs.get("swap"), list):
             kwargs["swap"] = tuple(kwargs["swap"])
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        if BLOCK_KEY in d:  # a DeepSpeed or launcher config: its AutoTP degree must be ours
+            check_autotp(d, config)
+        return config
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SeqParConfig:
@@ -401,7 +425,9 @@ class SeqParConfig:
         if not isinstance(ds_config, Mapping):
             with open(ds_config) as f:
                 ds_config = json.load(f)
-        return cls.from_dict(ds_config.get(BLOCK_KEY, {}))
+        config = cls.from_dict(ds_config.get(BLOCK_KEY, {}))
+        check_autotp(ds_config, config)
+        return config
 
     @classmethod
     def load(cls, source: SeqParConfig | Mapping[str, Any] | str | os.PathLike | None) -> SeqParConfig:

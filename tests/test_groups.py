@@ -355,11 +355,12 @@ def _mesh_view(rank: int, world_size: int, shape: tuple, names: tuple, ulysses_s
         "members": (_members(m.sp_group), _members(m.dp_group)),
         "torch_ranks": (dist.get_process_group_ranks(m.sp_group), dist.get_process_group_ranks(m.dp_group)),
         "rank_in": (dist.get_rank(m.sp_group), dist.get_rank(m.dp_group)),
-        # the manager's mesh: named (dp, sp), over the manager's own group objects
+        # the manager's mesh: named (dp, sp, tp), over the manager's own group objects (tp = 1 here)
         "mesh_names": m.mesh.mesh_dim_names,
         "mesh_grid": m.mesh.mesh.tolist(),
         "mesh_groups_are_the_managers": (m.mesh["sp"].get_group() is m.sp_group,
-                                         m.mesh["dp"].get_group() is m.dp_group),
+                                         m.mesh["dp"].get_group() is m.dp_group,
+                                         m.mesh["tp"].get_group() is m.tp_group),
         # with a user mesh: the mesh's own groups, no new SP/DP communicator
         "user_sp_group": user is not None and user.get_group(sp_dim) is m.sp_group,
         "user_dp_group": len(wide_dp) == 1 and user.get_group(wide_dp[0]) is m.dp_group,
@@ -388,8 +389,8 @@ def test_mesh_view_and_user_mesh(dist_pool, shape, names, ulysses, sp_groups, dp
         assert d["sizes"] == (len(my_sp), len(my_dp), my_sp.index(rank), my_dp.index(rank)), (rank, d)
         assert d["ranks"] == d["members"] == d["torch_ranks"] == (my_sp, my_dp), (rank, d)
         assert d["rank_in"] == (my_sp.index(rank), my_dp.index(rank))
-        assert d["mesh_names"] == ("dp", "sp") and all(d["mesh_groups_are_the_managers"])
-        assert d["mesh_grid"] == grid, (rank, d["mesh_grid"], grid)
+        assert d["mesh_names"] == ("dp", "sp", "tp") and all(d["mesh_groups_are_the_managers"])
+        assert d["mesh_grid"] == [[[r] for r in row] for row in grid], (rank, d["mesh_grid"], grid)
         if names:
             assert d["user_sp_group"]
             assert d["user_dp_group"] == (names != ("dp_replicate", "dp_shard", "sp") and len(my_dp) > 1)
@@ -413,7 +414,7 @@ def _bad_mesh(rank: int, world_size: int, shape: tuple, names: tuple | None) -> 
 @pytest.mark.parametrize("shape, names, expected", [
     ((2, 2), ("pp", "sp"), "the mesh has a 'pp' dim (pipeline parallelism is not supported"),
     ((2, 2), ("dp", "ep"), "the mesh has a 'ep' dim (expert parallelism is not supported"),
-    ((2, 2), ("dp", "tp"), "the mesh has a 'tp' dim (tensor parallelism is not supported"),
+    ((2, 2), ("dp", "tp"), "needs exactly one SP dim, named 'sp' or 'cp' (got none)"),  # TP alone: no SP dim
     ((2, 2), ("dp", "foo"), "the mesh has a 'foo' dim (seqpar does not know this dim)"),
     ((2, 2), ("sp", "cp"), "needs exactly one SP dim, named 'sp' or 'cp'"),
     ((2, 2), ("dp_shard", "dp"), "needs exactly one SP dim, named 'sp' or 'cp' (got none)"),

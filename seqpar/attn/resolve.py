@@ -159,7 +159,8 @@ def _ulysses_plan(
     else:
         assert manager is not None
         u, sp, rank, first = manager.ulysses_size, manager.sp_size, manager.ulysses_rank, manager.ring_rank * manager.ulysses_size
-    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode=algorithm)
+    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode=algorithm,
+                       tp=manager.tp_size if manager is not None else 1)
     return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
                             head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2])
 

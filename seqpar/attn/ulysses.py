@@ -90,24 +90,29 @@ class HeadSplit:
         return list(range(first, first + kc))
 
 
-def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str) -> HeadSplit:
+def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str, tp: int = 1) -> HeadSplit:
     """Validate that ``u`` ranks can share the heads (the rule is
     :func:`seqpar.runtime.groups.ulysses_heads_ok`, the one the cost model uses too); raise
-    ``ValueError`` naming the fix otherwise."""
+    ``ValueError`` naming the fix otherwise. ``q_heads`` / ``kv_heads`` are the heads this rank holds:
+    under tensor parallelism (``tp`` > 1, only named in the error) the model's heads / ``tp``."""
     if ulysses_heads_ok(q_heads, kv_heads, u):
         return HeadSplit(q_heads, kv_heads, u)
     fits = [d for d in divisors(sp_size) if ulysses_heads_ok(q_heads, kv_heads, d)]
+    tp_note = (f" These are the heads tensor parallelism leaves this rank (the model's heads / tp_size {tp}); "
+               "a smaller tp_size leaves each rank more." if tp > 1 else "")
     if q_heads % u:
         smaller = [d for d in divisors(sp_size) if q_heads % d == 0 and d < u]
         raise ValueError(
             f"mode={mode!r}: {q_heads} query heads cannot be split over {u} Ulysses ranks ({q_heads} is not a "
             f"multiple of {u}). Use mode='hybrid' with a smaller ulysses_size that divides the head count "
-            f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'"
+            f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'."
+            + tp_note
         )
     raise ValueError(
         f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
         f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "
-        f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'"
+        f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'."
+        + tp_note
     )
 
 

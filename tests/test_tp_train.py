@@ -1,0 +1,192 @@
+"""Tensor parallelism from the model's own plan (seqpar.integrations.tp) composed with seqpar's
+attention (issue 22, step 2): TP2 x SP2 on 4 gloo ranks, ring and Ulysses modes, zigzag, against one
+process.
+
+Tiny Llama and Qwen3 (8 query heads, 4 K/V heads; Qwen3's per-head q_norm / k_norm carry the
+``replicated_with_grad_allreduce`` style), fp32. The loss touches every logit; every parameter's
+gradient, gathered over TP (DTensor shards) and summed over SP (the ranks' shares of the sequence),
+must equal the single-process gradient on the whole sequence to 1e-5 relative, judged on the scale
+of that gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+VOCAB = 53
+SEQ = 16
+CONFIG = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
+MODES = ("ring", "ulysses")
+
+
+def _model(kind: str):  # noqa: ANN202
+    import transformers
+
+    fields = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8, "max_position_embeddings": 64,
+              "tie_word_embeddings": False, "use_cache": False}
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields))
+        with torch.no_grad():  # q_norm / k_norm start at ones: make each head's weight differ
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+    return model
+
+
+def _parity(manager, kind: str, mode: str) -> dict:  # noqa: ANN001
+    """One forward/backward of ``kind`` at the manager's TP x SP against one process; asserts the loss
+    and every gradient."""
+    from torch.distributed.tensor import DTensor
+
+    from seqpar.integrations.tp import apply_tensor_parallel
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import swap_attention
+
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    plan = apply_tensor_parallel(model, manager)
+    swap_attention(model, {**CONFIG, "mode": mode}, group=manager.sp_group)
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    weight = torch.randn(2, SEQ, VOCAB, generator=g)  # a loss that touches every logit
+    loss_ref = (ref(input_ids=ids).logits * weight).sum()
+    loss_ref.backward()
+
+    local = shard_batch({"input_ids": ids, "weight": weight}, group=manager.sp_group, sharding="zigzag")
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    loss = (logits * local["weight"]).sum()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=manager.sp_group)
+    torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-5, atol=1e-5 * loss_ref.abs().item())
+
+    ref_params = dict(ref.named_parameters())
+    sharded = []
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            sharded.append(name)
+            assert p.to_local().shape != ref_params[name].shape, name  # this rank holds a slice
+            grad = grad.full_tensor()
+        grad = grad.clone()
+        dist.all_reduce(grad, group=manager.sp_group)  # the SP gradient is the sum of the ranks' shares
+        want = ref_params[name].grad
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=lambda m, name=name: f"{kind} {mode}: grad of {name}: {m}")
+    return {"plan": sorted(set(plan.values())), "sharded": len(sharded), "loss": total.item()}
+
+
+def _fsdp_steps(manager, kind: str) -> list[float]:  # noqa: ANN001
+    """3 SGD steps of ``kind`` through ``seqpar.integrations.fsdp.wrap`` (TP from the model's plan, FSDP2
+    over dp x sp, the swap) against one process: every gradient of step 1, its clipped global norm, and
+    the 3 losses."""
+    from torch.distributed.tensor import DTensor
+
+    from seqpar.integrations.fsdp import wrap
+    from seqpar.integrations.tp import clip_grad_norm
+    from seqpar.sequence.batch import shard_batch
+
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    wrap(model, CONFIG, manager=manager, fsdp={"version": 2})
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    losses = []
+    for step in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        weight = torch.randn(2, SEQ, VOCAB, generator=g) / ids.numel()
+        loss_ref = (ref(input_ids=ids).logits * weight).sum()
+        loss_ref.backward()
+        local = shard_batch({"input_ids": ids, "weight": weight}, group=manager.sp_group, sharding="zigzag")
+        loss = (model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits * local["weight"]).sum()
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=manager.sp_group)
+        torch.testing.assert_close(total, loss_ref.detach(), rtol=1e-5, atol=1e-5 * loss_ref.abs().item(),
+                                   msg=lambda m, step=step: f"{kind} FSDP2 step {step} loss: {m}")
+        losses.append(total.item())
+        if step == 0:
+            ref_params = dict(ref.named_parameters())
+            for name, p in model.named_parameters():
+                assert isinstance(p.grad, DTensor), name  # FSDP2 over dp_sp (x TP)
+                grad, want = p.grad.full_tensor(), ref_params[name].grad  # reduced by FSDP2 over dp x sp
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                           msg=lambda m, name=name: f"{kind} FSDP2: grad of {name}: {m}")
+            # gradients on two meshes ((dp_sp, tp) and dp_sp): clipped by the global norm, as torch clips
+            # one process's; the later steps' losses then check the clipped gradients
+            norm = clip_grad_norm(model.parameters(), 0.5)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            assert ref_norm > 0.5, ref_norm  # the clip acts
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return losses
+
+
+def _tp_sp_steps(rank: int, world: int) -> dict:
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    # one manager for every model and mode (the launcher test after it builds the same layout again)
+    manager = init_process_groups(config=CONFIG)
+    try:
+        out = {(kind, mode): _parity(manager, kind, mode) for kind in ("llama", "qwen3") for mode in MODES}
+        out.update({(kind, "fsdp2"): _fsdp_steps(manager, kind) for kind in ("llama", "qwen3")})
+        return out
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def test_tp2_sp2_matches_one_process(dist_pool) -> None:
+    """Llama and Qwen3 at TP2 x SP2, ring and Ulysses (each rank's 4 query / 2 K/V heads over 2 SP
+    ranks), zigzag: loss and every reduced gradient equal one process; then through
+    ``seqpar.integrations.fsdp.wrap`` (FSDP2 over dp x sp), 3 SGD steps equal one process's."""
+    per_rank = dist_pool.run(4, _tp_sp_steps, timeout=300)
+    for kind, mode in ((k, m) for k in ("llama", "qwen3") for m in MODES):
+        styles = {"colwise", "rowwise", "colwise_gather_output", "embedding_rowwise"}
+        if kind == "qwen3":
+            styles.add("replicated_with_grad_allreduce")
+        for got in per_rank:
+            assert set(got[kind, mode]["plan"]) == styles, got[kind, mode]["plan"]
+            # 2 layers x 7 projections, the embedding and the head
+            assert got[kind, mode]["sharded"] == 2 * 7 + 2, got[kind, mode]
+        assert len({round(r[kind, mode]["loss"], 6) for r in per_rank}) == 1
+    for kind in ("llama", "qwen3"):  # FSDP2 x TP x SP: 3 SGD steps, the same losses on every rank
+        losses = [r[kind, "fsdp2"] for r in per_rank]
+        assert len(losses[0]) == 3 and all(x == losses[0] for x in losses), losses
+        assert losses[0][0] != losses[0][2]  # the steps moved the model
+
+
+def test_unknown_style_refused_by_name() -> None:
+    from seqpar.integrations.tp import expand_tp_plan
+
+    model = _model("llama")
+    with pytest.raises(ValueError, match=r"maps 'layers.\*.mlp.experts' to style 'packed_colwise'"):
+        expand_tp_plan(model, {"layers.*.mlp.experts": "packed_colwise"})
+    expanded = expand_tp_plan(model, model.tp_plan)
+    assert expanded["model.layers.1.self_attn.o_proj"] == expanded["model.layers.1.self_attn.o_proj.weight"] == "rowwise"
+    assert expanded["lm_head"] == expanded["lm_head.weight"] == "colwise_gather_output"
+    assert len(expanded) == 2 * (2 * 7 + 2)  # each module and its weight (no biases)
+
+
+def test_launcher_fsdp_tp2_sp2_matches_sp1(dist_pool) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2`` (FSDP2, 4 ranks): the losses of SP = 1 x TP = 1 on one rank."""
+    from test_train import _close, _config, _losses
+
+    short = ["--seq-len", "256", "--steps", "3", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, ["--config", _config("fsdp_ring.json"), "--sp-size", "1", *short])
+    got = _losses(dist_pool, 4, ["--config", _config("fsdp_ring.json"), "--sp-size", "2", "--tp-size", "2", *short],
+                  timeout=400)
+    _close(got, ref)
+    assert ref[-1] != ref[0]
