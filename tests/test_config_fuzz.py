@@ -163,7 +163,6 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         ("sequence_parallel", "overlap"): _is_bool,
         ("sequence_parallel", "check_inputs"): _is_bool,
         ("sequence_parallel", "head_chunks"): lambda v: v == "auto" or _is_int(v),
-        ("sequence_parallel", "mla_transfer"): _one_of("latent", "expanded"),
         ("sequence_parallel", "swap"): lambda v: isinstance(v, str) or (
             isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)),
         ("sequence_parallel", "pattern"): lambda v: isinstance(v, dict),
