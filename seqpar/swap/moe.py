@@ -126,14 +126,17 @@ def _pkm_form(original: Callable, group: dist.ProcessGroup | None, token_mask: T
     return sp_loss
 
 
-def _probe_switch(original: Callable) -> bool:
+def _matches_original(original: Callable, form: Callable, logits_shape: tuple[int, ...],
+                      call: Callable[[Callable, tuple, Tensor | None], Tensor]) -> bool:
+    """Whether ``form(original)`` gives ``original``'s value and gradients (float64) on random router
+    logits of ``logits_shape`` (two layers), with and without an attention mask ``(2, 6)``."""
     g = torch.Generator().manual_seed(7)
-    logits = tuple(torch.randn(12, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
+    logits = tuple(torch.randn(*logits_shape, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
     mask = torch.ones(2, 6, dtype=torch.long)
     mask[1, 4:] = 0
     for m in (None, mask):
-        for fn in (original, _switch_form(original, None)):
-            value = fn(logits, 6, 2, m)
+        for fn in (original, form(original, None)):
+            value = call(fn, logits, m)
             grads = torch.autograd.grad(value, logits)
             if fn is original:
                 want = (value.detach(), grads)
@@ -141,23 +144,16 @@ def _probe_switch(original: Callable) -> bool:
                       and all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(grads, want[1]))):
                 return False
     return True
+
+
+def _probe_switch(original: Callable) -> bool:
+    # (tokens, experts) logits per layer: 6 experts, top 2
+    return _matches_original(original, _switch_form, (12, 6), lambda fn, x, m: fn(x, 6, 2, m))
 
 
 def _probe_pkm(original: Callable) -> bool:
-    g = torch.Generator().manual_seed(7)
-    logits = tuple(torch.randn(2, 12, 3, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
-    mask = torch.ones(2, 6, dtype=torch.long)
-    mask[1, 4:] = 0
-    for m in (None, mask):
-        for fn in (original, _pkm_form(original, None)):
-            value = fn(logits, 9, 3, 2, m)
-            grads = torch.autograd.grad(value, logits)
-            if fn is original:
-                want = (value.detach(), grads)
-            elif not (torch.allclose(value.double(), want[0].double(), rtol=1e-6, atol=1e-9)
-                      and all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(grads, want[1]))):
-                return False
-    return True
+    # Doge's product keys: (2, tokens, keys) logits per layer, 9 experts from 3 keys, top 2
+    return _matches_original(original, _pkm_form, (2, 12, 3), lambda fn, x, m: fn(x, 9, 3, 2, m))
 
 
 # (parameter names, probe, sequence-parallel form)
