@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from seqpar.mixers import short_conv
+from seqpar.mixers import mamba, short_conv
 from seqpar.mixers.family import MixerFamily
 
 __all__ = ["FAMILIES", "family_of"]
 
 FAMILIES: tuple[MixerFamily, ...] = (
     short_conv.FAMILY,
+    mamba.FAMILY,
 )
 """Every family the swap puts in place, tried in order (the first that matches a module wins)."""
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
+from seqpar.mixers.documents import feed_documents
 from seqpar.mixers.registry import family_of
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
@@ -187,6 +188,8 @@ def swap_attention(
     report.swapped += [SwappedModule(name, MIXER_ROUTE, getattr(before, "original_class", type(before).__name__))
                        for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
+    # after the batch check (which fills in the boundaries): mixers whose caller drops them get them here
+    feed_documents(model, [model.get_submodule(name) for name, _ in mixers])
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 

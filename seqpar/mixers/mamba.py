@@ -1,0 +1,242 @@
+"""Mamba (v1) selective-scan layers, sequence-parallel: Jamba's ``JambaMambaMixer``, ``MambaMixer``,
+``FalconMambaMixer`` and Zamba's multi-head ``ZambaMambaMixer``.
+
+The layer (transformers' torch path) computes, per channel ``d`` and state ``n``::
+
+    x, z  = in_proj(h).chunk(2)                 # (batch, d_inner, seq)
+    x     = act(causal_conv(x))                 # depthwise, width d_conv
+    dt, B, C = x_proj(x)  (+ RMS norms: Jamba, FalconMamba)
+    dt    = softplus(dt_proj(dt) + dt_bias)
+    h_t   = exp(dt_t A) * h_{t-1} + dt_t B_t x_t        # (d_inner, d_state), diagonal decay
+    y_t   = (C_t . h_t + D x_t) * silu(z_t)
+    out   = out_proj(y)
+
+Sequence-parallel form (:class:`SeqParMambaMixer`, same child modules and parameters):
+
+- the convolution is :func:`seqpar.mixers.conv.causal_conv_shard` (halo exchange, documents restart);
+- every local chunk is scanned from a zero state by transformers' own ``mamba_selective_scan`` (the
+  module's function: ``mamba_ssm``'s ``selective_scan_fn`` when transformers found it, else the torch
+  path), cut at each document start so the scan restarts there;
+- chunk summaries: transition ``T = exp(sum_t dt_t A)`` ``(batch, d_inner, d_state)`` and the final state
+  of the zero-state scan; :func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's
+  true incoming state ``h0`` (one all-gather, flat in S);
+- the correction, for the positions of a chunk before its first document start:
+  ``y_t += (C_t . (exp(cumsum_{s<=t} dt_s A) * h0)) * silu(z_t)`` (the state is linear in h0).
+
+Packed documents reach the layer as ``cu_seq_lens_q`` of its own call (Zamba) or through
+:func:`seqpar.mixers.documents.feed_documents` (Jamba's decoder layer does not pass them on).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.family import MixerFamily
+from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.state_passing import chunk_initial_states
+
+__all__ = ["MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
+
+MAMBA_CLASSES = frozenset({"JambaMambaMixer", "MambaMixer", "FalconMambaMixer", "ZambaMambaMixer"})
+"""transformers classes whose forward :class:`SeqParMambaMixer` reproduces (read in transformers 5.24)."""
+
+
+def is_mamba_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers Mamba (v1) mixer that seqpar can shard."""
+    cls = type(module)
+    if cls.__name__ not in MAMBA_CLASSES or not cls.__module__.startswith("transformers."):
+        return False
+    conv = getattr(module, "conv1d", None)
+    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+            and isinstance(getattr(module, "in_proj", None), nn.Linear)
+            and isinstance(getattr(module, "A_log", None), nn.Parameter))
+
+
+def _mul(transition: Tensor, state: Tensor) -> Tensor:
+    return transition * state
+
+
+def selective_scan_shard(
+    scan: Callable[..., Any], u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
+    z: Tensor, delta_bias: Tensor | None, *, layout: ScanLayout | None, group: dist.ProcessGroup | None,
+    sharding: str, **scan_options: Any,
+) -> Tensor:
+    """Mamba's selective scan over this rank's shard, equal to the full sequence's (each document's).
+
+    Args:
+        scan: transformers' ``mamba_selective_scan`` (called per head and per run of positions from a
+            zero state with ``return_last_state=True``; ``mamba_ssm.selective_scan_fn`` takes the same).
+        u, dt, z: ``(heads, batch, d, seq_local)``: the scan input, the time step before its bias and
+            softplus, the gate. ``heads`` is 1 but for Zamba.
+        A: ``(heads, d, d_state)`` fp32 (negative). B, C: ``(heads, batch, d_state, seq_local)``.
+        D, delta_bias: ``(heads, d)`` fp32, or None.
+        layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position
+            alone (the position-mixing probe: no communication).
+        group, sharding: the SP group and the layout the sequence was cut in.
+        scan_options: passed to ``scan`` (``use_mambapy``, ``use_associative_scan``).
+    Returns:
+        ``(heads, batch, d, seq_local)``: ``(C . h + D u) * silu(z)``, in the scan's output dtype.
+    """
+    heads, seq_local = u.shape[0], u.shape[-1]
+    if layout is None:
+        segments = [[(t, t + 1) for t in range(seq_local)]]
+        c = seq_local
+    else:
+        segments = [[(j * layout.chunk_len + a, j * layout.chunk_len + b) for a, b in layout.segments(j)]
+                    for j in range(layout.chunks)]
+        c = layout.chunk_len
+    outs, finals = [], []
+    for h in range(heads):
+        pieces, last = [], []
+        for chunk in segments:
+            for a, b in chunk:
+                out, state = scan(u[h, ..., a:b], dt[h, ..., a:b], A[h], B[h, ..., a:b], C[h, ..., a:b],
+                                  D=None if D is None else D[h], z=z[h, ..., a:b],
+                                  delta_bias=None if delta_bias is None else delta_bias[h], delta_softplus=True,
+                                  return_last_state=True, **scan_options)
+                pieces.append(out)
+            last.append(state)  # the chunk's final state, scanned from zero since its last document start
+        outs.append(torch.cat(pieces, dim=-1))
+        finals.append(torch.stack(last))  # (n, batch, d, d_state)
+    out = torch.stack(outs)  # (heads, batch, d, seq_local)
+    if layout is None or layout.world == 1:
+        return out
+    # Chunk summaries: the transition is the per-(channel, state) decay product over the chunk.
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[:, None, :, None]
+    log_decay = A[:, None, :, None, :] * F.softplus(dt)[..., None]  # (heads, batch, d, seq_local, d_state)
+    n = layout.chunks
+    log_decay = log_decay.unflatten(3, (n, c))  # (heads, batch, d, n, c, d_state)
+    transition = log_decay.sum(4).exp().movedim(3, 0)  # (n, heads, batch, d, d_state)
+    state = torch.stack(finals, dim=1).to(transition.dtype)  # (n, heads, batch, d, d_state)
+    init = chunk_initial_states(transition, state, apply=_mul, group=group, sharding=sharding,
+                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
+    corrections = []
+    for j in range(n):
+        lead = layout.lead(j)
+        decay = log_decay[:, :, :, j, :lead].cumsum(3).exp()  # (heads, batch, d, lead, d_state)
+        cj = C[..., j * c:j * c + lead].to(decay.dtype)  # (heads, batch, d_state, lead)
+        y = torch.einsum("hbdtn,hbnt,hbdn->hbdt", decay, cj, init[j])
+        y = y * F.silu(z[..., j * c:j * c + lead])
+        corrections.append(F.pad(y, (0, c - lead)))
+    return out + torch.cat(corrections, dim=-1).to(out.dtype)
+
+
+class SeqParMambaMixer(nn.Module):
+    """A sequence-parallel drop-in for a transformers Mamba (v1) mixer (:data:`MAMBA_CLASSES`).
+
+    Args:
+        original: the transformers layer (its parameters and child modules are taken over, same
+            state_dict), or a :class:`SeqParMambaMixer` to re-swap with other options.
+        group: the SP group (None: the default manager's).
+        sharding: the layout the model's inputs are cut in.
+        position_wise: called at each forward; True -> every position alone, no communication (what
+            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+    """
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        for name, param in original._parameters.items():  # the same objects, in the same order: same state_dict
+            self.register_parameter(name, param)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name in ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim"):
+            setattr(self, name, getattr(original, name, None))
+        self.use_mambapy = bool(getattr(original, "use_mambapy", False))
+        self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
+        self.original_class = getattr(original, "original_class", type(original).__name__)
+        # the transformers module whose functions (mamba_selective_scan, apply_mask_to_padding_states)
+        # the layer calls: looked up at each forward, so a kernel swapped in there is used
+        self.transformers_module = getattr(original, "transformers_module", type(original).__module__)
+        self.group = group
+        self.sharding = sharding
+        self.position_wise = position_wise
+        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+
+    def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
+                **kwargs: Any) -> Tensor:
+        """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
+        if cache is not None or kwargs.get("cache_params") is not None:
+            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
+                             "sharded sequence; call the model with use_cache=False")
+        tf = sys.modules[self.transformers_module]
+        dtype = hidden_states.dtype
+        batch, seq_local, _ = hidden_states.shape
+        position_wise = self.position_wise()
+        cu = kwargs.get("cu_seq_lens_q")
+        cu = self.documents if cu is None else cu
+        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
+                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        projected = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seq_local)
+        zamba = self.n_mamba_heads is not None
+        if zamba:  # Zamba: (x, z) interleaved per channel, heads of mamba_head_dim channels
+            x, gate = projected.view(batch, -1, 2, seq_local).chunk(2, dim=2)
+            x = x.squeeze(2).contiguous()
+            gate = gate.reshape(batch, self.n_mamba_heads, self.mamba_head_dim, seq_local).transpose(0, 1)
+        else:
+            x, gate = projected.chunk(2, dim=1)
+            gate = gate[None]
+        conv = causal_conv_shard(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, group=self.group,
+                                 sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
+        x = self.act(conv).to(x.dtype)
+        x = tf.apply_mask_to_padding_states(x.transpose(1, 2), attention_mask)  # (batch, seq_local, d_inner)
+        if zamba:
+            x = x.transpose(1, 2).reshape(batch, self.n_mamba_heads, self.mamba_head_dim, seq_local).transpose(0, 1)
+            params = (self.x_proj_weight[:, None] @ x).transpose(-1, -2)  # (heads, batch, seq_local, R + 2N)
+            time_step, B, C = torch.split(params, [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
+                                          dim=-1)
+            time_step = self.dt_proj_weight[:, None] @ time_step.transpose(-1, -2)  # (heads, batch, hd, seq)
+            bias = self.dt_proj_bias.float() if self.dt_proj_bias is not None else None
+            A = -torch.exp(self.A_log.float())  # (heads, hd, N)
+            D = self.D.float()
+            options: dict[str, Any] = {"use_mambapy": False, "use_associative_scan": self.use_associative_scan}
+        else:
+            time_step, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size,
+                                                           self.ssm_state_size], dim=-1)
+            if hasattr(self, "dt_layernorm"):  # Jamba, FalconMamba: RMS norms on dt, B and C
+                time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
+            time_step = (self.dt_proj.weight @ time_step.transpose(1, 2))[None]
+            bias = None if self.dt_proj.bias is None else self.dt_proj.bias.float()[None]
+            A = -torch.exp(self.A_log.float())[None]
+            D = self.D.float()[None]
+            x = x.transpose(1, 2)[None]
+            options = {"use_mambapy": self.use_mambapy, "use_associative_scan": self.use_associative_scan}
+        B, C = B.transpose(-1, -2), C.transpose(-1, -2)  # (.., batch, d_state, seq_local)
+        if not zamba:
+            B, C = B[None], C[None]
+        out = selective_scan_shard(tf.mamba_selective_scan, x, time_step, A, B, C, D, gate, bias, layout=layout,
+                                   group=self.group, sharding=self.sharding, **options)
+        out = out.transpose(0, 1).reshape(batch, -1, seq_local)  # heads back into channels
+        return self.out_proj(out.transpose(1, 2).to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, sharding={self.sharding!r}"
+
+
+def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+           position_wise: Callable[[], bool]) -> SeqParMambaMixer:
+    return SeqParMambaMixer(original, group=group, sharding=sharding, position_wise=position_wise)
+
+
+FAMILY = MixerFamily(
+    name="mamba",
+    matches=lambda module: isinstance(module, SeqParMambaMixer) or is_mamba_mixer(module),
+    build=_build,
+)
+"""The Mamba (v1) family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
+
+
+def find_mamba_mixers(model: nn.Module) -> Sequence[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every Mamba (v1) mixer in ``model`` (swapped ones included)."""
+    return [(name, m) for name, m in model.named_modules() if FAMILY.matches(m)]

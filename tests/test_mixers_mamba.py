@@ -1,0 +1,334 @@
+"""Sequence-parallel Mamba (v1) selective scans (seqpar.mixers.mamba): the sharded scan alone against
+transformers' own torch scan run on each document (float64, every gradient), its summary bytes against
+theory, and tiny Jamba and Zamba models (one Mamba layer, one attention layer) swapped by swap_attention at
+SP=2 and SP=4, every attention mode, contiguous and zigzag (and balanced), on a packed batch of 5 documents
+(one crossing shard edges), against each document run alone in one process without seqpar."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.config import SeqParConfig
+from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
+from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.state_passing import summary_bytes
+from seqpar.sequence.batch import shard_batch
+from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.traffic import counting
+
+transformers = pytest.importorskip("transformers")
+jamba_module = pytest.importorskip("transformers.models.jamba.modeling_jamba")
+torch_scan = jamba_module.mamba_selective_scan
+
+WORLD = dist.group.WORLD
+
+
+# ----------------------------------------------------------------------------- the scan alone
+def _scan_inputs(heads: int, batch: int, d: int, n: int, seq: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return {"u": r(heads, batch, d, seq), "dt": r(heads, batch, d, seq), "A": -r(heads, d, n).exp(),
+            "B": r(heads, batch, n, seq), "C": r(heads, batch, n, seq), "D": r(heads, d), "z": r(heads, batch, d, seq),
+            "bias": r(heads, d), "grad": r(heads, batch, d, seq)}
+
+
+def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None) -> torch.Tensor:
+    """transformers' torch selective scan on each document alone, per head: ``(heads, batch, d, seq)``."""
+    bounds = cu if cu is not None else [0, t["u"].shape[-1]]
+    heads = []
+    for h in range(t["u"].shape[0]):
+        heads.append(torch.cat([
+            torch_scan(t["u"][h, ..., a:b], t["dt"][h, ..., a:b], t["A"][h], t["B"][h, ..., a:b], t["C"][h, ..., a:b],
+                       D=t["D"][h], z=t["z"][h, ..., a:b], delta_bias=t["bias"][h], delta_softplus=True)
+            for a, b in zip(bounds, bounds[1:])], dim=-1))
+    return torch.stack(heads)
+
+
+def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None) -> None:
+    data = _scan_inputs(2, 2, 3, 4, seq)
+    names = ("u", "dt", "A", "B", "C", "D", "z", "bias")
+    ref_in = {k: data[k].clone().requires_grad_() for k in names}
+    ref = reference_scan(ref_in, cu)
+    (ref * data["grad"]).sum().backward()
+
+    group = WORLD if dist.is_initialized() else None
+    ins = {k: data[k].clone().requires_grad_() for k in names}
+    local = {k: (shard_sequence(v, -1, group=group, sharding=sharding, cu_seqlens=cu) if k in "u dt B C z" else v)
+             for k, v in ins.items()}
+    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
+    out = selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
+                               local["z"], local["bias"], layout=layout, group=group, sharding=sharding)
+    grad = shard_sequence(data["grad"], -1, group=group, sharding=sharding, cu_seqlens=cu)
+    (out * grad).sum().backward()
+    full = gather_sequence(out.detach(), -1, group=group, sharding=sharding, cu_seqlens=cu)
+    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
+    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
+    for k in names:
+        got = ins[k].grad.clone()
+        if world > 1:
+            dist.all_reduce(got)  # each rank holds its share of the full gradient
+        torch.testing.assert_close(got, ref_in[k].grad, rtol=1e-10, atol=1e-10, msg=lambda m, k=k: f"{case}: grad {k}: {m}")
+
+
+# (seq, cu_seqlens): documents starting strictly inside chunks and exactly at chunk starts (chunks of 24,
+# 12 and 6 at 2/4 ranks, contiguous and zigzag), one crossing several chunks.
+SCAN_CASES = [(48, None), (48, [0, 5, 12, 13, 30, 48]), (48, [0, 24, 47, 48])]
+
+
+@pytest.mark.parametrize("seq,cu", SCAN_CASES)
+def test_scan_one_process(seq, cu):
+    _scan_parity(0, 1, "contiguous", seq, cu)
+
+
+@pytest.mark.parametrize("world,sharding,cases", [(2, "contiguous", SCAN_CASES), (2, "zigzag", SCAN_CASES[1:]),
+                                                 (2, "balanced", SCAN_CASES[1:2]), (4, "zigzag", SCAN_CASES[1:])])
+def test_scan_sharded_equals_each_document_alone(dist_pool, world, sharding, cases):
+    for seq, cu in cases:
+        dist_pool.run(world, _scan_parity, sharding, seq, cu, timeout=300)
+
+
+def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int]:
+    data = _scan_inputs(2, 2, 3, 4, seq, torch.float32)
+    local = {k: (shard_sequence(v, -1, group=WORLD, sharding=sharding) if k in "u dt B C z" else v)
+             for k, v in data.items()}
+    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
+    with counting(world) as traffic:
+        selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
+                             local["z"], local["bias"], layout=layout, group=WORLD, sharding=sharding)
+    # (local chunks, heads, batch, d, d_state) fp32, for the transition and for the state
+    summary = torch.empty(layout.chunks, 2, 2, 3, 4, dtype=torch.float32)
+    return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(summary, summary, world), dict(traffic.calls)
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
+def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
+    short = dist_pool.run(world, _summary_traffic, sharding, 4 * world)
+    long = dist_pool.run(world, _summary_traffic, sharding, 16 * world)
+    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
+        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)  # one all-gather of (T, state) per chunk: independent of S
+        assert p2p == 0  # the scan alone has no halo
+
+
+# ----------------------------------------------------------------------------- tiny Jamba / Zamba
+VOCAB = 61
+LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens, padded at the end; the 23-token document crosses shard edges
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=4, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                  use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "jamba":
+        cfg = transformers.JambaConfig(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1,
+                                       expert_layer_period=2, expert_layer_offset=1, num_experts=1, **common)
+    else:
+        cfg = transformers.ZambaConfig(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                                       attention_hidden_size=32, attention_head_dim=8, n_mamba_heads=2, **common)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # random (not constant) D and conv biases, drawn before the cast: same in every dtype
+        for m in model.modules():
+            if type(m).__name__.endswith("MambaMixer"):
+                m.D.normal_()
+                m.conv1d.bias.normal_()
+    return model.to(dtype)
+
+
+def mixer_names(family: str) -> dict[str, str]:
+    if family == "jamba":
+        return {"model.layers.0.mamba": "mixer", "model.layers.1.self_attn": "hf"}
+    # Zamba: a Mamba layer, then two hybrid layers (a Mamba mixer beside one shared, tied attention block)
+    return {"model.layers.0.mamba": "mixer", "model.layers.1.mamba_decoder.mamba": "mixer",
+            "model.layers.2.mamba_decoder.mamba": "mixer", "model.layers.1.shared_transf.self_attn": "hf",
+            "model.layers.2.shared_transf.self_attn": "hf"}
+
+
+def documents() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def packed_batch(docs: list[torch.Tensor]) -> dict:
+    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
+
+
+def per_document_reference(family: str, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """float64 loss and gradients of each document run alone by transformers itself, token-weighted."""
+    ref = tiny(family, torch.float64)
+    total, count = 0.0, 0
+    for d in docs:
+        if len(d) < 2:
+            continue
+        out = ref(input_ids=d[None], labels=d[None])
+        total = total + out.loss * (len(d) - 1)
+        count += len(d) - 1
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
+
+
+def check(model, loss: torch.Tensor, ref_loss: float, ref_grads: dict, world: int, what: str) -> None:
+    loss = float(loss.detach())
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
+    for name, p in model.named_parameters():
+        grad = p.grad.detach().clone().double()
+        if world > 1:
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
+
+
+def _modes(world: int) -> list[dict]:
+    modes = [{"mode": "ring"}, {"mode": "allgather"}, {"mode": "ulysses"}]
+    if world >= 4:
+        modes.append({"mode": "hybrid", "ulysses_size": 2})
+    return modes
+
+
+def _parity(rank: int, world: int, family: str, sharding: str, modes: list[dict] | None = None) -> list[str]:
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(family, docs)
+    done = []
+    for mode in modes if modes is not None else _modes(world):
+        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=2) if mode["mode"] == "hybrid" else None
+        group = None if manager is not None else WORLD
+        try:
+            model = tiny(family, torch.float32)
+            report = swap_attention(model, SeqParConfig(size=world, sharding=sharding, **mode), group=group)
+            assert report.routes == mixer_names(family), report.routes
+            assert isinstance(model.model.layers[0].mamba, SeqParMambaMixer)
+            out = model(**shard_batch(packed_batch(docs), group=group, sharding=sharding))
+            out.loss.backward()
+            check(model, out.loss, ref_loss, ref_grads, world, f"{family} {mode} {sharding}")
+        finally:
+            if manager is not None:
+                seqpar.destroy_process_groups(manager)
+        done.append(mode["mode"])
+    return done
+
+
+@pytest.mark.parametrize("family", ["jamba", "zamba"])
+def test_packed_one_process_equals_each_document_alone(family):
+    # transformers' own torch path scans across the documents of a packed batch; the swapped one does not.
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(family, docs)
+    model = tiny(family, torch.float32)
+    swap_attention(model)
+    out = model(**packed_batch(docs))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, 1, "one process")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+def test_jamba_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    done = dist_pool.run(world, _parity, "jamba", sharding, timeout=600)[0]
+    assert done == [m["mode"] for m in _modes(world)]
+
+
+@pytest.mark.parametrize("world,family,sharding", [(2, "zamba", "zigzag"), (4, "zamba", "contiguous"),
+                                                   (2, "jamba", "balanced")])
+def test_zamba_and_balanced(dist_pool, world, family, sharding):
+    modes = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(world, _parity, family, sharding, modes, timeout=600)[0] == ["ring", "ulysses"]
+
+
+# ----------------------------------------------------------------------------- the pure Mamba layers
+def _layer_parity(rank: int, world: int, name: str) -> None:
+    """MambaMixer / FalconMambaMixer (their models have no attention, which the swap refuses): the layer alone."""
+    cfg = getattr(transformers, f"{name}Config")(hidden_size=16, state_size=4, expand=2, conv_kernel=4,
+                                                 time_step_rank=4, num_hidden_layers=1, use_cache=False)
+    torch.manual_seed(0)
+    layer = transformers.AutoModelForCausalLM.from_config(cfg).backbone.layers[0].mixer.double().eval()
+    assert type(layer).__name__ == f"{name}Mixer"
+    with torch.no_grad():
+        layer.D.normal_()
+        layer.conv1d.bias.normal_()
+    cu = [0, 5, 19, 32]
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
+    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
+    ref_h = h.clone().requires_grad_()
+    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
+    (ref * grad).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    sp = SeqParMambaMixer(layer, group=WORLD, sharding="zigzag")
+    h_sp = h.clone().requires_grad_()
+    local = shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag")
+    out = sp(local, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
+    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
+    # The layer itself runs parts in fp32 even in float64 (A_log.float(), B.float() in the scan), so the
+    # gradients reaching A_log and B go through fp32 roundings that depend on the summation order.
+    # So: agreement to 1e-6 of each tensor's largest entry (fp32 rounding), not elementwise.
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= 1e-6 * scale and scale > 0, (name, what, err, scale)
+
+    close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
+    dist.all_reduce(h_sp.grad)
+    close(h_sp.grad, ref_h.grad, "grad of the input")
+    for n, p in sp.named_parameters():
+        dist.all_reduce(p.grad)
+        close(p.grad, ref_grads[n], f"grad of {n}")
+
+
+@pytest.mark.parametrize("name", ["Mamba", "FalconMamba"])
+def test_pure_mamba_layers_sharded(dist_pool, name):
+    dist_pool.run(2, _layer_parity, name, timeout=300)
+
+
+# ----------------------------------------------------------------------------- kernels, errors, swap
+def test_kernel_of_the_transformers_module_is_used(monkeypatch):
+    # On CUDA transformers binds mamba_ssm's selective_scan_fn to mamba_selective_scan when it is importable;
+    # the swapped layer calls whatever the model's module holds (here a fake kernel running the torch path).
+    calls = []
+
+    def fake_kernel(*args, **kwargs):
+        calls.append(kwargs["return_last_state"])
+        return torch_scan(*args, **kwargs)
+
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference("jamba", docs)
+    model = tiny("jamba", torch.float32)
+    swap_attention(model)
+    monkeypatch.setattr(jamba_module, "mamba_selective_scan", fake_kernel)
+    out = model(**packed_batch(docs))
+    out.loss.backward()
+    assert calls and all(calls)  # one call per document run inside the shard, each returning its state
+    check(model, out.loss, ref_loss, ref_grads, 1, "fake kernel")
+
+
+def test_swap_keeps_parameters_and_state_dict():
+    model = tiny("zamba", torch.float32)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    swap_attention(model)
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes["model.layers.0.mamba"] == "mixer"
+    assert model.model.layers[0].mamba.sharding == "zigzag"
+    assert model.model.layers[0].mamba.original_class == "ZambaMambaMixer"
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+
+
+def test_mamba_left_out_of_the_swap_is_still_refused():
+    model = tiny("jamba", torch.float32)
+    with pytest.raises(SwapError, match=r"model\.layers\.0\.mamba.*JambaMambaMixer"):
+        swap_attention(model, SeqParConfig(swap=("*self_attn",)))
+    assert type(model.model.layers[0].mamba).__name__ == "JambaMambaMixer"
+
+
+def test_cache_and_bad_documents_are_clear_errors():
+    model = tiny("jamba", torch.float32)
+    swap_attention(model)
+    layer = model.model.layers[0].mamba
+    with pytest.raises(ValueError, match="cache"):
+        layer(torch.randn(1, 5, 16), cache=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        layer(torch.randn(1, 10, 16), cu_seq_lens_q=torch.tensor([0, 4, 9]))
