@@ -6,16 +6,27 @@ SP=2 and SP=4, every attention mode, contiguous and zigzag (and balanced), on a 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
+from mixer_parity import (
+    VOCAB,
+    WORLD,
+    check,
+    documents,
+    modes,
+    one_process_parity,
+    packed_batch,
+    per_document_reference,
+    sharded_parity,
+)
 
-import seqpar
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
 from seqpar.mixers.scan_layout import scan_layout
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.batch import shard_batch
 from seqpar.sequence.sharding import gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.traffic import counting
@@ -23,8 +34,6 @@ from seqpar.testing.traffic import counting
 transformers = pytest.importorskip("transformers")
 jamba_module = pytest.importorskip("transformers.models.jamba.modeling_jamba")
 torch_scan = jamba_module.mamba_selective_scan
-
-WORLD = dist.group.WORLD
 
 
 # ----------------------------------------------------------------------------- the scan alone
@@ -114,11 +123,6 @@ def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
 
 
 # ----------------------------------------------------------------------------- tiny Jamba / Zamba
-VOCAB = 61
-LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens, padded at the end; the 23-token document crosses shard edges
-RTOL, ATOL = 1e-4, 1e-6
-
-
 def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=4,
@@ -139,7 +143,7 @@ def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def mixer_names(family: str) -> dict[str, str]:
+def mixer_routes(family: str) -> dict[str, str]:
     if family == "jamba":
         return {"model.layers.0.mamba": "mixer", "model.layers.1.self_attn": "hf"}
     # Zamba: a Mamba layer, then two hybrid layers (a Mamba mixer beside one shared, tied attention block)
@@ -148,94 +152,28 @@ def mixer_names(family: str) -> dict[str, str]:
             "model.layers.2.shared_transf.self_attn": "hf"}
 
 
-def documents() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-
-
-def packed_batch(docs: list[torch.Tensor]) -> dict:
-    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
-
-
-def per_document_reference(family: str, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
-    """float64 loss and gradients of each document run alone by transformers itself, token-weighted."""
-    ref = tiny(family, torch.float64)
-    total, count = 0.0, 0
-    for d in docs:
-        if len(d) < 2:
-            continue
-        out = ref(input_ids=d[None], labels=d[None])
-        total = total + out.loss * (len(d) - 1)
-        count += len(d) - 1
-    loss = total / count
-    loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
-
-
-def check(model, loss: torch.Tensor, ref_loss: float, ref_grads: dict, world: int, what: str) -> None:
-    loss = float(loss.detach())
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
-    for name, p in model.named_parameters():
-        grad = p.grad.detach().clone().double()
-        if world > 1:
-            dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
-
-
-def _modes(world: int) -> list[dict]:
-    modes = [{"mode": "ring"}, {"mode": "allgather"}, {"mode": "ulysses"}]
-    if world >= 4:
-        modes.append({"mode": "hybrid", "ulysses_size": 2})
-    return modes
-
-
-def _parity(rank: int, world: int, family: str, sharding: str, modes: list[dict] | None = None) -> list[str]:
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(family, docs)
-    done = []
-    for mode in modes if modes is not None else _modes(world):
-        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=2) if mode["mode"] == "hybrid" else None
-        group = None if manager is not None else WORLD
-        try:
-            model = tiny(family, torch.float32)
-            report = swap_attention(model, SeqParConfig(size=world, sharding=sharding, **mode), group=group)
-            assert report.routes == mixer_names(family), report.routes
-            assert isinstance(model.model.layers[0].mamba, SeqParMambaMixer)
-            out = model(**shard_batch(packed_batch(docs), group=group, sharding=sharding))
-            out.loss.backward()
-            check(model, out.loss, ref_loss, ref_grads, world, f"{family} {mode} {sharding}")
-        finally:
-            if manager is not None:
-                seqpar.destroy_process_groups(manager)
-        done.append(mode["mode"])
-    return done
+def _parity(rank: int, world: int, family: str, sharding: str, mode_list: list[dict] | None = None) -> list[str]:
+    return sharded_parity(functools.partial(tiny, family), mixer_routes(family), world, sharding, mode_list)
 
 
 @pytest.mark.parametrize("family", ["jamba", "zamba"])
 def test_packed_one_process_equals_each_document_alone(family):
     # transformers' own torch path scans across the documents of a packed batch; the swapped one does not.
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(family, docs)
-    model = tiny(family, torch.float32)
-    swap_attention(model)
-    out = model(**packed_batch(docs))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, 1, "one process")
+    one_process_parity(functools.partial(tiny, family))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_jamba_sharded_equals_each_document_alone(dist_pool, world, sharding):
     done = dist_pool.run(world, _parity, "jamba", sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in _modes(world)]
+    assert done == [m["mode"] for m in modes(world)]
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "zamba", "zigzag"), (4, "zamba", "contiguous"),
                                                    (2, "jamba", "balanced")])
 def test_zamba_and_balanced(dist_pool, world, family, sharding):
-    modes = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(world, _parity, family, sharding, modes, timeout=600)[0] == ["ring", "ulysses"]
+    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(world, _parity, family, sharding, mode_list, timeout=600)[0] == ["ring", "ulysses"]
 
 
 # ----------------------------------------------------------------------------- the pure Mamba layers
@@ -294,7 +232,7 @@ def test_kernel_of_the_transformers_module_is_used(monkeypatch):
         return torch_scan(*args, **kwargs)
 
     docs = documents()
-    ref_loss, ref_grads = per_document_reference("jamba", docs)
+    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "jamba"), docs)
     model = tiny("jamba", torch.float32)
     swap_attention(model)
     monkeypatch.setattr(jamba_module, "mamba_selective_scan", fake_kernel)

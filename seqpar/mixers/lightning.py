@@ -1,0 +1,187 @@
+"""MiniMax's lightning attention (``MiniMaxLightningAttention``), sequence-parallel.
+
+The layer (transformers' torch path) computes, per head with a fixed decay rate ``s`` (``slope_rate``)::
+
+    q, k, v = split(act(qkv_proj(h)))                     # (batch, heads, seq, head_dim)
+    S_t = exp(-s) S_{t-1} + k_t^T v_t                     # (head_dim, head_dim) per head
+    o_t = q_t S_t
+    out = out_proj(sigmoid(output_gate(h)) * norm(o))
+
+in blocks of ``block_size``: within a block ``o = ((Q K^T) * decay mask) V + (Q * exp(-s (i+1))) S_in``,
+then ``S_out = exp(-s n) S_in + (K * exp(-s (n-1-j)))^T V``. transformers has no function of it that
+takes an initial state (its cache path is token by token), so :func:`lightning_scan` is that block loop
+(with the layer's own decay buffers), started from zero.
+
+Sequence-parallel form (:class:`SeqParLightningAttention`, same children and buffers): each local chunk
+is scanned from zero, cut at each document start; the chunk summaries are the transition
+``exp(-s c)`` ``(heads, 1, 1)`` and the final state ``(batch, heads, d, d)``;
+:func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's incoming state ``h0`` (one
+all-gather, flat in S); the positions of a chunk before its first document start get
+``o_t += (q_t * exp(-s (t+1))) h0`` (the state is linear in h0), before the norm and the gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seqpar.mixers.family import MixerFamily
+from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.state_passing import chunk_initial_states
+
+__all__ = ["LIGHTNING_CLASSES", "SeqParLightningAttention", "is_lightning_attention", "lightning_scan",
+           "lightning_shard", "FAMILY"]
+
+LIGHTNING_CLASSES = frozenset({"MiniMaxLightningAttention"})
+"""transformers classes whose forward :class:`SeqParLightningAttention` reproduces (read in transformers 5.24)."""
+
+
+def is_lightning_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers lightning attention layer that seqpar can shard."""
+    cls = type(module)
+    return (cls.__name__ in LIGHTNING_CLASSES and cls.__module__.startswith("transformers.")
+            and isinstance(getattr(module, "qkv_proj", None), nn.Linear)
+            and isinstance(getattr(module, "slope_rate", None), Tensor))
+
+
+def lightning_scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
+                   diagonal_decay: Tensor) -> tuple[Tensor, Tensor]:
+    """Lightning attention of one run of positions from a zero state, in blocks (the layer's own loop).
+
+    Args:
+        q, k, v: ``(batch, heads, length, head_dim)``.
+        slope: ``(heads, 1, 1)`` decay rates. query_decay, key_decay ``(heads, block, 1)`` and
+            diagonal_decay ``(1, heads, block, block)``: the layer's buffers (``block`` = its block size).
+    Returns:
+        ``(batch, heads, length, head_dim)`` outputs and the final state ``(batch, heads, head_dim, head_dim)``.
+    """
+    batch, heads, length, d = q.shape
+    block = query_decay.shape[1]
+    state = torch.zeros(batch, heads, d, v.shape[-1], dtype=v.dtype, device=v.device)
+    outs = []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        n = end - start
+        qb, kb, vb = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        intra = torch.matmul(torch.matmul(qb, kb.transpose(-1, -2)) * diagonal_decay[:, :, :n, :n], vb)
+        inter = torch.matmul(qb * query_decay[:, :n], state)
+        outs.append(inter + intra)
+        state = state * torch.exp(-slope * n) + torch.matmul((kb * key_decay[:, -n:]).transpose(-1, -2), vb)
+    return torch.cat(outs, dim=-2), state
+
+
+def _mul(transition: Tensor, state: Tensor) -> Tensor:
+    return transition * state
+
+
+def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
+                    diagonal_decay: Tensor, *, layout: ScanLayout | None, group: dist.ProcessGroup | None,
+                    sharding: str) -> Tensor:
+    """Lightning attention over this rank's shard, equal to the full sequence's (each document's).
+
+    Args:
+        q, k, v: ``(batch, heads, seq_local, head_dim)``; the decays as in :func:`lightning_scan`.
+        layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
+            (the position-mixing probe: ``o_t = (q_t . k_t) v_t``, no communication).
+        group, sharding: the SP group and the layout the sequence was cut in.
+    Returns:
+        ``(batch, heads, seq_local, head_dim)``, before the layer's norm and gate.
+    """
+    if layout is None:
+        return (q * k).sum(-1, keepdim=True) * v
+    c = layout.chunk_len
+    pieces, finals = [], []
+    for j in range(layout.chunks):
+        for a, b in layout.segments(j):
+            out, state = lightning_scan(q[:, :, j * c + a:j * c + b], k[:, :, j * c + a:j * c + b],
+                                        v[:, :, j * c + a:j * c + b], slope, query_decay, key_decay, diagonal_decay)
+            pieces.append(out)
+        finals.append(state)  # from zero since the chunk's last document start
+    out = torch.cat(pieces, dim=-2)
+    if layout.world == 1:
+        return out
+    n = layout.chunks
+    compute = torch.promote_types(state.dtype, torch.float32)  # summaries and the prefix fold in fp32 at least
+    transition = torch.exp(-slope.to(compute) * c).expand(n, *slope.shape)  # (n, heads, 1, 1)
+    init = chunk_initial_states(transition, torch.stack(finals).to(compute), apply=_mul, group=group,
+                                sharding=sharding, seq_len=layout.seq_len, cu_seqlens=layout.cu)
+    corrections = []
+    for j in range(n):
+        lead = layout.lead(j)
+        steps = torch.arange(1, lead + 1, device=q.device, dtype=compute)
+        decay = torch.exp(-slope.to(compute) * steps[:, None])  # (heads, lead, 1)
+        y = torch.matmul(q[:, :, j * c:j * c + lead].to(compute) * decay, init[j])
+        corrections.append(F.pad(y, (0, 0, 0, c - lead)))
+    return out + torch.cat(corrections, dim=-2).to(out.dtype)
+
+
+class SeqParLightningAttention(nn.Module):
+    """A sequence-parallel drop-in for MiniMax's lightning attention layer.
+
+    Args:
+        original: the transformers layer (its children and buffers are taken over: same state_dict), or a
+            :class:`SeqParLightningAttention` to re-swap with other options.
+        group: the SP group (None: the default manager's).
+        sharding: the layout the model's inputs are cut in.
+        position_wise: called at each forward; True -> every position alone, no communication (what the
+            position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+    """
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        for name, child in original.named_children():  # the same modules and buffers: same state_dict
+            self.add_module(name, child)
+        for name, buf in original._buffers.items():
+            self.register_buffer(name, buf, persistent=name not in original._non_persistent_buffers_set)
+        for name in ("layer_idx", "head_dim", "num_attention_heads", "block_size", "layer_type"):
+            setattr(self, name, getattr(original, name, None))
+        self.original_class = getattr(original, "original_class", type(original).__name__)
+        self.group = group
+        self.sharding = sharding
+        self.position_wise = position_wise
+        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+
+    def forward(self, hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Tensor | None = None,
+                cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
+        """hidden_states ``(batch, seq_local, hidden)`` -> ``((batch, seq_local, hidden), None)``."""
+        if cache is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
+                             "sharded sequence; call the model with use_cache=False")
+        batch, seq_local, _ = hidden_states.shape
+        position_wise = self.position_wise()
+        cu = kwargs.get("cu_seq_lens_q")
+        cu = self.documents if cu is None else cu
+        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
+                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        qkv = self.act_fn(self.qkv_proj(hidden_states))
+        if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states
+            qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
+        qkv = qkv.reshape(batch, seq_local, self.num_attention_heads, 3 * self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
+        out = lightning_shard(q, k, v, self.slope_rate, self.query_decay, self.key_decay, self.diagonal_decay,
+                              layout=layout, group=self.group, sharding=self.sharding)
+        out = out.transpose(1, 2).reshape(batch, seq_local, self.num_attention_heads * self.head_dim)
+        out = F.sigmoid(self.output_gate(hidden_states)) * self.norm(out)
+        return self.out_proj(out), None
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, block_size={self.block_size}, sharding={self.sharding!r}"
+
+
+def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+           position_wise: Callable[[], bool]) -> SeqParLightningAttention:
+    return SeqParLightningAttention(original, group=group, sharding=sharding, position_wise=position_wise)
+
+
+FAMILY = MixerFamily(
+    name="lightning",
+    matches=lambda module: isinstance(module, SeqParLightningAttention) or is_lightning_attention(module),
+    build=_build,
+)
+"""Lightning attention's entry in :data:`seqpar.mixers.registry.FAMILIES`."""

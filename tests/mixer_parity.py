@@ -1,0 +1,104 @@
+"""Shared by the recurrent-mixer tests (test_mixers_mamba, test_mixers_lightning, test_mixers_rglru): a packed
+batch of 5 documents (one crossing shard edges), the float64 reference of each document run alone by
+transformers itself, and the check of an fp32 sharded model's loss and every gradient against it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import seqpar
+from seqpar.config import SeqParConfig
+from seqpar.sequence.batch import shard_batch
+from seqpar.swap import swap_attention
+
+WORLD = dist.group.WORLD
+VOCAB = 61
+LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens, padded at the end; the 23-token document crosses shard edges
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def documents() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
+
+
+def packed_batch(docs: list[torch.Tensor]) -> dict:
+    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
+
+
+def per_document_reference(tiny: Callable[[torch.dtype], torch.nn.Module],
+                           docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """float64 loss and gradients of each document run alone by transformers itself, token-weighted."""
+    ref = tiny(torch.float64)
+    total, count = 0.0, 0
+    for d in docs:
+        if len(d) < 2:
+            continue
+        out = ref(input_ids=d[None], labels=d[None])
+        total = total + out.loss * (len(d) - 1)
+        count += len(d) - 1
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def check(model, loss: torch.Tensor, ref_loss: float, ref_grads: dict, world: int, what: str) -> None:
+    """fp32 loss within 1e-5 relative and every gradient (summed over the ranks) close to the reference."""
+    loss = float(loss.detach())
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
+    checked = 0
+    for name, p in model.named_parameters():
+        grad = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone().double()
+        if world > 1:
+            dist.all_reduce(grad)
+        want = ref_grads.get(name, torch.zeros_like(grad))
+        torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
+        checked += 1
+    assert checked == len(list(model.parameters()))
+
+
+def modes(world: int) -> list[dict]:
+    out = [{"mode": "ring"}, {"mode": "allgather"}, {"mode": "ulysses"}]
+    if world >= 4:
+        out.append({"mode": "hybrid", "ulysses_size": 2})
+    return out
+
+
+def sharded_parity(tiny: Callable[[torch.dtype], torch.nn.Module], routes: dict[str, str], world: int, sharding: str,
+                   mode_list: list[dict] | None = None) -> list[str]:
+    """Swap an fp32 ``tiny`` at SP=world for each attention mode and check it against the reference;
+    returns the modes run (call on every rank)."""
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(tiny, docs)
+    done = []
+    for mode in mode_list if mode_list is not None else modes(world):
+        # the hybrid takes its Ulysses and ring groups from a manager; the mixers then use its SP group
+        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=2) if mode["mode"] == "hybrid" else None
+        group = None if manager is not None else WORLD
+        try:
+            model = tiny(torch.float32)
+            report = swap_attention(model, SeqParConfig(size=world, sharding=sharding, **mode), group=group)
+            assert report.routes == routes, report.routes
+            out = model(**shard_batch(packed_batch(docs), group=group, sharding=sharding))
+            out.loss.backward()
+            check(model, out.loss, ref_loss, ref_grads, world, f"{mode} {sharding}")
+        finally:
+            if manager is not None:
+                seqpar.destroy_process_groups(manager)
+        done.append(mode["mode"])
+    return done
+
+
+def one_process_parity(tiny: Callable[[torch.dtype], torch.nn.Module]) -> None:
+    """The swapped model on one process, fed the packed batch, equals each document run alone."""
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(tiny, docs)
+    model = tiny(torch.float32)
+    swap_attention(model)
+    out = model(**packed_batch(docs))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, 1, "one process")

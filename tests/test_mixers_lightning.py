@@ -1,0 +1,146 @@
+"""Sequence-parallel lightning attention (seqpar.mixers.lightning, MiniMax): the swapped layer alone against
+transformers' own layer run on each document (float64, every gradient; shards spanning several blocks and
+ending mid-block), its summary bytes against theory, and a tiny MiniMax (one lightning layer, one softmax
+attention layer) swapped by swap_attention at SP=2 and SP=4, every attention mode, contiguous and zigzag
+(and balanced), on a packed batch of 5 documents, against each document run alone in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from mixer_parity import WORLD, modes, one_process_parity, sharded_parity
+
+from seqpar.config import SeqParConfig
+from seqpar.mixers.lightning import SeqParLightningAttention
+from seqpar.mixers.state_passing import summary_bytes
+from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.traffic import counting
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "MiniMaxConfig"):
+    pytest.skip("this transformers has no MiniMax", allow_module_level=True)
+
+BLOCK = 8  # the layer's block size: shards of 24, 12 and 6 positions span several blocks and end mid-block
+
+
+def tiny(dtype: torch.dtype, layer_types: tuple[str, ...] = ("linear_attention", "full_attention")) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.MiniMaxConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, layer_types=list(layer_types), block_size=BLOCK, num_local_experts=2,
+        num_experts_per_tok=1, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    # grouped_mm (the MoE default) has no float64
+    return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(dtype)
+
+
+ROUTES = {"model.layers.0.self_attn": "mixer", "model.layers.1.self_attn": "hf"}
+
+
+# ----------------------------------------------------------------------------- the layer alone
+def _layer_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
+    layer = tiny(torch.float64).model.layers[0].self_attn
+    assert type(layer).__name__ == "MiniMaxLightningAttention"
+    with torch.no_grad():  # the decay buffers were computed in fp32 at init: recompute them in float64
+        for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), layer.decay_factors(layer.slope_rate)):
+            getattr(layer, name).copy_(value)
+    seq = cu[-1]
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
+    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
+    ref_h = h.clone().requires_grad_()
+    ref = torch.cat([layer(ref_h[:, a:b], None, None)[0] for a, b in zip(cu, cu[1:])], dim=1)
+    (ref * grad).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    group = WORLD if world > 1 else None
+    sp = SeqParLightningAttention(layer, group=group, sharding=sharding)
+    h_sp = h.clone().requires_grad_()
+    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
+    with counting(world) as traffic:
+        out = sp(local, None, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
+    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
+    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
+    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
+    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
+    if world > 1:
+        dist.all_reduce(h_sp.grad)
+    torch.testing.assert_close(h_sp.grad, ref_h.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: grad h: {m}")
+    for n, p in sp.named_parameters():
+        if world > 1:
+            dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-10, msg=lambda m, n=n: f"{case}: {n}: {m}")
+    # theory: one all-gather of each local chunk's (transition (heads, 1, 1), state (batch, heads, d, d)) float64
+    chunks = 2 if sharding == "zigzag" else 1
+    summary = torch.empty(chunks, 4 + 2 * 4 * 8 * 8, dtype=torch.float64)
+    return traffic.collective_bytes, summary_bytes(summary[:, :4], summary[:, 4:], world)
+
+
+# (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at
+# 2 / 4 ranks contiguous / zigzag), one crossing several chunks; every chunk spans or cuts blocks of 8.
+LAYER_CASES = [[0, 48], [0, 5, 12, 13, 30, 48], [0, 24, 47, 48]]
+
+
+def test_layer_one_process():
+    for cu in LAYER_CASES:
+        assert _layer_parity(0, 1, "contiguous", cu) == (0, 0)
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
+def test_layer_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    for cu in LAYER_CASES:
+        for counted, theory in dist_pool.run(world, _layer_parity, sharding, cu, timeout=300):
+            assert counted == theory > 0  # flat in S: (T, state) per chunk, whatever the shard length
+
+
+# ----------------------------------------------------------------------------- a tiny MiniMax
+def _parity(rank: int, world: int, sharding: str, mode_list: list[dict] | None = None) -> list[str]:
+    return sharded_parity(tiny, ROUTES, world, sharding, mode_list)
+
+
+def test_packed_one_process_equals_each_document_alone():
+    one_process_parity(tiny)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+def test_minimax_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    done = dist_pool.run(world, _parity, sharding, timeout=600)[0]
+    assert done == [m["mode"] for m in modes(world)]
+
+
+def test_minimax_balanced(dist_pool):
+    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(2, _parity, "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+
+
+# ----------------------------------------------------------------------------- errors, swap
+def test_swap_keeps_parameters_buffers_and_state_dict():
+    model = tiny(torch.float32)
+    before = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    keys = list(model.state_dict())
+    swap_attention(model)
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    assert all(b is buffers[n] for n, b in model.named_buffers())
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes == ROUTES and model.model.layers[0].self_attn.sharding == "zigzag"
+    assert model.model.layers[0].self_attn.original_class == "MiniMaxLightningAttention"
+
+
+def test_lightning_left_out_of_the_swap_is_still_refused():
+    model = tiny(torch.float32)
+    with pytest.raises(SwapError, match=r"model\.layers\.0\.self_attn.*MiniMaxLightningAttention"):
+        swap_attention(model, SeqParConfig(swap=("model.layers.1.self_attn",)))
+    assert type(model.model.layers[0].self_attn).__name__ == "MiniMaxLightningAttention"
+
+
+def test_cache_and_bad_documents_are_clear_errors():
+    model = tiny(torch.float32)
+    swap_attention(model)
+    layer = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="cache"):
+        layer(torch.randn(1, 5, 32), None, None, cache=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        layer(torch.randn(1, 10, 32), None, None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
