@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from seqpar.mixers import lightning, mamba, short_conv
+from seqpar.mixers import lightning, mamba, rglru, short_conv
 from seqpar.mixers.family import MixerFamily
 
 __all__ = ["FAMILIES", "family_of"]
@@ -20,6 +20,7 @@ FAMILIES: tuple[MixerFamily, ...] = (
     short_conv.FAMILY,
     mamba.FAMILY,
     lightning.FAMILY,
+    rglru.FAMILY,
 )
 """Every family the swap puts in place, tried in order (the first that matches a module wins)."""
 

@@ -1,0 +1,151 @@
+"""Sequence-parallel RG-LRU blocks (seqpar.mixers.rglru, RecurrentGemma): the swapped block alone against
+transformers' own block run on each document (every gradient), its summary bytes against theory, and a tiny
+RecurrentGemma (one recurrent block, one attention block) swapped by swap_attention at SP=2 and SP=4, every
+attention mode, contiguous and zigzag (and balanced), on a packed batch of 5 documents, against each
+document run alone in one process. The RG-LRU restarts where position_ids is 0: under seqpar the shard's
+position_ids are global (per document), so its resets fall where they do on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from mixer_parity import WORLD, modes, one_process_parity, sharded_parity
+
+from seqpar.config import SeqParConfig
+from seqpar.mixers.rglru import SeqParRecurrentBlock
+from seqpar.mixers.state_passing import summary_bytes
+from seqpar.sequence.sharding import gather_sequence, shard_index, shard_sequence
+from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.traffic import counting
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "RecurrentGemmaConfig"):
+    pytest.skip("this transformers has no RecurrentGemma", allow_module_level=True)
+
+WIDTH = 32
+
+
+def tiny(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.RecurrentGemmaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, lru_width=WIDTH, conv1d_width=4, attention_window_size=64,
+        block_types=["recurrent", "attention"], use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+
+
+ROUTES = {"model.layers.0.temporal_block": "mixer", "model.layers.1.temporal_block": "hf"}
+
+
+# ----------------------------------------------------------------------------- the block alone
+def _block_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
+    block = tiny(torch.float64).model.layers[0].temporal_block
+    assert type(block).__name__ == "RecurrentGemmaRecurrentBlock"
+    seq = cu[-1]
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
+    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
+    ref_h = h.clone().requires_grad_()
+    ref = torch.cat([block(ref_h[:, a:b], torch.arange(b - a)[None], None, use_cache=False)[0]
+                     for a, b in zip(cu, cu[1:])], dim=1)
+    (ref * grad).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+    group = WORLD if world > 1 else None
+    sp = SeqParRecurrentBlock(block, group=group, sharding=sharding)
+    h_sp = h.clone().requires_grad_()
+    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
+    positions = shard_index(seq, rank, world, sharding, cu_seqlens=cu)  # global positions of the shard
+    starts = torch.tensor(cu)
+    positions = (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]  # per document
+    with counting(world) as traffic:
+        out = sp(local, positions, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
+    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
+    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
+
+    # The RG-LRU accumulates its state in fp32 even in float64 (its acc_dtype): agreement to 1e-6 of each
+    # tensor's largest entry, not elementwise.
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= 1e-6 * scale and scale > 0, (case, what, err, scale)
+
+    close(gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu), ref.detach(), "output")
+    if world > 1:
+        dist.all_reduce(h_sp.grad)
+    close(h_sp.grad, ref_h.grad, "grad of the input")
+    for n, p in sp.named_parameters():
+        if world > 1:
+            dist.all_reduce(p.grad)
+        close(p.grad, ref_grads[n], f"grad of {n}")
+    # theory: one all-gather of each local chunk's (transition, state), both (batch, lru_width) fp32
+    chunks = 2 if sharding == "zigzag" else 1
+    summary = torch.empty(chunks, 2, WIDTH, dtype=torch.float32)
+    return traffic.collective_bytes, summary_bytes(summary, summary, world)  # the conv's halo is P2P, not counted here
+
+
+# (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at
+# 2 / 4 ranks contiguous / zigzag), one crossing several chunks.
+BLOCK_CASES = [[0, 48], [0, 5, 12, 13, 30, 48], [0, 24, 47, 48]]
+
+
+def test_block_one_process():
+    for cu in BLOCK_CASES:
+        assert _block_parity(0, 1, "contiguous", cu) == (0, 0)
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
+def test_block_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    for cu in BLOCK_CASES:
+        for counted, theory in dist_pool.run(world, _block_parity, sharding, cu, timeout=300):
+            assert counted == theory > 0  # flat in S: (T, state) per chunk, whatever the shard length
+
+
+# ----------------------------------------------------------------------------- a tiny RecurrentGemma
+def _parity(rank: int, world: int, sharding: str, mode_list: list[dict] | None = None) -> list[str]:
+    return sharded_parity(tiny, ROUTES, world, sharding, mode_list)
+
+
+def test_packed_one_process_equals_each_document_alone():
+    one_process_parity(tiny)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
+def test_recurrent_gemma_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    done = dist_pool.run(world, _parity, sharding, timeout=600)[0]
+    assert done == [m["mode"] for m in modes(world)]
+
+
+def test_recurrent_gemma_balanced(dist_pool):
+    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(2, _parity, "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+
+
+# ----------------------------------------------------------------------------- errors, swap
+def test_swap_keeps_parameters_and_state_dict():
+    model = tiny(torch.float32)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    swap_attention(model)
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes == ROUTES and model.model.layers[0].temporal_block.sharding == "zigzag"
+    assert model.model.layers[0].temporal_block.original_class == "RecurrentGemmaRecurrentBlock"
+
+
+def test_recurrent_block_left_out_of_the_swap_is_still_refused():
+    model = tiny(torch.float32)
+    with pytest.raises(SwapError, match=r"model\.layers\.0\.temporal_block.*RecurrentGemmaRecurrentBlock"):
+        swap_attention(model, SeqParConfig(swap=("model.layers.1.temporal_block",)))
+    assert type(model.model.layers[0].temporal_block).__name__ == "RecurrentGemmaRecurrentBlock"
+
+
+def test_cache_and_bad_documents_are_clear_errors():
+    model = tiny(torch.float32)
+    swap_attention(model)
+    block = model.model.layers[0].temporal_block
+    with pytest.raises(ValueError, match="cache"):
+        block(torch.randn(1, 5, 32), torch.arange(5)[None], None, use_cache=True)
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        block(torch.randn(1, 10, 32), torch.arange(10)[None], None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
