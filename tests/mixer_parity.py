@@ -4,6 +4,7 @@ transformers itself, and the check of an fp32 sharded model's loss and every gra
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -102,3 +103,28 @@ def one_process_parity(tiny: Callable[[torch.dtype], torch.nn.Module]) -> None:
     out = model(**packed_batch(docs))
     out.loss.backward()
     check(model, out.loss, ref_loss, ref_grads, 1, "one process")
+
+
+def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,
+                      call: Callable[..., torch.Tensor], cu: list[int], hidden: int) -> tuple[float, float]:
+    """Largest error against the float64 layer run on each document alone of: the layer swapped in bf16 at
+    SP=``world`` (zigzag), and transformers' own layer in bf16 on one process (each document alone).
+    ``call(layer, x, position_ids, **kwargs) -> output`` runs a layer (kwargs: ``cu_seq_lens_q``)."""
+    from seqpar.sequence.sharding import gather_sequence, shard_index, shard_sequence
+
+    seq = cu[-1]
+    h = torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    docs = list(zip(cu, cu[1:]))
+    with torch.no_grad():
+        exact = torch.cat([call(layer64, h[:, a:b], torch.arange(b - a)[None]) for a, b in docs], dim=1)
+        own_layer = copy.deepcopy(layer64).bfloat16()
+        own = torch.cat([call(own_layer, h[:, a:b].bfloat16(), torch.arange(b - a)[None]) for a, b in docs], dim=1)
+        sp = sp_class(copy.deepcopy(layer64).bfloat16(), group=WORLD, sharding="zigzag")
+        starts = torch.tensor(cu)
+        positions = shard_index(seq, rank, world, "zigzag", cu_seqlens=cu)
+        positions = (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]
+        out = call(sp, shard_sequence(h.bfloat16(), 1, group=WORLD, sharding="zigzag"), positions,
+                   cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
+        assert out.dtype == torch.bfloat16
+        full = gather_sequence(out, 1, group=WORLD, sharding="zigzag").double()
+    return float((full - exact).abs().max()), float((own.double() - exact).abs().max())

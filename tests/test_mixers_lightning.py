@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from mixer_parity import WORLD, modes, one_process_parity, sharded_parity
+from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.lightning import SeqParLightningAttention
@@ -144,3 +144,14 @@ def test_cache_and_bad_documents_are_clear_errors():
         layer(torch.randn(1, 5, 32), None, None, cache=object())
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
         layer(torch.randn(1, 10, 32), None, None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+def _bf16(rank: int, world: int) -> tuple[float, float]:
+    layer = tiny(torch.float64).model.layers[0].self_attn
+    return layer_bf16_errors(world, rank, layer, SeqParLightningAttention,
+                             lambda m, x, pos, **kw: m(x, None, None, **kw)[0], [0, 5, 29, 48], 32)
+
+
+def test_bf16_no_worse_than_one_process_bf16(dist_pool):
+    for ours, own in dist_pool.run(2, _bf16, timeout=300):
+        assert 0 < ours <= 1.5 * own, (ours, own)

@@ -16,6 +16,7 @@ from mixer_parity import (
     WORLD,
     check,
     documents,
+    layer_bf16_errors,
     modes,
     one_process_parity,
     packed_batch,
@@ -270,3 +271,14 @@ def test_cache_and_bad_documents_are_clear_errors():
         layer(torch.randn(1, 5, 16), cache=object())
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
         layer(torch.randn(1, 10, 16), cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+def _bf16(rank: int, world: int) -> tuple[float, float]:
+    layer = tiny("jamba", torch.float64).model.layers[0].mamba
+    return layer_bf16_errors(world, rank, layer, SeqParMambaMixer, lambda m, x, pos, **kw: m(x, **kw),
+                             [0, 5, 29, 48], 16)
+
+
+def test_bf16_no_worse_than_one_process_bf16(dist_pool):
+    for ours, own in dist_pool.run(2, _bf16, timeout=300):
+        assert 0 < ours <= 1.5 * own, (ours, own)

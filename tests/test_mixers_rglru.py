@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from mixer_parity import WORLD, modes, one_process_parity, sharded_parity
+from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.rglru import SeqParRecurrentBlock
@@ -149,3 +149,14 @@ def test_cache_and_bad_documents_are_clear_errors():
         block(torch.randn(1, 5, 32), torch.arange(5)[None], None, use_cache=True)
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
         block(torch.randn(1, 10, 32), torch.arange(10)[None], None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+def _bf16(rank: int, world: int) -> tuple[float, float]:
+    block = tiny(torch.float64).model.layers[0].temporal_block
+    return layer_bf16_errors(world, rank, block, SeqParRecurrentBlock,
+                             lambda m, x, pos, **kw: m(x, pos, None, use_cache=False, **kw)[0], [0, 5, 29, 48], 32)
+
+
+def test_bf16_no_worse_than_one_process_bf16(dist_pool):
+    for ours, own in dist_pool.run(2, _bf16, timeout=300):
+        assert 0 < ours <= 1.5 * own, (ours, own)
