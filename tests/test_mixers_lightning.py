@@ -155,3 +155,39 @@ def _bf16(rank: int, world: int) -> tuple[float, float]:
 def test_bf16_no_worse_than_one_process_bf16(dist_pool):
     for ours, own in dist_pool.run(2, _bf16, timeout=300):
         assert 0 < ours <= 1.5 * own, (ours, own)
+
+
+# ----------------------------------------------------------------------------- the kernel dispatch
+def test_flash_linear_attention_kernel_is_used_where_importable(monkeypatch):
+    # On CUDA with flash-linear-attention importable, each run of positions goes to its chunk_simple_gla
+    # (lightning attention = simple GLA with g_gamma = -slope, scale 1). Here: a fake fla module on "cpu"
+    # that runs the recurrence token by token in the kernel's (batch, seq, heads, dim) layout.
+    import sys
+    import types
+
+    from seqpar.mixers import lightning
+
+    calls = []
+
+    def chunk_simple_gla(q, k, v, g_gamma, scale, output_final_state, initial_state=None, cu_seqlens=None):
+        calls.append(q.shape[1])
+        assert initial_state is None and cu_seqlens is None and output_final_state
+        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+        outs = []
+        for t in range(q.shape[1]):
+            state = g_gamma.exp()[:, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+            outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        return torch.stack(outs, dim=1), state
+
+    fla = types.ModuleType("fla")
+    fla.ops = types.ModuleType("fla.ops")
+    fla.ops.simple_gla = types.ModuleType("fla.ops.simple_gla")
+    fla.ops.simple_gla.chunk_simple_gla = chunk_simple_gla
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.ops", fla.ops)
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", fla.ops.simple_gla)
+    assert lightning.lightning_kernel(torch.device("cpu")) is None  # not a kernel device
+    monkeypatch.setattr(lightning, "KERNEL_DEVICES", {"cpu"})
+    assert lightning.lightning_kernel(torch.device("cpu")) is chunk_simple_gla
+    one_process_parity(tiny)
+    assert calls  # one call per document run

@@ -10,7 +10,8 @@ The layer (transformers' torch path) computes, per head with a fixed decay rate 
 in blocks of ``block_size``: within a block ``o = ((Q K^T) * decay mask) V + (Q * exp(-s (i+1))) S_in``,
 then ``S_out = exp(-s n) S_in + (K * exp(-s (n-1-j)))^T V``. transformers has no function of it that
 takes an initial state (its cache path is token by token), so :func:`lightning_scan` is that block loop
-(with the layer's own decay buffers), started from zero.
+(with the layer's own decay buffers), started from zero. On CUDA with flash-linear-attention importable,
+its ``chunk_simple_gla`` runs the scan instead (:func:`lightning_kernel`).
 
 Sequence-parallel form (:class:`SeqParLightningAttention`, same children and buffers): each local chunk
 is scanned from zero, cut at each document start; the chunk summaries are the transition
@@ -34,8 +35,11 @@ from seqpar.mixers.family import MixerFamily
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 from seqpar.mixers.state_passing import chunk_initial_states
 
-__all__ = ["LIGHTNING_CLASSES", "SeqParLightningAttention", "is_lightning_attention", "lightning_scan",
-           "lightning_shard", "FAMILY"]
+__all__ = ["LIGHTNING_CLASSES", "KERNEL_DEVICES", "SeqParLightningAttention", "is_lightning_attention",
+           "lightning_kernel", "lightning_scan", "lightning_shard", "FAMILY"]
+
+KERNEL_DEVICES = {"cuda"}
+"""Device types on which :func:`lightning_kernel` uses flash-linear-attention when it is importable."""
 
 LIGHTNING_CLASSES = frozenset({"MiniMaxLightningAttention"})
 """transformers classes whose forward :class:`SeqParLightningAttention` reproduces (read in transformers 5.24)."""
@@ -75,6 +79,30 @@ def lightning_scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: 
     return torch.cat(outs, dim=-2), state
 
 
+def lightning_kernel(device: torch.device) -> Callable[..., tuple[Tensor, Tensor]] | None:
+    """flash-linear-attention's ``chunk_simple_gla`` on a kernel device when it is importable, else None
+    (the torch path, :func:`lightning_scan`). Lightning attention is simple GLA with the constant per-head
+    log decay ``g_gamma = -s`` and ``scale = 1``; the kernel takes ``(batch, seq, heads, head_dim)``."""
+    if device.type not in KERNEL_DEVICES:
+        return None
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError:
+        return None
+    return chunk_simple_gla
+
+
+def _scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
+          diagonal_decay: Tensor) -> tuple[Tensor, Tensor]:
+    """One run of positions from a zero state, by the kernel where there is one (see :func:`lightning_kernel`)."""
+    kernel = lightning_kernel(q.device)
+    if kernel is None:
+        return lightning_scan(q, k, v, slope, query_decay, key_decay, diagonal_decay)
+    out, state = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g_gamma=-slope.reshape(-1),
+                        scale=1.0, output_final_state=True)
+    return out.transpose(1, 2), state
+
+
 def _mul(transition: Tensor, state: Tensor) -> Tensor:
     return transition * state
 
@@ -98,8 +126,8 @@ def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay:
     pieces, finals = [], []
     for j in range(layout.chunks):
         for a, b in layout.segments(j):
-            out, state = lightning_scan(q[:, :, j * c + a:j * c + b], k[:, :, j * c + a:j * c + b],
-                                        v[:, :, j * c + a:j * c + b], slope, query_decay, key_decay, diagonal_decay)
+            out, state = _scan(q[:, :, j * c + a:j * c + b], k[:, :, j * c + a:j * c + b],
+                               v[:, :, j * c + a:j * c + b], slope, query_decay, key_decay, diagonal_decay)
             pieces.append(out)
         finals.append(state)  # from zero since the chunk's last document start
     out = torch.cat(pieces, dim=-2)
