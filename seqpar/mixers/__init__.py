@@ -31,12 +31,19 @@ build their sequence-parallel form); :data:`seqpar.mixers.registry.FAMILIES` lis
 puts in place. Linear recurrences share :func:`seqpar.mixers.state_passing.chunk_initial_states`.
 
 Families handled: short causal convolutions (:mod:`seqpar.mixers.conv`, LFM2 / LFM2-MoE / LFM3
-``*ShortConv`` layers via :mod:`seqpar.mixers.short_conv`). Every other family is refused by name.
+``*ShortConv`` layers via :mod:`seqpar.mixers.short_conv`); Mamba (v1) selective scans
+(:mod:`seqpar.mixers.mamba`: Jamba, Zamba, and the ``MambaMixer`` / ``FalconMambaMixer`` layers);
+lightning attention (:mod:`seqpar.mixers.lightning`: MiniMax); RG-LRU blocks (:mod:`seqpar.mixers.rglru`:
+RecurrentGemma). Mixers whose decoder layer does not pass them the batch's ``cu_seq_lens_q`` get it from
+:func:`seqpar.mixers.documents.feed_documents`. Every other family is refused by name.
 """
 
 from seqpar.mixers.conv import causal_conv_shard, conv_layout
 from seqpar.mixers.family import MixerFamily
 from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
+from seqpar.mixers.lightning import SeqParLightningAttention
+from seqpar.mixers.mamba import SeqParMambaMixer
+from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.short_conv import SeqParShortConv, find_short_convs, is_short_conv
 from seqpar.mixers.state_passing import chunk_initial_states
 
@@ -51,4 +58,7 @@ __all__ = [
     "find_short_convs",
     "MixerFamily",
     "chunk_initial_states",
+    "SeqParMambaMixer",
+    "SeqParLightningAttention",
+    "SeqParRecurrentBlock",
 ]
