@@ -54,9 +54,6 @@ POSITION_WISE = {
 
 # Hybrids: (fields, the mixer's path, its class) -- the first mixer the refusal must name.
 HYBRIDS = {
-    "Jamba": (dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                   expert_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2),
-              "model.layers.0.mamba", "JambaMambaMixer"),
     "Qwen3Next": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
@@ -68,12 +65,6 @@ HYBRIDS = {
     "FalconH1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
                       mamba_chunk_size=4, head_dim=8),
                  "model.layers.0.mamba", "FalconH1Mixer"),
-    "RecurrentGemma": (dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8,
-                            num_key_value_heads=1),
-                       "model.layers.0.temporal_block", "RecurrentGemmaRecurrentBlock"),
-    "MiniMax": (dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2,
-                     num_experts_per_tok=1, head_dim=8, block_size=4),
-                "model.layers.0.self_attn", "MiniMaxLightningAttention"),
 }
 
 
@@ -84,6 +75,13 @@ HANDLED = {
     "Lfm2Moe": (dict(layer_types=["conv", "full_attention"], num_experts=4, num_experts_per_tok=2,
                      moe_intermediate_size=16, num_dense_layers=1), "model.layers.0.conv"),
     "Lfm3": (dict(layer_types=["conv", "full_attention"], pad_token_id=0), "model.layers.0.conv"),
+    # (tests/test_mixers_mamba.py, test_mixers_lightning.py, test_mixers_rglru.py)
+    "Jamba": (dict(num_experts=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=1, mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2), "model.layers.0.mamba"),
+    "MiniMax": (dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2,
+                     num_experts_per_tok=1, head_dim=8, block_size=4), "model.layers.0.self_attn"),
+    "RecurrentGemma": (dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8,
+                            num_key_value_heads=1), "model.layers.0.temporal_block"),
 }
 
 
@@ -255,7 +253,8 @@ def test_handled_mixers_are_swapped_not_refused(name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     fields, path = HANDLED[name]
     report = swap_attention(tiny(name, **fields), {"size": 1})
-    assert report.routes == {path: "mixer", "model.layers.1.self_attn": "hf"}, report
+    attention = "model.layers.1.temporal_block" if name == "RecurrentGemma" else "model.layers.1.self_attn"
+    assert report.routes == {path: "mixer", attention: "hf"}, report
 
 
 DSA = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, kv_lora_rank=16, q_lora_rank=16,
