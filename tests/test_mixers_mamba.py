@@ -303,3 +303,21 @@ def _checkpointed(rank: int, world: int) -> None:
 
 def test_jamba_with_activation_checkpointing(dist_pool):
     dist_pool.run(2, _checkpointed, timeout=300)
+
+
+def test_documents_reach_the_mixers_of_a_deep_copy():
+    # Jamba's decoder layer does not pass cu_seq_lens_q to its Mamba layer: the swap's feed hook does, and a
+    # deep copy of the swapped model (DeepSpeed, EMA copies) feeds its own layers, not the original's.
+    import copy
+
+    model = tiny("jamba", torch.float32)
+    swap_attention(model)
+    twin = copy.deepcopy(model)
+    docs = documents()
+    batch = packed_batch(docs)
+    twin(**batch)
+    assert twin.model.layers[0].mamba.documents is not None and model.model.layers[0].mamba.documents is None
+    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "jamba"), docs)
+    out = twin(**batch)
+    out.loss.backward()
+    check(twin, out.loss, ref_loss, ref_grads, 1, "deep copy")

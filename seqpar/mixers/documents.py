@@ -31,19 +31,21 @@ def batch_documents(kwargs: dict[str, Any]) -> Any:
     return kwargs.get("cu_seq_lens_k") if cu is None else cu
 
 
-def feed_documents(model: nn.Module, mixers: Sequence[nn.Module]) -> None:
-    """Hand every forward's document boundaries of ``model`` to each of ``mixers`` that declares
-    :data:`DOCUMENTS_ATTR` (replacing a feed installed by an earlier swap of the same model)."""
+def feed_documents(model: nn.Module, mixers: Sequence[str]) -> None:
+    """Hand every forward's document boundaries of ``model`` to each of its submodules named in ``mixers``
+    that declares :data:`DOCUMENTS_ATTR` (replacing a feed installed by an earlier swap of the same model).
+    The hook looks the mixers up by name in the module it runs on, so a deep copy of the model feeds its
+    own mixers."""
     old = model.__dict__.pop(_HANDLE_ATTR, None)
     if old is not None:
         old.remove()
-    fed = [m for m in mixers if hasattr(m, DOCUMENTS_ATTR)]
+    fed = tuple(name for name in mixers if hasattr(model.get_submodule(name), DOCUMENTS_ATTR))
     if not fed:
         return
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         cu = batch_documents(kwargs)
-        for mixer in fed:
-            setattr(mixer, DOCUMENTS_ATTR, cu)
+        for name in fed:
+            setattr(module.get_submodule(name), DOCUMENTS_ATTR, cu)
 
     model.__dict__[_HANDLE_ATTR] = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -189,7 +189,7 @@ def swap_attention(
                        for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
     # after the batch check (which fills in the boundaries): mixers whose caller drops them get them here
-    feed_documents(model, [model.get_submodule(name) for name, _ in mixers])
+    feed_documents(model, [name for name, _ in mixers])
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 
