@@ -1,0 +1,117 @@
+"""DeepSpeed AutoTP x seqpar's sequence parallelism (issue 22): TP2 x SP2 on 4 gloo ranks.
+
+A tiny Llama (8 query heads, 4 K/V heads, fp32) goes through ``seqpar.integrations.deepspeed.initialize``
+with ``"tensor_parallel": {"autotp_size": 2}`` and ``"sequence_parallel": {"size": 2, "tp_size": 2}``,
+ZeRO-1, -2 and -3, and trains 3 SGD steps beside one process without seqpar on the same batches. After
+DeepSpeed's reduction, every gradient (gathered over ZeRO by ``safe_get_full_grad`` and over TP by
+concatenating the ranks' AutoTP shards) and every loss equals the single process's to 1e-5 relative,
+judged on the scale of that gradient. SGD, not Adam: Adam would hide a gradient scaled by sp.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH, LR, STEPS = 53, 16, 2, 0.5, 3
+SP = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
+
+
+def _model():  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def ds_tp_config(stage: int, **tensor_parallel: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+        "tensor_parallel": {"autotp_size": 2, **tensor_parallel},
+        "sequence_parallel": SP,
+    }
+
+
+def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tensor:  # noqa: ANN001
+    """A gradient over the whole weight from the TP ranks' AutoTP shards (in TP rank order), concatenated
+    along the one dim where this rank's slice is smaller than the weight."""
+    if grad.shape == want_shape:
+        return grad  # replicated over TP (norms, the embedding)
+    (dim,) = [d for d, (a, b) in enumerate(zip(grad.shape, want_shape, strict=True)) if a != b]
+    parts: list = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(parts, grad, group=tp_group)  # shards may be uneven (vocabulary 53)
+    return torch.cat(parts, dim=dim)
+
+
+def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    engine, _, _, _ = initialize(model=model, config=ds_tp_config(stage),
+                                 optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    manager = engine.seqpar_manager
+    try:
+        assert (manager.dp_size, manager.sp_size, manager.tp_size) == (1, 2, 2)
+        g = torch.Generator().manual_seed(7)
+        ref_params = dict(ref.named_parameters())
+        losses, sharded = [], set()
+        for step in range(STEPS):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            logits_ref = ref(input_ids=ids).logits
+            loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss_ref.backward()
+
+            local = shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="zigzag")
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+            engine.backward(loss)
+            torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=0,
+                                       msg=lambda m, step=step: f"ZeRO-{stage} step {step} loss: {m}")
+            losses.append(loss.item())
+            for name, p in engine.module.named_parameters():
+                want = ref_params[name].grad
+                zero_grad = safe_get_full_grad(p)  # the ZeRO-gathered gradient of this rank's AutoTP shard
+                if zero_grad.shape != want.shape:
+                    sharded.add(name)
+                grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group)
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                           msg=lambda m, n=name, s=step: f"ZeRO-{stage} step {s}: grad of {n}: {m}")
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return {"losses": losses, "sharded": sorted(sharded)}
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_autotp2_sp2_matches_one_process(dist_pool, stage: int) -> None:
+    """AutoTP 2 x SP2 (4 ranks), ZeRO-``stage``: the 3 SGD steps' losses and every reduced gradient equal one
+    process's (asserted on every rank, inside the task)."""
+    per_rank = dist_pool.run(4, _ds_tp_steps, stage, timeout=240)
+    for got in per_rank:
+        # AutoTP shards q/k/v/o and gate/up/down of both layers and the LM head (the model's tp plan)
+        assert len(got["sharded"]) == 2 * 7 + 1 and "lm_head.weight" in got["sharded"], got["sharded"]
+        assert got["losses"] == per_rank[0]["losses"]
+    assert per_rank[0]["losses"][0] != per_rank[0]["losses"][-1]  # the steps moved the model
