@@ -446,6 +446,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("tp_size", args.tp_size)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
+    if args.tp_size is not None and isinstance(raw.get("tensor_parallel"), dict) and "autotp_size" in raw["tensor_parallel"]:
+        raw["tensor_parallel"] = {**raw["tensor_parallel"], "autotp_size": args.tp_size}  # the flag wins here too
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
     model = dict(raw.get("model") or {})
     _check_model(model, train)
@@ -546,8 +548,8 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
 
 def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:
     """``sequence_parallel.tp_size`` against DeepSpeed's ``tensor_parallel.autotp_size`` and the model's
-    heads. TP > 1 runs on the FSDP engine (FSDP2 only); the DeepSpeed engine refuses it (AutoTP is not
-    wired yet, issue 22)."""
+    heads. TP > 1 runs on FSDP2 (the model's tp plan, seqpar.integrations.tp) and on DeepSpeed (AutoTP,
+    ``tensor_parallel.autotp_size`` set from ``tp_size``)."""
     from seqpar.config import ConfigError, check_autotp
     from seqpar.runtime.groups import tp_heads_problem
 
@@ -557,22 +559,12 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
     heads = model.get("num_attention_heads", 4)
     kv_heads = model.get("num_key_value_heads", heads if "num_attention_heads" in model else 2)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (problem := tp_heads_problem(heads, kv_heads, sp.tp_size)):
-        raise ConfigError(f"model heads vs {problem}")
+        raise ConfigError(f"model.num_attention_heads / model.num_key_value_heads vs {problem}")
     if engine == "fsdp":  # seqpar.integrations.fsdp.wrap applies the model's tp plan, then FSDP2 over dp x sp
         version = (raw.get("fsdp") or {}).get("version", 2)
         if version != 2:
             raise ConfigError(f"sequence_parallel.tp_size = {sp.tp_size} needs FSDP2 (DTensor parameters): set "
                               f"fsdp.version = 2 (got {version!r}), or tp_size 1")
-        return
-    missing = {
-        "deepspeed": "DeepSpeed AutoTP (tensor_parallel.autotp_size) with seqpar's SP groups inside its DP group "
-                     "and its 1/sp gradient scale compensated",
-    }[engine]
-    raise ConfigError(
-        f"sequence_parallel.tp_size = {sp.tp_size}: launch/train.py's {engine} engine does not run tensor "
-        f"parallelism yet (missing: {missing}); use tp_size 1 (--tp-size 1) and put the ranks on "
-        "sequence_parallel.size"
-    )
 
 
 def validate_model(plan: Plan) -> None:

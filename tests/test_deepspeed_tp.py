@@ -115,3 +115,16 @@ def test_autotp2_sp2_matches_one_process(dist_pool, stage: int) -> None:
         assert len(got["sharded"]) == 2 * 7 + 1 and "lm_head.weight" in got["sharded"], got["sharded"]
         assert got["losses"] == per_rank[0]["losses"]
     assert per_rank[0]["losses"][0] != per_rank[0]["losses"][-1]  # the steps moved the model
+
+
+def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2`` on DeepSpeed (AutoTP, 4 ranks): the losses of SP = 1 x TP = 1
+    on one rank (``--tp-size 1`` overrides the JSON's ``autotp_size`` as well)."""
+    from test_train import _close, _config, _losses
+
+    short = ["--config", _config("deepspeed_tp.json"), "--seq-len", "256", "--steps", "3", "--no-progress",
+             "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, [*short, "--sp-size", "1", "--tp-size", "1"])
+    got = _losses(dist_pool, 4, [*short, "--sp-size", "2", "--tp-size", "2"], timeout=300)
+    _close(got, ref)
+    assert ref[-1] != ref[0]
