@@ -67,11 +67,18 @@ def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
     model = _model()
     ref = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
-    engine, _, _, _ = initialize(model=model, config=ds_tp_config(stage),
-                                 optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    data = [{"input_ids": torch.full((SEQ,), i)} for i in range(8)]
+    engine, _, loader, _ = initialize(model=model, config=ds_tp_config(stage), training_data=data,
+                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR))
     manager = engine.seqpar_manager
     try:
         assert (manager.dp_size, manager.sp_size, manager.tp_size) == (1, 2, 2)
+        # DeepSpeed's own loader would sample over its dp x sp DP group: one DP replica (here every rank)
+        # must see the same samples (read from the sampler: the loader's worker processes cannot start
+        # inside the pool's daemonic ranks)
+        samples = [None] * world
+        dist.all_gather_object(samples, list(loader.data_sampler))
+        assert len(samples[0]) == len(data) and all(x == samples[0] for x in samples), samples
         g = torch.Generator().manual_seed(7)
         ref_params = dict(ref.named_parameters())
         losses, sharded = [], set()
@@ -128,3 +135,44 @@ def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool) -> None:
     got = _losses(dist_pool, 4, [*short, "--sp-size", "2", "--tp-size", "2"], timeout=300)
     _close(got, ref)
     assert ref[-1] != ref[0]
+
+
+def _refuse_tp_outermost(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    # TP outermost: ranks {0, 2} and {1, 3} share weights, while DeepSpeed puts TP on consecutive ranks
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "sp"))
+    manager = init_process_groups(mesh=mesh)
+    try:
+        assert manager.tp_ranks == [rank % 2, rank % 2 + 2]
+        with pytest.raises(RuntimeError) as info:
+            initialize(model=_model(), config=ds_tp_config(2), manager=manager,
+                       optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+        return str(info.value)
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def test_tp_not_innermost_refused_on_every_rank(dist_pool) -> None:
+    """A manager whose TP axis is not DeepSpeed's (consecutive ranks): every rank raises, naming the fix."""
+    for message in dist_pool.run(4, _refuse_tp_outermost, timeout=120):
+        assert "DeepSpeed AutoTP's groups are not seqpar's" in message and "TP innermost" in message, message
+
+
+def test_autotp_size_must_equal_tp_size() -> None:
+    """Both set and different: refused before any process group, naming the fix (config-only, so every rank
+    raises the same)."""
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import initialize
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"tp_size = 2 is invalid: DeepSpeed's tensor_parallel.autotp_size is 4; "
+                                          r"set sequence_parallel.tp_size to the same value"):
+        initialize(model=model, config={**ds_tp_config(1), "tensor_parallel": {"autotp_size": 4}})
+    with pytest.raises(ConfigError, match=r"tp_size = 1 is invalid: .*autotp_size is 2"):  # seqpar_config= wins
+        initialize(model=model, config=ds_tp_config(1), seqpar_config={"size": 2})
+    assert not dist.is_initialized()
