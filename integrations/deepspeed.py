@@ -40,10 +40,17 @@ sum over ``dp x sp`` ranks by ``dp x sp / 1`` instead of ``dp`` (and ZeRO-3 alwa
 that the first batch is identical across each TP group: every TP rank of one SP rank gets the same
 sequence shard (the SP groups are cut from the cube's TP-rank slices). Under AutoTP DeepSpeed's own
 loader would sample over ``dp x sp`` ranks, so the loader is built here over the DP axis.
+
+Checkpoints: ``engine.save_checkpoint`` resumes at the same layout. To resume at another TP / SP / DP
+layout (e.g. saved at TP2 x SP2, resumed at SP2, and back), convert with :func:`to_universal` and load
+the converted tag with ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON (DeepSpeed's
+universal checkpoint; it runs on CPU, checked in tests/test_deepspeed_tp.py for ZeRO-1 and ZeRO-3).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -57,7 +64,7 @@ from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig, check_autotp
 from seqpar.integrations.common import rank_prefix, resolve_manager
 from seqpar.runtime.groups import init_process_groups, single_process_env, timeout_of
 
-__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
+__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader", "to_universal"]
 
 logger = logging.getLogger("seqpar")
 
@@ -265,6 +272,35 @@ def initialize(
 # ----------------------------------------------------------------------------- the steps
 def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:
     return (ds_config.get("zero_optimization") or {}).get("stage")
+
+
+def to_universal(checkpoint_dir: str | os.PathLike, tag: str, output_tag: str | None = None) -> str:
+    """Convert ``checkpoint_dir/tag`` (as ``engine.save_checkpoint`` wrote it) to DeepSpeed's universal
+    checkpoint format, which loads at any TP / SP / DP layout: AutoTP's shards are joined into whole
+    weights and ZeRO's partitions into whole optimizer states. It is DeepSpeed's own converter
+    (``deepspeed.checkpoint.ds_to_universal``) run in this process, with the universal-checkpoint
+    metadata a model without AutoTP lacks injected (``--inject_missing_state``).
+
+    Run it in one process once every rank has saved (rank 0 after a barrier, or offline); then start the
+    new layout with ``"checkpoint": {"load_universal": true}`` in its DeepSpeed JSON and call
+    ``engine.load_checkpoint(checkpoint_dir, tag=<the returned tag>)``.
+
+    Returns:
+        The universal checkpoint's tag, ``output_tag`` (default ``f"{tag}_universal"``), in ``checkpoint_dir``.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    output_tag = output_tag or f"{tag}_universal"
+    args = argparse.Namespace(
+        input_folder=os.path.join(checkpoint_dir, tag), output_folder=os.path.join(checkpoint_dir, output_tag),
+        num_extract_workers=1, num_merge_workers=1,  # in this process: no worker pool (ranks may be daemons)
+        keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(None):  # the converter prints its progress
+        ds_to_universal.main(args)
+    logger.info("%s seqpar: universal checkpoint %s written from %s in %s", rank_prefix(), output_tag, tag,
+                checkpoint_dir)
+    return output_tag
 
 
 def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu: Any,

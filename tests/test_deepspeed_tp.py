@@ -176,3 +176,71 @@ def test_autotp_size_must_equal_tp_size() -> None:
     with pytest.raises(ConfigError, match=r"tp_size = 1 is invalid: .*autotp_size is 2"):  # seqpar_config= wins
         initialize(model=model, config=ds_tp_config(1), seqpar_config={"size": 2})
     assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ universal checkpoints across layouts
+def _adam_config(stage: int, sp: int, tp: int, load_universal: bool = False) -> dict:
+    cfg = {**ds_tp_config(stage), "sequence_parallel": {**SP, "size": sp, "tp_size": tp},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}
+    del cfg["zero_allow_untested_optimizer"], cfg["tensor_parallel"]  # autotp_size follows tp_size
+    return {**cfg, "checkpoint": {"load_universal": True}} if load_universal else cfg
+
+
+def _train(engine, first: int, n: int) -> list[float]:  # noqa: ANN001
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    manager, losses = engine.seqpar_manager, []
+    for step in range(first, first + n):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+        local = shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="zigzag")
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_then_continue(rank: int, world: int, save_dir: str, stage: int, sp: int, tp: int) -> list[float]:
+    """1 AdamW step, a checkpoint, then 2 more steps (the uninterrupted run)."""
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+
+    engine, _, _, _ = initialize(model=_model(), config=_adam_config(stage, sp, tp))
+    try:
+        _train(engine, 0, 1)
+        engine.save_checkpoint(save_dir, tag="step1")
+        return _train(engine, 1, 2)
+    finally:
+        engine.seqpar_manager.destroy()
+        set_default_manager(None)
+
+
+def _resume(rank: int, world: int, save_dir: str, tag: str, stage: int, sp: int, tp: int) -> list[float]:
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+
+    engine, _, _, _ = initialize(model=_model(), config=_adam_config(stage, sp, tp, load_universal=True))
+    try:
+        path, _ = engine.load_checkpoint(save_dir, tag=tag)
+        assert path is not None
+        return _train(engine, 1, 2)
+    finally:
+        engine.seqpar_manager.destroy()
+        set_default_manager(None)
+
+
+@pytest.mark.parametrize("stage,saved,resumed", [(3, (2, 2), (2, 1)), (1, (2, 1), (2, 2))])
+def test_universal_checkpoint_across_tp(dist_pool, tmp_path, stage: int, saved: tuple, resumed: tuple) -> None:
+    """Saved at TP2 x SP2 and resumed at SP2 (ZeRO-3), and back (ZeRO-1), through ``to_universal``: the 2 steps
+    after the resume (AdamW: its states travel too) equal the uninterrupted run's."""
+    from seqpar.integrations.deepspeed import to_universal
+
+    (sp, tp), (sp2, tp2) = saved, resumed
+    want = dist_pool.run(sp * tp, _save_then_continue, str(tmp_path), stage, sp, tp, timeout=120)[0]
+    tag = to_universal(tmp_path, "step1")
+    got = dist_pool.run(sp2 * tp2, _resume, str(tmp_path), tag, stage, sp2, tp2, timeout=120)
+    for losses in got:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+    assert want[0] != want[1]
