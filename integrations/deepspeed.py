@@ -414,7 +414,10 @@ def _check_autotp_groups(engine: Any, manager: Any) -> None:
     sp_dp = dist.get_process_group_ranks(manager.sp_dp_group)
     mine = (sorted(ds_tp) == sorted(manager.tp_ranks) and sorted(ds_dp) == sorted(sp_dp)
             and set(manager.sp_ranks) <= set(ds_dp) and engine.seq_dp_world_size == manager.dp_size * manager.sp_size)
-    ok = torch.tensor([int(mine)], dtype=torch.int64)
+    from deepspeed.accelerator import get_accelerator
+
+    # on the device the world's backend reduces on (NCCL: the rank's GPU; gloo: the CPU)
+    ok = torch.tensor([int(mine)], dtype=torch.int64, device=get_accelerator().current_device_name())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         raise RuntimeError(
