@@ -124,16 +124,19 @@ def test_autotp2_sp2_matches_one_process(dist_pool, stage: int) -> None:
     assert per_rank[0]["losses"][0] != per_rank[0]["losses"][-1]  # the steps moved the model
 
 
-def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool) -> None:
-    """``launch/train.py --tp-size 2 --sp-size 2`` on DeepSpeed (AutoTP, 4 ranks): the losses of SP = 1 x TP = 1
-    on one rank (``--tp-size 1`` overrides the JSON's ``autotp_size`` as well)."""
+def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool, tmp_path) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2`` on DeepSpeed (AutoTP, 4 ranks), saved after step 2 and
+    resumed (same layout) for step 3: the losses of SP = 1 x TP = 1 on one rank (``--tp-size 1`` overrides
+    the JSON's ``autotp_size`` as well)."""
     from test_train import _close, _config, _losses
 
-    short = ["--config", _config("deepspeed_tp.json"), "--seq-len", "256", "--steps", "3", "--no-progress",
-             "--log-level", "WARNING"]
-    ref = _losses(dist_pool, 1, [*short, "--sp-size", "1", "--tp-size", "1"])
-    got = _losses(dist_pool, 4, [*short, "--sp-size", "2", "--tp-size", "2"], timeout=300)
-    _close(got, ref)
+    short = ["--config", _config("deepspeed_tp.json"), "--seq-len", "256", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, [*short, "--steps", "3", "--sp-size", "1", "--tp-size", "1"])
+    tp_sp = [*short, "--sp-size", "2", "--tp-size", "2", "--save-dir", str(tmp_path)]
+    head = _losses(dist_pool, 4, [*tp_sp, "--steps", "2"], timeout=300)
+    tail = _losses(dist_pool, 4, [*tp_sp, "--steps", "3", "--resume"], timeout=300)
+    assert (len(head), len(tail)) == (2, 1), (head, tail)
+    _close(head + tail, ref)
     assert ref[-1] != ref[0]
 
 
