@@ -1,12 +1,12 @@
 """Tensor parallelism from the model's own plan (seqpar.integrations.tp) composed with seqpar's
-attention (issue 22, step 2): TP2 x SP2 on 4 gloo ranks, ring and Ulysses modes, zigzag, against one
-process.
+attention (issue 22): TP2 x SP2 on 4 gloo ranks (one pool), ring and Ulysses modes, zigzag, packed
+documents, with FSDP2 over dp x sp; and DP2 x TP2 x SP2 on 8 ranks; against one process.
 
 Tiny Llama and Qwen3 (8 query heads, 4 K/V heads; Qwen3's per-head q_norm / k_norm carry the
 ``replicated_with_grad_allreduce`` style), fp32. The loss touches every logit; every parameter's
 gradient, gathered over TP (DTensor shards) and summed over SP (the ranks' shares of the sequence),
-must equal the single-process gradient on the whole sequence to 1e-5 relative, judged on the scale
-of that gradient.
+or reduced by FSDP2, must equal the single-process gradient on the whole sequence to 1e-5 relative,
+judged on the scale of that gradient. Packed documents are compared with each document run alone.
 """
 
 from __future__ import annotations
