@@ -767,27 +767,18 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
-        tag = f"step{step}"
-        fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
-                             extra={"step": step})
-        dist.barrier()
-        if self.manager.rank == 0:
-            checkpoint.commit(save_dir, tag)
-        dist.barrier()
+        # DCP, written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
+        checkpoint.save_dcp(save_dir, step, self.model, self.optimizer)
 
     def load(self, save_dir: str) -> int:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        tag = checkpoint.latest_complete(save_dir)
-        if tag is None:
+        if checkpoint.latest_complete(save_dir) is None:
             raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
-        extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
-        return int(extra["step"])
+        # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
+        return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])
 
 
 # ============================================================================ loop helpers
