@@ -1,0 +1,202 @@
+"""Megatron-style TP sequence parallelism and the vocab-parallel loss (issue 22), TP2 x SP2 on 4 gloo ranks.
+
+Tiny Llama and Qwen3 (8 query heads, 4 K/V heads), fp32, ring attention, zigzag, against one process on
+the whole sequence: the loss and every gradient (gathered over TP, summed over SP) to 1e-5 relative on
+the gradient's scale.
+
+- ``tp_sequence_parallel`` on: the same results as one process, and the bytes of the tensors entering
+  and leaving every norm of the residual stream (counted by forward hooks on the local tensors, i.e.
+  ``numel x itemsize`` of what a rank holds) are half those of TP without it.
+- The vocab-parallel loss: logits kept split on the vocabulary (DTensor ``Shard(-1)``), reduced by
+  ``sequence_parallel_loss`` over SP and TP; a dispatch mode records every tensor a rank materialises
+  and none has the full vocabulary as its last dim (without it, the gathered logits do); the tiled loss
+  (``tiled_loss``) with a vocab-sharded head under TP-SP gives the same loss and gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+VOCAB = 53  # odd: the vocabulary slices are uneven (27 + 26)
+SEQ = 16
+CONFIG = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
+
+
+def _model(kind: str):  # noqa: ANN202
+    from test_tp_train import _model as tiny
+
+    return tiny(kind)
+
+
+class _LargestVocabTensor(TorchDispatchMode):
+    """Records the largest tensor (elements) whose last dim is the full vocabulary, among the outputs of
+    every op a rank runs (DTensor outputs counted by their local tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        from torch.distributed.tensor import DTensor
+
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, DTensor):
+                t = t._local_tensor
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == VOCAB and t.is_floating_point():
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _norm_bytes(model) -> tuple[list, list]:  # noqa: ANN001
+    """Forward hooks on every norm of the residual stream (each decoder layer's own norms and the final
+    norm): ``numel x itemsize`` of the local input and output tensors, summed, per call."""
+    from torch.distributed.tensor import DTensor
+
+    counts: list[int] = []
+
+    def local_bytes(t) -> int:  # noqa: ANN001
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    def hook(module, args, output) -> None:  # noqa: ANN001
+        counts.append(local_bytes(args[0]) + local_bytes(output))
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith(("input_layernorm", "post_attention_layernorm")) or n == "model.norm"]
+    assert len(handles) == 2 * 2 + 1
+    return counts, handles
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels[0, 3] = labels[1, 9] = -100  # ignored tokens
+    return {"input_ids": ids, "labels": labels}
+
+
+def _reference(ref, batch: dict):  # noqa: ANN001, ANN202
+    """One process: the mean next-token cross-entropy on the whole sequence, backward."""
+    logits = ref(input_ids=batch["input_ids"]).logits
+    shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=-100)
+    loss = F.cross_entropy(logits.reshape(-1, VOCAB), shifted.reshape(-1), ignore_index=-100)
+    loss.backward()
+    return loss.detach()
+
+
+def _check_grads(model, ref, manager, what: str) -> None:  # noqa: ANN001
+    from torch.distributed.tensor import DTensor
+
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        grad = grad.clone()
+        dist.all_reduce(grad, group=manager.sp_group)  # the SP gradient is the sum of the ranks' shares
+        want = ref_params[name].grad
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
+
+
+def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, tiled: bool = False) -> dict:  # noqa: ANN001
+    """One forward/backward at TP2 x SP2 against one process; asserts the loss and every gradient and returns
+    the norm bytes per call, the largest full-vocabulary tensor and the local logits' shape."""
+    from seqpar.integrations.tp import apply_tensor_parallel
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+    from seqpar.swap import swap_attention
+
+    what = f"{kind} tp_sequence_parallel={sequence_parallel} vocab_parallel={vocab_parallel} tiled={tiled}"
+    model = _model(kind)
+    ref = copy.deepcopy(model)
+    # the swap first: its position-mixing probe runs the plain model on 13 tokens, which TP-SP cannot split
+    swap_attention(model, {**CONFIG, "tiled_loss": tiled}, group=manager.sp_group)
+    apply_tensor_parallel(model, manager, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
+    batch = _batch(1)
+    loss_ref = _reference(ref, batch)
+
+    local = shard_batch(batch, group=manager.sp_group, sharding="zigzag")
+    counts, handles = _norm_bytes(model)
+    mode = _LargestVocabTensor()
+    logits_shape = None
+    with mode:
+        if tiled:
+            loss = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                         shift_labels=local["shift_labels"]).loss
+        else:
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            logits_shape = tuple(logits.to_local().shape if vocab_parallel else logits.shape)
+            loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+        loss.backward()
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(loss.detach(), loss_ref, rtol=1e-5, atol=0, msg=lambda m: f"{what}: loss: {m}")
+    _check_grads(model, ref, manager, what)
+    return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape}
+
+
+def _all(rank: int, world: int) -> dict:
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    manager = init_process_groups(config=CONFIG)
+    try:
+        out = {}
+        for kind in ("llama", "qwen3"):
+            out[kind, "off"] = _run(manager, kind, sequence_parallel=False, vocab_parallel=False)
+            out[kind, "on"] = _run(manager, kind, sequence_parallel=True, vocab_parallel=True)
+        out["llama", "vocab"] = _run(manager, "llama", sequence_parallel=False, vocab_parallel=True)
+        out["llama", "tiled"] = _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, tiled=True)
+        return out
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+@pytest.fixture(scope="module")
+def per_rank(dist_pool) -> list:
+    return dist_pool.run(4, _all, timeout=240)
+
+
+def test_tp_sequence_parallel_matches_one_process_and_halves_norm_bytes(per_rank) -> None:
+    """TP2 x SP2 with ``tp_sequence_parallel``: loss and every gradient equal one process (asserted on each
+    rank); the local tensors in and out of every residual-stream norm are half as many bytes as without."""
+    for kind in ("llama", "qwen3"):
+        for rank, got in enumerate(per_rank):
+            off, on = got[kind, "off"]["norm_bytes"], got[kind, "on"]["norm_bytes"]
+            assert len(off) == len(on) == 5, (off, on)
+            # SP2 leaves 8 tokens per rank: (2, 8, 64) fp32 in and out = 8192 bytes per norm; TP-SP: 4 tokens
+            assert off == [2 * (2 * 8 * 64 * 4)] * 5, off
+            assert [2 * b for b in on] == off, (kind, rank, on, off)
+
+
+def test_vocab_parallel_logits_never_full_vocab(per_rank) -> None:
+    """The vocab-parallel loss (with and without TP-SP, and tiled): no rank materialises a tensor whose last
+    dim is the whole vocabulary; the plain TP run (gathered logits) does, so the probe can see one."""
+    for got in per_rank:
+        assert got["llama", "off"]["largest_vocab_tensor"] >= 2 * 8 * VOCAB  # the gathered (B, S_local, V) logits
+        assert got["llama", "off"]["logits_shape"] == (2, 8, VOCAB)
+        for key in (("llama", "on"), ("qwen3", "on"), ("llama", "vocab"), ("llama", "tiled")):
+            assert got[key]["largest_vocab_tensor"] == 0, (key, got[key])
+        for key in (("llama", "on"), ("llama", "vocab")):
+            assert got[key]["logits_shape"] in ((2, 8, 27), (2, 8, 26)), got[key]
+
+
+def test_sequence_parallel_refuses_unknown_layout() -> None:
+    import torch.nn as nn
+
+    from seqpar.integrations.tp import sequence_parallel_layout
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.proj = nn.Linear(8, 8)
+
+    with pytest.raises(ValueError, match="no decoder layers.*tp_sequence_parallel to false"):
+        sequence_parallel_layout(Flat(), {"embed": "embedding_rowwise", "embed.weight": "embedding_rowwise"})
