@@ -241,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
     p.add_argument("--tp-size", type=int, help="override sequence_parallel.tp_size (world = dp x sp x tp)")
+    p.add_argument("--tp-sequence-parallel", action="store_true", default=None,
+                   help="override sequence_parallel.tp_sequence_parallel (Megatron-style: norms and residuals "
+                        "split along the sequence over the TP group)")
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
@@ -443,7 +446,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("offload_activations", args.offload_activations),
                                   ("recompute_norm", args.recompute_norm),
                                   ("ulysses_size", args.ulysses_size),
-                                  ("tp_size", args.tp_size)) if v is not None}
+                                  ("tp_size", args.tp_size),
+                                  ("tp_sequence_parallel", args.tp_sequence_parallel)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
@@ -857,6 +861,8 @@ def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -
         idx = first + i * manager.dp_size + manager.dp_rank
         b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
         logits = engine.forward(b)
+        if hasattr(logits, "full_tensor"):  # tp_sequence_parallel: split on the vocabulary (DTensor); whole here
+            logits = logits.full_tensor()
         labels = b["shift_labels"]
         mask = labels != IGNORE
         pred = logits.argmax(-1)

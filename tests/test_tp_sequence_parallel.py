@@ -200,3 +200,16 @@ def test_sequence_parallel_refuses_unknown_layout() -> None:
 
     with pytest.raises(ValueError, match="no decoder layers.*tp_sequence_parallel to false"):
         sequence_parallel_layout(Flat(), {"embed": "embedding_rowwise", "embed.weight": "embedding_rowwise"})
+
+
+def test_launcher_tp_sequence_parallel_matches_sp1(dist_pool) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2 --tp-sequence-parallel`` (FSDP2 over dp x sp, the loss
+    vocab-parallel from the vocab-split logits, 4 ranks): the losses of SP = 1 x TP = 1 on one rank (the
+    reference run test_train.py shares)."""
+    from test_train import SHORT, _close, _config, _losses, _reference
+
+    got = _losses(dist_pool, 4, ["--config", _config("fsdp_ring.json"), "--sp-size", "2", "--tp-size", "2",
+                                 "--tp-sequence-parallel", *SHORT], timeout=300)
+    ref = _reference(dist_pool, "fsdp_ring.json")
+    _close(got, ref)
+    assert ref[-1] != ref[0]
