@@ -141,6 +141,20 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
     return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape}
 
 
+def _tp_memory_module():  # noqa: ANN202
+    """``launch/tp_memory.py`` (a script) as a module."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "seqpar_launch_tp_memory"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "launch" / "tp_memory.py")
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def _all(rank: int, world: int) -> dict:
     from seqpar.runtime.groups import init_process_groups, set_default_manager
 
@@ -152,6 +166,10 @@ def _all(rank: int, world: int) -> dict:
             out[kind, "on"] = _run(manager, kind, sequence_parallel=True, vocab_parallel=True)
         out["llama", "vocab"] = _run(manager, "llama", sequence_parallel=False, vocab_parallel=True)
         out["llama", "tiled"] = _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, tiled=True)
+        # what one decoder layer saves for backward (launch/tp_memory.py's measurement, 16 tokens per SP rank)
+        tp_memory = _tp_memory_module()
+        out["saved"] = {on: tp_memory.measure(manager, tp_sequence_parallel=on, tokens=16, dtype=torch.float32)
+                        for on in (False, True)}
         return out
     finally:
         manager.destroy()
@@ -173,6 +191,25 @@ def test_tp_sequence_parallel_matches_one_process_and_halves_norm_bytes(per_rank
             # SP2 leaves 8 tokens per rank: (2, 8, 64) fp32 in and out = 8192 bytes per norm; TP-SP: 4 tokens
             assert off == [2 * (2 * 8 * 64 * 4)] * 5, off
             assert [2 * b for b in on] == off, (kind, rank, on, off)
+
+
+def test_layer_saved_bytes_model_matches_measurement(per_rank) -> None:
+    """The memory model's per-layer saved bytes with tp (``seqpar.memory.training.layer_saved_bytes``) against
+    the measurement at TP2 x SP2, TP-SP off and on: within 2%; TP-SP saves less, and the residual stream's
+    bytes (each decoder layer's output) are halved."""
+    from seqpar.memory.training import layer_saved_bytes
+
+    tp_memory = _tp_memory_module()
+    unit = 16 * tp_memory.MODEL["hidden_size"] * 4
+    for got in per_rank:
+        for on in (False, True):
+            modelled = layer_saved_bytes(tp_memory.MODEL, dtype=torch.float32, sp_size=2, tp_size=2,
+                                         tp_sequence_parallel=on) * 16 / unit
+            measured = got["saved"][on]["layer_saved_units"]
+            assert abs(measured - modelled) <= 0.02 * modelled, (on, measured, modelled)
+        assert got["saved"][True]["layer_saved_units"] < got["saved"][False]["layer_saved_units"]
+        assert 2 * got["saved"][True]["residual_bytes"] == got["saved"][False]["residual_bytes"]
+        assert 2 * got["saved"][True]["norm_bytes"] == got["saved"][False]["norm_bytes"]
 
 
 def test_vocab_parallel_logits_never_full_vocab(per_rank) -> None:

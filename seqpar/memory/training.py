@@ -39,7 +39,8 @@ import torch
 
 from seqpar.memory.attention import as_dtype, estimate_attention_memory
 
-__all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
+__all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "layer_saved_bytes",
+           "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "attention_transients",
               "logits_loss", "communication")
@@ -164,6 +165,19 @@ def _layer_saved_bytes(m: ModelShape, e: int, *, mlp_saved: bool, recompute_norm
     if mlp_saved:
         saved += 4 * m.intermediate_size * e
     return saved
+
+
+def layer_saved_bytes(model_config: Any, *, dtype: torch.dtype | str = torch.float32, sp_size: int = 1,
+                      mode: str = "ring", tp_size: int = 1, tp_sequence_parallel: bool = False,
+                      recompute_norm: bool = False, tiled_mlp: bool = False) -> int:
+    """Bytes per local token (of the SP shard) that one decoder layer saves for backward on a rank, its input
+    left out (the term :func:`estimate_training_memory` counts per layer; measured by
+    ``python -m seqpar.bench.layer_memory`` and, with tensor parallelism, ``launch/tp_memory.py``)."""
+    m = _model_shape(model_config).tp_local(tp_size)
+    e = torch.empty((), dtype=as_dtype(dtype)).element_size()
+    return _layer_saved_bytes(m, e, mlp_saved=not tiled_mlp, recompute_norm=recompute_norm, input_counted=True,
+                              out_copy=sp_size > 1 and mode != "ring",
+                              tp_seq=tp_size if tp_sequence_parallel else 1)
 
 
 def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
