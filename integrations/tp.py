@@ -18,6 +18,14 @@ Torch 2.13 caches DTensor sharding plans keyed by meshes that compare equal when
 ranks, whatever their process groups: ``ProcessGroupManager.destroy`` drops those plans, so a later
 manager of the same layout in the same process is not handed the destroyed groups.
 
+With ``sequence_parallel=True`` (``sequence_parallel.tp_sequence_parallel``) the residual stream is split
+along the sequence over TP as well, Megatron-style (:func:`apply_tp_sequence_parallel`: torch's
+``SequenceParallel`` on the norms, torch's ``RowwiseParallel(output_layouts=Shard(1))`` on the embedding,
+transformers' own row-parallel style with ``Shard(1)`` outputs on o_proj / down_proj, an all-gather into each
+attention / MLP block), and the LM head's output stays split on the vocabulary (``vocab_parallel``): a
+DTensor ``Shard(-1)`` that :func:`seqpar.sequence.loss.sequence_parallel_loss` and the tiled loss reduce
+vocab-parallel (:mod:`seqpar.sequence.vocab_parallel`), so no rank holds ``(seq_local, vocab)`` logits.
+
 Layering: an integration (``seqpar.integrations.tp``); it imports the core, the core never imports it.
 Sequence parallelism composes with it unchanged: the attention inputs a TP rank sees are
 ``(batch, heads / tp, seq_local, head_dim)``, and seqpar's attention runs on them over the SP group.
@@ -32,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, tp_heads_problem
+from seqpar.swap.state import is_probing
 
 __all__ = [
     "SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel", "apply_tp_sequence_parallel",
@@ -88,8 +97,9 @@ def apply_tensor_parallel(
     expanded plan applied (empty when ``tp_size`` is 1: nothing changes).
 
     Call it on every rank of the TP group with the same model (same seed: each rank keeps its slice of
-    the weights it already holds, so no weight is sent), before FSDP2 and the optimizer
-    (:func:`seqpar.integrations.fsdp.wrap` calls it when ``tp_size`` > 1). Sharded parameters become
+    the weights it already holds, so no weight is sent), after :func:`seqpar.swap.swap_attention` (whose
+    probe must see the model without TP sequence parallelism) and before FSDP2 and the optimizer
+    (:func:`seqpar.integrations.fsdp.wrap` does both when ``tp_size`` > 1). Sharded parameters become
     DTensors on ``manager.dp_sp_tp_mesh["tp"]``; replicated ones stay plain tensors.
 
     Args:
@@ -276,6 +286,12 @@ def apply_tp_sequence_parallel(model: nn.Module, mesh: Any, layout: SequencePara
 
     def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
         ids = args[0] if args else None
+        if ids is not None and ids.dim() >= 2 and ids.shape[1] % tp and is_probing():
+            raise ValueError(
+                "tp_sequence_parallel: seqpar's position-mixing probe ran the model on a sequence the TP group "
+                "cannot split; call seqpar.swap.swap_attention before apply_tensor_parallel(sequence_parallel="
+                "True) (seqpar.integrations.fsdp.wrap does), so the probe sees the model without TP"
+            )
         if ids is not None and ids.dim() >= 2 and ids.shape[1] % tp:
             raise ValueError(
                 f"tp_sequence_parallel: this rank's sequence has {ids.shape[1]} tokens, which the TP group of "
