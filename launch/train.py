@@ -451,6 +451,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if changes:
         sp = sp.replace(**changes)
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
+    _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
     _check_model(model, train)
     if raw.get("fsdp"):
@@ -577,6 +578,17 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
         f"parallelism yet (missing: {missing}); use tp_size 1 (--tp-size 1) and put the ranks on "
         "sequence_parallel.size"
     )
+
+
+def _check_tp_sequence_parallel(sp: Any, engine: str) -> None:
+    """``tp_sequence_parallel`` is applied with the model's tp plan by seqpar.integrations.fsdp.wrap (FSDP2);
+    DeepSpeed's AutoTP shards the model its own way and does not split the residual stream."""
+    from seqpar.config import ConfigError
+
+    if sp.tp_sequence_parallel and engine != "fsdp":
+        raise ConfigError(f"sequence_parallel.tp_sequence_parallel runs on the FSDP engine (FSDP2 with the model's "
+                          f"tp plan); the {engine} engine does not split activations over TP: set it false "
+                          "(--tp-size alone), or use --engine fsdp")
 
 
 def validate_model(plan: Plan) -> None:

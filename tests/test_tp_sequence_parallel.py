@@ -104,9 +104,12 @@ def _check_grads(model, ref, manager, what: str) -> None:  # noqa: ANN001
                                    msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
 
 
-def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, tiled: bool = False) -> dict:  # noqa: ANN001
-    """One forward/backward at TP2 x SP2 against one process; asserts the loss and every gradient and returns
-    the norm bytes per call, the largest full-vocabulary tensor and the local logits' shape."""
+def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, tiled: bool = False,  # noqa: ANN001
+         model_loss: bool = False, config: dict = CONFIG) -> dict:
+    """One forward/backward at the manager's TP x SP against one process; asserts the loss and every gradient
+    and returns the norm bytes per call, the largest full-vocabulary tensor and the local logits' shape. The
+    loss: ``sequence_parallel_loss`` of the logits, or the model's own (``model_loss``: the swap's
+    ``loss_function``, from ``labels=`` unshifted at SP 1, ``shift_labels=`` otherwise; or the tiled loss)."""
     from seqpar.integrations.tp import apply_tensor_parallel
     from seqpar.sequence.batch import shard_batch
     from seqpar.sequence.loss import sequence_parallel_loss
@@ -116,7 +119,7 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
     model = _model(kind)
     ref = copy.deepcopy(model)
     # the swap first: its position-mixing probe runs the plain model on 13 tokens, which TP-SP cannot split
-    swap_attention(model, {**CONFIG, "tiled_loss": tiled}, group=manager.sp_group)
+    swap_attention(model, {**config, "tiled_loss": tiled}, group=manager.sp_group)
     apply_tensor_parallel(model, manager, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     batch = _batch(1)
     loss_ref = _reference(ref, batch)
@@ -126,9 +129,9 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
     mode = _LargestVocabTensor()
     logits_shape = None
     with mode:
-        if tiled:
-            loss = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                         shift_labels=local["shift_labels"]).loss
+        if tiled or model_loss:
+            labels = {"labels": batch["labels"]} if manager.sp_size == 1 else {"shift_labels": local["shift_labels"]}
+            loss = model(input_ids=local["input_ids"], position_ids=local["position_ids"], **labels).loss
         else:
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             logits_shape = tuple(logits.to_local().shape if vocab_parallel else logits.shape)
@@ -163,7 +166,9 @@ def _all(rank: int, world: int) -> dict:
         out = {}
         for kind in ("llama", "qwen3"):
             out[kind, "off"] = _run(manager, kind, sequence_parallel=False, vocab_parallel=False)
-            out[kind, "on"] = _run(manager, kind, sequence_parallel=True, vocab_parallel=True)
+            # Qwen3 through the model's own loss (the swap's loss_function takes the vocab-split logits)
+            out[kind, "on"] = _run(manager, kind, sequence_parallel=True, vocab_parallel=True,
+                                   model_loss=kind == "qwen3")
         out["llama", "vocab"] = _run(manager, "llama", sequence_parallel=False, vocab_parallel=True)
         out["llama", "tiled"] = _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, tiled=True)
         # what one decoder layer saves for backward (launch/tp_memory.py's measurement, 16 tokens per SP rank)
@@ -222,6 +227,26 @@ def test_vocab_parallel_logits_never_full_vocab(per_rank) -> None:
             assert got[key]["largest_vocab_tensor"] == 0, (key, got[key])
         for key in (("llama", "on"), ("llama", "vocab")):
             assert got[key]["logits_shape"] in ((2, 8, 27), (2, 8, 26)), got[key]
+
+
+def _tp2_sp1(rank: int, world: int) -> dict:
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    config = {"size": 1, "tp_size": 2}
+    manager = init_process_groups(config=config)
+    try:
+        return _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, model_loss=True, config=config)
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def test_tp2_sp1_model_loss(dist_pool) -> None:
+    """TP2 without SP, TP-SP on, ``model(..., labels=...).loss``: transformers' call reaches the swap's loss
+    with vocab-split logits and one SP rank, and takes the vocab-parallel loss (asserted against one process)."""
+    for got in dist_pool.run(2, _tp2_sp1, timeout=120):
+        assert got["largest_vocab_tensor"] == 0 and got["logits_shape"] is None
+        assert [2 * b for b in got["norm_bytes"]] == [2 * (2 * SEQ * 64 * 4)] * 5  # 16 tokens, 8 per TP rank
 
 
 def test_sequence_parallel_refuses_unknown_layout() -> None:
