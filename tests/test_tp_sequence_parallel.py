@@ -144,6 +144,31 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
     return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape}
 
 
+def _fsdp2(manager) -> float:  # noqa: ANN001
+    """Llama through ``seqpar.integrations.fsdp.wrap`` with ``tp_sequence_parallel`` (the swap, TP-SP from the
+    plan, FSDP2 over dp x sp): every gradient, reduced by FSDP2, equals one process's."""
+    from seqpar.integrations.fsdp import wrap
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    model = _model("llama")
+    ref = copy.deepcopy(model)
+    wrap(model, {**CONFIG, "tp_sequence_parallel": True}, manager=manager, fsdp={"version": 2})
+    batch = _batch(2)
+    loss_ref = _reference(ref, batch)
+    local = shard_batch(batch, group=manager.sp_group, sharding="zigzag")
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), loss_ref, rtol=1e-5, atol=0)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad, want = p.grad.full_tensor(), ref_params[name].grad  # FSDP2 summed over dp x sp
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=lambda m, name=name: f"FSDP2 x TP-SP: grad of {name}: {m}")
+    return loss.item()
+
+
 def _tp_memory_module():  # noqa: ANN202
     """``launch/tp_memory.py`` (a script) as a module."""
     import importlib.util
@@ -171,6 +196,7 @@ def _all(rank: int, world: int) -> dict:
                                    model_loss=kind == "qwen3")
         out["llama", "vocab"] = _run(manager, "llama", sequence_parallel=False, vocab_parallel=True)
         out["llama", "tiled"] = _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, tiled=True)
+        out["fsdp2"] = _fsdp2(manager)
         # what one decoder layer saves for backward (launch/tp_memory.py's measurement, 16 tokens per SP rank)
         tp_memory = _tp_memory_module()
         out["saved"] = {on: tp_memory.measure(manager, tp_sequence_parallel=on, tokens=16, dtype=torch.float32)
@@ -196,6 +222,12 @@ def test_tp_sequence_parallel_matches_one_process_and_halves_norm_bytes(per_rank
             # SP2 leaves 8 tokens per rank: (2, 8, 64) fp32 in and out = 8192 bytes per norm; TP-SP: 4 tokens
             assert off == [2 * (2 * 8 * 64 * 4)] * 5, off
             assert [2 * b for b in on] == off, (kind, rank, on, off)
+
+
+def test_fsdp2_tp_sequence_parallel_gradients(per_rank) -> None:
+    """``fsdp.wrap`` with ``tp_sequence_parallel``: loss and every FSDP2-reduced gradient equal one process
+    (asserted on every rank); the same loss everywhere."""
+    assert len({round(got["fsdp2"], 6) for got in per_rank}) == 1
 
 
 def test_layer_saved_bytes_model_matches_measurement(per_rank) -> None:
