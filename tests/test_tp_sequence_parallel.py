@@ -141,7 +141,14 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
         h.remove()
     torch.testing.assert_close(loss.detach(), loss_ref, rtol=1e-5, atol=0, msg=lambda m: f"{what}: loss: {m}")
     _check_grads(model, ref, manager, what)
-    return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape}
+    refusal = None
+    if manager.sp_size == 1:  # a sequence the TP group cannot split: refused by name on every rank
+        try:
+            model(input_ids=batch["input_ids"][:, :SEQ - 1])
+        except ValueError as e:
+            refusal = str(e)
+    return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape,
+            "refusal": refusal}
 
 
 def _fsdp2(manager) -> float:  # noqa: ANN001
@@ -278,6 +285,7 @@ def test_tp2_sp1_model_loss(dist_pool) -> None:
     with vocab-split logits and one SP rank, and takes the vocab-parallel loss (asserted against one process)."""
     for got in dist_pool.run(2, _tp2_sp1, timeout=120):
         assert got["largest_vocab_tensor"] == 0 and got["logits_shape"] is None
+        assert "tp_sequence_parallel: this rank's sequence has 15 tokens" in got["refusal"], got["refusal"]
         assert [2 * b for b in got["norm_bytes"]] == [2 * (2 * SEQ * 64 * 4)] * 5  # 16 tokens, 8 per TP rank
 
 
