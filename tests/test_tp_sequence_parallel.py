@@ -176,6 +176,45 @@ def _fsdp2(manager) -> float:  # noqa: ANN001
     return loss.item()
 
 
+def _tiled_direct(manager) -> int:  # noqa: ANN001
+    """``tiled_lm_loss`` with the head split on the vocabulary (uneven: 27 + 26 rows) and the hidden states
+    replicated over TP or split on the sequence (gathered chunk by chunk: 4 chunks here), against
+    ``F.cross_entropy`` on the whole tensors (float64): the loss sum, the hidden states' and the head's gradients."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from seqpar.memory.tiling import tiled_lm_loss
+
+    mesh = manager.dp_sp_tp_mesh["tp"]
+    tp, t = mesh.size(), mesh.get_local_rank()
+    g = torch.Generator().manual_seed(3)  # the same tensors on every rank
+    hidden = torch.randn(2, 8, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(VOCAB, 16, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, VOCAB, (2, 8), generator=g)
+    targets[1, 2] = -100
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_ref = F.cross_entropy((h_ref @ w_ref.t()).reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+    loss_ref.backward()
+    for split in (False, True):
+        w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
+        if split:
+            leaf = hidden[:, t * 8 // tp:(t + 1) * 8 // tp].clone().requires_grad_()
+            h_in, want_h = DTensor.from_local(leaf, mesh, [Shard(1)]), h_ref.grad[:, t * 8 // tp:(t + 1) * 8 // tp]
+        else:
+            leaf = hidden.clone().requires_grad_()
+            h_in, want_h = leaf, h_ref.grad
+        loss, count = tiled_lm_loss(h_in, w, targets, chunk_rows=4)
+        loss.backward()
+        what = f"tiled_lm_loss vocab-split, hidden {'sequence-split' if split else 'replicated'}"
+        # the tiled loss computes its logits in fp32 (as transformers' loss upcasts): fp32 tolerances
+        torch.testing.assert_close(loss, loss_ref.detach().float(), rtol=1e-5, atol=0,
+                                   msg=lambda m, what=what: f"{what}: {m}")
+        assert count.item() == 15
+        for got, want, name in ((leaf.grad, want_h, "dhidden"), (w.grad.full_tensor(), w_ref.grad, "dweight")):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m, what=what, name=name: f"{what}: {name} {m}")
+    return tp
+
+
 def _tp_memory_module():  # noqa: ANN202
     """``launch/tp_memory.py`` (a script) as a module."""
     import importlib.util
@@ -204,6 +243,7 @@ def _all(rank: int, world: int) -> dict:
         out["llama", "vocab"] = _run(manager, "llama", sequence_parallel=False, vocab_parallel=True)
         out["llama", "tiled"] = _run(manager, "llama", sequence_parallel=True, vocab_parallel=True, tiled=True)
         out["fsdp2"] = _fsdp2(manager)
+        out["tiled_direct"] = _tiled_direct(manager)
         # what one decoder layer saves for backward (launch/tp_memory.py's measurement, 16 tokens per SP rank)
         tp_memory = _tp_memory_module()
         out["saved"] = {on: tp_memory.measure(manager, tp_sequence_parallel=on, tokens=16, dtype=torch.float32)
@@ -235,6 +275,13 @@ def test_fsdp2_tp_sequence_parallel_gradients(per_rank) -> None:
     """``fsdp.wrap`` with ``tp_sequence_parallel``: loss and every FSDP2-reduced gradient equal one process
     (asserted on every rank); the same loss everywhere."""
     assert len({round(got["fsdp2"], 6) for got in per_rank}) == 1
+
+
+def test_tiled_loss_vocab_split_chunks(per_rank) -> None:
+    """``tiled_lm_loss`` with a vocab-split head, hidden states replicated or sequence-split over TP (the latter
+    all-gathered one chunk at a time, its gradient reduce-scattered): loss and gradients equal one process
+    (asserted on every rank)."""
+    assert [got["tiled_direct"] for got in per_rank] == [2] * 4
 
 
 def test_layer_saved_bytes_model_matches_measurement(per_rank) -> None:
