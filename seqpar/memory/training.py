@@ -251,10 +251,11 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
 
 def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: str, tiled_mlp: int | str | bool,
                       recompute_norm: bool, activation_checkpointing: bool, offload_activations: bool,
-                      device: str, tp_seq: int = 1) -> _ActivationBytes:
+                      device: str, tp_seq: int = 1, head_gathers: bool = True) -> _ActivationBytes:
     """What the decoder layers save for backward over ``rows`` local tokens (all layers, or their
     checkpointed inputs plus one layer recomputed), and the tiled MLP's one-chunk transient. ``tp_seq``:
-    TP sequence parallelism's degree: the residual stream (layer inputs, norms) holds ``rows / tp_seq``."""
+    TP sequence parallelism's degree: the residual stream (layer inputs, norms) holds ``rows / tp_seq``;
+    ``head_gathers``: the LM head saves the final norm's output all-gathered (untiled), else only the local one."""
     h, n_layers = m.hidden_size, m.num_hidden_layers
     low = e < 4
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
@@ -273,7 +274,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         activations = activations_at_loss = n_layers * per_layer
     # the final norm's saved tensors (its output is the head's input) live until the loss's backward
     # has gone through the norm; the last layer's backward then holds the gradient coming down
-    activations_at_loss += _norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows
+    final_norm = _norm_saved_bytes(h, e, recompute_norm, False, tp_seq)
+    if tp_seq > 1 and not head_gathers:  # the tiled loss gathers chunk by chunk: the output stays local
+        final_norm += h * e // tp_seq - h * e
+    activations_at_loss += final_norm * rows
     activations += rows * h * e // tp_seq
     mlp_transient = 0
     if tiled_mlp is not False:
@@ -301,17 +305,19 @@ def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq
     return max(0, attn - qkvo)
 
 
-def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, gathered_hidden: bool = False) -> int:
+def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp_seq: int = 1) -> int:
     """The LM head's logits and the loss's buffers over ``rows`` local tokens (one chunk's when tiled).
-    ``m``'s vocabulary is a rank's slice under the vocab-parallel loss; ``gathered_hidden``: the head's
-    input is all-gathered along the sequence (TP sequence parallelism) and the tiled loss saves that copy."""
+    ``m``'s vocabulary is a rank's slice under the vocab-parallel loss; ``tp_seq``: TP sequence parallelism's
+    degree, under which the tiled loss holds this rank's ``rows / tp_seq`` hidden rows and all-gathers one
+    chunk of every rank's at a time."""
     h, v = m.hidden_size, m.vocab_size
     if tiled_loss:
         from seqpar.memory.tiling import loss_chunk_rows
 
-        chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
-        # + fp32 dW accumulator, dhidden (and the gathered hidden states it saved)
-        return 2 * chunk + v * h * 4 + rows * h * e * (2 if gathered_hidden else 1)
+        chunk_rows = loss_chunk_rows(rows, h, v)
+        chunk = chunk_rows * v * 4  # one chunk's fp32 logits / dlogits
+        # + fp32 dW accumulator, dhidden (and, under TP-SP, the gathered chunk of hidden rows)
+        return 2 * chunk + v * h * 4 + rows * h * e // tp_seq + (chunk_rows * h * e if tp_seq > 1 else 0)
     # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
     return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
 
@@ -434,11 +440,11 @@ def estimate_training_memory(
     state = _state_bytes(m, e, world=world, engine=engine, sharded=sharded, offload_optimizer=offload_optimizer)
     acts = _activation_bytes(m, e, rows=rows, sp_size=sp_size, mode=mode, tiled_mlp=tiled_mlp,
                              recompute_norm=recompute_norm, activation_checkpointing=activation_checkpointing,
-                             offload_activations=offload_activations, device=device, tp_seq=tp_seq)
+                             offload_activations=offload_activations, device=device, tp_seq=tp_seq,
+                             head_gathers=not tiled_loss)
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
                                            batch=batch, head_chunks=head_chunks)
-    logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss,
-                                gathered_hidden=tp_seq > 1)
+    logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss, tp_seq=tp_seq)
     comm = _communication_bytes(e, engine=engine, reduce_bucket_size=reduce_bucket_size)
     zero12_reduce = _zero12_reduce_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
                                          offload_optimizer=offload_optimizer)
