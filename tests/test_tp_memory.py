@@ -3,6 +3,8 @@ tp_sequence_parallel=...)``), no process group: a rank's shape, what TP divides 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from seqpar.memory.training import ModelShape, estimate_training_memory, layer_saved_bytes
@@ -45,3 +47,24 @@ def test_layer_saved_bytes_with_tp() -> None:
     h, e = 8192, 2
     # the norms' fp32 upcast and normalised copy split 8 ways (the projection's gathered input stays whole)
     assert tp8 - tpsp8 == 2 * ((h * 4 + h * e + 4) - (h * 4 + h * e + 4) // 8)
+
+
+def test_layouts_cli(capsys: pytest.CaptureFixture) -> None:
+    """``python -m seqpar.bench memory --model llama3-70b --layouts tp8,sp8,tp2xsp4`` (the BENCHMARKS table):
+    one row per layout, TP layouts with and without tp_sequence_parallel; TP-SP reaches further than TP alone."""
+    from seqpar.bench import model_memory
+    from seqpar.bench.__main__ import main
+
+    assert model_memory.parse_layouts("tp8,sp8,tp2xsp4") == [(8, 1), (1, 8), (2, 4)]
+    assert main(["memory", "--model", "llama3-70b", "--gpus", "8", "--gpu-mem", "80", "--layouts",
+                 "tp8,sp8,tp2xsp4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    cells = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line.startswith("8 ")]
+    seq = {c[1]: c[2] for c in cells}  # configuration -> longest sequence, e.g. "1.11M" or "545K"
+    assert set(seq) == {"TP 8", "TP 8, tp_sequence_parallel", "SP 8", "TP 2 x SP 4", "TP 2 x SP 4, tp_sequence_parallel"}
+
+    def tokens(name: str) -> float:
+        return float(seq[name][:-1]) * (2**20 if seq[name].endswith("M") else 1024)
+
+    assert tokens("TP 8, tp_sequence_parallel") > tokens("TP 8")
+    assert tokens("TP 2 x SP 4, tp_sequence_parallel") > tokens("TP 2 x SP 4")
