@@ -34,6 +34,7 @@ Sequence parallelism composes with it unchanged: the attention inputs a TP rank 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -158,6 +159,7 @@ def apply_tensor_parallel(
     return expanded
 
 
+@dataclass(frozen=True)
 class SequenceParallelLayout:
     """Where the residual stream of a decoder-only model lives, for TP sequence parallelism: module names.
 
@@ -172,10 +174,11 @@ class SequenceParallelLayout:
         rowwise: the row-parallel projections inside the decoder layers: their output is reduce-scattered.
     """
 
-    def __init__(self, embedding: list[str], norms: list[str], final_norm: str, regions: list[str],
-                 rowwise: list[str]) -> None:
-        self.embedding, self.norms, self.final_norm = embedding, norms, final_norm
-        self.regions, self.rowwise = regions, rowwise
+    embedding: list[str]
+    norms: list[str]
+    final_norm: str
+    regions: list[str]
+    rowwise: list[str]
 
 
 def _is_norm(module: nn.Module) -> bool:

@@ -105,11 +105,12 @@ def _check_grads(model, ref, manager, what: str) -> None:  # noqa: ANN001
 
 
 def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, tiled: bool = False,  # noqa: ANN001
-         model_loss: bool = False, config: dict = CONFIG) -> dict:
+         model_loss: bool = False, config: dict = CONFIG, backward: bool = True) -> dict:
     """One forward/backward at the manager's TP x SP against one process; asserts the loss and every gradient
     and returns the norm bytes per call, the largest full-vocabulary tensor and the local logits' shape. The
     loss: ``sequence_parallel_loss`` of the logits, or the model's own (``model_loss``: the swap's
-    ``loss_function``, from ``labels=`` unshifted at SP 1, ``shift_labels=`` otherwise; or the tiled loss)."""
+    ``loss_function``, from ``labels=`` unshifted at SP 1, ``shift_labels=`` otherwise; or the tiled loss).
+    ``backward=False``: the loss only (the plain-TP baselines, whose gradients tests/test_tp_train.py checks)."""
     from seqpar.integrations.tp import apply_tensor_parallel
     from seqpar.sequence.batch import shard_batch
     from seqpar.sequence.loss import sequence_parallel_loss
@@ -122,7 +123,7 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
     swap_attention(model, {**config, "tiled_loss": tiled}, group=manager.sp_group)
     apply_tensor_parallel(model, manager, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     batch = _batch(1)
-    loss_ref = _reference(ref, batch)
+    loss_ref = _reference(ref, batch) if backward else None
 
     local = shard_batch(batch, group=manager.sp_group, sharding="zigzag")
     counts, handles = _norm_bytes(model)
@@ -136,9 +137,12 @@ def _run(manager, kind: str, *, sequence_parallel: bool, vocab_parallel: bool, t
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
             logits_shape = tuple(logits.to_local().shape if vocab_parallel else logits.shape)
             loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
-        loss.backward()
+        if backward:
+            loss.backward()
     for h in handles:
         h.remove()
+    if not backward:
+        return {"norm_bytes": counts, "largest_vocab_tensor": mode.largest, "logits_shape": logits_shape}
     torch.testing.assert_close(loss.detach(), loss_ref, rtol=1e-5, atol=0, msg=lambda m: f"{what}: loss: {m}")
     _check_grads(model, ref, manager, what)
     refusal = None
@@ -236,7 +240,7 @@ def _all(rank: int, world: int) -> dict:
     try:
         out = {}
         for kind in ("llama", "qwen3"):
-            out[kind, "off"] = _run(manager, kind, sequence_parallel=False, vocab_parallel=False)
+            out[kind, "off"] = _run(manager, kind, sequence_parallel=False, vocab_parallel=False, backward=False)
             # Qwen3 through the model's own loss (the swap's loss_function takes the vocab-split logits)
             out[kind, "on"] = _run(manager, kind, sequence_parallel=True, vocab_parallel=True,
                                    model_loss=kind == "qwen3")
