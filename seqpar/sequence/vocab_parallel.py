@@ -18,8 +18,11 @@ gradient on each rank, which the TP region's entry sums (see
 :func:`seqpar.sequence.vocab_parallel.enter_tp_region`).
 
 torch's ``loss_parallel()`` computes the same forward for DTensor logits, but its backward must also
-run inside the context manager (the user's ``loss.backward()``), and it cannot enter a custom
-autograd Function such as the tiled loss (:mod:`seqpar.memory.tiling`); this module is used for both.
+run inside the context manager: checked here (torch 2.13, gloo, 2 ranks), a ``loss.backward()`` outside it
+raises "aten.nll_loss_backward.default got mixed torch.Tensor and DTensor", and the loss seqpar computes
+inside the model (the swap's ``loss_function``) is differentiated by the user's loop, outside any context.
+Nor can it enter a custom autograd Function such as the tiled loss (:mod:`seqpar.memory.tiling`). This
+module serves both.
 
 The slices follow torch's ``Shard`` layout (``torch.chunk``: ``ceil(vocab / tp)`` per rank, the last
 ones shorter), the layout of a DTensor sharded on the vocabulary dim.
