@@ -175,17 +175,19 @@ def wrap(
     sp_config = SeqParConfig.load(config)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
     manager = resolve_manager(sp_config, manager)
-    if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
-        if opts.version != 2:
-            raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
-                             f"set fsdp.version = 2 (got {opts.version})")
-        from seqpar.integrations.tp import apply_tensor_parallel
-
-        apply_tensor_parallel(model, manager)
+    if manager.tp_size > 1 and opts.version != 2:
+        raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
+                         f"set fsdp.version = 2 (got {opts.version})")
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 
+        # before TP: the swap's position-mixing probe runs the whole model on 13 tokens, which TP sequence
+        # parallelism could not split over the TP group
         swap_attention(model, sp_config, group=manager.sp_group)  # logs what it swapped
+    if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
+        from seqpar.integrations.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model, manager, sequence_parallel=sp_config.tp_sequence_parallel)
     if sp_config.apex:
         from seqpar.integrations.apex import apply_fused_norms
 

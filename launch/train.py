@@ -241,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
     p.add_argument("--tp-size", type=int, help="override sequence_parallel.tp_size (world = dp x sp x tp)")
+    p.add_argument("--tp-sequence-parallel", action="store_true", default=None,
+                   help="override sequence_parallel.tp_sequence_parallel (Megatron-style: norms and residuals "
+                        "split along the sequence over the TP group)")
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
@@ -443,10 +446,12 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("offload_activations", args.offload_activations),
                                   ("recompute_norm", args.recompute_norm),
                                   ("ulysses_size", args.ulysses_size),
-                                  ("tp_size", args.tp_size)) if v is not None}
+                                  ("tp_size", args.tp_size),
+                                  ("tp_sequence_parallel", args.tp_sequence_parallel)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
+    _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
     _check_model(model, train)
     if raw.get("fsdp"):
@@ -573,6 +578,17 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
         f"parallelism yet (missing: {missing}); use tp_size 1 (--tp-size 1) and put the ranks on "
         "sequence_parallel.size"
     )
+
+
+def _check_tp_sequence_parallel(sp: Any, engine: str) -> None:
+    """``tp_sequence_parallel`` is applied with the model's tp plan by seqpar.integrations.fsdp.wrap (FSDP2);
+    DeepSpeed's AutoTP shards the model its own way and does not split the residual stream."""
+    from seqpar.config import ConfigError
+
+    if sp.tp_sequence_parallel and engine != "fsdp":
+        raise ConfigError(f"sequence_parallel.tp_sequence_parallel runs on the FSDP engine (FSDP2 with the model's "
+                          f"tp plan); the {engine} engine does not split activations over TP: set it false "
+                          "(--tp-size alone), or use --engine fsdp")
 
 
 def validate_model(plan: Plan) -> None:
@@ -848,6 +864,8 @@ def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -
         idx = first + i * manager.dp_size + manager.dp_rank
         b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
         logits = engine.forward(b)
+        if hasattr(logits, "full_tensor"):  # tp_sequence_parallel: split on the vocabulary (DTensor); whole here
+            logits = logits.full_tensor()
         labels = b["shift_labels"]
         mask = labels != IGNORE
         pred = logits.argmax(-1)
