@@ -241,6 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
     p.add_argument("--tp-size", type=int, help="override sequence_parallel.tp_size (world = dp x sp x tp)")
+    p.add_argument("--tp-sequence-parallel", action="store_true", default=None,
+                   help="override sequence_parallel.tp_sequence_parallel (Megatron-style: norms and residuals "
+                        "split along the sequence over the TP group)")
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
@@ -443,12 +446,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("offload_activations", args.offload_activations),
                                   ("recompute_norm", args.recompute_norm),
                                   ("ulysses_size", args.ulysses_size),
-                                  ("tp_size", args.tp_size)) if v is not None}
+                                  ("tp_size", args.tp_size),
+                                  ("tp_sequence_parallel", args.tp_sequence_parallel)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
     if args.tp_size is not None and isinstance(raw.get("tensor_parallel"), dict) and "autotp_size" in raw["tensor_parallel"]:
         raw["tensor_parallel"] = {**raw["tensor_parallel"], "autotp_size": args.tp_size}  # the flag wins here too
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
+    _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
     _check_model(model, train)
     if raw.get("fsdp"):
@@ -565,6 +570,17 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
         if version != 2:
             raise ConfigError(f"sequence_parallel.tp_size = {sp.tp_size} needs FSDP2 (DTensor parameters): set "
                               f"fsdp.version = 2 (got {version!r}), or tp_size 1")
+
+
+def _check_tp_sequence_parallel(sp: Any, engine: str) -> None:
+    """``tp_sequence_parallel`` is applied with the model's tp plan by seqpar.integrations.fsdp.wrap (FSDP2);
+    DeepSpeed's AutoTP shards the model its own way and does not split the residual stream."""
+    from seqpar.config import ConfigError
+
+    if sp.tp_sequence_parallel and engine != "fsdp":
+        raise ConfigError(f"sequence_parallel.tp_sequence_parallel runs on the FSDP engine (FSDP2 with the model's "
+                          f"tp plan); the {engine} engine does not split activations over TP: set it false "
+                          "(--tp-size alone), or use --engine fsdp")
 
 
 def validate_model(plan: Plan) -> None:
@@ -759,27 +775,18 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
-        tag = f"step{step}"
-        fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
-                             extra={"step": step})
-        dist.barrier()
-        if self.manager.rank == 0:
-            checkpoint.commit(save_dir, tag)
-        dist.barrier()
+        # DCP, written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
+        checkpoint.save_dcp(save_dir, step, self.model, self.optimizer)
 
     def load(self, save_dir: str) -> int:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        tag = checkpoint.latest_complete(save_dir)
-        if tag is None:
+        if checkpoint.latest_complete(save_dir) is None:
             raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
-        extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
-        return int(extra["step"])
+        # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
+        return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])
 
 
 # ============================================================================ loop helpers
@@ -849,6 +856,8 @@ def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -
         idx = first + i * manager.dp_size + manager.dp_rank
         b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
         logits = engine.forward(b)
+        if hasattr(logits, "full_tensor"):  # tp_sequence_parallel: split on the vocabulary (DTensor); whole here
+            logits = logits.full_tensor()
         labels = b["shift_labels"]
         mask = labels != IGNORE
         pred = logits.argmax(-1)

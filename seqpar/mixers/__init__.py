@@ -26,13 +26,19 @@ Design facts every family builds on:
   as if each document ran alone: a halo reaching before a document start is masked away, and a
   prefix is reset there.
 
+Each family module defines its :class:`seqpar.mixers.family.MixerFamily` (how to recognise its layers and
+build their sequence-parallel form); :data:`seqpar.mixers.registry.FAMILIES` lists the families the swap
+puts in place. Linear recurrences share :func:`seqpar.mixers.state_passing.chunk_initial_states`.
+
 Families handled: short causal convolutions (:mod:`seqpar.mixers.conv`, LFM2 / LFM2-MoE / LFM3
 ``*ShortConv`` layers via :mod:`seqpar.mixers.short_conv`). Every other family is refused by name.
 """
 
 from seqpar.mixers.conv import causal_conv_shard, conv_layout
+from seqpar.mixers.family import MixerFamily
 from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
 from seqpar.mixers.short_conv import SeqParShortConv, find_short_convs, is_short_conv
+from seqpar.mixers.state_passing import chunk_initial_states
 
 __all__ = [
     "causal_conv_shard",
@@ -43,4 +49,6 @@ __all__ = [
     "SeqParShortConv",
     "is_short_conv",
     "find_short_convs",
+    "MixerFamily",
+    "chunk_initial_states",
 ]

@@ -27,8 +27,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.family import MixerFamily
 
-__all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs"]
+__all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
 
 SHORT_CONV_CLASSES = frozenset({"Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"})
 """transformers classes whose forward :class:`SeqParShortConv` reproduces (read in transformers 5.2x:
@@ -95,3 +96,16 @@ class SeqParShortConv(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.original_class}, kernel_size={self.conv_kernel_size}, sharding={self.sharding!r}"
+
+
+def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+           position_wise: Callable[[], bool]) -> SeqParShortConv:
+    return SeqParShortConv(original, group=group, sharding=sharding, position_wise=position_wise)
+
+
+FAMILY = MixerFamily(
+    name="short_conv",
+    matches=lambda module: isinstance(module, SeqParShortConv) or is_short_conv(module),
+    build=_build,
+)
+"""The LFM2 family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.mixers.short_conv import SeqParShortConv, is_short_conv
+from seqpar.mixers.registry import family_of
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
 from seqpar.swap.options import SwapError, SwapOptions
@@ -223,14 +223,13 @@ def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
     """Replace every handled mixer (:mod:`seqpar.mixers`) by its sequence-parallel form (one swapped
     before gets the new options); returns ``(name, module before)`` of each, for the report and for
     :func:`_restore_mixers`."""
-    found = [(name, module) for name, module in model.named_modules()
-             if (is_short_conv(module) or isinstance(module, SeqParShortConv))
-             and (patterns is None or _matches(name, module, patterns))]
+    found = [(name, module, family) for name, module in model.named_modules()
+             if (family := family_of(module)) is not None and (patterns is None or _matches(name, module, patterns))]
     swapped: list[tuple[str, nn.Module]] = []
-    for name, module in found:
+    for name, module, family in found:
         parent, attr = _parent_and_attr(model, name)
-        setattr(parent, attr, SeqParShortConv(module, group=options.group, sharding=options.sharding,
-                                              position_wise=is_probing))
+        setattr(parent, attr, family.build(module, group=options.group, sharding=options.sharding,
+                                           position_wise=is_probing))
         swapped.append((name, module))
     return swapped
 
