@@ -313,6 +313,12 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "parallelism; pipeline parallelism is not supported)"
         )
     check_autotp(ds_config, sp_config)
+    if sp_config.tp_sequence_parallel:
+        raise ConfigError(
+            "sequence_parallel.tp_sequence_parallel splits activations over TP with the model's tp plan under "
+            "FSDP2 (seqpar.integrations.fsdp.wrap); DeepSpeed's AutoTP shards the weights its own way and keeps "
+            "whole activations on every TP rank: set tp_sequence_parallel false, or train with FSDP2"
+        )
     for key in ("sequence_parallel_size", "data_parallel_size"):
         if key in ds_config:
             raise ConfigError(

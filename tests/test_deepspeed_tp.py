@@ -167,8 +167,8 @@ def test_tp_not_innermost_refused_on_every_rank(dist_pool) -> None:
 
 
 def test_autotp_size_must_equal_tp_size() -> None:
-    """Both set and different: refused before any process group, naming the fix (config-only, so every rank
-    raises the same)."""
+    """Both set and different, or Megatron-style TP sequence parallelism (FSDP2 only): refused before any
+    process group, naming the fix (config-only, so every rank raises the same)."""
     from seqpar.config import ConfigError
     from seqpar.integrations.deepspeed import initialize
 
@@ -178,6 +178,8 @@ def test_autotp_size_must_equal_tp_size() -> None:
         initialize(model=model, config={**ds_tp_config(1), "tensor_parallel": {"autotp_size": 4}})
     with pytest.raises(ConfigError, match=r"tp_size = 1 is invalid: .*autotp_size is 2"):  # seqpar_config= wins
         initialize(model=model, config=ds_tp_config(1), seqpar_config={"size": 2})
+    with pytest.raises(ConfigError, match=r"tp_sequence_parallel .*set tp_sequence_parallel false, or train with FSDP2"):
+        initialize(model=model, config={**ds_tp_config(1), "sequence_parallel": {**SP, "tp_sequence_parallel": True}})
     assert not dist.is_initialized()
 
 
