@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -710,6 +711,8 @@ class _DeepSpeedEngine(_Engine):
 
         self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
         self.manager = self.model.seqpar_manager
+        # DeepSpeed's own key: resume from the universal form, which loads at any TP / SP / DP layout
+        self.load_universal = bool((plan.engine_config.get("checkpoint") or {}).get("load_universal"))
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.model.backward(loss)
@@ -733,10 +736,32 @@ class _DeepSpeedEngine(_Engine):
         tag = checkpoint.latest_complete(save_dir)
         if tag is None:
             raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        if self.load_universal:
+            tag = self._universal(save_dir, tag)
         path, client = self.model.load_checkpoint(save_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
         return int(client["step"])
+
+    def _universal(self, save_dir: str, tag: str) -> str:
+        """``universal/<tag>`` under ``save_dir``: ``tag`` converted to DeepSpeed's universal checkpoint once,
+        on rank 0 (seqpar.integrations.deepspeed.to_universal); a failed conversion raises on every rank."""
+        from seqpar.integrations.deepspeed import to_universal
+
+        out = os.path.join("universal", tag)
+        failure: list[str | None] = [None]
+        if self.manager.rank == 0 and not os.path.isdir(os.path.join(save_dir, out)):
+            try:
+                shutil.rmtree(os.path.join(save_dir, out + ".tmp"), ignore_errors=True)  # a killed conversion
+                to_universal(save_dir, tag, output_tag=out + ".tmp")
+                os.replace(os.path.join(save_dir, out + ".tmp"), os.path.join(save_dir, out))
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                failure[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise RuntimeError(f"--resume with checkpoint.load_universal: converting {tag} in {save_dir} to a "
+                               f"universal checkpoint failed on rank 0 ({failure[0]})")
+        return out
 
 
 class _FSDPEngine(_Engine):

@@ -249,3 +249,26 @@ def test_universal_checkpoint_across_tp(dist_pool, tmp_path, stage: int, saved: 
     for losses in got:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
     assert want[0] != want[1]
+
+
+def test_launcher_resumes_at_another_tp_layout(dist_pool, tmp_path) -> None:
+    """``launch/train.py``: 2 steps at TP2 x SP2 (4 ranks), saved; ``--resume`` at SP2 (``--tp-size 1``, 2 ranks)
+    with ``"checkpoint": {"load_universal": true}`` converts the checkpoint to DeepSpeed's universal form and
+    step 3 equals the uninterrupted SP1 x TP1 run."""
+    import json
+    from pathlib import Path
+
+    from test_train import _close, _config, _losses
+
+    raw = json.loads(Path(_config("deepspeed_tp.json")).read_text())
+    config = tmp_path / "tp_universal.json"
+    config.write_text(json.dumps({**raw, "checkpoint": {"load_universal": True}}))
+    short = ["--seq-len", "256", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, ["--config", _config("deepspeed_tp.json"), *short, "--steps", "3", "--sp-size", "1",
+                                 "--tp-size", "1"])
+    argv = ["--config", str(config), *short, "--save-dir", str(tmp_path / "ckpt")]
+    head = _losses(dist_pool, 4, [*argv, "--steps", "2"], timeout=300)
+    tail = _losses(dist_pool, 2, [*argv, "--steps", "3", "--resume", "--tp-size", "1"], timeout=300)
+    assert (len(head), len(tail)) == (2, 1), (head, tail)
+    assert (tmp_path / "ckpt" / "universal" / "step2").is_dir()
+    _close(head + tail, ref)
