@@ -2,7 +2,7 @@
 
 A tiny Llama (8 query heads, 4 K/V heads, fp32) goes through ``seqpar.integrations.deepspeed.initialize``
 with ``"tensor_parallel": {"autotp_size": 2}`` and ``"sequence_parallel": {"size": 2, "tp_size": 2}``,
-ZeRO-1, -2 and -3, and trains 3 SGD steps beside one process without seqpar on the same batches. After
+ZeRO-0, -1, -2 and -3, and trains 3 SGD steps beside one process without seqpar on the same batches. After
 DeepSpeed's reduction, every gradient (gathered over ZeRO by ``safe_get_full_grad`` and over TP by
 concatenating the ranks' AutoTP shards) and every loss equals the single process's to 1e-5 relative,
 judged on the scale of that gradient. SGD, not Adam: Adam would hide a gradient scaled by sp.
@@ -112,7 +112,7 @@ def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
         set_default_manager(None)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_autotp2_sp2_matches_one_process(dist_pool, stage: int) -> None:
     """AutoTP 2 x SP2 (4 ranks), ZeRO-``stage``: the 3 SGD steps' losses and every reduced gradient equal one
     process's (asserted on every rank, inside the task)."""
