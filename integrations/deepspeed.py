@@ -26,10 +26,31 @@ is needed (``tests/test_engines.py`` checks this numerically for every ZeRO stag
 The data loader DeepSpeed builds from ``training_data`` samples over the DP axis only
 (``mpu.get_data_parallel_*``), so ranks of one SP group see the same samples; the returned loader
 cuts each batch with :func:`seqpar.sequence.batch.shard_batch`.
+
+Tensor parallelism (``sequence_parallel.tp_size`` > 1) is DeepSpeed's AutoTP
+(``"tensor_parallel": {"autotp_size": N}``, set from ``tp_size`` when the JSON leaves it out; the two
+must agree). Read from DeepSpeed 0.19.8's engine: with AutoTP it replaces the ``mpu`` by its own
+``deepspeed.utils.groups`` (``_configure_tensor_parallel_states``) and builds a ``(world / tp, tp)``
+mesh, TP on consecutive ranks, so it reports ``sequence_parallel_size = 1`` and reduces gradients
+over its DP group of ``dp x sp`` ranks. seqpar's cube keeps TP innermost too, so DeepSpeed's TP group
+is seqpar's and its DP group is seqpar's SP-DP group: each SP group is a subgroup of it (checked
+after ``deepspeed.initialize``, on every rank). What differs is the average: ZeRO 0-2 then divide the
+sum over ``dp x sp`` ranks by ``dp x sp / 1`` instead of ``dp`` (and ZeRO-3 always does, see
+:func:`_compensate_gradient_average`), so ``engine.backward`` scales the loss by ``sp``. AutoTP checks
+that the first batch is identical across each TP group: every TP rank of one SP rank gets the same
+sequence shard (the SP groups are cut from the cube's TP-rank slices). Under AutoTP DeepSpeed's own
+loader would sample over ``dp x sp`` ranks, so the loader is built here over the DP axis.
+
+Checkpoints: ``engine.save_checkpoint`` resumes at the same layout. To resume at another TP / SP / DP
+layout (e.g. saved at TP2 x SP2, resumed at SP2, and back), convert with :func:`to_universal` and load
+the converted tag with ``"checkpoint": {"load_universal": true}`` in the DeepSpeed JSON (DeepSpeed's
+universal checkpoint; it runs on CPU, checked in tests/test_deepspeed_tp.py for ZeRO-1 and ZeRO-3).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -39,11 +60,11 @@ from typing import Any
 
 import torch
 
-from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig
+from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig, check_autotp
 from seqpar.integrations.common import rank_prefix, resolve_manager
 from seqpar.runtime.groups import init_process_groups, single_process_env, timeout_of
 
-__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader"]
+__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader", "to_universal"]
 
 logger = logging.getLogger("seqpar")
 
@@ -190,7 +211,9 @@ def initialize(
     Raises:
         ConfigError: a bad ``sequence_parallel`` block, or ``mpu``/``mesh_param`` given as well
             (seqpar builds the groups itself).
-        ValueError: the world size is not divisible by the SP size.
+        ValueError: the world size is not ``dp x sp x tp``.
+        RuntimeError: DeepSpeed's AutoTP groups are not seqpar's TP and SP-DP groups (a manager whose
+            TP axis is not innermost).
         seqpar.swap.SwapError: nothing in the model could be swapped, or a feature cannot be honoured.
     """
     if model is None:
@@ -203,19 +226,28 @@ def initialize(
     )
     _check_compatible(ds_config, sp_config, mpu, mesh_param)
     ds_config.pop(BLOCK_KEY, None)  # DeepSpeed ignores unknown top-level keys; drop ours anyway
+    if sp_config.tp_size > 1:  # one TP degree: AutoTP's is seqpar's
+        ds_config.setdefault("tensor_parallel", {})["autotp_size"] = sp_config.tp_size
     deepspeed = _import_deepspeed()
 
     _init_distributed(deepspeed, sp_config, distributed_port, dist_init_required)
     manager = init_process_groups(config=sp_config) if manager is None else resolve_manager(sp_config, manager)
+    if manager.tp_size != sp_config.tp_size:
+        raise ConfigError(
+            f"the manager has tp_size {manager.tp_size} but sequence_parallel.tp_size is {sp_config.tp_size}; "
+            "build the manager from the same config (init_process_groups(config=...))"
+        )
     report = _prepare_model(model, sp_config, manager, swap=swap)
     if _zero_stage(ds_config) == 3:
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
+    # Under AutoTP DeepSpeed samples over its DP group (dp x sp ranks): the loader is built below
+    tp_loader = training_data is not None and manager.tp_size > 1
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         args=_args_without_config_path(args),
         model=model,
         optimizer=optimizer,
         model_parameters=model_parameters,
-        training_data=training_data,
+        training_data=None if tp_loader else training_data,
         lr_scheduler=lr_scheduler,
         mpu=manager,
         dist_init_required=dist_init_required,
@@ -224,8 +256,9 @@ def initialize(
         **({"distributed_port": distributed_port} if distributed_port is not None else {}),
     )
     _check_engine_groups(engine, manager)
-    if engine.zero_optimization_stage() == 3 and manager.sp_size > 1:
-        _fix_zero3_gradient_average(engine, manager.sp_size)
+    _compensate_gradient_average(engine, manager)
+    if tp_loader:
+        loader = _dp_axis_loader(engine, training_data, collate_fn, manager)
     if loader is not None:
         loader = ShardedDeepSpeedLoader(
             loader, group=manager.sp_group, sharding=sp_config.sharding, causal_lm=causal_lm,
@@ -241,13 +274,50 @@ def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:
     return (ds_config.get("zero_optimization") or {}).get("stage")
 
 
+def to_universal(checkpoint_dir: str | os.PathLike, tag: str, output_tag: str | None = None) -> str:
+    """Convert ``checkpoint_dir/tag`` (as ``engine.save_checkpoint`` wrote it) to DeepSpeed's universal
+    checkpoint format, which loads at any TP / SP / DP layout: AutoTP's shards are joined into whole
+    weights and ZeRO's partitions into whole optimizer states. It is DeepSpeed's own converter
+    (``deepspeed.checkpoint.ds_to_universal``) run in this process, with the universal-checkpoint
+    metadata a model without AutoTP lacks injected (``--inject_missing_state``).
+
+    Run it in one process once every rank has saved (rank 0 after a barrier, or offline); then start the
+    new layout with ``"checkpoint": {"load_universal": true}`` in its DeepSpeed JSON and call
+    ``engine.load_checkpoint(checkpoint_dir, tag=<the returned tag>)``.
+
+    Returns:
+        The universal checkpoint's tag, ``output_tag`` (default ``f"{tag}_universal"``), in ``checkpoint_dir``.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    output_tag = output_tag or f"{tag}_universal"
+    args = argparse.Namespace(
+        input_folder=os.path.join(checkpoint_dir, tag), output_folder=os.path.join(checkpoint_dir, output_tag),
+        num_extract_workers=1, num_merge_workers=1,  # in this process: no worker pool (ranks may be daemons)
+        keep_temp_folder=False, strict=True, inject_missing_state=True,
+    )
+    with contextlib.redirect_stdout(None):  # the converter prints its progress
+        ds_to_universal.main(args)
+    logger.info("%s seqpar: universal checkpoint %s written from %s in %s", rank_prefix(), output_tag, tag,
+                checkpoint_dir)
+    return output_tag
+
+
 def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu: Any,
                       mesh_param: Any) -> None:
     """Refuse what would make DeepSpeed build groups of its own or average gradients wrongly."""
     if mpu is not None or mesh_param is not None:
         raise ConfigError(
-            "seqpar builds the sequence/data-parallel groups itself and passes them to DeepSpeed as "
-            "mpu; do not pass mpu= or mesh_param= (tensor/pipeline parallelism is not supported)"
+            "seqpar builds the sequence/data/tensor-parallel groups itself and passes them to DeepSpeed "
+            "as mpu; do not pass mpu= or mesh_param= (set sequence_parallel.tp_size for tensor "
+            "parallelism; pipeline parallelism is not supported)"
+        )
+    check_autotp(ds_config, sp_config)
+    if sp_config.tp_sequence_parallel:
+        raise ConfigError(
+            "sequence_parallel.tp_sequence_parallel splits activations over TP with the model's tp plan under "
+            "FSDP2 (seqpar.integrations.fsdp.wrap); DeepSpeed's AutoTP shards the weights its own way and keeps "
+            "whole activations on every TP rank: set tp_sequence_parallel false, or train with FSDP2"
         )
     for key in ("sequence_parallel_size", "data_parallel_size"):
         if key in ds_config:
@@ -315,47 +385,85 @@ def _record_on_engine(engine: Any, manager: Any, sp_config: SeqParConfig, report
     engine.seqpar_config = sp_config
     engine.seqpar_swap_report = report
     logger.info(
-        "%s seqpar: DeepSpeed engine over dp %d x sp %d (mode %s, sharding %s, ZeRO stage %d)",
-        rank_prefix(), manager.dp_size, manager.sp_size, sp_config.mode, manager.sharding or "contiguous",
+        "%s seqpar: DeepSpeed engine over dp %d x sp %d x tp %d (mode %s, sharding %s, ZeRO stage %d)",
+        rank_prefix(), manager.dp_size, manager.sp_size, manager.tp_size, sp_config.mode, manager.sharding or "contiguous",
         engine.zero_optimization_stage(),
     )
 
 
 def _check_engine_groups(engine: Any, manager: Any) -> None:
-    if engine.seq_dp_world_size != manager.world_size or (
-        engine.sequence_parallel_size != manager.sp_size
-    ):  # pragma: no cover - a DeepSpeed version that reads mpu differently
+    """DeepSpeed reduces gradients over seqpar's SP-DP group (and, under AutoTP, shards over seqpar's TP
+    group); raise on every rank otherwise."""
+    if manager.tp_size == 1:
+        if engine.seq_dp_world_size != manager.world_size or (
+            engine.sequence_parallel_size != manager.sp_size
+        ):  # pragma: no cover - a DeepSpeed version that reads mpu differently
+            raise RuntimeError(
+                f"DeepSpeed did not take seqpar's groups: engine reports seq_dp_world_size="
+                f"{engine.seq_dp_world_size}, sequence_parallel_size={engine.sequence_parallel_size}; "
+                f"expected {manager.world_size} and {manager.sp_size}. Check the DeepSpeed version"
+            )
+        return
+    _check_autotp_groups(engine, manager)
+
+
+def _check_autotp_groups(engine: Any, manager: Any) -> None:
+    """Under AutoTP DeepSpeed uses its own groups (``deepspeed.utils.groups``), not the mpu: its TP group
+    must be seqpar's and its DP group (where ZeRO partitions and reduces) seqpar's SP-DP group, so
+    that each SP group lies inside it. Decided on every rank together (one all-reduce), so a layout
+    that matches on some ranks only raises everywhere instead of hanging the others."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    ds_tp = dist.get_process_group_ranks(groups.get_tensor_model_parallel_group())
+    ds_dp = dist.get_process_group_ranks(engine.seq_data_parallel_group)
+    sp_dp = dist.get_process_group_ranks(manager.sp_dp_group)
+    mine = (sorted(ds_tp) == sorted(manager.tp_ranks) and sorted(ds_dp) == sorted(sp_dp)
+            and set(manager.sp_ranks) <= set(ds_dp) and engine.seq_dp_world_size == manager.dp_size * manager.sp_size)
+    from deepspeed.accelerator import get_accelerator
+
+    # on the device the world's backend reduces on (NCCL: the rank's GPU; gloo: the CPU)
+    ok = torch.tensor([int(mine)], dtype=torch.int64, device=get_accelerator().current_device_name())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
         raise RuntimeError(
-            f"DeepSpeed did not take seqpar's groups: engine reports seq_dp_world_size="
-            f"{engine.seq_dp_world_size}, sequence_parallel_size={engine.sequence_parallel_size}; "
-            f"expected {manager.world_size} and {manager.sp_size}. Check the DeepSpeed version"
+            f"DeepSpeed AutoTP's groups are not seqpar's (rank {manager.rank}: DeepSpeed TP group {sorted(ds_tp)} "
+            f"vs seqpar's {sorted(manager.tp_ranks)}, DeepSpeed DP group {sorted(ds_dp)} vs seqpar's SP-DP group "
+            f"{sorted(sp_dp)}). DeepSpeed puts TP on consecutive ranks: build the manager with TP innermost "
+            "(init_process_groups(config=...) does; a user mesh needs its 'tp' dim last), and do not create "
+            "DeepSpeed's TP groups before seqpar.integrations.deepspeed.initialize"
         )
 
 
 def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_config: dict[str, Any],
                                 manager: Any) -> None:
-    """Partition ZeRO-3 parameters over the sequence-data-parallel group (all ranks).
+    """Partition ZeRO-3 parameters over the sequence-data-parallel group (``dp x sp`` ranks).
 
     DeepSpeed 0.19 converts a model's parameters for ZeRO-3 over ``mpu.get_data_parallel_group()``
     (``parameter_offload._convert_to_zero_parameters``): with SP that is the DP group, so SP ranks
     would never sum their gradient shares (seen here: each rank stepped with its own local
     gradient). DeepSpeed's own Ulysses mpu has no ``get_data_parallel_group`` for this reason. We
     convert the parameters first, over the SP-DP group; DeepSpeed then keeps that partitioning.
+    Under AutoTP nothing is converted here: DeepSpeed's mpu is then its own groups, whose DP group is
+    the SP-DP group (checked after initialisation), and AutoTP shards the weights before ZeRO-3 does.
     """
     params = list(model.parameters())
     zero_params = [p for p in params if hasattr(p, "ds_id")]
+    replicas = manager.dp_size * manager.sp_size
     if zero_params:
         bad = [p for p in zero_params if p.ds_process_group is None
-               or deepspeed.comm.get_world_size(p.ds_process_group) != manager.world_size]
+               or deepspeed.comm.get_world_size(p.ds_process_group) != replicas]
         if bad:
             raise ConfigError(
-                "the model was built under deepspeed.zero.Init with a partition group smaller than the "
-                "world: with sequence parallelism ZeRO-3 must partition over all ranks. Build it with "
-                "deepspeed.zero.Init(data_parallel_group=manager.sp_dp_group, ...) where manager = "
-                "seqpar.init_process_groups(config=...)"
+                f"the model was built under deepspeed.zero.Init with a partition group of another size than "
+                f"dp x sp = {replicas}: with sequence parallelism ZeRO-3 must partition over the SP-DP group. "
+                "Build it with deepspeed.zero.Init(data_parallel_group=manager.sp_dp_group, ...) where "
+                "manager = seqpar.init_process_groups(config=...)"
             )
         if len(zero_params) == len(params):
             return
+    if manager.tp_size > 1:
+        return
     if ds_config.get("bf16", {}).get("enabled"):
         dtype = torch.bfloat16
     elif ds_config.get("fp16", {}).get("enabled"):
@@ -368,24 +476,58 @@ def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_confi
     )
 
 
-def _fix_zero3_gradient_average(engine: Any, sp_size: int) -> None:
-    """Make ZeRO-3's gradient average mean "over DP replicas", as ZeRO 0-2 do with an ``mpu``.
+def _compensate_gradient_average(engine: Any, manager: Any) -> None:
+    """Make DeepSpeed's gradient average mean "over DP replicas" of the full-sequence gradient.
 
-    DeepSpeed 0.19's ZeRO-3 reduce-scatter path (``stage3.__avg_scatter_grads`` via
-    ``reduce_scatter_coalesced``, the default ``reduce_scatter: true``) divides the sum over the
-    sequence-data-parallel group by its full size ``dp x sp``, ignoring ``sequence_parallel_size``,
-    while ZeRO 0-2 and ZeRO-3's all-reduce path divide by ``dp``. With seqpar's loss (each SP rank's
-    backward is a share of the full-sequence gradient) that leaves ZeRO-3 gradients ``sp`` times too
-    small. Multiplying the loss by ``sp`` inside ``engine.backward`` restores them; the loss the user
-    holds is unchanged. Checked numerically in tests/test_engines.py.
+    With seqpar's loss each SP rank's backward yields a share of the full-sequence gradient, so the
+    sum over the ``dp x sp`` replica ranks must be divided by ``dp``. DeepSpeed 0.19 divides by
+    (read from its sources):
+
+    - ZeRO 0-2 (``engine._reduce_non_expert_gradients``, ``stage_1_and_2.average_tensor``): the
+      reducing group's size over ``sequence_parallel_size``. With seqpar's mpu that is ``dp``; under
+      AutoTP the engine ignores the mpu and reports ``sequence_parallel_size = 1``: ``dp x sp``.
+    - ZeRO-3's reduce-scatter path (``stage3.__avg_scatter_grads`` via ``reduce_scatter_coalesced``,
+      the default ``reduce_scatter: true``): the group's full size ``dp x sp``, always.
+
+    The shortfall, ``divisor / dp`` (1 or ``sp``), is made up by scaling the loss inside
+    ``engine.backward`` (and ``engine.scale``, for a manual ``loss.backward()``); the loss the user
+    holds is unchanged. Checked numerically in tests/test_engines.py and tests/test_deepspeed_tp.py.
     """
-    backward = engine.backward
+    divisor = engine.seq_dp_world_size
+    if engine.zero_optimization_stage() != 3:
+        divisor //= engine.sequence_parallel_size
+    factor, rest = divmod(divisor, manager.dp_size)
+    if rest or factor not in (1, manager.sp_size):  # pragma: no cover - a DeepSpeed that averages otherwise
+        raise RuntimeError(
+            f"DeepSpeed averages gradients over {divisor} ranks (seq_dp_world_size {engine.seq_dp_world_size}, "
+            f"sequence_parallel_size {engine.sequence_parallel_size}); seqpar expects dp {manager.dp_size} or "
+            f"dp x sp {manager.dp_size * manager.sp_size}. Check the DeepSpeed version"
+        )
+    if factor == 1:
+        return
+    backward, scale = engine.backward, engine.scale
 
     def backward_sp_scaled(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return backward(loss * sp_size, *args, **kwargs)
+        return backward(loss * factor, *args, **kwargs)
 
-    engine.backward = backward_sp_scaled
+    def scale_sp_scaled(loss: torch.Tensor) -> torch.Tensor:
+        return scale(loss * factor)
+
+    engine.backward, engine.scale = backward_sp_scaled, scale_sp_scaled
     logger.info(
-        "%s seqpar: ZeRO-3 averages gradients over dp x sp ranks; engine.backward scales the loss by "
-        "sp=%d so gradients are the DP mean of the full-sequence gradient", rank_prefix(), sp_size,
+        "%s seqpar: DeepSpeed (ZeRO stage %d%s) averages gradients over dp x sp ranks; engine.backward "
+        "scales the loss by sp=%d so gradients are the DP mean of the full-sequence gradient",
+        rank_prefix(), engine.zero_optimization_stage(), ", AutoTP" if manager.tp_size > 1 else "", factor,
     )
+
+
+def _dp_axis_loader(engine: Any, training_data: Any, collate_fn: Any, manager: Any) -> Any:
+    """DeepSpeed's training loader sampling over seqpar's DP axis: under AutoTP the engine's own loader
+    would sample over its DP group (``dp x sp`` ranks), giving the ranks of one SP group different
+    samples. Every rank of one DP replica (its SP and TP ranks) gets the same samples."""
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(training_data, num_replicas=manager.dp_size, rank=manager.dp_rank)
+    loader = engine.deepspeed_io(training_data, collate_fn=collate_fn, data_sampler=sampler)
+    engine.training_dataloader = loader
+    return loader

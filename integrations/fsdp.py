@@ -31,6 +31,7 @@ from torch import nn
 
 from seqpar.config import SeqParConfig
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.runtime import checkpoint
 from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = [
@@ -174,17 +175,19 @@ def wrap(
     sp_config = SeqParConfig.load(config)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
     manager = resolve_manager(sp_config, manager)
-    if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
-        if opts.version != 2:
-            raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
-                             f"set fsdp.version = 2 (got {opts.version})")
-        from seqpar.integrations.tp import apply_tensor_parallel
-
-        apply_tensor_parallel(model, manager)
+    if manager.tp_size > 1 and opts.version != 2:
+        raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
+                         f"set fsdp.version = 2 (got {opts.version})")
     if swap and sp_config.swap != "none":
         from seqpar.swap import swap_attention
 
+        # before TP: the swap's position-mixing probe runs the whole model on 13 tokens, which TP sequence
+        # parallelism could not split over the TP group
         swap_attention(model, sp_config, group=manager.sp_group)  # logs what it swapped
+    if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
+        from seqpar.integrations.tp import apply_tensor_parallel
+
+        apply_tensor_parallel(model, manager, sequence_parallel=sp_config.tp_sequence_parallel)
     if sp_config.apex:
         from seqpar.integrations.apex import apply_fused_norms
 
@@ -289,22 +292,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
-    """Save model and optimizer with ``torch.distributed.checkpoint`` (each rank writes its shards).
+    """Save model and optimizer with ``torch.distributed.checkpoint`` (each rank writes its shards) into
+    the directory ``path``: :func:`seqpar.runtime.checkpoint.write_dcp` (and
+    :func:`seqpar.runtime.checkpoint.save_dcp` for the atomic ``step<N>`` protocol).
 
     Collective. ``extra`` (small, picklable, the same on every rank) is stored beside them.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    dcp.save(state, checkpoint_id=os.fspath(path))
-    if extra is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        torch.save(dict(extra), os.path.join(os.fspath(path), "seqpar_extra.pt"))
-    if dist.is_initialized():
-        dist.barrier()
+    checkpoint.write_dcp(path, model, optimizer, extra)
 
 
 def load_checkpoint(
@@ -314,22 +308,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load what :func:`save_checkpoint` wrote, in place; returns its ``extra`` dict (or ``{}``).
 
-    Collective. The world may differ from the one that saved (DCP reshards).
+    Collective. The layout may differ from the one that saved: world size, SP size, TP size (DCP
+    reshards; :func:`seqpar.runtime.checkpoint.read_dcp`).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, Any] = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    dcp.load(state, checkpoint_id=os.fspath(path))
-    set_state_dict(
-        model,
-        optimizer if optimizer is not None else [],
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optim", {}),
-    )
-    extra_path = os.path.join(os.fspath(path), "seqpar_extra.pt")
-    return torch.load(extra_path, weights_only=False) if os.path.exists(extra_path) else {}
-
+    return checkpoint.read_dcp(path, model, optimizer)

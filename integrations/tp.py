@@ -18,6 +18,14 @@ Torch 2.13 caches DTensor sharding plans keyed by meshes that compare equal when
 ranks, whatever their process groups: ``ProcessGroupManager.destroy`` drops those plans, so a later
 manager of the same layout in the same process is not handed the destroyed groups.
 
+With ``sequence_parallel=True`` (``sequence_parallel.tp_sequence_parallel``) the residual stream is split
+along the sequence over TP as well, Megatron-style (:func:`apply_tp_sequence_parallel`: torch's
+``SequenceParallel`` on the norms, torch's ``RowwiseParallel(output_layouts=Shard(1))`` on the embedding,
+transformers' own row-parallel style with ``Shard(1)`` outputs on o_proj / down_proj, an all-gather into each
+attention / MLP block), and the LM head's output stays split on the vocabulary (``vocab_parallel``): a
+DTensor ``Shard(-1)`` that :func:`seqpar.sequence.loss.sequence_parallel_loss` and the tiled loss reduce
+vocab-parallel (:mod:`seqpar.sequence.vocab_parallel`), so no rank holds ``(seq_local, vocab)`` logits.
+
 Layering: an integration (``seqpar.integrations.tp``); it imports the core, the core never imports it.
 Sequence parallelism composes with it unchanged: the attention inputs a TP rank sees are
 ``(batch, heads / tp, seq_local, head_dim)``, and seqpar's attention runs on them over the SP group.
@@ -26,14 +34,19 @@ Sequence parallelism composes with it unchanged: the attention inputs a TP rank 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, tp_heads_problem
+from seqpar.swap.state import is_probing
 
-__all__ = ["SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel", "clip_grad_norm"]
+__all__ = [
+    "SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel", "apply_tp_sequence_parallel",
+    "SequenceParallelLayout", "sequence_parallel_layout", "clip_grad_norm",
+]
 
 SUPPORTED_STYLES = (
     "colwise",  # weight Shard(0): output features split, input replicated
@@ -79,22 +92,32 @@ def expand_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 
 def apply_tensor_parallel(
     model: nn.Module, manager: ProcessGroupManager | None = None, *, plan: dict[str, str] | None = None,
+    sequence_parallel: bool = False, vocab_parallel: bool | None = None,
 ) -> dict[str, str]:
     """Shard ``model`` over the manager's TP group with transformers' own styles, in place; return the
     expanded plan applied (empty when ``tp_size`` is 1: nothing changes).
 
     Call it on every rank of the TP group with the same model (same seed: each rank keeps its slice of
-    the weights it already holds, so no weight is sent), before FSDP2 and the optimizer
-    (:func:`seqpar.integrations.fsdp.wrap` calls it when ``tp_size`` > 1). Sharded parameters become
+    the weights it already holds, so no weight is sent), after :func:`seqpar.swap.swap_attention` (whose
+    probe must see the model without TP sequence parallelism) and before FSDP2 and the optimizer
+    (:func:`seqpar.integrations.fsdp.wrap` does both when ``tp_size`` > 1). Sharded parameters become
     DTensors on ``manager.dp_sp_tp_mesh["tp"]``; replicated ones stay plain tensors.
 
     Args:
         model: a transformers ``PreTrainedModel`` (anything with ``tp_plan``, or pass ``plan``).
         manager: the groups (default: :func:`seqpar.runtime.groups.default_manager`).
         plan: overrides ``model.tp_plan`` (transformers' own: ``base_model_tp_plan`` plus the head).
+        sequence_parallel: Megatron-style TP sequence parallelism (``sequence_parallel.tp_sequence_parallel``),
+            see :func:`apply_tp_sequence_parallel`.
+        vocab_parallel: keep the LM head's output split on the vocabulary, a DTensor ``Shard(-1)`` of
+            ``(batch, seq_local, vocab / tp)`` local logits, which seqpar's losses reduce vocab-parallel
+            (:mod:`seqpar.sequence.vocab_parallel`) instead of gathering ``(seq_local, vocab)`` on every
+            rank. Default: on with ``sequence_parallel`` (Megatron's layout), off otherwise (the plan's
+            ``colwise_gather_output``: plain, full logits).
 
     Raises:
-        ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style.
+        ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style;
+            with ``sequence_parallel``, a model whose layout it does not know.
     """
     manager = manager if manager is not None else default_manager()
     if manager is None:
@@ -119,8 +142,196 @@ def apply_tensor_parallel(
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     # the "tp" dim of the (dp x sp, tp) mesh, so FSDP2 can shard the same DTensors over "dp_sp"
-    apply_tensor_parallelism(model, manager.dp_sp_tp_mesh["tp"], expanded)
+    mesh = manager.dp_sp_tp_mesh["tp"]
+    vocab_parallel = sequence_parallel if vocab_parallel is None else vocab_parallel
+    layout = sequence_parallel_layout(model, expanded) if sequence_parallel else None
+    # module entries whose forward takes other layouts (transformers' own classes with other placements);
+    # their parameters are sharded by the plan as usual
+    relaid = _relaid_styles(model, expanded, vocab_parallel=vocab_parallel, layout=layout)
+    skip = set(relaid) | (set(layout.embedding) if layout is not None else set())
+    apply_tensor_parallelism(model, mesh, {k: v for k, v in expanded.items() if k not in skip})
+    modules = dict(model.named_modules())
+    for name, style in relaid.items():
+        style.install_forward(modules[name], mesh)
+        modules[name]._is_hooked = True
+    if layout is not None:
+        apply_tp_sequence_parallel(model, mesh, layout)
     return expanded
+
+
+@dataclass(frozen=True)
+class SequenceParallelLayout:
+    """Where the residual stream of a decoder-only model lives, for TP sequence parallelism: module names.
+
+    Attributes:
+        embedding: the token embedding (``embedding_rowwise`` in the plan): its output is reduce-scattered
+            along the sequence instead of all-reduced.
+        norms: the norms on the residual stream (direct children of each decoder layer, and the final
+            norm): they run on ``seq_local / tp`` tokens.
+        final_norm: the last norm, whose output (a DTensor ``Shard(1)``) feeds the LM head or the tiled loss.
+        regions: the decoder layers' children holding column-parallel projections (attention, MLP): their
+            input is all-gathered along the sequence.
+        rowwise: the row-parallel projections inside the decoder layers: their output is reduce-scattered.
+    """
+
+    embedding: list[str]
+    norms: list[str]
+    final_norm: str
+    regions: list[str]
+    rowwise: list[str]
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def sequence_parallel_layout(model: nn.Module, expanded: dict[str, str]) -> SequenceParallelLayout:
+    """The residual stream's modules of a Llama-style decoder (embedding, ``layers.N`` blocks whose children
+    are norms, attention and MLP, a final norm), from the module tree and the expanded plan.
+
+    Raises:
+        ValueError: naming what is missing (the model then cannot run with ``tp_sequence_parallel``).
+    """
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+
+    modules = dict(model.named_modules())
+    layers = [n for n in modules if n and replace_layer_number_by_wildcard(n).endswith("layers.*")]
+    embedding = [n for n, style in expanded.items() if style == "embedding_rowwise"]
+    problems = []
+    if not layers:
+        problems.append("no decoder layers (modules named '...layers.<n>')")
+    if len([n for n in embedding if n in modules]) != 1:
+        problems.append(f"the plan splits {len(embedding)} embedding entries (embedding_rowwise), expected one "
+                        "module and its weight")
+    norms, regions, rowwise, final = [], [], [], None
+    for layer in layers:
+        for child_name, child in modules[layer].named_children():
+            name = f"{layer}.{child_name}"
+            if _is_norm(child):
+                norms.append(name)
+            elif any(expanded.get(n) == "colwise" for n in modules if n.startswith(f"{name}.")):
+                regions.append(name)
+        rowwise += [n for n, style in expanded.items() if style == "rowwise" and n in modules
+                    and n.startswith(f"{layer}.")]
+    if layers:
+        base = layers[0].rsplit(".", 2)[0]  # "model" of "model.layers.0"
+        finals = [f"{base}.{c}" for c, m in modules[base].named_children() if _is_norm(m)]
+        if len(finals) == 1:
+            final = finals[0]
+            norms.append(final)
+        else:
+            problems.append(f"{len(finals)} norms beside the decoder layers in '{base}', expected one final norm")
+        if not any(n.startswith(f"{layers[0]}.") for n in norms):
+            problems.append(f"no norm among the children of '{layers[0]}'")
+        if not regions or not rowwise:
+            problems.append(f"no column- and row-parallel projections under '{layers[0]}'")
+    if problems:
+        raise ValueError(
+            f"tp_sequence_parallel: cannot lay out {type(model).__name__}'s residual stream along the sequence: "
+            + "; ".join(problems) + ". Set sequence_parallel.tp_sequence_parallel to false (TP without it)"
+        )
+    assert final is not None
+    return SequenceParallelLayout(embedding, norms, final, regions, rowwise)
+
+
+def _relaid_styles(model: nn.Module, expanded: dict[str, str], *, vocab_parallel: bool,
+                   layout: SequenceParallelLayout | None) -> dict[str, Any]:
+    """Module name -> a transformers style object with other layouts than the plan's name gives."""
+    from torch.distributed.tensor import Replicate, Shard
+    from transformers.distributed.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    modules = dict(model.named_modules())
+    relaid: dict[str, Any] = {}
+    for name, style in expanded.items():
+        if name not in modules:
+            continue  # a parameter entry: sharded by the plan
+        if style == "colwise_gather_output" and vocab_parallel:
+            # the LM head: logits stay split on the vocabulary, as a DTensor (the loss reads its layout);
+            # a DTensor input (the final norm's Shard(1) under TP sequence parallelism) is all-gathered first
+            relaid[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(-1), use_local_output=False)
+        elif layout is not None and name in layout.rowwise:
+            # partial sums reduce-scattered along the sequence (not all-reduced): the residual stays split
+            relaid[name] = RowwiseParallel(input_layouts=Shard(-1), output_layouts=Shard(1))
+    return relaid
+
+
+def apply_tp_sequence_parallel(model: nn.Module, mesh: Any, layout: SequenceParallelLayout) -> None:
+    """Megatron-style sequence parallelism in the TP group (Korthikanti et al., 2022), with torch's styles.
+
+    Between the TP regions (the residual stream: embedding output, norms, residual adds) each TP rank holds
+    ``seq_local / tp`` consecutive tokens of its SP shard, ``(batch, seq_local / tp, hidden)``, instead of
+    all ``seq_local`` replicated: activation memory of those tensors divided by ``tp``. Communication is
+    the same volume as plain TP's all-reduces, split in two:
+
+    - the embedding (torch's ``RowwiseParallel(output_layouts=Shard(1))``): its partial lookups are
+      reduce-scattered along the sequence;
+    - each norm (torch's ``SequenceParallel``): runs on the local tokens; its weight is a replicated DTensor,
+      so its gradient is summed over TP (each rank saw other tokens); the final norm's output stays a
+      DTensor ``Shard(1)``, which the LM head (or the tiled loss) all-gathers;
+    - before each attention / MLP block: an all-gather along the sequence (backward: a reduce-scatter),
+      a DTensor ``Replicate`` handed to the column-parallel projections;
+    - after each row-parallel projection: a reduce-scatter along the sequence (backward: an all-gather).
+
+    The attention in between sees the whole SP shard, ``seq_local`` tokens, so seqpar's SP attention and
+    the position ids are unchanged. ``seq_local`` must be a multiple of ``tp`` (checked at the embedding).
+    Called by :func:`apply_tensor_parallel` (``sequence_parallel=True``), after the plan is applied.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    modules = dict(model.named_modules())
+    tp = mesh.size()
+    embedding = next(n for n in layout.embedding if n in modules)
+
+    def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if ids is not None and ids.dim() >= 2 and ids.shape[1] % tp and is_probing():
+            raise ValueError(
+                "tp_sequence_parallel: seqpar's position-mixing probe ran the model on a sequence the TP group "
+                "cannot split; call seqpar.swap.swap_attention before apply_tensor_parallel(sequence_parallel="
+                "True) (seqpar.integrations.fsdp.wrap does), so the probe sees the model without TP"
+            )
+        if ids is not None and ids.dim() >= 2 and ids.shape[1] % tp:
+            raise ValueError(
+                f"tp_sequence_parallel: this rank's sequence has {ids.shape[1]} tokens, which the TP group of "
+                f"{tp} cannot split evenly; pad the sequences so that every SP shard holds a multiple of "
+                f"tp = {tp} tokens (the whole sequence a multiple of sp x tp, x2 under zigzag), or set "
+                "tp_sequence_parallel false"
+            )
+
+    modules[embedding].register_forward_pre_hook(check_length)
+    styles: dict[str, Any] = {embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))}
+    for name in layout.norms:
+        # the final norm's output stays a DTensor: the LM head / the tiled loss gathers it
+        styles[name] = SequenceParallel(use_local_output=name != layout.final_norm)
+    parallelize_module(model, mesh, styles)
+
+    def gather_sequence(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # the block's hidden states: the first positional argument or hidden_states=
+        if args:
+            return (_sequence_to_replicate(args[0], mesh), *args[1:]), kwargs
+        if "hidden_states" not in kwargs:
+            raise ValueError(f"tp_sequence_parallel: {type(module).__name__} was called without hidden states "
+                             "(a first positional argument or hidden_states=)")
+        return args, {**kwargs, "hidden_states": _sequence_to_replicate(kwargs["hidden_states"], mesh)}
+
+    for name in layout.regions:
+        modules[name].register_forward_pre_hook(gather_sequence, with_kwargs=True)
+
+
+def _sequence_to_replicate(x: torch.Tensor, mesh: Any) -> Any:
+    """A local ``(batch, seq_local / tp, hidden)`` shard as the DTensor of the whole ``(batch, seq_local,
+    hidden)``, replicated: an all-gather along the sequence whose backward reduce-scatters the partial
+    input gradients of the column-parallel projections."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return x.redistribute(placements=[Replicate()])
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

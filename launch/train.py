@@ -50,6 +50,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -241,6 +242,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
     p.add_argument("--tp-size", type=int, help="override sequence_parallel.tp_size (world = dp x sp x tp)")
+    p.add_argument("--tp-sequence-parallel", action="store_true", default=None,
+                   help="override sequence_parallel.tp_sequence_parallel (Megatron-style: norms and residuals "
+                        "split along the sequence over the TP group)")
     p.add_argument("--mode", help="override sequence_parallel.mode (ring | allgather | ulysses | hybrid | auto)")
     p.add_argument("--ulysses-size", type=lambda x: x if x == "auto" else int(x),
                    help="override sequence_parallel.ulysses_size (an integer dividing the SP size, or auto)")
@@ -443,10 +447,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
                                   ("offload_activations", args.offload_activations),
                                   ("recompute_norm", args.recompute_norm),
                                   ("ulysses_size", args.ulysses_size),
-                                  ("tp_size", args.tp_size)) if v is not None}
+                                  ("tp_size", args.tp_size),
+                                  ("tp_sequence_parallel", args.tp_sequence_parallel)) if v is not None}
     if changes:
         sp = sp.replace(**changes)
+    if args.tp_size is not None and isinstance(raw.get("tensor_parallel"), dict) and "autotp_size" in raw["tensor_parallel"]:
+        raw["tensor_parallel"] = {**raw["tensor_parallel"], "autotp_size": args.tp_size}  # the flag wins here too
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
+    _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
     _check_model(model, train)
     if raw.get("fsdp"):
@@ -546,8 +554,8 @@ def llama_config(plan: Plan, vocab_size: int, seq_len_padded: int) -> Any:
 
 def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:
     """``sequence_parallel.tp_size`` against DeepSpeed's ``tensor_parallel.autotp_size`` and the model's
-    heads. TP > 1 runs on the FSDP engine (FSDP2 only); the DeepSpeed engine refuses it (AutoTP is not
-    wired yet, issue 22)."""
+    heads. TP > 1 runs on FSDP2 (the model's tp plan, seqpar.integrations.tp) and on DeepSpeed (AutoTP,
+    ``tensor_parallel.autotp_size`` set from ``tp_size``)."""
     from seqpar.config import ConfigError, check_autotp
     from seqpar.runtime.groups import tp_heads_problem
 
@@ -557,22 +565,23 @@ def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) 
     heads = model.get("num_attention_heads", 4)
     kv_heads = model.get("num_key_value_heads", heads if "num_attention_heads" in model else 2)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (problem := tp_heads_problem(heads, kv_heads, sp.tp_size)):
-        raise ConfigError(f"model heads vs {problem}")
+        raise ConfigError(f"model.num_attention_heads / model.num_key_value_heads vs {problem}")
     if engine == "fsdp":  # seqpar.integrations.fsdp.wrap applies the model's tp plan, then FSDP2 over dp x sp
         version = (raw.get("fsdp") or {}).get("version", 2)
         if version != 2:
             raise ConfigError(f"sequence_parallel.tp_size = {sp.tp_size} needs FSDP2 (DTensor parameters): set "
                               f"fsdp.version = 2 (got {version!r}), or tp_size 1")
-        return
-    missing = {
-        "deepspeed": "DeepSpeed AutoTP (tensor_parallel.autotp_size) with seqpar's SP groups inside its DP group "
-                     "and its 1/sp gradient scale compensated",
-    }[engine]
-    raise ConfigError(
-        f"sequence_parallel.tp_size = {sp.tp_size}: launch/train.py's {engine} engine does not run tensor "
-        f"parallelism yet (missing: {missing}); use tp_size 1 (--tp-size 1) and put the ranks on "
-        "sequence_parallel.size"
-    )
+
+
+def _check_tp_sequence_parallel(sp: Any, engine: str) -> None:
+    """``tp_sequence_parallel`` is applied with the model's tp plan by seqpar.integrations.fsdp.wrap (FSDP2);
+    DeepSpeed's AutoTP shards the model its own way and does not split the residual stream."""
+    from seqpar.config import ConfigError
+
+    if sp.tp_sequence_parallel and engine != "fsdp":
+        raise ConfigError(f"sequence_parallel.tp_sequence_parallel runs on the FSDP engine (FSDP2 with the model's "
+                          f"tp plan); the {engine} engine does not split activations over TP: set it false "
+                          "(--tp-size alone), or use --engine fsdp")
 
 
 def validate_model(plan: Plan) -> None:
@@ -702,6 +711,8 @@ class _DeepSpeedEngine(_Engine):
 
         self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
         self.manager = self.model.seqpar_manager
+        # DeepSpeed's own key: resume from the universal form, which loads at any TP / SP / DP layout
+        self.load_universal = bool((plan.engine_config.get("checkpoint") or {}).get("load_universal"))
 
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.model.backward(loss)
@@ -725,10 +736,32 @@ class _DeepSpeedEngine(_Engine):
         tag = checkpoint.latest_complete(save_dir)
         if tag is None:
             raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        if self.load_universal:
+            tag = self._universal(save_dir, tag)
         path, client = self.model.load_checkpoint(save_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
         return int(client["step"])
+
+    def _universal(self, save_dir: str, tag: str) -> str:
+        """``universal/<tag>`` under ``save_dir``: ``tag`` converted to DeepSpeed's universal checkpoint once,
+        on rank 0 (seqpar.integrations.deepspeed.to_universal); a failed conversion raises on every rank."""
+        from seqpar.integrations.deepspeed import to_universal
+
+        out = os.path.join("universal", tag)
+        failure: list[str | None] = [None]
+        if self.manager.rank == 0 and not os.path.isdir(os.path.join(save_dir, out)):
+            try:
+                shutil.rmtree(os.path.join(save_dir, out + ".tmp"), ignore_errors=True)  # a killed conversion
+                to_universal(save_dir, tag, output_tag=out + ".tmp")
+                os.replace(os.path.join(save_dir, out + ".tmp"), os.path.join(save_dir, out))
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                failure[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise RuntimeError(f"--resume with checkpoint.load_universal: converting {tag} in {save_dir} to a "
+                               f"universal checkpoint failed on rank 0 ({failure[0]})")
+        return out
 
 
 class _FSDPEngine(_Engine):
@@ -767,27 +800,18 @@ class _FSDPEngine(_Engine):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
 
     def save(self, save_dir: str, step: int) -> None:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        # written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
-        tag = f"step{step}"
-        fsdp.save_checkpoint(checkpoint.staging_dir(save_dir, tag), self.model, self.optimizer,
-                             extra={"step": step})
-        dist.barrier()
-        if self.manager.rank == 0:
-            checkpoint.commit(save_dir, tag)
-        dist.barrier()
+        # DCP, written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
+        checkpoint.save_dcp(save_dir, step, self.model, self.optimizer)
 
     def load(self, save_dir: str) -> int:
-        from seqpar.integrations import fsdp
         from seqpar.runtime import checkpoint
 
-        tag = checkpoint.latest_complete(save_dir)
-        if tag is None:
+        if checkpoint.latest_complete(save_dir) is None:
             raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
-        extra = fsdp.load_checkpoint(os.path.join(save_dir, tag), self.model, self.optimizer)
-        return int(extra["step"])
+        # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
+        return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])
 
 
 # ============================================================================ loop helpers
@@ -857,6 +881,8 @@ def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -
         idx = first + i * manager.dp_size + manager.dp_rank
         b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
         logits = engine.forward(b)
+        if hasattr(logits, "full_tensor"):  # tp_sequence_parallel: split on the vocabulary (DTensor); whole here
+            logits = logits.full_tensor()
         labels = b["shift_labels"]
         mask = labels != IGNORE
         pred = logits.argmax(-1)

@@ -12,6 +12,7 @@ Example block::
         "mode": "ring",             # "ring" | "allgather" | "ulysses" | "hybrid" | "auto"
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
         "tp_size": 1,               # tensor-parallel degree (innermost mesh dim); world = dp x size x tp_size
+        "tp_sequence_parallel": false,  # Megatron-style: norms/residuals split along the sequence over TP
         "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"; absent: undeclared
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
@@ -249,6 +250,14 @@ class SeqParConfig:
     weights (Megatron-style, innermost on the mesh ``("dp", "sp", "tp")``, see seqpar.runtime.groups).
     The world size must equal dp x ``size`` x ``tp_size``; each rank then holds ``heads / tp_size``
     query and K/V heads, so both head counts must be multiples of it. 1 = no tensor parallelism."""
+    tp_sequence_parallel: bool = False
+    """Megatron-style sequence parallelism inside the TP group (needs ``tp_size`` > 1): between the
+    tensor-parallel regions (embedding output, norms, residual adds) each TP rank holds ``seq_local / tp_size``
+    tokens instead of all of them, so those activations shrink by ``tp_size``; an all-gather along the
+    sequence before each attention / MLP block and a reduce-scatter after each row-parallel projection
+    replace plain TP's all-reduces (see seqpar.integrations.tp). The LM head's logits then stay split on
+    the vocabulary and seqpar's loss is vocab-parallel. Each SP shard's length must be a multiple of
+    ``tp_size``. Default off."""
     links: dict[str, float] | None = None
     """Link figures for ``mode="auto"`` (:class:`Links`): any of ``intra_gbps``, ``inter_gbps``,
     ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
@@ -321,6 +330,10 @@ class SeqParConfig:
         _check_type("tp_size", self.tp_size, (int,), "expected a positive integer (the TP degree)")
         if self.tp_size < 1:
             _fail("tp_size", self.tp_size, "expected a positive integer (the TP degree)")
+        _check_type("tp_sequence_parallel", self.tp_sequence_parallel, (bool,), "expected true or false")
+        if self.tp_sequence_parallel and self.tp_size == 1:
+            _fail("tp_sequence_parallel", self.tp_sequence_parallel,
+                  "it splits activations over the TP group: set tp_size > 1, or tp_sequence_parallel false")
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
             _fail("mode", self.mode, f"choose one of {list(MODES)}")

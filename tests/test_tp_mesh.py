@@ -235,16 +235,16 @@ def test_node_layout_counts_tp() -> None:
 
 
 def test_launcher_tp_size_flag(monkeypatch, tmp_path) -> None:
-    """``launch/train.py --tp-size``: validated with the rest; above 1 the DeepSpeed engine and FSDP1 are
-    refused naming what is missing."""
+    """``launch/train.py --tp-size``: validated with the rest; above 1 FSDP1 is refused naming what is
+    missing, and DeepSpeed runs it as AutoTP (tests/test_deepspeed_tp.py)."""
     from test_config_fuzz import CONFIGS, _train_module
 
     train = _train_module()
     fsdp = next(c for c in CONFIGS if "deepspeed" not in c)
     assert train.validate(["--config", fsdp, "--tp-size", "1"]).sp.tp_size == 1
     assert train.validate(["--config", fsdp, "--tp-size", "2"]).sp.tp_size == 2  # FSDP2 applies TP
-    with pytest.raises(ConfigError, match=r"tp_size = 2: launch/train.py's deepspeed engine .*AutoTP"):
-        train.validate(["--config", fsdp, "--engine", "deepspeed", "--tp-size", "2"])
+    plan = train.validate(["--config", fsdp, "--engine", "deepspeed", "--tp-size", "2"])  # DeepSpeed AutoTP
+    assert (plan.engine, plan.engine_config["sequence_parallel"]["tp_size"]) == ("deepspeed", 2)
     fsdp1 = tmp_path / "fsdp1.json"
     fsdp1.write_text(json.dumps({**json.loads(open(fsdp).read()), "fsdp": {"version": 1}}))
     with pytest.raises(ConfigError, match=r"tp_size = 2 needs FSDP2 .*fsdp.version = 2 \(got 1\)"):

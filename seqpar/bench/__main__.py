@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="memory: a whole model instead of one attention call, e.g. llama3-8b "
                    "(seqpar.memory.training.MODEL_SHAPES): the longest trainable sequence, modelled")
     g.add_argument("--gpus", type=int, help="memory --model: GPUs, all one SP group (default: 1 and 8)")
+    g.add_argument("--layouts", help="memory --model: TP x SP mesh layouts to compare instead, e.g. "
+                   "tp8,sp8,tp2xsp4 (TP ones with and without tp_sequence_parallel)")
     g.add_argument("--gpu-mem", type=float, default=80.0, help="memory --model: GB (GiB) per GPU (default 80)")
     g.add_argument("--model-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
                    help="memory --model: training dtype (default bf16)")

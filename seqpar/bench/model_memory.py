@@ -7,6 +7,11 @@ in ``--dtype`` (bf16 by default), and adds one tool at a time: the tiled loss, t
 offload of checkpointed inputs, the lean RMSNorms (``recompute_norm``), then on several GPUs
 attention's ``head_chunks`` 8 (one K/V head per ring pass) or Ulysses instead of the ring; on one GPU the optimizer state and fp32 master weights are offloaded
 to the host as well (as ALST does), since an 8B model's AdamW state alone exceeds 80 GB.
+
+``--layouts tp8,sp8,tp2xsp4`` compares meshes of tensor x sequence parallelism instead (``tpAxspB``:
+TP degree A, SP degree B, their product the GPUs): one configuration, every memory tool on (ZeRO-3 over
+the SP ranks with the optimizer offloaded, activation checkpointing, tiled loss and MLP, offloaded
+checkpoints, lean norms), each layout with TP > 1 with and without ``tp_sequence_parallel``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any
 
 from seqpar.memory.training import CATEGORIES, MODEL_SHAPES, longest_sequence, shape_dict
 
-__all__ = ["ModelMemoryConfig", "CONFIGURATIONS", "configure", "count", "run", "render"]
+__all__ = ["ModelMemoryConfig", "CONFIGURATIONS", "LAYOUT_TOOLS", "parse_layouts", "configure", "count", "run",
+           "render"]
 
 # ALST (Arctic Long Sequence Training, arXiv 2506.13996): Llama-8B, H100 80 GB, published figures
 PUBLISHED = {"alst": {1: "500K", 8: "3.7M"}}
@@ -39,6 +45,27 @@ CONFIGURATIONS: list[tuple[str, dict[str, Any]]] = [
 ]
 _ATTENTION_KEYS = ("head_chunks", "mode")
 
+# --layouts: the one configuration every mesh layout runs with (a 70B model's fp32 AdamW state, 1.1 TB,
+# fits 8 GPUs only on the host)
+LAYOUT_TOOLS: dict[str, Any] = {"tiled_loss": True, "tiled_mlp": "auto", "offload_activations": True,
+                                "recompute_norm": True, "offload_optimizer": True}
+
+
+def parse_layouts(text: str) -> list[tuple[int, int]]:
+    """``"tp8,sp8,tp2xsp4"`` -> ``[(8, 1), (1, 8), (2, 4)]`` as ``(tp, sp)``."""
+    layouts = []
+    for item in text.split(","):
+        tp = sp = 1
+        for part in item.strip().lower().split("x"):
+            if part.startswith("tp") and part[2:].isdigit():
+                tp = int(part[2:])
+            elif part.startswith("sp") and part[2:].isdigit():
+                sp = int(part[2:])
+            else:
+                raise SystemExit(f"--layouts: {item!r} is not tpA, spB or tpAxspB (e.g. tp8,sp8,tp2xsp4)")
+        layouts.append((tp, sp))
+    return layouts
+
 
 @dataclass(frozen=True)
 class ModelMemoryConfig:
@@ -48,15 +75,26 @@ class ModelMemoryConfig:
     reserve: float
     dtype: str
     mode: str
+    layouts: list[tuple[int, int]] | None = None
 
 
 def configure(args: Any) -> ModelMemoryConfig:
     if args.model not in MODEL_SHAPES:
         raise SystemExit(f"--model {args.model!r}: choose one of {sorted(MODEL_SHAPES)}")
     dtype = args.model_dtype
-    gpus = [args.gpus] if args.gpus else [1, 8]
+    layouts = parse_layouts(args.layouts) if getattr(args, "layouts", None) else None
+    if layouts is not None:
+        gpus = sorted({tp * sp for tp, sp in layouts})
+        if args.gpus and gpus != [args.gpus]:
+            raise SystemExit(f"--layouts {args.layouts} covers {gpus} GPUs, --gpus says {args.gpus}")
+    else:
+        gpus = [args.gpus] if args.gpus else [1, 8]
     return ModelMemoryConfig(model=args.model, gpus=gpus, gpu_mem_gb=args.gpu_mem, reserve=args.gpu_reserve,
-                             dtype=dtype, mode="ring")
+                             dtype=dtype, mode="ring", layouts=layouts)
+
+
+def _layout_runs(layouts: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    return [(tp, sp, tsp) for tp, sp in layouts for tsp in ((False, True) if tp > 1 else (False,))]
 
 
 def _configurations(gpus: int) -> list[tuple[str, dict[str, Any]]]:
@@ -64,13 +102,25 @@ def _configurations(gpus: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 def count(cfg: ModelMemoryConfig) -> int:
+    if cfg.layouts is not None:
+        return len(_layout_runs(cfg.layouts))
     return sum(len(_configurations(g)) for g in cfg.gpus)
 
 
 def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
     budget = int(cfg.gpu_mem_gb * 2**30 * (1 - cfg.reserve))
     rows = []
-    for gpus in cfg.gpus:
+    for tp, sp, tp_seq in _layout_runs(cfg.layouts or []):
+        name = " x ".join(x for x in (f"TP {tp}" if tp > 1 else "", f"SP {sp}" if sp > 1 else "") if x)
+        name += ", tp_sequence_parallel" if tp_seq else ""
+        progress(f"{name}")
+        kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
+                  mode=cfg.mode, device="cuda", tp_size=tp, tp_sequence_parallel=tp_seq, **LAYOUT_TOOLS)
+        seq, breakdown = longest_sequence(cfg.model, budget, sp_size=sp, **kw)
+        rows.append({"gpus": tp * sp, "configuration": name, "tools": {**LAYOUT_TOOLS, "tp_size": tp,
+                     "sp_size": sp, "tp_sequence_parallel": tp_seq}, "longest_seq": seq, "breakdown": breakdown,
+                     "published_alst": None})
+    for gpus in ([] if cfg.layouts is not None else cfg.gpus):
         for name, tools in _configurations(gpus):
             progress(f"{name} on {gpus}")
             kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
@@ -81,7 +131,7 @@ def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, An
                          "breakdown": breakdown, "published_alst": PUBLISHED["alst"].get(gpus)})
     return {"kind": "model", "model": cfg.model, "shape": shape_dict(cfg.model), "budget_bytes": budget,
             "gpu_mem_gb": cfg.gpu_mem_gb, "reserve": cfg.reserve, "dtype": cfg.dtype, "results": rows,
-            "modelled": True}
+            "modelled": True, "layouts": cfg.layouts}
 
 
 def _tokens(n: int) -> str:
@@ -102,8 +152,10 @@ def render(payload: dict[str, Any]) -> str:
         table.append(row)
     cols = [("GPUs", "gpus"), ("configuration", "cfg"), ("longest seq", "seq"), ("ALST published", "alst"),
             ("peak/rank", "peak"), ("at", "moment")] + [(c.replace("_", " "), c) for c in CATEGORIES]
+    mesh = ("the layouts' TP x SP, ZeRO-3 over the SP ranks with the optimizer on the host, tiled loss and MLP, "
+            "offloaded checkpoints, lean norms" if payload.get("layouts") else "SP over all GPUs")
     head = (f"{payload['model']}: longest trainable sequence per configuration (MODELLED, not measured): ZeRO-3, "
-            f"{payload['dtype']}, activation checkpointing, SP over all GPUs, {payload['gpu_mem_gb']:g} GB per GPU "
+            f"{payload['dtype']}, activation checkpointing, {mesh}, {payload['gpu_mem_gb']:g} GB per GPU "
             f"less {payload['reserve']:.0%} reserve = {fmt_bytes(payload['budget_bytes'])} usable")
     return "\n".join([head, format_table(table, cols)])
 

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.config import SeqParConfig
+from seqpar.sequence.vocab_parallel import enter_tp_region, lse_and_picked, vocab_slice
 
 __all__ = [
     "TilingError",
@@ -98,25 +99,28 @@ def _row_slices(rows: int, chunk_rows: int) -> list[slice]:
 
 # ============================================================================ tiled loss
 def _chunk_loss_and_grad(
-    hidden_c: Tensor, weight: Tensor, target_c: Tensor, ignore_index: int, want_grad: bool
+    hidden_c: Tensor, weight: Tensor, target_c: Tensor, ignore_index: int, want_grad: bool,
+    vocab: tuple[int, dist.ProcessGroup | None] = (0, None),
 ) -> tuple[Tensor, Tensor | None]:
     """One chunk: ``(sum of per-token losses (fp32 scalar), dlogits (rows, vocab) fp32 or None)``.
 
     ``hidden_c (rows, hidden)``, ``weight (vocab, hidden)``, ``target_c (rows,)`` with
     ``ignore_index`` for tokens without a loss. Logits are computed in the input dtype and upcast,
-    as transformers' loss does.
+    as transformers' loss does. ``vocab = (start, tp_group)``: ``weight`` is the rows
+    ``[start, start + vocab_local)`` of a head split over ``tp_group`` (vocab-parallel: the
+    log-sum-exp and the target's logit are reduced over the group, see
+    :mod:`seqpar.sequence.vocab_parallel`); ``dlogits`` is then this slice's.
     """
-    logits = (hidden_c @ weight.t()).float()  # (rows, vocab) fp32
-    valid = target_c != ignore_index
-    safe_target = torch.where(valid, target_c, 0).unsqueeze(1)  # (rows, 1)
-    lse = torch.logsumexp(logits, dim=-1)  # (rows,)
-    picked = logits.gather(1, safe_target).squeeze(1)
+    logits = (hidden_c @ weight.t()).float()  # (rows, vocab_local) fp32
+    lse, picked, valid = lse_and_picked(logits, target_c, vocab[0], vocab[1], ignore_index)  # (rows,) each
     loss_sum = ((lse - picked) * valid).sum()
     if not want_grad:
         return loss_sum, None
     # d(lse - picked)/dlogits = softmax - onehot, zero on ignored rows; computed in place
+    local_target = target_c - vocab[0]
+    owned = valid & (local_target >= 0) & (local_target < logits.shape[1])
     dlogits = logits.sub_(lse.unsqueeze(1)).exp_()
-    dlogits.scatter_add_(1, safe_target, torch.full_like(picked, -1.0).unsqueeze(1))
+    dlogits.scatter_add_(1, torch.where(owned, local_target, 0).unsqueeze(1), -owned.to(dlogits.dtype).unsqueeze(1))
     dlogits.mul_(valid.unsqueeze(1))
     return loss_sum, dlogits
 
@@ -126,16 +130,16 @@ class _TiledLMLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, chunk_rows: int,  # type: ignore[override]
-                ignore_index: int) -> Tensor:
+                ignore_index: int, vocab: tuple[int, dist.ProcessGroup | None]) -> Tensor:
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for sl in _row_slices(hidden.shape[0], chunk_rows):
-            loss_c, _ = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False)
+            loss_c, _ = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False, vocab)
             total += loss_c
         ctx.save_for_backward(hidden, target)
         # the weight as an attribute, not a saved tensor: FSDP2 / ZeRO-3 refill a parameter's
         # storage between forward and backward, which a saved tensor's version check would refuse
         ctx.weight = weight
-        ctx.chunk_rows, ctx.ignore_index = chunk_rows, ignore_index
+        ctx.chunk_rows, ctx.ignore_index, ctx.vocab = chunk_rows, ignore_index, vocab
         return total
 
     @staticmethod
@@ -147,14 +151,70 @@ class _TiledLMLoss(torch.autograd.Function):
         # fp32 accumulator for dW over the chunks (one matmul would accumulate in fp32 as well)
         dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
-            _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True)
+            _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True, ctx.vocab)
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
             if want_h:
                 dhidden[sl] = dlogits @ weight
             if want_w:
                 dweight.addmm_(dlogits.t().float(), hidden[sl].float())  # .float(): no copy in fp32
             del dlogits
-        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None
+        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
+
+
+def _gather_rows(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``(rows, hidden)`` of every rank of ``group``, stacked in rank order: ``(ranks * rows, hidden)``."""
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], x.shape[1]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
+def _reduce_scatter_rows(y: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The dual of :func:`_gather_rows`: rank r receives the sum over ranks of rows ``[r * rows, (r+1) * rows)``."""
+    out = y.new_empty((y.shape[0] // dist.get_world_size(group), y.shape[1]))
+    dist.reduce_scatter_tensor(out, y.contiguous(), group=group)
+    return out
+
+
+class _GatheredTiledLMLoss(torch.autograd.Function):
+    """The tiled loss under TP sequence parallelism: the hidden rows split over the TP group, the head over the
+    vocabulary. Chunk by chunk, every rank's rows of the chunk are all-gathered (``(tp * rows, hidden)``), their
+    local-vocabulary logits reduced vocab-parallel; backward recomputes each chunk (the same all-gather) and
+    reduce-scatters its input gradient (partial over the vocabulary slices) back to the rows' owners, the dual
+    of the gather. At most one gathered chunk exists: the whole ``(seq_local, hidden)`` never does."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets_by_rank: Tensor, chunk_rows: int,  # type: ignore[override]
+                ignore_index: int, vocab: tuple[int, dist.ProcessGroup]) -> Tensor:
+        # hidden (rows_local, hidden), targets_by_rank (tp, rows_local): the targets of every rank's rows
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for sl in _row_slices(hidden.shape[0], chunk_rows):
+            gathered = _gather_rows(hidden[sl], vocab[1])  # (tp * rows_c, hidden)
+            loss_c, _ = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ignore_index,
+                                             False, vocab)
+            total += loss_c
+        ctx.save_for_backward(hidden, targets_by_rank)
+        ctx.weight = weight  # an attribute, as in _TiledLMLoss (FSDP2 refills the parameter's storage)
+        ctx.chunk_rows, ctx.ignore_index, ctx.vocab = chunk_rows, ignore_index, vocab
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        hidden, targets_by_rank = ctx.saved_tensors
+        weight, group = ctx.weight, ctx.vocab[1]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dhidden = torch.empty_like(hidden) if want_h else None
+        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
+            gathered = _gather_rows(hidden[sl], group)
+            _, dlogits = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ctx.ignore_index,
+                                              True, ctx.vocab)
+            dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (tp * rows_c, vocab_local)
+            if want_h:
+                dhidden[sl] = _reduce_scatter_rows(dlogits @ weight, group)
+            if want_w:
+                dweight.addmm_(dlogits.t().float(), gathered.float())
+            del dlogits, gathered
+        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
 
 
 def tiled_lm_loss(
@@ -164,7 +224,11 @@ def tiled_lm_loss(
 
     Args:
         hidden: ``(batch, seq_local, hidden)`` final hidden states of this rank's shard.
-        weight: ``(vocab, hidden)`` LM-head weight (bias-free).
+        weight: ``(vocab, hidden)`` LM-head weight (bias-free); under tensor parallelism a DTensor split
+            on the vocabulary over the TP mesh (``Shard(0)``): the loss is then vocab-parallel (each rank
+            computes only its ``(rows, vocab / tp)`` logits per chunk) and ``hidden`` may be a DTensor
+            split on the sequence (``Shard(1)``, TP sequence parallelism), whose rows are then all-gathered one
+            chunk at a time (``chunk_rows`` counts the gathered rows).
         targets: ``(batch, seq_local)`` already-shifted labels (``shift_labels`` of
             :func:`seqpar.sequence.batch.shard_batch`), ``ignore_index`` where a token has no loss.
         chunk_rows: rows per chunk (default :func:`loss_chunk_rows`).
@@ -181,13 +245,69 @@ def tiled_lm_loss(
         )
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"LM-head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    vocab: tuple[int, dist.ProcessGroup | None] = (0, None)
+    if (sharded := _vocab_sharded_weight(weight)) is not None:
+        # tensor parallelism: the head is split on the vocabulary; the hidden states enter the TP region
+        # (all-gathered along the sequence under TP sequence parallelism) and the loss is vocab-parallel
+        weight, mesh, vocab_start = sharded
+        vocab = (vocab_start, mesh.get_group())
+        if _sequence_split(hidden, mesh):
+            return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index)
+        hidden = enter_tp_region(hidden, mesh)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # (batch * seq_local, hidden)
     targets_1d = targets.reshape(-1).to(hidden.device)
     rows = hidden_2d.shape[0]
     chunk = chunk_rows or loss_chunk_rows(rows, hidden.shape[-1], weight.shape[0])
-    loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index)
+    loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index, vocab)
     count = (targets_1d != ignore_index).sum()
     return loss_sum, count
+
+
+def _sequence_split(hidden: Tensor, mesh: Any) -> bool:
+    """``hidden`` is a DTensor split on the sequence (``Shard(1)``) over ``mesh``: TP sequence parallelism."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(hidden, DTensor) and hidden.device_mesh == mesh and hidden.placements == (Shard(1),)
+
+
+def _gathered_tiled_lm_loss(hidden: Any, weight: Tensor, targets: Tensor, vocab: tuple[int, dist.ProcessGroup],
+                            chunk_rows: int | None, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """:func:`tiled_lm_loss` for hidden states split on the sequence over the TP group (a DTensor ``Shard(1)``
+    of ``(batch, seq_local, hidden)``), with :class:`_GatheredTiledLMLoss`."""
+    tp = dist.get_world_size(vocab[1])
+    local = hidden.to_local()  # (batch, seq_local / tp, hidden); its gradient stays this rank's rows
+    batch, seq_t, width = local.shape
+    if seq_t * tp != hidden.shape[1]:
+        raise ValueError(f"tiled_loss: hidden states of {hidden.shape[1]} tokens split unevenly over TP {tp}; "
+                         "each SP shard's length must be a multiple of tp_size")
+    # the targets of each rank's rows, in that rank's flattened (batch, seq_local / tp) order: (tp, rows_local)
+    targets_by_rank = targets.to(local.device).reshape(batch, tp, seq_t).permute(1, 0, 2).reshape(tp, -1)
+    rows = batch * seq_t
+    # rows per rank and chunk: a gathered chunk (tp x rows) is about loss_chunk_rows' size
+    chunk = max(1, (chunk_rows or loss_chunk_rows(rows * tp, width, weight.shape[0])) // tp)
+    loss_sum = _GatheredTiledLMLoss.apply(local.reshape(rows, width), weight, targets_by_rank, chunk, ignore_index,
+                                          vocab)
+    return loss_sum, (targets != ignore_index).sum()
+
+
+def _vocab_sharded_weight(weight: Tensor) -> tuple[Tensor, Any, int] | None:
+    """A head weight that is a DTensor split on the vocabulary (dim 0) over a 1-D TP mesh:
+    ``(local rows, mesh, first global id)``; a plain tensor: ``None``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(weight, DTensor):
+        return None
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or weight.placements != (Shard(0),):
+        raise TilingError(f"tiled_loss: the LM head's weight is a DTensor with placements {weight.placements} on a "
+                          f"{mesh.ndim}-D mesh; the tiled loss takes it whole or split on the vocabulary over TP "
+                          "(Shard(0), the colwise head of the model's tp plan)")
+    start, length = vocab_slice(weight.shape[0], mesh.get_local_rank(), mesh.size())
+    local = weight.to_local()
+    if local.shape[0] != length:
+        raise TilingError(f"tiled_loss: the LM head's local slice has {local.shape[0]} rows, torch's Shard layout "
+                          f"gives {length}")
+    return local, mesh, start
 
 
 # ============================================================================ tiled MLP

@@ -39,7 +39,8 @@ import torch
 
 from seqpar.memory.attention import as_dtype, estimate_attention_memory
 
-__all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "CATEGORIES"]
+__all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "layer_saved_bytes",
+           "CATEGORIES"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "attention_transients",
               "logits_loss", "communication")
@@ -96,6 +97,26 @@ class ModelShape:
     def params(self) -> int:
         return self.root_params + self.num_hidden_layers * self.layer_params
 
+    def tp_local(self, tp: int) -> ModelShape:
+        """The shape one rank of a tensor-parallel group of ``tp`` holds (Megatron / transformers' plan): query
+        and K/V heads, the MLP's intermediate width and the vocabulary (embedding, LM head) split ``tp`` ways;
+        hidden size, head dim and the norms whole. ``tp_local(1)`` is the shape itself.
+
+        Raises:
+            ValueError: head counts that ``tp`` does not divide.
+        """
+        if tp == 1:
+            return self
+        if tp < 1 or self.num_attention_heads % tp or self.num_key_value_heads % tp:
+            raise ValueError(f"tp_size={tp} must divide the query heads ({self.num_attention_heads}) and the K/V "
+                             f"heads ({self.num_key_value_heads}); choose a divisor of both")
+        return ModelShape(
+            vocab_size=math.ceil(self.vocab_size / tp), hidden_size=self.hidden_size,
+            intermediate_size=math.ceil(self.intermediate_size / tp), num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads // tp, num_key_value_heads=self.num_key_value_heads // tp,
+            head_dim=self.d, tie_word_embeddings=self.tie_word_embeddings,
+        )
+
 
 # Shapes from the models' published config.json files, written out here: no download.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
@@ -112,34 +133,51 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _norm_saved_bytes(h: int, e: int, recompute_norm: bool, input_saved_elsewhere: bool) -> int:
+def _norm_saved_bytes(h: int, e: int, recompute_norm: bool, input_saved_elsewhere: bool, tp_seq: int = 1) -> int:
     """Bytes per token one RMSNorm call keeps for backward, its output included (the next projection
     saves it), measured by ``python -m seqpar.bench.layer_memory``: Hugging Face's saves the fp32
     upcast of its input (the input itself in fp32) and the normalised copy; the lean one
     (``recompute_norm``) only its input. ``input_saved_elsewhere``: the input is counted apart (the
-    checkpointed layer input)."""
+    checkpointed layer input). ``tp_seq``: TP sequence parallelism's degree (1: off): the norm runs on
+    ``1 / tp_seq`` of the tokens, but the column-parallel projection after it saves the all-gathered
+    input, whole (torch's DTensor matmul keeps the input it was given; Megatron re-gathers instead)."""
     if recompute_norm:
-        return h * e + (0 if input_saved_elsewhere else h * e)
-    upcast = 0 if (e == 4 and input_saved_elsewhere) else h * 4  # fp32: .float() is the input itself
-    return upcast + 2 * h * e + 4  # + the fp32 reciprocal RMS per row
+        return h * e + (0 if input_saved_elsewhere else h * e // tp_seq)
+    upcast = 0 if (e == 4 and input_saved_elsewhere) else h * 4 // tp_seq  # fp32: .float() is the input itself
+    return upcast + h * e // tp_seq + h * e + 4 // tp_seq  # + the fp32 reciprocal RMS per row
 
 
 def _layer_saved_bytes(m: ModelShape, e: int, *, mlp_saved: bool, recompute_norm: bool, input_counted: bool,
-                       out_copy: bool) -> int:
+                       out_copy: bool, tp_seq: int = 1) -> int:
     """Bytes per token one decoder layer saves for backward (Hugging Face Llama, seqpar attention),
     measured by ``python -m seqpar.bench.layer_memory``: the two RMSNorms (:func:`_norm_saved_bytes`;
     the first one's input is the layer input, ``input_counted`` when the caller counts it as a
     checkpointed input; the second one's is the residual sum); the rotated q, k, v, the output and
     the fp32 log-sum-exp attention saves, the rotary cos / sin, and the contiguous
     ``(batch, seq, heads, dim)`` copy o_proj saves when attention's output is laid out otherwise
-    (``out_copy``); and, unless the MLP is tiled, gate, up, act(gate) and their product (4 I)."""
+    (``out_copy``); and, unless the MLP is tiled, gate, up, act(gate) and their product (4 I). Under
+    tensor parallelism ``m`` is a rank's shape (:meth:`ModelShape.tp_local`) and ``tp_seq`` the TP sequence
+    parallelism degree of the norms."""
     h, kvd, qd = m.hidden_size, m.num_key_value_heads * m.d, m.num_attention_heads * m.d
-    saved = _norm_saved_bytes(h, e, recompute_norm, input_counted)
-    saved += _norm_saved_bytes(h, e, recompute_norm, False)
+    saved = _norm_saved_bytes(h, e, recompute_norm, input_counted, tp_seq)
+    saved += _norm_saved_bytes(h, e, recompute_norm, False, tp_seq)
     saved += (2 * qd + 2 * kvd + (qd if out_copy else 0) + 2 * m.d) * e + m.num_attention_heads * 4
     if mlp_saved:
         saved += 4 * m.intermediate_size * e
     return saved
+
+
+def layer_saved_bytes(model_config: Any, *, dtype: torch.dtype | str = torch.float32, sp_size: int = 1,
+                      mode: str = "ring", tp_size: int = 1, tp_sequence_parallel: bool = False,
+                      recompute_norm: bool = False, tiled_mlp: bool = False) -> int:
+    """Bytes per local token (of the SP shard) that one decoder layer saves for backward on a rank, its input
+    left out (the term :func:`estimate_training_memory` counts per layer; measured by
+    ``python -m seqpar.bench.layer_memory`` and, with tensor parallelism, ``launch/tp_memory.py``)."""
+    m = _model_shape(model_config).tp_local(tp_size)
+    e = torch.empty((), dtype=as_dtype(dtype)).element_size()
+    return _layer_saved_bytes(m, e, mlp_saved=not tiled_mlp, recompute_norm=recompute_norm, input_counted=True,
+                              out_copy=sp_size > 1 and mode != "ring",
+                              tp_seq=tp_size if tp_sequence_parallel else 1)
 
 
 def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
@@ -213,9 +251,11 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
 
 def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: str, tiled_mlp: int | str | bool,
                       recompute_norm: bool, activation_checkpointing: bool, offload_activations: bool,
-                      device: str) -> _ActivationBytes:
+                      device: str, tp_seq: int = 1, head_gathers: bool = True) -> _ActivationBytes:
     """What the decoder layers save for backward over ``rows`` local tokens (all layers, or their
-    checkpointed inputs plus one layer recomputed), and the tiled MLP's one-chunk transient."""
+    checkpointed inputs plus one layer recomputed), and the tiled MLP's one-chunk transient. ``tp_seq``:
+    TP sequence parallelism's degree: the residual stream (layer inputs, norms) holds ``rows / tp_seq``;
+    ``head_gathers``: the LM head saves the final norm's output all-gathered (untiled), else only the local one."""
     h, n_layers = m.hidden_size, m.num_hidden_layers
     low = e < 4
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
@@ -223,19 +263,22 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
     out_copy = sp_size > 1 and mode != "ring"
     per_layer = _layer_saved_bytes(m, e, mlp_saved=tiled_mlp is False, recompute_norm=recompute_norm,
-                                   input_counted=activation_checkpointing, out_copy=out_copy) * rows
+                                   input_counted=activation_checkpointing, out_copy=out_copy, tp_seq=tp_seq) * rows
     if activation_checkpointing:
-        inputs_kept = n_layers * rows * h * e
+        inputs_kept = n_layers * rows * h * e // tp_seq
         if offload_activations and device == "cuda":
-            inputs_kept = 2 * rows * h * e  # the layer in use and its prefetched predecessor
+            inputs_kept = 2 * rows * h * e // tp_seq  # the layer in use and its prefetched predecessor
         activations = inputs_kept + per_layer  # plus one layer recomputed in backward
         activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
     else:
         activations = activations_at_loss = n_layers * per_layer
     # the final norm's saved tensors (its output is the head's input) live until the loss's backward
     # has gone through the norm; the last layer's backward then holds the gradient coming down
-    activations_at_loss += _norm_saved_bytes(h, e, recompute_norm, False) * rows
-    activations += rows * h * e
+    final_norm = _norm_saved_bytes(h, e, recompute_norm, False, tp_seq)
+    if tp_seq > 1 and not head_gathers:  # the tiled loss gathers chunk by chunk: the output stays local
+        final_norm += h * e // tp_seq - h * e
+    activations_at_loss += final_norm * rows
+    activations += rows * h * e // tp_seq
     mlp_transient = 0
     if tiled_mlp is not False:
         # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
@@ -262,14 +305,19 @@ def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq
     return max(0, attn - qkvo)
 
 
-def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool) -> int:
-    """The LM head's logits and the loss's buffers over ``rows`` local tokens (one chunk's when tiled)."""
+def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp_seq: int = 1) -> int:
+    """The LM head's logits and the loss's buffers over ``rows`` local tokens (one chunk's when tiled).
+    ``m``'s vocabulary is a rank's slice under the vocab-parallel loss; ``tp_seq``: TP sequence parallelism's
+    degree, under which the tiled loss holds this rank's ``rows / tp_seq`` hidden rows and all-gathers one
+    chunk of every rank's at a time."""
     h, v = m.hidden_size, m.vocab_size
     if tiled_loss:
         from seqpar.memory.tiling import loss_chunk_rows
 
-        chunk = loss_chunk_rows(rows, h, v) * v * 4  # one chunk's fp32 logits / dlogits
-        return 2 * chunk + v * h * 4 + rows * h * e  # + fp32 dW accumulator, dhidden
+        chunk_rows = loss_chunk_rows(rows, h, v)
+        chunk = chunk_rows * v * 4  # one chunk's fp32 logits / dlogits
+        # + fp32 dW accumulator, dhidden (and, under TP-SP, the gathered chunk of hidden rows)
+        return 2 * chunk + v * h * 4 + rows * h * e // tp_seq + (chunk_rows * h * e if tp_seq > 1 else 0)
     # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
     return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
 
@@ -344,6 +392,8 @@ def estimate_training_memory(
     offload_optimizer: bool = False,
     reduce_bucket_size: int = 500_000_000,
     recompute_norm: bool = False,
+    tp_size: int = 1,
+    tp_sequence_parallel: bool = False,
 ) -> dict[str, int]:
     """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
 
@@ -361,13 +411,26 @@ def estimate_training_memory(
         offload_optimizer: DeepSpeed's ``offload_optimizer`` (fp32 master and AdamW state on the host).
         reduce_bucket_size: DeepSpeed's gradient bucket, in elements (its default 5e8).
         recompute_norm: the lean RMSNorms of :mod:`seqpar.memory.norm` (save only their input).
+        tp_size: tensor-parallel degree (``sequence_parallel.tp_size``; world = dp x sp x tp). Each rank
+            holds ``1 / tp`` of the heads, the MLP width and the vocabulary (:meth:`ModelShape.tp_local`):
+            weights, gradients, optimizer state and the attention / MLP activations shrink by ``tp``;
+            the engine shards over the dp x sp ranks. The logits are the full vocabulary's (the plan's
+            gathered head) unless the loss is vocab-parallel: with ``tp_sequence_parallel`` or ``tiled_loss``.
+        tp_sequence_parallel: Megatron-style sequence parallelism in the TP group: the residual stream
+            (checkpointed layer inputs, the norms' saved tensors) holds ``seq_local / tp`` tokens; the
+            column-parallel projections still save their all-gathered input, whole.
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
         ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
     """
-    m = _model_shape(model_config)
+    full = _model_shape(model_config)
     _check_run(engine, zero_stage, seq_len, sp_size)
+    if not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size={tp_size!r}: expected a positive integer (the TP degree)")
+    m = full.tp_local(tp_size)  # a rank's shape: the model itself at tp_size 1
+    tp_seq = tp_size if tp_sequence_parallel else 1
+    vocab_parallel = tp_size > 1 and (tp_sequence_parallel or tiled_loss)
     dt = as_dtype(dtype)
     e = torch.empty((), dtype=dt).element_size()
     world = sp_size * dp_size
@@ -377,10 +440,11 @@ def estimate_training_memory(
     state = _state_bytes(m, e, world=world, engine=engine, sharded=sharded, offload_optimizer=offload_optimizer)
     acts = _activation_bytes(m, e, rows=rows, sp_size=sp_size, mode=mode, tiled_mlp=tiled_mlp,
                              recompute_norm=recompute_norm, activation_checkpointing=activation_checkpointing,
-                             offload_activations=offload_activations, device=device)
+                             offload_activations=offload_activations, device=device, tp_seq=tp_seq,
+                             head_gathers=not tiled_loss)
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
                                            batch=batch, head_chunks=head_chunks)
-    logits = _logits_loss_bytes(m, e, rows=rows, tiled_loss=tiled_loss)
+    logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss, tp_seq=tp_seq)
     comm = _communication_bytes(e, engine=engine, reduce_bucket_size=reduce_bucket_size)
     zero12_reduce = _zero12_reduce_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
                                          offload_optimizer=offload_optimizer)

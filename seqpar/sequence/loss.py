@@ -35,6 +35,7 @@ from torch import Tensor
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.batch import sp_rank_and_size
 from seqpar.sequence.sharding import chunk_ids, num_chunks, resolve_sharding
+from seqpar.sequence.vocab_parallel import vocab_parallel_token_losses, vocab_sharded_logits
 
 __all__ = [
     "sequence_parallel_loss",
@@ -94,6 +95,18 @@ def sequence_parallel_mean(
 def _token_losses(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
     # logits (B, S_local, V), targets (B, S_local) -> per-token loss (B, S_local) in fp32 (or fp64),
     # 0 where ignored. Upcast as transformers' ForCausalLMLoss does: bf16 logits lose the tail.
+    # Logits split over TP on the vocabulary (a DTensor Shard(-1), the column-parallel head's output):
+    # the vocab-parallel cross-entropy, so no rank gathers (S_local, V).
+    if (sharded := vocab_sharded_logits(logits)) is not None:
+        local, tp_group, vocab_start = sharded
+        if local.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} and labels {tuple(targets.shape)} disagree: expected "
+                "logits (batch, seq_local, vocab) and labels (batch, seq_local) of the same shard"
+            )
+        flat = vocab_parallel_token_losses(local.reshape(-1, local.shape[-1]), targets.reshape(-1),
+                                           vocab_start=vocab_start, group=tp_group, ignore_index=ignore_index)
+        return flat.view(targets.shape)
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and labels {tuple(targets.shape)} disagree: expected "
@@ -118,7 +131,10 @@ def sequence_parallel_loss(
     """Cross-entropy over the whole sequence of an SP group, from each rank's shard.
 
     Args:
-        logits_local: ``(batch, seq_local, vocab)``, this rank's shard.
+        logits_local: ``(batch, seq_local, vocab)``, this rank's shard; under tensor parallelism also a
+            DTensor sharded on the vocabulary over the TP mesh (``Shard(-1)``: the column-parallel LM
+            head's output), whose cross-entropy is then vocab-parallel
+            (:mod:`seqpar.sequence.vocab_parallel`): the full vocabulary never exists on a rank.
         labels_local: ``(batch, seq_local)`` targets aligned with the logits, i.e. labels shifted
             for causal LM **before** sharding: the ``shift_labels`` of :func:`seqpar.sequence.batch.shard_batch`.
             For labels sharded unshifted, use :func:`sequence_parallel_causal_lm_loss`.

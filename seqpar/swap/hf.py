@@ -98,6 +98,7 @@ from seqpar.sequence.batch import (
 )
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
+from seqpar.sequence.vocab_parallel import vocab_sharded_logits
 from seqpar.swap import moe
 from seqpar.swap.batch import Preparer
 from seqpar.swap.hf_alibi import alibi_problems, is_alibi_attention
@@ -513,7 +514,10 @@ class SequenceParallelLMLoss:
     ) -> Tensor:
         # While the position-mixing probe runs, nothing is communicated: the loss stays this rank's.
         world_size = 1 if is_probing() else sp_rank_and_size(self.options.group)[1]
-        if world_size == 1 or self.loss_type not in _TOKEN_LOSSES:
+        # logits split on the vocabulary over TP (tp_sequence_parallel) take seqpar's vocab-parallel loss,
+        # at any SP size: transformers' would gather them
+        vocab_split = vocab_sharded_logits(logits) is not None
+        if (world_size == 1 and not vocab_split) or self.loss_type not in _TOKEN_LOSSES:
             return LOSS_MAPPING[self.loss_type](
                 logits, labels, vocab_size=vocab_size, num_items_in_batch=num_items_in_batch,
                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs,

@@ -1,0 +1,274 @@
+"""DeepSpeed AutoTP x seqpar's sequence parallelism (issue 22): TP2 x SP2 on 4 gloo ranks.
+
+A tiny Llama (8 query heads, 4 K/V heads, fp32) goes through ``seqpar.integrations.deepspeed.initialize``
+with ``"tensor_parallel": {"autotp_size": 2}`` and ``"sequence_parallel": {"size": 2, "tp_size": 2}``,
+ZeRO-0, -1, -2 and -3, and trains 3 SGD steps beside one process without seqpar on the same batches. After
+DeepSpeed's reduction, every gradient (gathered over ZeRO by ``safe_get_full_grad`` and over TP by
+concatenating the ranks' AutoTP shards) and every loss equals the single process's to 1e-5 relative,
+judged on the scale of that gradient. SGD, not Adam: Adam would hide a gradient scaled by sp.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH, LR, STEPS = 53, 16, 2, 0.5, 3
+SP = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
+
+
+def _model():  # noqa: ANN202
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def ds_tp_config(stage: int, **tensor_parallel: int) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+        "tensor_parallel": {"autotp_size": 2, **tensor_parallel},
+        "sequence_parallel": SP,
+    }
+
+
+def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tensor:  # noqa: ANN001
+    """A gradient over the whole weight from the TP ranks' AutoTP shards (in TP rank order), concatenated
+    along the one dim where this rank's slice is smaller than the weight."""
+    if grad.shape == want_shape:
+        return grad  # replicated over TP (norms, the embedding)
+    (dim,) = [d for d, (a, b) in enumerate(zip(grad.shape, want_shape, strict=True)) if a != b]
+    parts: list = [None] * dist.get_world_size(tp_group)
+    dist.all_gather_object(parts, grad, group=tp_group)  # shards may be uneven (vocabulary 53)
+    return torch.cat(parts, dim=dim)
+
+
+def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    data = [{"input_ids": torch.full((SEQ,), i)} for i in range(8)]
+    engine, _, loader, _ = initialize(model=model, config=ds_tp_config(stage), training_data=data,
+                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    manager = engine.seqpar_manager
+    try:
+        assert (manager.dp_size, manager.sp_size, manager.tp_size) == (1, 2, 2)
+        # DeepSpeed's own loader would sample over its dp x sp DP group: one DP replica (here every rank)
+        # must see the same samples (read from the sampler: the loader's worker processes cannot start
+        # inside the pool's daemonic ranks)
+        samples = [None] * world
+        dist.all_gather_object(samples, list(loader.data_sampler))
+        assert len(samples[0]) == len(data) and all(x == samples[0] for x in samples), samples
+        g = torch.Generator().manual_seed(7)
+        ref_params = dict(ref.named_parameters())
+        losses, sharded = [], set()
+        for step in range(STEPS):
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+            logits_ref = ref(input_ids=ids).logits
+            loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss_ref.backward()
+
+            local = shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="zigzag")
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+            loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+            engine.backward(loss)
+            torch.testing.assert_close(loss.detach(), loss_ref.detach(), rtol=1e-5, atol=0,
+                                       msg=lambda m, step=step: f"ZeRO-{stage} step {step} loss: {m}")
+            losses.append(loss.item())
+            for name, p in engine.module.named_parameters():
+                want = ref_params[name].grad
+                zero_grad = safe_get_full_grad(p)  # the ZeRO-gathered gradient of this rank's AutoTP shard
+                if zero_grad.shape != want.shape:
+                    sharded.add(name)
+                grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group)
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                           msg=lambda m, n=name, s=step: f"ZeRO-{stage} step {s}: grad of {n}: {m}")
+            engine.step()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return {"losses": losses, "sharded": sorted(sharded)}
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_autotp2_sp2_matches_one_process(dist_pool, stage: int) -> None:
+    """AutoTP 2 x SP2 (4 ranks), ZeRO-``stage``: the 3 SGD steps' losses and every reduced gradient equal one
+    process's (asserted on every rank, inside the task)."""
+    per_rank = dist_pool.run(4, _ds_tp_steps, stage, timeout=240)
+    for got in per_rank:
+        # AutoTP shards q/k/v/o and gate/up/down of both layers and the LM head (the model's tp plan)
+        assert len(got["sharded"]) == 2 * 7 + 1 and "lm_head.weight" in got["sharded"], got["sharded"]
+        assert got["losses"] == per_rank[0]["losses"]
+    assert per_rank[0]["losses"][0] != per_rank[0]["losses"][-1]  # the steps moved the model
+
+
+def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool, tmp_path) -> None:
+    """``launch/train.py --tp-size 2 --sp-size 2`` on DeepSpeed (AutoTP, 4 ranks), saved after step 2 and
+    resumed (same layout) for step 3: the losses of SP = 1 x TP = 1 on one rank (``--tp-size 1`` overrides
+    the JSON's ``autotp_size`` as well)."""
+    from test_train import _close, _config, _losses
+
+    short = ["--config", _config("deepspeed_tp.json"), "--seq-len", "256", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, [*short, "--steps", "3", "--sp-size", "1", "--tp-size", "1"])
+    tp_sp = [*short, "--sp-size", "2", "--tp-size", "2", "--save-dir", str(tmp_path)]
+    head = _losses(dist_pool, 4, [*tp_sp, "--steps", "2"], timeout=300)
+    tail = _losses(dist_pool, 4, [*tp_sp, "--steps", "3", "--resume"], timeout=300)
+    assert (len(head), len(tail)) == (2, 1), (head, tail)
+    _close(head + tail, ref)
+    assert ref[-1] != ref[0]
+
+
+def _refuse_tp_outermost(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    # TP outermost: ranks {0, 2} and {1, 3} share weights, while DeepSpeed puts TP on consecutive ranks
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "sp"))
+    manager = init_process_groups(mesh=mesh)
+    try:
+        assert manager.tp_ranks == [rank % 2, rank % 2 + 2]
+        with pytest.raises(RuntimeError) as info:
+            initialize(model=_model(), config=ds_tp_config(2), manager=manager,
+                       optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+        return str(info.value)
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def test_tp_not_innermost_refused_on_every_rank(dist_pool) -> None:
+    """A manager whose TP axis is not DeepSpeed's (consecutive ranks): every rank raises, naming the fix."""
+    for message in dist_pool.run(4, _refuse_tp_outermost, timeout=120):
+        assert "DeepSpeed AutoTP's groups are not seqpar's" in message and "TP innermost" in message, message
+
+
+def test_autotp_size_must_equal_tp_size() -> None:
+    """Both set and different, or Megatron-style TP sequence parallelism (FSDP2 only): refused before any
+    process group, naming the fix (config-only, so every rank raises the same)."""
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import initialize
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match=r"tp_size = 2 is invalid: DeepSpeed's tensor_parallel.autotp_size is 4; "
+                                          r"set sequence_parallel.tp_size to the same value"):
+        initialize(model=model, config={**ds_tp_config(1), "tensor_parallel": {"autotp_size": 4}})
+    with pytest.raises(ConfigError, match=r"tp_size = 1 is invalid: .*autotp_size is 2"):  # seqpar_config= wins
+        initialize(model=model, config=ds_tp_config(1), seqpar_config={"size": 2})
+    with pytest.raises(ConfigError, match=r"tp_sequence_parallel .*set tp_sequence_parallel false, or train with FSDP2"):
+        initialize(model=model, config={**ds_tp_config(1), "sequence_parallel": {**SP, "tp_sequence_parallel": True}})
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ universal checkpoints across layouts
+def _adam_config(stage: int, sp: int, tp: int, load_universal: bool = False) -> dict:
+    cfg = {**ds_tp_config(stage), "sequence_parallel": {**SP, "size": sp, "tp_size": tp},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0, "torch_adam": True}}}
+    del cfg["zero_allow_untested_optimizer"], cfg["tensor_parallel"]  # autotp_size follows tp_size
+    return {**cfg, "checkpoint": {"load_universal": True}} if load_universal else cfg
+
+
+def _train(engine, first: int, n: int) -> list[float]:  # noqa: ANN001
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    manager, losses = engine.seqpar_manager, []
+    for step in range(first, first + n):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+        local = shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="zigzag")
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+        loss = sequence_parallel_loss(logits, local["shift_labels"], group=manager.sp_group)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _save_then_continue(rank: int, world: int, save_dir: str, stage: int, sp: int, tp: int) -> list[float]:
+    """1 AdamW step, a checkpoint, then 2 more steps (the uninterrupted run)."""
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+
+    engine, _, _, _ = initialize(model=_model(), config=_adam_config(stage, sp, tp))
+    try:
+        _train(engine, 0, 1)
+        engine.save_checkpoint(save_dir, tag="step1")
+        return _train(engine, 1, 2)
+    finally:
+        engine.seqpar_manager.destroy()
+        set_default_manager(None)
+
+
+def _resume(rank: int, world: int, save_dir: str, tag: str, stage: int, sp: int, tp: int) -> list[float]:
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+
+    engine, _, _, _ = initialize(model=_model(), config=_adam_config(stage, sp, tp, load_universal=True))
+    try:
+        path, _ = engine.load_checkpoint(save_dir, tag=tag)
+        assert path is not None
+        return _train(engine, 1, 2)
+    finally:
+        engine.seqpar_manager.destroy()
+        set_default_manager(None)
+
+
+@pytest.mark.parametrize("stage,saved,resumed", [(3, (2, 2), (2, 1)), (1, (2, 1), (2, 2))])
+def test_universal_checkpoint_across_tp(dist_pool, tmp_path, stage: int, saved: tuple, resumed: tuple) -> None:
+    """Saved at TP2 x SP2 and resumed at SP2 (ZeRO-3), and back (ZeRO-1), through ``to_universal``: the 2 steps
+    after the resume (AdamW: its states travel too) equal the uninterrupted run's."""
+    from seqpar.integrations.deepspeed import to_universal
+
+    (sp, tp), (sp2, tp2) = saved, resumed
+    want = dist_pool.run(sp * tp, _save_then_continue, str(tmp_path), stage, sp, tp, timeout=120)[0]
+    tag = to_universal(tmp_path, "step1")
+    got = dist_pool.run(sp2 * tp2, _resume, str(tmp_path), tag, stage, sp2, tp2, timeout=120)
+    for losses in got:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=0)
+    assert want[0] != want[1]
+
+
+def test_launcher_resumes_at_another_tp_layout(dist_pool, tmp_path) -> None:
+    """``launch/train.py``: 2 steps at TP2 x SP2 (4 ranks), saved; ``--resume`` at SP2 (``--tp-size 1``, 2 ranks)
+    with ``"checkpoint": {"load_universal": true}`` converts the checkpoint to DeepSpeed's universal form and
+    step 3 equals the uninterrupted SP1 x TP1 run."""
+    import json
+    from pathlib import Path
+
+    from test_train import _close, _config, _losses
+
+    raw = json.loads(Path(_config("deepspeed_tp.json")).read_text())
+    config = tmp_path / "tp_universal.json"
+    config.write_text(json.dumps({**raw, "checkpoint": {"load_universal": True}}))
+    short = ["--seq-len", "256", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, ["--config", _config("deepspeed_tp.json"), *short, "--steps", "3", "--sp-size", "1",
+                                 "--tp-size", "1"])
+    argv = ["--config", str(config), *short, "--save-dir", str(tmp_path / "ckpt")]
+    head = _losses(dist_pool, 4, [*argv, "--steps", "2"], timeout=300)
+    tail = _losses(dist_pool, 2, [*argv, "--steps", "3", "--resume", "--tp-size", "1"], timeout=300)
+    assert (len(head), len(tail)) == (2, 1), (head, tail)
+    assert (tmp_path / "ckpt" / "universal" / "step2").is_dir()
+    _close(head + tail, ref)
