@@ -177,6 +177,38 @@ def test_zamba_and_balanced(dist_pool, world, family, sharding):
     assert dist_pool.run(world, _parity, family, sharding, mode_list, timeout=600)[0] == ["ring", "ulysses"]
 
 
+# ----------------------------------------------------------------------------- the pure Mamba models
+def tiny_pure(name: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A MambaForCausalLM / FalconMambaForCausalLM of two Mamba layers and no attention at all."""
+    torch.manual_seed(0)
+    cfg = getattr(transformers, f"{name}Config")(vocab_size=VOCAB, hidden_size=16, state_size=4, expand=2,
+                                                 conv_kernel=4, time_step_rank=4, num_hidden_layers=2,
+                                                 use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("MambaMixer"):
+                m.D.normal_()
+                m.conv1d.bias.normal_()
+    return model.to(dtype)
+
+
+def _pure_parity(rank: int, world: int, name: str, sharding: str) -> list[str]:
+    routes = {"backbone.layers.0.mixer": "mixer", "backbone.layers.1.mixer": "mixer"}
+    # no attention: the attention mode is moot, the mixers alone carry the sequence across the ranks
+    return sharded_parity(functools.partial(tiny_pure, name), routes, world, sharding, [{"mode": "ring"}])
+
+
+@pytest.mark.parametrize("name,world,sharding", [("Mamba", 2, "zigzag"), ("FalconMamba", 4, "contiguous")])
+def test_pure_mamba_models_sharded(dist_pool, name, world, sharding):
+    # a model of Mamba layers alone (no attention to swap) is swapped, probed and trained like a hybrid
+    assert dist_pool.run(world, _pure_parity, name, sharding, timeout=600)[0] == ["ring"]
+
+
+def test_pure_mamba_model_one_process():
+    one_process_parity(functools.partial(tiny_pure, "Mamba"))
+
+
 # ----------------------------------------------------------------------------- the pure Mamba layers
 def _layer_parity(rank: int, world: int, name: str) -> None:
     """MambaMixer / FalconMambaMixer (their models have no attention, which the swap refuses): the layer alone."""

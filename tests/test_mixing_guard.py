@@ -418,14 +418,19 @@ def test_zero3_partitioned_parameters_probed_at_the_first_forward(dist_pool):
     assert len(texts) == 2 and texts[0] == texts[1], texts
 
 
-@pytest.mark.parametrize("name", ["mamba", "gpt_neo"])
+@pytest.mark.parametrize("name", ["rwkv", "xlstm", "gpt_neo"])
 def test_models_with_nothing_to_swap_name_their_mixers(name):
-    """A transformers model with no attention seqpar can route (Mamba: none; GPT-Neo: it computes its
-    own scores) is refused naming each mixing module, not only "found nothing to swap"."""
-    if name == "mamba":
-        model = transformers.MambaForCausalLM(transformers.MambaConfig(
-            vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
-        path, cls = "backbone.layers.1.mixer", "MambaMixer"
+    """A transformers model with no attention seqpar can route and no mixer it handles (RWKV, xLSTM: no
+    attention; GPT-Neo: it computes its own scores) is refused naming each mixing module, not only
+    "found nothing to swap". (A model of handled mixers alone, Mamba, is swapped: test_mixers_mamba.)"""
+    if name == "rwkv":
+        model = transformers.RwkvForCausalLM(transformers.RwkvConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64))
+        path, cls = "rwkv.blocks.1.attention", "RwkvSelfAttention"
+    elif name == "xlstm":
+        model = transformers.xLSTMForCausalLM(transformers.xLSTMConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=2))
+        path, cls = "backbone.blocks.1.mlstm_layer.mlstm_backend", "xLSTMBackend"
     else:
         model = transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
             vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],

@@ -174,7 +174,7 @@ def swap_attention(
     glue = _hf_glue() if "hf" in routes else None
     plan = _plan(model, routes, patterns, glue)
     options = SwapOptions.from_config(cfg, group)
-    if not plan:
+    if not plan and not (glue is not None and _has_mixers(model, patterns)):
         _refuse_nothing_found(model, cfg, routes, patterns, glue, options)
     # Mixers first: the position-mixing probe must see them in their sequence-parallel form
     # (position-wise while it probes), and every module it still finds is one seqpar does not handle.
@@ -203,7 +203,9 @@ def _probe(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: Sw
     models: raises SwapError), and returns what must run at the first forward (None: nothing)."""
     hf_modules = [(name, module) for name, module, route in plan if route == "hf"]
     later: list[FirstForward] = []
-    if hf_modules and glue is not None:
+    # A model of mixers alone (Mamba, Mamba2: no attention at all) is probed like one with attention:
+    # every position-mixing module left must be one its mixers' families handle.
+    if glue is not None and (hf_modules or not plan):
         deferred = glue.probe_at_swap(model, hf_modules, options)
         if deferred is not None:
             later.append(deferred)
@@ -235,6 +237,12 @@ def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
                                            position_wise=is_probing))
         swapped.append((name, module))
     return swapped
+
+
+def _has_mixers(model: nn.Module, patterns: tuple[str, ...] | None) -> bool:
+    """Whether ``model`` holds a mixer seqpar handles (:mod:`seqpar.mixers`) that ``patterns`` selects."""
+    return any(family_of(module) is not None and (patterns is None or _matches(name, module, patterns))
+               for name, module in model.named_modules())
 
 
 def _restore_mixers(model: nn.Module, mixers: list[tuple[str, nn.Module]]) -> None:
@@ -341,5 +349,7 @@ def _apply(model: nn.Module, plan: list[tuple[str, nn.Module, str]], options: Sw
             hf_modules.append((name, module))
         else:
             track_module(module, name, options)
-    preparers = glue.apply(model, hf_modules, options) if hf_modules else []
+    # A model of mixers alone still needs its inputs prepared (labels shifted across shards, the loss
+    # over the whole sequence, packed documents' boundaries), so it goes through the glue with no attention.
+    preparers = glue.apply(model, hf_modules, options) if hf_modules or (not plan and glue is not None) else []
     return report, preparers
