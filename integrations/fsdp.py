@@ -218,7 +218,10 @@ def _wrap_fsdp2(
     mesh = build_mesh(manager)
     mp = MixedPrecisionPolicy(param_dtype=opts.param_dtype, reduce_dtype=opts.reduce_dtype)
     kw: dict[str, Any] = {"mesh": mesh, "mp_policy": mp}
-    blocks = [m for m in model.modules() if type(m) in block_classes]
+    # Innermost first: a block class can nest inside another (MiniMax's and Mixtral's SparseMoeBlock inside
+    # the decoder layer, RecurrentGemma's RecurrentBlock), and sharding the outer one first would leave the
+    # inner one's parameters DTensors already, which fully_shard then mistakes for tensor-parallel ones.
+    blocks = [m for m in reversed(list(model.modules())) if type(m) in block_classes]
     for block in blocks:
         fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **kw)
     fully_shard(model, **kw)

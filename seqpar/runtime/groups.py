@@ -450,8 +450,9 @@ class ProcessGroupManager:
         for group in self._created:
             dist.destroy_process_group(group)
         self._created = []
-        if self._mesh is not None or self._dp_sp_tp_mesh is not None:
-            _forget_dtensor_plans()
+        # Always: FSDP2 builds DTensors on meshes over this manager's groups that the manager never sees
+        # (seqpar.integrations.fsdp.build_mesh), and their cached plans would outlive the groups.
+        _forget_dtensor_plans()
         if default_manager() is self:
             set_default_manager(None)
         if self.owns_world:
