@@ -55,6 +55,29 @@ def test_harness_timeout_kills_and_restarts(dist_pool):
     assert dist_pool.run(2, _rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
 
 
+def _leave_a_manager(rank: int, world: int) -> int:
+    import seqpar
+
+    seqpar.init_process_groups(sp_size=world)  # never destroyed, as a failing test would leave it
+    return len(os.listdir("/proc/self/task"))
+
+
+def _threads(rank: int, world: int) -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_harness_destroys_groups_a_task_left_behind(dist_pool):
+    # Each gloo group holds threads and sockets; a pool rank runs hundreds of tasks in a session, so the
+    # groups one task leaves must not outlive it (the next task destroys them). Each manager here is 12 threads.
+    dist_pool.run(2, _threads)
+    before = dist_pool.run(2, _threads)
+    for _ in range(5):
+        dist_pool.run(2, _leave_a_manager)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
 # ------------------------------------------------------------------ ProcessGroupManager
 
 # (world size, SP size) -> (SP groups, DP groups), written out from the documented grid.

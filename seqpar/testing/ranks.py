@@ -106,6 +106,41 @@ def _join_group(rank: int, world: int, port: int, device: str, threads: int, pg_
     return dev
 
 
+def _process_groups() -> set:
+    """Every process group torch holds on this rank (its own registry)."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_but(keep: set) -> None:
+    """Destroy the groups earlier tasks made and left behind (a manager a test did not destroy, a
+    DeviceMesh's groups). Run at the start of the next task: by then every rank of the pool has finished
+    the earlier one, so no peer still uses them. Without this, each leaked gloo group keeps its threads
+    and sockets for the rest of the session (hundreds per worker over the suite, busy enough to slow the
+    whole machine). DTensor's cached plans name groups too, so they go with them."""
+    import sys
+
+    import torch.distributed as dist
+
+    leftover = _process_groups() - keep
+    # DeepSpeed keeps its own references (its TP / DP / expert groups, reused by its next engine):
+    # its destroy_process_group releases them with the group.
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
+    if deepspeed_comm is not None and getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None) is not None:
+        destroy = deepspeed_comm.destroy_process_group
+    else:
+        destroy = dist.destroy_process_group
+    for group in leftover:
+        destroy(group)
+    if leftover:
+        try:
+            from torch.distributed.tensor import debug
+        except ImportError:
+            return
+        getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
+
+
 def _worker(
     rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any
 ) -> None:
@@ -120,11 +155,13 @@ def _worker(
         return
     results.put((_READY, rank, True, b""))
     ctx = RankContext(rank, world, dev)
+    own_groups = _process_groups()
     while True:
         msg = tasks.get()
         if msg == _STOP:
             break
         task_id, payload = msg
+        _destroy_groups_but(own_groups)
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = (task_id, rank, True, pickle.dumps(fn(ctx, *args, **kwargs)))
