@@ -105,14 +105,18 @@ class MixerShape:
         intermediates are fp32 whatever the dtype, as transformers' torch paths compute them."""
         f = self.family
         if f == "mamba":
-            # measured on JambaMambaMixer (fp32): 12 d N + 37.6 d + 30 N bytes per token. The scan keeps
-            # exp(dt A), dt B and the per-step state, each (d_inner, d_state) fp32; the rest: in_proj's
-            # output (x, z), the conv's output and its activation, dt before / after softplus, the scan
-            # output and the gate (~9.4 d units) and the dt / B / C projections with their RMS norms.
+            # measured on JambaMambaMixer (fp32, saved-tensor hooks): 12 d N + 37.6 d + 30 N bytes per token.
+            # The scan keeps exp(dt A), dt B and the per-step state, each (d_inner, d_state) fp32; the rest:
+            # in_proj's output (x, z), the conv's output and its activation, dt before / after softplus, the
+            # scan output and the gate (~9.4 d units) and the dt / B / C projections with their RMS norms.
+            # In a training step the peak holds one more (d, N) fp32 per token: the scan's backward starts
+            # with the gradient of its stacked per-step states beside the saved tensors (measured: a Jamba
+            # step at P=1 peaks at 4 (d, N) fp32 per token of its Mamba layer, 49.2 MiB vs 49.4 modelled).
             # At P > 1 the correction keeps exp(cumsum(dt A)) for the positions before a chunk's first
-            # document start (every local token on the ranks after the first): one more (d, N) fp32.
+            # document start (every local token when no document starts there), and its einsum with C and
+            # the incoming state a reordered copy of it: two more (d, N) fp32 per token.
             d, n = self.d_inner, self.d_state
-            scan = 3 + (1 if sp_size > 1 else 0)
+            scan = 4 + (2 if sp_size > 1 else 0)
             return scan * d * n * 4 + math.ceil(9.4 * d * e) + 30 * n * e // 4 + 4 * self.dt_rank * e
         if f == "short_conv":
             # LFM2's ShortConv: in_proj's (B, C, x) output, B * x (the conv input, with its halo), the conv
