@@ -1,5 +1,6 @@
-"""launch/train.py on hybrid models (issue 21): ``"model": {"architecture": "jamba", ...}`` (configs/fsdp_hybrid.json:
-one Mamba layer, one attention layer) trains at SP=2 and SP=4 with the losses of SP=1 (1e-4 relative, as
+"""launch/train.py on hybrid models (issue 21): ``"model": {"architecture": "jamba", ...}`` (one Mamba layer, one
+attention layer: configs/fsdp_hybrid.json dense under FSDP2, configs/deepspeed_hybrid.json with a 4-expert MoE and
+its router loss under ZeRO-2) trains at SP=2 and SP=4 with the losses of SP=1 (1e-4 relative, as
 tests/test_train.py), plain and packed; an architecture whose mixers the swap refuses fails with the swap's
 error, naming the mixer, on every rank."""
 
@@ -16,11 +17,13 @@ ARGV = ["--config", _config("fsdp_hybrid.json"), *SHORT]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("extra", [(), ("--packed",)], ids=["plain", "packed"])
-def test_hybrid_sp2_sp4_match_sp1(dist_pool, extra):
-    ref = _losses(dist_pool, 1, [*ARGV, *extra, "--sp-size", "1"])
+@pytest.mark.parametrize("config,extra", [("fsdp_hybrid.json", ()), ("fsdp_hybrid.json", ("--packed",)),
+                                          ("deepspeed_hybrid.json", ())], ids=["fsdp", "fsdp-packed", "deepspeed-moe"])
+def test_hybrid_sp2_sp4_match_sp1(dist_pool, config, extra):
+    argv = ["--config", _config(config), *SHORT, *extra]
+    ref = _losses(dist_pool, 1, [*argv, "--sp-size", "1"])
     for sp in (2, 4):
-        _close(_losses(dist_pool, sp, [*ARGV, *extra, "--sp-size", str(sp)]), ref)
+        _close(_losses(dist_pool, sp, [*argv, "--sp-size", str(sp)]), ref)
     assert ref[-1] < ref[0], "the loss should move in 3 steps"
 
 
