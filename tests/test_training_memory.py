@@ -287,3 +287,33 @@ def test_hybrid_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path:
         if shares[term] >= SIGNIFICANT:
             assert abs(wrong / measured - 1) > TOLERANCE, (term, shares[term], wrong, measured)
     assert shares["mixer activations"] >= 0.5, shares  # the point of this setting: the mixer dominates
+
+
+# the mixer module of each family inside its decoder layer, by attribute name
+_MIXER_ATTRS = {"mamba": ("mamba",), "short_conv": ("conv",), "lightning": ("self_attn",),
+                "rglru": ("temporal_block",), "ssd": ("mamba", "mixer"), "gdn": ("linear_attn",)}
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "lfm2", "minimax", "recurrent_gemma", "falcon_h1", "bamba",
+                                        "nemotron_h", "granitemoehybrid", "zamba2", "qwen3_next", "qwen3_5_text"])
+def test_mixer_shape_from_the_config_alone(model_type: str) -> None:
+    # the mixer's parameters and the layer kinds read from the config equal the built model's
+    from all_models import tiny_kwargs
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from seqpar.memory.mixers import mixer_shape
+
+    config = CONFIG_MAPPING[model_type](**tiny_kwargs(model_type))
+    mixer, kinds = mixer_shape(config)
+    model = AutoModelForCausalLM.from_config(config)
+    for i, (kind, layer) in enumerate(zip(kinds, model.model.layers, strict=True)):
+        module = next((m for name, m in layer.named_modules()  # Zamba2's hybrid layer: mamba_decoder.mamba
+                       if name.rsplit(".", 1)[-1] in _MIXER_ATTRS[mixer.family]), None)
+        if kind in ("mixer", "both"):
+            assert sum(p.numel() for p in module.parameters()) == mixer.params(config.hidden_size), (i, kind)
+    assert "mixer" in kinds or "both" in kinds
+    est = estimate_training_memory(config, seq_len=4096, sp_size=2)
+    llama = estimate_training_memory({**{k: getattr(config, k) for k in ("vocab_size", "hidden_size",
+                                      "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads")}}, seq_len=4096, sp_size=2)
+    assert est["peak"] > 0 and est["activations"] != llama["activations"]

@@ -92,7 +92,7 @@ class MixerShape:
             return 3 * (h * w + w) + w * k + w + 2 * (w * w // heads + w) + w
         if f == "ssd":  # in_proj (z, xBC, dt), conv on xBC, dt_bias, A_log, D, gated norm, out_proj
             d, gn, heads, k = self.heads * self.head_dim, self.groups * self.d_state, self.heads, self.d_conv
-            return h * (2 * d + 2 * gn + heads) + (d + 2 * gn) * (k + 1) + 3 * heads + d + d * h
+            return h * (2 * d + 2 * gn + heads) + (d + 2 * gn) * (k + 1) + 3 * heads + self.norm * d + d * h
         if f == "gdn":  # in_proj_qkvz, in_proj_ba, conv on qkv, dt_bias, A_log, norm, out_proj
             qk, v, hv, k = self.k_heads * self.k_dim, self.v_heads * self.v_dim, self.v_heads, self.d_conv
             return h * (2 * qk + 2 * v) + h * 2 * hv + (2 * qk + v) * k + 2 * hv + self.v_dim + v * h
@@ -225,12 +225,16 @@ def mixer_shape(config: Any) -> tuple[MixerShape | None, tuple[str, ...]]:
         dims = {"width": int(_get(config, "lru_width", default=h)), "heads": int(config.num_attention_heads),
                 "d_conv": int(_get(config, "conv1d_width", default=4))}
     elif family == "ssd":
-        heads = int(_get(config, "mamba_n_heads", "num_heads", "mamba_num_heads"))
-        dims = {"heads": heads, "head_dim": int(_get(config, "mamba_d_head", "mamba_head_dim", "head_dim")),
+        # field names: falcon_h1 / bamba / granitemoehybrid (mamba_*), nemotron_h (mamba_num_heads, head_dim,
+        # ssm_state_size, n_groups), zamba2 (n_mamba_heads, mamba_headdim, mamba_ngroups)
+        heads = int(_get(config, "mamba_n_heads", "n_mamba_heads", "mamba_num_heads", "num_heads"))
+        dims = {"heads": heads,
+                "head_dim": int(_get(config, "mamba_d_head", "mamba_headdim", "mamba_head_dim", "head_dim")),
                 "d_state": int(_get(config, "mamba_d_state", "ssm_state_size", "state_size")),
-                "groups": int(_get(config, "mamba_n_groups", "n_groups", default=1)),
+                "groups": int(_get(config, "mamba_n_groups", "mamba_ngroups", "n_groups", default=1)),
                 "d_conv": int(_get(config, "mamba_d_conv", "conv_kernel", default=4)),
-                "chunk": int(_get(config, "mamba_chunk_size", "chunk_size", default=256))}
+                "chunk": int(_get(config, "mamba_chunk_size", "chunk_size", default=256)),
+                "norm": 0 if _get(config, "mamba_rms_norm") is False else 1}  # Falcon-H1 may leave the gated norm out
     else:  # gdn
         dims = {"k_heads": int(config.linear_num_key_heads), "v_heads": int(config.linear_num_value_heads),
                 "k_dim": int(config.linear_key_head_dim), "v_dim": int(config.linear_value_head_dim),
