@@ -25,6 +25,11 @@ holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activat
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
 come on top: the GPU figures in BENCHMARKS.md are labelled as modelled.
 
+Hybrid models (linear-attention / state-space / convolution layers among the attention layers) are
+read from their transformers config by :mod:`seqpar.memory.mixers`: each mixer layer's weights, what it
+saves for backward at S/P and its sequence-parallel exchange (conv halo, all-gathered chunk summaries)
+replace attention's terms in that layer; validated on a Jamba within 10% in the same test file.
+
 ``offload_activations`` moves the checkpointed layer inputs to host memory: on a GPU they then cost
 one or two layers' inputs (the one in use and the prefetched one) instead of all layers'.
 """
@@ -447,7 +452,11 @@ def estimate_training_memory(
 
     Args:
         model_config: a Llama-family shape: a dict or transformers config with the Hugging Face
-            fields (``vocab_size``, ``hidden_size``, ...), or a name in :data:`MODEL_SHAPES`.
+            fields (``vocab_size``, ``hidden_size``, ...), or a name in :data:`MODEL_SHAPES`. A hybrid
+            model (a transformers config, or a dict naming its ``architecture`` / ``model_type``: Jamba,
+            LFM2, MiniMax, RecurrentGemma, Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid, Zamba2,
+            Qwen3-Next, Qwen3.5) counts each mixer layer's weights, saved activations and
+            sequence-parallel exchange instead of attention's (:mod:`seqpar.memory.mixers`; tp_size 1).
         seq_len: tokens per sample over the whole SP group; sp_size / dp_size: the mesh.
         engine: ``"fsdp2"`` or ``"deepspeed"`` (``zero_stage`` 1, 2 or 3; FSDP2 shards like ZeRO-3).
         dtype: training dtype; low precision keeps an fp32 master partition and fp32 optimizer state.
