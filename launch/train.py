@@ -21,7 +21,10 @@ config, with three extra sections the launcher reads and removes before the engi
     "model": {"hidden_size": 64, ...}                 # transformers.LlamaConfig fields, or with
                                                       # "architecture": "mixtral" (a transformers model
                                                       # type) that config class's fields (sizes:
-                                                      # MODEL_SIZE_RANGES)
+                                                      # MODEL_SIZE_RANGES); hybrids too ("jamba",
+                                                      # "lfm2", ...: configs/*_hybrid.json), whose
+                                                      # mixers the swap makes sequence-parallel or
+                                                      # refuses by name on every rank
     "train": {"seq_len": 1024, "steps": 30, ...}      # TrainSettings below; flags override
     "fsdp": {"version": 2, ...}                       # FSDP only: integrations.fsdp.FSDPOptions
 
@@ -899,7 +902,7 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
         "=" * 72,
         f"seqpar train: {plan.engine} | world {manager.world_size} = dp {manager.dp_size} x "
         f"sp {manager.sp_size} | mode {plan.sp.mode} | sharding {manager.sharding or 'contiguous'}",
-        f"model: Llama {n_params / 1e6:.2f} M params ({plan.model or 'default sizes'}) | dtype "
+        f"model: {config_class(plan.model).model_type} {n_params / 1e6:.2f} M params ({plan.model or 'default sizes'}) | dtype "
         f"{plan.train.dtype} | activation checkpointing {plan.train.activation_checkpointing}",
         f"data: recall, seq_len {plan.train.seq_len}, {metrics['global_batch']} samples/step "
         f"(micro {plan.train.micro_batch_size} x accum {plan.train.grad_accum} x dp {manager.dp_size})",

@@ -239,3 +239,81 @@ def test_ring_output_shares_o_proj_storage_at_sp2(dist_pool) -> None:
     ring = dist_pool.run(2, _saved_units_sp, "ring", timeout=200)[0]
     allgather = dist_pool.run(2, _saved_units_sp, "allgather", timeout=200)[0]
     assert allgather - ring == pytest.approx(1.0, abs=0.01), (ring, allgather)
+
+
+# --------------------------------------------------------------------------- hybrid models (issue 21)
+# A dense Jamba (one Mamba layer, one attention layer) whose Mamba layer is most of the peak: the torch
+# path's selective scan keeps (d_inner, d_state) fp32 tensors per token, the mixer's term the check must see.
+HYBRID_MODEL = {"architecture": "jamba", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2, "attn_layer_offset": 1,
+                "num_experts": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4}
+HYBRID_SETTING = ("fsdp2", 0, 2, 1024)  # engine, stage, SP size, seq len (ring, zigzag, no checkpointing)
+# each mixer term of the estimate, by the MixerShape method that makes it
+MIXER_TERMS = {"mixer activations": "saved_bytes", "mixer exchange (halo, chunk summaries)": "state_bytes"}
+
+
+def _doubled_method(name: str) -> Any:
+    from seqpar.memory.mixers import MixerShape
+
+    fn = getattr(MixerShape, name)
+    return lambda self, *args, **kwargs: 2 * fn(self, *args, **kwargs)
+
+
+@pytest.mark.timeout(600)
+def test_hybrid_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path) -> None:
+    from seqpar.memory.mixers import MixerShape
+
+    engine, stage, sp, seq = HYBRID_SETTING
+    argv = ["--config", _config(tmp_path, engine, stage, model=HYBRID_MODEL), "--sp-size", str(sp),
+            "--seq-len", str(seq), "--no-progress", "--log-level", "WARNING"]
+    out = dist_pool.run(sp, _run_main, argv, timeout=500)
+    measured = max(out[0]["peak_mem_bytes"])
+    model = {**HYBRID_MODEL, "vocab_size": _train_module().RecallTask(
+        _train_module().TrainSettings()).vocab_size}
+
+    def estimate() -> dict:
+        return estimate_training_memory(model, seq_len=seq, sp_size=sp, engine=engine, zero_stage=stage)
+
+    est = estimate()
+    print(f"\nhybrid estimate vs measured {HYBRID_SETTING}: {est['peak'] / 2**20:.2f} MiB vs "
+          f"{measured / 2**20:.2f} MiB ({est['peak'] / measured - 1:+.1%}, at {est['moment']})")
+    assert abs(est["peak"] / measured - 1) <= TOLERANCE, (est, measured)
+    shares = {}
+    for term, name in [*TERMS.items(), *MIXER_TERMS.items()]:
+        target = MixerShape if term in MIXER_TERMS else training
+        with mock.patch.object(target, name, _doubled_method(name) if term in MIXER_TERMS else _doubled(name)):
+            wrong = estimate()["peak"]
+        shares[term] = wrong / est["peak"] - 1
+        if shares[term] >= SIGNIFICANT:
+            assert abs(wrong / measured - 1) > TOLERANCE, (term, shares[term], wrong, measured)
+    assert shares["mixer activations"] >= 0.5, shares  # the point of this setting: the mixer dominates
+
+
+# the mixer module of each family inside its decoder layer, by attribute name
+_MIXER_ATTRS = {"mamba": ("mamba",), "short_conv": ("conv",), "lightning": ("self_attn",),
+                "rglru": ("temporal_block",), "ssd": ("mamba", "mixer"), "gdn": ("linear_attn",)}
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "lfm2", "minimax", "recurrent_gemma", "falcon_h1", "bamba",
+                                        "nemotron_h", "granitemoehybrid", "zamba2", "qwen3_next", "qwen3_5_text"])
+def test_mixer_shape_from_the_config_alone(model_type: str) -> None:
+    # the mixer's parameters and the layer kinds read from the config equal the built model's
+    from all_models import tiny_kwargs
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from seqpar.memory.mixers import mixer_shape
+
+    config = CONFIG_MAPPING[model_type](**tiny_kwargs(model_type))
+    mixer, kinds = mixer_shape(config)
+    model = AutoModelForCausalLM.from_config(config)
+    for i, (kind, layer) in enumerate(zip(kinds, model.model.layers, strict=True)):
+        module = next((m for name, m in layer.named_modules()  # Zamba2's hybrid layer: mamba_decoder.mamba
+                       if name.rsplit(".", 1)[-1] in _MIXER_ATTRS[mixer.family]), None)
+        if kind in ("mixer", "both"):
+            assert sum(p.numel() for p in module.parameters()) == mixer.params(config.hidden_size), (i, kind)
+    assert "mixer" in kinds or "both" in kinds
+    est = estimate_training_memory(config, seq_len=4096, sp_size=2)
+    llama = estimate_training_memory({**{k: getattr(config, k) for k in ("vocab_size", "hidden_size",
+                                      "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads")}}, seq_len=4096, sp_size=2)
+    assert est["peak"] > 0 and est["activations"] != llama["activations"]

@@ -25,6 +25,11 @@ holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activat
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
 come on top: the GPU figures in BENCHMARKS.md are labelled as modelled.
 
+Hybrid models (linear-attention / state-space / convolution layers among the attention layers) are
+read from their transformers config by :mod:`seqpar.memory.mixers`: each mixer layer's weights, what it
+saves for backward at S/P and its sequence-parallel exchange (conv halo, all-gathered chunk summaries)
+replace attention's terms in that layer; validated on a Jamba within 10% in the same test file.
+
 ``offload_activations`` moves the checkpointed layer inputs to host memory: on a GPU they then cost
 one or two layers' inputs (the one in use and the prefetched one) instead of all layers'.
 """
@@ -38,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 
 from seqpar.memory.attention import as_dtype, estimate_attention_memory
+from seqpar.memory.mixers import MixerShape, mixer_shape
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "layer_saved_bytes",
            "CATEGORIES"]
@@ -59,6 +65,10 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int | None = None
     tie_word_embeddings: bool = False
+    mixer: MixerShape | None = None
+    """Hybrid models: the mixer of the non-attention layers (:func:`seqpar.memory.mixers.mixer_shape`)."""
+    layer_kinds: tuple[str, ...] = ()
+    """Hybrid models: each layer's kind (``"attention"``, ``"mixer"``, ``"both"``, ``"mlp"``); empty: all attention."""
 
     @classmethod
     def from_config(cls, config: Any) -> ModelShape:
@@ -70,12 +80,14 @@ class ModelShape:
                                "num_attention_heads") if get(k) is None]
         if missing:
             raise ValueError(f"model_config lacks {missing}: give the Hugging Face config fields")
+        mixer, kinds = mixer_shape(config)
         return cls(
             vocab_size=int(get("vocab_size")), hidden_size=int(get("hidden_size")),
             intermediate_size=int(get("intermediate_size")), num_hidden_layers=int(get("num_hidden_layers")),
             num_attention_heads=int(get("num_attention_heads")),
             num_key_value_heads=int(get("num_key_value_heads") or get("num_attention_heads")),
             head_dim=get("head_dim"), tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            mixer=mixer, layer_kinds=kinds,
         )
 
     @property
@@ -83,10 +95,28 @@ class ModelShape:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def attention_params(self) -> int:
+        h, d = self.hidden_size, self.d
+        return h * self.num_attention_heads * d * 2 + h * self.num_key_value_heads * d * 2  # q, o; k, v
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Every layer's kind (all ``"attention"`` for a Llama-family shape)."""
+        return self.layer_kinds or ("attention",) * self.num_hidden_layers
+
+    def params_of(self, kind: str) -> int:
+        """Parameters of one layer of ``kind``: its attention and / or mixer, gate / up / down, two RMSNorms."""
+        h, i = self.hidden_size, self.intermediate_size
+        mix = self.mixer.params(h) if self.mixer is not None and kind in ("mixer", "both") else 0
+        attn = self.attention_params if kind in ("attention", "both") else 0
+        return attn + mix + 3 * h * i + 2 * h
+
+    @property
     def layer_params(self) -> int:
-        h, i, d = self.hidden_size, self.intermediate_size, self.d
-        attn = h * self.num_attention_heads * d * 2 + h * self.num_key_value_heads * d * 2  # q, o; k, v
-        return attn + 3 * h * i + 2 * h  # gate, up, down; two RMSNorms
+        """The largest layer's parameters (the whole copy an engine gathers for compute)."""
+        if not self.layer_kinds:
+            return self.params_of("attention")
+        return max(self.params_of(k) for k in self.layer_kinds)
 
     @property
     def root_params(self) -> int:
@@ -95,7 +125,9 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.root_params + self.num_hidden_layers * self.layer_params
+        if not self.layer_kinds:
+            return self.root_params + self.num_hidden_layers * self.layer_params
+        return self.root_params + sum(self.params_of(k) for k in self.layer_kinds)
 
     def tp_local(self, tp: int) -> ModelShape:
         """The shape one rank of a tensor-parallel group of ``tp`` holds (Megatron / transformers' plan): query
@@ -107,6 +139,9 @@ class ModelShape:
         """
         if tp == 1:
             return self
+        if self.mixer is not None:
+            raise ValueError(f"tp_size={tp}: the memory model of hybrid models ({self.mixer.family} mixers) covers "
+                             "tp_size 1 only; estimate with tp_size=1")
         if tp < 1 or self.num_attention_heads % tp or self.num_key_value_heads % tp:
             raise ValueError(f"tp_size={tp} must divide the query heads ({self.num_attention_heads}) and the K/V "
                              f"heads ({self.num_key_value_heads}); choose a divisor of both")
@@ -180,6 +215,18 @@ def layer_saved_bytes(model_config: Any, *, dtype: torch.dtype | str = torch.flo
                               tp_seq=tp_size if tp_sequence_parallel else 1)
 
 
+def _mixer_layer_delta(m: ModelShape, e: int, kind: str, *, sp_size: int, out_copy: bool) -> int:
+    """Bytes per local token a hybrid model's layer of ``kind`` saves beyond (or short of) a Llama layer's
+    :func:`_layer_saved_bytes`: a mixer layer saves its mixer's tensors
+    (:meth:`seqpar.memory.mixers.MixerShape.saved_bytes`) instead of attention's q, k, v, output, log-sum-exp
+    and rotary tables; a ``"both"`` layer (Falcon-H1, Zamba's hybrid layers) saves both; an ``"mlp"`` layer
+    (Nemotron-H) neither."""
+    qd, kvd = m.num_attention_heads * m.d, m.num_key_value_heads * m.d
+    attention = (2 * qd + 2 * kvd + (qd if out_copy else 0) + 2 * m.d) * e + m.num_attention_heads * 4
+    mixer = m.mixer.saved_bytes(e, sp_size) if m.mixer is not None else 0
+    return {"attention": 0, "both": mixer, "mixer": mixer - attention, "mlp": -attention}[kind]
+
+
 def _mlp_chunk_rows(tiled_mlp: int | str | bool, rows: int, hidden: int) -> int:
     if tiled_mlp is False:
         return rows
@@ -251,7 +298,7 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
 
 def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: str, tiled_mlp: int | str | bool,
                       recompute_norm: bool, activation_checkpointing: bool, offload_activations: bool,
-                      device: str, tp_seq: int = 1, head_gathers: bool = True) -> _ActivationBytes:
+                      device: str, tp_seq: int = 1, head_gathers: bool = True, batch: int = 1) -> _ActivationBytes:
     """What the decoder layers save for backward over ``rows`` local tokens (all layers, or their
     checkpointed inputs plus one layer recomputed), and the tiled MLP's one-chunk transient. ``tp_seq``:
     TP sequence parallelism's degree: the residual stream (layer inputs, norms) holds ``rows / tp_seq``;
@@ -264,14 +311,20 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     out_copy = sp_size > 1 and mode != "ring"
     per_layer = _layer_saved_bytes(m, e, mlp_saved=tiled_mlp is False, recompute_norm=recompute_norm,
                                    input_counted=activation_checkpointing, out_copy=out_copy, tp_seq=tp_seq) * rows
+    # hybrids: each layer's own figure (attention and / or mixer); the largest one is the one recomputed
+    layers = ([per_layer] * n_layers if not m.layer_kinds else
+              [per_layer + _mixer_layer_delta(m, e, kind, sp_size=sp_size, out_copy=out_copy) * rows
+               for kind in m.layer_kinds])
     if activation_checkpointing:
         inputs_kept = n_layers * rows * h * e // tp_seq
         if offload_activations and device == "cuda":
             inputs_kept = 2 * rows * h * e // tp_seq  # the layer in use and its prefetched predecessor
-        activations = inputs_kept + per_layer  # plus one layer recomputed in backward
+        activations = inputs_kept + max(layers)  # plus one layer recomputed in backward
         activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
     else:
-        activations = activations_at_loss = n_layers * per_layer
+        activations = activations_at_loss = sum(layers)
+    if m.mixer is not None:  # one mixer layer's sequence-parallel exchange at a time (2 chunks: zigzag)
+        activations += m.mixer.state_bytes(batch, e, sp_size, chunks=2)
     # the final norm's saved tensors (its output is the head's input) live until the loss's backward
     # has gone through the norm; the last layer's backward then holds the gradient coming down
     final_norm = _norm_saved_bytes(h, e, recompute_norm, False, tp_seq)
@@ -399,7 +452,11 @@ def estimate_training_memory(
 
     Args:
         model_config: a Llama-family shape: a dict or transformers config with the Hugging Face
-            fields (``vocab_size``, ``hidden_size``, ...), or a name in :data:`MODEL_SHAPES`.
+            fields (``vocab_size``, ``hidden_size``, ...), or a name in :data:`MODEL_SHAPES`. A hybrid
+            model (a transformers config, or a dict naming its ``architecture`` / ``model_type``: Jamba,
+            LFM2, MiniMax, RecurrentGemma, Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid, Zamba2,
+            Qwen3-Next, Qwen3.5) counts each mixer layer's weights, saved activations and
+            sequence-parallel exchange instead of attention's (:mod:`seqpar.memory.mixers`; tp_size 1).
         seq_len: tokens per sample over the whole SP group; sp_size / dp_size: the mesh.
         engine: ``"fsdp2"`` or ``"deepspeed"`` (``zero_stage`` 1, 2 or 3; FSDP2 shards like ZeRO-3).
         dtype: training dtype; low precision keeps an fp32 master partition and fp32 optimizer state.
@@ -441,9 +498,11 @@ def estimate_training_memory(
     acts = _activation_bytes(m, e, rows=rows, sp_size=sp_size, mode=mode, tiled_mlp=tiled_mlp,
                              recompute_norm=recompute_norm, activation_checkpointing=activation_checkpointing,
                              offload_activations=offload_activations, device=device, tp_seq=tp_seq,
-                             head_gathers=not tiled_loss)
+                             head_gathers=not tiled_loss, batch=batch)
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
                                            batch=batch, head_chunks=head_chunks)
+    if not any(kind in ("attention", "both") for kind in m.kinds):
+        attention = 0  # a model of mixer layers only: no attention call
     logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss, tp_seq=tp_seq)
     comm = _communication_bytes(e, engine=engine, reduce_bucket_size=reduce_bucket_size)
     zero12_reduce = _zero12_reduce_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
