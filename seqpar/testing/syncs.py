@@ -607,6 +607,18 @@ SCENARIOS: list[Scenario] = [
              extra={"tiling": True, "recompute_norm": True}),
 ]
 
+# Mixers (kind "mixer"): each family's sequence-parallel layer, built from a tiny transformers layer, called
+# LAYERS times on one batch; extra["mixer"] names its builder in MIXERS (below). Every family runs dense
+# (contiguous) and with packed documents (zigzag: two chunks per rank, documents crossing them). A new
+# family: a builder decorated with @mixer("name") and its name in MIXER_FAMILIES.
+MIXER_FAMILIES = ("conv", "mamba", "lightning", "rglru", "state-passing")
+# No kernel choice depends on the GPU here: simulated as an H100 only.
+SCENARIOS += [
+    Scenario(f"mixer-{family}-{sharding}{'-documents' if docs else ''}", kind="mixer", sharding=sharding,
+             documents=docs, extra={"mixer": family, "gpus": ("h100",)})
+    for family in MIXER_FAMILIES for sharding, docs in (("contiguous", False), ("zigzag", True))
+]
+
 
 def _fake(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16, grad: bool = True) -> Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="cuda").requires_grad_(grad and dtype.is_floating_point)
@@ -738,6 +750,111 @@ def _hf_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
     return run_backward([out.loss if out.loss is not None else out.logits], checker)
 
 
+# ------------------------------------------------------------------------------------ mixers
+MixerLayer = Callable[[Tensor, Tensor | None, Tensor], Tensor]
+"""``(hidden (1, S_local, H), cu_seqlens or None, position_ids (1, S_local)) -> hidden``: one call."""
+
+MIXERS: dict[str, Callable[[Scenario], tuple[MixerLayer, int]]] = {}
+"""Mixer family -> builder of ``(one layer's call, hidden size)`` on fake bf16 CUDA parameters, for
+``Scenario(kind="mixer", extra={"mixer": name})``. Families add themselves with :func:`mixer`."""
+
+
+def mixer(name: str) -> Callable[[Callable[[Scenario], tuple[MixerLayer, int]]], Callable[[Scenario], tuple[MixerLayer, int]]]:
+    """Register a mixer builder under ``name`` (see :data:`MIXERS`)."""
+    def register(build: Callable[[Scenario], tuple[MixerLayer, int]]) -> Callable[[Scenario], tuple[MixerLayer, int]]:
+        MIXERS[name] = build
+        return build
+    return register
+
+
+def _tiny(config_class: str, **fields: Any) -> nn.Module:
+    import transformers
+
+    cfg = getattr(transformers, config_class)(vocab_size=64, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2, **fields)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@mixer("conv")
+def _conv_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.short_conv import SeqParShortConv
+
+    model = _tiny("Lfm2Config", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, conv_L_cache=4, layer_types=["conv", "full_attention"])
+    layer = SeqParShortConv(model.model.layers[0].conv, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 32
+
+
+@mixer("mamba")
+def _mamba_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.mamba import SeqParMambaMixer
+
+    model = _tiny("JambaConfig", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                  mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, num_hidden_layers=2,
+                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=1)
+    layer = SeqParMambaMixer(model.model.layers[0].mamba, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 16
+
+
+@mixer("lightning")
+def _lightning_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.lightning import SeqParLightningAttention
+
+    model = _tiny("MiniMaxConfig", hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, layer_types=["linear_attention", "full_attention"], block_size=8,
+                  num_local_experts=2, num_experts_per_tok=1)
+    layer = SeqParLightningAttention(model.model.layers[0].self_attn, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, None, None, cu_seq_lens_q=cu)[0]), 32
+
+
+@mixer("rglru")
+def _rglru_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.rglru import SeqParRecurrentBlock
+
+    model = _tiny("RecurrentGemmaConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, lru_width=32, conv1d_width=4,
+                  attention_window_size=64, block_types=["recurrent", "attention"])
+    layer = SeqParRecurrentBlock(model.model.layers[0].temporal_block, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, pos, cu_seq_lens_q=cu)[0]), 32
+
+
+@mixer("state-passing")
+def _state_passing_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    """state_passing.chunk_initial_states alone, as every linear recurrence calls it: per-head scalar
+    transitions and (head, d, d) states, one per local chunk."""
+    from seqpar.mixers.state_passing import chunk_initial_states
+
+    chunks = 2 if sc.sharding == "zigzag" else 1
+
+    def call(x: Tensor, cu: Tensor | None, pos: Tensor) -> Tensor:
+        seq_local, hidden = x.shape[1], x.shape[2]
+        heads = hidden // 8
+        transition = x[0, :chunks, :heads].float().sigmoid()  # (n, heads)
+        state = x[0, :chunks].float().reshape(chunks, heads, 8)[..., None] * x[0, :chunks, :8].float()[:, None, None]
+        init = chunk_initial_states(transition, state, apply=lambda t, h: t[:, None, None] * h, group=dist.group.WORLD,
+                                    sharding=sc.sharding, seq_len=seq_local * dist.get_world_size(), cu_seqlens=cu)
+        return x + init.sum().to(x.dtype)
+
+    return call, 32
+
+
+def _mixer_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    import seqpar
+
+    seq = SEQ_PER_RANK * world
+    with checker.paused(), _building():
+        call, hidden = MIXERS[sc.extra["mixer"]](sc)
+        pos = _fake((1, SEQ_PER_RANK), torch.long)
+    cu = checker.cuda(_documents(seq), torch.int32) if sc.documents else None
+    if cu is not None:  # the batch's one host copy of the boundaries (shard_batch / the batch check)
+        seqpar.sequence.boundaries.host_boundaries(cu)
+    x = _fake((1, SEQ_PER_RANK, hidden))
+    for i in range(LAYERS):
+        with checker.layer(f"{sc.extra['mixer']}[{i}]"):
+            x = call(x, cu, pos)
+    return run_backward([x], checker)
+
+
 def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict[str, Any]:
     """Run ``sc`` as rank ``rank`` of ``world`` on fake CUDA tensors and the fake process group.
 
@@ -765,6 +882,8 @@ def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict
                 ran = _mha_layers(sc, world, checker)
             elif sc.kind == "hf":
                 ran = _hf_layers(sc, world, checker)
+            elif sc.kind == "mixer":
+                ran = _mixer_layers(sc, world, checker)
             else:
                 raise ValueError(f"unknown scenario kind {sc.kind!r}")
     if not ran:
@@ -783,7 +902,7 @@ def check_world(world: int, scenarios: Sequence[Scenario] = SCENARIOS, gpus: Seq
         if not sc.applies(world):
             continue
         worst: dict[str, Any] = {"batch_syncs": 0, "ops": {}, "where": []}
-        for gpu in gpus:
+        for gpu in sc.extra.get("gpus", gpus):
             for rank in (range(world) if ranks is None else ranks):
                 try:
                     res = run_scenario(sc, world, rank, gpu)
