@@ -607,6 +607,8 @@ SCENARIOS: list[Scenario] = [
              extra={"tiling": True, "recompute_norm": True}),
 ]
 
+SCENARIOS.append(Scenario("moe-router-statistics", kind="moe", extra={"gpus": ("h100",)}))
+
 # Mixers (kind "mixer"): each family's sequence-parallel layer, built from a tiny transformers layer, called
 # LAYERS times on one batch; extra["mixer"] names its builder in MIXERS (below). Every family runs dense
 # (contiguous) and with packed documents (zigzag: two chunks per rank, documents crossing them). A new
@@ -855,6 +857,30 @@ def _mixer_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
     return run_backward([x], checker)
 
 
+def _moe_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    """The MoE statistics the swap computes over the SP group (seqpar.swap.moe's dispatchers call
+    these): the load-balancing loss from LAYERS routers' logits with a padding token mask, Bamba's
+    z-loss, and the expert counts of aux-loss-free balancing; each a layer (no sync)."""
+    from seqpar.sequence.router import (
+        load_balancing_loss,
+        sequence_parallel_expert_counts,
+        sequence_parallel_z_loss,
+    )
+
+    experts, top_k = 8, 2
+    logits = tuple(_fake((SEQ_PER_RANK, experts), torch.float32) for _ in range(LAYERS))
+    mask = _fake((1, SEQ_PER_RANK), torch.long)
+    lm_logits = _fake((1, SEQ_PER_RANK, 64), torch.float32)
+    with checker.layer("load_balancing_loss"):
+        aux = load_balancing_loss(logits, experts, top_k, mask, group=dist.group.WORLD)
+    with checker.layer("z_loss"):
+        z = sequence_parallel_z_loss(lm_logits, group=dist.group.WORLD, mask=mask)
+    with checker.layer("expert_counts"):
+        top = logits[0].topk(top_k, dim=-1).indices
+        sequence_parallel_expert_counts(top, experts, group=dist.group.WORLD, mask=mask.reshape(-1))
+    return run_backward([aux + z], checker)
+
+
 def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict[str, Any]:
     """Run ``sc`` as rank ``rank`` of ``world`` on fake CUDA tensors and the fake process group.
 
@@ -882,6 +908,8 @@ def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict
                 ran = _mha_layers(sc, world, checker)
             elif sc.kind == "hf":
                 ran = _hf_layers(sc, world, checker)
+            elif sc.kind == "moe":
+                ran = _moe_layers(sc, world, checker)
             elif sc.kind == "mixer":
                 ran = _mixer_layers(sc, world, checker)
             else:
