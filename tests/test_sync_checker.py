@@ -188,3 +188,35 @@ def test_batch_syncs_are_counted_not_failed() -> None:
     res = run_scenario(sc, 4, 3, gpu="a100")
     assert res["batch_syncs"] == {"tolist": 1}, res
     assert any("boundaries.py" in w for w in res["where"]), res
+
+
+@needs_cuda_build
+def test_offload_blocking_copy_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offload scenario runs CudaTransfer's own code on stubbed streams: its copies must stay
+    asynchronous; a blocking device-to-host copy in to_host is caught in the layer."""
+    from seqpar.memory import offload
+
+    def to_host(self, t):  # noqa: ANN001, ANN202
+        return t.to("cpu"), None, t.device  # blocking: waits for the device
+
+    monkeypatch.setattr(offload.CudaTransfer, "to_host", to_host)
+    sc = next(s for s in SCENARIOS if s.name == "offload")
+    with pytest.raises(HostSyncError, match=r"offload\[0\]: (to|aten\._to_copy) at tests/test_sync_checker.py"):
+        run_scenario(sc, 2, 0)
+
+
+@needs_cuda_build
+def test_mixer_host_read_per_layer_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixer that reads the boundaries again in every layer (no per-batch cache) fails the check."""
+    from seqpar.mixers import scan_layout
+
+    original = scan_layout.host_boundaries
+
+    def uncached(cu):  # noqa: ANN001, ANN202
+        return None if cu is None else tuple(cu.tolist())
+
+    monkeypatch.setattr(scan_layout, "host_boundaries", uncached)
+    sc = next(s for s in SCENARIOS if s.name == "mixer-lightning-zigzag-documents")
+    with pytest.raises(HostSyncError, match=r"lightning\[0\]: tolist at tests/test_sync_checker.py"):
+        run_scenario(sc, 2, 1)
+    assert original is not uncached

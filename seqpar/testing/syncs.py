@@ -487,6 +487,10 @@ def python_grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Te
             if nxt is None:
                 continue
             if r is not None:
+                # as the engine does: a broadcast input's gradient is summed back to its shape
+                target = nxt.variable.shape if hasattr(nxt, "variable") else tuple(nxt._input_metadata[nr].shape)
+                if tuple(r.shape) != tuple(target):
+                    r = r.sum_to_size(target)
                 buf = buffers.setdefault(nxt, [None] * max(1, len(getattr(nxt, "_input_metadata", ()))))
                 buf[nr] = r if buf[nr] is None else buf[nr] + r
             deps[nxt] -= 1
@@ -608,6 +612,7 @@ SCENARIOS: list[Scenario] = [
 ]
 
 SCENARIOS.append(Scenario("moe-router-statistics", kind="moe", extra={"gpus": ("h100",)}))
+SCENARIOS.append(Scenario("offload", kind="offload", extra={"gpus": ("h100",)}))
 
 # Mixers (kind "mixer"): each family's sequence-parallel layer, built from a tiny transformers layer, called
 # LAYERS times on one batch; extra["mixer"] names its builder in MIXERS (below). Every family runs dense
@@ -881,6 +886,119 @@ def _moe_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
     return run_backward([aux + z], checker)
 
 
+class _FakeStream:
+    """torch.cuda.Stream / current_stream on a machine without CUDA: the ordering calls are recorded,
+    a host wait is a sync (see :class:`SyncChecker`)."""
+
+    def __init__(self, checker: SyncChecker, log: list[str], device: Any = None) -> None:
+        self.checker, self.log, self.device = checker, log, device
+
+    def wait_stream(self, other: Any) -> None:
+        self.log.append("wait_stream")
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append("wait_event")
+
+    def synchronize(self) -> None:
+        self.checker._wait("torch.cuda.Stream.synchronize")
+
+
+class _FakeEvent:
+    def __init__(self, checker: SyncChecker, log: list[str]) -> None:
+        self.checker, self.log = checker, log
+
+    def record(self, stream: Any = None) -> None:
+        self.log.append("record")
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.checker._wait("torch.cuda.Event.synchronize")
+
+
+@contextlib.contextmanager
+def _fake_streams(checker: SyncChecker, log: list[str]) -> Iterator[None]:
+    """Streams, events, pinned host buffers and CUDA RNG states for code written for a real GPU
+    (seqpar.memory.offload.CudaTransfer), so that it runs on fake tensors: every call is recorded in
+    ``log``; the copies themselves are the ordinary (watched) tensor ops."""
+    empty = torch.empty
+
+    def pinned_empty(*args: Any, **kwargs: Any) -> Tensor:
+        if kwargs.pop("pin_memory", False):
+            log.append("pin_memory")
+        return empty(*args, **kwargs)
+
+    patches = {
+        (torch.cuda, "Stream"): lambda device=None, **kw: _FakeStream(checker, log, device),
+        (torch.cuda, "current_stream"): lambda device=None: _FakeStream(checker, log, device),
+        (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
+        (torch.cuda, "Event"): lambda *a, **kw: _FakeEvent(checker, log),
+        (torch.cuda, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
+        (torch.cuda, "set_rng_state"): lambda state, device="cuda": None,
+        (torch, "empty"): pinned_empty,
+        (Tensor, "record_stream"): lambda self, stream: log.append("record_stream"),
+    }
+    saved = {key: getattr(*key) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def python_backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None = None,
+                    **_: Any) -> None:
+    """``torch.autograd.backward`` run as :func:`python_grad` (fake CUDA tensors): every leaf reached
+    (``requires_grad``, no ``grad_fn``) gets its gradient added to ``.grad``."""
+    leaves: list[Tensor] = []
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    grads = python_grad(list(tensors), leaves, list(grad_tensors) if grad_tensors is not None else None)
+    for leaf, g in zip(leaves, grads):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def _offload_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    """seqpar.memory.offload: LAYERS checkpointed MLP blocks whose inputs go to pinned host memory on a
+    side stream in the forward and come back (prefetched one layer ahead) in the backward, through
+    CudaTransfer's own code on stubbed streams and events (:func:`_fake_streams`)."""
+    from seqpar.memory.offload import OffloadState, offloading_checkpoint
+
+    log: list[str] = []
+    with checker.paused(), _building():
+        blocks = [nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(LAYERS)]
+    state = OffloadState()
+    checkpoint = offloading_checkpoint(lambda run_fn, *args: run_fn(*args), state)
+    x = _fake((1, SEQ_PER_RANK, 32))
+    engine_backward = torch.autograd.backward
+    with _fake_streams(checker, log):
+        for i, block in enumerate(blocks):
+            with checker.layer(f"offload[{i}]"):
+                x = checkpoint(block, x)
+        torch.autograd.backward = python_backward
+        try:
+            ran = run_backward([x], checker)
+        finally:
+            torch.autograd.backward = engine_backward
+    expected = {"pin_memory": LAYERS, "record_stream": 2 * LAYERS}
+    missing = {k: n for k, n in expected.items() if log.count(k) != n}
+    if missing or not all(b[0].weight.grad is not None for b in blocks):
+        raise AssertionError(f"offload scenario: CudaTransfer's paths did not all run ({log})")
+    return ran
+
+
 def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict[str, Any]:
     """Run ``sc`` as rank ``rank`` of ``world`` on fake CUDA tensors and the fake process group.
 
@@ -908,6 +1026,8 @@ def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict
                 ran = _mha_layers(sc, world, checker)
             elif sc.kind == "hf":
                 ran = _hf_layers(sc, world, checker)
+            elif sc.kind == "offload":
+                ran = _offload_layers(sc, world, checker)
             elif sc.kind == "moe":
                 ran = _moe_layers(sc, world, checker)
             elif sc.kind == "mixer":
