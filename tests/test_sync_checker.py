@@ -81,9 +81,9 @@ def test_mha_causal_mask_read_once_per_mask() -> None:
 )
 def test_zero_syncs_per_layer(world: int, name: str) -> None:
     """Every scenario (modes, documents, windows, sinks, dilated, MHA and HF routes, tiling,
-    recompute_norm, gather_sequence) on every rank, simulated as an H100 and as an A100: no host sync in
-    any layer's forward or backward (check_world raises HostSyncError naming the op and line), and the
-    batch's own syncs are few and named."""
+    recompute_norm, gather_sequence, offload, MoE router statistics, the mixers) on every rank, simulated
+    as an H100 and as an A100: no host sync in any layer's forward or backward (check_world raises
+    HostSyncError naming the op and line), and the batch's own syncs are exactly what theory says."""
     sc = next(s for s in SCENARIOS if s.name == name)
     r = check_world(world, [sc])[name]
     assert r["backward"], r  # the backward ran too

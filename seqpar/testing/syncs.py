@@ -543,7 +543,11 @@ class Scenario:
     """One configuration the checker runs on every rank.
 
     ``kind``: ``"attention"`` (``seqpar.attention`` calls as layers), ``"dilated"``, ``"mha"`` (a swapped
-    ``nn.TransformerEncoder``), ``"hf"`` (a swapped tiny Llama), ``"gather"`` (``gather_sequence``)."""
+    ``nn.TransformerEncoder``), ``"hf"`` (a swapped tiny Llama), ``"gather"`` (``gather_sequence``),
+    ``"mixer"`` (a family of :data:`MIXERS`, named by ``extra["mixer"]``), ``"moe"`` (the router
+    statistics over the SP group), ``"offload"`` (``CudaTransfer`` on stubbed streams). ``extra``:
+    mode options, ``"gpus"`` (the simulated GPUs, default both), ``"batch_syncs"`` (an expected count
+    that theory in the tests does not derive)."""
 
     name: str
     kind: str = "attention"
