@@ -338,3 +338,56 @@ def test_late_sends_carry_the_buffer_at_wait(dist_pool) -> None:
     read = dist_pool.run(2, _buffer_misuse, free_port(), "read", "late", timeout=60)
     for rank, o in enumerate(read):
         assert torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
+
+
+def _halo_under_late_sends(rank: int, world: int, port: int, cases: list[dict]) -> dict:
+    """Worker: the mixers' halo exchange (a short causal convolution, forward and backward) with every
+    send carrying its buffer as at its wait()."""
+    from seqpar.mixers.conv import causal_conv_shard
+    from seqpar.sequence.sharding import shard_index
+
+    store = _store(port, rank, world)
+    results = []
+    with nccl_rules(store, prefix="halo-late", sends="late") as rules:
+        manager = seqpar.init_process_groups(sp_size=world)
+        for case in cases:
+            idx = shard_index(case["x"].shape[-1], rank, world, case["sharding"], cu_seqlens=case["cu"])
+            x = case["x"][..., idx].clone().requires_grad_()
+            weight = case["weight"].clone().requires_grad_()
+            out = causal_conv_shard(x, weight, None, group=manager.sp_group, sharding=case["sharding"],
+                                    cu_seqlens=case["cu"])
+            out.backward(case["dout"][..., idx])
+            results.append([out.detach(), x.grad, weight.grad])
+        messages = len(rules.records)
+        manager.destroy()
+    return {"results": results, "messages": messages}
+
+
+def test_halo_exchange_matches_with_late_sends(dist_pool) -> None:
+    """The hybrid mixers' halo exchange (point to point, forward and backward: halo gradients sent home)
+    under sends="late", dense and with documents crossing shards, contiguous and zigzag: exact."""
+    from test_mixers_conv import reference_conv
+
+    from seqpar.sequence.sharding import shard_index
+
+    world, seq = 3, 36
+    g = torch.Generator().manual_seed(7700)
+    cases = []
+    for sharding, cu in (("contiguous", None), ("zigzag", None), ("contiguous", [0, 5, 14, 30, 36]),
+                         ("zigzag", [0, 2, 19, 36])):
+        x, dout = torch.randn(2, 4, seq, generator=g, dtype=torch.float64), torch.randn(2, 4, seq, generator=g,
+                                                                                        dtype=torch.float64)
+        cases.append({"x": x, "dout": dout, "weight": torch.randn(4, 4, generator=g, dtype=torch.float64),
+                      "sharding": sharding, "cu": cu})
+    out = dist_pool.run(world, _halo_under_late_sends, free_port(), cases, timeout=180)
+    assert all(o["messages"] > 0 for o in out)
+    for i, case in enumerate(cases):
+        x, w = case["x"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
+        ref = reference_conv(x, w, None, case["cu"])
+        ref.backward(case["dout"])
+        for rank in range(world):
+            idx = shard_index(seq, rank, world, case["sharding"], cu_seqlens=case["cu"])
+            got_out, got_dx, _ = out[rank]["results"][i]
+            torch.testing.assert_close(got_out, ref.detach()[..., idx], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got_dx, x.grad[..., idx], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(sum(o["results"][i][2] for o in out), w.grad, rtol=1e-9, atol=1e-9)
