@@ -4,7 +4,7 @@
   under the rules and matches the float64 reference in every gradient: no group is set up by a
   point-to-point exchange (every communicator was made by a collective of all members, at creation),
   batched messages pair by order on both sides, and no receive buffer is read before its ``wait()``
-  (receive buffers hold NaN until then). Send buffers: the point-to-point modes (ring, hybrid, dilated)
+  (receive buffers hold NaN until then). Send buffers: the point-to-point modes (ring, hybrid, dilated, the mixers' halo)
   run with ``sends="late"``, each send carrying its buffer as at its ``wait()`` (the buffer rule
   literally); the collectives' inputs are snapshot at the post and checked unchanged at ``wait()``. The masks include hop patterns
   that leave ranks idle, among them the example of the issue: 3 hybrid super-ranks (world 6 = 3 x 2),
