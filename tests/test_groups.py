@@ -514,3 +514,38 @@ def test_an_integration_declares_the_configs_sharding_on_a_manager_it_reuses() -
     assert resolve_manager(SeqParConfig(size=2), manager).sharding == "zigzag"  # undeclared config: kept
     with pytest.raises(ValueError, match="the manager declares sharding 'zigzag' but the config says 'contiguous'"):
         resolve_manager(SeqParConfig(size=2, sharding="contiguous"), manager)
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_groups_get_device_id_on_nccl_only(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every group seqpar creates is made with device_id= (torch's eager connection) on NCCL, and without
+    it on gloo, which takes none; the eager all-reduce follows either way. A mock new_group records the
+    calls (no NCCL here)."""
+    from seqpar.runtime import communicators
+
+    made, reduced = [], []
+
+    def new_group(ranks, **kw):  # noqa: ANN001, ANN003, ANN202
+        made.append((list(ranks), kw))
+        return ("group", tuple(ranks))
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(communicators, "init_communicator", lambda group: reduced.append(group))
+    monkeypatch.setattr(communicators, "world_is_bound", lambda: False)
+    for lists, rank in (([[0, 1], [2, 3]], 2), ([[0], [1], [2], [3]], 1)):
+        made.clear()
+        group = communicators.new_groups(lists, rank)
+        assert made and reduced[-1] == group == ("group", tuple(lists[rank // len(lists[0])]))
+        for _, kw in made:
+            if backend == "nccl":
+                assert kw.get("device_id") == torch.device("cuda", 3), kw
+            else:
+                assert "device_id" not in kw, kw
+    # a group family named with its own backend follows that backend, not the world's
+    made.clear()
+    communicators.new_groups([[0, 1]], 0, backend="gloo")
+    assert "device_id" not in made[0][1]

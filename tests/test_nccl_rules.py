@@ -3,16 +3,19 @@
 - Every mode (ring, all-gather, Ulysses, hybrid) x documents x windows x shardings x causal runs
   under the rules and matches the float64 reference in every gradient: no group is set up by a
   point-to-point exchange (every communicator was made by a collective of all members, at creation),
-  batched messages pair by order on both sides, and no send buffer is written and no receive buffer
-  read before its ``wait()`` (receive buffers hold NaN until then). The masks include hop patterns
+  batched messages pair by order on both sides, and no receive buffer is read before its ``wait()``
+  (receive buffers hold NaN until then). Send buffers: the point-to-point modes (ring, hybrid, dilated, the mixers' halo)
+  run with ``sends="late"``, each send carrying its buffer as at its ``wait()`` (the buffer rule
+  literally); the collectives' inputs are snapshot at the post and checked unchanged at ``wait()``. The masks include hop patterns
   that leave ranks idle, among them the example of the issue: 3 hybrid super-ranks (world 6 = 3 x 2),
   one causal document over super-ranks 0-1 and one starting exactly at super-rank 2, which has no ring
   operation in either pass; and the same on a plain ring of 3 (``check_inputs=False``, so that no
   input digest sets the SP group up first).
 - The rules fail on each break: groups made without the eager set-up (the example hangs: the waiting
   ranks name the missing ones), one side of seqpar's ring batches reordered, a send buffer written
-  (seqpar's ring backward with a stray write into an accumulator in flight) and a receive buffer read
-  before ``wait()``; and dilated attention's segment exchanges run under the rules too.
+  (seqpar's ring backward with a stray write into an accumulator in flight: raised with the snapshot
+  check, and wrong dK/dV with late sends) and a receive buffer read before ``wait()``; and dilated
+  attention's segment exchanges run under the rules too.
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ def _step(rank: int, world: int, case: dict, manager: groups.ProcessGroupManager
 
 def _run_under_rules(rank: int, world: int, port: int, cases: list[dict], ulysses_size: int,
                      init_timeout_s: float = 60.0, lazy: bool = False, reorder: bool = False,
-                     boundary: bool = True) -> dict:
+                     boundary: bool = True, sends: str = "checked") -> dict:
     """Worker: groups, then every case as a training step (``boundary``: ending in a reduction over every
     rank), all under the rules. ``lazy``: groups made without the eager set-up (the break); ``reorder``:
-    odd ranks post their batches in reverse order (the break)."""
+    odd ranks post their batches in reverse order (the break); ``sends``: the rules' send model."""
     store = _store(port, rank, world)
     saved = communicators.init_communicator, groups.init_communicator
     if lazy:
@@ -73,7 +76,7 @@ def _run_under_rules(rank: int, world: int, port: int, cases: list[dict], ulysse
     results, error, first_ops = [], None, []
     manager = None
     try:
-        with nccl_rules(store, init_timeout_s=init_timeout_s) as rules:
+        with nccl_rules(store, init_timeout_s=init_timeout_s, sends=sends) as rules:
             manager = seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
             if reorder and rank % 2:
                 posting = dist.batch_isend_irecv  # the rules' own entry: they see the reversed order
@@ -139,11 +142,17 @@ def test_the_matrix_has_idle_ranks() -> None:
     assert _idle_docs(3) == [0, 48, 72] and _idle_docs(6, 2) == [0, 96, 144]
 
 
+# The modes whose ring exchanges are point-to-point run with sends="late" (each send carries its buffer as
+# at its wait(): the literal buffer rule); the others' asynchronous collectives are snapshot-checked.
+SENDS = {"ring": "late", "hybrid": "late", "allgather": "checked", "ulysses": "checked"}
+
+
 @pytest.mark.parametrize("mode, heads", [("ring", (4, 2, 8)), ("allgather", (4, 2, 8)), ("ulysses", (6, 3, 8))])
 def test_modes_documents_windows_under_nccl_rules(dist_pool, mode: str, heads: tuple[int, int, int]) -> None:
-    """World 3 (ring of 3 = hybrid 3 x 1): exact in every gradient, under the rules."""
+    """World 3 (ring of 3 = hybrid 3 x 1): exact in every gradient, under the rules; the ring's sends
+    carry their buffers as at their wait() (forward and backward)."""
     cases = _cases(3, mode, heads, 7000 + len(mode), _variants(3))
-    out = dist_pool.run(3, _run_under_rules, free_port(), cases, 1, timeout=300)
+    out = dist_pool.run(3, _run_under_rules, free_port(), cases, 1, sends=SENDS[mode], timeout=300)
     _check_clean(out)
     check([o["results"] for o in out], cases, 3)
 
@@ -151,7 +160,7 @@ def test_modes_documents_windows_under_nccl_rules(dist_pool, mode: str, heads: t
 def test_hybrid_three_super_ranks_under_nccl_rules(dist_pool) -> None:
     """World 6 = 3 super-ranks x Ulysses 2: the issue's example and the rest of the matrix, exact."""
     cases = _cases(6, "hybrid", (4, 2, 6), 7100, _variants(6, 2))
-    out = dist_pool.run(6, _run_under_rules, free_port(), cases, 2, timeout=400)
+    out = dist_pool.run(6, _run_under_rules, free_port(), cases, 2, sends=SENDS["hybrid"], timeout=400)
     _check_clean(out)
     check([o["results"] for o in out], cases, 6)
 
@@ -161,7 +170,7 @@ def _dilated_under_rules(rank: int, world: int, port: int, cases: list[dict]) ->
     from seqpar.attn.dilated import dilated_attention
 
     store = _store(port, rank, world)
-    with nccl_rules(store, prefix="dilated") as rules:
+    with nccl_rules(store, prefix="dilated", sends="late") as rules:
         manager = seqpar.init_process_groups(sp_size=world)
         results = []
         for case in cases:
@@ -178,7 +187,8 @@ def _dilated_under_rules(rank: int, world: int, port: int, cases: list[dict]) ->
 
 def test_dilated_under_nccl_rules(dist_pool) -> None:
     """Dilated attention at P = 3: segments inside a shard (no exchange), over one shard and over all
-    three (segment exchanges that leave the other ranks idle), ring and all-gather, exact."""
+    three (segment exchanges that leave the other ranks idle), ring and all-gather, exact; sends carry
+    their buffers as at their wait()."""
     from test_dilated_dist import PATTERNS, _make_case, _reference
 
     cases = [_make_case(7500 + i, 3, (6, 2), dict(segment_lengths=ws, dilation_rates=rs, causal=causal, mode=mode,
@@ -229,9 +239,10 @@ def test_rules_catch_a_reordered_batch(dist_pool) -> None:
         assert o["error"] and "pairs messages by order" in o["error"], o["error"]
 
 
-def _ring_backward_writes_early(rank: int, world: int, port: int, case: dict) -> str | None:
+def _ring_backward_writes_early(rank: int, world: int, port: int, case: dict, sends: str = "checked") -> dict:
     """Worker: the ring with a stray write into every dK/dV accumulator right after it is posted (the
-    break the backward's buffer reuse must never make); returns the rules' verdict on this rank."""
+    break the backward's buffer reuse must never make); returns the rules' verdict on this rank and,
+    when they raised nothing, its results."""
     import seqpar.attn.ring as ring_module
 
     store = _store(port, rank, world)
@@ -243,19 +254,19 @@ def _ring_backward_writes_early(rank: int, world: int, port: int, case: dict) ->
             tensors[0].add_(0.5)
         return pending
 
-    manager, error = None, None
+    manager, error, results = None, None, []
     ring_module._exchange = early_write
     try:
-        with nccl_rules(store, prefix="early-write"):
+        with nccl_rules(store, prefix="early-write", sends=sends):
             manager = seqpar.init_process_groups(sp_size=world)
-            _attend(rank, world, case, manager)
+            results = _attend(rank, world, case, manager)
     except NcclRuleError as e:
         error = str(e)
     finally:
         ring_module._exchange = exchange
     if manager is not None:
         manager.destroy()
-    return error
+    return {"error": error, "results": results}
 
 
 def test_rules_catch_a_ring_backward_write_before_wait(dist_pool) -> None:
@@ -263,16 +274,28 @@ def test_rules_catch_a_ring_backward_write_before_wait(dist_pool) -> None:
     flight, and every rank that forwards an accumulator is stopped, naming the send."""
     case = _cases(3, "ring", (2, 1, 8), 7600, [(None, None)])[0]
     out = dist_pool.run(3, _ring_backward_writes_early, free_port(), case, timeout=120)
-    for rank, error in enumerate(out):
+    for rank, o in enumerate(out):
+        error = o["error"]
         assert error and "written between the post and its wait()" in error and "tag 16" in error, (rank, error)
 
 
-def _buffer_misuse(rank: int, world: int, port: int, misuse: str) -> dict:
+def test_late_sends_make_a_write_before_wait_wrong(dist_pool) -> None:
+    """The buffer rule literally (sends="late": a send carries its buffer as at its wait()): the same
+    stray write into the accumulators in flight raises nothing, but the peers receive the written values
+    and dK/dV no longer match the reference; without the write the same run matches (the matrix above)."""
+    case = _cases(3, "ring", (2, 1, 8), 7600, [(None, None)])[0]
+    out = dist_pool.run(3, _ring_backward_writes_early, free_port(), case, "late", timeout=120)
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    with pytest.raises(AssertionError, match=r"^d[kv] "):  # out and dq are right: only dK/dV travelled wrong
+        check([[o["results"]] for o in out], [case], 3)
+
+
+def _buffer_misuse(rank: int, world: int, port: int, misuse: str, sends: str = "checked") -> dict:
     """One ring exchange under the rules, with a send buffer written (``"write"``) or a receive buffer
     read (``"read"``) before ``wait()``, or neither (``"none"``)."""
     store = _store(port, rank, world)
     try:
-        with nccl_rules(store, prefix=f"misuse-{misuse}") as rules:
+        with nccl_rules(store, prefix=f"misuse-{misuse}", sends=sends) as rules:
             comm = RingComm(dist.group.WORLD)
             dist.barrier()  # the world's set-up (the pool's group exists already)
             mine = torch.full((3, 4), float(rank))
@@ -300,3 +323,71 @@ def test_rules_catch_buffers_used_before_wait(dist_pool) -> None:
     read = dist_pool.run(2, _buffer_misuse, free_port(), "read", timeout=60)
     for rank, o in enumerate(read):  # a read before wait() sees poison, never the message
         assert o["error"] is None and torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
+
+
+def test_late_sends_carry_the_buffer_at_wait(dist_pool) -> None:
+    """sends="late": a send carries its buffer as at its wait(), so a write after the post reaches the
+    peer (and is not flagged); an untouched buffer arrives as it was; receive buffers stay poisoned until
+    wait()."""
+    clean = dist_pool.run(2, _buffer_misuse, free_port(), "none", "late", timeout=60)
+    for rank, o in enumerate(clean):
+        assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
+    written = dist_pool.run(2, _buffer_misuse, free_port(), "write", "late", timeout=60)
+    for rank, o in enumerate(written):
+        assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank) + 10.0)), o
+    read = dist_pool.run(2, _buffer_misuse, free_port(), "read", "late", timeout=60)
+    for rank, o in enumerate(read):
+        assert torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
+
+
+def _halo_under_late_sends(rank: int, world: int, port: int, cases: list[dict]) -> dict:
+    """Worker: the mixers' halo exchange (a short causal convolution, forward and backward) with every
+    send carrying its buffer as at its wait()."""
+    from seqpar.mixers.conv import causal_conv_shard
+    from seqpar.sequence.sharding import shard_index
+
+    store = _store(port, rank, world)
+    results = []
+    with nccl_rules(store, prefix="halo-late", sends="late") as rules:
+        manager = seqpar.init_process_groups(sp_size=world)
+        for case in cases:
+            idx = shard_index(case["x"].shape[-1], rank, world, case["sharding"], cu_seqlens=case["cu"])
+            x = case["x"][..., idx].clone().requires_grad_()
+            weight = case["weight"].clone().requires_grad_()
+            out = causal_conv_shard(x, weight, None, group=manager.sp_group, sharding=case["sharding"],
+                                    cu_seqlens=case["cu"])
+            out.backward(case["dout"][..., idx])
+            results.append([out.detach(), x.grad, weight.grad])
+        messages = len(rules.records)
+        manager.destroy()
+    return {"results": results, "messages": messages}
+
+
+def test_halo_exchange_matches_with_late_sends(dist_pool) -> None:
+    """The hybrid mixers' halo exchange (point to point, forward and backward: halo gradients sent home)
+    under sends="late", dense and with documents crossing shards, contiguous and zigzag: exact."""
+    from test_mixers_conv import reference_conv
+
+    from seqpar.sequence.sharding import shard_index
+
+    world, seq = 3, 36
+    g = torch.Generator().manual_seed(7700)
+    cases = []
+    for sharding, cu in (("contiguous", None), ("zigzag", None), ("contiguous", [0, 5, 14, 30, 36]),
+                         ("zigzag", [0, 2, 19, 36])):
+        x, dout = torch.randn(2, 4, seq, generator=g, dtype=torch.float64), torch.randn(2, 4, seq, generator=g,
+                                                                                        dtype=torch.float64)
+        cases.append({"x": x, "dout": dout, "weight": torch.randn(4, 4, generator=g, dtype=torch.float64),
+                      "sharding": sharding, "cu": cu})
+    out = dist_pool.run(world, _halo_under_late_sends, free_port(), cases, timeout=180)
+    assert all(o["messages"] > 0 for o in out)
+    for i, case in enumerate(cases):
+        x, w = case["x"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
+        ref = reference_conv(x, w, None, case["cu"])
+        ref.backward(case["dout"])
+        for rank in range(world):
+            idx = shard_index(seq, rank, world, case["sharding"], cu_seqlens=case["cu"])
+            got_out, got_dx, _ = out[rank]["results"][i]
+            torch.testing.assert_close(got_out, ref.detach()[..., idx], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(got_dx, x.grad[..., idx], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(sum(o["results"][i][2] for o in out), w.grad, rtol=1e-9, atol=1e-9)

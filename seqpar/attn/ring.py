@@ -38,7 +38,11 @@ writing into a send buffer before its ``wait()`` could change what the peer rece
 that is being sent (the forward attends to the K/V block it is passing on) is safe. Every communicator
 group the ring runs on was initialised at creation (:mod:`seqpar.runtime.communicators`), so a rank
 with no hop in a step never leaves its peers in NCCL's lazy communicator set-up. Both rules are checked
-on gloo by :mod:`seqpar.testing.nccl_rules` (``tests/test_nccl_rules.py``).
+on gloo by :mod:`seqpar.testing.nccl_rules` (``tests/test_nccl_rules.py``); the buffer rule literally,
+with ``sends="late"``: every send carries its buffer as it is at the send's ``wait()`` (the latest NCCL
+may read it), and every mode that exchanges point to point (ring, hybrid, dilated; forward and backward,
+documents, windows) still matches the reference, while a write into an accumulator before its
+``wait()`` makes dK/dV wrong.
 
 Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, seq_local, head_dim)``.
 """

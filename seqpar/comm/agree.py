@@ -49,7 +49,8 @@ def rows_across_ranks(row: Sequence[int], group: dist.ProcessGroup) -> list[list
     """
     device = collective_device(group)
     world = dist.get_world_size(group)
-    mine = torch.tensor(_digest(row), dtype=torch.int64, device=device)
+    # an asynchronous copy: a blocking one from pageable memory would wait for the device first
+    mine = torch.tensor(_digest(row), dtype=torch.int64).to(device, non_blocking=True)
     everyone = torch.empty(world * _WORDS, dtype=torch.int64, device=device)
     all_gather_into(everyone, mine, group=group)
     digests = everyone.view(world, _WORDS).tolist()  # the one host sync

@@ -50,7 +50,9 @@ def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, .
     else:
         edges = torch.tensor(cu, dtype=torch.long)
         doc_pos = positions - edges[torch.searchsorted(edges, positions, right=True) - 1]
-    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len).to(device))
+    # asynchronous: a blocking copy would make the batch's first convolution layer wait for the device
+    # (pageable memory is staged by the driver at the call, so the host tensor may go at once)
+    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len).to(device, non_blocking=True))
 
 
 def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | None, sharding: str,

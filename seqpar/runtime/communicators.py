@@ -12,8 +12,13 @@ super-ranks, one document over super-ranks 0-1 and another starting exactly at s
 of their first exchange until the timeout. One small all-reduce per group at creation removes that
 case for any backend (gloo connects at creation anyway; the fake backend makes it a no-op); the
 collectives run in creation order on every rank, the order ``new_group`` already imposes, so they
-cannot deadlock. A world created with ``device_id=`` (torch's eager NCCL init) is initialised by torch
-itself; the all-reduce then costs one tiny collective per group at start-up. A group the user creates
+cannot deadlock. On NCCL every group is also created with ``device_id=`` (the current CUDA device),
+torch's eager initialisation: the communicator is connected inside ``new_group`` itself, among the group's
+members only. The world seqpar starts from the environment is not bound (``init_process_group`` without
+``device_id=``): under a bound world every creation is a split of the world's communicator, which every
+rank must join, and the single-rank families below would cost O(world) creations again. The
+all-reduce stays, for the backends and torch builds that connect lazily whatever they are given, and
+costs one tiny collective per group at start-up. gloo takes no ``device_id`` (it connects at creation). A group the user creates
 and passes as ``group=`` is the user's to initialise (``device_id=``, one collective, or the input digest
 of ``check_inputs=True``, a collective on the group before every call): seqpar keeps no per-rank record
 of the groups it has seen, since a record that differed across ranks could itself hang.
@@ -31,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_communicator", "new_groups", "world_is_bound"]
+__all__ = ["init_communicator", "new_groups", "world_is_bound", "eager_device"]
 
 
 def _probe_device(group: dist.ProcessGroup) -> torch.device:
@@ -41,6 +46,17 @@ def _probe_device(group: dist.ProcessGroup) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def eager_device(backend: str | None = None) -> torch.device | None:
+    """The ``device_id=`` for a group made with ``backend`` (None: the world's): the current CUDA device
+    on NCCL, where it makes torch connect the communicator at creation; None elsewhere (gloo and the
+    fake backend take none)."""
+    if backend is None:
+        backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    if "nccl" in str(backend).lower() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def init_communicator(group: dist.ProcessGroup) -> None:
@@ -70,6 +86,9 @@ def new_groups(
     is a split of the world's communicator, which every rank must join: there the per-group path is kept.
     """
     kw = {"backend": backend} | ({"timeout": timeout} if timeout is not None else {})
+    device = eager_device(backend)
+    if device is not None:  # NCCL: connected inside new_group (torch's eager init), see the module docstring
+        kw["device_id"] = device
     mine = None
     if all(len(ranks) == 1 for ranks in rank_lists) and not world_is_bound():
         mine = dist.new_group([rank], use_local_synchronization=True, **kw)

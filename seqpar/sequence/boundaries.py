@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["host_boundaries", "boundary_tensor", "known_boundaries"]
+__all__ = ["host_boundaries", "boundary_tensor", "known_boundaries", "remember_boundaries"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -78,6 +78,12 @@ def known_boundaries(t: Tensor) -> tuple[int, ...] | None:
         return None
     hit = _HOST_COPIES.get(id(t))
     return hit[2] if hit is not None and hit[0]() is t and hit[1] == version else None
+
+
+def remember_boundaries(t: Tensor, ints: Sequence[int]) -> None:
+    """Record ``ints`` as the host values of ``t``, read by the caller in a combined host copy (the
+    HF route reads all of a batch's device inputs at once): :func:`host_boundaries` then costs nothing."""
+    _remember(t, tuple(operator.index(i) for i in ints))
 
 
 def _cached_copy(t: Tensor) -> tuple[int, ...]:

@@ -80,6 +80,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -96,7 +97,12 @@ from seqpar.sequence.batch import (
     global_positions,
     sp_rank_and_size,
 )
-from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
+from seqpar.sequence.boundaries import (
+    boundary_tensor,
+    host_boundaries,
+    known_boundaries,
+    remember_boundaries,
+)
 from seqpar.sequence.loss import sequence_parallel_loss, shift_labels_across_shards
 from seqpar.sequence.vocab_parallel import vocab_sharded_logits
 from seqpar.swap import moe
@@ -572,11 +578,103 @@ def _prepare_inputs(
 
     _refuse_cache(arguments, params, where)
     moe.take_token_mask(_var_keyword(arguments, params))  # padding the router statistics must skip
-    _fill_attention_mask(arguments, params, ref, where)
+    known = _read_batch(arguments, params, options, ref)
+    _fill_attention_mask(arguments, params, ref, where, known)
     _prepare_labels(arguments, params, module, options, where)
     if "position_ids" in params:
-        _fill_positions(arguments, params, options, ref, where)
+        _fill_positions(arguments, params, options, ref, where, known)
     return _as_keywords(bound, params)
+
+
+def _read_batch(arguments: dict[str, Any], params: Any, options: SwapOptions, ref: Tensor) -> dict[str, Any]:
+    """Everything the input checks need from the device, read in **one** host copy per batch.
+
+    On a GPU each read waits for the device, so the checks below read nothing of their own: this
+    gathers, as int64 on the inputs' device, whether ``attention_mask`` is all ones, the
+    ``cu_seq_lens_q/k`` values (unless already on the host), and the ``position_ids``: for a packed
+    batch their values (the expected per-document positions need the boundaries on the host first),
+    else whether they equal the shard's global positions. One ``tolist()`` of their concatenation;
+    the boundaries are remembered for every later :func:`host_boundaries` (the layers', the batch
+    check's), the mask verdict for :func:`seqpar_mask`. Returns ``{"mask": bool, "positions": list |
+    bool}`` for what was read."""
+    pieces: list[tuple[str, Any, Tensor]] = []
+    known: dict[str, Any] = {}
+    mask = arguments.get("attention_mask") if "attention_mask" in params else None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        noted = _noted(mask, "mask")
+        if noted is not None:  # an inner PreTrainedModel called by the outer one with its checked inputs
+            known["mask"] = noted
+        else:
+            pieces.append(("mask", mask, mask.bool().all().reshape(1)))
+    extra = _var_keyword(arguments, params)
+    cus = {k: extra[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k") if isinstance(extra.get(k), Tensor)}
+    for key, cu in cus.items():
+        if cu.dim() == 1 and cu.dtype in (torch.int32, torch.int64) and known_boundaries(cu) is None:
+            pieces.append((key, cu, cu))
+    given = arguments.get("position_ids") if "position_ids" in params else None
+    seq_local = ref.shape[1]
+    if isinstance(given, Tensor) and given.shape[-1] == seq_local and _noted(given, "positions"):
+        known["positions"] = True  # checked (or filled) by the outer model's preparer this batch
+    elif isinstance(given, Tensor) and given.shape[-1] == seq_local:
+        if cus:  # packed: compared on the host, against positions built from the boundaries
+            pieces.append(("positions", given, given.reshape(-1, seq_local)[0]))
+        else:
+            rank, world_size = sp_rank_and_size(options.group)
+            expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                        device=given.device)
+            pieces.append(("positions", given, (given == expected).all().reshape(1)))
+    if not pieces:
+        return known
+    device = pieces[0][2].device
+    flat = torch.cat([p.reshape(-1).to(device=device, dtype=torch.int64) for _, _, p in pieces])
+    values = flat.tolist()  # the one host copy
+    at = 0
+    for key, source, piece in pieces:
+        part, at = values[at:at + piece.numel()], at + piece.numel()
+        if key == "mask":
+            known["mask"] = bool(part[0])
+            _note(source, "mask", bool(part[0]))
+        elif key == "positions":
+            known["positions"] = part if cus else bool(part[0])
+        else:
+            remember_boundaries(source, part)
+    return known
+
+
+# What this batch's input checks found, by tensor: (weak reference, version counter, kind, verdict).
+# The attention mask's verdict is read once per batch (_read_batch), and not again by an inner
+# PreTrainedModel's preparer, nor by the mask factory transformers calls for every layer type, which
+# gets the same mask converted (``.to(torch.bool)``: a new tensor of the same shape); checked or
+# filled-in position_ids are not read again by the inner model's preparer. Weak references: once the
+# forward that holds the tensors ends, its notes are void.
+_NOTES: list[tuple[Any, int, str, bool]] = []
+
+
+def _note(t: Tensor, kind: str, verdict: bool) -> None:
+    try:
+        version = t._version
+    except RuntimeError:  # inference mode: no version counter, not noted
+        return
+    _NOTES[:] = [n for n in _NOTES if n[0]() is not None and n[2] != kind] + [(weakref.ref(t), version, kind, verdict)]
+
+
+def _noted(t: Tensor, kind: str) -> bool | None:
+    """The verdict noted for ``t`` itself (unchanged since), else None."""
+    for ref, version, k, verdict in _NOTES:
+        if k == kind and ref() is t and t._version == version:
+            return verdict
+    return None
+
+
+def _all_ones(mask: Tensor) -> bool:
+    """Whether a 2D attention mask marks no padding: the batch's note when ``mask`` is the batch's
+    mask or its conversion (alive, unchanged, same shape and device), else read here."""
+    for ref, version, kind, verdict in _NOTES:
+        noted = ref()
+        if (kind == "mask" and noted is not None and noted._version == version and noted.shape == mask.shape
+                and noted.device == mask.device and (mask is noted or mask.dtype == torch.bool)):
+            return verdict
+    return bool(mask.bool().all())
 
 
 def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
@@ -595,7 +693,8 @@ def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
         arguments["use_cache"] = False
 
 
-def _fill_attention_mask(arguments: dict[str, Any], params: Any, ref: Tensor, where: str) -> None:
+def _fill_attention_mask(arguments: dict[str, Any], params: Any, ref: Tensor, where: str,
+                         known: dict[str, Any]) -> None:
     """An all-ones mask when none is given (see the module docstring); a padding mask is refused."""
     if "attention_mask" not in params:
         return
@@ -603,25 +702,29 @@ def _fill_attention_mask(arguments: dict[str, Any], params: Any, ref: Tensor, wh
     if mask is None:
         batch, seq_local = ref.shape[0], ref.shape[1]
         arguments["attention_mask"] = torch.ones(batch, seq_local, dtype=torch.long, device=ref.device)
-    elif isinstance(mask, Tensor) and mask.dim() == 2 and not bool(mask.bool().all()):
+        _note(arguments["attention_mask"], "mask", True)
+    elif isinstance(mask, Tensor) and mask.dim() == 2 and not known.get("mask", True):
         raise _padding_error(where)
 
 
 def _fill_positions(
-    arguments: dict[str, Any], params: Any, options: SwapOptions, ref: Tensor, where: str
+    arguments: dict[str, Any], params: Any, options: SwapOptions, ref: Tensor, where: str,
+    known: dict[str, Any],
 ) -> None:
-    """Fill in ``position_ids`` (global, or per document for a packed batch) or check given ones."""
+    """Fill in ``position_ids`` (global, or per document for a packed batch) or check given ones
+    (against the values or verdict of :func:`_read_batch`: no host read of its own)."""
     batch, seq_local = ref.shape[0], ref.shape[1]
     rank, world_size = sp_rank_and_size(options.group)
     bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
-    expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
-                                device=ref.device, cu_seqlens=bounds)[None]  # (1, S_local)
     given = arguments.get("position_ids")
     if bounds is not None:
-        expected = _document_positions(expected, bounds)
+        # built on the host from host ints, then one asynchronous copy (no device read, no blocking copy)
+        host = _document_positions(global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                                    device="cpu", cu_seqlens=bounds)[None], bounds)
+        expected = host.to(ref.device, non_blocking=True)
         if given is None:
             arguments["position_ids"] = expected
-        elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+        elif given.shape[-1] != seq_local or not _packed_positions_ok(given, host, known):
             raise ValueError(
                 f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
                 f"per-document positions of this rank's {options.sharding} shard of the packed "
@@ -629,11 +732,29 @@ def _fill_positions(
                 f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
                 "Cut packed batches with seqpar.sequence.batch.shard_batch"
             )
+        _note(arguments["position_ids"], "positions", True)
         return
+    expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+                                device=ref.device)[None]  # (1, S_local)
     if given is None:
         arguments["position_ids"] = expected.expand(batch, seq_local)
-    elif given.shape[-1] != seq_local or not bool((given == expected).all()):
+    elif given.shape[-1] != seq_local or not known.get("positions", True):
         _refuse_positions(given, expected, rank, world_size, options.sharding, where)
+    _note(arguments["position_ids"], "positions", True)
+
+
+def _packed_positions_ok(given: Tensor, expected: Tensor, known: dict[str, Any]) -> bool:
+    """``given`` (``(B, S_local)``) equals the host ``expected`` (``(1, S_local)``) in every row; the
+    first row's values come from the batch's one read, further rows (rare: packed batches have one) are
+    compared on the device."""
+    first = known.get("positions")
+    if first is True:  # checked this batch already (the outer model's preparer)
+        return True
+    if not isinstance(first, list):  # not read with the batch (e.g. on the host already): compare here
+        return bool((given == expected.to(given.device)).all())
+    if first != expected[0].tolist():
+        return False
+    return given.shape[0] == 1 or bool((given == expected.to(given.device)).all())
 
 
 def _refuse_positions(
@@ -713,8 +834,8 @@ def _packed_boundaries(
 
 
 def _document_positions(global_pos: Tensor, bounds: tuple[int, ...]) -> Tensor:
-    # (1, S_local) global positions -> positions inside their document.
-    edges = torch.tensor(bounds, device=global_pos.device, dtype=global_pos.dtype)
+    # (1, S_local) global positions (on the host) -> positions inside their document.
+    edges = torch.tensor(bounds, dtype=global_pos.dtype)
     doc = torch.searchsorted(edges, global_pos, right=True) - 1
     return global_pos - edges[doc]
 
@@ -768,7 +889,7 @@ def seqpar_mask(
     here as a mask: the input preparer passes an all-ones ``attention_mask`` (so transformers does
     not build its packed mask) and the boundaries as ``cu_seq_lens_q/k``.
     """
-    if attention_mask is not None and not bool(attention_mask.bool().all()):
+    if attention_mask is not None and not _all_ones(attention_mask):  # read once per batch (_read_batch)
         raise _padding_error("mask")
     plain = mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
     # create_sliding_window_causal_mask passes the window as local_size; it keeps

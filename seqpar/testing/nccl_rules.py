@@ -30,6 +30,16 @@ against three of NCCL's rules:
    for the asynchronous collectives seqpar pipelines (``all_to_all_single``, all-gather and
    reduce-scatter into a tensor, with ``async_op=True``): input snapshotted, output poisoned.
 
+   With ``sends="late"`` the rule is modelled literally instead of checked: a point-to-point send
+   transmits its buffer **as it is at the send's** ``wait()`` (the latest moment NCCL may read it), not
+   as it was at the post. Nothing is compared: a write into a send buffer before its ``wait()`` simply
+   changes what the peer receives, as it may on NCCL, and the results say so. The message travels
+   through the store: the sender's ``wait()`` publishes the buffer's bytes under the (group, sender,
+   receiver, message number) key, and the receiver's ``wait()`` blocks until they are there (up to
+   ``init_timeout_s``; a send never waited then raises on the receiver). gloo still carries a copy made
+   at the post, so that rules 1 and 2 and gloo's own pairing see the real traffic; its content is
+   discarded. Receive buffers are poisoned until ``wait()`` in both modes.
+
 Used by ``tests/test_nccl_rules.py`` over every mode x documents x windows. Not for production runs.
 """
 
@@ -101,11 +111,22 @@ class _Record:
     batch: int  # the poster's batch number (for messages)
 
 
+def _to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(data: bytes, like: torch.Tensor) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
+
+
 class _CheckedWork:
     """A work whose ``wait()`` enforces rule 3 on ``buffers=True`` (see the module docstring): its
-    ``(kind, user buffer, private copy)`` triples are checked, and received data copied in, at ``wait()``."""
+    ``(kind, user buffer, private copy, key)`` entries are checked, and received data copied in, at
+    ``wait()``. Kinds: ``"send"`` / ``"recv"`` (the private copy is what gloo carries) and, for
+    ``sends="late"``, ``"late-send"`` / ``"late-recv"`` (the message goes through the store under ``key``
+    at the sender's ``wait()``)."""
 
-    def __init__(self, rules: NcclRules, work: Any, buffers: list[tuple[str, torch.Tensor, torch.Tensor]],
+    def __init__(self, rules: NcclRules, work: Any, buffers: list[tuple[str, torch.Tensor, torch.Tensor, str]],
                  what: str) -> None:
         self._rules, self._work, self._buffers, self.what = rules, work, buffers, what
         self.waited = False
@@ -115,7 +136,13 @@ class _CheckedWork:
         if self.waited:
             return result
         self.waited = True
-        for kind, user, mine in self._buffers:
+        for kind, user, mine, key in self._buffers:
+            if kind == "late-send":  # what the peer gets: this buffer now, at the send's wait()
+                self._rules.store.set(key, _to_bytes(user))
+                continue
+            if kind == "late-recv":
+                mine = self._rules.late_message(key, user, self.what)
+                kind = "recv"
             if kind == "send" and not _same_bits(user, mine):
                 raise NcclRuleError(
                     f"rank {self._rules.rank}: the send buffer of {self.what} was written between the post and its "
@@ -156,6 +183,9 @@ class NcclRules:
     world_size: int
     init_timeout_s: float
     buffers: bool
+    sends: str = "checked"
+    """``"checked"``: a send carries its buffer as at the post, and a write before ``wait()`` raises;
+    ``"late"``: it carries the buffer as at its ``wait()`` (see the module docstring)."""
     initialized: dict[Any, tuple[str, int]] = field(default_factory=dict)
     """Group object -> (name, incarnation) for every group whose set-up rendezvous this rank passed."""
     first_ops: list[tuple[str, str]] = field(default_factory=list)
@@ -164,6 +194,27 @@ class NcclRules:
     works: list[_CheckedWork] = field(default_factory=list)
     _incarnations: dict[str, int] = field(default_factory=dict)
     _batches: int = 0
+    _messages: dict[tuple, int] = field(default_factory=dict)  # (group, src, dst, direction) -> posted so far
+
+    def _late_key(self, group: tuple[str, int], src: int, dst: int, sending: bool) -> str:
+        """The store key of the n-th message from ``src`` to ``dst`` on ``group`` (NCCL pairs by order:
+        the n-th send meets the n-th receive, which counts its own side the same way)."""
+        count = (group, src, dst, sending)
+        n = self._messages.get(count, 0)
+        self._messages[count] = n + 1
+        return f"{self.prefix}/late/{group[0]}/{group[1]}/{src}-{dst}/{n}"
+
+    def late_message(self, key: str, like: torch.Tensor, what: str) -> torch.Tensor:
+        """The message under ``key`` (published by the sender's ``wait()``), shaped like ``like``."""
+        try:
+            self.store.wait([key], timedelta(seconds=self.init_timeout_s))
+        except RuntimeError as error:
+            raise NcclRuleError(
+                f"rank {self.rank}: {what}: the sender never waited its send within {self.init_timeout_s:g} s "
+                "(sends='late' delivers a message at the sender's wait(); on NCCL the compute stream would "
+                "never be ordered after it)"
+            ) from error
+        return _from_bytes(self.store.get(key), like)
 
     # ------------------------------------------------------------ rule 1: lazy set-up rendezvous
     def _set_up(self, group: Any, what: str) -> None:
@@ -221,7 +272,10 @@ class NcclRules:
             if not sending:
                 _poison(t)
             posted.append(dist.P2POp(op.op, mine, peer, op.group, op.tag))
-            checks.append(([("send" if sending else "recv", t, mine)], what))
+            kind, key = ("send" if sending else "recv"), ""
+            if self.sends == "late":
+                kind, key = "late-" + kind, self._late_key(self.initialized[group], src, dst, sending)
+            checks.append(([(kind, t, mine, key)], what))
         works = original(posted)
         if not self.buffers:
             return works
@@ -243,7 +297,7 @@ class NcclRules:
         args[out_at], args[in_at] = mine_out, mine_in
         work = fn(*args, **kwargs)
         what = f"an asynchronous {name} ({tuple(inp.shape)} {inp.dtype} in, {tuple(out.shape)} out)"
-        wrapped = _CheckedWork(self, work, [("send", inp, mine_in), ("recv", out, mine_out)], what)
+        wrapped = _CheckedWork(self, work, [("send", inp, mine_in, ""), ("recv", out, mine_out, "")], what)
         self.works.append(wrapped)
         return wrapped
 
@@ -305,7 +359,7 @@ def _group_of(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 @contextlib.contextmanager
 def nccl_rules(
     store: dist.Store, *, prefix: str = "nccl_rules", init_timeout_s: float = 30.0, buffers: bool = True,
-    initialized: Sequence[Any] = (),
+    initialized: Sequence[Any] = (), sends: str = "checked",
 ) -> Iterator[NcclRules]:
     """Enforce NCCL's rules on this rank's torch.distributed calls while the block runs (every rank of
     the world enters and leaves it together); yields the live :class:`NcclRules`.
@@ -317,13 +371,18 @@ def nccl_rules(
         init_timeout_s: how long a group's first operation waits for the other members (rule 1).
         buffers: enforce rule 3 (snapshot sends, poison receives until ``wait()``).
         initialized: groups whose communicators exist already (set up before the block).
+        sends: with ``buffers``, what a point-to-point send carries: ``"checked"`` (the buffer at the
+            post; a write before ``wait()`` raises) or ``"late"`` (the buffer at its ``wait()``: a
+            write before it changes the result, as it may on NCCL).
 
     Raises:
         NcclRuleError: inside the block (rules 1 and 3) or on leaving it (rule 2, unwaited works);
             the exit checks are skipped when the block raised, but the records are still published
             so that the other ranks' checks finish.
     """
-    rules = NcclRules(store, prefix, dist.get_rank(), dist.get_world_size(), init_timeout_s, buffers)
+    if sends not in ("checked", "late"):
+        raise ValueError(f"nccl_rules: sends={sends!r}; use 'checked' or 'late'")
+    rules = NcclRules(store, prefix, dist.get_rank(), dist.get_world_size(), init_timeout_s, buffers, sends)
     for g in initialized:
         rules.initialized[g] = (str(g.group_name), 0)
     depth = [0]

@@ -487,6 +487,10 @@ def python_grad(outputs: Tensor | Sequence[Tensor], inputs: Tensor | Sequence[Te
             if nxt is None:
                 continue
             if r is not None:
+                # as the engine does: a broadcast input's gradient is summed back to its shape
+                target = nxt.variable.shape if hasattr(nxt, "variable") else tuple(nxt._input_metadata[nr].shape)
+                if tuple(r.shape) != tuple(target):
+                    r = r.sum_to_size(target)
                 buf = buffers.setdefault(nxt, [None] * max(1, len(getattr(nxt, "_input_metadata", ()))))
                 buf[nr] = r if buf[nr] is None else buf[nr] + r
             deps[nxt] -= 1
@@ -539,7 +543,11 @@ class Scenario:
     """One configuration the checker runs on every rank.
 
     ``kind``: ``"attention"`` (``seqpar.attention`` calls as layers), ``"dilated"``, ``"mha"`` (a swapped
-    ``nn.TransformerEncoder``), ``"hf"`` (a swapped tiny Llama), ``"gather"`` (``gather_sequence``)."""
+    ``nn.TransformerEncoder``), ``"hf"`` (a swapped tiny Llama), ``"gather"`` (``gather_sequence``),
+    ``"mixer"`` (a family of :data:`MIXERS`, named by ``extra["mixer"]``), ``"moe"`` (the router
+    statistics over the SP group), ``"offload"`` (``CudaTransfer`` on stubbed streams). ``extra``:
+    mode options, ``"gpus"`` (the simulated GPUs, default both), ``"batch_syncs"`` (an expected count
+    that theory in the tests does not derive)."""
 
     name: str
     kind: str = "attention"
@@ -605,6 +613,21 @@ SCENARIOS: list[Scenario] = [
     Scenario("hf-route-documents", kind="hf", q_heads=4, kv_heads=2, documents=True),
     Scenario("hf-route-tiling-recompute-norm", kind="hf", q_heads=4, kv_heads=2,
              extra={"tiling": True, "recompute_norm": True}),
+]
+
+SCENARIOS.append(Scenario("moe-router-statistics", kind="moe", extra={"gpus": ("h100",)}))
+SCENARIOS.append(Scenario("offload", kind="offload", extra={"gpus": ("h100",)}))
+
+# Mixers (kind "mixer"): each family's sequence-parallel layer, built from a tiny transformers layer, called
+# LAYERS times on one batch; extra["mixer"] names its builder in MIXERS (below). Every family runs dense
+# (contiguous) and with packed documents (zigzag: two chunks per rank, documents crossing them). A new
+# family: a builder decorated with @mixer("name") and its name in MIXER_FAMILIES.
+MIXER_FAMILIES = ("conv", "mamba", "lightning", "rglru", "state-passing")
+# No kernel choice depends on the GPU here: simulated as an H100 only.
+SCENARIOS += [
+    Scenario(f"mixer-{family}-{sharding}{'-documents' if docs else ''}", kind="mixer", sharding=sharding,
+             documents=docs, extra={"mixer": family, "gpus": ("h100",)})
+    for family in MIXER_FAMILIES for sharding, docs in (("contiguous", False), ("zigzag", True))
 ]
 
 
@@ -738,6 +761,248 @@ def _hf_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
     return run_backward([out.loss if out.loss is not None else out.logits], checker)
 
 
+# ------------------------------------------------------------------------------------ mixers
+MixerLayer = Callable[[Tensor, Tensor | None, Tensor], Tensor]
+"""``(hidden (1, S_local, H), cu_seqlens or None, position_ids (1, S_local)) -> hidden``: one call."""
+
+MIXERS: dict[str, Callable[[Scenario], tuple[MixerLayer, int]]] = {}
+"""Mixer family -> builder of ``(one layer's call, hidden size)`` on fake bf16 CUDA parameters, for
+``Scenario(kind="mixer", extra={"mixer": name})``. Families add themselves with :func:`mixer`."""
+
+
+def mixer(name: str) -> Callable[[Callable[[Scenario], tuple[MixerLayer, int]]], Callable[[Scenario], tuple[MixerLayer, int]]]:
+    """Register a mixer builder under ``name`` (see :data:`MIXERS`)."""
+    def register(build: Callable[[Scenario], tuple[MixerLayer, int]]) -> Callable[[Scenario], tuple[MixerLayer, int]]:
+        MIXERS[name] = build
+        return build
+    return register
+
+
+def _tiny(config_class: str, **fields: Any) -> nn.Module:
+    import transformers
+
+    cfg = getattr(transformers, config_class)(vocab_size=64, use_cache=False, pad_token_id=0, bos_token_id=1,
+                                              eos_token_id=2, **fields)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@mixer("conv")
+def _conv_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.short_conv import SeqParShortConv
+
+    model = _tiny("Lfm2Config", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, conv_L_cache=4, layer_types=["conv", "full_attention"])
+    layer = SeqParShortConv(model.model.layers[0].conv, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 32
+
+
+@mixer("mamba")
+def _mamba_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.mamba import SeqParMambaMixer
+
+    model = _tiny("JambaConfig", hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                  mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, num_hidden_layers=2,
+                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=1)
+    layer = SeqParMambaMixer(model.model.layers[0].mamba, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 16
+
+
+@mixer("lightning")
+def _lightning_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.lightning import SeqParLightningAttention
+
+    model = _tiny("MiniMaxConfig", hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, layer_types=["linear_attention", "full_attention"], block_size=8,
+                  num_local_experts=2, num_experts_per_tok=1)
+    layer = SeqParLightningAttention(model.model.layers[0].self_attn, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, None, None, cu_seq_lens_q=cu)[0]), 32
+
+
+@mixer("rglru")
+def _rglru_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.rglru import SeqParRecurrentBlock
+
+    model = _tiny("RecurrentGemmaConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8, lru_width=32, conv1d_width=4,
+                  attention_window_size=64, block_types=["recurrent", "attention"])
+    layer = SeqParRecurrentBlock(model.model.layers[0].temporal_block, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, pos, cu_seq_lens_q=cu)[0]), 32
+
+
+@mixer("state-passing")
+def _state_passing_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    """state_passing.chunk_initial_states alone, as every linear recurrence calls it: per-head scalar
+    transitions and (head, d, d) states, one per local chunk."""
+    from seqpar.mixers.state_passing import chunk_initial_states
+
+    chunks = 2 if sc.sharding == "zigzag" else 1
+
+    def call(x: Tensor, cu: Tensor | None, pos: Tensor) -> Tensor:
+        seq_local, hidden = x.shape[1], x.shape[2]
+        heads = hidden // 8
+        transition = x[0, :chunks, :heads].float().sigmoid()  # (n, heads)
+        state = x[0, :chunks].float().reshape(chunks, heads, 8)[..., None] * x[0, :chunks, :8].float()[:, None, None]
+        init = chunk_initial_states(transition, state, apply=lambda t, h: t[:, None, None] * h, group=dist.group.WORLD,
+                                    sharding=sc.sharding, seq_len=seq_local * dist.get_world_size(), cu_seqlens=cu)
+        return x + init.sum().to(x.dtype)
+
+    return call, 32
+
+
+def _mixer_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    import seqpar
+
+    seq = SEQ_PER_RANK * world
+    with checker.paused(), _building():
+        call, hidden = MIXERS[sc.extra["mixer"]](sc)
+        pos = _fake((1, SEQ_PER_RANK), torch.long)
+    cu = checker.cuda(_documents(seq), torch.int32) if sc.documents else None
+    if cu is not None:  # the batch's one host copy of the boundaries (shard_batch / the batch check)
+        seqpar.sequence.boundaries.host_boundaries(cu)
+    x = _fake((1, SEQ_PER_RANK, hidden))
+    for i in range(LAYERS):
+        with checker.layer(f"{sc.extra['mixer']}[{i}]"):
+            x = call(x, cu, pos)
+    return run_backward([x], checker)
+
+
+def _moe_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    """The MoE statistics the swap computes over the SP group (seqpar.swap.moe's dispatchers call
+    these): the load-balancing loss from LAYERS routers' logits with a padding token mask, Bamba's
+    z-loss, and the expert counts of aux-loss-free balancing; each a layer (no sync)."""
+    from seqpar.sequence.router import (
+        load_balancing_loss,
+        sequence_parallel_expert_counts,
+        sequence_parallel_z_loss,
+    )
+
+    experts, top_k = 8, 2
+    logits = tuple(_fake((SEQ_PER_RANK, experts), torch.float32) for _ in range(LAYERS))
+    mask = _fake((1, SEQ_PER_RANK), torch.long)
+    lm_logits = _fake((1, SEQ_PER_RANK, 64), torch.float32)
+    with checker.layer("load_balancing_loss"):
+        aux = load_balancing_loss(logits, experts, top_k, mask, group=dist.group.WORLD)
+    with checker.layer("z_loss"):
+        z = sequence_parallel_z_loss(lm_logits, group=dist.group.WORLD, mask=mask)
+    with checker.layer("expert_counts"):
+        top = logits[0].topk(top_k, dim=-1).indices
+        sequence_parallel_expert_counts(top, experts, group=dist.group.WORLD, mask=mask.reshape(-1))
+    return run_backward([aux + z], checker)
+
+
+class _FakeStream:
+    """torch.cuda.Stream / current_stream on a machine without CUDA: the ordering calls are recorded,
+    a host wait is a sync (see :class:`SyncChecker`)."""
+
+    def __init__(self, checker: SyncChecker, log: list[str], device: Any = None) -> None:
+        self.checker, self.log, self.device = checker, log, device
+
+    def wait_stream(self, other: Any) -> None:
+        self.log.append("wait_stream")
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append("wait_event")
+
+    def synchronize(self) -> None:
+        self.checker._wait("torch.cuda.Stream.synchronize")
+
+
+class _FakeEvent:
+    def __init__(self, checker: SyncChecker, log: list[str]) -> None:
+        self.checker, self.log = checker, log
+
+    def record(self, stream: Any = None) -> None:
+        self.log.append("record")
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self.checker._wait("torch.cuda.Event.synchronize")
+
+
+@contextlib.contextmanager
+def _fake_streams(checker: SyncChecker, log: list[str]) -> Iterator[None]:
+    """Streams, events, pinned host buffers and CUDA RNG states for code written for a real GPU
+    (seqpar.memory.offload.CudaTransfer), so that it runs on fake tensors: every call is recorded in
+    ``log``; the copies themselves are the ordinary (watched) tensor ops."""
+    empty = torch.empty
+
+    def pinned_empty(*args: Any, **kwargs: Any) -> Tensor:
+        if kwargs.pop("pin_memory", False):
+            log.append("pin_memory")
+        return empty(*args, **kwargs)
+
+    patches = {
+        (torch.cuda, "Stream"): lambda device=None, **kw: _FakeStream(checker, log, device),
+        (torch.cuda, "current_stream"): lambda device=None: _FakeStream(checker, log, device),
+        (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
+        (torch.cuda, "Event"): lambda *a, **kw: _FakeEvent(checker, log),
+        (torch.cuda, "get_rng_state"): lambda device="cuda": torch.zeros(16, dtype=torch.uint8, device="cpu"),
+        (torch.cuda, "set_rng_state"): lambda state, device="cuda": None,
+        (torch, "empty"): pinned_empty,
+        (Tensor, "record_stream"): lambda self, stream: log.append("record_stream"),
+    }
+    saved = {key: getattr(*key) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def python_backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | None] | None = None,
+                    **_: Any) -> None:
+    """``torch.autograd.backward`` run as :func:`python_grad` (fake CUDA tensors): every leaf reached
+    (``requires_grad``, no ``grad_fn``) gets its gradient added to ``.grad``."""
+    leaves: list[Tensor] = []
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    grads = python_grad(list(tensors), leaves, list(grad_tensors) if grad_tensors is not None else None)
+    for leaf, g in zip(leaves, grads):
+        if g is not None:
+            leaf.grad = g if leaf.grad is None else leaf.grad + g
+
+
+def _offload_layers(sc: Scenario, world: int, checker: SyncChecker) -> list[str]:
+    """seqpar.memory.offload: LAYERS checkpointed MLP blocks whose inputs go to pinned host memory on a
+    side stream in the forward and come back (prefetched one layer ahead) in the backward, through
+    CudaTransfer's own code on stubbed streams and events (:func:`_fake_streams`)."""
+    from seqpar.memory.offload import OffloadState, offloading_checkpoint
+
+    log: list[str] = []
+    with checker.paused(), _building():
+        blocks = [nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(LAYERS)]
+    state = OffloadState()
+    checkpoint = offloading_checkpoint(lambda run_fn, *args: run_fn(*args), state)
+    x = _fake((1, SEQ_PER_RANK, 32))
+    engine_backward = torch.autograd.backward
+    with _fake_streams(checker, log):
+        for i, block in enumerate(blocks):
+            with checker.layer(f"offload[{i}]"):
+                x = checkpoint(block, x)
+        torch.autograd.backward = python_backward
+        try:
+            ran = run_backward([x], checker)
+        finally:
+            torch.autograd.backward = engine_backward
+    expected = {"pin_memory": LAYERS, "record_stream": 2 * LAYERS}
+    missing = {k: n for k, n in expected.items() if log.count(k) != n}
+    if missing or not all(b[0].weight.grad is not None for b in blocks):
+        raise AssertionError(f"offload scenario: CudaTransfer's paths did not all run ({log})")
+    return ran
+
+
 def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict[str, Any]:
     """Run ``sc`` as rank ``rank`` of ``world`` on fake CUDA tensors and the fake process group.
 
@@ -765,6 +1030,12 @@ def run_scenario(sc: Scenario, world: int, rank: int, gpu: str = "h100") -> dict
                 ran = _mha_layers(sc, world, checker)
             elif sc.kind == "hf":
                 ran = _hf_layers(sc, world, checker)
+            elif sc.kind == "offload":
+                ran = _offload_layers(sc, world, checker)
+            elif sc.kind == "moe":
+                ran = _moe_layers(sc, world, checker)
+            elif sc.kind == "mixer":
+                ran = _mixer_layers(sc, world, checker)
             else:
                 raise ValueError(f"unknown scenario kind {sc.kind!r}")
     if not ran:
@@ -783,7 +1054,7 @@ def check_world(world: int, scenarios: Sequence[Scenario] = SCENARIOS, gpus: Seq
         if not sc.applies(world):
             continue
         worst: dict[str, Any] = {"batch_syncs": 0, "ops": {}, "where": []}
-        for gpu in gpus:
+        for gpu in sc.extra.get("gpus", gpus):
             for rank in (range(world) if ranks is None else ranks):
                 try:
                     res = run_scenario(sc, world, rank, gpu)
