@@ -7,12 +7,15 @@ documents (one crossing shard edges), against each document run alone in one pro
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
+from mixer_parity import VOCAB, modes, one_process_parity, sharded_parity
 
+from seqpar.mixers.mamba2 import MAMBA2_CLASSES
 from seqpar.mixers.scan_layout import scan_layout
 from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
@@ -135,3 +138,131 @@ def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
         # one all-gather of (T, state) per chunk: independent of S
         assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)
         assert p2p == 0  # the scan alone has no halo
+
+
+# ----------------------------------------------------------------------------- the mamba_ssm dispatch
+def test_mamba_ssm_kernel_is_used_where_importable(monkeypatch):
+    # On CUDA with mamba_ssm importable, each local chunk goes to its mamba_chunk_scan_combined in one call,
+    # its documents kept apart by seq_idx. Here: a fake mamba_ssm on "cpu" that runs transformers' torch scan
+    # on each run of equal seq_idx (what the kernel computes), returning the last run's final state.
+    import sys
+    import types
+
+    from seqpar.mixers import ssd
+
+    calls = []
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, dt_bias=None, seq_idx=None, dt_softplus=False,
+                                  dt_limit=(0.0, float("inf")), return_final_states=False):
+        calls.append(seq_idx is not None)
+        assert return_final_states and dt_softplus
+        idx = torch.zeros(x.shape[1], dtype=torch.int32) if seq_idx is None else seq_idx[0]
+        assert seq_idx is None or bool((seq_idx == seq_idx[:1]).all())
+        edges = [0, *[t for t in range(1, x.shape[1]) if idx[t] != idx[t - 1]], x.shape[1]]
+        outs = []
+        for a, b in zip(edges, edges[1:]):
+            out, state = torch_scan(x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], chunk_size, D=D, dt_bias=dt_bias,
+                                    dt_softplus=True, dt_limit=dt_limit, return_final_states=True)
+            outs.append(out)
+        return torch.cat(outs, dim=1), state
+
+    names = ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined")
+    modules = [types.ModuleType(n) for n in names]
+    modules[-1].mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    for name, module in zip(names, modules):
+        monkeypatch.setitem(sys.modules, name, module)
+    assert ssd.ssd_kernel(torch.device("cpu")) is None  # not a kernel device
+    monkeypatch.setattr(ssd, "KERNEL_DEVICES", {"cpu"})
+    assert ssd.ssd_kernel(torch.device("cpu")) is mamba_chunk_scan_combined
+    _scan_parity(0, 1, "contiguous", 80, [0, 5, 12, 13, 47, 80], 8)
+    assert calls == [True]  # one call for the whole shard, its five documents told apart by seq_idx
+    one_process_parity(functools.partial(tiny, "bamba"))
+
+
+# ----------------------------------------------------------------------------- tiny hybrid models
+COMMON = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+              use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MAMBA = dict(mamba_n_heads=2, mamba_n_groups=2, mamba_d_state=4, mamba_d_conv=4, mamba_chunk_size=8)
+
+
+def config(family: str):
+    """One Mamba2 layer and one attention layer (Falcon-H1: one layer running both side by side; Zamba2: a
+    Mamba2 layer, then a hybrid layer of the shared attention block and a second Mamba2 layer); two groups of
+    B / C, scan chunks of 8 (shards span several and end mid-chunk)."""
+    if family == "falcon_h1":  # with its muP multipliers and a time-step clamp
+        return transformers.FalconH1Config(
+            num_hidden_layers=1, head_dim=8, mamba_d_head=8, mamba_d_ssm=16, mamba_rms_norm=True, ssm_in_multiplier=0.7,
+            ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.6], time_step_limit=(0.01, 5.0), **MAMBA, **COMMON)
+    if family == "bamba":
+        return transformers.BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], mamba_d_head=16, mamba_expand=2,
+                                        **MAMBA, **COMMON)
+    if family == "nemotron_h":
+        return transformers.NemotronHConfig(num_hidden_layers=2, layers_block_type=["mamba", "attention"], head_dim=8,
+                                            mamba_num_heads=2, mamba_head_dim=8, ssm_state_size=4, n_groups=2,
+                                            conv_kernel=4, chunk_size=8, **COMMON)
+    if family == "granitemoehybrid":
+        return transformers.GraniteMoeHybridConfig(num_hidden_layers=2, layer_types=["mamba", "attention"],
+                                                   mamba_d_head=16, mamba_expand=2, num_local_experts=2,
+                                                   num_experts_per_tok=1, shared_intermediate_size=32, **MAMBA,
+                                                   **COMMON)
+    if family == "zamba2":
+        return transformers.Zamba2Config(num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], n_mamba_heads=2,
+                                         mamba_headdim=16, mamba_expand=2, mamba_ngroups=2, mamba_d_state=4,
+                                         mamba_d_conv=4, chunk_size=8, attention_head_dim=8, num_mem_blocks=1,
+                                         **COMMON)
+    raise ValueError(family)
+
+
+def tiny(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # grouped_mm (the MoE default) has no float64
+    model = transformers.AutoModelForCausalLM.from_config(config(family), experts_implementation="eager")
+    with torch.no_grad():  # random (not constant) D, dt bias, decay rates, conv bias and norm, drawn before the cast
+        for m in model.modules():
+            if type(m).__name__ in MAMBA2_CLASSES:
+                m.D.normal_()
+                m.dt_bias.normal_()
+                m.A_log.uniform_(-1.0, 1.0)
+                m.conv1d.bias.normal_()
+                m.norm.weight.uniform_(0.5, 1.5)
+    return model.to(dtype)
+
+
+ROUTES = {
+    "falcon_h1": {"model.layers.0.mamba": "mixer", "model.layers.0.self_attn": "hf"},
+    "bamba": {"model.layers.0.mamba": "mixer", "model.layers.1.self_attn": "hf"},
+    "nemotron_h": {"model.layers.0.mixer": "mixer", "model.layers.1.mixer": "hf"},
+    "granitemoehybrid": {"model.layers.0.mamba": "mixer", "model.layers.1.self_attn": "hf"},
+    "zamba2": {"model.layers.0.mamba": "mixer", "model.layers.1.mamba_decoder.mamba": "mixer",
+               "model.layers.1.shared_transformer.self_attn": "hf"},
+}
+FAMILIES = sorted(ROUTES)
+
+
+def _parity(rank: int, world: int, family: str, sharding: str, mode_list: list[dict] | None = None) -> list[str]:
+    return sharded_parity(functools.partial(tiny, family), ROUTES[family], world, sharding, mode_list)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_one_process_equals_each_document_alone(family):
+    # transformers' own torch path scans across the documents of a packed batch; the swapped one does not.
+    one_process_parity(functools.partial(tiny, family))
+
+
+def _all_families(rank: int, world: int, sharding: str, mode_list: list[dict]) -> list[str]:
+    return [f"{family}:{mode}" for family in FAMILIES for mode in _parity(rank, world, family, sharding, mode_list)]
+
+
+@pytest.mark.parametrize("world,sharding", [(2, "zigzag"), (2, "contiguous"), (4, "contiguous")])
+def test_every_model_sharded_equals_each_document_alone(dist_pool, world, sharding):
+    # one attention mode per model and sharding here; every mode below for Falcon-H1 and Bamba
+    mode = {"zigzag": "ring", "contiguous": "ulysses"}[sharding] if world == 2 else "allgather"
+    done = dist_pool.run(world, _all_families, sharding, [{"mode": mode}], timeout=600)[0]
+    assert done == [f"{family}:{mode}" for family in FAMILIES]
+
+
+@pytest.mark.parametrize("world,family,sharding", [(2, "falcon_h1", "zigzag"), (4, "falcon_h1", "zigzag"),
+                                                   (4, "bamba", "zigzag"), (2, "nemotron_h", "balanced")])
+def test_every_attention_mode(dist_pool, world, family, sharding):
+    done = dist_pool.run(world, _parity, family, sharding, timeout=600)[0]
+    assert done == [m["mode"] for m in modes(world)]
