@@ -166,6 +166,7 @@ def test_mamba_ssm_kernel_is_used_where_importable(monkeypatch):
             outs.append(out)
         return torch.cat(outs, dim=1), state
 
+    tiny("bamba", torch.float32)  # transformers binds mamba_ssm at import: import Bamba's module before the fake
     names = ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton", "mamba_ssm.ops.triton.ssd_combined")
     modules = [types.ModuleType(n) for n in names]
     modules[-1].mamba_chunk_scan_combined = mamba_chunk_scan_combined
