@@ -13,13 +13,25 @@ import inspect
 import pytest
 import torch
 import torch.distributed as dist
-from mixer_parity import VOCAB, modes, one_process_parity, sharded_parity
+from mixer_parity import (
+    VOCAB,
+    check,
+    documents,
+    layer_bf16_errors,
+    modes,
+    one_process_parity,
+    packed_batch,
+    per_document_reference,
+    sharded_parity,
+)
 
-from seqpar.mixers.mamba2 import MAMBA2_CLASSES
+from seqpar.config import SeqParConfig
+from seqpar.mixers.mamba2 import MAMBA2_CLASSES, SeqParMamba2Mixer
 from seqpar.mixers.scan_layout import scan_layout
 from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
 from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
@@ -267,3 +279,189 @@ def test_every_model_sharded_equals_each_document_alone(dist_pool, world, shardi
 def test_every_attention_mode(dist_pool, world, family, sharding):
     done = dist_pool.run(world, _parity, family, sharding, timeout=600)[0]
     assert done == [m["mode"] for m in modes(world)]
+
+
+# ----------------------------------------------------------------------------- the pure Mamba2 layer
+def _layer_parity(rank: int, world: int) -> None:
+    """Mamba2Mixer (its model has no attention; the swap's walk refuses such a model): the layer alone."""
+    cfg = transformers.Mamba2Config(hidden_size=16, num_heads=4, head_dim=8, state_size=4, n_groups=2, expand=2,
+                                    conv_kernel=4, chunk_size=8, num_hidden_layers=1, use_cache=False)
+    torch.manual_seed(0)
+    layer = transformers.AutoModelForCausalLM.from_config(cfg).backbone.layers[0].mixer.double().eval()
+    assert type(layer).__name__ == "Mamba2Mixer"
+    with torch.no_grad():
+        layer.D.normal_()
+        layer.conv1d.bias.normal_()
+    cu = [0, 5, 19, 32]
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
+    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
+    ref_h = h.clone().requires_grad_()
+    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
+    (ref * grad).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    sp = SeqParMamba2Mixer(layer, group=WORLD, sharding="zigzag")
+    h_sp = h.clone().requires_grad_()
+    out = sp(shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag"), cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
+    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
+    _close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
+    dist.all_reduce(h_sp.grad)
+    _close(h_sp.grad, ref_h.grad, "grad of the input")
+    for n, p in sp.named_parameters():
+        dist.all_reduce(p.grad)
+        _close(p.grad, ref_grads[n], f"grad of {n}")
+
+
+def test_pure_mamba2_layer_sharded(dist_pool):
+    dist_pool.run(2, _layer_parity, timeout=300)
+
+
+# ----------------------------------------------------------------------------- errors, swap, bf16, checkpointing
+def test_swap_keeps_parameters_buffers_and_state_dict():
+    model = tiny("falcon_h1", torch.float32)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    mup = model.model.layers[0].mamba.mup_vector
+    swap_attention(model)
+    layer = model.model.layers[0].mamba
+    assert isinstance(layer, SeqParMamba2Mixer) and layer.mup_vector is mup
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes["model.layers.0.mamba"] == "mixer"
+    layer = model.model.layers[0].mamba
+    assert (layer.sharding, layer.original_class) == ("zigzag", "FalconH1Mixer")
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+
+
+def test_mamba2_left_out_of_the_swap_is_still_refused():
+    model = tiny("bamba", torch.float32)
+    with pytest.raises(SwapError, match=r"model\.layers\.0\.mamba.*BambaMixer"):
+        swap_attention(model, SeqParConfig(swap=("*self_attn",)))
+    assert type(model.model.layers[0].mamba).__name__ == "BambaMixer"
+
+
+def test_cache_and_bad_documents_are_clear_errors():
+    model = tiny("bamba", torch.float32)
+    swap_attention(model)
+    layer = model.model.layers[0].mamba
+    with pytest.raises(ValueError, match="cache"):
+        layer(torch.randn(1, 5, 16), cache=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        layer(torch.randn(1, 10, 16), cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+def _bf16(rank: int, world: int) -> list[tuple[float, float]]:
+    out = []
+    for family in ("falcon_h1", "bamba"):  # Falcon-H1's multipliers and norm, and the shared forward
+        layer = tiny(family, torch.float64).model.layers[0].mamba
+        out.append(layer_bf16_errors(world, rank, layer, SeqParMamba2Mixer, lambda m, x, pos, **kw: m(x, **kw),
+                                     [0, 5, 29, 48], 16))
+    return out
+
+
+def test_bf16_no_worse_than_one_process_bf16(dist_pool):
+    for per_family in dist_pool.run(2, _bf16, timeout=600):
+        for ours, own in per_family:
+            assert 0 < ours <= 1.5 * own, (ours, own)
+
+
+def _checkpointed(rank: int, world: int) -> None:
+    from hf_tiny import enable_checkpointing
+
+    from seqpar.sequence.batch import shard_batch
+
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "zamba2"), docs)
+    model = tiny("zamba2", torch.float32).train()
+    # the recompute in the backward repeats the halo, the scan and the summary all-gather on every rank alike
+    enable_checkpointing(model)
+    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
+    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+
+
+def test_zamba2_with_activation_checkpointing(dist_pool):
+    dist_pool.run(2, _checkpointed, timeout=600)
+
+
+# ----------------------------------------------------------------------------- engines
+STEPS, LR = 3, 0.1
+
+
+def _engine_batch(step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(100 + step))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _engine_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process without seqpar, float64: 3 SGD steps of tiny Falcon-H1 on the full sequence."""
+    model = tiny("falcon_h1", torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        loss = model(**_engine_batch(step)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine_run(rank: int, world: int, engine: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import seqpar
+    from seqpar.sequence.batch import shard_batch
+
+    model = tiny("falcon_h1", torch.float32)
+    block = {"size": world, "mode": "ring", "sharding": "zigzag"}
+    if engine == "fsdp2":
+        from seqpar.integrations import fsdp
+
+        cfg = SeqParConfig.from_dict(block)
+        manager = seqpar.init_process_groups(config=cfg)
+        model = fsdp.wrap(model, cfg, manager=manager, fsdp={"version": 2})
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        from seqpar.integrations.deepspeed import initialize
+
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+                  "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+                  "zero_optimization": {"stage": 3}, "gradient_clipping": 0.0, "sequence_parallel": block}
+        model, _, _, _ = initialize(model=model, config=config)
+        manager = model.seqpar_manager
+    assert any(isinstance(m, SeqParMamba2Mixer) for m in model.modules())
+    losses = []
+    for step in range(STEPS):
+        loss = model(**shard_batch(_engine_batch(step), group=manager.sp_group, sharding="zigzag")).loss
+        if engine == "fsdp2":
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        else:
+            model.backward(loss)
+            model.step()
+        losses.append(loss.item())
+    if engine == "fsdp2":
+        params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    else:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.module.parameters())):
+            params = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    seqpar.destroy_process_groups(manager)
+    return losses, params
+
+
+@pytest.mark.parametrize("engine", ["deepspeed_zero3", "fsdp2"])
+def test_falcon_h1_trains_under_engines_as_one_process(dist_pool, engine):
+    if engine.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    ref_losses, ref_params = _engine_reference()
+    for losses, params in dist_pool.run(2, _engine_run, engine, timeout=600):
+        for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True)):
+            assert abs(got - want) <= 1e-5 * abs(want), (engine, step, got, want)
+        assert set(params) == set(ref_params)
+        for name, p in params.items():
+            torch.testing.assert_close(p.double(), ref_params[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, name=name: f"{engine}: {name} after {STEPS} steps: {m}")
