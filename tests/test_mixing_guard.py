@@ -59,12 +59,6 @@ HYBRIDS = {
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8),
                   "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet"),
-    "Bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
-                   mamba_chunk_size=4),
-              "model.layers.0.mamba", "BambaMixer"),
-    "FalconH1": (dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
-                      mamba_chunk_size=4, head_dim=8),
-                 "model.layers.0.mamba", "FalconH1Mixer"),
 }
 
 
@@ -82,7 +76,20 @@ HANDLED = {
                      num_experts_per_tok=1, head_dim=8, block_size=4), "model.layers.0.self_attn"),
     "RecurrentGemma": (dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8,
                             num_key_value_heads=1), "model.layers.0.temporal_block"),
+    # Mamba2 / SSD (tests/test_mixers_ssd.py); Falcon-H1 runs its Mamba2 layer beside attention in one layer
+    "Bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                   mamba_chunk_size=4), "model.layers.0.mamba"),
+    "FalconH1": (dict(num_hidden_layers=1, mamba_n_heads=4, mamba_d_head=16, mamba_d_ssm=64, mamba_d_state=8,
+                      mamba_n_groups=1, mamba_chunk_size=4, head_dim=8), "model.layers.0.mamba"),
+    "NemotronH": (dict(layers_block_type=["mamba", "attention"], head_dim=8, mamba_num_heads=4, mamba_head_dim=8,
+                       ssm_state_size=8, n_groups=2, chunk_size=4), "model.layers.0.mixer"),
+    "GraniteMoeHybrid": (dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                              mamba_n_groups=2, mamba_chunk_size=4, num_local_experts=2, num_experts_per_tok=1,
+                              shared_intermediate_size=32), "model.layers.0.mamba"),
 }
+ATTENTION = {"RecurrentGemma": "model.layers.1.temporal_block", "FalconH1": "model.layers.0.self_attn",
+             "NemotronH": "model.layers.1.mixer"}
+"""Where a HANDLED model's attention is, when not at ``model.layers.1.self_attn``."""
 
 
 # ----------------------------------------------------------------------------- unknown mixers
@@ -253,7 +260,7 @@ def test_handled_mixers_are_swapped_not_refused(name):
         pytest.skip(f"transformers {transformers.__version__} has no {name}")
     fields, path = HANDLED[name]
     report = swap_attention(tiny(name, **fields), {"size": 1})
-    attention = "model.layers.1.temporal_block" if name == "RecurrentGemma" else "model.layers.1.self_attn"
+    attention = ATTENTION.get(name, "model.layers.1.self_attn")
     assert report.routes == {path: "mixer", attention: "hf"}, report
 
 

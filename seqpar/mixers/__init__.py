@@ -32,7 +32,8 @@ puts in place. Linear recurrences share :func:`seqpar.mixers.state_passing.chunk
 
 Families handled: short causal convolutions (:mod:`seqpar.mixers.conv`, LFM2 / LFM2-MoE / LFM3
 ``*ShortConv`` layers via :mod:`seqpar.mixers.short_conv`); Mamba (v1) selective scans
-(:mod:`seqpar.mixers.mamba`: Jamba, Zamba, and the ``MambaMixer`` / ``FalconMambaMixer`` layers);
+(:mod:`seqpar.mixers.mamba`: Jamba, Zamba, and the ``MambaMixer`` / ``FalconMambaMixer`` layers); Mamba2 / SSD layers (:mod:`seqpar.mixers.mamba2` over the
+scan of :mod:`seqpar.mixers.ssd`: Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid, Zamba2, ``Mamba2Mixer``);
 lightning attention (:mod:`seqpar.mixers.lightning`: MiniMax); RG-LRU blocks (:mod:`seqpar.mixers.rglru`:
 RecurrentGemma). Mixers whose decoder layer does not pass them the batch's ``cu_seq_lens_q`` get it from
 :func:`seqpar.mixers.documents.feed_documents`. Every other family is refused by name.
@@ -43,6 +44,7 @@ from seqpar.mixers.family import MixerFamily
 from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
 from seqpar.mixers.lightning import SeqParLightningAttention
 from seqpar.mixers.mamba import SeqParMambaMixer
+from seqpar.mixers.mamba2 import SeqParMamba2Mixer
 from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.short_conv import SeqParShortConv, find_short_convs, is_short_conv
 from seqpar.mixers.state_passing import chunk_initial_states
@@ -59,6 +61,7 @@ __all__ = [
     "MixerFamily",
     "chunk_initial_states",
     "SeqParMambaMixer",
+    "SeqParMamba2Mixer",
     "SeqParLightningAttention",
     "SeqParRecurrentBlock",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from seqpar.mixers import lightning, mamba, rglru, short_conv
+from seqpar.mixers import lightning, mamba, mamba2, rglru, short_conv
 from seqpar.mixers.family import MixerFamily
 
 __all__ = ["FAMILIES", "family_of"]
@@ -19,6 +19,7 @@ __all__ = ["FAMILIES", "family_of"]
 FAMILIES: tuple[MixerFamily, ...] = (
     short_conv.FAMILY,
     mamba.FAMILY,
+    mamba2.FAMILY,
     lightning.FAMILY,
     rglru.FAMILY,
 )

@@ -1,0 +1,161 @@
+"""Mamba2 layers, sequence-parallel: Falcon-H1's ``FalconH1Mixer``, Bamba's ``BambaMixer``, Nemotron-H's
+``NemotronHMamba2Mixer``, Granite-4 hybrid's ``GraniteMoeHybridMambaLayer``, Zamba2's ``Zamba2MambaMixer``
+and ``Mamba2Mixer``.
+
+In transformers 5.24 these layers share one torch forward (read in each installed modeling file)::
+
+    h          = h * ssm_in_multiplier                              # Falcon-H1 only
+    zxbcdt     = in_proj(h) (* mup_vector: Falcon-H1)               # (batch, seq, ...)
+    gate, xBC, dt = split(zxbcdt)
+    xBC        = act(causal_conv(xBC))                              # depthwise over x, B and C
+    x, B, C    = split(xBC)                                         # B, C: (batch, seq, n_groups, d_state)
+    y          = mamba2_chunk_scan(x, dt, A=-exp(A_log), B, C, D, dt_bias, dt_limit)   # seqpar.mixers.ssd
+    y          = norm(y, gate)             # gated RMS norm per group (Falcon-H1: optional, else y * silu(gate))
+    out        = out_proj(y)
+
+(their fused CUDA path, ``mamba2_split_conv1d_scan_combined``, computes the same). The only differences
+are Falcon-H1's multipliers and optional norm, handled here by name. Zamba2's shared blocks are
+attention and MLP (swapped as attention); its Mamba2 layers are ordinary ones.
+
+Sequence-parallel form (:class:`SeqParMamba2Mixer`, same parameters, buffers and child modules): the
+convolution is :func:`seqpar.mixers.conv.causal_conv_shard` (halo exchange, documents restart), the
+scan :func:`seqpar.mixers.ssd.ssd_shard` (transformers' own torch scan or mamba_ssm's kernel per local
+chunk, one all-gather of chunk summaries, a correction), and the rest is position-wise. Packed documents
+reach the layer as the ``cu_seq_lens_q`` of its own call or through
+:func:`seqpar.mixers.documents.feed_documents`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.family import MixerFamily
+from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.ssd import ssd_shard
+
+__all__ = ["MAMBA2_CLASSES", "SeqParMamba2Mixer", "is_mamba2_mixer", "find_mamba2_mixers", "FAMILY"]
+
+MAMBA2_CLASSES = frozenset({"FalconH1Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer",
+                            "Zamba2MambaMixer", "Mamba2Mixer"})
+"""transformers classes whose forward :class:`SeqParMamba2Mixer` reproduces (read in transformers 5.24)."""
+
+_ATTRIBUTES = ("layer_idx", "num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
+               "chunk_size", "time_step_limit", "activation", "mamba_rms_norm", "ssm_in_multiplier")
+
+
+def is_mamba2_mixer(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers Mamba2 layer that seqpar can shard."""
+    cls = type(module)
+    if cls.__name__ not in MAMBA2_CLASSES or not cls.__module__.startswith("transformers."):
+        return False
+    conv = getattr(module, "conv1d", None)
+    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+            and isinstance(getattr(module, "in_proj", None), nn.Linear)
+            and isinstance(getattr(module, "out_proj", None), nn.Linear)
+            and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
+            and all(hasattr(module, name) for name in _ATTRIBUTES[1:10]))
+
+
+class SeqParMamba2Mixer(nn.Module):
+    """A sequence-parallel drop-in for a transformers Mamba2 layer (:data:`MAMBA2_CLASSES`).
+
+    Args:
+        original: the transformers layer (its parameters, buffers and child modules are taken over: same
+            state_dict), or a :class:`SeqParMamba2Mixer` to re-swap with other options.
+        group: the SP group (None: the default manager's).
+        sharding: the layout the model's inputs are cut in.
+        position_wise: called at each forward; True -> every position alone, no communication (what
+            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+    """
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        for name, param in original._parameters.items():  # the same objects, in the same order: same state_dict
+            self.register_parameter(name, param)
+        for name, buffer in original._buffers.items():  # Falcon-H1's mup_vector (not persistent)
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name in _ATTRIBUTES:
+            setattr(self, name, getattr(original, name, None))
+        self.original_class = getattr(original, "original_class", type(original).__name__)
+        # the transformers module whose functions (mamba2_chunk_scan, apply_mask_to_padding_states) the layer
+        # calls: looked up at each forward
+        self.transformers_module = getattr(original, "transformers_module", type(original).__module__)
+        self.group = group
+        self.sharding = sharding
+        self.position_wise = position_wise
+        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+
+    def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
+                **kwargs: Any) -> Tensor:
+        """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
+        if cache is not None or kwargs.get("cache_params") is not None:
+            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
+                             "sharded sequence; call the model with use_cache=False")
+        tf = sys.modules[self.transformers_module]
+        dtype = hidden_states.dtype
+        batch, seq_local, _ = hidden_states.shape
+        position_wise = self.position_wise()
+        cu = kwargs.get("cu_seq_lens_q")
+        cu = self.documents if cu is None else cu
+        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
+                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        falcon = self.original_class == "FalconH1Mixer"
+        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        if falcon:
+            hidden_states = hidden_states * self.ssm_in_multiplier
+        projected = self.in_proj(hidden_states)
+        if falcon:
+            projected = projected * self.mup_vector
+        A = -torch.exp(self.A_log.float())
+        gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        conv = causal_conv_shard(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
+                                 group=self.group, sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
+        xbc = self.act(conv).to(xbc.dtype)  # transformers: activation in the weight's dtype, then the input's
+        xbc = tf.apply_mask_to_padding_states(xbc.transpose(1, 2), attention_mask)
+        groups_state = self.n_groups * self.ssm_state_size
+        x, B, C = torch.split(xbc, [self.intermediate_size, groups_state, groups_state], dim=-1)
+        scan = inspect.unwrap(tf.mamba2_chunk_scan)  # the torch path (mamba_ssm is dispatched in ssd_shard)
+        y = ssd_shard(scan, x.reshape(batch, seq_local, self.num_heads, self.head_dim), dt, A,
+                      B.reshape(batch, seq_local, self.n_groups, -1), C.reshape(batch, seq_local, self.n_groups, -1),
+                      self.D, self.dt_bias, chunk_size=self.chunk_size, dt_limit=tuple(self.time_step_limit),
+                      layout=layout, group=self.group, sharding=self.sharding)
+        y = y.reshape(batch, seq_local, -1)
+        if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its norm: the plain gate
+            y = y * F.silu(gate)
+        else:
+            y = self.norm(y, gate)
+        return self.out_proj(y.to(dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, sharding={self.sharding!r}"
+
+
+def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+           position_wise: Callable[[], bool]) -> SeqParMamba2Mixer:
+    return SeqParMamba2Mixer(original, group=group, sharding=sharding, position_wise=position_wise)
+
+
+FAMILY = MixerFamily(
+    name="mamba2",
+    matches=lambda module: isinstance(module, SeqParMamba2Mixer) or is_mamba2_mixer(module),
+    build=_build,
+)
+"""The Mamba2 / SSD family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
+
+
+def find_mamba2_mixers(model: nn.Module) -> Sequence[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every Mamba2 layer in ``model`` (swapped ones included)."""
+    return [(name, m) for name, m in model.named_modules() if FAMILY.matches(m)]
