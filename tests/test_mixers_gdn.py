@@ -110,3 +110,74 @@ def test_summary_bytes_are_flat_in_the_sequence_length(dist_pool):
     short = dist_pool.run(2, _scan_parity, "gdn", "zigzag", [0, 96], timeout=300)
     long = dist_pool.run(2, _scan_parity, "gdn", "zigzag", [0, 192], timeout=300)
     assert short == long and short[0][0] > 0
+
+
+# ----------------------------------------------------------------------------- tiny models
+# tests/all_models.py's tiny configs, with one delta-rule layer and one attention layer, and the router loss
+# off (a router loss over the packed row is not a per-document quantity; tests/test_moe.py checks it under SP).
+MODELS = {
+    "qwen3_next": ({}, "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet"),
+    "qwen3_5_text": ({}, "model.layers.0.linear_attn", "Qwen3_5GatedDeltaNet"),
+    "qwen3_5_moe_text": ({}, "model.layers.0.linear_attn", "Qwen3_5MoeGatedDeltaNet"),
+    "olmo_hybrid": ({}, "model.layers.0.linear_attn", "OlmoHybridGatedDeltaNet"),
+    "kimi_linear": ({"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                     "num_hidden_layers": 2}, "model.layers.0.self_attn", "KimiLinearDeltaAttention"),
+}
+
+
+def tiny(model_type: str, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+    from all_models import tiny_kwargs
+    from transformers.models.auto import modeling_auto as auto
+
+    fields, _, _ = MODELS[model_type]
+    config = transformers.CONFIG_MAPPING[model_type](
+        experts_implementation="eager", **{**tiny_kwargs(model_type), "output_router_logits": False, **fields})
+    torch.manual_seed(0)
+    model = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config)
+    with torch.no_grad():  # fresh random values, never zeros or ones (norm weights, dt_bias start constant)
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.to(dtype).train()
+
+
+def routes(model_type: str) -> dict[str, str]:
+    path = MODELS[model_type][1]
+    other = path.replace("layers.0", "layers.1").replace("linear_attn", "self_attn")
+    return {path: "mixer", other: "hf"}
+
+
+def _small_kda_chunks() -> None:
+    # KDA's torch kernel solves its 64-position chunks with a 63-step Python loop: chunks of 8 keep the
+    # tests fast (the reference and the swapped model both call the module's function: the same kernel)
+    import functools
+
+    if not isinstance(kimi.chunk_kimi_delta_attention, functools.partial):
+        kimi.chunk_kimi_delta_attention = functools.partial(kimi.chunk_kimi_delta_attention, chunk_size=8)
+
+
+def _model_parity(rank: int, world: int, model_type: str, sharding: str,
+                  mode_list: list[dict] | None = None) -> list[str]:
+    from mixer_parity import sharded_parity
+
+    _small_kda_chunks()
+    return sharded_parity(lambda dtype: tiny(model_type, dtype), routes(model_type), world, sharding, mode_list)
+
+
+@pytest.mark.parametrize("model_type", list(MODELS))
+def test_packed_one_process_equals_each_document_alone(model_type):
+    from mixer_parity import one_process_parity
+
+    _small_kda_chunks()
+    one_process_parity(lambda dtype: tiny(model_type, dtype))
+
+
+@pytest.mark.parametrize("model_type,world,sharding", [
+    ("qwen3_5_text", 2, "contiguous"), ("qwen3_5_text", 2, "zigzag"), ("qwen3_5_text", 4, "zigzag"),
+    ("qwen3_next", 2, "zigzag"), ("qwen3_next", 4, "contiguous"),
+])
+def test_sharded_equals_each_document_alone(dist_pool, model_type, world, sharding):
+    from mixer_parity import modes
+
+    done = dist_pool.run(world, _model_parity, model_type, sharding, timeout=600)[0]
+    assert done == [m["mode"] for m in modes(world)]
