@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from mixer_parity import WORLD
 
+import seqpar
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
 from seqpar.mixers.scan_layout import scan_layout
 from seqpar.mixers.state_passing import summary_bytes
@@ -147,13 +148,17 @@ def routes(model_type: str) -> dict[str, str]:
     return {path: "mixer", other: "hf"}
 
 
-def _small_kda_chunks() -> None:
+def _small_kda_chunks(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     # KDA's torch kernel solves its 64-position chunks with a 63-step Python loop: chunks of 8 keep the
     # tests fast (the reference and the swapped model both call the module's function: the same kernel)
     import functools
 
     if not isinstance(kimi.chunk_kimi_delta_attention, functools.partial):
-        kimi.chunk_kimi_delta_attention = functools.partial(kimi.chunk_kimi_delta_attention, chunk_size=8)
+        small = functools.partial(kimi.chunk_kimi_delta_attention, chunk_size=8)
+        if monkeypatch is None:  # a rank of the pool
+            kimi.chunk_kimi_delta_attention = small
+        else:
+            monkeypatch.setattr(kimi, "chunk_kimi_delta_attention", small)
 
 
 def _model_parity(rank: int, world: int, model_type: str, sharding: str,
@@ -165,19 +170,209 @@ def _model_parity(rank: int, world: int, model_type: str, sharding: str,
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))
-def test_packed_one_process_equals_each_document_alone(model_type):
+def test_packed_one_process_equals_each_document_alone(monkeypatch, model_type):
     from mixer_parity import one_process_parity
 
-    _small_kda_chunks()
+    _small_kda_chunks(monkeypatch)
     one_process_parity(lambda dtype: tiny(model_type, dtype))
 
 
 @pytest.mark.parametrize("model_type,world,sharding", [
     ("qwen3_5_text", 2, "contiguous"), ("qwen3_5_text", 2, "zigzag"), ("qwen3_5_text", 4, "zigzag"),
-    ("qwen3_next", 2, "zigzag"), ("qwen3_next", 4, "contiguous"),
+    ("qwen3_5_text", 4, "contiguous"), ("qwen3_next", 2, "zigzag"), ("qwen3_next", 4, "contiguous"),
+    ("qwen3_5_moe_text", 2, "zigzag"), ("qwen3_5_moe_text", 4, "contiguous"), ("olmo_hybrid", 2, "contiguous"),
+    ("olmo_hybrid", 4, "zigzag"), ("kimi_linear", 2, "zigzag"), ("kimi_linear", 4, "contiguous"),
 ])
 def test_sharded_equals_each_document_alone(dist_pool, model_type, world, sharding):
     from mixer_parity import modes
 
     done = dist_pool.run(world, _model_parity, model_type, sharding, timeout=600)[0]
     assert done == [m["mode"] for m in modes(world)]
+
+
+def test_balanced(dist_pool):
+    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
+    assert dist_pool.run(2, _model_parity, "qwen3_5_text", "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+
+
+def _checkpointed(rank: int, world: int) -> None:
+    from hf_tiny import enable_checkpointing
+    from mixer_parity import check, documents, packed_batch, per_document_reference
+
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import swap_attention
+
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(lambda dtype: tiny("qwen3_5_text", dtype), docs)
+    model = tiny("qwen3_5_text", torch.float32)
+    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike
+    enable_checkpointing(model)
+    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
+    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+
+
+def test_with_activation_checkpointing(dist_pool):
+    dist_pool.run(2, _checkpointed, timeout=600)
+
+
+# ----------------------------------------------------------------------------- bf16, errors, swap
+def _bf16(rank: int, world: int, model_type: str) -> tuple[float, float]:
+    from mixer_parity import layer_bf16_errors
+
+    from seqpar.mixers.gdn import SeqParGatedDeltaNet
+
+    _small_kda_chunks()
+    layer = tiny(model_type, torch.float64).get_submodule(MODELS[model_type][1])
+    return layer_bf16_errors(world, rank, layer, SeqParGatedDeltaNet, lambda m, x, pos, **kw: m(x, None, None, **kw),
+                             [0, 5, 29, 48], 32)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "kimi_linear"])
+def test_bf16_no_worse_than_one_process_bf16(dist_pool, model_type):
+    for ours, own in dist_pool.run(2, _bf16, model_type, timeout=300):
+        assert 0 < ours <= 1.5 * own, (ours, own)
+
+
+def test_swap_keeps_parameters_and_state_dict_and_refuses_a_cache():
+    from seqpar.config import SeqParConfig
+    from seqpar.swap import swap_attention
+
+    model = tiny("qwen3_next", torch.float32)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    swap_attention(model)
+    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    assert report.routes == routes("qwen3_next")
+    layer = model.model.layers[0].linear_attn
+    assert layer.sharding == "zigzag" and layer.original_class == "Qwen3NextGatedDeltaNet"
+    with pytest.raises(ValueError, match="cache"):
+        layer(torch.randn(1, 5, 32), cache=object())
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        layer(torch.randn(1, 10, 32), cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
+# ----------------------------------------------------------------------------- the kernel dispatch
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_flash_linear_attention_kernels_are_used_where_importable(monkeypatch, rule):
+    # On CUDA with flash-linear-attention importable, each run goes to its chunk_gated_delta_rule / chunk_kda
+    # (the same signature as transformers' torch kernels, which the fake module here forwards to, counting calls).
+    import sys
+    import types
+
+    from seqpar.mixers import delta_rule
+
+    calls = []
+
+    def fake(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+             chunk_size=64):
+        calls.append((q.shape[1], initial_state is not None))
+        return TORCH_KERNELS[rule](q, k, v, g=g, beta=beta, initial_state=initial_state, chunk_size=chunk_size,
+                                   output_final_state=output_final_state,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    module, name = delta_rule.FLA_KERNELS[rule]
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    setattr(sys.modules[module], name, fake)
+    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu")) is TORCH_KERNELS[rule]
+    monkeypatch.setattr(delta_rule, "KERNEL_DEVICES", {"cpu"})
+    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu")) is fake
+    _scan_parity(0, 1, rule, "contiguous", SCAN_CASES[1])
+    assert len(calls) == 4  # one per document run
+
+
+# ----------------------------------------------------------------------------- engines
+ENGINE_STEPS, ENGINE_LR, ENGINE_SEQ = 3, 0.1, 48
+
+
+def _engine_batch(step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(3, 96, (1, ENGINE_SEQ), generator=torch.Generator().manual_seed(100 + step))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _engine_reference() -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One process, no seqpar, fp32: SGD steps on the full sequence; the losses, the first step's gradients
+    and the parameters after the last step."""
+    model = tiny("qwen3_5_text", torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=ENGINE_LR)
+    losses, grads = [], {}
+    for step in range(ENGINE_STEPS):
+        loss = model(**_engine_batch(step)).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _engine_check(what: str, losses, grads, params) -> None:
+    ref_losses, ref_grads, ref_params = _engine_reference()
+    for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"{what} step {i}: loss {a} vs one process {b}"
+    assert set(grads) == set(ref_grads) == set(params), sorted(set(grads) ^ set(ref_grads))
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{what}: step 0 grad of {name}: {m}")
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, name=name: f"{what}: parameter {name} after the steps: {m}")
+
+
+def _zero3(rank: int, world: int) -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.sequence.batch import shard_batch
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
+        "optimizer": {"type": "SGD", "params": {"lr": ENGINE_LR}}, "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0, "steps_per_print": 10**6,
+        "sequence_parallel": {"size": world, "mode": "ring", "sharding": "zigzag", "swap": "auto"},
+    }
+    engine, _, _, _ = initialize(model=tiny("qwen3_5_text", torch.float32), config=config)
+    manager = engine.seqpar_manager
+    losses, grads = [], {}
+    for step in range(ENGINE_STEPS):
+        loss = engine(**shard_batch(_engine_batch(step), group=manager.sp_group, sharding="zigzag")).loss
+        engine.backward(loss)
+        if step == 0:  # ZeRO-3 with seqpar's mpu: summed over the SP ranks (DP is 1): one process's gradient
+            grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+        engine.step()
+        losses.append(loss.item())
+    params = {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    _engine_check("ZeRO-3", losses, grads, params)
+
+
+def _fsdp2(rank: int, world: int) -> None:
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations import fsdp
+    from seqpar.sequence.batch import shard_batch
+
+    cfg = SeqParConfig(size=world, mode="ring", sharding="zigzag")
+    manager = seqpar.init_process_groups(config=cfg)
+    model = fsdp.wrap(tiny("qwen3_5_text", torch.float32), cfg, manager=manager, fsdp={"version": 2})
+    opt = torch.optim.SGD(model.parameters(), lr=ENGINE_LR)
+    losses, grads = [], {}
+    for step in range(ENGINE_STEPS):
+        loss = model(**shard_batch(_engine_batch(step), group=manager.sp_group, sharding="zigzag")).loss
+        loss.backward()
+        if step == 0:
+            grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    _engine_check("FSDP2", losses, grads, params)
+
+
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_three_sgd_steps_under_an_engine_equal_one_process(dist_pool, engine):
+    dist_pool.run(2, {"zero3": _zero3, "fsdp2": _fsdp2}[engine], timeout=600)

@@ -52,13 +52,10 @@ POSITION_WISE = {
                        num_key_value_heads=4, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+
 # Hybrids: (fields, the mixer's path, its class) -- the first mixer the refusal must name.
 HYBRIDS = {
-    "Qwen3Next": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8,
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=8),
-                  "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet"),
     "Bamba": (dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                    mamba_chunk_size=4),
               "model.layers.0.mamba", "BambaMixer"),
@@ -82,6 +79,16 @@ HANDLED = {
                      num_experts_per_tok=1, head_dim=8, block_size=4), "model.layers.0.self_attn"),
     "RecurrentGemma": (dict(block_types=["recurrent", "attention"], lru_width=32, attention_window_size=8,
                             num_key_value_heads=1), "model.layers.0.temporal_block"),
+    # (tests/test_mixers_gdn.py)
+    "Qwen3Next": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, **GDN),
+                  "model.layers.0.linear_attn"),
+    "Qwen3_5Text": (dict(layer_types=["linear_attention", "full_attention"], head_dim=8, **GDN),
+                    "model.layers.0.linear_attn"),
+    "Qwen3_5MoeText": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, **GDN),
+                       "model.layers.0.linear_attn"),
+    "OlmoHybrid": (dict(layer_types=["linear_attention", "full_attention"], **GDN), "model.layers.0.linear_attn"),
 }
 
 
