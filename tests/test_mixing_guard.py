@@ -88,7 +88,8 @@ HANDLED = {
     "Qwen3_5MoeText": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, **GDN),
                        "model.layers.0.linear_attn"),
-    "OlmoHybrid": (dict(layer_types=["linear_attention", "full_attention"], **GDN), "model.layers.0.linear_attn"),
+    "OlmoHybrid": (dict(layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=2, **GDN),
+                   "model.layers.0.linear_attn"),
 }
 
 
