@@ -375,10 +375,12 @@ def _fsdp2(rank: int, world: int) -> None:
 
 @pytest.mark.timeout(900)  # DeepSpeed's start-up and the one-process reference on a loaded 2-core machine
 @pytest.mark.parametrize("engine", [
-    # Unfinished: at SP=2 on CPU the ZeRO-3 run did not finish within 300 s (twice, on a loaded machine) while
-    # FSDP2 passes in ~40 s; whether it hangs (a collective order that differs between the ranks) or is only
-    # slow was not found by the deadline. Skipped, not passed: the run itself is the check to make.
-    pytest.param("zero3", marks=pytest.mark.skip(reason="ZeRO-3 at SP=2 did not finish in 300 s on CPU: unresolved")),
+    # Unverified: on this CPU machine DeepSpeed's init_distributed JIT-builds its shared-memory comm op
+    # (deepspeed/comm/torch.py build_shm_op, seen in a faulthandler dump of both ranks) and the build did not
+    # finish within 450 s, so the ZeRO-3 parity itself never ran. Skipped, not passed: run it where that op
+    # is built (the test is complete: losses, step-0 gradients and final parameters against one process).
+    pytest.param("zero3", marks=pytest.mark.skip(reason="DeepSpeed's CPU shm comm op JIT build did not finish "
+                                                        "here; ZeRO-3 parity unverified")),
     "fsdp2",
 ])
 def test_three_sgd_steps_under_an_engine_equal_one_process(dist_pool, engine):
