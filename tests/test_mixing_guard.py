@@ -52,13 +52,10 @@ POSITION_WISE = {
                        num_key_value_heads=4, first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+
 # Hybrids: (fields, the mixer's path, its class) -- the first mixer the refusal must name.
 HYBRIDS = {
-    "Qwen3Next": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
-                       moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8,
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=8),
-                  "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet"),
 }
 
 
@@ -86,6 +83,17 @@ HANDLED = {
     "GraniteMoeHybrid": (dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
                               mamba_n_groups=2, mamba_chunk_size=4, num_local_experts=2, num_experts_per_tok=1,
                               shared_intermediate_size=32), "model.layers.0.mamba"),
+    # (tests/test_mixers_gdn.py)
+    "Qwen3Next": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, **GDN),
+                  "model.layers.0.linear_attn"),
+    "Qwen3_5Text": (dict(layer_types=["linear_attention", "full_attention"], head_dim=8, **GDN),
+                    "model.layers.0.linear_attn"),
+    "Qwen3_5MoeText": (dict(layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=16, shared_expert_intermediate_size=16, head_dim=8, **GDN),
+                       "model.layers.0.linear_attn"),
+    "OlmoHybrid": (dict(layer_types=["linear_attention", "full_attention"], pad_token_id=0, eos_token_id=2, **GDN),
+                   "model.layers.0.linear_attn"),
 }
 ATTENTION = {"RecurrentGemma": "model.layers.1.temporal_block", "FalconH1": "model.layers.0.self_attn",
              "NemotronH": "model.layers.1.mixer"}

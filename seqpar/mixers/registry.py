@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from seqpar.mixers import lightning, mamba, mamba2, rglru, short_conv
+from seqpar.mixers import gdn, lightning, mamba, mamba2, rglru, short_conv
 from seqpar.mixers.family import MixerFamily
 
 __all__ = ["FAMILIES", "family_of"]
@@ -22,6 +22,7 @@ FAMILIES: tuple[MixerFamily, ...] = (
     mamba2.FAMILY,
     lightning.FAMILY,
     rglru.FAMILY,
+    gdn.FAMILY,
 )
 """Every family the swap puts in place, tried in order (the first that matches a module wins)."""
 

@@ -1,0 +1,147 @@
+"""The (gated) delta rule over a sharded sequence: Gated DeltaNet (GDN) and Kimi Delta Attention (KDA).
+
+Per value head, with the state ``S`` ``(d_k, d_v)`` and keys / queries L2-normalised by the kernel::
+
+    S_t = D_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T      o_t = S_t^T q_t / sqrt(d_k)
+
+(GDN: ``D_t = exp(g_t) I``, a per-head scalar decay; KDA: ``D_t = diag(exp(g_t))``, one decay per key
+channel; the exact order of ``D_t`` and the projection follows each kernel.) Every step is affine in
+``S`` and acts on the columns of ``S`` independently, so a run of positions started from ``S_0`` ends in
+
+    S_end = T S_0 + S_local,        T = prod_t D_t (I - beta_t k_t k_t^T)   ``(d_k, d_k)`` per head,
+
+where ``S_local`` is the run started from zero.
+
+How ``T`` is obtained, exactly and with the kernel's own arithmetic: the kernel is run once on the
+values widened by ``d_k`` zero columns, ``[v | 0]``, from the initial state ``[0 | I]``: the first
+``d_v`` columns of the final state are ``S_local`` and the last ``d_k`` are ``T I = T`` (the columns
+do not interact). That costs one scan of ``d_v + d_k`` columns; building ``T`` as a product of the
+kernel's per-64-chunk factors instead would cost ``d_k^3`` per 64 positions (the same order for
+``d_k = d_v = 128``) and a second copy of the kernel's internals.
+
+Sequence-parallel scan (:func:`delta_rule_shard`):
+
+1. each local chunk (one contiguous, two zigzag, m balanced) is scanned from zero, cut at each
+   document start; the chunk's summary is ``(T, S_local)`` of its last run (``T`` unused when a
+   document starts inside the chunk);
+2. :func:`seqpar.mixers.state_passing.chunk_initial_states` all-gathers the summaries (one collective,
+   ``(P - 1) x n x (|T| + |S|)`` values per rank, flat in S) and folds the exclusive prefix
+   ``h_{g+1} = T_g h_g + S_g`` with document resets;
+3. each chunk's leading run (the positions before its first document start inside) is re-run by the
+   kernel from ``h`` (``initial_state=``): exact, and the kernel's own backward carries the gradient
+   into ``h`` and from there into every earlier chunk's summary. Runs after a document start inside
+   a chunk do not depend on ``h`` and keep their outputs from step 1.
+
+Cost on a rank: one scan of ``d_v + d_k`` columns and one of ``d_v`` per chunk, against one scan of
+``d_v`` for the same positions on one process (see BENCHMARKS.md, ``python -m seqpar.bench gdn``).
+
+The kernel is transformers' own torch path (``torch_chunk_gated_delta_rule`` of the model's module,
+``chunk_kimi_delta_attention`` for KDA: differentiable, it takes ``initial_state`` and returns the
+final state), or on CUDA flash-linear-attention's ``chunk_gated_delta_rule`` / ``chunk_kda`` when they
+are importable (:func:`delta_rule_kernel`): the same call signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.mixers.scan_layout import ScanLayout
+from seqpar.mixers.state_passing import chunk_initial_states
+
+__all__ = ["KERNEL_DEVICES", "FLA_KERNELS", "delta_rule_kernel", "delta_rule_shard"]
+
+KERNEL_DEVICES = {"cuda"}
+"""Device types on which :func:`delta_rule_kernel` uses flash-linear-attention when it is importable."""
+
+FLA_KERNELS = {"gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "kda": ("fla.ops.kda", "chunk_kda")}
+"""flash-linear-attention's chunked kernel for each rule: (module, function)."""
+
+
+def delta_rule_kernel(rule: str, torch_path: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """The kernel a run of positions goes through: flash-linear-attention's (``FLA_KERNELS[rule]``) on a
+    kernel device when it is importable, else ``torch_path`` (transformers' torch function; its
+    hub-kernel wrapper is unwrapped so the packed-sequence check does not apply to a single run).
+
+    Every kernel is called as ``kernel(q, k, v, g=, beta=, initial_state=, output_final_state=True,
+    use_qk_l2norm_in_kernel=)`` on ``(batch, seq, heads, dim)`` tensors and returns ``(out, final_state)``.
+    """
+    if device.type in KERNEL_DEVICES:
+        module, name = FLA_KERNELS[rule]
+        try:
+            return getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            pass
+    return getattr(torch_path, "__wrapped__", torch_path)
+
+
+def _matmul(transition: Tensor, state: Tensor) -> Tensor:
+    return torch.matmul(transition, state)
+
+
+def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                     layout: ScanLayout | None, group: dist.ProcessGroup | None, sharding: str,
+                     **options: Any) -> Tensor:
+    """The delta rule over this rank's shard, equal to the full sequence's (each document's).
+
+    Args:
+        kernel: see :func:`delta_rule_kernel`.
+        q, k: ``(batch, seq_local, k_heads, d_k)``; v: ``(batch, seq_local, v_heads, d_v)`` (``v_heads`` a
+            multiple of ``k_heads``: grouped heads, as the kernels take them).
+        g: log decays, ``(batch, seq_local, v_heads)`` (GDN) or ``(batch, seq_local, v_heads, d_k)`` (KDA).
+        beta: ``(batch, seq_local, v_heads)``.
+        layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
+            (the position-mixing probe: no communication).
+        group, sharding: the SP group and the layout the sequence was cut in.
+        options: passed to the kernel (``use_qk_l2norm_in_kernel``).
+    Returns:
+        ``(batch, seq_local, v_heads, d_v)`` in ``q``'s dtype.
+    """
+    if layout is None:  # every position its own sequence: one kernel call on (batch * seq) runs of one
+        batch, seq = q.shape[:2]
+        flat = [t.reshape(batch * seq, 1, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        out, _ = kernel(*flat[:3], g=flat[3], beta=flat[4], initial_state=None, output_final_state=True, **options)
+        return out.reshape(batch, seq, *out.shape[2:])
+    batch, _, v_heads, d_v = v.shape
+    d_k = k.shape[-1]
+    c = layout.chunk_len
+
+    def run(a: int, b: int, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+        return kernel(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=initial_state,
+                      output_final_state=True, **options)
+
+    pieces: dict[tuple[int, int], Tensor] = {}
+    transitions, finals, leads = [], [], []
+    for j in range(layout.chunks):
+        segments = [(j * c + a, j * c + b) for a, b in layout.segments(j)]
+        leads.append(segments[0])
+        if layout.world == 1:  # no incoming state: every run from zero
+            for a, b in segments:
+                pieces[(a, b)] = run(a, b, None)[0]
+            continue
+        for a, b in segments[1:]:  # runs after a document start inside the chunk: final from step 1
+            pieces[(a, b)], state = run(a, b, None)
+        if len(segments) == 1:  # the whole chunk continues its incoming state: (T, S_local) from [v | 0], [0 | I]
+            a, b = segments[0]
+            wide = torch.cat([v[:, a:b], v.new_zeros(batch, b - a, v_heads, d_k)], dim=-1)
+            eye = torch.eye(d_k, dtype=torch.float32, device=v.device).expand(batch, v_heads, d_k, d_k)
+            start = torch.cat([eye.new_zeros(batch, v_heads, d_k, d_v), eye], dim=-1)
+            _, state = kernel(q[:, a:b], k[:, a:b], wide, g=g[:, a:b], beta=beta[:, a:b], initial_state=start,
+                              output_final_state=True, **options)
+            transitions.append(state[..., d_v:])
+            finals.append(state[..., :d_v])
+        else:  # a document starts inside: the transition is not read (chunk_initial_states)
+            transitions.append(state.new_zeros(batch, v_heads, d_k, d_k))
+            finals.append(state)
+    if layout.world > 1:
+        compute = torch.promote_types(finals[0].dtype, torch.float32)
+        init = chunk_initial_states(torch.stack(transitions).to(compute), torch.stack(finals).to(compute),
+                                    apply=_matmul, group=group, sharding=sharding, seq_len=layout.seq_len,
+                                    cu_seqlens=layout.cu)
+        for j, (a, b) in enumerate(leads):
+            pieces[(a, b)] = run(a, b, init[j])[0]
+    return torch.cat([pieces[key] for key in sorted(pieces)], dim=1)
