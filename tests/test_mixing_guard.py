@@ -56,6 +56,12 @@ GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim
 
 # Hybrids: (fields, the mixer's path, its class) -- the first mixer the refusal must name.
 HYBRIDS = {
+    # Ling / Bailing hybrid's lightning-style delta attention and ZAYA's convolved attention projection: no
+    # sequence-parallel form in seqpar.mixers (yet), so refused by name
+    "BailingHybrid": (dict(layer_types=["linear_attention", "full_attention"], pad_token_id=0),
+                      "model.layers.0.self_attn", "BailingHybridDeltaAttention"),
+    "Zaya": (dict(layer_types=["hybrid", "hybrid"], pad_token_id=0, num_experts_per_tok=1),
+             "model.layers.0.self_attn.qkv_proj.conv_qk_grouped", "Conv1d"),
 }
 
 
