@@ -334,6 +334,7 @@ def _zero3(rank: int, world: int) -> None:
     config = {
         "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
         "optimizer": {"type": "SGD", "params": {"lr": ENGINE_LR}}, "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
         "gradient_clipping": 0.0, "steps_per_print": 10**6,
         "sequence_parallel": {"size": world, "mode": "ring", "sharding": "zigzag", "swap": "auto"},
     }
@@ -375,12 +376,7 @@ def _fsdp2(rank: int, world: int) -> None:
 
 @pytest.mark.timeout(900)  # DeepSpeed's start-up and the one-process reference on a loaded 2-core machine
 @pytest.mark.parametrize("engine", [
-    # Unverified: on this CPU machine DeepSpeed's init_distributed JIT-builds its shared-memory comm op
-    # (deepspeed/comm/torch.py build_shm_op, seen in a faulthandler dump of both ranks) and the build did not
-    # finish within 450 s, so the ZeRO-3 parity itself never ran. Skipped, not passed: run it where that op
-    # is built (the test is complete: losses, step-0 gradients and final parameters against one process).
-    pytest.param("zero3", marks=pytest.mark.skip(reason="DeepSpeed's CPU shm comm op JIT build did not finish "
-                                                        "here; ZeRO-3 parity unverified")),
+    "zero3",
     "fsdp2",
 ])
 def test_three_sgd_steps_under_an_engine_equal_one_process(dist_pool, engine):

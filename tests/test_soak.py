@@ -42,8 +42,10 @@ def _cycles(rank: int, world: int, n: int) -> list[dict[str, int]]:
 
 def test_init_destroy_cycles_leak_nothing(dist_pool):
     for rank, seen in enumerate(dist_pool.run(2, _cycles, 5, timeout=120)):
-        # the first cycle may warm lazily created state; every later one must end where it did
-        assert all(s == seen[0] for s in seen[1:]), (rank, seen)
+        # the first cycle may warm lazily created state (or still see sockets of groups an earlier task left,
+        # closing as it starts): no later cycle ends above it, and every later one ends where the second did
+        assert all(s[k] <= seen[0][k] for s in seen[1:] for k in s), (rank, seen)
+        assert all(s == seen[1] for s in seen[2:]), (rank, seen)
 
 
 def _soak_smoke(rank: int, world: int, argv: list[str]) -> dict:

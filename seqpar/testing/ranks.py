@@ -133,6 +133,12 @@ def _destroy_groups_but(keep: set) -> None:
         destroy = dist.destroy_process_group
     for group in leftover:
         destroy(group)
+    # ... and, whether or not a group was left, the model-parallel unit (a finished task's manager, whose groups
+    # are gone) and the mesh a DeepSpeed engine was given: its next engine must not inherit them
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    for attr in ("mpu", "mesh_device") if ds_groups is not None else ():
+        if getattr(ds_groups, attr, None) is not None:
+            setattr(ds_groups, attr, None)
     if leftover:
         try:
             from torch.distributed.tensor import debug
