@@ -1,5 +1,6 @@
-"""Gated DeltaNet and KDA layers, sequence-parallel: Qwen3-Next, Qwen3.5 / Qwen3.5-MoE (and the layers
-with the same forward: Qwen4-Exp, Lara-Mini), OLMo-hybrid, and Kimi-Linear's KDA.
+"""Gated DeltaNet and KDA layers, sequence-parallel: Qwen3-Next, Qwen3.5 / Qwen3.5-MoE (and Lara-Mini's
+layer, which has the same forward; Qwen4-Exp's too, but that model stays refused for its DSA attention, so its
+GDN layer is left to the refusal), OLMo-hybrid, and Kimi-Linear's KDA.
 
 The layer (transformers' torch path; read in transformers 5.24)::
 
@@ -45,7 +46,6 @@ GDN_CLASSES = {
     "Qwen3NextGatedDeltaNet": "qkvz",
     "Qwen3_5GatedDeltaNet": "qkv_z",
     "Qwen3_5MoeGatedDeltaNet": "qkv_z",
-    "Qwen4ExpTextGatedDeltaNet": "qkv_z",
     "LaraMiniGatedDeltaNet": "qkv_z",
     "OlmoHybridGatedDeltaNet": "olmo",
     "KimiLinearDeltaAttention": "kda",
