@@ -622,7 +622,7 @@ SCENARIOS.append(Scenario("offload", kind="offload", extra={"gpus": ("h100",)}))
 # LAYERS times on one batch; extra["mixer"] names its builder in MIXERS (below). Every family runs dense
 # (contiguous) and with packed documents (zigzag: two chunks per rank, documents crossing them). A new
 # family: a builder decorated with @mixer("name") and its name in MIXER_FAMILIES.
-MIXER_FAMILIES = ("conv", "mamba", "lightning", "rglru", "state-passing")
+MIXER_FAMILIES = ("conv", "mamba", "mamba2", "gdn", "lightning", "rglru", "state-passing")
 # No kernel choice depends on the GPU here: simulated as an H100 only.
 SCENARIOS += [
     Scenario(f"mixer-{family}-{sharding}{'-documents' if docs else ''}", kind="mixer", sharding=sharding,
@@ -805,6 +805,29 @@ def _mamba_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
                   attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=1)
     layer = SeqParMambaMixer(model.model.layers[0].mamba, group=dist.group.WORLD, sharding=sc.sharding)
     return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 16
+
+
+@mixer("mamba2")
+def _mamba2_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.mamba2 import SeqParMamba2Mixer
+
+    model = _tiny("BambaConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8,
+                  mamba_n_groups=1, mamba_chunk_size=4)
+    layer = SeqParMamba2Mixer(model.model.layers[0].mamba, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 32
+
+
+@mixer("gdn")
+def _gdn_mixer(sc: Scenario) -> tuple[MixerLayer, int]:
+    from seqpar.mixers.gdn import SeqParGatedDeltaNet
+
+    model = _tiny("Qwen3_5TextConfig", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                  layer_types=["linear_attention", "full_attention"], linear_num_key_heads=4,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+    layer = SeqParGatedDeltaNet(model.model.layers[0].linear_attn, group=dist.group.WORLD, sharding=sc.sharding)
+    return (lambda x, cu, pos: layer(x, cu_seq_lens_q=cu)), 32
 
 
 @mixer("lightning")
