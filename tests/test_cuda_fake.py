@@ -22,7 +22,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import seqpar.kernels.local as local
 from seqpar.kernels import block_backward, block_forward
-from seqpar.kernels.backends import Backend, DeviceCaps, SdpFlags, efficient_alignment
+from seqpar.kernels.backends import (
+    Backend,
+    DeviceCaps,
+    SdpFlags,
+    efficient_alignment,
+    efficient_head_dim,
+)
 from seqpar.kernels.local import cuda_backend
 
 H100 = DeviceCaps((9, 0), cudnn_version=91002, cuda_major=13)  # cuDNN 9.10: torch keeps flash first
@@ -112,8 +118,12 @@ def test_every_cuda_branch_shapes(backend: Backend, dtype: torch.dtype, monkeypa
             # flash takes GQA K/V as they are; efficient and cuDNN get them expanded to q's heads
             assert kv_heads_seen == {hkv if chosen is Backend.FLASH else hq}, case
             padded = {shape[-1] for _, shape in rec.calls}
-            multiple = {Backend.FLASH: 8, Backend.CUDNN: 8}.get(chosen) or efficient_alignment(H100, dtype)
-            assert padded == {d + (-d) % multiple}, case
+            if chosen is Backend.EFFICIENT:  # the alignment, and 128 for half widths in (64, 128) (d = 100 here)
+                want = efficient_head_dim(d, efficient_alignment(H100, dtype), dtype)
+                assert want == (128 if dtype != torch.float32 and d == 100 else d + (-d) % (8 if dtype != torch.float32 else 4)), case
+            else:
+                want = d + (-d) % 8
+            assert padded == {want}, case
     expected = {Backend.FLASH: dtype != torch.float32, Backend.CUDNN: dtype != torch.float32,
                 Backend.EFFICIENT: True, Backend.MATH: False}[backend]
     assert (backend in ran) == expected, f"{backend} ran: {ran}"
@@ -426,6 +436,33 @@ def test_gpu_check_records_each_stage_and_goes_on(monkeypatch: pytest.MonkeyPatc
         "cudnn": 91002, "python": "3.12", "transformers": "5.17", "fairscale": None, "deepspeed": None}}
     md = gc.render_markdown(summary)
     assert "| hangs | timeout |" in md and "no fairscale" in md and "sm90" in md
+
+
+def test_gpu_check_sync_sites_name_the_calling_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """host-sync's check on CPU, torch's debug mode stubbed: every synchronising warning in the warned
+    steps is counted at its site with the Python frames that led to it (a C++ warning names only the
+    innermost frame), other warnings are not, and the verdict fails on any."""
+    import warnings
+
+    import seqpar.bench.gpu_check as gc
+
+    modes: list = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def syncing_layer() -> None:
+        if modes and modes[-1] == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("something else", UserWarning, stacklevel=1)
+
+    def step() -> None:
+        syncing_layer()
+
+    r = gc._sync_check(step, warmup=1, steps=3)
+    (site,) = r["sync_sites"]
+    assert r["sync_sites"][site] == 3 and "test_cuda_fake.py" in site and not r["passed"], r
+    assert "in syncing_layer" in r["stacks"][site] and "in step" in r["stacks"][site], r["stacks"]
+    assert gc._sync_check(lambda: None, warmup=1, steps=3)["passed"]
 
 
 def test_softcap_refused_on_fused_cuda_paths_and_math_in_fp64() -> None:

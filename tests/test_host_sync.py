@@ -280,3 +280,33 @@ def test_ulysses_collectives_per_layer(dist_pool):
 def test_hybrid_collectives_per_layer(dist_pool):
     results = dist_pool.run(4, _counts_per_step, "nano", "hybrid", 2)
     _assert_no_per_layer_cost(results, "hybrid", "nano", ulysses_size=2)
+
+
+def _one_rank_hf_syncs(rank: int, world_size: int) -> dict:
+    """Host syncs of one steady-state step of a swapped Llama at SP = 1, per way of giving positions."""
+    model = build("llama", 2)
+    swap_attention(model, {"size": 1, "mode": "ring"}, group=dist.group.WORLD)
+    ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(3))
+    plain = torch.arange(SEQ)[None]
+    packed = torch.cat([torch.arange(5), torch.arange(SEQ - 5)])[None]  # two documents, positions restart
+    result = {}
+    for name, kwargs in (("none", {}), ("plain", {"position_ids": plain}), ("packed", {"position_ids": packed})):
+        def step(kwargs: dict = kwargs) -> None:
+            model(input_ids=ids, **kwargs).logits.square().mean().backward()
+
+        step()  # warm-up
+        with counting() as counts:
+            step()
+        result[name] = counts.get("sync", 0)
+    return result
+
+
+def test_hf_route_one_rank_reads_nothing(dist_pool):
+    """At SP = 1 with no attention mask, a swapped HF model needs no host read at all (no peer to agree
+    with, no boundaries to find) when position_ids are absent or count up: an inner model's preparer
+    trusts the outer one's (found on an H200 by gpu-check's host-sync stage: the inner LlamaModel read
+    restarts in the positions its outer LlamaForCausalLM had just filled in). Restarting positions
+    (packed documents) are read, once per batch, to find the boundaries."""
+    (r,) = dist_pool.run(1, _one_rank_hf_syncs)
+    assert r["none"] == 0 and r["plain"] == 0, r
+    assert r["packed"] >= 1, r

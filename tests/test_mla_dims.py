@@ -90,7 +90,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import seqpar.kernels.local as local  # noqa: E402
 from seqpar.kernels import block_backward, block_forward  # noqa: E402
-from seqpar.kernels.backends import Backend, efficient_alignment  # noqa: E402
+from seqpar.kernels.backends import Backend, efficient_alignment, efficient_head_dim  # noqa: E402
 from seqpar.kernels.local import cuda_backend  # noqa: E402
 
 # (head_dim, v_head_dim): DeepSeek-V3's, V wider, both odd (flash pads both to 8; the efficient kernel
@@ -153,7 +153,8 @@ def test_unequal_head_dims_on_every_cuda_branch(backend: Backend, dtype: torch.d
             ], case
             if chosen is Backend.EFFICIENT:
                 a = efficient_alignment(H100, dtype)
-                want = (dk + (-dk) % a, dk + (-dk) % a, dv + (-dv) % a)
+                wk, wv = (efficient_head_dim(x, a, dtype) for x in (dk, dv))
+                want = (wk, wk, wv)
             else:
                 common = max(dk, dv)
                 common += (-common) % 8

@@ -153,24 +153,34 @@ def _explained(row: dict[str, Any]) -> bool:
 
 
 def _sync_check(step: Callable[[], Any], warmup: int, steps: int) -> dict[str, Any]:
-    """``step`` in steady state: call sites that synchronised under 'warn', then 'error' as the verdict."""
+    """``step`` in steady state: every call site that synchronised under 'warn' (each with the Python
+    stack that led to it: a C++ warning carries only the innermost frame), then 'error' as the verdict."""
     import warnings
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     sites: dict[str, int] = {}
-    with warnings.catch_warnings(record=True) as caught:
+    stacks: dict[str, str] = {}
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        where = f"{os.path.relpath(filename)}:{lineno}"
+        sites[where] = sites.get(where, 0) + 1
+        # the frames above this hook: which call of the step (or of torch around it) synchronised
+        stacks.setdefault(where, "".join(traceback.format_stack(limit=14)[:-1]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            step()
+            for _ in range(steps):
+                step()
+            torch.cuda.set_sync_debug_mode(0)  # a sync still pending from the steps surfaces here
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            where = f"{os.path.relpath(w.filename)}:{w.lineno}"
-            sites[where] = sites.get(where, 0) + 1
     error = None
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -183,7 +193,8 @@ def _sync_check(step: Callable[[], Any], warmup: int, steps: int) -> dict[str, A
         error += "\n" + "".join(traceback.format_tb(e.__traceback__)[-3:])
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return {"passed": error is None and not sites, "sync_sites_per_step": sites, "error": error}
+    return {"passed": error is None and not sites, "sync_sites": sites, "steps": steps, "stacks": stacks,
+            "error": error}
 
 
 def stage_host_sync(warmup: int = 2, steps: int = 3) -> dict[str, Any]:
@@ -220,7 +231,7 @@ def stage_host_sync(warmup: int = 2, steps: int = 3) -> dict[str, Any]:
     checks[name]["swap"] = str(report)
     passed = all(c["passed"] for c in checks.values()) and len(report) > 0
     return {"passed": passed, "checks": checks,
-            "error": None if passed else "; ".join(f"{n}: {c['error'] or c['sync_sites_per_step']}"
+            "error": None if passed else "; ".join(f"{n}: {c['error'] or c['sync_sites']} {c['stacks']}"
                                                    for n, c in checks.items() if not c["passed"])}
 
 

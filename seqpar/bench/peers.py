@@ -158,14 +158,23 @@ def run_context_parallel(ctx: RankContext, seq_len: int, causal: bool, shape: Be
     refuses buffers that require grad)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import _cp_options
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
 
     def sharded_step(body: Callable[[Tensor, Tensor, Tensor, Tensor], None]) -> None:
         q, k, v, dout = make_inputs(shape, seq_len, ctx.device, settings.seed, requires_grad=False)
-        with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2],
-                              no_restore_buffers={q, k, v, dout}):
-            body(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
+        # torch balances the load only for causal masks: its CUDA ring raises "Load balancing requires
+        # `is_causal=True`" for a full mask with balancing on (the default), so it is on for causal only
+        # (the option is module state of torch's: restored after the step)
+        balanced = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = causal
+        try:
+            with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2],
+                                  no_restore_buffers={q, k, v, dout}):
+                body(q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout)
+        finally:
+            _cp_options.enable_load_balance = balanced
 
     rec: dict[str, Any] = {}
 

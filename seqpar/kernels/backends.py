@@ -57,6 +57,7 @@ __all__ = [
     "choose_backend",
     "device_caps",
     "efficient_alignment",
+    "efficient_head_dim",
     "rejection",
 ]
 
@@ -180,6 +181,29 @@ def efficient_alignment(caps: DeviceCaps, dtype: torch.dtype) -> int:
     if tensor_cores:
         align = max(align, 128 // (16 if half else 32))
     return align
+
+
+HALF_EFFICIENT_FULL_WIDTH = (64, 128)
+"""fp16/bf16 head dims strictly between these run the memory-efficient kernel zero-padded to the upper one.
+
+Measured (``python -m seqpar.bench gpu-check``, ``tests/test_cuda.py``) on an H200, sm90, torch
+2.11.0+cu130, 2026-11-26: with head dim 100 padded to the alignment (104), the kernel's backward
+returned NaN in dQ for bf16 and fp16 (q/k and v both 104, and q/k 64 with v 104), while head dims
+40, 64, 128 and 256 were exact in the same run, and fp32 at 100 (not padded) too. torch's own SDPA never
+meets this case: it refuses the kernel for a head dim that is not a multiple of 8 and pads only for flash.
+A head dim of 128 is the kernel's common case; padding (64, 128) up to it is exact (zero columns) and
+costs at most 2x on a path taken only when flash and cuDNN are unavailable or disabled."""
+
+
+def efficient_head_dim(head_dim: int, align: int, dtype: torch.dtype) -> int:
+    """The width a q/k or v head dim of ``head_dim`` is zero-padded to for the memory-efficient kernel:
+    the next multiple of ``align`` (:func:`efficient_alignment`), and 128 for fp16/bf16 widths in
+    (64, 128) (:data:`HALF_EFFICIENT_FULL_WIDTH`)."""
+    width = head_dim + (-head_dim) % align
+    low, high = HALF_EFFICIENT_FULL_WIDTH
+    if dtype in (torch.float16, torch.bfloat16) and low < width < high:
+        return high
+    return width
 
 
 def _prefers_cudnn(caps: DeviceCaps) -> bool:

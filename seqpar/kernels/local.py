@@ -51,6 +51,7 @@ from seqpar.kernels.backends import (
     DeviceCaps,
     choose_backend,
     efficient_alignment,
+    efficient_head_dim,
 )
 
 __all__ = ["block_forward", "block_backward", "cuda_backend", "lse_dtype"]
@@ -94,10 +95,10 @@ def _fold_kv_grad(dx: Tensor, group: int) -> Tensor:
     return dx.reshape(b, hg // group, group, n, d).sum(dim=2)
 
 
-def _pad_head_dim(x: Tensor, multiple: int) -> Tensor:
-    # zero columns add nothing to q.k^T, and P @ v_pad has zeros in the padded output columns
-    extra = (-x.shape[-1]) % multiple
-    return F.pad(x, (0, extra)) if extra else x
+def _pad_efficient(x: Tensor, align: int) -> Tensor:
+    # the memory-efficient kernel's width (backends.efficient_head_dim: the alignment, and 128 for
+    # half-precision widths between 64 and 128, whose backward returned NaN on sm90)
+    return _pad_to(x, efficient_head_dim(x.shape[-1], align, x.dtype), 1)
 
 
 def _common_head_dim(q: Tensor, v: Tensor) -> int:
@@ -234,7 +235,7 @@ def _efficient_forward(
     # V's head dim may differ from q/k's: the kernel takes it natively (out has V's), each side padded
     # to the alignment on its own.
     lq = q.shape[2]
-    qp, kp, vp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v))
+    qp, kp, vp = (_kernel_ready(_pad_efficient(x, align), align) for x in (q, k, v))
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
         query=qp, key=kp, value=vp, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
         scale=scale,
@@ -370,7 +371,7 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa:
     # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows. V's head dim may
     # differ from q/k's (taken natively, as in the forward).
     d, lq = q.shape[-1], q.shape[2]
-    qp, kp, vp, dop, outp = (_kernel_ready(_pad_head_dim(x, align), align) for x in (q, k, v, dout, out))
+    qp, kp, vp, dop, outp = (_kernel_ready(_pad_efficient(x, align), align) for x in (q, k, v, dout, out))
     lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
     rng = _unused_rng(q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(

@@ -615,6 +615,7 @@ def _read_batch(arguments: dict[str, Any], params: Any, options: SwapOptions, re
     seq_local = ref.shape[1]
     if isinstance(given, Tensor) and given.shape[-1] == seq_local and _noted(given, "positions"):
         known["positions"] = True  # checked (or filled) by the outer model's preparer this batch
+        known["unpacked"] = bool(_noted(given, "unpacked"))
     elif isinstance(given, Tensor) and given.shape[-1] == seq_local:
         if cus:  # packed: compared on the host, against positions built from the boundaries
             pieces.append(("positions", given, given.reshape(-1, seq_local)[0]))
@@ -636,6 +637,7 @@ def _read_batch(arguments: dict[str, Any], params: Any, options: SwapOptions, re
             _note(source, "mask", bool(part[0]))
         elif key == "positions":
             known["positions"] = part if cus else bool(part[0])
+            known["unpacked"] = not cus and bool(part[0])  # the shard's global positions: no restart
         else:
             remember_boundaries(source, part)
     return known
@@ -715,7 +717,8 @@ def _fill_positions(
     (against the values or verdict of :func:`_read_batch`: no host read of its own)."""
     batch, seq_local = ref.shape[0], ref.shape[1]
     rank, world_size = sp_rank_and_size(options.group)
-    bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where)
+    bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where,
+                                unpacked=bool(known.get("unpacked")))
     given = arguments.get("position_ids")
     if bounds is not None:
         # built on the host from host ints, then one asynchronous copy (no device read, no blocking copy)
@@ -741,6 +744,7 @@ def _fill_positions(
     elif given.shape[-1] != seq_local or not known.get("positions", True):
         _refuse_positions(given, expected, rank, world_size, options.sharding, where)
     _note(arguments["position_ids"], "positions", True)
+    _note(arguments["position_ids"], "unpacked", True)  # an inner model's preparer reads no restarts
 
 
 def _packed_positions_ok(given: Tensor, expected: Tensor, known: dict[str, Any]) -> bool:
@@ -803,7 +807,8 @@ def _var_keyword(arguments: dict[str, Any], params: Any) -> dict[str, Any]:
 
 
 def _packed_boundaries(
-    arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str
+    arguments: dict[str, Any], params: Any, batch: int, seq_local: int, world_size: int, where: str,
+    *, unpacked: bool = False,
 ) -> tuple[int, ...] | None:
     """The global document boundaries of a packed batch, put on the host once for all layers.
 
@@ -818,6 +823,8 @@ def _packed_boundaries(
     if "cu_seq_lens_q" not in found and "cu_seq_lens_k" not in found:
         if world_size > 1:
             return None  # restarting positions are refused by the caller with the fix
+        if unpacked:  # the batch's read (or the outer preparer) found the plain positions: no restart
+            return None
         found["position_ids"] = arguments.get("position_ids")
     full = {"input_ids": torch.empty(batch, seq_local * world_size, dtype=torch.long, device="meta"),
             **found}
