@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
-__all__ = ["MixerFamily"]
+from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+
+__all__ = ["MixerFamily", "SwappedMixer"]
 
 
 @dataclass(frozen=True)
@@ -33,3 +37,73 @@ class MixerFamily:
     name: str
     matches: Callable[[nn.Module], bool]
     build: Callable[..., nn.Module]
+
+
+class SwappedMixer(nn.Module):
+    """What every sequence-parallel mixer layer shares: it takes over a transformers layer.
+
+    The original's parameters, buffers (persistent or not, as they were) and child modules are the
+    same objects, registered in the same order: the state_dict is unchanged, and optimizers or engines
+    that already hold the parameters keep working. :attr:`COPIED` names the plain attributes a family
+    reads (``None`` where the original lacks one). Swapping a swapped layer again (new options) keeps
+    the transformers class's name and module.
+
+    Args:
+        original: the transformers layer, or a swapped one to re-swap with other options.
+        group: the SP group (None: the default manager's).
+        sharding: the layout the model's inputs are cut in.
+        position_wise: called at each forward; True -> every position alone, no communication (what
+            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+    """
+
+    COPIED: ClassVar[tuple[str, ...]] = ("layer_idx",)
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False) -> None:
+        super().__init__()
+        for name, param in original._parameters.items():
+            self.register_parameter(name, param)
+        for name, buffer in original._buffers.items():  # e.g. Falcon-H1's mup_vector (not persistent)
+            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
+        for name, child in original.named_children():
+            self.add_module(name, child)
+        for name in self.COPIED:
+            setattr(self, name, getattr(original, name, None))
+        self.original_class: str = getattr(original, "original_class", type(original).__name__)
+        # the transformers module whose functions the layer calls (kernels, padding masks): looked up
+        # at each forward, so a kernel swapped in there is used
+        self.transformers_module: str = getattr(original, "transformers_module", type(original).__module__)
+        self.group = group
+        self.sharding = sharding
+        self.position_wise = position_wise
+        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+
+    def refuse_cache(self, *caches: Any) -> None:
+        """Raise for a generation cache: a cache of a sharded sequence would hold one rank's piece."""
+        if any(c is not None and c is not False for c in caches):
+            layer = "" if getattr(self, "layer_idx", None) is None else f" layer {self.layer_idx}"
+            raise ValueError(f"seqpar ({self.original_class}{layer}): a cache is not supported on a sharded "
+                             "sequence; call the model with use_cache=False")
+
+    def cu_seqlens(self, kwargs: dict[str, Any]) -> Tensor | None:
+        """The batch's document boundaries: ``cu_seq_lens_q`` when the caller passes it, else the ones
+        :func:`seqpar.mixers.documents.feed_documents` left here (None: one document)."""
+        cu = kwargs.get("cu_seq_lens_q")
+        return self.documents if cu is None else cu
+
+    def layout(self, seq_local: int, cu_seqlens: Tensor | None) -> ScanLayout | None:
+        """This rank's chunks for the scan (:func:`seqpar.mixers.scan_layout.scan_layout`); None while the
+        position-mixing probe runs (every position alone)."""
+        if self.position_wise():
+            return None
+        return scan_layout(seq_local, group=self.group, sharding=self.sharding, cu_seqlens=cu_seqlens,
+                           where=f"seqpar ({self.original_class})")
+
+    def extra_repr(self) -> str:
+        return f"{self.original_class}, sharding={self.sharding!r}"
+
+    @classmethod
+    def family(cls, name: str, is_original: Callable[[nn.Module], bool]) -> MixerFamily:
+        """The family's entry for :data:`seqpar.mixers.registry.FAMILIES`: layers of ``is_original`` (or
+        already swapped ones) are built as ``cls``."""
+        return MixerFamily(name=name, matches=lambda module: isinstance(module, cls) or is_original(module), build=cls)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.family import MixerFamily
-from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
 __all__ = ["LIGHTNING_CLASSES", "KERNEL_DEVICES", "SeqParLightningAttention", "is_lightning_attention",
@@ -148,45 +148,18 @@ def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay:
     return out + torch.cat(corrections, dim=-2).to(out.dtype)
 
 
-class SeqParLightningAttention(nn.Module):
-    """A sequence-parallel drop-in for MiniMax's lightning attention layer.
+class SeqParLightningAttention(SwappedMixer):
+    """A sequence-parallel drop-in for MiniMax's lightning attention layer; see
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
-    Args:
-        original: the transformers layer (its children and buffers are taken over: same state_dict), or a
-            :class:`SeqParLightningAttention` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> every position alone, no communication (what the
-            position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
-
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, child in original.named_children():  # the same modules and buffers: same state_dict
-            self.add_module(name, child)
-        for name, buf in original._buffers.items():
-            self.register_buffer(name, buf, persistent=name not in original._non_persistent_buffers_set)
-        for name in ("layer_idx", "head_dim", "num_attention_heads", "block_size", "layer_type"):
-            setattr(self, name, getattr(original, name, None))
-        self.original_class = getattr(original, "original_class", type(original).__name__)
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+    COPIED = ("layer_idx", "head_dim", "num_attention_heads", "block_size", "layer_type")
 
     def forward(self, hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Tensor | None = None,
                 cache: Any = None, **kwargs: Any) -> tuple[Tensor, None]:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``((batch, seq_local, hidden), None)``."""
-        if cache is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
-                             "sharded sequence; call the model with use_cache=False")
+        self.refuse_cache(cache, kwargs.get("past_key_values"))
         batch, seq_local, _ = hidden_states.shape
-        position_wise = self.position_wise()
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = self.documents if cu is None else cu
-        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
-                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        layout = self.layout(seq_local, self.cu_seqlens(kwargs))
         qkv = self.act_fn(self.qkv_proj(hidden_states))
         if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states
             qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
@@ -202,14 +175,5 @@ class SeqParLightningAttention(nn.Module):
         return f"{self.original_class}, block_size={self.block_size}, sharding={self.sharding!r}"
 
 
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParLightningAttention:
-    return SeqParLightningAttention(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="lightning",
-    matches=lambda module: isinstance(module, SeqParLightningAttention) or is_lightning_attention(module),
-    build=_build,
-)
+FAMILY = SeqParLightningAttention.family("lightning", is_lightning_attention)
 """Lightning attention's entry in :data:`seqpar.mixers.registry.FAMILIES`."""

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
-from seqpar.mixers.family import MixerFamily
-from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
 __all__ = ["MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
@@ -131,52 +131,28 @@ def selective_scan_shard(
     return out + torch.cat(corrections, dim=-1).to(out.dtype)
 
 
-class SeqParMambaMixer(nn.Module):
-    """A sequence-parallel drop-in for a transformers Mamba (v1) mixer (:data:`MAMBA_CLASSES`).
+class SeqParMambaMixer(SwappedMixer):
+    """A sequence-parallel drop-in for a transformers Mamba (v1) mixer (:data:`MAMBA_CLASSES`); see
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
-    Args:
-        original: the transformers layer (its parameters and child modules are taken over, same
-            state_dict), or a :class:`SeqParMambaMixer` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> every position alone, no communication (what
-            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
+    COPIED = ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim")
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, param in original._parameters.items():  # the same objects, in the same order: same state_dict
-            self.register_parameter(name, param)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name in ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim"):
-            setattr(self, name, getattr(original, name, None))
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
-        self.original_class = getattr(original, "original_class", type(original).__name__)
-        # the transformers module whose functions (mamba_selective_scan, apply_mask_to_padding_states)
-        # the layer calls: looked up at each forward, so a kernel swapped in there is used
-        self.transformers_module = getattr(original, "transformers_module", type(original).__module__)
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
-        if cache is not None or kwargs.get("cache_params") is not None:
-            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
-                             "sharded sequence; call the model with use_cache=False")
+        self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
         position_wise = self.position_wise()
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = self.documents if cu is None else cu
-        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
-                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        cu = self.cu_seqlens(kwargs)
+        layout = self.layout(seq_local, cu)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
         projected = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seq_local)
         zamba = self.n_mamba_heads is not None
@@ -220,20 +196,8 @@ class SeqParMambaMixer(nn.Module):
         out = out.transpose(0, 1).reshape(batch, -1, seq_local)  # heads back into channels
         return self.out_proj(out.transpose(1, 2).to(dtype))
 
-    def extra_repr(self) -> str:
-        return f"{self.original_class}, sharding={self.sharding!r}"
 
-
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParMambaMixer:
-    return SeqParMambaMixer(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="mamba",
-    matches=lambda module: isinstance(module, SeqParMambaMixer) or is_mamba_mixer(module),
-    build=_build,
-)
+FAMILY = SeqParMambaMixer.family("mamba", is_mamba_mixer)
 """The Mamba (v1) family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
 
 

@@ -29,17 +29,15 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
-from seqpar.mixers.family import MixerFamily
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.ssd import ssd_shard
 
 __all__ = ["MAMBA2_CLASSES", "SeqParMamba2Mixer", "is_mamba2_mixer", "find_mamba2_mixers", "FAMILY"]
@@ -66,52 +64,22 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
             and all(hasattr(module, name) for name in _ATTRIBUTES[1:10]))
 
 
-class SeqParMamba2Mixer(nn.Module):
-    """A sequence-parallel drop-in for a transformers Mamba2 layer (:data:`MAMBA2_CLASSES`).
+class SeqParMamba2Mixer(SwappedMixer):
+    """A sequence-parallel drop-in for a transformers Mamba2 layer (:data:`MAMBA2_CLASSES`); see
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
-    Args:
-        original: the transformers layer (its parameters, buffers and child modules are taken over: same
-            state_dict), or a :class:`SeqParMamba2Mixer` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> every position alone, no communication (what
-            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
-
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, param in original._parameters.items():  # the same objects, in the same order: same state_dict
-            self.register_parameter(name, param)
-        for name, buffer in original._buffers.items():  # Falcon-H1's mup_vector (not persistent)
-            self.register_buffer(name, buffer, persistent=name not in original._non_persistent_buffers_set)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name in _ATTRIBUTES:
-            setattr(self, name, getattr(original, name, None))
-        self.original_class = getattr(original, "original_class", type(original).__name__)
-        # the transformers module whose functions (mamba2_chunk_scan, apply_mask_to_padding_states) the layer
-        # calls: looked up at each forward
-        self.transformers_module = getattr(original, "transformers_module", type(original).__module__)
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+    COPIED = _ATTRIBUTES
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
-        if cache is not None or kwargs.get("cache_params") is not None:
-            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
-                             "sharded sequence; call the model with use_cache=False")
+        self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
         position_wise = self.position_wise()
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = self.documents if cu is None else cu
-        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
-                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        cu = self.cu_seqlens(kwargs)
+        layout = self.layout(seq_local, cu)
         falcon = self.original_class == "FalconH1Mixer"
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
         if falcon:
@@ -139,20 +107,8 @@ class SeqParMamba2Mixer(nn.Module):
             y = self.norm(y, gate)
         return self.out_proj(y.to(dtype))
 
-    def extra_repr(self) -> str:
-        return f"{self.original_class}, sharding={self.sharding!r}"
 
-
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParMamba2Mixer:
-    return SeqParMamba2Mixer(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="mamba2",
-    matches=lambda module: isinstance(module, SeqParMamba2Mixer) or is_mamba2_mixer(module),
-    build=_build,
-)
+FAMILY = SeqParMamba2Mixer.family("mamba2", is_mamba2_mixer)
 """The Mamba2 / SSD family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
 
 

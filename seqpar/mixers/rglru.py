@@ -24,7 +24,6 @@ all-gather, flat in S); a chunk's positions before its first document start get
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,8 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
-from seqpar.mixers.family import MixerFamily
-from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
 __all__ = ["RGLRU_CLASSES", "SeqParRecurrentBlock", "is_recurrent_block", "rglru_log_decay", "rglru_shard", "FAMILY"]
@@ -109,44 +108,21 @@ def rglru_shard(rg_lru: nn.Module, x: Tensor, position_ids: Tensor, *, layout: S
     return (out.float() + torch.cat(corrections, dim=1)).to(out.dtype)
 
 
-class SeqParRecurrentBlock(nn.Module):
-    """A sequence-parallel drop-in for RecurrentGemma's recurrent block.
+class SeqParRecurrentBlock(SwappedMixer):
+    """A sequence-parallel drop-in for RecurrentGemma's recurrent block; see
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
-    Args:
-        original: the transformers block (its children are taken over: same state_dict), or a
-            :class:`SeqParRecurrentBlock` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> every position alone, no communication (what the
-            position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
-
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, child in original.named_children():  # the same modules, in the same order: same state_dict
-            self.add_module(name, child)
-        for name in ("lru_width", "hidden_size", "conv1d_width"):
-            setattr(self, name, getattr(original, name))
-        self.original_class = getattr(original, "original_class", type(original).__name__)
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
+    COPIED = ("lru_width", "hidden_size", "conv1d_width")
 
     def forward(self, input_states: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 use_cache: bool = False, **kwargs: Any) -> tuple[Tensor, None]:
         """input_states ``(batch, seq_local, hidden)``, position_ids ``(batch, seq_local)`` (global, per
         document) -> ``((batch, seq_local, hidden), None)``."""
-        if use_cache or kwargs.get("cache") is not None:
-            raise ValueError(f"seqpar ({self.original_class}): a cache is not supported on a sharded sequence; call "
-                             "the model with use_cache=False")
+        self.refuse_cache(use_cache or None, kwargs.get("cache"))
         seq_local = input_states.shape[1]
         position_wise = self.position_wise()
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = self.documents if cu is None else cu
-        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
-                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        cu = self.cu_seqlens(kwargs)
+        layout = self.layout(seq_local, cu)
         y = self.act_fn(self.linear_y(input_states))
         x = self.linear_x(input_states).transpose(1, 2)  # (batch, lru_width, seq_local)
         x = causal_conv_shard(x, self.conv_1d.weight.squeeze(1), self.conv_1d.bias, group=self.group,
@@ -155,18 +131,6 @@ class SeqParRecurrentBlock(nn.Module):
                         layout=layout, group=self.group, sharding=self.sharding)
         return self.linear_out(x * y), None
 
-    def extra_repr(self) -> str:
-        return f"{self.original_class}, sharding={self.sharding!r}"
 
-
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParRecurrentBlock:
-    return SeqParRecurrentBlock(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="rglru",
-    matches=lambda module: isinstance(module, SeqParRecurrentBlock) or is_recurrent_block(module),
-    build=_build,
-)
+FAMILY = SeqParRecurrentBlock.family("rglru", is_recurrent_block)
 """RecurrentGemma's recurrent block's entry in :data:`seqpar.mixers.registry.FAMILIES`."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
-from seqpar.mixers.family import MixerFamily
+from seqpar.mixers.family import SwappedMixer
 
 __all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
 
@@ -53,43 +53,26 @@ def find_short_convs(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SeqParShortConv) or is_short_conv(m)]
 
 
-class SeqParShortConv(nn.Module):
-    """A sequence-parallel drop-in for an LFM2-family short convolution layer.
-
-    Args:
-        original: the transformers layer (its ``in_proj``, ``conv``, ``out_proj`` are taken over), or a
-            :class:`SeqParShortConv` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> only the current position's tap, no
-            communication (what the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
+class SeqParShortConv(SwappedMixer):
+    """A sequence-parallel drop-in for an LFM2-family short convolution layer (its ``in_proj``, ``conv``,
+    ``out_proj`` are taken over); see :class:`seqpar.mixers.family.SwappedMixer` for the arguments
+    (``position_wise``: only the current position's tap, no communication)."""
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, child in original.named_children():  # the same modules, in the same order: same state_dict
-            self.add_module(name, child)
-        self.layer_idx = getattr(original, "layer_idx", None)
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
         self.conv_kernel_size = self.conv.kernel_size[0]
-        # swapping an already swapped layer again (new options) keeps the transformers class's name
-        self.original_class = getattr(original, "original_class", type(original).__name__)
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 past_key_values: Any = None, **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
-        if cache is not None or past_key_values is not None:
-            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
-                             "sharded sequence; call the model with use_cache=False")
+        self.refuse_cache(cache, past_key_values)
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states (2D padding mask)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         bcx = self.in_proj(hidden_states).transpose(-1, -2)  # (B, 3*hidden, S_local)
         b, c, x = bcx.chunk(3, dim=-2)
         conv = causal_conv_shard(b * x, self.conv.weight.squeeze(1), self.conv.bias, group=self.group,
-                                 sharding=self.sharding, cu_seqlens=kwargs.get("cu_seq_lens_q"),
+                                 sharding=self.sharding, cu_seqlens=self.cu_seqlens(kwargs),
                                  position_wise=self.position_wise())
         y = (c * conv.to(x.dtype)).transpose(-1, -2).contiguous()  # (B, S_local, hidden)
         return self.out_proj(y)
@@ -98,14 +81,5 @@ class SeqParShortConv(nn.Module):
         return f"{self.original_class}, kernel_size={self.conv_kernel_size}, sharding={self.sharding!r}"
 
 
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParShortConv:
-    return SeqParShortConv(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="short_conv",
-    matches=lambda module: isinstance(module, SeqParShortConv) or is_short_conv(module),
-    build=_build,
-)
+FAMILY = SeqParShortConv.family("short_conv", is_short_conv)
 """The LFM2 family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
