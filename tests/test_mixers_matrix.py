@@ -1,0 +1,97 @@
+"""Issue 21's exactness matrix in one place: every listed hybrid model (Qwen3-Next, Qwen3.5, OLMo-hybrid,
+Kimi-Linear, Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid, Zamba2, Jamba, MiniMax, LFM2), built tiny with one
+layer of each kind by its family's test module, swapped at SP=2 and SP=4 with contiguous and with zigzag
+sharding, fed the packed batch of 5 documents of tests/mixer_parity.py (one crossing shard edges), its fp32 loss
+and every reduced gradient against each document run alone by transformers itself in float64.
+
+The packed batch covers both halves of a mixer's sharding at once: the recurrence and the convolution restart at
+each document start, and the document crossing shard edges takes its state (and conv halo) from the shard before
+it, for zigzag also into a rank's second chunk; so no dense run is added here. One attention mode per cell (the
+mixers do not depend on it; each family's own test runs every mode), and one pool task per SP size, the float64
+reference computed once per model, keep the 48 cells cheap."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mixer_parity import LENGTHS, documents, packed_batch, per_document_reference, sharded_parity  # noqa: E402
+
+from seqpar.sequence.sharding import padded_length, shard_index  # noqa: E402
+
+SHARDINGS = ("contiguous", "zigzag")
+# one attention mode per (SP size, sharding): both shardings meet both ring and all-gather over the two sizes
+MODE = {(2, "contiguous"): "allgather", (2, "zigzag"): "ring", (4, "contiguous"): "ring", (4, "zigzag"): "allgather"}
+
+
+def _small_kda_chunks() -> None:
+    # KDA's torch kernel solves its 64-position chunks with a 63-step Python loop: chunks of 8 keep this fast
+    # (the reference and the swapped model both call the module's function: the same kernel). Idempotent, and
+    # the same patch test_mixers_gdn applies on the pool's ranks.
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    if not isinstance(kimi.chunk_kimi_delta_attention, functools.partial):
+        kimi.chunk_kimi_delta_attention = functools.partial(kimi.chunk_kimi_delta_attention, chunk_size=8)
+
+
+def models() -> dict:
+    """name -> (tiny(dtype) -> model, the swap's expected routes); each family's own tiny model."""
+    import test_mixers_conv as conv
+    import test_mixers_gdn as gdn
+    import test_mixers_lightning as lightning
+    import test_mixers_mamba as mamba
+    import test_mixers_ssd as ssd
+
+    out = {name: (functools.partial(gdn.tiny, name), gdn.routes(name))
+           for name in ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear")}
+    out.update({name: (functools.partial(ssd.tiny, name), ssd.ROUTES[name])
+                for name in ("falcon_h1", "bamba", "nemotron_h", "granitemoehybrid", "zamba2")})
+    out["jamba"] = (functools.partial(mamba.tiny, "jamba"), mamba.mixer_routes("jamba"))
+    out["minimax"] = (lightning.tiny, lightning.ROUTES)
+    out["lfm2"] = (conv.tiny_lfm2, {"model.layers.0.conv": "mixer", "model.layers.1.self_attn": "hf",
+                                    "model.layers.2.conv": "mixer"})
+    return out
+
+
+MODELS = ("qwen3_next", "qwen3_5_text", "olmo_hybrid", "kimi_linear", "falcon_h1", "bamba", "nemotron_h",
+          "granitemoehybrid", "zamba2", "jamba", "minimax", "lfm2")
+
+
+def _crossing_documents(world: int, sharding: str) -> list[int]:
+    """Lengths of the packed documents whose tokens land on more than one rank (under ``shard_batch``)."""
+    cu = packed_batch(documents())["cu_seq_lens_q"].tolist()
+    seq = padded_length(cu[-1], world, sharding)
+    owner = torch.empty(seq, dtype=torch.long)
+    for r in range(world):
+        owner[shard_index(seq, r, world, sharding)] = r
+    return [b - a for a, b in zip(cu, cu[1:]) if len(set(owner[a:b].tolist())) > 1]
+
+
+def _matrix(rank: int, world: int) -> list[tuple[str, str, str, float]]:
+    """Every model x both shardings at SP=``world``: (model, sharding, mode, seconds) of each cell run."""
+    table = models()  # imports test_mixers_gdn, which reads the unpatched KDA kernel: before the patch
+    _small_kda_chunks()
+    done = []
+    for name in MODELS:
+        tiny, routes = table[name]
+        reference = per_document_reference(tiny, documents())
+        for sharding in SHARDINGS:
+            mode = MODE[(world, sharding)]
+            start = time.perf_counter()
+            ran = sharded_parity(tiny, routes, world, sharding, [{"mode": mode}], reference=reference)
+            assert ran == [mode], (name, sharding, ran)
+            done.append((name, sharding, mode, time.perf_counter() - start))
+    return done
+
+
+@pytest.mark.timeout(900)  # 24 cells in one pool task, on a loaded 2-core machine
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_model_every_sharding_packed(dist_pool, world):
+    for sharding in SHARDINGS:
+        assert _crossing_documents(world, sharding), (world, sharding, LENGTHS)
+    done = dist_pool.run(world, _matrix, timeout=600)[0]
+    assert [(n, s) for n, s, _, _ in done] == [(n, s) for n in MODELS for s in SHARDINGS]
