@@ -262,19 +262,8 @@ def test_packed_one_process_equals_each_document_alone(family):
     one_process_parity(functools.partial(tiny, family))
 
 
-def _all_families(rank: int, world: int, sharding: str, mode_list: list[dict]) -> list[str]:
-    return [f"{family}:{mode}" for family in FAMILIES for mode in _parity(rank, world, family, sharding, mode_list)]
-
-
-@pytest.mark.timeout(900)  # five models in one pool, on a loaded 2-core machine
-@pytest.mark.parametrize("world,sharding", [(2, "zigzag"), (4, "contiguous")])
-def test_every_model_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    # each model zigzag at SP=2 (ring) and contiguous at SP=4 (all-gather); every mode below for some
-    mode = "ring" if world == 2 else "allgather"
-    done = dist_pool.run(world, _all_families, sharding, [{"mode": mode}], timeout=600)[0]
-    assert done == [f"{family}:{mode}" for family in FAMILIES]
-
-
+# Every model at SP=2 and SP=4, contiguous and zigzag: tests/test_mixers_matrix.py (with the other families'
+# models, one pool task per SP size). Here: every attention mode for some.
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world,family,sharding", [(4, "falcon_h1", "zigzag"), (4, "bamba", "contiguous"),
                                                    (2, "nemotron_h", "balanced")])
