@@ -2,8 +2,9 @@
 transformers' own torch ``mamba2_chunk_scan`` run on each document (float64 inputs, every gradient; shards
 spanning several scan chunks and ending mid-chunk), its summary bytes against theory, the mamba_ssm
 dispatch (a fake module on CPU), and tiny Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid and Zamba2 models
-(one Mamba2 layer, one attention layer) swapped by swap_attention at SP=2 and SP=4, on a packed batch of 5
-documents (one crossing shard edges), against each document run alone in one process without seqpar."""
+(one Mamba2 layer, one attention layer) swapped by swap_attention at SP=2 and SP=4 in every attention mode, on a
+packed batch of 5 documents (one crossing shard edges), against each document run alone in one process without
+seqpar. Every model at SP=2 and SP=4 with contiguous and zigzag sharding: tests/test_mixers_matrix.py."""
 
 from __future__ import annotations
 
