@@ -6,7 +6,8 @@ and every reduced gradient against each document run alone by transformers itsel
 
 The packed batch covers both halves of a mixer's sharding at once: the recurrence and the convolution restart at
 each document start, and the document crossing shard edges takes its state (and conv halo) from the shard before
-it, for zigzag also into a rank's second chunk; so no dense run is added here. One attention mode per cell (the
+it, for zigzag also into a rank's second chunk; so no dense run is added here (tests/test_all_models.py runs
+every model dense at SP=2, zigzag). One attention mode per cell (the
 mixers do not depend on it; each family's own test runs every mode), and one pool task per SP size, the float64
 reference computed once per model, keep the 48 cells cheap."""
 
