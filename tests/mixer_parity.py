@@ -70,11 +70,13 @@ def modes(world: int) -> list[dict]:
 
 
 def sharded_parity(tiny: Callable[[torch.dtype], torch.nn.Module], routes: dict[str, str], world: int, sharding: str,
-                   mode_list: list[dict] | None = None) -> list[str]:
-    """Swap an fp32 ``tiny`` at SP=world for each attention mode and check it against the reference;
-    returns the modes run (call on every rank)."""
+                   mode_list: list[dict] | None = None,
+                   reference: tuple[float, dict[str, torch.Tensor]] | None = None) -> list[str]:
+    """Swap an fp32 ``tiny`` at SP=world for each attention mode and check it against the reference
+    (``per_document_reference(tiny, documents())``, computed here unless given); returns the modes run
+    (call on every rank)."""
     docs = documents()
-    ref_loss, ref_grads = per_document_reference(tiny, docs)
+    ref_loss, ref_grads = reference if reference is not None else per_document_reference(tiny, docs)
     done = []
     for mode in mode_list if mode_list is not None else modes(world):
         # the hybrid takes its Ulysses and ring groups from a manager; the mixers then use its SP group

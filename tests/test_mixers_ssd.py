@@ -2,8 +2,9 @@
 transformers' own torch ``mamba2_chunk_scan`` run on each document (float64 inputs, every gradient; shards
 spanning several scan chunks and ending mid-chunk), its summary bytes against theory, the mamba_ssm
 dispatch (a fake module on CPU), and tiny Falcon-H1, Bamba, Nemotron-H, Granite-4 hybrid and Zamba2 models
-(one Mamba2 layer, one attention layer) swapped by swap_attention at SP=2 and SP=4, on a packed batch of 5
-documents (one crossing shard edges), against each document run alone in one process without seqpar."""
+(one Mamba2 layer, one attention layer) swapped by swap_attention at SP=2 and SP=4 in every attention mode, on a
+packed batch of 5 documents (one crossing shard edges), against each document run alone in one process without
+seqpar. Every model at SP=2 and SP=4 with contiguous and zigzag sharding: tests/test_mixers_matrix.py."""
 
 from __future__ import annotations
 
@@ -262,19 +263,8 @@ def test_packed_one_process_equals_each_document_alone(family):
     one_process_parity(functools.partial(tiny, family))
 
 
-def _all_families(rank: int, world: int, sharding: str, mode_list: list[dict]) -> list[str]:
-    return [f"{family}:{mode}" for family in FAMILIES for mode in _parity(rank, world, family, sharding, mode_list)]
-
-
-@pytest.mark.timeout(900)  # five models in one pool, on a loaded 2-core machine
-@pytest.mark.parametrize("world,sharding", [(2, "zigzag"), (4, "contiguous")])
-def test_every_model_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    # each model zigzag at SP=2 (ring) and contiguous at SP=4 (all-gather); every mode below for some
-    mode = "ring" if world == 2 else "allgather"
-    done = dist_pool.run(world, _all_families, sharding, [{"mode": mode}], timeout=600)[0]
-    assert done == [f"{family}:{mode}" for family in FAMILIES]
-
-
+# Every model at SP=2 and SP=4, contiguous and zigzag: tests/test_mixers_matrix.py (with the other families'
+# models, one pool task per SP size). Here: every attention mode for some.
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world,family,sharding", [(4, "falcon_h1", "zigzag"), (4, "bamba", "contiguous"),
                                                    (2, "nemotron_h", "balanced")])
