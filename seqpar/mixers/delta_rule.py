@@ -49,17 +49,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
-__all__ = ["KERNEL_DEVICES", "FLA_KERNELS", "delta_rule_kernel", "delta_rule_shard"]
+__all__ = ["KERNEL_DEVICES", "FLA_KERNELS", "RECOMPUTE", "delta_rule_kernel", "delta_rule_shard"]
 
 KERNEL_DEVICES = {"cuda"}
 """Device types on which :func:`delta_rule_kernel` uses flash-linear-attention when it is importable."""
 
 FLA_KERNELS = {"gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"), "kda": ("fla.ops.kda", "chunk_kda")}
 """flash-linear-attention's chunked kernel for each rule: (module, function)."""
+
+RECOMPUTE: int | None = None
+"""Default positions per checkpointed piece of the wide scan (:func:`delta_rule_shard`); None: no recompute."""
 
 
 def delta_rule_kernel(rule: str, torch_path: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
@@ -83,9 +87,44 @@ def _matmul(transition: Tensor, state: Tensor) -> Tensor:
     return torch.matmul(transition, state)
 
 
+def _wide_run(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, start: Tensor,
+              options: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """The kernel on ``[v | 0]`` (``d_k`` zero columns appended) from ``start`` ``(batch, v_heads, d_k, d_v + d_k)``:
+    ``(out (batch, seq, v_heads, d_v + d_k), final state)``. The zero columns are made here, so that a
+    checkpointed call does not keep them."""
+    wide = torch.cat([v, v.new_zeros(*v.shape[:-1], k.shape[-1])], dim=-1)
+    return kernel(q, k, wide, g=g, beta=beta, initial_state=start, output_final_state=True, **options)
+
+
+def _wide_scan(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+               options: dict[str, Any], recompute: int | None) -> tuple[Tensor, Tensor]:
+    """One run of positions (from its first to its last: no document start inside) scanned on ``[v | 0]`` from
+    ``[0 | I]``: ``(out, state)`` with ``out (batch, seq, v_heads, d_v + d_k)`` = ``[o_zero | O_I]`` and
+    ``state (batch, v_heads, d_k, d_v + d_k)`` = ``[S_local | T]`` (module docstring).
+
+    ``recompute``: None keeps every intermediate of the kernel for the backward; else the run is cut into
+    pieces of ``recompute`` positions, each checkpointed (its forward repeated in the backward from the
+    wide state it started from), so that only one piece's intermediates are alive at a time.
+    """
+    batch, seq, v_heads, d_v = v.shape
+    d_k = k.shape[-1]
+    eye = torch.eye(d_k, dtype=torch.float32, device=v.device).expand(batch, v_heads, d_k, d_k)
+    state = torch.cat([eye.new_zeros(batch, v_heads, d_k, d_v), eye], dim=-1)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if recompute is None or not grad or seq <= recompute:
+        return _wide_run(kernel, q, k, v, g, beta, state, options)
+    outs = []
+    for a in range(0, seq, recompute):
+        b = min(a + recompute, seq)
+        out, state = checkpoint(_wide_run, kernel, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state,
+                                options, use_reentrant=False)
+        outs.append(out)
+    return torch.cat(outs, dim=1), state
+
+
 def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
                      layout: ScanLayout | None, group: dist.ProcessGroup | None, sharding: str,
-                     **options: Any) -> Tensor:
+                     recompute: int | None = RECOMPUTE, **options: Any) -> Tensor:
     """The delta rule over this rank's shard, equal to the full sequence's (each document's).
 
     Args:
@@ -97,6 +136,8 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
         layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
             (the position-mixing probe: no communication).
         group, sharding: the SP group and the layout the sequence was cut in.
+        recompute: positions per checkpointed piece of the wide scan (:data:`RECOMPUTE`); None: no
+            recompute (faster backward, more memory).
         options: passed to the kernel (``use_qk_l2norm_in_kernel``).
     Returns:
         ``(batch, seq_local, v_heads, d_v)`` in ``q``'s dtype.
@@ -115,6 +156,7 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
                       output_final_state=True, **options)
 
     pieces: dict[tuple[int, int], Tensor] = {}
+    wide_outs: dict[int, Tensor] = {}  # local chunk -> its wide output [o_zero | O_I]
     transitions, finals, leads = [], [], []
     for j in range(layout.chunks):
         segments = [(j * c + a, j * c + b) for a, b in layout.segments(j)]
@@ -125,13 +167,10 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
             continue
         for a, b in segments[1:]:  # runs after a document start inside the chunk: final from step 1
             pieces[(a, b)], state = run(a, b, None)
-        if len(segments) == 1:  # the whole chunk continues its incoming state: (T, S_local) from [v | 0], [0 | I]
+        if len(segments) == 1:  # the whole chunk continues its incoming state: one wide scan, (T, S_local)
             a, b = segments[0]
-            wide = torch.cat([v[:, a:b], v.new_zeros(batch, b - a, v_heads, d_k)], dim=-1)
-            eye = torch.eye(d_k, dtype=torch.float32, device=v.device).expand(batch, v_heads, d_k, d_k)
-            start = torch.cat([eye.new_zeros(batch, v_heads, d_k, d_v), eye], dim=-1)
-            _, state = kernel(q[:, a:b], k[:, a:b], wide, g=g[:, a:b], beta=beta[:, a:b], initial_state=start,
-                              output_final_state=True, **options)
+            wide_outs[j], state = _wide_scan(kernel, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                             options, recompute)
             transitions.append(state[..., d_v:])
             finals.append(state[..., :d_v])
         else:  # a document starts inside: the transition is not read (chunk_initial_states)
@@ -143,5 +182,10 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
                                     apply=_matmul, group=group, sharding=sharding, seq_len=layout.seq_len,
                                     cu_seqlens=layout.cu)
         for j, (a, b) in enumerate(leads):
-            pieces[(a, b)] = run(a, b, init[j])[0]
+            if j in wide_outs:  # linear in the initial state: o = o_zero + O_I h, per batch and value head
+                wide = wide_outs[j].to(compute)
+                out = wide[..., :d_v] + torch.einsum("bshk,bhkv->bshv", wide[..., d_v:], init[j])
+                pieces[(a, b)] = out.to(q.dtype)
+            else:  # the lead of a chunk with a document start inside: its one run, from h
+                pieces[(a, b)] = run(a, b, init[j])[0]
     return torch.cat([pieces[key] for key in sorted(pieces)], dim=1)
