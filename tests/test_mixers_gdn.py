@@ -246,17 +246,23 @@ def _checkpointed(rank: int, world: int) -> None:
     from mixer_parity import check, documents, packed_batch, per_document_reference
 
     from seqpar.config import SeqParConfig
+    from seqpar.mixers import delta_rule
     from seqpar.sequence.batch import shard_batch
     from seqpar.swap import swap_attention
 
     docs = documents()
     ref_loss, ref_grads = per_document_reference(lambda dtype: tiny("qwen3_5_text", dtype), docs)
     model = tiny("qwen3_5_text", torch.float32)
-    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike
+    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike;
+    # the wide scan's own pieces (delta_rule.RECOMPUTE, 5 positions here) are checkpoints nested inside
     enable_checkpointing(model)
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
+    saved, delta_rule.RECOMPUTE = delta_rule.RECOMPUTE, 5
+    try:
+        out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+        out.loss.backward()
+    finally:
+        delta_rule.RECOMPUTE = saved
     check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
 
 

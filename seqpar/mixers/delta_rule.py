@@ -141,7 +141,7 @@ def _wide_scan(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, g: T
         b = min(a + recompute, seq)
         piece = (kernel, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], state, options)
         if b < seq:
-            out, state = checkpoint(_wide_run, *piece, use_reentrant=False)
+            out, state = checkpoint(_wide_run, *piece, use_reentrant=False, preserve_rng_state=False)  # no randomness
         else:  # the last piece's backward runs first: recomputing it would not lower the peak
             out, state = _wide_run(*piece)
         outs.append(out)
