@@ -7,6 +7,9 @@ packed batch of 5 documents (one crossing shard edges), against each document ru
 
 from __future__ import annotations
 
+import functools
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,7 +51,11 @@ def reference_scan(rule: str, t: dict[str, torch.Tensor], cu: list[int], chunk: 
                              use_qk_l2norm_in_kernel=True, chunk_size=chunk)[0] for a, b in zip(cu, cu[1:])], dim=1)
 
 
-def _scan_parity(rank: int, world: int, rule: str, sharding: str, cu: list[int], chunk: int = CHUNK) -> tuple[int, int]:
+def _scan_parity(rank: int, world: int, rule: str, sharding: str, cu: list[int], chunk: int = CHUNK,
+                 recompute: int | None | str = "default", calls: list[str] | None = None) -> tuple[int, int]:
+    """Sharded scan vs the per-document reference (output and every input's gradient); returns the counted
+    collective bytes and their theory. ``calls``: each kernel call is appended (``"forward"`` or
+    ``"backward"``: a checkpointed piece recomputed)."""
     data = _scan_inputs(rule, cu[-1])
     names = ("q", "k", "v", "g", "beta")
     ref_in = {n: data[n].clone().requires_grad_() for n in names}
@@ -60,9 +67,20 @@ def _scan_parity(rank: int, world: int, rule: str, sharding: str, cu: list[int],
     local = {n: shard_sequence(t, 1, group=group, sharding=sharding, cu_seqlens=cu) for n, t in ins.items()}
     layout = scan_layout(cu[-1] // world, group=group, sharding=sharding, cu_seqlens=cu)
     kernel = delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu"))
+    phase = ["forward"]
+    if calls is not None:
+        torch_kernel = kernel
+
+        @functools.wraps(torch_kernel)  # keeps __module__: still transformers' torch path for the default
+        def kernel(*args, **kwargs):
+            calls.append(phase[0])
+            return torch_kernel(*args, **kwargs)
+
     with counting(world) as traffic:
         out = delta_rule_shard(kernel, local["q"], local["k"], local["v"], local["g"], local["beta"], layout=layout,
-                               group=group, sharding=sharding, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+                               group=group, sharding=sharding, recompute=recompute, use_qk_l2norm_in_kernel=True,
+                               chunk_size=chunk)
+        phase[0] = "backward"
         (out * shard_sequence(data["grad"], 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
     case = f"{rule}: {world} ranks {sharding}, cu_seqlens {cu}"
     full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
@@ -104,6 +122,34 @@ def test_scan_with_the_kernels_own_64_position_chunks(dist_pool):
     # shards of 100 positions: a whole 64-position kernel chunk, then one cut mid-way
     for counted, theory in dist_pool.run(2, _scan_parity, "gdn", "contiguous", [0, 5, 150, 200], 64, timeout=300):
         assert counted == theory > 0
+
+
+def _one_scan_per_run(rank: int, world: int, rule: str, sharding: str, recompute: int | None) -> None:
+    # The correction path: a chunk without a document start inside is scanned once (wide, in pieces of
+    # `recompute` positions, each but the last repeated in the backward) and its output is o_zero + O_I h;
+    # a chunk with one runs each of its segments once (the lead from h). No re-run of any position.
+    for cu in SCAN_CASES:
+        calls: list[str] = []
+        _scan_parity(rank, world, rule, sharding, cu, recompute=recompute, calls=calls)
+        layout = scan_layout(cu[-1] // world, group=WORLD, sharding=sharding, cu_seqlens=cu)
+        forward = backward = 0
+        for j in range(layout.chunks):
+            if len(layout.segments(j)) > 1:
+                forward += len(layout.segments(j))
+            else:
+                pieces = math.ceil(layout.chunk_len / recompute) if recompute else 1
+                forward, backward = forward + pieces, backward + pieces - 1
+        assert (calls.count("forward"), calls.count("backward")) == (forward, backward), (cu, calls)
+
+
+# local chunks of 48 (contiguous) / 24 (zigzag) / 12 (4 ranks) positions, kernel chunks of 8: pieces of 20 or 5
+# positions end mid-kernel-chunk, and the last piece is shorter
+@pytest.mark.parametrize("rule,world,sharding,recompute", [
+    ("gdn", 2, "contiguous", 20), ("gdn", 2, "zigzag", 20), ("gdn", 2, "zigzag", None), ("gdn", 4, "zigzag", 5),
+    ("kda", 2, "zigzag", 5),
+])
+def test_scan_corrects_from_one_wide_scan_with_recompute(dist_pool, rule, world, sharding, recompute):
+    dist_pool.run(world, _one_scan_per_run, rule, sharding, recompute, timeout=300)
 
 
 def test_summary_bytes_are_flat_in_the_sequence_length(dist_pool):
@@ -200,17 +246,23 @@ def _checkpointed(rank: int, world: int) -> None:
     from mixer_parity import check, documents, packed_batch, per_document_reference
 
     from seqpar.config import SeqParConfig
+    from seqpar.mixers import delta_rule
     from seqpar.sequence.batch import shard_batch
     from seqpar.swap import swap_attention
 
     docs = documents()
     ref_loss, ref_grads = per_document_reference(lambda dtype: tiny("qwen3_5_text", dtype), docs)
     model = tiny("qwen3_5_text", torch.float32)
-    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike
+    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike;
+    # the wide scan's own pieces (delta_rule.RECOMPUTE, 5 positions here) are checkpoints nested inside
     enable_checkpointing(model)
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
+    saved, delta_rule.RECOMPUTE = delta_rule.RECOMPUTE, 5
+    try:
+        out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+        out.loss.backward()
+    finally:
+        delta_rule.RECOMPUTE = saved
     check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
 
 

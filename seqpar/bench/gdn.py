@@ -3,19 +3,26 @@ P gloo ranks (one core each), on one sequence of S positions. See BENCHMARKS.md 
 
 Reports, per S:
 
-- time: one process, the P-rank sequence-parallel layer (slowest rank, median of repeats), the ideal
-  (one process / P) and the ratio to it;
-- a per-phase breakdown of the sharded forward on one rank (conv with halo, the summary scan of
-  ``[v | 0]`` from ``[0 | I]``, the summary all-gather and prefix fold, the re-run from the true initial
-  state) and the one-process forward's kernel time;
+- time: one process, the P-rank sequence-parallel layer (slowest rank's wall time, median of repeats) and
+  the largest per-rank thread CPU time (the figure to trust when P ranks share fewer cores than P plus
+  the machine's other load), each against the ideal (one process / P);
+- the forward alone (no autograd) and its phases on each SP rank, timed by wrapping the functions
+  :mod:`seqpar.mixers.gdn` / :mod:`seqpar.mixers.delta_rule` call (conv with its halo, the wide scan of
+  ``[v | 0]`` from ``[0 | I]``, the summary all-gather and prefix fold; the rest: projections, gated norm
+  and the ``o_zero + O_I h`` correction), and the one-process forward's kernel time;
 - bytes each rank sends (counted, :func:`seqpar.testing.traffic.counting`), which must not grow with S;
 - peak tensor memory per rank against one process (:func:`seqpar.bench.runner.peak_memory`).
+
+``--recompute N`` checkpoints the wide scan in pieces of N positions (:data:`seqpar.mixers.delta_rule.RECOMPUTE`
+is the default; ``--recompute 0``: none); ``--json FILE`` writes every figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,22 +45,45 @@ def _layer(args: argparse.Namespace) -> torch.nn.Module:
     return q35.Qwen3_5GatedDeltaNet(config, 0)
 
 
+class _Phases:
+    """Wall time of the forward's phases on this rank: wraps the functions the layer calls (forward only)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, module: Any, name: str, phase: str) -> None:
+        original = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            return out
+
+        setattr(module, name, timed)
+        self._undo.append(lambda: setattr(module, name, original))
+
+    def undo(self) -> None:
+        for fn in reversed(self._undo):
+            fn()
+
+
 def _task(ctx: Any, args: argparse.Namespace, seq: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from seqpar.mixers.conv import causal_conv_shard
-    from seqpar.mixers.delta_rule import delta_rule_kernel
+    from seqpar.mixers import delta_rule, gdn
     from seqpar.mixers.gdn import SeqParGatedDeltaNet
-    from seqpar.mixers.scan_layout import scan_layout
-    from seqpar.mixers.state_passing import chunk_initial_states
     from seqpar.sequence.sharding import shard_sequence
     from seqpar.testing.traffic import counting
 
     world = ctx.world_size
     group = dist.group.WORLD if world > 1 else None
     layer = _layer(args)
+    tf = __import__(type(layer).__module__, fromlist=["x"])
     if world > 1:
         layer = SeqParGatedDeltaNet(layer, group=group, sharding=args.sharding)
+        delta_rule.RECOMPUTE = args.recompute or None  # the layer's default (this rank's process only)
     h = torch.randn(1, seq, args.hidden, generator=torch.Generator().manual_seed(1))
     h = shard_sequence(h, 1, group=group, sharding=args.sharding) if world > 1 else h
 
@@ -65,54 +95,26 @@ def _task(ctx: Any, args: argparse.Namespace, seq: int) -> dict[str, Any]:
     with counting(world) as traffic:
         step()
     peak = peak_memory(step, ctx.device)
-    # forward phases, timed apart (no autograd): the same calls the layer makes
-    phases: dict[str, float] = {}
-    with torch.no_grad():
-        tf = __import__(type(layer).__module__ if world == 1 else layer.transformers_module, fromlist=["x"])
-        kernel = delta_rule_kernel("gdn", tf.torch_chunk_gated_delta_rule, h.device)
-        mixed = layer.in_proj_qkv(h)
+    phases = _Phases()
+    if world > 1:
+        phases.wrap(gdn, "causal_conv_shard", "conv+halo")
+        phases.wrap(delta_rule, "_wide_scan", "wide scan")
+        phases.wrap(delta_rule, "chunk_initial_states", "all-gather+fold")
+    else:  # transformers' layer calls its module's kernel
+        phases.wrap(tf, "torch_chunk_gated_delta_rule", "scan")
+    try:
+        if world > 1:
+            dist.barrier()
         t0 = time.perf_counter()
-        conv = causal_conv_shard(mixed.transpose(1, 2), layer.conv1d.weight.squeeze(1), None, group=group,
-                                 sharding=args.sharding)
-        phases["conv+halo"] = time.perf_counter() - t0
-        q, k, v = torch.split(tf.ACT2FN["silu"](conv).transpose(1, 2), [layer.key_dim, layer.key_dim,
-                                                                        layer.value_dim], dim=-1)
-        q, k = (t.reshape(1, -1, layer.num_k_heads, layer.head_k_dim) for t in (q, k))
-        v = v.reshape(1, -1, layer.num_v_heads, layer.head_v_dim)
-        beta = layer.in_proj_b(h).sigmoid()
-        g = -layer.A_log.float().exp() * torch.nn.functional.softplus(layer.in_proj_a(h).float() + layer.dt_bias)
-        opts = {"g": g, "beta": beta, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
-        if world == 1:
-            t0 = time.perf_counter()
-            kernel(q, k, v, initial_state=None, **opts)
-            phases["scan"] = time.perf_counter() - t0
-        else:
-            dk, dv, heads = layer.head_k_dim, layer.head_v_dim, layer.num_v_heads
-            layout = scan_layout(q.shape[1], group=group, sharding=args.sharding)
-            c = layout.chunk_len
-            t0 = time.perf_counter()
-            eye = torch.eye(dk).expand(1, heads, dk, dk)
-            start = torch.cat([eye.new_zeros(1, heads, dk, dv), eye], dim=-1)
-            finals = []
-            for j in range(layout.chunks):
-                sl = slice(j * c, (j + 1) * c)
-                wide = torch.cat([v[:, sl], v.new_zeros(1, c, heads, dk)], dim=-1)
-                finals.append(kernel(q[:, sl], k[:, sl], wide, initial_state=start,
-                                     **{**opts, "g": g[:, sl], "beta": beta[:, sl]})[1])
-            phases["summary scan"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            state = torch.stack(finals)
-            init = chunk_initial_states(state[..., dv:], state[..., :dv], apply=torch.matmul, group=group,
-                                        sharding=args.sharding, seq_len=layout.seq_len)
-            phases["all-gather+fold"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for j in range(layout.chunks):
-                sl = slice(j * c, (j + 1) * c)
-                kernel(q[:, sl], k[:, sl], v[:, sl], initial_state=init[j], **{**opts, "g": g[:, sl],
-                                                                                  "beta": beta[:, sl]})
-            phases["re-run"] = time.perf_counter() - t0
+        with torch.no_grad():
+            layer(h)
+        forward = time.perf_counter() - t0
+    finally:
+        phases.undo()
+    seconds = dict(phases.seconds)
+    seconds["rest"] = forward - sum(seconds.values())
     return {"timing": timing, "bytes": traffic.collective_bytes + traffic.p2p_bytes, "peak": peak,
-            "phases": phases}
+            "forward_s": forward, "phases_s": seconds}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,29 +128,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--recompute", type=int, default=None,
+                   help="positions per checkpointed piece of the wide scan (default: the library's; 0: none)")
+    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = p.parse_args(argv)
+    if args.recompute is None:
+        from seqpar.mixers.delta_rule import RECOMPUTE
+
+        args.recompute = RECOMPUTE or 0
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
     info = machine_info()
     print(f"# one GDN layer (Qwen3.5), hidden {args.hidden}, {args.k_heads} key / {args.v_heads} value heads of "
-          f"{args.head_dim}, P={args.world} {args.sharding}, fwd+bwd; {info['cpu_model']}, {info['cpu_cores']} cores, load {info['load_avg_1_5_15']}")
-    rows = []
+          f"{args.head_dim}, P={args.world} {args.sharding}, recompute {args.recompute or 'off'}, fwd+bwd; "
+          f"{info['cpu_model']}, {info['cpu_cores']} cores, load {info['load_avg_1_5_15']}")
+    rows, records = [], []
     with RankPool(1) as one, RankPool(args.world) as pool:
         for seq in seq_lens:
             base = one.run(_task, args, seq)[0]
             sp = pool.run(_task, args, seq)
-            t1 = combine([base["timing"]])["time_s"]
-            tp = combine([r["timing"] for r in sp])["time_s"]
+            t1, tp = combine([base["timing"]]), combine([r["timing"] for r in sp])
+            peak_sp = max(r["peak"] for r in sp)
+            record = {
+                "S": seq, "one_process": {"time_s": t1["time_s"], "cpu_s": t1["cpu_s"], "forward_s": base["forward_s"],
+                                          "phases_s": base["phases_s"], "peak_bytes": base["peak"]},
+                "sp": {"time_s": tp["time_s"], "cpu_s": tp["cpu_s"], "rank_time_s": tp["rank_time_s"],
+                       "forward_s": [r["forward_s"] for r in sp], "phases_s": [r["phases_s"] for r in sp],
+                       "bytes_per_rank": [r["bytes"] for r in sp], "peak_bytes": [r["peak"] for r in sp]},
+                "vs_ideal_wall": tp["time_s"] * args.world / t1["time_s"],
+                "vs_ideal_cpu": tp["cpu_s"] * args.world / t1["cpu_s"],
+                "peak_vs_one_process": peak_sp / base["peak"],
+            }
+            records.append(record)
             rows.append({
-                "S": seq, "one process": f"{t1:.3f} s", f"P={args.world}": f"{tp:.3f} s",
-                "ideal (1/P)": f"{t1 / args.world:.3f} s", "x ideal": f"{tp * args.world / t1:.2f}",
+                "S": seq, "one process": f"{t1['time_s']:.3f} s / {t1['cpu_s']:.3f} s",
+                f"P={args.world}": f"{tp['time_s']:.3f} s / {tp['cpu_s']:.3f} s",
+                "x ideal (wall / CPU)": f"{record['vs_ideal_wall']:.2f} / {record['vs_ideal_cpu']:.2f}",
                 "bytes/rank": fmt_bytes(max(r["bytes"] for r in sp)),
-                "peak/rank": fmt_bytes(max(r["peak"] for r in sp)), "peak one": fmt_bytes(base["peak"]),
-                "peak ratio": f"{max(r['peak'] for r in sp) / base['peak']:.2f}",
-                "fwd phases (rank 0)": ", ".join(f"{k} {v:.3f}" for k, v in sp[0]["phases"].items()),
-                "fwd scan one": f"{base['phases']['scan']:.3f}",
+                "peak/rank": fmt_bytes(peak_sp), "peak one": fmt_bytes(base["peak"]),
+                "peak ratio": f"{record['peak_vs_one_process']:.2f}",
             })
-    columns = [(k, k) for k in rows[0]]
-    print(format_table(rows, columns))
+    print("times: wall / thread CPU per fwd+bwd step (P ranks: slowest rank / largest CPU)")
+    print(format_table(rows, [(k, k) for k in rows[0]]))
+    for record in records:
+        one = record["one_process"]
+        print(f"S={record['S']} forward (no autograd): one process {one['forward_s']:.3f} s ("
+              + ", ".join(f"{k} {v:.3f}" for k, v in one["phases_s"].items()) + ")")
+        for r, (fwd, phases) in enumerate(zip(record["sp"]["forward_s"], record["sp"]["phases_s"])):
+            print(f"  rank {r}: {fwd:.3f} s (" + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()) + ")")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "machine": info, "rows": records}, f, indent=1, default=str)
     return 0
 
 

@@ -17,8 +17,9 @@ Sequence-parallel form (:class:`SeqParGatedDeltaNet`, same child modules and par
 
 - the convolution is :func:`seqpar.mixers.conv.causal_conv_shard` (halo exchange, documents restart);
 - the delta rule is :func:`seqpar.mixers.delta_rule.delta_rule_shard`: transformers' own kernel per local
-  chunk, chunk summaries ``(T, S_local)`` all-gathered, each chunk's leading run re-run from its true
-  initial state (flash-linear-attention's kernels on CUDA when importable).
+  chunk (scanned wide, ``[v | 0]`` from ``[0 | I]``), chunk summaries ``(T, S_local)`` all-gathered, each
+  chunk's output from its true initial state ``h`` read off the same scan as ``o_zero + O_I h``
+  (flash-linear-attention's kernels on CUDA when importable).
 
 Packed documents reach the layer as ``cu_seq_lens_q`` of its own call (the decoder layers pass their
 keyword arguments on), or through :func:`seqpar.mixers.documents.feed_documents`.
