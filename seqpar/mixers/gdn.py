@@ -38,8 +38,7 @@ from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
-from seqpar.mixers.family import MixerFamily
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.family import SwappedMixer
 
 __all__ = ["GDN_CLASSES", "SeqParGatedDeltaNet", "is_gated_delta_net", "FAMILY"]
 
@@ -77,40 +76,20 @@ def is_gated_delta_net(module: nn.Module) -> bool:
             and all(isinstance(getattr(module, name, None), nn.Module) for name in _REQUIRED[layout]))
 
 
-class SeqParGatedDeltaNet(nn.Module):
-    """A sequence-parallel drop-in for a transformers GDN / KDA layer (:data:`GDN_CLASSES`).
-
-    Args:
-        original: the transformers layer (its parameters and child modules are taken over, same
-            state_dict), or a :class:`SeqParGatedDeltaNet` to re-swap with other options.
-        group: the SP group (None: the default manager's).
-        sharding: the layout the model's inputs are cut in.
-        position_wise: called at each forward; True -> every position alone, no communication (what
-            the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
-    """
+class SeqParGatedDeltaNet(SwappedMixer):
+    """A sequence-parallel drop-in for a transformers GDN / KDA layer (:data:`GDN_CLASSES`); see
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__()
-        for name, param in original._parameters.items():  # the same objects, in the same order: same state_dict
-            self.register_parameter(name, param)
-        for name, child in original.named_children():
-            self.add_module(name, child)
-        for name, value in vars(original).items():  # sizes, activation, layer index, flags
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
+        for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)
-        self.original_class = getattr(original, "original_class", type(original).__name__)
         self.projections = GDN_CLASSES[self.original_class]
-        # the transformers module whose functions (the chunk kernel, the activation table, the padding
-        # mask) the layer calls: looked up at each forward, so a kernel swapped in there is used
-        self.transformers_module = getattr(original, "transformers_module", type(original).__module__)
         # Qwen3-Next's fused projections are split by its own method
         self.fix_ordering = getattr(original, "fix_ordering", getattr(type(original), "fix_query_key_value_ordering",
                                                                       None))
-        self.group = group
-        self.sharding = sharding
-        self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
 
     def _inputs(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``(mixed_qkv (batch, seq, conv_dim), gate, b, a)`` as each layout computes them (``a`` unused by KDA)."""
@@ -130,18 +109,14 @@ class SeqParGatedDeltaNet(nn.Module):
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
-        if cache is not None or kwargs.get("cache_params") is not None:
-            raise ValueError(f"seqpar ({self.original_class} layer {self.layer_idx}): a cache is not supported on a "
-                             "sharded sequence; call the model with use_cache=False")
+        self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
         kind = self.projections
         position_wise = self.position_wise()
-        cu = kwargs.get("cu_seq_lens_q")
-        cu = self.documents if cu is None else cu
+        cu = self.cu_seqlens(kwargs)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq_local, _ = hidden_states.shape
-        layout = None if position_wise else scan_layout(seq_local, group=self.group, sharding=self.sharding,
-                                                        cu_seqlens=cu, where=f"seqpar ({self.original_class})")
+        layout = self.layout(seq_local, cu)
         mixed, gate, b, a = self._inputs(hidden_states)
         conv = causal_conv_shard(mixed.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                  group=self.group, sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
@@ -174,18 +149,6 @@ class SeqParGatedDeltaNet(nn.Module):
         out = norm(out.reshape(-1, head_v), gate.reshape(-1, head_v)).reshape(batch, seq_local, -1)
         return proj(out)
 
-    def extra_repr(self) -> str:
-        return f"{self.original_class}, sharding={self.sharding!r}"
 
-
-def _build(original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-           position_wise: Callable[[], bool]) -> SeqParGatedDeltaNet:
-    return SeqParGatedDeltaNet(original, group=group, sharding=sharding, position_wise=position_wise)
-
-
-FAMILY = MixerFamily(
-    name="gated_delta_net",
-    matches=lambda module: isinstance(module, SeqParGatedDeltaNet) or is_gated_delta_net(module),
-    build=_build,
-)
+FAMILY = SeqParGatedDeltaNet.family("gated_delta_net", is_gated_delta_net)
 """The GDN / KDA family's entry in :data:`seqpar.mixers.registry.FAMILIES`."""
