@@ -90,11 +90,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import seqpar.kernels.local as local  # noqa: E402
 from seqpar.kernels import block_backward, block_forward  # noqa: E402
-from seqpar.kernels.backends import Backend, efficient_alignment, efficient_head_dim  # noqa: E402
+from seqpar.kernels.backends import Backend, efficient_alignment  # noqa: E402
 from seqpar.kernels.local import cuda_backend  # noqa: E402
 
 # (head_dim, v_head_dim): DeepSeek-V3's, V wider, both odd (flash pads both to 8; the efficient kernel
-# pads each side to its own alignment)
+# takes each side as it is when aligned, and is refused otherwise, as by torch)
 DIMS = [(192, 128), (64, 100), (10, 6), (40, 24)]
 
 
@@ -124,7 +124,7 @@ def test_unequal_head_dims_on_every_cuda_branch(backend: Backend, dtype: torch.d
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Fake CUDA tensors through each kernel's real op schema: out ``(..., v_head_dim)``, dq/dk/dv
     shaped like q/k/v; flash and cuDNN get q, k, v padded to one head dim (the wider, then to 8), the
-    efficient kernel takes V's own (each side aligned)."""
+    efficient kernel takes V's own (each side aligned, else refused)."""
     rec = _Recording()
     monkeypatch.setattr(local, "_aten", rec)
     ran = set()
@@ -153,8 +153,8 @@ def test_unequal_head_dims_on_every_cuda_branch(backend: Backend, dtype: torch.d
             ], case
             if chosen is Backend.EFFICIENT:
                 a = efficient_alignment(H100, dtype)
-                wk, wv = (efficient_head_dim(x, a, dtype) for x in (dk, dv))
-                want = (wk, wk, wv)
+                assert dk % a == 0 and dv % a == 0, case  # else refused (math), as by torch
+                want = (dk, dk, dv)
             else:
                 common = max(dk, dv)
                 common += (-common) % 8
@@ -220,7 +220,9 @@ def test_cuda_glue_with_unequal_head_dims_is_exact(backend: Backend, causal: boo
     align = efficient_alignment(H100, torch.float32)
     monkeypatch.setattr(local, "_aten", _UnequalContracts(align))
     g = torch.Generator().manual_seed(11)
-    dims = [(24, 16), (8, 40)] if backend is Backend.CUDNN else [(42, 20), (10, 6), (6, 10)]
+    # flash pads (42, 20)... to one dim; the efficient kernel takes aligned dims as they are (4 for fp32)
+    dims = {Backend.CUDNN: [(24, 16), (8, 40)], Backend.FLASH: [(42, 20), (10, 6), (6, 10)],
+            Backend.EFFICIENT: [(44, 20), (12, 8), (8, 12)]}[backend]
     for (hq, hkv), (dk, dv) in itertools.product(((4, 4), (4, 2), (4, 1)), dims):
         lq, lk = (20, 20) if causal else (20, 37)
         q = torch.randn(2, hq, lq, dk, generator=g, dtype=torch.float64)

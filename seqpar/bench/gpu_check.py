@@ -152,6 +152,10 @@ def _explained(row: dict[str, Any]) -> bool:
         gqa and row["torch"] == "math" and row["seqpar"] == "efficient")
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"
+"""What torch warns (or raises) at each synchronising call under ``set_sync_debug_mode``."""
+
+
 def _sync_check(step: Callable[[], Any], warmup: int, steps: int) -> dict[str, Any]:
     """``step`` in steady state: every call site that synchronised under 'warn' (each with the Python
     stack that led to it: a C++ warning carries only the innermost frame), then 'error' as the verdict."""
@@ -164,7 +168,9 @@ def _sync_check(step: Callable[[], Any], warmup: int, steps: int) -> dict[str, A
     stacks: dict[str, str] = {}
 
     def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if "synchroniz" not in str(message):
+        # torch's own wording (c10/cuda/CUDAFunctions.cpp, warn_or_error_on_sync); not its one-time notice
+        # "Synchronization debug mode is a prototype feature ...", which the first switch to "warn" raises
+        if SYNC_WARNING not in str(message):
             return
         where = f"{os.path.relpath(filename)}:{lineno}"
         sites[where] = sites.get(where, 0) + 1

@@ -19,8 +19,8 @@ module): ``select_sdp_backend`` walks ``priority_order`` and returns the first b
   needs the backward), causal only with len_q == len_k, no empty sequence. GQA/MQA native.
 - **Memory-efficient** (``can_use_mem_efficient_attention``): sm50-sm121; fp16/fp32, plus bf16 on
   sm80+; head_dim a multiple of ``minimum_gemm_alignment`` (8 for half types on sm70+, 4 for fp32 on
-  sm80+, else 1): seqpar pads the head dim with zeros instead of refusing (exact: zero columns add
-  nothing to q.k, and the padded output/gradient columns are sliced off). The op itself needs equal
+  sm80+, else 1) for q/k and for V: refused otherwise, as torch does (seqpar zero-padded them up to
+  2026-11-26; on an H200 that gave NaN or wrong dQ in bf16/fp16, see ``_efficient_rejection``). The op itself needs equal
   head counts: its shape function (``torch/_meta_registrations.py``,
   ``meta__scaled_dot_product_efficient_backward``) returns dK/dV at the *query* head count, so K/V
   are expanded for GQA and dK/dV summed back over the group.
@@ -57,7 +57,6 @@ __all__ = [
     "choose_backend",
     "device_caps",
     "efficient_alignment",
-    "efficient_head_dim",
     "rejection",
 ]
 
@@ -138,13 +137,16 @@ class BlockSpec:
     len_k: int
     causal: bool
     batch: int = 1
+    head_dims: tuple[int, ...] = ()
+    """q/k's and V's own head dims (empty: both ``head_dim``): the memory-efficient kernel takes each as is."""
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, *, v_head_dim: int | None = None) -> BlockSpec:
         """From q ``(batch, q_heads, len_q, head_dim)``, k ``(batch, kv_heads, len_k, head_dim)`` and
         V's head dim (default: ``head_dim``)."""
         b, hq, lq, d = q.shape
-        return cls(q.dtype, max(d, d if v_head_dim is None else v_head_dim), hq, k.shape[1], lq, k.shape[2], causal, b)
+        dv = d if v_head_dim is None else v_head_dim
+        return cls(q.dtype, max(d, dv), hq, k.shape[1], lq, k.shape[2], causal, b, (d, dv))
 
 
 @functools.cache
@@ -181,29 +183,6 @@ def efficient_alignment(caps: DeviceCaps, dtype: torch.dtype) -> int:
     if tensor_cores:
         align = max(align, 128 // (16 if half else 32))
     return align
-
-
-HALF_EFFICIENT_FULL_WIDTH = (64, 128)
-"""fp16/bf16 head dims strictly between these run the memory-efficient kernel zero-padded to the upper one.
-
-Measured (``python -m seqpar.bench gpu-check``, ``tests/test_cuda.py``) on an H200, sm90, torch
-2.11.0+cu130, 2026-11-26: with head dim 100 padded to the alignment (104), the kernel's backward
-returned NaN in dQ for bf16 and fp16 (q/k and v both 104, and q/k 64 with v 104), while head dims
-40, 64, 128 and 256 were exact in the same run, and fp32 at 100 (not padded) too. torch's own SDPA never
-meets this case: it refuses the kernel for a head dim that is not a multiple of 8 and pads only for flash.
-A head dim of 128 is the kernel's common case; padding (64, 128) up to it is exact (zero columns) and
-costs at most 2x on a path taken only when flash and cuDNN are unavailable or disabled."""
-
-
-def efficient_head_dim(head_dim: int, align: int, dtype: torch.dtype) -> int:
-    """The width a q/k or v head dim of ``head_dim`` is zero-padded to for the memory-efficient kernel:
-    the next multiple of ``align`` (:func:`efficient_alignment`), and 128 for fp16/bf16 widths in
-    (64, 128) (:data:`HALF_EFFICIENT_FULL_WIDTH`)."""
-    width = head_dim + (-head_dim) % align
-    low, high = HALF_EFFICIENT_FULL_WIDTH
-    if dtype in (torch.float16, torch.bfloat16) and low < width < high:
-        return high
-    return width
 
 
 def _prefers_cudnn(caps: DeviceCaps) -> bool:
@@ -249,6 +228,14 @@ def _efficient_rejection(spec: BlockSpec, caps: DeviceCaps, flags: SdpFlags) -> 
     dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if cap[0] >= 8 else ())
     if spec.dtype not in dtypes:
         return f"takes {', '.join(str(d) for d in dtypes)} on sm{cap[0]}{cap[1]}, got {spec.dtype}"
+    align = efficient_alignment(caps, spec.dtype)
+    dims = spec.head_dims or (spec.head_dim,)
+    if any(d % align for d in dims):
+        # torch refuses these too (check_head_dim_size_mem_efficient). Zero-padding them instead is
+        # exact in theory but was not on a GPU: on an H200 (torch 2.11+cu130) bf16/fp16 head dim 100
+        # padded to 104 or 128 gave NaN or wrong dQ, while the kernel was exact at every multiple of 8
+        # from 64 to 136 unpadded (gpu-check, 2026-11-26; BENCHMARKS.md, "First GPU run")
+        return f"needs head dims that are multiples of {align} for {spec.dtype} on sm{cap[0]}{cap[1]}, got {dims}"
     return None
 
 

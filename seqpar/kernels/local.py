@@ -51,7 +51,6 @@ from seqpar.kernels.backends import (
     DeviceCaps,
     choose_backend,
     efficient_alignment,
-    efficient_head_dim,
 )
 
 __all__ = ["block_forward", "block_backward", "cuda_backend", "lse_dtype"]
@@ -93,12 +92,6 @@ def _fold_kv_grad(dx: Tensor, group: int) -> Tensor:
         return dx
     b, hg, n, d = dx.shape
     return dx.reshape(b, hg // group, group, n, d).sum(dim=2)
-
-
-def _pad_efficient(x: Tensor, align: int) -> Tensor:
-    # the memory-efficient kernel's width (backends.efficient_head_dim: the alignment, and 128 for
-    # half-precision widths between 64 and 128, whose backward returned NaN on sm90)
-    return _pad_to(x, efficient_head_dim(x.shape[-1], align, x.dtype), 1)
 
 
 def _common_head_dim(q: Tensor, v: Tensor) -> int:
@@ -232,15 +225,15 @@ def _efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, align: int
 ) -> tuple[Tensor, Tensor]:
     # k, v already at q's head count. lse comes back padded to a multiple of 32 rows: sliced off.
-    # V's head dim may differ from q/k's: the kernel takes it natively (out has V's), each side padded
-    # to the alignment on its own.
+    # V's head dim may differ from q/k's: the kernel takes it natively (out has V's). Both are
+    # multiples of the alignment (backends: the kernel is refused otherwise, as torch does).
     lq = q.shape[2]
-    qp, kp, vp = (_kernel_ready(_pad_efficient(x, align), align) for x in (q, k, v))
+    qp, kp, vp = (_kernel_ready(x, align) for x in (q, k, v))
     out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
         query=qp, key=kp, value=vp, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
         scale=scale,
     )
-    return _unpad(out, v.shape[-1]), lse.narrow(-1, 0, lq)
+    return out, lse.narrow(-1, 0, lq)
 
 
 def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -370,15 +363,15 @@ def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa: ANN001, ANN202 (private)
     # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows. V's head dim may
     # differ from q/k's (taken natively, as in the forward).
-    d, lq = q.shape[-1], q.shape[2]
-    qp, kp, vp, dop, outp = (_kernel_ready(_pad_efficient(x, align), align) for x in (q, k, v, dout, out))
+    lq = q.shape[2]
+    qp, kp, vp, dop, outp = (_kernel_ready(x, align) for x in (q, k, v, dout, out))
     lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
     rng = _unused_rng(q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         grad_out_=dop, query=qp, key=kp, value=vp, attn_bias=None, out=outp, logsumexp=lse_p, philox_seed=rng,
         philox_offset=rng, dropout_p=0.0, grad_input_mask=[True, True, True, False], is_causal=causal, scale=scale,
     )
-    return _unpad(dq, d), _unpad(dk, d), _unpad(dv, v.shape[-1])
+    return dq, dk, dv
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
