@@ -78,6 +78,33 @@ def test_harness_destroys_groups_a_task_left_behind(dist_pool):
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
 
 
+class _Cycle:
+    """Refers to itself: freed only by the cycle collector, which a quiet worker may not run for a long time."""
+
+    def __init__(self, group) -> None:
+        self.group, self.me = group, self
+
+
+def _leave_a_group_in_a_cycle(rank: int, world: int) -> int:
+    # A test that destroys its group but whose objects (a DeviceMesh, a manager, an exception's traceback
+    # frames) still refer to it in a reference cycle: gloo's threads live as long as that python object.
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    dist.destroy_process_group(group)
+    _Cycle(group)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_harness_frees_groups_a_task_left_in_a_reference_cycle(dist_pool):
+    dist_pool.run(2, _threads)
+    before = dist_pool.run(2, _threads)
+    for _ in range(5):
+        dist_pool.run(2, _leave_a_group_in_a_cycle)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
 # ------------------------------------------------------------------ ProcessGroupManager
 
 # (world size, SP size) -> (SP groups, DP groups), written out from the documented grid.

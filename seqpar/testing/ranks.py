@@ -24,6 +24,7 @@ A killed pool reports ``closed``; :class:`PoolSet` starts a fresh one on next us
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -82,6 +83,15 @@ class RankContext:
     """``cpu``, or ``cuda:<local rank>`` when the pool runs one rank per GPU."""
 
 
+def _trace(line: str) -> None:
+    """Append ``line`` to the file named by ``SEQPAR_POOL_TRACE`` (a debugging aid: which tasks leave
+    threads or process groups behind on the pool's ranks); nothing when it is unset."""
+    path = os.environ.get("SEQPAR_POOL_TRACE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -113,6 +123,15 @@ def _process_groups() -> set:
     return set(distributed_c10d._world.pg_map)
 
 
+def _health() -> tuple[int, int]:
+    """``(threads, process groups)`` of this rank now: what leaked gloo groups grow (each holds threads)."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc (macOS): threads are not counted
+        threads = 0
+    return threads, len(_process_groups())
+
+
 def _destroy_groups_but(keep: set) -> None:
     """Destroy the groups earlier tasks made and left behind (a manager a test did not destroy, a
     DeviceMesh's groups). Run at the start of the next task: by then every rank of the pool has finished
@@ -123,6 +142,9 @@ def _destroy_groups_but(keep: set) -> None:
 
     import torch.distributed as dist
 
+    # A group destroyed, or dropped from the registry, keeps its gloo threads and sockets while any python
+    # object still refers to it: a DeviceMesh, a manager, an exception's traceback frames in a reference cycle.
+    gc.collect()
     leftover = _process_groups() - keep
     # DeepSpeed keeps its own references (its TP / DP / expert groups, reused by its next engine):
     # its destroy_process_group releases them with the group.
@@ -157,9 +179,9 @@ def _worker(
 
         from seqpar.runtime import groups
     except BaseException:  # noqa: B036 - the parent shows it
-        results.put((_READY, rank, False, traceback.format_exc()))
+        results.put((_READY, rank, False, traceback.format_exc(), (0, 0, 0, 0)))
         return
-    results.put((_READY, rank, True, b""))
+    results.put((_READY, rank, True, b"", _health() * 2))
     ctx = RankContext(rank, world, dev)
     own_groups = _process_groups()
     while True:
@@ -168,6 +190,7 @@ def _worker(
             break
         task_id, payload = msg
         _destroy_groups_but(own_groups)
+        residual = _health()  # what earlier tasks left that the clean-up could not release
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = (task_id, rank, True, pickle.dumps(fn(ctx, *args, **kwargs)))
@@ -175,7 +198,7 @@ def _worker(
             out = (task_id, rank, False, traceback.format_exc())
         finally:
             groups.set_default_manager(None)
-        results.put(out)
+        results.put((*out, residual + _health()))
     # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it.
     dist.barrier()
     dist.destroy_process_group()
@@ -223,6 +246,9 @@ class RankPool:
         ]
         self._next_id = 0
         self._closed = False
+        self.health: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * world_size
+        """Per rank, as of its last answer: ``(threads, process groups)`` when the task started (after the
+        clean-up of what earlier tasks left), then ``(threads, process groups)`` when it ended."""
         for p in self._procs:
             p.start()
         try:
@@ -261,7 +287,7 @@ class RankPool:
                     f"ranks still running: {pending}. The pool was killed."
                 )
             try:
-                tid, rank, ok, payload = self._results.get(timeout=_POLL_S)
+                tid, rank, ok, payload, health = self._results.get(timeout=_POLL_S)
             except queue.Empty:
                 dead = self._dead()
                 if dead:
@@ -273,6 +299,7 @@ class RankPool:
             if tid != task_id:  # a late answer to a task given up on; cannot happen after kill
                 continue
             done[rank] = (ok, payload)
+            self.health[rank] = health
             if not ok:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         return done
@@ -298,6 +325,7 @@ class RankPool:
         except BaseException:  # Ctrl-C, a test runner's timeout...: the ranks' state is unknown
             self.kill()
             raise
+        _trace(f"P={self.world_size} {name} health={self.health}")
         failures = self._failures(done)
         if failures:
             stuck = sorted(set(range(self.world_size)) - set(done))
