@@ -105,6 +105,61 @@ def test_harness_frees_groups_a_task_left_in_a_reference_cycle(dist_pool):
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
 
 
+_KEPT: list = []  # a module-level reference on each rank: the clean-up cannot release what it holds
+
+
+def _keep_a_group(rank: int, world: int) -> tuple[int, int]:
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    _KEPT.append(group)
+    return os.getpid(), len(os.listdir("/proc/self/task"))
+
+
+def _leave_a_zero3_module(rank: int, world: int) -> None:
+    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it
+    from deepspeed.runtime.zero import parameter_offload
+
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    module = torch.nn.Module()
+    module.group = group
+    parameter_offload.FWD_MODULE_STACK.append(module)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_harness_releases_zero3_modules_a_task_left(dist_pool):
+    pytest.importorskip("deepspeed")
+    dist_pool.run(2, _threads)
+    before = dist_pool.run(2, _threads)
+    for _ in range(5):
+        dist_pool.run(2, _leave_a_zero3_module)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_pool_recycles_ranks_whose_threads_pass_the_limit():
+    from dist_harness import DistPool
+
+    # An idle rank has ~7 threads; each group a task keeps adds ~3 for good. The pool checks at the start
+    # of each task, after its clean-up, so the task after the one that passes 16 threads is the last there.
+    pool = DistPool(max_threads=16)
+    try:
+        runs = [pool.run(2, _keep_a_group) for _ in range(7)]
+        pids = [tuple(pid for pid, _ in run) for run in runs]
+        threads = [max(n for _, n in run) for run in runs]
+        assert pool.recycles == 1, (pids, threads)
+        cut = pids.index(pids[-1])  # the first task on the fresh ranks
+        assert pids[cut - 1] != pids[cut] and len(set(pids[:cut])) == 1, pids
+        # the leak is real: +3 threads a task on the old ranks; it passed 16 at the start of the last task there
+        assert all(b >= a + 3 for a, b in zip(threads[: cut - 1], threads[1:cut])), threads
+        assert threads[cut - 2] > 16 >= threads[cut - 3], threads
+        assert threads[cut] <= threads[0] + 1, threads  # fresh ranks: one kept group again
+        assert pool.run(2, _rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+    finally:
+        pool.close()
+
+
 # ------------------------------------------------------------------ ProcessGroupManager
 
 # (world size, SP size) -> (SP groups, DP groups), written out from the documented grid.

@@ -161,6 +161,12 @@ def _destroy_groups_but(keep: set) -> None:
     for attr in ("mpu", "mesh_device") if ds_groups is not None else ():
         if getattr(ds_groups, attr, None) is not None:
             setattr(ds_groups, attr, None)
+    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it: every ZeRO-3 engine
+    # (its model, optimizer, and the groups they hold) would live as long as the process
+    zero_offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if zero_offload is not None and getattr(zero_offload, "FWD_MODULE_STACK", None):
+        zero_offload.FWD_MODULE_STACK.clear()
+        gc.collect()
     if leftover:
         try:
             from torch.distributed.tensor import debug
@@ -214,11 +220,16 @@ class RankPool:
         threads: intra-op threads per rank (1: one core per rank).
         timeout: default seconds a task may take before the pool is killed and :class:`PoolTimeout` raised.
         pg_timeout_s: the process group's own timeout (a collective waiting longer raises on the rank).
+        max_threads: recycle the pool (close it; :class:`PoolSet` starts a fresh one on next use) once a rank
+            starts a task with more threads than this after the clean-up of what earlier tasks left: groups
+            that something still refers to keep their gloo threads (3 per group) and sockets, and hundreds
+            of them slow every later task. ``None``: never (and where ``/proc`` is missing threads are not
+            counted).
     """
 
     def __init__(
         self, world_size: int, *, device: str = "cpu", threads: int = 1, timeout: float = 900.0,
-        pg_timeout_s: float = 600.0,
+        pg_timeout_s: float = 600.0, max_threads: int | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -233,6 +244,9 @@ class RankPool:
         self.world_size = world_size
         self.device = device
         self.timeout = timeout
+        self.max_threads = max_threads
+        self.recycled = False
+        """True once the pool closed itself because a rank's threads passed ``max_threads``."""
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -327,8 +341,15 @@ class RankPool:
             raise
         _trace(f"P={self.world_size} {name} health={self.health}")
         failures = self._failures(done)
+        stuck = sorted(set(range(self.world_size)) - set(done))
+        if stuck:
+            pass  # killed below
+        elif self.max_threads is not None and max(h[0] for h in self.health) > self.max_threads:
+            # every rank answered, so every rank is waiting for its next message: a clean stop
+            self.recycled = True
+            _trace(f"P={self.world_size} recycled after {name}: threads {[h[0] for h in self.health]}")
+            self.close()
         if failures:
-            stuck = sorted(set(range(self.world_size)) - set(done))
             failed = [r for r, (ok, _) in sorted(done.items()) if not ok]
             note = f" (ranks {stuck} did not finish: stuck waiting for the failed ranks)" if stuck else ""
             if stuck:
@@ -384,17 +405,21 @@ class PoolSet:
     (idle ranks block on their queue and cost no CPU); a pool that was killed restarts on next use.
 
     Args:
-        device, threads, timeout, pg_timeout_s: passed to every :class:`RankPool`.
+        device, threads, timeout, pg_timeout_s, max_threads: passed to every :class:`RankPool`.
     """
 
     def __init__(self, device: str = "cpu", *, threads: int = 1, timeout: float = 900.0,
-                 pg_timeout_s: float = 600.0) -> None:
+                 pg_timeout_s: float = 600.0, max_threads: int | None = None) -> None:
         self.device = device
-        self._options = {"threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s}
+        self._options = {
+            "threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s, "max_threads": max_threads,
+        }
         self._pools: dict[int, RankPool] = {}
+        self.recycles = 0
+        """How many pools closed themselves for passing ``max_threads`` (each one restarted on next use)."""
 
     def get(self, world: int) -> RankPool:
-        """The pool of ``world`` ranks, started now if there is none or the last one was killed."""
+        """The pool of ``world`` ranks, started now if there is none or the last one was killed or recycled."""
         if world not in self._pools or self._pools[world].closed:
             self._pools[world] = RankPool(world, device=self.device, **self._options)
         return self._pools[world]
@@ -402,7 +427,14 @@ class PoolSet:
     def run(self, world: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             **kwargs: Any) -> list[Any]:
         """:meth:`RankPool.run` on the pool of ``world`` ranks."""
-        return self.get(world).run(fn, *args, timeout=timeout, **kwargs)
+        pool = self.get(world)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            if pool.recycled:  # it closed itself; forget it (the next get starts a fresh one)
+                self.recycles += 1
+                self._pools.pop(world, None)
+
 
     def close(self) -> None:
         """Stop every pool; all of them wind down at once."""
