@@ -137,6 +137,34 @@ def test_harness_releases_zero3_modules_a_task_left(dist_pool):
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
 
 
+def _leave_a_deepspeed_engine(rank: int, world: int, stage: int) -> None:
+    # A test that never calls engine.destroy(): ZeRO-1/2/3 gradient hooks (held by torch in C++) keep the
+    # engine, its optimizer and its groups alive; ZeRO-3 also leaves its model in module-level caches.
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed reads it
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    engine.backward(engine(torch.randn(1, 4, generator=torch.Generator().manual_seed(rank))).sum())
+    engine.step()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_harness_releases_deepspeed_engines_a_task_left(dist_pool, stage):
+    pytest.importorskip("deepspeed")
+    dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)  # DeepSpeed's one-time set-up
+    before = dist_pool.run(2, _threads)
+    for _ in range(3):
+        dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_pool_recycles_ranks_whose_threads_pass_the_limit():
     from dist_harness import DistPool

@@ -123,28 +123,34 @@ def _process_groups() -> set:
     return set(distributed_c10d._world.pg_map)
 
 
+def _threads() -> int:
+    """Threads of this process now (0 where ``/proc`` is missing)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
 def _health() -> tuple[int, int]:
     """``(threads, process groups)`` of this rank now: what leaked gloo groups grow (each holds threads)."""
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:  # no /proc (macOS): threads are not counted
-        threads = 0
-    return threads, len(_process_groups())
+    return _threads(), len(_process_groups())
 
 
-def _destroy_groups_but(keep: set) -> None:
+def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     """Destroy the groups earlier tasks made and left behind (a manager a test did not destroy, a
     DeviceMesh's groups). Run at the start of the next task: by then every rank of the pool has finished
     the earlier one, so no peer still uses them. Without this, each leaked gloo group keeps its threads
     and sockets for the rest of the session (hundreds per worker over the suite, busy enough to slow the
-    whole machine). DTensor's cached plans name groups too, so they go with them."""
+    whole machine). DTensor's cached plans name groups too, so they go with them.
+
+    A destroyed group still keeps its threads while a python object refers to it. When this rank has more
+    threads than ``clean_threads`` (its count after the last full clean-up) once the groups are destroyed,
+    the full clean-up runs: it releases what DeepSpeed keeps alive and runs the cycle collector (~0.1-0.2 s
+    with transformers loaded, so not after every task). Returns the thread count to pass next time."""
     import sys
 
     import torch.distributed as dist
 
-    # A group destroyed, or dropped from the registry, keeps its gloo threads and sockets while any python
-    # object still refers to it: a DeviceMesh, a manager, an exception's traceback frames in a reference cycle.
-    gc.collect()
     leftover = _process_groups() - keep
     # DeepSpeed keeps its own references (its TP / DP / expert groups, reused by its next engine):
     # its destroy_process_group releases them with the group.
@@ -161,18 +167,45 @@ def _destroy_groups_but(keep: set) -> None:
     for attr in ("mpu", "mesh_device") if ds_groups is not None else ():
         if getattr(ds_groups, attr, None) is not None:
             setattr(ds_groups, attr, None)
+    if not leftover and _threads() <= clean_threads:
+        return clean_threads
     # ZeRO-3 pushes each engine's model on this module-level stack and never pops it: every ZeRO-3 engine
     # (its model, optimizer, and the groups they hold) would live as long as the process
     zero_offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
     if zero_offload is not None and getattr(zero_offload, "FWD_MODULE_STACK", None):
         zero_offload.FWD_MODULE_STACK.clear()
-        gc.collect()
-    if leftover:
-        try:
-            from torch.distributed.tensor import debug
-        except ImportError:
-            return
+    # ... and its parameter coordinator caches, without bound, which parameters to release per (coordinator,
+    # module, step): that cache holds every ZeRO-3 model too (an lru_cache under an nvtx wrapper)
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    cached = vars(getattr(coordinator, "PartitionedParameterCoordinator", object)).get(
+        "_PartitionedParameterCoordinator__params_to_release")
+    for fn in [cached, *(c.cell_contents for c in getattr(cached, "__closure__", None) or ())]:
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    # A ZeRO-1/2/3 engine that was not destroyed keeps gradient hooks on its parameters: torch holds them in
+    # C++, out of the cycle collector's sight, and they hold the optimizer, the engine and its groups.
+    engine_type = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    if engine_type is not None:
+        _destroy_engines(engine_type)
+    # A group destroyed, or dropped from the registry, keeps its gloo threads and sockets while any python
+    # object still refers to it: a DeviceMesh, a manager, an exception's traceback frames in a reference cycle.
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:
+        pass
+    else:
         getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
+    gc.collect()
+    return _threads()
+
+
+def _destroy_engines(engine_type: type) -> None:
+    """``destroy()`` every live DeepSpeed engine (in a function of its own: no local outlives the call)."""
+    for engine in [o for o in gc.get_objects() if isinstance(o, engine_type)]:
+        try:
+            engine.destroy()
+        except Exception:  # a half-built engine of a failed task: nothing more to release
+            pass
 
 
 def _worker(
@@ -190,12 +223,13 @@ def _worker(
     results.put((_READY, rank, True, b"", _health() * 2))
     ctx = RankContext(rank, world, dev)
     own_groups = _process_groups()
+    clean_threads = _threads()
     while True:
         msg = tasks.get()
         if msg == _STOP:
             break
         task_id, payload = msg
-        _destroy_groups_but(own_groups)
+        clean_threads = _destroy_groups_but(own_groups, clean_threads)
         residual = _health()  # what earlier tasks left that the clean-up could not release
         try:
             fn, args, kwargs = pickle.loads(payload)
