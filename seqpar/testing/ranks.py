@@ -196,6 +196,9 @@ def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     else:
         getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
     gc.collect()
+    # What survives a full clean-up is the rank's long-lived state (torch, transformers, DeepSpeed: ~500k
+    # objects): frozen, the next collection and engine scan skip it (0.5-0.8 s a rank down to a fraction).
+    gc.freeze()
     return _threads()
 
 
