@@ -9,7 +9,11 @@ Protocol: each worker has its own task queue; all workers answer on one result q
 answers travel as ``pickle`` bytes (tensors included), so no shared-memory file descriptors stay open.
 ``fn`` must be a module-level function (pickled by reference) and is called as ``fn(ctx, *args,
 **kwargs)`` with a :class:`RankContext`. After every task the worker forgets seqpar's default
-process-group manager, so one task's groups never leak into the next.
+process-group manager, and before the next one it destroys the groups the task left (and, when its
+thread count grew, the DeepSpeed engines and caches holding groups, then runs the cycle collector), so
+one task's groups never leak into the next. Each answer carries the rank's ``(threads, groups)``
+(:attr:`RankPool.health`); a pool given ``max_threads`` closes itself when a rank passes it anyway
+(:class:`PoolSet` counts it and starts a fresh one). ``SEQPAR_POOL_TRACE=<file>`` logs them per task.
 
 Failure rules (a caller never hangs):
 
