@@ -24,6 +24,10 @@ __all__ = ["DistPool", "free_port"]
 
 # A collective waiting longer than this on a rank raises there (the task timeout is the outer bound).
 _PROCESS_GROUP_TIMEOUT_S = 60.0
+# A rank starting a task with more threads than this (after the pool's clean-up) recycles its pool: groups
+# something still refers to keep 3 gloo threads each, and a few hundred slow every later test. An idle rank
+# has ~7; a restart costs a few seconds, a rank at 500 threads costs more than that on every test.
+_MAX_THREADS = 80
 
 
 class _WithRank:
@@ -41,8 +45,13 @@ class _WithRank:
 class DistPool:
     """One lazily started pool of gloo ranks per world size, shared by a whole test session."""
 
-    def __init__(self) -> None:
-        self._pools = PoolSet("cpu", pg_timeout_s=_PROCESS_GROUP_TIMEOUT_S)
+    def __init__(self, max_threads: int | None = _MAX_THREADS) -> None:
+        self._pools = PoolSet("cpu", pg_timeout_s=_PROCESS_GROUP_TIMEOUT_S, max_threads=max_threads)
+
+    @property
+    def recycles(self) -> int:
+        """How many pools were restarted for passing ``max_threads`` threads on a rank."""
+        return self._pools.recycles
 
     def run(
         self, world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, **kwargs: Any

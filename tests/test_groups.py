@@ -78,6 +78,116 @@ def test_harness_destroys_groups_a_task_left_behind(dist_pool):
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
 
 
+class _Cycle:
+    """Refers to itself: freed only by the cycle collector, which a quiet worker may not run for a long time."""
+
+    def __init__(self, group) -> None:
+        self.group, self.me = group, self
+
+
+def _leave_a_group_in_a_cycle(rank: int, world: int) -> int:
+    # A test that destroys its group but whose objects (a DeviceMesh, a manager, an exception's traceback
+    # frames) still refer to it in a reference cycle: gloo's threads live as long as that python object.
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    dist.destroy_process_group(group)
+    _Cycle(group)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_harness_frees_groups_a_task_left_in_a_reference_cycle(dist_pool):
+    dist_pool.run(2, _threads)
+    before = dist_pool.run(2, _threads)
+    for _ in range(5):
+        dist_pool.run(2, _leave_a_group_in_a_cycle)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+_KEPT: list = []  # a module-level reference on each rank: the clean-up cannot release what it holds
+
+
+def _keep_a_group(rank: int, world: int) -> tuple[int, int]:
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    _KEPT.append(group)
+    return os.getpid(), len(os.listdir("/proc/self/task"))
+
+
+def _leave_a_zero3_module(rank: int, world: int) -> None:
+    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it
+    from deepspeed.runtime.zero import parameter_offload
+
+    group = dist.new_group(list(range(world)))
+    dist.all_reduce(torch.ones(1), group=group)
+    module = torch.nn.Module()
+    module.group = group
+    parameter_offload.FWD_MODULE_STACK.append(module)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_harness_releases_zero3_modules_a_task_left(dist_pool):
+    pytest.importorskip("deepspeed")
+    dist_pool.run(2, _threads)
+    before = dist_pool.run(2, _threads)
+    for _ in range(5):
+        dist_pool.run(2, _leave_a_zero3_module)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+def _leave_a_deepspeed_engine(rank: int, world: int, stage: int) -> None:
+    # A test that never calls engine.destroy(): ZeRO-1/2/3 gradient hooks (held by torch in C++) keep the
+    # engine, its optimizer and its groups alive; ZeRO-3 also leaves its model in module-level caches.
+    import deepspeed
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed reads it
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "steps_per_print": 10**6,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    engine.backward(engine(torch.randn(1, 4, generator=torch.Generator().manual_seed(rank))).sum())
+    engine.step()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+@pytest.mark.parametrize("stage", [2, 3])
+def test_harness_releases_deepspeed_engines_a_task_left(dist_pool, stage):
+    pytest.importorskip("deepspeed")
+    dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)  # DeepSpeed's one-time set-up
+    before = dist_pool.run(2, _threads)
+    for _ in range(3):
+        dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_pool_recycles_ranks_whose_threads_pass_the_limit():
+    from dist_harness import DistPool
+
+    # An idle rank has ~7 threads; each group a task keeps adds ~3 for good. The pool checks at the start
+    # of each task, after its clean-up, so the task after the one that passes 16 threads is the last there.
+    pool = DistPool(max_threads=16)
+    try:
+        runs = [pool.run(2, _keep_a_group) for _ in range(7)]
+        pids = [tuple(pid for pid, _ in run) for run in runs]
+        threads = [max(n for _, n in run) for run in runs]
+        assert pool.recycles == 1, (pids, threads)
+        cut = pids.index(pids[-1])  # the first task on the fresh ranks
+        assert pids[cut - 1] != pids[cut] and len(set(pids[:cut])) == 1, pids
+        # the leak is real: +3 threads a task on the old ranks; it passed 16 at the start of the last task there
+        assert all(b >= a + 3 for a, b in zip(threads[: cut - 1], threads[1:cut])), threads
+        assert threads[cut - 2] > 16 >= threads[cut - 3], threads
+        assert threads[cut] <= threads[0] + 1, threads  # fresh ranks: one kept group again
+        assert pool.run(2, _rank_and_sum, 0) == [(0, 1.0), (1, 1.0)]
+    finally:
+        pool.close()
+
+
 # ------------------------------------------------------------------ ProcessGroupManager
 
 # (world size, SP size) -> (SP groups, DP groups), written out from the documented grid.

@@ -9,7 +9,11 @@ Protocol: each worker has its own task queue; all workers answer on one result q
 answers travel as ``pickle`` bytes (tensors included), so no shared-memory file descriptors stay open.
 ``fn`` must be a module-level function (pickled by reference) and is called as ``fn(ctx, *args,
 **kwargs)`` with a :class:`RankContext`. After every task the worker forgets seqpar's default
-process-group manager, so one task's groups never leak into the next.
+process-group manager, and before the next one it destroys the groups the task left (and, when its
+thread count grew, the DeepSpeed engines and caches holding groups, then runs the cycle collector), so
+one task's groups never leak into the next. Each answer carries the rank's ``(threads, groups)``
+(:attr:`RankPool.health`); a pool given ``max_threads`` closes itself when a rank passes it anyway
+(:class:`PoolSet` counts it and starts a fresh one). ``SEQPAR_POOL_TRACE=<file>`` logs them per task.
 
 Failure rules (a caller never hangs):
 
@@ -24,6 +28,7 @@ A killed pool reports ``closed``; :class:`PoolSet` starts a fresh one on next us
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -82,6 +87,15 @@ class RankContext:
     """``cpu``, or ``cuda:<local rank>`` when the pool runs one rank per GPU."""
 
 
+def _trace(line: str) -> None:
+    """Append ``line`` to the file named by ``SEQPAR_POOL_TRACE`` (a debugging aid: which tasks leave
+    threads or process groups behind on the pool's ranks); nothing when it is unset."""
+    path = os.environ.get("SEQPAR_POOL_TRACE")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -113,12 +127,30 @@ def _process_groups() -> set:
     return set(distributed_c10d._world.pg_map)
 
 
-def _destroy_groups_but(keep: set) -> None:
+def _threads() -> int:
+    """Threads of this process now (0 where ``/proc`` is missing)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def _health() -> tuple[int, int]:
+    """``(threads, process groups)`` of this rank now: what leaked gloo groups grow (each holds threads)."""
+    return _threads(), len(_process_groups())
+
+
+def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     """Destroy the groups earlier tasks made and left behind (a manager a test did not destroy, a
     DeviceMesh's groups). Run at the start of the next task: by then every rank of the pool has finished
     the earlier one, so no peer still uses them. Without this, each leaked gloo group keeps its threads
     and sockets for the rest of the session (hundreds per worker over the suite, busy enough to slow the
-    whole machine). DTensor's cached plans name groups too, so they go with them."""
+    whole machine). DTensor's cached plans name groups too, so they go with them.
+
+    A destroyed group still keeps its threads while a python object refers to it. When this rank has more
+    threads than ``clean_threads`` (its count after the last full clean-up) once the groups are destroyed,
+    the full clean-up runs: it releases what DeepSpeed keeps alive and runs the cycle collector (~0.1-0.2 s
+    with transformers loaded, so not after every task). Returns the thread count to pass next time."""
     import sys
 
     import torch.distributed as dist
@@ -139,12 +171,48 @@ def _destroy_groups_but(keep: set) -> None:
     for attr in ("mpu", "mesh_device") if ds_groups is not None else ():
         if getattr(ds_groups, attr, None) is not None:
             setattr(ds_groups, attr, None)
-    if leftover:
-        try:
-            from torch.distributed.tensor import debug
-        except ImportError:
-            return
+    if not leftover and _threads() <= clean_threads:
+        return clean_threads
+    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it: every ZeRO-3 engine
+    # (its model, optimizer, and the groups they hold) would live as long as the process
+    zero_offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if zero_offload is not None and getattr(zero_offload, "FWD_MODULE_STACK", None):
+        zero_offload.FWD_MODULE_STACK.clear()
+    # ... and its parameter coordinator caches, without bound, which parameters to release per (coordinator,
+    # module, step): that cache holds every ZeRO-3 model too (an lru_cache under an nvtx wrapper)
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    cached = vars(getattr(coordinator, "PartitionedParameterCoordinator", object)).get(
+        "_PartitionedParameterCoordinator__params_to_release")
+    for fn in [cached, *(c.cell_contents for c in getattr(cached, "__closure__", None) or ())]:
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    # A ZeRO-1/2/3 engine that was not destroyed keeps gradient hooks on its parameters: torch holds them in
+    # C++, out of the cycle collector's sight, and they hold the optimizer, the engine and its groups.
+    engine_type = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
+    if engine_type is not None:
+        _destroy_engines(engine_type)
+    # A group destroyed, or dropped from the registry, keeps its gloo threads and sockets while any python
+    # object still refers to it: a DeviceMesh, a manager, an exception's traceback frames in a reference cycle.
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:
+        pass
+    else:
         getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
+    gc.collect()
+    # What survives a full clean-up is the rank's long-lived state (torch, transformers, DeepSpeed: ~500k
+    # objects): frozen, the next collection and engine scan skip it (0.5-0.8 s a rank down to a fraction).
+    gc.freeze()
+    return _threads()
+
+
+def _destroy_engines(engine_type: type) -> None:
+    """``destroy()`` every live DeepSpeed engine (in a function of its own: no local outlives the call)."""
+    for engine in [o for o in gc.get_objects() if isinstance(o, engine_type)]:
+        try:
+            engine.destroy()
+        except Exception:  # a half-built engine of a failed task: nothing more to release
+            pass
 
 
 def _worker(
@@ -157,17 +225,19 @@ def _worker(
 
         from seqpar.runtime import groups
     except BaseException:  # noqa: B036 - the parent shows it
-        results.put((_READY, rank, False, traceback.format_exc()))
+        results.put((_READY, rank, False, traceback.format_exc(), (0, 0, 0, 0)))
         return
-    results.put((_READY, rank, True, b""))
+    results.put((_READY, rank, True, b"", _health() * 2))
     ctx = RankContext(rank, world, dev)
     own_groups = _process_groups()
+    clean_threads = _threads()
     while True:
         msg = tasks.get()
         if msg == _STOP:
             break
         task_id, payload = msg
-        _destroy_groups_but(own_groups)
+        clean_threads = _destroy_groups_but(own_groups, clean_threads)
+        residual = _health()  # what earlier tasks left that the clean-up could not release
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = (task_id, rank, True, pickle.dumps(fn(ctx, *args, **kwargs)))
@@ -175,7 +245,7 @@ def _worker(
             out = (task_id, rank, False, traceback.format_exc())
         finally:
             groups.set_default_manager(None)
-        results.put(out)
+        results.put((*out, residual + _health()))
     # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it.
     dist.barrier()
     dist.destroy_process_group()
@@ -191,11 +261,16 @@ class RankPool:
         threads: intra-op threads per rank (1: one core per rank).
         timeout: default seconds a task may take before the pool is killed and :class:`PoolTimeout` raised.
         pg_timeout_s: the process group's own timeout (a collective waiting longer raises on the rank).
+        max_threads: recycle the pool (close it; :class:`PoolSet` starts a fresh one on next use) once a rank
+            starts a task with more threads than this after the clean-up of what earlier tasks left: groups
+            that something still refers to keep their gloo threads (3 per group) and sockets, and hundreds
+            of them slow every later task. ``None``: never (and where ``/proc`` is missing threads are not
+            counted).
     """
 
     def __init__(
         self, world_size: int, *, device: str = "cpu", threads: int = 1, timeout: float = 900.0,
-        pg_timeout_s: float = 600.0,
+        pg_timeout_s: float = 600.0, max_threads: int | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -210,6 +285,9 @@ class RankPool:
         self.world_size = world_size
         self.device = device
         self.timeout = timeout
+        self.max_threads = max_threads
+        self.recycled = False
+        """True once the pool closed itself because a rank's threads passed ``max_threads``."""
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -223,6 +301,9 @@ class RankPool:
         ]
         self._next_id = 0
         self._closed = False
+        self.health: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * world_size
+        """Per rank, as of its last answer: ``(threads, process groups)`` when the task started (after the
+        clean-up of what earlier tasks left), then ``(threads, process groups)`` when it ended."""
         for p in self._procs:
             p.start()
         try:
@@ -261,7 +342,7 @@ class RankPool:
                     f"ranks still running: {pending}. The pool was killed."
                 )
             try:
-                tid, rank, ok, payload = self._results.get(timeout=_POLL_S)
+                tid, rank, ok, payload, health = self._results.get(timeout=_POLL_S)
             except queue.Empty:
                 dead = self._dead()
                 if dead:
@@ -273,6 +354,7 @@ class RankPool:
             if tid != task_id:  # a late answer to a task given up on; cannot happen after kill
                 continue
             done[rank] = (ok, payload)
+            self.health[rank] = health
             if not ok:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         return done
@@ -298,9 +380,17 @@ class RankPool:
         except BaseException:  # Ctrl-C, a test runner's timeout...: the ranks' state is unknown
             self.kill()
             raise
+        _trace(f"P={self.world_size} {name} health={self.health}")
         failures = self._failures(done)
+        stuck = sorted(set(range(self.world_size)) - set(done))
+        if stuck:
+            pass  # killed below
+        elif self.max_threads is not None and max(h[0] for h in self.health) > self.max_threads:
+            # every rank answered, so every rank is waiting for its next message: a clean stop
+            self.recycled = True
+            _trace(f"P={self.world_size} recycled after {name}: threads {[h[0] for h in self.health]}")
+            self.close()
         if failures:
-            stuck = sorted(set(range(self.world_size)) - set(done))
             failed = [r for r, (ok, _) in sorted(done.items()) if not ok]
             note = f" (ranks {stuck} did not finish: stuck waiting for the failed ranks)" if stuck else ""
             if stuck:
@@ -356,17 +446,21 @@ class PoolSet:
     (idle ranks block on their queue and cost no CPU); a pool that was killed restarts on next use.
 
     Args:
-        device, threads, timeout, pg_timeout_s: passed to every :class:`RankPool`.
+        device, threads, timeout, pg_timeout_s, max_threads: passed to every :class:`RankPool`.
     """
 
     def __init__(self, device: str = "cpu", *, threads: int = 1, timeout: float = 900.0,
-                 pg_timeout_s: float = 600.0) -> None:
+                 pg_timeout_s: float = 600.0, max_threads: int | None = None) -> None:
         self.device = device
-        self._options = {"threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s}
+        self._options = {
+            "threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s, "max_threads": max_threads,
+        }
         self._pools: dict[int, RankPool] = {}
+        self.recycles = 0
+        """How many pools closed themselves for passing ``max_threads`` (each one restarted on next use)."""
 
     def get(self, world: int) -> RankPool:
-        """The pool of ``world`` ranks, started now if there is none or the last one was killed."""
+        """The pool of ``world`` ranks, started now if there is none or the last one was killed or recycled."""
         if world not in self._pools or self._pools[world].closed:
             self._pools[world] = RankPool(world, device=self.device, **self._options)
         return self._pools[world]
@@ -374,7 +468,14 @@ class PoolSet:
     def run(self, world: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
             **kwargs: Any) -> list[Any]:
         """:meth:`RankPool.run` on the pool of ``world`` ranks."""
-        return self.get(world).run(fn, *args, timeout=timeout, **kwargs)
+        pool = self.get(world)
+        try:
+            return pool.run(fn, *args, timeout=timeout, **kwargs)
+        finally:
+            if pool.recycled:  # it closed itself; forget it (the next get starts a fresh one)
+                self.recycles += 1
+                self._pools.pop(world, None)
+
 
     def close(self) -> None:
         """Stop every pool; all of them wind down at once."""
