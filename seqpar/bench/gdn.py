@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from seqpar.bench.report import fmt_bytes, format_table, machine_info
-from seqpar.bench.runner import RankPool, combine, peak_memory, time_step
+from seqpar.bench.runner import Phases, RankPool, combine, peak_memory, time_step
 
 __all__ = ["main"]
 
@@ -43,30 +42,6 @@ def _layer(args: argparse.Namespace) -> torch.nn.Module:
         layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
     torch.manual_seed(0)
     return q35.Qwen3_5GatedDeltaNet(config, 0)
-
-
-class _Phases:
-    """Wall time of the forward's phases on this rank: wraps the functions the layer calls (forward only)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, module: Any, name: str, phase: str) -> None:
-        original = getattr(module, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-            return out
-
-        setattr(module, name, timed)
-        self._undo.append(lambda: setattr(module, name, original))
-
-    def undo(self) -> None:
-        for fn in reversed(self._undo):
-            fn()
 
 
 def _task(ctx: Any, args: argparse.Namespace, seq: int) -> dict[str, Any]:
@@ -95,7 +70,7 @@ def _task(ctx: Any, args: argparse.Namespace, seq: int) -> dict[str, Any]:
     with counting(world) as traffic:
         step()
     peak = peak_memory(step, ctx.device)
-    phases = _Phases()
+    phases = Phases()
     if world > 1:
         phases.wrap(gdn, "causal_conv_shard", "conv+halo")
         phases.wrap(delta_rule, "_wide_scan", "wide scan")

@@ -8,6 +8,7 @@
   wall and thread-CPU seconds per repeat. :func:`combine` turns the per-rank records into the figures
   the reports use: per repeat the wall time of the *slowest* rank (what the step costs the job), and
   medians over repeats.
+- :class:`Phases` times the phases of a layer's forward by wrapping the functions it calls.
 - :func:`peak_memory` measures peak tensor bytes of a step exactly: MemTracker on CPU (every live
   tensor's storage, not RSS), ``torch.cuda.max_memory_allocated`` above the pre-step baseline on CUDA.
 
@@ -35,6 +36,7 @@ __all__ = [
     "time_step",
     "combine",
     "peak_memory",
+    "Phases",
     "resolve_device",
     "Progress",
     "PoolSet",
@@ -187,3 +189,29 @@ def merge_rounds(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
         rec["timing"] = {key: [x for r in rank_recs for x in r["timing"][key]] for key in rank_recs[0]["timing"]}
         merged.append(rec)
     return merged
+
+
+class Phases:
+    """Wall time of a forward's phases on this rank: :meth:`wrap` times every call of a function the layer
+    calls (looked up on its module at each call, so wrapping the module attribute is enough); forward
+    only (no autograd), for the per-phase breakdowns of the mixer benchmarks."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, module: Any, name: str, phase: str) -> None:
+        original = getattr(module, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            return out
+
+        setattr(module, name, timed)
+        self._undo.append(lambda: setattr(module, name, original))
+
+    def undo(self) -> None:
+        for fn in reversed(self._undo):
+            fn()

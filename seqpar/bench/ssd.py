@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from seqpar.bench.report import machine_info
-from seqpar.bench.runner import RankPool, combine, peak_memory, time_step
+from seqpar.bench.runner import Phases, RankPool, combine, peak_memory, time_step
 
 __all__ = ["main", "layer", "run"]
 
@@ -50,30 +49,6 @@ def _inputs(seq: int, hidden: int, rank: int, world: int) -> tuple[torch.Tensor,
     group = dist.group.WORLD
     return (shard_sequence(h, 1, group=group, sharding="contiguous"),
             shard_sequence(grad, 1, group=group, sharding="contiguous"))
-
-
-class _Phases:
-    """Wall time of the forward's phases on this rank: wraps the functions the layer calls (forward only)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, module: Any, name: str, phase: str) -> None:
-        original = getattr(module, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
-            return out
-
-        setattr(module, name, timed)
-        self._undo.append(lambda: setattr(module, name, original))
-
-    def undo(self) -> None:
-        for fn in reversed(self._undo):
-            fn()
 
 
 def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, warmup: int, repeats: int,
@@ -105,7 +80,7 @@ def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, w
         fwd.append(time.perf_counter() - t0)
     out["forward_s"] = sorted(fwd)[len(fwd) // 2]
     if world > 1:
-        phases = _Phases()
+        phases = Phases()
         phases.wrap(mamba2, "causal_conv_shard", "conv + halo")
         phases.wrap(ssd, "_zero_state_runs", "zero-state scans")
         phases.wrap(ssd, "chunk_initial_states", "summary all-gather + prefix")
