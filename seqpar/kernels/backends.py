@@ -128,25 +128,28 @@ class BlockSpec:
     """The shape facts of one block call that the kernel rules look at."""
 
     dtype: torch.dtype
-    head_dim: int
-    """The head dim the equal-dims kernels (flash, cuDNN) see: the wider of q/k's and v's (the
-    narrower side is zero-padded to it, see :mod:`seqpar.kernels.local`)."""
+    qk_head_dim: int
+    v_head_dim: int
+    """V's own head dim (MLA: narrower than q/k's); the memory-efficient kernel takes each as is."""
     q_heads: int
     kv_heads: int
     len_q: int
     len_k: int
     causal: bool
     batch: int = 1
-    head_dims: tuple[int, ...] = ()
-    """q/k's and V's own head dims (empty: both ``head_dim``): the memory-efficient kernel takes each as is."""
+
+    @property
+    def head_dim(self) -> int:
+        """The head dim the equal-dims kernels (flash, cuDNN) see: the wider of q/k's and v's (the
+        narrower side is zero-padded to it, see :mod:`seqpar.kernels.local`)."""
+        return max(self.qk_head_dim, self.v_head_dim)
 
     @classmethod
     def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, *, v_head_dim: int | None = None) -> BlockSpec:
         """From q ``(batch, q_heads, len_q, head_dim)``, k ``(batch, kv_heads, len_k, head_dim)`` and
         V's head dim (default: ``head_dim``)."""
         b, hq, lq, d = q.shape
-        dv = d if v_head_dim is None else v_head_dim
-        return cls(q.dtype, max(d, dv), hq, k.shape[1], lq, k.shape[2], causal, b, (d, dv))
+        return cls(q.dtype, d, d if v_head_dim is None else v_head_dim, hq, k.shape[1], lq, k.shape[2], causal, b)
 
 
 @functools.cache
@@ -229,7 +232,7 @@ def _efficient_rejection(spec: BlockSpec, caps: DeviceCaps, flags: SdpFlags) -> 
     if spec.dtype not in dtypes:
         return f"takes {', '.join(str(d) for d in dtypes)} on sm{cap[0]}{cap[1]}, got {spec.dtype}"
     align = efficient_alignment(caps, spec.dtype)
-    dims = spec.head_dims or (spec.head_dim,)
+    dims = (spec.qk_head_dim, spec.v_head_dim)
     if any(d % align for d in dims):
         # torch refuses these too (check_head_dim_size_mem_efficient). Zero-padding them instead is
         # exact in theory but was not on a GPU: on an H200 (torch 2.11+cu130) bf16/fp16 head dim 100
