@@ -1,28 +1,63 @@
-"""The running batch's packed-document boundaries, handed to swapped mixers whose caller does not pass them.
+"""The running batch's packed-document boundaries, carried to swapped mixers whose caller does not pass them.
 
 Some transformers decoder layers call their mixer with ``hidden_states``, the cache and the attention
-mask only (Jamba's ``JambaMambaDecoderLayer``), so the ``cu_seq_lens_q`` the model was given never
-reaches it, and a mixer that cannot see the documents of a packed batch would carry its state across
-them. :func:`feed_documents` puts one forward pre-hook on the swapped model (after the batch check, which
-fills in and checks the boundaries) that sets each such mixer's ``documents`` attribute to the batch's
-boundaries (None: one sequence); the mixer uses the ``cu_seq_lens_q`` of its own call when it has one.
+mask only (Jamba's ``JambaMambaDecoderLayer``), and some models call their layers with no boundaries at
+all (``MambaModel`` calls each ``MambaBlock`` with the hidden states, the cache and the mask), so the
+``cu_seq_lens_q`` the model was given never reaches the mixer, and a mixer that cannot see the documents
+of a packed batch would carry its state across them.
 
-The attribute holds the last batch's boundaries, which is also what an activation-checkpointing
-recompute of that batch (in its backward) needs.
+The boundaries are state of one forward, so they travel with the call, never on a module: activation
+checkpointing runs a layer again in the backward with the arguments its forward saved, possibly after
+other forwards of other batches (two forwards, then one backward), and only what travels as an argument
+is replayed as it was. :func:`feed_documents` does this in three steps:
+
+- a forward pre-hook on the swapped model (after the batch check, which fills in and checks the
+  boundaries) holds the batch's boundaries on this thread while the model's forward runs (a forward
+  hook that runs even when the forward raises lets them go);
+- the class of each mixer's parent layer becomes :class:`DocumentsCarrier` over its own class (the same
+  name, the same parameters and state_dict, as FSDP2's ``fully_shard`` does): when the layer is called
+  without ``cu_seq_lens_q/k`` of its own, its ``__call__`` adds the held boundaries to the call's keyword
+  arguments as :data:`DOCUMENTS_KEY`, before transformers' activation checkpointing (which saves the
+  keyword arguments of the layer's call, in every transformers 5.x form) sees them;
+- its ``forward`` takes that argument off again (or reads the call's own ``cu_seq_lens_q/k``) and holds
+  it while the layer's own forward runs, so the recompute of the layer holds its own forward's
+  boundaries.
+
+:meth:`seqpar.mixers.family.SwappedMixer.cu_seqlens` reads its own call's ``cu_seq_lens_q`` when it has
+one, else the boundaries its innermost carrier holds (None: one sequence).
+
+Limit: a checkpoint that wraps the layer's ``__call__`` from outside transformers (torch's
+``checkpoint_wrapper``, as FSDP's ``apply_activation_checkpointing`` puts in) saves the call's arguments
+before the carrier adds the boundaries; it replays them correctly only for a layer whose caller passes
+``cu_seq_lens_q`` (every decoder layer of the transformers hybrids, Jamba's included), not for a layer
+that gets none (``MambaBlock``): use transformers' ``gradient_checkpointing_enable`` there.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["DOCUMENTS_ATTR", "feed_documents", "batch_documents"]
+__all__ = ["DOCUMENTS_KEY", "DocumentsCarrier", "feed_documents", "batch_documents", "carried_documents"]
 
-DOCUMENTS_ATTR = "documents"
-"""The attribute of a swapped mixer that :func:`feed_documents` sets (a mixer declares it to be fed)."""
-_HANDLE_ATTR = "_seqpar_documents_feed"
+DOCUMENTS_KEY = "seqpar_documents"
+"""The keyword argument a :class:`DocumentsCarrier`'s call carries its batch's boundaries in (taken off
+again before the layer's own forward runs)."""
+
+_HANDLES_ATTR = "_seqpar_documents_feed"
+_local = threading.local()
+
+
+def _held() -> list[tuple[nn.Module, Tensor | None]]:
+    """This thread's stack of ``(holder, boundaries)`` (innermost last): the running swapped model's
+    batch, then each running carrier's."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
 
 
 def batch_documents(kwargs: dict[str, Any]) -> Any:
@@ -31,21 +66,72 @@ def batch_documents(kwargs: dict[str, Any]) -> Any:
     return kwargs.get("cu_seq_lens_k") if cu is None else cu
 
 
+def carried_documents() -> Tensor | None:
+    """The boundaries held by the innermost running carrier (or swapped model) on this thread; None
+    outside any (one sequence)."""
+    stack = _held()
+    return stack[-1][1] if stack else None
+
+
+class DocumentsCarrier(nn.Module):
+    """Mixed in before the class of a mixer's parent layer (see the module docstring): its call carries
+    the held boundaries as :data:`DOCUMENTS_KEY`, and its forward holds them while it runs."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        stack = _held()
+        if stack and DOCUMENTS_KEY not in kwargs and batch_documents(kwargs) is None:
+            kwargs[DOCUMENTS_KEY] = stack[-1][1]
+        return super().__call__(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        carried = kwargs.pop(DOCUMENTS_KEY, None)
+        own = batch_documents(kwargs)
+        stack = _held()
+        stack.append((self, own if own is not None else carried))
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            stack.pop()
+
+
+_CARRIERS: dict[type, type] = {}
+
+
+def _carrier_class(cls: type) -> type:
+    """``cls`` with :class:`DocumentsCarrier` mixed in, under the same name (one class per ``cls``).
+    transformers' ``GradientCheckpointingLayer`` wraps the new class's ``forward`` (the carrier's) as the
+    outermost one, so that its recompute runs the carrier's forward too."""
+    if issubclass(cls, DocumentsCarrier):
+        return cls
+    if cls not in _CARRIERS:
+        _CARRIERS[cls] = type(cls.__name__, (DocumentsCarrier, cls),
+                              {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _CARRIERS[cls]
+
+
+def _hold(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    _held().append((module, batch_documents(kwargs)))
+
+
+def _release(module: nn.Module, args: tuple, output: Any) -> None:
+    # runs even when the forward (or an earlier pre-hook) raised: let go only of what _hold took
+    stack = _held()
+    if stack and stack[-1][0] is module:
+        stack.pop()
+
+
 def feed_documents(model: nn.Module, mixers: Sequence[str]) -> None:
-    """Hand every forward's document boundaries of ``model`` to each of its submodules named in ``mixers``
-    that declares :data:`DOCUMENTS_ATTR` (replacing a feed installed by an earlier swap of the same model).
-    The hook looks the mixers up by name in the module it runs on, so a deep copy of the model feeds its
-    own mixers."""
-    old = model.__dict__.pop(_HANDLE_ATTR, None)
-    if old is not None:
-        old.remove()
-    fed = tuple(name for name in mixers if hasattr(model.get_submodule(name), DOCUMENTS_ATTR))
-    if not fed:
-        return
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        cu = batch_documents(kwargs)
-        for name in fed:
-            setattr(module.get_submodule(name), DOCUMENTS_ATTR, cu)
-
-    model.__dict__[_HANDLE_ATTR] = model.register_forward_pre_hook(hook, with_kwargs=True)
+    """Carry every forward's document boundaries of ``model`` to each of its submodules named in
+    ``mixers`` (see the module docstring): their parent layers become carriers, and ``model`` holds its
+    batch's boundaries while it runs (replacing the hooks of an earlier swap of the same model, so that
+    they run after its batch check). The hooks look nothing up by name: a deep copy of the model carries
+    its own batches."""
+    for handle in model.__dict__.pop(_HANDLES_ATTR, ()):
+        handle.remove()
+    parents = sorted({name.rpartition(".")[0] for name in mixers if "." in name})
+    for name in parents:
+        parent = model.get_submodule(name)
+        parent.__class__ = _carrier_class(type(parent))
+    if mixers:
+        model.__dict__[_HANDLES_ATTR] = (model.register_forward_pre_hook(_hold, with_kwargs=True),
+                                         model.register_forward_hook(_release, always_call=True))

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from seqpar.mixers.documents import carried_documents
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 
 __all__ = ["MixerFamily", "SwappedMixer"]
@@ -76,7 +77,6 @@ class SwappedMixer(nn.Module):
         self.group = group
         self.sharding = sharding
         self.position_wise = position_wise
-        self.documents: Any = None  # the batch's boundaries when the caller does not pass them (feed_documents)
 
     def refuse_cache(self, *caches: Any) -> None:
         """Raise for a generation cache: a cache of a sharded sequence would hold one rank's piece."""
@@ -86,10 +86,11 @@ class SwappedMixer(nn.Module):
                              "sequence; call the model with use_cache=False")
 
     def cu_seqlens(self, kwargs: dict[str, Any]) -> Tensor | None:
-        """The batch's document boundaries: ``cu_seq_lens_q`` when the caller passes it, else the ones
-        :func:`seqpar.mixers.documents.feed_documents` left here (None: one document)."""
+        """This call's document boundaries: ``cu_seq_lens_q`` when the caller passes it, else the ones the
+        parent layer's call carries (:func:`seqpar.mixers.documents.feed_documents`; None: one document).
+        Never read from the module: a recompute under activation checkpointing must see its own call's."""
         cu = kwargs.get("cu_seq_lens_q")
-        return self.documents if cu is None else cu
+        return carried_documents() if cu is None else cu
 
     def layout(self, seq_local: int, cu_seqlens: Tensor | None) -> ScanLayout | None:
         """This rank's chunks for the scan (:func:`seqpar.mixers.scan_layout.scan_layout`); None while the
