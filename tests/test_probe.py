@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
 
 transformers = pytest.importorskip("transformers")
@@ -226,3 +227,33 @@ def test_first_forward_probe_of_shards(dist_pool):
     for kind, sharding in (("packed", "zigzag"), ("packed", "contiguous"), ("plain", "zigzag")):
         texts = dist_pool.run(2, _hf_shards_probed, kind, sharding, timeout=180)
         assert len(texts) == 2, (kind, sharding)
+
+
+def _padding_shard_refused(rank: int, world_size: int, route: str) -> list[str]:
+    group = dist.group.WORLD
+    model = build(route, "cumsum")
+    swap_attention(model, {"size": world_size, "sharding": "contiguous", "check_inputs": False}, group=group)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids[:, 24 - 24 // world_size:] = 0  # the last shard is all padding: one token id, nothing to probe
+    local = shard_sequence(ids, 1, group=group, sharding="contiguous")
+    said = []
+    for _ in range(2):  # the first forward refuses on every rank; later ones again, with no collective
+        try:
+            model(input_ids=local)
+        except SwapError as e:
+            said.append(str(e))
+            continue
+        raise AssertionError(f"rank {rank}: the forward ran")
+    return said
+
+
+@pytest.mark.parametrize("route", ["sdpa", "mha"])
+def test_first_forward_refusal_is_collective_without_check_inputs(dist_pool, route):
+    """check_inputs=False: the ranks whose shard holds tokens find the mixer, the rank whose shard is all
+    padding cannot probe. Every rank raises the same error, naming the mixer and the fix; before, the
+    padding rank went on into its first attention collective and waited there for ever."""
+    texts = dist_pool.run(2, _padding_shard_refused, route, timeout=60)
+    first = texts[0][0]
+    assert all(t == [first, first] for t in texts), texts
+    assert "'mixer' (SequenceCumsum)" in first and "without sequence parallelism" in first, first
+    assert "SP rank(s) [0]" in first, first
