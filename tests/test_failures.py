@@ -193,12 +193,24 @@ def _signal_all(token: str, sig: signal.Signals) -> None:
             os.kill(pid, sig)
 
 
-def test_process_scan_sees_live_and_zombie_processes():
+def _late_exec(token: str) -> list[str]:
+    # A child whose environment shows the token only after a delay, as a loaded machine can make it: Popen
+    # returns once the child's exec has begun, and its new environment becomes readable in /proc a moment later.
+    return ["sh", "-c", f"sleep 0.3; exec env SEQPAR_TEST_RUN={token} sleep 60"]
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["sleep", "late-exec"])
+def test_process_scan_sees_live_and_zombie_processes(late):
     """The leftover check can fail: it finds a marked process, then its zombie until it is reaped."""
     token = uuid.uuid4().hex
-    child = subprocess.Popen(["sleep", "60"], env=_token_env(token), start_new_session=True)
+    command = _late_exec(token) if late else ["sleep", "60"]
+    child = subprocess.Popen(command, env=_token_env(token) if not late else None, start_new_session=True)
     try:
-        assert _processes_of(token, set()).get(child.pid) in ("R", "S")
+        # Seen once the child's exec is done (bounded wait: under load that takes a while after Popen).
+        deadline = time.monotonic() + 10
+        while _processes_of(token, set()).get(child.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _processes_of(token, set()).get(child.pid) in ("R", "S", "D")  # D: paging in under load
         os.kill(child.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while _processes_of(token, set()).get(child.pid) != "Z" and time.monotonic() < deadline:

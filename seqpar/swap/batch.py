@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.comm.agree import rows_across_ranks
+from seqpar.comm.agree import collective_device, rows_across_ranks
 from seqpar.runtime.groups import resolve_group
 from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
 from seqpar.sequence.boundaries import host_boundaries
@@ -122,6 +122,7 @@ class _BatchCheck:
         self.preparers = preparers
         self.first_forward = first_forward
         self.refused: BaseException | None = None  # the first-forward check's refusal, raised again each batch
+        self.first_verdict = True  # no forward has passed the checks on every rank yet (see pre_hook)
         # Which modules were swapped, by route and name: ranks that swapped different models
         # would run different collectives.
         self.structure = [_code("\n".join(swapped)), len(swapped)]
@@ -147,7 +148,7 @@ class _BatchCheck:
             return None
         mark_unverified()
         self.active.append(False)
-        if not self.options.check_inputs:  # the user switched checking off
+        if not self.options.check_inputs and not self.first_verdict:  # the user switched checking off
             return self._prepare(module, args, kwargs)
         group = resolve_group(self.options.group)
         world = 1 if group is None else dist.get_world_size(group)
@@ -158,8 +159,17 @@ class _BatchCheck:
             if world == 1:
                 raise
             refusal = e
+        if not self.options.check_inputs:
+            # Until a forward passes on every rank (the first, normally), a refusal is collective even with
+            # checking off: a rank whose first-forward probe has no verdict (its shard all padding) or whose
+            # preparers accept its shard would otherwise wait in its first collective for ranks that raised.
+            if world > 1:
+                self._agree_verdict(module, group, refusal)
+            self.first_verdict = False
+            return args, kwargs
         if world > 1:
             self._agree(module, group, args, kwargs, refusal)
+        self.first_verdict = False
         enter_verified()
         self.active[-1] = True
         return args, kwargs
@@ -203,6 +213,31 @@ class _BatchCheck:
             "(same batch size, shard length, dtypes and packed-document boundaries): cut batches with "
             "seqpar.sequence.batch.shard_batch, and build and swap the same model with the same config on every rank"
         )
+
+    def _agree_verdict(self, module: nn.Module, group: dist.ProcessGroup, refusal: BaseException | None) -> None:
+        """The verdicts of a forward before any passed, with ``check_inputs`` off: one all-reduce of one
+        flag per rank; on a refusal (then only) every rank's message, and every rank raises the same
+        error. A first-forward check's refusal (the probe's) then refuses every later forward on every
+        rank, with no collective."""
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=collective_device(group))
+        flags[dist.get_rank(group)] = int(refusal is not None)
+        dist.all_reduce(flags, group=group)
+        refused = [r for r, flag in enumerate(flags.tolist()) if flag]  # the one host read
+        if not refused:
+            return
+        said: list[Any] = [None] * len(flags)
+        mine = None if refusal is None else (isinstance(refusal, SwapError), refusal is self.refused, str(refusal))
+        dist.all_gather_object(said, mine, group=group)
+        swap_error, lasting, text = said[refused[0]]
+        error = (SwapError if swap_error else ValueError)(
+            f"seqpar ({type(module).__name__}): SP rank(s) {refused} refused this batch (check_inputs is off, but "
+            "until a forward passes, every refusal is collective); every rank stops here instead of waiting for "
+            f"them in a collective. Rank {refused[0]} said: {text}"
+        )
+        if any(s is not None and s[1] for s in said):
+            self.refused = error  # the probe's verdict holds for good: later forwards raise it at once
+            self.first_verdict = False
+        raise error from refusal
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also runs when the forward (or the pre-hook) raised.

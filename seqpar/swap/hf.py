@@ -620,8 +620,8 @@ def _read_batch(arguments: dict[str, Any], params: Any, options: SwapOptions, re
         if cus:  # packed: compared on the host, against positions built from the boundaries
             pieces.append(("positions", given, given.reshape(-1, seq_local)[0]))
         else:
-            rank, world_size = sp_rank_and_size(options.group)
-            expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+            rank, world_size, sharding = _shard_view(options)
+            expected = global_positions(seq_local * world_size, rank, world_size, sharding,
                                         device=given.device)
             pieces.append(("positions", given, (given == expected).all().reshape(1)))
     if not pieces:
@@ -716,13 +716,13 @@ def _fill_positions(
     """Fill in ``position_ids`` (global, or per document for a packed batch) or check given ones
     (against the values or verdict of :func:`_read_batch`: no host read of its own)."""
     batch, seq_local = ref.shape[0], ref.shape[1]
-    rank, world_size = sp_rank_and_size(options.group)
+    rank, world_size, sharding = _shard_view(options)
     bounds = _packed_boundaries(arguments, params, batch, seq_local, world_size, where,
                                 unpacked=bool(known.get("unpacked")))
     given = arguments.get("position_ids")
     if bounds is not None:
         # built on the host from host ints, then one asynchronous copy (no device read, no blocking copy)
-        host = _document_positions(global_positions(seq_local * world_size, rank, world_size, options.sharding,
+        host = _document_positions(global_positions(seq_local * world_size, rank, world_size, sharding,
                                                     device="cpu", cu_seqlens=bounds)[None], bounds)
         expected = host.to(ref.device, non_blocking=True)
         if given is None:
@@ -730,21 +730,32 @@ def _fill_positions(
         elif given.shape[-1] != seq_local or not _packed_positions_ok(given, host, known):
             raise ValueError(
                 f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
-                f"per-document positions of this rank's {options.sharding} shard of the packed "
+                f"per-document positions of this rank's {sharding} shard of the packed "
                 f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
                 f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
                 "Cut packed batches with seqpar.sequence.batch.shard_batch"
             )
         _note(arguments["position_ids"], "positions", True)
         return
-    expected = global_positions(seq_local * world_size, rank, world_size, options.sharding,
+    expected = global_positions(seq_local * world_size, rank, world_size, sharding,
                                 device=ref.device)[None]  # (1, S_local)
     if given is None:
         arguments["position_ids"] = expected.expand(batch, seq_local)
     elif given.shape[-1] != seq_local or not known.get("positions", True):
-        _refuse_positions(given, expected, rank, world_size, options.sharding, where)
+        _refuse_positions(given, expected, rank, world_size, sharding, where)
     _note(arguments["position_ids"], "positions", True)
     _note(arguments["position_ids"], "unpacked", True)  # an inner model's preparer reads no restarts
+
+
+def _shard_view(options: SwapOptions) -> tuple[int, int, str]:
+    """``(rank, world_size, sharding)`` of the call being prepared. While the position-mixing probe runs
+    (:mod:`seqpar.swap.probe`) nothing is communicated and its call (13 tokens, or the first forward's
+    batch cut to them, with its documents and positions made to describe the cut) is a whole sequence on
+    one process: ``(0, 1, "contiguous")``, as for the probe's loss."""
+    if is_probing():
+        return 0, 1, "contiguous"
+    rank, world_size = sp_rank_and_size(options.group)
+    return rank, world_size, options.sharding
 
 
 def _packed_positions_ok(given: Tensor, expected: Tensor, known: dict[str, Any]) -> bool:

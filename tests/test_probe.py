@@ -1,0 +1,259 @@
+"""The position-mixing probe at the first forward (issue 28 §1): it takes packed batches, and its refusals
+are collective.
+
+When the probe cannot run at swap time (the "sdpa" and "mha" routes; a Hugging Face model that cannot run
+on synthetic tokens alone; parameters not materialised), it runs on the first batch cut to 13 positions.
+That cut call is a whole sequence of its own: its packed-document inputs (``cu_seq_lens_q/k``,
+``max_length_q/k``, restarting ``position_ids``, as ``transformers.DataCollatorWithFlattening`` gives
+them) must describe the cut, or the model (or seqpar's own input check) refuses the probe's call. And a
+rank whose cut cannot be probed (all padding: one token id) must raise with the others, also with
+``check_inputs=False``, instead of waiting for them in its first collective.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from seqpar.sequence.sharding import shard_sequence
+from seqpar.swap import SwapError, swap_attention
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 61
+HIDDEN = 16
+
+
+def packed(lengths: list[int], seed: int = 0) -> dict:
+    """A packed batch of documents of ``lengths`` from transformers' own collator (ids 3..VOCAB-1)."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    return collate([{"input_ids": d} for d in docs])
+
+
+def check_packed(seq: int, position_ids: torch.Tensor | None, cu: torch.Tensor | None, longest: int | None) -> None:
+    """What a varlen kernel needs of a packed call: boundaries from 0 to the length, the longest document,
+    positions counting from 0 in each document."""
+    if cu is None:
+        return
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != seq:
+        raise ValueError(f"cu_seq_lens_q {bounds} do not cover the sequence length {seq}")
+    if longest != max(b - a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"max_length_q {longest} is not the longest document of {bounds}")
+    if position_ids is not None:
+        expected = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+        if not torch.equal(position_ids.reshape(-1, seq)[0].cpu(), expected):
+            raise ValueError(f"position_ids {position_ids.tolist()} do not restart at {bounds}")
+
+
+# ----------------------------------------------------------------------------- mixers
+class NoMixer(nn.Module):
+    def forward(self, x: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+        return x
+
+
+class SequenceCumsum(nn.Module):
+    """A running sum over the whole sequence: ``(batch, seq, hidden) -> (batch, seq, hidden)``."""
+
+    def forward(self, x: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+        return x.cumsum(dim=1) / x.shape[1]
+
+
+class DocumentCumsum(nn.Module):
+    """A running sum that restarts at each packed document (a mixer that honours the boundaries)."""
+
+    def forward(self, x: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+        bounds = cu.tolist() if cu is not None else [0, x.shape[1]]
+        return torch.cat([x[:, a:b].cumsum(dim=1) for a, b in zip(bounds, bounds[1:])], dim=1)
+
+
+MIXERS = {"none": NoMixer, "cumsum": SequenceCumsum, "doc_cumsum": DocumentCumsum}
+
+
+# ----------------------------------------------------------------------------- models of the sdpa / mha routes
+# Named without "Attention": transformers' heuristic (a module defining an `*Attention*(nn.Module)` class that does
+# not use its attention interface) would refuse to switch the attention of PositionsRequired, defined here too.
+class CausalSdpa(nn.Module):
+    """Causal attention by F.scaled_dot_product_attention (the "sdpa" route): ``(B, S, H) -> (B, S, H)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, 2, HIDDEN // 2).permute(2, 0, 3, 1, 4)  # 3 x (B, 2, S, H/2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+
+class PackedModel(nn.Module):
+    """Embeddings (token + position), one causal attention ("sdpa": CausalSdpa;
+    "mha": nn.MultiheadAttention), then a mixer; takes a packed batch's keywords and checks them as a
+    varlen kernel would."""
+
+    def __init__(self, route: str, mixer: str) -> None:
+        super().__init__()
+        self.route = route
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.pos = nn.Embedding(64, HIDDEN)
+        self.attn = CausalSdpa() if route == "sdpa" else nn.MultiheadAttention(HIDDEN, 2, batch_first=True)
+        self.mixer = MIXERS[mixer]()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                max_length_q: int | None = None, max_length_k: int | None = None, labels: object = None) -> torch.Tensor:
+        batch, seq = input_ids.shape
+        check_packed(seq, position_ids, cu_seq_lens_q, max_length_q)
+        if position_ids is None:
+            position_ids = torch.arange(seq)[None]
+        x = self.embed(input_ids) + self.pos(position_ids)  # (B, S, H)
+        if self.route == "sdpa":
+            out = self.attn(x)
+        else:
+            mask = nn.Transformer.generate_square_subsequent_mask(seq)
+            out = self.attn(x, x, x, need_weights=False, attn_mask=mask, is_causal=True)[0]
+        return self.mixer(x + out, cu_seq_lens_q)
+
+
+# ----------------------------------------------------------------------------- a Hugging Face model probed at the first forward
+class PositionsRequired(transformers.LlamaForCausalLM):
+    """A Llama whose forward needs ``position_ids`` (as a model trained on packed batches may): it cannot
+    run on the swap-time probe's synthetic tokens, so it is probed on its first batch."""
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: object) -> object:
+        return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+
+class Then(nn.Module):
+    def __init__(self, first: nn.Module, then: nn.Module) -> None:
+        super().__init__()
+        self.first, self.then = first, then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.then(self.first(x))
+
+
+def hf_model(mixer: str) -> nn.Module:
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    torch.manual_seed(0)
+    model = PositionsRequired(config)
+    if mixer != "none":
+        model.model.layers[0].mlp = Then(MIXERS[mixer](), model.model.layers[0].mlp)
+    return model
+
+
+def build(route: str, mixer: str) -> nn.Module:
+    if route == "hf":
+        return hf_model(mixer)
+    torch.manual_seed(0)
+    return PackedModel(route, mixer)
+
+
+MIXER_PATH = {"sdpa": "'mixer'", "mha": "'mixer'", "hf": "'model.layers.0.mlp.first'"}
+
+
+# ----------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("route", ["sdpa", "mha", "hf"])
+def test_first_forward_probe_takes_a_packed_batch(route):
+    """Documents of 3, 9 and 4 tokens: the probe's 13 positions end inside the third. A position-wise model
+    runs (its output that of the unswapped model, for the sdpa and mha routes), and a mixer is refused by
+    name. Before, the probe's call kept the boundaries [0, 3, 12, 16] of the 16 tokens: the hf route refused
+    every packed batch, and the sdpa and mha routes skipped the probe with a warning, running the mixer."""
+    batch = packed([3, 9, 4])
+    clean, plain = build(route, "none"), build(route, "none")
+    swap_attention(clean, {"size": 1})
+    out = clean(**batch)
+    if route != "hf":
+        torch.testing.assert_close(out, plain(**batch), rtol=0, atol=1e-6)
+    else:
+        assert torch.isfinite(out.logits).all()
+    mixed = build(route, "cumsum")
+    swap_attention(mixed, {"size": 1})
+    for _ in range(2):  # refused, and every later forward too
+        with pytest.raises(SwapError, match=rf"{MIXER_PATH[route]} \(SequenceCumsum\)"):
+            mixed(**batch)
+
+
+def test_probe_changes_a_position_whose_document_goes_on():
+    """Documents of 7, 6 and 3 tokens: the middle of the probe's 13 positions (6) is the last token of the
+    first document, where a causal mixer that honours the documents moves nothing. The probe changes a
+    position whose document goes on after it, so that mixer is found too."""
+    batch = packed([7, 6, 3])
+    model = build("sdpa", "doc_cumsum")
+    swap_attention(model, {"size": 1})
+    with pytest.raises(SwapError, match=r"'mixer' \(DocumentCumsum\)"):
+        model(**batch)
+
+
+# ----------------------------------------------------------------------------- two ranks
+def _hf_shards_probed(rank: int, world_size: int, kind: str, sharding: str) -> list[str]:
+    """The hf route at SP=2, first batch cut with shard_batch (16 positions per rank: the probe's 13 are
+    a piece of the rank's shard, whose boundaries and positions are global)."""
+    from seqpar.sequence.batch import shard_batch
+
+    group = dist.group.WORLD
+    if kind == "packed":
+        batch = packed([3, 9, 4, 10, 6])
+    else:
+        ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+    shard = shard_batch(batch, group=group, sharding=sharding)
+    assert shard["input_ids"].shape[1] > 13
+    said = []
+    for mixer in ("none", "cumsum"):
+        model = hf_model(mixer)
+        swap_attention(model, {"size": world_size, "sharding": sharding}, group=group)
+        try:
+            out = model(**shard)
+        except SwapError as e:
+            assert mixer == "cumsum" and r"'model.layers.0.mlp.first' (SequenceCumsum)" in str(e), str(e)
+            said.append(str(e))
+            continue
+        assert mixer == "none" and torch.isfinite(out.logits).all()
+    assert len(said) == 1, said
+    return said
+
+
+def test_first_forward_probe_of_shards(dist_pool):
+    """Before, the probe's call went through seqpar's input check as a rank's shard of 13 x P tokens:
+    refused under zigzag (13 does not cut into 2P chunks) and for packed shards (global boundaries)."""
+    for kind, sharding in (("packed", "zigzag"), ("packed", "contiguous"), ("plain", "zigzag")):
+        texts = dist_pool.run(2, _hf_shards_probed, kind, sharding, timeout=180)
+        assert len(texts) == 2, (kind, sharding)
+
+
+def _padding_shard_refused(rank: int, world_size: int, route: str) -> list[str]:
+    group = dist.group.WORLD
+    model = build(route, "cumsum")
+    swap_attention(model, {"size": world_size, "sharding": "contiguous", "check_inputs": False}, group=group)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3))
+    ids[:, 24 - 24 // world_size:] = 0  # the last shard is all padding: one token id, nothing to probe
+    local = shard_sequence(ids, 1, group=group, sharding="contiguous")
+    said = []
+    for _ in range(2):  # the first forward refuses on every rank; later ones again, with no collective
+        try:
+            model(input_ids=local)
+        except SwapError as e:
+            said.append(str(e))
+            continue
+        raise AssertionError(f"rank {rank}: the forward ran")
+    return said
+
+
+@pytest.mark.parametrize("route", ["sdpa", "mha"])
+def test_first_forward_refusal_is_collective_without_check_inputs(dist_pool, route):
+    """check_inputs=False: the ranks whose shard holds tokens find the mixer, the rank whose shard is all
+    padding cannot probe. Every rank raises the same error, naming the mixer and the fix; before, the
+    padding rank went on into its first attention collective and waited there for ever."""
+    texts = dist_pool.run(2, _padding_shard_refused, route, timeout=60)
+    first = texts[0][0]
+    assert all(t == [first, first] for t in texts), texts
+    assert "'mixer' (SequenceCumsum)" in first and "without sequence parallelism" in first, first
+    assert "SP rank(s) [0]" in first, first
