@@ -82,6 +82,19 @@ def test_a_planted_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert fuzzer.run(draws)["verdict"] == "exact"
 
 
+@pytest.mark.timeout(300)
+def test_a_hung_case_is_a_crash_and_the_pool_recovers(fuzzer: fuzz.Fuzzer) -> None:
+    """Rank 0 sleeping in the ring past the case's timeout: crash (timeout), and the next case runs on a fresh pool."""
+    draws = _ring_case()
+    timeout, fuzzer.timeout = fuzzer.timeout, 10.0
+    try:
+        hung = fuzzer.run(draws, plant="ring_hang")
+    finally:
+        fuzzer.timeout = timeout
+    assert hung["verdict"] == "crash" and "timeout" in hung["detail"], hung["detail"]
+    assert fuzzer.run(draws)["verdict"] == "exact"
+
+
 def _error(type_name: str, refusal: bool) -> dict:
     return {"ok": False, "error": {"type": type_name, "message": "m", "refusal": refusal, "where": "x", "trace": ""}}
 

@@ -310,12 +310,13 @@ def error_record(e: BaseException) -> dict[str, Any]:
             "where": str(path) if path else None, "trace": traceback.format_exc()[-1500:]}
 
 
-def _plant(name: str | None) -> Any:
-    """A deliberately wrong seqpar, for the fuzzer's own test: ``"ring_scale"`` scales the ring's output by
-    1.001. Returns an undo callable (the pool's ranks must leave each task as they found it)."""
+def _plant(name: str | None, rank: int) -> Any:
+    """A deliberately broken seqpar, for the fuzzer's own tests: ``"ring_scale"`` scales the ring's output by
+    1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes. Returns an undo callable (the pool's
+    ranks must leave each task as they found it)."""
     if name is None:
         return lambda: None
-    if name != "ring_scale":
+    if name not in ("ring_scale", "ring_hang"):
         raise ValueError(f"unknown plant {name!r}")
     from seqpar.attn import dispatch
 
@@ -324,7 +325,10 @@ def _plant(name: str | None) -> Any:
     class Scaled:
         @staticmethod
         def apply(*args: Any) -> torch.Tensor:
-            return original.apply(*args) * 1.001
+            if name == "ring_hang" and rank == 0:
+                time.sleep(600)
+            out = original.apply(*args)
+            return out * 1.001 if name == "ring_scale" else out
 
     dispatch.RingAttention = Scaled
 
@@ -344,7 +348,7 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
-    undo = _plant(plant)
+    undo = _plant(plant, rank)
     try:
         if draws["kind"] == "dilated":
             seqpar.init_process_groups(sp_size=world)
