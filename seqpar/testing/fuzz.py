@@ -547,12 +547,14 @@ class Fuzzer:
 
 
 def run_cases(seeds: list[int], kinds: tuple[str, ...] = ("attention", "dilated"), *, plant: str | None = None,
-              timeout: float = 60.0, model_timeout: float = 300.0, out: Any = None) -> list[dict[str, Any]]:
-    """Draw and run the cases of ``seeds``; prints one line per case to ``out`` (None: silent)."""
+              timeout: float = 60.0, model_timeout: float = 300.0, out: Any = None,
+              overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Draw and run the cases of ``seeds`` (each draw updated with ``overrides``, e.g. ``{"world": 1}`` to
+    narrow a finding down); prints one line per case to ``out`` (None: silent)."""
     records = []
     with Fuzzer(timeout, model_timeout) as fuzzer:
         for i, s in enumerate(seeds):
-            draws = draw_case(s, kinds)
+            draws = {**draw_case(s, kinds), **(overrides or {})}
             rec = fuzzer.run(draws, plant)
             records.append(rec)
             if out is not None:
@@ -572,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
     parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
     parser.add_argument("--model-timeout", type=float, default=300.0, help="per model case, seconds")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help='override a draw of every case, e.g. --set world=1 --set checkpointing=null')
     parser.add_argument("--verbose", action="store_true", help="print a failing rank's traceback under each crash")
     args = parser.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k)
@@ -583,13 +587,22 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.set_verbosity_error()
     seeds = args.case_seed or case_seeds(args.seed, args.cases)
     t0 = time.time()
-    records = run_cases(seeds, kinds, timeout=args.timeout, model_timeout=args.model_timeout, out=sys.stdout)
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare string: --set mode=ring
+    records = run_cases(seeds, kinds, timeout=args.timeout, model_timeout=args.model_timeout, out=sys.stdout,
+                        overrides=overrides)
     counts = Counter(r["verdict"] for r in records)
     print(f"{len(records)} cases in {time.time() - t0:.0f} s: " + ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICTS),
           flush=True)
     for r in records:
         if r["verdict"] in ("WRONG", "crash"):
-            print(f"  {r['verdict']}: --case-seed {r['case_seed']} --kinds {','.join(kinds)} ({summary(r['draws'])}): "
+            sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in overrides.items())
+            print(f"  {r['verdict']}: --case-seed {r['case_seed']} --kinds {','.join(kinds)}{sets} ({summary(r['draws'])}): "
                   f"{r['detail']}")
             if args.verbose and r.get("trace"):
                 print("    " + r["trace"].replace("\n", "\n    "))
