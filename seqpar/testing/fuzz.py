@@ -35,16 +35,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
-import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from seqpar.testing.verdicts import classify_errors, close, error_record
 
 __all__ = [
     "VERDICTS",
@@ -62,9 +62,6 @@ __all__ = [
 
 VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped")
 KINDS = ("attention", "dilated", "model")
-_REFUSAL_TYPES = (ValueError, TypeError, NotImplementedError)
-_SEQPAR_DIR = Path(__file__).resolve().parents[1]
-_TESTING_DIR = Path(__file__).resolve().parent
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 _HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
           (6, 3, 4, 4))
@@ -297,19 +294,6 @@ def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[st
 # Rank side
 # --------------------------------------------------------------------------------------------------
 
-def error_record(e: BaseException) -> dict[str, Any]:
-    """Type, message and whether the raising frame lies in seqpar (outside seqpar.testing)."""
-    tb = e.__traceback__
-    last = None
-    while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    path = Path(last).resolve() if last else None
-    in_seqpar = path is not None and _SEQPAR_DIR in path.parents and _TESTING_DIR not in path.parents
-    return {"type": type(e).__name__, "message": str(e)[:600], "refusal": isinstance(e, _REFUSAL_TYPES) and in_seqpar,
-            "where": str(path) if path else None, "trace": traceback.format_exc()[-1500:]}
-
-
 def _plant(name: str | None, rank: int) -> Any:
     """A deliberately broken seqpar, for the fuzzer's own tests: ``"ring_scale"`` scales the ring's output by
     1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes. Returns an undo callable (the pool's
@@ -402,35 +386,6 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
 # --------------------------------------------------------------------------------------------------
 # Verdicts
 # --------------------------------------------------------------------------------------------------
-
-def close(got: torch.Tensor, ref: torch.Tensor, tol: float, floor: float) -> tuple[bool, float]:
-    """``max|got - ref| <= tol * max|ref| + floor`` (shapes must match). Returns (ok, the error in units of
-    ``max|ref|``)."""
-    if got is None or tuple(got.shape) != tuple(ref.shape):
-        return False, math.inf
-    diff = float((got.double() - ref).abs().max()) if ref.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
-    if not math.isfinite(diff):
-        return False, math.inf
-    return diff <= tol * scale + floor, diff / scale if scale > 0 else diff
-
-
-def classify_errors(per_rank: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """``None`` when every rank ran; else ``("refused" | "crash", detail)``: refused when every rank raised
-    a refusal (see the module docstring) of the same type."""
-    errors = [r["error"] for r in per_rank if not r["ok"]]
-    if not errors:
-        return None
-    first = errors[0]
-    detail = f"{first['type']}: {first['message'][:300]}"
-    if len(errors) == len(per_rank) and all(e["refusal"] for e in errors) and len({e["type"] for e in errors}) == 1:
-        return "refused", detail
-    if len(errors) < len(per_rank):
-        detail = f"{len(errors)} of {len(per_rank)} ranks raised: {detail}"
-    elif not first["refusal"]:
-        detail = f"{detail} (raised at {first['where']})"
-    return "crash", detail
-
 
 def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
     dtype = getattr(torch, draws["dtype"])

@@ -176,7 +176,7 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
     import torch.distributed as dist
 
     import seqpar
-    from seqpar.testing.fuzz import error_record
+    from seqpar.testing.verdicts import error_record
 
     try:
         cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
@@ -229,7 +229,7 @@ def _judge(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
 def run_model_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[str, str]:
     """Verdict and detail of a ``model`` case (``"skipped"``: the tiny model does not run even without
     seqpar, so there is nothing to compare)."""
-    from seqpar.testing.fuzz import classify_errors
+    from seqpar.testing.verdicts import classify_errors
 
     batches = _batches(draws)
     ref = model_reference(draws, batches)
