@@ -210,7 +210,8 @@ def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: i
         return _PROBED[key]
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    # all_to_all_single splits the buffer evenly: a length that the group size divides (P = 3 too)
+    buf = torch.zeros(max(1, nbytes // 4 // world) * world, dtype=torch.float32, device=device)
     out = torch.empty_like(buf)
     dist.all_to_all_single(out, buf, group=group)  # warm-up
     start = time.perf_counter()

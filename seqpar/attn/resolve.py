@@ -243,6 +243,14 @@ def resolve_attention(
                       chunk_size=chunk_size)
     _check_softcap(softcap, qb)
     _check_alibi(alibi_slopes, qb)
+    if alibi_slopes is not None and (sinks is not None or softcap is not None):
+        # ALiBi is carried as the per-key bias m_h * j, equal to -m_h (i - j) only up to a per-row constant;
+        # a sink logit or a soft-cap does not ignore that constant, so the result would be silently wrong.
+        raise ValueError(
+            f"alibi_slopes with {'sinks' if sinks is not None else 'softcap'}: seqpar applies ALiBi as a per-key "
+            "bias that equals -m_h (i - j) only up to a per-row constant, which sinks and soft-capping do not "
+            "ignore. Drop the sinks / softcap, or ALiBi (no model combines them)"
+        )
     opts = AttentionOptions(
         causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
         overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1]), window=window, cu_seqlens=bounds,

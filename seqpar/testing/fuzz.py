@@ -1,0 +1,571 @@
+"""The composition fuzzer (issue 28 §3): random compositions of seqpar's options, each checked against one
+process in float64.
+
+``python -m seqpar.testing.fuzz --cases N --seed S [--json OUT]`` draws ``N`` cases. Case ``i`` gets its
+own *case seed* (``case_seeds(S, N)[i]``); every draw and every tensor of the case comes from that seed
+alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
+
+- ``attention``: a direct :func:`seqpar.attention` call (or two calls before one backward) on P in 1..4
+  ranks: mode (ring, allgather, ulysses, hybrid with a drawn Ulysses degree, auto), sharding
+  (contiguous, zigzag, balanced), GQA / MQA / MHA and V's head dim apart from q/k's, batch 1 or 2,
+  causal or not, packed documents (random lengths, length-1 documents, one longer than a shard),
+  window, sinks, chunked attention, ALiBi, soft-cap, layout bshd, head_chunks, overlap,
+  ``check_inputs`` on and off, fp32 or float64;
+- ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
+  P in 1..4, a shape the patterns do not fit now and then);
+- ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
+  ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`).
+
+Verdicts (one per case):
+
+- ``exact``: every output and gradient within tolerance of the single-process float64 reference
+  (:func:`close`: per tensor, ``max|g - g_ref| <= tol * max|g_ref| + floor``);
+- ``refused``: every rank raised a *refusal*: a ``ValueError``, ``TypeError`` or ``NotImplementedError``
+  (seqpar's ``ConfigError``, ``SwapError``, ``TilingError``, ``NormError`` are ``ValueError``\\ s) raised
+  from a frame inside the ``seqpar`` package (not ``seqpar.testing``), of the same type on every rank.
+  An error of torch or transformers, one raised on some ranks only, or one of another type is a crash;
+- ``WRONG``: ran on every rank, but some tensor is off beyond tolerance (silently wrong);
+- ``crash``: anything else, a hang past the case's timeout included (the rank pool is then restarted).
+
+Cases run on a persistent rank pool (:class:`seqpar.testing.ranks.PoolSet`): start-up is paid once per
+world size. Exit status: 1 when any case is WRONG or crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqpar.testing.verdicts import classify_errors, close, error_record
+
+__all__ = [
+    "VERDICTS",
+    "case_seeds",
+    "draw_case",
+    "run_case",
+    "run_cases",
+    "close",
+    "classify_errors",
+    "error_record",
+    "summary",
+    "Fuzzer",
+    "main",
+]
+
+VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped")
+KINDS = ("attention", "dilated", "model")
+# (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
+_HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
+          (6, 3, 4, 4))
+_TOL = {torch.float32: 2e-5, torch.float64: 1e-9}
+
+
+def case_seeds(seed: int, n: int) -> list[int]:
+    """The case seeds of a run: ``n`` integers drawn from ``seed`` (case ``i`` is the same whatever ``n``)."""
+    rng = random.Random(seed)
+    return [rng.randrange(2 ** 31) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Draws (plain JSON-able dicts; every tensor is rebuilt from the case seed)
+# --------------------------------------------------------------------------------------------------
+
+def _draw_documents(rng: random.Random, seq: int, world: int) -> list[int]:
+    """Boundaries ``[0, ..., seq]`` of random documents: length-1 ones, short ones, and (when the
+    sequence allows) one longer than a shard (``seq / world`` tokens)."""
+    shard = seq // world
+    lens: list[int] = []
+    if world > 1 and seq > shard + 1 and rng.random() < 0.7:
+        lens.append(rng.randint(shard + 1, seq - 1))
+    while sum(lens) < seq:
+        n = 1 if rng.random() < 0.3 else rng.randint(1, max(1, seq // 3))
+        lens.append(min(n, seq - sum(lens)))
+    rng.shuffle(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _draw_attention(rng: random.Random) -> dict[str, Any]:
+    world = rng.randint(1, 4)
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
+    divisors = [u for u in range(1, world + 1) if world % u == 0]
+    inner = [u for u in divisors if 1 < u < world]
+    ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
+    hq, hkv, d, dv = rng.choice(_HEADS)
+    docs = rng.random() < 0.5
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag", "zigzag"))
+    chunk = rng.randint(1, 6)  # tokens per zigzag chunk
+    seq = 2 * world * chunk
+    two_calls = rng.random() < 0.25
+    calls = []
+    for _ in range(2 if two_calls else 1):
+        calls.append({"cu": _draw_documents(rng, seq, world) if docs else None})
+    batch = 2 if (not docs and rng.random() < 0.3) or rng.random() < 0.03 else 1
+    return {
+        "kind": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
+        "declare_sharding": rng.random() < 0.5, "sharding": sharding, "heads": [hq, hkv, d, dv],
+        "batch": batch, "seq": seq, "causal": rng.random() < 0.7, "calls": calls,
+        "window": rng.randint(1, seq) if rng.random() < 0.3 else None,
+        "sinks": rng.random() < 0.25,
+        "chunk_size": rng.randint(1, seq) if rng.random() < 0.2 else None,
+        "alibi": rng.random() < 0.2,
+        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.2 else None,
+        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
+        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
+        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
+        "overlap": rng.random() < 0.8,
+        "check_inputs": rng.random() < 0.7,
+        "dtype": "float64" if rng.random() < 0.2 else "float32",
+    }
+
+
+def _draw_dilated(rng: random.Random) -> dict[str, Any]:
+    world = rng.randint(1, 4)
+    local = rng.choice((4, 8, 12, 16))
+    seq = world * local
+    fits = [w for w in range(1, seq + 1) if seq % w == 0 and (world == 1 or local % w == 0 or w % local == 0)]
+    n = rng.randint(1, 3)
+    segs, rates = [], []
+    for _ in range(n):
+        w = rng.choice(fits) if rng.random() < 0.95 else rng.randint(1, seq)
+        r = rng.choice([r for r in range(1, w + 1) if w % r == 0])
+        segs.append(w)
+        rates.append(r)
+    hq, hkv, d, _ = rng.choice(_HEADS)
+    return {
+        "kind": "dilated", "world": world, "seq": seq, "segment_lengths": segs, "dilation_rates": rates,
+        "heads": [hq, hkv, d, d], "batch": rng.choice((1, 2)), "causal": rng.random() < 0.5,
+        "mode": rng.choice(("ring", "allgather")), "head_layout": rng.choice(("mixed", "mixed", "grouped")),
+        "sharding": "contiguous" if rng.random() < 0.95 else "zigzag", "check_inputs": rng.random() < 0.7,
+        "dtype": "float64" if rng.random() < 0.2 else "float32",
+    }
+
+
+def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
+    """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
+    rng = random.Random(case_seed)
+    weights = {"attention": 6, "dilated": 1, "model": 3}
+    kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
+    if kind == "attention":
+        draws = _draw_attention(rng)
+    elif kind == "dilated":
+        draws = _draw_dilated(rng)
+    else:
+        from seqpar.testing.fuzz_models import draw_model
+
+        draws = draw_model(rng)
+    draws["case_seed"] = case_seed
+    return draws
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors, sharding, references
+# --------------------------------------------------------------------------------------------------
+
+def _tensors(draws: dict[str, Any]) -> dict[str, Any]:
+    """Full-sequence float64 inputs of every call of the case (from its seed)."""
+    g = torch.Generator().manual_seed(draws["case_seed"])
+    hq, hkv, d, dv = draws["heads"]
+    b, s = draws["batch"], draws["seq"]
+    calls = []
+    for _ in draws.get("calls", [{}]):
+        calls.append({n: torch.randn(b, h, s, w, generator=g, dtype=torch.float64)
+                      for n, h, w in (("q", hq, d), ("k", hkv, d), ("v", hkv, dv), ("dout", hq, dv))})
+    out: dict[str, Any] = {"calls": calls}
+    if draws.get("sinks"):
+        out["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64)
+    if draws.get("alibi"):
+        out["alibi"] = torch.rand(hq, generator=g, dtype=torch.float64) * 0.5 + 0.01
+    return out
+
+
+def positions(draws: dict[str, Any], cu: list[int] | None, rank: int) -> torch.Tensor:
+    """Global positions rank ``rank`` holds, in local order: contiguous and zigzag from their definition
+    (DESIGN.md: zigzag rank r holds chunks r and 2P-1-r), balanced from seqpar's own ``shard_index``."""
+    world, seq, sharding = draws["world"], draws["seq"], draws["sharding"]
+    if sharding == "balanced":
+        from seqpar.sequence.sharding import shard_index
+
+        return shard_index(seq, rank, world, "balanced", cu_seqlens=cu)
+    chunks = [rank] if sharding == "contiguous" else [rank, 2 * world - 1 - rank]
+    c = seq // (world if sharding == "contiguous" else 2 * world)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks])
+
+
+def _visible(draws: dict[str, Any], cu: list[int] | None) -> torch.Tensor:
+    """``(S, S)`` bool: key j visible to query i (documents, causal, window, chunks)."""
+    seq = draws["seq"]
+    pos = torch.arange(seq)
+    i, j = pos[:, None], pos[None, :]
+    doc = torch.zeros(seq, dtype=torch.long) if cu is None else torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
+    ok = doc[:, None] == doc[None, :]
+    if draws["causal"]:
+        ok &= j <= i
+    if draws.get("window") is not None:
+        ok &= (i - j < draws["window"]) if draws["causal"] else ((i - j).abs() < draws["window"])
+    if draws.get("chunk_size") is not None:
+        starts = torch.tensor(cu if cu is not None else [0])[doc]
+        idx = (pos - starts) // draws["chunk_size"]
+        ok &= idx[:, None] == idx[None, :]
+    return ok
+
+
+def attention_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+    """One process, float64, dense: per call ``[out, dq, dk, dv]``, plus ``dsinks`` (summed over calls).
+
+    Scores ``scale * q.k``, soft-capped (``softcap * tanh(s / softcap)``), then ALiBi's ``-m_h (i - j)``
+    added, then the mask; sinks join each softmax denominator."""
+    hq, hkv, d, _ = draws["heads"]
+    scale = draws.get("scale") or d ** -0.5
+    sinks = tensors["sinks"].clone().requires_grad_() if "sinks" in tensors else None
+    leaves, outs, total = [], [], 0.0
+    for call, t in zip(draws["calls"], tensors["calls"], strict=True):
+        q, k, v = (t[n].clone().requires_grad_() for n in "qkv")
+        ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        s = q @ ke.transpose(-1, -2) * scale
+        if draws.get("softcap") is not None:
+            s = draws["softcap"] * torch.tanh(s / draws["softcap"])
+        if "alibi" in tensors:
+            pos = torch.arange(draws["seq"], dtype=torch.float64)
+            s = s - tensors["alibi"].view(1, -1, 1, 1) * (pos[:, None] - pos[None, :])
+        s = s.masked_fill(~_visible(draws, call["cu"]), float("-inf"))
+        if sinks is not None:
+            col = sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+            p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s, -1)
+        out = p @ ve
+        total = total + (out * t["dout"]).sum()
+        leaves.append((q, k, v))
+        outs.append(out.detach())
+    total.backward()
+    res = {"calls": [[o, q.grad, k.grad, v.grad] for o, (q, k, v) in zip(outs, leaves, strict=True)]}
+    if sinks is not None:
+        res["dsinks"] = sinks.grad
+    return res
+
+
+def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+    """LongNet's definition (:mod:`seqpar.attn.dilated`'s docstring) with explicit float64 masks: pattern
+    ``(w, r)`` keeps, in each segment of ``w`` positions, those with ``p % r`` equal to the head's offset
+    (mixed: ``h % r``; grouped: pattern ``i`` for head group ``i``, offset ``i % r``); patterns merge by
+    their softmax denominators; a row no pattern selects is 0."""
+    hq, hkv, d, _ = draws["heads"]
+    seq, n = draws["seq"], len(draws["segment_lengths"])
+    t = tensors["calls"][0]
+    q, k, v = (t[x].clone().requires_grad_() for x in "qkv")
+    ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    pos = torch.arange(seq)
+    masks = torch.zeros(n, hq, seq, seq, dtype=torch.bool)
+    for p, (w, r) in enumerate(zip(draws["segment_lengths"], draws["dilation_rates"], strict=True)):
+        for h in range(hq):
+            if draws["head_layout"] == "mixed":
+                off = h % r
+            elif h // (hq // n) != p:
+                continue
+            else:
+                off = p % r
+            sel = (pos % w) % r == off
+            m = ((pos[:, None] // w) == (pos[None, :] // w)) & sel[:, None] & sel[None, :]
+            if draws["causal"]:
+                m &= pos[None, :] <= pos[:, None]
+            masks[p, h] = m
+    s = q @ ke.transpose(-1, -2) * d ** -0.5
+    cat = torch.cat([s.masked_fill(~m, float("-inf")) for m in masks], -1)
+    peak = cat.amax(-1, keepdim=True)
+    peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak).detach()
+    e = torch.exp(cat - peak)
+    out = (e @ torch.cat([ve] * n, 2)) / e.sum(-1, keepdim=True).clamp_min(1.0)
+    out.backward(t["dout"])
+    return {"calls": [[out.detach(), q.grad, k.grad, v.grad]]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank side
+# --------------------------------------------------------------------------------------------------
+
+def _plant(name: str | None, rank: int) -> Any:
+    """A deliberately broken seqpar, for the fuzzer's own tests: ``"ring_scale"`` scales the ring's output by
+    1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes. Returns an undo callable (the pool's
+    ranks must leave each task as they found it)."""
+    if name is None:
+        return lambda: None
+    if name not in ("ring_scale", "ring_hang"):
+        raise ValueError(f"unknown plant {name!r}")
+    from seqpar.attn import dispatch
+
+    original = dispatch.RingAttention
+
+    class Scaled:
+        @staticmethod
+        def apply(*args: Any) -> torch.Tensor:
+            if name == "ring_hang" and rank == 0:
+                time.sleep(600)
+            out = original.apply(*args)
+            return out * 1.001 if name == "ring_scale" else out
+
+    dispatch.RingAttention = Scaled
+
+    def undo() -> None:
+        dispatch.RingAttention = original
+    return undo
+
+
+def _local(x: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.index_select(2, pos).to(dtype)
+
+
+def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
+    """Pool task (every rank): this rank's part of an ``attention`` or ``dilated`` case. Returns
+    ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows)], "dsinks"?}`` or ``{"ok": False, "error"}``."""
+    import seqpar
+
+    rank, world = ctx.rank, ctx.world_size
+    dtype = getattr(torch, draws["dtype"])
+    undo = _plant(plant, rank)
+    try:
+        if draws["kind"] == "dilated":
+            seqpar.init_process_groups(sp_size=world)
+            t = tensors["calls"][0]
+            pos = positions({**draws, "sharding": "contiguous"}, None, rank)
+            q, k, v = (_local(t[n], pos, dtype).requires_grad_() for n in "qkv")
+            out = seqpar.dilated_attention(
+                q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
+                causal=draws["causal"], mode=draws["mode"], sharding=draws["sharding"],
+                head_layout=draws["head_layout"], check_inputs=draws["check_inputs"])
+            out.backward(_local(t["dout"], pos, dtype))
+            return {"ok": True, "calls": [[out.detach(), q.grad, k.grad, v.grad]]}
+        seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
+                                   sharding=draws["sharding"] if draws["declare_sharding"] else None)
+        sinks = tensors["sinks"].to(dtype).requires_grad_() if "sinks" in tensors else None
+        alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
+        leaves, outs, total = [], [], 0.0
+        for call, t in zip(draws["calls"], tensors["calls"], strict=True):
+            pos = positions(draws, call["cu"], rank)
+            q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
+            if draws["layout"] == "bshd":
+                q, k, v = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+            else:
+                q, k, v = (x.requires_grad_() for x in (q, k, v))
+            out = seqpar.attention(
+                q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"],
+                sharding=draws["sharding"], overlap=draws["overlap"], check_inputs=draws["check_inputs"],
+                head_chunks=draws["head_chunks"], cu_seqlens=None if call["cu"] is None else torch.tensor(call["cu"]),
+                window=draws["window"], sinks=sinks, layout=draws["layout"], chunk_size=draws["chunk_size"],
+                softcap=draws["softcap"], alibi_slopes=alibi)
+            if draws["layout"] == "bshd":
+                out = out.transpose(1, 2)
+            total = total + (out * dout).sum()
+            leaves.append((q, k, v))
+            outs.append(out.detach())
+        total.backward()
+        calls = []
+        for o, (q, k, v) in zip(outs, leaves, strict=True):
+            grads = [x.grad.transpose(1, 2) if draws["layout"] == "bshd" else x.grad for x in (q, k, v)]
+            calls.append([o, *grads])
+        res: dict[str, Any] = {"ok": True, "calls": calls}
+        if sinks is not None:
+            res["dsinks"] = sinks.grad
+        return res
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": error_record(e)}
+    finally:
+        undo()
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdicts
+# --------------------------------------------------------------------------------------------------
+
+def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
+    dtype = getattr(torch, draws["dtype"])
+    tol = _TOL[dtype]
+    world = draws["world"]
+    scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
+    # A tensor that is ~0 in exact arithmetic (dq where each query sees one key) carries the rounding of
+    # the case's largest products: judge it on the case's scale, not on its own noise.
+    floor = tol * 0.1 * scale_all
+    worst = ("", 0.0)
+    for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
+        for ti, name in enumerate(("out", "dq", "dk", "dv")):
+            full = torch.zeros_like(ref_call[ti])
+            for r in range(world):
+                full[:, :, positions(draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"},
+                                     call["cu"], r)] = per_rank[r]["calls"][ci][ti].double()
+            ok, err = close(full, ref_call[ti], tol, floor)
+            label = f"call{ci}.{name}" if len(ref["calls"]) > 1 else name
+            if not ok:
+                return "WRONG", f"{label} off by {err:.2e} of its max (tol {tol:.0e})"
+            worst = max(worst, (label, err), key=lambda x: x[1])
+    if "dsinks" in ref:
+        got = sum(p["dsinks"].double() for p in per_rank)
+        ok, err = close(got, ref["dsinks"], tol, floor)
+        if not ok:
+            return "WRONG", f"dsinks off by {err:.2e} of its max (tol {tol:.0e})"
+    return "exact", f"worst {worst[0]} {worst[1]:.1e}"
+
+
+def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: str | None = None) -> dict[str, Any]:
+    """Run one case on ``pools`` (a :class:`seqpar.testing.ranks.PoolSet`); returns its record
+    ``{"case_seed", "kind", "draws", "verdict", "detail", "seconds"}``."""
+    from seqpar.testing.ranks import PoolError, PoolTimeout
+
+    t0 = time.time()
+    trace = None
+    try:
+        if draws["kind"] == "model":
+            from seqpar.testing.fuzz_models import run_model_case
+
+            verdict, detail = run_model_case(pools, draws, timeout=timeout)
+        else:
+            tensors = _tensors(draws)
+            per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
+            trace = next((r["error"]["trace"] for r in per_rank if not r["ok"]), None)
+            verdict, detail = classify_errors(per_rank) or ("", "")
+            if not verdict:  # every rank ran: the reference decides
+                ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
+                verdict, detail = _judge_attention(draws, ref, per_rank)
+    except PoolTimeout:
+        verdict, detail = "crash", f"timeout after {timeout:.0f} s (the rank pool was restarted)"
+    except PoolError as e:
+        verdict, detail = "crash", f"rank pool: {str(e)[-400:]}"
+    except Exception as e:  # noqa: BLE001 - a fuzzer error is a crash of the case, reported with its seed
+        verdict, detail = "crash", f"driver: {type(e).__name__}: {str(e)[:300]}"
+    return {"case_seed": draws["case_seed"], "kind": draws["kind"], "verdict": verdict, "detail": detail,
+            "seconds": round(time.time() - t0, 2), "draws": draws, **({"trace": trace} if trace else {})}
+
+
+def summary(draws: dict[str, Any]) -> str:
+    """One short line naming the case's composition."""
+    if draws["kind"] == "model":
+        from seqpar.testing.fuzz_models import model_summary
+
+        return model_summary(draws)
+    if draws["kind"] == "dilated":
+        return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
+                f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}")
+    parts = [f"attention P={draws['world']}", draws["mode"] + (f"(u={draws['ulysses_size']})" if draws["mode"] == "hybrid" else ""),
+             draws["sharding"], "H=" + "/".join(map(str, draws["heads"])), f"B={draws['batch']}", f"S={draws['seq']}",
+             f"causal={int(draws['causal'])}"]
+    if draws["calls"][0]["cu"] is not None:
+        parts.append("docs=" + ",".join(str(b - a) for a, b in zip(draws["calls"][0]["cu"], draws["calls"][0]["cu"][1:])))
+    for key in ("window", "chunk_size", "softcap", "scale"):
+        if draws.get(key) is not None:
+            parts.append(f"{key}={draws[key]}")
+    for key in ("sinks", "alibi"):
+        if draws.get(key):
+            parts.append(key)
+    if len(draws["calls"]) > 1:
+        parts.append("two-calls")
+    if draws["layout"] != "bhsd":
+        parts.append(draws["layout"])
+    if draws["head_chunks"] != "auto":
+        parts.append(f"head_chunks={draws['head_chunks']}")
+    if not draws["overlap"]:
+        parts.append("no-overlap")
+    if not draws["check_inputs"]:
+        parts.append("no-check")
+    parts.append(draws["dtype"])
+    return " ".join(parts)
+
+
+class Fuzzer:
+    """Runs cases on one :class:`~seqpar.testing.ranks.PoolSet` (one pool per world size, kept warm)."""
+
+    def __init__(self, timeout: float = 60.0, model_timeout: float = 300.0) -> None:
+        from seqpar.testing.ranks import PoolSet
+
+        self.pools = PoolSet("cpu", pg_timeout_s=60.0, max_threads=80)
+        self.timeout, self.model_timeout = timeout, model_timeout
+
+    def run(self, draws: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
+        return run_case(self.pools, draws, self.model_timeout if draws["kind"] == "model" else self.timeout, plant)
+
+    def close(self) -> None:
+        self.pools.close()
+
+    def __enter__(self) -> Fuzzer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def run_cases(seeds: list[int], kinds: tuple[str, ...] = ("attention", "dilated"), *, plant: str | None = None,
+              timeout: float = 60.0, model_timeout: float = 300.0, out: Any = None,
+              overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Draw and run the cases of ``seeds`` (each draw updated with ``overrides``, e.g. ``{"world": 1}`` to
+    narrow a finding down); prints one line per case to ``out`` (None: silent)."""
+    records = []
+    with Fuzzer(timeout, model_timeout) as fuzzer:
+        for i, s in enumerate(seeds):
+            draws = {**draw_case(s, kinds), **(overrides or {})}
+            rec = fuzzer.run(draws, plant)
+            records.append(rec)
+            if out is not None:
+                print(f"[{i:4d}] case-seed {s:10d} {rec['verdict']:7s} {rec['seconds']:6.1f}s  {summary(draws)}  "
+                      f"-- {rec['detail']}", file=out, flush=True)
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m seqpar.testing.fuzz", description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", type=int, default=20, help="how many cases to draw (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed: case i's seed is drawn from it")
+    parser.add_argument("--case-seed", type=int, action="append", metavar="X",
+                        help="run only the case of this case seed (repeatable); --cases and --seed are then ignored")
+    parser.add_argument("--kinds", default="attention,dilated,model",
+                        help="comma-separated kinds to draw from: attention, dilated, model (default: all)")
+    parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
+    parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
+    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model case, seconds")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help='override a draw of every case, e.g. --set world=1 --set checkpointing=null')
+    parser.add_argument("--verbose", action="store_true", help="print a failing rank's traceback under each crash")
+    args = parser.parse_args(argv)
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        parser.error(f"unknown kinds {bad}: choose from {list(KINDS)}")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    seeds = args.case_seed or case_seeds(args.seed, args.cases)
+    t0 = time.time()
+    overrides = {}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare string: --set mode=ring
+    records = run_cases(seeds, kinds, timeout=args.timeout, model_timeout=args.model_timeout, out=sys.stdout,
+                        overrides=overrides)
+    counts = Counter(r["verdict"] for r in records)
+    print(f"{len(records)} cases in {time.time() - t0:.0f} s: " + ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICTS),
+          flush=True)
+    for r in records:
+        if r["verdict"] in ("WRONG", "crash"):
+            sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in overrides.items())
+            print(f"  {r['verdict']}: --case-seed {r['case_seed']} --kinds {','.join(kinds)}{sets} ({summary(r['draws'])}): "
+                  f"{r['detail']}")
+            if args.verbose and r.get("trace"):
+                print("    " + r["trace"].replace("\n", "\n    "))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"seed": args.seed, "kinds": list(kinds), "counts": dict(counts),
+                                               "cases": records}, indent=1, default=str))
+    return 1 if counts.get("WRONG") or counts.get("crash") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

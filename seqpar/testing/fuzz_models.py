@@ -1,0 +1,242 @@
+"""The fuzzer's ``model`` cases (:mod:`seqpar.testing.fuzz`): a tiny model of any decoder-only type
+(:mod:`seqpar.testing.tiny_models`) under ``swap_attention`` on P ranks, against one process without seqpar.
+
+Drawn: the model type; P in 1..4; mode (ring, allgather, ulysses, hybrid with u=2 at P=4, auto); sharding
+(contiguous, zigzag; balanced with packing); the batch (two rows of a length P may not divide, so
+``shard_batch`` pads the end; two rows with right padding under an ``attention_mask``; packed documents
+from ``DataCollatorWithFlattening`` with random lengths, length-1 documents and one longer than a shard);
+activation checkpointing (off, reentrant, non-reentrant; where the model supports it); the step (one
+forward and backward; two forwards before one backward; gradient accumulation over two micro-batches);
+``check_inputs`` on and off. Engines (ZeRO, FSDP2, TP) are not drawn yet.
+
+Reference: one process without seqpar, float64 where the model runs in it (else fp32), on the full batch,
+with the case's activation checkpointing;
+packed documents each run alone and token-weighted (per-document semantics). The loss must agree within
+``tol`` relative and every parameter's gradient (summed over the SP ranks) within
+``tol * max|g_ref of that parameter| + floor * max|g_ref| over the model`` (tol 1e-4 in float64, 1e-3 in fp32).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["draw_model", "model_summary", "run_model_case", "model_task", "model_reference"]
+
+_TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
+_TYPES: list[str] = []
+
+
+def _model_types() -> list[str]:
+    if not _TYPES:
+        from seqpar.testing.tiny_models import decoder_model_types
+
+        _TYPES.extend(decoder_model_types())
+    return _TYPES
+
+
+def draw_model(rng: random.Random) -> dict[str, Any]:
+    """A ``model`` case's draws (JSON-able)."""
+    types = _model_types()
+    world = rng.randint(1, 4)
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
+    ulysses_size = 2 if mode == "hybrid" and world == 4 else (world if mode == "hybrid" else 1)
+    batch = rng.choice(("rows", "rows", "padded", "packed"))
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if batch == "packed" else ("contiguous", "zigzag"))
+    shard = 8
+    seqs = []
+    for _ in range(2):
+        seq = rng.randint(world * shard - 2 * world + 1, world * shard) if world > 1 else rng.randint(10, 16)
+        if batch == "packed":
+            lens = [rng.randint(seq // world + 1, seq - 2)] if world > 1 else []
+            while sum(lens) < seq:
+                lens.append(min(seq - sum(lens), 1 if rng.random() < 0.3 else rng.randint(2, 7)))
+            rng.shuffle(lens)
+            seqs.append(lens)
+        elif batch == "padded":
+            seqs.append([seq, rng.randint(2, seq - 1)])  # row 0 full, row 1 right-padded
+        else:
+            seqs.append([seq])
+    return {
+        "kind": "model", "model_type": rng.choice(types), "world": world, "mode": mode,
+        "ulysses_size": ulysses_size, "sharding": sharding, "batch": batch, "lengths": seqs,
+        "checkpointing": rng.choice((None, None, "reentrant", "non-reentrant")),
+        "step": rng.choice(("one", "one", "two-forwards", "accumulate")),
+        "check_inputs": rng.random() < 0.7,
+    }
+
+
+def model_summary(draws: dict[str, Any]) -> str:
+    d = draws
+    n_batches = 1 if d["step"] == "one" else 2
+    return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
+            + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
+            + ("" if d["check_inputs"] else " no-check"))
+
+
+def _batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
+    """The case's full batches (1 or 2, per ``step``), from its case seed."""
+    from seqpar.testing.tiny_models import VOCAB
+
+    g = torch.Generator().manual_seed(draws["case_seed"])
+    out = []
+    for lens in draws["lengths"][: 1 if draws["step"] == "one" else 2]:
+        if draws["batch"] == "packed":
+            import transformers
+
+            docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
+            b = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": x} for x in docs])
+            out.append({"docs": docs, "batch": dict(b)})
+        elif draws["batch"] == "padded":
+            seq, keep = lens
+            ids = torch.randint(3, VOCAB, (2, seq), generator=g)
+            mask = torch.ones(2, seq, dtype=torch.long)
+            mask[1, keep:] = 0
+            ids[1, keep:] = 0
+            labels = ids.masked_fill(mask == 0, -100)
+            out.append({"batch": {"input_ids": ids, "attention_mask": mask, "labels": labels}})
+        else:
+            ids = torch.randint(3, VOCAB, (2, lens[0]), generator=g)
+            out.append({"batch": {"input_ids": ids, "labels": ids.clone()}})
+    return out
+
+
+def _build(draws: dict[str, Any], dtype: torch.dtype) -> Any:
+    """The case's tiny model. Packed batches: MoE router losses off, on both sides. The reference runs each
+    document alone, and a router loss is a statistic of the tokens of one call (the load-balancing loss a
+    product of per-expert means), so per-document runs cannot give the packed call's value (jamba, P=1:
+    loss 5e-4 off with no SP at all)."""
+    from seqpar.testing.tiny_models import build_model
+
+    model = build_model(draws["model_type"], dtype)
+    if draws["batch"] == "packed" and getattr(model.config, "output_router_logits", False):
+        model.config.output_router_logits = False
+    return model
+
+
+def _checkpointing(model: Any, how: str | None) -> None:
+    if how is not None and getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
+
+
+def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
+    """One process, no seqpar, the case's checkpointing: ``{"ok", "dtype", "loss", "grads"}`` (loss summed over the batches) or
+    ``{"ok": False, "error"}`` when the tiny model does not run even so."""
+
+    errors = []
+    for dtype in (torch.float64, torch.float32):
+        try:
+            model = _build(draws, dtype)
+            # the same checkpointing as the SP run: transformers' reentrant checkpointing alone changes some
+            # models' gradients (flex_olmo's embedding, 90% off in one process), which is not seqpar's to answer
+            _checkpointing(model, draws["checkpointing"])
+            total = 0.0
+            for b in batches:
+                if "docs" in b:  # each document alone, token-weighted (per-document semantics)
+                    loss, count = 0.0, 0
+                    for d in b["docs"]:
+                        if len(d) > 1:
+                            ids = torch.tensor([d])
+                            loss = loss + model(input_ids=ids, labels=ids).loss * (len(d) - 1)
+                            count += len(d) - 1
+                    loss = loss / count
+                else:
+                    loss = model(**b["batch"]).loss
+                if loss is None or not torch.isfinite(loss):
+                    raise RuntimeError(f"loss is {loss}")
+                total = total + loss
+            total.backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return {"ok": True, "dtype": str(dtype).removeprefix("torch."), "loss": float(total.detach()), "grads": grads}
+        except Exception as e:  # noqa: BLE001 - the model cannot run here: the case is skipped
+            errors.append(f"{type(e).__name__}: {str(e)[:200]}")
+    return {"ok": False, "error": errors[-1]}
+
+
+def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
+    """Pool task (every rank): the case under seqpar; rank 0 returns the loss and the gradients summed over
+    the SP ranks, every rank ``{"ok": False, "error"}`` on an exception."""
+    import warnings
+
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the kernels' fallback notes, once per model type and rank
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's rename
+            return _model_task(ctx, draws, batches, dtype_name)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.testing.verdicts import error_record
+
+    try:
+        cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
+               "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
+        manager = seqpar.init_process_groups(config=cfg)
+        model = _build(draws, getattr(torch, dtype_name))
+        seqpar.swap_attention(model, cfg)
+        _checkpointing(model, draws["checkpointing"])
+        losses = []
+        for b in batches:
+            out = model(**seqpar.shard_batch(b["batch"]))
+            if draws["step"] == "accumulate":
+                out.loss.backward()
+            losses.append(out.loss)
+        if draws["step"] != "accumulate":
+            sum(losses).backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach().clone()
+                dist.all_reduce(g, group=manager.sp_group)
+                grads[name] = g
+        return {"ok": True, "loss": float(sum(x.detach() for x in losses)), "grads": grads if ctx.rank == 0 else None}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": error_record(e)}
+
+
+def _judge(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
+    tol, floor = _TOL[ref["dtype"]]
+    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    if not loss_rel <= tol:
+        return "WRONG", f"loss off by {loss_rel:.1e} relative (tol {tol:.0e})"
+    grads = got["grads"]
+    missing = sorted(set(ref["grads"]) ^ set(grads))
+    if missing:
+        return "WRONG", f"gradients present on one side only: {missing[:4]}"
+    model_max = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    worst = ("", 0.0)
+    for name, g_ref in ref["grads"].items():
+        if not g_ref.numel():
+            continue
+        diff = float((grads[name].double() - g_ref.double()).abs().max())
+        own = float(g_ref.abs().max())
+        if not diff <= tol * own + floor * model_max:
+            return "WRONG", f"grad {name} off by {diff / max(own, 1e-300):.1e} of its max (tol {tol:.0e}); loss rel {loss_rel:.1e}"
+        worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
+    return "exact", f"loss rel {loss_rel:.1e}, worst grad {worst[0]} {worst[1]:.1e}"
+
+
+def run_model_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[str, str]:
+    """Verdict and detail of a ``model`` case (``"skipped"``: the tiny model does not run even without
+    seqpar, so there is nothing to compare)."""
+    from seqpar.testing.verdicts import classify_errors
+
+    batches = _batches(draws)
+    ref = model_reference(draws, batches)
+    if not ref["ok"]:
+        return "skipped", f"cannot run without seqpar: {ref['error']}"
+    per_rank = pools.run(draws["world"], model_task, draws, batches, ref["dtype"], timeout=timeout)
+    bad = classify_errors(per_rank)
+    if bad is not None:
+        return bad
+    return _judge(ref, per_rank[0])
