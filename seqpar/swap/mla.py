@@ -191,17 +191,21 @@ def _verdict(module: nn.Module, original: Callable, dims: MLADims, like: Tensor)
     r = torch.randn(1, 1, 3, dims.qk_rope_head_dim, generator=g).to(like.device, like.dtype)
     width = dims.qk_nope_head_dim + dims.v_head_dim
 
-    def expand(weight: Tensor, c_in: Tensor, r_in: Tensor) -> tuple[int, tuple[Tensor, Tensor]]:
+    seen: dict[str, Any] = {}
+
+    def expand(weight: Tensor, c_in: Tensor, r_in: Tensor) -> Tensor:
         heads, rest = divmod(weight.shape[0], width)
         if rest or weight.shape[1:] != (dims.kv_lora_rank,):
             raise ValueError(f"kv_b_proj's weight in its forward has shape {tuple(weight.shape)}, not a multiple "
                              f"of {width} rows x {dims.kv_lora_rank}")
-        return heads, MLAExpander(weight, replace(dims, heads=heads)).expand(c_in, r_in)
+        seen["heads"], seen["kv"] = heads, MLAExpander(weight, replace(dims, heads=heads)).expand(c_in, r_in)
+        return seen["kv"][0]  # one tensor out of the module's forward, as its hooks expect
 
     try:
         with torch.no_grad():
             want = original(c, r)
-            heads, got = run_in_projection(module.kv_b_proj, expand, c, r)
+            run_in_projection(module.kv_b_proj, expand, c, r)
+            heads, got = seen["heads"], seen["kv"]
     except Exception as error:  # noqa: BLE001 - any failure means: not the expansion seqpar knows
         return None, f"its expand_kv could not be compared with the latent expansion ({type(error).__name__}: {error})"
     if all(a.shape == b.shape and bool(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2))
