@@ -8,7 +8,7 @@ expands the plan's ``*`` layer wildcards to the model's module names and hands i
 TP sub-mesh (``manager.dp_sp_tp_mesh["tp"]``, whose ``"dp_sp"`` dim FSDP2 shards over), to that
 function. Nothing here re-implements a style.
 
-Only the styles checked against one process (tests/test_tp_train.py) are accepted; any other style in
+Only the styles checked against one process (tests/test_tp_train.py, tests/test_tp_compose.py) are accepted; any other style in
 a plan is refused by name, before anything is sharded. ``replicated_with_grad_allreduce`` (Qwen3's
 ``q_norm`` / ``k_norm``, which see only the rank's heads) is transformers' own: it sums the weight's
 gradient over the TP group in a post-accumulate hook. torch's plain ``parallelize_module`` has no such
@@ -54,6 +54,7 @@ SUPPORTED_STYLES = (
     "colwise_gather_output",  # the LM head: output gathered (replicated logits)
     "embedding_rowwise",  # vocab-parallel embedding: partial lookups summed
     "replicated_with_grad_allreduce",  # per-head norms (Qwen3 q_norm/k_norm): gradient summed over TP
+    "mla_kv_a_proj",  # MLA's kv_a_proj_with_mqa (replicated): the rope key's gradient summed over TP
 )
 """The transformers tensor-parallel styles seqpar applies (each checked against one process)."""
 
@@ -73,7 +74,9 @@ def expand_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
         if style not in SUPPORTED_STYLES:
             raise ValueError(
                 f"tensor parallelism: the model's tp plan maps {key!r} to style {style!r}, which seqpar does not "
-                f"apply yet (supported: {list(SUPPORTED_STYLES)}); pass plan= without it, or run tp_size 1"
+                f"apply yet (supported: {list(SUPPORTED_STYLES)}); pass plan= to seqpar.integrations.tp."
+                f"apply_tensor_parallel without it (that part then stays replicated on every TP rank), or run "
+                "tp_size 1"
             )
     expanded: dict[str, str] = {}
     for module_name, module in model.named_modules():

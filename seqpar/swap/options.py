@@ -201,12 +201,13 @@ class SwapOptions:
 
                 check_finite({"query": q, "latent": call.c, "rope key": call.r}, self.group,
                              f"layer {layer or '?'} attention inputs")
+            # run as kv_b_proj's forward (call.run), so engines that gather its weight per module see the use
             if plan.algorithm == "ring":
-                out = LatentRingAttention.apply(q, call.c, call.r, call.weight, RingComm(plan.group), plan.opts,
-                                                call.dims, sinks)
+                out = call.run(lambda weight, c, r: LatentRingAttention.apply(
+                    q, c, r, weight, RingComm(plan.group), plan.opts, call.dims, sinks))
             else:
-                out = LatentAllGatherAttention.apply(q, call.c, call.r, call.weight, plan.group, plan.opts,
-                                                     call.dims, sinks)
+                out = call.run(lambda weight, c, r: LatentAllGatherAttention.apply(
+                    q, c, r, weight, plan.group, plan.opts, call.dims, sinks))
             if self.check_finite:
                 check_finite({"output": out}, self.group, f"layer {layer or '?'} attention output")
             return out
