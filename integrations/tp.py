@@ -342,7 +342,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     the TP-sharded ones on ``(dp_sp, tp)``, the replicated ones on ``dp_sp``), which torch's own refuses
     to stack. The 2-norm of each mesh's gradients (``get_total_norm``: reduced over that mesh, then a
     plain tensor by ``full_tensor``) is squared, the squares are summed, and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``,
-    as torch does. Returns the total norm (a plain tensor, the same on every rank)."""
+    as torch does, without reading the norm on the host. Returns the total norm (a plain tensor, the same on every rank)."""
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
@@ -354,8 +354,16 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
         norm = torch.nn.utils.get_total_norm(group)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
     total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
-    coef = min(1.0, max_norm / (total.item() + 1e-6))
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+    # The coefficient stays on the device, clamped rather than compared, and every gradient is scaled
+    # (by 1 when no clip is due), as torch's clip_grads_with_norm_ does: no host read of the norm, so
+    # a GPU step does not wait for the device here.
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    # Scaled shard by shard (a DTensor's local tensor is a view of its data), one fused multiply per
+    # (device, dtype): foreach takes like tensors, and DTensors on different meshes do not mix.
+    by_kind: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.to_local() if isinstance(g, DTensor) else g
+        by_kind.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), group in by_kind.items():
+        torch._foreach_mul_(group, coef.to(device))
     return total

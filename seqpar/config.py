@@ -18,6 +18,7 @@ Example block::
         "check_inputs": true,       # cross-rank shape/dtype check before each call
         "head_chunks": "auto",      # run attention in this many head passes (less memory)
         "mla_transfer": "latent",   # MLA models' ring: move the latent ("latent") or expanded K/V
+        "mixer_kernels": "torch",   # hybrid mixers' local scans: "torch" | "auto" (CUDA kernels if importable)
         "swap": "auto",             # what attention to replace in a model
         "tiled_loss": false,        # LM head + cross-entropy over sequence chunks
         "tiled_mlp": false,         # decoder MLPs over sequence chunks: int | "auto" | false
@@ -48,6 +49,7 @@ __all__ = [
     "SHARDINGS",
     "PATTERN_TYPES",
     "HEAD_LAYOUTS",
+    "MIXER_KERNELS",
     "PatternConfig",
     "SeqParConfig",
 ]
@@ -56,6 +58,7 @@ MODES = ("ring", "allgather", "ulysses", "hybrid", "auto")
 # balanced: chunks dealt per batch from the packed documents' boundaries (seqpar.sequence.sharding), so
 # causal work stays even where zigzag's balance breaks
 SHARDINGS = ("contiguous", "zigzag", "balanced")
+MIXER_KERNELS = ("torch", "auto")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
 SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
@@ -288,6 +291,14 @@ class SeqParConfig:
     block) is ``kv_lora_rank / seq_local`` of the block's attention. ``mode="ring"`` and
     ``"allgather"`` move latents; Ulysses and hybrid, and a layer whose ``expand_kv`` does not match the latent expansion
     (checked once per layer), use the expanded K/V."""
+    mixer_kernels: str = "torch"
+    """The kernels of the hybrid mixers' local scans (Mamba, Mamba2, GDN / KDA, lightning attention):
+    ``"torch"`` (default) runs transformers' own torch functions, whose rounding seqpar's state
+    correction mirrors and which are tested exact against one process; ``"auto"`` runs
+    flash-linear-attention (GDN, KDA, lightning) and mamba_ssm (Mamba2's SSD Triton kernels, Mamba's
+    selective scan) on CUDA where they are importable, else the torch path. ``"auto"`` is opt-in until a
+    GPU run proves it exact against ``"torch"`` (``python -m seqpar.bench.gpu_check --stage
+    mixer-kernels``); ``"torch"`` is slower on a GPU than those kernels."""
     swap: str | tuple[str, ...] = "auto"
     """What attention to replace in a model: ``"auto"`` (Hugging Face attention interface, modules
     calling ``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``), one of
@@ -364,6 +375,10 @@ class SeqParConfig:
         _check_type("mla_transfer", self.mla_transfer, (str,), 'choose "latent" or "expanded"')
         if self.mla_transfer not in ("latent", "expanded"):
             _fail("mla_transfer", self.mla_transfer, 'choose "latent" or "expanded"')
+        kernels_hint = f'choose one of {list(MIXER_KERNELS)} ("torch": transformers\' torch path, the default)'
+        _check_type("mixer_kernels", self.mixer_kernels, (str,), kernels_hint)
+        if self.mixer_kernels not in MIXER_KERNELS:
+            _fail("mixer_kernels", self.mixer_kernels, kernels_hint)
         chunks_hint = 'a positive integer dividing the model\'s kv_heads, or "auto"'
         if self.head_chunks != "auto":
             _check_type("head_chunks", self.head_chunks, (int,), chunks_hint)

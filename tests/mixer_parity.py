@@ -96,12 +96,13 @@ def sharded_parity(tiny: Callable[[torch.dtype], torch.nn.Module], routes: dict[
     return done
 
 
-def one_process_parity(tiny: Callable[[torch.dtype], torch.nn.Module]) -> None:
-    """The swapped model on one process, fed the packed batch, equals each document run alone."""
+def one_process_parity(tiny: Callable[[torch.dtype], torch.nn.Module], config: dict | None = None) -> None:
+    """The swapped model on one process, fed the packed batch, equals each document run alone.
+    ``config``: the swap's (default: seqpar's defaults)."""
     docs = documents()
     ref_loss, ref_grads = per_document_reference(tiny, docs)
     model = tiny(torch.float32)
-    swap_attention(model)
+    swap_attention(model, config)
     out = model(**packed_batch(docs))
     out.loss.backward()
     check(model, out.loss, ref_loss, ref_grads, 1, "one process")

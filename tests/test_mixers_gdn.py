@@ -52,7 +52,8 @@ def reference_scan(rule: str, t: dict[str, torch.Tensor], cu: list[int], chunk: 
 
 
 def _scan_parity(rank: int, world: int, rule: str, sharding: str, cu: list[int], chunk: int = CHUNK,
-                 recompute: int | None | str = "default", calls: list[str] | None = None) -> tuple[int, int]:
+                 recompute: int | None | str = "default", calls: list[str] | None = None,
+                 mixer_kernels: str = "torch") -> tuple[int, int]:
     """Sharded scan vs the per-document reference (output and every input's gradient); returns the counted
     collective bytes and their theory. ``calls``: each kernel call is appended (``"forward"`` or
     ``"backward"``: a checkpointed piece recomputed)."""
@@ -66,7 +67,7 @@ def _scan_parity(rank: int, world: int, rule: str, sharding: str, cu: list[int],
     ins = {n: data[n].clone().requires_grad_() for n in names}
     local = {n: shard_sequence(t, 1, group=group, sharding=sharding, cu_seqlens=cu) for n, t in ins.items()}
     layout = scan_layout(cu[-1] // world, group=group, sharding=sharding, cu_seqlens=cu)
-    kernel = delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu"))
+    kernel = delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu"), mixer_kernels)
     phase = ["forward"]
     if calls is not None:
         torch_kernel = kernel
@@ -331,10 +332,15 @@ def test_flash_linear_attention_kernels_are_used_where_importable(monkeypatch, r
     for i in range(1, len(parts) + 1):
         monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
     setattr(sys.modules[module], name, fake)
-    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu")) is TORCH_KERNELS[rule]
+    cpu = torch.device("cpu")
+    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], cpu, "auto") is TORCH_KERNELS[rule]
     monkeypatch.setattr(delta_rule, "KERNEL_DEVICES", {"cpu"})
-    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], torch.device("cpu")) is fake
+    # opt-in (issue 28): the default ("torch") keeps the torch path with the kernel importable
+    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], cpu) is TORCH_KERNELS[rule]
     _scan_parity(0, 1, rule, "contiguous", SCAN_CASES[1])
+    assert calls == []
+    assert delta_rule.delta_rule_kernel(rule, TORCH_KERNELS[rule], cpu, "auto") is fake
+    _scan_parity(0, 1, rule, "contiguous", SCAN_CASES[1], mixer_kernels="auto")
     assert len(calls) == 5  # one per document run (5 documents)
 
 

@@ -186,8 +186,12 @@ def test_flash_linear_attention_kernel_is_used_where_importable(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla", fla)
     monkeypatch.setitem(sys.modules, "fla.ops", fla.ops)
     monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", fla.ops.simple_gla)
-    assert lightning.lightning_kernel(torch.device("cpu")) is None  # not a kernel device
+    assert lightning.lightning_kernel(torch.device("cpu"), "auto") is None  # not a kernel device
     monkeypatch.setattr(lightning, "KERNEL_DEVICES", {"cpu"})
-    assert lightning.lightning_kernel(torch.device("cpu")) is chunk_simple_gla
+    # opt-in (issue 28): the default ("torch") keeps the torch path with the kernel importable
+    assert lightning.lightning_kernel(torch.device("cpu")) is None
     one_process_parity(tiny)
+    assert not calls
+    assert lightning.lightning_kernel(torch.device("cpu"), "auto") is chunk_simple_gla
+    one_process_parity(tiny, {"mixer_kernels": "auto"})
     assert calls  # one call per document run

@@ -72,7 +72,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err <= 2e-6 * scale and scale > 0, (what, err, scale)
 
 
-def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int) -> None:
+def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int,
+                 mixer_kernels: str = "torch") -> None:
     data = _scan_inputs(2, seq)
     names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
     ref_in = {k: data[k].clone().requires_grad_() for k in names}
@@ -86,7 +87,7 @@ def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] |
     layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
     out = ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
                     local["dt_bias"], chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
-                    **SCAN_OPTIONS)
+                    mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
     grad = shard_sequence(data["grad"], 1, group=group, sharding=sharding, cu_seqlens=cu)
     (out * grad).sum().backward()
     full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
@@ -185,12 +186,18 @@ def test_mamba_ssm_kernel_is_used_where_importable(monkeypatch):
     modules[-1].mamba_chunk_scan_combined = mamba_chunk_scan_combined
     for name, module in zip(names, modules):
         monkeypatch.setitem(sys.modules, name, module)
-    assert ssd.ssd_kernel(torch.device("cpu")) is None  # not a kernel device
+    assert ssd.ssd_kernel(torch.device("cpu"), "auto") is None  # not a kernel device
     monkeypatch.setattr(ssd, "KERNEL_DEVICES", {"cpu"})
-    assert ssd.ssd_kernel(torch.device("cpu")) is mamba_chunk_scan_combined
+    # opt-in (issue 28): the default ("torch") keeps the torch path with the kernel importable
+    assert ssd.ssd_kernel(torch.device("cpu")) is None
     _scan_parity(0, 1, "contiguous", 80, [0, 5, 12, 13, 47, 80], 8)
-    assert calls == [True]  # one call for the whole shard, its five documents told apart by seq_idx
     one_process_parity(functools.partial(tiny, "bamba"))
+    assert calls == []
+    assert ssd.ssd_kernel(torch.device("cpu"), "auto") is mamba_chunk_scan_combined
+    _scan_parity(0, 1, "contiguous", 80, [0, 5, 12, 13, 47, 80], 8, "auto")
+    assert calls == [True]  # one call for the whole shard, its five documents told apart by seq_idx
+    one_process_parity(functools.partial(tiny, "bamba"), {"mixer_kernels": "auto"})
+    assert len(calls) > 1
 
 
 # ----------------------------------------------------------------------------- tiny hybrid models

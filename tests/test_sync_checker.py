@@ -220,3 +220,33 @@ def test_mixer_host_read_per_layer_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(HostSyncError, match=r"lightning\[0\]: tolist at tests/test_sync_checker.py"):
         run_scenario(sc, 2, 1)
     assert original is not uncached
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("world", [1, 2])
+def test_steady_state_clip_and_router_make_no_sync(world: int) -> None:
+    """Issue 28 §1: TP gradient clipping (main read the norm with ``.item()``), the z-loss without a
+    mask (main built its count with ``torch.tensor(n, device="cuda")``, a blocking copy) and Doge's
+    product-key statistics, each as a layer on bf16 fake CUDA tensors: no sync at all, not even per batch."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from seqpar.integrations.tp import clip_grad_norm
+    from seqpar.sequence.router import pkm_routing_statistics, sequence_parallel_z_loss
+    from seqpar.testing.syncs import SyncChecker, fake_rank, simulated_gpu
+
+    with fake_rank(0, world), simulated_gpu("h100"), FakeTensorMode(allow_non_fake_inputs=True), \
+            SyncChecker() as checker:
+        params = [torch.empty(4, 3, device="cuda", requires_grad=True),
+                  torch.empty(5, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
+        for p in params:
+            p.grad = torch.empty_like(p)
+        with checker.layer("clip_grad_norm"):
+            clip_grad_norm(params, 1.0)
+        logits = torch.empty(1, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        with checker.layer("z_loss"):
+            sequence_parallel_z_loss(logits, group=dist.group.WORLD)
+        gates = tuple(torch.empty(2, 8, 4, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        with checker.layer("pkm_statistics"):
+            pkm_routing_statistics(gates, 16, 4, 2).over(dist.group.WORLD, resolve=False).loss(16)
+    assert not checker.events, checker.events

@@ -21,9 +21,15 @@ Stages (:data:`STAGES`, in order):
 - ``peers``: the peers suite (PyTorch ``context_parallel`` among them) at P = 1 and 2.
 - ``host-sync``: steady-state training steps of a tiny swapped Llama under
   ``torch.cuda.set_sync_debug_mode("error")``; lists every synchronising call site it saw.
+- ``mixer-kernels``: ``mixer_kernels="auto"`` against ``"torch"`` (:mod:`seqpar.mixers.kernels`) on tiny
+  hybrid models, for each Triton path that imports here: flash-linear-attention (GDN, lightning) and
+  mamba_ssm's SSD Triton kernels (installable without building its CUDA extension); skipped, with the
+  reason, when none imports. Mamba v1's selective scan and causal_conv1d need compiled CUDA extensions
+  and stay unproven.
 
 The lent machines stop a command after 10 minutes, so the limits of the first five stages add up to
-8.5 minutes and those of the last three to 9.5: run them as two calls (README, "GPU run-book").
+8.5 minutes and those of the last three to 9.5: run them as two calls (README, "GPU run-book"), and
+``mixer-kernels`` (2 minutes) on its own or with a short one.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ STAGES = (
     Stage("attention", 240, "attention suite, CUDA preset (--quick)"),
     Stage("dilated", 150, "dilated attention at 32K/128K/512K and the longest that fits"),
     Stage("peers", 180, "peers suite (torch context_parallel, DeepSpeed Ulysses) at P = 1, 2"),
+    Stage("mixer-kernels", 120, 'mixer_kernels "auto" (flash-linear-attention, mamba_ssm SSD Triton) vs "torch"'),
 )
 _BY_NAME = {s.name: s for s in STAGES}
 
@@ -263,8 +270,124 @@ def stage_dilated(seq_lens: Sequence[int] = (32768, 131072, 524288), budget_s: f
     return {"passed": True, "rows": rows, "longest": longest, "stopped": failed or "time budget"}
 
 
+MIXER_KERNEL_PATHS: dict[str, tuple[str, str]] = {
+    "gdn": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    "lightning": ("fla.ops.simple_gla", "chunk_simple_gla"),
+    "mamba2": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+}
+"""The Triton paths the ``mixer-kernels`` stage proves, per mixer family: (module, function)."""
+
+MIXER_KERNEL_RTOL = 2e-3
+"""``mixer-kernels``: the largest ``max|auto - torch| / max|torch|`` allowed per tensor (loss, every
+gradient; a gradient's scale floored at 1e-3 of the model's largest), fp32 models: the kernels' fp32
+accumulation order (and TF32 in their matmuls) differs."""
+
+
+def _on_kernel_device() -> bool:
+    """Whether the check's device is one the mixer kernels run on (a CPU test of the stage patches it)."""
+    return torch.device(_DEVICE).type == "cuda" and torch.cuda.is_available()
+
+
+def _import_problem(module: str, name: str) -> str | None:
+    """None when ``module.name`` imports here, else why not (a missing package, or a broken build)."""
+    try:
+        getattr(importlib.import_module(module), name)
+    except Exception as e:  # noqa: BLE001 - an ImportError, or a Triton / CUDA mismatch at import
+        return f"{module}.{name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return None
+
+
+def _tiny_hybrid(family: str) -> torch.nn.Module:
+    """A seeded 2-layer fp32 model whose first layer is ``family``'s mixer, on the check's device; dims
+    of 32+ (the Triton kernels' tiles want at least 16)."""
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, use_cache=False)
+    if family == "gdn":
+        cfg = transformers.Qwen3NextConfig(**common, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                                           linear_key_head_dim=32, linear_value_head_dim=32,
+                                           layer_types=["linear_attention", "full_attention"], num_experts=2,
+                                           num_experts_per_tok=1, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=64)
+    elif family == "lightning":
+        cfg = transformers.MiniMaxConfig(**common, head_dim=32, layer_types=["linear_attention", "full_attention"],
+                                         block_size=64, num_local_experts=2, num_experts_per_tok=1)
+    elif family == "mamba2":
+        cfg = transformers.BambaConfig(**common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=64,
+                                       mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=64)
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(_DEVICE)
+
+
+def _mixer_kernels_run(family: str, mixer_kernels: str, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Loss and every gradient of the tiny ``family`` model swapped (SP = 1) with ``mixer_kernels``."""
+    from seqpar.swap import swap_attention
+
+    model = _tiny_hybrid(family)
+    report = swap_attention(model, {"mixer_kernels": mixer_kernels})
+    if not any(m.route == "mixer" for m in report):
+        raise AssertionError(f"{family}: no mixer swapped ({report})")
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    out = {"loss": loss.detach()}
+    out.update({n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None})
+    return out
+
+
+def stage_mixer_kernels(seq_len: int = 256) -> dict[str, Any]:
+    """Each importable Triton mixer path (:data:`MIXER_KERNEL_PATHS`): a tiny fp32 model swapped with
+    ``mixer_kernels="auto"`` (the kernel, its calls counted) against ``"torch"``, same weights and batch:
+    loss and every gradient within :data:`MIXER_KERNEL_RTOL`. ``passed`` is None (skipped) with the
+    reason when no path imports or there is no CUDA device."""
+    if not _on_kernel_device():
+        return {"passed": None, "skipped": "no CUDA device: the mixer kernels run on CUDA only"}
+    problems = {family: _import_problem(*path) for family, path in MIXER_KERNEL_PATHS.items()}
+    ready = [family for family, problem in problems.items() if problem is None]
+    if not ready:
+        return {"passed": None, "skipped": "no mixer kernel imports here (pip install flash-linear-attention; "
+                                           "mamba_ssm's SSD Triton kernels without its CUDA extension): "
+                                           + "; ".join(f"{f}: {p}" for f, p in problems.items())}
+    results: dict[str, Any] = {}
+    g = torch.Generator(device=_DEVICE).manual_seed(0)
+    ids = torch.randint(0, 256, (1, seq_len), device=_DEVICE, generator=g)
+    for family in ready:
+        module, name = MIXER_KERNEL_PATHS[family]
+        kernel_module = importlib.import_module(module)
+        kernel = getattr(kernel_module, name)
+        calls: list[int] = []
+
+        def counted(*args: Any, _kernel: Any = kernel, _calls: list[int] = calls, **kwargs: Any) -> Any:
+            _calls.append(1)
+            return _kernel(*args, **kwargs)
+
+        setattr(kernel_module, name, counted)  # seqpar looks the kernel up at each call
+        try:
+            ref = _mixer_kernels_run(family, "torch", ids)
+            torch_calls = len(calls)
+            got = _mixer_kernels_run(family, "auto", ids)
+        finally:
+            setattr(kernel_module, name, kernel)
+        # each tensor on its own scale, floored at 1e-3 of the model's largest gradient: a gradient that is
+        # ~0 in exact arithmetic (a top-1 router's gate) is rounding noise on both paths
+        top = max(float(v.abs().max()) for k, v in ref.items() if k != "loss")
+        errors = {k: float((got[k] - ref[k]).abs().max()) / max(float(ref[k].abs().max()), 1e-3 * top, 1e-30)
+                  for k in ref}
+        worst = max(errors, key=errors.get)
+        results[family] = {"kernel": f"{module}.{name}", "calls_auto": len(calls) - torch_calls,
+                           "calls_torch": torch_calls, "worst": worst, "worst_rel_error": errors[worst],
+                           "loss_rel_error": errors["loss"],
+                           "passed": torch_calls == 0 and len(calls) > 0 and errors[worst] <= MIXER_KERNEL_RTOL}
+    passed = all(r["passed"] for r in results.values())
+    return {"passed": passed, "results": results, "not_importable": {f: p for f, p in problems.items() if p},
+            "error": None if passed else f"auto vs torch beyond {MIXER_KERNEL_RTOL} or kernel not called: {results}"}
+
+
 _IN_PROCESS: dict[str, Callable[[], dict[str, Any]]] = {
     "choice": stage_choice, "host-sync": stage_host_sync, "dilated": stage_dilated,
+    "mixer-kernels": stage_mixer_kernels,
 }
 
 

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
@@ -82,15 +83,17 @@ times the layer's own on the wide scan; flash-linear-attention's kernels keep O(
 states in their own backward, so they are not checkpointed."""
 
 
-def delta_rule_kernel(rule: str, torch_path: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
-    """The kernel a run of positions goes through: flash-linear-attention's (``FLA_KERNELS[rule]``) on a
-    kernel device when it is importable, else ``torch_path`` (transformers' torch function; its
-    hub-kernel wrapper is unwrapped so the packed-sequence check does not apply to a single run).
+def delta_rule_kernel(rule: str, torch_path: Callable[..., Any], device: torch.device,
+                      mixer_kernels: str = "torch") -> Callable[..., Any]:
+    """The kernel a run of positions goes through: with ``mixer_kernels="auto"``, flash-linear-attention's
+    (``FLA_KERNELS[rule]``) on a kernel device when it is importable; else ``torch_path`` (transformers'
+    torch function; its hub-kernel wrapper is unwrapped so the packed-sequence check does not apply to a
+    single run). See :mod:`seqpar.mixers.kernels`.
 
     Every kernel is called as ``kernel(q, k, v, g=, beta=, initial_state=, output_final_state=True,
     use_qk_l2norm_in_kernel=)`` on ``(batch, seq, heads, dim)`` tensors and returns ``(out, final_state)``.
     """
-    if device.type in KERNEL_DEVICES:
+    if use_kernels(mixer_kernels, device, KERNEL_DEVICES):
         module, name = FLA_KERNELS[rule]
         try:
             return getattr(__import__(module, fromlist=[name]), name)

@@ -27,12 +27,13 @@ class MixerFamily:
         name: the family, as reports and errors say it (``"short_conv"``, ``"mamba2"``, ...).
         matches: ``matches(module)``: True for a layer of this family, unswapped (a transformers class
             the family reproduces) or already swapped (swapping again takes new options).
-        build: ``build(original, *, group, sharding, position_wise) -> nn.Module``: the
+        build: ``build(original, *, group, sharding, position_wise, mixer_kernels) -> nn.Module``: the
             sequence-parallel module made from the original layer (or from an already swapped one).
             ``group`` is the SP group (None: the default manager's), ``sharding`` the layout the model's
             inputs are cut in, and ``position_wise()`` is True while the position-mixing probe runs
             (then only the current position may mix, with no communication; see
-            :mod:`seqpar.swap.probe`).
+            :mod:`seqpar.swap.probe`). ``mixer_kernels``: ``"torch"`` or ``"auto"``
+            (:mod:`seqpar.mixers.kernels`).
     """
 
     name: str
@@ -55,12 +56,13 @@ class SwappedMixer(nn.Module):
         sharding: the layout the model's inputs are cut in.
         position_wise: called at each forward; True -> every position alone, no communication (what
             the position-mixing probe runs; see :mod:`seqpar.swap.probe`).
+        mixer_kernels: the local scans' kernels, ``"torch"`` (default) or ``"auto"`` (:mod:`seqpar.mixers.kernels`).
     """
 
     COPIED: ClassVar[tuple[str, ...]] = ("layer_idx",)
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
+                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
         super().__init__()
         for name, param in original._parameters.items():
             self.register_parameter(name, param)
@@ -77,6 +79,7 @@ class SwappedMixer(nn.Module):
         self.group = group
         self.sharding = sharding
         self.position_wise = position_wise
+        self.mixer_kernels = mixer_kernels
 
     def refuse_cache(self, *caches: Any) -> None:
         """Raise for a generation cache: a cache of a sharded sequence would hold one rank's piece."""

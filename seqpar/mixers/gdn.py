@@ -81,8 +81,9 @@ class SeqParGatedDeltaNet(SwappedMixer):
     :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
+                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
+                         mixer_kernels=mixer_kernels)
         for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)
@@ -139,7 +140,7 @@ class SeqParGatedDeltaNet(SwappedMixer):
         else:  # in fp32: in fp16, A might be -inf (transformers' comment)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         torch_path = getattr(tf, _KERNEL_FUNCTION.get(kind, "torch_chunk_gated_delta_rule"))
-        kernel = delta_rule_kernel("kda" if kind == "kda" else "gdn", torch_path, query.device)
+        kernel = delta_rule_kernel("kda" if kind == "kda" else "gdn", torch_path, query.device, self.mixer_kernels)
         out = delta_rule_shard(kernel, query, key, value, g, beta, layout=layout, group=self.group,
                                sharding=self.sharding, use_qk_l2norm_in_kernel=True)
         if kind == "kda":

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
@@ -79,11 +80,11 @@ def lightning_scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: 
     return torch.cat(outs, dim=-2), state
 
 
-def lightning_kernel(device: torch.device) -> Callable[..., tuple[Tensor, Tensor]] | None:
-    """flash-linear-attention's ``chunk_simple_gla`` on a kernel device when it is importable, else None
-    (the torch path, :func:`lightning_scan`). Lightning attention is simple GLA with the constant per-head
+def lightning_kernel(device: torch.device, mixer_kernels: str = "torch") -> Callable[..., tuple[Tensor, Tensor]] | None:
+    """With ``mixer_kernels="auto"``, flash-linear-attention's ``chunk_simple_gla`` on a kernel device when
+    it is importable; else None (the torch path, :func:`lightning_scan`; see :mod:`seqpar.mixers.kernels`). Lightning attention is simple GLA with the constant per-head
     log decay ``g_gamma = -s`` and ``scale = 1``; the kernel takes ``(batch, seq, heads, head_dim)``."""
-    if device.type not in KERNEL_DEVICES:
+    if not use_kernels(mixer_kernels, device, KERNEL_DEVICES):
         return None
     try:
         from fla.ops.simple_gla import chunk_simple_gla
@@ -93,9 +94,9 @@ def lightning_kernel(device: torch.device) -> Callable[..., tuple[Tensor, Tensor
 
 
 def _scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
-          diagonal_decay: Tensor) -> tuple[Tensor, Tensor]:
+          diagonal_decay: Tensor, mixer_kernels: str) -> tuple[Tensor, Tensor]:
     """One run of positions from a zero state, by the kernel where there is one (see :func:`lightning_kernel`)."""
-    kernel = lightning_kernel(q.device)
+    kernel = lightning_kernel(q.device, mixer_kernels)
     if kernel is None:
         return lightning_scan(q, k, v, slope, query_decay, key_decay, diagonal_decay)
     out, state = kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g_gamma=-slope.reshape(-1),
@@ -109,7 +110,7 @@ def _mul(transition: Tensor, state: Tensor) -> Tensor:
 
 def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
                     diagonal_decay: Tensor, *, layout: ScanLayout | None, group: dist.ProcessGroup | None,
-                    sharding: str) -> Tensor:
+                    sharding: str, mixer_kernels: str = "torch") -> Tensor:
     """Lightning attention over this rank's shard, equal to the full sequence's (each document's).
 
     Args:
@@ -117,6 +118,7 @@ def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay:
         layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
             (the position-mixing probe: ``o_t = (q_t . k_t) v_t``, no communication).
         group, sharding: the SP group and the layout the sequence was cut in.
+        mixer_kernels: ``"torch"`` or ``"auto"`` (flash-linear-attention where :func:`lightning_kernel` finds it).
     Returns:
         ``(batch, heads, seq_local, head_dim)``, before the layer's norm and gate.
     """
@@ -127,7 +129,8 @@ def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay:
     for j in range(layout.chunks):
         for a, b in layout.segments(j):
             out, state = _scan(q[:, :, j * c + a:j * c + b], k[:, :, j * c + a:j * c + b],
-                               v[:, :, j * c + a:j * c + b], slope, query_decay, key_decay, diagonal_decay)
+                               v[:, :, j * c + a:j * c + b], slope, query_decay, key_decay, diagonal_decay,
+                               mixer_kernels)
             pieces.append(out)
         finals.append(state)  # from zero since the chunk's last document start
     out = torch.cat(pieces, dim=-2)
@@ -166,7 +169,8 @@ class SeqParLightningAttention(SwappedMixer):
         qkv = qkv.reshape(batch, seq_local, self.num_attention_heads, 3 * self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, self.head_dim, dim=3))
         out = lightning_shard(q, k, v, self.slope_rate, self.query_decay, self.key_decay, self.diagonal_decay,
-                              layout=layout, group=self.group, sharding=self.sharding)
+                              layout=layout, group=self.group, sharding=self.sharding,
+                              mixer_kernels=self.mixer_kernels)
         out = out.transpose(1, 2).reshape(batch, seq_local, self.num_attention_heads * self.head_dim)
         out = F.sigmoid(self.output_gate(hidden_states)) * self.norm(out)
         return self.out_proj(out), None

@@ -14,9 +14,10 @@ The layer (transformers' torch path) computes, per channel ``d`` and state ``n``
 Sequence-parallel form (:class:`SeqParMambaMixer`, same child modules and parameters):
 
 - the convolution is :func:`seqpar.mixers.conv.causal_conv_shard` (halo exchange, documents restart);
-- every local chunk is scanned from a zero state by transformers' own ``mamba_selective_scan`` (the
-  module's function: ``mamba_ssm``'s ``selective_scan_fn`` when transformers found it, else the torch
-  path), cut at each document start so the scan restarts there;
+- every local chunk is scanned from a zero state by transformers' own torch ``mamba_selective_scan``
+  (with ``mixer_kernels="auto"`` on CUDA, the module's hub-kernel wrapper: ``mamba_ssm``'s
+  ``selective_scan_fn`` when transformers finds it; :mod:`seqpar.mixers.kernels`), cut at each
+  document start so the scan restarts there;
 - chunk summaries: transition ``T = exp(sum_t dt_t A)`` ``(batch, d_inner, d_state)`` and the final state
   of the zero-state scan; :func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's
   true incoming state ``h0`` (one all-gather, flat in S);
@@ -29,6 +30,7 @@ Packed documents reach the layer as ``cu_seq_lens_q`` of its own call (Zamba) or
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,10 +42,14 @@ from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard
 from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
-__all__ = ["MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
+__all__ = ["KERNEL_DEVICES", "MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
+
+KERNEL_DEVICES = {"cuda"}
+"""Device types on which ``mixer_kernels="auto"`` lets transformers' wrapper pick mamba_ssm's selective scan."""
 
 MAMBA_CLASSES = frozenset({"JambaMambaMixer", "MambaMixer", "FalconMambaMixer", "ZambaMambaMixer"})
 """transformers classes whose forward :class:`SeqParMambaMixer` reproduces (read in transformers 5.24)."""
@@ -138,8 +144,9 @@ class SeqParMambaMixer(SwappedMixer):
     COPIED = ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim")
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
+                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
+                         mixer_kernels=mixer_kernels)
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
 
@@ -191,7 +198,12 @@ class SeqParMambaMixer(SwappedMixer):
         B, C = B.transpose(-1, -2), C.transpose(-1, -2)  # (.., batch, d_state, seq_local)
         if not zamba:
             B, C = B[None], C[None]
-        out = selective_scan_shard(tf.mamba_selective_scan, x, time_step, A, B, C, D, gate, bias, layout=layout,
+        # "auto": transformers' hub-kernel wrapper (mamba_ssm's selective_scan_fn where it finds it);
+        # "torch": the torch function beneath it (seqpar.mixers.kernels)
+        scan = tf.mamba_selective_scan
+        if not use_kernels(self.mixer_kernels, x.device, KERNEL_DEVICES):
+            scan = inspect.unwrap(scan)
+        out = selective_scan_shard(scan, x, time_step, A, B, C, D, gate, bias, layout=layout,
                                    group=self.group, sharding=self.sharding, **options)
         out = out.transpose(0, 1).reshape(batch, -1, seq_local)  # heads back into channels
         return self.out_proj(out.transpose(1, 2).to(dtype))

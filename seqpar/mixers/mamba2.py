@@ -99,7 +99,7 @@ class SeqParMamba2Mixer(SwappedMixer):
         y = ssd_shard(scan, x.reshape(batch, seq_local, self.num_heads, self.head_dim), dt, A,
                       B.reshape(batch, seq_local, self.n_groups, -1), C.reshape(batch, seq_local, self.n_groups, -1),
                       self.D, self.dt_bias, chunk_size=self.chunk_size, dt_limit=tuple(self.time_step_limit),
-                      layout=layout, group=self.group, sharding=self.sharding)
+                      layout=layout, group=self.group, sharding=self.sharding, mixer_kernels=self.mixer_kernels)
         y = y.reshape(batch, seq_local, -1)
         if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its norm: the plain gate
             y = y * F.silu(gate)

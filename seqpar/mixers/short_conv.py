@@ -59,8 +59,9 @@ class SeqParShortConv(SwappedMixer):
     (``position_wise``: only the current position's tap, no communication)."""
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False) -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise)
+                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
+                         mixer_kernels=mixer_kernels)
         self.conv_kernel_size = self.conv.kernel_size[0]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,

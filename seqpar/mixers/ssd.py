@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
@@ -42,12 +43,12 @@ KERNEL_DEVICES = {"cuda"}
 """Device types on which :func:`ssd_kernel` uses mamba_ssm when it is importable."""
 
 
-def ssd_kernel(device: torch.device) -> Callable[..., Any] | None:
-    """mamba_ssm's ``mamba_chunk_scan_combined`` on a kernel device when it is importable, else None (the
-    torch path). It takes transformers' argument order ``(x, dt, A, B, C, chunk_size, D=, dt_bias=,
+def ssd_kernel(device: torch.device, mixer_kernels: str = "torch") -> Callable[..., Any] | None:
+    """With ``mixer_kernels="auto"``, mamba_ssm's ``mamba_chunk_scan_combined`` on a kernel device when it
+    is importable; else None (the torch path; see :mod:`seqpar.mixers.kernels`). It takes transformers' argument order ``(x, dt, A, B, C, chunk_size, D=, dt_bias=,
     seq_idx=, dt_softplus=, dt_limit=, return_final_states=)``; with ``seq_idx`` the returned final state
     is that of the last document, scanned from its start."""
-    if device.type not in KERNEL_DEVICES:
+    if not use_kernels(mixer_kernels, device, KERNEL_DEVICES):
         return None
     try:
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -76,11 +77,11 @@ def _mul(transition: Tensor, state: Tensor) -> Tensor:
 
 def _zero_state_runs(scan: Callable[..., Any], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                      D: Tensor | None, dt_bias: Tensor | None, chunk_size: int, dt_limit: tuple[float, float],
-                     segments: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+                     segments: list[tuple[int, int]], mixer_kernels: str = "torch") -> tuple[Tensor, Tensor]:
     """One local chunk scanned from zero, restarting at each segment start: ``(batch, c, heads, head_dim)``
     outputs and the final state ``(batch, heads, head_dim, d_state)`` of its last segment."""
     options = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=dt_limit, return_final_states=True)
-    kernel = ssd_kernel(x.device)
+    kernel = ssd_kernel(x.device, mixer_kernels)
     if kernel is not None:
         # one call for the whole chunk: seq_idx keeps its documents apart (the kernel's state passing resets
         # where it changes), and the final state is the last document's
@@ -99,7 +100,7 @@ def _zero_state_runs(scan: Callable[..., Any], x: Tensor, dt: Tensor, A: Tensor,
 def ssd_shard(
     scan: Callable[..., Any], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None,
     dt_bias: Tensor | None, *, chunk_size: int, dt_limit: tuple[float, float] = (0.0, float("inf")),
-    layout: ScanLayout | None, group: dist.ProcessGroup | None, sharding: str,
+    layout: ScanLayout | None, group: dist.ProcessGroup | None, sharding: str, mixer_kernels: str = "torch",
 ) -> Tensor:
     """The SSD scan over this rank's shard, equal to the full sequence's (each document's).
 
@@ -114,6 +115,7 @@ def ssd_shard(
         layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
             (the position-mixing probe: no communication).
         group, sharding: the SP group and the layout the sequence was cut in.
+        mixer_kernels: ``"torch"`` or ``"auto"`` (mamba_ssm where :func:`ssd_kernel` finds it).
     Returns:
         ``(batch, seq_local, heads, head_dim)``: ``y`` (with the ``D`` skip), in the scan's output dtype.
     """
@@ -121,14 +123,14 @@ def ssd_shard(
     if layout is None:  # every position its own sequence: positions become batch entries, one call
         flat = lambda t: t.reshape(batch * seq_local, 1, *t.shape[2:])  # noqa: E731
         out, _ = _zero_state_runs(scan, flat(x), flat(dt), A, flat(B), flat(C), D, dt_bias, chunk_size, dt_limit,
-                                  [(0, 1)])
+                                  [(0, 1)], mixer_kernels)
         return out.reshape(batch, seq_local, heads, head_dim)
     n, c = layout.chunks, layout.chunk_len
     outs, finals = [], []
     for j in range(n):
         sl = slice(j * c, (j + 1) * c)
         out, state = _zero_state_runs(scan, x[:, sl], dt[:, sl], A, B[:, sl], C[:, sl], D, dt_bias, chunk_size,
-                                      dt_limit, layout.segments(j))
+                                      dt_limit, layout.segments(j), mixer_kernels)
         outs.append(out)
         finals.append(state)
     out = outs[0] if n == 1 else torch.cat(outs, dim=1)

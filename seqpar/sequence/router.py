@@ -52,7 +52,7 @@ def _sum_over(x: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 
 class RouterStatistics:
-    """Per-expert sums over the rows of one call: ``counts`` ``(E,)`` fp32 (top-k assignments, no
+    """Per-expert sums over the rows of one call: ``counts`` ``(E,)`` fp32 or wider (top-k assignments, no
     gradient), ``probs`` ``(E,)`` fp32 (router probabilities, differentiable), ``rows`` 0-dim fp32 (rows
     counted; for the probabilities, and for the counts when ``count_rows`` is None)."""
 
@@ -143,7 +143,9 @@ def pkm_routing_statistics(
     counts by the (masked) number of top-k assignments and the probabilities by the (masked) rows.
     """
     device = gate_logits[0].device
-    dtype = gate_logits[0].dtype
+    # Sums in at least fp32: a bf16 count is exact only up to 256 (fp16: 2048), and every token of
+    # the sequence adds 1. float64 logits keep float64 (the swap's float64 check against Doge's own).
+    dtype = torch.promote_types(gate_logits[0].dtype, torch.float32)
     counts = torch.zeros(num_experts, dtype=dtype, device=device)
     probs = torch.zeros(num_experts, dtype=dtype, device=device)
     rows = torch.zeros((), dtype=dtype, device=device)
@@ -158,7 +160,7 @@ def pkm_routing_statistics(
         _, position = all_scores.topk(top_k, dim=-1)
         expert = all_indices.gather(-1, position)  # (rows, k)
         routing = torch.zeros(all_scores.shape[0], num_experts, dtype=dtype, device=device).scatter(
-            -1, all_indices, F.softmax(all_scores, dim=-1))  # (rows, E)
+            -1, all_indices, F.softmax(all_scores.to(dtype), dim=-1))  # (rows, E)
         weight = torch.ones(expert.shape[0], dtype=dtype, device=device) if flat_mask is None else flat_mask
         counts = counts + torch.zeros_like(counts).scatter_add_(
             0, expert.reshape(-1), weight.repeat_interleave(top_k, output_size=weight.numel() * top_k))
@@ -181,14 +183,15 @@ def sequence_parallel_z_loss(logits_local: Tensor, *, group: dist.ProcessGroup |
         A scalar, the same on every SP rank; backward gives each rank its share (sum over SP).
     """
     squares = logits_local.logsumexp(dim=-1).pow(2)  # (batch, seq_local)
+    acc = torch.promote_types(squares.dtype, torch.float32)  # bf16 counts are exact only to 256
     if mask is not None:
-        weight = mask.to(device=squares.device, dtype=squares.dtype).reshape(squares.shape)
+        weight = mask.to(device=squares.device, dtype=acc).reshape(squares.shape)
         squares = squares * weight
         count = weight.sum()
-    else:
-        count = torch.tensor(float(squares.numel()), dtype=squares.dtype, device=squares.device)
-    total = all_reduce_identity_backward(squares.sum(), group=group)
-    return total / _sum_over(count, resolve_group(group))
+    else:  # filled on the device: torch.tensor(n, device=...) would be a blocking host-to-device copy
+        count = squares.new_full((), squares.numel(), dtype=acc)
+    total = all_reduce_identity_backward(squares.sum(dtype=acc), group=group)
+    return (total / _sum_over(count, resolve_group(group))).to(logits_local.dtype)
 
 
 def sequence_parallel_expert_counts(

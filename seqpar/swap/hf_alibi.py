@@ -3,15 +3,19 @@
 These modules do not dispatch through ``ALL_ATTENTION_FUNCTIONS``: each computes its scores itself,
 adding a per-key ALiBi bias the model builds from *local* positions (BLOOM and Falcon from the
 attention mask's cumsum, MPT from ``max_seq_len``). A swapped module's forward is replaced by one
-that makes q, k, v with the module's own projections, reads the slopes ``m_h`` off the bias tensor the
-model passes (the model's own numbers: ``bias[..., 1] - bias[..., 0]`` for BLOOM / Falcon, whose
-key 0 has bias 0, and ``bias[..., -1] - bias[..., -2]`` for MPT, whose last key has bias 0), and calls
-seqpar attention with ``alibi_slopes=`` (global key positions: :mod:`seqpar.attn.alibi`), causal, then
-applies the module's own output projection (and BLOOM's residual dropout-add).
+that makes q, k, v with the module's own projections, applies the model's own bias at global key
+positions (MPT: the slopes read off the fp32 bias tensor the model passes, ``bias[..., -1] -
+bias[..., -2]``, whose last key has bias 0, given as ``alibi_slopes=``: :mod:`seqpar.attn.alibi`;
+BLOOM and Falcon: the bias values as the model rounds them, in extra q/k columns), calls seqpar
+attention, causal, then applies the module's own output projection (and BLOOM's residual dropout-add).
 
 Per family (transformers 5.x):
 
-- BLOOM: scores ``q.k / sqrt(d) + m_h j``; returns ``(dropout_add(dense(ctx), residual), None)``.
+- BLOOM: scores ``q.k / sqrt(d) + b_h(j)`` with ``b_h(j) = dtype(m_h * j)`` (fp32 slopes and product,
+  rounded to the model's dtype key by key: in bf16 / fp16 not linear in j). Like Falcon's, those exact
+  values ride in an extra q/k column (one per head: BLOOM's K/V heads are its query heads; q is
+  scaled by ``1/sqrt(d)`` beforehand and the kernel's scale is 1, so the bias is not scaled);
+  returns ``(dropout_add(dense(ctx), residual), None)``.
 - MPT: scores ``q.k * softmax_scale + m_h (j - (L - 1))``; ``clip_qkv`` clamps the fused projection;
   returns ``(out_proj(ctx), None)``.
 - Falcon (``alibi=True``): scores ``(q.k + b_h(j)) / sqrt(d)`` (the bias scaled too, eager and sdpa
@@ -44,6 +48,7 @@ from seqpar.swap.state import is_probing
 __all__ = ["is_alibi_attention", "alibi_problems", "install"]
 
 _OPTIONS_ATTR = "_seqpar_options"
+_SLOPES_ATTR = "_seqpar_alibi_slopes"
 
 
 def _family(module: nn.Module) -> str | None:
@@ -122,14 +127,45 @@ def _attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
     return out.transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
 
 
+def _global_key_positions(options: SwapOptions, n: int, device: torch.device, cu: Tensor | None) -> Tensor:
+    """``(seq_local,)`` int64 global positions of this rank's keys (the probe's own, local, when probing:
+    its self-only attention ignores every bias)."""
+    if is_probing():
+        return torch.arange(n, device=device)
+    rank, world = sp_rank_and_size(options.group)
+    return global_positions(n * world, rank, world, options.sharding, device=device, cu_seqlens=host_boundaries(cu))
+
+
+def _bloom_slopes(module: nn.Module, device: torch.device) -> Tensor:
+    """BLOOM's fp32 slopes ``(heads,)`` from the model's own ``build_alibi_tensor`` (its key 1 in fp32 is
+    ``m_h``), kept per device on the module: a constant of the layer, made once (transformers versions
+    that build them from a Python list copy host data to the device)."""
+    cache = module.__dict__.setdefault(_SLOPES_ATTR, {})
+    if device not in cache:
+        build = sys.modules[type(module).__module__].build_alibi_tensor
+        ones = torch.ones(1, 2, dtype=torch.long, device=device)
+        cache[device] = build(ones, module.num_heads, torch.float32).reshape(module.num_heads, 2)[:, 1]
+    return cache[device]
+
+
 def _bloom_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor, alibi: Tensor,
                    attention_mask: Tensor | None, layer_past: Any = None, use_cache: bool = False,
                    output_attentions: bool = False, **kwargs: Any) -> tuple[Tensor, None]:
     layer = _check_call(self, layer_past, output_attentions)
-    batch = hidden_states.shape[0]
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # 3 x (B, H, S, D)
-    slopes = _slopes_from_first_keys(alibi, batch, self.num_heads, layer)
-    ctx = _attend(self, q, k, v, scale=self.inv_norm_factor, slopes=slopes, layer=layer, kwargs=kwargs)
+    b, h, n, _ = q.shape
+    options: SwapOptions = getattr(self, _OPTIONS_ATTR)
+    cu = kwargs.get("cu_seq_lens_q")
+    pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
+    # BLOOM's own bias (build_alibi_tensor): fp32 slopes times integer positions, rounded to the
+    # model's dtype key by key. In bf16 / fp16 that rounding is part of the model (bf16(m j) is not
+    # bf16(m) j, nor m j), so the rounded values ride in one extra q/k column per head (MHA: each head
+    # its own K), not as slopes. The bias is not scaled: q is scaled instead and the kernel's scale is 1.
+    bias = (_bloom_slopes(self, q.device)[:, None] * pos[None, :]).to(q.dtype)  # (heads, seq_local)
+    q2 = torch.cat([q * self.inv_norm_factor, q.new_ones(b, h, n, 1)], dim=-1)  # (B, H, S, D + 1)
+    k2 = torch.cat([k, bias.view(1, h, n, 1).expand(b, h, n, 1)], dim=-1)  # (B, H, S, D + 1)
+    out = options.attention(q2, k2, v, causal=True, scale=1.0, layer=layer, cu_seqlens=cu)
+    ctx = out.transpose(1, 2).reshape(b, n, -1)  # (B, H, S, D) -> (B, S, H * D)
     dropout_add = sys.modules[type(self).__module__].dropout_add
     return dropout_add(self.dense(ctx), residual, self.hidden_dropout, self.training), None
 
@@ -162,13 +198,8 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
     v = v.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
     slopes = _slopes_from_first_keys(alibi, b, self.num_heads, layer)  # bf16(m_h), exactly
     options: SwapOptions = getattr(self, _OPTIONS_ATTR)
-    rank, world = sp_rank_and_size(options.group)
     cu = kwargs.get("cu_seq_lens_q")
-    if is_probing():  # the probe's self-only attention ignores every bias: no global positions needed
-        pos = torch.arange(n, device=q.device)
-    else:
-        pos = global_positions(n * world, rank, world, options.sharding, device=q.device,
-                               cu_seqlens=host_boundaries(cu))  # (seq_local,) global positions
+    pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
     # transformers' own op (build_alibi_tensor): bf16 slopes times integer positions, a bf16 result
     bias = (slopes.to(q.device).bfloat16()[:, None] * pos[None, :]).to(q.dtype)  # (heads, seq_local)
     h, d = self.num_heads, self.head_dim

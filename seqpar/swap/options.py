@@ -79,12 +79,15 @@ class SwapOptions:
     """Dense attention, or LongNet dilated attention (``seqpar.attn.dilated``)."""
     mla_transfer: str = "latent"
     """MLA layers' ring transfer: ``"latent"`` or ``"expanded"`` (:attr:`SeqParConfig.mla_transfer`)."""
+    mixer_kernels: str = "torch"
+    """The hybrid mixers' local-scan kernels: ``"torch"`` or ``"auto"`` (:attr:`SeqParConfig.mixer_kernels`)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=resolve_sharding(config.sharding, where="swap_attention"),
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
-                   pattern=config.pattern, check_finite=config.check_finite, mla_transfer=config.mla_transfer)
+                   pattern=config.pattern, check_finite=config.check_finite, mla_transfer=config.mla_transfer,
+                   mixer_kernels=config.mixer_kernels)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self

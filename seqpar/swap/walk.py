@@ -234,7 +234,7 @@ def _swap_mixers(model: nn.Module, patterns: tuple[str, ...] | None,
     for name, module, family in found:
         parent, attr = _parent_and_attr(model, name)
         setattr(parent, attr, family.build(module, group=options.group, sharding=options.sharding,
-                                           position_wise=is_probing))
+                                           position_wise=is_probing, mixer_kernels=options.mixer_kernels))
         swapped.append((name, module))
     return swapped
 
