@@ -9,6 +9,7 @@ Failure rules (those of :class:`seqpar.testing.ranks.RankPool`, surfaced the way
 - a rank raising -> ``AssertionError`` in the caller carrying that rank's traceback; the pool
   stays up when every rank finishes the task within a short grace period, and is killed
   (restarted on next use) when the others are stuck, e.g. in a collective the failed rank skipped;
+- a task leaving a module of :data:`GUARD_MODULES` patched -> ``AssertionError`` naming the attribute;
 - a task outliving its timeout -> its pool is killed and a ``TimeoutError`` is raised; a worker
   dying -> its pool is killed and an ``AssertionError`` is raised; a test never hangs.
 """
@@ -28,6 +29,14 @@ _PROCESS_GROUP_TIMEOUT_S = 60.0
 # something still refers to keep 3 gloo threads each, and a few hundred slow every later test. An idle rank
 # has ~7; a restart costs a few seconds, a rank at 500 threads costs more than that on every test.
 _MAX_THREADS = 80
+# Modules no test may leave patched on a rank (the pool's guard fails the task that does): seqpar's own, and
+# those the tests patch on the ranks (grep the tests for setattr / monkeypatch in rank functions). A module's
+# callable attributes are compared before and after every task (~1-10 ms a task).
+GUARD_MODULES = (
+    "seqpar.*", "torch.distributed", "torch.distributed.distributed_c10d", "torch.cuda", "torch.version",
+    "transformers.models.kimi_linear.*", "transformers.models.jamba.*", "transformers.models.mixtral.*",
+    "transformers.masking_utils", "transformers.integrations.sdpa_attention",
+)
 
 
 class _WithRank:
@@ -37,6 +46,7 @@ class _WithRank:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.__qualname__ = getattr(fn, "__qualname__", repr(fn))
+        self.__wrapped__ = fn  # the pool's guard looks for patches defined beside the test's module
 
     def __call__(self, ctx: RankContext, *args: Any, **kwargs: Any) -> Any:
         return self.fn(ctx.rank, ctx.world_size, *args, **kwargs)
@@ -45,8 +55,10 @@ class _WithRank:
 class DistPool:
     """One lazily started pool of gloo ranks per world size, shared by a whole test session."""
 
-    def __init__(self, max_threads: int | None = _MAX_THREADS) -> None:
-        self._pools = PoolSet("cpu", pg_timeout_s=_PROCESS_GROUP_TIMEOUT_S, max_threads=max_threads)
+    def __init__(self, max_threads: int | None = _MAX_THREADS,
+                 guard_modules: tuple[str, ...] | None = GUARD_MODULES) -> None:
+        self._pools = PoolSet("cpu", pg_timeout_s=_PROCESS_GROUP_TIMEOUT_S, max_threads=max_threads,
+                              guard_modules=guard_modules)
 
     @property
     def recycles(self) -> int:

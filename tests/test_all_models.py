@@ -60,3 +60,21 @@ def test_readme_table_is_current(results) -> None:  # noqa: ANN001
         "README's all-models table is stale: run `python -m tests.all_models --write-readme`")
     assert table == all_models.table(results), (
         "README's all-models table is stale: run `python -m tests.all_models --write-readme`")
+
+
+def test_each_gradient_is_judged_on_its_own_scale() -> None:
+    """A parameter whose gradient is 1e-6 of the model's largest, doubled, is wrong (judged on the model's scale
+    it passed: issue 28 §2); rounding of a gradient that is ~0 in exact arithmetic is judged on the model's."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ref = {"loss": 2.0, "grads": {"big": torch.randn(8, 8, generator=g, dtype=torch.float64),
+                                  "a_log": 1e-6 * torch.randn(4, generator=g, dtype=torch.float64),
+                                  "k_bias": 1e-12 * torch.randn(4, generator=g, dtype=torch.float64)}}
+    noisy = {n: t * (1 + 1e-7 * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in ref["grads"].items()}
+    noisy["k_bias"] = noisy["k_bias"] + 1e-9  # rounding noise of the model's scale on a ~0 gradient
+    assert all_models.compare(ref, {"loss": 2.0, "grads": noisy})[0]
+    doubled = all_models.mutate_grads(noisy, {"a_log": 2.0})
+    exact, text = all_models.compare(ref, {"loss": 2.0, "grads": doubled})
+    assert not exact and "a_log" in text, text
+    assert not all_models.compare(ref, {"loss": 2.0 * (1 + 2e-4), "grads": noisy})[0]

@@ -195,25 +195,23 @@ def routes(model_type: str) -> dict[str, str]:
     return {path: "mixer", other: "hf"}
 
 
-def _small_kda_chunks(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+def _small_kda_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # KDA's torch kernel solves its 64-position chunks with a 63-step Python loop: chunks of 8 keep the
     # tests fast (the reference and the swapped model both call the module's function: the same kernel)
     import functools
 
     if not isinstance(kimi.chunk_kimi_delta_attention, functools.partial):
         small = functools.partial(kimi.chunk_kimi_delta_attention, chunk_size=8)
-        if monkeypatch is None:  # a rank of the pool
-            kimi.chunk_kimi_delta_attention = small
-        else:
-            monkeypatch.setattr(kimi, "chunk_kimi_delta_attention", small)
+        monkeypatch.setattr(kimi, "chunk_kimi_delta_attention", small)
 
 
 def _model_parity(rank: int, world: int, model_type: str, sharding: str,
                   mode_list: list[dict] | None = None) -> list[str]:
     from mixer_parity import sharded_parity
 
-    _small_kda_chunks()
-    return sharded_parity(lambda dtype: tiny(model_type, dtype), routes(model_type), world, sharding, mode_list)
+    with pytest.MonkeyPatch.context() as patch:  # undone after the task: the pool's ranks are shared
+        _small_kda_chunks(patch)
+        return sharded_parity(lambda dtype: tiny(model_type, dtype), routes(model_type), world, sharding, mode_list)
 
 
 @pytest.mark.parametrize("model_type", list(MODELS))
@@ -277,10 +275,11 @@ def _bf16(rank: int, world: int, model_type: str) -> tuple[float, float]:
 
     from seqpar.mixers.gdn import SeqParGatedDeltaNet
 
-    _small_kda_chunks()
-    layer = tiny(model_type, torch.float64).get_submodule(MODELS[model_type][1])
-    return layer_bf16_errors(world, rank, layer, SeqParGatedDeltaNet, lambda m, x, pos, **kw: m(x, None, None, **kw),
-                             [0, 5, 29, 48], 32)
+    with pytest.MonkeyPatch.context() as patch:  # undone after the task: the pool's ranks are shared
+        _small_kda_chunks(patch)
+        layer = tiny(model_type, torch.float64).get_submodule(MODELS[model_type][1])
+        return layer_bf16_errors(world, rank, layer, SeqParGatedDeltaNet,
+                                 lambda m, x, pos, **kw: m(x, None, None, **kw), [0, 5, 29, 48], 32)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "kimi_linear"])

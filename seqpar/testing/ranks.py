@@ -15,6 +15,13 @@ one task's groups never leak into the next. Each answer carries the rank's ``(th
 (:attr:`RankPool.health`); a pool given ``max_threads`` closes itself when a rank passes it anyway
 (:class:`PoolSet` counts it and starts a fresh one). ``SEQPAR_POOL_TRACE=<file>`` logs them per task.
 
+A pool given ``guard_modules`` (module names; ``"seqpar.*"`` takes the modules below too) checks that no
+task leaves a patch behind: each rank notes every callable attribute (function, class, ``functools.partial``,
+...) of those modules before the task and compares after it. A replaced attribute fails the task on that rank
+(:class:`RankFailed`, naming the attribute) and is put back; a module first imported by the task that holds
+a patch (a mock, a ``functools.partial`` of the function it replaced, or a function defined beside the task's
+own module) fails it too, and then the pool is recycled, since that module cannot be put back.
+
 Failure rules (a caller never hangs):
 
 - some ranks raise -> :class:`RankFailed` carrying their tracebacks. If every other rank finishes
@@ -28,12 +35,15 @@ A killed pool reports ``closed``; :class:`PoolSet` starts a fresh one on next us
 
 from __future__ import annotations
 
+import functools
 import gc
+import inspect
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -140,6 +150,62 @@ def _health() -> tuple[int, int]:
     return _threads(), len(_process_groups())
 
 
+def _module_state(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
+    """``(module, attribute) -> value`` of every callable attribute of the loaded modules ``names`` names
+    (``"torch.cuda"``: that module; ``"seqpar.*"``: seqpar and every module below it). Data attributes are
+    left out: counters and caches change by design."""
+    state = {}
+    exact = {p.removesuffix(".*") for p in names}
+    below = tuple(p.removesuffix("*") for p in names if p.endswith(".*"))
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name in exact or name.startswith(below)):
+            continue
+        for attr, value in list(vars(module).items()):
+            if callable(value) and not inspect.ismodule(value):
+                state[(name, attr)] = value
+    return state
+
+
+def _is_patch(attr: str, value: Any, test_dir: str | None) -> bool:
+    """Whether ``value``, found as ``attr`` of a module, looks put there by a test: a ``unittest.mock`` object, a
+    ``functools.partial`` of a function named ``attr`` (the function it replaced, bound to other arguments),
+    or a function defined in ``test_dir`` (the folder of the task's own module)."""
+    if type(value).__module__.startswith("unittest.mock"):
+        return True
+    if isinstance(value, functools.partial):
+        return getattr(inspect.unwrap(value.func), "__name__", None) == attr
+    code = getattr(inspect.unwrap(value), "__code__", None) if inspect.isfunction(value) else None
+    return bool(test_dir and code is not None and os.path.dirname(os.path.abspath(code.co_filename)) == test_dir)
+
+
+def _state_changes(before: dict[tuple[str, str], Any], names: tuple[str, ...],
+                   test_dir: str | None) -> tuple[list[str], bool]:
+    """What a task changed in the guarded modules: one line per attribute, and whether a module it imported
+    holds a patch (which cannot be put back). Replaced attributes of modules loaded before are put back."""
+    changes, fresh_patch = [], False
+    missing = object()
+    seen = {name for name, _ in before}
+    for (name, attr), value in before.items():
+        module = sys.modules.get(name)
+        now = missing if module is None else vars(module).get(attr, missing)
+        if now is not value and module is not None:
+            changes.append(f"{name}.{attr} was {value!r:.80}, is {'deleted' if now is missing else repr(now)[:80]}")
+            setattr(module, attr, value)
+    for (name, attr), value in _module_state(names).items():
+        if name not in seen and _is_patch(attr, value, test_dir):
+            changes.append(f"{name}.{attr} (imported by the task) is {value!r:.80}")
+            fresh_patch = True
+    return changes, fresh_patch
+
+
+def _task_dir(fn: Any) -> str | None:
+    """The folder of the module that defines ``fn`` (``__wrapped__`` followed), or None."""
+    try:
+        return os.path.dirname(os.path.abspath(inspect.getsourcefile(inspect.unwrap(fn)) or ""))
+    except (TypeError, ValueError):
+        return None
+
+
 def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     """Destroy the groups earlier tasks made and left behind (a manager a test did not destroy, a
     DeviceMesh's groups). Run at the start of the next task: by then every rank of the pool has finished
@@ -216,7 +282,8 @@ def _destroy_engines(engine_type: type) -> None:
 
 
 def _worker(
-    rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any
+    rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any,
+    guard_modules: tuple[str, ...] | None = None,
 ) -> None:
     """One rank: join the process group, then run tasks until told to stop."""
     try:
@@ -225,9 +292,9 @@ def _worker(
 
         from seqpar.runtime import groups
     except BaseException:  # noqa: B036 - the parent shows it
-        results.put((_READY, rank, False, traceback.format_exc(), (0, 0, 0, 0)))
+        results.put((_READY, rank, False, traceback.format_exc(), (0, 0, 0, 0), False))
         return
-    results.put((_READY, rank, True, b"", _health() * 2))
+    results.put((_READY, rank, True, b"", _health() * 2, False))
     ctx = RankContext(rank, world, dev)
     own_groups = _process_groups()
     clean_threads = _threads()
@@ -238,6 +305,8 @@ def _worker(
         task_id, payload = msg
         clean_threads = _destroy_groups_but(own_groups, clean_threads)
         residual = _health()  # what earlier tasks left that the clean-up could not release
+        before = _module_state(guard_modules) if guard_modules else None
+        fn = None
         try:
             fn, args, kwargs = pickle.loads(payload)
             out = (task_id, rank, True, pickle.dumps(fn(ctx, *args, **kwargs)))
@@ -245,7 +314,14 @@ def _worker(
             out = (task_id, rank, False, traceback.format_exc())
         finally:
             groups.set_default_manager(None)
-        results.put((*out, residual + _health()))
+        fresh_patch = False
+        if before is not None:
+            changes, fresh_patch = _state_changes(before, guard_modules, _task_dir(fn))
+            if changes:
+                note = (f"the task left module state changed on rank {rank} (a patch not undone; restore it with "
+                        f"pytest.MonkeyPatch.context() or try/finally):\n  " + "\n  ".join(changes))
+                out = (task_id, rank, False, note if out[2] else f"{out[3]}\n{note}")
+        results.put((*out, residual + _health(), fresh_patch))
     # gloo can abort (SIGABRT) at exit when a rank destroys its group while a peer still uses it.
     dist.barrier()
     dist.destroy_process_group()
@@ -266,11 +342,14 @@ class RankPool:
             that something still refers to keep their gloo threads (3 per group) and sockets, and hundreds
             of them slow every later task. ``None``: never (and where ``/proc`` is missing threads are not
             counted).
+        guard_modules: modules (``"seqpar.*"``: and those below) whose callable attributes no task may leave
+            changed (see the module docstring); ``None``: no guard.
     """
 
     def __init__(
         self, world_size: int, *, device: str = "cpu", threads: int = 1, timeout: float = 900.0,
         pg_timeout_s: float = 600.0, max_threads: int | None = None,
+        guard_modules: tuple[str, ...] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -294,13 +373,15 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, device, threads, pg_timeout_s, self._tasks[r], self._results),
+                args=(r, world_size, port, device, threads, pg_timeout_s, self._tasks[r], self._results,
+                      tuple(guard_modules) if guard_modules else None),
                 name=f"seqpar-rank{r}-of{world_size}", daemon=True,
             )
             for r in range(world_size)
         ]
         self._next_id = 0
         self._closed = False
+        self._fresh_patch = False
         self.health: list[tuple[int, int, int, int]] = [(0, 0, 0, 0)] * world_size
         """Per rank, as of its last answer: ``(threads, process groups)`` when the task started (after the
         clean-up of what earlier tasks left), then ``(threads, process groups)`` when it ended."""
@@ -342,7 +423,7 @@ class RankPool:
                     f"ranks still running: {pending}. The pool was killed."
                 )
             try:
-                tid, rank, ok, payload, health = self._results.get(timeout=_POLL_S)
+                tid, rank, ok, payload, health, fresh_patch = self._results.get(timeout=_POLL_S)
             except queue.Empty:
                 dead = self._dead()
                 if dead:
@@ -355,6 +436,7 @@ class RankPool:
                 continue
             done[rank] = (ok, payload)
             self.health[rank] = health
+            self._fresh_patch |= fresh_patch
             if not ok:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         return done
@@ -385,6 +467,10 @@ class RankPool:
         stuck = sorted(set(range(self.world_size)) - set(done))
         if stuck:
             pass  # killed below
+        elif self._fresh_patch:  # a patched module the guard could not put back: later tasks need fresh ranks
+            self.recycled = True
+            _trace(f"P={self.world_size} recycled after {name}: it left a patch in a module it imported")
+            self.close()
         elif self.max_threads is not None and max(h[0] for h in self.health) > self.max_threads:
             # every rank answered, so every rank is waiting for its next message: a clean stop
             self.recycled = True
@@ -446,14 +532,16 @@ class PoolSet:
     (idle ranks block on their queue and cost no CPU); a pool that was killed restarts on next use.
 
     Args:
-        device, threads, timeout, pg_timeout_s, max_threads: passed to every :class:`RankPool`.
+        device, threads, timeout, pg_timeout_s, max_threads, guard_modules: passed to every :class:`RankPool`.
     """
 
     def __init__(self, device: str = "cpu", *, threads: int = 1, timeout: float = 900.0,
-                 pg_timeout_s: float = 600.0, max_threads: int | None = None) -> None:
+                 pg_timeout_s: float = 600.0, max_threads: int | None = None,
+                 guard_modules: tuple[str, ...] | None = None) -> None:
         self.device = device
         self._options = {
             "threads": threads, "timeout": timeout, "pg_timeout_s": pg_timeout_s, "max_threads": max_threads,
+            "guard_modules": guard_modules,
         }
         self._pools: dict[int, RankPool] = {}
         self.recycles = 0

@@ -21,6 +21,12 @@ __all__ = ["VOCAB", "LENGTH", "MAX_PARAMS", "excluded_reason", "decoder_model_ty
 VOCAB = 96
 LENGTH = 6  # every window / chunk / top-k / block length: below a zigzag chunk of all_models' SP=2 run
 MAX_PARAMS = 2_000_000
+# The tiny models' weight init, ~1/sqrt(hidden_size): each matmul keeps its input's scale. At the usual 0.02 a
+# 32-wide model shrinks every path ~10x per matmul, so deep paths' gradients vanish below any tolerance
+# (Falcon-H1's A_log gradient was 7e-10 of the model's largest: doubling it went unseen), and fp32 steps inside
+# float64 models (GDN's kernel) leave small gradients with rounding errors of 2e-4 of themselves (Qwen3.5's
+# A_log). Set in tiny_config only: the family tests that borrow tiny_kwargs keep their own init.
+INIT_RANGE = 0.2
 
 
 # --------------------------------------------------------------------------------------------------
@@ -238,7 +244,11 @@ def tiny_config(model_type: str) -> Any:
     """``model_type``'s tiny config (float32 weights; the caller converts)."""
     from transformers import CONFIG_MAPPING
 
-    return CONFIG_MAPPING[model_type](experts_implementation="eager", **tiny_kwargs(model_type))
+    kw = tiny_kwargs(model_type)
+    default = _default_config(model_type)
+    if "initializer_range" in default.to_dict() or "initializer_range" in getattr(default, "attribute_map", {}):
+        kw.setdefault("initializer_range", INIT_RANGE)
+    return CONFIG_MAPPING[model_type](experts_implementation="eager", **kw)
 
 
 def build_model(model_type: str, dtype: torch.dtype) -> Any:
