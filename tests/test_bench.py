@@ -156,3 +156,69 @@ def test_estimator_api() -> None:
         estimate_attention_memory(1024, world_size=2, mode="tree", **kw)
     with pytest.raises(ValueError, match="chunks"):
         estimate_attention_memory(1026, world_size=2, mode="ring", **kw)
+
+
+def test_overlap_command(tmp_path: Path) -> None:
+    """``python -m seqpar.bench overlap`` at tiny sizes: the JSON's fields, ``hidden`` in [0, ~1.05] for
+    every mode, and the structural maximum of the schedule above that of the old one (dK/dV waited
+    right after its post). Each field breaks this test when missing; the early-wait schedule gave
+    ~0.68 against ~0.90 at P = 4 here."""
+    out = tmp_path / "overlap"
+    cmd = [sys.executable, "-m", "seqpar.bench", "overlap", "--world", "4", "--seq-len", "1024", "--heads", "2",
+           "--head-dim", "32", "--link-gbps", "auto,1000", "--causal", "both", "--mode", "ring,dilated,hybrid",
+           "--repeats", "3", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    payload = json.loads((out / "overlap.json").read_text())
+    assert payload["machine"]["torch"] == torch.__version__
+    cases = payload["cases"]
+    assert {(c["mode"], c["causal"]) for c in cases} == {(m, c) for m in ("ring", "dilated", "hybrid")
+                                                         for c in (True, False)}
+    for c in cases:
+        for key in ("t_compute", "t_transfer", "t_step", "hidden", "hidden_max", "hidden_max_early", "link_gbps",
+                    "half_compute", "transfer_over_compute"):
+            assert key in c, (key, c)
+        assert c["t_compute"] > 0 and c["t_transfer"] > 0 and c["t_step"] > 0, c
+        assert 0 <= c["hidden_max"] <= 1.05, c
+        if c["link_auto"]:
+            # 'auto' is sized on the first free-link run, t_compute is the median of all
+            assert c["half_compute"] and abs(c["transfer_over_compute"] - 0.5) < 0.25, c
+            # measured on a loaded 2-core machine at ~10 ms steps, where 5% of noise in T_step is 10% of
+            # hidden (1.16 was seen): the upper bound is loose here; the S = 16384 runs are BENCHMARKS'
+            assert 0 <= c["hidden"] <= 1.05 + 0.3, c
+            if c["mode"] != "hybrid":  # hybrid's ring has P/u = 2 super-ranks: no dK/dV hop to move
+                assert c["hidden_max"] > c["hidden_max_early"] + 0.05, c
+        else:
+            assert not c["half_compute"]
+    assert "T_transfer" in proc.stdout and "max(early)" in proc.stdout
+
+
+def test_overlap_cuda_is_a_clear_error_without_it() -> None:
+    from seqpar.bench.overlap import run_case
+
+    with pytest.raises(NotImplementedError, match="--device cpu"):
+        run_case("ring", 4, 64, True, ["auto"], device="cuda")
+
+
+def test_emulated_links_share_a_link_fifo() -> None:
+    """Two messages posted together on one link end at 2 x bytes / B (FIFO), on two links at 1 x; a wait
+    passes no CPU time on the thread clock; the replay of the trace gives the same step time. (With
+    the FIFO made per message instead of per link, the first assertion fails.)"""
+    from seqpar.comm.emulated import EmulatedLinks, EmulatedRing, LinkClock
+    from seqpar.comm.loopback import LoopbackComm
+    from seqpar.comm.schedule import replay
+
+    x = torch.zeros(250)  # 1000 bytes
+    for shift, expect in ((1, 2.0), (2, 1.0)):
+        links = EmulatedLinks(1e6, 0.0, LinkClock("thread"))  # 1 ms per 1000 bytes
+        comm = EmulatedRing(LoopbackComm(0, 4, transfer=False), links)
+        t0 = links.clock.now()
+        a = comm.exchange([x], channel=0)
+        b = comm.exchange([x], channel=1, shift=shift)
+        a.wait()
+        b.wait()
+        links.finish()
+        took = links.clock.now() - t0
+        assert abs(took - expect * 1e-3) < 2e-4, (shift, took)
+        assert abs(replay(links.trace.events, lambda n: n / 1e6) - took) < 2e-4

@@ -52,7 +52,9 @@ Sequence parallel (contiguous sharding, P ranks, ``seq_local = S / P``)
   becomes a chain that never carries a block to a rank before it. ``mode="allgather"``: every member
   sends its block straight to every member that needs it (memory ``c`` blocks). Backward: the K/V
   blocks are exchanged again, and each block's dK/dV contributions (fp32) go back to its owner --
-  travelling with the block in ring mode, sent directly in all-gather mode.
+  travelling with the block in ring mode (each hop's share computed first and added into the arriving
+  accumulator only after its exchange's wait: :mod:`seqpar.comm.schedule`), sent directly in all-gather
+  mode.
 - Anything else is refused with a message naming the fix; so is zigzag sharding (see
   :func:`dilated_attention`).
 
@@ -91,6 +93,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.attn.checks import check_across_ranks, check_local, check_options
+from seqpar.comm.ring import Pending
 from seqpar.comm.segment import SegmentComm
 from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_into, new_accumulators
 from seqpar.runtime.groups import resolve_group
@@ -545,24 +548,38 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
     # Ring/chain: K/V move exactly as in the forward. The accumulator of block j starts at its first
     # visitor after j (round 1), travels with the block, and its last visitor sends it home, where j
     # adds it to its own (diagonal) share -- (visitors - 1) fp32 messages per block.
+    # Each accumulator exchange is waited one round later, after that round's kernels, right before the
+    # add into the received accumulator (wait where the buffer is first touched: seqpar.comm.schedule);
+    # a round's share is computed into its own buffer so the kernels need not wait for the transfer.
     cur, travelling = span.own, None
+    acc_pending: Pending | None = None  # the last round's accumulator exchange (fills travelling / home)
+    home: Tensor | None = None
     for s in range(c):
         j, j_next = sch.origin(s), sch.origin(s + 1)
         sends = [(sch.next, cur)] if j is not None and s + 1 < sch.visitors(j) else []
         recvs = [(sch.prev, span.empty(j_next))] if j_next is not None else []
         kv_pending = comm.exchange(sends, recvs, channel=_KV) if sends or recvs else None
-        acc_sends: list[tuple[int, Tensor]] = []
-        acc_recvs: list[tuple[int, Tensor]] = []
+        share: Tensor | None = None
         if j is not None:
             if s == 0:
                 span.backward(me, cur, own_acc, dq_acc)
             else:
-                if travelling is None:  # first visitor after the owner starts the accumulator
-                    travelling = torch.zeros(cur.numel(), dtype=acc, device=cur.device)
-                span.backward(j, cur, travelling, dq_acc)
-                dest = sch.next if s + 1 < sch.visitors(j) else j
-                acc_sends.append((dest, travelling))
-        next_acc = home = None
+                share = torch.zeros(cur.numel(), dtype=acc, device=cur.device)
+                span.backward(j, cur, share, dq_acc)
+        if acc_pending is not None:
+            acc_pending.wait()  # fills travelling / home in place
+            acc_pending = None
+        acc_sends: list[tuple[int, Tensor]] = []
+        if share is not None:
+            if travelling is None:  # the first visitor after the owner starts the accumulator
+                travelling = share
+            else:
+                travelling += share
+            dest = sch.next if s + 1 < sch.visitors(j) else j
+            acc_sends.append((dest, travelling))
+        del share
+        acc_recvs: list[tuple[int, Tensor]] = []
+        next_acc = None
         if j_next is not None and s + 1 >= 2:  # block j_next's accumulator, from its previous visitor
             next_acc = torch.empty(span.numel(j_next), dtype=acc, device=cur.device)
             acc_recvs.append((sch.prev, next_acc))
@@ -572,14 +589,14 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
             acc_recvs.append((sch.last_visitor(me), home))
         acc_pending = comm.exchange(acc_sends, acc_recvs, channel=_DKV) if acc_sends or acc_recvs else None
         if kv_pending is not None:
-            received = kv_pending.wait()
+            received = kv_pending.wait()  # the next round's K/V: touched by its kernels
             if recvs:
                 cur = received[0]
-        if acc_pending is not None:
-            acc_pending.wait()  # fills next_acc / home in place
-        if home is not None:
-            own_acc += home
         travelling = next_acc
+    if acc_pending is not None:
+        acc_pending.wait()
+    if home is not None:
+        own_acc += home
     span.scatter_own(own_acc, dk_acc, dv_acc)
 
 

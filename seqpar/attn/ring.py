@@ -8,7 +8,9 @@ P-1 K/V blocks.
 Backward: dQ stays local (fp32). dK/dV of a block travel with it: the accumulator of rank j's block
 starts at rank j+1 (the first to see that block after j itself), gathers every rank's contribution
 as it goes round, and arrives home after P-1 hops, where j adds its own (diagonal) share, computed
-first so it overlaps the first transfer. Per rank the backward sends P-1 K/V blocks (input dtype) and
+first so it overlaps the first transfer. Each hop's incoming accumulator is waited only after that hop's
+kernels, right before the add into it (:mod:`seqpar.comm.schedule`: wait where the buffer is first
+touched), so the dK/dV transfer hides behind them. Per rank the backward sends P-1 K/V blocks (input dtype) and
 P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
 holds more than a few blocks of size S/P: memory O(S/P).
 
@@ -200,17 +202,16 @@ def ring_backward(
     for step in range(1, max(hops) + 1):
         src, prev = (rank - step) % world, (rank - 1 - step) % world
         have = step <= hops[src]  # block src reached us (its recv was posted at the last step)
-        received = kv_pending.wait() if kv_pending is not None else None
-        incoming = chain.wait() if chain is not None else None  # also completes our last send
-        kv_pending = chain = None
+        received = kv_pending.wait() if kv_pending is not None else None  # this hop's K/V: touched now
+        kv_pending = None
         send_kv, recv_kv = step + 1 <= hops[src], step + 1 <= hops[prev]
         kv_pending = _exchange(comm, received if have else [k, v], buffers[step % 2], _KV, send=send_kv, recv=recv_kv)
         if kv_pending is not None and not opts.overlap:
             kv_pending.wait()
         chain_recv = step < hops[prev]  # block prev's accumulator comes on from rank r-1
         home_recv = step == hops[rank]  # our own block's accumulator comes home from rank r + step
-        free = dkv_sent  # the accumulators sent on at the last step: that send was waited (chain.wait() above)
         send: list[Tensor] | None = None
+        dk_blk = dv_blk = None
         if have:
             k_cur, v_cur = received
             buffers[(step + 1) % 2] = received
@@ -221,13 +222,19 @@ def ring_backward(
             del k_blk, v_blk
             if expander is not None:
                 dk_blk, dv_blk = expander.reduce(k_cur, v_cur, dk_blk, dv_blk)
+        # the last step's accumulator exchange is waited only now, after this hop's kernels (its buffer is
+        # first touched by the add below; seqpar.comm.schedule): the dK/dV transfer hides behind them.
+        # The wait also completes our last send, so its buffers are free (the receive buffers below)
+        incoming = chain.wait() if chain is not None else None
+        chain, free = None, dkv_sent
+        if dk_blk is not None:
             if step == 1:  # first hop of block src's accumulator
                 send = [dk_blk.contiguous(), dv_blk.contiguous()]
             else:  # the accumulator of block src arrived from rank r-1
                 dk_in, dv_in = send = incoming
                 dk_in += dk_blk
                 dv_in += dv_blk
-            del dk_blk, dv_blk, incoming
+        del dk_blk, dv_blk, incoming
         onward = send is not None and step < hops[src]
         chain = _exchange(comm, send if onward else [dk_own, dv_own], free if chain_recv else None, _DKV,
                           send=onward, recv=chain_recv)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from seqpar.comm.ring import Pending
 
-__all__ = ["LoopbackComm"]
+__all__ = ["LoopbackComm", "LoopbackSegmentComm"]
 
 
 class LoopbackComm:
@@ -39,8 +39,14 @@ class LoopbackComm:
         self.bytes_sent = 0
         self._stream: Any = None
 
-    def exchange(self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0) -> Pending:
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+    def exchange(
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
+        send: bool = True, recv: bool = True,
+    ) -> Pending:
+        # shift / send / recv: accepted for the RingExchange contract; the loopback hands back what it
+        # is given either way (masks with blocks that stop early then see values, never shapes, differ)
+        if send:
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
         if not self.transfer:
             sent = list(tensors)
             return Pending(lambda: None, sent)
@@ -64,3 +70,21 @@ class LoopbackComm:
             main.wait_stream(side)
 
         return Pending(finish, recv)
+
+
+class LoopbackSegmentComm:
+    """Member ``index`` of a ``size``-member segment (:class:`seqpar.comm.segment.SegmentComm`'s
+    ``exchange(sends, recvs)`` contract) whose peers this process plays itself: sends go nowhere and
+    receive buffers are zero-filled (their shapes, not values, are what a timing needs)."""
+
+    def __init__(self, index: int, size: int) -> None:
+        self.index, self.size, self.first = index, size, 0
+        self.bytes_sent = 0
+
+    def exchange(
+        self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]], *, channel: int = 0
+    ) -> Pending:
+        self.bytes_sent += sum(t.numel() * t.element_size() for _, t in sends)
+        for _, buf in recvs:
+            buf.zero_()
+        return Pending(lambda: None, [buf for _, buf in recvs])

@@ -1,0 +1,164 @@
+"""Emulated links: one rank's communicator whose transfers take the time a given link would.
+
+Each directed link is a FIFO with one bandwidth: a message completes ``latency + bytes / bandwidth``
+after it is posted or after the link is free, whichever is later, so messages on one link (K/V and
+dK/dV channels alike) share it. The transfer itself costs no CPU: the inner communicator (a loopback
+that hands the buffers back, :class:`~seqpar.comm.loopback.LoopbackComm` with ``transfer=False``) moves
+nothing, and ``wait()`` only lets the clock run until the message is done. One rank plays against
+peers that behave as it does (the ring's symmetry): what it receives on the link ``r - d -> r`` was
+posted when it posted its own send on ``r -> r + d``.
+
+Clocks (:class:`LinkClock`): ``"wall"`` sleeps until a message is done and times the host with
+``time.perf_counter``; ``"thread"`` reads the calling thread's CPU time and *adds* the idle time instead
+of sleeping, so other processes on a loaded machine neither stretch the compute nor the idle time
+(run the kernels on one thread: ``torch.set_num_threads(1)``). Every post / wait, and the host time
+between them, is recorded in a :class:`~seqpar.comm.schedule.Trace` for
+:func:`~seqpar.comm.schedule.hidden_bound`.
+
+Layouts: whatever the inner communicator takes; only the byte counts matter here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from seqpar.comm.ring import Pending
+from seqpar.comm.schedule import Event, Trace
+
+__all__ = ["LinkClock", "EmulatedLinks", "EmulatedRing", "EmulatedSegment"]
+
+
+class LinkClock:
+    """``kind="wall"`` (perf_counter, real sleeps) or ``"thread"`` (this thread's CPU time plus the idle
+    time it was told to pass, no sleeping)."""
+
+    def __init__(self, kind: str = "wall") -> None:
+        if kind not in ("wall", "thread"):
+            raise ValueError(f"LinkClock: kind must be 'wall' or 'thread', not {kind!r}")
+        self.kind = kind
+        self._idle = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() if self.kind == "wall" else time.thread_time() + self._idle
+
+    def idle_until(self, t: float) -> None:
+        dt = t - self.now()
+        if dt <= 0:
+            return
+        if self.kind == "wall":
+            time.sleep(dt)
+        else:
+            self._idle += dt
+
+
+class EmulatedLinks:
+    """The links of one rank: FIFOs keyed by ``(direction, distance)``, each of ``bandwidth`` bytes/s
+    (None: free links, every transfer done when posted) and ``latency`` seconds per message."""
+
+    def __init__(self, bandwidth: float | None, latency: float = 0.0, clock: LinkClock | None = None) -> None:
+        if bandwidth is not None and bandwidth <= 0:
+            raise ValueError(f"EmulatedLinks: bandwidth must be > 0 bytes/s (or None for free links), not {bandwidth}")
+        self.bandwidth, self.latency = bandwidth, latency
+        self.clock = clock or LinkClock()
+        self.trace = Trace()
+        self._free: dict[tuple, float] = {}
+        self._mark = self.clock.now()
+        self._next_xid = 0
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return 0.0 if self.bandwidth is None else self.latency + nbytes / self.bandwidth
+
+    def _compute(self) -> None:
+        now = self.clock.now()
+        self.trace.events.append(Event("compute", seconds=now - self._mark))
+        self._mark = now
+
+    def post(self, messages: Sequence[tuple[tuple, int]], inner: Pending, channel: int) -> Pending:
+        """Start ``messages`` (``(link, nbytes)`` each) wrapping the inner exchange ``inner``."""
+        self._compute()  # the host time so far, the inner exchange's own included
+        xid, self._next_xid = self._next_xid, self._next_xid + 1
+        now = done = self._mark
+        for link, nbytes in messages:
+            end = max(now, self._free.get(link, now)) + self.transfer_seconds(nbytes)
+            self._free[link] = end
+            done = max(done, end)
+            self.trace.events.append(Event("post", xid=xid, nbytes=nbytes, link=link, channel=channel))
+        return _Timed(self, inner, xid, done, channel)
+
+    def wait(self, inner: Pending, xid: int, done: float, channel: int) -> list[Tensor]:
+        """Wait for ``inner`` and let the clock run until ``done`` (the message's end on its link)."""
+        received = inner.wait()
+        self._compute()  # host time (bookkeeping of this class included) counts as compute
+        self.clock.idle_until(done)
+        self.trace.events.append(Event("wait", xid=xid, channel=channel))
+        self._mark = self.clock.now()  # the idle time is not host work
+        return received
+
+    def finish(self) -> None:
+        """Record the host time since the last post / wait (call at the end of a timed step)."""
+        self._compute()
+
+
+class _Timed(Pending):
+    """An emulated exchange in flight: :meth:`wait` returns when its link says the messages are done."""
+
+    def __init__(self, links: EmulatedLinks, inner: Pending, xid: int, done: float, channel: int) -> None:
+        super().__init__(lambda: None, [])
+        self._args = (links, inner, xid, done, channel)
+
+    def wait(self) -> list[Tensor]:
+        if self._finish is not None:
+            links, inner, xid, done, channel = self._args
+            self._received = links.wait(inner, xid, done, channel)
+            self._finish = None
+        return self._received
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class EmulatedRing:
+    """A :class:`~seqpar.comm.ring.RingExchange` whose exchanges take ``links``' time (see the module)."""
+
+    def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - any RingExchange
+        self.inner, self.links = inner, links
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    def exchange(
+        self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
+        send: bool = True, recv: bool = True,
+    ) -> Pending:
+        extra = {n: v for n, v, d in (("shift", shift, 1), ("send", send, True), ("recv", recv, True)) if v != d}
+        inner = self.inner.exchange(tensors, out, channel=channel, **extra)
+        d, n = shift % self.world_size, _nbytes(tensors)
+        messages = ([(("send", d), n)] if send else []) + ([(("recv", d), n)] if recv else [])
+        return self.links.post(messages, inner, channel)
+
+
+class EmulatedSegment:
+    """A :class:`~seqpar.comm.segment.SegmentComm`-like communicator (``exchange(sends, recvs)``) whose
+    messages take ``links``' time; peers are segment indices, links keyed by their distance."""
+
+    def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - SegmentComm-like
+        self.inner, self.links = inner, links
+        self.index, self.size = inner.index, inner.size
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    def exchange(
+        self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]], *, channel: int = 0
+    ) -> Pending:
+        inner = self.inner.exchange(sends, recvs, channel=channel)
+        messages = [(("send", (p - self.index) % self.size), _nbytes([t])) for p, t in sends if t.numel()]
+        messages += [(("recv", (self.index - p) % self.size), _nbytes([b])) for p, b in recvs if b.numel()]
+        return self.links.post(messages, inner, channel)
