@@ -26,11 +26,17 @@ SAMPLES = ((28, 30, ("attention", "dilated")), (28, 4, ("model",)))
 # - 2127877499 (ALiBi + sinks + soft-cap), 1880712864 (ALiBi + sinks, P=1, float64): WRONG (out 60% / 7% off):
 #   ALiBi travels as the per-key bias m_h * j, equal to -m_h (i - j) only up to a per-row constant, which a sink
 #   logit and a soft-cap do not ignore. Refused now.
+# - 2132084004 at world=1 without checkpointing (tiny Jamba, zigzag, packed documents [4, 12]): WRONG, loss 4e-3
+#   off: at SP=1 the mixers' scan layout cut the shard into zigzag's two chunks and scanned the second from a
+#   zero state, with no state passed at world 1 (every mixer family).
 FOUND = {
     1812976885: (("attention", "dilated"), "exact"),
     2127877499: (("attention", "dilated"), "refused"),
     1880712864: (("attention", "dilated"), "refused"),
 }
+# case seed -> the draws pinned for it (``--set``), where the drawn case itself does not show the finding
+FOUND_SET = {2132084004: {"world": 1, "checkpointing": None}}
+FOUND[2132084004] = (("model",), "exact")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +64,7 @@ def test_fixed_sample_has_no_wrong_and_no_crash(fuzzer: fuzz.Fuzzer, seed: int, 
 @pytest.mark.parametrize("case_seed", sorted(FOUND))
 def test_found_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
     kinds, verdict = FOUND[case_seed]
-    (rec,) = _run(fuzzer, [case_seed], kinds)
+    rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
     assert rec["verdict"] == verdict, (fuzz.summary(rec["draws"]), rec["detail"])
 
 
