@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -195,7 +196,10 @@ def rank_modes(c: CallShape, links: Links, features: Iterable[str] = ()) -> list
 
 
 # ------------------------------------------------------------------------------ links: config or probe
-_PROBED: dict[int, Links] = {}
+# Keyed by the group object, held weakly: an id() key outlived its group, and a later group given the same
+# address on some ranks but not others made those ranks skip the probe's collectives while the rest waited in
+# them (the fuzzer's P = 3 mode='auto' cases hung after earlier cases' groups were destroyed)
+_PROBED: weakref.WeakKeyDictionary[dist.ProcessGroup, Links] = weakref.WeakKeyDictionary()
 
 
 DEFAULT_LINKS = Links()  # frozen: one shared default is safe
@@ -205,9 +209,8 @@ def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: i
     """Measure once per group: an all-to-all of ``nbytes`` per rank and a matmul, timed on the group's
     rank 0 and broadcast from it, so every rank holds the same figures (a collective: call on every rank).
     On one machine both link figures are the measured one (node_size = the group size)."""
-    key = id(group)
-    if key in _PROBED:
-        return _PROBED[key]
+    if group in _PROBED:
+        return _PROBED[group]
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
     # all_to_all_single splits the buffer evenly: a length that the group size divides (P = 3 too)
@@ -230,7 +233,7 @@ def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: i
     dist.broadcast(figures, src=dist.get_global_rank(group, 0), group=group)
     gbps, flops = figures.tolist()
     links = replace(base, intra_gbps=gbps, inter_gbps=gbps, flops=flops, node_size=world)
-    _PROBED[key] = links
+    _PROBED[group] = links
     logger.info("[rank %d] seqpar auto: probed links %s", dist.get_rank(), links)
     return links
 
