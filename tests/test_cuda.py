@@ -176,3 +176,54 @@ def test_unequal_head_dims_match_reference(backend: Backend, dtype: torch.dtype,
         err = float((a.double() - b).abs().max())
         scale = float(b.abs().max()) if dtype == torch.float32 else 1.0
         assert err <= bound * max(scale, 1.0), f"{backend.value} dk={dk} dv={dv} {name}: max error {err:.3g} > {bound:.3g}"
+
+
+# ------------------------------------------------------------------ emulated links on the device (issue 29 §2, §8)
+def test_cuda_links_hold_the_compute_stream_for_bytes_over_bandwidth():
+    """A message of n bytes on a link of B bytes/s delays a wait by n / B (the sleep is calibrated), two
+    messages on one link take twice as long (FIFO), and two on different links overlap; the host never
+    blocks on a post."""
+    import time
+
+    from seqpar.comm.emulated import CudaLinks
+    from seqpar.comm.ring import Pending
+
+    dev = torch.device("cuda")
+    links = CudaLinks(1e9, device=dev)  # 1 GB/s: 20 MB -> 20 ms
+    nbytes, expect = 20_000_000, 0.020
+
+    def timed(messages):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        pend = links.post(messages, Pending(lambda: None, []), channel=0)
+        host = time.perf_counter() - t0
+        pend.wait()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3, host
+
+    timed([(("send", 1), 1000)])  # warm-up: the stream is created
+    one, host = timed([(("send", 1), nbytes)])
+    assert one == pytest.approx(expect, rel=0.15) and host < expect / 4
+    fifo, _ = timed([(("send", 1), nbytes), (("send", 1), nbytes)])
+    assert fifo == pytest.approx(2 * expect, rel=0.15)
+    parallel, _ = timed([(("send", 1), nbytes), (("recv", 1), nbytes)])
+    assert parallel == pytest.approx(expect, rel=0.15)
+
+
+def test_gpu_perf_runs_one_case_on_the_device(tmp_path):
+    """The GPU path of ``gpu-perf`` end to end at a small L (the full run is the run-book's)."""
+    import json
+
+    from seqpar.bench.__main__ import main as bench_main
+
+    rc = bench_main(["gpu-perf", "--device", "cuda", "--seq-locals", "1024", "--head-chunks", "1", "--layouts", "hf",
+                     "--hidden-at", "1024", "--profile-at", "1024", "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "gpu_perf.json").read_text())["cases"]
+    assert len(rows) == 2
+    for r in rows:
+        assert 0 < r["eta"] and 0 < r["t_transfer_50"] and r["profile"]["attention_s"] > 0
+        # the ring's own kernels: 8 hops of bf16 attention are at least the one-block floor's work
+        assert r["t_compute"] > 0.5 * r["t_floor"]

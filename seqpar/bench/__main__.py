@@ -3,7 +3,8 @@
 Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``; ``gpu-check`` (its own
 flags, see :mod:`seqpar.bench.gpu_check`) is the GPU run-book; ``ssd`` (:mod:`seqpar.bench.ssd`)
 measures one Mamba2 layer sequence-parallel; ``overlap``
-(:mod:`seqpar.bench.overlap`) the transfers hidden on emulated links. Presets: ``--quick``
+(:mod:`seqpar.bench.overlap`) the transfers hidden on emulated links; ``gpu-perf``
+(:mod:`seqpar.bench.gpu_perf`) the ring's speed on one GPU. Presets: ``--quick``
 (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
@@ -199,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from seqpar.bench.ssd import main as ssd_main
 
         return ssd_main(argv[1:])
+    if argv[:1] == ["gpu-perf"]:  # the ring's speed on one GPU (issue 29 §8): a command of its own
+        from seqpar.bench.gpu_perf import main as gpu_perf_main
+
+        return gpu_perf_main(argv[1:])
     if argv[:1] == ["overlap"]:  # transfers hidden on emulated links (issue 29): a command of its own
         from seqpar.bench.overlap import main as overlap_main
 

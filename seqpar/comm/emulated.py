@@ -15,20 +15,26 @@ of sleeping, so other processes on a loaded machine neither stretch the compute 
 between them, is recorded in a :class:`~seqpar.comm.schedule.Trace` for
 :func:`~seqpar.comm.schedule.hidden_bound`.
 
+On CUDA, :class:`CudaLinks` keeps the same model on the device: each link a side stream held by a
+calibrated ``torch.cuda._sleep`` (:func:`sleep_cycles_per_second`), the host never blocking.
+
 Layouts: whatever the inner communicator takes; only the byte counts matter here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from seqpar.comm.ring import Pending
 from seqpar.comm.schedule import Event, Trace
 
-__all__ = ["LinkClock", "EmulatedLinks", "EmulatedRing", "EmulatedSegment"]
+__all__ = [
+    "LinkClock", "EmulatedLinks", "EmulatedRing", "EmulatedSegment", "CudaLinks", "sleep_cycles_per_second",
+]
 
 
 class LinkClock:
@@ -162,3 +168,98 @@ class EmulatedSegment:
         messages = [(("send", (p - self.index) % self.size), _nbytes([t])) for p, t in sends if t.numel()]
         messages += [(("recv", (self.index - p) % self.size), _nbytes([b])) for p, b in recvs if b.numel()]
         return self.links.post(messages, inner, channel)
+
+
+def sleep_cycles_per_second(device: torch.device, *, cycles: int = 2_000_000, repeats: int = 3) -> float:
+    """Clock rate of ``torch.cuda._sleep`` on ``device`` (cycles per second), measured with CUDA events:
+    the median of ``repeats`` sleeps of ``cycles`` cycles after one warm-up."""
+    stream = torch.cuda.current_stream(device)
+    rates = []
+    for i in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        torch.cuda._sleep(cycles)
+        end.record(stream)
+        end.synchronize()
+        if i:  # the first is the warm-up
+            rates.append(cycles / (start.elapsed_time(end) * 1e-3))
+    return sorted(rates)[len(rates) // 2]
+
+
+class CudaLinks:
+    """The links of one rank on one GPU: the same FIFO model as :class:`EmulatedLinks`, with the time
+    spent on the device instead of the host.
+
+    Each directed link is a CUDA stream. A message is one ``torch.cuda._sleep`` kernel on its link's
+    stream, lasting ``latency + bytes / bandwidth``; it starts once the compute stream has reached the
+    post (an event) and the link's earlier messages are done (the stream's order: a FIFO). ``wait`` makes
+    the compute stream wait for the message's end (an event); the host never blocks, as with NCCL. The
+    sleep kernel holds one thread block on one SM while it runs: a transfer costs the compute (nearly)
+    nothing, as a copy engine's or NVLink's would. ``bandwidth`` None: free links (no kernel at all).
+
+    Posts and waits are recorded in :attr:`trace` (no ``compute`` events: the host does not know the
+    kernels' durations), so :func:`~seqpar.comm.schedule.replay` with ``compute=False`` gives the
+    transfers alone on this link model.
+    """
+
+    def __init__(self, bandwidth: float | None, latency: float = 0.0, *, device: torch.device,
+                 cycles_per_second: float | None = None) -> None:
+        if bandwidth is not None and bandwidth <= 0:
+            raise ValueError(f"CudaLinks: bandwidth must be > 0 bytes/s (or None for free links), not {bandwidth}")
+        if device.type != "cuda":
+            raise ValueError(f"CudaLinks needs a CUDA device, not {device}; on CPU use EmulatedLinks")
+        self.bandwidth, self.latency, self.device = bandwidth, latency, device
+        self.cycles_per_second = cycles_per_second if cycles_per_second else sleep_cycles_per_second(device)
+        self.trace = Trace()
+        self._streams: dict[tuple, torch.cuda.Stream] = {}
+        self._next_xid = 0
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return 0.0 if self.bandwidth is None else self.latency + nbytes / self.bandwidth
+
+    def post(self, messages: Sequence[tuple[tuple, int]], inner: Pending, channel: int) -> Pending:
+        """Start ``messages`` (``(link, nbytes)`` each) wrapping the inner exchange ``inner``."""
+        xid, self._next_xid = self._next_xid, self._next_xid + 1
+        main = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(main)
+        ends = []
+        for link, nbytes in messages:
+            self.trace.events.append(Event("post", xid=xid, nbytes=nbytes, link=link, channel=channel))
+            if self.bandwidth is None:
+                continue
+            stream = self._streams.get(link)
+            if stream is None:
+                stream = self._streams[link] = torch.cuda.Stream(device=self.device)
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(max(1, int(self.transfer_seconds(nbytes) * self.cycles_per_second)))
+                end = torch.cuda.Event()
+                end.record(stream)
+            ends.append(end)
+
+        def finish() -> list[Tensor]:
+            received = inner.wait()
+            for end in ends:
+                main.wait_event(end)
+            self.trace.events.append(Event("wait", xid=xid, channel=channel))
+            return received
+
+        return _CudaTimed(finish)
+
+    def finish(self) -> None:
+        """Nothing to record: the host's time is not the step's (kept for :class:`EmulatedLinks`' contract)."""
+
+
+class _CudaTimed(Pending):
+    """A message in flight on :class:`CudaLinks`: :meth:`wait` orders the compute stream after it."""
+
+    def __init__(self, finish: Callable[[], list[Tensor]]) -> None:
+        super().__init__(lambda: None, [])
+        self._wait = finish
+
+    def wait(self) -> list[Tensor]:
+        if self._finish is not None:
+            self._received = self._wait()
+            self._finish = None
+        return self._received

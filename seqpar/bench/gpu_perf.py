@@ -1,0 +1,485 @@
+"""``python -m seqpar.bench gpu-perf --out DIR [--budget-s 240]``: the ring's speed on one GPU (issue 29 §8).
+
+One process plays rank ``--rank`` (default 4) of a ``--world``-rank ring (default 8) with the unchanged
+ring code: a loopback communicator hands the rank its own blocks back (the causal plan still follows
+each source rank, so a rank in the middle of a zigzag ring meets both half-block kinds), over an
+emulated link (:class:`~seqpar.comm.emulated.CudaLinks`: each directed link a side stream held by a
+calibrated ``torch.cuda._sleep``, FIFO, ``bytes / bandwidth``; the host never blocks).
+
+Setup (the defaults): Llama-3-8B's attention heads (32 query, 8 K/V heads of 128), bf16, batch 1;
+causal zigzag and full (contiguous) masks; ``L`` = 8K, 32K, 16K, 4K tokens per rank; ``head_chunks`` 1
+and ``"auto"``; inputs in the Hugging Face memory layout (``(batch, seq, heads, dim)`` seen transposed:
+``"hf"``) and contiguous ``(batch, heads, seq, dim)``. Every time is forward + backward, the median of
+``--repeats`` after a warm-up, timed with CUDA events around the step (``time.perf_counter`` on CPU).
+Per case:
+
+- ``t_sdpa_local``: one SDPA call (``enable_gqa``) on the local shard, same mask kind and layout;
+- ``t_compute``: the ring step with free links (transfers cost nothing);
+- ``t_step_400``: the ring step over an emulated 400 GB/s link;
+- ``eta = P * t_sdpa_local / t_step_400`` (ring-flash-attn's metric includes its real transfers, so ours
+  includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``slow_400 = t_step_400 /
+  t_compute - 1``;
+- ``t_floor``: the sum of bare SDPA calls (forward + backward, contiguous inputs) on the plan's exact
+  block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``;
+- at ``L`` = 16K (``--hidden-at``): ``t_step_50`` over a 50 GB/s link, ``t_transfer_50`` (the recorded
+  schedule's transfers alone on the link model, :func:`~seqpar.comm.schedule.replay`) and ``hidden_50 =
+  (t_compute + t_transfer - t_step) / min(t_compute, t_transfer)``;
+- ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
+  backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
+  above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
+  backward's peak (:func:`theory_peak`, term by term in ``peak_terms``);
+- at 8K, for the first case of each mask: ``profile``, one step's kernel time split into attention
+  kernels and the rest (elementwise, copies, reductions), from ``torch.profiler``.
+
+Cases run most important first (8K and 32K at head_chunks 1 in the HF layout, then 16K's hidden, then
+the rest); ``DIR/gpu_perf.json`` is rewritten after every case, and a case whose estimated time does
+not fit in what is left of ``--budget-s`` is listed as skipped. ``--device cpu`` (or no GPU) runs the
+same code on the CPU with the host-clock link of :class:`~seqpar.comm.emulated.EmulatedLinks`; with
+``--tiny`` at toy sizes (the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqpar.bench.report import format_table, machine_info, write_json
+from seqpar.bench.runner import peak_memory, resolve_device, sync
+
+__all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "cudnn", "sdpa", "mha")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The attention shape every case shares."""
+
+    world: int = 8
+    rank: int = 4
+    q_heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    batch: int = 1
+    dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: ``seq_local`` tokens per rank, mask, head chunks, input layout."""
+
+    seq_local: int
+    causal: bool
+    head_chunks: int | str
+    layout: str  # "hf" ((batch, seq, heads, dim) seen transposed) or "contiguous"
+
+    @property
+    def label(self) -> str:
+        return (f"L={self.seq_local} {'causal' if self.causal else 'full'} hc={self.head_chunks} {self.layout}")
+
+
+def cases(seq_locals: Sequence[int], head_chunks: Sequence[int | str] = (1, "auto"),
+          layouts: Sequence[str] = ("hf", "contiguous")) -> list[Case]:
+    """Every case, most important first: the first ``head_chunks`` in the first layout for each ``L``
+    (in the given order), then the other head chunks, then the other layouts."""
+    out: list[Case] = []
+    for layout in layouts:
+        for hc in head_chunks:
+            for seq in seq_locals:
+                for causal in (True, False):
+                    out.append(Case(seq, causal, hc, layout))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ inputs
+def _inputs(shape: Shape, case: Case, device: torch.device, seed: int = 0, *, grad: bool = True
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """q ``(batch, q_heads, L, head_dim)``, k, v ``(batch, kv_heads, L, head_dim)`` and dout like q, in
+    the case's memory layout (``"hf"``: each a ``(batch, L, heads, dim)`` buffer seen transposed)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dtype = _DTYPES[shape.dtype]
+
+    def make(heads: int) -> Tensor:
+        if case.layout == "hf":
+            return torch.randn(shape.batch, case.seq_local, heads, shape.head_dim, generator=g, device=device,
+                               dtype=dtype).transpose(1, 2)
+        return torch.randn(shape.batch, heads, case.seq_local, shape.head_dim, generator=g, device=device,
+                           dtype=dtype)
+
+    q, k, v, dout = make(shape.q_heads), make(shape.kv_heads), make(shape.kv_heads), make(shape.q_heads)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_()
+    return q, k, v, dout
+
+
+def _options(shape: Shape, case: Case) -> Any:
+    from seqpar.attn import resolve_head_chunks
+    from seqpar.attn.common import AttentionOptions
+
+    return AttentionOptions(causal=case.causal, scale=shape.head_dim ** -0.5,
+                            sharding="zigzag" if case.causal else "contiguous",
+                            head_chunks=resolve_head_chunks(case.head_chunks, shape.kv_heads))
+
+
+# ------------------------------------------------------------------------------------------ timing
+class _Clock:
+    """Times a step: CUDA events on the current stream (the host may run ahead), else perf_counter."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def time(self, step: Callable[[], None], *, warmup: int, repeats: int) -> list[float]:
+        for _ in range(warmup):
+            step()
+        sync(self.device)
+        out = []
+        for _ in range(repeats):
+            if self.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) * 1e-3)
+            else:
+                t0 = time.perf_counter()
+                step()
+                out.append(time.perf_counter() - t0)
+        return out
+
+
+def _links(device: torch.device, bandwidth: float | None, cycles: float | None) -> Any:
+    if device.type == "cuda":
+        from seqpar.comm.emulated import CudaLinks
+
+        return CudaLinks(bandwidth, device=device, cycles_per_second=cycles)
+    from seqpar.comm.emulated import EmulatedLinks, LinkClock
+
+    return EmulatedLinks(bandwidth, clock=LinkClock("wall"))
+
+
+def _ring_step(shape: Shape, case: Case, inputs: Sequence[Tensor], make_links: Callable[[], Any]
+               ) -> Callable[[], Any]:
+    """One forward + backward of the played rank over fresh links (returned for their trace)."""
+    from seqpar.attn.ring import RingAttention
+    from seqpar.comm.emulated import EmulatedRing
+    from seqpar.comm.loopback import LoopbackComm
+
+    q, k, v, dout = inputs
+    opts = _options(shape, case)
+
+    def step() -> Any:
+        links = make_links()
+        comm = EmulatedRing(LoopbackComm(shape.rank, shape.world, transfer=False), links)
+        RingAttention.apply(q, k, v, comm, opts).backward(dout)
+        q.grad = k.grad = v.grad = None
+        return links
+
+    return step
+
+
+def _sdpa_step(inputs: Sequence[Tensor], causal: bool, scale: float) -> Callable[[], None]:
+    q, k, v, dout = inputs
+    gqa = q.shape[1] != k.shape[1]
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    return step
+
+
+def _block_shapes(shape: Shape, case: Case) -> dict[tuple[int, int, int, int, bool], int]:
+    """The bare kernel calls of the played rank's plan: ``(q_heads, kv_heads, q_rows, k_rows, causal)``
+    -> how many, over every hop and head chunk."""
+    from seqpar.attn.common import block_calls, block_hops
+
+    opts = _options(shape, case)
+    hops = block_hops(opts, shape.world, case.seq_local)
+    g = opts.head_chunks
+    counts: dict[tuple[int, int, int, int, bool], int] = {}
+    for step in range(max(hops) + 1):
+        src = (shape.rank - step) % shape.world
+        if step > hops[src]:
+            continue
+        for call in block_calls(opts, shape.world, shape.rank, src, case.seq_local):
+            key = (shape.q_heads // g, shape.kv_heads // g, call.q_rows.stop - call.q_rows.start,
+                   call.k_rows.stop - call.k_rows.start, call.causal or call.anti)
+            counts[key] = counts.get(key, 0) + g
+    return counts
+
+
+def _floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, warmup: int, repeats: int
+           ) -> tuple[float, list[dict[str, Any]]]:
+    """T_floor: the sum of bare SDPA forward + backward calls on the plan's block shapes."""
+    total, rows = 0.0, []
+    dtype = _DTYPES[shape.dtype]
+    for (hq, hkv, nq, nk, causal), count in sorted(_block_shapes(shape, case).items()):
+        q = torch.randn(shape.batch, hq, nq, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
+        k = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
+        v = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
+        dout = torch.randn_like(q)
+        t = statistics.median(clock.time(_sdpa_step((q, k, v, dout), causal, shape.head_dim ** -0.5),
+                                         warmup=warmup, repeats=repeats))
+        total += count * t
+        rows.append({"q_heads": hq, "kv_heads": hkv, "q_rows": nq, "k_rows": nk, "causal": causal,
+                     "count": count, "t": t})
+        del q, k, v, dout
+    return total, rows
+
+
+def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """One step's kernel time: attention kernels vs the rest (elementwise, copies, reductions)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    step()
+    sync(device)
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    split = {"attention": 0.0, "other": 0.0}
+    top: dict[str, float] = {}
+    for evt in prof.events():
+        if device.type == "cuda":
+            if evt.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = evt.device_time
+        else:
+            if not evt.name.startswith("aten::"):
+                continue
+            us = evt.self_cpu_time_total  # self time: nested aten ops are counted once
+        name = evt.name.lower()
+        kind = "attention" if any(s in name for s in _ATTENTION_KERNELS) else "other"
+        split[kind] += us * 1e-6
+        if kind == "other":
+            top[evt.name[:80]] = top.get(evt.name[:80], 0.0) + us * 1e-6
+    total = split["attention"] + split["other"]
+    return {"kernel_s": total, "attention_s": split["attention"], "other_s": split["other"],
+            "other_share": split["other"] / total if total else None,
+            "other_top": sorted(top.items(), key=lambda kv: -kv[1])[:8]}
+
+
+# ------------------------------------------------------------------------------------------ memory
+def theory_peak(shape: Shape, case: Case) -> dict[str, int]:
+    """Bytes the ring holds at its backward's peak (a remote hop, after its kernels, before the add
+    into the travelling accumulator), term by term; inputs created inside the measured step.
+
+    With ``e`` the input element size, ``Q`` = elements of q, ``K`` = of one K (or V) block and ``G`` head
+    chunks: the step's inputs and saved tensors (q, k, v, out, dout: ``e(3Q + 2K)``; lse fp32), dq
+    (``Q`` in q's dtype, when G > 1: the full-size gradient being filled), and per head chunk: the fp32
+    accumulators dq, dk, dv (``4(Q + 2K)/G``), two K/V pairs in flight (the block used and the next being
+    received: ``4eK/G``), the hop kernel's dq, dk, dv (``e(Q + 2K)/G``) and its fp32 dK/dV share
+    (``8K/G``), the flash backward's fp32 dq workspace (``4Q/G``), the incoming accumulator and the one
+    sent on (``16K/G``)."""
+    e = torch.finfo(_DTYPES[shape.dtype]).bits // 8
+    Q = shape.batch * shape.q_heads * case.seq_local * shape.head_dim  # noqa: N806 - the docstring's names
+    K = shape.batch * shape.kv_heads * case.seq_local * shape.head_dim  # noqa: N806
+    G = _options(shape, case).head_chunks  # noqa: N806
+    rows = shape.batch * shape.q_heads * case.seq_local
+    terms = {
+        "inputs_and_saved": e * (3 * Q + 2 * K) + 4 * rows,
+        "full_dq_output": e * Q if G > 1 else 0,
+        "fp32_accumulators": 4 * (Q + 2 * K) // G,
+        "kv_in_flight": 4 * e * K // G,
+        "hop_kernel_grads": e * (Q + 2 * K) // G,
+        "hop_fp32_dkv": 8 * K // G,
+        "flash_dq_workspace": 4 * Q // G,
+        "dkv_accumulators_travelling": 16 * K // G,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+# ------------------------------------------------------------------------------------------ one case
+def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
+             profile_split: bool, cycles: float | None) -> dict[str, Any]:
+    """Every figure of one case (see the module docstring)."""
+    from seqpar.comm.schedule import hidden, replay
+
+    clock = _Clock(device)
+    inputs = _inputs(shape, case, device)
+    scale = shape.head_dim ** -0.5
+    res: dict[str, Any] = {**asdict(case), "label": case.label, "head_chunks_resolved": _options(shape, case).head_chunks}
+    t0 = time.perf_counter()
+    res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
+                                                       repeats=repeats))
+    free = _ring_step(shape, case, inputs, lambda: _links(device, None, cycles))
+    res["t_compute"] = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
+    res["t_step_400"] = statistics.median(clock.time(
+        _ring_step(shape, case, inputs, lambda: _links(device, 400e9, cycles)), warmup=warmup, repeats=repeats))
+    p = shape.world
+    res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
+    res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
+    res["slow_400"] = res["t_step_400"] / res["t_compute"] - 1
+    res["t_floor"], res["floor_calls"] = _floor(shape, case, device, clock, warmup, repeats)
+    res["glue"] = res["t_compute"] / res["t_floor"] - 1
+    if case.seq_local == hidden_at:
+        recorded = free()  # one more free-link step, for its schedule
+        res["t_transfer_50"] = replay(recorded.trace.events, lambda n: n / 50e9, compute=False)
+        res["t_step_50"] = statistics.median(clock.time(
+            _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles)), warmup=warmup, repeats=repeats))
+        res["hidden_50"] = hidden(res["t_compute"], res["t_transfer_50"], res["t_step_50"])
+    if profile_split:
+        res["profile"] = _profile(free, device)
+    del inputs, free
+
+    def ring_fresh() -> None:
+        _ring_step(shape, case, _inputs(shape, case, device, seed=1), lambda: _links(device, None, cycles))()
+
+    def sdpa_fresh() -> None:
+        _sdpa_step(_inputs(shape, case, device, seed=1), case.causal, scale)()
+
+    res["peak_ring_bytes"] = peak_memory(ring_fresh, device)
+    res["peak_sdpa_bytes"] = peak_memory(sdpa_fresh, device)
+    res["peak"] = res["peak_ring_bytes"] / res["peak_sdpa_bytes"]
+    res["peak_terms"] = theory_peak(shape, case)
+    res["peak_theory_bytes"] = res["peak_terms"]["total"]
+    res["peak_vs_theory"] = res["peak_ring_bytes"] / res["peak_theory_bytes"]
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+# ------------------------------------------------------------------------------------------ the run
+_COLUMNS = (("case", "label"), ("eta", "eta"), ("eta_c", "eta_compute"), ("slow400", "slow_400"), ("glue", "glue"),
+            ("hidden50", "hidden_50"), ("peak", "peak"), ("peak/theory", "peak_vs_theory"),
+            ("T_sdpa", "t_sdpa_local"), ("T_comp", "t_compute"), ("T_400", "t_step_400"), ("T_floor", "t_floor"),
+            ("wall", "wall_s"))
+
+
+def _estimate(done: list[dict[str, Any]], case: Case) -> float:
+    """Seconds ``case`` should take: the last case of the same ``L`` (and mask), else the nearest
+    measured one scaled by ``L^2`` (attention's cost); 0 when nothing is measured yet."""
+    same = [r for r in done if r["seq_local"] == case.seq_local and r["causal"] == case.causal]
+    if same:
+        return same[-1]["wall_s"]
+    if not done:
+        return 0.0
+    ref = done[-1]
+    return ref["wall_s"] * (case.seq_local / ref["seq_local"]) ** 2
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(resolve_device(args.device))
+    shape = Shape(world=args.world, rank=args.rank, q_heads=args.q_heads, kv_heads=args.kv_heads,
+                  head_dim=args.head_dim, batch=args.batch, dtype=args.dtype)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        from seqpar.comm.emulated import sleep_cycles_per_second
+
+        cycles = sleep_cycles_per_second(device)
+    else:
+        cycles = None
+    payload: dict[str, Any] = {
+        "command": "python -m seqpar.bench gpu-perf " + " ".join(args.argv if args.argv is not None else sys.argv[2:]),
+        "machine": machine_info(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": asdict(shape), "budget_s": args.budget_s, "sleep_cycles_per_second": cycles,
+        "cases": [], "skipped": [],
+    }
+    start = time.perf_counter()
+    profiled: set[bool] = set()
+    for case in cases(args.seq_locals, args.head_chunks, args.layouts):
+        left = args.budget_s - (time.perf_counter() - start)
+        estimate = _estimate(payload["cases"], case)
+        if estimate > left:
+            payload["skipped"].append({"label": case.label, "reason": f"estimated {estimate:.1f} s > {left:.1f} s left"})
+            continue
+        profile_split = case.seq_local == args.profile_at and case.causal not in profiled
+        try:
+            row = run_case(shape, case, device, warmup=args.warmup, repeats=args.repeats, hidden_at=args.hidden_at,
+                           profile_split=profile_split, cycles=cycles)
+        except torch.OutOfMemoryError as error:
+            payload["skipped"].append({"label": case.label, "reason": f"out of memory: {str(error)[:200]}"})
+            torch.cuda.empty_cache()
+            continue
+        if profile_split:
+            profiled.add(case.causal)
+        payload["cases"].append(row)
+        payload["wall_s"] = time.perf_counter() - start
+        print(format_table([row], _COLUMNS), flush=True)
+        if args.out:
+            write_json(os.path.join(args.out, "gpu_perf.json"), payload)
+    payload["wall_s"] = time.perf_counter() - start
+    return payload
+
+
+def _list(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+    return parse
+
+
+def _chunks(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m seqpar.bench gpu-perf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", metavar="DIR", help="write DIR/gpu_perf.json (after every case)")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop starting cases past this (seconds)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--tiny", action="store_true", help="toy shapes on any device (what the tests run)")
+    p.add_argument("--seq-locals", type=_list(int), default=None, help="tokens per rank (default 8192,32768,16384,4096)")
+    p.add_argument("--head-chunks", type=_list(_chunks), default=[1, "auto"])
+    p.add_argument("--layouts", type=_list(str), default=["hf", "contiguous"])
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--rank", type=int, default=4)
+    p.add_argument("--q-heads", type=int, default=None)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES))
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median; default 5, tiny 2)")
+    p.add_argument("--hidden-at", type=int, default=None, help="L at which hidden is measured at 50 GB/s (16384)")
+    p.add_argument("--profile-at", type=int, default=None, help="L of the kernel-time split (8192)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    tiny = args.tiny
+    defaults = {"seq_locals": [64, 128] if tiny else [8192, 32768, 16384, 4096],
+                "q_heads": 4 if tiny else 32, "kv_heads": 2 if tiny else 8, "head_dim": 16 if tiny else 128,
+                "dtype": "fp32" if tiny else "bf16", "repeats": 2 if tiny else 5}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.hidden_at = args.hidden_at or (128 if tiny else 16384)
+    args.profile_at = args.profile_at or (64 if tiny else 8192)
+    if args.kv_heads < 1 or args.q_heads % args.kv_heads:
+        build_parser().error(f"--q-heads {args.q_heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if not 0 <= args.rank < args.world:
+        build_parser().error(f"--rank {args.rank} must be in [0, --world {args.world})")
+    for seq in args.seq_locals:
+        if seq % 2:
+            build_parser().error(f"--seq-locals: {seq} must be even (zigzag halves)")
+    for layout in args.layouts:
+        if layout not in ("hf", "contiguous"):
+            build_parser().error(f"--layouts: {layout!r}: choose hf, contiguous")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    payload = run(args)
+    print(f"gpu-perf: {len(payload['cases'])} cases in {payload['wall_s']:.1f} s, {len(payload['skipped'])} skipped",
+          flush=True)
+    if args.out:
+        path = os.path.join(args.out, "gpu_perf.json")
+        write_json(path, payload)
+        print(f"wrote {path}", flush=True)
+    return 0
