@@ -244,7 +244,7 @@ def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """One step's kernel time: attention kernels vs the rest (elementwise, copies, reductions)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()
     sync(device)
     with profile(activities=activities) as prof:
@@ -253,14 +253,12 @@ def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     split = {"attention": 0.0, "other": 0.0}
     top: dict[str, float] = {}
     for evt in prof.events():
-        if device.type == "cuda":
-            if evt.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = evt.device_time
-        else:
-            if not evt.name.startswith("aten::"):
-                continue
-            us = evt.self_cpu_time_total  # self time: nested aten ops are counted once
+        # operators (CPU-side events), each with the device time of the kernels it launched itself
+        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.name.startswith("aten::"):
+            continue
+        us = evt.self_device_time_total if device.type == "cuda" else evt.self_cpu_time_total
+        if not us:
+            continue
         name = evt.name.lower()
         kind = "attention" if any(s in name for s in _ATTENTION_KERNELS) else "other"
         split[kind] += us * 1e-6
