@@ -371,6 +371,8 @@ def _estimate(done: list[dict[str, Any]], case: Case) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(resolve_device(args.device))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     shape = Shape(world=args.world, rank=args.rank, q_heads=args.q_heads, kv_heads=args.kv_heads,
                   head_dim=args.head_dim, batch=args.batch, dtype=args.dtype)
     if device.type == "cuda":
