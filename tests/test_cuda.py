@@ -227,3 +227,14 @@ def test_gpu_perf_runs_one_case_on_the_device(tmp_path):
         assert 0 < r["eta"] and 0 < r["t_transfer_50"] and r["profile"]["attention_s"] > 0
         # the ring's own kernels: 8 hops of bf16 attention are at least the one-block floor's work
         assert r["t_compute"] > 0.5 * r["t_floor"]
+
+
+def test_overlap_on_the_device_hides_what_its_schedule_allows():
+    """``overlap --device cuda``: the emulated-link step on one GPU, its compute segments measured on the
+    compute stream: the replayed bound is the ring's (1 - 1/(3(P-1)) at P = 4) and the step hides most of it."""
+    from seqpar.bench.overlap import run_case
+
+    (row,) = run_case("ring", 4, 16384, False, ["auto"], repeats=3, device="cuda")
+    assert row["t_compute"] > 0 and row["t_transfer"] > 0
+    assert row["hidden_max"] == pytest.approx(1 - 1 / 9, abs=0.08)
+    assert row["hidden"] > 0.6

@@ -23,6 +23,10 @@ bandwidth``, a timer that costs no CPU). Per case, forward + backward, median of
 without sleeping, so other processes on a loaded machine do not stretch either; ``--clock wall`` sleeps
 and uses ``time.perf_counter``. Kernels run on one thread (``torch.set_num_threads(1)``).
 
+``--device cuda`` runs the same on one GPU in bf16: each link a side stream held by a calibrated
+``torch.cuda._sleep`` (:class:`~seqpar.comm.emulated.CudaLinks`), steps timed with CUDA events, the
+schedule's compute segments measured on the compute stream (``--clock`` does not apply).
+
 Modes: ``ring`` (zigzag when causal, contiguous when not), ``dilated`` (one pattern spanning the whole
 sequence, ``segment_lengths=(S,)``, ``dilation_rates=(1,)``: every block travels, the most transfer a
 dilated pattern has), ``hybrid`` (its ring across ``P / u`` super-ranks, each with ``u`` shards and
@@ -34,6 +38,7 @@ is that of this rank's own schedule).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -43,7 +48,9 @@ from typing import Any
 import torch
 
 from seqpar.bench.report import format_table, machine_info, write_json
-from seqpar.comm.emulated import EmulatedLinks, EmulatedRing, EmulatedSegment, LinkClock
+from seqpar.comm.emulated import (
+    CudaLinks, EmulatedLinks, EmulatedRing, EmulatedSegment, LinkClock, sleep_cycles_per_second,
+)
 from seqpar.comm.loopback import LoopbackComm, LoopbackSegmentComm
 from seqpar.comm.schedule import early_waits, hidden, hidden_bound, replay
 
@@ -68,7 +75,8 @@ def _step_fn(mode: str, world: int, rank: int, seq_len: int, causal: bool, heads
         ring_world, ring_rank, seq_local, h = world // ulysses, rank // ulysses, seq_len // (world // ulysses), \
             heads // ulysses
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, h, seq_local, head_dim, generator=g).to(device) for _ in range(4))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CUDA: what the fused kernels take
+    q, k, v, dout = (torch.randn(1, h, seq_local, head_dim, generator=g).to(device, dtype) for _ in range(4))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     scale = head_dim ** -0.5
     if mode == "dilated":
@@ -90,8 +98,20 @@ def _step_fn(mode: str, world: int, rank: int, seq_len: int, causal: bool, heads
     return run
 
 
-def _timed(step: Callable[[EmulatedLinks], None], bandwidth: float | None, latency: float, clock: str
-           ) -> tuple[float, EmulatedLinks]:
+def _timed(step: Callable[[EmulatedLinks], None], bandwidth: float | None, latency: float, clock: str,
+           device: torch.device | None = None, cycles: float | None = None) -> tuple[float, EmulatedLinks]:
+    """One step on fresh links: its time and the links (their trace). On CUDA the links are
+    :class:`~seqpar.comm.emulated.CudaLinks` and the step is timed with CUDA events."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        links = CudaLinks(bandwidth, latency, device=device, cycles_per_second=cycles)
+        step(links)
+        end.record()
+        links.finish()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3, links
     links = EmulatedLinks(bandwidth, latency, LinkClock(clock))
     t0 = links.clock.now()
     links.trace.events.clear()
@@ -104,20 +124,23 @@ def run_case(mode: str, world: int, seq_len: int, causal: bool, gbps: Sequence[f
              heads: int = 8, head_dim: int = 64, ulysses: int = 2, repeats: int = 5, latency_us: float = 0.0,
              clock: str = "thread", device: str = "cpu") -> list[dict[str, Any]]:
     """Rows (one per link bandwidth) of one (mode, P, S, causal); see the module docstring for the fields."""
-    if device != "cpu":
-        raise NotImplementedError(
-            "seqpar.bench overlap --device cuda is not implemented yet (the emulated link on CUDA, a side "
-            "stream held by a calibrated torch.cuda._sleep, is pending); run it with --device cpu"
-        )
+    dev = torch.device(device)
+    cycles = None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch.cuda.is_available() is False; run with --device cpu")
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        cycles = sleep_cycles_per_second(dev)
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {MODES}, not {mode!r}")
     if seq_len % (2 * world):
         raise ValueError(f"--seq-len {seq_len} must be a multiple of 2 * --world ({2 * world}) (zigzag halves)")
     rank = world // 2 if rank is None else rank
     latency = latency_us * 1e-6
-    step = _step_fn(mode, world, rank, seq_len, causal, heads, head_dim, ulysses, torch.device(device))
-    _timed(step, None, latency, clock)  # warm-up
-    first = _timed(step, None, latency, clock)  # a free-link run to size the links ('auto')
+    step = _step_fn(mode, world, rank, seq_len, causal, heads, head_dim, ulysses, dev)
+    timed = functools.partial(_timed, clock=clock, device=dev, cycles=cycles)
+    timed(step, None, latency)  # warm-up
+    first = timed(step, None, latency)  # a free-link run to size the links ('auto')
 
     def per_byte(bandwidth: float) -> Callable[[int], float]:
         return lambda n: latency + n / bandwidth
@@ -134,9 +157,9 @@ def run_case(mode: str, world: int, seq_len: int, causal: bool, gbps: Sequence[f
     busy: list[list[float]] = [[] for _ in values]  # host time inside each emulated run
     for r in range(repeats):
         if r:
-            free.append(_timed(step, None, latency, clock))
+            free.append(timed(step, None, latency))
         for i, b_val in enumerate(values):
-            t, links = _timed(step, b_val * 1e9, latency, clock)
+            t, links = timed(step, b_val * 1e9, latency)
             steps[i].append(t)
             busy[i].append(links.trace.compute_seconds())
     t_compute = statistics.median(t for t, _ in free)

@@ -197,9 +197,9 @@ class CudaLinks:
     sleep kernel holds one thread block on one SM while it runs: a transfer costs the compute (nearly)
     nothing, as a copy engine's or NVLink's would. ``bandwidth`` None: free links (no kernel at all).
 
-    Posts and waits are recorded in :attr:`trace` (no ``compute`` events: the host does not know the
-    kernels' durations), so :func:`~seqpar.comm.schedule.replay` with ``compute=False`` gives the
-    transfers alone on this link model.
+    Posts and waits are recorded in :attr:`trace`, and :meth:`finish` adds the compute stream's time
+    between them (CUDA events around each segment; the time the stream idles in a wait is excluded), so
+    a trace replays as :class:`EmulatedLinks`' does (:func:`~seqpar.comm.schedule.hidden_bound`).
     """
 
     def __init__(self, bandwidth: float | None, latency: float = 0.0, *, device: torch.device,
@@ -213,6 +213,21 @@ class CudaLinks:
         self.trace = Trace()
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._next_xid = 0
+        # the compute stream's time between communication calls, as (trace position, start, end) events:
+        # turned into "compute" events by finish(), so a trace reads as EmulatedLinks' does
+        self._segments: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._last = self._mark()
+
+    def _mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _segment(self) -> torch.cuda.Event:
+        """Close the compute segment since the last call (it ends now on the compute stream)."""
+        end = self._mark()
+        self._segments.append((len(self.trace.events), self._last, end))
+        return end
 
     def transfer_seconds(self, nbytes: int) -> float:
         return 0.0 if self.bandwidth is None else self.latency + nbytes / self.bandwidth
@@ -221,8 +236,7 @@ class CudaLinks:
         """Start ``messages`` (``(link, nbytes)`` each) wrapping the inner exchange ``inner``."""
         xid, self._next_xid = self._next_xid, self._next_xid + 1
         main = torch.cuda.current_stream(self.device)
-        ready = torch.cuda.Event()
-        ready.record(main)
+        ready = self._last = self._segment()
         ends = []
         for link, nbytes in messages:
             self.trace.events.append(Event("post", xid=xid, nbytes=nbytes, link=link, channel=channel))
@@ -240,15 +254,23 @@ class CudaLinks:
 
         def finish() -> list[Tensor]:
             received = inner.wait()
+            self._segment()  # compute up to the wait; the time the stream then idles is not compute
             for end in ends:
                 main.wait_event(end)
             self.trace.events.append(Event("wait", xid=xid, channel=channel))
+            self._last = self._mark()
             return received
 
         return _CudaTimed(finish)
 
     def finish(self) -> None:
-        """Nothing to record: the host's time is not the step's (kept for :class:`EmulatedLinks`' contract)."""
+        """Close the last compute segment, wait for the device and write every segment's duration into
+        :attr:`trace` as a ``compute`` event at its place (call at the end of a timed step)."""
+        self._last = self._segment()
+        self._last.synchronize()
+        for pos, start, end in reversed(self._segments):
+            self.trace.events.insert(pos, Event("compute", seconds=start.elapsed_time(end) * 1e-3))
+        self._segments.clear()
 
 
 class _CudaTimed(Pending):
