@@ -33,6 +33,8 @@ def test_cli_cpu_tiny_writes_every_figure(tmp_path):
         assert r["peak"] == pytest.approx(r["peak_ring_bytes"] / r["peak_sdpa_bytes"])
         # the transfers alone at 50 GB/s: the rank's bytes on the link model, never 0
         assert r["t_transfer_50"] > 0 and math.isfinite(r["hidden_50"])
+        # what the recorded schedule allows: a share of the transfers, never more than all of them
+        assert 0 < r["hidden_max_50"] <= 1 + 1e-9
     assert rows[0]["head_chunks_resolved"] == 1 and rows[2]["head_chunks_resolved"] > 1
     # the kernel-time split, once per mask at --profile-at
     assert [("profile" in r) for r in rows] == [True, True, False, False]

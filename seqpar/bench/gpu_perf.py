@@ -22,8 +22,9 @@ Per case:
 - ``t_floor``: the sum of bare SDPA calls (forward + backward, contiguous inputs) on the plan's exact
   block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``;
 - at ``L`` = 16K (``--hidden-at``): ``t_step_50`` over a 50 GB/s link, ``t_transfer_50`` (the recorded
-  schedule's transfers alone on the link model, :func:`~seqpar.comm.schedule.replay`) and ``hidden_50 =
-  (t_compute + t_transfer - t_step) / min(t_compute, t_transfer)``;
+  schedule's transfers alone on the link model, :func:`~seqpar.comm.schedule.replay`), ``hidden_50 =
+  (t_compute + t_transfer - t_step) / min(t_compute, t_transfer)`` and ``hidden_max_50``, what the
+  recorded schedule allows at best (:func:`~seqpar.comm.schedule.hidden_bound`);
 - ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
   backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
   above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
@@ -305,7 +306,7 @@ def theory_peak(shape: Shape, case: Case) -> dict[str, int]:
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
              profile_split: bool, cycles: float | None) -> dict[str, Any]:
     """Every figure of one case (see the module docstring)."""
-    from seqpar.comm.schedule import hidden, replay
+    from seqpar.comm.schedule import hidden, hidden_bound, replay
 
     clock = _Clock(device)
     inputs = _inputs(shape, case, device)
@@ -325,8 +326,10 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     res["t_floor"], res["floor_calls"] = _floor(shape, case, device, clock, warmup, repeats)
     res["glue"] = res["t_compute"] / res["t_floor"] - 1
     if case.seq_local == hidden_at:
-        recorded = free()  # one more free-link step, for its schedule
+        recorded = free()  # one more free-link step, for its schedule and its compute segments
+        recorded.finish()
         res["t_transfer_50"] = replay(recorded.trace.events, lambda n: n / 50e9, compute=False)
+        res["hidden_max_50"] = hidden_bound(recorded.trace.events, lambda n: n / 50e9)["hidden"]
         res["t_step_50"] = statistics.median(clock.time(
             _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles)), warmup=warmup, repeats=repeats))
         res["hidden_50"] = hidden(res["t_compute"], res["t_transfer_50"], res["t_step_50"])
@@ -352,7 +355,7 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
 
 # ------------------------------------------------------------------------------------------ the run
 _COLUMNS = (("case", "label"), ("eta", "eta"), ("eta_c", "eta_compute"), ("slow400", "slow_400"), ("glue", "glue"),
-            ("hidden50", "hidden_50"), ("peak", "peak"), ("peak/theory", "peak_vs_theory"),
+            ("hidden50", "hidden_50"), ("max50", "hidden_max_50"), ("peak", "peak"), ("peak/theory", "peak_vs_theory"),
             ("T_sdpa", "t_sdpa_local"), ("T_comp", "t_compute"), ("T_400", "t_step_400"), ("T_floor", "t_floor"),
             ("wall", "wall_s"))
 
