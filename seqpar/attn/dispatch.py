@@ -8,6 +8,7 @@ options and piece kernels in ``common``, the kernel planning in ``plan`` (chunks
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
@@ -16,6 +17,7 @@ from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
 from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
+from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention
 from seqpar.attn.resolve import AttentionPlan, from_bhsd, resolve_attention, to_bhsd
 from seqpar.attn.ring import RingAttention
 from seqpar.comm.ring import RingComm
@@ -142,6 +144,9 @@ def run_attention(
 
 def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:
     opts = plan.opts
+    if plan.algorithm in OP_ALGORITHMS and torch.compiler.is_compiling():
+        # dynamo cannot trace the exchanges: the algorithm is one custom op in the graph (seqpar.attn.ops)
+        return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks)
     if plan.algorithm == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=q.shape[1] != k.shape[1]

@@ -1,0 +1,156 @@
+"""seqpar's point-to-point and collective attention as ``torch.library`` custom ops (issue 31 §1).
+
+``torch.compile`` cannot trace the ring's ``isend``/``irecv`` nor an ``async_op=True`` collective: each
+is a graph break, so a compiled model falls apart at every attention layer. Here the ring (also the
+one-rank planner, ``"single"``) and all-gather attention are each a forward and a backward custom op,
+opaque to dynamo (a single node in the graph, with a fake implementation that gives the output's
+shape, dtype and strides) and joined by a registered autograd formula. Inside, the unchanged eager
+algorithms run (:mod:`seqpar.attn.ring`, :mod:`seqpar.attn.allgather`): exactness and the transfers
+are those of eager.
+
+A custom op takes tensors and primitives only, so:
+
+- the process group travels by name (``ProcessGroup.group_name``; ``""`` for one process), resolved
+  with torch's own registry, the one its functional collectives use;
+- :class:`~seqpar.attn.common.AttentionOptions` travels as its flat fields; document boundaries as a
+  list of ints (a change of layout is a new constant: documents under compile recompile per layout,
+  which the tensor form of issue 31 §2 removes).
+
+:func:`compiled_attention` is what :func:`seqpar.attn.dispatch.run_attention` calls while dynamo
+traces (``torch.compiler.is_compiling()``); eager calls keep the autograd Functions.
+
+Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k ``(batch, kv_heads, seq_local, head_dim)``, v
+``(batch, kv_heads, seq_local, v_head_dim)``; the output ``(batch, q_heads, seq_local, v_head_dim)`` in q's
+dtype and memory layout (:func:`~seqpar.kernels.output_like`), lse ``(batch, q_heads, seq_local)`` fp32
+(fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from seqpar.attn.allgather import allgather_backward, allgather_forward
+from seqpar.attn.common import AttentionOptions, SingleRank
+from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
+from seqpar.comm.ring import RingComm
+from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
+
+__all__ = ["OP_ALGORITHMS", "compiled_attention", "group_name", "resolve_group"]
+
+OP_ALGORITHMS = ("single", "ring", "allgather")
+"""The algorithms run as custom ops under ``torch.compile``."""
+
+
+def group_name(group: dist.ProcessGroup | None) -> str:
+    """The name a custom op carries for ``group`` (``""``: no group, one process)."""
+    return "" if group is None else str(group.group_name)
+
+
+def resolve_group(name: str) -> dist.ProcessGroup | None:
+    """The process group named ``name`` (torch's registry of named groups), None for ``""``."""
+    if not name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _options(causal: bool, scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None,
+             cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None) -> AttentionOptions:
+    return AttentionOptions(causal=causal, scale=scale, sharding=sharding, overlap=overlap, head_chunks=head_chunks,
+                            window=window, cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
+                            chunk_size=chunk_size, softcap=softcap)
+
+
+def _flat(opts: AttentionOptions) -> tuple[Any, ...]:
+    """The inverse of :func:`_options`: the options as the ops' trailing arguments."""
+    return (opts.causal, opts.scale, opts.sharding, opts.overlap, opts.head_chunks, opts.window,
+            None if opts.cu_seqlens is None else list(opts.cu_seqlens), opts.chunk_size, opts.softcap)
+
+
+def _comm(algorithm: str, name: str) -> Any:
+    if algorithm == "single":
+        return SingleRank()
+    group = resolve_group(name)
+    return RingComm(group) if algorithm == "ring" else group
+
+
+@torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, algorithm: str, group: str, causal: bool, scale: float,
+    sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
+    chunk_size: int | None, softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of one rank (see the module)."""
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap)
+    comm = _comm(algorithm, group)
+    if algorithm == "allgather":
+        out_acc, lse = allgather_forward(q, k, v, comm, opts, sinks)
+    else:
+        out_acc, lse = ring_attention_forward(q, k, v, comm, opts, sinks)
+    if out_acc.dtype == q.dtype and in_layout_of(out_acc, q) and out_acc.data_ptr() not in (
+            q.data_ptr(), k.data_ptr(), v.data_ptr()):
+        return out_acc, lse
+    # a custom op's outputs have the fake's layout (q's) and never alias an input
+    return output_like(q, v.shape[-1]).copy_(out_acc), lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, sinks, algorithm, group, causal, scale, sharding, overlap, head_chunks, window, cu_seqlens,  # noqa: ANN001, ANN202
+      chunk_size, softcap):
+    return output_like(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("seqpar::attention_bwd", mutates_args=())
+def attention_bwd(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str, causal: bool,
+    scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
+    chunk_size: int | None, softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the inputs' dtypes, each laid out as its input (see the module)."""
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap)
+    comm = _comm(algorithm, group)
+    if algorithm == "allgather":
+        grads = allgather_backward(dout, q, k, v, out, lse, comm, opts)
+    else:
+        grads = ring_attention_backward(dout, q, k, v, out, lse, comm, opts)
+    return tuple(g if g.stride() == x.stride() else torch.empty_like(x).copy_(g) for g, x in zip(grads, (q, k, v)))
+
+
+@attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, algorithm, group, causal, scale, sharding, overlap, head_chunks, window,  # noqa: ANN001, ANN202
+      cu_seqlens, chunk_size, softcap):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, sinks, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.mark_non_differentiable(lse)
+    ctx.rest = rest  # algorithm, group name and the flat options: primitives
+
+
+def _backward(ctx, dout: Tensor, dlse: Tensor | None):  # noqa: ANN001, ANN202
+    # lse is an output for the backward's sake only: its gradient is never used (not differentiable)
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.rest)
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq, dk, dv, dsinks, *([None] * len(ctx.rest))
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_attention(algorithm: str, group: dist.ProcessGroup | None, opts: AttentionOptions, q: Tensor, k: Tensor,
+                       v: Tensor, sinks: Tensor | None) -> Tensor:
+    """One resolved call of ``algorithm`` (one of :data:`OP_ALGORITHMS`) as a custom op; q, k, v ``bhsd``.
+    Returns the output ``(batch, q_heads, seq_local, v_head_dim)`` in q's dtype."""
+    if algorithm not in OP_ALGORITHMS:
+        raise ValueError(f"compiled_attention: algorithm {algorithm!r} is not one of {OP_ALGORITHMS}")
+    out, _ = attention_fwd(q, k, v, sinks, algorithm, group_name(group), *_flat(opts))
+    return out

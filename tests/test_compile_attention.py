@@ -1,0 +1,98 @@
+"""``torch.compile(fullgraph=True)`` through ``seqpar.attention`` (issue 31 §1, first step).
+
+The ring (also the one-rank planner) and all-gather attention run as ``torch.library`` custom ops while
+dynamo traces (``seqpar.attn.ops``): a compiled call has no graph break, and its output and every
+gradient equal the eager call's on the same shard (fp32 1e-5; eager itself is compared with a float64
+reference in tests/test_attention.py). Each case on P = 1, 2 and 4 ranks: causal or not, zigzag and
+contiguous, GQA, documents, a window, chunked attention, sinks, soft-cap and ALiBi.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seqpar
+from test_attention import make_case, shard_rows
+
+# (mode, sharding, causal, extra options)
+CASES = (
+    ("ring", "zigzag", True, {}),
+    ("ring", "contiguous", False, {}),
+    ("allgather", "zigzag", True, {}),
+    ("allgather", "contiguous", False, {}),
+    ("ring", "contiguous", True, {"cu_seqlens": "docs", "window": 5}),
+    ("allgather", "contiguous", True, {"chunk_size": 7}),
+    ("ring", "zigzag", True, {"sinks": True}),
+    ("ring", "contiguous", False, {"softcap": 3.0}),
+    ("ring", "zigzag", True, {"alibi": True}),
+)
+
+
+def _options(extra: dict, seq: int, hq: int) -> dict:
+    opts = {k: v for k, v in extra.items() if k not in ("cu_seqlens", "sinks", "alibi")}
+    g = torch.Generator().manual_seed(7)
+    if "cu_seqlens" in extra:
+        opts["cu_seqlens"] = (0, 5, seq // 2 + 1, seq)
+    if "sinks" in extra:
+        opts["sinks"] = torch.randn(hq, generator=g).requires_grad_()
+    if "alibi" in extra:
+        opts["alibi_slopes"] = torch.rand(hq, generator=g)
+    return opts
+
+
+def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> list[str]:
+    """Worker body: each case eager, then compiled (fullgraph, aot_eager); the mismatches as text."""
+    group = torch.distributed.group.WORLD if world > 1 else None
+    failures = []
+    for i in cases:
+        mode, sharding, causal, extra = CASES[i]
+        case = make_case(seed + i, world, (4, 2, 8), batch=1)
+        seq = case["q"].shape[2]
+        q, k, v, dout = (shard_rows(case[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
+
+        def call(q, k, v, opts):  # noqa: ANN001, ANN202
+            return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, group=group,
+                                    check_inputs=False, head_chunks=1, **opts)
+
+        runs = []
+        for compiled in (False, True):
+            opts = _options(extra, seq, 4)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+            out = fn(*leaves, opts)
+            out.backward(dout)
+            grads = [t.grad for t in leaves] + ([opts["sinks"].grad] if "sinks" in opts else [])
+            runs.append([out.detach(), *grads])
+        for name, e, c in zip(("out", "dq", "dk", "dv", "dsinks"), *runs):
+            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
+                failures.append(f"case {i} {mode} {sharding} causal={causal} {extra}: {name} differs by "
+                                f"{(c - e).abs().max().item():.3g}")
+        if i == 0:  # dynamo's own count of graph breaks, once per world size
+            opts = _options(extra, seq, 4)
+            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone(), opts)
+            if explained.graph_break_count:
+                failures.append(f"{explained.graph_break_count} graph breaks: {explained.break_reasons}")
+        torch._dynamo.reset()
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_compiled_attention_equals_eager_without_breaks(dist_pool, world: int) -> None:
+    # P = 4 (4 processes on CI's 2 cores, each compiling) runs the two dense cases and one with documents
+    cases = tuple(range(len(CASES))) if world < 4 else (0, 3, 4)
+    per_rank = dist_pool.run(world, compile_cases, 100 * world, cases, timeout=600)
+    assert per_rank == [[]] * world, per_rank
+
+
+def test_the_custom_ops_pass_torchs_own_checks() -> None:
+    """torch.library.opcheck: the fake implementation's shapes, strides and dtypes match the real op's,
+    autograd registration included (one process: the one-rank planner with a window)."""
+    from seqpar.attn.ops import attention_fwd
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 12, 8, generator=g).requires_grad_()
+    k = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
+    v = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
+    args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None)
+    torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
