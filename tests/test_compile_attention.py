@@ -4,7 +4,8 @@ The ring (also the one-rank planner) and all-gather attention run as ``torch.lib
 dynamo traces (``seqpar.attn.ops``): a compiled call has no graph break, and its output and every
 gradient equal the eager call's on the same shard (fp32 1e-5; eager itself is compared with a float64
 reference in tests/test_attention.py). Each case on P = 1, 2 and 4 ranks: causal or not, zigzag and
-contiguous, GQA, documents, a window, chunked attention, sinks, soft-cap and ALiBi.
+contiguous, GQA, documents, a window, chunked attention, sinks, soft-cap and ALiBi; ring, all-gather,
+Ulysses and (P = 4) hybrid.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ CASES = (
     ("ring", "zigzag", True, {"sinks": True}),
     ("ring", "contiguous", False, {"softcap": 3.0}),
     ("ring", "zigzag", True, {"alibi": True}),
+    ("ulysses", "zigzag", True, {}),
+    ("ulysses", "contiguous", False, {"sinks": True, "window": 6}),
+    ("hybrid", "zigzag", True, {}),
+    ("hybrid", "contiguous", True, {"cu_seqlens": "docs", "sinks": True}),
 )
+HYBRID = tuple(i for i, c in enumerate(CASES) if c[0] == "hybrid")
 
 
 def _options(extra: dict, seq: int, hq: int) -> dict:
@@ -43,10 +49,13 @@ def _options(extra: dict, seq: int, hq: int) -> dict:
 
 def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> list[str]:
     """Worker body: each case eager, then compiled (fullgraph, aot_eager); the mismatches as text."""
-    group = torch.distributed.group.WORLD if world > 1 else None
     failures = []
+    if any(CASES[i][0] == "hybrid" for i in cases):  # Ulysses over pairs, the ring across them
+        seqpar.init_process_groups(sp_size=world, ulysses_size=2)
     for i in cases:
         mode, sharding, causal, extra = CASES[i]
+        # hybrid runs on the manager's two axes (group=None); the others on the whole world
+        group = torch.distributed.group.WORLD if world > 1 and mode != "hybrid" else None
         case = make_case(seed + i, world, (4, 2, 8), batch=1)
         seq = case["q"].shape[2]
         q, k, v, dout = (shard_rows(case[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
@@ -79,8 +88,9 @@ def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> l
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_compiled_attention_equals_eager_without_breaks(dist_pool, world: int) -> None:
-    # P = 4 (4 processes on CI's 2 cores, each compiling) runs the two dense cases and one with documents
-    cases = tuple(range(len(CASES))) if world < 4 else (0, 3, 4)
+    # P = 4 (4 processes on CI's 2 cores, each compiling) runs two dense cases, one with documents and
+    # the hybrids (which need 4 ranks: u = 2 x 2 super-ranks)
+    cases = tuple(i for i in range(len(CASES)) if i not in HYBRID) if world < 4 else (0, 3, 4, *HYBRID)
     per_rank = dist_pool.run(world, compile_cases, 100 * world, cases, timeout=600)
     assert per_rank == [[]] * world, per_rank
 

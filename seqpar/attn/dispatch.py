@@ -146,7 +146,12 @@ def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tenso
     opts = plan.opts
     if plan.algorithm in OP_ALGORITHMS and torch.compiler.is_compiling():
         # dynamo cannot trace the exchanges: the algorithm is one custom op in the graph (seqpar.attn.ops)
-        return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks)
+        if plan.algorithm == "hybrid":
+            assert plan.manager is not None
+            ring = plan.manager.ring_group if plan.manager.ring_size > 1 else None
+            return compiled_attention("hybrid", plan.manager.ulysses_group, opts, q, k, v, sinks,
+                                      ulysses=plan.ulysses, ring_group=ring)
+        return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks, ulysses=plan.ulysses)
     if plan.algorithm == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=q.shape[1] != k.shape[1]

@@ -2,7 +2,8 @@
 
 ``torch.compile`` cannot trace the ring's ``isend``/``irecv`` nor an ``async_op=True`` collective: each
 is a graph break, so a compiled model falls apart at every attention layer. Here the ring (also the
-one-rank planner, ``"single"``) and all-gather attention are each a forward and a backward custom op,
+one-rank planner, ``"single"``), all-gather, Ulysses and hybrid attention are each a forward and a
+backward custom op,
 opaque to dynamo (a single node in the graph, with a fake implementation that gives the output's
 shape, dtype and strides) and joined by a registered autograd formula. Inside, the unchanged eager
 algorithms run (:mod:`seqpar.attn.ring`, :mod:`seqpar.attn.allgather`): exactness and the transfers
@@ -12,6 +13,9 @@ A custom op takes tensors and primitives only, so:
 
 - the process group travels by name (``ProcessGroup.group_name``; ``""`` for one process), resolved
   with torch's own registry, the one its functional collectives use;
+- Ulysses and hybrid take their ring group by name too (``""``: Ulysses over the whole group), and their
+  :class:`~seqpar.attn.ulysses.UlyssesPlan` as its fields; the forward returns the head-layout tensors
+  the backward needs as a list of tensors (5 per head chunk: q, k, v, out, lse);
 - :class:`~seqpar.attn.common.AttentionOptions` travels as its flat fields; document boundaries as a
   list of ints (a change of layout is a new constant: documents under compile recompile per layout,
   which the tensor form of issue 31 §2 removes).
@@ -36,12 +40,13 @@ from torch import Tensor
 from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions, SingleRank
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
+from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
 __all__ = ["OP_ALGORITHMS", "compiled_attention", "group_name", "resolve_group"]
 
-OP_ALGORITHMS = ("single", "ring", "allgather")
+OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
 
 
@@ -146,11 +151,105 @@ def _backward(ctx, dout: Tensor, dlse: Tensor | None):  # noqa: ANN001, ANN202
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _ulysses_plan(opts: AttentionOptions, q_heads: int, kv_heads: int, u: int, rank: int, order: list[int] | None,
+                  chunks_per_rank: int, head_chunks: int) -> UlyssesPlan:
+    return UlyssesPlan(opts, HeadSplit(q_heads, kv_heads, u), rank, None if order is None else tuple(order),
+                       chunks_per_rank, head_chunks)
+
+
+def _plan_args(plan: UlyssesPlan) -> tuple[Any, ...]:
+    """The inverse of :func:`_ulysses_plan` (the plan's own options travel as the flat options)."""
+    return (plan.split.q_heads, plan.split.kv_heads, plan.split.u, plan.rank,
+            None if plan.order is None else list(plan.order), plan.chunks_per_rank, plan.head_chunks)
+
+
+def _ring(name: str) -> RingComm | None:
+    return RingComm(resolve_group(name)) if name else None
+
+
+@torch.library.custom_op("seqpar::ulysses_fwd", mutates_args=())
+def ulysses_fwd(
+    q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, group: str, ring_group: str, q_heads: int, kv_heads: int,
+    u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int, causal: bool, scale: float,
+    sharding: str, overlap: bool, inner_head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
+    chunk_size: int | None, softcap: float | None,
+) -> tuple[Tensor, list[Tensor]]:
+    """Ulysses (``ring_group=""``) or hybrid forward: ``out`` like q and, per head chunk, the head-layout
+    ``q, k, v, out, lse`` the backward reads (contiguous)."""
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap)
+    plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
+    out, saved = ulysses_forward(q, k, v, resolve_group(group), _ring(ring_group), plan, sinks)
+    return out, [t.contiguous() for chunk in saved for t in chunk]
+
+
+@ulysses_fwd.register_fake
+def _(q, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks,  # noqa: ANN001, ANN202
+      causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap):
+    split = HeadSplit(q_heads, kv_heads, u)
+    qc, kc = split.q_per_rank // head_chunks, split.kv_per_rank // head_chunks
+    b, n, d, dv = q.shape[0], u * q.shape[2], q.shape[3], v.shape[3]
+    saved = []
+    for _ in range(head_chunks):
+        saved += [q.new_empty((b, qc, n, d)), k.new_empty((b, kc, n, d)), v.new_empty((b, kc, n, dv)),
+                  q.new_empty((b, qc, n, dv)), q.new_empty((b, qc, n), dtype=lse_dtype(q.dtype))]
+    return output_like(q, dv), saved
+
+
+@torch.library.custom_op("seqpar::ulysses_bwd", mutates_args=())
+def ulysses_bwd(
+    dout: Tensor, saved: list[Tensor], k: Tensor, v: Tensor, sinks: Tensor | None, group: str, ring_group: str,
+    q_heads: int, kv_heads: int, u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int,
+    causal: bool, scale: float, sharding: str, overlap: bool, inner_head_chunks: int, window: int | None,
+    cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (sequence layout, input dtypes) and the sinks' gradient (``(q_heads,)``; empty without
+    sinks). ``k``, ``v``: the forward's inputs, for their shapes only."""
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap)
+    plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
+    chunks = [saved[i:i + 5] for i in range(0, len(saved), 5)]
+    dq, dk, dv, dsinks = ulysses_backward(dout, chunks, k.shape, resolve_group(group), _ring(ring_group), plan, sinks,
+                                          v_head_dim=v.shape[-1])
+    dq = dq if dq.stride() == output_like(dout, k.shape[3]).stride() else output_like(dout, k.shape[3]).copy_(dq)
+    return dq, dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else dout.new_empty((0,))
+
+
+@ulysses_bwd.register_fake
+def _(dout, saved, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank,  # noqa: ANN001, ANN202
+      head_chunks, causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap):
+    dsinks = torch.empty_like(sinks) if sinks is not None else dout.new_empty((0,))
+    return (output_like(dout, k.shape[3]), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
+
+
+def _ulysses_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, sinks, *rest = inputs
+    out, saved = output
+    ctx.save_for_backward(k, v, sinks, *saved)
+    ctx.rest = rest
+
+
+def _ulysses_backward(ctx, dout: Tensor, dsaved: list[Tensor] | None):  # noqa: ANN001, ANN202
+    k, v, sinks, *saved = ctx.saved_tensors
+    dq, dk, dv, dsinks = ulysses_bwd(dout, saved, k, v, sinks, *ctx.rest)
+    return dq, dk, dv, (dsinks if sinks is not None else None), *([None] * len(ctx.rest))
+
+
+ulysses_fwd.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
+
+
 def compiled_attention(algorithm: str, group: dist.ProcessGroup | None, opts: AttentionOptions, q: Tensor, k: Tensor,
-                       v: Tensor, sinks: Tensor | None) -> Tensor:
+                       v: Tensor, sinks: Tensor | None, *, ulysses: UlyssesPlan | None = None,
+                       ring_group: dist.ProcessGroup | None = None) -> Tensor:
     """One resolved call of ``algorithm`` (one of :data:`OP_ALGORITHMS`) as a custom op; q, k, v ``bhsd``.
-    Returns the output ``(batch, q_heads, seq_local, v_head_dim)`` in q's dtype."""
+    Ulysses and hybrid: ``group`` the Ulysses group, ``ulysses`` the call's plan, ``ring_group`` the ring
+    across super-ranks (hybrid; None for Ulysses). Returns the output ``(batch, q_heads, seq_local,
+    v_head_dim)`` in q's dtype."""
     if algorithm not in OP_ALGORITHMS:
         raise ValueError(f"compiled_attention: algorithm {algorithm!r} is not one of {OP_ALGORITHMS}")
+    if algorithm in ("ulysses", "hybrid"):
+        if ulysses is None:
+            raise ValueError(f"compiled_attention: {algorithm!r} needs its UlyssesPlan (ulysses=)")
+        out, _ = ulysses_fwd(q, k, v, sinks, group_name(group), group_name(ring_group), *_plan_args(ulysses),
+                             *_flat(ulysses.attn))
+        return out
     out, _ = attention_fwd(q, k, v, sinks, algorithm, group_name(group), *_flat(opts))
     return out
