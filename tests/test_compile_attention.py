@@ -106,3 +106,40 @@ def test_the_custom_ops_pass_torchs_own_checks() -> None:
     v = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
     args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None)
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def compile_auto(rank: int, world: int) -> list[str]:
+    """mode='auto': before its group's links are probed (a timed collective, eager only) compiling names the
+    fix; after one eager call the compiled call has no break and equals eager."""
+    case = make_case(7, world, (4, 2, 8), batch=1)
+    q, k, v, dout = (shard_rows(case[n], rank, world, "zigzag").float() for n in ("q", "k", "v", "dout"))
+    group = torch.distributed.new_group(list(range(world)))  # a group nothing has probed yet
+
+    def call(q, k, v):  # noqa: ANN001, ANN202
+        return seqpar.attention(q, k, v, causal=True, mode="auto", sharding="zigzag", group=group, check_inputs=False)
+
+    failures = []
+    try:
+        torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+        failures.append("compiled before the probe: no error")
+    except Exception as error:  # dynamo wraps the ValueError raised while tracing
+        if "links have not been probed yet" not in str(error):
+            failures.append(f"compiled before the probe: {str(error)[:300]}")
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+        out = fn(*leaves)
+        out.backward(dout)
+        runs.append([out.detach(), *(t.grad for t in leaves)])
+    for name, e, c in zip(("out", "dq", "dk", "dv"), *runs):
+        if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
+            failures.append(f"auto: {name} differs by {(c - e).abs().max().item():.3g}")
+    torch._dynamo.reset()
+    return failures
+
+
+def test_auto_mode_compiles_once_its_links_are_probed(dist_pool) -> None:
+    per_rank = dist_pool.run(2, compile_auto, timeout=300)
+    assert per_rank == [[], []], per_rank

@@ -238,6 +238,20 @@ def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: i
     return links
 
 
+def _probed_while_tracing(group: dist.ProcessGroup) -> Links:
+    """The probed links of ``group`` while dynamo traces: the probe is a timed collective, which cannot
+    run inside a graph, so it must have run eagerly before (every rank decided alike then)."""
+    links = _PROBED.get(group)
+    if links is None:
+        raise ValueError(
+            "mode='auto' under torch.compile: this SP group's links have not been probed yet (a timed "
+            "collective, which cannot run inside a traced graph). Run one eager step first, or call "
+            "seqpar.attn.choose.probe_links(group) on every rank before compiling, or give the links in the "
+            "config (\"links\") or pass an explicit mode"
+        )
+    return links
+
+
 # ------------------------------------------------------------------------------ the choices
 _LOGGED: set[tuple] = set()
 
@@ -257,7 +271,10 @@ def choose_mode(
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group
-        links = probe_links(pg) if pg is not None else Links()
+        if pg is not None and torch.compiler.is_compiling():
+            links = _probed_while_tracing(pg)
+        else:
+            links = probe_links(pg) if pg is not None else Links()
     ranked = rank_modes(c, links, features)
     if not ranked:
         raise ValueError(
