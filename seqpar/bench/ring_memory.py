@@ -17,7 +17,9 @@ the input dtype), beside :func:`theory`. Roles are read from the storages themse
 ``out`` and ``lse`` (the forward's), the gradients (``q.grad`` ...), what the communicator received
 or was handed to send (K/V on the K/V channel; dK/dV accumulators on the others), the attention
 kernels' outputs (:mod:`seqpar.kernels.local`), and ``other`` (anything else: widened or copied
-temporaries).
+temporaries). With ``--head-chunks 1`` the ring's dq, dk, dv are the own block's kernel outputs, which
+autograd copies into q's layout after the step, so at the peak they read as kernel outputs: compare
+totals there.
 """
 
 from __future__ import annotations
