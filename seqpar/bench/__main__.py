@@ -3,12 +3,12 @@
 Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``; ``gpu-check`` (its own
 flags, see :mod:`seqpar.bench.gpu_check`) is the GPU run-book; ``ssd`` (:mod:`seqpar.bench.ssd`)
 measures one Mamba2 layer sequence-parallel; ``overlap``
-(:mod:`seqpar.bench.overlap`) the transfers hidden on emulated links; ``ring-memory``
-(:mod:`seqpar.bench.ring_memory`) one ring rank's peak memory against one process, byte by byte. Presets: ``--quick``
+(:mod:`seqpar.bench.overlap`) the transfers hidden on emulated links. Presets: ``--quick``
 (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
-the machine and versions) and PNG plots.
+the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
+rank's peak memory against one process, byte by byte.
 """
 
 from __future__ import annotations
