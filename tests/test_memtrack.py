@@ -119,3 +119,26 @@ def test_non_leaf_tensors_are_tracked_without_warnings() -> None:
             tr = TensorMemoryTracker(count_existing=False)
             getattr(tr, how)({"state": [hidden, kept]})
             assert tr.current == 3 * 64 * KIB, (how, tr.current)  # hidden, kept and kept.grad
+
+
+def test_record_peak_lists_what_is_alive_at_the_peak() -> None:
+    """``record_peak``: the storages alive at the peak with their labels (a ``tag``, a ``label``, else the
+    seqpar function that made them), and none that was freed before it or made after it."""
+    from seqpar.kernels.merge import output_like
+
+    t = TensorMemoryTracker("cpu", count_existing=False, record_peak=True)
+    with t:
+        with t.tag("a"):
+            a = torch.empty(1000)
+        b = torch.empty(10)
+        t.label(b, "b")
+        freed = torch.empty(100)  # freed before the peak
+        del freed
+        made = output_like(torch.empty(1, 1, 2, 100))  # 800 bytes, made by seqpar.kernels.merge
+        peak = t.peak
+        del made
+        late = torch.empty(20)
+    live = sorted((label, n) for label, n, _ptr in t.peak_live)
+    assert live == sorted([("a", 4000), ("b", 40), ("merge.py:output_like", 800), ("?", 800)]), live
+    assert peak == t.peak == sum(n for _l, n, _p in t.peak_live)
+    del a, b, late

@@ -168,9 +168,13 @@ def _own_block_grads(
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     comm: RingExchange, opts: AttentionOptions, expander: BlockExpander | None = None,
+    into: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of ring attention; ``out`` is the forward output (input dtype), ``lse`` its fp32 lse.
-    Returns dq, dk, dv in the input dtypes. With an ``expander``, ``k``, ``v`` are the compressed
+    Returns dq, dk, dv in the input dtypes. ``into``: tensors shaped like q, k, v (a head chunk's slices
+    of the whole gradients, may be views) that receive dq, dk, dv and are returned; in the accumulation
+    dtype they are the accumulators themselves, so no second set of gradient-sized buffers lives through
+    the ring. With an ``expander``, ``k``, ``v`` are the compressed
     blocks (see :func:`ring_forward`): each block's K/V shares are reduced to the compressed form
     (:meth:`BlockExpander.reduce`) before they travel, and dk, dv are the compressed blocks' gradients.
 
@@ -193,6 +197,10 @@ def ring_backward(
     else:
         dq_acc, dk_own, dv_own = _own_block_grads(dout, q, *expander.expand(k, v), out, lse, own, opts, acc)
         dk_own, dv_own = expander.reduce(k, v, dk_own, dv_own)
+    if into is not None and all(t.dtype == acc for t in into):
+        # accumulate in the caller's gradients: the own block's shares are copied there once, now, and
+        # their buffers freed before the hops (instead of living through them and being copied at the end)
+        dq_acc, dk_own, dv_own = (dst.copy_(share) for dst, share in zip(into, (dq_acc, dk_own, dv_own)))
 
     buffers: list[list[Tensor] | None] = [None, None]
     chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1
@@ -260,6 +268,11 @@ def ring_backward(
         dk_in, dv_in = home_in.wait()
         dk_own += dk_in
         dv_own += dv_in
+    if into is not None:
+        for dst, grad in zip(into, (dq_acc, dk_own, dv_own)):
+            if dst is not grad:  # accumulated elsewhere (another dtype): one conversion into place
+                dst.copy_(grad)
+        return into
     return dq_acc.to(q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
@@ -312,11 +325,10 @@ def ring_attention_backward(
         return ring_backward(dout, q, k, v, out, lse, comm, opts)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for qs, ks in head_chunk_slices(q.shape[1], k.shape[1], opts.head_chunks):
-        dq_c, dk_c, dv_c = ring_backward(
-            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous(), comm, opts
-        )
-        dq[:, qs], dk[:, ks], dv[:, ks] = dq_c, dk_c, dv_c
-        del dq_c, dk_c, dv_c
+        # each pass accumulates straight into its heads of dq, dk, dv (fp32 inputs; other dtypes convert
+        # into them at the end): no chunk-sized accumulators beside the gradients at the peak
+        ring_backward(dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[:, qs].contiguous(), comm, opts,
+                      into=(dq[:, qs], dk[:, ks], dv[:, ks]))
     return dq, dk, dv
 
 

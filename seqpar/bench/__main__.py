@@ -8,7 +8,8 @@ measures one Mamba2 layer sequence-parallel; ``overlap``
 (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
-the machine and versions) and PNG plots.
+the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
+rank's peak memory against one process, byte by byte.
 """
 
 from __future__ import annotations
@@ -208,6 +209,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from seqpar.bench.overlap import main as overlap_main
 
         return overlap_main(argv[1:])
+    if argv[:1] == ["ring-memory"]:  # one ring rank's peak vs one process, and its breakdown (issue 29)
+        from seqpar.bench.ring_memory import main as ring_memory_main
+
+        return ring_memory_main(argv[1:])
     args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.replot:

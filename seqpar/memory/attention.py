@@ -41,7 +41,9 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
-transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G; with
+transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G (the ring's
+fp32 accumulators are the gradients' own head slices when the inputs are in the accumulation dtype:
+then none beside them); with
 batch > 1 a head slice is strided, so each pass also copies its ``dout, k, v`` slices (Q + 2 K) / G.
 
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
@@ -248,9 +250,12 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     fwd = fwd_merge + kv_bufs
     if chunks == 1:  # the fp32 accumulators are the gradients
         return int(max(base + at_kernel, base + at_end, fwd))
-    # chunked: full-size gradients written chunk by chunk; with batch > 1 a head slice is strided,
-    # so each pass also copies its dout, k, v slices contiguous
+    # chunked: full-size gradients written chunk by chunk; in the accumulation dtype (fp32, fp64 inputs)
+    # each pass accumulates straight into its heads of them (no chunk accumulators); with batch > 1 a
+    # head slice is strided, so each pass also copies its dout, k, v slices contiguous
     grads = Q + 2 * K
+    if not low:
+        at_kernel, at_end = at_kernel - acc, at_end - acc
     copies = (Q + 2 * K) if batch > 1 else 0
     fwd = 3 * Q + 2 * K + lse + (fwd_merge - (2 * Q + 2 * K) + kv_bufs + 2 * lse) / chunks
     return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))

@@ -22,10 +22,13 @@ tensor (the CPU allocator's caches, Python objects).
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import types
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -65,18 +68,29 @@ class TensorMemoryTracker(TorchDispatchMode):
             that ``peak`` is the whole process's tensor memory; with ``False`` only what the block
             allocates is counted (``peak`` is then relative to entry).
 
-    After (or during) the block: ``baseline`` (bytes alive at entry), ``current``, ``peak``.
+        record_peak: keep, at each new peak, the list of storages alive then with where each was made
+            (``peak_live``): what the peak consists of, not only how large it is.
+
+    After (or during) the block: ``baseline`` (bytes alive at entry), ``current``, ``peak``, and with
+    ``record_peak`` ``peak_live``: ``(label, bytes, data_ptr)`` per storage alive at the peak (two
+    storages alive at once never share a nonzero ``data_ptr``: compare it with tensors still alive). A storage's label
+    is the innermost :meth:`tag` open when it was made, else ``file.py:function`` of the innermost
+    seqpar frame that made it (``"?"`` when none did; storages alive at entry: ``"existing"``).
     Re-entering the same tracker keeps its counts (one peak over several windows).
     """
 
-    def __init__(self, device: str = "cpu", *, count_existing: bool = True) -> None:
+    def __init__(self, device: str = "cpu", *, count_existing: bool = True, record_peak: bool = False) -> None:
         super().__init__()
         self.device_type = torch.device(device).type
         self.count_existing = count_existing
+        self.record_peak = record_peak
         self.baseline = 0
         self.current = 0
         self.peak = 0
+        self.peak_live: list[tuple[str, int, int]] = []
         self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [bytes counted]
+        self._labels: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> label (record_peak)
+        self._tags: list[str] = []
         self._entered = False
         self._orig_resize: Any = None
 
@@ -90,10 +104,29 @@ class TensorMemoryTracker(TorchDispatchMode):
             counted = self._sizes[st] = [nbytes]
             weakref.finalize(st, self._release, weakref.ref(self), counted)
             self.current += nbytes
+            if self.record_peak:
+                self._labels[st] = self._tags[-1] if self._tags else _maker()
         elif counted[0] != nbytes:  # resized in place (e.g. a zero-size storage refilled)
             self.current += nbytes - counted[0]
             counted[0] = nbytes
+        if self.current > self.peak and self.record_peak:
+            self.peak_live = [(self._labels.get(s, "?"), n[0], s.data_ptr()) for s, n in self._sizes.items() if n[0]]
         self.peak = max(self.peak, self.current)
+
+    def label(self, tensor: torch.Tensor, label: str) -> None:
+        """Relabel the storages behind ``tensor`` (``record_peak``), e.g. a buffer handed to a send."""
+        for st in tensor_storages(tensor):
+            if st in self._sizes:
+                self._labels[st] = label
+
+    @contextmanager
+    def tag(self, label: str) -> Iterator[None]:
+        """Label the storages made inside the ``with`` block ``label`` (``record_peak``)."""
+        self._tags.append(label)
+        try:
+            yield
+        finally:
+            self._tags.pop()
 
     @staticmethod
     def _release(tracker_ref: weakref.ref, nbytes_ref: list[int]) -> None:
@@ -144,7 +177,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         if not self._entered:
             self._entered = True
             if self.count_existing:
-                self._register_all_live()
+                with self.tag("existing"):
+                    self._register_all_live()
             self.baseline = self.current
             self.peak = max(self.peak, self.current)
         self._wrap_resize()
@@ -181,6 +215,20 @@ class TensorMemoryTracker(TorchDispatchMode):
                 for st in tensor_storages(x):
                     self._register(st)
         return out
+
+
+_SEQPAR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _maker() -> str:
+    """``file.py:function`` of the innermost seqpar frame on the stack outside this module."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_SEQPAR_DIR) and path != __file__:
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
 
 
 # Followed no further by track_reachable: they lead to whole modules' globals, not to a job's state.
