@@ -150,7 +150,7 @@ def test_rocm_detected_from_torch_version(monkeypatch: pytest.MonkeyPatch) -> No
     """``torch.version.hip`` set (a ROCm build) is what marks the device as ROCm."""
     import seqpar.kernels.backends as backends
 
-    monkeypatch.setattr(backends, "_cuda_caps", lambda index: ((9, 4), None))
+    monkeypatch.setattr(backends, "_cuda_caps", lambda index: ((9, 4), None, None, None))
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
     assert backends.device_caps(torch.device("cuda", 0)).rocm
     monkeypatch.setattr(torch.version, "hip", None)
