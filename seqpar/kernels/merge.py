@@ -141,7 +141,8 @@ def _lse_merge_cuda(out: Tensor, lse: Tensor, block_out: Tensor | None, block_ls
     # and never reach the launcher
     from seqpar.kernels.merge_triton import launch_merge
 
-    launch_merge(out, lse, block_out, block_lse)
+    with torch.cuda.device(out.device):  # Triton launches on the current device's current stream
+        launch_merge(out, lse, block_out, block_lse)
 
 
 @_lse_merge_cuda.register_fake
