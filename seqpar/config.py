@@ -280,7 +280,8 @@ class SeqParConfig:
     head_chunks: int | str = "auto"
     """Run the ring / all-gather once per chunk of ``kv_heads / head_chunks`` K/V heads: buffers in
     flight shrink by that factor (ring at SP = 4: ~0.32x of single-process memory with 4 chunks,
-    0.53x with 1). An integer dividing the model's kv_heads, or ``"auto"`` (largest divisor <= 4)."""
+    0.53x with 1). An integer dividing the model's kv_heads, or ``"auto"`` (on CPU the largest divisor
+    <= 4; on a GPU 1 unless the call would not fit, see :func:`seqpar.attn.checks.resolve_head_chunks`)."""
     mla_transfer: str = "latent"
     """What an MLA layer (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, MiniCPM3: transformers modules with
     ``expand_kv`` and ``kv_b_proj``) sends round the ring: ``"latent"`` (the compressed latent,

@@ -238,3 +238,47 @@ def test_overlap_on_the_device_hides_what_its_schedule_allows():
     assert row["t_compute"] > 0 and row["t_transfer"] > 0
     assert row["hidden_max"] == pytest.approx(1 - 1 / 9, abs=0.08)
     assert row["hidden"] > 0.6
+
+
+@pytest.mark.parametrize("blk_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fused_merge_one_kernel_within_2_ulp(blk_dtype: torch.dtype) -> None:
+    """merge_into and add_sink on CUDA take the fused Triton kernel: within 2 ulp of the float64 merge
+    (tests/test_merge.py's measure: out against its terms' scale, lse against itself; -inf rows on
+    either side and both) into contiguous, bshd-transposed and row-range accumulators, head dims 128
+    and 80 (masked columns), 37 rows (a masked row tail); then one kernel launch per merge, and no
+    allocation."""
+    pytest.importorskip("triton")
+    from test_merge import _layouts, assert_within_2_ulp, merge64, random_partials
+
+    from seqpar.kernels import add_sink, merge_into
+    from seqpar.kernels.merge import _fused
+
+    g = torch.Generator().manual_seed(7)
+    for shape in [(2, 8, 300, 128), (1, 4, 37, 80)]:
+        out, lse, blk, blk_lse = random_partials(g, shape, blk_dtype, device="cuda")
+        want = merge64(out, lse, blk, blk_lse)
+        for name, acc in _layouts(out).items():
+            acc_lse = lse.clone()
+            assert _fused(acc, acc_lse, blk, blk_lse), name
+            merge_into(acc, acc_lse, blk, blk_lse)
+            assert_within_2_ulp(acc.cpu(), acc_lse.cpu(), [w.cpu() for w in want], f"{shape} {name}")
+        sink = torch.randn(shape[1], generator=g).to(blk_dtype).cuda()
+        acc, acc_lse = out.clone(), lse.clone()
+        add_sink(acc, acc_lse, sink)
+        want_sink = merge64(out, lse, None, sink.view(1, -1, 1))
+        assert_within_2_ulp(acc.cpu(), acc_lse.cpu(), [w.cpu() for w in want_sink], f"{shape} sink")
+
+        merges = (lambda a, s, b=blk, bl=blk_lse: merge_into(a, s, b, bl), lambda a, s, k=sink: add_sink(a, s, k))
+        for merge in merges:
+            acc, acc_lse = out.clone(), lse.clone()
+            merge(acc.clone(), acc_lse.clone())  # compiled for these arguments by now; once more to be sure
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                merge(acc, acc_lse)
+                torch.cuda.synchronize()
+            kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            assert len(kernels) == 1 and "merge_kernel" in kernels[0], kernels
+            assert torch.cuda.max_memory_allocated() == before, "the fused merge allocated"

@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqpar.kernels.local as local
-from seqpar.kernels import block_backward, block_forward
+import seqpar.kernels.merge as merge_mod
+from seqpar.kernels import add_sink, block_backward, block_forward, merge_into
 from seqpar.kernels.backends import (
     Backend,
     DeviceCaps,
@@ -29,6 +31,7 @@ from seqpar.kernels.backends import (
     efficient_alignment,
 )
 from seqpar.kernels.local import cuda_backend
+from seqpar.testing.syncs import cuda_build
 
 H100 = DeviceCaps((9, 0), cudnn_version=91002, cuda_major=13)  # cuDNN 9.10: torch keeps flash first
 H100_NEW_CUDNN = DeviceCaps((9, 0), cudnn_version=91600, cuda_major=13)  # > 9.15.0: torch puts cuDNN first
@@ -147,7 +150,7 @@ def test_rocm_detected_from_torch_version(monkeypatch: pytest.MonkeyPatch) -> No
     """``torch.version.hip`` set (a ROCm build) is what marks the device as ROCm."""
     import seqpar.kernels.backends as backends
 
-    monkeypatch.setattr(backends, "_cuda_caps", lambda index: ((9, 4), None))
+    monkeypatch.setattr(backends, "_cuda_caps", lambda index: ((9, 4), None, None, None))
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
     assert backends.device_caps(torch.device("cuda", 0)).rocm
     monkeypatch.setattr(torch.version, "hip", None)
@@ -509,3 +512,59 @@ def test_private_ops_called_by_keyword_with_this_torchs_names() -> None:
         schema = getattr(torch.ops.aten, name[:-1]).default._schema
         used = [part.split("=")[0].strip() for part in call[len(name):].split(",") if "=" in part]
         assert used == [a.name for a in schema.arguments if a.name in used] and len(used) >= 6, (name, used)
+
+
+# --------------------------------------------------------------------------------- the fused merge
+class _OpNames(TorchDispatchMode):
+    """Records the name of every op dispatched below it (here: onto fake tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_merge_on_cuda_is_one_fused_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On fake CUDA tensors (Triton taken as present), merge_into and add_sink each dispatch the one
+    opaque fused op and nothing else, for contiguous and strided fp32 accumulators and bf16/fp16/fp32
+    blocks; what the kernel does not take goes to the torch path (fp64 accumulators, a strided head
+    dim, a block shaped unlike the accumulator), and everything does where Triton is absent (those
+    under torch's CUDA build only: the fake-CUDA stage)."""
+    monkeypatch.setattr(merge_mod, "_triton_available", lambda: True)
+    with FakeTensorMode():
+        acc = torch.empty(2, 8, 3, 64, device="cuda").transpose(1, 2)  # (b, h, n, d) of a bshd buffer
+        lse = torch.empty(2, 3, 8, device="cuda")
+        rows = (acc, lse), (acc.narrow(2, 2, 5), lse.narrow(2, 2, 5))  # and a row range of them
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            blk = torch.empty(2, 3, 8, 64, device="cuda", dtype=dtype)
+            for out_acc, lse_acc in rows:
+                n = out_acc.shape[2]
+                blk_n, blk_lse = blk.narrow(2, 0, n), lse.narrow(2, 0, n)
+                with _OpNames() as ops:
+                    merge_into(out_acc, lse_acc, blk_n, blk_lse)
+                assert ops.names == ["seqpar.lse_merge_"], (dtype, n, ops.names)
+        sink = torch.empty(3, device="cuda", dtype=torch.bfloat16)
+        with _OpNames() as ops:
+            add_sink(acc, lse, sink)
+        kernels = [n for n in ops.names if n not in ("aten.view", "aten.expand") and not n.startswith("prim.")]
+        assert kernels == ["seqpar.lse_merge_"], ops.names  # views of the sink, then the one op
+        if not cuda_build():  # the torch path's ops on fake CUDA tensors need torch's CUDA build
+            return
+        blk = torch.empty(2, 3, 8, 64, device="cuda", dtype=torch.bfloat16)
+        refused = {
+            "fp64 accumulators": (acc.double(), lse.double(), blk, lse),
+            "strided head dim": (acc, lse, torch.empty(2, 3, 64, 8, device="cuda").transpose(-1, -2), lse),
+            "broadcast block": (acc, lse, blk.narrow(0, 0, 1), lse),
+        }
+        for case, args in refused.items():
+            with _OpNames() as ops:
+                merge_into(*args)
+            assert "seqpar.lse_merge_" not in ops.names and "aten.sigmoid" in ops.names, (case, ops.names)
+        monkeypatch.setattr(merge_mod, "_triton_available", lambda: False)
+        blk = torch.empty(2, 3, 8, 64, device="cuda", dtype=torch.bfloat16)
+        with _OpNames() as ops:
+            merge_into(acc, lse, blk, lse)
+        assert "seqpar.lse_merge_" not in ops.names and "aten.sigmoid" in ops.names, ops.names

@@ -10,8 +10,10 @@ batch for all its layers (:mod:`seqpar.swap.batch`) and its layers skip the per-
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.config import MODES, SHARDINGS
+from seqpar.kernels.backends import DeviceCaps
 
 __all__ = [
     "check_options",
@@ -27,22 +30,100 @@ __all__ = [
     "describe_call",
     "resolve_head_chunks",
     "AUTO_HEAD_CHUNKS",
+    "AUTO_MEMORY_FRACTION",
+    "FLASH_TILE_ROWS",
+    "GpuCall",
 ]
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks, scale bits
 _BASE_LEN = 1 + 3 * 5 + 6
 
-# "auto" head chunks: up to 4 passes. At P = 4 that brings the ring's peak per rank from ~19 blocks
-# of S/P to ~11 (inputs, output and gradients are 8 of them); more chunks save less and add messages.
+# "auto" head chunks on the CPU: up to 4 passes. At P = 4 that brings the ring's peak per rank from ~19
+# blocks of S/P to ~11 (inputs, output and gradients are 8 of them); more chunks save less and add messages.
 AUTO_HEAD_CHUNKS = 4
 
+# "auto" on a GPU: one pass unless the unchunked call's transients (see GpuCall.transient_bytes) exceed
+# this share of the device's total memory; the rest is the model's (weights, optimizer state, activations).
+AUTO_MEMORY_FRACTION = 0.25
+# Query rows per thread block of the flash kernels (FlashAttention-2's forward tile for head dims <= 128,
+# as torch builds it): a kernel call has batch * heads * ceil(rows / FLASH_TILE_ROWS) blocks, and one wave
+# of the GPU is one such block per SM (at head dim 128 its shared memory leaves room for one per SM).
+FLASH_TILE_ROWS = 128
 
-def resolve_head_chunks(head_chunks: int | str, kv_heads: int) -> int:
-    """The number of head passes: ``head_chunks`` itself (validated), or for ``"auto"`` the largest
-    divisor of ``kv_heads`` that is at most :data:`AUTO_HEAD_CHUNKS`."""
+
+@dataclass(frozen=True)
+class GpuCall:
+    """One rank's ring / all-gather call on a GPU, as ``head_chunks="auto"`` sees it: shapes every rank
+    agrees on (checked across ranks first) and the device's fixed properties, never its free memory, so
+    every rank of a job on one GPU model decides the same."""
+
+    caps: DeviceCaps
+    """The device (its ``total_memory`` and ``sm_count``)."""
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq_local: int
+    """Rows of q on this rank."""
+    head_dim: int
+    v_head_dim: int
+    element_size: int
+    """Bytes per element of q/k/v (accumulators: fp32, fp64 for fp64 inputs)."""
+    world: int
+    """Ranks in the ring / all-gather."""
+
+    @classmethod
+    def of(cls, q: Tensor, k: Tensor, v: Tensor, world: int) -> GpuCall | None:
+        """From one rank's q ``(batch, q_heads, seq_local, head_dim)``, k and v ``(batch, kv_heads,
+        seq_local, *)`` on a CUDA device; None elsewhere (the CPU rule applies)."""
+        if q.device.type != "cuda":
+            return None
+        from seqpar.kernels.backends import device_caps
+
+        b, hq, lq, d = q.shape
+        return cls(device_caps(q.device), b, hq, k.shape[1], lq, d, v.shape[-1], q.element_size(), world)
+
+    def transient_bytes(self) -> int:
+        """What one unchunked pass holds beside the call's inputs, output and gradients, and what head
+        chunks divide: the larger of the ring's and the all-gather's (the mode may not be chosen yet).
+        Ring: three K/V blocks (the current one, the next in flight, the one being sent), the fp32 dK/dV
+        accumulators travelling and arriving (two blocks of each), the fp32 output and dq accumulators and
+        one hop's kernel outputs. All-gather: every rank's K/V and their fp32 dK/dV, and the same
+        accumulators. An estimate to compare with a quarter of the device, not a prediction."""
+        e, a = self.element_size, max(4, self.element_size)
+        rows = self.batch * self.seq_local
+        kv = rows * self.kv_heads * (self.head_dim + self.v_head_dim)  # one block of K and V, elements
+        q, o = rows * self.q_heads * self.head_dim, rows * self.q_heads * self.v_head_dim
+        accumulators = (q + o) * a + (q + o + kv) * e  # fp32 dq and out, and a hop's kernel outputs
+        ring = 3 * kv * e + 2 * kv * a
+        gathered = self.world * kv * (e + a) if self.world > 1 else 0
+        return int(max(ring, gathered) + accumulators)
+
+    def tiles(self, chunks: int) -> int:
+        """Thread blocks of one flash kernel call on ``q_heads / chunks`` heads over the smallest query
+        block a plan hands a kernel (half the local rows at P > 1: a zigzag half)."""
+        rows = self.seq_local // 2 if self.world > 1 else self.seq_local
+        return self.batch * (self.q_heads // chunks) * math.ceil(max(rows, 1) / FLASH_TILE_ROWS)
+
+
+def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | None = None) -> int:
+    """The number of head passes: ``head_chunks`` itself (validated), or for ``"auto"``:
+
+    - on a GPU (``gpu`` given, its total memory known): 1 while the unchunked call's transients fit in
+      :data:`AUTO_MEMORY_FRACTION` of the device's memory, else the fewest passes (a divisor of
+      ``kv_heads``) that fit, never so many that a kernel call falls below one wave of the GPU (a flash
+      tile per SM, :meth:`GpuCall.tiles`): where both cannot hold, the wave wins;
+    - elsewhere: the largest divisor of ``kv_heads`` that is at most :data:`AUTO_HEAD_CHUNKS`.
+    """
     if head_chunks == "auto":
-        return max(c for c in range(1, AUTO_HEAD_CHUNKS + 1) if kv_heads % c == 0)
+        divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
+        if gpu is None or gpu.caps.total_memory is None:
+            return max(c for c in divisors if c <= AUTO_HEAD_CHUNKS)
+        wave = gpu.caps.sm_count or 1
+        allowed = [c for c in divisors if c == 1 or gpu.tiles(c) >= wave]
+        budget = gpu.caps.total_memory * AUTO_MEMORY_FRACTION
+        need = gpu.transient_bytes()
+        return next((c for c in allowed if need / c <= budget), allowed[-1])
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} is invalid: pass a positive integer or 'auto'")
     if kv_heads % head_chunks:

@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attn.checks import check_across_ranks, check_local, check_options, resolve_head_chunks
+from seqpar.attn.checks import (
+    GpuCall,
+    check_across_ranks,
+    check_local,
+    check_options,
+    resolve_head_chunks,
+)
 from seqpar.attn.common import AttentionOptions
 from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
 from seqpar.attn.ulysses import UlyssesPlan, head_split
@@ -253,7 +259,8 @@ def resolve_attention(
         )
     opts = AttentionOptions(
         causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
-        overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1]), window=window, cu_seqlens=bounds,
+        overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1], GpuCall.of(qb, kb, vb, world)),
+        window=window, cu_seqlens=bounds,
         chunk_size=chunk_size, softcap=None if softcap is None else float(softcap),
     )
     if world == 1:

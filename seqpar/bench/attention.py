@@ -509,11 +509,18 @@ def simulate_rank(
         ``peak_bytes``, ``bytes_sent`` per step, and projected transfer times at :data:`LINKS_GBPS`.
     """
     from seqpar.attn import resolve_head_chunks
+    from seqpar.attn.checks import GpuCall
     from seqpar.attn.ring import AttentionOptions, RingAttention
 
     seq_local = seq_len // world
+    gpu = None
+    if ctx.device.type == "cuda":  # "auto" as seqpar.attention decides it there
+        from seqpar.kernels.backends import device_caps
+
+        gpu = GpuCall(device_caps(ctx.device), shape.batch, shape.q_heads, shape.kv_heads, seq_local,
+                      shape.head_dim, shape.head_dim, shape.torch_dtype.itemsize, world)
     opts_kw = {"causal": causal, "scale": shape.head_dim ** -0.5, "sharding": "zigzag" if causal else "contiguous",
-               "head_chunks": resolve_head_chunks(shape.head_chunks, shape.kv_heads)}
+               "head_chunks": resolve_head_chunks(shape.head_chunks, shape.kv_heads, gpu)}
     res: dict[str, Any] = {"S": seq_len, "P": world, "causal": causal, "seq_local": seq_local, "rank": rank,
                            "device": str(ctx.device)}
     res.update(_simulated_times(ctx, seq_local, world, rank, opts_kw, shape, settings))

@@ -90,6 +90,11 @@ class DeviceCaps:
     """Major version of the CUDA toolkit torch was built with (``torch.version.cuda``)."""
     cudnn_deprioritized: bool = False
     """``TORCH_CUDNN_SDPA_DEPRIORITIZED=1``: torch then never moves cuDNN first by itself."""
+    total_memory: int | None = None
+    """Bytes of device memory (``get_device_properties().total_memory``): fixed for a GPU model, so
+    every rank of a job on one model reads the same (free memory would not be); None where unknown."""
+    sm_count: int | None = None
+    """Streaming multiprocessors (``multi_processor_count``); None where unknown."""
 
 
 @dataclass(frozen=True)
@@ -153,15 +158,20 @@ class BlockSpec:
 
 
 @functools.cache
-def _cuda_caps(index: int) -> tuple[tuple[int, int], int | None]:
+def _cuda_caps(index: int) -> tuple[tuple[int, int], int | None, int | None, int | None]:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return tuple(torch.cuda.get_device_capability(index)), cudnn
+    try:
+        props = torch.cuda.get_device_properties(index)
+        total_memory, sm_count = int(props.total_memory), int(props.multi_processor_count)
+    except (RuntimeError, AssertionError, AttributeError):  # no such device (a simulated one): unknown
+        total_memory = sm_count = None
+    return tuple(torch.cuda.get_device_capability(index)), cudnn, total_memory, sm_count
 
 
 def device_caps(device: torch.device) -> DeviceCaps:
     """Read :class:`DeviceCaps` of a CUDA ``device`` (cached per device; no host sync)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    capability, cudnn = _cuda_caps(index)
+    capability, cudnn, total_memory, sm_count = _cuda_caps(index)
     cuda = torch.version.cuda
     return DeviceCaps(
         capability=capability,
@@ -170,6 +180,8 @@ def device_caps(device: torch.device) -> DeviceCaps:
         cuda_major=int(cuda.split(".")[0]) if cuda else None,
         # mirrors torch's own reading of this variable in check_prefer_cudnn_attention()
         cudnn_deprioritized=os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "").upper() in ("1", "ON", "YES", "TRUE", "Y"),
+        total_memory=total_memory,
+        sm_count=sm_count,
     )
 
 

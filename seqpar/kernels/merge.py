@@ -17,6 +17,11 @@ Layouts: out ``(batch, heads, len, v_head_dim)`` (V's head dim, which may differ
 
 from __future__ import annotations
 
+import functools
+import importlib
+import math
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -62,20 +67,25 @@ def new_accumulators(q: Tensor, acc_dtype: torch.dtype, v_head_dim: int | None =
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
-    """Merge a block's partial into initialised accumulators, in place.
+    """Merge a block's partial into initialised accumulators, in place, with no block-sized temporary.
+
+    On CUDA (fp32 accumulators, blocks in fp32/fp16/bf16, last dims contiguous, Triton present) this is
+    one fused kernel (:mod:`seqpar.kernels.merge_triton`) that reads both partials once and writes the
+    accumulators once; otherwise the same maths in torch, converting a block of another dtype a chunk
+    of rows at a time (temporaries of at most ``_CPU_CHUNK`` elements) instead of whole.
 
     Args:
         out_acc: ``(batch, heads, len, head_dim)`` accumulator (fp32/fp64; may be a view).
         lse_acc: ``(batch, heads, len)`` accumulator, same dtype; ``-inf`` allowed where ``out_acc`` is 0
-            (the empty partial) provided ``block_lse`` is finite there.
+            (the empty partial).
         block_out: ``(batch, heads, len, head_dim)`` in any float dtype.
-        block_lse: ``(batch, heads, len)``; ``-inf`` (a row that saw no key of the block) allowed
-            where ``lse_acc`` is finite.
+        block_lse: ``(batch, heads, len)``; ``-inf`` (a row that saw no key of the block) leaves the
+            row as it is, also where ``lse_acc`` is ``-inf``.
     """
-    block_lse = block_lse.to(lse_acc.dtype)
-    weight = torch.sigmoid(block_lse - lse_acc).unsqueeze(-1)  # = exp(block_lse - merged lse)
-    out_acc.lerp_(block_out.to(out_acc.dtype), weight)
-    torch.logaddexp(lse_acc, block_lse, out=lse_acc)
+    if _fused(out_acc, lse_acc, block_out, block_lse):
+        torch.ops.seqpar.lse_merge_(out_acc, lse_acc, block_out, block_lse)
+    else:
+        _merge_torch(out_acc, lse_acc, block_out, block_lse)
 
 
 def add_sink(out_acc: Tensor, lse_acc: Tensor, sink: Tensor) -> None:
@@ -83,10 +93,106 @@ def add_sink(out_acc: Tensor, lse_acc: Tensor, sink: Tensor) -> None:
 
     A sink is a key with logit ``sink[h]`` and value 0: merging it rescales ``out`` by
     ``exp(lse - lse_new) = sigmoid(lse - sink)`` and sets ``lse_new = logaddexp(lse, sink)``. A row
-    with no key (lse = -inf, out = 0) stays out = 0 and gets lse = sink."""
-    s = sink.to(lse_acc.dtype).view(1, -1, 1)
-    out_acc.mul_(torch.sigmoid(lse_acc - s).unsqueeze(-1))
-    torch.logaddexp(lse_acc, s, out=lse_acc)
+    with no key (lse = -inf, out = 0) stays out = 0 and gets lse = sink. One fused kernel on CUDA
+    (as :func:`merge_into`)."""
+    s = sink.view(1, -1, 1).expand(lse_acc.shape)
+    if _fused(out_acc, lse_acc, None, s):
+        torch.ops.seqpar.lse_merge_(out_acc, lse_acc, None, s)
+    else:
+        _merge_torch(out_acc, lse_acc, None, s)
+
+
+# ------------------------------------------------------------------------------------ the two paths
+_CPU_CHUNK = 1 << 14  # output elements per step of the torch path (its fp64 temporaries: 128 KiB)
+_FUSED_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    """Triton imports (torch's CUDA build ships it). Asked once per process, never per call."""
+    try:
+        importlib.import_module("seqpar.kernels.merge_triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _fused(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, block_lse: Tensor) -> bool:
+    """Whether the fused CUDA kernel takes this merge (``block_out`` None: a sink). The kernel computes
+    in fp32, so fp64 accumulators stay on the torch path; it indexes the last dim densely, so a strided
+    one does too, and so does anything shaped unlike the accumulator (the torch path broadcasts)."""
+    if out_acc.device.type != "cuda" or out_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32:
+        return False
+    if out_acc.dim() != 4 or (out_acc.stride(-1) != 1 and out_acc.shape[-1] > 1):
+        return False
+    if block_out is not None:
+        if block_out.shape != out_acc.shape or block_out.dtype not in _FUSED_BLOCK_DTYPES:
+            return False
+        if block_out.stride(-1) != 1 and block_out.shape[-1] > 1:
+            return False
+    if block_lse.dtype not in _FUSED_BLOCK_DTYPES or out_acc.numel() >= 2**31:
+        return False
+    return _triton_available()
+
+
+@torch.library.custom_op("seqpar::lse_merge_", mutates_args=("out", "lse"), device_types="cuda")
+def _lse_merge_cuda(out: Tensor, lse: Tensor, block_out: Tensor | None, block_lse: Tensor) -> None:
+    # an opaque op: fake tensors (the host-sync checker, torch.compile) see its shape function below
+    # and never reach the launcher
+    from seqpar.kernels.merge_triton import launch_merge
+
+    with torch.cuda.device(out.device):  # Triton launches on the current device's current stream
+        launch_merge(out, lse, block_out, block_lse)
+
+
+@_lse_merge_cuda.register_fake
+def _(out: Tensor, lse: Tensor, block_out: Tensor | None, block_lse: Tensor) -> None:
+    return None
+
+
+def _merge_torch(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, block_lse: Tensor) -> None:
+    """:func:`merge_into` (``block_out`` None: :func:`add_sink`) in torch ops, with the fused kernel's
+    maths: weights and products in fp64, one rounding on the store. Temporaries: lse-sized, and at most
+    ``_CPU_CHUNK`` elements of the output at a time."""
+    a, c = lse_acc.double(), block_lse.double()
+    empty = torch.isneginf(c)  # the block saw no key: keep the row (NaN weights where a = -inf too)
+    rows = (*out_acc.shape[:-1], 1)  # the weights broadcast over each row, and are cut with it
+    w_acc = torch.sigmoid(a - c).masked_fill_(empty, 1.0).unsqueeze(-1).expand(rows)  # = exp(lse - merged lse)
+    w_blk = None if block_out is None else torch.sigmoid(c - a).masked_fill_(empty, 0.0).unsqueeze(-1).expand(rows)
+    block_out = None if block_out is None else block_out.expand(out_acc.shape)
+    for piece in _pieces(out_acc.shape, _CPU_CHUNK):
+        acc = _narrow(out_acc, piece)
+        merged = acc.double()  # acc itself for fp64 accumulators
+        merged.mul_(_narrow(w_acc, piece))
+        if w_blk is not None:
+            merged.addcmul_(_narrow(block_out, piece).double(), _narrow(w_blk, piece))
+        if merged is not acc:
+            acc.copy_(merged)
+    lse_acc.copy_(torch.logaddexp(a, c))
+
+
+def _pieces(shape: torch.Size, limit: int, dim: int = 0) -> Iterator[tuple[tuple[int, int, int], ...]]:
+    """Cuts of a ``(..., rows, dim)`` shape into pieces of whole rows, at most ``limit`` elements each
+    (one row, if a row is longer), as tuples of ``(dim, start, length)`` narrowings: ranges along the
+    outermost dim whose slices fit, else one index of it at a time and the next dim cut likewise."""
+    if len(shape) < 2:
+        yield ()
+        return
+    inner = math.prod(shape[dim + 1:])  # elements under one index of `dim`
+    if inner <= limit or dim == len(shape) - 2:
+        step = max(1, limit // max(inner, 1))
+        for i in range(0, shape[dim], step):
+            yield ((dim, i, min(step, shape[dim] - i)),)
+        return
+    for i in range(shape[dim]):
+        for rest in _pieces(shape, limit, dim + 1):
+            yield ((dim, i, 1), *rest)
+
+
+def _narrow(x: Tensor, piece: tuple[tuple[int, int, int], ...]) -> Tensor:
+    for dim, start, length in piece:
+        x = x.narrow(dim, start, length)
+    return x
 
 
 def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor) -> Tensor:

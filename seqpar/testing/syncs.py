@@ -41,6 +41,7 @@ import os
 import sys
 import time
 import traceback
+import types
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +66,8 @@ __all__ = [
 
 # (capability, cuDNN version) of the GPUs simulated; cuDNN 9.10 as the torch 2.11 CUDA 13 wheels ship.
 GPUS: dict[str, tuple[tuple[int, int], int]] = {"h100": ((9, 0), 91002), "a100": ((8, 0), 91002)}
+# what get_device_properties reports for them: total memory (bytes) and SMs (H100 SXM 80 GB, A100 SXM 80 GB)
+GPU_SIZES: dict[str, tuple[int, int]] = {"h100": (85_045_198_848, 132), "a100": (85_098_496_000, 108)}
 
 
 def cuda_build() -> bool:
@@ -382,11 +385,15 @@ def simulated_gpu(gpu: str = "h100") -> Iterator[None]:
     from seqpar.kernels import backends
 
     capability, cudnn = GPUS[gpu]
+    total_memory, sm_count = GPU_SIZES[gpu]
+    props = types.SimpleNamespace(name=gpu.upper(), major=capability[0], minor=capability[1],
+                                  total_memory=total_memory, multi_processor_count=sm_count)
     patches = {
         (torch.cuda, "current_device"): lambda: 0,
         # the fake process group stands in for NCCL: code that picks a device by backend picks CUDA
         (dist, "get_backend"): lambda group=None: "nccl",
         (torch.cuda, "get_device_capability"): lambda device=None: capability,
+        (torch.cuda, "get_device_properties"): lambda device=None: props,
         (torch.backends.cudnn, "is_available"): lambda: True,
         (torch.backends.cudnn, "version"): lambda: cudnn,
     }
