@@ -1,8 +1,9 @@
 """The public API contract: ``seqpar.__all__`` is README's list, ``dir(seqpar)`` shows only it, every name
-resolves; the paths and names that moved in 0.2 keep working with a ``DeprecationWarning`` until 0.3.
+resolves; the module paths and top-level names that moved before 0.2 are gone (0.2.0 removed their
+aliases), and CHANGELOG.md says where each one went.
 
-Old module paths are imported in a fresh interpreter each (``sys.executable -c``): a module imported once
-is cached, so a second import in the same process would not warn again and prove nothing.
+Old module paths are imported in a fresh interpreter each (``sys.executable -c``), so that nothing an
+earlier test imported can make an old path resolve.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import seqpar
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Old path -> the module it now is, and the import statement a user of 0.1 wrote.
+# Old path -> the module it now is, and the import statement a user of 0.1 wrote (now a ModuleNotFoundError).
 MOVED_MODULES = {
     "seqpar.data": ("seqpar.sequence.batch", "import seqpar.data"),
     "seqpar.loss": ("seqpar.sequence.loss", "import seqpar.loss"),
@@ -46,10 +47,18 @@ MOVED_MODULES = {
     "seqpar.attention.checks": ("seqpar.attn.checks", "from seqpar.attention.checks import check_options"),
 }
 
-# Top-level names before 0.2 that are no longer public: reachable with a warning naming their home.
-MOVED_NAMES = ["PatternConfig", "shard_index", "pad_to_multiple", "set_default_manager", "resolve_group",
-               "SeqParMultiheadAttention", "sequence_parallel_causal_lm_loss", "sequence_parallel_mean",
-               "estimate_memory"]
+# Top-level names before 0.2 that are no longer public -> their home (now an AttributeError on seqpar).
+MOVED_NAMES = {
+    "PatternConfig": "seqpar.config.PatternConfig",
+    "shard_index": "seqpar.sequence.sharding.shard_index",
+    "pad_to_multiple": "seqpar.sequence.sharding.pad_to_multiple",
+    "set_default_manager": "seqpar.runtime.groups.set_default_manager",
+    "resolve_group": "seqpar.runtime.groups.resolve_group",
+    "SeqParMultiheadAttention": "seqpar.swap.SeqParMultiheadAttention",
+    "sequence_parallel_causal_lm_loss": "seqpar.sequence.loss.sequence_parallel_causal_lm_loss",
+    "sequence_parallel_mean": "seqpar.sequence.loss.sequence_parallel_mean",
+    "estimate_memory": "seqpar.memory.attention.estimate_attention_memory",
+}
 
 
 def _readme_api() -> list[str]:
@@ -91,39 +100,48 @@ def _python(code: str, *flags: str) -> subprocess.CompletedProcess:
                           cwd=ROOT)
 
 
+def test_the_version_is_0_2_0_everywhere():
+    assert seqpar.__version__ == "0.2.0"
+    assert re.search(r"^version = 0\.2\.0$", (ROOT / "setup.cfg").read_text(), re.M), "setup.cfg's version"
+    assert re.search(r"^## 0\.2\.0$", (ROOT / "CHANGELOG.md").read_text(), re.M), "CHANGELOG.md has no 0.2.0"
+
+
 @pytest.mark.parametrize("old", sorted(MOVED_MODULES))
-def test_an_old_module_path_warns_and_is_the_new_module(old):
-    new, statement = MOVED_MODULES[old]
-    # with warnings as errors: `import seqpar` itself is clean, and the old path raises its warning
-    warned = _python(
-        "import seqpar\n"
+def test_an_old_module_path_is_gone(old):
+    _, statement = MOVED_MODULES[old]
+    gone = _python(
         "try:\n"
         f"    {statement}\n"
-        "except DeprecationWarning as w:\n"
-        "    print('WARNED:', w)\n", "-W", "error::DeprecationWarning")
-    assert warned.returncode == 0, warned.stderr
-    assert f"WARNED: {old} moved to {new}" in warned.stdout, warned.stdout + warned.stderr
-    # without: the old name is the very module object of the new path; seqpar.attention stays the function
-    same = _python(
-        "import importlib, sys\n"
-        f"{statement}\n"
+        "except ModuleNotFoundError as e:\n"
+        "    print('GONE:', e.name)\n"
         "import seqpar, seqpar.attn.dispatch\n"
-        f"new = importlib.import_module({new!r})\n"
-        f"assert sys.modules[{old!r}] is new, (sys.modules[{old!r}], new)\n"
-        f"assert importlib.import_module({old!r}) is new\n"
-        "assert callable(seqpar.attention), seqpar.attention\n"
         "assert seqpar.attention is seqpar.attn.dispatch.attention, seqpar.attention\n"
-        "print('SAME')\n")
-    assert same.returncode == 0 and "SAME" in same.stdout, same.stdout + same.stderr
+        "print('FUNCTION')\n")
+    assert gone.returncode == 0, gone.stdout + gone.stderr
+    assert "GONE: seqpar." in gone.stdout, f"{statement!r} still imports: {gone.stdout}"
+    assert "FUNCTION" in gone.stdout, gone.stdout  # seqpar.attention stays the function
 
 
-@pytest.mark.parametrize("name", MOVED_NAMES)
-def test_a_moved_name_resolves_with_a_warning_naming_its_home(name):
-    with pytest.warns(DeprecationWarning, match=rf"seqpar\.{name} is not public API") as record:
-        value = getattr(seqpar, name)
-    home = re.search(r"use ([\w.]+)\.(\w+)", str(record[0].message))
-    assert home, f"the warning does not say where {name} lives now: {record[0].message}"
-    module, new = home.groups()
-    assert getattr(importlib.import_module(module), new) is value
-    if name == "estimate_memory":
-        assert value is seqpar.estimate_attention_memory
+def test_the_attention_function_has_no_submodules():
+    """The issue's case: ``import seqpar.attention.ring as r`` and ``seqpar.attention.ring``."""
+    for statement in ("import seqpar.attention.ring as r", "import seqpar.attention"):
+        with pytest.raises(ModuleNotFoundError):
+            exec(statement, {})
+    assert callable(seqpar.attention) and not hasattr(seqpar.attention, "ring")
+
+
+@pytest.mark.parametrize("name", sorted(MOVED_NAMES))
+def test_a_moved_name_is_gone_and_its_home_has_it(name):
+    with pytest.raises(AttributeError, match=rf"no attribute '{name}'"):
+        getattr(seqpar, name)
+    module, new = MOVED_NAMES[name].rsplit(".", 1)
+    assert getattr(importlib.import_module(module), new) is not None
+
+
+def test_the_changelog_says_where_each_moved_path_and_name_went():
+    """CHANGELOG.md has a table row ``| `old` | `new` ... |`` for each old module path and top-level name."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    rows = dict(re.findall(r"^\| `([\w.]+)` \| `([\w.]+)`", text, re.M))
+    expected = {**{old: new for old, (new, _) in MOVED_MODULES.items()},
+                **{f"seqpar.{name}": home for name, home in MOVED_NAMES.items()}}
+    assert {old: rows.get(old) for old in expected} == expected

@@ -590,7 +590,7 @@ def test_divisors_has_one_home() -> None:
     root = Path(__file__).resolve().parents[1]
     homes = [str(p.relative_to(root)) for p in sorted((root / "seqpar").rglob("*.py")) + sorted((root / "integrations").rglob("*.py"))
              if re.search(r"^def _?divisors\(", p.read_text(), re.M)]
-    assert homes == ["seqpar/runtime/groups.py"]
+    assert homes == ["seqpar/runtime/grid.py"]
 
 
 def _auto_ulysses(rank: int, world_size: int) -> tuple:

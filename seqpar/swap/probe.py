@@ -33,6 +33,9 @@ A position counts as changed when ``|b - a| > rtol * max(|a|, |b|)`` over the te
 ``rtol = max(1e-4, 4 * eps(dtype))``: kernels whose rounding depends on the batch shape (grouped expert
 matmuls) cannot fake a mixer, while a real mixer moves other positions by O(1) of that scale.
 
+The probe of a real batch (the first forward of a model that cannot run on synthetic inputs) cuts the
+batch to the probe length first: :mod:`seqpar.swap.probe_batch`.
+
 Cost: one pair of forwards of a 13-token sequence (plus copies of each module's inputs and outputs at
 that length). The model's train/eval mode, parameters, buffers, gradients and RNG state are left as
 they were.
@@ -40,7 +43,6 @@ they were.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +50,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
-from seqpar.swap.options import SwapError
 from seqpar.swap.state import probing
 
 __all__ = [
@@ -60,13 +60,11 @@ __all__ = [
     "raised_by_seqpar",
     "find_mixers",
     "mixing_refusal",
-    "slice_probe",
-    "first_forward_probe",
     "is_materialised",
     "is_simulated",
+    "tensor_leaves",
+    "replace_tensors",
 ]
-
-logger = logging.getLogger("seqpar")
 
 PROBE_LENGTH = 13
 """Tokens in the probe sequence: short (the probe is two tiny forwards) and prime, so that it is rarely
@@ -111,25 +109,25 @@ def raised_by_seqpar(error: BaseException) -> bool:
 
 
 # ----------------------------------------------------------------------------- tensor structures
-def _leaves(value: Any, out: list[Tensor], depth: int = 0) -> list[Tensor]:
+def tensor_leaves(value: Any, out: list[Tensor], depth: int = 0) -> list[Tensor]:
     """The tensors inside ``value`` (tuples, lists, dicts and ModelOutputs walked), in a fixed order."""
     if isinstance(value, Tensor):
         out.append(value)
     elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)):
         for item in value:
-            _leaves(item, out, depth + 1)
+            tensor_leaves(item, out, depth + 1)
     elif depth < _MAX_DEPTH and isinstance(value, Mapping):
         for key in value:
-            _leaves(value[key], out, depth + 1)
+            tensor_leaves(value[key], out, depth + 1)
     return out
 
 
-def _replace(value: Any, new: dict[int, Tensor], depth: int = 0) -> Any:
+def replace_tensors(value: Any, new: dict[int, Tensor], depth: int = 0) -> Any:
     """``value`` rebuilt with tensors replaced by ``new[id(tensor)]`` (the rest kept as they are)."""
     if isinstance(value, Tensor):
         return new.get(id(value), value)
     if depth < _MAX_DEPTH and isinstance(value, (tuple, list)):
-        items = [_replace(item, new, depth + 1) for item in value]
+        items = [replace_tensors(item, new, depth + 1) for item in value]
         if isinstance(value, list):
             return items
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
@@ -137,7 +135,7 @@ def _replace(value: Any, new: dict[int, Tensor], depth: int = 0) -> Any:
         if isinstance(value, dict):
             out = value.copy()  # keeps the class (a ModelOutput stays one)
             for key in value:
-                out[key] = _replace(value[key], new, depth + 1)
+                out[key] = replace_tensors(value[key], new, depth + 1)
             return out
     return value
 
@@ -215,7 +213,7 @@ class _Recorder:
         """Put run A's values back at every position but the probed one (in place where possible,
         so that aliases of the tensor see it too); returns ``value`` or a rebuilt copy."""
         rebuilt: dict[int, Tensor] = {}
-        for leaf in _leaves(value, []):
+        for leaf in tensor_leaves(value, []):
             if id(leaf) not in dirty:
                 continue
             merged = dirty[id(leaf)][0]
@@ -223,13 +221,13 @@ class _Recorder:
                 leaf.copy_(merged)
             except RuntimeError:  # an inference tensor, an expanded view ...: hand a new tensor on
                 rebuilt[id(leaf)] = merged
-        return _replace(value, rebuilt) if rebuilt else value
+        return replace_tensors(value, rebuilt) if rebuilt else value
 
     def pre(self, name: str, module: nn.Module, args: tuple, kwargs: dict) -> None:
         count = self.calls.get(id(module), 0)
         self.calls[id(module)] = count + 1
         key = (id(module), count)
-        leaves = _leaves((args, kwargs), [])
+        leaves = tensor_leaves((args, kwargs), [])
         if self.phase == "A":
             self.stack.append((name, module, count, True))
             self.inputs[key] = [t.detach().clone() for t in leaves]
@@ -249,7 +247,7 @@ class _Recorder:
                 break
         else:
             return None
-        leaves = _leaves(output, [])
+        leaves = tensor_leaves(output, [])
         if self.phase == "A":
             self.outputs[(id(module), count)] = [t.detach().clone() for t in leaves]
             return None
@@ -361,164 +359,3 @@ def mixing_refusal(mixers: list[Mixer], where: str, prefix: str = "") -> str:
         f"probe: two forwards of a {PROBE_LENGTH}-token sequence with self-only attention, one token "
         "changed; see seqpar.swap.probe.)"
     )
-
-
-def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | None:
-    """Probe ``model`` on the first :data:`PROBE_LENGTH` positions of a real batch (the first-forward
-    probe of models without synthetic inputs: the ``"sdpa"`` and ``"mha"`` routes, and Hugging Face
-    models that cannot run on synthetic tokens alone).
-
-    The sequence input is the first tensor of at least 2 dims among the arguments (``(batch, seq, ...)``,
-    the layout :func:`seqpar.sequence.batch.shard_batch` cuts); every tensor argument with the same
-    dim-1 size is cut to the same positions, and a mask (last two dims the sequence) in both. Integer
-    inputs (token ids) at the probed position are changed to another id seen in the batch, float inputs
-    shifted by their scale.
-
-    The cut call is a whole sequence of its own (nothing is communicated while the probe runs), so its
-    packed-document inputs are made to describe the cut (:func:`_probe_documents`): ``cu_seq_lens_q``/
-    ``cu_seq_lens_k``/``cu_seqlens`` ``(n_docs + 1,)`` become the documents' boundaries inside it,
-    ``max_length_q/k`` the longest of them, and ``position_ids`` (``(..., seq)``) count from 0 in each.
-    The probed position is the one nearest the middle whose document goes on after it (and, if possible,
-    began before it), so a mixer that respects the documents still shows.
-
-    Returns:
-        The mixers, or None when the batch cannot be probed (fewer than 3 positions, one distinct id).
-    """
-    leaves = _leaves((args, kwargs), [])
-    seq_input = next((t for t in leaves if t.dim() >= 2), None)
-    if seq_input is None or seq_input.shape[1] < 3:
-        return None
-    full = seq_input.shape[1]
-    length = min(full, PROBE_LENGTH)
-    cut = {id(t): _cut(t, full, length) for t in leaves
-           if t.dim() >= 2 and (t.shape[1] == full or t.shape[-2:] == (full, full))}
-    bounds = _probe_documents(kwargs, full, length)
-    longest: dict[str, Any] = {}
-    if bounds is not None:
-        cut.update(_documents_as_inputs(kwargs, full, bounds))
-        span = max(b - a for a, b in zip(bounds, bounds[1:]))
-        longest = {k: (torch.tensor(span, dtype=kwargs[k].dtype, device=kwargs[k].device)
-                       if isinstance(kwargs[k], Tensor) else span) for k in _LONGEST_KEYS if k in kwargs}
-    position = _probe_position(bounds, length)
-    first = cut[id(seq_input)]
-    changed = first.clone()
-    if first.dtype.is_floating_point:
-        changed[:, position] += 1.0 + first.abs().amax()
-    else:
-        low, high = first.amin(), first.amax()
-        if bool(low == high):
-            return None
-        column = changed[:, position]
-        changed[:, position] = torch.where(column == high, low, high)
-    plain_args, plain_kwargs = _replace((args, kwargs), cut)
-    perturbed_args, perturbed_kwargs = _replace((args, kwargs), {**cut, id(seq_input): changed})
-    plain_kwargs.update(longest)
-    perturbed_kwargs.update(longest)
-
-    def run(perturbed: bool) -> Any:
-        if perturbed:
-            return model(*perturbed_args, **perturbed_kwargs)
-        return model(*plain_args, **plain_kwargs)
-
-    return find_mixers(model, run, length, position)
-
-
-def _cut(t: Tensor, full: int, length: int) -> Tensor:
-    """The first ``length`` positions of a batch tensor: a mask-like one (its last two dims both the
-    sequence: ``(S, S)``, ``(B, S, S)``, ``(B, H, S, S)``) in both of them, any other on dim 1
-    (``(batch, seq, ...)``)."""
-    if t.shape[-2:] == (full, full):
-        return t.narrow(-2, 0, length).narrow(-1, 0, length)
-    return t.narrow(1, 0, length)
-
-
-# transformers' packed-document keywords (DataCollatorWithFlattening, seqpar.sequence.batch.shard_batch)
-_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens")
-_LONGEST_KEYS = ("max_length_q", "max_length_k")
-
-
-def _position_row(kwargs: dict, full: int) -> Tensor | None:
-    """The first row of ``position_ids`` (``(..., seq)``) when given for this call's positions."""
-    pos = kwargs.get("position_ids")
-    if isinstance(pos, Tensor) and pos.dim() >= 1 and pos.shape[-1] == full and not pos.is_floating_point():
-        return pos.reshape(-1, full)[0]
-    return None
-
-
-def _probe_documents(kwargs: dict, full: int, length: int) -> tuple[int, ...] | None:
-    """The documents of the probe's call, as boundaries ``(0, ..., length)``; None when the call passes
-    neither boundaries nor positions.
-
-    A call that holds its whole packed sequence (its boundaries end at its length: one process) keeps
-    its documents, cut at ``length``. A rank's shard holds pieces of the global sequence (its boundaries
-    are the global ones): its pieces start where ``position_ids`` do not go up by one (a document start,
-    or a seam between zigzag chunks), one piece without positions. Positions alone (no boundaries):
-    the same rule, which is transformers' own for restarting positions.
-    """
-    given = next((kwargs[k] for k in _BOUNDARY_KEYS if isinstance(kwargs.get(k), Tensor)), None)
-    row = _position_row(kwargs, full)
-    if given is not None and given.dim() == 1 and given.numel() >= 2 and not given.is_floating_point():
-        ints = host_boundaries(given)  # one host read, at the first forward only
-        if ints[0] == 0 and ints[-1] == full:
-            return (*[b for b in ints if b < length], length)
-    if row is not None:
-        starts = (row[:length].diff() != 1).nonzero().reshape(-1) + 1
-        return (0, *starts.tolist(), length)
-    return (0, length) if given is not None else None
-
-
-def _documents_as_inputs(kwargs: dict, full: int, bounds: tuple[int, ...]) -> dict[int, Tensor]:
-    """``id(given tensor) -> its replacement`` for the boundary and position keywords of the probe's call."""
-    length = bounds[-1]
-    new: dict[int, Tensor] = {}
-    for key in _BOUNDARY_KEYS:
-        given = kwargs.get(key)
-        if isinstance(given, Tensor):
-            new[id(given)] = boundary_tensor(bounds).to(device=given.device, dtype=given.dtype)
-    pos = kwargs.get("position_ids")
-    if _position_row(kwargs, full) is not None:
-        edges = torch.tensor(bounds, dtype=pos.dtype, device=pos.device)
-        index = torch.arange(length, dtype=pos.dtype, device=pos.device)
-        within = index - edges[torch.searchsorted(edges, index, right=True) - 1]  # position in its document
-        new[id(pos)] = within.expand(*pos.shape[:-1], length).contiguous()
-    return new
-
-
-def _probe_position(bounds: tuple[int, ...] | None, length: int) -> int:
-    """The position whose input the probe changes: the middle, or (packed documents) the position nearest
-    it whose document has a later position, preferring one whose document also has an earlier one: a
-    causal mixer confined to its document then moves a position after it, an anti-causal one before."""
-    middle = length // 2
-    if bounds is None:
-        return middle
-    scored = []
-    for start, end in zip(bounds, bounds[1:]):
-        for p in range(start, end - 1):  # a later position in the same document
-            scored.append((p == start, abs(p - middle), p))
-    return min(scored)[2] if scored else middle
-
-
-def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """The probe at a swapped model's first forward, on the real batch cut to :data:`PROBE_LENGTH`
-    positions (:func:`slice_probe`); run by the batch check (:mod:`seqpar.swap.batch`) before any
-    communication, so a refusal is raised on every rank.
-
-    Raises:
-        SwapError: naming every module that mixes positions.
-    """
-    if is_simulated(model):
-        return
-    try:
-        mixers = slice_probe(model, args, kwargs)
-    except ProbeFailed as failed:
-        if raised_by_seqpar(failed.error):
-            raise failed.error from None  # seqpar's own refusal of this batch, as the forward would raise it
-        logger.warning("seqpar: the position-mixing probe could not run the model on the first %d positions "
-                       "of this batch (%s); modules mixing positions are not checked", PROBE_LENGTH, failed)
-        return
-    if mixers is None:
-        logger.warning("seqpar: the position-mixing probe could not run on this batch (fewer than 3 "
-                       "positions, or a single distinct token id): modules mixing positions are not checked")
-    elif mixers:
-        raise SwapError(f"{mixing_refusal(mixers, type(model).__name__)} The model stays swapped, and "
-                        "refuses every forward.")

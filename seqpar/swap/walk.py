@@ -32,7 +32,7 @@ from seqpar.mixers.registry import family_of
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
 from seqpar.swap.options import SwapError, SwapOptions
-from seqpar.swap.probe import first_forward_probe
+from seqpar.swap.probe_batch import first_forward_probe
 from seqpar.swap.sdpa import class_calls_sdpa, track_module
 from seqpar.swap.state import is_probing
 
