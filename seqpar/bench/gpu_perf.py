@@ -125,13 +125,23 @@ def _inputs(shape: Shape, case: Case, device: torch.device, seed: int = 0, *, gr
     return q, k, v, dout
 
 
-def _options(shape: Shape, case: Case) -> Any:
+def _options(shape: Shape, case: Case, device: torch.device | None = None) -> Any:
+    """The ring's options for ``case``; ``head_chunks="auto"`` resolved as ``seqpar.attention`` resolves it
+    on ``device`` (on a GPU from the shapes and the device's total memory, else the CPU rule)."""
     from seqpar.attn import resolve_head_chunks
+    from seqpar.attn.checks import GpuCall
     from seqpar.attn.common import AttentionOptions
 
+    gpu = None
+    if device is not None and device.type == "cuda":
+        from seqpar.kernels.backends import device_caps
+
+        e = torch.finfo(_DTYPES[shape.dtype]).bits // 8
+        gpu = GpuCall(device_caps(device), shape.batch, shape.q_heads, shape.kv_heads, case.seq_local, shape.head_dim,
+                      shape.head_dim, e, shape.world)
     return AttentionOptions(causal=case.causal, scale=shape.head_dim ** -0.5,
                             sharding="zigzag" if case.causal else "contiguous",
-                            head_chunks=resolve_head_chunks(case.head_chunks, shape.kv_heads))
+                            head_chunks=resolve_head_chunks(case.head_chunks, shape.kv_heads, gpu))
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -171,15 +181,15 @@ def _links(device: torch.device, bandwidth: float | None, cycles: float | None) 
     return EmulatedLinks(bandwidth, clock=LinkClock("wall"))
 
 
-def _ring_step(shape: Shape, case: Case, inputs: Sequence[Tensor], make_links: Callable[[], Any]
-               ) -> Callable[[], Any]:
+def _ring_step(shape: Shape, case: Case, inputs: Sequence[Tensor], make_links: Callable[[], Any],
+               device: torch.device | None = None) -> Callable[[], Any]:
     """One forward + backward of the played rank over fresh links (returned for their trace)."""
     from seqpar.attn.ring import RingAttention
     from seqpar.comm.emulated import EmulatedRing
     from seqpar.comm.loopback import LoopbackComm
 
     q, k, v, dout = inputs
-    opts = _options(shape, case)
+    opts = _options(shape, case, device)
 
     def step() -> Any:
         links = make_links()
@@ -202,12 +212,13 @@ def _sdpa_step(inputs: Sequence[Tensor], causal: bool, scale: float) -> Callable
     return step
 
 
-def _block_shapes(shape: Shape, case: Case) -> dict[tuple[int, int, int, int, bool], int]:
+def _block_shapes(shape: Shape, case: Case, device: torch.device | None = None
+                  ) -> dict[tuple[int, int, int, int, bool], int]:
     """The bare kernel calls of the played rank's plan: ``(q_heads, kv_heads, q_rows, k_rows, causal)``
     -> how many, over every hop and head chunk."""
     from seqpar.attn.common import block_calls, block_hops
 
-    opts = _options(shape, case)
+    opts = _options(shape, case, device)
     hops = block_hops(opts, shape.world, case.seq_local)
     g = opts.head_chunks
     counts: dict[tuple[int, int, int, int, bool], int] = {}
@@ -227,7 +238,7 @@ def _floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, warmup
     """T_floor: the sum of bare SDPA forward + backward calls on the plan's block shapes."""
     total, rows = 0.0, []
     dtype = _DTYPES[shape.dtype]
-    for (hq, hkv, nq, nk, causal), count in sorted(_block_shapes(shape, case).items()):
+    for (hq, hkv, nq, nk, causal), count in sorted(_block_shapes(shape, case, device).items()):
         q = torch.randn(shape.batch, hq, nq, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -272,7 +283,7 @@ def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ memory
-def theory_peak(shape: Shape, case: Case) -> dict[str, int]:
+def theory_peak(shape: Shape, case: Case, device: torch.device | None = None) -> dict[str, int]:
     """Bytes the ring holds at its backward's peak (a remote hop, after its kernels, before the add
     into the travelling accumulator), term by term; inputs created inside the measured step.
 
@@ -286,7 +297,7 @@ def theory_peak(shape: Shape, case: Case) -> dict[str, int]:
     e = torch.finfo(_DTYPES[shape.dtype]).bits // 8
     Q = shape.batch * shape.q_heads * case.seq_local * shape.head_dim  # noqa: N806 - the docstring's names
     K = shape.batch * shape.kv_heads * case.seq_local * shape.head_dim  # noqa: N806
-    G = _options(shape, case).head_chunks  # noqa: N806
+    G = _options(shape, case, device).head_chunks  # noqa: N806
     rows = shape.batch * shape.q_heads * case.seq_local
     terms = {
         "inputs_and_saved": e * (3 * Q + 2 * K) + 4 * rows,
@@ -311,14 +322,16 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     clock = _Clock(device)
     inputs = _inputs(shape, case, device)
     scale = shape.head_dim ** -0.5
-    res: dict[str, Any] = {**asdict(case), "label": case.label, "head_chunks_resolved": _options(shape, case).head_chunks}
+    res: dict[str, Any] = {**asdict(case), "label": case.label,
+                           "head_chunks_resolved": _options(shape, case, device).head_chunks}
     t0 = time.perf_counter()
     res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
                                                        repeats=repeats))
-    free = _ring_step(shape, case, inputs, lambda: _links(device, None, cycles))
+    free = _ring_step(shape, case, inputs, lambda: _links(device, None, cycles), device)
     res["t_compute"] = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
     res["t_step_400"] = statistics.median(clock.time(
-        _ring_step(shape, case, inputs, lambda: _links(device, 400e9, cycles)), warmup=warmup, repeats=repeats))
+        _ring_step(shape, case, inputs, lambda: _links(device, 400e9, cycles), device), warmup=warmup,
+        repeats=repeats))
     p = shape.world
     res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
     res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
@@ -331,14 +344,15 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
         res["t_transfer_50"] = replay(recorded.trace.events, lambda n: n / 50e9, compute=False)
         res["hidden_max_50"] = hidden_bound(recorded.trace.events, lambda n: n / 50e9)["hidden"]
         res["t_step_50"] = statistics.median(clock.time(
-            _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles)), warmup=warmup, repeats=repeats))
+            _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles), device), warmup=warmup,
+            repeats=repeats))
         res["hidden_50"] = hidden(res["t_compute"], res["t_transfer_50"], res["t_step_50"])
     if profile_split:
         res["profile"] = _profile(free, device)
     del inputs, free
 
     def ring_fresh() -> None:
-        _ring_step(shape, case, _inputs(shape, case, device, seed=1), lambda: _links(device, None, cycles))()
+        _ring_step(shape, case, _inputs(shape, case, device, seed=1), lambda: _links(device, None, cycles), device)()
 
     def sdpa_fresh() -> None:
         _sdpa_step(_inputs(shape, case, device, seed=1), case.causal, scale)()
@@ -346,7 +360,7 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     res["peak_ring_bytes"] = peak_memory(ring_fresh, device)
     res["peak_sdpa_bytes"] = peak_memory(sdpa_fresh, device)
     res["peak"] = res["peak_ring_bytes"] / res["peak_sdpa_bytes"]
-    res["peak_terms"] = theory_peak(shape, case)
+    res["peak_terms"] = theory_peak(shape, case, device)
     res["peak_theory_bytes"] = res["peak_terms"]["total"]
     res["peak_vs_theory"] = res["peak_ring_bytes"] / res["peak_theory_bytes"]
     res["wall_s"] = time.perf_counter() - t0
