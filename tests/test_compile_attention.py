@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import make_case, shard_rows
 
 import seqpar
-from test_attention import make_case, shard_rows
 
 # (mode, sharding, causal, extra options)
 CASES = (
@@ -60,7 +60,7 @@ def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> l
         seq = case["q"].shape[2]
         q, k, v, dout = (shard_rows(case[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
 
-        def call(q, k, v, opts):  # noqa: ANN001, ANN202
+        def call(q, k, v, opts, causal=causal, mode=mode, sharding=sharding, group=group):  # noqa: ANN001, ANN202
             return seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, group=group,
                                     check_inputs=False, head_chunks=1, **opts)
 

@@ -49,7 +49,12 @@ import torch
 
 from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.comm.emulated import (
-    CudaLinks, EmulatedLinks, EmulatedRing, EmulatedSegment, LinkClock, sleep_cycles_per_second,
+    CudaLinks,
+    EmulatedLinks,
+    EmulatedRing,
+    EmulatedSegment,
+    LinkClock,
+    sleep_cycles_per_second,
 )
 from seqpar.comm.loopback import LoopbackComm, LoopbackSegmentComm
 from seqpar.comm.schedule import early_waits, hidden, hidden_bound, replay
