@@ -152,6 +152,14 @@ def _count_resolution(rank: int, world: int, route: str) -> dict[str, int]:
     import importlib
     import sys
 
+    from seqpar.config import SeqParConfig
+    from seqpar.swap.options import SwapOptions
+
+    # every module the route imports is loaded before the patching: one imported during the call would
+    # bind the counting wrapper at its import and keep it after the restore (seen: swap.batch, mixers.conv
+    # when no earlier task of the pool worker had imported them)
+    importlib.import_module("seqpar.swap.batch")
+    importlib.import_module("seqpar.mixers.conv")
     seqpar.init_process_groups(sp_size=world)
     counts: dict[str, int] = {}
     saved = []
@@ -173,9 +181,6 @@ def _count_resolution(rank: int, world: int, route: str) -> dict[str, int]:
         if route == "direct":
             seqpar.attention(q, k, v, causal=True, mode="ulysses", cu_seqlens=cu)
         else:
-            from seqpar.config import SeqParConfig
-            from seqpar.swap.options import SwapOptions
-
             options = SwapOptions.from_config(SeqParConfig.load({"size": world, "mode": "ulysses"}), None)
             options.attention(q, k, v, causal=True, scale=None, cu_seqlens=cu)
         return counts
