@@ -24,8 +24,9 @@ process count when Trainer summed the count over processes), plus the MoE router
 - Trainer's process-count factor is brought to the DP size (the engines average over DP only);
 - without ``num_items_in_batch`` (evaluation) SFTTrainer divides by the shard's own token count: the
   count over the SP group is passed instead;
-- the router loss (``aux_loss``) is already the whole sequence's on every rank (seqpar's dispatcher,
-  :mod:`seqpar.swap.moe`, computes it from statistics summed over the SP group) and is left as it is;
+- the router loss (``aux_loss``) is the whole sequence's on every rank (seqpar's dispatcher,
+  :mod:`seqpar.swap.moe`, computes it from statistics summed over the SP group; TRL calls Mixtral's
+  function for every MoE family, so the dispatcher is put there too) and is left as it is;
 - entropy and mean token accuracy are sums over the tokens of every process divided by their count
   (``gather_for_metrics``), which the shards of an SP group partition: one process's numbers as they
   are. ``num_tokens`` counted seqpar's end padding; it is recounted without it.
@@ -61,6 +62,8 @@ class SFTLoss:
         :func:`seqpar.sequence.batch.shard_batch` (``shift_labels`` ``(B, S_local)``)."""
         manager = trainer.seqpar_manager
         given = num_items_in_batch is not None
+        if getattr(trainer, "aux_loss_enabled", False):  # at SP = 1 too: seqpar's end padding must not count
+            _router_loss_of_the_sequence()
         if not given:  # evaluation: the targets of the whole sequence, not of this shard
             num_items_in_batch = _sp_target_count(inputs, manager.sp_group)
         fused: list[Any] = []
@@ -92,6 +95,17 @@ class SFTLoss:
         if tokens_before is not None and trainer.model.training and "attention_mask" not in inputs:
             _recount_tokens(trainer, inputs, tokens_before)
         return (loss, outputs) if return_outputs else loss
+
+
+def _router_loss_of_the_sequence() -> None:
+    """TRL's fused head computes every MoE family's router loss with Mixtral's function; seqpar's swap
+    made only the model's own modules' functions the sequence's (summed over the SP group, seqpar's end
+    padding left out, also at SP = 1), so Mixtral's is made so too."""
+    from transformers.models.mixtral import modeling_mixtral
+
+    from seqpar.swap.moe import install_dispatcher
+
+    install_dispatcher(modeling_mixtral)
 
 
 def _sp_target_count(inputs: dict[str, Any], group: Any) -> torch.Tensor:

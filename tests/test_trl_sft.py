@@ -2,7 +2,7 @@
 assistant-only loss, under DeepSpeed ZeRO-2 and FSDP2 at SP = 2. The logged loss, entropy, mean token
 accuracy and token count of every step equal SP = 1's (1e-5, fp32), and so does the gradient of every
 parameter at each of 3 SGD steps (read from the SGD update, each parameter on its own scale). A Mixtral
-adds the MoE router loss (``aux_loss``) to the loss and the logs.
+and a Qwen3-MoE add the MoE router loss (``aux_loss``) to the loss and the logs.
 """
 
 from __future__ import annotations
@@ -39,12 +39,16 @@ def _config(tmp: str, sp: int, engine: str, **extra):
     )
 
 
-def _tiny_mixtral() -> torch.nn.Module:
-    from test_moe import _tiny_mixtral
+def _tiny_moe(family: str) -> torch.nn.Module:
+    import transformers
+    from test_moe import COMMON, FAMILIES
 
-    model = _tiny_mixtral()
-    model.config.output_router_logits = True  # SFTTrainer's aux_loss_enabled reads the config
-    return model
+    config_cls, model_cls, extra = FAMILIES[family]
+    # output_router_logits=True in COMMON: SFTTrainer's aux_loss_enabled reads the config
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, "vocab_size": hf_tiny.VOCAB,
+                                                  "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config)
 
 
 def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str) -> dict:
@@ -53,7 +57,7 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str)
 
     from seqpar.integrations.trainer import sequence_parallel
 
-    model = hf_tiny.tiny_llama() if family == "llama" else _tiny_mixtral()
+    model = hf_tiny.tiny_llama() if family == "llama" else _tiny_moe(family)
     snapshots: list[dict[str, torch.Tensor]] = []
 
     class Snapshots(TrainerCallback):
@@ -97,6 +101,9 @@ def test_sft_packed_padding_free_assistant_only_fsdp2_sp2_equals_sp1(dist_pool, 
 
 
 @pytest.mark.timeout(700)
-def test_sft_moe_router_loss_zero2_sp2_equals_sp1(dist_pool, tmp_path):
-    sp1 = _check(dist_pool, tmp_path, "zero2", "mixtral", LOGGED + ("aux_loss",))
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sft_moe_router_loss_zero2_sp2_equals_sp1(dist_pool, tmp_path, family):
+    """TRL computes every family's router loss with Mixtral's function: Qwen3-MoE's is made the
+    sequence's there too (without it: each rank's shard's)."""
+    sp1 = _check(dist_pool, tmp_path, "zero2", family, LOGGED + ("aux_loss",))
     assert all(h["aux_loss"] > 0 for h in sp1["logs"])
