@@ -23,7 +23,7 @@ process count when Trainer summed the count over processes), plus the MoE router
   logged loss was each rank's share: 1/SP of the true one at SP = 2);
 - Trainer's process-count factor is brought to the DP size (the engines average over DP only);
 - without ``num_items_in_batch`` (evaluation) SFTTrainer divides by the shard's own token count: the
-  count over the SP group is passed instead (not covered by a test yet: tests/test_trl_sft.py trains only);
+  count over the SP group is passed instead;
 - the router loss (``aux_loss``) is the whole sequence's on every rank (seqpar's dispatcher,
   :mod:`seqpar.swap.moe`, computes it from statistics summed over the SP group; TRL calls Mixtral's
   function for every MoE family, so the dispatcher is put there too) and is left as it is;

@@ -31,6 +31,7 @@ def _config(tmp: str, sp: int, engine: str, **extra):
     return SFTConfig(
         output_dir=tmp, deepspeed=ds, packing=True, padding_free=True, assistant_only_loss=True,
         max_length=trl_tiny.MAX_LENGTH, per_device_train_batch_size=ROWS_PER_STEP, max_steps=STEPS,
+        per_device_eval_batch_size=ROWS_PER_STEP, prediction_loss_only=True,
         learning_rate=hf_tiny.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         disable_tqdm=True, seed=0, train_sampling_strategy="sequential",
@@ -51,7 +52,7 @@ def _tiny_moe(family: str) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config)
 
 
-def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str) -> dict:
+def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False) -> dict:
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
@@ -72,17 +73,23 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str)
         trainer = sequence_parallel(SFTTrainer)(
             model=model, args=_config(f"{tmp}/r{rank}", sp, engine), train_dataset=trl_tiny.conversations(),
             processing_class=trl_tiny.tokenizer(), callbacks=[Snapshots()], seqpar_config=block,
+            eval_dataset=trl_tiny.conversations(seed=8) if evaluate else None,
         )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+        if evaluate:  # SFTTrainer without num_items_in_batch: the SP group's count is passed in
+            logs.append({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
         return {"logs": logs, "grads": trl_tiny.sgd_gradients(snapshots, hf_tiny.LR),
                 "dp_sp": (trainer.seqpar_manager.dp_size, trainer.seqpar_manager.sp_size)}
 
 
-def _check(dist_pool, tmp_path, engine: str, family: str, keys: tuple[str, ...] = LOGGED) -> None:
-    sp1 = dist_pool.run(1, _sft_run, 1, engine, family, str(tmp_path / "sp1"), timeout=300)[0]
-    sp2 = dist_pool.run(2, _sft_run, 2, engine, family, str(tmp_path / "sp2"), timeout=300)
-    assert len(sp1["logs"]) == STEPS
+def _check(dist_pool, tmp_path, engine: str, family: str, keys: tuple[str, ...] = LOGGED,
+           evaluate: bool = False) -> None:
+    sp1 = dist_pool.run(1, _sft_run, 1, engine, family, str(tmp_path / "sp1"), evaluate, timeout=300)[0]
+    sp2 = dist_pool.run(2, _sft_run, 2, engine, family, str(tmp_path / "sp2"), evaluate, timeout=300)
+    assert len(sp1["logs"]) == STEPS + evaluate
+    if evaluate:  # the eval entry's keys: loss, entropy, mean_token_accuracy
+        keys = tuple(k for k in keys if k != "num_tokens")
     for r in sp2:
         assert r["dp_sp"] == (1, 2)
         trl_tiny.assert_gradients_close(r["grads"], sp1["grads"])
@@ -97,7 +104,8 @@ def test_sft_packed_padding_free_assistant_only_zero2_sp2_equals_sp1(dist_pool, 
 
 @pytest.mark.timeout(700)
 def test_sft_packed_padding_free_assistant_only_fsdp2_sp2_equals_sp1(dist_pool, tmp_path):
-    _check(dist_pool, tmp_path, "fsdp2", "llama")
+    """With an evaluation after training: eval loss, entropy and token accuracy equal SP=1's too."""
+    _check(dist_pool, tmp_path, "fsdp2", "llama", evaluate=True)
 
 
 @pytest.mark.timeout(700)
