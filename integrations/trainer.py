@@ -1,4 +1,4 @@
-"""``transformers.Trainer`` + DeepSpeed with sequence parallelism: use :class:`SeqParTrainer`.
+"""``transformers.Trainer`` (and its subclasses, TRL's among them) with sequence parallelism.
 
 The one step: put a ``"sequence_parallel"`` block in the DeepSpeed JSON given to
 ``TrainingArguments(deepspeed="ds_config.json")`` and construct ``SeqParTrainer`` where ``Trainer``
@@ -8,6 +8,19 @@ they are::
     args = TrainingArguments(output_dir="out", deepspeed="ds_config.json", ...)
     trainer = SeqParTrainer(model=model, args=args, train_dataset=ds, data_collator=collator)
     trainer.train()
+
+Any other Trainer subclass gets the same through :func:`sequence_parallel` (``SFTTrainer`` ->
+``sequence_parallel(SFTTrainer)``), or by putting :class:`SequenceParallelMixin` *first* among the
+bases (``class MySFT(SequenceParallelMixin, SFTTrainer)``). The mixin checks its place in the MRO at
+class statement: a Trainer class ahead of it (``class X(SFTTrainer, SeqParTrainer)``) would run its own
+``__init__`` / ``compute_loss`` / ``training_step`` before seqpar's and is refused by name; at
+construction, so is a ``compute_loss``
+seqpar does not know to be SP-exact (a subclass that reads the logits itself would log and train on
+one shard's numbers; :mod:`seqpar.integrations.trl` lists the TRL trainers that are handled).
+
+Without DeepSpeed, pass ``seqpar_config=`` (the block) and the trainer shards the model with FSDP2
+itself (:func:`seqpar.integrations.fsdp.wrap`, gradient divide factor ``dp``; options in
+``seqpar_fsdp=``); accelerate then leaves the model as it is (no DDP around it).
 
 What it changes in Trainer, and why (each a small override or hook):
 
@@ -42,9 +55,8 @@ What it changes in Trainer, and why (each a small override or hook):
   collator's ``-100`` at each document start keeps the shifted labels from crossing documents, and
   Trainer's count of those labels is each row's real targets.
 
-Only the DeepSpeed path is covered; an accelerate loop with FSDP2 uses
-:func:`seqpar.integrations.accelerate.prepare`. accelerate's own ``ParallelismConfig`` with
-``cp_size``/``sp_size`` > 1 is another SP implementation and is refused alongside this one.
+accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
+and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ from seqpar.integrations.common import rank_prefix, resolve_manager
 from seqpar.runtime.groups import ProcessGroupManager
 from seqpar.sequence.batch import shard_batch
 
-__all__ = ["SeqParTrainer", "deepspeed_initialize_with"]
+__all__ = ["SeqParTrainer", "SequenceParallelMixin", "sequence_parallel", "deepspeed_initialize_with"]
 
 logger = logging.getLogger("seqpar")
 
@@ -112,32 +124,82 @@ def deepspeed_initialize_with(manager: ProcessGroupManager, sp_config: SeqParCon
 def _sp_config_from_args(args: Any, seqpar_config: SeqParConfig | Mapping[str, Any] | None) -> SeqParConfig:
     from seqpar.integrations.deepspeed import load_deepspeed_config
 
-    if args is None or not getattr(args, "deepspeed", None):
+    if args is None or (not getattr(args, "deepspeed", None) and seqpar_config is None):
         raise ConfigError(
-            "SeqParTrainer runs on DeepSpeed: pass TrainingArguments(deepspeed='ds_config.json') whose "
-            "JSON has a 'sequence_parallel' block. For an accelerate loop with FSDP2 use "
-            "seqpar.integrations.accelerate.prepare"
+            "a seqpar Trainer needs the SP block: pass TrainingArguments(deepspeed='ds_config.json') whose "
+            "JSON has a 'sequence_parallel' block, or seqpar_config={'size': ...} to shard with FSDP2. "
+            "For an accelerate loop of your own use seqpar.integrations.accelerate.prepare"
+        )
+    if getattr(args, "fsdp", None):
+        raise ConfigError(
+            f"TrainingArguments(fsdp={args.fsdp!r}) shards through accelerate's FSDP plugin, which divides "
+            "gradients by the world size (the SP ranks' shares would be averaged, not summed); drop fsdp= "
+            "and pass seqpar_config=... (with seqpar_fsdp={...} for FSDP options): the trainer shards with "
+            "FSDP2 itself"
         )
     if seqpar_config is not None:
         return SeqParConfig.load(seqpar_config)
     return SeqParConfig.from_deepspeed_config(load_deepspeed_config(config=args.deepspeed))
 
 
-class SeqParTrainer(transformers.Trainer):
-    """``transformers.Trainer`` with sequence parallelism from the DeepSpeed config's block.
+_EXACT_LOSS_FLAG = "seqpar_exact_loss"
 
-    Takes ``Trainer``'s arguments, plus keyword-only ``seqpar_config`` (overrides the block). The
-    groups are ``trainer.seqpar_manager``; see the module docstring for what is changed and why.
+
+def _check_bases(cls: type) -> None:
+    """The mixin must run before every Trainer class it changes (see the module docstring)."""
+    mro = cls.__mro__
+    here = mro.index(SequenceParallelMixin)
+    if transformers.Trainer not in mro:
+        return  # a mixin of mixins; checked when a Trainer class joins
+    if transformers.Trainer not in mro[here:]:
+        raise ConfigError(
+            f"{cls.__name__}: SequenceParallelMixin must come before a transformers.Trainer class among the "
+            f"bases; write class {cls.__name__}(SequenceParallelMixin, YourTrainer) or use "
+            "seqpar.integrations.trainer.sequence_parallel(YourTrainer)"
+        )
+    ahead = [k.__qualname__ for k in mro[:here]
+             if issubclass(k, transformers.Trainer) and not issubclass(k, SequenceParallelMixin)]
+    if ahead:
+        raise ConfigError(
+            f"{cls.__name__}: {ahead[0]} comes before seqpar's mixin in the MRO (with {', '.join(ahead[1:]) or 'no other'}), "
+            "so its __init__ / compute_loss / training_step would run before seqpar's. Put the seqpar "
+            f"class first (class {cls.__name__}(SeqParTrainer-or-SequenceParallelMixin, {ahead[0]})) or use "
+            f"seqpar.integrations.trainer.sequence_parallel({ahead[0]})"
+        )
+
+
+class SequenceParallelMixin:
+    """Sequence parallelism under any ``transformers.Trainer`` subclass: list it *first* among the bases
+    (or use :func:`sequence_parallel`).
+
+    Takes the trainer's arguments, plus keyword-only ``seqpar_config`` (the ``sequence_parallel`` block;
+    default: the DeepSpeed config's) and ``seqpar_fsdp`` (FSDP2 options when there is no DeepSpeed
+    config, :class:`seqpar.integrations.fsdp.FSDPOptions`). The groups are ``trainer.seqpar_manager``.
 
     Raises:
-        ConfigError: no DeepSpeed config, a bad ``sequence_parallel`` block, or accelerate's own
-            context/sequence parallelism requested as well.
+        ConfigError: no SP block, a bad one, accelerate's own context/sequence parallelism or Trainer's
+            ``fsdp=`` requested as well, the mixin after a Trainer class in the MRO, or a loss seqpar does
+            not know to be SP-exact (a ``compute_loss`` of the subclass's own, ``compute_loss_func``,
+            label smoothing, an unhandled TRL trainer), each named with what to do.
         seqpar.swap.SwapError: the model's attention cannot be swapped.
     """
 
+    seqpar_exact_loss: bool = False
+    """Set to True on a subclass whose own ``compute_loss`` is exact under SP (the swapped model's
+    ``labels=`` loss, or per-token sums reduced with :func:`seqpar.sequence.loss.sequence_parallel_mean`);
+    without it such a subclass is refused at construction."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # At the class statement: a Trainer class ahead of the mixin would also run its __init__ first.
+        super().__init_subclass__(**kwargs)
+        _check_bases(cls)
+
     def __init__(self, model: Any = None, args: Any = None, *posargs: Any,
-                 seqpar_config: SeqParConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 seqpar_config: SeqParConfig | Mapping[str, Any] | None = None,
+                 seqpar_fsdp: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         self.seqpar_config = _sp_config_from_args(args, seqpar_config)
+        self._seqpar_engine = "deepspeed" if getattr(args, "deepspeed", None) else "fsdp2"
+        self._seqpar_loss = self._seqpar_loss_path(args, kwargs)
         pc = getattr(args, "parallelism_config", None)
         if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
             raise ConfigError(
@@ -151,14 +213,64 @@ class SeqParTrainer(transformers.Trainer):
                 "ranks of one SP group would train on different samples; use 'random', 'sequential' "
                 "or 'group_by_length' with SeqParTrainer"
             )
+        fsdp_options = dict(seqpar_fsdp or {})
+        if self._seqpar_engine == "deepspeed" and fsdp_options:
+            raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
+        if fsdp_options.setdefault("version", 2) != 2:
+            raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
         self.seqpar_manager = resolve_manager(self.seqpar_config, None)
-        if model is not None and self.seqpar_config.swap != "none":
+        if model is not None and self._seqpar_engine == "fsdp2":
+            from seqpar.integrations.fsdp import wrap
+
+            model = wrap(model, self.seqpar_config, manager=self.seqpar_manager, fsdp=fsdp_options,
+                         swap=self.seqpar_config.swap != "none")
+        elif model is not None and self.seqpar_config.swap != "none":
             from seqpar.swap import swap_attention
 
             swap_attention(model, self.seqpar_config, group=self.seqpar_manager.sp_group)
         super().__init__(model, args, *posargs, **kwargs)
-        logger.info("%s seqpar: Trainer over dp %d x sp %d", rank_prefix(),
-                    self.seqpar_manager.dp_size, self.seqpar_manager.sp_size)
+        logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
+                    self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
+
+    def _seqpar_loss_path(self, args: Any, kwargs: Mapping[str, Any]) -> Any:
+        """How this trainer's loss is made SP-exact: None for ``transformers.Trainer``'s own (the swapped
+        model's ``labels=`` loss), else the adapter of :mod:`seqpar.integrations.trl` for the TRL trainer
+        beneath. A ``compute_loss`` above those that is not declared exact is refused by name."""
+        from seqpar.integrations.trl import loss_adapter_for
+
+        cls = type(self)
+        if kwargs.get("compute_loss_func") is not None:
+            raise ConfigError(
+                "compute_loss_func= computes the loss from the model's logits, which under sequence "
+                "parallelism are one shard's: drop it and let the swapped model compute the loss (labels=), "
+                "or reduce your per-token sums with seqpar.sequence.loss.sequence_parallel_mean in a "
+                f"compute_loss of your own and set seqpar_exact_loss = True on {cls.__name__}"
+            )
+        if getattr(args, "label_smoothing_factor", 0.0):
+            raise ConfigError(
+                "label_smoothing_factor > 0 makes Trainer compute the loss from the full logits, which "
+                "under sequence parallelism are one shard's; set label_smoothing_factor=0"
+            )
+        owners = [k for k in cls.__mro__ if k is not SequenceParallelMixin and "compute_loss" in vars(k)]
+        adapter = None
+        for owner in owners:
+            if owner is transformers.Trainer:
+                break
+            adapter = loss_adapter_for(owner)
+            if adapter is not None:
+                break
+            declared = any(vars(k).get(_EXACT_LOSS_FLAG) for k in cls.__mro__[:cls.__mro__.index(owner) + 1])
+            if not declared:
+                raise ConfigError(
+                    f"{owner.__module__}.{owner.__qualname__}.compute_loss is not known to seqpar: under "
+                    "sequence parallelism each rank's model sees one shard of every sequence, so a loss or "
+                    "metric read from the logits there is that shard's (and a per-sequence sum is partial). "
+                    "Compute the loss with the swapped model's labels= (Trainer's default compute_loss), or "
+                    "reduce per-token sums over the SP group (seqpar.sequence.loss.sequence_parallel_mean, "
+                    "all_reduce_identity_backward) and set seqpar_exact_loss = True on "
+                    f"{owner.__qualname__}"
+                )
+        return adapter
 
     # ------------------------------------------------------------------ engine and data loaders
     def create_accelerator_and_postprocess(self) -> None:
@@ -172,6 +284,14 @@ class SeqParTrainer(transformers.Trainer):
 
         # Instance attributes shadow the Accelerator methods for this trainer's accelerator only.
         accelerator.prepare_data_loader = dp_prepare_data_loader
+        if self._seqpar_engine == "fsdp2":
+            # seqpar sharded the model already (gradient divide factor dp); accelerate would put DDP
+            # around it, which averages the SP ranks' gradient shares instead of summing them.
+            def prepare_model_as_is(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+                return model
+
+            accelerator.prepare_model = prepare_model_as_is
+            return
         prepare = accelerator.prepare
 
         @functools.wraps(prepare)
@@ -218,6 +338,9 @@ class SeqParTrainer(transformers.Trainer):
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
+        if self._seqpar_loss is not None:  # a TRL trainer's own loss, made SP-exact by its adapter
+            return self._seqpar_loss.compute_loss(self, super().compute_loss, model, inputs,
+                                                  return_outputs, num_items_in_batch)
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
         scaled = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
@@ -245,3 +368,32 @@ class SeqParTrainer(transformers.Trainer):
 
     def get_total_train_batch_size(self, args: Any) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.seqpar_manager.dp_size
+
+
+class SeqParTrainer(SequenceParallelMixin, transformers.Trainer):
+    """``transformers.Trainer`` with sequence parallelism from the DeepSpeed config's block (or, with
+    ``seqpar_config=`` and no DeepSpeed config, FSDP2). See :class:`SequenceParallelMixin` for the
+    arguments and the module docstring for what is changed and why."""
+
+
+_COMPOSED: dict[type, type] = {}
+
+
+def sequence_parallel(trainer_cls: type) -> type:
+    """``trainer_cls`` with sequence parallelism: the class ``SeqPar<Name>(SequenceParallelMixin,
+    trainer_cls)``, made once per class (the same object on every call), constructed with
+    ``trainer_cls``'s arguments plus ``seqpar_config`` / ``seqpar_fsdp``.
+
+    Raises:
+        TypeError: ``trainer_cls`` is not a ``transformers.Trainer`` subclass.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, transformers.Trainer)):
+        raise TypeError(f"sequence_parallel takes a transformers.Trainer subclass, not {trainer_cls!r}")
+    if issubclass(trainer_cls, SequenceParallelMixin):
+        return trainer_cls
+    if trainer_cls is transformers.Trainer:
+        return SeqParTrainer
+    if trainer_cls not in _COMPOSED:
+        _COMPOSED[trainer_cls] = type(f"SeqPar{trainer_cls.__name__}", (SequenceParallelMixin, trainer_cls),
+                                      {"__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
+    return _COMPOSED[trainer_cls]

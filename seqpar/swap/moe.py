@@ -48,7 +48,7 @@ from seqpar.sequence.router import (
 )
 from seqpar.swap.options import SwapError
 
-__all__ = ["install", "router_loss_problem", "ExpertCounter", "FUNCTION_NAME"]
+__all__ = ["install", "install_dispatcher", "router_loss_problem", "ExpertCounter", "FUNCTION_NAME"]
 
 FUNCTION_NAME = "load_balancing_loss_func"
 _ORIGINAL_ATTR = "__seqpar_original__"
@@ -243,6 +243,25 @@ def _patch_router_losses(model: nn.Module) -> list[str]:
         if _form_of(original) is None:
             unknown.append(mod.__name__)
     return unknown
+
+
+def install_dispatcher(module: ModuleType) -> None:
+    """Put the dispatcher in place of ``module.load_balancing_loss_func`` (once; idempotent), for code
+    outside a swapped model that computes the model's router loss with *another* family's function:
+    TRL's fused LM head calls Mixtral's for every MoE family. Inside a swapped model's forward it then
+    gives the whole sequence's loss; elsewhere it is the original.
+
+    Raises:
+        SwapError: the module has no such function, or one seqpar does not know.
+    """
+    fn = module.__dict__.get(FUNCTION_NAME)
+    if not callable(fn):
+        raise SwapError(f"{module.__name__} has no {FUNCTION_NAME} to compute router losses under SP with")
+    original = getattr(fn, _ORIGINAL_ATTR, fn)
+    if _form_of(original) is None:
+        raise SwapError(router_loss_problem_of(module.__name__))
+    if fn is original:
+        setattr(module, FUNCTION_NAME, _dispatcher(original, module.__name__))
 
 
 def router_loss_problem(model: nn.Module, config: Any) -> str | None:

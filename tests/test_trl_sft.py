@@ -1,0 +1,117 @@
+"""TRL's SFTTrainer under sequence parallelism (issue 33 §2): packing, ``padding_free=True`` and an
+assistant-only loss, under DeepSpeed ZeRO-2 and FSDP2 at SP = 2. The logged loss, entropy, mean token
+accuracy and token count of every step equal SP = 1's (1e-5, fp32), and so does the gradient of every
+parameter at each of 3 SGD steps (read from the SGD update, each parameter on its own scale). A Mixtral
+and a Qwen3-MoE add the MoE router loss (``aux_loss``) to the loss and the logs.
+"""
+
+from __future__ import annotations
+
+import hf_tiny
+import pytest
+import torch
+import trl_tiny
+
+pytest.importorskip("trl")
+pytest.importorskip("deepspeed")
+
+STEPS = 3
+ROWS_PER_STEP = 2  # packed rows of MAX_LENGTH tokens, flattened into one padding-free row per step
+LOGGED = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
+
+
+def _config(tmp: str, sp: int, engine: str, **extra):
+    from trl import SFTConfig
+
+    ds = None
+    if engine == "zero2":
+        ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+              "steps_per_print": 10**6, "sequence_parallel": {"size": sp, "mode": "ring", "sharding": "zigzag"}}
+    return SFTConfig(
+        output_dir=tmp, deepspeed=ds, packing=True, padding_free=True, assistant_only_loss=True,
+        max_length=trl_tiny.MAX_LENGTH, per_device_train_batch_size=ROWS_PER_STEP, max_steps=STEPS,
+        per_device_eval_batch_size=ROWS_PER_STEP, prediction_loss_only=True,
+        learning_rate=hf_tiny.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, seed=0, train_sampling_strategy="sequential",
+        bf16=False,  # TRL defaults to bf16 (and to activation checkpointing, kept): fp32 for the 1e-5 check
+        **extra,
+    )
+
+
+def _tiny_moe(family: str) -> torch.nn.Module:
+    import transformers
+    from test_moe import COMMON, FAMILIES
+
+    config_cls, model_cls, extra = FAMILIES[family]
+    # output_router_logits=True in COMMON: SFTTrainer's aux_loss_enabled reads the config
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, "vocab_size": hf_tiny.VOCAB,
+                                                  "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(config)
+
+
+def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False) -> dict:
+    from transformers import TrainerCallback
+    from trl import SFTTrainer
+
+    from seqpar.integrations.trainer import sequence_parallel
+
+    model = hf_tiny.tiny_llama() if family == "llama" else _tiny_moe(family)
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    class Snapshots(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            snapshots.append(trl_tiny.snapshot(model))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots.append(trl_tiny.snapshot(model))
+
+    with hf_tiny.launcher_env(rank, world):
+        block = {"size": sp, "mode": "ring", "sharding": "zigzag"} if engine == "fsdp2" else None
+        trainer = sequence_parallel(SFTTrainer)(
+            model=model, args=_config(f"{tmp}/r{rank}", sp, engine), train_dataset=trl_tiny.conversations(),
+            processing_class=trl_tiny.tokenizer(), callbacks=[Snapshots()], seqpar_config=block,
+            eval_dataset=trl_tiny.conversations(seed=8) if evaluate else None,
+        )
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+        if evaluate:  # SFTTrainer without num_items_in_batch: the SP group's count is passed in
+            logs.append({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
+        return {"logs": logs, "grads": trl_tiny.sgd_gradients(snapshots, hf_tiny.LR),
+                "dp_sp": (trainer.seqpar_manager.dp_size, trainer.seqpar_manager.sp_size)}
+
+
+def _check(dist_pool, tmp_path, engine: str, family: str, keys: tuple[str, ...] = LOGGED,
+           evaluate: bool = False) -> None:
+    sp1 = dist_pool.run(1, _sft_run, 1, engine, family, str(tmp_path / "sp1"), evaluate, timeout=300)[0]
+    sp2 = dist_pool.run(2, _sft_run, 2, engine, family, str(tmp_path / "sp2"), evaluate, timeout=300)
+    assert len(sp1["logs"]) == STEPS + evaluate
+    if evaluate:  # the eval entry's keys: loss, entropy, mean_token_accuracy
+        keys = tuple(k for k in keys if k != "num_tokens")
+    for r in sp2:
+        assert r["dp_sp"] == (1, 2)
+        trl_tiny.assert_gradients_close(r["grads"], sp1["grads"])
+        trl_tiny.assert_logs_close(r["logs"], sp1["logs"], keys)
+    return sp1
+
+
+@pytest.mark.timeout(700)
+def test_sft_packed_padding_free_assistant_only_zero2_sp2_equals_sp1(dist_pool, tmp_path):
+    _check(dist_pool, tmp_path, "zero2", "llama")
+
+
+@pytest.mark.timeout(700)
+def test_sft_packed_padding_free_assistant_only_fsdp2_sp2_equals_sp1(dist_pool, tmp_path):
+    """With an evaluation after training: eval loss, entropy and token accuracy equal SP=1's too."""
+    _check(dist_pool, tmp_path, "fsdp2", "llama", evaluate=True)
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_sft_moe_router_loss_zero2_sp2_equals_sp1(dist_pool, tmp_path, family):
+    """TRL computes every family's router loss with Mixtral's function: Qwen3-MoE's is made the
+    sequence's there too (without it: each rank's shard's)."""
+    sp1 = _check(dist_pool, tmp_path, "zero2", family, LOGGED + ("aux_loss",))
+    assert all(h["aux_loss"] > 0 for h in sp1["logs"])
