@@ -34,8 +34,8 @@ Backends, chosen per call:
 GQA (q_heads = g * kv_heads, g > 1) on CUDA, per kernel:
 - flash: native. torch's op hands K/V at kv_heads to flash-attn's ``mha_fwd``/``mha_bwd``, which read
   kv head h // g and sum dK/dV over each group themselves.
-- cuDNN: native. The op takes K/V at kv_heads and returns dK/dV at kv_heads (its shape function, and
-  torch's own SDPA, which sends GQA calls to cuDNN without expanding them on torch 2.11-2.13).
+- cuDNN: native. The op takes K/V at kv_heads and returns dK/dV at kv_heads (its shape function's
+  contract; torch 2.11's SDPA picks cuDNN for GQA shapes, gpu-check's choice stage on an H200).
 - memory-efficient: the op needs equal head counts (its backward checks them and returns dK/dV at the
   query head count, torch 2.11-2.13). A block without a causal mask is *folded*: q
   ``(B, kv_heads * g, L, D)`` is seen as ``(B, kv_heads, g * L, D)`` (query head kv * g + j becomes rows
