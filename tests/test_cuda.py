@@ -282,3 +282,92 @@ def test_fused_merge_one_kernel_within_2_ulp(blk_dtype: torch.dtype) -> None:
             kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             assert len(kernels) == 1 and "merge_kernel" in kernels[0], kernels
             assert torch.cuda.max_memory_allocated() == before, "the fused merge allocated"
+
+
+def _bshd(x: torch.Tensor) -> torch.Tensor:
+    """The same values seen through a (batch, seq, heads, dim) buffer: Hugging Face's layout."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+_LAYOUTS = ["hf", "hf-half", "bhsd-half"]
+
+
+@pytest.mark.parametrize("backend", list(Backend), ids=lambda b: b.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", _LAYOUTS)
+@pytest.mark.parametrize("heads", [(8, 2, 128), (4, 1, 64)], ids=lambda h: f"{h[0]}/{h[1]}x{h[2]}")
+def test_strided_gqa_blocks_match_reference(backend: Backend, dtype: torch.dtype, causal: bool, layout: str,
+                                            heads: tuple[int, int, int]) -> None:
+    """GQA blocks as the ring hands them to each kernel, with no copies (issue 29 item 4): q/k/v/dout in
+    Hugging Face's layout and as row ranges (the second zigzag half) of a batch-2 shard in either layout,
+    against float64. Flash and cuDNN take K/V at kv_heads; the memory-efficient kernel folds the query
+    group into the query length on non-causal blocks and expands K/V on causal ones. The backward gets
+    ``out`` once as the forward returned it and once (B, H, S, D)-contiguous: the efficient kernel in
+    half precision reads it with (B, S, H, D) row strides, which seqpar must provide."""
+    hq, hkv, d = heads
+    n = 264  # rows per half; not a multiple of 32 or 128
+    g = torch.Generator(device="cuda").manual_seed(hq * 100 + d + causal)
+
+    def make(h: int) -> torch.Tensor:
+        half = layout.endswith("half")  # the second half of a 2n-row shard: a row view, batch stride 2n rows
+        x = torch.randn(2, h, 2 * n if half else n, d, device="cuda", dtype=dtype, generator=g)
+        x = _bshd(x) if layout.startswith("hf") else x
+        return x.narrow(2, n, n) if half else x
+
+    q, dout = make(hq), make(hq)
+    k, v = make(hkv), make(hkv)
+    want, want_lse = _reference(q, k, v, dout, causal)
+    with sdpa_kernel([_SDP[backend]]):
+        chosen = cuda_backend(q, k, causal)
+        out, lse = block_forward(q, k, v, scale=d**-0.5, causal=causal)
+        grads = [block_backward(dout, q, k, v, o, lse, scale=d**-0.5, causal=causal)
+                 for o in (out, out.contiguous())]
+    assert chosen in (backend, Backend.MATH)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=2e-5 if dtype == torch.float32 else 2e-2)
+    if dtype == torch.float32:
+        bounds = [1e-5] * 4
+    else:
+        bounds = [2 * e + 4 * torch.finfo(dtype).eps for e in _sdpa_errors(q, k, v, dout, causal, want)]
+    for variant, got in (("out as returned", [out, *grads[0]]), ("out (B,H,S,D)-contiguous", [out, *grads[1]])):
+        for name, a, b, bound in zip(("out", "dq", "dk", "dv"), got, want, bounds):
+            assert a.dtype == dtype and a.shape == b.shape, name
+            err = float((a.double() - b).abs().max())
+            scale = float(b.abs().max()) if dtype == torch.float32 else 1.0
+            assert err <= bound * max(scale, 1.0), \
+                f"{chosen.value} {layout} {variant} {name}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("backend", [Backend.FLASH, Backend.EFFICIENT, Backend.CUDNN], ids=lambda b: b.value)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sharding,causal", [("zigzag", True), ("contiguous", False)])
+def test_thread_ring_hf_layout_gqa(backend: Backend, dtype: torch.dtype, sharding: str, causal: bool) -> None:
+    """The ring (P = 4 virtual ranks on one GPU) on each kernel with Hugging Face-layout GQA inputs:
+    the kernels get the zigzag halves and the (batch, seq, heads, dim) strides as views, dout/out are laid
+    out once per backward, and dK/dV shares are added over the half-block rows a hop touches."""
+    from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
+
+    world = 4
+    g = torch.Generator(device="cuda").manual_seed(17)
+    full = {n: torch.randn(2, 8 if n in "q dout" else 2, 512, 128, device="cuda", dtype=dtype, generator=g)
+            for n in ("q", "k", "v", "dout")}
+    want, _ = _reference(full["q"], full["k"], full["v"], full["dout"], causal)
+    if dtype == torch.float32:
+        bounds = [1e-5 * max(float(w.abs().max()), 1.0) for w in want]
+    else:  # no worse than torch's SDPA on the full sequence in this dtype (doubled, plus a rounding step)
+        errs = _sdpa_errors(full["q"], full["k"], full["v"], full["dout"], causal, want)
+        bounds = [2 * e + 4 * torch.finfo(dtype).eps for e in errs]
+    opts = AttentionOptions(causal=causal, scale=128**-0.5, sharding=sharding)
+
+    def body(comm):  # noqa: ANN001, ANN202
+        qs, ks, vs, ds = (_bshd(shard_rows(full[n], comm.rank, world, sharding)) for n in ("q", "k", "v", "dout"))
+        out, lse = ring_attention_forward(qs, ks, vs, comm, opts)
+        return [out, *ring_attention_backward(ds, qs, ks, vs, out, lse, comm, opts)]
+
+    with sdpa_kernel([_SDP[backend]]):
+        per_rank = ThreadRing(world).run(body)
+    for j, name in enumerate(("out", "dq", "dk", "dv")):
+        got = unshard_rows([per_rank[r][j] for r in range(world)], world, sharding)
+        assert got.dtype == dtype and got.shape == want[j].shape, name
+        err = float((got.double() - want[j]).abs().max())
+        assert err <= bounds[j], f"{backend.value} {sharding} causal={causal} {name}: max error {err:.3g} > {bounds[j]:.3g}"

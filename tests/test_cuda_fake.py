@@ -119,8 +119,10 @@ def test_every_cuda_branch_shapes(backend: Backend, dtype: torch.dtype, monkeypa
             ran.add(chosen)
             assert names == [_FWD_OP[chosen], _FWD_OP[chosen] + "_backward"], case
             kv_heads_seen = {shape[1] for _, shape in rec.calls}
-            # flash takes GQA K/V as they are; efficient and cuDNN get them expanded to q's heads
-            assert kv_heads_seen == {hkv if chosen is Backend.FLASH else hq}, case
+            # flash and cuDNN take GQA K/V as they are; so does the efficient kernel on a block without a
+            # causal mask (q folded into the query length); on a causal one K/V are expanded to q's heads
+            expanded = chosen is Backend.EFFICIENT and causal
+            assert kv_heads_seen == {hq if expanded else hkv}, case
             padded = {shape[-1] for _, shape in rec.calls}
             # flash and cuDNN see the head dim padded to 8; the efficient kernel takes it as is
             assert padded == {d if chosen is Backend.EFFICIENT else d + (-d) % 8}, case
@@ -336,6 +338,10 @@ class _CudaContractsOnCpu:
         dout, q, k, v, bias, lse = grad_out_, query, key, value, attn_bias, logsumexp
         mask, causal = grad_input_mask, is_causal
         assert dropout_p == 0.0
+        # the cutlass kernel reads out with row stride heads * v_head_dim in (B, L, H, D) order (in half
+        # precision it computes rowsum(dout * out) itself from out's pointer and batch/head strides only)
+        h, dv = out.shape[1], out.shape[-1]
+        assert (h == 1 or out.stride(1) == dv) and out.stride(2) == h * dv, f"out not row-dense: {out.stride()}"
         assert q.shape[1] == k.shape[1] and q.shape[-1] % self.align == 0 and bias is None
         assert lse.shape[-1] % 32 == 0 and lse.shape[-1] >= q.shape[2] and list(mask) == [True, True, True, False]
         self._dense_last(dout, q, k, v, out)
@@ -344,14 +350,16 @@ class _CudaContractsOnCpu:
 
     def _scaled_dot_product_cudnn_attention(self, *, query, key, value, attn_bias, compute_log_sumexp,  # noqa: ANN001, ANN202
                                             dropout_p, is_causal, return_debug_mask, scale):
-        assert query.shape[1] == key.shape[1] and query.shape[-1] % 8 == 0 and attn_bias is None
+        assert query.shape[1] % key.shape[1] == 0 and query.shape[-1] % 8 == 0 and attn_bias is None
+        self._dense_last(query, key, value)
         out, lse = self.cpu_fwd(query, key, value, 0.0, is_causal, scale=scale)
         return out, lse.float().unsqueeze(-1), None, None, query.shape[2], key.shape[2], None, None, None
 
     def _scaled_dot_product_cudnn_attention_backward(self, *, grad_out, query, key, value, out, logsumexp,  # noqa: ANN001, ANN202
                                                      philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k,
                                                      max_q, max_k, dropout_p, is_causal, scale):
-        assert logsumexp.shape == (*query.shape[:3], 1) and query.shape[1] == key.shape[1]
+        assert logsumexp.shape == (*query.shape[:3], 1) and query.shape[1] % key.shape[1] == 0
+        self._dense_last(query, key, value)
         assert grad_out.stride() == out.stride(), "cuDNN wants dout in out's layout"
         lse = self._lse(logsumexp.squeeze(-1))
         return self.cpu_bwd(grad_out, query, key, value, out, lse, 0.0, is_causal, scale=scale)

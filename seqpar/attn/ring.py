@@ -51,6 +51,8 @@ Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, se
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -65,7 +67,15 @@ from seqpar.attn.common import (
 )
 from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.ring import Pending, RingExchange
-from seqpar.kernels import Partials, add_sink, in_layout_of, lse_dtype, output_like, sink_grad
+from seqpar.kernels import (
+    Partials,
+    add_sink,
+    backward_layout,
+    in_layout_of,
+    lse_dtype,
+    output_like,
+    sink_grad,
+)
 
 __all__ = [
     "AttentionOptions", "ring_forward", "ring_backward", "ring_attention_forward", "ring_attention_backward",
@@ -115,11 +125,11 @@ def ring_forward(
 
 
 def _widen(x: Tensor, rows: slice, n: int, acc: torch.dtype) -> Tensor:
-    """``x`` ``(B, H, rows, D)`` as a ``(B, H, n, D)`` ``acc`` tensor that is 0 outside ``rows``: ``x``
-    itself when it covers all ``n`` rows already in ``acc`` (no copy), else one copy and a fill of the rest
-    (instead of zeroing all n rows and adding)."""
-    if rows == slice(0, n):
-        return x.to(acc)
+    """``x`` ``(B, H, rows, D)`` as a contiguous ``(B, H, n, D)`` ``acc`` tensor that is 0 outside ``rows``
+    (a new accumulator, ready to travel): ``x`` itself when it covers all ``n`` rows already in ``acc``
+    and contiguous (no copy), else one copy (dtype and layout at once) and a fill of the rest only."""
+    if rows == slice(0, n):  # (x.to(acc) alone returns a non-contiguous x as it is)
+        return x if x.dtype == acc and x.is_contiguous() else x.to(acc, memory_format=torch.contiguous_format, copy=True)
     full = x.new_empty((*x.shape[:2], n, *x.shape[3:]), dtype=acc)
     full.narrow(2, rows.start, rows.stop - rows.start).copy_(x)
     full.narrow(2, 0, rows.start).zero_()
@@ -127,24 +137,49 @@ def _widen(x: Tensor, rows: slice, n: int, acc: torch.dtype) -> Tensor:
     return full
 
 
+@dataclass
+class _BlockShare:
+    """This rank's dK/dV share of a remote block: ``dk``, ``dv`` over the block's rows ``rows`` (of
+    ``n``), in the kernel's dtype (fp32 once several pieces were summed)."""
+
+    rows: slice
+    n: int
+    dk: Tensor
+    dv: Tensor
+
+    def start(self, acc: torch.dtype) -> list[Tensor]:
+        """The block's new accumulators (its first hop): the share widened to all ``n`` rows."""
+        return [_widen(self.dk, self.rows, self.n, acc), _widen(self.dv, self.rows, self.n, acc)]
+
+    def add_to(self, dk_acc: Tensor, dv_acc: Tensor) -> None:
+        """Add the share into a travelling accumulator, over its rows only (a zigzag half-block hop
+        touches half the rows: no widened temporary, no add over the other half)."""
+        length = self.rows.stop - self.rows.start
+        dk_acc.narrow(2, self.rows.start, length).add_(self.dk)
+        dv_acc.narrow(2, self.rows.start, length).add_(self.dv)
+
+
 def _remote_block_grads(
     dout: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, out: Tensor, lse: Tensor,
     calls: tuple[BlockCall, ...], opts: AttentionOptions, dq_acc: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """dq share into ``dq_acc``; returns this rank's fp32 dK/dV share of a remote block. When one
-    kernel call makes the whole share (the usual case, dense masks) its outputs are used as they are
-    (or widened to the block's rows), instead of being added into fresh zero buffers: two block-sized
-    buffers fewer at the backward's peak, and no zero-fill-and-add pass."""
-    acc = dq_acc.dtype
+) -> _BlockShare:
+    """dq share into ``dq_acc``; returns this rank's dK/dV share of a remote block. When one kernel
+    call makes the whole share (the usual case, dense masks) its outputs are used as they are, over the
+    rows they cover, instead of being added into fresh zero buffers: no block-sized temporaries at the
+    backward's peak, and no zero-fill-and-add pass."""
+    acc, n = dq_acc.dtype, k_blk.shape[2]
+    if not calls:  # no key of the block is visible here (causal, a later rank): a share over no rows
+        empty = [x.new_empty((*x.shape[:2], 0, x.shape[3]), dtype=acc) for x in (k_blk, v_blk)]
+        return _BlockShare(slice(0, 0), n, *empty)
     if len(calls) == 1:
-        call, n = calls[0], k_blk.shape[2]
+        call = calls[0]
         dq, dk, dv = piece_backward(dout, q, k_blk, v_blk, out, lse, call, opts.scale, opts.softcap)
-        dq_acc[:, :, call.q_rows] += dq
-        return _widen(dk, call.k_rows, n, acc), _widen(dv, call.k_rows, n, acc)
+        dq_acc.narrow(2, call.q_rows.start, call.q_rows.stop - call.q_rows.start).add_(dq)
+        return _BlockShare(call.k_rows, n, dk, dv)
     dk_blk = torch.zeros(k_blk.shape, dtype=acc, device=k_blk.device)
     dv_blk = torch.zeros(v_blk.shape, dtype=acc, device=v_blk.device)
     block_grads(dout, q, k_blk, v_blk, out, lse, calls, opts.scale, dq_acc, dk_blk, dv_blk, opts.softcap)
-    return dk_blk, dv_blk
+    return _BlockShare(slice(0, n), n, dk_blk, dv_blk)
 
 
 def _own_block_grads(
@@ -184,7 +219,7 @@ def ring_backward(
     acc = lse_dtype(q.dtype)
     seq_local = q.shape[2]
     hops = block_hops(opts, world, seq_local)
-    dout = dout.contiguous()
+    dout, out = backward_layout(dout, out)  # once, in the layout the kernels read (no per-hop copies)
     k, v = k.contiguous(), v.contiguous()
 
     kv_pending = _exchange(comm, [k, v], None, _KV, send=hops[rank] >= 1, recv=hops[(rank - 1) % world] >= 1)
@@ -219,30 +254,30 @@ def ring_backward(
         chain_recv = step < hops[prev]  # block prev's accumulator comes on from rank r-1
         home_recv = step == hops[rank]  # our own block's accumulator comes home from rank r + step
         send: list[Tensor] | None = None
-        dk_blk = dv_blk = None
+        share = None
         if have:
             k_cur, v_cur = received
             buffers[(step + 1) % 2] = received
             k_blk, v_blk = (k_cur, v_cur) if expander is None else expander.expand(k_cur, v_cur)
-            dk_blk, dv_blk = _remote_block_grads(
+            share = _remote_block_grads(
                 dout, q, k_blk, v_blk, out, lse, block_calls(opts, world, rank, src, seq_local), opts, dq_acc
             )
             del k_blk, v_blk
             if expander is not None:
-                dk_blk, dv_blk = expander.reduce(k_cur, v_cur, dk_blk, dv_blk)
+                dk_c, dv_c = expander.reduce(k_cur, v_cur, *share.start(acc))
+                share = _BlockShare(slice(0, dk_c.shape[2]), dk_c.shape[2], dk_c, dv_c)
         # the last step's accumulator exchange is waited only now, after this hop's kernels (its buffer is
         # first touched by the add below; seqpar.comm.schedule): the dK/dV transfer hides behind them.
         # The wait also completes our last send, so its buffers are free (the receive buffers below)
         incoming = chain.wait() if chain is not None else None
         chain, free = None, dkv_sent
-        if dk_blk is not None:
+        if share is not None:
             if step == 1:  # first hop of block src's accumulator
-                send = [dk_blk.contiguous(), dv_blk.contiguous()]
+                send = share.start(acc)
             else:  # the accumulator of block src arrived from rank r-1
-                dk_in, dv_in = send = incoming
-                dk_in += dk_blk
-                dv_in += dv_blk
-        del dk_blk, dv_blk, incoming
+                send = incoming
+                share.add_to(*send)
+        del share, incoming
         onward = send is not None and step < hops[src]
         chain = _exchange(comm, send if onward else [dk_own, dv_own], free if chain_recv else None, _DKV,
                           send=onward, recv=chain_recv)

@@ -1,6 +1,6 @@
 """Local attention kernels: one block of queries against one block of keys, and the LSE merge."""
 
-from seqpar.kernels.local import block_backward, block_forward, lse_dtype
+from seqpar.kernels.local import backward_layout, block_backward, block_forward, lse_dtype
 from seqpar.kernels.merge import (
     Partials,
     add_sink,
@@ -12,6 +12,6 @@ from seqpar.kernels.merge import (
 )
 
 __all__ = [
-    "block_forward", "block_backward", "lse_dtype", "merge_into", "add_sink", "Partials", "new_accumulators",
+    "block_forward", "block_backward", "backward_layout", "lse_dtype", "merge_into", "add_sink", "Partials", "new_accumulators",
     "sink_grad", "output_like", "in_layout_of",
 ]

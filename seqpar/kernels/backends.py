@@ -23,12 +23,14 @@ module): ``select_sdp_backend`` walks ``priority_order`` and returns the first b
   2026-11-26; on an H200 that gave NaN or wrong dQ in bf16/fp16, see ``_efficient_rejection``). The op itself needs equal
   head counts: its shape function (``torch/_meta_registrations.py``,
   ``meta__scaled_dot_product_efficient_backward``) returns dK/dV at the *query* head count, so K/V
-  are expanded for GQA and dK/dV summed back over the group.
+  are not handed to it at another head count: seqpar folds the query group into the query length on
+  blocks without a causal mask and expands K/V only on causal ones (:mod:`seqpar.kernels.local`).
 - **cuDNN** (``can_use_cudnn_attention``): sm80-sm121, fp16/bf16, cuDNN >= 9.0, not under
   ``torch.use_deterministic_algorithms(True)``, head_dim a multiple of 8 and <= 128 (torch allows 256
   on sm90/sm10x only with a cuDNN frontend version Python cannot see, so seqpar stays at 128),
-  len_k != 1, batch and heads <= 65535. seqpar also keeps causal blocks square there, and expands
-  GQA K/V (native cuDNN GQA is not verified on a GPU yet).
+  len_k != 1, batch and heads <= 65535. seqpar also keeps causal blocks square there. GQA native
+  (K/V and dK/dV at kv_heads, its shape function's contract); torch 2.11 picks cuDNN for GQA shapes too
+  (gpu-check's choice stage on an H200).
 - **ROCm** (``torch.version.hip`` set; the device still says ``cuda``): the fused kernels' log-sum-exp
   layouts differ (CK flash returns it as (B, S, H): pytorch/pytorch#171568; the efficient kernel
   does not pad it to 32 rows: #146848) and no session has checked them, so seqpar refuses the fused

@@ -19,9 +19,8 @@ full, or diagonal with len_q == len_k).
 Backends, chosen per call:
 - CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward). Handles GQA natively.
 - CUDA: the kernel torch's SDPA would choose for the same shapes, flags and device
-  (:mod:`seqpar.kernels.backends`): flash (GQA native: K/V go in at kv_heads and dK/dV come back at
-  kv_heads), memory-efficient (K/V expanded for GQA, dK/dV summed back over the group) or cuDNN (K/V
-  expanded likewise). Head dims the kernel cannot take are zero-padded and sliced back (exact).
+  (:mod:`seqpar.kernels.backends`). Grouped-query attention never expands K/V on a block that can do
+  without (see "GQA" below). Head dims the kernel cannot take are zero-padded and sliced back (exact).
   Unequal Q/K and V head dims: flash and cuDNN (and the CPU kernel) take one head dim for q, k and v,
   so the narrower side is zero-padded to the wider one (exact: zero q/k columns add nothing to q.k^T,
   zero v columns give zero output columns, which are sliced off; their dout is zero, so delta =
@@ -31,6 +30,35 @@ Backends, chosen per call:
 - logit soft-capping (``softcap=c``: scores ``s -> c * tanh(s / c)``, Gemma 2) on any device: the math
   kernel, which has the scores; its backward multiplies dS by ``1 - tanh(s / c) ** 2``. The fused
   kernels have no score modifier (the public entry refuses soft-capping on CUDA outside fp64).
+
+GQA (q_heads = g * kv_heads, g > 1) on CUDA, per kernel:
+- flash: native. torch's op hands K/V at kv_heads to flash-attn's ``mha_fwd``/``mha_bwd``, which read
+  kv head h // g and sum dK/dV over each group themselves.
+- cuDNN: native. The op takes K/V at kv_heads and returns dK/dV at kv_heads (its shape function's
+  contract; torch 2.11's SDPA picks cuDNN for GQA shapes, gpu-check's choice stage on an H200).
+- memory-efficient: the op needs equal head counts (its backward checks them and returns dK/dV at the
+  query head count, torch 2.11-2.13). A block without a causal mask is *folded*: q
+  ``(B, kv_heads * g, L, D)`` is seen as ``(B, kv_heads, g * L, D)`` (query head kv * g + j becomes rows
+  j * L .. j * L + L - 1 of kv head kv), which is exact because no mask relates a row's position to a
+  key's, and the lse is reshaped back. K/V go in as they are and dK/dV come back at kv_heads. The
+  kernel writes its outputs (out, dq) heads-innermost, so unfolding them is one output-sized copy, and
+  the backward copies dout and out into the folded order (q too, unless its rows fold as a view):
+  cheaper than expanding K and V to g times their size, and summing dK/dV back. A causal block (the
+  diagonal) has a row-position mask, which folding would break: there K/V are expanded to q's head count
+  and dK/dV summed back over the group.
+
+Layouts: the fused kernels read q/k/v through their strides (unit stride on the head dim required), so
+Hugging Face's ``(batch, seq, heads, dim)`` buffers seen transposed and the zigzag halves (row ranges of
+a shard) go in as views, with no copy. Their backwards read ``dout`` and ``out`` densely in
+``(batch, len, heads, dim)`` order (flash and memory-efficient copy them into it otherwise, on every call;
+the memory-efficient kernel in half precision even reads ``out`` assuming that order, whatever its
+strides): :func:`backward_layout` lays them out so once per backward, and the kernels here copy only
+what still is not (a row range of a batch > 1: its rows are not dense across the batch). The lse a
+kernel reads is dense ``(batch, heads, len)``: a row range of it is copied (fp32, ``1 / head_dim`` of the
+piece's output).
+
+The philox seed/offset tensors the backward ops take are read only with dropout, which seqpar never
+uses: an empty tensor is passed (no memory).
 
 The module uses ``narrow``/``unsqueeze``/``view``/``expand`` and never Python indexing of tensors:
 indexing a fake CUDA tensor on a CPU-only build raises, and views keep the code traceable.
@@ -53,7 +81,7 @@ from seqpar.kernels.backends import (
     efficient_alignment,
 )
 
-__all__ = ["block_forward", "block_backward", "cuda_backend", "lse_dtype"]
+__all__ = ["block_forward", "block_backward", "backward_layout", "cuda_backend", "lse_dtype"]
 
 # Private ops (schemas not covered by torch's BC policy) are called by keyword only: torch 2.11 and
 # 2.13 share these schemas, and a renamed or reordered argument then fails loudly ("unexpected
@@ -120,6 +148,83 @@ def _kernel_ready(x: Tensor, alignment: int = 1) -> Tensor:
 def _dense(x: Tensor) -> Tensor:
     # not x.contiguous(): on a CPU-only build that raises for a non-contiguous fake CUDA tensor
     return x if x.is_contiguous() else x.clone(memory_format=torch.contiguous_format)
+
+
+def _bshd_dense(x: Tensor) -> bool:
+    # x (B, H, L, D) stored densely in (B, L, H, D) order: what the fused backwards read dout/out in
+    return x.transpose(1, 2).is_contiguous()
+
+
+def _bshd_rows(x: Tensor) -> bool:
+    # rows dense across heads in (B, L, H, D) order, the batch stride aside (a row range of a batch > 1):
+    # the memory-efficient backward reads ``out`` with row stride heads * dim whatever its strides say
+    _, h, n, d = x.shape
+    return x.stride(-1) == 1 and (h == 1 or x.stride(1) == d) and (n == 1 or x.stride(2) == h * d)
+
+
+def _to_bshd(x: Tensor) -> Tensor:
+    """``x`` ``(B, H, L, D)`` itself when dense in ``(B, L, H, D)`` order, else one copy stored so."""
+    if _bshd_dense(x):
+        return x
+    return _dense(x.transpose(1, 2)).transpose(1, 2)
+
+
+def _in_order_of(x: Tensor, ref: Tensor) -> Tensor:
+    """``x`` copied densely into ``ref``'s memory order (dims sorted by ref's strides)."""
+    order = sorted(range(ref.dim()), key=lambda i: -ref.stride(i))
+    return _dense(x.permute(order)).permute([order.index(i) for i in range(ref.dim())])
+
+
+def _view_or_copy(x: Tensor, *shape: int) -> Tensor:
+    # x.view(shape) when the strides allow it, else a dense copy viewed so (never x.reshape: on a
+    # CPU-only build it raises for a non-contiguous fake CUDA tensor)
+    try:
+        return x.view(*shape)
+    except (RuntimeError, ValueError):  # ValueError: fake tensors (torch._refs)
+        return _dense(x).view(*shape)
+
+
+def _fold_rows(x: Tensor, group: int) -> Tensor:
+    # (B, Hkv * g, n, D) -> (B, Hkv, g * n, D): query head kv * g + j becomes rows j * n .. j * n + n - 1
+    # of kv head kv. A view when head j + 1's rows start where head j's end (a contiguous full block)
+    b, h, n, d = x.shape
+    return _view_or_copy(x, b, h // group, group * n, d)
+
+
+def _fold_rows_bshd(x: Tensor, group: int) -> Tensor:
+    # _fold_rows, stored densely in (B, g * n, Hkv, D) order (the efficient backward's dout/out): one copy
+    b, h, n, d = x.shape
+    buf = _dense(x.view(b, h // group, group, n, d).permute(0, 2, 3, 1, 4))  # (B, g, n, Hkv, D)
+    return buf.view(b, group * n, h // group, d).transpose(1, 2)
+
+
+def _unfold_rows(x: Tensor, group: int) -> Tensor:
+    # inverse of _fold_rows: (B, Hkv, g * n, D) -> (B, Hkv * g, n, D). The efficient kernel writes its
+    # outputs heads-innermost ((B, g * n, Hkv, D) in memory), which no view unfolds (unless Hkv == 1):
+    # one copy, stored in (B, n, H, D) order (the order the backwards read out in)
+    b, hk, gn, d = x.shape
+    n = gn // group
+    x5 = x.view(b, hk, group, n, d)
+    try:
+        return x5.view(b, hk * group, n, d)
+    except (RuntimeError, ValueError):  # ValueError: fake tensors (torch._refs)
+        out = _dense(x5.permute(0, 3, 1, 2, 4))  # (B, n, Hkv, g, D)
+        return out.view(b, n, hk * group, d).transpose(1, 2)
+
+
+def backward_layout(dout: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """``dout`` and ``out`` ``(batch, heads, len, v_head_dim)`` laid out once per backward the way this
+    device's kernels read them, so that no kernel call copies them again.
+
+    CUDA: dense in ``(batch, len, heads, dim)`` order (returned as they are when already so, e.g. Hugging
+    Face's layout; otherwise one copy each). The flash and memory-efficient backwards transpose both to
+    that order and copy them unless contiguous there (torch's ``_flash_attention_backward`` and
+    ``_efficient_attention_backward``), and the memory-efficient kernel in half precision reads ``out``
+    with that order's row stride. CPU: ``dout`` contiguous, ``out`` as it is (the CPU kernel reads strides).
+    """
+    if dout.device.type == "cuda":
+        return _to_bshd(dout), _to_bshd(out)
+    return _dense(dout), out
 
 
 def _warn_rocm() -> None:
@@ -198,11 +303,14 @@ def _cuda_forward(
     """One fused kernel's forward; ``align``: the efficient kernel's head-dim multiple."""
     if backend is Backend.FLASH:
         return _flash_forward(q, k, v, scale, causal)
+    if backend is Backend.CUDNN:
+        return _cudnn_forward(q, k, v, scale, causal)
     group = q.shape[1] // k.shape[1]
-    k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
-    if backend is Backend.EFFICIENT:
-        return _efficient_forward(q, k_e, v_e, scale, causal, align)
-    return _cudnn_forward(q, k_e, v_e, scale, causal)
+    if group > 1 and not causal:  # GQA folded into the query length (module docstring)
+        b, hq, lq, _ = q.shape
+        out_f, lse_f = _efficient_forward(_fold_rows(q, group), k, v, scale, False, align)
+        return _unfold_rows(out_f, group), _view_or_copy(lse_f, b, hq, lq)
+    return _efficient_forward(q, _expand_kv(k, group), _expand_kv(v, group), scale, causal, align)
 
 
 def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
@@ -224,7 +332,7 @@ def _flash_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) 
 def _efficient_forward(
     q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, align: int
 ) -> tuple[Tensor, Tensor]:
-    # k, v already at q's head count. lse comes back padded to a multiple of 32 rows: sliced off.
+    # k, v at q's head count (expanded, or q folded). lse comes back padded to a multiple of 32 rows: sliced off.
     # V's head dim may differ from q/k's: the kernel takes it natively (out has V's). Both are
     # multiples of the alignment (backends: the kernel is refused otherwise, as torch does).
     lq = q.shape[2]
@@ -237,11 +345,12 @@ def _efficient_forward(
 
 
 def _cudnn_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
-    # k, v already at q's head count; head dims multiples of 8 (the backend rules). lse: (B, H, len_q, 1).
+    # GQA native (k, v at kv_heads); q/k/v through their strides, as torch's SDPA hands them (Hugging
+    # Face's transposed layout included); head dims multiples of 8 (the backend rules). lse: (B, H, len_q, 1).
     # Unequal q/k and v head dims: padded to the wider one, as for flash (torch 2.11's cuDNN path is not
     # known here to take a V head dim of its own; padding is exact either way).
     d = _common_head_dim(q, v)
-    qc, kc, vc = (_dense(_pad_to(x, d, 1)) for x in (q, k, v))
+    qc, kc, vc = (_kernel_ready(_pad_to(x, d, 1)) for x in (q, k, v))
     res = _aten._scaled_dot_product_cudnn_attention(
         query=qc, key=kc, value=vc, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
         return_debug_mask=False, scale=scale,
@@ -325,21 +434,31 @@ def block_backward(
 
 
 def _cuda_backward(dout, q, k, v, out, lse, scale, causal, backend, align):  # noqa: ANN001, ANN202 (private)
-    """One fused kernel's backward; dK/dV at kv_heads (flash natively, the others folded)."""
+    """One fused kernel's backward; dK/dV at kv_heads (flash and cuDNN natively, the memory-efficient
+    kernel with q folded, or on a causal block with K/V expanded and dK/dV summed back)."""
     if backend is Backend.FLASH:
         return _flash_backward(dout, q, k, v, out, lse, scale, causal)
+    if backend is Backend.CUDNN:
+        return _cudnn_backward(dout, q, k, v, out, lse, scale, causal)
     group = q.shape[1] // k.shape[1]
+    if group > 1 and not causal:  # GQA folded into the query length (module docstring)
+        b, hq, lq, _ = q.shape
+        lse_f = _dense(lse.float()).view(b, hq // group, group * lq)
+        dq, dk, dv = _efficient_backward(
+            _fold_rows_bshd(dout, group), _fold_rows(q, group), k, v, _fold_rows_bshd(out, group), lse_f, scale,
+            False, align,
+        )
+        return _unfold_rows(dq, group), dk, dv
     k_e, v_e = _expand_kv(k, group), _expand_kv(v, group)
-    if backend is Backend.EFFICIENT:
-        dq, dk, dv = _efficient_backward(dout, q, k_e, v_e, out, lse, scale, causal, align)
-    else:
-        dq, dk, dv = _cudnn_backward(dout, q, k_e, v_e, out, lse, scale, causal)
+    dq, dk, dv = _efficient_backward(dout, q, k_e, v_e, out, lse, scale, causal, align)
     return dq, _fold_kv_grad(dk, group), _fold_kv_grad(dv, group)
 
 
 def _unused_rng(device: torch.device) -> Tensor:
-    # philox seed/offset: read by the kernels only when dropout_p > 0, and seqpar never drops out
-    return torch.zeros(2, dtype=torch.int64, device=device)
+    # philox seed/offset: the backward ops read them only when dropout_p > 0 (torch's flash_api.cpp
+    # mha_bwd and _efficient_attention_backward under `if (is_dropout)`; cuDNN builds its dropout nodes
+    # only then), and seqpar never drops out: an empty tensor, which takes no memory
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
@@ -361,9 +480,17 @@ def _flash_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
 
 
 def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa: ANN001, ANN202 (private)
-    # k, v at q's head count. The kernel reads lse padded to a multiple of 32 rows. V's head dim may
-    # differ from q/k's (taken natively, as in the forward).
+    # k, v at q's head count (expanded, or q folded). The kernel reads lse padded to a multiple of 32
+    # rows. V's head dim may differ from q/k's (taken natively, as in the forward). dout: copied by the
+    # kernel unless dense in (B, L, H, D) order, so made so here (no copy when it is: backward_layout).
+    # out: in half precision the kernel computes rowsum(dout * out) itself reading out with row stride
+    # heads * v_head_dim (cutlass kernel_backward.h o_strideM(); torch passes only out's batch and head
+    # strides), so out must have that layout or dQ/dK come out wrong (H200, torch 2.11, bf16, d = 128: dQ
+    # off by 1.49 and dK by 1.21 with a (B,H,S,D)-contiguous out, 0.007 with a (B,S,H,D) one; fp32 exact
+    # either way, its rowsum is computed outside the kernel): copied when it has not.
     lq = q.shape[2]
+    dout = dout if _bshd_dense(dout) else _to_bshd(dout)
+    out = out if _bshd_rows(out) else _to_bshd(out)
     qp, kp, vp, dop, outp = (_kernel_ready(x, align) for x in (q, k, v, dout, out))
     lse_p = _dense(F.pad(lse.float(), (0, (-lq) % 32)))
     rng = _unused_rng(q.device)
@@ -376,10 +503,14 @@ def _efficient_backward(dout, q, k, v, out, lse, scale, causal, align):  # noqa:
 
 def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, ANN202 (private)
     # Keywords (as every private op here): philox_seed/offset come BEFORE attn_bias, unlike the flash
-    # backward. Same dense layout for out and dout; lse back to cuDNN's (B, H, len_q, 1).
+    # backward. GQA native, q/k/v through their strides (as in the forward). dout in out's strides
+    # (torch's cuDNN backward otherwise permutes a copy of it into them, with a warning); lse back to
+    # cuDNN's (B, H, len_q, 1).
     rng = _unused_rng(q.device)
     dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
-    qc, kc, vc, doc, outc = (_dense(_pad_to(x, d, 1)) for x in (q, k, v, dout, out))
+    qc, kc, vc, doc, outc = (_kernel_ready(_pad_to(x, d, 1)) for x in (q, k, v, dout, out))
+    if doc.stride() != outc.stride():
+        doc = _in_order_of(doc, outc)
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
         grad_out=doc, query=qc, key=kc, value=vc, out=outc,
         logsumexp=_dense(lse.float().unsqueeze(-1)),

@@ -1,0 +1,241 @@
+"""No per-hop copies on the CUDA paths (issue 29, item 4), checked on fake CUDA tensors.
+
+One rank (rank 1 of P = 4) runs the ring forward and backward on fake CUDA tensors (``FakeTensorMode``:
+the CUDA ops' shape functions, no GPU) with a communicator that hands back fresh receive buffers, while a
+``TorchDispatchMode`` records every aten call: the inputs handed to each attention kernel (their strides
+and storage) and every allocation (an op output whose storage is none of the op's inputs'). Inputs come
+in Hugging Face's layout (``(batch, seq, heads, dim)`` buffers seen transposed), batch 1, GQA (4 query
+heads over 2 K/V heads), bf16, so that both the zigzag halves and the layout are exercised.
+
+The theory the test states (per call, rank r of P, K/V block of n rows, h_q / h_kv heads, dim d):
+
+- The kernels take what the ring holds, as views: q (and, in the backward, dout and out) in the caller's
+  layout, K/V as the contiguous blocks that travel. Flash and cuDNN take GQA K/V at h_kv; the flash
+  backward gets dout and out dense in (batch, seq, heads, dim) order (it copies them otherwise, inside the
+  op, on every call); cuDNN's backward gets dout in out's strides.
+- Allocated, besides the kernels' own outputs and the communicator's receive buffers:
+  forward: K and V made contiguous once (they travel) and the output in q's dtype and layout;
+  backward: K and V made contiguous once, the three fp32 accumulators dq, dk, dv of the own block, two
+  fp32 accumulators for each remote block at its first hop (the ones that travel on), the dense lse rows
+  of each kernel call on part of the rows (the kernels read lse densely; fp32, 1/d of the call's output),
+  and the three results in the input dtype. Nothing else: no expanded K/V, no layout copies of q, dout or
+  out, no widened dK/dV temporaries, no RNG tensors with memory.
+
+The merge's own work (``seqpar.kernels.merge``: the running output and its updates) is item 3's and is
+left out here. The memory-efficient kernel needs equal head counts and writes its outputs heads-innermost,
+so its GQA blocks copy q-side tensors (see ``seqpar.kernels.local``): for it the test checks the
+structure (K/V never expanded on a block without a causal mask, dK/dV at h_kv, ``out`` row-dense).
+
+Needs torch's CUDA build (the fake-CUDA stage's venv, .ci/fake_cuda): on a CPU-only build, copies
+between strided fake CUDA tensors raise "not linked with support for cuda devices".
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import seqpar.kernels.backends as backends
+from seqpar.attn.common import block_calls
+from seqpar.attn.ring import AttentionOptions, ring_attention_backward, ring_attention_forward
+from seqpar.comm.ring import Pending
+from seqpar.kernels.backends import DeviceCaps
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.cuda.is_built(), reason="needs torch's CUDA build (fake CUDA copies of strided tensors)"
+)
+
+H100 = DeviceCaps((9, 0), cudnn_version=91002, cuda_major=13)
+WORLD, RANK = 4, 1
+B, HQ, HKV, D, N = 1, 4, 2, 64, 32  # N rows per rank (zigzag: two chunks of 16)
+KV_STRIDES = (HKV * N * D, N * D, D, 1)  # a travelling K/V block (contiguous), or a row range of it
+ATTN_OPS = {
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+}
+_SDP = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def _sid(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass
+class Alloc:
+    op: str
+    numel: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    where: str  # innermost seqpar frame
+
+
+@dataclass
+class Recorder(TorchDispatchMode):
+    """Records attention-kernel calls (name, keyword args) and allocations, per phase."""
+
+    phase: str = "forward"
+    kernel_calls: list[tuple[str, str, dict]] = field(default_factory=list)
+    allocs: dict[str, list[Alloc]] = field(default_factory=lambda: {"forward": [], "backward": []})
+    comm_storages: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in ATTN_OPS:
+            bound = dict(zip((a.name for a in func._schema.arguments), args), **kwargs)
+            self.kernel_calls.append((self.phase, name, bound))
+            return out  # its outputs are the kernel's own: theory allows them
+        inputs = {_sid(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        stack = traceback.extract_stack()
+        if any(f.filename.endswith("kernels/merge.py") and f.name in ("add", "finish", "merge_into", "_allocate")
+               for f in stack):
+            return out  # the merge (item 3)
+        if any(f.name == "exchange" and f.filename.endswith("test_cuda_copies.py") for f in stack):
+            return out  # the communicator's receive buffers
+        where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.name}" for f in reversed(stack) if "/seqpar/" in f.filename and "site-packages" not in f.filename),
+                     "?")
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and _sid(t) not in inputs and t.numel() > 0:
+                self.allocs[self.phase].append(Alloc(name, t.numel(), t.dtype, tuple(t.shape), where))
+        return out
+
+
+class FreshBuffers:
+    """Rank ``RANK`` of a ``WORLD``-rank ring whose receives land in new buffers (or the ones given),
+    with no data moved: the shapes and allocations of a real ring, on fake tensors."""
+
+    rank, world_size, bytes_sent = RANK, WORLD, 0
+
+    def exchange(self, tensors, out=None, *, channel=0, shift=1, send=True, recv=True):  # noqa: ANN001, ANN201
+        if not recv:
+            return Pending(lambda: None, [])
+        got = list(out) if out is not None else [torch.empty_like(t, memory_format=torch.contiguous_format)
+                                                 for t in tensors]
+        return Pending(lambda: None, got)
+
+
+def _hf(*shape: int) -> torch.Tensor:
+    """A (batch, heads, seq, dim) tensor seen through a (batch, seq, heads, dim) buffer (Hugging Face's)."""
+    b, h, s, d = shape
+    return torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+
+
+def _run(backend: str, sharding: str, causal: bool, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    monkeypatch.setattr(backends, "device_caps", lambda device: H100)
+    opts = AttentionOptions(causal=causal, scale=D**-0.5, sharding=sharding)
+    rec = Recorder()
+    with FakeTensorMode(), sdpa_kernel([_SDP[backend]]):
+        q, k, v, dout = _hf(B, HQ, N, D), _hf(B, HKV, N, D), _hf(B, HKV, N, D), _hf(B, HQ, N, D)
+        comm = FreshBuffers()
+        with rec:
+            out, lse = ring_attention_forward(q, k, v, comm, opts)
+            rec.phase = "backward"
+            dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, comm, opts)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        ids = {"q": _sid(q), "dout": _sid(dout), "out": _sid(out)}
+    return rec, ids, opts
+
+
+def _partial_row_calls(opts: AttentionOptions) -> int:
+    """Kernel calls of this rank's backward that cover part of its query rows (their lse rows are copied)."""
+    total = 0
+    for src in range(WORLD):
+        total += sum(c.q_rows != slice(0, N) for c in block_calls(opts, WORLD, RANK, src, N))
+    return total
+
+
+def _theory(opts: AttentionOptions) -> dict[str, Counter]:
+    """(numel, dtype) of every allocation outside the kernels, the communicator and the merge."""
+    kv, qn, bf, f32 = B * HKV * N * D, B * HQ * N * D, torch.bfloat16, torch.float32
+    forward = Counter({(kv, bf): 2, (qn, bf): 1})  # K, V made contiguous to travel; the output
+    backward = Counter({
+        (kv, bf): 2 + 2,  # K, V made contiguous to travel; the results dk, dv
+        (qn, bf): 1,  # the result dq
+        (qn, f32): 1,  # the dq accumulator
+        # the own block's dk, dv accumulators; block r-1's, born here at its first hop (the other blocks'
+        # arrive in the communicator's receive buffers and take their shares in place)
+        (kv, f32): 2 + 2,
+    })
+    rows = B * HQ * (N // 2)
+    if _partial_row_calls(opts):
+        backward[(rows, f32)] += _partial_row_calls(opts)  # dense lse rows of a half-row call
+    return {"forward": forward, "backward": backward}
+
+
+CASES = [("zigzag", True), ("contiguous", False), ("contiguous", True)]
+
+
+@pytest.mark.parametrize("sharding,causal", CASES, ids=[f"{s}-{'causal' if c else 'full'}" for s, c in CASES])
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_ring_hands_kernels_views_and_allocates_only_theory(backend: str, sharding: str, causal: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flash and cuDNN: every kernel call gets q, K/V, dout and out as the ring holds them (GQA K/V at
+    h_kv, Hugging Face's strides, the zigzag halves as row views), and the allocations are the theory's."""
+    rec, ids, opts = _run(backend, sharding, causal, monkeypatch)
+    assert rec.kernel_calls, "no fused kernel ran"
+    problems = []
+    for phase, name, kw in rec.kernel_calls:
+        q, k, v = kw["query"], kw["key"], kw["value"]
+        if _sid(q) != ids["q"] or q.stride() != (N * HQ * D, D, HQ * D, 1):
+            problems.append(f"{phase} {name}: q is not a view of the caller's q (strides {q.stride()})")
+        for x in (k, v):
+            if x.shape[1] != HKV or x.stride() != KV_STRIDES:
+                problems.append(f"{phase} {name}: K/V {tuple(x.shape)} strides {x.stride()} (want h_kv={HKV}, the block)")
+        if name.endswith("_backward"):
+            dout, out = kw.get("grad_out", kw.get("grad_out_")), kw["out"]
+            if _sid(dout) != ids["dout"] or _sid(out) != ids["out"]:
+                problems.append(f"{phase} {name}: dout/out are copies, not the caller's")
+            if backend == "flash" and not (dout.transpose(1, 2).is_contiguous() and out.transpose(1, 2).is_contiguous()):
+                problems.append(f"{phase} {name}: dout {dout.stride()} / out {out.stride()} not dense in (B, S, H, D) "
+                                "order: the flash backward copies them on every call")
+            if backend == "cudnn" and dout.stride() != out.stride():
+                problems.append(f"{phase} {name}: dout {dout.stride()} not in out's strides {out.stride()}")
+            rng = kw["philox_seed"]
+            if rng.numel():
+                problems.append(f"{phase} {name}: an RNG tensor with {rng.numel()} elements per call")
+    want = _theory(opts)
+    for phase in ("forward", "backward"):
+        got = Counter((a.numel, a.dtype) for a in rec.allocs[phase])
+        if got != want[phase]:
+            extra, missing = got - want[phase], want[phase] - got
+            detail = [a for a in rec.allocs[phase] if (a.numel, a.dtype) in extra]
+            problems.append(f"{phase} allocations: beyond theory {dict(extra)} ({detail}); theory not seen {dict(missing)}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("sharding,causal", CASES, ids=[f"{s}-{'causal' if c else 'full'}" for s, c in CASES])
+def test_efficient_kernel_folds_gqa_instead_of_expanding(sharding: str, causal: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory-efficient kernel (equal head counts only): on a block without a causal mask q is folded
+    (K/V go in as the h_kv block, dK/dV come back at h_kv); only the causal diagonal gets K/V expanded.
+    Its backward always gets ``out`` with rows dense in (B, S, H, D) order (it reads it so in half precision)."""
+    rec, ids, opts = _run("efficient", sharding, causal, monkeypatch)
+    expanded = folded = 0
+    for phase, name, kw in rec.kernel_calls:
+        q, k = kw["query"], kw["key"]
+        if name.endswith("_backward"):
+            out = kw["out"]
+            h, dv = out.shape[1], out.shape[-1]
+            assert (h == 1 or out.stride(1) == dv) and out.stride(2) == h * dv, (phase, name, out.stride())
+        if k.shape[1] == HQ:
+            assert kw["is_causal"], f"{phase} {name}: K/V expanded on a block without a causal mask"
+            expanded += 1
+        else:
+            assert k.shape[1] == HKV and q.shape[1] == HKV and k.stride() == KV_STRIDES, (phase, name, q.shape, k.stride())
+            folded += 1
+    assert folded, "no folded call"
+    assert bool(expanded) == causal
