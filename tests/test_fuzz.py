@@ -138,6 +138,12 @@ def test_verdict_rules() -> None:
         seqpar.attention(torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), window=0)
     except ValueError as e:
         assert fuzz.classify_errors([{"ok": False, "error": fuzz.error_record(e)}])[0] == "refused"
+    from seqpar.integrations.fsdp import FSDPOptions
+
+    try:  # the engine adapters refuse by name too (integrations/, installed as seqpar.integrations)
+        FSDPOptions.from_dict({"version": 7})
+    except ValueError as e:
+        assert fuzz.classify_errors([{"ok": False, "error": fuzz.error_record(e)}])[0] == "refused"
     try:
         int("x")  # a ValueError raised outside seqpar is no refusal
     except ValueError as e:
