@@ -10,6 +10,15 @@ reference and one-process bf16 run are made once per model, here; the pools run 
 
 BLOOM (ALiBi) rounds its bias to the model dtype per key and needs seqpar to apply that rounded bias (issue 28
 §1); MPT applies its ALiBi bias in the attention's dtype as seqpar does, so it stands for ALiBi here.
+
+What it cannot see (measured on the 2-core machine, 2026-11-27): a break of the attention's own precision.
+The one-process bf16 error is the whole model's bf16 arithmetic (gradient error 2.5e-2 of the gradient scale
+for Mixtral, 1.8e-2 for MPT), and an lse rounded to bf16 before each merge (``seqpar/kernels/merge.py``'s
+``merge_into`` taking ``block_lse.to(block_out.dtype)``) moved the SP errors only within it: Mixtral SP=2 grad
+3.3e-2 -> 3.4e-2, SP=4 2.8e-2 -> 3.1e-2, MPT SP=2 1.9e-2 -> 2.2e-2, losses 1e-5..2e-4 both ways; the test
+passed. A clean SP run already sits at 1.3x one process's error (Mixtral SP=2), so no tighter factor
+separates them: attention-level precision is the business of tests/test_low_precision_ring.py, and this
+test guards against model-level mistakes (a rounded bias applied exactly, a bf16 sum of counts).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
-  ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`).
+  ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
+- ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
+  (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process.
 
 Verdicts (one per case):
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -61,7 +64,7 @@ __all__ = [
 ]
 
 VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped")
-KINDS = ("attention", "dilated", "model")
+KINDS = ("attention", "dilated", "model", "engine")
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 _HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
           (6, 3, 4, 4))
@@ -154,16 +157,20 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
 def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
     """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
     rng = random.Random(case_seed)
-    weights = {"attention": 6, "dilated": 1, "model": 3}
+    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
     if kind == "attention":
         draws = _draw_attention(rng)
     elif kind == "dilated":
         draws = _draw_dilated(rng)
-    else:
+    elif kind == "model":
         from seqpar.testing.fuzz_models import draw_model
 
         draws = draw_model(rng)
+    else:
+        from seqpar.testing.fuzz_engines import draw_engine
+
+        draws = draw_engine(rng)
     draws["case_seed"] = case_seed
     return draws
 
@@ -427,6 +434,10 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             from seqpar.testing.fuzz_models import run_model_case
 
             verdict, detail = run_model_case(pools, draws, timeout=timeout)
+        elif draws["kind"] == "engine":
+            from seqpar.testing.fuzz_engines import run_engine_case
+
+            verdict, detail = run_engine_case(pools, draws, timeout=timeout)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
@@ -451,6 +462,10 @@ def summary(draws: dict[str, Any]) -> str:
         from seqpar.testing.fuzz_models import model_summary
 
         return model_summary(draws)
+    if draws["kind"] == "engine":
+        from seqpar.testing.fuzz_engines import engine_summary
+
+        return engine_summary(draws)
     if draws["kind"] == "dilated":
         return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
                 f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}")
@@ -485,11 +500,16 @@ class Fuzzer:
     def __init__(self, timeout: float = 60.0, model_timeout: float = 300.0) -> None:
         from seqpar.testing.ranks import PoolSet
 
+        # DeepSpeed (the engine cases) JIT-builds a CPU comm op under TORCH_EXTENSIONS_DIR, one folder per user by
+        # default: a rank killed mid-build elsewhere (a timed-out test) leaves a lock there that makes every later
+        # build wait forever. One folder per Python environment, as tests/conftest.py sets; the ranks inherit it.
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
         self.pools = PoolSet("cpu", pg_timeout_s=60.0, max_threads=80)
         self.timeout, self.model_timeout = timeout, model_timeout
 
     def run(self, draws: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-        return run_case(self.pools, draws, self.model_timeout if draws["kind"] == "model" else self.timeout, plant)
+        slow = draws["kind"] in ("model", "engine")
+        return run_case(self.pools, draws, self.model_timeout if slow else self.timeout, plant)
 
     def close(self) -> None:
         self.pools.close()
@@ -524,11 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the run's seed: case i's seed is drawn from it")
     parser.add_argument("--case-seed", type=int, action="append", metavar="X",
                         help="run only the case of this case seed (repeatable); --cases and --seed are then ignored")
-    parser.add_argument("--kinds", default="attention,dilated,model",
-                        help="comma-separated kinds to draw from: attention, dilated, model (default: all)")
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help="comma-separated kinds to draw from: attention, dilated, model, engine (default: all)")
     parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
     parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
-    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model case, seconds")
+    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model or engine case, seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help='override a draw of every case, e.g. --set world=1 --set checkpointing=null')
     parser.add_argument("--verbose", action="store_true", help="print a failing rank's traceback under each crash")

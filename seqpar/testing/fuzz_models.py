@@ -7,7 +7,8 @@ Drawn: the model type; P in 1..4; mode (ring, allgather, ulysses, hybrid with u=
 from ``DataCollatorWithFlattening`` with random lengths, length-1 documents and one longer than a shard);
 activation checkpointing (off, reentrant, non-reentrant; where the model supports it); the step (one
 forward and backward; two forwards before one backward; gradient accumulation over two micro-batches);
-``check_inputs`` on and off. Engines (ZeRO, FSDP2, TP) are not drawn yet.
+``check_inputs`` on and off. The same cases through ZeRO, FSDP2 and TP are the ``engine`` kind
+(:mod:`seqpar.testing.fuzz_engines`).
 
 Reference: one process without seqpar, float64 where the model runs in it (else fp32), on the full batch,
 with the case's activation checkpointing;
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["draw_model", "model_summary", "run_model_case", "model_task", "model_reference"]
+__all__ = ["draw_model", "model_summary", "run_model_case", "model_task", "model_reference", "case_batches",
+           "build_case_model", "enable_checkpointing", "judge_model"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -76,7 +78,7 @@ def model_summary(draws: dict[str, Any]) -> str:
             + ("" if d["check_inputs"] else " no-check"))
 
 
-def _batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
+def case_batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
     """The case's full batches (1 or 2, per ``step``), from its case seed."""
     from seqpar.testing.tiny_models import VOCAB
 
@@ -103,7 +105,7 @@ def _batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _build(draws: dict[str, Any], dtype: torch.dtype) -> Any:
+def build_case_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     """The case's tiny model. Packed batches: MoE router losses off, on both sides. The reference runs each
     document alone, and a router loss is a statistic of the tokens of one call (the load-balancing loss a
     product of per-expert means), so per-document runs cannot give the packed call's value (jamba, P=1:
@@ -116,7 +118,9 @@ def _build(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     return model
 
 
-def _checkpointing(model: Any, how: str | None) -> None:
+def enable_checkpointing(model: Any, how: str | None) -> None:
+    """transformers' activation checkpointing (``"reentrant"`` / ``"non-reentrant"``; ``None``: off), where the
+    model supports it."""
     if how is not None and getattr(model, "supports_gradient_checkpointing", False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
 
@@ -128,10 +132,10 @@ def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dic
     errors = []
     for dtype in (torch.float64, torch.float32):
         try:
-            model = _build(draws, dtype)
+            model = build_case_model(draws, dtype)
             # the same checkpointing as the SP run: transformers' reentrant checkpointing alone changes some
             # models' gradients (flex_olmo's embedding, 90% off in one process), which is not seqpar's to answer
-            _checkpointing(model, draws["checkpointing"])
+            enable_checkpointing(model, draws["checkpointing"])
             total = 0.0
             for b in batches:
                 if "docs" in b:  # each document alone, token-weighted (per-document semantics)
@@ -182,9 +186,9 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
         cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
                "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
         manager = seqpar.init_process_groups(config=cfg)
-        model = _build(draws, getattr(torch, dtype_name))
+        model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
-        _checkpointing(model, draws["checkpointing"])
+        enable_checkpointing(model, draws["checkpointing"])
         losses = []
         for b in batches:
             out = model(**seqpar.shard_batch(b["batch"]))
@@ -204,7 +208,10 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
         return {"ok": False, "error": error_record(e)}
 
 
-def _judge(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
+def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
+    """``("exact" | "WRONG", detail)``: ``got``'s loss within ``tol`` relative of ``ref``'s, the same parameters
+    with gradients, each within ``tol * max|g_ref of that parameter| + floor * max|g_ref| over the model``
+    (``tol, floor`` from ``ref["dtype"]``)."""
     tol, floor = _TOL[ref["dtype"]]
     loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
     if not loss_rel <= tol:
@@ -231,7 +238,7 @@ def run_model_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[s
     seqpar, so there is nothing to compare)."""
     from seqpar.testing.verdicts import classify_errors
 
-    batches = _batches(draws)
+    batches = case_batches(draws)
     ref = model_reference(draws, batches)
     if not ref["ok"]:
         return "skipped", f"cannot run without seqpar: {ref['error']}"
@@ -239,4 +246,4 @@ def run_model_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[s
     bad = classify_errors(per_rank)
     if bad is not None:
         return bad
-    return _judge(ref, per_rank[0])
+    return judge_model(ref, per_rank[0])
