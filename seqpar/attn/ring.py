@@ -249,6 +249,8 @@ def ring_backward(
         kv_pending = None
         send_kv, recv_kv = step + 1 <= hops[src], step + 1 <= hops[prev]
         kv_pending = _exchange(comm, received if have else [k, v], buffers[step % 2], _KV, send=send_kv, recv=recv_kv)
+        if not recv_kv:  # the last hop's block: the older buffer (its send waited above) is never reused
+            buffers[step % 2] = None
         if kv_pending is not None and not opts.overlap:
             kv_pending.wait()
         chain_recv = step < hops[prev]  # block prev's accumulator comes on from rank r-1
