@@ -284,16 +284,16 @@ def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ memory
 def theory_peak(shape: Shape, case: Case, device: torch.device | None = None) -> dict[str, int]:
-    """Bytes the ring holds at its backward's peak (a remote hop, after its kernels, before the add
-    into the travelling accumulator), term by term; inputs created inside the measured step.
+    """Bytes the ring holds at its backward's peak (a remote hop s >= 2, after its kernels, before the
+    add into the travelling accumulator), term by term; inputs created inside the measured step.
 
     With ``e`` the input element size, ``Q`` = elements of q, ``K`` = of one K (or V) block and ``G`` head
-    chunks: the step's inputs and saved tensors (q, k, v, out, dout: ``e(3Q + 2K)``; lse fp32), dq
-    (``Q`` in q's dtype, when G > 1: the full-size gradient being filled), and per head chunk: the fp32
-    accumulators dq, dk, dv (``4(Q + 2K)/G``), two K/V pairs in flight (the block used and the next being
-    received: ``4eK/G``), the hop kernel's dq, dk, dv (``e(Q + 2K)/G``) and its fp32 dK/dV share
-    (``8K/G``), the flash backward's fp32 dq workspace (``4Q/G``), the incoming accumulator and the one
-    sent on (``16K/G``)."""
+    chunks: the step's inputs and saved tensors (q, k, v, out, dout: ``e(3Q + 2K)``; lse fp32), with G > 1
+    the full-size dq, dk, dv being filled (``e(Q + 2K)``), and per head chunk: the fp32 accumulators dq,
+    dk, dv (``4(Q + 2K)/G``), two K/V pairs (the block used and the next being received: ``4eK/G``), the
+    hop kernel's dq, dk, dv (``e(Q + 2K)/G``; a half-block share is added over its rows, no fp32 copy),
+    the flash backward's fp32 dq workspace (``4Q/G``), and the dK/dV accumulators in flight (the one
+    arriving and the one sent on: ``16K/G``)."""
     e = torch.finfo(_DTYPES[shape.dtype]).bits // 8
     Q = shape.batch * shape.q_heads * case.seq_local * shape.head_dim  # noqa: N806 - the docstring's names
     K = shape.batch * shape.kv_heads * case.seq_local * shape.head_dim  # noqa: N806
@@ -301,11 +301,10 @@ def theory_peak(shape: Shape, case: Case, device: torch.device | None = None) ->
     rows = shape.batch * shape.q_heads * case.seq_local
     terms = {
         "inputs_and_saved": e * (3 * Q + 2 * K) + 4 * rows,
-        "full_dq_output": e * Q if G > 1 else 0,
+        "full_gradients": e * (Q + 2 * K) if G > 1 else 0,
         "fp32_accumulators": 4 * (Q + 2 * K) // G,
         "kv_in_flight": 4 * e * K // G,
         "hop_kernel_grads": e * (Q + 2 * K) // G,
-        "hop_fp32_dkv": 8 * K // G,
         "flash_dq_workspace": 4 * Q // G,
         "dkv_accumulators_travelling": 16 * K // G,
     }
