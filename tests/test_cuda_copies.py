@@ -239,3 +239,32 @@ def test_efficient_kernel_folds_gqa_instead_of_expanding(sharding: str, causal: 
             folded += 1
     assert folded, "no folded call"
     assert bool(expanded) == causal
+
+
+@pytest.mark.parametrize("q_layout", ["hf", "bhsd"])
+@pytest.mark.parametrize("out_layout", ["hf", "bhsd"])
+def test_cudnn_backward_gets_out_and_dout_in_qs_order(q_layout: str, out_layout: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's backward is handed ``out`` and ``dout`` in q's memory order, as torch's own SDPA hands them
+    (its ``out`` is the forward's, laid out as q): with a Hugging Face-layout q and a (B, H, S, D)-contiguous
+    out, bf16 gradients on an H200 were outside SDPA's rounding (tests/test_cuda.py, strided GQA blocks)."""
+    from seqpar.kernels import block_backward
+
+    monkeypatch.setattr(backends, "device_caps", lambda device: H100)
+
+    def make(h: int, layout: str) -> torch.Tensor:
+        return _hf(2, h, N, D) if layout == "hf" else torch.empty(2, h, N, D, device="cuda", dtype=torch.bfloat16)
+
+    def order(t: torch.Tensor) -> list[int]:
+        return sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+
+    rec = Recorder()
+    with FakeTensorMode(), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        q, k, v = make(HQ, q_layout), make(HKV, q_layout), make(HKV, q_layout)
+        out, dout = make(HQ, out_layout), make(HQ, out_layout)
+        lse = torch.empty(2, HQ, N, device="cuda", dtype=torch.float32)
+        with rec:
+            block_backward(dout, q, k, v, out, lse, scale=D**-0.5, causal=True)
+    (call,) = [b for _, name, b in rec.kernel_calls if name == "_scaled_dot_product_cudnn_attention_backward"]
+    assert order(call["out"]) == order(call["query"]) == order(q), (call["out"].stride(), call["query"].stride())
+    assert call["grad_out"].stride() == call["out"].stride()

@@ -169,6 +169,11 @@ def _to_bshd(x: Tensor) -> Tensor:
     return _dense(x.transpose(1, 2)).transpose(1, 2)
 
 
+def _dim_order(x: Tensor) -> list[int]:
+    # x's dims from outermost to innermost in memory (ties, e.g. size-1 dims: in index order)
+    return sorted(range(x.dim()), key=lambda i: (-x.stride(i), i))
+
+
 def _in_order_of(x: Tensor, ref: Tensor) -> Tensor:
     """``x`` copied densely into ``ref``'s memory order (dims sorted by ref's strides)."""
     order = sorted(range(ref.dim()), key=lambda i: -ref.stride(i))
@@ -509,6 +514,12 @@ def _cudnn_backward(dout, q, k, v, out, lse, scale, causal):  # noqa: ANN001, AN
     rng = _unused_rng(q.device)
     dk_dim, dv_dim, d = q.shape[-1], v.shape[-1], _common_head_dim(q, v)
     qc, kc, vc, doc, outc = (_kernel_ready(_pad_to(x, d, 1)) for x in (q, k, v, dout, out))
+    # out (and dout with it) in q's memory order, as torch's own SDPA always hands them (its out is the
+    # forward's, laid out as q): on an H200 (cuDNN 9.19) bf16 gradients of a Hugging Face-layout q were
+    # outside SDPA's rounding with out (B, H, S, D)-contiguous (tests/test_cuda.py, the strided GQA blocks),
+    # while every case with out in q's order was exact
+    if _dim_order(outc) != _dim_order(qc):
+        outc = _in_order_of(outc, qc)
     if doc.stride() != outc.stride():
         doc = _in_order_of(doc, outc)
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
