@@ -231,13 +231,15 @@ def test_gpu_perf_runs_one_case_on_the_device(tmp_path):
 
 def test_overlap_on_the_device_hides_what_its_schedule_allows():
     """``overlap --device cuda``: the emulated-link step on one GPU, its compute segments measured on the
-    compute stream: the replayed bound is the ring's (1 - 1/(3(P-1)) at P = 4) and the step hides most of it."""
+    compute stream. Structural checks only (the figures are BENCHMARKS'): every time positive, the replayed
+    schedule's bound a share, above the bound of the old order (dK/dV waited before the hop's kernels)."""
     from seqpar.bench.overlap import run_case
 
-    (row,) = run_case("ring", 4, 16384, False, ["auto"], repeats=3, device="cuda")
-    assert row["t_compute"] > 0 and row["t_transfer"] > 0
-    assert row["hidden_max"] == pytest.approx(1 - 1 / 9, abs=0.08)
-    assert row["hidden"] > 0.6
+    for causal in (True, False):
+        (row,) = run_case("ring", 4, 65536, causal, ["auto"], repeats=3, device="cuda")
+        assert row["t_compute"] > 0 and row["t_transfer"] > 0 and row["t_step"] > 0, row
+        assert 0 < row["hidden_max"] <= 1 + 1e-9 and row["hidden_max"] > row["hidden_max_early"], row
+
 
 
 @pytest.mark.parametrize("blk_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
