@@ -265,13 +265,14 @@ def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     split = {"attention": 0.0, "other": 0.0}
     top: dict[str, float] = {}
     for evt in prof.events():
-        # operators (CPU-side events), each with the device time of the kernels it launched itself
-        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.name.startswith("aten::"):
+        # operators (CPU-side events: aten's and custom ops such as seqpar::lse_merge_), each with the
+        # device time of the kernels it launched itself
+        if evt.device_type != torch.autograd.DeviceType.CPU or "::" not in evt.name:
             continue
         us = evt.self_device_time_total if device.type == "cuda" else evt.self_cpu_time_total
         if not us:
             continue
-        name = evt.name.lower()
+        name = evt.name.lower().split("::", 1)[1]  # the op's name, not its namespace
         kind = "attention" if any(s in name for s in _ATTENTION_KERNELS) else "other"
         split[kind] += us * 1e-6
         if kind == "other":
