@@ -153,14 +153,17 @@ def _(out: Tensor, lse: Tensor, block_out: Tensor | None, block_lse: Tensor) -> 
 def _merge_torch(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, block_lse: Tensor) -> None:
     """:func:`merge_into` (``block_out`` None: :func:`add_sink`) in torch ops, with the fused kernel's
     maths: weights and products in fp64, one rounding on the store. Temporaries: lse-sized, and at most
-    ``_CPU_CHUNK`` elements of the output at a time."""
+    ``_CPU_CHUNK`` elements (and 1/64) of the output at a time."""
     a, c = lse_acc.double(), block_lse.double()
     empty = torch.isneginf(c)  # the block saw no key: keep the row (NaN weights where a = -inf too)
     rows = (*out_acc.shape[:-1], 1)  # the weights broadcast over each row, and are cut with it
     w_acc = torch.sigmoid(a - c).masked_fill_(empty, 1.0).unsqueeze(-1).expand(rows)  # = exp(lse - merged lse)
     w_blk = None if block_out is None else torch.sigmoid(c - a).masked_fill_(empty, 0.0).unsqueeze(-1).expand(rows)
     block_out = None if block_out is None else block_out.expand(out_acc.shape)
-    for piece in _pieces(out_acc.shape, _CPU_CHUNK):
+    # pieces of at most _CPU_CHUNK elements and 1/64 of the block: the fp64 temporaries stay a small
+    # share of the block at any size (a whole small block in fp64 was 4x its fp32 size at the merge)
+    limit = min(_CPU_CHUNK, max(out_acc.shape[-1], out_acc.numel() // 64))
+    for piece in _pieces(out_acc.shape, limit):
         acc = _narrow(out_acc, piece)
         merged = acc.double()  # acc itself for fp64 accumulators
         merged.mul_(_narrow(w_acc, piece))

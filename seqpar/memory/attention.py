@@ -202,10 +202,11 @@ def _single_peak(sizes: _Sizes) -> int:
 
 
 def _forward_merge_bytes(sizes: _Sizes) -> int:
-    """Forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the block's output; low-precision
-    outputs are upcast for the merge (two Q32 temporaries), plus lse temporaries (the K/V buffers apart)."""
+    """Forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the block's output, plus lse
+    temporaries (the K/V buffers apart). The merge converts a block a piece of rows at a time
+    (:mod:`seqpar.kernels.merge`: at most 1/64 of it), so no block-sized upcast copies."""
     Q, K, Q32, lse = sizes.Q, sizes.K, sizes.Q32, sizes.lse
-    return 2 * Q + 2 * K + Q32 + Q + (2 * Q32 if sizes.low else 0) + 5 * lse
+    return 2 * Q + 2 * K + Q32 + Q + 5 * lse
 
 
 def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
@@ -220,7 +221,7 @@ def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
     prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
     acc_b = base + Q32  # + the fp32 dq accumulator
     peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
-             + (2 * Q32 / G if low else 0) + 4 * lse / G]  # forward
+             + 4 * lse / G]  # forward (the merge converts a block piece by piece: no upcast copies)
     for c in range(G):
         done = grads if c >= 2 else 0
         ahead = nxt if c < G - 1 else 0
