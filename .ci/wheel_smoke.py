@@ -35,7 +35,7 @@ for name in names:
         if OPTIONAL.get(name) != error.name:
             raise
         print(f"skipped {name}: needs {error.name}, an optional package not installed here")
-packages = sorted(n for n in names if hasattr(sys.modules[n], "__path__"))
+packages = sorted(n for n in names if n in sys.modules and hasattr(sys.modules[n], "__path__"))
 for expected in ("seqpar.attn", "seqpar.comm", "seqpar.integrations", "seqpar.kernels", "seqpar.memory",
                  "seqpar.mixers", "seqpar.runtime", "seqpar.sequence", "seqpar.swap", "seqpar.testing",
                  "seqpar.bench"):
