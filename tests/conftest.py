@@ -28,3 +28,16 @@ def dist_pool() -> Iterator[DistPool]:
         yield pool
     finally:
         pool.close()
+        # what the suite's time is made of: each start is world_size fresh interpreters (torch, transformers)
+        _POOL_STATS.update(starts=pool.starts, recycles=pool.recycles)
+
+
+_POOL_STATS: dict = {}
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    if _POOL_STATS:
+        starts = _POOL_STATS["starts"]
+        terminalreporter.write_line(
+            f"rank pools started (world size: count): {dict(sorted(starts.items()))}, "
+            f"{sum(w * n for w, n in starts.items())} rank processes; recycled for threads: {_POOL_STATS['recycles']}")

@@ -82,6 +82,11 @@ class DistPool:
         except PoolError as e:  # a rank raised or died: a test failure, not an error of the harness
             raise AssertionError(str(e)) from None
 
+    @property
+    def starts(self) -> dict[int, int]:
+        """Pools started per world size (each start costs every rank a fresh interpreter's imports)."""
+        return dict(self._pools.starts)
+
     def close(self) -> None:
         """Stop every pool: workers barrier, destroy their group, exit; stragglers are killed."""
         self._pools.close()

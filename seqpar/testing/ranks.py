@@ -556,11 +556,14 @@ class PoolSet:
         self._pools: dict[int, RankPool] = {}
         self.recycles = 0
         """How many pools closed themselves for passing ``max_threads`` (each one restarted on next use)."""
+        self.starts: dict[int, int] = {}
+        """Pools started per world size (the first start, and each restart after a kill or recycle)."""
 
     def get(self, world: int) -> RankPool:
         """The pool of ``world`` ranks, started now if there is none or the last one was killed or recycled."""
         if world not in self._pools or self._pools[world].closed:
             self._pools[world] = RankPool(world, device=self.device, **self._options)
+            self.starts[world] = self.starts.get(world, 0) + 1
         return self._pools[world]
 
     def run(self, world: int, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
