@@ -178,6 +178,9 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         "bytes_ratio_worst_step": min(s[static_sp]["bytes_max_per_rank"] / max(s["dynamic"]["bytes_max_per_rank"], 1)
                                       for s in per_step),
         "work_ratio_counted_static_dp2_over_dynamic": overall[static_dp]["cost_max_per_rank"] / dyn["cost_max_per_rank"],
+        # per step (what a step's max-over-ranks CPU time would compare): the busiest rank of each step
+        "work_ratio_counted_per_step": [s[static_dp]["cost_max_per_rank"] / s["dynamic"]["cost_max_per_rank"]
+                                        for s in per_step],
         "per_step": per_step,
     }
 
@@ -293,7 +296,8 @@ def render(payload: dict) -> str:
                                 ("bytes max/rank", "bytes"), ("peak tokens/rank", "peak")]),
             f"bytes static SP / dynamic: {mix['bytes_ratio_static_sp_over_dynamic']:.2f} (worst step "
             f"{mix['bytes_ratio_worst_step']:.2f}); counted work static DP2 x SP / dynamic: "
-            f"{mix['work_ratio_counted_static_dp2_over_dynamic']:.2f}"]
+            f"{mix['work_ratio_counted_static_dp2_over_dynamic']:.2f} over all steps, per step "
+            + ", ".join(f"{r:.2f}" for r in mix["work_ratio_counted_per_step"])]
     rows = [{"pool": c["pool"], "mix": c["mix"], "cp": c["static_cp"], "s_slots": c["static"]["slots"],
              "d_slots": c["dynamic"]["slots"], "slot": c["speedup"]["slot_sync"], "group": c["speedup"]["group_sync"]}
             for c in payload["pools"]["cases"] if "skipped" not in c]
