@@ -111,14 +111,14 @@ def test_dynamic_groups_exist_are_correct_and_made_in_one_order(dist_pool) -> No
 
 
 def test_init_refuses_a_min_size_the_pool_cannot_hold(dist_pool) -> None:
-    out = dist_pool.run(2, _min_size_too_big, timeout=60)
-    assert all("min_size = 4 does not divide the pool of 2 ranks" in m for m in out), out
+    out = dist_pool.run(4, _min_size_too_big, timeout=60)  # the 4-rank pool of the test above: no new spawn
+    assert len(out) == 4 and all("min_size = 8 does not divide the pool of 4 ranks" in m for m in out), out
 
 
 def _min_size_too_big(rank: int, world: int) -> str:
     from seqpar.runtime.groups import default_manager, init_process_groups
 
     with pytest.raises(ValueError) as info:
-        init_process_groups(sp_size=2, config={"dynamic": {"max_tokens_per_rank": 64, "min_size": 4}})
+        init_process_groups(sp_size=2, config={"dynamic": {"max_tokens_per_rank": 64, "min_size": 8}})
     assert default_manager() is None
     return str(info.value)

@@ -190,7 +190,9 @@ def init_process_groups(
         config: what ``swap_attention`` takes: a ``SeqParConfig``, a dict (the ``sequence_parallel``
             block, or a dict holding it), or a JSON path (standalone or DeepSpeed); see
             ``SeqParConfig.load``. Its ``size`` / ``ulysses_size`` / ``sharding`` / ``timeout_s`` /
-            ``links`` are used where the arguments are ``None``.
+            ``links`` are used where the arguments are ``None``. Its ``dynamic`` block (length-aware
+            dynamic CP) also makes the aligned groups of every size the planner may choose
+            (``manager.dynamic_group(size, index)``).
         sharding: the run's sharding (``"contiguous"``, ``"zigzag"``, ``"balanced"``), kept on the
             manager: batch and sequence cuts, attention and the loss then default to it, and an
             explicit argument that contradicts it raises (see
