@@ -431,9 +431,6 @@ def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostMo
             if id(b) in seen:
                 continue
             seen.add(id(b))
-            if not b.docs:  # a group emptied by the rebalancing: its ranks run alone
-                row += [MicroBatch(s, 1, q, (), 0, 0, 0.0, 0) for q in range(b.index * b.size, (b.index + 1) * b.size)]
-                continue
             local = tokens_per_rank(b.tokens, b.size, pk.pad)
             docs = tuple(sorted(b.docs, key=lambda d: (-lengths[d], d)))
             mb = MicroBatch(s, b.size, b.index, docs, b.tokens, local,
