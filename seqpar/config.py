@@ -26,7 +26,8 @@ Example block::
         "recompute_norm": false,    # RMSNorms save only their input, recomputed in backward
         "pattern": {"type": "dense"},
         "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
-        "check_finite": false       # collective NaN/Inf check of attention inputs/outputs
+        "check_finite": false,      # collective NaN/Inf check of attention inputs/outputs
+        "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}  # length-aware dynamic CP (absent: off)
     }
 """
 
@@ -51,6 +52,7 @@ __all__ = [
     "HEAD_LAYOUTS",
     "MIXER_KERNELS",
     "PatternConfig",
+    "DynamicConfig",
     "SeqParConfig",
 ]
 
@@ -185,6 +187,40 @@ class PatternConfig:
             if key in kwargs:
                 _check_type(f"pattern.{key}", kwargs[key], (str,), "expected a string")
         return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DynamicConfig:
+    """Length-aware dynamic CP (``seqpar.sequence.dynamic``): each document of a step gets a group of
+    about ``ceil_pow2(len / max_tokens_per_rank)`` ranks of the DP x SP pool, scheduled in slots in which
+    every rank runs one micro-batch. The planner and the process groups are in place; running the
+    planned micro-batches through a model is not yet (issue 32)."""
+
+    max_tokens_per_rank: int
+    """The most tokens one rank may hold in one micro-batch (a positive integer): a document longer than
+    this is cut over a group of ranks, and one longer than the largest group can hold is refused."""
+    min_size: int = 1
+    """The smallest group a document gets, a power of two (1: a short document runs whole on one rank).
+    It must divide the pool (DP x SP ranks of one TP rank set), checked at init_process_groups."""
+
+    def __post_init__(self) -> None:
+        hint = "expected a positive integer (tokens per rank per micro-batch)"
+        _check_type("dynamic.max_tokens_per_rank", self.max_tokens_per_rank, (int,), hint)
+        if self.max_tokens_per_rank < 1:
+            _fail("dynamic.max_tokens_per_rank", self.max_tokens_per_rank, hint)
+        hint = "expected a positive power of two (1, 2, 4, ...): the smallest group a document gets"
+        _check_type("dynamic.min_size", self.min_size, (int,), hint)
+        if self.min_size < 1 or self.min_size & (self.min_size - 1):
+            _fail("dynamic.min_size", self.min_size, hint)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> DynamicConfig:
+        if not isinstance(d, Mapping):
+            _fail("dynamic", d, 'expected an object like {"max_tokens_per_rank": 4096, "min_size": 1}, or leave it out')
+        _check_unknown("sequence_parallel.dynamic", d, cls)
+        if "max_tokens_per_rank" not in d:
+            _fail("dynamic", dict(d), 'it needs "max_tokens_per_rank" (the most tokens one rank holds per micro-batch)')
+        return cls(**d)
 
 
 def _resolve_aliases(block: Mapping[str, Any]) -> dict[str, Any]:
@@ -329,6 +365,10 @@ class SeqParConfig:
     offload_activations: bool = False
     """Keep checkpointed layer inputs in pinned CPU memory, prefetched in backward (CUDA only; on a
     CPU-only build it changes nothing). Needs activation checkpointing."""
+    dynamic: DynamicConfig | None = None
+    """Length-aware dynamic CP (:class:`DynamicConfig`): ``{"max_tokens_per_rank": N, "min_size": 1}``.
+    ``None`` (absent): off, every sequence is cut over the static SP group. When set,
+    ``init_process_groups`` also makes the aligned groups of every size the planner may choose."""
     recompute_norm: bool = False
     """Make the decoder's RMSNorms save only their input and recompute the norm in backward over row
     chunks, instead of keeping the fp32 upcast and the normalised copy (bitwise the same forward and
@@ -409,6 +449,8 @@ class SeqParConfig:
                 _fail("timeout_s", self.timeout_s, hint)
         if not isinstance(self.pattern, PatternConfig):
             _fail("pattern", self.pattern, "expected a pattern object")
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicConfig):
+            _fail("dynamic", self.dynamic, 'expected {"max_tokens_per_rank": N, "min_size": 1}, or leave it out')
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -430,6 +472,8 @@ class SeqParConfig:
         _check_unknown(BLOCK_KEY, kwargs, cls)
         if "pattern" in kwargs:
             kwargs["pattern"] = PatternConfig.from_dict(kwargs["pattern"])
+        if kwargs.get("dynamic") is not None:
+            kwargs["dynamic"] = DynamicConfig.from_dict(kwargs["dynamic"])
         if isinstance(kwargs.get("swap"), list):
             kwargs["swap"] = tuple(kwargs["swap"])
         config = cls(**kwargs)

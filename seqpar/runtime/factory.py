@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from seqpar.config import Links
 from seqpar.runtime import communicators
-from seqpar.runtime.grid import check_ulysses_size, rank_cube
+from seqpar.runtime.grid import check_ulysses_size, dynamic_group_sizes, rank_cube
 from seqpar.runtime.mesh import MeshAxes, MeshView, forget_dtensor_plans, mesh_axes
 from seqpar.runtime.mpu import MpuInterface
 
@@ -62,6 +62,9 @@ class ProcessGroupManager(MeshView, MpuInterface):
             must divide the world size (with ``mesh``: the mesh's ``"tp"`` size, or ``None``). Default 1.
         backend: backend for the new groups (default: the default group's backend).
         timeout: timeout of the new groups' collectives (default: torch's).
+        dynamic_min_size: make the groups of length-aware dynamic CP (``sequence_parallel.dynamic``): the
+            aligned groups of every size the planner may choose, from this smallest size up (see
+            :meth:`dynamic_group`). ``None`` (default): none.
         mesh: a named ``DeviceMesh`` over the whole world to take the SP and DP groups from instead of
             creating them (see :func:`mesh_axes` for the dims it understands; its ``"tp"`` dim's group
             is the TP group). The SP-DP group, the single-rank group, the TP group of a mesh without a
@@ -79,6 +82,7 @@ class ProcessGroupManager(MeshView, MpuInterface):
         timeout: timedelta | None = None,
         mesh: DeviceMesh | None = None,
         tp_size: int | None = None,
+        dynamic_min_size: int | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -148,6 +152,9 @@ class ProcessGroupManager(MeshView, MpuInterface):
         if axes is not None:
             self._dp_group = self._mesh_dp_group(mesh, axes, kw)
         self._ulysses_group, self._ring_group = self._make_ulysses_ring_groups(kw)
+        # length-aware dynamic CP: every size's aligned groups, made now, never during a step
+        self._dynamic_groups: dict[int, dist.ProcessGroup] = (
+            {} if dynamic_min_size is None else self._make_dynamic_groups(dynamic_min_size, kw))
         logger.info(
             "[rank %d] seqpar groups: world %d = dp %d x sp %d x tp %d; sp group %s, dp group %s, tp group %s",
             self._rank,
@@ -205,6 +212,68 @@ class ProcessGroupManager(MeshView, MpuInterface):
         ulysses = self._new_groups(split.permute(0, 1, 3, 2).reshape(-1, u).tolist(), kw)
         ring = self._new_groups(split.permute(0, 2, 3, 1).reshape(-1, sp // u).tolist(), kw)
         return ulysses, ring
+
+    def _make_dynamic_groups(self, min_size: int, kw: dict[str, Any]) -> dict[int, dist.ProcessGroup]:
+        """This rank's group of every size ``c`` that dynamic CP may choose (:func:`dynamic_group_sizes`):
+        the pool of each TP rank set is its ``(dp, sp)`` grid flattened row-major (position
+        ``dp_rank * sp + sp_rank``), and group ``(c, i)`` is positions ``[i c, (i + 1) c)``. Sizes ascending,
+        each family (every TP rank set's groups of that size) created whole, the same list on every rank:
+        ``new_group``'s rule. Sizes whose groups are already made are reused: 1 is this rank alone, a
+        size equal to ``sp`` is the SP group (rows of the grid), the whole pool is the SP-DP group."""
+        pool = self.dp_size * self.sp_size
+        pools = self.cube.permute(2, 0, 1).reshape(self.tp_size, pool)  # (tp, pool): every TP rank set's pool
+        made: dict[int, dist.ProcessGroup] = {}
+        for c in dynamic_group_sizes(pool, min_size):
+            if c == 1:
+                made[c] = self._self_group
+            elif c == pool:
+                made[c] = self._sp_dp_group
+            elif c == self.sp_size:
+                made[c] = self._sp_group
+            else:
+                made[c] = self._new_groups(pools.reshape(-1, c).tolist(), kw)
+        return made
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks in the dynamic-CP pool: the DP x SP ranks of one TP rank set (``dp_size * sp_size``)."""
+        return self.dp_size * self.sp_size
+
+    @property
+    def pool_position(self) -> int:
+        """This rank's position in its pool: ``dp_rank * sp_size + sp_rank``."""
+        return self._dp_rank * self.sp_size + self._sp_rank
+
+    @property
+    def dynamic_sizes(self) -> tuple[int, ...]:
+        """The group sizes made for dynamic CP, ascending (empty without ``sequence_parallel.dynamic``)."""
+        return tuple(self._dynamic_groups)
+
+    def dynamic_group(self, size: int, index: int) -> dist.ProcessGroup:
+        """Dynamic CP's group ``(size, index)``: pool positions ``[index * size, (index + 1) * size)`` of
+        this rank's TP rank set (made at creation; no collective here). A rank holds only the groups it
+        is in, which are the only ones a plan hands it.
+
+        Raises:
+            ValueError: no groups of that size were made, or this rank is not in group ``index``.
+        """
+        if size not in self._dynamic_groups:
+            raise ValueError(
+                f"dynamic_group: no dynamic-CP groups of size {size} (made: {list(self._dynamic_groups) or 'none'}); "
+                "set sequence_parallel.dynamic in the config passed to init_process_groups, and plan with the "
+                "same min_size"
+            )
+        if self.pool_position // size != index:
+            raise ValueError(
+                f"dynamic_group: rank {self._rank} (pool position {self.pool_position}) is not in group ({size}, "
+                f"{index}), positions {index * size}..{(index + 1) * size - 1}; its group of that size is index "
+                f"{self.pool_position // size}"
+            )
+        return self._dynamic_groups[size]
+
+    def dynamic_ranks(self, size: int, index: int) -> list[int]:
+        """Global ranks of dynamic group ``(size, index)`` of this rank's TP rank set, in position order."""
+        return self.grid.flatten()[index * size:(index + 1) * size].tolist()
 
     def destroy(self) -> None:
         """Destroy the groups this manager created (collective: every rank, once training is done).

@@ -45,6 +45,7 @@ __all__ = [
     "check_layout",
     "rank_cube",
     "node_layout_problems",
+    "dynamic_group_sizes",
 ]
 
 
@@ -182,3 +183,28 @@ def node_layout_problems(world_size: int, sp_size: int, ulysses_size: int, node_
             f"all-to-all crosses nodes; choose a divisor of {node_size} (the ring axis goes across nodes)"
         )
     return problems
+
+
+def dynamic_group_sizes(pool_size: int, min_size: int = 1) -> list[int]:
+    """The group sizes length-aware dynamic CP may choose on a pool of ``pool_size`` ranks (the DP x SP
+    ranks of one TP rank set), ascending: the powers of two from ``min_size`` up to the largest that
+    divides ``pool_size``. Group ``(c, i)`` of the pool is its positions ``[i * c, (i + 1) * c)``
+    (aligned), so the groups of every size nest and any mix of them can partition the pool.
+
+    Raises:
+        ValueError: ``min_size`` is not a positive power of two, or does not divide ``pool_size``.
+    """
+    if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+        raise ValueError(f"dynamic CP: the pool must be a positive number of ranks, got {pool_size!r}")
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1 or min_size & (min_size - 1):
+        raise ValueError(
+            f"sequence_parallel.dynamic.min_size = {min_size!r} is invalid: expected a positive power of two "
+            "(1, 2, 4, ...), the smallest group a document may get"
+        )
+    largest = pool_size & -pool_size  # the largest power of two dividing the pool
+    if min_size > largest:
+        raise ValueError(
+            f"sequence_parallel.dynamic.min_size = {min_size} does not divide the pool of {pool_size} ranks "
+            f"(DP x SP of one TP rank set): choose a power of two <= {largest}"
+        )
+    return [1 << k for k in range(min_size.bit_length() - 1, largest.bit_length())]

@@ -41,6 +41,7 @@ from seqpar.runtime.grid import (
     check_ulysses_size,
     choose_ulysses_size,
     divisors,
+    dynamic_group_sizes,
     node_layout_problems,
     rank_cube,
     rank_grid,
@@ -122,7 +123,7 @@ def _init_from_env(backend: str | None, timeout: timedelta | None) -> None:
 
 
 def _check_same_on_every_rank(sp_size: object, ulysses_size: object, sharding: object = None,
-                              tp_size: object = 1) -> None:
+                              tp_size: object = 1, dynamic_min_size: int | None = None) -> None:
     """All-gather the requested sizes (and declared sharding) on the default group and raise on every
     rank if they differ: ranks that disagree would create different groups and hang in ``new_group``,
     or cut one sequence two ways."""
@@ -132,7 +133,7 @@ def _check_same_on_every_rank(sp_size: object, ulysses_size: object, sharding: o
     names = (None, *SHARDINGS)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = torch.tensor([code(sp_size), code(ulysses_size), names.index(sharding) if sharding in names else -1,
-                         code(tp_size)], dtype=torch.int64, device=device)
+                         code(tp_size), dynamic_min_size or 0], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     rows = [t.cpu().tolist() for t in everyone]
@@ -141,10 +142,11 @@ def _check_same_on_every_rank(sp_size: object, ulysses_size: object, sharding: o
             return repr(names[c]) if 0 <= c < len(names) else "invalid"
 
         detail = "; ".join(f"rank {r}: sp_size={a}, ulysses_size={'auto' if b == 0 else b}, sharding={shown(c)}, "
-                           f"tp_size={t}" for r, (a, b, c, t) in enumerate(rows))
+                           f"tp_size={t}, dynamic.min_size={m or 'off'}" for r, (a, b, c, t, m) in enumerate(rows))
         raise ValueError(
             f"init_process_groups: the ranks asked for different group sizes or shardings ({detail}); "
-            "call it on every rank with the same sp_size, ulysses_size, tp_size and sharding (the same config)"
+            "call it on every rank with the same sp_size, ulysses_size, tp_size, sharding and "
+            "sequence_parallel.dynamic (the same config)"
         )
 
 
@@ -188,7 +190,9 @@ def init_process_groups(
         config: what ``swap_attention`` takes: a ``SeqParConfig``, a dict (the ``sequence_parallel``
             block, or a dict holding it), or a JSON path (standalone or DeepSpeed); see
             ``SeqParConfig.load``. Its ``size`` / ``ulysses_size`` / ``sharding`` / ``timeout_s`` /
-            ``links`` are used where the arguments are ``None``.
+            ``links`` are used where the arguments are ``None``. Its ``dynamic`` block (length-aware
+            dynamic CP) also makes the aligned groups of every size the planner may choose
+            (``manager.dynamic_group(size, index)``).
         sharding: the run's sharding (``"contiguous"``, ``"zigzag"``, ``"balanced"``), kept on the
             manager: batch and sequence cuts, attention and the loss then default to it, and an
             explicit argument that contradicts it raises (see
@@ -247,7 +251,8 @@ def init_process_groups(
     if ulysses_size is None:
         ulysses_size = cfg.ulysses_size
     declared, sharding_problem = _declared_sharding(sharding, cfg)
-    _check_same_on_every_rank(sp_size, ulysses_size, declared, tp_size)
+    dynamic_min = cfg.dynamic.min_size if cfg.dynamic is not None else None
+    _check_same_on_every_rank(sp_size, ulysses_size, declared, tp_size, dynamic_min)
     if sharding_problem:
         raise ValueError(sharding_problem)
     check_layout(dist.get_world_size(), sp_size, tp_size)
@@ -266,8 +271,10 @@ def init_process_groups(
     for problem in problems:
         if dist.get_rank() == 0:
             logger.warning("seqpar: group layout: %s", problem)
+    if dynamic_min is not None:  # the pool must hold a group of min_size (every rank raises alike)
+        dynamic_group_sizes(dist.get_world_size() // tp_size, dynamic_min)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout, mesh=mesh,
-                                  tp_size=tp_size)
+                                  tp_size=tp_size, dynamic_min_size=dynamic_min)
     manager.owns_world = owns_world
     manager.sharding = declared
     from seqpar.runtime import liveness

@@ -1,0 +1,491 @@
+"""Length-aware dynamic CP, the planner: which ranks run which documents, in how many slots (issue 32 §1).
+
+Pure Python on host integers (the global batch's document lengths, the same on every rank), so every
+rank derives the same plan with no message. The pool is the DP x SP ranks of one TP rank set,
+numbered by position ``p = dp_rank * sp_size + sp_rank`` (``manager.grid.flatten()``); a group is an
+aligned block of ``c`` positions, ``(c, i)`` = positions ``[i * c, (i + 1) * c)``, ``c`` a power of two
+(:func:`seqpar.runtime.grid.dynamic_group_sizes`; the process groups are made once, at
+``init_process_groups``).
+
+The plan:
+
+- Each document gets the smallest allowed group size ``c`` (``>= min_size``) whose share, ``len / c``
+  tokens per rank (padded, see :func:`tokens_per_rank`), fits ``max_tokens_per_rank``: about
+  ``ceil_pow2(len / max_tokens_per_rank)``, Megatron-Core's rule. A document longer than the largest
+  group can hold is refused, naming the fix.
+- A **slot** is one forward + backward on every rank of the pool: the groups in use partition the pool
+  and each runs one micro-batch (its documents packed and cut over its ``c`` ranks), possibly empty (an
+  uncovered position runs an empty micro-batch alone). Every rank therefore runs the same number of
+  forwards and backwards, and an engine's per-forward collectives (ZeRO-3 / FSDP2 gathers) stay matched.
+- Objective, in order: no rank over the budget (a hard constraint); the least slots; per-rank cost
+  balanced (max / mean over the step); the fewest bytes. A greedy heuristic, not an exact solver: slot
+  counts are tried upwards from the token lower bound (``slots_lower_bound`` in the plan), and in each
+  try the documents, largest groups and heaviest first, go onto the group whose busiest rank is least
+  loaded (LPT), or by best fit when that leaves one without room. A document joins a group larger than
+  its own only where nothing of its own size has room (to save a slot); otherwise its bytes are those
+  of its own size. No search beyond that (moves, swaps) yet: on the benchmark's mixes it changed
+  neither the balance nor the bytes, so it was left out.
+
+Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key) pair times the
+pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
+the attention planner's count), plus FLOPs per token for everything linear in the length (projections,
+MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
+inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
+
+Not here yet (issue 32, later parts): running the micro-batches through models and engines, per-call
+group plumbing in the swapped layers, the data loader and ``launch/train.py --dynamic``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from seqpar.runtime.grid import dynamic_group_sizes
+
+__all__ = [
+    "CostModel",
+    "MicroBatch",
+    "DynamicPlan",
+    "plan_dynamic",
+    "static_plan",
+    "tokens_per_rank",
+    "ring_bytes_per_rank",
+    "visible_pairs",
+]
+
+
+def visible_pairs(length: int, *, causal: bool = True, window: int | None = None, chunk_size: int | None = None) -> int:
+    """Visible (query, key) pairs of one document of ``length`` tokens under seqpar's mask rules
+    (:mod:`seqpar.attn.masks`): with ``chunk_size`` each chunk of the document is its own document;
+    causal with ``window`` w: ``0 <= i - j < w``; full with ``window``: ``|i - j| < w``."""
+    if chunk_size is not None and length > chunk_size:
+        full, rest = divmod(length, chunk_size)
+        return full * visible_pairs(chunk_size, causal=causal, window=window) + (
+            visible_pairs(rest, causal=causal, window=window) if rest else 0)
+    n = length
+    w = n if window is None else min(window, n)
+    if causal:  # row i sees min(i + 1, w) keys
+        return w * (w + 1) // 2 + (n - w) * w
+    m = w - 1  # distances 1..m on both sides of the diagonal
+    return n + 2 * (m * n - m * (m + 1) // 2)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What one document costs, per layer, forward (the backward is a constant multiple of both terms),
+    and what its ring moves. Units are the caller's (FLOPs with :meth:`transformer`).
+
+    Attributes:
+        causal: the mask kind: causal (``True``) or full.
+        window: sliding window (``>= 1``) or ``None``.
+        chunk_size: chunked local attention (Llama 4) or ``None``.
+        pair_cost: cost of one visible (query, key) pair (FLOPs: ``4 * q_heads * head_dim``).
+        token_cost: cost of one token in everything linear in the length: projections, MLP (the active
+            experts of an MoE), linear-attention and state-space mixers.
+        kv_width: values per token a ring moves (``2 * kv_heads * head_dim`` for K and V; an MLA
+            model's latent width when it sends latents).
+        elem_bytes: bytes per K/V value in flight (2 for bf16).
+        acc_bytes: bytes per value of the travelling dK/dV accumulators (fp32: 4).
+        layers: attention layers (the bytes and the cost scale with it).
+    """
+
+    causal: bool = True
+    window: int | None = None
+    chunk_size: int | None = None
+    pair_cost: float = 1.0
+    token_cost: float = 0.0
+    kv_width: int = 1
+    elem_bytes: int = 2
+    acc_bytes: int = 4
+    layers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"CostModel.{name} = {v!r}: expected a positive integer or None")
+        for name in ("pair_cost", "token_cost"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected a finite number >= 0")
+        for name in ("kv_width", "elem_bytes", "acc_bytes", "layers"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected a positive integer")
+
+    @classmethod
+    def transformer(
+        cls, hidden_size: int, intermediate_size: int, *, q_heads: int, kv_heads: int, head_dim: int | None = None,
+        layers: int = 1, active_mlps: int = 1, mixer_token_flops: float = 0.0, causal: bool = True,
+        window: int | None = None, chunk_size: int | None = None, elem_bytes: int = 2,
+    ) -> CostModel:
+        """Forward FLOPs of a decoder layer: 2 per multiply-add of the q/k/v/o projections and a gated
+        MLP (``active_mlps`` of them: an MoE's active experts), plus ``mixer_token_flops``; attention
+        ``4 * q_heads * head_dim`` per visible pair (QK^T and PV)."""
+        d = head_dim or hidden_size // q_heads
+        proj = hidden_size * d * (2 * q_heads + 2 * kv_heads)
+        mlp = 3 * hidden_size * intermediate_size * active_mlps
+        return cls(causal=causal, window=window, chunk_size=chunk_size, pair_cost=4.0 * q_heads * d,
+                   token_cost=2.0 * (proj + mlp) + mixer_token_flops, kv_width=2 * kv_heads * d,
+                   elem_bytes=elem_bytes, layers=layers)
+
+    def pairs(self, length: int) -> int:
+        """Visible pairs of one document (see :func:`visible_pairs`)."""
+        return visible_pairs(length, causal=self.causal, window=self.window, chunk_size=self.chunk_size)
+
+    def document_cost(self, length: int) -> float:
+        """One document's cost over all layers: ``layers * (pair_cost * pairs + token_cost * length)``."""
+        return self.layers * (self.pair_cost * self.pairs(length) + self.token_cost * length)
+
+
+def tokens_per_rank(tokens: int, size: int, pad_multiple: int = 2) -> int:
+    """Tokens each rank of a group of ``size`` ranks holds for a micro-batch of ``tokens``: all of them
+    on one rank; else the packed sequence padded to a multiple of ``pad_multiple * size`` (2: zigzag; 8:
+    seqpar's ``balanced`` sharding at its finest) and cut evenly."""
+    if size == 1:
+        return tokens
+    return -(-tokens // (pad_multiple * size)) * pad_multiple
+
+
+def ring_bytes_per_rank(tokens_local: int, size: int, cost: CostModel) -> int:
+    """Bytes one rank of a ring of ``size`` ranks sends for a micro-batch of ``tokens_local`` tokens
+    per rank, forward + backward, all layers: ``size - 1`` K/V blocks forward, the same again in the
+    backward and ``size - 1`` travelling dK/dV accumulators (DESIGN.md "Ring volume"; the same formula
+    as :func:`seqpar.attn.latent.ring_bytes_per_rank`, dense: no hop skipped). An all-gather moves the
+    same volume. 0 on one rank."""
+    return (size - 1) * tokens_local * cost.kv_width * (2 * cost.elem_bytes + cost.acc_bytes) * cost.layers
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What the ranks of one group run in one slot.
+
+    Attributes:
+        slot: the slot (0-based).
+        size: ranks in the group (a power of two).
+        index: which aligned group: pool positions ``[index * size, (index + 1) * size)``.
+        docs: indices into the planned lengths, in packing order (empty: an empty micro-batch).
+        tokens: the documents' total length.
+        tokens_per_rank: each rank's share, padded (:func:`tokens_per_rank`); ``<=`` the budget.
+        cost_per_rank: the documents' cost over the group's ranks.
+        bytes_per_rank: each rank's ring bytes (:func:`ring_bytes_per_rank`).
+    """
+
+    slot: int
+    size: int
+    index: int
+    docs: tuple[int, ...]
+    tokens: int
+    tokens_per_rank: int
+    cost_per_rank: float
+    bytes_per_rank: int
+
+    @property
+    def positions(self) -> range:
+        """The pool positions of the group."""
+        return range(self.index * self.size, (self.index + 1) * self.size)
+
+
+@dataclass(frozen=True)
+class DynamicPlan:
+    """A step's plan: ``slots[s]`` is slot ``s``'s micro-batches, ordered by position, covering the pool
+    exactly once. Per-rank figures are indexed by pool position and summed over the step.
+
+    Attributes:
+        pool_size, max_tokens_per_rank, min_size: the planner's inputs.
+        lengths: the documents' lengths, as given.
+        doc_sizes: each document's group size.
+        slots: the micro-batches of every slot.
+        rank_cost, rank_tokens, rank_bytes: per pool position, over the step.
+        slots_lower_bound: ``ceil(total tokens / (pool * budget))``: no plan has fewer slots.
+    """
+
+    pool_size: int
+    max_tokens_per_rank: int
+    min_size: int
+    lengths: tuple[int, ...]
+    doc_sizes: tuple[int, ...]
+    slots: tuple[tuple[MicroBatch, ...], ...]
+    rank_cost: tuple[float, ...]
+    rank_tokens: tuple[int, ...]
+    rank_bytes: tuple[int, ...]
+    slots_lower_bound: int
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def balance(self) -> float:
+        """Per-rank cost max / mean over the step (1.0: perfectly even; 1.0 for an empty step)."""
+        total = sum(self.rank_cost)
+        return max(self.rank_cost) * len(self.rank_cost) / total if total > 0 else 1.0
+
+    @property
+    def bytes_max(self) -> int:
+        """The most bytes any rank sends over the step."""
+        return max(self.rank_bytes)
+
+    @property
+    def peak_tokens_per_rank(self) -> int:
+        """The most tokens any rank holds in one slot (``<= max_tokens_per_rank``)."""
+        return max((mb.tokens_per_rank for slot in self.slots for mb in slot), default=0)
+
+    @property
+    def groups(self) -> tuple[tuple[int, int], ...]:
+        """The ``(size, index)`` of every group the plan uses with a non-empty micro-batch, sorted."""
+        return tuple(sorted({(mb.size, mb.index) for slot in self.slots for mb in slot if mb.docs}))
+
+    def micro_batch(self, position: int, slot: int) -> MicroBatch:
+        """The micro-batch pool position ``position`` runs in ``slot``."""
+        for mb in self.slots[slot]:
+            if position in mb.positions:
+                return mb
+        raise ValueError(f"position {position} is outside the pool of {self.pool_size} ranks")
+
+    def summary(self) -> dict[str, object]:
+        """The plan's figures as plain data (for JSON reports)."""
+        return {
+            "pool": self.pool_size, "max_tokens_per_rank": self.max_tokens_per_rank, "min_size": self.min_size,
+            "documents": len(self.lengths), "slots": self.num_slots, "slots_lower_bound": self.slots_lower_bound,
+            "balance_max_over_mean": self.balance, "bytes_max_per_rank": self.bytes_max,
+            "peak_tokens_per_rank": self.peak_tokens_per_rank,
+            "documents_per_size": {str(c): self.doc_sizes.count(c) for c in sorted(set(self.doc_sizes))},
+            "rank_cost": list(self.rank_cost), "rank_tokens": list(self.rank_tokens),
+            "rank_bytes": list(self.rank_bytes),
+        }
+
+
+# ------------------------------------------------------------------------------------------ the search
+@dataclass
+class _Bin:
+    """A micro-batch being filled (mutable, internal)."""
+
+    slot: int
+    size: int
+    index: int
+    docs: list[int] = field(default_factory=list)
+    tokens: int = 0
+    cost: float = 0.0
+
+
+class _Packing:
+    """Micro-batches over ``num_slots`` slots of a pool, with per-position loads (cost over the step)."""
+
+    def __init__(self, num_slots: int, pool: int, budget: int, pad: int) -> None:
+        self.pool, self.budget, self.pad = pool, budget, pad
+        self.bins: list[_Bin] = []
+        self.owner: list[list[_Bin | None]] = [[None] * pool for _ in range(num_slots)]
+        self.load = [0.0] * pool
+        self.free_slots = [num_slots] * pool  # per position: slots where it is in no group yet
+
+    def fits(self, b: _Bin, length: int) -> bool:
+        return tokens_per_rank(b.tokens + length, b.size, self.pad) <= self.budget
+
+    def open(self, slot: int, size: int, index: int) -> _Bin:
+        b = _Bin(slot, size, index)
+        self.bins.append(b)
+        for p in range(index * size, (index + 1) * size):
+            self.owner[slot][p] = b
+            self.free_slots[p] -= 1
+        return b
+
+    def add(self, b: _Bin, doc: int, length: int, cost: float) -> None:
+        b.docs.append(doc)
+        b.tokens += length
+        b.cost += cost
+        for p in range(b.index * b.size, (b.index + 1) * b.size):
+            self.load[p] += cost / b.size
+
+    def block_free(self, slot: int, size: int, index: int) -> bool:
+        return all(o is None for o in self.owner[slot][index * size:(index + 1) * size])
+
+
+def _place(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
+           pool: int, budget: int, pad: int, balance: bool) -> _Packing | None:
+    """Place every document (in ``order``) into ``num_slots`` slots, or ``None`` when one does not fit.
+    ``balance``: each onto the group whose busiest rank is least loaded (LPT); else best fit (the
+    micro-batch with the least room left, else the first free block)."""
+    pk = _Packing(num_slots, pool, budget, pad)
+    by_size: dict[int, list[_Bin]] = {}
+    for d in order:
+        c, length, cost = sizes[d], lengths[d], costs[d]
+        best, best_key = None, None
+        for b in by_size.get(c, ()):
+            if not pk.fits(b, length):
+                continue
+            if balance:
+                key = (max(pk.load[b.index * c:(b.index + 1) * c]), 0, b.slot, b.index)
+            else:
+                key = (budget - tokens_per_rank(b.tokens + length, c, pad), 0, b.slot, b.index)
+            if best_key is None or key < best_key:
+                best, best_key = b, key
+        new = None
+        for i in range(pool // c):
+            if not all(pk.free_slots[p] for p in range(i * c, (i + 1) * c)):
+                continue
+            slot = next((s for s in range(num_slots) if pk.block_free(s, c, i)), None)
+            if slot is None:
+                continue
+            key = ((max(pk.load[i * c:(i + 1) * c]), 1, slot, i) if balance else (budget, 1, slot, i))
+            if best_key is None or key < best_key:
+                best, best_key, new = None, key, (slot, c, i)
+            if not balance:
+                break  # first fit: the first free block
+        if new is not None:
+            best = pk.open(*new)
+            by_size.setdefault(c, []).append(best)
+        if best is None:  # no room at its own size: the room left in a larger group saves a slot
+            for b in sorted((b for size in by_size if size > c for b in by_size[size]),
+                            key=lambda b: (b.size, b.slot, b.index)):
+                if not pk.fits(b, length):
+                    continue
+                span = b.index * b.size, (b.index + 1) * b.size
+                key = ((b.size, max(pk.load[span[0]:span[1]]), b.slot, b.index) if balance
+                       else (b.size, budget - tokens_per_rank(b.tokens + length, b.size, pad), b.slot, b.index))
+                if best_key is None or key < best_key:
+                    best, best_key = b, key
+        if best is None:
+            return None
+        pk.add(best, d, length, cost)
+    return pk
+
+
+def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, pad_multiple: int) -> None:
+    for name, v in (("pool_size", pool_size), ("max_tokens_per_rank", max_tokens_per_rank),
+                    ("pad_multiple", pad_multiple)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"plan_dynamic: {name} = {v!r} is invalid: expected a positive integer")
+    bad = [(i, n) for i, n in enumerate(lengths) if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad:
+        raise ValueError(f"plan_dynamic: document lengths must be positive integers; got {bad[:5]} (index, length)")
+
+
+def plan_dynamic(
+    lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, *, min_size: int = 1,
+    cost: CostModel | None = None, pad_multiple: int = 2,
+) -> DynamicPlan:
+    """Plan one step of length-aware dynamic CP (see the module docstring).
+
+    Args:
+        lengths: every document length of the global batch (host ints, the same on every rank).
+        pool_size: the DP x SP ranks of one TP rank set.
+        max_tokens_per_rank: the most tokens a rank may hold in one micro-batch.
+        min_size: the smallest group a document may get (a power of two dividing the pool).
+        cost: the model's cost (default: causal attention pairs only).
+        pad_multiple: a group of ``c > 1`` pads its micro-batch to a multiple of ``pad_multiple * c``.
+
+    Returns:
+        The :class:`DynamicPlan`; a permutation of ``lengths`` permutes the document indices in it and
+        changes no per-rank figure (documents are ordered by length, cost and then index).
+
+    Raises:
+        ValueError: a length that is not a positive integer; a bad pool, budget or ``min_size``; a
+            document longer than the largest group (``pool``'s largest power-of-two divisor) can hold.
+    """
+    _check_args(lengths, pool_size, max_tokens_per_rank, pad_multiple)
+    cost = cost if cost is not None else CostModel()
+    allowed = dynamic_group_sizes(pool_size, min_size)
+    budget, pad = max_tokens_per_rank, pad_multiple
+    sizes: list[int] = []
+    for i, n in enumerate(lengths):
+        c = next((c for c in allowed if tokens_per_rank(n, c, pad) <= budget), None)
+        if c is None:
+            cmax = allowed[-1]
+            raise ValueError(
+                f"plan_dynamic: document {i} has {n} tokens, more than the largest group of {cmax} ranks holds at "
+                f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} ({cmax} x {budget}, padded to a "
+                f"multiple of {pad * cmax}): raise max_tokens_per_rank to at least {tokens_per_rank(n, cmax, pad)}, "
+                "use a pool with a larger power-of-two group (more DP x SP ranks), or cut the document"
+            )
+        sizes.append(c)
+    costs = [cost.document_cost(n) for n in lengths]
+    # larger groups first (they need whole aligned blocks), then the heaviest: ties by length, index
+    order = sorted(range(len(lengths)), key=lambda d: (-sizes[d], -costs[d], -lengths[d], d))
+    lower = max(1, -(-sum(lengths) // (pool_size * budget)))
+    packing = None
+    num_slots = lower
+    while packing is None:  # len(lengths) slots always fit: one document per slot
+        for balance in (True, False):
+            packing = _place(order, lengths, sizes, costs, num_slots, pool_size, budget, pad, balance)
+            if packing is not None:
+                break
+        else:
+            num_slots += 1
+    return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+
+
+def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
+            min_size: int, lower: int, num_slots: int) -> DynamicPlan:
+    """Freeze a packing: empty groups of one rank where no group covers a position; per-rank sums."""
+    slots = []
+    rank_cost, rank_tokens, rank_bytes = [0.0] * pool, [0] * pool, [0] * pool
+    for s in range(num_slots):
+        row: list[MicroBatch] = []
+        seen: set[int] = set()
+        for p in range(pool):
+            b = pk.owner[s][p]
+            if b is None:
+                row.append(MicroBatch(s, 1, p, (), 0, 0, 0.0, 0))
+                continue
+            if id(b) in seen:
+                continue
+            seen.add(id(b))
+            local = tokens_per_rank(b.tokens, b.size, pk.pad)
+            docs = tuple(sorted(b.docs, key=lambda d: (-lengths[d], d)))
+            mb = MicroBatch(s, b.size, b.index, docs, b.tokens, local,
+                            sum(cost.document_cost(lengths[d]) for d in docs) / b.size,
+                            ring_bytes_per_rank(local, b.size, cost))
+            row.append(mb)
+            for q in mb.positions:
+                rank_cost[q] += mb.cost_per_rank
+                rank_tokens[q] += local
+                rank_bytes[q] += mb.bytes_per_rank
+        slots.append(tuple(sorted(row, key=lambda mb: mb.index * mb.size)))
+    return DynamicPlan(pool, budget, min_size, tuple(lengths), tuple(sizes), tuple(slots), tuple(rank_cost),
+                       tuple(rank_tokens), tuple(rank_bytes), lower)
+
+
+def static_plan(
+    rows: Sequence[Sequence[int]], pool_size: int, sp_size: int, *, cost: CostModel | None = None,
+    pad_multiple: int = 2,
+) -> DynamicPlan:
+    """Static DP x SP over the same pool, for comparison: ``rows`` are packed rows (each a list of
+    document lengths), dealt to the ``pool / sp_size`` SP groups in order (slot ``s``, group ``g`` runs
+    row ``s * dp + g``; missing rows are empty). Each row's cost is split evenly over its SP group (the
+    ideal of balanced sharding). ``max_tokens_per_rank`` of the result is the largest share held."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1 or pool_size % sp_size:
+        raise ValueError(f"static_plan: sp_size {sp_size!r} must be a positive divisor of the pool {pool_size}")
+    cost = cost if cost is not None else CostModel()
+    dp = pool_size // sp_size
+    lengths = [n for row in rows for n in row]
+    _check_args(lengths, pool_size, 1, pad_multiple)
+    slots, first = [], 0
+    rank_cost, rank_tokens, rank_bytes = [0.0] * pool_size, [0] * pool_size, [0] * pool_size
+    starts = []
+    for row in rows:
+        starts.append(first)
+        first += len(row)
+    for s in range(max(1, -(-len(rows) // dp))):
+        row_mbs = []
+        for g in range(dp):
+            r = s * dp + g
+            if r >= len(rows):
+                row_mbs += [MicroBatch(s, 1, g * sp_size + q, (), 0, 0, 0.0, 0) for q in range(sp_size)]
+                continue
+            docs = tuple(range(starts[r], starts[r] + len(rows[r])))
+            tokens = sum(rows[r])
+            local = tokens_per_rank(tokens, sp_size, pad_multiple)
+            mb = MicroBatch(s, sp_size, g, docs, tokens, local,
+                            sum(cost.document_cost(n) for n in rows[r]) / sp_size,
+                            ring_bytes_per_rank(local, sp_size, cost))
+            row_mbs.append(mb)
+            for q in mb.positions:
+                rank_cost[q] += mb.cost_per_rank
+                rank_tokens[q] += local
+                rank_bytes[q] += mb.bytes_per_rank
+        slots.append(tuple(row_mbs))
+    peak = max((mb.tokens_per_rank for slot in slots for mb in slot), default=1)
+    sizes = tuple(sp_size for _ in lengths)
+    return DynamicPlan(pool_size, max(peak, 1), sp_size, tuple(lengths), sizes, tuple(slots), tuple(rank_cost),
+                       tuple(rank_tokens), tuple(rank_bytes), len(slots))

@@ -1,0 +1,238 @@
+"""The dynamic-CP planner (issue 32 §1), its cost and bytes models and its config block; single process.
+
+- The cost model's visible pairs equal the attention planner's count for every mask kind; its ring
+  bytes equal the hop plan's theory of the dense ring.
+- Uniform lengths give the static DP x SP plan; every slot partitions the pool, no rank is over the
+  budget, every document runs once in an aligned power-of-two group no smaller than its own size.
+- The long-tailed mix (the bench's, counted): per-rank cost max / mean <= 1.05 on every step, and at
+  least 2x fewer bytes per rank (max, over the mix) than static SP = 4.
+- Deterministic, and a permutation of the input permutes the document indices only.
+- Fewer documents than ranks (none at all included) gives empty micro-batches; bad input and a bad
+  ``sequence_parallel.dynamic`` block raise errors that name the fix.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from seqpar.config import ConfigError, DynamicConfig, SeqParConfig
+from seqpar.sequence.dynamic import (
+    CostModel,
+    DynamicPlan,
+    plan_dynamic,
+    ring_bytes_per_rank,
+    static_plan,
+    tokens_per_rank,
+    visible_pairs,
+)
+
+COST = CostModel.transformer(256, 688, q_heads=4, kv_heads=4, layers=2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window, chunk", [(None, None), (7, None), (40, None), (None, 16), (5, 16), (64, 16)])
+def test_visible_pairs_equal_the_attention_planners_count(causal: bool, window: int | None, chunk: int | None) -> None:
+    from seqpar.attn.common import AttentionOptions, block_calls
+    from seqpar.attn.masks import visible_pair_count
+
+    for length in (1, 5, 16, 33, 50):
+        opts = AttentionOptions(causal=causal, scale=1.0, window=window, chunk_size=chunk, cu_seqlens=(0, length))
+        counted = visible_pair_count(block_calls(opts, 1, 0, 0, length))
+        assert visible_pairs(length, causal=causal, window=window, chunk_size=chunk) == counted, (length, causal)
+
+
+def test_ring_bytes_equal_the_hop_theory_of_the_dense_ring() -> None:
+    from seqpar.bench.documents import ring_bytes_theory
+
+    cost = CostModel(kv_width=6, elem_bytes=4, acc_bytes=4)  # the theory's fp32 K/V and accumulators
+    for size, local in ((1, 10), (2, 12), (4, 8), (8, 3)):
+        block = local * cost.kv_width * cost.elem_bytes  # one rank's K and V
+        theory = ring_bytes_theory((size - 1,) * size, size, block)
+        assert all(ring_bytes_per_rank(local, size, cost) == t for t in theory), (size, theory)
+
+
+def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, min_size: int, cost: CostModel) -> None:
+    """The invariants of every plan."""
+    seen = []
+    assert plan.num_slots >= plan.slots_lower_bound >= 1
+    for s, slot in enumerate(plan.slots):
+        covered = [p for mb in slot for p in mb.positions]
+        assert sorted(covered) == list(range(pool)), f"slot {s} does not partition the pool: {covered}"
+        for mb in slot:
+            assert mb.slot == s and mb.size & (mb.size - 1) == 0 and pool % mb.size == 0
+            assert mb.tokens == sum(lengths[d] for d in mb.docs)
+            assert mb.tokens_per_rank == (tokens_per_rank(mb.tokens, mb.size) if mb.docs else 0)
+            assert mb.tokens_per_rank <= budget, f"slot {s}: a rank holds {mb.tokens_per_rank} > {budget}"
+            assert mb.bytes_per_rank == (ring_bytes_per_rank(mb.tokens_per_rank, mb.size, cost) if mb.docs else 0)
+            for d in mb.docs:
+                assert mb.size >= plan.doc_sizes[d] >= min_size
+            seen += mb.docs
+    assert sorted(seen) == list(range(len(lengths))), "every document runs exactly once"
+    for d, n in enumerate(lengths):  # the size rule: the smallest allowed power of two whose share fits
+        c = plan.doc_sizes[d]
+        assert tokens_per_rank(n, c) <= budget and (c == min_size or tokens_per_rank(n, c // 2) > budget)
+    assert sum(plan.rank_cost) == pytest.approx(sum(cost.document_cost(n) for n in lengths))
+    for p in range(pool):
+        assert plan.rank_tokens[p] == sum(plan.micro_batch(p, s).tokens_per_rank for s in range(plan.num_slots))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_every_slot_partitions_the_pool_and_no_rank_is_over_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    for pool, min_size in ((1, 1), (2, 1), (4, 1), (4, 2), (6, 1), (8, 1), (8, 4)):
+        budget = rng.choice([256, 1000, 1024])
+        largest = (pool & -pool) * budget
+        lengths = [min(largest, max(1, int(rng.lognormvariate(5.5, 1.2)))) for _ in range(rng.randint(0, 40))]
+        plan = plan_dynamic(lengths, pool, budget, min_size=min_size, cost=COST)
+        _check_plan(plan, lengths, pool, budget, min_size, COST)
+
+
+@pytest.mark.parametrize("length, count, size", [(4096, 16, 1), (2048, 16, 1), (1000, 32, 1), (8192, 8, 2),
+                                                 (6000, 6, 2), (16384, 4, 4), (12000, 8, 4)])
+def test_uniform_lengths_give_the_static_plan(length: int, count: int, size: int) -> None:
+    pool, budget = 4, 4096
+    per_mb = max(1, size * budget // length)  # documents one group's micro-batch holds
+    rows = [[length] * per_mb for _ in range(count // per_mb)]
+    static = static_plan(rows, pool, size, cost=COST)
+    plan = plan_dynamic([length] * count, pool, budget, cost=COST)
+    _check_plan(plan, [length] * count, pool, budget, 1, COST)
+    assert plan.num_slots == static.num_slots
+    for slot, static_slot in zip(plan.slots, static.slots):
+        assert [(mb.size, mb.index, len(mb.docs)) for mb in slot] == [(mb.size, mb.index, len(mb.docs))
+                                                                    for mb in static_slot]
+    assert plan.rank_cost == pytest.approx(static.rank_cost)
+    assert plan.rank_tokens == static.rank_tokens and plan.rank_bytes == static.rank_bytes
+
+
+def test_long_tailed_mix_balance_and_bytes_counted() -> None:
+    """The bench's mix at 4 ranks: every step balanced within 1.05 (counted by the attention planner on
+    each rank's balanced shard), and 2x fewer bytes per rank (max) than static SP = 4 over the mix."""
+    from seqpar.bench.dynamic import mix_report
+
+    report = mix_report(world=4, seq_len=16384, rows=8, batches=8, seed=0)
+    for step in report["per_step"]:
+        assert step["dynamic"]["balance_counted"] <= 1.05, step
+        assert step["dynamic"]["peak_tokens_per_rank"] <= report["max_tokens_per_rank"]
+        assert step["dynamic"]["bytes_max_per_rank"] < step["static_sp4"]["bytes_max_per_rank"]
+    assert report["overall"]["dynamic"]["balance_counted"] <= 1.05
+    assert report["bytes_ratio_static_sp_over_dynamic"] >= 2.0, report["bytes_ratio_static_sp_over_dynamic"]
+
+
+def test_the_plan_is_deterministic_and_independent_of_input_order() -> None:
+    from seqpar.bench.dynamic import long_tailed_rows
+
+    lengths = [n for row in long_tailed_rows(8, 16384, 3) for n in row]
+    plan = plan_dynamic(lengths, 4, 4096, cost=COST)
+    assert plan_dynamic(list(lengths), 4, 4096, cost=COST) == plan
+    order = list(range(len(lengths)))
+    random.Random(1).shuffle(order)
+    shuffled = plan_dynamic([lengths[i] for i in order], 4, 4096, cost=COST)
+    assert shuffled.rank_cost == plan.rank_cost and shuffled.rank_tokens == plan.rank_tokens
+    assert shuffled.rank_bytes == plan.rank_bytes
+
+    def shape(p: DynamicPlan) -> list:
+        return [[(mb.size, mb.index, sorted(p.lengths[d] for d in mb.docs)) for mb in slot] for slot in p.slots]
+
+    assert shape(shuffled) == shape(plan)
+
+
+def test_fewer_documents_than_ranks_gives_empty_micro_batches() -> None:
+    plan = plan_dynamic([300, 5000, 40], 8, 4096, cost=COST)
+    _check_plan(plan, [300, 5000, 40], 8, 4096, 1, COST)
+    assert plan.num_slots == 1
+    busy = [mb for mb in plan.slots[0] if mb.docs]
+    assert len(busy) == 3 and sum(mb.size for mb in busy) == 4  # 1 + 2 + 1 ranks busy, 4 run empty ones
+    assert sum(1 for mb in plan.slots[0] if not mb.docs) == 4
+    empty = plan_dynamic([], 4, 4096, cost=COST)
+    assert empty.num_slots == 1 and all(not mb.docs and mb.size == 1 for mb in empty.slots[0])
+    assert empty.balance == 1.0 and empty.bytes_max == 0
+
+
+def test_least_slots_when_the_documents_pack_exactly() -> None:
+    """Lengths that fill every rank exactly take the lower bound; a document joins a larger group's
+    spare room rather than open a slot."""
+    lengths = [3000, 1096, 2000, 2096, 4096, 4096, 4096, 4096, 1000, 3096, 8192]
+    plan = plan_dynamic(lengths, 4, 4096, cost=COST)
+    _check_plan(plan, lengths, 4, 4096, 1, COST)
+    assert plan.num_slots == plan.slots_lower_bound == 3
+    spare = plan_dynamic([6000, 2000], 2, 4096, cost=COST)  # 6000 needs both ranks; 2000 fits beside it
+    assert spare.num_slots == 1 and spare.slots[0][0].docs == (0, 1)
+
+
+def test_bad_input_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"document 1 has 20000 tokens.*raise max_tokens_per_rank to at least 5000"):
+        plan_dynamic([10, 20000], 4, 4096)
+    with pytest.raises(ValueError, match="largest group of 2 ranks"):
+        plan_dynamic([9000], 6, 4096)  # a pool of 6 has groups of 1 and 2 only
+    with pytest.raises(ValueError, match="positive integers"):
+        plan_dynamic([10, 0], 4, 4096)
+    with pytest.raises(ValueError, match="positive integers"):
+        plan_dynamic([10, 2.5], 4, 4096)
+    with pytest.raises(ValueError, match="max_tokens_per_rank = 0"):
+        plan_dynamic([10], 4, 0)
+    with pytest.raises(ValueError, match="pool_size"):
+        plan_dynamic([10], 0, 64)
+    with pytest.raises(ValueError, match="min_size = 3 is invalid"):
+        plan_dynamic([10], 4, 64, min_size=3)
+    with pytest.raises(ValueError, match="min_size = 8 does not divide the pool of 4 ranks"):
+        plan_dynamic([10], 4, 64, min_size=8)
+    with pytest.raises(ValueError, match="CostModel.window"):
+        CostModel(window=0)
+
+
+def test_config_dynamic_block() -> None:
+    cfg = SeqParConfig.from_dict({"sequence_parallel": {"size": 2, "dynamic": {"max_tokens_per_rank": 4096}}})
+    assert cfg.dynamic == DynamicConfig(max_tokens_per_rank=4096, min_size=1)
+    assert SeqParConfig.from_dict(cfg.to_dict()) == cfg and hash(cfg) == hash(SeqParConfig.from_dict(cfg.to_dict()))
+    assert SeqParConfig.from_dict({"size": 2}).dynamic is None
+    assert SeqParConfig.from_dict({"dynamic": None}).dynamic is None
+    bad = {
+        0: "sequence_parallel.dynamic = 0 is invalid",
+        "yes": "sequence_parallel.dynamic = 'yes' is invalid",
+        True: "sequence_parallel.dynamic = True is invalid",
+        (): "sequence_parallel.dynamic = () is invalid",
+        "{}": None,
+    }
+    for value, message in bad.items():
+        if message is None:
+            continue
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            SeqParConfig.from_dict({"dynamic": value})
+    for block, message in [
+        ({}, 'it needs "max_tokens_per_rank"'),
+        ({"max_tokens_per_rank": 0}, "dynamic.max_tokens_per_rank = 0 is invalid: expected a positive integer"),
+        ({"max_tokens_per_rank": -5}, "dynamic.max_tokens_per_rank = -5 is invalid"),
+        ({"max_tokens_per_rank": 1.5}, "dynamic.max_tokens_per_rank = 1.5 is invalid"),
+        ({"max_tokens_per_rank": True}, "dynamic.max_tokens_per_rank = True is invalid"),
+        ({"max_tokens_per_rank": 64, "min_size": 3}, "dynamic.min_size = 3 is invalid: expected a positive power of two"),
+        ({"max_tokens_per_rank": 64, "min_size": 0}, "dynamic.min_size = 0 is invalid"),
+        ({"max_tokens_per_rank": 64, "min_size": "1"}, "dynamic.min_size = '1' is invalid"),
+        ({"max_tokens_per_rank": 64, "min_sizes": 1}, r"unknown key\(s\) \['min_sizes'\] in sequence_parallel.dynamic"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            SeqParConfig.from_dict({"sequence_parallel": {"dynamic": block}})
+
+
+def test_modelled_pools_and_the_command(tmp_path) -> None:
+    """``python -m seqpar.bench dynamic`` writes dynamic.json with the counted and modelled parts marked
+    as such and the measured parts pending (small sizes: the machinery, not the figures)."""
+    import json
+
+    from seqpar.bench.__main__ import main
+
+    assert main(["dynamic", "--world", "4", "--seq-len", "4096", "--rows", "4", "--batches", "2", "--pools", "16",
+                 "--slots-per-group", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "dynamic.json").read_text())
+    assert payload["mix"]["kind"] == "counted" and payload["pools"]["kind"] == "modelled"
+    assert "pending" in payload["pending"] and "thread CPU time" in payload["pending"]
+    assert payload["pools"]["anchors_measured_elsewhere"] == {"megatron_core_dynamic_cp": 1.48,
+                                                              "verl_qwen3_30b_a3b_1k_16k": 1.61}
+    cases = payload["pools"]["cases"]
+    assert [c["mix"] for c in cases if "skipped" in c] == ["to_256k"]  # static CP 32 does not fit 16 GPUs
+    for case in cases:
+        assert case["kind"] == "modelled" and ("skipped" in case or case["speedup"]["slot_sync"] > 0)
+    assert set(itertools.chain.from_iterable(s.keys() for s in payload["mix"]["per_step"])) >= {
+        "static_sp4", "static_dp2_sp2", "dynamic"}
