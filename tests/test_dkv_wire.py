@@ -227,3 +227,40 @@ def test_public_api_hybrid_dilated_bytes_and_errors(dist_pool) -> None:
         assert "fp16" in errors[0] and "underflow" in errors[0], errors[0]
         assert '"fp32"' in errors[1] and "fp16" in errors[5], errors
         assert "allgather" in errors[3] and "ulysses" in errors[4] and "mode='ring'" in errors[3], errors
+
+
+def test_bf16_wire_mla_latent_ring() -> None:
+    """MLA's latent ring (the compressed block's gradients travel, :mod:`seqpar.attn.latent`), float64 data:
+    with the bf16 wire dc and dr carry its rounding and the accumulators' bytes shrink 4x (8 -> 2 bytes);
+    out, dq and kv_b_proj's weight gradient (summed where the shares are made) stay exact."""
+    from test_mla_latent import DIMS
+    from test_mla_latent import make_case as mla_case
+    from test_mla_latent import reference as mla_reference
+
+    from seqpar.attn.latent import LatentRingAttention
+
+    world, seq, sharding = 4, 48, "zigzag"
+    case = mla_case(5, seq)
+    want = mla_reference(case, True, None, None)
+    block = seq // world * DIMS.latent_width  # one rank's latent (c, r) values
+    for wire in ("fp32", "bf16"):
+        opts = AttentionOptions(causal=True, scale=0.3, sharding=sharding, dkv_wire_dtype=wire)
+
+        def body(comm, opts=opts):  # noqa: ANN001, ANN202
+            q, c, r, dout = (shard_rows(case[n], comm.rank, world, sharding).clone().requires_grad_()
+                             for n in ("q", "c", "r", "dout"))
+            w = case["w"].clone().requires_grad_()
+            out = LatentRingAttention.apply(q, c, r, w, comm, opts, DIMS, None)
+            return [out.detach(), *torch.autograd.grad(out, [q, c, r, w], dout.detach())], comm.bytes_sent
+
+        results = ThreadRing(world, timeout=60).run(body)
+        for j, name in enumerate(("out", "dq", "dc", "dr", "dw")):
+            parts = [res[0][j] for res in results]
+            got = sum(parts) if name == "dw" else unshard_rows(parts, world, sharding)
+            err = rel_err(got, want[j])
+            if wire == "bf16" and name in ("dc", "dr"):
+                assert ROUNDED < err <= (world - 1) * BF16_BOUND, (name, err)
+            else:
+                assert err < 1e-12, (wire, name, err)
+        dkv_bytes = (world - 1) * block * (8 if wire == "fp32" else 2)
+        assert all(res[1] == 2 * (world - 1) * block * 8 + dkv_bytes for res in results), [res[1] for res in results]
