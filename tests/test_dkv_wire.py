@@ -264,3 +264,28 @@ def test_bf16_wire_mla_latent_ring() -> None:
                 assert err < 1e-12, (wire, name, err)
         dkv_bytes = (world - 1) * block * (8 if wire == "fp32" else 2)
         assert all(res[1] == 2 * (world - 1) * block * 8 + dkv_bytes for res in results), [res[1] for res in results]
+
+
+def test_the_custom_ops_carry_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile the ring runs as custom ops whose options travel as flat arguments
+    (:mod:`seqpar.attn.ops`): forward and backward rebuild the very options they were given, the wire
+    dtype included (one process, the planner's single rank, called eagerly)."""
+    import seqpar.attn.ops as ops
+
+    seen = []
+    forward, backward = ops.ring_attention_forward, ops.ring_attention_backward
+
+    def spy_forward(q, k, v, comm, opts, sinks=None):  # noqa: ANN001, ANN202
+        seen.append(opts)
+        return forward(q, k, v, comm, opts, sinks)
+
+    def spy_backward(dout, q, k, v, out, lse, comm, opts):  # noqa: ANN001, ANN202
+        seen.append(opts)
+        return backward(dout, q, k, v, out, lse, comm, opts)
+
+    monkeypatch.setattr(ops, "ring_attention_forward", spy_forward)
+    monkeypatch.setattr(ops, "ring_attention_backward", spy_backward)
+    opts = AttentionOptions(causal=True, scale=0.25, window=4, dkv_wire_dtype="bf16")
+    q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
+    ops.compiled_attention("single", None, opts, q, k, v, None).sum().backward()
+    assert seen == [opts, opts], seen

@@ -4,8 +4,9 @@ Runs the ring (forward and backward) on ``--world`` virtual ranks in one process
 (:class:`~seqpar.comm.ring.ThreadRing`: the real ring code and kernels, one thread per rank) with
 fp32 inputs, once per ``dkv_wire_dtype``, and compares out, dq, dk, dv with one float64 SDPA call on
 the full sequence. Per wire it prints the norm-relative error ``|x - ref| / |ref|`` and the largest
-element error relative to the largest reference element, and the dK/dV bytes the backward sent (all
-ranks). ``--out DIR`` writes ``DIR/dkv_wire.json``.
+element error relative to the largest reference element (in brackets), and the dK/dV bytes the backward
+sent (all ranks); for scale, the same errors of one SDPA call on the whole sequence in bf16 (the error a
+bf16 model has anyway). ``--out DIR`` writes ``DIR/dkv_wire.json``.
 """
 
 from __future__ import annotations
@@ -92,6 +93,15 @@ def measure(
             row[name] = {"norm_rel": (diff.norm() / ref[name].norm()).item(),
                          "max_rel": (diff.abs().max() / ref[name].abs().max()).item()}
         result["wires"][wire] = row
+    # for scale: one process's SDPA on bf16 inputs, the error a bf16 model has anyway
+    q, k, v = (full[n].bfloat16().requires_grad_() for n in "qkv")
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
+    out.backward(full["dout"].bfloat16())
+    low = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    result["sdpa_bf16_inputs"] = {
+        name: {"norm_rel": ((low[name].double() - ref[name]).norm() / ref[name].norm()).item(),
+               "max_rel": ((low[name].double() - ref[name]).abs().max() / ref[name].abs().max()).item()}
+        for name in low}
     return result
 
 
@@ -117,7 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     for wire, row in result["wires"].items():
         cells = " | ".join(f"{row[n]['norm_rel']:.2e} ({row[n]['max_rel']:.1e})" for n in ("out", "dq", "dk", "dv"))
-        print(f"| {wire} | {cells} | {row['dkv_bytes']} |")
+        print(f"| {wire} wire | {cells} | {row['dkv_bytes']} |")
+    low = result["sdpa_bf16_inputs"]
+    cells = " | ".join(f"{low[n]['norm_rel']:.2e} ({low[n]['max_rel']:.1e})" for n in ("out", "dq", "dk", "dv"))
+    print(f"| for scale: one SDPA call on bf16 inputs | {cells} | |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "dkv_wire.json"), "w") as f:
