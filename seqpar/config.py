@@ -27,6 +27,7 @@ Example block::
         "pattern": {"type": "dense"},
         "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
         "check_finite": false,      # collective NaN/Inf check of attention inputs/outputs
+        "dkv_wire_dtype": "fp32",   # ring backward's dK/dV messages: "fp32" (exact) | "bf16" (half the bytes)
         "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}  # length-aware dynamic CP (absent: off)
     }
 """
@@ -51,6 +52,9 @@ __all__ = [
     "PATTERN_TYPES",
     "HEAD_LAYOUTS",
     "MIXER_KERNELS",
+    "DKV_WIRE_DTYPES",
+    "DKV_WIRE_HINT",
+    "DKV_WIRE_NO_EFFECT",
     "PatternConfig",
     "DynamicConfig",
     "SeqParConfig",
@@ -64,6 +68,15 @@ MIXER_KERNELS = ("torch", "auto")
 PATTERN_TYPES = ("dense", "dilated")
 HEAD_LAYOUTS = ("mixed", "grouped")
 SWAP_KEYWORDS = ("auto", "hf", "sdpa", "mha", "none")
+# what the ring's travelling dK/dV accumulators are sent in (seqpar.attn.ring)
+DKV_WIRE_DTYPES = ("fp32", "bf16")
+DKV_WIRE_HINT = (
+    'choose "fp32" (the default: exact) or "bf16" (half the dK/dV bytes, added in fp32 at every hop, not '
+    'exact); "fp16" is refused: with 5 exponent bits, gradients underflow (or overflow) without loss scaling'
+)
+# modes whose dK/dV do not travel as accumulators: all-gather reduce-scatters them (a bf16 reduce-scatter
+# would sum in bf16), Ulysses returns finished gradients in the input dtype by all-to-all
+DKV_WIRE_NO_EFFECT = ("allgather", "ulysses")
 
 # The key under which a DeepSpeed (or launcher) JSON carries the seqpar block.
 BLOCK_KEY = "sequence_parallel"
@@ -375,6 +388,14 @@ class SeqParConfig:
     input gradient; the weight's gradient summed in fp32): applied by the swap to Hugging Face causal
     LMs of the Llama family (see :mod:`seqpar.memory.norm`)."""
 
+    dkv_wire_dtype: str = "fp32"
+    """The dtype the ring backward's dK/dV accumulators travel in (ring, hybrid's ring, dilated): ``"fp32"``
+    (default; the accumulation dtype, exact) or ``"bf16"`` (TransformerEngine's choice: half the dK/dV
+    bytes, which are two thirds of a bf16 backward's; each hop adds its share in fp32 and rounds once to
+    bf16, so the gradients of K and V are *not* exact: BENCHMARKS.md gives the measured error against
+    float64). Refused with ``mode`` ``"allgather"`` or ``"ulysses"`` (dense pattern), whose dK/dV move no
+    accumulators; under ``"auto"`` it applies when the choice is the ring or the hybrid."""
+
     def __post_init__(self) -> None:
         _check_type("size", self.size, (int,), "expected a positive integer (the SP degree)")
         if self.size < 1:
@@ -451,6 +472,14 @@ class SeqParConfig:
             _fail("pattern", self.pattern, "expected a pattern object")
         if self.dynamic is not None and not isinstance(self.dynamic, DynamicConfig):
             _fail("dynamic", self.dynamic, 'expected {"max_tokens_per_rank": N, "min_size": 1}, or leave it out')
+        _check_type("dkv_wire_dtype", self.dkv_wire_dtype, (str,), DKV_WIRE_HINT)
+        if self.dkv_wire_dtype not in DKV_WIRE_DTYPES:
+            _fail("dkv_wire_dtype", self.dkv_wire_dtype, DKV_WIRE_HINT)
+        if self.dkv_wire_dtype != "fp32" and self.mode in DKV_WIRE_NO_EFFECT and self.pattern.type == "dense":
+            _fail("dkv_wire_dtype", self.dkv_wire_dtype,
+                  f'mode "{self.mode}" moves no dK/dV accumulators (all-gather reduce-scatters dK/dV shares, '
+                  'Ulysses all-to-alls finished gradients); use mode "ring", "hybrid" or "auto", or leave '
+                  'dkv_wire_dtype at "fp32"')
 
     # ------------------------------------------------------------------ loading
     @classmethod

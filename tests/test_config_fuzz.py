@@ -176,6 +176,7 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         ("sequence_parallel", "offload_activations"): _is_bool,
         ("sequence_parallel", "recompute_norm"): _is_bool,
         ("sequence_parallel", "dynamic"): lambda v: v is None or isinstance(v, dict),  # {"max_tokens_per_rank": N, ...}
+        ("sequence_parallel", "dkv_wire_dtype"): _one_of("fp32", "bf16"),  # bf16 not with allgather/ulysses: checked
         # launch/train.py TrainSettings
         ("train", "engine"): _one_of("auto", "deepspeed", "fsdp"),
         ("train", "dtype"): _one_of("fp32", "bf16", "fp16"),

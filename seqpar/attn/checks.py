@@ -20,11 +20,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.comm.agree import rows_across_ranks
-from seqpar.config import MODES, SHARDINGS
+from seqpar.config import DKV_WIRE_DTYPES, DKV_WIRE_HINT, DKV_WIRE_NO_EFFECT, MODES, SHARDINGS
 from seqpar.kernels.backends import DeviceCaps
 
 __all__ = [
     "check_options",
+    "check_dkv_wire",
+    "dkv_wire_digest",
     "check_local",
     "check_across_ranks",
     "describe_call",
@@ -132,6 +134,27 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | No
             f"head_chunks={head_chunks} does not divide the {kv_heads} K/V heads: choose one of {divisors} or 'auto'"
         )
     return head_chunks
+
+
+def dkv_wire_digest(dkv_wire_dtype: object) -> int:
+    """``dkv_wire_dtype`` as an int for the cross-rank check (-1: not a valid value): ranks that send
+    dK/dV in different dtypes would pair messages of different sizes."""
+    return DKV_WIRE_DTYPES.index(dkv_wire_dtype) if dkv_wire_dtype in DKV_WIRE_DTYPES else -1
+
+
+def check_dkv_wire(dkv_wire_dtype: object, algorithm: str | None = None) -> None:
+    """Refuse a ``dkv_wire_dtype`` that is no valid value, or ``"bf16"`` for an ``algorithm`` whose dK/dV
+    move no accumulators (``"allgather"``, ``"ulysses"``: an explicit mode; ``"auto"`` applies it only
+    where it chose the ring or the hybrid). Raises ValueError naming the option and the fix."""
+    if not isinstance(dkv_wire_dtype, str) or dkv_wire_dtype not in DKV_WIRE_DTYPES:
+        raise ValueError(f"dkv_wire_dtype={dkv_wire_dtype!r} is invalid: {DKV_WIRE_HINT}")
+    if dkv_wire_dtype != "fp32" and algorithm in DKV_WIRE_NO_EFFECT:
+        raise ValueError(
+            f"dkv_wire_dtype={dkv_wire_dtype!r} with mode={algorithm!r}: this mode moves no dK/dV accumulators "
+            "(all-gather reduce-scatters the dK/dV shares, and a bf16 reduce-scatter would sum in bf16; Ulysses "
+            "returns finished gradients by all-to-all in the input dtype). Use mode='ring', 'hybrid' or 'auto', "
+            "or leave dkv_wire_dtype='fp32'"
+        )
 
 
 def check_options(mode: str, sharding: str) -> None:

@@ -27,7 +27,7 @@ from seqpar.sequence.sharding import chunk_ids
 __all__ = [
     "AttentionOptions", "BlockExpander", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
-    "packed_views",
+    "packed_views", "dkv_wire_dtype",
 ]
 
 
@@ -47,6 +47,9 @@ class AttentionOptions:
     cu_seqlens: tuple[int, ...] | None = None
     chunk_size: int | None = None
     softcap: float | None = None  # scores s -> softcap * tanh(s / softcap) (Gemma 2), in the kernels
+    # the dtype the travelling dK/dV accumulators are sent in: "fp32" (the accumulation dtype: exact) or
+    # "bf16" (half the bytes, each hop adds in fp32 and rounds once for the wire): see dkv_wire_dtype()
+    dkv_wire_dtype: str = "fp32"
 
     @property
     def mask(self) -> MaskSpec:
@@ -79,6 +82,15 @@ class SingleRank:
 
     def exchange(self, *args: object, **kwargs: object) -> None:
         raise RuntimeError("a single-rank ring has nothing to exchange")
+
+
+def dkv_wire_dtype(wire: str, acc: torch.dtype) -> torch.dtype:
+    """The dtype dK/dV accumulators travel in for the option value ``wire`` (validated at the entry,
+    :func:`seqpar.attn.checks.check_dkv_wire`): ``"fp32"`` keeps the accumulation dtype ``acc`` (fp32; fp64
+    for fp64 inputs), ``"bf16"`` sends bfloat16 (TransformerEngine's choice). Either way the receiver adds
+    its share in ``acc`` arithmetic: ``wire_tensor.add_(share_in_acc)`` computes in the promoted dtype and
+    rounds once when it stores, so a bf16 accumulator is rounded once per hop, never summed in bf16."""
+    return torch.bfloat16 if wire == "bf16" else acc
 
 
 def rank_chunks(opts: AttentionOptions, world: int, rank: int, seq_local: int) -> list[int]:

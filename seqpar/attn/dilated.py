@@ -68,7 +68,7 @@ heads of offset ``o`` read; ``rows(o)``: the member's rows at offset ``o``, ``se
     =================  ==================  ======================================
     mode, mask         forward             backward
     =================  ==================  ======================================
-    ring, full         (c-1) B             (c-1) B  +  (c-1) B in fp32 (dK/dV)
+    ring, full         (c-1) B             (c-1) B  +  (c-1) B in fp32 (dK/dV; bf16: half)
     ring, causal       (i+1) B, last: 0    same K/V as forward  +  i B in fp32
     allgather, full    (c-1) B             (c-1) B  +  (c-1) B in fp32
     allgather, causal  (c-1-i) B           (c-1-i) B  +  i B in fp32
@@ -92,7 +92,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attn.checks import check_across_ranks, check_local, check_options
+from seqpar.attn.checks import (
+    check_across_ranks,
+    check_dkv_wire,
+    check_local,
+    check_options,
+    dkv_wire_digest,
+)
+from seqpar.attn.common import dkv_wire_dtype
 from seqpar.comm.ring import Pending
 from seqpar.comm.segment import SegmentComm
 from seqpar.kernels import block_backward, block_forward, lse_dtype, merge_into, new_accumulators
@@ -136,6 +143,9 @@ class DilatedOptions:
     """How spanning segments exchange K/V: ``"ring"`` or ``"allgather"``."""
     head_layout: str = "mixed"
     """``"mixed"`` or ``"grouped"`` (see the module docstring)."""
+    dkv_wire_dtype: str = "fp32"
+    """What the backward's dK/dV messages travel in: ``"fp32"`` (the accumulation dtype, exact) or
+    ``"bf16"`` (half the bytes; the receiver adds them in fp32: not exact). See :mod:`seqpar.attn.ring`."""
 
 
 def check_pattern(
@@ -527,6 +537,7 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
     sch = _Schedule(span.pat.span, span.pat.index, span.opts.causal)
     me, c = sch.me, sch.c
     acc = lse_dtype(span.dtype)
+    wire = dkv_wire_dtype(span.opts.dkv_wire_dtype, acc)  # dK/dV messages; every sum stays in acc
     own_acc = torch.zeros_like(span.own, dtype=acc)
     if span.opts.mode == "allgather":
         sends = [(i, span.own) for i in range(c) if i != me and sch.needs(i, me)]
@@ -537,9 +548,9 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
         for (j, _), kv in zip(recvs, pending.wait(), strict=True):
             share = torch.zeros(kv.numel(), dtype=acc, device=kv.device)
             span.backward(j, kv, share, dq_acc)
-            shares.append((j, share))
+            shares.append((j, share.to(wire)))  # (no copy for the default wire)
         # the dual of the forward's sends: every block's dK/dV share goes back to its owner
-        back = [(i, span.empty(me, acc)) for i, _ in sends]
+        back = [(i, span.empty(me, wire)) for i, _ in sends]
         for share in comm.exchange(shares, back, channel=_DKV).wait():
             own_acc += share
         span.scatter_own(own_acc, dk_acc, dv_acc)
@@ -572,8 +583,8 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
         acc_sends: list[tuple[int, Tensor]] = []
         if share is not None:
             if travelling is None:  # the first visitor after the owner starts the accumulator
-                travelling = share
-            else:
+                travelling = share.to(wire)  # (no copy for the default wire)
+            else:  # received in the wire dtype; the add runs in acc and rounds once (ring.py)
                 travelling += share
             dest = sch.next if s + 1 < sch.visitors(j) else j
             acc_sends.append((dest, travelling))
@@ -581,11 +592,11 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
         acc_recvs: list[tuple[int, Tensor]] = []
         next_acc = None
         if j_next is not None and s + 1 >= 2:  # block j_next's accumulator, from its previous visitor
-            next_acc = torch.empty(span.numel(j_next), dtype=acc, device=cur.device)
+            next_acc = torch.empty(span.numel(j_next), dtype=wire, device=cur.device)
             acc_recvs.append((sch.prev, next_acc))
         home_round = sch.visitors(me) - 1
         if s == home_round and home_round >= 1:  # own block's accumulator, from its last visitor
-            home = torch.empty_like(own_acc)
+            home = torch.empty_like(own_acc, dtype=wire)
             acc_recvs.append((sch.last_visitor(me), home))
         acc_pending = comm.exchange(acc_sends, acc_recvs, channel=_DKV) if acc_sends or acc_recvs else None
         if kv_pending is not None:
@@ -685,6 +696,7 @@ def dilated_attention(
     sharding: str = "contiguous",
     head_layout: str = "mixed",
     check_inputs: bool = True,
+    dkv_wire_dtype: str = "fp32",
 ) -> Tensor:
     """LongNet dilated attention of this rank's queries over the sequence held by the SP group.
 
@@ -707,6 +719,9 @@ def dilated_attention(
         head_layout: ``"mixed"`` (LongNet: head h uses offset h mod r in every pattern) or
             ``"grouped"`` (heads split evenly among the patterns; dilated-attention-pytorch's layout).
         check_inputs: all-gather a few integers first so that ranks passing different shapes all raise.
+        dkv_wire_dtype: what the backward's dK/dV messages travel in, in both modes: ``"fp32"`` (default,
+            exact) or ``"bf16"`` (half their bytes; each receiver adds them in fp32, not exact), as in
+            :func:`seqpar.attention`.
     Returns:
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
@@ -732,7 +747,10 @@ def dilated_attention(
         # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
         # mismatched collectives, so it is part of what every rank must agree on.
         check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, scale=scale,
-                           extra=pattern_row(segment_lengths, dilation_rates, head_layout))
+                           extra=[*pattern_row(segment_lengths, dilation_rates, head_layout),
+                                  dkv_wire_digest(dkv_wire_dtype)])
+    # every mode of the dilated pattern sends dK/dV point to point and sums it in fp32 at the receiver
+    check_dkv_wire(dkv_wire_dtype)
     if mode == "auto":
         from seqpar.attn.choose import choose_mode
 
@@ -743,6 +761,7 @@ def dilated_attention(
     opts = DilatedOptions(
         segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=bool(causal),
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale), mode=mode, head_layout=head_layout,
+        dkv_wire_dtype=dkv_wire_dtype,
     )
     plan = plan_dilated(opts, q_heads=q.shape[1], kv_heads=k.shape[1], seq_local=q.shape[2],
                         rank=rank, world_size=world)

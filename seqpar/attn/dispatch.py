@@ -46,6 +46,7 @@ def attention(
     chunk_size: int | None = None,
     softcap: float | None = None,
     alibi_slopes: Tensor | None = None,
+    dkv_wire_dtype: str = "fp32",
 ) -> Tensor:
     """Exact softmax attention of this rank's queries over the whole sequence held by the SP group.
 
@@ -112,6 +113,12 @@ def attention(
             taken as a transposed view: no copy on the way in or out). Shapes and strides cannot tell
             them apart, so with ``check_inputs`` a call whose ``q.size(1) > q.size(2)`` and no explicit
             ``layout=`` raises, naming both readings.
+        dkv_wire_dtype: what the backward's travelling dK/dV accumulators are sent in (ring, and the ring
+            of ``"hybrid"``): ``"fp32"`` (default: the accumulation dtype, exact) or ``"bf16"`` (half their
+            bytes, TransformerEngine's choice; each hop adds its share in fp32 and rounds once to bf16, so
+            dk and dv are not exact: see BENCHMARKS.md for the error against float64). ``"bf16"`` is
+            refused with ``mode="allgather"`` or ``"ulysses"`` (no accumulator travels); under ``"auto"``
+            it applies where the ring or the hybrid is chosen.
     Returns:
         ``(batch, q_heads, seq_local, v_head_dim)`` (bshd: ``(batch, seq_local, q_heads, v_head_dim)``) in
         q's dtype and the same sharding.
@@ -122,6 +129,7 @@ def attention(
         q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
         check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
         layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dkv_wire_dtype=dkv_wire_dtype,
     )
     return run_attention(plan, q, k, v, sinks, alibi_slopes)
 

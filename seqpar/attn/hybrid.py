@@ -17,6 +17,10 @@ one sharding serves every mode and the user never re-shards.
 Edge cases: ``u = 1`` is the ring (dispatched to it directly), ``u = P`` is Ulysses (no ring step).
 Compute per ring step is ``u`` times that of a plain ring at the same P, with the same K/V bytes per
 step, which is what hides a slow inter-node link.
+
+dK/dV: the ring across super-ranks moves its accumulators as :mod:`seqpar.attn.ring` does, in
+``opts.dkv_wire_dtype`` (bf16 halves them on the slow link); the all-to-all back then carries finished
+gradients in the input dtype, as in Ulysses.
 """
 
 from __future__ import annotations

@@ -65,16 +65,18 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
 
 
 def _options(causal: bool, scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None,
-             cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None) -> AttentionOptions:
+             cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None,
+             dkv_wire_dtype: str) -> AttentionOptions:
     return AttentionOptions(causal=causal, scale=scale, sharding=sharding, overlap=overlap, head_chunks=head_chunks,
                             window=window, cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
-                            chunk_size=chunk_size, softcap=softcap)
+                            chunk_size=chunk_size, softcap=softcap, dkv_wire_dtype=dkv_wire_dtype)
 
 
 def _flat(opts: AttentionOptions) -> tuple[Any, ...]:
     """The inverse of :func:`_options`: the options as the ops' trailing arguments."""
     return (opts.causal, opts.scale, opts.sharding, opts.overlap, opts.head_chunks, opts.window,
-            None if opts.cu_seqlens is None else list(opts.cu_seqlens), opts.chunk_size, opts.softcap)
+            None if opts.cu_seqlens is None else list(opts.cu_seqlens), opts.chunk_size, opts.softcap,
+            opts.dkv_wire_dtype)
 
 
 def _comm(algorithm: str, name: str) -> Any:
@@ -88,10 +90,10 @@ def _comm(algorithm: str, name: str) -> Any:
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, algorithm: str, group: str, causal: bool, scale: float,
     sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one rank (see the module)."""
-    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap)
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     comm = _comm(algorithm, group)
     if algorithm == "allgather":
         out_acc, lse = allgather_forward(q, k, v, comm, opts, sinks)
@@ -106,7 +108,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, sinks, algorithm, group, causal, scale, sharding, overlap, head_chunks, window, cu_seqlens,  # noqa: ANN001, ANN202
-      chunk_size, softcap):
+      chunk_size, softcap, dkv_wire_dtype):
     return output_like(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -114,10 +116,10 @@ def _(q, k, v, sinks, algorithm, group, causal, scale, sharding, overlap, head_c
 def attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str, causal: bool,
     scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, each laid out as its input (see the module)."""
-    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap)
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     comm = _comm(algorithm, group)
     if algorithm == "allgather":
         grads = allgather_backward(dout, q, k, v, out, lse, comm, opts)
@@ -128,7 +130,7 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, algorithm, group, causal, scale, sharding, overlap, head_chunks, window,  # noqa: ANN001, ANN202
-      cu_seqlens, chunk_size, softcap):
+      cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -172,11 +174,11 @@ def ulysses_fwd(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, group: str, ring_group: str, q_heads: int, kv_heads: int,
     u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int, causal: bool, scale: float,
     sharding: str, overlap: bool, inner_head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
 ) -> tuple[Tensor, list[Tensor]]:
     """Ulysses (``ring_group=""``) or hybrid forward: ``out`` like q and, per head chunk, the head-layout
     ``q, k, v, out, lse`` the backward reads (contiguous)."""
-    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap)
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
     out, saved = ulysses_forward(q, k, v, resolve_group(group), _ring(ring_group), plan, sinks)
     return out, [t.contiguous() for chunk in saved for t in chunk]
@@ -184,7 +186,7 @@ def ulysses_fwd(
 
 @ulysses_fwd.register_fake
 def _(q, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks,  # noqa: ANN001, ANN202
-      causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap):
+      causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
     split = HeadSplit(q_heads, kv_heads, u)
     qc, kc = split.q_per_rank // head_chunks, split.kv_per_rank // head_chunks
     b, n, d, dv = q.shape[0], u * q.shape[2], q.shape[3], v.shape[3]
@@ -200,11 +202,11 @@ def ulysses_bwd(
     dout: Tensor, saved: list[Tensor], k: Tensor, v: Tensor, sinks: Tensor | None, group: str, ring_group: str,
     q_heads: int, kv_heads: int, u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int,
     causal: bool, scale: float, sharding: str, overlap: bool, inner_head_chunks: int, window: int | None,
-    cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None,
+    cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (sequence layout, input dtypes) and the sinks' gradient (``(q_heads,)``; empty without
     sinks). ``k``, ``v``: the forward's inputs, for their shapes only."""
-    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap)
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
     chunks = [saved[i:i + 5] for i in range(0, len(saved), 5)]
     dq, dk, dv, dsinks = ulysses_backward(dout, chunks, k.shape, resolve_group(group), _ring(ring_group), plan, sinks,
@@ -215,7 +217,7 @@ def ulysses_bwd(
 
 @ulysses_bwd.register_fake
 def _(dout, saved, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank,  # noqa: ANN001, ANN202
-      head_chunks, causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap):
+      head_chunks, causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
     dsinks = torch.empty_like(sinks) if sinks is not None else dout.new_empty((0,))
     return (output_like(dout, k.shape[3]), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
 

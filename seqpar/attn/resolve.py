@@ -27,8 +27,10 @@ from torch import Tensor
 from seqpar.attn.checks import (
     GpuCall,
     check_across_ranks,
+    check_dkv_wire,
     check_local,
     check_options,
+    dkv_wire_digest,
     resolve_head_chunks,
 )
 from seqpar.attn.common import AttentionOptions
@@ -212,6 +214,7 @@ def resolve_attention(
     check_inputs: bool = True, head_chunks: int | str = "auto", cu_seqlens: Tensor | tuple[int, ...] | None = None,
     window: int | None = None, sinks: Tensor | None = None, layout: str | None = None,
     chunk_size: int | None = None, softcap: float | None = None, alibi_slopes: Tensor | None = None,
+    dkv_wire_dtype: str = "fp32",
 ) -> AttentionPlan:
     """Check a call and take every decision it needs (arguments as :func:`seqpar.attention`; q, k, v
     in the caller's ``layout``). Collective when ``check_inputs`` and the group has more than one rank.
@@ -238,10 +241,12 @@ def resolve_attention(
             qb, kb, vb, group=group, causal=causal, mode=mode, sharding=sharding, head_chunks=head_chunks,
             scale=scale,
             # the layout too: two ranks reading the same shapes two ways would exchange garbage
-            extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout)],
+            extra=[*([-2, *extra[1:]] if bad_bounds is not None else extra), -1 if not explicit_layout else LAYOUTS.index(layout),
+                   dkv_wire_digest(dkv_wire_dtype)],
         )
     if bad_bounds is not None:
         raise bad_bounds
+    check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
     check_local(qb, kb, vb, world_size=world, sharding=sharding)
@@ -261,7 +266,7 @@ def resolve_attention(
         causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
         overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1], GpuCall.of(qb, kb, vb, world)),
         window=window, cu_seqlens=bounds,
-        chunk_size=chunk_size, softcap=None if softcap is None else float(softcap),
+        chunk_size=chunk_size, softcap=None if softcap is None else float(softcap), dkv_wire_dtype=dkv_wire_dtype,
     )
     if world == 1:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])

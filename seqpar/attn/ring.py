@@ -14,6 +14,14 @@ touched), so the dK/dV transfer hides behind them. Per rank the backward sends P
 P-1 dK/dV blocks (fp32); with no stored copies of remote blocks this is the minimum, and no rank ever
 holds more than a few blocks of size S/P: memory O(S/P).
 
+dK/dV on the wire (``opts.dkv_wire_dtype``): ``"fp32"`` (default) sends the accumulators in the
+accumulation dtype, exact. ``"bf16"`` halves their bytes (TransformerEngine's choice): the accumulator
+travels and is received in bfloat16, and each rank adds its fp32 share to it in fp32 arithmetic, rounding
+once to bf16 for the next hop (one kernel, ``bf16.add_(fp32)``: the add runs in the promoted dtype); the
+owner adds the arriving accumulator into its fp32 own share. A block's dK/dV is thus rounded to bf16
+once per hop it travels (at most P-1 times), never summed in bf16: not exact (measured against float64
+in BENCHMARKS.md), the receive buffers and messages half the size.
+
 Documents and windows (``opts.cu_seqlens``, ``opts.window``): block j makes only
 ``h_j = block_hops(...)[j] <= P-1`` hops, the farthest ring distance at which a rank still sees one of
 its keys (every rank derives the same tuple from the same integers, so sends and receives pair up
@@ -62,6 +70,7 @@ from seqpar.attn.common import (
     block_calls,
     block_grads,
     block_hops,
+    dkv_wire_dtype,
     forward_block,
     piece_backward,
 )
@@ -126,8 +135,9 @@ def ring_forward(
 
 def _widen(x: Tensor, rows: slice, n: int, acc: torch.dtype) -> Tensor:
     """``x`` ``(B, H, rows, D)`` as a contiguous ``(B, H, n, D)`` ``acc`` tensor that is 0 outside ``rows``
-    (a new accumulator, ready to travel): ``x`` itself when it covers all ``n`` rows already in ``acc``
-    and contiguous (no copy), else one copy (dtype and layout at once) and a fill of the rest only."""
+    (a new accumulator, ready to travel; ``acc`` is the wire dtype, bf16 rounding ``x`` once): ``x`` itself
+    when it covers all ``n`` rows already in ``acc`` and contiguous (no copy), else one copy (dtype and
+    layout at once) and a fill of the rest only."""
     if rows == slice(0, n):  # (x.to(acc) alone returns a non-contiguous x as it is)
         return x if x.dtype == acc and x.is_contiguous() else x.to(acc, memory_format=torch.contiguous_format, copy=True)
     full = x.new_empty((*x.shape[:2], n, *x.shape[3:]), dtype=acc)
@@ -148,7 +158,8 @@ class _BlockShare:
     dv: Tensor
 
     def start(self, acc: torch.dtype) -> list[Tensor]:
-        """The block's new accumulators (its first hop): the share widened to all ``n`` rows."""
+        """The block's new accumulators (its first hop) in dtype ``acc`` (the wire's): the share widened
+        to all ``n`` rows."""
         return [_widen(self.dk, self.rows, self.n, acc), _widen(self.dv, self.rows, self.n, acc)]
 
     def add_to(self, dk_acc: Tensor, dv_acc: Tensor) -> None:
@@ -217,6 +228,7 @@ def ring_backward(
     accumulator starts at rank j+1, collects at each rank up to j + hops[j] and goes home from there."""
     world, rank = comm.world_size, comm.rank
     acc = lse_dtype(q.dtype)
+    wire = dkv_wire_dtype(opts.dkv_wire_dtype, acc)  # what the dK/dV accumulators travel in
     seq_local = q.shape[2]
     hops = block_hops(opts, world, seq_local)
     dout, out = backward_layout(dout, out)  # once, in the layout the kernels read (no per-hop copies)
@@ -236,6 +248,9 @@ def ring_backward(
         # accumulate in the caller's gradients: the own block's shares are copied there once, now, and
         # their buffers freed before the hops (instead of living through them and being copied at the end)
         dq_acc, dk_own, dv_own = (dst.copy_(share) for dst, share in zip(into, (dq_acc, dk_own, dv_own)))
+    # the shapes (and wire dtype) of the accumulators a rank only receives: dk_own / dv_own themselves
+    # when they travel in the accumulation dtype, else one-element templates seen at their shape
+    dkv_shapes = [t if t.dtype == wire else t.new_empty((), dtype=wire).expand(t.shape) for t in (dk_own, dv_own)]
 
     buffers: list[list[Tensor] | None] = [None, None]
     chain: Pending | None = None  # the last step's accumulator exchange with ranks r-1 / r+1
@@ -274,14 +289,14 @@ def ring_backward(
         incoming = chain.wait() if chain is not None else None
         chain, free = None, dkv_sent
         if share is not None:
-            if step == 1:  # first hop of block src's accumulator
-                send = share.start(acc)
-            else:  # the accumulator of block src arrived from rank r-1
+            if step == 1:  # first hop of block src's accumulator (rounded once to the wire dtype)
+                send = share.start(wire)
+            else:  # the accumulator of block src arrived from rank r-1 (wire dtype; the add runs in acc)
                 send = incoming
                 share.add_to(*send)
         del share, incoming
         onward = send is not None and step < hops[src]
-        chain = _exchange(comm, send if onward else [dk_own, dv_own], free if chain_recv else None, _DKV,
+        chain = _exchange(comm, send if onward else dkv_shapes, free if chain_recv else None, _DKV,
                           send=onward, recv=chain_recv)
         home_send = send is not None and not onward  # the block's last hop: straight home
         home_buf = None if chain_recv else free
@@ -291,7 +306,7 @@ def ring_backward(
         elif home_send:
             home_sends.append(_exchange(comm, send, None, _HOME, shift=world - step, recv=False))
         elif home_recv:
-            home_in = _exchange(comm, [dk_own, dv_own], home_buf, _HOME, shift=world - step, send=False)
+            home_in = _exchange(comm, dkv_shapes, home_buf, _HOME, shift=world - step, send=False)
         if not opts.overlap:
             for p in (chain, home_in, *home_sends):
                 if p is not None:
@@ -301,7 +316,7 @@ def ring_backward(
         chain.wait()
     for p in home_sends:
         p.wait()
-    if home_in is not None:  # own block's accumulator, home from rank + hops[rank]
+    if home_in is not None:  # own block's accumulator, home from rank + hops[rank] (added in acc)
         dk_in, dv_in = home_in.wait()
         dk_own += dk_in
         dv_own += dv_in

@@ -81,13 +81,15 @@ class SwapOptions:
     """MLA layers' ring transfer: ``"latent"`` or ``"expanded"`` (:attr:`SeqParConfig.mla_transfer`)."""
     mixer_kernels: str = "torch"
     """The hybrid mixers' local-scan kernels: ``"torch"`` or ``"auto"`` (:attr:`SeqParConfig.mixer_kernels`)."""
+    dkv_wire_dtype: str = "fp32"
+    """The ring backward's dK/dV on the wire: ``"fp32"`` or ``"bf16"`` (:attr:`SeqParConfig.dkv_wire_dtype`)."""
 
     @classmethod
     def from_config(cls, config: SeqParConfig, group: dist.ProcessGroup | None) -> SwapOptions:
         return cls(group=group, mode=config.mode, sharding=resolve_sharding(config.sharding, where="swap_attention"),
                    overlap=config.overlap, check_inputs=config.check_inputs, head_chunks=config.head_chunks,
                    pattern=config.pattern, check_finite=config.check_finite, mla_transfer=config.mla_transfer,
-                   mixer_kernels=config.mixer_kernels)
+                   mixer_kernels=config.mixer_kernels, dkv_wire_dtype=config.dkv_wire_dtype)
 
     def __deepcopy__(self, memo: dict) -> SwapOptions:
         return self
@@ -161,13 +163,13 @@ class SwapOptions:
                     q, k, v, segment_lengths=self.pattern.segment_lengths,
                     dilation_rates=self.pattern.dilation_rates, causal=causal, scale=scale,
                     mode=self.mode, group=self.group, sharding=self.sharding,
-                    head_layout=self.pattern.head_layout, check_inputs=check,
+                    head_layout=self.pattern.head_layout, check_inputs=check, dkv_wire_dtype=self.dkv_wire_dtype,
                 )
             # resolved once here and handed down: the run makes no check or choice again
             plan = resolve_attention(
                 q, k, v, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
-                head_chunks=self.head_chunks, layout="bhsd", **masked,
+                head_chunks=self.head_chunks, layout="bhsd", dkv_wire_dtype=self.dkv_wire_dtype, **masked,
             )
             return run_attention(plan, q, k, v, masked.get("sinks"), masked.get("alibi_slopes"))
 
@@ -194,7 +196,7 @@ class SwapOptions:
             plan = resolve_attention(
                 q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
-                head_chunks=self.head_chunks, layout="bhsd", **masked,
+                head_chunks=self.head_chunks, layout="bhsd", dkv_wire_dtype=self.dkv_wire_dtype, **masked,
             )
             if plan.algorithm not in ("ring", "allgather") or plan.opts.softcap is not None:
                 k, v = call.expand(call.c, call.r)
