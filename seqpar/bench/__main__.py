@@ -9,7 +9,8 @@ measures one Mamba2 layer sequence-parallel; ``overlap``
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
 the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
-rank's peak memory against one process, byte by byte.
+rank's peak memory against one process, byte by byte. ``interleave`` (:mod:`seqpar.bench.interleave`): a
+few methods timed in interleaved rounds, with an optional phase profile per round.
 """
 
 from __future__ import annotations
@@ -213,6 +214,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from seqpar.bench.ring_memory import main as ring_memory_main
 
         return ring_memory_main(argv[1:])
+    if argv[:1] == ["interleave"]:  # a few methods timed in interleaved rounds (BENCHMARKS.md, Ulysses)
+        from seqpar.bench.interleave import main as interleave_main
+
+        return interleave_main(argv[1:])
     args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.replot:
