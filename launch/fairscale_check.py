@@ -26,7 +26,7 @@ from seqpar.bench.gpu_check import lm_step, one_rank_group, tiny_llama
 def check(steps: int = 4) -> dict[str, Any]:
     """``passed`` is None (skipped) without FairScale, else whether every loss matches to 1e-4."""
     if importlib.util.find_spec("fairscale") is None:
-        return {"passed": None, "skipped": "fairscale is not installed: carry its wheel (README, GPU run-book)"}
+        return {"passed": None, "skipped": "fairscale is not installed: carry its wheel (docs/gpu-runbook.md)"}
     from seqpar.integrations import fairscale as fs
 
     manager = one_rank_group()

@@ -1,6 +1,6 @@
 """seqpar: sequence (context) parallelism for PyTorch training.
 
-The public API is what ``__all__`` lists (README's "Use it from Python" has the same list). Tensors
+The public API is what ``__all__`` lists (docs/getting-started.md has the same list). Tensors
 are ``(batch, heads, seq_local, head_dim)`` unless a call says ``layout="bshd"``.
 
 The package reads like its layers, from the edge down:

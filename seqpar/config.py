@@ -81,7 +81,7 @@ DKV_WIRE_NO_EFFECT = ("allgather", "ulysses")
 # The key under which a DeepSpeed (or launcher) JSON carries the seqpar block.
 BLOCK_KEY = "sequence_parallel"
 
-# Other frameworks' names, accepted inside the block (README "Names in other frameworks"):
+# Other frameworks' names, accepted inside the block (docs/names.md):
 # they set `size`, and Megatron's cp_comm_type sets `mode`. Resolved once, in from_dict.
 SIZE_ALIASES = ("cp_size", "context_parallel_degree", "sequence_parallel_size")
 COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}

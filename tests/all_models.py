@@ -21,8 +21,8 @@ On 2 ranks (ring, zigzag; seqpar's public path: ``init_process_groups``, ``swap_
 - ``crash``: anything else raised under seqpar (a failure: it must be a clear refusal instead);
 - ``wrong``: ran, but the loss or a gradient differs (a failure: silently wrong).
 
-Run ``python -m tests.all_models --table`` (repository root) to print README's table, ``--write-readme``
-to replace it in README.md, ``--only TYPE ...`` to run some model types with their details, ``--mutate
+Run ``python -m tests.all_models --table`` (repository root) to print the table of docs/models.md,
+``--write-docs`` to replace it there, ``--only TYPE ...`` to run some model types with their details, ``--mutate
 A_log=2`` to break the SP run's gradients on purpose (every model holding an ``A_log`` must come out wrong).
 """
 
@@ -61,8 +61,8 @@ FLOOR = 1e-8  # x the model's largest gradient entry: float64 models
 FLOOR_FP32 = 1e-6  # ... and models that run in fp32 only
 STATUSES = ("exact", "refused", "cannot_run", "wrong", "crash")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-TABLE_BEGIN = "<!-- all-models table: python -m tests.all_models --write-readme -->"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "models.md"
+TABLE_BEGIN = "<!-- all-models table: python -m tests.all_models --write-docs -->"
 TABLE_END = "<!-- end of all-models table -->"
 
 
@@ -258,7 +258,7 @@ def run_all(pool: Any, model_types: list[str] | None = None, timeout: float = 30
 
 
 # --------------------------------------------------------------------------------------------------
-# README's table
+# the table of docs/models.md
 # --------------------------------------------------------------------------------------------------
 
 _LABELS = {
@@ -298,7 +298,7 @@ def refusal_reason(detail: str) -> tuple[str, str]:
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    """README's markdown: the counts, then the refused model types grouped by reason."""
+    """The page's markdown: the counts, then the refused model types grouped by reason."""
     import transformers
 
     c = counts(results)
@@ -333,36 +333,36 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def readme_table(readme: Path = README) -> str:
-    """The table README.md holds between :data:`TABLE_BEGIN` and :data:`TABLE_END`."""
-    text = readme.read_text()
+def page_table(page: Path = PAGE) -> str:
+    """The table docs/models.md holds between :data:`TABLE_BEGIN` and :data:`TABLE_END`."""
+    text = page.read_text()
     if TABLE_BEGIN not in text or TABLE_END not in text:
-        raise ValueError(f"README.md has no all-models table (between {TABLE_BEGIN!r} and {TABLE_END!r})")
+        raise ValueError(f"{page} has no all-models table (between {TABLE_BEGIN!r} and {TABLE_END!r})")
     return text.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip()
 
 
-def readme_counts(readme: Path = README) -> dict[str, int]:
-    """The counts README's table states, by status."""
+def page_counts(page: Path = PAGE) -> dict[str, int]:
+    """The counts the page's table states, by status."""
     found = {}
-    for line in readme_table(readme).splitlines():
+    for line in page_table(page).splitlines():
         for s, label in _LABELS.items():
             if line.startswith(f"| {label} |"):
                 found[s] = int(line.rsplit("|", 2)[1])
     return found
 
 
-def write_readme(results: dict[str, dict[str, Any]], readme: Path = README) -> None:
-    text = readme.read_text()
+def write_page(results: dict[str, dict[str, Any]], page: Path = PAGE) -> None:
+    text = page.read_text()
     head, rest = text.split(TABLE_BEGIN, 1)
     tail = rest.split(TABLE_END, 1)[1]
-    readme.write_text(f"{head}{TABLE_BEGIN}\n{table(results)}\n{TABLE_END}{tail}")
+    page.write_text(f"{head}{TABLE_BEGIN}\n{table(results)}\n{TABLE_END}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.all_models", description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", metavar="TYPE", help="model types to run (default: all)")
-    parser.add_argument("--table", action="store_true", help="print README's table")
-    parser.add_argument("--write-readme", action="store_true", help="replace README's table")
+    parser.add_argument("--table", action="store_true", help="print the table of docs/models.md")
+    parser.add_argument("--write-docs", action="store_true", help="replace the table in docs/models.md")
     parser.add_argument("--mutate", nargs="+", metavar="SUFFIX=FACTOR", default=[],
                         help="a deliberate break: scale the SP run's gradients of parameters ending in SUFFIX "
                              "(A_log=2 doubles every Mamba / GDN decay's gradient); the models holding one must "
@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     if args.table:
         print(table(results))
-    if args.write_readme:
-        write_readme(results)
+    if args.write_docs:
+        write_page(results)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Every decoder-only causal LM of the installed transformers, at SP=2: exact or refused by name (issue 19 §1).
 
 The builder and runner live in ``tests/all_models.py`` (``python -m tests.all_models --table`` prints
-README's table). One pass over every model type on the session's 2-rank pool feeds every test here.
+the table of docs/models.md). One pass over every model type on the session's 2-rank pool feeds every test here.
 """
 
 from __future__ import annotations
@@ -52,14 +52,14 @@ def test_models_that_cannot_run_do_not_grow(results) -> None:  # noqa: ANN001
     assert len(cannot) <= len(CANNOT_RUN), f"{len(cannot)} tiny configs cannot run (recorded: {len(CANNOT_RUN)}); new: {new}"
 
 
-def test_readme_table_is_current(results) -> None:  # noqa: ANN001
-    table = all_models.readme_table()
+def test_docs_table_is_current(results) -> None:  # noqa: ANN001
+    table = all_models.page_table()
     if f"transformers {transformers.__version__} " not in table:
-        pytest.skip(f"README's table is for another transformers than {transformers.__version__}")
-    assert all_models.readme_counts() == all_models.counts(results), (
-        "README's all-models table is stale: run `python -m tests.all_models --write-readme`")
+        pytest.skip(f"docs/models.md's table is for another transformers than {transformers.__version__}")
+    assert all_models.page_counts() == all_models.counts(results), (
+        "docs/models.md's all-models table is stale: run `python -m tests.all_models --write-docs`")
     assert table == all_models.table(results), (
-        "README's all-models table is stale: run `python -m tests.all_models --write-readme`")
+        "docs/models.md's all-models table is stale: run `python -m tests.all_models --write-docs`")
 
 
 def test_each_gradient_is_judged_on_its_own_scale() -> None:

@@ -1,5 +1,5 @@
-"""The public API contract: ``seqpar.__all__`` is README's list, ``dir(seqpar)`` shows only it, every name
-resolves; the module paths and top-level names that moved before 0.2 are gone (0.2.0 removed their
+"""The public API contract: ``seqpar.__all__`` is the user guide's list (docs/getting-started.md),
+``dir(seqpar)`` shows only it, every name resolves; the module paths and top-level names that moved before 0.2 are gone (0.2.0 removed their
 aliases), and CHANGELOG.md says where each one went.
 
 Old module paths are imported in one fresh interpreter (``sys.executable -c``), so that nothing an
@@ -63,22 +63,26 @@ MOVED_NAMES = {
 }
 
 
-def _readme_api() -> list[str]:
-    """The names of the "Public API (`seqpar.__all__`)" bullet list in README's "Use it from Python"."""
-    text = (ROOT / "README.md").read_text()
+GUIDE = ROOT / "docs" / "getting-started.md"
+
+
+def _docs_api() -> list[str]:
+    """The names of the "Public API (`seqpar.__all__` ..." bullet list in docs/getting-started.md's "Use it
+    from Python" (the user guide's list of the public API)."""
+    text = GUIDE.read_text()
     section = re.search(r"^## Use it from Python\n(.*?)(?=^## )", text, re.M | re.S)
-    assert section, "README.md has no '## Use it from Python' section"
-    block = re.search(r"^Public API \(`seqpar.__all__`\).*?\n\n((?:- .*\n)+)", section.group(1), re.M)
-    assert block, "README's 'Use it from Python' has no 'Public API (`seqpar.__all__`)' bullet list"
+    assert section, "docs/getting-started.md has no '## Use it from Python' section"
+    block = re.search(r"^Public API \(`seqpar.__all__`.*?\n\n((?:- .*\n)+)", section.group(1), re.M)
+    assert block, "docs/getting-started.md's 'Use it from Python' has no 'Public API (`seqpar.__all__`)' bullet list"
     return [re.match(r"- `(\w+)`", line).group(1) for line in block.group(1).splitlines()]
 
 
-def test_all_is_readmes_api_list():
-    names = _readme_api()
-    assert len(names) == len(set(names)), f"README lists a name twice: {names}"
+def test_all_is_the_docs_api_list():
+    names = _docs_api()
+    assert len(names) == len(set(names)), f"docs/getting-started.md lists a name twice: {names}"
     assert sorted(names) == sorted(seqpar.__all__), (
         f"in __all__ only: {sorted(set(seqpar.__all__) - set(names))}; "
-        f"in README only: {sorted(set(names) - set(seqpar.__all__))}")
+        f"in docs/getting-started.md only: {sorted(set(names) - set(seqpar.__all__))}")
 
 
 def test_dir_shows_only_the_public_api():

@@ -150,12 +150,12 @@ def test_auto_is_exact_identical_on_every_rank_and_logged_once(dist_pool, links:
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
 
 
-def test_readme_table_is_what_the_model_picks() -> None:
-    """The README's table of auto's choices is regenerated here from the model: it cannot go stale."""
+def test_docs_table_is_what_the_model_picks() -> None:
+    """The table of auto's choices in docs/concepts.md is regenerated here from the model: it cannot go stale."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| ") and " / " in line and "**" in line]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "concepts.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ") and " / " in line and "**" in line]
     settings = [(8, 131072), (16, 131072), (32, 524288)]
     assert len(rows) == 6, rows
     for line in rows:

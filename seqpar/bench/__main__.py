@@ -10,7 +10,8 @@ used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
 the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
 rank's peak memory against one process, byte by byte. ``dynamic`` (:mod:`seqpar.bench.dynamic`):
-length-aware dynamic CP against static SP, planned and counted (nothing run yet).
+length-aware dynamic CP against static SP, planned and counted (nothing run yet). ``interleave`` (:mod:`seqpar.bench.interleave`): a
+few methods timed in interleaved rounds, with an optional phase profile per round.
 """
 
 from __future__ import annotations
@@ -218,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from seqpar.bench.dynamic import main as dynamic_main
 
         return dynamic_main(argv[1:])
+    if argv[:1] == ["interleave"]:  # a few methods timed in interleaved rounds (BENCHMARKS.md, Ulysses)
+        from seqpar.bench.interleave import main as interleave_main
+
+        return interleave_main(argv[1:])
     args = build_parser().parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.replot:

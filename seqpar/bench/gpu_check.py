@@ -17,7 +17,7 @@ Stages (:data:`STAGES`, in order):
 - ``dilated``: dilated attention forward+backward at 32K, 128K, 512K tokens, then doubling to the
   longest that fits.
 - ``fairscale``: FairScale FSDP training steps of a tiny swapped Llama against the plain model
-  (skipped, with the reason, when fairscale does not import: carry its wheel, see README).
+  (skipped, with the reason, when fairscale does not import: carry its wheel, see docs/gpu-runbook.md).
 - ``peers``: the peers suite (PyTorch ``context_parallel`` among them) at P = 1 and 2.
 - ``host-sync``: steady-state training steps of a tiny swapped Llama under
   ``torch.cuda.set_sync_debug_mode("error")``; lists every synchronising call site it saw.
@@ -28,7 +28,7 @@ Stages (:data:`STAGES`, in order):
   and stay unproven.
 
 The lent machines stop a command after 10 minutes, so the limits of the first five stages add up to
-8.5 minutes and those of the last three to 9.5: run them as two calls (README, "GPU run-book"), and
+8.5 minutes and those of the last three to 9.5: run them as two calls (docs/gpu-runbook.md), and
 ``mixer-kernels`` (2 minutes) on its own or with a short one.
 """
 
@@ -55,7 +55,7 @@ __all__ = ["STAGES", "Stage", "build_parser", "lm_step", "main", "one_rank_group
 
 NO_CUDA = (
     "gpu-check: no CUDA device (torch.cuda.is_available() is False, torch {torch}); run it on a "
-    "machine with an NVIDIA GPU and a CUDA build of torch (see README, 'GPU run-book')."
+    "machine with an NVIDIA GPU and a CUDA build of torch (see docs/gpu-runbook.md)."
 )
 
 

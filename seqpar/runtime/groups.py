@@ -216,9 +216,8 @@ def init_process_groups(
     Raises:
         seqpar.config.ConfigError: an invalid config (before any collective: the same on every rank).
         ValueError (on every rank): the world size is not ``dp x sp x tp``, ``tp_size`` does not divide
-        ``heads``, ``ulysses_size``
-        does not divide the SP size, the ranks passed different sizes or shardings, ``sharding``
-        contradicts the config's, or the mesh has a dim seqpar cannot represent.
+            ``heads``, ``ulysses_size`` does not divide the SP size, the ranks passed different sizes or
+            shardings, ``sharding`` contradicts the config's, or the mesh has a dim seqpar cannot represent.
     """
     cfg = SeqParConfig.load(config)  # defaults when None: size 1, ulysses 1, sharding undeclared
     owns_world = not dist.is_initialized()

@@ -1,0 +1,42 @@
+"""``python -m seqpar.bench interleave`` (issue 30 §5: the loose bench scripts' one tool), without processes:
+the per-round figures and their medians from the ranks' raw records, and a bad method refused before any
+pool starts. (A real run on 2 CPU ranks takes ~10 s of pool start-up; the suites' own tests cover run_case.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from seqpar.bench.interleave import build_parser, run_rounds, summarize
+
+
+def _rank(wall: list[float], cpu: list[float], phases: dict[str, float] | None = None) -> dict:
+    rec = {"timing": {"wall_s": wall, "cpu_s": cpu}}
+    if phases is not None:
+        rec["profile"] = {"phases_cpu_s": phases}
+    return rec
+
+
+def test_summarize_keeps_every_round_and_takes_medians() -> None:
+    rounds = [  # 3 rounds x 2 ranks, 2 repeats each
+        [_rank([1.0, 3.0], [0.5, 0.7], {"kernel": 0.2}), _rank([2.0, 1.0], [0.9, 0.1], {"kernel": 0.4, "merge": 0.2})],
+        [_rank([5.0, 5.0], [2.0, 2.0], {"kernel": 1.0}), _rank([4.0, 4.0], [1.0, 1.0], {"kernel": 3.0})],
+        [_rank([0.5, 0.5], [0.3, 0.3], {"kernel": 0.1}), _rank([0.6, 0.6], [0.2, 0.2], {"kernel": 0.1})],
+    ]
+    s = summarize(rounds)
+    # per round: slowest rank per repeat (wall), largest rank per repeat (cpu), median over the repeats
+    assert s["time_s_rounds"] == [2.5, 5.0, 0.6]
+    assert s["cpu_s_rounds"] == pytest.approx([0.8, 2.0, 0.3])
+    assert s["time_s"] == 2.5 and s["cpu_s"] == pytest.approx(0.8)
+    # phases: mean over ranks (a phase a rank did not record counts 0), median over rounds
+    assert s["phases_cpu_s"] == pytest.approx({"kernel": 0.3, "merge": 0.0})
+
+
+def test_summarize_without_a_profile_has_no_phases() -> None:
+    s = summarize([[_rank([1.0], [1.0]), _rank([1.0], [1.0])]])
+    assert "phases_cpu_s" not in s and s["cpu_s_rounds"] == [1.0]
+
+
+def test_an_unknown_method_is_refused_before_any_pool_starts() -> None:
+    args = build_parser().parse_args(["--methods", "ring,deepspeed", "--world", "2"])
+    with pytest.raises(SystemExit, match="unknown method.*deepspeed"):
+        run_rounds(args)
