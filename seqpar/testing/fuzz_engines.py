@@ -30,7 +30,10 @@ per-parameter reduction hook fired, twice in one backward: ZeRO-2 stops with Dee
 ... has already been reduced. Gradient computed twice for this partition. Multiple gradient reductions are
 currently not supported" (fuzzer case 1722634749: qwen2, P = 3), and ZeRO-3 aborted a rank (1260527780:
 dbrx, P = 3). That is DeepSpeed's limit with or without seqpar, not a composition seqpar can fix or refuse
-(it cannot see two forwards coming).
+(it cannot see two forwards coming): plain ``deepspeed.initialize`` on one rank, no seqpar, tiny qwen2 under
+ZeRO-2 raises that assertion, and tiny dbrx under ZeRO-3 fails DeepSpeed's own
+``assert len(set(p.ds_id for p in params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
+``__reduce_and_partition_ipg_grads``); with non-reentrant checkpointing both run (DeepSpeed 0.19.8).
 
 Reference and tolerances: :func:`seqpar.testing.fuzz_models.model_reference` and
 :func:`~seqpar.testing.fuzz_models.judge_model`, the ``model`` cases' own: every parameter's reduced
