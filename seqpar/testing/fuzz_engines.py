@@ -28,12 +28,14 @@ Not drawn either: ZeRO-2/3 with reentrant activation checkpointing and two forwa
 backward of its own, so a parameter that two forwards used gets its gradient accumulated, and DeepSpeed's
 per-parameter reduction hook fired, twice in one backward: ZeRO-2 stops with DeepSpeed's own "The parameter
 ... has already been reduced. Gradient computed twice for this partition. Multiple gradient reductions are
-currently not supported" (fuzzer case 1722634749: qwen2, P = 3), and ZeRO-3 aborted a rank (1260527780:
-dbrx, P = 3). That is DeepSpeed's limit with or without seqpar, not a composition seqpar can fix or refuse
+currently not supported" (fuzzer case 1722634749: qwen2, P = 3), and ZeRO-3 fails an assertion of its own
+(below). That is DeepSpeed's limit with or without seqpar, not a composition seqpar can fix or refuse
 (it cannot see two forwards coming): plain ``deepspeed.initialize`` on one rank, no seqpar, tiny qwen2 under
 ZeRO-2 raises that assertion, and tiny dbrx under ZeRO-3 fails DeepSpeed's own
 ``assert len(set(p.ds_id for p in params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
 ``__reduce_and_partition_ipg_grads``); with non-reentrant checkpointing both run (DeepSpeed 0.19.8).
+Open: case 1260527780 (ZeRO-3, dbrx, P = 3, zigzag, packed, two forwards) aborts rank 2 (SIGABRT) with
+non-reentrant checkpointing too, so it is not this limit; not yet explained.
 
 Reference and tolerances: :func:`seqpar.testing.fuzz_models.model_reference` and
 :func:`~seqpar.testing.fuzz_models.judge_model`, the ``model`` cases' own: every parameter's reduced
