@@ -24,6 +24,14 @@ Per family (transformers 5.x):
   extra q/k column per head (``q' = [q, e_h]``, ``k' = [k, b_1(j), ..., b_H(j)]``, at global j; V keeps
   its head dim), which the kernels scale with the scores; GQA / MQA K/V heads; returns ``(dense(ctx), None)``.
 
+Packed documents: none of the three models passes the batch's ``cu_seq_lens_q`` on to its attention
+(``BloomModel``, ``FalconModel`` and ``MptModel`` call each block with the hidden states, the mask and
+the bias only; one process attends across the documents of a packed row). The swap makes each block a
+documents carrier (:func:`seqpar.mixers.documents.feed_documents`, as for mixers whose caller drops them),
+so the swapped forward reads its own forward's boundaries (:func:`_documents`) and each document attends
+to itself, as it does run alone (ALiBi at global key positions differs from the per-document bias by a
+per-row constant inside a document, which softmax ignores).
+
 Refused by name: a KV cache, ``output_attentions``, attention dropout in training, BLOOM's
 ``pretraining_tp > 1`` with ``slow_but_exact``, and Falcon-ALiBi on transformers' eager path, which adds
 the bias twice (once to the scores, once through the mask it folds the bias into; its sdpa path adds it
@@ -40,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from seqpar.mixers.documents import carried_documents
 from seqpar.sequence.batch import global_positions, sp_rank_and_size
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.swap.options import SwapOptions
@@ -116,13 +125,20 @@ def _slopes_from_first_keys(bias: Tensor, batch: int, heads: int, layer: str) ->
     return (per_key[:, 1] - per_key[:, 0]).float()
 
 
+def _documents(kwargs: dict[str, Any]) -> Tensor | None:
+    """This call's packed-document boundaries: its own ``cu_seq_lens_q`` when the caller passes one, else
+    those its block carries for the running forward (None: one sequence)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    return carried_documents() if cu is None else cu
+
+
 def _attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, scale: float, slopes: Tensor,
             layer: str, kwargs: dict[str, Any]) -> Tensor:
     """seqpar attention of q ``(batch, q_heads, seq_local, d)``, k/v ``(batch, kv_heads, seq_local, d)``
     -> ``(batch, seq_local, q_heads * d)``."""
     options: SwapOptions = getattr(module, _OPTIONS_ATTR)
     out = options.attention(q, k, v, causal=True, scale=scale, layer=layer,
-                            cu_seqlens=kwargs.get("cu_seq_lens_q"), alibi_slopes=slopes)
+                            cu_seqlens=_documents(kwargs), alibi_slopes=slopes)
     b, h, n, d = out.shape
     return out.transpose(1, 2).reshape(b, n, h * d)  # (B, H, S, D) -> (B, S, H * D)
 
@@ -155,7 +171,7 @@ def _bloom_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor, ali
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # 3 x (B, H, S, D)
     b, h, n, _ = q.shape
     options: SwapOptions = getattr(self, _OPTIONS_ATTR)
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = _documents(kwargs)
     pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
     # BLOOM's own bias (build_alibi_tensor): fp32 slopes times integer positions, rounded to the
     # model's dtype key by key. In bf16 / fp16 that rounding is part of the model (bf16(m j) is not
@@ -198,7 +214,7 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
     v = v.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
     slopes = _slopes_from_first_keys(alibi, b, self.num_heads, layer)  # bf16(m_h), exactly
     options: SwapOptions = getattr(self, _OPTIONS_ATTR)
-    cu = kwargs.get("cu_seq_lens_q")
+    cu = _documents(kwargs)
     pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
     # transformers' own op (build_alibi_tensor): bf16 slopes times integer positions, a bf16 result
     bias = (slopes.to(q.device).bfloat16()[:, None] * pos[None, :]).to(q.dtype)  # (heads, seq_local)

@@ -30,6 +30,7 @@ from seqpar.config import SeqParConfig
 from seqpar.mixers.documents import feed_documents
 from seqpar.mixers.registry import family_of
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
+from seqpar.swap.hf_alibi import is_alibi_attention
 from seqpar.swap.mha import SeqParMultiheadAttention, mha_problems
 from seqpar.swap.options import SwapError, SwapOptions
 from seqpar.swap.probe_batch import first_forward_probe
@@ -188,8 +189,10 @@ def swap_attention(
     report.swapped += [SwappedModule(name, MIXER_ROUTE, getattr(before, "original_class", type(before).__name__))
                        for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
-    # after the batch check (which fills in the boundaries): mixers whose caller drops them get them here
-    feed_documents(model, [name for name, _ in mixers])
+    # after the batch check (which fills in the boundaries): mixers whose caller drops them get them here,
+    # and so do the ALiBi attention modules (BLOOM, MPT, Falcon: their models call no block with them)
+    feed_documents(model, [name for name, _ in mixers]
+                   + [name for name, module, route in plan if route == "hf" and is_alibi_attention(module)])
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 

@@ -27,7 +27,9 @@ Verdicts (one per case):
   from a frame inside the ``seqpar`` package (not ``seqpar.testing``), of the same type on every rank.
   An error of torch or transformers, one raised on some ranks only, or one of another type is a crash;
 - ``WRONG``: ran on every rank, but some tensor is off beyond tolerance (silently wrong);
-- ``crash``: anything else, a hang past the case's timeout included (the rank pool is then restarted).
+- ``crash``: anything else, a hang past the case's timeout included. After a crash the rank pool of that world
+  size is restarted before the next case: a rank that failed may have left its process group broken (a
+  gloo pair closed by a timed-out collective), and a later case on it would fail for that alone.
 
 Cases run on a persistent rank pool (:class:`seqpar.testing.ranks.PoolSet`): start-up is paid once per
 world size. Exit status: 1 when any case is WRONG or crash.
@@ -303,11 +305,12 @@ def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[st
 
 def _plant(name: str | None, rank: int) -> Any:
     """A deliberately broken seqpar, for the fuzzer's own tests: ``"ring_scale"`` scales the ring's output by
-    1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes. Returns an undo callable (the pool's
-    ranks must leave each task as they found it)."""
+    1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes; ``"ring_raise"`` makes every rank's
+    ring call raise a ``RuntimeError`` (a crash, not a refusal). Returns an undo callable (the pool's ranks
+    must leave each task as they found it)."""
     if name is None:
         return lambda: None
-    if name not in ("ring_scale", "ring_hang"):
+    if name not in ("ring_scale", "ring_hang", "ring_raise"):
         raise ValueError(f"unknown plant {name!r}")
     from seqpar.attn import dispatch
 
@@ -318,6 +321,8 @@ def _plant(name: str | None, rank: int) -> Any:
         def apply(*args: Any) -> torch.Tensor:
             if name == "ring_hang" and rank == 0:
                 time.sleep(600)
+            if name == "ring_raise":
+                raise RuntimeError("planted: the ring broke")
             out = original.apply(*args)
             return out * 1.001 if name == "ring_scale" else out
 
@@ -425,10 +430,11 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
 def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: str | None = None) -> dict[str, Any]:
     """Run one case on ``pools`` (a :class:`seqpar.testing.ranks.PoolSet`); returns its record
     ``{"case_seed", "kind", "draws", "verdict", "detail", "seconds"}``."""
-    from seqpar.testing.ranks import PoolError, PoolTimeout
+    from seqpar.testing.ranks import PoolError, PoolTimeout, RankFailed
 
     t0 = time.time()
     trace = None
+    restart = False  # the pool answered, but a case failed on it: its process groups may be broken
     try:
         if draws["kind"] == "model":
             from seqpar.testing.fuzz_models import run_model_case
@@ -446,12 +452,17 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             if not verdict:  # every rank ran: the reference decides
                 ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
                 verdict, detail = _judge_attention(draws, ref, per_rank)
-    except PoolTimeout:
+        restart = verdict == "crash"
+    except PoolTimeout:  # the pool was killed: the next case starts a fresh one
         verdict, detail = "crash", f"timeout after {timeout:.0f} s (the rank pool was restarted)"
-    except PoolError as e:
+    except PoolError as e:  # killed too, unless every rank answered (RankFailed.usable)
         verdict, detail = "crash", f"rank pool: {str(e)[-400:]}"
+        restart = isinstance(e, RankFailed) and e.usable
     except Exception as e:  # noqa: BLE001 - a fuzzer error is a crash of the case, reported with its seed
         verdict, detail = "crash", f"driver: {type(e).__name__}: {str(e)[:300]}"
+    if restart:
+        pools.get(draws["world"]).kill()  # the next case on this world size starts a fresh pool
+        detail += " (the rank pool was restarted)"
     return {"case_seed": draws["case_seed"], "kind": draws["kind"], "verdict": verdict, "detail": detail,
             "seconds": round(time.time() - t0, 2), "draws": draws, **({"trace": trace} if trace else {})}
 

@@ -4,26 +4,38 @@ trained through a training engine, as a user would wire it, against one process 
 Drawn: everything a ``model`` case draws (model type, P in 1..4, mode, sharding, rows / end-padded /
 right-padded / packed batches, activation checkpointing off / reentrant / non-reentrant, one step / two
 forwards before one backward / gradient accumulation over two micro-batches, ``check_inputs``), then the
-engine, one of :data:`ENGINES`:
+engine, one of :data:`ENGINES`: ``zero1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO over the P ranks, SP = P),
+``fsdp2`` (FSDP2, SP = P), ``tp2`` (P = 2 or 4 only: TP 2 from the model's own plan, SP = P / 2).
 
-- ``zero1``, ``zero2``, ``zero3``: :func:`seqpar.integrations.deepspeed.initialize` with that ZeRO stage
-  over the P ranks (SP = P); accumulation is DeepSpeed's (``gradient_accumulation_steps`` 2,
-  ``engine.backward(loss, scale_wrt_gas=False)`` so that the gradient is the sum the reference takes);
-  gradients read with ``deepspeed.utils.safe_get_full_grad`` (reduced over the ranks, gathered under ZeRO-3);
-- ``fsdp2``: :func:`seqpar.integrations.fsdp.wrap` (FSDP2 over the P ranks, SP = P); gradients are the
-  reduced DTensors' ``full_tensor()``;
-- ``tp2`` (P = 2 or 4 only): the same ``wrap`` with ``tp_size`` 2 (TP from the model's own plan,
-  SP = P / 2, FSDP2 over the SP ranks).
+The engines are driven by an *engine runner* (:class:`EngineRunner`), not by this module: the harness is
+part of ``seqpar/``, which never imports the engine adapters (``seqpar.integrations``, tests/test_layering.py).
+Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (one entry per engine name;
+seqpar's own, ``seqpar.integrations.fuzz_engine:run_engine``, is declared in setup.cfg), so the dependency
+points from the adapters to this protocol, never back. A drawn engine with no runner installed is a crash of
+the case, named.
 
-No optimizer step is judged: the check is the gradient after the engine's reduction, before ``step()``
-(the optimizer's arithmetic is the engine's, not seqpar's). A parameter with no gradient in the reference may
-have an all-zero one under an engine (ZeRO materialises them); any other difference in which parameters
-have gradients is WRONG.
+The check is the gradient after the engine's reduction, before ``step()`` (the optimizer's arithmetic is the
+engine's, not seqpar's). A parameter with no gradient in the reference may have an all-zero one under an
+engine (ZeRO materialises them); any other difference in which parameters have gradients is WRONG.
 
 Not drawn: ZeRO-1 with gradient accumulation. DeepSpeed 0.19's ZeRO-1 keeps no gradient readable between
 the accumulation boundary's backward and ``step()`` (``safe_get_full_grad`` raises "Gradients are only
 available immediately after backward and before engine step", tiny Llama included), so the case cannot be
 judged before the optimizer step; ZeRO-2/3 accumulation is drawn.
+
+Not drawn either: ZeRO-2/3 with reentrant activation checkpointing and two forwards before one backward
+(non-reentrant checkpointing is drawn in their place). Reentrant checkpointing recomputes each layer in a
+backward of its own, so a parameter that two forwards used gets its gradient accumulated, and DeepSpeed's
+per-parameter reduction hook fired, twice in one backward: ZeRO-2 stops with DeepSpeed's own "The parameter
+... has already been reduced. Gradient computed twice for this partition. Multiple gradient reductions are
+currently not supported" (fuzzer case 1722634749: qwen2, P = 3), and ZeRO-3 fails an assertion of its own
+(below). That is DeepSpeed's limit with or without seqpar, not a composition seqpar can fix or refuse
+(it cannot see two forwards coming): plain ``deepspeed.initialize`` on one rank, no seqpar, tiny qwen2 under
+ZeRO-2 raises that assertion, and tiny dbrx under ZeRO-3 fails DeepSpeed's own
+``assert len(set(p.ds_id for p in params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
+``__reduce_and_partition_ipg_grads``); with non-reentrant checkpointing both run (DeepSpeed 0.19.8).
+Open: case 1260527780 (ZeRO-3, dbrx, P = 3, zigzag, packed, two forwards) aborts rank 2 (SIGABRT) with
+non-reentrant checkpointing too, so it is not this limit; not yet explained.
 
 Reference and tolerances: :func:`seqpar.testing.fuzz_models.model_reference` and
 :func:`~seqpar.testing.fuzz_models.judge_model`, the ``model`` cases' own: every parameter's reduced
@@ -34,13 +46,66 @@ float64), in that dtype on the ranks too.
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
-__all__ = ["ENGINES", "draw_engine", "engine_summary", "engine_task", "run_engine_case"]
+__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "engine_summary",
+           "engine_task", "run_engine_case"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "tp2")
+ENTRY_POINT_GROUP = "seqpar.fuzz_engines"
+
+
+class EngineRunner(Protocol):
+    """What an entry point of :data:`ENTRY_POINT_GROUP` names: one step of a model through an engine, called
+    on every rank of the default process group.
+
+    Args:
+        engine: the engine's name (the entry point's name, one of :data:`ENGINES`).
+        build_model: makes the case's model (the same on every rank; activation checkpointing already set).
+        batches: the case's full (unsharded) batches, as the model takes them; the runner shards each with
+            :func:`seqpar.shard_batch` on its SP group and ``config["sharding"]``.
+        config: the ``sequence_parallel`` config (``size``, ``tp_size``, ``mode``, ``sharding``,
+            ``ulysses_size``, ``check_inputs``).
+        accumulate: one backward per batch (gradient accumulation); else every forward, then one backward of
+            the summed losses.
+
+    Returns:
+        ``{"loss": float (summed over the batches), "grads": {parameter name: reduced full gradient}}`` (on
+        every rank). A refusal is raised (seqpar's errors, or the runner's own ``ValueError``).
+    """
+
+    def __call__(self, engine: str, build_model: Callable[[], nn.Module], batches: list[dict[str, Any]],
+                 config: dict[str, Any], *, accumulate: bool) -> dict[str, Any]: ...
+
+
+def engine_runner(engine: str) -> EngineRunner:
+    """The installed runner of ``engine`` (the entry point of that name in :data:`ENTRY_POINT_GROUP`).
+
+    Raises:
+        LookupError: none is installed (seqpar installed without its metadata, e.g. a source tree on
+            ``sys.path``: ``pip install -e .`` declares seqpar's own).
+    """
+    found = entry_points(group=ENTRY_POINT_GROUP, name=engine)
+    if not found:
+        raise LookupError(
+            f"no fuzzer engine runner for {engine!r}: no entry point {engine!r} in group {ENTRY_POINT_GROUP!r} "
+            f"(installed: {sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}). Install seqpar "
+            "(pip install -e . in a checkout), which declares seqpar.integrations.fuzz_engine:run_engine in setup.cfg")
+    return next(iter(found)).load()
+
+
+def runner_dir(runner: Any) -> Path:
+    """The folder of the package that holds ``runner``'s module: errors raised there are the adapters' own
+    refusals (``integrations/`` in a checkout, ``seqpar/integrations`` in a wheel)."""
+    import sys
+
+    return Path(sys.modules[runner.__module__].__file__).resolve().parent
 
 
 def draw_engine(rng: random.Random) -> dict[str, Any]:
@@ -51,6 +116,8 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     draws = draw_model(rng)
     engine = rng.choice([e for e in ENGINES if (e != "tp2" or draws["world"] % 2 == 0)
                          and (e != "zero1" or draws["step"] != "accumulate")])
+    if engine in ("zero2", "zero3") and draws["step"] == "two-forwards" and draws["checkpointing"] == "reentrant":
+        draws["checkpointing"] = "non-reentrant"  # DeepSpeed's own limit (the module docstring): no draw taken
     tp = 2 if engine == "tp2" else 1
     sp = draws["world"] // tp
     if draws["mode"] == "hybrid":  # the model draw's Ulysses degree is for SP = world
@@ -66,102 +133,39 @@ def engine_summary(draws: dict[str, Any]) -> str:
     return f"engine {draws['engine']} " + model_summary(draws).removeprefix("model ")
 
 
-def _full_grads_zero(engine: Any) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient after the engine's reduction (collective under ZeRO-3: every rank calls)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    out = {}
-    for name, p in engine.module.named_parameters():
-        g = safe_get_full_grad(p)
-        if g is not None:
-            out[name] = g.detach().clone()
-    return out
-
-
-def _full_grads_fsdp(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's reduced gradient, DTensors gathered (collective: every rank calls)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is None:
-            continue
-        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
-    return out
-
-
 def engine_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
-    """Pool task (every rank): the case through its engine; rank 0 returns the loss and the reduced gradients,
-    every rank ``{"ok": False, "error"}`` on an exception."""
+    """Pool task (every rank): the case through its engine's runner; rank 0 returns the loss and the reduced
+    gradients, every rank ``{"ok": False, "error"}`` on an exception."""
     import warnings
 
     import transformers
 
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's rename
-            return _engine_task(ctx, draws, batches, dtype_name)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-
-
-def _engine_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
-    import seqpar
-    from seqpar.sequence.batch import shard_batch
     from seqpar.testing.fuzz_models import build_case_model, enable_checkpointing
     from seqpar.testing.verdicts import error_record
 
-    engine_name, accumulate = draws["engine"], draws["step"] == "accumulate"
-    cfg = {"size": ctx.world_size // draws["tp_size"], "tp_size": draws["tp_size"], "mode": draws["mode"],
-           "sharding": draws["sharding"], "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
-    manager = None
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    runner = None
     try:
-        model = build_case_model(draws, getattr(torch, dtype_name))
-        enable_checkpointing(model, draws["checkpointing"])
-        if engine_name.startswith("zero"):
-            from seqpar.integrations.deepspeed import initialize
+        runner = engine_runner(draws["engine"])
 
-            ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2 if accumulate else 1,
-                         "zero_optimization": {"stage": int(engine_name[-1])}, "zero_allow_untested_optimizer": True,
-                         "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "sequence_parallel": cfg}
-            engine, _, _, _ = initialize(model=model, config=ds_config,
-                                         optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
-            manager, forward = engine.seqpar_manager, engine
+        def build_model() -> nn.Module:
+            model = build_case_model(draws, getattr(torch, dtype_name))
+            enable_checkpointing(model, draws["checkpointing"])
+            return model
 
-            def backward(loss: torch.Tensor) -> None:
-                engine.backward(loss, scale_wrt_gas=False)  # the sum of the micro-batches' losses, as the reference
-
-            def full_grads() -> dict[str, torch.Tensor]:
-                return _full_grads_zero(engine)
-        else:
-            from seqpar.integrations.fsdp import wrap
-
-            manager = seqpar.init_process_groups(config=cfg)
-            forward = wrap(model, cfg, manager=manager, fsdp={"version": 2})
-
-            def backward(loss: torch.Tensor) -> None:
-                loss.backward()
-
-            def full_grads() -> dict[str, torch.Tensor]:
-                return _full_grads_fsdp(forward)
-        losses = []
-        for b in batches:
-            out = forward(**shard_batch(b["batch"], group=manager.sp_group, sharding=draws["sharding"]))
-            if accumulate:
-                backward(out.loss)
-            losses.append(out.loss)
-        if not accumulate:
-            backward(sum(losses))
-        grads = full_grads()
-        return {"ok": True, "loss": float(sum(x.detach() for x in losses)), "grads": grads if ctx.rank == 0 else None}
+        config = {"size": ctx.world_size // draws["tp_size"], "tp_size": draws["tp_size"], "mode": draws["mode"],
+                  "sharding": draws["sharding"], "ulysses_size": draws["ulysses_size"],
+                  "check_inputs": draws["check_inputs"]}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's rename
+            out = runner(draws["engine"], build_model, [b["batch"] for b in batches], config,
+                         accumulate=draws["step"] == "accumulate")
+        return {"ok": True, "loss": out["loss"], "grads": out["grads"] if ctx.rank == 0 else None}
     except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": error_record(e)}
+        return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
     finally:
-        if manager is not None:
-            manager.destroy()
+        transformers.logging.set_verbosity(verbosity)
 
 
 def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[str, str]:

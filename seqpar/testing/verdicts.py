@@ -4,8 +4,9 @@ exception was (:func:`error_record`), whether the ranks' exceptions make a refus
 
 A *refusal* is a ``ValueError``, ``TypeError`` or ``NotImplementedError`` (seqpar's ``ConfigError``,
 ``SwapError``, ``TilingError``, ``NormError`` are ``ValueError``\\ s) raised from a frame inside the ``seqpar``
-package (not ``seqpar.testing``) or its engine adapters (``seqpar.integrations``, ``integrations/`` in a
-checkout), of the same type on every rank; any other exception, or one on some ranks only, is a crash.
+package (not ``seqpar.testing``), or from a folder the caller names (an engine runner's package, e.g.
+``integrations/``: :func:`seqpar.testing.fuzz_engines.runner_dir`), of the same type on every rank; any
+other exception, or one on some ranks only, is a crash.
 """
 
 from __future__ import annotations
@@ -24,28 +25,18 @@ _SEQPAR_DIR = Path(__file__).resolve().parents[1]
 _TESTING_DIR = Path(__file__).resolve().parent
 
 
-def _integrations_dir() -> Path | None:
-    """Where ``seqpar.integrations`` lives (``integrations/`` in a checkout, mapped by setup.cfg's package_dir;
-    under ``seqpar/`` in a wheel), found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("seqpar.integrations")
-    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-    return Path(locations[0]).resolve() if locations else None
-
-
-def error_record(e: BaseException) -> dict[str, Any]:
-    """Type, message and whether the raising frame lies in seqpar (outside seqpar.testing)."""
+def error_record(e: BaseException, also: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Type, message and whether the raising frame lies in seqpar (outside seqpar.testing) or under one of
+    the folders ``also``."""
     tb = e.__traceback__
     last = None
     while tb is not None:
         last = tb.tb_frame.f_code.co_filename
         tb = tb.tb_next
     path = Path(last).resolve() if last else None
-    integrations = _integrations_dir()
     in_seqpar = path is not None and (
         (_SEQPAR_DIR in path.parents and _TESTING_DIR not in path.parents)
-        or (integrations is not None and integrations in path.parents))
+        or any(root in path.parents for root in also))
     return {"type": type(e).__name__, "message": str(e)[:600], "refusal": isinstance(e, _REFUSAL_TYPES) and in_seqpar,
             "where": str(path) if path else None, "trace": traceback.format_exc()[-1500:]}
 

@@ -1,0 +1,126 @@
+"""The composition fuzzer's engine runner: a model trained through one of the engines of this package, as a
+user would wire it, for the fuzzer's ``engine`` cases (``seqpar.testing.fuzz_engines``).
+
+The fuzzer lives in the core's test harness, which never imports this package (tests/test_layering.py); it
+finds :func:`run_engine` through the entry-point group ``seqpar.fuzz_engines`` (setup.cfg: one entry per
+engine name, all naming this function). The runner takes plain arguments and knows nothing of the fuzzer
+(it does not import ``seqpar.testing``).
+
+Engines (the entry-point names):
+
+- ``zero1``, ``zero2``, ``zero3``: :func:`seqpar.integrations.deepspeed.initialize` with that ZeRO stage over
+  every rank (SP = world / tp_size); accumulation is DeepSpeed's (``gradient_accumulation_steps`` 2,
+  ``engine.backward(loss, scale_wrt_gas=False)`` so that the gradient is the sum of the micro-batches'),
+  gradients read with ``deepspeed.utils.safe_get_full_grad`` (reduced over the ranks, gathered under ZeRO-3);
+- ``fsdp2``: :func:`seqpar.integrations.fsdp.wrap` (FSDP2); gradients are the reduced DTensors'
+  ``full_tensor()``;
+- ``tp2``: the same ``wrap`` with the config's ``tp_size`` (TP from the model's own plan, FSDP2 over the SP
+  ranks).
+
+No optimizer step is taken: the result is the gradient after the engine's reduction, before ``step()`` (the
+optimizer's arithmetic is the engine's, not seqpar's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ENGINES", "run_engine"]
+
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "tp2")
+
+
+def _full_grads_zero(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient after the engine's reduction (collective under ZeRO-3: every rank calls)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for name, p in engine.module.named_parameters():
+        g = safe_get_full_grad(p)
+        if g is not None:
+            out[name] = g.detach().clone()
+    return out
+
+
+def _full_grads_fsdp(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient, DTensors gathered (collective: every rank calls)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is None:
+            continue
+        out[name] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+    return out
+
+
+def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[dict[str, Any]],
+               config: dict[str, Any], *, accumulate: bool) -> dict[str, Any]:
+    """One step of ``build_model()`` through ``engine`` on this rank (every rank of the default group calls).
+
+    Args:
+        engine: one of :data:`ENGINES`.
+        build_model: makes the model (the same on every rank; activation checkpointing already set).
+        batches: full (unsharded) batches of ``(batch, seq)`` tensors as the model takes them; each is
+            sharded here with :func:`seqpar.shard_batch` on the SP group and the config's sharding.
+        config: the ``sequence_parallel`` config (``size``, ``tp_size``, ``mode``, ``sharding``, ...).
+        accumulate: one backward per batch (gradient accumulation over the batches); else every batch's
+            forward first, then one backward of the summed losses.
+
+    Returns:
+        ``{"loss": float (summed over the batches), "grads": {name: reduced full gradient}}``.
+
+    Raises:
+        ValueError: an unknown engine; whatever seqpar or the engine raises otherwise.
+    """
+    import seqpar
+    from seqpar.sequence.batch import shard_batch
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {list(ENGINES)}")
+    manager = None
+    try:
+        model = build_model()
+        if engine.startswith("zero"):
+            from seqpar.integrations.deepspeed import initialize
+
+            ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2 if accumulate else 1,
+                         "zero_optimization": {"stage": int(engine[-1])}, "zero_allow_untested_optimizer": True,
+                         "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "sequence_parallel": config}
+            ds_engine, _, _, _ = initialize(model=model, config=ds_config,
+                                            optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+            manager, forward = ds_engine.seqpar_manager, ds_engine
+
+            def backward(loss: torch.Tensor) -> None:
+                ds_engine.backward(loss, scale_wrt_gas=False)  # the sum of the micro-batches' losses
+
+            def full_grads() -> dict[str, torch.Tensor]:
+                return _full_grads_zero(ds_engine)
+        else:
+            from seqpar.integrations.fsdp import wrap
+
+            manager = seqpar.init_process_groups(config=config)
+            forward = wrap(model, config, manager=manager, fsdp={"version": 2})
+
+            def backward(loss: torch.Tensor) -> None:
+                loss.backward()
+
+            def full_grads() -> dict[str, torch.Tensor]:
+                return _full_grads_fsdp(forward)
+        losses = []
+        for b in batches:
+            out = forward(**shard_batch(b, group=manager.sp_group, sharding=config["sharding"]))
+            if accumulate:
+                backward(out.loss)
+            losses.append(out.loss)
+        if not accumulate:
+            backward(sum(losses))
+        return {"loss": float(sum(x.detach() for x in losses)), "grads": full_grads()}
+    finally:
+        if manager is not None:
+            manager.destroy()
