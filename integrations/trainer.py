@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -194,12 +195,22 @@ class SequenceParallelMixin:
         super().__init_subclass__(**kwargs)
         _check_bases(cls)
 
-    def __init__(self, model: Any = None, args: Any = None, *posargs: Any,
-                 seqpar_config: SeqParConfig | Mapping[str, Any] | None = None,
+    def __init__(self, *posargs: Any, seqpar_config: SeqParConfig | Mapping[str, Any] | None = None,
                  seqpar_fsdp: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        # The trainer's own arguments by name: ``args`` is Trainer's second parameter but DPOTrainer's
+        # third (``model, ref_model, args``) and GRPOTrainer's third (``model, reward_funcs, args``).
+        signature = inspect.signature(super().__init__)
+        bound = signature.bind_partial(*posargs, **kwargs)
+        kwargs = {}  # every argument by name, a **kwargs parameter's entries among them
+        for name, value in bound.arguments.items():
+            is_var_keyword = signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD
+            kwargs.update(value if is_var_keyword else {name: value})
+        model, args = kwargs.get("model"), kwargs.get("args")
         self.seqpar_config = _sp_config_from_args(args, seqpar_config)
         self._seqpar_engine = "deepspeed" if getattr(args, "deepspeed", None) else "fsdp2"
         self._seqpar_loss = self._seqpar_loss_path(args, kwargs)
+        if self._seqpar_loss is not None:
+            self._seqpar_loss.check(args)
         pc = getattr(args, "parallelism_config", None)
         if pc is not None and (getattr(pc, "cp_size", 1) > 1 or getattr(pc, "sp_size", 1) > 1):
             raise ConfigError(
@@ -228,9 +239,31 @@ class SequenceParallelMixin:
             from seqpar.swap import swap_attention
 
             swap_attention(model, self.seqpar_config, group=self.seqpar_manager.sp_group)
-        super().__init__(model, args, *posargs, **kwargs)
+        swap_other = self._seqpar_swap_other_models()
+        if self._seqpar_loss is not None:  # a TRL trainer's further models (DPO's reference model)
+            self._seqpar_loss.prepare(args, kwargs, swap_other)
+        bound.arguments["model"] = model  # sharded by FSDP2 above, or the given model swapped in place
+        super().__init__(*bound.args, **bound.kwargs)
+        if self._seqpar_loss is not None:
+            self._seqpar_loss.after_init(self, swap_other)
         logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
                     self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
+
+    def _seqpar_swap_other_models(self) -> Any:
+        """``swap(module)``: route another model the trainer runs on the same shards (a reference model)
+        through seqpar, once per module (not sharded by FSDP2: each rank keeps it whole)."""
+        swapped: list[Any] = []
+
+        def swap(module: Any) -> None:
+            if any(module is m for m in swapped):
+                return
+            swapped.append(module)
+            if self.seqpar_config.swap != "none":
+                from seqpar.swap import swap_attention
+
+                swap_attention(module, self.seqpar_config, group=self.seqpar_manager.sp_group)
+
+        return swap
 
     def _seqpar_loss_path(self, args: Any, kwargs: Mapping[str, Any]) -> Any:
         """How this trainer's loss is made SP-exact: None for ``transformers.Trainer``'s own (the swapped
@@ -317,7 +350,13 @@ class SequenceParallelMixin:
             num_items_in_batch = num_items_in_batch / self.seqpar_manager.sp_size
         return batches, num_items_in_batch
 
+    def _cuts_in_step(self) -> bool:
+        """The batch is cut before ``compute_loss`` (False: the loss adapter cuts at each model call)."""
+        return self._seqpar_loss is None or self._seqpar_loss.shards_in_step
+
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+        if not self._cuts_in_step():
+            return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, self._sp_shard(inputs), num_items_in_batch)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -329,6 +368,8 @@ class SequenceParallelMixin:
                 "under sequence parallelism each rank holds a shard of the logits; evaluate with "
                 "TrainingArguments(prediction_loss_only=True) or gather the logits yourself"
             )
+        if not self._cuts_in_step():  # the trainer's own step; its compute_loss is the adapter's
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if inputs.get("labels") is None and inputs.get("shift_labels") is None:
             return None, None, None
         inputs = self._prepare_inputs(self._sp_shard(inputs))

@@ -79,9 +79,17 @@ def test_logit_reading_options_and_unhandled_trl_trainers_are_refused(tmp_path):
     trl = pytest.importorskip("trl")
     # Their losses are per-sequence sums of per-token log-probs, which a shard holds only part of: no adapter
     # yet (seqpar.integrations.trl), so refused rather than trained on one shard's sums.
-    for name, module in (("DPOTrainer", "dpo_trainer"), ("GRPOTrainer", "grpo_trainer"), ("KTOTrainer", "kto_trainer")):
+    for name, module in (("GRPOTrainer", "grpo_trainer"), ("KTOTrainer", "kto_trainer")):
         with pytest.raises(ConfigError, match=rf"trl.trainer.{module}.{name}.compute_loss is not known"):
             sequence_parallel(getattr(trl, name))(model=hf_tiny.tiny_llama(), args=_args(tmp_path))
+    # DPO is handled (tests/test_trl_dpo.py) but for its precomputed reference log-probs, whose pass gathers
+    # per-row results over every process (each SP group's rows SP times); refused before any group is built,
+    # with args in DPOTrainer's third place (model, ref_model, args) found by name
+    args = trl.DPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, precompute_ref_log_probs=True)
+    args.deepspeed = ds_config(2, 2)
+    with pytest.raises(ConfigError, match="precompute_ref_log_probs=True under sequence parallelism.*Set "
+                                          "precompute_ref_log_probs=False"):
+        sequence_parallel(trl.DPOTrainer)(hf_tiny.tiny_llama(), None, args)
 
 
 def test_fsdp_through_accelerate_is_refused_with_the_fix(tmp_path):

@@ -1,8 +1,9 @@
 """TRL's SFTTrainer under sequence parallelism (issue 33 §2): packing, ``padding_free=True`` and an
 assistant-only loss, under DeepSpeed ZeRO-2 and FSDP2 at SP = 2. The logged loss, entropy, mean token
 accuracy and token count of every step equal SP = 1's (1e-5, fp32), and so does the gradient of every
-parameter at each of 3 SGD steps (read from the SGD update, each parameter on its own scale). A Mixtral
-and a Qwen3-MoE add the MoE router loss (``aux_loss``) to the loss and the logs.
+parameter at each of 3 SGD steps (read from the SGD update, each parameter on its own scale). The ZeRO-2
+run accumulates 2 micro-batches a step (``gradient_accumulation_steps=2``). A Mixtral and a Qwen3-MoE add
+the MoE router loss (``aux_loss``) to the loss and the logs.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ def _config(tmp: str, sp: int, engine: str, **extra):
               "steps_per_print": 10**6, "sequence_parallel": {"size": sp, "mode": "ring", "sharding": "zigzag"}}
     return SFTConfig(
         output_dir=tmp, deepspeed=ds, packing=True, padding_free=True, assistant_only_loss=True,
-        max_length=trl_tiny.MAX_LENGTH, per_device_train_batch_size=ROWS_PER_STEP, max_steps=STEPS,
+        max_length=trl_tiny.MAX_LENGTH, max_steps=STEPS,
         per_device_eval_batch_size=ROWS_PER_STEP, prediction_loss_only=True,
         learning_rate=hf_tiny.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
         max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
         disable_tqdm=True, seed=0, train_sampling_strategy="sequential",
         bf16=False,  # TRL defaults to bf16 (and to activation checkpointing, kept): fp32 for the 1e-5 check
-        **extra,
+        **{"per_device_train_batch_size": ROWS_PER_STEP, **extra},
     )
 
 
@@ -52,7 +53,8 @@ def _tiny_moe(family: str) -> torch.nn.Module:
     return getattr(transformers, model_cls)(config)
 
 
-def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False) -> dict:
+def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False,
+             accumulation: int = 1) -> dict:
     from transformers import TrainerCallback
     from trl import SFTTrainer
 
@@ -71,7 +73,8 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str,
     with hf_tiny.launcher_env(rank, world):
         block = {"size": sp, "mode": "ring", "sharding": "zigzag"} if engine == "fsdp2" else None
         trainer = sequence_parallel(SFTTrainer)(
-            model=model, args=_config(f"{tmp}/r{rank}", sp, engine), train_dataset=trl_tiny.conversations(),
+            model=model, args=_config(f"{tmp}/r{rank}", sp, engine, **_steps_of(accumulation)),
+            train_dataset=trl_tiny.conversations(),
             processing_class=trl_tiny.tokenizer(), callbacks=[Snapshots()], seqpar_config=block,
             eval_dataset=trl_tiny.conversations(seed=8) if evaluate else None,
         )
@@ -83,10 +86,20 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str,
                 "dp_sp": (trainer.seqpar_manager.dp_size, trainer.seqpar_manager.sp_size)}
 
 
+def _steps_of(accumulation: int) -> dict:
+    """ROWS_PER_STEP rows a step: one micro-batch, or ``accumulation`` micro-batches of fewer rows."""
+    if accumulation == 1:
+        return {}
+    return {"per_device_train_batch_size": ROWS_PER_STEP // accumulation,
+            "gradient_accumulation_steps": accumulation}
+
+
 def _check(dist_pool, tmp_path, engine: str, family: str, keys: tuple[str, ...] = LOGGED,
-           evaluate: bool = False) -> None:
-    sp1 = dist_pool.run(1, _sft_run, 1, engine, family, str(tmp_path / "sp1"), evaluate, timeout=300)[0]
-    sp2 = dist_pool.run(2, _sft_run, 2, engine, family, str(tmp_path / "sp2"), evaluate, timeout=300)
+           evaluate: bool = False, accumulation: int = 1) -> None:
+    sp1 = dist_pool.run(1, _sft_run, 1, engine, family, str(tmp_path / "sp1"), evaluate, accumulation,
+                        timeout=300)[0]
+    sp2 = dist_pool.run(2, _sft_run, 2, engine, family, str(tmp_path / "sp2"), evaluate, accumulation,
+                        timeout=300)
     assert len(sp1["logs"]) == STEPS + evaluate
     if evaluate:  # the eval entry's keys: loss, entropy, mean_token_accuracy
         keys = tuple(k for k in keys if k != "num_tokens")
@@ -99,7 +112,9 @@ def _check(dist_pool, tmp_path, engine: str, family: str, keys: tuple[str, ...] 
 
 @pytest.mark.timeout(700)
 def test_sft_packed_padding_free_assistant_only_zero2_sp2_equals_sp1(dist_pool, tmp_path):
-    _check(dist_pool, tmp_path, "zero2", "llama")
+    """With gradient accumulation: each step is 2 micro-batches of one packed row (num_items_in_batch
+    counts both; the FSDP2 and MoE runs below keep one micro-batch a step)."""
+    _check(dist_pool, tmp_path, "zero2", "llama", accumulation=2)
 
 
 @pytest.mark.timeout(700)

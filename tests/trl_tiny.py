@@ -64,9 +64,18 @@ def sgd_gradients(snapshots: list[dict[str, torch.Tensor]], lr: float) -> list[d
     return [{k: (a[k].double() - b[k].double()) / lr for k in a} for a, b in zip(snapshots, snapshots[1:])]
 
 
+def update_resolution(snapshot: dict[str, torch.Tensor], lr: float) -> dict[str, float]:
+    """Per parameter, the smallest gradient difference an fp32 SGD update can show: one rounding step
+    (machine epsilon) of the parameter's largest value, over ``lr``. A layer norm's weights near 1.0 read
+    at lr 0.1 cannot resolve gradients closer than ~1.2e-6, whatever their own scale."""
+    eps = torch.finfo(torch.float32).eps
+    return {k: eps * v.abs().max().item() / lr for k, v in snapshot.items()}
+
+
 def assert_gradients_close(got: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]],
-                           rtol: float = 1e-4) -> None:
-    """Per step and parameter, each on its own scale: ``|got - ref| <= rtol * max|ref| + 1e-8 * model max``."""
+                           rtol: float = 1e-4, resolution: dict[str, float] | None = None) -> None:
+    """Per step and parameter, each on its own scale: ``|got - ref| <= rtol * max|ref| + 1e-8 * model max``
+    (plus the parameter's :func:`update_resolution` when given)."""
     assert len(got) == len(ref) and got, (len(got), len(ref))
     for step, (g, r) in enumerate(zip(got, ref, strict=True)):
         assert g.keys() == r.keys(), (sorted(g), sorted(r))
@@ -74,7 +83,7 @@ def assert_gradients_close(got: list[dict[str, torch.Tensor]], ref: list[dict[st
         bad = []
         for name in r:
             err = (g[name] - r[name]).abs().max().item()
-            tol = rtol * r[name].abs().max().item() + 1e-8 * model_max
+            tol = rtol * r[name].abs().max().item() + 1e-8 * model_max + (resolution or {}).get(name, 0.0)
             if err > tol:
                 bad.append(f"{name} off by {err:.3e} > {tol:.3e} (scale {r[name].abs().max().item():.3e})")
         assert not bad, f"step {step + 1}: gradients differ:\n" + "\n".join(bad)

@@ -1,0 +1,116 @@
+"""TRL's DPOTrainer under sequence parallelism (issue 33 §3): a tiny Llama and a tiny Qwen3.5 (Gated DeltaNet
++ attention) trained by ``sequence_parallel(DPOTrainer)`` at SP = 2 (DeepSpeed ZeRO-2, zigzag) against plain
+``DPOTrainer`` in one process (no seqpar; ZeRO-2 too). Per step: the loss, rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps, entropy, logits, token accuracy and token count equal (1e-5, fp32),
+and so does the gradient of every parameter at each of 3 SGD steps (read from the SGD update, each parameter on
+its own scale). Chosen and rejected rows differ in length (right padding) and none is a multiple of 4 (seqpar's
+end padding); the reference model is a second model, swapped and cut like the policy.
+"""
+
+from __future__ import annotations
+
+import hf_tiny
+import pytest
+import torch
+import trl_tiny
+
+pytest.importorskip("trl")
+pytest.importorskip("deepspeed")
+
+STEPS = 3
+PAIRS_PER_STEP = 2
+LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+          "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens")
+# (prompt, chosen, rejected) words per pair; with the EOS each row is 6-17 tokens, each step's longest row
+# not a multiple of 4 (zigzag over 2 ranks pads it)
+LENGTHS = ((4, 6, 3), (6, 2, 7), (3, 9, 4), (5, 3, 3), (2, 5, 8), (7, 4, 6))
+
+
+def preference_pairs():
+    """A ``datasets.Dataset`` of fresh random prompt / chosen / rejected texts (words of trl_tiny's tokenizer)."""
+    import datasets
+
+    g = torch.Generator().manual_seed(11)
+    words = lambda n: " ".join(f"t{i}" for i in torch.randint(4, hf_tiny.VOCAB, (n,), generator=g).tolist())  # noqa: E731
+    return datasets.Dataset.from_list([{"prompt": words(p) + " ", "chosen": words(c), "rejected": words(r)}
+                                       for p, c, r in LENGTHS])
+
+
+def _model(family: str) -> torch.nn.Module:
+    """The same seeded weights on every call (the policy and its reference model are two such copies)."""
+    if family == "llama":
+        return hf_tiny.tiny_llama()
+    import transformers
+
+    from seqpar.testing.tiny_models import tiny_kwargs
+
+    config = transformers.Qwen3_5TextConfig(**{**tiny_kwargs("qwen3_5_text"),
+                                                "layer_types": ["linear_attention", "full_attention"],
+                                                "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config)
+    with torch.no_grad():  # fresh random values, never the constant initial norms / dt_bias
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+def _config(tmp: str, sp: int, **extra):
+    from trl import DPOConfig
+
+    # ZeRO-2 for both runs (its fp32 gradient buffers round as they round); the block only for seqpar's
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+          "steps_per_print": 10**6}
+    if sp > 1:
+        ds["sequence_parallel"] = {"size": sp, "mode": "ring", "sharding": "zigzag"}
+    return DPOConfig(
+        output_dir=tmp, deepspeed=ds, per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS,
+        learning_rate=hf_tiny.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, seed=0, train_sampling_strategy="sequential", beta=0.5,
+        bf16=False,  # TRL defaults to bf16 (and to activation checkpointing, kept): fp32 for the 1e-5 check
+        **extra,
+    )
+
+
+def _dpo_run(rank: int, world: int, family: str, tmp: str) -> dict:
+    """``world`` = 1: plain DPOTrainer (the reference); 2: seqpar's at SP = 2."""
+    from transformers import TrainerCallback
+    from trl import DPOTrainer
+
+    from seqpar.integrations.trainer import sequence_parallel
+
+    model, ref_model = _model(family), _model(family)
+    snapshots: list[dict[str, torch.Tensor]] = []
+
+    class Snapshots(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            snapshots.append(trl_tiny.snapshot(model))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots.append(trl_tiny.snapshot(model))
+
+    with hf_tiny.launcher_env(rank, world):
+        cls = DPOTrainer if world == 1 else sequence_parallel(DPOTrainer)
+        trainer = cls(model=model, ref_model=ref_model, args=_config(f"{tmp}/r{rank}", world),
+                      train_dataset=preference_pairs(), processing_class=trl_tiny.tokenizer(),
+                      callbacks=[Snapshots()])
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
+        return {"logs": logs, "grads": trl_tiny.sgd_gradients(snapshots, hf_tiny.LR),
+                "resolution": trl_tiny.update_resolution(snapshots[0], hf_tiny.LR)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_dpo_zero2_sp2_equals_one_process(dist_pool, tmp_path, family):
+    ref = dist_pool.run(1, _dpo_run, family, str(tmp_path / "ref"), timeout=400)[0]
+    sp2 = dist_pool.run(2, _dpo_run, family, str(tmp_path / "sp2"), timeout=400)
+    assert len(ref["logs"]) == STEPS
+    assert any(h["rewards/margins"] != 0 for h in ref["logs"])  # the policy moved away from its reference
+    for r in sp2:
+        # a parameter near 1.0 (norm weights) read from an fp32 update at lr 0.1 resolves ~1.2e-6 (one
+        # rounding step): a Llama layer norm's gradient of scale 2e-3 was 6e-7 (one step) off without it
+        trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
+        trl_tiny.assert_logs_close(r["logs"], ref["logs"], LOGGED)
