@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from seqpar.config import Links
 from seqpar.runtime import communicators
-from seqpar.runtime.grid import check_ulysses_size, dynamic_group_sizes, rank_cube
+from seqpar.runtime.dynamic_groups import DynamicGroups
+from seqpar.runtime.grid import check_ulysses_size, rank_cube
 from seqpar.runtime.mesh import MeshAxes, MeshView, forget_dtensor_plans, mesh_axes
 from seqpar.runtime.mpu import MpuInterface
 
@@ -46,7 +47,7 @@ logger = logging.getLogger("seqpar")
 _DEFAULT: ProcessGroupManager | None = None
 
 
-class ProcessGroupManager(MeshView, MpuInterface):
+class ProcessGroupManager(MeshView, MpuInterface, DynamicGroups):
     """The SP, DP, SP-DP and TP (model-parallel) groups of one ``(dp, sp, tp)`` rank cube.
 
     Build it once, collectively (every rank, same arguments), after
@@ -212,68 +213,6 @@ class ProcessGroupManager(MeshView, MpuInterface):
         ulysses = self._new_groups(split.permute(0, 1, 3, 2).reshape(-1, u).tolist(), kw)
         ring = self._new_groups(split.permute(0, 2, 3, 1).reshape(-1, sp // u).tolist(), kw)
         return ulysses, ring
-
-    def _make_dynamic_groups(self, min_size: int, kw: dict[str, Any]) -> dict[int, dist.ProcessGroup]:
-        """This rank's group of every size ``c`` that dynamic CP may choose (:func:`dynamic_group_sizes`):
-        the pool of each TP rank set is its ``(dp, sp)`` grid flattened row-major (position
-        ``dp_rank * sp + sp_rank``), and group ``(c, i)`` is positions ``[i c, (i + 1) c)``. Sizes ascending,
-        each family (every TP rank set's groups of that size) created whole, the same list on every rank:
-        ``new_group``'s rule. Sizes whose groups are already made are reused: 1 is this rank alone, a
-        size equal to ``sp`` is the SP group (rows of the grid), the whole pool is the SP-DP group."""
-        pool = self.dp_size * self.sp_size
-        pools = self.cube.permute(2, 0, 1).reshape(self.tp_size, pool)  # (tp, pool): every TP rank set's pool
-        made: dict[int, dist.ProcessGroup] = {}
-        for c in dynamic_group_sizes(pool, min_size):
-            if c == 1:
-                made[c] = self._self_group
-            elif c == pool:
-                made[c] = self._sp_dp_group
-            elif c == self.sp_size:
-                made[c] = self._sp_group
-            else:
-                made[c] = self._new_groups(pools.reshape(-1, c).tolist(), kw)
-        return made
-
-    @property
-    def pool_size(self) -> int:
-        """Ranks in the dynamic-CP pool: the DP x SP ranks of one TP rank set (``dp_size * sp_size``)."""
-        return self.dp_size * self.sp_size
-
-    @property
-    def pool_position(self) -> int:
-        """This rank's position in its pool: ``dp_rank * sp_size + sp_rank``."""
-        return self._dp_rank * self.sp_size + self._sp_rank
-
-    @property
-    def dynamic_sizes(self) -> tuple[int, ...]:
-        """The group sizes made for dynamic CP, ascending (empty without ``sequence_parallel.dynamic``)."""
-        return tuple(self._dynamic_groups)
-
-    def dynamic_group(self, size: int, index: int) -> dist.ProcessGroup:
-        """Dynamic CP's group ``(size, index)``: pool positions ``[index * size, (index + 1) * size)`` of
-        this rank's TP rank set (made at creation; no collective here). A rank holds only the groups it
-        is in, which are the only ones a plan hands it.
-
-        Raises:
-            ValueError: no groups of that size were made, or this rank is not in group ``index``.
-        """
-        if size not in self._dynamic_groups:
-            raise ValueError(
-                f"dynamic_group: no dynamic-CP groups of size {size} (made: {list(self._dynamic_groups) or 'none'}); "
-                "set sequence_parallel.dynamic in the config passed to init_process_groups, and plan with the "
-                "same min_size"
-            )
-        if self.pool_position // size != index:
-            raise ValueError(
-                f"dynamic_group: rank {self._rank} (pool position {self.pool_position}) is not in group ({size}, "
-                f"{index}), positions {index * size}..{(index + 1) * size - 1}; its group of that size is index "
-                f"{self.pool_position // size}"
-            )
-        return self._dynamic_groups[size]
-
-    def dynamic_ranks(self, size: int, index: int) -> list[int]:
-        """Global ranks of dynamic group ``(size, index)`` of this rank's TP rank set, in position order."""
-        return self.grid.flatten()[index * size:(index + 1) * size].tolist()
 
     def destroy(self) -> None:
         """Destroy the groups this manager created (collective: every rank, once training is done).
