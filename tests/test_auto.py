@@ -82,12 +82,15 @@ def test_choose_ulysses_size() -> None:
     assert choose_ulysses_size(4, node_size=1) == 1
 
 
-@pytest.mark.parametrize("world, heads, u", [(2, (4, 4), None), (4, (8, 2), 2)])
-def test_modelled_bytes_are_the_counted_bytes(dist_pool, world: int, heads: tuple[int, int], u: int | None) -> None:
+@pytest.mark.parametrize("world, heads, u, wire", [(2, (4, 4), None, "fp32"), (4, (8, 2), 2, "fp32"),
+                                                    (4, (8, 2), 2, "bf16")])
+def test_modelled_bytes_are_the_counted_bytes(dist_pool, world: int, heads: tuple[int, int], u: int | None,
+                                              wire: str) -> None:
     """What the model charges a rank = what torch's entry points see leave it: all-to-all buffers less
-    the slot a rank keeps, plus the hybrid ring's point-to-point bytes."""
-    got = dist_pool.run(world, _count_all_to_all, heads, 1, u)
-    c = CallShape(2, heads[0], heads[1], 8, 16, 4, True, world, u or 1)
+    the slot a rank keeps, plus the hybrid ring's point-to-point bytes (its dK/dV in bf16 with the bf16
+    wire: the model must not charge fp32 for them)."""
+    got = dist_pool.run(world, _count_all_to_all, heads, 1, u, wire)
+    c = CallShape(2, heads[0], heads[1], 8, 16, 4, True, world, u or 1, dkv_bytes=2 if wire == "bf16" else 4)
     (cost,) = mode_costs(c, Links(), ["ulysses" if u is None else "hybrid"])
     slots = u or world
     for g in got:

@@ -67,7 +67,8 @@ def test_ulysses_bf16_within_sdpa_rounding(dist_pool) -> None:
 
 
 # ------------------------------------------------------------------------ one all-to-all each way
-def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks: int, ulysses_size: int | None) -> dict:
+def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks: int, ulysses_size: int | None,
+                      dkv_wire_dtype: str = "fp32") -> dict:
     """Count the collectives and bytes of one forward and one backward, at torch's entry points."""
     if ulysses_size is not None:
         seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
@@ -100,7 +101,7 @@ def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks
     try:
         mode = "ulysses" if ulysses_size is None else "hybrid"
         out = seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, head_chunks=head_chunks,
-                               check_inputs=False, group=sp_group())
+                               check_inputs=False, group=sp_group(), dkv_wire_dtype=dkv_wire_dtype)
         fwd = dict(a2a=list(calls["a2a"]), p2p=calls["p2p"], other=calls["other"])
         calls["a2a"].clear()
         calls["p2p"] = 0

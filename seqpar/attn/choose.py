@@ -7,12 +7,16 @@ Ulysses degree and ``h = max(Hkv/u, 1)`` the K/V heads a Ulysses rank receives:
 ================  ===============================================================  ==================
 mode              bytes sent per rank (forward + backward)                         link
 ================  ===============================================================  ==================
-ring              (P-1) * 2 B Hkv L d * (2e + 4)        (K/V twice, fp32 dK/dV)     ring link
-allgather         the same volume, in one all-gather / reduce-scatter per chunk    ring link
+ring              (P-1) * 2 B Hkv L d * (2e + w)        (K/V twice, dK/dV at w)     ring link
+allgather         (P-1) * 2 B Hkv L d * (2e + 4), one all-gather / reduce-scatter  ring link
+                  per chunk (its dK/dV reduce-scatter is fp32 whatever the wire option)
 ulysses (u = P)   (P-1)/P * 2 B L d e * (2 Hq + 2 P h)  (q,k,v + out; dout + grads)  all-to-all link
 hybrid (u < P)    ulysses over u, plus the ring across P/u super-ranks with blocks  both
-                  of B h (u L) d: (P/u - 1) * 2 B h u L d * (2e + 4)
+                  of B h (u L) d: (P/u - 1) * 2 B h u L d * (2e + w)
 ================  ===============================================================  ==================
+
+``w`` is the bytes of a travelling dK/dV value on the ring's wire: 4 (fp32, the default) or 2 with
+``dkv_wire_dtype="bf16"``.
 
 Links: the all-to-all of a Ulysses group of ``u`` consecutive ranks runs at ``intra_gbps`` while the
 group fits in a node (``u <= node_size``), else at ``inter_gbps``; a ring over the whole SP group (ring,
@@ -92,6 +96,7 @@ class CallShape:
     ulysses_size: int  # the manager's Ulysses degree (1: no hybrid axis)
     head_chunks: int = 4
     v_head_dim: int | None = None  # V's head dim where it differs from q/k's (MLA); None: head_dim
+    dkv_bytes: int = 4  # a travelling dK/dV value on a ring's wire: fp32, or 2 with dkv_wire_dtype="bf16"
 
     @property
     def qkv_dims(self) -> int:
@@ -123,16 +128,17 @@ def _merge_s(c: CallShape, links: Links, world: int, q_heads: int, tokens: int) 
 
 
 def _ring_cost(
-    c: CallShape, links: Links, world: int, q_heads: int, kv_heads: int, tokens: int, gbps: float
+    c: CallShape, links: Links, world: int, q_heads: int, kv_heads: int, tokens: int, gbps: float,
+    dkv_bytes: int,
 ) -> tuple[float, int, float]:
     """(time, bytes, exposed) of a ring over ``world`` ranks, each holding ``tokens`` tokens of ``q_heads``
-    query and ``kv_heads`` K/V heads."""
+    query and ``kv_heads`` K/V heads, its dK/dV travelling at ``dkv_bytes`` per value."""
     compute = _compute_s(c, links)
     if world == 1:
         return compute, 0, 0.0
     compute += _merge_s(c, links, world, q_heads, tokens)
     kv_block = c.batch * kv_heads * tokens * c.qkv_dims  # K and V of one rank
-    sent = (world - 1) * kv_block * (2 * c.elem_bytes + 4)
+    sent = (world - 1) * kv_block * (2 * c.elem_bytes + dkv_bytes)
     step_compute = compute / world
     step_comm = sent / (world - 1) / (gbps * 1e9) + links.latency_s
     exposed = (world - 1) * max(0.0, step_comm - step_compute)
@@ -152,7 +158,9 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
     costs = []
     for mode in allowed:
         if mode in ("ring", "allgather"):
-            t, sent, exposed = _ring_cost(c, links, p, c.q_heads, c.kv_heads, c.seq_local, ring_gbps)
+            # all-gather reduce-scatters fp32 dK/dV whatever the wire option (config's DKV_WIRE_NO_EFFECT)
+            wire = c.dkv_bytes if mode == "ring" else 4
+            t, sent, exposed = _ring_cost(c, links, p, c.q_heads, c.kv_heads, c.seq_local, ring_gbps, wire)
             if mode == "allgather":  # one collective per chunk and direction instead of P-1 steps
                 comm = sent / (ring_gbps * 1e9) + 3 * c.head_chunks * links.latency_s
                 exposed = _pipelined(compute, comm, c.head_chunks)
@@ -167,7 +175,8 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
         a2a_gbps = links.intra_gbps if u <= links.node_size else links.inter_gbps
         chunks = math.gcd(h, c.head_chunks)
         a2a_s = a2a_sent / (a2a_gbps * 1e9) + 4 * chunks * links.latency_s
-        ring_t, ring_sent, ring_exposed = _ring_cost(c, links, p // u, c.q_heads // u, h, u * c.seq_local, ring_gbps)
+        ring_t, ring_sent, ring_exposed = _ring_cost(c, links, p // u, c.q_heads // u, h, u * c.seq_local, ring_gbps,
+                                                     c.dkv_bytes)
         a2a_exposed = _pipelined(ring_t, a2a_s, chunks)  # the all-to-alls hide behind the (ring) attention
         copies = 2 * a2a_sent * u / max(u - 1, 1) / (links.mem_gbps * 1e9)  # pack + unpack of every slot
         reason = f"{a2a_sent / 2**20:.1f} MiB all-to-all over {u} ranks"
@@ -259,15 +268,18 @@ _LOGGED: set[tuple] = set()
 def choose_mode(
     q: torch.Tensor, k: torch.Tensor, *, world: int, manager: ProcessGroupManager | None, causal: bool,
     group: dist.ProcessGroup | None = None, head_chunks: int = 4, features: Iterable[str] = (),
-    v_head_dim: int | None = None,
+    v_head_dim: int | None = None, dkv_wire_dtype: str = "fp32",
 ) -> str:
     """The cheapest allowed mode for this call (see the module docstring); logs its reason once.
+    ``dkv_wire_dtype`` ("fp32" or "bf16") is what a ring's dK/dV travels in: bf16 makes the ring and the
+    hybrid's ring a sixth to a third cheaper in bytes.
 
     Links come from ``manager.links`` when set (config), else from :func:`probe_links` on ``group``
     (probed on the first call, then cached)."""
     u = manager.ulysses_size if manager is not None else 1
     c = CallShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(), bool(causal),
-                  world, u, head_chunks, None if v_head_dim in (None, q.shape[3]) else v_head_dim)
+                  world, u, head_chunks, None if v_head_dim in (None, q.shape[3]) else v_head_dim,
+                  2 if dkv_wire_dtype == "bf16" else 4)
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group

@@ -754,7 +754,8 @@ def dilated_attention(
     if mode == "auto":
         from seqpar.attn.choose import choose_mode
 
-        mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"})
+        mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"},
+                           dkv_wire_dtype=dkv_wire_dtype)
     check_local(q, k, v, world_size=world, sharding=sharding)
     check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
                   seq_local=q.shape[2], world_size=world)

@@ -138,7 +138,7 @@ def _algorithm(
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
-            features=_mask_features(opts, sinks), v_head_dim=v_head_dim,
+            features=_mask_features(opts, sinks), v_head_dim=v_head_dim, dkv_wire_dtype=opts.dkv_wire_dtype,
         )
     if mode != "hybrid":
         return mode
