@@ -291,11 +291,31 @@ def _destroy_engines(engine_type: type) -> None:
             pass
 
 
+# What a CPU rank forks from: one server process that imported these once (torch's import is 3-4 CPU-seconds,
+# transformers' 1-2 more; a spawned rank pays both, and on 2 cores a 4-rank pool's start took 44-56 s under
+# load against 13-20 s forked). CUDA ranks are spawned: nothing CUDA may be initialised before a fork.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "transformers")
+
+
+def _start_method(device: str) -> Any:
+    """The multiprocessing context a pool starts its ranks in: a fork server preloading
+    :data:`FORKSERVER_PRELOAD` for CPU ranks, ``spawn`` for CUDA ranks."""
+    if device == "cuda":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))  # read when the server starts (once per process)
+    return ctx
+
+
 def _worker(
     rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any,
-    guard_modules: tuple[str, ...] | None = None,
+    guard_modules: tuple[str, ...] | None = None, environ: dict[str, str] | None = None,
 ) -> None:
-    """One rank: join the process group, then run tasks until told to stop."""
+    """One rank: join the process group, then run tasks until told to stop. ``environ``: the parent's
+    environment when it started the pool (a forked rank would otherwise have the fork server's)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     try:
         dev = _join_group(rank, world, port, device, threads, pg_timeout_s)
         import torch.distributed as dist
@@ -370,7 +390,7 @@ class RankPool:
                 f"a CUDA pool of {world_size} ranks needs {world_size} GPUs, this machine has "
                 f"{torch.cuda.device_count()}; run the CPU suite or the one-GPU ring-rank simulation"
             )
-        ctx = mp.get_context("spawn")
+        ctx = _start_method(device)
         self.world_size = world_size
         self.device = device
         self.timeout = timeout
@@ -384,7 +404,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, port, device, threads, pg_timeout_s, self._tasks[r], self._results,
-                      tuple(guard_modules) if guard_modules else None),
+                      tuple(guard_modules) if guard_modules else None, dict(os.environ)),
                 name=f"seqpar-rank{r}-of{world_size}", daemon=True,
             )
             for r in range(world_size)
