@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
 from seqpar.mixers.family import SwappedMixer
 
@@ -71,8 +71,7 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     if layout is None or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and all(isinstance(getattr(module, name, None), nn.Module) for name in _REQUIRED[layout]))
 
 

@@ -19,8 +19,8 @@ Sequence-parallel form (:class:`SeqParMambaMixer`, same child modules and parame
   ``selective_scan_fn`` when transformers finds it; :mod:`seqpar.mixers.kernels`), cut at each
   document start so the scan restarts there;
 - chunk summaries: transition ``T = exp(sum_t dt_t A)`` ``(batch, d_inner, d_state)`` and the final state
-  of the zero-state scan; :func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's
-  true incoming state ``h0`` (one all-gather, flat in S);
+  of the zero-state scan; :func:`seqpar.mixers.state_passing.scalar_decay_correction` gives each chunk's
+  true incoming state ``h0`` (one all-gather, flat in S) and adds the correction:
 - the correction, for the positions of a chunk before its first document start:
   ``y_t += (C_t . (exp(cumsum_{s<=t} dt_s A) * h0)) * silu(z_t)`` (the state is linear in h0).
 
@@ -40,11 +40,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
-from seqpar.mixers.state_passing import chunk_initial_states
+from seqpar.mixers.state_passing import scalar_decay_correction
 
 __all__ = ["KERNEL_DEVICES", "MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
 
@@ -61,14 +61,9 @@ def is_mamba_mixer(module: nn.Module) -> bool:
     if cls.__name__ not in MAMBA_CLASSES or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "A_log", None), nn.Parameter))
-
-
-def _mul(transition: Tensor, state: Tensor) -> Tensor:
-    return transition * state
 
 
 def selective_scan_shard(
@@ -124,17 +119,16 @@ def selective_scan_shard(
     log_decay = log_decay.unflatten(3, (n, c))  # (heads, batch, d, n, c, d_state)
     transition = log_decay.sum(4).exp().movedim(3, 0)  # (n, heads, batch, d, d_state)
     state = torch.stack(finals, dim=1).to(transition.dtype)  # (n, heads, batch, d, d_state)
-    init = chunk_initial_states(transition, state, apply=_mul, group=group, sharding=sharding,
-                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
-    corrections = []
-    for j in range(n):
-        lead = layout.lead(j)
+
+    def lead_correction(j: int, lead: int, h0: Tensor) -> Tensor:  # y_t += (C_t . (exp(cumsum dt A) h0)) silu(z_t)
         decay = log_decay[:, :, :, j, :lead].cumsum(3).exp()  # (heads, batch, d, lead, d_state)
         cj = C[..., j * c:j * c + lead].to(decay.dtype)  # (heads, batch, d_state, lead)
-        y = torch.einsum("hbdtn,hbnt,hbdn->hbdt", decay, cj, init[j])
-        y = y * F.silu(z[..., j * c:j * c + lead])
-        corrections.append(F.pad(y, (0, c - lead)))
-    return out + torch.cat(corrections, dim=-1).to(out.dtype)
+        y = torch.einsum("hbdtn,hbnt,hbdn->hbdt", decay, cj, h0)
+        return y * F.silu(z[..., j * c:j * c + lead])
+
+    correction = scalar_decay_correction(transition, state, layout, lead_correction, dim=-1, group=group,
+                                         sharding=sharding)
+    return out + correction.to(out.dtype)
 
 
 class SeqParMambaMixer(SwappedMixer):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.ssd import ssd_shard
 
@@ -56,8 +56,7 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     if cls.__name__ not in MAMBA2_CLASSES or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "out_proj", None), nn.Linear)
             and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
