@@ -76,7 +76,10 @@ MAMBA2_CLASSES = frozenset(MAMBA2_SPECS)
 """transformers classes whose forward :class:`SeqParMamba2Mixer` reproduces (read in transformers 5.24)."""
 
 _ATTRIBUTES = ("layer_idx", "num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
-               "chunk_size", "time_step_limit", "activation", "mamba_rms_norm", "ssm_in_multiplier")
+               "chunk_size", "time_step_limit", "activation")
+# the plain attributes the specs name (a buffer, such as Falcon-H1's mup_vector, is taken over as a buffer)
+_SPEC_ATTRIBUTES = tuple(sorted({name for spec in MAMBA2_SPECS.values()
+                                 for name in (spec.input_multiplier, spec.norm_switch) if name is not None}))
 
 
 def is_mamba2_mixer(module: nn.Module) -> bool:
@@ -89,7 +92,7 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "out_proj", None), nn.Linear)
             and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
-            and all(hasattr(module, name) for name in _ATTRIBUTES[1:10]))
+            and all(hasattr(module, name) for name in _ATTRIBUTES[1:]))
 
 
 class SeqParMamba2Mixer(SwappedMixer):
@@ -97,7 +100,7 @@ class SeqParMamba2Mixer(SwappedMixer):
     :class:`seqpar.mixers.family.SwappedMixer` for the arguments. The class's :class:`Mamba2Spec` is
     :attr:`spec`."""
 
-    COPIED = _ATTRIBUTES
+    COPIED = _ATTRIBUTES + _SPEC_ATTRIBUTES
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
