@@ -28,7 +28,9 @@ Design facts every family builds on:
 
 Each family module defines its :class:`seqpar.mixers.family.MixerFamily` (how to recognise its layers and
 build their sequence-parallel form); :data:`seqpar.mixers.registry.FAMILIES` lists the families the swap
-puts in place. Linear recurrences share :func:`seqpar.mixers.state_passing.chunk_initial_states`.
+puts in place. Linear recurrences share :func:`seqpar.mixers.state_passing.chunk_initial_states` (the
+scalar-decay ones its whole step, :func:`seqpar.mixers.state_passing.scalar_decay_correction`); convolutions
+:func:`seqpar.mixers.conv.is_causal_depthwise_conv` and :func:`seqpar.mixers.conv.causal_conv_shard`.
 
 Families handled: short causal convolutions (:mod:`seqpar.mixers.conv`, LFM2 / LFM2-MoE / LFM3
 ``*ShortConv`` layers via :mod:`seqpar.mixers.short_conv`); Mamba (v1) selective scans

@@ -19,14 +19,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
+from seqpar.mixers.scan_layout import shard_boundaries
 from seqpar.runtime.groups import resolve_group
-from seqpar.sequence.boundaries import host_boundaries
 from seqpar.sequence.sharding import shard_index
 
-__all__ = ["ConvLayout", "conv_layout", "causal_conv_shard", "causal_conv_chunks"]
+__all__ = ["ConvLayout", "conv_layout", "causal_conv_shard", "causal_conv_chunks", "is_causal_depthwise_conv"]
+
+
+def is_causal_depthwise_conv(conv: object) -> bool:
+    """Whether ``conv`` is the convolution :func:`causal_conv_shard` reproduces: an ``nn.Conv1d`` with one
+    filter per channel (``groups == in_channels == out_channels``), stride and dilation 1, and ``k - 1``
+    positions of padding (cut back to the input length by the layer: causal)."""
+    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
+            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,))
 
 
 @dataclass(frozen=True)
@@ -68,14 +76,8 @@ def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | 
         cu_seqlens: global document boundaries ``[0, ..., S]`` (host ints are read once per batch).
         device: where ``doc_pos`` lives (the input's device).
     """
-    group = resolve_group(group)
-    world = 1 if group is None else dist.get_world_size(group)
-    rank = 0 if group is None else dist.get_rank(group)
-    seq_len = seq_local * world
-    cu = host_boundaries(cu_seqlens)
-    if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:]))):
-        raise ValueError(f"causal convolution: cu_seqlens {list(cu)} must be strictly increasing from 0 to the "
-                         f"global length {seq_len} (seq_local {seq_local} x {world} ranks)")
+    world, rank, seq_len, cu = shard_boundaries(seq_local, group=group, cu_seqlens=cu_seqlens,
+                                                where="causal convolution")
     return _layout(world, rank, sharding, seq_len, cu, kernel_size - 1, torch.device(device))
 
 

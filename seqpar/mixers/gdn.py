@@ -11,7 +11,8 @@ The layer (transformers' torch path; read in transformers 5.24)::
     o       = chunk_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     out     = out_proj(gated_norm(o, gate(h)))
 
-The projections differ per model (:data:`GDN_CLASSES` names each layout); the rest is shared.
+The projections, the decay, the heads' sizes and the norm's names differ per model: fields of each class's
+:class:`DeltaNetSpec` (:data:`GDN_CLASSES`), read by the one forward.
 
 Sequence-parallel form (:class:`SeqParGatedDeltaNet`, same child modules and parameters):
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,44 +38,91 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
 from seqpar.mixers.family import SwappedMixer
 
-__all__ = ["GDN_CLASSES", "SeqParGatedDeltaNet", "is_gated_delta_net", "FAMILY"]
+__all__ = ["GDN_CLASSES", "GDN_SPECS", "DeltaNetSpec", "SeqParGatedDeltaNet", "is_gated_delta_net", "FAMILY"]
 
-GDN_CLASSES = {
-    "Qwen3NextGatedDeltaNet": "qkvz",
-    "Qwen3_5GatedDeltaNet": "qkv_z",
-    "Qwen3_5MoeGatedDeltaNet": "qkv_z",
-    "LaraMiniGatedDeltaNet": "qkv_z",
-    "OlmoHybridGatedDeltaNet": "olmo",
-    "KimiLinearDeltaAttention": "kda",
+
+@dataclass(frozen=True)
+class DeltaNetSpec:
+    """What one transformers GDN / KDA class computes its own way around the shared forward (module docstring).
+    Names are the layer's attributes (child modules, sizes, flags)."""
+
+    layout: str
+    """The projection layout's name, as :data:`GDN_CLASSES` documents it."""
+    fused: tuple[str, str] | None = None
+    """The fused q/k/v/z and b/a projections, split by the layer's own ``fix_query_key_value_ordering``
+    (Qwen3-Next); then :attr:`qkv`, :attr:`gate`, :attr:`beta` and :attr:`decay` are unused."""
+    qkv: tuple[str, ...] = ()
+    """The projection(s) whose outputs, concatenated, are the convolution's input."""
+    gate: tuple[str, ...] = ()
+    """The projections applied in turn to the hidden states: the output gate (KDA's is low rank)."""
+    beta: str | None = None
+    """The projection of beta's logits."""
+    decay: str | None = None
+    """The projection of ``a`` in ``g = -exp(A_log) softplus(a + dt_bias)`` (per head)."""
+    forget_gate: str | None = None
+    """A module mapping the hidden states to the log decay itself (KDA: per channel); replaces :attr:`decay`."""
+    head_dims: tuple[str, str] = ("head_k_dim", "head_v_dim")
+    """The key and value head sizes."""
+    splits: tuple[str, str, str] = ("key_dim", "key_dim", "value_dim")
+    """The sizes of q, k and v in the convolution's output."""
+    beta_doubling: str | None = None
+    """The flag that doubles beta (eigenvalues down to -1: OLMo-hybrid's ``allow_neg_eigval``)."""
+    norm: str = "norm"
+    """The gated output norm."""
+    out_proj: str = "out_proj"
+    """The output projection."""
+    norm_per_head: bool = False
+    """The norm takes ``(batch, seq, heads, d_v)`` (KDA); else rows of ``d_v``."""
+    rule: str = "gdn"
+    """The delta rule (``"gdn"`` or ``"kda"``), which names flash-linear-attention's kernel
+    (:data:`seqpar.mixers.delta_rule.FLA_KERNELS`)."""
+    torch_kernel: str = "torch_chunk_gated_delta_rule"
+    """transformers' torch function of the rule, in the model's module."""
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        """The child modules the layer must have."""
+        named = (*(self.fused or ()), *self.qkv, *self.gate, self.beta, self.decay, self.forget_gate, self.norm,
+                 self.out_proj)
+        return tuple(name for name in named if name is not None)
+
+
+_QKV_Z = DeltaNetSpec("qkv_z", qkv=("in_proj_qkv",), gate=("in_proj_z",), beta="in_proj_b", decay="in_proj_a")
+
+GDN_CLASSES: dict[str, DeltaNetSpec] = {
+    "Qwen3NextGatedDeltaNet": DeltaNetSpec("qkvz", fused=("in_proj_qkvz", "in_proj_ba")),
+    "Qwen3_5GatedDeltaNet": _QKV_Z,
+    "Qwen3_5MoeGatedDeltaNet": _QKV_Z,
+    "LaraMiniGatedDeltaNet": _QKV_Z,
+    "OlmoHybridGatedDeltaNet": DeltaNetSpec("olmo", qkv=("q_proj", "k_proj", "v_proj"), gate=("g_proj",),
+                                            beta="b_proj", decay="a_proj", beta_doubling="allow_neg_eigval",
+                                            norm="o_norm", out_proj="o_proj"),
+    "KimiLinearDeltaAttention": DeltaNetSpec("kda", qkv=("q_proj", "k_proj", "v_proj"), gate=("g_a_proj", "g_b_proj"),
+                                             beta="b_proj", forget_gate="forget_gate", head_dims=("head_dim", "head_dim"),
+                                             splits=("qkv_dim", "qkv_dim", "qkv_dim"), norm="o_norm", out_proj="o_proj",
+                                             norm_per_head=True, rule="kda", torch_kernel="chunk_kimi_delta_attention"),
 }
-"""transformers classes whose forward :class:`SeqParGatedDeltaNet` reproduces, and their projection layout:
+"""transformers classes whose forward :class:`SeqParGatedDeltaNet` reproduces, and their spec, whose layouts are
 ``qkvz`` (fused q/k/v/z and b/a projections, ``fix_query_key_value_ordering``), ``qkv_z`` (``in_proj_qkv``,
 ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), ``olmo`` (separate ``q/k/v/a/b/g_proj``), ``kda`` (Kimi-Linear:
 separate projections, per-channel ``forget_gate``, low-rank output gate)."""
 
-_REQUIRED = {
-    "qkvz": ("in_proj_qkvz", "in_proj_ba", "norm", "out_proj"),
-    "qkv_z": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj"),
-    "olmo": ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj"),
-    "kda": ("q_proj", "k_proj", "v_proj", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj"),
-}
-_KERNEL_FUNCTION = {"kda": "chunk_kimi_delta_attention"}  # the others: torch_chunk_gated_delta_rule
+GDN_SPECS = GDN_CLASSES
+"""The same mapping by the name every family's spec table has (transformers class -> :class:`DeltaNetSpec`)."""
 
 
 def is_gated_delta_net(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers GDN / KDA layer that seqpar can shard."""
     cls = type(module)
-    layout = GDN_CLASSES.get(cls.__name__)
-    if layout is None or not cls.__module__.startswith("transformers."):
+    spec = GDN_CLASSES.get(cls.__name__)
+    if spec is None or not cls.__module__.startswith("transformers."):
         return False
-    conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
-            and all(isinstance(getattr(module, name, None), nn.Module) for name in _REQUIRED[layout]))
+    return (is_causal_depthwise_conv(getattr(module, "conv1d", None))
+            and all(isinstance(getattr(module, name, None), nn.Module) for name in spec.required))
 
 
 class SeqParGatedDeltaNet(SwappedMixer):
@@ -87,32 +136,35 @@ class SeqParGatedDeltaNet(SwappedMixer):
         for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)
-        self.projections = GDN_CLASSES[self.original_class]
+        self.spec: DeltaNetSpec = GDN_CLASSES[self.original_class]
         # Qwen3-Next's fused projections are split by its own method
         self.fix_ordering = getattr(original, "fix_ordering", getattr(type(original), "fix_query_key_value_ordering",
                                                                       None))
 
-    def _inputs(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """``(mixed_qkv (batch, seq, conv_dim), gate, b, a)`` as each layout computes them (``a`` unused by KDA)."""
+    def _inputs(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """``(mixed_qkv (batch, seq, conv_dim), gate, b, a)`` as the spec's projections compute them (``a``: None
+        where a forget gate gives the decay)."""
         batch, seq, _ = h.shape
-        kind = self.projections
-        if kind == "qkvz":
-            query, key, value, z, b, a = self.fix_ordering(self, self.in_proj_qkvz(h), self.in_proj_ba(h))
+        spec = self.spec
+        if spec.fused is not None:
+            qkvz, ba = (getattr(self, name)(h) for name in spec.fused)
+            query, key, value, z, b, a = self.fix_ordering(self, qkvz, ba)
             mixed = torch.cat([t.reshape(batch, seq, -1) for t in (query, key, value)], dim=-1)
             return mixed, z, b, a
-        if kind == "qkv_z":
-            return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
-        mixed = torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
-        if kind == "olmo":
-            return mixed, self.g_proj(h), self.b_proj(h), self.a_proj(h)
-        return mixed, self.g_b_proj(self.g_a_proj(h)), self.b_proj(h), h  # kda
+        qkv = [getattr(self, name)(h) for name in spec.qkv]
+        mixed = qkv[0] if len(qkv) == 1 else torch.cat(qkv, dim=-1)
+        gate = h
+        for name in spec.gate:
+            gate = getattr(self, name)(gate)
+        a = None if spec.decay is None else getattr(self, spec.decay)(h)
+        return mixed, gate, getattr(self, spec.beta)(h), a
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
         self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
-        kind = self.projections
+        spec = self.spec
         position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
@@ -122,33 +174,27 @@ class SeqParGatedDeltaNet(SwappedMixer):
         conv = causal_conv_shard(mixed.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                  group=self.group, sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
         mixed = tf.ACT2FN[self.activation](conv).to(mixed.dtype).transpose(1, 2)  # as causal_conv1d_fn
-        if kind == "kda":
-            head_k = head_v = self.head_dim
-            splits = [self.qkv_dim] * 3
-        else:
-            head_k, head_v = self.head_k_dim, self.head_v_dim
-            splits = [self.key_dim, self.key_dim, self.value_dim]
-        query, key, value = torch.split(mixed, splits, dim=-1)
+        head_k, head_v = (getattr(self, name) for name in spec.head_dims)
+        query, key, value = torch.split(mixed, [getattr(self, name) for name in spec.splits], dim=-1)
         query = query.reshape(batch, seq_local, -1, head_k)
         key = key.reshape(batch, seq_local, -1, head_k)
         value = value.reshape(batch, seq_local, -1, head_v)
         beta = b.sigmoid()
-        if kind == "olmo" and self.allow_neg_eigval:
+        if spec.beta_doubling is not None and getattr(self, spec.beta_doubling):
             beta = beta * 2.0
-        if kind == "kda":
-            g = self.forget_gate(hidden_states)
+        if spec.forget_gate is not None:
+            g = getattr(self, spec.forget_gate)(hidden_states)
         else:  # in fp32: in fp16, A might be -inf (transformers' comment)
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        torch_path = getattr(tf, _KERNEL_FUNCTION.get(kind, "torch_chunk_gated_delta_rule"))
-        kernel = delta_rule_kernel("kda" if kind == "kda" else "gdn", torch_path, query.device, self.mixer_kernels)
+        kernel = delta_rule_kernel(spec.rule, getattr(tf, spec.torch_kernel), query.device, self.mixer_kernels)
         out = delta_rule_shard(kernel, query, key, value, g, beta, layout=layout, group=self.group,
                                sharding=self.sharding, use_qk_l2norm_in_kernel=True)
-        if kind == "kda":
-            out = self.o_norm(out, gate.reshape(batch, seq_local, -1, head_v)).reshape(batch, seq_local, -1)
-            return self.o_proj(out)
-        norm, proj = (self.o_norm, self.o_proj) if kind == "olmo" else (self.norm, self.out_proj)
-        out = norm(out.reshape(-1, head_v), gate.reshape(-1, head_v)).reshape(batch, seq_local, -1)
-        return proj(out)
+        norm, proj = getattr(self, spec.norm), getattr(self, spec.out_proj)
+        if spec.norm_per_head:
+            out = norm(out, gate.reshape(batch, seq_local, -1, head_v))
+        else:
+            out = norm(out.reshape(-1, head_v), gate.reshape(-1, head_v))
+        return proj(out.reshape(batch, seq_local, -1))
 
 
 FAMILY = SeqParGatedDeltaNet.family("gated_delta_net", is_gated_delta_net)

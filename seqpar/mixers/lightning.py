@@ -16,7 +16,7 @@ its ``chunk_simple_gla`` runs the scan instead (:func:`lightning_kernel`).
 Sequence-parallel form (:class:`SeqParLightningAttention`, same children and buffers): each local chunk
 is scanned from zero, cut at each document start; the chunk summaries are the transition
 ``exp(-s c)`` ``(heads, 1, 1)`` and the final state ``(batch, heads, d, d)``;
-:func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's incoming state ``h0`` (one
+:func:`seqpar.mixers.state_passing.scalar_decay_correction` gives each chunk's incoming state ``h0`` (one
 all-gather, flat in S); the positions of a chunk before its first document start get
 ``o_t += (q_t * exp(-s (t+1))) h0`` (the state is linear in h0), before the norm and the gate.
 """
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
-from seqpar.mixers.state_passing import chunk_initial_states
+from seqpar.mixers.state_passing import scalar_decay_correction
 
 __all__ = ["LIGHTNING_CLASSES", "KERNEL_DEVICES", "SeqParLightningAttention", "is_lightning_attention",
            "lightning_kernel", "lightning_scan", "lightning_shard", "FAMILY"]
@@ -104,10 +104,6 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, k
     return out.transpose(1, 2), state
 
 
-def _mul(transition: Tensor, state: Tensor) -> Tensor:
-    return transition * state
-
-
 def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,
                     diagonal_decay: Tensor, *, layout: ScanLayout | None, group: dist.ProcessGroup | None,
                     sharding: str, mixer_kernels: str = "torch") -> Tensor:
@@ -139,16 +135,15 @@ def lightning_shard(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay:
     n = layout.chunks
     compute = torch.promote_types(state.dtype, torch.float32)  # summaries and the prefix fold in fp32 at least
     transition = torch.exp(-slope.to(compute) * c).expand(n, *slope.shape)  # (n, heads, 1, 1)
-    init = chunk_initial_states(transition, torch.stack(finals).to(compute), apply=_mul, group=group,
-                                sharding=sharding, seq_len=layout.seq_len, cu_seqlens=layout.cu)
-    corrections = []
-    for j in range(n):
-        lead = layout.lead(j)
+
+    def lead_correction(j: int, lead: int, h0: Tensor) -> Tensor:  # o_t += (q_t exp(-s (t + 1))) h0
         steps = torch.arange(1, lead + 1, device=q.device, dtype=compute)
         decay = torch.exp(-slope.to(compute) * steps[:, None])  # (heads, lead, 1)
-        y = torch.matmul(q[:, :, j * c:j * c + lead].to(compute) * decay, init[j])
-        corrections.append(F.pad(y, (0, 0, 0, c - lead)))
-    return out + torch.cat(corrections, dim=-2).to(out.dtype)
+        return torch.matmul(q[:, :, j * c:j * c + lead].to(compute) * decay, h0)
+
+    correction = scalar_decay_correction(transition, torch.stack(finals).to(compute), layout, lead_correction,
+                                         dim=-2, group=group, sharding=sharding)
+    return out + correction.to(out.dtype)
 
 
 class SeqParLightningAttention(SwappedMixer):

@@ -19,10 +19,13 @@ Sequence-parallel form (:class:`SeqParMambaMixer`, same child modules and parame
   ``selective_scan_fn`` when transformers finds it; :mod:`seqpar.mixers.kernels`), cut at each
   document start so the scan restarts there;
 - chunk summaries: transition ``T = exp(sum_t dt_t A)`` ``(batch, d_inner, d_state)`` and the final state
-  of the zero-state scan; :func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's
-  true incoming state ``h0`` (one all-gather, flat in S);
+  of the zero-state scan; :func:`seqpar.mixers.state_passing.scalar_decay_correction` gives each chunk's
+  true incoming state ``h0`` (one all-gather, flat in S) and adds the correction:
 - the correction, for the positions of a chunk before its first document start:
   ``y_t += (C_t . (exp(cumsum_{s<=t} dt_s A) * h0)) * silu(z_t)`` (the state is linear in h0).
+
+What differs between the transformers classes (Zamba's heads, Jamba's and FalconMamba's norms on dt, B and C)
+is each class's :class:`MambaSpec` (:data:`MAMBA_SPECS`), read by the one forward.
 
 Packed documents reach the layer as ``cu_seq_lens_q`` of its own call (Zamba) or through
 :func:`seqpar.mixers.documents.feed_documents` (Jamba's decoder layer does not pass them on).
@@ -33,6 +36,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,18 +44,42 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
-from seqpar.mixers.state_passing import chunk_initial_states
+from seqpar.mixers.state_passing import scalar_decay_correction
 
-__all__ = ["KERNEL_DEVICES", "MAMBA_CLASSES", "SeqParMambaMixer", "is_mamba_mixer", "selective_scan_shard", "FAMILY"]
+__all__ = ["KERNEL_DEVICES", "MAMBA_CLASSES", "MAMBA_SPECS", "MambaSpec", "SeqParMambaMixer", "is_mamba_mixer",
+           "selective_scan_shard", "FAMILY"]
 
 KERNEL_DEVICES = {"cuda"}
 """Device types on which ``mixer_kernels="auto"`` lets transformers' wrapper pick mamba_ssm's selective scan."""
 
-MAMBA_CLASSES = frozenset({"JambaMambaMixer", "MambaMixer", "FalconMambaMixer", "ZambaMambaMixer"})
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """What one transformers Mamba (v1) class computes its own way around the shared scan."""
+
+    multi_head: bool = False
+    """Zamba's layout: ``n_mamba_heads`` heads of ``mamba_head_dim`` channels, ``(x, z)`` interleaved per channel
+    in ``in_proj``'s output, and per-head ``x_proj_weight`` / ``dt_proj_weight`` / ``dt_proj_bias`` parameters.
+    False: one head of all channels, ``(x, z)`` in halves, ``x_proj`` and ``dt_proj`` layers."""
+    dt_bc_norms: bool = False
+    """RMS norms on dt, B and C after ``x_proj`` (``dt_layernorm``, ``b_layernorm``, ``c_layernorm``: Jamba,
+    FalconMamba)."""
+
+
+MAMBA_SPECS: dict[str, MambaSpec] = {
+    "JambaMambaMixer": MambaSpec(dt_bc_norms=True),
+    "MambaMixer": MambaSpec(),
+    "FalconMambaMixer": MambaSpec(dt_bc_norms=True),
+    "ZambaMambaMixer": MambaSpec(multi_head=True),
+}
+"""Each transformers class :class:`SeqParMambaMixer` reproduces (read in transformers 5.24), and its spec."""
+
+MAMBA_CLASSES = frozenset(MAMBA_SPECS)
 """transformers classes whose forward :class:`SeqParMambaMixer` reproduces (read in transformers 5.24)."""
 
 
@@ -61,14 +89,9 @@ def is_mamba_mixer(module: nn.Module) -> bool:
     if cls.__name__ not in MAMBA_CLASSES or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "A_log", None), nn.Parameter))
-
-
-def _mul(transition: Tensor, state: Tensor) -> Tensor:
-    return transition * state
 
 
 def selective_scan_shard(
@@ -124,22 +147,21 @@ def selective_scan_shard(
     log_decay = log_decay.unflatten(3, (n, c))  # (heads, batch, d, n, c, d_state)
     transition = log_decay.sum(4).exp().movedim(3, 0)  # (n, heads, batch, d, d_state)
     state = torch.stack(finals, dim=1).to(transition.dtype)  # (n, heads, batch, d, d_state)
-    init = chunk_initial_states(transition, state, apply=_mul, group=group, sharding=sharding,
-                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
-    corrections = []
-    for j in range(n):
-        lead = layout.lead(j)
+
+    def lead_correction(j: int, lead: int, h0: Tensor) -> Tensor:  # y_t += (C_t . (exp(cumsum dt A) h0)) silu(z_t)
         decay = log_decay[:, :, :, j, :lead].cumsum(3).exp()  # (heads, batch, d, lead, d_state)
         cj = C[..., j * c:j * c + lead].to(decay.dtype)  # (heads, batch, d_state, lead)
-        y = torch.einsum("hbdtn,hbnt,hbdn->hbdt", decay, cj, init[j])
-        y = y * F.silu(z[..., j * c:j * c + lead])
-        corrections.append(F.pad(y, (0, c - lead)))
-    return out + torch.cat(corrections, dim=-1).to(out.dtype)
+        y = torch.einsum("hbdtn,hbnt,hbdn->hbdt", decay, cj, h0)
+        return y * F.silu(z[..., j * c:j * c + lead])
+
+    correction = scalar_decay_correction(transition, state, layout, lead_correction, dim=-1, group=group,
+                                         sharding=sharding)
+    return out + correction.to(out.dtype)
 
 
 class SeqParMambaMixer(SwappedMixer):
     """A sequence-parallel drop-in for a transformers Mamba (v1) mixer (:data:`MAMBA_CLASSES`); see
-    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments. The class's :class:`MambaSpec` is :attr:`spec`."""
 
     COPIED = ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim")
 
@@ -149,6 +171,7 @@ class SeqParMambaMixer(SwappedMixer):
                          mixer_kernels=mixer_kernels)
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
+        self.spec: MambaSpec = MAMBA_SPECS[self.original_class]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
@@ -162,8 +185,8 @@ class SeqParMambaMixer(SwappedMixer):
         layout = self.layout(seq_local, cu)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
         projected = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seq_local)
-        zamba = self.n_mamba_heads is not None
-        if zamba:  # Zamba: (x, z) interleaved per channel, heads of mamba_head_dim channels
+        multi_head = self.spec.multi_head
+        if multi_head:  # (x, z) interleaved per channel, heads of mamba_head_dim channels
             x, gate = projected.view(batch, -1, 2, seq_local).chunk(2, dim=2)
             x = x.squeeze(2).contiguous()
             gate = gate.reshape(batch, self.n_mamba_heads, self.mamba_head_dim, seq_local).transpose(0, 1)
@@ -174,7 +197,7 @@ class SeqParMambaMixer(SwappedMixer):
                                  sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
         x = self.act(conv).to(x.dtype)
         x = tf.apply_mask_to_padding_states(x.transpose(1, 2), attention_mask)  # (batch, seq_local, d_inner)
-        if zamba:
+        if multi_head:
             x = x.transpose(1, 2).reshape(batch, self.n_mamba_heads, self.mamba_head_dim, seq_local).transpose(0, 1)
             params = (self.x_proj_weight[:, None] @ x).transpose(-1, -2)  # (heads, batch, seq_local, R + 2N)
             time_step, B, C = torch.split(params, [self.time_step_rank, self.ssm_state_size, self.ssm_state_size],
@@ -183,28 +206,27 @@ class SeqParMambaMixer(SwappedMixer):
             bias = self.dt_proj_bias.float() if self.dt_proj_bias is not None else None
             A = -torch.exp(self.A_log.float())  # (heads, hd, N)
             D = self.D.float()
-            options: dict[str, Any] = {"use_mambapy": False, "use_associative_scan": self.use_associative_scan}
         else:
             time_step, B, C = torch.split(self.x_proj(x), [self.time_step_rank, self.ssm_state_size,
                                                            self.ssm_state_size], dim=-1)
-            if hasattr(self, "dt_layernorm"):  # Jamba, FalconMamba: RMS norms on dt, B and C
+            if self.spec.dt_bc_norms:
                 time_step, B, C = self.dt_layernorm(time_step), self.b_layernorm(B), self.c_layernorm(C)
             time_step = (self.dt_proj.weight @ time_step.transpose(1, 2))[None]
             bias = None if self.dt_proj.bias is None else self.dt_proj.bias.float()[None]
             A = -torch.exp(self.A_log.float())[None]
             D = self.D.float()[None]
             x = x.transpose(1, 2)[None]
-            options = {"use_mambapy": self.use_mambapy, "use_associative_scan": self.use_associative_scan}
         B, C = B.transpose(-1, -2), C.transpose(-1, -2)  # (.., batch, d_state, seq_local)
-        if not zamba:
+        if not multi_head:
             B, C = B[None], C[None]
         # "auto": transformers' hub-kernel wrapper (mamba_ssm's selective_scan_fn where it finds it);
         # "torch": the torch function beneath it (seqpar.mixers.kernels)
         scan = tf.mamba_selective_scan
         if not use_kernels(self.mixer_kernels, x.device, KERNEL_DEVICES):
             scan = inspect.unwrap(scan)
-        out = selective_scan_shard(scan, x, time_step, A, B, C, D, gate, bias, layout=layout,
-                                   group=self.group, sharding=self.sharding, **options)
+        out = selective_scan_shard(scan, x, time_step, A, B, C, D, gate, bias, layout=layout, group=self.group,
+                                   sharding=self.sharding, use_mambapy=self.use_mambapy,
+                                   use_associative_scan=self.use_associative_scan)
         out = out.transpose(0, 1).reshape(batch, -1, seq_local)  # heads back into channels
         return self.out_proj(out.transpose(1, 2).to(dtype))
 

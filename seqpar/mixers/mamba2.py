@@ -14,8 +14,9 @@ In transformers 5.24 these layers share one torch forward (read in each installe
     out        = out_proj(y)
 
 (their fused CUDA path, ``mamba2_split_conv1d_scan_combined``, computes the same). The only differences
-are Falcon-H1's multipliers and optional norm, handled here by name. Zamba2's shared blocks are
-attention and MLP (swapped as attention); its Mamba2 layers are ordinary ones.
+are Falcon-H1's multipliers and optional norm: fields of each class's :class:`Mamba2Spec`
+(:data:`MAMBA2_SPECS`), read by the one forward. Zamba2's shared blocks are attention and MLP (swapped as
+attention); its Mamba2 layers are ordinary ones.
 
 Sequence-parallel form (:class:`SeqParMamba2Mixer`, same parameters, buffers and child modules): the
 convolution is :func:`seqpar.mixers.conv.causal_conv_shard` (halo exchange, documents restart), the
@@ -29,25 +30,56 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.ssd import ssd_shard
 
-__all__ = ["MAMBA2_CLASSES", "SeqParMamba2Mixer", "is_mamba2_mixer", "find_mamba2_mixers", "FAMILY"]
+__all__ = ["MAMBA2_CLASSES", "MAMBA2_SPECS", "Mamba2Spec", "SeqParMamba2Mixer", "is_mamba2_mixer",
+           "find_mamba2_mixers", "FAMILY"]
 
-MAMBA2_CLASSES = frozenset({"FalconH1Mixer", "BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer",
-                            "Zamba2MambaMixer", "Mamba2Mixer"})
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """What one transformers Mamba2 class adds to the shared forward (module docstring). Each field names a
+    layer attribute, or is None where the class has no such step."""
+
+    input_multiplier: str | None = None
+    """The scalar the hidden states are multiplied by before ``in_proj`` (Falcon-H1: ``ssm_in_multiplier``)."""
+    projection_multiplier: str | None = None
+    """The buffer ``in_proj``'s output is multiplied by (Falcon-H1: ``mup_vector``)."""
+    norm_switch: str | None = None
+    """The flag that turns the gated RMS norm on; when it is off the output is the plain gate ``y * silu(gate)``
+    (Falcon-H1: ``mamba_rms_norm``). None: always the gated norm."""
+
+
+MAMBA2_SPECS: dict[str, Mamba2Spec] = {
+    "FalconH1Mixer": Mamba2Spec(input_multiplier="ssm_in_multiplier", projection_multiplier="mup_vector",
+                                norm_switch="mamba_rms_norm"),
+    "BambaMixer": Mamba2Spec(),
+    "NemotronHMamba2Mixer": Mamba2Spec(),
+    "GraniteMoeHybridMambaLayer": Mamba2Spec(),
+    "Zamba2MambaMixer": Mamba2Spec(),
+    "Mamba2Mixer": Mamba2Spec(),
+}
+"""Each transformers class :class:`SeqParMamba2Mixer` reproduces (read in transformers 5.24), and its spec."""
+
+MAMBA2_CLASSES = frozenset(MAMBA2_SPECS)
 """transformers classes whose forward :class:`SeqParMamba2Mixer` reproduces (read in transformers 5.24)."""
 
 _ATTRIBUTES = ("layer_idx", "num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim",
-               "chunk_size", "time_step_limit", "activation", "mamba_rms_norm", "ssm_in_multiplier")
+               "chunk_size", "time_step_limit", "activation")
+# the plain attributes the specs name (a buffer, such as Falcon-H1's mup_vector, is taken over as a buffer)
+_SPEC_ATTRIBUTES = tuple(sorted({name for spec in MAMBA2_SPECS.values()
+                                 for name in (spec.input_multiplier, spec.norm_switch) if name is not None}))
 
 
 def is_mamba2_mixer(module: nn.Module) -> bool:
@@ -56,19 +88,25 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     if cls.__name__ not in MAMBA2_CLASSES or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv1d", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "out_proj", None), nn.Linear)
             and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
-            and all(hasattr(module, name) for name in _ATTRIBUTES[1:10]))
+            and all(hasattr(module, name) for name in _ATTRIBUTES[1:]))
 
 
 class SeqParMamba2Mixer(SwappedMixer):
     """A sequence-parallel drop-in for a transformers Mamba2 layer (:data:`MAMBA2_CLASSES`); see
-    :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
+    :class:`seqpar.mixers.family.SwappedMixer` for the arguments. The class's :class:`Mamba2Spec` is
+    :attr:`spec`."""
 
-    COPIED = _ATTRIBUTES
+    COPIED = _ATTRIBUTES + _SPEC_ATTRIBUTES
+
+    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
+                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
+        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
+                         mixer_kernels=mixer_kernels)
+        self.spec: Mamba2Spec = MAMBA2_SPECS[self.original_class]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
@@ -80,13 +118,13 @@ class SeqParMamba2Mixer(SwappedMixer):
         position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         layout = self.layout(seq_local, cu)
-        falcon = self.original_class == "FalconH1Mixer"
+        spec = self.spec
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
-        if falcon:
-            hidden_states = hidden_states * self.ssm_in_multiplier
+        if spec.input_multiplier is not None:
+            hidden_states = hidden_states * getattr(self, spec.input_multiplier)
         projected = self.in_proj(hidden_states)
-        if falcon:
-            projected = projected * self.mup_vector
+        if spec.projection_multiplier is not None:
+            projected = projected * getattr(self, spec.projection_multiplier)
         A = -torch.exp(self.A_log.float())
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv = causal_conv_shard(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
@@ -101,7 +139,7 @@ class SeqParMamba2Mixer(SwappedMixer):
                       self.D, self.dt_bias, chunk_size=self.chunk_size, dt_limit=tuple(self.time_step_limit),
                       layout=layout, group=self.group, sharding=self.sharding, mixer_kernels=self.mixer_kernels)
         y = y.reshape(batch, seq_local, -1)
-        if falcon and not self.mamba_rms_norm:  # Falcon-H1 without its norm: the plain gate
+        if spec.norm_switch is not None and not getattr(self, spec.norm_switch):  # the norm off: the plain gate
             y = y * F.silu(gate)
         else:
             y = self.norm(y, gate)

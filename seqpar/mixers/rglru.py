@@ -17,7 +17,7 @@ Sequence-parallel form (:class:`SeqParRecurrentBlock`, same children): the convo
 :func:`seqpar.mixers.conv.causal_conv_shard` (halo, documents restart); each local chunk runs through the
 layer's own ``rg_lru`` from a zero state (it restarts at every position 0 itself); the chunk summaries are
 the transition ``prod_t a_t`` and the final state ``(batch, lru_width)``;
-:func:`seqpar.mixers.state_passing.chunk_initial_states` gives each chunk's incoming state ``h0`` (one
+:func:`seqpar.mixers.state_passing.scalar_decay_correction` gives each chunk's incoming state ``h0`` (one
 all-gather, flat in S); a chunk's positions before its first document start get
 ``h_t += (prod_{s<=t} a_s) h0``. ``a_t`` is recomputed from the layer's gate parameters as it does.
 """
@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 from seqpar.mixers.scan_layout import ScanLayout
-from seqpar.mixers.state_passing import chunk_initial_states
+from seqpar.mixers.state_passing import scalar_decay_correction
 
 __all__ = ["RGLRU_CLASSES", "SeqParRecurrentBlock", "is_recurrent_block", "rglru_log_decay", "rglru_shard", "FAMILY"]
 
@@ -47,8 +47,7 @@ def is_recurrent_block(module: nn.Module) -> bool:
     cls = type(module)
     conv = getattr(module, "conv_1d", None)
     return (cls.__name__ in RGLRU_CLASSES and cls.__module__.startswith("transformers.")
-            and isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+            and is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "rg_lru", None), nn.Module))
 
 
@@ -60,10 +59,6 @@ def rglru_log_decay(rg_lru: nn.Module, x: Tensor) -> Tensor:
     gate = torch.baddbmm(rg_lru.recurrent_gate_bias[:, None, :], act, rg_lru.recurrent_gate_weight)
     gate = torch.sigmoid(gate.transpose(0, 1).reshape(batch, seq, width))
     return -8.0 * gate * F.softplus(rg_lru.recurrent_param)
-
-
-def _mul(transition: Tensor, state: Tensor) -> Tensor:
-    return transition * state
 
 
 def rglru_shard(rg_lru: nn.Module, x: Tensor, position_ids: Tensor, *, layout: ScanLayout | None,
@@ -98,14 +93,13 @@ def rglru_shard(rg_lru: nn.Module, x: Tensor, position_ids: Tensor, *, layout: S
     n = layout.chunks
     log_a = rglru_log_decay(rg_lru, x).float().unflatten(1, (n, c))  # (batch, n, c, width)
     transition = log_a.sum(2).exp().movedim(1, 0)  # (n, batch, width)
-    init = chunk_initial_states(transition, torch.stack(finals).float(), apply=_mul, group=group, sharding=sharding,
-                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
-    corrections = []
-    for j in range(n):
-        lead = layout.lead(j)
-        y = log_a[:, j, :lead].cumsum(1).exp() * init[j][:, None]  # (batch, lead, width)
-        corrections.append(F.pad(y, (0, 0, 0, c - lead)))
-    return (out.float() + torch.cat(corrections, dim=1)).to(out.dtype)
+
+    def lead_correction(j: int, lead: int, h0: Tensor) -> Tensor:  # h_t += (prod_{s<=t} a_s) h0
+        return log_a[:, j, :lead].cumsum(1).exp() * h0[:, None]  # (batch, lead, width)
+
+    correction = scalar_decay_correction(transition, torch.stack(finals).float(), layout, lead_correction, dim=-2,
+                                         group=group, sharding=sharding)
+    return (out.float() + correction).to(out.dtype)
 
 
 class SeqParRecurrentBlock(SwappedMixer):

@@ -22,7 +22,7 @@ from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.sequence.sharding import chunk_ids
 
-__all__ = ["ScanLayout", "scan_layout"]
+__all__ = ["ScanLayout", "scan_layout", "shard_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,23 @@ def scan_layout(seq_local: int, *, group: dist.ProcessGroup | None, sharding: st
         cu_seqlens: global document boundaries ``[0, ..., S]`` (a tensor is read on the host once per batch).
         where: names the caller in errors.
     """
+    world, rank, seq_len, cu = shard_boundaries(seq_local, group=group, cu_seqlens=cu_seqlens, where=where)
+    return _layout(world, rank, sharding, seq_len, cu)
+
+
+def shard_boundaries(seq_local: int, *, group: dist.ProcessGroup | None, cu_seqlens: Tensor | Sequence[int] | None,
+                     where: str) -> tuple[int, int, int, tuple[int, ...] | None]:
+    """``(world, rank, seq_len, cu)`` of this rank's shard: the SP group's size and this rank in it, the global
+    length ``seq_local x world``, and the global document boundaries as host ints (None: one sequence), checked.
+
+    Args:
+        seq_local: this rank's shard length.
+        group: the SP group (None: the default manager's; none at all: one process).
+        cu_seqlens: global document boundaries ``[0, ..., S]`` (a tensor is read on the host once per batch).
+        where: names the caller in errors.
+    Raises:
+        ValueError: boundaries that are not strictly increasing from 0 to the global length.
+    """
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
@@ -95,4 +112,4 @@ def scan_layout(seq_local: int, *, group: dist.ProcessGroup | None, sharding: st
     if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:]))):
         raise ValueError(f"{where}: cu_seqlens {list(cu)} must be strictly increasing from 0 to the global length "
                          f"{seq_len} (seq_local {seq_local} x {world} ranks)")
-    return _layout(world, rank, sharding, seq_len, cu)
+    return world, rank, seq_len, cu

@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer
 
 __all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
@@ -42,8 +42,7 @@ def is_short_conv(module: nn.Module) -> bool:
     if cls.__name__ not in SHORT_CONV_CLASSES or not cls.__module__.startswith("transformers."):
         return False
     conv = getattr(module, "conv", None)
-    return (isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels == conv.out_channels
-            and conv.padding == (conv.kernel_size[0] - 1,) and conv.stride == (1,) and conv.dilation == (1,)
+    return (is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "in_proj", None), nn.Linear)
             and isinstance(getattr(module, "out_proj", None), nn.Linear))
 

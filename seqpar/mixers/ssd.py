@@ -16,8 +16,8 @@ positions started from ``h0``: ``state = exp(sum_t dt_t A) * h0 + state_local`` 
    ``mamba_chunk_scan_combined`` (one call per chunk, documents kept apart by ``seq_idx``,
    :func:`ssd_kernel`);
 2. exchanges the chunk summaries ``(exp(sum dt A) (batch, heads), final state (batch, heads, head_dim,
-   d_state))`` in one all-gather (:func:`seqpar.mixers.state_passing.chunk_initial_states`: flat in S);
-3. adds ``exp(cumsum dt A) * (h0 C_t)`` to the positions of each chunk before its first document start.
+   d_state))`` in one all-gather (flat in S) and adds ``exp(cumsum dt A) * (h0 C_t)`` to the positions of
+   each chunk before its first document start (:func:`seqpar.mixers.state_passing.scalar_decay_correction`).
 
 The gated norm and the output projection that follow the scan are position-wise: the layer module
 (:mod:`seqpar.mixers.mamba2`) runs them on the shard as they are.
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
-from seqpar.mixers.state_passing import chunk_initial_states
+from seqpar.mixers.state_passing import scalar_decay_correction
 
 __all__ = ["KERNEL_DEVICES", "ssd_kernel", "ssd_time_steps", "ssd_shard"]
 
@@ -69,10 +69,6 @@ def ssd_time_steps(dt: Tensor, A: Tensor, dt_bias: Tensor | None, dt_limit: tupl
         dt = dt + dt_bias.to(dt.dtype)
     dt = torch.clamp(F.softplus(dt), min=dt_limit[0], max=dt_limit[1])
     return A.float() * dt.float()
-
-
-def _mul(transition: Tensor, state: Tensor) -> Tensor:
-    return transition * state
 
 
 def _zero_state_runs(scan: Callable[..., Any], x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -139,15 +135,13 @@ def ssd_shard(
     log_decay = ssd_time_steps(dt, A, dt_bias, dt_limit).view(batch, n, c, heads)
     transition = log_decay.sum(2).exp().movedim(1, 0)[..., None, None]  # (n, batch, heads, 1, 1)
     state = torch.stack(finals).float()  # (n, batch, heads, head_dim, d_state)
-    init = chunk_initial_states(transition, state, apply=_mul, group=group, sharding=sharding,
-                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
     per_group = heads // B.shape[2]
-    corrections = []
-    for j in range(n):
-        lead = layout.lead(j)
+
+    def lead_correction(j: int, lead: int, h0: Tensor) -> Tensor:  # y_t += exp(cumsum dt A) (h0 C_t)
         decay = log_decay[:, j, :lead].cumsum(1).exp()  # (batch, lead, heads)
         cj = C[:, j * c:j * c + lead].float().repeat_interleave(per_group, dim=2)  # (batch, lead, heads, d_state)
-        y = torch.einsum("bthn,bhpn->bthp", cj, init[j]) * decay[..., None]
-        corrections.append(F.pad(y, (0, 0, 0, 0, 0, c - lead)))
-    correction = corrections[0] if n == 1 else torch.cat(corrections, dim=1)
+        return torch.einsum("bthn,bhpn->bthp", cj, h0) * decay[..., None]
+
+    correction = scalar_decay_correction(transition, state, layout, lead_correction, dim=-3, group=group,
+                                         sharding=sharding)
     return out + correction.to(out.dtype)

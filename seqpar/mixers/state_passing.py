@@ -16,6 +16,11 @@ in one collective (``n x P x (|T| + |state|)`` values per rank: flat in S), and 
 last chunk. The fold is tiny (at most ``n x P`` ``apply`` calls) and runs on every rank alike; the
 all-gather's backward is a reduce-scatter (sum), since every rank's fold reads every summary.
 
+For the scalar-decay families (Mamba, Mamba2 / SSD, lightning attention, RG-LRU: ``T`` a decay product,
+applied elementwise) the whole step after the local scans is :func:`scalar_decay_correction`: the prefix
+fold, then each chunk's leading run (the positions before its first document start) corrected by what the
+incoming state adds there. Each family says only what that addition is at a position.
+
 A ring pass (each rank waits for its predecessor's prefix) sends ``|state|`` per hop instead of
 ``P x (|T| + |state|)`` per rank, but serialises P hops on the critical path; the all-gather is one
 collective whose bytes are independent of S.
@@ -28,14 +33,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from seqpar.comm.collectives import all_gather
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.sequence.sharding import chunk_ids
 
-__all__ = ["chunk_initial_states", "chunk_resets", "summary_bytes"]
+__all__ = ["chunk_initial_states", "chunk_resets", "summary_bytes", "scale_state", "scalar_decay_correction"]
 
 
 def chunk_resets(num_chunks: int, seq_len: int,
@@ -127,3 +134,51 @@ def chunk_initial_states(
     # contiguous cut): otherwise that rank's backward never reaches the all-gather's reduce-scatter and the
     # other ranks wait for it forever. An empty slice's sum is exactly 0 and carries a zero gradient.
     return out + packed[:0].sum() if packed.requires_grad else out
+
+
+def scale_state(transition: Tensor, state: Tensor) -> Tensor:
+    """``apply`` of :func:`chunk_initial_states` for a scalar (elementwise) decay: ``transition * state``
+    (``transition`` broadcasts against the state: per head, per channel, or per channel and state)."""
+    return transition * state
+
+
+def scalar_decay_correction(
+    transition: Tensor,
+    state: Tensor,
+    layout: ScanLayout,
+    lead_correction: Callable[[int, int, Tensor], Tensor],
+    *,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    sharding: str,
+) -> Tensor:
+    """What the true incoming states add to this rank's zero-state outputs, for a recurrence whose
+    transition is an elementwise decay (Mamba, Mamba2 / SSD, lightning attention, RG-LRU).
+
+    Each local chunk's incoming state ``h0`` comes from :func:`chunk_initial_states` (``apply`` =
+    :func:`scale_state`); only the chunk's leading run (its first ``layout.lead(j)`` positions: those
+    before a document start inside it) continues ``h0``, so the rest of the chunk gets zeros.
+
+    Args:
+        transition: ``(n, *T)``: each local chunk's decay product, broadcasting against ``(*S)``.
+        state: ``(n, *S)``: each local chunk's final state scanned from zero (the dtype of the fold:
+            fp32 at least).
+        layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch (``world > 1``).
+        lead_correction: ``lead_correction(j, lead, h0)`` -> the addition at the ``lead`` first positions
+            of local chunk ``j``, laid out along ``dim`` as the outputs are.
+        dim: the sequence dimension of the outputs (negative: counted from the last).
+        group, sharding: the SP group and the layout the sequence was cut in.
+    Returns:
+        The additions for all ``seq_local`` positions, along ``dim``, in the fold's dtype (the caller adds
+        them to its outputs and rounds as its layer does).
+    """
+    if dim >= 0:
+        raise ValueError(f"scalar_decay_correction: dim={dim} must be negative (counted from the last dimension)")
+    init = chunk_initial_states(transition, state, apply=scale_state, group=group, sharding=sharding,
+                                seq_len=layout.seq_len, cu_seqlens=layout.cu)
+    corrections = []
+    for j in range(layout.chunks):
+        lead = layout.lead(j)
+        y = lead_correction(j, lead, init[j])
+        corrections.append(F.pad(y, (0, 0) * (-dim - 1) + (0, layout.chunk_len - lead)))
+    return corrections[0] if len(corrections) == 1 else torch.cat(corrections, dim=dim)
