@@ -242,8 +242,10 @@ class GRPOLoss:
       every rank samples the same tokens and makes the same number of decoding steps (under ZeRO-3 or
       FSDP2 each step's forward gathers parameters: the ranks must step in lockstep); after it, the
       first rank's completions are broadcast anyway, so the ranks train on the same rollouts even where
-      a device's sampling is not bit-reproducible. (Generating on the first rank alone would leave the
-      other ranks out of ZeRO-3's / FSDP2's gathers, and would hang there.)
+      a device's sampling is not bit-reproducible. The shared RNG state also keeps the order in which
+      TRL shuffles the scored rows (``shuffle_sequence_dict``, torch's RNG) the same on every rank.
+      (Generating on the first rank alone would leave the other ranks out of ZeRO-3's / FSDP2's
+      gathers, and would hang there.)
     - **Scoring**: each fused-head call of the policy and of the reference model (``beta > 0``) runs on
       this rank's shard and returns TRL's per-token fields whole (:class:`DPOLoss`'s cut, gradient
       ``"slice"``). GRPO's rows are ``[left-padded prompt | right-padded completion]``; seqpar takes no
