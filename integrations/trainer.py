@@ -230,6 +230,8 @@ class SequenceParallelMixin:
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
         self.seqpar_manager = resolve_manager(self.seqpar_config, None)
+        if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
+            self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
         if model is not None and self._seqpar_engine == "fsdp2":
             from seqpar.integrations.fsdp import wrap
 

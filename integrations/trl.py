@@ -38,13 +38,22 @@ on this rank's shard and returns the per-token fields gathered whole, so every D
 metric is computed as at one process (see the class for the gradient's path).
 ``precompute_ref_log_probs=True`` is refused.
 
-Other TRL trainers (GRPO, KTO, RLOO, reward, ...) build per-sequence sums of the per-token fields
-too: they are refused by name at construction until an adapter here makes them exact.
+**GRPOTrainer** (:class:`GRPOLoss`). Its training step generates rollouts for a batch of prompts,
+scores them (rewards, group advantages), computes the old policy's and the reference model's per-token
+log-probs, then the policy's in ``compute_loss``. Generation does not need SP (a prompt and its
+completion fit one rank; training on them is what does), so it runs unsharded, with transformers' own
+attention, on every rank of an SP group; the log-prob passes of policy and reference model are cut at
+each fused-head call and made whole, as for DPO; every rank then holds the same rollouts, advantages,
+per-token log-probs, KL and loss as one process (see the class for the normalisations).
+
+Other TRL trainers (KTO, RLOO, reward, ...) build per-sequence sums of the per-token fields too: they
+are refused by name at construction until an adapter here makes them exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,7 +63,7 @@ from seqpar.sequence.batch import TOKEN_MASK_KEY, shard_batch
 from seqpar.sequence.loss import all_reduce_identity_backward
 from seqpar.sequence.sharding import gather_sequence
 
-__all__ = ["SFTLoss", "DPOLoss", "loss_adapter_for", "TRL_VERSIONS"]
+__all__ = ["SFTLoss", "DPOLoss", "GRPOLoss", "loss_adapter_for", "TRL_VERSIONS"]
 
 TRL_VERSIONS = ">=1.16,<2"
 """The TRL releases the adapters are written against (the ``seqpar[trl]`` extra's range)."""
@@ -68,6 +77,9 @@ class SFTLoss:
 
     def check(self, args: Any) -> None:
         """Nothing to refuse beyond the mixin's checks."""
+
+    def before_swap(self, args: Any, model: Any, manager: Any) -> None:
+        """Nothing to note before the model is swapped."""
 
     def prepare(self, args: Any, kwargs: dict[str, Any], swap: Callable[[Any], None]) -> None:
         """Nothing to swap beyond the model (the mixin's part)."""
@@ -169,6 +181,9 @@ class DPOLoss:
                 "precompute_ref_log_probs=False (the reference model runs sharded beside the policy)"
             )
 
+    def before_swap(self, args: Any, model: Any, manager: Any) -> None:
+        """Nothing to note before the model is swapped."""
+
     def prepare(self, args: Any, kwargs: dict[str, Any], swap: Callable[[Any], None]) -> None:
         """Before DPOTrainer's ``__init__``: route a given reference model's attention through seqpar
         (it is fed the same shards as the policy)."""
@@ -215,18 +230,265 @@ class DPOLoss:
         return loss
 
 
+class GRPOLoss:
+    """``trl.GRPOTrainer``'s step made SP-exact: generation unsharded, scoring and loss cut per call.
+
+    - **Generation** (``_generate_single_turn``, which TRL's single- and multi-turn paths call) runs on
+      the whole prompt batch on every rank of the SP group, through transformers' own attention: the
+      model's attention implementation is set back to the one it had before the swap and seqpar's
+      forward hooks (input preparer, batch check, router frames) stand aside for the call, so
+      ``generate`` takes its usual path (padding mask, KV cache) and no layer shards. Before it, the
+      SP group's first rank's RNG state (CPU and, if present, CUDA) is broadcast over the group, so
+      every rank samples the same tokens and makes the same number of decoding steps (under ZeRO-3 or
+      FSDP2 each step's forward gathers parameters: the ranks must step in lockstep); after it, the
+      first rank's completions are broadcast anyway, so the ranks train on the same rollouts even where
+      a device's sampling is not bit-reproducible. The shared RNG state also keeps the order in which
+      TRL shuffles the scored rows (``shuffle_sequence_dict``, torch's RNG) the same on every rank.
+      (Generating on the first rank alone would leave the other ranks out of ZeRO-3's / FSDP2's
+      gathers, and would hang there.)
+    - **Scoring**: each fused-head call of the policy and of the reference model (``beta > 0``) runs on
+      this rank's shard and returns TRL's per-token fields whole (:class:`DPOLoss`'s cut, gradient
+      ``"slice"``). GRPO's rows are ``[left-padded prompt | right-padded completion]``; seqpar takes no
+      key mask, so each row is rotated to put its leading pads at the end before the cut and the
+      gathered fields are rotated back (rotary positions then count from the first real token, as
+      transformers' ``generate`` counts them; the attention scores depend on position differences
+      only, so the values equal one process's up to rounding).
+    - **Normalisations**: every rank of an SP group holds the same rows, so TRL's reductions over all
+      processes see each SP group's rows SP times: means, minima, maxima and ratios of sums (``loss``
+      per sequence or per token, ``num_items_in_batch / num_processes``, ``kl``, ``entropy``, clip
+      ratios, group advantages) are one process's as they are; ``num_tokens`` is divided by SP; the
+      logged reward standard deviations are recomputed over one copy of each row.
+    - **Batch sizes**: ``generation_batch_size`` counts the DP replicas, not the processes
+      (``per_device_train_batch_size x dp x steps_per_generation``), so each SP group generates for the
+      prompts one process would.
+
+    Refused by name: vLLM and transformers' continuous batching (generation outside the model's own
+    ``generate``), ``scale_rewards="batch"`` and ``multi_objective_aggregation="normalize_then_sum"``
+    (a standard deviation over the duplicated rows), ``top_entropy_quantile < 1`` (a quantile over
+    them), a per-rank generation batch that splits a prompt's group across DP ranks, and models with
+    seqpar layers of their own (mixers, ALiBi, MLA latent transfer), which the unsharded generation
+    does not switch off.
+    """
+
+    shards_in_step = False
+    """The mixin passes the full batch on; the cut happens at each fused-head call."""
+
+    def __init__(self) -> None:
+        self._attn_implementations: list[tuple[Any, str]] = []  # (top PreTrainedModel, before the swap)
+
+    def check(self, args: Any) -> None:
+        from seqpar.config import ConfigError
+
+        refusals = {
+            "use_vllm": "vLLM generates outside the model's generate, which seqpar does not set up; "
+                        "set use_vllm=False",
+            "use_transformers_continuous_batching": "continuous batching generates through its own "
+                                                    "attention path; set use_transformers_continuous_batching=False",
+        }
+        for name, why in refusals.items():
+            if getattr(args, name, False):
+                raise ConfigError(f"GRPOTrainer with {name}=True under sequence parallelism: {why}")
+        if getattr(args, "scale_rewards", "group") == "batch" or \
+                getattr(args, "multi_objective_aggregation", "") == "normalize_then_sum":
+            raise ConfigError(
+                "GRPOTrainer with scale_rewards='batch' or multi_objective_aggregation='normalize_then_sum' "
+                "under sequence parallelism: the standard deviation over all processes' rewards would count "
+                "each SP group's rows SP times; use scale_rewards='group' (or 'none') and 'sum_then_normalize'"
+            )
+        if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+            raise ConfigError(
+                "GRPOTrainer with top_entropy_quantile < 1 under sequence parallelism: the quantile over all "
+                "processes' entropies would count each SP group's tokens SP times; set top_entropy_quantile=1.0"
+            )
+        per_rank = args.per_device_train_batch_size * args.steps_per_generation
+        if per_rank % args.num_generations:
+            raise ConfigError(
+                f"GRPOTrainer under sequence parallelism needs whole prompt groups on each rank: "
+                f"per_device_train_batch_size x steps_per_generation ({per_rank}) must be a multiple of "
+                f"num_generations ({args.num_generations}) (TRL's group statistics run over all processes' "
+                "rows, which hold each SP group's rows SP times)"
+            )
+
+    def before_swap(self, args: Any, model: Any, manager: Any) -> None:
+        """Remember the attention implementation generation goes back to; count the generation batch
+        over the DP replicas (GRPOConfig counted every process)."""
+        from seqpar.swap.hf_route import top_pretrained
+
+        self._attn_implementations = [(top, top.config._attn_implementation)
+                                      for top in top_pretrained(model)]
+        args.generation_batch_size = (args.per_device_train_batch_size * manager.dp_size
+                                      * args.steps_per_generation)
+
+    def prepare(self, args: Any, kwargs: dict[str, Any], swap: Callable[[Any], None]) -> None:
+        """A given reference model would be swapped here; GRPOTrainer builds its own (see after_init)."""
+
+    def after_init(self, trainer: Any, swap: Callable[[Any], None]) -> None:
+        """Swap the reference model GRPOTrainer built, and put the unsharded generation and the cut
+        scoring around GRPOTrainer's own methods (instance attributes: this trainer only)."""
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        _refuse_own_layers(policy)
+        ref = getattr(trainer, "ref_model", None)
+        if ref is not None:
+            swap(_hf_model(ref))
+        manager = trainer.seqpar_manager
+        group, sharding = manager.sp_group, trainer.seqpar_config.sharding
+        sp_rank = torch.distributed.get_rank(group) if manager.sp_size > 1 else 0
+        device = trainer.accelerator.device
+        # Which processes are their SP group's first rank: their rows are the one copy to keep.
+        firsts = trainer.accelerator.gather(torch.tensor([int(sp_rank == 0)], device=device)).bool().tolist()
+        generate_single_turn = trainer._generate_single_turn
+        generate_and_score = trainer._generate_and_score_completions
+        calculate_rewards = trainer._calculate_rewards
+        implementations = self._attn_implementations
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            _share_rng_state(group, manager.sp_size)
+            with _unsharded(policy, implementations):
+                result = generate_single_turn(*args, **kwargs)
+            if manager.sp_size > 1:
+                shared = [result]
+                torch.distributed.broadcast_object_list(shared, group=group, group_src=0)
+                result = shared[0]
+            return result
+
+        gathered_rewards: list[torch.Tensor] = []
+
+        def rewards(*args: Any, **kwargs: Any) -> torch.Tensor:
+            out = calculate_rewards(*args, **kwargs)
+            gathered_rewards.append(out)
+            return out
+
+        def score(generation_batch: Any) -> Any:
+            models = [policy]
+            if ref is not None and _hf_model(ref) is not policy:
+                models.append(_hf_model(ref))
+            tokens_before = trainer.state.num_input_tokens_seen
+            gathered_rewards.clear()
+            with contextlib.ExitStack() as stack:
+                for m in models:
+                    stack.enter_context(_cut_fused_calls(m, group, sharding, left_padding=True))
+                out = generate_and_score(generation_batch)
+            mode = "train" if trainer.model.training else "eval"
+            if mode == "train" and manager.sp_size > 1:  # summed over all processes: SP copies of each row
+                counted = trainer.state.num_input_tokens_seen - tokens_before
+                trainer.state.num_input_tokens_seen = tokens_before + counted // manager.sp_size
+                trainer._metrics[mode]["num_tokens"] = [trainer.state.num_input_tokens_seen]
+            if gathered_rewards and manager.sp_size > 1:
+                _one_copy_reward_stds(trainer, mode, gathered_rewards[-1], firsts)
+            return out
+
+        trainer._generate_single_turn = generate
+        trainer._calculate_rewards = rewards
+        trainer._generate_and_score_completions = score
+
+    def compute_loss(self, trainer: Any, base: Callable[..., Any], model: Any, inputs: dict[str, Any],
+                     return_outputs: bool, num_items_in_batch: Any) -> Any:
+        """Args: as :meth:`SFTLoss.compute_loss`, with ``inputs`` GRPOTrainer's full rollout batch
+        (``prompt_ids``/``prompt_mask`` ``(B, P)`` left-padded, ``completion_ids``/``completion_mask``
+        ``(B, C)``, ``advantages`` ``(B,)``, old and reference log-probs ``(B, C)``)."""
+        if getattr(trainer, "aux_loss_enabled", False):
+            _router_loss_of_the_sequence()
+        manager = trainer.seqpar_manager
+        policy = trainer.accelerator.unwrap_model(model)
+        with _cut_fused_calls(policy, manager.sp_group, trainer.seqpar_config.sharding, left_padding=True):
+            return base(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def _refuse_own_layers(model: Any) -> None:
+    """Generation switches seqpar off by restoring transformers' attention and setting seqpar's hooks
+    aside; a model with seqpar modules or forwards of its own would still run them sharded."""
+    from seqpar.config import ConfigError
+
+    own = [name for name, m in model.named_modules()
+           if type(m).__module__.startswith("seqpar.") or _from_seqpar(m.__dict__.get("forward"))]
+    if own:
+        raise ConfigError(
+            f"GRPOTrainer under sequence parallelism generates with transformers' own attention, but this "
+            f"model has seqpar layers of its own ({', '.join(own[:3])}{', ...' if len(own) > 3 else ''}: "
+            "mixers, ALiBi or MLA latent transfer), which unsharded generation does not switch off yet; "
+            "train a model whose only swapped layers are transformers attention"
+        )
+
+
+def _from_seqpar(fn: Any) -> bool:
+    """Whether a hook or forward is seqpar's own (a function, bound method or partial of one)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    return fn is not None and (getattr(fn, "__module__", None) or "").startswith("seqpar.")
+
+
+@contextlib.contextmanager
+def _unsharded(model: Any, implementations: list[tuple[Any, str]]) -> Iterator[None]:
+    """Within the block ``model`` runs as before the swap, on whole sequences: its top models' attention
+    implementation is the one recorded before the swap, and seqpar's forward hooks on its modules are
+    set aside (restored afterwards, in their order, also on error)."""
+    from seqpar.swap.hf_route import ATTN_IMPLEMENTATION
+
+    saved = []
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            if any(_from_seqpar(h) for h in hooks.values()):
+                saved.append((hooks, list(hooks.items())))
+                for key in [k for k, h in hooks.items() if _from_seqpar(h)]:
+                    del hooks[key]
+    try:
+        for top, implementation in implementations:
+            top.set_attn_implementation(implementation)
+        yield
+    finally:
+        for top, _ in implementations:
+            top.set_attn_implementation(ATTN_IMPLEMENTATION)
+        for hooks, items in saved:
+            hooks.clear()
+            hooks.update(items)
+
+
+def _share_rng_state(group: Any, sp_size: int) -> None:
+    """Every rank of the SP group takes its first rank's RNG state (CPU, and the current CUDA device's)."""
+    if sp_size == 1:
+        return
+    states = [torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    torch.distributed.broadcast_object_list(states, group=group, group_src=0)
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1])
+
+
+def _one_copy_reward_stds(trainer: Any, mode: str, gathered: torch.Tensor, firsts: list[bool]) -> None:
+    """Recompute the logged reward standard deviations over one copy of each row: ``gathered``
+    ``(processes x B, F)`` holds each SP group's rows once per rank; ``firsts`` marks the SP groups'
+    first ranks. The rest of TRL's reward statistics (means, group advantages) are unchanged by copies."""
+    from trl.trainer.utils import nanstd
+
+    per_rank = gathered.shape[0] // len(firsts)
+    keep = torch.tensor(firsts, device=gathered.device).repeat_interleave(per_rank)
+    rows = gathered[keep]  # (dp x B, F)
+    metrics = trainer._metrics[mode]
+    for i, name in enumerate(trainer.reward_func_names):
+        metrics[f"rewards/{name}/std"][-1] = nanstd(rows[:, i]).item()
+    rewards = (rows * trainer.reward_weights.to(rows.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rows).all(dim=1)] = torch.nan
+    metrics["reward_std"][-1] = nanstd(rewards).item()
+
+
 def _hf_model(module: Any) -> Any:
     """The model inside a DeepSpeed engine (DPOTrainer's reference model is one under DeepSpeed)."""
     return getattr(module, "module", module)
 
 
 @contextlib.contextmanager
-def _cut_fused_calls(model: Any, group: Any, sharding: str) -> Iterator[None]:
+def _cut_fused_calls(model: Any, group: Any, sharding: str, left_padding: bool = False) -> Iterator[None]:
     """Within the block, each ``model(..., labels=, fused_lm_head=True)`` call (keyword arguments, full
     rows ``(B, S)``) runs on this rank's shard and returns TRL's per-token fields whole, ``(B, S - 1)``
-    (see :class:`DPOLoss`). The full length of each call travels from the pre-hook to the hook on a
-    stack local to this block (the policy's and the reference model's calls do not interleave)."""
-    lengths: list[int] = []
+    (see :class:`DPOLoss`). The full length of each call (and, with ``left_padding``, each row's count
+    of leading pads, ``(B,)``) travels from the pre-hook to the hook on a stack local to this block
+    (the policy's and the reference model's calls do not interleave).
+
+    ``left_padding``: rows may start with pads (``attention_mask`` zeros, GRPO's left-padded prompts),
+    which seqpar attention cannot mask; each row is rotated left by its leading pads before the cut
+    (they become end padding) and the gathered fields are rotated back, zero at the leading pads."""
+    lengths: list[tuple[int, Any]] = []
 
     def cut(module: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         if not kwargs.get("fused_lm_head"):
@@ -237,13 +499,21 @@ def _cut_fused_calls(model: Any, group: Any, sharding: str) -> Iterator[None]:
                 "seqpar's DPO adapter expects the fused LM head called with keyword arguments and full-row "
                 "labels= (TRL 1.16's DPOTrainer); this call differs: check the TRL version (seqpar[trl])"
             )
-        lengths.append(labels.shape[1])
-        return args, shard_batch({**kwargs, "labels": labels}, group=group, sharding=sharding)
+        call = {**kwargs, "labels": labels}
+        lead = _leading_pads(call.get("attention_mask")) if left_padding else None
+        if lead is not None:
+            seq_len = labels.shape[1]
+            # (B, S): row b's token at t + lead[b] moves to t, its leading pads to the end
+            index = (torch.arange(seq_len, device=labels.device) + lead[:, None]) % seq_len
+            for key in ("input_ids", "attention_mask", "labels"):
+                call[key] = call[key].gather(1, index)
+        lengths.append((labels.shape[1], lead))
+        return args, shard_batch(call, group=group, sharding=sharding)
 
     def whole(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         if not kwargs.get("fused_lm_head"):
             return None
-        seq_len = lengths.pop()
+        seq_len, lead = lengths.pop()
         fields = {}
         for name in _PER_TOKEN_FIELDS:
             local = getattr(output, name, None)
@@ -253,6 +523,10 @@ def _cut_fused_calls(model: Any, group: Any, sharding: str) -> Iterator[None]:
             full = gather_sequence(local.to(torch.uint8) if as_bool else local, 1, group=group,
                                    sharding=sharding, grad_reduction="slice")
             full = full.narrow(1, 0, seq_len - 1)  # (B, S_pad) -> (B, S - 1): TRL's unshifted layout
+            if lead is not None:  # rotated rows back: position t held what the row's t - lead[b] holds
+                t = torch.arange(seq_len - 1, device=full.device)[None]
+                source = t - lead[:, None]  # (B, S - 1)
+                full = full.gather(1, source.clamp(min=0)) * (source >= 0)
             fields[name] = full.bool() if as_bool else full
         # The fused head's own loss (the token mean; DPOTrainer does not read it) of the whole rows.
         loss = -fields["log_probs"].sum() / fields["label_mask"].sum().clamp(min=1)
@@ -266,6 +540,14 @@ def _cut_fused_calls(model: Any, group: Any, sharding: str) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+def _leading_pads(mask: Any) -> torch.Tensor | None:
+    """``(B,)`` count of each row's leading zeros in a 2D ``attention_mask``, or None when no row has any."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return None
+    lead = (mask.cumsum(1) == 0).sum(1)
+    return lead if bool(lead.any()) else None  # one host read per call: most batches have none
 
 
 def _router_loss_of_the_sequence() -> None:
@@ -311,4 +593,6 @@ def loss_adapter_for(owner: type) -> Any:
         return SFTLoss()
     if owner is _trl_class("trl.trainer.dpo_trainer", "DPOTrainer"):
         return DPOLoss()
+    if owner is _trl_class("trl.trainer.grpo_trainer", "GRPOTrainer"):
+        return GRPOLoss()
     return None

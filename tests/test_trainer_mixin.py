@@ -79,7 +79,7 @@ def test_logit_reading_options_and_unhandled_trl_trainers_are_refused(tmp_path):
     trl = pytest.importorskip("trl")
     # Their losses are per-sequence sums of per-token log-probs, which a shard holds only part of: no adapter
     # yet (seqpar.integrations.trl), so refused rather than trained on one shard's sums.
-    for name, module in (("GRPOTrainer", "grpo_trainer"), ("KTOTrainer", "kto_trainer")):
+    for name, module in (("RLOOTrainer", "rloo_trainer"), ("KTOTrainer", "kto_trainer")):
         with pytest.raises(ConfigError, match=rf"trl.trainer.{module}.{name}.compute_loss is not known"):
             sequence_parallel(getattr(trl, name))(model=hf_tiny.tiny_llama(), args=_args(tmp_path))
     # DPO is handled (tests/test_trl_dpo.py) but for its precomputed reference log-probs, whose pass gathers
@@ -90,6 +90,30 @@ def test_logit_reading_options_and_unhandled_trl_trainers_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="precompute_ref_log_probs=True under sequence parallelism.*Set "
                                           "precompute_ref_log_probs=False"):
         sequence_parallel(trl.DPOTrainer)(hf_tiny.tiny_llama(), None, args)
+
+
+@pytest.mark.parametrize(("setting", "said"), [
+    ({"scale_rewards": "batch"}, "scale_rewards='batch'.*use scale_rewards='group'"),
+    ({"multi_objective_aggregation": "normalize_then_sum"}, "normalize_then_sum.*'sum_then_normalize'"),
+    ({"use_vllm": True}, "use_vllm=True under sequence parallelism.*set use_vllm=False"),
+    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile < 1.*set top_entropy_quantile=1.0"),
+    # as GRPOConfig makes it on 2 processes: generation_batch_size 3 x 2 x 1, a group across the ranks
+    ({"per_device_train_batch_size": 3, "num_generations": 2, "generation_batch_size": 6, "steps_per_generation": 1},
+     r"whole prompt groups on each rank.*\(3\).*num_generations \(2\)"),
+])
+def test_grpo_settings_that_reduce_over_copies_are_refused(tmp_path, setting, said):
+    """GRPO (tests/test_trl_grpo.py) but for what reduces over every process's rows (each SP group's rows SP
+    times) in a way a copy changes, or generates outside the model: refused before any group is built."""
+    trl = pytest.importorskip("trl")
+    setting = dict(setting)
+    steps = setting.pop("steps_per_generation", None)
+    args = trl.GRPOConfig(**{"output_dir": str(tmp_path), "report_to": [], "use_cpu": True,
+                             "per_device_train_batch_size": 4, "num_generations": 2, **setting})
+    if steps is not None:
+        args.steps_per_generation = steps
+    args.deepspeed = ds_config(2, 2)
+    with pytest.raises(ConfigError, match=said):
+        sequence_parallel(trl.GRPOTrainer)(hf_tiny.tiny_llama(), lambda completions, **kw: [0.0], args)
 
 
 def test_fsdp_through_accelerate_is_refused_with_the_fix(tmp_path):

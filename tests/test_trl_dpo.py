@@ -76,26 +76,17 @@ def _config(tmp: str, sp: int, **extra):
 
 def _dpo_run(rank: int, world: int, family: str, tmp: str) -> dict:
     """``world`` = 1: plain DPOTrainer (the reference); 2: seqpar's at SP = 2."""
-    from transformers import TrainerCallback
     from trl import DPOTrainer
 
     from seqpar.integrations.trainer import sequence_parallel
 
     model, ref_model = _model(family), _model(family)
     snapshots: list[dict[str, torch.Tensor]] = []
-
-    class Snapshots(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            snapshots.append(trl_tiny.snapshot(model))
-
-        def on_step_end(self, args, state, control, **kwargs):
-            snapshots.append(trl_tiny.snapshot(model))
-
     with hf_tiny.launcher_env(rank, world):
         cls = DPOTrainer if world == 1 else sequence_parallel(DPOTrainer)
         trainer = cls(model=model, ref_model=ref_model, args=_config(f"{tmp}/r{rank}", world),
                       train_dataset=preference_pairs(), processing_class=trl_tiny.tokenizer(),
-                      callbacks=[Snapshots()])
+                      callbacks=[trl_tiny.snapshots_callback(model, snapshots)])
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
         return {"logs": logs, "grads": trl_tiny.sgd_gradients(snapshots, hf_tiny.LR),

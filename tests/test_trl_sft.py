@@ -55,27 +55,18 @@ def _tiny_moe(family: str) -> torch.nn.Module:
 
 def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False,
              accumulation: int = 1) -> dict:
-    from transformers import TrainerCallback
     from trl import SFTTrainer
 
     from seqpar.integrations.trainer import sequence_parallel
 
     model = hf_tiny.tiny_llama() if family == "llama" else _tiny_moe(family)
     snapshots: list[dict[str, torch.Tensor]] = []
-
-    class Snapshots(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            snapshots.append(trl_tiny.snapshot(model))
-
-        def on_step_end(self, args, state, control, **kwargs):
-            snapshots.append(trl_tiny.snapshot(model))
-
     with hf_tiny.launcher_env(rank, world):
         block = {"size": sp, "mode": "ring", "sharding": "zigzag"} if engine == "fsdp2" else None
         trainer = sequence_parallel(SFTTrainer)(
             model=model, args=_config(f"{tmp}/r{rank}", sp, engine, **_steps_of(accumulation)),
             train_dataset=trl_tiny.conversations(),
-            processing_class=trl_tiny.tokenizer(), callbacks=[Snapshots()], seqpar_config=block,
+            processing_class=trl_tiny.tokenizer(), callbacks=[trl_tiny.snapshots_callback(model, snapshots)], seqpar_config=block,
             eval_dataset=trl_tiny.conversations(seed=8) if evaluate else None,
         )
         trainer.train()

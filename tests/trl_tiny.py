@@ -59,6 +59,21 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def snapshots_callback(model: torch.nn.Module, snapshots: list[dict[str, torch.Tensor]]) -> Any:
+    """A ``TrainerCallback`` that appends :func:`snapshot` of ``model`` to ``snapshots`` before training
+    and after every optimizer step (what :func:`sgd_gradients` reads)."""
+    from transformers import TrainerCallback
+
+    class Snapshots(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            snapshots.append(snapshot(model))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            snapshots.append(snapshot(model))
+
+    return Snapshots()
+
+
 def sgd_gradients(snapshots: list[dict[str, torch.Tensor]], lr: float) -> list[dict[str, torch.Tensor]]:
     """The gradient each plain-SGD step applied, ``(p_before - p_after) / lr``, per parameter."""
     return [{k: (a[k].double() - b[k].double()) / lr for k in a} for a, b in zip(snapshots, snapshots[1:])]
