@@ -239,6 +239,7 @@ def initialize(
         )
     report = _prepare_model(model, sp_config, manager, swap=swap)
     if _zero_stage(ds_config) == 3:
+        _mark_moe_blocks_z3_leaf(model)
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
     # Under AutoTP DeepSpeed samples over its DP group (dp x sp ranks): the loader is built below
     tp_loader = training_data is not None and manager.tp_size > 1
@@ -433,6 +434,38 @@ def _check_autotp_groups(engine: Any, manager: Any) -> None:
             "(init_process_groups(config=...) does; a user mesh needs its 'tp' dim last), and do not create "
             "DeepSpeed's TP groups before seqpar.integrations.deepspeed.initialize"
         )
+
+
+def _mark_moe_blocks_z3_leaf(model: torch.nn.Module) -> None:
+    """Make every module that owns an ``experts`` child (a mixture-of-experts block) a ZeRO-3 leaf module.
+
+    transformers' MoE blocks loop only over the experts their tokens were routed to (``expert_hit``), and
+    some read expert weights outside the owning module's forward (``DbrxExperts`` slices ``self.mlp.w1``, so
+    ZeRO-3 all-gathers it on access, once per expert hit). Under ZeRO-3 every such gather is a collective
+    over the SP-DP group, and with sequence parallelism the ranks hold different tokens, hit different
+    experts and so issue different numbers of gathers: the collectives no longer match (fuzzer case
+    1260527780, tiny DBRX at P = 3: a rank aborts or the group times out). A leaf module's parameters are
+    gathered once when it is entered, whatever the routing (``deepspeed.utils.set_z3_leaf_modules``,
+    DeepSpeed's documented remedy for MoE; DeepSpeed 0.19 marks Mixtral's and Qwen2/3-MoE's blocks itself
+    by default). The arithmetic is unchanged; the block's parameters are held whole while it runs.
+
+    Which modules: those with a child module named ``experts`` (every transformers 5 model whose expert
+    loop depends on the routing owns its experts that way), so both the loop and any out-of-forward read
+    lie inside the leaf. Flags a user set are kept.
+
+    DeepSpeed's limit that comes with it: ZeRO-3 reduces a leaf's gradients in the leaf's backward hook,
+    once per call, so two forwards through the model before one backward fail DeepSpeed's assertion on
+    a parameter reduced twice (``stage3.__reduce_and_partition_ipg_grads``; plain ``deepspeed.initialize``
+    without seqpar, one rank, does the same). Run a backward per forward (gradient accumulation) instead.
+    """
+    from deepspeed.utils import set_z3_leaf_modules
+
+    classes = {type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)}
+    if not classes:
+        return
+    set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__qualname__))
+    logger.info("%s seqpar: ZeRO-3 leaf modules (routing-dependent expert loops): %s", rank_prefix(),
+                ", ".join(sorted(c.__name__ for c in classes)))
 
 
 def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_config: dict[str, Any],

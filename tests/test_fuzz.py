@@ -41,6 +41,15 @@ FOUND = {
 FOUND_SET = {2132084004: {"world": 1, "checkpointing": None}, 1286627009: {"world": 1, "step": "one"}}
 FOUND[2132084004] = (("model",), "exact")
 FOUND[1286627009] = (("attention", "dilated", "model", "engine"), "exact")
+# - 1260527780 (ZeRO-3, tiny dbrx, P=3, packed; drawn with two forwards then, with accumulation since: ZeRO-3
+#   leaf modules cannot take two forwards, fuzz_engines' docstring): crash, rank 2 aborted on gloo's "Received
+#   data size doesn't match expected size": DbrxExperts reads its experts' weights outside their module's forward,
+#   one ZeRO-3 all-gather per expert its tokens hit, a count that differs across SP ranks. The DeepSpeed adapter
+#   now makes every module owning an ``experts`` child a ZeRO-3 leaf (gathered once per call).
+# - 1149016477 (ZeRO-3, tiny cohere2_moe, P=3, end-padded, reentrant checkpointing, accumulation): crash, gloo
+#   timeout; exact with the same leaf modules.
+FOUND[1260527780] = (("attention", "dilated", "model", "engine"), "exact")
+FOUND[1149016477] = (("attention", "dilated", "model", "engine"), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in

@@ -34,8 +34,15 @@ currently not supported" (fuzzer case 1722634749: qwen2, P = 3), and ZeRO-3 fail
 ZeRO-2 raises that assertion, and tiny dbrx under ZeRO-3 fails DeepSpeed's own
 ``assert len(set(p.ds_id for p in params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
 ``__reduce_and_partition_ipg_grads``); with non-reentrant checkpointing both run (DeepSpeed 0.19.8).
-Open: case 1260527780 (ZeRO-3, dbrx, P = 3, zigzag, packed, two forwards) aborts rank 2 (SIGABRT) with
-non-reentrant checkpointing too, so it is not this limit; not yet explained.
+
+Not drawn either: ZeRO-3 with two forwards before one backward on a model with mixture-of-experts blocks
+(gradient accumulation is drawn in its place). seqpar's DeepSpeed adapter makes every module owning an
+``experts`` child a ZeRO-3 leaf module (:func:`has_expert_blocks`; without it the ranks' routing-dependent
+gathers mismatch, case 1260527780: tiny dbrx, P = 3, gloo "Received data size doesn't match expected
+size", rank 2 aborted). DeepSpeed reduces a leaf module's gradients in that module's backward hook, which
+fires once per forward call: two forwards through one block reduce its parameters twice in one backward
+and fail stage3's one-``ds_id``-per-bucket assertion, with or without seqpar (plain ``deepspeed.initialize``
+on one rank, tiny dbrx with ``set_z3_leaf_modules``: the same assertion).
 
 Reference and tolerances: :func:`seqpar.testing.fuzz_models.model_reference` and
 :func:`~seqpar.testing.fuzz_models.judge_model`, the ``model`` cases' own: every parameter's reduced
@@ -55,7 +62,7 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "engine_summary",
-           "engine_task", "run_engine_case"]
+           "engine_task", "run_engine_case", "has_expert_blocks"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "tp2")
 ENTRY_POINT_GROUP = "seqpar.fuzz_engines"
@@ -118,12 +125,28 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
                          and (e != "zero1" or draws["step"] != "accumulate")])
     if engine in ("zero2", "zero3") and draws["step"] == "two-forwards" and draws["checkpointing"] == "reentrant":
         draws["checkpointing"] = "non-reentrant"  # DeepSpeed's own limit (the module docstring): no draw taken
+    if engine == "zero3" and draws["step"] == "two-forwards" and has_expert_blocks(draws["model_type"]):
+        draws["step"] = "accumulate"  # DeepSpeed's limit for ZeRO-3 leaf modules (the module docstring)
     tp = 2 if engine == "tp2" else 1
     sp = draws["world"] // tp
     if draws["mode"] == "hybrid":  # the model draw's Ulysses degree is for SP = world
         draws["ulysses_size"] = 2 if sp == 4 else sp
     draws.update(kind="engine", engine=engine, tp_size=tp)
     return draws
+
+
+def has_expert_blocks(model_type: str) -> bool:
+    """Whether ``model_type``'s tiny model has a module owning an ``experts`` child: the mixture-of-experts
+    blocks that seqpar's DeepSpeed adapter makes ZeRO-3 leaf modules (built on the meta device: no weights)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    from seqpar.testing.tiny_models import tiny_config
+
+    cls = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    with torch.device("meta"):
+        model = cls(tiny_config(model_type))
+    return any(isinstance(getattr(m, "experts", None), nn.Module) for m in model.modules())
 
 
 def engine_summary(draws: dict[str, Any]) -> str:
