@@ -10,6 +10,9 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
 
 ROOT = Path(__file__).resolve().parents[1]
 _NAME = "seqpar_launch_train"
@@ -23,3 +26,17 @@ def train_module() -> ModuleType:
         sys.modules[_NAME] = module
         spec.loader.exec_module(module)
     return sys.modules[_NAME]
+
+
+def run_main(argv: list[str], **kwargs: Any) -> dict[str, Any]:
+    """``main(argv)`` on a pool rank, destroying what it made: the launcher's DeepSpeed engine is the
+    task's to release (:mod:`seqpar.testing.deepspeed_teardown`); an FSDP run does not import DeepSpeed."""
+    module = train_module()
+    try:
+        engine = module.build_plan(module.parse_args(argv)).engine
+    except (Exception, SystemExit):  # a refused config: main raises the same, and makes no engine
+        engine = None
+    if engine != "deepspeed":
+        return module.main(argv, **kwargs)
+    with released_deepspeed_engines():
+        return module.main(argv, **kwargs)

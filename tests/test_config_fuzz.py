@@ -247,7 +247,9 @@ def test_validate_only_flag_exits_before_any_process_group(tmp_path, capsys):
 
 
 def _train_one_step(rank: int, world: int, argv: list[str]) -> list[float]:
-    return _train_module().main(argv)["loss"]
+    from launch_module import run_main
+
+    return run_main(argv)["loss"]
 
 
 def test_valid_mutations_train_one_step(dist_pool, tmp_path):

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
 VOCAB, SEQ, BATCH, LR, STEPS = 53, 16, 2, 0.5, 3
 SP = {"size": 2, "tp_size": 2, "mode": "ring", "sharding": "zigzag"}
 
@@ -56,6 +58,7 @@ def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tens
     return torch.cat(parts, dim=dim)
 
 
+@releases_deepspeed_engines
 def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
     from deepspeed.utils import safe_get_full_grad
 
@@ -140,6 +143,7 @@ def test_launcher_deepspeed_tp2_sp2_matches_sp1(dist_pool, tmp_path) -> None:
     assert ref[-1] != ref[0]
 
 
+@releases_deepspeed_engines
 def _refuse_tp_outermost(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -207,6 +211,7 @@ def _train(engine, first: int, n: int) -> list[float]:  # noqa: ANN001
     return losses
 
 
+@releases_deepspeed_engines
 def _save_then_continue(rank: int, world: int, save_dir: str, stage: int, sp: int, tp: int) -> list[float]:
     """1 AdamW step, a checkpoint, then 2 more steps (the uninterrupted run)."""
     from seqpar.integrations.deepspeed import initialize
@@ -222,6 +227,7 @@ def _save_then_continue(rank: int, world: int, save_dir: str, stage: int, sp: in
         set_default_manager(None)
 
 
+@releases_deepspeed_engines
 def _resume(rank: int, world: int, save_dir: str, tag: str, stage: int, sp: int, tp: int) -> list[float]:
     from seqpar.integrations.deepspeed import initialize
     from seqpar.runtime.groups import set_default_manager

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import seqpar
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
 VOCAB, DIM, HEADS, KV_HEADS, SEQ = 61, 32, 4, 2, 48
 LR = 1e-2
@@ -156,6 +157,7 @@ def ds_config(sp: int, mode: str, stage: int, dp: int, micro: int = 1, ga: int =
     }
 
 
+@releases_deepspeed_engines
 def _ds_run(rank, world, sp, mode, stage, steps, micro=1, ga=1, sharding="contiguous"):
     from deepspeed.utils import safe_get_full_grad
 
@@ -291,6 +293,7 @@ class _Samples(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
+@releases_deepspeed_engines
 def _ds_loader(rank, world, sp):
     from seqpar.integrations.deepspeed import ShardedDeepSpeedLoader, initialize
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launch_module import train_module
+from launch_module import run_main, train_module
 
 from seqpar.runtime import checkpoint
 
@@ -40,7 +40,7 @@ def _train_module() -> Any:
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:
-    return _train_module().main(argv)["loss"]
+    return run_main(argv)["loss"]
 
 
 def _tear(save_dir: Path, step: int) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -115,31 +117,10 @@ def _keep_a_group(rank: int, world: int) -> tuple[int, int]:
     return os.getpid(), len(os.listdir("/proc/self/task"))
 
 
-def _leave_a_zero3_module(rank: int, world: int) -> None:
-    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it
-    from deepspeed.runtime.zero import parameter_offload
-
-    group = dist.new_group(list(range(world)))
-    dist.all_reduce(torch.ones(1), group=group)
-    module = torch.nn.Module()
-    module.group = group
-    parameter_offload.FWD_MODULE_STACK.append(module)
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_harness_releases_zero3_modules_a_task_left(dist_pool):
-    pytest.importorskip("deepspeed")
-    dist_pool.run(2, _threads)
-    before = dist_pool.run(2, _threads)
-    for _ in range(5):
-        dist_pool.run(2, _leave_a_zero3_module)
-    after = dist_pool.run(2, _threads)
-    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
-
-
-def _leave_a_deepspeed_engine(rank: int, world: int, stage: int) -> None:
-    # A test that never calls engine.destroy(): ZeRO-1/2/3 gradient hooks (held by torch in C++) keep the
-    # engine, its optimizer and its groups alive; ZeRO-3 also leaves its model in module-level caches.
+def _make_a_deepspeed_engine(rank: int, world: int, stage: int) -> list[weakref.ref]:
+    # plain deepspeed.initialize, two steps: ZeRO-1/2/3 gradient hooks (held by torch in C++) keep the engine,
+    # its optimizer and its groups alive, and ZeRO-3 leaves its model in module-level state (the second step
+    # runs on the recorded trace, which fills the coordinator's cache of submodules)
     import deepspeed
 
     os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed reads it
@@ -149,20 +130,66 @@ def _leave_a_deepspeed_engine(rank: int, world: int, stage: int) -> None:
            "optimizer": {"type": "SGD", "params": {"lr": 0.01}}}
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    engine.backward(engine(torch.randn(1, 4, generator=torch.Generator().manual_seed(rank))).sum())
-    engine.step()
+    for step in range(2):
+        engine.backward(engine(torch.randn(1, 4, generator=torch.Generator().manual_seed(rank + step))).sum())
+        engine.step()
+    return [weakref.ref(m) for m in model.modules()]
+
+
+def _release_a_deepspeed_engine(rank: int, world: int, stage: int) -> bool:
+    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
+
+    with released_deepspeed_engines():
+        modules = _make_a_deepspeed_engine(rank, world, stage)
+    gc.collect()
+    return all(m() is None for m in modules)  # nothing holds the model: not DeepSpeed's module state, not a hook
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 @pytest.mark.parametrize("stage", [2, 3])
-def test_harness_releases_deepspeed_engines_a_task_left(dist_pool, stage):
+def test_released_deepspeed_engines_free_their_threads(dist_pool, stage):
+    # The task releases its engines itself (seqpar.testing.deepspeed_teardown); the pool only destroys the
+    # groups left and collects cycles. An engine kept alive keeps DeepSpeed's groups: +9-15 threads a task.
     pytest.importorskip("deepspeed")
-    dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)  # DeepSpeed's one-time set-up
+    assert dist_pool.run(2, _release_a_deepspeed_engine, stage, timeout=300) == [True, True]  # + one-time set-up
     before = dist_pool.run(2, _threads)
     for _ in range(3):
-        dist_pool.run(2, _leave_a_deepspeed_engine, stage, timeout=300)
+        assert dist_pool.run(2, _release_a_deepspeed_engine, stage, timeout=300) == [True, True]
     after = dist_pool.run(2, _threads)
     assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
+def test_deepspeed_teardown_refuses_unchecked_versions(monkeypatch):
+    # The teardown reaches into DeepSpeed's private state, checked on DEEPSPEED_CHECKED only: any other
+    # version fails loudly, on import and on use, naming both (no process, no real engine).
+    import importlib.metadata
+    import importlib.util
+    import types
+
+    from seqpar.testing import deepspeed_teardown
+
+    low, high = deepspeed_teardown.DEEPSPEED_CHECKED
+    deepspeed_teardown.check_deepspeed_version(low)
+    deepspeed_teardown.check_deepspeed_version(high)
+
+    class Engine:
+        destroyed = False
+
+        def destroy(self) -> None:
+            self.destroyed = True
+
+    for version in ("0.19.7", "0.20.0", "1.0.0"):
+        monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(__version__=version))
+        engine = Engine()
+        with pytest.raises(RuntimeError, match=rf"checked on DeepSpeed {low}\.\.{high}; this is DeepSpeed {version}"):
+            deepspeed_teardown.release_deepspeed_engine(engine)
+        assert not engine.destroyed  # refused before touching anything
+        # the module-level check: importing the module under an unchecked installed DeepSpeed raises
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
+        spec = importlib.util.spec_from_file_location("_teardown_copy", deepspeed_teardown.__file__)
+        with pytest.raises(RuntimeError, match=f"this is DeepSpeed {version}"):
+            spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        monkeypatch.undo()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")

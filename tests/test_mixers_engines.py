@@ -16,6 +16,8 @@ import pytest
 import torch
 from mixer_parity import VOCAB, packed_batch
 
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
 transformers = pytest.importorskip("transformers")
 
 LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens: padded to 48 for zigzag over 2 ranks; 23 crosses the shard edges
@@ -81,6 +83,7 @@ def _check_grads(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], w
                                    msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
 
 
+@releases_deepspeed_engines
 def _deepspeed(rank: int, world: int, family: str, stage: int) -> list[float]:
     pytest.importorskip("deepspeed")
     from deepspeed.utils import safe_get_full_grad
@@ -159,6 +162,7 @@ def test_fsdp2_sp2_equals_one_process(dist_pool, family: str) -> None:
     assert out[0] == out[1]
 
 
+@releases_deepspeed_engines
 def _trainer(rank: int, world: int, family: str, tmp: str) -> list[float]:
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")

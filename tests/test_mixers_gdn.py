@@ -20,6 +20,7 @@ from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
 from seqpar.mixers.scan_layout import scan_layout
 from seqpar.mixers.state_passing import summary_bytes
 from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
@@ -381,6 +382,7 @@ def _engine_check(what: str, losses, grads, params) -> None:
                                    msg=lambda m, name=name: f"{what}: parameter {name} after the steps: {m}")
 
 
+@releases_deepspeed_engines
 def _zero3(rank: int, world: int) -> None:
     pytest.importorskip("deepspeed")
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad

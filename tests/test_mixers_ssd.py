@@ -33,6 +33,7 @@ from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
 from seqpar.sequence.sharding import gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
@@ -411,6 +412,7 @@ def _engine_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@releases_deepspeed_engines
 def _engine_run(rank: int, world: int, engine: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     import seqpar
     from seqpar.sequence.batch import shard_batch

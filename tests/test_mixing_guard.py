@@ -21,6 +21,7 @@ from torch import nn
 
 from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
 transformers = pytest.importorskip("transformers")
 
@@ -411,6 +412,7 @@ def test_alibi_models_are_probed_with_their_own_seqpar_forward():
     assert "'transformer.h.1.mlp.dense_4h_to_h.first'" in str(e.value) and "SequenceCumsum" in str(e.value), e.value
 
 
+@releases_deepspeed_engines
 def _zero3_partitioned_refused_at_first_forward(rank: int, world_size: int) -> str:
     deepspeed = pytest.importorskip("deepspeed")
     os.environ.setdefault("LOCAL_RANK", str(rank))  # what a launcher sets; DeepSpeed reads it

@@ -19,6 +19,7 @@ import torch
 from test_mla_models import SEQ, VOCAB, tiny_mla
 
 from seqpar.sequence.batch import shard_batch
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,6 +62,7 @@ def _clean(name: str) -> str:
     return name
 
 
+@releases_deepspeed_engines
 def _zero3(rank: int, world: int) -> dict:
     """Worker: seqpar.integrations.deepspeed.initialize, ZeRO-3, SP2; one step's loss and full gradients."""
     from deepspeed.utils import safe_get_full_grad

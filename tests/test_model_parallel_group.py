@@ -17,6 +17,7 @@ import torch.distributed as dist
 from test_engines import ToyLM, _clean, _global_batch, _rows, _sp_step_loss
 
 import seqpar
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (4, 2), (4, 4), (2, 2)]  # (sp, ulysses) on 4 ranks
 
@@ -96,6 +97,7 @@ def _reference_clipped(global_bs: int) -> tuple[dict[str, torch.Tensor], float]:
     return grads, norm
 
 
+@releases_deepspeed_engines
 def _ds_clipped_step(rank: int, world: int, sp: int, stage: int, clip: float) -> dict[str, torch.Tensor]:
     """One DeepSpeed SGD step with clipping; returns the update it applied, divided by the LR."""
     from seqpar.integrations.deepspeed import initialize

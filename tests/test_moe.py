@@ -18,6 +18,7 @@ import torch.distributed as dist
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
 from seqpar.swap import SwapError, swap_attention
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
 transformers = pytest.importorskip("transformers")
 
@@ -345,6 +346,7 @@ def test_expert_counts_are_the_whole_sequence(dist_pool, family: str) -> None:
 
 
 # ----------------------------------------------------------------------------- engines
+@releases_deepspeed_engines
 def _deepspeed_zero2(rank: int, world: int) -> float:
     pytest.importorskip("deepspeed")
     from deepspeed.utils import safe_get_full_grad
@@ -388,6 +390,7 @@ def _tiny_mixtral(dtype: torch.dtype = torch.float32):  # noqa: ANN202
     return transformers.MixtralForCausalLM(config).to(dtype)
 
 
+@releases_deepspeed_engines
 def _trainer(rank: int, world: int, tmp: str) -> list[float]:
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")

@@ -41,9 +41,9 @@ def test_ulysses_across_nodes_is_explained():
 
 # ---------------------------------------------------------------------------- two local "nodes"
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:
-    from launch_module import train_module
+    from launch_module import run_main
 
-    return train_module().main(argv)["loss"]
+    return run_main(argv)["loss"]
 
 
 def test_two_nodes_sp2_dp2_match_one_four_rank_run(dist_pool, tmp_path):

@@ -14,6 +14,8 @@ import hf_tiny
 import pytest
 import torch
 
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
 pytest.importorskip("peft")
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -49,6 +51,7 @@ def _saved_keys(path: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- ZeRO-3
+@releases_deepspeed_engines
 def _zero3_run(rank: int, world: int, tmp: str) -> dict:
     import deepspeed
     from test_trainer import training_args  # the Trainer test's arguments, ZeRO stage 3

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
 pytest.importorskip("transformers")
 
 VOCAB, SEQ, STEPS = 300, 64, 3
@@ -53,6 +55,7 @@ def _sp_block(sp: int, tiled: bool | str) -> dict[str, Any]:
     return block
 
 
+@releases_deepspeed_engines
 def _run(rank: int, world: int, engine: str, stage: int, tiled: bool | str) -> tuple[list[float], dict]:
     from seqpar.sequence.batch import shard_batch
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch_module import train_module
+from launch_module import run_main, train_module
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -36,7 +36,7 @@ def _config(name: str) -> str:
 
 def _run_main(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     """Body run on every rank: train and return the metrics."""
-    return _train_module().main(argv)
+    return run_main(argv)
 
 
 def _losses(dist_pool, world: int, argv: list[str], timeout: float = 240) -> list[float]:

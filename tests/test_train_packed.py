@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from launch_module import train_module
+from launch_module import run_main, train_module
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-4
@@ -28,7 +28,7 @@ def _train() -> Any:
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> list[float]:
-    return _train().main(argv)["loss"]
+    return run_main(argv)["loss"]
 
 
 def test_packed_rows_are_flattened_documents():

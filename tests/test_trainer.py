@@ -14,6 +14,8 @@ import hf_tiny
 import pytest
 import torch
 
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -52,6 +54,7 @@ def training_args(tmp: str, sp: int, stage: int, batch: int = BATCH, **extra):
     )
 
 
+@releases_deepspeed_engines
 def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: bool = False) -> dict:
     from transformers import DataCollatorWithFlattening
 

@@ -19,7 +19,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from launch_module import train_module
+from launch_module import run_main, train_module
 
 import seqpar
 import seqpar.memory.training as training
@@ -91,7 +91,7 @@ def _train_module() -> Any:
 
 
 def _run_main(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
-    return _train_module().main(argv)
+    return run_main(argv)
 
 
 def _config(tmp_path: Path, engine: str, stage: int, mode: str = "ring", model: dict = MODEL) -> str:

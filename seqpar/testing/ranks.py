@@ -10,8 +10,10 @@ answers travel as ``pickle`` bytes (tensors included), so no shared-memory file 
 ``fn`` must be a module-level function (pickled by reference) and is called as ``fn(ctx, *args,
 **kwargs)`` with a :class:`RankContext`. After every task the worker forgets seqpar's default
 process-group manager, and before the next one it destroys the groups the task left (and, when its
-thread count grew, the DeepSpeed engines and caches holding groups, then runs the cycle collector), so
-one task's groups never leak into the next. Each answer carries the rank's ``(threads, groups)``
+thread count grew, runs the cycle collector), so one task's groups never leak into the next. What holds
+groups out of the collector's reach is the task's to release before it ends: a DeepSpeed engine's
+gradient hooks, for one (:mod:`seqpar.testing.deepspeed_teardown`); a pool that leaks anyway recycles
+itself past ``max_threads``. Each answer carries the rank's ``(threads, groups)``
 (:attr:`RankPool.health`); a pool given ``max_threads`` closes itself when a rank passes it anyway
 (:class:`PoolSet` counts it and starts a fresh one). ``SEQPAR_POOL_TRACE=<file>`` logs them per task.
 
@@ -225,8 +227,8 @@ def _destroy_groups_but(keep: set, clean_threads: int) -> int:
 
     A destroyed group still keeps its threads while a python object refers to it. When this rank has more
     threads than ``clean_threads`` (its count after the last full clean-up) once the groups are destroyed,
-    the full clean-up runs: it releases what DeepSpeed keeps alive and runs the cycle collector (~0.1-0.2 s
-    with transformers loaded, so not after every task). Returns the thread count to pass next time."""
+    the full clean-up runs the cycle collector, then freezes what survived (so not after every task, and
+    cheap after the first). Returns the thread count to pass next time."""
     import sys
 
     import torch.distributed as dist
@@ -242,33 +244,19 @@ def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     for group in leftover:
         destroy(group)
     # ... and, whether or not a group was left, the model-parallel unit (a finished task's manager, whose groups
-    # are gone) and the mesh a DeepSpeed engine was given: its next engine must not inherit them
+    # are gone) and the mesh a DeepSpeed engine was given: its next engine must not inherit them. A task that
+    # released its engines (seqpar.testing.deepspeed_teardown) already cleared both; these public attributes
+    # are reset here too for engines no task released (one whose initialize raised half-way, a runner
+    # outside tests/ such as integrations/fuzz_engine.py)
     ds_groups = sys.modules.get("deepspeed.utils.groups")
     for attr in ("mpu", "mesh_device") if ds_groups is not None else ():
         if getattr(ds_groups, attr, None) is not None:
             setattr(ds_groups, attr, None)
     if not leftover and _threads() <= clean_threads:
         return clean_threads
-    # ZeRO-3 pushes each engine's model on this module-level stack and never pops it: every ZeRO-3 engine
-    # (its model, optimizer, and the groups they hold) would live as long as the process
-    zero_offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
-    if zero_offload is not None and getattr(zero_offload, "FWD_MODULE_STACK", None):
-        zero_offload.FWD_MODULE_STACK.clear()
-    # ... and its parameter coordinator caches, without bound, which parameters to release per (coordinator,
-    # module, step): that cache holds every ZeRO-3 model too (an lru_cache under an nvtx wrapper)
-    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
-    cached = vars(getattr(coordinator, "PartitionedParameterCoordinator", object)).get(
-        "_PartitionedParameterCoordinator__params_to_release")
-    for fn in [cached, *(c.cell_contents for c in getattr(cached, "__closure__", None) or ())]:
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-    # A ZeRO-1/2/3 engine that was not destroyed keeps gradient hooks on its parameters: torch holds them in
-    # C++, out of the cycle collector's sight, and they hold the optimizer, the engine and its groups.
-    engine_type = getattr(sys.modules.get("deepspeed.runtime.engine"), "DeepSpeedEngine", None)
-    if engine_type is not None:
-        _destroy_engines(engine_type)
     # A group destroyed, or dropped from the registry, keeps its gloo threads and sockets while any python
     # object still refers to it: a DeviceMesh, a manager, an exception's traceback frames in a reference cycle.
+    # (DeepSpeed engines are the task's to release: seqpar.testing.deepspeed_teardown.)
     try:
         from torch.distributed.tensor import debug
     except ImportError:
@@ -276,19 +264,15 @@ def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     else:
         getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
     gc.collect()
-    # What survives a full clean-up is the rank's long-lived state (torch, transformers, DeepSpeed: ~500k
-    # objects): frozen, the next collection and engine scan skip it (0.5-0.8 s a rank down to a fraction).
+    # What survives a full collection is the rank's long-lived state (torch, transformers, DeepSpeed: ~420k
+    # objects): frozen, later collections skip it. Not a reach into any library (CPython's documented gc API,
+    # meant for long-lived workers), and not there for leaks: a released ZeRO engine's groups sit in reference
+    # cycles, so a DeepSpeed task is followed by a full collection. Measured on this 2-core machine under load
+    # (issue 30): one collection over that heap 3.3-3.8 s, after the freeze ~0 s; the DeepSpeed-heavy set
+    # (test_groups, test_deepspeed_tp, test_model_parallel_group, test_train's ZeRO tests) 361 s of CPU
+    # without it, 299 s with it (308 s before issue 30's change).
     gc.freeze()
     return _threads()
-
-
-def _destroy_engines(engine_type: type) -> None:
-    """``destroy()`` every live DeepSpeed engine (in a function of its own: no local outlives the call)."""
-    for engine in [o for o in gc.get_objects() if isinstance(o, engine_type)]:
-        try:
-            engine.destroy()
-        except Exception:  # a half-built engine of a failed task: nothing more to release
-            pass
 
 
 # What a CPU rank forks from: one server process that imported these once (torch's import is 3-4 CPU-seconds,
