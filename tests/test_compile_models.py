@@ -107,9 +107,16 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...]) -> list[
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2])
+# per SP size, the models compiled (each costs a trace of forward and backward: ~10-20 s of CPU)
+MODELS = {
+    1: ("llama", "gpt_oss"),
+    2: ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss"),  # MoE: router losses over the SP group
+}
+
+
+@pytest.mark.parametrize("world", sorted(MODELS))
 def test_compiled_swapped_models_equal_eager_in_one_graph(dist_pool, world: int) -> None:
-    per_rank = dist_pool.run(world, compile_models, ("llama",), timeout=600)
+    per_rank = dist_pool.run(world, compile_models, MODELS[world], timeout=900)
     assert per_rank == [[]] * world, per_rank
 
 
@@ -128,3 +135,21 @@ def test_the_graph_inspector_sees_host_syncs_and_unbacked_symbols() -> None:
     assert inspector.graphs == 1
     assert any("host sync" in p and "_local_scalar_dense" in p for p in inspector.problems), inspector.problems
     assert any("unbacked symbol" in p for p in inspector.problems), inspector.problems
+
+
+def test_a_compiled_model_names_shard_batch_for_an_unprepared_batch() -> None:
+    """Under compile the per-batch checks cannot run, so a batch ``shard_batch`` did not prepare (no
+    ``position_ids``) is refused while tracing, naming the fix; packed documents are refused by name
+    (their boundaries are read as host ints). One process, no group: the refusals come before any graph."""
+    model = _model("llama")
+    seqpar.swap_attention(model)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"without position_ids.*seqpar\.shard_batch"):
+        compiled(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    packed = seqpar.shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])})
+    assert "cu_seq_lens_q" in packed
+    with pytest.raises(Exception, match=r"packed documents.*torch\.compile"):
+        compiled(**packed)
+    torch._dynamo.reset()
