@@ -111,6 +111,7 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...]) -> list[
 MODELS = {
     1: ("llama", "gpt_oss"),
     2: ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss"),  # MoE: router losses over the SP group
+    4: ("llama",),
 }
 
 

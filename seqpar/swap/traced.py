@@ -48,7 +48,10 @@ def tracing() -> bool:
 
 def remember_forward_names(cls: type) -> None:
     """Read ``cls.forward``'s parameter names eagerly (at swap time), for :func:`bind_traced`."""
-    params = list(inspect.signature(cls.forward).parameters.values())[1:]  # less self
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # less self
+    except (TypeError, ValueError):  # no signature to read: a compiled call then names the problem
+        return
     names = tuple(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                         inspect.Parameter.POSITIONAL_OR_KEYWORD))
     _FORWARD_NAMES[cls] = (names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
