@@ -33,6 +33,7 @@ from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverifi
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.swap.options import SwapError, SwapOptions
 from seqpar.swap.state import is_probing
+from seqpar.swap.traced import tracing
 
 __all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer", "FirstForward"]
 
@@ -146,6 +147,8 @@ class _BatchCheck:
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if is_probing():  # the probe's own forwards: no check, no collective
             return None
+        if tracing():
+            return self._prepare_traced(module, args, kwargs)
         mark_unverified()
         self.active.append(False)
         if not self.options.check_inputs and not self.first_verdict:  # the user switched checking off
@@ -172,6 +175,21 @@ class _BatchCheck:
         self.first_verdict = False
         enter_verified()
         self.active[-1] = True
+        return args, kwargs
+
+    def _prepare_traced(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """While torch.compile traces the forward: the preparers only (their traced form), no collective,
+        no verified scope (see :mod:`seqpar.swap.traced`: the batch comes prepared by shard_batch)."""
+        if self.refused is not None:
+            raise self.refused
+        if self.first_forward is not None:
+            raise SwapError(
+                f"seqpar ({type(module).__name__}): torch.compile before the position-mixing probe ran: it runs "
+                "at the swapped model's first forward (its parameters were not materialised at swap time) and "
+                "cannot run in a traced forward. Run one eager forward of the swapped model first, then compile"
+            )
+        for prepare in self.preparers:
+            args, kwargs = prepare(module, args, kwargs)
         return args, kwargs
 
     def _agree(self, module: nn.Module, group: dist.ProcessGroup, args: tuple, kwargs: dict,
@@ -241,7 +259,7 @@ class _BatchCheck:
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also runs when the forward (or the pre-hook) raised.
-        if is_probing():
+        if is_probing() or tracing():
             return
         if self.active and self.active.pop():
             exit_verified()

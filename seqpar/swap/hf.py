@@ -46,6 +46,7 @@ from seqpar.swap.hf_route import (
 )
 from seqpar.swap.mla import install_latent_transfer
 from seqpar.swap.options import SwapError, SwapOptions
+from seqpar.swap.traced import remember_forward_names
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -106,13 +107,17 @@ def apply(
     for pm in model.modules():
         if not isinstance(pm, transformers.PreTrainedModel):
             continue
+        remember_forward_names(type(pm))  # for torch.compile, which cannot bind the call by inspect
         if "labels" in forward_signature(type(pm)).parameters:
             pm.loss_function = SequenceParallelLMLoss(options, model_loss_type(pm))
         old = getattr(pm, _HOOK_ATTR, None)
         if old is not None:
             old.remove()
             delattr(pm, _HOOK_ATTR)
-        prepare = functools.partial(prepare_inputs, options)
+        # under torch.compile(model) the outermost model's hooks are a frame of their own: its preparer then
+        # leaves creating tensors to the nested models' hooks, traced inline (seqpar.swap.hf_traced)
+        nested = any(isinstance(m, transformers.PreTrainedModel) for m in pm.modules() if m is not pm)
+        prepare = functools.partial(prepare_inputs, options, nested=nested)
         if pm is model:
             preparers.append(prepare)
         else:

@@ -81,7 +81,9 @@ def seqpar_mask(
     here as a mask: the input preparer passes an all-ones ``attention_mask`` (so transformers does
     not build its packed mask) and the boundaries as ``cu_seq_lens_q/k``.
     """
-    if attention_mask is not None and not all_ones(attention_mask):  # read once per batch (_read_batch)
+    # read once per batch (_read_batch); while torch.compile traces, the batch's mask is shard_batch's,
+    # all ones (seqpar.swap.traced): no host read in the graph
+    if attention_mask is not None and not torch.compiler.is_compiling() and not all_ones(attention_mask):
         raise padding_error("mask")
     plain = mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function)
     # create_sliding_window_causal_mask passes the window as local_size; it keeps
@@ -186,7 +188,9 @@ def seqpar_attention_forward(
             )
         sliding_window, attention_mask = attention_mask.window, None
     if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or not _masks_nothing(attention_mask):
+        # while torch.compile traces, a mask's values cannot be read: a caller's own mask is refused
+        if (not isinstance(attention_mask, Tensor) or torch.compiler.is_compiling()
+                or not _masks_nothing(attention_mask)):
             raise ValueError(
                 f"seqpar (layer '{layer}'): got a custom attention mask ({type(attention_mask).__name__}"
                 f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "

@@ -42,6 +42,7 @@ from seqpar.sequence.batch import (
 from seqpar.sequence.boundaries import boundary_tensor, known_boundaries, remember_boundaries
 from seqpar.swap import moe
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
+from seqpar.swap.hf_traced import prepare_traced
 from seqpar.swap.options import SwapOptions
 from seqpar.swap.state import is_probing
 
@@ -65,10 +66,13 @@ def padding_error(where: str) -> ValueError:
 
 
 def prepare_inputs(
-    options: SwapOptions, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    options: SwapOptions, module: nn.Module, args: tuple, kwargs: dict[str, Any], *, nested: bool = False
 ) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook of a swapped PreTrainedModel (see the module docstring): ``(args, kwargs)`` to
-    call it with."""
+    call it with. While torch.compile traces the model: :func:`seqpar.swap.hf_traced.prepare_traced`
+    (``nested``: ``module`` holds other PreTrainedModels, whose preparers run too)."""
+    if torch.compiler.is_compiling():
+        return prepare_traced(options, module, args, kwargs, nested=nested)
     try:
         bound = forward_signature(type(module)).bind_partial(module, *args, **kwargs)
     except TypeError:

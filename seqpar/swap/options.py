@@ -7,6 +7,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -141,13 +142,18 @@ class SwapOptions:
             return out
         return self._attention(q, k, v, causal=causal, scale=scale, masked=masked)
 
+    def _per_call_check(self) -> bool:
+        """Whether this call checks its inputs across ranks: not inside a verified batch, nor while
+        torch.compile traces (a collective read on the host; see :mod:`seqpar.swap.traced`)."""
+        return not torch.compiler.is_compiling() and self.check_inputs and not batch_verified()
+
     def _attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.resolve import resolve_attention
 
-        check = self.check_inputs and not batch_verified()
+        check = self._per_call_check()
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
         # suspend the dispatcher so that call is the plain kernel, not a recursion.
         with suspended():
@@ -191,7 +197,7 @@ class SwapOptions:
 
         masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks),
                                     ("chunk_size", chunk_size), ("softcap", softcap)) if v is not None}
-        check = self.check_inputs and not batch_verified()
+        check = self._per_call_check()
         with suspended():
             plan = resolve_attention(
                 q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,

@@ -1,0 +1,116 @@
+"""A swapped model's per-batch preparation while ``torch.compile`` traces it (issue 31 §2).
+
+``torch.compile(model)`` traces the model's forward pre-hooks with its forward, and under
+``fullgraph=True`` whatever dynamo cannot trace is an error: a host read of a tensor's values (the
+padding-mask verdict, the position check, the boundaries' host copy), a collective whose verdict is
+read on the host (the cross-rank input check), ``inspect.signature(...).bind_partial``. So while dynamo
+traces (:func:`tracing`), per-batch work that needs a tensor's values or a collective does not run in
+the forward; what it would establish is taken from the batch as :func:`seqpar.sequence.batch.shard_batch`
+(or :class:`~seqpar.sequence.batch.ShardedDataLoader`) prepared it, eagerly:
+
+- ``position_ids``: the shard's *global* positions, as ``shard_batch`` always passes them. A batch
+  without them was not cut by ``shard_batch`` and is refused at trace time (:func:`unprepared_error`);
+- ``attention_mask``: all ones (``shard_batch`` turns right padding into ignored labels and refuses any
+  other mask); none given: an all-ones one is filled in, as eagerly;
+- ``shift_labels`` (passed on as ``labels``);
+- the cross-rank check of the batch and the first-forward probe: not run (no collective, no host
+  read in the graph). Run one eager forward first where a check matters (the probe must have run: a
+  model whose probe is still pending is refused at trace time, naming the fix).
+
+Packed documents (``cu_seq_lens_q/k``) are refused under compile for now: the attention plan reads the
+boundaries as host ints, which a traced forward cannot (the boundaries-as-tensors step of issue 31 §2).
+
+What stays checked while tracing is what the arguments' structure tells: a KV cache or
+``use_cache=True`` refused, ``use_cache`` turned off, ``labels=`` of a non-token loss under SP refused.
+Positional arguments are bound by the forward's parameter names read at swap time
+(:func:`remember_forward_names`), not by ``inspect`` while tracing.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["tracing", "remember_forward_names", "bind_traced", "unprepared_error", "packed_refusal"]
+
+# class -> (names of the forward's positional-or-keyword parameters less self, whether it takes **kwargs)
+_FORWARD_NAMES: dict[type, tuple[tuple[str, ...], bool]] = {}
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing the running code (``torch.compile``): per-batch work that reads
+    tensor values or communicates must not run (see the module docstring)."""
+    return torch.compiler.is_compiling()
+
+
+def remember_forward_names(cls: type) -> None:
+    """Read ``cls.forward``'s parameter names eagerly (at swap time), for :func:`bind_traced`."""
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]  # less self
+    except (TypeError, ValueError):  # no signature to read: a compiled call then names the problem
+        return
+    names = tuple(p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                        inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    _FORWARD_NAMES[cls] = (names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params))
+
+
+def bind_traced(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``module``'s call as keyword arguments (a new dict) and its forward's parameter names, while tracing.
+
+    Raises:
+        ValueError: the forward's names were not read at swap time, or more positional arguments
+            than it has positional parameters.
+    """
+    found = _FORWARD_NAMES.get(type(module))
+    if found is None:
+        raise ValueError(
+            f"seqpar ({type(module).__name__}): compiled before seqpar.swap_attention read its forward's "
+            "parameters; swap the model before torch.compile"
+        )
+    names, _ = found
+    if len(args) > len(names):
+        raise ValueError(
+            f"seqpar ({type(module).__name__}): {len(args)} positional arguments for {len(names)} "
+            "positional parameters; pass the batch by keyword (model(**batch))"
+        )
+    bound = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in bound:
+            raise TypeError(f"{type(module).__name__}.forward got multiple values for argument '{name}'")
+        bound[name] = value
+    return bound, names
+
+
+def unprepared_error(where: str, missing: str) -> ValueError:
+    """The trace-time error for a batch that ``shard_batch`` did not prepare."""
+    return ValueError(
+        f"seqpar ({where}): a compiled swapped model got a batch without {missing}. Under torch.compile the "
+        "per-batch input checks (cross-rank agreement, padding mask, global positions) cannot run in the "
+        "traced forward: cut every batch with seqpar.shard_batch (or seqpar.sequence.batch.ShardedDataLoader), "
+        "which prepares it eagerly, and call the model with model(**batch)"
+    )
+
+
+def packed_refusal(where: str) -> ValueError:
+    """The trace-time error for packed documents under compile (see the module docstring)."""
+    return ValueError(
+        f"seqpar ({where}): packed documents (cu_seq_lens_q/k) under torch.compile are not supported yet: "
+        "the attention plan reads the boundaries as host integers, which a traced forward cannot. Run "
+        "packed batches eagerly, or train on unpacked sequences when compiling"
+    )
+
+
+def prepared_positions(kwargs: dict[str, Any], seq_local: int, where: str) -> Tensor:
+    """The batch's ``position_ids`` (``(B or 1, seq_local)``), which ``shard_batch`` always passes."""
+    given = kwargs.get("position_ids")
+    if not isinstance(given, Tensor):
+        raise unprepared_error(where, "position_ids")
+    if given.shape[-1] != seq_local:
+        raise ValueError(
+            f"seqpar ({where}): position_ids of length {given.shape[-1]} for a shard of {seq_local} tokens; "
+            "cut the batch with seqpar.shard_batch"
+        )
+    return given

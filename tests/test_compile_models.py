@@ -1,0 +1,156 @@
+"""``torch.compile(fullgraph=True)`` of swapped tiny Hugging Face models (issue 31 §2, attention-only models).
+
+Per model and SP size: the swapped model called on a ``shard_batch`` batch with ``labels`` compiles as one
+graph (``torch.compile(model, fullgraph=True)`` with a counting ``aot_eager`` backend: one graph, the count
+``torch._dynamo.explain`` reports, whose ``graph_break_count`` is the graph count less one; the outermost
+model's pre-hooks run as a frame of their own, so a tensor made there would be a second graph), and its
+loss, logits and every parameter's gradient equal the eager model's on the same shard (fp32 1e-5; eager
+itself is compared with one process in float64 in tests/test_swap.py and tests/all_models.py).
+
+The backend also reads the forward and backward graphs aot_autograd hands it: no host sync
+(``_local_scalar_dense``, ``item``, ``nonzero``, ...) and no unbacked symbol, which is what lets a GPU
+run ahead of the host through the compiled step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+
+# aten ops that read a tensor's values on the host (or make shapes depend on them)
+HOST_SYNCS = ("_local_scalar_dense", "item", "nonzero", "unique", "masked_select", "_assert_async",
+              "equal", "is_nonzero")
+SEQ = 16  # zigzag over 4 ranks: 8 chunks of 2 tokens
+
+
+def _model(model_type: str) -> torch.nn.Module:
+    """A tiny model of ``model_type`` (2 layers, seeded weights; MoE router losses on)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    from seqpar.testing.tiny_models import tiny_kwargs
+
+    cls = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    # the experts' default (batched) implementation: the "eager" loop's per-expert nonzero is a host sync
+    # in transformers' own code
+    config = transformers.CONFIG_MAPPING[model_type](**tiny_kwargs(model_type))
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+class GraphInspector:
+    """An ``aot_eager`` backend that counts dynamo's graphs and reads aot_autograd's forward and
+    backward graphs for host syncs and unbacked symbols."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        self.problems: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs += 1
+        return aot_autograd(fw_compiler=self._read, bw_compiler=self._read)(gm, example_inputs)
+
+    def _read(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+        for node in gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and any(f".{op}." in name or name.endswith(f".{op}") or name == op
+                                                  for op in HOST_SYNCS):
+                self.problems.append(f"host sync {name}")
+            val = node.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            if any(isinstance(v, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(v) for v in vals):
+                self.problems.append(f"unbacked symbol in {node.format_node()}")
+        from functorch.compile import make_boxed_func
+
+        return make_boxed_func(gm.forward)
+
+
+def compile_models(rank: int, world: int, model_types: tuple[str, ...]) -> list[str]:
+    """Worker body: each model eager, then compiled; the mismatches and problems as text."""
+    from seqpar.sequence.batch import shard_batch
+
+    failures = []
+    group = dist.group.WORLD
+    for model_type in model_types:
+        model = _model(model_type)
+        seqpar.swap_attention(model, {"size": world, "sharding": "zigzag"}, group=group)
+        ids = torch.randint(3, model.config.vocab_size, (1, SEQ), generator=torch.Generator().manual_seed(5))
+        batch = shard_batch({"input_ids": ids, "labels": ids.clone()}, group=group, sharding="zigzag")
+        inspector = GraphInspector()
+        runs = []
+        for compiled in (False, True):
+            model.zero_grad(set_to_none=True)
+            fn = torch.compile(model, fullgraph=True, backend=inspector) if compiled else model
+            out = fn(**batch)
+            out.loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+            runs.append({"loss": out.loss.detach(), "logits": out.logits.detach(), **grads})
+        eager, comp = runs
+        if sorted(eager) != sorted(comp):
+            failures.append(f"{model_type}: gradients of {sorted(set(eager) ^ set(comp))} only in one run")
+        for name in eager.keys() & comp.keys():
+            e, c = eager[name], comp[name]
+            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
+                failures.append(f"{model_type} P={world}: {name} differs by {(c - e).abs().max().item():.3g}")
+        if inspector.graphs != 1:
+            failures.append(f"{model_type} P={world}: {inspector.graphs} graphs (explain: "
+                            f"{inspector.graphs - 1} graph breaks)")
+        failures += [f"{model_type} P={world}: {p}" for p in sorted(set(inspector.problems))]
+        torch._dynamo.reset()
+    return failures
+
+
+# per SP size, the models compiled (each costs a trace of forward and backward: ~10-20 s of CPU)
+MODELS = {
+    1: ("llama", "gpt_oss"),
+    2: ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss"),  # MoE: router losses over the SP group
+    4: ("llama",),
+}
+
+
+@pytest.mark.parametrize("world", sorted(MODELS))
+def test_compiled_swapped_models_equal_eager_in_one_graph(dist_pool, world: int) -> None:
+    per_rank = dist_pool.run(world, compile_models, MODELS[world], timeout=900)
+    assert per_rank == [[]] * world, per_rank
+
+
+def test_the_graph_inspector_sees_host_syncs_and_unbacked_symbols() -> None:
+    """The backend above can fail: a value read on the host (captured as a scalar) is a host sync and an
+    unbacked symbol in the graphs it reads."""
+    inspector = GraphInspector()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        n = (x > 0).sum().item()  # an int read on the host, which sizes a tensor
+        return x * torch.ones(n + 1).sum()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        torch.compile(step, fullgraph=True, backend=inspector)(torch.randn(4, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    assert inspector.graphs == 1
+    assert any("host sync" in p and "_local_scalar_dense" in p for p in inspector.problems), inspector.problems
+    assert any("unbacked symbol" in p for p in inspector.problems), inspector.problems
+
+
+def test_a_compiled_model_names_shard_batch_for_an_unprepared_batch() -> None:
+    """Under compile the per-batch checks cannot run, so a batch ``shard_batch`` did not prepare (no
+    ``position_ids``) is refused while tracing, naming the fix; packed documents are refused by name
+    (their boundaries are read as host ints). One process, no group: the refusals come before any graph."""
+    model = _model("llama")
+    seqpar.swap_attention(model)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"without position_ids.*seqpar\.shard_batch"):
+        compiled(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    packed = seqpar.shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])})
+    assert "cu_seq_lens_q" in packed
+    with pytest.raises(Exception, match=r"packed documents.*torch\.compile"):
+        compiled(**packed)
+    torch._dynamo.reset()
