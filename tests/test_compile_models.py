@@ -109,8 +109,8 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...]) -> list[
 
 # per SP size, the models compiled (each costs a trace of forward and backward: ~10-20 s of CPU)
 MODELS = {
-    1: ("llama", "gpt_oss"),
-    2: ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss"),  # MoE: router losses over the SP group
+    1: ("llama",),
+    2: ("llama", "mixtral", "gpt_oss"),  # MoE: router losses over the SP group (qwen3, qwen3_moe: tried, equal)
     4: ("llama",),
 }
 
@@ -153,4 +153,9 @@ def test_a_compiled_model_names_shard_batch_for_an_unprepared_batch() -> None:
     assert "cu_seq_lens_q" in packed
     with pytest.raises(Exception, match=r"packed documents.*torch\.compile"):
         compiled(**packed)
+    torch._dynamo.reset()
+    # a padding mask cannot be read while tracing: taken on trust it would be ignored, so any mask is refused
+    prepared = seqpar.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": (ids > 0).long()})
+    with pytest.raises(Exception, match=r"attention_mask given to a compiled swapped model.*without attention_mask"):
+        compiled(**prepared)
     torch._dynamo.reset()

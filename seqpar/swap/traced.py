@@ -10,8 +10,10 @@ the forward; what it would establish is taken from the batch as :func:`seqpar.se
 
 - ``position_ids``: the shard's *global* positions, as ``shard_batch`` always passes them. A batch
   without them was not cut by ``shard_batch`` and is refused at trace time (:func:`unprepared_error`);
-- ``attention_mask``: all ones (``shard_batch`` turns right padding into ignored labels and refuses any
-  other mask); none given: an all-ones one is filled in, as eagerly;
+- ``attention_mask``: none given, an all-ones one is filled in, as eagerly. A mask the caller passes is
+  refused at trace time (:func:`given_mask_refusal`): its values cannot be read in the graph, and a
+  padding mask taken on trust would be ignored silently. ``shard_batch`` turns right padding into
+  ignored labels, so its batch runs without its all-ones mask;
 - ``shift_labels`` (passed on as ``labels``);
 - the cross-rank check of the batch and the first-forward probe: not run (no collective, no host
   read in the graph). Run one eager forward first where a check matters (the probe must have run: a
@@ -34,7 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["tracing", "remember_forward_names", "bind_traced", "unprepared_error", "packed_refusal"]
+__all__ = ["tracing", "remember_forward_names", "bind_traced", "unprepared_error", "packed_refusal",
+           "given_mask_refusal"]
 
 # class -> (names of the forward's positional-or-keyword parameters less self, whether it takes **kwargs)
 _FORWARD_NAMES: dict[type, tuple[tuple[str, ...], bool]] = {}
@@ -114,3 +117,16 @@ def prepared_positions(kwargs: dict[str, Any], seq_local: int, where: str) -> Te
             "cut the batch with seqpar.shard_batch"
         )
     return given
+
+
+def given_mask_refusal(where: str) -> ValueError:
+    """The trace-time error for an ``attention_mask`` the caller passed to a compiled swapped model: its
+    values (padding or not) cannot be read in a traced forward, so it cannot be checked as the eager
+    forward checks it; taken on trust, a padding mask would be ignored silently."""
+    return ValueError(
+        f"seqpar ({where}): attention_mask given to a compiled swapped model: a traced forward cannot read "
+        "its values, so padding in it would be ignored. Cut the batch with seqpar.shard_batch (it turns right "
+        "padding into ignored labels) and pass it without attention_mask (seqpar fills an all-ones one), "
+        "or run the model eagerly"
+    )
+
