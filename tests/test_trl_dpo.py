@@ -58,12 +58,7 @@ def _model(family: str) -> torch.nn.Module:
 def _config(tmp: str, sp: int, **extra):
     from trl import DPOConfig
 
-    # ZeRO-2 for both runs (its fp32 gradient buffers round as they round); the block only for seqpar's
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
-          "steps_per_print": 10**6}
-    if sp > 1:
-        ds["sequence_parallel"] = {"size": sp, "mode": "ring", "sharding": "zigzag"}
+    ds = trl_tiny.zero2_config(sp)
     return DPOConfig(
         output_dir=tmp, deepspeed=ds, per_device_train_batch_size=PAIRS_PER_STEP, max_steps=STEPS,
         learning_rate=hf_tiny.LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,

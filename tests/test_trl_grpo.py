@@ -45,11 +45,7 @@ def prompts():
 def _config(tmp: str, sp: int):
     from trl import GRPOConfig
 
-    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
-          "steps_per_print": 10**6}
-    if sp > 1:
-        ds["sequence_parallel"] = {"size": sp, "mode": "ring", "sharding": "zigzag"}
+    ds = trl_tiny.zero2_config(sp)
     return GRPOConfig(
         output_dir=tmp, deepspeed=ds, per_device_train_batch_size=len(PROMPT_WORDS) * GENERATIONS,
         num_generations=GENERATIONS, max_completion_length=6, num_iterations=STEPS, max_steps=STEPS,

@@ -111,3 +111,15 @@ def assert_logs_close(got: list[dict[str, float]], ref: list[dict[str, float]], 
         for key in keys:
             assert abs(g[key] - r[key]) <= rtol * abs(r[key]) + 1e-12, \
                 f"step {step + 1}: {key} {g[key]} vs SP=1 {r[key]} (all: {got} vs {ref})"
+
+
+def zero2_config(sp: int) -> dict[str, Any]:
+    """The DeepSpeed JSON of the TRL tests: ZeRO-2 for the SP = 1 reference and the SP run alike (its fp32
+    gradient buffers round the same way in both); seqpar's block only where ``sp > 1``."""
+    ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                          "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
+                          "steps_per_print": 10**6}
+    if sp > 1:
+        ds["sequence_parallel"] = {"size": sp, "mode": "ring", "sharding": "zigzag"}
+    return ds
+
