@@ -267,7 +267,7 @@ class GRPOLoss:
     (a standard deviation over the duplicated rows), ``top_entropy_quantile < 1`` (a quantile over
     them), a per-rank generation batch that splits a prompt's group across DP ranks, and models with
     seqpar layers of their own (mixers, ALiBi, MLA latent transfer), which the unsharded generation
-    does not switch off.
+    does not switch off, and models without rotary embeddings (the rotation above shifts positions).
     """
 
     shards_in_step = False
@@ -314,6 +314,7 @@ class GRPOLoss:
         over the DP replicas (GRPOConfig counted every process)."""
         from seqpar.swap.hf_route import top_pretrained
 
+        _refuse_absolute_positions(model)
         self._attn_implementations = [(top, top.config._attn_implementation)
                                       for top in top_pretrained(model)]
         args.generation_batch_size = (args.per_device_train_batch_size * manager.dp_size
@@ -392,6 +393,23 @@ class GRPOLoss:
         policy = trainer.accelerator.unwrap_model(model)
         with _cut_fused_calls(policy, manager.sp_group, trainer.seqpar_config.sharding, left_padding=True):
             return base(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def _refuse_absolute_positions(model: Any) -> None:
+    """GRPO's left-padded rows are rotated before the cut (leading pads to the end), so a row's first real
+    token sits at position 0 instead of at its count of pads. Attention under rotary embeddings depends on
+    position differences only, so that equals one process; learned or absolute position embeddings would
+    not (GPT-2's ``wpe``): refused, as is a model without a rotary embedding module."""
+    from seqpar.config import ConfigError
+
+    if any("Rotary" in type(m).__name__ for m in model.modules()):
+        return
+    raise ConfigError(
+        f"GRPOTrainer under sequence parallelism takes rotary-embedding models only ({type(model).__name__} has "
+        "no rotary embedding module): seqpar moves each left-padded row's pads to its end before cutting it, "
+        "which shifts the row's positions; rotary attention depends on position differences only, absolute or "
+        "learned position embeddings do not. Train this model without sequence parallelism"
+    )
 
 
 def _refuse_own_layers(model: Any) -> None:

@@ -5,6 +5,8 @@ what to do. No process group is needed: every check runs before the groups are b
 
 from __future__ import annotations
 
+import types
+
 import hf_tiny
 import pytest
 import transformers
@@ -121,3 +123,18 @@ def test_fsdp_through_accelerate_is_refused_with_the_fix(tmp_path):
     args.fsdp = "full_shard"
     with pytest.raises(ConfigError, match="drop fsdp= and pass seqpar_config"):
         SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, seqpar_config={"size": 2})
+
+
+def test_grpo_refuses_a_model_with_absolute_positions(tmp_path):
+    """GRPO's left-padded rows are rotated before the cut, which shifts their positions: exact for rotary
+    models only (tests/test_trl_grpo.py: Llama), so a GPT-2 (learned ``wpe``) is refused by name."""
+    trl = pytest.importorskip("trl")
+    from seqpar.integrations.trl import GRPOLoss
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=4,
+                          num_generations=2)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match=r"rotary-embedding models only \(GPT2LMHeadModel has no rotary"):
+        GRPOLoss().before_swap(args, gpt2, manager=None)
+    GRPOLoss().before_swap(args, hf_tiny.tiny_llama(), manager=types.SimpleNamespace(dp_size=1))
+
