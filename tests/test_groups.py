@@ -192,6 +192,31 @@ def test_deepspeed_teardown_refuses_unchecked_versions(monkeypatch):
         monkeypatch.undo()
 
 
+def test_gc_freeze_refuses_unchecked_pythons(monkeypatch):
+    # The pool's clean-up freezes the collector's long-lived heap, a saving measured on the CPython versions in
+    # GC_FREEZE_CHECKED only: any other fails loudly, naming both, before anything is frozen or a rank started.
+    from seqpar.testing import ranks
+
+    (low, high) = ranks.GC_FREEZE_CHECKED
+    ranks.check_gc_freeze_version(low)
+    ranks.check_gc_freeze_version(high)
+    ranks.check_gc_freeze_version()  # this interpreter: the suite runs on a checked one
+    for version in ((low[0], low[1] - 1), (high[0], high[1] + 1), (high[0] + 1, 0)):
+        with pytest.raises(RuntimeError, match=rf"CPython {low[0]}\.{low[1]}\.\.{high[0]}\.{high[1]}; this is CPython "
+                                               rf"{version[0]}\.{version[1]}\b.*GC_FREEZE_CHECKED"):
+            ranks.check_gc_freeze_version(version)
+    # on use: this interpreter taken out of the range, no freeze happens and no pool starts
+    frozen = []
+    monkeypatch.setattr(ranks.gc, "freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(ranks, "GC_FREEZE_CHECKED", ((2, 0), (2, 7)))
+    with pytest.raises(RuntimeError, match="this is CPython"):
+        ranks.freeze_long_lived_heap()
+    assert not frozen
+    with pytest.raises(RuntimeError, match="this is CPython"):
+        ranks.RankPool(1)
+    monkeypatch.undo()
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_pool_recycles_ranks_whose_threads_pass_the_limit():
     from dist_harness import DistPool

@@ -264,15 +264,48 @@ def _destroy_groups_but(keep: set, clean_threads: int) -> int:
     else:
         getattr(debug, "_clear_sharding_prop_cache", lambda: None)()
     gc.collect()
-    # What survives a full collection is the rank's long-lived state (torch, transformers, DeepSpeed: ~420k
-    # objects): frozen, later collections skip it. Not a reach into any library (CPython's documented gc API,
-    # meant for long-lived workers), and not there for leaks: a released ZeRO engine's groups sit in reference
-    # cycles, so a DeepSpeed task is followed by a full collection. Measured on this 2-core machine under load
-    # (issue 30): one collection over that heap 3.3-3.8 s, after the freeze ~0 s; the DeepSpeed-heavy set
-    # (test_groups, test_deepspeed_tp, test_model_parallel_group, test_train's ZeRO tests) 361 s of CPU
-    # without it, 299 s with it (308 s before issue 30's change).
-    gc.freeze()
+    freeze_long_lived_heap()
     return _threads()
+
+
+GC_FREEZE_CHECKED = ((3, 10), (3, 13))
+"""(oldest, newest) CPython minor version on which :func:`freeze_long_lived_heap` is known to pay
+(inclusive). Measured on 3.11 (issue 30); 3.10 to 3.13 share that generational collector, whose
+``gc.freeze`` moves survivors to a permanent generation that full collections skip. CPython 3.14.0-3.14.4
+shipped an incremental collector (reverted in 3.14.5 and 3.15; PEP 848 proposes another for 3.16), so what
+a freeze saves there is unmeasured: re-measure before widening the range."""
+
+
+def check_gc_freeze_version(version: tuple[int, ...] | None = None) -> None:
+    """Raise ``RuntimeError`` unless the CPython ``(major, minor)`` ``version`` (default: this
+    interpreter's) lies in :data:`GC_FREEZE_CHECKED`.
+
+    Raises:
+        RuntimeError: naming ``version``, the checked range, and what to re-measure.
+    """
+    (low, high) = GC_FREEZE_CHECKED
+    v = tuple(sys.version_info[:2] if version is None else version[:2])
+    if not low <= v <= high:
+        raise RuntimeError(
+            f"seqpar.testing.ranks freezes the cycle collector's long-lived heap after a full clean-up, a "
+            f"saving measured on CPython {low[0]}.{low[1]}..{high[0]}.{high[1]}; this is CPython "
+            f"{v[0]}.{v[1]}. Re-measure the DeepSpeed-heavy tests with and without gc.freeze() (see "
+            f"freeze_long_lived_heap) and widen GC_FREEZE_CHECKED, or drop the freeze."
+        )
+
+
+def freeze_long_lived_heap() -> None:
+    """Freeze what survived the full collection just run: the rank's long-lived state (torch, transformers,
+    DeepSpeed: ~420k objects), so later collections skip it.
+
+    CPython's documented ``gc`` API for long-lived workers, not a reach into any library, and not there for
+    leaks: only what survives ``gc.collect()`` is frozen, and a released ZeRO engine's groups sit in
+    reference cycles, so a DeepSpeed task is followed by a full collection. Measured on this 2-core machine
+    under load (issue 30): one collection over that heap 3.3-3.8 s, after the freeze ~0 s; the
+    DeepSpeed-heavy set (test_groups, test_deepspeed_tp, test_model_parallel_group, test_train's ZeRO tests)
+    361 s of CPU without it, 299 s with it. Pinned to :data:`GC_FREEZE_CHECKED`: outside it, raises."""
+    check_gc_freeze_version()
+    gc.freeze()
 
 
 # What a CPU rank forks from: one server process that imported these once (torch's import is 3-4 CPU-seconds,
@@ -374,6 +407,7 @@ class RankPool:
                 f"a CUDA pool of {world_size} ranks needs {world_size} GPUs, this machine has "
                 f"{torch.cuda.device_count()}; run the CPU suite or the one-GPU ring-rank simulation"
             )
+        check_gc_freeze_version()  # a rank's clean-up freezes the collector: refuse before starting any
         ctx = _start_method(device)
         self.world_size = world_size
         self.device = device
