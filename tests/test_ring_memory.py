@@ -43,3 +43,56 @@ def test_report_runs() -> None:
     assert case["head_chunks"] == 4 and case["peak_rank"] == 0
     assert 0 < case["ratio"] < 1
     assert "theory" in render(payload)
+
+
+# issue 29 §5: on a bf16 wire the travelling dK/dV accumulators are bf16, and the estimator counts them so.
+# Full attention: the estimate is the measured peak, apart from the ring's two one-element bf16 shape
+# templates (4 bytes); causal zigzag: an upper bound over every rank, as loose as the fp32 one or less
+# (the causal term counts a half-block hop's widened accumulator on top of the dK/dV in flight: at most
+# half a block over here, 1.5 blocks with the fp32 wire). The old fp32 charge is 2 blocks over with one
+# head chunk, half a block with four.
+WIRE_CASES = [(False, 1, (0,)), (False, "auto", (0,)), (True, 1, (0, 1, 2, 3))]
+
+
+@pytest.mark.parametrize(("causal", "head_chunks", "ranks"), WIRE_CASES)
+def test_estimator_counts_the_bf16_wire_as_measured(causal: bool, head_chunks: int | str, ranks: tuple) -> None:
+    from seqpar.memory.attention import estimate_attention_memory
+
+    case = RingMemoryCase(4, 128, causal=causal, heads=8, kv_heads=8, head_dim=8, head_chunks=head_chunks,
+                          dkv_wire_dtype="bf16")
+    measured = max(rank_peak(case, r)["peak_bytes"] for r in ranks)  # full attention: every rank alike
+    estimate = estimate_attention_memory(case.seq_len, world_size=4, mode="ring", batch=1, q_heads=8, kv_heads=8,
+                                         head_dim=8, causal=causal, head_chunks=head_chunks, dkv_wire_dtype="bf16")
+    blk = case.block_bytes
+    if causal:
+        assert 0 <= estimate - measured <= blk // 2, (estimate / blk, measured / blk)
+    else:
+        assert measured - estimate == 4, (estimate / blk, measured / blk)  # the two bf16 shape templates
+
+
+def test_estimators_take_the_wire_option() -> None:
+    """The wire changes the ring's and the hybrid's inner ring's travelling dK/dV by K32 - Kw per
+    accumulator (arithmetic; measured above for the ring), reaches the training estimate, and is refused
+    where seqpar.attention refuses it."""
+    from seqpar.memory.attention import estimate_attention_memory, max_seq_len
+    from seqpar.memory.training import estimate_training_memory
+
+    kw = dict(batch=1, q_heads=8, kv_heads=8, head_dim=64, head_chunks=1, causal=False)
+    # K32 at P = 8: S/P rows x 8 heads x 64 x fp32; the hybrid's (u = 2) ring block is 4 heads over 2 S/P
+    # rows, the same bytes
+    k32 = 8192 // 8 * 8 * 64 * 4
+    for mode, extra in (("ring", {}), ("hybrid", {"ulysses_size": 2})):
+        fp32, bf16 = (estimate_attention_memory(8192, world_size=8, mode=mode, dkv_wire_dtype=w, **extra, **kw)
+                      for w in ("fp32", "bf16"))
+        assert fp32 - bf16 == 4 * k32 // 2, (mode, fp32 - bf16)
+    assert max_seq_len(2**27, world_size=8, mode="ring", dkv_wire_dtype="bf16", **kw) > \
+        max_seq_len(2**27, world_size=8, mode="ring", **kw)
+    # (the tiled MLP's transient is below attention's here, so the category shows attention's)
+    train = {w: estimate_training_memory("train-py", seq_len=4096, sp_size=4, tiled_mlp="auto",
+                                         dkv_wire_dtype=w)["attention_transients"] for w in ("fp32", "bf16")}
+    assert train["bf16"] < train["fp32"], train
+    for mode in ("allgather", "ulysses"):
+        with pytest.raises(ValueError, match="moves no dK/dV accumulators"):
+            estimate_attention_memory(8192, world_size=8, mode=mode, dkv_wire_dtype="bf16", **kw)
+    with pytest.raises(ValueError, match="dkv_wire_dtype='fp16' is invalid"):
+        estimate_attention_memory(8192, world_size=8, mode="ring", dkv_wire_dtype="fp16", **kw)

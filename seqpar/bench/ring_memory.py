@@ -1,7 +1,7 @@
 """One rank's peak memory in a P-rank ring against one process's SDPA, and where each byte goes (issue 29).
 
 ``python -m seqpar.bench ring-memory [--worlds 4,8] [--seq-len 8192] [--heads 8] [--head-dim 64]
-[--head-chunks auto] [--causal yes|no] [--out DIR]``
+[--head-chunks auto] [--causal yes|no] [--dkv-wire-dtype fp32|bf16] [--out DIR]``
 
 Method (issue 29's, item 7): CPU, fp32, batch 1. For each rank r of a P-rank ring, this process plays
 r alone over :class:`~seqpar.comm.loopback.LoopbackComm` (it "receives" a copy of what it sends: the
@@ -46,7 +46,8 @@ _KV_CHANNEL = 0  # seqpar.attn.ring's channel of the K/V blocks; its other chann
 @dataclass(frozen=True)
 class RingMemoryCase:
     """One measured configuration: a ``world``-rank ring over ``seq_len`` tokens of ``heads`` query
-    heads and ``kv_heads`` K/V heads of ``head_dim``, batch 1, fp32 on CPU."""
+    heads and ``kv_heads`` K/V heads of ``head_dim``, batch 1, fp32 on CPU; ``dkv_wire_dtype``: the ring's
+    option of that name (the travelling dK/dV accumulators in fp32 or bf16)."""
 
     world: int
     seq_len: int
@@ -55,6 +56,7 @@ class RingMemoryCase:
     kv_heads: int = 8
     head_dim: int = 64
     head_chunks: int | str = "auto"
+    dkv_wire_dtype: str = "fp32"
 
     @property
     def seq_local(self) -> int:
@@ -71,7 +73,8 @@ class RingMemoryCase:
 
         return AttentionOptions(causal=self.causal, scale=self.head_dim ** -0.5,
                                 sharding="zigzag" if self.causal else "contiguous", overlap=True,
-                                head_chunks=resolve_head_chunks(self.head_chunks, self.kv_heads))
+                                head_chunks=resolve_head_chunks(self.head_chunks, self.kv_heads),
+                                dkv_wire_dtype=self.dkv_wire_dtype)
 
 
 def _inputs(heads: int, kv_heads: int, seq: int, head_dim: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -146,7 +149,9 @@ def theory(case: RingMemoryCase, rank: int) -> dict[str, int]:
     dK/dV exchange in flight (the fp32 accumulator sent at hop s - 1 and the one arriving for this hop,
     waited right after these kernels), and this hop's kernel outputs (dq over its query rows, dk and dv
     over its key rows). Nothing else: no accumulators beside the gradients, no widened or zeroed
-    temporaries. The maximum over the hops s >= 2 (the first hop has no dK/dV in flight).
+    temporaries. The maximum over the hops s >= 2 (the first hop has no dK/dV in flight). With
+    ``dkv_wire_dtype="bf16"`` the dK/dV in flight are bf16 (half the bytes), and the ring's two one-element
+    bf16 shape templates (4 bytes) read as ``other`` beside this.
     """
     from seqpar.attn.common import block_calls, block_hops
 
@@ -154,6 +159,7 @@ def theory(case: RingMemoryCase, rank: int) -> dict[str, int]:
         raise ValueError(f"theory() counts a hop s >= 2, which a {case.world}-rank ring does not have; use P >= 3")
     opts = case.options()
     chunks, seq, d, f32 = opts.head_chunks, case.seq_local, case.head_dim, 4
+    wire = 2 if case.dkv_wire_dtype == "bf16" else f32  # bytes of a travelling dK/dV element
     q_bytes, kv_bytes = case.heads * seq * d * f32, case.kv_heads * seq * d * f32
     fixed = {"inputs": 2 * q_bytes + 2 * kv_bytes, "out": q_bytes, "lse": case.heads * seq * f32,
              "gradients": q_bytes + 2 * kv_bytes}
@@ -169,7 +175,7 @@ def theory(case: RingMemoryCase, rank: int) -> dict[str, int]:
         rows = [(c.stop - c.start) for c in (calls[0].q_rows, calls[0].k_rows)]
         more_kv = step + 1 <= hops[(rank - 1 - step) % case.world]
         moment = {"K/V in flight": (2 + 2 * more_kv) * kv_bytes // chunks,
-                  "dK/dV in flight": 4 * kv_bytes // chunks,
+                  "dK/dV in flight": 4 * kv_bytes * wire // (f32 * chunks),
                   "kernel outputs": (rows[0] * q_bytes + 2 * rows[1] * kv_bytes) // (seq * chunks)}
         if best is None or sum(moment.values()) > sum(best.values()):
             best = moment
@@ -193,7 +199,7 @@ def run(cases: Sequence[RingMemoryCase], ranks: Sequence[int] | None = None) -> 
             per_rank.append(res)
         top = max(per_rank, key=lambda x: x["peak_bytes"])
         rows.append({"P": case.world, "S": case.seq_len, "causal": case.causal, "heads": case.heads,
-                     "kv_heads": case.kv_heads, "head_dim": case.head_dim,
+                     "kv_heads": case.kv_heads, "head_dim": case.head_dim, "dkv_wire_dtype": case.dkv_wire_dtype,
                      "head_chunks": case.options().head_chunks, "block_bytes": case.block_bytes,
                      "sdpa_peak_bytes": baselines[key], "peak_bytes": top["peak_bytes"], "peak_rank": top["rank"],
                      "ratio": top["peak_bytes"] / baselines[key], "ideal": 1 / case.world, "ranks": per_rank})
@@ -233,12 +239,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--head-chunks", default="auto", help="'auto' (default: seqpar's default) or an integer")
     p.add_argument("--causal", choices=("yes", "no"), default="yes", help="yes: causal zigzag; no: full, contiguous")
+    p.add_argument("--dkv-wire-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the ring's dkv_wire_dtype: what the travelling dK/dV accumulators are held in (default fp32)")
     p.add_argument("--ranks", default=None, help="only these ranks, comma-separated (default: every rank)")
     p.add_argument("--out", default=None, help="write DIR/ring_memory.json")
     a = p.parse_args(argv)
     chunks: int | str = a.head_chunks if a.head_chunks == "auto" else int(a.head_chunks)
-    cases = [RingMemoryCase(int(w), a.seq_len, a.causal == "yes", a.heads, a.kv_heads or a.heads, a.head_dim, chunks)
-             for w in a.worlds.split(",")]
+    cases = [RingMemoryCase(int(w), a.seq_len, a.causal == "yes", a.heads, a.kv_heads or a.heads, a.head_dim, chunks,
+                            a.dkv_wire_dtype) for w in a.worlds.split(",")]
     payload = run(cases, None if a.ranks is None else [int(r) for r in a.ranks.split(",")])
     payload["command"] = "python -m seqpar.bench ring-memory " + " ".join(sys.argv[1:] if argv is None else argv)
     print(render(payload), flush=True)

@@ -8,6 +8,12 @@ The estimate is the live set of tensors at the step's peak moment, read off the 
 
     Q   = batch * q_heads  * L * head_dim * e      K   = batch * kv_heads * L * head_dim * e
     Q32 = batch * q_heads  * L * head_dim * a      K32 = batch * kv_heads * L * head_dim * a
+                                                   Kw  = batch * kv_heads * L * head_dim * w
+
+``w`` is the element size of the ring's travelling dK/dV accumulators (``dkv_wire_dtype``): ``a`` with
+``"fp32"`` (the default), 2 with ``"bf16"`` (:func:`seqpar.attn.common.dkv_wire_dtype`: they are sent and
+received in bfloat16, each hop adding its fp32 share in place). Only the ring's (and the hybrid's inner
+ring's) travelling accumulators are ``Kw``; dq and the own block's dk, dv stay in ``a``.
 
 MLA (``v_head_dim`` != ``head_dim``): K/V come in pairs (k and v, dk and dv, their buffers), so ``K``
 and ``K32`` use the mean of the two head dims, which is exact for every pair; ``Q``-sized terms use
@@ -22,9 +28,10 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
 - ``ring`` (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
   (Q32 + 2 K32), two K/V receive buffers (4 K, double-buffered), the travelling dK/dV accumulator being
   sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K; with
-  low-precision inputs also their 2 K32 fp32 copies). Under causal zigzag some ranks' calls cover half
-  a key block, which adds zeroed 2 K32 dK/dV buffers instead. P = 2 has a single remote step: one K/V
-  buffer (2 K) and the accumulator's first hop.
+  low-precision inputs also their 2 K32 fp32 copies). The travelling accumulators are 4 Kw (4 K32 with
+  the default fp32 wire, 2 K32 on a bf16 wire with fp32 inputs). Under causal zigzag some ranks' calls
+  cover half a key block, which adds the block's widened 2 Kw dK/dV accumulator (its first hop) instead.
+  P = 2 has a single remote step: one K/V buffer (2 K) and the accumulator's first hop.
 - ``allgather`` (pipelined over G head chunks): one chunk's gathered K/V of all ranks (2 P K / G) and
   their fp32 dK/dV (2 P K32 / G), the next chunk's gather in flight and the previous chunk's
   reduce-scatter in flight (each about as large), the fp32 dq accumulator and the kernel's outputs;
@@ -37,7 +44,7 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   outputs and their ~2 Q workspace, the previous chunk's packed dq/dk/dv all-to-all in flight (send +
   receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1. The
   hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
-  for one chunk.
+  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``).
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -59,7 +66,7 @@ from typing import NamedTuple
 
 import torch
 
-from seqpar.attn.checks import resolve_head_chunks
+from seqpar.attn.checks import check_dkv_wire, resolve_head_chunks
 
 __all__ = ["estimate_attention_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
@@ -91,6 +98,7 @@ def estimate_attention_memory(
     head_chunks: int | str = "auto",
     ulysses_size: int | None = None,
     v_head_dim: int | None = None,
+    dkv_wire_dtype: str = "fp32",
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
@@ -104,24 +112,29 @@ def estimate_attention_memory(
         head_chunks: :func:`seqpar.attention`'s ``head_chunks`` (an int dividing kv_heads, or "auto").
         ulysses_size: the hybrid's Ulysses degree u (divides world_size); required for ``"hybrid"``.
         v_head_dim: V's head dim where it differs from ``head_dim`` (MLA; see the module docstring).
+        dkv_wire_dtype: :func:`seqpar.attention`'s ``dkv_wire_dtype`` (``"fp32"`` or ``"bf16"``): what the
+            ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
-        ValueError: unknown mode, a sequence that does not split over the ranks, or bad sizes.
+        ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
+            ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses).
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
+    check_dkv_wire(dkv_wire_dtype, mode)
     dt = as_dtype(dtype)
     mode, world, u, chunks = _effective_run(mode, seq_len=seq_len, world_size=world_size, causal=causal,
                                             q_heads=q_heads, kv_heads=kv_heads, head_chunks=head_chunks,
                                             ulysses_size=ulysses_size)
     sizes = _tensor_sizes(dt, rows=batch * (seq_len // world), q_heads=q_heads, kv_heads=kv_heads,
-                          head_dim=head_dim if v_head_dim is None else (head_dim + v_head_dim) / 2)
+                          head_dim=head_dim if v_head_dim is None else (head_dim + v_head_dim) / 2,
+                          wire=dkv_wire_dtype)
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
         return _ulysses_peak(sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.base, world=world, u=u,
-                             kv_heads=kv_heads, chunks=chunks, low=sizes.low)
+                             kv_heads=kv_heads, chunks=chunks, low=sizes.low, Kw=sizes.Kw)
     if mode == "allgather":
         return _allgather_peak(sizes, world=world, chunks=chunks)
     return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch)
@@ -129,8 +142,9 @@ def estimate_attention_memory(
 
 class _Sizes(NamedTuple):
     """The per-rank tensor sizes in bytes the peaks are sums of (see the module docstring): ``Q`` and ``K``
-    in the input dtype, ``Q32`` and ``K32`` in the accumulator's, the row log-sum-exp, and ``low`` when
-    the inputs are low precision (fp32 copies appear where the algorithms upcast)."""
+    in the input dtype, ``Q32`` and ``K32`` in the accumulator's, the row log-sum-exp, ``low`` when
+    the inputs are low precision (fp32 copies appear where the algorithms upcast), and ``Kw``: ``K`` in
+    the dtype the ring's travelling dK/dV accumulators are held in (``dkv_wire_dtype``)."""
 
     Q: int
     K: int
@@ -138,6 +152,7 @@ class _Sizes(NamedTuple):
     K32: int
     lse: int
     low: bool
+    Kw: int
 
     @property
     def base(self) -> int:
@@ -186,13 +201,16 @@ def _effective_run(mode: str, *, seq_len: int, world_size: int, causal: bool, q_
     return mode, world, u, chunks
 
 
-def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, head_dim: float) -> _Sizes:
-    """The unit sizes over ``rows = batch * L`` local rows (``head_dim``: the mean of Q/K's and V's)."""
+def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, head_dim: float,
+                  wire: str = "fp32") -> _Sizes:
+    """The unit sizes over ``rows = batch * L`` local rows (``head_dim``: the mean of Q/K's and V's;
+    ``wire``: the ``dkv_wire_dtype`` option, which sizes ``Kw``)."""
     e = torch.tensor([], dtype=dt).element_size()
     a = 8 if dt == torch.float64 else 4
+    w = 2 if wire == "bf16" else a  # seqpar.attn.common.dkv_wire_dtype: bf16, else the accumulation dtype
     return _Sizes(Q=rows * q_heads * head_dim * e, K=rows * kv_heads * head_dim * e,
                   Q32=rows * q_heads * head_dim * a, K32=rows * kv_heads * head_dim * a,
-                  lse=rows * q_heads * a, low=e != a)
+                  lse=rows * q_heads * a, low=e != a, Kw=rows * kv_heads * head_dim * w)
 
 
 def _single_peak(sizes: _Sizes) -> int:
@@ -239,15 +257,18 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
     pass per head chunk, each on 1/chunks of every transient."""
     Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
+    Kw = sizes.Kw  # the travelling dK/dV accumulators' K-sized unit (dkv_wire_dtype)
     fwd_merge = _forward_merge_bytes(sizes)
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
     kernel_out = Q + 2 * K + (2 * K32 if low else 0)
-    if causal:  # a call over half a key block: zeroed fp32 dK/dV of the block + outputs for half of it
-        kernel_out = max(kernel_out, 2 * K32 + Q + K + (K32 // 2 if low else 0))
+    if causal:  # a call over half a key block: the block's widened dK/dV accumulator (its first hop, in the
+        # wire dtype) + outputs for half of it
+        kernel_out = max(kernel_out, 2 * Kw + Q + K + (K32 // 2 if low else 0))
     convert = (Q + 2 * K) if low else 0  # final casts of the accumulators to the input dtype
     kv_bufs = 2 * K if world == 2 else 4 * K  # P = 2 has one remote step: a single K/V buffer
-    at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * K32) + kernel_out
-    at_end = acc + kv_bufs + 4 * K32 + convert
+    # the travelling dK/dV accumulators: the pair being sent and the pair being received (wire dtype)
+    at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * Kw) + kernel_out
+    at_end = acc + kv_bufs + 4 * Kw + convert
     fwd = fwd_merge + kv_bufs
     if chunks == 1:  # the fp32 accumulators are the gradients
         return int(max(base + at_kernel, base + at_end, fwd))
@@ -264,12 +285,13 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
 
 def _ulysses_peak(
     Q: float, K: float, Q32: float, K32: float, lse: float, base: float, *, world: int, u: int, kv_heads: int,
-    chunks: int, low: bool,
+    chunks: int, low: bool, Kw: float,
 ) -> int:
-    """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks."""
+    """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks.
+    ``Kw``: ``K`` in the inner ring's dK/dV wire dtype."""
     G = chunks
     replicated = kv_heads < u
-    Kh, Kh32 = (K * u / kv_heads, K32 * u / kv_heads) if replicated else (K, K32)
+    Kh, Kh32, Khw = (K * u / kv_heads, K32 * u / kv_heads, Kw * u / kv_heads) if replicated else (K, K32, Kw)
     saved = 2 * Q + 2 * Kh + lse  # q, k, v, out (head layout) and lse
     grads = Q + (2 * K32 if replicated else 2 * K)
     grads_h = Q + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
@@ -281,9 +303,10 @@ def _ulysses_peak(
     a2a = max(at_kernel, at_place)
     inner = 0.0
     ring = world // u
-    if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV (its fp32 accumulators are grads_h)
+    if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV in the wire dtype (its fp32
+        # accumulators are grads_h)
         kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
-        inner = (kv_bufs + 4 * Kh32 + (Q32 + 2 * Kh32 if low else 0)) / G
+        inner = (kv_bufs + 4 * Khw + (Q32 + 2 * Kh32 if low else 0)) / G
     fwd = base - Q - lse + saved + (2 * Q + 4 * Kh + 3 * Q) / G + inner  # q, k, v, out + saved + in flight
     return int(max(base + saved + grads + a2a + inner, fwd))
 
@@ -303,6 +326,7 @@ def max_seq_len(
     head_chunks: int | str = "auto",
     ulysses_size: int | None = None,
     v_head_dim: int | None = None,
+    dkv_wire_dtype: str = "fp32",
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_attention_memory`
     fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
@@ -313,7 +337,7 @@ def max_seq_len(
         return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                head_chunks=head_chunks, ulysses_size=ulysses_size,
-                               v_head_dim=v_head_dim) <= budget_bytes
+                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype) <= budget_bytes
 
     if not fits(step):
         return 0

@@ -347,13 +347,14 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
-                               batch: int, head_chunks: int | str) -> int:
+                               batch: int, head_chunks: int | str, dkv_wire_dtype: str = "fp32") -> int:
     """One layer's attention call (:func:`estimate_attention_memory`) less its q, k, v and output, which
     the layer's activations already count."""
     e = torch.empty((), dtype=dt).element_size()
     attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
                                      batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
-                                     head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks)
+                                     head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks,
+                                     dkv_wire_dtype=dkv_wire_dtype)
     qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
     return max(0, attn - qkvo)
 
@@ -447,6 +448,7 @@ def estimate_training_memory(
     recompute_norm: bool = False,
     tp_size: int = 1,
     tp_sequence_parallel: bool = False,
+    dkv_wire_dtype: str = "fp32",
 ) -> dict[str, int]:
     """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
 
@@ -476,6 +478,8 @@ def estimate_training_memory(
         tp_sequence_parallel: Megatron-style sequence parallelism in the TP group: the residual stream
             (checkpointed layer inputs, the norms' saved tensors) holds ``seq_local / tp`` tokens; the
             column-parallel projections still save their all-gathered input, whole.
+        dkv_wire_dtype: the ``sequence_parallel`` block's ``dkv_wire_dtype`` (``"fp32"`` or ``"bf16"``): what
+            the ring's travelling dK/dV accumulators are held in, for the attention transients.
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
@@ -500,7 +504,7 @@ def estimate_training_memory(
                              offload_activations=offload_activations, device=device, tp_seq=tp_seq,
                              head_gathers=not tiled_loss, batch=batch)
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
-                                           batch=batch, head_chunks=head_chunks)
+                                           batch=batch, head_chunks=head_chunks, dkv_wire_dtype=dkv_wire_dtype)
     if not any(kind in ("attention", "both") for kind in m.kinds):
         attention = 0  # a model of mixer layers only: no attention call
     logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss, tp_seq=tp_seq)
