@@ -4,7 +4,7 @@ The ring (also the one-rank planner) and all-gather attention run as ``torch.lib
 dynamo traces (``seqpar.attn.ops``): a compiled call has no graph break, and its output and every
 gradient equal the eager call's on the same shard (fp32 1e-5; eager itself is compared with a float64
 reference in tests/test_attention.py). Each case on P = 1, 2 and 4 ranks: causal or not, zigzag and
-contiguous, GQA, documents, a window, chunked attention, sinks, soft-cap and ALiBi; ring, all-gather,
+contiguous, GQA, documents (as a tensor, which the op reads at run time, and as ints), a window, chunked attention, sinks, soft-cap and ALiBi; ring, all-gather,
 Ulysses and (P = 4) hybrid.
 """
 
@@ -22,15 +22,16 @@ CASES = (
     ("ring", "contiguous", False, {}),
     ("allgather", "zigzag", True, {}),
     ("allgather", "contiguous", False, {}),
-    ("ring", "contiguous", True, {"cu_seqlens": "docs", "window": 5}),
-    ("allgather", "contiguous", True, {"chunk_size": 7}),
+    # documents as a tensor travel into the op and are read there at run time; as ints, as constants
+    ("ring", "contiguous", True, {"cu_seqlens": "tensor", "window": 5}),
+    ("allgather", "contiguous", True, {"chunk_size": 7, "cu_seqlens": "docs"}),
     ("ring", "zigzag", True, {"sinks": True}),
     ("ring", "contiguous", False, {"softcap": 3.0}),
     ("ring", "zigzag", True, {"alibi": True}),
     ("ulysses", "zigzag", True, {}),
     ("ulysses", "contiguous", False, {"sinks": True, "window": 6}),
     ("hybrid", "zigzag", True, {}),
-    ("hybrid", "contiguous", True, {"cu_seqlens": "docs", "sinks": True}),
+    ("hybrid", "contiguous", True, {"cu_seqlens": "tensor", "sinks": True}),
     # the op must carry the option: compiled with the fp32 wire, dk/dv would differ from eager by ~1e-3
     ("ring", "zigzag", True, {"dkv_wire_dtype": "bf16"}),
 )
@@ -42,6 +43,8 @@ def _options(extra: dict, seq: int, hq: int) -> dict:
     g = torch.Generator().manual_seed(7)
     if "cu_seqlens" in extra:
         opts["cu_seqlens"] = (0, 5, seq // 2 + 1, seq)
+        if extra["cu_seqlens"] == "tensor":
+            opts["cu_seqlens"] = torch.tensor(opts["cu_seqlens"], dtype=torch.int32)
     if "sinks" in extra:
         opts["sinks"] = torch.randn(hq, generator=g).requires_grad_()
     if "alibi" in extra:
@@ -106,7 +109,8 @@ def test_the_custom_ops_pass_torchs_own_checks() -> None:
     q = torch.randn(1, 4, 12, 8, generator=g).requires_grad_()
     k = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
     v = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
-    args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None, "fp32")
+    args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None, "fp32",
+            torch.tensor([0, 5, 12], dtype=torch.int32))  # documents as a tensor, read inside the op
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
