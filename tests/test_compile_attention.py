@@ -149,3 +149,52 @@ def compile_auto(rank: int, world: int) -> list[str]:
 def test_auto_mode_compiles_once_its_links_are_probed(dist_pool) -> None:
     per_rank = dist_pool.run(2, compile_auto, timeout=300)
     assert per_rank == [[], []], per_rank
+
+
+# LongNet dilated attention (dilated_attention: its own custom ops, in seqpar.attn.dilated): at P = 2 with
+# seq_local 12, segments of 4 stay on their rank and segments of 24 span both (their rows travel point to point)
+DILATED = (
+    ("ring", True, "mixed"),
+    ("allgather", False, "grouped"),
+)
+
+
+def compile_dilated(rank: int, world: int) -> list[str]:
+    """Worker body: each dilated case eager, then compiled (fullgraph, aot_eager); mismatches and
+    dynamo's graph breaks as text."""
+    from seqpar.attn.dilated import dilated_attention
+
+    failures = []
+    group = torch.distributed.group.WORLD
+    for i, (mode, causal, head_layout) in enumerate(DILATED):
+        case = make_case(300 + i, world, (4, 2, 8), batch=1)
+        q, k, v, dout = (shard_rows(case[n], rank, world, "contiguous").float() for n in ("q", "k", "v", "dout"))
+
+        def call(q, k, v, mode=mode, causal=causal, head_layout=head_layout):  # noqa: ANN001, ANN202
+            # q: (1, 4, 12, 8) bhsd, this rank's contiguous shard
+            return dilated_attention(q, k, v, segment_lengths=(4, q.shape[2] * world), dilation_rates=(1, 2), causal=causal,
+                                     mode=mode, group=group, head_layout=head_layout, check_inputs=False)
+
+        runs = []
+        for compiled in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+            out = fn(*leaves)
+            out.backward(dout)
+            runs.append([out.detach(), *(t.grad for t in leaves)])
+        for name, e, c in zip(("out", "dq", "dk", "dv"), *runs):
+            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
+                failures.append(f"dilated {mode} causal={causal} {head_layout}: {name} differs by "
+                                f"{(c - e).abs().max().item():.3g}")
+        torch._dynamo.reset()
+        if i == 0:
+            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone())
+            if explained.graph_break_count:
+                failures.append(f"dilated: {explained.graph_break_count} graph breaks: {explained.break_reasons}")
+            torch._dynamo.reset()
+    return failures
+
+
+def test_compiled_dilated_attention_equals_eager_without_breaks(dist_pool) -> None:
+    per_rank = dist_pool.run(2, compile_dilated, timeout=600)
+    assert per_rank == [[], []], per_rank
