@@ -4,7 +4,7 @@ The ring (also the one-rank planner) and all-gather attention run as ``torch.lib
 dynamo traces (``seqpar.attn.ops``): a compiled call has no graph break, and its output and every
 gradient equal the eager call's on the same shard (fp32 1e-5; eager itself is compared with a float64
 reference in tests/test_attention.py). Each case on P = 1, 2 and 4 ranks: causal or not, zigzag and
-contiguous, GQA, documents, a window, chunked attention, sinks, soft-cap and ALiBi; ring, all-gather,
+contiguous, GQA, documents (as a tensor, which the op reads at run time, and as ints), a window, chunked attention, sinks, soft-cap and ALiBi; ring, all-gather,
 Ulysses and (P = 4) hybrid.
 """
 
@@ -22,15 +22,16 @@ CASES = (
     ("ring", "contiguous", False, {}),
     ("allgather", "zigzag", True, {}),
     ("allgather", "contiguous", False, {}),
-    ("ring", "contiguous", True, {"cu_seqlens": "docs", "window": 5}),
-    ("allgather", "contiguous", True, {"chunk_size": 7}),
+    # documents as a tensor travel into the op and are read there at run time; as ints, as constants
+    ("ring", "contiguous", True, {"cu_seqlens": "tensor", "window": 5}),
+    ("allgather", "contiguous", True, {"chunk_size": 7, "cu_seqlens": "docs"}),
     ("ring", "zigzag", True, {"sinks": True}),
     ("ring", "contiguous", False, {"softcap": 3.0}),
     ("ring", "zigzag", True, {"alibi": True}),
     ("ulysses", "zigzag", True, {}),
     ("ulysses", "contiguous", False, {"sinks": True, "window": 6}),
     ("hybrid", "zigzag", True, {}),
-    ("hybrid", "contiguous", True, {"cu_seqlens": "docs", "sinks": True}),
+    ("hybrid", "contiguous", True, {"cu_seqlens": "tensor", "sinks": True}),
     # the op must carry the option: compiled with the fp32 wire, dk/dv would differ from eager by ~1e-3
     ("ring", "zigzag", True, {"dkv_wire_dtype": "bf16"}),
 )
@@ -42,6 +43,8 @@ def _options(extra: dict, seq: int, hq: int) -> dict:
     g = torch.Generator().manual_seed(7)
     if "cu_seqlens" in extra:
         opts["cu_seqlens"] = (0, 5, seq // 2 + 1, seq)
+        if extra["cu_seqlens"] == "tensor":
+            opts["cu_seqlens"] = torch.tensor(opts["cu_seqlens"], dtype=torch.int32)
     if "sinks" in extra:
         opts["sinks"] = torch.randn(hq, generator=g).requires_grad_()
     if "alibi" in extra:
@@ -106,7 +109,8 @@ def test_the_custom_ops_pass_torchs_own_checks() -> None:
     q = torch.randn(1, 4, 12, 8, generator=g).requires_grad_()
     k = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
     v = torch.randn(1, 2, 12, 8, generator=g).requires_grad_()
-    args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None, "fp32")
+    args = (q, k, v, None, "single", "", True, 8 ** -0.5, "contiguous", True, 1, 4, None, None, None, "fp32",
+            torch.tensor([0, 5, 12], dtype=torch.int32))  # documents as a tensor, read inside the op
     torch.library.opcheck(attention_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -144,4 +148,53 @@ def compile_auto(rank: int, world: int) -> list[str]:
 
 def test_auto_mode_compiles_once_its_links_are_probed(dist_pool) -> None:
     per_rank = dist_pool.run(2, compile_auto, timeout=300)
+    assert per_rank == [[], []], per_rank
+
+
+# LongNet dilated attention (dilated_attention: its own custom ops, in seqpar.attn.dilated): at P = 2 with
+# seq_local 12, segments of 4 stay on their rank and segments of 24 span both (their rows travel point to point)
+DILATED = (
+    ("ring", True, "mixed"),
+    ("allgather", False, "grouped"),
+)
+
+
+def compile_dilated(rank: int, world: int) -> list[str]:
+    """Worker body: each dilated case eager, then compiled (fullgraph, aot_eager); mismatches and
+    dynamo's graph breaks as text."""
+    from seqpar.attn.dilated import dilated_attention
+
+    failures = []
+    group = torch.distributed.group.WORLD
+    for i, (mode, causal, head_layout) in enumerate(DILATED):
+        case = make_case(300 + i, world, (4, 2, 8), batch=1)
+        q, k, v, dout = (shard_rows(case[n], rank, world, "contiguous").float() for n in ("q", "k", "v", "dout"))
+
+        def call(q, k, v, mode=mode, causal=causal, head_layout=head_layout):  # noqa: ANN001, ANN202
+            # q: (1, 4, 12, 8) bhsd, this rank's contiguous shard
+            return dilated_attention(q, k, v, segment_lengths=(4, q.shape[2] * world), dilation_rates=(1, 2), causal=causal,
+                                     mode=mode, group=group, head_layout=head_layout, check_inputs=False)
+
+        runs = []
+        for compiled in (False, True):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+            out = fn(*leaves)
+            out.backward(dout)
+            runs.append([out.detach(), *(t.grad for t in leaves)])
+        for name, e, c in zip(("out", "dq", "dk", "dv"), *runs):
+            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
+                failures.append(f"dilated {mode} causal={causal} {head_layout}: {name} differs by "
+                                f"{(c - e).abs().max().item():.3g}")
+        torch._dynamo.reset()
+        if i == 0:
+            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone())
+            if explained.graph_break_count:
+                failures.append(f"dilated: {explained.graph_break_count} graph breaks: {explained.break_reasons}")
+            torch._dynamo.reset()
+    return failures
+
+
+def test_compiled_dilated_attention_equals_eager_without_breaks(dist_pool) -> None:
+    per_rank = dist_pool.run(2, compile_dilated, timeout=600)
     assert per_rank == [[], []], per_rank

@@ -160,8 +160,14 @@ def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tenso
             assert plan.manager is not None
             ring = plan.manager.ring_group if plan.manager.ring_size > 1 else None
             return compiled_attention("hybrid", plan.manager.ulysses_group, opts, q, k, v, sinks,
-                                      ulysses=plan.ulysses, ring_group=ring)
-        return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks, ulysses=plan.ulysses)
+                                      ulysses=plan.ulysses, ring_group=ring, documents=plan.documents)
+        return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks, ulysses=plan.ulysses,
+                                  documents=plan.documents)
+    if plan.documents is not None:
+        raise ValueError(
+            f"seqpar.attention under torch.compile: cu_seqlens as a tensor with algorithm {plan.algorithm!r}, "
+            f"which has no compiled op ({', '.join(OP_ALGORITHMS)} have): pass cu_seqlens as a tuple of ints"
+        )
     if plan.algorithm == "sdpa":
         return F.scaled_dot_product_attention(
             q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=q.shape[1] != k.shape[1]

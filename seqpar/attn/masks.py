@@ -34,7 +34,7 @@ from seqpar.sequence.boundaries import host_boundaries  # re-exported: the one c
 from seqpar.sequence.sharding import num_chunks
 
 __all__ = [
-    "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs",
+    "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs", "check_boundary_values",
 ]
 
 
@@ -231,16 +231,7 @@ def check_mask_inputs(
             "key j only inside the same chunk of chunk_size tokens of its document) or None for no chunks"
         )
     if bounds is not None:
-        fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"
-        if len(bounds) < 2 or bounds[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S]; got {_show(bounds)}: {fix}")
-        bad = next((i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]), None)
-        if bad is not None:
-            raise ValueError(
-                f"cu_seqlens must increase strictly; got {bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
-            )
-        if bounds[-1] != seq_len:
-            raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {bounds[-1]}: {fix}")
+        check_boundary_values(bounds, seq_len)
         if q.shape[0] != 1:
             raise ValueError(
                 f"cu_seqlens needs batch 1 (documents packed into one sequence, as flash varlen), got batch "
@@ -252,6 +243,22 @@ def check_mask_inputs(
             raise ValueError(f"sinks must be a ({q.shape[1]},) tensor, one logit per query head; got {shape}")
         if not sinks.is_floating_point() or sinks.device != q.device:
             raise TypeError(f"sinks must be a floating-point tensor on {q.device}; got {sinks.dtype} on {sinks.device}")
+
+
+def check_boundary_values(bounds: tuple[int, ...], seq_len: int) -> None:
+    """Raise ValueError unless ``bounds`` are document boundaries ``[0, l1, l1 + l2, ..., seq_len]``
+    (strictly increasing). Also run at run time inside the compiled ops, which read boundary tensors
+    that tracing could not (:mod:`seqpar.attn.ops`)."""
+    fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"
+    if len(bounds) < 2 or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S]; got {_show(bounds)}: {fix}")
+    bad = next((i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"cu_seqlens must increase strictly; got {bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
+        )
+    if bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {bounds[-1]}: {fix}")
 
 
 def _show(bounds: tuple[int, ...]) -> str:

@@ -16,9 +16,13 @@ A custom op takes tensors and primitives only, so:
 - Ulysses and hybrid take their ring group by name too (``""``: Ulysses over the whole group), and their
   :class:`~seqpar.attn.ulysses.UlyssesPlan` as its fields; the forward returns the head-layout tensors
   the backward needs as a list of tensors (5 per head chunk: q, k, v, out, lse);
-- :class:`~seqpar.attn.common.AttentionOptions` travels as its flat fields; document boundaries as a
-  list of ints (a change of layout is a new constant: documents under compile recompile per layout,
-  which the tensor form of issue 31 §2 removes).
+- :class:`~seqpar.attn.common.AttentionOptions` travels as its flat fields. Document boundaries given as
+  ints travel as a list of ints (a constant of the graph: a new layout recompiles); given as a tensor
+  (``cu_seq_lens_q`` of a packed batch, a 1-D int tensor ``(n_docs + 1,)``) they travel as the tensor
+  ``documents``, read on the host inside the op at run time (:func:`seqpar.sequence.boundaries.host_boundaries`:
+  once per tensor, free for :func:`seqpar.shard_batch`'s host tensors) and checked there, so a new layout
+  with the same number of documents is the same graph, and one with another number is one recompile
+  (dynamo then marks the size dynamic).
 
 :func:`compiled_attention` is what :func:`seqpar.attn.dispatch.run_attention` calls while dynamo
 traces (``torch.compiler.is_compiling()``); eager calls keep the autograd Functions.
@@ -39,12 +43,13 @@ from torch import Tensor
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions, SingleRank
+from seqpar.attn.masks import check_boundary_values, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "compiled_attention", "group_name", "resolve_group"]
+__all__ = ["OP_ALGORITHMS", "compiled_attention", "group_name", "resolve_group", "comm_size"]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
@@ -66,7 +71,13 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
 
 def _options(causal: bool, scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None,
              cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None,
-             dkv_wire_dtype: str) -> AttentionOptions:
+             dkv_wire_dtype: str, documents: Tensor | None = None, seq_len: int = 0) -> AttentionOptions:
+    """The call's options; ``documents`` (the boundaries as a tensor, see the module) read on the host here,
+    at run time, and checked against the global length ``seq_len`` (tracing could not read them)."""
+    if documents is not None:
+        bounds = host_boundaries(documents)
+        check_boundary_values(bounds, seq_len)
+        cu_seqlens = list(bounds)
     return AttentionOptions(causal=causal, scale=scale, sharding=sharding, overlap=overlap, head_chunks=head_chunks,
                             window=window, cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
                             chunk_size=chunk_size, softcap=softcap, dkv_wire_dtype=dkv_wire_dtype)
@@ -86,15 +97,28 @@ def _comm(algorithm: str, name: str) -> Any:
     return RingComm(group) if algorithm == "ring" else group
 
 
+def comm_size(comm: Any) -> int:
+    """The number of ranks of an op's communicator (:func:`_comm`'s: a ring, a group, one rank)."""
+    if isinstance(comm, dist.ProcessGroup):
+        return dist.get_world_size(comm)
+    return comm.world_size
+
+
+def _ulysses_world(group: str, ring_group: str) -> int:
+    """The SP size of a Ulysses (``ring_group=""``) or hybrid op: the Ulysses group times the ring's."""
+    return dist.get_world_size(resolve_group(group)) * (dist.get_world_size(resolve_group(ring_group)) if ring_group else 1)
+
+
 @torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
 def attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, algorithm: str, group: str, causal: bool, scale: float,
     sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str, documents: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one rank (see the module)."""
-    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     comm = _comm(algorithm, group)
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
+                    documents, q.shape[2] * comm_size(comm))
     if algorithm == "allgather":
         out_acc, lse = allgather_forward(q, k, v, comm, opts, sinks)
     else:
@@ -108,7 +132,7 @@ def attention_fwd(
 
 @attention_fwd.register_fake
 def _(q, k, v, sinks, algorithm, group, causal, scale, sharding, overlap, head_chunks, window, cu_seqlens,  # noqa: ANN001, ANN202
-      chunk_size, softcap, dkv_wire_dtype):
+      chunk_size, softcap, dkv_wire_dtype, documents):
     return output_like(q, v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
@@ -116,11 +140,12 @@ def _(q, k, v, sinks, algorithm, group, causal, scale, sharding, overlap, head_c
 def attention_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str, causal: bool,
     scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str, documents: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the inputs' dtypes, each laid out as its input (see the module)."""
-    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
     comm = _comm(algorithm, group)
+    opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
+                    documents, q.shape[2] * comm_size(comm))
     if algorithm == "allgather":
         grads = allgather_backward(dout, q, k, v, out, lse, comm, opts)
     else:
@@ -130,24 +155,24 @@ def attention_bwd(
 
 @attention_bwd.register_fake
 def _(dout, q, k, v, out, lse, algorithm, group, causal, scale, sharding, overlap, head_chunks, window,  # noqa: ANN001, ANN202
-      cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
+      cu_seqlens, chunk_size, softcap, dkv_wire_dtype, documents):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    q, k, v, sinks, *rest = inputs
+    q, k, v, sinks, *rest, documents = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, documents)
     ctx.mark_non_differentiable(lse)
     ctx.rest = rest  # algorithm, group name and the flat options: primitives
 
 
 def _backward(ctx, dout: Tensor, dlse: Tensor | None):  # noqa: ANN001, ANN202
     # lse is an output for the backward's sake only: its gradient is never used (not differentiable)
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.rest)
+    q, k, v, out, lse, sinks, documents = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.rest, documents)
     dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-    return dq, dk, dv, dsinks, *([None] * len(ctx.rest))
+    return dq, dk, dv, dsinks, *([None] * (len(ctx.rest) + 1))
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -174,11 +199,12 @@ def ulysses_fwd(
     q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, group: str, ring_group: str, q_heads: int, kv_heads: int,
     u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int, causal: bool, scale: float,
     sharding: str, overlap: bool, inner_head_chunks: int, window: int | None, cu_seqlens: list[int] | None,
-    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str, documents: Tensor | None,
 ) -> tuple[Tensor, list[Tensor]]:
     """Ulysses (``ring_group=""``) or hybrid forward: ``out`` like q and, per head chunk, the head-layout
     ``q, k, v, out, lse`` the backward reads (contiguous)."""
-    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
+                    dkv_wire_dtype, documents, q.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
     out, saved = ulysses_forward(q, k, v, resolve_group(group), _ring(ring_group), plan, sinks)
     return out, [t.contiguous() for chunk in saved for t in chunk]
@@ -186,7 +212,8 @@ def ulysses_fwd(
 
 @ulysses_fwd.register_fake
 def _(q, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks,  # noqa: ANN001, ANN202
-      causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
+      causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
+      documents):
     split = HeadSplit(q_heads, kv_heads, u)
     qc, kc = split.q_per_rank // head_chunks, split.kv_per_rank // head_chunks
     b, n, d, dv = q.shape[0], u * q.shape[2], q.shape[3], v.shape[3]
@@ -203,10 +230,12 @@ def ulysses_bwd(
     q_heads: int, kv_heads: int, u: int, rank: int, order: list[int] | None, chunks_per_rank: int, head_chunks: int,
     causal: bool, scale: float, sharding: str, overlap: bool, inner_head_chunks: int, window: int | None,
     cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
+    documents: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv (sequence layout, input dtypes) and the sinks' gradient (``(q_heads,)``; empty without
     sinks). ``k``, ``v``: the forward's inputs, for their shapes only."""
-    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
+    opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
+                    dkv_wire_dtype, documents, k.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
     chunks = [saved[i:i + 5] for i in range(0, len(saved), 5)]
     dq, dk, dv, dsinks = ulysses_backward(dout, chunks, k.shape, resolve_group(group), _ring(ring_group), plan, sinks,
@@ -217,22 +246,23 @@ def ulysses_bwd(
 
 @ulysses_bwd.register_fake
 def _(dout, saved, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank,  # noqa: ANN001, ANN202
-      head_chunks, causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
+      head_chunks, causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
+      documents):
     dsinks = torch.empty_like(sinks) if sinks is not None else dout.new_empty((0,))
     return (output_like(dout, k.shape[3]), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
 
 
 def _ulysses_setup(ctx, inputs, output) -> None:  # noqa: ANN001
-    q, k, v, sinks, *rest = inputs
+    q, k, v, sinks, *rest, documents = inputs
     out, saved = output
-    ctx.save_for_backward(k, v, sinks, *saved)
+    ctx.save_for_backward(k, v, sinks, documents, *saved)
     ctx.rest = rest
 
 
 def _ulysses_backward(ctx, dout: Tensor, dsaved: list[Tensor] | None):  # noqa: ANN001, ANN202
-    k, v, sinks, *saved = ctx.saved_tensors
-    dq, dk, dv, dsinks = ulysses_bwd(dout, saved, k, v, sinks, *ctx.rest)
-    return dq, dk, dv, (dsinks if sinks is not None else None), *([None] * len(ctx.rest))
+    k, v, sinks, documents, *saved = ctx.saved_tensors
+    dq, dk, dv, dsinks = ulysses_bwd(dout, saved, k, v, sinks, *ctx.rest, documents)
+    return dq, dk, dv, (dsinks if sinks is not None else None), *([None] * (len(ctx.rest) + 1))
 
 
 ulysses_fwd.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
@@ -240,18 +270,19 @@ ulysses_fwd.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
 
 def compiled_attention(algorithm: str, group: dist.ProcessGroup | None, opts: AttentionOptions, q: Tensor, k: Tensor,
                        v: Tensor, sinks: Tensor | None, *, ulysses: UlyssesPlan | None = None,
-                       ring_group: dist.ProcessGroup | None = None) -> Tensor:
+                       ring_group: dist.ProcessGroup | None = None, documents: Tensor | None = None) -> Tensor:
     """One resolved call of ``algorithm`` (one of :data:`OP_ALGORITHMS`) as a custom op; q, k, v ``bhsd``.
     Ulysses and hybrid: ``group`` the Ulysses group, ``ulysses`` the call's plan, ``ring_group`` the ring
-    across super-ranks (hybrid; None for Ulysses). Returns the output ``(batch, q_heads, seq_local,
-    v_head_dim)`` in q's dtype."""
+    across super-ranks (hybrid; None for Ulysses). ``documents``: the global document boundaries as a 1-D
+    int tensor (then ``opts.cu_seqlens`` is None), read inside the op (see the module). Returns the output
+    ``(batch, q_heads, seq_local, v_head_dim)`` in q's dtype."""
     if algorithm not in OP_ALGORITHMS:
         raise ValueError(f"compiled_attention: algorithm {algorithm!r} is not one of {OP_ALGORITHMS}")
     if algorithm in ("ulysses", "hybrid"):
         if ulysses is None:
             raise ValueError(f"compiled_attention: {algorithm!r} needs its UlyssesPlan (ulysses=)")
         out, _ = ulysses_fwd(q, k, v, sinks, group_name(group), group_name(ring_group), *_plan_args(ulysses),
-                             *_flat(ulysses.attn))
+                             *_flat(ulysses.attn), documents)
         return out
-    out, _ = attention_fwd(q, k, v, sinks, algorithm, group_name(group), *_flat(opts))
+    out, _ = attention_fwd(q, k, v, sinks, algorithm, group_name(group), *_flat(opts), documents)
     return out

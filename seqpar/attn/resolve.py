@@ -67,6 +67,10 @@ class AttentionPlan:
     group: dist.ProcessGroup | None = None
     manager: ProcessGroupManager | None = None
     ulysses: UlyssesPlan | None = None
+    documents: Tensor | None = None
+    """While ``torch.compile`` traces: the document boundaries as the caller's 1-D int tensor, which the
+    traced call cannot read (``opts.cu_seqlens`` is then None); the compiled op reads and checks them at
+    run time (:mod:`seqpar.attn.ops`). None otherwise."""
 
 
 def to_bhsd(t: Tensor, layout: str) -> Tensor:
@@ -118,10 +122,10 @@ def _group_and_manager(mode: str, group: dist.ProcessGroup | None) -> tuple[dist
     return resolve_group(None), manager
 
 
-def _mask_features(opts: AttentionOptions, sinks: Tensor | None) -> set[str]:
+def _mask_features(opts: AttentionOptions, sinks: Tensor | None, documents: bool = False) -> set[str]:
     """The features of a call that :func:`seqpar.attn.choose.choose_mode` must find in a mode
-    (chunks are documents to the planner)."""
-    used = {"documents": opts.cu_seqlens is not None or opts.chunk_size is not None,
+    (chunks are documents to the planner; ``documents``: boundaries given as a tensor while tracing)."""
+    used = {"documents": documents or opts.cu_seqlens is not None or opts.chunk_size is not None,
             "window": opts.window is not None, "sinks": sinks is not None, "balanced": opts.sharding == "balanced"}
     return {name for name, on in used.items() if on}
 
@@ -129,7 +133,7 @@ def _mask_features(opts: AttentionOptions, sinks: Tensor | None) -> set[str]:
 def _algorithm(
     mode: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
     manager: ProcessGroupManager | None, opts: AttentionOptions, sinks: Tensor | None,
-    v_head_dim: int | None = None,
+    v_head_dim: int | None = None, documents: bool = False,
 ) -> str:
     """The algorithm a multi-rank call runs: ``"auto"`` through the cost model; ``"hybrid"`` with
     ``u = 1`` is the ring and with ``u = P`` Ulysses."""
@@ -138,7 +142,7 @@ def _algorithm(
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
-            features=_mask_features(opts, sinks), v_head_dim=v_head_dim, dkv_wire_dtype=opts.dkv_wire_dtype,
+            features=_mask_features(opts, sinks, documents), v_head_dim=v_head_dim, dkv_wire_dtype=opts.dkv_wire_dtype,
         )
     if mode != "hybrid":
         return mode
@@ -229,7 +233,12 @@ def resolve_attention(
     qb, kb, vb = (to_bhsd(t, layout) if isinstance(t, Tensor) else t for t in (q, k, v))
     group, manager = _group_and_manager(mode, group)
     world = 1 if group is None else dist.get_world_size(group)
-    bounds, bad_bounds = None, None
+    bounds, bad_bounds, documents = None, None, None
+    if isinstance(cu_seqlens, Tensor) and torch.compiler.is_compiling():
+        # a traced call cannot read the values: the tensor goes to the compiled op, which reads and
+        # checks them at run time, so a new layout is not a new graph (seqpar.attn.ops)
+        documents = _traced_documents(cu_seqlens, qb, sharding)
+        cu_seqlens = None
     try:
         bounds = host_boundaries(cu_seqlens)  # the call's one device-to-host copy, when documents are given
     except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
@@ -270,12 +279,37 @@ def resolve_attention(
     )
     if world == 1:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
-        masked = not opts.mask.dense or sinks is not None or opts.softcap is not None
-        return AttentionPlan("single" if masked else "sdpa", opts, layout)
+        masked = not opts.mask.dense or documents is not None or sinks is not None or opts.softcap is not None
+        return AttentionPlan("single" if masked else "sdpa", opts, layout, documents=documents)
     algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks,
-                           v_head_dim=vb.shape[-1])
+                           v_head_dim=vb.shape[-1], documents=documents is not None)
     ulysses = None
     if algorithm in ("ulysses", "hybrid"):
         ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,
                                 head_chunks=head_chunks)
-    return AttentionPlan(algorithm, opts, layout, group, manager if algorithm == "hybrid" else None, ulysses)
+    return AttentionPlan(algorithm, opts, layout, group, manager if algorithm == "hybrid" else None, ulysses,
+                         documents)
+
+
+def _traced_documents(cu_seqlens: Tensor, q: Tensor, sharding: str) -> Tensor:
+    """The boundary tensor of a traced call, checked for what tracing can see (its values are checked
+    by the compiled op at run time). The balanced layout depends on the values outside the op too (the
+    Ulysses chunk order, ALiBi's positions), so it is refused under compile with a tensor."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"cu_seqlens must be a 1-D int32/int64 tensor of document boundaries, got shape "
+            f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+        )
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"cu_seqlens needs batch 1 (documents packed into one sequence, as flash varlen), got batch "
+            f"{q.shape[0]}: pack the batch's rows into one sequence and concatenate their boundaries"
+        )
+    if sharding == "balanced":
+        raise ValueError(
+            "seqpar.attention under torch.compile: sharding='balanced' with cu_seqlens as a tensor is not "
+            "supported (the balanced layout is decided by the boundaries' values, which a traced call cannot "
+            "read); use sharding='zigzag' or 'contiguous' when compiling, or pass cu_seqlens as a tuple of ints "
+            "(a constant of the graph: each new layout recompiles)"
+        )
+    return cu_seqlens

@@ -340,6 +340,11 @@ def _set_boundaries(out: dict[str, Any], bounds: tuple[int, ...]) -> None:
     longest = max(b - a for a, b in zip(bounds, bounds[1:]))
     out.update(cu_seq_lens_q=boundary_tensor(bounds), cu_seq_lens_k=boundary_tensor(bounds),
                max_length_q=longest, max_length_k=longest)
+    for key in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        # a compiled swapped model takes the boundaries as a tensor (seqpar.swap.traced): their number
+        # varies by batch, so dynamo traces it as a size symbol from the first batch on, not one graph
+        # per number of documents
+        torch._dynamo.maybe_mark_dynamic(out[key], 0)
 
 
 class ShardedDataLoader:

@@ -230,6 +230,12 @@ def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, 
     rank, world_size = sp_rank_and_size(options.group)
     if world_size == 1:
         return query
+    if cu_seqlens is not None and torch.compiler.is_compiling():  # the rows' positions need the values
+        raise ValueError(
+            "seqpar: Llama 4's attention temperature tuning with packed documents under torch.compile is not "
+            "supported (each row's global position depends on the boundaries' values, which a traced forward "
+            "cannot read); run packed batches of this model eagerly"
+        )
     seq_local = query.shape[2]
     glob = global_positions(seq_local * world_size, rank, world_size, options.sharding, device=query.device,
                             cu_seqlens=host_boundaries(cu_seqlens))

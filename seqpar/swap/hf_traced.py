@@ -5,8 +5,9 @@ It does what :func:`seqpar.swap.hf_inputs.prepare_inputs` does from the argument
 no host read and no collective: binds positional arguments by the names read at swap time, refuses a KV
 cache and ``use_cache=True`` and turns ``use_cache`` off, hands the batch's ``seqpar_token_mask`` to the
 router statistics, fills an all-ones ``attention_mask`` (a caller's own is refused: its values cannot be read), passes ``shift_labels`` on as
-``labels``, and takes ``position_ids`` as :func:`seqpar.shard_batch` made them (a batch without them is
-refused at trace time, naming ``shard_batch``).
+``labels``, takes ``position_ids`` as :func:`seqpar.shard_batch` made them (a batch without them is
+refused at trace time, naming ``shard_batch``), and passes packed documents' ``cu_seq_lens_q/k`` on as
+tensors, which the compiled attention ops read at run time (:mod:`seqpar.attn.ops`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,12 @@ from seqpar.sequence.batch import sp_rank_and_size
 from seqpar.swap import moe
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
 from seqpar.swap.options import SwapOptions
-from seqpar.swap.traced import bind_traced, given_mask_refusal, packed_refusal, prepared_positions
+from seqpar.swap.traced import (
+    bind_traced,
+    given_mask_refusal,
+    prepared_documents,
+    prepared_positions,
+)
 
 __all__ = ["prepare_traced"]
 
@@ -51,8 +57,7 @@ def prepare_traced(
                              "pass use_cache=False")
         bound["use_cache"] = False
     moe.take_token_mask(bound)  # padding the router statistics must skip
-    if any(bound.get(key) is not None for key in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        raise packed_refusal(where)
+    prepared_documents(bound, ref, where)
     if bound.get("attention_mask") is not None:  # the caller's own: its padding would be ignored unseen
         raise given_mask_refusal(where)
     if "attention_mask" in names and not nested:

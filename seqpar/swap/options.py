@@ -207,6 +207,12 @@ class SwapOptions:
             if plan.algorithm not in ("ring", "allgather") or plan.opts.softcap is not None:
                 k, v = call.expand(call.c, call.r)
                 return run_attention(plan, q, k, v, sinks)
+            if plan.documents is not None:  # traced: the latent kernels have no op reading the boundary tensor
+                raise ValueError(
+                    f"seqpar (layer {layer or '?'}): packed documents under torch.compile with the MLA latent "
+                    "transfer are not supported (the boundaries are a tensor the latent ring cannot read while "
+                    "tracing); set mla_transfer='expanded' when compiling packed batches, or run eagerly"
+                )
             if self.check_finite:
                 from seqpar.runtime.guard import check_finite
 

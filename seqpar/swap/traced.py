@@ -19,8 +19,14 @@ the forward; what it would establish is taken from the batch as :func:`seqpar.se
   read in the graph). Run one eager forward first where a check matters (the probe must have run: a
   model whose probe is still pending is refused at trace time, naming the fix).
 
-Packed documents (``cu_seq_lens_q/k``) are refused under compile for now: the attention plan reads the
-boundaries as host ints, which a traced forward cannot (the boundaries-as-tensors step of issue 31 §2).
+Packed documents (``cu_seq_lens_q/k``, batch 1): the boundaries stay tensors in the graph. Every layer
+hands ``cu_seq_lens_q`` to its compiled attention op, which reads it on the host at run time (once per
+tensor; ``shard_batch``'s are host tensors, so no device sync) and checks it there; a new layout is the same
+graph, a new number of documents one recompile in all (dynamo then marks the size dynamic). What the eager
+forward checks across the two keys and ranks is taken from ``shard_batch`` (:func:`prepared_documents`):
+``cu_seq_lens_k`` is taken to equal ``cu_seq_lens_q``, and ``position_ids`` to be the per-document positions.
+The ``max_length_q/k`` ints are dropped (seqpar attention does not read them; as ints in the graph they
+would be constants, a recompile per layout).
 
 What stays checked while tracing is what the arguments' structure tells: a KV cache or
 ``use_cache=True`` refused, ``use_cache`` turned off, ``labels=`` of a non-token loss under SP refused.
@@ -36,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["tracing", "remember_forward_names", "bind_traced", "unprepared_error", "packed_refusal",
+__all__ = ["tracing", "remember_forward_names", "bind_traced", "unprepared_error", "prepared_documents",
            "given_mask_refusal"]
 
 # class -> (names of the forward's positional-or-keyword parameters less self, whether it takes **kwargs)
@@ -97,13 +103,29 @@ def unprepared_error(where: str, missing: str) -> ValueError:
     )
 
 
-def packed_refusal(where: str) -> ValueError:
-    """The trace-time error for packed documents under compile (see the module docstring)."""
-    return ValueError(
-        f"seqpar ({where}): packed documents (cu_seq_lens_q/k) under torch.compile are not supported yet: "
-        "the attention plan reads the boundaries as host integers, which a traced forward cannot. Run "
-        "packed batches eagerly, or train on unpacked sequences when compiling"
-    )
+def prepared_documents(kwargs: dict[str, Any], ref: Tensor, where: str) -> None:
+    """Packed documents of a traced call (see the module docstring), in place in ``kwargs``: the boundary
+    tensors checked for what tracing can see (1-D int tensors, batch 1), ``cu_seq_lens_q`` filled from
+    ``cu_seq_lens_k`` when only that is given, ``max_length_q/k`` dropped."""
+    found = {key: kwargs.get(key) for key in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(key) is not None}
+    if not found:
+        return
+    for key, cu in found.items():
+        if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            got = f"shape {tuple(cu.shape)}, {cu.dtype}" if isinstance(cu, Tensor) else type(cu).__name__
+            raise ValueError(
+                f"seqpar ({where}): {key} must be a 1-D int32/int64 tensor of document boundaries under "
+                f"torch.compile (got {got}); cut packed batches with seqpar.shard_batch"
+            )
+    if ref.shape[0] != 1:
+        raise ValueError(
+            f"seqpar ({where}): packed documents (cu_seq_lens_q) need batch 1, got batch {ref.shape[0]}: "
+            "pack the batch's rows into one sequence (seqpar.shard_batch cuts it)"
+        )
+    if "cu_seq_lens_q" not in found:
+        kwargs["cu_seq_lens_q"] = found["cu_seq_lens_k"]
+    for key in ("max_length_q", "max_length_k"):
+        kwargs.pop(key, None)
 
 
 def prepared_positions(kwargs: dict[str, Any], seq_local: int, where: str) -> Tensor:
