@@ -1,11 +1,11 @@
 """The benchmark CLI cannot rot: every suite runs end to end on toy shapes through
 ``python -m seqpar.bench <suite> --tiny``, and its JSON must carry the figures and its plots must exist.
 
-The suites that run on rank pools run in this process, through the CLI's own ``main(argv)``, on the test
+The suites run in this process, through the CLI's own ``main(argv)``, those on rank pools on the test
 session's pools (``dist_pool.pools``, started once for the whole suite) instead of a fresh interpreter
 starting its own: the same parsing, presets, suite, report, JSON and plots, without paying for an
-interpreter and its pools per suite. The train suite (a ``torchrun`` job per SP size whatever runs it) keeps
-the subprocess: it is the smoke test of the ``python -m seqpar.bench`` entry point itself.
+interpreter and its pools per suite (the train suite's runs are ``torchrun`` jobs whatever runs it).
+``test_overlap_command`` runs ``python -m seqpar.bench`` as a subprocess: the entry point's own smoke test.
 
 The memory estimator is checked against exact tensor accounting (MemTracker) inside those runs:
 MHA fp32 in the attention suite, GQA bf16 in the memory suite, within 15%.
@@ -30,24 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 EST_TOL = 0.15
 
 
-def _bench(tmp_path: Path, suite: str, *flags: str, pools: Any = None, capsys: Any = None,
-           timeout: float = 150) -> tuple[dict[str, Any], str]:
-    """Run ``python -m seqpar.bench <suite> --tiny --no-progress --out DIR *flags``: in this process on ``pools``
-    (the session's, with ``capsys`` for the printed report) when given, else as a subprocess."""
-    out = tmp_path / suite
-    argv = [suite, "--tiny", "--no-progress", "--out", str(out), *flags]
-    if pools is not None:
-        from seqpar.bench.__main__ import main
+def _bench(tmp_path: Path, suite: str, *flags: str, capsys: Any, pools: Any = None) -> tuple[dict[str, Any], str]:
+    """``python -m seqpar.bench <suite> --tiny --no-progress --out DIR *flags`` in this process, on ``pools`` (the
+    session's) when given; returns the JSON and the printed report."""
+    from seqpar.bench.__main__ import main
 
-        capsys.readouterr()
-        assert main(argv, pools=pools) == 0
-        stdout = capsys.readouterr().out
-    else:
-        cmd = [sys.executable, "-m", "seqpar.bench", *argv]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-        stdout = proc.stdout
+    out = tmp_path / suite
+    capsys.readouterr()
+    assert main([suite, "--tiny", "--no-progress", "--out", str(out), *flags], pools=pools) == 0
+    stdout = capsys.readouterr().out
     payload = json.loads((out / f"{suite}.json").read_text())
     assert payload["suite"] == suite
     assert payload["machine"]["torch"] == torch.__version__ and payload["machine"]["cpu_cores"]
@@ -142,9 +133,8 @@ def test_comm_suite_matches_theory(tmp_path: Path, dist_pool, capsys) -> None:  
     assert all(e["seconds"] > 0 for e in payload["exchange"])
 
 
-def test_train_suite(tmp_path: Path) -> None:
-    # a subprocess: the smoke test of the `python -m seqpar.bench` entry point (its runs are torchrun jobs anyway)
-    payload, stdout = _bench(tmp_path, "train", timeout=240)
+def test_train_suite(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    payload, stdout = _bench(tmp_path, "train", capsys=capsys)
     rows = payload["results"]
     assert [r["sp_size"] for r in rows] == [1, 2]
     for r in rows:
