@@ -56,6 +56,9 @@ from seqpar.testing.tiny_models import (  # noqa: F401 - re-exported: other test
 SEQ = 48  # zigzag over 2 ranks: 4 chunks of 12 tokens, 24 per rank
 BATCH = 2
 WORLD = 2
+# model types per pool task: one seqpar process-group manager serves the SP runs of them all (setting one up
+# and tearing it down, 4 gloo groups, takes ~0.05 s of wall time on a loaded 2-core machine, 0.01 CPU-s a rank)
+GROUP = 8
 RTOL = 1e-4  # loss, and each gradient against its own largest entry
 FLOOR = 1e-8  # x the model's largest gradient entry: float64 models
 FLOOR_FP32 = 1e-6  # ... and models that run in fp32 only
@@ -108,38 +111,38 @@ def reference(model_type: str) -> dict[str, Any]:
 # SP=2 on the rank pool
 # --------------------------------------------------------------------------------------------------
 
-def _sp_run(model_type: str, dtype: torch.dtype) -> dict[str, Any]:
-    """This rank's part of the SP=2 run: ``{"status": "ran", "loss", "grads"}`` (gradients summed over
-    the SP ranks), or ``{"status": "refused" | "crash", "error"}``."""
+SP_CONFIG = {"size": WORLD, "mode": "ring", "sharding": "zigzag"}
+
+
+def _sp_run(model_type: str, dtype: torch.dtype, manager: Any) -> dict[str, Any]:
+    """This rank's part of the SP=2 run on ``manager`` (``seqpar.init_process_groups``' result):
+    ``{"status": "ran", "loss", "grads"}`` (gradients summed over the SP ranks), or
+    ``{"status": "refused" | "crash", "error"}``."""
     import torch.distributed as dist
 
     import seqpar
     from seqpar.swap import SwapError
 
-    manager = seqpar.init_process_groups(config={"size": WORLD, "mode": "ring", "sharding": "zigzag"})
+    model = build_model(model_type, dtype)
     try:
-        model = build_model(model_type, dtype)
-        try:
-            seqpar.swap_attention(model, {"size": WORLD, "mode": "ring", "sharding": "zigzag"})
-        except SwapError as e:
-            return {"status": "refused", "error": str(e), "where": "swap"}
-        try:
-            out = model(**seqpar.shard_batch(make_batch()))
-            out.loss.backward()
-        except SwapError as e:  # models of the sdpa / mha routes are probed at their first forward
-            return {"status": "refused", "error": str(e), "where": "first forward"}
-        except Exception as e:  # noqa: BLE001 - a crash under seqpar is a finding, not a test error
-            return {"status": "crash", "error": _short_error(e), "trace": traceback.format_exc()[-2000:]}
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            g = p.grad.detach().clone()
-            dist.all_reduce(g, group=manager.sp_group)  # each rank holds its share of the full gradient
-            grads[name] = g
-        return {"status": "ran", "loss": float(out.loss.detach()), "grads": grads}
-    finally:
-        seqpar.destroy_process_groups()
+        seqpar.swap_attention(model, SP_CONFIG)
+    except SwapError as e:
+        return {"status": "refused", "error": str(e), "where": "swap"}
+    try:
+        out = model(**seqpar.shard_batch(make_batch()))
+        out.loss.backward()
+    except SwapError as e:  # models of the sdpa / mha routes are probed at their first forward
+        return {"status": "refused", "error": str(e), "where": "first forward"}
+    except Exception as e:  # noqa: BLE001 - a crash under seqpar is a finding, not a test error
+        return {"status": "crash", "error": _short_error(e), "trace": traceback.format_exc()[-2000:]}
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=manager.sp_group)  # each rank holds its share of the full gradient
+        grads[name] = g
+    return {"status": "ran", "loss": float(out.loss.detach()), "grads": grads}
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any]) -> tuple[bool, str]:
@@ -179,66 +182,78 @@ def mutate_grads(grads: dict[str, torch.Tensor], mutate: dict[str, float] | None
     return {n: next((g * f for suffix, f in mutate.items() if n.endswith(suffix)), g) for n, g in grads.items()}
 
 
-def classify_pair(rank: int, world: int, model_types: list[str],
-                  mutate: dict[str, float] | None = None) -> list[dict[str, Any]]:
-    """Pool task (every rank): classify up to ``world`` model types. Rank ``i`` builds the one-process
-    reference of ``model_types[i]`` (so the references of a pair cost one model's time), then every rank
-    runs each model under SP=2 and the reference's owner compares (after :func:`mutate_grads`, when
-    ``mutate`` asks for a deliberate break). Returns the owner's records."""
+def classify_group(rank: int, world: int, model_types: list[str],
+                   mutate: dict[str, float] | None = None) -> list[dict[str, Any]]:
+    """Pool task (every rank): classify ``model_types``. Model ``i``'s one-process reference is built by rank
+    ``i % world`` (the ranks build theirs side by side), then every rank runs each model under SP=2 on one
+    process-group manager set up for the task, and the reference's owner compares (after
+    :func:`mutate_grads`, when ``mutate`` asks for a deliberate break). Returns the owner's records; a
+    record's ``cpu_s`` is its reference and SP run on the owner, plus its share of the manager's set-up."""
     import torch.distributed as dist
 
+    import seqpar
+
     assert world == WORLD, world
-    mine = model_types[rank] if rank < len(model_types) else None
-    t0 = time.process_time()
-    ref = reference(mine) if mine is not None else None
-    ref_cpu = time.process_time() - t0
+    refs, ref_cpu = {}, {}
+    for model_type in model_types[rank::world]:
+        t0 = time.process_time()
+        refs[model_type] = reference(model_type)
+        ref_cpu[model_type] = time.process_time() - t0
     refs_ok: list[Any] = [None] * world
-    dist.all_gather_object(refs_ok, None if ref is None else (ref["ok"], ref.get("dtype")))
+    dist.all_gather_object(refs_ok, {t: (ref["ok"], ref.get("dtype")) for t, ref in refs.items()})
     records = []
-    for i, model_type in enumerate(model_types):
-        ok, dtype_name = refs_ok[i]
-        record: dict[str, Any] = {"model_type": model_type, "dtype": dtype_name}
-        if not ok:
-            if i == rank:
-                records.append({**record, "status": "cannot_run", "detail": ref["error"]})
-            continue
-        t1 = time.process_time()
-        got = _sp_run(model_type, getattr(torch, dtype_name))
-        statuses: list[Any] = [None] * world
-        dist.all_gather_object(statuses, (got["status"], got.get("error"), got.get("where")))
-        if i != rank:
-            continue
-        record["cpu_s"] = round(ref_cpu + time.process_time() - t1, 2)
-        bad = [s for s in statuses if s[0] != "ran"]
-        if bad:
-            record.update(status=bad[0][0], detail=bad[0][1], where=bad[0][2])
-            if "trace" in got:
-                record["trace"] = got["trace"]
-        else:
-            exact, text = compare(ref, {**got, "grads": mutate_grads(got["grads"], mutate)})
-            if mutate:  # the unbroken verdict too: one run shows both
-                record["mutated"] = sorted(n for n in got["grads"] if any(n.endswith(k) for k in mutate))
-                record["unmutated"] = "exact" if compare(ref, got)[0] else "wrong"
-            record.update(status="exact" if exact else "wrong", detail=text)
-        records.append(record)
+    t0 = time.process_time()
+    manager = seqpar.init_process_groups(config=SP_CONFIG)
+    setup_cpu = (time.process_time() - t0) / len(model_types)
+    try:
+        for i, model_type in enumerate(model_types):
+            owner = i % world
+            ok, dtype_name = refs_ok[owner][model_type]
+            record: dict[str, Any] = {"model_type": model_type, "dtype": dtype_name}
+            if not ok:
+                if owner == rank:
+                    records.append({**record, "status": "cannot_run", "detail": refs[model_type]["error"]})
+                continue
+            t1 = time.process_time()
+            got = _sp_run(model_type, getattr(torch, dtype_name), manager)
+            statuses: list[Any] = [None] * world
+            dist.all_gather_object(statuses, (got["status"], got.get("error"), got.get("where")))
+            if owner != rank:
+                continue
+            ref = refs[model_type]
+            record["cpu_s"] = round(ref_cpu[model_type] + setup_cpu + time.process_time() - t1, 2)
+            bad = [s for s in statuses if s[0] != "ran"]
+            if bad:
+                record.update(status=bad[0][0], detail=bad[0][1], where=bad[0][2])
+                if "trace" in got:
+                    record["trace"] = got["trace"]
+            else:
+                exact, text = compare(ref, {**got, "grads": mutate_grads(got["grads"], mutate)})
+                if mutate:  # the unbroken verdict too: one run shows both
+                    record["mutated"] = sorted(n for n in got["grads"] if any(n.endswith(k) for k in mutate))
+                    record["unmutated"] = "exact" if compare(ref, got)[0] else "wrong"
+                record.update(status="exact" if exact else "wrong", detail=text)
+            records.append(record)
+    finally:
+        seqpar.destroy_process_groups()
     return records
 
 
 def run_all(pool: Any, model_types: list[str] | None = None, timeout: float = 300.0,
             progress: bool = False, mutate: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """Classify ``model_types`` (default: :func:`decoder_model_types`) on ``pool``, a
-    ``tests/dist_harness.DistPool``. A pair whose task fails or hangs is re-run one model at a time, and a
-    model that still fails is a ``crash`` carrying the pool's error. ``mutate`` (parameter-name suffix ->
+    ``tests/dist_harness.DistPool``, :data:`GROUP` model types per task. A group whose task fails or hangs is
+    re-run one model at a time, and a model that still fails is a ``crash`` carrying the pool's error. ``mutate`` (parameter-name suffix ->
     factor) scales those gradients of the SP run before the comparison: a deliberate break."""
     types = list(model_types or decoder_model_types())
     results: dict[str, dict[str, Any]] = {}
 
     def run(group: list[str]) -> list[dict[str, Any]]:
-        out = pool.run(WORLD, classify_pair, group, mutate, timeout=timeout)
+        out = pool.run(WORLD, classify_group, group, mutate, timeout=timeout)
         return [r for per_rank in out for r in per_rank]
 
-    for start in range(0, len(types), WORLD):
-        group = types[start:start + WORLD]
+    for start in range(0, len(types), GROUP):
+        group = types[start:start + GROUP]
         try:
             records = run(group)
         except (AssertionError, TimeoutError) as e:

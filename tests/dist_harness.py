@@ -83,6 +83,12 @@ class DistPool:
             raise AssertionError(str(e)) from None
 
     @property
+    def pools(self) -> PoolSet:
+        """The pools themselves, for code that runs ``fn(ctx, ...)`` tasks on a :class:`PoolSet` (the benchmark
+        suites: ``seqpar.bench.__main__.main(argv, pools=dist_pool.pools)``) on the session's started ranks."""
+        return self._pools
+
+    @property
     def starts(self) -> dict[int, int]:
         """Pools started per world size (each start costs every rank a fresh interpreter's imports)."""
         return dict(self._pools.starts)

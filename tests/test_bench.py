@@ -1,6 +1,12 @@
 """The benchmark CLI cannot rot: every suite runs end to end on toy shapes through
 ``python -m seqpar.bench <suite> --tiny``, and its JSON must carry the figures and its plots must exist.
 
+The suites run in this process, through the CLI's own ``main(argv)``, those on rank pools on the test
+session's pools (``dist_pool.pools``, started once for the whole suite) instead of a fresh interpreter
+starting its own: the same parsing, presets, suite, report, JSON and plots, without paying for an
+interpreter and its pools per suite (the train suite's runs are ``torchrun`` jobs whatever runs it).
+``test_overlap_command`` runs ``python -m seqpar.bench`` as a subprocess: the entry point's own smoke test.
+
 The memory estimator is checked against exact tensor accounting (MemTracker) inside those runs:
 MHA fp32 in the attention suite, GQA bf16 in the memory suite, within 15%.
 """
@@ -24,23 +30,26 @@ ROOT = Path(__file__).resolve().parents[1]
 EST_TOL = 0.15
 
 
-def _bench(tmp_path: Path, suite: str, *flags: str, timeout: float = 150) -> tuple[dict[str, Any], str]:
+def _bench(tmp_path: Path, suite: str, *flags: str, capsys: Any, pools: Any = None) -> tuple[dict[str, Any], str]:
+    """``python -m seqpar.bench <suite> --tiny --no-progress --out DIR *flags`` in this process, on ``pools`` (the
+    session's) when given; returns the JSON and the printed report."""
+    from seqpar.bench.__main__ import main
+
     out = tmp_path / suite
-    cmd = [sys.executable, "-m", "seqpar.bench", suite, "--tiny", "--no-progress", "--out", str(out), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    capsys.readouterr()
+    assert main([suite, "--tiny", "--no-progress", "--out", str(out), *flags], pools=pools) == 0
+    stdout = capsys.readouterr().out
     payload = json.loads((out / f"{suite}.json").read_text())
     assert payload["suite"] == suite
     assert payload["machine"]["torch"] == torch.__version__ and payload["machine"]["cpu_cores"]
     assert payload["plots"], "every suite writes at least one plot"
     for plot in payload["plots"]:
         assert (out / plot).stat().st_size > 1000, plot
-    return payload, proc.stdout
+    return payload, stdout
 
 
-def test_attention_suite(tmp_path: Path) -> None:
-    payload, stdout = _bench(tmp_path, "attention", "--simulate", "256:4")
+def test_attention_suite(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001
+    payload, stdout = _bench(tmp_path, "attention", "--simulate", "256:4", pools=dist_pool.pools, capsys=capsys)
     rows = {(r["method"], r["P"], r["S"], r["causal"]): r for r in payload["results"]}
     for causal in (False, True):
         assert rows[("sdpa", 1, 256, causal)]["time_s"] > 0
@@ -62,12 +71,12 @@ def test_attention_suite(tmp_path: Path) -> None:
         assert sim["bytes_sent"] == 3 * 3 * block
 
 
-def test_attention_profile_ulysses_and_hybrid(tmp_path: Path) -> None:
+def test_attention_profile_ulysses_and_hybrid(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001
     # --profile splits Ulysses and the 2 x 2 hybrid into their phases (exclusive, CPU seconds); GQA with
     # 2 K/V heads over 4 Ulysses ranks (replicated) and causal zigzag for the hybrid's ring
     payload, stdout = _bench(tmp_path, "attention", "--worlds", "4", "--seq-lens", "128", "--causal", "yes",
                              "--methods", "seqpar_ulysses,hybrid", "--q-heads", "4", "--kv-heads", "2",
-                             "--profile", "--no-memory")
+                             "--profile", "--no-memory", pools=dist_pool.pools, capsys=capsys)
     rows = {r["method"]: r for r in payload["results"]}
     expected = {"seqpar_ulysses": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd"},
                 "hybrid": {"a2a_pack", "a2a_start", "a2a_unpack", "a2a_wait", "kernel_fwd", "kernel_bwd",
@@ -83,8 +92,8 @@ def test_attention_profile_ulysses_and_hybrid(tmp_path: Path) -> None:
     assert "hybrid P=4 causal S=128" in stdout and "a2a_pack" in stdout
 
 
-def test_peers_suite_lists_every_peer(tmp_path: Path) -> None:
-    payload, stdout = _bench(tmp_path, "peers", "--seq-lens", "128")
+def test_peers_suite_lists_every_peer(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001
+    payload, stdout = _bench(tmp_path, "peers", "--seq-lens", "128", pools=dist_pool.pools, capsys=capsys)
     by_method: dict[str, list[dict[str, Any]]] = {}
     for r in payload["results"]:
         by_method.setdefault(r["method"], []).append(r)
@@ -99,10 +108,10 @@ def test_peers_suite_lists_every_peer(tmp_path: Path) -> None:
     assert "deepspeed ulysses" in stdout and "not run:" in stdout
 
 
-def test_memory_suite_estimator_within_15_percent(tmp_path: Path) -> None:
+def test_memory_suite_estimator_within_15_percent(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001
     # GQA and bf16 here; the attention suite covers MHA fp32
     payload, stdout = _bench(tmp_path, "memory", "--q-heads", "4", "--kv-heads", "1", "--dtype", "bfloat16",
-                             "--seq-lens", "256,512")
+                             "--seq-lens", "256,512", pools=dist_pool.pools, capsys=capsys)
     assert {(r["method"], r["P"]) for r in payload["results"]} == {
         ("sdpa", 1), ("ring", 2), ("allgather", 2), ("seqpar_ulysses", 2)}
     for r in payload["results"]:
@@ -112,8 +121,8 @@ def test_memory_suite_estimator_within_15_percent(tmp_path: Path) -> None:
     assert "largest S within" in stdout
 
 
-def test_comm_suite_matches_theory(tmp_path: Path) -> None:
-    payload, _ = _bench(tmp_path, "comm", "--causal", "no")
+def test_comm_suite_matches_theory(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001
+    payload, _ = _bench(tmp_path, "comm", "--causal", "no", pools=dist_pool.pools, capsys=capsys)
     rows = {r["mode"]: r for r in payload["results"] if r["status"] == "ok" and r["S"] == 256}
     for mode in ("ring", "allgather", "ulysses", "seqpar_ulysses"):
         r = rows[mode]
@@ -124,8 +133,8 @@ def test_comm_suite_matches_theory(tmp_path: Path) -> None:
     assert all(e["seconds"] > 0 for e in payload["exchange"])
 
 
-def test_train_suite(tmp_path: Path) -> None:
-    payload, stdout = _bench(tmp_path, "train", timeout=240)
+def test_train_suite(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    payload, stdout = _bench(tmp_path, "train", capsys=capsys)
     rows = payload["results"]
     assert [r["sp_size"] for r in rows] == [1, 2]
     for r in rows:

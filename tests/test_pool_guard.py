@@ -47,6 +47,13 @@ def test_a_task_that_leaves_a_patch_fails_by_name():
             pool.run(_patch_and_forget)
         assert e.value.usable and not pool.closed
         assert pool.run(_original_is_back) == [True]  # put back: later tasks run the real function
+        # a task of a guarded package, first imported by the task with the neighbours it imports from (as the
+        # benchmark suites' tasks are when they run on the test session's pools): the library's own, no patch
+        from seqpar.bench.attention import BenchShape
+        from seqpar.bench.memory import measure_peak
+
+        assert pool.run(measure_peak, "sdpa", 8, True, BenchShape(q_heads=1, kv_heads=1, head_dim=4), 0)[0] > 0
+        assert not pool.closed
         with pytest.raises(RankFailed, match=r"wave\.open \(imported by the task\) is functools\.partial"):
             pool.run(_import_and_patch)
         assert pool.recycled and pool.closed  # that module cannot be put back: fresh ranks next time

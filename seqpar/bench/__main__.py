@@ -153,8 +153,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one suite, print its report, write JSON/plots when ``--out``; returns the JSON payload."""
+def run_suite(name: str, args: argparse.Namespace, pools: Any = None) -> dict[str, Any]:
+    """Run one suite, print its report, write JSON/plots when ``--out``; returns the JSON payload.
+
+    ``pools``: a :class:`seqpar.bench.runner.PoolSet` to run the suite's ranks on (left running), else it starts
+    its own."""
     from seqpar.bench.runner import Progress
 
     mod = importlib.import_module(f"seqpar.bench.{name}")
@@ -163,7 +166,7 @@ def run_suite(name: str, args: argparse.Namespace) -> dict[str, Any]:
     bar = Progress(mod.count(cfg), desc=name, enabled=not args.no_progress)
     t0 = time.perf_counter()
     try:
-        payload = mod.run(cfg, bar)
+        payload = mod.run(cfg, bar, pools=pools)
     finally:
         bar.close()
     payload = {"suite": name, "command": " ".join(["python -m seqpar.bench", *sys.argv[1:]]),
@@ -192,8 +195,12 @@ def replot(name: str, out_dir: str) -> None:
     write_json(path, payload)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``."""
+def main(argv: Sequence[str] | None = None, *, pools: Any = None) -> int:
+    """Entry point of ``seqpar-bench`` / ``python -m seqpar.bench``.
+
+    ``pools``: a :class:`seqpar.bench.runner.PoolSet` the suites (``attention``, ``peers``, ``memory``, ``comm``)
+    run their ranks on, left running (the tests lend theirs, already started); by default each suite starts
+    its own. The commands of their own (``gpu-check``, ``ssd``, ...) take none."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["gpu-check"]:  # the GPU run-book: a command of its own, not a suite
         from seqpar.bench.gpu_check import main as gpu_check_main
@@ -231,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args = resolve(args)
     for name in names:
-        run_suite(name, args)
+        run_suite(name, args, pools)
     return 0
 
 

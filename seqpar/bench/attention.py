@@ -46,6 +46,7 @@ from seqpar.bench.runner import (
     combine,
     merge_rounds,
     peak_memory,
+    suite_pools,
     sync,
     time_step,
 )
@@ -576,10 +577,12 @@ def plan_cases(cfg: SuiteConfig) -> tuple[list[tuple[str, int, int, bool]], list
     return cases, skipped
 
 
-def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, *, total_hint: list[int] | None = None) -> dict[str, Any]:
+def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, *, total_hint: list[int] | None = None,
+              pools: PoolSet | None = None) -> dict[str, Any]:
     """Run every case of ``cfg``; returns ``{"config", "results", "skipped", "simulated"}``.
 
-    ``progress(label)`` is called before each case (the CLI drives a progress bar with it).
+    ``progress(label)`` is called before each case (the CLI drives a progress bar with it). ``pools``: rank
+    pools to run on (left running), else the suite starts its own (:func:`~seqpar.bench.runner.suite_pools`).
     """
     cases, skipped = plan_cases(cfg)
     device = cfg.device
@@ -593,19 +596,19 @@ def run_suite(cfg: SuiteConfig, progress: Callable[[str], None] | None = None, *
             runnable.append((method, world, seq_len, causal))
     raw: dict[tuple[str, int, int, bool], list[list[dict[str, Any]]]] = {c: [] for c in runnable}
     simulated: list[dict[str, Any]] = []
-    with PoolSet(device) as pools:
+    with suite_pools(device, pools) as pools:
         for rnd in range(cfg.settings.rounds):
             settings = cfg.settings.first_round(rnd)
             for method, world, seq_len, causal in runnable:
                 if progress:
                     progress(f"{method} P={world} S={seq_len}{' causal' if causal else ''}")
                 raw[(method, world, seq_len, causal)].append(
-                    pools.get(world).run(run_case, method, seq_len, causal, cfg.shape, settings))
+                    pools.run(world, run_case, method, seq_len, causal, cfg.shape, settings))
         for seq_len, sim_world in cfg.simulate:  # one process plays one rank of the ring
             for causal in cfg.causal:
                 if progress:
                     progress(f"simulate rank of P={sim_world} S={seq_len}")
-                simulated.append(pools.get(1).run(simulate_rank, seq_len, sim_world, causal, cfg.shape, cfg.settings)[0])
+                simulated.append(pools.run(1, simulate_rank, seq_len, sim_world, causal, cfg.shape, cfg.settings)[0])
     rows = [summarize_case(m, s, w, c, cfg.shape, merge_rounds(raw[(m, w, s, c)])) for m, w, s, c in runnable]
     attach_ideal(rows)
     return {
@@ -762,6 +765,6 @@ def count(cfg: SuiteConfig) -> int:
     return count_cases(cfg)
 
 
-def run(cfg: SuiteConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """CLI entry of the suite."""
-    return run_suite(cfg, progress)
+def run(cfg: SuiteConfig, progress: Callable[[str], None], *, pools: PoolSet | None = None) -> dict[str, Any]:
+    """CLI entry of the suite (``pools``: see :func:`run_suite`)."""
+    return run_suite(cfg, progress, pools=pools)

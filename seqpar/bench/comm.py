@@ -40,7 +40,7 @@ from seqpar.bench.attention import (
     make_inputs,
     shape_from_args,
 )
-from seqpar.bench.runner import RankContext, RankPool, sync
+from seqpar.bench.runner import PoolSet, RankContext, suite_pools, sync
 from seqpar.testing.traffic import counting
 
 __all__ = ["CommConfig", "count_bytes", "theory", "configure", "count", "run", "render", "plots"]
@@ -162,8 +162,11 @@ def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShap
     return None
 
 
-def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Count every mode's bytes at every (P, S, causal) and time a block exchange; returns the payload."""
+def run(cfg: CommConfig, progress: Callable[[str], None], *, pools: PoolSet | None = None) -> dict[str, Any]:
+    """Count every mode's bytes at every (P, S, causal) and time a block exchange; returns the payload.
+
+    ``pools``: rank pools to run on (left running); else each world size gets its own pool, closed before
+    the next one starts."""
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     exchanges: list[dict[str, Any]] = []
@@ -171,7 +174,7 @@ def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
         if cfg.device == "cuda" and torch.cuda.device_count() < world:
             skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
-        with RankPool(world, device=cfg.device) as pool:
+        with suite_pools(cfg.device, pools) as world_pools:
             for seq_len in cfg.seq_lens:
                 for causal in cfg.causal:
                     for mode in _MODES:
@@ -181,7 +184,7 @@ def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                         if why:
                             rows.append({**row, "status": "skipped", "reason": why})
                             continue
-                        per_rank = pool.run(count_bytes, mode, seq_len, causal, cfg.shape, cfg.seed)
+                        per_rank = world_pools.run(world, count_bytes, mode, seq_len, causal, cfg.shape, cfg.seed)
                         row.update(status="ok", fwd_bytes=max(r["fwd"] for r in per_rank),
                                    bwd_bytes=max(r["bwd"] for r in per_rank), per_rank=per_rank)
                         th = theory(mode, seq_len, world, cfg.shape)
@@ -190,7 +193,7 @@ def run(cfg: CommConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                                        vs_theory=(row["fwd_bytes"] + row["bwd_bytes"]) / (th["fwd"] + th["bwd"]))
                         rows.append(row)
                 progress(f"exchange P={world} S={seq_len}")
-                secs = max(pool.run(exchange_time, seq_len, cfg.shape, cfg.seed, cfg.repeats))
+                secs = max(world_pools.run(world, exchange_time, seq_len, cfg.shape, cfg.seed, cfg.repeats))
                 nbytes = 2 * cfg.shape.batch * cfg.shape.kv_heads * (seq_len // world) * cfg.shape.head_dim \
                     * torch.tensor([], dtype=cfg.shape.torch_dtype).element_size()
                 exchanges.append({"P": world, "S": seq_len, "bytes": nbytes, "seconds": secs,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from seqpar.bench.attention import BenchShape, forward_fn, make_inputs, shape_from_args
-from seqpar.bench.runner import RankContext, RankPool, peak_memory
+from seqpar.bench.runner import PoolSet, RankContext, peak_memory, suite_pools
 from seqpar.memory.attention import estimate_attention_memory, max_seq_len
 
 __all__ = ["MemoryConfig", "measure_peak", "configure", "count", "run", "render", "plots"]
@@ -112,8 +112,11 @@ def count(cfg: MemoryConfig) -> int:
     return (len(cfg.seq_lens) + 1) * runs * len(cfg.causal)
 
 
-def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload."""
+def run(cfg: MemoryConfig, progress: Callable[[str], None], *, pools: PoolSet | None = None) -> dict[str, Any]:
+    """Measure every (method, P, S, causal) and the budget's largest S; returns the JSON payload.
+
+    ``pools``: rank pools to run on (left running); else each world size gets its own pool, closed before
+    the next one starts."""
     if not isinstance(cfg, MemoryConfig):
         from seqpar.bench import model_memory
 
@@ -126,12 +129,12 @@ def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
             skipped.append({"P": world, "reason": f"needs {world} GPUs, this machine has {torch.cuda.device_count()}"})
             continue
         methods = _methods(world, cfg.shape)
-        with RankPool(world, device=cfg.device) as pool:
+        with suite_pools(cfg.device, pools) as world_pools:
             for causal in cfg.causal:
                 for method in methods:
                     for seq_len in cfg.seq_lens:
                         progress(f"{method} P={world} S={seq_len}")
-                        peaks = pool.run(measure_peak, method, seq_len, causal, cfg.shape, cfg.seed)
+                        peaks = world_pools.run(world, measure_peak, method, seq_len, causal, cfg.shape, cfg.seed)
                         est = _estimate(method, seq_len, world, causal, cfg.shape)
                         rows.append({"method": method, "P": world, "S": seq_len, "causal": causal,
                                      "peak_bytes": max(peaks), "peak_bytes_per_rank": peaks,
@@ -142,7 +145,7 @@ def run(cfg: MemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                     entry: dict[str, Any] = {"method": method, "P": world, "causal": causal,
                                              "budget_bytes": cfg.budget_bytes, "largest_S": s_max}
                     if s_max:
-                        peaks = pool.run(measure_peak, method, s_max, causal, cfg.shape, cfg.seed)
+                        peaks = world_pools.run(world, measure_peak, method, s_max, causal, cfg.shape, cfg.seed)
                         entry["measured_bytes"] = max(peaks)
                         entry["fits"] = max(peaks) <= cfg.budget_bytes
                         entry["measured_vs_budget"] = max(peaks) / cfg.budget_bytes

@@ -48,6 +48,7 @@ from seqpar.bench.runner import (
     combine,
     merge_rounds,
     peak_memory,
+    suite_pools,
     time_step,
 )
 
@@ -291,7 +292,7 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
             cp_why = _cp_registry_reason()
         if dev == "cpu" and cp_why is None:  # both ranks fail alike on CPU; a hang ends at the timeout
             try:
-                cp_why = _cp_reason(pools.get(world).run(try_context_parallel, timeout=120)[0])
+                cp_why = _cp_reason(pools.run(world, try_context_parallel, timeout=120)[0])
             except PoolError as e:
                 cp_why = _cp_reason(str(e).strip().splitlines()[-1][:300])
         uly_why = None
@@ -327,11 +328,12 @@ _RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def run(cfg: PeersConfig, progress: Callable[[str], None]) -> dict[str, Any]:
+def run(cfg: PeersConfig, progress: Callable[[str], None], *, pools: PoolSet | None = None) -> dict[str, Any]:
     """Every peer on every (S, P, causal), interleaved round by round; returns ``{"config", "results"}``
-    (skipped peers inside, with the reason)."""
+    (skipped peers inside, with the reason). ``pools``: rank pools to run on (left running), else the
+    suite starts its own."""
     rows: list[dict[str, Any]] = []
-    with PoolSet(cfg.device) as pools:
+    with suite_pools(cfg.device, pools) as pools:
         jobs = _jobs(cfg, rows, pools)
         raw: dict[tuple[str, int, int, bool], list[list[dict[str, Any]]]] = {j: [] for j in jobs}
         for rnd in range(cfg.settings.rounds):
@@ -340,9 +342,9 @@ def run(cfg: PeersConfig, progress: Callable[[str], None]) -> dict[str, Any]:
                 peer, world, seq_len, causal = job
                 progress(f"{peer} P={world} S={seq_len}{' causal' if causal else ''}")
                 if peer in _RUNNERS:
-                    per_rank = pools.get(world).run(_RUNNERS[peer], seq_len, causal, cfg.shape, settings)
+                    per_rank = pools.run(world, _RUNNERS[peer], seq_len, causal, cfg.shape, settings)
                 else:
-                    per_rank = pools.get(world).run(run_case, peer, seq_len, causal, cfg.shape, settings)
+                    per_rank = pools.run(world, run_case, peer, seq_len, causal, cfg.shape, settings)
                 raw[job].append(per_rank)
     for (peer, world, seq_len, causal), rounds in raw.items():
         per_rank = merge_rounds(rounds)

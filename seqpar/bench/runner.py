@@ -4,6 +4,8 @@
   processes once (gloo on CPU, NCCL when there is a GPU per rank), each with one intra-op thread by
   default (one core per rank), and run module-level functions ``fn(ctx, *args)`` on all of them,
   returning the per-rank results. Start-up (3-5 s on CPU) is paid once per world size, not per case.
+  :func:`suite_pools` lends a suite the caller's pools when it has some (the test suite's, already
+  started), else starts its own.
 - :func:`time_step` runs a step ``warmup`` times, then ``repeats`` times between barriers, recording
   wall and thread-CPU seconds per repeat. :func:`combine` turns the per-rank records into the figures
   the reports use: per repeat the wall time of the *slowest* rank (what the step costs the job), and
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ __all__ = [
     "Progress",
     "PoolSet",
     "merge_rounds",
+    "suite_pools",
 ]
 
 
@@ -53,6 +57,25 @@ def resolve_device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' asked for, but torch.cuda.is_available() is False; use --device cpu")
     return name
+
+
+@contextmanager
+def suite_pools(device: str, pools: PoolSet | None = None) -> Iterator[PoolSet]:
+    """The rank pools a suite runs on: ``pools`` when the caller lends some (left running on exit: they
+    are the caller's, e.g. the test suite's, whose ranks are already started), else a fresh
+    :class:`PoolSet` on ``device``, closed on exit.
+
+    Raises:
+        ValueError: the lent pools run on another device than the suite's.
+    """
+    if pools is None:
+        with PoolSet(device) as own:
+            yield own
+        return
+    if pools.device != device:
+        raise ValueError(f"the suite runs on device={device!r} but the pools lent to it run on "
+                         f"{pools.device!r}; lend pools of the suite's device, or none")
+    yield pools
 
 
 # ---------------------------------------------------------------------------------------- timing

@@ -83,8 +83,10 @@ def count(cfg: TrainBenchConfig) -> int:
     return len(cfg.sp_sizes)
 
 
-def run(cfg: TrainBenchConfig, progress: Callable[[str], None]) -> dict[str, Any]:
-    """One training run per SP size; returns the payload (failed or skipped runs carry the reason)."""
+def run(cfg: TrainBenchConfig, progress: Callable[[str], None], *, pools: Any = None) -> dict[str, Any]:
+    """One training run per SP size; returns the payload (failed or skipped runs carry the reason).
+
+    ``pools`` is not used: each run is a job of its own launcher (``torchrun``/``deepspeed``), as a user's is."""
     rows: list[dict[str, Any]] = []
     why = _problem(cfg)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -157,10 +157,8 @@ def _module_state(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
     (``"torch.cuda"``: that module; ``"seqpar.*"``: seqpar and every module below it). Data attributes are
     left out: counters and caches change by design."""
     state = {}
-    exact = {p.removesuffix(".*") for p in names}
-    below = tuple(p.removesuffix("*") for p in names if p.endswith(".*"))
     for name, module in list(sys.modules.items()):
-        if module is None or not (name in exact or name.startswith(below)):
+        if module is None or not _guarded(name, names):
             continue
         for attr, value in list(vars(module).items()):
             if callable(value) and not inspect.ismodule(value):
@@ -168,16 +166,29 @@ def _module_state(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
     return state
 
 
-def _is_patch(attr: str, value: Any, test_dir: str | None) -> bool:
+def _guarded(name: str, names: tuple[str, ...]) -> bool:
+    """Whether module ``name`` is one of ``names`` (``"seqpar.*"``: seqpar and every module below it)."""
+    return any(name == p.removesuffix(".*") or (p.endswith(".*") and name.startswith(p.removesuffix("*")))
+               for p in names)
+
+
+def _is_patch(attr: str, value: Any, test_dir: str | None, names: tuple[str, ...]) -> bool:
     """Whether ``value``, found as ``attr`` of a module, looks put there by a test: a ``unittest.mock`` object, a
     ``functools.partial`` of a function named ``attr`` (the function it replaced, bound to other arguments),
-    or a function defined in ``test_dir`` (the folder of the task's own module)."""
+    or a function defined in ``test_dir`` (the folder of the task's own module) by a module the guard does not
+    cover (``names``). Functions of guarded modules are the library's own: a task defined in a guarded package
+    (the benchmark suites', run on the test session's pools) imports its module and the neighbours it imports
+    from, and that is no patch."""
     if type(value).__module__.startswith("unittest.mock"):
         return True
     if isinstance(value, functools.partial):
         return getattr(inspect.unwrap(value.func), "__name__", None) == attr
-    code = getattr(inspect.unwrap(value), "__code__", None) if inspect.isfunction(value) else None
-    return bool(test_dir and code is not None and os.path.dirname(os.path.abspath(code.co_filename)) == test_dir)
+    if not inspect.isfunction(value):
+        return False
+    fn = inspect.unwrap(value)
+    code = getattr(fn, "__code__", None)
+    return bool(test_dir and code is not None and os.path.dirname(os.path.abspath(code.co_filename)) == test_dir
+                and not _guarded(getattr(fn, "__module__", None) or "", names))
 
 
 def _installed_by_seqpar(name: str, value: Any) -> bool:
@@ -204,7 +215,7 @@ def _state_changes(before: dict[tuple[str, str], Any], names: tuple[str, ...],
             changes.append(f"{name}.{attr} was {value!r:.80}, is {'deleted' if now is missing else repr(now)[:80]}")
             setattr(module, attr, value)
     for (name, attr), value in _module_state(names).items():
-        if name not in seen and _is_patch(attr, value, test_dir):
+        if name not in seen and _is_patch(attr, value, test_dir, names):
             changes.append(f"{name}.{attr} (imported by the task) is {value!r:.80}")
             fresh_patch = True
     return changes, fresh_patch
