@@ -109,3 +109,84 @@ def test_dynamic_llama_steps_equal_one_process(dist_pool) -> None:
             for name, want in ref_grads.items():
                 err = float((grads[name] - want).abs().max() / want.abs().max())
                 assert err <= 1e-4, f"rank {rank} step {step}: grad of {name} {err:.3g} of its scale off ({ran})"
+
+
+# ------------------------------------------------------------------ launch/train.py --dynamic (issue 32 §5)
+TRAIN_CONFIG = {
+    "sequence_parallel": {"size": 4, "mode": "ring", "sharding": "zigzag",
+                          "dynamic": {"max_tokens_per_rank": 24, "min_size": 1}},
+    "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
+    # long-tailed packed rows of 80 tokens: log-normal lengths (median 20, sigma 1.2) clipped to [12, 80]
+    "train": {"engine": "fsdp", "seq_len": 80, "steps": 2, "grad_accum": 2, "seed": 3, "lr": 0.01,
+              "grad_clip": 1.0, "dtype": "fp32", "packed": True, "packed_lengths": "log-normal",
+              "packed_median": 20, "packed_sigma": 1.2, "packed_min": 12, "num_pairs": 2, "num_queries": 2,
+              "num_keys": 8, "num_values": 4, "filler_vocab": 8, "eval_samples": 0},
+    "fsdp": {"version": 2, "reshard_after_forward": True},
+}
+
+
+def _train_argv(path) -> list[str]:  # noqa: ANN001
+    return ["--config", str(path), "--dynamic", "--no-progress", "--log-level", "WARNING"]
+
+
+def _run_train(rank: int, world: int, argv: list[str]) -> list[float]:
+    from launch_module import run_main
+
+    return run_main(argv)["loss"]
+
+
+def train_reference(argv: list[str]) -> tuple[list[float], list[set[int]]]:
+    """One process (fp32, the launcher's own model, task and AdamW with clipping): every step's planned
+    micro-batches run in sequence, packed, each its targets' summed loss over the step's, gradients
+    accumulated; returns the per-step losses and each step's group sizes in use."""
+    from launch_module import train_module
+
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
+    from seqpar.sequence.sharding import padded_length
+    from seqpar.swap import swap_attention
+
+    train = train_module()
+    plan = train.build_plan(train.parse_args(argv))
+    t, dynamic = plan.train, plan.sp.dynamic
+    task = train.RecallTask(t)
+    model = train.build_model(plan, task.vocab_size, padded_length(t.seq_len, plan.sp.size, plan.sp.sharding))
+    swap_attention(model)  # one process: seqpar attention separates the packed documents
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    losses, sizes = [], []
+    for step in range(t.steps):
+        rows = t.grad_accum  # dp = 1: the pool is the SP group of 4
+        docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
+        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
+                               min_size=dynamic.min_size)
+        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
+        total = 0.0
+        for slot in planned.slots:
+            for mb in slot:
+                if mb.docs:
+                    batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
+                    loss = model(**batch, num_items_in_batch=targets).loss
+                    loss.backward()
+                    total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        sizes.append({mb.size for slot in planned.slots for mb in slot if mb.docs})
+    return losses, sizes
+
+
+@pytest.mark.timeout(240)
+def test_train_dynamic_losses_equal_one_process(dist_pool, tmp_path) -> None:
+    import json
+
+    path = tmp_path / "dynamic.json"
+    path.write_text(json.dumps(TRAIN_CONFIG))
+    argv = _train_argv(path)
+    ref, sizes = train_reference(argv)
+    assert set().union(*sizes) >= {1, 2}, sizes  # the long tail gives the plans more than one group size
+    got = dist_pool.run(4, _run_train, argv, timeout=200)
+    assert all(g == got[0] for g in got), f"every rank reports the same loss: {got}"
+    for step, (a, b) in enumerate(zip(got[0], ref, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: --dynamic {a} vs one process {b} (sizes {sizes})"

@@ -41,15 +41,16 @@ EMPTY_TOKENS = 2
 """Tokens of an empty micro-batch (padding, no target): two, so any sharding's length multiple holds."""
 
 
-def pack_documents(docs: Sequence[Tensor], *, ignore_index: int = -100) -> dict[str, Tensor]:
+def pack_documents(docs: Sequence[Tensor], labels: Sequence[Tensor] | None = None, *,
+                   ignore_index: int = -100) -> dict[str, Tensor]:
     """Documents (1-D token tensors) packed into one row, as ``transformers.DataCollatorWithFlattening(
-    return_flash_attn_kwargs=True)`` packs them: ``input_ids``, ``labels`` (``ignore_index`` at each
-    document's first token) and ``position_ids`` ``(1, T)``; ``cu_seq_lens_q/k`` ``(n_docs + 1,)`` int32;
-    ``max_length_q/k``."""
+    return_flash_attn_kwargs=True)`` packs them: ``input_ids``, ``labels`` (each document's own ``labels``,
+    default its tokens; ``ignore_index`` at each document's first token) and ``position_ids`` ``(1, T)``;
+    ``cu_seq_lens_q/k`` ``(n_docs + 1,)`` int32; ``max_length_q/k``."""
     if not docs:
         raise ValueError("pack_documents: no documents (an empty micro-batch has none to pack)")
     input_ids = torch.cat([d.reshape(-1) for d in docs])[None]
-    labels = input_ids.clone()
+    labels = input_ids.clone() if labels is None else torch.cat([lab.reshape(-1) for lab in labels])[None].clone()
     lengths = [d.numel() for d in docs]
     bounds = [0]
     for n in lengths:
@@ -61,15 +62,18 @@ def pack_documents(docs: Sequence[Tensor], *, ignore_index: int = -100) -> dict[
             "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
-def step_targets(lengths: Sequence[int]) -> int:
-    """Target tokens of a step whose documents have ``lengths``: ``n - 1`` each (a document's first token
-    is no target), the ``num_items_in_batch`` of every micro-batch of the step."""
-    return sum(max(n - 1, 0) for n in lengths)
+def step_targets(docs: Sequence[Tensor], labels: Sequence[Tensor] | None = None, ignore_index: int = -100) -> int:
+    """Target tokens of a step's documents, the ``num_items_in_batch`` of every micro-batch of the step: a
+    document's labels but its first (which no token predicts), less ``ignore_index``; without ``labels``
+    ``n - 1`` per document."""
+    if labels is None:
+        return sum(max(int(d.numel()) - 1, 0) for d in docs)
+    return sum(int((lab.reshape(-1)[1:] != ignore_index).sum()) for lab in labels)
 
 
 def rank_micro_batches(
-    plan: DynamicPlan, docs: Sequence[Tensor], manager: Any, *, sharding: str | None = None,
-    pad_token_id: int = 0, ignore_index: int = -100,
+    plan: DynamicPlan, docs: Sequence[Tensor], manager: Any, *, labels: Sequence[Tensor] | None = None,
+    sharding: str | None = None, pad_token_id: int = 0, ignore_index: int = -100,
 ) -> list[dict[str, Any]]:
     """This rank's model inputs for every slot of ``plan`` (see the module docstring).
 
@@ -77,6 +81,7 @@ def rank_micro_batches(
         plan: the step's plan (the same on every rank), over ``manager``'s pool.
         docs: the step's documents, 1-D token tensors, ``docs[i]`` of length ``plan.lengths[i]``
             (the same on every rank).
+        labels: each document's labels (default: its tokens); a document's first label never counts.
         manager: the process-group manager built with the plan's ``sequence_parallel.dynamic`` block.
         sharding: as for :func:`shard_batch` (default: the manager's declared sharding).
 
@@ -95,14 +100,16 @@ def rank_micro_batches(
     if got != plan.lengths:
         raise ValueError(f"rank_micro_batches: the documents' lengths {list(got[:8])} are not the planned lengths "
                          f"{list(plan.lengths[:8])} (first 8): pass the documents the plan was made for, in order")
-    targets = step_targets(plan.lengths)
+    targets = step_targets(docs, labels, ignore_index)
     position = manager.pool_position
     out = []
     for slot in range(plan.num_slots):
         mb = plan.micro_batch(position, slot)
         group = manager.dynamic_group(mb.size, mb.index)
         if mb.docs:
-            batch: dict[str, Any] = pack_documents([docs[d] for d in mb.docs], ignore_index=ignore_index)
+            batch: dict[str, Any] = pack_documents(
+                [docs[d] for d in mb.docs], None if labels is None else [labels[d] for d in mb.docs],
+                ignore_index=ignore_index)
         else:
             batch = {"input_ids": torch.full((1, EMPTY_TOKENS), pad_token_id, dtype=torch.long),
                      "labels": torch.full((1, EMPTY_TOKENS), ignore_index, dtype=torch.long)}
