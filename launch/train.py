@@ -974,9 +974,9 @@ def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, s
     summed loss over the step's targets). The gradient of the step's mean is the sum of every rank's: FSDP2
     reduces once, at the last micro-batch (every rank has as many), dividing by dp (undone here, as is the
     engine's division by grad_accum)."""
+    from seqpar.sequence.batch import rank_micro_batches
     from seqpar.sequence.call_group import GROUP_KEY
     from seqpar.sequence.dynamic import plan_dynamic
-    from seqpar.sequence.dynamic_batch import rank_micro_batches
 
     t, dynamic = plan.train, plan.sp.dynamic
     rows = t.grad_accum * manager.dp_size

@@ -56,8 +56,7 @@ def reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
 def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.Tensor], list[tuple[int, int]]]]:
     import seqpar
     from seqpar.config import SeqParConfig
-    from seqpar.sequence.dynamic import plan_dynamic
-    from seqpar.sequence.dynamic_batch import rank_micro_batches
+    from seqpar.sequence.batch import ShardedDataLoader
     from seqpar.swap import swap_attention
 
     manager = seqpar.init_process_groups(
@@ -66,12 +65,18 @@ def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.T
         model = tiny_llama(torch.float32)
         swap_attention(model, SeqParConfig(size=world, sharding="zigzag"))  # the manager's full SP group
         opt = torch.optim.SGD(model.parameters(), lr=LR)
+        # the loader's dynamic mode: one batch per step (every document of it, on every rank), planned over the pool
+        samples = [{"input_ids": d} for step, lengths in enumerate(STEPS) for d in documents(lengths, step)]
+        firsts = [sum(map(len, STEPS[:i])) for i in range(len(STEPS))]
+        loader = ShardedDataLoader(
+            torch.utils.data.DataLoader(samples, batch_sampler=[range(f, f + len(n)) for f, n in zip(firsts, STEPS)],
+                                        collate_fn=lambda s: {"input_ids": [x["input_ids"] for x in s]}),
+            manager=manager, dynamic={"max_tokens_per_rank": BUDGET, "min_size": 1})
         out = []
-        for step, lengths in enumerate(STEPS):
-            plan = plan_dynamic(lengths, manager.pool_size, BUDGET)
+        for micro_batches in loader:
             loss = torch.zeros((), dtype=torch.float64)
             ran = []
-            for inputs in rank_micro_batches(plan, documents(lengths, step), manager, sharding="zigzag"):
+            for inputs in micro_batches:
                 size = dist.get_world_size(inputs["seqpar_group"])
                 step_loss = model(**inputs).loss
                 step_loss.backward()
@@ -96,7 +101,7 @@ def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.T
 def test_dynamic_llama_steps_equal_one_process(dist_pool) -> None:
     from seqpar.sequence.dynamic import plan_dynamic
 
-    plans = [plan_dynamic(lengths, 4, BUDGET) for lengths in STEPS]
+    plans = [plan_dynamic(lengths, 4, BUDGET) for lengths in STEPS]  # as the loader plans them
     # the plans hold what this test is about: mixed sizes in one slot, and empty micro-batches
     assert any({mb.size for mb in slot if mb.docs} >= {1, 2} for slot in plans[0].slots), plans[0].slots
     assert any(mb.size == 4 for slot in plans[0].slots for mb in slot), plans[0].slots
@@ -104,7 +109,9 @@ def test_dynamic_llama_steps_equal_one_process(dist_pool) -> None:
     ref = reference()
     results = dist_pool.run(4, _dynamic_steps, timeout=150)
     for rank, steps in enumerate(results):
-        for step, ((loss, grads, ran), (ref_loss, ref_grads)) in enumerate(zip(steps, ref)):
+        # every rank runs as many micro-batches per step: its plan's slots (an empty one included)
+        assert [len(ran) for _, _, ran in steps] == [plan.num_slots for plan in plans], (rank, steps)
+        for step, ((loss, grads, ran), (ref_loss, ref_grads)) in enumerate(zip(steps, ref, strict=True)):
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (rank, step, loss, ref_loss)
             for name, want in ref_grads.items():
                 err = float((grads[name] - want).abs().max() / want.abs().max())

@@ -32,10 +32,11 @@ the attention planner's count), plus FLOPs per token for everything linear in th
 MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
 inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
-Running a plan: :func:`seqpar.sequence.dynamic_batch.rank_micro_batches` gives each rank its micro-batches'
-inputs, each carrying its group (:mod:`seqpar.sequence.call_group`), which a swapped model's attention
-and loss take from the call. Not here yet (issue 32, later parts): the group in MoE router statistics and
-the hybrid mixers, the engines (FSDP2, ZeRO), the data loader and ``launch/train.py --dynamic``.
+Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
+dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
+(:mod:`seqpar.sequence.call_group`), which a swapped model's attention and loss take from the call;
+``launch/train.py --dynamic`` trains so under FSDP2. Not here yet (issue 32, later parts): the group in
+MoE router statistics, MLA's latent path and the hybrid mixers; DeepSpeed ZeRO and ``SeqParTrainer``.
 """
 
 from __future__ import annotations

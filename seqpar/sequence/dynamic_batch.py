@@ -1,8 +1,10 @@
 """Length-aware dynamic CP, the inputs: each rank's micro-batches of a planned step (issue 32 §2, §3, §5).
 
 :func:`seqpar.sequence.dynamic.plan_dynamic` says which documents each group of ranks runs in each slot;
-:func:`rank_micro_batches` turns that into the model inputs of this rank, one dict per slot (every rank of
-the pool gets the same number, so engines' per-forward and per-backward collectives stay matched):
+:func:`planned_batches` (here) and :func:`seqpar.sequence.batch.rank_micro_batches` (which cuts them, and
+which ``ShardedDataLoader(..., dynamic=...)`` yields per step) turn that into the model inputs of this rank,
+one dict per slot (every rank of the pool gets the same number, so engines' per-forward and per-backward
+collectives stay matched):
 
 - a micro-batch's documents are packed into one row (:func:`pack_documents`: ``input_ids`` ``(1, T)``,
   ``labels`` with ``ignore_index`` at each document's start, positions restarting, ``cu_seq_lens_q/k``)
@@ -31,11 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from seqpar.sequence.batch import shard_batch
-from seqpar.sequence.call_group import GROUP_KEY
 from seqpar.sequence.dynamic import DynamicPlan
 
-__all__ = ["pack_documents", "step_targets", "rank_micro_batches", "EMPTY_TOKENS"]
+__all__ = ["pack_documents", "step_targets", "planned_batches", "EMPTY_TOKENS"]
 
 EMPTY_TOKENS = 2
 """Tokens of an empty micro-batch (padding, no target): two, so any sharding's length multiple holds."""
@@ -71,51 +71,34 @@ def step_targets(docs: Sequence[Tensor], labels: Sequence[Tensor] | None = None,
     return sum(int((lab.reshape(-1)[1:] != ignore_index).sum()) for lab in labels)
 
 
-def rank_micro_batches(
+def planned_batches(
     plan: DynamicPlan, docs: Sequence[Tensor], manager: Any, *, labels: Sequence[Tensor] | None = None,
-    sharding: str | None = None, pad_token_id: int = 0, ignore_index: int = -100,
-) -> list[dict[str, Any]]:
-    """This rank's model inputs for every slot of ``plan`` (see the module docstring).
-
-    Args:
-        plan: the step's plan (the same on every rank), over ``manager``'s pool.
-        docs: the step's documents, 1-D token tensors, ``docs[i]`` of length ``plan.lengths[i]``
-            (the same on every rank).
-        labels: each document's labels (default: its tokens); a document's first label never counts.
-        manager: the process-group manager built with the plan's ``sequence_parallel.dynamic`` block.
-        sharding: as for :func:`shard_batch` (default: the manager's declared sharding).
-
-    Returns:
-        ``plan.num_slots`` dicts: ``shard_batch``'s cut of the micro-batch, plus ``num_items_in_batch``
-        (the step's targets, :func:`step_targets`) and :data:`GROUP_KEY` (the micro-batch's group); pass
-        each as ``model(**inputs)``.
+    pad_token_id: int = 0, ignore_index: int = -100,
+) -> list[tuple[dict[str, Tensor], Any]]:
+    """This rank's micro-batch of every slot of ``plan``, whole (not yet cut): ``(packed batch, group)``
+    pairs, the batch :func:`pack_documents`' (an empty micro-batch: :data:`EMPTY_TOKENS` padding tokens, no
+    target) and the group ``manager.dynamic_group(size, index)``.
+    :func:`seqpar.sequence.batch.rank_micro_batches` cuts them.
 
     Raises:
         ValueError: a plan over another pool than ``manager``'s, or documents that do not match it.
     """
     if plan.pool_size != manager.pool_size:
-        raise ValueError(f"rank_micro_batches: the plan is over a pool of {plan.pool_size} ranks but the manager's "
-                         f"pool (dp x sp) has {manager.pool_size}: plan with pool_size=manager.pool_size")
+        raise ValueError(f"dynamic CP: the plan is over a pool of {plan.pool_size} ranks but the manager's pool "
+                         f"(dp x sp) has {manager.pool_size}: plan with pool_size=manager.pool_size")
     got = tuple(int(d.numel()) for d in docs)
     if got != plan.lengths:
-        raise ValueError(f"rank_micro_batches: the documents' lengths {list(got[:8])} are not the planned lengths "
+        raise ValueError(f"dynamic CP: the documents' lengths {list(got[:8])} are not the planned lengths "
                          f"{list(plan.lengths[:8])} (first 8): pass the documents the plan was made for, in order")
-    targets = step_targets(docs, labels, ignore_index)
     position = manager.pool_position
     out = []
     for slot in range(plan.num_slots):
         mb = plan.micro_batch(position, slot)
-        group = manager.dynamic_group(mb.size, mb.index)
         if mb.docs:
-            batch: dict[str, Any] = pack_documents(
-                [docs[d] for d in mb.docs], None if labels is None else [labels[d] for d in mb.docs],
-                ignore_index=ignore_index)
+            batch = pack_documents([docs[d] for d in mb.docs], None if labels is None else [labels[d] for d in mb.docs],
+                                   ignore_index=ignore_index)
         else:
             batch = {"input_ids": torch.full((1, EMPTY_TOKENS), pad_token_id, dtype=torch.long),
                      "labels": torch.full((1, EMPTY_TOKENS), ignore_index, dtype=torch.long)}
-        inputs = shard_batch(batch, group=group, sharding=sharding, ignore_index=ignore_index,
-                             pad_token_id=pad_token_id)
-        inputs["num_items_in_batch"] = targets
-        inputs[GROUP_KEY] = group
-        out.append(inputs)
+        out.append((batch, manager.dynamic_group(mb.size, mb.index)))
     return out
