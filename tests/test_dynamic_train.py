@@ -37,15 +37,45 @@ def documents(lengths: tuple[int, ...], step: int) -> list[torch.Tensor]:
     return [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
 
 
-def reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
-    """float64, one process: per step, every document alone, summed token losses over the step's targets."""
-    model = tiny_llama(torch.float64)
+def tiny_mixtral(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer Mixtral (4 experts, top 2) whose loss adds the router's load-balancing loss (coefficient 0.5)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation="eager").to(dtype)  # grouped_mm has no float64
+
+
+MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral}
+
+
+def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """float64, one process, per step. Llama: every document alone, summed token losses over the step's
+    targets. Mixtral: the planned micro-batches in sequence, packed (seqpar's attention on one process keeps
+    the documents apart), each its summed token losses over the step's targets plus its own router loss (the
+    router statistics are per micro-batch, Megatron's choice)."""
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_batch import pack_documents
+    from seqpar.swap import swap_attention
+
+    model = MODELS[name](torch.float64)
+    if name != "llama":
+        swap_attention(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step, lengths in enumerate(STEPS):
         targets = sum(n - 1 for n in lengths)
-        loss = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1)
-                   for d in documents(lengths, step)) / targets
+        docs = documents(lengths, step)
+        if name == "llama":
+            loss = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs) / targets
+        else:
+            plan = plan_dynamic(lengths, 4, BUDGET)
+            loss = sum(model(**pack_documents([docs[d] for d in mb.docs]), num_items_in_batch=targets).loss
+                       for slot in plan.slots for mb in slot if mb.docs)
         loss.backward()
         out.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
         opt.step()
@@ -53,7 +83,7 @@ def reference() -> list[tuple[float, dict[str, torch.Tensor]]]:
     return out
 
 
-def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.Tensor], list[tuple[int, int]]]]:
+def _dynamic_steps(rank: int, world: int, name: str) -> list[tuple[float, dict[str, torch.Tensor], list]]:
     import seqpar
     from seqpar.config import SeqParConfig
     from seqpar.sequence.batch import ShardedDataLoader
@@ -62,7 +92,7 @@ def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.T
     manager = seqpar.init_process_groups(
         sp_size=world, config={"sharding": "zigzag", "dynamic": {"max_tokens_per_rank": BUDGET, "min_size": 1}})
     try:
-        model = tiny_llama(torch.float32)
+        model = MODELS[name](torch.float32)
         swap_attention(model, SeqParConfig(size=world, sharding="zigzag"))  # the manager's full SP group
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         # the loader's dynamic mode: one batch per step (every document of it, on every rank), planned over the pool
@@ -98,7 +128,8 @@ def _dynamic_steps(rank: int, world: int) -> list[tuple[float, dict[str, torch.T
 
 
 @pytest.mark.timeout(180)
-def test_dynamic_llama_steps_equal_one_process(dist_pool) -> None:
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dynamic_steps_equal_one_process(dist_pool, name: str) -> None:
     from seqpar.sequence.dynamic import plan_dynamic
 
     plans = [plan_dynamic(lengths, 4, BUDGET) for lengths in STEPS]  # as the loader plans them
@@ -106,16 +137,16 @@ def test_dynamic_llama_steps_equal_one_process(dist_pool) -> None:
     assert any({mb.size for mb in slot if mb.docs} >= {1, 2} for slot in plans[0].slots), plans[0].slots
     assert any(mb.size == 4 for slot in plans[0].slots for mb in slot), plans[0].slots
     assert any(not mb.docs for slot in plans[1].slots for mb in slot), plans[1].slots
-    ref = reference()
-    results = dist_pool.run(4, _dynamic_steps, timeout=150)
+    ref = reference(name)
+    results = dist_pool.run(4, _dynamic_steps, name, timeout=150)
     for rank, steps in enumerate(results):
         # every rank runs as many micro-batches per step: its plan's slots (an empty one included)
         assert [len(ran) for _, _, ran in steps] == [plan.num_slots for plan in plans], (rank, steps)
         for step, ((loss, grads, ran), (ref_loss, ref_grads)) in enumerate(zip(steps, ref, strict=True)):
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (rank, step, loss, ref_loss)
-            for name, want in ref_grads.items():
-                err = float((grads[name] - want).abs().max() / want.abs().max())
-                assert err <= 1e-4, f"rank {rank} step {step}: grad of {name} {err:.3g} of its scale off ({ran})"
+            for param, want in ref_grads.items():
+                err = float((grads[param] - want).abs().max() / want.abs().max())
+                assert err <= 1e-4, f"rank {rank} step {step}: grad of {param} {err:.3g} of its scale off ({ran})"
 
 
 # ------------------------------------------------------------------ launch/train.py --dynamic (issue 32 §5)

@@ -372,6 +372,8 @@ def rank_micro_batches(
                                         ignore_index=ignore_index):
         inputs = shard_batch(batch, group=group, sharding=sharding, ignore_index=ignore_index,
                              pad_token_id=pad_token_id)
+        if "cu_seq_lens_q" not in batch:  # an empty micro-batch: no token counts in router statistics either
+            inputs[TOKEN_MASK_KEY] = torch.zeros_like(inputs["input_ids"])
         inputs["num_items_in_batch"] = targets
         inputs[GROUP_KEY] = group
         out.append(inputs)

@@ -35,8 +35,9 @@ inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`
 Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
 (:mod:`seqpar.sequence.call_group`), which a swapped model's attention and loss take from the call;
-``launch/train.py --dynamic`` trains so under FSDP2. Not here yet (issue 32, later parts): the group in
-MoE router statistics, MLA's latent path and the hybrid mixers; DeepSpeed ZeRO and ``SeqParTrainer``.
+``launch/train.py --dynamic`` trains so under FSDP2. MoE router losses are computed per micro-batch over
+its group (Megatron's choice; an empty micro-batch counts no token). Not here yet (issue 32, later parts):
+the group in the hybrid mixers, ALiBi layers and the expert counter; DeepSpeed ZeRO and ``SeqParTrainer``.
 """
 
 from __future__ import annotations
