@@ -50,7 +50,15 @@ def tiny_mixtral(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         config, experts_implementation="eager").to(dtype)  # grouped_mm has no float64
 
 
-MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral}
+def tiny_jamba(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """test_mixers_mamba's 2-layer Jamba (a Mamba layer, whose decoder layer calls it without the call's keyword
+    arguments, and an attention layer)."""
+    import test_mixers_mamba
+
+    return test_mixers_mamba.tiny("jamba", dtype)
+
+
+MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral, "jamba": tiny_jamba}
 
 
 def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:

@@ -36,8 +36,9 @@ Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedD
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
 (:mod:`seqpar.sequence.call_group`), which a swapped model's attention and loss take from the call;
 ``launch/train.py --dynamic`` trains so under FSDP2. MoE router losses are computed per micro-batch over
-its group (Megatron's choice; an empty micro-batch counts no token). Not here yet (issue 32, later parts):
-the group in the hybrid mixers, ALiBi layers and the expert counter; DeepSpeed ZeRO and ``SeqParTrainer``.
+its group (Megatron's choice; an empty micro-batch counts no token); the hybrid mixers take it from their
+parent layer's call (:mod:`seqpar.mixers.documents`). Not here yet (issue 32, later parts): the group in
+ALiBi layers, MLA's latent path (untested) and the expert counter; DeepSpeed ZeRO and ``SeqParTrainer``.
 """
 
 from __future__ import annotations
