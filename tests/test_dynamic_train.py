@@ -236,3 +236,28 @@ def test_train_dynamic_losses_equal_one_process(dist_pool, tmp_path) -> None:
     assert all(g == got[0] for g in got), f"every rank reports the same loss: {got}"
     for step, (a, b) in enumerate(zip(got[0], ref, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: --dynamic {a} vs one process {b} (sizes {sizes})"
+
+
+def test_train_dynamic_refusals_name_the_fix(tmp_path) -> None:
+    """--dynamic without the dynamic block, under DeepSpeed, or without packed rows: refused before any process
+    group, naming what to set."""
+    import json
+    from pathlib import Path
+
+    from launch_module import train_module
+
+    train = train_module()
+    root = Path(__file__).resolve().parents[1]
+    for config in ("fsdp_ring.json", "deepspeed_ring.json"):
+        with pytest.raises(ValueError, match=r"--dynamic \(train.dynamic\) needs .*sequence_parallel"):
+            train.build_plan(train.parse_args(["--config", str(root / "configs" / config), "--dynamic", "--packed"]))
+    deepspeed = json.loads((root / "configs" / "deepspeed_ring.json").read_text())
+    deepspeed["sequence_parallel"]["dynamic"] = {"max_tokens_per_rank": 64, "min_size": 1}
+    (tmp_path / "ds.json").write_text(json.dumps(deepspeed))
+    with pytest.raises(ValueError, match="the FSDP engine"):
+        train.build_plan(train.parse_args(["--config", str(tmp_path / "ds.json"), "--dynamic", "--packed"]))
+    unpacked = json.loads(json.dumps(TRAIN_CONFIG))
+    unpacked["train"]["packed"] = False
+    (tmp_path / "unpacked.json").write_text(json.dumps(unpacked))
+    with pytest.raises(ValueError, match=r"train.dynamic \(--dynamic\) plans packed documents: set train.packed"):
+        train.build_plan(train.parse_args(["--config", str(tmp_path / "unpacked.json"), "--dynamic"]))
