@@ -120,6 +120,21 @@ class TrainSettings:
     exactly by seqpar (global boundaries from ``shard_batch``). Needs ``micro_batch_size`` 1."""
     save_every: int = 0
     """Save a checkpoint every N >= 0 steps (and at the end) when ``--save-dir`` is given; 0 = end only."""
+    packed_lengths: str = "log-uniform"
+    """Document lengths of ``packed`` rows: ``"log-uniform"`` in ``[shortest sample, seq_len]``, or
+    ``"log-normal"`` (long-tailed: median ``packed_median``, sigma ``packed_sigma``, clipped to
+    ``[max(packed_min, shortest sample), seq_len]``); seeded, the same on every rank."""
+    packed_median: int = 1024
+    """Median document length of ``packed_lengths = "log-normal"``, >= 1."""
+    packed_sigma: float = 1.2
+    """Sigma (of the log length) of ``packed_lengths = "log-normal"``, a finite number >= 0."""
+    packed_min: int = 64
+    """Shortest document of ``packed_lengths = "log-normal"`` (besides the task's shortest sample), >= 1."""
+    dynamic: bool = False
+    """Length-aware dynamic CP (``--dynamic``): each step's packed documents (the ``grad_accum x dp`` rows a
+    static run would train on) are planned over the DP x SP pool by ``seqpar.sequence.dynamic`` with
+    ``sequence_parallel.dynamic``, each rank runs its planned micro-batches (every rank as many), the loss is
+    the per-token mean over the pool's step and gradients are reduced once per step. Needs ``packed``, FSDP2."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -139,6 +154,13 @@ class TrainSettings:
                 f"train.packed needs train.micro_batch_size = 1 (got {self.micro_batch_size}): a packed "
                 "row already holds several documents; raise seq_len or grad_accum instead"
             )
+        if self.packed_lengths not in ("log-uniform", "log-normal"):
+            raise ValueError(f"train.packed_lengths = {self.packed_lengths!r}: choose 'log-uniform' or 'log-normal'")
+        if self.packed_median < 1 or self.packed_min < 1 or not (0 <= self.packed_sigma < math.inf):
+            raise ValueError("train.packed_median and train.packed_min must be >= 1 and train.packed_sigma a "
+                             "finite number >= 0")
+        if self.dynamic and not self.packed:
+            raise ValueError("train.dynamic (--dynamic) plans packed documents: set train.packed (--packed)")
         if self.seq_len < need:
             raise ValueError(
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
@@ -214,23 +236,33 @@ class RecallTask:
 
     def packed_lengths(self, first: int) -> list[int]:
         """Document lengths of packed row ``first``: log-uniform in ``[min_len, seq_len]`` (a long
-        tail of short samples), the last one taking what is left so they sum to ``seq_len``."""
+        tail of short samples), or log-normal (``train.packed_lengths``), the last one taking what is
+        left so they sum to ``seq_len``."""
         g = torch.Generator().manual_seed(self.s.seed * 7_000_003 + first)
         lo, hi, left = math.log(self.min_len), math.log(self.s.seq_len), self.s.seq_len
         lengths: list[int] = []
         while left:
-            n = min(left, int(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
+            if self.s.packed_lengths == "log-normal":  # median packed_median, clipped to [packed_min, seq_len]
+                z = float(torch.randn((), generator=g))
+                n = int(math.exp(math.log(self.s.packed_median) + self.s.packed_sigma * z))
+                n = min(left, self.s.seq_len, max(n, self.s.packed_min, self.min_len))
+            else:
+                n = min(left, int(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
             if left - n < self.min_len:
                 n = left
             lengths.append(n)
             left -= n
         return lengths
 
+    def packed_docs(self, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The documents of packed row ``first``: ``(input_ids (n,), labels (n,))`` each."""
+        return [self.sample(first * 1_000 + i, n) for i, n in enumerate(self.packed_lengths(first))]
+
     def packed_batch(self, first: int) -> dict[str, torch.Tensor]:
         """Packed row ``first``: ``input_ids``/``labels``/``position_ids`` ``(1, seq_len)`` as
         ``transformers.DataCollatorWithFlattening`` makes them (positions restart per document;
         each document starts with BOS, whose label is already -100)."""
-        docs = [self.sample(first * 1_000 + i, n) for i, n in enumerate(self.packed_lengths(first))]
+        docs = self.packed_docs(first)
         return {
             "input_ids": torch.cat([d[0] for d in docs])[None],
             "labels": torch.cat([d[1] for d in docs])[None],
@@ -271,6 +303,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override sequence_parallel.recompute_norm (RMSNorms save only their input)")
     p.add_argument("--packed", action="store_true", default=None,
                    help="train on packed documents of long-tailed lengths (sets train.packed)")
+    p.add_argument("--dynamic", action="store_true", default=None,
+                   help="length-aware dynamic CP over the packed documents (sets train.dynamic; needs "
+                        "sequence_parallel.dynamic and train.packed)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
     p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
     p.add_argument("--save-every", type=int)
@@ -438,6 +473,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         value = getattr(args, name, None)
         if value is not None:
             train_d[name] = value
+    if getattr(args, "dynamic", None) is not None:
+        train_d["dynamic"] = args.dynamic
     train = TrainSettings.from_dict(train_d)
     engine = train.engine
     if engine == "auto":
@@ -457,6 +494,12 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.tp_size is not None and isinstance(raw.get("tensor_parallel"), dict) and "autotp_size" in raw["tensor_parallel"]:
         raw["tensor_parallel"] = {**raw["tensor_parallel"], "autotp_size": args.tp_size}  # the flag wins here too
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
+    if train.dynamic and (sp.dynamic is None or engine != "fsdp"):
+        raise ConfigError(
+            "--dynamic (train.dynamic) needs a \"sequence_parallel\": {\"dynamic\": {\"max_tokens_per_rank\": N, "
+            "\"min_size\": 1}} block and the FSDP engine (DeepSpeed steps at a fixed gradient_accumulation_steps, "
+            "a dynamic step has as many micro-batches as its plan has slots)"
+        )
     _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
     _check_model(model, train)
@@ -921,6 +964,39 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     return "\n".join(lines)
 
 
+def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, step: int) -> float:
+    """One step of length-aware dynamic CP (``train.dynamic``); returns the step's loss (the per-token mean
+    over the pool's step, the same on every rank).
+
+    The step's documents are those of the ``grad_accum x dp`` packed rows a static run trains on in this step;
+    every rank plans them alike (``seqpar.sequence.dynamic.plan_dynamic``) and runs its planned micro-batches
+    (``seqpar.sequence.dynamic_batch.rank_micro_batches``: each carries its group, and its loss is its targets'
+    summed loss over the step's targets). The gradient of the step's mean is the sum of every rank's: FSDP2
+    reduces once, at the last micro-batch (every rank has as many), dividing by dp (undone here, as is the
+    engine's division by grad_accum)."""
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.call_group import GROUP_KEY
+    from seqpar.sequence.dynamic import plan_dynamic
+
+    t, dynamic = plan.train, plan.sp.dynamic
+    rows = t.grad_accum * manager.dp_size
+    docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
+    planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], manager.pool_size, dynamic.max_tokens_per_rank,
+                           min_size=dynamic.min_size)
+    micro = rank_micro_batches(planned, [ids for ids, _ in docs], manager, labels=[labels for _, labels in docs],
+                               sharding=plan.sp.sharding)
+    total = torch.zeros((), dtype=torch.float64)
+    for i, inputs in enumerate(micro):
+        last = i == len(micro) - 1
+        if hasattr(engine.model, "set_requires_gradient_sync"):  # FSDP2: reduce once per step
+            engine.model.set_requires_gradient_sync(last)
+        loss = engine.model(**inputs).loss
+        engine.backward(loss * (t.grad_accum * manager.dp_size), last_micro=last)
+        total += loss.detach().double() / dist.get_world_size(inputs[GROUP_KEY])  # every rank of the group holds it
+    dist.all_reduce(total, group=manager.sp_dp_group)
+    return total.item()
+
+
 # ============================================================================ main
 def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     """Train; returns the metrics dict (on every rank). Raises before training on a bad config.
@@ -971,7 +1047,7 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
         if tracking:
             mem.__enter__()
         total = torch.zeros((), dtype=torch.float64)
-        for m in range(t.grad_accum):
+        for m in range(0 if t.dynamic else t.grad_accum):
             first = ((step * t.grad_accum + m) * manager.dp_size + manager.dp_rank) * t.micro_batch_size
             full = task.packed_batch(first) if t.packed else task.batch(first, t.micro_batch_size)
             batch = shard_batch(full, group=manager.sp_group, sharding=plan.sp.sharding)
@@ -985,10 +1061,13 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
                 loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)
             engine.backward(loss, last_micro=m == t.grad_accum - 1)
             total += loss.detach().double() / t.grad_accum
+        if t.dynamic:  # the planned micro-batches replace the grad_accum loop above (range(0))
+            step_loss = _dynamic_step(engine, plan, task, manager, step)
         if tracking:
             mem.__exit__(None, None, None)
-        dist.all_reduce(total, group=manager.dp_group)
-        step_loss = total.item() / manager.dp_size
+        if not t.dynamic:
+            dist.all_reduce(total, group=manager.dp_group)
+            step_loss = total.item() / manager.dp_size
         losses.append(step_loss)
         step_times.append(time.perf_counter() - tic)
         if not math.isfinite(step_loss):

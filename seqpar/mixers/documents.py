@@ -41,7 +41,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["DOCUMENTS_KEY", "DocumentsCarrier", "feed_documents", "batch_documents", "carried_documents"]
+from seqpar.sequence.call_group import GROUP_KEY
+
+__all__ = ["DOCUMENTS_KEY", "DocumentsCarrier", "feed_documents", "batch_documents", "carried_documents",
+           "carried_group"]
 
 DOCUMENTS_KEY = "seqpar_documents"
 """The keyword argument a :class:`DocumentsCarrier`'s call carries its batch's boundaries in (taken off
@@ -51,9 +54,10 @@ _HANDLES_ATTR = "_seqpar_documents_feed"
 _local = threading.local()
 
 
-def _held() -> list[tuple[nn.Module, Tensor | None]]:
-    """This thread's stack of ``(holder, boundaries)`` (innermost last): the running swapped model's
-    batch, then each running carrier's."""
+def _held() -> list[tuple[nn.Module, Tensor | None, Any]]:
+    """This thread's stack of ``(holder, boundaries, group)`` (innermost last): the running swapped model's
+    batch, then each running carrier's. The group is the call's SP group under dynamic CP
+    (:mod:`seqpar.sequence.call_group`; None: the swap's), carried the same way as the boundaries."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
@@ -73,21 +77,28 @@ def carried_documents() -> Tensor | None:
     return stack[-1][1] if stack else None
 
 
+def carried_group() -> Any:
+    """The SP group the innermost running carrier's (or swapped model's) call carries (dynamic CP); None
+    outside any, or when the call carries none (the swap's group then)."""
+    stack = _held()
+    return stack[-1][2] if stack else None
+
+
 class DocumentsCarrier(nn.Module):
     """Mixed in before the class of a mixer's parent layer (see the module docstring): its call carries
     the held boundaries as :data:`DOCUMENTS_KEY`, and its forward holds them while it runs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         stack = _held()
-        if stack and DOCUMENTS_KEY not in kwargs and batch_documents(kwargs) is None:
-            kwargs[DOCUMENTS_KEY] = stack[-1][1]
+        if stack and DOCUMENTS_KEY not in kwargs and (batch_documents(kwargs) is None or GROUP_KEY not in kwargs):
+            kwargs[DOCUMENTS_KEY] = stack[-1][1:]  # (boundaries, group)
         return super().__call__(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        carried = kwargs.pop(DOCUMENTS_KEY, None)
-        own = batch_documents(kwargs)
+        carried, held_group = kwargs.pop(DOCUMENTS_KEY, (None, None))
+        own, own_group = batch_documents(kwargs), kwargs.get(GROUP_KEY)
         stack = _held()
-        stack.append((self, own if own is not None else carried))
+        stack.append((self, own if own is not None else carried, own_group if own_group is not None else held_group))
         try:
             return super().forward(*args, **kwargs)
         finally:
@@ -110,7 +121,7 @@ def _carrier_class(cls: type) -> type:
 
 
 def _hold(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    _held().append((module, batch_documents(kwargs)))
+    _held().append((module, batch_documents(kwargs), kwargs.get(GROUP_KEY)))
 
 
 def _release(module: nn.Module, args: tuple, output: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.mixers.documents import carried_documents
+from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 
 __all__ = ["MixerFamily", "SwappedMixer"]
@@ -76,10 +76,17 @@ class SwappedMixer(nn.Module):
         # the transformers module whose functions the layer calls (kernels, padding masks): looked up
         # at each forward, so a kernel swapped in there is used
         self.transformers_module: str = getattr(original, "transformers_module", type(original).__module__)
-        self.group = group
+        self.swap_group = group
         self.sharding = sharding
         self.position_wise = position_wise
         self.mixer_kernels = mixer_kernels
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """This call's SP group: the one the parent layer's call carries (dynamic CP: each micro-batch's,
+        :mod:`seqpar.mixers.documents`), else the swap's (``swap_group``). Read per call, never stored."""
+        group = carried_group()
+        return self.swap_group if group is None else group
 
     def refuse_cache(self, *caches: Any) -> None:
         """Raise for a generation cache: a cache of a sharded sequence would hold one rank's piece."""

@@ -50,10 +50,13 @@ from torch.utils.data import (
 
 from seqpar.runtime.groups import default_manager, resolve_group
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries, known_boundaries
+from seqpar.sequence.call_group import GROUP_KEY
+from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_dynamic
+from seqpar.sequence.dynamic_batch import planned_batches, step_targets
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
-           "document_boundaries", "PACKED_KEYS", "TOKEN_MASK_KEY"]
+           "document_boundaries", "PACKED_KEYS", "TOKEN_MASK_KEY", "rank_micro_batches"]
 
 logger = logging.getLogger("seqpar")
 
@@ -347,6 +350,41 @@ def _set_boundaries(out: dict[str, Any], bounds: tuple[int, ...]) -> None:
         torch._dynamo.maybe_mark_dynamic(out[key], 0)
 
 
+def rank_micro_batches(
+    plan: DynamicPlan, docs: list[Tensor], manager: Any, *, labels: list[Tensor] | None = None,
+    sharding: str | None = None, pad_token_id: int = 0, ignore_index: int = -100,
+) -> list[dict[str, Any]]:
+    """Length-aware dynamic CP: this rank's model inputs for every slot of ``plan``
+    (:mod:`seqpar.sequence.dynamic_batch`), the same number on every rank of the pool.
+
+    Args:
+        plan: the step's plan (the same on every rank), over ``manager``'s pool.
+        docs: the step's documents, 1-D token tensors, ``docs[i]`` of length ``plan.lengths[i]``.
+        manager: the process-group manager built with the ``sequence_parallel.dynamic`` block.
+        labels: each document's labels (default: its tokens); a document's first label never counts.
+        sharding, pad_token_id, ignore_index: as for :func:`shard_batch`.
+
+    Returns:
+        ``plan.num_slots`` dicts: :func:`shard_batch`'s cut of the slot's packed micro-batch over its group,
+        plus ``num_items_in_batch`` (the targets of the whole step over the pool) and
+        :data:`~seqpar.sequence.call_group.GROUP_KEY` (the group); pass each as ``model(**inputs)``. The loss
+        is then the per-token mean over the pool's step once summed over slots and groups; sum the gradients
+        over the pool once per step.
+    """
+    targets = step_targets(docs, labels, ignore_index)
+    out = []
+    for batch, group in planned_batches(plan, docs, manager, labels=labels, pad_token_id=pad_token_id,
+                                        ignore_index=ignore_index):
+        inputs = shard_batch(batch, group=group, sharding=sharding, ignore_index=ignore_index,
+                             pad_token_id=pad_token_id)
+        if "cu_seq_lens_q" not in batch:  # an empty micro-batch: no token counts in router statistics either
+            inputs[TOKEN_MASK_KEY] = torch.zeros_like(inputs["input_ids"])
+        inputs["num_items_in_batch"] = targets
+        inputs[GROUP_KEY] = group
+        out.append(inputs)
+    return out
+
+
 class ShardedDataLoader:
     """A ``DataLoader`` whose batches are cut for sequence parallelism.
 
@@ -368,6 +406,15 @@ class ShardedDataLoader:
 
     ``len(loader)`` is the number of batches per epoch; call ``loader.set_epoch(epoch)`` (or
     ``loader.sampler.set_epoch``) each epoch to reshuffle.
+
+    Dynamic mode (``dynamic=``, length-aware dynamic CP: the ``sequence_parallel.dynamic`` block, a
+    ``DynamicConfig`` or a dict ``{"max_tokens_per_rank": N, "min_size": 1}``; ``cost``: the planner's
+    :class:`~seqpar.sequence.dynamic.CostModel`): each batch of the wrapped loader is one step's documents,
+    the **same on every rank of the pool** (its sampler is kept; the samples are not split over DP), given
+    as a dict of ``input_ids`` (and optionally ``labels``), each a list of 1-D tensors (a ``collate_fn``
+    that keeps the documents apart, e.g. ``lambda s: {k: [x[k] for x in s] for k in s[0]}``). The step is
+    planned over the manager's pool and the loader yields, per step, this rank's list of micro-batch inputs
+    (:func:`rank_micro_batches`: as many on every rank, each carrying its group).
     """
 
     def __init__(
@@ -381,8 +428,20 @@ class ShardedDataLoader:
         ignore_index: int = -100,
         pad_token_id: int = 0,
         seed: int = 0,
+        dynamic: Any = None,
+        cost: CostModel | None = None,
     ) -> None:
         manager = manager if manager is not None else default_manager()
+        self.dynamic, self.cost, self.manager = dynamic, cost, manager
+        if dynamic is not None:
+            if isinstance(dynamic, Mapping):
+                from seqpar.config import DynamicConfig
+
+                self.dynamic = DynamicConfig.from_dict(dynamic)
+            if manager is None or not manager.dynamic_sizes:
+                raise ValueError(
+                    "ShardedDataLoader(dynamic=...) needs the process-group manager built with the same "
+                    "sequence_parallel.dynamic block (init_process_groups(config=...)), which makes the groups")
         if manager is not None:
             dp_rank, dp_size = manager.get_data_parallel_rank(), manager.get_data_parallel_world_size()
             group = group if group is not None else manager.get_sequence_parallel_group()
@@ -396,7 +455,9 @@ class ShardedDataLoader:
         self.causal_lm = causal_lm
         self.ignore_index = ignore_index
         self.pad_token_id = pad_token_id
-        self.dataloader = self._with_dp_sampler(dataloader, dp_rank, dp_size, seed)
+        # dynamic CP plans over the whole pool: every rank draws the same documents
+        self.dataloader = dataloader if dynamic is not None else self._with_dp_sampler(dataloader, dp_rank, dp_size,
+                                                                                      seed)
 
     @staticmethod
     def _with_dp_sampler(dl: DataLoader, dp_rank: int, dp_size: int, seed: int) -> DataLoader:
@@ -452,7 +513,10 @@ class ShardedDataLoader:
     def __len__(self) -> int:
         return len(self.dataloader)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
+        if self.dynamic is not None:
+            yield from self._dynamic_steps()
+            return
         for batch in self.dataloader:
             if not isinstance(batch, Mapping):
                 raise TypeError(
@@ -463,3 +527,19 @@ class ShardedDataLoader:
                 batch, group=self.group, sharding=self.sharding, causal_lm=self.causal_lm,
                 ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
             )
+
+    def _dynamic_steps(self) -> Iterator[list[dict[str, Any]]]:
+        """Dynamic mode: per step, this rank's planned micro-batches (see the class docstring)."""
+        for batch in self.dataloader:
+            docs = batch.get("input_ids") if isinstance(batch, Mapping) else None
+            if not isinstance(docs, (list, tuple)) or not all(isinstance(d, Tensor) and d.dim() == 1 for d in docs):
+                raise TypeError(
+                    "ShardedDataLoader(dynamic=...) needs each batch as one step's documents: a dict whose "
+                    "'input_ids' (and 'labels', if any) is a list of 1-D tensors; give the loader a collate_fn that "
+                    "keeps them apart, e.g. lambda s: {k: [x[k] for x in s] for k in s[0]}")
+            labels = batch.get("labels")
+            plan = plan_dynamic([int(d.numel()) for d in docs], self.manager.pool_size,
+                                self.dynamic.max_tokens_per_rank, min_size=self.dynamic.min_size, cost=self.cost)
+            yield rank_micro_batches(plan, list(docs), self.manager, labels=None if labels is None else list(labels),
+                                     sharding=self.sharding, pad_token_id=self.pad_token_id,
+                                     ignore_index=self.ignore_index)

@@ -32,8 +32,13 @@ the attention planner's count), plus FLOPs per token for everything linear in th
 MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
 inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
-Not here yet (issue 32, later parts): running the micro-batches through models and engines, per-call
-group plumbing in the swapped layers, the data loader and ``launch/train.py --dynamic``.
+Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
+dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
+(:mod:`seqpar.sequence.call_group`), which a swapped model's attention and loss take from the call;
+``launch/train.py --dynamic`` trains so under FSDP2. MoE router losses are computed per micro-batch over
+its group (Megatron's choice; an empty micro-batch counts no token); the hybrid mixers take it from their
+parent layer's call (:mod:`seqpar.mixers.documents`). Not here yet (issue 32, later parts): the group in
+ALiBi layers, MLA's latent path (untested) and the expert counter; DeepSpeed ZeRO and ``SeqParTrainer``.
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ class RouterStatistics:
     def loss(self, num_experts: int) -> Tensor:
         """``E * sum_e (counts_e / count_rows) * (probs_e / rows)``: transformers' normalisation."""
         count_rows = self.rows if self.count_rows is None else self.count_rows
-        return torch.sum((self.counts / count_rows) * (self.probs / self.rows)) * num_experts
+        # a call with no row counted (an empty dynamic-CP micro-batch, its token mask all zeros) has no loss,
+        # not 0 / 0; counted rows are whole tokens, so the clamp changes nothing else
+        return torch.sum((self.counts / count_rows.clamp_min(1)) * (self.probs / self.rows.clamp_min(1))) * num_experts
 
 
 def routing_statistics(

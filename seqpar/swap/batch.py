@@ -31,6 +31,7 @@ from seqpar.comm.agree import collective_device, rows_across_ranks
 from seqpar.runtime.groups import resolve_group
 from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
 from seqpar.sequence.boundaries import host_boundaries
+from seqpar.sequence.call_group import call_group
 from seqpar.swap.options import SwapError, SwapOptions
 from seqpar.swap.state import is_probing
 from seqpar.swap.traced import tracing
@@ -153,7 +154,7 @@ class _BatchCheck:
         self.active.append(False)
         if not self.options.check_inputs and not self.first_verdict:  # the user switched checking off
             return self._prepare(module, args, kwargs)
-        group = resolve_group(self.options.group)
+        group = resolve_group(call_group(kwargs, self.options.group))  # dynamic CP: the call's group
         world = 1 if group is None else dist.get_world_size(group)
         refusal: BaseException | None = None
         try:

@@ -136,6 +136,8 @@ def seqpar_attention_forward(
         ``(out (batch, seq_local, q_heads, head_dim), None)``.
     """
     options: SwapOptions | None = getattr(module, OPTIONS_ATTR, None)
+    if options is not None:
+        options = options.for_call(kwargs)  # dynamic CP: the micro-batch's group travels with the call
     if options is None and is_probing():
         # Left out by the swap's name patterns: refused at run time on shards (below); the probe
         # judges the rest of the model around it.

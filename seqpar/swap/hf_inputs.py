@@ -25,6 +25,7 @@ verdicts are noted per tensor, so an inner model's preparer and transformers' ma
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -40,6 +41,7 @@ from seqpar.sequence.batch import (
     sp_rank_and_size,
 )
 from seqpar.sequence.boundaries import boundary_tensor, known_boundaries, remember_boundaries
+from seqpar.sequence.call_group import call_group
 from seqpar.swap import moe
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
 from seqpar.swap.hf_traced import prepare_traced
@@ -73,6 +75,9 @@ def prepare_inputs(
     (``nested``: ``module`` holds other PreTrainedModels, whose preparers run too)."""
     if torch.compiler.is_compiling():
         return prepare_traced(options, module, args, kwargs, nested=nested)
+    group = call_group(kwargs, options.group)  # dynamic CP: the micro-batch's group travels with the call
+    if group is not options.group:
+        options = dataclasses.replace(options, group=group)
     try:
         bound = forward_signature(type(module)).bind_partial(module, *args, **kwargs)
     except TypeError:

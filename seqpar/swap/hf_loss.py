@@ -67,8 +67,9 @@ class SequenceParallelLMLoss:
         shift_labels: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
+        options = self.options.for_call(kwargs)  # dynamic CP: the micro-batch's group travels with the call
         # While the position-mixing probe runs, nothing is communicated: the loss stays this rank's.
-        world_size = 1 if is_probing() else sp_rank_and_size(self.options.group)[1]
+        world_size = 1 if is_probing() else sp_rank_and_size(options.group)[1]
         # logits split on the vocabulary over TP (tp_sequence_parallel) take seqpar's vocab-parallel loss,
         # at any SP size: transformers' would gather them
         vocab_split = vocab_sharded_logits(logits) is not None
@@ -79,15 +80,15 @@ class SequenceParallelLMLoss:
             )
         if self.loss_type == "ForCausalLM":
             targets = shift_labels if shift_labels is not None else shift_labels_across_shards(
-                labels, group=self.options.group, sharding=self.options.sharding,
+                labels, group=options.group, sharding=options.sharding,
                 ignore_index=ignore_index,
             )
         else:
             targets = labels
         if num_items_in_batch is None:
-            return sequence_parallel_loss(logits, targets, group=self.options.group,
+            return sequence_parallel_loss(logits, targets, group=options.group,
                                           ignore_index=ignore_index, reduction="mean")
-        total = sequence_parallel_loss(logits, targets, group=self.options.group,
+        total = sequence_parallel_loss(logits, targets, group=options.group,
                                        ignore_index=ignore_index, reduction="sum")
         if isinstance(num_items_in_batch, Tensor):
             num_items_in_batch = num_items_in_batch.to(total.device)

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.batch import TOKEN_MASK_KEY
+from seqpar.sequence.call_group import call_group
 from seqpar.sequence.router import (
     pkm_routing_statistics,
     routing_statistics,
@@ -294,8 +295,9 @@ def _z_loss_problem(model: nn.Module) -> str | None:
     return None
 
 
-def _z_loss_hook(group: dist.ProcessGroup | None) -> Callable:
+def _z_loss_hook(swap_group: dist.ProcessGroup | None) -> Callable:
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        group = call_group(kwargs, swap_group)  # dynamic CP: the micro-batch's group travels with the call
         coef = getattr(module, "z_loss_coefficient", 0) or 0
         loss = getattr(output, "loss", None)
         token_mask = _token_mask()
@@ -326,7 +328,7 @@ def install(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     for pm in _pretrained(model):
         for handle in getattr(pm, _HOOKS_ATTR, ()):
             handle.remove()
-        handles = [pm.register_forward_pre_hook(_enter(group))]
+        handles = [pm.register_forward_pre_hook(_enter(group), with_kwargs=True)]
         if getattr(pm, "z_loss_coefficient", None) is not None:  # before _exit: it reads the frame
             handles.append(pm.register_forward_hook(_z_loss_hook(group), with_kwargs=True))
         handles.append(pm.register_forward_hook(_exit, always_call=True))
@@ -340,8 +342,9 @@ def _pretrained(model: nn.Module) -> list[nn.Module]:
 
 
 def _enter(group: dist.ProcessGroup | None) -> Callable:
-    def hook(module: nn.Module, args: Any) -> None:
-        _frames().append(_Frame(resolve_group(group)))
+    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        # dynamic CP: the micro-batch's group travels with the call; the frame holds it for this forward only
+        _frames().append(_Frame(resolve_group(call_group(kwargs, group))))
     return hook
 
 

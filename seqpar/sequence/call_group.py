@@ -1,0 +1,31 @@
+"""The SP group of one call (length-aware dynamic CP, issue 32 §2).
+
+Under dynamic CP each micro-batch runs over a group of its own size (:mod:`seqpar.sequence.dynamic`), so
+the group is state of one forward: it travels with the call as the keyword argument :data:`GROUP_KEY` of
+the swapped model (``model(**inputs, seqpar_group=group)``;
+:func:`seqpar.sequence.dynamic_batch.rank_micro_batches` puts it in every micro-batch's inputs).
+transformers threads a model call's extra keyword arguments down to every attention call and to the loss
+function, and its activation checkpointing saves them with each layer's call, so a recompute in the
+backward replays its own micro-batch's group. The swapped layers take the group from there, never from
+the process-group manager or a module attribute (:func:`call_group`); without it in the call they use the
+group the swap was given, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["GROUP_KEY", "call_group"]
+
+GROUP_KEY = "seqpar_group"
+"""The keyword argument of a swapped model's call (and of the attention and loss calls transformers makes
+from it) that carries the call's SP group."""
+
+
+def call_group(kwargs: Mapping[str, Any], default: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The call's SP group: ``kwargs[GROUP_KEY]`` when given, else ``default`` (the swap's group)."""
+    group = kwargs.get(GROUP_KEY)
+    return default if group is None else group

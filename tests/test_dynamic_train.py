@@ -1,0 +1,263 @@
+"""Length-aware dynamic CP through a swapped model (issue 32 §2, §3): every micro-batch runs attention and the
+loss over the group its call carries, and a step equals one process running the planned micro-batches in
+sequence.
+
+At 4 gloo ranks (the pool: SP = 4, DP = 1), a tiny fp32 Llama swapped over the manager's full SP group, two SGD
+steps of planned documents (``max_tokens_per_rank`` 16):
+
+- step 1, lengths (50, 30, 12, 9, 7, 3): slot 0 is one micro-batch over all 4 ranks (the 50-token document),
+  slot 1 holds a 2-rank micro-batch and two 1-rank ones with two documents packed each (mixed group sizes in
+  one slot);
+- step 2, lengths (9, 5): fewer documents than ranks, so two ranks run empty micro-batches (the issue's "No
+  hang"): every rank completes, and their zero loss and gradients change nothing.
+
+The reference is float64 on one process: each document run alone by transformers, its summed token loss
+divided by the step's target count (the loss is the per-token mean over the whole pool's step), gradients
+accumulated over the step, the same SGD step. seqpar's gradients, summed once per step over the pool, equal
+it (each parameter judged on its own scale), and so does the step's loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from hf_tiny import VOCAB, tiny_llama  # noqa: E402
+
+STEPS = ((50, 30, 12, 9, 7, 3), (9, 5))
+BUDGET = 16  # max_tokens_per_rank
+LR = 0.5  # SGD: step 2's gradients see step 1's update, so a wrong step-1 gradient shows twice
+
+
+def documents(lengths: tuple[int, ...], step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(32 + step)
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def tiny_mixtral(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer Mixtral (4 experts, top 2) whose loss adds the router's load-balancing loss (coefficient 0.5)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation="eager").to(dtype)  # grouped_mm has no float64
+
+
+def tiny_jamba(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """test_mixers_mamba's 2-layer Jamba (a Mamba layer, whose decoder layer calls it without the call's keyword
+    arguments, and an attention layer)."""
+    import test_mixers_mamba
+
+    return test_mixers_mamba.tiny("jamba", dtype)
+
+
+MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral, "jamba": tiny_jamba}
+
+
+def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
+    """float64, one process, per step. Llama: every document alone, summed token losses over the step's
+    targets. Mixtral: the planned micro-batches in sequence, packed (seqpar's attention on one process keeps
+    the documents apart), each its summed token losses over the step's targets plus its own router loss (the
+    router statistics are per micro-batch, Megatron's choice)."""
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_batch import pack_documents
+    from seqpar.swap import swap_attention
+
+    model = MODELS[name](torch.float64)
+    if name != "llama":
+        swap_attention(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = []
+    for step, lengths in enumerate(STEPS):
+        targets = sum(n - 1 for n in lengths)
+        docs = documents(lengths, step)
+        if name == "llama":
+            loss = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs) / targets
+        else:
+            plan = plan_dynamic(lengths, 4, BUDGET)
+            loss = sum(model(**pack_documents([docs[d] for d in mb.docs]), num_items_in_batch=targets).loss
+                       for slot in plan.slots for mb in slot if mb.docs)
+        loss.backward()
+        out.append((float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+def _dynamic_steps(rank: int, world: int, name: str) -> list[tuple[float, dict[str, torch.Tensor], list]]:
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import ShardedDataLoader
+    from seqpar.swap import swap_attention
+
+    manager = seqpar.init_process_groups(
+        sp_size=world, config={"sharding": "zigzag", "dynamic": {"max_tokens_per_rank": BUDGET, "min_size": 1}})
+    try:
+        model = MODELS[name](torch.float32)
+        swap_attention(model, SeqParConfig(size=world, sharding="zigzag"))  # the manager's full SP group
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        # the loader's dynamic mode: one batch per step (every document of it, on every rank), planned over the pool
+        samples = [{"input_ids": d} for step, lengths in enumerate(STEPS) for d in documents(lengths, step)]
+        firsts = [sum(map(len, STEPS[:i])) for i in range(len(STEPS))]
+        loader = ShardedDataLoader(
+            torch.utils.data.DataLoader(samples, batch_sampler=[range(f, f + len(n)) for f, n in zip(firsts, STEPS)],
+                                        collate_fn=lambda s: {"input_ids": [x["input_ids"] for x in s]}),
+            manager=manager, dynamic={"max_tokens_per_rank": BUDGET, "min_size": 1})
+        out = []
+        for micro_batches in loader:
+            loss = torch.zeros((), dtype=torch.float64)
+            ran = []
+            for inputs in micro_batches:
+                size = dist.get_world_size(inputs["seqpar_group"])
+                step_loss = model(**inputs).loss
+                step_loss.backward()
+                loss += step_loss.detach().double() / size  # each group's ranks all hold its loss
+                ran.append((size, inputs["input_ids"].shape[1]))
+            dist.all_reduce(loss, group=manager.sp_dp_group)
+            grads = {}
+            for name, p in model.named_parameters():  # reduced once per step, a sum over the pool
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=manager.sp_dp_group)
+                grads[name] = p.grad.detach().double().clone()
+            opt.step()
+            opt.zero_grad()
+            out.append((float(loss), grads, ran))
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dynamic_steps_equal_one_process(dist_pool, name: str) -> None:
+    from seqpar.sequence.dynamic import plan_dynamic
+
+    plans = [plan_dynamic(lengths, 4, BUDGET) for lengths in STEPS]  # as the loader plans them
+    # the plans hold what this test is about: mixed sizes in one slot, and empty micro-batches
+    assert any({mb.size for mb in slot if mb.docs} >= {1, 2} for slot in plans[0].slots), plans[0].slots
+    assert any(mb.size == 4 for slot in plans[0].slots for mb in slot), plans[0].slots
+    assert any(not mb.docs for slot in plans[1].slots for mb in slot), plans[1].slots
+    ref = reference(name)
+    results = dist_pool.run(4, _dynamic_steps, name, timeout=150)
+    for rank, steps in enumerate(results):
+        # every rank runs as many micro-batches per step: its plan's slots (an empty one included)
+        assert [len(ran) for _, _, ran in steps] == [plan.num_slots for plan in plans], (rank, steps)
+        for step, ((loss, grads, ran), (ref_loss, ref_grads)) in enumerate(zip(steps, ref, strict=True)):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (rank, step, loss, ref_loss)
+            for param, want in ref_grads.items():
+                err = float((grads[param] - want).abs().max() / want.abs().max())
+                assert err <= 1e-4, f"rank {rank} step {step}: grad of {param} {err:.3g} of its scale off ({ran})"
+
+
+# ------------------------------------------------------------------ launch/train.py --dynamic (issue 32 §5)
+TRAIN_CONFIG = {
+    "sequence_parallel": {"size": 4, "mode": "ring", "sharding": "zigzag",
+                          "dynamic": {"max_tokens_per_rank": 24, "min_size": 1}},
+    "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2},
+    # long-tailed packed rows of 80 tokens: log-normal lengths (median 20, sigma 1.2) clipped to [12, 80]
+    "train": {"engine": "fsdp", "seq_len": 80, "steps": 2, "grad_accum": 2, "seed": 3, "lr": 0.01,
+              "grad_clip": 1.0, "dtype": "fp32", "packed": True, "packed_lengths": "log-normal",
+              "packed_median": 20, "packed_sigma": 1.2, "packed_min": 12, "num_pairs": 2, "num_queries": 2,
+              "num_keys": 8, "num_values": 4, "filler_vocab": 8, "eval_samples": 0},
+    "fsdp": {"version": 2, "reshard_after_forward": True},
+}
+
+
+def _train_argv(path) -> list[str]:  # noqa: ANN001
+    return ["--config", str(path), "--dynamic", "--no-progress", "--log-level", "WARNING"]
+
+
+def _run_train(rank: int, world: int, argv: list[str]) -> list[float]:
+    from launch_module import run_main
+
+    return run_main(argv)["loss"]
+
+
+def train_reference(argv: list[str]) -> tuple[list[float], list[set[int]]]:
+    """One process (fp32, the launcher's own model, task and AdamW with clipping): every step's planned
+    micro-batches run in sequence, packed, each its targets' summed loss over the step's, gradients
+    accumulated; returns the per-step losses and each step's group sizes in use."""
+    from launch_module import train_module
+
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
+    from seqpar.sequence.sharding import padded_length
+    from seqpar.swap import swap_attention
+
+    train = train_module()
+    plan = train.build_plan(train.parse_args(argv))
+    t, dynamic = plan.train, plan.sp.dynamic
+    task = train.RecallTask(t)
+    model = train.build_model(plan, task.vocab_size, padded_length(t.seq_len, plan.sp.size, plan.sp.sharding))
+    swap_attention(model)  # one process: seqpar attention separates the packed documents
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    losses, sizes = [], []
+    for step in range(t.steps):
+        rows = t.grad_accum  # dp = 1: the pool is the SP group of 4
+        docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
+        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
+                               min_size=dynamic.min_size)
+        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
+        total = 0.0
+        for slot in planned.slots:
+            for mb in slot:
+                if mb.docs:
+                    batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
+                    loss = model(**batch, num_items_in_batch=targets).loss
+                    loss.backward()
+                    total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        sizes.append({mb.size for slot in planned.slots for mb in slot if mb.docs})
+    return losses, sizes
+
+
+@pytest.mark.timeout(240)
+def test_train_dynamic_losses_equal_one_process(dist_pool, tmp_path) -> None:
+    import json
+
+    path = tmp_path / "dynamic.json"
+    path.write_text(json.dumps(TRAIN_CONFIG))
+    argv = _train_argv(path)
+    ref, sizes = train_reference(argv)
+    assert set().union(*sizes) >= {1, 2}, sizes  # the long tail gives the plans more than one group size
+    got = dist_pool.run(4, _run_train, argv, timeout=200)
+    assert all(g == got[0] for g in got), f"every rank reports the same loss: {got}"
+    for step, (a, b) in enumerate(zip(got[0], ref, strict=True)):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: --dynamic {a} vs one process {b} (sizes {sizes})"
+
+
+def test_train_dynamic_refusals_name_the_fix(tmp_path) -> None:
+    """--dynamic without the dynamic block, under DeepSpeed, or without packed rows: refused before any process
+    group, naming what to set."""
+    import json
+    from pathlib import Path
+
+    from launch_module import train_module
+
+    train = train_module()
+    root = Path(__file__).resolve().parents[1]
+    for config in ("fsdp_ring.json", "deepspeed_ring.json"):
+        with pytest.raises(ValueError, match=r"--dynamic \(train.dynamic\) needs .*sequence_parallel"):
+            train.build_plan(train.parse_args(["--config", str(root / "configs" / config), "--dynamic", "--packed"]))
+    deepspeed = json.loads((root / "configs" / "deepspeed_ring.json").read_text())
+    deepspeed["sequence_parallel"]["dynamic"] = {"max_tokens_per_rank": 64, "min_size": 1}
+    (tmp_path / "ds.json").write_text(json.dumps(deepspeed))
+    with pytest.raises(ValueError, match="the FSDP engine"):
+        train.build_plan(train.parse_args(["--config", str(tmp_path / "ds.json"), "--dynamic", "--packed"]))
+    unpacked = json.loads(json.dumps(TRAIN_CONFIG))
+    unpacked["train"]["packed"] = False
+    (tmp_path / "unpacked.json").write_text(json.dumps(unpacked))
+    with pytest.raises(ValueError, match=r"train.dynamic \(--dynamic\) plans packed documents: set train.packed"):
+        train.build_plan(train.parse_args(["--config", str(tmp_path / "unpacked.json"), "--dynamic"]))
