@@ -186,6 +186,8 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         **{("train", k): _is_number for k in ("lr", "weight_decay", "grad_clip")},  # finite, >= 0
         ("train", "activation_checkpointing"): _is_bool,
         ("train", "packed"): _is_bool,
+        ("train", "compile"): _is_bool,
+        ("train", "compile_backend"): lambda v: isinstance(v, str) and v in _train_module().compile_backends(),
         # the model block: sizes within MODEL_SIZE_RANGES (head_dim may be None: from hidden_size)
         **{("model", k): (lambda v, lo=lo, hi=hi: _is_int(v, lo, hi)) for k, (lo, hi) in sizes.items()},
         ("model", "hidden_act"): lambda v: isinstance(v, str),  # a transformers activation name
