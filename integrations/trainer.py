@@ -329,7 +329,7 @@ class SequenceParallelMixin:
             # seqpar sharded the model already (gradient divide factor dp); accelerate would put DDP
             # around it, which averages the SP ranks' gradient shares instead of summing them.
             def prepare_model_as_is(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
-                if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO and not compiled:
+                if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO and not any(model is m for m in compiled):
                     # torch_compile=True: accelerate would compile the model it prepares, which this skips;
                     # compile each FSDP2 block instead (torchtitan's per-block compile, fullgraph)
                     from seqpar.integrations.fsdp import compile_blocks
@@ -338,7 +338,7 @@ class SequenceParallelMixin:
                     compiled.append(model)
                 return model
 
-            compiled: list[Any] = []  # prepare_model runs again for evaluation: compile once
+            compiled: list[Any] = []  # prepare_model runs again for evaluation: compile each model once
 
             accelerator.prepare_model = prepare_model_as_is
             return
