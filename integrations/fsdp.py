@@ -38,6 +38,7 @@ __all__ = [
     "FSDPOptions",
     "build_mesh",
     "wrap",
+    "compile_blocks",
     "find_block_classes",
     "save_checkpoint",
     "load_checkpoint",
@@ -151,9 +152,11 @@ def wrap(
     fsdp: FSDPOptions | Mapping[str, Any] | None = None,
     swap: bool = True,
     device: torch.device | str | None = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> nn.Module:
     """Swap the model's attention and shard it with FSDP over the sequence-data-parallel group (with
-    ``tp_size`` > 1: first tensor parallelism from the model's own plan, :mod:`seqpar.integrations.tp`).
+    ``tp_size`` > 1: first tensor parallelism from the model's own plan, :mod:`seqpar.integrations.tp`),
+    then, with ``compile``, compile every block (:func:`compile_blocks`).
 
     Args:
         model: the model (on CPU or its device); every rank must build the same initial weights
@@ -164,6 +167,8 @@ def wrap(
         fsdp: FSDP options (see :class:`FSDPOptions`).
         swap: swap attention first (default); ``False`` when the model calls seqpar itself.
         device: FSDP1's ``device_id`` (default: the current CUDA device, else CPU).
+        compile: ``True`` or ``torch.compile`` keyword arguments (``{"backend": "aot_eager"}``): each
+            FSDP2 block compiled after ``fully_shard`` (:func:`compile_blocks`). FSDP2 only.
 
     Returns:
         The wrapped model: the same object for FSDP2 (now an ``FSDPModule``), an
@@ -175,6 +180,9 @@ def wrap(
     sp_config = SeqParConfig.load(config)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
     manager = resolve_manager(sp_config, manager)
+    if compile is not False and opts.version != 2:
+        raise ValueError(f"compile= compiles FSDP2 blocks (torchtitan's per-block compile); fsdp.version is "
+                         f"{opts.version}: set it to 2, or compile the FSDP1 model yourself")
     if manager.tp_size > 1 and opts.version != 2:
         raise ValueError(f"tensor parallelism (tp_size {manager.tp_size}) needs FSDP2 (DTensor parameters): "
                          f"set fsdp.version = 2 (got {opts.version})")
@@ -198,6 +206,8 @@ def wrap(
     else:
         wrapped = _wrap_fsdp1(model, manager, opts, block_classes, device)
     wrapped.seqpar_manager = manager  # type: ignore[assignment]
+    if compile is not False:
+        compile_blocks(wrapped, block_classes, **({} if compile is True else dict(compile)))
     logger.info(
         "%s seqpar: FSDP%d over %d ranks (dp %d x sp %d), %d block class(es) wrapped, "
         "gradient divide factor %d",
@@ -233,6 +243,37 @@ def _wrap_fsdp2(
             if force_sum:
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def compile_blocks(model: nn.Module, block_classes: Iterable[type[nn.Module]] | None = None,
+                   **compile_kwargs: Any) -> list[str]:
+    """torchtitan's per-block compile: each outermost block of ``model`` (of ``block_classes``, default
+    :func:`find_block_classes`) compiled in place with ``module.compile(fullgraph=True, **compile_kwargs)``.
+
+    Call it after ``fully_shard`` (:func:`wrap` with ``compile=`` does). In place, so each block keeps its
+    name, its state-dict keys and FSDP2's hooks, which dynamo traces with the block (accelerate's
+    ``compile_regions_fsdp2`` does the same). The model's own forward, with the swapped model's per-batch
+    preparation in its pre-hooks (cross-rank checks, the boundaries' host read), stays eager; each
+    block is one graph with seqpar's attention in it (``fullgraph=True`` by default: a graph break in
+    a block is an error, not a silent slowdown). A block nested in another (an MoE block in a decoder
+    layer) is compiled with its outer one.
+
+    Returns:
+        The compiled blocks' qualified names, in model order.
+    """
+    classes = tuple(block_classes) if block_classes is not None else tuple(find_block_classes(model))
+    kwargs = {"fullgraph": True, **compile_kwargs}
+    compiled: list[str] = []
+    for name, module in model.named_modules():
+        # isinstance: fully_shard gives each block a subclass of its own (FSDPLlamaDecoderLayer)
+        if isinstance(module, classes) and not any(name.startswith(f"{outer}.") for outer in compiled):
+            module.compile(**kwargs)
+            compiled.append(name)
+    if not compiled:
+        raise ValueError(f"compile_blocks: no block of {sorted(c.__name__ for c in classes)} in "
+                         f"{type(model).__name__}; name the blocks to compile (fsdp.wrap_classes)")
+    logger.info("%s seqpar: compiled %d block(s) (%s)", rank_prefix(), len(compiled), kwargs)
+    return compiled
 
 
 def _wrap_fsdp1(

@@ -38,6 +38,10 @@ What it changes in Trainer, and why (each a small override or hook):
   ``train_batch_size`` is corrected to ``micro x accumulation x dp`` (accelerate and Trainer fill it
   with the world size, which DeepSpeed refuses once the mpu says the DP size is ``world / sp``). The
   patch is scoped to that call and removed after it, also on error.
+- **``torch_compile=True``**: with DeepSpeed, accelerate calls ``engine.compile()`` (the swapped model,
+  whole); on the FSDP2 path, where accelerate leaves the model as seqpar sharded it, each FSDP2 block is
+  compiled after ``fully_shard`` (:func:`seqpar.integrations.fsdp.compile_blocks`, torchtitan's pattern).
+  The compiled model gets the batches ``shard_batch`` cut, as :mod:`seqpar.swap.traced` needs.
 - **Same samples on an SP group**: accelerate's ``prepare`` splits loaders over all processes; this
   trainer's accelerator splits them over the DP axis only
   (:func:`seqpar.integrations.accelerate.prepare_data_loader`).
@@ -320,10 +324,21 @@ class SequenceParallelMixin:
         # Instance attributes shadow the Accelerator methods for this trainer's accelerator only.
         accelerator.prepare_data_loader = dp_prepare_data_loader
         if self._seqpar_engine == "fsdp2":
+            from accelerate.utils import DynamoBackend
+
             # seqpar sharded the model already (gradient divide factor dp); accelerate would put DDP
             # around it, which averages the SP ranks' gradient shares instead of summing them.
             def prepare_model_as_is(model: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+                if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO and not any(model is m for m in compiled):
+                    # torch_compile=True: accelerate would compile the model it prepares, which this skips;
+                    # compile each FSDP2 block instead (torchtitan's per-block compile, fullgraph)
+                    from seqpar.integrations.fsdp import compile_blocks
+
+                    compile_blocks(model, **accelerator.state.dynamo_plugin.to_kwargs())
+                    compiled.append(model)
                 return model
+
+            compiled: list[Any] = []  # prepare_model runs again for evaluation: compile each model once
 
             accelerator.prepare_model = prepare_model_as_is
             return

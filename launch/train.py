@@ -135,6 +135,13 @@ class TrainSettings:
     static run would train on) are planned over the DP x SP pool by ``seqpar.sequence.dynamic`` with
     ``sequence_parallel.dynamic``, each rank runs its planned micro-batches (every rank as many), the loss is
     the per-token mean over the pool's step and gradients are reduced once per step. Needs ``packed``, FSDP2."""
+    compile: bool = False
+    """``torch.compile`` the model: FSDP2 compiles each block after ``fully_shard`` (torchtitan's per-block
+    compile, ``fullgraph=True``; seqpar.integrations.fsdp.compile_blocks), DeepSpeed calls ``engine.compile()``.
+    FSDP1 refuses it."""
+    compile_backend: str = "inductor"
+    """The ``torch.compile`` backend with ``compile`` (``"inductor"``; ``"aot_eager"`` traces without
+    generating code, for checks)."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -142,6 +149,9 @@ class TrainSettings:
             raise ValueError(f"train.engine = {self.engine!r}: choose 'deepspeed', 'fsdp' or 'auto'")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"train.dtype = {self.dtype!r}: choose 'fp32', 'bf16' or 'fp16'")
+        if self.compile_backend not in compile_backends():
+            raise ValueError(f"train.compile_backend = {self.compile_backend!r}: choose a torch.compile backend "
+                             f"({', '.join(compile_backends())})")
         for name in ("seq_len", "steps", "micro_batch_size", "grad_accum", "num_pairs",
                      "num_queries", "num_keys", "num_values", "filler_vocab"):
             if getattr(self, name) < 1:
@@ -161,6 +171,11 @@ class TrainSettings:
                              "finite number >= 0")
         if self.dynamic and not self.packed:
             raise ValueError("train.dynamic (--dynamic) plans packed documents: set train.packed (--packed)")
+        if self.dynamic and self.compile:
+            raise ValueError(
+                "train.dynamic (--dynamic) runs eagerly for now: a compiled model's traced batch preparation does "
+                "not take a micro-batch's sub-group from the call yet; drop train.compile (--compile)"
+            )
         if self.seq_len < need:
             raise ValueError(
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
@@ -185,6 +200,13 @@ class TrainSettings:
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} in 'train'; allowed keys are {sorted(known)}")
         return cls(**d)
+
+
+def compile_backends() -> list[str]:
+    """The ``torch.compile`` backends registered in this process (``train.compile_backend``'s choices)."""
+    from torch._dynamo import list_backends
+
+    return list_backends(exclude_tags=())
 
 
 # ============================================================================ data
@@ -306,6 +328,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dynamic", action="store_true", default=None,
                    help="length-aware dynamic CP over the packed documents (sets train.dynamic; needs "
                         "sequence_parallel.dynamic and train.packed)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model (sets train.compile: FSDP2 per block, DeepSpeed engine.compile())")
+    p.add_argument("--compile-backend", help="override train.compile_backend (inductor | aot_eager | ...)")
     p.add_argument("--metrics-out", help="write the metrics JSON here (rank 0)")
     p.add_argument("--save-dir", help="checkpoint directory (the engine's own format)")
     p.add_argument("--save-every", type=int)
@@ -469,7 +494,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--config {args.config}: 'train' must be a JSON object")
     train_d = dict(raw.get("train") or {})
     for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr",
-                 "dtype", "activation_checkpointing", "save_every", "packed"):
+                 "dtype", "activation_checkpointing", "save_every", "packed", "compile", "compile_backend"):
         value = getattr(args, name, None)
         if value is not None:
             train_d[name] = value
@@ -569,6 +594,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         if args.zero_stage is not None:
             raise ConfigError("--zero-stage is a DeepSpeed option; this config runs FSDP")
         fsdp_d = dict(raw.get("fsdp") or {})
+        if train.compile and fsdp_d.get("version", 2) != 2:
+            raise ConfigError("train.compile compiles each FSDP2 block; set fsdp.version to 2 (FSDP1 is not compiled)")
         if train.dtype == "fp16":
             raise ConfigError(
                 "dtype fp16 needs loss scaling, which this FSDP launcher does not do; use bf16, or "
@@ -757,6 +784,8 @@ class _DeepSpeedEngine(_Engine):
 
         self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
         self.manager = self.model.seqpar_manager
+        if plan.train.compile:  # DeepSpeed's own: module.compile() of the swapped model, whole
+            self.model.compile(backend=plan.train.compile_backend)
         # DeepSpeed's own key: resume from the universal form, which loads at any TP / SP / DP layout
         self.load_universal = bool((plan.engine_config.get("checkpoint") or {}).get("load_universal"))
 
@@ -816,7 +845,8 @@ class _FSDPEngine(_Engine):
         from seqpar.runtime.groups import init_process_groups
 
         self.manager = init_process_groups(config=plan.sp)
-        self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config)
+        self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config,
+                               compile={"backend": plan.train.compile_backend} if plan.train.compile else False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay
         )
@@ -883,11 +913,15 @@ class _PeakMemory:
         self.value = 0
         self._tracker: Any = None
         self._engine = engine
+        self._compiled = settings.compile
 
     def __enter__(self) -> _PeakMemory:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
             self.kind = "cuda_max_memory_allocated over the run"
+            return self
+        if self._compiled:  # the CPU tracker is a dispatch mode, under which dynamo compiles nothing
+            self.kind = "not measured (train.compile: the CPU tensor tracker cannot run in compiled code)"
             return self
         from seqpar.memory.tracker import TensorMemoryTracker
 
@@ -901,6 +935,8 @@ class _PeakMemory:
     def __exit__(self, *exc: Any) -> None:
         if torch.cuda.is_available():
             self.value = int(torch.cuda.max_memory_allocated())
+            return
+        if self._tracker is None:
             return
         self._tracker.__exit__(*exc)
         self.value = int(self._tracker.peak)

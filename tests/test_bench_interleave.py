@@ -40,3 +40,21 @@ def test_an_unknown_method_is_refused_before_any_pool_starts() -> None:
     args = build_parser().parse_args(["--methods", "ring,deepspeed", "--world", "2"])
     with pytest.raises(SystemExit, match="unknown method.*deepspeed"):
         run_rounds(args)
+
+
+def test_compiled_summary_takes_the_slowest_rank_per_round_and_median_ratios() -> None:
+    """``interleave --compile`` (seqpar.bench.compiled): per round, tokens/s from the slowest rank's median
+    step of each of eager and compiled; the ratio per round and the medians over rounds."""
+    from seqpar.bench.compiled import summarize_compiled
+
+    def rank(rounds: list[tuple[list[float], list[float]]], compile_s: float, grad: float) -> dict:
+        return {"rounds": [{"eager": e, "compiled": c} for e, c in rounds], "compile_s": compile_s,
+                "first_loss": {"eager": 1.0, "compiled": 1.0}, "grad_max_rel_diff": grad}
+
+    per_rank = [rank([([1.0, 3.0], [1.0, 1.0]), ([2.0, 2.0], [4.0, 4.0]), ([1.0, 1.0], [0.5, 0.5])], 9.0, 1e-6),
+                rank([([1.0, 1.0], [2.0, 2.0]), ([1.0, 1.0], [1.0, 1.0]), ([2.0, 2.0], [1.0, 1.0])], 7.0, 3e-6)]
+    s = summarize_compiled(per_rank, seq_len=100)
+    assert s["eager_tokens_per_s_rounds"] == [50.0, 50.0, 50.0]  # slowest medians 2, 2, 2
+    assert s["compiled_tokens_per_s_rounds"] == [50.0, 25.0, 100.0]  # slowest medians 2, 4, 1
+    assert s["ratio_rounds"] == [1.0, 0.5, 2.0] and s["ratio_median"] == 1.0
+    assert s["compiled_tokens_per_s"] == 50.0 and s["compile_s"] == 9.0 and s["grad_max_rel_diff"] == 3e-6

@@ -190,6 +190,8 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         **{("train", k): _is_int for k in ("packed_median", "packed_min")},
         ("train", "packed_sigma"): _is_number,
         ("train", "dynamic"): lambda v: v is False,  # True needs train.packed and sequence_parallel.dynamic
+        ("train", "compile"): _is_bool,
+        ("train", "compile_backend"): lambda v: isinstance(v, str) and v in _train_module().compile_backends(),
         # the model block: sizes within MODEL_SIZE_RANGES (head_dim may be None: from hidden_size)
         **{("model", k): (lambda v, lo=lo, hi=hi: _is_int(v, lo, hi)) for k, (lo, hi) in sizes.items()},
         ("model", "hidden_act"): lambda v: isinstance(v, str),  # a transformers activation name

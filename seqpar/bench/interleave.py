@@ -28,7 +28,7 @@ from typing import Any
 from seqpar.bench.attention import EXTRA_METHODS, METHODS, BenchShape, Settings, run_case
 from seqpar.bench.runner import RankPool, combine
 
-__all__ = ["main", "build_parser", "run_rounds", "summarize"]
+__all__ = ["main", "build_parser", "run_rounds", "summarize", "run_compiled"]
 
 CAUSAL = {"yes": (True,), "no": (False,), "both": (False, True)}
 
@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="timed steps per method and round")
     p.add_argument("--profile", action="store_true", help="also one phase-profiled step per method and round")
     p.add_argument("--out", metavar="FILE", help="write every round's figures as JSON (rewritten after each round)")
+    p.add_argument("--compile", action="store_true",
+                   help="instead of attention methods: a swapped model's training step, torch.compile'd vs eager "
+                        "(seqpar.bench.compiled; --model, --backend, --seq-len, --rounds, --repeats)")
+    p.add_argument("--model", default="llama", help="with --compile: the transformers model type (llama, qwen3_5, ...)")
+    p.add_argument("--backend", default="inductor", help="with --compile: the torch.compile backend")
     return p
 
 
@@ -101,6 +106,32 @@ def run_rounds(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
+    """``--compile``: :func:`seqpar.bench.compiled.compiled_rounds` on one pool; prints and (``--out``) writes
+    the summary."""
+    from seqpar.bench.compiled import compiled_rounds, summarize_compiled
+
+    with RankPool(args.world, device="cpu") as pool:
+        per = pool.run(compiled_rounds, args.model, args.seq_len, args.rounds, args.repeats, args.backend)
+    result = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+              "summary": summarize_compiled(per, args.seq_len)}
+    summary = result["summary"]
+    for rnd, (e, c) in enumerate(zip(summary["eager_tokens_per_s_rounds"], summary["compiled_tokens_per_s_rounds"],
+                                     strict=True)):
+        print(f"round {rnd}: eager {e:.0f} tokens/s, compiled {c:.0f} tokens/s, ratio {c / e:.3f}", flush=True)
+    print(f"median: eager {summary['eager_tokens_per_s']:.0f}, compiled {summary['compiled_tokens_per_s']:.0f} "
+          f"tokens/s, ratio {summary['ratio_median']:.3f} (compile {summary['compile_s']:.1f} s; first losses "
+          f"{summary['first_loss']}, gradients' largest relative difference {summary['grad_max_rel_diff']:.2e})", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    run_rounds(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    if args.compile:
+        run_compiled(args)
+    else:
+        run_rounds(args)
     return 0

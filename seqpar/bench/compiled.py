@@ -1,0 +1,124 @@
+"""``python -m seqpar.bench interleave --compile``: a swapped Hugging Face model's training step, compiled
+(``torch.compile(model, fullgraph=True)``, inductor by default) against eager, timed in interleaved rounds::
+
+    python -m seqpar.bench interleave --compile --model llama --world 2 --seq-len 2048 --rounds 7 --out c.json
+
+Every rank builds the same seeded model (a small one of ``--model``'s family: :data:`SIZES`), swaps it at
+SP = ``--world`` (ring, zigzag), and cuts one fixed batch with :func:`seqpar.sequence.batch.shard_batch`. The
+compiled model is compiled once, before the rounds (its first call, timed apart as ``compile_s``); then
+every round runs the eager and the compiled step ``--repeats`` times each, in an order that alternates
+between rounds, so a change in the machine's load hits both alike. A step is forward with ``labels=``,
+backward and an SGD update. Reported per round and as the median over rounds: tokens per second (the
+batch's global tokens over the slowest rank's median step time) and compiled / eager. The first compiled
+and the first eager losses and gradients (same weights, no update between) are compared too: they must
+agree (``grad_max_rel_diff``: per parameter, the largest difference over the gradient's largest entry; the
+worst over parameters and ranks).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["SIZES", "compiled_rounds", "summarize_compiled"]
+
+SIZES: dict[str, Any] = {
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 16384, "tie_word_embeddings": False,
+    "use_cache": False,
+}
+"""The benchmarked model's sizes (the fields its family's config has): small enough for a loaded CPU,
+large enough that the step is compute, not Python overhead alone."""
+
+
+def _model(model_type: str) -> torch.nn.Module:
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    default = transformers.CONFIG_MAPPING[model_type]()
+    fields = {k: v for k, v in SIZES.items() if hasattr(default, k)}
+    if model_type != "llama":  # a hybrid's layer pattern etc.: the tiny model's, with the sizes above
+        from seqpar.testing.tiny_models import tiny_kwargs
+
+        fields = {**tiny_kwargs(model_type), **fields}
+    config = transformers.CONFIG_MAPPING[model_type](**fields)
+    cls = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    torch.manual_seed(0)
+    return cls(config).train()
+
+
+def compiled_rounds(ctx: Any, model_type: str, seq_len: int, rounds: int, repeats: int,
+                    backend: str) -> dict[str, Any]:
+    """Rank task (:class:`seqpar.bench.runner.RankPool`): per round, each of eager and compiled's step
+    times (wall seconds, ``repeats`` of them), and the compile time and first losses."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.sequence.batch import shard_batch
+
+    group = dist.group.WORLD
+    model = _model(model_type)
+    seqpar.swap_attention(model, {"size": ctx.world_size, "mode": "ring", "sharding": "zigzag"}, group=group)
+    ids = torch.randint(3, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(5))
+    batch = shard_batch({"input_ids": ids, "labels": ids.clone()}, group=group, sharding="zigzag")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+
+    def step(fn: Any, update: bool = True) -> tuple[float, float]:
+        dist.barrier(group)
+        tic = time.perf_counter()
+        loss = fn(**batch).loss
+        loss.backward()
+        if update:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - tic, loss.item()
+
+    def take_grads() -> dict[str, torch.Tensor]:
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        optimizer.zero_grad(set_to_none=True)
+        return grads
+
+    # the first steps without an update: the same weights' loss and gradients (they must agree)
+    first_eager = step(model, update=False)[1]
+    eager_grads = take_grads()
+    compile_s, first_compiled = step(compiled, update=False)
+    compiled_grads = take_grads()
+    # each gradient's largest difference over its own largest entry, the worst over parameters
+    grad_rel = max(((compiled_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+                   for n, g in eager_grads.items())
+    out: dict[str, Any] = {"compile_s": compile_s, "first_loss": {"eager": first_eager, "compiled": first_compiled},
+                           "grad_max_rel_diff": grad_rel, "rounds": []}
+    for rnd in range(rounds):
+        order = [("eager", model), ("compiled", compiled)]
+        if rnd % 2:
+            order.reverse()
+        times: dict[str, list[float]] = {}
+        for name, fn in order:
+            times[name] = [step(fn)[0] for _ in range(repeats)]
+        out["rounds"].append(times)
+    return out
+
+
+def summarize_compiled(per_rank: list[dict[str, Any]], seq_len: int) -> dict[str, Any]:
+    """The ranks' records -> tokens/s per round (slowest rank's median step) and the medians over rounds."""
+    rounds = len(per_rank[0]["rounds"])
+    tps: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for rnd in range(rounds):
+        for name in tps:
+            slowest = max(statistics.median(r["rounds"][rnd][name]) for r in per_rank)
+            tps[name].append(seq_len / slowest)
+    ratios = [c / e for c, e in zip(tps["compiled"], tps["eager"], strict=True)]
+    return {
+        "eager_tokens_per_s_rounds": tps["eager"], "compiled_tokens_per_s_rounds": tps["compiled"],
+        "ratio_rounds": ratios,
+        "eager_tokens_per_s": statistics.median(tps["eager"]),
+        "compiled_tokens_per_s": statistics.median(tps["compiled"]),
+        "ratio_median": statistics.median(ratios),
+        "compile_s": max(r["compile_s"] for r in per_rank),
+        "first_loss": per_rank[0]["first_loss"],
+        "grad_max_rel_diff": max(r["grad_max_rel_diff"] for r in per_rank),
+    }

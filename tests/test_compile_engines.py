@@ -1,0 +1,133 @@
+"""``torch.compile`` through the engines and entry points at SP = 2 (issue 31 §5): the compiled run gives the
+eager run's per-step losses (fp32, 1e-5 relative) over 3 optimizer steps of a dense tiny Llama, and really
+compiled (dynamo made graphs during the compiled run and none during the eager one: a compile skipped
+silently would pass a loss comparison alone).
+
+One task on 2 ranks runs all of them (the suite's time): ``launch/train.py --compile`` with FSDP2 (each block
+compiled after ``fully_shard``, ``fullgraph=True``; the launcher's AdamW), ``launch/train.py`` with DeepSpeed
+ZeRO-2 and ``"compile": true`` in the ``train`` block (``engine.compile()``, DeepSpeed's own; plain SGD), and
+``SeqParTrainer`` with ``torch_compile=True`` on its FSDP2 path (per-block compile; plain SGD). Backend
+``aot_eager``: it traces forward and backward as inductor does, without generating code (inductor's numbers
+are in BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("accelerate")
+
+RTOL = 1e-5
+STEPS = 3
+# a small recall task: 32 tokens per sample, no held-out evaluation (an eval forward would compile again)
+TASK = {"seq_len": 32, "steps": STEPS, "num_pairs": 4, "num_queries": 2, "num_keys": 8, "num_values": 4,
+        "filler_vocab": 4, "eval_samples": 0, "seed": 0}
+SP = {"size": 2, "mode": "ring", "sharding": "zigzag"}
+MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+
+
+def _graphs() -> int:
+    """Graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _counted(run: Any) -> tuple[list[float], int]:
+    """``run()``'s losses and the graphs dynamo compiled while it ran (from a clean cache)."""
+    torch._dynamo.reset()
+    before = _graphs()
+    losses = run()
+    graphs = _graphs() - before
+    torch._dynamo.reset()
+    return losses, graphs
+
+
+def _launcher(config: dict[str, Any], path: str, *flags: str) -> list[float]:
+    from launch_module import run_main
+
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return run_main(["--config", path, "--no-progress", "--log-level", "WARNING", *flags])["loss"]
+
+
+def _trainer(rank: int, world: int, tmp: str, compiled: bool) -> list[float]:
+    import hf_tiny
+    from transformers import TrainingArguments
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    compile_args = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
+    with hf_tiny.launcher_env(rank, world):
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=2, max_steps=STEPS, learning_rate=hf_tiny.LR,
+            weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
+            save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
+            use_cpu=True, **compile_args)
+        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, seqpar_config=SP,
+                                train_dataset=hf_tiny.ListDataset(hf_tiny.samples()))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@releases_deepspeed_engines
+def _engines(rank: int, world: int, tmp: str) -> dict[str, tuple[tuple[list[float], int], tuple[list[float], int]]]:
+    """Per entry point: ((eager losses, graphs), (compiled losses, graphs)) on this rank."""
+    fsdp = {"sequence_parallel": SP, "model": MODEL, "train": {**TASK, "engine": "fsdp"}, "fsdp": {"version": 2}}
+    deepspeed = {
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
+        "sequence_parallel": SP, "model": MODEL, "train": TASK,
+    }
+    compiled_deepspeed = {**deepspeed, "train": {**TASK, "compile": True, "compile_backend": "aot_eager"}}
+    runs = {
+        "launch/train.py --compile (FSDP2 per block)": (
+            lambda: _launcher(fsdp, f"{tmp}/fsdp{rank}.json"),
+            lambda: _launcher(fsdp, f"{tmp}/fsdp{rank}.json", "--compile", "--compile-backend", "aot_eager")),
+        "launch/train.py train.compile (DeepSpeed engine.compile())": (
+            lambda: _launcher(deepspeed, f"{tmp}/ds{rank}.json"),
+            lambda: _launcher(compiled_deepspeed, f"{tmp}/ds{rank}.json")),
+        "SeqParTrainer torch_compile=True (FSDP2 per block)": (
+            lambda: _trainer(rank, world, f"{tmp}/t{rank}", False),
+            lambda: _trainer(rank, world, f"{tmp}/t{rank}", True)),
+    }
+    return {name: (_counted(eager), _counted(compiled)) for name, (eager, compiled) in runs.items()}
+
+
+def test_compiled_engines_give_the_eager_losses_at_sp2(dist_pool, tmp_path) -> None:
+    per_rank = dist_pool.run(2, _engines, str(tmp_path), timeout=600)
+    failures = []
+    for name, ((eager, eager_graphs), (compiled, graphs)) in per_rank[0].items():
+        if eager_graphs or not graphs:
+            failures.append(f"{name}: {eager_graphs} graphs compiled eagerly, {graphs} compiled")
+        if len(eager) != STEPS or len(compiled) != STEPS or any(
+                abs(c - e) > RTOL * abs(e) for c, e in zip(compiled, eager, strict=True)):
+            failures.append(f"{name}: losses {compiled} vs eager {eager}")
+    assert not failures, failures
+    assert per_rank[1] == per_rank[0]
+
+
+def test_compile_settings_are_checked_before_any_process_group(tmp_path) -> None:
+    """``"compile": true`` is for FSDP2 and DeepSpeed: FSDP1 is refused by name, as is an unknown backend."""
+    from launch_module import train_module
+
+    from seqpar.config import ConfigError
+
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"sequence_parallel": SP, "model": MODEL, "fsdp": {"version": 1},
+                                "train": {**TASK, "engine": "fsdp", "compile": True}}))
+    with pytest.raises(ConfigError, match=r"train\.compile .*fsdp\.version"):
+        train_module().validate(["--config", str(path)])
+    with pytest.raises(ValueError, match=r"train\.compile_backend = 'inductr'"):
+        train_module().validate(["--config", str(path), "--compile-backend", "inductr"])
+    path.write_text(json.dumps({"sequence_parallel": SP, "model": MODEL, "train": {**TASK, "compile": True}}))
+    assert train_module().validate(["--config", str(path)]).train.compile
