@@ -193,8 +193,10 @@ def test_overlap_command(tmp_path: Path) -> None:
         assert c["t_compute"] > 0 and c["t_transfer"] > 0 and c["t_step"] > 0, c
         assert 0 <= c["hidden_max"] <= 1.05, c
         if c["link_auto"]:
-            # 'auto' is sized on the first free-link run, t_compute is the median of all
-            assert c["half_compute"] and abs(c["transfer_over_compute"] - 0.5) < 0.25, c
+            # 'auto' is sized so that the replayed transfers take half the first free-link run's compute; the
+            # ratio to the median of all runs moves with the machine's load (first/median ran 0.5-2 under a
+            # loaded 2-core machine), so the sizing is checked against the first run, not the median
+            assert c["t_transfer"] == pytest.approx(0.5 * c["t_compute_runs"][0], rel=1e-6), c
             # measured at ~10 ms steps on a 2-core machine, where 5% of noise in T_step is 10% of hidden
             # (-0.16 and 1.2 were both seen on an idle machine): a timed figure is not asserted here, only
             # that it is a number; the S = 16384 runs in BENCHMARKS are the measurement
@@ -207,8 +209,10 @@ def test_overlap_command(tmp_path: Path) -> None:
             # rank 2 moves few accumulators (gaps 0.004-0.014 seen)
             if c["mode"] == "ring" or (c["mode"] == "dilated" and not c["causal"]):
                 assert c["hidden_max"] > c["hidden_max_early"] + 0.03, c
-        else:
-            assert not c["half_compute"]
+    # one row per mode and mask is marked as the one nearest half the compute (which one is timed)
+    for mode, causal in {(c["mode"], c["causal"]) for c in cases}:
+        rows = [c for c in cases if (c["mode"], c["causal"]) == (mode, causal)]
+        assert sum(c["half_compute"] for c in rows) == 1, rows
     assert "T_transfer" in proc.stdout and "max(early)" in proc.stdout
 
 
