@@ -132,6 +132,15 @@ def compile_auto(rank: int, world: int) -> list[str]:
         if "links have not been probed yet" not in str(error):
             failures.append(f"compiled before the probe: {str(error)[:300]}")
     torch._dynamo.reset()
+    failures += eager_vs_compiled(call, q, k, v, dout, "auto")
+    torch._dynamo.reset()
+    return failures
+
+
+def eager_vs_compiled(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,  # noqa: ANN001
+                      label: str) -> list[str]:
+    """``call(q, k, v)`` eager, then compiled (fullgraph, aot_eager), each with ``dout`` backward: the
+    outputs and gradients that differ (fp32 1e-5 of each one's own scale), as text."""
     runs = []
     for compiled in (False, True):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -139,11 +148,9 @@ def compile_auto(rank: int, world: int) -> list[str]:
         out = fn(*leaves)
         out.backward(dout)
         runs.append([out.detach(), *(t.grad for t in leaves)])
-    for name, e, c in zip(("out", "dq", "dk", "dv"), *runs):
-        if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
-            failures.append(f"auto: {name} differs by {(c - e).abs().max().item():.3g}")
-    torch._dynamo.reset()
-    return failures
+    return [f"{label}: {name} differs by {(c - e).abs().max().item():.3g}"
+            for name, e, c in zip(("out", "dq", "dk", "dv"), *runs)
+            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())]
 
 
 def test_auto_mode_compiles_once_its_links_are_probed(dist_pool) -> None:
@@ -175,17 +182,7 @@ def compile_dilated(rank: int, world: int) -> list[str]:
             return dilated_attention(q, k, v, segment_lengths=(4, q.shape[2] * world), dilation_rates=(1, 2), causal=causal,
                                      mode=mode, group=group, head_layout=head_layout, check_inputs=False)
 
-        runs = []
-        for compiled in (False, True):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
-            out = fn(*leaves)
-            out.backward(dout)
-            runs.append([out.detach(), *(t.grad for t in leaves)])
-        for name, e, c in zip(("out", "dq", "dk", "dv"), *runs):
-            if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
-                failures.append(f"dilated {mode} causal={causal} {head_layout}: {name} differs by "
-                                f"{(c - e).abs().max().item():.3g}")
+        failures += eager_vs_compiled(call, q, k, v, dout, f"dilated {mode} causal={causal} {head_layout}")
         torch._dynamo.reset()
         if i == 0:
             explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone())
