@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan
+from seqpar.mixers.halo import HaloPlan, halo_exchange, halo_plan, traced_halo_exchange
 from seqpar.mixers.scan_layout import shard_boundaries
 from seqpar.runtime.groups import resolve_group
-from seqpar.sequence.sharding import shard_index
+from seqpar.sequence.sharding import chunk_ids, shard_index
 
 __all__ = ["ConvLayout", "conv_layout", "causal_conv_shard", "causal_conv_chunks", "is_causal_depthwise_conv"]
 
@@ -133,7 +133,28 @@ def causal_conv_shard(x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
     if position_wise:  # the probe's 13 tokens need not cut into chunks: no layout, no communication
         doc_pos = torch.zeros(1, x.shape[-1], dtype=torch.long, device=x.device)
         return causal_conv_chunks(x, x.new_empty(0), weight, bias, doc_pos, position_wise=True)
+    if torch.compiler.is_compiling():
+        return _traced_conv(x, weight, bias, group=group, sharding=sharding, cu_seqlens=cu_seqlens)
     layout = conv_layout(x.shape[-1], weight.shape[-1], group=group, sharding=sharding, cu_seqlens=cu_seqlens,
                          device=x.device)
     halo = halo_exchange(x, layout.plan, layout.rank, resolve_group(group))
     return causal_conv_chunks(x, halo, weight, bias, layout.doc_pos)
+
+
+def _traced_conv(x: Tensor, weight: Tensor, bias: Tensor | None, *, group: dist.ProcessGroup | None, sharding: str,
+                 cu_seqlens: Tensor | Sequence[int] | None) -> Tensor:
+    """:func:`causal_conv_shard` while dynamo traces (``torch.compile``): the halo exchange as the custom op
+    ``seqpar::halo_fwd``, the positions from the sharding's integers (no cached host plan in the graph).
+    Packed documents are refused: their boundaries would be read on the host."""
+    if cu_seqlens is not None:
+        raise ValueError("causal convolution: packed documents (cu_seqlens) under torch.compile are not supported "
+                         "yet (the boundaries are read as host integers); run packed batches eagerly")
+    sp = resolve_group(group)
+    world, rank = (1, 0) if sp is None else (dist.get_world_size(sp), dist.get_rank(sp))
+    seq_local, halo = x.shape[-1], weight.shape[-1] - 1
+    seq_len = seq_local * world
+    n = len(chunk_ids(rank, world, sharding, seq_len=seq_len))
+    doc_pos = shard_index(seq_len, rank, world, sharding, device=x.device).view(n, seq_local // n)
+    halo_x = traced_halo_exchange(x, group=sp, world=world, rank=rank, sharding=sharding, seq_len=seq_len,
+                                  cu_seqlens=None, halo=halo)
+    return causal_conv_chunks(x, halo_x, weight, bias, doc_pos)

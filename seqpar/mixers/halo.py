@@ -14,7 +14,10 @@ on every rank, so each send meets exactly one receive; the pieces between one pa
 one message.
 
 The exchange is an autograd Function whose backward is its dual: the gradient of each halo piece is
-sent back to the rank owning those positions and added to its input gradient.
+sent back to the rank owning those positions and added to its input gradient. While dynamo traces
+(``torch.compile``), the same exchange runs as the custom ops ``seqpar::halo_fwd`` / ``seqpar::halo_bwd``
+(:func:`traced_halo_exchange`): one opaque node each (dynamo cannot trace ``batch_isend_irecv`` nor the
+plan's host arithmetic), the group by name and the plan by the integers it is a pure function of.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import Tensor
 
 from seqpar.sequence.sharding import chunk_ids
 
-__all__ = ["HaloPiece", "HaloPlan", "halo_plan", "halo_exchange"]
+__all__ = ["HaloPiece", "HaloPlan", "halo_plan", "halo_exchange", "traced_halo_exchange"]
 
 # Tag of the halo messages (above the ring and segment communicators' ranges).
 _HALO_TAG = 1 << 13
@@ -201,3 +204,63 @@ def halo_exchange(x: Tensor, plan: HaloPlan, rank: int, group: dist.ProcessGroup
         raise ValueError(f"halo_exchange: shard length {x.shape[-1]} is not {plan.chunks_per_rank} chunks of "
                          f"{plan.chunk_len} (the plan's); cut the sequence with seqpar.sequence.batch.shard_batch")
     return _HaloExchange.apply(x, plan, rank, group)
+
+
+def _cu(cu_seqlens: list[int] | None) -> tuple[int, ...] | None:
+    return None if cu_seqlens is None else tuple(cu_seqlens)
+
+
+@torch.library.custom_op("seqpar::halo_fwd", mutates_args=())
+def halo_fwd(x: Tensor, group: str, world: int, rank: int, sharding: str, seq_len: int,
+             cu_seqlens: list[int] | None, halo: int) -> Tensor:
+    """:func:`halo_exchange` as a custom op: x ``(batch, channels, seq_local)`` -> ``(batch, channels, n, h)``
+    for the plan ``halo_plan(world, sharding, seq_len, cu_seqlens, halo)``, over the group named ``group``
+    (``""``: one process)."""
+    from seqpar.attn.ops import resolve_group as group_by_name
+
+    plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
+    return _halo_forward(x, plan, rank, group_by_name(group))
+
+
+@halo_fwd.register_fake
+def _(x, group, world, rank, sharding, seq_len, cu_seqlens, halo):  # noqa: ANN001, ANN202
+    plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
+    return x.new_empty(x.shape[0], x.shape[1], plan.chunks_per_rank, halo)
+
+
+@torch.library.custom_op("seqpar::halo_bwd", mutates_args=())
+def halo_bwd(grad_halo: Tensor, seq_local: int, group: str, world: int, rank: int, sharding: str, seq_len: int,
+             cu_seqlens: list[int] | None, halo: int) -> Tensor:
+    """The dual of :func:`halo_fwd`: grad_halo ``(batch, channels, n, h)`` -> grad_x ``(batch, channels,
+    seq_local)``."""
+    from seqpar.attn.ops import resolve_group as group_by_name
+
+    plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
+    return _halo_backward(grad_halo.contiguous(), seq_local, plan, rank, group_by_name(group))
+
+
+@halo_bwd.register_fake
+def _(grad_halo, seq_local, group, world, rank, sharding, seq_len, cu_seqlens, halo):  # noqa: ANN001, ANN202
+    return grad_halo.new_empty(grad_halo.shape[0], grad_halo.shape[1], seq_local)
+
+
+def _halo_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    x, *rest = inputs
+    ctx.seq_local, ctx.rest = x.shape[-1], rest  # group name, world, rank and the plan's integers
+
+
+def _halo_op_backward(ctx, grad_halo: Tensor):  # noqa: ANN001, ANN202
+    return halo_bwd(grad_halo, ctx.seq_local, *ctx.rest), *([None] * len(ctx.rest))
+
+
+halo_fwd.register_autograd(_halo_op_backward, setup_context=_halo_setup)
+
+
+def traced_halo_exchange(x: Tensor, *, group: dist.ProcessGroup | None, world: int, rank: int, sharding: str,
+                         seq_len: int, cu_seqlens: tuple[int, ...] | None, halo: int) -> Tensor:
+    """:func:`halo_exchange` for a traced forward (the custom op ``seqpar::halo_fwd``; same arguments as
+    :func:`halo_plan`, ``group`` the SP group, None with ``world == 1``). Returns ``(batch, channels, n, h)``."""
+    from seqpar.attn.ops import group_name
+
+    return halo_fwd(x, group_name(group) if world > 1 else "", world, rank, sharding, seq_len,
+                    None if cu_seqlens is None else list(cu_seqlens), halo)

@@ -67,7 +67,9 @@ def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, .
             f"rank(s) with sharding='{sharding}': pad it to a multiple of {total} (seqpar.sequence.batch.shard_batch "
             "pads and cuts a batch the way the swapped model expects)")
     c = seq_len // total
-    doc_starts = list(cu[:-1]) if cu is not None else [0]
+    if cu is None:  # one sequence: no start inside any chunk (no bisect: dynamo cannot trace it)
+        return ScanLayout(world, rank, seq_len, c, None, ((),) * len(ids))
+    doc_starts = list(cu[:-1])
     starts = []
     for g in ids:
         lo = bisect.bisect_right(doc_starts, g * c)
