@@ -100,8 +100,7 @@ from seqpar.attn.checks import (
     dkv_wire_digest,
 )
 from seqpar.attn.common import dkv_wire_dtype
-from seqpar.attn.ops import group_name
-from seqpar.attn.ops import resolve_group as group_named
+from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import Pending
 from seqpar.comm.segment import SegmentComm
 from seqpar.kernels import (
@@ -686,7 +685,7 @@ class DilatedAttention(torch.autograd.Function):
 # laid out as q, lse (batch, q_heads, seq_local) in fp32 (fp64 for fp64 inputs).
 def _plan(q: Tensor, k: Tensor, group: str, segment_lengths: list[int], dilation_rates: list[int], causal: bool,
           scale: float, mode: str, head_layout: str, dkv_wire_dtype: str) -> tuple[DilatedPlan, dict[int, SegmentComm]]:
-    pg = group_named(group)
+    pg = group_by_name(group)
     opts = DilatedOptions(segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=causal,
                           scale=scale, mode=mode, head_layout=head_layout, dkv_wire_dtype=dkv_wire_dtype)
     rank, world = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))

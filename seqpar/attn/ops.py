@@ -11,7 +11,7 @@ are those of eager.
 
 A custom op takes tensors and primitives only, so:
 
-- the process group travels by name (``ProcessGroup.group_name``; ``""`` for one process), resolved
+- the process group travels by name (:mod:`seqpar.comm.group_names`; ``""`` for one process), resolved
   with torch's own registry, the one its functional collectives use;
 - Ulysses and hybrid take their ring group by name too (``""``: Ulysses over the whole group), and their
   :class:`~seqpar.attn.ulysses.UlyssesPlan` as its fields; the forward returns the head-layout tensors
@@ -46,27 +46,14 @@ from seqpar.attn.common import AttentionOptions, SingleRank
 from seqpar.attn.masks import check_boundary_values, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
+from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "compiled_attention", "group_name", "resolve_group", "comm_size"]
+__all__ = ["OP_ALGORITHMS", "compiled_attention", "comm_size"]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
-
-
-def group_name(group: dist.ProcessGroup | None) -> str:
-    """The name a custom op carries for ``group`` (``""``: no group, one process)."""
-    return "" if group is None else str(group.group_name)
-
-
-def resolve_group(name: str) -> dist.ProcessGroup | None:
-    """The process group named ``name`` (torch's registry of named groups), None for ``""``."""
-    if not name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
 
 
 def _options(causal: bool, scale: float, sharding: str, overlap: bool, head_chunks: int, window: int | None,
@@ -93,7 +80,7 @@ def _flat(opts: AttentionOptions) -> tuple[Any, ...]:
 def _comm(algorithm: str, name: str) -> Any:
     if algorithm == "single":
         return SingleRank()
-    group = resolve_group(name)
+    group = group_by_name(name)
     return RingComm(group) if algorithm == "ring" else group
 
 
@@ -106,7 +93,7 @@ def comm_size(comm: Any) -> int:
 
 def _ulysses_world(group: str, ring_group: str) -> int:
     """The SP size of a Ulysses (``ring_group=""``) or hybrid op: the Ulysses group times the ring's."""
-    return dist.get_world_size(resolve_group(group)) * (dist.get_world_size(resolve_group(ring_group)) if ring_group else 1)
+    return dist.get_world_size(group_by_name(group)) * (dist.get_world_size(group_by_name(ring_group)) if ring_group else 1)
 
 
 @torch.library.custom_op("seqpar::attention_fwd", mutates_args=())
@@ -191,7 +178,7 @@ def _plan_args(plan: UlyssesPlan) -> tuple[Any, ...]:
 
 
 def _ring(name: str) -> RingComm | None:
-    return RingComm(resolve_group(name)) if name else None
+    return RingComm(group_by_name(name)) if name else None
 
 
 @torch.library.custom_op("seqpar::ulysses_fwd", mutates_args=())
@@ -206,7 +193,7 @@ def ulysses_fwd(
     opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
                     dkv_wire_dtype, documents, q.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
-    out, saved = ulysses_forward(q, k, v, resolve_group(group), _ring(ring_group), plan, sinks)
+    out, saved = ulysses_forward(q, k, v, group_by_name(group), _ring(ring_group), plan, sinks)
     return out, [t.contiguous() for chunk in saved for t in chunk]
 
 
@@ -238,7 +225,7 @@ def ulysses_bwd(
                     dkv_wire_dtype, documents, k.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
     chunks = [saved[i:i + 5] for i in range(0, len(saved), 5)]
-    dq, dk, dv, dsinks = ulysses_backward(dout, chunks, k.shape, resolve_group(group), _ring(ring_group), plan, sinks,
+    dq, dk, dv, dsinks = ulysses_backward(dout, chunks, k.shape, group_by_name(group), _ring(ring_group), plan, sinks,
                                           v_head_dim=v.shape[-1])
     dq = dq if dq.stride() == output_like(dout, k.shape[3]).stride() else output_like(dout, k.shape[3]).copy_(dq)
     return dq, dk.contiguous(), dv.contiguous(), dsinks if dsinks is not None else dout.new_empty((0,))

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HaloPiece", "HaloPlan", "halo_plan", "halo_exchange", "traced_halo_exchange"]
@@ -216,8 +217,6 @@ def halo_fwd(x: Tensor, group: str, world: int, rank: int, sharding: str, seq_le
     """:func:`halo_exchange` as a custom op: x ``(batch, channels, seq_local)`` -> ``(batch, channels, n, h)``
     for the plan ``halo_plan(world, sharding, seq_len, cu_seqlens, halo)``, over the group named ``group``
     (``""``: one process)."""
-    from seqpar.attn.ops import resolve_group as group_by_name
-
     plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
     return _halo_forward(x, plan, rank, group_by_name(group))
 
@@ -233,8 +232,6 @@ def halo_bwd(grad_halo: Tensor, seq_local: int, group: str, world: int, rank: in
              cu_seqlens: list[int] | None, halo: int) -> Tensor:
     """The dual of :func:`halo_fwd`: grad_halo ``(batch, channels, n, h)`` -> grad_x ``(batch, channels,
     seq_local)``."""
-    from seqpar.attn.ops import resolve_group as group_by_name
-
     plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
     return _halo_backward(grad_halo.contiguous(), seq_local, plan, rank, group_by_name(group))
 
@@ -260,7 +257,5 @@ def traced_halo_exchange(x: Tensor, *, group: dist.ProcessGroup | None, world: i
                          seq_len: int, cu_seqlens: tuple[int, ...] | None, halo: int) -> Tensor:
     """:func:`halo_exchange` for a traced forward (the custom op ``seqpar::halo_fwd``; same arguments as
     :func:`halo_plan`, ``group`` the SP group, None with ``world == 1``). Returns ``(batch, channels, n, h)``."""
-    from seqpar.attn.ops import group_name
-
     return halo_fwd(x, group_name(group) if world > 1 else "", world, rank, sharding, seq_len,
                     None if cu_seqlens is None else list(cu_seqlens), halo)
