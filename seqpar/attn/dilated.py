@@ -106,6 +106,7 @@ from seqpar.comm.segment import SegmentComm
 from seqpar.kernels import (
     block_backward,
     block_forward,
+    in_layout_of,
     lse_dtype,
     merge_into,
     new_accumulators,
@@ -701,7 +702,10 @@ def dilated_fwd(
     """``(out, lse)`` of one rank (see the module)."""
     plan, comms = _plan(q, k, group, segment_lengths, dilation_rates, causal, scale, mode, head_layout, dkv_wire_dtype)
     out_acc, lse = dilated_forward(q, k, v, plan, comms)
-    # a custom op's outputs have the fake's layout (q's) and never alias an input
+    # a custom op's outputs have the fake's layout (q's) and never alias an input: the accumulator is a fresh
+    # buffer, returned as it is when it already has q's dtype and memory order (no copy), else copied into one
+    if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):
+        return out_acc, lse
     return output_like(q, v.shape[-1]).copy_(out_acc), lse
 
 
