@@ -11,6 +11,11 @@
 dtype and device come from the inputs; nothing here hard-codes either. ``group=None`` means
 :func:`seqpar.runtime.groups.resolve_group` (the default manager's SP group; without one on a world > 1: an error); a group of
 one, or no process group at all, makes every op the identity.
+
+While ``torch.compile`` traces (``torch.compiler.is_compiling()``), :func:`all_gather` and
+:func:`reduce_scatter` run torch's functional collectives instead, which dynamo traces (it cannot trace an
+autograd Function around an in-place collective): the same values and the same gradients, so no caller
+special-cases compile.
 """
 
 from __future__ import annotations
@@ -73,6 +78,20 @@ class ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.world), None, None
 
 
+def _traced_all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, grad_reduction: str) -> Tensor:
+    """:class:`AllGather` as dynamo traces it, on torch's functional all-gather. ``"sum"``: the autograd
+    version, whose backward is the reduce-scatter (sum). ``"slice"``: the gathered blocks without autograd,
+    with this rank's own ``x`` spliced back in, so the gradient reaching ``x`` is its own block."""
+    from torch.distributed import _functional_collectives as funcol
+
+    if grad_reduction == "sum":
+        return funcol.all_gather_tensor_autograd(x.contiguous(), dim, group)
+    world, rank, n = dist.get_world_size(group), dist.get_rank(group), x.shape[dim]
+    gathered = funcol.all_gather_tensor(x.detach().contiguous(), dim, group)
+    return torch.cat([gathered.narrow(dim, 0, rank * n), x, gathered.narrow(dim, (rank + 1) * n, (world - rank - 1) * n)],
+                     dim)
+
+
 def _group_of_many(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The resolved group, or ``None`` when the op is the identity (no group, or a group of one)."""
     group = resolve_group(group)
@@ -105,6 +124,8 @@ def all_gather(
     group = _group_of_many(group)
     if group is None:
         return x
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(x, dim % x.dim(), group, grad_reduction)
     return AllGather.apply(x, dim % x.dim(), group, grad_reduction)
 
 
@@ -129,4 +150,8 @@ def reduce_scatter(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = Non
             f"reduce_scatter: dim {dim} has length {x.shape[dim]}, not a multiple of the group "
             f"size {world}; pad it to a multiple of {world}"
         )
+    if torch.compiler.is_compiling():  # its backward is the all-gather, as ReduceScatter's
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.reduce_scatter_tensor_autograd(x.contiguous(), "sum", dim % x.dim(), group)
     return ReduceScatter.apply(x, dim % x.dim(), group)

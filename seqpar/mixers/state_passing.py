@@ -116,13 +116,7 @@ def chunk_initial_states(
     # is rank r's chunk j.
     t_shape, s_shape = transition.shape[1:], state.shape[1:]
     packed = torch.cat([transition.reshape(n, -1).to(state.dtype), state.reshape(n, -1)], dim=1)
-    if world > 1 and torch.compiler.is_compiling():
-        # torch's functional all-gather, which dynamo traces (seqpar's is an autograd Function around an
-        # in-place collective); its backward is the same reduce-scatter (sum)
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
-        packed = all_gather_tensor_autograd(packed, 0, group)
-    elif world > 1:
+    if world > 1:
         packed = all_gather(packed, 0, group=group, grad_reduction="sum")
     all_t = packed[:, :t_shape.numel()].reshape(-1, *t_shape)
     all_s = packed[:, t_shape.numel():].reshape(-1, *s_shape)
