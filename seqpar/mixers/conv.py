@@ -52,15 +52,21 @@ class ConvLayout:
 def _layout(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, ...] | None, halo: int,
             device: torch.device) -> ConvLayout:
     plan = halo_plan(world, sharding, seq_len, cu, halo)
-    positions = shard_index(seq_len, rank, world, sharding, cu_seqlens=cu)  # (seq_local,)
-    if cu is None:
-        doc_pos = positions
-    else:
-        edges = torch.tensor(cu, dtype=torch.long)
-        doc_pos = positions - edges[torch.searchsorted(edges, positions, right=True) - 1]
+    doc_pos = _doc_positions(world, rank, sharding, seq_len, cu, plan.chunks_per_rank)
     # asynchronous: a blocking copy would make the batch's first convolution layer wait for the device
     # (pageable memory is staged by the driver at the call, so the host tensor may go at once)
-    return ConvLayout(plan, rank, doc_pos.view(plan.chunks_per_rank, plan.chunk_len).to(device, non_blocking=True))
+    return ConvLayout(plan, rank, doc_pos.to(device, non_blocking=True))
+
+
+def _doc_positions(world: int, rank: int, sharding: str, seq_len: int, cu: tuple[int, ...] | None, chunks: int,
+                   device: torch.device | None = None) -> Tensor:
+    """``(chunks, seq_local // chunks)`` int64: each local position's offset in its document (its global
+    position without documents), made on ``device``."""
+    positions = shard_index(seq_len, rank, world, sharding, cu_seqlens=cu, device=device)  # (seq_local,)
+    if cu is not None:
+        edges = torch.tensor(cu, dtype=torch.long, device=device)
+        positions = positions - edges[torch.searchsorted(edges, positions, right=True) - 1]
+    return positions.view(chunks, -1)
 
 
 def conv_layout(seq_local: int, kernel_size: int, *, group: dist.ProcessGroup | None, sharding: str,
@@ -153,8 +159,8 @@ def _traced_conv(x: Tensor, weight: Tensor, bias: Tensor | None, *, group: dist.
     world, rank = (1, 0) if sp is None else (dist.get_world_size(sp), dist.get_rank(sp))
     seq_local, halo = x.shape[-1], weight.shape[-1] - 1
     seq_len = seq_local * world
-    n = len(chunk_ids(rank, world, sharding, seq_len=seq_len))
-    doc_pos = shard_index(seq_len, rank, world, sharding, device=x.device).view(n, seq_local // n)
+    doc_pos = _doc_positions(world, rank, sharding, seq_len, None, len(chunk_ids(rank, world, sharding, seq_len=seq_len)),
+                             device=x.device)
     halo_x = traced_halo_exchange(x, group=sp, world=world, rank=rank, sharding=sharding, seq_len=seq_len,
                                   cu_seqlens=None, halo=halo)
     return causal_conv_chunks(x, halo_x, weight, bias, doc_pos)
