@@ -1,0 +1,186 @@
+"""Length-aware dynamic CP through the engines (issue 32 §4): ``launch/train.py --dynamic``'s step
+(``_dynamic_step``) under FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 gives, after every step, the reduced
+gradient of one process running the planned micro-batches in sequence (float64), every parameter on its own
+scale, and its per-step losses, under plain SGD (Adam would hide a factor in the gradient's scale).
+
+The pool is 4 gloo ranks as DP 2 x SP 2, so the engines' DP averaging (FSDP2's divide factor, DeepSpeed's
+average over its sequence-data-parallel group) must be undone exactly: a micro-batch of 4 ranks spans both DP
+replicas. The launcher's recall task, packed, log-normal lengths (seq_len 64, median 40), 2 rows per step,
+``max_tokens_per_rank`` 24, three steps whose plans hold (checked below):
+
+- step 1, lengths (64, 22, 42): **fewer documents than ranks** and groups of 1, 2 and 4 ranks; in one slot a
+  rank no document covers runs an empty micro-batch (the issue's "No hang": every engine completes it, its
+  per-forward ZeRO-3 / FSDP2 gathers matched);
+- step 2, six documents over groups of 1 and 2;
+- step 3, (64, 64): two 4-rank micro-batches.
+
+One pool task runs every engine in turn (the suite's time). Seen failing: the launcher's DP multiplier dropped
+(``multiplier=1`` in ``_dynamic_step``: every gradient half its reference, all engines); DeepSpeed's loss
+divided by its ``gradient_accumulation_steps`` as well (``scale_wrt_gas`` left at its default with the config's
+``gradient_accumulation_steps`` 2: half); the accumulation boundary set on every micro-batch (ZeRO-3 copies
+instead of adding: the gradients of the step's last slot alone); FSDP2 reducing twice (an extra all-reduce of
+the reduced gradients over the pool: twice the reference).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("deepspeed")
+
+LR = 0.5  # SGD: later steps' gradients see the earlier updates
+RTOL_LOSS = 1e-5
+RTOL_GRAD = 1e-5  # of each parameter's own largest reference entry
+SP = {"size": 2, "mode": "ring", "sharding": "zigzag", "dynamic": {"max_tokens_per_rank": 24, "min_size": 1}}
+MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+TASK = {"seq_len": 64, "steps": 3, "seed": 3, "dtype": "fp32", "packed": True, "packed_lengths": "log-normal",
+        "packed_median": 40, "packed_sigma": 1.2, "packed_min": 12, "num_pairs": 2, "num_queries": 2,
+        "num_keys": 8, "num_values": 4, "filler_vocab": 8, "eval_samples": 0}
+ENGINES = ("fsdp2", "zero1", "zero2", "zero3")
+
+
+def config(engine: str) -> dict[str, Any]:
+    if engine == "fsdp2":
+        return {"sequence_parallel": SP, "model": MODEL, "fsdp": {"version": 2},
+                "train": {**TASK, "engine": "fsdp", "grad_clip": 0.0, "lr": LR}}
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": int(engine[-1])}, "steps_per_print": 10**9,
+            "sequence_parallel": SP, "model": MODEL, "train": TASK}
+
+
+def _argv(path: str) -> list[str]:
+    return ["--config", path, "--dynamic", "--no-progress", "--log-level", "WARNING"]
+
+
+def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient, whole, gathered by the engine's own API (collective: every rank
+    calls it, in the same order)."""
+    out = {}
+    if hasattr(engine.model, "module"):  # DeepSpeed: ZeRO-1/2 partitions, ZeRO-3 partitions
+        from deepspeed.utils import safe_get_full_grad
+
+        for name, p in engine.model.module.named_parameters():
+            out[name] = safe_get_full_grad(p).detach().double().clone()
+    else:  # FSDP2: DTensor gradients, sharded over the pool
+        for name, p in engine.model.named_parameters():
+            out[name] = p.grad.full_tensor().detach().double().clone()
+    return out
+
+
+def _run(rank: int, world: int, engine_name: str, path: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    import seqpar
+    from launch_module import train_module
+
+    from seqpar.sequence.sharding import padded_length
+    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
+
+    train = train_module()
+    plan = train.build_plan(train.parse_args(_argv(path)))
+    task = train.RecallTask(plan.train)
+    model = train.build_model(plan, task.vocab_size, padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding))
+    with released_deepspeed_engines():
+        engine = (train._DeepSpeedEngine if plan.engine == "deepspeed" else train._FSDPEngine)(plan, model)
+        manager = engine.manager
+        try:
+            if plan.engine == "fsdp":  # the launcher's FSDP optimizer is AdamW, which would hide a scale error
+                engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=LR)
+            grads: list[dict[str, torch.Tensor]] = []
+            update = engine.dynamic_update
+
+            def capture() -> None:  # the step's reduced gradients, before the update
+                grads.append(_full_grads(engine))
+                update()
+
+            engine.dynamic_update = capture
+            engine.model.train()
+            losses = [train._dynamic_step(engine, plan, task, manager, step) for step in range(plan.train.steps)]
+            return losses, grads
+        finally:
+            seqpar.destroy_process_groups(manager)
+
+
+def reference(path: str) -> tuple[list[float], list[dict[str, torch.Tensor]], list[tuple[int, set[int], bool]]]:
+    """One process, float64: every step's planned micro-batches in sequence, packed (seqpar's attention on one
+    process keeps the documents apart), each its targets' summed loss over the step's targets, gradients
+    accumulated, plain SGD. Returns per-step losses, gradients and (documents, group sizes, empty micro-batch)."""
+    from launch_module import train_module
+
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
+    from seqpar.sequence.sharding import padded_length
+    from seqpar.swap import swap_attention
+
+    train = train_module()
+    plan = train.build_plan(train.parse_args(_argv(path)))
+    t, dynamic = plan.train, plan.sp.dynamic
+    task = train.RecallTask(t)
+    model = train.build_model(plan, task.vocab_size, padded_length(t.seq_len, plan.sp.size, plan.sp.sharding)).double()
+    swap_attention(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads, shapes = [], [], []
+    for step in range(t.steps):
+        rows = t.grad_accum * 2  # dp = 2
+        docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
+        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
+                               min_size=dynamic.min_size)
+        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
+        total = 0.0
+        for slot in planned.slots:
+            for mb in slot:
+                if mb.docs:
+                    batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
+                    loss = model(**batch, num_items_in_batch=targets).loss
+                    loss.backward()
+                    total += float(loss.detach())
+        losses.append(total)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        shapes.append((len(docs), {mb.size for slot in planned.slots for mb in slot if mb.docs},
+                       any(not mb.docs for slot in planned.slots for mb in slot)))
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, shapes
+
+
+def _engines(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
+    return {name: _run(rank, world, name, path) for name, path in paths.items()}
+
+
+@pytest.mark.timeout(600)
+def test_dynamic_engines_reduce_the_gradient_of_one_process(dist_pool, tmp_path) -> None:
+    paths = {}
+    for name in ENGINES:
+        paths[name] = str(tmp_path / f"{name}.json")
+        with open(paths[name], "w") as f:
+            json.dump(config(name), f)
+    ref_losses, ref_grads, shapes = reference(paths["fsdp2"])
+    # the plans hold what the test is about: a step with fewer documents than ranks, whose plan leaves a rank an
+    # empty micro-batch; groups of 1, 2 and 4 ranks (4 spans both DP replicas)
+    assert shapes[0][0] < 4 and shapes[0][2], shapes
+    assert set().union(*(sizes for _, sizes, _ in shapes)) == {1, 2, 4}, shapes
+    per_rank = dist_pool.run(4, _engines, paths, timeout=540)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name, (losses, grads) in results.items():
+            if len(losses) != len(ref_losses) or len(grads) != len(ref_grads):
+                failures.append(f"rank {rank} {name}: {len(losses)} losses, {len(grads)} gradient sets")
+                continue
+            for step, (a, b) in enumerate(zip(losses, ref_losses)):
+                if abs(a - b) > RTOL_LOSS * abs(b):
+                    failures.append(f"rank {rank} {name} step {step + 1}: loss {a} vs one process {b}")
+            for step, (got, want) in enumerate(zip(grads, ref_grads)):
+                assert got.keys() == want.keys(), (name, sorted(got), sorted(want))
+                errs = {p: float((got[p] - w).abs().max() / w.abs().max()) for p, w in want.items()}
+                bad = [p for p, e in errs.items() if not e <= RTOL_GRAD]
+                if bad:  # one line per engine and step: how many, the worst, and its norm ratio
+                    worst = max(bad, key=lambda p: errs[p])
+                    ratio = float(got[worst].norm() / want[worst].norm())
+                    failures.append(f"rank {rank} {name} step {step + 1}: {len(bad)}/{len(errs)} gradients off, worst "
+                                    f"{worst} {errs[worst]:.3g} of its scale (norm ratio {ratio:.4g})")
+    assert not failures, "\n".join(failures)
