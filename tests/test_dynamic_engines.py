@@ -14,6 +14,9 @@ replicas. The launcher's recall task, packed, log-normal lengths (seq_len 64, me
 - step 2, six documents over groups of 1 and 2;
 - step 3, (64, 64): two 4-rank micro-batches.
 
+ZeRO-2 runs at DeepSpeed's ``gradient_accumulation_steps`` 2 (the launcher then takes 2 rows per DP replica
+per step: 9, 5 and 4 documents over groups of 1, 2 and 4), which a dynamic step must not divide by.
+
 One pool task runs every engine in turn (the suite's time). Seen failing: the launcher's DP multiplier dropped
 (``multiplier=1`` in ``_dynamic_step``: every gradient half its reference, all engines); DeepSpeed's loss
 divided by its ``gradient_accumulation_steps`` as well (``scale_wrt_gas`` left at its default with the config's
@@ -49,7 +52,9 @@ def config(engine: str) -> dict[str, Any]:
     if engine == "fsdp2":
         return {"sequence_parallel": SP, "model": MODEL, "fsdp": {"version": 2},
                 "train": {**TASK, "engine": "fsdp", "grad_clip": 0.0, "lr": LR}}
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+    # ZeRO-2 at gradient_accumulation_steps 2 (a step's rows: 2 x dp): a dynamic step must not divide by it
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2 if engine == "zero2" else 1,
+            "gradient_clipping": 0.0,
             "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_allow_untested_optimizer": True,
             "zero_optimization": {"stage": int(engine[-1])}, "steps_per_print": 10**9,
             "sequence_parallel": SP, "model": MODEL, "train": TASK}
@@ -75,9 +80,9 @@ def _full_grads(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def _run(rank: int, world: int, engine_name: str, path: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    import seqpar
     from launch_module import train_module
 
+    import seqpar
     from seqpar.sequence.sharding import padded_length
     from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
 
@@ -159,15 +164,18 @@ def test_dynamic_engines_reduce_the_gradient_of_one_process(dist_pool, tmp_path)
         paths[name] = str(tmp_path / f"{name}.json")
         with open(paths[name], "w") as f:
             json.dump(config(name), f)
-    ref_losses, ref_grads, shapes = reference(paths["fsdp2"])
+    refs = {name: reference(path) for name, path in paths.items() if name in ("fsdp2", "zero2")}
+    shapes = refs["fsdp2"][2]
     # the plans hold what the test is about: a step with fewer documents than ranks, whose plan leaves a rank an
     # empty micro-batch; groups of 1, 2 and 4 ranks (4 spans both DP replicas)
     assert shapes[0][0] < 4 and shapes[0][2], shapes
     assert set().union(*(sizes for _, sizes, _ in shapes)) == {1, 2, 4}, shapes
+    assert len(set().union(*(sizes for _, sizes, _ in refs["zero2"][2]))) > 1, refs["zero2"][2]
     per_rank = dist_pool.run(4, _engines, paths, timeout=540)
     failures = []
     for rank, results in enumerate(per_rank):
         for name, (losses, grads) in results.items():
+            ref_losses, ref_grads, _ = refs["zero2" if name == "zero2" else "fsdp2"]
             if len(losses) != len(ref_losses) or len(grads) != len(ref_grads):
                 failures.append(f"rank {rank} {name}: {len(losses)} losses, {len(grads)} gradient sets")
                 continue
