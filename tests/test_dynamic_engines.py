@@ -153,8 +153,76 @@ def reference(path: str) -> tuple[list[float], list[dict[str, torch.Tensor]], li
     return losses, grads, shapes
 
 
-def _engines(rank: int, world: int, paths: dict[str, str]) -> dict[str, Any]:
-    return {name: _run(rank, world, name, path) for name, path in paths.items()}
+# ------------------------------------------------------------------ SeqParTrainer (FSDP2 path)
+TRAINER_SP = {"size": 2, "mode": "ring", "sharding": "zigzag", "dynamic": {"max_tokens_per_rank": 12, "min_size": 1}}
+# one document per DP replica per step (per_device_train_batch_size 1): every step has fewer documents (2) than
+# ranks (4); 40 and 44 tokens need all 4 ranks, 20 two, the rest one: empty micro-batches in every step
+TRAINER_DOCS = (40, 9, 20, 11, 12, 44)
+
+
+def trainer_documents() -> list[dict[str, torch.Tensor]]:
+    from hf_tiny import VOCAB
+
+    g = torch.Generator().manual_seed(3232)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in TRAINER_DOCS]
+    return [{"input_ids": d, "labels": d.clone()} for d in docs]
+
+
+def trainer_reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """float64, one process: each step's two documents alone (unpacked), summed token losses over the step's
+    targets, plain SGD."""
+    import hf_tiny
+
+    model = hf_tiny.tiny_llama(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    docs = trainer_documents()
+    losses, grads = [], []
+    for step in range(len(docs) // 2):
+        pair = docs[2 * step:2 * step + 2]
+        targets = sum(d["input_ids"].numel() - 1 for d in pair)
+        loss = sum(model(input_ids=d["input_ids"][None], labels=d["labels"][None]).loss * (d["input_ids"].numel() - 1)
+                   for d in pair) / targets
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _trainer(rank: int, world: int, tmp: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    import hf_tiny
+    from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+
+    import seqpar
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    grads: list[dict[str, torch.Tensor]] = []
+
+    class Capture(TrainerCallback):  # the step's reduced gradients, after the backward, before the update
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            grads.append({n: p.grad.full_tensor().detach().double().clone() for n, p in model.named_parameters()})
+
+    with hf_tiny.launcher_env(rank, world):
+        args = TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=1, max_steps=len(TRAINER_DOCS) // 2, learning_rate=LR,
+            weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
+            save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
+            use_cpu=True)
+        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, seqpar_config=TRAINER_SP,
+                                train_dataset=hf_tiny.ListDataset(trainer_documents()),
+                                data_collator=DataCollatorWithFlattening(), callbacks=[Capture()])
+        try:
+            trainer.train()
+        finally:
+            seqpar.destroy_process_groups(trainer.seqpar_manager)
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
+
+
+def _engines(rank: int, world: int, paths: dict[str, str], tmp: str) -> dict[str, Any]:
+    out = {name: _run(rank, world, name, path) for name, path in paths.items()}
+    out["SeqParTrainer"] = _trainer(rank, world, f"{tmp}/trainer{rank}")
+    return out
 
 
 @pytest.mark.timeout(600)
@@ -171,11 +239,20 @@ def test_dynamic_engines_reduce_the_gradient_of_one_process(dist_pool, tmp_path)
     assert shapes[0][0] < 4 and shapes[0][2], shapes
     assert set().union(*(sizes for _, sizes, _ in shapes)) == {1, 2, 4}, shapes
     assert len(set().union(*(sizes for _, sizes, _ in refs["zero2"][2]))) > 1, refs["zero2"][2]
-    per_rank = dist_pool.run(4, _engines, paths, timeout=540)
+    from seqpar.sequence.dynamic import plan_dynamic
+
+    trainer_plans = [plan_dynamic(TRAINER_DOCS[i:i + 2], 4, TRAINER_SP["dynamic"]["max_tokens_per_rank"])
+                     for i in range(0, len(TRAINER_DOCS), 2)]
+    assert all(any(not mb.docs for slot in p.slots for mb in slot) for p in trainer_plans), trainer_plans
+    assert {mb.size for p in trainer_plans for slot in p.slots for mb in slot if mb.docs} == {1, 2, 4}, trainer_plans
+    trainer_ref = trainer_reference()
+    per_rank = dist_pool.run(4, _engines, paths, str(tmp_path), timeout=540)
     failures = []
     for rank, results in enumerate(per_rank):
+        assert sorted(results) == sorted([*ENGINES, "SeqParTrainer"]), sorted(results)
         for name, (losses, grads) in results.items():
-            ref_losses, ref_grads, _ = refs["zero2" if name == "zero2" else "fsdp2"]
+            ref_losses, ref_grads = trainer_ref if name == "SeqParTrainer" else refs[
+                "zero2" if name == "zero2" else "fsdp2"][:2]
             if len(losses) != len(ref_losses) or len(grads) != len(ref_grads):
                 failures.append(f"rank {rank} {name}: {len(losses)} losses, {len(grads)} gradient sets")
                 continue
