@@ -266,9 +266,6 @@ class SequenceParallelMixin:
         """Length-aware dynamic CP runs one Trainer micro-step per optimizer step (see :meth:`training_step`):
         refuse what it cannot honour, by name, on every rank (before any group or engine)."""
         fixes = []
-        if self._seqpar_engine != "fsdp2":
-            fixes.append("a DeepSpeed config (dynamic CP runs on the trainer's FSDP2 path: pass seqpar_config= "
-                         "without TrainingArguments(deepspeed=...); launch/train.py --dynamic runs ZeRO-1/2/3)")
         if getattr(args, "gradient_accumulation_steps", 1) != 1:
             fixes.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} (a dynamic step's "
                          "micro-batches are its plan's slots: set gradient_accumulation_steps=1 and size the step "
@@ -411,13 +408,20 @@ class SequenceParallelMixin:
         Trainer's loop decides when to step the optimizer by counting micro-batches against the fixed
         ``gradient_accumulation_steps`` (its ``do_sync_step``), so a step of a variable number of micro-batches
         cannot go through it: ``gradient_accumulation_steps`` is 1 (checked at construction) and this one
-        Trainer micro-step runs the whole plan. The step's documents are the global batch's: this DP replica's
+        Trainer micro-step runs the whole plan (Trainer then clips, steps and zeroes once, as for any step). The step's documents are the global batch's: this DP replica's
         batch (:func:`_batch_documents`) gathered over the DP group, the same list on every rank. Every rank
         plans them alike (:func:`seqpar.sequence.dynamic.plan_dynamic`) and runs its planned micro-batches
         (:func:`seqpar.sequence.batch.rank_micro_batches`, every rank as many; each carries its group), whose
         ``num_items_in_batch`` is the targets of the whole global batch (Trainer's own count, the same number,
-        is not used). FSDP2 reduces once, at the last micro-batch, with the divide factor ``dp``: each loss is
-        multiplied by ``dp``, so the reduced gradient is the sum over the pool, the gradient of the step's mean.
+        is not used). Both engines divide the gradient they reduce over the pool by ``dp`` (FSDP2: seqpar's
+        divide factor; DeepSpeed: its average, which seqpar's ``initialize`` makes a division by ``dp`` under
+        every ZeRO stage), so each loss is multiplied by ``dp`` and the reduced gradient is the sum over the
+        pool, the gradient of the step's mean. FSDP2 reduces once, at the last micro-batch
+        (``set_requires_gradient_sync``). DeepSpeed is driven directly, as ``launch/train.py --dynamic`` does:
+        the last micro-batch is its accumulation boundary (``set_gradient_accumulation_boundary``),
+        ``backward(scale_wrt_gas=False)`` (no division by its accumulation steps), and ``engine.step()`` once
+        at the end (its clipping, update and zeroing; accelerate's optimizer and scheduler wrappers, which
+        Trainer steps next, do nothing under DeepSpeed).
         """
         import torch.distributed as dist
 
@@ -437,20 +441,30 @@ class SequenceParallelMixin:
         micro = rank_micro_batches(plan, [ids for ids, _ in docs], manager, labels=[lab for _, lab in docs],
                                    sharding=self.seqpar_config.sharding, pad_token_id=0 if pad is None else int(pad))
         model.train()
-        sync = getattr(model, "set_requires_gradient_sync", None)  # FSDP2: reduce once, at the last micro-batch
+        deepspeed = self._seqpar_engine == "deepspeed"  # model is then the DeepSpeed engine
+        sync = None if deepspeed else getattr(model, "set_requires_gradient_sync", None)
         total = torch.zeros((), dtype=torch.float64)
         try:
             for i, batch in enumerate(micro):
-                if sync is not None:
-                    sync(i == len(micro) - 1)
+                last = i == len(micro) - 1
+                if deepspeed:
+                    model.set_gradient_accumulation_boundary(last)  # before the forward, as DeepSpeed asks
+                elif sync is not None:
+                    sync(last)
                 batch = self._prepare_inputs(batch)
                 with self.compute_loss_context_manager():
                     loss = model(**batch).loss
-                # accelerate divides by its gradient_accumulation_steps, 1 here; FSDP2 by dp
-                self.accelerator.backward(loss * manager.dp_size)
+                if deepspeed:
+                    model.backward(loss * manager.dp_size, scale_wrt_gas=False)
+                else:  # accelerate divides by its gradient_accumulation_steps, 1 here
+                    self.accelerator.backward(loss * manager.dp_size)
                 total += loss.detach().double().cpu() / dist.get_world_size(batch[GROUP_KEY])  # the group's ranks all hold it
+            if deepspeed:
+                model.step()  # the boundary: DeepSpeed clips, updates and zeroes
         finally:
-            if sync is not None:
+            if deepspeed:
+                model.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's counter
+            elif sync is not None:
                 sync(True)
         dist.all_reduce(total, group=manager.sp_dp_group)
         return total.to(device=self.args.device, dtype=torch.float32)

@@ -190,38 +190,60 @@ def trainer_reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, grads
 
 
-def _trainer(rank: int, world: int, tmp: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def _trainer(rank: int, world: int, tmp: str, zero_stage: int | None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """SeqParTrainer's per-step losses and reduced gradients: FSDP2 (``zero_stage`` None; the gradients read
+    in ``on_pre_optimizer_step``) or DeepSpeed (read at the boundary's ``engine.step``, before it updates)."""
+    import deepspeed
     import hf_tiny
+    from deepspeed.utils import safe_get_full_grad
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
 
     import seqpar
     from seqpar.integrations.trainer import SeqParTrainer
+    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
 
     grads: list[dict[str, torch.Tensor]] = []
 
-    class Capture(TrainerCallback):  # the step's reduced gradients, after the backward, before the update
+    class Capture(TrainerCallback):  # FSDP2: the step's reduced gradients, before the update
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            grads.append({n: p.grad.full_tensor().detach().double().clone() for n, p in model.named_parameters()})
+            if zero_stage is None:
+                grads.append({n: p.grad.full_tensor().detach().double().clone() for n, p in model.named_parameters()})
 
-    with hf_tiny.launcher_env(rank, world):
+    engine_step = deepspeed.DeepSpeedEngine.step
+
+    def step(engine: Any, *a: Any, **kw: Any) -> Any:  # DeepSpeed: the same, at its boundary
+        if engine.is_gradient_accumulation_boundary():
+            grads.append({n: safe_get_full_grad(p).detach().double().clone()
+                          for n, p in engine.module.named_parameters()})
+        return engine_step(engine, *a, **kw)
+
+    ds = None if zero_stage is None else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10**6,
+        "sequence_parallel": TRAINER_SP}
+    with hf_tiny.launcher_env(rank, world), released_deepspeed_engines():
         args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=1, max_steps=len(TRAINER_DOCS) // 2, learning_rate=LR,
             weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
             save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
-            use_cpu=True)
-        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, seqpar_config=TRAINER_SP,
+            use_cpu=True, deepspeed=ds)
+        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args,
+                                seqpar_config=TRAINER_SP if zero_stage is None else None,
                                 train_dataset=hf_tiny.ListDataset(trainer_documents()),
                                 data_collator=DataCollatorWithFlattening(), callbacks=[Capture()])
+        deepspeed.DeepSpeedEngine.step = step
         try:
             trainer.train()
         finally:
+            deepspeed.DeepSpeedEngine.step = engine_step
             seqpar.destroy_process_groups(trainer.seqpar_manager)
         return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads
 
 
 def _engines(rank: int, world: int, paths: dict[str, str], tmp: str) -> dict[str, Any]:
     out = {name: _run(rank, world, name, path) for name, path in paths.items()}
-    out["SeqParTrainer"] = _trainer(rank, world, f"{tmp}/trainer{rank}")
+    out["SeqParTrainer fsdp2"] = _trainer(rank, world, f"{tmp}/trainer{rank}", None)
+    out["SeqParTrainer zero3"] = _trainer(rank, world, f"{tmp}/trainer_z3_{rank}", 3)
     return out
 
 
@@ -249,9 +271,9 @@ def test_dynamic_engines_reduce_the_gradient_of_one_process(dist_pool, tmp_path)
     per_rank = dist_pool.run(4, _engines, paths, str(tmp_path), timeout=540)
     failures = []
     for rank, results in enumerate(per_rank):
-        assert sorted(results) == sorted([*ENGINES, "SeqParTrainer"]), sorted(results)
+        assert sorted(results) == sorted([*ENGINES, "SeqParTrainer fsdp2", "SeqParTrainer zero3"]), sorted(results)
         for name, (losses, grads) in results.items():
-            ref_losses, ref_grads = trainer_ref if name == "SeqParTrainer" else refs[
+            ref_losses, ref_grads = trainer_ref if name.startswith("SeqParTrainer") else refs[
                 "zero2" if name == "zero2" else "fsdp2"][:2]
             if len(losses) != len(ref_losses) or len(grads) != len(ref_grads):
                 failures.append(f"rank {rank} {name}: {len(losses)} losses, {len(grads)} gradient sets")
