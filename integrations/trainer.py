@@ -59,6 +59,16 @@ What it changes in Trainer, and why (each a small override or hook):
   collator's ``-100`` at each document start keeps the shifted labels from crossing documents, and
   Trainer's count of those labels is each row's real targets.
 
+- **Length-aware dynamic CP** (a ``"dynamic"`` entry in the block, issue 32): each document gets the group of
+  ranks its length needs. Trainer's loop steps the optimizer after a fixed ``gradient_accumulation_steps``
+  micro-batches (its ``do_sync_step`` counter), while a dynamic step has as many as its plan has slots, so
+  ``gradient_accumulation_steps`` must be 1 and ``training_step`` runs the whole step itself: this DP
+  replica's batch is cut into documents (a ``DataCollatorWithFlattening`` row at its position restarts, or
+  each unpadded row), gathered over DP (the global batch, the same on every rank), planned, and the rank's
+  planned micro-batches run in turn (every rank as many), each loss times ``dp``, one reduction (FSDP2) or
+  one accumulation boundary and ``engine.step()`` (DeepSpeed). ``num_items_in_batch`` is the target count of
+  the whole global batch (Trainer's own count is not used); the logged loss is the per-token mean over it.
+
 accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
 and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
 """

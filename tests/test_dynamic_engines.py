@@ -17,12 +17,19 @@ replicas. The launcher's recall task, packed, log-normal lengths (seq_len 64, me
 ZeRO-2 runs at DeepSpeed's ``gradient_accumulation_steps`` 2 (the launcher then takes 2 rows per DP replica
 per step: 9, 5 and 4 documents over groups of 1, 2 and 4), which a dynamic step must not divide by.
 
-One pool task runs every engine in turn (the suite's time). Seen failing: the launcher's DP multiplier dropped
-(``multiplier=1`` in ``_dynamic_step``: every gradient half its reference, all engines); DeepSpeed's loss
-divided by its ``gradient_accumulation_steps`` as well (``scale_wrt_gas`` left at its default with the config's
-``gradient_accumulation_steps`` 2: half); the accumulation boundary set on every micro-batch (ZeRO-3 copies
-instead of adding: the gradients of the step's last slot alone); FSDP2 reducing twice (an extra all-reduce of
-the reduced gradients over the pool: twice the reference).
+``SeqParTrainer`` with the dynamic block, on its FSDP2 path and under DeepSpeed ZeRO-3: one document per DP
+replica per step (``DataCollatorWithFlattening``), so every step has fewer documents than ranks and empty
+micro-batches; against one process running each step's documents alone, float64, SGD.
+
+One pool task runs every engine in turn (the suite's time). Seen failing (each break alone):
+
+- the launcher's DP multiplier dropped (``multiplier=1`` in ``_dynamic_step``): every gradient of FSDP2 and
+  ZeRO-1/2/3 half its reference at step 1 (norm ratio 0.5), later losses off;
+- DeepSpeed's loss divided by its accumulation steps as well (``scale_wrt_gas`` left at its default): ZeRO-2,
+  run at ``gradient_accumulation_steps`` 2, half;
+- DeepSpeed's accumulation boundary set on every micro-batch: ZeRO-1 and ZeRO-2 wrong (ZeRO-3 happens to
+  stay right);
+- the trainer's ``dp`` multiplier dropped, FSDP2 path and DeepSpeed path each: half.
 """
 
 from __future__ import annotations
@@ -291,3 +298,21 @@ def test_dynamic_engines_reduce_the_gradient_of_one_process(dist_pool, tmp_path)
                     failures.append(f"rank {rank} {name} step {step + 1}: {len(bad)}/{len(errs)} gradients off, worst "
                                     f"{worst} {errs[worst]:.3g} of its scale (norm ratio {ratio:.4g})")
     assert not failures, "\n".join(failures)
+
+
+def test_trainer_dynamic_refusals_name_the_fix(tmp_path) -> None:
+    """What a dynamic step cannot honour under SeqParTrainer is refused at construction, before any process
+    group, naming the fix. Seen failing: the gradient_accumulation_steps check removed (a ConfigError no longer
+    raised)."""
+    import hf_tiny
+    from transformers import TrainingArguments
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    accum = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, gradient_accumulation_steps=2)
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=2 .*set gradient_accumulation_steps=1"):
+        SeqParTrainer(model=hf_tiny.tiny_llama(), args=accum, seqpar_config=TRAINER_SP)
+    compiled = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, torch_compile=True)
+    with pytest.raises(ConfigError, match=r"torch_compile=True \(dynamic CP runs eagerly"):
+        SeqParTrainer(model=hf_tiny.tiny_llama(), args=compiled, seqpar_config=TRAINER_SP)
