@@ -59,6 +59,16 @@ What it changes in Trainer, and why (each a small override or hook):
   collator's ``-100`` at each document start keeps the shifted labels from crossing documents, and
   Trainer's count of those labels is each row's real targets.
 
+- **Length-aware dynamic CP** (a ``"dynamic"`` entry in the block, issue 32): each document gets the group of
+  ranks its length needs. Trainer's loop steps the optimizer after a fixed ``gradient_accumulation_steps``
+  micro-batches (its ``do_sync_step`` counter), while a dynamic step has as many as its plan has slots, so
+  ``gradient_accumulation_steps`` must be 1 and ``training_step`` runs the whole step itself: this DP
+  replica's batch is cut into documents (a ``DataCollatorWithFlattening`` row at its position restarts, or
+  each unpadded row), gathered over DP (the global batch, the same on every rank), planned, and the rank's
+  planned micro-batches run in turn (every rank as many), each loss times ``dp``, one reduction (FSDP2) or
+  one accumulation boundary and ``engine.step()`` (DeepSpeed). ``num_items_in_batch`` is the target count of
+  the whole global batch (Trainer's own count is not used); the logged loss is the per-token mean over it.
+
 accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
 and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
 """
@@ -233,7 +243,14 @@ class SequenceParallelMixin:
             raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
-        self.seqpar_manager = resolve_manager(self.seqpar_config, None)
+        if self.seqpar_config.dynamic is not None:
+            self._check_dynamic(args)
+            # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)
+            from seqpar.runtime.groups import init_process_groups
+
+            self.seqpar_manager = init_process_groups(config=self.seqpar_config)
+        else:
+            self.seqpar_manager = resolve_manager(self.seqpar_config, None)
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
             self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
         if model is not None and self._seqpar_engine == "fsdp2":
@@ -254,6 +271,22 @@ class SequenceParallelMixin:
             self._seqpar_loss.after_init(self, swap_other)
         logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
                     self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
+
+    def _check_dynamic(self, args: Any) -> None:
+        """Length-aware dynamic CP runs one Trainer micro-step per optimizer step (see :meth:`training_step`):
+        refuse what it cannot honour, by name, on every rank (before any group or engine)."""
+        fixes = []
+        if getattr(args, "gradient_accumulation_steps", 1) != 1:
+            fixes.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps} (a dynamic step's "
+                         "micro-batches are its plan's slots: set gradient_accumulation_steps=1 and size the step "
+                         "with per_device_train_batch_size)")
+        if self._seqpar_loss is not None:
+            fixes.append("a TRL trainer's own loss (dynamic CP trains on the swapped model's labels= loss: use "
+                         "SeqParTrainer)")
+        if getattr(args, "torch_compile", False):
+            fixes.append("torch_compile=True (dynamic CP runs eagerly for now)")
+        if fixes:
+            raise ConfigError("sequence_parallel.dynamic under a seqpar Trainer cannot take " + "; ".join(fixes))
 
     def _seqpar_swap_other_models(self) -> Any:
         """``swap(module)``: route another model the trainer runs on the same shards (a reference model)
@@ -372,9 +405,79 @@ class SequenceParallelMixin:
         return self._seqpar_loss is None or self._seqpar_loss.shards_in_step
 
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
+        if self.seqpar_config.dynamic is not None:
+            return self._dynamic_training_step(model, inputs)
         if not self._cuts_in_step():
             return super().training_step(model, inputs, num_items_in_batch)
         return super().training_step(model, self._sp_shard(inputs), num_items_in_batch)
+
+    def _dynamic_training_step(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        """One optimizer step of length-aware dynamic CP (``sequence_parallel.dynamic``); returns the step's
+        loss, the per-token mean over every document of the global batch (the same on every rank).
+
+        Trainer's loop decides when to step the optimizer by counting micro-batches against the fixed
+        ``gradient_accumulation_steps`` (its ``do_sync_step``), so a step of a variable number of micro-batches
+        cannot go through it: ``gradient_accumulation_steps`` is 1 (checked at construction) and this one
+        Trainer micro-step runs the whole plan (Trainer then clips, steps and zeroes once, as for any step). The step's documents are the global batch's: this DP replica's
+        batch (:func:`_batch_documents`) gathered over the DP group, the same list on every rank. Every rank
+        plans them alike (:func:`seqpar.sequence.dynamic.plan_dynamic`) and runs its planned micro-batches
+        (:func:`seqpar.sequence.batch.rank_micro_batches`, every rank as many; each carries its group), whose
+        ``num_items_in_batch`` is the targets of the whole global batch (Trainer's own count, the same number,
+        is not used). Both engines divide the gradient they reduce over the pool by ``dp`` (FSDP2: seqpar's
+        divide factor; DeepSpeed: its average, which seqpar's ``initialize`` makes a division by ``dp`` under
+        every ZeRO stage), so each loss is multiplied by ``dp`` and the reduced gradient is the sum over the
+        pool, the gradient of the step's mean. FSDP2 reduces once, at the last micro-batch
+        (``set_requires_gradient_sync``). DeepSpeed is driven directly, as ``launch/train.py --dynamic`` does:
+        the last micro-batch is its accumulation boundary (``set_gradient_accumulation_boundary``),
+        ``backward(scale_wrt_gas=False)`` (no division by its accumulation steps), and ``engine.step()`` once
+        at the end (its clipping, update and zeroing; accelerate's optimizer and scheduler wrappers, which
+        Trainer steps next, do nothing under DeepSpeed).
+        """
+        import torch.distributed as dist
+
+        from seqpar.sequence.batch import rank_micro_batches
+        from seqpar.sequence.call_group import GROUP_KEY
+        from seqpar.sequence.dynamic import plan_dynamic
+
+        manager, dynamic = self.seqpar_manager, self.seqpar_config.dynamic
+        docs = _batch_documents(inputs)
+        if manager.dp_size > 1:  # every rank needs every document of the global batch
+            gathered: list[Any] = [None] * manager.dp_size
+            dist.all_gather_object(gathered, docs, group=manager.dp_group)
+            docs = [doc for replica in gathered for doc in replica]
+        plan = plan_dynamic([int(ids.numel()) for ids, _ in docs], manager.pool_size, dynamic.max_tokens_per_rank,
+                            min_size=dynamic.min_size)
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        micro = rank_micro_batches(plan, [ids for ids, _ in docs], manager, labels=[lab for _, lab in docs],
+                                   sharding=self.seqpar_config.sharding, pad_token_id=0 if pad is None else int(pad))
+        model.train()
+        deepspeed = self._seqpar_engine == "deepspeed"  # model is then the DeepSpeed engine
+        sync = None if deepspeed else getattr(model, "set_requires_gradient_sync", None)
+        total = torch.zeros((), dtype=torch.float64)
+        try:
+            for i, batch in enumerate(micro):
+                last = i == len(micro) - 1
+                if deepspeed:
+                    model.set_gradient_accumulation_boundary(last)  # before the forward, as DeepSpeed asks
+                elif sync is not None:
+                    sync(last)
+                batch = self._prepare_inputs(batch)
+                with self.compute_loss_context_manager():
+                    loss = model(**batch).loss
+                if deepspeed:
+                    model.backward(loss * manager.dp_size, scale_wrt_gas=False)
+                else:  # accelerate divides by its gradient_accumulation_steps, 1 here
+                    self.accelerator.backward(loss * manager.dp_size)
+                total += loss.detach().double().cpu() / dist.get_world_size(batch[GROUP_KEY])  # the group's ranks all hold it
+            if deepspeed:
+                model.step()  # the boundary: DeepSpeed clips, updates and zeroes
+        finally:
+            if deepspeed:
+                model.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's counter
+            elif sync is not None:
+                sync(True)
+        dist.all_reduce(total, group=manager.sp_dp_group)
+        return total.to(device=self.args.device, dtype=torch.float32)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Any = None) -> tuple[Any, None, None]:
@@ -426,6 +529,32 @@ class SequenceParallelMixin:
 
     def get_total_train_batch_size(self, args: Any) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.seqpar_manager.dp_size
+
+
+def _batch_documents(inputs: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The documents of one collated batch, ``(input_ids (n,), labels (n,))`` each on the CPU, in order:
+    a packed row (``transformers.DataCollatorWithFlattening``: ``(1, T)`` with ``position_ids`` restarting at
+    0 at each document) is cut at those restarts; otherwise each row is a document, less its padding
+    (``attention_mask`` 0).
+
+    Raises:
+        ValueError: no ``labels`` (dynamic CP trains on the swapped model's ``labels=`` loss), or
+            ``shift_labels`` given (the documents are re-packed, so labels are taken unshifted).
+    """
+    if inputs.get("labels") is None or "shift_labels" in inputs:
+        raise ValueError(
+            "sequence_parallel.dynamic: each batch needs unshifted 'labels' (and no 'shift_labels'): the step's "
+            f"documents are re-packed per micro-batch; got keys {sorted(inputs)}"
+        )
+    ids, labels = inputs["input_ids"].cpu(), inputs["labels"].cpu()
+    positions = inputs.get("position_ids")
+    if positions is not None and ids.shape[0] == 1:
+        starts = (positions[0].cpu() == 0).nonzero().flatten().tolist()
+        bounds = [*starts, ids.shape[1]] if starts and starts[0] == 0 else [0, *starts, ids.shape[1]]
+        return [(ids[0, a:b], labels[0, a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    mask = inputs.get("attention_mask")
+    keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.cpu().bool()
+    return [(ids[r][keep[r]], labels[r][keep[r]]) for r in range(ids.shape[0]) if keep[r].any()]
 
 
 class SeqParTrainer(SequenceParallelMixin, transformers.Trainer):

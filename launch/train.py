@@ -134,7 +134,8 @@ class TrainSettings:
     """Length-aware dynamic CP (``--dynamic``): each step's packed documents (the ``grad_accum x dp`` rows a
     static run would train on) are planned over the DP x SP pool by ``seqpar.sequence.dynamic`` with
     ``sequence_parallel.dynamic``, each rank runs its planned micro-batches (every rank as many), the loss is
-    the per-token mean over the pool's step and gradients are reduced once per step. Needs ``packed``, FSDP2."""
+    the per-token mean over the pool's step and gradients are reduced once per step. Needs ``packed``; FSDP2 or
+    DeepSpeed ZeRO-1/2/3."""
     compile: bool = False
     """``torch.compile`` the model: FSDP2 compiles each block after ``fully_shard`` (torchtitan's per-block
     compile, ``fullgraph=True``; seqpar.integrations.fsdp.compile_blocks), DeepSpeed calls ``engine.compile()``.
@@ -519,11 +520,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.tp_size is not None and isinstance(raw.get("tensor_parallel"), dict) and "autotp_size" in raw["tensor_parallel"]:
         raw["tensor_parallel"] = {**raw["tensor_parallel"], "autotp_size": args.tp_size}  # the flag wins here too
     _check_tp(raw, sp, engine, dict(raw.get("model") or {}))
-    if train.dynamic and (sp.dynamic is None or engine != "fsdp"):
+    if train.dynamic and sp.dynamic is None:
         raise ConfigError(
             "--dynamic (train.dynamic) needs a \"sequence_parallel\": {\"dynamic\": {\"max_tokens_per_rank\": N, "
-            "\"min_size\": 1}} block and the FSDP engine (DeepSpeed steps at a fixed gradient_accumulation_steps, "
-            "a dynamic step has as many micro-batches as its plan has slots)"
+            "\"min_size\": 1}} block"
         )
     _check_tp_sequence_parallel(sp, engine)
     model = dict(raw.get("model") or {})
@@ -768,6 +768,19 @@ class _Engine:
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         raise NotImplementedError
 
+    # Length-aware dynamic CP (_dynamic_step): a step of a variable number of micro-batches, every rank as many.
+    def dynamic_begin(self, last: bool) -> None:
+        """Before a micro-batch's forward: ``last`` says whether it is the step's last (the reduction's)."""
+        raise NotImplementedError
+
+    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
+        """Backward of ``loss * multiplier``, nothing else (no division by grad_accum, no update)."""
+        raise NotImplementedError
+
+    def dynamic_update(self) -> None:
+        """After the step's last backward (the gradients reduced): clip, update, zero the gradients."""
+        raise NotImplementedError
+
     def save(self, save_dir: str, step: int) -> None:
         raise NotImplementedError
 
@@ -792,6 +805,20 @@ class _DeepSpeedEngine(_Engine):
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         self.model.backward(loss)
         self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
+
+    def dynamic_begin(self, last: bool) -> None:
+        # DeepSpeed's own override of its fixed gradient_accumulation_steps: a dynamic step has as many
+        # micro-batches as its plan has slots. ZeRO-1 reduces at the boundary, ZeRO-2 and 3 every backward
+        # (sums, so the same); set before the forward, as DeepSpeed asks
+        self.model.set_gradient_accumulation_boundary(last)
+
+    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
+        # scale_wrt_gas=False: no division by gradient_accumulation_steps (the loss is already over the step)
+        self.model.backward(loss * multiplier, scale_wrt_gas=False)
+
+    def dynamic_update(self) -> None:
+        self.model.step()  # at the boundary set by dynamic_begin(True): clip, update, zero the gradients
+        self.model.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's counter
 
     def save(self, save_dir: str, step: int) -> None:
         from seqpar.runtime import checkpoint
@@ -856,10 +883,20 @@ class _FSDPEngine(_Engine):
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
         (loss / self.grad_accum).backward()
         if last_micro:
-            if self.grad_clip > 0:
-                self._clip()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.dynamic_update()
+
+    def dynamic_begin(self, last: bool) -> None:
+        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce once per step, at the last
+            self.model.set_requires_gradient_sync(last)
+
+    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
+        (loss * multiplier).backward()
+
+    def dynamic_update(self) -> None:
+        if self.grad_clip > 0:
+            self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _clip(self) -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -1007,9 +1044,16 @@ def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, s
     The step's documents are those of the ``grad_accum x dp`` packed rows a static run trains on in this step;
     every rank plans them alike (``seqpar.sequence.dynamic.plan_dynamic``) and runs its planned micro-batches
     (``seqpar.sequence.dynamic_batch.rank_micro_batches``: each carries its group, and its loss is its targets'
-    summed loss over the step's targets). The gradient of the step's mean is the sum of every rank's: FSDP2
-    reduces once, at the last micro-batch (every rank has as many), dividing by dp (undone here, as is the
-    engine's division by grad_accum)."""
+    summed loss over the step's targets), every rank as many (the plan's slots; an empty micro-batch runs the
+    model too), so the engines' per-forward and per-backward collectives stay matched.
+
+    The gradient of the step's mean is the **sum** of every pool rank's. Both engines reduce over the pool and
+    divide by dp (FSDP2: seqpar's gradient divide factor; DeepSpeed: its average over the sequence-data-parallel
+    group, which seqpar's ``initialize`` makes a division by dp under every ZeRO stage), so each micro-batch's
+    loss is multiplied by dp, and by nothing else: the step's accumulation is not the engine's ``grad_accum``
+    (FSDP2: the step's last micro-batch reduces, ``set_requires_gradient_sync``; DeepSpeed: the last is its
+    accumulation boundary, ``set_gradient_accumulation_boundary``, and ``backward(scale_wrt_gas=False)``).
+    ``engine.dynamic_update`` then clips, updates and zeroes once."""
     from seqpar.sequence.batch import rank_micro_batches
     from seqpar.sequence.call_group import GROUP_KEY
     from seqpar.sequence.dynamic import plan_dynamic
@@ -1023,12 +1067,11 @@ def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, s
                                sharding=plan.sp.sharding)
     total = torch.zeros((), dtype=torch.float64)
     for i, inputs in enumerate(micro):
-        last = i == len(micro) - 1
-        if hasattr(engine.model, "set_requires_gradient_sync"):  # FSDP2: reduce once per step
-            engine.model.set_requires_gradient_sync(last)
+        engine.dynamic_begin(last=i == len(micro) - 1)
         loss = engine.model(**inputs).loss
-        engine.backward(loss * (t.grad_accum * manager.dp_size), last_micro=last)
+        engine.dynamic_backward(loss, multiplier=manager.dp_size)
         total += loss.detach().double() / dist.get_world_size(inputs[GROUP_KEY])  # every rank of the group holds it
+    engine.dynamic_update()
     dist.all_reduce(total, group=manager.sp_dp_group)
     return total.item()
 

@@ -239,8 +239,8 @@ def test_train_dynamic_losses_equal_one_process(dist_pool, tmp_path) -> None:
 
 
 def test_train_dynamic_refusals_name_the_fix(tmp_path) -> None:
-    """--dynamic without the dynamic block, under DeepSpeed, or without packed rows: refused before any process
-    group, naming what to set."""
+    """--dynamic without the dynamic block (under FSDP or DeepSpeed) or without packed rows: refused before any
+    process group, naming what to set."""
     import json
     from pathlib import Path
 
@@ -254,8 +254,9 @@ def test_train_dynamic_refusals_name_the_fix(tmp_path) -> None:
     deepspeed = json.loads((root / "configs" / "deepspeed_ring.json").read_text())
     deepspeed["sequence_parallel"]["dynamic"] = {"max_tokens_per_rank": 64, "min_size": 1}
     (tmp_path / "ds.json").write_text(json.dumps(deepspeed))
-    with pytest.raises(ValueError, match="the FSDP engine"):
-        train.build_plan(train.parse_args(["--config", str(tmp_path / "ds.json"), "--dynamic", "--packed"]))
+    # DeepSpeed takes it (ZeRO-1/2/3: tests/test_dynamic_engines.py)
+    assert train.build_plan(train.parse_args(["--config", str(tmp_path / "ds.json"), "--dynamic",
+                                              "--packed"])).engine == "deepspeed"
     unpacked = json.loads(json.dumps(TRAIN_CONFIG))
     unpacked["train"]["packed"] = False
     (tmp_path / "unpacked.json").write_text(json.dumps(unpacked))
