@@ -216,18 +216,44 @@ def test_config_dynamic_block() -> None:
             SeqParConfig.from_dict({"sequence_parallel": {"dynamic": block}})
 
 
-def test_modelled_pools_and_the_command(tmp_path) -> None:
-    """``python -m seqpar.bench dynamic`` writes dynamic.json with the counted and modelled parts marked
-    as such and the measured parts pending (small sizes: the machinery, not the figures)."""
+@pytest.mark.timeout(120)
+def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:  # noqa: ANN001
+    """``python -m seqpar.bench dynamic`` writes dynamic.json with the counted, measured and modelled parts
+    marked as such (small sizes: the machinery, not the figures). The measured part runs on the session's
+    4 gloo ranks: every scheme ran each step with as many micro-batches as its plan has slots (static SP 4 one
+    row per slot, DP2 x SP2 two, dynamic the planner's), on every rank, and its figures are real (CPU time and
+    peak bytes above zero, the counted bytes the plans' own).
+    ``--no-memory`` skips the peak-memory step (under the tensor tracker a step is 5x slower; the smoke test
+    stays short).
+    Seen failing: ``scheme_plans`` handing the static SP plan in as "dynamic" (slots 2, not the planner's 3);
+    the step timing nothing (``cpu_s`` 0)."""
     import json
 
     from seqpar.bench.__main__ import main
+    from seqpar.bench.dynamic import PAD, long_tailed_rows, tiny_llama_cost
 
-    assert main(["dynamic", "--world", "4", "--seq-len", "4096", "--rows", "4", "--batches", "2", "--pools", "16",
-                 "--slots-per-group", "2", "--out", str(tmp_path)]) == 0
+    assert main(["dynamic", "--world", "4", "--seq-len", "1024", "--rows", "4", "--batches", "2", "--pools", "16",
+                 "--slots-per-group", "2", "--measure-rows", "2", "--measure-batches", "1", "--hidden", "16",
+                 "--heads", "2", "--no-memory", "--out", str(tmp_path)], pools=dist_pool.pools) == 0
     payload = json.loads((tmp_path / "dynamic.json").read_text())
     assert payload["mix"]["kind"] == "counted" and payload["pools"]["kind"] == "modelled"
-    assert "pending" in payload["pending"] and "thread CPU time" in payload["pending"]
+    measured = payload["measured"]
+    assert measured["kind"] == "measured" and measured["world"] == 4 and measured["model"]["hidden"] == 16
+    rows, cost = long_tailed_rows(2, 1024, 0), tiny_llama_cost(16, 2, 2)
+    plans = {"static_sp4": static_plan(rows, 4, 4, cost=cost, pad_multiple=PAD),
+             "static_dp2_sp2": static_plan(rows, 4, 2, cost=cost, pad_multiple=PAD),
+             "dynamic": plan_dynamic([n for row in rows for n in row], 4, 256, cost=cost, pad_multiple=PAD)}
+    assert [p.num_slots for p in plans.values()] == [2, 1, 3]  # the planner's 3 slots differ from both statics'
+    assert set(measured["schemes"]) == set(plans) == {"static_sp4", "static_dp2_sp2", "dynamic"}
+    for name, s in measured["schemes"].items():
+        assert s["slots_per_step"] == [plans[name].num_slots], name
+        assert s["bytes_max_per_rank_counted_per_step"] == [plans[name].bytes_max]
+        assert all(c > 0 for c in s["cpu_s_per_rank_total"]) and s["cpu_s_max_over_ranks_total"] > 0, name
+        assert s["process_cpu_s_max_over_ranks_total"] >= s["cpu_s_max_over_ranks_total"] * 0.99
+        assert s["tokens_per_s"] > 0 and "peak_bytes_per_rank" not in s  # --no-memory: the tracker's step is 5x slower
+    assert measured["work_ratio_measured_static_dp2_over_dynamic"] == pytest.approx(
+        measured["schemes"]["static_dp2_sp2"]["cpu_s_max_over_ranks_total"]
+        / measured["schemes"]["dynamic"]["cpu_s_max_over_ranks_total"])
     assert payload["pools"]["anchors_measured_elsewhere"] == {"megatron_core_dynamic_cp": 1.48,
                                                               "verl_qwen3_30b_a3b_1k_16k": 1.61}
     cases = payload["pools"]["cases"]
