@@ -17,7 +17,9 @@ marked with its ``kind``:
    a swapped tiny fp32 Llama (``--hidden`` 64, intermediate ``2 x hidden``, ``--layers`` 2, ``--heads`` 4),
    the three schemes interleaved batch by batch and all through one path: each scheme is a plan whose
    micro-batches name their aligned group (static SP = P: one group of P per row; DP2 x SP: a group of P/2
-   per row; dynamic: the planner's), :func:`seqpar.sequence.batch.rank_micro_batches` cuts them
+   per row; dynamic: the planner's, at the budget static SP holds per rank, ``seq_len / P``, and again as
+   ``dynamic_dp_budget`` at what static DP2 x SP holds, ``2 seq_len / P``: each baseline is compared at its own
+   memory), :func:`seqpar.sequence.batch.rank_micro_batches` cuts them
    (``balanced`` sharding inside each group), each rank runs the forward + backward of its micro-batches and
    the gradients are summed over the pool once. Per scheme: each step's thread CPU time
    (``time.thread_time()`` between barriers, max over ranks; also the process's CPU time, which includes
@@ -161,7 +163,7 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         plans = {
             f"static_sp{world}": static_plan(batch, world, world, cost=cost, pad_multiple=PAD),
             f"static_dp2_sp{world // 2}": static_plan(batch, world, world // 2, cost=cost, pad_multiple=PAD),
-            "dynamic": plan_dynamic(lengths, world, budget, cost=cost, pad_multiple=PAD),
+            "dynamic": plan_dynamic(lengths, world, budget, cost=cost, pad_multiple=PAD, spread_heavy=True),
         }
         step = {"batch": b, "documents": len(lengths), "longest": max(lengths)}
         for name, plan in plans.items():
@@ -310,14 +312,18 @@ def _documents(lengths: Sequence[int], seed: int) -> list[Any]:
 
 
 def scheme_plans(batch: list[list[int]], world: int, seq_len: int, cost: CostModel) -> dict[str, DynamicPlan]:
-    """The three schemes' plans of one global batch (packed rows): static SP = world (each row over the
-    pool), static DP = 2 x SP = world / 2 (rows dealt to the two SP groups), dynamic (``max_tokens_per_rank =
-    seq_len / world``). All three run through the same path: each is a plan whose micro-batches name their
-    aligned group, and :func:`seqpar.sequence.batch.rank_micro_batches` cuts them."""
+    """The schemes' plans of one global batch (packed rows): static SP = world (each row over the pool),
+    static DP = 2 x SP = world / 2 (rows dealt to the two SP groups), ``dynamic`` at ``max_tokens_per_rank =
+    seq_len / world`` (what static SP holds per rank) and ``dynamic_dp_budget`` at ``2 seq_len / world``
+    (what static DP2 x SP holds per rank: the same-memory comparison for that scheme). All run through the same
+    path: each is a plan whose micro-batches name their aligned group, and
+    :func:`seqpar.sequence.batch.rank_micro_batches` cuts them."""
     lengths = [n for row in batch for n in row]
     return {f"static_sp{world}": static_plan(batch, world, world, cost=cost, pad_multiple=PAD),
             f"static_dp2_sp{world // 2}": static_plan(batch, world, world // 2, cost=cost, pad_multiple=PAD),
-            "dynamic": plan_dynamic(lengths, world, seq_len // world, cost=cost, pad_multiple=PAD)}
+            "dynamic": plan_dynamic(lengths, world, seq_len // world, cost=cost, pad_multiple=PAD, spread_heavy=True),
+            "dynamic_dp_budget": plan_dynamic(lengths, world, 2 * seq_len // world, cost=cost, pad_multiple=PAD,
+                                              spread_heavy=True)}
 
 
 def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, seed: int, hidden: int,
@@ -436,6 +442,12 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
                                                                 dyn["cpu_s_max_over_ranks_per_step"])],
         "work_ratio_process_cpu_static_dp2_over_dynamic": schemes[static_dp]["process_cpu_s_max_over_ranks_total"]
         / dyn["process_cpu_s_max_over_ranks_total"],
+        # at the memory static DP2 x SP holds (2 seq_len / world tokens per rank)
+        "work_ratio_measured_static_dp2_over_dynamic_dp_budget": schemes[static_dp]["cpu_s_max_over_ranks_total"]
+        / schemes["dynamic_dp_budget"]["cpu_s_max_over_ranks_total"],
+        "work_ratio_measured_per_step_dp_budget": [
+            a / b for a, b in zip(schemes[static_dp]["cpu_s_max_over_ranks_per_step"],
+                                  schemes["dynamic_dp_budget"]["cpu_s_max_over_ranks_per_step"])],
         "bytes_ratio_static_sp_over_dynamic": sum(schemes[f"static_sp{world}"]["bytes_max_per_rank_counted_per_step"])
         / max(sum(dyn["bytes_max_per_rank_counted_per_step"]), 1),
     }
@@ -489,7 +501,10 @@ def render(payload: dict) -> str:
                                      ("process CPU s", "proc"), ("tokens/s (wall)", "tps"),
                                      ("bytes max/rank (counted)", "bytes"), ("peak (max rank)", "peak")]),
                  f"thread CPU static DP2 x SP / dynamic: {m['work_ratio_measured_static_dp2_over_dynamic']:.2f} over "
-                 "all steps, per step " + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step"])]
+                 "all steps, per step " + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step"]),
+                 "thread CPU static DP2 x SP / dynamic at its budget (2 seq_len / world tokens per rank): "
+                 f"{m['work_ratio_measured_static_dp2_over_dynamic_dp_budget']:.2f} over all steps, per step "
+                 + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"])]
     return "\n".join(text)
 
 
