@@ -453,6 +453,69 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
     }
 
 
+# (name, packed rows, SP size): one micro-batch per rank, the same on every rank (static_plan over 4 ranks)
+CALIBRATION = (
+    ("1 rank, 1 x 1024", [[1024]] * 4, 1), ("1 rank, 1 x 4096", [[4096]] * 4, 1),
+    ("1 rank, 4 x 1024", [[1024] * 4] * 4, 1), ("1 rank, 32 x 128", [[128] * 32] * 4, 1),
+    ("2 ranks, 1 x 2048", [[2048]] * 2, 2), ("2 ranks, 1 x 8192", [[8192]] * 2, 2),
+    ("4 ranks, 1 x 4096", [[4096]], 4), ("4 ranks, 1 x 16384", [[16384]], 4),
+)
+
+
+def _calibrate_rank(ctx: Any, hidden: int, layers: int, heads: int, repeats: int) -> dict[str, float]:
+    """At 4 ranks: each :data:`CALIBRATION` case's forward + backward, this rank's thread CPU seconds (median of
+    ``repeats`` after one warm-up): what a micro-batch, a ring step and a visible pair cost on this machine."""
+    import statistics
+
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.swap import swap_attention
+
+    manager = seqpar.init_process_groups(sp_size=4, config={
+        "sharding": "balanced", "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}})
+    try:
+        model = _tiny_llama(hidden, layers, heads, 16384)
+        swap_attention(model, SeqParConfig(size=4, sharding="balanced"))
+        out = {}
+        for name, rows, sp in CALIBRATION:
+            plan = static_plan(rows, 4, sp, cost=tiny_llama_cost(hidden, layers, heads), pad_multiple=PAD)
+            micro = rank_micro_batches(plan, _documents(plan.lengths, 0), manager, sharding="balanced")
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                c0 = time.thread_time()
+                for inputs in micro:
+                    model(**inputs).loss.backward()
+                times.append(time.thread_time() - c0)
+                model.zero_grad(set_to_none=True)
+            out[name] = statistics.median(times[1:])
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+def calibration_report(hidden: int, layers: int, heads: int, repeats: int = 2, pools: Any = None) -> dict:
+    """``--calibrate``: what one micro-batch costs in thread CPU against its counted cost, at 4 gloo ranks, for
+    the shapes that tell a micro-batch's fixed cost, a ring step's and a visible pair's apart."""
+    from seqpar.bench.runner import suite_pools
+
+    cost = tiny_llama_cost(hidden, layers, heads)
+    with suite_pools("cpu", pools) as ps:
+        per_rank = ps.run(4, _calibrate_rank, hidden, layers, heads, repeats, timeout=3600.0)
+    cases = []
+    for name, rows, sp in CALIBRATION:
+        plan = static_plan(rows, 4, sp, cost=cost, pad_multiple=PAD)
+        counted = max(counted_rank_costs(plan, cost))
+        cpu = max(r[name] for r in per_rank)
+        cases.append({"case": name, "group": sp, "tokens_per_rank": plan.peak_tokens_per_rank,
+                      "counted_gflop": counted / 1e9, "cpu_s_max_over_ranks": cpu, "s_per_gflop": cpu * 1e9 / counted})
+    return {"kind": "measured", "what": "one micro-batch (forward + backward) per rank, thread CPU, median of "
+            f"{repeats} after a warm-up, max over 4 ranks", "cases": cases}
+
+
 def run(args: argparse.Namespace, pools: Any = None) -> dict:
     t0 = time.perf_counter()
     cost = tiny_llama_cost(args.hidden, args.layers, args.heads)
@@ -462,11 +525,12 @@ def run(args: argparse.Namespace, pools: Any = None) -> dict:
         measured = measured_report(args.world, args.seq_len, args.measure_rows, args.measure_batches, args.seed,
                                    hidden=args.hidden, layers=args.layers, heads=args.heads,
                                    memory=not args.no_memory, pools=pools)
+    calibration = calibration_report(args.hidden, args.layers, args.heads, pools=pools) if args.calibrate else None
     pools_part = pool_report(args.pools, args.slots_per_group, args.seed)
     return {"suite": "dynamic", "command": " ".join(["python -m seqpar.bench dynamic", *(args.argv or sys.argv[2:])]),
             "figures": "counted (mix), measured (measured: real gloo ranks) and modelled (pools)",
             "machine": machine_info(), "wall_s": time.perf_counter() - t0, "mix": mix, "measured": measured,
-            "pools": pools_part}
+            "calibration": calibration, "pools": pools_part}
 
 
 def render(payload: dict) -> str:
@@ -505,6 +569,12 @@ def render(payload: dict) -> str:
                  "thread CPU static DP2 x SP / dynamic at its budget (2 seq_len / world tokens per rank): "
                  f"{m['work_ratio_measured_static_dp2_over_dynamic_dp_budget']:.2f} over all steps, per step "
                  + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"])]
+    if payload.get("calibration"):
+        rows = [{"case": c["case"], "tok": c["tokens_per_rank"], "gf": c["counted_gflop"], "cpu": c["cpu_s_max_over_ranks"],
+                 "spg": c["s_per_gflop"]} for c in payload["calibration"]["cases"]]
+        text += ["", "calibration, one micro-batch per rank (thread CPU, max over ranks):",
+                 format_table(rows, [("case", "case"), ("tokens/rank", "tok"), ("counted GFLOP/rank", "gf"),
+                                     ("CPU s", "cpu"), ("s per GFLOP", "spg")])]
     return "\n".join(text)
 
 
@@ -527,6 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="its layers (default 2)")
     p.add_argument("--heads", type=int, default=4, help="its attention heads, as many K/V heads (default 4)")
     p.add_argument("--no-memory", action="store_true", help="measured part: skip the peak-memory step")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also time single micro-batches (a micro-batch's, a ring step's and a pair's CPU cost)")
     p.add_argument("--out", metavar="DIR", help="write DIR/dynamic.json")
     return p
 

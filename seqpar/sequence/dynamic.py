@@ -24,7 +24,13 @@ The plan:
   loaded (LPT), or by best fit when that leaves one without room. A document joins a group larger than
   its own only where nothing of its own size has room (to save a slot); otherwise its bytes are those
   of its own size. No search beyond that (moves, swaps) yet: on the benchmark's mixes it changed
-  neither the balance nor the bytes, so it was left out.
+  neither the balance nor the bytes, so it was left out. With ``spread_heavy`` (opt-in), a document that
+  alone outweighs an even share of the step runs on a larger group when that takes no more slots and
+  lowers the busiest rank's cost (balance before bytes).
+- Bytes at the least slots: on the benchmark's worst step (seed 0: five documents over 8192 tokens, each
+  needing all 4 ranks at 4096 per rank) the 9 slots leave 1-rank room for only part of the short documents,
+  and the rest must ride a ring whichever group takes them; the planner puts them in the smallest group with
+  room, close to the bound the slot count sets (a hand count in BENCHMARKS.md).
 
 Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key) pair times the
 pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
@@ -382,7 +388,7 @@ def plan_dynamic(
         spread_heavy: run a document whose cost on its own group exceeds an even share of the step (``cost /
             c > total / pool``) on a larger group when that takes no more slots and lowers the busiest rank's
             planned cost (by 1% at least; the objective's balance before bytes). Off by default: the cost model
-            does not count a ring step's fixed cost (measured ~20 ms per layer and pass on the benchmark's
+            does not count a ring step's fixed cost (measured ~12 ms per layer and pass on the benchmark's
             2-core CPU ranks, BENCHMARKS.md "Length-aware dynamic CP"), so it would spread small steps' short
             documents over rings for nothing; on for ``python -m seqpar.bench dynamic``, whose heavy documents
             it pays for.
