@@ -50,7 +50,7 @@ from seqpar.config import Links
 from seqpar.sequence.dynamic import CostModel, DynamicPlan, MicroBatch, plan_dynamic, static_plan
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
-           "pool_report", "measured_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
+           "pool_report", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
            "TINY_LLAMA", "QWEN3_30B_A3B"]
 
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
