@@ -9,6 +9,9 @@
 - Deterministic, and a permutation of the input permutes the document indices only.
 - Fewer documents than ranks (none at all included) gives empty micro-batches; bad input and a bad
   ``sequence_parallel.dynamic`` block raise errors that name the fix.
+- ``spread_heavy`` spreads a document heavier than an even share, never adding a slot.
+- The command (``python -m seqpar.bench dynamic``, small sizes) writes its counted, measured (4 gloo ranks,
+  the session's pool) and modelled parts.
 """
 
 from __future__ import annotations
@@ -162,6 +165,33 @@ def test_least_slots_when_the_documents_pack_exactly() -> None:
     assert spare.num_slots == 1 and spare.slots[0][0].docs == (0, 1)
 
 
+def test_spread_heavy_spreads_a_document_heavier_than_an_even_share() -> None:
+    """``spread_heavy``: an 8192-token document fits one rank at 8192 per rank but alone outweighs the step's
+    even share (three 2000-token documents besides it on 4 ranks): it runs on more ranks, in as many slots, and
+    the busiest rank's cost drops; off (the default) it stays on one rank. On random steps (half of them
+    spread) it never adds a slot nor raises the busiest rank's cost.
+    Seen failing: the acceptance test inverted (``<`` for ``>=``: the example stays on one rank). Not caught:
+    ``_search`` ignoring its slot cap (``most``): on 300 random steps a wider plan with more slots never had a
+    less busy rank, so the acceptance test alone rejected it."""
+    lengths = [8192, 2000, 2000, 2000]
+    plain = plan_dynamic(lengths, 4, 8192, cost=COST)
+    spread = plan_dynamic(lengths, 4, 8192, cost=COST, spread_heavy=True)
+    for plan in (plain, spread):
+        _check_plan(plan, lengths, 4, 8192, 1, COST)
+    assert [mb.size for slot in plain.slots for mb in slot if 0 in mb.docs] == [1]
+    assert [mb.size for slot in spread.slots for mb in slot if 0 in mb.docs] in ([2], [4])
+    assert spread.num_slots == plain.num_slots == 1
+    assert max(spread.rank_cost) < 0.75 * max(plain.rank_cost)
+    for seed in range(8):
+        rng = random.Random(seed)
+        lengths = [min(8192, max(16, int(rng.lognormvariate(6.5, 1.4)))) for _ in range(rng.randint(1, 24))]
+        plain = plan_dynamic(lengths, 4, 4096, cost=COST)
+        spread = plan_dynamic(lengths, 4, 4096, cost=COST, spread_heavy=True)
+        _check_plan(spread, lengths, 4, 4096, 1, COST)
+        assert spread.num_slots == plain.num_slots, seed
+        assert max(spread.rank_cost) <= max(plain.rank_cost) * (1 + 1e-12), seed
+
+
 def test_bad_input_is_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match=r"document 1 has 20000 tokens.*raise max_tokens_per_rank to at least 5000"):
         plan_dynamic([10, 20000], 4, 4096)
@@ -216,18 +246,46 @@ def test_config_dynamic_block() -> None:
             SeqParConfig.from_dict({"sequence_parallel": {"dynamic": block}})
 
 
-def test_modelled_pools_and_the_command(tmp_path) -> None:
-    """``python -m seqpar.bench dynamic`` writes dynamic.json with the counted and modelled parts marked
-    as such and the measured parts pending (small sizes: the machinery, not the figures)."""
+@pytest.mark.timeout(120)
+def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:  # noqa: ANN001
+    """``python -m seqpar.bench dynamic`` writes dynamic.json with the counted, measured and modelled parts
+    marked as such (small sizes: the machinery, not the figures). The measured part runs on the session's
+    4 gloo ranks: every scheme ran each step with as many micro-batches as its plan has slots (static SP 4 one
+    row per slot, DP2 x SP2 two, dynamic the planner's), on every rank, and its figures are real (CPU time and
+    peak bytes above zero, the counted bytes the plans' own).
+    ``--no-memory`` skips the peak-memory step (under the tensor tracker a step is 5x slower; the smoke test
+    stays short).
+    Seen failing: ``scheme_plans`` handing the static SP plan in as "dynamic" (slots 2, not the planner's 3);
+    the step timing nothing (``cpu_s`` 0)."""
     import json
 
     from seqpar.bench.__main__ import main
+    from seqpar.bench.dynamic import PAD, long_tailed_rows, tiny_llama_cost
 
-    assert main(["dynamic", "--world", "4", "--seq-len", "4096", "--rows", "4", "--batches", "2", "--pools", "16",
-                 "--slots-per-group", "2", "--out", str(tmp_path)]) == 0
+    assert main(["dynamic", "--world", "4", "--seq-len", "1024", "--rows", "4", "--batches", "2", "--pools", "16",
+                 "--slots-per-group", "2", "--measure-rows", "2", "--measure-batches", "1", "--hidden", "16",
+                 "--heads", "2", "--no-memory", "--out", str(tmp_path)], pools=dist_pool.pools) == 0
     payload = json.loads((tmp_path / "dynamic.json").read_text())
     assert payload["mix"]["kind"] == "counted" and payload["pools"]["kind"] == "modelled"
-    assert "pending" in payload["pending"] and "thread CPU time" in payload["pending"]
+    measured = payload["measured"]
+    assert measured["kind"] == "measured" and measured["world"] == 4 and measured["model"]["hidden"] == 16
+    rows, cost = long_tailed_rows(2, 1024, 0), tiny_llama_cost(16, 2, 2)
+    plans = {"static_sp4": static_plan(rows, 4, 4, cost=cost, pad_multiple=PAD),
+             "static_dp2_sp2": static_plan(rows, 4, 2, cost=cost, pad_multiple=PAD),
+             **{name: plan_dynamic([n for row in rows for n in row], 4, budget, cost=cost, pad_multiple=PAD,
+                                   spread_heavy=True) for name, budget in (("dynamic", 256), ("dynamic_dp_budget", 512))}}
+    assert [p.num_slots for p in plans.values()] == [2, 1, 3, 1]  # the planner's 3 slots differ from both statics'
+    assert set(measured["schemes"]) == set(plans)
+    for name, s in measured["schemes"].items():
+        assert s["slots_per_step"] == [plans[name].num_slots], name
+        assert s["bytes_max_per_rank_counted_per_step"] == [plans[name].bytes_max]
+        assert all(c > 0 for c in s["cpu_s_per_rank_total"]) and s["cpu_s_max_over_ranks_total"] > 0, name
+        assert s["process_cpu_s_max_over_ranks_total"] >= s["cpu_s_max_over_ranks_total"] * 0.99
+        assert s["tokens_per_s"] > 0 and "peak_bytes_per_rank" not in s  # --no-memory: the tracker's step is 5x slower
+    for key, dynamic in (("", "dynamic"), ("_dp_budget", "dynamic_dp_budget")):
+        assert measured[f"work_ratio_measured_static_dp2_over_dynamic{key}"] == pytest.approx(
+            measured["schemes"]["static_dp2_sp2"]["cpu_s_max_over_ranks_total"]
+            / measured["schemes"][dynamic]["cpu_s_max_over_ranks_total"])
     assert payload["pools"]["anchors_measured_elsewhere"] == {"megatron_core_dynamic_cp": 1.48,
                                                               "verl_qwen3_30b_a3b_1k_16k": 1.61}
     cases = payload["pools"]["cases"]

@@ -10,7 +10,7 @@ used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
 the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
 rank's peak memory against one process, byte by byte. ``dynamic`` (:mod:`seqpar.bench.dynamic`):
-length-aware dynamic CP against static SP, planned and counted (nothing run yet). ``interleave`` (:mod:`seqpar.bench.interleave`): a
+length-aware dynamic CP against static SP, counted, measured on gloo ranks and modelled. ``interleave`` (:mod:`seqpar.bench.interleave`): a
 few methods timed in interleaved rounds, with an optional phase profile per round.
 """
 
@@ -222,10 +222,10 @@ def main(argv: Sequence[str] | None = None, *, pools: Any = None) -> int:
         from seqpar.bench.ring_memory import main as ring_memory_main
 
         return ring_memory_main(argv[1:])
-    if argv[:1] == ["dynamic"]:  # length-aware dynamic CP, planned and counted (issue 32): a command of its own
+    if argv[:1] == ["dynamic"]:  # length-aware dynamic CP, counted, measured, modelled (issue 32): its own command
         from seqpar.bench.dynamic import main as dynamic_main
 
-        return dynamic_main(argv[1:])
+        return dynamic_main(argv[1:], pools=pools)
     if argv[:1] == ["interleave"]:  # a few methods timed in interleaved rounds (BENCHMARKS.md, Ulysses)
         from seqpar.bench.interleave import main as interleave_main
 

@@ -1,22 +1,34 @@
-"""Length-aware dynamic CP against static SP, planned and counted (issue 32 §6, the planner part).
+"""Length-aware dynamic CP against static SP: counted, measured and modelled (issue 32 §6).
 
-``python -m seqpar.bench dynamic --world 4 --out DIR`` writes ``DIR/dynamic.json``. Nothing here runs
-a model: every figure is **counted** (from the plans, with the attention planner counting each rank's
-visible pairs) or **modelled** (a cost and link model); the measured parts of issue 32's benchmark
-(each rank's thread CPU time, tokens/s, peak memory with real ranks) are pending until the planned
-micro-batches run through models and engines.
+``python -m seqpar.bench dynamic --world 4 --out DIR`` writes ``DIR/dynamic.json``, three parts, each
+marked with its ``kind``:
 
-1. ``mix``: the long-tailed mix, ``--batches`` global batches (fixed seeds) of ``--rows`` packed rows of
-   ``--seq-len`` tokens, document lengths log-normal (median 1024, sigma 1.2) clipped to
+1. ``mix`` (**counted**): the long-tailed mix, ``--batches`` global batches (fixed seeds) of ``--rows``
+   packed rows of ``--seq-len`` tokens, document lengths log-normal (median 1024, sigma 1.2) clipped to
    ``[64, seq_len]``, the last document of a row taking what is left (as ``train.packed`` does). The
    same batches under static SP = P (each row cut over the whole pool, ``balanced`` sharding), static
    DP = 2 x SP = P/2 (rows dealt to the two SP groups) and dynamic (``max_tokens_per_rank = seq_len /
    P``, what static SP holds): per-rank cost max / mean (visible pairs counted by the attention planner
-   on each rank's ``balanced`` shard, plus the linear terms), bytes per rank (max; the dense ring's
-   volume, :func:`seqpar.sequence.dynamic.ring_bytes_per_rank`), slots and peak tokens per rank.
-2. ``pools``: the planner alone on modelled pools of 64 and 512 GPUs for the anchors' mixes (lengths
-   1K-16K at 4096 tokens per rank against static CP 4, verl's Qwen3-30B-A3B SFT set-up; lengths up to
-   256K at 8192 tokens per rank against static CP 32), reporting the modelled step time against static
+   on each rank's ``balanced`` shard, plus the linear terms; the cost model is the measured run's tiny
+   Llama), bytes per rank (max; the dense ring's volume,
+   :func:`seqpar.sequence.dynamic.ring_bytes_per_rank`), slots and peak tokens per rank.
+2. ``measured``: the mix's first ``--measure-batches`` batches (the same seeds; ``--measure-rows`` rows
+   each) run at P gloo ranks (:mod:`seqpar.bench.runner`'s rank pools, one intra-op thread per rank) through
+   a swapped tiny fp32 Llama (``--hidden`` 64, intermediate ``2 x hidden``, ``--layers`` 2, ``--heads`` 4),
+   the three schemes interleaved batch by batch and all through one path: each scheme is a plan whose
+   micro-batches name their aligned group (static SP = P: one group of P per row; DP2 x SP: a group of P/2
+   per row; dynamic: the planner's, at the budget static SP holds per rank, ``seq_len / P``, and again as
+   ``dynamic_dp_budget`` at what static DP2 x SP holds, ``2 seq_len / P``: each baseline is compared at its own
+   memory), :func:`seqpar.sequence.batch.rank_micro_batches` cuts them
+   (``balanced`` sharding inside each group), each rank runs the forward + backward of its micro-batches and
+   the gradients are summed over the pool once. Per scheme: each step's thread CPU time
+   (``time.thread_time()`` between barriers, max over ranks; also the process's CPU time, which includes
+   gloo's own threads), tokens/s (the slowest rank's wall time), the counted bytes (max per rank) and, from
+   one untimed step on batch 0 (the warm-up), the peak bytes of the tensors a step allocates
+   (:class:`~seqpar.memory.tracker.TensorMemoryTracker`; not the parameters or inputs).
+3. ``pools`` (**modelled**): the planner alone on modelled pools of 64 and 512 GPUs for the anchors' mixes
+   (lengths 1K-16K at 4096 tokens per rank against static CP 4, verl's Qwen3-30B-A3B SFT set-up; lengths up
+   to 256K at 8192 tokens per rank against static CP 32), reporting the modelled step time against static
    CP beside Megatron-Core's 1.48x and verl's 1.61x (which are measured, on GPUs).
 """
 
@@ -38,12 +50,20 @@ from seqpar.config import Links
 from seqpar.sequence.dynamic import CostModel, DynamicPlan, MicroBatch, plan_dynamic, static_plan
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
-           "pool_report", "run", "main", "ANCHORS", "TINY_LLAMA", "QWEN3_30B_A3B"]
+           "pool_report", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
+           "TINY_LLAMA", "QWEN3_30B_A3B"]
 
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
 
-# the 4-rank CPU run's model (a tiny Llama, the size the training tests use): its counted cost
-TINY_LLAMA = CostModel.transformer(256, 688, q_heads=4, kv_heads=4, layers=2, elem_bytes=4)
+
+def tiny_llama_cost(hidden: int, layers: int, heads: int) -> CostModel:
+    """The counted cost of the measured run's model (:func:`_tiny_llama`'s sizes: intermediate ``2 x
+    hidden``, fp32 K/V on the ring)."""
+    return CostModel.transformer(hidden, 2 * hidden, q_heads=heads, kv_heads=heads, layers=layers, elem_bytes=4)
+
+
+# the 4-rank CPU run's model by default (a tiny Llama: hidden 64, intermediate 128, 4 heads, 2 layers): its cost
+TINY_LLAMA = tiny_llama_cost(64, 2, 4)
 # verl's anchor model: hidden 2048, 48 layers, 32 query / 4 K/V heads of 128, 8 active experts of 768
 QWEN3_30B_A3B = CostModel.transformer(2048, 768, q_heads=32, kv_heads=4, head_dim=128, layers=48, active_mlps=8)
 ANCHORS = {"megatron_core_dynamic_cp": 1.48, "verl_qwen3_30b_a3b_1k_16k": 1.61}
@@ -143,7 +163,7 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         plans = {
             f"static_sp{world}": static_plan(batch, world, world, cost=cost, pad_multiple=PAD),
             f"static_dp2_sp{world // 2}": static_plan(batch, world, world // 2, cost=cost, pad_multiple=PAD),
-            "dynamic": plan_dynamic(lengths, world, budget, cost=cost, pad_multiple=PAD),
+            "dynamic": plan_dynamic(lengths, world, budget, cost=cost, pad_multiple=PAD, spread_heavy=True),
         }
         step = {"batch": b, "documents": len(lengths), "longest": max(lengths)}
         for name, plan in plans.items():
@@ -171,8 +191,7 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         "max_tokens_per_rank": budget,
         "lengths": {"distribution": "log-normal", "median": 1024, "sigma": 1.2, "clip": [64, seq_len],
                     "rows": "each row sums to seq_len: its last document takes what is left"},
-        "cost_model": {"name": "tiny Llama (hidden 256, intermediate 688, 4 heads, 2 layers), forward FLOPs",
-                       **_cost_fields(cost)},
+        "cost_model": {"name": "the measured run's tiny Llama, forward FLOPs", **_cost_fields(cost)},
         "overall": overall,
         "bytes_ratio_static_sp_over_dynamic": overall[static_sp]["bytes_max_per_rank"] / max(dyn["bytes_max_per_rank"], 1),
         "bytes_ratio_worst_step": min(s[static_sp]["bytes_max_per_rank"] / max(s["dynamic"]["bytes_max_per_rank"], 1)
@@ -272,17 +291,246 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
             "anchors_measured_elsewhere": ANCHORS, "cases": out}
 
 
-PENDING = ("measured parts pending (issue 32): each rank's thread CPU time (max over ranks), tokens/s and peak "
-           "memory with real ranks need the planned micro-batches to run through models and engines")
+# ------------------------------------------------------------------------------------------ measured
+def _tiny_llama(hidden: int, layers: int, heads: int, seq_len: int) -> Any:
+    """A tiny fp32 Llama (vocab 256, intermediate ``2 x hidden``), the same weights on every rank (seed 0)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                   max_position_embeddings=seq_len, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).float()
 
 
-def run(args: argparse.Namespace) -> dict:
+def _documents(lengths: Sequence[int], seed: int) -> list[Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g) for n in lengths]
+
+
+def scheme_plans(batch: list[list[int]], world: int, seq_len: int, cost: CostModel) -> dict[str, DynamicPlan]:
+    """The schemes' plans of one global batch (packed rows): static SP = world (each row over the pool),
+    static DP = 2 x SP = world / 2 (rows dealt to the two SP groups), ``dynamic`` at ``max_tokens_per_rank =
+    seq_len / world`` (what static SP holds per rank) and ``dynamic_dp_budget`` at ``2 seq_len / world``
+    (what static DP2 x SP holds per rank: the same-memory comparison for that scheme). All run through the same
+    path: each is a plan whose micro-batches name their aligned group, and
+    :func:`seqpar.sequence.batch.rank_micro_batches` cuts them."""
+    lengths = [n for row in batch for n in row]
+    return {f"static_sp{world}": static_plan(batch, world, world, cost=cost, pad_multiple=PAD),
+            f"static_dp2_sp{world // 2}": static_plan(batch, world, world // 2, cost=cost, pad_multiple=PAD),
+            "dynamic": plan_dynamic(lengths, world, seq_len // world, cost=cost, pad_multiple=PAD, spread_heavy=True),
+            "dynamic_dp_budget": plan_dynamic(lengths, world, 2 * seq_len // world, cost=cost, pad_multiple=PAD,
+                                              spread_heavy=True)}
+
+
+def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, seed: int, hidden: int,
+                   layers: int, heads: int, memory: bool) -> dict:
+    """On each rank of the pool (SP = world, DP = 1; every aligned group of 1, 2, 4, ... ranks made once by
+    the ``dynamic`` block): per global batch, the three schemes in turn, each step the forward + backward of
+    this rank's micro-batches (``balanced`` sharding inside each group) and one sum of the gradients over the
+    pool. Returns per scheme and step this rank's thread CPU and wall seconds (between barriers). First one
+    untimed step per scheme on batch 0 (the warm-up), with ``memory`` under
+    :class:`~seqpar.memory.tracker.TensorMemoryTracker` (5x slower than a plain step): the peak bytes of the tensors the
+    step allocates (activations, gradients, ring buffers; not the parameters or the inputs)."""
+    import torch
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.memory.tracker import TensorMemoryTracker
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.swap import swap_attention
+
+    cost = tiny_llama_cost(hidden, layers, heads)
+    manager = seqpar.init_process_groups(sp_size=world, config={
+        "sharding": "balanced", "dynamic": {"max_tokens_per_rank": seq_len // world, "min_size": 1}})
+    try:
+        model = _tiny_llama(hidden, layers, heads, seq_len)
+        swap_attention(model, SeqParConfig(size=world, sharding="balanced"))
+        params = [p for p in model.parameters()]
+
+        def step(micro: list[dict]) -> None:
+            for inputs in micro:
+                model(**inputs).loss.backward()
+            for p in params:  # reduced once per step over the pool (a sum: see rank_micro_batches)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=manager.sp_dp_group)
+            for p in params:
+                p.grad = None
+
+        def inputs_of(b: int) -> dict[str, list[dict]]:
+            batch = long_tailed_rows(rows, seq_len, seed + b)
+            docs = _documents([n for row in batch for n in row], seed + b)
+            return {name: rank_micro_batches(plan, docs, manager, sharding="balanced")
+                    for name, plan in scheme_plans(batch, world, seq_len, cost).items()}
+
+        out: dict[str, Any] = {"peak_bytes": {}, "cpu_s": {}, "process_cpu_s": {}, "wall_s": {}, "slots": {}}
+        for name, micro in inputs_of(0).items():  # warm-up (first calls build caches), untimed
+            dist.barrier()
+            if not memory:
+                step(micro)
+                continue
+            tracker = TensorMemoryTracker("cpu", count_existing=False)  # MemTracker refuses a module run twice
+            with tracker:
+                step(micro)
+            out["peak_bytes"][name] = tracker.peak
+        for b in range(batches):
+            for name, micro in inputs_of(b).items():  # interleaved: drifting load hits every scheme alike
+                dist.barrier()
+                t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+                step(micro)
+                out["cpu_s"].setdefault(name, []).append(time.thread_time() - c0)
+                out["process_cpu_s"].setdefault(name, []).append(time.process_time() - p0)
+                out["wall_s"].setdefault(name, []).append(time.perf_counter() - t0)
+                out["slots"].setdefault(name, []).append(len(micro))
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int, *, hidden: int, layers: int,
+                    heads: int, memory: bool = True, pools: Any = None, timeout: float = 3600.0) -> dict:
+    """The measured part (see the module docstring): the three schemes run at ``world`` gloo ranks."""
+    from seqpar.bench.runner import suite_pools
+
+    cost = tiny_llama_cost(hidden, layers, heads)
+    with suite_pools("cpu", pools) as ps:
+        per_rank = ps.run(world, _measured_rank, world, seq_len, rows, batches, seed, hidden, layers, heads, memory,
+                          timeout=timeout)
+    tokens = rows * seq_len
+    schemes: dict[str, Any] = {}
+    for name in per_rank[0]["cpu_s"]:
+        cpu = [max(r["cpu_s"][name][b] for r in per_rank) for b in range(batches)]
+        proc = [max(r["process_cpu_s"][name][b] for r in per_rank) for b in range(batches)]
+        wall = [max(r["wall_s"][name][b] for r in per_rank) for b in range(batches)]
+        bytes_max, counted = [], []
+        for b in range(batches):
+            plan = scheme_plans(long_tailed_rows(rows, seq_len, seed + b), world, seq_len, cost)[name]
+            bytes_max.append(plan.bytes_max)
+            counted.append(_ratio(counted_rank_costs(plan, cost)))
+        schemes[name] = {
+            "cpu_s_max_over_ranks_per_step": cpu, "cpu_s_max_over_ranks_total": sum(cpu),
+            "cpu_s_per_rank_total": [sum(r["cpu_s"][name]) for r in per_rank],
+            "process_cpu_s_max_over_ranks_per_step": proc, "process_cpu_s_max_over_ranks_total": sum(proc),
+            "slots_per_step": per_rank[0]["slots"][name],
+            "wall_s_slowest_rank_per_step": wall, "tokens_per_s": tokens * batches / sum(wall),
+            "bytes_max_per_rank_counted_per_step": bytes_max, "balance_counted_per_step": counted,
+        }
+        if memory:
+            schemes[name]["peak_bytes_max_over_ranks"] = max(r["peak_bytes"][name] for r in per_rank)
+            schemes[name]["peak_bytes_per_rank"] = [r["peak_bytes"][name] for r in per_rank]
+    static_dp = f"static_dp2_sp{world // 2}"
+    dyn = schemes["dynamic"]
+    return {
+        "kind": "measured", "world": world, "seq_len": seq_len, "rows_per_batch": rows, "batches": batches,
+        "seeds": [seed + b for b in range(batches)],
+        "model": {"name": "tiny Llama, fp32", "hidden": hidden, "intermediate": 2 * hidden, "layers": layers,
+                  "heads": heads, "vocab": 256},
+        "how": ("gloo ranks, one intra-op thread each; SP = world with every aligned group made once (the dynamic "
+                "block); every scheme runs as a plan through rank_micro_batches (balanced sharding inside each "
+                "group), forward + backward of each micro-batch, then one all-reduce (sum) of the gradients over "
+                "the pool; per step: each rank's time.thread_time() and wall time between barriers; the three "
+                "schemes interleaved batch by batch"),
+        "schemes": schemes,
+        "work_ratio_measured_static_dp2_over_dynamic": schemes[static_dp]["cpu_s_max_over_ranks_total"]
+        / dyn["cpu_s_max_over_ranks_total"],
+        "work_ratio_measured_per_step": [a / b for a, b in zip(schemes[static_dp]["cpu_s_max_over_ranks_per_step"],
+                                                                dyn["cpu_s_max_over_ranks_per_step"])],
+        "work_ratio_process_cpu_static_dp2_over_dynamic": schemes[static_dp]["process_cpu_s_max_over_ranks_total"]
+        / dyn["process_cpu_s_max_over_ranks_total"],
+        # at the memory static DP2 x SP holds (2 seq_len / world tokens per rank)
+        "work_ratio_measured_static_dp2_over_dynamic_dp_budget": schemes[static_dp]["cpu_s_max_over_ranks_total"]
+        / schemes["dynamic_dp_budget"]["cpu_s_max_over_ranks_total"],
+        "work_ratio_measured_per_step_dp_budget": [
+            a / b for a, b in zip(schemes[static_dp]["cpu_s_max_over_ranks_per_step"],
+                                  schemes["dynamic_dp_budget"]["cpu_s_max_over_ranks_per_step"])],
+        "bytes_ratio_static_sp_over_dynamic": sum(schemes[f"static_sp{world}"]["bytes_max_per_rank_counted_per_step"])
+        / max(sum(dyn["bytes_max_per_rank_counted_per_step"]), 1),
+    }
+
+
+# (name, packed rows, SP size): one micro-batch per rank, the same on every rank (static_plan over 4 ranks)
+CALIBRATION = (
+    ("1 rank, 1 x 1024", [[1024]] * 4, 1), ("1 rank, 1 x 4096", [[4096]] * 4, 1),
+    ("1 rank, 4 x 1024", [[1024] * 4] * 4, 1), ("1 rank, 32 x 128", [[128] * 32] * 4, 1),
+    ("2 ranks, 1 x 2048", [[2048]] * 2, 2), ("2 ranks, 1 x 8192", [[8192]] * 2, 2),
+    ("4 ranks, 1 x 4096", [[4096]], 4), ("4 ranks, 1 x 16384", [[16384]], 4),
+)
+
+
+def _calibrate_rank(ctx: Any, hidden: int, layers: int, heads: int, repeats: int) -> dict[str, float]:
+    """At 4 ranks: each :data:`CALIBRATION` case's forward + backward, this rank's thread CPU seconds (median of
+    ``repeats`` after one warm-up): what a micro-batch, a ring step and a visible pair cost on this machine."""
+    import statistics
+
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.swap import swap_attention
+
+    manager = seqpar.init_process_groups(sp_size=4, config={
+        "sharding": "balanced", "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}})
+    try:
+        model = _tiny_llama(hidden, layers, heads, 16384)
+        swap_attention(model, SeqParConfig(size=4, sharding="balanced"))
+        out = {}
+        for name, rows, sp in CALIBRATION:
+            plan = static_plan(rows, 4, sp, cost=tiny_llama_cost(hidden, layers, heads), pad_multiple=PAD)
+            micro = rank_micro_batches(plan, _documents(plan.lengths, 0), manager, sharding="balanced")
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                c0 = time.thread_time()
+                for inputs in micro:
+                    model(**inputs).loss.backward()
+                times.append(time.thread_time() - c0)
+                model.zero_grad(set_to_none=True)
+            out[name] = statistics.median(times[1:])
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+def calibration_report(hidden: int, layers: int, heads: int, repeats: int = 2, pools: Any = None) -> dict:
+    """``--calibrate``: what one micro-batch costs in thread CPU against its counted cost, at 4 gloo ranks, for
+    the shapes that tell a micro-batch's fixed cost, a ring step's and a visible pair's apart."""
+    from seqpar.bench.runner import suite_pools
+
+    cost = tiny_llama_cost(hidden, layers, heads)
+    with suite_pools("cpu", pools) as ps:
+        per_rank = ps.run(4, _calibrate_rank, hidden, layers, heads, repeats, timeout=3600.0)
+    cases = []
+    for name, rows, sp in CALIBRATION:
+        plan = static_plan(rows, 4, sp, cost=cost, pad_multiple=PAD)
+        counted = max(counted_rank_costs(plan, cost))
+        cpu = max(r[name] for r in per_rank)
+        cases.append({"case": name, "group": sp, "tokens_per_rank": plan.peak_tokens_per_rank,
+                      "counted_gflop": counted / 1e9, "cpu_s_max_over_ranks": cpu, "s_per_gflop": cpu * 1e9 / counted})
+    return {"kind": "measured", "what": "one micro-batch (forward + backward) per rank, thread CPU, median of "
+            f"{repeats} after a warm-up, max over 4 ranks", "cases": cases}
+
+
+def run(args: argparse.Namespace, pools: Any = None) -> dict:
     t0 = time.perf_counter()
-    mix = mix_report(args.world, args.seq_len, args.rows, args.batches, args.seed)
-    pools = pool_report(args.pools, args.slots_per_group, args.seed)
+    cost = tiny_llama_cost(args.hidden, args.layers, args.heads)
+    mix = mix_report(args.world, args.seq_len, args.rows, args.batches, args.seed, cost)
+    measured = None
+    if args.measure_batches:
+        measured = measured_report(args.world, args.seq_len, args.measure_rows, args.measure_batches, args.seed,
+                                   hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                   memory=not args.no_memory, pools=pools)
+    calibration = calibration_report(args.hidden, args.layers, args.heads, pools=pools) if args.calibrate else None
+    pools_part = pool_report(args.pools, args.slots_per_group, args.seed)
     return {"suite": "dynamic", "command": " ".join(["python -m seqpar.bench dynamic", *(args.argv or sys.argv[2:])]),
-            "figures": "counted (mix) and modelled (pools); nothing measured", "pending": PENDING,
-            "machine": machine_info(), "wall_s": time.perf_counter() - t0, "mix": mix, "pools": pools}
+            "figures": "counted (mix), measured (measured: real gloo ranks) and modelled (pools)",
+            "machine": machine_info(), "wall_s": time.perf_counter() - t0, "mix": mix, "measured": measured,
+            "calibration": calibration, "pools": pools_part}
 
 
 def render(payload: dict) -> str:
@@ -304,8 +552,29 @@ def render(payload: dict) -> str:
     text += ["", "modelled pools, step time static CP / dynamic (Megatron 1.48x and verl 1.61x are measured elsewhere):",
              format_table(rows, [("pool", "pool"), ("mix", "mix"), ("static CP", "cp"), ("static slots", "s_slots"),
                                  ("dynamic slots", "d_slots"), ("speedup slot-sync", "slot"),
-                                 ("speedup group-sync", "group")]),
-             "", payload["pending"]]
+                                 ("speedup group-sync", "group")])]
+    m = payload.get("measured")
+    if m:
+        rows = [{"scheme": name, "cpu": s["cpu_s_max_over_ranks_total"], "proc": s["process_cpu_s_max_over_ranks_total"],
+                 "tps": s["tokens_per_s"], "bytes": f"{sum(s['bytes_max_per_rank_counted_per_step']) / 2**20:.0f} MiB",
+                 "peak": f"{s['peak_bytes_max_over_ranks'] / 2**20:.1f} MiB" if "peak_bytes_max_over_ranks" in s else "-"}
+                for name, s in m["schemes"].items()]
+        text += ["", f"measured, {m['world']} gloo ranks, {m['batches']} batches x {m['rows_per_batch']} rows of "
+                 f"{m['seq_len']}, tiny Llama hidden {m['model']['hidden']}, {m['model']['layers']} layers:",
+                 format_table(rows, [("scheme", "scheme"), ("thread CPU s (max rank, summed over steps)", "cpu"),
+                                     ("process CPU s", "proc"), ("tokens/s (wall)", "tps"),
+                                     ("bytes max/rank (counted)", "bytes"), ("peak (max rank)", "peak")]),
+                 f"thread CPU static DP2 x SP / dynamic: {m['work_ratio_measured_static_dp2_over_dynamic']:.2f} over "
+                 "all steps, per step " + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step"]),
+                 "thread CPU static DP2 x SP / dynamic at its budget (2 seq_len / world tokens per rank): "
+                 f"{m['work_ratio_measured_static_dp2_over_dynamic_dp_budget']:.2f} over all steps, per step "
+                 + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"])]
+    if payload.get("calibration"):
+        rows = [{"case": c["case"], "tok": c["tokens_per_rank"], "gf": c["counted_gflop"], "cpu": c["cpu_s_max_over_ranks"],
+                 "spg": c["s_per_gflop"]} for c in payload["calibration"]["cases"]]
+        text += ["", "calibration, one micro-batch per rank (thread CPU, max over ranks):",
+                 format_table(rows, [("case", "case"), ("tokens/rank", "tok"), ("counted GFLOP/rank", "gf"),
+                                     ("CPU s", "cpu"), ("s per GFLOP", "spg")])]
     return "\n".join(text)
 
 
@@ -320,14 +589,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modelled pool sizes (default 64,512)")
     p.add_argument("--slots-per-group", type=int, default=4,
                    help="modelled pools: static micro-batches per DP group per step (default 4)")
+    p.add_argument("--measure-rows", type=int, default=4,
+                   help="measured part: packed rows per global batch (default 4: a few minutes on 2 loaded cores)")
+    p.add_argument("--measure-batches", type=int, default=3,
+                   help="measured part: global batches, the mix's first seeds (default 3; 0 skips the measured part)")
+    p.add_argument("--hidden", type=int, default=64, help="the measured tiny Llama's hidden size (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="its layers (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="its attention heads, as many K/V heads (default 4)")
+    p.add_argument("--no-memory", action="store_true", help="measured part: skip the peak-memory step")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also time single micro-batches (a micro-batch's, a ring step's and a pair's CPU cost)")
     p.add_argument("--out", metavar="DIR", help="write DIR/dynamic.json")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, pools: Any = None) -> int:
+    """``pools``: a :class:`seqpar.bench.runner.PoolSet` to run the measured part's ranks on (left running; the
+    test suite's), else it starts its own."""
     args = build_parser().parse_args(argv)
     args.argv = None if argv is None else list(argv)
-    payload = run(args)
+    payload = run(args, pools=pools)
     if args.out:
         path = os.path.join(args.out, "dynamic.json")
         write_json(path, payload)

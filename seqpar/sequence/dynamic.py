@@ -24,7 +24,13 @@ The plan:
   loaded (LPT), or by best fit when that leaves one without room. A document joins a group larger than
   its own only where nothing of its own size has room (to save a slot); otherwise its bytes are those
   of its own size. No search beyond that (moves, swaps) yet: on the benchmark's mixes it changed
-  neither the balance nor the bytes, so it was left out.
+  neither the balance nor the bytes, so it was left out. With ``spread_heavy`` (opt-in), a document that
+  alone outweighs an even share of the step runs on a larger group when that takes no more slots and
+  lowers the busiest rank's cost (balance before bytes).
+- Bytes at the least slots: on the benchmark's worst step (seed 0: five documents over 8192 tokens, each
+  needing all 4 ranks at 4096 per rank) the 9 slots leave 1-rank room for only part of the short documents,
+  and the rest must ride a ring whichever group takes them; the planner puts them in the smallest group with
+  room, close to the bound the slot count sets (a hand count in BENCHMARKS.md).
 
 Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key) pair times the
 pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
@@ -368,7 +374,7 @@ def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int
 
 def plan_dynamic(
     lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, *, min_size: int = 1,
-    cost: CostModel | None = None, pad_multiple: int = 2,
+    cost: CostModel | None = None, pad_multiple: int = 2, spread_heavy: bool = False,
 ) -> DynamicPlan:
     """Plan one step of length-aware dynamic CP (see the module docstring).
 
@@ -379,6 +385,13 @@ def plan_dynamic(
         min_size: the smallest group a document may get (a power of two dividing the pool).
         cost: the model's cost (default: causal attention pairs only).
         pad_multiple: a group of ``c > 1`` pads its micro-batch to a multiple of ``pad_multiple * c``.
+        spread_heavy: run a document whose cost on its own group exceeds an even share of the step (``cost /
+            c > total / pool``) on a larger group when that takes no more slots and lowers the busiest rank's
+            planned cost (by 1% at least; the objective's balance before bytes). Off by default: the cost model
+            does not count a ring step's fixed cost (measured ~12 ms per layer and pass on the benchmark's
+            2-core CPU ranks, BENCHMARKS.md "Length-aware dynamic CP"), so it would spread small steps' short
+            documents over rings for nothing; on for ``python -m seqpar.bench dynamic``, whose heavy documents
+            it pays for.
 
     Returns:
         The :class:`DynamicPlan`; a permutation of ``lengths`` permutes the document indices in it and
@@ -405,19 +418,40 @@ def plan_dynamic(
             )
         sizes.append(c)
     costs = [cost.document_cost(n) for n in lengths]
+    lower = max(1, -(-sum(lengths) // (pool_size * budget)))
+    packing, num_slots = _search(lengths, sizes, costs, lower, None, pool_size, budget, pad)
+    # Balance before bytes (spread_heavy): a document whose share on its own group outweighs an even share of
+    # the step (cost / c > total / pool) bounds the busiest rank from below however the rest is placed; spread
+    # it over twice the ranks (more ring bytes, less work on the busiest rank) while that takes no more slots
+    # and lowers the busiest rank's planned cost by at least 1%.
+    mean = sum(costs) / pool_size
+    run_sizes = list(sizes)
+    while spread_heavy:
+        heavy = {d for d, c in enumerate(run_sizes) if c < allowed[-1] and costs[d] / c > mean}
+        if not heavy:
+            break
+        wider = [2 * c if d in heavy else c for d, c in enumerate(run_sizes)]
+        wide_packing, wide_slots = _search(lengths, wider, costs, lower, num_slots, pool_size, budget, pad)
+        if wide_packing is None or max(wide_packing.load) >= 0.99 * max(packing.load):
+            break
+        packing, num_slots, run_sizes = wide_packing, wide_slots, wider
+    return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+
+
+def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int, most: int | None,
+            pool: int, budget: int, pad: int) -> tuple[_Packing | None, int]:
+    """The packing with the least slots from ``lower`` up (at most ``most``; ``(None, most)`` past it), each
+    document on a group of ``sizes[d]`` ranks or, to save a slot, a larger one."""
     # larger groups first (they need whole aligned blocks), then the heaviest: ties by length, index
     order = sorted(range(len(lengths)), key=lambda d: (-sizes[d], -costs[d], -lengths[d], d))
-    lower = max(1, -(-sum(lengths) // (pool_size * budget)))
-    packing = None
     num_slots = lower
-    while packing is None:  # len(lengths) slots always fit: one document per slot
+    while most is None or num_slots <= most:  # len(lengths) slots always fit: one document per slot
         for balance in (True, False):
-            packing = _place(order, lengths, sizes, costs, num_slots, pool_size, budget, pad, balance)
+            packing = _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance)
             if packing is not None:
-                break
-        else:
-            num_slots += 1
-    return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+                return packing, num_slots
+        num_slots += 1
+    return None, num_slots
 
 
 def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
