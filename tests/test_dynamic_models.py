@@ -23,7 +23,12 @@ Launcher: one pool task at 4 ranks runs ``launch/train.py --dynamic`` (FSDP2) fo
 launcher's AdamW replaced by plain SGD in the ranks and in the reference (AdamW hides a factor of P in the
 gradients; with SGD a wrong gradient changes step 2's loss), clipping off. The reference is one process
 running each step's planned micro-batches in sequence, packed, accumulating gradients, each micro-batch's
-loss its targets' summed loss over the step's targets plus (Mixtral) its own router loss.
+loss its targets' summed loss over the step's targets plus (Mixtral) its own router loss. Seen failing, one
+break at a time: ``_dynamic_step``'s loss scaled by 4 (a factor of P: Llama's step-2 loss 4.39 vs 2.89); the
+router-loss frame on the swap's group (Mixtral step 1: 8.2300 vs 8.2363); the mixers' ``group`` on the swap's
+(Jamba: a ValueError naming the boundaries); the MLA latent attention resolved on the manager's group (a
+ValueError naming the boundaries). The model block's ``"architecture"`` key (``launch/train.py``) picks each
+family; an unknown one is refused by name (tests/test_train.py).
 """
 
 from __future__ import annotations
@@ -175,6 +180,8 @@ LR = 0.5  # SGD: step 2's loss sees step 1's gradients
 
 
 def _config(family: str) -> dict:
+    """The family's launcher config: 4 ranks, ``max_tokens_per_rank`` 24, SGD's lr, no clipping (a clipped
+    gradient would hide a scale error too)."""
     return {
         "sequence_parallel": {"size": 4, "mode": "ring", "sharding": "zigzag",
                               "dynamic": {"max_tokens_per_rank": 24, "min_size": 1}},

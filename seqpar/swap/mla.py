@@ -5,7 +5,8 @@ with ``key, value = self.expand_kv(kv_nope, k_rot)`` from the normalised latent 
 seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rope_head_dim)``, and pass
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
 attribute): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
-``"allgather"``, more than one SP rank, the dense pattern), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
+``"allgather"``, more than one rank in the call's SP group, the dense pattern; under dynamic CP the group the
+layer's call carries, which forward hooks hold for ``expand_kv``: transformers calls it without them), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
 (broadcast views, no storage); seqpar's attention function takes the latent back
 (:func:`take_latent`, matching the stand-in by identity) and runs
 :class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``). Otherwise ``expand_kv`` runs as the model wrote it.
