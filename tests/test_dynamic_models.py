@@ -177,11 +177,14 @@ FAMILIES = {
               "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 4},
 }
 LR = 0.5  # SGD: step 2's loss sees step 1's gradients
+# with activation checkpointing: the recompute in the backward must replay its own micro-batch's group where
+# transformers does not pass the call's keyword arguments (the MLA layer's expand_kv, Jamba's Mamba mixer)
+RECOMPUTED = ("deepseek_v3", "jamba")
 
 
 def _config(family: str) -> dict:
     """The family's launcher config: 4 ranks, ``max_tokens_per_rank`` 24, SGD's lr, no clipping (a clipped
-    gradient would hide a scale error too)."""
+    gradient would hide a scale error too), activation checkpointing for :data:`RECOMPUTED`."""
     return {
         "sequence_parallel": {"size": 4, "mode": "ring", "sharding": "zigzag",
                               "dynamic": {"max_tokens_per_rank": 24, "min_size": 1}},
@@ -191,7 +194,7 @@ def _config(family: str) -> dict:
                   "weight_decay": 0.0, "grad_clip": 0.0, "dtype": "fp32", "packed": True,
                   "packed_lengths": "log-normal", "packed_median": 20, "packed_sigma": 1.2, "packed_min": 12,
                   "num_pairs": 2, "num_queries": 2, "num_keys": 8, "num_values": 4, "filler_vocab": 8,
-                  "eval_samples": 0},
+                  "eval_samples": 0, "activation_checkpointing": family in RECOMPUTED},
         "fsdp": {"version": 2, "reshard_after_forward": True},
     }
 
