@@ -16,7 +16,8 @@ over its pair, equal the float64 one-process run of its pair's document.
   the call's group, and every MLA layer's latent verdict is taken. ``ExpertCounter`` (given the rank's group
   of one) sums the routed counts over the pair, so they equal one process's counts of the pair's document.
   Seen failing: with ``_ring_will_run`` reading ``options.group`` the verdicts stay None (K/V move expanded,
-  still exact, so only the verdicts show it); with the counter all-reducing over its own ``group``, each
+  still exact, so only the verdicts show it); with the hooks holding no group in the backward's recompute
+  (activation checkpointing is on), a CheckpointError (the recompute moves K/V expanded); with the counter all-reducing over its own ``group``, each
   rank's counts are its shard's alone ([3, 1, 4, 8] vs one process's [4, 7, 5, 16]).
 
 Launcher: one pool task at 4 ranks runs ``launch/train.py --dynamic`` (FSDP2) for the four families, with the
@@ -138,7 +139,9 @@ def _mla_pairs(rank: int, world: int) -> None:
     with torch.no_grad():
         ref(input_ids=ids, use_cache=False)
 
-    model = _deepseek_v3(torch.float32)
+    model = _deepseek_v3(torch.float32).train()
+    # the backward recomputes each layer: expand_kv must see the call's group again there
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # the swap's (and the counter's) group is this rank alone, a manager of SP size 1; each call carries its pair
     swap_attention(model, SeqParConfig(size=1, mode="ring", sharding="zigzag", mla_transfer="latent"),
                    group=alone[rank])
