@@ -17,8 +17,9 @@ over its pair, equal the float64 one-process run of its pair's document.
   of one) sums the routed counts over the pair, so they equal one process's counts of the pair's document.
   Seen failing: with ``_ring_will_run`` reading ``options.group`` the verdicts stay None (K/V move expanded,
   still exact, so only the verdicts show it); with the hooks holding no group in the backward's recompute
-  (activation checkpointing is on), a CheckpointError (the recompute moves K/V expanded); with the counter all-reducing over its own ``group``, each
-  rank's counts are its shard's alone ([3, 1, 4, 8] vs one process's [4, 7, 5, 16]).
+  (activation checkpointing is on), a CheckpointError (the recompute moves K/V expanded); with the counter
+  all-reducing over its own ``group``, each rank's counts are its shard's alone ([3, 1, 4, 8] vs one
+  process's [4, 7, 5, 16]).
 
 Launcher: one pool task at 4 ranks runs ``launch/train.py --dynamic`` (FSDP2) for the four families, with the
 launcher's AdamW replaced by plain SGD in the ranks and in the reference (AdamW hides a factor of P in the
