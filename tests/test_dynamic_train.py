@@ -2,8 +2,8 @@
 loss over the group its call carries, and a step equals one process running the planned micro-batches in
 sequence.
 
-At 4 gloo ranks (the pool: SP = 4, DP = 1), a tiny fp32 Llama swapped over the manager's full SP group, two SGD
-steps of planned documents (``max_tokens_per_rank`` 16):
+At 4 gloo ranks (the pool: SP = 4, DP = 1), a tiny fp32 Llama (and Mixtral with router loss, Jamba, DeepSeek-V3's
+MLA) swapped over the manager's full SP group, two SGD steps of planned documents (``max_tokens_per_rank`` 16):
 
 - step 1, lengths (50, 30, 12, 9, 7, 3): slot 0 is one micro-batch over all 4 ranks (the 50-token document),
   slot 1 holds a 2-rank micro-batch and two 1-rank ones with two documents packed each (mixed group sizes in
@@ -58,7 +58,15 @@ def tiny_jamba(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return test_mixers_mamba.tiny("jamba", dtype)
 
 
-MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral, "jamba": tiny_jamba}
+def tiny_deepseek_v3(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """test_mla_models' 2-layer DeepSeek-V3 (MLA attention, whose ring moves the latent; a dense then an MoE
+    layer)."""
+    from test_mla_models import tiny_mla
+
+    return tiny_mla("deepseek_v3", dtype)
+
+
+MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral, "jamba": tiny_jamba, "deepseek_v3": tiny_deepseek_v3}
 
 
 def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:

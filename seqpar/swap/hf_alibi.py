@@ -48,9 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from seqpar.mixers.documents import carried_documents
+from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.sequence.batch import global_positions, sp_rank_and_size
 from seqpar.sequence.boundaries import host_boundaries
+from seqpar.sequence.call_group import GROUP_KEY
 from seqpar.swap.options import SwapOptions
 from seqpar.swap.state import is_probing
 
@@ -132,11 +133,20 @@ def _documents(kwargs: dict[str, Any]) -> Tensor | None:
     return carried_documents() if cu is None else cu
 
 
-def _attend(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, *, scale: float, slopes: Tensor,
+def _options(module: nn.Module, kwargs: dict[str, Any]) -> SwapOptions:
+    """The swap's options with this call's SP group (dynamic CP): the one the call passes (:data:`GROUP_KEY`,
+    taken out of ``kwargs``), else the one its block carries for the running forward (BLOOM, MPT and Falcon
+    call their attention without the model's keyword arguments), else the swap's. Never stored on the module:
+    a recompute under activation checkpointing reads its own forward's."""
+    options: SwapOptions = getattr(module, _OPTIONS_ATTR)
+    group = kwargs.pop(GROUP_KEY, None)
+    return options.for_call({GROUP_KEY: carried_group() if group is None else group})
+
+
+def _attend(options: SwapOptions, q: Tensor, k: Tensor, v: Tensor, *, scale: float, slopes: Tensor,
             layer: str, kwargs: dict[str, Any]) -> Tensor:
     """seqpar attention of q ``(batch, q_heads, seq_local, d)``, k/v ``(batch, kv_heads, seq_local, d)``
-    -> ``(batch, seq_local, q_heads * d)``."""
-    options: SwapOptions = getattr(module, _OPTIONS_ATTR)
+    -> ``(batch, seq_local, q_heads * d)``, over ``options``' group (the call's)."""
     out = options.attention(q, k, v, causal=True, scale=scale, layer=layer,
                             cu_seqlens=_documents(kwargs), alibi_slopes=slopes)
     b, h, n, d = out.shape
@@ -168,9 +178,9 @@ def _bloom_forward(self: nn.Module, hidden_states: Tensor, residual: Tensor, ali
                    attention_mask: Tensor | None, layer_past: Any = None, use_cache: bool = False,
                    output_attentions: bool = False, **kwargs: Any) -> tuple[Tensor, None]:
     layer = _check_call(self, layer_past, output_attentions)
+    options = _options(self, kwargs)
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # 3 x (B, H, S, D)
     b, h, n, _ = q.shape
-    options: SwapOptions = getattr(self, _OPTIONS_ATTR)
     cu = _documents(kwargs)
     pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
     # BLOOM's own bias (build_alibi_tensor): fp32 slopes times integer positions, rounded to the
@@ -190,6 +200,7 @@ def _mpt_forward(self: nn.Module, hidden_states: Tensor, position_bias: Tensor, 
                  attention_mask: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     layer = _check_call(self, cache if cache is not None else kwargs.pop("past_key_values", None),
                         bool(kwargs.get("output_attentions")))
+    options = _options(self, kwargs)
     b, n = hidden_states.shape[:2]
     mixed = self.Wqkv(hidden_states)
     if self.clip_qkv:
@@ -197,7 +208,7 @@ def _mpt_forward(self: nn.Module, hidden_states: Tensor, position_bias: Tensor, 
     q, k, v = (t.reshape(b, n, self.n_heads, self.head_dim).transpose(1, 2) for t in mixed.chunk(3, dim=2))
     # (heads, 1, max_seq_len): m_h (j - (L - 1)), so the last key has bias 0 and the one before -m_h
     slopes = (position_bias[:, 0, -1] - position_bias[:, 0, -2]).float()
-    ctx = _attend(self, q, k, v, scale=self.softmax_scale, slopes=slopes, layer=layer, kwargs=kwargs)
+    ctx = _attend(options, q, k, v, scale=self.softmax_scale, slopes=slopes, layer=layer, kwargs=kwargs)
     return self.out_proj(ctx), None
 
 
@@ -206,6 +217,7 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
                     output_attentions: bool = False, position_embeddings: Any = None,
                     **kwargs: Any) -> tuple[Tensor, None]:
     layer = _check_call(self, layer_past, output_attentions)
+    options = _options(self, kwargs)
     q, k, v = self._split_heads(self.query_key_value(hidden_states))  # 3 x (B, S, heads, D)
     b, n = q.shape[:2]
     kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
@@ -213,7 +225,6 @@ def _falcon_forward(self: nn.Module, hidden_states: Tensor, alibi: Tensor | None
     k = k.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
     v = v.transpose(1, 2).reshape(b, kv_heads, n, self.head_dim)
     slopes = _slopes_from_first_keys(alibi, b, self.num_heads, layer)  # bf16(m_h), exactly
-    options: SwapOptions = getattr(self, _OPTIONS_ATTR)
     cu = _documents(kwargs)
     pos = _global_key_positions(options, n, q.device, cu)  # (seq_local,)
     # transformers' own op (build_alibi_tensor): bf16 slopes times integer positions, a bf16 result

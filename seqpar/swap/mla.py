@@ -5,7 +5,8 @@ with ``key, value = self.expand_kv(kv_nope, k_rot)`` from the normalised latent 
 seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rope_head_dim)``, and pass
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
 attribute): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
-``"allgather"``, more than one SP rank, the dense pattern), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
+``"allgather"``, more than one rank in the call's SP group, the dense pattern; under dynamic CP the group the
+layer's call carries, which forward hooks hold for ``expand_kv``: transformers calls it without them), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
 (broadcast views, no storage); seqpar's attention function takes the latent back
 (:func:`take_latent`, matching the stand-in by identity) and runs
 :class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``). Otherwise ``expand_kv`` runs as the model wrote it.
@@ -30,6 +31,7 @@ verdict depends on the weights only, which every SP rank holds alike, so every r
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -40,6 +42,7 @@ from torch import Tensor, nn
 
 from seqpar.attn.latent import MLADims, MLAExpander
 from seqpar.runtime.groups import resolve_group
+from seqpar.sequence.call_group import GROUP_KEY, call_group
 from seqpar.swap.state import is_probing
 
 __all__ = ["mla_dims", "install_latent_transfer", "take_latent", "LatentCall", "LatentBody", "run_in_projection"]
@@ -58,6 +61,41 @@ _ORIGINAL_ATTR = "_seqpar_expand_kv"  # the module's own expand_kv
 _VERDICT_ATTR = "_seqpar_latent_ok"  # None: not probed yet
 _HEADS_ATTR = "_seqpar_latent_heads"  # this rank's head count, as kv_b_proj's forward sees its weight
 _PROJ_ATTR = "_seqpar_kv_b_forward"  # kv_b_proj's own forward, under the one that takes seqpar_latent
+_FORWARD_ATTR = "_seqpar_mla_call_group"  # True once the layer's hooks hold its calls' groups
+
+_local = threading.local()
+
+
+def _call_groups() -> list[tuple[nn.Module, Any]]:
+    """This thread's stack of ``(layer, group)`` of the running MLA layers' calls (innermost last; group None:
+    the call carries none). A layer's call pushes its own (:func:`_hold_call_group`), so a recompute under activation
+    checkpointing, which replays the call's keyword arguments, sees its own micro-batch's group."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _push_call_group(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    _call_groups().append((module, kwargs.get(GROUP_KEY)))
+
+
+def _pop_call_group(module: nn.Module, args: tuple, output: Any) -> None:
+    # always_call: runs even when the forward (or an earlier pre-hook) raised; let go only of what the push took
+    stack = _call_groups()
+    if stack and stack[-1][0] is module:
+        stack.pop()
+
+
+def _hold_call_group(module: nn.Module) -> None:
+    """Hook ``module`` (once) so that ``expand_kv``, which transformers calls without the layer's keyword
+    arguments, can read the group the layer's call carries (dynamic CP: :data:`GROUP_KEY`). Hooks, not a
+    wrapped forward: a deep copy of the model then holds its own calls' groups."""
+    if module.__dict__.get(_FORWARD_ATTR):
+        return
+    module.register_forward_pre_hook(_push_call_group, with_kwargs=True)
+    module.register_forward_hook(_pop_call_group, always_call=True)
+    setattr(module, _FORWARD_ATTR, True)
 
 
 LatentBody = Callable[[Tensor, Tensor, Tensor], Any]
@@ -214,11 +252,14 @@ def _verdict(module: nn.Module, original: Callable, dims: MLADims, like: Tensor)
     return None, "its expand_kv differs from the latent expansion seqpar does"
 
 
-def _ring_will_run(options: Any) -> bool:
-    """The layer's call will be the ring or the all-gather over more than one rank (the latent paths)."""
+def _ring_will_run(module: nn.Module, options: Any) -> bool:
+    """The layer's call will be the ring or the all-gather over more than one rank (the latent paths): over
+    the group the running call carries (dynamic CP, :func:`_hold_call_group`), else the swap's."""
     if options.mode not in ("ring", "allgather") or options.pattern.type != "dense":
         return False
-    group = resolve_group(options.group)
+    stack = _call_groups()
+    carried = stack[-1][1] if stack and stack[-1][0] is module else None
+    group = resolve_group(call_group({GROUP_KEY: carried}, options.group))
     return group is not None and dist.get_world_size(group) > 1
 
 
@@ -235,9 +276,10 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
     setattr(module, _VERDICT_ATTR, None)
     setattr(module, _HEADS_ATTR, None)
     _prepare_projection(module.kv_b_proj)
+    _hold_call_group(module)
 
     def expand_kv(kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
-        if is_probing() or not _ring_will_run(options):  # the position-mixing probe attends self-only
+        if is_probing() or not _ring_will_run(module, options):  # the position-mixing probe attends self-only
             return original(kv_nope, k_rot)
         if getattr(module, _VERDICT_ATTR) is None:
             heads, why = _verdict(module, original, dims, kv_nope)

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.batch import TOKEN_MASK_KEY
-from seqpar.sequence.call_group import call_group
+from seqpar.sequence.call_group import GROUP_KEY, call_group
 from seqpar.sequence.router import (
     pkm_routing_statistics,
     routing_statistics,
@@ -61,10 +61,12 @@ _local = threading.local()
 
 
 class _Frame:
-    """A running swapped model: its SP group (resolved) and the batch's token mask, if any."""
+    """A running swapped model: its SP group (resolved), the group its call carries (dynamic CP; None: none)
+    and the batch's token mask, if any."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, carried: dist.ProcessGroup | None = None) -> None:
         self.group = group
+        self.carried = carried
         self.token_mask: Tensor | None = None
 
 
@@ -83,6 +85,12 @@ def take_token_mask(kwargs: dict[str, Any]) -> None:
     stack = _frames()
     if stack and mask is not None:
         stack[-1].token_mask = mask
+
+
+def _carried_group() -> dist.ProcessGroup | None:
+    """The SP group the running swapped model's call carries (dynamic CP: each micro-batch's; nested models
+    share the outermost's), None outside one or when the call carries none."""
+    return next((f.carried for f in reversed(_frames()) if f.carried is not None), None)
 
 
 def _token_mask() -> Tensor | None:
@@ -344,7 +352,7 @@ def _pretrained(model: nn.Module) -> list[nn.Module]:
 def _enter(group: dist.ProcessGroup | None) -> Callable:
     def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         # dynamic CP: the micro-batch's group travels with the call; the frame holds it for this forward only
-        _frames().append(_Frame(resolve_group(call_group(kwargs, group))))
+        _frames().append(_Frame(resolve_group(call_group(kwargs, group)), kwargs.get(GROUP_KEY)))
     return hook
 
 
@@ -377,7 +385,8 @@ class ExpertCounter:
 
     Hooks every router (default: every module holding an ``e_score_correction_bias``, or else each
     module whose class name ends in ``Router``; or the ``routers`` given) and, after each forward,
-    holds per router the tokens routed to each expert, summed over the SP group: the counts one
+    holds per router the tokens routed to each expert, summed over the SP group (under dynamic CP the group
+    each micro-batch's call carries, :mod:`seqpar.sequence.call_group`, not ``group``): the counts one
     process would see for the same batch (not summed over DP: a replica's bias update sees its own
     batch, as without SP). Recomputation during backward (activation checkpointing) is not counted
     twice. A router's output must hold the routed expert ids as its last integer tensor (the
@@ -422,8 +431,10 @@ class ExpertCounter:
                 raise ValueError(
                     f"seqpar: router '{name}' ({type(module).__name__}) returned no integer expert ids; "
                     "ExpertCounter needs routers returning (logits, weights, indices)")
-            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, group=self.group,
-                                                     mask=_token_mask())
+            # dynamic CP: over the micro-batch's group, which its call carries; else the counter's
+            carried = _carried_group()
+            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, mask=_token_mask(),
+                                                     group=self.group if carried is None else carried)
             self.counts[name] = counts + self.counts[name] if name in self.counts else counts
         return hook
 
