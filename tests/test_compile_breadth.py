@@ -12,7 +12,7 @@ with ``SEQPAR_COMPILE_BREADTH=all``.
 
 MLA: MiniCPM3 with the ring's latent transfer (``mla_transfer="latent"``, the default; ``mode="ring"`` so
 that the latent path runs) at SP = 2 and 4: the graphs must call ``seqpar::latent_attention_fwd`` (the latent
-ring as a custom op, seqpar.attn.latent). DeepSeek-V2/V3 are not used: the same tiny models WITHOUT seqpar
+ring as a custom op, seqpar.attn.latent; the latent all-gather, ``mode="allgather"``, is in ``LEFT_OUT``). DeepSeek-V2/V3 are not used: the same tiny models WITHOUT seqpar
 break inside transformers (5.24) when compiled first, at ``transformers/utils/output_capturing.py``
 ``maybe_install_capturing_hooks``: ``with _hook_installation_lock`` (dynamo: "Unsupported context manager
 ... lock"), the router-logits capture hooks installed on the first call.
@@ -49,7 +49,7 @@ CASES = {
 LEFT_OUT = {
     1: (("qwen3", {}, ()), ("qwen3_moe", {}, ()), ("mixtral", {}, ()), ("gpt_oss", {}, ()), ("qwen3_next", {}, ()),
         ("falcon_h1", {}, ()), ("jamba", {}, ()), ("minicpm3", {}, ())),
-    2: (("qwen3", {}, ()), ("qwen3_moe", {}, ())),
+    2: (("qwen3", {}, ()), ("qwen3_moe", {}, ()), ("minicpm3", {"mode": "allgather"}, (LATENT_OP,))),
     4: (("qwen3", {}, ()), ("qwen3_moe", {}, ()), ("mixtral", {}, ()), ("qwen3_5_text", {}, ())),
 }
 if os.environ.get("SEQPAR_COMPILE_BREADTH") == "all":
