@@ -8,8 +8,8 @@ one graph at SP = 1 and 2 (the convolutions' halo exchange runs as the custom op
 parameter's gradient equal the eager model's on the same shard (fp32 1e-5; eager itself is compared with
 one process in float64 in tests/test_mixers_conv.py and tests/test_mixers_gdn.py).
 
-Falcon-H1 (Mamba2), Jamba (Mamba) and Qwen3-Next (GDN) also reach 0 graph breaks in
-``torch._dynamo.explain`` at SP = 1 and 2 (tried); they are left out here for the suite's time.
+Falcon-H1 (Mamba2), Jamba (Mamba) and Qwen3-Next (GDN) at SP = 2 and 4, and LFM2 and Qwen3.5 at SP = 4:
+tests/test_compile_breadth.py.
 """
 
 from __future__ import annotations

@@ -38,16 +38,17 @@ SEQ = 16  # zigzag over 4 ranks: 8 chunks of 2 tokens
 
 
 def _model(model_type: str) -> torch.nn.Module:
-    """A tiny model of ``model_type`` (2 layers, seeded weights; MoE router losses on)."""
+    """A tiny model of ``model_type`` (``compile_kwargs``: the fewest layers that keep its layer kinds, seeded
+    weights; MoE router losses on)."""
     import transformers
     from transformers.models.auto import modeling_auto as auto
 
-    from seqpar.testing.tiny_models import tiny_kwargs
+    from seqpar.testing.tiny_models import compile_kwargs
 
     cls = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     # the experts' default (batched) implementation: the "eager" loop's per-expert nonzero is a host sync
     # in transformers' own code
-    config = transformers.CONFIG_MAPPING[model_type](**tiny_kwargs(model_type))
+    config = transformers.CONFIG_MAPPING[model_type](**compile_kwargs(model_type))
     torch.manual_seed(0)
     return cls(config).train()
 
@@ -59,6 +60,7 @@ class GraphInspector:
     def __init__(self) -> None:
         self.graphs = 0
         self.problems: list[str] = []
+        self.ops: set[str] = set()  # every call_function target of the forward and backward graphs
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> object:
         from torch._dynamo.backends.common import aot_autograd
@@ -71,6 +73,8 @@ class GraphInspector:
 
         for node in gm.graph.nodes:
             name = str(node.target)
+            if node.op == "call_function":
+                self.ops.add(name)
             if node.op == "call_function" and any(f".{op}." in name or name.endswith(f".{op}") or name == op
                                                   for op in HOST_SYNCS):
                 self.problems.append(f"host sync {name}")
@@ -108,13 +112,17 @@ def _batches(model: torch.nn.Module, world: int, packed: bool) -> list[dict]:
     return batches
 
 
-def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: tuple[str, ...] = ()) -> list[str]:
+def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: tuple[str, ...] = (),
+                   options: dict | None = None, expect_ops: tuple[str, ...] = ()) -> list[str]:
     """Worker body: each model eager, then compiled, on each of its batches (``packed``: the models run on
-    the eight packed LAYOUTS, all in one graph); the mismatches and problems as text."""
+    the eight packed LAYOUTS, all in one graph; ``options``: swap options beyond size and sharding;
+    ``expect_ops``: ops each model's compiled graphs must call, e.g. ``"seqpar.latent_attention_fwd.default"``);
+    the mismatches and problems as text."""
     failures = []
     for model_type in model_types:
         model = _model(model_type)
-        seqpar.swap_attention(model, {"size": world, "sharding": "zigzag"}, group=dist.group.WORLD)
+        seqpar.swap_attention(model, {"size": world, "sharding": "zigzag", **(options or {})},
+                              group=dist.group.WORLD)
         inspector = GraphInspector()
         compiled_model = torch.compile(model, fullgraph=True, backend=inspector)
         for b, batch in enumerate(_batches(model, world, model_type in packed)):
@@ -137,6 +145,7 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: 
             failures.append(f"{model_type} P={world}: {inspector.graphs} graphs (graph breaks and recompiles: "
                             f"{inspector.graphs - 1})")
         failures += [f"{model_type} P={world}: {p}" for p in sorted(set(inspector.problems))]
+        failures += [f"{model_type} P={world}: no {op} in the graphs" for op in expect_ops if op not in inspector.ops]
         torch._dynamo.reset()
     return failures
 
@@ -144,7 +153,7 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: 
 # per SP size, the models compiled (each costs a trace of forward and backward: ~10-20 s of CPU)
 MODELS = {
     1: ("llama",),
-    2: ("llama", "mixtral", "gpt_oss"),  # MoE: router losses over the SP group (qwen3, qwen3_moe: tried, equal)
+    2: ("llama", "mixtral", "gpt_oss"),  # MoE: router losses over the SP group (more models: test_compile_breadth)
     4: ("llama",),
 }
 # per SP size, the models of MODELS that run on the packed LAYOUTS instead of one unpacked sequence (SP = 1:

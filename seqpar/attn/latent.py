@@ -28,6 +28,7 @@ them so); output ``(batch, heads, seq_local, d_v)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from seqpar.kernels import in_layout_of, output_like, sink_grad
 
 __all__ = [
     "MLADims", "MLAExpander", "LatentRingAttention", "LatentAllGatherAttention", "latent_bytes_per_token", "expanded_bytes_per_token",
-    "ring_bytes_per_rank", "TRANSFERS",
+    "ring_bytes_per_rank", "TRANSFERS", "compiled_latent_attention",
 ]
 
 TRANSFERS = ("latent", "expanded")
@@ -183,3 +184,114 @@ class LatentAllGatherAttention(torch.autograd.Function):
         d_weight = expander.grad_weight.to(weight.dtype)
         dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
         return dq, dc, dr, d_weight, None, None, None, dsinks
+
+
+# --------------------------------------------------------------------------------------------------
+# Under torch.compile: the latent ring and all-gather as custom ops (issue 31)
+# --------------------------------------------------------------------------------------------------
+# dynamo cannot trace the ring's isend/irecv nor an async collective (each a graph break), so while it
+# traces, :func:`compiled_latent_attention` runs the two classes above as a forward and a backward custom
+# op (as seqpar.attn.ops does for the expanded K/V): one opaque node each, a fake implementation for the
+# shapes and a registered autograd formula; inside, the same eager algorithms. A custom op takes tensors and
+# primitives only: the group by name (seqpar.attn.ops.group_name), MLADims and AttentionOptions as their
+# fields. Document boundaries traced as a tensor are refused before (SwapOptions.latent_attention).
+
+
+def _latent_comm(algorithm: str, group: str) -> Any:
+    from seqpar.attn.ops import resolve_group
+    from seqpar.comm.ring import RingComm
+
+    resolved = resolve_group(group)
+    return RingComm(resolved) if algorithm == "ring" else resolved
+
+
+def _latent_opts(causal: bool, scale: float, sharding: str, overlap: bool, window: int | None,
+                 cu_seqlens: list[int] | None, chunk_size: int | None, softcap: float | None,
+                 dkv_wire_dtype: str) -> AttentionOptions:
+    return AttentionOptions(causal=causal, scale=scale, sharding=sharding, overlap=overlap, head_chunks=1,
+                            window=window, cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
+                            chunk_size=chunk_size, softcap=softcap, dkv_wire_dtype=dkv_wire_dtype)
+
+
+@torch.library.custom_op("seqpar::latent_attention_fwd", mutates_args=())
+def latent_attention_fwd(
+    q: Tensor, c: Tensor, r: Tensor, weight: Tensor, sinks: Tensor | None, algorithm: str, group: str, heads: int,
+    qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, kv_lora_rank: int, causal: bool, scale: float,
+    sharding: str, overlap: bool, window: int | None, cu_seqlens: list[int] | None, chunk_size: int | None,
+    softcap: float | None, dkv_wire_dtype: str,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: ``out`` ``(batch, heads, seq_local, v_head_dim)`` laid out as q (never aliasing an
+    input), lse ``(batch, heads, seq_local)`` fp32 (fp64 for fp64 inputs)."""
+    dims = MLADims(heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank)
+    opts = _latent_opts(causal, scale, sharding, overlap, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
+    comm = _latent_comm(algorithm, group)
+    run = ring_forward if algorithm == "ring" else allgather_forward
+    out_acc, lse = run(q, c, r, comm, opts, sinks, expander=MLAExpander(weight, dims))
+    return output_like(q, v_head_dim).copy_(out_acc), lse
+
+
+@latent_attention_fwd.register_fake
+def _(q, c, r, weight, sinks, algorithm, group, heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,  # noqa: ANN001, ANN202
+      kv_lora_rank, causal, scale, sharding, overlap, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype):
+    from seqpar.kernels import lse_dtype
+
+    return output_like(q, v_head_dim), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("seqpar::latent_attention_bwd", mutates_args=())
+def latent_attention_bwd(
+    dout: Tensor, q: Tensor, c: Tensor, r: Tensor, weight: Tensor, out: Tensor, lse: Tensor, algorithm: str, group: str,
+    heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, kv_lora_rank: int, causal: bool,
+    scale: float, sharding: str, overlap: bool, window: int | None, cu_seqlens: list[int] | None,
+    chunk_size: int | None, softcap: float | None, dkv_wire_dtype: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dc, dr, dweight)``, each in its input's dtype and laid out as it."""
+    dims = MLADims(heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank)
+    opts = _latent_opts(causal, scale, sharding, overlap, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype)
+    comm = _latent_comm(algorithm, group)
+    expander = MLAExpander(weight, dims)
+    run = ring_backward if algorithm == "ring" else allgather_backward
+    dq, dc, dr = run(dout, q, c, r, out, lse, comm, opts, expander=expander)
+    grads = (dq, dc, dr, expander.grad_weight)
+    return tuple(torch.empty_like(x).copy_(g) for g, x in zip(grads, (q, c, r, weight), strict=True))
+
+
+@latent_attention_bwd.register_fake
+def _(dout, q, c, r, weight, out, lse, algorithm, group, heads, qk_nope_head_dim, qk_rope_head_dim,  # noqa: ANN001, ANN202
+      v_head_dim, kv_lora_rank, causal, scale, sharding, overlap, window, cu_seqlens, chunk_size, softcap,
+      dkv_wire_dtype):
+    return torch.empty_like(q), torch.empty_like(c), torch.empty_like(r), torch.empty_like(weight)
+
+
+def _latent_setup(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, c, r, weight, sinks, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, c, r, weight, out, lse, sinks)
+    ctx.mark_non_differentiable(lse)
+    ctx.rest = rest  # algorithm, group name, the dims and the flat options: primitives
+
+
+def _latent_backward(ctx, dout: Tensor, dlse: Tensor | None):  # noqa: ANN001, ANN202
+    q, c, r, weight, out, lse, sinks = ctx.saved_tensors
+    dq, dc, dr, dweight = latent_attention_bwd(dout, q, c, r, weight, out, lse, *ctx.rest)
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq, dc, dr, dweight, dsinks, *([None] * len(ctx.rest))
+
+
+latent_attention_fwd.register_autograd(_latent_backward, setup_context=_latent_setup)
+
+
+def compiled_latent_attention(algorithm: str, group: dist.ProcessGroup, opts: AttentionOptions, dims: MLADims,
+                              q: Tensor, c: Tensor, r: Tensor, weight: Tensor, sinks: Tensor | None) -> Tensor:
+    """:class:`LatentRingAttention` (``algorithm="ring"``) or :class:`LatentAllGatherAttention`
+    (``"allgather"``) as custom ops, for calls while dynamo traces; same arguments and output."""
+    from seqpar.attn.ops import group_name
+
+    if algorithm not in ("ring", "allgather"):
+        raise ValueError(f"compiled_latent_attention: algorithm {algorithm!r} is not 'ring' or 'allgather'")
+    cu = None if opts.cu_seqlens is None else list(opts.cu_seqlens)
+    out, _ = latent_attention_fwd(
+        q, c, r, weight, sinks, algorithm, group_name(group), dims.heads, dims.qk_nope_head_dim,
+        dims.qk_rope_head_dim, dims.v_head_dim, dims.kv_lora_rank, opts.causal, opts.scale, opts.sharding,
+        opts.overlap, opts.window, cu, opts.chunk_size, opts.softcap, opts.dkv_wire_dtype)
+    return out

@@ -198,7 +198,11 @@ class SwapOptions:
         (:mod:`seqpar.attn.latent`), any other plan (and soft-capping, which the latent kernels do not
         take) gets the expanded K/V."""
         from seqpar.attn.dispatch import run_attention
-        from seqpar.attn.latent import LatentAllGatherAttention, LatentRingAttention
+        from seqpar.attn.latent import (
+            LatentAllGatherAttention,
+            LatentRingAttention,
+            compiled_latent_attention,
+        )
         from seqpar.attn.resolve import resolve_attention
         from seqpar.comm.ring import RingComm
 
@@ -226,7 +230,10 @@ class SwapOptions:
                 check_finite({"query": q, "latent": call.c, "rope key": call.r}, self.group,
                              f"layer {layer or '?'} attention inputs")
             # run as kv_b_proj's forward (call.run), so engines that gather its weight per module see the use
-            if plan.algorithm == "ring":
+            if torch.compiler.is_compiling():  # dynamo cannot trace the ring's P2P: custom ops (issue 31)
+                out = call.run(lambda weight, c, r: compiled_latent_attention(
+                    plan.algorithm, plan.group, plan.opts, call.dims, q, c, r, weight, sinks))
+            elif plan.algorithm == "ring":
                 out = call.run(lambda weight, c, r: LatentRingAttention.apply(
                     q, c, r, weight, RingComm(plan.group), plan.opts, call.dims, sinks))
             else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["VOCAB", "LENGTH", "MAX_PARAMS", "excluded_reason", "decoder_model_types", "tiny_kwargs",
+__all__ = ["VOCAB", "LENGTH", "MAX_PARAMS", "excluded_reason", "decoder_model_types", "tiny_kwargs", "compile_kwargs",
            "tiny_config", "build_model"]
 
 VOCAB = 96
@@ -267,3 +267,26 @@ def build_model(model_type: str, dtype: torch.dtype) -> Any:
     model = cls(config).to(dtype)
     model.train()
     return model
+
+
+# --------------------------------------------------------------------------------------------------
+# Compile configs: the fewest layers that keep each kind a model mixes
+# --------------------------------------------------------------------------------------------------
+
+# Per model type, the fields that cut :func:`tiny_kwargs` to the fewest layers that keep every layer kind
+# the model is tested for: a compile's cost is a trace of each layer's forward and backward. One layer where
+# every layer is alike (an MoE model's one layer sparse, GPT-OSS's one sliding-window layer with its sinks,
+# Falcon-H1's layer runs Mamba2 and attention side by side); hybrids keep their mixer and attention layers.
+_COMPILE_OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen3": {"num_hidden_layers": 1, "layer_types": ["full_attention"]},
+    "mixtral": {"num_hidden_layers": 1},
+    "qwen3_moe": {"num_hidden_layers": 1, "mlp_only_layers": []},
+    "gpt_oss": {"num_hidden_layers": 1, "layer_types": ["sliding_attention"]},
+    "falcon_h1": {"num_hidden_layers": 1},
+    "minicpm3": {"num_hidden_layers": 1},
+}
+
+
+def compile_kwargs(model_type: str) -> dict[str, Any]:
+    """:func:`tiny_kwargs` cut to the fewest layers of :data:`_COMPILE_OVERRIDES` (others: unchanged)."""
+    return {**tiny_kwargs(model_type), **_COMPILE_OVERRIDES.get(model_type, {})}
