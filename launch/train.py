@@ -172,11 +172,6 @@ class TrainSettings:
                              "finite number >= 0")
         if self.dynamic and not self.packed:
             raise ValueError("train.dynamic (--dynamic) plans packed documents: set train.packed (--packed)")
-        if self.dynamic and self.compile:
-            raise ValueError(
-                "train.dynamic (--dynamic) runs eagerly for now: a compiled model's traced batch preparation does "
-                "not take a micro-batch's sub-group from the call yet; drop train.compile (--compile)"
-            )
         if self.seq_len < need:
             raise ValueError(
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
@@ -1037,6 +1032,26 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     return "\n".join(lines)
 
 
+def dynamic_graph_bound(pool_size: int) -> int:
+    """The graphs a compiled block may need on one rank under dynamic CP (``train.dynamic`` with
+    ``train.compile``) over a pool of ``pool_size`` ranks: each micro-batch's group is a guarded constant of
+    the graph (seqpar.sequence.call_group.guard_group), and a rank is given at most one group per power-of-two
+    size (``log2(pool) + 1`` groups); per group one graph of the first length seen and one recompile that
+    marks the length dynamic (dynamo's automatic dynamic shapes), plus one for an empty micro-batch (a
+    0-length dimension is specialised)."""
+    return 2 * (max(pool_size, 1).bit_length()) + 1
+
+
+def _raise_recompile_limit(pool_size: int) -> None:
+    """Dynamo stops compiling a code object after ``recompile_limit`` graphs (8 by default, torch 2.13) and
+    runs it eagerly from then on, with only a warning: a large pool's groups would silently go eager. Raised
+    to :func:`dynamic_graph_bound` (never lowered)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, dynamic_graph_bound(pool_size))
+
+
 def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, step: int) -> float:
     """One step of length-aware dynamic CP (``train.dynamic``); returns the step's loss (the per-token mean
     over the pool's step, the same on every rank).
@@ -1097,6 +1112,8 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
     manager = engine.manager
+    if plan.train.dynamic and plan.train.compile:
+        _raise_recompile_limit(manager.pool_size)
     _configure_logging(args.log_level)  # now that the rank is known
     rank0 = manager.rank == 0
     t = plan.train
