@@ -1032,26 +1032,6 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     return "\n".join(lines)
 
 
-def dynamic_graph_bound(pool_size: int) -> int:
-    """The graphs a compiled block may need on one rank under dynamic CP (``train.dynamic`` with
-    ``train.compile``) over a pool of ``pool_size`` ranks: each micro-batch's group is a guarded constant of
-    the graph (seqpar.sequence.call_group.guard_group), and a rank is given at most one group per power-of-two
-    size (``log2(pool) + 1`` groups); per group one graph of the first length seen and one recompile that
-    marks the length dynamic (dynamo's automatic dynamic shapes), plus one for an empty micro-batch (a
-    0-length dimension is specialised)."""
-    return 2 * (max(pool_size, 1).bit_length()) + 1
-
-
-def _raise_recompile_limit(pool_size: int) -> None:
-    """Dynamo stops compiling a code object after ``recompile_limit`` graphs (8 by default, torch 2.13) and
-    runs it eagerly from then on, with only a warning: a large pool's groups would silently go eager. Raised
-    to :func:`dynamic_graph_bound` (never lowered)."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, dynamic_graph_bound(pool_size))
-
-
 def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, step: int) -> float:
     """One step of length-aware dynamic CP (``train.dynamic``); returns the step's loss (the per-token mean
     over the pool's step, the same on every rank).
@@ -1112,8 +1092,10 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
     manager = engine.manager
-    if plan.train.dynamic and plan.train.compile:
-        _raise_recompile_limit(manager.pool_size)
+    if plan.train.dynamic and plan.train.compile:  # a large pool's groups must not silently run eagerly
+        from seqpar.sequence.call_group import raise_recompile_limit
+
+        raise_recompile_limit(manager.pool_size)
     _configure_logging(args.log_level)  # now that the rank is known
     rank0 = manager.rank == 0
     t = plan.train
