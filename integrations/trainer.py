@@ -42,6 +42,8 @@ What it changes in Trainer, and why (each a small override or hook):
   whole); on the FSDP2 path, where accelerate leaves the model as seqpar sharded it, each FSDP2 block is
   compiled after ``fully_shard`` (:func:`seqpar.integrations.fsdp.compile_blocks`, torchtitan's pattern).
   The compiled model gets the batches ``shard_batch`` cut, as :mod:`seqpar.swap.traced` needs.
+  Under dynamic CP too: each micro-batch's group is a guarded constant of the graph, and dynamo's recompile
+  limit is raised to cover the pool's groups (:func:`seqpar.sequence.call_group.raise_recompile_limit`).
 - **Same samples on an SP group**: accelerate's ``prepare`` splits loaders over all processes; this
   trainer's accelerator splits them over the DP axis only
   (:func:`seqpar.integrations.accelerate.prepare_data_loader`).
@@ -249,6 +251,10 @@ class SequenceParallelMixin:
             from seqpar.runtime.groups import init_process_groups
 
             self.seqpar_manager = init_process_groups(config=self.seqpar_config)
+            if getattr(args, "torch_compile", False):  # one graph per micro-batch group: never silently eager
+                from seqpar.sequence.call_group import raise_recompile_limit
+
+                raise_recompile_limit(self.seqpar_manager.pool_size)
         else:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
@@ -283,8 +289,6 @@ class SequenceParallelMixin:
         if self._seqpar_loss is not None:
             fixes.append("a TRL trainer's own loss (dynamic CP trains on the swapped model's labels= loss: use "
                          "SeqParTrainer)")
-        if getattr(args, "torch_compile", False):
-            fixes.append("torch_compile=True (dynamic CP runs eagerly for now)")
         if fixes:
             raise ConfigError("sequence_parallel.dynamic under a seqpar Trainer cannot take " + "; ".join(fixes))
 

@@ -172,11 +172,6 @@ class TrainSettings:
                              "finite number >= 0")
         if self.dynamic and not self.packed:
             raise ValueError("train.dynamic (--dynamic) plans packed documents: set train.packed (--packed)")
-        if self.dynamic and self.compile:
-            raise ValueError(
-                "train.dynamic (--dynamic) runs eagerly for now: a compiled model's traced batch preparation does "
-                "not take a micro-batch's sub-group from the call yet; drop train.compile (--compile)"
-            )
         if self.seq_len < need:
             raise ValueError(
                 f"train.seq_len = {self.seq_len} is too short for {self.num_pairs} pairs and "
@@ -1097,6 +1092,10 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
     manager = engine.manager
+    if plan.train.dynamic and plan.train.compile:  # a large pool's groups must not silently run eagerly
+        from seqpar.sequence.call_group import raise_recompile_limit
+
+        raise_recompile_limit(manager.pool_size)
     _configure_logging(args.log_level)  # now that the rank is known
     rank0 = manager.rank == 0
     t = plan.train

@@ -206,8 +206,10 @@ class PatternConfig:
 class DynamicConfig:
     """Length-aware dynamic CP (``seqpar.sequence.dynamic``): each document of a step gets a group of
     about ``ceil_pow2(len / max_tokens_per_rank)`` ranks of the DP x SP pool, scheduled in slots in which
-    every rank runs one micro-batch. The planner and the process groups are in place; running the
-    planned micro-batches through a model is not yet (issue 32)."""
+    every rank runs one micro-batch; each micro-batch carries its group through the swapped model's call.
+    ``ShardedDataLoader(dynamic=...)`` yields a rank's planned micro-batches, and ``launch/train.py
+    --dynamic`` trains on them under FSDP2 and DeepSpeed ZeRO-1/2/3, as does ``SeqParTrainer``, eager or
+    compiled (``--compile``, ``torch_compile=True``)."""
 
     max_tokens_per_rank: int
     """The most tokens one rank may hold in one micro-batch (a positive integer): a document longer than

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from seqpar.config import PatternConfig, SeqParConfig
 from seqpar.runtime.verified import batch_verified
-from seqpar.sequence.call_group import GROUP_KEY
+from seqpar.sequence.call_group import GROUP_KEY, guard_group
 from seqpar.sequence.sharding import resolve_sharding
 from seqpar.swap.state import is_probing, suspended
 
@@ -100,7 +100,10 @@ class SwapOptions:
         """These options with the call's SP group when ``kwargs`` carries one (dynamic CP: the keyword
         :data:`seqpar.sequence.call_group.GROUP_KEY`, taken out of ``kwargs``), else these options."""
         group = kwargs.pop(GROUP_KEY, None)
-        return self if group is None or group is self.group else dataclasses.replace(self, group=group)
+        if group is None:
+            return self
+        group = guard_group(group)  # compiled: one graph per group, never one group's graph for another
+        return self if group is self.group else dataclasses.replace(self, group=group)
 
     def digest(self) -> list[int]:
         """Every option except the group, as integers the ranks must agree on (fields added later,
