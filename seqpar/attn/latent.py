@@ -37,7 +37,8 @@ from torch import Tensor
 from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions
 from seqpar.attn.ring import ring_backward, ring_forward
-from seqpar.comm.ring import RingExchange
+from seqpar.comm.group_names import group_by_name, group_name
+from seqpar.comm.ring import RingComm, RingExchange
 from seqpar.kernels import in_layout_of, output_like, sink_grad
 
 __all__ = [
@@ -193,15 +194,12 @@ class LatentAllGatherAttention(torch.autograd.Function):
 # traces, :func:`compiled_latent_attention` runs the two classes above as a forward and a backward custom
 # op (as seqpar.attn.ops does for the expanded K/V): one opaque node each, a fake implementation for the
 # shapes and a registered autograd formula; inside, the same eager algorithms. A custom op takes tensors and
-# primitives only: the group by name (seqpar.attn.ops.group_name), MLADims and AttentionOptions as their
+# primitives only: the group by name (seqpar.comm.group_names), MLADims and AttentionOptions as their
 # fields. Document boundaries traced as a tensor are refused before (SwapOptions.latent_attention).
 
 
 def _latent_comm(algorithm: str, group: str) -> Any:
-    from seqpar.attn.ops import resolve_group
-    from seqpar.comm.ring import RingComm
-
-    resolved = resolve_group(group)
+    resolved = group_by_name(group)
     return RingComm(resolved) if algorithm == "ring" else resolved
 
 
@@ -285,8 +283,6 @@ def compiled_latent_attention(algorithm: str, group: dist.ProcessGroup, opts: At
                               q: Tensor, c: Tensor, r: Tensor, weight: Tensor, sinks: Tensor | None) -> Tensor:
     """:class:`LatentRingAttention` (``algorithm="ring"``) or :class:`LatentAllGatherAttention`
     (``"allgather"``) as custom ops, for calls while dynamo traces; same arguments and output."""
-    from seqpar.attn.ops import group_name
-
     if algorithm not in ("ring", "allgather"):
         raise ValueError(f"compiled_latent_attention: algorithm {algorithm!r} is not 'ring' or 'allgather'")
     cu = None if opts.cu_seqlens is None else list(opts.cu_seqlens)
