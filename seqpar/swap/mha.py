@@ -33,6 +33,10 @@ class SeqParMultiheadAttention(nn.Module):
     causal mask of the local length (as ``nn.Transformer.generate_square_subsequent_mask`` builds
     it); it is read as the *global* causal pattern. Other masks, ``key_padding_mask``,
     ``need_weights=True``, ``add_bias_kv``, ``add_zero_attn`` and dropout in training are refused.
+
+    Under ``torch.compile`` the forward traces as part of the graph (seqpar attention's custom ops); a causal
+    ``attn_mask`` must then come with ``is_causal=True`` (its values cannot be read while tracing; refused,
+    naming the fix, otherwise).
     """
 
     def __init__(
@@ -142,6 +146,14 @@ class SeqParMultiheadAttention(nn.Module):
             # every layer after checking the mask once). Reading the mask here would make every layer
             # wait for the device.
             return True
+        if torch.compiler.is_compiling():
+            # the verdict is a read of the mask's values, which a traced forward cannot make (a data-dependent
+            # branch: a graph break, an error under fullgraph); taken on trust, another mask would be ignored
+            raise ValueError(
+                "SeqParMultiheadAttention under torch.compile: attn_mask given without is_causal=True, and a "
+                "traced forward cannot read the mask to check it is the causal mask. Pass is_causal=True with "
+                "the causal mask (torch's hint that it is causal), or attn_mask=None, is_causal=True"
+            )
         if not _is_causal_mask(attn_mask):
             raise ValueError(
                 "SeqParMultiheadAttention: attn_mask is not the causal mask; seqpar attention "

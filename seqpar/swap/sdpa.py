@@ -5,6 +5,13 @@ original except while a swapped module's forward runs on the calling thread; the
 seqpar attention on shards. Code that imported the function itself (``from torch.nn.functional
 import scaled_dot_product_attention``) bypasses the dispatcher: the swapped module's forward then
 raises, rather than silently running plain local attention.
+
+Under ``torch.compile`` dynamo traces the swapped module's hooks and the dispatcher with the forward: the
+frame a hook pushes is per-call state inside the traced call (pushed, read and popped within it), so the
+route compiles as one graph with seqpar's attention ops in it (``tests/test_compile_routes.py``). The
+per-thread state always has its attributes (:mod:`seqpar.swap.state`), so the guards dynamo puts on them hold
+on every thread (no recompile per thread). Only the error paths read the frame's name (a read would be a
+guard on it).
 """
 
 from __future__ import annotations
@@ -51,7 +58,20 @@ def _sdpa_dispatch(
     if frame is None:
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    where = f"seqpar: F.scaled_dot_product_attention in swapped module '{frame.name}'"
+    if attn_mask is not None or dropout_p or query.dim() not in (3, 4) or key.dim() != query.dim() \
+            or value.dim() != query.dim() or (query.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa):
+        _refuse(frame.name, query, key, value, attn_mask, dropout_p)
+    squeeze = query.dim() == 3
+    if squeeze:  # (B, S, D) -> (B, 1, S, D)
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    frame.calls += 1
+    out = frame.options.attention(query, key, value, causal=is_causal, scale=scale)
+    return out.squeeze(1) if squeeze else out
+
+
+def _refuse(name: str, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float) -> None:
+    """Raise the error for an SDPA call in swapped module ``name`` that seqpar attention cannot run."""
+    where = f"seqpar: F.scaled_dot_product_attention in swapped module '{name}'"
     if attn_mask is not None:  # a SwapError (a ValueError): this module's attention cannot be swapped as called
         raise SwapError(
             f"{where} got an attn_mask: seqpar attention takes no mask (a local mask is wrong on a "
@@ -68,19 +88,10 @@ def _sdpa_dispatch(
             f"{where}: expected (batch, heads, seq, head_dim) or (batch, seq, head_dim) inputs, got "
             f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
         )
-    if query.dim() == 3:  # (B, S, D) -> (B, 1, S, D)
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        squeeze = True
-    else:
-        squeeze = False
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"{where}: query has {query.shape[1]} heads and key {key.shape[1]} but enable_gqa=False "
-            "(plain SDPA would refuse this too)"
-        )
-    frame.calls += 1
-    out = frame.options.attention(query, key, value, causal=is_causal, scale=scale)
-    return out.squeeze(1) if squeeze else out
+    raise ValueError(
+        f"{where}: query has {query.shape[1]} heads and key {key.shape[1]} but enable_gqa=False "
+        "(plain SDPA would refuse this too)"
+    )
 
 
 def install_dispatcher() -> None:

@@ -16,7 +16,7 @@ from torch import Tensor
 
 __all__ = ["Attends", "Frame", "stack", "suspended", "probing", "is_probing"]
 
-_local = threading.local()
+
 
 
 class Attends(Protocol):
@@ -35,12 +35,22 @@ class Frame:
     calls: int = 0
 
 
+class _ThreadState(threading.local):
+    """This thread's dispatcher stack and probe depth, set on every thread's first use, so the attributes
+    always exist: code that torch.compile traced guards on them, and a missing one on a new thread would
+    fail the guards (a recompile per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[Frame | None] = []
+        self.probing = 0
+
+
+_local = _ThreadState()
+
+
 def stack() -> list[Frame | None]:
     """This thread's stack of running swapped modules (innermost last)."""
-    frames = getattr(_local, "stack", None)
-    if frames is None:
-        frames = _local.stack = []
-    return frames
+    return _local.stack
 
 
 class suspended:
@@ -59,7 +69,7 @@ class probing:
     local: the whole model must then be position-wise, which :mod:`seqpar.swap.probe` checks."""
 
     def __enter__(self) -> None:
-        _local.probing = getattr(_local, "probing", 0) + 1
+        _local.probing += 1
 
     def __exit__(self, *exc: object) -> None:
         _local.probing -= 1
@@ -67,4 +77,4 @@ class probing:
 
 def is_probing() -> bool:
     """Whether this thread runs the position-mixing probe (see :class:`probing`)."""
-    return getattr(_local, "probing", 0) > 0
+    return _local.probing > 0
