@@ -16,7 +16,15 @@ from torch import Tensor
 
 __all__ = ["Attends", "Frame", "stack", "suspended", "probing", "is_probing"]
 
-_local = threading.local()
+# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
+# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Frame | None] = []
+        self.probing = 0
+
+
+_local = _Local()
 
 
 class Attends(Protocol):
@@ -37,10 +45,7 @@ class Frame:
 
 def stack() -> list[Frame | None]:
     """This thread's stack of running swapped modules (innermost last)."""
-    frames = getattr(_local, "stack", None)
-    if frames is None:
-        frames = _local.stack = []
-    return frames
+    return _local.stack
 
 
 class suspended:
@@ -59,7 +64,7 @@ class probing:
     local: the whole model must then be position-wise, which :mod:`seqpar.swap.probe` checks."""
 
     def __enter__(self) -> None:
-        _local.probing = getattr(_local, "probing", 0) + 1
+        _local.probing += 1
 
     def __exit__(self, *exc: object) -> None:
         _local.probing -= 1
@@ -67,4 +72,4 @@ class probing:
 
 def is_probing() -> bool:
     """Whether this thread runs the position-mixing probe (see :class:`probing`)."""
-    return getattr(_local, "probing", 0) > 0
+    return _local.probing > 0
