@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="instead of attention methods: a swapped model's training step, torch.compile'd vs eager "
                         "(seqpar.bench.compiled; --model, --backend, --seq-len, --rounds, --repeats)")
-    p.add_argument("--model", default="llama", help="with --compile: the transformers model type (llama, qwen3_5, ...)")
+    p.add_argument("--model", default="llama", help="with --compile: the transformers model type (llama, qwen3_5_text: Qwen3.5, ...)")
     p.add_argument("--backend", default="inductor", help="with --compile: the torch.compile backend")
     return p
 
@@ -122,6 +122,12 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
     print(f"median: eager {summary['eager_tokens_per_s']:.0f}, compiled {summary['compiled_tokens_per_s']:.0f} "
           f"tokens/s, ratio {summary['ratio_median']:.3f} (compile {summary['compile_s']:.1f} s; first losses "
           f"{summary['first_loss']}, gradients' largest relative difference {summary['grad_max_rel_diff']:.2e})", flush=True)
+    if "cpu_ratio_median" in summary:
+        print(f"thread CPU per step (busiest rank): eager {summary['eager_cpu_s']:.3f} s, compiled "
+              f"{summary['compiled_cpu_s']:.3f} s, eager / compiled {summary['cpu_ratio_median']:.3f}; "
+              f"(process: eager {summary.get('eager_process_cpu_s', float('nan')):.3f} s, compiled "
+              f"{summary.get('compiled_process_cpu_s', float('nan')):.3f} s); recompiles during the rounds: "
+              f"{summary['recompiles']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
