@@ -112,7 +112,10 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
     from seqpar.bench.compiled import compiled_rounds, summarize_compiled
 
     with RankPool(args.world, device="cpu") as pool:
-        per = pool.run(compiled_rounds, args.model, args.seq_len, args.rounds, args.repeats, args.backend)
+        # an hour, not the pool's 15 minutes: inductor compiling Qwen3.5's Gated DeltaNet on a loaded CPU
+        # took more than 15 minutes (2026-11-29, load ~30 on 2 cores)
+        per = pool.run(compiled_rounds, args.model, args.seq_len, args.rounds, args.repeats, args.backend,
+                       timeout=3600)
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
               "summary": summarize_compiled(per, args.seq_len)}
     summary = result["summary"]
