@@ -58,3 +58,18 @@ def test_compiled_summary_takes_the_slowest_rank_per_round_and_median_ratios() -
     assert s["compiled_tokens_per_s_rounds"] == [50.0, 25.0, 100.0]  # slowest medians 2, 4, 1
     assert s["ratio_rounds"] == [1.0, 0.5, 2.0] and s["ratio_median"] == 1.0
     assert s["compiled_tokens_per_s"] == 50.0 and s["compile_s"] == 9.0 and s["grad_max_rel_diff"] == 3e-6
+
+
+def test_the_compiled_bench_configures_qwen3_5_as_its_hybrid_pattern_at_the_bench_sizes() -> None:
+    """``interleave --compile --model qwen3_5_text``: the benchmarked Qwen3.5 has Qwen3.5's pattern (three
+    Gated DeltaNet layers, then attention) at the bench's sizes, not the tiny test model's heads; an unknown
+    model type is refused naming a known one. Seen failing: with ``FAMILY_SIZES`` emptied (the tiny model's
+    fields under SIZES), transformers refused the config (``num_hidden_layers`` 4, 2 ``layer_types``)."""
+    from seqpar.bench.compiled import SIZES, bench_config
+
+    config = bench_config("qwen3_5_text")
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim) == (SIZES["hidden_size"], 4, 32)
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_value_head_dim) == (4, 8, 32)
+    with pytest.raises(SystemExit, match="qwen3_5_text"):
+        bench_config("no_such_model")

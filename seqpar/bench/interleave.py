@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="instead of attention methods: a swapped model's training step, torch.compile'd vs eager "
                         "(seqpar.bench.compiled; --model, --backend, --seq-len, --rounds, --repeats)")
-    p.add_argument("--model", default="llama", help="with --compile: the transformers model type (llama, qwen3_5, ...)")
+    p.add_argument("--model", default="llama", help="with --compile: the transformers model type (llama, qwen3_5_text: Qwen3.5, ...)")
     p.add_argument("--backend", default="inductor", help="with --compile: the torch.compile backend")
     return p
 
@@ -112,7 +112,10 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
     from seqpar.bench.compiled import compiled_rounds, summarize_compiled
 
     with RankPool(args.world, device="cpu") as pool:
-        per = pool.run(compiled_rounds, args.model, args.seq_len, args.rounds, args.repeats, args.backend)
+        # an hour, not the pool's 15 minutes: inductor compiling Qwen3.5's Gated DeltaNet on a loaded CPU
+        # took more than 15 minutes (2026-11-29, load ~30 on 2 cores)
+        per = pool.run(compiled_rounds, args.model, args.seq_len, args.rounds, args.repeats, args.backend,
+                       timeout=3600)
     result = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
               "summary": summarize_compiled(per, args.seq_len)}
     summary = result["summary"]
@@ -122,6 +125,12 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
     print(f"median: eager {summary['eager_tokens_per_s']:.0f}, compiled {summary['compiled_tokens_per_s']:.0f} "
           f"tokens/s, ratio {summary['ratio_median']:.3f} (compile {summary['compile_s']:.1f} s; first losses "
           f"{summary['first_loss']}, gradients' largest relative difference {summary['grad_max_rel_diff']:.2e})", flush=True)
+    if "cpu_ratio_median" in summary:
+        print(f"thread CPU per step (busiest rank): eager {summary['eager_cpu_s']:.3f} s, compiled "
+              f"{summary['compiled_cpu_s']:.3f} s, eager / compiled {summary['cpu_ratio_median']:.3f}; "
+              f"(process: eager {summary.get('eager_process_cpu_s', float('nan')):.3f} s, compiled "
+              f"{summary.get('compiled_process_cpu_s', float('nan')):.3f} s); recompiles during the rounds: "
+              f"{summary['recompiles']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -51,17 +51,21 @@ DOCUMENTS_KEY = "seqpar_documents"
 again before the layer's own forward runs)."""
 
 _HANDLES_ATTR = "_seqpar_documents_feed"
-_local = threading.local()
+# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
+# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[nn.Module, Tensor | None, Any]] = []
+
+
+_local = _Local()
 
 
 def _held() -> list[tuple[nn.Module, Tensor | None, Any]]:
     """This thread's stack of ``(holder, boundaries, group)`` (innermost last): the running swapped model's
     batch, then each running carrier's. The group is the call's SP group under dynamic CP
     (:mod:`seqpar.sequence.call_group`; None: the swap's), carried the same way as the boundaries."""
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _local.stack
 
 
 def batch_documents(kwargs: dict[str, Any]) -> Any:

@@ -25,13 +25,20 @@ import torch
 
 __all__ = ["batch_verified", "enter_verified", "exit_verified", "mark_unverified"]
 
-_local = threading.local()
+# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
+# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_local = _Local()
 # Process-wide, not per thread: autograd runs a CUDA backward (and its recompute) on its own thread.
 _last_forward_verified = False
 
 
 def _depth() -> int:
-    return getattr(_local, "depth", 0)
+    return _local.depth
 
 
 def _in_backward() -> bool:

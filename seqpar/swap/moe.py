@@ -57,7 +57,14 @@ _HOOKS_ATTR = "_seqpar_router_hooks"
 # Bamba's inline z-loss, as transformers 5.x writes it; another form is refused under SP.
 _Z_LOSS_SOURCE = "logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()"
 
-_local = threading.local()
+# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
+# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[_Frame] = []
+
+
+_local = _Local()
 
 
 class _Frame:
@@ -72,10 +79,7 @@ class _Frame:
 
 def _frames() -> list[_Frame]:
     """This thread's stack of running swapped models (innermost last)."""
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _local.stack
 
 
 def take_token_mask(kwargs: dict[str, Any]) -> None:
