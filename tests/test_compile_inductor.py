@@ -10,7 +10,8 @@ module to build; each mode has its own inputs, so its output and gradients are c
   (``qwen3_5_text``: a Gated DeltaNet layer and an attention layer) on a ``shard_batch`` batch with ``labels``;
 - P = 4: hybrid (Ulysses over pairs, the ring across them).
 
-Each compiled call is one graph (``fullgraph=True``, dynamo's frame count through a counting inductor backend),
+The models run in CI's compile stage (``compile_stage``, skipped by the main suite for its time; see
+tests/conftest.py). Each compiled call is one graph (``fullgraph=True``, dynamo's frame count through a counting inductor backend),
 and equals the eager call on the same shard, fp32 1e-5 of each one's own scale: the attention output and dq, dk,
 dv; the models' loss, logits and every parameter's gradient.
 
@@ -124,6 +125,7 @@ def test_inductor_compiled_attention_equals_eager_in_every_mode(dist_pool, world
     assert per_rank == [[]] * world, per_rank
 
 
+@pytest.mark.compile_stage  # the costliest inductor build (two models' C++): CI's compile stage, see tests/conftest.py
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", sorted(MODELS))
 def test_inductor_compiled_swapped_models_equal_eager(dist_pool, world: int) -> None:

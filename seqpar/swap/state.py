@@ -17,8 +17,6 @@ from torch import Tensor
 __all__ = ["Attends", "Frame", "stack", "suspended", "probing", "is_probing"]
 
 
-
-
 class Attends(Protocol):
     """What a frame routes SDPA calls to (a :class:`seqpar.swap.SwapOptions`)."""
 
