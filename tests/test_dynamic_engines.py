@@ -122,10 +122,9 @@ def reference(path: str) -> tuple[list[float], list[dict[str, torch.Tensor]], li
     """One process, float64: every step's planned micro-batches in sequence, packed (seqpar's attention on one
     process keeps the documents apart), each its targets' summed loss over the step's targets, gradients
     accumulated, plain SGD. Returns per-step losses, gradients and (documents, group sizes, empty micro-batch)."""
+    from dynamic_reference import launcher_step
     from launch_module import train_module
 
-    from seqpar.sequence.dynamic import plan_dynamic
-    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
     from seqpar.sequence.sharding import padded_length
     from seqpar.swap import swap_attention
 
@@ -138,22 +137,10 @@ def reference(path: str) -> tuple[list[float], list[dict[str, torch.Tensor]], li
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, grads, shapes = [], [], []
     for step in range(t.steps):
-        rows = t.grad_accum * 2  # dp = 2
-        docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
-        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
-                               min_size=dynamic.min_size)
-        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
-        total = 0.0
-        for slot in planned.slots:
-            for mb in slot:
-                if mb.docs:
-                    batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
-                    loss = model(**batch, num_items_in_batch=targets).loss
-                    loss.backward()
-                    total += float(loss.detach())
+        total, planned, n_docs = launcher_step(model, task, dynamic, step, t.grad_accum * 2)  # dp = 2
         losses.append(total)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        shapes.append((len(docs), {mb.size for slot in planned.slots for mb in slot if mb.docs},
+        shapes.append((n_docs, {mb.size for slot in planned.slots for mb in slot if mb.docs},
                        any(not mb.docs for slot in planned.slots for mb in slot)))
         opt.step()
         opt.zero_grad()

@@ -235,37 +235,11 @@ def _train_families(rank: int, world: int, argvs: dict[str, list[str]]) -> dict[
 
 def _reference_losses(argv: list[str]) -> tuple[list[float], list[set[int]]]:
     """One process, fp32, the launcher's own model and task, SGD: every step's planned micro-batches in
-    sequence, packed, gradients accumulated -> per-step losses and each step's group sizes in use."""
-    from launch_module import train_module
+    sequence, packed (Mixtral: each with its own router loss), gradients accumulated -> per-step losses and
+    each step's group sizes in use."""
+    from dynamic_reference import launcher_reference
 
-    from seqpar.sequence.dynamic import plan_dynamic
-    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
-    from seqpar.sequence.sharding import padded_length
-
-    train = train_module()
-    plan = train.build_plan(train.parse_args(argv))
-    t, dynamic = plan.train, plan.sp.dynamic
-    task = train.RecallTask(t)
-    model = train.build_model(plan, task.vocab_size, padded_length(t.seq_len, plan.sp.size, plan.sp.sharding))
-    swap_attention(model)  # one process: seqpar attention separates the packed documents
-    opt = torch.optim.SGD(model.parameters(), lr=t.lr)
-    losses, sizes = [], []
-    for step in range(t.steps):
-        docs = [doc for row in range(step * t.grad_accum, (step + 1) * t.grad_accum) for doc in task.packed_docs(row)]
-        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
-                               min_size=dynamic.min_size)
-        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
-        total = 0.0
-        for mb in (mb for slot in planned.slots for mb in slot if mb.docs):
-            batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
-            loss = model(**batch, num_items_in_batch=targets).loss  # with its own router loss (Mixtral)
-            loss.backward()
-            total += float(loss.detach())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        sizes.append({mb.size for slot in planned.slots for mb in slot if mb.docs})
-    return losses, sizes
+    return launcher_reference(argv, sgd=True)
 
 
 @pytest.mark.timeout(600)

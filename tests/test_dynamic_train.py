@@ -194,41 +194,9 @@ def train_reference(argv: list[str]) -> tuple[list[float], list[set[int]]]:
     """One process (fp32, the launcher's own model, task and AdamW with clipping): every step's planned
     micro-batches run in sequence, packed, each its targets' summed loss over the step's, gradients
     accumulated; returns the per-step losses and each step's group sizes in use."""
-    from launch_module import train_module
+    from dynamic_reference import launcher_reference
 
-    from seqpar.sequence.dynamic import plan_dynamic
-    from seqpar.sequence.dynamic_batch import pack_documents, step_targets
-    from seqpar.sequence.sharding import padded_length
-    from seqpar.swap import swap_attention
-
-    train = train_module()
-    plan = train.build_plan(train.parse_args(argv))
-    t, dynamic = plan.train, plan.sp.dynamic
-    task = train.RecallTask(t)
-    model = train.build_model(plan, task.vocab_size, padded_length(t.seq_len, plan.sp.size, plan.sp.sharding))
-    swap_attention(model)  # one process: seqpar attention separates the packed documents
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    losses, sizes = [], []
-    for step in range(t.steps):
-        rows = t.grad_accum  # dp = 1: the pool is the SP group of 4
-        docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
-        planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], 4, dynamic.max_tokens_per_rank,
-                               min_size=dynamic.min_size)
-        targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
-        total = 0.0
-        for slot in planned.slots:
-            for mb in slot:
-                if mb.docs:
-                    batch = pack_documents([docs[d][0] for d in mb.docs], [docs[d][1] for d in mb.docs])
-                    loss = model(**batch, num_items_in_batch=targets).loss
-                    loss.backward()
-                    total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
-        sizes.append({mb.size for slot in planned.slots for mb in slot if mb.docs})
-    return losses, sizes
+    return launcher_reference(argv)
 
 
 @pytest.mark.timeout(240)
