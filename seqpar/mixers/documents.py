@@ -35,12 +35,12 @@ that gets none (``MambaBlock``): use transformers' ``gradient_checkpointing_enab
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
+from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.call_group import GROUP_KEY
 
 __all__ = ["DOCUMENTS_KEY", "DocumentsCarrier", "feed_documents", "batch_documents", "carried_documents",
@@ -51,14 +51,7 @@ DOCUMENTS_KEY = "seqpar_documents"
 again before the layer's own forward runs)."""
 
 _HANDLES_ATTR = "_seqpar_documents_feed"
-# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
-# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[nn.Module, Tensor | None, Any]] = []
-
-
-_local = _Local()
+_local = ThreadState(stack=list)  # stack: list[tuple[nn.Module, Tensor | None, Any]], see _held
 
 
 def _held() -> list[tuple[nn.Module, Tensor | None, Any]]:

@@ -19,20 +19,13 @@ forward's verdict holds. Every rank runs the same program, so every rank takes t
 
 from __future__ import annotations
 
-import threading
-
 import torch
+
+from seqpar.runtime.thread_state import ThreadState
 
 __all__ = ["batch_verified", "enter_verified", "exit_verified", "mark_unverified"]
 
-# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
-# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.depth = 0
-
-
-_local = _Local()
+_local = ThreadState(depth=int)
 # Process-wide, not per thread: autograd runs a CUDA backward (and its recompute) on its own thread.
 _last_forward_verified = False
 

@@ -31,7 +31,6 @@ verdict depends on the weights only, which every SP rank holds alike, so every r
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -42,6 +41,7 @@ from torch import Tensor, nn
 
 from seqpar.attn.latent import MLADims, MLAExpander
 from seqpar.runtime.groups import resolve_group
+from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.call_group import GROUP_KEY, call_group
 from seqpar.swap.state import is_probing
 
@@ -63,17 +63,14 @@ _HEADS_ATTR = "_seqpar_latent_heads"  # this rank's head count, as kv_b_proj's f
 _PROJ_ATTR = "_seqpar_kv_b_forward"  # kv_b_proj's own forward, under the one that takes seqpar_latent
 _FORWARD_ATTR = "_seqpar_mla_call_group"  # True once the layer's hooks hold its calls' groups
 
-_local = threading.local()
+_local = ThreadState(stack=list)  # stack: list[tuple[nn.Module, Any]], see _call_groups
 
 
 def _call_groups() -> list[tuple[nn.Module, Any]]:
     """This thread's stack of ``(layer, group)`` of the running MLA layers' calls (innermost last; group None:
     the call carries none). A layer's call pushes its own (:func:`_hold_call_group`), so a recompute under activation
     checkpointing, which replays the call's keyword arguments, sees its own micro-batch's group."""
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
+    return _local.stack
 
 
 def _push_call_group(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
 from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
@@ -39,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.runtime.groups import resolve_group
+from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.batch import TOKEN_MASK_KEY
 from seqpar.sequence.call_group import GROUP_KEY, call_group
 from seqpar.sequence.router import (
@@ -57,14 +57,7 @@ _HOOKS_ATTR = "_seqpar_router_hooks"
 # Bamba's inline z-loss, as transformers 5.x writes it; another form is refused under SP.
 _Z_LOSS_SOURCE = "logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()"
 
-# Every attribute exists from a thread's first use (threading.local runs __init__ per thread): a lazily
-# created one makes torch.compile guard on its absence, so the second compiled call recompiles.
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[_Frame] = []
-
-
-_local = _Local()
+_local = ThreadState(stack=list)  # stack: list[_Frame], this thread's running swapped models (innermost last)
 
 
 class _Frame:

@@ -8,11 +8,12 @@ imports the other.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import Tensor
+
+from seqpar.runtime.thread_state import ThreadState
 
 __all__ = ["Attends", "Frame", "stack", "suspended", "probing", "is_probing"]
 
@@ -33,17 +34,9 @@ class Frame:
     calls: int = 0
 
 
-class _ThreadState(threading.local):
-    """This thread's dispatcher stack and probe depth, set on every thread's first use, so the attributes
-    always exist: code that torch.compile traced guards on them, and a missing one on a new thread would
-    fail the guards (a recompile per thread)."""
-
-    def __init__(self) -> None:
-        self.stack: list[Frame | None] = []
-        self.probing = 0
-
-
-_local = _ThreadState()
+# this thread's dispatcher stack (list[Frame | None]) and probe depth, set on its first use (ThreadState: torch.compile
+# guards on them, and a missing one on a new thread would recompile)
+_local = ThreadState(stack=list, probing=int)
 
 
 def stack() -> list[Frame | None]:
