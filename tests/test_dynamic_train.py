@@ -66,12 +66,31 @@ def tiny_deepseek_v3(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return tiny_mla("deepseek_v3", dtype)
 
 
-MODELS = {"llama": tiny_llama, "mixtral": tiny_mixtral, "jamba": tiny_jamba, "deepseek_v3": tiny_deepseek_v3}
+def tiny_mistral_window(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A 2-layer Mistral with a sliding window of 6 tokens, shorter than most documents of STEPS (50, 30, 12,
+    9, 7): the window crosses the micro-batches' shard edges and groups of every size. Seen failing: with the
+    swapped attention's window one token wider (``seqpar.swap.hf_attention``), this case failed and Llama's
+    passed."""
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=6, attn_implementation="sdpa",
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.MistralForCausalLM(config).to(dtype)
+
+
+MODELS = {"llama": tiny_llama, "mistral_window": tiny_mistral_window, "mixtral": tiny_mixtral, "jamba": tiny_jamba,
+          "deepseek_v3": tiny_deepseek_v3}
+# models whose reference is transformers' own attention, each document alone (the others: seqpar's attention on
+# one process over the packed micro-batches, for their per-micro-batch router statistics or mixers' packing)
+ALONE = ("llama", "mistral_window")
 
 
 def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
-    """float64, one process, per step. Llama: every document alone, summed token losses over the step's
-    targets. Mixtral: the planned micro-batches in sequence, packed (seqpar's attention on one process keeps
+    """float64, one process, per step. Llama and the sliding-window Mistral: every document alone (transformers'
+    own attention and window), summed token losses over the step's targets. Mixtral: the planned micro-batches in sequence, packed (seqpar's attention on one process keeps
     the documents apart), each its summed token losses over the step's targets plus its own router loss (the
     router statistics are per micro-batch, Megatron's choice)."""
     from seqpar.sequence.dynamic import plan_dynamic
@@ -79,14 +98,14 @@ def reference(name: str) -> list[tuple[float, dict[str, torch.Tensor]]]:
     from seqpar.swap import swap_attention
 
     model = MODELS[name](torch.float64)
-    if name != "llama":
+    if name not in ALONE:
         swap_attention(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for step, lengths in enumerate(STEPS):
         targets = sum(n - 1 for n in lengths)
         docs = documents(lengths, step)
-        if name == "llama":
+        if name in ALONE:
             loss = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1) for d in docs) / targets
         else:
             plan = plan_dynamic(lengths, 4, BUDGET)
