@@ -260,3 +260,79 @@ def test_train_dynamic_refusals_name_the_fix(tmp_path) -> None:
     # compiled dynamic CP runs (tests/test_dynamic_compile.py)
     assert train.build_plan(train.parse_args(["--config", str(tmp_path / "unpacked.json"), "--dynamic", "--packed",
                                               "--compile"])).train.compile
+
+
+# ------------------------------------------------------------------ TP composes (issue 32 §4)
+TP_STEPS = ((50, 30, 12, 9, 7, 3), (9,))  # step 2: one document for the pool's two ranks (an empty micro-batch)
+TP_BUDGET = 32  # max_tokens_per_rank over a pool of 2 (the 50-token document needs both ranks)
+
+
+def _tp_dynamic(rank: int, world: int) -> list[tuple[float, dict[str, torch.Tensor], list[int]]]:
+    """TP 2 x a pool of 2 (SP 2, DP 1): the tiny Llama swapped over the SP group, then sharded over TP with
+    transformers' own plan; each step's planned micro-batches (the same on both ranks of a TP group), the loss
+    and every gradient summed over the pool (TP-sharded ones gathered), from the same weights each step."""
+    from torch.distributed.tensor import DTensor
+
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations.tp import apply_tensor_parallel
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.swap import swap_attention
+
+    manager = seqpar.init_process_groups(
+        config={"size": 2, "tp_size": 2, "sharding": "zigzag",
+                "dynamic": {"max_tokens_per_rank": TP_BUDGET, "min_size": 1}})
+    try:
+        model = tiny_llama(torch.float32)
+        swap_attention(model, SeqParConfig(size=2, tp_size=2, sharding="zigzag"), group=manager.sp_group)
+        assert apply_tensor_parallel(model, manager)  # something was sharded
+        out = []
+        for step, lengths in enumerate(TP_STEPS):
+            plan = plan_dynamic(lengths, manager.pool_size, TP_BUDGET)
+            loss = torch.zeros((), dtype=torch.float64)
+            sizes = []
+            for inputs in rank_micro_batches(plan, documents(lengths, step), manager, sharding="zigzag"):
+                size = dist.get_world_size(inputs["seqpar_group"])
+                step_loss = model(**inputs).loss
+                step_loss.backward()
+                loss += step_loss.detach().double() / size
+                sizes.append(size)
+            dist.all_reduce(loss, group=manager.sp_dp_group)
+            grads = {}
+            for name, p in model.named_parameters():
+                grad = torch.zeros(p.shape) if p.grad is None else p.grad
+                grad = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().double().clone()
+                dist.all_reduce(grad, group=manager.sp_dp_group)  # a sum over the pool
+                grads[name] = grad
+            model.zero_grad(set_to_none=True)
+            out.append((float(loss), grads, sizes))
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(180)
+def test_dynamic_steps_compose_with_tensor_parallelism(dist_pool) -> None:
+    """Issue 32 §4, "TP composes": at TP 2 x a pool of 2, every step's loss and every gradient equal one float64
+    process running each document alone (transformers' own attention), each gradient on its own scale. Step 1
+    mixes groups of 2 and 1; step 2 has fewer documents than the pool's ranks. Seen failing: with every slot's
+    micro-batch cut over the manager's whole SP group instead of its planned group
+    (``seqpar.sequence.dynamic_batch.planned_batches``), every rank raised seqpar's cross-rank batch check."""
+    model = tiny_llama(torch.float64)
+    ref = []
+    for step, lengths in enumerate(TP_STEPS):
+        targets = sum(n - 1 for n in lengths)
+        loss = sum(model(input_ids=d[None], labels=d[None]).loss * (len(d) - 1)
+                   for d in documents(lengths, step)) / targets
+        loss.backward()
+        ref.append((float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        model.zero_grad(set_to_none=True)
+    results = dist_pool.run(4, _tp_dynamic, timeout=150)
+    for rank, steps in enumerate(results):
+        assert {1, 2} <= set(steps[0][2]) and len(steps[1][2]) == 1, (rank, [s[2] for s in steps])
+        for step, ((loss, grads, sizes), (ref_loss, ref_grads)) in enumerate(zip(steps, ref, strict=True)):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (rank, step, loss, ref_loss)
+            for param, want in ref_grads.items():
+                err = float((grads[param] - want).abs().max() / want.abs().max())
+                assert err <= 1e-4, f"rank {rank} step {step}: grad of {param} {err:.3g} of its scale off ({sizes})"
