@@ -34,13 +34,26 @@ from seqpar.attn.common import AttentionOptions, block_hops
 from seqpar.comm.ring import RingComm
 from seqpar.runtime import communicators, groups
 from seqpar.testing.nccl_rules import NcclRuleError, nccl_rules
-from seqpar.testing.ranks import free_port
 
 P2P = "batch_isend_irecv (a batched point-to-point exchange)"
 
 
+_SERVERS: list[dist.TCPStore] = []
+
+
+def store_port() -> int:
+    """The port of a fresh store server this (the test's) process holds for the session: every rank joins it
+    as a client (:func:`_store`). Not a server on rank 0: a rank whose task ends first (e.g. rank 0 leaving
+    the rules' block with its own rule error) would close it under the other rank, still publishing its
+    records there (seen: "Broken pipe" on rank 1, then the pool's next task hung); and no port picked free
+    and bound later, by which time another socket may hold it."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=90), wait_for_workers=False)
+    _SERVERS.append(server)
+    return server.port
+
+
 def _store(port: int, rank: int, world: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=90))
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=90))
 
 
 def _attend(rank: int, world: int, case: dict, manager: groups.ProcessGroupManager) -> list[torch.Tensor]:
@@ -152,7 +165,7 @@ def test_modes_documents_windows_under_nccl_rules(dist_pool, mode: str, heads: t
     """World 3 (ring of 3 = hybrid 3 x 1): exact in every gradient, under the rules; the ring's sends
     carry their buffers as at their wait() (forward and backward)."""
     cases = _cases(3, mode, heads, 7000 + len(mode), _variants(3))
-    out = dist_pool.run(3, _run_under_rules, free_port(), cases, 1, sends=SENDS[mode], timeout=300)
+    out = dist_pool.run(3, _run_under_rules, store_port(), cases, 1, sends=SENDS[mode], timeout=300)
     _check_clean(out)
     check([o["results"] for o in out], cases, 3)
 
@@ -160,7 +173,7 @@ def test_modes_documents_windows_under_nccl_rules(dist_pool, mode: str, heads: t
 def test_hybrid_three_super_ranks_under_nccl_rules(dist_pool) -> None:
     """World 6 = 3 super-ranks x Ulysses 2: the issue's example and the rest of the matrix, exact."""
     cases = _cases(6, "hybrid", (4, 2, 6), 7100, _variants(6, 2))
-    out = dist_pool.run(6, _run_under_rules, free_port(), cases, 2, sends=SENDS["hybrid"], timeout=400)
+    out = dist_pool.run(6, _run_under_rules, store_port(), cases, 2, sends=SENDS["hybrid"], timeout=400)
     _check_clean(out)
     check([o["results"] for o in out], cases, 6)
 
@@ -195,7 +208,7 @@ def test_dilated_under_nccl_rules(dist_pool) -> None:
                                                   head_layout="mixed"))
              for i, ((ws, rs), mode, causal) in enumerate(itertools.product(PATTERNS[3], ("ring", "allgather"),
                                                                             (False, True)))]
-    out = dist_pool.run(3, _dilated_under_rules, free_port(), cases, timeout=300)
+    out = dist_pool.run(3, _dilated_under_rules, store_port(), cases, timeout=300)
     _check_clean(out)
     assert all(o["messages"] > 0 for o in out)  # the segment exchanges ran under the rules
     for idx, case in enumerate(cases):
@@ -216,7 +229,7 @@ def test_rules_catch_groups_set_up_lazily(dist_pool) -> None:
     example = _cases(6, "hybrid", (4, 2, 6), 7200, [(None, _idle_docs(6, 2))])[:1]
     assert example[0]["causal"] and example[0]["sharding"] == "contiguous"
     # no step boundary: super-rank 2 would wait in it for the others, and the pool would have to be killed
-    out = dist_pool.run(6, _run_under_rules, free_port(), example, 2, 8.0, True, boundary=False, timeout=300)
+    out = dist_pool.run(6, _run_under_rules, store_port(), example, 2, 8.0, True, boundary=False, timeout=300)
     for rank, o in enumerate(out):
         if rank < 4:
             assert o["error"] and "issued no operation on it" in o["error"], (rank, o["error"])
@@ -224,7 +237,7 @@ def test_rules_catch_groups_set_up_lazily(dist_pool) -> None:
         else:
             assert o["error"] is None, (rank, o["error"])
     dense = _cases(6, "hybrid", (4, 2, 6), 7300, [(None, None)])[:1]
-    out = dist_pool.run(6, _run_under_rules, free_port(), dense, 2, 60.0, True, timeout=300)
+    out = dist_pool.run(6, _run_under_rules, store_port(), dense, 2, 60.0, True, timeout=300)
     for o in out:
         assert o["error"] is None and any(what == P2P for _, what in o["first_ops"]), o
     check([o["results"] for o in out], dense, 6)
@@ -234,7 +247,7 @@ def test_rules_catch_a_reordered_batch(dist_pool) -> None:
     """The break: odd ranks post their ring batches in reverse order. gloo pairs by tag, so the results
     are still right; NCCL pairs by order, and the rules say so on every rank."""
     cases = _cases(2, "ring", (2, 1, 8), 7400, [(None, None)])[:1]
-    out = dist_pool.run(2, _run_under_rules, free_port(), cases, 1, reorder=True, timeout=120)
+    out = dist_pool.run(2, _run_under_rules, store_port(), cases, 1, reorder=True, timeout=120)
     for o in out:
         assert o["error"] and "pairs messages by order" in o["error"], o["error"]
 
@@ -273,7 +286,7 @@ def test_rules_catch_a_ring_backward_write_before_wait(dist_pool) -> None:
     """The backward reuses a sent accumulator only after its wait(); the break writes into it while in
     flight, and every rank that forwards an accumulator is stopped, naming the send."""
     case = _cases(3, "ring", (2, 1, 8), 7600, [(None, None)])[0]
-    out = dist_pool.run(3, _ring_backward_writes_early, free_port(), case, timeout=120)
+    out = dist_pool.run(3, _ring_backward_writes_early, store_port(), case, timeout=120)
     for rank, o in enumerate(out):
         error = o["error"]
         assert error and "written between the post and its wait()" in error and "tag 16" in error, (rank, error)
@@ -284,7 +297,7 @@ def test_late_sends_make_a_write_before_wait_wrong(dist_pool) -> None:
     stray write into the accumulators in flight raises nothing, but the peers receive the written values
     and dK/dV no longer match the reference; without the write the same run matches (the matrix above)."""
     case = _cases(3, "ring", (2, 1, 8), 7600, [(None, None)])[0]
-    out = dist_pool.run(3, _ring_backward_writes_early, free_port(), case, "late", timeout=120)
+    out = dist_pool.run(3, _ring_backward_writes_early, store_port(), case, "late", timeout=120)
     assert all(o["error"] is None for o in out), [o["error"] for o in out]
     with pytest.raises(AssertionError, match=r"^d[kv] "):  # out and dq are right: only dK/dV travelled wrong
         check([[o["results"]] for o in out], [case], 3)
@@ -308,19 +321,27 @@ def _buffer_misuse(rank: int, world: int, port: int, misuse: str, sends: str = "
             (got,) = pending.wait()
             assert rules.works and all(w.waited for w in rules.works)
     except NcclRuleError as e:
+        # the rule error left this exchange's other work unwaited: finish it, and meet the peer, so that no
+        # transfer of this task is still in flight when the pool's next task uses the same group (seen: the
+        # next task's barrier hung in about half the runs)
+        for work in rules.works:
+            if not work.waited:
+                work._work.wait()
+        dist.barrier()
         return {"error": str(e)}
+    dist.barrier()
     return {"error": None, "got": got, "early": early}
 
 
 def test_rules_catch_buffers_used_before_wait(dist_pool) -> None:
-    port = free_port()
+    port = store_port()
     clean = dist_pool.run(2, _buffer_misuse, port, "none", timeout=60)
     for rank, o in enumerate(clean):
         assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
-    written = dist_pool.run(2, _buffer_misuse, free_port(), "write", timeout=60)
+    written = dist_pool.run(2, _buffer_misuse, store_port(), "write", timeout=60)
     for o in written:
         assert o["error"] and "written between the post and its wait()" in o["error"], o
-    read = dist_pool.run(2, _buffer_misuse, free_port(), "read", timeout=60)
+    read = dist_pool.run(2, _buffer_misuse, store_port(), "read", timeout=60)
     for rank, o in enumerate(read):  # a read before wait() sees poison, never the message
         assert o["error"] is None and torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
 
@@ -329,13 +350,13 @@ def test_late_sends_carry_the_buffer_at_wait(dist_pool) -> None:
     """sends="late": a send carries its buffer as at its wait(), so a write after the post reaches the
     peer (and is not flagged); an untouched buffer arrives as it was; receive buffers stay poisoned until
     wait()."""
-    clean = dist_pool.run(2, _buffer_misuse, free_port(), "none", "late", timeout=60)
+    clean = dist_pool.run(2, _buffer_misuse, store_port(), "none", "late", timeout=60)
     for rank, o in enumerate(clean):
         assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
-    written = dist_pool.run(2, _buffer_misuse, free_port(), "write", "late", timeout=60)
+    written = dist_pool.run(2, _buffer_misuse, store_port(), "write", "late", timeout=60)
     for rank, o in enumerate(written):
         assert o["error"] is None and torch.equal(o["got"], torch.full((3, 4), float(1 - rank) + 10.0)), o
-    read = dist_pool.run(2, _buffer_misuse, free_port(), "read", "late", timeout=60)
+    read = dist_pool.run(2, _buffer_misuse, store_port(), "read", "late", timeout=60)
     for rank, o in enumerate(read):
         assert torch.isnan(o["early"]).all() and torch.equal(o["got"], torch.full((3, 4), float(1 - rank)))
 
@@ -379,7 +400,7 @@ def test_halo_exchange_matches_with_late_sends(dist_pool) -> None:
                                                                                         dtype=torch.float64)
         cases.append({"x": x, "dout": dout, "weight": torch.randn(4, 4, generator=g, dtype=torch.float64),
                       "sharding": sharding, "cu": cu})
-    out = dist_pool.run(world, _halo_under_late_sends, free_port(), cases, timeout=180)
+    out = dist_pool.run(world, _halo_under_late_sends, store_port(), cases, timeout=180)
     assert all(o["messages"] > 0 for o in out)
     for i, case in enumerate(cases):
         x, w = case["x"].clone().requires_grad_(), case["weight"].clone().requires_grad_()
