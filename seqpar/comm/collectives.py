@@ -78,18 +78,33 @@ class ReduceScatter(torch.autograd.Function):
         return _gather(grad, ctx.dim, ctx.group, ctx.world), None, None
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: the functional collectives' backward needs
+    one (torch 2.11), and the gradient of the ``movedim`` after them is a strided view."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
+
+
 def _traced_all_gather(x: Tensor, dim: int, group: dist.ProcessGroup, grad_reduction: str) -> Tensor:
-    """:class:`AllGather` as dynamo traces it, on torch's functional all-gather. ``"sum"``: the autograd
-    version, whose backward is the reduce-scatter (sum). ``"slice"``: the gathered blocks without autograd,
-    with this rank's own ``x`` spliced back in, so the gradient reaching ``x`` is its own block."""
+    """:class:`AllGather` as dynamo traces it, on torch's functional all-gather along dim 0 (another gather dim
+    calls a helper dynamo skips in torch 2.11: a graph break). ``"sum"``: the autograd version, whose backward
+    is the reduce-scatter (sum). ``"slice"``: the gathered blocks without autograd, with this rank's own ``x``
+    spliced back in, so the gradient reaching ``x`` is its own block."""
     from torch.distributed import _functional_collectives as funcol
 
+    x0 = x.movedim(dim, 0).contiguous()  # (n, ...)
     if grad_reduction == "sum":
-        return funcol.all_gather_tensor_autograd(x.contiguous(), dim, group)
-    world, rank, n = dist.get_world_size(group), dist.get_rank(group), x.shape[dim]
-    gathered = funcol.all_gather_tensor(x.detach().contiguous(), dim, group)
-    return torch.cat([gathered.narrow(dim, 0, rank * n), x, gathered.narrow(dim, (rank + 1) * n, (world - rank - 1) * n)],
-                     dim)
+        return _ContiguousGrad.apply(funcol.all_gather_tensor_autograd(x0, 0, group)).movedim(0, dim)
+    rank, n = dist.get_rank(group), x0.shape[0]
+    gathered = funcol.all_gather_tensor(x0.detach(), 0, group)  # (world * n, ...)
+    spliced = torch.cat([gathered[: rank * n], x0, gathered[(rank + 1) * n:]], 0)
+    return spliced.movedim(0, dim)
 
 
 def _group_of_many(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -153,5 +168,6 @@ def reduce_scatter(x: Tensor, dim: int, *, group: dist.ProcessGroup | None = Non
     if torch.compiler.is_compiling():  # its backward is the all-gather, as ReduceScatter's
         from torch.distributed import _functional_collectives as funcol
 
-        return funcol.reduce_scatter_tensor_autograd(x.contiguous(), "sum", dim % x.dim(), group)
+        x0 = x.movedim(dim, 0).contiguous()  # along dim 0, as the all-gather above
+        return _ContiguousGrad.apply(funcol.reduce_scatter_tensor_autograd(x0, "sum", 0, group)).movedim(0, dim)
     return ReduceScatter.apply(x, dim % x.dim(), group)
