@@ -164,10 +164,7 @@ class _Event:
         return True
 
     def elapsed_time(self, end: _Event) -> float:
-        """Milliseconds between two records in the last :func:`simulate` of this log (0 before one)."""
-        times = self.rec.times
-        if self.version in times and end.version in times:
-            return (times[end.version] - times[self.version]) * 1e3
+        """0: durations are :func:`simulate`'s (``CudaLinks.finish`` is not called on a recorded step)."""
         return 0.0
 
 
@@ -216,7 +213,6 @@ class _Recorder:
         self.main = _Stream(self, MAIN)
         self.current = self.main
         self.events: dict[int, _Event] = {}
-        self.times: dict[int, float] = {}  # host index of a record -> its simulated time
 
     def add(self, stream: str, kind: str, **fields: Any) -> Op:
         op = Op(len(self.log.ops), stream, kind, **fields)
@@ -296,8 +292,9 @@ def simulate(log: StreamLog, timing: Timing, dispatch: str = "ideal") -> dict[st
     """Play ``log``'s streams with ``timing``; ``dispatch`` ``"ideal"`` or ``"tail"`` (module docstring).
 
     Returns ``t_step`` (the last op's end), ``t_compute`` (the compute stream's kernel time), per op
-    index its ``start`` / ``end`` (``times``: a record's time, for ``Event.elapsed_time``) and, per
-    sleep, how long it waited for an SM (``sm_wait``, total and per sleep with its source line)."""
+    index its ``start`` / ``end``, per record its time (``times``) and, under ``"tail"``, how long the
+    sleeps waited for an SM (``sm_wait_s`` in all; ``sm_waits``: per sleep, with the compute kernel it
+    waited behind)."""
     if dispatch not in ("ideal", "tail"):
         raise ValueError(f"simulate: dispatch must be 'ideal' or 'tail', not {dispatch!r}")
     queues = {s: log.on(s) for s in log.streams}
@@ -428,8 +425,6 @@ def ring_step_log(*, world: int = 8, rank: int = 4, seq_local: int = 16384, caus
                 out, lse = ring_attention_forward(q, k, v, comm, opts)
             with checker.layer("ring_backward"):
                 ring_attention_backward(dout, q, k, v, out, lse, comm, opts)
-            rec.log.links = links  # type: ignore[attr-defined]  # for its trace
-            rec.log.recorder = rec  # type: ignore[attr-defined]
     finally:
         backends.device_caps = saved_caps
     return rec.log
