@@ -24,7 +24,12 @@ Per case:
 - at ``L`` = 16K (``--hidden-at``): ``t_step_50`` over a 50 GB/s link, ``t_transfer_50`` (the recorded
   schedule's transfers alone on the link model, :func:`~seqpar.comm.schedule.replay`), ``hidden_50 =
   (t_compute + t_transfer - t_step) / min(t_compute, t_transfer)`` and ``hidden_max_50``, what the
-  recorded schedule allows at best (:func:`~seqpar.comm.schedule.hidden_bound`);
+  recorded schedule allows at best (:func:`~seqpar.comm.schedule.hidden_bound`); on CUDA also
+  ``link_lag_50`` (one more step with each message timed on its link stream: the seconds the messages
+  took beyond ``bytes / B`` in all, ``link_lag_50_max`` the largest: waiting for an SM, or a sleep clock
+  slower than calibrated) and, with ``--trace DIR``, that step's profiler trace. The link streams run at
+  high CUDA priority (``--link-priority normal``: torch's default, as before issue 29 §8's fix; see
+  :class:`~seqpar.comm.emulated.CudaLinks`);
 - ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
   backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
   above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
@@ -171,11 +176,13 @@ class _Clock:
         return out
 
 
-def _links(device: torch.device, bandwidth: float | None, cycles: float | None) -> Any:
+def _links(device: torch.device, bandwidth: float | None, cycles: float | None, *, high_priority: bool = True,
+           time_links: bool = False) -> Any:
     if device.type == "cuda":
         from seqpar.comm.emulated import CudaLinks
 
-        return CudaLinks(bandwidth, device=device, cycles_per_second=cycles)
+        return CudaLinks(bandwidth, device=device, cycles_per_second=cycles, high_priority=high_priority,
+                         time_links=time_links)
     from seqpar.comm.emulated import EmulatedLinks, LinkClock
 
     return EmulatedLinks(bandwidth, clock=LinkClock("wall"))
@@ -314,10 +321,42 @@ def theory_peak(shape: Shape, case: Case, device: torch.device | None = None) ->
 
 
 # ------------------------------------------------------------------------------------------ one case
+def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch.device, cycles: float | None,
+               high: bool, trace: str | None) -> dict[str, Any]:
+    """One more step over the 50 GB/s links with every message timed on its stream
+    (``CudaLinks(time_links=True)``): how much longer the messages took than ``bytes / B`` in all
+    (``link_lag_50``, seconds) and at most; with ``trace``, that step under ``torch.profiler`` written as
+    a Chrome trace (``DIR/trace_<case>.json``: every stream's kernels, the link sleeps among them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return {}
+    step = _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles, high_priority=high, time_links=True),
+                      device)
+    step()  # warm-up
+    sync(device)
+    if trace:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            links = step()
+            sync(device)
+        os.makedirs(trace, exist_ok=True)
+        name = case.label.replace(" ", "_").replace("=", "")
+        prof.export_chrome_trace(os.path.join(trace, f"trace_{name}.json"))
+    else:
+        links = step()
+    links.finish()
+    return {"link_lag_50": sum(links.lags), "link_lag_50_max": max(links.lags, default=0.0),
+            "link_messages_50": len(links.lags)}
+
+
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
-             profile_split: bool, cycles: float | None) -> dict[str, Any]:
+             profile_split: bool, cycles: float | None, high_priority: bool = True, trace: str | None = None
+             ) -> dict[str, Any]:
     """Every figure of one case (see the module docstring)."""
     from seqpar.comm.schedule import hidden, hidden_bound, replay
+
+    def links_at(bandwidth: float | None) -> Callable[[], Any]:
+        return lambda: _links(device, bandwidth, cycles, high_priority=high_priority)
 
     clock = _Clock(device)
     inputs = _inputs(shape, case, device)
@@ -327,11 +366,10 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     t0 = time.perf_counter()
     res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
                                                        repeats=repeats))
-    free = _ring_step(shape, case, inputs, lambda: _links(device, None, cycles), device)
+    free = _ring_step(shape, case, inputs, links_at(None), device)
     res["t_compute"] = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
     res["t_step_400"] = statistics.median(clock.time(
-        _ring_step(shape, case, inputs, lambda: _links(device, 400e9, cycles), device), warmup=warmup,
-        repeats=repeats))
+        _ring_step(shape, case, inputs, links_at(400e9), device), warmup=warmup, repeats=repeats))
     p = shape.world
     res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
     res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
@@ -344,15 +382,15 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
         res["t_transfer_50"] = replay(recorded.trace.events, lambda n: n / 50e9, compute=False)
         res["hidden_max_50"] = hidden_bound(recorded.trace.events, lambda n: n / 50e9)["hidden"]
         res["t_step_50"] = statistics.median(clock.time(
-            _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles), device), warmup=warmup,
-            repeats=repeats))
+            _ring_step(shape, case, inputs, links_at(50e9), device), warmup=warmup, repeats=repeats))
         res["hidden_50"] = hidden(res["t_compute"], res["t_transfer_50"], res["t_step_50"])
+        res.update(_link_lags(shape, case, inputs, device, cycles, high_priority, trace))
     if profile_split:
         res["profile"] = _profile(free, device)
     del inputs, free
 
     def ring_fresh() -> None:
-        _ring_step(shape, case, _inputs(shape, case, device, seed=1), lambda: _links(device, None, cycles), device)()
+        _ring_step(shape, case, _inputs(shape, case, device, seed=1), links_at(None), device)()
 
     def sdpa_fresh() -> None:
         _sdpa_step(_inputs(shape, case, device, seed=1), case.causal, scale)()
@@ -369,7 +407,8 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
 
 # ------------------------------------------------------------------------------------------ the run
 _COLUMNS = (("case", "label"), ("eta", "eta"), ("eta_c", "eta_compute"), ("slow400", "slow_400"), ("glue", "glue"),
-            ("hidden50", "hidden_50"), ("max50", "hidden_max_50"), ("peak", "peak"), ("peak/theory", "peak_vs_theory"),
+            ("hidden50", "hidden_50"), ("max50", "hidden_max_50"), ("lag50", "link_lag_50"), ("peak", "peak"),
+            ("peak/theory", "peak_vs_theory"),
             ("T_sdpa", "t_sdpa_local"), ("T_comp", "t_compute"), ("T_400", "t_step_400"), ("T_floor", "t_floor"),
             ("wall", "wall_s"))
 
@@ -403,6 +442,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m seqpar.bench gpu-perf " + " ".join(args.argv if args.argv is not None else sys.argv[2:]),
         "machine": machine_info(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": asdict(shape), "budget_s": args.budget_s, "sleep_cycles_per_second": cycles,
+        "link_priority": args.link_priority,
         "cases": [], "skipped": [],
     }
     start = time.perf_counter()
@@ -416,7 +456,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         profile_split = case.seq_local == args.profile_at and case.causal not in profiled
         try:
             row = run_case(shape, case, device, warmup=args.warmup, repeats=args.repeats, hidden_at=args.hidden_at,
-                           profile_split=profile_split, cycles=cycles)
+                           profile_split=profile_split, cycles=cycles, high_priority=args.link_priority == "high",
+                           trace=args.trace)
         except torch.OutOfMemoryError as error:
             payload["skipped"].append({"label": case.label, "reason": f"out of memory: {str(error)[:200]}"})
             torch.cuda.empty_cache()
@@ -465,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="timed runs per figure (median; default 5, tiny 2)")
     p.add_argument("--hidden-at", type=int, default=None, help="L at which hidden is measured at 50 GB/s (16384)")
     p.add_argument("--profile-at", type=int, default=None, help="L of the kernel-time split (8192)")
+    p.add_argument("--link-priority", default="high", choices=("high", "normal"),
+                   help="CUDA priority of the emulated links' streams (normal: torch's default, before issue 29 §8's fix)")
+    p.add_argument("--trace", metavar="DIR", default=None,
+                   help="at --hidden-at, write a torch.profiler Chrome trace of one 50 GB/s step per case to DIR")
     return p
 
 

@@ -197,13 +197,24 @@ class CudaLinks:
     sleep kernel holds one thread block on one SM while it runs: a transfer costs the compute (nearly)
     nothing, as a copy engine's or NVLink's would. ``bandwidth`` None: free links (no kernel at all).
 
+    The link streams have **high priority** (``high_priority=True``, CUDA priority -1 against the compute
+    stream's 0). A copy engine starts a transfer when it is posted; a sleep kernel needs a free SM, and at
+    equal priority the block scheduler hands a later stream's grid SMs only at the tail of the compute
+    grid in flight (a kernel that fills the GPU), so a message posted right before an attention kernel
+    would start only after it (issue 29 §8: ``hidden`` at 50 GB/s fell from 0.90 to 0.76 once the copies
+    that used to sit between the K/V post and the kernel were gone; modelled in
+    :mod:`seqpar.testing.streams`, not measured). At high priority it takes the next SM a thread block
+    frees. ``time_links=True`` also times each message on its stream (from the moment its stream may run
+    it to its end): :meth:`finish` then lists in :attr:`lags` how much longer each took than
+    ``latency + bytes / bandwidth`` (waiting for an SM, or a sleep clock slower than calibrated).
+
     Posts and waits are recorded in :attr:`trace`, and :meth:`finish` adds the compute stream's time
     between them (CUDA events around each segment; the time the stream idles in a wait is excluded), so
     a trace replays as :class:`EmulatedLinks`' does (:func:`~seqpar.comm.schedule.hidden_bound`).
     """
 
     def __init__(self, bandwidth: float | None, latency: float = 0.0, *, device: torch.device,
-                 cycles_per_second: float | None = None) -> None:
+                 cycles_per_second: float | None = None, high_priority: bool = True, time_links: bool = False) -> None:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"CudaLinks: bandwidth must be > 0 bytes/s (or None for free links), not {bandwidth}")
         if device.type != "cuda":
@@ -211,6 +222,9 @@ class CudaLinks:
         self.bandwidth, self.latency, self.device = bandwidth, latency, device
         self.cycles_per_second = cycles_per_second if cycles_per_second else sleep_cycles_per_second(device)
         self.trace = Trace()
+        self.high_priority, self.time_links = high_priority, time_links
+        self.lags: list[float] = []  # seconds each timed message took beyond its modelled time (finish())
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event, float]] = []
         self._streams: dict[tuple, torch.cuda.Stream] = {}
         self._next_xid = 0
         # the compute stream's time between communication calls, as (trace position, start, end) events:
@@ -244,12 +258,20 @@ class CudaLinks:
                 continue
             stream = self._streams.get(link)
             if stream is None:
-                stream = self._streams[link] = torch.cuda.Stream(device=self.device)
+                # high priority: the sleep takes the next free SM instead of queueing behind the compute
+                # stream's grid in flight (see the class docstring)
+                stream = self._streams[link] = torch.cuda.Stream(device=self.device,
+                                                                 priority=-1 if self.high_priority else 0)
             stream.wait_event(ready)
             with torch.cuda.stream(stream):
+                begin = torch.cuda.Event(enable_timing=True) if self.time_links else None
+                if begin is not None:
+                    begin.record(stream)
                 torch.cuda._sleep(max(1, int(self.transfer_seconds(nbytes) * self.cycles_per_second)))
-                end = torch.cuda.Event()
+                end = torch.cuda.Event(enable_timing=self.time_links)
                 end.record(stream)
+            if begin is not None:
+                self._timed.append((begin, end, self.transfer_seconds(nbytes)))
             ends.append(end)
 
         def finish() -> list[Tensor]:
@@ -271,6 +293,10 @@ class CudaLinks:
         for pos, start, end in reversed(self._segments):
             self.trace.events.insert(pos, Event("compute", seconds=start.elapsed_time(end) * 1e-3))
         self._segments.clear()
+        for begin, end, seconds in self._timed:
+            end.synchronize()
+            self.lags.append(begin.elapsed_time(end) * 1e-3 - seconds)
+        self._timed.clear()
 
 
 class _CudaTimed(Pending):
