@@ -28,6 +28,7 @@ Example block::
         "timeout_s": 600,           # bound on the process groups seqpar creates (seconds)
         "check_finite": false,      # collective NaN/Inf check of attention inputs/outputs
         "dkv_wire_dtype": "fp32",   # ring backward's dK/dV messages: "fp32" (exact) | "bf16" (half the bytes)
+        "high_priority_streams": false,  # NCCL groups' kernels on a high-priority CUDA stream (Megatron's option)
         "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}  # length-aware dynamic CP (absent: off)
     }
 """
@@ -390,6 +391,11 @@ class SeqParConfig:
     input gradient; the weight's gradient summed in fp32): applied by the swap to Hugging Face causal
     LMs of the Llama family (see :mod:`seqpar.memory.norm`)."""
 
+    high_priority_streams: bool = False
+    """Create seqpar's NCCL groups with ``is_high_priority_stream`` (their send/receive kernels get the next
+    free SM instead of queueing behind an attention kernel that fills the GPU; Megatron-LM's
+    ``--high-priority-stream-groups``). No effect on gloo. Off by default until measured over real NCCL
+    (see :func:`seqpar.runtime.communicators.high_priority_options`)."""
     dkv_wire_dtype: str = "fp32"
     """The dtype the ring backward's dK/dV accumulators travel in (ring, hybrid's ring, dilated): ``"fp32"``
     (default; the accumulation dtype, exact) or ``"bf16"`` (TransformerEngine's choice: half the dK/dV
@@ -433,7 +439,8 @@ class SeqParConfig:
             _fail("sharding", self.sharding,
                   f"the hybrid's super-ranks (ulysses_size {self.ulysses_size} of size {self.size}) hold no "
                   "balanced layout: use \"zigzag\", or mode \"ring\" / \"ulysses\" with \"balanced\"")
-        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite"):
+        for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite",
+                    "high_priority_streams"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
         _check_type("recompute_norm", self.recompute_norm, (bool,), "expected true or false")
         _check_type("mla_transfer", self.mla_transfer, (str,), 'choose "latent" or "expanded"')

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 import weakref
 
 import pytest
@@ -711,3 +712,74 @@ def test_groups_get_device_id_on_nccl_only(backend: str, monkeypatch: pytest.Mon
     made.clear()
     communicators.new_groups([[0, 1]], 0, backend="gloo")
     assert "device_id" not in made[0][1]
+
+
+class _FakeNCCLOptions:
+    is_high_priority_stream = False
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_high_priority_streams_reach_nccl_groups_only(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``high_priority=True`` gives an NCCL group ``pg_options`` with ``is_high_priority_stream`` (its send /
+    receive kernels then get the next free SM, not the tail of an attention kernel filling the GPU: modelled
+    in seqpar.testing.streams); gloo has no streams and gets no options; without the flag no group gets them.
+    A mock new_group records the calls (no NCCL in this build: a stand-in ProcessGroupNCCL.Options).
+    Seen failing: options built without setting is_high_priority_stream; options handed to gloo."""
+    from seqpar.runtime import communicators
+
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda ranks, **kw: made.append(kw) or ("group", tuple(ranks)))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", types.SimpleNamespace(Options=_FakeNCCLOptions), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(communicators, "init_communicator", lambda group: None)
+    monkeypatch.setattr(communicators, "world_is_bound", lambda: False)
+    for high in (True, False):
+        made.clear()
+        communicators.new_groups([[0, 1], [2, 3]], 1, high_priority=high)
+        assert len(made) == 2
+        for kw in made:
+            if high and backend == "nccl":
+                assert kw["pg_options"].is_high_priority_stream is True, kw
+            else:
+                assert "pg_options" not in kw, kw
+
+
+def _groups_high_priority(rank: int, world_size: int, config: dict) -> list[bool]:
+    """Every ``high_priority`` flag init_process_groups handed to communicators.new_groups on this rank."""
+    import seqpar
+    from seqpar.runtime import communicators
+
+    seen, real = [], communicators.new_groups
+
+    def spy(rank_lists, rank, **kw):  # noqa: ANN001, ANN003, ANN202
+        seen.append(kw.get("high_priority", False))
+        return real(rank_lists, rank, **kw)
+
+    communicators.new_groups = spy
+    try:
+        manager = seqpar.init_process_groups(config=config)
+        seqpar.destroy_process_groups(manager)
+    finally:
+        communicators.new_groups = real
+    return seen
+
+
+def test_config_high_priority_streams_reaches_every_group(dist_pool) -> None:
+    """``"high_priority_streams": true`` in the block reaches every group family seqpar creates (SP, DP,
+    SP-DP, single-rank, dynamic); absent, none. Seen failing: the manager not handed the config's flag."""
+    on = dist_pool.run(2, _groups_high_priority, {"size": 2, "high_priority_streams": True,
+                                                 "dynamic": {"max_tokens_per_rank": 64}})
+    off = dist_pool.run(2, _groups_high_priority, {"size": 2})
+    for flags in on:
+        assert len(flags) >= 4 and all(flags), flags
+    for flags in off:
+        assert flags and not any(flags), flags
+
+
+def test_config_high_priority_streams_must_be_a_bool() -> None:
+    from seqpar.config import ConfigError, SeqParConfig
+
+    with pytest.raises(ConfigError, match="high_priority_streams"):
+        SeqParConfig.load({"size": 2, "high_priority_streams": "yes"})

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_communicator", "new_groups", "world_is_bound", "eager_device"]
+__all__ = ["init_communicator", "new_groups", "world_is_bound", "eager_device", "high_priority_options"]
 
 
 def _probe_device(group: dist.ProcessGroup) -> torch.device:
@@ -73,8 +73,28 @@ def world_is_bound() -> bool:
     return getattr(dist.group.WORLD, "bound_device_id", None) is not None
 
 
+def high_priority_options(backend: str | None = None) -> object | None:
+    """``pg_options`` that put an NCCL group's kernels on a **high-priority CUDA stream** (None for any other
+    backend: gloo and the fake backend have no streams, and a CPU build of torch has no NCCL).
+
+    Why: an NCCL send/receive is a kernel that needs SMs like any other. On a stream of the compute stream's
+    priority, the block scheduler gives it SMs only as an attention kernel that fills the GPU drains, so a
+    ring's K/V or dK/dV transfer posted right before the hop's kernel starts only after it and the overlap
+    is lost; at high priority it takes the next SM a thread block frees. Megatron-LM offers the same for its
+    CP and EP groups (``--high-priority-stream-groups``). The effect was modelled on fake CUDA
+    (:mod:`seqpar.testing.streams`, BENCHMARKS.md's gpu-perf section), not yet measured over real NCCL."""
+    if backend is None:
+        backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    if "nccl" not in str(backend).lower() or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 def new_groups(
     rank_lists: list[list[int]], rank: int, *, backend: str | None = None, timeout: timedelta | None = None,
+    high_priority: bool = False,
 ) -> dist.ProcessGroup:
     """Create the groups of a partition of the world (``rank_lists``, the same on every rank) and return
     the one holding ``rank``, its communicator initialised (:func:`init_communicator`).
@@ -84,11 +104,16 @@ def new_groups(
     takes part) instead of one collective creation per rank of the world; other partitions cost one
     ``new_group`` per group, as torch requires. Under a world created with ``device_id=`` every creation
     is a split of the world's communicator, which every rank must join: there the per-group path is kept.
+    ``high_priority``: NCCL groups run their kernels on a high-priority stream
+    (:func:`high_priority_options`); no effect on other backends.
     """
-    kw = {"backend": backend} | ({"timeout": timeout} if timeout is not None else {})
+    kw: dict = {"backend": backend} | ({"timeout": timeout} if timeout is not None else {})
     device = eager_device(backend)
     if device is not None:  # NCCL: connected inside new_group (torch's eager init), see the module docstring
         kw["device_id"] = device
+    options = high_priority_options(backend) if high_priority else None
+    if options is not None:
+        kw["pg_options"] = options
     mine = None
     if all(len(ranks) == 1 for ranks in rank_lists) and not world_is_bound():
         mine = dist.new_group([rank], use_local_synchronization=True, **kw)

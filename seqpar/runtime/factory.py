@@ -63,6 +63,8 @@ class ProcessGroupManager(MeshView, MpuInterface, DynamicGroups):
             must divide the world size (with ``mesh``: the mesh's ``"tp"`` size, or ``None``). Default 1.
         backend: backend for the new groups (default: the default group's backend).
         timeout: timeout of the new groups' collectives (default: torch's).
+        high_priority_streams: NCCL groups seqpar creates run their kernels on a high-priority CUDA stream
+            (:func:`seqpar.runtime.communicators.high_priority_options`); no effect on gloo. Default False.
         dynamic_min_size: make the groups of length-aware dynamic CP (``sequence_parallel.dynamic``): the
             aligned groups of every size the planner may choose, from this smallest size up (see
             :meth:`dynamic_group`). ``None`` (default): none.
@@ -84,6 +86,7 @@ class ProcessGroupManager(MeshView, MpuInterface, DynamicGroups):
         mesh: DeviceMesh | None = None,
         tp_size: int | None = None,
         dynamic_min_size: int | None = None,
+        high_priority_streams: bool = False,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -129,6 +132,8 @@ class ProcessGroupManager(MeshView, MpuInterface, DynamicGroups):
         kw: dict[str, Any] = {"backend": backend}
         if timeout is not None:
             kw["timeout"] = timeout
+        if high_priority_streams:  # NCCL: every group below runs its kernels on a high-priority stream
+            kw["high_priority"] = True
         # dist.new_group is collective: every rank creates every group, in the same order. Every group
         # is initialised at once, by all its members (seqpar.runtime.communicators): NCCL would otherwise
         # create it at its first operation, which a ring rank with no hop in a step never joins.

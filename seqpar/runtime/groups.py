@@ -190,7 +190,8 @@ def init_process_groups(
         config: what ``swap_attention`` takes: a ``SeqParConfig``, a dict (the ``sequence_parallel``
             block, or a dict holding it), or a JSON path (standalone or DeepSpeed); see
             ``SeqParConfig.load``. Its ``size`` / ``ulysses_size`` / ``sharding`` / ``timeout_s`` /
-            ``links`` are used where the arguments are ``None``. Its ``dynamic`` block (length-aware
+            ``links`` are used where the arguments are ``None``; its ``high_priority_streams`` puts the NCCL
+            groups seqpar creates on high-priority streams. Its ``dynamic`` block (length-aware
             dynamic CP) also makes the aligned groups of every size the planner may choose
             (``manager.dynamic_group(size, index)``).
         sharding: the run's sharding (``"contiguous"``, ``"zigzag"``, ``"balanced"``), kept on the
@@ -273,7 +274,8 @@ def init_process_groups(
     if dynamic_min is not None:  # the pool must hold a group of min_size (every rank raises alike)
         dynamic_group_sizes(dist.get_world_size() // tp_size, dynamic_min)
     manager = ProcessGroupManager(sp_size, ulysses_size=ulysses_size, backend=backend, timeout=timeout, mesh=mesh,
-                                  tp_size=tp_size, dynamic_min_size=dynamic_min)
+                                  tp_size=tp_size, dynamic_min_size=dynamic_min,
+                                  high_priority_streams=cfg.high_priority_streams)
     manager.owns_world = owns_world
     manager.sharding = declared
     from seqpar.runtime import liveness
