@@ -294,8 +294,9 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
                 links: Links | None = None) -> dict:
     """Part 2 (see the module docstring): per pool and mix, the same whole documents (about ``pool x
     budget x slots_per_group`` tokens) under static CP (packed into rows of ``cp x budget``, next fit) and
-    dynamic CP, their modelled step times (:func:`modelled_step_seconds`) and the speedup. A mix whose
-    static CP exceeds the pool is skipped."""
+    dynamic CP, their modelled step times (:func:`modelled_step_seconds`) and the speedup. Dynamic plans with
+    ``spread_heavy`` for each synchronisation: ``slot_sync=True`` for the slot-sync figure (FSDP2 / ZeRO-3),
+    without it for the group-sync one. A mix whose static CP exceeds the pool is skipped."""
     links = links if links is not None else Links()
     cost = gpu_cost(cost, links)
     out = []
@@ -307,22 +308,31 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
             lengths = log_uniform_documents(pool * budget * slots_per_group, seed + pool, lo=lo, hi=hi)
             rows = pack_rows(lengths, row_len)
             t0 = time.perf_counter()
-            dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD)
+            dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True)
             plan_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            dyn_slot = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
+            plan_slot_s = time.perf_counter() - t0
             static = static_plan(rows, pool, cp, cost=cost, pad_multiple=PAD)
-            t_dyn, t_static = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(static, cost, links)
+            t_static = modelled_step_seconds(static, cost, links)
+            t_group, t_slot = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(dyn_slot, cost, links)
+            # each engine's sync with the plan made for it (slot_sync for FSDP2 / ZeRO-3)
+            t_dyn = {"slot_sync": t_slot["slot_sync"], "group_sync": t_group["group_sync"]}
             tokens = sum(lengths)
             out.append({
                 "kind": "modelled", "pool": pool, "mix": name,
                 "lengths": f"log-uniform [{lo}, {hi}], whole documents; static rows of {row_len}, next fit",
                 "static_cp": cp, "max_tokens_per_rank": budget, "documents": len(lengths), "tokens": tokens,
-                "planner_seconds": plan_s,
+                "planner_seconds": plan_s, "planner_seconds_slot_sync": plan_slot_s,
                 "static": {"slots": static.num_slots, "balance": static.balance, "bytes_max_per_rank": static.bytes_max,
                            "step_s": t_static},
                 "dynamic": {"slots": dyn.num_slots, "slots_lower_bound": dyn.slots_lower_bound, "balance": dyn.balance,
                             "fill_of_lower_bound": tokens / (pool * budget * dyn.slots_lower_bound),
-                            "bytes_max_per_rank": dyn.bytes_max, "step_s": t_dyn,
+                            "bytes_max_per_rank": dyn.bytes_max, "step_s": t_group,
                             "documents_per_size": dyn.summary()["documents_per_size"]},
+                "dynamic_slot_sync": {"slots": dyn_slot.num_slots, "balance": dyn_slot.balance,
+                                      "bytes_max_per_rank": dyn_slot.bytes_max, "step_s": t_slot,
+                                      "documents_per_size": dyn_slot.summary()["documents_per_size"]},
                 "speedup": {k: t_static[k] / t_dyn[k] for k in t_dyn},
                 "tokens_per_s": {"static": {k: tokens / v for k, v in t_static.items()},
                                  "dynamic": {k: tokens / v for k, v in t_dyn.items()}},

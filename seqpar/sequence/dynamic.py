@@ -496,7 +496,7 @@ def slots_lower_bound(lengths: Sequence[int], sizes: Sequence[int], pool: int, b
 
 def plan_dynamic(
     lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, *, min_size: int = 1,
-    cost: CostModel | None = None, pad_multiple: int = 2, spread_heavy: bool = False,
+    cost: CostModel | None = None, pad_multiple: int = 2, spread_heavy: bool = False, slot_sync: bool = False,
 ) -> DynamicPlan:
     """Plan one step of length-aware dynamic CP (see the module docstring).
 
@@ -514,6 +514,12 @@ def plan_dynamic(
             planned cost, ring steps included (by 1% at least; the objective's balance before bytes). Off by
             default; with a cost model whose ``ring_step_cost`` is too small (a pure FLOP model on a machine
             where a ring step has a real fixed cost) it spreads documents over rings for nothing.
+        slot_sync: with ``spread_heavy``, for an engine whose every slot waits for the pool's slowest rank
+            (FSDP2 and ZeRO-3 gather per forward): a document is heavy when its share outweighs an even share
+            of one slot (``cost / c > total / (pool * slots)``), and a spread is kept when it lowers the sum
+            over slots of the busiest rank's planned cost (the step time of such an engine) by 1% at least.
+            Without it the busiest rank's cost over the step decides (DDP, ZeRO-1/2: the per-rank balance of
+            the objective).
 
     Returns:
         The :class:`DynamicPlan`; a permutation of ``lengths`` permutes the document indices in it and
@@ -549,15 +555,24 @@ def plan_dynamic(
     # no more slots and lowers the busiest rank's planned cost, ring steps included, by at least 1%.
     mean = sum(costs) / pool_size
     run_sizes = list(sizes)
+
+    def objective(pk: _Packing) -> float:
+        if not slot_sync:
+            return max(pk.load)
+        _align_slots(pk, fixed)
+        return _slot_sync_cost(pk, fixed)
+
     while spread_heavy:
-        heavy = {d for d, c in enumerate(run_sizes) if c < allowed[-1] and costs[d] / c > mean}
+        share = mean / num_slots if slot_sync else mean
+        heavy = {d for d, c in enumerate(run_sizes) if c < allowed[-1] and costs[d] / c > share}
         if not heavy:
             break
         wider = [2 * c if d in heavy else c for d, c in enumerate(run_sizes)]
         wide_packing, wide_slots = _search(lengths, wider, costs, lower, num_slots, pool_size, budget, pad, fixed)
-        if wide_packing is None or max(wide_packing.load) >= 0.99 * max(packing.load):
-            break
+        if wide_packing is None or (wide_slots == num_slots and objective(wide_packing) >= 0.99 * objective(packing)):
+            break  # kept when it saves a slot (the objective's order), else when it lowers the busiest rank by 1%
         packing, num_slots, run_sizes = wide_packing, wide_slots, wider
+    _align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
 
 
@@ -572,35 +587,230 @@ def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower:
         for balance in (True, False):
             packing = _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance, fixed)
             if packing is not None:
+                _relabel(packing, fixed)
+                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
+                return packing, num_slots
+        for rooms_first in (False, True):
+            packing = _complete(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed, rooms_first)
+            if packing is not None:
+                _relabel(packing, fixed)
+                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
                 return packing, num_slots
         num_slots += 1
     return None, num_slots
 
 
-def _slot_order(pk: _Packing, num_slots: int, pool: int) -> list[list[int]]:
-    """Where each one-rank micro-batch runs: ``where[s][p]`` is the slot whose one-rank micro-batch (or empty
-    position) at ``p`` runs in slot ``s``. Per-rank sums do not depend on it; a step whose slots wait for the
-    pool's slowest rank (FSDP2 / ZeRO-3 gathers) does: each position's one-rank micro-batches go heaviest first
-    onto its free slots, the slots ordered by their heaviest multi-rank group, so heavy micro-batches share
-    slots (the sum over slots of the slowest is least when all positions are sorted alike)."""
-    heaviest = [max((b.cost / b.size for b in {id(o): o for o in row if o is not None and o.size > 1}.values()),
-                    default=0.0) for row in pk.owner]
-    order = sorted(range(num_slots), key=lambda s: (-heaviest[s], s))
-    where = [[s] * pool for s in range(num_slots)]
-    for p in range(pool):
-        movable = [s for s in order if pk.owner[s][p] is None or pk.owner[s][p].size == 1]
-        weight = {s: (pk.owner[s][p].cost if pk.owner[s][p] is not None else -1.0) for s in movable}
-        by_weight = sorted(movable, key=lambda s: (-weight[s], order.index(s)))
-        for target, source in zip(movable, by_weight):
-            where[target][p] = source
-    return where
+def _best_subset(items: Sequence[int], cap: int) -> tuple[int, list[int]]:
+    """The largest total ``<= cap`` of a subset of ``items`` (subset-sum over a bitset) and the indices of one
+    such subset, preferring earlier items (the caller sorts them longest first)."""
+    mask = (1 << (cap + 1)) - 1
+    reach = [1]
+    for n in items:
+        reach.append((reach[-1] | (reach[-1] << n)) & mask)
+    best = reach[-1].bit_length() - 1
+    chosen, t = [], best
+    for i in range(len(items) - 1, -1, -1):
+        if not (reach[i] >> t) & 1:  # not reachable without item i: it is in
+            chosen.append(i)
+            t -= items[i]
+    return best, chosen
+
+
+def _complete(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
+              pool: int, budget: int, pad: int, fixed: dict[int, float], rooms_first: bool) -> _Packing | None:
+    """A tighter packing for ``num_slots`` slots where the greedy one failed, by bin completion: size classes
+    largest first; each free aligned block of the class's size (slot by slot) and the room left in the
+    larger groups (smallest first; ``rooms_first``: largest first, before the free blocks, as packed rows
+    do) gets in turn the subset of the class's remaining documents that fills it most (a subset sum, longest
+    documents preferred). ``None`` when documents remain. Balance is left to :func:`_rebalance`."""
+    pk = _Packing(num_slots, pool, budget, pad)
+    for c in sorted(set(sizes), reverse=True):
+        items = sorted((d for d in order if sizes[d] == c), key=lambda d: (-lengths[d], d))
+        cells: list[tuple[int, int, _Bin | None]] = [
+            (s, i, None) for s in range(num_slots) for i in range(pool // c)
+            if all(o is None for o in pk.owner[s][i * c:(i + 1) * c])]
+        rooms: list[tuple[int, int, _Bin | None]] = [
+            (b.slot, b.index, b) for b in sorted(pk.bins, key=lambda b: (-b.size if rooms_first else b.size,
+                                                                         b.slot, b.index))]
+        cells = rooms + cells if rooms_first else cells + rooms
+        for s, i, b in cells:
+            if not items:
+                break
+            cap = _capacity(c, budget, pad) if b is None else _capacity(b.size, budget, pad) - b.tokens
+            if cap < lengths[items[-1]]:
+                continue
+            _, chosen = _best_subset([lengths[d] for d in items], cap)
+            if not chosen:
+                continue
+            if b is None:
+                b = pk.open(s, c, i, fixed[c])
+            for k in chosen:
+                pk.add(b, items[k], lengths[items[k]], costs[items[k]])
+            taken = set(chosen)
+            items = [d for k, d in enumerate(items) if k not in taken]
+        if items:
+            return None
+    return pk
+
+
+def _relabel(pk: _Packing, fixed: dict[int, float]) -> None:
+    """Even the per-position loads by moving whole micro-batches between blocks of one slot: the slot's groups
+    of one size trade their aligned blocks (a one-rank micro-batch may also take a position no group covers in
+    that slot); slot and size groups heaviest first, each micro-batch heaviest first onto the block whose
+    busiest rank is least loaded (LPT). Kept only when it lowers the busiest rank's load."""
+    groups: dict[tuple[int, int], list[_Bin]] = {}
+    for b in pk.bins:
+        groups.setdefault((b.slot, b.size), []).append(b)
+    load = [0.0] * pk.pool
+    placed: list[tuple[_Bin, int]] = []
+    for key in sorted(groups, key=lambda k: (-max(b.cost / b.size for b in groups[k]), k)):
+        slot, c = key
+        bins = sorted(groups[key], key=lambda b: (-b.cost, b.index))
+        blocks = sorted(b.index for b in bins)
+        if c == 1:
+            blocks += [p for p in range(pk.pool) if pk.owner[slot][p] is None]
+        for b in bins:
+            i = min(blocks, key=lambda i: (max(load[i * c:(i + 1) * c]), i))
+            blocks.remove(i)
+            placed.append((b, i))
+            for p in range(i * c, (i + 1) * c):
+                load[p] += fixed[c] + b.cost / c
+    if max(load, default=0.0) >= max(pk.load, default=0.0) * (1 - 1e-12):
+        return
+    for b, _ in placed:
+        for p in range(b.index * b.size, (b.index + 1) * b.size):
+            pk.owner[b.slot][p] = None
+    for b, i in placed:
+        b.index = i
+        for p in range(i * b.size, (i + 1) * b.size):
+            pk.owner[b.slot][p] = b
+    pk.load = load
+
+
+def _rebalance(pk: _Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], budget: int,
+               rounds: int) -> None:
+    """Lower the busiest rank's load by moving or swapping one-rank documents between one-rank micro-batches
+    (or into a free one-rank cell): at most ``rounds`` steps, each the best move or swap out of the busiest
+    position that lowers the pair's larger load; the slot count, the budget and the groups stay."""
+    for _ in range(rounds):
+        p = max(range(pk.pool), key=lambda q: (pk.load[q], -q))
+        mine = [b for row in pk.owner for b in (row[p],) if b is not None and b.size == 1 and b.docs]
+        if not mine:
+            return
+        best = None  # (new larger load, kind, ...)
+        top = pk.load[p]
+        for q in sorted(range(pk.pool), key=lambda q: (pk.load[q], q)):
+            if q == p or pk.load[q] >= top:
+                break
+            theirs = [b for row in pk.owner for b in (row[q],) if b is not None and b.size == 1]
+            free = [s for s in range(pk.num_slots) if pk.owner[s][q] is None]
+            for a in mine:
+                for x in a.docs:
+                    cx = costs[x]
+                    if pk.load[q] + cx < top:  # move x to q: into a micro-batch with room, or a free cell
+                        target = next((t for t in theirs if t.tokens + lengths[x] <= budget), None)
+                        if target is not None or free:
+                            key = max(top - cx, pk.load[q] + cx)
+                            if best is None or key < best[0]:
+                                best = (key, "move", a, x, target, q, free[0] if free else None)
+                    for t in theirs:
+                        for y in t.docs:
+                            delta = cx - costs[y]
+                            if delta <= 0 or pk.load[q] + delta >= top:
+                                continue
+                            if (a.tokens - lengths[x] + lengths[y] > budget
+                                    or t.tokens - lengths[y] + lengths[x] > budget):
+                                continue
+                            key = max(top - delta, pk.load[q] + delta)
+                            if best is None or key < best[0]:
+                                best = (key, "swap", a, x, t, y)
+        if best is None or best[0] >= top * (1 - 1e-9):
+            return
+        if best[1] == "move":
+            _, _, a, x, target, q, slot = best
+            _take(pk, a, x, lengths[x], costs[x])
+            if target is None:
+                target = pk.open(slot, 1, q, 0.0)
+            pk.add(target, x, lengths[x], costs[x])
+        else:
+            _, _, a, x, t, y = best
+            _take(pk, a, x, lengths[x], costs[x])
+            _take(pk, t, y, lengths[y], costs[y])
+            pk.add(a, y, lengths[y], costs[y])
+            pk.add(t, x, lengths[x], costs[x])
+
+
+def _take(pk: _Packing, b: _Bin, doc: int, length: int, cost: float) -> None:
+    """Remove a document from a one-rank micro-batch (an emptied one frees its cell)."""
+    b.docs.remove(doc)
+    b.tokens -= length
+    b.cost -= cost
+    pk.load[b.index] -= cost
+    if not b.docs:
+        pk.owner[b.slot][b.index] = None
+        pk.bins.remove(b)
+
+
+def _align_slots(pk: _Packing, fixed: dict[int, float], passes: int = 3) -> None:
+    """Order the slots' contents so that heavy micro-batches share slots, for a step whose slots wait for the
+    pool's slowest rank (FSDP2 / ZeRO-3 gathers: the step takes the sum over slots of the slowest micro-batch).
+    Per-rank sums, groups and bytes do not change. For every aligned block (sizes largest first), the slots in
+    which the block's micro-batches lie inside it can trade those contents: the contents go heaviest first onto
+    the slots whose busiest rank outside the block is heaviest (pairing two descending orders minimises the sum
+    of the pairwise maxima, so no step raises the step time)."""
+    num_slots, pool = pk.num_slots, pk.pool
+    if num_slots < 2:
+        return
+    cost = [[0.0 if b is None else b.cost / b.size + fixed[b.size] for b in row] for row in pk.owner]
+
+    def prefix_suffix(s: int) -> tuple[list[float], list[float]]:
+        pre, suf = [0.0] * (pool + 1), [0.0] * (pool + 1)
+        for p in range(pool):
+            pre[p + 1] = max(pre[p], cost[s][p])
+            suf[pool - 1 - p] = max(suf[pool - p], cost[s][pool - 1 - p])
+        return pre, suf
+
+    sizes = [c for c in (1 << k for k in range(pool.bit_length())) if c < pool and pool % c == 0]
+    for _ in range(passes):
+        changed = False
+        for c in reversed(sizes):
+            edges = [prefix_suffix(s) for s in range(num_slots)]
+            for i in range(pool // c):
+                lo, hi = i * c, (i + 1) * c
+                inside = [s for s in range(num_slots) if all(
+                    b is None or (b.index * b.size >= lo and (b.index + 1) * b.size <= hi) for b in pk.owner[s][lo:hi])]
+                if len(inside) < 2:
+                    continue
+                inner = {s: max(cost[s][lo:hi]) for s in inside}
+                outer = {s: max(edges[s][0][lo], edges[s][1][hi]) for s in inside}
+                targets = sorted(inside, key=lambda s: (-outer[s], s))
+                sources = sorted(inside, key=lambda s: (-inner[s], s))
+                if targets == sources:
+                    continue
+                block = {s: (pk.owner[s][lo:hi], cost[s][lo:hi]) for s in inside}
+                for t, src in zip(targets, sources):
+                    owners, costs = block[src]
+                    pk.owner[t][lo:hi] = owners
+                    cost[t][lo:hi] = costs
+                    for b in owners:
+                        if b is not None:
+                            b.slot = t
+                for t in inside:
+                    edges[t] = prefix_suffix(t)
+                changed = True
+        if not changed:
+            return
+
+
+def _slot_sync_cost(pk: _Packing, fixed: dict[int, float]) -> float:
+    """The sum over slots of the busiest rank's cost in the slot."""
+    return sum(max((b.cost / b.size + fixed[b.size] for b in row if b is not None), default=0.0) for row in pk.owner)
 
 
 def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
             min_size: int, lower: int, num_slots: int) -> DynamicPlan:
-    """Freeze a packing: one-rank micro-batches ordered by :func:`_slot_order`; an empty one-rank group where no
-    group covers a position; per-rank sums, fixed costs included."""
-    where = _slot_order(pk, num_slots, pool)
+    """Freeze a packing: an empty one-rank group where no group covers a position; per-rank sums, fixed costs
+    included."""
     slots = []
     rank_cost, rank_tokens, rank_bytes = [0.0] * pool, [0] * pool, [0] * pool
     for s in range(num_slots):
@@ -608,8 +818,6 @@ def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostMo
         seen: set[int] = set()
         for p in range(pool):
             b = pk.owner[s][p]
-            if b is None or b.size == 1:
-                b = pk.owner[where[s][p]][p]
             if b is None:
                 row.append(MicroBatch(s, 1, p, (), 0, 0, cost.fixed_cost(1, empty=True), 0))
                 rank_cost[p] += cost.fixed_cost(1, empty=True)
