@@ -29,7 +29,15 @@ marked with its ``kind``:
 3. ``pools`` (**modelled**): the planner alone on modelled pools of 64 and 512 GPUs for the anchors' mixes
    (lengths 1K-16K at 4096 tokens per rank against static CP 4, verl's Qwen3-30B-A3B SFT set-up; lengths up
    to 256K at 8192 tokens per rank against static CP 32), reporting the modelled step time against static
-   CP beside Megatron-Core's 1.48x and verl's 1.61x (which are measured, on GPUs).
+   CP beside Megatron-Core's 1.48x and verl's 1.61x (which are measured, on GPUs). Dynamic plans with
+   ``spread_heavy``, and ``slot_sync`` for the slot-sync figure; the planner's seconds and its slot lower
+   bound are reported.
+
+The cost model of the counted and measured parts is the tiny Llama's FLOPs plus the CPU ranks' fixed terms
+(per micro-batch, per ring step: :data:`TINY_LLAMA_MICRO_BATCH_COST`, :data:`TINY_LLAMA_RING_STEP_COST`, or
+``--micro-batch-cost`` / ``--ring-step-cost``). ``--calibrate`` first times single micro-batches of several
+shapes at 4 ranks, fits the terms (:func:`seqpar.sequence.dynamic.fit_cost_terms`; ``calibration.fit`` in
+the JSON) and plans the rest of the run with the fit.
 """
 
 from __future__ import annotations

@@ -18,15 +18,32 @@ The plan:
   uncovered position runs an empty micro-batch alone). Every rank therefore runs the same number of
   forwards and backwards, and an engine's per-forward collectives (ZeRO-3 / FSDP2 gathers) stay matched.
 - Objective, in order: no rank over the budget (a hard constraint); the least slots; per-rank cost
-  balanced (max / mean over the step); the fewest bytes. A greedy heuristic, not an exact solver: slot
-  counts are tried upwards from the token lower bound (``slots_lower_bound`` in the plan), and in each
-  try the documents, largest groups and heaviest first, go onto the group whose busiest rank is least
-  loaded (LPT), or by best fit when that leaves one without room. A document joins a group larger than
-  its own only where nothing of its own size has room (to save a slot); otherwise its bytes are those
-  of its own size. No search beyond that (moves, swaps) yet: on the benchmark's mixes it changed
-  neither the balance nor the bytes, so it was left out. With ``spread_heavy`` (opt-in), a document that
-  alone outweighs an even share of the step runs on a larger group when that takes no more slots and
-  lowers the busiest rank's cost (balance before bytes).
+  balanced (max / mean over the step, fixed costs included); the fewest bytes. A heuristic, not an exact
+  solver: slot counts are tried upwards from a lower bound (:func:`slots_lower_bound`: the tokens, and the
+  documents that need the whole largest group and more than half its room, one per group and slot). In
+  each try:
+
+  1. greedy: the documents, largest groups and heaviest first, go onto the group whose busiest rank is
+     least loaded after it (LPT; a new group counts its ring steps), or by best fit when that leaves one
+     without room. A document joins a group larger than its own only where nothing of its own size has room
+     (to save a slot; it adds no ring step);
+  2. where the greedy misses, bin completion (the same size classes, largest first: each free block, then
+     each larger group's room, or the rooms first as packed rows do, takes the subset of the remaining
+     documents that fills it most, a subset sum): tight batches, whose tokens fill the bound's room
+     exactly, reach the bound this way more often;
+  3. balance: the micro-batches of one slot and size trade blocks (LPT, kept only when it lowers the busiest
+     rank), then one-rank documents move or swap between one-rank micro-batches while that lowers the busiest
+     rank.
+
+  It does not move a document that fits a small group onto a larger one only to save a slot (beyond the room
+  left in groups that run anyway): with the CPU ranks' calibrated fixed terms a whole-pool ring costs more
+  than the slot it saves. With ``spread_heavy`` (opt-in), a document that alone outweighs an even share of
+  the step (``slot_sync``: of one slot) runs on a larger group when that saves a slot, or takes no more
+  slots and lowers the busiest rank's cost (``slot_sync``: the sum over slots of the busiest rank), ring
+  steps included.
+- Slot order: the slots' contents are ordered (per aligned block) so that heavy micro-batches share slots;
+  per-rank sums do not change, the step time of an engine whose slots wait for the pool's slowest rank
+  (FSDP2, ZeRO-3) does.
 - Bytes at the least slots: on the benchmark's worst step (seed 0: five documents over 8192 tokens, each
   needing all 4 ranks at 4096 per rank) the 9 slots leave 1-rank room for only part of the short documents,
   and the rest must ride a ring whichever group takes them; the planner puts them in the smallest group with
@@ -36,7 +53,10 @@ Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key
 pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
 the attention planner's count), plus FLOPs per token for everything linear in the length (projections,
 MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
-inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
+inside the group), plus two fixed terms in the same units: ``micro_batch_cost`` per micro-batch and rank
+(empty ones too), ``ring_step_cost`` per ring step, layer and pass (``2 layers (c - 1)`` steps on a group of
+``c``). Both default to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings
+(:func:`fit_cost_terms`). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
 Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
