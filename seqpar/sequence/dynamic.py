@@ -753,11 +753,11 @@ def _rebalance(pk: _Packing, lengths: Sequence[int], sizes: list[int], costs: li
                 target = pk.open(slot, 1, q, 0.0)
             pk.add(target, x, lengths[x], costs[x])
         else:
-            _, _, a, x, t, y = best
-            _take(pk, a, x, lengths[x], costs[x])
-            _take(pk, t, y, lengths[y], costs[y])
+            _, _, a, x, t, y = best  # each keeps a document: neither cell is freed
             pk.add(a, y, lengths[y], costs[y])
             pk.add(t, x, lengths[x], costs[x])
+            _take(pk, a, x, lengths[x], costs[x])
+            _take(pk, t, y, lengths[y], costs[y])
 
 
 def _take(pk: _Packing, b: _Bin, doc: int, length: int, cost: float) -> None:
