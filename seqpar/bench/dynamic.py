@@ -73,11 +73,11 @@ __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_ra
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
 
 
-# The fixed terms of the 4-rank CPU run (forward-FLOP units; fit_cost_terms on the calibration table of
-# BENCHMARKS.md "Length-aware dynamic CP", 2-core loaded VM: 0.087 s per micro-batch, 13.8 ms per ring step,
-# layer and pass, at 6.1e-11 s per forward FLOP). Machine-specific: `--calibrate` refits them and runs with the fit.
-TINY_LLAMA_MICRO_BATCH_COST = 1.42e9
-TINY_LLAMA_RING_STEP_COST = 2.26e8
+# The fixed terms of the 4-rank CPU run (forward-FLOP units; the --calibrate fit in BENCHMARKS.md "Length-aware
+# dynamic CP", 2-core loaded VM, 2026-11-29: 76.7 ms per micro-batch, 13.5 ms per ring step, layer and pass, at
+# 5.78e-11 s per forward FLOP). Machine- and commit-specific: `--calibrate` refits them and runs with the fit.
+TINY_LLAMA_MICRO_BATCH_COST = 1.33e9
+TINY_LLAMA_RING_STEP_COST = 2.34e8
 
 
 def tiny_llama_cost(hidden: int, layers: int, heads: int, *, micro_batch_cost: float = TINY_LLAMA_MICRO_BATCH_COST,
