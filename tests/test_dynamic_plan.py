@@ -10,12 +10,18 @@
 - Fewer documents than ranks (none at all included) gives empty micro-batches; bad input and a bad
   ``sequence_parallel.dynamic`` block raise errors that name the fix.
 - ``spread_heavy`` spreads a document heavier than an even share, never adding a slot.
+- The cost model's fixed terms (per micro-batch, per ring step) are in every rank's planned cost, move work
+  off ring ranks and keep a document that fits on one rank there when ring steps are dear;
+  ``fit_cost_terms`` recovers known constants from synthetic timings of the calibration's shapes.
+- The slot lower bound counts the big documents' forced slots; tight batches reach it by bin completion.
+- ``slot_sync`` lowers the sum over slots of the busiest rank; heavy micro-batches share slots.
 - The command (``python -m seqpar.bench dynamic``, small sizes) writes its counted, measured (4 gloo ranks,
   the session's pool) and modelled parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -25,14 +31,18 @@ from seqpar.config import ConfigError, DynamicConfig, SeqParConfig
 from seqpar.sequence.dynamic import (
     CostModel,
     DynamicPlan,
+    fit_cost_terms,
     plan_dynamic,
     ring_bytes_per_rank,
+    slots_lower_bound,
     static_plan,
     tokens_per_rank,
     visible_pairs,
 )
 
 COST = CostModel.transformer(256, 688, q_heads=4, kv_heads=4, layers=2)
+# the same with fixed terms of the CPU ranks' order (a micro-batch ~ a 1000-token document, a ring step a tenth)
+FIXED = dataclasses.replace(COST, micro_batch_cost=COST.document_cost(1000), ring_step_cost=COST.document_cost(100))
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -57,7 +67,8 @@ def test_ring_bytes_equal_the_hop_theory_of_the_dense_ring() -> None:
         assert all(ring_bytes_per_rank(local, size, cost) == t for t in theory), (size, theory)
 
 
-def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, min_size: int, cost: CostModel) -> None:
+def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, min_size: int, cost: CostModel,
+                pad: int = 2) -> None:
     """The invariants of every plan."""
     seen = []
     assert plan.num_slots >= plan.slots_lower_bound >= 1
@@ -67,7 +78,7 @@ def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, m
         for mb in slot:
             assert mb.slot == s and mb.size & (mb.size - 1) == 0 and pool % mb.size == 0
             assert mb.tokens == sum(lengths[d] for d in mb.docs)
-            assert mb.tokens_per_rank == (tokens_per_rank(mb.tokens, mb.size) if mb.docs else 0)
+            assert mb.tokens_per_rank == (tokens_per_rank(mb.tokens, mb.size, pad) if mb.docs else 0)
             assert mb.tokens_per_rank <= budget, f"slot {s}: a rank holds {mb.tokens_per_rank} > {budget}"
             assert mb.bytes_per_rank == (ring_bytes_per_rank(mb.tokens_per_rank, mb.size, cost) if mb.docs else 0)
             for d in mb.docs:
@@ -76,8 +87,15 @@ def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, m
     assert sorted(seen) == list(range(len(lengths))), "every document runs exactly once"
     for d, n in enumerate(lengths):  # the size rule: the smallest allowed power of two whose share fits
         c = plan.doc_sizes[d]
-        assert tokens_per_rank(n, c) <= budget and (c == min_size or tokens_per_rank(n, c // 2) > budget)
-    assert sum(plan.rank_cost) == pytest.approx(sum(cost.document_cost(n) for n in lengths))
+        assert tokens_per_rank(n, c, pad) <= budget and (c == min_size or tokens_per_rank(n, c // 2, pad) > budget)
+    fixed = sum(cost.fixed_cost(mb.size, empty=not mb.docs) * mb.size for slot in plan.slots for mb in slot)
+    assert sum(plan.rank_cost) == pytest.approx(sum(cost.document_cost(n) for n in lengths) + fixed)
+    for slot in plan.slots:  # every rank pays one micro-batch per slot, and each ring its ring steps
+        for mb in slot:
+            share = sum(cost.document_cost(lengths[d]) for d in mb.docs) / mb.size
+            assert mb.cost_per_rank == pytest.approx(share + cost.micro_batch_cost
+                                                     + (cost.ring_step_cost * 2 * cost.layers * (mb.size - 1)
+                                                        if mb.docs else 0.0))
     for p in range(pool):
         assert plan.rank_tokens[p] == sum(plan.micro_batch(p, s).tokens_per_rank for s in range(plan.num_slots))
 
@@ -89,19 +107,22 @@ def test_every_slot_partitions_the_pool_and_no_rank_is_over_budget(seed: int) ->
         budget = rng.choice([256, 1000, 1024])
         largest = (pool & -pool) * budget
         lengths = [min(largest, max(1, int(rng.lognormvariate(5.5, 1.2)))) for _ in range(rng.randint(0, 40))]
-        plan = plan_dynamic(lengths, pool, budget, min_size=min_size, cost=COST)
-        _check_plan(plan, lengths, pool, budget, min_size, COST)
+        for cost in (COST, FIXED):
+            plan = plan_dynamic(lengths, pool, budget, min_size=min_size, cost=cost, spread_heavy=cost is FIXED)
+            _check_plan(plan, lengths, pool, budget, min_size, cost)
+            assert plan.num_slots >= slots_lower_bound(lengths, plan.doc_sizes, pool, budget)
 
 
 @pytest.mark.parametrize("length, count, size", [(4096, 16, 1), (2048, 16, 1), (1000, 32, 1), (8192, 8, 2),
                                                  (6000, 6, 2), (16384, 4, 4), (12000, 8, 4)])
-def test_uniform_lengths_give_the_static_plan(length: int, count: int, size: int) -> None:
+@pytest.mark.parametrize("cost", [COST, FIXED], ids=["flops", "fixed_terms"])
+def test_uniform_lengths_give_the_static_plan(length: int, count: int, size: int, cost: CostModel) -> None:
     pool, budget = 4, 4096
     per_mb = max(1, size * budget // length)  # documents one group's micro-batch holds
     rows = [[length] * per_mb for _ in range(count // per_mb)]
-    static = static_plan(rows, pool, size, cost=COST)
-    plan = plan_dynamic([length] * count, pool, budget, cost=COST)
-    _check_plan(plan, [length] * count, pool, budget, 1, COST)
+    static = static_plan(rows, pool, size, cost=cost)
+    plan = plan_dynamic([length] * count, pool, budget, cost=cost)
+    _check_plan(plan, [length] * count, pool, budget, 1, cost)
     assert plan.num_slots == static.num_slots
     for slot, static_slot in zip(plan.slots, static.slots):
         assert [(mb.size, mb.index, len(mb.docs)) for mb in slot] == [(mb.size, mb.index, len(mb.docs))
@@ -211,6 +232,146 @@ def test_bad_input_is_refused_naming_the_fix() -> None:
         plan_dynamic([10], 4, 64, min_size=8)
     with pytest.raises(ValueError, match="CostModel.window"):
         CostModel(window=0)
+
+
+def test_a_dear_ring_step_keeps_a_document_that_fits_on_one_rank() -> None:
+    """The fixed terms change the plan in the expected direction: ``spread_heavy`` runs an 8192-token document
+    (it fits one rank at 8192 per rank) on more ranks when ring steps cost nothing, and keeps it on one rank
+    when a ring step costs as much as a 4000-token document's FLOPs (its 4 steps on 2 ranks outweigh what the
+    spread saves); and a group of 2 ranks that runs a 6000-token document takes fewer of the short documents
+    around it the dearer its ring steps (LPT counts them in the ring ranks' load).
+    Seen failing: ``plan_dynamic`` building ``fixed`` with 0 for every size (the 8192 document spread at every
+    ring cost; the ring ranks kept their short documents)."""
+    lengths = [8192, 2000, 2000, 2000]
+    cheap = plan_dynamic(lengths, 4, 8192, cost=COST, spread_heavy=True)
+    dear_cost = dataclasses.replace(COST, ring_step_cost=COST.document_cost(4000))
+    dear = plan_dynamic(lengths, 4, 8192, cost=dear_cost, spread_heavy=True)
+    _check_plan(dear, lengths, 4, 8192, 1, dear_cost)
+    assert [mb.size for slot in cheap.slots for mb in slot if 0 in mb.docs] in ([2], [4])
+    assert [mb.size for slot in dear.slots for mb in slot if 0 in mb.docs] == [1]
+    assert dear.num_slots == cheap.num_slots == 1
+
+    lengths = [6000] + [1000] * 16  # 6000 needs 2 ranks; 2 slots either way
+    work = {}
+    for ring in (0.0, COST.document_cost(1000)):
+        cost = dataclasses.replace(COST, ring_step_cost=ring)
+        plan = plan_dynamic(lengths, 4, 4096, cost=cost)
+        _check_plan(plan, lengths, 4, 4096, 1, cost)
+        assert plan.num_slots == 2
+        ring_ranks = next(mb.positions for slot in plan.slots for mb in slot if 0 in mb.docs)
+        assert mb_size_of(plan, 0) == 2
+        work[ring] = sum(1 for slot in plan.slots for mb in slot if mb.size == 1 and mb.index in ring_ranks
+                         for _ in mb.docs)
+    assert work[COST.document_cost(1000)] < work[0.0], work  # short documents moved off the ring's ranks
+
+
+def mb_size_of(plan: DynamicPlan, doc: int) -> int:
+    return next(mb.size for slot in plan.slots for mb in slot if doc in mb.docs)
+
+
+def test_the_calibration_fit_recovers_known_constants() -> None:
+    """``fit_cost_terms`` on synthetic timings of the calibration's shapes (the bench's cases: one micro-batch
+    each, groups of 1, 2 and 4, the tiny Llama's counted FLOPs) made from known constants gives them back
+    (exactly without noise, within 3% with +-2% noise); a term the data make negative is pinned to 0; samples
+    that cannot tell the terms apart are refused.
+    Seen failing: the ring column left out of the fit (the micro-batch term absorbed it: 35% off); the
+    FLOP-unit terms not divided by seconds per unit."""
+    from seqpar.bench.dynamic import CALIBRATION, PAD, counted_rank_costs, tiny_llama_cost
+
+    cost = tiny_llama_cost(64, 2, 4, micro_batch_cost=0.0, ring_step_cost=0.0)
+    a, b, r = 7e-11, 0.09, 0.012  # s per FLOP, s per micro-batch, s per ring step (layer, pass)
+    shapes = [(max(counted_rank_costs(static_plan(rows, 4, sp, cost=cost, pad_multiple=PAD), cost)), 1,
+               cost.ring_steps(sp)) for _, rows, sp in CALIBRATION]
+    exact = fit_cost_terms([(w, m, k, a * w + b * m + r * k) for w, m, k in shapes])
+    assert exact["seconds_per_unit"] == pytest.approx(a, rel=1e-9)
+    assert exact["micro_batch_s"] == pytest.approx(b, rel=1e-9) and exact["ring_step_s"] == pytest.approx(r, rel=1e-9)
+    assert exact["micro_batch_cost"] == pytest.approx(b / a, rel=1e-9)
+    assert exact["ring_step_cost"] == pytest.approx(r / a, rel=1e-9) and exact["residual_rel"] < 1e-9
+    rng = random.Random(0)
+    noisy = fit_cost_terms([(w, m, k, (a * w + b * m + r * k) * (1 + rng.uniform(-0.02, 0.02))) for w, m, k in shapes])
+    for key, value in (("seconds_per_unit", a), ("micro_batch_s", b), ("ring_step_s", r)):
+        assert noisy[key] == pytest.approx(value, rel=0.03), key
+    no_ring = fit_cost_terms([(w, m, k, a * w + b * m - 0.001 * k) for w, m, k in shapes])
+    assert no_ring["ring_step_s"] == 0.0 and no_ring["seconds_per_unit"] > 0
+    with pytest.raises(ValueError, match="do not tell"):
+        fit_cost_terms([(1e9, 1, 0, 1.0), (2e9, 2, 0, 2.0), (3e9, 3, 0, 3.0)])
+    with pytest.raises(ValueError, match="at least 3 samples"):
+        fit_cost_terms([(1e9, 1, 0, 1.0)])
+
+
+def test_the_lower_bound_counts_the_big_documents_forced_slots() -> None:
+    """Three documents that each need the whole pool of 4 and more than half its room cannot share a slot:
+    the bound is 3 where the tokens alone say 2, and the planner meets it.
+    Seen failing: the bound without the forced term (2)."""
+    lengths = [9000, 9000, 9000, 100]
+    plan = plan_dynamic(lengths, 4, 4096, cost=COST)
+    _check_plan(plan, lengths, 4, 4096, 1, COST)
+    assert plan.slots_lower_bound == 3 == plan.num_slots
+    assert slots_lower_bound([5000, 5000], [2, 2], 4, 4096) == 1  # groups of 2: two fit side by side
+
+
+def test_tight_batches_reach_the_lower_bound_by_bin_completion() -> None:
+    """The bench's measured steps at 8192 tokens per rank hold exactly 2 slots' room (4 packed rows of 16384 on
+    4 ranks): the greedy misses by a slot; bin completion packs 2 of the 3 at the bound (seed 1 stays at 3), and
+    the tight plans stay within 1.10 planned max / mean (the bench's cost, fixed terms included) after the
+    relabelling and the moves (tight plans leave them little room: the objective puts slots first).
+    Seen failing: the completion left out of ``_search`` (3 slots on all three); ``_relabel`` and ``_rebalance``
+    left out (BREAK_BALANCE)."""
+    from seqpar.bench.dynamic import PAD, TINY_LLAMA, long_tailed_rows
+
+    slots = []
+    for seed in range(3):
+        lengths = [n for row in long_tailed_rows(4, 16384, seed) for n in row]
+        plan = plan_dynamic(lengths, 4, 8192, cost=TINY_LLAMA, pad_multiple=PAD, spread_heavy=True)
+        _check_plan(plan, lengths, 4, 8192, 1, TINY_LLAMA, pad=PAD)
+        assert plan.slots_lower_bound == 2
+        assert plan.balance <= 1.10, (seed, plan.balance)
+        slots.append(plan.num_slots)
+    assert slots == [2, 3, 2]
+
+
+def test_slot_sync_aligns_heavy_micro_batches_and_spreads_for_the_slot() -> None:
+    """``slot_sync`` (FSDP2 / ZeRO-3: every slot waits for the slowest rank): on the modelled 64-GPU 1K-16K mix
+    the sum over slots of the busiest rank's planned cost is below the step-balanced plan's, in as many slots,
+    because heavy documents spread to the slot's even share; and in every plan the slots are ordered so that it
+    is no more than the step's per-rank plan would give with the slots as placed (the alignment only permutes
+    micro-batches of one block between slots).
+    Seen failing: ``_align_slots`` a no-op (the slot-sync sum 1.094 x the busiest rank's step, not 1.064); the
+    slot-sync threshold the step's even share (no document spread: equal sums)."""
+    from seqpar.bench.dynamic import PAD, QWEN3_30B_A3B, gpu_cost, log_uniform_documents
+    from seqpar.config import Links
+
+    cost = gpu_cost(QWEN3_30B_A3B, Links())
+    lengths = log_uniform_documents(64 * 4096 * 4, 64, lo=1024, hi=16384)
+    plain = plan_dynamic(lengths, 64, 4096, cost=cost, pad_multiple=PAD, spread_heavy=True)
+    slot = plan_dynamic(lengths, 64, 4096, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
+    for plan in (plain, slot):
+        _check_plan(plan, lengths, 64, 4096, 1, cost, pad=PAD)
+
+    def slot_sum(plan: DynamicPlan) -> float:
+        return sum(max(mb.cost_per_rank for mb in s) for s in plan.slots)
+
+    assert slot.num_slots == plain.num_slots
+    assert slot_sum(slot) < 0.99 * slot_sum(plain), (slot_sum(slot), slot_sum(plain))
+    assert slot_sum(slot) < 1.08 * max(slot.rank_cost)  # 1.064 aligned, 1.094 as placed
+    assert max(mb.size for s in slot.slots for mb in s) > max(mb.size for s in plain.slots for mb in s)
+    # aligned: the heaviest micro-batches of the step-balanced plan share its first slot
+    heavy = sorted((mb.cost_per_rank, mb.slot) for s in plain.slots for mb in s)[-8:]
+    assert {s for _, s in heavy} == {heavy[-1][1]}, heavy
+
+
+def test_moves_and_swaps_between_one_rank_micro_batches_lower_the_busiest_rank() -> None:
+    """After placement, one-rank documents move or swap between one-rank micro-batches while that lowers the
+    busiest rank: here 748 and 721 end up on different ranks (planned max / mean 1.013; 1.018 as placed), and
+    every document still runs once when a swap empties and refills a one-document micro-batch.
+    Seen failing: ``_rebalance`` a no-op (1.018); the swap taking both documents out before adding them back
+    (the emptied micro-batch freed its cell and the 748-token document was lost: ``_check_plan``)."""
+    lengths = [748, 329, 109, 721, 239]
+    plan = plan_dynamic(lengths, 2, 1024, cost=COST)
+    _check_plan(plan, lengths, 2, 1024, 1, COST)
+    assert plan.num_slots == 2 and plan.balance < 1.015, plan.balance
+    first = {mb.index: sorted(lengths[d] for d in mb.docs) for s in plan.slots for mb in s if 0 in mb.docs or 3 in mb.docs}
+    assert len(first) == 2, first  # the two long documents on different ranks
 
 
 def test_config_dynamic_block() -> None:

@@ -29,12 +29,21 @@ marked with its ``kind``:
 3. ``pools`` (**modelled**): the planner alone on modelled pools of 64 and 512 GPUs for the anchors' mixes
    (lengths 1K-16K at 4096 tokens per rank against static CP 4, verl's Qwen3-30B-A3B SFT set-up; lengths up
    to 256K at 8192 tokens per rank against static CP 32), reporting the modelled step time against static
-   CP beside Megatron-Core's 1.48x and verl's 1.61x (which are measured, on GPUs).
+   CP beside Megatron-Core's 1.48x and verl's 1.61x (which are measured, on GPUs). Dynamic plans with
+   ``spread_heavy``, and ``slot_sync`` for the slot-sync figure; the planner's seconds and its slot lower
+   bound are reported.
+
+The cost model of the counted and measured parts is the tiny Llama's FLOPs plus the CPU ranks' fixed terms
+(per micro-batch, per ring step: :data:`TINY_LLAMA_MICRO_BATCH_COST`, :data:`TINY_LLAMA_RING_STEP_COST`, or
+``--micro-batch-cost`` / ``--ring-step-cost``). ``--calibrate`` first times single micro-batches of several
+shapes at 4 ranks, fits the terms (:func:`seqpar.sequence.dynamic.fit_cost_terms`; ``calibration.fit`` in
+the JSON) and plans the rest of the run with the fit.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import random
@@ -47,7 +56,15 @@ from seqpar.attn.common import AttentionOptions, block_calls
 from seqpar.attn.masks import visible_pair_count
 from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.config import Links
-from seqpar.sequence.dynamic import CostModel, DynamicPlan, MicroBatch, plan_dynamic, static_plan
+from seqpar.sequence.dynamic import (
+    RING_PASSES,
+    CostModel,
+    DynamicPlan,
+    MicroBatch,
+    fit_cost_terms,
+    plan_dynamic,
+    static_plan,
+)
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
            "pool_report", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
@@ -56,10 +73,19 @@ __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_ra
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
 
 
-def tiny_llama_cost(hidden: int, layers: int, heads: int) -> CostModel:
+# The fixed terms of the 4-rank CPU run (forward-FLOP units; the --calibrate fit in BENCHMARKS.md "Length-aware
+# dynamic CP", 2-core loaded VM, 2026-11-29: 76.7 ms per micro-batch, 13.5 ms per ring step, layer and pass, at
+# 5.78e-11 s per forward FLOP). Machine- and commit-specific: `--calibrate` refits them and runs with the fit.
+TINY_LLAMA_MICRO_BATCH_COST = 1.33e9
+TINY_LLAMA_RING_STEP_COST = 2.34e8
+
+
+def tiny_llama_cost(hidden: int, layers: int, heads: int, *, micro_batch_cost: float = TINY_LLAMA_MICRO_BATCH_COST,
+                    ring_step_cost: float = TINY_LLAMA_RING_STEP_COST) -> CostModel:
     """The counted cost of the measured run's model (:func:`_tiny_llama`'s sizes: intermediate ``2 x
-    hidden``, fp32 K/V on the ring)."""
-    return CostModel.transformer(hidden, 2 * hidden, q_heads=heads, kv_heads=heads, layers=layers, elem_bytes=4)
+    hidden``, fp32 K/V on the ring), with the CPU ranks' fixed terms (defaults: the last calibration)."""
+    return CostModel.transformer(hidden, 2 * hidden, q_heads=heads, kv_heads=heads, layers=layers, elem_bytes=4,
+                                 micro_batch_cost=micro_batch_cost, ring_step_cost=ring_step_cost)
 
 
 # the 4-rank CPU run's model by default (a tiny Llama: hidden 64, intermediate 128, 4 heads, 2 layers): its cost
@@ -133,14 +159,17 @@ def _counted_micro_batch(mb: MicroBatch, lengths: Sequence[int], cost: CostModel
             for r in range(mb.size)]
 
 
-def counted_rank_costs(plan: DynamicPlan, cost: CostModel) -> list[float]:
+def counted_rank_costs(plan: DynamicPlan, cost: CostModel, *, fixed: bool = False) -> list[float]:
     """Each pool position's cost over the step, its visible pairs counted by the attention planner
-    (not the planner's even split): ``layers * (pair_cost * pairs + token_cost * tokens)``."""
+    (not the planner's even split): ``layers * (pair_cost * pairs + token_cost * tokens)``; with ``fixed``
+    plus each micro-batch's fixed cost (:meth:`CostModel.fixed_cost`: what the measured CPU time should
+    follow)."""
     out = [0.0] * plan.pool_size
     for slot in plan.slots:
         for mb in slot:
+            extra = cost.fixed_cost(mb.size, empty=not mb.docs) if fixed else 0.0
             for q, (pairs, tokens) in zip(mb.positions, _counted_micro_batch(mb, plan.lengths, cost)):
-                out[q] += cost.layers * (cost.pair_cost * pairs + cost.token_cost * tokens)
+                out[q] += cost.layers * (cost.pair_cost * pairs + cost.token_cost * tokens) + extra
     return out
 
 
@@ -156,7 +185,8 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
     budget = seq_len // world
     schemes = {f"static_sp{world}": None, f"static_dp2_sp{world // 2}": None, "dynamic": None}
     per_step: list[dict] = []
-    totals = {name: {"cost": [0.0] * world, "bytes": [0] * world, "slots": 0, "peak_tokens": 0} for name in schemes}
+    totals = {name: {"cost": [0.0] * world, "fixed": [0.0] * world, "bytes": [0] * world, "slots": 0, "peak_tokens": 0}
+              for name in schemes}
     for b in range(batches):
         batch = long_tailed_rows(rows, seq_len, seed + b)
         lengths = [n for row in batch for n in row]
@@ -168,20 +198,24 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         step = {"batch": b, "documents": len(lengths), "longest": max(lengths)}
         for name, plan in plans.items():
             counted = counted_rank_costs(plan, cost)
+            with_fixed = counted_rank_costs(plan, cost, fixed=True)
             t = totals[name]
             t["cost"] = [a + c for a, c in zip(t["cost"], counted)]
+            t["fixed"] = [a + c for a, c in zip(t["fixed"], with_fixed)]
             t["bytes"] = [a + c for a, c in zip(t["bytes"], plan.rank_bytes)]
             t["slots"] += plan.num_slots
             t["peak_tokens"] = max(t["peak_tokens"], plan.peak_tokens_per_rank)
             step[name] = {"slots": plan.num_slots, "balance_counted": _ratio(counted),
                           "balance_planned": plan.balance, "bytes_max_per_rank": plan.bytes_max,
-                          "cost_max_per_rank": max(counted), "peak_tokens_per_rank": plan.peak_tokens_per_rank}
+                          "cost_max_per_rank": max(counted), "peak_tokens_per_rank": plan.peak_tokens_per_rank,
+                          "balance_counted_with_fixed": _ratio(with_fixed), "cost_max_per_rank_with_fixed": max(with_fixed)}
             if name == "dynamic":
                 step[name]["slots_lower_bound"] = plan.slots_lower_bound
                 step[name]["documents_per_size"] = plan.summary()["documents_per_size"]
         per_step.append(step)
     static_sp, static_dp = f"static_sp{world}", f"static_dp2_sp{world // 2}"
     overall = {name: {"slots": t["slots"], "balance_counted": _ratio(t["cost"]), "cost_max_per_rank": max(t["cost"]),
+                      "balance_counted_with_fixed": _ratio(t["fixed"]),
                       "bytes_max_per_rank": max(t["bytes"]), "peak_tokens_per_rank": t["peak_tokens"]}
                for name, t in totals.items()}
     dyn = overall["dynamic"]
@@ -191,7 +225,8 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         "max_tokens_per_rank": budget,
         "lengths": {"distribution": "log-normal", "median": 1024, "sigma": 1.2, "clip": [64, seq_len],
                     "rows": "each row sums to seq_len: its last document takes what is left"},
-        "cost_model": {"name": "the measured run's tiny Llama, forward FLOPs", **_cost_fields(cost)},
+        "cost_model": {"name": "the measured run's tiny Llama, forward FLOPs, with the CPU ranks' fixed terms",
+                       **_cost_fields(cost)},
         "overall": overall,
         "bytes_ratio_static_sp_over_dynamic": overall[static_sp]["bytes_max_per_rank"] / max(dyn["bytes_max_per_rank"], 1),
         "bytes_ratio_worst_step": min(s[static_sp]["bytes_max_per_rank"] / max(s["dynamic"]["bytes_max_per_rank"], 1)
@@ -200,6 +235,9 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
         # per step (what a step's max-over-ranks CPU time would compare): the busiest rank of each step
         "work_ratio_counted_per_step": [s[static_dp]["cost_max_per_rank"] / s["dynamic"]["cost_max_per_rank"]
                                         for s in per_step],
+        # the same with every micro-batch's fixed cost (the calibrated CPU model: what thread CPU time follows)
+        "work_ratio_counted_with_fixed": sum(s[static_dp]["cost_max_per_rank_with_fixed"] for s in per_step)
+        / sum(s["dynamic"]["cost_max_per_rank_with_fixed"] for s in per_step),
         "per_step": per_step,
     }
 
@@ -207,14 +245,17 @@ def mix_report(world: int, seq_len: int, rows: int, batches: int, seed: int, cos
 def _cost_fields(cost: CostModel) -> dict[str, Any]:
     return {"causal": cost.causal, "window": cost.window, "chunk_size": cost.chunk_size, "pair_cost": cost.pair_cost,
             "token_cost": cost.token_cost, "kv_width": cost.kv_width, "elem_bytes": cost.elem_bytes,
-            "acc_bytes": cost.acc_bytes, "layers": cost.layers}
+            "acc_bytes": cost.acc_bytes, "layers": cost.layers, "micro_batch_cost": cost.micro_batch_cost,
+            "ring_step_cost": cost.ring_step_cost, "ring_passes": RING_PASSES}
 
 
 def modelled_step_seconds(plan: DynamicPlan, cost: CostModel, links: Links | None = None) -> dict[str, float]:
     """The modelled step time of a plan: each micro-batch takes, on each rank of its group,
-    ``max(3 x forward cost / flops, bytes / bandwidth) + 3 (c - 1) layers x latency`` (forward +
-    backward = 3 forwards; the ring's transfers hidden behind compute where they can be; intra-node
-    bandwidth for groups within ``links.node_size``, inter-node beyond). Two synchronisations:
+    ``max(3 x work / flops, bytes / bandwidth) + 3 x fixed / flops`` (forward + backward = 3 forwards; the
+    ring's transfers hidden behind compute where they can be; intra-node bandwidth for groups within
+    ``links.node_size``, inter-node beyond); ``work`` the documents' forward cost, ``fixed`` the cost
+    model's fixed terms (:meth:`CostModel.fixed_cost`; :func:`gpu_cost` sets ``ring_step_cost`` so that they
+    come to ``3 (c - 1) layers x latency``). Two synchronisations:
 
     - ``slot_sync``: every slot waits for the pool's slowest rank (FSDP2 / ZeRO-3: their per-forward
       gathers span the pool): the sum over slots of the slowest micro-batch;
@@ -229,17 +270,25 @@ def modelled_step_seconds(plan: DynamicPlan, cost: CostModel, links: Links | Non
     for slot in plan.slots:
         slowest = 0.0
         for mb in slot:
-            if not mb.docs:
+            fixed = cost.fixed_cost(mb.size, empty=not mb.docs)
+            if not mb.docs and not fixed:
                 continue
             bw = (links.intra_gbps if mb.size <= links.node_size else links.inter_gbps) * 1e9
-            t = max(3 * mb.cost_per_rank / links.flops, mb.bytes_per_rank / bw)
-            t += 3 * (mb.size - 1) * cost.layers * links.latency_s
+            t = max(3 * (mb.cost_per_rank - fixed) / links.flops, mb.bytes_per_rank / bw) + 3 * fixed / links.flops
             slowest = max(slowest, t)
             start = max(finish[q] for q in mb.positions)
             for q in mb.positions:
                 finish[q] = start + t
         slot_sum += slowest
     return {"slot_sync": slot_sum, "group_sync": max(finish)}
+
+
+def gpu_cost(cost: CostModel, links: Links) -> CostModel:
+    """``cost`` with the modelled GPUs' fixed terms: a ring step costs ``links.latency_s`` per layer and pass
+    of the backward-weighted step (``ring_step_cost = latency x flops / RING_PASSES``, so a micro-batch of ``c``
+    ranks pays ``3 (c - 1) layers x latency`` in :func:`modelled_step_seconds`); no per-micro-batch term (the
+    links model has none: launch overheads are not modelled)."""
+    return dataclasses.replace(cost, micro_batch_cost=0.0, ring_step_cost=links.latency_s * links.flops / RING_PASSES)
 
 
 POOL_MIXES = {
@@ -253,9 +302,11 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
                 links: Links | None = None) -> dict:
     """Part 2 (see the module docstring): per pool and mix, the same whole documents (about ``pool x
     budget x slots_per_group`` tokens) under static CP (packed into rows of ``cp x budget``, next fit) and
-    dynamic CP, their modelled step times (:func:`modelled_step_seconds`) and the speedup. A mix whose
-    static CP exceeds the pool is skipped."""
+    dynamic CP, their modelled step times (:func:`modelled_step_seconds`) and the speedup. Dynamic plans with
+    ``spread_heavy`` for each synchronisation: ``slot_sync=True`` for the slot-sync figure (FSDP2 / ZeRO-3),
+    without it for the group-sync one. A mix whose static CP exceeds the pool is skipped."""
     links = links if links is not None else Links()
+    cost = gpu_cost(cost, links)
     out = []
     for pool in pools:
         for name, (lo, hi, row_len, cp, budget) in POOL_MIXES.items():
@@ -265,27 +316,42 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
             lengths = log_uniform_documents(pool * budget * slots_per_group, seed + pool, lo=lo, hi=hi)
             rows = pack_rows(lengths, row_len)
             t0 = time.perf_counter()
-            dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD)
+            dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True)
             plan_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            dyn_slot = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
+            plan_slot_s = time.perf_counter() - t0
             static = static_plan(rows, pool, cp, cost=cost, pad_multiple=PAD)
-            t_dyn, t_static = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(static, cost, links)
+            t_static = modelled_step_seconds(static, cost, links)
+            t_group, t_slot = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(dyn_slot, cost, links)
+            # each engine's sync with the plan made for it (slot_sync for FSDP2 / ZeRO-3)
+            t_dyn = {"slot_sync": t_slot["slot_sync"], "group_sync": t_group["group_sync"]}
             tokens = sum(lengths)
             out.append({
                 "kind": "modelled", "pool": pool, "mix": name,
                 "lengths": f"log-uniform [{lo}, {hi}], whole documents; static rows of {row_len}, next fit",
                 "static_cp": cp, "max_tokens_per_rank": budget, "documents": len(lengths), "tokens": tokens,
-                "planner_seconds": plan_s,
+                "planner_seconds": plan_s, "planner_seconds_slot_sync": plan_slot_s,
                 "static": {"slots": static.num_slots, "balance": static.balance, "bytes_max_per_rank": static.bytes_max,
                            "step_s": t_static},
                 "dynamic": {"slots": dyn.num_slots, "slots_lower_bound": dyn.slots_lower_bound, "balance": dyn.balance,
-                            "bytes_max_per_rank": dyn.bytes_max, "step_s": t_dyn,
+                            "fill_of_lower_bound": tokens / (pool * budget * dyn.slots_lower_bound),
+                            "bytes_max_per_rank": dyn.bytes_max, "step_s": t_group,
                             "documents_per_size": dyn.summary()["documents_per_size"]},
+                "dynamic_slot_sync": {"slots": dyn_slot.num_slots, "balance": dyn_slot.balance,
+                                      "bytes_max_per_rank": dyn_slot.bytes_max, "step_s": t_slot,
+                                      "documents_per_size": dyn_slot.summary()["documents_per_size"]},
                 "speedup": {k: t_static[k] / t_dyn[k] for k in t_dyn},
                 "tokens_per_s": {"static": {k: tokens / v for k, v in t_static.items()},
                                  "dynamic": {k: tokens / v for k, v in t_dyn.items()}},
             })
     return {"kind": "modelled", "cost_model": {"name": "Qwen3-30B-A3B (hidden 2048, 48 layers, 32 q / 4 kv heads "
-                                               "x 128, 8 active experts x 768), forward FLOPs", **_cost_fields(cost)},
+                                               "x 128, 8 active experts x 768), forward FLOPs; ring steps at the "
+                                               "links' latency", **_cost_fields(cost)},
+            "static_cp_model": ("the same whole documents packed into rows of static CP x budget in order (next fit, "
+                                "the rest of a row padding), rows dealt to the pool / CP groups in order, each row's "
+                                "cost split evenly over its group (balanced sharding), the same micro-batch time "
+                                "model"),
             "links": {"intra_gbps": links.intra_gbps, "inter_gbps": links.inter_gbps, "flops": links.flops,
                       "node_size": links.node_size, "latency_s": links.latency_s},
             "anchors_measured_elsewhere": ANCHORS, "cases": out}
@@ -327,7 +393,7 @@ def scheme_plans(batch: list[list[int]], world: int, seq_len: int, cost: CostMod
 
 
 def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, seed: int, hidden: int,
-                   layers: int, heads: int, memory: bool) -> dict:
+                   layers: int, heads: int, memory: bool, fixed: tuple[float, float]) -> dict:
     """On each rank of the pool (SP = world, DP = 1; every aligned group of 1, 2, 4, ... ranks made once by
     the ``dynamic`` block): per global batch, the three schemes in turn, each step the forward + backward of
     this rank's micro-batches (``balanced`` sharding inside each group) and one sum of the gradients over the
@@ -344,7 +410,7 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
     from seqpar.sequence.batch import rank_micro_batches
     from seqpar.swap import swap_attention
 
-    cost = tiny_llama_cost(hidden, layers, heads)
+    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
     manager = seqpar.init_process_groups(sp_size=world, config={
         "sharding": "balanced", "dynamic": {"max_tokens_per_rank": seq_len // world, "min_size": 1}})
     try:
@@ -393,25 +459,28 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
 
 
 def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int, *, hidden: int, layers: int,
-                    heads: int, memory: bool = True, pools: Any = None, timeout: float = 3600.0) -> dict:
-    """The measured part (see the module docstring): the three schemes run at ``world`` gloo ranks."""
+                    heads: int, memory: bool = True, pools: Any = None, timeout: float = 3600.0,
+                    fixed: tuple[float, float] = (TINY_LLAMA_MICRO_BATCH_COST, TINY_LLAMA_RING_STEP_COST)) -> dict:
+    """The measured part (see the module docstring): the three schemes run at ``world`` gloo ranks, the dynamic
+    plans made with the fixed terms ``fixed`` (``micro_batch_cost``, ``ring_step_cost``)."""
     from seqpar.bench.runner import suite_pools
 
-    cost = tiny_llama_cost(hidden, layers, heads)
+    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
     with suite_pools("cpu", pools) as ps:
         per_rank = ps.run(world, _measured_rank, world, seq_len, rows, batches, seed, hidden, layers, heads, memory,
-                          timeout=timeout)
+                          fixed, timeout=timeout)
     tokens = rows * seq_len
     schemes: dict[str, Any] = {}
     for name in per_rank[0]["cpu_s"]:
         cpu = [max(r["cpu_s"][name][b] for r in per_rank) for b in range(batches)]
         proc = [max(r["process_cpu_s"][name][b] for r in per_rank) for b in range(batches)]
         wall = [max(r["wall_s"][name][b] for r in per_rank) for b in range(batches)]
-        bytes_max, counted = [], []
+        bytes_max, counted, modelled = [], [], []
         for b in range(batches):
             plan = scheme_plans(long_tailed_rows(rows, seq_len, seed + b), world, seq_len, cost)[name]
             bytes_max.append(plan.bytes_max)
             counted.append(_ratio(counted_rank_costs(plan, cost)))
+            modelled.append(max(counted_rank_costs(plan, cost, fixed=True)))
         schemes[name] = {
             "cpu_s_max_over_ranks_per_step": cpu, "cpu_s_max_over_ranks_total": sum(cpu),
             "cpu_s_per_rank_total": [sum(r["cpu_s"][name]) for r in per_rank],
@@ -419,6 +488,7 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
             "slots_per_step": per_rank[0]["slots"][name],
             "wall_s_slowest_rank_per_step": wall, "tokens_per_s": tokens * batches / sum(wall),
             "bytes_max_per_rank_counted_per_step": bytes_max, "balance_counted_per_step": counted,
+            "cost_max_per_rank_with_fixed_per_step": modelled,
         }
         if memory:
             schemes[name]["peak_bytes_max_over_ranks"] = max(r["peak_bytes"][name] for r in per_rank)
@@ -428,6 +498,7 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
     return {
         "kind": "measured", "world": world, "seq_len": seq_len, "rows_per_batch": rows, "batches": batches,
         "seeds": [seed + b for b in range(batches)],
+        "cost_model": _cost_fields(cost),
         "model": {"name": "tiny Llama, fp32", "hidden": hidden, "intermediate": 2 * hidden, "layers": layers,
                   "heads": heads, "vocab": 256},
         "how": ("gloo ranks, one intra-op thread each; SP = world with every aligned group made once (the dynamic "
@@ -448,6 +519,12 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
         "work_ratio_measured_per_step_dp_budget": [
             a / b for a, b in zip(schemes[static_dp]["cpu_s_max_over_ranks_per_step"],
                                   schemes["dynamic_dp_budget"]["cpu_s_max_over_ranks_per_step"])],
+        # what the calibrated cost model predicts for the same ratios (counted FLOPs plus fixed terms)
+        "work_ratio_modelled_static_dp2_over_dynamic": sum(schemes[static_dp]["cost_max_per_rank_with_fixed_per_step"])
+        / sum(dyn["cost_max_per_rank_with_fixed_per_step"]),
+        "work_ratio_modelled_static_dp2_over_dynamic_dp_budget":
+        sum(schemes[static_dp]["cost_max_per_rank_with_fixed_per_step"])
+        / sum(schemes["dynamic_dp_budget"]["cost_max_per_rank_with_fixed_per_step"]),
         "bytes_ratio_static_sp_over_dynamic": sum(schemes[f"static_sp{world}"]["bytes_max_per_rank_counted_per_step"])
         / max(sum(dyn["bytes_max_per_rank_counted_per_step"]), 1),
     }
@@ -502,30 +579,41 @@ def calibration_report(hidden: int, layers: int, heads: int, repeats: int = 2, p
     the shapes that tell a micro-batch's fixed cost, a ring step's and a visible pair's apart."""
     from seqpar.bench.runner import suite_pools
 
-    cost = tiny_llama_cost(hidden, layers, heads)
+    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=0.0, ring_step_cost=0.0)
     with suite_pools("cpu", pools) as ps:
         per_rank = ps.run(4, _calibrate_rank, hidden, layers, heads, repeats, timeout=3600.0)
-    cases = []
+    cases, samples = [], []
     for name, rows, sp in CALIBRATION:
         plan = static_plan(rows, 4, sp, cost=cost, pad_multiple=PAD)
         counted = max(counted_rank_costs(plan, cost))
         cpu = max(r[name] for r in per_rank)
         cases.append({"case": name, "group": sp, "tokens_per_rank": plan.peak_tokens_per_rank,
-                      "counted_gflop": counted / 1e9, "cpu_s_max_over_ranks": cpu, "s_per_gflop": cpu * 1e9 / counted})
+                      "counted_gflop": counted / 1e9, "ring_steps": cost.ring_steps(sp), "cpu_s_max_over_ranks": cpu,
+                      "s_per_gflop": cpu * 1e9 / counted})
+        samples.append((counted, 1, cost.ring_steps(sp), cpu))
+    fit = fit_cost_terms(samples)
+    for case, (work, mbs, steps, _) in zip(cases, samples):
+        case["fitted_s"] = fit["seconds_per_unit"] * work + fit["micro_batch_s"] * mbs + fit["ring_step_s"] * steps
     return {"kind": "measured", "what": "one micro-batch (forward + backward) per rank, thread CPU, median of "
-            f"{repeats} after a warm-up, max over 4 ranks", "cases": cases}
+            f"{repeats} after a warm-up, max over 4 ranks", "cases": cases,
+            "fit": {"model": "cpu_s = seconds_per_unit x counted forward FLOPs + micro_batch_s x micro-batches + "
+                    f"ring_step_s x ring steps ({RING_PASSES} x layers x (c - 1)); least squares over the cases",
+                    **fit}}
 
 
 def run(args: argparse.Namespace, pools: Any = None) -> dict:
     t0 = time.perf_counter()
-    cost = tiny_llama_cost(args.hidden, args.layers, args.heads)
+    calibration = calibration_report(args.hidden, args.layers, args.heads, pools=pools) if args.calibrate else None
+    fixed = (args.micro_batch_cost, args.ring_step_cost)
+    if calibration is not None:  # the rest of the run plans with this machine's fit
+        fixed = (calibration["fit"]["micro_batch_cost"], calibration["fit"]["ring_step_cost"])
+    cost = tiny_llama_cost(args.hidden, args.layers, args.heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
     mix = mix_report(args.world, args.seq_len, args.rows, args.batches, args.seed, cost)
     measured = None
     if args.measure_batches:
         measured = measured_report(args.world, args.seq_len, args.measure_rows, args.measure_batches, args.seed,
                                    hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                   memory=not args.no_memory, pools=pools)
-    calibration = calibration_report(args.hidden, args.layers, args.heads, pools=pools) if args.calibrate else None
+                                   memory=not args.no_memory, pools=pools, fixed=fixed)
     pools_part = pool_report(args.pools, args.slots_per_group, args.seed)
     return {"suite": "dynamic", "command": " ".join(["python -m seqpar.bench dynamic", *(args.argv or sys.argv[2:])]),
             "figures": "counted (mix), measured (measured: real gloo ranks) and modelled (pools)",
@@ -545,13 +633,18 @@ def render(payload: dict) -> str:
             f"bytes static SP / dynamic: {mix['bytes_ratio_static_sp_over_dynamic']:.2f} (worst step "
             f"{mix['bytes_ratio_worst_step']:.2f}); counted work static DP2 x SP / dynamic: "
             f"{mix['work_ratio_counted_static_dp2_over_dynamic']:.2f} over all steps, per step "
-            + ", ".join(f"{r:.2f}" for r in mix["work_ratio_counted_per_step"])]
+            + ", ".join(f"{r:.2f}" for r in mix["work_ratio_counted_per_step"])
+            + f"; with the fixed terms {mix['work_ratio_counted_with_fixed']:.2f}"]
     rows = [{"pool": c["pool"], "mix": c["mix"], "cp": c["static_cp"], "s_slots": c["static"]["slots"],
-             "d_slots": c["dynamic"]["slots"], "slot": c["speedup"]["slot_sync"], "group": c["speedup"]["group_sync"]}
+             "d_slots": c["dynamic"]["slots"], "lb": c["dynamic"]["slots_lower_bound"],
+             "fill": f"{c['dynamic']['fill_of_lower_bound']:.4f}", "plan_s": c["planner_seconds"],
+             "slot": c["speedup"]["slot_sync"], "group": c["speedup"]["group_sync"]}
             for c in payload["pools"]["cases"] if "skipped" not in c]
     text += ["", "modelled pools, step time static CP / dynamic (Megatron 1.48x and verl 1.61x are measured elsewhere):",
              format_table(rows, [("pool", "pool"), ("mix", "mix"), ("static CP", "cp"), ("static slots", "s_slots"),
-                                 ("dynamic slots", "d_slots"), ("speedup slot-sync", "slot"),
+                                 ("dynamic slots", "d_slots"), ("lower bound", "lb"),
+                                 ("tokens / lower bound's room", "fill"), ("planner s", "plan_s"),
+                                 ("speedup slot-sync", "slot"),
                                  ("speedup group-sync", "group")])]
     m = payload.get("measured")
     if m:
@@ -568,13 +661,20 @@ def render(payload: dict) -> str:
                  "all steps, per step " + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step"]),
                  "thread CPU static DP2 x SP / dynamic at its budget (2 seq_len / world tokens per rank): "
                  f"{m['work_ratio_measured_static_dp2_over_dynamic_dp_budget']:.2f} over all steps, per step "
-                 + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"])]
+                 + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"]),
+                 "the calibrated cost model predicts (counted FLOPs + fixed terms): "
+                 f"{m['work_ratio_modelled_static_dp2_over_dynamic']:.2f} and "
+                 f"{m['work_ratio_modelled_static_dp2_over_dynamic_dp_budget']:.2f}"]
     if payload.get("calibration"):
         rows = [{"case": c["case"], "tok": c["tokens_per_rank"], "gf": c["counted_gflop"], "cpu": c["cpu_s_max_over_ranks"],
-                 "spg": c["s_per_gflop"]} for c in payload["calibration"]["cases"]]
+                 "spg": c["s_per_gflop"], "fit": c["fitted_s"]} for c in payload["calibration"]["cases"]]
+        fit = payload["calibration"]["fit"]
         text += ["", "calibration, one micro-batch per rank (thread CPU, max over ranks):",
                  format_table(rows, [("case", "case"), ("tokens/rank", "tok"), ("counted GFLOP/rank", "gf"),
-                                     ("CPU s", "cpu"), ("s per GFLOP", "spg")])]
+                                     ("CPU s", "cpu"), ("s per GFLOP", "spg"), ("fitted s", "fit")]),
+                 f"fit: {fit['seconds_per_unit'] * 1e9:.4f} s per GFLOP, {fit['micro_batch_s'] * 1e3:.1f} ms per "
+                 f"micro-batch ({fit['micro_batch_cost']:.3g} FLOP), {fit['ring_step_s'] * 1e3:.2f} ms per ring step, "
+                 f"layer and pass ({fit['ring_step_cost']:.3g} FLOP); rms residual {fit['residual_rel']:.1%}"]
     return "\n".join(text)
 
 
@@ -598,7 +698,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="its attention heads, as many K/V heads (default 4)")
     p.add_argument("--no-memory", action="store_true", help="measured part: skip the peak-memory step")
     p.add_argument("--calibrate", action="store_true",
-                   help="also time single micro-batches (a micro-batch's, a ring step's and a pair's CPU cost)")
+                   help="first time single micro-batches and fit the cost model's fixed terms (per micro-batch, per "
+                        "ring step) to them; the rest of the run plans with the fit (written under calibration.fit)")
+    p.add_argument("--micro-batch-cost", type=float, default=TINY_LLAMA_MICRO_BATCH_COST,
+                   help="the CPU ranks' fixed cost per micro-batch, forward-FLOP units, without --calibrate "
+                        f"(default {TINY_LLAMA_MICRO_BATCH_COST:g}: the last calibration)")
+    p.add_argument("--ring-step-cost", type=float, default=TINY_LLAMA_RING_STEP_COST,
+                   help="the fixed cost per ring step, layer and pass, forward-FLOP units, without --calibrate "
+                        f"(default {TINY_LLAMA_RING_STEP_COST:g})")
     p.add_argument("--out", metavar="DIR", help="write DIR/dynamic.json")
     return p
 

@@ -18,15 +18,32 @@ The plan:
   uncovered position runs an empty micro-batch alone). Every rank therefore runs the same number of
   forwards and backwards, and an engine's per-forward collectives (ZeRO-3 / FSDP2 gathers) stay matched.
 - Objective, in order: no rank over the budget (a hard constraint); the least slots; per-rank cost
-  balanced (max / mean over the step); the fewest bytes. A greedy heuristic, not an exact solver: slot
-  counts are tried upwards from the token lower bound (``slots_lower_bound`` in the plan), and in each
-  try the documents, largest groups and heaviest first, go onto the group whose busiest rank is least
-  loaded (LPT), or by best fit when that leaves one without room. A document joins a group larger than
-  its own only where nothing of its own size has room (to save a slot); otherwise its bytes are those
-  of its own size. No search beyond that (moves, swaps) yet: on the benchmark's mixes it changed
-  neither the balance nor the bytes, so it was left out. With ``spread_heavy`` (opt-in), a document that
-  alone outweighs an even share of the step runs on a larger group when that takes no more slots and
-  lowers the busiest rank's cost (balance before bytes).
+  balanced (max / mean over the step, fixed costs included); the fewest bytes. A heuristic, not an exact
+  solver: slot counts are tried upwards from a lower bound (:func:`slots_lower_bound`: the tokens, and the
+  documents that need the whole largest group and more than half its room, one per group and slot). In
+  each try:
+
+  1. greedy: the documents, largest groups and heaviest first, go onto the group whose busiest rank is
+     least loaded after it (LPT; a new group counts its ring steps), or by best fit when that leaves one
+     without room. A document joins a group larger than its own only where nothing of its own size has room
+     (to save a slot; it adds no ring step);
+  2. where the greedy misses, bin completion (the same size classes, largest first: each free block, then
+     each larger group's room, or the rooms first as packed rows do, takes the subset of the remaining
+     documents that fills it most, a subset sum): tight batches, whose tokens fill the bound's room
+     exactly, reach the bound this way more often;
+  3. balance: the micro-batches of one slot and size trade blocks (LPT, kept only when it lowers the busiest
+     rank), then one-rank documents move or swap between one-rank micro-batches while that lowers the busiest
+     rank.
+
+  It does not move a document that fits a small group onto a larger one only to save a slot (beyond the room
+  left in groups that run anyway): with the CPU ranks' calibrated fixed terms a whole-pool ring costs more
+  than the slot it saves. With ``spread_heavy`` (opt-in), a document that alone outweighs an even share of
+  the step (``slot_sync``: of one slot) runs on a larger group when that saves a slot, or takes no more
+  slots and lowers the busiest rank's cost (``slot_sync``: the sum over slots of the busiest rank), ring
+  steps included.
+- Slot order: the slots' contents are ordered (per aligned block) so that heavy micro-batches share slots;
+  per-rank sums do not change, the step time of an engine whose slots wait for the pool's slowest rank
+  (FSDP2, ZeRO-3) does.
 - Bytes at the least slots: on the benchmark's worst step (seed 0: five documents over 8192 tokens, each
   needing all 4 ranks at 4096 per rank) the 9 slots leave 1-rank room for only part of the short documents,
   and the rest must ride a ring whichever group takes them; the planner puts them in the smallest group with
@@ -36,7 +53,10 @@ Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key
 pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
 the attention planner's count), plus FLOPs per token for everything linear in the length (projections,
 MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
-inside the group). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
+inside the group), plus two fixed terms in the same units: ``micro_batch_cost`` per micro-batch and rank
+(empty ones too), ``ring_step_cost`` per ring step, layer and pass (``2 layers (c - 1)`` steps on a group of
+``c``). Both default to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings
+(:func:`fit_cost_terms`). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
 Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
@@ -64,6 +84,9 @@ __all__ = [
     "tokens_per_rank",
     "ring_bytes_per_rank",
     "visible_pairs",
+    "fit_cost_terms",
+    "slots_lower_bound",
+    "RING_PASSES",
 ]
 
 
@@ -100,6 +123,16 @@ class CostModel:
         elem_bytes: bytes per K/V value in flight (2 for bf16).
         acc_bytes: bytes per value of the travelling dK/dV accumulators (fp32: 4).
         layers: attention layers (the bytes and the cost scale with it).
+        micro_batch_cost: what every rank pays per micro-batch it runs, whatever its tokens (host work per
+            call: the module calls, the loss, the autograd graph), in the same units as the document cost.
+            An empty micro-batch pays it too (it runs two padding tokens through every layer).
+        ring_step_cost: what one ring step costs one rank in one layer and one pass (the step's launch and
+            copies, not its bytes), in the same units; a micro-batch on a group of ``c`` ranks pays it
+            ``RING_PASSES * layers * (c - 1)`` times (:meth:`fixed_cost`).
+
+    The fixed terms default to 0 (a pure FLOP model); ``python -m seqpar.bench dynamic --calibrate`` fits
+    them on the machine (:func:`fit_cost_terms`; BENCHMARKS.md "Length-aware dynamic CP"), and the bench's
+    :data:`seqpar.bench.dynamic.TINY_LLAMA` carries the last fit.
     """
 
     causal: bool = True
@@ -111,13 +144,15 @@ class CostModel:
     elem_bytes: int = 2
     acc_bytes: int = 4
     layers: int = 1
+    micro_batch_cost: float = 0.0
+    ring_step_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk_size"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"CostModel.{name} = {v!r}: expected a positive integer or None")
-        for name in ("pair_cost", "token_cost"):
+        for name in ("pair_cost", "token_cost", "micro_batch_cost", "ring_step_cost"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected a finite number >= 0")
         for name in ("kv_width", "elem_bytes", "acc_bytes", "layers"):
@@ -129,6 +164,7 @@ class CostModel:
         cls, hidden_size: int, intermediate_size: int, *, q_heads: int, kv_heads: int, head_dim: int | None = None,
         layers: int = 1, active_mlps: int = 1, mixer_token_flops: float = 0.0, causal: bool = True,
         window: int | None = None, chunk_size: int | None = None, elem_bytes: int = 2,
+        micro_batch_cost: float = 0.0, ring_step_cost: float = 0.0,
     ) -> CostModel:
         """Forward FLOPs of a decoder layer: 2 per multiply-add of the q/k/v/o projections and a gated
         MLP (``active_mlps`` of them: an MoE's active experts), plus ``mixer_token_flops``; attention
@@ -138,7 +174,8 @@ class CostModel:
         mlp = 3 * hidden_size * intermediate_size * active_mlps
         return cls(causal=causal, window=window, chunk_size=chunk_size, pair_cost=4.0 * q_heads * d,
                    token_cost=2.0 * (proj + mlp) + mixer_token_flops, kv_width=2 * kv_heads * d,
-                   elem_bytes=elem_bytes, layers=layers)
+                   elem_bytes=elem_bytes, layers=layers, micro_batch_cost=micro_batch_cost,
+                   ring_step_cost=ring_step_cost)
 
     def pairs(self, length: int) -> int:
         """Visible pairs of one document (see :func:`visible_pairs`)."""
@@ -147,6 +184,82 @@ class CostModel:
     def document_cost(self, length: int) -> float:
         """One document's cost over all layers: ``layers * (pair_cost * pairs + token_cost * length)``."""
         return self.layers * (self.pair_cost * self.pairs(length) + self.token_cost * length)
+
+    def ring_steps(self, size: int) -> int:
+        """Ring steps one rank of a group of ``size`` runs per micro-batch: ``size - 1`` hops in each layer's
+        forward and backward."""
+        return RING_PASSES * self.layers * (size - 1)
+
+    def fixed_cost(self, size: int, *, empty: bool = False) -> float:
+        """The fixed cost one rank of a group of ``size`` pays for one micro-batch, besides its documents:
+        ``micro_batch_cost + ring_step_cost * ring_steps(size)``; an empty micro-batch (one rank, padding)
+        pays ``micro_batch_cost`` only."""
+        return self.micro_batch_cost + (0.0 if empty else self.ring_step_cost * self.ring_steps(size))
+
+
+RING_PASSES = 2
+"""Ring passes per layer and micro-batch: the forward's ``c - 1`` hops and the backward's ``c - 1``."""
+
+
+def fit_cost_terms(samples: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
+    """Least-squares fit of ``seconds = a * work + b * micro_batches + r * ring_steps`` (no intercept).
+
+    Args:
+        samples: ``(work, micro_batches, ring_steps, seconds)`` per measurement, ``work`` in the cost
+            model's units (forward FLOPs), ``ring_steps`` as :meth:`CostModel.ring_steps` counts them.
+
+    Returns:
+        ``seconds_per_unit`` (``a``), and the fixed terms in the cost model's units: ``micro_batch_cost =
+        b / a``, ``ring_step_cost = r / a`` (what :class:`CostModel` takes), with ``micro_batch_s`` and
+        ``ring_step_s`` in seconds and ``residual_rel`` (the root-mean-square residual over the mean
+        seconds). A term the data would make negative is pinned to 0 and the rest refitted.
+
+    Raises:
+        ValueError: fewer than 3 samples, or samples that cannot tell the three terms apart.
+    """
+    rows = [tuple(float(v) for v in sample) for sample in samples]
+    if len(rows) < 3 or any(len(r) != 4 for r in rows):
+        raise ValueError(f"fit_cost_terms: needs at least 3 samples of (work, micro_batches, ring_steps, seconds); "
+                         f"got {len(rows)}")
+    active = [0, 1, 2]
+    while True:
+        coef = _least_squares([[r[j] for j in active] for r in rows], [r[3] for r in rows])
+        if coef is None:
+            raise ValueError("fit_cost_terms: the samples do not tell work, micro-batches and ring steps apart "
+                             "(vary the FLOPs per micro-batch and the group size)")
+        full = dict(zip(active, coef))
+        negative = [j for j in active if j != 0 and full[j] < 0]
+        if not negative:
+            break
+        active.remove(negative[0])
+    a, b, r = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
+    if not a > 0:
+        raise ValueError(f"fit_cost_terms: the fitted seconds per unit of work is {a!r}: the samples' time does not "
+                         "grow with their work (measure larger micro-batches)")
+    pred = [a * w + b * m + r * k for w, m, k, _ in rows]
+    mean = sum(t for *_, t in rows) / len(rows)
+    rms = math.sqrt(sum((p_ - t) ** 2 for p_, (*_, t) in zip(pred, rows)) / len(rows))
+    return {"seconds_per_unit": a, "micro_batch_s": b, "ring_step_s": r, "micro_batch_cost": b / a,
+            "ring_step_cost": r / a, "residual_rel": rms / mean if mean else 0.0}
+
+
+def _least_squares(x: list[list[float]], y: list[float]) -> list[float] | None:
+    """Solve the normal equations of ``x @ c ~ y`` (columns scaled to unit norm; Gauss-Jordan with partial
+    pivoting); ``None`` when they are singular."""
+    k = len(x[0])
+    scale = [math.sqrt(sum(row[j] ** 2 for row in x)) or 1.0 for j in range(k)]
+    xs = [[row[j] / scale[j] for j in range(k)] for row in x]
+    m = [[sum(r[i] * r[j] for r in xs) for j in range(k)] + [sum(r[i] * t for r, t in zip(xs, y))] for i in range(k)]
+    for col in range(k):
+        piv = max(range(col, k), key=lambda i: abs(m[i][col]))
+        if abs(m[piv][col]) < 1e-9:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for i in range(k):
+            if i != col:
+                f = m[i][col] / m[col][col]
+                m[i] = [a - f * b for a, b in zip(m[i], m[col])]
+    return [m[i][k] / m[i][i] / scale[i] for i in range(k)]
 
 
 def tokens_per_rank(tokens: int, size: int, pad_multiple: int = 2) -> int:
@@ -178,7 +291,8 @@ class MicroBatch:
         docs: indices into the planned lengths, in packing order (empty: an empty micro-batch).
         tokens: the documents' total length.
         tokens_per_rank: each rank's share, padded (:func:`tokens_per_rank`); ``<=`` the budget.
-        cost_per_rank: the documents' cost over the group's ranks.
+        cost_per_rank: the documents' cost over the group's ranks plus the fixed cost one rank pays for the
+            micro-batch (:meth:`CostModel.fixed_cost`; an empty one pays ``micro_batch_cost``).
         bytes_per_rank: each rank's ring bytes (:func:`ring_bytes_per_rank`).
     """
 
@@ -280,25 +394,28 @@ class _Bin:
     cost: float = 0.0
 
 
+def _capacity(size: int, budget: int, pad: int) -> int:
+    """The most tokens a micro-batch of a group of ``size`` holds: ``tokens_per_rank(t, size, pad) <= budget``
+    exactly when ``t <= _capacity(size, budget, pad)``."""
+    return budget if size == 1 else pad * size * (budget // pad)
+
+
 class _Packing:
-    """Micro-batches over ``num_slots`` slots of a pool, with per-position loads (cost over the step)."""
+    """Micro-batches over ``num_slots`` slots of a pool, with per-position loads (cost over the step, the
+    groups' fixed ring cost included)."""
 
     def __init__(self, num_slots: int, pool: int, budget: int, pad: int) -> None:
-        self.pool, self.budget, self.pad = pool, budget, pad
+        self.num_slots, self.pool, self.budget, self.pad = num_slots, pool, budget, pad
         self.bins: list[_Bin] = []
         self.owner: list[list[_Bin | None]] = [[None] * pool for _ in range(num_slots)]
         self.load = [0.0] * pool
-        self.free_slots = [num_slots] * pool  # per position: slots where it is in no group yet
 
-    def fits(self, b: _Bin, length: int) -> bool:
-        return tokens_per_rank(b.tokens + length, b.size, self.pad) <= self.budget
-
-    def open(self, slot: int, size: int, index: int) -> _Bin:
+    def open(self, slot: int, size: int, index: int, fixed: float) -> _Bin:
         b = _Bin(slot, size, index)
         self.bins.append(b)
         for p in range(index * size, (index + 1) * size):
             self.owner[slot][p] = b
-            self.free_slots[p] -= 1
+            self.load[p] += fixed
         return b
 
     def add(self, b: _Bin, doc: int, length: int, cost: float) -> None:
@@ -308,52 +425,64 @@ class _Packing:
         for p in range(b.index * b.size, (b.index + 1) * b.size):
             self.load[p] += cost / b.size
 
-    def block_free(self, slot: int, size: int, index: int) -> bool:
-        return all(o is None for o in self.owner[slot][index * size:(index + 1) * size])
+    def block_load(self, size: int, index: int) -> float:
+        """The busiest rank's load in the aligned block."""
+        return self.load[index] if size == 1 else max(self.load[index * size:(index + 1) * size])
+
+    def free_slots(self, size: int) -> list[list[int]]:
+        """Per aligned block of ``size``: the slots (ascending) in which none of its positions is taken."""
+        return [[s for s in range(self.num_slots) if all(o is None for o in self.owner[s][i * size:(i + 1) * size])]
+                for i in range(self.pool // size)]
 
 
 def _place(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
-           pool: int, budget: int, pad: int, balance: bool) -> _Packing | None:
-    """Place every document (in ``order``) into ``num_slots`` slots, or ``None`` when one does not fit.
-    ``balance``: each onto the group whose busiest rank is least loaded (LPT); else best fit (the
-    micro-batch with the least room left, else the first free block)."""
+           pool: int, budget: int, pad: int, balance: bool, fixed: dict[int, float]) -> _Packing | None:
+    """Place every document (in ``order``: sizes descending) into ``num_slots`` slots, or ``None`` when one
+    does not fit. ``balance``: each onto the micro-batch of its size whose busiest rank is least loaded
+    after it (LPT; opening a new group counts the group's fixed ring cost, ``fixed[c]``); else best fit
+    (the micro-batch with the least room left, else the first free block). A document joins a larger group
+    only where nothing of its own size has room (that saves a slot and adds no ring step)."""
     pk = _Packing(num_slots, pool, budget, pad)
     by_size: dict[int, list[_Bin]] = {}
+    cur = None
+    free: list[list[int]] = []
+    larger: list[_Bin] = []
+    own: list[_Bin] = []
+    cap = 0
     for d in order:
         c, length, cost = sizes[d], lengths[d], costs[d]
-        best, best_key = None, None
-        for b in by_size.get(c, ()):
-            if not pk.fits(b, length):
+        if c != cur:  # a new size class: only its own blocks open from here on (larger ones came first)
+            cur, cap = c, _capacity(c, budget, pad)
+            free = pk.free_slots(c)
+            own = by_size.setdefault(c, [])
+            larger = sorted((b for size in by_size if size > c for b in by_size[size]),
+                            key=lambda b: (b.size, b.slot, b.index))
+        best, best_key, new = None, None, None
+        for b in own:
+            if b.tokens + length > cap:
                 continue
-            if balance:
-                key = (max(pk.load[b.index * c:(b.index + 1) * c]), 0, b.slot, b.index)
-            else:
-                key = (budget - tokens_per_rank(b.tokens + length, c, pad), 0, b.slot, b.index)
+            key = ((pk.block_load(c, b.index), 0, b.slot, b.index) if balance
+                   else (cap - b.tokens - length, 0, b.slot, b.index))
             if best_key is None or key < best_key:
                 best, best_key = b, key
-        new = None
-        for i in range(pool // c):
-            if not all(pk.free_slots[p] for p in range(i * c, (i + 1) * c)):
+        for i, slots in enumerate(free):
+            if not slots:
                 continue
-            slot = next((s for s in range(num_slots) if pk.block_free(s, c, i)), None)
-            if slot is None:
-                continue
-            key = ((max(pk.load[i * c:(i + 1) * c]), 1, slot, i) if balance else (budget, 1, slot, i))
+            key = ((pk.block_load(c, i) + fixed[c], 1, slots[0], i) if balance else (cap - length, 1, slots[0], i))
             if best_key is None or key < best_key:
-                best, best_key, new = None, key, (slot, c, i)
+                best, best_key, new = None, key, i
             if not balance:
-                break  # first fit: the first free block
+                break  # best fit: a new micro-batch only where none has room, the first free block
         if new is not None:
-            best = pk.open(*new)
-            by_size.setdefault(c, []).append(best)
+            best = pk.open(free[new].pop(0), c, new, fixed[c])
+            own.append(best)
         if best is None:  # no room at its own size: the room left in a larger group saves a slot
-            for b in sorted((b for size in by_size if size > c for b in by_size[size]),
-                            key=lambda b: (b.size, b.slot, b.index)):
-                if not pk.fits(b, length):
+            for b in larger:
+                room = _capacity(b.size, budget, pad) - b.tokens - length
+                if room < 0:
                     continue
-                span = b.index * b.size, (b.index + 1) * b.size
-                key = ((b.size, max(pk.load[span[0]:span[1]]), b.slot, b.index) if balance
-                       else (b.size, budget - tokens_per_rank(b.tokens + length, b.size, pad), b.slot, b.index))
+                key = ((b.size, pk.block_load(b.size, b.index), b.slot, b.index) if balance
+                       else (b.size, room, b.slot, b.index))
                 if best_key is None or key < best_key:
                     best, best_key = b, key
         if best is None:
@@ -372,9 +501,22 @@ def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int
         raise ValueError(f"plan_dynamic: document lengths must be positive integers; got {bad[:5]} (index, length)")
 
 
+def slots_lower_bound(lengths: Sequence[int], sizes: Sequence[int], pool: int, budget: int, pad: int = 2) -> int:
+    """No plan has fewer slots: the larger of the token bound, ``ceil(tokens / (pool * budget))``, and the
+    big documents' forced slots: a document on the largest group ``cmax`` whose share is over half the budget
+    shares that group with no other such document, and a slot has ``pool / cmax`` of them."""
+    tokens = -(-sum(lengths) // (pool * budget))
+    if not sizes:
+        return max(1, tokens)
+    cmax = max(sizes)
+    big = sum(1 for n, c in zip(lengths, sizes) if c == cmax and 2 * tokens_per_rank(n, c, pad) > budget
+              and cmax == (pool & -pool))
+    return max(1, tokens, -(-big // (pool // cmax)))
+
+
 def plan_dynamic(
     lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, *, min_size: int = 1,
-    cost: CostModel | None = None, pad_multiple: int = 2, spread_heavy: bool = False,
+    cost: CostModel | None = None, pad_multiple: int = 2, spread_heavy: bool = False, slot_sync: bool = False,
 ) -> DynamicPlan:
     """Plan one step of length-aware dynamic CP (see the module docstring).
 
@@ -383,15 +525,21 @@ def plan_dynamic(
         pool_size: the DP x SP ranks of one TP rank set.
         max_tokens_per_rank: the most tokens a rank may hold in one micro-batch.
         min_size: the smallest group a document may get (a power of two dividing the pool).
-        cost: the model's cost (default: causal attention pairs only).
+        cost: the model's cost (default: causal attention pairs only, no fixed terms). Its fixed terms
+            (:meth:`CostModel.fixed_cost`) are balanced with the documents' cost, and a new group of ``c``
+            ranks is charged its ring steps, so a larger group is chosen only where it pays for them.
         pad_multiple: a group of ``c > 1`` pads its micro-batch to a multiple of ``pad_multiple * c``.
         spread_heavy: run a document whose cost on its own group exceeds an even share of the step (``cost /
             c > total / pool``) on a larger group when that takes no more slots and lowers the busiest rank's
-            planned cost (by 1% at least; the objective's balance before bytes). Off by default: the cost model
-            does not count a ring step's fixed cost (measured ~12 ms per layer and pass on the benchmark's
-            2-core CPU ranks, BENCHMARKS.md "Length-aware dynamic CP"), so it would spread small steps' short
-            documents over rings for nothing; on for ``python -m seqpar.bench dynamic``, whose heavy documents
-            it pays for.
+            planned cost, ring steps included (by 1% at least; the objective's balance before bytes). Off by
+            default; with a cost model whose ``ring_step_cost`` is too small (a pure FLOP model on a machine
+            where a ring step has a real fixed cost) it spreads documents over rings for nothing.
+        slot_sync: with ``spread_heavy``, for an engine whose every slot waits for the pool's slowest rank
+            (FSDP2 and ZeRO-3 gather per forward): a document is heavy when its share outweighs an even share
+            of one slot (``cost / c > total / (pool * slots)``), and a spread is kept when it lowers the sum
+            over slots of the busiest rank's planned cost (the step time of such an engine) by 1% at least.
+            Without it the busiest rank's cost over the step decides (DDP, ZeRO-1/2: the per-rank balance of
+            the objective).
 
     Returns:
         The :class:`DynamicPlan`; a permutation of ``lengths`` permutes the document indices in it and
@@ -418,28 +566,38 @@ def plan_dynamic(
             )
         sizes.append(c)
     costs = [cost.document_cost(n) for n in lengths]
-    lower = max(1, -(-sum(lengths) // (pool_size * budget)))
-    packing, num_slots = _search(lengths, sizes, costs, lower, None, pool_size, budget, pad)
+    fixed = {c: cost.ring_step_cost * cost.ring_steps(c) for c in allowed}
+    lower = slots_lower_bound(lengths, sizes, pool_size, budget, pad)
+    packing, num_slots = _search(lengths, sizes, costs, lower, None, pool_size, budget, pad, fixed)
     # Balance before bytes (spread_heavy): a document whose share on its own group outweighs an even share of
     # the step (cost / c > total / pool) bounds the busiest rank from below however the rest is placed; spread
-    # it over twice the ranks (more ring bytes, less work on the busiest rank) while that takes no more slots
-    # and lowers the busiest rank's planned cost by at least 1%.
+    # it over twice the ranks (more ring bytes and ring steps, less work on the busiest rank) while that takes
+    # no more slots and lowers the busiest rank's planned cost, ring steps included, by at least 1%.
     mean = sum(costs) / pool_size
     run_sizes = list(sizes)
+
+    def objective(pk: _Packing) -> float:
+        if not slot_sync:
+            return max(pk.load)
+        _align_slots(pk, fixed)
+        return _slot_sync_cost(pk, fixed)
+
     while spread_heavy:
-        heavy = {d for d, c in enumerate(run_sizes) if c < allowed[-1] and costs[d] / c > mean}
+        share = mean / num_slots if slot_sync else mean
+        heavy = {d for d, c in enumerate(run_sizes) if c < allowed[-1] and costs[d] / c > share}
         if not heavy:
             break
         wider = [2 * c if d in heavy else c for d, c in enumerate(run_sizes)]
-        wide_packing, wide_slots = _search(lengths, wider, costs, lower, num_slots, pool_size, budget, pad)
-        if wide_packing is None or max(wide_packing.load) >= 0.99 * max(packing.load):
-            break
+        wide_packing, wide_slots = _search(lengths, wider, costs, lower, num_slots, pool_size, budget, pad, fixed)
+        if wide_packing is None or (wide_slots == num_slots and objective(wide_packing) >= 0.99 * objective(packing)):
+            break  # kept when it saves a slot (the objective's order), else when it lowers the busiest rank by 1%
         packing, num_slots, run_sizes = wide_packing, wide_slots, wider
+    _align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
 
 
 def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int, most: int | None,
-            pool: int, budget: int, pad: int) -> tuple[_Packing | None, int]:
+            pool: int, budget: int, pad: int, fixed: dict[int, float]) -> tuple[_Packing | None, int]:
     """The packing with the least slots from ``lower`` up (at most ``most``; ``(None, most)`` past it), each
     document on a group of ``sizes[d]`` ranks or, to save a slot, a larger one."""
     # larger groups first (they need whole aligned blocks), then the heaviest: ties by length, index
@@ -447,16 +605,232 @@ def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower:
     num_slots = lower
     while most is None or num_slots <= most:  # len(lengths) slots always fit: one document per slot
         for balance in (True, False):
-            packing = _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance)
+            packing = _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance, fixed)
             if packing is not None:
+                _relabel(packing, fixed)
+                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
+                return packing, num_slots
+        for rooms_first in (False, True):
+            packing = _complete(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed, rooms_first)
+            if packing is not None:
+                _relabel(packing, fixed)
+                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
                 return packing, num_slots
         num_slots += 1
     return None, num_slots
 
 
+def _best_subset(items: Sequence[int], cap: int) -> tuple[int, list[int]]:
+    """The largest total ``<= cap`` of a subset of ``items`` (subset-sum over a bitset) and the indices of one
+    such subset, preferring earlier items (the caller sorts them longest first)."""
+    mask = (1 << (cap + 1)) - 1
+    reach = [1]
+    for n in items:
+        reach.append((reach[-1] | (reach[-1] << n)) & mask)
+    best = reach[-1].bit_length() - 1
+    chosen, t = [], best
+    for i in range(len(items) - 1, -1, -1):
+        if not (reach[i] >> t) & 1:  # not reachable without item i: it is in
+            chosen.append(i)
+            t -= items[i]
+    return best, chosen
+
+
+def _complete(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
+              pool: int, budget: int, pad: int, fixed: dict[int, float], rooms_first: bool) -> _Packing | None:
+    """A tighter packing for ``num_slots`` slots where the greedy one failed, by bin completion: size classes
+    largest first; each free aligned block of the class's size (slot by slot) and the room left in the
+    larger groups (smallest first; ``rooms_first``: largest first, before the free blocks, as packed rows
+    do) gets in turn the subset of the class's remaining documents that fills it most (a subset sum, longest
+    documents preferred). ``None`` when documents remain. Balance is left to :func:`_rebalance`."""
+    pk = _Packing(num_slots, pool, budget, pad)
+    for c in sorted(set(sizes), reverse=True):
+        items = sorted((d for d in order if sizes[d] == c), key=lambda d: (-lengths[d], d))
+        cells: list[tuple[int, int, _Bin | None]] = [
+            (s, i, None) for s in range(num_slots) for i in range(pool // c)
+            if all(o is None for o in pk.owner[s][i * c:(i + 1) * c])]
+        rooms: list[tuple[int, int, _Bin | None]] = [
+            (b.slot, b.index, b) for b in sorted(pk.bins, key=lambda b: (-b.size if rooms_first else b.size,
+                                                                         b.slot, b.index))]
+        cells = rooms + cells if rooms_first else cells + rooms
+        for s, i, b in cells:
+            if not items:
+                break
+            cap = _capacity(c, budget, pad) if b is None else _capacity(b.size, budget, pad) - b.tokens
+            if cap < lengths[items[-1]]:
+                continue
+            _, chosen = _best_subset([lengths[d] for d in items], cap)
+            if not chosen:
+                continue
+            if b is None:
+                b = pk.open(s, c, i, fixed[c])
+            for k in chosen:
+                pk.add(b, items[k], lengths[items[k]], costs[items[k]])
+            taken = set(chosen)
+            items = [d for k, d in enumerate(items) if k not in taken]
+        if items:
+            return None
+    return pk
+
+
+def _relabel(pk: _Packing, fixed: dict[int, float]) -> None:
+    """Even the per-position loads by moving whole micro-batches between blocks of one slot: the slot's groups
+    of one size trade their aligned blocks (a one-rank micro-batch may also take a position no group covers in
+    that slot); slot and size groups heaviest first, each micro-batch heaviest first onto the block whose
+    busiest rank is least loaded (LPT). Kept only when it lowers the busiest rank's load."""
+    groups: dict[tuple[int, int], list[_Bin]] = {}
+    for b in pk.bins:
+        groups.setdefault((b.slot, b.size), []).append(b)
+    load = [0.0] * pk.pool
+    placed: list[tuple[_Bin, int]] = []
+    for key in sorted(groups, key=lambda k: (-max(b.cost / b.size for b in groups[k]), k)):
+        slot, c = key
+        bins = sorted(groups[key], key=lambda b: (-b.cost, b.index))
+        blocks = sorted(b.index for b in bins)
+        if c == 1:
+            blocks += [p for p in range(pk.pool) if pk.owner[slot][p] is None]
+        for b in bins:
+            i = min(blocks, key=lambda i: (max(load[i * c:(i + 1) * c]), i))
+            blocks.remove(i)
+            placed.append((b, i))
+            for p in range(i * c, (i + 1) * c):
+                load[p] += fixed[c] + b.cost / c
+    if max(load, default=0.0) >= max(pk.load, default=0.0) * (1 - 1e-12):
+        return
+    for b, _ in placed:
+        for p in range(b.index * b.size, (b.index + 1) * b.size):
+            pk.owner[b.slot][p] = None
+    for b, i in placed:
+        b.index = i
+        for p in range(i * b.size, (i + 1) * b.size):
+            pk.owner[b.slot][p] = b
+    pk.load = load
+
+
+def _rebalance(pk: _Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], budget: int,
+               rounds: int) -> None:
+    """Lower the busiest rank's load by moving or swapping one-rank documents between one-rank micro-batches
+    (or into a free one-rank cell): at most ``rounds`` steps, each the best move or swap out of the busiest
+    position that lowers the pair's larger load; the slot count, the budget and the groups stay."""
+    for _ in range(rounds):
+        p = max(range(pk.pool), key=lambda q: (pk.load[q], -q))
+        mine = [b for row in pk.owner for b in (row[p],) if b is not None and b.size == 1 and b.docs]
+        if not mine:
+            return
+        best = None  # (new larger load, kind, ...)
+        top = pk.load[p]
+        for q in sorted(range(pk.pool), key=lambda q: (pk.load[q], q)):
+            if q == p or pk.load[q] >= top:
+                break
+            theirs = [b for row in pk.owner for b in (row[q],) if b is not None and b.size == 1]
+            free = [s for s in range(pk.num_slots) if pk.owner[s][q] is None]
+            for a in mine:
+                for x in a.docs:
+                    cx = costs[x]
+                    if pk.load[q] + cx < top:  # move x to q: into a micro-batch with room, or a free cell
+                        target = next((t for t in theirs if t.tokens + lengths[x] <= budget), None)
+                        if target is not None or free:
+                            key = max(top - cx, pk.load[q] + cx)
+                            if best is None or key < best[0]:
+                                best = (key, "move", a, x, target, q, free[0] if free else None)
+                    for t in theirs:
+                        for y in t.docs:
+                            delta = cx - costs[y]
+                            if delta <= 0 or pk.load[q] + delta >= top:
+                                continue
+                            if (a.tokens - lengths[x] + lengths[y] > budget
+                                    or t.tokens - lengths[y] + lengths[x] > budget):
+                                continue
+                            key = max(top - delta, pk.load[q] + delta)
+                            if best is None or key < best[0]:
+                                best = (key, "swap", a, x, t, y)
+        if best is None or best[0] >= top * (1 - 1e-9):
+            return
+        if best[1] == "move":
+            _, _, a, x, target, q, slot = best
+            _take(pk, a, x, lengths[x], costs[x])
+            if target is None:
+                target = pk.open(slot, 1, q, 0.0)
+            pk.add(target, x, lengths[x], costs[x])
+        else:
+            _, _, a, x, t, y = best  # each keeps a document: neither cell is freed
+            pk.add(a, y, lengths[y], costs[y])
+            pk.add(t, x, lengths[x], costs[x])
+            _take(pk, a, x, lengths[x], costs[x])
+            _take(pk, t, y, lengths[y], costs[y])
+
+
+def _take(pk: _Packing, b: _Bin, doc: int, length: int, cost: float) -> None:
+    """Remove a document from a one-rank micro-batch (an emptied one frees its cell)."""
+    b.docs.remove(doc)
+    b.tokens -= length
+    b.cost -= cost
+    pk.load[b.index] -= cost
+    if not b.docs:
+        pk.owner[b.slot][b.index] = None
+        pk.bins.remove(b)
+
+
+def _align_slots(pk: _Packing, fixed: dict[int, float], passes: int = 3) -> None:
+    """Order the slots' contents so that heavy micro-batches share slots, for a step whose slots wait for the
+    pool's slowest rank (FSDP2 / ZeRO-3 gathers: the step takes the sum over slots of the slowest micro-batch).
+    Per-rank sums, groups and bytes do not change. For every aligned block (sizes largest first), the slots in
+    which the block's micro-batches lie inside it can trade those contents: the contents go heaviest first onto
+    the slots whose busiest rank outside the block is heaviest (pairing two descending orders minimises the sum
+    of the pairwise maxima, so no step raises the step time)."""
+    num_slots, pool = pk.num_slots, pk.pool
+    if num_slots < 2:
+        return
+    cost = [[0.0 if b is None else b.cost / b.size + fixed[b.size] for b in row] for row in pk.owner]
+
+    def prefix_suffix(s: int) -> tuple[list[float], list[float]]:
+        pre, suf = [0.0] * (pool + 1), [0.0] * (pool + 1)
+        for p in range(pool):
+            pre[p + 1] = max(pre[p], cost[s][p])
+            suf[pool - 1 - p] = max(suf[pool - p], cost[s][pool - 1 - p])
+        return pre, suf
+
+    sizes = [c for c in (1 << k for k in range(pool.bit_length())) if c < pool and pool % c == 0]
+    for _ in range(passes):
+        changed = False
+        for c in reversed(sizes):
+            edges = [prefix_suffix(s) for s in range(num_slots)]
+            for i in range(pool // c):
+                lo, hi = i * c, (i + 1) * c
+                inside = [s for s in range(num_slots) if all(
+                    b is None or (b.index * b.size >= lo and (b.index + 1) * b.size <= hi) for b in pk.owner[s][lo:hi])]
+                if len(inside) < 2:
+                    continue
+                inner = {s: max(cost[s][lo:hi]) for s in inside}
+                outer = {s: max(edges[s][0][lo], edges[s][1][hi]) for s in inside}
+                targets = sorted(inside, key=lambda s: (-outer[s], s))
+                sources = sorted(inside, key=lambda s: (-inner[s], s))
+                if targets == sources:
+                    continue
+                block = {s: (pk.owner[s][lo:hi], cost[s][lo:hi]) for s in inside}
+                for t, src in zip(targets, sources):
+                    owners, costs = block[src]
+                    pk.owner[t][lo:hi] = owners
+                    cost[t][lo:hi] = costs
+                    for b in owners:
+                        if b is not None:
+                            b.slot = t
+                for t in inside:
+                    edges[t] = prefix_suffix(t)
+                changed = True
+        if not changed:
+            return
+
+
+def _slot_sync_cost(pk: _Packing, fixed: dict[int, float]) -> float:
+    """The sum over slots of the busiest rank's cost in the slot."""
+    return sum(max((b.cost / b.size + fixed[b.size] for b in row if b is not None), default=0.0) for row in pk.owner)
+
+
 def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
             min_size: int, lower: int, num_slots: int) -> DynamicPlan:
-    """Freeze a packing: empty groups of one rank where no group covers a position; per-rank sums."""
+    """Freeze a packing: an empty one-rank group where no group covers a position; per-rank sums, fixed costs
+    included."""
     slots = []
     rank_cost, rank_tokens, rank_bytes = [0.0] * pool, [0] * pool, [0] * pool
     for s in range(num_slots):
@@ -465,7 +839,8 @@ def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostMo
         for p in range(pool):
             b = pk.owner[s][p]
             if b is None:
-                row.append(MicroBatch(s, 1, p, (), 0, 0, 0.0, 0))
+                row.append(MicroBatch(s, 1, p, (), 0, 0, cost.fixed_cost(1, empty=True), 0))
+                rank_cost[p] += cost.fixed_cost(1, empty=True)
                 continue
             if id(b) in seen:
                 continue
@@ -473,7 +848,7 @@ def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostMo
             local = tokens_per_rank(b.tokens, b.size, pk.pad)
             docs = tuple(sorted(b.docs, key=lambda d: (-lengths[d], d)))
             mb = MicroBatch(s, b.size, b.index, docs, b.tokens, local,
-                            sum(cost.document_cost(lengths[d]) for d in docs) / b.size,
+                            sum(cost.document_cost(lengths[d]) for d in docs) / b.size + cost.fixed_cost(b.size),
                             ring_bytes_per_rank(local, b.size, cost))
             row.append(mb)
             for q in mb.positions:
@@ -510,13 +885,16 @@ def static_plan(
         for g in range(dp):
             r = s * dp + g
             if r >= len(rows):
-                row_mbs += [MicroBatch(s, 1, g * sp_size + q, (), 0, 0, 0.0, 0) for q in range(sp_size)]
+                row_mbs += [MicroBatch(s, 1, g * sp_size + q, (), 0, 0, cost.fixed_cost(1, empty=True), 0)
+                            for q in range(sp_size)]
+                for q in range(sp_size):
+                    rank_cost[g * sp_size + q] += cost.fixed_cost(1, empty=True)
                 continue
             docs = tuple(range(starts[r], starts[r] + len(rows[r])))
             tokens = sum(rows[r])
             local = tokens_per_rank(tokens, sp_size, pad_multiple)
             mb = MicroBatch(s, sp_size, g, docs, tokens, local,
-                            sum(cost.document_cost(n) for n in rows[r]) / sp_size,
+                            sum(cost.document_cost(n) for n in rows[r]) / sp_size + cost.fixed_cost(sp_size),
                             ring_bytes_per_rank(local, sp_size, cost))
             row_mbs.append(mb)
             for q in mb.positions:
