@@ -84,6 +84,12 @@ __all__ = [
 ]
 
 
+# The names these helpers had in this module before the split, for code written against them (a new name's
+# alias only: the helpers live in seqpar.testing.fake_world and seqpar.testing.sync_scenarios).
+_FakeStream, _FakeEvent, _fake_streams = FakeStream, FakeEvent, fake_streams
+_building, _fake, _layer_hooks, _documents, _mixer_layers = building, fake, layer_hooks, documents, mixer_layers
+
+
 def _attention_layers(sc: Scenario, world: int, checker: SyncChecker, manager: Any) -> list[str]:
     import seqpar
 
