@@ -19,13 +19,10 @@ CPU-only machine (see ``.ci/cuda_venv``). The C++ autograd engine wants a real d
 backward is run by calling each seqpar ``autograd.Function``'s backward directly on its saved
 tensors (:func:`run_backward`); the maths lives in those functions.
 
-:class:`SyncChecker` watches every operation (a ``TorchFunctionMode`` for the Python-level calls,
-``.numpy()`` and ``torch.tensor`` among them, and a ``TorchDispatchMode`` for the aten ops beneath:
-``_local_scalar_dense``, ``nonzero``, ``equal``, cross-device ``_to_copy``...). Inside a **layer**
-scope any of them raises :class:`HostSyncError` naming the operation and the source line. Outside
-(the **batch** scope: what runs once per batch, before the first layer) they are counted and
-answered (known values for tensors registered with :meth:`SyncChecker.cuda`, else ones), so the
-once-per-batch syncs can be counted and shown not to grow with depth.
+:class:`SyncChecker` (:mod:`seqpar.testing.sync_checker`) watches every operation: inside a **layer** scope
+a host sync raises :class:`HostSyncError` naming the operation and the source line; in the **batch** scope
+(what runs once per batch, before the first layer) syncs are counted and answered, so the once-per-batch
+syncs can be counted and shown not to grow with depth.
 
 :func:`run_scenario` / :data:`SCENARIOS` cover every mode and feature; ``python -m
 seqpar.testing.syncs --world-sizes 2 4 8`` runs them all and prints the syncs per batch.
