@@ -1,4 +1,5 @@
-"""Shared pieces of the Trainer / accelerate / PEFT tests: a tiny Llama, its data, the reference.
+"""Shared pieces of the Trainer / accelerate / PEFT tests: a tiny Llama, its data, the reference; and the check
+of a sharded model's gradients against a one-process reference (:func:`assert_grads_equal`, the HF swap tests).
 
 The reference is single-device training on the full sequences with plain PyTorch (no seqpar, no
 engine), in float64, so a seqpar run (fp32) must match it to ~1e-5 relative; the tests allow 1e-4.
@@ -182,3 +183,21 @@ def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-4) 
     assert len(got) == len(ref), (got, ref)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
         assert abs(a - b) <= rtol * abs(b), f"step {i}: loss {a} vs single-device {b} (all: {got} vs {ref})"
+
+
+def assert_grads_equal(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], world: int, what: str,
+                       rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Every parameter's gradient, summed over the ranks (``world`` > 1: an all-reduce over the default
+    group), equals the one-process reference's ``ref_grads`` (float64); a parameter without a gradient
+    must have none in the reference either."""
+    import torch.distributed as dist
+
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert name not in ref_grads, f"{what}: {name} got no gradient"
+            continue
+        grad = p.grad.detach().clone().to(ref_grads[name].dtype)
+        if world > 1:
+            dist.all_reduce(grad)
+        torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{what} grad of {name}: {m}")

@@ -1,4 +1,4 @@
-"""Shared by the recurrent-mixer tests (test_mixers_mamba, test_mixers_lightning, test_mixers_rglru): a packed
+"""Shared by the mixer tests (test_mixers_conv, test_mixers_mamba, test_mixers_lightning, test_mixers_rglru): a packed
 batch of 5 documents (one crossing shard edges), the float64 reference of each document run alone by
 transformers itself, and the check of an fp32 sharded model's loss and every gradient against it."""
 

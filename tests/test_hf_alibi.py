@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hf_tiny import assert_grads_equal
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
@@ -46,19 +47,6 @@ def build(kind: str, dtype: torch.dtype):
     return model.to(dtype)
 
 
-def _assert_grads_equal(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor], world: int, what: str) -> None:
-    """Every parameter's gradient, summed over the ranks, equals the one-process reference's."""
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            assert name not in ref_grads, f"{what}: {name} got no gradient"
-            continue
-        grad = p.grad.detach().clone().to(ref_grads[name].dtype)
-        if world > 1:
-            dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{what} grad of {name}: {m}")
-
-
 def _parity(rank: int, world: int, kind: str, sharding: str, seq_len: int) -> None:
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
@@ -74,7 +62,7 @@ def _parity(rank: int, world: int, kind: str, sharding: str, seq_len: int) -> No
     out = model(**local)
     out.loss.backward()
     assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss), (float(out.loss), float(ref_out.loss))
-    _assert_grads_equal(model, ref_grads, world, kind)
+    assert_grads_equal(model, ref_grads, world, kind, rtol=RTOL, atol=ATOL)
 
 
 CASES = [(kind, world, sharding) for kind in ("bloom", "mpt", "falcon")
@@ -230,7 +218,7 @@ def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: lis
     # float64 models, but transformers' loss upcasts the logits to fp32 only: both sides round there
     got, want = float(out.loss.detach()), float(ref_loss.detach())
     assert abs(got - want) <= 1e-6 * want, (kind, got, want)
-    _assert_grads_equal(model, ref_grads, world, f"{kind} packed")
+    assert_grads_equal(model, ref_grads, world, f"{kind} packed", rtol=RTOL, atol=ATOL)
 
 
 PACKED_CASES = [(kind, world, sharding) for kind in ("bloom", "mpt", "falcon")

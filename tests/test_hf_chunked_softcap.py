@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hf_tiny import assert_grads_equal
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
@@ -82,15 +83,7 @@ def _parity(rank: int, world: int, kind: str, sharding: str, packed: bool, seq_l
     out = model(**local)
     out.loss.backward()
     assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss), (float(out.loss), float(ref_out.loss))
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            assert name not in ref_grads, f"{name} got no gradient"
-            continue
-        grad = p.grad.detach().clone().double()
-        if world > 1:
-            dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{kind} grad of {name}: {m}")
+    assert_grads_equal(model, ref_grads, world, kind, rtol=RTOL, atol=ATOL)
 
 
 CASES = [

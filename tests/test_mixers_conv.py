@@ -5,14 +5,26 @@ and zigzag, on a packed batch, against each document run alone in one process wi
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from mixer_parity import (
+    VOCAB,
+    WORLD,
+    check,
+    documents,
+    one_process_parity,
+    packed_batch,
+    per_document_reference,
+    sharded_parity,
+)
+from mixer_parity import modes as all_modes
 
-import seqpar
 from seqpar.config import SeqParConfig
-from seqpar.mixers import SeqParShortConv, causal_conv_shard, halo_plan
+from seqpar.mixers import causal_conv_shard, halo_plan
 from seqpar.sequence.batch import shard_batch
 from seqpar.sequence.sharding import chunk_ids, gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
@@ -20,7 +32,6 @@ from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 
-WORLD = dist.group.WORLD
 
 
 # ----------------------------------------------------------------------------- the conv alone
@@ -145,11 +156,6 @@ def test_halo_bytes_per_rank_per_layer(dist_pool, world, sharding):
 
 
 # ----------------------------------------------------------------------------- a tiny LFM2
-VOCAB = 61
-LENGTHS = (7, 1, 23, 3, 11)  # 45 tokens, padded at the end; the 23-token document crosses shard edges
-RTOL, ATOL = 1e-4, 1e-6
-
-
 # The LFM2 family: (extra config fields). LFM2-MoE's layer 2 (a conv layer) has experts.
 FAMILIES = {
     "Lfm2": {},
@@ -173,89 +179,24 @@ def tiny_lfm2(dtype: torch.dtype, family: str = "Lfm2") -> torch.nn.Module:
     return model
 
 
-def documents() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (n,), generator=g) for n in LENGTHS]
-
-
-def packed_batch(docs: list[torch.Tensor]) -> dict:
-    return transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": d.tolist()} for d in docs])
-
-
-def per_document_reference(docs: list[torch.Tensor], family: str = "Lfm2") -> tuple[float, dict[str, torch.Tensor]]:
-    """float64 loss and gradients of each document run alone by transformers itself, token-weighted."""
-    ref = tiny_lfm2(torch.float64, family)
-    total, count = 0.0, 0
-    for d in docs:
-        if len(d) < 2:
-            continue
-        out = ref(input_ids=d[None], labels=d[None])
-        total = total + out.loss * (len(d) - 1)
-        count += len(d) - 1
-    loss = total / count
-    loss.backward()
-    return float(loss.detach()), {n: p.grad for n, p in ref.named_parameters()}
-
-
-def check(model, loss: torch.Tensor, ref_loss: float, ref_grads: dict, world: int, what: str) -> None:
-    loss = float(loss.detach())
-    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
-    for name, p in model.named_parameters():
-        grad = p.grad.detach().clone().double()
-        if world > 1:
-            dist.all_reduce(grad)
-        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
-
-
-def _modes(world: int) -> list[dict]:
-    modes = [{"mode": "ring"}, {"mode": "allgather"}, {"mode": "ulysses"}]
-    if world >= 4:
-        modes.append({"mode": "hybrid", "ulysses_size": 2})
-    return modes
+ROUTES = {"model.layers.1.self_attn": "hf", "model.layers.0.conv": "mixer", "model.layers.2.conv": "mixer"}
 
 
 def _lfm2_parity(rank: int, world: int, sharding: str, family: str = "Lfm2", modes: list[dict] | None = None) -> list[str]:
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(docs, family)
-    done = []
-    for mode in modes if modes is not None else _modes(world):
-        # the hybrid takes its Ulysses and ring groups from a manager; the halo then uses its SP group
-        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=2) if mode["mode"] == "hybrid" else None
-        group = None if manager is not None else WORLD
-        try:
-            model = tiny_lfm2(torch.float32, family)
-            report = swap_attention(model, SeqParConfig(size=world, sharding=sharding, **mode), group=group)
-            assert report.routes == {"model.layers.1.self_attn": "hf", "model.layers.0.conv": "mixer",
-                                     "model.layers.2.conv": "mixer"}, report.routes
-            assert isinstance(model.model.layers[0].conv, SeqParShortConv)
-            local = shard_batch(packed_batch(docs), group=group, sharding=sharding)
-            out = model(**local)
-            out.loss.backward()
-            check(model, out.loss, ref_loss, ref_grads, world, f"{mode} {sharding}")
-        finally:
-            if manager is not None:
-                seqpar.destroy_process_groups(manager)
-        done.append(mode["mode"])
-    return done
+    # the hybrid's halo uses the manager's SP group (mixer_parity.sharded_parity)
+    return sharded_parity(functools.partial(tiny_lfm2, family=family), ROUTES, world, sharding, modes)
 
 
 def test_lfm2_packed_one_process_equals_each_document_alone():
     # transformers' own torch path convolves across the documents of a packed batch; the swapped one does not.
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(docs)
-    model = tiny_lfm2(torch.float32)
-    swap_attention(model)
-    out = model(**packed_batch(docs))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, 1, "one process")
+    one_process_parity(tiny_lfm2)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
     done = dist_pool.run(world, _lfm2_parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in _modes(world)]
+    assert done == [m["mode"] for m in all_modes(world)]
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "Lfm2", "balanced"), (4, "Lfm2", "balanced"),
@@ -279,7 +220,7 @@ def _lfm2_checkpointed(rank: int, world: int) -> None:
     from hf_tiny import enable_checkpointing
 
     docs = documents()
-    ref_loss, ref_grads = per_document_reference(docs)
+    ref_loss, ref_grads = per_document_reference(tiny_lfm2, docs)
     model = tiny_lfm2(torch.float32).train()
     enable_checkpointing(model)  # the recompute repeats the halo exchange, on every rank alike
     swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)

@@ -6,10 +6,18 @@ seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rop
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
 attribute): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
 ``"allgather"``, more than one rank in the call's SP group, the dense pattern; under dynamic CP the group the
-layer's call carries, which forward hooks hold for ``expand_kv``: transformers calls it without them), the wrapper keeps the latent on the module and returns zero-cost stand-ins of K/V's shapes
+layer's call carries), the wrapper keeps the latent on the layer call's frame and returns zero-cost stand-ins
+of K/V's shapes
 (broadcast views, no storage); seqpar's attention function takes the latent back
 (:func:`take_latent`, matching the stand-in by identity) and runs
 :class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``). Otherwise ``expand_kv`` runs as the model wrote it.
+
+transformers calls ``expand_kv`` without the layer's keyword arguments, so each call of the layer holds a
+frame (:mod:`seqpar.swap.frame`, forward hooks) with the group the call carries and, between ``expand_kv``
+and the attention call, the latent: nothing of one call stays on the module, so two forwards before their
+backwards, a recompute under activation checkpointing (which replays the call's keyword arguments) and two
+threads each see their own call's. A latent no attention call took by the end of the layer's call (the
+stand-ins went elsewhere: they hold zeros) raises.
 
 ``kv_b_proj``'s weight is read only inside a call of ``kv_b_proj`` itself (:meth:`LatentCall.run`: the
 latent attention runs as that module's forward), so an engine that materialises a module's parameters
@@ -40,9 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.attn.latent import MLADims, MLAExpander
-from seqpar.runtime.groups import resolve_group
-from seqpar.runtime.thread_state import ThreadState
-from seqpar.sequence.call_group import GROUP_KEY, call_group
+from seqpar.swap.frame import CallFrame, frame_of, hold_calls
 from seqpar.swap.state import is_probing
 
 __all__ = ["mla_dims", "install_latent_transfer", "take_latent", "LatentCall", "LatentBody", "run_in_projection"]
@@ -56,43 +62,21 @@ def _warn_once(message: str) -> None:
         _warned.add(message)
         logger.warning(message)
 
-_LATENT_ATTR = "_seqpar_latent"  # the stashed latent of the call in flight
 _ORIGINAL_ATTR = "_seqpar_expand_kv"  # the module's own expand_kv
 _VERDICT_ATTR = "_seqpar_latent_ok"  # None: not probed yet
 _HEADS_ATTR = "_seqpar_latent_heads"  # this rank's head count, as kv_b_proj's forward sees its weight
 _PROJ_ATTR = "_seqpar_kv_b_forward"  # kv_b_proj's own forward, under the one that takes seqpar_latent
-_FORWARD_ATTR = "_seqpar_mla_call_group"  # True once the layer's hooks hold its calls' groups
-
-_local = ThreadState(stack=list)  # stack: list[tuple[nn.Module, Any]], see _call_groups
 
 
-def _call_groups() -> list[tuple[nn.Module, Any]]:
-    """This thread's stack of ``(layer, group)`` of the running MLA layers' calls (innermost last; group None:
-    the call carries none). A layer's call pushes its own (:func:`_hold_call_group`), so a recompute under activation
-    checkpointing, which replays the call's keyword arguments, sees its own micro-batch's group."""
-    return _local.stack
-
-
-def _push_call_group(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-    _call_groups().append((module, kwargs.get(GROUP_KEY)))
-
-
-def _pop_call_group(module: nn.Module, args: tuple, output: Any) -> None:
-    # always_call: runs even when the forward (or an earlier pre-hook) raised; let go only of what the push took
-    stack = _call_groups()
-    if stack and stack[-1][0] is module:
-        stack.pop()
-
-
-def _hold_call_group(module: nn.Module) -> None:
-    """Hook ``module`` (once) so that ``expand_kv``, which transformers calls without the layer's keyword
-    arguments, can read the group the layer's call carries (dynamic CP: :data:`GROUP_KEY`). Hooks, not a
-    wrapped forward: a deep copy of the model then holds its own calls' groups."""
-    if module.__dict__.get(_FORWARD_ATTR):
-        return
-    module.register_forward_pre_hook(_push_call_group, with_kwargs=True)
-    module.register_forward_hook(_pop_call_group, always_call=True)
-    setattr(module, _FORWARD_ATTR, True)
+def _untaken_latent(frame: CallFrame) -> None:
+    """The end of an MLA layer's call (:func:`~seqpar.swap.frame.hold_calls`): its ``expand_kv`` stashed a
+    latent and returned zero stand-ins, so an attention call that did not take the latent back attended zeros."""
+    if frame.latent is not None:
+        raise RuntimeError(
+            f"seqpar: {type(frame.owner).__name__}'s expand_kv stashed an MLA latent, but no seqpar attention call "
+            "of the layer took it (its K/V stand-ins hold zeros); set sequence_parallel.mla_transfer to "
+            '"expanded" for this model'
+        )
 
 
 LatentBody = Callable[[Tensor, Tensor, Tensor], Any]
@@ -249,15 +233,12 @@ def _verdict(module: nn.Module, original: Callable, dims: MLADims, like: Tensor)
     return None, "its expand_kv differs from the latent expansion seqpar does"
 
 
-def _ring_will_run(module: nn.Module, options: Any) -> bool:
-    """The layer's call will be the ring or the all-gather over more than one rank (the latent paths): over
-    the group the running call carries (dynamic CP, :func:`_hold_call_group`), else the swap's."""
+def _ring_will_run(frame: CallFrame, options: Any) -> bool:
+    """The layer's call (``frame``) will be the ring or the all-gather over more than one rank (the latent
+    paths): over the call's group (dynamic CP: the group it carries, else the swap's)."""
     if options.mode not in ("ring", "allgather") or options.pattern.type != "dense":
         return False
-    stack = _call_groups()
-    carried = stack[-1][1] if stack and stack[-1][0] is module else None
-    group = resolve_group(call_group({GROUP_KEY: carried}, options.group))
-    return group is not None and dist.get_world_size(group) > 1
+    return frame.group is not None and dist.get_world_size(frame.group) > 1
 
 
 def install_latent_transfer(module: nn.Module, options: Any) -> bool:
@@ -273,10 +254,12 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
     setattr(module, _VERDICT_ATTR, None)
     setattr(module, _HEADS_ATTR, None)
     _prepare_projection(module.kv_b_proj)
-    _hold_call_group(module)
+    # each call of the layer holds a frame: its group, and the latent between expand_kv and the attention
+    hold_calls(module, options.group, on_leave=_untaken_latent)
 
     def expand_kv(kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
-        if is_probing() or not _ring_will_run(module, options):  # the position-mixing probe attends self-only
+        frame = frame_of(module)  # None: called outside the layer's call, which holds no latent for it
+        if frame is None or is_probing() or not _ring_will_run(frame, options):  # the probe attends self-only
             return original(kv_nope, k_rot)
         if getattr(module, _VERDICT_ATTR) is None:
             heads, why = _verdict(module, original, dims, kv_nope)
@@ -292,7 +275,7 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
         zero = kv_nope.new_zeros(())
         key = zero.expand(b, local.heads, n, local.qk_nope_head_dim + local.qk_rope_head_dim)
         value = zero.expand(b, local.heads, n, local.v_head_dim)
-        setattr(module, _LATENT_ATTR, LatentCall(kv_nope, k_rot, module.kv_b_proj, local, key, value, original))
+        frame.latent = LatentCall(kv_nope, k_rot, module.kv_b_proj, local, key, value, original)
         return key, value
 
     module.expand_kv = expand_kv
@@ -300,11 +283,14 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
 
 
 def take_latent(module: nn.Module, key: Tensor, value: Tensor) -> LatentCall | None:
-    """The latent stashed by this layer's ``expand_kv`` for the call whose K/V stand-ins are ``key``,
-    ``value`` (None: the layer passed real K/V). Raises if a stash does not belong to this call."""
-    call: LatentCall | None = module.__dict__.pop(_LATENT_ATTR, None)
+    """The latent stashed by this layer's ``expand_kv`` on its running call's frame for the attention call
+    whose K/V stand-ins are ``key``, ``value`` (None: the layer passed real K/V). Raises if a stash does not
+    belong to this call."""
+    frame = frame_of(module)
+    call: LatentCall | None = None if frame is None else frame.latent
     if call is None:
         return None
+    frame.latent = None
     if call.key is not key or call.value is not value:
         raise RuntimeError(
             f"seqpar: {type(module).__name__} stashed an MLA latent, but its attention call received other "

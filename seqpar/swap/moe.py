@@ -37,16 +37,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.runtime.groups import resolve_group
-from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.batch import TOKEN_MASK_KEY
-from seqpar.sequence.call_group import GROUP_KEY, call_group
 from seqpar.sequence.router import (
     pkm_routing_statistics,
     routing_statistics,
     sequence_parallel_expert_counts,
     sequence_parallel_z_loss,
 )
+from seqpar.swap import frame as call_frame
 from seqpar.swap.options import SwapError
 
 __all__ = ["install", "install_dispatcher", "router_loss_problem", "ExpertCounter", "FUNCTION_NAME"]
@@ -57,42 +55,15 @@ _HOOKS_ATTR = "_seqpar_router_hooks"
 # Bamba's inline z-loss, as transformers 5.x writes it; another form is refused under SP.
 _Z_LOSS_SOURCE = "logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()"
 
-_local = ThreadState(stack=list)  # stack: list[_Frame], this thread's running swapped models (innermost last)
-
-
-class _Frame:
-    """A running swapped model: its SP group (resolved), the group its call carries (dynamic CP; None: none)
-    and the batch's token mask, if any."""
-
-    def __init__(self, group: dist.ProcessGroup | None, carried: dist.ProcessGroup | None = None) -> None:
-        self.group = group
-        self.carried = carried
-        self.token_mask: Tensor | None = None
-
-
-def _frames() -> list[_Frame]:
-    """This thread's stack of running swapped models (innermost last)."""
-    return _local.stack
-
 
 def take_token_mask(kwargs: dict[str, Any]) -> None:
     """Remove :data:`~seqpar.sequence.batch.TOKEN_MASK_KEY` from a swapped model's keyword arguments
-    and keep it for the running forward's router statistics (called by the input preparer)."""
+    and keep it on the running call's frame (:mod:`seqpar.swap.frame`) for its router statistics (called by
+    the input preparer)."""
     mask = kwargs.pop(TOKEN_MASK_KEY, None)
-    stack = _frames()
-    if stack and mask is not None:
-        stack[-1].token_mask = mask
-
-
-def _carried_group() -> dist.ProcessGroup | None:
-    """The SP group the running swapped model's call carries (dynamic CP: each micro-batch's; nested models
-    share the outermost's), None outside one or when the call carries none."""
-    return next((f.carried for f in reversed(_frames()) if f.carried is not None), None)
-
-
-def _token_mask() -> Tensor | None:
-    """The running batch's token mask (given to the outermost swapped model; nested ones share it)."""
-    return next((f.token_mask for f in reversed(_frames()) if f.token_mask is not None), None)
+    frame = call_frame.innermost()
+    if frame is not None and mask is not None:
+        frame.token_mask = mask
 
 
 def _masked(attention_mask: Tensor | None, token_mask: Tensor | None) -> Tensor | None:
@@ -199,9 +170,8 @@ def _dispatcher(original: Callable, module_name: str) -> Callable:
     form = _form_of(original)
 
     def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
-        stack = _frames()
-        frame = stack[-1] if stack else None
-        token_mask = _token_mask()
+        frame = call_frame.innermost()  # the running swapped call's: its group, the batch's token mask
+        token_mask = call_frame.token_mask()
         if frame is None or (_world(frame.group) == 1 and token_mask is None):
             return original(*args, **kwargs)
         if form is None:
@@ -300,22 +270,24 @@ def _z_loss_problem(model: nn.Module) -> str | None:
     return None
 
 
-def _z_loss_hook(swap_group: dist.ProcessGroup | None) -> Callable:
-    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
-        group = call_group(kwargs, swap_group)  # dynamic CP: the micro-batch's group travels with the call
-        coef = getattr(module, "z_loss_coefficient", 0) or 0
-        loss = getattr(output, "loss", None)
-        token_mask = _token_mask()
-        if coef <= 0 or loss is None or (_world(resolve_group(group)) == 1 and token_mask is None):
-            return output
-        logits = output.logits
-        # The forward added coef * (this shard's mean); replace it by the sequence's mean. Both terms
-        # are computed here the same way as the forward did, so their gradients cancel.
-        local = logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
-        whole = sequence_parallel_z_loss(logits.to(loss.dtype), group=group, mask=token_mask)
-        output.loss = loss + coef * (whole - local)
+def _z_loss_hook(module: nn.Module, args: Any, output: Any) -> Any:
+    """Runs inside the model call's frame (registered before :func:`~seqpar.swap.frame.hold_calls`' hooks)."""
+    frame = call_frame.frame_of(module)
+    if frame is None:
         return output
-    return hook
+    group = frame.group  # dynamic CP: the micro-batch's group, which its call carries
+    coef = getattr(module, "z_loss_coefficient", 0) or 0
+    loss = getattr(output, "loss", None)
+    token_mask = call_frame.token_mask()
+    if coef <= 0 or loss is None or (_world(group) == 1 and token_mask is None):
+        return output
+    logits = output.logits
+    # The forward added coef * (this shard's mean); replace it by the sequence's mean. Both terms
+    # are computed here the same way as the forward did, so their gradients cancel.
+    local = logits.logsumexp(dim=-1).to(dtype=loss.dtype).pow(2).mean()
+    whole = sequence_parallel_z_loss(logits.to(loss.dtype), group=group, mask=token_mask)
+    output.loss = loss + coef * (whole - local)
+    return output
 
 
 # ----------------------------------------------------------------------------- install
@@ -333,30 +305,18 @@ def install(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     for pm in _pretrained(model):
         for handle in getattr(pm, _HOOKS_ATTR, ()):
             handle.remove()
-        handles = [pm.register_forward_pre_hook(_enter(group), with_kwargs=True)]
-        if getattr(pm, "z_loss_coefficient", None) is not None:  # before _exit: it reads the frame
-            handles.append(pm.register_forward_hook(_z_loss_hook(group), with_kwargs=True))
-        handles.append(pm.register_forward_hook(_exit, always_call=True))
+        handles = []
+        if getattr(pm, "z_loss_coefficient", None) is not None:  # before the frame's hooks: it reads the frame
+            handles.append(pm.register_forward_hook(_z_loss_hook))
         setattr(pm, _HOOKS_ATTR, tuple(handles))
+        # each call holds a frame: its group (dynamic CP: the micro-batch's) and the batch's token mask
+        call_frame.hold_calls(pm, group)
 
 
 def _pretrained(model: nn.Module) -> list[nn.Module]:
     import transformers  # the swap imports this module only with transformers installed
 
     return [m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)]
-
-
-def _enter(group: dist.ProcessGroup | None) -> Callable:
-    def hook(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        # dynamic CP: the micro-batch's group travels with the call; the frame holds it for this forward only
-        _frames().append(_Frame(resolve_group(call_group(kwargs, group)), kwargs.get(GROUP_KEY)))
-    return hook
-
-
-def _exit(module: nn.Module, args: Any, output: Any) -> None:
-    stack = _frames()
-    if stack:
-        stack.pop()
 
 
 # ----------------------------------------------------------------------------- expert counts
@@ -428,9 +388,9 @@ class ExpertCounter:
                 raise ValueError(
                     f"seqpar: router '{name}' ({type(module).__name__}) returned no integer expert ids; "
                     "ExpertCounter needs routers returning (logits, weights, indices)")
-            # dynamic CP: over the micro-batch's group, which its call carries; else the counter's
-            carried = _carried_group()
-            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, mask=_token_mask(),
+            # dynamic CP: over the micro-batch's group, which its call's frame carries; else the counter's
+            carried = call_frame.carried_group()
+            counts = sequence_parallel_expert_counts(indices.detach(), num_experts, mask=call_frame.token_mask(),
                                                      group=self.group if carried is None else carried)
             self.counts[name] = counts + self.counts[name] if name in self.counts else counts
         return hook
