@@ -70,23 +70,23 @@ def _run(argv: list[str]) -> tuple[list[float], list[dict[str, torch.Tensor]], i
 
     train = train_module()
     grads: list[dict[str, torch.Tensor]] = []
-    updates = {cls: cls.dynamic_update for cls in (train._FSDPEngine, train._DeepSpeedEngine)}
+    updates = {cls: cls.update for cls in (train.FSDPEngine, train.DeepSpeedEngine)}
 
     def recording(update: Any) -> Any:
-        def dynamic_update(self: Any) -> None:
+        def recorded_update(self: Any) -> None:
             grads.append(_full_grads(self.model))
             update(self)
-        return dynamic_update
+        return recorded_update
 
     torch._dynamo.reset()
     before = _graphs()
     for cls, update in updates.items():
-        cls.dynamic_update = recording(update)
+        cls.update = recording(update)
     try:
         losses = run_main(argv)["loss"]
     finally:
         for cls, update in updates.items():
-            cls.dynamic_update = update
+            cls.update = update
     graphs = _graphs() - before
     torch._dynamo.reset()
     return losses, grads, graphs
