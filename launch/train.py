@@ -38,6 +38,10 @@ Metrics (``--metrics-out``): per-step ``loss`` (global: mean over DP replicas of
 and ``peak_mem_kind`` saying what that figure is, ``recall_accuracy`` on held-out samples, and the
 run's settings. A resumed run continues with the same losses as an uninterrupted one (the data of
 step ``s`` depends only on the seed and ``s``).
+
+Beside this file: ``launch/recall.py`` (the task and its accuracy) and ``launch/engines.py`` (DeepSpeed and
+FSDP behind the calls the loop makes); ``--dynamic`` steps are planned by ``seqpar.sequence.dynamic_step`` and
+driven by ``seqpar.integrations.dynamic``, as under ``SeqParTrainer``.
 """
 
 from __future__ import annotations
