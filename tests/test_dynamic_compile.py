@@ -1,6 +1,7 @@
 """Length-aware dynamic CP compiled (issues 31 and 32): ``launch/train.py --dynamic --compile`` under FSDP2
 (each block compiled, ``fullgraph=True``) and DeepSpeed ZeRO-2 (``engine.compile()``), and ``SeqParTrainer`` with
-``torch_compile=True`` on its FSDP2 path, give the eager dynamic run's per-step losses (1e-5) and every reduced
+``torch_compile=True`` on its FSDP2 path and under DeepSpeed ZeRO-2 (accelerate's ``engine.compile()``; both
+against the trainer's eager FSDP2 run), give the eager dynamic run's per-step losses (1e-5) and every reduced
 gradient (1e-5 of its own scale), and really compiled (dynamo made graphs in the compiled run, none in the eager
 one), within a bounded number of graphs. Backend ``aot_eager``.
 
@@ -18,7 +19,8 @@ compile, whose graph breaks outside the blocks make several frames).
 Seen failing: ``guard_group`` made a no-op (dynamo folds ``dist.get_world_size(group)`` without guarding the
 group, torch 2.13): the graph traced for a rank's 1-rank micro-batch ran its next 4-rank one, and the attention
 op raised "cu_seqlens must end at the global sequence length 14, got 56"; ``raise_recompile_limit`` not
-raising: ``test_recompile_limit_covers_the_pool`` fails.
+raising: ``test_recompile_limit_covers_the_pool`` fails. The trainer's DeepSpeed ZeRO-2 compiled run alone, with
+``guard_group`` a no-op: "cu_seqlens must end at the global sequence length 12, got 48".
 """
 
 from __future__ import annotations
@@ -172,10 +174,12 @@ def _eager_and_compiled(rank: int, world: int, paths: dict[str, str], tmp: str) 
         compiled = _run([*argv, "--compile", "--compile-backend", "aot_eager"])
         out[engine] = (eager, compiled, torch._dynamo.config.recompile_limit)
         torch._dynamo.config.recompile_limit = limit
+    # the trainer's eager FSDP2 run is the reference of its compiled FSDP2 and DeepSpeed ZeRO-2 runs (the same
+    # step: test_dynamic_engines checks the trainer's eager FSDP2 and ZeRO-3 runs against one float64 process)
+    eager = _trainer(rank, world, f"{tmp}/eager{rank}", False)
     for name, zero_stage in (("SeqParTrainer fsdp2", None), ("SeqParTrainer zero2", 2)):
         limit = torch._dynamo.config.recompile_limit
-        eager = _trainer(rank, world, f"{tmp}/eager{rank}", False, zero_stage)
-        compiled = _trainer(rank, world, f"{tmp}/compiled{rank}", True, zero_stage)
+        compiled = _trainer(rank, world, f"{tmp}/compiled_{name[-5:]}_{rank}", True, zero_stage)
         out[name] = (eager, compiled, torch._dynamo.config.recompile_limit)
         torch._dynamo.config.recompile_limit = limit
     return out
