@@ -422,66 +422,38 @@ class SequenceParallelMixin:
         Trainer's loop decides when to step the optimizer by counting micro-batches against the fixed
         ``gradient_accumulation_steps`` (its ``do_sync_step``), so a step of a variable number of micro-batches
         cannot go through it: ``gradient_accumulation_steps`` is 1 (checked at construction) and this one
-        Trainer micro-step runs the whole plan (Trainer then clips, steps and zeroes once, as for any step). The step's documents are the global batch's: this DP replica's
+        Trainer micro-step runs the whole plan. The step's documents are the global batch's: this DP replica's
         batch (:func:`_batch_documents`) gathered over the DP group, the same list on every rank. Every rank
-        plans them alike (:func:`seqpar.sequence.dynamic.plan_dynamic`) and runs its planned micro-batches
-        (:func:`seqpar.sequence.batch.rank_micro_batches`, every rank as many; each carries its group), whose
+        plans them alike and cuts its micro-batches (:func:`seqpar.sequence.dynamic_step.plan_step`), whose
         ``num_items_in_batch`` is the targets of the whole global batch (Trainer's own count, the same number,
-        is not used). Both engines divide the gradient they reduce over the pool by ``dp`` (FSDP2: seqpar's
-        divide factor; DeepSpeed: its average, which seqpar's ``initialize`` makes a division by ``dp`` under
-        every ZeRO stage), so each loss is multiplied by ``dp`` and the reduced gradient is the sum over the
-        pool, the gradient of the step's mean. FSDP2 reduces once, at the last micro-batch
-        (``set_requires_gradient_sync``). DeepSpeed is driven directly, as ``launch/train.py --dynamic`` does:
-        the last micro-batch is its accumulation boundary (``set_gradient_accumulation_boundary``),
-        ``backward(scale_wrt_gas=False)`` (no division by its accumulation steps), and ``engine.step()`` once
-        at the end (its clipping, update and zeroing; accelerate's optimizer and scheduler wrappers, which
-        Trainer steps next, do nothing under DeepSpeed).
+        is not used), and :func:`seqpar.integrations.dynamic.run_dynamic_step` runs them, as for
+        ``launch/train.py --dynamic``: each loss times ``dp``, one reduction per step. FSDP2: Trainer then
+        clips, steps and zeroes once, as for any step (the backward is accelerate's, which divides by its
+        ``gradient_accumulation_steps``, 1 here). DeepSpeed is driven directly: ``engine.step()`` once at the
+        step's accumulation boundary (its clipping, update and zeroing; accelerate's optimizer and scheduler
+        wrappers, which Trainer steps next, do nothing under DeepSpeed).
         """
         import torch.distributed as dist
 
-        from seqpar.sequence.batch import rank_micro_batches
-        from seqpar.sequence.call_group import GROUP_KEY
-        from seqpar.sequence.dynamic import plan_dynamic
+        from seqpar.integrations.dynamic import run_dynamic_step
+        from seqpar.sequence.dynamic_step import plan_step
 
-        manager, dynamic = self.seqpar_manager, self.seqpar_config.dynamic
+        manager = self.seqpar_manager
         docs = _batch_documents(inputs)
         if manager.dp_size > 1:  # every rank needs every document of the global batch
             gathered: list[Any] = [None] * manager.dp_size
             dist.all_gather_object(gathered, docs, group=manager.dp_group)
             docs = [doc for replica in gathered for doc in replica]
-        plan = plan_dynamic([int(ids.numel()) for ids, _ in docs], manager.pool_size, dynamic.max_tokens_per_rank,
-                            min_size=dynamic.min_size)
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
-        micro = rank_micro_batches(plan, [ids for ids, _ in docs], manager, labels=[lab for _, lab in docs],
-                                   sharding=self.seqpar_config.sharding, pad_token_id=0 if pad is None else int(pad))
+        step = plan_step([ids for ids, _ in docs], manager, self.seqpar_config.dynamic,
+                         labels=[lab for _, lab in docs], sharding=self.seqpar_config.sharding,
+                         pad_token_id=0 if pad is None else int(pad))
         model.train()
         deepspeed = self._seqpar_engine == "deepspeed"  # model is then the DeepSpeed engine
-        sync = None if deepspeed else getattr(model, "set_requires_gradient_sync", None)
-        total = torch.zeros((), dtype=torch.float64)
-        try:
-            for i, batch in enumerate(micro):
-                last = i == len(micro) - 1
-                if deepspeed:
-                    model.set_gradient_accumulation_boundary(last)  # before the forward, as DeepSpeed asks
-                elif sync is not None:
-                    sync(last)
-                batch = self._prepare_inputs(batch)
-                with self.compute_loss_context_manager():
-                    loss = model(**batch).loss
-                if deepspeed:
-                    model.backward(loss * manager.dp_size, scale_wrt_gas=False)
-                else:  # accelerate divides by its gradient_accumulation_steps, 1 here
-                    self.accelerator.backward(loss * manager.dp_size)
-                total += loss.detach().double().cpu() / dist.get_world_size(batch[GROUP_KEY])  # the group's ranks all hold it
-            if deepspeed:
-                model.step()  # the boundary: DeepSpeed clips, updates and zeroes
-        finally:
-            if deepspeed:
-                model.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's counter
-            elif sync is not None:
-                sync(True)
-        dist.all_reduce(total, group=manager.sp_dp_group)
-        return total.to(device=self.args.device, dtype=torch.float32)
+        loss = run_dynamic_step(model, step, deepspeed=deepspeed,
+                                backward=None if deepspeed else self.accelerator.backward,
+                                prepare=self._prepare_inputs, context=self.compute_loss_context_manager)
+        return loss.to(device=self.args.device, dtype=torch.float32)
 
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Any = None) -> tuple[Any, None, None]:

@@ -38,6 +38,10 @@ Metrics (``--metrics-out``): per-step ``loss`` (global: mean over DP replicas of
 and ``peak_mem_kind`` saying what that figure is, ``recall_accuracy`` on held-out samples, and the
 run's settings. A resumed run continues with the same losses as an uninterrupted one (the data of
 step ``s`` depends only on the seed and ``s``).
+
+Beside this file: ``launch/recall.py`` (the task and its accuracy) and ``launch/engines.py`` (DeepSpeed and
+FSDP behind the calls the loop makes); ``--dynamic`` steps are planned by ``seqpar.sequence.dynamic_step`` and
+driven by ``seqpar.integrations.dynamic``, as under ``SeqParTrainer``.
 """
 
 from __future__ import annotations
@@ -53,7 +57,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -71,7 +74,25 @@ _DEEPSPEED_KEYS = (
     "gradient_accumulation_steps", "optimizer", "bf16", "fp16",
 )
 _LAUNCHER_KEYS = ("model", "train", "fsdp")
-IGNORE = -100
+
+
+def _sibling(name: str) -> Any:
+    """``launch/<name>.py``, loaded by path once per process: the launcher is a script (``python launch/train.py``,
+    or loaded by path as the tests and launch/soak.py do), so ``launch/`` is not on the import path."""
+    key = f"seqpar_launch_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                        f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+_recall, _engines = _sibling("recall"), _sibling("engines")
+IGNORE, RecallTask, recall_accuracy = _recall.IGNORE, _recall.RecallTask, _recall.recall_accuracy  # the task
+Engine, DeepSpeedEngine, FSDPEngine = _engines.Engine, _engines.DeepSpeedEngine, _engines.FSDPEngine
+packed_kwargs = _engines.packed_kwargs
 
 
 # ============================================================================ settings
@@ -203,89 +224,6 @@ def compile_backends() -> list[str]:
     from torch._dynamo import list_backends
 
     return list_backends(exclude_tags=())
-
-
-# ============================================================================ data
-class RecallTask:
-    """Deterministic long-range key/value recall samples (see the module docstring)."""
-
-    PAD, BOS, SEP = 0, 1, 2
-
-    def __init__(self, s: TrainSettings) -> None:
-        self.s = s
-        self.key0 = 3
-        self.value0 = self.key0 + s.num_keys
-        self.filler0 = self.value0 + s.num_values
-        self.vocab_size = self.filler0 + s.filler_vocab
-
-    @property
-    def min_len(self) -> int:
-        """The shortest valid sample: BOS, the pairs, the queries and one filler token."""
-        return 1 + 2 * self.s.num_pairs + 3 * self.s.num_queries + 1
-
-    def sample(self, index: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample ``index``: ``(input_ids (L,), labels (L,))`` with ``L = length or seq_len``; labels
-        are ``-100`` except answers."""
-        s = dataclasses.replace(self.s, seq_len=length) if length is not None else self.s
-        g = torch.Generator().manual_seed(s.seed * 1_000_003 + index)
-        keys = torch.randperm(s.num_keys, generator=g)[: s.num_pairs] + self.key0
-        values = torch.randint(0, s.num_values, (s.num_pairs,), generator=g) + self.value0
-        asked = torch.randint(0, s.num_pairs, (s.num_queries,), generator=g)
-        head = torch.stack([keys, values], dim=1).flatten()  # k1 v1 k2 v2 ...
-        tail = torch.stack(
-            [torch.full((s.num_queries,), self.SEP), keys[asked], values[asked]], dim=1
-        ).flatten()  # SEP k v SEP k v ...
-        n_fill = s.seq_len - 1 - head.numel() - tail.numel()
-        filler = torch.randint(0, s.filler_vocab, (n_fill,), generator=g) + self.filler0
-        ids = torch.cat([torch.tensor([self.BOS]), head, filler, tail])
-        labels = torch.full_like(ids, IGNORE)
-        answer_pos = torch.arange(s.seq_len - tail.numel() + 2, s.seq_len, 3)
-        labels[answer_pos] = ids[answer_pos]
-        return ids, labels
-
-    def batch(self, first: int, n: int) -> dict[str, torch.Tensor]:
-        """Samples ``first .. first+n-1`` stacked: ``input_ids``/``labels`` ``(n, S)``."""
-        pairs = [self.sample(first + i) for i in range(n)]
-        return {
-            "input_ids": torch.stack([p[0] for p in pairs]),
-            "labels": torch.stack([p[1] for p in pairs]),
-        }
-
-
-    def packed_lengths(self, first: int) -> list[int]:
-        """Document lengths of packed row ``first``: log-uniform in ``[min_len, seq_len]`` (a long
-        tail of short samples), or log-normal (``train.packed_lengths``), the last one taking what is
-        left so they sum to ``seq_len``."""
-        g = torch.Generator().manual_seed(self.s.seed * 7_000_003 + first)
-        lo, hi, left = math.log(self.min_len), math.log(self.s.seq_len), self.s.seq_len
-        lengths: list[int] = []
-        while left:
-            if self.s.packed_lengths == "log-normal":  # median packed_median, clipped to [packed_min, seq_len]
-                z = float(torch.randn((), generator=g))
-                n = int(math.exp(math.log(self.s.packed_median) + self.s.packed_sigma * z))
-                n = min(left, self.s.seq_len, max(n, self.s.packed_min, self.min_len))
-            else:
-                n = min(left, int(math.exp(lo + (hi - lo) * float(torch.rand((), generator=g)))))
-            if left - n < self.min_len:
-                n = left
-            lengths.append(n)
-            left -= n
-        return lengths
-
-    def packed_docs(self, first: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The documents of packed row ``first``: ``(input_ids (n,), labels (n,))`` each."""
-        return [self.sample(first * 1_000 + i, n) for i, n in enumerate(self.packed_lengths(first))]
-
-    def packed_batch(self, first: int) -> dict[str, torch.Tensor]:
-        """Packed row ``first``: ``input_ids``/``labels``/``position_ids`` ``(1, seq_len)`` as
-        ``transformers.DataCollatorWithFlattening`` makes them (positions restart per document;
-        each document starts with BOS, whose label is already -100)."""
-        docs = self.packed_docs(first)
-        return {
-            "input_ids": torch.cat([d[0] for d in docs])[None],
-            "labels": torch.cat([d[1] for d in docs])[None],
-            "position_ids": torch.cat([torch.arange(d[0].numel()) for d in docs])[None],
-        }
 
 
 # ============================================================================ arguments
@@ -742,186 +680,6 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     return model
 
 
-def _packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
-    """The packed-document boundaries shard_batch added (cu_seq_lens_q/k ...), for the model."""
-    from seqpar.sequence.batch import PACKED_KEYS
-
-    return {k: batch[k] for k in PACKED_KEYS if k in batch}
-
-
-# ============================================================================ engines
-class _Engine:
-    """The few things the loop needs from an engine."""
-
-    model: Any
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         **_packed_kwargs(batch))
-        return out.logits
-
-    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        raise NotImplementedError
-
-    # Length-aware dynamic CP (_dynamic_step): a step of a variable number of micro-batches, every rank as many.
-    def dynamic_begin(self, last: bool) -> None:
-        """Before a micro-batch's forward: ``last`` says whether it is the step's last (the reduction's)."""
-        raise NotImplementedError
-
-    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
-        """Backward of ``loss * multiplier``, nothing else (no division by grad_accum, no update)."""
-        raise NotImplementedError
-
-    def dynamic_update(self) -> None:
-        """After the step's last backward (the gradients reduced): clip, update, zero the gradients."""
-        raise NotImplementedError
-
-    def save(self, save_dir: str, step: int) -> None:
-        raise NotImplementedError
-
-    def load(self, save_dir: str) -> int:
-        raise NotImplementedError
-
-    def eval(self) -> None:
-        self.model.eval()
-
-
-class _DeepSpeedEngine(_Engine):
-    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
-        from seqpar.integrations.deepspeed import initialize
-
-        self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
-        self.manager = self.model.seqpar_manager
-        if plan.train.compile:  # DeepSpeed's own: module.compile() of the swapped model, whole
-            self.model.compile(backend=plan.train.compile_backend)
-        # DeepSpeed's own key: resume from the universal form, which loads at any TP / SP / DP layout
-        self.load_universal = bool((plan.engine_config.get("checkpoint") or {}).get("load_universal"))
-
-    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        self.model.backward(loss)
-        self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
-
-    def dynamic_begin(self, last: bool) -> None:
-        # DeepSpeed's own override of its fixed gradient_accumulation_steps: a dynamic step has as many
-        # micro-batches as its plan has slots. ZeRO-1 reduces at the boundary, ZeRO-2 and 3 every backward
-        # (sums, so the same); set before the forward, as DeepSpeed asks
-        self.model.set_gradient_accumulation_boundary(last)
-
-    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
-        # scale_wrt_gas=False: no division by gradient_accumulation_steps (the loss is already over the step)
-        self.model.backward(loss * multiplier, scale_wrt_gas=False)
-
-    def dynamic_update(self) -> None:
-        self.model.step()  # at the boundary set by dynamic_begin(True): clip, update, zero the gradients
-        self.model.set_gradient_accumulation_boundary(None)  # back to DeepSpeed's counter
-
-    def save(self, save_dir: str, step: int) -> None:
-        from seqpar.runtime import checkpoint
-
-        # written as "<tag>.tmp" and renamed once complete: a rank killed mid-save leaves no torn
-        # checkpoint behind ("latest" is ours to write, after the rename)
-        tag = f"step{step}"
-        self.model.save_checkpoint(save_dir, tag=f"{tag}.tmp", client_state={"step": step}, save_latest=False)
-        dist.barrier()
-        if self.manager.rank == 0:
-            checkpoint.commit(save_dir, tag)
-        dist.barrier()
-
-    def load(self, save_dir: str) -> int:
-        from seqpar.runtime import checkpoint
-
-        tag = checkpoint.latest_complete(save_dir)
-        if tag is None:
-            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
-        if self.load_universal:
-            tag = self._universal(save_dir, tag)
-        path, client = self.model.load_checkpoint(save_dir, tag=tag)
-        if path is None:
-            raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
-        return int(client["step"])
-
-    def _universal(self, save_dir: str, tag: str) -> str:
-        """``universal/<tag>`` under ``save_dir``: ``tag`` converted to DeepSpeed's universal checkpoint once,
-        on rank 0 (seqpar.integrations.deepspeed.to_universal); a failed conversion raises on every rank."""
-        from seqpar.integrations.deepspeed import to_universal
-
-        out = os.path.join("universal", tag)
-        failure: list[str | None] = [None]
-        if self.manager.rank == 0 and not os.path.isdir(os.path.join(save_dir, out)):
-            try:
-                shutil.rmtree(os.path.join(save_dir, out + ".tmp"), ignore_errors=True)  # a killed conversion
-                to_universal(save_dir, tag, output_tag=out + ".tmp")
-                os.replace(os.path.join(save_dir, out + ".tmp"), os.path.join(save_dir, out))
-            except Exception as e:  # noqa: BLE001 - reported on every rank below
-                failure[0] = f"{type(e).__name__}: {e}"
-        dist.broadcast_object_list(failure, src=0)
-        if failure[0] is not None:
-            raise RuntimeError(f"--resume with checkpoint.load_universal: converting {tag} in {save_dir} to a "
-                               f"universal checkpoint failed on rank 0 ({failure[0]})")
-        return out
-
-
-class _FSDPEngine(_Engine):
-    def __init__(self, plan: Plan, model: torch.nn.Module) -> None:
-        from seqpar.integrations import fsdp
-        from seqpar.runtime.groups import init_process_groups
-
-        self.manager = init_process_groups(config=plan.sp)
-        self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config,
-                               compile={"backend": plan.train.compile_backend} if plan.train.compile else False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay
-        )
-        self.grad_accum = plan.train.grad_accum
-        self.grad_clip = plan.train.grad_clip
-
-    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        (loss / self.grad_accum).backward()
-        if last_micro:
-            self.dynamic_update()
-
-    def dynamic_begin(self, last: bool) -> None:
-        if hasattr(self.model, "set_requires_gradient_sync"):  # FSDP2: reduce once per step, at the last
-            self.model.set_requires_gradient_sync(last)
-
-    def dynamic_backward(self, loss: torch.Tensor, multiplier: float) -> None:
-        (loss * multiplier).backward()
-
-    def dynamic_update(self) -> None:
-        if self.grad_clip > 0:
-            self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _clip(self) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if isinstance(self.model, FullyShardedDataParallel):
-            # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
-            # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
-            self.model.clip_grad_norm_(self.grad_clip)
-        elif self.manager.tp_size > 1:  # FSDP2 x TP: gradients on two meshes, which torch's clip cannot stack
-            from seqpar.integrations.tp import clip_grad_norm
-
-            clip_grad_norm(self.model.parameters(), self.grad_clip)
-        else:  # FSDP2: DTensor parameters, the norm is already the global one
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-
-    def save(self, save_dir: str, step: int) -> None:
-        from seqpar.runtime import checkpoint
-
-        # DCP, written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
-        checkpoint.save_dcp(save_dir, step, self.model, self.optimizer)
-
-    def load(self, save_dir: str) -> int:
-        from seqpar.runtime import checkpoint
-
-        if checkpoint.latest_complete(save_dir) is None:
-            raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
-        # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
-        return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])
-
-
 # ============================================================================ loop helpers
 def _configure_logging(level: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
@@ -940,7 +698,7 @@ class _PeakMemory:
     """Peak tensor memory of one tracked step (CUDA: the allocator's peak; CPU: every live tensor
     storage, counted by seqpar.memory.tracker in every setting: checkpointing, accumulation, tiling)."""
 
-    def __init__(self, engine: _Engine, settings: TrainSettings) -> None:
+    def __init__(self, engine: Engine, settings: TrainSettings) -> None:
         self.kind = "unknown"
         self.value = 0
         self._tracker: Any = None
@@ -981,31 +739,6 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-@torch.no_grad()
-def recall_accuracy(engine: _Engine, task: RecallTask, plan: Plan, first: int) -> float:
-    """Greedy accuracy on the answers of ``eval_samples`` held-out samples (every rank returns it)."""
-    from seqpar.sequence.batch import shard_batch
-
-    manager = engine.manager
-    n = plan.train.eval_samples
-    correct = torch.zeros(2, dtype=torch.float64)
-    engine.eval()
-    per_replica = math.ceil(n / manager.dp_size)
-    for i in range(per_replica):
-        idx = first + i * manager.dp_size + manager.dp_rank
-        b = shard_batch(task.batch(idx, 1), group=manager.sp_group, sharding=plan.sp.sharding)
-        logits = engine.forward(b)
-        if hasattr(logits, "full_tensor"):  # tp_sequence_parallel: split on the vocabulary (DTensor); whole here
-            logits = logits.full_tensor()
-        labels = b["shift_labels"]
-        mask = labels != IGNORE
-        pred = logits.argmax(-1)
-        correct[0] += (pred[mask] == labels[mask]).sum().item()
-        correct[1] += mask.sum().item()
-    dist.all_reduce(correct)
-    return float(correct[0] / correct[1].clamp(min=1))
-
-
 def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -> str:
     losses = metrics["loss"]
     mem = ", ".join(f"{b / 2**20:.1f}" for b in metrics["peak_mem_bytes"])
@@ -1032,43 +765,23 @@ def _summary(plan: Plan, manager: Any, metrics: dict[str, Any], n_params: int) -
     return "\n".join(lines)
 
 
-def _dynamic_step(engine: _Engine, plan: Plan, task: RecallTask, manager: Any, step: int) -> float:
+def _dynamic_step(engine: Engine, plan: Plan, task: RecallTask, manager: Any, step: int) -> float:
     """One step of length-aware dynamic CP (``train.dynamic``); returns the step's loss (the per-token mean
     over the pool's step, the same on every rank).
 
     The step's documents are those of the ``grad_accum x dp`` packed rows a static run trains on in this step;
-    every rank plans them alike (``seqpar.sequence.dynamic.plan_dynamic``) and runs its planned micro-batches
-    (``seqpar.sequence.dynamic_batch.rank_micro_batches``: each carries its group, and its loss is its targets'
-    summed loss over the step's targets), every rank as many (the plan's slots; an empty micro-batch runs the
-    model too), so the engines' per-forward and per-backward collectives stay matched.
+    every rank plans them alike and cuts its micro-batches (``seqpar.sequence.dynamic_step.plan_step``), and
+    ``seqpar.integrations.dynamic.run_dynamic_step`` runs them (each loss times dp, one reduction per step; the
+    step's accumulation is not the engine's ``grad_accum``), then ``engine.update`` clips, updates and zeroes
+    once."""
+    from seqpar.integrations.dynamic import run_dynamic_step
+    from seqpar.sequence.dynamic_step import plan_step
 
-    The gradient of the step's mean is the **sum** of every pool rank's. Both engines reduce over the pool and
-    divide by dp (FSDP2: seqpar's gradient divide factor; DeepSpeed: its average over the sequence-data-parallel
-    group, which seqpar's ``initialize`` makes a division by dp under every ZeRO stage), so each micro-batch's
-    loss is multiplied by dp, and by nothing else: the step's accumulation is not the engine's ``grad_accum``
-    (FSDP2: the step's last micro-batch reduces, ``set_requires_gradient_sync``; DeepSpeed: the last is its
-    accumulation boundary, ``set_gradient_accumulation_boundary``, and ``backward(scale_wrt_gas=False)``).
-    ``engine.dynamic_update`` then clips, updates and zeroes once."""
-    from seqpar.sequence.batch import rank_micro_batches
-    from seqpar.sequence.call_group import GROUP_KEY
-    from seqpar.sequence.dynamic import plan_dynamic
-
-    t, dynamic = plan.train, plan.sp.dynamic
-    rows = t.grad_accum * manager.dp_size
+    rows = plan.train.grad_accum * manager.dp_size
     docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
-    planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], manager.pool_size, dynamic.max_tokens_per_rank,
-                           min_size=dynamic.min_size)
-    micro = rank_micro_batches(planned, [ids for ids, _ in docs], manager, labels=[labels for _, labels in docs],
-                               sharding=plan.sp.sharding)
-    total = torch.zeros((), dtype=torch.float64)
-    for i, inputs in enumerate(micro):
-        engine.dynamic_begin(last=i == len(micro) - 1)
-        loss = engine.model(**inputs).loss
-        engine.dynamic_backward(loss, multiplier=manager.dp_size)
-        total += loss.detach().double() / dist.get_world_size(inputs[GROUP_KEY])  # every rank of the group holds it
-    engine.dynamic_update()
-    dist.all_reduce(total, group=manager.sp_dp_group)
-    return total.item()
+    planned = plan_step([ids for ids, _ in docs], manager, plan.sp.dynamic, labels=[labels for _, labels in docs],
+                        sharding=plan.sp.sharding)
+    return run_dynamic_step(engine.model, planned, deepspeed=plan.engine == "deepspeed", update=engine.update).item()
 
 
 # ============================================================================ main
@@ -1090,7 +803,7 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding or UNDECLARED_DEFAULT)
     model = build_model(plan, task.vocab_size, seq_padded)
     n_params = sum(p.numel() for p in model.parameters())
-    engine: _Engine = (_DeepSpeedEngine if plan.engine == "deepspeed" else _FSDPEngine)(plan, model)
+    engine: Engine = (DeepSpeedEngine if plan.engine == "deepspeed" else FSDPEngine)(plan, model)
     manager = engine.manager
     if plan.train.dynamic and plan.train.compile:  # a large pool's groups must not silently run eagerly
         from seqpar.sequence.call_group import raise_recompile_limit
@@ -1133,7 +846,7 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
             # with its router losses (MoE, output_router_logits) added over the whole sequence.
             if plan.sp.tiled_loss or plan.model.get("output_router_logits"):
                 loss = engine.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                    shift_labels=batch["shift_labels"], **_packed_kwargs(batch)).loss
+                                    shift_labels=batch["shift_labels"], **packed_kwargs(batch)).loss
             else:
                 logits = engine.forward(batch)
                 loss = sequence_parallel_loss(logits, batch["shift_labels"], group=manager.sp_group)

@@ -1,6 +1,7 @@
 """Length-aware dynamic CP compiled (issues 31 and 32): ``launch/train.py --dynamic --compile`` under FSDP2
 (each block compiled, ``fullgraph=True``) and DeepSpeed ZeRO-2 (``engine.compile()``), and ``SeqParTrainer`` with
-``torch_compile=True`` on its FSDP2 path, give the eager dynamic run's per-step losses (1e-5) and every reduced
+``torch_compile=True`` on its FSDP2 path and under DeepSpeed ZeRO-2 (accelerate's ``engine.compile()``; both
+against the trainer's eager FSDP2 run), give the eager dynamic run's per-step losses (1e-5) and every reduced
 gradient (1e-5 of its own scale), and really compiled (dynamo made graphs in the compiled run, none in the eager
 one), within a bounded number of graphs. Backend ``aot_eager``.
 
@@ -18,7 +19,8 @@ compile, whose graph breaks outside the blocks make several frames).
 Seen failing: ``guard_group`` made a no-op (dynamo folds ``dist.get_world_size(group)`` without guarding the
 group, torch 2.13): the graph traced for a rank's 1-rank micro-batch ran its next 4-rank one, and the attention
 op raised "cu_seqlens must end at the global sequence length 14, got 56"; ``raise_recompile_limit`` not
-raising: ``test_recompile_limit_covers_the_pool`` fails.
+raising: ``test_recompile_limit_covers_the_pool`` fails. The trainer's DeepSpeed ZeRO-2 compiled run alone, with
+``guard_group`` a no-op: "cu_seqlens must end at the global sequence length 12, got 48".
 """
 
 from __future__ import annotations
@@ -70,23 +72,23 @@ def _run(argv: list[str]) -> tuple[list[float], list[dict[str, torch.Tensor]], i
 
     train = train_module()
     grads: list[dict[str, torch.Tensor]] = []
-    updates = {cls: cls.dynamic_update for cls in (train._FSDPEngine, train._DeepSpeedEngine)}
+    updates = {cls: cls.update for cls in (train.FSDPEngine, train.DeepSpeedEngine)}
 
     def recording(update: Any) -> Any:
-        def dynamic_update(self: Any) -> None:
+        def recorded_update(self: Any) -> None:
             grads.append(_full_grads(self.model))
             update(self)
-        return dynamic_update
+        return recorded_update
 
     torch._dynamo.reset()
     before = _graphs()
     for cls, update in updates.items():
-        cls.dynamic_update = recording(update)
+        cls.update = recording(update)
     try:
         losses = run_main(argv)["loss"]
     finally:
         for cls, update in updates.items():
-            cls.dynamic_update = update
+            cls.update = update
     graphs = _graphs() - before
     torch._dynamo.reset()
     return losses, grads, graphs
@@ -104,38 +106,58 @@ def _plans(path: str) -> list[Any]:
             for step in range(STEPS)]
 
 
-def _trainer(rank: int, world: int, tmp: str, compiled: bool) -> tuple[list[float], list[dict], int]:
-    """SeqParTrainer on its FSDP2 path under dynamic CP (test_dynamic_engines' documents: every step has fewer
-    documents than ranks, so empty micro-batches), eager or ``torch_compile=True``: per-step losses, each
-    step's reduced gradients (read before the update) and the graphs dynamo compiled."""
+def _trainer(rank: int, world: int, tmp: str, compiled: bool,
+             zero_stage: int | None = None) -> tuple[list[float], list[dict], int]:
+    """SeqParTrainer under dynamic CP (test_dynamic_engines' documents: every step has fewer documents than
+    ranks, so empty micro-batches), on its FSDP2 path (``zero_stage`` None) or under DeepSpeed ZeRO-``zero_stage``
+    (the block in the DeepSpeed JSON), eager or ``torch_compile=True``: per-step losses, each step's reduced
+    gradients (read before the update: FSDP2 in ``on_pre_optimizer_step``, DeepSpeed at its boundary's
+    ``engine.step``) and the graphs dynamo compiled."""
+    import deepspeed
     import hf_tiny
     from test_dynamic_engines import TRAINER_DOCS, TRAINER_SP, trainer_documents
     from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
 
     import seqpar
     from seqpar.integrations.trainer import SeqParTrainer
+    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
 
     grads: list[dict[str, torch.Tensor]] = []
 
     class Capture(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            grads.append(_full_grads(model))
+            if zero_stage is None:
+                grads.append(_full_grads(model))
 
+    engine_step = deepspeed.DeepSpeedEngine.step
+
+    def step(engine: Any, *a: Any, **kw: Any) -> Any:  # DeepSpeed: the step's reduced gradients, at its boundary
+        if engine.is_gradient_accumulation_boundary():
+            grads.append(_full_grads(engine))
+        return engine_step(engine, *a, **kw)
+
+    ds = None if zero_stage is None else {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "gradient_clipping": "auto", "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10**6,
+        "sequence_parallel": TRAINER_SP}
     compile_args = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
     torch._dynamo.reset()
     before = _graphs()
-    with hf_tiny.launcher_env(rank, world):
+    with hf_tiny.launcher_env(rank, world), released_deepspeed_engines():
         args = TrainingArguments(
             output_dir=tmp, per_device_train_batch_size=1, max_steps=len(TRAINER_DOCS) // 2, learning_rate=0.5,
             weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
             save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
-            use_cpu=True, **compile_args)
-        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, seqpar_config=TRAINER_SP,
+            use_cpu=True, deepspeed=ds, **compile_args)
+        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args,
+                                seqpar_config=TRAINER_SP if zero_stage is None else None,
                                 train_dataset=hf_tiny.ListDataset(trainer_documents()),
                                 data_collator=DataCollatorWithFlattening(), callbacks=[Capture()])
+        deepspeed.DeepSpeedEngine.step = step
         try:
             trainer.train()
         finally:
+            deepspeed.DeepSpeedEngine.step = engine_step
             seqpar.destroy_process_groups(trainer.seqpar_manager)
     graphs = _graphs() - before
     torch._dynamo.reset()
@@ -152,11 +174,14 @@ def _eager_and_compiled(rank: int, world: int, paths: dict[str, str], tmp: str) 
         compiled = _run([*argv, "--compile", "--compile-backend", "aot_eager"])
         out[engine] = (eager, compiled, torch._dynamo.config.recompile_limit)
         torch._dynamo.config.recompile_limit = limit
-    limit = torch._dynamo.config.recompile_limit
+    # the trainer's eager FSDP2 run is the reference of its compiled FSDP2 and DeepSpeed ZeRO-2 runs (the same
+    # step: test_dynamic_engines checks the trainer's eager FSDP2 and ZeRO-3 runs against one float64 process)
     eager = _trainer(rank, world, f"{tmp}/eager{rank}", False)
-    compiled = _trainer(rank, world, f"{tmp}/compiled{rank}", True)
-    out["SeqParTrainer fsdp2"] = (eager, compiled, torch._dynamo.config.recompile_limit)
-    torch._dynamo.config.recompile_limit = limit
+    for name, zero_stage in (("SeqParTrainer fsdp2", None), ("SeqParTrainer zero2", 2)):
+        limit = torch._dynamo.config.recompile_limit
+        compiled = _trainer(rank, world, f"{tmp}/compiled_{name[-5:]}_{rank}", True, zero_stage)
+        out[name] = (eager, compiled, torch._dynamo.config.recompile_limit)
+        torch._dynamo.config.recompile_limit = limit
     return out
 
 

@@ -1,7 +1,8 @@
 """Length-aware dynamic CP through the engines (issue 32 §4): ``launch/train.py --dynamic``'s step
-(``_dynamic_step``) under FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 gives, after every step, the reduced
-gradient of one process running the planned micro-batches in sequence (float64), every parameter on its own
-scale, and its per-step losses, under plain SGD (Adam would hide a factor in the gradient's scale).
+(``_dynamic_step``: ``seqpar.integrations.dynamic.run_dynamic_step``, which ``SeqParTrainer`` runs too) under
+FSDP2 and DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 gives, after every step, the reduced gradient of one process
+running the planned micro-batches in sequence (float64), every parameter on its own scale, and its per-step
+losses, under plain SGD (Adam would hide a factor in the gradient's scale).
 
 The pool is 4 gloo ranks as DP 2 x SP 2, so the engines' DP averaging (FSDP2's divide factor, DeepSpeed's
 average over its sequence-data-parallel group) must be undone exactly: a micro-batch of 4 ranks spans both DP
@@ -23,8 +24,9 @@ micro-batches; against one process running each step's documents alone, float64,
 
 One pool task runs every engine in turn (the suite's time). Seen failing (each break alone):
 
-- the launcher's DP multiplier dropped (``multiplier=1`` in ``_dynamic_step``): every gradient of FSDP2 and
-  ZeRO-1/2/3 half its reference at step 1 (norm ratio 0.5), later losses off;
+- the DP multiplier dropped (``multiplier = 1`` in ``run_dynamic_step``, which the launcher and the trainer
+  share): every gradient of FSDP2 and ZeRO-1/2/3 half its reference at step 1 (norm ratio 0.5), later losses
+  off, and both trainer paths half;
 - DeepSpeed's loss divided by its accumulation steps as well (``scale_wrt_gas`` left at its default): ZeRO-2,
   run at ``gradient_accumulation_steps`` 2, half;
 - DeepSpeed's accumulation boundary set on every micro-batch: ZeRO-1 and ZeRO-2 wrong (ZeRO-3 happens to
@@ -98,19 +100,19 @@ def _run(rank: int, world: int, engine_name: str, path: str) -> tuple[list[float
     task = train.RecallTask(plan.train)
     model = train.build_model(plan, task.vocab_size, padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding))
     with released_deepspeed_engines():
-        engine = (train._DeepSpeedEngine if plan.engine == "deepspeed" else train._FSDPEngine)(plan, model)
+        engine = (train.DeepSpeedEngine if plan.engine == "deepspeed" else train.FSDPEngine)(plan, model)
         manager = engine.manager
         try:
             if plan.engine == "fsdp":  # the launcher's FSDP optimizer is AdamW, which would hide a scale error
                 engine.optimizer = torch.optim.SGD(engine.model.parameters(), lr=LR)
             grads: list[dict[str, torch.Tensor]] = []
-            update = engine.dynamic_update
+            update = engine.update
 
             def capture() -> None:  # the step's reduced gradients, before the update
                 grads.append(_full_grads(engine))
                 update()
 
-            engine.dynamic_update = capture
+            engine.update = capture
             engine.model.train()
             losses = [train._dynamic_step(engine, plan, task, manager, step) for step in range(plan.train.steps)]
             return losses, grads

@@ -26,7 +26,8 @@ launcher's AdamW replaced by plain SGD in the ranks and in the reference (AdamW 
 gradients; with SGD a wrong gradient changes step 2's loss), clipping off. The reference is one process
 running each step's planned micro-batches in sequence, packed, accumulating gradients, each micro-batch's
 loss its targets' summed loss over the step's targets plus (Mixtral) its own router loss. Seen failing, one
-break at a time: ``_dynamic_step``'s loss scaled by 4 (a factor of P: Llama's step-2 loss 4.39 vs 2.89); the
+break at a time: the backward's loss multiplier scaled by 4 (then in the launcher's ``_dynamic_step``, now
+``seqpar.integrations.dynamic.run_dynamic_step``; a factor of P: Llama's step-2 loss 4.39 vs 2.89); the
 router-loss frame on the swap's group (Mixtral step 1: 8.2300 vs 8.2363); the mixers' ``group`` on the swap's
 (Jamba: a ValueError naming the boundaries); the MLA latent attention resolved on the manager's group (a
 ValueError naming the boundaries). The model block's ``"architecture"`` key (``launch/train.py``) picks each

@@ -276,29 +276,25 @@ def _tp_dynamic(rank: int, world: int) -> list[tuple[float, dict[str, torch.Tens
     import seqpar
     from seqpar.config import SeqParConfig
     from seqpar.integrations.tp import apply_tensor_parallel
-    from seqpar.sequence.batch import rank_micro_batches
-    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic_step import plan_step
     from seqpar.swap import swap_attention
 
-    manager = seqpar.init_process_groups(
-        config={"size": 2, "tp_size": 2, "sharding": "zigzag",
-                "dynamic": {"max_tokens_per_rank": TP_BUDGET, "min_size": 1}})
+    config = SeqParConfig.from_dict({"size": 2, "tp_size": 2, "sharding": "zigzag",
+                                     "dynamic": {"max_tokens_per_rank": TP_BUDGET, "min_size": 1}})
+    manager = seqpar.init_process_groups(config=config)
     try:
         model = tiny_llama(torch.float32)
         swap_attention(model, SeqParConfig(size=2, tp_size=2, sharding="zigzag"), group=manager.sp_group)
         assert apply_tensor_parallel(model, manager)  # something was sharded
         out = []
         for step, lengths in enumerate(TP_STEPS):
-            plan = plan_dynamic(lengths, manager.pool_size, TP_BUDGET)
-            loss = torch.zeros((), dtype=torch.float64)
-            sizes = []
-            for inputs in rank_micro_batches(plan, documents(lengths, step), manager, sharding="zigzag"):
-                size = dist.get_world_size(inputs["seqpar_group"])
-                step_loss = model(**inputs).loss
-                step_loss.backward()
-                loss += step_loss.detach().double() / size
-                sizes.append(size)
-            dist.all_reduce(loss, group=manager.sp_dp_group)
+            planned = plan_step(documents(lengths, step), manager, config.dynamic, sharding="zigzag")
+            losses, sizes = [], []
+            for inputs in planned.micro_batches:
+                sizes.append(dist.get_world_size(inputs["seqpar_group"]))
+                losses.append(model(**inputs).loss)
+                losses[-1].backward()
+            loss = planned.loss(losses)  # each group's ranks all hold its loss: 1 / size each, summed over the pool
             grads = {}
             for name, p in model.named_parameters():
                 grad = torch.zeros(p.shape) if p.grad is None else p.grad
@@ -318,7 +314,7 @@ def test_dynamic_steps_compose_with_tensor_parallelism(dist_pool) -> None:
     process running each document alone (transformers' own attention), each gradient on its own scale. Step 1
     mixes groups of 2 and 1; step 2 has fewer documents than the pool's ranks. Seen failing: with every slot's
     micro-batch cut over the manager's whole SP group instead of its planned group
-    (``seqpar.sequence.dynamic_batch.planned_batches``), every rank raised seqpar's cross-rank batch check."""
+    (``seqpar.sequence.dynamic_batch.packed_micro_batches``, then named ``planned_batches``), every rank raised seqpar's cross-rank batch check."""
     model = tiny_llama(torch.float64)
     ref = []
     for step, lengths in enumerate(TP_STEPS):

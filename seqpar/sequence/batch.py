@@ -52,7 +52,7 @@ from seqpar.runtime.groups import default_manager, resolve_group
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries, known_boundaries
 from seqpar.sequence.call_group import GROUP_KEY
 from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_dynamic
-from seqpar.sequence.dynamic_batch import planned_batches, step_targets
+from seqpar.sequence.dynamic_batch import packed_micro_batches, step_targets
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
@@ -373,8 +373,8 @@ def rank_micro_batches(
     """
     targets = step_targets(docs, labels, ignore_index)
     out = []
-    for batch, group in planned_batches(plan, docs, manager, labels=labels, pad_token_id=pad_token_id,
-                                        ignore_index=ignore_index):
+    for batch, group in packed_micro_batches(plan, docs, manager, labels=labels, pad_token_id=pad_token_id,
+                                             ignore_index=ignore_index):
         inputs = shard_batch(batch, group=group, sharding=sharding, ignore_index=ignore_index,
                              pad_token_id=pad_token_id)
         if "cu_seq_lens_q" not in batch:  # an empty micro-batch: no token counts in router statistics either

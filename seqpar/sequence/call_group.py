@@ -3,7 +3,7 @@
 Under dynamic CP each micro-batch runs over a group of its own size (:mod:`seqpar.sequence.dynamic`), so
 the group is state of one forward: it travels with the call as the keyword argument :data:`GROUP_KEY` of
 the swapped model (``model(**inputs, seqpar_group=group)``;
-:func:`seqpar.sequence.dynamic_batch.rank_micro_batches` puts it in every micro-batch's inputs).
+:func:`seqpar.sequence.batch.rank_micro_batches` puts it in every micro-batch's inputs).
 transformers threads a model call's extra keyword arguments down to every attention call and to the loss
 function, and its activation checkpointing saves them with each layer's call, so a recompute in the
 backward replays its own micro-batch's group. The swapped layers take the group from there, never from

@@ -1,10 +1,17 @@
 """Length-aware dynamic CP, the inputs: each rank's micro-batches of a planned step (issue 32 §2, §3, §5).
 
-:func:`seqpar.sequence.dynamic.plan_dynamic` says which documents each group of ranks runs in each slot;
-:func:`planned_batches` (here) and :func:`seqpar.sequence.batch.rank_micro_batches` (which cuts them, and
-which ``ShardedDataLoader(..., dynamic=...)`` yields per step) turn that into the model inputs of this rank,
-one dict per slot (every rank of the pool gets the same number, so engines' per-forward and per-backward
-collectives stay matched):
+From a plan to the model inputs, one name each:
+
+- :func:`seqpar.sequence.dynamic.plan_dynamic`: which documents each group of ranks runs in each slot;
+- :func:`packed_micro_batches` (here): this rank's micro-batch of every slot, its documents packed whole
+  (not yet cut), with its group;
+- :func:`seqpar.sequence.batch.rank_micro_batches`: those cut over their groups, the model inputs of this rank,
+  one dict per slot (what ``ShardedDataLoader(..., dynamic=...)`` yields per step);
+- :func:`seqpar.sequence.dynamic_step.plan_step`: the plan and the cut micro-batches of one step, and the
+  step's loss from theirs (``launch/train.py --dynamic``, ``SeqParTrainer``).
+
+Every rank of the pool gets the same number of micro-batches, so engines' per-forward and per-backward
+collectives stay matched:
 
 - a micro-batch's documents are packed into one row (:func:`pack_documents`: ``input_ids`` ``(1, T)``,
   ``labels`` with ``ignore_index`` at each document's start, positions restarting, ``cu_seq_lens_q/k``)
@@ -35,7 +42,7 @@ from torch import Tensor
 
 from seqpar.sequence.dynamic import DynamicPlan
 
-__all__ = ["pack_documents", "step_targets", "planned_batches", "EMPTY_TOKENS"]
+__all__ = ["pack_documents", "step_targets", "packed_micro_batches", "EMPTY_TOKENS"]
 
 EMPTY_TOKENS = 2
 """Tokens of an empty micro-batch (padding, no target): two, so any sharding's length multiple holds."""
@@ -71,7 +78,7 @@ def step_targets(docs: Sequence[Tensor], labels: Sequence[Tensor] | None = None,
     return sum(int((lab.reshape(-1)[1:] != ignore_index).sum()) for lab in labels)
 
 
-def planned_batches(
+def packed_micro_batches(
     plan: DynamicPlan, docs: Sequence[Tensor], manager: Any, *, labels: Sequence[Tensor] | None = None,
     pad_token_id: int = 0, ignore_index: int = -100,
 ) -> list[tuple[dict[str, Tensor], Any]]:

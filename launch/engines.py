@@ -1,0 +1,174 @@
+"""The engines ``launch/train.py`` trains with: DeepSpeed and FSDP (1 or 2), behind the few calls its loop makes.
+
+An engine is built from the launcher's resolved ``Plan`` (``launch/train.py``: ``plan.sp``, the
+``sequence_parallel`` block; ``plan.train``, the ``train`` block; ``plan.engine_config``, the DeepSpeed JSON or
+the ``fsdp`` block) and the built model; it holds the wrapped ``model`` and the process-group ``manager``.
+Static steps: ``forward`` / ``backward`` per micro-step (the update at the last). Length-aware dynamic CP
+(``--dynamic``): ``seqpar.integrations.dynamic.run_dynamic_step`` drives ``model`` and calls ``update`` once,
+after the step's last backward.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Engine", "DeepSpeedEngine", "FSDPEngine", "packed_kwargs"]
+
+
+def packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The packed-document boundaries shard_batch added (cu_seq_lens_q/k ...), for the model."""
+    from seqpar.sequence.batch import PACKED_KEYS
+
+    return {k: batch[k] for k in PACKED_KEYS if k in batch}
+
+
+class Engine:
+    """The few things the loop needs from an engine."""
+
+    model: Any
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                         **packed_kwargs(batch))
+        return out.logits
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        raise NotImplementedError
+
+    def update(self) -> None:
+        """After a step's last backward (the gradients reduced): clip, update, zero the gradients. Length-aware
+        dynamic CP calls it once per step (``seqpar.integrations.dynamic.run_dynamic_step``)."""
+        raise NotImplementedError
+
+    def save(self, save_dir: str, step: int) -> None:
+        raise NotImplementedError
+
+    def load(self, save_dir: str) -> int:
+        raise NotImplementedError
+
+    def eval(self) -> None:
+        self.model.eval()
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, plan: Any, model: torch.nn.Module) -> None:
+        from seqpar.integrations.deepspeed import initialize
+
+        self.model, _, _, _ = initialize(model=model, config=plan.engine_config, seqpar_config=plan.sp)
+        self.manager = self.model.seqpar_manager
+        if plan.train.compile:  # DeepSpeed's own: module.compile() of the swapped model, whole
+            self.model.compile(backend=plan.train.compile_backend)
+        # DeepSpeed's own key: resume from the universal form, which loads at any TP / SP / DP layout
+        self.load_universal = bool((plan.engine_config.get("checkpoint") or {}).get("load_universal"))
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        self.model.backward(loss)
+        self.model.step()  # every micro-step; DeepSpeed applies the update at the boundary
+
+    def update(self) -> None:
+        # dynamic CP: at the accumulation boundary run_dynamic_step set on the step's last micro-batch
+        self.model.step()  # DeepSpeed's clipping, update and zeroing
+
+    def save(self, save_dir: str, step: int) -> None:
+        from seqpar.runtime import checkpoint
+
+        # written as "<tag>.tmp" and renamed once complete: a rank killed mid-save leaves no torn
+        # checkpoint behind ("latest" is ours to write, after the rename)
+        tag = f"step{step}"
+        self.model.save_checkpoint(save_dir, tag=f"{tag}.tmp", client_state={"step": step}, save_latest=False)
+        dist.barrier()
+        if self.manager.rank == 0:
+            checkpoint.commit(save_dir, tag)
+        dist.barrier()
+
+    def load(self, save_dir: str) -> int:
+        from seqpar.runtime import checkpoint
+
+        tag = checkpoint.latest_complete(save_dir)
+        if tag is None:
+            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        if self.load_universal:
+            tag = self._universal(save_dir, tag)
+        path, client = self.model.load_checkpoint(save_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"--resume: DeepSpeed could not load {tag} in {save_dir}")
+        return int(client["step"])
+
+    def _universal(self, save_dir: str, tag: str) -> str:
+        """``universal/<tag>`` under ``save_dir``: ``tag`` converted to DeepSpeed's universal checkpoint once,
+        on rank 0 (seqpar.integrations.deepspeed.to_universal); a failed conversion raises on every rank."""
+        from seqpar.integrations.deepspeed import to_universal
+
+        out = os.path.join("universal", tag)
+        failure: list[str | None] = [None]
+        if self.manager.rank == 0 and not os.path.isdir(os.path.join(save_dir, out)):
+            try:
+                shutil.rmtree(os.path.join(save_dir, out + ".tmp"), ignore_errors=True)  # a killed conversion
+                to_universal(save_dir, tag, output_tag=out + ".tmp")
+                os.replace(os.path.join(save_dir, out + ".tmp"), os.path.join(save_dir, out))
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                failure[0] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise RuntimeError(f"--resume with checkpoint.load_universal: converting {tag} in {save_dir} to a "
+                               f"universal checkpoint failed on rank 0 ({failure[0]})")
+        return out
+
+
+class FSDPEngine(Engine):
+    def __init__(self, plan: Any, model: torch.nn.Module) -> None:
+        from seqpar.integrations import fsdp
+        from seqpar.runtime.groups import init_process_groups
+
+        self.manager = init_process_groups(config=plan.sp)
+        self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config,
+                               compile={"backend": plan.train.compile_backend} if plan.train.compile else False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay
+        )
+        self.grad_accum = plan.train.grad_accum
+        self.grad_clip = plan.train.grad_clip
+
+    def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
+        (loss / self.grad_accum).backward()
+        if last_micro:
+            self.update()
+
+    def update(self) -> None:
+        if self.grad_clip > 0:
+            self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if isinstance(self.model, FullyShardedDataParallel):
+            # FSDP1's parameters are plain local shards: torch.nn.utils.clip_grad_norm_ would clip
+            # each rank by its own shard's norm. FSDP1's method reduces the norm over the shards.
+            self.model.clip_grad_norm_(self.grad_clip)
+        elif self.manager.tp_size > 1:  # FSDP2 x TP: gradients on two meshes, which torch's clip cannot stack
+            from seqpar.integrations.tp import clip_grad_norm
+
+            clip_grad_norm(self.model.parameters(), self.grad_clip)
+        else:  # FSDP2: DTensor parameters, the norm is already the global one
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+
+    def save(self, save_dir: str, step: int) -> None:
+        from seqpar.runtime import checkpoint
+
+        # DCP, written as "<tag>.tmp" and renamed once every rank is done (see seqpar.runtime.checkpoint)
+        checkpoint.save_dcp(save_dir, step, self.model, self.optimizer)
+
+    def load(self, save_dir: str) -> int:
+        from seqpar.runtime import checkpoint
+
+        if checkpoint.latest_complete(save_dir) is None:
+            raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
+        # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
+        return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])
