@@ -86,21 +86,24 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _seqpar_nodes(roots: Sequence[Tensor]) -> list[Any]:
-    """The seqpar ``autograd.Function`` nodes of the graph behind ``roots``, latest first."""
+def _graph_nodes(roots: Sequence[Tensor]) -> Iterator[Any]:
+    """Every node of the autograd graph behind ``roots``, once each, depth first from the latest."""
     seen: set[Any] = set()  # the nodes themselves: ids of freed Python wrappers would be reused
-    found: list[Any] = []
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        cls = getattr(node, "_forward_cls", None)
-        if cls is not None and cls.__module__.startswith(("seqpar.", "integrations.")):
-            found.append(node)
+        yield node
         stack.extend(nxt for nxt, _ in node.next_functions)
-    return found
+
+
+def _seqpar_nodes(roots: Sequence[Tensor]) -> list[Any]:
+    """The seqpar ``autograd.Function`` nodes of the graph behind ``roots``, latest first."""
+    return [node for node in _graph_nodes(roots)
+            if (cls := getattr(node, "_forward_cls", None)) is not None
+            and cls.__module__.startswith(("seqpar.", "integrations."))]
 
 
 def _metadata_zeros(node: Any) -> list[Tensor]:
@@ -291,17 +294,7 @@ def python_backward(tensors: Sequence[Tensor], grad_tensors: Sequence[Tensor | N
                     **_: Any) -> None:
     """``torch.autograd.backward`` run as :func:`python_grad` (fake CUDA tensors): every leaf reached
     (``requires_grad``, no ``grad_fn``) gets its gradient added to ``.grad``."""
-    leaves: list[Tensor] = []
-    seen: set[Any] = set()
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        stack.extend(nxt for nxt, _ in node.next_functions)
+    leaves = [node.variable for node in _graph_nodes(tensors) if hasattr(node, "variable")]
     grads = python_grad(list(tensors), leaves, list(grad_tensors) if grad_tensors is not None else None)
     for leaf, g in zip(leaves, grads):
         if g is not None:
