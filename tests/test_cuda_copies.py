@@ -134,12 +134,21 @@ def _hf(*shape: int) -> torch.Tensor:
     return torch.empty(b, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
 
-def _run(backend: str, sharding: str, causal: bool, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+def _bhsd(*shape: int) -> torch.Tensor:
+    """A contiguous (batch, heads, seq, dim) tensor."""
+    return torch.empty(*shape, device="cuda", dtype=torch.bfloat16)
+
+
+LAYOUTS = {"hf": _hf, "contiguous": _bhsd}
+
+
+def _run(backend: str, sharding: str, causal: bool, monkeypatch: pytest.MonkeyPatch, layout: str = "hf"):  # noqa: ANN202
     monkeypatch.setattr(backends, "device_caps", lambda device: H100)
     opts = AttentionOptions(causal=causal, scale=D**-0.5, sharding=sharding)
     rec = Recorder()
+    make = LAYOUTS[layout]
     with FakeTensorMode(), sdpa_kernel([_SDP[backend]]):
-        q, k, v, dout = _hf(B, HQ, N, D), _hf(B, HKV, N, D), _hf(B, HKV, N, D), _hf(B, HQ, N, D)
+        q, k, v, dout = make(B, HQ, N, D), make(B, HKV, N, D), make(B, HKV, N, D), make(B, HQ, N, D)
         comm = FreshBuffers()
         with rec:
             out, lse = ring_attention_forward(q, k, v, comm, opts)
@@ -150,6 +159,10 @@ def _run(backend: str, sharding: str, causal: bool, monkeypatch: pytest.MonkeyPa
     return rec, ids, opts
 
 
+def _order(t: torch.Tensor) -> list[int]:
+    return sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+
+
 def _partial_row_calls(opts: AttentionOptions) -> int:
     """Kernel calls of this rank's backward that cover part of its query rows (their lse rows are copied)."""
     total = 0
@@ -158,13 +171,17 @@ def _partial_row_calls(opts: AttentionOptions) -> int:
     return total
 
 
-def _theory(opts: AttentionOptions) -> dict[str, Counter]:
+def _theory(opts: AttentionOptions, layout: str = "hf", backend: str = "flash") -> dict[str, Counter]:
     """(numel, dtype) of every allocation outside the kernels, the communicator and the merge."""
     kv, qn, bf, f32 = B * HKV * N * D, B * HQ * N * D, torch.bfloat16, torch.float32
-    forward = Counter({(kv, bf): 2, (qn, bf): 1})  # K, V made contiguous to travel; the output
+    kv_copies = 2 if layout == "hf" else 0  # K, V made contiguous to travel (already so: none)
+    # dout and out laid out once per backward in the order the kernel reads: Hugging Face's layout is
+    # every kernel's; a contiguous q's order is cuDNN's too, but flash reads (batch, seq, heads, dim)
+    relaid = 2 if layout == "contiguous" and backend == "flash" else 0
+    forward = Counter({(kv, bf): kv_copies, (qn, bf): 1})  # K, V to travel; the output
     backward = Counter({
-        (kv, bf): 2 + 2,  # K, V made contiguous to travel; the results dk, dv
-        (qn, bf): 1,  # the result dq
+        (kv, bf): kv_copies + 2,  # K, V to travel; the results dk, dv
+        (qn, bf): 1 + relaid,  # the result dq; dout and out laid out once
         (qn, f32): 1,  # the dq accumulator
         # the own block's dk, dv accumulators; block r-1's, born here at its first hop (the other blocks'
         # arrive in the communicator's receive buffers and take their shares in place)
@@ -173,41 +190,58 @@ def _theory(opts: AttentionOptions) -> dict[str, Counter]:
     rows = B * HQ * (N // 2)
     if _partial_row_calls(opts):
         backward[(rows, f32)] += _partial_row_calls(opts)  # dense lse rows of a half-row call
-    return {"forward": forward, "backward": backward}
+    return {"forward": +forward, "backward": +backward}
 
 
 CASES = [("zigzag", True), ("contiguous", False), ("contiguous", True)]
+Q_STRIDES = {"hf": (N * HQ * D, D, HQ * D, 1), "contiguous": (HQ * N * D, N * D, D, 1)}
 
 
+@pytest.mark.parametrize("layout", ["hf", "contiguous"])
 @pytest.mark.parametrize("sharding,causal", CASES, ids=[f"{s}-{'causal' if c else 'full'}" for s, c in CASES])
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])
-def test_ring_hands_kernels_views_and_allocates_only_theory(backend: str, sharding: str, causal: bool,
+def test_ring_hands_kernels_views_and_allocates_only_theory(backend: str, sharding: str, causal: bool, layout: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Flash and cuDNN: every kernel call gets q, K/V, dout and out as the ring holds them (GQA K/V at
-    h_kv, Hugging Face's strides, the zigzag halves as row views), and the allocations are the theory's."""
-    rec, ids, opts = _run(backend, sharding, causal, monkeypatch)
+    h_kv, the caller's strides, the zigzag halves as row views), and the allocations are the theory's.
+    In the contiguous layout the flash backward's dout/out are laid out once per backward (one storage
+    each for every call), cuDNN's are the caller's (q's order).
+
+    Seen failing: the contiguous layout with cuDNN on the code before backward_layout took the plan
+    (dout/out laid out in (batch, seq, heads, dim) order once, then re-laid in q's order by
+    ``_in_order_of`` in every cuDNN backward call): the 3 contiguous-layout cuDNN cases fail, "dout/out
+    are copies, not the caller's" and bf16 allocations beyond theory (the 2 of the layout plus out and
+    dout of every call: 10 q-sized for the contiguous full mask, 6 q-sized and 4 half-sized for zigzag);
+    with ``_all_cudnn`` made to return True for flash too: the flash contiguous cases fail
+    "not dense in (B, S, H, D) order"."""
+    rec, ids, opts = _run(backend, sharding, causal, monkeypatch, layout)
     assert rec.kernel_calls, "no fused kernel ran"
     problems = []
+    relaid = layout == "contiguous" and backend == "flash"
+    bwd_storages: set[tuple[int, int]] = set()
     for phase, name, kw in rec.kernel_calls:
         q, k, v = kw["query"], kw["key"], kw["value"]
-        if _sid(q) != ids["q"] or q.stride() != (N * HQ * D, D, HQ * D, 1):
+        if _sid(q) != ids["q"] or q.stride() != Q_STRIDES[layout]:
             problems.append(f"{phase} {name}: q is not a view of the caller's q (strides {q.stride()})")
         for x in (k, v):
             if x.shape[1] != HKV or x.stride() != KV_STRIDES:
                 problems.append(f"{phase} {name}: K/V {tuple(x.shape)} strides {x.stride()} (want h_kv={HKV}, the block)")
         if name.endswith("_backward"):
             dout, out = kw.get("grad_out", kw.get("grad_out_")), kw["out"]
-            if _sid(dout) != ids["dout"] or _sid(out) != ids["out"]:
+            bwd_storages.add((_sid(dout), _sid(out)))
+            if not relaid and (_sid(dout) != ids["dout"] or _sid(out) != ids["out"]):
                 problems.append(f"{phase} {name}: dout/out are copies, not the caller's")
             if backend == "flash" and not (dout.transpose(1, 2).is_contiguous() and out.transpose(1, 2).is_contiguous()):
                 problems.append(f"{phase} {name}: dout {dout.stride()} / out {out.stride()} not dense in (B, S, H, D) "
                                 "order: the flash backward copies them on every call")
-            if backend == "cudnn" and dout.stride() != out.stride():
-                problems.append(f"{phase} {name}: dout {dout.stride()} not in out's strides {out.stride()}")
+            if backend == "cudnn" and (dout.stride() != out.stride() or _order(out) != _order(q)):
+                problems.append(f"{phase} {name}: dout {dout.stride()} / out {out.stride()} not in q's order {q.stride()}")
             rng = kw["philox_seed"]
             if rng.numel():
                 problems.append(f"{phase} {name}: an RNG tensor with {rng.numel()} elements per call")
-    want = _theory(opts)
+    if len(bwd_storages) != 1:
+        problems.append(f"dout/out in {len(bwd_storages)} storages: laid out more than once per backward")
+    want = _theory(opts, layout, backend)
     for phase in ("forward", "backward"):
         got = Counter((a.numel, a.dtype) for a in rec.allocs[phase])
         if got != want[phase]:

@@ -85,3 +85,55 @@ def test_bad_flags_are_named():
         bench_main(["gpu-perf", "--tiny", "--q-heads", "3", "--kv-heads", "2"])
     with pytest.raises(SystemExit):
         bench_main(["gpu-perf", "--tiny", "--rank", "8"])
+
+
+def test_interleaved_times_each_step_round_robin():
+    """T_floor's calls and the ring step are timed in turns (a drift moves them alike), each as many times.
+    Seen failing: with the loop nesting swapped (every repeat of one step, then the next step's) the
+    order below is [a, b, a, a, a, b, b, b] (the warm-up, then every run of a, then of b)."""
+    order: list[str] = []
+
+    class Clock:
+        def time(self, step, *, warmup, repeats):  # noqa: ANN001, ANN202
+            for _ in range(warmup):
+                step()
+            out = []
+            for _ in range(repeats):
+                step()
+                out.append(float(len(order)))
+            return out
+
+    a, b = (lambda: order.append("a")), (lambda: order.append("b"))
+    times = gpu_perf._interleaved(Clock(), [a, b], warmup=1, repeats=3)
+    assert order == ["a", "b"] + ["a", "b"] * 3
+    assert times == [[3.0, 5.0, 7.0], [4.0, 6.0, 8.0]]
+
+
+def test_floor_measured_once_per_block_shapes_and_shared_across_layouts(tmp_path, monkeypatch):
+    """T_floor is measured in the first case with given block shapes, interleaved with its ring step, and
+    reused by the same mask and L in the other layout, so the two layouts' glue read one T_floor.
+    Seen failing: with ``floors`` not kept across cases (run_case's default), the contiguous rows measured
+    their own T_floor (4 interleaved measurements, not 2; their t_floor differed from the hf rows')."""
+    calls: list[int] = []
+    real = gpu_perf._interleaved
+
+    def counting(clock, steps, *, warmup, repeats):  # noqa: ANN001, ANN202
+        calls.append(len(steps))
+        return real(clock, steps, warmup=warmup, repeats=repeats)
+
+    monkeypatch.setattr(gpu_perf, "_interleaved", counting)
+    out = tmp_path / "gp"
+    bench_main(["gpu-perf", "--tiny", "--device", "cpu", "--seq-locals", "64", "--head-chunks", "1",
+                "--layouts", "hf,contiguous", "--hidden-at", "128", "--profile-at", "128", "--repeats", "3",
+                "--out", str(out)])
+    rows = json.loads((out / "gpu_perf.json").read_text())["cases"]
+    assert [(r["causal"], r["layout"]) for r in rows] == [
+        (True, "hf"), (False, "hf"), (True, "contiguous"), (False, "contiguous")]
+    shape = gpu_perf.Shape(world=8, rank=4, q_heads=4, kv_heads=2, head_dim=16)
+    # one interleaved measurement per mask: the ring step and each distinct floor call
+    assert calls == [1 + len(gpu_perf._block_shapes(shape, gpu_perf.Case(64, c, 1, "hf"))) for c in (True, False)]
+    for hf, contiguous in ((rows[0], rows[2]), (rows[1], rows[3])):
+        assert hf["t_floor_from"] == hf["label"] and contiguous["t_floor_from"] == hf["label"]
+        assert contiguous["t_floor"] == hf["t_floor"] and contiguous["floor_calls"] == hf["floor_calls"]
+        for r in (hf, contiguous):
+            assert r["glue"] == pytest.approx(r["t_compute"] / r["t_floor"] - 1)

@@ -231,7 +231,13 @@ def ring_backward(
     wire = dkv_wire_dtype(opts.dkv_wire_dtype, acc)  # what the dK/dV accumulators travel in
     seq_local = q.shape[2]
     hops = block_hops(opts, world, seq_local)
-    dout, out = backward_layout(dout, out)  # once, in the layout the kernels read (no per-hop copies)
+    # once, in the layout the plan's kernels read (no per-hop copies); an expander's K/V are known only expanded
+    calls = [] if expander is not None else [
+        (len(range(seq_local)[c.q_rows]), len(range(seq_local)[c.k_rows]), c.causal or c.anti)
+        for src in range(world) if src == rank or (rank - src) % world <= hops[src]
+        for c in block_calls(opts, world, rank, src, seq_local)
+    ]
+    dout, out = backward_layout(dout, out, q, k, calls, v_head_dim=v.shape[-1])
     k, v = k.contiguous(), v.contiguous()
 
     kv_pending = _exchange(comm, [k, v], None, _KV, send=hops[rank] >= 1, recv=hops[(rank - 1) % world] >= 1)

@@ -20,7 +20,12 @@ Per case:
   includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``slow_400 = t_step_400 /
   t_compute - 1``;
 - ``t_floor``: the sum of bare SDPA calls (forward + backward, contiguous inputs) on the plan's exact
-  block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``;
+  block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``. Measured once per set of
+  block shapes (mask, ``L`` and resolved head chunks; the layout does not change them), in the first
+  case that needs it, with its repeats interleaved with that case's ``t_compute`` repeats (ring step,
+  then every floor call, ``--repeats`` times; each the median of as many runs), so that both drift
+  alike; later cases reuse it (``t_floor_from``: the case it was measured in). Two cases of one
+  configuration then differ in glue only by their ``t_compute``;
 - at ``L`` = 16K (``--hidden-at``): ``t_step_50`` over a 50 GB/s link, ``t_transfer_50`` (the recorded
   schedule's transfers alone on the link model, :func:`~seqpar.comm.schedule.replay`), ``hidden_50 =
   (t_compute + t_transfer - t_step) / min(t_compute, t_transfer)`` and ``hidden_max_50``, what the
@@ -240,23 +245,45 @@ def _block_shapes(shape: Shape, case: Case, device: torch.device | None = None
     return counts
 
 
-def _floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, warmup: int, repeats: int
-           ) -> tuple[float, list[dict[str, Any]]]:
-    """T_floor: the sum of bare SDPA forward + backward calls on the plan's block shapes."""
-    total, rows = 0.0, []
+def _interleaved(clock: _Clock, steps: Sequence[Callable[[], Any]], *, warmup: int, repeats: int
+                 ) -> list[list[float]]:
+    """Each step's ``repeats`` timings, taken round-robin (step 0, 1, ..., then again) after ``warmup``
+    runs of each, so that a clock or device that drifts during the measurement moves every step alike."""
+    for step in steps:
+        clock.time(step, warmup=warmup, repeats=0)
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(repeats):
+        for step, out in zip(steps, times):
+            out.extend(clock.time(step, warmup=0, repeats=1))
+    return times
+
+
+def _compute_and_floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, free: Callable[[], Any],
+                       warmup: int, repeats: int, floors: dict[Any, dict[str, Any]]) -> dict[str, Any]:
+    """``t_compute`` (the ring step ``free``) and T_floor, the sum of bare SDPA forward + backward calls
+    on the plan's block shapes. T_floor is taken from ``floors`` when a case with the same block shapes
+    measured it (they do not depend on the layout); else measured here, each floor call's repeats
+    interleaved with the ring step's, and stored there."""
+    blocks = sorted(_block_shapes(shape, case, device).items())
+    key = tuple(blocks)
+    if key in floors:
+        t_compute = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
+        return {"t_compute": t_compute, **floors[key]}
     dtype = _DTYPES[shape.dtype]
-    for (hq, hkv, nq, nk, causal), count in sorted(_block_shapes(shape, case, device).items()):
+    steps = []
+    for (hq, hkv, nq, nk, causal), _ in blocks:
         q = torch.randn(shape.batch, hq, nq, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         k = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
-        dout = torch.randn_like(q)
-        t = statistics.median(clock.time(_sdpa_step((q, k, v, dout), causal, shape.head_dim ** -0.5),
-                                         warmup=warmup, repeats=repeats))
-        total += count * t
-        rows.append({"q_heads": hq, "kv_heads": hkv, "q_rows": nq, "k_rows": nk, "causal": causal,
-                     "count": count, "t": t})
-        del q, k, v, dout
-    return total, rows
+        steps.append(_sdpa_step((q, k, v, torch.randn_like(q)), causal, shape.head_dim ** -0.5))
+    ring, *calls = _interleaved(clock, [free, *steps], warmup=warmup, repeats=repeats)
+    del steps
+    rows = [{"q_heads": hq, "kv_heads": hkv, "q_rows": nq, "k_rows": nk, "causal": causal, "count": count,
+             "t": statistics.median(t)} for ((hq, hkv, nq, nk, causal), count), t in zip(blocks, calls)]
+    # the floor of repeat i: every call's i-th run, weighted by its count; T_floor their median
+    samples = [sum(count * t[i] for (_, count), t in zip(blocks, calls)) for i in range(repeats)]
+    floors[key] = {"t_floor": statistics.median(samples), "floor_calls": rows, "t_floor_from": case.label}
+    return {"t_compute": statistics.median(ring), **floors[key]}
 
 
 def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -350,9 +377,10 @@ def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch
 
 
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
-             profile_split: bool, cycles: float | None, high_priority: bool = True, trace: str | None = None
-             ) -> dict[str, Any]:
-    """Every figure of one case (see the module docstring)."""
+             profile_split: bool, cycles: float | None, high_priority: bool = True, trace: str | None = None,
+             floors: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every figure of one case (see the module docstring). ``floors``: the T_floor figures measured so far
+    in this run, by block shapes (read and extended; default: none)."""
     from seqpar.comm.schedule import hidden, hidden_bound, replay
 
     def links_at(bandwidth: float | None) -> Callable[[], Any]:
@@ -367,14 +395,13 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
                                                        repeats=repeats))
     free = _ring_step(shape, case, inputs, links_at(None), device)
-    res["t_compute"] = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
+    res.update(_compute_and_floor(shape, case, device, clock, free, warmup, repeats, {} if floors is None else floors))
     res["t_step_400"] = statistics.median(clock.time(
         _ring_step(shape, case, inputs, links_at(400e9), device), warmup=warmup, repeats=repeats))
     p = shape.world
     res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
     res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
     res["slow_400"] = res["t_step_400"] / res["t_compute"] - 1
-    res["t_floor"], res["floor_calls"] = _floor(shape, case, device, clock, warmup, repeats)
     res["glue"] = res["t_compute"] / res["t_floor"] - 1
     if case.seq_local == hidden_at:
         recorded = free()  # one more free-link step, for its schedule and its compute segments
@@ -447,6 +474,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     start = time.perf_counter()
     profiled: set[bool] = set()
+    floors: dict[Any, dict[str, Any]] = {}  # T_floor by block shapes, measured once per run
     for case in cases(args.seq_locals, args.head_chunks, args.layouts):
         left = args.budget_s - (time.perf_counter() - start)
         estimate = _estimate(payload["cases"], case)
@@ -457,7 +485,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             row = run_case(shape, case, device, warmup=args.warmup, repeats=args.repeats, hidden_at=args.hidden_at,
                            profile_split=profile_split, cycles=cycles, high_priority=args.link_priority == "high",
-                           trace=args.trace)
+                           trace=args.trace, floors=floors)
         except torch.OutOfMemoryError as error:
             payload["skipped"].append({"label": case.label, "reason": f"out of memory: {str(error)[:200]}"})
             torch.cuda.empty_cache()

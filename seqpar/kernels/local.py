@@ -49,11 +49,13 @@ GQA (q_heads = g * kv_heads, g > 1) on CUDA, per kernel:
 
 Layouts: the fused kernels read q/k/v through their strides (unit stride on the head dim required), so
 Hugging Face's ``(batch, seq, heads, dim)`` buffers seen transposed and the zigzag halves (row ranges of
-a shard) go in as views, with no copy. Their backwards read ``dout`` and ``out`` densely in
-``(batch, len, heads, dim)`` order (flash and memory-efficient copy them into it otherwise, on every call;
+a shard) go in as views, with no copy. The flash and memory-efficient backwards read ``dout`` and
+``out`` densely in ``(batch, len, heads, dim)`` order (they copy them into it otherwise, on every call;
 the memory-efficient kernel in half precision even reads ``out`` assuming that order, whatever its
-strides): :func:`backward_layout` lays them out so once per backward, and the kernels here copy only
-what still is not (a row range of a batch > 1: its rows are not dense across the batch). The lse a
+strides); cuDNN's backward gets them in q's memory order (as torch's SDPA hands them):
+:func:`backward_layout` lays them out once per backward in the order the plan's kernel reads, and the
+kernels here copy only what still is not (a row range of a batch > 1: its rows are not dense across
+the batch). The lse a
 kernel reads is dense ``(batch, heads, len)``: a row range of it is copied (fp32, ``1 / head_dim`` of the
 piece's output).
 
@@ -67,6 +69,7 @@ indexing a fake CUDA tensor on a CPU-only build raises, and views keep the code 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -217,19 +220,50 @@ def _unfold_rows(x: Tensor, group: int) -> Tensor:
         return out.view(b, n, hk * group, d).transpose(1, 2)
 
 
-def backward_layout(dout: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+def backward_layout(
+    dout: Tensor, out: Tensor, q: Tensor | None = None, k: Tensor | None = None,
+    blocks: Iterable[tuple[int, int, bool]] = (), *, v_head_dim: int | None = None, caps: DeviceCaps | None = None,
+) -> tuple[Tensor, Tensor]:
     """``dout`` and ``out`` ``(batch, heads, len, v_head_dim)`` laid out once per backward the way this
     device's kernels read them, so that no kernel call copies them again.
 
-    CUDA: dense in ``(batch, len, heads, dim)`` order (returned as they are when already so, e.g. Hugging
-    Face's layout; otherwise one copy each). The flash and memory-efficient backwards transpose both to
-    that order and copy them unless contiguous there (torch's ``_flash_attention_backward`` and
-    ``_efficient_attention_backward``), and the memory-efficient kernel in half precision reads ``out``
-    with that order's row stride. CPU: ``dout`` contiguous, ``out`` as it is (the CPU kernel reads strides).
+    Args:
+        q: ``(batch, q_heads, len, head_dim)``, k: ``(batch, kv_heads, len_k, head_dim)``: the backward's
+            query rows and a K/V block (their shapes and q's memory order; nothing is read).
+        blocks: ``(len_q, len_k, causal)`` of every kernel call the backward will make with row ranges of
+            these ``dout``/``out`` (the plan's calls; empty: unknown).
+        v_head_dim: V's head dim when it differs from ``head_dim``; caps: as in :func:`block_backward`.
+
+    CUDA: the kernel decides. cuDNN's backward reads them in q's memory order (:func:`_cudnn_backward`);
+    the flash and memory-efficient backwards dense in ``(batch, len, heads, dim)`` order (they transpose
+    both to that order and copy them unless contiguous there: torch's ``_flash_attention_backward`` and
+    ``_efficient_attention_backward``; the memory-efficient kernel in half precision reads ``out`` with
+    that order's row stride). So: in q's memory order when ``q``, ``k`` and ``blocks`` are given and cuDNN
+    runs every block, else dense in ``(batch, len, heads, dim)`` order (Hugging Face's layout, in which
+    both coincide). Returned as they are when already so, else one copy each. With a contiguous q and a
+    plan mixing cuDNN with another kernel (a shape cuDNN refuses), the cuDNN calls re-lay them per call.
+    CPU: ``dout`` contiguous, ``out`` as it is (the CPU kernel reads strides).
     """
-    if dout.device.type == "cuda":
-        return _to_bshd(dout), _to_bshd(out)
-    return _dense(dout), out
+    if dout.device.type != "cuda":
+        return _dense(dout), out
+    if q is not None and k is not None and _all_cudnn(q, k, blocks, v_head_dim, caps):
+        return _in_order_of(dout, q), _in_order_of(out, q)
+    return _to_bshd(dout), _to_bshd(out)
+
+
+def _all_cudnn(
+    q: Tensor, k: Tensor, blocks: Iterable[tuple[int, int, bool]], v_head_dim: int | None, caps: DeviceCaps | None
+) -> bool:
+    # the kernel each planned call will get (cuda_backend's choice, from the call's shape alone)
+    specs = [
+        BlockSpec(q.dtype, q.shape[-1], q.shape[-1] if v_head_dim is None else v_head_dim, q.shape[1], k.shape[1],
+                  len_q, len_k, causal, q.shape[0])
+        for len_q, len_k, causal in blocks
+    ]
+    if not specs or q.dtype == torch.float64:
+        return False
+    caps = _caps(q, caps)
+    return not caps.rocm and all(choose_backend(spec, caps) is Backend.CUDNN for spec in specs)
 
 
 def _warn_rocm() -> None:
