@@ -58,6 +58,26 @@ def test_compiled_summary_takes_the_slowest_rank_per_round_and_median_ratios() -
     assert s["compiled_tokens_per_s_rounds"] == [50.0, 25.0, 100.0]  # slowest medians 2, 4, 1
     assert s["ratio_rounds"] == [1.0, 0.5, 2.0] and s["ratio_median"] == 1.0
     assert s["compiled_tokens_per_s"] == 50.0 and s["compile_s"] == 9.0 and s["grad_max_rel_diff"] == 3e-6
+    assert "eager_forward_cpu_s" not in s  # records without the forward's CPU (older JSON): not reported
+
+
+def test_compiled_summary_reports_the_busiest_ranks_forward_cpu() -> None:
+    """The forward's thread CPU per step (``*_forward_cpu_s``): per round the busiest rank's median over
+    repeats, then the median over rounds, beside the whole step's. Seen failing: with the rank's minimum
+    taken instead of the maximum (the eager figure became 1.0), and with the key read from ``cpu``."""
+    from seqpar.bench.compiled import summarize_compiled
+
+    def rank(fwd: list[tuple[list[float], list[float]]]) -> dict:
+        rounds = [{"eager": [1.0], "compiled": [1.0], "cpu": {"eager": [5.0], "compiled": [5.0]},
+                   "forward_cpu": {"eager": e, "compiled": c}} for e, c in fwd]
+        return {"rounds": rounds, "compile_s": 1.0, "first_loss": {}, "grad_max_rel_diff": 0.0}
+
+    per_rank = [rank([([1.0, 3.0], [1.0, 1.0]), ([2.0, 2.0], [4.0, 4.0]), ([1.0, 1.0], [0.5, 0.5])]),
+                rank([([1.0, 1.0], [2.0, 2.0]), ([1.0, 1.0], [1.0, 1.0]), ([3.0, 3.0], [1.0, 1.0])])]
+    s = summarize_compiled(per_rank, seq_len=100)
+    assert s["eager_forward_cpu_s"] == 2.0  # busiest medians per round 2, 2, 3
+    assert s["compiled_forward_cpu_s"] == 2.0  # busiest medians per round 2, 4, 1
+    assert s["eager_cpu_s"] == 5.0
 
 
 def test_the_compiled_bench_configures_qwen3_5_as_its_hybrid_pattern_at_the_bench_sizes() -> None:

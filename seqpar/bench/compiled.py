@@ -15,7 +15,8 @@ agree (``grad_max_rel_diff``: per parameter, the largest difference over the gra
 worst over parameters and ranks).
 
 Beside wall time, each step's thread CPU seconds (``eager_cpu_s``, ``compiled_cpu_s``: the busiest rank's
-median, median over rounds; ``cpu_ratio_median`` = eager / compiled; ``*_process_cpu_s``: all the rank's
+median, median over rounds; ``cpu_ratio_median`` = eager / compiled; ``*_forward_cpu_s``: the forward's
+share alone, the rest being the backward and the update; ``*_process_cpu_s``: all the rank's
 threads, gloo's included): on a machine shared with other jobs a
 rank waiting for a core, or for the other rank, costs wall time but no CPU time. ``recompiles`` counts
 dynamo's graphs made during the rounds (must be 0: a recompile would be timed as a step).
@@ -100,16 +101,18 @@ def compiled_rounds(ctx: Any, model_type: str, seq_len: int, rounds: int, repeat
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     compiled = torch.compile(model, fullgraph=True, backend=backend)
 
-    def step(fn: Any, update: bool = True) -> tuple[float, float, float, float]:
-        """(wall seconds, this thread's CPU seconds, loss, the process's CPU seconds: gloo's threads too)."""
+    def step(fn: Any, update: bool = True) -> tuple[float, float, float, float, float]:
+        """(wall seconds, this thread's CPU seconds, loss, the process's CPU seconds: gloo's threads too,
+        this thread's CPU seconds in the forward alone)."""
         dist.barrier(group)
         tic, cpu, proc = time.perf_counter(), time.thread_time(), time.process_time()
         loss = fn(**batch).loss
+        forward = time.thread_time() - cpu
         loss.backward()
         if update:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - tic, time.thread_time() - cpu, loss.item(), time.process_time() - proc
+        return time.perf_counter() - tic, time.thread_time() - cpu, loss.item(), time.process_time() - proc, forward
 
     def take_grads() -> dict[str, torch.Tensor]:
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -119,7 +122,7 @@ def compiled_rounds(ctx: Any, model_type: str, seq_len: int, rounds: int, repeat
     # the first steps without an update: the same weights' loss and gradients (they must agree)
     first_eager = step(model, update=False)[2]
     eager_grads = take_grads()
-    compile_s, _, first_compiled, _ = step(compiled, update=False)
+    compile_s, _, first_compiled, *_ = step(compiled, update=False)
     compiled_grads = take_grads()
     # each gradient's largest difference over its own largest entry, the worst over parameters
     grad_rel = max(((compiled_grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
@@ -131,12 +134,13 @@ def compiled_rounds(ctx: Any, model_type: str, seq_len: int, rounds: int, repeat
         order = [("eager", model), ("compiled", compiled)]
         if rnd % 2:
             order.reverse()
-        times: dict[str, Any] = {"cpu": {}, "process_cpu": {}}
+        times: dict[str, Any] = {"cpu": {}, "process_cpu": {}, "forward_cpu": {}}
         for name, fn in order:
             steps = [step(fn) for _ in range(repeats)]
             times[name] = [s[0] for s in steps]
             times["cpu"][name] = [s[1] for s in steps]
             times["process_cpu"][name] = [s[3] for s in steps]
+            times["forward_cpu"][name] = [s[4] for s in steps]
         out["rounds"].append(times)
     # a recompile here would be timed as a step (the first compiled call is the compile, above)
     out["recompiles"] = counters["stats"]["unique_graphs"] - graphs
@@ -160,7 +164,7 @@ def summarize_compiled(per_rank: list[dict[str, Any]], seq_len: int) -> dict[str
         return {name: [max(statistics.median(r["rounds"][rnd][key][name]) for r in per_rank) for rnd in range(rounds)]
                 for name in tps}
 
-    cpu, process_cpu = busiest("cpu"), busiest("process_cpu")
+    cpu, process_cpu, forward_cpu = busiest("cpu"), busiest("process_cpu"), busiest("forward_cpu")
     out = {
         "eager_tokens_per_s_rounds": tps["eager"], "compiled_tokens_per_s_rounds": tps["compiled"],
         "ratio_rounds": ratios,
@@ -179,4 +183,7 @@ def summarize_compiled(per_rank: list[dict[str, Any]], seq_len: int) -> dict[str
     if process_cpu is not None:
         out.update(eager_process_cpu_s=statistics.median(process_cpu["eager"]),
                    compiled_process_cpu_s=statistics.median(process_cpu["compiled"]))
+    if forward_cpu is not None:  # the forward's share of the step's thread CPU (the rest: backward, update)
+        out.update(eager_forward_cpu_s=statistics.median(forward_cpu["eager"]),
+                   compiled_forward_cpu_s=statistics.median(forward_cpu["compiled"]))
     return out

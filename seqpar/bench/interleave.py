@@ -131,6 +131,9 @@ def run_compiled(args: argparse.Namespace) -> dict[str, Any]:
               f"(process: eager {summary.get('eager_process_cpu_s', float('nan')):.3f} s, compiled "
               f"{summary.get('compiled_process_cpu_s', float('nan')):.3f} s); recompiles during the rounds: "
               f"{summary['recompiles']}", flush=True)
+    if "eager_forward_cpu_s" in summary:
+        print(f"of which the forward: eager {summary['eager_forward_cpu_s']:.3f} s, compiled "
+              f"{summary['compiled_forward_cpu_s']:.3f} s", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
