@@ -215,6 +215,30 @@ def test_merge_makes_no_block_sized_temporary() -> None:
     assert allocs and max(allocs) <= min(merge_mod._CPU_CHUNK * 8, block_fp32_bytes // 4), sorted(allocs)[-5:]
 
 
+def test_small_blocks_merge_in_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path's pieces: a small block (a 128-row x 16-dim head-chunk piece of a short document)
+    merges in one step, a large one still in pieces of 1/64 of it (its fp64 temporaries stay small), and
+    both give the float64 merge. Seen failing: without the ``_CPU_MIN_PIECE`` floor the small block took
+    64 steps of 2 rows (the Python steps were most of a short micro-batch's CPU time, BENCHMARKS.md)."""
+    steps: list[int] = []
+    pieces = merge_mod._pieces
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = list(pieces(*args, **kwargs))
+        steps.append(len(out))
+        return iter(out)
+
+    monkeypatch.setattr(merge_mod, "_pieces", counted)
+    g = torch.Generator().manual_seed(5)
+    for shape, want_steps in (((1, 1, 128, 16), 1), ((1, 4, 1024, 64), 64)):
+        out, lse, blk, blk_lse = random_partials(g, shape, torch.float32)
+        want = merge64(out, lse, blk, blk_lse)
+        steps.clear()
+        merge_into(out, lse, blk, blk_lse)
+        assert steps[-1] == want_steps, (shape, steps)  # the outermost call (it recurses) ends last
+        assert_within_2_ulp(out, lse, want, f"{shape}")
+
+
 def _interpreted_merge_triton(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
     """seqpar.kernels.merge_triton loaded afresh under ``TRITON_INTERPRET=1``: its kernel runs on CPU
     tensors in Triton's interpreter (where Triton is installed: torch's CUDA build, the fake-CUDA stage)."""

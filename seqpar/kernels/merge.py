@@ -104,6 +104,9 @@ def add_sink(out_acc: Tensor, lse_acc: Tensor, sink: Tensor) -> None:
 
 # ------------------------------------------------------------------------------------ the two paths
 _CPU_CHUNK = 1 << 14  # output elements per step of the torch path (its fp64 temporaries: 128 KiB)
+# the fewest output elements per step (fp64 temporaries of 32 KiB): 1/64 of a small block is a few rows,
+# and a Python step per few rows cost far more than the merge (a 128 x 16 piece was 64 steps of 2 rows)
+_CPU_MIN_PIECE = 1 << 12
 _FUSED_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -153,7 +156,8 @@ def _(out: Tensor, lse: Tensor, block_out: Tensor | None, block_lse: Tensor) -> 
 def _merge_torch(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, block_lse: Tensor) -> None:
     """:func:`merge_into` (``block_out`` None: :func:`add_sink`) in torch ops, with the fused kernel's
     maths: weights and products in fp64, one rounding on the store. Temporaries: lse-sized, and at most
-    ``_CPU_CHUNK`` elements (and 1/64) of the output at a time."""
+    ``_CPU_CHUNK`` elements (and 1/64, or ``_CPU_MIN_PIECE`` elements when that is more) of the output at a
+    time."""
     a, c = lse_acc.double(), block_lse.double()
     empty = torch.isneginf(c)  # the block saw no key: keep the row (NaN weights where a = -inf too)
     rows = (*out_acc.shape[:-1], 1)  # the weights broadcast over each row, and are cut with it
@@ -161,8 +165,9 @@ def _merge_torch(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, blo
     w_blk = None if block_out is None else torch.sigmoid(c - a).masked_fill_(empty, 0.0).unsqueeze(-1).expand(rows)
     block_out = None if block_out is None else block_out.expand(out_acc.shape)
     # pieces of at most _CPU_CHUNK elements and 1/64 of the block: the fp64 temporaries stay a small
-    # share of the block at any size (a whole small block in fp64 was 4x its fp32 size at the merge)
-    limit = min(_CPU_CHUNK, max(out_acc.shape[-1], out_acc.numel() // 64))
+    # share of a large block (a whole block in fp64 was 4x its fp32 size at the merge); a small block's
+    # pieces are _CPU_MIN_PIECE elements (32 KiB in fp64), not a Python step per few rows
+    limit = min(_CPU_CHUNK, max(out_acc.shape[-1], out_acc.numel() // 64, _CPU_MIN_PIECE))
     for piece in _pieces(out_acc.shape, limit):
         acc = _narrow(out_acc, piece)
         merged = acc.double()  # acc itself for fp64 accumulators
