@@ -21,7 +21,11 @@ marked with its ``kind``:
    ``dynamic_dp_budget`` at what static DP2 x SP holds, ``2 seq_len / P``: each baseline is compared at its own
    memory), :func:`seqpar.sequence.batch.rank_micro_batches` cuts them
    (``balanced`` sharding inside each group), each rank runs the forward + backward of its micro-batches and
-   the gradients are summed over the pool once. Per scheme: each step's thread CPU time
+   the gradients are summed over the pool once; each step is a
+   :class:`seqpar.sequence.dynamic_step.DynamicStep` (the plan and this rank's micro-batches), whose
+   :meth:`~seqpar.sequence.dynamic_step.DynamicStep.loss` gives the step's per-token mean loss after the timed
+   part: every scheme runs the same documents through the same weights, so the schemes' step losses must agree
+   (``step_loss_max_rel_diff``). Per scheme: each step's thread CPU time
    (``time.thread_time()`` between barriers, max over ranks; also the process's CPU time, which includes
    gloo's own threads), tokens/s (the slowest rank's wall time), the counted bytes (max per rank) and, from
    one untimed step on batch 0 (the warm-up), the peak bytes of the tensors a step allocates
@@ -34,9 +38,10 @@ marked with its ``kind``:
    bound are reported.
 
 The cost model of the counted and measured parts is the tiny Llama's FLOPs plus the CPU ranks' fixed terms
-(per micro-batch, per ring step: :data:`TINY_LLAMA_MICRO_BATCH_COST`, :data:`TINY_LLAMA_RING_STEP_COST`, or
-``--micro-batch-cost`` / ``--ring-step-cost``). ``--calibrate`` first times single micro-batches of several
-shapes at 4 ranks, fits the terms (:func:`seqpar.sequence.dynamic.fit_cost_terms`; ``calibration.fit`` in
+(per micro-batch, per ring step, per document: :data:`TINY_LLAMA_MICRO_BATCH_COST`,
+:data:`TINY_LLAMA_RING_STEP_COST`, :data:`TINY_LLAMA_PER_DOCUMENT_COST`, or ``--micro-batch-cost`` /
+``--ring-step-cost`` / ``--per-document-cost``). ``--calibrate`` first times single micro-batches of several
+shapes at 4 ranks (one to 64 documents of distinct lengths, groups of 1, 2 and 4), fits the terms (:func:`seqpar.sequence.dynamic.fit_cost_terms`; ``calibration.fit`` in
 the JSON) and plans the rest of the run with the fit.
 """
 
@@ -68,24 +73,28 @@ from seqpar.sequence.dynamic import (
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
            "pool_report", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
-           "TINY_LLAMA", "QWEN3_30B_A3B"]
+           "TINY_LLAMA", "QWEN3_30B_A3B", "distinct_lengths", "CALIBRATION"]
 
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
 
 
 # The fixed terms of the 4-rank CPU run (forward-FLOP units; the --calibrate fit in BENCHMARKS.md "Length-aware
-# dynamic CP", 2-core loaded VM, 2026-11-29: 76.7 ms per micro-batch, 13.5 ms per ring step, layer and pass, at
-# 5.78e-11 s per forward FLOP). Machine- and commit-specific: `--calibrate` refits them and runs with the fit.
-TINY_LLAMA_MICRO_BATCH_COST = 1.33e9
-TINY_LLAMA_RING_STEP_COST = 2.34e8
+# dynamic CP", 2-core loaded VM, 2026-11-29, commit 9502dc8: 112 ms per micro-batch, 8.65 ms per ring step, layer
+# and pass, 0.08 ms per document, at 5.91e-11 s per forward FLOP). Machine- and commit-specific: `--calibrate`
+# refits them and runs with the fit.
+TINY_LLAMA_MICRO_BATCH_COST = 1.90e9
+TINY_LLAMA_RING_STEP_COST = 1.46e8
+TINY_LLAMA_PER_DOCUMENT_COST = 1.33e6
 
 
 def tiny_llama_cost(hidden: int, layers: int, heads: int, *, micro_batch_cost: float = TINY_LLAMA_MICRO_BATCH_COST,
-                    ring_step_cost: float = TINY_LLAMA_RING_STEP_COST) -> CostModel:
+                    ring_step_cost: float = TINY_LLAMA_RING_STEP_COST,
+                    per_document_cost: float = TINY_LLAMA_PER_DOCUMENT_COST) -> CostModel:
     """The counted cost of the measured run's model (:func:`_tiny_llama`'s sizes: intermediate ``2 x
     hidden``, fp32 K/V on the ring), with the CPU ranks' fixed terms (defaults: the last calibration)."""
     return CostModel.transformer(hidden, 2 * hidden, q_heads=heads, kv_heads=heads, layers=layers, elem_bytes=4,
-                                 micro_batch_cost=micro_batch_cost, ring_step_cost=ring_step_cost)
+                                 micro_batch_cost=micro_batch_cost, ring_step_cost=ring_step_cost,
+                                 per_document_cost=per_document_cost)
 
 
 # the 4-rank CPU run's model by default (a tiny Llama: hidden 64, intermediate 128, 4 heads, 2 layers): its cost
@@ -162,12 +171,14 @@ def _counted_micro_batch(mb: MicroBatch, lengths: Sequence[int], cost: CostModel
 def counted_rank_costs(plan: DynamicPlan, cost: CostModel, *, fixed: bool = False) -> list[float]:
     """Each pool position's cost over the step, its visible pairs counted by the attention planner
     (not the planner's even split): ``layers * (pair_cost * pairs + token_cost * tokens)``; with ``fixed``
-    plus each micro-batch's fixed cost (:meth:`CostModel.fixed_cost`: what the measured CPU time should
-    follow)."""
+    plus each micro-batch's fixed cost (:meth:`CostModel.fixed_cost`) and its documents' per-document term
+    (``per_document_cost`` split over the group, as the planner counts it): what the measured CPU time should
+    follow."""
     out = [0.0] * plan.pool_size
     for slot in plan.slots:
         for mb in slot:
-            extra = cost.fixed_cost(mb.size, empty=not mb.docs) if fixed else 0.0
+            extra = (cost.fixed_cost(mb.size, empty=not mb.docs) + cost.per_document_cost * len(mb.docs) / mb.size
+                     if fixed else 0.0)
             for q, (pairs, tokens) in zip(mb.positions, _counted_micro_batch(mb, plan.lengths, cost)):
                 out[q] += cost.layers * (cost.pair_cost * pairs + cost.token_cost * tokens) + extra
     return out
@@ -246,7 +257,8 @@ def _cost_fields(cost: CostModel) -> dict[str, Any]:
     return {"causal": cost.causal, "window": cost.window, "chunk_size": cost.chunk_size, "pair_cost": cost.pair_cost,
             "token_cost": cost.token_cost, "kv_width": cost.kv_width, "elem_bytes": cost.elem_bytes,
             "acc_bytes": cost.acc_bytes, "layers": cost.layers, "micro_batch_cost": cost.micro_batch_cost,
-            "ring_step_cost": cost.ring_step_cost, "ring_passes": RING_PASSES}
+            "ring_step_cost": cost.ring_step_cost, "per_document_cost": cost.per_document_cost,
+            "ring_passes": RING_PASSES}
 
 
 def modelled_step_seconds(plan: DynamicPlan, cost: CostModel, links: Links | None = None) -> dict[str, float]:
@@ -393,7 +405,7 @@ def scheme_plans(batch: list[list[int]], world: int, seq_len: int, cost: CostMod
 
 
 def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, seed: int, hidden: int,
-                   layers: int, heads: int, memory: bool, fixed: tuple[float, float]) -> dict:
+                   layers: int, heads: int, memory: bool, fixed: tuple[float, float, float]) -> dict:
     """On each rank of the pool (SP = world, DP = 1; every aligned group of 1, 2, 4, ... ranks made once by
     the ``dynamic`` block): per global batch, the three schemes in turn, each step the forward + backward of
     this rank's micro-batches (``balanced`` sharding inside each group) and one sum of the gradients over the
@@ -408,9 +420,11 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
     from seqpar.config import SeqParConfig
     from seqpar.memory.tracker import TensorMemoryTracker
     from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.dynamic_step import DynamicStep
     from seqpar.swap import swap_attention
 
-    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
+    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1],
+                           per_document_cost=fixed[2])
     manager = seqpar.init_process_groups(sp_size=world, config={
         "sharding": "balanced", "dynamic": {"max_tokens_per_rank": seq_len // world, "min_size": 1}})
     try:
@@ -418,41 +432,51 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
         swap_attention(model, SeqParConfig(size=world, sharding="balanced"))
         params = [p for p in model.parameters()]
 
-        def step(micro: list[dict]) -> None:
-            for inputs in micro:
-                model(**inputs).loss.backward()
+        def step(ds: DynamicStep) -> list:
+            losses = []
+            for inputs in ds.micro_batches:
+                loss = model(**inputs).loss
+                loss.backward()
+                losses.append(loss.detach())
             for p in params:  # reduced once per step over the pool (a sum: see rank_micro_batches)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad, group=manager.sp_dp_group)
             for p in params:
                 p.grad = None
+            return losses
 
-        def inputs_of(b: int) -> dict[str, list[dict]]:
+        def inputs_of(b: int) -> dict[str, DynamicStep]:
+            # every scheme, the statics too, as a DynamicStep: a plan and this rank's micro-batches of it (what
+            # seqpar.sequence.dynamic_step.plan_step builds; the bench's own plans, so not plan_step itself)
             batch = long_tailed_rows(rows, seq_len, seed + b)
             docs = _documents([n for row in batch for n in row], seed + b)
-            return {name: rank_micro_batches(plan, docs, manager, sharding="balanced")
+            return {name: DynamicStep(plan, rank_micro_batches(plan, docs, manager, sharding="balanced"), manager)
                     for name, plan in scheme_plans(batch, world, seq_len, cost).items()}
 
-        out: dict[str, Any] = {"peak_bytes": {}, "cpu_s": {}, "process_cpu_s": {}, "wall_s": {}, "slots": {}}
-        for name, micro in inputs_of(0).items():  # warm-up (first calls build caches), untimed
+        out: dict[str, Any] = {"peak_bytes": {}, "cpu_s": {}, "process_cpu_s": {}, "wall_s": {}, "slots": {},
+                               "loss": {}}
+        for name, ds in inputs_of(0).items():  # warm-up (first calls build caches), untimed
             dist.barrier()
             if not memory:
-                step(micro)
+                step(ds)
                 continue
             tracker = TensorMemoryTracker("cpu", count_existing=False)  # MemTracker refuses a module run twice
             with tracker:
-                step(micro)
+                step(ds)
             out["peak_bytes"][name] = tracker.peak
         for b in range(batches):
-            for name, micro in inputs_of(b).items():  # interleaved: drifting load hits every scheme alike
+            for name, ds in inputs_of(b).items():  # interleaved: drifting load hits every scheme alike
                 dist.barrier()
                 t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-                step(micro)
+                losses = step(ds)
                 out["cpu_s"].setdefault(name, []).append(time.thread_time() - c0)
                 out["process_cpu_s"].setdefault(name, []).append(time.process_time() - p0)
                 out["wall_s"].setdefault(name, []).append(time.perf_counter() - t0)
-                out["slots"].setdefault(name, []).append(len(micro))
+                out["slots"].setdefault(name, []).append(len(ds.micro_batches))
+                # the step's per-token mean loss (a collective, after the timing): the same documents and
+                # weights in every scheme, so the schemes must agree
+                out["loss"].setdefault(name, []).append(float(ds.loss(losses)))
         return out
     finally:
         seqpar.destroy_process_groups(manager)
@@ -460,12 +484,15 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
 
 def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int, *, hidden: int, layers: int,
                     heads: int, memory: bool = True, pools: Any = None, timeout: float = 3600.0,
-                    fixed: tuple[float, float] = (TINY_LLAMA_MICRO_BATCH_COST, TINY_LLAMA_RING_STEP_COST)) -> dict:
+                    fixed: tuple[float, float, float] = (TINY_LLAMA_MICRO_BATCH_COST, TINY_LLAMA_RING_STEP_COST,
+                                                         TINY_LLAMA_PER_DOCUMENT_COST)) -> dict:
     """The measured part (see the module docstring): the three schemes run at ``world`` gloo ranks, the dynamic
-    plans made with the fixed terms ``fixed`` (``micro_batch_cost``, ``ring_step_cost``)."""
+    plans made with the cost model's terms ``fixed`` (``micro_batch_cost``, ``ring_step_cost``,
+    ``per_document_cost``)."""
     from seqpar.bench.runner import suite_pools
 
-    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
+    cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1],
+                           per_document_cost=fixed[2])
     with suite_pools("cpu", pools) as ps:
         per_rank = ps.run(world, _measured_rank, world, seq_len, rows, batches, seed, hidden, layers, heads, memory,
                           fixed, timeout=timeout)
@@ -489,12 +516,14 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
             "wall_s_slowest_rank_per_step": wall, "tokens_per_s": tokens * batches / sum(wall),
             "bytes_max_per_rank_counted_per_step": bytes_max, "balance_counted_per_step": counted,
             "cost_max_per_rank_with_fixed_per_step": modelled,
+            "step_loss_per_step": per_rank[0]["loss"][name],
         }
         if memory:
             schemes[name]["peak_bytes_max_over_ranks"] = max(r["peak_bytes"][name] for r in per_rank)
             schemes[name]["peak_bytes_per_rank"] = [r["peak_bytes"][name] for r in per_rank]
     static_dp = f"static_dp2_sp{world // 2}"
     dyn = schemes["dynamic"]
+    losses = [[s["step_loss_per_step"][b] for s in schemes.values()] for b in range(batches)]
     return {
         "kind": "measured", "world": world, "seq_len": seq_len, "rows_per_batch": rows, "batches": batches,
         "seeds": [seed + b for b in range(batches)],
@@ -507,6 +536,8 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
                 "the pool; per step: each rank's time.thread_time() and wall time between barriers; the three "
                 "schemes interleaved batch by batch"),
         "schemes": schemes,
+        # every scheme ran the same documents through the same weights: their step losses agree (fp32 sums)
+        "step_loss_max_rel_diff": max(((max(ls) - min(ls)) / abs(min(ls)) for ls in losses), default=0.0),
         "work_ratio_measured_static_dp2_over_dynamic": schemes[static_dp]["cpu_s_max_over_ranks_total"]
         / dyn["cpu_s_max_over_ranks_total"],
         "work_ratio_measured_per_step": [a / b for a, b in zip(schemes[static_dp]["cpu_s_max_over_ranks_per_step"],
@@ -530,12 +561,30 @@ def measured_report(world: int, seq_len: int, rows: int, batches: int, seed: int
     }
 
 
-# (name, packed rows, SP size): one micro-batch per rank, the same on every rank (static_plan over 4 ranks)
+def distinct_lengths(count: int, tokens: int) -> list[int]:
+    """``count`` documents of distinct lengths (consecutive integers around ``tokens / count``) summing to
+    ``tokens``. The calibration's many-document cases use them: documents of one length are stacked into one
+    kernel call (:data:`seqpar.attn.common.BATCH_PIECE_ROWS`), so ``32 x 128`` costs a third of 32 documents
+    of distinct lengths near 128 on the CPU, and the mix's documents (log-normal lengths) are all but distinct."""
+    base = tokens // count
+    out = [base + i - count // 2 for i in range(count)]
+    out[-1] += tokens - sum(out)
+    if len(set(out)) != count or min(out) < 1:
+        raise ValueError(f"distinct_lengths: {count} distinct lengths do not make {tokens} tokens")
+    return out
+
+
+# (name, packed rows, SP size): one micro-batch per rank, the same on every rank (static_plan over 4 ranks). The
+# cases tell the four terms apart: FLOPs (1 to 16384 tokens per micro-batch), micro-batches (every case one),
+# ring steps (groups of 1, 2 and 4) and documents (1 to 64 per micro-batch, of distinct lengths, at each size).
 CALIBRATION = (
     ("1 rank, 1 x 1024", [[1024]] * 4, 1), ("1 rank, 1 x 4096", [[4096]] * 4, 1),
-    ("1 rank, 4 x 1024", [[1024] * 4] * 4, 1), ("1 rank, 32 x 128", [[128] * 32] * 4, 1),
+    ("1 rank, 4 x ~1024", [distinct_lengths(4, 4096)] * 4, 1),
+    ("1 rank, 32 x ~128", [distinct_lengths(32, 4096)] * 4, 1),
     ("2 ranks, 1 x 2048", [[2048]] * 2, 2), ("2 ranks, 1 x 8192", [[8192]] * 2, 2),
+    ("2 ranks, 32 x ~256", [distinct_lengths(32, 8192)] * 2, 2),
     ("4 ranks, 1 x 4096", [[4096]], 4), ("4 ranks, 1 x 16384", [[16384]], 4),
+    ("4 ranks, 64 x ~256", [distinct_lengths(64, 16384)], 4),
 )
 
 
@@ -576,7 +625,7 @@ def _calibrate_rank(ctx: Any, hidden: int, layers: int, heads: int, repeats: int
 
 def calibration_report(hidden: int, layers: int, heads: int, repeats: int = 2, pools: Any = None) -> dict:
     """``--calibrate``: what one micro-batch costs in thread CPU against its counted cost, at 4 gloo ranks, for
-    the shapes that tell a micro-batch's fixed cost, a ring step's and a visible pair's apart."""
+    the shapes that tell a micro-batch's fixed cost, a ring step's, a document's and a visible pair's apart."""
     from seqpar.bench.runner import suite_pools
 
     cost = tiny_llama_cost(hidden, layers, heads, micro_batch_cost=0.0, ring_step_cost=0.0)
@@ -587,27 +636,32 @@ def calibration_report(hidden: int, layers: int, heads: int, repeats: int = 2, p
         plan = static_plan(rows, 4, sp, cost=cost, pad_multiple=PAD)
         counted = max(counted_rank_costs(plan, cost))
         cpu = max(r[name] for r in per_rank)
+        documents = len(rows[0]) / sp  # per rank, as the planner splits a micro-batch's documents
         cases.append({"case": name, "group": sp, "tokens_per_rank": plan.peak_tokens_per_rank,
-                      "counted_gflop": counted / 1e9, "ring_steps": cost.ring_steps(sp), "cpu_s_max_over_ranks": cpu,
-                      "s_per_gflop": cpu * 1e9 / counted})
-        samples.append((counted, 1, cost.ring_steps(sp), cpu))
+                      "counted_gflop": counted / 1e9, "ring_steps": cost.ring_steps(sp),
+                      "documents_per_rank": documents, "cpu_s_max_over_ranks": cpu, "s_per_gflop": cpu * 1e9 / counted})
+        samples.append((counted, 1, cost.ring_steps(sp), documents, cpu))
     fit = fit_cost_terms(samples)
-    for case, (work, mbs, steps, _) in zip(cases, samples):
-        case["fitted_s"] = fit["seconds_per_unit"] * work + fit["micro_batch_s"] * mbs + fit["ring_step_s"] * steps
+    for case, (work, mbs, steps, docs, _) in zip(cases, samples):
+        case["fitted_s"] = (fit["seconds_per_unit"] * work + fit["micro_batch_s"] * mbs + fit["ring_step_s"] * steps
+                            + fit["per_document_s"] * docs)
     return {"kind": "measured", "what": "one micro-batch (forward + backward) per rank, thread CPU, median of "
             f"{repeats} after a warm-up, max over 4 ranks", "cases": cases,
             "fit": {"model": "cpu_s = seconds_per_unit x counted forward FLOPs + micro_batch_s x micro-batches + "
-                    f"ring_step_s x ring steps ({RING_PASSES} x layers x (c - 1)); least squares over the cases",
+                    f"ring_step_s x ring steps ({RING_PASSES} x layers x (c - 1)) + per_document_s x documents per "
+                    "rank (a micro-batch's documents / c); least squares over the cases",
                     **fit}}
 
 
 def run(args: argparse.Namespace, pools: Any = None) -> dict:
     t0 = time.perf_counter()
     calibration = calibration_report(args.hidden, args.layers, args.heads, pools=pools) if args.calibrate else None
-    fixed = (args.micro_batch_cost, args.ring_step_cost)
+    fixed = (args.micro_batch_cost, args.ring_step_cost, args.per_document_cost)
     if calibration is not None:  # the rest of the run plans with this machine's fit
-        fixed = (calibration["fit"]["micro_batch_cost"], calibration["fit"]["ring_step_cost"])
-    cost = tiny_llama_cost(args.hidden, args.layers, args.heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1])
+        fit = calibration["fit"]
+        fixed = (fit["micro_batch_cost"], fit["ring_step_cost"], fit["per_document_cost"])
+    cost = tiny_llama_cost(args.hidden, args.layers, args.heads, micro_batch_cost=fixed[0], ring_step_cost=fixed[1],
+                           per_document_cost=fixed[2])
     mix = mix_report(args.world, args.seq_len, args.rows, args.batches, args.seed, cost)
     measured = None
     if args.measure_batches:
@@ -662,6 +716,7 @@ def render(payload: dict) -> str:
                  "thread CPU static DP2 x SP / dynamic at its budget (2 seq_len / world tokens per rank): "
                  f"{m['work_ratio_measured_static_dp2_over_dynamic_dp_budget']:.2f} over all steps, per step "
                  + ", ".join(f"{r:.2f}" for r in m["work_ratio_measured_per_step_dp_budget"]),
+                 f"step losses, largest relative difference between the schemes: {m['step_loss_max_rel_diff']:.1e}",
                  "the calibrated cost model predicts (counted FLOPs + fixed terms): "
                  f"{m['work_ratio_modelled_static_dp2_over_dynamic']:.2f} and "
                  f"{m['work_ratio_modelled_static_dp2_over_dynamic_dp_budget']:.2f}"]
@@ -674,7 +729,8 @@ def render(payload: dict) -> str:
                                      ("CPU s", "cpu"), ("s per GFLOP", "spg"), ("fitted s", "fit")]),
                  f"fit: {fit['seconds_per_unit'] * 1e9:.4f} s per GFLOP, {fit['micro_batch_s'] * 1e3:.1f} ms per "
                  f"micro-batch ({fit['micro_batch_cost']:.3g} FLOP), {fit['ring_step_s'] * 1e3:.2f} ms per ring step, "
-                 f"layer and pass ({fit['ring_step_cost']:.3g} FLOP); rms residual {fit['residual_rel']:.1%}"]
+                 f"layer and pass ({fit['ring_step_cost']:.3g} FLOP), {fit['per_document_s'] * 1e3:.2f} ms per "
+                 f"document ({fit['per_document_cost']:.3g} FLOP); rms residual {fit['residual_rel']:.1%}"]
     return "\n".join(text)
 
 
@@ -699,13 +755,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="measured part: skip the peak-memory step")
     p.add_argument("--calibrate", action="store_true",
                    help="first time single micro-batches and fit the cost model's fixed terms (per micro-batch, per "
-                        "ring step) to them; the rest of the run plans with the fit (written under calibration.fit)")
+                        "ring step, per document) to them; the rest of the run plans with the fit (written under calibration.fit)")
     p.add_argument("--micro-batch-cost", type=float, default=TINY_LLAMA_MICRO_BATCH_COST,
                    help="the CPU ranks' fixed cost per micro-batch, forward-FLOP units, without --calibrate "
                         f"(default {TINY_LLAMA_MICRO_BATCH_COST:g}: the last calibration)")
     p.add_argument("--ring-step-cost", type=float, default=TINY_LLAMA_RING_STEP_COST,
                    help="the fixed cost per ring step, layer and pass, forward-FLOP units, without --calibrate "
                         f"(default {TINY_LLAMA_RING_STEP_COST:g})")
+    p.add_argument("--per-document-cost", type=float, default=TINY_LLAMA_PER_DOCUMENT_COST,
+                   help="the cost per document besides its FLOPs (its kernel calls and merges), forward-FLOP units, "
+                        f"without --calibrate (default {TINY_LLAMA_PER_DOCUMENT_COST:g})")
     p.add_argument("--out", metavar="DIR", help="write DIR/dynamic.json")
     return p
 

@@ -53,10 +53,12 @@ Cost (:class:`CostModel`): per document, attention FLOPs per visible (query, key
 pairs its mask kind leaves visible (causal or full, sliding window, chunked, closed forms that equal
 the attention planner's count), plus FLOPs per token for everything linear in the length (projections,
 MLP, linear mixers). A micro-batch's cost is split evenly over its group's ranks (balanced sharding
-inside the group), plus two fixed terms in the same units: ``micro_batch_cost`` per micro-batch and rank
-(empty ones too), ``ring_step_cost`` per ring step, layer and pass (``2 layers (c - 1)`` steps on a group of
-``c``). Both default to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings
-(:func:`fit_cost_terms`). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
+inside the group), plus three terms in the same units that are not FLOPs: ``per_document_cost`` per document
+(split over the group like its FLOPs: the document's own kernel calls and merges of partial results, in every
+layer, head chunk and pass; documents of one length are stacked into one call, documents of distinct lengths,
+as real data has, are not), ``micro_batch_cost`` per micro-batch and rank (empty ones too), and
+``ring_step_cost`` per ring step, layer and pass (``2 layers (c - 1)`` steps on a group of ``c``). All default
+to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings (:func:`fit_cost_terms`). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
 Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
@@ -129,6 +131,11 @@ class CostModel:
         ring_step_cost: what one ring step costs one rank in one layer and one pass (the step's launch and
             copies, not its bytes), in the same units; a micro-batch on a group of ``c`` ranks pays it
             ``RING_PASSES * layers * (c - 1)`` times (:meth:`fixed_cost`).
+        per_document_cost: what one document costs besides its FLOPs, over all layers and passes (on the CPU
+            path: one attention kernel call per document piece, head chunk, layer and pass, and the merge of
+            its partial result; documents of equal length share a stacked call, distinct lengths do not),
+            in the same units; split over the group's ranks like the document's FLOPs
+            (:meth:`planned_cost`).
 
     The fixed terms default to 0 (a pure FLOP model); ``python -m seqpar.bench dynamic --calibrate`` fits
     them on the machine (:func:`fit_cost_terms`; BENCHMARKS.md "Length-aware dynamic CP"), and the bench's
@@ -146,13 +153,14 @@ class CostModel:
     layers: int = 1
     micro_batch_cost: float = 0.0
     ring_step_cost: float = 0.0
+    per_document_cost: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk_size"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"CostModel.{name} = {v!r}: expected a positive integer or None")
-        for name in ("pair_cost", "token_cost", "micro_batch_cost", "ring_step_cost"):
+        for name in ("pair_cost", "token_cost", "micro_batch_cost", "ring_step_cost", "per_document_cost"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"CostModel.{name} = {getattr(self, name)!r}: expected a finite number >= 0")
         for name in ("kv_width", "elem_bytes", "acc_bytes", "layers"):
@@ -164,7 +172,7 @@ class CostModel:
         cls, hidden_size: int, intermediate_size: int, *, q_heads: int, kv_heads: int, head_dim: int | None = None,
         layers: int = 1, active_mlps: int = 1, mixer_token_flops: float = 0.0, causal: bool = True,
         window: int | None = None, chunk_size: int | None = None, elem_bytes: int = 2,
-        micro_batch_cost: float = 0.0, ring_step_cost: float = 0.0,
+        micro_batch_cost: float = 0.0, ring_step_cost: float = 0.0, per_document_cost: float = 0.0,
     ) -> CostModel:
         """Forward FLOPs of a decoder layer: 2 per multiply-add of the q/k/v/o projections and a gated
         MLP (``active_mlps`` of them: an MoE's active experts), plus ``mixer_token_flops``; attention
@@ -175,7 +183,7 @@ class CostModel:
         return cls(causal=causal, window=window, chunk_size=chunk_size, pair_cost=4.0 * q_heads * d,
                    token_cost=2.0 * (proj + mlp) + mixer_token_flops, kv_width=2 * kv_heads * d,
                    elem_bytes=elem_bytes, layers=layers, micro_batch_cost=micro_batch_cost,
-                   ring_step_cost=ring_step_cost)
+                   ring_step_cost=ring_step_cost, per_document_cost=per_document_cost)
 
     def pairs(self, length: int) -> int:
         """Visible pairs of one document (see :func:`visible_pairs`)."""
@@ -184,6 +192,11 @@ class CostModel:
     def document_cost(self, length: int) -> float:
         """One document's cost over all layers: ``layers * (pair_cost * pairs + token_cost * length)``."""
         return self.layers * (self.pair_cost * self.pairs(length) + self.token_cost * length)
+
+    def planned_cost(self, length: int) -> float:
+        """What the planner charges for one document, split over its group: :meth:`document_cost` plus
+        ``per_document_cost``."""
+        return self.document_cost(length) + self.per_document_cost
 
     def ring_steps(self, size: int) -> int:
         """Ring steps one rank of a group of ``size`` runs per micro-batch: ``size - 1`` hops in each layer's
@@ -201,46 +214,57 @@ RING_PASSES = 2
 """Ring passes per layer and micro-batch: the forward's ``c - 1`` hops and the backward's ``c - 1``."""
 
 
-def fit_cost_terms(samples: Sequence[tuple[float, float, float, float]]) -> dict[str, float]:
-    """Least-squares fit of ``seconds = a * work + b * micro_batches + r * ring_steps`` (no intercept).
+def fit_cost_terms(samples: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Least-squares fit of ``seconds = a * work + b * micro_batches + r * ring_steps + d * documents`` (no
+    intercept).
 
     Args:
-        samples: ``(work, micro_batches, ring_steps, seconds)`` per measurement, ``work`` in the cost
-            model's units (forward FLOPs), ``ring_steps`` as :meth:`CostModel.ring_steps` counts them.
+        samples: ``(work, micro_batches, ring_steps, documents, seconds)`` per measurement, ``work`` in the cost
+            model's units (forward FLOPs), ``ring_steps`` as :meth:`CostModel.ring_steps` counts them,
+            ``documents`` per rank (a micro-batch's documents over its group's size, as
+            :meth:`CostModel.planned_cost` splits them). ``(work, micro_batches, ring_steps, seconds)`` (no
+            document column) fits the first three terms only (``d = 0``).
 
     Returns:
-        ``seconds_per_unit`` (``a``), and the fixed terms in the cost model's units: ``micro_batch_cost =
-        b / a``, ``ring_step_cost = r / a`` (what :class:`CostModel` takes), with ``micro_batch_s`` and
-        ``ring_step_s`` in seconds and ``residual_rel`` (the root-mean-square residual over the mean
-        seconds). A term the data would make negative is pinned to 0 and the rest refitted.
+        ``seconds_per_unit`` (``a``), and the other terms in the cost model's units: ``micro_batch_cost =
+        b / a``, ``ring_step_cost = r / a``, ``per_document_cost = d / a`` (what :class:`CostModel` takes),
+        with ``micro_batch_s``, ``ring_step_s`` and ``per_document_s`` in seconds and ``residual_rel`` (the
+        root-mean-square residual over the mean seconds). A term the data would make negative is pinned to 0
+        and the rest refitted.
 
     Raises:
-        ValueError: fewer than 3 samples, or samples that cannot tell the three terms apart.
+        ValueError: fewer than 3 samples, samples of mixed or wrong length, or samples that cannot tell the
+            terms apart.
     """
     rows = [tuple(float(v) for v in sample) for sample in samples]
-    if len(rows) < 3 or any(len(r) != 4 for r in rows):
-        raise ValueError(f"fit_cost_terms: needs at least 3 samples of (work, micro_batches, ring_steps, seconds); "
-                         f"got {len(rows)}")
-    active = [0, 1, 2]
+    if len(rows) < 3 or len({len(r) for r in rows}) != 1 or len(rows[0]) not in (4, 5):
+        raise ValueError(f"fit_cost_terms: needs at least 3 samples of (work, micro_batches, ring_steps, documents, "
+                         f"seconds) or of (work, micro_batches, ring_steps, seconds), all alike; got {len(rows)}")
+    if len(rows[0]) == 4:
+        rows = [(w, m, k, 0.0, t) for w, m, k, t in rows]
+        active = [0, 1, 2]
+    else:
+        active = [0, 1, 2, 3]
     while True:
-        coef = _least_squares([[r[j] for j in active] for r in rows], [r[3] for r in rows])
+        coef = _least_squares([[r[j] for j in active] for r in rows], [r[4] for r in rows])
         if coef is None:
-            raise ValueError("fit_cost_terms: the samples do not tell work, micro-batches and ring steps apart "
-                             "(vary the FLOPs per micro-batch and the group size)")
+            raise ValueError("fit_cost_terms: the samples do not tell work, micro-batches, ring steps and documents "
+                             "apart (vary the FLOPs per micro-batch, the group size and the documents per micro-batch)")
         full = dict(zip(active, coef))
         negative = [j for j in active if j != 0 and full[j] < 0]
         if not negative:
             break
         active.remove(negative[0])
-    a, b, r = full.get(0, 0.0), full.get(1, 0.0), full.get(2, 0.0)
+    a, b, r, d = (full.get(j, 0.0) for j in range(4))
     if not a > 0:
         raise ValueError(f"fit_cost_terms: the fitted seconds per unit of work is {a!r}: the samples' time does not "
                          "grow with their work (measure larger micro-batches)")
-    pred = [a * w + b * m + r * k for w, m, k, _ in rows]
-    mean = sum(t for *_, t in rows) / len(rows)
-    rms = math.sqrt(sum((p_ - t) ** 2 for p_, (*_, t) in zip(pred, rows)) / len(rows))
-    return {"seconds_per_unit": a, "micro_batch_s": b, "ring_step_s": r, "micro_batch_cost": b / a,
-            "ring_step_cost": r / a, "residual_rel": rms / mean if mean else 0.0}
+    pred = [a * w + b * m + r * k + d * n for w, m, k, n, _ in rows]
+    mean = sum(row[4] for row in rows) / len(rows)
+    rms = math.sqrt(sum((p_ - row[4]) ** 2 for p_, row in zip(pred, rows)) / len(rows))
+    return {"seconds_per_unit": a, "micro_batch_s": b, "ring_step_s": r, "per_document_s": d,
+            "micro_batch_cost": b / a, "ring_step_cost": r / a, "per_document_cost": d / a,
+            "residual_rel": rms / mean if mean else 0.0}
 
 
 def _least_squares(x: list[list[float]], y: list[float]) -> list[float] | None:
@@ -291,7 +315,8 @@ class MicroBatch:
         docs: indices into the planned lengths, in packing order (empty: an empty micro-batch).
         tokens: the documents' total length.
         tokens_per_rank: each rank's share, padded (:func:`tokens_per_rank`); ``<=`` the budget.
-        cost_per_rank: the documents' cost over the group's ranks plus the fixed cost one rank pays for the
+        cost_per_rank: the documents' cost (:meth:`CostModel.planned_cost`: FLOPs and the per-document term)
+            over the group's ranks plus the fixed cost one rank pays for the
             micro-batch (:meth:`CostModel.fixed_cost`; an empty one pays ``micro_batch_cost``).
         bytes_per_rank: each rank's ring bytes (:func:`ring_bytes_per_rank`).
     """
@@ -526,7 +551,8 @@ def plan_dynamic(
         max_tokens_per_rank: the most tokens a rank may hold in one micro-batch.
         min_size: the smallest group a document may get (a power of two dividing the pool).
         cost: the model's cost (default: causal attention pairs only, no fixed terms). Its fixed terms
-            (:meth:`CostModel.fixed_cost`) are balanced with the documents' cost, and a new group of ``c``
+            (:meth:`CostModel.fixed_cost`) and per-document term (:meth:`CostModel.planned_cost`) are balanced
+            with the documents' cost, and a new group of ``c``
             ranks is charged its ring steps, so a larger group is chosen only where it pays for them.
         pad_multiple: a group of ``c > 1`` pads its micro-batch to a multiple of ``pad_multiple * c``.
         spread_heavy: run a document whose cost on its own group exceeds an even share of the step (``cost /
@@ -565,7 +591,7 @@ def plan_dynamic(
                 "use a pool with a larger power-of-two group (more DP x SP ranks), or cut the document"
             )
         sizes.append(c)
-    costs = [cost.document_cost(n) for n in lengths]
+    costs = [cost.planned_cost(n) for n in lengths]
     fixed = {c: cost.ring_step_cost * cost.ring_steps(c) for c in allowed}
     lower = slots_lower_bound(lengths, sizes, pool_size, budget, pad)
     packing, num_slots = _search(lengths, sizes, costs, lower, None, pool_size, budget, pad, fixed)
@@ -848,7 +874,7 @@ def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostMo
             local = tokens_per_rank(b.tokens, b.size, pk.pad)
             docs = tuple(sorted(b.docs, key=lambda d: (-lengths[d], d)))
             mb = MicroBatch(s, b.size, b.index, docs, b.tokens, local,
-                            sum(cost.document_cost(lengths[d]) for d in docs) / b.size + cost.fixed_cost(b.size),
+                            sum(cost.planned_cost(lengths[d]) for d in docs) / b.size + cost.fixed_cost(b.size),
                             ring_bytes_per_rank(local, b.size, cost))
             row.append(mb)
             for q in mb.positions:
@@ -894,7 +920,7 @@ def static_plan(
             tokens = sum(rows[r])
             local = tokens_per_rank(tokens, sp_size, pad_multiple)
             mb = MicroBatch(s, sp_size, g, docs, tokens, local,
-                            sum(cost.document_cost(n) for n in rows[r]) / sp_size + cost.fixed_cost(sp_size),
+                            sum(cost.planned_cost(n) for n in rows[r]) / sp_size + cost.fixed_cost(sp_size),
                             ring_bytes_per_rank(local, sp_size, cost))
             row_mbs.append(mb)
             for q in mb.positions:
