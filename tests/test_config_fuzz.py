@@ -171,6 +171,7 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         ("sequence_parallel", "apex"): _is_bool,
         ("sequence_parallel", "timeout_s"): lambda v: v is None or _is_int(v),  # seconds, or None
         ("sequence_parallel", "check_finite"): _is_bool,
+        ("sequence_parallel", "high_priority_streams"): _is_bool,
         ("sequence_parallel", "tiled_loss"): _is_bool,
         ("sequence_parallel", "tiled_mlp"): lambda v: v is False or v == "auto" or _is_int(v),
         ("sequence_parallel", "offload_activations"): _is_bool,
