@@ -118,7 +118,7 @@ def test_compile_matrix_equals_eager_without_breaks(dist_pool, world: int, mode:
     if not _exists(mode, world):
         pytest.skip("hybrid needs P = 4 (Ulysses over pairs, the ring across them)")
     per_rank = dist_pool.run(world, matrix_cases, mode, 1000 * world + 100 * MODES.index(mode), timeout=900)
-    assert per_rank == [[]] * world, per_rank
+    assert per_rank == [[]] * world, "\n".join(f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs)
 
 
 def compile_dilated(rank: int, world: int) -> list[str]:
@@ -158,4 +158,4 @@ def compile_dilated(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_compiled_dilated_attention_matrix(dist_pool, world: int) -> None:
     per_rank = dist_pool.run(world, compile_dilated, timeout=900)
-    assert per_rank == [[]] * world, per_rank
+    assert per_rank == [[]] * world, "\n".join(f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs)
