@@ -128,9 +128,9 @@ class FSDPEngine(Engine):
         self.manager = init_process_groups(config=plan.sp)
         self.model = fsdp.wrap(model, plan.sp, manager=self.manager, fsdp=plan.engine_config,
                                compile={"backend": plan.train.compile_backend} if plan.train.compile else False)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay
-        )
+        # train.optimizer: "sgd" lets a test see a gradient's scale in the losses (Adam normalises it away)
+        optimizer = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[plan.train.optimizer]
+        self.optimizer = optimizer(self.model.parameters(), lr=plan.train.lr, weight_decay=plan.train.weight_decay)
         self.grad_accum = plan.train.grad_accum
         self.grad_clip = plan.train.grad_clip
 

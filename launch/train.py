@@ -112,10 +112,16 @@ class TrainSettings:
     """Samples per rank per micro-step, >= 1 (DeepSpeed: ``train_micro_batch_size_per_gpu`` wins)."""
     grad_accum: int = 1
     """Micro-steps per optimizer step, >= 1 (DeepSpeed: ``gradient_accumulation_steps`` wins)."""
+    optimizer: str = "adamw"
+    """The FSDP engine's optimizer: ``"adamw"`` (``torch.optim.AdamW``) or ``"sgd"`` (``torch.optim.SGD``, no
+    momentum: its step is the learning rate times the gradient, so a gradient off by a factor shows in the
+    losses, where Adam's normalisation hides it). DeepSpeed takes its own ``optimizer`` block; without one,
+    the block made from ``train`` is AdamW, or ``{"type": "SGD"}`` (DeepSpeed's fallback to ``torch.optim``)
+    with ``"sgd"``."""
     lr: float = 3e-3
-    """AdamW learning rate, a finite number >= 0 (FSDP; DeepSpeed takes its ``optimizer`` block)."""
+    """The learning rate, a finite number >= 0 (FSDP; DeepSpeed takes its ``optimizer`` block)."""
     weight_decay: float = 0.0
-    """AdamW weight decay, a finite number >= 0 (FSDP)."""
+    """Weight decay (AdamW's decoupled, SGD's L2), a finite number >= 0 (FSDP)."""
     grad_clip: float = 1.0
     """Max gradient norm, a finite number >= 0; 0 = off (FSDP; DeepSpeed takes ``gradient_clipping``)."""
     dtype: str = "fp32"
@@ -169,6 +175,8 @@ class TrainSettings:
         self._check_types()
         if self.engine not in ("auto", "deepspeed", "fsdp"):
             raise ValueError(f"train.engine = {self.engine!r}: choose 'deepspeed', 'fsdp' or 'auto'")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"train.optimizer = {self.optimizer!r}: choose 'adamw' or 'sgd'")
         if self.dtype not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"train.dtype = {self.dtype!r}: choose 'fp32', 'bf16' or 'fp16'")
         if self.compile_backend not in compile_backends():
@@ -247,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int)
     p.add_argument("--grad-accum", type=int)
     p.add_argument("--lr", type=float)
+    p.add_argument("--optimizer", help="override train.optimizer (adamw | sgd)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--activation-checkpointing", action="store_true", default=None)
     p.add_argument("--tiled-loss", action="store_true", default=None,
@@ -427,7 +436,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if not isinstance(raw.get("train") or {}, dict):
         raise ConfigError(f"--config {args.config}: 'train' must be a JSON object")
     train_d = dict(raw.get("train") or {})
-    for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr",
+    for name in ("engine", "seq_len", "steps", "seed", "micro_batch_size", "grad_accum", "lr", "optimizer",
                  "dtype", "activation_checkpointing", "save_every", "packed", "compile", "compile_backend"):
         value = getattr(args, name, None)
         if value is not None:
@@ -511,6 +520,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
                 ds[args.dtype] = {"enabled": True}
         if args.lr is not None and isinstance(ds.get("optimizer"), dict):
             ds["optimizer"].setdefault("params", {})["lr"] = args.lr
+        given = ds.get("optimizer")
+        if (train.optimizer == "sgd" and isinstance(given, dict)
+                and str(given.get("type", "")).lower() != "sgd"):
+            raise ConfigError(f"train.optimizer = 'sgd' but the DeepSpeed optimizer block is {given.get('type')!r}: "
+                              "DeepSpeed takes its own block; drop one of them or set its type to \"SGD\"")
+        if train.optimizer == "sgd" and "optimizer" not in ds:
+            # not one of DeepSpeed's own optimizers: DeepSpeed builds torch.optim.SGD, and ZeRO needs the opt-in
+            ds["optimizer"] = {"type": "SGD", "params": {"lr": train.lr, "weight_decay": train.weight_decay}}
+            ds.setdefault("zero_allow_untested_optimizer", True)
         ds.setdefault("optimizer", {"type": "AdamW", "params": {
             "lr": train.lr, "weight_decay": train.weight_decay, "torch_adam": True}})
         ds.setdefault("gradient_clipping", train.grad_clip)

@@ -16,7 +16,15 @@ Packed documents (Llama at SP = 2): eight ``DataCollatorWithFlattening`` batches
 run in the first graph (no recompile: the boundaries travel as a tensor whose size ``shard_batch`` marks
 dynamic). Seen failing: with the compiled op ignoring the boundary tensor (``seqpar.attn.ops._options``),
 every packed layout's loss and gradients differed from eager; with ``shard_batch`` not marking the size
-dynamic, 2 graphs (one recompile, the number of documents then dynamic).
+dynamic, 2 graphs (one recompile, the number of documents then dynamic). Dynamo's own counters over layouts
+2-8 must show no recompile of any frame (``torch._dynamo.utils.guard_failures``, one entry per recompile,
+whether or not it makes a graph) and no new graph (``counters["stats"]["unique_graphs"]``): stricter than the
+acceptance's "at most one recompile", as this code makes none. Seen failing: with a layout-dependent Python
+bool in the traced preparer (``if cu_seq_lens.shape[0] > 3: pass`` in ``seqpar.swap.traced.prepared_documents``,
+a guard on the number of documents), "layouts 2-8 recompiled 2 times and made 2 graphs", naming the guard
+``2 <= kwargs['cu_seq_lens_q'].size()[0] <= 3``. (A frame whose compile makes no graph is not recompiled in
+torch 2.13: dynamo runs it eagerly from then on, tried; so the graph count and the recompile count agree here,
+and the counters name the failing guard.)
 
 Seen failing: with the traced preparer doubling ``position_ids`` on the compiled path only
 (``seqpar.swap.hf_traced``), Llama at SP = 1 differed from eager in the loss and every gradient (up to
@@ -112,6 +120,11 @@ def _batches(model: torch.nn.Module, world: int, packed: bool) -> list[dict]:
     return batches
 
 
+def _recompiles() -> int:
+    """Dynamo's recompiles in this process so far: one guard failure list entry per recompile of a frame."""
+    return sum(len(reasons) for reasons in torch._dynamo.utils.guard_failures.values())
+
+
 def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: tuple[str, ...] = (),
                    options: dict | None = None, expect_ops: tuple[str, ...] = ()) -> list[str]:
     """Worker body: each model eager, then compiled, on each of its batches (``packed``: the models run on
@@ -125,7 +138,11 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: 
                               group=dist.group.WORLD)
         inspector = GraphInspector()
         compiled_model = torch.compile(model, fullgraph=True, backend=inspector)
+        dynamo = torch._dynamo.utils
+        after_first = None  # dynamo's recompiles (guard failures, all frames) and graphs after the first batch
         for b, batch in enumerate(_batches(model, world, model_type in packed)):
+            if b == 1:
+                after_first = (_recompiles(), dynamo.counters["stats"]["unique_graphs"])
             runs = []
             for fn in (model, compiled_model):
                 model.zero_grad(set_to_none=True)
@@ -141,6 +158,15 @@ def compile_models(rank: int, world: int, model_types: tuple[str, ...], packed: 
                 e, c = eager[name], comp[name]
                 if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
                     failures.append(f"{where}: {name} differs by {(c - e).abs().max().item():.3g}")
+        if after_first is not None:
+            # dynamo's own counters over layouts 2-8: every recompile of any frame (a guard failure, also in
+            # a frame whose new compile makes no graph the backend would count) and every new graph
+            recompiles = _recompiles() - after_first[0]
+            graphs = dynamo.counters["stats"]["unique_graphs"] - after_first[1]
+            if recompiles or graphs:
+                reasons = [r.splitlines()[0] for rs in dynamo.guard_failures.values() for r in rs]
+                failures.append(f"{model_type} P={world}: layouts 2-{len(LAYOUTS)} recompiled {recompiles} times "
+                                f"and made {graphs} graphs (dynamo's counters): {reasons[-3:]}")
         if inspector.graphs != 1:  # a graph break, or (packed) a recompile for a new layout
             failures.append(f"{model_type} P={world}: {inspector.graphs} graphs (graph breaks and recompiles: "
                             f"{inspector.graphs - 1})")

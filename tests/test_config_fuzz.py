@@ -181,6 +181,7 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         # launch/train.py TrainSettings
         ("train", "engine"): _one_of("auto", "deepspeed", "fsdp"),
         ("train", "dtype"): _one_of("fp32", "bf16", "fp16"),
+        ("train", "optimizer"): _one_of("adamw", "sgd"),
         **{("train", k): _is_int for k in ("seq_len", "steps", "micro_batch_size", "grad_accum", "num_pairs",
                                            "num_queries", "num_keys", "num_values", "filler_vocab")},
         **{("train", k): (lambda v: _is_int(v, 0)) for k in ("seed", "eval_samples", "save_every")},
