@@ -79,12 +79,12 @@ PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its
 
 
 # The fixed terms of the 4-rank CPU run (forward-FLOP units; the --calibrate fit in BENCHMARKS.md "Length-aware
-# dynamic CP", 2-core loaded VM, 2026-11-29, commit 9502dc8: 112 ms per micro-batch, 8.65 ms per ring step, layer
-# and pass, 0.08 ms per document, at 5.91e-11 s per forward FLOP). Machine- and commit-specific: `--calibrate`
-# refits them and runs with the fit.
-TINY_LLAMA_MICRO_BATCH_COST = 1.90e9
-TINY_LLAMA_RING_STEP_COST = 1.46e8
-TINY_LLAMA_PER_DOCUMENT_COST = 1.33e6
+# dynamic CP", idle 2-core VM, 2026-11-29, commit ef75491 (after the CPU merge fix): 34.5 ms per micro-batch,
+# 0.44 ms per ring step, layer and pass, 0.93 ms per document, at 5.53e-11 s per forward FLOP). Machine- and
+# commit-specific: `--calibrate` refits them and runs with the fit.
+TINY_LLAMA_MICRO_BATCH_COST = 6.23e8
+TINY_LLAMA_RING_STEP_COST = 7.95e6
+TINY_LLAMA_PER_DOCUMENT_COST = 1.69e7
 
 
 def tiny_llama_cost(hidden: int, layers: int, heads: int, *, micro_batch_cost: float = TINY_LLAMA_MICRO_BATCH_COST,
