@@ -38,7 +38,9 @@ CASES = (
 HYBRID = tuple(i for i, c in enumerate(CASES) if c[0] == "hybrid")
 
 
-def _options(extra: dict, seq: int, hq: int) -> dict:
+def attention_options(extra: dict, seq: int, hq: int) -> dict:
+    """The keyword options of one case: ``extra``'s plain values, plus documents (two lengths, ints or an int32
+    tensor), sinks (fresh, requiring grad) and ALiBi slopes made for ``seq`` tokens and ``hq`` heads."""
     opts = {k: v for k, v in extra.items() if k not in ("cu_seqlens", "sinks", "alibi")}
     g = torch.Generator().manual_seed(7)
     if "cu_seqlens" in extra:
@@ -71,7 +73,7 @@ def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> l
 
         runs = []
         for compiled in (False, True):
-            opts = _options(extra, seq, 4)
+            opts = attention_options(extra, seq, 4)
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
             out = fn(*leaves, opts)
@@ -83,7 +85,7 @@ def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> l
                 failures.append(f"case {i} {mode} {sharding} causal={causal} {extra}: {name} differs by "
                                 f"{(c - e).abs().max().item():.3g}")
         if i == 0:  # dynamo's own count of graph breaks, once per world size
-            opts = _options(extra, seq, 4)
+            opts = attention_options(extra, seq, 4)
             explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone(), opts)
             if explained.graph_break_count:
                 failures.append(f"{explained.graph_break_count} graph breaks: {explained.break_reasons}")

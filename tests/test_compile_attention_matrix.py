@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_attention import make_case, shard_rows
+from test_compile_attention import attention_options
 
 import seqpar
 
@@ -55,20 +56,6 @@ def _cases(world: int, mode: str) -> list[tuple[str, str, bool, str]]:
     return cases
 
 
-def _options(extra: dict, seq: int, hq: int) -> dict:
-    opts = {k: v for k, v in extra.items() if k not in ("cu_seqlens", "sinks", "alibi")}
-    g = torch.Generator().manual_seed(7)
-    if "cu_seqlens" in extra:
-        opts["cu_seqlens"] = (0, 5, seq // 2 + 1, seq)
-        if extra["cu_seqlens"] == "tensor":
-            opts["cu_seqlens"] = torch.tensor(opts["cu_seqlens"], dtype=torch.int32)
-    if "sinks" in extra:
-        opts["sinks"] = torch.randn(hq, generator=g).requires_grad_()
-    if "alibi" in extra:
-        opts["alibi_slopes"] = torch.rand(hq, generator=g)
-    return opts
-
-
 def matrix_cases(rank: int, world: int, mode: str, seed: int) -> list[str]:
     """Worker body: every case of ``mode`` at this P eager, then compiled; mismatches, unexpected errors and
     graph breaks as text."""
@@ -89,7 +76,7 @@ def matrix_cases(rank: int, world: int, mode: str, seed: int) -> list[str]:
         runs = []
         try:
             for compiled in (False, True):
-                opts = _options(OPTIONS[option], seq, 4)
+                opts = attention_options(OPTIONS[option], seq, 4)
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
                 out = fn(*leaves, opts)
@@ -104,7 +91,7 @@ def matrix_cases(rank: int, world: int, mode: str, seed: int) -> list[str]:
             if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
                 failures.append(f"{label}: {name} differs by {(c - e).abs().max().item():.3g}")
         if i == 0:  # dynamo's own count of graph breaks, once per mode and P
-            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone(), _options({}, seq, 4))
+            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone(), attention_options({}, seq, 4))
             if explained.graph_break_count or explained.graph_count != 1:
                 failures.append(f"{label}: {explained.graph_count} graphs, {explained.graph_break_count} "
                                 f"breaks: {explained.break_reasons}")
