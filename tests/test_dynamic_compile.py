@@ -108,60 +108,19 @@ def _plans(path: str) -> list[Any]:
 
 def _trainer(rank: int, world: int, tmp: str, compiled: bool,
              zero_stage: int | None = None) -> tuple[list[float], list[dict], int]:
-    """SeqParTrainer under dynamic CP (test_dynamic_engines' documents: every step has fewer documents than
-    ranks, so empty micro-batches), on its FSDP2 path (``zero_stage`` None) or under DeepSpeed ZeRO-``zero_stage``
-    (the block in the DeepSpeed JSON), eager or ``torch_compile=True``: per-step losses, each step's reduced
-    gradients (read before the update: FSDP2 in ``on_pre_optimizer_step``, DeepSpeed at its boundary's
-    ``engine.step``) and the graphs dynamo compiled."""
-    import deepspeed
-    import hf_tiny
-    from test_dynamic_engines import TRAINER_DOCS, TRAINER_SP, trainer_documents
-    from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+    """SeqParTrainer under dynamic CP (test_dynamic_engines' run: every step has fewer documents than ranks, so
+    empty micro-batches), on its FSDP2 path (``zero_stage`` None) or under DeepSpeed ZeRO-``zero_stage`` (the
+    block in the DeepSpeed JSON), eager or ``torch_compile=True``: per-step losses, each step's reduced
+    gradients (read before the update) and the graphs dynamo compiled."""
+    from test_dynamic_engines import trainer_run
 
-    import seqpar
-    from seqpar.integrations.trainer import SeqParTrainer
-    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
-
-    grads: list[dict[str, torch.Tensor]] = []
-
-    class Capture(TrainerCallback):
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if zero_stage is None:
-                grads.append(_full_grads(model))
-
-    engine_step = deepspeed.DeepSpeedEngine.step
-
-    def step(engine: Any, *a: Any, **kw: Any) -> Any:  # DeepSpeed: the step's reduced gradients, at its boundary
-        if engine.is_gradient_accumulation_boundary():
-            grads.append(_full_grads(engine))
-        return engine_step(engine, *a, **kw)
-
-    ds = None if zero_stage is None else {
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10**6,
-        "sequence_parallel": TRAINER_SP}
     compile_args = {"torch_compile": True, "torch_compile_backend": "aot_eager"} if compiled else {}
     torch._dynamo.reset()
     before = _graphs()
-    with hf_tiny.launcher_env(rank, world), released_deepspeed_engines():
-        args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=1, max_steps=len(TRAINER_DOCS) // 2, learning_rate=0.5,
-            weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
-            save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
-            use_cpu=True, deepspeed=ds, **compile_args)
-        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args,
-                                seqpar_config=TRAINER_SP if zero_stage is None else None,
-                                train_dataset=hf_tiny.ListDataset(trainer_documents()),
-                                data_collator=DataCollatorWithFlattening(), callbacks=[Capture()])
-        deepspeed.DeepSpeedEngine.step = step
-        try:
-            trainer.train()
-        finally:
-            deepspeed.DeepSpeedEngine.step = engine_step
-            seqpar.destroy_process_groups(trainer.seqpar_manager)
+    losses, grads = trainer_run(rank, world, tmp, zero_stage, **compile_args)
     graphs = _graphs() - before
     torch._dynamo.reset()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], grads, graphs
+    return losses, grads, graphs
 
 
 def _eager_and_compiled(rank: int, world: int, paths: dict[str, str], tmp: str) -> dict[str, tuple[tuple, tuple, int]]:

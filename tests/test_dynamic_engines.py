@@ -186,9 +186,11 @@ def trainer_reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, grads
 
 
-def _trainer(rank: int, world: int, tmp: str, zero_stage: int | None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def trainer_run(rank: int, world: int, tmp: str, zero_stage: int | None,
+                **training_args: Any) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """SeqParTrainer's per-step losses and reduced gradients: FSDP2 (``zero_stage`` None; the gradients read
-    in ``on_pre_optimizer_step``) or DeepSpeed (read at the boundary's ``engine.step``, before it updates)."""
+    in ``on_pre_optimizer_step``) or DeepSpeed (read at the boundary's ``engine.step``, before it updates).
+    ``training_args`` are added to its ``TrainingArguments`` (``torch_compile=True``: test_dynamic_compile)."""
     import deepspeed
     import hf_tiny
     from deepspeed.utils import safe_get_full_grad
@@ -222,7 +224,7 @@ def _trainer(rank: int, world: int, tmp: str, zero_stage: int | None) -> tuple[l
             output_dir=tmp, per_device_train_batch_size=1, max_steps=len(TRAINER_DOCS) // 2, learning_rate=LR,
             weight_decay=0.0, lr_scheduler_type="constant", optim="sgd", max_grad_norm=0.0, logging_steps=1,
             save_strategy="no", report_to=[], train_sampling_strategy="sequential", seed=0, disable_tqdm=True,
-            use_cpu=True, deepspeed=ds)
+            use_cpu=True, deepspeed=ds, **training_args)
         trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args,
                                 seqpar_config=TRAINER_SP if zero_stage is None else None,
                                 train_dataset=hf_tiny.ListDataset(trainer_documents()),
@@ -238,8 +240,8 @@ def _trainer(rank: int, world: int, tmp: str, zero_stage: int | None) -> tuple[l
 
 def _engines(rank: int, world: int, paths: dict[str, str], tmp: str) -> dict[str, Any]:
     out = {name: _run(rank, world, name, path) for name, path in paths.items()}
-    out["SeqParTrainer fsdp2"] = _trainer(rank, world, f"{tmp}/trainer{rank}", None)
-    out["SeqParTrainer zero3"] = _trainer(rank, world, f"{tmp}/trainer_z3_{rank}", 3)
+    out["SeqParTrainer fsdp2"] = trainer_run(rank, world, f"{tmp}/trainer{rank}", None)
+    out["SeqParTrainer zero3"] = trainer_run(rank, world, f"{tmp}/trainer_z3_{rank}", 3)
     return out
 
 

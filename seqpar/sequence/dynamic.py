@@ -72,7 +72,7 @@ ALiBi layers, MLA's latent path (untested) and the expert counter; DeepSpeed ZeR
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from seqpar.runtime.grid import dynamic_group_sizes
@@ -622,6 +622,16 @@ def plan_dynamic(
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
 
 
+def _packings(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
+              pool: int, budget: int, pad: int, fixed: dict[int, float]) -> Iterator[_Packing | None]:
+    """The packings of ``num_slots`` slots in the order they are tried (None where one fails): the greedy,
+    balancing then first fit, then bin completion (rooms last, then rooms first) where the greedy misses."""
+    for balance in (True, False):
+        yield _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance, fixed)
+    for rooms_first in (False, True):
+        yield _complete(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed, rooms_first)
+
+
 def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int, most: int | None,
             pool: int, budget: int, pad: int, fixed: dict[int, float]) -> tuple[_Packing | None, int]:
     """The packing with the least slots from ``lower`` up (at most ``most``; ``(None, most)`` past it), each
@@ -630,18 +640,12 @@ def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower:
     order = sorted(range(len(lengths)), key=lambda d: (-sizes[d], -costs[d], -lengths[d], d))
     num_slots = lower
     while most is None or num_slots <= most:  # len(lengths) slots always fit: one document per slot
-        for balance in (True, False):
-            packing = _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance, fixed)
-            if packing is not None:
-                _relabel(packing, fixed)
-                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
-                return packing, num_slots
-        for rooms_first in (False, True):
-            packing = _complete(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed, rooms_first)
-            if packing is not None:
-                _relabel(packing, fixed)
-                _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
-                return packing, num_slots
+        packing = next((p for p in _packings(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed)
+                        if p is not None), None)
+        if packing is not None:
+            _relabel(packing, fixed)
+            _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
+            return packing, num_slots
         num_slots += 1
     return None, num_slots
 
