@@ -15,7 +15,8 @@
   term moves short documents off a rank that holds many; ``fit_cost_terms`` recovers known constants (the
   per-document term included) from synthetic timings of the calibration's shapes.
 - The slot lower bound counts the big documents' forced slots; tight batches reach it by bin completion.
-- ``slot_sync`` lowers the sum over slots of the busiest rank; heavy micro-batches share slots.
+- ``slot_sync`` lowers the sum over slots of the busiest rank; heavy micro-batches share slots; every slot's
+  ranks are even (``seqpar.sequence.packing.smooth``, ``fill_slots_first``).
 - The command (``python -m seqpar.bench dynamic``, small sizes) writes its counted, measured (4 gloo ranks,
   the session's pool) and modelled parts.
 """
@@ -410,6 +411,89 @@ def test_slot_sync_aligns_heavy_micro_batches_and_spreads_for_the_slot() -> None
     assert {s for _, s in heavy} == {heavy[-1][1]}, heavy
 
 
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_slot_sync_evens_the_ranks_of_every_slot(seed: int) -> None:
+    """``slot_sync`` on the modelled 64-GPU 1K-16K mix (three seeds whose plans take 5 slots): the sum over slots
+    of the busiest rank is within 1% of the sum of the slots' means per rank (1.002-1.004; the plan without the
+    slot balance: 1.06-1.07), and no slot's busiest rank is 3% over its mean (at most 1.4%); every document still
+    runs once, no rank over the budget, no more slots than the step-balanced plan.
+    Seen failing: ``smooth`` a no-op and ``fill_slots_first`` returning ``None`` (1.060-1.071, the plan
+    before this balance); ``fill_slots_first`` dealing the documents round-robin instead of to the lightest
+    slot (seed 0: a slot 3.6% over its mean; seed 3: the sum 1.033); the spread's threshold one step's share
+    instead of one slot's (1.033-1.048)."""
+    from seqpar.bench.dynamic import PAD, QWEN3_30B_A3B, gpu_cost, log_uniform_documents
+    from seqpar.config import Links
+
+    cost = gpu_cost(QWEN3_30B_A3B, Links())
+    lengths = log_uniform_documents(64 * 4096 * 4, 64 + seed, lo=1024, hi=16384)
+    plain = plan_dynamic(lengths, 64, 4096, cost=cost, pad_multiple=PAD, spread_heavy=True)
+    plan = plan_dynamic(lengths, 64, 4096, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
+    _check_plan(plan, lengths, 64, 4096, 1, cost, pad=PAD)
+    assert plan.num_slots <= plain.num_slots
+    means = [sum(mb.cost_per_rank * mb.size for mb in slot) / 64 for slot in plan.slots]
+    busiest = [max(mb.cost_per_rank for mb in slot) for slot in plan.slots]
+    assert sum(busiest) <= 1.01 * sum(means), sum(busiest) / sum(means)
+    assert all(b <= 1.03 * m for b, m in zip(busiest, means)), [b / m for b, m in zip(busiest, means)]
+
+
+def test_smooth_moves_work_from_heavier_to_lighter_micro_batches_within_the_budget() -> None:
+    """``smooth`` on a hand-made packing (one slot, 4 ranks, budget 10 tokens per rank): rank 0 holds documents
+    of cost 5 and 3, rank 1 one of cost 1, ranks 2-3 a two-rank group with one of cost 4 (2 per rank). By hand:
+    the heaviest document's best step is the swap with the cost-1 one (size x load^2: 65 + 8 = 73 -> 49; a move
+    to rank 1 gives 53, into the group 50.5); then the cost-1 document moves into the group (49 -> 46.5), and
+    nothing else gains. Loads (3, 5, 2.5, 2.5): the busiest rank from 8 to 5; each document once; the budget
+    holds; a second call finds nothing.
+    Seen failing: the swap taking the document out of the lighter micro-batch before adding the other (the
+    one-document micro-batch emptied and freed its cell: document 2 lost); the gain's sign flipped (the busiest
+    rank 8 -> 9)."""
+    from seqpar.sequence.packing import Packing, smooth
+
+    lengths, sizes, costs = [3, 3, 2, 10], [1, 1, 1, 2], [5.0, 3.0, 1.0, 4.0]
+    pk = Packing(1, 4, 10, 2)
+    a, b, c = pk.open(0, 1, 0, 0.0), pk.open(0, 1, 1, 0.0), pk.open(0, 2, 1, 0.0)
+    for bin_, docs in ((a, (0, 1)), (b, (2,)), (c, (3,))):
+        for d in docs:
+            pk.add(bin_, d, lengths[d], costs[d])
+    assert pk.load == [8.0, 1.0, 2.0, 2.0]
+    assert smooth(pk, lengths, sizes, costs) == 2
+    assert (sorted(a.docs), sorted(b.docs), sorted(c.docs)) == ([1], [0], [2, 3])
+    assert pk.load == [3.0, 5.0, 2.5, 2.5], pk.load
+    assert (a.tokens, b.tokens, c.tokens) == (3, 3, 12) and c.tokens <= 20
+    assert smooth(pk, lengths, sizes, costs) == 0
+
+
+def test_fill_slots_first_gives_each_slot_an_even_share() -> None:
+    """``fill_slots_first`` on the modelled 64-GPU 1K-16K mix at 5 slots: documents heavier than one slot's
+    even share per rank are spread (the 16K ones onto 8 ranks), each slot's cost is within 1% of a fifth of
+    the step's, every document runs once in a group no smaller than its own; at the token bound (4 slots,
+    99.8% of the room) a slot's documents do not pack alone and it says so (``None``).
+    Seen failing: the spread's threshold one step's share instead of one slot's (no document spread: the 16K
+    ones stay on 4 ranks)."""
+    from seqpar.bench.dynamic import PAD, QWEN3_30B_A3B, gpu_cost, log_uniform_documents
+    from seqpar.config import Links
+    from seqpar.runtime.grid import dynamic_group_sizes
+    from seqpar.sequence.packing import fill_slots_first
+
+    cost = gpu_cost(QWEN3_30B_A3B, Links())
+    lengths = log_uniform_documents(64 * 4096 * 4, 64, lo=1024, hi=16384)
+    allowed = dynamic_group_sizes(64, 1)
+    sizes = [next(c for c in allowed if tokens_per_rank(n, c, PAD) <= 4096) for n in lengths]
+    costs = [cost.planned_cost(n) for n in lengths]
+    fixed = {c: cost.ring_step_cost * cost.ring_steps(c) for c in allowed}
+    assert fill_slots_first(lengths, sizes, costs, 4, 64, 4096, PAD, fixed) is None
+    built = fill_slots_first(lengths, sizes, costs, 5, 64, 4096, PAD, fixed)
+    assert built is not None
+    pk, run = built
+    assert max(run[d] for d, n in enumerate(lengths) if n > 15000) == 8
+    assert all(r >= c for r, c in zip(run, sizes))
+    assert sorted(d for b in pk.bins for d in b.docs) == list(range(len(lengths)))
+    for s in range(5):
+        share = sum(b.cost for b in pk.bins if b.slot == s)
+        assert abs(share - sum(costs) / 5) <= 0.01 * sum(costs) / 5, (s, share * 5 / sum(costs))
+        assert all(b.size >= run[d] and b.tokens <= 2 * b.size * (4096 // 2) for b in pk.bins if b.slot == s
+                   for d in b.docs)
+
+
 def test_moves_and_swaps_between_one_rank_micro_batches_lower_the_busiest_rank() -> None:
     """After placement, one-rank documents move or swap between one-rank micro-batches while that lowers the
     busiest rank: here 748 and 721 end up on different ranks (planned max / mean 1.013; 1.018 as placed), and
@@ -467,7 +551,7 @@ def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:
     ``--no-memory`` skips the peak-memory step (under the tensor tracker a step is 5x slower; the smoke test
     stays short).
     Every scheme's step is a ``DynamicStep`` whose ``loss`` (after the timing) gives the step's per-token mean
-    loss: the schemes agree to 1e-5.
+    loss: the schemes agree to 1e-5. ``--pool-seeds 3`` plans three batches of the modelled mix.
     Seen failing: ``scheme_plans`` handing the static SP plan in as "dynamic" (slots 2, not the planner's 3);
     the step timing nothing (``cpu_s`` 0); the bench passing ``ds.loss`` its first micro-batch's loss for every
     micro-batch (the schemes' losses then differ)."""
@@ -477,7 +561,7 @@ def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:
     from seqpar.bench.dynamic import PAD, long_tailed_rows, tiny_llama_cost
 
     assert main(["dynamic", "--world", "4", "--seq-len", "1024", "--rows", "4", "--batches", "2", "--pools", "16",
-                 "--slots-per-group", "2", "--measure-rows", "2", "--measure-batches", "1", "--hidden", "16",
+                 "--slots-per-group", "2", "--pool-seeds", "3", "--measure-rows", "2", "--measure-batches", "1", "--hidden", "16",
                  "--heads", "2", "--no-memory", "--out", str(tmp_path)], pools=dist_pool.pools) == 0
     payload = json.loads((tmp_path / "dynamic.json").read_text())
     assert payload["mix"]["kind"] == "counted" and payload["pools"]["kind"] == "modelled"
@@ -509,5 +593,12 @@ def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:
     assert [c["mix"] for c in cases if "skipped" in c] == ["to_256k"]  # static CP 32 does not fit 16 GPUs
     for case in cases:
         assert case["kind"] == "modelled" and ("skipped" in case or case["speedup"]["slot_sync"] > 0)
+    # --pool-seeds 3: three batches of the mix, the first the case's own; least / median / most of their speedups
+    (case,) = [c for c in cases if "skipped" not in c]
+    assert [r["seed"] for r in case["by_seed"]] == [0, 1, 2] and case["by_seed"][0]["speedup"] == case["speedup"]
+    assert len({r["documents"] for r in case["by_seed"]}) > 1  # three draws, not one batch thrice
+    for sync in ("slot_sync", "group_sync"):
+        values = sorted(r["speedup"][sync] for r in case["by_seed"])
+        assert case["speedup_over_seeds"][sync] == {"least": values[0], "median": values[1], "most": values[2]}
     assert set(itertools.chain.from_iterable(s.keys() for s in payload["mix"]["per_step"])) >= {
         "static_sp4", "static_dp2_sp2", "dynamic"}

@@ -52,6 +52,7 @@ import dataclasses
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -72,7 +73,7 @@ from seqpar.sequence.dynamic import (
 )
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
-           "pool_report", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
+           "pool_report", "pool_case", "slot_balance", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
            "TINY_LLAMA", "QWEN3_30B_A3B", "distinct_lengths", "CALIBRATION"]
 
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
@@ -310,53 +311,83 @@ POOL_MIXES = {
 }
 
 
+def pool_case(pool: int, mix: str, seed: int, slots_per_group: int, cost: CostModel, links: Links) -> dict:
+    """One modelled pool and mix (:data:`POOL_MIXES`) at one seed: the documents (about ``pool x budget x
+    slots_per_group`` tokens, ``seed + pool`` draws them),
+    the static plan and the two dynamic plans, their modelled step times and the speedup; ``skipped`` when the
+    mix's static CP does not divide the pool. ``cost``: already :func:`gpu_cost`'s."""
+    lo, hi, row_len, cp, budget = POOL_MIXES[mix]
+    if cp > pool or pool % cp:
+        return {"kind": "modelled", "pool": pool, "mix": mix, "skipped": f"static CP {cp} > pool {pool}"}
+    lengths = log_uniform_documents(pool * budget * slots_per_group, seed + pool, lo=lo, hi=hi)
+    rows = pack_rows(lengths, row_len)
+    t0 = time.perf_counter()
+    dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True)
+    plan_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    dyn_slot = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
+    plan_slot_s = time.perf_counter() - t0
+    static = static_plan(rows, pool, cp, cost=cost, pad_multiple=PAD)
+    t_static = modelled_step_seconds(static, cost, links)
+    t_group, t_slot = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(dyn_slot, cost, links)
+    # each engine's sync with the plan made for it (slot_sync for FSDP2 / ZeRO-3)
+    t_dyn = {"slot_sync": t_slot["slot_sync"], "group_sync": t_group["group_sync"]}
+    tokens = sum(lengths)
+    return {
+        "kind": "modelled", "pool": pool, "mix": mix, "seed": seed,
+        "lengths": f"log-uniform [{lo}, {hi}], whole documents; static rows of {row_len}, next fit",
+        "static_cp": cp, "max_tokens_per_rank": budget, "documents": len(lengths), "tokens": tokens,
+        "planner_seconds": plan_s, "planner_seconds_slot_sync": plan_slot_s,
+        "static": {"slots": static.num_slots, "balance": static.balance, "bytes_max_per_rank": static.bytes_max,
+                   "step_s": t_static},
+        "dynamic": {"slots": dyn.num_slots, "slots_lower_bound": dyn.slots_lower_bound, "balance": dyn.balance,
+                    "fill_of_lower_bound": tokens / (pool * budget * dyn.slots_lower_bound),
+                    "bytes_max_per_rank": dyn.bytes_max, "step_s": t_group,
+                    "documents_per_size": dyn.summary()["documents_per_size"]},
+        "dynamic_slot_sync": {"slots": dyn_slot.num_slots, "balance": dyn_slot.balance,
+                              "bytes_max_per_rank": dyn_slot.bytes_max, "step_s": t_slot,
+                              "slot_balance": slot_balance(dyn_slot),
+                              "documents_per_size": dyn_slot.summary()["documents_per_size"]},
+        "speedup": {k: t_static[k] / t_dyn[k] for k in t_dyn},
+        "tokens_per_s": {"static": {k: tokens / v for k, v in t_static.items()},
+                         "dynamic": {k: tokens / v for k, v in t_dyn.items()}},
+    }
+
+
+def slot_balance(plan: DynamicPlan) -> float:
+    """The sum over slots of the busiest rank's planned cost over the sum of the slots' mean per rank (1: every
+    slot's ranks even; what a slot-sync engine loses to imbalance)."""
+    busiest = sum(max(mb.cost_per_rank for mb in slot) for slot in plan.slots)
+    mean = sum(sum(mb.cost_per_rank * mb.size for mb in slot) for slot in plan.slots) / plan.pool_size
+    return busiest / mean if mean else 1.0
+
+
 def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: CostModel = QWEN3_30B_A3B,
-                links: Links | None = None) -> dict:
+                links: Links | None = None, seeds: int = 1) -> dict:
     """Part 2 (see the module docstring): per pool and mix, the same whole documents (about ``pool x
     budget x slots_per_group`` tokens) under static CP (packed into rows of ``cp x budget``, next fit) and
     dynamic CP, their modelled step times (:func:`modelled_step_seconds`) and the speedup. Dynamic plans with
     ``spread_heavy`` for each synchronisation: ``slot_sync=True`` for the slot-sync figure (FSDP2 / ZeRO-3),
-    without it for the group-sync one. A mix whose static CP exceeds the pool is skipped."""
+    without it for the group-sync one. A mix whose static CP exceeds the pool is skipped. ``seeds > 1``: each
+    case also reports the speedups of ``seeds`` batches (seeds ``seed, seed + 1, ...``) under ``by_seed``, and
+    their least, median and most under ``speedup_over_seeds`` (one batch's figure is one draw of the mix)."""
     links = links if links is not None else Links()
     cost = gpu_cost(cost, links)
     out = []
     for pool in pools:
-        for name, (lo, hi, row_len, cp, budget) in POOL_MIXES.items():
-            if cp > pool or pool % cp:
-                out.append({"kind": "modelled", "pool": pool, "mix": name, "skipped": f"static CP {cp} > pool {pool}"})
-                continue
-            lengths = log_uniform_documents(pool * budget * slots_per_group, seed + pool, lo=lo, hi=hi)
-            rows = pack_rows(lengths, row_len)
-            t0 = time.perf_counter()
-            dyn = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True)
-            plan_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            dyn_slot = plan_dynamic(lengths, pool, budget, cost=cost, pad_multiple=PAD, spread_heavy=True, slot_sync=True)
-            plan_slot_s = time.perf_counter() - t0
-            static = static_plan(rows, pool, cp, cost=cost, pad_multiple=PAD)
-            t_static = modelled_step_seconds(static, cost, links)
-            t_group, t_slot = modelled_step_seconds(dyn, cost, links), modelled_step_seconds(dyn_slot, cost, links)
-            # each engine's sync with the plan made for it (slot_sync for FSDP2 / ZeRO-3)
-            t_dyn = {"slot_sync": t_slot["slot_sync"], "group_sync": t_group["group_sync"]}
-            tokens = sum(lengths)
-            out.append({
-                "kind": "modelled", "pool": pool, "mix": name,
-                "lengths": f"log-uniform [{lo}, {hi}], whole documents; static rows of {row_len}, next fit",
-                "static_cp": cp, "max_tokens_per_rank": budget, "documents": len(lengths), "tokens": tokens,
-                "planner_seconds": plan_s, "planner_seconds_slot_sync": plan_slot_s,
-                "static": {"slots": static.num_slots, "balance": static.balance, "bytes_max_per_rank": static.bytes_max,
-                           "step_s": t_static},
-                "dynamic": {"slots": dyn.num_slots, "slots_lower_bound": dyn.slots_lower_bound, "balance": dyn.balance,
-                            "fill_of_lower_bound": tokens / (pool * budget * dyn.slots_lower_bound),
-                            "bytes_max_per_rank": dyn.bytes_max, "step_s": t_group,
-                            "documents_per_size": dyn.summary()["documents_per_size"]},
-                "dynamic_slot_sync": {"slots": dyn_slot.num_slots, "balance": dyn_slot.balance,
-                                      "bytes_max_per_rank": dyn_slot.bytes_max, "step_s": t_slot,
-                                      "documents_per_size": dyn_slot.summary()["documents_per_size"]},
-                "speedup": {k: t_static[k] / t_dyn[k] for k in t_dyn},
-                "tokens_per_s": {"static": {k: tokens / v for k, v in t_static.items()},
-                                 "dynamic": {k: tokens / v for k, v in t_dyn.items()}},
-            })
+        for name in POOL_MIXES:
+            case = pool_case(pool, name, seed, slots_per_group, cost, links)
+            if seeds > 1 and "skipped" not in case:
+                runs = [case] + [pool_case(pool, name, seed + k, slots_per_group, cost, links)
+                               for k in range(1, seeds)]
+                case["by_seed"] = [{"seed": r["seed"], "documents": r["documents"], "static_slots": r["static"]["slots"],
+                                    "dynamic_slots": r["dynamic_slot_sync"]["slots"],
+                                    "slot_balance": r["dynamic_slot_sync"]["slot_balance"], "speedup": r["speedup"]}
+                                   for r in runs]
+                case["speedup_over_seeds"] = {
+                    k: {"least": min(v), "median": statistics.median(v), "most": max(v)}
+                    for k in ("slot_sync", "group_sync") for v in [[r["speedup"][k] for r in runs]]}
+            out.append(case)
     return {"kind": "modelled", "cost_model": {"name": "Qwen3-30B-A3B (hidden 2048, 48 layers, 32 q / 4 kv heads "
                                                "x 128, 8 active experts x 768), forward FLOPs; ring steps at the "
                                                "links' latency", **_cost_fields(cost)},
@@ -668,7 +699,7 @@ def run(args: argparse.Namespace, pools: Any = None) -> dict:
         measured = measured_report(args.world, args.seq_len, args.measure_rows, args.measure_batches, args.seed,
                                    hidden=args.hidden, layers=args.layers, heads=args.heads,
                                    memory=not args.no_memory, pools=pools, fixed=fixed)
-    pools_part = pool_report(args.pools, args.slots_per_group, args.seed)
+    pools_part = pool_report(args.pools, args.slots_per_group, args.seed, seeds=args.pool_seeds)
     return {"suite": "dynamic", "command": " ".join(["python -m seqpar.bench dynamic", *(args.argv or sys.argv[2:])]),
             "figures": "counted (mix), measured (measured: real gloo ranks) and modelled (pools)",
             "machine": machine_info(), "wall_s": time.perf_counter() - t0, "mix": mix, "measured": measured,
@@ -692,14 +723,18 @@ def render(payload: dict) -> str:
     rows = [{"pool": c["pool"], "mix": c["mix"], "cp": c["static_cp"], "s_slots": c["static"]["slots"],
              "d_slots": c["dynamic"]["slots"], "lb": c["dynamic"]["slots_lower_bound"],
              "fill": f"{c['dynamic']['fill_of_lower_bound']:.4f}", "plan_s": c["planner_seconds"],
-             "slot": c["speedup"]["slot_sync"], "group": c["speedup"]["group_sync"]}
+             "slot": c["speedup"]["slot_sync"], "group": c["speedup"]["group_sync"],
+             "bal": f"{c['dynamic_slot_sync']['slot_balance']:.3f}",
+             "seeds": " / ".join(f"{c['speedup_over_seeds']['slot_sync'][k]:.2f}" for k in ("least", "median", "most"))
+             if "speedup_over_seeds" in c else "-"}
             for c in payload["pools"]["cases"] if "skipped" not in c]
     text += ["", "modelled pools, step time static CP / dynamic (Megatron 1.48x and verl 1.61x are measured elsewhere):",
              format_table(rows, [("pool", "pool"), ("mix", "mix"), ("static CP", "cp"), ("static slots", "s_slots"),
                                  ("dynamic slots", "d_slots"), ("lower bound", "lb"),
                                  ("tokens / lower bound's room", "fill"), ("planner s", "plan_s"),
-                                 ("speedup slot-sync", "slot"),
-                                 ("speedup group-sync", "group")])]
+                                 ("speedup slot-sync", "slot"), ("slot-sync busiest / mean", "bal"),
+                                 ("speedup group-sync", "group"),
+                                 ("slot-sync over seeds (least / median / most)", "seeds")])]
     m = payload.get("measured")
     if m:
         rows = [{"scheme": name, "cpu": s["cpu_s_max_over_ranks_total"], "proc": s["process_cpu_s_max_over_ranks_total"],
@@ -745,6 +780,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modelled pool sizes (default 64,512)")
     p.add_argument("--slots-per-group", type=int, default=4,
                    help="modelled pools: static micro-batches per DP group per step (default 4)")
+    p.add_argument("--pool-seeds", type=int, default=1,
+                   help="modelled pools: also plan this many batches of each mix (seeds --seed, --seed + 1, ...) and "
+                        "report the speedup's least / median / most (default 1: one batch)")
     p.add_argument("--measure-rows", type=int, default=4,
                    help="measured part: packed rows per global batch (default 4: a few minutes on 2 loaded cores)")
     p.add_argument("--measure-batches", type=int, default=3,

@@ -40,7 +40,8 @@ The plan:
   than the slot it saves. With ``spread_heavy`` (opt-in), a document that alone outweighs an even share of
   the step (``slot_sync``: of one slot) runs on a larger group when that saves a slot, or takes no more
   slots and lowers the busiest rank's cost (``slot_sync``: the sum over slots of the busiest rank), ring
-  steps included.
+  steps included; with ``slot_sync`` it then evens each slot's ranks (moves and swaps, or the slots filled
+  one by one with an even share of the cost each: :mod:`seqpar.sequence.packing`).
 - Slot order: the slots' contents are ordered (per aligned block) so that heavy micro-batches share slots;
   per-rank sums do not change, the step time of an engine whose slots wait for the pool's slowest rank
   (FSDP2, ZeRO-3) does.
@@ -58,24 +59,37 @@ inside the group), plus three terms in the same units that are not FLOPs: ``per_
 layer, head chunk and pass; documents of one length are stacked into one call, documents of distinct lengths,
 as real data has, are not), ``micro_batch_cost`` per micro-batch and rank (empty ones too), and
 ``ring_step_cost`` per ring step, layer and pass (``2 layers (c - 1)`` steps on a group of ``c``). All default
-to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings (:func:`fit_cost_terms`). Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
+to 0; ``python -m seqpar.bench dynamic --calibrate`` fits them to a machine's timings (:func:`fit_cost_terms`).
+Bytes: the dense ring's per-rank volume of the group (:func:`ring_bytes_per_rank`).
 
 Running a plan: :func:`seqpar.sequence.batch.rank_micro_batches` (and ``ShardedDataLoader(...,
 dynamic=...)``, per step) gives each rank its micro-batches' inputs, each carrying its group
 (:mod:`seqpar.sequence.call_group`), which a swapped model's attention and loss take from the call;
 ``launch/train.py --dynamic`` trains so under FSDP2. MoE router losses are computed per micro-batch over
 its group (Megatron's choice; an empty micro-batch counts no token); the hybrid mixers take it from their
-parent layer's call (:mod:`seqpar.mixers.documents`). Not here yet (issue 32, later parts): the group in
-ALiBi layers, MLA's latent path (untested) and the expert counter; DeepSpeed ZeRO and ``SeqParTrainer``.
+parent layer's call (:mod:`seqpar.mixers.documents`), ALiBi layers and MLA's latent path from the call
+frame. Engines: FSDP2, DeepSpeed ZeRO-1/2/3 and ``SeqParTrainer``
+(:func:`seqpar.integrations.dynamic.run_dynamic_step`).
+
+The search itself (placement, bin completion, balance moves, slot order) is :mod:`seqpar.sequence.packing`.
 """
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from seqpar.runtime.grid import dynamic_group_sizes
+from seqpar.sequence.packing import (
+    Packing,
+    align_slots,
+    fill_slots_first,
+    search_slots,
+    slot_sync_cost,
+    smooth,
+)
 
 __all__ = [
     "CostModel",
@@ -406,116 +420,6 @@ class DynamicPlan:
         }
 
 
-# ------------------------------------------------------------------------------------------ the search
-@dataclass
-class _Bin:
-    """A micro-batch being filled (mutable, internal)."""
-
-    slot: int
-    size: int
-    index: int
-    docs: list[int] = field(default_factory=list)
-    tokens: int = 0
-    cost: float = 0.0
-
-
-def _capacity(size: int, budget: int, pad: int) -> int:
-    """The most tokens a micro-batch of a group of ``size`` holds: ``tokens_per_rank(t, size, pad) <= budget``
-    exactly when ``t <= _capacity(size, budget, pad)``."""
-    return budget if size == 1 else pad * size * (budget // pad)
-
-
-class _Packing:
-    """Micro-batches over ``num_slots`` slots of a pool, with per-position loads (cost over the step, the
-    groups' fixed ring cost included)."""
-
-    def __init__(self, num_slots: int, pool: int, budget: int, pad: int) -> None:
-        self.num_slots, self.pool, self.budget, self.pad = num_slots, pool, budget, pad
-        self.bins: list[_Bin] = []
-        self.owner: list[list[_Bin | None]] = [[None] * pool for _ in range(num_slots)]
-        self.load = [0.0] * pool
-
-    def open(self, slot: int, size: int, index: int, fixed: float) -> _Bin:
-        b = _Bin(slot, size, index)
-        self.bins.append(b)
-        for p in range(index * size, (index + 1) * size):
-            self.owner[slot][p] = b
-            self.load[p] += fixed
-        return b
-
-    def add(self, b: _Bin, doc: int, length: int, cost: float) -> None:
-        b.docs.append(doc)
-        b.tokens += length
-        b.cost += cost
-        for p in range(b.index * b.size, (b.index + 1) * b.size):
-            self.load[p] += cost / b.size
-
-    def block_load(self, size: int, index: int) -> float:
-        """The busiest rank's load in the aligned block."""
-        return self.load[index] if size == 1 else max(self.load[index * size:(index + 1) * size])
-
-    def free_slots(self, size: int) -> list[list[int]]:
-        """Per aligned block of ``size``: the slots (ascending) in which none of its positions is taken."""
-        return [[s for s in range(self.num_slots) if all(o is None for o in self.owner[s][i * size:(i + 1) * size])]
-                for i in range(self.pool // size)]
-
-
-def _place(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
-           pool: int, budget: int, pad: int, balance: bool, fixed: dict[int, float]) -> _Packing | None:
-    """Place every document (in ``order``: sizes descending) into ``num_slots`` slots, or ``None`` when one
-    does not fit. ``balance``: each onto the micro-batch of its size whose busiest rank is least loaded
-    after it (LPT; opening a new group counts the group's fixed ring cost, ``fixed[c]``); else best fit
-    (the micro-batch with the least room left, else the first free block). A document joins a larger group
-    only where nothing of its own size has room (that saves a slot and adds no ring step)."""
-    pk = _Packing(num_slots, pool, budget, pad)
-    by_size: dict[int, list[_Bin]] = {}
-    cur = None
-    free: list[list[int]] = []
-    larger: list[_Bin] = []
-    own: list[_Bin] = []
-    cap = 0
-    for d in order:
-        c, length, cost = sizes[d], lengths[d], costs[d]
-        if c != cur:  # a new size class: only its own blocks open from here on (larger ones came first)
-            cur, cap = c, _capacity(c, budget, pad)
-            free = pk.free_slots(c)
-            own = by_size.setdefault(c, [])
-            larger = sorted((b for size in by_size if size > c for b in by_size[size]),
-                            key=lambda b: (b.size, b.slot, b.index))
-        best, best_key, new = None, None, None
-        for b in own:
-            if b.tokens + length > cap:
-                continue
-            key = ((pk.block_load(c, b.index), 0, b.slot, b.index) if balance
-                   else (cap - b.tokens - length, 0, b.slot, b.index))
-            if best_key is None or key < best_key:
-                best, best_key = b, key
-        for i, slots in enumerate(free):
-            if not slots:
-                continue
-            key = ((pk.block_load(c, i) + fixed[c], 1, slots[0], i) if balance else (cap - length, 1, slots[0], i))
-            if best_key is None or key < best_key:
-                best, best_key, new = None, key, i
-            if not balance:
-                break  # best fit: a new micro-batch only where none has room, the first free block
-        if new is not None:
-            best = pk.open(free[new].pop(0), c, new, fixed[c])
-            own.append(best)
-        if best is None:  # no room at its own size: the room left in a larger group saves a slot
-            for b in larger:
-                room = _capacity(b.size, budget, pad) - b.tokens - length
-                if room < 0:
-                    continue
-                key = ((b.size, pk.block_load(b.size, b.index), b.slot, b.index) if balance
-                       else (b.size, room, b.slot, b.index))
-                if best_key is None or key < best_key:
-                    best, best_key = b, key
-        if best is None:
-            return None
-        pk.add(best, d, length, cost)
-    return pk
-
-
 def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int, pad_multiple: int) -> None:
     for name, v in (("pool_size", pool_size), ("max_tokens_per_rank", max_tokens_per_rank),
                     ("pad_multiple", pad_multiple)):
@@ -564,8 +468,12 @@ def plan_dynamic(
             (FSDP2 and ZeRO-3 gather per forward): a document is heavy when its share outweighs an even share
             of one slot (``cost / c > total / (pool * slots)``), and a spread is kept when it lowers the sum
             over slots of the busiest rank's planned cost (the step time of such an engine) by 1% at least.
-            Without it the busiest rank's cost over the step decides (DDP, ZeRO-1/2: the per-rank balance of
-            the objective).
+            Then each slot's balance: the plan so far, the same smoothed (:func:`~seqpar.sequence.packing.smooth`:
+            single-document moves and swaps from heavier micro-batches to lighter ones, any slot) and a plan built
+            slot by slot (:func:`~seqpar.sequence.packing.fill_slots_first`: each slot given an even share of the
+            step's cost, then packed alone, then smoothed) compete by the objective's order, the least slots and
+            then that sum. Without it the busiest rank's cost over the step decides (DDP, ZeRO-1/2: the per-rank
+            balance of the objective).
 
     Returns:
         The :class:`DynamicPlan`; a permutation of ``lengths`` permutes the document indices in it and
@@ -594,7 +502,7 @@ def plan_dynamic(
     costs = [cost.planned_cost(n) for n in lengths]
     fixed = {c: cost.ring_step_cost * cost.ring_steps(c) for c in allowed}
     lower = slots_lower_bound(lengths, sizes, pool_size, budget, pad)
-    packing, num_slots = _search(lengths, sizes, costs, lower, None, pool_size, budget, pad, fixed)
+    packing, num_slots = search_slots(lengths, sizes, costs, lower, None, pool_size, budget, pad, fixed)
     # Balance before bytes (spread_heavy): a document whose share on its own group outweighs an even share of
     # the step (cost / c > total / pool) bounds the busiest rank from below however the rest is placed; spread
     # it over twice the ranks (more ring bytes and ring steps, less work on the busiest rank) while that takes
@@ -602,11 +510,11 @@ def plan_dynamic(
     mean = sum(costs) / pool_size
     run_sizes = list(sizes)
 
-    def objective(pk: _Packing) -> float:
+    def objective(pk: Packing) -> float:
         if not slot_sync:
             return max(pk.load)
-        _align_slots(pk, fixed)
-        return _slot_sync_cost(pk, fixed)
+        align_slots(pk, fixed)
+        return slot_sync_cost(pk, fixed)
 
     while spread_heavy:
         share = mean / num_slots if slot_sync else mean
@@ -614,250 +522,36 @@ def plan_dynamic(
         if not heavy:
             break
         wider = [2 * c if d in heavy else c for d, c in enumerate(run_sizes)]
-        wide_packing, wide_slots = _search(lengths, wider, costs, lower, num_slots, pool_size, budget, pad, fixed)
+        wide_packing, wide_slots = search_slots(lengths, wider, costs, lower, num_slots, pool_size, budget, pad, fixed)
         if wide_packing is None or (wide_slots == num_slots and objective(wide_packing) >= 0.99 * objective(packing)):
             break  # kept when it saves a slot (the objective's order), else when it lowers the busiest rank by 1%
         packing, num_slots, run_sizes = wide_packing, wide_slots, wider
-    _align_slots(packing, fixed)
+    if spread_heavy and slot_sync:
+        packing = _slot_balanced(packing, lengths, sizes, costs, lower, pool_size, budget, pad, fixed, objective)
+        num_slots = packing.num_slots
+    align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
 
 
-def _packings(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
-              pool: int, budget: int, pad: int, fixed: dict[int, float]) -> Iterator[_Packing | None]:
-    """The packings of ``num_slots`` slots in the order they are tried (None where one fails): the greedy,
-    balancing then first fit, then bin completion (rooms last, then rooms first) where the greedy misses."""
-    for balance in (True, False):
-        yield _place(order, lengths, sizes, costs, num_slots, pool, budget, pad, balance, fixed)
-    for rooms_first in (False, True):
-        yield _complete(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed, rooms_first)
+def _slot_balanced(packing: Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int,
+                   pool: int, budget: int, pad: int, fixed: dict[int, float],
+                   objective: Callable[[Packing], float]) -> Packing:
+    """For a slot-sync engine: the best of ``packing``, ``packing`` smoothed (:func:`smooth`) and a packing
+    built slot by slot (:func:`fill_slots_first`, at the least slots from ``lower`` up to ``packing``'s that
+    it packs, then smoothed), by the objective's order: the least slots, then the least ``objective`` (the
+    sum over slots of the busiest rank's cost)."""
+    candidates = [packing, copy.deepcopy(packing)]
+    smooth(candidates[1], lengths, sizes, costs)
+    for num_slots in range(lower, packing.num_slots + 1):
+        built = fill_slots_first(lengths, sizes, costs, num_slots, pool, budget, pad, fixed)
+        if built is not None:
+            smooth(built[0], lengths, sizes, costs)
+            candidates.append(built[0])
+            break
+    return min(candidates, key=lambda pk: (pk.num_slots, objective(pk)))
 
 
-def _search(lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int, most: int | None,
-            pool: int, budget: int, pad: int, fixed: dict[int, float]) -> tuple[_Packing | None, int]:
-    """The packing with the least slots from ``lower`` up (at most ``most``; ``(None, most)`` past it), each
-    document on a group of ``sizes[d]`` ranks or, to save a slot, a larger one."""
-    # larger groups first (they need whole aligned blocks), then the heaviest: ties by length, index
-    order = sorted(range(len(lengths)), key=lambda d: (-sizes[d], -costs[d], -lengths[d], d))
-    num_slots = lower
-    while most is None or num_slots <= most:  # len(lengths) slots always fit: one document per slot
-        packing = next((p for p in _packings(order, lengths, sizes, costs, num_slots, pool, budget, pad, fixed)
-                        if p is not None), None)
-        if packing is not None:
-            _relabel(packing, fixed)
-            _rebalance(packing, lengths, sizes, costs, budget, 4 * pool)
-            return packing, num_slots
-        num_slots += 1
-    return None, num_slots
-
-
-def _best_subset(items: Sequence[int], cap: int) -> tuple[int, list[int]]:
-    """The largest total ``<= cap`` of a subset of ``items`` (subset-sum over a bitset) and the indices of one
-    such subset, preferring earlier items (the caller sorts them longest first)."""
-    mask = (1 << (cap + 1)) - 1
-    reach = [1]
-    for n in items:
-        reach.append((reach[-1] | (reach[-1] << n)) & mask)
-    best = reach[-1].bit_length() - 1
-    chosen, t = [], best
-    for i in range(len(items) - 1, -1, -1):
-        if not (reach[i] >> t) & 1:  # not reachable without item i: it is in
-            chosen.append(i)
-            t -= items[i]
-    return best, chosen
-
-
-def _complete(order: list[int], lengths: Sequence[int], sizes: list[int], costs: list[float], num_slots: int,
-              pool: int, budget: int, pad: int, fixed: dict[int, float], rooms_first: bool) -> _Packing | None:
-    """A tighter packing for ``num_slots`` slots where the greedy one failed, by bin completion: size classes
-    largest first; each free aligned block of the class's size (slot by slot) and the room left in the
-    larger groups (smallest first; ``rooms_first``: largest first, before the free blocks, as packed rows
-    do) gets in turn the subset of the class's remaining documents that fills it most (a subset sum, longest
-    documents preferred). ``None`` when documents remain. Balance is left to :func:`_rebalance`."""
-    pk = _Packing(num_slots, pool, budget, pad)
-    for c in sorted(set(sizes), reverse=True):
-        items = sorted((d for d in order if sizes[d] == c), key=lambda d: (-lengths[d], d))
-        cells: list[tuple[int, int, _Bin | None]] = [
-            (s, i, None) for s in range(num_slots) for i in range(pool // c)
-            if all(o is None for o in pk.owner[s][i * c:(i + 1) * c])]
-        rooms: list[tuple[int, int, _Bin | None]] = [
-            (b.slot, b.index, b) for b in sorted(pk.bins, key=lambda b: (-b.size if rooms_first else b.size,
-                                                                         b.slot, b.index))]
-        cells = rooms + cells if rooms_first else cells + rooms
-        for s, i, b in cells:
-            if not items:
-                break
-            cap = _capacity(c, budget, pad) if b is None else _capacity(b.size, budget, pad) - b.tokens
-            if cap < lengths[items[-1]]:
-                continue
-            _, chosen = _best_subset([lengths[d] for d in items], cap)
-            if not chosen:
-                continue
-            if b is None:
-                b = pk.open(s, c, i, fixed[c])
-            for k in chosen:
-                pk.add(b, items[k], lengths[items[k]], costs[items[k]])
-            taken = set(chosen)
-            items = [d for k, d in enumerate(items) if k not in taken]
-        if items:
-            return None
-    return pk
-
-
-def _relabel(pk: _Packing, fixed: dict[int, float]) -> None:
-    """Even the per-position loads by moving whole micro-batches between blocks of one slot: the slot's groups
-    of one size trade their aligned blocks (a one-rank micro-batch may also take a position no group covers in
-    that slot); slot and size groups heaviest first, each micro-batch heaviest first onto the block whose
-    busiest rank is least loaded (LPT). Kept only when it lowers the busiest rank's load."""
-    groups: dict[tuple[int, int], list[_Bin]] = {}
-    for b in pk.bins:
-        groups.setdefault((b.slot, b.size), []).append(b)
-    load = [0.0] * pk.pool
-    placed: list[tuple[_Bin, int]] = []
-    for key in sorted(groups, key=lambda k: (-max(b.cost / b.size for b in groups[k]), k)):
-        slot, c = key
-        bins = sorted(groups[key], key=lambda b: (-b.cost, b.index))
-        blocks = sorted(b.index for b in bins)
-        if c == 1:
-            blocks += [p for p in range(pk.pool) if pk.owner[slot][p] is None]
-        for b in bins:
-            i = min(blocks, key=lambda i: (max(load[i * c:(i + 1) * c]), i))
-            blocks.remove(i)
-            placed.append((b, i))
-            for p in range(i * c, (i + 1) * c):
-                load[p] += fixed[c] + b.cost / c
-    if max(load, default=0.0) >= max(pk.load, default=0.0) * (1 - 1e-12):
-        return
-    for b, _ in placed:
-        for p in range(b.index * b.size, (b.index + 1) * b.size):
-            pk.owner[b.slot][p] = None
-    for b, i in placed:
-        b.index = i
-        for p in range(i * b.size, (i + 1) * b.size):
-            pk.owner[b.slot][p] = b
-    pk.load = load
-
-
-def _rebalance(pk: _Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], budget: int,
-               rounds: int) -> None:
-    """Lower the busiest rank's load by moving or swapping one-rank documents between one-rank micro-batches
-    (or into a free one-rank cell): at most ``rounds`` steps, each the best move or swap out of the busiest
-    position that lowers the pair's larger load; the slot count, the budget and the groups stay."""
-    for _ in range(rounds):
-        p = max(range(pk.pool), key=lambda q: (pk.load[q], -q))
-        mine = [b for row in pk.owner for b in (row[p],) if b is not None and b.size == 1 and b.docs]
-        if not mine:
-            return
-        best = None  # (new larger load, kind, ...)
-        top = pk.load[p]
-        for q in sorted(range(pk.pool), key=lambda q: (pk.load[q], q)):
-            if q == p or pk.load[q] >= top:
-                break
-            theirs = [b for row in pk.owner for b in (row[q],) if b is not None and b.size == 1]
-            free = [s for s in range(pk.num_slots) if pk.owner[s][q] is None]
-            for a in mine:
-                for x in a.docs:
-                    cx = costs[x]
-                    if pk.load[q] + cx < top:  # move x to q: into a micro-batch with room, or a free cell
-                        target = next((t for t in theirs if t.tokens + lengths[x] <= budget), None)
-                        if target is not None or free:
-                            key = max(top - cx, pk.load[q] + cx)
-                            if best is None or key < best[0]:
-                                best = (key, "move", a, x, target, q, free[0] if free else None)
-                    for t in theirs:
-                        for y in t.docs:
-                            delta = cx - costs[y]
-                            if delta <= 0 or pk.load[q] + delta >= top:
-                                continue
-                            if (a.tokens - lengths[x] + lengths[y] > budget
-                                    or t.tokens - lengths[y] + lengths[x] > budget):
-                                continue
-                            key = max(top - delta, pk.load[q] + delta)
-                            if best is None or key < best[0]:
-                                best = (key, "swap", a, x, t, y)
-        if best is None or best[0] >= top * (1 - 1e-9):
-            return
-        if best[1] == "move":
-            _, _, a, x, target, q, slot = best
-            _take(pk, a, x, lengths[x], costs[x])
-            if target is None:
-                target = pk.open(slot, 1, q, 0.0)
-            pk.add(target, x, lengths[x], costs[x])
-        else:
-            _, _, a, x, t, y = best  # each keeps a document: neither cell is freed
-            pk.add(a, y, lengths[y], costs[y])
-            pk.add(t, x, lengths[x], costs[x])
-            _take(pk, a, x, lengths[x], costs[x])
-            _take(pk, t, y, lengths[y], costs[y])
-
-
-def _take(pk: _Packing, b: _Bin, doc: int, length: int, cost: float) -> None:
-    """Remove a document from a one-rank micro-batch (an emptied one frees its cell)."""
-    b.docs.remove(doc)
-    b.tokens -= length
-    b.cost -= cost
-    pk.load[b.index] -= cost
-    if not b.docs:
-        pk.owner[b.slot][b.index] = None
-        pk.bins.remove(b)
-
-
-def _align_slots(pk: _Packing, fixed: dict[int, float], passes: int = 3) -> None:
-    """Order the slots' contents so that heavy micro-batches share slots, for a step whose slots wait for the
-    pool's slowest rank (FSDP2 / ZeRO-3 gathers: the step takes the sum over slots of the slowest micro-batch).
-    Per-rank sums, groups and bytes do not change. For every aligned block (sizes largest first), the slots in
-    which the block's micro-batches lie inside it can trade those contents: the contents go heaviest first onto
-    the slots whose busiest rank outside the block is heaviest (pairing two descending orders minimises the sum
-    of the pairwise maxima, so no step raises the step time)."""
-    num_slots, pool = pk.num_slots, pk.pool
-    if num_slots < 2:
-        return
-    cost = [[0.0 if b is None else b.cost / b.size + fixed[b.size] for b in row] for row in pk.owner]
-
-    def prefix_suffix(s: int) -> tuple[list[float], list[float]]:
-        pre, suf = [0.0] * (pool + 1), [0.0] * (pool + 1)
-        for p in range(pool):
-            pre[p + 1] = max(pre[p], cost[s][p])
-            suf[pool - 1 - p] = max(suf[pool - p], cost[s][pool - 1 - p])
-        return pre, suf
-
-    sizes = [c for c in (1 << k for k in range(pool.bit_length())) if c < pool and pool % c == 0]
-    for _ in range(passes):
-        changed = False
-        for c in reversed(sizes):
-            edges = [prefix_suffix(s) for s in range(num_slots)]
-            for i in range(pool // c):
-                lo, hi = i * c, (i + 1) * c
-                inside = [s for s in range(num_slots) if all(
-                    b is None or (b.index * b.size >= lo and (b.index + 1) * b.size <= hi) for b in pk.owner[s][lo:hi])]
-                if len(inside) < 2:
-                    continue
-                inner = {s: max(cost[s][lo:hi]) for s in inside}
-                outer = {s: max(edges[s][0][lo], edges[s][1][hi]) for s in inside}
-                targets = sorted(inside, key=lambda s: (-outer[s], s))
-                sources = sorted(inside, key=lambda s: (-inner[s], s))
-                if targets == sources:
-                    continue
-                block = {s: (pk.owner[s][lo:hi], cost[s][lo:hi]) for s in inside}
-                for t, src in zip(targets, sources):
-                    owners, costs = block[src]
-                    pk.owner[t][lo:hi] = owners
-                    cost[t][lo:hi] = costs
-                    for b in owners:
-                        if b is not None:
-                            b.slot = t
-                for t in inside:
-                    edges[t] = prefix_suffix(t)
-                changed = True
-        if not changed:
-            return
-
-
-def _slot_sync_cost(pk: _Packing, fixed: dict[int, float]) -> float:
-    """The sum over slots of the busiest rank's cost in the slot."""
-    return sum(max((b.cost / b.size + fixed[b.size] for b in row if b is not None), default=0.0) for row in pk.owner)
-
-
-def _finish(pk: _Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
+def _finish(pk: Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
             min_size: int, lower: int, num_slots: int) -> DynamicPlan:
     """Freeze a packing: an empty one-rank group where no group covers a position; per-rank sums, fixed costs
     included."""
