@@ -75,7 +75,13 @@ def work(ctx: Any, world: int, reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import seqpar
-    from seqpar.bench.dynamic import PAD, _documents, _tiny_llama, static_plan, tiny_llama_cost
+    from seqpar.bench.dynamic import (
+        PAD,
+        random_documents,
+        static_plan,
+        tiny_llama_cost,
+        tiny_llama_model,
+    )
     from seqpar.config import SeqParConfig
     from seqpar.sequence.batch import rank_micro_batches
     from seqpar.swap import swap_attention
@@ -89,7 +95,7 @@ def work(ctx: Any, world: int, reps: int) -> dict[str, Any]:
     manager = seqpar.init_process_groups(sp_size=world, config={
         "sharding": "balanced", "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}})
     try:
-        model = _tiny_llama(64, 2, 4, 16384)
+        model = tiny_llama_model(64, 2, 4, 16384)
         swap_attention(model, SeqParConfig(size=world, sharding="balanced"))
         acc: dict[str, float] = {}
         wrap = _instrument(acc)
@@ -106,7 +112,7 @@ def work(ctx: Any, world: int, reps: int) -> dict[str, Any]:
         out = {}
         for name, rows, sp in cases:
             plan = static_plan(rows, world, sp, cost=tiny_llama_cost(64, 2, 4), pad_multiple=PAD)
-            docs = _documents(plan.lengths, 0)
+            docs = random_documents(plan.lengths, 0)
 
             def once() -> None:
                 for inputs in rank_micro_batches(plan, docs, manager, sharding="balanced"):  # noqa: B023

@@ -73,7 +73,7 @@ from seqpar.sequence.dynamic import (
 )
 
 __all__ = ["long_tailed_rows", "log_uniform_documents", "pack_rows", "counted_rank_costs", "mix_report", "modelled_step_seconds",
-           "pool_report", "pool_case", "slot_balance", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
+           "pool_report", "pool_case", "slot_balance", "tiny_llama_model", "random_documents", "measured_report", "calibration_report", "scheme_plans", "tiny_llama_cost", "run", "main", "ANCHORS",
            "TINY_LLAMA", "QWEN3_30B_A3B", "distinct_lengths", "CALIBRATION"]
 
 PAD = 8  # balanced sharding pads a group's micro-batch to a multiple of 8 x its size (its finest layout)
@@ -91,7 +91,7 @@ TINY_LLAMA_PER_DOCUMENT_COST = 1.69e7
 def tiny_llama_cost(hidden: int, layers: int, heads: int, *, micro_batch_cost: float = TINY_LLAMA_MICRO_BATCH_COST,
                     ring_step_cost: float = TINY_LLAMA_RING_STEP_COST,
                     per_document_cost: float = TINY_LLAMA_PER_DOCUMENT_COST) -> CostModel:
-    """The counted cost of the measured run's model (:func:`_tiny_llama`'s sizes: intermediate ``2 x
+    """The counted cost of the measured run's model (:func:`tiny_llama_model`'s sizes: intermediate ``2 x
     hidden``, fp32 K/V on the ring), with the CPU ranks' fixed terms (defaults: the last calibration)."""
     return CostModel.transformer(hidden, 2 * hidden, q_heads=heads, kv_heads=heads, layers=layers, elem_bytes=4,
                                  micro_batch_cost=micro_batch_cost, ring_step_cost=ring_step_cost,
@@ -401,7 +401,7 @@ def pool_report(pools: Sequence[int], slots_per_group: int, seed: int, cost: Cos
 
 
 # ------------------------------------------------------------------------------------------ measured
-def _tiny_llama(hidden: int, layers: int, heads: int, seq_len: int) -> Any:
+def tiny_llama_model(hidden: int, layers: int, heads: int, seq_len: int) -> Any:
     """A tiny fp32 Llama (vocab 256, intermediate ``2 x hidden``), the same weights on every rank (seed 0)."""
     import torch
     import transformers
@@ -413,7 +413,7 @@ def _tiny_llama(hidden: int, layers: int, heads: int, seq_len: int) -> Any:
     return transformers.LlamaForCausalLM(cfg).float()
 
 
-def _documents(lengths: Sequence[int], seed: int) -> list[Any]:
+def random_documents(lengths: Sequence[int], seed: int) -> list[Any]:
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -459,7 +459,7 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
     manager = seqpar.init_process_groups(sp_size=world, config={
         "sharding": "balanced", "dynamic": {"max_tokens_per_rank": seq_len // world, "min_size": 1}})
     try:
-        model = _tiny_llama(hidden, layers, heads, seq_len)
+        model = tiny_llama_model(hidden, layers, heads, seq_len)
         swap_attention(model, SeqParConfig(size=world, sharding="balanced"))
         params = [p for p in model.parameters()]
 
@@ -481,7 +481,7 @@ def _measured_rank(ctx: Any, world: int, seq_len: int, rows: int, batches: int, 
             # every scheme, the statics too, as a DynamicStep: a plan and this rank's micro-batches of it (what
             # seqpar.sequence.dynamic_step.plan_step builds; the bench's own plans, so not plan_step itself)
             batch = long_tailed_rows(rows, seq_len, seed + b)
-            docs = _documents([n for row in batch for n in row], seed + b)
+            docs = random_documents([n for row in batch for n in row], seed + b)
             return {name: DynamicStep(plan, rank_micro_batches(plan, docs, manager, sharding="balanced"), manager)
                     for name, plan in scheme_plans(batch, world, seq_len, cost).items()}
 
@@ -634,12 +634,12 @@ def _calibrate_rank(ctx: Any, hidden: int, layers: int, heads: int, repeats: int
     manager = seqpar.init_process_groups(sp_size=4, config={
         "sharding": "balanced", "dynamic": {"max_tokens_per_rank": 4096, "min_size": 1}})
     try:
-        model = _tiny_llama(hidden, layers, heads, 16384)
+        model = tiny_llama_model(hidden, layers, heads, 16384)
         swap_attention(model, SeqParConfig(size=4, sharding="balanced"))
         out = {}
         for name, rows, sp in CALIBRATION:
             plan = static_plan(rows, 4, sp, cost=tiny_llama_cost(hidden, layers, heads), pad_multiple=PAD)
-            micro = rank_micro_batches(plan, _documents(plan.lengths, 0), manager, sharding="balanced")
+            micro = rank_micro_batches(plan, random_documents(plan.lengths, 0), manager, sharding="balanced")
             times = []
             for _ in range(repeats + 1):
                 dist.barrier()
