@@ -218,6 +218,13 @@ class DynamicConfig:
     min_size: int = 1
     """The smallest group a document gets, a power of two (1: a short document runs whole on one rank).
     It must divide the pool (DP x SP ranks of one TP rank set), checked at init_process_groups."""
+    balance: str = "step"
+    """What the planner evens, ``"step"`` or ``"slot"``. ``"step"``: each rank's cost over the whole step (an
+    engine whose groups wait only for their own ranks until the step's one gradient reduction: DDP,
+    ZeRO-1/2). ``"slot"``: each slot's ranks (FSDP2 and ZeRO-3 gather parameters in every forward, so each
+    slot waits for the pool's slowest rank): heavy documents spread over more ranks and every slot carries an
+    even share (``plan_dynamic(spread_heavy=True, slot_sync=True)``); it spreads by the cost model's ring
+    cost, so give the planner a calibrated one (``ShardedDataLoader(cost=...)``)."""
 
     def __post_init__(self) -> None:
         hint = "expected a positive integer (tokens per rank per micro-batch)"
@@ -228,6 +235,11 @@ class DynamicConfig:
         _check_type("dynamic.min_size", self.min_size, (int,), hint)
         if self.min_size < 1 or self.min_size & (self.min_size - 1):
             _fail("dynamic.min_size", self.min_size, hint)
+        hint = ('expected "step" (even each rank over the step: DDP, ZeRO-1/2) or "slot" (even each slot: FSDP2, '
+                'ZeRO-3)')
+        _check_type("dynamic.balance", self.balance, (str,), hint)
+        if self.balance not in ("step", "slot"):
+            _fail("dynamic.balance", self.balance, hint)
 
     @classmethod
     def from_dict(cls, d: Any) -> DynamicConfig:

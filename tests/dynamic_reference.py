@@ -21,12 +21,11 @@ def launcher_step(model: torch.nn.Module, task: Any, dynamic: Any, step: int, ro
     Returns:
         the step's loss, its plan (:class:`seqpar.sequence.dynamic.DynamicPlan`) and its number of documents.
     """
-    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.sequence.dynamic import plan_from_config
     from seqpar.sequence.dynamic_batch import pack_documents, step_targets
 
     docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
-    planned = plan_dynamic([int(ids.numel()) for ids, _ in docs], pool, dynamic.max_tokens_per_rank,
-                           min_size=dynamic.min_size)
+    planned = plan_from_config([int(ids.numel()) for ids, _ in docs], pool, dynamic)  # as the launcher plans
     targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
     total = 0.0
     for mb in (mb for slot in planned.slots for mb in slot if mb.docs):

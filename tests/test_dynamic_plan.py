@@ -508,9 +508,35 @@ def test_moves_and_swaps_between_one_rank_micro_batches_lower_the_busiest_rank()
     assert len(first) == 2, first  # the two long documents on different ranks
 
 
+def test_plan_from_config_maps_balance_onto_the_planner() -> None:
+    """The block's ``balance`` as the loader, ``plan_step`` and the launcher plan with it: ``"step"`` is
+    ``plan_dynamic``'s defaults, ``"slot"`` is ``spread_heavy=True, slot_sync=True``; on the modelled 64-GPU
+    1K-16K mix the two plans differ (the slot plan spreads the 15-16K documents onto 8 ranks) and the slot plan's
+    slot-sync cost is lower.
+    Seen failing: ``plan_from_config`` ignoring ``balance`` (the "slot" plan equals the "step" one)."""
+    from seqpar.bench.dynamic import QWEN3_30B_A3B, gpu_cost, log_uniform_documents
+    from seqpar.config import Links
+    from seqpar.sequence.dynamic import plan_from_config
+
+    cost = gpu_cost(QWEN3_30B_A3B, Links())
+    lengths = log_uniform_documents(64 * 4096 * 4, 64, lo=1024, hi=16384)
+    step = plan_from_config(lengths, 64, DynamicConfig(4096, min_size=1), cost=cost)
+    slot = plan_from_config(lengths, 64, DynamicConfig(4096, balance="slot"), cost=cost)
+    assert step == plan_dynamic(lengths, 64, 4096, cost=cost)
+    assert slot == plan_dynamic(lengths, 64, 4096, cost=cost, spread_heavy=True, slot_sync=True) != step
+    assert max(mb.size for s in slot.slots for mb in s) == 8 > max(mb.size for s in step.slots for mb in s)
+
+    def slot_sum(plan: DynamicPlan) -> float:
+        return sum(max(mb.cost_per_rank for mb in s) for s in plan.slots)
+
+    assert slot_sum(slot) < slot_sum(step)
+
+
 def test_config_dynamic_block() -> None:
     cfg = SeqParConfig.from_dict({"sequence_parallel": {"size": 2, "dynamic": {"max_tokens_per_rank": 4096}}})
-    assert cfg.dynamic == DynamicConfig(max_tokens_per_rank=4096, min_size=1)
+    assert cfg.dynamic == DynamicConfig(max_tokens_per_rank=4096, min_size=1, balance="step")
+    slot = SeqParConfig.from_dict({"dynamic": {"max_tokens_per_rank": 4096, "balance": "slot"}})
+    assert slot.dynamic.balance == "slot" and SeqParConfig.from_dict(slot.to_dict()) == slot
     assert SeqParConfig.from_dict(cfg.to_dict()) == cfg and hash(cfg) == hash(SeqParConfig.from_dict(cfg.to_dict()))
     assert SeqParConfig.from_dict({"size": 2}).dynamic is None
     assert SeqParConfig.from_dict({"dynamic": None}).dynamic is None
@@ -536,6 +562,8 @@ def test_config_dynamic_block() -> None:
         ({"max_tokens_per_rank": 64, "min_size": 0}, "dynamic.min_size = 0 is invalid"),
         ({"max_tokens_per_rank": 64, "min_size": "1"}, "dynamic.min_size = '1' is invalid"),
         ({"max_tokens_per_rank": 64, "min_sizes": 1}, r"unknown key\(s\) \['min_sizes'\] in sequence_parallel.dynamic"),
+        ({"max_tokens_per_rank": 64, "balance": "slots"}, "dynamic.balance = 'slots' is invalid: expected \"step\""),
+        ({"max_tokens_per_rank": 64, "balance": 1}, "dynamic.balance = 1 is invalid"),
     ]:
         with pytest.raises(ConfigError, match=message):
             SeqParConfig.from_dict({"sequence_parallel": {"dynamic": block}})

@@ -51,7 +51,7 @@ from torch.utils.data import (
 from seqpar.runtime.groups import default_manager, resolve_group
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries, known_boundaries
 from seqpar.sequence.call_group import GROUP_KEY
-from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_dynamic
+from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_from_config
 from seqpar.sequence.dynamic_batch import packed_micro_batches, step_targets
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
@@ -538,8 +538,8 @@ class ShardedDataLoader:
                     "'input_ids' (and 'labels', if any) is a list of 1-D tensors; give the loader a collate_fn that "
                     "keeps them apart, e.g. lambda s: {k: [x[k] for x in s] for k in s[0]}")
             labels = batch.get("labels")
-            plan = plan_dynamic([int(d.numel()) for d in docs], self.manager.pool_size,
-                                self.dynamic.max_tokens_per_rank, min_size=self.dynamic.min_size, cost=self.cost)
+            plan = plan_from_config([int(d.numel()) for d in docs], self.manager.pool_size, self.dynamic,
+                                    cost=self.cost)
             yield rank_micro_batches(plan, list(docs), self.manager, labels=None if labels is None else list(labels),
                                      sharding=self.sharding, pad_token_id=self.pad_token_id,
                                      ignore_index=self.ignore_index)

@@ -80,6 +80,7 @@ import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from seqpar.runtime.grid import dynamic_group_sizes
 from seqpar.sequence.packing import (
@@ -91,11 +92,15 @@ from seqpar.sequence.packing import (
     smooth,
 )
 
+if TYPE_CHECKING:
+    from seqpar.config import DynamicConfig
+
 __all__ = [
     "CostModel",
     "MicroBatch",
     "DynamicPlan",
     "plan_dynamic",
+    "plan_from_config",
     "static_plan",
     "tokens_per_rank",
     "ring_bytes_per_rank",
@@ -531,6 +536,17 @@ def plan_dynamic(
         num_slots = packing.num_slots
     align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+
+
+def plan_from_config(lengths: Sequence[int], pool_size: int, dynamic: DynamicConfig,
+                     cost: CostModel | None = None) -> DynamicPlan:
+    """:func:`plan_dynamic` with the ``sequence_parallel.dynamic`` block's settings
+    (:class:`seqpar.config.DynamicConfig`): ``max_tokens_per_rank``, ``min_size``, and ``balance="slot"`` as
+    ``spread_heavy=True, slot_sync=True`` (``"step"``: neither). What the loader, ``plan_step`` and the
+    launcher plan with."""
+    slot = dynamic.balance == "slot"
+    return plan_dynamic(lengths, pool_size, dynamic.max_tokens_per_rank, min_size=dynamic.min_size, cost=cost,
+                        spread_heavy=slot, slot_sync=slot)
 
 
 def _slot_balanced(packing: Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int,

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from seqpar.sequence.batch import rank_micro_batches
 from seqpar.sequence.call_group import GROUP_KEY
-from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_dynamic
+from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_from_config
 
 __all__ = ["DynamicStep", "plan_step"]
 
@@ -80,8 +80,8 @@ def plan_step(
         docs: every document of the step, 1-D token tensors, the same list (and order) on every rank of the pool.
         manager: the process-group manager built with the ``sequence_parallel.dynamic`` block (its pool is
             planned over and its dynamic groups carried by the micro-batches).
-        dynamic: the ``sequence_parallel.dynamic`` settings (``max_tokens_per_rank``, ``min_size``:
-            :class:`seqpar.config.DynamicConfig`).
+        dynamic: the ``sequence_parallel.dynamic`` settings (``max_tokens_per_rank``, ``min_size``, ``balance``:
+            :class:`seqpar.config.DynamicConfig`; :func:`~seqpar.sequence.dynamic.plan_from_config`).
         labels: each document's labels (default: its tokens); a document's first label never counts.
         sharding, pad_token_id, ignore_index: as for :func:`seqpar.sequence.batch.shard_batch`.
         cost: the planner's cost model (default: :func:`~seqpar.sequence.dynamic.plan_dynamic`'s).
@@ -89,8 +89,7 @@ def plan_step(
     Returns:
         the plan and this rank's micro-batches (:class:`DynamicStep`).
     """
-    plan = plan_dynamic([int(d.numel()) for d in docs], manager.pool_size, dynamic.max_tokens_per_rank,
-                        min_size=dynamic.min_size, cost=cost)
+    plan = plan_from_config([int(d.numel()) for d in docs], manager.pool_size, dynamic, cost=cost)
     micro = rank_micro_batches(plan, list(docs), manager, labels=None if labels is None else list(labels),
                                sharding=sharding, pad_token_id=pad_token_id, ignore_index=ignore_index)
     return DynamicStep(plan, micro, manager)
