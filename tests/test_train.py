@@ -87,13 +87,14 @@ def _close(got: list[float], ref: list[float], rtol: float = RTOL) -> None:
 _REFS: dict[tuple, list[float]] = {}
 
 
-def _reference(dist_pool, config: str, extra: tuple[str, ...] = (), sgd: bool = False) -> list[float]:
+def _reference(dist_pool, config: str, extra: tuple[str, ...] = (), sgd: bool = False,
+               timeout: float = 240) -> list[float]:
     """SP=1 on one rank, the same global batch (micro-batch scaled to the DP size of the other run); ``sgd``:
-    on :func:`_sgd_config`'s variant of the config."""
+    on :func:`_sgd_config`'s variant of the config. Cached for the session (other test files share it)."""
     key = (config, extra, sgd)
     if key not in _REFS:
         path = _sgd_config(config) if sgd else _config(config)
-        _REFS[key] = _losses(dist_pool, 1, ["--config", path, "--sp-size", "1", *SHORT, *extra])
+        _REFS[key] = _losses(dist_pool, 1, ["--config", path, "--sp-size", "1", *SHORT, *extra], timeout=timeout)
     return _REFS[key]
 
 
