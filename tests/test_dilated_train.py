@@ -1,6 +1,10 @@
 """Dilated attention through the swap and the main job: a dilated config trains under DeepSpeed and
 FSDP, and SP=2 gives the per-step losses of SP=1 (where dilated attention runs on one rank, exactly
-the definition tested in test_dilated.py)."""
+the definition tested in test_dilated.py). Both train with plain SGD and no clipping (test_train._sgd_config:
+AdamW hides a gradient's scale). Seen failing: FSDP2's divide factor ``dp_size * sp_size``
+(``integrations/fsdp.py``) fails the FSDP case, DeepSpeed ZeRO-2's ``_compensate_gradient_average`` scaling the
+loss by sp (``divisor = engine.seq_dp_world_size * engine.sequence_parallel_size``) the DeepSpeed one; both
+passed on the shipped AdamW configs."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import json
 import pytest
 import torch
 from test_attention import make_case
-from test_train import SHORT, _close, _config, _losses
+from test_train import SHORT, _close, _config, _losses, _sgd_config
 
 import seqpar
 from seqpar.config import SeqParConfig
@@ -21,7 +25,7 @@ PATTERN = {"type": "dilated", "segment_lengths": [32, 128, 256], "dilation_rates
 
 
 def _short_dilated_config(tmp_path, name: str) -> str:
-    cfg = json.loads(open(_config(name)).read())
+    cfg = json.loads(open(_sgd_config(name)).read())  # plain SGD, no clipping: AdamW hides a gradient's scale
     cfg["sequence_parallel"]["pattern"] = PATTERN
     path = tmp_path / name
     path.write_text(json.dumps(cfg))
@@ -34,7 +38,7 @@ def test_dilated_config_sp2_matches_sp1(dist_pool, tmp_path, name: str) -> None:
     ref = _losses(dist_pool, 1, ["--config", config, "--sp-size", "1", *SHORT])
     got = _losses(dist_pool, 2, ["--config", config, "--sp-size", "2", *SHORT])
     _close(got, ref)
-    assert ref[-1] < ref[0]
+    # (no "the loss falls" check: SGD's 5 steps need not lower this task's loss, whose batches differ per step)
 
 
 def test_shipped_dilated_configs_load() -> None:

@@ -2,7 +2,12 @@
 attention layer: configs/fsdp_hybrid.json dense under FSDP2, configs/deepspeed_hybrid.json with a 4-expert MoE and
 its router loss under ZeRO-2) trains at SP=2 and SP=4 with the losses of SP=1 (1e-4 relative, as
 tests/test_train.py), plain and packed; an architecture whose mixers the swap refuses fails with the swap's
-error, naming the mixer, on every rank."""
+error, naming the mixer, on every rank.
+
+The parity runs train with plain SGD and no clipping (test_train._sgd_config: AdamW would hide a gradient scaled
+by the SP size). Seen failing: FSDP2's divide factor ``dp_size * sp_size`` (``integrations/fsdp.py``) fails both
+FSDP cases; DeepSpeed ZeRO-2 with ``_compensate_gradient_average`` scaling the loss by sp (``divisor =
+engine.seq_dp_world_size * engine.sequence_parallel_size``) fails the DeepSpeed one."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from unittest import mock
 
 import pytest
 from launch_module import train_module
-from test_train import _close, _config, _expect_error, _losses
+from test_train import _close, _config, _expect_error, _losses, _sgd_config
 
 SHORT = ["--seq-len", "96", "--steps", "3", "--no-progress", "--log-level", "WARNING"]
 ARGV = ["--config", _config("fsdp_hybrid.json"), *SHORT]
@@ -25,11 +30,12 @@ CASES = [("fsdp_hybrid.json", (), (2, 4)), ("fsdp_hybrid.json", ("--packed",), (
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("config,extra,sizes", CASES, ids=["fsdp", "fsdp-packed", "deepspeed-moe"])
 def test_hybrid_sp2_sp4_match_sp1(dist_pool, config, extra, sizes):
-    argv = ["--config", _config(config), *SHORT, *extra]
+    argv = ["--config", _sgd_config(config), *SHORT, *extra]
     ref = _losses(dist_pool, 1, [*argv, "--sp-size", "1"])
     for sp in sizes:
         _close(_losses(dist_pool, sp, [*argv, "--sp-size", str(sp)]), ref)
-    assert ref[-1] < ref[0], "the loss should move in 3 steps"
+    # (no "the loss falls" check: SGD's 3 steps need not lower this task's loss; the breaks above show the
+    # gradients reach the compared losses)
 
 
 def _refused(rank: int, world: int, argv: list[str]) -> str:
