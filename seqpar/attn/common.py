@@ -106,8 +106,20 @@ def block_calls(opts: AttentionOptions, world: int, q_rank: int, k_rank: int, se
     clen = seq_local // len(q_chunks)
     if opts.mask.dense:
         return tuple(plan_blocks(q_chunks, k_chunks, clen, opts.causal))
-    ranges = [[(c * clen, (c + 1) * clen) for c in chunks] for chunks in (q_chunks, k_chunks)]
-    return tuple(plan_pieces(opts.mask, ranges[0], ranges[1]))
+    return tuple(plan_pieces(opts.mask, _chunk_ranges(q_chunks, clen), _chunk_ranges(k_chunks, clen)))
+
+
+def _chunk_ranges(chunks: Sequence[int], clen: int) -> list[tuple[int, int]]:
+    """The global ``[start, stop)`` ranges of ``chunks`` (in local order), consecutive chunks joined: the
+    planner then cuts along documents only, not at every chunk edge (a document whole on one rank is one
+    causal call instead of a triangle per chunk and a rectangle per chunk row; the same visible pairs)."""
+    ranges: list[tuple[int, int]] = []
+    for c in chunks:
+        if ranges and ranges[-1][1] == c * clen:
+            ranges[-1] = (ranges[-1][0], (c + 1) * clen)
+        else:
+            ranges.append((c * clen, (c + 1) * clen))
+    return ranges
 
 
 @functools.lru_cache(maxsize=1024)
