@@ -1,6 +1,7 @@
-"""Shared by the mixer tests (test_mixers_conv, test_mixers_mamba, test_mixers_lightning, test_mixers_rglru): a packed
-batch of 5 documents (one crossing shard edges), the float64 reference of each document run alone by
-transformers itself, and the check of an fp32 sharded model's loss and every gradient against it."""
+"""Shared by the mixer tests (test_mixers_conv, test_mixers_mamba, test_mixers_ssd, test_mixers_lightning,
+test_mixers_rglru, ...): a packed batch of 5 documents (one crossing shard edges), the float64 reference of each
+document run alone by transformers itself, and the check of an fp32 sharded model's loss and every gradient
+against it; the swapped layer alone against transformers' layer run on each document (:func:`layer_parity`)."""
 
 from __future__ import annotations
 
@@ -112,12 +113,83 @@ def one_process_parity(tiny: Callable[[torch.dtype], torch.nn.Module], config: d
     check(model, out.loss, ref_loss, ref_grads, 1, "one process")
 
 
+def elementwise(tol: float) -> Callable[[torch.Tensor, torch.Tensor, str], None]:
+    """A check ``close(got, want, what)``: every entry within ``tol`` (relative and absolute)."""
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+    return close
+
+
+def relative_to_largest(tol: float) -> Callable[[torch.Tensor, torch.Tensor, str], None]:
+    """A check ``close(got, want, what)``: the largest error within ``tol`` of ``want``'s largest entry (for
+    layers that run parts in fp32 even in float64: their roundings depend on the summation order), and
+    ``want`` not all zero."""
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        err, scale = float((got.double() - want.double()).abs().max()), float(want.abs().max())
+        assert err <= tol * scale and scale > 0, (what, err, scale)
+    return close
+
+
+def document_positions(seq: int, rank: int, world: int, sharding: str, cu: list[int]) -> torch.Tensor:
+    """``(1, seq_local)``: the position of each of this rank's tokens within its document (position_ids
+    restart at each start in ``cu``, as in a packed batch)."""
+    from seqpar.sequence.sharding import shard_index
+
+    positions = shard_index(seq, rank, world, sharding, cu_seqlens=cu)  # global positions of the shard
+    starts = torch.tensor(cu)
+    return (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]
+
+
+def layer_parity(world: int, rank: int, layer64: torch.nn.Module, sp_class: type, call: Callable[..., torch.Tensor],
+                 sharding: str, cu: list[int], batch: int, hidden: int,
+                 close: Callable[[torch.Tensor, torch.Tensor, str], None], what: str) -> int:
+    """The float64 layer swapped at SP=``world`` (``sp_class(layer, group=, sharding=)``) against the layer
+    itself run on each document of ``cu`` alone: the gathered output, the input's gradient and every
+    parameter's gradient (summed over the ranks) pass ``close(got, want, what)``. Inputs and the output's
+    gradient ``(batch, cu[-1], hidden)`` float64, fresh random. ``call(layer, x, position_ids, **kwargs) ->
+    output`` runs a layer (kwargs: ``cu_seq_lens_q``). Returns the collective bytes of the sharded forward
+    (counted, :func:`seqpar.testing.traffic.counting`).
+
+    Seen failing: with :func:`seqpar.mixers.state_passing.scalar_decay_correction` returning zeros (no
+    incoming state), every sharded case of test_mixers_lightning / rglru / mamba / ssd fails here."""
+    from seqpar.sequence.sharding import gather_sequence, shard_sequence
+    from seqpar.testing.traffic import counting
+
+    seq = cu[-1]
+    g = torch.Generator().manual_seed(9)
+    h = torch.randn(batch, seq, hidden, generator=g, dtype=torch.float64)
+    grad = torch.randn(batch, seq, hidden, generator=g, dtype=torch.float64)
+    ref_h = h.clone().requires_grad_()
+    ref = torch.cat([call(layer64, ref_h[:, a:b], torch.arange(b - a)[None]) for a, b in zip(cu, cu[1:])], dim=1)
+    (ref * grad).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer64.named_parameters()}
+    layer64.zero_grad()
+    group = WORLD if world > 1 else None
+    sp = sp_class(layer64, group=group, sharding=sharding)
+    h_sp = h.clone().requires_grad_()
+    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
+    positions = document_positions(seq, rank, world, sharding, cu)
+    with counting(world) as traffic:
+        out = call(sp, local, positions, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
+    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
+    close(gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu), ref.detach(),
+          f"{what}: output")
+    if world > 1:
+        dist.all_reduce(h_sp.grad)
+    close(h_sp.grad, ref_h.grad, f"{what}: grad of the input")
+    for n, p in sp.named_parameters():
+        if world > 1:
+            dist.all_reduce(p.grad)
+        close(p.grad, ref_grads[n], f"{what}: grad of {n}")
+    return traffic.collective_bytes
+
+
 def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,
                       call: Callable[..., torch.Tensor], cu: list[int], hidden: int) -> tuple[float, float]:
     """Largest error against the float64 layer run on each document alone of: the layer swapped in bf16 at
     SP=``world`` (zigzag), and transformers' own layer in bf16 on one process (each document alone).
     ``call(layer, x, position_ids, **kwargs) -> output`` runs a layer (kwargs: ``cu_seq_lens_q``)."""
-    from seqpar.sequence.sharding import gather_sequence, shard_index, shard_sequence
+    from seqpar.sequence.sharding import gather_sequence, shard_sequence
 
     seq = cu[-1]
     h = torch.randn(1, seq, hidden, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
@@ -127,9 +199,7 @@ def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class:
         own_layer = copy.deepcopy(layer64).bfloat16()
         own = torch.cat([call(own_layer, h[:, a:b].bfloat16(), torch.arange(b - a)[None]) for a, b in docs], dim=1)
         sp = sp_class(copy.deepcopy(layer64).bfloat16(), group=WORLD, sharding="zigzag")
-        starts = torch.tensor(cu)
-        positions = shard_index(seq, rank, world, "zigzag", cu_seqlens=cu)
-        positions = (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]
+        positions = document_positions(seq, rank, world, "zigzag", cu)
         out = call(sp, shard_sequence(h.bfloat16(), 1, group=WORLD, sharding="zigzag"), positions,
                    cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
         assert out.dtype == torch.bfloat16

@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
+from mixer_parity import (
+    elementwise,
+    layer_bf16_errors,
+    layer_parity,
+    modes,
+    one_process_parity,
+    sharded_parity,
+)
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.lightning import SeqParLightningAttention
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MiniMaxConfig"):
@@ -45,36 +49,13 @@ def _layer_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[
     with torch.no_grad():  # the decay buffers were computed in fp32 at init: recompute them in float64
         for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), layer.decay_factors(layer.slope_rate)):
             getattr(layer, name).copy_(value)
-    seq = cu[-1]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b], None, None)[0] for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    group = WORLD if world > 1 else None
-    sp = SeqParLightningAttention(layer, group=group, sharding=sharding)
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
-    with counting(world) as traffic:
-        out = sp(local, None, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
-    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
-    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
-    if world > 1:
-        dist.all_reduce(h_sp.grad)
-    torch.testing.assert_close(h_sp.grad, ref_h.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: grad h: {m}")
-    for n, p in sp.named_parameters():
-        if world > 1:
-            dist.all_reduce(p.grad)
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-10, msg=lambda m, n=n: f"{case}: {n}: {m}")
+    counted = layer_parity(world, rank, layer, SeqParLightningAttention,
+                           lambda m, x, pos, **kw: m(x, None, None, **kw)[0], sharding, cu, 2, 32,
+                           elementwise(1e-10), f"{world} ranks {sharding}, cu_seqlens {cu}")
     # theory: one all-gather of each local chunk's (transition (heads, 1, 1), state (batch, heads, d, d)) float64
     chunks = 2 if sharding == "zigzag" else 1
     summary = torch.empty(chunks, 4 + 2 * 4 * 8 * 8, dtype=torch.float64)
-    return traffic.collective_bytes, summary_bytes(summary[:, :4], summary[:, 4:], world)
+    return counted, summary_bytes(summary[:, :4], summary[:, 4:], world)
 
 
 # (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at

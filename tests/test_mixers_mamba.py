@@ -17,10 +17,12 @@ from mixer_parity import (
     check,
     documents,
     layer_bf16_errors,
+    layer_parity,
     modes,
     one_process_parity,
     packed_batch,
     per_document_reference,
+    relative_to_largest,
     sharded_parity,
 )
 
@@ -220,33 +222,11 @@ def _layer_parity(rank: int, world: int, name: str) -> None:
     with torch.no_grad():
         layer.D.normal_()
         layer.conv1d.bias.normal_()
-    cu = [0, 5, 19, 32]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    sp = SeqParMambaMixer(layer, group=WORLD, sharding="zigzag")
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag")
-    out = sp(local, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
-    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
     # The layer itself runs parts in fp32 even in float64 (A_log.float(), B.float() in the scan), so the
     # gradients reaching A_log and B go through fp32 roundings that depend on the summation order.
     # So: agreement to 1e-6 of each tensor's largest entry (fp32 rounding), not elementwise.
-    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        err, scale = float((got - want).abs().max()), float(want.abs().max())
-        assert err <= 1e-6 * scale and scale > 0, (name, what, err, scale)
-
-    close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
-    dist.all_reduce(h_sp.grad)
-    close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        dist.all_reduce(p.grad)
-        close(p.grad, ref_grads[n], f"grad of {n}")
+    layer_parity(world, rank, layer, SeqParMambaMixer, lambda m, x, pos, **kw: m(x, **kw), "zigzag", [0, 5, 19, 32],
+                 1, 16, relative_to_largest(1e-6), name)
 
 
 @pytest.mark.parametrize("name", ["Mamba", "FalconMamba"])

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
+from mixer_parity import (
+    layer_bf16_errors,
+    layer_parity,
+    modes,
+    one_process_parity,
+    relative_to_largest,
+    sharded_parity,
+)
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_index, shard_sequence
 from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "RecurrentGemmaConfig"):
@@ -42,46 +46,15 @@ ROUTES = {"model.layers.0.temporal_block": "mixer", "model.layers.1.temporal_blo
 def _block_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
     block = tiny(torch.float64).model.layers[0].temporal_block
     assert type(block).__name__ == "RecurrentGemmaRecurrentBlock"
-    seq = cu[-1]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([block(ref_h[:, a:b], torch.arange(b - a)[None], None, use_cache=False)[0]
-                     for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
-    block.zero_grad()
-    group = WORLD if world > 1 else None
-    sp = SeqParRecurrentBlock(block, group=group, sharding=sharding)
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
-    positions = shard_index(seq, rank, world, sharding, cu_seqlens=cu)  # global positions of the shard
-    starts = torch.tensor(cu)
-    positions = (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]  # per document
-    with counting(world) as traffic:
-        out = sp(local, positions, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
-    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-
     # The RG-LRU accumulates its state in fp32 even in float64 (its acc_dtype): agreement to 1e-6 of each
-    # tensor's largest entry, not elementwise.
-    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        err, scale = float((got - want).abs().max()), float(want.abs().max())
-        assert err <= 1e-6 * scale and scale > 0, (case, what, err, scale)
-
-    close(gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu), ref.detach(), "output")
-    if world > 1:
-        dist.all_reduce(h_sp.grad)
-    close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        if world > 1:
-            dist.all_reduce(p.grad)
-        close(p.grad, ref_grads[n], f"grad of {n}")
+    # tensor's largest entry, not elementwise. The shard's position_ids are per document (the RG-LRU restarts at 0).
+    counted = layer_parity(world, rank, block, SeqParRecurrentBlock,
+                           lambda m, x, pos, **kw: m(x, pos, None, use_cache=False, **kw)[0], sharding, cu, 2, 32,
+                           relative_to_largest(1e-6), f"{world} ranks {sharding}, cu_seqlens {cu}")
     # theory: one all-gather of each local chunk's (transition, state), both (batch, lru_width) fp32
     chunks = 2 if sharding == "zigzag" else 1
     summary = torch.empty(chunks, 2, WIDTH, dtype=torch.float32)
-    return traffic.collective_bytes, summary_bytes(summary, summary, world)  # the conv's halo is P2P, not counted here
+    return counted, summary_bytes(summary, summary, world)  # the conv's halo is P2P, not counted here
 
 
 # (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at

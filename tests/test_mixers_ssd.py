@@ -19,10 +19,12 @@ from mixer_parity import (
     check,
     documents,
     layer_bf16_errors,
+    layer_parity,
     modes,
     one_process_parity,
     packed_batch,
     per_document_reference,
+    relative_to_largest,
     sharded_parity,
 )
 
@@ -66,11 +68,9 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None, chunk_size:
         for a, b in zip(bounds, bounds[1:])], dim=1)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    # transformers' torch scan computes in fp32 whatever its inputs (x.float(), B.float()), and the sharded
-    # scan sums the same terms in another order: agreement to fp32 rounding of each tensor's largest entry
-    err, scale = float((got.double() - want.double()).abs().max()), float(want.abs().max())
-    assert err <= 2e-6 * scale and scale > 0, (what, err, scale)
+# transformers' torch scan computes in fp32 whatever its inputs (x.float(), B.float()), and the sharded
+# scan sums the same terms in another order: agreement to fp32 rounding of each tensor's largest entry
+_close = relative_to_largest(2e-6)
 
 
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int,
@@ -292,25 +292,8 @@ def _layer_parity(rank: int, world: int) -> None:
     with torch.no_grad():
         layer.D.normal_()
         layer.conv1d.bias.normal_()
-    cu = [0, 5, 19, 32]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    sp = SeqParMamba2Mixer(layer, group=WORLD, sharding="zigzag")
-    h_sp = h.clone().requires_grad_()
-    out = sp(shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag"), cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
-    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
-    _close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
-    dist.all_reduce(h_sp.grad)
-    _close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        dist.all_reduce(p.grad)
-        _close(p.grad, ref_grads[n], f"grad of {n}")
+    layer_parity(world, rank, layer, SeqParMamba2Mixer, lambda m, x, pos, **kw: m(x, **kw), "zigzag", [0, 5, 19, 32],
+                 1, 16, _close, "Mamba2Mixer")
 
 
 @pytest.mark.timeout(600)
