@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -182,6 +183,40 @@ def layer_parity(world: int, rank: int, layer64: torch.nn.Module, sp_class: type
             dist.all_reduce(p.grad)
         close(p.grad, ref_grads[n], f"{what}: grad of {n}")
     return traffic.collective_bytes
+
+
+def scan_parity(world: int, inputs: dict[str, torch.Tensor], grad: torch.Tensor, seq_names: tuple[str, ...], dim: int,
+                reference: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                sharded: Callable[[dict[str, torch.Tensor], Any, Any], torch.Tensor], sharding: str,
+                cu: list[int] | None, close: Callable[[torch.Tensor, torch.Tensor, str], None], what: str) -> None:
+    """A sharded scan at SP=``world`` against its reference on the whole sequence: ``reference(inputs) ->
+    out`` (each document alone) and ``sharded(local inputs, layout, group) -> this rank's out``, where the
+    ``seq_names`` inputs are cut along ``dim`` (the sequence dimension of ``grad``, the output's gradient)
+    and ``layout`` is :func:`seqpar.mixers.scan_layout.scan_layout` of ``cu``. The gathered output and
+    every input's gradient (summed over the ranks) pass ``close(got, want, what)``.
+
+    Seen failing: with :func:`seqpar.mixers.state_passing.scalar_decay_correction` returning zeros, every
+    sharded scan case of test_mixers_mamba and test_mixers_ssd fails here."""
+    from seqpar.mixers.scan_layout import scan_layout
+    from seqpar.sequence.sharding import gather_sequence, shard_sequence
+
+    ref_in = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    ref = reference(ref_in)
+    (ref * grad).sum().backward()
+    group = WORLD if world > 1 else None
+    ins = {k: v.clone().requires_grad_() for k, v in inputs.items()}
+    local = {k: (shard_sequence(v, dim, group=group, sharding=sharding, cu_seqlens=cu) if k in seq_names else v)
+             for k, v in ins.items()}
+    layout = scan_layout(grad.shape[dim] // world, group=group, sharding=sharding, cu_seqlens=cu)
+    out = sharded(local, layout, group)
+    (out * shard_sequence(grad, dim, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
+    full = gather_sequence(out.detach(), dim, group=group, sharding=sharding, cu_seqlens=cu)
+    close(full, ref.detach(), f"{what}: output")
+    for k in inputs:
+        got = ins[k].grad.clone()
+        if world > 1:
+            dist.all_reduce(got)  # each rank holds its share of the full gradient
+        close(got, ref_in[k].grad, f"{what}: grad {k}")
 
 
 def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,

@@ -7,15 +7,16 @@ SP=2 and SP=4, every attention mode, contiguous and zigzag (and balanced), on a 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from mixer_parity import (
     VOCAB,
     WORLD,
     check,
     documents,
+    elementwise,
     layer_bf16_errors,
     layer_parity,
     modes,
@@ -23,14 +24,15 @@ from mixer_parity import (
     packed_batch,
     per_document_reference,
     relative_to_largest,
+    scan_parity,
     sharded_parity,
 )
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.traffic import counting
 
@@ -62,28 +64,14 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None) -> torch.Te
 
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None) -> None:
     data = _scan_inputs(2, 2, 3, 4, seq)
-    names = ("u", "dt", "A", "B", "C", "D", "z", "bias")
-    ref_in = {k: data[k].clone().requires_grad_() for k in names}
-    ref = reference_scan(ref_in, cu)
-    (ref * data["grad"]).sum().backward()
 
-    group = WORLD if dist.is_initialized() else None
-    ins = {k: data[k].clone().requires_grad_() for k in names}
-    local = {k: (shard_sequence(v, -1, group=group, sharding=sharding, cu_seqlens=cu) if k in "u dt B C z" else v)
-             for k, v in ins.items()}
-    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
-    out = selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                               local["z"], local["bias"], layout=layout, group=group, sharding=sharding)
-    grad = shard_sequence(data["grad"], -1, group=group, sharding=sharding, cu_seqlens=cu)
-    (out * grad).sum().backward()
-    full = gather_sequence(out.detach(), -1, group=group, sharding=sharding, cu_seqlens=cu)
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
-    for k in names:
-        got = ins[k].grad.clone()
-        if world > 1:
-            dist.all_reduce(got)  # each rank holds its share of the full gradient
-        torch.testing.assert_close(got, ref_in[k].grad, rtol=1e-10, atol=1e-10, msg=lambda m, k=k: f"{case}: grad {k}: {m}")
+    def sharded(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any) -> torch.Tensor:
+        return selective_scan_shard(torch_scan, t["u"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["bias"],
+                                    layout=layout, group=group, sharding=sharding)
+
+    inputs = {k: data[k] for k in ("u", "dt", "A", "B", "C", "D", "z", "bias")}
+    scan_parity(world, inputs, data["grad"], ("u", "dt", "B", "C", "z"), -1, lambda t: reference_scan(t, cu), sharded,
+                sharding, cu, elementwise(1e-10), f"{world} ranks {sharding}, cu_seqlens {cu}")
 
 
 # (seq, cu_seqlens): documents starting strictly inside chunks and exactly at chunk starts (chunks of 24,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -25,15 +26,16 @@ from mixer_parity import (
     packed_batch,
     per_document_reference,
     relative_to_largest,
+    scan_parity,
     sharded_parity,
 )
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba2 import MAMBA2_CLASSES, SeqParMamba2Mixer
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
+from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 from seqpar.testing.traffic import counting
@@ -76,29 +78,15 @@ _close = relative_to_largest(2e-6)
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int,
                  mixer_kernels: str = "torch") -> None:
     data = _scan_inputs(2, seq)
-    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
-    ref_in = {k: data[k].clone().requires_grad_() for k in names}
-    ref = reference_scan(ref_in, cu, chunk_size)
-    (ref * data["grad"]).sum().backward()
 
-    group = WORLD if world > 1 else None
-    ins = {k: data[k].clone().requires_grad_() for k in names}
-    local = {k: (shard_sequence(v, 1, group=group, sharding=sharding, cu_seqlens=cu) if k in SEQ_NAMES else v)
-             for k, v in ins.items()}
-    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
-    out = ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                    local["dt_bias"], chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
-                    mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
-    grad = shard_sequence(data["grad"], 1, group=group, sharding=sharding, cu_seqlens=cu)
-    (out * grad).sum().backward()
-    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
-    case = f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}"
-    _close(full, ref.detach(), f"{case}: output")
-    for k in names:
-        got = ins[k].grad.clone()
-        if world > 1:
-            dist.all_reduce(got)  # each rank holds its share of the full gradient
-        _close(got, ref_in[k].grad, f"{case}: grad {k}")
+    def sharded(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any) -> torch.Tensor:
+        return ssd_shard(torch_scan, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"],
+                         chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
+                         mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
+
+    inputs = {k: data[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
+    scan_parity(world, inputs, data["grad"], SEQ_NAMES, 1, lambda t: reference_scan(t, cu, chunk_size), sharded,
+                sharding, cu, _close, f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}")
 
 
 # (seq, cu_seqlens, chunk_size): documents starting strictly inside shard chunks and exactly at their starts
