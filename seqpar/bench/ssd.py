@@ -53,7 +53,7 @@ def _inputs(seq: int, hidden: int, rank: int, world: int) -> tuple[torch.Tensor,
 
 def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, warmup: int, repeats: int,
           byte_seqs: list[int]) -> dict[str, Any]:
-    from seqpar.mixers import mamba2, ssd
+    from seqpar.mixers import mamba2, ssd, state_passing
     from seqpar.mixers.mamba2 import SeqParMamba2Mixer
     from seqpar.testing.traffic import counting
 
@@ -83,7 +83,7 @@ def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, w
         phases = Phases()
         phases.wrap(mamba2, "causal_conv_shard", "conv + halo")
         phases.wrap(ssd, "_zero_state_runs", "zero-state scans")
-        phases.wrap(ssd, "chunk_initial_states", "summary all-gather + prefix")
+        phases.wrap(state_passing, "chunk_initial_states", "summary all-gather + prefix")
         try:
             h, _ = _inputs(seq, hidden, ctx.rank, world)
             dist.barrier()
