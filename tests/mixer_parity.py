@@ -219,6 +219,38 @@ def scan_parity(world: int, inputs: dict[str, torch.Tensor], grad: torch.Tensor,
         close(got, ref_in[k].grad, f"{what}: grad {k}")
 
 
+def scan_traffic(world: int, inputs: dict[str, torch.Tensor], seq_names: tuple[str, ...], dim: int, sharding: str,
+                 sharded: Callable[[dict[str, torch.Tensor], Any, Any], Any]) -> tuple[Any, Any]:
+    """``(traffic, layout)``: what ``sharded(local inputs, layout, group)`` sends on the default group at
+    SP=``world`` (:func:`seqpar.testing.traffic.counting`), the ``seq_names`` inputs cut along ``dim``, one
+    document; ``layout``: the :func:`seqpar.mixers.scan_layout.scan_layout` it ran with."""
+    from seqpar.mixers.scan_layout import scan_layout
+    from seqpar.sequence.sharding import shard_sequence
+    from seqpar.testing.traffic import counting
+
+    local = {k: (shard_sequence(v, dim, group=WORLD, sharding=sharding) if k in seq_names else v)
+             for k, v in inputs.items()}
+    layout = scan_layout(inputs[seq_names[0]].shape[dim] // world, group=WORLD, sharding=sharding)
+    with counting(world) as traffic:
+        sharded(local, layout, WORLD)
+    return traffic, layout
+
+
+def assert_summary_bytes_flat(dist_pool: Any, world: int, summary_traffic: Callable[..., tuple], sharding: str,
+                              seqs: tuple[int, int]) -> None:
+    """``summary_traffic(rank, world, sharding, seq) -> (collective bytes, p2p bytes, theory, calls)`` at the
+    two sequence lengths ``seqs``: on every rank the collective bytes are the theory's (one all-gather of
+    (T, state) per chunk) at both, nonzero, and nothing goes point to point (the scan alone has no halo).
+
+    Seen failing: with :func:`seqpar.mixers.state_passing.summary_bytes` counting ``world`` peers instead of
+    ``world - 1``, every case of test_mixers_mamba and test_mixers_ssd fails here."""
+    short = dist_pool.run(world, summary_traffic, sharding, seqs[0])
+    long = dist_pool.run(world, summary_traffic, sharding, seqs[1])
+    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
+        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)
+        assert p2p == 0
+
+
 def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,
                       call: Callable[..., torch.Tensor], cu: list[int], hidden: int) -> tuple[float, float]:
     """Largest error against the float64 layer run on each document alone of: the layer swapped in bf16 at

@@ -14,6 +14,7 @@ import torch
 from mixer_parity import (
     VOCAB,
     WORLD,
+    assert_summary_bytes_flat,
     check,
     documents,
     elementwise,
@@ -25,16 +26,15 @@ from mixer_parity import (
     per_document_reference,
     relative_to_largest,
     scan_parity,
+    scan_traffic,
     sharded_parity,
 )
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
-from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 jamba_module = pytest.importorskip("transformers.models.jamba.modeling_jamba")
@@ -62,16 +62,20 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None) -> torch.Te
     return torch.stack(heads)
 
 
+SEQ_NAMES = ("u", "dt", "B", "C", "z")  # the inputs cut along the sequence (the last dim)
+
+
+def _sharded_scan(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any, *, sharding: str) -> torch.Tensor:
+    return selective_scan_shard(torch_scan, t["u"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["bias"],
+                                layout=layout, group=group, sharding=sharding)
+
+
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None) -> None:
     data = _scan_inputs(2, 2, 3, 4, seq)
-
-    def sharded(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any) -> torch.Tensor:
-        return selective_scan_shard(torch_scan, t["u"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["bias"],
-                                    layout=layout, group=group, sharding=sharding)
-
     inputs = {k: data[k] for k in ("u", "dt", "A", "B", "C", "D", "z", "bias")}
-    scan_parity(world, inputs, data["grad"], ("u", "dt", "B", "C", "z"), -1, lambda t: reference_scan(t, cu), sharded,
-                sharding, cu, elementwise(1e-10), f"{world} ranks {sharding}, cu_seqlens {cu}")
+    scan_parity(world, inputs, data["grad"], SEQ_NAMES, -1, lambda t: reference_scan(t, cu),
+                functools.partial(_sharded_scan, sharding=sharding), sharding, cu, elementwise(1e-10),
+                f"{world} ranks {sharding}, cu_seqlens {cu}")
 
 
 # (seq, cu_seqlens): documents starting strictly inside chunks and exactly at chunk starts (chunks of 24,
@@ -91,14 +95,10 @@ def test_scan_sharded_equals_each_document_alone(dist_pool, world, sharding, cas
         dist_pool.run(world, _scan_parity, sharding, seq, cu, timeout=300)
 
 
-def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int]:
+def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int, dict]:
     data = _scan_inputs(2, 2, 3, 4, seq, torch.float32)
-    local = {k: (shard_sequence(v, -1, group=WORLD, sharding=sharding) if k in "u dt B C z" else v)
-             for k, v in data.items()}
-    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
-    with counting(world) as traffic:
-        selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                             local["z"], local["bias"], layout=layout, group=WORLD, sharding=sharding)
+    traffic, layout = scan_traffic(world, data, SEQ_NAMES, -1, sharding,
+                                   functools.partial(_sharded_scan, sharding=sharding))
     # (local chunks, heads, batch, d, d_state) fp32, for the transition and for the state
     summary = torch.empty(layout.chunks, 2, 2, 3, 4, dtype=torch.float32)
     return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(summary, summary, world), dict(traffic.calls)
@@ -106,11 +106,7 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
 def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
-    short = dist_pool.run(world, _summary_traffic, sharding, 4 * world)
-    long = dist_pool.run(world, _summary_traffic, sharding, 16 * world)
-    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
-        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)  # one all-gather of (T, state) per chunk: independent of S
-        assert p2p == 0  # the scan alone has no halo
+    assert_summary_bytes_flat(dist_pool, world, _summary_traffic, sharding, (4 * world, 16 * world))
 
 
 # ----------------------------------------------------------------------------- tiny Jamba / Zamba

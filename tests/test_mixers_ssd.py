@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from mixer_parity import (
     VOCAB,
+    assert_summary_bytes_flat,
     check,
     documents,
     layer_bf16_errors,
@@ -27,18 +28,17 @@ from mixer_parity import (
     per_document_reference,
     relative_to_largest,
     scan_parity,
+    scan_traffic,
     sharded_parity,
 )
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba2 import MAMBA2_CLASSES, SeqParMamba2Mixer
-from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
-from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 falcon_module = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
@@ -75,16 +75,17 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None, chunk_size:
 _close = relative_to_largest(2e-6)
 
 
+def _sharded_scan(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any, *, sharding: str,
+                  chunk_size: int, mixer_kernels: str = "torch") -> torch.Tensor:
+    return ssd_shard(torch_scan, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], chunk_size=chunk_size,
+                     layout=layout, group=group, sharding=sharding, mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
+
+
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int,
                  mixer_kernels: str = "torch") -> None:
     data = _scan_inputs(2, seq)
-
-    def sharded(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any) -> torch.Tensor:
-        return ssd_shard(torch_scan, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"],
-                         chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
-                         mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
-
     inputs = {k: data[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
+    sharded = functools.partial(_sharded_scan, sharding=sharding, chunk_size=chunk_size, mixer_kernels=mixer_kernels)
     scan_parity(world, inputs, data["grad"], SEQ_NAMES, 1, lambda t: reference_scan(t, cu, chunk_size), sharded,
                 sharding, cu, _close, f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}")
 
@@ -121,12 +122,8 @@ def test_scan_real_chunk_size_and_position_wise():
 
 def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int, dict]:
     data = _scan_inputs(2, seq, torch.float32)
-    local = {k: (shard_sequence(v, 1, group=WORLD, sharding=sharding) if k in SEQ_NAMES else v)
-             for k, v in data.items()}
-    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
-    with counting(world) as traffic:
-        ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                  local["dt_bias"], chunk_size=8, layout=layout, group=WORLD, sharding=sharding, **SCAN_OPTIONS)
+    traffic, layout = scan_traffic(world, data, SEQ_NAMES, 1, sharding,
+                                   functools.partial(_sharded_scan, sharding=sharding, chunk_size=8))
     # per local chunk: the transition (batch, heads) and the state (batch, heads, head_dim, d_state), fp32
     transition = torch.empty(layout.chunks, 2, HEADS, dtype=torch.float32)
     state = torch.empty(layout.chunks, 2, HEADS, HEAD_DIM, STATE, dtype=torch.float32)
@@ -135,12 +132,7 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
 def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
-    short = dist_pool.run(world, _summary_traffic, sharding, 8 * world)
-    long = dist_pool.run(world, _summary_traffic, sharding, 64 * world)
-    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
-        # one all-gather of (T, state) per chunk: independent of S
-        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)
-        assert p2p == 0  # the scan alone has no halo
+    assert_summary_bytes_flat(dist_pool, world, _summary_traffic, sharding, (8 * world, 64 * world))
 
 
 # ----------------------------------------------------------------------------- the mamba_ssm dispatch
