@@ -251,6 +251,26 @@ def assert_summary_bytes_flat(dist_pool: Any, world: int, summary_traffic: Calla
         assert p2p == 0
 
 
+def checkpointed_parity(tiny: Callable[[torch.dtype], torch.nn.Module], world: int) -> None:
+    """The fp32 ``tiny`` in train mode with activation checkpointing (:func:`hf_tiny.enable_checkpointing`),
+    swapped at SP=``world`` (zigzag), on the packed :func:`documents`: loss and every gradient against each
+    document run alone (:func:`check`). The recompute in the backward repeats the mixers' halo exchanges,
+    scans and summary all-gathers on every rank alike, with the documents of the batch's forward.
+
+    Seen failing: Jamba's (test_mixers_mamba) with SwappedMixer.cu_seqlens ignoring the documents the
+    decoder layer's call carries."""
+    from hf_tiny import enable_checkpointing
+
+    docs = documents()
+    ref_loss, ref_grads = per_document_reference(tiny, docs)
+    model = tiny(torch.float32).train()
+    enable_checkpointing(model)
+    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
+    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
+    out.loss.backward()
+    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+
+
 def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,
                       call: Callable[..., torch.Tensor], cu: list[int], hidden: int) -> tuple[float, float]:
     """Largest error against the float64 layer run on each document alone of: the layer swapped in bf16 at

@@ -14,18 +14,14 @@ import torch.nn.functional as F
 from mixer_parity import (
     VOCAB,
     WORLD,
-    check,
-    documents,
+    checkpointed_parity,
     one_process_parity,
-    packed_batch,
-    per_document_reference,
     sharded_parity,
 )
 from mixer_parity import modes as all_modes
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers import causal_conv_shard, halo_plan
-from seqpar.sequence.batch import shard_batch
 from seqpar.sequence.sharding import chunk_ids, gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.traffic import counting
@@ -217,16 +213,7 @@ def test_bad_shards_are_a_clear_error():
 
 
 def _lfm2_checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(tiny_lfm2, docs)
-    model = tiny_lfm2(torch.float32).train()
-    enable_checkpointing(model)  # the recompute repeats the halo exchange, on every rank alike
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    checkpointed_parity(tiny_lfm2, world)  # the recompute repeats the halo exchange, on every rank alike
 
 
 def test_lfm2_with_activation_checkpointing(dist_pool):

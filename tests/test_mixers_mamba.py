@@ -13,9 +13,9 @@ import pytest
 import torch
 from mixer_parity import (
     VOCAB,
-    WORLD,
     assert_summary_bytes_flat,
     check,
+    checkpointed_parity,
     documents,
     elementwise,
     layer_bf16_errors,
@@ -281,20 +281,9 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool):
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    from seqpar.sequence.batch import shard_batch
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "jamba"), docs)
-    model = tiny("jamba", torch.float32).train()
-    # the recompute in the backward repeats the scan, the halo and the summary all-gather on every rank alike,
-    # with the documents the batch's forward fed to the Mamba layer (Jamba's decoder layer does not pass them)
-    enable_checkpointing(model)
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    # the recompute sees the documents the batch's forward fed to the Mamba layer (Jamba's decoder layer
+    # does not pass them)
+    checkpointed_parity(functools.partial(tiny, "jamba"), world)
 
 
 def test_jamba_with_activation_checkpointing(dist_pool):

@@ -18,14 +18,11 @@ import torch.distributed as dist
 from mixer_parity import (
     VOCAB,
     assert_summary_bytes_flat,
-    check,
-    documents,
+    checkpointed_parity,
     layer_bf16_errors,
     layer_parity,
     modes,
     one_process_parity,
-    packed_batch,
-    per_document_reference,
     relative_to_largest,
     scan_parity,
     scan_traffic,
@@ -332,19 +329,7 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool):
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    from seqpar.sequence.batch import shard_batch
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "zamba2"), docs)
-    model = tiny("zamba2", torch.float32).train()
-    # the recompute in the backward repeats the halo, the scan and the summary all-gather on every rank alike
-    enable_checkpointing(model)
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    checkpointed_parity(functools.partial(tiny, "zamba2"), world)
 
 
 @pytest.mark.timeout(600)
