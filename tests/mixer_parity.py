@@ -271,6 +271,35 @@ def checkpointed_parity(tiny: Callable[[torch.dtype], torch.nn.Module], world: i
     check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
 
 
+def assert_left_out_refused(model: torch.nn.Module, swap: tuple[str, ...], path: str, class_name: str) -> None:
+    """Swapping ``model`` with ``swap`` limited to other modules fails naming the mixer layer at ``path``
+    and its transformers class ``class_name`` (the position-mixing probe finds it), and leaves it as it was."""
+    import re
+
+    import pytest
+
+    from seqpar.swap import SwapError
+
+    with pytest.raises(SwapError, match=re.escape(path) + ".*" + class_name):
+        swap_attention(model, SeqParConfig(swap=swap))
+    assert type(model.get_submodule(path)).__name__ == class_name
+
+
+def assert_clear_call_errors(layer: torch.nn.Module, call: Callable[..., torch.Tensor], hidden: int,
+                             cache: dict[str, Any]) -> None:
+    """The swapped ``layer`` refuses a generation cache (``cache``: the keyword argument that passes one) and
+    documents that do not end at the sequence's length, each with an error naming the problem.
+    ``call(layer, x, position_ids, **kwargs)`` runs the layer on ``x`` ``(1, seq, hidden)``.
+
+    Seen failing: with SwappedMixer.refuse_cache refusing nothing, in test_mixers_lightning / rglru / mamba / ssd."""
+    import pytest
+
+    with pytest.raises(ValueError, match="cache"):
+        call(layer, torch.randn(1, 5, hidden), torch.arange(5)[None], **cache)
+    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
+        call(layer, torch.randn(1, 10, hidden), torch.arange(10)[None], cu_seq_lens_q=torch.tensor([0, 4, 9]))
+
+
 def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class: type,
                       call: Callable[..., torch.Tensor], cu: list[int], hidden: int) -> tuple[float, float]:
     """Largest error against the float64 layer run on each document alone of: the layer swapped in bf16 at

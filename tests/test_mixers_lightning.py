@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mixer_parity import (
+    assert_clear_call_errors,
+    assert_left_out_refused,
     elementwise,
     layer_bf16_errors,
     layer_parity,
@@ -20,7 +22,7 @@ from mixer_parity import (
 from seqpar.config import SeqParConfig
 from seqpar.mixers.lightning import SeqParLightningAttention
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.swap import SwapError, swap_attention
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MiniMaxConfig"):
@@ -43,14 +45,17 @@ ROUTES = {"model.layers.0.self_attn": "mixer", "model.layers.1.self_attn": "hf"}
 
 
 # ----------------------------------------------------------------------------- the layer alone
+def _call(layer: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    return layer(x, None, None, **kwargs)[0]  # no position embeddings, no mask: the output alone
+
+
 def _layer_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
     layer = tiny(torch.float64).model.layers[0].self_attn
     assert type(layer).__name__ == "MiniMaxLightningAttention"
     with torch.no_grad():  # the decay buffers were computed in fp32 at init: recompute them in float64
         for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), layer.decay_factors(layer.slope_rate)):
             getattr(layer, name).copy_(value)
-    counted = layer_parity(world, rank, layer, SeqParLightningAttention,
-                           lambda m, x, pos, **kw: m(x, None, None, **kw)[0], sharding, cu, 2, 32,
+    counted = layer_parity(world, rank, layer, SeqParLightningAttention, _call, sharding, cu, 2, 32,
                            elementwise(1e-10), f"{world} ranks {sharding}, cu_seqlens {cu}")
     # theory: one all-gather of each local chunk's (transition (heads, 1, 1), state (batch, heads, d, d)) float64
     chunks = 2 if sharding == "zigzag" else 1
@@ -111,26 +116,19 @@ def test_swap_keeps_parameters_buffers_and_state_dict():
 
 
 def test_lightning_left_out_of_the_swap_is_still_refused():
-    model = tiny(torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.self_attn.*MiniMaxLightningAttention"):
-        swap_attention(model, SeqParConfig(swap=("model.layers.1.self_attn",)))
-    assert type(model.model.layers[0].self_attn).__name__ == "MiniMaxLightningAttention"
+    assert_left_out_refused(tiny(torch.float32), ("model.layers.1.self_attn",), "model.layers.0.self_attn",
+                            "MiniMaxLightningAttention")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny(torch.float32)
     swap_attention(model)
-    layer = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match="cache"):
-        layer(torch.randn(1, 5, 32), None, None, cache=object())
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        layer(torch.randn(1, 10, 32), None, None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].self_attn, _call, 32, {"cache": object()})
 
 
 def _bf16(rank: int, world: int) -> tuple[float, float]:
     layer = tiny(torch.float64).model.layers[0].self_attn
-    return layer_bf16_errors(world, rank, layer, SeqParLightningAttention,
-                             lambda m, x, pos, **kw: m(x, None, None, **kw)[0], [0, 5, 29, 48], 32)
+    return layer_bf16_errors(world, rank, layer, SeqParLightningAttention, _call, [0, 5, 29, 48], 32)
 
 
 def test_bf16_no_worse_than_one_process_bf16(dist_pool):

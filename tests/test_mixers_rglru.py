@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from mixer_parity import (
+    assert_clear_call_errors,
+    assert_left_out_refused,
     layer_bf16_errors,
     layer_parity,
     modes,
@@ -21,7 +23,7 @@ from mixer_parity import (
 from seqpar.config import SeqParConfig
 from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.swap import SwapError, swap_attention
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "RecurrentGemmaConfig"):
@@ -108,20 +110,15 @@ def test_swap_keeps_parameters_and_state_dict():
 
 
 def test_recurrent_block_left_out_of_the_swap_is_still_refused():
-    model = tiny(torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.temporal_block.*RecurrentGemmaRecurrentBlock"):
-        swap_attention(model, SeqParConfig(swap=("model.layers.1.temporal_block",)))
-    assert type(model.model.layers[0].temporal_block).__name__ == "RecurrentGemmaRecurrentBlock"
+    assert_left_out_refused(tiny(torch.float32), ("model.layers.1.temporal_block",), "model.layers.0.temporal_block",
+                            "RecurrentGemmaRecurrentBlock")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny(torch.float32)
     swap_attention(model)
-    block = model.model.layers[0].temporal_block
-    with pytest.raises(ValueError, match="cache"):
-        block(torch.randn(1, 5, 32), torch.arange(5)[None], None, use_cache=True)
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        block(torch.randn(1, 10, 32), torch.arange(10)[None], None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].temporal_block,
+                             lambda m, x, pos, **kw: m(x, pos, None, **kw)[0], 32, {"use_cache": True})
 
 
 def _bf16(rank: int, world: int) -> tuple[float, float]:
