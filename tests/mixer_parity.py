@@ -271,6 +271,26 @@ def checkpointed_parity(tiny: Callable[[torch.dtype], torch.nn.Module], world: i
     check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
 
 
+def assert_swap_keeps_state(model: torch.nn.Module, path: str, class_name: str) -> Any:
+    """Swapping ``model`` keeps its parameters (the same objects under the same names), its buffers (the
+    same objects) and its state_dict keys; so does swapping it again with other options (zigzag), which
+    rebuilds the mixer layer at ``path`` with them, still named after its transformers class ``class_name``.
+    Returns the second swap's report.
+
+    Seen failing: with SwappedMixer registering copies of the original's buffers, in test_mixers_lightning
+    and test_mixers_ssd (the families with buffers)."""
+    before = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    keys = list(model.state_dict())
+    for config in (None, SeqParConfig(sharding="zigzag")):  # then again, with other options
+        report = swap_attention(model, config)
+        assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+        assert all(b is buffers[n] for n, b in model.named_buffers())
+    layer = model.get_submodule(path)
+    assert (layer.sharding, layer.original_class) == ("zigzag", class_name)
+    return report
+
+
 def assert_left_out_refused(model: torch.nn.Module, swap: tuple[str, ...], path: str, class_name: str) -> None:
     """Swapping ``model`` with ``swap`` limited to other modules fails naming the mixer layer at ``path``
     and its transformers class ``class_name`` (the position-mixing probe finds it), and leaves it as it was."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mixer_parity import (
     VOCAB,
     WORLD,
+    assert_swap_keeps_state,
     checkpointed_parity,
     one_process_parity,
     sharded_parity,
@@ -221,16 +222,8 @@ def test_lfm2_with_activation_checkpointing(dist_pool):
 
 
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny_lfm2(torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before  # the same parameter objects, the same names
-    assert list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(tiny_lfm2(torch.float32), "model.layers.0.conv", "Lfm2ShortConv")
     assert report.routes["model.layers.0.conv"] == "mixer" and report.swapped[-1].cls == "Lfm2ShortConv"
-    assert model.model.layers[0].conv.sharding == "zigzag"
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
 
 
 def test_conv_left_out_of_the_swap_is_still_refused():

@@ -279,18 +279,12 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool, model_type):
 
 
 def test_swap_keeps_parameters_and_state_dict_and_refuses_a_cache():
-    from seqpar.config import SeqParConfig
-    from seqpar.swap import swap_attention
+    from mixer_parity import assert_swap_keeps_state
 
     model = tiny("qwen3_next", torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(model, "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet")
     assert report.routes == routes("qwen3_next")
     layer = model.model.layers[0].linear_attn
-    assert layer.sharding == "zigzag" and layer.original_class == "Qwen3NextGatedDeltaNet"
     with pytest.raises(ValueError, match="cache"):
         layer(torch.randn(1, 5, 32), cache=object())
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):

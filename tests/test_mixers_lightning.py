@@ -11,6 +11,7 @@ import torch
 from mixer_parity import (
     assert_clear_call_errors,
     assert_left_out_refused,
+    assert_swap_keeps_state,
     elementwise,
     layer_bf16_errors,
     layer_parity,
@@ -19,7 +20,6 @@ from mixer_parity import (
     sharded_parity,
 )
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.lightning import SeqParLightningAttention
 from seqpar.mixers.state_passing import summary_bytes
 from seqpar.swap import swap_attention
@@ -103,16 +103,8 @@ def test_minimax_balanced(dist_pool):
 
 # ----------------------------------------------------------------------------- errors, swap
 def test_swap_keeps_parameters_buffers_and_state_dict():
-    model = tiny(torch.float32)
-    before = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    assert all(b is buffers[n] for n, b in model.named_buffers())
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
-    assert report.routes == ROUTES and model.model.layers[0].self_attn.sharding == "zigzag"
-    assert model.model.layers[0].self_attn.original_class == "MiniMaxLightningAttention"
+    report = assert_swap_keeps_state(tiny(torch.float32), "model.layers.0.self_attn", "MiniMaxLightningAttention")
+    assert report.routes == ROUTES
 
 
 def test_lightning_left_out_of_the_swap_is_still_refused():

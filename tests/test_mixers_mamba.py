@@ -16,6 +16,7 @@ from mixer_parity import (
     assert_clear_call_errors,
     assert_left_out_refused,
     assert_summary_bytes_flat,
+    assert_swap_keeps_state,
     check,
     checkpointed_parity,
     documents,
@@ -32,7 +33,6 @@ from mixer_parity import (
     sharded_parity,
 )
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import summary_bytes
@@ -242,16 +242,8 @@ def test_kernel_of_the_transformers_module_is_used(monkeypatch):
 
 
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny("zamba", torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(tiny("zamba", torch.float32), "model.layers.0.mamba", "ZambaMambaMixer")
     assert report.routes["model.layers.0.mamba"] == "mixer"
-    assert model.model.layers[0].mamba.sharding == "zigzag"
-    assert model.model.layers[0].mamba.original_class == "ZambaMambaMixer"
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
 
 
 def test_mamba_left_out_of_the_swap_is_still_refused():

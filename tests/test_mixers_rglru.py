@@ -12,6 +12,7 @@ import torch
 from mixer_parity import (
     assert_clear_call_errors,
     assert_left_out_refused,
+    assert_swap_keeps_state,
     layer_bf16_errors,
     layer_parity,
     modes,
@@ -20,7 +21,6 @@ from mixer_parity import (
     sharded_parity,
 )
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.state_passing import summary_bytes
 from seqpar.swap import swap_attention
@@ -99,14 +99,9 @@ def test_recurrent_gemma_balanced(dist_pool):
 
 # ----------------------------------------------------------------------------- errors, swap
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny(torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
-    assert report.routes == ROUTES and model.model.layers[0].temporal_block.sharding == "zigzag"
-    assert model.model.layers[0].temporal_block.original_class == "RecurrentGemmaRecurrentBlock"
+    report = assert_swap_keeps_state(tiny(torch.float32), "model.layers.0.temporal_block",
+                                     "RecurrentGemmaRecurrentBlock")
+    assert report.routes == ROUTES
 
 
 def test_recurrent_block_left_out_of_the_swap_is_still_refused():
