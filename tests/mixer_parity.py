@@ -74,6 +74,37 @@ def modes(world: int) -> list[dict]:
     return out
 
 
+RING_AND_ULYSSES = [{"mode": "ring"}, {"mode": "ulysses"}]  # the shorter mode list of the balanced / extra cases
+
+
+def assert_modes_run(dist_pool: Any, world: int, parity: Callable[..., list[str]], *args: Any,
+                     mode_list: list[dict] | None = None) -> None:
+    """``parity(rank, world, *args[, mode_list])`` (a :func:`sharded_parity` per rank, timeout 600 s) on
+    ``world`` ranks ran every mode of ``mode_list`` (default: every mode at that size, :func:`modes`).
+
+    Seen failing: with :func:`sharded_parity` running only the first two modes (test_mixers_lightning)."""
+    expected = [m["mode"] for m in (modes(world) if mode_list is None else mode_list)]
+    run_args = args if mode_list is None else (*args, mode_list)
+    assert dist_pool.run(world, parity, *run_args, timeout=600)[0] == expected
+
+
+def assert_bytes_as_theory(dist_pool: Any, world: int, parity: Callable[..., tuple[int, int]], *args: Any,
+                           cases: list[list[int]]) -> None:
+    """``parity(rank, world, *args, cu) -> (counted bytes, theory)`` (a :func:`layer_parity` or a scan's,
+    checking outputs and gradients itself) for each ``cu`` of ``cases``: on one process (``world`` 1, run
+    here) nothing is sent; on ``world`` ranks (timeout 300 s) every rank sends the theory's bytes, not none
+    (flat in S: (T, state) per chunk, whatever the shard length).
+
+    Seen failing: with :func:`seqpar.mixers.state_passing.summary_bytes` counting ``world`` peers, every case
+    of test_mixers_lightning, test_mixers_rglru and test_mixers_gdn's scan (one process included)."""
+    for cu in cases:
+        if world == 1:
+            assert parity(0, 1, *args, cu) == (0, 0)
+            continue
+        for counted, theory in dist_pool.run(world, parity, *args, cu, timeout=300):
+            assert counted == theory > 0, (counted, theory)
+
+
 def sharded_parity(tiny: Callable[[torch.dtype], torch.nn.Module], routes: dict[str, str], world: int, sharding: str,
                    mode_list: list[dict] | None = None,
                    reference: tuple[float, dict[str, torch.Tensor]] | None = None,

@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mixer_parity import (
+    RING_AND_ULYSSES,
     VOCAB,
     WORLD,
+    assert_modes_run,
     assert_swap_keeps_state,
     checkpointed_parity,
     one_process_parity,
     sharded_parity,
 )
-from mixer_parity import modes as all_modes
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers import causal_conv_shard, halo_plan
@@ -192,8 +193,7 @@ def test_lfm2_packed_one_process_equals_each_document_alone():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _lfm2_parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in all_modes(world)]
+    assert_modes_run(dist_pool, world, _lfm2_parity, sharding)
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "Lfm2", "balanced"), (4, "Lfm2", "balanced"),
@@ -201,8 +201,7 @@ def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
 def test_lfm2_family_and_balanced(dist_pool, world, family, sharding):
     if not hasattr(transformers, f"{family}Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    modes = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(world, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, world, _lfm2_parity, sharding, family, mode_list=RING_AND_ULYSSES)
 
 
 def test_bad_shards_are_a_clear_error():

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from mixer_parity import WORLD
+from mixer_parity import WORLD, assert_bytes_as_theory
 
 import seqpar
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
@@ -107,17 +107,14 @@ SCAN_CASES = [[0, 96], [0, 5, 30, 31, 61, 96], [0, 24, 95, 96]]
 
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
 def test_scan_one_process(rule):
-    for cu in SCAN_CASES:
-        assert _scan_parity(0, 1, rule, "contiguous", cu) == (0, 0)
+    assert_bytes_as_theory(None, 1, _scan_parity, rule, "contiguous", cases=SCAN_CASES)
 
 
 @pytest.mark.parametrize("rule,world,sharding", [("gdn", 2, "contiguous"), ("gdn", 2, "zigzag"),
                                                  ("gdn", 4, "zigzag"), ("gdn", 2, "balanced"),
                                                  ("kda", 2, "zigzag"), ("kda", 4, "contiguous")])
 def test_scan_sharded_equals_each_document_alone(dist_pool, rule, world, sharding):
-    for cu in SCAN_CASES:
-        for counted, theory in dist_pool.run(world, _scan_parity, rule, sharding, cu, timeout=300):
-            assert counted == theory > 0, (counted, theory)
+    assert_bytes_as_theory(dist_pool, world, _scan_parity, rule, sharding, cases=SCAN_CASES)
 
 
 def test_scan_with_the_kernels_own_64_position_chunks(dist_pool):
@@ -230,15 +227,15 @@ def test_packed_one_process_equals_each_document_alone(monkeypatch, model_type):
     ("olmo_hybrid", 4, "zigzag"), ("kimi_linear", 2, "zigzag"), ("kimi_linear", 4, "contiguous"),
 ])
 def test_sharded_equals_each_document_alone(dist_pool, model_type, world, sharding):
-    from mixer_parity import modes
+    from mixer_parity import assert_modes_run
 
-    done = dist_pool.run(world, _model_parity, model_type, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _model_parity, model_type, sharding)
 
 
 def test_balanced(dist_pool):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _model_parity, "qwen3_5_text", "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    from mixer_parity import RING_AND_ULYSSES, assert_modes_run
+
+    assert_modes_run(dist_pool, 2, _model_parity, "qwen3_5_text", "balanced", mode_list=RING_AND_ULYSSES)
 
 
 def _checkpointed(rank: int, world: int) -> None:

@@ -9,13 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from mixer_parity import (
+    RING_AND_ULYSSES,
+    assert_bytes_as_theory,
     assert_clear_call_errors,
     assert_left_out_refused,
+    assert_modes_run,
     assert_swap_keeps_state,
     elementwise,
     layer_bf16_errors,
     layer_parity,
-    modes,
     one_process_parity,
     sharded_parity,
 )
@@ -69,15 +71,12 @@ LAYER_CASES = [[0, 48], [0, 5, 12, 13, 30, 48], [0, 24, 47, 48]]
 
 
 def test_layer_one_process():
-    for cu in LAYER_CASES:
-        assert _layer_parity(0, 1, "contiguous", cu) == (0, 0)
+    assert_bytes_as_theory(None, 1, _layer_parity, "contiguous", cases=LAYER_CASES)
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
 def test_layer_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    for cu in LAYER_CASES:
-        for counted, theory in dist_pool.run(world, _layer_parity, sharding, cu, timeout=300):
-            assert counted == theory > 0  # flat in S: (T, state) per chunk, whatever the shard length
+    assert_bytes_as_theory(dist_pool, world, _layer_parity, sharding, cases=LAYER_CASES)
 
 
 # ----------------------------------------------------------------------------- a tiny MiniMax
@@ -92,13 +91,11 @@ def test_packed_one_process_equals_each_document_alone():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_minimax_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, sharding)
 
 
 def test_minimax_balanced(dist_pool):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _parity, "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, 2, _parity, "balanced", mode_list=RING_AND_ULYSSES)
 
 
 # ----------------------------------------------------------------------------- errors, swap

@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 from mixer_parity import (
+    RING_AND_ULYSSES,
     VOCAB,
     assert_clear_call_errors,
     assert_left_out_refused,
+    assert_modes_run,
     assert_summary_bytes_flat,
     assert_swap_keeps_state,
     check,
@@ -23,7 +25,6 @@ from mixer_parity import (
     elementwise,
     layer_bf16_errors,
     layer_parity,
-    modes,
     one_process_parity,
     packed_batch,
     per_document_reference,
@@ -154,15 +155,13 @@ def test_packed_one_process_equals_each_document_alone(family):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_jamba_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _parity, "jamba", sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, "jamba", sharding)
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "zamba", "zigzag"), (4, "zamba", "contiguous"),
                                                    (2, "jamba", "balanced")])
 def test_zamba_and_balanced(dist_pool, world, family, sharding):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(world, _parity, family, sharding, mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, world, _parity, family, sharding, mode_list=RING_AND_ULYSSES)
 
 
 # ----------------------------------------------------------------------------- the pure Mamba models

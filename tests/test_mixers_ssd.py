@@ -19,12 +19,12 @@ from mixer_parity import (
     VOCAB,
     assert_clear_call_errors,
     assert_left_out_refused,
+    assert_modes_run,
     assert_summary_bytes_flat,
     assert_swap_keeps_state,
     checkpointed_parity,
     layer_bf16_errors,
     layer_parity,
-    modes,
     one_process_parity,
     relative_to_largest,
     scan_parity,
@@ -257,8 +257,7 @@ def test_packed_one_process_equals_each_document_alone(family):
 @pytest.mark.parametrize("world,family,sharding", [(4, "falcon_h1", "zigzag"), (4, "bamba", "contiguous"),
                                                    (2, "nemotron_h", "balanced")])
 def test_every_attention_mode(dist_pool, world, family, sharding):
-    done = dist_pool.run(world, _parity, family, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, family, sharding)
 
 
 # ----------------------------------------------------------------------------- the pure Mamba2 layer
