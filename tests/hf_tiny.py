@@ -1,5 +1,6 @@
 """Shared pieces of the Trainer / accelerate / PEFT tests: a tiny Llama, its data, the reference; and the check
-of a sharded model's gradients against a one-process reference (:func:`assert_grads_equal`, the HF swap tests).
+of a sharded model's gradients against a one-process reference (:func:`assert_grads_equal`, the HF swap tests)
+and a swapped model on one sharded sequence against the unswapped one on the whole (:func:`full_sequence_parity`).
 
 The reference is single-device training on the full sequences with plain PyTorch (no seqpar, no
 engine), in float64, so a seqpar run (fp32) must match it to ~1e-5 relative; the tests allow 1e-4.
@@ -201,3 +202,38 @@ def assert_grads_equal(model: torch.nn.Module, ref_grads: dict[str, torch.Tensor
             dist.all_reduce(grad)
         torch.testing.assert_close(grad, ref_grads[name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"{what} grad of {name}: {m}")
+
+
+def full_sequence_parity(build: Callable[[str, torch.dtype], Any], kind: str, world: int, sharding: str,
+                         seq_len: int, vocab: int, rtol: float = 1e-4, atol: float = 1e-5) -> Any:
+    """One sequence of ``seq_len`` fresh random tokens (``(1, seq_len)``, below ``vocab``): the unswapped
+    float64 ``build(kind, torch.float64)`` on the whole sequence in this process is the reference; the fp32
+    ``build(kind, torch.float32)`` swapped at SP=``world`` (ring, ``sharding``) is fed this rank's shard
+    (:func:`seqpar.sequence.batch.shard_batch`). Its loss must be within 1e-4 relative of the reference's and
+    every gradient, summed over the ranks, equal (:func:`assert_grads_equal`, ``rtol`` / ``atol``). Returns
+    the swap's report (call on every rank).
+
+    Seen failing: feeding the swapped model the contiguous shard while it expects zigzag fails every zigzag
+    case of test_hf_alibi and test_hf_window here."""
+    import torch.distributed as dist
+
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import swap_attention
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    ref = build(kind, torch.float64)
+    ref_out = ref(input_ids=ids, labels=ids, use_cache=False)
+    ref_out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = build(kind, torch.float32)
+    report = swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=dist.group.WORLD)
+    local = shard_batch({"input_ids": ids, "labels": ids}, group=dist.group.WORLD, sharding=sharding)
+    out = model(**local)
+    out.loss.backward()
+    loss, ref_loss = float(out.loss), float(ref_out.loss)
+    assert abs(loss - ref_loss) <= 1e-4 * ref_loss, (kind, loss, ref_loss)
+    assert_grads_equal(model, ref_grads, world, kind, rtol=rtol, atol=atol)
+    return report

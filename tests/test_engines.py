@@ -125,6 +125,19 @@ def _check(ref, got, rtol: float = RTOL) -> None:
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _assert_parity(dist_pool, run, world: int, sp: int, mode: str, option: int, steps: int) -> None:
+    """``run(rank, world, sp, mode, option, steps)`` (:func:`_ds_run` with a ZeRO stage, :func:`_fsdp_run`
+    with an FSDP version) on ``world`` ranks: every rank's losses and first-step gradients equal the
+    one-process reference on the same global batch (one row per DP replica, ``world // sp``).
+
+    Seen failing: every DeepSpeed case with the mpu's DP size reported as dp * sp, and every FSDP2 case
+    with the divide factor set to the world size (integrations/fsdp.py)."""
+    out = dist_pool.run(world, run, sp, mode, option, steps, timeout=240)
+    ref = reference(steps, world // sp)
+    for rank_out in out:
+        _check(ref, rank_out)
+
+
 def _sp_step_loss(model, batch, manager, sharding):
     from seqpar.sequence.batch import shard_batch
     from seqpar.sequence.loss import sequence_parallel_loss
@@ -198,19 +211,12 @@ def _ds_run(rank, world, sp, mode, stage, steps, micro=1, ga=1, sharding="contig
     ],
 )
 def test_deepspeed_zero2_parity(dist_pool, world, sp, mode, stage):
-    steps = 5
-    out = dist_pool.run(world, _ds_run, sp, mode, stage, steps, timeout=240)
-    ref = reference(steps, world // sp)
-    for rank_out in out:
-        _check(ref, rank_out)
+    _assert_parity(dist_pool, _ds_run, world, sp, mode, stage, steps=5)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_deepspeed_other_zero_stages(dist_pool, stage):
-    out = dist_pool.run(2, _ds_run, 2, "ring", stage, 2, timeout=240)
-    ref = reference(2, 1)
-    for rank_out in out:
-        _check(ref, rank_out)
+    _assert_parity(dist_pool, _ds_run, 2, 2, "ring", stage, steps=2)
 
 
 def test_deepspeed_grad_accumulation_zigzag(dist_pool):
@@ -265,11 +271,7 @@ def _fsdp_run(rank, world, sp, mode, version, steps, sharding="contiguous"):
     ],
 )
 def test_fsdp_parity(dist_pool, world, sp, mode, version):
-    steps = 5
-    out = dist_pool.run(world, _fsdp_run, sp, mode, version, steps, timeout=240)
-    ref = reference(steps, world // sp)
-    for rank_out in out:
-        _check(ref, rank_out)
+    _assert_parity(dist_pool, _fsdp_run, world, sp, mode, version, steps=5)
 
 
 def test_fsdp_default_divide_factor_would_be_wrong():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hf_tiny import assert_grads_equal
+from hf_tiny import assert_grads_equal, full_sequence_parity
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
@@ -48,21 +48,8 @@ def build(kind: str, dtype: torch.dtype):
 
 
 def _parity(rank: int, world: int, kind: str, sharding: str, seq_len: int) -> None:
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
-    ref = build(kind, torch.float64)
-    ref_out = ref(input_ids=ids, labels=ids, use_cache=False)
-    ref_out.loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-
-    model = build(kind, torch.float32)
-    report = swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=dist.group.WORLD)
+    report = full_sequence_parity(build, kind, world, sharding, seq_len, VOCAB, rtol=RTOL, atol=ATOL)
     assert len(report) == 2, str(report)
-    local = shard_batch({"input_ids": ids, "labels": ids}, group=dist.group.WORLD, sharding=sharding)
-    out = model(**local)
-    out.loss.backward()
-    assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss), (float(out.loss), float(ref_out.loss))
-    assert_grads_equal(model, ref_grads, world, kind, rtol=RTOL, atol=ATOL)
 
 
 CASES = [(kind, world, sharding) for kind in ("bloom", "mpt", "falcon")

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_tiny import assert_grads_equal
-
-from seqpar.config import SeqParConfig
-from seqpar.sequence.batch import shard_batch
-from seqpar.swap import swap_attention
+from hf_tiny import full_sequence_parity
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,20 +49,7 @@ def build(kind: str, dtype: torch.dtype):
 
 
 def _window_parity(rank: int, world: int, kind: str, sharding: str, seq_len: int) -> None:
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (1, seq_len), generator=g)
-    ref = build(kind, torch.float64)
-    ref_out = ref(input_ids=ids, labels=ids, use_cache=False)
-    ref_out.loss.backward()
-    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-
-    model = build(kind, torch.float32)
-    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=torch.distributed.group.WORLD)
-    local = shard_batch({"input_ids": ids, "labels": ids}, group=torch.distributed.group.WORLD, sharding=sharding)
-    out = model(**local)
-    out.loss.backward()
-    assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-4 * float(ref_out.loss)
-    assert_grads_equal(model, ref_grads, world, kind, rtol=RTOL, atol=ATOL)
+    full_sequence_parity(build, kind, world, sharding, seq_len, VOCAB, rtol=RTOL, atol=ATOL)
 
 
 CASES = [

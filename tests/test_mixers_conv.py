@@ -12,20 +12,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from mixer_parity import (
+    RING_AND_ULYSSES,
     VOCAB,
     WORLD,
-    check,
-    documents,
+    assert_modes_run,
+    assert_swap_keeps_state,
+    checkpointed_parity,
     one_process_parity,
-    packed_batch,
-    per_document_reference,
     sharded_parity,
 )
-from mixer_parity import modes as all_modes
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers import causal_conv_shard, halo_plan
-from seqpar.sequence.batch import shard_batch
 from seqpar.sequence.sharding import chunk_ids, gather_sequence, shard_sequence
 from seqpar.swap import SwapError, swap_attention
 from seqpar.testing.traffic import counting
@@ -195,8 +193,7 @@ def test_lfm2_packed_one_process_equals_each_document_alone():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _lfm2_parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in all_modes(world)]
+    assert_modes_run(dist_pool, world, _lfm2_parity, sharding)
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "Lfm2", "balanced"), (4, "Lfm2", "balanced"),
@@ -204,8 +201,7 @@ def test_lfm2_sharded_equals_each_document_alone(dist_pool, world, sharding):
 def test_lfm2_family_and_balanced(dist_pool, world, family, sharding):
     if not hasattr(transformers, f"{family}Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {family}")
-    modes = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(world, _lfm2_parity, sharding, family, modes, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, world, _lfm2_parity, sharding, family, mode_list=RING_AND_ULYSSES)
 
 
 def test_bad_shards_are_a_clear_error():
@@ -217,16 +213,7 @@ def test_bad_shards_are_a_clear_error():
 
 
 def _lfm2_checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(tiny_lfm2, docs)
-    model = tiny_lfm2(torch.float32).train()
-    enable_checkpointing(model)  # the recompute repeats the halo exchange, on every rank alike
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    checkpointed_parity(tiny_lfm2, world)  # the recompute repeats the halo exchange, on every rank alike
 
 
 def test_lfm2_with_activation_checkpointing(dist_pool):
@@ -234,16 +221,8 @@ def test_lfm2_with_activation_checkpointing(dist_pool):
 
 
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny_lfm2(torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before  # the same parameter objects, the same names
-    assert list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(tiny_lfm2(torch.float32), "model.layers.0.conv", "Lfm2ShortConv")
     assert report.routes["model.layers.0.conv"] == "mixer" and report.swapped[-1].cls == "Lfm2ShortConv"
-    assert model.model.layers[0].conv.sharding == "zigzag"
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
 
 
 def test_conv_left_out_of_the_swap_is_still_refused():

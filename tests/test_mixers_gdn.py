@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from mixer_parity import WORLD
+from mixer_parity import WORLD, assert_bytes_as_theory
 
 import seqpar
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
@@ -107,17 +107,14 @@ SCAN_CASES = [[0, 96], [0, 5, 30, 31, 61, 96], [0, 24, 95, 96]]
 
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
 def test_scan_one_process(rule):
-    for cu in SCAN_CASES:
-        assert _scan_parity(0, 1, rule, "contiguous", cu) == (0, 0)
+    assert_bytes_as_theory(None, 1, _scan_parity, rule, "contiguous", cases=SCAN_CASES)
 
 
 @pytest.mark.parametrize("rule,world,sharding", [("gdn", 2, "contiguous"), ("gdn", 2, "zigzag"),
                                                  ("gdn", 4, "zigzag"), ("gdn", 2, "balanced"),
                                                  ("kda", 2, "zigzag"), ("kda", 4, "contiguous")])
 def test_scan_sharded_equals_each_document_alone(dist_pool, rule, world, sharding):
-    for cu in SCAN_CASES:
-        for counted, theory in dist_pool.run(world, _scan_parity, rule, sharding, cu, timeout=300):
-            assert counted == theory > 0, (counted, theory)
+    assert_bytes_as_theory(dist_pool, world, _scan_parity, rule, sharding, cases=SCAN_CASES)
 
 
 def test_scan_with_the_kernels_own_64_position_chunks(dist_pool):
@@ -230,40 +227,29 @@ def test_packed_one_process_equals_each_document_alone(monkeypatch, model_type):
     ("olmo_hybrid", 4, "zigzag"), ("kimi_linear", 2, "zigzag"), ("kimi_linear", 4, "contiguous"),
 ])
 def test_sharded_equals_each_document_alone(dist_pool, model_type, world, sharding):
-    from mixer_parity import modes
+    from mixer_parity import assert_modes_run
 
-    done = dist_pool.run(world, _model_parity, model_type, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _model_parity, model_type, sharding)
 
 
 def test_balanced(dist_pool):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _model_parity, "qwen3_5_text", "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    from mixer_parity import RING_AND_ULYSSES, assert_modes_run
+
+    assert_modes_run(dist_pool, 2, _model_parity, "qwen3_5_text", "balanced", mode_list=RING_AND_ULYSSES)
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-    from mixer_parity import check, documents, packed_batch, per_document_reference
+    from mixer_parity import checkpointed_parity
 
-    from seqpar.config import SeqParConfig
     from seqpar.mixers import delta_rule
-    from seqpar.sequence.batch import shard_batch
-    from seqpar.swap import swap_attention
 
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(lambda dtype: tiny("qwen3_5_text", dtype), docs)
-    model = tiny("qwen3_5_text", torch.float32)
-    # the recompute in the backward repeats the conv halo, the scan and the summary all-gather on every rank alike;
-    # the wide scan's own pieces (delta_rule.RECOMPUTE, 5 positions here) are checkpoints nested inside
-    enable_checkpointing(model)
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
+    # the wide scan's own pieces (delta_rule.RECOMPUTE, 5 positions here) are checkpoints nested inside the
+    # layer's (the float64 reference is transformers' own layer: RECOMPUTE does not reach it)
     saved, delta_rule.RECOMPUTE = delta_rule.RECOMPUTE, 5
     try:
-        out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-        out.loss.backward()
+        checkpointed_parity(lambda dtype: tiny("qwen3_5_text", dtype), world)
     finally:
         delta_rule.RECOMPUTE = saved
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
 
 
 def test_with_activation_checkpointing(dist_pool):
@@ -290,18 +276,12 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool, model_type):
 
 
 def test_swap_keeps_parameters_and_state_dict_and_refuses_a_cache():
-    from seqpar.config import SeqParConfig
-    from seqpar.swap import swap_attention
+    from mixer_parity import assert_swap_keeps_state
 
     model = tiny("qwen3_next", torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(model, "model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet")
     assert report.routes == routes("qwen3_next")
     layer = model.model.layers[0].linear_attn
-    assert layer.sharding == "zigzag" and layer.original_class == "Qwen3NextGatedDeltaNet"
     with pytest.raises(ValueError, match="cache"):
         layer(torch.randn(1, 5, 32), cache=object())
     with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
+from mixer_parity import (
+    RING_AND_ULYSSES,
+    assert_bytes_as_theory,
+    assert_clear_call_errors,
+    assert_left_out_refused,
+    assert_modes_run,
+    assert_swap_keeps_state,
+    elementwise,
+    layer_bf16_errors,
+    layer_parity,
+    one_process_parity,
+    sharded_parity,
+)
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.lightning import SeqParLightningAttention
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
-from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "MiniMaxConfig"):
@@ -39,42 +47,22 @@ ROUTES = {"model.layers.0.self_attn": "mixer", "model.layers.1.self_attn": "hf"}
 
 
 # ----------------------------------------------------------------------------- the layer alone
+def _call(layer: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    return layer(x, None, None, **kwargs)[0]  # no position embeddings, no mask: the output alone
+
+
 def _layer_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
     layer = tiny(torch.float64).model.layers[0].self_attn
     assert type(layer).__name__ == "MiniMaxLightningAttention"
     with torch.no_grad():  # the decay buffers were computed in fp32 at init: recompute them in float64
         for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), layer.decay_factors(layer.slope_rate)):
             getattr(layer, name).copy_(value)
-    seq = cu[-1]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b], None, None)[0] for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    group = WORLD if world > 1 else None
-    sp = SeqParLightningAttention(layer, group=group, sharding=sharding)
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
-    with counting(world) as traffic:
-        out = sp(local, None, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
-    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
-    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
-    if world > 1:
-        dist.all_reduce(h_sp.grad)
-    torch.testing.assert_close(h_sp.grad, ref_h.grad, rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: grad h: {m}")
-    for n, p in sp.named_parameters():
-        if world > 1:
-            dist.all_reduce(p.grad)
-        torch.testing.assert_close(p.grad, ref_grads[n], rtol=1e-10, atol=1e-10, msg=lambda m, n=n: f"{case}: {n}: {m}")
+    counted = layer_parity(world, rank, layer, SeqParLightningAttention, _call, sharding, cu, 2, 32,
+                           elementwise(1e-10), f"{world} ranks {sharding}, cu_seqlens {cu}")
     # theory: one all-gather of each local chunk's (transition (heads, 1, 1), state (batch, heads, d, d)) float64
     chunks = 2 if sharding == "zigzag" else 1
     summary = torch.empty(chunks, 4 + 2 * 4 * 8 * 8, dtype=torch.float64)
-    return traffic.collective_bytes, summary_bytes(summary[:, :4], summary[:, 4:], world)
+    return counted, summary_bytes(summary[:, :4], summary[:, 4:], world)
 
 
 # (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at
@@ -83,15 +71,12 @@ LAYER_CASES = [[0, 48], [0, 5, 12, 13, 30, 48], [0, 24, 47, 48]]
 
 
 def test_layer_one_process():
-    for cu in LAYER_CASES:
-        assert _layer_parity(0, 1, "contiguous", cu) == (0, 0)
+    assert_bytes_as_theory(None, 1, _layer_parity, "contiguous", cases=LAYER_CASES)
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
 def test_layer_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    for cu in LAYER_CASES:
-        for counted, theory in dist_pool.run(world, _layer_parity, sharding, cu, timeout=300):
-            assert counted == theory > 0  # flat in S: (T, state) per chunk, whatever the shard length
+    assert_bytes_as_theory(dist_pool, world, _layer_parity, sharding, cases=LAYER_CASES)
 
 
 # ----------------------------------------------------------------------------- a tiny MiniMax
@@ -106,50 +91,33 @@ def test_packed_one_process_equals_each_document_alone():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_minimax_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, sharding)
 
 
 def test_minimax_balanced(dist_pool):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _parity, "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, 2, _parity, "balanced", mode_list=RING_AND_ULYSSES)
 
 
 # ----------------------------------------------------------------------------- errors, swap
 def test_swap_keeps_parameters_buffers_and_state_dict():
-    model = tiny(torch.float32)
-    before = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    assert all(b is buffers[n] for n, b in model.named_buffers())
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
-    assert report.routes == ROUTES and model.model.layers[0].self_attn.sharding == "zigzag"
-    assert model.model.layers[0].self_attn.original_class == "MiniMaxLightningAttention"
+    report = assert_swap_keeps_state(tiny(torch.float32), "model.layers.0.self_attn", "MiniMaxLightningAttention")
+    assert report.routes == ROUTES
 
 
 def test_lightning_left_out_of_the_swap_is_still_refused():
-    model = tiny(torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.self_attn.*MiniMaxLightningAttention"):
-        swap_attention(model, SeqParConfig(swap=("model.layers.1.self_attn",)))
-    assert type(model.model.layers[0].self_attn).__name__ == "MiniMaxLightningAttention"
+    assert_left_out_refused(tiny(torch.float32), ("model.layers.1.self_attn",), "model.layers.0.self_attn",
+                            "MiniMaxLightningAttention")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny(torch.float32)
     swap_attention(model)
-    layer = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match="cache"):
-        layer(torch.randn(1, 5, 32), None, None, cache=object())
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        layer(torch.randn(1, 10, 32), None, None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].self_attn, _call, 32, {"cache": object()})
 
 
 def _bf16(rank: int, world: int) -> tuple[float, float]:
     layer = tiny(torch.float64).model.layers[0].self_attn
-    return layer_bf16_errors(world, rank, layer, SeqParLightningAttention,
-                             lambda m, x, pos, **kw: m(x, None, None, **kw)[0], [0, 5, 29, 48], 32)
+    return layer_bf16_errors(world, rank, layer, SeqParLightningAttention, _call, [0, 5, 29, 48], 32)
 
 
 def test_bf16_no_worse_than_one_process_bf16(dist_pool):

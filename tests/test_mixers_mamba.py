@@ -7,30 +7,37 @@ SP=2 and SP=4, every attention mode, contiguous and zigzag (and balanced), on a 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from mixer_parity import (
+    RING_AND_ULYSSES,
     VOCAB,
-    WORLD,
+    assert_clear_call_errors,
+    assert_left_out_refused,
+    assert_modes_run,
+    assert_summary_bytes_flat,
+    assert_swap_keeps_state,
     check,
+    checkpointed_parity,
     documents,
+    elementwise,
     layer_bf16_errors,
-    modes,
+    layer_parity,
     one_process_parity,
     packed_batch,
     per_document_reference,
+    relative_to_largest,
+    scan_parity,
+    scan_traffic,
     sharded_parity,
 )
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba import SeqParMambaMixer, selective_scan_shard
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
-from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 jamba_module = pytest.importorskip("transformers.models.jamba.modeling_jamba")
@@ -58,30 +65,20 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None) -> torch.Te
     return torch.stack(heads)
 
 
+SEQ_NAMES = ("u", "dt", "B", "C", "z")  # the inputs cut along the sequence (the last dim)
+
+
+def _sharded_scan(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any, *, sharding: str) -> torch.Tensor:
+    return selective_scan_shard(torch_scan, t["u"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["z"], t["bias"],
+                                layout=layout, group=group, sharding=sharding)
+
+
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None) -> None:
     data = _scan_inputs(2, 2, 3, 4, seq)
-    names = ("u", "dt", "A", "B", "C", "D", "z", "bias")
-    ref_in = {k: data[k].clone().requires_grad_() for k in names}
-    ref = reference_scan(ref_in, cu)
-    (ref * data["grad"]).sum().backward()
-
-    group = WORLD if dist.is_initialized() else None
-    ins = {k: data[k].clone().requires_grad_() for k in names}
-    local = {k: (shard_sequence(v, -1, group=group, sharding=sharding, cu_seqlens=cu) if k in "u dt B C z" else v)
-             for k, v in ins.items()}
-    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
-    out = selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                               local["z"], local["bias"], layout=layout, group=group, sharding=sharding)
-    grad = shard_sequence(data["grad"], -1, group=group, sharding=sharding, cu_seqlens=cu)
-    (out * grad).sum().backward()
-    full = gather_sequence(out.detach(), -1, group=group, sharding=sharding, cu_seqlens=cu)
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-    torch.testing.assert_close(full, ref.detach(), rtol=1e-10, atol=1e-10, msg=lambda m: f"{case}: {m}")
-    for k in names:
-        got = ins[k].grad.clone()
-        if world > 1:
-            dist.all_reduce(got)  # each rank holds its share of the full gradient
-        torch.testing.assert_close(got, ref_in[k].grad, rtol=1e-10, atol=1e-10, msg=lambda m, k=k: f"{case}: grad {k}: {m}")
+    inputs = {k: data[k] for k in ("u", "dt", "A", "B", "C", "D", "z", "bias")}
+    scan_parity(world, inputs, data["grad"], SEQ_NAMES, -1, lambda t: reference_scan(t, cu),
+                functools.partial(_sharded_scan, sharding=sharding), sharding, cu, elementwise(1e-10),
+                f"{world} ranks {sharding}, cu_seqlens {cu}")
 
 
 # (seq, cu_seqlens): documents starting strictly inside chunks and exactly at chunk starts (chunks of 24,
@@ -101,14 +98,10 @@ def test_scan_sharded_equals_each_document_alone(dist_pool, world, sharding, cas
         dist_pool.run(world, _scan_parity, sharding, seq, cu, timeout=300)
 
 
-def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int]:
+def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int, dict]:
     data = _scan_inputs(2, 2, 3, 4, seq, torch.float32)
-    local = {k: (shard_sequence(v, -1, group=WORLD, sharding=sharding) if k in "u dt B C z" else v)
-             for k, v in data.items()}
-    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
-    with counting(world) as traffic:
-        selective_scan_shard(torch_scan, local["u"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                             local["z"], local["bias"], layout=layout, group=WORLD, sharding=sharding)
+    traffic, layout = scan_traffic(world, data, SEQ_NAMES, -1, sharding,
+                                   functools.partial(_sharded_scan, sharding=sharding))
     # (local chunks, heads, batch, d, d_state) fp32, for the transition and for the state
     summary = torch.empty(layout.chunks, 2, 2, 3, 4, dtype=torch.float32)
     return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(summary, summary, world), dict(traffic.calls)
@@ -116,11 +109,7 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
 def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
-    short = dist_pool.run(world, _summary_traffic, sharding, 4 * world)
-    long = dist_pool.run(world, _summary_traffic, sharding, 16 * world)
-    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
-        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)  # one all-gather of (T, state) per chunk: independent of S
-        assert p2p == 0  # the scan alone has no halo
+    assert_summary_bytes_flat(dist_pool, world, _summary_traffic, sharding, (4 * world, 16 * world))
 
 
 # ----------------------------------------------------------------------------- tiny Jamba / Zamba
@@ -166,15 +155,13 @@ def test_packed_one_process_equals_each_document_alone(family):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_jamba_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _parity, "jamba", sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, "jamba", sharding)
 
 
 @pytest.mark.parametrize("world,family,sharding", [(2, "zamba", "zigzag"), (4, "zamba", "contiguous"),
                                                    (2, "jamba", "balanced")])
 def test_zamba_and_balanced(dist_pool, world, family, sharding):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(world, _parity, family, sharding, mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, world, _parity, family, sharding, mode_list=RING_AND_ULYSSES)
 
 
 # ----------------------------------------------------------------------------- the pure Mamba models
@@ -220,33 +207,11 @@ def _layer_parity(rank: int, world: int, name: str) -> None:
     with torch.no_grad():
         layer.D.normal_()
         layer.conv1d.bias.normal_()
-    cu = [0, 5, 19, 32]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    sp = SeqParMambaMixer(layer, group=WORLD, sharding="zigzag")
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag")
-    out = sp(local, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
-    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
     # The layer itself runs parts in fp32 even in float64 (A_log.float(), B.float() in the scan), so the
     # gradients reaching A_log and B go through fp32 roundings that depend on the summation order.
     # So: agreement to 1e-6 of each tensor's largest entry (fp32 rounding), not elementwise.
-    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        err, scale = float((got - want).abs().max()), float(want.abs().max())
-        assert err <= 1e-6 * scale and scale > 0, (name, what, err, scale)
-
-    close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
-    dist.all_reduce(h_sp.grad)
-    close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        dist.all_reduce(p.grad)
-        close(p.grad, ref_grads[n], f"grad of {n}")
+    layer_parity(world, rank, layer, SeqParMambaMixer, lambda m, x, pos, **kw: m(x, **kw), "zigzag", [0, 5, 19, 32],
+                 1, 16, relative_to_largest(1e-6), name)
 
 
 @pytest.mark.parametrize("name", ["Mamba", "FalconMamba"])
@@ -276,33 +241,18 @@ def test_kernel_of_the_transformers_module_is_used(monkeypatch):
 
 
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny("zamba", torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    report = assert_swap_keeps_state(tiny("zamba", torch.float32), "model.layers.0.mamba", "ZambaMambaMixer")
     assert report.routes["model.layers.0.mamba"] == "mixer"
-    assert model.model.layers[0].mamba.sharding == "zigzag"
-    assert model.model.layers[0].mamba.original_class == "ZambaMambaMixer"
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
 
 
 def test_mamba_left_out_of_the_swap_is_still_refused():
-    model = tiny("jamba", torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.mamba.*JambaMambaMixer"):
-        swap_attention(model, SeqParConfig(swap=("*self_attn",)))
-    assert type(model.model.layers[0].mamba).__name__ == "JambaMambaMixer"
+    assert_left_out_refused(tiny("jamba", torch.float32), ("*self_attn",), "model.layers.0.mamba", "JambaMambaMixer")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny("jamba", torch.float32)
     swap_attention(model)
-    layer = model.model.layers[0].mamba
-    with pytest.raises(ValueError, match="cache"):
-        layer(torch.randn(1, 5, 16), cache=object())
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        layer(torch.randn(1, 10, 16), cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].mamba, lambda m, x, pos, **kw: m(x, **kw), 16, {"cache": object()})
 
 
 def _bf16(rank: int, world: int) -> tuple[float, float]:
@@ -317,20 +267,9 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool):
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    from seqpar.sequence.batch import shard_batch
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "jamba"), docs)
-    model = tiny("jamba", torch.float32).train()
-    # the recompute in the backward repeats the scan, the halo and the summary all-gather on every rank alike,
-    # with the documents the batch's forward fed to the Mamba layer (Jamba's decoder layer does not pass them)
-    enable_checkpointing(model)
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    # the recompute sees the documents the batch's forward fed to the Mamba layer (Jamba's decoder layer
+    # does not pass them)
+    checkpointed_parity(functools.partial(tiny, "jamba"), world)
 
 
 def test_jamba_with_activation_checkpointing(dist_pool):

@@ -9,15 +9,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from mixer_parity import WORLD, layer_bf16_errors, modes, one_process_parity, sharded_parity
+from mixer_parity import (
+    RING_AND_ULYSSES,
+    assert_bytes_as_theory,
+    assert_clear_call_errors,
+    assert_left_out_refused,
+    assert_modes_run,
+    assert_swap_keeps_state,
+    layer_bf16_errors,
+    layer_parity,
+    one_process_parity,
+    relative_to_largest,
+    sharded_parity,
+)
 
-from seqpar.config import SeqParConfig
 from seqpar.mixers.rglru import SeqParRecurrentBlock
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_index, shard_sequence
-from seqpar.swap import SwapError, swap_attention
-from seqpar.testing.traffic import counting
+from seqpar.swap import swap_attention
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "RecurrentGemmaConfig"):
@@ -42,46 +50,15 @@ ROUTES = {"model.layers.0.temporal_block": "mixer", "model.layers.1.temporal_blo
 def _block_parity(rank: int, world: int, sharding: str, cu: list[int]) -> tuple[int, int]:
     block = tiny(torch.float64).model.layers[0].temporal_block
     assert type(block).__name__ == "RecurrentGemmaRecurrentBlock"
-    seq = cu[-1]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    grad = torch.randn(2, seq, 32, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([block(ref_h[:, a:b], torch.arange(b - a)[None], None, use_cache=False)[0]
-                     for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
-    block.zero_grad()
-    group = WORLD if world > 1 else None
-    sp = SeqParRecurrentBlock(block, group=group, sharding=sharding)
-    h_sp = h.clone().requires_grad_()
-    local = shard_sequence(h_sp, 1, group=group, sharding=sharding, cu_seqlens=cu)
-    positions = shard_index(seq, rank, world, sharding, cu_seqlens=cu)  # global positions of the shard
-    starts = torch.tensor(cu)
-    positions = (positions - starts[torch.searchsorted(starts, positions, right=True) - 1])[None]  # per document
-    with counting(world) as traffic:
-        out = sp(local, positions, None, cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))[0]
-    (out * shard_sequence(grad, 1, group=group, sharding=sharding, cu_seqlens=cu)).sum().backward()
-    case = f"{world} ranks {sharding}, cu_seqlens {cu}"
-
     # The RG-LRU accumulates its state in fp32 even in float64 (its acc_dtype): agreement to 1e-6 of each
-    # tensor's largest entry, not elementwise.
-    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-        err, scale = float((got - want).abs().max()), float(want.abs().max())
-        assert err <= 1e-6 * scale and scale > 0, (case, what, err, scale)
-
-    close(gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu), ref.detach(), "output")
-    if world > 1:
-        dist.all_reduce(h_sp.grad)
-    close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        if world > 1:
-            dist.all_reduce(p.grad)
-        close(p.grad, ref_grads[n], f"grad of {n}")
+    # tensor's largest entry, not elementwise. The shard's position_ids are per document (the RG-LRU restarts at 0).
+    counted = layer_parity(world, rank, block, SeqParRecurrentBlock,
+                           lambda m, x, pos, **kw: m(x, pos, None, use_cache=False, **kw)[0], sharding, cu, 2, 32,
+                           relative_to_largest(1e-6), f"{world} ranks {sharding}, cu_seqlens {cu}")
     # theory: one all-gather of each local chunk's (transition, state), both (batch, lru_width) fp32
     chunks = 2 if sharding == "zigzag" else 1
     summary = torch.empty(chunks, 2, WIDTH, dtype=torch.float32)
-    return traffic.collective_bytes, summary_bytes(summary, summary, world)  # the conv's halo is P2P, not counted here
+    return counted, summary_bytes(summary, summary, world)  # the conv's halo is P2P, not counted here
 
 
 # (cu_seqlens): documents starting strictly inside chunks and at chunk starts (chunks of 24, 12 and 6 at
@@ -90,15 +67,12 @@ BLOCK_CASES = [[0, 48], [0, 5, 12, 13, 30, 48], [0, 24, 47, 48]]
 
 
 def test_block_one_process():
-    for cu in BLOCK_CASES:
-        assert _block_parity(0, 1, "contiguous", cu) == (0, 0)
+    assert_bytes_as_theory(None, 1, _block_parity, "contiguous", cases=BLOCK_CASES)
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (2, "zigzag"), (4, "zigzag")])
 def test_block_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    for cu in BLOCK_CASES:
-        for counted, theory in dist_pool.run(world, _block_parity, sharding, cu, timeout=300):
-            assert counted == theory > 0  # flat in S: (T, state) per chunk, whatever the shard length
+    assert_bytes_as_theory(dist_pool, world, _block_parity, sharding, cases=BLOCK_CASES)
 
 
 # ----------------------------------------------------------------------------- a tiny RecurrentGemma
@@ -113,42 +87,30 @@ def test_packed_one_process_equals_each_document_alone():
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("sharding", ["contiguous", "zigzag"])
 def test_recurrent_gemma_sharded_equals_each_document_alone(dist_pool, world, sharding):
-    done = dist_pool.run(world, _parity, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, sharding)
 
 
 def test_recurrent_gemma_balanced(dist_pool):
-    mode_list = [{"mode": "ring"}, {"mode": "ulysses"}]
-    assert dist_pool.run(2, _parity, "balanced", mode_list, timeout=600)[0] == ["ring", "ulysses"]
+    assert_modes_run(dist_pool, 2, _parity, "balanced", mode_list=RING_AND_ULYSSES)
 
 
 # ----------------------------------------------------------------------------- errors, swap
 def test_swap_keeps_parameters_and_state_dict():
-    model = tiny(torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    swap_attention(model)
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
-    assert report.routes == ROUTES and model.model.layers[0].temporal_block.sharding == "zigzag"
-    assert model.model.layers[0].temporal_block.original_class == "RecurrentGemmaRecurrentBlock"
+    report = assert_swap_keeps_state(tiny(torch.float32), "model.layers.0.temporal_block",
+                                     "RecurrentGemmaRecurrentBlock")
+    assert report.routes == ROUTES
 
 
 def test_recurrent_block_left_out_of_the_swap_is_still_refused():
-    model = tiny(torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.temporal_block.*RecurrentGemmaRecurrentBlock"):
-        swap_attention(model, SeqParConfig(swap=("model.layers.1.temporal_block",)))
-    assert type(model.model.layers[0].temporal_block).__name__ == "RecurrentGemmaRecurrentBlock"
+    assert_left_out_refused(tiny(torch.float32), ("model.layers.1.temporal_block",), "model.layers.0.temporal_block",
+                            "RecurrentGemmaRecurrentBlock")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny(torch.float32)
     swap_attention(model)
-    block = model.model.layers[0].temporal_block
-    with pytest.raises(ValueError, match="cache"):
-        block(torch.randn(1, 5, 32), torch.arange(5)[None], None, use_cache=True)
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        block(torch.randn(1, 10, 32), torch.arange(10)[None], None, cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].temporal_block,
+                             lambda m, x, pos, **kw: m(x, pos, None, **kw)[0], 32, {"use_cache": True})
 
 
 def _bf16(rank: int, world: int) -> tuple[float, float]:

@@ -10,31 +10,35 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from mixer_parity import (
     VOCAB,
-    check,
-    documents,
+    assert_clear_call_errors,
+    assert_left_out_refused,
+    assert_modes_run,
+    assert_summary_bytes_flat,
+    assert_swap_keeps_state,
+    checkpointed_parity,
     layer_bf16_errors,
-    modes,
+    layer_parity,
     one_process_parity,
-    packed_batch,
-    per_document_reference,
+    relative_to_largest,
+    scan_parity,
+    scan_traffic,
     sharded_parity,
 )
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.mamba2 import MAMBA2_CLASSES, SeqParMamba2Mixer
-from seqpar.mixers.scan_layout import scan_layout
+from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.ssd import ssd_shard
 from seqpar.mixers.state_passing import summary_bytes
-from seqpar.sequence.sharding import gather_sequence, shard_sequence
-from seqpar.swap import SwapError, swap_attention
+from seqpar.swap import swap_attention
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
-from seqpar.testing.traffic import counting
 
 transformers = pytest.importorskip("transformers")
 falcon_module = pytest.importorskip("transformers.models.falcon_h1.modeling_falcon_h1")
@@ -66,39 +70,24 @@ def reference_scan(t: dict[str, torch.Tensor], cu: list[int] | None, chunk_size:
         for a, b in zip(bounds, bounds[1:])], dim=1)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    # transformers' torch scan computes in fp32 whatever its inputs (x.float(), B.float()), and the sharded
-    # scan sums the same terms in another order: agreement to fp32 rounding of each tensor's largest entry
-    err, scale = float((got.double() - want.double()).abs().max()), float(want.abs().max())
-    assert err <= 2e-6 * scale and scale > 0, (what, err, scale)
+# transformers' torch scan computes in fp32 whatever its inputs (x.float(), B.float()), and the sharded
+# scan sums the same terms in another order: agreement to fp32 rounding of each tensor's largest entry
+_close = relative_to_largest(2e-6)
+
+
+def _sharded_scan(t: dict[str, torch.Tensor], layout: ScanLayout | None, group: Any, *, sharding: str,
+                  chunk_size: int, mixer_kernels: str = "torch") -> torch.Tensor:
+    return ssd_shard(torch_scan, t["x"], t["dt"], t["A"], t["B"], t["C"], t["D"], t["dt_bias"], chunk_size=chunk_size,
+                     layout=layout, group=group, sharding=sharding, mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
 
 
 def _scan_parity(rank: int, world: int, sharding: str, seq: int, cu: list[int] | None, chunk_size: int,
                  mixer_kernels: str = "torch") -> None:
     data = _scan_inputs(2, seq)
-    names = ("x", "dt", "A", "B", "C", "D", "dt_bias")
-    ref_in = {k: data[k].clone().requires_grad_() for k in names}
-    ref = reference_scan(ref_in, cu, chunk_size)
-    (ref * data["grad"]).sum().backward()
-
-    group = WORLD if world > 1 else None
-    ins = {k: data[k].clone().requires_grad_() for k in names}
-    local = {k: (shard_sequence(v, 1, group=group, sharding=sharding, cu_seqlens=cu) if k in SEQ_NAMES else v)
-             for k, v in ins.items()}
-    layout = scan_layout(seq // world, group=group, sharding=sharding, cu_seqlens=cu)
-    out = ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                    local["dt_bias"], chunk_size=chunk_size, layout=layout, group=group, sharding=sharding,
-                    mixer_kernels=mixer_kernels, **SCAN_OPTIONS)
-    grad = shard_sequence(data["grad"], 1, group=group, sharding=sharding, cu_seqlens=cu)
-    (out * grad).sum().backward()
-    full = gather_sequence(out.detach(), 1, group=group, sharding=sharding, cu_seqlens=cu)
-    case = f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}"
-    _close(full, ref.detach(), f"{case}: output")
-    for k in names:
-        got = ins[k].grad.clone()
-        if world > 1:
-            dist.all_reduce(got)  # each rank holds its share of the full gradient
-        _close(got, ref_in[k].grad, f"{case}: grad {k}")
+    inputs = {k: data[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")}
+    sharded = functools.partial(_sharded_scan, sharding=sharding, chunk_size=chunk_size, mixer_kernels=mixer_kernels)
+    scan_parity(world, inputs, data["grad"], SEQ_NAMES, 1, lambda t: reference_scan(t, cu, chunk_size), sharded,
+                sharding, cu, _close, f"{world} ranks {sharding}, chunk_size {chunk_size}, cu_seqlens {cu}")
 
 
 # (seq, cu_seqlens, chunk_size): documents starting strictly inside shard chunks and exactly at their starts
@@ -133,12 +122,8 @@ def test_scan_real_chunk_size_and_position_wise():
 
 def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[int, int, int, dict]:
     data = _scan_inputs(2, seq, torch.float32)
-    local = {k: (shard_sequence(v, 1, group=WORLD, sharding=sharding) if k in SEQ_NAMES else v)
-             for k, v in data.items()}
-    layout = scan_layout(seq // world, group=WORLD, sharding=sharding)
-    with counting(world) as traffic:
-        ssd_shard(torch_scan, local["x"], local["dt"], local["A"], local["B"], local["C"], local["D"],
-                  local["dt_bias"], chunk_size=8, layout=layout, group=WORLD, sharding=sharding, **SCAN_OPTIONS)
+    traffic, layout = scan_traffic(world, data, SEQ_NAMES, 1, sharding,
+                                   functools.partial(_sharded_scan, sharding=sharding, chunk_size=8))
     # per local chunk: the transition (batch, heads) and the state (batch, heads, head_dim, d_state), fp32
     transition = torch.empty(layout.chunks, 2, HEADS, dtype=torch.float32)
     state = torch.empty(layout.chunks, 2, HEADS, HEAD_DIM, STATE, dtype=torch.float32)
@@ -147,12 +132,7 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
 def test_summary_bytes_flat_in_sequence_length(dist_pool, world, sharding):
-    short = dist_pool.run(world, _summary_traffic, sharding, 8 * world)
-    long = dist_pool.run(world, _summary_traffic, sharding, 64 * world)
-    for (got, p2p, theory, calls), (got_long, _, _, _) in zip(short, long):
-        # one all-gather of (T, state) per chunk: independent of S
-        assert (got, got_long) == (theory, theory) and theory > 0, (calls, got, got_long, theory)
-        assert p2p == 0  # the scan alone has no halo
+    assert_summary_bytes_flat(dist_pool, world, _summary_traffic, sharding, (8 * world, 64 * world))
 
 
 # ----------------------------------------------------------------------------- the mamba_ssm dispatch
@@ -277,8 +257,7 @@ def test_packed_one_process_equals_each_document_alone(family):
 @pytest.mark.parametrize("world,family,sharding", [(4, "falcon_h1", "zigzag"), (4, "bamba", "contiguous"),
                                                    (2, "nemotron_h", "balanced")])
 def test_every_attention_mode(dist_pool, world, family, sharding):
-    done = dist_pool.run(world, _parity, family, sharding, timeout=600)[0]
-    assert done == [m["mode"] for m in modes(world)]
+    assert_modes_run(dist_pool, world, _parity, family, sharding)
 
 
 # ----------------------------------------------------------------------------- the pure Mamba2 layer
@@ -292,25 +271,8 @@ def _layer_parity(rank: int, world: int) -> None:
     with torch.no_grad():
         layer.D.normal_()
         layer.conv1d.bias.normal_()
-    cu = [0, 5, 19, 32]
-    g = torch.Generator().manual_seed(9)
-    h = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    grad = torch.randn(1, 32, 16, generator=g, dtype=torch.float64)
-    ref_h = h.clone().requires_grad_()
-    ref = torch.cat([layer(ref_h[:, a:b]) for a, b in zip(cu, cu[1:])], dim=1)
-    (ref * grad).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad()
-    sp = SeqParMamba2Mixer(layer, group=WORLD, sharding="zigzag")
-    h_sp = h.clone().requires_grad_()
-    out = sp(shard_sequence(h_sp, 1, group=WORLD, sharding="zigzag"), cu_seq_lens_q=torch.tensor(cu, dtype=torch.int32))
-    (out * shard_sequence(grad, 1, group=WORLD, sharding="zigzag")).sum().backward()
-    _close(gather_sequence(out.detach(), 1, group=WORLD, sharding="zigzag"), ref.detach(), "output")
-    dist.all_reduce(h_sp.grad)
-    _close(h_sp.grad, ref_h.grad, "grad of the input")
-    for n, p in sp.named_parameters():
-        dist.all_reduce(p.grad)
-        _close(p.grad, ref_grads[n], f"grad of {n}")
+    layer_parity(world, rank, layer, SeqParMamba2Mixer, lambda m, x, pos, **kw: m(x, **kw), "zigzag", [0, 5, 19, 32],
+                 1, 16, _close, "Mamba2Mixer")
 
 
 @pytest.mark.timeout(600)
@@ -321,35 +283,21 @@ def test_pure_mamba2_layer_sharded(dist_pool):
 # ----------------------------------------------------------------------------- errors, swap, bf16, checkpointing
 def test_swap_keeps_parameters_buffers_and_state_dict():
     model = tiny("falcon_h1", torch.float32)
-    before = dict(model.named_parameters())
-    keys = list(model.state_dict())
-    mup = model.model.layers[0].mamba.mup_vector
-    swap_attention(model)
-    layer = model.model.layers[0].mamba
-    assert isinstance(layer, SeqParMamba2Mixer) and layer.mup_vector is mup
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
-    report = swap_attention(model, SeqParConfig(sharding="zigzag"))  # again, with other options
+    mup = model.model.layers[0].mamba.mup_vector  # a non-persistent buffer, taken over as the same object
+    report = assert_swap_keeps_state(model, "model.layers.0.mamba", "FalconH1Mixer")
     assert report.routes["model.layers.0.mamba"] == "mixer"
     layer = model.model.layers[0].mamba
-    assert (layer.sharding, layer.original_class) == ("zigzag", "FalconH1Mixer")
-    assert dict(model.named_parameters()) == before and list(model.state_dict()) == keys
+    assert isinstance(layer, SeqParMamba2Mixer) and layer.mup_vector is mup
 
 
 def test_mamba2_left_out_of_the_swap_is_still_refused():
-    model = tiny("bamba", torch.float32)
-    with pytest.raises(SwapError, match=r"model\.layers\.0\.mamba.*BambaMixer"):
-        swap_attention(model, SeqParConfig(swap=("*self_attn",)))
-    assert type(model.model.layers[0].mamba).__name__ == "BambaMixer"
+    assert_left_out_refused(tiny("bamba", torch.float32), ("*self_attn",), "model.layers.0.mamba", "BambaMixer")
 
 
 def test_cache_and_bad_documents_are_clear_errors():
     model = tiny("bamba", torch.float32)
     swap_attention(model)
-    layer = model.model.layers[0].mamba
-    with pytest.raises(ValueError, match="cache"):
-        layer(torch.randn(1, 5, 16), cache=object())
-    with pytest.raises(ValueError, match=r"cu_seqlens \[0, 4, 9\] must be strictly increasing from 0 to the global"):
-        layer(torch.randn(1, 10, 16), cu_seq_lens_q=torch.tensor([0, 4, 9]))
+    assert_clear_call_errors(model.model.layers[0].mamba, lambda m, x, pos, **kw: m(x, **kw), 16, {"cache": object()})
 
 
 def _bf16(rank: int, world: int) -> list[tuple[float, float]]:
@@ -369,19 +317,7 @@ def test_bf16_no_worse_than_one_process_bf16(dist_pool):
 
 
 def _checkpointed(rank: int, world: int) -> None:
-    from hf_tiny import enable_checkpointing
-
-    from seqpar.sequence.batch import shard_batch
-
-    docs = documents()
-    ref_loss, ref_grads = per_document_reference(functools.partial(tiny, "zamba2"), docs)
-    model = tiny("zamba2", torch.float32).train()
-    # the recompute in the backward repeats the halo, the scan and the summary all-gather on every rank alike
-    enable_checkpointing(model)
-    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=WORLD)
-    out = model(**shard_batch(packed_batch(docs), group=WORLD, sharding="zigzag"))
-    out.loss.backward()
-    check(model, out.loss, ref_loss, ref_grads, world, "checkpointed")
+    checkpointed_parity(functools.partial(tiny, "zamba2"), world)
 
 
 @pytest.mark.timeout(600)

@@ -27,6 +27,7 @@ them so); output ``(batch, heads, seq_local, d_v)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -132,6 +133,32 @@ class MLAExpander:
         return dc, dr
 
 
+def _function_forward(ctx: Any, run: Callable[..., tuple[Tensor, Tensor]], q: Tensor, c: Tensor, r: Tensor,
+                      weight: Tensor, comm: Any, opts: AttentionOptions, dims: MLADims,
+                      sinks: Tensor | None) -> Tensor:
+    """The forward of both latent Functions: ``run`` (``ring_forward`` over a :class:`RingExchange`, or
+    ``allgather_forward`` over a process group ``comm``) with an :class:`MLAExpander`; ``out`` in q's dtype and
+    memory layout (the accumulator itself where it already is: a fresh tensor either way)."""
+    opts = replace(opts, head_chunks=1)  # every head reads the one latent: no head passes
+    out_acc, lse = run(q, c, r, comm, opts, sinks, expander=MLAExpander(weight, dims))
+    out = out_acc if out_acc.dtype == q.dtype and in_layout_of(out_acc, q) else \
+        output_like(q, dims.v_head_dim).copy_(out_acc)
+    ctx.save_for_backward(q, c, r, weight, out, lse, sinks)
+    ctx.comm, ctx.opts, ctx.dims = comm, opts, dims
+    return out
+
+
+def _function_backward(ctx: Any, run: Callable[..., tuple[Tensor, Tensor, Tensor]], dout: Tensor) -> tuple:
+    """The backward of both latent Functions (``run``: ``ring_backward`` or ``allgather_backward``): the
+    gradients of q, c, r, weight and the sinks, None for the rest."""
+    q, c, r, weight, out, lse, sinks = ctx.saved_tensors
+    expander = MLAExpander(weight, ctx.dims)
+    dq, dc, dr = run(dout, q, c, r, out, lse, ctx.comm, ctx.opts, expander=expander)
+    d_weight = expander.grad_weight.to(weight.dtype)
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq, dc, dr, d_weight, None, None, None, dsinks
+
+
 class LatentRingAttention(torch.autograd.Function):
     """Ring attention whose blocks travel as MLA latents; a thin wrapper of the ring's forward and
     backward with an :class:`MLAExpander`. Gradients: q, the latent ``c`` and ``r`` (this rank's
@@ -143,22 +170,11 @@ class LatentRingAttention(torch.autograd.Function):
         ctx, q: Tensor, c: Tensor, r: Tensor, weight: Tensor, comm: RingExchange, opts: AttentionOptions,
         dims: MLADims, sinks: Tensor | None = None,
     ) -> Tensor:
-        opts = replace(opts, head_chunks=1)  # every head reads the one latent: no head passes
-        out_acc, lse = ring_forward(q, c, r, comm, opts, sinks, expander=MLAExpander(weight, dims))
-        out = out_acc if out_acc.dtype == q.dtype and in_layout_of(out_acc, q) else \
-            output_like(q, dims.v_head_dim).copy_(out_acc)
-        ctx.save_for_backward(q, c, r, weight, out, lse, sinks)
-        ctx.comm, ctx.opts, ctx.dims = comm, opts, dims
-        return out
+        return _function_forward(ctx, ring_forward, q, c, r, weight, comm, opts, dims, sinks)
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        q, c, r, weight, out, lse, sinks = ctx.saved_tensors
-        expander = MLAExpander(weight, ctx.dims)
-        dq, dc, dr = ring_backward(dout, q, c, r, out, lse, ctx.comm, ctx.opts, expander=expander)
-        d_weight = expander.grad_weight.to(weight.dtype)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dc, dr, d_weight, None, None, None, dsinks
+        return _function_backward(ctx, ring_backward, dout)
 
 
 class LatentAllGatherAttention(torch.autograd.Function):
@@ -170,21 +186,11 @@ class LatentAllGatherAttention(torch.autograd.Function):
         ctx, q: Tensor, c: Tensor, r: Tensor, weight: Tensor, group: dist.ProcessGroup, opts: AttentionOptions,
         dims: MLADims, sinks: Tensor | None = None,
     ) -> Tensor:
-        opts = replace(opts, head_chunks=1)  # every head reads the one latent: no head passes
-        out_acc, lse = allgather_forward(q, c, r, group, opts, sinks, expander=MLAExpander(weight, dims))
-        out = output_like(q, dims.v_head_dim).copy_(out_acc)
-        ctx.save_for_backward(q, c, r, weight, out, lse, sinks)
-        ctx.group, ctx.opts, ctx.dims = group, opts, dims
-        return out
+        return _function_forward(ctx, allgather_forward, q, c, r, weight, group, opts, dims, sinks)
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        q, c, r, weight, out, lse, sinks = ctx.saved_tensors
-        expander = MLAExpander(weight, ctx.dims)
-        dq, dc, dr = allgather_backward(dout, q, c, r, out, lse, ctx.group, ctx.opts, expander=expander)
-        d_weight = expander.grad_weight.to(weight.dtype)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dc, dr, d_weight, None, None, None, dsinks
+        return _function_backward(ctx, allgather_backward, dout)
 
 
 # --------------------------------------------------------------------------------------------------

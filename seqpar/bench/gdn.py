@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import torch
@@ -77,17 +76,7 @@ def _task(ctx: Any, args: argparse.Namespace, seq: int) -> dict[str, Any]:
         phases.wrap(delta_rule, "chunk_initial_states", "all-gather+fold")
     else:  # transformers' layer calls its module's kernel
         phases.wrap(tf, "torch_chunk_gated_delta_rule", "scan")
-    try:
-        if world > 1:
-            dist.barrier()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            layer(h)
-        forward = time.perf_counter() - t0
-    finally:
-        phases.undo()
-    seconds = dict(phases.seconds)
-    seconds["rest"] = forward - sum(seconds.values())
+    forward, seconds = phases.time_forward(lambda: layer(h), "rest", barrier=world > 1)
     return {"timing": timing, "bytes": traffic.collective_bytes + traffic.p2p_bytes, "peak": peak,
             "forward_s": forward, "phases_s": seconds}
 

@@ -238,3 +238,20 @@ class Phases:
     def undo(self) -> None:
         for fn in reversed(self._undo):
             fn()
+
+    def time_forward(self, forward: Callable[[], object], rest: str, *, barrier: bool) -> tuple[float, dict[str, float]]:
+        """Run ``forward()`` once without autograd with the wrapped functions timed, then :meth:`undo` them
+        (also on error). ``barrier``: start together with the other ranks (``dist.barrier()`` first).
+        Returns the forward's wall seconds and the seconds of each phase, ``rest`` the remainder."""
+        try:
+            if barrier:
+                dist.barrier()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                forward()
+            total = time.perf_counter() - t0
+        finally:
+            self.undo()
+        seconds = dict(self.seconds)
+        seconds[rest] = total - sum(seconds.values())
+        return total, seconds

@@ -53,7 +53,7 @@ def _inputs(seq: int, hidden: int, rank: int, world: int) -> tuple[torch.Tensor,
 
 def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, warmup: int, repeats: int,
           byte_seqs: list[int]) -> dict[str, Any]:
-    from seqpar.mixers import mamba2, ssd
+    from seqpar.mixers import mamba2, ssd, state_passing
     from seqpar.mixers.mamba2 import SeqParMamba2Mixer
     from seqpar.testing.traffic import counting
 
@@ -80,22 +80,12 @@ def _rank(ctx: Any, seq: int, hidden: int, heads: int, state: int, chunk: int, w
         fwd.append(time.perf_counter() - t0)
     out["forward_s"] = sorted(fwd)[len(fwd) // 2]
     if world > 1:
+        h, _ = _inputs(seq, hidden, ctx.rank, world)
         phases = Phases()
         phases.wrap(mamba2, "causal_conv_shard", "conv + halo")
         phases.wrap(ssd, "_zero_state_runs", "zero-state scans")
-        phases.wrap(ssd, "chunk_initial_states", "summary all-gather + prefix")
-        try:
-            h, _ = _inputs(seq, hidden, ctx.rank, world)
-            dist.barrier()
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                module(h)
-            total = time.perf_counter() - t0
-        finally:
-            phases.undo()
-        inner = dict(phases.seconds)
-        inner["correction, projections, norm"] = total - sum(inner.values())
-        out["phases_s"] = inner
+        phases.wrap(state_passing, "chunk_initial_states", "summary all-gather + prefix")
+        _, out["phases_s"] = phases.time_forward(lambda: module(h), "correction, projections, norm", barrier=True)
         out["bytes"] = {}
         for s in byte_seqs:
             with counting(world) as traffic:

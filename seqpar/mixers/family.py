@@ -6,7 +6,7 @@ module can define its entry without an import cycle.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -16,7 +16,14 @@ from torch import Tensor, nn
 from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 
-__all__ = ["MixerFamily", "SwappedMixer"]
+__all__ = ["MixerFamily", "SwappedMixer", "is_transformers_class"]
+
+
+def is_transformers_class(module: nn.Module, names: Collection[str]) -> bool:
+    """Whether ``module``'s class is one of ``names`` and defined in transformers (not a look-alike of
+    the same name elsewhere, nor a swapped layer)."""
+    cls = type(module)
+    return cls.__name__ in names and cls.__module__.startswith("transformers.")
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,9 @@ class SwappedMixer(nn.Module):
     The original's parameters, buffers (persistent or not, as they were) and child modules are the
     same objects, registered in the same order: the state_dict is unchanged, and optimizers or engines
     that already hold the parameters keep working. :attr:`COPIED` names the plain attributes a family
-    reads (``None`` where the original lacks one). Swapping a swapped layer again (new options) keeps
-    the transformers class's name and module.
+    reads (``None`` where the original lacks one); a family whose transformers classes differ by a spec
+    names its table in :attr:`SPECS`, and each layer reads its class's as :attr:`spec`. Swapping a swapped
+    layer again (new options) keeps the transformers class's name and module.
 
     Args:
         original: the transformers layer, or a swapped one to re-swap with other options.
@@ -60,6 +68,9 @@ class SwappedMixer(nn.Module):
     """
 
     COPIED: ClassVar[tuple[str, ...]] = ("layer_idx",)
+    SPECS: ClassVar[Mapping[str, Any] | None] = None
+    """transformers class name -> what that class computes its own way (the family's spec table), read by
+    the one forward as ``self.spec``; None: the family has none."""
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
@@ -80,6 +91,8 @@ class SwappedMixer(nn.Module):
         self.sharding = sharding
         self.position_wise = position_wise
         self.mixer_kernels = mixer_kernels
+        if self.SPECS is not None:
+            self.spec = self.SPECS[self.original_class]
 
     @property
     def group(self) -> dist.ProcessGroup | None:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 
 __all__ = ["GDN_CLASSES", "GDN_SPECS", "DeltaNetSpec", "SeqParGatedDeltaNet", "is_gated_delta_net", "FAMILY"]
 
@@ -117,10 +117,9 @@ GDN_SPECS = GDN_CLASSES
 
 def is_gated_delta_net(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers GDN / KDA layer that seqpar can shard."""
-    cls = type(module)
-    spec = GDN_CLASSES.get(cls.__name__)
-    if spec is None or not cls.__module__.startswith("transformers."):
+    if not is_transformers_class(module, GDN_CLASSES):
         return False
+    spec = GDN_CLASSES[type(module).__name__]
     return (is_causal_depthwise_conv(getattr(module, "conv1d", None))
             and all(isinstance(getattr(module, name, None), nn.Module) for name in spec.required))
 
@@ -129,6 +128,9 @@ class SeqParGatedDeltaNet(SwappedMixer):
     """A sequence-parallel drop-in for a transformers GDN / KDA layer (:data:`GDN_CLASSES`); see
     :class:`seqpar.mixers.family.SwappedMixer` for the arguments."""
 
+    SPECS = GDN_SPECS
+    spec: DeltaNetSpec
+
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
         super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
@@ -136,7 +138,6 @@ class SeqParGatedDeltaNet(SwappedMixer):
         for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)
-        self.spec: DeltaNetSpec = GDN_CLASSES[self.original_class]
         # Qwen3-Next's fused projections are split by its own method
         self.fix_ordering = getattr(original, "fix_ordering", getattr(type(original), "fix_query_key_value_ordering",
                                                                       None))

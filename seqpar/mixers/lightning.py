@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
@@ -48,8 +48,7 @@ LIGHTNING_CLASSES = frozenset({"MiniMaxLightningAttention"})
 
 def is_lightning_attention(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers lightning attention layer that seqpar can shard."""
-    cls = type(module)
-    return (cls.__name__ in LIGHTNING_CLASSES and cls.__module__.startswith("transformers.")
+    return (is_transformers_class(module, LIGHTNING_CLASSES)
             and isinstance(getattr(module, "qkv_proj", None), nn.Linear)
             and isinstance(getattr(module, "slope_rate", None), Tensor))
 

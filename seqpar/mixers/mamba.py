@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
@@ -85,8 +85,7 @@ MAMBA_CLASSES = frozenset(MAMBA_SPECS)
 
 def is_mamba_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers Mamba (v1) mixer that seqpar can shard."""
-    cls = type(module)
-    if cls.__name__ not in MAMBA_CLASSES or not cls.__module__.startswith("transformers."):
+    if not is_transformers_class(module, MAMBA_CLASSES):
         return False
     conv = getattr(module, "conv1d", None)
     return (is_causal_depthwise_conv(conv)
@@ -164,6 +163,8 @@ class SeqParMambaMixer(SwappedMixer):
     :class:`seqpar.mixers.family.SwappedMixer` for the arguments. The class's :class:`MambaSpec` is :attr:`spec`."""
 
     COPIED = ("layer_idx", "ssm_state_size", "time_step_rank", "n_mamba_heads", "mamba_head_dim")
+    SPECS = MAMBA_SPECS
+    spec: MambaSpec
 
     def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
                  position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
@@ -171,7 +172,6 @@ class SeqParMambaMixer(SwappedMixer):
                          mixer_kernels=mixer_kernels)
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
-        self.spec: MambaSpec = MAMBA_SPECS[self.original_class]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:

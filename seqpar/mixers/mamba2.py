@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.ssd import ssd_shard
 
 __all__ = ["MAMBA2_CLASSES", "MAMBA2_SPECS", "Mamba2Spec", "SeqParMamba2Mixer", "is_mamba2_mixer",
@@ -84,8 +83,7 @@ _SPEC_ATTRIBUTES = tuple(sorted({name for spec in MAMBA2_SPECS.values()
 
 def is_mamba2_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers Mamba2 layer that seqpar can shard."""
-    cls = type(module)
-    if cls.__name__ not in MAMBA2_CLASSES or not cls.__module__.startswith("transformers."):
+    if not is_transformers_class(module, MAMBA2_CLASSES):
         return False
     conv = getattr(module, "conv1d", None)
     return (is_causal_depthwise_conv(conv)
@@ -101,12 +99,8 @@ class SeqParMamba2Mixer(SwappedMixer):
     :attr:`spec`."""
 
     COPIED = _ATTRIBUTES + _SPEC_ATTRIBUTES
-
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
-        self.spec: Mamba2Spec = MAMBA2_SPECS[self.original_class]
+    SPECS = MAMBA2_SPECS
+    spec: Mamba2Spec
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
 
@@ -44,9 +44,8 @@ RGLRU_CLASSES = frozenset({"RecurrentGemmaRecurrentBlock"})
 
 def is_recurrent_block(module: nn.Module) -> bool:
     """Whether ``module`` is a RecurrentGemma recurrent block that seqpar can shard."""
-    cls = type(module)
     conv = getattr(module, "conv_1d", None)
-    return (cls.__name__ in RGLRU_CLASSES and cls.__module__.startswith("transformers.")
+    return (is_transformers_class(module, RGLRU_CLASSES)
             and is_causal_depthwise_conv(conv)
             and isinstance(getattr(module, "rg_lru", None), nn.Module))
 

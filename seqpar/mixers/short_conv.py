@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer
+from seqpar.mixers.family import SwappedMixer, is_transformers_class
 
 __all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
 
@@ -38,8 +38,7 @@ the three are the same code)."""
 
 def is_short_conv(module: nn.Module) -> bool:
     """Whether ``module`` is an LFM2-family gated short convolution layer that seqpar can shard."""
-    cls = type(module)
-    if cls.__name__ not in SHORT_CONV_CLASSES or not cls.__module__.startswith("transformers."):
+    if not is_transformers_class(module, SHORT_CONV_CLASSES):
         return False
     conv = getattr(module, "conv", None)
     return (is_causal_depthwise_conv(conv)
