@@ -82,20 +82,49 @@ def test_choose_ulysses_size() -> None:
     assert choose_ulysses_size(4, node_size=1) == 1
 
 
+def theory_bytes(mode: str, world: int, heads: tuple[int, int], u: int, dkv_bytes: int) -> int:
+    """Bytes one rank sends in one forward + backward of :func:`test_ulysses._count_all_to_all`'s call
+    (batch 2, 8 tokens a rank, head dim 16, fp32), by hand.
+
+    Ulysses over ``u`` ranks (``u = P``; the hybrid's inner axis): to each of the other u - 1 ranks its tokens
+    of that rank's heads, forward q, k, v (hq / u query and max(hkv / u, 1) kv heads each for K and V) then
+    the output (hq / u), backward dout then dq, dk, dv: the same again. Ring over ``P / u`` (super-)ranks,
+    each holding u x 8 tokens of max(hkv / u, 1) kv heads: P / u - 1 hops of its K and V forward, again
+    backward, plus the dK/dV at ``dkv_bytes`` a value."""
+    hq, hkv = heads
+    tokens, d, elem = 2 * 8, 16, 4  # batch x seq_local, head dim, fp32
+    kv_per = max(hkv // u, 1)
+    a2a = 2 * (u - 1) * (hq // u + 2 * kv_per + hq // u) * tokens * d * elem  # forward + backward
+    hops = world // u - 1
+    kv_values = 2 * kv_per * u * tokens * d  # K and V of one (super-)rank
+    ring = hops * kv_values * (elem + elem + dkv_bytes) if mode in ("ring", "hybrid") else 0
+    return (a2a if mode != "ring" else 0) + ring
+
+
 @pytest.mark.parametrize("world, heads, u, wire", [(2, (4, 4), None, "fp32"), (4, (8, 2), 2, "fp32"),
                                                     (4, (8, 2), 2, "bf16")])
 def test_modelled_bytes_are_the_counted_bytes(dist_pool, world: int, heads: tuple[int, int], u: int | None,
                                               wire: str) -> None:
     """What the model charges a rank = what torch's entry points see leave it: all-to-all buffers less
     the slot a rank keeps, plus the hybrid ring's point-to-point bytes (its dK/dV in bf16 with the bf16
-    wire: the model must not charge fp32 for them)."""
+    wire: the model must not charge fp32 for them); and both = the hand-written :func:`theory_bytes` (the
+    ring model too, at the same shape: a dense ring of P ranks), so model and code cannot agree on a wrong
+    count. Seen failing (2026-11-29): ``_ring_cost`` counting ``world`` hops instead of ``world - 1``
+    (``seqpar/attn/choose.py``) fails all three cases: the hybrid ones against theory (and against the
+    counted bytes, which the old test saw too), the Ulysses one on the ring's theory (the old test passed it)."""
     got = dist_pool.run(world, _count_all_to_all, heads, 1, u, wire)
-    c = CallShape(2, heads[0], heads[1], 8, 16, 4, True, world, u or 1, dkv_bytes=2 if wire == "bf16" else 4)
-    (cost,) = mode_costs(c, Links(), ["ulysses" if u is None else "hybrid"])
+    dkv_bytes = 2 if wire == "bf16" else 4
+    c = CallShape(2, heads[0], heads[1], 8, 16, 4, True, world, u or 1, dkv_bytes=dkv_bytes)
+    mode = "ulysses" if u is None else "hybrid"
+    (cost,) = mode_costs(c, Links(), [mode])
     slots = u or world
+    want = theory_bytes(mode, world, heads, slots, dkv_bytes)
+    assert cost.bytes_sent == want, (mode, cost, want)
+    (ring,) = mode_costs(c, Links(), ["ring"])
+    assert ring.bytes_sent == theory_bytes("ring", world, heads, 1, dkv_bytes), (ring, world, heads)
     for g in got:
         counted = sum(g["fwd"]["a2a"]) + sum(g["bwd"]["a2a"])
-        assert cost.bytes_sent == counted * (slots - 1) // slots + g["fwd"]["p2p"] + g["bwd"]["p2p"], (cost, g)
+        assert counted * (slots - 1) // slots + g["fwd"]["p2p"] + g["bwd"]["p2p"] == want, (cost, g, want)
 
 
 # ------------------------------------------------------------------------------ distributed
