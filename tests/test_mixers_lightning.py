@@ -38,7 +38,10 @@ def tiny(dtype: torch.dtype, layer_types: tuple[str, ...] = ("linear_attention",
     cfg = transformers.MiniMaxConfig(
         vocab_size=61, hidden_size=32, intermediate_size=32, num_hidden_layers=len(layer_types), num_attention_heads=4,
         num_key_value_heads=4, head_dim=8, layer_types=list(layer_types), block_size=BLOCK, num_local_experts=2,
-        num_experts_per_tok=1, initializer_range=0.2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        num_experts_per_tok=2, initializer_range=0.2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    # two experts per token: with one, MiniMax renormalises the routing weight to exactly 1 and the router's
+    # gradient is 0, so no test could see an error in it (seen: the router's reduced gradient doubled at SP > 1
+    # passed test_minimax_sharded_equals_each_document_alone with one expert per token, fails with two).
     # grouped_mm (the MoE default) has no float64
     return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(dtype)
 
