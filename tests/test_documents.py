@@ -250,21 +250,35 @@ def _ring_bytes(world: int, cu: list[int] | None, window: int | None, seed: int 
 def test_ring_sends_blocks_only_as_far_as_they_are_seen() -> None:
     """P = 4, contiguous, causal. Documents all shorter than a shard: one hop, not P - 1; a document
     over three shards: block 0 makes two hops, the others one or none (no rank needs the last block),
-    and each dK/dV accumulator goes home in one message from its last rank. Bytes per rank equal the
-    hop plan's theory exactly, against P - 1 hops of everything for the dense ring."""
+    and each dK/dV accumulator goes home in one message from its last rank. Bytes per rank equal a
+    count by hand, and the bench's hop-plan theory (seqpar.bench.documents.ring_bytes_theory) agrees, against
+    P - 1 hops of everything for the dense ring.
+
+    The hand count, in K/V blocks of one rank: block j makes hops[j] hops forward and the same again in the
+    backward (rank j + s - 1 passes it on at step s), and its accumulator one message per hop (each rank
+    it visited passes it on, the last one home). hops (1, 1, 1, 0): rank 0 sends its block twice; ranks 1
+    and 2 their block twice and the accumulator of the block before once (3); rank 3 only block 2's
+    accumulator (1). hops (2, 1, 1, 0): rank 1 also passes block 0 on twice and rank 2 sends block 0's
+    accumulator home (5 and 4). Dense: 3 hops twice and 3 accumulator messages (9).
+
+    Seen failing: with ring_bytes_theory sending an accumulator message at every step for any block with a
+    hop (``if hops[(r - s) % world]``, not ``s <= hops``), the bench's theory fails the hand count (blocks
+    [4, 4, 4, 3] against [2, 3, 3, 1]); before, the counted bytes were checked against that function alone."""
     world, seq_local = 4, 24
     block = 2 * 2 * seq_local * 8 * 4  # K and V of one rank: 2 heads, head_dim 8, fp32
     short = [0, 5, 17, 30, 41, 50, 66, 77, 90, 96]  # every document shorter than a shard (24)
     sent, hops = _ring_bytes(world, short, None)
-    assert hops == (1, 1, 1, 0) and sent == ring_bytes_theory(hops, world, block), (hops, sent)
-    assert max(sent) == 3 * block  # one hop of K/V each way and one accumulator message
+    assert hops == (1, 1, 1, 0) and sent == [2 * block, 3 * block, 3 * block, block], (hops, sent)
+    assert ring_bytes_theory(hops, world, block) == sent
     spanning = [0, 10, 60, 96]  # [10, 60) spans shards 0, 1, 2
     sent, hops = _ring_bytes(world, spanning, None)
-    assert hops == (2, 1, 1, 0) and sent == ring_bytes_theory(hops, world, block), (hops, sent)
+    assert hops == (2, 1, 1, 0) and sent == [2 * block, 5 * block, 4 * block, block], (hops, sent)
+    assert ring_bytes_theory(hops, world, block) == sent
     sent, hops = _ring_bytes(world, None, 7)  # a window shorter than a shard: one hop
-    assert hops == (1, 1, 1, 0) and sent == ring_bytes_theory(hops, world, block), (hops, sent)
+    assert hops == (1, 1, 1, 0) and sent == [2 * block, 3 * block, 3 * block, block], (hops, sent)
     dense, hops = _ring_bytes(world, None, None)
     assert hops == (3,) * world and dense == [9 * block] * world, (hops, dense)
+    assert ring_bytes_theory(hops, world, block) == dense
 
 
 def _long_tailed(seq: int, seed: int) -> tuple[int, ...]:

@@ -24,6 +24,15 @@ def llama8b(caps: DeviceCaps, seq_local: int, world: int = 8, batch: int = 1) ->
     return GpuCall(caps, batch, 32, 8, seq_local, 128, 128, 2, world)
 
 
+def llama8b_transients(seq_local: int) -> int:
+    """GpuCall.transient_bytes of :func:`llama8b` at P = 8, by hand: the all-gather's side is the larger (8
+    ranks' K/V blocks of 65536 x 8 heads x (128 + 128) values, bf16, and their fp32 dK/dV: 8 x 6 bytes a value,
+    against the ring's 3 x 2 + 2 x 4), plus fp32 dq and out accumulators (q and out: seq_local x 32 heads x 128,
+    4 bytes) and one hop's kernel outputs (q, out and a K/V block, bf16)."""
+    kv, qo = seq_local * 8 * (128 + 128), 2 * seq_local * 32 * 128
+    return 8 * kv * (2 + 4) + qo * 4 + (qo + kv) * 2
+
+
 def test_cpu_rule_unchanged() -> None:
     """Without a GPU call: the largest divisor of the K/V heads up to 4, as before."""
     assert [resolve_head_chunks("auto", kv) for kv in (1, 2, 3, 4, 6, 8, 12, 32)] == [1, 2, 3, 4, 3, 4, 4, 4]
@@ -37,6 +46,7 @@ def test_one_pass_when_the_call_fits(caps: DeviceCaps, seq_local: int) -> None:
     """Llama-3-8B heads at 4K-128K tokens per rank, P = 8: the transients fit in a quarter of an
     H100 / H200, so "auto" is one pass (where the CPU rule gave 4)."""
     call = llama8b(caps, seq_local)
+    assert call.transient_bytes() == llama8b_transients(seq_local)  # 9.25 GiB at 64K: not the rule's own figure
     assert call.transient_bytes() <= AUTO_MEMORY_FRACTION * caps.total_memory
     assert resolve_head_chunks("auto", 8, call) == 1
     assert resolve_head_chunks(2, 8, call) == 2  # an explicit count is taken as it is
@@ -44,9 +54,15 @@ def test_one_pass_when_the_call_fits(caps: DeviceCaps, seq_local: int) -> None:
 
 def test_fewest_passes_that_fit_when_it_does_not() -> None:
     """A device too small for the unchunked call: the fewest passes (a divisor of the K/V heads)
-    whose share of the transients fits, and no fewer; larger devices need fewer passes."""
+    whose share of the transients fits, and no fewer; larger devices need fewer passes. The devices are
+    sized from the transients counted by hand (:func:`llama8b_transients`), not from the rule's own estimate.
+
+    Seen failing: with GpuCall.transient_bytes leaving out the all-gather's gathered K/V (the ring's side only,
+    4.25 GiB less at 64K), this test and test_one_pass_when_the_call_fits passed when the devices were sized
+    from transient_bytes() itself (14 passed); with the hand count 11 of 14 cases fail."""
     call = llama8b(H100, 65536)
-    need = call.transient_bytes()
+    need = llama8b_transients(65536)
+    assert call.transient_bytes() == need, (call.transient_bytes(), need)
     for passes in (2, 4, 8):
         # a device on which exactly `passes` passes fit (just), fewer do not
         memory = int(need / passes / AUTO_MEMORY_FRACTION) + 1

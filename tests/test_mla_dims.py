@@ -256,6 +256,10 @@ def test_cost_and_memory_models_count_v_head_dim() -> None:
     # ring: 3 steps of K (192) + V (128) per rank, each 2 bytes forward and backward plus fp32 dK/dV
     assert mla["ring"] == 3 * 8 * 1024 * (192 + 128) * (2 * 2 + 4)
     assert mla["ulysses"] * 2 * 192 == wide["ulysses"] * (192 + 128)
+    # ... and by hand, as the ratio above holds for any Ulysses count that scales with the head dims: 3/4 of
+    # q + out (8 heads) and k + v (8 heads), each 192 + 128 values a row, leave the rank forward and backward.
+    # Seen failing: mode_costs' Ulysses charging the whole (u, not (u - 1) / u) passes the ratio, fails this.
+    assert mla["ulysses"] == 3 * 2 * 1024 * (8 + 8) * (192 + 128) * 2 // 4
     kw = dict(world_size=4, mode="ring", batch=1, q_heads=8, kv_heads=8, dtype=torch.bfloat16)
     assert estimate_attention_memory(4096, head_dim=192, v_head_dim=192, **kw) == \
         estimate_attention_memory(4096, head_dim=192, **kw)

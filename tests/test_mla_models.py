@@ -166,15 +166,30 @@ def test_latent_ring_bytes_per_layer(dist_pool, world: int, mode: str) -> None:
     seqpar.attn.latent.ring_bytes_per_rank for both transfers: the two runs differ by exactly
     layers x (expanded - latent), and what is left beyond the attention rings (the loss's label
     shift, the loss's all-reduces) is the same in both. The all-gather moves the same volume as the ring:
-    P-1 blocks gathered forward and again backward, P-1 gradient blocks reduce-scattered."""
+    P-1 blocks gathered forward and again backward, P-1 gradient blocks reduce-scattered.
+
+    The theory by hand (tiny DeepSeek-V3: 2 layers, 4 heads, kv_lora_rank 12, rope 4, nope 6, v 6, float64):
+    per layer P-1 blocks of SEQ/P tokens, sent forward and again backward (8 bytes a value) and P-1 fp64
+    accumulators (8 bytes), of 12 + 4 = 16 values a token (latent) or 4 x (6 + 4 + 6) = 64 (expanded K and V).
+    ring_bytes_per_rank, the estimator the dynamic planner reads, must give the same.
+
+    Seen failing: with ring_bytes_per_rank counting P hops instead of P - 1, the estimator's check fails
+    (18432 / 73728 against 9216 / 36864 at P = 2); the old test, whose only theory was that estimator, failed
+    too (the latent and expanded remainders differ), as the estimator is not on the ring's path; the counted
+    bytes now meet the hand theory whatever the estimator says."""
     from seqpar.attn.latent import MLADims, ring_bytes_per_rank
 
     cfg = tiny_mla("deepseek_v3").config
     dims = MLADims(cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                    cfg.kv_lora_rank)
-    theory = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world, transfer=t,
-                                                             elem_bytes=8, acc_bytes=8)
-              for t in ("latent", "expanded")}
+    assert (cfg.num_hidden_layers, dims.heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim,
+            dims.v_head_dim) == (2, 4, 12, 4, 6, 6), "the hand theory below is for these dims"
+    theory = {t: 2 * (world - 1) * (SEQ // world) * width * (2 * 8 + 8)
+              for t, width in (("latent", 12 + 4), ("expanded", 4 * (6 + 4 + 6)))}
+    estimated = {t: cfg.num_hidden_layers * ring_bytes_per_rank(dims, seq_local=SEQ // world, world=world,
+                                                                transfer=t, elem_bytes=8, acc_bytes=8)
+                 for t in ("latent", "expanded")}
+    assert estimated == theory, (estimated, theory)
     counted = {t: dist_pool.run(world, _ring_bytes, t, mode, timeout=300) for t in ("latent", "expanded")}
     for rank in range(world):
         rest = {t: counted[t][rank] - theory[t] for t in theory}
