@@ -60,13 +60,24 @@ def test_visible_pairs_equal_the_attention_planners_count(causal: bool, window: 
 
 
 def test_ring_bytes_equal_the_hop_theory_of_the_dense_ring() -> None:
+    """By hand: a rank of a dense ring of ``P`` sends ``P - 1`` K/V blocks forward, ``P - 1`` again in the
+    backward and ``P - 1`` dK/dV accumulators, each ``local x kv_width`` values (K/V at ``elem_bytes``, the
+    accumulators at ``acc_bytes``), per layer; and the bench's hop-plan theory agrees.
+    Seen failing (the hand values): the estimator counting ``P`` hops instead of ``P - 1``."""
     from seqpar.bench.documents import ring_bytes_theory
 
     cost = CostModel(kv_width=6, elem_bytes=4, acc_bytes=4)  # the theory's fp32 K/V and accumulators
-    for size, local in ((1, 10), (2, 12), (4, 8), (8, 3)):
+    # (P, local): 3 (P - 1) x local x 6 values x 4 bytes
+    hand = {(1, 10): 0, (2, 12): 3 * 1 * 12 * 6 * 4, (4, 8): 3 * 3 * 8 * 6 * 4, (8, 3): 3 * 7 * 3 * 6 * 4}
+    assert hand == {(1, 10): 0, (2, 12): 864, (4, 8): 1728, (8, 3): 1512}
+    for (size, local), want in hand.items():
+        assert ring_bytes_per_rank(local, size, cost) == want, (size, local)
         block = local * cost.kv_width * cost.elem_bytes  # one rank's K and V
         theory = ring_bytes_theory((size - 1,) * size, size, block)
-        assert all(ring_bytes_per_rank(local, size, cost) == t for t in theory), (size, theory)
+        assert theory == [want] * size, (size, theory)
+    # bf16 K/V, fp32 accumulators, 2 layers: per hop and value 2 + 2 + 4 bytes
+    bf16 = CostModel(kv_width=6, elem_bytes=2, acc_bytes=4, layers=2)
+    assert ring_bytes_per_rank(8, 4, bf16) == 3 * 8 * 6 * (2 + 2 + 4) * 2 == 2304
 
 
 def _check_plan(plan: DynamicPlan, lengths: list[int], pool: int, budget: int, min_size: int, cost: CostModel,
