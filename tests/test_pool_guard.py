@@ -89,3 +89,39 @@ def test_seqpar_installing_its_own_dispatcher_is_not_a_leak():
         pool.run(_import_mixtral)
         assert pool.run(_swap_a_moe_model) == [True]
         assert not pool.closed
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+from seqpar.testing.ranks import RankPool
+pool = RankPool(2, timeout=60)
+print(" ".join(str(p) for p in pool.pids), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the ranks are left to notice
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ranks_leave_when_the_process_that_started_them_is_killed() -> None:
+    """A process that starts a rank pool and is killed (SIGKILL: a test runner's timeout, an OOM kill) cannot
+    stop its ranks; they notice within ``OWNER_POLL_S`` that it is gone and exit, instead of waiting on their
+    task queues for ever (daemonic processes are only reaped by an owner that exits normally).
+    Seen failing: ``_next_task`` waiting with a plain ``tasks.get()`` (the orphaned ranks and their fork server
+    kept the child's output pipes open: ``subprocess.run`` timed out after 90 s, and they were still running)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from seqpar.testing.ranks import OWNER_POLL_S, owner_alive
+
+    proc = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-2000:])
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2 and all(p > 0 for p in pids), proc.stdout
+    deadline = time.monotonic() + max(30.0, 10 * OWNER_POLL_S)
+    while time.monotonic() < deadline and any(owner_alive(p) for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if owner_alive(p)]
+    for p in alive:  # don't leak them from the test either
+        os.kill(p, 9)
+    assert not alive, f"ranks {alive} outlived their pool's owner"

@@ -67,6 +67,36 @@ __all__ = [
 
 _STOP = "__stop__"
 _READY = "__ready__"
+OWNER_POLL_S = 2.0  # how often an idle rank checks that the process that started its pool is still there
+
+
+def owner_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, killed and not yet reaped, does not: Linux's
+    ``/proc/<pid>/stat`` state ``Z``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _next_task(tasks: Any, owner: int | None) -> Any:
+    """A rank's next message, or ``None`` once the pool's owner is gone: a process killed (SIGKILL, a test
+    runner's timeout) before it could stop its ranks would otherwise leave them waiting here for ever."""
+    while True:
+        try:
+            return tasks.get(timeout=OWNER_POLL_S)
+        except queue.Empty:
+            if owner is not None and not owner_alive(owner):
+                return None
 _START_TIMEOUT_S = 120.0
 # After one rank fails, how long the others get to finish before the pool is declared stuck.
 _GRACE_S = 5.0
@@ -337,10 +367,11 @@ def _start_method(device: str) -> Any:
 
 def _worker(
     rank: int, world: int, port: int, device: str, threads: int, pg_timeout_s: float, tasks: Any, results: Any,
-    guard_modules: tuple[str, ...] | None = None, environ: dict[str, str] | None = None,
+    guard_modules: tuple[str, ...] | None = None, environ: dict[str, str] | None = None, owner: int | None = None,
 ) -> None:
-    """One rank: join the process group, then run tasks until told to stop. ``environ``: the parent's
-    environment when it started the pool (a forked rank would otherwise have the fork server's)."""
+    """One rank: join the process group, then run tasks until told to stop, or until ``owner`` (the process
+    that started the pool) is gone. ``environ``: the parent's environment when it started the pool (a forked
+    rank would otherwise have the fork server's)."""
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
@@ -357,7 +388,9 @@ def _worker(
     own_groups = _process_groups()
     clean_threads = _threads()
     while True:
-        msg = tasks.get()
+        msg = _next_task(tasks, owner)
+        if msg is None:  # orphaned: no barrier (the peers may be mid-task or gone), just leave
+            os._exit(0)
         if msg == _STOP:
             break
         task_id, payload = msg
@@ -433,7 +466,7 @@ class RankPool:
             ctx.Process(
                 target=_worker,
                 args=(r, world_size, port, device, threads, pg_timeout_s, self._tasks[r], self._results,
-                      tuple(guard_modules) if guard_modules else None, dict(os.environ)),
+                      tuple(guard_modules) if guard_modules else None, dict(os.environ), os.getpid()),
                 name=f"seqpar-rank{r}-of{world_size}", daemon=True,
             )
             for r in range(world_size)
@@ -454,6 +487,11 @@ class RankPool:
         except BaseException:
             self.kill()
             raise
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The ranks' process ids (``None`` before a rank started)."""
+        return [p.pid for p in self._procs]
 
     @property
     def closed(self) -> bool:
