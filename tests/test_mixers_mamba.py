@@ -102,9 +102,15 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
     data = _scan_inputs(2, 2, 3, 4, seq, torch.float32)
     traffic, layout = scan_traffic(world, data, SEQ_NAMES, -1, sharding,
                                    functools.partial(_sharded_scan, sharding=sharding))
-    # (local chunks, heads, batch, d, d_state) fp32, for the transition and for the state
-    summary = torch.empty(layout.chunks, 2, 2, 3, 4, dtype=torch.float32)
-    return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(summary, summary, world), dict(traffic.calls)
+    # by hand: a rank holds one chunk of the document (contiguous) or two (zigzag), and its all-gather forwards
+    # each other rank's (transition, state) summaries once: (P - 1) x chunks x 2 x (heads 2 x batch 2 x d 3 x
+    # d_state 4) fp32 values (the layout the scan ran with must agree)
+    chunks = 2 if sharding == "zigzag" else 1
+    assert layout.chunks == chunks, layout
+    theory = (world - 1) * chunks * 2 * (2 * 2 * 3 * 4) * 4
+    summary = torch.empty(chunks, 2, 2, 3, 4, dtype=torch.float32)
+    assert summary_bytes(summary, summary, world) == theory  # the library's formula, on the same shapes
+    return traffic.collective_bytes, traffic.p2p_bytes, theory, dict(traffic.calls)
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])

@@ -124,10 +124,15 @@ def _summary_traffic(rank: int, world: int, sharding: str, seq: int) -> tuple[in
     data = _scan_inputs(2, seq, torch.float32)
     traffic, layout = scan_traffic(world, data, SEQ_NAMES, 1, sharding,
                                    functools.partial(_sharded_scan, sharding=sharding, chunk_size=8))
-    # per local chunk: the transition (batch, heads) and the state (batch, heads, head_dim, d_state), fp32
-    transition = torch.empty(layout.chunks, 2, HEADS, dtype=torch.float32)
-    state = torch.empty(layout.chunks, 2, HEADS, HEAD_DIM, STATE, dtype=torch.float32)
-    return traffic.collective_bytes, traffic.p2p_bytes, summary_bytes(transition, state, world), dict(traffic.calls)
+    # by hand: one chunk of the document per rank (contiguous) or two (zigzag); per chunk the transition
+    # (batch 2, heads) and the state (batch 2, heads, head_dim, d_state), fp32, forwarded once to each other rank
+    chunks = 2 if sharding == "zigzag" else 1
+    assert layout.chunks == chunks, layout
+    theory = (world - 1) * chunks * (2 * HEADS + 2 * HEADS * HEAD_DIM * STATE) * 4
+    transition = torch.empty(chunks, 2, HEADS, dtype=torch.float32)
+    state = torch.empty(chunks, 2, HEADS, HEAD_DIM, STATE, dtype=torch.float32)
+    assert summary_bytes(transition, state, world) == theory  # the library's formula, on the same shapes
+    return traffic.collective_bytes, traffic.p2p_bytes, theory, dict(traffic.calls)
 
 
 @pytest.mark.parametrize("world,sharding", [(2, "contiguous"), (4, "zigzag")])
