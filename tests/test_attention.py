@@ -84,6 +84,17 @@ def _gather_results(per_rank: list, world: int, sharding: str, idx: int) -> list
     return [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, sharding) for j in range(4)]
 
 
+def _assert_exact(per_rank: list, world: int, cases: list, labels: list) -> None:
+    """Each of ``cases`` (as :func:`run_cases` took them) gathered from ``per_rank``: out, dq, dk and dv equal
+    the float64 :func:`reference` within 1e-5; a failure names the tensor and ``labels[idx]``."""
+    for idx, ((case, _mode, sharding, causal, scale), label) in enumerate(zip(cases, labels, strict=True)):
+        got = _gather_results(per_rank, world, sharding, idx)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, scale)):
+            torch.testing.assert_close(
+                g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name, c=label: f"{n} {c}: {s}"
+            )
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_exact_fp32(dist_pool, world: int) -> None:
     cases, meta = [], []
@@ -93,13 +104,7 @@ def test_exact_fp32(dist_pool, world: int) -> None:
         cases.append((case, mode, sharding, causal, scale))
         meta.append((mode, sharding, causal, heads, scale))
     per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240)
-    for idx, ((case, _mode, sharding, causal, scale), m) in enumerate(zip(cases, meta)):
-        got = _gather_results(per_rank, world, sharding, idx)
-        want = reference(case, causal, scale)
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-            torch.testing.assert_close(
-                g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name, m=m: f"{n} {m}: {s}"
-            )
+    _assert_exact(per_rank, world, cases, meta)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -111,13 +116,8 @@ def test_head_chunks_are_exact(dist_pool, world: int) -> None:
         cases.append((make_case(50 + 10 * world + i, world, (8, 4, 24)), "ring", sharding, causal, None))
     for chunks in (1, 2, 4):
         per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240, head_chunks=chunks)
-        for idx, (case, _mode, sharding, causal, _scale) in enumerate(cases):
-            got = _gather_results(per_rank, world, sharding, idx)
-            for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, None)):
-                torch.testing.assert_close(
-                    g.double(), w, rtol=1e-5, atol=1e-5,
-                    msg=lambda s, n=name, c=(chunks, sharding, causal): f"{n} head_chunks/sharding/causal={c}: {s}",
-                )
+        _assert_exact(per_rank, world, cases, [f"head_chunks/sharding/causal={(chunks, sharding, causal)}"
+                                               for _case, _mode, sharding, causal, _scale in cases])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -130,13 +130,8 @@ def test_overlap_off_is_exact(dist_pool, world: int) -> None:
     for i, (mode, sharding, causal, heads) in enumerate(combos):
         cases.append((make_case(700 + 40 * world + i, world, heads), mode, sharding, causal, None))
     per_rank = dist_pool.run(world, run_cases, cases, torch.float32, timeout=240, overlap=False)
-    for idx, (case, mode, sharding, causal, _scale) in enumerate(cases):
-        got = _gather_results(per_rank, world, sharding, idx)
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, None)):
-            torch.testing.assert_close(
-                g.double(), w, rtol=1e-5, atol=1e-5,
-                msg=lambda s, n=name, c=(mode, sharding, causal, case["k"].shape): f"{n} overlap=False {c}: {s}",
-            )
+    _assert_exact(per_rank, world, cases, [f"overlap=False {(mode, sharding, causal, case['k'].shape)}"
+                                           for case, mode, sharding, causal, _scale in cases])
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -100,6 +100,18 @@ def test_single_process_matches_cross_entropy():
         sequence_parallel_loss(logits, targets[:, :-1])
 
 
+def _assert_matches_reference(loss: torch.Tensor, ref_loss: torch.Tensor, model: torch.nn.Module,
+                              ref: torch.nn.Module) -> None:
+    """The swapped ``model``'s loss is the single-process ``ref``'s, and every parameter's gradient summed
+    over the SP ranks is ``ref``'s (both already backpropagated)."""
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.sequence.loss)
+        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
+
+
 def _llama_end_to_end(rank: int, world_size: int, sharding: str, seq_len: int) -> float:
     """A padded (non-dividing) length: shard_batch + swap + loss == the model's own loss at SP=1."""
     from test_swap import build_model
@@ -120,12 +132,7 @@ def _llama_end_to_end(rank: int, world_size: int, sharding: str, seq_len: int) -
     logits = model(**batch).logits
     loss = sequence_parallel_loss(logits, shift_labels, group=dist.group.WORLD)
     loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.sequence.loss)
-        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
+    _assert_matches_reference(loss, ref_loss, model, ref)
     return loss.item()
 
 
@@ -165,12 +172,7 @@ def _hf_labels_loss(rank: int, world_size: int, sharding: str, how: str) -> floa
         local_ids, local_labels = (shard_sequence(t, 1, group=dist.group.WORLD, sharding=sharding) for t in (ids, labels))
         loss = model(input_ids=local_ids, labels=local_labels, **extra).loss
     loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    ref_params = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        grad = p.grad.clone()
-        dist.all_reduce(grad)  # SUM over SP ranks (see seqpar.sequence.loss)
-        torch.testing.assert_close(grad, ref_params[name].grad, rtol=1e-4, atol=1e-5)
+    _assert_matches_reference(loss, ref_loss, model, ref)
 
     if how != "labels":
         return loss.item()

@@ -283,18 +283,24 @@ def test_bamba_z_loss_is_the_sequence_mean(dist_pool) -> None:
 
 
 # ----------------------------------------------------------------------------- expert counts
-def _glm4_moe():  # noqa: ANN202
-    config = transformers.Glm4MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, tie_word_embeddings=False)
+def _with_correction_bias(cls: type, config: object):  # noqa: ANN202
+    """``cls(config)`` (seed 0) with a random e_score_correction_bias in every router: HF initialises it to
+    zeros, which would leave the bias-corrected expert choice untested."""
     torch.manual_seed(0)
-    model = transformers.Glm4MoeForCausalLM(config)
+    model = cls(config)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.1)
     return model
+
+
+def _glm4_moe():  # noqa: ANN202
+    config = transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=0, tie_word_embeddings=False)
+    return _with_correction_bias(transformers.Glm4MoeForCausalLM, config)
 
 
 def _deepseek_v3():  # noqa: ANN202
@@ -303,13 +309,7 @@ def _deepseek_v3():  # noqa: ANN202
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
         n_shared_experts=1, first_k_dense_replace=0, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn_like(buf) * 0.1)
-    return model
+    return _with_correction_bias(transformers.DeepseekV3ForCausalLM, config)
 
 
 _COUNTED = {"glm4_moe": _glm4_moe, "deepseek_v3": _deepseek_v3}

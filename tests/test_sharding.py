@@ -64,13 +64,17 @@ def test_shard_gather_round_trip_and_grads(dist_pool, world: int) -> None:
                 )
 
 
-def _bad_gather(rank: int, world: int) -> str:
-    x = torch.randn(2, 4 if rank == 0 else 6, 3)
+def _gather_error(x: torch.Tensor) -> str:
+    """The ValueError ``gather_sequence(x, 1)`` raises on this rank ("" if none)."""
     try:
         seqpar.gather_sequence(x, 1, group=torch.distributed.group.WORLD)
     except ValueError as e:
         return str(e)
     return ""
+
+
+def _bad_gather(rank: int, world: int) -> str:
+    return _gather_error(torch.randn(2, 4 if rank == 0 else 6, 3))
 
 
 def test_gather_with_unequal_shards_fails_on_every_rank(dist_pool) -> None:
@@ -193,12 +197,7 @@ def test_each_sp_group_shards_and_gathers_its_own_sequence(dist_pool) -> None:
 
 
 def _bad_shape(rank: int, world: int) -> str:
-    x = torch.randn(2, 4, 3 if rank == 0 else 5)  # same length, different hidden size
-    try:
-        seqpar.gather_sequence(x, 1, group=torch.distributed.group.WORLD)
-    except ValueError as e:
-        return str(e)
-    return ""
+    return _gather_error(torch.randn(2, 4, 3 if rank == 0 else 5))  # same length, different hidden size
 
 
 def test_gather_with_unequal_shapes_fails_on_every_rank(dist_pool) -> None:

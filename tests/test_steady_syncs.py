@@ -51,17 +51,23 @@ def _host_work() -> collections.Counter:
 
 
 # ----------------------------------------------------------------------------------- TP clipping
+def clip_layer(checker: SyncChecker) -> None:
+    """TP gradient clipping as ``checker``'s layer "clip_grad_norm": an fp32 and a bf16 parameter with
+    gradients, made under the caller's FakeTensorMode on fake CUDA (also used by tests/test_sync_checker.py)."""
+    params = [torch.empty(4, 3, device="cuda", requires_grad=True),
+              torch.empty(5, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    with checker.layer("clip_grad_norm"):
+        clip_grad_norm(params, 1.0)
+
+
 def test_tp_clip_makes_no_sync_on_fake_cuda() -> None:
     """clip_grad_norm as a layer of the fake-CUDA checker: any host read (main's ``total.item()``)
     raises HostSyncError naming the line."""
     with fake_rank(0, 2), simulated_gpu("h100"), FakeTensorMode(allow_non_fake_inputs=True), \
             SyncChecker() as checker:
-        params = [torch.empty(4, 3, device="cuda", requires_grad=True),
-                  torch.empty(5, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
-        for p in params:
-            p.grad = torch.empty_like(p)
-        with checker.layer("clip_grad_norm"):
-            clip_grad_norm(params, 1.0)
+        clip_layer(checker)
     assert not checker.events, checker.events
 
 

@@ -229,20 +229,15 @@ def test_steady_state_clip_and_router_make_no_sync(world: int) -> None:
     mask (main built its count with ``torch.tensor(n, device="cuda")``, a blocking copy) and Doge's
     product-key statistics, each as a layer on bf16 fake CUDA tensors: no sync at all, not even per batch."""
     import torch.distributed as dist
+    from test_steady_syncs import clip_layer
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from seqpar.integrations.tp import clip_grad_norm
     from seqpar.sequence.router import pkm_routing_statistics, sequence_parallel_z_loss
     from seqpar.testing.syncs import SyncChecker, fake_rank, simulated_gpu
 
     with fake_rank(0, world), simulated_gpu("h100"), FakeTensorMode(allow_non_fake_inputs=True), \
             SyncChecker() as checker:
-        params = [torch.empty(4, 3, device="cuda", requires_grad=True),
-                  torch.empty(5, device="cuda", dtype=torch.bfloat16, requires_grad=True)]
-        for p in params:
-            p.grad = torch.empty_like(p)
-        with checker.layer("clip_grad_norm"):
-            clip_grad_norm(params, 1.0)
+        clip_layer(checker)
         logits = torch.empty(1, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         with checker.layer("z_loss"):
             sequence_parallel_z_loss(logits, group=dist.group.WORLD)

@@ -44,12 +44,14 @@ from seqpar.attn.common import (
     block_calls,
     block_grads,
     forward_block,
+    function_backward,
+    function_forward,
     packed_views,
 )
 from seqpar.attn.plan import BlockCall, head_chunk_slices
 from seqpar.comm.compat import all_gather_into, reduce_scatter_into
 from seqpar.comm.ring import Pending
-from seqpar.kernels import Partials, add_sink, lse_dtype, sink_grad
+from seqpar.kernels import Partials, add_sink, lse_dtype
 
 __all__ = ["allgather_forward", "allgather_backward", "AllGatherAttention"]
 
@@ -255,15 +257,8 @@ class AllGatherAttention(torch.autograd.Function):
         ctx, q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, opts: AttentionOptions,
         sinks: Tensor | None = None,
     ) -> Tensor:
-        out_acc, lse = allgather_forward(q, k, v, group, opts, sinks)
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.group, ctx.opts = group, opts
-        return out
+        return function_forward(ctx, allgather_forward, q, k, v, group, opts, sinks)
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = allgather_backward(dout, q, k, v, out, lse, ctx.group, ctx.opts)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, None, None, dsinks
+        return function_backward(ctx, allgather_backward, dout)

@@ -12,22 +12,22 @@ Layouts: q ``(batch, q_heads, seq_local, head_dim)``, k/v ``(batch, kv_heads, se
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from seqpar.attn.masks import MaskSpec, plan_pieces
 from seqpar.attn.plan import BlockCall, plan_blocks
-from seqpar.kernels import Partials, block_backward, block_forward
+from seqpar.kernels import Partials, block_backward, block_forward, sink_grad
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = [
     "AttentionOptions", "BlockExpander", "SingleRank", "rank_chunks", "block_calls", "piece_forward", "piece_backward",
     "forward_block", "block_grads", "ring_hops", "block_hops", "forward_pieces", "backward_pieces",
-    "packed_views", "dkv_wire_dtype",
+    "packed_views", "dkv_wire_dtype", "function_forward", "function_backward",
 ]
 
 
@@ -286,3 +286,26 @@ def block_grads(
         _rows(dq_acc, call.q_rows).add_(dq)
         _rows(dk_acc, call.k_rows).add_(dk)
         _rows(dv_acc, call.k_rows).add_(dv)
+
+
+def function_forward(ctx: Any, run: Callable[..., tuple[Tensor, Tensor]], q: Tensor, k: Tensor, v: Tensor, comm: Any,
+                     opts: AttentionOptions, sinks: Tensor | None) -> Tensor:
+    """The forward of the ring's and the all-gather's autograd Functions: ``run(q, k, v, comm, opts, sinks)``
+    (``ring_attention_forward`` over a ring exchange, or ``allgather_forward`` over a process group ``comm``)
+    gives ``out`` ``(batch, q_heads, seq_local, v_head_dim)`` (its accumulator, cast to q's dtype: a no-op
+    where it already is) and ``lse``; both are saved with the inputs for :func:`function_backward`."""
+    out_acc, lse = run(q, k, v, comm, opts, sinks)
+    out = out_acc.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.comm, ctx.opts = comm, opts
+    return out
+
+
+def function_backward(ctx: Any, run: Callable[..., tuple[Tensor, Tensor, Tensor]], dout: Tensor) -> tuple:
+    """The backward of the ring's and the all-gather's autograd Functions (``run``: ``ring_attention_backward``
+    or ``allgather_backward``, called as ``run(dout, q, k, v, out, lse, comm, opts)``): the gradients of
+    q, k, v and the sinks (this rank's rows' share of it), None for ``comm`` and ``opts``."""
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq, dk, dv = run(dout, q, k, v, out, lse, ctx.comm, ctx.opts)
+    dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
+    return dq, dk, dv, None, None, dsinks

@@ -72,6 +72,8 @@ from seqpar.attn.common import (
     block_hops,
     dkv_wire_dtype,
     forward_block,
+    function_backward,
+    function_forward,
     piece_backward,
 )
 from seqpar.attn.plan import BlockCall, head_chunk_slices
@@ -83,7 +85,6 @@ from seqpar.kernels import (
     in_layout_of,
     lse_dtype,
     output_like,
-    sink_grad,
 )
 
 __all__ = [
@@ -400,14 +401,8 @@ class RingAttention(torch.autograd.Function):
     def forward(  # noqa: ANN001
         ctx, q: Tensor, k: Tensor, v: Tensor, comm: RingExchange, opts: AttentionOptions, sinks: Tensor | None = None
     ) -> Tensor:
-        out, lse = ring_attention_forward(q, k, v, comm, opts, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.comm, ctx.opts = comm, opts
-        return out
+        return function_forward(ctx, ring_attention_forward, q, k, v, comm, opts, sinks)
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # noqa: ANN001, ANN205
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, ctx.comm, ctx.opts)
-        dsinks = None if sinks is None else sink_grad(dout, out, lse, sinks)
-        return dq, dk, dv, None, None, dsinks
+        return function_backward(ctx, ring_attention_backward, dout)
