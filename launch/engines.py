@@ -10,6 +10,7 @@ after the step's last backward.
 
 from __future__ import annotations
 
+import abc
 import os
 import shutil
 from typing import Any
@@ -27,8 +28,8 @@ def packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: batch[k] for k in PACKED_KEYS if k in batch}
 
 
-class Engine:
-    """The few things the loop needs from an engine."""
+class Engine(abc.ABC):
+    """The few things the loop needs from an engine (an engine that lacks one cannot be built)."""
 
     model: Any
 
@@ -37,19 +38,22 @@ class Engine:
                          **packed_kwargs(batch))
         return out.logits
 
+    @abc.abstractmethod
     def backward(self, loss: torch.Tensor, last_micro: bool) -> None:
-        raise NotImplementedError
+        """One micro-step's backward (``last_micro``: the step's last, where the gradients are reduced)."""
 
+    @abc.abstractmethod
     def update(self) -> None:
         """After a step's last backward (the gradients reduced): clip, update, zero the gradients. Length-aware
         dynamic CP calls it once per step (``seqpar.integrations.dynamic.run_dynamic_step``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def save(self, save_dir: str, step: int) -> None:
-        raise NotImplementedError
+        """Write a checkpoint of the model and optimizer at ``step`` under ``save_dir``."""
 
+    @abc.abstractmethod
     def load(self, save_dir: str) -> int:
-        raise NotImplementedError
+        """Read the checkpoint under ``save_dir``; returns its step."""
 
     def eval(self) -> None:
         self.model.eval()

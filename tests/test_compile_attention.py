@@ -10,6 +10,8 @@ Ulysses and (P = 4) hybrid.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_attention import make_case, shard_rows
@@ -37,6 +39,14 @@ CASES = (
 )
 HYBRID = tuple(i for i, c in enumerate(CASES) if c[0] == "hybrid")
 
+
+
+def graph_breaks(call: Any, *args: Any, label: str = "") -> list[str]:
+    """Dynamo's own count of the graph breaks of ``call(*args)``: one failure line naming them, or none."""
+    explained = torch._dynamo.explain(call)(*args)
+    if not explained.graph_break_count:
+        return []
+    return [f"{label}{explained.graph_break_count} graph breaks: {explained.break_reasons}"]
 
 def attention_options(extra: dict, seq: int, hq: int) -> dict:
     """The keyword options of one case: ``extra``'s plain values, plus documents (two lengths, ints or an int32
@@ -85,10 +95,7 @@ def compile_cases(rank: int, world: int, seed: int, cases: tuple[int, ...]) -> l
                 failures.append(f"case {i} {mode} {sharding} causal={causal} {extra}: {name} differs by "
                                 f"{(c - e).abs().max().item():.3g}")
         if i == 0:  # dynamo's own count of graph breaks, once per world size
-            opts = attention_options(extra, seq, 4)
-            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone(), opts)
-            if explained.graph_break_count:
-                failures.append(f"{explained.graph_break_count} graph breaks: {explained.break_reasons}")
+            failures += graph_breaks(call, q.clone(), k.clone(), v.clone(), attention_options(extra, seq, 4))
         torch._dynamo.reset()
     return failures
 
@@ -187,9 +194,7 @@ def compile_dilated(rank: int, world: int) -> list[str]:
         failures += eager_vs_compiled(call, q, k, v, dout, f"dilated {mode} causal={causal} {head_layout}")
         torch._dynamo.reset()
         if i == 0:
-            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone())
-            if explained.graph_break_count:
-                failures.append(f"dilated: {explained.graph_break_count} graph breaks: {explained.break_reasons}")
+            failures += graph_breaks(call, q.clone(), k.clone(), v.clone(), label="dilated: ")
             torch._dynamo.reset()
     return failures
 

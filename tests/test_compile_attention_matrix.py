@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_attention import make_case, shard_rows
-from test_compile_attention import attention_options
+from test_compile_attention import attention_options, graph_breaks
 
 import seqpar
 
@@ -132,9 +132,7 @@ def compile_dilated(rank: int, world: int) -> list[str]:
             failures.append(f"{label}: raised {str(error)[:400]}")
         torch._dynamo.reset()
         if i == 0:
-            explained = torch._dynamo.explain(call)(q.clone(), k.clone(), v.clone())
-            if explained.graph_break_count:
-                failures.append(f"{label}: {explained.graph_break_count} graph breaks: {explained.break_reasons}")
+            failures += graph_breaks(call, q.clone(), k.clone(), v.clone(), label=f"{label}: ")
             torch._dynamo.reset()
     return failures
 

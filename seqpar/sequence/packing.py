@@ -308,7 +308,7 @@ def rebalance(pk: Packing, lengths: Sequence[int], sizes: list[int], costs: list
             return
         if best[1] == "move":
             _, _, a, x, target, q, slot = best
-            take(pk, a, x, lengths[x], costs[x])
+            pk.remove(a, x, lengths[x], costs[x])
             if target is None:
                 target = pk.open(slot, 1, q, 0.0)
             pk.add(target, x, lengths[x], costs[x])
@@ -316,19 +316,8 @@ def rebalance(pk: Packing, lengths: Sequence[int], sizes: list[int], costs: list
             _, _, a, x, t, y = best  # each keeps a document: neither cell is freed
             pk.add(a, y, lengths[y], costs[y])
             pk.add(t, x, lengths[x], costs[x])
-            take(pk, a, x, lengths[x], costs[x])
-            take(pk, t, y, lengths[y], costs[y])
-
-
-def take(pk: Packing, b: Bin, doc: int, length: int, cost: float) -> None:
-    """Remove a document from a one-rank micro-batch (an emptied one frees its cell)."""
-    b.docs.remove(doc)
-    b.tokens -= length
-    b.cost -= cost
-    pk.load[b.index] -= cost
-    if not b.docs:
-        pk.owner[b.slot][b.index] = None
-        pk.bins.remove(b)
+            pk.remove(a, x, lengths[x], costs[x])
+            pk.remove(t, y, lengths[y], costs[y])
 
 
 def align_slots(pk: Packing, fixed: dict[int, float], passes: int = 3) -> None:
@@ -430,7 +419,7 @@ def smooth(pk: Packing, lengths: Sequence[int], sizes: Sequence[int], costs: Seq
                     continue
                 tried += 1
                 if b.tokens + nx <= caps[b.size]:
-                    gain = _moved_square(a, b, cx, la, lb)
+                    gain = _moved_square(a, b, cx, la, lb, emptied=len(a.docs) == 1)
                     if gain < 0 and (best is None or gain < best[0]):
                         best = (gain, b, None)
                 for y in b.docs:
@@ -438,7 +427,7 @@ def smooth(pk: Packing, lengths: Sequence[int], sizes: Sequence[int], costs: Seq
                     if (cy >= cx or a.size < sizes[y] or b.tokens - lengths[y] + nx > caps[b.size]
                             or a.tokens - nx + lengths[y] > caps[a.size]):
                         continue
-                    gain = _moved_square(a, b, cx - cy, la, lb)
+                    gain = _moved_square(a, b, cx - cy, la, lb, emptied=False)
                     if gain < 0 and (best is None or gain < best[0]):
                         best = (gain, b, y)
             if best is None or best[0] > -1e-12 * la * la * a.size:
@@ -458,10 +447,10 @@ def smooth(pk: Packing, lengths: Sequence[int], sizes: Sequence[int], costs: Seq
     return steps
 
 
-def _moved_square(a: Bin, b: Bin, dc: float, la: float, lb: float) -> float:
-    """The change of ``size x load^2`` over ``a`` and ``b`` when work ``dc`` moves from ``a`` to ``b`` (``a``
-    emptied: its fixed cost goes too)."""
-    new_a = 0.0 if dc >= a.cost - 1e-12 * abs(a.cost) and len(a.docs) == 1 else la - dc / a.size
+def _moved_square(a: Bin, b: Bin, dc: float, la: float, lb: float, *, emptied: bool) -> float:
+    """The change of ``size x load^2`` over ``a`` and ``b`` when work ``dc`` moves from ``a`` to ``b``
+    (``emptied``: ``a`` gave its last document away, and its fixed cost goes too)."""
+    new_a = 0.0 if emptied else la - dc / a.size
     return a.size * (new_a * new_a - la * la) + b.size * ((lb + dc / b.size) ** 2 - lb * lb)
 
 
