@@ -173,8 +173,9 @@ def _partial_row_calls(opts: AttentionOptions) -> int:
     The old count read the planner (``sum(c.q_rows != slice(0, N) for c in block_calls(...))``), so a planner
     cutting full-row calls into half-row ones moved the code's lse copies and the theory together. With
     zigzag's full-row calls (blocks 0 and 1) each cut into two half-row calls, that count goes 2 -> 6 with
-    the ring's copies, this one stays 2. Not run end to end here (this test needs torch's CUDA build; the
-    audit's machine had none): the counts under that break were computed from the patched planner."""
+    the ring's copies, this one stays 2. Seen failing end to end (fake-CUDA venv, torch 2.11's CUDA build):
+    ``plan_blocks`` cutting every non-causal full-row call into two half-row calls fails
+    ``[flash-contiguous-full-hf]`` (extra lse row stacks and dk/dv zero-fills beyond theory)."""
     assert (WORLD, RANK, N) == (4, 1, 32), "the hand count below is for rank 1 of 4, 32 rows"
     return 2 if (opts.sharding, opts.causal) == ("zigzag", True) else 0
 
