@@ -43,12 +43,17 @@ from torch import Tensor, nn
 from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.call_group import GROUP_KEY
 
-__all__ = ["DOCUMENTS_KEY", "DocumentsCarrier", "feed_documents", "batch_documents", "carried_documents",
-           "carried_group"]
+__all__ = ["DOCUMENTS_KEY", "DROPS_DOCUMENTS_ATTR", "DocumentsCarrier", "feed_documents", "carry_to", "holds_documents", "with_carried",
+           "batch_documents", "carried_documents", "carried_group"]
 
 DOCUMENTS_KEY = "seqpar_documents"
 """The keyword argument a :class:`DocumentsCarrier`'s call carries its batch's boundaries in (taken off
 again before the layer's own forward runs)."""
+
+DROPS_DOCUMENTS_ATTR = "_seqpar_layer_drops_documents"
+"""Set (True) on a swapped attention module whose parent layer does not pass the model's packed-document
+boundaries and SP group on to it (found by :mod:`seqpar.swap.hf_probe`); the parent is then a carrier and
+the attention reads them from it (:func:`with_carried`)."""
 
 _HANDLES_ATTR = "_seqpar_documents_feed"
 _local = ThreadState(stack=list)  # stack: list[tuple[nn.Module, Tensor | None, Any]], see _held
@@ -136,10 +141,34 @@ def feed_documents(model: nn.Module, mixers: Sequence[str]) -> None:
     its own batches."""
     for handle in model.__dict__.pop(_HANDLES_ATTR, ()):
         handle.remove()
-    parents = sorted({name.rpartition(".")[0] for name in mixers if "." in name})
-    for name in parents:
-        parent = model.get_submodule(name)
-        parent.__class__ = _carrier_class(type(parent))
+    carry_to(model, mixers)
     if mixers:
         model.__dict__[_HANDLES_ATTR] = (model.register_forward_pre_hook(_hold, with_kwargs=True),
                                          model.register_forward_hook(_release, always_call=True))
+
+
+def carry_to(model: nn.Module, modules: Sequence[str]) -> None:
+    """Make the parent layer of each submodule of ``model`` named in ``modules`` a carrier, without the
+    model-level hold of :func:`feed_documents`: enough for a module whose parent layer is called with the
+    boundaries but does not pass them on (Nemotron's and StableLM's decoder layers call their attention
+    with the hidden states, mask and positions only), as its carrier holds its own call's."""
+    for name in sorted({name.rpartition(".")[0] for name in modules if "." in name}):
+        parent = model.get_submodule(name)
+        parent.__class__ = _carrier_class(type(parent))
+
+
+def holds_documents(model: nn.Module) -> bool:
+    """Whether ``model`` holds each forward's boundaries for its carriers (:func:`feed_documents`)."""
+    return _HANDLES_ATTR in model.__dict__
+
+
+def with_carried(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A mixer call's keyword arguments with what its caller dropped filled in from the innermost carrier:
+    the boundaries as ``cu_seq_lens_q/k`` when the call has none, and the call's SP group (dynamic CP) as
+    :data:`GROUP_KEY` when it has none. ``kwargs`` itself is not changed."""
+    out = dict(kwargs)
+    if batch_documents(kwargs) is None and (cu := carried_documents()) is not None:
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+    if kwargs.get(GROUP_KEY) is None and (group := carried_group()) is not None:
+        out[GROUP_KEY] = group
+    return out

@@ -38,6 +38,7 @@ import transformers
 from torch import Tensor, nn
 from transformers import masking_utils
 
+from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, with_carried
 from seqpar.sequence.batch import global_positions, sp_rank_and_size
 from seqpar.sequence.boundaries import host_boundaries
 from seqpar.swap.hf_inputs import all_ones, padding_error
@@ -135,6 +136,8 @@ def seqpar_attention_forward(
     Returns:
         ``(out (batch, seq_local, q_heads, head_dim), None)``.
     """
+    if getattr(module, DROPS_DOCUMENTS_ATTR, False):
+        kwargs = with_carried(kwargs)  # its layer does not pass the boundaries or group on: its carrier has them
     options: SwapOptions | None = getattr(module, OPTIONS_ATTR, None)
     if options is not None:
         options = options.for_call(kwargs)  # dynamic CP: the micro-batch's group travels with the call

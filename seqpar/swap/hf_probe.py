@@ -8,6 +8,11 @@ the probe alone: a module mixing positions outside attention, or a refused keywo
 The routing is the probe's alone: the layers' options and names, ALiBi forwards and every config's
 attention implementation are put back afterwards (:func:`_probe_routing`). Models whose parameters are
 not materialised yet (meta device, ZeRO-3 partitions) are probed at their first forward instead.
+
+A third run, on the same tokens as two packed documents, finds the attention layers a packed batch's
+boundaries do not reach (their decoder layer drops the model's keyword arguments: Nemotron, StableLM);
+the swap makes their layers documents carriers (:func:`_mark_dropping`), else seqpar, like transformers
+itself there, would attend across the documents of a packed row.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import transformers
 from torch import Tensor, nn
 
+from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, batch_documents, carry_to, holds_documents
 from seqpar.swap.hf_alibi import install as install_alibi
 from seqpar.swap.hf_alibi import is_alibi_attention
 from seqpar.swap.hf_attention import register
@@ -35,6 +41,7 @@ from seqpar.swap.probe import (
     find_mixers,
     is_materialised,
     is_simulated,
+    isolated,
     mixing_refusal,
     raised_by_seqpar,
 )
@@ -75,11 +82,13 @@ def probe_at_swap(
     if any(is_simulated(top) for _, top in tops):
         return None  # fake tensors: nothing to compare (seqpar.swap.probe.is_simulated)
     if not all(is_materialised(top) for _, top in tops):
-        return functools.partial(_first_forward_tops, tops)
+        return functools.partial(_first_forward_tops, tops, modules)
     with _probe_routing([top for _, top in tops], modules, options) as routed:
         if not routed:
             return None  # apply() refuses: transformers kept another attention implementation
         failure = _probe_tops(tops, "Nothing was changed.")
+        if failure is None:
+            _mark_dropping(model, tops, modules)
     if failure is None:
         return None
     top, failed = failure
@@ -108,12 +117,75 @@ def _named_top_pretrained(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return named
 
 
-def _first_forward_tops(tops: list[tuple[str, nn.Module]], model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _first_forward_tops(tops: list[tuple[str, nn.Module]], modules: list[tuple[str, nn.Module]], model: nn.Module,
+                        args: tuple, kwargs: dict) -> None:
     failure = _probe_tops(tops, "The model stays swapped, and refuses every forward.")
     if failure is not None:
         logger.warning("seqpar: %s did not run on %d synthetic tokens for the position-mixing probe (%s); "
                        "probing this batch instead", type(failure[0]).__name__, PROBE_LENGTH, failure[1])
         first_forward_probe(model, args, kwargs)
+        return
+    # The swap is done: its carriers are put in here, before the first forward's layers run.
+    dropping = _mark_dropping(model, tops, modules)
+    carry_to(model, list(dropping))
+    if not holds_documents(model) and not all(dropping.values()):
+        unfed = [name for name, parent_got in dropping.items() if not parent_got]
+        raise SwapError(
+            f"seqpar: {type(model).__name__} calls the layers of {unfed} without the batch's packed-document "
+            "boundaries, and this model was probed at its first forward (its parameters were not materialised "
+            "at swap time), too late to carry them to these layers. Swap the model before the engine partitions "
+            "it (seqpar.integrations.deepspeed.initialize does), or run it without packed documents."
+        )
+
+
+def _mark_dropping(model: nn.Module, tops: list[tuple[str, nn.Module]],
+                   modules: list[tuple[str, nn.Module]]) -> dict[str, bool]:
+    """Find the attention modules of ``modules`` (names relative to ``model``) that a packed forward
+    reaches without its boundaries, and mark them (:data:`DROPS_DOCUMENTS_ATTR`): their layers drop the
+    model's keyword arguments (Nemotron's and StableLM's decoder layers call their attention with the
+    hidden states, mask and positions only), so seqpar would attend across the documents of a packed
+    row, as transformers itself does there with any attention. Returns ``{name: whether its parent layer
+    got the boundaries}`` for each one found.
+
+    Each top model runs once more on the probe's tokens, as two documents of 6 and 7 tokens
+    (``cu_seq_lens_q/k`` and ``max_length_q/k``, as transformers' ``DataCollatorWithFlattening`` passes
+    them; no ``position_ids``, from which transformers would build a packed mask: only where the keyword
+    arguments reach matters). A model that does not take them is left unmarked: a packed batch fails the
+    same way."""
+    parents = {name: name.rpartition(".")[0] for name, _ in modules if "." in name}
+    watched = {**{name: module for name, module in modules},
+               **{f"{parent}/": model.get_submodule(parent) for parent in parents.values()}}
+    got: dict[str, list[bool]] = {}
+    handles = []
+
+    def record(key: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            got.setdefault(key, []).append(batch_documents(kwargs) is not None)
+        return hook
+
+    try:
+        for key, module in watched.items():
+            handles.append(module.register_forward_pre_hook(record(key), with_kwargs=True))
+        for _, top in tops:
+            ids, extra = _probe_ids(top)
+            first = PROBE_LENGTH // 2
+            cu = torch.tensor([0, first, PROBE_LENGTH], dtype=torch.int32, device=ids.device)
+            longest = PROBE_LENGTH - first
+            with isolated(top):
+                try:
+                    top(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                        max_length_k=longest, **extra)
+                except Exception:  # noqa: BLE001 - it does not take packed documents; a packed batch says so
+                    continue
+    finally:
+        for handle in handles:
+            handle.remove()
+    dropping = {name: all(got.get(f"{parents[name]}/", [False])) for name, _ in modules
+                if name in parents and got.get(name) and not any(got[name])}
+    for name, module in modules:
+        if name in dropping:
+            setattr(module, DROPS_DOCUMENTS_ATTR, True)
+    return dropping
 
 
 def _probe_tops(tops: list[tuple[str, nn.Module]], after: str) -> tuple[nn.Module, ProbeFailed] | None:
@@ -146,21 +218,28 @@ def _runs_plain(top: nn.Module) -> bool:
 def _synthetic_run(top: nn.Module) -> Callable[[bool], Any]:
     """``run(perturbed)`` for :func:`seqpar.swap.probe.find_mixers`: ``top`` on 13 seeded tokens of its
     vocabulary, batch 1, no cache; perturbed: the middle token replaced by the next id."""
-    embeddings = top.get_input_embeddings()
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if vocab is None:
-        vocab = top.config.get_text_config().vocab_size
-    weight = getattr(embeddings, "weight", None)
-    device = weight.device if isinstance(weight, Tensor) else next(top.parameters()).device
-    ids = torch.randint(0, vocab, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+    ids, extra = _probe_ids(top)
     changed = ids.clone()
-    changed[0, PROBE_POSITION] = (ids[0, PROBE_POSITION] + 1) % vocab
-    extra = {"use_cache": False} if "use_cache" in forward_signature(type(top)).parameters else {}
+    changed[0, PROBE_POSITION] = (ids[0, PROBE_POSITION] + 1) % _vocab(top)
 
     def run(perturbed: bool) -> Any:
         return top(input_ids=changed if perturbed else ids, **extra)
 
     return run
+
+
+def _vocab(top: nn.Module) -> int:
+    vocab = getattr(top.get_input_embeddings(), "num_embeddings", None)
+    return top.config.get_text_config().vocab_size if vocab is None else vocab
+
+
+def _probe_ids(top: nn.Module) -> tuple[Tensor, dict[str, Any]]:
+    """``top``'s probe tokens ``(1, PROBE_LENGTH)`` (seeded ids of its vocabulary, on its device) and the
+    keyword arguments every probe call adds (no cache)."""
+    weight = getattr(top.get_input_embeddings(), "weight", None)
+    device = weight.device if isinstance(weight, Tensor) else next(top.parameters()).device
+    ids = torch.randint(0, _vocab(top), (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0)).to(device)
+    return ids, {"use_cache": False} if "use_cache" in forward_signature(type(top)).parameters else {}
 
 
 def _all_configs(tops: list[nn.Module]) -> list[Any]:

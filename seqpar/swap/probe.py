@@ -43,7 +43,8 @@ they were.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,7 @@ __all__ = [
     "ProbeFailed",
     "raised_by_seqpar",
     "find_mixers",
+    "isolated",
     "mixing_refusal",
     "is_materialised",
     "is_simulated",
@@ -304,17 +306,12 @@ def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, posi
     modules: dict[int, tuple[str, nn.Module]] = {}
     for name, module in model.named_modules():
         modules.setdefault(id(module), (name, module))
-    buffers = {id(b): (b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"}
-    # CUDA generators to fork and seed; none without a driver (CUDA tensors are then fake ones, as in the
-    # fake-CUDA host-sync checker, and the CUDA RNG cannot even be read)
-    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()]
-                   if t.device.type == "cuda"}) if torch.cuda.is_available() else []
     try:
         for name, module in modules.values():
             handles.append(module.register_forward_pre_hook(
                 _bind(recorder.pre, name), with_kwargs=True, prepend=True))
             handles.append(module.register_forward_hook(_bind(recorder.post, name), with_kwargs=True))
-        with torch.no_grad(), probing(), torch.random.fork_rng(devices=cuda):
+        with isolated(model) as cuda:
             for phase, perturbed in (("A", False), ("B", True)):
                 recorder.start(phase)
                 torch.random.default_generator.manual_seed(_SEED)  # the same dropout / jitter in both runs
@@ -328,10 +325,26 @@ def find_mixers(model: nn.Module, run: Callable[[bool], Any], seq_len: int, posi
     finally:
         for handle in handles:
             handle.remove()
-        with torch.no_grad():
-            for buffer, saved in buffers.values():  # e.g. running statistics a train-mode norm updated
-                buffer.copy_(saved)
     return list(recorder.found.values())
+
+
+@contextlib.contextmanager
+def isolated(model: nn.Module) -> Iterator[list[int]]:
+    """A probe's runs of ``model`` leave no trace: no autograd, :class:`probing` on (self-only attention,
+    no collective), the CPU generator and those of the CUDA devices the model's tensors are on forked, and
+    the model's buffers put back afterwards (e.g. running statistics a train-mode norm updated). Yields
+    those CUDA device indices, for runs that seed their generators; none without a driver (CUDA tensors
+    are then fake ones, as in the fake-CUDA host-sync checker, and the CUDA RNG cannot even be read)."""
+    buffers = {id(b): (b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"}
+    cuda = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers()]
+                   if t.device.type == "cuda"}) if torch.cuda.is_available() else []
+    try:
+        with torch.no_grad(), probing(), torch.random.fork_rng(devices=cuda):
+            yield cuda
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers.values():
+                buffer.copy_(saved)
 
 
 def _bind(hook: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.mixers.documents import feed_documents
+from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, feed_documents
 from seqpar.mixers.registry import family_of
 from seqpar.swap.batch import FirstForward, Preparer, install_batch_check
 from seqpar.swap.hf_alibi import is_alibi_attention
@@ -190,9 +190,11 @@ def swap_attention(
                        for name, before in mixers]
     install_batch_check(model, options, [f"{m.route} {m.name}" for m in report], preparers, first_forward)
     # after the batch check (which fills in the boundaries): mixers whose caller drops them get them here,
-    # and so do the ALiBi attention modules (BLOOM, MPT, Falcon: their models call no block with them)
+    # and so do the ALiBi attention modules (BLOOM, MPT, Falcon: their models call no block with them) and
+    # the attention of layers that drop them (Nemotron, StableLM; found by the probe: hf_probe)
     feed_documents(model, [name for name, _ in mixers]
-                   + [name for name, module, route in plan if route == "hf" and is_alibi_attention(module)])
+                   + [name for name, module, route in plan if route == "hf" and (
+                       is_alibi_attention(module) or getattr(module, DROPS_DOCUMENTS_ATTR, False))])
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 
