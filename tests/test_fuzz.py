@@ -56,6 +56,12 @@ FOUND[1149016477] = (("attention", "dilated", "model", "engine"), "exact")
 #   the swap's probe now finds such layers and carries them (tests/test_documents_dropped.py).
 FOUND_SET[572881236] = {"kind": "model"}
 FOUND[572881236] = (("attention", "dilated", "model", "engine"), "exact")
+# - 1086484656 (seed 2, tiny bamba, P=1, one row right-padded): WRONG, loss 1.3e-3 off. Not a seqpar error: Bamba's
+#   z-loss, which seqpar takes over the real tokens (docs/models.md), is averaged by transformers over every position,
+#   pads included. The reference now computes seqpar's definition (fuzz_models._real_token_z_loss). Pinned at P=3:
+#   seen failing with seqpar's z-loss hook counting the padded positions (mask=None).
+FOUND_SET[1086484656] = {"world": 3}
+FOUND[1086484656] = (("attention", "dilated", "model", "engine"), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in

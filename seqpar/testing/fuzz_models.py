@@ -147,7 +147,8 @@ def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dic
                             count += len(d) - 1
                     loss = loss / count
                 else:
-                    loss = model(**b["batch"]).loss
+                    out = model(**b["batch"])
+                    loss = _real_token_z_loss(model, out, b["batch"].get("attention_mask"))
                 if loss is None or not torch.isfinite(loss):
                     raise RuntimeError(f"loss is {loss}")
                 total = total + loss
@@ -157,6 +158,19 @@ def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dic
         except Exception as e:  # noqa: BLE001 - the model cannot run here: the case is skipped
             errors.append(f"{type(e).__name__}: {str(e)[:200]}")
     return {"ok": False, "error": errors[-1]}
+
+
+def _real_token_z_loss(model: Any, out: Any, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``out.loss`` with a z-loss (Bamba: ``z_loss_coefficient * mean(logsumexp(logits)**2)``) taken over the
+    real tokens only, as seqpar defines it (docs/models.md): transformers' forward averages it over every
+    position, right padding included, whose logits depend on how its attention treats a padded query (case
+    1086484656: tiny Bamba, one row right-padded, 1.3e-3 relative). Unchanged without padding or z-loss."""
+    coef = getattr(model, "z_loss_coefficient", 0) or 0
+    if out.loss is None or coef <= 0 or attention_mask is None or bool(attention_mask.all()):
+        return out.loss
+    squares = out.logits.logsumexp(dim=-1).to(out.loss.dtype).pow(2)  # (batch, seq)
+    real = attention_mask.to(squares.dtype)
+    return out.loss + coef * ((squares * real).sum() / real.sum() - squares.mean())
 
 
 def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
