@@ -89,3 +89,21 @@ def test_half_inputs_keep_lse_in_fp32(dtype: torch.dtype) -> None:
         assert lse.dtype == torch.float32, (dtype, softcap)
         _, want, *_ = reference(q, k, v, torch.zeros(1, hq, lq, dv), d ** -0.5, causal, softcap)
         assert_close_to_scale("lse", lse, want, (dtype, softcap, causal))
+
+
+@pytest.mark.parametrize("softcap", [None, 1.7], ids=["cpu_kernel", "math_softcap"])
+def test_fp64_inputs_keep_fp64(softcap: float | None) -> None:
+    """fp64 inputs: lse and every output in fp64, equal to the reference to 1e-12 (the accumulators the
+    attention modes build on them are fp64 too: ``lse_dtype``).
+
+    Seen failing: ``lse_dtype`` returning fp32 for every input dtype."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, dv, lq, lk, causal = SHAPES[0]
+    q, k, v = (torch.randn(1, h, n, e, generator=g, dtype=torch.float64) for h, n, e in ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv)))
+    dout = torch.randn(1, hq, lq, dv, generator=g, dtype=torch.float64)
+    out, lse = block_forward(q, k, v, scale=d ** -0.5, causal=causal, softcap=softcap)
+    grads = block_backward(dout, q, k, v, out, lse, scale=d ** -0.5, causal=causal, softcap=softcap)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                               reference(q, k, v, dout, d ** -0.5, causal, softcap), strict=True):
+        assert got.dtype == torch.float64, name
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda s, n=name: f"{n}: {s}")
