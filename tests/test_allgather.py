@@ -117,3 +117,47 @@ def test_head_chunks_lower_the_peak(dist_pool) -> None:
     if gloo's reduce-scatter did not clone its input)."""
     peak = {g: max(dist_pool.run(4, _peak_bytes, "allgather", 2048, g, timeout=240)) for g in (1, 4)}
     assert peak[4] <= 0.72 * peak[1], peak
+
+
+# ------------------------------------------------------------------------ fp32 accumulation of dq
+def cancelling_blocks(world: int, block: int, q_heads: int, kv_heads: int, seed: int) -> dict:
+    """A bf16-exact case whose dq is a small sum of large cancelling block terms: along the last head dim
+    (``e``), block 0's keys are +1, the last block's -1 (its keys and values otherwise block 0's), the
+    others' 2**-10, and the queries' 0 there (so no score depends on it). Blocks 0 and P-1 then add
+    exactly opposite terms to dq[..., e], about 2**10 times the other blocks' share, which is all that is
+    left: summed in fp32 it survives; summed in bf16 it is lost in the first large term's rounding."""
+    g = torch.Generator().manual_seed(seed)
+    seq, d = world * block, 8
+    q, dout = (torch.randn(1, q_heads, seq, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, seq, d, generator=g) for _ in range(2))
+    last = slice((world - 1) * block, seq)
+    k[:, :, last], v[:, :, last] = k[:, :, :block], v[:, :, :block]
+    q[..., -1] = 0.0
+    k[..., -1] = 2.0 ** -10
+    k[:, :, :block, -1], k[:, :, last, -1] = 1.0, -1.0
+    # bf16-exact inputs, held in float64 for the reference
+    return {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_bf16_dq_is_summed_over_blocks_in_fp32(dist_pool, mode: str) -> None:
+    """bf16 at P = 3 (GQA, full attention): dq[..., e] of :func:`cancelling_blocks` against float64 at its
+    own scale (2**10 below the other columns'). The blocks' bf16 dq shares must add up in fp32 and be
+    rounded once: each rank's first large term would swallow the small ones in a bf16 sum.
+
+    Seen failing (allgather): dq accumulated in the input dtype (``dq = torch.zeros(q.shape, dtype=q.dtype,
+    ...)`` in allgather_backward): dq[..., e] off by its whole size on ranks 0 and 1, which
+    test_low_precision_ring and test_attention's bf16 P = 8 against P = 2 comparison let through."""
+    from test_attention import reference
+    from test_attention import run_cases as attention_cases
+
+    world = 3
+    case = cancelling_blocks(world, 4, 4, 2, seed=23)
+    per_rank = dist_pool.run(world, attention_cases, [(case, mode, "contiguous", False, None)], torch.bfloat16,
+                             timeout=240)
+    dq = unshard_rows([per_rank[r][0][1] for r in range(world)], world, "contiguous").double()
+    want = reference(case, False, None)[1]
+    col, want_col = dq[..., -1], want[..., -1]
+    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
+    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item(),
+                               msg=lambda s: f"{mode} dq[..., e]: {s}")

@@ -120,6 +120,22 @@ def test_head_chunks_are_exact(dist_pool, world: int) -> None:
                                                for _case, _mode, sharding, causal, _scale in cases])
 
 
+def test_fp64_inputs_are_exact_to_fp64(dist_pool) -> None:
+    """fp64 inputs accumulate in fp64 (out, lse, dq and the travelling dK/dV: ``lse_dtype``), so ring and
+    all-gather at P = 3 match the float64 reference to 1e-10, not fp32's 1e-5 (GQA, both shardings, causal).
+
+    Seen failing: ``lse_dtype`` returning fp32 for every input dtype (errors ~1e-7), which every fp32
+    and half-precision test let through."""
+    world, cases = 3, []
+    for i, (mode, sharding) in enumerate(itertools.product(MODES, SHARDINGS)):
+        cases.append((make_case(900 + i, world, (6, 2, 24)), mode, sharding, True, None))
+    per_rank = dist_pool.run(world, run_cases, cases, torch.float64, timeout=240)
+    for idx, (case, mode, sharding, causal, scale) in enumerate(cases):
+        got = _gather_results(per_rank, world, sharding, idx)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, causal, scale)):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda s, n=name, m=(mode, sharding): f"{n} {m}: {s}")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_overlap_off_is_exact(dist_pool, world: int) -> None:
     """``overlap=False`` (the ring waits for each transfer at once instead of computing meanwhile)

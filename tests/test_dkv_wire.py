@@ -320,3 +320,31 @@ def test_the_custom_ops_carry_the_option(monkeypatch: pytest.MonkeyPatch) -> Non
     q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
     ops.compiled_attention("single", None, opts, q, k, v, None).sum().backward()
     assert seen == [opts, opts], seen
+
+
+def test_bf16_wire_rounds_once_per_hop() -> None:
+    """Each hop adds its fp32 share to the bf16 accumulator in fp32 and rounds once, never rounding the
+    share first. P = 4 virtual ranks, all scores 0 (q = 0: every weight 1/16), dout's last column (``e``)
+    +1 on rank 1's rows, -1 + 2**-12 on rank 2's, 0 elsewhere: block 0's dV accumulator starts at rank 1
+    with the bf16-exact 0.5 (two query heads on the K/V head), and rank 2's share cancels it to 0.5 * 2**-12,
+    which one rounding keeps. dv[..., e] of block 0's keys against float64 (2**-13) at its own scale.
+
+    Seen failing: the share rounded to the wire dtype before the add (``.add_(self.dk.to(dk_acc.dtype))``
+    and the same for dv in ``_BlockShare.add_to``): 0 instead of 2**-13, within the norm bound of the test
+    above."""
+    world, n = 4, 4
+    g = torch.Generator().manual_seed(3)
+    seq = world * n
+    case = {"q": torch.zeros(1, 2, seq, 8, dtype=torch.float64),
+            "k": torch.randn(1, 1, seq, 8, generator=g, dtype=torch.float64),
+            "v": torch.randn(1, 1, seq, 8, generator=g, dtype=torch.float64),
+            "dout": torch.randn(1, 2, seq, 8, generator=g, dtype=torch.float64).float().double()}
+    case["dout"][..., -1] = 0.0
+    case["dout"][:, :, n:2 * n, -1] = 1.0
+    case["dout"][:, :, 2 * n:3 * n, -1] = -1.0 + 2.0 ** -12
+    opts = AttentionOptions(causal=False, scale=0.25, sharding="contiguous", dkv_wire_dtype="bf16")
+    got, _ = _ring_run(world, case, opts)
+    want = reference(case, False, 0.25)[3]
+    col, want_col = got[3][:, :, :n, -1].double(), want[:, :, :n, -1]
+    torch.testing.assert_close(want_col, torch.full_like(want_col, 2.0 ** -13))  # the construction holds
+    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * 2.0 ** -13)

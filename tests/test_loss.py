@@ -88,6 +88,32 @@ def test_reductions(dist_pool):
     dist_pool.run(2, _reductions)
 
 
+def _half_logits(rank: int, world_size: int, dtype: torch.dtype) -> None:
+    logits, labels = _case(seq_len=24)
+    logits = (logits * 6).to(dtype)  # spread-out logits: a softmax in half precision is visibly off
+    ref_loss, ref_grad = _shifted_reference(logits.double(), labels)
+    pos = global_positions(24, rank, world_size, "zigzag")
+    local = logits[:, pos].clone().requires_grad_()
+    loss = sequence_parallel_causal_lm_loss(local, labels[:, pos], group=dist.group.WORLD, sharding="zigzag")
+    loss.backward()
+    assert loss.dtype == torch.float32 and local.grad.dtype == dtype
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-6, atol=1e-6)
+    # the fp32 gradient rounded once to the logits' dtype: within one unit in the last place of it
+    want = ref_grad[:, pos]
+    torch.testing.assert_close(local.grad.double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_half_logits_loss_in_fp32(dist_pool, dtype):
+    """bf16/fp16 logits (a model run in half precision): the loss is computed in fp32 from them, as
+    transformers' ForCausalLMLoss upcasts, so it equals the float64 loss of the same rounded logits to
+    fp32 accuracy (P = 2, zigzag, labels shifted across the shards).
+
+    Seen failing: the cross-entropy run in the logits' own dtype (``acc = logits`` in ``_token_losses``):
+    every other test here used fp32 logits."""
+    dist_pool.run(2, _half_logits, dtype)
+
+
 def test_single_process_matches_cross_entropy():
     logits, labels = _case()
     targets = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)

@@ -42,6 +42,25 @@ def test_plan_covers_exactly_the_visible_pairs_once(world: int, sharding: str, c
         assert set(planned) == visible_pairs(q_chunks, k_chunks, clen, causal), (rank, src)
 
 
+def test_plan_covers_any_chunk_lists_exactly_once() -> None:
+    """plan_blocks is public (seqpar.attention.plan): any lists of distinct chunks, in any order and sharing
+    chunks, plan exactly the visible pairs once. The shardings never reach its diagonal runs (a rank's own
+    block is one ascending list on both sides, taken whole; other ranks share no chunk), so only lists like
+    these test them: [2, 0] against [0, 2] has two diagonal chunks, neither at the start of its list.
+
+    Seen failing: a diagonal run planned as a full block (``runs.append((j, j + 1, False))`` in plan_blocks),
+    which every sharded test, test_plan_covers_exactly_the_visible_pairs_once included, let through."""
+    rng = random.Random(11)
+    lists = [([2, 0], [0, 2]), ([1, 3, 0], [3, 1]), ([0], [0]), ([4, 1], [1, 2, 4])]
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        lists.append((rng.sample(range(n), rng.randint(1, n)), rng.sample(range(n), rng.randint(1, n))))
+    for (q_chunks, k_chunks), causal, clen in itertools.product(lists, (False, True), (1, 3)):
+        planned = planned_pairs(plan_blocks(q_chunks, k_chunks, clen, causal), q_chunks, k_chunks, clen)
+        assert len(planned) == len(set(planned)), (q_chunks, k_chunks, causal, clen)
+        assert set(planned) == visible_pairs(q_chunks, k_chunks, clen, causal), (q_chunks, k_chunks, causal, clen)
+
+
 def _work(rank: int, world: int, sharding: str) -> int:
     clen = 4
     return sum(

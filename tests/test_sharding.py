@@ -31,7 +31,11 @@ def _round_trip(
     w = torch.arange(full.numel(), dtype=full.dtype).view(full.shape).sin()
     gathered = seqpar.gather_sequence(shard, dim, group=torch.distributed.group.WORLD, sharding=sharding, grad_reduction=grad_reduction)
     (gathered * w).sum().backward()
-    return {"shard": shard.detach(), "gathered": gathered.detach(), "grad": x.grad}
+    # the same with grad_reduction left out: the documented default is "slice"
+    x_default = full.clone().requires_grad_()
+    shard = seqpar.shard_sequence(x_default, dim, group=torch.distributed.group.WORLD, sharding=sharding)
+    (seqpar.gather_sequence(shard, dim, group=torch.distributed.group.WORLD, sharding=sharding) * w).sum().backward()
+    return {"shard": shard.detach(), "gathered": gathered.detach(), "grad": x.grad, "grad_default": x_default.grad}
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -56,6 +60,10 @@ def test_shard_gather_round_trip_and_grads(dist_pool, world: int) -> None:
                     )
                     torch.testing.assert_close(r["gathered"], full, rtol=0, atol=0)
                     grads += r["grad"]
+                    # Seen failing: gather_sequence's default grad_reduction "sum" instead of "slice" (every
+                    # replicated loss's gradient P times too large), which no test passing it explicitly saw
+                    torch.testing.assert_close(r["grad_default"], r["grad"] / (1 if grad_reduction == "slice" else world),
+                                               msg=f"default grad_reduction {sharding} dim={dim}")
                 # 'slice': each rank's grad is w at its own positions -> summed over ranks = w.
                 # 'sum': each rank's loss is a separate term -> summed grads = P * w.
                 scale = 1 if grad_reduction == "slice" else world

@@ -195,3 +195,32 @@ def test_bad_input_is_a_clear_error_on_every_rank(dist_pool) -> None:
     assert "2 K/V heads" in kv and "ulysses_size" in kv
     assert "hybrid" in explicit and "group=" in explicit
     assert "init_process_groups" in manager and "ulysses_size" in manager
+
+
+def test_bf16_replicated_kv_grads_are_summed_in_fp32(dist_pool) -> None:
+    """MQA at P = 4 in bf16: the K/V head is replicated on the 4 ranks, and its dK is the sum of their
+    shares, which must add up in fp32 and be rounded once. Along the last head dim (``e``), the keys are 0
+    (no score depends on it), query heads 0 and 2 are +1 and -1 (equal otherwise, with equal dout), heads 1
+    and 3 are 2**-10: heads 0 and 2 add exactly opposite terms to dk[..., e], and the small terms of heads
+    1 and 3 are all that is left, which a bf16 sum loses in the first large term's rounding.
+    dk[..., e] against float64 at its own scale (2**10 below the other columns').
+
+    Seen failing: the replicas' dK summed in the input dtype (``dk = torch.zeros(k_shape, dtype=dout.dtype,
+    ...)`` in ulysses_backward), which test_ulysses_bf16_within_sdpa_rounding let through (2 replicas per
+    K/V head there: a bf16 sum of two rounds once, as fp32's does)."""
+    g = torch.Generator().manual_seed(31)
+    world, seq, d = 4, 16, 8
+    q, dout = torch.randn(1, 4, seq, d, generator=g), torch.randn(1, 4, seq, d, generator=g)
+    k, v = torch.randn(1, 1, seq, d, generator=g), torch.randn(1, 1, seq, d, generator=g)
+    q[:, 2], dout[:, 2] = q[:, 0], dout[:, 0]
+    q[..., -1] = 2.0 ** -10
+    q[:, 0, :, -1], q[:, 2, :, -1] = 1.0, -1.0
+    k[..., -1] = 0.0
+    case = {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    per_rank = dist_pool.run(world, run_cases, [(case, "ulysses", "contiguous", True, None)], torch.bfloat16,
+                             timeout=240)
+    dk = unshard_rows([per_rank[r][0][2] for r in range(world)], world, "contiguous").double()
+    want = reference(case, True, None)[2]
+    col, want_col = dk[..., -1], want[..., -1]
+    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
+    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
