@@ -190,6 +190,38 @@ def test_autotp_size_must_equal_tp_size() -> None:
     assert not dist.is_initialized()
 
 
+
+def test_autotp_loader_samples_over_the_dp_axis_at_dp2_sp2_tp2() -> None:
+    """The loader ``initialize`` builds under AutoTP (``_dp_axis_loader``), for every rank of a DP2 x SP2 x
+    TP2 cube (seqpar's layout: TP innermost, then SP; no processes: a stand-in engine's ``deepspeed_io`` hands
+    the sampler back): the 4 ranks of one DP replica (its SP and TP ranks) draw the same samples, and the two
+    replicas split the data between them. The 4-rank test above has DP 1, where any rank choice looks right.
+
+    Seen failing: ``DistributedSampler(..., rank=manager.rank % manager.dp_size)`` instead of
+    ``manager.dp_rank`` (ranks 0 and 1, one replica's two TP ranks, drew different samples); the 4-rank
+    test_autotp2_sp2_matches_one_process passed with it."""
+    import types
+
+    from seqpar.integrations.deepspeed import _dp_axis_loader
+    from seqpar.runtime.grid import rank_cube
+
+    data = [{"input_ids": torch.full((SEQ,), i)} for i in range(12)]
+    cube = rank_cube(8, 2, 2)  # (dp, sp, tp)
+    drawn = {}
+    for rank in range(8):
+        dp_rank = int((cube == rank).nonzero()[0, 0])
+        manager = types.SimpleNamespace(dp_size=2, dp_rank=dp_rank, sp_size=2, tp_size=2, rank=rank)
+        engine = types.SimpleNamespace(
+            deepspeed_io=lambda dataset, collate_fn, data_sampler: types.SimpleNamespace(data_sampler=data_sampler))
+        loader = _dp_axis_loader(engine, data, None, manager)
+        assert engine.training_dataloader is loader
+        drawn[rank] = list(loader.data_sampler)
+    replicas = [[drawn[int(r)] for r in cube[d].flatten()] for d in range(2)]
+    for replica in replicas:
+        assert all(x == replica[0] for x in replica), replica
+    assert sorted(replicas[0][0] + replicas[1][0]) == list(range(len(data)))
+
+
 # ------------------------------------------------------------------ universal checkpoints across layouts
 def _adam_config(stage: int, sp: int, tp: int, load_universal: bool = False) -> dict:
     cfg = {**ds_tp_config(stage), "sequence_parallel": {**SP, "size": sp, "tp_size": tp},
