@@ -74,8 +74,9 @@ def _tiny_moe(family: str) -> torch.nn.Module:
 
 
 def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False,
-             accumulation: int = 1, plain: bool = False) -> dict:
-    """``plain``: TRL's own SFTTrainer, no seqpar (one process): a reference the adapter's code does not touch."""
+             accumulation: int = 1, plain: bool = False, rows: int = ROWS_PER_STEP) -> dict:
+    """``plain``: TRL's own SFTTrainer, no seqpar (one process): a reference the adapter's code does not touch.
+    ``rows``: packed rows per process and step (the global batch is ``rows x dp``)."""
     from trl import SFTTrainer
 
     from seqpar.integrations.trainer import sequence_parallel
@@ -84,7 +85,7 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str,
     snapshots: list[dict[str, torch.Tensor]] = []
     with hf_tiny.launcher_env(rank, world):
         block = {"size": sp, "mode": "ring", "sharding": "zigzag"} if engine == "fsdp2" else None
-        args = _config(f"{tmp}/r{rank}", None if plain else sp, engine, **_steps_of(accumulation))
+        args = _config(f"{tmp}/r{rank}", None if plain else sp, engine, **_steps_of(accumulation, rows))
         trainer = (SFTTrainer if plain else sequence_parallel(SFTTrainer))(
             model=model, args=args,
             train_dataset=trl_tiny.conversations(),
@@ -102,11 +103,11 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str,
                 "dp_sp": None if manager is None else (manager.dp_size, manager.sp_size)}
 
 
-def _steps_of(accumulation: int) -> dict:
-    """ROWS_PER_STEP rows a step: one micro-batch, or ``accumulation`` micro-batches of fewer rows."""
+def _steps_of(accumulation: int, rows: int = ROWS_PER_STEP) -> dict:
+    """``rows`` rows a step: one micro-batch, or ``accumulation`` micro-batches of fewer rows."""
     if accumulation == 1:
-        return {}
-    return {"per_device_train_batch_size": ROWS_PER_STEP // accumulation,
+        return {"per_device_train_batch_size": rows}
+    return {"per_device_train_batch_size": rows // accumulation,
             "gradient_accumulation_steps": accumulation}
 
 
@@ -168,3 +169,23 @@ def test_sft_moe_router_loss_with_accumulation_zero2_sp2_equals_plain_sftrainer(
         assert r["dp_sp"] == (1, 2)
         trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
         trl_tiny.assert_logs_close(r["logs"], ref["logs"], ("loss", "aux_loss"))
+
+
+@pytest.mark.timeout(700)
+def test_sft_dp2_sp2_zero2_equals_plain_sftrainer(dist_pool, tmp_path):
+    """DP2 x SP2 (4 ranks, one packed row per replica and step) against TRL's own SFTTrainer on one process
+    taking both rows a step: every gradient (each on its own scale) and the logged loss equal. SFTTrainer
+    multiplied its loss by the process count (4); the adapter must leave the DP count (2) for DeepSpeed's
+    average over the 2 replicas. The tests above have DP 1, where that factor is 1.
+
+    Seen failing: trl.py's ``wanted = manager.dp_size if ...`` replaced by ``wanted = 1`` (gradients halved:
+    ``embed_tokens`` off by about half its scale) -- every other test here passed with it."""
+    ref = dist_pool.run(1, _sft_run, 1, "zero2", "llama", str(tmp_path / "plain"), False, 1, True, ROWS_PER_STEP,
+                        timeout=300)[0]
+    dp2 = dist_pool.run(4, _sft_run, 2, "zero2", "llama", str(tmp_path / "dp2"), False, 1, False,
+                        ROWS_PER_STEP // 2, timeout=300)
+    assert len(ref["logs"]) == STEPS
+    for r in dp2:
+        assert r["dp_sp"] == (2, 2)
+        trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
+        trl_tiny.assert_logs_close(r["logs"], ref["logs"], ("loss",))
