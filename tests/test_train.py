@@ -198,6 +198,23 @@ def test_fsdp1_matches_sp1(dist_pool, tmp_path):
     _close(_losses(dist_pool, 2, ["--config", str(path), *SHORT, "--steps", "3"]), ref)
 
 
+def test_tiled_loss_sp2_matches_the_untiled_sp1(dist_pool, tmp_path):
+    """``sequence_parallel.tiled_loss: true`` sends the launcher through the swapped model's own ``.loss``
+    (``shift_labels=``), the path the MoE configs take too; SP = 1 without it computes the loss from the
+    logits. Plain SGD, 3 steps: the losses agree, so the shifted targets reach the model as such.
+
+    Seen failing: launch/train.py passing ``labels=batch["shift_labels"]`` instead of ``shift_labels=`` (every rank
+    raised the tiled loss's "needs shift_labels=" error; without the tiled loss, as for the MoE configs, the
+    targets would be shifted twice, silently); test_moe_architecture_with_router_loss passed with it (its
+    SP = 1 reference takes the same path)."""
+    cfg = json.loads(Path(_sgd_config("fsdp_ring.json")).read_text())
+    cfg["sequence_parallel"]["tiled_loss"] = True
+    path = tmp_path / "tiled_loss.json"
+    path.write_text(json.dumps(cfg))
+    ref = _reference(dist_pool, "fsdp_ring.json", sgd=True)[:3]
+    _close(_losses(dist_pool, 2, ["--config", str(path), *SHORT, "--steps", "3"]), ref)
+
+
 # --------------------------------------------------------------------------- training features
 
 
