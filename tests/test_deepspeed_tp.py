@@ -173,6 +173,40 @@ def test_tp_not_innermost_refused_on_every_rank(dist_pool) -> None:
         assert "DeepSpeed AutoTP's groups are not seqpar's" in message and "TP innermost" in message, message
 
 
+def _refuse_on_one_rank_only(rank: int, world: int) -> str:
+    """``_check_autotp_groups`` where only rank 1's view disagrees (its manager's TP group is itself alone,
+    DeepSpeed's both ranks): stand-in engine and manager on the pool's world group, DeepSpeed's TP group
+    patched to the world for this call."""
+    import types
+
+    from deepspeed.utils import groups
+
+    from seqpar.integrations.deepspeed import _check_autotp_groups
+
+    world_group = dist.group.WORLD
+    engine = types.SimpleNamespace(seq_data_parallel_group=world_group, seq_dp_world_size=world)
+    manager = types.SimpleNamespace(rank=rank, tp_ranks=[0, 1] if rank == 0 else [rank], sp_ranks=[0, 1],
+                                    sp_dp_group=world_group, dp_size=1, sp_size=world)
+    original = groups.get_tensor_model_parallel_group
+    groups.get_tensor_model_parallel_group = lambda: world_group
+    try:
+        with pytest.raises(RuntimeError) as info:
+            _check_autotp_groups(engine, manager)
+        return str(info.value)
+    finally:
+        groups.get_tensor_model_parallel_group = original
+
+
+def test_autotp_group_mismatch_on_one_rank_is_refused_on_every_rank(dist_pool) -> None:
+    """A layout that matches on rank 0 and not on rank 1 raises on both (rank 0 would otherwise go on
+    and wait for rank 1 in its first collective).
+
+    Seen failing: ``dist.all_reduce(ok, op=dist.ReduceOp.MIN)`` as ``MAX`` (neither rank raised); the
+    refusal test above passed with it (there every rank disagrees)."""
+    for message in dist_pool.run(2, _refuse_on_one_rank_only, timeout=120):
+        assert "DeepSpeed AutoTP's groups are not seqpar's" in message, message
+
+
 def test_autotp_size_must_equal_tp_size() -> None:
     """Both set and different, or Megatron-style TP sequence parallelism (FSDP2 only): refused before any
     process group, naming the fix (config-only, so every rank raises the same)."""
