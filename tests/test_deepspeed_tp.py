@@ -173,6 +173,40 @@ def test_tp_not_innermost_refused_on_every_rank(dist_pool) -> None:
         assert "DeepSpeed AutoTP's groups are not seqpar's" in message and "TP innermost" in message, message
 
 
+def _refuse_on_one_rank_only(rank: int, world: int) -> str:
+    """``_check_autotp_groups`` where only rank 1's view disagrees (its manager's TP group is itself alone,
+    DeepSpeed's both ranks): stand-in engine and manager on the pool's world group, DeepSpeed's TP group
+    patched to the world for this call."""
+    import types
+
+    from deepspeed.utils import groups
+
+    from seqpar.integrations.deepspeed import _check_autotp_groups
+
+    world_group = dist.group.WORLD
+    engine = types.SimpleNamespace(seq_data_parallel_group=world_group, seq_dp_world_size=world)
+    manager = types.SimpleNamespace(rank=rank, tp_ranks=[0, 1] if rank == 0 else [rank], sp_ranks=[0, 1],
+                                    sp_dp_group=world_group, dp_size=1, sp_size=world)
+    original = groups.get_tensor_model_parallel_group
+    groups.get_tensor_model_parallel_group = lambda: world_group
+    try:
+        with pytest.raises(RuntimeError) as info:
+            _check_autotp_groups(engine, manager)
+        return str(info.value)
+    finally:
+        groups.get_tensor_model_parallel_group = original
+
+
+def test_autotp_group_mismatch_on_one_rank_is_refused_on_every_rank(dist_pool) -> None:
+    """A layout that matches on rank 0 and not on rank 1 raises on both (rank 0 would otherwise go on
+    and wait for rank 1 in its first collective).
+
+    Seen failing: ``dist.all_reduce(ok, op=dist.ReduceOp.MIN)`` as ``MAX`` (neither rank raised); the
+    refusal test above passed with it (there every rank disagrees)."""
+    for message in dist_pool.run(2, _refuse_on_one_rank_only, timeout=120):
+        assert "DeepSpeed AutoTP's groups are not seqpar's" in message, message
+
+
 def test_autotp_size_must_equal_tp_size() -> None:
     """Both set and different, or Megatron-style TP sequence parallelism (FSDP2 only): refused before any
     process group, naming the fix (config-only, so every rank raises the same)."""
@@ -188,6 +222,38 @@ def test_autotp_size_must_equal_tp_size() -> None:
     with pytest.raises(ConfigError, match=r"tp_sequence_parallel .*set tp_sequence_parallel false, or train with FSDP2"):
         initialize(model=model, config={**ds_tp_config(1), "sequence_parallel": {**SP, "tp_sequence_parallel": True}})
     assert not dist.is_initialized()
+
+
+
+def test_autotp_loader_samples_over_the_dp_axis_at_dp2_sp2_tp2() -> None:
+    """The loader ``initialize`` builds under AutoTP (``_dp_axis_loader``), for every rank of a DP2 x SP2 x
+    TP2 cube (seqpar's layout: TP innermost, then SP; no processes: a stand-in engine's ``deepspeed_io`` hands
+    the sampler back): the 4 ranks of one DP replica (its SP and TP ranks) draw the same samples, and the two
+    replicas split the data between them. The 4-rank test above has DP 1, where any rank choice looks right.
+
+    Seen failing: ``DistributedSampler(..., rank=manager.rank % manager.dp_size)`` instead of
+    ``manager.dp_rank`` (ranks 0 and 1, one replica's two TP ranks, drew different samples); the 4-rank
+    test_autotp2_sp2_matches_one_process passed with it."""
+    import types
+
+    from seqpar.integrations.deepspeed import _dp_axis_loader
+    from seqpar.runtime.grid import rank_cube
+
+    data = [{"input_ids": torch.full((SEQ,), i)} for i in range(12)]
+    cube = rank_cube(8, 2, 2)  # (dp, sp, tp)
+    drawn = {}
+    for rank in range(8):
+        dp_rank = int((cube == rank).nonzero()[0, 0])
+        manager = types.SimpleNamespace(dp_size=2, dp_rank=dp_rank, sp_size=2, tp_size=2, rank=rank)
+        engine = types.SimpleNamespace(
+            deepspeed_io=lambda dataset, collate_fn, data_sampler: types.SimpleNamespace(data_sampler=data_sampler))
+        loader = _dp_axis_loader(engine, data, None, manager)
+        assert engine.training_dataloader is loader
+        drawn[rank] = list(loader.data_sampler)
+    replicas = [[drawn[int(r)] for r in cube[d].flatten()] for d in range(2)]
+    for replica in replicas:
+        assert all(x == replica[0] for x in replica), replica
+    assert sorted(replicas[0][0] + replicas[1][0]) == list(range(len(data)))
 
 
 # ------------------------------------------------------------------ universal checkpoints across layouts

@@ -91,6 +91,11 @@ CASES = [
     ("llama4", 4, "contiguous", False, 48),
     ("llama4", 2, "contiguous", True, 0),
     ("llama4", 4, "zigzag", True, 0),
+    # balanced: the chunks a rank holds follow the documents, so the rows' global positions (the temperature's)
+    # need the boundaries. Seen failing: hf_attention's temperature scaling calling global_positions without
+    # cu_seqlens (embed_tokens' gradient off; the contiguous and zigzag cases, whose layout ignores the
+    # documents, passed with it).
+    ("llama4", 3, "balanced", True, 0),
     ("gemma2", 2, "zigzag", False, 48),
     ("gemma2", 4, "contiguous", False, 48),
     ("gemma2", 1, "contiguous", False, 48),

@@ -89,3 +89,30 @@ def test_softcap_swaps_on_cpu_and_is_refused_on_cuda_with_the_fix():
             else:
                 assert len(problems) == 1
                 assert "soft-capping (50.0) on CUDA" in problems[0] and "attn_logit_softcapping=None" in problems[0]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_window_translation_matches_transformers_masks(causal):
+    """``sliding_window`` as transformers means it (its own mask functions: causal ``i - j < w``, bidirectional
+    ``|i - j| <= w``, inclusive) becomes the seqpar window whose planned kernel calls
+    (:func:`seqpar.attn.masks.plan_pieces`) see exactly those pairs, for windows 1-6 on 13 tokens. No model
+    reaches the bidirectional branch through the swap today (Gemma 3's bidirectional sliding layers are
+    refused by the mask check), so it is checked on the masks themselves.
+
+    Seen failing: hf_attention._window without the ``+ 1`` for bidirectional layers (window 1: 13 pairs
+    planned, transformers keeps 37); the model cases above (all causal) passed with it."""
+    from transformers import masking_utils
+
+    from seqpar.attn.masks import MaskSpec, plan_pieces, visible_pair_count
+    from seqpar.swap.hf_attention import _window
+
+    n = 13
+    for w in range(1, 7):
+        if causal:
+            keep = masking_utils.and_masks(masking_utils.sliding_window_overlay(w), masking_utils.causal_mask_function)
+        else:
+            keep = masking_utils.sliding_window_bidirectional_mask_function(w)
+        rows, cols = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        want = int(keep(torch.tensor(0), torch.tensor(0), rows, cols).expand(n, n).sum())
+        calls = plan_pieces(MaskSpec(causal=causal, window=_window(w, causal)), [(0, n)], [(0, n)])
+        assert visible_pair_count(calls) == want, (w, visible_pair_count(calls), want)

@@ -198,6 +198,23 @@ def test_fsdp1_matches_sp1(dist_pool, tmp_path):
     _close(_losses(dist_pool, 2, ["--config", str(path), *SHORT, "--steps", "3"]), ref)
 
 
+def test_tiled_loss_sp2_matches_the_untiled_sp1(dist_pool, tmp_path):
+    """``sequence_parallel.tiled_loss: true`` sends the launcher through the swapped model's own ``.loss``
+    (``shift_labels=``), the path the MoE configs take too; SP = 1 without it computes the loss from the
+    logits. Plain SGD, 3 steps: the losses agree, so the shifted targets reach the model as such.
+
+    Seen failing: launch/train.py passing ``labels=batch["shift_labels"]`` instead of ``shift_labels=`` (every rank
+    raised the tiled loss's "needs shift_labels=" error; without the tiled loss, as for the MoE configs, the
+    targets would be shifted twice, silently); test_moe_architecture_with_router_loss passed with it (its
+    SP = 1 reference takes the same path)."""
+    cfg = json.loads(Path(_sgd_config("fsdp_ring.json")).read_text())
+    cfg["sequence_parallel"]["tiled_loss"] = True
+    path = tmp_path / "tiled_loss.json"
+    path.write_text(json.dumps(cfg))
+    ref = _reference(dist_pool, "fsdp_ring.json", sgd=True)[:3]
+    _close(_losses(dist_pool, 2, ["--config", str(path), *SHORT, "--steps", "3"]), ref)
+
+
 # --------------------------------------------------------------------------- training features
 
 
@@ -504,6 +521,27 @@ def test_moe_architecture_with_router_loss_sp2_matches_sp1(dist_pool):
     ref = _reference(dist_pool, "deepspeed_moe.json", extra, sgd=True)
     got = _losses(dist_pool, 2, ["--config", _sgd_config("deepspeed_moe.json"), "--sp-size", "2", *SHORT, *extra])
     _close(got, ref)
+
+
+def test_moe_loss_path_targets_match_the_logits_path(dist_pool, tmp_path):
+    """The Mixtral config with ``output_router_logits`` on and ``router_aux_loss_coef`` 0 trains through the
+    swapped model's own ``.loss`` (``shift_labels=``) at SP = 2; with router logits off, at SP = 1, the launcher
+    computes the loss from the logits. With a zero coefficient the two losses are the same cross-entropy, so
+    the 3 SGD steps agree: the targets reach the ``.loss`` path as shifted once (the test above compares two
+    runs of the same path).
+
+    Seen failing: launch/train.py passing ``labels=batch["shift_labels"]`` instead of ``shift_labels=``
+    (shifted twice, silently: step 0's loss 4.858 against 4.822)."""
+    base = json.loads(Path(_sgd_config("deepspeed_moe.json")).read_text())
+    paths = {}
+    for name, logits in (("loss_path", True), ("logits_path", False)):
+        cfg = json.loads(json.dumps(base))
+        cfg["model"].update(output_router_logits=logits, router_aux_loss_coef=0.0)
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(cfg))
+    extra = ["--seq-len", "64", "--steps", "3", "--no-progress", "--log-level", "WARNING"]
+    ref = _losses(dist_pool, 1, ["--config", str(paths["logits_path"]), "--sp-size", "1", *extra])
+    _close(_losses(dist_pool, 2, ["--config", str(paths["loss_path"]), "--sp-size", "2", *extra]), ref)
 
 
 def test_architecture_key_selects_the_config_class(tmp_path):

@@ -89,7 +89,8 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: b
         assert deepspeed.initialize is original, "the route to seqpar's initialize must not outlive prepare"
         return {"losses": losses, "seen": seen, "world": trainer.args.world_size,
                 "groups": (engine.sequence_parallel_size, engine.seq_dp_world_size),
-                "tokens": trainer.state.num_input_tokens_seen, "flos": trainer.state.total_flos}
+                "tokens": trainer.state.num_input_tokens_seen, "flos": trainer.state.total_flos,
+                "total_batch": trainer.get_total_train_batch_size(trainer.args)}
 
 
 def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
@@ -101,6 +102,10 @@ def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
         hf_tiny.assert_losses_close(r["losses"], ref)
         # Full batches reach training_step (cut inside it); the count is the full one, once.
         assert r["seen"] == [((BATCH, hf_tiny.SEQ), float(targets))] * STEPS
+        # The global batch Trainer logs and plans epochs with: BATCH rows x 1 accumulation x dp 1, not x world.
+        # Seen failing: get_total_train_batch_size multiplying by the world size instead of dp (every other
+        # check here passed with it).
+        assert r["total_batch"] == BATCH
     assert torch.tensor(out[0]["losses"]).equal(torch.tensor(out[1]["losses"]))
 
 
@@ -121,6 +126,7 @@ def test_trainer_packed_documents_sp2_equals_sp1_and_each_document_alone(dist_po
         # Logged counts summed over all processes count each SP group's rows once, too.
         assert r["tokens"] == sum(hf_tiny.DOC_LENGTHS)
         assert r["flos"] == pytest.approx(sp1["flos"], rel=1e-12) and r["flos"] > 0
+        assert r["total_batch"] == hf_tiny.DOCS_PER_ROW  # dp 1 at SP = 1 and at SP = 2
     assert sp2[0]["groups"] == (2, 2) and sp2[0]["world"] == 2
     assert torch.tensor(sp2[0]["losses"]).equal(torch.tensor(sp2[1]["losses"]))
 

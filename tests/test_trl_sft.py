@@ -39,14 +39,16 @@ ROWS_PER_STEP = 2  # packed rows of MAX_LENGTH tokens, flattened into one paddin
 LOGGED = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
 
 
-def _config(tmp: str, sp: int, engine: str, **extra):
+def _config(tmp: str, sp: int | None, engine: str, **extra):
     from trl import SFTConfig
 
     ds = None
     if engine == "zero2":
         ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2},
-              "steps_per_print": 10**6, "sequence_parallel": {"size": sp, "mode": "ring", "sharding": "zigzag"}}
+              "steps_per_print": 10**6}
+        if sp is not None:  # None: DeepSpeed alone (the plain SFTTrainer reference)
+            ds["sequence_parallel"] = {"size": sp, "mode": "ring", "sharding": "zigzag"}
     return SFTConfig(
         output_dir=tmp, deepspeed=ds, packing=True, padding_free=True, assistant_only_loss=True,
         max_length=trl_tiny.MAX_LENGTH, max_steps=STEPS,
@@ -72,7 +74,9 @@ def _tiny_moe(family: str) -> torch.nn.Module:
 
 
 def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str, evaluate: bool = False,
-             accumulation: int = 1) -> dict:
+             accumulation: int = 1, plain: bool = False, rows: int = ROWS_PER_STEP) -> dict:
+    """``plain``: TRL's own SFTTrainer, no seqpar (one process): a reference the adapter's code does not touch.
+    ``rows``: packed rows per process and step (the global batch is ``rows x dp``)."""
     from trl import SFTTrainer
 
     from seqpar.integrations.trainer import sequence_parallel
@@ -81,26 +85,29 @@ def _sft_run(rank: int, world: int, sp: int, engine: str, family: str, tmp: str,
     snapshots: list[dict[str, torch.Tensor]] = []
     with hf_tiny.launcher_env(rank, world):
         block = {"size": sp, "mode": "ring", "sharding": "zigzag"} if engine == "fsdp2" else None
-        trainer = sequence_parallel(SFTTrainer)(
-            model=model, args=_config(f"{tmp}/r{rank}", sp, engine, **_steps_of(accumulation)),
+        args = _config(f"{tmp}/r{rank}", None if plain else sp, engine, **_steps_of(accumulation, rows))
+        trainer = (SFTTrainer if plain else sequence_parallel(SFTTrainer))(
+            model=model, args=args,
             train_dataset=trl_tiny.conversations(),
-            processing_class=trl_tiny.tokenizer(), callbacks=[trl_tiny.snapshots_callback(model, snapshots)], seqpar_config=block,
+            processing_class=trl_tiny.tokenizer(), callbacks=[trl_tiny.snapshots_callback(model, snapshots)],
             eval_dataset=trl_tiny.conversations(seed=8) if evaluate else None,
+            **({} if plain else {"seqpar_config": block}),
         )
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h and "train_runtime" not in h]
         if evaluate:  # SFTTrainer without num_items_in_batch: the SP group's count is passed in
             logs.append({k.removeprefix("eval_"): v for k, v in trainer.evaluate().items()})
+        manager = getattr(trainer, "seqpar_manager", None)
         return {"logs": logs, "grads": trl_tiny.sgd_gradients(snapshots, hf_tiny.LR),
                 "resolution": trl_tiny.update_resolution(snapshots[0], hf_tiny.LR),
-                "dp_sp": (trainer.seqpar_manager.dp_size, trainer.seqpar_manager.sp_size)}
+                "dp_sp": None if manager is None else (manager.dp_size, manager.sp_size)}
 
 
-def _steps_of(accumulation: int) -> dict:
-    """ROWS_PER_STEP rows a step: one micro-batch, or ``accumulation`` micro-batches of fewer rows."""
+def _steps_of(accumulation: int, rows: int = ROWS_PER_STEP) -> dict:
+    """``rows`` rows a step: one micro-batch, or ``accumulation`` micro-batches of fewer rows."""
     if accumulation == 1:
-        return {}
-    return {"per_device_train_batch_size": ROWS_PER_STEP // accumulation,
+        return {"per_device_train_batch_size": rows}
+    return {"per_device_train_batch_size": rows // accumulation,
             "gradient_accumulation_steps": accumulation}
 
 
@@ -142,3 +149,43 @@ def test_sft_moe_router_loss_zero2_sp2_equals_sp1(dist_pool, tmp_path, family):
     sequence's there too (without it: each rank's shard's)."""
     sp1 = _check(dist_pool, tmp_path, "zero2", family, LOGGED + ("aux_loss",))
     assert all(h["aux_loss"] > 0 for h in sp1["logs"])
+
+
+@pytest.mark.timeout(700)
+def test_sft_moe_router_loss_with_accumulation_zero2_sp2_equals_plain_sftrainer(dist_pool, tmp_path):
+    """Mixtral, 2 micro-batches a step (num_items_in_batch given): SFTTrainer adds the router loss over
+    the accumulation steps (``coef x aux / steps``), so SP = 2's gradients and logged loss and aux_loss equal
+    TRL's own SFTTrainer without seqpar (one process): the reference the adapter's code never touches (the
+    SP = 1 runs above go through the same adapter, so an error in it cancels there).
+
+    Seen failing: trl.py's ``fused[-1].aux_loss / steps`` without ``/ steps`` (the router loss doubled
+    against TRL's: ``embed_tokens``' gradient off by 1.7e-2 at scale 0.12) -- every other test here passed with it
+    (one micro-batch a step: steps = 1)."""
+    ref = dist_pool.run(1, _sft_run, 1, "zero2", "mixtral", str(tmp_path / "plain"), False, 2, True,
+                        timeout=300)[0]
+    sp2 = dist_pool.run(2, _sft_run, 2, "zero2", "mixtral", str(tmp_path / "sp2"), False, 2, timeout=300)
+    assert len(ref["logs"]) == STEPS and all(h["aux_loss"] > 0 for h in ref["logs"])
+    for r in sp2:
+        assert r["dp_sp"] == (1, 2)
+        trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
+        trl_tiny.assert_logs_close(r["logs"], ref["logs"], ("loss", "aux_loss"))
+
+
+@pytest.mark.timeout(700)
+def test_sft_dp2_sp2_zero2_equals_plain_sftrainer(dist_pool, tmp_path):
+    """DP2 x SP2 (4 ranks, one packed row per replica and step) against TRL's own SFTTrainer on one process
+    taking both rows a step: every gradient (each on its own scale) and the logged loss equal. SFTTrainer
+    multiplied its loss by the process count (4); the adapter must leave the DP count (2) for DeepSpeed's
+    average over the 2 replicas. The tests above have DP 1, where that factor is 1.
+
+    Seen failing: trl.py's ``wanted = manager.dp_size if ...`` replaced by ``wanted = 1`` (gradients halved:
+    ``embed_tokens`` off by about half its scale) -- every other test here passed with it."""
+    ref = dist_pool.run(1, _sft_run, 1, "zero2", "llama", str(tmp_path / "plain"), False, 1, True, ROWS_PER_STEP,
+                        timeout=300)[0]
+    dp2 = dist_pool.run(4, _sft_run, 2, "zero2", "llama", str(tmp_path / "dp2"), False, 1, False,
+                        ROWS_PER_STEP // 2, timeout=300)
+    assert len(ref["logs"]) == STEPS
+    for r in dp2:
+        assert r["dp_sp"] == (2, 2)
+        trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
+        trl_tiny.assert_logs_close(r["logs"], ref["logs"], ("loss",))
