@@ -210,3 +210,14 @@ def test_close_is_per_tensor() -> None:
     assert not fuzz.close(ref * 1.001, ref, 1e-5, 0.0)[0]
     assert not fuzz.close(ref[:1], ref, 1e-5, 0.0)[0]
     assert not fuzz.close(ref * float("nan"), ref, 1e-5, 0.0)[0]
+
+
+def test_close_reports_the_error_on_the_scale_it_judges() -> None:
+    """A tensor ~0 in exact arithmetic (dq where each query sees one key) is judged on the case's floor; its
+    reported error is in units of that scale too, so "exact" never reads "worst dq 1.0e+00" (seed 2, case
+    1694680723). Seen failing: the error divided by max|ref| alone (the old report) gives 1e8 here."""
+    ref = torch.tensor([1e-17, -1e-17], dtype=torch.float64)
+    ok, err = fuzz.close(ref + 1e-9, ref, 1e-5, 1e-6)  # floor 1e-6: scale ~0.1
+    assert ok and err == pytest.approx(1e-8, rel=1e-6)
+    ok, err = fuzz.close(ref + 2e-6, ref, 1e-5, 1e-6)
+    assert not ok and err > 1e-5

@@ -417,13 +417,13 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
             ok, err = close(full, ref_call[ti], tol, floor)
             label = f"call{ci}.{name}" if len(ref["calls"]) > 1 else name
             if not ok:
-                return "WRONG", f"{label} off by {err:.2e} of its max (tol {tol:.0e})"
+                return "WRONG", f"{label} off by {err:.2e} of its scale (tol {tol:.0e})"
             worst = max(worst, (label, err), key=lambda x: x[1])
     if "dsinks" in ref:
         got = sum(p["dsinks"].double() for p in per_rank)
         ok, err = close(got, ref["dsinks"], tol, floor)
         if not ok:
-            return "WRONG", f"dsinks off by {err:.2e} of its max (tol {tol:.0e})"
+            return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
     return "exact", f"worst {worst[0]} {worst[1]:.1e}"
 
 

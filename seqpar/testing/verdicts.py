@@ -43,14 +43,15 @@ def error_record(e: BaseException, also: tuple[Path, ...] = ()) -> dict[str, Any
 
 def close(got: torch.Tensor, ref: torch.Tensor, tol: float, floor: float) -> tuple[bool, float]:
     """``max|got - ref| <= tol * max|ref| + floor`` (shapes must match). Returns (ok, the error in units of
-    ``max|ref|``)."""
+    ``max|ref| + floor / tol``, the scale it is judged on: ok exactly when the error is at most ``tol``; a
+    tensor that is ~0 in exact arithmetic is then reported against the floor, not against its own noise)."""
     if got is None or tuple(got.shape) != tuple(ref.shape):
         return False, math.inf
     diff = float((got.double() - ref).abs().max()) if ref.numel() else 0.0
-    scale = float(ref.abs().max()) if ref.numel() else 0.0
+    scale = (float(ref.abs().max()) if ref.numel() else 0.0) + floor / tol
     if not math.isfinite(diff):
         return False, math.inf
-    return diff <= tol * scale + floor, diff / scale if scale > 0 else diff
+    return diff <= tol * scale, diff / scale if scale > 0 else diff
 
 
 def classify_errors(per_rank: list[dict[str, Any]]) -> tuple[str, str] | None:
