@@ -9,7 +9,7 @@ attention reads the boundaries from them (:func:`seqpar.mixers.documents.with_ca
 
 Seen failing (the fix stashed): every parity case below (Nemotron's loss 11% off at P = 1) and the probe
 test (nothing marked); with the carrier conversion but ``with_carried`` skipped in the attention, the
-parity cases again.
+parity cases again; without ``carry_to`` at the first forward, the meta-device case.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def test_probe_marks_the_layers_that_drop_the_boundaries(dist_pool, kind: str, d
     assert carriers == ([n.rpartition(".")[0] for n in attention] if drops else []), (kind, carriers)
 
 
-def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: list[int], checkpointing: bool) -> None:
+def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: list[int], checkpointing: bool,
+                   meta: bool = False) -> None:
     """A packed row (``DataCollatorWithFlattening``) against each document run alone in one process in
     float64, token-weighted (per-document semantics): the loss, and every parameter's gradient summed over
     the ranks against its own reference scale."""
@@ -66,10 +67,21 @@ def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: lis
 
     batch = dict(transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
         [{"input_ids": d} for d in docs]))
-    model = build_model(kind, torch.float64)
+    if meta:  # parameters not materialised at swap time: the probe (and the carriers) wait for the first forward
+        with torch.device("meta"):
+            model = build_model(kind, torch.float64)
+    else:
+        model = build_model(kind, torch.float64)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     swap_attention(model, SeqParConfig(size=world, mode="ring", sharding=sharding), group=dist.group.WORLD)
+    if meta:
+        assert not any(getattr(m, DROPS_DOCUMENTS_ATTR, False) for m in model.modules())  # not probed yet
+        model.to_empty(device="cpu")
+        fresh = build_model(kind, torch.float64)
+        model.load_state_dict(fresh.state_dict())
+        for name, buffer in fresh.named_buffers():  # non-persistent buffers (rotary frequencies)
+            model.get_buffer(name).copy_(buffer)
     out = model(**shard_batch(batch, group=dist.group.WORLD, sharding=sharding))
     out.loss.backward()
     # float64 models, but transformers' loss upcasts the logits to fp32 only: both sides round there
@@ -95,3 +107,10 @@ def test_packed_documents_reach_attention_their_layers_drop(dist_pool, kind: str
     """Each document attends to itself, as it does run alone; with reentrant checkpointing the recompute
     reads its own forward's boundaries (the carrier's call carries them)."""
     dist_pool.run(world, _packed_parity, kind, sharding, [4, 1, 13, 6], checkpointing, timeout=300)
+
+
+@pytest.mark.parametrize("kind", ["nemotron"])
+def test_packed_documents_when_the_probe_waits_for_the_first_forward(dist_pool, kind: str) -> None:
+    """A model swapped before its parameters exist (meta device; likewise ZeRO-3 partitions) is probed at its
+    first forward: the dropping layers become carriers there, before they run."""
+    dist_pool.run(2, _packed_parity, kind, "zigzag", [4, 1, 13, 6], True, True, timeout=300)

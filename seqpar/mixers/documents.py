@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from seqpar.runtime.thread_state import ThreadState
 from seqpar.sequence.call_group import GROUP_KEY
 
-__all__ = ["DOCUMENTS_KEY", "DROPS_DOCUMENTS_ATTR", "DocumentsCarrier", "feed_documents", "carry_to", "holds_documents", "with_carried",
+__all__ = ["DOCUMENTS_KEY", "DROPS_DOCUMENTS_ATTR", "DocumentsCarrier", "feed_documents", "carry_to", "with_carried",
            "batch_documents", "carried_documents", "carried_group"]
 
 DOCUMENTS_KEY = "seqpar_documents"
@@ -133,16 +133,17 @@ def _release(module: nn.Module, args: tuple, output: Any) -> None:
         stack.pop()
 
 
-def feed_documents(model: nn.Module, mixers: Sequence[str]) -> None:
+def feed_documents(model: nn.Module, mixers: Sequence[str], hold: bool = False) -> None:
     """Carry every forward's document boundaries of ``model`` to each of its submodules named in
     ``mixers`` (see the module docstring): their parent layers become carriers, and ``model`` holds its
     batch's boundaries while it runs (replacing the hooks of an earlier swap of the same model, so that
-    they run after its batch check). The hooks look nothing up by name: a deep copy of the model carries
-    its own batches."""
+    they run after its batch check). ``hold``: hold them even with no ``mixers`` yet (a model probed at its
+    first forward gets its carriers then, :func:`carry_to`). The hooks look nothing up by name: a deep copy
+    of the model carries its own batches."""
     for handle in model.__dict__.pop(_HANDLES_ATTR, ()):
         handle.remove()
     carry_to(model, mixers)
-    if mixers:
+    if mixers or hold:
         model.__dict__[_HANDLES_ATTR] = (model.register_forward_pre_hook(_hold, with_kwargs=True),
                                          model.register_forward_hook(_release, always_call=True))
 
@@ -155,11 +156,6 @@ def carry_to(model: nn.Module, modules: Sequence[str]) -> None:
     for name in sorted({name.rpartition(".")[0] for name in modules if "." in name}):
         parent = model.get_submodule(name)
         parent.__class__ = _carrier_class(type(parent))
-
-
-def holds_documents(model: nn.Module) -> bool:
-    """Whether ``model`` holds each forward's boundaries for its carriers (:func:`feed_documents`)."""
-    return _HANDLES_ATTR in model.__dict__
 
 
 def with_carried(kwargs: dict[str, Any]) -> dict[str, Any]:

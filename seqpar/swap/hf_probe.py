@@ -27,7 +27,7 @@ import torch
 import transformers
 from torch import Tensor, nn
 
-from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, batch_documents, carry_to, holds_documents
+from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, batch_documents, carry_to
 from seqpar.swap.hf_alibi import install as install_alibi
 from seqpar.swap.hf_alibi import is_alibi_attention
 from seqpar.swap.hf_attention import register
@@ -125,17 +125,9 @@ def _first_forward_tops(tops: list[tuple[str, nn.Module]], modules: list[tuple[s
                        "probing this batch instead", type(failure[0]).__name__, PROBE_LENGTH, failure[1])
         first_forward_probe(model, args, kwargs)
         return
-    # The swap is done: its carriers are put in here, before the first forward's layers run.
-    dropping = _mark_dropping(model, tops, modules)
-    carry_to(model, list(dropping))
-    if not holds_documents(model) and not all(dropping.values()):
-        unfed = [name for name, parent_got in dropping.items() if not parent_got]
-        raise SwapError(
-            f"seqpar: {type(model).__name__} calls the layers of {unfed} without the batch's packed-document "
-            "boundaries, and this model was probed at its first forward (its parameters were not materialised "
-            "at swap time), too late to carry them to these layers. Swap the model before the engine partitions "
-            "it (seqpar.integrations.deepspeed.initialize does), or run it without packed documents."
-        )
+    # The swap is done: the carriers are put in here, before the first forward's layers run (the model holds
+    # each forward's boundaries for them: walk.apply feeds documents to a model whose probe is deferred).
+    carry_to(model, list(_mark_dropping(model, tops, modules)))
 
 
 def _mark_dropping(model: nn.Module, tops: list[tuple[str, nn.Module]],

@@ -194,7 +194,9 @@ def swap_attention(
     # the attention of layers that drop them (Nemotron, StableLM; found by the probe: hf_probe)
     feed_documents(model, [name for name, _ in mixers]
                    + [name for name, module, route in plan if route == "hf" and (
-                       is_alibi_attention(module) or getattr(module, DROPS_DOCUMENTS_ATTR, False))])
+                       is_alibi_attention(module) or getattr(module, DROPS_DOCUMENTS_ATTR, False))],
+                   # a Hugging Face model probed at its first forward gets its carriers then: hold from now
+                   hold=first_forward is not None and any(route == "hf" for _, _, route in plan))
     logger.info("%s", report)
     from seqpar.memory.tiling import apply_tiling  # tiled loss / MLP, offload: from the same config
 
