@@ -264,9 +264,11 @@ def shard_groups(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Modu
     """
     order = {id(m): i for i, m in enumerate(model.modules())}
     holders: dict[int, set[int]] = {}  # parameter id -> ids of the modules holding it directly
+    held: dict[int, list[int]] = {}  # module id -> ids of the parameters it holds directly
     for module in model.modules():
         for p in module.parameters(recurse=False):
             holders.setdefault(id(p), set()).add(id(module))
+            held.setdefault(id(module), []).append(id(p))
     sharded = list(blocks)
     while True:  # dropping a unit hands its parameters to the enclosing one: repeat until none is dropped
         # union of the blocks that share a parameter (a block's own, not those of units nested in it)
@@ -277,17 +279,16 @@ def shard_groups(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Modu
         owned = [_unit_modules(b, nested) for b in sharded]
         first: dict[int, int] = {}
         for i, mods in enumerate(owned):
-            for p_id, hs in holders.items():
-                if hs & mods:
-                    j = first.setdefault(p_id, i)
-                    parent[_root(parent, i)] = _root(parent, j)
+            for p_id in (p_id for m in mods for p_id in held.get(m, ())):
+                j = first.setdefault(p_id, i)
+                parent[_root(parent, i)] = _root(parent, j)
         units: dict[int, list[int]] = {}
         for i in range(len(sharded)):
             units.setdefault(_root(parent, i), []).append(i)
         dropped = set()
         for members in units.values():
             mods = set().union(*(owned[i] for i in members))
-            if any(hs & mods and not hs <= mods for hs in holders.values()):
+            if any(not holders[p_id] <= mods for m in mods for p_id in held.get(m, ())):
                 dropped.update(members)
         if not dropped:
             break
