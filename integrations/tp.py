@@ -14,6 +14,13 @@ a plan is refused by name, before anything is sharded. ``replicated_with_grad_al
 gradient over the TP group in a post-accumulate hook. torch's plain ``parallelize_module`` has no such
 style and would leave those gradients per-rank partial sums.
 
+Tied parameters (``tie_word_embeddings``: SmolLM3's, MiniCPM3's head holds the embedding's weight; Zamba's
+shared block) are one parameter with one layout: it is sharded once, under the name ``named_parameters`` keeps
+(transformers' ``apply_tensor_parallelism`` looks parameters up there, and raised ``KeyError: 'lm_head.weight'``
+for the other name), then set again on every other module holding it, so both uses add to one gradient. The
+plan's styles for its names must agree (``embedding_rowwise`` and ``colwise_gather_output`` both shard the
+vocabulary, ``Shard(0)``); a plan that would lay it out two ways is refused by name before anything is sharded.
+
 Torch 2.13 caches DTensor sharding plans keyed by meshes that compare equal when they cover the same
 ranks, whatever their process groups: ``ProcessGroupManager.destroy`` drops those plans, so a later
 manager of the same layout in the same process is not handed the destroyed groups.
@@ -120,7 +127,8 @@ def apply_tensor_parallel(
 
     Raises:
         ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style;
-            with ``sequence_parallel``, a model whose layout it does not know.
+            a tied parameter the plan lays out two ways; with ``sequence_parallel``, a model whose layout it
+            does not know.
     """
     manager = manager if manager is not None else default_manager()
     if manager is None:
