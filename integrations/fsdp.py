@@ -44,6 +44,7 @@ __all__ = [
     "load_checkpoint",
     "dtype_from_name",
     "set_fsdp1_divide_factor",
+    "shard_groups",
 ]
 
 logger = logging.getLogger("seqpar")
@@ -232,8 +233,8 @@ def _wrap_fsdp2(
     # the decoder layer, RecurrentGemma's RecurrentBlock), and sharding the outer one first would leave the
     # inner one's parameters DTensors already, which fully_shard then mistakes for tensor-parallel ones.
     blocks = [m for m in reversed(list(model.modules())) if type(m) in block_classes]
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=opts.reshard_after_forward, **kw)
+    for group in shard_groups(model, blocks):
+        fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=opts.reshard_after_forward, **kw)
     fully_shard(model, **kw)
     # gloo has no AVG / PREMUL_SUM reduce ops: reduce with SUM and divide afterwards.
     force_sum = dist.get_backend(manager.sp_dp_group) == "gloo"
@@ -243,6 +244,81 @@ def _wrap_fsdp2(
             if force_sum:
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_groups(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """``blocks`` (innermost first) as FSDP2 units: blocks that share parameters go into one unit, and a unit
+    whose parameters a module outside it also holds is left to the enclosing unit (the root at the latest).
+
+    Why: FSDP2 manages each parameter in exactly one group. Zamba's hybrid layers each hold their own
+    ``shared_transf`` module whose parameters are tied (the same ``nn.Parameter`` objects) across the
+    layers; one ``fully_shard`` per block would shard them twice (torch raises "is shared with a parameter
+    already managed by another FSDP group" at the first forward). torch's answer is one
+    ``fully_shard([module_a, module_b])`` over the modules that share them: one all-gather before the first
+    of them runs, one reshard after the last, one reduce-scatter of the summed gradient. A parameter also
+    held outside the blocks (tied to a non-block module) can only be managed by a unit that covers both
+    holders, so such blocks stay in the enclosing unit.
+
+    Returns:
+        The units, innermost first; each a list of modules (one for an ordinary block), in model order.
+    """
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    holders: dict[int, set[int]] = {}  # parameter id -> ids of the modules holding it directly
+    held: dict[int, list[int]] = {}  # module id -> ids of the parameters it holds directly
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), set()).add(id(module))
+            held.setdefault(id(module), []).append(id(p))
+    sharded = list(blocks)
+    while True:  # dropping a unit hands its parameters to the enclosing one: repeat until none is dropped
+        # union of the blocks that share a parameter (a block's own, not those of units nested in it)
+        unit_ids = {id(b) for b in sharded}
+        nested = {id(m) for b in sharded for m in b.modules() if m is not b and id(m) in unit_ids}
+        parent = list(range(len(sharded)))
+
+        owned = [_unit_modules(b, nested) for b in sharded]
+        first: dict[int, int] = {}
+        for i, mods in enumerate(owned):
+            for p_id in (p_id for m in mods for p_id in held.get(m, ())):
+                j = first.setdefault(p_id, i)
+                parent[_root(parent, i)] = _root(parent, j)
+        units: dict[int, list[int]] = {}
+        for i in range(len(sharded)):
+            units.setdefault(_root(parent, i), []).append(i)
+        dropped = set()
+        for members in units.values():
+            mods = set().union(*(owned[i] for i in members))
+            if any(not holders[p_id] <= mods for m in mods for p_id in held.get(m, ())):
+                dropped.update(members)
+        if not dropped:
+            break
+        for i in sorted(dropped):
+            logger.info("%s seqpar: FSDP2 leaves %s to its enclosing unit: it shares parameters with a module "
+                        "outside it", rank_prefix(), type(sharded[i]).__name__)
+        sharded = [b for i, b in enumerate(sharded) if i not in dropped]
+    groups = [sorted((sharded[i] for i in members), key=lambda m: order[id(m)]) for members in units.values()]
+    # innermost first, as ``blocks``: by each unit's position in ``blocks`` (its first member there)
+    position = {id(b): i for i, b in enumerate(blocks)}
+    return sorted(groups, key=lambda g: min(position[id(m)] for m in g))
+
+
+def _root(parent: list[int], i: int) -> int:
+    """The representative of ``i`` in the union-find forest ``parent``."""
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
+
+
+def _unit_modules(block: nn.Module, nested: set[int]) -> set[int]:
+    """ids of the modules whose parameters ``block``'s unit manages: its subtree less the units nested in it."""
+    out: set[int] = set()
+    stack = [block]
+    while stack:
+        m = stack.pop()
+        out.add(id(m))
+        stack += [c for c in m.children() if id(c) not in nested]
+    return out
 
 
 def compile_blocks(model: nn.Module, block_classes: Iterable[type[nn.Module]] | None = None,

@@ -14,6 +14,13 @@ a plan is refused by name, before anything is sharded. ``replicated_with_grad_al
 gradient over the TP group in a post-accumulate hook. torch's plain ``parallelize_module`` has no such
 style and would leave those gradients per-rank partial sums.
 
+Tied parameters (``tie_word_embeddings``: SmolLM3's, MiniCPM3's head holds the embedding's weight; Zamba's
+shared block) are one parameter with one layout: it is sharded once, under the name ``named_parameters`` keeps
+(transformers' ``apply_tensor_parallelism`` looks parameters up there, and raised ``KeyError: 'lm_head.weight'``
+for the other name), then set again on every other module holding it, so both uses add to one gradient. The
+plan's styles for its names must agree (``embedding_rowwise`` and ``colwise_gather_output`` both shard the
+vocabulary, ``Shard(0)``); a plan that would lay it out two ways is refused by name before anything is sharded.
+
 Torch 2.13 caches DTensor sharding plans keyed by meshes that compare equal when they cover the same
 ranks, whatever their process groups: ``ProcessGroupManager.destroy`` drops those plans, so a later
 manager of the same layout in the same process is not handed the destroyed groups.
@@ -120,7 +127,8 @@ def apply_tensor_parallel(
 
     Raises:
         ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style;
-            with ``sequence_parallel``, a model whose layout it does not know.
+            a tied parameter the plan lays out two ways; with ``sequence_parallel``, a model whose layout it
+            does not know.
     """
     manager = manager if manager is not None else default_manager()
     if manager is None:
@@ -146,20 +154,76 @@ def apply_tensor_parallel(
 
     # the "tp" dim of the (dp x sp, tp) mesh, so FSDP2 can shard the same DTensors over "dp_sp"
     mesh = manager.dp_sp_tp_mesh["tp"]
+    tied = _tied_parameters(model)
+    _check_tied_layouts(model, tied, expanded, mesh)
+    # a tied parameter is sharded once, under its first name (the one named_parameters keeps, and the only one
+    # transformers' apply_tensor_parallelism can look up: the others raised KeyError 'lm_head.weight'), then
+    # handed to its other holders (below)
+    duplicates = {name for names in tied for name in names[1:]}
     vocab_parallel = sequence_parallel if vocab_parallel is None else vocab_parallel
     layout = sequence_parallel_layout(model, expanded) if sequence_parallel else None
     # module entries whose forward takes other layouts (transformers' own classes with other placements);
     # their parameters are sharded by the plan as usual
     relaid = _relaid_styles(model, expanded, vocab_parallel=vocab_parallel, layout=layout)
     skip = set(relaid) | (set(layout.embedding) if layout is not None else set())
-    apply_tensor_parallelism(model, mesh, {k: v for k, v in expanded.items() if k not in skip})
+    apply_tensor_parallelism(model, mesh, {k: v for k, v in expanded.items() if k not in skip | duplicates})
     modules = dict(model.named_modules())
     for name, style in relaid.items():
         style.install_forward(modules[name], mesh)
         modules[name]._is_hooked = True
     if layout is not None:
         apply_tp_sequence_parallel(model, mesh, layout)
+    for names in tied:  # tie again: every holder of a tied parameter holds its one sharded copy
+        first_module, _, first_param = names[0].rpartition(".")
+        shared = getattr(modules[first_module], first_param)
+        for name in names[1:]:
+            module_name, _, param_name = name.rpartition(".")
+            setattr(modules[module_name], param_name, shared)
     return expanded
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The parameters held by more than one module (tied input / output embeddings, ``tie_word_embeddings``;
+    Zamba's shared block), each as its holders' ``module.param`` names in module order: the first is the name
+    ``model.named_parameters()`` keeps."""
+    holders: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():
+        for param_name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append(f"{module_name}.{param_name}" if module_name else param_name)
+    return [names for names in holders.values() if len(names) > 1]
+
+
+def _check_tied_layouts(model: nn.Module, tied: list[list[str]], expanded: dict[str, str], mesh: Any) -> None:
+    """Refuse a plan that would lay one tied parameter out two ways (sharded for one holder, replicated or
+    sharded on another dim for the other): one parameter has one layout. Each holder's style is tried on an
+    empty copy on the meta device (nothing allocated or sent), with transformers' own ``shard_param``.
+
+    Raises:
+        ValueError: naming the model, the tied names, their styles and layouts, and the fixes.
+    """
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    params = dict(model.named_parameters())
+    for names in tied:
+        param = params[names[0]]
+        layouts = {}
+        for name in names:
+            style = expanded.get(name)
+            holder = nn.Module()
+            holder.weight = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            if style is not None:
+                ALL_PARALLEL_STYLES[style].shard_param(holder, "weight", mesh)
+            placements = getattr(holder.weight, "placements", None)
+            layouts[name] = (style or "no style", "replicated" if placements is None else str(list(placements)))
+        if len({layout for _, layout in layouts.values()}) > 1:
+            described = ", ".join(f"{name}: {style} -> {layout}" for name, (style, layout) in layouts.items())
+            raise ValueError(
+                f"tensor parallelism: {type(model).__name__} ties {' and '.join(names)} (one parameter, e.g. "
+                f"tie_word_embeddings), but its tp plan lays them out differently ({described}), and one parameter "
+                "has one layout. Untie them (tie_word_embeddings=False in the config before building the model), "
+                "pass plan= giving both the same layout (embedding_rowwise and colwise_gather_output both shard "
+                "the vocabulary), or run tp_size 1"
+            )
 
 
 @dataclass(frozen=True)

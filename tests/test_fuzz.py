@@ -62,6 +62,22 @@ FOUND[572881236] = (("attention", "dilated", "model", "engine"), "exact")
 #   seen failing with seqpar's z-loss hook counting the padded positions (mask=None).
 FOUND_SET[1086484656] = {"world": 3}
 FOUND[1086484656] = (("attention", "dilated", "model", "engine"), "exact")
+# fuzz19a
+# - 1556311079, 1739095319 (seed 2, session 19; FSDP2, tiny zamba, P=3): crash, torch's "Parameter
+#   'model.layers.2.shared_transf.self_attn.q_proj.weight' is shared with a parameter already managed by another
+#   FSDP group": Zamba's hybrid layers hold one transformer block (the same parameters in two shared_transf
+#   modules) and seqpar called fully_shard once per block. Blocks sharing parameters are now one FSDP2 unit
+#   (integrations/fsdp.shard_groups, tests/test_engine_tied_params.py). 1556311079 is drawn as Ulysses at P=3,
+#   which its 4 heads refuse by name: pinned to ring, where it shows the finding.
+# - 67525761 (tp2, tiny minicpm3, P=4), 1096474577 (tp2, tiny smollm3, P=2): crash, KeyError 'lm_head.weight' in
+#   transformers' apply_tensor_parallelism: their head is tied to the embedding (tie_word_embeddings) and
+#   named_parameters lists the tied parameter once. seqpar's TP now shards it once, under the embedding's name,
+#   and ties it again to the head; a plan laying it out two ways is refused by name (integrations/tp.py).
+FOUND_SET[1556311079] = {"mode": "ring"}
+FOUND[1556311079] = (("attention", "dilated", "model", "engine"), "exact")
+FOUND[1739095319] = (("attention", "dilated", "model", "engine"), "exact")
+FOUND[67525761] = (("attention", "dilated", "model", "engine"), "exact")
+FOUND[1096474577] = (("attention", "dilated", "model", "engine"), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
