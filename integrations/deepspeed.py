@@ -457,15 +457,79 @@ def _mark_moe_blocks_z3_leaf(model: torch.nn.Module) -> None:
     once per call, so two forwards through the model before one backward fail DeepSpeed's assertion on
     a parameter reduced twice (``stage3.__reduce_and_partition_ipg_grads``; plain ``deepspeed.initialize``
     without seqpar, one rank, does the same). Run a backward per forward (gradient accumulation) instead.
+
+    Keyword inputs. That backward hook is torch's full backward hook, which sees only the *positional*
+    arguments: a leaf called with its tensors by keyword (JetMoE's ``self_attention(hidden_states=...)``,
+    whose ``JetMoeAttention`` owns the mixture-of-attention-heads ``experts``) has its hook fire as soon
+    as the gradients of its outputs exist, before its own backward: DeepSpeed reduces and partitions the
+    parameters, and the backward then accumulates a full gradient into a partitioned (empty) parameter,
+    "The size of tensor a (0) must match the size of tensor b (32)" (fuzzer case 1687718336; plain
+    ``deepspeed.initialize`` on one rank with ``set_z3_leaf_modules`` fails the same way). Each marked
+    module therefore gets a forward pre-hook, first of its hooks, that passes every argument its
+    signature allows positionally (:func:`_leaf_inputs_positional`): the same call, with the tensors where
+    the backward hook sees them. A leaf whose gradient-carrying tensors can only be passed by keyword
+    (keyword-only parameters, ``**kwargs``) is refused by name when it is called.
     """
     from deepspeed.utils import set_z3_leaf_modules
 
-    classes = {type(m) for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)}
+    leaves = [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module)]
+    classes = {type(m) for m in leaves}
     if not classes:
         return
     set_z3_leaf_modules(model, sorted(classes, key=lambda c: c.__qualname__))
+    for m in leaves:
+        m.register_forward_pre_hook(_leaf_inputs_positional(m), with_kwargs=True, prepend=True)
     logger.info("%s seqpar: ZeRO-3 leaf modules (routing-dependent expert loops): %s", rank_prefix(),
                 ", ".join(sorted(c.__name__ for c in classes)))
+
+
+
+def _carries_grad(value: Any) -> bool:
+    """Whether ``value`` (a tensor, or a tuple / list / dict holding tensors) has a tensor that requires grad."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(_carries_grad(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_carries_grad(v) for v in value.values())
+    return False
+
+
+def _leaf_inputs_positional(module: torch.nn.Module) -> Any:
+    """A forward pre-hook (``with_kwargs=True``) for the ZeRO-3 leaf ``module``: the call's arguments
+    re-bound to its ``forward``'s signature, every one it allows positionally moved into ``args`` (in order,
+    up to the first it was not given), so that DeepSpeed's leaf reduction hook, a full backward hook that
+    sees positional tensors only, fires after the module's backward (see :func:`_mark_moe_blocks_z3_leaf`).
+
+    Raises:
+        ConfigError: (when called with grad enabled) a tensor requiring grad reaches the module only by
+            keyword, where no positional argument carries one.
+    """
+    import inspect
+
+    signature = inspect.signature(module.forward)
+    name = type(module).__name__
+
+    def hook(mod: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if not kwargs:
+            return None
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return None  # the call does not fit the signature: forward raises its own error
+        args, kwargs = bound.args, bound.kwargs
+        if torch.is_grad_enabled() and not _carries_grad(args) and _carries_grad(kwargs):
+            raise ConfigError(
+                f"{name} is a ZeRO-3 leaf module (it owns the mixture-of-experts 'experts') but receives its "
+                f"gradient-carrying tensors only by keyword ({sorted(k for k, v in kwargs.items() if _carries_grad(v))}), "
+                "which its signature does not allow positionally. DeepSpeed reduces a leaf's gradients in a full "
+                "backward hook, which sees positional inputs only, so it would reduce them before the module's "
+                "backward. Train this model with ZeRO-1/2 or FSDP2, or give the module's forward a positional "
+                "parameter for its input"
+            )
+        return args, kwargs
+
+    return hook
 
 
 def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_config: dict[str, Any],

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 __all__ = ["draw_model", "model_summary", "run_model_case", "model_task", "model_reference", "case_batches",
-           "build_case_model", "enable_checkpointing", "judge_model"]
+           "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -194,8 +194,6 @@ def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], d
 
 
 def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
     import seqpar
     from seqpar.testing.verdicts import error_record
 
@@ -214,15 +212,34 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
             losses.append(out.loss)
         if draws["step"] != "accumulate":
             sum(losses).backward()
-        grads = {}
-        for name, p in model.named_parameters():
-            if p.grad is not None:
-                g = p.grad.detach().clone()
-                dist.all_reduce(g, group=manager.sp_group)
-                grads[name] = g
+        grads = sp_summed_grads(model, manager.sp_group)
         return {"ok": True, "loss": float(sum(x.detach() for x in losses)), "grads": grads if ctx.rank == 0 else None}
     except Exception as e:  # noqa: BLE001 - classified by the driver
         return {"ok": False, "error": error_record(e)}
+
+
+def sp_summed_grads(model: Any, group: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient summed over the SP ``group`` (collective: every rank of it calls), for each
+    parameter that has a gradient on *some* rank; a rank without one adds zeros.
+
+    Which parameters get a gradient can differ between ranks: a mixture-of-experts block gives none to an
+    expert no token of the rank's shard was routed to (LongCat-Flash's zero-computation experts take every
+    token of a shard now and then: fuzzer case 1535814214, the expert weights of layer 0 gradient-less on
+    rank 1 only). Deciding presence on each rank alone made the ranks all-reduce different parameter lists,
+    a collective mismatch that aborted a rank; presence is decided over the group first (one MAX all-reduce).
+    """
+    import torch.distributed as dist
+
+    params = list(model.named_parameters())
+    present = torch.tensor([p.grad is not None for _, p in params], dtype=torch.int32)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=group)
+    grads = {}
+    for (name, p), anywhere in zip(params, present.tolist(), strict=True):
+        if anywhere:
+            g = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(g, group=group)
+            grads[name] = g
+    return grads
 
 
 def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
