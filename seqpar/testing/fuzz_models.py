@@ -105,6 +105,15 @@ def case_batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+ROW_INDEXED_PACKING = frozenset({"llama4_text"})
+"""Model types whose packed row is, by transformers' own design, not its documents run alone, so that the
+reference of a packed batch is the row itself (transformers' packed mask from ``position_ids``): Llama 4's
+NoPE layers scale each query by a temperature of its index in the row (``torch.arange``, not
+``position_ids``), so a document after the first gets other temperatures than alone (case 1156417737: two
+documents of 9 tokens, P = 1, loss 4.6e-4 off its documents run alone). seqpar reproduces the row at every P
+(docs/models.md)."""
+
+
 def build_case_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     """The case's tiny model. Packed batches: MoE router losses off, on both sides. The reference runs each
     document alone, and a router loss is a statistic of the tokens of one call (the load-balancing loss a
@@ -138,7 +147,9 @@ def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dic
             enable_checkpointing(model, draws["checkpointing"])
             total = 0.0
             for b in batches:
-                if "docs" in b:  # each document alone, token-weighted (per-document semantics)
+                if "docs" in b and draws["model_type"] in ROW_INDEXED_PACKING:
+                    loss = model(**b["batch"]).loss  # the packed row as transformers runs it (see the constant)
+                elif "docs" in b:  # each document alone, token-weighted (per-document semantics)
                     loss, count = 0.0, 0
                     for d in b["docs"]:
                         if len(d) > 1:
