@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from seqpar.sequence.batch import (
     PACKED_KEYS,
+    TOKEN_MASK_KEY,
     document_boundaries,
     global_positions,
     sp_rank_and_size,
@@ -44,6 +45,7 @@ from seqpar.sequence.boundaries import boundary_tensor, known_boundaries, rememb
 from seqpar.sequence.call_group import call_group
 from seqpar.swap import moe
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
+from seqpar.swap.hf_padding import fill_padding
 from seqpar.swap.hf_traced import prepare_traced
 from seqpar.swap.options import SwapOptions
 from seqpar.swap.state import is_probing
@@ -92,7 +94,9 @@ def prepare_inputs(
     where = type(module).__name__
 
     _refuse_cache(arguments, params, where)
-    moe.take_token_mask(_var_keyword(arguments, params))  # padding the router statistics must skip
+    extra = _var_keyword(arguments, params)
+    fill_padding(module, arguments, extra.get(TOKEN_MASK_KEY))  # no zero pad embedding (seqpar.swap.hf_padding)
+    moe.take_token_mask(extra)  # padding the router statistics must skip
     known = _read_batch(arguments, params, options, ref)
     _fill_attention_mask(arguments, params, ref, where, known)
     _prepare_labels(arguments, params, module, options, where)

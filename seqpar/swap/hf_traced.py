@@ -17,9 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from seqpar.sequence.batch import sp_rank_and_size
+from seqpar.sequence.batch import TOKEN_MASK_KEY, sp_rank_and_size
 from seqpar.swap import moe
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
+from seqpar.swap.hf_padding import fill_padding
 from seqpar.swap.options import SwapOptions
 from seqpar.swap.traced import (
     bind_traced,
@@ -56,6 +57,7 @@ def prepare_traced(
             raise ValueError(f"seqpar ({where}): use_cache=True is not supported on a sequence-sharded model; "
                              "pass use_cache=False")
         bound["use_cache"] = False
+    fill_padding(module, bound, bound.get(TOKEN_MASK_KEY))  # no zero pad embedding (seqpar.swap.hf_padding)
     moe.take_token_mask(bound)  # padding the router statistics must skip
     prepared_documents(bound, ref, where)
     if bound.get("attention_mask") is not None:  # the caller's own: its padding would be ignored unseen
