@@ -41,6 +41,7 @@ from transformers import masking_utils
 from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, with_carried
 from seqpar.sequence.batch import global_positions, sp_rank_and_size
 from seqpar.sequence.boundaries import host_boundaries
+from seqpar.swap import frame as call_frame
 from seqpar.swap.hf_inputs import all_ones, padding_error
 from seqpar.swap.hf_route import (
     ATTN_IMPLEMENTATION,
@@ -202,6 +203,8 @@ def seqpar_attention_forward(
                 "attention honours only causal or bidirectional attention with no mask"
             )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if not causal and kwargs.get("cu_seq_lens_q") is None and call_frame.token_mask() is not None:
+        raise _bidirectional_padding_error(layer)
     query = _global_temperature(module, query, options, kwargs.get("cu_seq_lens_q"))
     latent = take_latent(module, key, value)
     if latent is not None:  # an MLA layer whose ring moves the latent (seqpar.swap.mla)
@@ -251,6 +254,24 @@ def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, 
     local = torch.arange(seq_local, device=query.device)
     factor = temperature(glob).double() / temperature(local).double()  # (seq_local,)
     return query * factor.to(query.dtype).view(1, 1, seq_local, 1)
+
+
+def _bidirectional_padding_error(layer: str) -> ValueError:
+    """Bidirectional attention on a batch with padding (the running call carries
+    :data:`~seqpar.sequence.batch.TOKEN_MASK_KEY`, which ``shard_batch`` adds on every rank exactly when it
+    padded the end or accepted a right-padded ``attention_mask``): seqpar attention takes no key mask, so the
+    pads would be keys every real token sees. ``shard_batch``'s padding is only right under causal attention;
+    it cannot see the model, so the attention refuses (fuzzer case 1054415801: tiny BertGenerationDecoder, whose
+    config is not ``is_decoder``, P = 4 on 30 tokens padded to 32, loss 8e-4 off). Packed rows are not refused:
+    the end padding is a document of its own there."""
+    return ValueError(
+        f"seqpar (layer '{layer}'): bidirectional (non-causal) attention on a batch with padding (shard_batch padded "
+        "the sequence to a multiple of the SP size, or the batch's attention_mask is right-padded): seqpar attention "
+        "takes no key mask, so every real token would attend to the pads. Use sequences whose length divides into "
+        "the SP size's chunks (2 x SP for zigzag) with no padding, pack the documents (DataCollatorWithFlattening: "
+        "the padding becomes a document of its own), or run the model causal if it is meant to be a decoder "
+        "(BertGenerationDecoder: config.is_decoder=True)"
+    )
 
 
 def _window(sliding_window: int | None, causal: bool) -> int | None:
