@@ -51,7 +51,7 @@ from seqpar.runtime.groups import ProcessGroupManager, default_manager, tp_heads
 from seqpar.swap.state import is_probing
 
 __all__ = [
-    "SUPPORTED_STYLES", "expand_tp_plan", "apply_tensor_parallel", "apply_tp_sequence_parallel",
+    "SUPPORTED_STYLES", "expand_tp_plan", "feature_statistics_problem", "apply_tensor_parallel", "apply_tp_sequence_parallel",
     "SequenceParallelLayout", "sequence_parallel_layout", "clip_grad_norm",
 ]
 
@@ -127,8 +127,9 @@ def apply_tensor_parallel(
 
     Raises:
         ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style;
-            a tied parameter the plan lays out two ways; with ``sequence_parallel``, a model whose layout it
-            does not know.
+            a tied parameter the plan lays out two ways; a statistic over features the plan splits
+            (:func:`feature_statistics_problem`); with ``sequence_parallel``, a model whose layout it does not
+            know.
     """
     manager = manager if manager is not None else default_manager()
     if manager is None:
@@ -150,6 +151,8 @@ def apply_tensor_parallel(
         if problem := tp_heads_problem(heads, kv_heads, manager.tp_size):
             raise ValueError(f"tensor parallelism: {problem}")
     expanded = expand_tp_plan(model, plan)
+    if problem := feature_statistics_problem(model, expanded):
+        raise ValueError(f"tensor parallelism: {problem}")
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     # the "tp" dim of the (dp x sp, tp) mesh, so FSDP2 can shard the same DTensors over "dp_sp"
@@ -180,6 +183,24 @@ def apply_tensor_parallel(
             module_name, _, param_name = name.rpartition(".")
             setattr(modules[module_name], param_name, shared)
     return expanded
+
+
+def feature_statistics_problem(model: nn.Module, expanded: dict[str, str]) -> str | None:
+    """Why ``expanded`` (:func:`expand_tp_plan`) cannot shard ``model`` exactly, or None: a module that
+    takes a statistic over the features a column-wise style splits would take it over its rank's slice only.
+    Gemma 3n's MLP with activation sparsity (``Gemma3nTextMLP._gaussian_topk``: the mean and standard
+    deviation of ``gate_proj``'s output over its features set the cutoff; the fuzzer's case 1320238728,
+    loss 7.2e-3 off at TP 2) is the one such module among transformers' TP plans."""
+    split = [name for name, module in model.named_modules()
+             if (getattr(module, "activation_sparsity", 0) or 0) > 0
+             and expanded.get(f"{name}.gate_proj", "").startswith("colwise")]
+    if not split:
+        return None
+    return (f"{type(model).__name__}'s {split} take the mean and standard deviation of gate_proj's output over "
+            "its features (activation sparsity), which the plan's 'colwise' gate_proj splits over the TP ranks, "
+            "so each rank would set its cutoff from its own slice. Pass plan= without the mlp entries (every "
+            "layer's MLP then stays replicated on the TP ranks), set config.activation_sparsity_pattern to "
+            "zeros, or run tp_size 1")
 
 
 def _tied_parameters(model: nn.Module) -> list[list[str]]:
