@@ -237,6 +237,17 @@ def initialize(
             f"the manager has tp_size {manager.tp_size} but sequence_parallel.tp_size is {sp_config.tp_size}; "
             "build the manager from the same config (init_process_groups(config=...))"
         )
+    if _zero_stage(ds_config) in (2, 3) and (shared := _shared_across_reentrant_layers(model)):
+        param, layers = shared[0]
+        raise ConfigError(
+            f"DeepSpeed ZeRO-{_zero_stage(ds_config)} with reentrant activation checkpointing cannot train "
+            f"{type(model).__name__}: {param} (and {len(shared) - 1} more parameters) is used by the "
+            f"checkpointed layers {layers} (a block shared across layers, as Zamba's shared transformer), so "
+            "each layer's recompute computes its gradient again in one backward and DeepSpeed's reduction hook "
+            "fires twice (its own 'Gradient computed twice' assertion). Enable non-reentrant checkpointing "
+            "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+            "use ZeRO-1 or FSDP2"
+        )
     report = _prepare_model(model, sp_config, manager, swap=swap)
     if _zero_stage(ds_config) == 3:
         _mark_moe_blocks_z3_leaf(model)
@@ -271,6 +282,32 @@ def initialize(
 
 
 # ----------------------------------------------------------------------------- the steps
+def _shared_across_reentrant_layers(model: torch.nn.Module) -> list[tuple[str, list[str]]]:
+    """``(parameter, [layers])`` for each parameter held by two or more outermost transformers layers that
+    checkpoint reentrantly (``GradientCheckpointingLayer`` with ``use_reentrant``): each layer's recompute
+    runs a backward of its own, so such a parameter's gradient is accumulated, and ZeRO-2/3's per-parameter
+    reduction hook fired, once per layer in one backward. The same on every rank (the model's structure)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # no transformers: no transformers checkpointing
+        return []
+
+    def reentrant(module: torch.nn.Module) -> bool:
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        return bool(getattr(module, "gradient_checkpointing", False)) and bool(
+            getattr(func, "keywords", {}).get("use_reentrant", True))
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    names = {name for name, _ in layers}
+    outermost = [(name, m) for name, m in layers
+                 if not any(name.startswith(f"{other}.") for other in names) and reentrant(m)]
+    holders: dict[int, tuple[str, list[str]]] = {}
+    for name, layer in outermost:
+        for pname, p in layer.named_parameters():
+            holders.setdefault(id(p), (f"{name}.{pname}", []))[1].append(name)
+    return [(param, held) for param, held in holders.values() if len(held) > 1]
+
+
 def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:
     return (ds_config.get("zero_optimization") or {}).get("stage")
 
