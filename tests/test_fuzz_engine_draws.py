@@ -43,3 +43,19 @@ def test_no_fsdp2_or_zero23_draw_has_reentrant_checkpointing_with_two_forwards()
         if d["checkpointing"] == "reentrant":
             seen.add((d["engine"], "reentrant"))
     assert {(e, k) for e in ("fsdp2", "tp2") for k in ("two-forwards", "reentrant")} <= seen, sorted(seen)
+
+
+def test_longcat_flash_is_drawn_under_zero3_only() -> None:
+    """LongCat-Flash's zero-computation experts can leave a rank without expert gradients, which ZeRO-1/2 and FSDP2
+    cannot reduce (fuzz_engines' docstring; case 1535814214 under zero2 / fsdp2 aborted). Seen failing without the
+    rule in draw_engine (every engine drawn)."""
+    import random
+
+    from seqpar.testing.fuzz_engines import ZERO_COMPUTATION_EXPERTS, draw_engine
+
+    engines = set()
+    for seed in range(2000):
+        draws = draw_engine(random.Random(seed))
+        if draws["model_type"] in ZERO_COMPUTATION_EXPERTS:
+            engines.add(draws["engine"])
+    assert engines == {"zero3"}, engines
