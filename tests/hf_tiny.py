@@ -121,6 +121,18 @@ def targets_per_row(docs_per_row: int = DOCS_PER_ROW) -> list[int]:
     return [sum(n - 1 for n in lengths[i:i + docs_per_row]) for i in range(0, len(lengths), docs_per_row)]
 
 
+def documents_alone_loss(model: Any, docs: list[list[int]]) -> torch.Tensor:
+    """The per-document reference of a packed row: ``model`` on each document of token ids alone (no cache),
+    its token losses summed over every document, over their count (a length-1 document predicts nothing)."""
+    total, count = 0.0, 0
+    for d in docs:
+        if len(d) > 1:
+            ids = torch.tensor([d])
+            total = total + model(input_ids=ids, labels=ids, use_cache=False).loss * (len(d) - 1)
+            count += len(d) - 1
+    return total / count
+
+
 def _per_document_loss(model: Any, docs: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     # Each document alone (no packing): token losses summed over every document, over their count.
     total, count = 0.0, 0

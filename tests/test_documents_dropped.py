@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hf_tiny import documents_alone_loss
 
 from seqpar.config import SeqParConfig
 from seqpar.mixers.documents import DROPS_DOCUMENTS_ATTR, DocumentsCarrier
@@ -56,13 +57,7 @@ def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: lis
     g = torch.Generator().manual_seed(11)
     docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     ref = build_model(kind, torch.float64)
-    loss, count = 0.0, 0
-    for d in docs:
-        if len(d) > 1:
-            ids = torch.tensor([d])
-            loss = loss + ref(input_ids=ids, labels=ids, use_cache=False).loss * (len(d) - 1)
-            count += len(d) - 1
-    ref_loss = loss / count
+    ref_loss = documents_alone_loss(ref, docs)
     ref_loss.backward()
 
     batch = dict(transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hf_tiny import assert_grads_equal, full_sequence_parity
+from hf_tiny import assert_grads_equal, documents_alone_loss, full_sequence_parity
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
@@ -186,13 +186,7 @@ def _packed_parity(rank: int, world: int, kind: str, sharding: str, lengths: lis
     g = torch.Generator().manual_seed(7)
     docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
     ref = build(kind, torch.float64)
-    loss, count = 0.0, 0
-    for d in docs:
-        if len(d) > 1:
-            ids = torch.tensor([d])
-            loss = loss + ref(input_ids=ids, labels=ids, use_cache=False).loss * (len(d) - 1)
-            count += len(d) - 1
-    ref_loss = loss / count
+    ref_loss = documents_alone_loss(ref, docs)
     ref_loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
