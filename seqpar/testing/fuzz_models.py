@@ -115,15 +115,20 @@ documents of 9 tokens, P = 1, loss 4.6e-4 off its documents run alone). seqpar r
 
 
 def build_case_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
-    """The case's tiny model. Packed batches: MoE router losses off, on both sides. The reference runs each
-    document alone, and a router loss is a statistic of the tokens of one call (the load-balancing loss a
-    product of per-expert means), so per-document runs cannot give the packed call's value (jamba, P=1:
-    loss 5e-4 off with no SP at all)."""
+    """The case's tiny model. Packed batches: MoE router losses and Bamba's z-loss off, on both sides. The
+    reference runs each document alone, and a router loss is a statistic of the tokens of one call (the
+    load-balancing loss a product of per-expert means), so per-document runs cannot give the packed call's
+    value (jamba, P=1: loss 5e-4 off with no SP at all); the z-loss is a mean over the call's tokens, which
+    the token-weighted per-document losses weigh otherwise (case 2143272812: tiny bamba, packed [5, 1, 8],
+    3.6e-3 off; seqpar's is the packed call's, as one process computes it on the row)."""
     from seqpar.testing.tiny_models import build_model
 
     model = build_model(draws["model_type"], dtype)
-    if draws["batch"] == "packed" and getattr(model.config, "output_router_logits", False):
-        model.config.output_router_logits = False
+    if draws["batch"] == "packed":
+        if getattr(model.config, "output_router_logits", False):
+            model.config.output_router_logits = False
+        if getattr(model, "z_loss_coefficient", 0):
+            model.z_loss_coefficient = 0.0
     return model
 
 
