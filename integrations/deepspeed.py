@@ -249,6 +249,8 @@ def initialize(
             "use ZeRO-1 or FSDP2"
         )
     report = _prepare_model(model, sp_config, manager, swap=swap)
+    if _zero_stage(ds_config) in (2, 3):
+        _refuse_repeated_reentrant_calls(model, _zero_stage(ds_config))
     if _zero_stage(ds_config) == 3:
         _mark_moe_blocks_z3_leaf(model)
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
@@ -282,25 +284,72 @@ def initialize(
 
 
 # ----------------------------------------------------------------------------- the steps
+def _reentrant(module: torch.nn.Module) -> bool:
+    """Whether transformers checkpoints ``module`` (a ``GradientCheckpointingLayer``) reentrantly now."""
+    func = getattr(module, "_gradient_checkpointing_func", None)
+    return bool(getattr(module, "gradient_checkpointing", False)) and bool(
+        getattr(func, "keywords", {}).get("use_reentrant", True))
+
+
+def _outermost_checkpoint_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """transformers' ``GradientCheckpointingLayer``s of ``model`` that no other one contains."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # no transformers: no transformers checkpointing
+        return []
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    names = {name for name, _ in layers}
+    return [(name, m) for name, m in layers if not any(name.startswith(f"{other}.") for other in names)]
+
+
+def _refuse_repeated_reentrant_calls(model: torch.nn.Module, stage: int) -> None:
+    """Refuse, by name in the forward, a checkpointed layer that one forward calls twice while it checkpoints
+    reentrantly (looped depth, as Dory's recurrent layers: fuzzer case 1601891524): each call's recompute runs a
+    backward of its own, so ZeRO-2/3's per-parameter reduction hook fires once per call in one backward
+    (DeepSpeed's "Gradient computed twice"). Read at every forward (checkpointing may be enabled after
+    ``initialize``); the count is the model's structure, the same on every rank, so every rank raises at the
+    same call. Recomputes in the backward run outside the model's forward and are not counted."""
+    layers = _outermost_checkpoint_layers(model)
+    if not layers:
+        return
+    calls: dict[str, int] = {}  # the running forward's calls per layer (cleared at each forward's start)
+    state = {"in_forward": False}  # False outside the model's forward: a backward's recompute
+
+    def start(module: torch.nn.Module, args: Any) -> None:
+        calls.clear()
+        state["in_forward"] = True
+
+    def stop(module: torch.nn.Module, args: Any, output: Any) -> None:
+        state["in_forward"] = False
+
+    def count(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if not state["in_forward"] or not torch.is_grad_enabled() or not _reentrant(module):
+                return
+            calls[name] = calls.get(name, 0) + 1
+            if calls[name] > 1:
+                raise ConfigError(
+                    f"DeepSpeed ZeRO-{stage} with reentrant activation checkpointing cannot train "
+                    f"{type(model).__name__}: its forward calls the checkpointed layer {name} more than once (a "
+                    "looped or recurrent layer), so each call's recompute computes its parameters' gradients "
+                    "again in one backward and DeepSpeed's reduction hook fires twice ('Gradient computed "
+                    "twice'). Enable non-reentrant checkpointing (model.gradient_checkpointing_enable("
+                    "gradient_checkpointing_kwargs={'use_reentrant': False})), or use ZeRO-1 or FSDP2"
+                )
+        return hook
+
+    model.register_forward_pre_hook(start)
+    model.register_forward_hook(stop, always_call=True)
+    for name, layer in layers:
+        layer.register_forward_pre_hook(count(name))
+
+
 def _shared_across_reentrant_layers(model: torch.nn.Module) -> list[tuple[str, list[str]]]:
     """``(parameter, [layers])`` for each parameter held by two or more outermost transformers layers that
     checkpoint reentrantly (``GradientCheckpointingLayer`` with ``use_reentrant``): each layer's recompute
     runs a backward of its own, so such a parameter's gradient is accumulated, and ZeRO-2/3's per-parameter
     reduction hook fired, once per layer in one backward. The same on every rank (the model's structure)."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # no transformers: no transformers checkpointing
-        return []
-
-    def reentrant(module: torch.nn.Module) -> bool:
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        return bool(getattr(module, "gradient_checkpointing", False)) and bool(
-            getattr(func, "keywords", {}).get("use_reentrant", True))
-
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
-    names = {name for name, _ in layers}
-    outermost = [(name, m) for name, m in layers
-                 if not any(name.startswith(f"{other}.") for other in names) and reentrant(m)]
+    outermost = [(name, m) for name, m in _outermost_checkpoint_layers(model) if _reentrant(m)]
     holders: dict[int, tuple[str, list[str]]] = {}
     for name, layer in outermost:
         for pname, p in layer.named_parameters():

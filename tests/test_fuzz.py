@@ -82,6 +82,12 @@ FOUND[1789442528] = (("attention", "dilated", "model", "engine"), "refused")
 #   losses weigh Bamba's z-loss (a mean over a call's tokens) otherwise than the packed call; the fuzzer turns it off
 #   for packed batches as it does router losses (fuzz_models.build_case_model). Seen WRONG without that.
 FOUND[2143272812] = (("attention", "dilated", "model", "engine"), "exact")
+# - 1601891524 (seed 9, ZeRO-2, tiny dory, P=3, reentrant checkpointing; pinned at P=2): crash, DeepSpeed's "Gradient
+#   computed twice" for model.layers.1.lambda_2: Dory loops its recurrent layers, so one forward calls a checkpointed
+#   layer several times. The DeepSpeed adapter now refuses it by name in the forward, on every rank (seen crashing
+#   without the hooks of integrations/deepspeed._refuse_repeated_reentrant_calls).
+FOUND_SET[1601891524] = {"world": 2}
+FOUND[1601891524] = (("attention", "dilated", "model", "engine"), "refused")
 # found by seeds 2-7 (session 19):
 # - 1556311079, 1739095319 (seed 2, session 19; FSDP2, tiny zamba, P=3): crash, torch's "Parameter
 #   'model.layers.2.shared_transf.self_attn.q_proj.weight' is shared with a parameter already managed by another
