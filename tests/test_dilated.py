@@ -141,9 +141,18 @@ def test_bf16_runs_and_keeps_dtype():
     expected = grads_of(lambda *a: dilated_reference(*a, ws, rs, causal=True), q, k, v, dout, torch.float64)
     got = grads_of(lambda q_, k_, v_: dilated_attention(q_, k_, v_, segment_lengths=ws, dilation_rates=rs,
                                                         causal=True), q, k, v, dout, torch.bfloat16)
-    for g, e in zip(got, expected, strict=True):
+    # "bf16 no worse than the reference's own rounding": the same pattern computed densely in bf16 is the
+    # yardstick, its error against float64 measured as a whole-tensor norm (a max over elements is too noisy
+    # at this size: it swings +-40% with the seed). Ours is 0.5-0.85 of the yardstick on seeds 1-8. The old
+    # fixed 3e-2 tolerance let a whole 1% of each tensor's largest entry through; both breaks below passed it.
+    # Seen failing: the partial results accumulated in bf16 instead of fp32 (``new_accumulators`` given q's
+    # dtype: dv at 1.19 of the yardstick), and the softmax scale off by 2**-8 in the local patterns' kernel
+    # calls (dk at 1.01, dv at 1.41).
+    rounded = grads_of(lambda *a: dilated_reference(*a, ws, rs, causal=True), q, k, v, dout, torch.bfloat16)
+    for name, g, r, e in zip(("out", "dq", "dk", "dv"), got, rounded, expected, strict=True):
         assert g.dtype == torch.bfloat16
-        torch.testing.assert_close(g.double(), e, rtol=3e-2, atol=3e-2)
+        ours, yardstick = float((g.double() - e).norm()), float((r.double() - e).norm())
+        assert ours <= yardstick, f"{name}: bf16 error norm {ours:.3e} > the dense bf16 reference's {yardstick:.3e}"
 
 
 def test_plan_gqa_kv_heads():
