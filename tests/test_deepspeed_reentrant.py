@@ -191,10 +191,18 @@ def _engine_task(rank: int, world: int) -> dict:
         manager = engine.seqpar_manager
         try:
             if compile_:
+                from torch._dynamo.utils import counters
+
                 torch._dynamo.reset()
                 engine.compile(backend="aot_eager")
+                graphs = int(counters["stats"]["unique_graphs"])
             engine.train()
-            engine.backward(_loss(engine, shard_batch(_batch(), group=manager.sp_group), manager.sp_group))
+            try:
+                loss = _loss(engine, shard_batch(_batch(), group=manager.sp_group), manager.sp_group)
+            finally:  # dynamo made graphs of the forward (up to the refusal): it was not run eagerly
+                if compile_:
+                    out[f"{name} graphs"] = int(counters["stats"]["unique_graphs"]) - graphs
+            engine.backward(loss)
             engine.step()
             from deepspeed.utils import safe_get_full_fp32_param
 
@@ -214,6 +222,8 @@ def test_refused_on_every_rank_and_non_reentrant_exact(dist_pool) -> None:
     are refused with the same ConfigError on both ranks at the first forward (no hang: the count is the model's
     structure); the looped layers with non-reentrant checkpointing train one SGD step to the parameters of one
     process on the whole sequence (every parameter on its own scale).
+
+    The compiled case also asserts dynamo made graphs of the forward: the refusal is not left to an eager fallback.
 
     Seen failing: without the adapter's hooks (``_refuse_reentrant_reuse`` not called in ``initialize``) the shared
     block raised ZeRO-3's bare AssertionError in the backward and the looped layers DeepSpeed's "Gradient computed
@@ -237,4 +247,5 @@ def test_refused_on_every_rank_and_non_reentrant_exact(dist_pool) -> None:
             step = (want - ref.get_parameter(n)).detach()  # judged on the step's own scale
             torch.testing.assert_close(got[n] - ref.get_parameter(n).detach(), step, rtol=1e-4,
                                        atol=1e-6 * float(step.abs().max()), msg=lambda m, n=n, r=rank: f"rank {r} {n}: {m}")
+        assert out["looped zero2 compiled graphs"] > 0, f"rank {rank}: engine.compile made no graph"
     assert all(len(m) == 1 for m in messages.values()), messages
