@@ -331,10 +331,10 @@ def _refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
                 if first is None:
                     used[id(p)] = (f"{name}.{pname}", name)
                     continue
-                what = (f"its forward calls the checkpointed layer {name} more than once (a looped or recurrent "
-                        "layer)") if first[1] == name else (
-                        f"the checkpointed layers {first[1]} and {name} both use it (a block shared across layers, "
-                        "as Zamba's shared transformer)")
+                what = (f"its forward calls the checkpointed layer {name} more than once, a looped or recurrent "
+                        "layer") if first[1] == name else (
+                        f"the checkpointed layers {first[1]} and {name} both use it, a block shared across layers "
+                        "as Zamba's shared transformer is")
                 raise ConfigError(
                     f"DeepSpeed ZeRO-{stage} with reentrant activation checkpointing cannot train "
                     f"{type(model).__name__}: the parameter {first[0]} is used by two checkpointed calls in one "
