@@ -237,20 +237,9 @@ def initialize(
             f"the manager has tp_size {manager.tp_size} but sequence_parallel.tp_size is {sp_config.tp_size}; "
             "build the manager from the same config (init_process_groups(config=...))"
         )
-    if _zero_stage(ds_config) in (2, 3) and (shared := _shared_across_reentrant_layers(model)):
-        param, layers = shared[0]
-        raise ConfigError(
-            f"DeepSpeed ZeRO-{_zero_stage(ds_config)} with reentrant activation checkpointing cannot train "
-            f"{type(model).__name__}: {param} (and {len(shared) - 1} more parameters) is used by the "
-            f"checkpointed layers {layers} (a block shared across layers, as Zamba's shared transformer), so "
-            "each layer's recompute computes its gradient again in one backward and DeepSpeed's reduction hook "
-            "fires twice (its own 'Gradient computed twice' assertion). Enable non-reentrant checkpointing "
-            "(model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
-            "use ZeRO-1 or FSDP2"
-        )
     report = _prepare_model(model, sp_config, manager, swap=swap)
     if _zero_stage(ds_config) in (2, 3):
-        _refuse_repeated_reentrant_calls(model, _zero_stage(ds_config))
+        _refuse_reentrant_reuse(model, _zero_stage(ds_config))
     if _zero_stage(ds_config) == 3:
         _mark_moe_blocks_z3_leaf(model)
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
@@ -285,9 +274,10 @@ def initialize(
 
 # ----------------------------------------------------------------------------- the steps
 def _reentrant(module: torch.nn.Module) -> bool:
-    """Whether transformers checkpoints ``module`` (a ``GradientCheckpointingLayer``) reentrantly now."""
+    """Whether transformers checkpoints ``module`` (a ``GradientCheckpointingLayer``) reentrantly now: only in
+    training (``GradientCheckpointingLayer`` runs an eval-mode layer as is, even with grad enabled)."""
     func = getattr(module, "_gradient_checkpointing_func", None)
-    return bool(getattr(module, "gradient_checkpointing", False)) and bool(
+    return module.training and bool(getattr(module, "gradient_checkpointing", False)) and bool(
         getattr(func, "keywords", {}).get("use_reentrant", True))
 
 
@@ -302,39 +292,56 @@ def _outermost_checkpoint_layers(model: torch.nn.Module) -> list[tuple[str, torc
     return [(name, m) for name, m in layers if not any(name.startswith(f"{other}.") for other in names)]
 
 
-def _refuse_repeated_reentrant_calls(model: torch.nn.Module, stage: int) -> None:
-    """Refuse, by name in the forward, a checkpointed layer that one forward calls twice while it checkpoints
-    reentrantly (looped depth, as Dory's recurrent layers: fuzzer case 1601891524): each call's recompute runs a
-    backward of its own, so ZeRO-2/3's per-parameter reduction hook fires once per call in one backward
-    (DeepSpeed's "Gradient computed twice"). Read at every forward (checkpointing may be enabled after
-    ``initialize``); the count is the model's structure, the same on every rank, so every rank raises at the
-    same call. Recomputes in the backward run outside the model's forward and are not counted."""
+def _refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
+    """Refuse, by name in the forward, a parameter that two reentrantly checkpointed calls use in one forward.
+
+    Under reentrant checkpointing each checkpointed call's recompute runs a backward of its own, so a parameter
+    two such calls use has its gradient accumulated, and ZeRO-2/3's per-parameter reduction hook fired, twice in
+    one backward (DeepSpeed's "Gradient computed twice"). Two shapes of it were found: a block several layers hold
+    (Zamba's shared transformer block, fuzzer case 1789442528) and a layer one forward calls more than once
+    (Dory's looped layers, 1601891524); both are this one rule.
+
+    Counted per forward of ``model``, over the outermost transformers ``GradientCheckpointingLayer`` calls that
+    checkpoint reentrantly (read at each call: checkpointing may be enabled after ``initialize``); a call holds
+    every parameter of its layer. The count lives in a closure, started by the model's forward pre-hook and
+    dropped by its forward hook (``always_call``, so also after an error): two forwards before one backward each
+    count their own calls. Recomputes in the backward run the layers' ``forward`` inside the checkpoint, without
+    module hooks, and outside the model's forward, and are not counted. The count is the model's structure, the
+    same on every rank, so every rank raises at the same call, before that call's collectives.
+    """
     layers = _outermost_checkpoint_layers(model)
     if not layers:
         return
-    calls: dict[str, int] = {}  # the running forward's calls per layer (cleared at each forward's start)
-    state = {"in_forward": False}  # False outside the model's forward: a backward's recompute
+    # id(parameter) -> (its name, the layer whose call used it first) in the running forward; None outside one
+    frame: dict[str, dict[int, tuple[str, str]] | None] = {"used": None}
 
     def start(module: torch.nn.Module, args: Any) -> None:
-        calls.clear()
-        state["in_forward"] = True
+        frame["used"] = {}
 
     def stop(module: torch.nn.Module, args: Any, output: Any) -> None:
-        state["in_forward"] = False
+        frame["used"] = None
 
     def count(name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if not state["in_forward"] or not torch.is_grad_enabled() or not _reentrant(module):
+            used = frame["used"]
+            if used is None or not torch.is_grad_enabled() or not _reentrant(module):
                 return
-            calls[name] = calls.get(name, 0) + 1
-            if calls[name] > 1:
+            for pname, p in module.named_parameters():
+                first = used.get(id(p))
+                if first is None:
+                    used[id(p)] = (f"{name}.{pname}", name)
+                    continue
+                what = (f"its forward calls the checkpointed layer {name} more than once, a looped or recurrent "
+                        "layer") if first[1] == name else (
+                        f"the checkpointed layers {first[1]} and {name} both use it, a block shared across layers "
+                        "as Zamba's shared transformer is")
                 raise ConfigError(
                     f"DeepSpeed ZeRO-{stage} with reentrant activation checkpointing cannot train "
-                    f"{type(model).__name__}: its forward calls the checkpointed layer {name} more than once (a "
-                    "looped or recurrent layer), so each call's recompute computes its parameters' gradients "
-                    "again in one backward and DeepSpeed's reduction hook fires twice ('Gradient computed "
-                    "twice'). Enable non-reentrant checkpointing (model.gradient_checkpointing_enable("
-                    "gradient_checkpointing_kwargs={'use_reentrant': False})), or use ZeRO-1 or FSDP2"
+                    f"{type(model).__name__}: the parameter {first[0]} is used by two checkpointed calls in one "
+                    f"forward ({what}), so each call's recompute computes its gradient again in one backward and "
+                    "DeepSpeed's reduction hook fires twice ('Gradient computed twice'). Enable non-reentrant "
+                    "checkpointing (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                    "{'use_reentrant': False})), or use ZeRO-1 or FSDP2"
                 )
         return hook
 
@@ -342,19 +349,6 @@ def _refuse_repeated_reentrant_calls(model: torch.nn.Module, stage: int) -> None
     model.register_forward_hook(stop, always_call=True)
     for name, layer in layers:
         layer.register_forward_pre_hook(count(name))
-
-
-def _shared_across_reentrant_layers(model: torch.nn.Module) -> list[tuple[str, list[str]]]:
-    """``(parameter, [layers])`` for each parameter held by two or more outermost transformers layers that
-    checkpoint reentrantly (``GradientCheckpointingLayer`` with ``use_reentrant``): each layer's recompute
-    runs a backward of its own, so such a parameter's gradient is accumulated, and ZeRO-2/3's per-parameter
-    reduction hook fired, once per layer in one backward. The same on every rank (the model's structure)."""
-    outermost = [(name, m) for name, m in _outermost_checkpoint_layers(model) if _reentrant(m)]
-    holders: dict[int, tuple[str, list[str]]] = {}
-    for name, layer in outermost:
-        for pname, p in layer.named_parameters():
-            holders.setdefault(id(p), (f"{name}.{pname}", []))[1].append(name)
-    return [(param, held) for param, held in holders.values() if len(held) > 1]
 
 
 def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:

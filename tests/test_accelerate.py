@@ -81,3 +81,27 @@ def test_accelerate_fsdp2_packed_documents_sp2_equals_sp1_and_each_document_alon
     for r in sp2:
         hf_tiny.assert_losses_close(r["losses"], sp1["losses"])
         assert r["shapes"] == [(1, (n + 3) // 4 * 2) for n in rows]
+
+
+def test_an_optimizer_built_on_the_model_is_rebuilt_on_the_sharded_parameters():
+    """``prepare(accelerator, model, optimizer)`` with an optimizer already built on ``model.parameters()`` (not a
+    factory): FSDP2 replaces the parameters, so the optimizer is rebuilt on the sharded ones with the same class and
+    hyper-parameters (``_optimizer_for``; no process group needed: ``wrapped`` stands for the FSDP2 model). The
+    parity tests above pass a factory and never reach this path.
+
+    Seen failing (mutation audit, session 20): with ``_optimizer_for`` returning the given optimizer, it held the
+    unsharded tensors and a step left the model being trained unchanged."""
+    import copy
+
+    from seqpar.integrations.accelerate import _optimizer_for
+
+    model = torch.nn.Linear(3, 2)
+    wrapped = copy.deepcopy(model)  # new parameter objects, as fully_shard makes
+    opt = torch.optim.SGD(model.parameters(), lr=0.25, momentum=0.5)
+    rebuilt = _optimizer_for(wrapped, model, opt)
+    assert type(rebuilt) is torch.optim.SGD and rebuilt.defaults["momentum"] == 0.5
+    before = wrapped.weight.detach().clone()
+    for p in wrapped.parameters():
+        p.grad = torch.ones_like(p)
+    rebuilt.step()
+    torch.testing.assert_close(wrapped.weight.detach(), before - 0.25)  # the trained parameters moved by lr x grad

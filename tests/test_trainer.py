@@ -55,7 +55,7 @@ def training_args(tmp: str, sp: int, stage: int, batch: int = BATCH, **extra):
 
 
 @releases_deepspeed_engines
-def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: bool = False) -> dict:
+def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: bool = False, batch: int = BATCH) -> dict:
     from transformers import DataCollatorWithFlattening
 
     from seqpar.integrations.trainer import SeqParTrainer
@@ -77,7 +77,7 @@ def _trainer_run(rank: int, world: int, sp: int, stage: int, tmp: str, packed: b
             data, collator = hf_tiny.documents(), DataCollatorWithFlattening()
             eval_data = data[:PACKED_EVAL_ROWS * hf_tiny.DOCS_PER_ROW]
         else:
-            args = training_args(f"{tmp}/r{rank}", sp, stage)
+            args = training_args(f"{tmp}/r{rank}", sp, stage, batch=batch)
             data, collator, eval_data = hf_tiny.samples(), None, hf_tiny.samples()[:EVAL_ROWS]
         trainer = Recording(model=hf_tiny.tiny_llama(), args=args, data_collator=collator,
                             train_dataset=hf_tiny.ListDataset(data),
@@ -107,6 +107,27 @@ def test_trainer_deepspeed_zero2_sp2_matches_single_device(dist_pool, tmp_path):
         # check here passed with it).
         assert r["total_batch"] == BATCH
     assert torch.tensor(out[0]["losses"]).equal(torch.tensor(out[1]["losses"]))
+
+
+@pytest.mark.timeout(600)
+def test_trainer_deepspeed_zero2_dp2_sp2_matches_single_device(dist_pool, tmp_path):
+    """4 ranks, DP 2 x SP 2, one row per DP replica and step (the global batch of the single-device reference):
+    the logged losses (SGD, so a gradient off by a factor shows from step 2 on) and the eval loss are one
+    device's, the token count reaching training_step is the global batch's once, the total batch size 2.
+
+    At DP 1 (the test above) the world size equals the SP size, so a factor taken over the world instead of over
+    sp passes there. Seen failing (mutation audit, session 20): with compute_loss dividing Trainer's
+    process-count factor by the world size instead of sp (losses from step 2 off by ~1e-2 relative), and with
+    get_batch_samples dividing the summed token count by the world size instead of sp (the count seen was half
+    the global one)."""
+    out = dist_pool.run(4, _trainer_run, 2, 2, str(tmp_path), False, 1, timeout=540)
+    ref = hf_tiny.reference_losses(STEPS, BATCH, eval_rows=EVAL_ROWS)
+    targets = BATCH * (hf_tiny.SEQ - 1)  # the global batch's: both DP replicas' rows
+    for r in out:
+        assert r["groups"] == (2, 4) and r["world"] == 4
+        hf_tiny.assert_losses_close(r["losses"], ref)
+        assert r["seen"] == [((1, hf_tiny.SEQ), float(targets))] * STEPS
+        assert r["total_batch"] == BATCH
 
 
 def test_trainer_packed_documents_sp2_equals_sp1_and_each_document_alone(dist_pool, tmp_path):
