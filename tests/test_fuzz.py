@@ -74,7 +74,7 @@ FOUND[1156417737] = (("attention", "dilated", "model", "engine"), "exact")
 # - 1789442528 (seed 7, ZeRO-3, tiny zamba, P=4, reentrant checkpointing; pinned at P=2): crash, DeepSpeed's bare
 #   AssertionError in stage3 (ZeRO-2: "Gradient computed twice"), at P=1 too and without seqpar's part in it:
 #   Zamba's shared transformer block sits in several checkpointed layers, so reentrant recomputes reduce its
-#   parameters once per layer. The DeepSpeed adapter now refuses it by name before initialising (seen crashing
+#   parameters once per layer. The DeepSpeed adapter now refuses it by name in its first forward (seen crashing
 #   with the check removed); non-reentrant checkpointing is exact.
 FOUND_SET[1789442528] = {"world": 2}
 FOUND[1789442528] = (("attention", "dilated", "model", "engine"), "refused")
@@ -85,7 +85,7 @@ FOUND[2143272812] = (("attention", "dilated", "model", "engine"), "exact")
 # - 1601891524 (seed 9, ZeRO-2, tiny dory, P=3, reentrant checkpointing; pinned at P=2): crash, DeepSpeed's "Gradient
 #   computed twice" for model.layers.1.lambda_2: Dory loops its recurrent layers, so one forward calls a checkpointed
 #   layer several times. The DeepSpeed adapter now refuses it by name in the forward, on every rank (seen crashing
-#   without the hooks of integrations/deepspeed._refuse_repeated_reentrant_calls).
+#   without the hooks of integrations/deepspeed._refuse_reentrant_reuse).
 FOUND_SET[1601891524] = {"world": 2}
 FOUND[1601891524] = (("attention", "dilated", "model", "engine"), "refused")
 # found by seeds 2-7 (session 19):
