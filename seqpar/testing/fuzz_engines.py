@@ -353,6 +353,10 @@ def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: st
     from seqpar.testing.fuzz_models import case_batches, judge_model
     from seqpar.testing.verdicts import classify_errors
 
+    dp = draws.get("dp", 1)
+    if draws["world"] % (dp * draws["tp_size"]) or len(draws.get("replicas", [])) != dp - 1:
+        raise ValueError(f"engine draws inconsistent: world {draws['world']}, dp {dp}, tp_size {draws['tp_size']}, "
+                         f"{len(draws.get('replicas', []))} other replicas (a --set of dp needs replicas too)")
     batches = [case_batches(rd) for rd in replica_draws(draws)]
     ref = dp_reference(draws, batches)
     if not ref["ok"]:
