@@ -8,9 +8,10 @@ engine, one of :data:`ENGINES`: ``zero1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO 
 (FSDP2), ``fsdp1`` (FSDP1, ``FullyShardedDataParallel`` as seqpar's adapter wires it: each block a unit,
 ``use_orig_params=True``; 40% of the FSDP2 draws), ``tp2`` (P = 2 or 4 only: TP 2 from the model's own plan),
 then the data-parallel degree ``dp``: at P = 4, DP 2 x SP 2 (``tp2``: TP 2 x SP 1 x DP 2) 60% of the time; at
-P = 2, DP 2 x SP 1 30% of the time (not ``tp2``); else DP 1 (SP = P / tp). Each DP replica after the first
-has batches of its own (``replicas``: its own case seed, so other tokens, and lengths drawn as the model
-draw's: other rows, padding, documents), as a DP loader feeds it. P = 3 has no DP split (SP = 3).
+P = 2, DP 2 x SP 1 30% of the time (not ``tp2``); at P = 3, DP 3 x SP 1 30% of the time (the one split where
+dividing by SP instead of DP shows: at DP 2 x SP 2 both are 2); else DP 1 (SP = P / tp). Each DP replica after
+the first has batches of its own (``replicas``: its own case seed, so other tokens, and lengths drawn as the
+model draw's: other rows, padding, documents), as a DP loader feeds it.
 
 The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
 seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
@@ -165,7 +166,8 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     The draws added with DP and FSDP1 are taken after every other draw, so a case seed's model, checkpointing,
     step and replica-0 batches are those it had before them: ``fsdp1`` takes 40% of the ``fsdp2`` draws, then
     DP: at world 4, DP 2 x SP 2 for the ZeRO and FSDP engines and TP 2 x SP 1 x DP 2 for
-    ``tp2``, 60% of the time; at world 2, DP 2 x SP 1 30% of the time (not ``tp2``: no rank left)."""
+    ``tp2``, 60% of the time; at world 2, DP 2 x SP 1 30% of the time (not ``tp2``: no rank left); at world 3,
+    DP 3 x SP 1 30% of the time."""
     from seqpar.testing.fuzz_models import draw_model
 
     draws = draw_model(rng)
@@ -189,6 +191,8 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
         dp = 2
     elif world == 2 and engine != "tp2" and rng.random() < 0.3:
         dp = 2
+    elif world == 3 and rng.random() < 0.3:
+        dp = 3  # DP 3 x SP 1: the one split whose divisor DP differs from SP (DP 2 x SP 2's is 2 either way)
     sp = world // (tp * dp)
     if draws["mode"] == "hybrid":  # the model draw's Ulysses degree is for SP = world
         draws["ulysses_size"] = 2 if sp == 4 else sp
