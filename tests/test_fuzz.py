@@ -255,8 +255,8 @@ def test_engine_draws_data_parallel_and_fsdp1() -> None:
 def test_a_planted_dp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     """The DP x SP judge can fail: a DP 2 x SP 2 FSDP2 case (tiny gpt2, packed documents, each replica its own) is
     exact, then WRONG with FSDP2's gradients divided by the world (dp x sp, FSDP's own default) instead of seqpar's
-    DP size, and WRONG with every replica fed replica 0's batches. Seen failing: run_engine_case judging against
-    replica 0's reference alone (the clean case WRONG)."""
+    DP size, and WRONG with every replica fed replica 0's batches; a DP 3 x SP 1 case is WRONG divided by SP.
+    Seen failing: run_engine_case judging against replica 0's reference alone (the clean case WRONG)."""
     from seqpar.testing.fuzz_engines import run_engine_case
 
     draws = fuzz.draw_case(757583708, ("engine",))
@@ -266,6 +266,12 @@ def test_a_planted_dp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert verdict == "WRONG" and "grad" in detail, detail
     verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_same_data")
     assert verdict == "WRONG" and "replica 1" in detail, detail
+    # DP 3 x SP 1 (tiny codegen, packed, two forwards): dividing by SP (1) instead of DP shows only where they differ
+    draws = fuzz.draw_case(805475295, ("engine",))
+    assert (draws["engine"], draws["dp"], draws["world"]) == ("fsdp2", 3, 3), fuzz.summary(draws)
+    assert run_engine_case(fuzzer.pools, draws, 240.0)[0] == "exact"
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_divide_sp")
+    assert verdict == "WRONG" and "grad" in detail, detail
 
 
 def _ring_case() -> dict:

@@ -258,23 +258,25 @@ def engine_summary(draws: dict[str, Any]) -> str:
     return head + model_summary(draws).removeprefix("model ") + tail
 
 
-def _plant(name: str | None, ctx: Any) -> Callable[[], None]:
+def _plant(name: str | None, ctx: Any, draws: dict[str, Any]) -> Callable[[], None]:
     """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
     ``"dp_divide_world"``: FSDP2 divides reduced gradients by the world (``dp x sp``), FSDP's own default, instead
-    of seqpar's DP size (the reduced gradient is ``1 / sp`` of the DP mean); ``"dp_same_data"``: every DP replica
-    gets replica 0's batches (applied by :func:`engine_task`)."""
+    of seqpar's DP size (the reduced gradient is ``1 / sp`` of the DP mean); ``"dp_divide_sp"``: by the SP size
+    instead (``dp`` times the DP mean); ``"dp_same_data"``: every DP replica gets replica 0's batches (applied by
+    :func:`engine_task`)."""
     if name in (None, "dp_same_data"):
         return lambda: None
-    if name != "dp_divide_world":
+    if name not in ("dp_divide_world", "dp_divide_sp"):
         raise ValueError(f"unknown plant {name!r}")
     from torch.distributed.fsdp import FSDPModule
 
     original = FSDPModule.set_gradient_divide_factor
+    wrong = ctx.world_size if name == "dp_divide_world" else ctx.world_size // (draws.get("dp", 1) * draws["tp_size"])
 
-    def divide_by_world(self: Any, factor: float) -> None:
-        original(self, float(ctx.world_size))
+    def divide_wrongly(self: Any, factor: float) -> None:
+        original(self, float(wrong))
 
-    FSDPModule.set_gradient_divide_factor = divide_by_world
+    FSDPModule.set_gradient_divide_factor = divide_wrongly
 
     def undo() -> None:
         FSDPModule.set_gradient_divide_factor = original
@@ -296,7 +298,7 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     runner = None
-    undo = _plant(plant, ctx)
+    undo = _plant(plant, ctx, draws)
     try:
         runner = engine_runner(draws["engine"])
 
