@@ -14,8 +14,15 @@ Engines (the entry-point names):
   gradients read with ``deepspeed.utils.safe_get_full_grad`` (reduced over the ranks, gathered under ZeRO-3);
 - ``fsdp2``: :func:`seqpar.integrations.fsdp.wrap` (FSDP2); gradients are the reduced DTensors'
   ``full_tensor()``;
+- ``fsdp1``: the same ``wrap`` with ``{"version": 1}`` (``FullyShardedDataParallel``, ``use_orig_params=True``
+  as the adapter sets it, each block a unit); gradients read inside
+  ``FullyShardedDataParallel.summon_full_params(with_grads=True)``;
 - ``tp2``: the same ``wrap`` with the config's ``tp_size`` (TP from the model's own plan, FSDP2 over the SP
   ranks).
+
+Data parallelism: the world is DP x SP x TP (``config["size"]`` is SP); each DP replica trains on its own
+batches (``batches[manager.dp_rank]``), as a user's DP loader feeds it, and the engine averages the gradients
+over the replicas (docs/integrations.md). Each rank returns its replica's loss and index.
 
 No optimizer step is taken: the result is the gradient after the engine's reduction, before ``step()`` (the
 optimizer's arithmetic is the engine's, not seqpar's).
@@ -31,7 +38,7 @@ from torch import nn
 
 __all__ = ["ENGINES", "run_engine"]
 
-ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "tp2")
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
 
 
 def _full_grads_zero(engine: Any) -> dict[str, torch.Tensor]:
@@ -59,24 +66,42 @@ def _full_grads_fsdp(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[dict[str, Any]],
+def _full_grads_fsdp1(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced gradient under FSDP1 (``use_orig_params``: each original parameter's ``grad``
+    is this rank's slice of it until the full parameters are summoned with their gradients; collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out = {}
+    with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+                out[clean] = p.grad.detach().clone()
+    return out
+
+
+def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[list[dict[str, Any]]],
                config: dict[str, Any], *, accumulate: bool) -> dict[str, Any]:
     """One step of ``build_model()`` through ``engine`` on this rank (every rank of the default group calls).
 
     Args:
         engine: one of :data:`ENGINES`.
         build_model: makes the model (the same on every rank; activation checkpointing already set).
-        batches: full (unsharded) batches of ``(batch, seq)`` tensors as the model takes them; each is
-            sharded here with :func:`seqpar.shard_batch` on the SP group and the config's sharding.
+        batches: ``batches[d]``: DP replica ``d``'s full (unsharded) batches of ``(batch, seq)`` tensors as the
+            model takes them (one list per replica, ``world / (size x tp_size)`` lists); this rank runs its
+            replica's, each sharded here with :func:`seqpar.shard_batch` on the SP group and the config's
+            sharding.
         config: the ``sequence_parallel`` config (``size``, ``tp_size``, ``mode``, ``sharding``, ...).
         accumulate: one backward per batch (gradient accumulation over the batches); else every batch's
             forward first, then one backward of the summed losses.
 
     Returns:
-        ``{"loss": float (summed over the batches), "grads": {name: reduced full gradient}}``.
+        ``{"loss": float (this replica's, summed over its batches), "replica": this rank's DP index,
+        "grads": {name: reduced full gradient}}``.
 
     Raises:
-        ValueError: an unknown engine; whatever seqpar or the engine raises otherwise.
+        ValueError: an unknown engine; not one list of batches per DP replica; whatever seqpar or the engine
+            raises otherwise.
     """
     import seqpar
     from seqpar.sequence.batch import shard_batch
@@ -105,22 +130,27 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
             from seqpar.integrations.fsdp import wrap
 
             manager = seqpar.init_process_groups(config=config)
-            forward = wrap(model, config, manager=manager, fsdp={"version": 2})
+            version = 1 if engine == "fsdp1" else 2
+            forward = wrap(model, config, manager=manager, fsdp={"version": version})
 
             def backward(loss: torch.Tensor) -> None:
                 loss.backward()
 
             def full_grads() -> dict[str, torch.Tensor]:
-                return _full_grads_fsdp(forward)
+                return _full_grads_fsdp1(forward) if version == 1 else _full_grads_fsdp(forward)
+        if len(batches) != manager.dp_size:
+            raise ValueError(f"run_engine: {len(batches)} lists of batches for {manager.dp_size} DP replicas "
+                             f"(world {manager.world_size} = dp x sp {manager.sp_size} x tp {manager.tp_size}): "
+                             "pass one list per replica")
         losses = []
-        for b in batches:
+        for b in batches[manager.dp_rank]:
             out = forward(**shard_batch(b, group=manager.sp_group, sharding=config["sharding"]))
             if accumulate:
                 backward(out.loss)
             losses.append(out.loss)
         if not accumulate:
             backward(sum(losses))
-        return {"loss": float(sum(x.detach() for x in losses)), "grads": full_grads()}
+        return {"loss": float(sum(x.detach() for x in losses)), "replica": manager.dp_rank, "grads": full_grads()}
     finally:
         if manager is not None:
             manager.destroy()

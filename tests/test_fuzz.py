@@ -145,6 +145,12 @@ FOUND[1320238728] = (("attention", "dilated", "model", "engine"), "refused")
 #   bidirectional and saw shard_batch's end pads. Refused now on every rank (tests/test_bidirectional_padding.py).
 FOUND[1940826750] = (("attention", "dilated", "model", "engine"), "exact")
 FOUND[1054415801] = (("attention", "dilated", "model", "engine"), "refused")
+# fz20e (session 20: engine draws with data parallelism, DP x SP, and FSDP1):
+# - 67525761 (tp2, tiny minicpm3, P=4) is drawn as TP 2 x SP 1 x DP 2 since DP is drawn: pinned to DP 1, where it
+#   shows its finding (TP 2 x SP 2, the tied head above).
+# - 1260527780 (ZeRO-3, tiny dbrx, P=3) is drawn as DP 3 x SP 1 since: pinned to DP 1 (its finding is across SP ranks).
+FOUND_SET[67525761] = {"dp": 1, "replicas": []}
+FOUND_SET[1260527780] = {"dp": 1, "replicas": []}
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -195,6 +201,77 @@ def test_engine_cases(fuzzer: fuzz.Fuzzer, case_seed: int, pinned: dict) -> None
     equals one process's in float64, each on its own parameter's scale."""
     rec = fuzzer.run({**fuzz.draw_case(case_seed, ("engine",)), **pinned})
     assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))
+
+
+# CI's DP x SP engine cases (case seed, verdict exact): DP 2 x SP 2 of 4 ranks, each replica its own batches
+DP_ENGINE_SAMPLE = (
+    1053884244,  # fsdp1, dp 2, tiny phi, P=4, ring, rows [32] and replica 1's [27]
+    1689065986,  # zero2, dp 2, tiny llama, P=4, ring, zigzag, rows, accumulation over two micro-batches per replica
+)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case_seed", DP_ENGINE_SAMPLE)
+def test_dp_engine_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
+    """DP 2 x SP 2 through FSDP1 and ZeRO-2: each replica's loss its own batch's, every reduced gradient the DP
+    mean of the replicas' one-process gradients (the contract of docs/integrations.md)."""
+    draws = fuzz.draw_case(case_seed, ("engine",))
+    assert draws["dp"] == 2 and draws["world"] == 4, fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))
+
+
+def test_engine_draws_data_parallel_and_fsdp1() -> None:
+    """The engine draws take DP 2 x SP 2 at world 4 for every engine (tp2 as TP 2 x SP 1 x DP 2), DP 2 x SP 1 at
+    world 2, DP 3 x SP 1 at world 3, and fsdp1; each replica has batches of its own; the draws are JSON-able, reproducible from the case
+    seed and shown by engine_summary. Seen failing: DP draws removed from draw_engine (no dp 2), fsdp1 never
+    flipped from fsdp2 (no fsdp1 draw), replica 1 given replica 0's lengths and seed (the distinctness check)."""
+    import json
+
+    from seqpar.testing.fuzz_engines import engine_summary, replica_draws
+
+    seen, differ = set(), []
+    for seed in range(400):  # every pair below is drawn by seed 295
+        d = fuzz.draw_case(seed, ("engine",))
+        assert d == fuzz.draw_case(seed, ("engine",)) and json.loads(json.dumps(d)) == d
+        dp, tp = d["dp"], d["tp_size"]
+        assert d["world"] % (dp * tp) == 0 and len(d["replicas"]) == dp - 1, d
+        seen.add((d["engine"], d["world"], dp))
+        if dp > 1:
+            assert f"dp={dp}" in engine_summary(d) and "replicas=" in engine_summary(d)
+            r0, *others = replica_draws(d)
+            for r in others:
+                assert r["case_seed"] != r0["case_seed"], d  # other tokens
+                differ.append(r["lengths"] != r0["lengths"])  # other lengths, documents, padding (by chance alike)
+    for engine in ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2"):
+        assert (engine, 4, 2) in seen, (engine, sorted(seen))
+    assert {(e, 2, 2) for e in ("zero1", "zero2", "zero3", "fsdp2", "fsdp1")} <= seen, sorted(seen)
+    assert {(e, 3, 3) for e in ("zero1", "zero2", "zero3", "fsdp2", "fsdp1")} <= seen, sorted(seen)
+    assert ("fsdp1", 3, 1) in seen and ("tp2", 2, 2) not in seen
+    assert sum(differ) >= 0.8 * len(differ), (sum(differ), len(differ))
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_dp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The DP x SP judge can fail: a DP 2 x SP 2 FSDP2 case (tiny gpt2, packed documents, each replica its own) is
+    exact, then WRONG with FSDP2's gradients divided by the world (dp x sp, FSDP's own default) instead of seqpar's
+    DP size, and WRONG with every replica fed replica 0's batches; a DP 3 x SP 1 case is WRONG divided by SP.
+    Seen failing: run_engine_case judging against replica 0's reference alone (the clean case WRONG)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    draws = fuzz.draw_case(757583708, ("engine",))
+    assert (draws["engine"], draws["dp"], draws["world"]) == ("fsdp2", 2, 4), fuzz.summary(draws)
+    assert run_engine_case(fuzzer.pools, draws, 240.0)[0] == "exact"
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_divide_world")
+    assert verdict == "WRONG" and "grad" in detail, detail
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_same_data")
+    assert verdict == "WRONG" and "replica 1" in detail, detail
+    # DP 3 x SP 1 (tiny codegen, packed, two forwards): dividing by SP (1) instead of DP shows only where they differ
+    draws = fuzz.draw_case(805475295, ("engine",))
+    assert (draws["engine"], draws["dp"], draws["world"]) == ("fsdp2", 3, 3), fuzz.summary(draws)
+    assert run_engine_case(fuzzer.pools, draws, 240.0)[0] == "exact"
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_divide_sp")
+    assert verdict == "WRONG" and "grad" in detail, detail
 
 
 def _ring_case() -> dict:

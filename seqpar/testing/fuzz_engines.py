@@ -4,8 +4,22 @@ trained through a training engine, as a user would wire it, against one process 
 Drawn: everything a ``model`` case draws (model type, P in 1..4, mode, sharding, rows / end-padded /
 right-padded / packed batches, activation checkpointing off / reentrant / non-reentrant, one step / two
 forwards before one backward / gradient accumulation over two micro-batches, ``check_inputs``), then the
-engine, one of :data:`ENGINES`: ``zero1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO over the P ranks, SP = P),
-``fsdp2`` (FSDP2, SP = P), ``tp2`` (P = 2 or 4 only: TP 2 from the model's own plan, SP = P / 2).
+engine, one of :data:`ENGINES`: ``zero1``, ``zero2``, ``zero3`` (DeepSpeed ZeRO over the P ranks), ``fsdp2``
+(FSDP2), ``fsdp1`` (FSDP1, ``FullyShardedDataParallel`` as seqpar's adapter wires it: each block a unit,
+``use_orig_params=True``; 40% of the FSDP2 draws), ``tp2`` (P = 2 or 4 only: TP 2 from the model's own plan),
+then the data-parallel degree ``dp``: at P = 4, DP 2 x SP 2 (``tp2``: TP 2 x SP 1 x DP 2) 60% of the time; at
+P = 2, DP 2 x SP 1 30% of the time (not ``tp2``); at P = 3, DP 3 x SP 1 30% of the time (the one split where
+dividing by SP instead of DP shows: at DP 2 x SP 2 both are 2); else DP 1 (SP = P / tp). Each DP replica after
+the first has batches of its own (``replicas``: its own case seed, so other tokens, and lengths drawn as the
+model draw's: other rows, padding, documents), as a DP loader feeds it.
+
+The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
+seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
+packed), and the reduced gradient is the mean over the DP replicas of each replica's full-sequence gradient
+(divisor DP, not DP x SP). So the reference (:func:`dp_reference`) is one process per replica, on that
+replica's batches, and every rank's loss is judged against its replica's, every reduced gradient against the
+DP mean. Not the global token mean over the replicas: that is Trainer's ``num_items_in_batch`` path
+(tests/test_trainer.py), not what a plain engine loop computes.
 
 The engines are driven by an *engine runner* (:class:`EngineRunner`), not by this module: the harness is
 part of ``seqpar/``, which never imports the engine adapters (``seqpar.integrations``, tests/test_layering.py).
@@ -35,8 +49,9 @@ ZeRO-2 raises that assertion, and tiny dbrx under ZeRO-3 fails DeepSpeed's own
 ``assert len(set(p.ds_id for p in params_in_bucket)) == len(params_in_bucket)`` (stage3.py,
 ``__reduce_and_partition_ipg_grads``); with non-reentrant checkpointing both run (DeepSpeed 0.19.8).
 
-Not drawn either: FSDP2 (``fsdp2``, ``tp2``) with reentrant activation checkpointing and two forwards before
-one backward (non-reentrant checkpointing is drawn in their place). FSDP2 gets the gradients of a unit nested
+Not drawn either: FSDP2 (``fsdp2``, ``tp2``; ``fsdp1``, which takes its draws, keeps the rule as a precaution)
+with reentrant activation checkpointing and two forwards before one backward (non-reentrant checkpointing is
+drawn in their place). FSDP2 gets the gradients of a unit nested
 inside a reentrantly checkpointed block wrong when two forwards precede one backward: seqpar's adapter gives
 a ``*Block`` class inside a decoder layer a unit of its own (the MoE blocks), and fuzzer case 1940826750 (tiny
 flex_olmo, P = 1, rows) had ``model.layers.0.mlp.gate.weight`` 76% off, loss exact. torch's limit, with or
@@ -61,7 +76,7 @@ on one rank, tiny dbrx with ``set_z3_leaf_modules``: the same assertion).
 Not drawn either: LongCat-Flash (:data:`ZERO_COMPUTATION_EXPERTS`) under an engine other than ZeRO-3 (ZeRO-3
 is drawn in its place). Its router may send every token of a shard to its zero-computation experts, so that
 the real experts' weights get no gradient on that rank while they get one on another: ZeRO-1/2 and FSDP2
-then reduce different sets of gradients on different ranks and abort (case 1535814214: P = 2, rank 1 with
+(and FSDP1) then reduce different sets of gradients on different ranks and abort (case 1535814214: P = 2, rank 1 with
 no expert gradient; plain ZeRO-2 and plain FSDP2 abort the same way on a 2-rank toy whose parameter only one
 rank uses). ZeRO-3's leaf module zero-fills the unused experts and is exact. With real shards of thousands of
 tokens a layer whose every token skips the real experts is not to be expected; the tiny model's 2-16 token
@@ -85,9 +100,9 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "engine_summary",
-           "engine_task", "run_engine_case", "has_expert_blocks"]
+           "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
-ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "tp2")
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
 ENTRY_POINT_GROUP = "seqpar.fuzz_engines"
 
 
@@ -144,11 +159,19 @@ ZERO_COMPUTATION_EXPERTS = frozenset({"longcat_flash"})
 
 def draw_engine(rng: random.Random) -> dict[str, Any]:
     """An ``engine`` case's draws (JSON-able): a ``model`` case's, then ``engine`` (``tp2`` only where the
-    world is even; ``zero1`` not with accumulation, see the module docstring), and ``tp_size``."""
+    world is even; ``zero1`` not with accumulation, see the module docstring), ``tp_size``, and the data-parallel
+    degree ``dp`` with the batches of the replicas after the first (``replicas``: one ``{"case_seed",
+    "lengths"}`` per replica 1..dp-1, drawn independently of replica 0's, which are the model draw's own).
+
+    The draws added with DP and FSDP1 are taken after every other draw, so a case seed's model, checkpointing,
+    step and replica-0 batches are those it had before them: ``fsdp1`` takes 40% of the ``fsdp2`` draws, then
+    DP: at world 4, DP 2 x SP 2 for the ZeRO and FSDP engines and TP 2 x SP 1 x DP 2 for
+    ``tp2``, 60% of the time; at world 2, DP 2 x SP 1 30% of the time (not ``tp2``: no rank left); at world 3,
+    DP 3 x SP 1 30% of the time."""
     from seqpar.testing.fuzz_models import draw_model
 
     draws = draw_model(rng)
-    engine = rng.choice([e for e in ENGINES if (e != "tp2" or draws["world"] % 2 == 0)
+    engine = rng.choice([e for e in ENGINES if e != "fsdp1" and (e != "tp2" or draws["world"] % 2 == 0)
                          and (e != "zero1" or draws["step"] != "accumulate")])
     if draws["model_type"] in ZERO_COMPUTATION_EXPERTS:
         engine = "zero3"  # the other engines' own limit with experts unused on some rank (the module docstring)
@@ -158,11 +181,53 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     if engine == "zero3" and draws["step"] == "two-forwards" and has_expert_blocks(draws["model_type"]):
         draws["step"] = "accumulate"  # DeepSpeed's limit for ZeRO-3 leaf modules (the module docstring)
     tp = 2 if engine == "tp2" else 1
-    sp = draws["world"] // tp
+    world = draws["world"]
+    if engine == "fsdp2" and rng.random() < 0.4:
+        # FSDP1 takes 40% of FSDP2's draws and their rules (the module docstring); 40%, not half: the fsdp2 cases
+        # pinned in tests/test_fuzz.py (1556311079, 1739095319, 1940826750) stay fsdp2
+        engine = "fsdp1"
+    dp = 1
+    if world == 4 and rng.random() < 0.6:
+        dp = 2
+    elif world == 2 and engine != "tp2" and rng.random() < 0.3:
+        dp = 2
+    elif world == 3 and rng.random() < 0.3:
+        dp = 3  # DP 3 x SP 1: the one split whose divisor DP differs from SP (DP 2 x SP 2's is 2 either way)
+    sp = world // (tp * dp)
     if draws["mode"] == "hybrid":  # the model draw's Ulysses degree is for SP = world
         draws["ulysses_size"] = 2 if sp == 4 else sp
-    draws.update(kind="engine", engine=engine, tp_size=tp)
+    replicas = [{"case_seed": rng.randrange(2 ** 31), "lengths": _draw_lengths(rng, world, draws["batch"])}
+                for _ in range(dp - 1)]
+    draws.update(kind="engine", engine=engine, tp_size=tp, dp=dp, replicas=replicas)
     return draws
+
+
+def _draw_lengths(rng: random.Random, world: int, batch: str) -> list[list[int]]:
+    """A replica's two batches' lengths, as :func:`seqpar.testing.fuzz_models.draw_model` draws replica 0's for
+    ``batch`` at ``world`` (the same sizes, so every replica's sequence is sharded alike: rows of a length the SP
+    degree may not divide; a right-padded row of its own length; packed documents with length-1 ones and one
+    longer than a shard of the world)."""
+    shard = 8
+    seqs: list[list[int]] = []
+    for _ in range(2):
+        seq = rng.randint(world * shard - 2 * world + 1, world * shard) if world > 1 else rng.randint(10, 16)
+        if batch == "packed":
+            lens = [rng.randint(seq // world + 1, seq - 2)] if world > 1 else []
+            while sum(lens) < seq:
+                lens.append(min(seq - sum(lens), 1 if rng.random() < 0.3 else rng.randint(2, 7)))
+            rng.shuffle(lens)
+            seqs.append(lens)
+        elif batch == "padded":
+            seqs.append([seq, rng.randint(2, seq - 1)])
+        else:
+            seqs.append([seq])
+    return seqs
+
+
+def replica_draws(draws: dict[str, Any]) -> list[dict[str, Any]]:
+    """The case's draws as seen by each DP replica: replica 0's are ``draws`` itself, replica ``d``'s have
+    ``case_seed`` and ``lengths`` of ``draws["replicas"][d - 1]`` (its own tokens, documents, padding)."""
+    return [draws] + [{**draws, **r} for r in draws.get("replicas", [])]
 
 
 def has_expert_blocks(model_type: str) -> bool:
@@ -180,15 +245,49 @@ def has_expert_blocks(model_type: str) -> bool:
 
 
 def engine_summary(draws: dict[str, Any]) -> str:
-    """One short line naming the case's composition."""
+    """One short line naming the case's composition (``dp=2``: the data-parallel degree, SP = P / (dp x tp),
+    and the other replicas' lengths)."""
     from seqpar.testing.fuzz_models import model_summary
 
-    return f"engine {draws['engine']} " + model_summary(draws).removeprefix("model ")
+    dp = draws.get("dp", 1)
+    head = f"engine {draws['engine']} " + (f"dp={dp} " if dp > 1 else "")
+    tail = ""
+    if dp > 1:
+        n_batches = 1 if draws["step"] == "one" else 2
+        tail = " replicas=" + ";".join(str(r["lengths"][:n_batches]) for r in draws["replicas"])
+    return head + model_summary(draws).removeprefix("model ") + tail
 
 
-def engine_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
-    """Pool task (every rank): the case through its engine's runner; rank 0 returns the loss and the reduced
-    gradients, every rank ``{"ok": False, "error"}`` on an exception."""
+def _plant(name: str | None, ctx: Any, draws: dict[str, Any]) -> Callable[[], None]:
+    """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
+    ``"dp_divide_world"``: FSDP2 divides reduced gradients by the world (``dp x sp``), FSDP's own default, instead
+    of seqpar's DP size (the reduced gradient is ``1 / sp`` of the DP mean); ``"dp_divide_sp"``: by the SP size
+    instead (``dp`` times the DP mean); ``"dp_same_data"``: every DP replica gets replica 0's batches (applied by
+    :func:`engine_task`)."""
+    if name in (None, "dp_same_data"):
+        return lambda: None
+    if name not in ("dp_divide_world", "dp_divide_sp"):
+        raise ValueError(f"unknown plant {name!r}")
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+    wrong = ctx.world_size if name == "dp_divide_world" else ctx.world_size // (draws.get("dp", 1) * draws["tp_size"])
+
+    def divide_wrongly(self: Any, factor: float) -> None:
+        original(self, float(wrong))
+
+    FSDPModule.set_gradient_divide_factor = divide_wrongly
+
+    def undo() -> None:
+        FSDPModule.set_gradient_divide_factor = original
+    return undo
+
+
+def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, Any]]], dtype_name: str,
+                plant: str | None = None) -> dict[str, Any]:
+    """Pool task (every rank): the case through its engine's runner; ``batches[d]`` are DP replica ``d``'s
+    (the runner feeds this rank its own replica's). Every rank returns its replica's loss and its index
+    (``replica``), rank 0 the reduced gradients too; every rank ``{"ok": False, "error"}`` on an exception."""
     import warnings
 
     import transformers
@@ -199,6 +298,7 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
     runner = None
+    undo = _plant(plant, ctx, draws)
     try:
         runner = engine_runner(draws["engine"])
 
@@ -207,35 +307,80 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
             enable_checkpointing(model, draws["checkpointing"])
             return model
 
-        config = {"size": ctx.world_size // draws["tp_size"], "tp_size": draws["tp_size"], "mode": draws["mode"],
+        dp = draws.get("dp", 1)
+        config = {"size": ctx.world_size // (draws["tp_size"] * dp), "tp_size": draws["tp_size"], "mode": draws["mode"],
                   "sharding": draws["sharding"], "ulysses_size": draws["ulysses_size"],
                   "check_inputs": draws["check_inputs"]}
+        fed = [[b["batch"] for b in replica] for replica in batches]
+        if plant == "dp_same_data":
+            fed = [fed[0]] * len(fed)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's rename
-            out = runner(draws["engine"], build_model, [b["batch"] for b in batches], config,
-                         accumulate=draws["step"] == "accumulate")
-        return {"ok": True, "loss": out["loss"], "grads": out["grads"] if ctx.rank == 0 else None}
+            out = runner(draws["engine"], build_model, fed, config, accumulate=draws["step"] == "accumulate")
+        return {"ok": True, "loss": out["loss"], "replica": out["replica"],
+                "grads": out["grads"] if ctx.rank == 0 else None}
     except Exception as e:  # noqa: BLE001 - classified by the driver
         return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
     finally:
+        undo()
         transformers.logging.set_verbosity(verbosity)
 
 
-def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[str, str]:
+def dp_reference(draws: dict[str, Any], batches: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """The engines' DP x SP contract (docs/integrations.md: "each replica's ``loss`` is the mean over its own
+    batch's tokens and the gradients are averaged over replicas"; integrations/fsdp.py's divide factor DP, not
+    DP x SP): one process without seqpar per replica (:func:`~seqpar.testing.fuzz_models.model_reference` on
+    its batches), then ``{"ok", "dtype", "losses": [replica d's loss], "loss": their mean, "grads": the mean
+    over replicas of each parameter's gradient}`` (a parameter without a gradient in some replica, an expert
+    its tokens missed, counts zeros there). ``dtype`` is fp32 if any replica's model fell back to it."""
+    from seqpar.testing.fuzz_models import model_reference
+
+    refs = []
+    for rd, rb in zip(replica_draws(draws), batches, strict=True):
+        ref = model_reference(rd, rb)
+        if not ref["ok"]:
+            return ref
+        refs.append(ref)
+    names = [n for n in refs[0]["grads"]] + sorted({n for r in refs[1:] for n in r["grads"]} - set(refs[0]["grads"]))
+    grads = {}
+    for n in names:
+        present = [r["grads"][n].double() for r in refs if n in r["grads"]]
+        grads[n] = sum(present) / len(refs)
+    dtype = "float32" if any(r["dtype"] == "float32" for r in refs) else "float64"
+    losses = [r["loss"] for r in refs]
+    return {"ok": True, "dtype": dtype, "losses": losses, "loss": sum(losses) / len(losses), "grads": grads}
+
+
+def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
     """Verdict and detail of an ``engine`` case (``"skipped"``: the tiny model does not run even without
-    seqpar)."""
-    from seqpar.testing.fuzz_models import case_batches, judge_model, model_reference
+    seqpar). Judged against :func:`dp_reference`: every rank's loss against its replica's, then the DP-mean
+    loss and every reduced gradient with :func:`~seqpar.testing.fuzz_models.judge_model`. ``plant``: see
+    :func:`_plant` (the fuzzer's own tests)."""
+    from seqpar.testing.fuzz_models import case_batches, judge_model
     from seqpar.testing.verdicts import classify_errors
 
-    batches = case_batches(draws)
-    ref = model_reference(draws, batches)
+    dp = draws.get("dp", 1)
+    if draws["world"] % (dp * draws["tp_size"]) or len(draws.get("replicas", [])) != dp - 1:
+        raise ValueError(f"engine draws inconsistent: world {draws['world']}, dp {dp}, tp_size {draws['tp_size']}, "
+                         f"{len(draws.get('replicas', []))} other replicas (a --set of dp needs replicas too)")
+    batches = [case_batches(rd) for rd in replica_draws(draws)]
+    ref = dp_reference(draws, batches)
     if not ref["ok"]:
         return "skipped", f"cannot run without seqpar: {ref['error']}"
-    per_rank = pools.run(draws["world"], engine_task, draws, batches, ref["dtype"], timeout=timeout)
+    per_rank = pools.run(draws["world"], engine_task, draws, batches, ref["dtype"], plant, timeout=timeout)
     bad = classify_errors(per_rank)
     if bad is not None:
         return bad
-    got = per_rank[0]
+    replicas = sorted({r["replica"] for r in per_rank})
+    if replicas != list(range(len(batches))):
+        return "WRONG", f"the ranks fed replicas {replicas}, not 0..{len(batches) - 1}"
+    for rank, r in enumerate(per_rank):  # each replica's loss is its own batch's token mean (the DP contract)
+        verdict, detail = judge_model({"dtype": ref["dtype"], "loss": ref["losses"][r["replica"]], "grads": {}},
+                                      {"loss": r["loss"], "grads": {}})
+        if verdict != "exact":
+            return verdict, f"rank {rank} (replica {r['replica']}): {detail}"
+    by_replica = {r["replica"]: r["loss"] for r in per_rank}
+    got = {"loss": sum(by_replica.values()) / len(by_replica), "grads": per_rank[0]["grads"]}
     # an engine may hold an all-zero gradient where the reference has none (ZeRO's flat buffers)
     got["grads"] = {n: g for n, g in got["grads"].items() if n in ref["grads"] or bool(g.ne(0).any())}
     return judge_model(ref, got)
