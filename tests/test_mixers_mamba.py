@@ -287,6 +287,22 @@ def test_jamba_with_activation_checkpointing(dist_pool):
     dist_pool.run(2, _checkpointed, timeout=300)
 
 
+def _pure_checkpointed(rank: int, world: int) -> None:
+    checkpointed_parity(functools.partial(tiny_pure, "Mamba"), world)
+
+
+def test_pure_mamba_with_activation_checkpointing(dist_pool):
+    """MambaModel calls each MambaBlock with the hidden states alone: the block's carrier adds the batch's
+    documents to the call, so transformers' checkpoint saves them and the backward's recompute (when the
+    model holds nothing any more) scans each document alone again.
+
+    Seen failing: the carrier's forward reading the documents held on the thread when it runs instead of
+    its call's: the recompute, with no documents held, scanned across them (torch's CheckpointError: a
+    different number of tensors saved than in the forward); Jamba's and Qwen3-Next's checkpointed tests, whose
+    layers get cu_seq_lens_q from their caller, passed."""
+    dist_pool.run(2, _pure_checkpointed, timeout=300)
+
+
 def test_documents_reach_the_mixers_of_a_deep_copy():
     # Jamba's decoder layer does not pass cu_seq_lens_q to its Mamba layer: the swap makes that layer carry
     # them (seqpar.mixers.documents), and a deep copy of the swapped model (DeepSpeed, EMA copies) carries its own
