@@ -97,8 +97,15 @@ SCAN_CASES = [(80, None, 8), (80, [0, 5, 12, 13, 47, 80], 8), (80, [0, 40, 79, 8
 
 
 def test_scan_one_process():
+    """One process, declared contiguous or zigzag (a run's SP=1 under a zigzag config): one chunk scanned
+    through, whatever the sharding.
+
+    Seen failing: scan_layout cutting one rank's sequence into zigzag's two chunks at SP=1 (the second
+    scanned from a zero state; no state passing at world 1): the zigzag cases whose document crosses the
+    middle (position 40) fail."""
     for seq, cu, chunk in SCAN_CASES:
-        _scan_parity(0, 1, "contiguous", seq, cu, chunk)
+        for sharding in ("contiguous", "zigzag"):
+            _scan_parity(0, 1, sharding, seq, cu, chunk)
 
 
 @pytest.mark.parametrize("world,sharding,cases", [(2, "contiguous", SCAN_CASES[::3]),

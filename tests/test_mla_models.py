@@ -31,12 +31,20 @@ LENGTHS = (7, 1, 13, 3)  # 24 tokens: a 1-token document, one spanning shards
 RTOL, ATOL = 1e-5, 1e-5
 
 
-def tiny_mla(name: str, dtype: torch.dtype = torch.float64) -> transformers.PreTrainedModel:
-    """A 2-layer model of family ``name`` with seeded weights; Q/K head dim 10 (nope 6 + rope 4), V's 6."""
+# YaRN rope scaling with mscale_all_dim, as DeepSeek-V3's released config has it: the layers' softmax scale is
+# then qk_head_dim ** -0.5 * mscale(factor) ** 2 (transformers' yarn_apply_mscale), not the default 1 / sqrt(d)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0,
+            beta_fast=32, beta_slow=1, rope_theta=10000.0)
+
+
+def tiny_mla(name: str, dtype: torch.dtype = torch.float64, yarn: bool = False) -> transformers.PreTrainedModel:
+    """A 2-layer model of family ``name`` with seeded weights; Q/K head dim 10 (nope 6 + rope 4), V's 6
+    (``yarn``: :data:`YARN` rope scaling)."""
     mla = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
                qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=6, max_position_embeddings=64,
-               attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+               attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False,
+               **({"rope_parameters": dict(YARN)} if yarn else {}))
     moe = dict(moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                first_k_dense_replace=1, output_router_logits=False, experts_implementation="eager")
     if name == "deepseek_v3":
@@ -52,9 +60,9 @@ def tiny_mla(name: str, dtype: torch.dtype = torch.float64) -> transformers.PreT
     return cls(cfg).to(dtype)
 
 
-def _reference(name: str, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+def _reference(name: str, docs: list[torch.Tensor], yarn: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
     """float64 loss and gradients of one process without seqpar, each document alone, token-weighted."""
-    ref = tiny_mla(name)
+    ref = tiny_mla(name, yarn=yarn)
     total, count = 0.0, 0
     for d in docs:
         if len(d) < 2:
@@ -74,16 +82,17 @@ def _tokens(packed: bool) -> list[torch.Tensor]:
 
 
 def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: bool,
-            transfer: str = "latent") -> float:
+            transfer: str = "latent", yarn: bool = False, own_scale: bool = False) -> float:
     """Worker: the swapped model on this rank's shard against the one-process reference
-    (``transfer``: the ring's MLA transfer, latent or expanded K/V)."""
+    (``transfer``: the ring's MLA transfer, latent or expanded K/V; ``yarn``: :data:`YARN` rope scaling;
+    ``own_scale``: each gradient against its own largest entry, else the model's largest gradient)."""
     docs = _tokens(packed)
-    ref_loss, ref_grads = _reference(name, docs)
+    ref_loss, ref_grads = _reference(name, docs, yarn)
     group = dist.group.WORLD
     if mode == "hybrid":
         seqpar.init_process_groups(sp_size=world, ulysses_size=2)
         group = None
-    model = tiny_mla(name)
+    model = tiny_mla(name, yarn=yarn)
     swap_attention(model, SeqParConfig(size=world, mode=mode, sharding=sharding, mla_transfer=transfer,
                                        ulysses_size=2 if mode == "hybrid" else 1), group=group)
     latent_runs = []
@@ -113,6 +122,8 @@ def _parity(rank: int, world: int, name: str, mode: str, sharding: str, packed: 
         grad = p.grad.detach().clone()
         dist.all_reduce(grad)  # each rank holds its share of the full-sequence gradient
         want = ref_grads[pname]
+        if own_scale:
+            scale = float(want.abs().max())
         torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL * scale,
                                    msg=lambda m, n=pname: f"{name} {mode} {sharding} packed={packed}: grad of {n}: {m}")
         worst = max(worst, float((grad - want).abs().max()) / scale)
@@ -138,6 +149,70 @@ def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
             continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
         worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
         assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
+
+
+@pytest.mark.parametrize("world,mode,sharding,packed", [(2, "ring", "zigzag", True), (3, "ring", "contiguous", False),
+                                                        (3, "allgather", "zigzag", True)])
+def test_mla_yarn_softmax_scale_under_sp(dist_pool, world: int, mode: str, sharding: str, packed: bool) -> None:
+    """DeepSeek-V3 with YaRN rope scaling (:data:`YARN`, mscale_all_dim as in its released config): the layers'
+    softmax scale is 1.30 x 1 / sqrt(qk_head_dim), and the latent ring and all-gather must use the scale the
+    layer passes, at P = 2 and P = 3 (whose zigzag chunks of 4 tokens and contiguous shards of 8 no other MLA
+    case cuts), each gradient against its own largest entry (the model's largest would hide a small one).
+
+    Seen failing: hf_attention passing ``scale=None`` to the latent attention (the default 1 / sqrt(d), equal to
+    the layers' scale without rope scaling: every other case here passed) -> at P = 2 the embedding's gradient
+    off by 2e-4 (allowed: 2e-6; the loss at random init moved by less than 1e-5)."""
+    worst = dist_pool.run(world, _parity, "deepseek_v3", mode, sharding, packed, "latent", True, True, timeout=300)
+    assert max(worst) < 1e-3, (world, mode, sharding, worst)
+
+
+def _doubled_values(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` whose MLA layers' ``expand_kv`` returns twice the values: an expansion other than the one
+    seqpar's latent kernels do (as a future transformers release might write), per instance."""
+    for m in model.modules():
+        if callable(getattr(type(m), "expand_kv", None)):
+            own = m.expand_kv
+
+            def expand_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor, own=own) -> tuple[torch.Tensor, torch.Tensor]:
+                key, value = own(kv_nope, k_rot)
+                return key, 2 * value
+
+            m.expand_kv = expand_kv
+    return model
+
+
+def _other_expansion_parity(rank: int, world: int) -> bool:
+    """Worker: DeepSeek-V3 with :func:`_doubled_values`, latent transfer asked for, ring at P = ``world``
+    (zigzag) against the same model on one process; returns whether every layer refused the latent path."""
+    tokens = _tokens(False)[0][None]
+    ref = _doubled_values(tiny_mla("deepseek_v3"))
+    ref_loss = ref(input_ids=tokens, labels=tokens.clone()).loss
+    ref_loss.backward()
+    model = _doubled_values(tiny_mla("deepseek_v3"))
+    swap_attention(model, SeqParConfig(size=world, mode="ring", sharding="zigzag", mla_transfer="latent"),
+                   group=dist.group.WORLD)
+    local = shard_batch({"input_ids": tokens, "labels": tokens.clone()}, group=dist.group.WORLD, sharding="zigzag")
+    out = model(**local)
+    out.loss.backward()
+    assert abs(float(out.loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss)), (float(out.loss), float(ref_loss))
+    ref_grads = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        grad = p.grad.detach().clone()
+        dist.all_reduce(grad)
+        want = ref_grads[pname].grad
+        torch.testing.assert_close(grad, want, rtol=RTOL, atol=ATOL * float(want.abs().max()),
+                                   msg=lambda m, n=pname: f"grad of {n}: {m}")
+    return all(m.__dict__.get("_seqpar_latent_ok") is False for m in model.modules() if "_seqpar_expand_kv" in m.__dict__)
+
+
+def test_mla_other_expansion_keeps_the_expanded_path(dist_pool) -> None:
+    """An MLA layer whose ``expand_kv`` is not the latent expansion seqpar's kernels compute (values doubled)
+    is found by the swap's per-layer check and keeps the expanded K/V path: the model at P = 3 equals itself on
+    one process (loss, each gradient against its own largest entry), and every layer's verdict is False.
+
+    Seen failing: the check's tolerance loosened from 2e-2 to 2e2 (any expansion accepted) -> the latent ring ran
+    the standard expansion: loss 4.1455 against 4.1516 on every rank."""
+    assert dist_pool.run(3, _other_expansion_parity, timeout=300) == [True] * 3
 
 
 def _ring_bytes(rank: int, world: int, transfer: str, mode: str = "ring") -> int:

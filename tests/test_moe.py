@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from hf_tiny import enable_checkpointing
 
 from seqpar.config import SeqParConfig
 from seqpar.sequence.batch import shard_batch
@@ -229,6 +230,24 @@ def test_unknown_router_loss_is_refused_by_name(monkeypatch) -> None:
     swap_attention(make("mixtral", output_router_logits=False), {"size": 1})  # off: nothing to refuse
 
 
+def test_router_loss_with_the_known_value_but_another_gradient_is_refused(monkeypatch) -> None:
+    """A load_balancing_loss_func whose value is the Switch loss's but whose gradient is not (here: stopped) is
+    not replaced by seqpar's form, which would train the router differently from one process: refused by name.
+
+    Seen failing: the form probe comparing values only (its gradient check made always true) -> swapped
+    without a refusal."""
+    module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    original = getattr(module.__dict__[moe.FUNCTION_NAME], "__seqpar_original__", module.__dict__[moe.FUNCTION_NAME])
+
+    def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):  # noqa: ANN001, ANN202
+        value = original(gate_logits, num_experts, top_k, attention_mask)
+        return value.detach() + 0 * torch.stack([g.sum() for g in gate_logits]).sum()  # same value, no gradient
+
+    monkeypatch.setattr(module, moe.FUNCTION_NAME, load_balancing_loss_func)
+    with pytest.raises(SwapError, match=r"modeling_mixtral.load_balancing_loss_func is not a router loss seqpar knows"):
+        swap_attention(make("mixtral"), {"size": 1})
+
+
 def _unknown_form_per_batch(rank: int, world: int) -> str:
     module = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
     saved = module.__dict__[moe.FUNCTION_NAME]
@@ -335,6 +354,11 @@ def _counts(rank: int, world: int, family: str = "glm4_moe") -> dict[str, list[i
     assert all(torch.equal(c, 2 * ref_counter.counts[n]) for n, c in counter.counts.items())
     counter.reset()
     assert counter.counts == {}
+    # activation checkpointing: the backward's recompute runs every router again, and is not counted
+    # (Seen failing: ExpertCounter's hook without its backward check -> every count doubled)
+    enable_checkpointing(model.train())
+    model(**local).loss.backward()
+    assert all(torch.equal(c, ref_counter.counts[n]) for n, c in counter.counts.items()), counter.counts
     return {n: c.tolist() for n, c in ref_counter.counts.items()}
 
 

@@ -457,6 +457,12 @@ def _batch_check_errors(rank: int, world_size: int) -> dict[str, str]:
     if rank == 1:
         local["position_ids"] = local["position_ids"] - 4  # numbered from 0: refused on rank 1 only
     messages["refused"] = error(lambda: llama(**local))
+
+    # packed documents whose boundaries differ between the ranks (each rank's own inputs consistent, the longest
+    # document 5 on both): they would attend and scan with different documents
+    cu = torch.tensor([0, 3, 8] if rank == 0 else [0, 5, 8], dtype=torch.int32)
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1))[:, 4 * rank:4 * rank + 4]
+    messages["documents"] = error(lambda: llama(input_ids=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu))
     return messages
 
 
@@ -468,3 +474,6 @@ def test_batch_check_raises_on_every_rank(dist_pool):
         assert "different model or different sequence_parallel options" in m["options"], m["options"]
         expected = "not the global positions" if rank == 1 else "SP rank(s) [1] refused this batch"
         assert expected in m["refused"], m["refused"]
+        # Seen failing: cu_seq_lens_q/k left out of the batch check's compared values (VALUE_KEYS) -> no error,
+        # each rank ran its own documents
+        assert "different inputs" in m["documents"] and "same batch" in m["documents"], m["documents"]
