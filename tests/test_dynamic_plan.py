@@ -641,3 +641,18 @@ def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:
         assert case["speedup_over_seeds"][sync] == {"least": values[0], "median": values[1], "most": values[2]}
     assert set(itertools.chain.from_iterable(s.keys() for s in payload["mix"]["per_step"])) >= {
         "static_sp4", "static_dp2_sp2", "dynamic"}
+
+
+@pytest.mark.parametrize("slot_sync", [False, True])
+def test_a_spread_never_puts_a_document_over_the_budget(slot_sync: bool) -> None:
+    """``spread_heavy`` (and ``slot_sync``'s slot-by-slot fill) doubles a document's group; with a padding
+    multiple above the budget the doubled group holds less than the document's own (``capacity(2, 4, pad 8)`` is
+    0), and the greedy placement opened it anyway: the fuzzer's dynamic kind (session 20, seed 7's plan draws)
+    found ``plan_dynamic([2], 4, 4, pad_multiple=8, spread_heavy=True)`` giving a 4-rank group with 8 tokens per
+    rank, over the budget of 4. Every document now stays within the budget, on its own rank here.
+    Seen failing: without the ``length > cap`` guard in ``seqpar.sequence.packing.place`` (8 > 4, a group of 4)."""
+    budget, pad, pool = 4, 8, 4
+    for lengths in ([2], [4], [2, 1], [3, 3], [4, 1, 1, 2]):
+        plan = plan_dynamic(lengths, pool, budget, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
+        _check_plan(plan, lengths, pool, budget, 1, CostModel(), pad)
+        assert all(mb.size == 1 for slot in plan.slots for mb in slot), plan.slots
