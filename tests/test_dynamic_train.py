@@ -361,3 +361,44 @@ def test_dynamic_steps_compose_with_tensor_parallelism(dist_pool) -> None:
             for param, want in ref_grads.items():
                 err = float((grads[param] - want).abs().max() / want.abs().max())
                 assert err <= 1e-4, f"rank {rank} step {step}: grad of {param} {err:.3g} of its scale off ({sizes})"
+
+
+def _budget_and_padding(rank: int, world: int) -> list[tuple[str, int, list[int]]]:
+    import seqpar
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.dynamic import plan_dynamic
+
+    out = []
+    manager = seqpar.init_process_groups(sp_size=world, config={"dynamic": {"max_tokens_per_rank": 8}})
+    try:
+        # (sharding, budget, lengths): balanced pads a group of 2's micro-batch to a multiple of 16 (10 tokens: 8
+        # per rank, the planner's share 6); zigzag pads a one-rank micro-batch to an even length (5 tokens: 6)
+        for sharding, budget, lengths in (("balanced", 6, (10, 3)), ("zigzag", 5, (5, 2))):
+            plan = plan_dynamic(lengths, world, budget)
+            assert max(mb.tokens_per_rank for slot in plan.slots for mb in slot) <= budget  # the plan itself holds
+            with pytest.raises(ValueError, match=rf"max_tokens_per_rank = {budget} is not a multiple of "
+                                                 rf"{8 if sharding == 'balanced' else 2}.*choose max_tokens_per_rank"):
+                rank_micro_batches(plan, documents(lengths, 0), manager, sharding=sharding)
+            fixed = budget + (-budget) % (8 if sharding == "balanced" else 2)  # a multiple: cut within the budget
+            plan = plan_dynamic(lengths, world, fixed)
+            cut = rank_micro_batches(plan, documents(lengths, 0), manager, sharding=sharding)
+            out.append((sharding, fixed, [int(inputs["input_ids"].shape[1]) for inputs in cut]))
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_the_sharding_pads_over_is_refused(dist_pool) -> None:
+    """``max_tokens_per_rank`` not a multiple of what the sharding pads each rank's share to (2 zigzag, 8 balanced)
+    would put a rank over the budget once ``shard_batch`` cuts the planned micro-batch (the planner counts a
+    zigzag group of ``c``'s padding to ``2c`` and a lone rank's none): refused on every rank by
+    ``rank_micro_batches``, naming the fix; with a multiple, every rank's cut is within the budget. Found by the
+    fuzzer's dynamic kind (session 20: balanced sharding, budget 6, a rank holding 8 tokens).
+    Seen failing: without the check in ``rank_micro_batches`` (DID NOT RAISE; balanced cut 10 tokens into 8 per
+    rank over a budget of 6)."""
+    results = dist_pool.run(2, _budget_and_padding, timeout=90)
+    for rank, cuts in enumerate(results):
+        assert [s for s, _, _ in cuts] == ["balanced", "zigzag"], cuts
+        for sharding, budget, lengths in cuts:
+            assert lengths and max(lengths) <= budget, (rank, sharding, budget, lengths)
