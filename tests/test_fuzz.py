@@ -327,9 +327,8 @@ def test_dynamic_kind_draws_its_corner_cases() -> None:
     exactly the budget of a group, one longer than half the pool's room, one too long for any group), DP x SP
     pools of 1..4 ranks, every sharding, both planner paths and their options, refused budgets, the families and
     the wider model types; and every plan the planner makes for them holds its invariants (``plan_problems``).
-    Seen failing: with the ``over-half`` draw removed from ``fuzz_dynamic._draw_lengths`` (the set assertion), and
-    with ``seqpar.sequence.packing.place``'s ``length > cap`` guard removed (seed 20's draws: a plan over budget)."""
-    from seqpar.sequence.dynamic import tokens_per_rank
+    Seen failing: with the ``over-half`` draw removed from ``fuzz_dynamic._draw_lengths`` (the set assertion). (The
+    planner bug the kind found, 1056038257 below, is not among these 300 draws: its own test pins it.)"""
     from seqpar.testing.fuzz_dynamic import FAMILIES, case_plan, plan_problems
 
     draws = [fuzz.draw_case(s, ("dynamic",)) for s in fuzz.case_seeds(20, 300)]
@@ -362,7 +361,6 @@ def test_dynamic_kind_draws_its_corner_cases() -> None:
         pad = d["planner"].get("pad_multiple", 2)
         assert not plan_problems(plan, d["lengths"], d["max_tokens_per_rank"], d["min_size"], pad), (
             d["case_seed"], plan_problems(plan, d["lengths"], d["max_tokens_per_rank"], d["min_size"], pad))
-        assert any(tokens_per_rank(n, c, pad) for n, c in zip(d["lengths"], plan.doc_sizes))
     assert 0 < refused < len(draws) // 5, refused
 
 
