@@ -656,3 +656,36 @@ def test_a_spread_never_puts_a_document_over_the_budget(slot_sync: bool) -> None
         plan = plan_dynamic(lengths, pool, budget, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
         _check_plan(plan, lengths, pool, budget, 1, CostModel(), pad)
         assert all(mb.size == 1 for slot in plan.slots for mb in slot), plan.slots
+
+
+def test_empty_micro_batches_run_on_groups_that_exist() -> None:
+    """With ``min_size`` > 1 no group of one rank is made (``init_process_groups``), so an uncovered block of the
+    pool runs its empty micro-batch over its aligned group of ``min_size``; with ``min_size`` 1, alone as before.
+    Found by the fuzzer's dynamic kind (session 20, seed 202's case 850779075: every rank raised
+    ``dynamic_group: no dynamic-CP groups of size 1``). Seen failing: with ``_finish`` giving every uncovered
+    position a one-rank empty micro-batch (sizes [2, 1, 1])."""
+    from seqpar.runtime.grid import dynamic_group_sizes
+
+    for pool, min_size, lengths in ((4, 2, [3]), (8, 4, [3]), (8, 2, [3, 20]), (4, 1, [3])):
+        plan = plan_dynamic(lengths, pool, 8, min_size=min_size)
+        _check_plan(plan, lengths, pool, 8, min_size, CostModel())
+        allowed = dynamic_group_sizes(pool, min_size)
+        assert all(mb.size in allowed for slot in plan.slots for mb in slot), (min_size, plan.slots)
+        assert any(not mb.docs for slot in plan.slots for mb in slot)  # the case holds an empty micro-batch
+    assert [mb.size for mb in plan_dynamic([3], 4, 8, min_size=2).slots[0]] == [2, 2]
+
+
+def test_the_lower_bound_counts_tokens_not_padded_shares() -> None:
+    """Two documents share the largest group unless their tokens exceed what it holds; a padded share over half
+    the budget does not say so. Fuzzer case 850779075 (seed 202: pool 4, ``min_size`` 4, ``pad_multiple`` 8,
+    budget 8, lengths (12, 7, 3, 3, 8)): every document's padded share is 8, so the bound said 5 slots and the plan
+    had 3 empty ones; 33 tokens fit 2. With pad 2 and an odd budget the same: two 5-token documents on a pair at
+    budget 7 hold 4 tokens per rank together. Seen failing: with the bound on ``2 * tokens_per_rank(n, c, pad) >
+    budget`` (5 and 2)."""
+    lengths = [12, 7, 3, 3, 8]
+    assert slots_lower_bound(lengths, [4] * 5, 4, 8, 8) == 2
+    plan = plan_dynamic(lengths, 4, 8, min_size=4, pad_multiple=8)
+    _check_plan(plan, lengths, 4, 8, 4, CostModel(), 8)
+    assert plan.num_slots == 2 and all(mb.docs for slot in plan.slots for mb in slot), plan.slots
+    assert slots_lower_bound([5, 5], [2, 2], 2, 7, 2) == 1
+    assert plan_dynamic([5, 5], 2, 7, min_size=2).num_slots == 1

@@ -402,3 +402,50 @@ def test_a_budget_the_sharding_pads_over_is_refused(dist_pool) -> None:
         assert [s for s, _, _ in cuts] == ["balanced", "zigzag"], cuts
         for sharding, budget, lengths in cuts:
             assert lengths and max(lengths) <= budget, (rank, sharding, budget, lengths)
+
+
+def _min_size_two(rank: int, world: int) -> tuple[list[int], float, dict[str, torch.Tensor]]:
+    import seqpar
+    from seqpar.config import DynamicConfig, SeqParConfig
+    from seqpar.sequence.dynamic_step import plan_step
+    from seqpar.swap import swap_attention
+
+    dynamic = {"max_tokens_per_rank": 8, "min_size": 2}
+    manager = seqpar.init_process_groups(sp_size=world, config={"sharding": "zigzag", "dynamic": dynamic})
+    try:
+        model = tiny_llama(torch.float32)
+        swap_attention(model, SeqParConfig(size=world, sharding="zigzag"))
+        planned = plan_step(documents((3,), 0), manager, DynamicConfig(**dynamic), sharding="zigzag")
+        losses = []
+        for inputs in planned.micro_batches:
+            losses.append(model(**inputs).loss)
+            losses[-1].backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(grad, group=manager.sp_dp_group)  # a sum over the pool
+            grads[name] = grad.double()
+        sizes = [dist.get_world_size(inputs["seqpar_group"]) for inputs in planned.micro_batches]
+        return sizes, float(planned.loss(losses)), grads
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(120)
+def test_min_size_two_runs_its_empty_micro_batch_over_a_pair(dist_pool) -> None:
+    """``min_size`` 2 on a pool of 4 with one short document: ranks 2 and 3 have nothing to run, and no group of
+    one rank exists, so their empty micro-batch runs over their pair; the step's loss and every gradient equal one
+    float64 process running the document alone. Found by the fuzzer's dynamic kind (session 20, seed 202's case
+    850779075: every rank raised ``dynamic_group: no dynamic-CP groups of size 1``). Seen failing: with the
+    planner's one-rank empty micro-batches (``seqpar.sequence.dynamic._finish``): that ValueError on ranks 2, 3."""
+    doc = documents((3,), 0)[0]
+    model = tiny_llama(torch.float64)
+    out = model(input_ids=doc[None], labels=doc[None])
+    out.loss.backward()
+    results = dist_pool.run(4, _min_size_two, timeout=90)
+    for rank, (sizes, loss, grads) in enumerate(results):
+        assert sizes == [2], (rank, sizes)
+        assert abs(loss - float(out.loss)) <= 1e-5 * float(out.loss), (rank, loss, float(out.loss))
+        for name, p in model.named_parameters():
+            err = float((grads[name] - p.grad).abs().max() / p.grad.abs().max())
+            assert err <= 1e-4, f"rank {rank}: grad of {name} {err:.3g} of its scale off"
