@@ -184,8 +184,10 @@ def case_plan(draws: dict[str, Any]) -> Any:
 def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad: int) -> list[str]:
     """What is wrong with ``plan`` (a :class:`~seqpar.sequence.dynamic.DynamicPlan` of ``lengths`` over its pool),
     as lines; empty when it holds the planner's contract: every slot's micro-batches partition the pool, every
-    document runs exactly once in an allowed group at least as large as its own size, each micro-batch's tokens
-    and padded share (``pad``) as recorded and within ``budget``, and no fewer slots than the lower bound."""
+    document runs exactly once in an allowed group at least as large as its own size (an empty micro-batch in an
+    allowed group too: the groups of other sizes are not made), each micro-batch's tokens and padded share
+    (``pad``) as recorded and within ``budget``, no slot without a document, and no fewer slots than the lower
+    bound."""
     from seqpar.runtime.grid import dynamic_group_sizes
     from seqpar.sequence.dynamic import tokens_per_rank
 
@@ -202,8 +204,9 @@ def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad
         for mb in slot:
             if mb.slot != s:
                 out.append(f"slot {s} holds a micro-batch of slot {mb.slot}")
-            if mb.docs and mb.size not in allowed:
-                out.append(f"slot {s}: a group of {mb.size} ranks, not one of {sorted(allowed)}")
+            if mb.size not in allowed:  # an empty micro-batch too: it runs over a group that must exist
+                out.append(f"slot {s}: a group of {mb.size} ranks{'' if mb.docs else ' (empty)'}, not one of "
+                           f"{sorted(allowed)} (min_size {min_size})")
             if mb.size & (mb.size - 1) or mb.index < 0 or (mb.index + 1) * mb.size > pool:
                 out.append(f"slot {s}: group ({mb.size}, {mb.index}) is not an aligned block of the pool")
             tokens = sum(lengths[d] for d in mb.docs if 0 <= d < len(lengths))
@@ -220,6 +223,9 @@ def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad
                 runs[d] += 1
                 if mb.size < plan.doc_sizes[d]:
                     out.append(f"document {d} ({lengths[d]} tokens, size {plan.doc_sizes[d]}) runs on {mb.size} ranks")
+    idle = [s for s, slot in enumerate(plan.slots) if not any(mb.docs for mb in slot)]
+    if idle and lengths:  # a slot of nothing but empty micro-batches: dropping it breaks no invariant
+        out.append(f"slots {idle} run no document ({plan.num_slots} slots, lower bound {plan.slots_lower_bound})")
     twice = [d for d, r in enumerate(runs) if r != 1]
     if twice:
         out.append(f"documents not run exactly once: {[(d, runs[d]) for d in twice][:6]} (index, runs)")
