@@ -641,3 +641,51 @@ def test_the_command_counted_measured_and_modelled(tmp_path, dist_pool) -> None:
         assert case["speedup_over_seeds"][sync] == {"least": values[0], "median": values[1], "most": values[2]}
     assert set(itertools.chain.from_iterable(s.keys() for s in payload["mix"]["per_step"])) >= {
         "static_sp4", "static_dp2_sp2", "dynamic"}
+
+
+@pytest.mark.parametrize("slot_sync", [False, True])
+def test_a_spread_never_puts_a_document_over_the_budget(slot_sync: bool) -> None:
+    """``spread_heavy`` (and ``slot_sync``'s slot-by-slot fill) doubles a document's group; with a padding
+    multiple above the budget the doubled group holds less than the document's own (``capacity(2, 4, pad 8)`` is
+    0), and the greedy placement opened it anyway: the fuzzer's dynamic kind (session 20, seed 7's plan draws)
+    found ``plan_dynamic([2], 4, 4, pad_multiple=8, spread_heavy=True)`` giving a 4-rank group with 8 tokens per
+    rank, over the budget of 4. Every document now stays within the budget, on its own rank here.
+    Seen failing: without the ``length > cap`` guard in ``seqpar.sequence.packing.place`` (8 > 4, a group of 4)."""
+    budget, pad, pool = 4, 8, 4
+    for lengths in ([2], [4], [2, 1], [3, 3], [4, 1, 1, 2]):
+        plan = plan_dynamic(lengths, pool, budget, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
+        _check_plan(plan, lengths, pool, budget, 1, CostModel(), pad)
+        assert all(mb.size == 1 for slot in plan.slots for mb in slot), plan.slots
+
+
+def test_empty_micro_batches_run_on_groups_that_exist() -> None:
+    """With ``min_size`` > 1 no group of one rank is made (``init_process_groups``), so an uncovered block of the
+    pool runs its empty micro-batch over its aligned group of ``min_size``; with ``min_size`` 1, alone as before.
+    Found by the fuzzer's dynamic kind (session 20, seed 202's case 850779075: every rank raised
+    ``dynamic_group: no dynamic-CP groups of size 1``). Seen failing: with ``_finish`` giving every uncovered
+    position a one-rank empty micro-batch (sizes [2, 1, 1])."""
+    from seqpar.runtime.grid import dynamic_group_sizes
+
+    for pool, min_size, lengths in ((4, 2, [3]), (8, 4, [3]), (8, 2, [3, 20]), (4, 1, [3])):
+        plan = plan_dynamic(lengths, pool, 8, min_size=min_size)
+        _check_plan(plan, lengths, pool, 8, min_size, CostModel())
+        allowed = dynamic_group_sizes(pool, min_size)
+        assert all(mb.size in allowed for slot in plan.slots for mb in slot), (min_size, plan.slots)
+        assert any(not mb.docs for slot in plan.slots for mb in slot)  # the case holds an empty micro-batch
+    assert [mb.size for mb in plan_dynamic([3], 4, 8, min_size=2).slots[0]] == [2, 2]
+
+
+def test_the_lower_bound_counts_tokens_not_padded_shares() -> None:
+    """Two documents share the largest group unless their tokens exceed what it holds; a padded share over half
+    the budget does not say so. Fuzzer case 850779075 (seed 202: pool 4, ``min_size`` 4, ``pad_multiple`` 8,
+    budget 8, lengths (12, 7, 3, 3, 8)): every document's padded share is 8, so the bound said 5 slots and the plan
+    had 3 empty ones; 33 tokens fit 2. With pad 2 and an odd budget the same: two 5-token documents on a pair at
+    budget 7 hold 4 tokens per rank together. Seen failing: with the bound on ``2 * tokens_per_rank(n, c, pad) >
+    budget`` (5 and 2)."""
+    lengths = [12, 7, 3, 3, 8]
+    assert slots_lower_bound(lengths, [4] * 5, 4, 8, 8) == 2
+    plan = plan_dynamic(lengths, 4, 8, min_size=4, pad_multiple=8)
+    _check_plan(plan, lengths, 4, 8, 4, CostModel(), 8)
+    assert plan.num_slots == 2 and all(mb.docs for slot in plan.slots for mb in slot), plan.slots
+    assert slots_lower_bound([5, 5], [2, 2], 2, 7, 2) == 1
+    assert plan_dynamic([5, 5], 2, 7, min_size=2).num_slots == 1

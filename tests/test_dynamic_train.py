@@ -361,3 +361,91 @@ def test_dynamic_steps_compose_with_tensor_parallelism(dist_pool) -> None:
             for param, want in ref_grads.items():
                 err = float((grads[param] - want).abs().max() / want.abs().max())
                 assert err <= 1e-4, f"rank {rank} step {step}: grad of {param} {err:.3g} of its scale off ({sizes})"
+
+
+def _budget_and_padding(rank: int, world: int) -> list[tuple[str, int, list[int]]]:
+    import seqpar
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.dynamic import plan_dynamic
+
+    out = []
+    manager = seqpar.init_process_groups(sp_size=world, config={"dynamic": {"max_tokens_per_rank": 8}})
+    try:
+        # (sharding, budget, lengths): balanced pads a group of 2's micro-batch to a multiple of 16 (10 tokens: 8
+        # per rank, the planner's share 6); zigzag pads a one-rank micro-batch to an even length (5 tokens: 6)
+        for sharding, budget, lengths in (("balanced", 6, (10, 3)), ("zigzag", 5, (5, 2))):
+            plan = plan_dynamic(lengths, world, budget)
+            assert max(mb.tokens_per_rank for slot in plan.slots for mb in slot) <= budget  # the plan itself holds
+            with pytest.raises(ValueError, match=rf"max_tokens_per_rank = {budget} is not a multiple of "
+                                                 rf"{8 if sharding == 'balanced' else 2}.*choose max_tokens_per_rank"):
+                rank_micro_batches(plan, documents(lengths, 0), manager, sharding=sharding)
+            fixed = budget + (-budget) % (8 if sharding == "balanced" else 2)  # a multiple: cut within the budget
+            plan = plan_dynamic(lengths, world, fixed)
+            cut = rank_micro_batches(plan, documents(lengths, 0), manager, sharding=sharding)
+            out.append((sharding, fixed, [int(inputs["input_ids"].shape[1]) for inputs in cut]))
+        return out
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(120)
+def test_a_budget_the_sharding_pads_over_is_refused(dist_pool) -> None:
+    """``max_tokens_per_rank`` not a multiple of what the sharding pads each rank's share to (2 zigzag, 8 balanced)
+    would put a rank over the budget once ``shard_batch`` cuts the planned micro-batch (the planner counts a
+    zigzag group of ``c``'s padding to ``2c`` and a lone rank's none): refused on every rank by
+    ``rank_micro_batches``, naming the fix; with a multiple, every rank's cut is within the budget. Found by the
+    fuzzer's dynamic kind (session 20: balanced sharding, budget 6, a rank holding 8 tokens).
+    Seen failing: without the check in ``rank_micro_batches`` (DID NOT RAISE; balanced cut 10 tokens into 8 per
+    rank over a budget of 6)."""
+    results = dist_pool.run(2, _budget_and_padding, timeout=90)
+    for rank, cuts in enumerate(results):
+        assert [s for s, _, _ in cuts] == ["balanced", "zigzag"], cuts
+        for sharding, budget, lengths in cuts:
+            assert lengths and max(lengths) <= budget, (rank, sharding, budget, lengths)
+
+
+def _min_size_two(rank: int, world: int) -> tuple[list[int], float, dict[str, torch.Tensor]]:
+    import seqpar
+    from seqpar.config import DynamicConfig, SeqParConfig
+    from seqpar.sequence.dynamic_step import plan_step
+    from seqpar.swap import swap_attention
+
+    dynamic = {"max_tokens_per_rank": 8, "min_size": 2}
+    manager = seqpar.init_process_groups(sp_size=world, config={"sharding": "zigzag", "dynamic": dynamic})
+    try:
+        model = tiny_llama(torch.float32)
+        swap_attention(model, SeqParConfig(size=world, sharding="zigzag"))
+        planned = plan_step(documents((3,), 0), manager, DynamicConfig(**dynamic), sharding="zigzag")
+        losses = []
+        for inputs in planned.micro_batches:
+            losses.append(model(**inputs).loss)
+            losses[-1].backward()
+        grads = {}
+        for name, p in model.named_parameters():
+            grad = torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+            dist.all_reduce(grad, group=manager.sp_dp_group)  # a sum over the pool
+            grads[name] = grad.double()
+        sizes = [dist.get_world_size(inputs["seqpar_group"]) for inputs in planned.micro_batches]
+        return sizes, float(planned.loss(losses)), grads
+    finally:
+        seqpar.destroy_process_groups(manager)
+
+
+@pytest.mark.timeout(120)
+def test_min_size_two_runs_its_empty_micro_batch_over_a_pair(dist_pool) -> None:
+    """``min_size`` 2 on a pool of 4 with one short document: ranks 2 and 3 have nothing to run, and no group of
+    one rank exists, so their empty micro-batch runs over their pair; the step's loss and every gradient equal one
+    float64 process running the document alone. Found by the fuzzer's dynamic kind (session 20, seed 202's case
+    850779075: every rank raised ``dynamic_group: no dynamic-CP groups of size 1``). Seen failing: with the
+    planner's one-rank empty micro-batches (``seqpar.sequence.dynamic._finish``): that ValueError on ranks 2, 3."""
+    doc = documents((3,), 0)[0]
+    model = tiny_llama(torch.float64)
+    out = model(input_ids=doc[None], labels=doc[None])
+    out.loss.backward()
+    results = dist_pool.run(4, _min_size_two, timeout=90)
+    for rank, (sizes, loss, grads) in enumerate(results):
+        assert sizes == [2], (rank, sizes)
+        assert abs(loss - float(out.loss)) <= 1e-5 * float(out.loss), (rank, loss, float(out.loss))
+        for name, p in model.named_parameters():
+            err = float((grads[name] - p.grad).abs().max() / p.grad.abs().max())
+            assert err <= 1e-4, f"rank {rank}: grad of {name} {err:.3g} of its scale off"

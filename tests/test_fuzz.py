@@ -151,6 +151,34 @@ FOUND[1054415801] = (("attention", "dilated", "model", "engine"), "refused")
 # - 1260527780 (ZeRO-3, tiny dbrx, P=3) is drawn as DP 3 x SP 1 since: pinned to DP 1 (its finding is across SP ranks).
 FOUND_SET[67525761] = {"dp": 1, "replicas": []}
 FOUND_SET[1260527780] = {"dp": 1, "replicas": []}
+# fz20d: found by the dynamic kind (length-aware dynamic CP, session 20):
+# - 1056038257 (seed 224's draws; P=2, zigzag, budget 6, plan_dynamic with spread_heavy and pad_multiple 8, one
+#   2-token document): WRONG "plan: slot 0 group (2, 0): 8 tokens per rank, budget 6". A spread doubled the
+#   document's group, and a group of 2 holds 0 tokens when the padding multiple exceeds the budget; the greedy
+#   placement opened it anyway. seqpar.sequence.packing.place now opens only a group that holds the document
+#   (tests/test_dynamic_plan.py::test_a_spread_never_puts_a_document_over_the_budget).
+# - 1146194759 (seed 201, case 21; tiny deepseek_v3, P=1, balanced, max_tokens_per_rank 6): WRONG "rank 0 holds 8
+#   tokens in slot 0, over max_tokens_per_rank 6": shard_batch pads a rank's share to a multiple of 8 under
+#   balanced sharding (2 under zigzag), which the planner does not count. rank_micro_batches refuses such a
+#   budget by name now (tests/test_dynamic_train.py::test_a_budget_the_sharding_pads_over_is_refused).
+# - 128618776 (seed 201, case 34; tiny stablelm, P=3, one 1-token document; pinned at P=1): WRONG "a step with no
+#   target: loss nan". The harness's fault: a step with no target has no per-token mean (one process's transformers
+#   loss is NaN too); the kind now asks for every gradient exactly zero there (they were), the loss NaN or 0.
+FOUND_SET[128618776] = {"world": 1, "sp": 1}
+FOUND[128618776] = (("dynamic",), "exact")
+# - 850779075 (seed 202, case 3; tiny mixtral, P=4 as DP 2 x SP 2, min_size 4, pad_multiple 8, lengths
+#   [12, 7, 3, 3, 8]; pinned to llama without checkpointing, the same plan): "refused" by every rank with
+#   "dynamic_group: no dynamic-CP groups of size 1", a planner bug behind a named error. The slot lower bound
+#   counted every document as needing more than half the pool (each padded share 8 of a budget of 8): 5 slots where
+#   2 hold them, the 3 idle ones empty one-rank micro-batches, whose groups min_size 4 never makes. Both fixed in
+#   seqpar.sequence.dynamic (tests/test_dynamic_plan.py::test_the_lower_bound_counts_tokens_not_padded_shares,
+#   test_empty_micro_batches_run_on_groups_that_exist; tests/test_dynamic_train.py::
+#   test_min_size_two_runs_its_empty_micro_batch_over_a_pair). Seen WRONG with the old bound ("slots [2, 3, 4] run
+#   no document", the kind's plan check).
+FOUND_SET[850779075] = {"model_type": "llama", "checkpointing": None}
+FOUND[850779075] = (("dynamic",), "exact")
+FOUND[1056038257] = (("dynamic",), "exact")
+FOUND[1146194759] = (("dynamic",), "refused")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -381,3 +409,102 @@ def test_close_reports_the_error_on_the_scale_it_judges() -> None:
     assert ok and err == pytest.approx(1e-8, rel=1e-6)
     ok, err = fuzz.close(ref + 2e-6, ref, 1e-5, 1e-6)
     assert not ok and err > 1e-5
+
+
+# --------------------------------------------------------------------------------------------------
+# The dynamic kind (length-aware dynamic CP): draws only, plus one real case (planted and clean)
+# --------------------------------------------------------------------------------------------------
+
+def test_dynamic_kind_draws_its_corner_cases() -> None:
+    """The ``dynamic`` kind's draws hold the planner's corner cases (one-token documents, all of one length, one
+    exactly the budget of a group, one longer than half the pool's room, one too long for any group), DP x SP
+    pools of 1..4 ranks, every sharding, both planner paths and their options, refused budgets, the families and
+    the wider model types; and every plan the planner makes for them holds its invariants (``plan_problems``).
+    Seen failing: with the ``over-half`` draw removed from ``fuzz_dynamic._draw_lengths`` (the set assertion). (The
+    planner bug the kind found, 1056038257 below, is not among these 300 draws: its own test pins it.)"""
+    from seqpar.testing.fuzz_dynamic import FAMILIES, case_plan, plan_problems
+
+    draws = [fuzz.draw_case(s, ("dynamic",)) for s in fuzz.case_seeds(20, 300)]
+    assert {d["kind"] for d in draws} == {"dynamic"}
+    corners = Counter(c for d in draws for c in d["corners"])
+    assert {"one-token", "same", "exact1x", "over-half", "too-long"} <= set(corners), corners
+    assert any(c.startswith("exact") and c != "exact1x" for c in corners), corners
+    assert {d["world"] for d in draws} == {1, 2, 3, 4}
+    assert any(1 < d["sp"] < d["world"] for d in draws)  # DP x SP: groups span DP replicas
+    assert {d["sharding"] for d in draws} == {"zigzag", "contiguous", "balanced"}
+    planners = [d["planner"] for d in draws]
+    assert {p["how"] for p in planners} == {"config", "direct"}
+    assert {p["balance"] for p in planners if p["how"] == "config"} == {"step", "slot"}
+    direct = [p for p in planners if p["how"] == "direct"]
+    assert any(p["slot_sync"] for p in direct) and any(p["spread_heavy"] and not p["slot_sync"] for p in direct)
+    assert {p["pad_multiple"] for p in direct} == {2, 8} and any(p["cost"] and p["cost"]["window"] for p in direct)
+    assert any(d["min_size"] > 1 for d in draws)
+    assert any(d["max_tokens_per_rank"] % (8 if d["sharding"] == "balanced" else 2) for d in draws)  # refused
+    assert {d["checkpointing"] for d in draws} == {None, "reentrant", "non-reentrant"}
+    assert {d["backward"] for d in draws} == {"per-micro-batch", "once"}
+    types = {d["model_type"] for d in draws}
+    assert len(types & set(FAMILIES)) >= 8 and len(types - set(FAMILIES)) >= 20, types
+    refused = 0
+    for d in draws:
+        try:
+            plan = case_plan(d)
+        except ValueError:
+            refused += 1
+            continue
+        pad = d["planner"].get("pad_multiple", 2)
+        assert not plan_problems(plan, d["lengths"], d["max_tokens_per_rank"], d["min_size"], pad), (
+            d["case_seed"], plan_problems(plan, d["lengths"], d["max_tokens_per_rank"], d["min_size"], pad))
+    assert 0 < refused < len(draws) // 5, refused
+
+
+def test_plan_problems_name_a_broken_plan() -> None:
+    """The kind's plan check catches each broken invariant: a document dropped, one run twice, a rank over the
+    budget, a slot whose groups overlap. Seen failing: with the exactly-once count removed from ``plan_problems``
+    (the dropped and doubled documents pass)."""
+    import dataclasses
+
+    from seqpar.sequence.dynamic import plan_dynamic
+    from seqpar.testing.fuzz_dynamic import plan_problems
+
+    lengths, budget = [7, 5, 3, 3, 1], 4
+    plan = plan_dynamic(lengths, 2, budget)
+    assert not plan_problems(plan, lengths, budget, 1, 2)
+    slots = [list(slot) for slot in plan.slots]
+    s, i = next((s, i) for s, slot in enumerate(slots) for i, mb in enumerate(slot) if len(mb.docs) == 1)
+    mb = slots[s][i]
+
+    def with_mb(new: object) -> object:
+        changed = [list(x) for x in slots]
+        changed[s][i] = new
+        return dataclasses.replace(plan, slots=tuple(tuple(x) for x in changed))
+
+    dropped = with_mb(dataclasses.replace(mb, docs=(), tokens=0, tokens_per_rank=0))
+    assert any("exactly once" in p for p in plan_problems(dropped, lengths, budget, 1, 2))
+    other = next(d for d in range(len(lengths)) if d not in mb.docs)
+    doubled = with_mb(dataclasses.replace(mb, docs=(*mb.docs, other), tokens=mb.tokens + lengths[other]))
+    assert any("exactly once" in p for p in plan_problems(doubled, lengths, budget, 1, 2))
+    over = plan_problems(doubled, lengths, 1, 1, 2)
+    assert any("budget 1" in p for p in over), over
+    overlap = dataclasses.replace(plan, slots=(tuple(plan.slots[0]) * 2, *plan.slots[1:]))
+    assert any("covers positions" in p for p in plan_problems(overlap, lengths, budget, 1, 2))
+
+
+def _dynamic_case() -> dict:
+    """A dynamic step on 2 ranks with several micro-batches (drawn, then pinned where it matters)."""
+    draws = fuzz.draw_case(5, ("dynamic",))
+    draws.update(world=2, sp=1, model_type="llama", mode="ring", sharding="zigzag", max_tokens_per_rank=8, min_size=1,
+                 planner={"how": "config", "balance": "step"}, lengths=[12, 5, 3, 7, 1], corners=[],
+                 checkpointing=None, backward="per-micro-batch")
+    return draws
+
+
+@pytest.mark.timeout(300)
+def test_a_planted_dynamic_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """Each micro-batch's loss divided by its own targets instead of the step's (``num_items_in_batch``, the
+    per-micro-batch mean): WRONG; the same case without the plant is exact. Seen failing: with the plant's
+    ``num_items_in_batch`` line removed (exact both times)."""
+    draws = _dynamic_case()
+    planted = fuzzer.run(draws, plant="micro_batch_targets")
+    assert planted["verdict"] == "WRONG", (planted["detail"], planted.get("trace"))
+    clean = fuzzer.run(draws)
+    assert clean["verdict"] == "exact", (clean["detail"], clean.get("trace"))

@@ -370,7 +370,22 @@ def rank_micro_batches(
         :data:`~seqpar.sequence.call_group.GROUP_KEY` (the group); pass each as ``model(**inputs)``. The loss
         is then the per-token mean over the pool's step once summed over slots and groups; sum the gradients
         over the pool once per step.
+
+    Raises:
+        ValueError: ``plan.max_tokens_per_rank`` is not a multiple of what the sharding pads each rank's share to
+            (2 for zigzag, 8 for balanced): the cut would hold more than the budget.
     """
+    sharding = resolve_sharding(sharding, manager=manager, where="rank_micro_batches")
+    multiple = length_multiple(1, sharding)  # shard_batch pads each rank's share to a multiple of this
+    if plan.max_tokens_per_rank % multiple:
+        # the planner keeps a micro-batch within c * max_tokens_per_rank tokens; shard_batch pads it to a multiple of
+        # multiple * c, over the budget unless the budget is a multiple of it (fuzzer case 15785585: balanced
+        # sharding, max_tokens_per_rank 6, one rank holding 8)
+        raise ValueError(
+            f"dynamic CP: sequence_parallel.dynamic.max_tokens_per_rank = {plan.max_tokens_per_rank} is not a multiple "
+            f"of {multiple}, and {sharding} sharding pads each rank's share of a micro-batch to a multiple of {multiple}, "
+            f"over the budget: choose max_tokens_per_rank a multiple of {multiple} (e.g. "
+            f"{max(multiple, plan.max_tokens_per_rank - plan.max_tokens_per_rank % multiple)})")
     targets = step_targets(docs, labels, ignore_index)
     out = []
     for batch, group in packed_micro_batches(plan, docs, manager, labels=labels, pad_token_id=pad_token_id,

@@ -15,7 +15,8 @@ The plan:
   group can hold is refused, naming the fix.
 - A **slot** is one forward + backward on every rank of the pool: the groups in use partition the pool
   and each runs one micro-batch (its documents packed and cut over its ``c`` ranks), possibly empty (an
-  uncovered position runs an empty micro-batch alone). Every rank therefore runs the same number of
+  uncovered aligned block of ``min_size`` positions runs an empty micro-batch over its group: alone at ``min_size``
+  1). Every rank therefore runs the same number of
   forwards and backwards, and an engine's per-forward collectives (ZeRO-3 / FSDP2 gathers) stay matched.
 - Objective, in order: no rank over the budget (a hard constraint); the least slots; per-rank cost
   balanced (max / mean over the step, fixed costs included); the fewest bytes. A heuristic, not an exact
@@ -86,6 +87,7 @@ from seqpar.runtime.grid import dynamic_group_sizes
 from seqpar.sequence.packing import (
     Packing,
     align_slots,
+    capacity,
     fill_slots_first,
     search_slots,
     slot_sync_cost,
@@ -437,13 +439,17 @@ def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int
 
 def slots_lower_bound(lengths: Sequence[int], sizes: Sequence[int], pool: int, budget: int, pad: int = 2) -> int:
     """No plan has fewer slots: the larger of the token bound, ``ceil(tokens / (pool * budget))``, and the
-    big documents' forced slots: a document on the largest group ``cmax`` whose share is over half the budget
-    shares that group with no other such document, and a slot has ``pool / cmax`` of them."""
+    big documents' forced slots: a document on the largest group ``cmax`` holding more than half of what that
+    group holds (:func:`~seqpar.sequence.packing.capacity`) shares it with no other such document, and a slot has
+    ``pool / cmax`` of them."""
     tokens = -(-sum(lengths) // (pool * budget))
     if not sizes:
         return max(1, tokens)
     cmax = max(sizes)
-    big = sum(1 for n, c in zip(lengths, sizes) if c == cmax and 2 * tokens_per_rank(n, c, pad) > budget
+    # no two of them fit one group: more than half its capacity each, counted in tokens (a padded share over half
+    # the budget is not enough: two 3-token documents on 4 ranks at pad 8 hold 8 tokens per rank each, and 8
+    # together; fuzzer case 850779075 had 3 empty slots of 5 from it)
+    big = sum(1 for n, c in zip(lengths, sizes) if c == cmax and 2 * n > capacity(cmax, budget, pad)
               and cmax == (pool & -pool))
     return max(1, tokens, -(-big // (pool // cmax)))
 
@@ -569,8 +575,8 @@ def _slot_balanced(packing: Packing, lengths: Sequence[int], sizes: list[int], c
 
 def _finish(pk: Packing, lengths: Sequence[int], sizes: list[int], cost: CostModel, pool: int, budget: int,
             min_size: int, lower: int, num_slots: int) -> DynamicPlan:
-    """Freeze a packing: an empty one-rank group where no group covers a position; per-rank sums, fixed costs
-    included."""
+    """Freeze a packing: an empty micro-batch over each aligned block of ``min_size`` positions no group covers
+    (one rank at ``min_size`` 1); per-rank sums, fixed costs included."""
     slots = []
     rank_cost, rank_tokens, rank_bytes = [0.0] * pool, [0] * pool, [0] * pool
     for s in range(num_slots):
@@ -579,8 +585,13 @@ def _finish(pk: Packing, lengths: Sequence[int], sizes: list[int], cost: CostMod
         for p in range(pool):
             b = pk.owner[s][p]
             if b is None:
-                row.append(MicroBatch(s, 1, p, (), 0, 0, cost.fixed_cost(1, empty=True), 0))
-                rank_cost[p] += cost.fixed_cost(1, empty=True)
+                # every group holding documents is an aligned block of >= min_size positions, so the uncovered ones
+                # form whole aligned blocks of min_size: each runs its empty micro-batch over that block's group, the
+                # smallest made (a group of 1 at min_size > 1 does not exist: fuzzer case 850779075)
+                if p % min_size == 0:
+                    row.append(MicroBatch(s, min_size, p // min_size, (), 0, 0, cost.fixed_cost(min_size, empty=True),
+                                          0))
+                rank_cost[p] += cost.fixed_cost(min_size, empty=True)
                 continue
             if id(b) in seen:
                 continue

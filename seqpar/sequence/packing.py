@@ -127,7 +127,9 @@ def place(order: list[int], lengths: Sequence[int], sizes: list[int], costs: lis
             if best_key is None or key < best_key:
                 best, best_key = b, key
         for i, slots in enumerate(free):
-            if not slots:
+            # a new group of c must hold the document too: a spread's (or fill_slots_first's) doubled size can hold
+            # less than the document's own when the padding exceeds the budget (capacity(2, 4, pad 8) = 0)
+            if not slots or length > cap:
                 continue
             key = ((pk.block_load(c, i) + fixed[c], 1, slots[0], i) if balance else (cap - length, 1, slots[0], i))
             if best_key is None or key < best_key:

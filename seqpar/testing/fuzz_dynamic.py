@@ -1,0 +1,381 @@
+"""The fuzzer's ``dynamic`` cases (:mod:`seqpar.testing.fuzz`): one step of length-aware dynamic CP
+(:mod:`seqpar.sequence.dynamic`, issue 32) on a tiny model, random document-length mixes, against one process.
+
+Drawn:
+
+- the pool: world 1..4 ranks split DP x SP (``size`` any divisor of the world, so groups of a plan may span DP
+  replicas); attention mode (ring, allgather, ulysses) and sharding (zigzag, contiguous, balanced);
+- the planner: ``max_tokens_per_rank`` (3..24; a multiple of the sharding's per-rank padding but now and then), ``min_size`` (a power of two dividing the pool, mostly 1), and
+  either the ``sequence_parallel.dynamic`` block's way (:func:`~seqpar.sequence.dynamic.plan_from_config`,
+  ``balance`` step or slot: what ``plan_step`` and the loader do) or :func:`~seqpar.sequence.dynamic.plan_dynamic`
+  directly with ``spread_heavy`` / ``slot_sync`` / ``pad_multiple`` (2 or 8) and a random :class:`CostModel`
+  (token cost, window, chunk size, fixed terms);
+- the documents, a long-tailed mix over the budget ``B``: one-token documents, short ones, log-normal ones,
+  one exactly ``c * B`` for an allowed group size ``c`` (exactly the budget), one longer than half the pool's
+  room, all of one length now and then, and now and then one longer than the largest group holds (refused by
+  name);
+- the model type: the families tests/test_dynamic_models.py trains (llama, mistral with its window, mixtral,
+  jamba, deepseek_v3) and the ALiBi ones, or (a third of the cases) any of
+  :func:`~seqpar.testing.tiny_models.decoder_model_types` (one a dynamic step cannot run must be refused by name);
+- activation checkpointing (off, reentrant, non-reentrant); the step's backward per micro-batch (as
+  ``run_dynamic_step`` does) or once over the summed losses.
+
+The engine is plain (no engine: the gradients summed once over the pool, as tests/test_dynamic_train.py does).
+ZeRO and FSDP2 run a dynamic step through ``seqpar.integrations.dynamic.run_dynamic_step``, which this harness
+cannot import (tests/test_layering.py: ``seqpar/`` never imports the adapters); an engine runner for it belongs
+with :mod:`seqpar.testing.fuzz_engines`' entry points, in ``integrations/fuzz_engine.py``.
+
+Checked on every case:
+
+- the plan's invariants (:func:`plan_problems`): every slot's micro-batches cover the pool exactly once, every
+  document runs exactly once, in a group of an allowed size at least its own, each micro-batch's tokens and
+  per-rank share as planned and within ``max_tokens_per_rank``, no fewer slots than the lower bound; every rank
+  derives the same plan and runs as many micro-batches, each within the budget as actually cut
+  (``input_ids``' local length: the sharding's own padding included);
+- the step: its loss (:meth:`~seqpar.sequence.dynamic_step.DynamicStep.loss`, the per-token mean over the
+  pool's step) and every gradient summed over the pool, each on its own scale, against one process in float64
+  running each document alone with transformers' own attention, token-weighted over the step's targets
+  (:func:`seqpar.testing.fuzz_models.model_reference` and :func:`~seqpar.testing.fuzz_models.judge_model`,
+  the ``model`` kind's); a step with no target at all (one-token documents only) has no per-token mean (NaN, as
+  one process gives it) and must leave every gradient exactly zero. MoE router losses and Bamba's z-loss are off on both sides, as for packed ``model``
+  cases (a statistic of a call's tokens has no per-document reference); transformers' Llama 4 text model, whose
+  packed row is not its documents alone (``ROW_INDEXED_PACKING``), is not drawn.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["draw_dynamic", "dynamic_summary", "run_dynamic_case", "dynamic_task", "case_plan", "plan_problems",
+           "case_documents", "FAMILIES"]
+
+FAMILIES = ("llama", "mistral", "mixtral", "jamba", "deepseek_v3", "bloom", "mpt", "falcon", "qwen2", "gemma2")
+"""The model types drawn two cases in three: tests/test_dynamic_models.py's families and the ALiBi ones."""
+_SKIP = frozenset({"llama4_text"})  # fuzz_models.ROW_INDEXED_PACKING: the packed row is the reference there
+MAX_TOKENS = 160  # the step's documents, at most: a tiny model on one CPU rank
+
+
+def _pow2_divisors(pool: int) -> list[int]:
+    largest = pool & -pool
+    return [1 << k for k in range(largest.bit_length())]
+
+
+def _draw_lengths(rng: random.Random, pool: int, budget: int, sharding: str) -> tuple[list[int], list[str]]:
+    """A long-tailed mix of document lengths and the corner cases it holds (for the summary and the tests)."""
+    cmax = pool & -pool
+    room = cmax * budget  # the most the largest group holds (before padding)
+    fits = max(1, room - (8 if sharding == "balanced" else 2) * cmax)  # fits whatever the padding
+    corners: list[str] = []
+    n_docs = rng.choice((1, 2, 3, 4, 5, 6, 8, 10))
+    if rng.random() < 0.12:
+        corners.append("same")
+        n = rng.choice((1, 2, budget, max(1, budget - 1), rng.randint(1, fits)))
+        lengths = [min(n, fits)] * n_docs
+    else:
+        lengths = []
+        for _ in range(n_docs):
+            u = rng.random()
+            if u < 0.15:
+                lengths.append(1)
+            elif u < 0.5:
+                lengths.append(rng.randint(2, max(2, budget)))
+            else:  # log-normal, median the budget, long tail
+                lengths.append(max(1, min(fits, int(round(budget * math.exp(rng.gauss(0.0, 1.0)))))))
+        if rng.random() < 0.35:
+            c = rng.choice(_pow2_divisors(pool))
+            lengths[rng.randrange(len(lengths))] = c * budget
+            corners.append(f"exact{c}x")
+        if pool > 1 and rng.random() < 0.3:
+            lengths[rng.randrange(len(lengths))] = rng.randint(room // 2 + 1, max(room // 2 + 1, fits))
+            corners.append("over-half")
+        if rng.random() < 0.04:
+            lengths[rng.randrange(len(lengths))] = room + rng.randint(1, 8 * cmax + 1)
+            corners.append("too-long")
+    if all(n == 1 for n in lengths) and rng.random() < 0.9:  # a step with no target: rarely
+        lengths[0] = 2
+    if 1 in lengths:
+        corners.append("one-token")
+    while sum(lengths) > MAX_TOKENS and len(lengths) > 1:
+        lengths.pop(max(range(len(lengths)), key=lambda i: (lengths[i] if "too-long" not in corners else 0, -i)))
+    rng.shuffle(lengths)
+    return lengths, corners
+
+
+def draw_dynamic(rng: random.Random) -> dict[str, Any]:
+    """A ``dynamic`` case's draws (JSON-able)."""
+    from seqpar.testing.tiny_models import decoder_model_types
+
+    world = rng.randint(1, 4)
+    sp = rng.choice([d for d in range(1, world + 1) if world % d == 0])
+    sharding = rng.choice(("zigzag", "zigzag", "contiguous", "balanced"))
+    # mostly a multiple of what the sharding pads a rank's share to (2 zigzag, 8 balanced), now and then not
+    # (refused by name: rank_micro_batches)
+    budget = rng.choice((8, 16, 24) if sharding == "balanced" else (4, 6, 8, 8, 12, 16, 24))
+    if rng.random() < 0.1:
+        budget = rng.choice((3, 5, 6, 7, 12, 13))
+    sizes = _pow2_divisors(world)
+    min_size = 1 if rng.random() < 0.75 else rng.choice(sizes)
+    lengths, corners = _draw_lengths(rng, world, budget, sharding)
+    if rng.random() < 0.5:
+        planner: dict[str, Any] = {"how": "config", "balance": rng.choice(("step", "slot"))}
+    else:
+        cost = None
+        if rng.random() < 0.7:
+            cost = {"window": rng.choice((None, None, 6, rng.randint(1, 12))),
+                    "chunk_size": rng.choice((None, None, None, rng.randint(1, 12))),
+                    "causal": rng.random() < 0.9, "token_cost": rng.choice((0.0, 1.0, 40.0)),
+                    "micro_batch_cost": rng.choice((0.0, 0.0, 50.0, 500.0)),
+                    "ring_step_cost": rng.choice((0.0, 0.0, 5.0, 80.0)),
+                    "per_document_cost": rng.choice((0.0, 0.0, 20.0)), "layers": rng.choice((1, 2))}
+        spread = rng.random() < 0.5
+        planner = {"how": "direct", "spread_heavy": spread, "slot_sync": spread and rng.random() < 0.6,
+                   "pad_multiple": 8 if sharding == "balanced" and rng.random() < 0.7 else rng.choice((2, 2, 8)),
+                   "cost": cost}
+    types = [t for t in decoder_model_types() if t not in _SKIP]
+    model_type = rng.choice([t for t in FAMILIES if t in types]) if rng.random() < 0.67 else rng.choice(types)
+    return {
+        "kind": "dynamic", "model_type": model_type, "world": world, "sp": sp,
+        "mode": rng.choice(("ring", "ring", "allgather", "ulysses")), "sharding": sharding,
+        "max_tokens_per_rank": budget, "min_size": min_size, "planner": planner, "lengths": lengths,
+        "corners": corners, "checkpointing": rng.choice((None, None, "reentrant", "non-reentrant")),
+        "backward": "per-micro-batch" if rng.random() < 0.8 else "once", "engine": "plain",
+    }
+
+
+def dynamic_summary(draws: dict[str, Any]) -> str:
+    d, p = draws, draws["planner"]
+    how = (f"balance={p['balance']}" if p["how"] == "config" else
+           f"direct{'+spread' if p['spread_heavy'] else ''}{'+sync' if p['slot_sync'] else ''} pad={p['pad_multiple']}"
+           + (" cost=" + ",".join(f"{k}={v}" for k, v in p["cost"].items() if v not in (None, 0.0, True, 1))
+              if p["cost"] else ""))
+    return (f"dynamic {d['model_type']} P={d['world']} (dp {d['world'] // d['sp']} x sp {d['sp']}) {d['mode']} "
+            f"{d['sharding']} B={d['max_tokens_per_rank']} min={d['min_size']} {how} docs={d['lengths']} "
+            f"ckpt={d['checkpointing']} bwd={d['backward']}" + (f" [{','.join(d['corners'])}]" if d["corners"] else ""))
+
+
+def case_documents(draws: dict[str, Any]) -> list[torch.Tensor]:
+    """The step's documents (1-D token tensors), from the case seed."""
+    from seqpar.testing.tiny_models import VOCAB
+
+    g = torch.Generator().manual_seed(draws["case_seed"])
+    return [torch.randint(3, VOCAB, (n,), generator=g) for n in draws["lengths"]]
+
+
+def case_plan(draws: dict[str, Any]) -> Any:
+    """The case's plan over its pool (pure Python; every rank and the driver derive it alike). Raises the
+    planner's ``ValueError`` where it refuses the step."""
+    from seqpar.config import DynamicConfig
+    from seqpar.sequence.dynamic import CostModel, plan_dynamic, plan_from_config
+
+    p, pool = draws["planner"], draws["world"]
+    if p["how"] == "config":
+        config = DynamicConfig(max_tokens_per_rank=draws["max_tokens_per_rank"], min_size=draws["min_size"],
+                               balance=p["balance"])
+        return plan_from_config(list(draws["lengths"]), pool, config)
+    return plan_dynamic(list(draws["lengths"]), pool, draws["max_tokens_per_rank"], min_size=draws["min_size"],
+                        cost=CostModel(**p["cost"]) if p["cost"] else None, pad_multiple=p["pad_multiple"],
+                        spread_heavy=p["spread_heavy"], slot_sync=p["slot_sync"])
+
+
+def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad: int) -> list[str]:
+    """What is wrong with ``plan`` (a :class:`~seqpar.sequence.dynamic.DynamicPlan` of ``lengths`` over its pool),
+    as lines; empty when it holds the planner's contract: every slot's micro-batches partition the pool, every
+    document runs exactly once in an allowed group at least as large as its own size (an empty micro-batch in an
+    allowed group too: the groups of other sizes are not made), each micro-batch's tokens and padded share
+    (``pad``) as recorded and within ``budget``, no slot without a document, and no fewer slots than the lower
+    bound."""
+    from seqpar.runtime.grid import dynamic_group_sizes
+    from seqpar.sequence.dynamic import tokens_per_rank
+
+    out: list[str] = []
+    pool = plan.pool_size
+    allowed = set(dynamic_group_sizes(pool, min_size))
+    if tuple(plan.lengths) != tuple(lengths):
+        out.append(f"plan lengths {list(plan.lengths)} are not the documents' {lengths}")
+    runs = [0] * len(lengths)
+    for s, slot in enumerate(plan.slots):
+        covered = sorted(q for mb in slot for q in mb.positions)
+        if covered != list(range(pool)):
+            out.append(f"slot {s} covers positions {covered}, not each of the pool's {pool} once")
+        for mb in slot:
+            if mb.slot != s:
+                out.append(f"slot {s} holds a micro-batch of slot {mb.slot}")
+            if mb.size not in allowed:  # an empty micro-batch too: it runs over a group that must exist
+                out.append(f"slot {s}: a group of {mb.size} ranks{'' if mb.docs else ' (empty)'}, not one of "
+                           f"{sorted(allowed)} (min_size {min_size})")
+            if mb.size & (mb.size - 1) or mb.index < 0 or (mb.index + 1) * mb.size > pool:
+                out.append(f"slot {s}: group ({mb.size}, {mb.index}) is not an aligned block of the pool")
+            tokens = sum(lengths[d] for d in mb.docs if 0 <= d < len(lengths))
+            if tokens != mb.tokens:
+                out.append(f"slot {s} group ({mb.size}, {mb.index}): {mb.tokens} tokens recorded, documents hold {tokens}")
+            share = tokens_per_rank(tokens, mb.size, pad) if mb.docs else 0
+            if mb.docs and (share != mb.tokens_per_rank or share > budget):
+                out.append(f"slot {s} group ({mb.size}, {mb.index}): {share} tokens per rank (recorded "
+                           f"{mb.tokens_per_rank}), budget {budget}")
+            for d in mb.docs:
+                if not 0 <= d < len(lengths):
+                    out.append(f"slot {s}: document index {d} out of range")
+                    continue
+                runs[d] += 1
+                if mb.size < plan.doc_sizes[d]:
+                    out.append(f"document {d} ({lengths[d]} tokens, size {plan.doc_sizes[d]}) runs on {mb.size} ranks")
+    idle = [s for s, slot in enumerate(plan.slots) if not any(mb.docs for mb in slot)]
+    if idle and lengths:  # a slot of nothing but empty micro-batches: dropping it breaks no invariant
+        out.append(f"slots {idle} run no document ({plan.num_slots} slots, lower bound {plan.slots_lower_bound})")
+    twice = [d for d, r in enumerate(runs) if r != 1]
+    if twice:
+        out.append(f"documents not run exactly once: {[(d, runs[d]) for d in twice][:6]} (index, runs)")
+    if plan.num_slots < plan.slots_lower_bound:
+        out.append(f"{plan.num_slots} slots, under the lower bound {plan.slots_lower_bound}")
+    if any(c < min_size or c not in allowed for c in plan.doc_sizes):
+        out.append(f"document sizes {list(plan.doc_sizes)} outside {sorted(allowed)}")
+    return out
+
+
+def _plan_digest(plan: Any) -> list[list[tuple[int, int, tuple[int, ...]]]]:
+    return [[(mb.size, mb.index, tuple(mb.docs)) for mb in slot] for slot in plan.slots]
+
+
+def _plant(name: str | None, inputs: dict[str, Any], micro: list[dict[str, Any]]) -> None:
+    """A deliberately broken dynamic step, for the fuzzer's own tests: ``"micro_batch_targets"`` divides each
+    micro-batch's summed token loss by its own targets instead of the step's (``num_items_in_batch``: the classic
+    per-micro-batch mean, a gradient of the wrong weights whenever the step has more than one micro-batch with
+    targets)."""
+    if name is None:
+        return
+    if name != "micro_batch_targets":
+        raise ValueError(f"unknown plant {name!r}")
+    labels = inputs.get("shift_labels")
+    own = int((labels != -100).sum()) if labels is not None else 0
+    group = inputs["seqpar_group"]
+    import torch.distributed as dist
+
+    count = torch.tensor([own], dtype=torch.int64)
+    dist.all_reduce(count, group=group)
+    inputs["num_items_in_batch"] = max(int(count), 1)
+
+
+def dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dtype_name: str,
+                 plant: str | None = None) -> dict[str, Any]:
+    """Pool task (every rank): the case's step. Returns ``{"ok", "loss", "grads" (rank 0), "plan" (its digest),
+    "ran" ([(group size, local tokens)] per micro-batch)}`` or ``{"ok": False, "error"}``."""
+    import warnings
+
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return _dynamic_task(ctx, draws, docs, dtype_name, plant)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def _dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dtype_name: str,
+                  plant: str | None) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.call_group import GROUP_KEY
+    from seqpar.sequence.dynamic_step import DynamicStep
+    from seqpar.testing.fuzz_models import build_case_model, enable_checkpointing, sp_summed_grads
+    from seqpar.testing.verdicts import error_record
+
+    manager = None
+    try:
+        dynamic = {"max_tokens_per_rank": draws["max_tokens_per_rank"], "min_size": draws["min_size"]}
+        if draws["planner"]["how"] == "config":
+            dynamic["balance"] = draws["planner"]["balance"]
+        cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic}
+        manager = seqpar.init_process_groups(config=cfg)
+        model = build_case_model({**draws, "batch": "packed"}, getattr(torch, dtype_name))
+        seqpar.swap_attention(model, cfg)
+        enable_checkpointing(model, draws["checkpointing"])
+        plan = case_plan(draws)
+        micro = rank_micro_batches(plan, docs, manager, sharding=draws["sharding"])
+        step = DynamicStep(plan, micro, manager)
+        losses, ran = [], []
+        for inputs in micro:
+            _plant(plant, inputs, micro)
+            ran.append((dist.get_world_size(inputs[GROUP_KEY]), int(inputs["input_ids"].shape[1])))
+            loss = model(**inputs).loss
+            if draws["backward"] == "per-micro-batch":
+                loss.backward()
+            losses.append(loss)
+        if draws["backward"] == "once":
+            sum(losses).backward()
+        total = step.loss([x.detach() for x in losses])
+        grads = sp_summed_grads(model, manager.sp_dp_group)
+        return {"ok": True, "loss": float(total), "grads": grads if ctx.rank == 0 else None,
+                "plan": _plan_digest(plan), "ran": ran}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": error_record(e)}
+    finally:
+        if manager is not None:
+            seqpar.destroy_process_groups(manager)
+
+
+def _pad(draws: dict[str, Any]) -> int:
+    p = draws["planner"]
+    return p["pad_multiple"] if p["how"] == "direct" else 2
+
+
+def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
+    """Verdict and detail of a ``dynamic`` case."""
+    from seqpar.testing.fuzz_models import judge_model, model_reference
+    from seqpar.testing.verdicts import classify_errors
+
+    try:
+        plan = case_plan(draws)
+    except ValueError:
+        plan = None  # the planner refuses the step: every rank must refuse it too, by name
+    if plan is not None:
+        problems = plan_problems(plan, list(draws["lengths"]), draws["max_tokens_per_rank"], draws["min_size"],
+                                 _pad(draws))
+        if problems:
+            return "WRONG", "plan: " + "; ".join(problems[:3])
+    docs = case_documents(draws)
+    ref_draws = {**draws, "batch": "packed"}
+    ref = model_reference(ref_draws, [{"docs": [d.tolist() for d in docs]}])
+    if not ref["ok"]:
+        if plan is not None and not any(n > 1 for n in draws["lengths"]):
+            ref = {"ok": True, "dtype": "float64", "loss": 0.0, "grads": None}  # no target in the step: see below
+        else:
+            return "skipped", f"cannot run without seqpar: {ref['error']}"
+    per_rank = pools.run(draws["world"], dynamic_task, draws, docs, ref["dtype"], plant, timeout=timeout)
+    bad = classify_errors(per_rank)
+    if bad is not None:
+        if plan is None and bad[0] != "refused":
+            return "crash", f"the planner refuses the step, the ranks did not: {bad[1]}"
+        return bad
+    if plan is None:
+        return "WRONG", "the planner refuses the step in the driver, but every rank ran it"
+    digest = _plan_digest(plan)
+    if any(r["plan"] != digest for r in per_rank):
+        return "WRONG", "the ranks derived different plans"
+    counts = {len(r["ran"]) for r in per_rank}
+    if counts != {plan.num_slots}:
+        return "WRONG", f"micro-batches per rank {sorted(counts)}, the plan has {plan.num_slots} slots"
+    over = [(rank, i, n) for rank, r in enumerate(per_rank) for i, (_, n) in enumerate(r["ran"])
+            if n > draws["max_tokens_per_rank"] and n > 2]
+    if over:
+        rank, i, n = over[0]
+        return "WRONG", (f"rank {rank} holds {n} tokens in slot {i}, over max_tokens_per_rank "
+                         f"{draws['max_tokens_per_rank']} ({draws['sharding']} sharding's padding; {len(over)} such)")
+    if ref["grads"] is None:
+        # no target in the whole step (one-token documents only): its per-token mean is 0 / 0, NaN as one process's
+        # transformers loss gives it (seed 201's case 128618776); the step must not move the model: every gradient
+        # exactly zero, none NaN
+        got = per_rank[0]
+        nonzero = [n for n, g in got["grads"].items() if not bool((g == 0).all())]
+        if not (got["loss"] == 0.0 or math.isnan(got["loss"])) or nonzero:
+            return "WRONG", f"a step with no target: loss {got['loss']}, gradients not zero: {nonzero[:3]}"
+        return "exact", f"no target: loss {got['loss']}, every gradient zero"
+    return judge_model(ref, per_rank[0])
