@@ -379,7 +379,7 @@ def rank_micro_batches(
     multiple = length_multiple(1, sharding)  # shard_batch pads each rank's share to a multiple of this
     if plan.max_tokens_per_rank % multiple:
         # the planner keeps a micro-batch within c * max_tokens_per_rank tokens; shard_batch pads it to a multiple of
-        # multiple * c, over the budget unless the budget is a multiple of it (fuzzer case 15785585: balanced
+        # multiple * c, over the budget unless the budget is a multiple of it (fuzzer case 1146194759: balanced
         # sharding, max_tokens_per_rank 6, one rank holding 8)
         raise ValueError(
             f"dynamic CP: sequence_parallel.dynamic.max_tokens_per_rank = {plan.max_tokens_per_rank} is not a multiple "
