@@ -142,12 +142,13 @@ CASES = [  # (world, mode, sharding, packed, ring transfer)
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "minicpm3"])
 def test_mla_model_exact_under_sp(dist_pool, name: str) -> None:
-    """The ring's latent transfer (the default) and expanded K/V, and every other mode."""
+    """The ring's latent transfer (the default) and expanded K/V, and every other mode; every gradient against its
+    own largest entry (a model-wide scale hides small parameters; measured 1.2e-7 - 1.5e-7 of their own scale)."""
     for world, mode, sharding, packed, transfer in CASES:
         if name != "deepseek_v3" and (world, mode, transfer) not in ((2, "ring", "latent"), (4, "ring", "latent"),
                                                                       (4, "ulysses", "latent")):
             continue  # the other families: the latent ring at SP=2 and 4, and Ulysses
-        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, timeout=300)
+        worst = dist_pool.run(world, _parity, name, mode, sharding, packed, transfer, own_scale=True, timeout=300)
         assert max(worst) < 1e-5, (name, world, mode, transfer, worst)
 
 
