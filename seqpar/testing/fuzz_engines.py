@@ -168,7 +168,7 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     DP: at world 4, DP 2 x SP 2 for the ZeRO and FSDP engines and TP 2 x SP 1 x DP 2 for
     ``tp2``, 60% of the time; at world 2, DP 2 x SP 1 30% of the time (not ``tp2``: no rank left); at world 3,
     DP 3 x SP 1 30% of the time."""
-    from seqpar.testing.fuzz_models import draw_model
+    from seqpar.testing.fuzz_models import draw_lengths, draw_model
 
     draws = draw_model(rng)
     engine = rng.choice([e for e in ENGINES if e != "fsdp1" and (e != "tp2" or draws["world"] % 2 == 0)
@@ -196,32 +196,10 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     sp = world // (tp * dp)
     if draws["mode"] == "hybrid":  # the model draw's Ulysses degree is for SP = world
         draws["ulysses_size"] = 2 if sp == 4 else sp
-    replicas = [{"case_seed": rng.randrange(2 ** 31), "lengths": _draw_lengths(rng, world, draws["batch"])}
+    replicas = [{"case_seed": rng.randrange(2 ** 31), "lengths": draw_lengths(rng, world, draws["batch"])}
                 for _ in range(dp - 1)]
     draws.update(kind="engine", engine=engine, tp_size=tp, dp=dp, replicas=replicas)
     return draws
-
-
-def _draw_lengths(rng: random.Random, world: int, batch: str) -> list[list[int]]:
-    """A replica's two batches' lengths, as :func:`seqpar.testing.fuzz_models.draw_model` draws replica 0's for
-    ``batch`` at ``world`` (the same sizes, so every replica's sequence is sharded alike: rows of a length the SP
-    degree may not divide; a right-padded row of its own length; packed documents with length-1 ones and one
-    longer than a shard of the world)."""
-    shard = 8
-    seqs: list[list[int]] = []
-    for _ in range(2):
-        seq = rng.randint(world * shard - 2 * world + 1, world * shard) if world > 1 else rng.randint(10, 16)
-        if batch == "packed":
-            lens = [rng.randint(seq // world + 1, seq - 2)] if world > 1 else []
-            while sum(lens) < seq:
-                lens.append(min(seq - sum(lens), 1 if rng.random() < 0.3 else rng.randint(2, 7)))
-            rng.shuffle(lens)
-            seqs.append(lens)
-        elif batch == "padded":
-            seqs.append([seq, rng.randint(2, seq - 1)])
-        else:
-            seqs.append([seq])
-    return seqs
 
 
 def replica_draws(draws: dict[str, Any]) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["draw_model", "model_summary", "run_model_case", "model_task", "model_reference", "case_batches",
+__all__ = ["draw_model", "draw_lengths", "model_summary", "run_model_case", "model_task", "model_reference", "case_batches",
            "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
@@ -39,16 +39,13 @@ def _model_types() -> list[str]:
     return _TYPES
 
 
-def draw_model(rng: random.Random) -> dict[str, Any]:
-    """A ``model`` case's draws (JSON-able)."""
-    types = _model_types()
-    world = rng.randint(1, 4)
-    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
-    ulysses_size = 2 if mode == "hybrid" and world == 4 else (world if mode == "hybrid" else 1)
-    batch = rng.choice(("rows", "rows", "padded", "packed"))
-    sharding = rng.choice(("contiguous", "zigzag", "balanced") if batch == "packed" else ("contiguous", "zigzag"))
+def draw_lengths(rng: random.Random, world: int, batch: str) -> list[list[int]]:
+    """The lengths of a case's two batches of kind ``batch`` (``rows``, ``padded``, ``packed``) at ``world``
+    ranks: rows of a length the SP degree may not divide; a full row and a right-padded row of its own length;
+    packed documents with length-1 ones and one longer than a shard of the world. An engine case's DP replicas
+    draw theirs the same way (:mod:`seqpar.testing.fuzz_engines`), so every replica is sharded alike."""
     shard = 8
-    seqs = []
+    seqs: list[list[int]] = []
     for _ in range(2):
         seq = rng.randint(world * shard - 2 * world + 1, world * shard) if world > 1 else rng.randint(10, 16)
         if batch == "packed":
@@ -61,6 +58,18 @@ def draw_model(rng: random.Random) -> dict[str, Any]:
             seqs.append([seq, rng.randint(2, seq - 1)])  # row 0 full, row 1 right-padded
         else:
             seqs.append([seq])
+    return seqs
+
+
+def draw_model(rng: random.Random) -> dict[str, Any]:
+    """A ``model`` case's draws (JSON-able)."""
+    types = _model_types()
+    world = rng.randint(1, 4)
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
+    ulysses_size = 2 if mode == "hybrid" and world == 4 else (world if mode == "hybrid" else 1)
+    batch = rng.choice(("rows", "rows", "padded", "packed"))
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if batch == "packed" else ("contiguous", "zigzag"))
+    seqs = draw_lengths(rng, world, batch)
     return {
         "kind": "model", "model_type": rng.choice(types), "world": world, "mode": mode,
         "ulysses_size": ulysses_size, "sharding": sharding, "batch": batch, "lengths": seqs,
