@@ -26,6 +26,16 @@ over the replicas (docs/integrations.md). Each rank returns its replica's loss a
 
 No optimizer step is taken: the result is the gradient after the engine's reduction, before ``step()`` (the
 optimizer's arithmetic is the engine's, not seqpar's).
+
+The fuzzer's ``dynamic`` cases drawn with an engine (``seqpar.testing.fuzz_dynamic``) run
+:func:`run_dynamic_engine`, found through the entry-point group ``seqpar.fuzz_dynamic_engines`` (one entry per
+name of :data:`DYNAMIC_ENGINES`): one planned step of length-aware dynamic CP through
+:func:`seqpar.integrations.dynamic.run_dynamic_step`, as ``launch/train.py --dynamic`` and ``SeqParTrainer``
+drive it, over the whole world as the pool (DP x SP). ZeRO-1/2/3 at ``gradient_accumulation_steps`` 1 (the
+step's accumulation is the plan's), gradients read at the boundary in place of ``engine.step()``; FSDP2 as
+above. ``run_dynamic_step`` multiplies each micro-batch's loss by ``dp`` and the engine divides its reduction
+over the pool by ``dp``, so the gradient returned is the sum over the pool of every rank's: the gradient of the
+step's per-token mean, what one process gives (tests/test_dynamic_engines.py judges it so).
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ENGINES", "run_engine"]
+__all__ = ["ENGINES", "DYNAMIC_ENGINES", "run_engine", "run_dynamic_engine"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
+DYNAMIC_ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
+"""The engines :func:`run_dynamic_engine` drives (``run_dynamic_step``'s: FSDP2 and DeepSpeed ZeRO-1/2/3)."""
 
 
 def _full_grads_zero(engine: Any) -> dict[str, torch.Tensor]:
@@ -151,6 +163,69 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
         if not accumulate:
             backward(sum(losses))
         return {"loss": float(sum(x.detach() for x in losses)), "replica": manager.dp_rank, "grads": full_grads()}
+    finally:
+        if manager is not None:
+            manager.destroy()
+
+
+def run_dynamic_engine(engine: str, build_model: Callable[[], nn.Module], plan: Any, docs: list[torch.Tensor],
+                       config: dict[str, Any],
+                       prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One planned dynamic step of ``build_model()`` through ``engine`` on this rank (every rank of the default
+    group calls, the pool being the world).
+
+    Args:
+        engine: one of :data:`DYNAMIC_ENGINES`.
+        build_model: makes the model (the same on every rank; activation checkpointing already set).
+        plan: the step's :class:`~seqpar.sequence.dynamic.DynamicPlan` over the world (the same on every rank).
+        docs: the step's documents, 1-D token tensors, ``docs[i]`` of length ``plan.lengths[i]``.
+        config: the ``sequence_parallel`` config (``size``, ``mode``, ``sharding``, and its ``dynamic`` block).
+        prepare: passed to ``run_dynamic_step`` (maps each micro-batch's inputs before its forward).
+
+    Returns:
+        ``{"loss": float (the step's per-token mean, the same on every rank), "grads": {name: reduced full
+        gradient}, "ran": [(group size, local tokens) of each of this rank's micro-batches]}``.
+
+    Raises:
+        ValueError: an unknown engine; whatever seqpar, the planner's cut or the engine raises otherwise.
+    """
+    import seqpar
+    from seqpar.integrations.dynamic import run_dynamic_step
+    from seqpar.sequence.batch import rank_micro_batches
+    from seqpar.sequence.call_group import GROUP_KEY
+    from seqpar.sequence.dynamic_step import DynamicStep
+
+    if engine not in DYNAMIC_ENGINES:
+        raise ValueError(f"unknown dynamic engine {engine!r}: choose one of {list(DYNAMIC_ENGINES)}")
+    manager = None
+    grads: dict[str, torch.Tensor] = {}
+    try:
+        model = build_model()
+        if engine.startswith("zero"):
+            from seqpar.integrations.deepspeed import initialize
+
+            ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                         "zero_optimization": {"stage": int(engine[-1])}, "zero_allow_untested_optimizer": True,
+                         "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "sequence_parallel": config}
+            ds_engine, _, _, _ = initialize(model=model, config=ds_config,
+                                            optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+            manager, driven = ds_engine.seqpar_manager, ds_engine
+
+            def read() -> None:  # at the boundary, before step(): the reduced gradients
+                grads.update(_full_grads_zero(ds_engine))
+        else:
+            from seqpar.integrations.fsdp import wrap
+
+            manager = seqpar.init_process_groups(config=config)
+            driven = wrap(model, config, manager=manager, fsdp={"version": 2})
+
+            def read() -> None:
+                grads.update(_full_grads_fsdp(driven))
+        micro = rank_micro_batches(plan, list(docs), manager, sharding=config["sharding"])
+        ran = [(torch.distributed.get_world_size(m[GROUP_KEY]), int(m["input_ids"].shape[1])) for m in micro]
+        step = DynamicStep(plan, micro, manager)
+        loss = run_dynamic_step(driven, step, deepspeed=engine.startswith("zero"), update=read, prepare=prepare)
+        return {"loss": float(loss), "grads": grads, "ran": ran}
     finally:
         if manager is not None:
             manager.destroy()

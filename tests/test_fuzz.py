@@ -508,3 +508,62 @@ def test_a_planted_dynamic_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert planted["verdict"] == "WRONG", (planted["detail"], planted.get("trace"))
     clean = fuzzer.run(draws)
     assert clean["verdict"] == "exact", (clean["detail"], clean.get("trace"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The dynamic kind through the engines (run_dynamic_step's: ZeRO-1/2/3, FSDP2), via its runner entry point
+# --------------------------------------------------------------------------------------------------
+
+def test_dynamic_kind_draws_the_engines() -> None:
+    """The ``dynamic`` kind draws ``plain`` most often and every engine ``run_dynamic_step`` drives, each with
+    its runner installed (setup.cfg's ``seqpar.fuzz_dynamic_engines`` entry points, integrations/fuzz_engine.py);
+    an engine's backward is per micro-batch (``run_dynamic_step``'s); the draws are JSON-able, named in the
+    summary and the same again from the case seed (``--case-seed``); an engine without a runner is named in a
+    LookupError. Seen failing: with the engine draw removed from ``draw_dynamic`` (only ``plain``: the set
+    assertion), and with ``backward`` left as drawn under an engine (the ``once`` assertion)."""
+    import json
+
+    from seqpar.testing.fuzz_dynamic import DYNAMIC_ENGINES, dynamic_engine_runner
+
+    draws = [fuzz.draw_case(s, ("dynamic",)) for s in fuzz.case_seeds(20, 300)]
+    engines = Counter(d["engine"] for d in draws)
+    assert set(engines) == {"plain", *DYNAMIC_ENGINES}, engines
+    assert engines["plain"] > max(n for e, n in engines.items() if e != "plain"), engines
+    under = [d for d in draws if d["engine"] != "plain"]
+    assert all(d["backward"] == "per-micro-batch" for d in under)
+    assert any(d["backward"] == "once" for d in draws if d["engine"] == "plain")
+    assert any(d["world"] // d["sp"] > 1 for d in under) and any(d["sp"] > 1 for d in under)  # DP and SP
+    for d in under[:20]:
+        assert json.loads(json.dumps(d)) == d == fuzz.draw_case(d["case_seed"], ("dynamic",))
+        assert f"engine={d['engine']}" in fuzz.summary(d)
+    for engine in DYNAMIC_ENGINES:
+        assert dynamic_engine_runner(engine).__name__ == "run_dynamic_engine"
+    with pytest.raises(LookupError, match="no fuzzer dynamic engine runner for 'zero9'.*seqpar.fuzz_dynamic_engines"):
+        dynamic_engine_runner("zero9")
+
+
+def _dynamic_engine_case(engine: str) -> dict:
+    """``_dynamic_case`` (2 ranks as DP 2 x SP 1: the 12-token document runs on a group spanning both DP
+    replicas, the others on one rank each) through ``engine``."""
+    return {**_dynamic_case(), "engine": engine}
+
+
+@pytest.mark.timeout(300)
+def test_a_dynamic_engine_case_is_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """A dynamic step through ZeRO-2 at DP 2 (run_dynamic_step's loss times ``dp``, DeepSpeed's average over
+    the pool): the loss and every reduced gradient, each on its own scale, equal one process's. Seen failing:
+    with ``multiplier = 1`` in ``run_dynamic_step`` (the DP multiplier dropped: WRONG, every gradient half)."""
+    rec = fuzzer.run(_dynamic_engine_case("zero2"))
+    assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))
+
+
+@pytest.mark.timeout(300)
+def test_a_planted_dynamic_engine_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The planted per-micro-batch mean (``micro_batch_targets``, passed to ``run_dynamic_step`` as its
+    ``prepare``) under FSDP2 is WRONG; the same case without it is exact. Seen failing: with the runner
+    called without ``prepare`` (exact both times)."""
+    draws = _dynamic_engine_case("fsdp2")
+    planted = fuzzer.run(draws, plant="micro_batch_targets")
+    assert planted["verdict"] == "WRONG", (planted["detail"], planted.get("trace"))
+    clean = fuzzer.run(draws)
+    assert clean["verdict"] == "exact", (clean["detail"], clean.get("trace"))

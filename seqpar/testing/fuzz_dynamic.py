@@ -20,10 +20,21 @@ Drawn:
 - activation checkpointing (off, reentrant, non-reentrant); the step's backward per micro-batch (as
   ``run_dynamic_step`` does) or once over the summed losses.
 
-The engine is plain (no engine: the gradients summed once over the pool, as tests/test_dynamic_train.py does).
-ZeRO and FSDP2 run a dynamic step through ``seqpar.integrations.dynamic.run_dynamic_step``, which this harness
-cannot import (tests/test_layering.py: ``seqpar/`` never imports the adapters); an engine runner for it belongs
-with :mod:`seqpar.testing.fuzz_engines`' entry points, in ``integrations/fuzz_engine.py``.
+- the engine, drawn last (so a case seed's other draws are those it had before engines were drawn): ``plain``
+  60% of the time (no engine: the gradients summed once over the pool, as tests/test_dynamic_train.py does),
+  else one of :data:`DYNAMIC_ENGINES`, ``run_dynamic_step``'s engines (DeepSpeed ``zero1``, ``zero2``,
+  ``zero3``, ``fsdp2``) over the whole pool (DP x SP as drawn). Under an engine the backward is per micro-batch
+  (``run_dynamic_step``'s; ``once`` is the plain loop's alone, the draw overridden), and LongCat-Flash
+  (:data:`~seqpar.testing.fuzz_engines.ZERO_COMPUTATION_EXPERTS`) runs under ZeRO-3 (the engine kind's rule).
+
+The engines run a dynamic step through ``seqpar.integrations.dynamic.run_dynamic_step``, which this harness
+cannot import (tests/test_layering.py: ``seqpar/`` never imports the adapters). Their runner
+(:class:`DynamicEngineRunner`, ``seqpar.integrations.fuzz_engine:run_dynamic_engine``) is found through the
+entry-point group :data:`DYNAMIC_ENTRY_POINT_GROUP` (setup.cfg), as :mod:`seqpar.testing.fuzz_engines` finds
+the engine kind's. It returns the reduced gradient before ``step()``: ``run_dynamic_step`` multiplies each
+micro-batch's loss by ``dp`` and the engine divides its reduction over the pool by ``dp``, so the reduced
+gradient is the sum over the pool, the plain loop's, judged exactly as the plain runs (an all-zero gradient an
+engine holds where the reference has none, ZeRO's flat buffers, is dropped first, as for the engine kind).
 
 Checked on every case:
 
@@ -46,17 +57,67 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 __all__ = ["draw_dynamic", "dynamic_summary", "run_dynamic_case", "dynamic_task", "case_plan", "plan_problems",
-           "case_documents", "FAMILIES"]
+           "case_documents", "FAMILIES", "DYNAMIC_ENGINES", "DYNAMIC_ENTRY_POINT_GROUP", "DynamicEngineRunner",
+           "dynamic_engine_runner"]
 
 FAMILIES = ("llama", "mistral", "mixtral", "jamba", "deepseek_v3", "bloom", "mpt", "falcon", "qwen2", "gemma2")
 """The model types drawn two cases in three: tests/test_dynamic_models.py's families and the ALiBi ones."""
 _SKIP = frozenset({"llama4_text"})  # fuzz_models.ROW_INDEXED_PACKING: the packed row is the reference there
 MAX_TOKENS = 160  # the step's documents, at most: a tiny model on one CPU rank
+DYNAMIC_ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
+"""The engines a ``dynamic`` case is drawn under besides ``plain``: ``run_dynamic_step``'s."""
+DYNAMIC_ENTRY_POINT_GROUP = "seqpar.fuzz_dynamic_engines"
+
+
+class DynamicEngineRunner(Protocol):
+    """What an entry point of :data:`DYNAMIC_ENTRY_POINT_GROUP` names: one planned step of length-aware dynamic
+    CP through an engine (``seqpar.integrations.dynamic.run_dynamic_step``), called on every rank of the default
+    process group, the pool being the world.
+
+    Args:
+        engine: the engine's name (the entry point's name, one of :data:`DYNAMIC_ENGINES`).
+        build_model: makes the case's model (the same on every rank; activation checkpointing already set).
+        plan: the step's :class:`~seqpar.sequence.dynamic.DynamicPlan` over the world (the same on every rank).
+        docs: the step's documents, 1-D token tensors; the runner cuts this rank's micro-batches
+            (:func:`seqpar.sequence.batch.rank_micro_batches` with ``config["sharding"]``).
+        config: the ``sequence_parallel`` config (``size``, ``mode``, ``sharding``, ``dynamic``).
+        prepare: passed to ``run_dynamic_step`` (maps each micro-batch's inputs before its forward), or None.
+
+    Returns:
+        ``{"loss": float (the step's per-token mean), "grads": {parameter name: reduced full gradient, before
+        step()}, "ran": [(group size, local tokens) per micro-batch]}`` on every rank. A refusal is raised.
+    """
+
+    def __call__(self, engine: str, build_model: Callable[[], nn.Module], plan: Any, docs: list[torch.Tensor],
+                 config: dict[str, Any],
+                 prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> dict[str, Any]: ...
+
+
+def dynamic_engine_runner(engine: str) -> DynamicEngineRunner:
+    """The installed dynamic runner of ``engine`` (the entry point of that name in
+    :data:`DYNAMIC_ENTRY_POINT_GROUP`).
+
+    Raises:
+        LookupError: none is installed (seqpar installed without its metadata, e.g. a source tree on
+            ``sys.path``, or metadata older than the group: ``pip install -e .`` declares seqpar's own).
+    """
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=DYNAMIC_ENTRY_POINT_GROUP, name=engine)
+    if not found:
+        raise LookupError(
+            f"no fuzzer dynamic engine runner for {engine!r}: no entry point {engine!r} in group "
+            f"{DYNAMIC_ENTRY_POINT_GROUP!r} (installed: "
+            f"{sorted(ep.name for ep in entry_points(group=DYNAMIC_ENTRY_POINT_GROUP))}). Install seqpar (pip install "
+            "-e . in a checkout), which declares seqpar.integrations.fuzz_engine:run_dynamic_engine in setup.cfg")
+    return next(iter(found)).load()
 
 
 def _pow2_divisors(pool: int) -> list[int]:
@@ -137,13 +198,22 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
                    "cost": cost}
     types = [t for t in decoder_model_types() if t not in _SKIP]
     model_type = rng.choice([t for t in FAMILIES if t in types]) if rng.random() < 0.67 else rng.choice(types)
-    return {
+    draws = {
         "kind": "dynamic", "model_type": model_type, "world": world, "sp": sp,
         "mode": rng.choice(("ring", "ring", "allgather", "ulysses")), "sharding": sharding,
         "max_tokens_per_rank": budget, "min_size": min_size, "planner": planner, "lengths": lengths,
         "corners": corners, "checkpointing": rng.choice((None, None, "reentrant", "non-reentrant")),
         "backward": "per-micro-batch" if rng.random() < 0.8 else "once", "engine": "plain",
     }
+    # drawn last: a case seed's other draws stay those it had before engines were drawn
+    if rng.random() >= 0.6:
+        from seqpar.testing.fuzz_engines import ZERO_COMPUTATION_EXPERTS
+
+        engine = rng.choice(DYNAMIC_ENGINES)
+        if model_type in ZERO_COMPUTATION_EXPERTS:
+            engine = "zero3"  # the engine kind's rule: experts unused on a rank abort ZeRO-1/2 and FSDP2
+        draws.update(engine=engine, backward="per-micro-batch")  # run_dynamic_step's backward
+    return draws
 
 
 def dynamic_summary(draws: dict[str, Any]) -> str:
@@ -154,7 +224,8 @@ def dynamic_summary(draws: dict[str, Any]) -> str:
               if p["cost"] else ""))
     return (f"dynamic {d['model_type']} P={d['world']} (dp {d['world'] // d['sp']} x sp {d['sp']}) {d['mode']} "
             f"{d['sharding']} B={d['max_tokens_per_rank']} min={d['min_size']} {how} docs={d['lengths']} "
-            f"ckpt={d['checkpointing']} bwd={d['backward']}" + (f" [{','.join(d['corners'])}]" if d["corners"] else ""))
+            f"ckpt={d['checkpointing']} bwd={d['backward']}" + (f" [{','.join(d['corners'])}]" if d["corners"] else "")
+            + (f" engine={d['engine']}" if d.get("engine", "plain") != "plain" else ""))
 
 
 def case_documents(draws: dict[str, Any]) -> list[torch.Tensor]:
@@ -294,6 +365,8 @@ def _dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dty
         if draws["planner"]["how"] == "config":
             dynamic["balance"] = draws["planner"]["balance"]
         cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic}
+        if draws.get("engine", "plain") != "plain":
+            return _engine_task(ctx, draws, docs, dtype_name, plant, cfg)
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model({**draws, "batch": "packed"}, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
@@ -320,6 +393,34 @@ def _dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dty
     finally:
         if manager is not None:
             seqpar.destroy_process_groups(manager)
+
+
+def _engine_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dtype_name: str, plant: str | None,
+                 cfg: dict[str, Any]) -> dict[str, Any]:
+    """:func:`dynamic_task` under an engine: the case's plan and documents through the engine's runner."""
+    from seqpar.testing.fuzz_engines import runner_dir
+    from seqpar.testing.fuzz_models import build_case_model, enable_checkpointing
+    from seqpar.testing.verdicts import error_record
+
+    runner = None
+    try:
+        runner = dynamic_engine_runner(draws["engine"])
+
+        def build_model() -> nn.Module:
+            model = build_case_model({**draws, "batch": "packed"}, getattr(torch, dtype_name))
+            enable_checkpointing(model, draws["checkpointing"])
+            return model
+
+        def prepare(inputs: dict[str, Any]) -> dict[str, Any]:
+            _plant(plant, inputs, [])
+            return inputs
+
+        plan = case_plan(draws)
+        out = runner(draws["engine"], build_model, plan, docs, cfg, prepare=None if plant is None else prepare)
+        return {"ok": True, "loss": out["loss"], "grads": out["grads"] if ctx.rank == 0 else None,
+                "plan": _plan_digest(plan), "ran": [tuple(r) for r in out["ran"]]}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
 
 
 def _pad(draws: dict[str, Any]) -> int:
@@ -378,4 +479,7 @@ def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
         if not (got["loss"] == 0.0 or math.isnan(got["loss"])) or nonzero:
             return "WRONG", f"a step with no target: loss {got['loss']}, gradients not zero: {nonzero[:3]}"
         return "exact", f"no target: loss {got['loss']}, every gradient zero"
-    return judge_model(ref, per_rank[0])
+    got = per_rank[0]
+    if draws.get("engine", "plain") != "plain":  # an engine may hold an all-zero gradient the reference has not
+        got = {**got, "grads": {n: g for n, g in got["grads"].items() if n in ref["grads"] or bool(g.ne(0).any())}}
+    return judge_model(ref, got)
