@@ -20,7 +20,8 @@ from seqpar.testing.fuzz_models import case_batches, judge_model, model_referenc
 
 
 def _engine_rank(rank, world, draws, batches, dtype_name):
-    return engine_task(SimpleNamespace(rank=rank, world_size=world), draws, batches, dtype_name)
+    # engine_task takes each DP replica's batches; these cases have one replica (DP 1)
+    return engine_task(SimpleNamespace(rank=rank, world_size=world), draws, [batches], dtype_name)
 
 
 def _judge(dist_pool, draws: dict) -> None:

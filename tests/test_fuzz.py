@@ -175,9 +175,10 @@ FOUND[128618776] = (("dynamic",), "exact")
 #   test_empty_micro_batches_run_on_groups_that_exist; tests/test_dynamic_train.py::
 #   test_min_size_two_runs_its_empty_micro_batch_over_a_pair). Seen WRONG with the old bound ("slots [2, 3, 4] run
 #   no document", the kind's plan check).
-FOUND_SET[850779075] = {"model_type": "llama", "checkpointing": None}
+FOUND_SET[850779075] = {"model_type": "llama", "checkpointing": None, "engine": "plain"}  # found in a plain loop
 FOUND[850779075] = (("dynamic",), "exact")
 FOUND[1056038257] = (("dynamic",), "exact")
+FOUND_SET[1146194759] = {"engine": "plain"}  # found in a plain loop (the dynamic kind draws engines since)
 FOUND[1146194759] = (("dynamic",), "refused")
 
 
