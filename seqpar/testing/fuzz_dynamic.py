@@ -108,16 +108,9 @@ def dynamic_engine_runner(engine: str) -> DynamicEngineRunner:
         LookupError: none is installed (seqpar installed without its metadata, e.g. a source tree on
             ``sys.path``, or metadata older than the group: ``pip install -e .`` declares seqpar's own).
     """
-    from importlib.metadata import entry_points
+    from seqpar.testing.fuzz_engines import engine_runner
 
-    found = entry_points(group=DYNAMIC_ENTRY_POINT_GROUP, name=engine)
-    if not found:
-        raise LookupError(
-            f"no fuzzer dynamic engine runner for {engine!r}: no entry point {engine!r} in group "
-            f"{DYNAMIC_ENTRY_POINT_GROUP!r} (installed: "
-            f"{sorted(ep.name for ep in entry_points(group=DYNAMIC_ENTRY_POINT_GROUP))}). Install seqpar (pip install "
-            "-e . in a checkout), which declares seqpar.integrations.fuzz_engine:run_dynamic_engine in setup.cfg")
-    return next(iter(found)).load()
+    return engine_runner(engine, DYNAMIC_ENTRY_POINT_GROUP, "dynamic engine runner", "run_dynamic_engine")
 
 
 def _pow2_divisors(pool: int) -> list[int]:

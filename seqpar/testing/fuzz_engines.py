@@ -129,19 +129,22 @@ class EngineRunner(Protocol):
                  config: dict[str, Any], *, accumulate: bool) -> dict[str, Any]: ...
 
 
-def engine_runner(engine: str) -> EngineRunner:
-    """The installed runner of ``engine`` (the entry point of that name in :data:`ENTRY_POINT_GROUP`).
+def engine_runner(engine: str, group: str = ENTRY_POINT_GROUP, what: str = "engine runner",
+                  declared: str = "run_engine") -> EngineRunner:
+    """The installed runner of ``engine`` (the entry point of that name in ``group``, default
+    :data:`ENTRY_POINT_GROUP`; the ``dynamic`` kind's runners are another group, ``what`` and ``declared`` name
+    them in the error).
 
     Raises:
         LookupError: none is installed (seqpar installed without its metadata, e.g. a source tree on
-            ``sys.path``: ``pip install -e .`` declares seqpar's own).
+            ``sys.path``, or metadata older than the group: ``pip install -e .`` declares seqpar's own).
     """
-    found = entry_points(group=ENTRY_POINT_GROUP, name=engine)
+    found = entry_points(group=group, name=engine)
     if not found:
         raise LookupError(
-            f"no fuzzer engine runner for {engine!r}: no entry point {engine!r} in group {ENTRY_POINT_GROUP!r} "
-            f"(installed: {sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))}). Install seqpar "
-            "(pip install -e . in a checkout), which declares seqpar.integrations.fuzz_engine:run_engine in setup.cfg")
+            f"no fuzzer {what} for {engine!r}: no entry point {engine!r} in group {group!r} "
+            f"(installed: {sorted(ep.name for ep in entry_points(group=group))}). Install seqpar "
+            f"(pip install -e . in a checkout), which declares seqpar.integrations.fuzz_engine:{declared} in setup.cfg")
     return next(iter(found)).load()
 
 
