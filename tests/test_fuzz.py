@@ -180,6 +180,15 @@ FOUND[850779075] = (("dynamic",), "exact")
 FOUND[1056038257] = (("dynamic",), "exact")
 FOUND_SET[1146194759] = {"engine": "plain"}  # found in a plain loop (the dynamic kind draws engines since)
 FOUND[1146194759] = (("dynamic",), "refused")
+# lead, session 21: found by the dynamic kind on main after session 20's merges (seed 206's draws):
+# - 1115978788: tiny Falcon, dynamic CP under ZeRO-3 over a pool of 4 (DP 4 x SP 1), min_size 2, one 8-token document,
+#   so one pair of ranks runs it and the other an empty micro-batch. Falcon (an attn_mask passed to SDPA) is refused
+#   by name, but the first-forward probe ran its forwards (ZeRO-3 gathers over the pool) on the ranks that had a
+#   batch to probe only: they waited in the gather for the empty pair until gloo's timeout. The probe now runs on
+#   every rank of the group the forward gathers over or on none, and its refusals, like the batch check's, are
+#   agreed over that group (seqpar.runtime.forward_group; tests/test_probe.py::
+#   test_the_probe_is_collective_where_the_forward_gathers_parameters, test_a_refusal_reaches_every_rank_the_forward_gathers_over).
+FOUND[1115978788] = (("dynamic",), "refused")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in

@@ -257,3 +257,143 @@ def test_first_forward_refusal_is_collective_without_check_inputs(dist_pool, rou
     assert all(t == [first, first] for t in texts), texts
     assert "'mixer' (SequenceCumsum)" in first and "without sequence parallelism" in first, first
     assert "SP rank(s) [0]" in first, first
+
+
+# ----------------------------------------------------------------------------- a forward that gathers parameters
+class Gathering(nn.Module):
+    """``model`` behind a stand-in for an engine's parameter gather: every forward all-reduces its kind
+    (1: one of the probe's forwards, 2: a real one) over the world, as ZeRO-3 gathers each module's
+    parameters over its group, and checks every rank ran the same kind. Its parameter carries the group
+    as ZeRO-3's partitioned parameters do (``ds_process_group``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.gathered = nn.Parameter(torch.zeros(1))
+        self.gathered.ds_process_group = dist.group.WORLD
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        from seqpar.swap.state import is_probing
+
+        kind = torch.tensor([1.0 if is_probing() else 2.0])
+        total = kind.clone()
+        dist.all_reduce(total)
+        if total.item() != kind.item() * dist.get_world_size():
+            raise AssertionError(f"rank {dist.get_rank()} ran a forward of kind {kind.item()} while the others' "
+                                 f"kinds sum to {total.item() - kind.item()}: the ranks' forwards are out of step")
+        return self.model(input_ids) + self.gathered
+
+
+class WhereFive(nn.Module):
+    """A running sum over the sequence only when token id 5 is in the batch: a probe of a batch without 5
+    sees no mixing. ``(B, S, H) -> (B, S, H)``; the ids are set by the test before the forward."""
+
+    ids: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cu: torch.Tensor | None = None) -> torch.Tensor:
+        return x.cumsum(dim=1) / x.shape[1] if bool((WhereFive.ids == 5).any()) else x
+
+
+def _gathered_probe(rank: int, world_size: int, case: str) -> list[str]:
+    """DP ``world_size`` x SP 1 (each rank its own one-rank SP group) over a forward that gathers over the world,
+    as ZeRO-3 does: each rank probes its own batch at its first forward."""
+    ones = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(0)
+    inner = PackedModel("sdpa", "none")
+    if case == "verdict":
+        inner.mixer = WhereFive()
+    model = Gathering(inner)
+    swap_attention(model, {"size": 1}, group=ones[rank])
+    ids = torch.randint(6, VOCAB, (1, 16), generator=torch.Generator().manual_seed(rank))
+    if case == "skip" and rank == 1:
+        ids = ids[:, :2]  # too short to probe (an empty micro-batch under dynamic CP is the real one)
+    if case == "verdict" and rank == 0:
+        ids[0, 7] = 5  # rank 0's probe sees the mixer, rank 1's does not
+    WhereFive.ids = ids
+    said = []
+    for _ in range(2):
+        try:
+            model(input_ids=ids)
+        except SwapError as e:
+            said.append(str(e))
+    return said
+
+
+@pytest.mark.parametrize("case", ["skip", "verdict"])
+def test_the_probe_is_collective_where_the_forward_gathers_parameters(dist_pool, case):
+    """Where the model's forward gathers parameters over a group wider than the SP group (ZeRO-3 or FSDP over
+    DP x SP, or a dynamic-CP pool whose call groups are smaller), the first-forward probe's forwards are
+    collectives too: every rank of that group runs them, or none does ("skip": rank 1's batch is too short to
+    probe, so neither rank probes and both forwards run), and a refusal is raised on every rank of it
+    ("verdict": only rank 0's batch shows the mixer; both ranks refuse, naming rank 0, and keep refusing).
+
+    Seen failing: before the agreement (``flagged_ranks`` over ``forward_group`` in
+    ``seqpar.swap.probe_batch.first_forward_probe``) rank 0's probe forward met rank 1's real forward in the
+    gather ("skip": "out of step"), and rank 1 ran on into a gather rank 0 never joined ("verdict": the pool's
+    timeout). Found by the fuzzer: tiny Falcon under dynamic CP and ZeRO-3, an empty micro-batch pair."""
+    texts = dist_pool.run(2, _gathered_probe, case, timeout=60)
+    if case == "skip":
+        assert texts == [[], []], texts
+        return
+    assert all(len(t) == 2 for t in texts), texts
+    assert "'model.mixer' (WhereFive)" in texts[0][0], texts[0][0]
+    assert "rank(s) [0]" in texts[1][0] and "'model.mixer' (WhereFive)" in texts[1][0], texts[1][0]
+
+
+def _forward_groups(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.fsdp import fully_shard
+
+    from seqpar.runtime.forward_group import forward_group
+
+    plain = nn.Linear(4, 4)
+    zero3 = nn.Linear(4, 4)
+    zero3.weight.ds_process_group = dist.group.WORLD
+    fsdp2 = fully_shard(nn.Linear(4, 4))
+    one = dist.new_group([0])
+    lonely = nn.Linear(4, 4)
+    lonely.weight.ds_process_group = one if rank == 0 else dist.group.WORLD
+    return [forward_group(m) is dist.group.WORLD for m in (zero3,)] + [
+        forward_group(plain) is None, dist.get_world_size(forward_group(fsdp2)) == world_size,
+        rank != 0 or forward_group(lonely) is None]
+
+
+def test_forward_group_finds_the_engines_gather_group(dist_pool):
+    """``forward_group``: ZeRO-3's parameter group, FSDP2's mesh group, none for plain parameters or a
+    one-rank group. Seen failing: with ``_fsdp2_group`` returning None (FSDP2 models were not agreed over)."""
+    assert dist_pool.run(2, _forward_groups, timeout=60) == [[True] * 4] * 2
+
+
+def _gathered_refusal(rank: int, world_size: int, checking: bool) -> list[str]:
+    """DP 2 x SP 1 over a forward that gathers over the world: rank 1's preparer refuses its batch."""
+    from seqpar.swap.batch import install_batch_check, installed_check
+
+    ones = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(0)
+    model = Gathering(PackedModel("sdpa", "none"))
+    swap_attention(model, {"size": 1, "check_inputs": checking}, group=ones[rank])
+    model(input_ids=torch.randint(6, VOCAB, (1, 16), generator=torch.Generator().manual_seed(rank)))  # passes
+
+    def refuse(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if rank == 1:
+            raise ValueError("rank 1's batch is bad: cut it with shard_batch")
+        return args, kwargs
+
+    install_batch_check(model, installed_check(model).options, ["gathering"], [refuse])
+    said = []
+    try:
+        model(input_ids=torch.randint(6, VOCAB, (1, 16)))
+    except ValueError as e:
+        said.append(str(e))
+    return said
+
+
+@pytest.mark.parametrize("checking", [True, False])
+def test_a_refusal_reaches_every_rank_the_forward_gathers_over(dist_pool, checking):
+    """DP 2 x SP 1 under a parameter-gathering forward (ZeRO-3 over DP x SP): a batch refused on rank 1 alone
+    (its one-rank SP group agrees with itself at once) stops rank 0 too, naming rank 1 and its message.
+    (With ``check_inputs`` off this holds until a forward has passed: here the refused forward is a fresh check's
+    first.) Seen failing: without ``_agree_wide`` in ``seqpar.swap.batch`` rank 1 raised alone and rank 0
+    waited in the gather (the pool's timeout)."""
+    texts = dist_pool.run(2, _gathered_refusal, checking, timeout=60)
+    assert texts[1] == ["rank 1's batch is bad: cut it with shard_batch"], texts
+    assert len(texts[0]) == 1 and "rank(s) [1]" in texts[0][0] and "cut it with shard_batch" in texts[0][0], texts

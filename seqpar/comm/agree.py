@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from seqpar.comm.compat import all_gather_into
 
-__all__ = ["rows_across_ranks", "collective_device"]
+__all__ = ["rows_across_ranks", "collective_device", "flagged_ranks"]
 
 _WORDS = 3  # length, then the 128-bit digest as two int64 words
 
@@ -31,6 +31,16 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def flagged_ranks(flag: bool, group: dist.ProcessGroup) -> list[int]:
+    """The ranks of ``group`` (group ranks, ascending) that passed ``flag`` true: one all-reduce of one int32
+    per rank, one host read. Every rank gets the same list, so every rank takes the same branch after it
+    (e.g. all raise when any refused)."""
+    flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=collective_device(group))
+    flags[dist.get_rank(group)] = int(flag)
+    dist.all_reduce(flags, group=group)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def _digest(row: Sequence[int]) -> list[int]:

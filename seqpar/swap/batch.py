@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.comm.agree import collective_device, rows_across_ranks
+from seqpar.comm.agree import flagged_ranks, rows_across_ranks
+from seqpar.runtime.forward_group import forward_group
 from seqpar.runtime.groups import resolve_group
 from seqpar.runtime.verified import enter_verified, exit_verified, mark_unverified
 from seqpar.sequence.boundaries import host_boundaries
@@ -156,24 +157,35 @@ class _BatchCheck:
             return self._prepare(module, args, kwargs)
         group = resolve_group(call_group(kwargs, self.options.group))  # dynamic CP: the call's group
         world = 1 if group is None else dist.get_world_size(group)
+        wide = _wider_forward_group(module, world)
         refusal: BaseException | None = None
         try:
             args, kwargs = self._prepare(module, args, kwargs)
         except (ValueError, TypeError) as e:
-            if world == 1:
+            if world == 1 and wide is None:
                 raise
             refusal = e
-        if not self.options.check_inputs:
-            # Until a forward passes on every rank (the first, normally), a refusal is collective even with
-            # checking off: a rank whose first-forward probe has no verdict (its shard all padding) or whose
-            # preparers accept its shard would otherwise wait in its first collective for ranks that raised.
-            if world > 1:
+        checking = self.options.check_inputs
+        try:
+            if world == 1:
+                if refusal is not None:
+                    raise refusal
+            elif checking:
+                self._agree(module, group, args, kwargs, refusal)
+            else:
+                # Until a forward passes on every rank (the first, normally), a refusal is collective even with
+                # checking off: a rank whose first-forward probe has no verdict (its shard all padding) or whose
+                # preparers accept its shard would otherwise wait in its first collective for ranks that raised.
                 self._agree_verdict(module, group, refusal)
-            self.first_verdict = False
-            return args, kwargs
-        if world > 1:
-            self._agree(module, group, args, kwargs, refusal)
+        except (ValueError, TypeError) as e:
+            if wide is None:
+                raise
+            self._agree_wide(module, wide, e)
+        if wide is not None:
+            self._agree_wide(module, wide, None)
         self.first_verdict = False
+        if not checking:
+            return args, kwargs
         enter_verified()
         self.active[-1] = True
         return args, kwargs
@@ -238,13 +250,10 @@ class _BatchCheck:
         flag per rank; on a refusal (then only) every rank's message, and every rank raises the same
         error. A first-forward check's refusal (the probe's) then refuses every later forward on every
         rank, with no collective."""
-        flags = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=collective_device(group))
-        flags[dist.get_rank(group)] = int(refusal is not None)
-        dist.all_reduce(flags, group=group)
-        refused = [r for r, flag in enumerate(flags.tolist()) if flag]  # the one host read
+        refused = flagged_ranks(refusal is not None, group)
         if not refused:
             return
-        said: list[Any] = [None] * len(flags)
+        said: list[Any] = [None] * dist.get_world_size(group)
         mine = None if refusal is None else (isinstance(refusal, SwapError), refusal is self.refused, str(refusal))
         dist.all_gather_object(said, mine, group=group)
         swap_error, lasting, text = said[refused[0]]
@@ -258,12 +267,39 @@ class _BatchCheck:
             self.first_verdict = False
         raise error from refusal
 
+    def _agree_wide(self, module: nn.Module, wide: dist.ProcessGroup, error: BaseException | None) -> None:
+        """The verdict of this forward over the group its forward gathers parameters over, wider than the SP
+        (or call) group (ZeRO-3 or FSDP over DP x SP, a dynamic-CP pool): one all-reduce of one flag per rank.
+        A rank whose SP group refused raises its own error; every other rank raises one naming the first
+        refusing rank and its message, instead of waiting in the forward's first parameter gather."""
+        refused = flagged_ranks(error is not None, wide)
+        if not refused:
+            return
+        said: list[Any] = [None] * dist.get_world_size(wide)  # every rank's message (on this error path only)
+        mine = None if error is None else (isinstance(error, SwapError), str(error))
+        dist.all_gather_object(said, mine, group=wide)
+        if error is not None:
+            raise error
+        swap_error, text = said[refused[0]]
+        raise (SwapError if swap_error else ValueError)(
+            f"seqpar ({type(module).__name__}): rank(s) {refused} of the {len(said)} ranks this model's forward "
+            "gathers parameters over (ZeRO-3 or FSDP over data and sequence parallelism) refused their batch; "
+            f"every rank stops here instead of waiting for them in a gather. Rank {refused[0]} said: {text}"
+        )
+
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also runs when the forward (or the pre-hook) raised.
         if is_probing() or tracing():
             return
         if self.active and self.active.pop():
             exit_verified()
+
+
+def _wider_forward_group(module: nn.Module, world: int) -> dist.ProcessGroup | None:
+    """The group ``module``'s forward gathers parameters over (:func:`seqpar.runtime.forward_group.forward_group`)
+    when it has more ranks than the SP (or call) group of ``world`` ranks, else None."""
+    wide = forward_group(module)
+    return wide if wide is not None and dist.get_world_size(wide) > world else None
 
 
 def install_batch_check(

@@ -9,12 +9,17 @@ packed-document inputs describe the cut, chooses the position to change, and run
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from seqpar.comm.agree import flagged_ranks
+from seqpar.runtime.forward_group import forward_group
 from seqpar.sequence.boundaries import boundary_tensor, host_boundaries
 from seqpar.swap.options import SwapError
 from seqpar.swap.probe import (
@@ -55,6 +60,13 @@ def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | No
     Returns:
         The mixers, or None when the batch cannot be probed (fewer than 3 positions, one distinct id).
     """
+    call = _probe_call(model, args, kwargs)
+    return None if call is None else call()
+
+
+def _probe_call(model: nn.Module, args: tuple, kwargs: dict) -> Callable[[], list[Mixer]] | None:
+    """:func:`slice_probe` up to running the model: the probe to run, or None when the batch cannot be
+    probed. Nothing runs the model or communicates before the call."""
     leaves = tensor_leaves((args, kwargs), [])
     seq_input = next((t for t in leaves if t.dim() >= 2), None)
     if seq_input is None or seq_input.shape[1] < 3:
@@ -91,7 +103,7 @@ def slice_probe(model: nn.Module, args: tuple, kwargs: dict) -> list[Mixer] | No
             return model(*perturbed_args, **perturbed_kwargs)
         return model(*plain_args, **plain_kwargs)
 
-    return find_mixers(model, run, length, position)
+    return functools.partial(find_mixers, model, run, length, position)
 
 
 def _cut(t: Tensor, full: int, length: int) -> Tensor:
@@ -174,22 +186,63 @@ def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
     positions (:func:`slice_probe`); run by the batch check (:mod:`seqpar.swap.batch`) before any
     communication, so a refusal is raised on every rank.
 
+    Where the forward gathers parameters (ZeRO-3, FSDP: :func:`seqpar.runtime.forward_group.forward_group`),
+    the probe's forwards are collective too: the ranks of that group first agree that every one of them
+    can probe its batch (one that cannot, e.g. an empty micro-batch under dynamic CP or a shard of one
+    token id, makes every rank skip the probe, with a warning), and afterwards agree the verdict, so a
+    refusal is raised on every rank of that group, not only on those that saw it.
+
     Raises:
-        SwapError: naming every module that mixes positions.
+        SwapError: naming every module that mixes positions, or seqpar's refusal of a layer met while
+            probing (on every rank of the forward's group when there is one).
     """
     if is_simulated(model):
         return
-    try:
-        mixers = slice_probe(model, args, kwargs)
-    except ProbeFailed as failed:
-        if raised_by_seqpar(failed.error):
-            raise failed.error from None  # seqpar's own refusal of this batch, as the forward would raise it
-        logger.warning("seqpar: the position-mixing probe could not run the model on the first %d positions "
-                       "of this batch (%s); modules mixing positions are not checked", PROBE_LENGTH, failed)
-        return
-    if mixers is None:
+    group = forward_group(model)
+    call = _probe_call(model, args, kwargs)
+    if group is not None:
+        unable = flagged_ranks(call is None, group)
+        if unable:
+            logger.warning("seqpar: the position-mixing probe could not run on the batch of rank(s) %s of the "
+                           "%d ranks this model's forward gathers parameters over (fewer than 3 positions, or a "
+                           "single distinct token id), and runs on all of them or none: modules mixing positions "
+                           "are not checked", unable, dist.get_world_size(group))
+            return
+    refusal: BaseException | None = None
+    if call is None:
         logger.warning("seqpar: the position-mixing probe could not run on this batch (fewer than 3 "
                        "positions, or a single distinct token id): modules mixing positions are not checked")
-    elif mixers:
-        raise SwapError(f"{mixing_refusal(mixers, type(model).__name__)} The model stays swapped, and "
-                        "refuses every forward.")
+    else:
+        try:
+            mixers = call()
+        except ProbeFailed as failed:
+            if raised_by_seqpar(failed.error):
+                refusal = failed.error  # seqpar's own refusal of this batch, as the forward would raise it
+            else:
+                logger.warning("seqpar: the position-mixing probe could not run the model on the first %d "
+                               "positions of this batch (%s); modules mixing positions are not checked",
+                               PROBE_LENGTH, failed)
+        else:
+            if mixers:
+                refusal = SwapError(f"{mixing_refusal(mixers, type(model).__name__)} The model stays swapped, "
+                                    "and refuses every forward.")
+    if group is not None:
+        _agree_refusal(group, refusal)
+    if refusal is not None:
+        raise refusal from None
+
+
+def _agree_refusal(group: dist.ProcessGroup, refusal: BaseException | None) -> None:
+    """Every rank of ``group`` raises when one does: the probe's verdict can differ between ranks (each
+    probes its own batch), and a rank that went on would wait in the forward's first parameter gather for
+    ranks that stopped."""
+    refused = flagged_ranks(refusal is not None, group)
+    if not refused:
+        return
+    said: list[Any] = [None] * dist.get_world_size(group)  # every rank's message (on this error path only)
+    dist.all_gather_object(said, None if refusal is None else str(refusal), group=group)
+    if refusal is not None:
+        return  # this rank raises its own refusal
+    raise SwapError(f"seqpar: the position-mixing probe refused the batch of rank(s) {refused} of the ranks "
+                    f"this model's forward gathers parameters over; every rank stops here. Rank {refused[0]} "
+                    f"said: {said[refused[0]]}")
