@@ -143,26 +143,40 @@ def compile_auto(rank: int, world: int) -> list[str]:
     torch._dynamo.reset()
     failures += eager_vs_compiled(call, q, k, v, dout, "auto")
     torch._dynamo.reset()
+    # A shape never chosen eagerly (batch 2): choose_mode must not log while tracing (a logger call is a graph
+    # break under fullgraph). (Dynamic shapes are another matter: dynamo 2.13 crashes on the cost model's format
+    # spec of a symbolic figure, torch's bug; seqpar.testing.fuzz_compile steers around it.)
+    wide = make_case(8, world, (4, 2, 8), batch=2)
+    q, k, v, dout = (shard_rows(wide[n], rank, world, "zigzag").float() for n in ("q", "k", "v", "dout"))
+    failures += eager_vs_compiled(call, q, k, v, dout, "auto, unseen shape", compiled_first=True)
+    torch._dynamo.reset()
     return failures
 
 
 def eager_vs_compiled(call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,  # noqa: ANN001
-                      label: str) -> list[str]:
+                      label: str, compiled_first: bool = False) -> list[str]:
     """``call(q, k, v)`` eager, then compiled (fullgraph, aot_eager), each with ``dout`` backward: the
     outputs and gradients that differ (fp32 1e-5 of each one's own scale), as text."""
     runs = []
-    for compiled in (False, True):
+    for compiled in ((True, False) if compiled_first else (False, True)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
-        out = fn(*leaves)
+        try:
+            out = fn(*leaves)
+        except Exception as error:  # noqa: BLE001 - a graph break under fullgraph, or dynamo's crash
+            return [f"{label}: compiled call raised {type(error).__name__}: {str(error)[:600]}"]
         out.backward(dout)
         runs.append([out.detach(), *(t.grad for t in leaves)])
+    if compiled_first:
+        runs.reverse()
     return [f"{label}: {name} differs by {(c - e).abs().max().item():.3g}"
             for name, e, c in zip(("out", "dq", "dk", "dv"), *runs)
             if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())]
 
 
 def test_auto_mode_compiles_once_its_links_are_probed(dist_pool) -> None:
+    """Seen failing: the unseen shape with choose_mode logging while tracing (the fuzzer's compile kind, case
+    1677996661: a graph break under fullgraph)."""
     per_rank = dist_pool.run(2, compile_auto, timeout=300)
     assert per_rank == [[], []], per_rank
 

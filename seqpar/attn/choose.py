@@ -277,13 +277,14 @@ def choose_mode(
     Links come from ``manager.links`` when set (config), else from :func:`probe_links` on ``group``
     (probed on the first call, then cached)."""
     u = manager.ulysses_size if manager is not None else 1
+    compiling = torch.compiler.is_compiling()
     c = CallShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(), bool(causal),
                   world, u, head_chunks, None if v_head_dim in (None, q.shape[3]) else v_head_dim,
                   2 if dkv_wire_dtype == "bf16" else 4)
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group
-        if pg is not None and torch.compiler.is_compiling():
+        if pg is not None and compiling:
             links = _probed_while_tracing(pg)
         else:
             links = probe_links(pg) if pg is not None else Links()
@@ -295,7 +296,7 @@ def choose_mode(
         )
     best = ranked[0]
     key = (c, links, tuple(sorted(features)))
-    if key not in _LOGGED:
+    if key not in _LOGGED and not compiling:  # a logger call is a graph break: eager calls log
         _LOGGED.add(key)
         others = "; ".join(f"{m.mode} {m.seconds * 1e3:.3g} ms ({m.reason})" for m in ranked[1:])
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
