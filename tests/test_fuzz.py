@@ -577,7 +577,8 @@ def test_a_planted_dynamic_engine_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
 def test_model_kind_draws_the_memory_features() -> None:
     """The model draws turn on the ``sequence_parallel`` block's memory features, with their options: the tiled
     loss with the automatic tile, one-token tiles and tiles of 2..7 rows (dividing the shard or not), the tiled
-    MLP ("auto", 1, 2..6 chunks, one-token tiles), offload under checkpointing, the lean norms, odd vocabularies,
+    MLP ("auto", 1, 2..6 chunks, one-token tiles), offload under checkpointing, the lean norms, attention's
+    head_chunks, odd vocabularies,
     ignored label prefixes, combinations of them, and now and then one feature on a type seqpar does not tile
     (a refusal); the draws are JSON-able, reproducible, named by the summary; a seed's other draws are those
     it had before (the model type aside, where a memory case redraws it); the engine kind draws none; the
@@ -623,6 +624,8 @@ def test_model_kind_draws_the_memory_features() -> None:
             seen.add("offload under checkpointing")
         if mem["recompute_norm"]:
             seen.add("recompute_norm")
+        if mem["head_chunks"] != "auto":
+            seen.add("head_chunks")
         if mem["vocab"] % 2:
             seen.add("odd vocab")
         if mem["ignored_prefix"] and d["batch"] != "packed":
@@ -632,7 +635,7 @@ def test_model_kind_draws_the_memory_features() -> None:
             seen.add("tiled loss under checkpointing")
     want = {"untileable type", 1, 2, 3, ("loss tile", "auto"), ("loss tile", "one"), ("loss tile", "rows"),
             ("mlp", "auto"), ("mlp", 1), ("mlp", 4096), ("mlp", "chunks"), "offload under checkpointing",
-            "recompute_norm", "odd vocab", "ignored labels", ("batch", "rows"), ("batch", "padded"),
+            "recompute_norm", "head_chunks", "odd vocab", "ignored labels", ("batch", "rows"), ("batch", "padded"),
             ("batch", "packed"), "tiled loss under checkpointing"}
     assert want <= seen, sorted(map(str, want - seen))
     for seed in range(30):

@@ -20,11 +20,13 @@ one or ``loss_tile_rows`` rows, one token, tiles that do and do not divide the s
 (``"auto"``, 1, 2..6 chunks, or 4096: one-token tiles), ``offload_activations`` (on CPU the swap's own
 transfer is an exact no-op, so the ranks give it a stand-in that copies each checkpointed input away and back,
 :class:`HostCopyTransfer`: the recompute and prefetch order run for real; it matters with checkpointing only),
-``recompute_norm``; the vocabulary size (96, or odd: 97, 61, 31, which is under the hidden size so that the
+``recompute_norm``, ``head_chunks`` (attention in passes over the K/V heads: 1, 2, or 3, which divides few
+tiny models' K/V heads: refused by name); the vocabulary size (96, or odd: 97, 61, 31, which is under the hidden size so that the
 automatic loss tile is the whole shard) and ignored labels (a prompt of ``ignored_prefix`` tokens of row 0 with
 ``-100`` labels, on rows and right-padded batches). All go through the config, as a user's: ``swap_attention``
-applies them. The vocab-parallel loss is not drawn: it runs under TP only, which this kind has no engine for
-(the ``engine`` kind's ``tp2`` reaches it, untiled).
+applies them. The vocab-parallel loss is not drawn: it runs under TP only (the LM head split on the vocabulary,
+with ``tp_sequence_parallel`` or the tiled loss), which this kind has no engine for; nor does the ``engine``
+kind's ``tp2`` reach it today (its config sets neither, so the head's output is gathered).
 
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
@@ -109,8 +111,10 @@ _ONE_TOKEN_MLP_TILES = 4096  # tiled_mlp chunks beyond any shard's rows: mlp_chu
 def draw_memory(rng: random.Random, model_type: str, at_least_one: bool) -> dict[str, Any]:
     """The ``memory`` draws (JSON-able): ``tiled_loss``, ``loss_tile_rows`` (None: the automatic tile),
     ``tiled_mlp`` (False, ``"auto"`` or chunks), ``offload_activations``, ``recompute_norm``, ``vocab`` (the model's
-    vocabulary size), ``ignored_prefix`` (row 0's first tokens labelled -100). ``at_least_one``: one feature at
-    least is on (else exactly one, for a refusal probe on a type seqpar may not tile)."""
+    vocabulary size), ``ignored_prefix`` (row 0's first tokens labelled -100), ``head_chunks`` (attention's K/V
+    heads per pass: ``"auto"``, 1, 2, or 3, which does not divide most tiny models' 2 K/V heads: a refusal by
+    name). ``at_least_one``: one feature at least is on (else exactly one, for a refusal probe on a type seqpar
+    may not tile)."""
     from seqpar.testing.tiny_models import VOCAB
 
     mem: dict[str, Any] = {
@@ -136,6 +140,9 @@ def draw_memory(rng: random.Random, model_type: str, at_least_one: bool) -> dict
         mem["tiled_mlp"] = 2
     if not mem["tiled_loss"]:
         mem["loss_tile_rows"] = None
+    # attention's memory knob (K/V heads per pass); drawn last, so the draws above are those it had before
+    head_chunks = rng.choice(("auto", "auto", "auto", 1, 2, 2, 3))  # the tiny models have 2 K/V heads mostly
+    mem["head_chunks"] = head_chunks if at_least_one else "auto"
     return mem
 
 
@@ -164,6 +171,8 @@ def _memory_summary(mem: dict[str, Any] | None) -> str:
     for key in ("offload_activations", "recompute_norm"):
         if mem.get(key):
             parts.append(key)
+    if mem.get("head_chunks", "auto") != "auto":
+        parts.append(f"head_chunks={mem['head_chunks']}")
     if mem.get("vocab", VOCAB) != VOCAB:
         parts.append(f"vocab={mem['vocab']}")
     if mem.get("ignored_prefix"):
@@ -412,7 +421,8 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
         cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
                "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
         mem = draws.get("memory") or {}
-        cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm") if k in mem})
+        cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
+                    if k in mem})
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
