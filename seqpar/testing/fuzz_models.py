@@ -358,12 +358,13 @@ def _memory_settings(draws: dict[str, Any], plant: str | None) -> Any:
     """Undo callable for what a memory case changes in the rank beyond the config: the loss tile's cap
     (``loss_tile_rows``), the stand-in offload transfer, a plant."""
     from seqpar.memory import offload, tiling
+    from seqpar.testing.tiny_models import VOCAB
 
     mem = draws.get("memory") or {}
     saved = (tiling.MAX_LOSS_CHUNK_ELEMENTS, offload.CudaTransfer, tiling._chunk_loss_and_grad, tiling._TiledMLP.backward)
     if mem.get("loss_tile_rows"):
         # loss_chunk_rows caps a tile at MAX_LOSS_CHUNK_ELEMENTS // vocab rows: the tile of this many rows (or fewer)
-        tiling.MAX_LOSS_CHUNK_ELEMENTS = mem["loss_tile_rows"] * mem.get("vocab", 96)
+        tiling.MAX_LOSS_CHUNK_ELEMENTS = mem["loss_tile_rows"] * mem.get("vocab", VOCAB)
     offload.CudaTransfer = HostCopyTransfer if plant != "offload_scaled_input" else _ScaledBackTransfer
     if plant is not None and plant not in MODEL_PLANTS:
         raise ValueError(f"unknown plant {plant!r}")
