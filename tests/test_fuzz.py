@@ -189,6 +189,9 @@ FOUND[1146194759] = (("dynamic",), "refused")
 #   agreed over that group (seqpar.runtime.forward_group; tests/test_probe.py::
 #   test_the_probe_is_collective_where_the_forward_gathers_parameters, test_a_refusal_reaches_every_rank_the_forward_gathers_over).
 FOUND[1115978788] = (("dynamic",), "refused")
+# fz21m (session 21: the model kind draws the memory features: tiled loss / MLP, offload, lean norms, head_chunks):
+# seeds 401 and 402 (80 model cases each) and 93 memory cases of seed 403's first 240 gave no WRONG and no crash,
+# so nothing is pinned here; the planted memory bugs are test_a_planted_memory_bug_is_wrong.
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -577,3 +580,118 @@ def test_a_planted_dynamic_engine_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert planted["verdict"] == "WRONG", (planted["detail"], planted.get("trace"))
     clean = fuzzer.run(draws)
     assert clean["verdict"] == "exact", (clean["detail"], clean.get("trace"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The model kind's memory features (fz21m): tiled loss / MLP, offload, lean norms, through the config
+# --------------------------------------------------------------------------------------------------
+
+def test_model_kind_draws_the_memory_features() -> None:
+    """The model draws turn on the ``sequence_parallel`` block's memory features, with their options: the tiled
+    loss with the automatic tile, one-token tiles and tiles of 2..7 rows (dividing the shard or not), the tiled
+    MLP ("auto", 1, 2..6 chunks, one-token tiles), offload under checkpointing, the lean norms, attention's
+    head_chunks, odd vocabularies,
+    ignored label prefixes, combinations of them, and now and then one feature on a type seqpar does not tile
+    (a refusal); the draws are JSON-able, reproducible, named by the summary; a seed's other draws are those
+    it had before (the model type aside, where a memory case redraws it); the engine kind draws none; the
+    tileable types are the tiling module's. Seen failing: ``_with_memory`` not called (no memory draw), the
+    one-token MLP tile dropped from the choices, the summary without ``_memory_summary``."""
+    import json
+
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    from seqpar.memory.tiling import CAUSAL_LM_CLASSES
+    from seqpar.testing.fuzz_models import TILEABLE_TYPES, draw_model
+    from seqpar.testing.tiny_models import VOCAB, decoder_model_types
+
+    tileable = {t for t in decoder_model_types()
+                if getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]).__name__ in CAUSAL_LM_CLASSES}
+    assert tileable == set(TILEABLE_TYPES)
+    seen: set = set()
+    for seed in range(300):
+        d = fuzz.draw_case(seed, ("model",))
+        assert d == fuzz.draw_case(seed, ("model",)) and json.loads(json.dumps(d)) == d
+        old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type")} == \
+            {k: v for k, v in old.items() if k != "model_type"}, seed
+        mem = d["memory"]
+        if mem is None:
+            assert d["model_type"] == old["model_type"] and "mem[" not in fuzz.summary(d)
+            continue
+        assert "mem[" in fuzz.summary(d)
+        on = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm") if mem[k] is not False]
+        assert on, d
+        if d["model_type"] not in TILEABLE_TYPES:
+            seen.add("untileable type")
+            assert len(on) == 1 and mem["vocab"] == VOCAB, d
+        seen.add(len(on))
+        if mem["tiled_loss"]:
+            rows = mem["loss_tile_rows"]
+            seen.add(("loss tile", "auto" if rows is None else "one" if rows == 1 else "rows"))
+        if mem["tiled_mlp"] is not False:
+            chunks = mem["tiled_mlp"]
+            seen.add(("mlp", chunks if chunks in ("auto", 1, 4096) else "chunks"))
+        if mem["offload_activations"] and d["checkpointing"]:
+            seen.add("offload under checkpointing")
+        if mem["recompute_norm"]:
+            seen.add("recompute_norm")
+        if mem["head_chunks"] != "auto":
+            seen.add("head_chunks")
+        if mem["vocab"] % 2:
+            seen.add("odd vocab")
+        if mem["ignored_prefix"] and d["batch"] != "packed":
+            seen.add("ignored labels")
+        seen.add(("batch", d["batch"]))
+        if mem["tiled_loss"] and d["checkpointing"]:
+            seen.add("tiled loss under checkpointing")
+    want = {"untileable type", 1, 2, 3, ("loss tile", "auto"), ("loss tile", "one"), ("loss tile", "rows"),
+            ("mlp", "auto"), ("mlp", 1), ("mlp", 4096), ("mlp", "chunks"), "offload under checkpointing",
+            "recompute_norm", "head_chunks", "odd vocab", "ignored labels", ("batch", "rows"), ("batch", "padded"),
+            ("batch", "packed"), "tiled loss under checkpointing"}
+    assert want <= seen, sorted(map(str, want - seen))
+    for seed in range(30):
+        assert "memory" not in fuzz.draw_case(seed, ("engine",))
+
+
+def _after_kind(seed: int):
+    """The rng of ``draw_case(seed, ("model",))`` as it stands when draw_model starts (the kind drawn first)."""
+    import random
+
+    rng = random.Random(seed)
+    rng.choices(("model",), weights=[3])
+    return rng
+
+
+def _memory_case() -> dict:
+    """A drawn memory case (tiny qwen2, P = 2, ring, reentrant checkpointing), pinned to every feature at once:
+    loss tiles of 3 rows (16 rows a shard: the last tile short), the MLP in 3 tiles, offload, the lean norms, an
+    odd vocabulary and a 5-token prompt without loss."""
+    draws = fuzz.draw_case(1322521565, ("model",))
+    assert (draws["model_type"], draws["world"], draws["checkpointing"]) == ("qwen2", 2, "reentrant"), fuzz.summary(draws)
+    draws.update(mode="ring", sharding="zigzag", step="one", batch="rows", lengths=[[16]],
+                 memory={"tiled_loss": True, "loss_tile_rows": 3, "tiled_mlp": 3, "offload_activations": True,
+                         "recompute_norm": True, "vocab": 97, "ignored_prefix": 5})
+    return draws
+
+
+@pytest.mark.timeout(300)
+def test_a_planted_memory_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The model kind judges the memory features: the pinned case with every feature on is exact; WRONG with each
+    loss tile divided by its own token count (``tile_loss_own_count``) and with the tiled MLP's parameter
+    gradients its last tile's alone (``mlp_last_tile_grads``), and with an offloaded layer input coming back scaled
+by 1.001 (``offload_scaled_input``: the offload runs, through the stand-in transfer); exact again after them (the ranks undo the plants).
+    Seen failing: ``_model_task`` without the memory keys in its config (every run untiled: the plants exact);
+    the stand-in transfer not installed (the offload plant exact: CPU's own transfer is a no-op)."""
+    from seqpar.testing.fuzz_models import run_model_case
+
+    draws = _memory_case()
+    verdict, detail = run_model_case(fuzzer.pools, draws, 240.0)
+    assert verdict == "exact", detail
+    verdict, detail = run_model_case(fuzzer.pools, draws, 240.0, plant="tile_loss_own_count")
+    assert verdict == "WRONG" and "loss off" in detail, detail
+    verdict, detail = run_model_case(fuzzer.pools, draws, 240.0, plant="mlp_last_tile_grads")
+    assert verdict == "WRONG" and "mlp" in detail, detail
+    verdict, detail = run_model_case(fuzzer.pools, draws, 240.0, plant="offload_scaled_input")
+    assert verdict == "WRONG" and "grad" in detail, detail
+    assert run_model_case(fuzzer.pools, draws, 240.0)[0] == "exact"

@@ -170,7 +170,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
     elif kind == "model":
         from seqpar.testing.fuzz_models import draw_model
 
-        draws = draw_model(rng)
+        draws = draw_model(rng, memory=True)  # the memory features: the model kind only (fuzz_models)
     elif kind == "dynamic":
         from seqpar.testing.fuzz_dynamic import draw_dynamic
 

@@ -10,8 +10,26 @@ forward and backward; two forwards before one backward; gradient accumulation ov
 ``check_inputs`` on and off. The same cases through ZeRO, FSDP2 and TP are the ``engine`` kind
 (:mod:`seqpar.testing.fuzz_engines`).
 
-Reference: one process without seqpar, float64 where the model runs in it (else fp32), on the full batch,
-with the case's activation checkpointing;
+Then the memory features of the ``sequence_parallel`` block (``memory``; drawn after everything above, so a case
+seed's other draws are those it had before them; the ``engine`` kind draws none): in 30% of the cases the model
+type is redrawn among :data:`TILEABLE_TYPES` (the Llama-family causal LMs :mod:`seqpar.memory.tiling` takes) and
+at least one feature is turned on, in 6% one feature goes on whatever the type (a type seqpar does not tile must
+be refused by name on every rank). The features, each with its options: ``tiled_loss`` (the tile: the automatic
+one or ``loss_tile_rows`` rows, one token, tiles that do and do not divide the shard; applied by capping
+:data:`seqpar.memory.tiling.MAX_LOSS_CHUNK_ELEMENTS` in the ranks, the one knob of the tile size), ``tiled_mlp``
+(``"auto"``, 1, 2..6 chunks, or 4096: one-token tiles), ``offload_activations`` (on CPU the swap's own
+transfer is an exact no-op, so the ranks give it a stand-in that copies each checkpointed input away and back,
+:class:`HostCopyTransfer`: the recompute and prefetch order run for real; it matters with checkpointing only),
+``recompute_norm``, ``head_chunks`` (attention in passes over the K/V heads: 1, 2, or 3, which divides few
+tiny models' K/V heads: refused by name); the vocabulary size (96, or odd: 97, 61, 31, which is under the hidden size so that the
+automatic loss tile is the whole shard) and ignored labels (a prompt of ``ignored_prefix`` tokens of row 0 with
+``-100`` labels, on rows and right-padded batches). All go through the config, as a user's: ``swap_attention``
+applies them. The vocab-parallel loss is not drawn: it runs under TP only (the LM head split on the vocabulary,
+with ``tp_sequence_parallel`` or the tiled loss), which this kind has no engine for; nor does the ``engine``
+kind's ``tp2`` reach it today (its config sets neither, so the head's output is gathered).
+
+Reference: one process without seqpar and without the memory features (they must not change the maths),
+float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
 packed documents each run alone and token-weighted (per-document semantics). The loss must agree within
 ``tol`` relative and every parameter's gradient (summed over the SP ranks) within
 ``tol * max|g_ref of that parameter| + floor * max|g_ref| over the model`` (tol 1e-4 in float64, 1e-3 in fp32).
@@ -24,8 +42,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["draw_model", "draw_lengths", "model_summary", "run_model_case", "model_task", "model_reference", "case_batches",
-           "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads"]
+__all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
+           "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
+           "HostCopyTransfer", "MODEL_PLANTS"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -61,8 +80,9 @@ def draw_lengths(rng: random.Random, world: int, batch: str) -> list[list[int]]:
     return seqs
 
 
-def draw_model(rng: random.Random) -> dict[str, Any]:
-    """A ``model`` case's draws (JSON-able)."""
+def draw_model(rng: random.Random, memory: bool = False) -> dict[str, Any]:
+    """A ``model`` case's draws (JSON-able); ``memory``: the memory features too (:func:`draw_memory`, after every
+    other draw; the ``engine`` kind, which calls this without, applies none)."""
     types = _model_types()
     world = rng.randint(1, 4)
     mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
@@ -70,13 +90,94 @@ def draw_model(rng: random.Random) -> dict[str, Any]:
     batch = rng.choice(("rows", "rows", "padded", "packed"))
     sharding = rng.choice(("contiguous", "zigzag", "balanced") if batch == "packed" else ("contiguous", "zigzag"))
     seqs = draw_lengths(rng, world, batch)
-    return {
+    draws = {
         "kind": "model", "model_type": rng.choice(types), "world": world, "mode": mode,
         "ulysses_size": ulysses_size, "sharding": sharding, "batch": batch, "lengths": seqs,
         "checkpointing": rng.choice((None, None, "reentrant", "non-reentrant")),
         "step": rng.choice(("one", "one", "two-forwards", "accumulate")),
         "check_inputs": rng.random() < 0.7,
     }
+    if memory:
+        draws = _with_memory(rng, draws)
+    return draws
+
+
+TILEABLE_TYPES = ("exaone", "gemma", "internlm3", "iquestcoder", "llama", "mistral", "phi3", "qwen2")
+"""The tiny model types whose causal LM is one :mod:`seqpar.memory.tiling` tiles (``CAUSAL_LM_CLASSES``); the
+memory cases draw among them (tests/test_fuzz.py checks the list against the tiling module's classes)."""
+_ONE_TOKEN_MLP_TILES = 4096  # tiled_mlp chunks beyond any shard's rows: mlp_chunks caps them to one row each
+
+
+def draw_memory(rng: random.Random, model_type: str, at_least_one: bool) -> dict[str, Any]:
+    """The ``memory`` draws (JSON-able): ``tiled_loss``, ``loss_tile_rows`` (None: the automatic tile),
+    ``tiled_mlp`` (False, ``"auto"`` or chunks), ``offload_activations``, ``recompute_norm``, ``vocab`` (the model's
+    vocabulary size), ``ignored_prefix`` (row 0's first tokens labelled -100), ``head_chunks`` (attention's K/V
+    heads per pass: ``"auto"``, 1, 2, or 3, which does not divide most tiny models' 2 K/V heads: a refusal by
+    name). ``at_least_one``: one feature at least is on (else exactly one, for a refusal probe on a type seqpar
+    may not tile)."""
+    from seqpar.testing.tiny_models import VOCAB
+
+    mem: dict[str, Any] = {
+        "tiled_loss": rng.random() < 0.6,
+        "loss_tile_rows": rng.choice((None, None, 1, rng.randint(2, 7))),
+        "tiled_mlp": rng.choice((False, False, "auto", 1, rng.randint(2, 6), rng.randint(2, 6), _ONE_TOKEN_MLP_TILES)),
+        "offload_activations": rng.random() < 0.4,
+        "recompute_norm": rng.random() < 0.4,
+        "vocab": rng.choice((VOCAB, VOCAB, 97, 61, 31)),
+        "ignored_prefix": rng.choice((0, 0, 1, rng.randint(2, 8))),
+    }
+    features = ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm")
+    if not at_least_one:  # exactly one feature, the rest off
+        keep = rng.choice(features)
+        for f in features:
+            if f != keep:
+                mem[f] = False
+        mem[keep] = mem[keep] or (2 if keep == "tiled_mlp" else True)
+        mem["vocab"] = VOCAB  # a type's tiny config may tie other fields to the vocabulary
+    elif not any(mem[f] is not False for f in features):
+        mem[rng.choice(features)] = True
+    if mem["tiled_mlp"] is True:
+        mem["tiled_mlp"] = 2
+    if not mem["tiled_loss"]:
+        mem["loss_tile_rows"] = None
+    # attention's memory knob (K/V heads per pass); drawn last, so the draws above are those it had before
+    head_chunks = rng.choice(("auto", "auto", "auto", 1, 2, 2, 3))  # the tiny models have 2 K/V heads mostly
+    mem["head_chunks"] = head_chunks if at_least_one else "auto"
+    return mem
+
+
+def _with_memory(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    u = rng.random()
+    if u < 0.30:
+        draws["model_type"] = rng.choice(TILEABLE_TYPES)
+        draws["memory"] = draw_memory(rng, draws["model_type"], at_least_one=True)
+    elif u < 0.36:
+        draws["memory"] = draw_memory(rng, draws["model_type"], at_least_one=False)
+    else:
+        draws["memory"] = None
+    return draws
+
+
+def _memory_summary(mem: dict[str, Any] | None) -> str:
+    if not mem:
+        return ""
+    from seqpar.testing.tiny_models import VOCAB
+
+    parts = []
+    if mem.get("tiled_loss"):
+        parts.append("tiled_loss" + (f"(tile={mem['loss_tile_rows']})" if mem.get("loss_tile_rows") else ""))
+    if mem.get("tiled_mlp") not in (None, False):
+        parts.append(f"tiled_mlp={mem['tiled_mlp']}")
+    for key in ("offload_activations", "recompute_norm"):
+        if mem.get(key):
+            parts.append(key)
+    if mem.get("head_chunks", "auto") != "auto":
+        parts.append(f"head_chunks={mem['head_chunks']}")
+    if mem.get("vocab", VOCAB) != VOCAB:
+        parts.append(f"vocab={mem['vocab']}")
+    if mem.get("ignored_prefix"):
+        parts.append(f"ignored={mem['ignored_prefix']}")
+    return " mem[" + " ".join(parts) + "]"
 
 
 def model_summary(draws: dict[str, Any]) -> str:
@@ -84,33 +185,38 @@ def model_summary(draws: dict[str, Any]) -> str:
     n_batches = 1 if d["step"] == "one" else 2
     return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
-            + ("" if d["check_inputs"] else " no-check"))
+            + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")))
 
 
 def case_batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
     """The case's full batches (1 or 2, per ``step``), from its case seed."""
     from seqpar.testing.tiny_models import VOCAB
 
+    mem = draws.get("memory") or {}
+    vocab, ignored = mem.get("vocab", VOCAB), mem.get("ignored_prefix", 0)
     g = torch.Generator().manual_seed(draws["case_seed"])
     out = []
     for lens in draws["lengths"][: 1 if draws["step"] == "one" else 2]:
         if draws["batch"] == "packed":
             import transformers
 
-            docs = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lens]
+            docs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
             b = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": x} for x in docs])
             out.append({"docs": docs, "batch": dict(b)})
         elif draws["batch"] == "padded":
             seq, keep = lens
-            ids = torch.randint(3, VOCAB, (2, seq), generator=g)
+            ids = torch.randint(3, vocab, (2, seq), generator=g)
             mask = torch.ones(2, seq, dtype=torch.long)
             mask[1, keep:] = 0
             ids[1, keep:] = 0
             labels = ids.masked_fill(mask == 0, -100)
+            labels[0, :ignored] = -100  # a prompt without loss (memory cases)
             out.append({"batch": {"input_ids": ids, "attention_mask": mask, "labels": labels}})
         else:
-            ids = torch.randint(3, VOCAB, (2, lens[0]), generator=g)
-            out.append({"batch": {"input_ids": ids, "labels": ids.clone()}})
+            ids = torch.randint(3, vocab, (2, lens[0]), generator=g)
+            labels = ids.clone()
+            labels[0, :ignored] = -100  # a prompt without loss (memory cases)
+            out.append({"batch": {"input_ids": ids, "labels": labels}})
     return out
 
 
@@ -130,14 +236,30 @@ def build_case_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     value (jamba, P=1: loss 5e-4 off with no SP at all); the z-loss is a mean over the call's tokens, which
     the token-weighted per-document losses weigh otherwise (case 2143272812: tiny bamba, packed [5, 1, 8],
     3.6e-3 off; seqpar's is the packed call's, as one process computes it on the row)."""
-    from seqpar.testing.tiny_models import build_model
+    from seqpar.testing.tiny_models import VOCAB, build_model
 
-    model = build_model(draws["model_type"], dtype)
+    vocab = (draws.get("memory") or {}).get("vocab", VOCAB)
+    model = build_model(draws["model_type"], dtype) if vocab == VOCAB else _build_with_vocab(draws["model_type"], dtype, vocab)
     if draws["batch"] == "packed":
         if getattr(model.config, "output_router_logits", False):
             model.config.output_router_logits = False
         if getattr(model, "z_loss_coefficient", 0):
             model.z_loss_coefficient = 0.0
+    return model
+
+
+def _build_with_vocab(model_type: str, dtype: torch.dtype, vocab: int) -> Any:
+    """:func:`seqpar.testing.tiny_models.build_model` with another vocabulary size (the same seeded init)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+
+    from seqpar.testing.tiny_models import tiny_config
+
+    config = tiny_config(model_type)
+    config.vocab_size = vocab
+    torch.manual_seed(0)
+    model = getattr(transformers, auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])(config).to(dtype)
+    model.train()
     return model
 
 
@@ -201,20 +323,94 @@ def _real_token_z_loss(model: Any, out: Any, attention_mask: torch.Tensor | None
     return out.loss + coef * ((squares * real).sum() / real.sum() - squares.mean())
 
 
-def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
+class HostCopyTransfer:
+    """A stand-in for :class:`seqpar.memory.offload.CudaTransfer` on CPU (whose own transfer leaves the inputs
+    where they are): each offloaded input is copied away and back (a fresh tensor each way), so the offloaded
+    recompute, its RNG replay and the backward prefetch order run as on a GPU."""
+
+    def applies(self, args: tuple[Any, ...]) -> bool:
+        return any(isinstance(a, torch.Tensor) for a in args)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    def prefetch(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle.clone()
+
+    def fetch(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+
+class _ScaledBackTransfer(HostCopyTransfer):
+    def fetch(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle * 1.001
+
+
+MODEL_PLANTS = ("tile_loss_own_count", "mlp_last_tile_grads", "offload_scaled_input")
+"""Deliberately broken memory features, for the fuzzer's own tests (:func:`model_task`'s ``plant``):
+``"tile_loss_own_count"``: each loss tile's sum divided by its own token count (a per-tile mean) instead of
+leaving the division to the total; ``"mlp_last_tile_grads"``: the tiled MLP's parameter gradients those of its
+last tile alone; ``"offload_scaled_input"``: an offloaded layer input comes back scaled by 1.001 (the recompute then
+differs from the forward)."""
+
+
+def _memory_settings(draws: dict[str, Any], plant: str | None) -> Any:
+    """Undo callable for what a memory case changes in the rank beyond the config: the loss tile's cap
+    (``loss_tile_rows``), the stand-in offload transfer, a plant."""
+    from seqpar.memory import offload, tiling
+    from seqpar.testing.tiny_models import VOCAB
+
+    mem = draws.get("memory") or {}
+    saved = (tiling.MAX_LOSS_CHUNK_ELEMENTS, offload.CudaTransfer, tiling._chunk_loss_and_grad, tiling._TiledMLP.backward)
+    if mem.get("loss_tile_rows"):
+        # loss_chunk_rows caps a tile at MAX_LOSS_CHUNK_ELEMENTS // vocab rows: the tile of this many rows (or fewer)
+        tiling.MAX_LOSS_CHUNK_ELEMENTS = mem["loss_tile_rows"] * mem.get("vocab", VOCAB)
+    offload.CudaTransfer = HostCopyTransfer if plant != "offload_scaled_input" else _ScaledBackTransfer
+    if plant is not None and plant not in MODEL_PLANTS:
+        raise ValueError(f"unknown plant {plant!r}")
+    if plant == "tile_loss_own_count":
+        chunk = saved[2]
+
+        def per_tile_mean(hidden_c: Any, weight: Any, target_c: Any, ignore_index: int, *args: Any) -> Any:
+            loss, dlogits = chunk(hidden_c, weight, target_c, ignore_index, *args)
+            return loss / (target_c != ignore_index).sum().clamp(min=1), dlogits
+        tiling._chunk_loss_and_grad = per_tile_mean
+    elif plant == "mlp_last_tile_grads":
+        original = saved[3]
+
+        def last_tile(ctx: Any, grad_out: torch.Tensor) -> Any:
+            rows = grad_out.numel() // grad_out.shape[-1]
+            keep = torch.zeros_like(grad_out).reshape(-1, grad_out.shape[-1])
+            last = ((rows - 1) // ctx.chunk_rows) * ctx.chunk_rows
+            keep[last:] = 1
+            parts = original(ctx, grad_out * keep.view_as(grad_out))  # the last tile's parameter gradients
+            full = original(ctx, grad_out)
+            return (None, full[1], None, *parts[3:])
+        tiling._TiledMLP.backward = staticmethod(last_tile)
+
+    def undo() -> None:
+        tiling.MAX_LOSS_CHUNK_ELEMENTS, offload.CudaTransfer, tiling._chunk_loss_and_grad = saved[:3]
+        tiling._TiledMLP.backward = staticmethod(saved[3])
+    return undo
+
+
+def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str,
+               plant: str | None = None) -> dict[str, Any]:
     """Pool task (every rank): the case under seqpar; rank 0 returns the loss and the gradients summed over
-    the SP ranks, every rank ``{"ok": False, "error"}`` on an exception."""
+    the SP ranks, every rank ``{"ok": False, "error"}`` on an exception. ``plant``: one of :data:`MODEL_PLANTS`."""
     import warnings
 
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the kernels' fallback notes, once per model type and rank
+    undo = _memory_settings(draws, plant)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # gradient_checkpointing_enable's rename
             return _model_task(ctx, draws, batches, dtype_name)
     finally:
+        undo()
         transformers.logging.set_verbosity(verbosity)
 
 
@@ -225,6 +421,9 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
     try:
         cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
                "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
+        mem = draws.get("memory") or {}
+        cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
+                    if k in mem})
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
@@ -292,16 +491,16 @@ def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
     return "exact", f"loss rel {loss_rel:.1e}, worst grad {worst[0]} {worst[1]:.1e}"
 
 
-def run_model_case(pools: Any, draws: dict[str, Any], timeout: float) -> tuple[str, str]:
+def run_model_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
     """Verdict and detail of a ``model`` case (``"skipped"``: the tiny model does not run even without
-    seqpar, so there is nothing to compare)."""
+    seqpar, so there is nothing to compare). ``plant``: one of :data:`MODEL_PLANTS` (the fuzzer's own tests)."""
     from seqpar.testing.verdicts import classify_errors
 
     batches = case_batches(draws)
     ref = model_reference(draws, batches)
     if not ref["ok"]:
         return "skipped", f"cannot run without seqpar: {ref['error']}"
-    per_rank = pools.run(draws["world"], model_task, draws, batches, ref["dtype"], timeout=timeout)
+    per_rank = pools.run(draws["world"], model_task, draws, batches, ref["dtype"], plant, timeout=timeout)
     bad = classify_errors(per_rank)
     if bad is not None:
         return bad
