@@ -216,7 +216,7 @@ def test_fixed_sample_has_no_wrong_and_no_crash(fuzzer: fuzz.Fuzzer, seed: int, 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case_seed", sorted(FOUND))
+@pytest.mark.parametrize("case_seed", sorted(s for s, (kinds, _) in FOUND.items() if "compile" not in kinds))
 def test_found_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
     kinds, verdict = FOUND[case_seed]
     rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
@@ -568,3 +568,89 @@ def test_a_planted_dynamic_engine_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert planted["verdict"] == "WRONG", (planted["detail"], planted.get("trace"))
     clean = fuzzer.run(draws)
     assert clean["verdict"] == "exact", (clean["detail"], clean.get("trace"))
+
+
+# --------------------------------------------------------------------------------------------------
+# The compile kind (torch.compile over seqpar.attention and swapped models): draws in the main stage; cases that
+# compile (slow: a trace per recompile) in CI's compile stage (SEQPAR_COMPILE_STAGE=1 python -m pytest -m compile_stage)
+# --------------------------------------------------------------------------------------------------
+
+COMPILE_FOUND = sorted(s for s, (kinds, _) in FOUND.items() if "compile" in kinds)
+
+
+def test_compile_kind_draws_changing_calls() -> None:
+    """The ``compile`` kind's draws: direct calls and swapped models; every mode, sharding, backend and ``dynamic``;
+    documents as a tensor and as ints; and several calls of one compiled function whose inputs change (other
+    documents, another length, a second batch row, the SP group switched to pairs at P = 4, a backward after two
+    forwards), so stale guards show. JSON-able and reproducible from the case seed; not drawn without ``--kinds``.
+    Seen failing: with every call given the first call's documents and length in ``fuzz_compile._draw_attention``
+    (the changing-documents and changing-length assertions)."""
+    import json
+
+    from seqpar.testing.fuzz_compile import COVERED
+
+    assert "compile" in fuzz.KINDS and "compile" not in fuzz.DEFAULT_KINDS
+    draws = [fuzz.draw_case(s, ("compile",)) for s in fuzz.case_seeds(21, 300)]
+    for d in draws[:20]:
+        assert d == fuzz.draw_case(d["case_seed"], ("compile",)) and json.loads(json.dumps(d)) == d
+        assert fuzz.summary(d)
+    att = [d for d in draws if d["sub"] == "attention"]
+    mod = [d for d in draws if d["sub"] == "model"]
+    assert len(att) > 100 and len(mod) > 60
+    for ds in (att, mod):
+        assert {d["backend"] for d in ds} == {"eager", "aot_eager", "inductor"}
+        assert {d["dynamic"] for d in ds} == {None, True, False}
+        assert {d["world"] for d in ds} == {1, 2, 3, 4}
+        assert any(len(s) > 1 for d in ds for s in d["steps"])  # two forwards before one backward
+        assert any(len(d["steps"]) > 1 for d in ds)  # a backward between calls
+    assert {d["mode"] for d in att} == {"ring", "allgather", "ulysses", "hybrid", "auto"}
+    assert {d["sharding"] for d in att} == {"contiguous", "zigzag", "balanced"}
+    assert {d["docs"] for d in att} == {None, "tensor", "ints"}
+    docs = [d for d in att if d["docs"]]
+    assert sum(len({tuple(c["cu"]) for c in d["calls"]}) > 1 for d in docs) > 0.8 * len(docs)  # changing documents
+    assert sum(len({c["seq"] for c in d["calls"]}) > 1 for d in att) > 0.3 * len(att)  # changing lengths
+    assert any(len({c["batch"] for c in d["calls"]}) > 1 for d in att)  # a second batch row
+    assert any(c["sp"] != d["world"] for d in att for c in d["calls"])  # the SP group switched
+    assert any(len({c["window"] for c in d["calls"]}) > 1 for d in att)  # a window of another value
+    assert any(d["check_inputs"] for d in att) and any(d["sinks"] for d in att) and any(d["alibi"] for d in att)
+    types = {d["model_type"] for d in mod}
+    assert set(COVERED) <= types and len(types - set(COVERED)) >= 10, types
+    assert {d["batch"] for d in mod} == {"rows", "packed", "padded"}
+    assert any(len({tuple(x) for x in d["lengths"]}) > 1 for d in mod if d["batch"] == "packed")
+
+
+def _compile_case(backend: str = "aot_eager") -> dict:
+    """A compiled ring call on 2 ranks, called twice with other document boundaries (as a tensor) and a backward
+    after each call."""
+    draws = fuzz.draw_case(12, ("compile",))
+    draws.update(sub="attention", world=2, mode="ring", ulysses_size=1, sharding="contiguous", heads=[4, 2, 8, 8],
+                 docs="tensor", causal=True, steps=[[0], [1]], sinks=False, chunk_size=None, alibi=False, softcap=None,
+                 scale=None, layout="bhsd", head_chunks="auto", overlap=True, check_inputs=False, dtype="float32",
+                 dynamic=None, backend=backend,
+                 calls=[{"sp": 2, "seq": 16, "cu": [0, 5, 16], "batch": 1, "window": None},
+                        {"sp": 2, "seq": 16, "cu": [0, 11, 16], "batch": 1, "window": None}])
+    return draws
+
+
+@pytest.mark.compile_stage
+@pytest.mark.timeout(600)
+def test_a_planted_compile_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The compile kind can fail: the compiled ring called twice with other documents is exact in one graph, and
+    WRONG with the ops reading the first call's boundaries forever (``plant="stale_documents"``: a compiled call
+    that reuses the first call's documents). Seen failing: the plant's WRONG, by construction of this test's
+    pair of cases (the second call's output 80% off)."""
+    draws = _compile_case()
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact" and "0 graph breaks, 1 graphs" in rec["detail"], rec["detail"]
+    planted = fuzzer.run(draws, plant="stale_documents")
+    assert planted["verdict"] == "WRONG" and planted["detail"].startswith("call1."), planted["detail"]
+
+
+@pytest.mark.compile_stage
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case_seed", COMPILE_FOUND)
+def test_found_compile_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
+    """The compile kind's pinned cases (``FOUND``'s ``# fz21c`` block), each with the verdict it has since its fix."""
+    kinds, verdict = FOUND[case_seed]
+    rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
+    assert rec["verdict"] == verdict, (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))

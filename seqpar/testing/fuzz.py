@@ -468,7 +468,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
         elif draws["kind"] == "compile":
             from seqpar.testing.fuzz_compile import run_compile_case
 
-            verdict, detail = run_compile_case(pools, draws, timeout, plant)
+            verdict, detail, trace = run_compile_case(pools, draws, timeout, plant)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
