@@ -603,6 +603,7 @@ def test_compile_kind_draws_changing_calls() -> None:
         assert {d["world"] for d in ds} == {1, 2, 3, 4}
         assert any(len(s) > 1 for d in ds for s in d["steps"])  # two forwards before one backward
         assert any(len(d["steps"]) > 1 for d in ds)  # a backward between calls
+        assert any(d["fullgraph"] for d in ds) and not all(d["fullgraph"] for d in ds)
     assert {d["mode"] for d in att} == {"ring", "allgather", "ulysses", "hybrid", "auto"}
     assert {d["sharding"] for d in att} == {"contiguous", "zigzag", "balanced"}
     assert {d["docs"] for d in att} == {None, "tensor", "ints"}

@@ -13,7 +13,8 @@ packed documents as an int tensor (read by the op at run time) or as ints (a gra
 recompile); window (its value may change between calls), sinks, chunked attention, ALiBi, soft-cap, scale,
 layout bshd, head_chunks, overlap; ``check_inputs`` (mostly off: on, the cross-rank check breaks the graph,
 docs/performance.md); fp32 or float64; ``dynamic`` None / True / False; backend ``eager`` / ``aot_eager``
-(``inductor`` now and then: its C++ builds are slow on CPU). Then **two or three calls of the one compiled
+(``inductor`` now and then: its C++ builds are slow on CPU); ``fullgraph=True`` now and then where one graph is
+promised (below). Then **two or three calls of the one compiled
 function** with changing inputs: other documents, another sequence length, a second batch row, now and then
 (P = 4) a call on the pairs ``{0, 1}, {2, 3}`` (the SP group changes between calls, passed as ``group=``), with
 the backward after each call, after two forwards, or after all (``steps``).
@@ -32,13 +33,19 @@ step. Each output and gradient on its own scale (:func:`seqpar.testing.verdicts.
 Verdicts: ``exact``, ``refused`` (by name, on every rank), ``WRONG``, ``crash``, ``skipped`` (the model does
 not run even without seqpar), and ``breaks``: every tensor exact, but dynamo broke the graph
 (``torch._dynamo.utils.counters["graph_break"]``) where docs/performance.md promises one graph: a direct call
-with ``check_inputs=False``; a swapped model of ``COVERED`` without checkpointing. The detail always names the
-graph breaks, graphs and recompiles.
+with ``check_inputs=False`` (and not balanced sharding with the boundaries as a tensor, refused while tracing); a
+swapped model of ``COVERED`` without checkpointing, padding mask or balanced sharding. Under ``fullgraph=True`` such a
+break is dynamo's ``Unsupported`` on every rank (``breaks`` too), and a seqpar refusal raised while tracing reaches
+the caller wrapped as ``Unsupported("Observed exception")``, which is still ``refused`` when it names a
+``ValueError`` / ``TypeError`` / ``NotImplementedError`` raised in a seqpar frame (:func:`_record`). The detail names
+the graph breaks, graphs and recompiles (dynamo's counters on rank 0).
 """
 
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -145,8 +152,12 @@ def _draw_model(rng: random.Random) -> dict[str, Any]:
 
 
 def draw_compile(rng: random.Random) -> dict[str, Any]:
-    """A ``compile`` case's draws (JSON-able): a direct call (60%) or a swapped tiny model."""
-    return _draw_attention(rng) if rng.random() < 0.6 else _draw_model(rng)
+    """A ``compile`` case's draws (JSON-able): a direct call (60%) or a swapped tiny model; ``fullgraph=True`` now
+    and then where the docs promise one graph (a refusal while tracing then reaches the caller, instead of the
+    eager fallback dynamo makes of it without ``fullgraph``)."""
+    draws = _draw_attention(rng) if rng.random() < 0.6 else _draw_model(rng)
+    draws["fullgraph"] = _promised_one_graph(draws) and rng.random() < 0.4
+    return draws
 
 
 def compile_summary(draws: dict[str, Any]) -> str:
@@ -287,7 +298,7 @@ def _fresh_dynamo() -> None:
 
 
 def _compiled(fn: Any, draws: dict[str, Any]) -> Any:
-    return torch.compile(fn, backend=draws["backend"], dynamic=draws["dynamic"])
+    return torch.compile(fn, backend=draws["backend"], dynamic=draws["dynamic"], fullgraph=draws.get("fullgraph", False))
 
 
 def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
@@ -297,7 +308,6 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
 
     import seqpar
     from seqpar.testing.fuzz import positions
-    from seqpar.testing.verdicts import error_record
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
@@ -358,7 +368,7 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
             res["dsinks"] = sinks.grad
         return res
     except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": error_record(_unwrap(e))}
+        return {"ok": False, "error": _record(e)}
     finally:
         undo()
         _fresh_dynamo()
@@ -366,15 +376,29 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
             dist.destroy_process_group(pairs)
 
 
-def _unwrap(e: BaseException) -> BaseException:
-    """The error seqpar raised while dynamo traced, where dynamo wrapped it (its ``TorchRuntimeError`` /
-    ``InternalTorchDynamoError`` chain the original); else ``e``."""
+_OBSERVED = re.compile(r"raised exception (ValueError|TypeError|NotImplementedError)\((.*)\)\s*$", re.M)
+
+
+def _record(e: BaseException) -> dict[str, Any]:
+    """:func:`seqpar.testing.verdicts.error_record` of ``e``, seeing through dynamo: with ``fullgraph=True`` an
+    exception seqpar raised while dynamo traced reaches the caller as ``Unsupported("Observed exception")``,
+    which names the original (``raised exception ValueError(...)``) and the user frames (``from user code:``);
+    it is a refusal when the original is a refusal type and the innermost user frame lies in seqpar (not
+    seqpar.testing), as for an eager call."""
     from seqpar.testing.verdicts import error_record
 
-    seen = e
-    while type(seen).__module__.startswith("torch._dynamo") and seen.__cause__ is not None:
-        seen = seen.__cause__
-    return seen if seen is not e and error_record(seen)["refusal"] else e
+    rec = error_record(e)
+    text = str(e)
+    found = _OBSERVED.search(text) if type(e).__module__.startswith("torch._dynamo") else None
+    if found is None or "from user code:" not in text:
+        return rec
+    files = re.findall(r'File "([^"]+)", line \d+', text.split("from user code:", 1)[1])
+    where = Path(files[-1]).resolve() if files else None
+    seqpar_dir = Path(__file__).resolve().parents[1]
+    inside = where is not None and seqpar_dir in where.parents and Path(__file__).resolve().parent not in where.parents
+    if inside:
+        rec.update(type=found.group(1), message=found.group(2)[:600], refusal=True, where=str(where))
+    return rec
 
 
 def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[str, Any]]], dtype_name: str) -> dict[str, Any]:
@@ -386,7 +410,6 @@ def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[st
 
     import seqpar
     from seqpar.testing.fuzz_models import build_case_model, enable_checkpointing, sp_summed_grads
-    from seqpar.testing.verdicts import error_record
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
@@ -413,7 +436,7 @@ def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[st
             return {"ok": True, "steps": results, "counts": {k: after[k] - before[k] for k in after},
                     "reasons": _break_reasons()}
     except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": error_record(_unwrap(e))}
+        return {"ok": False, "error": _record(e)}
     finally:
         transformers.logging.set_verbosity(verbosity)
         _fresh_dynamo()
@@ -480,12 +503,11 @@ def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float,
                      plant: str | None = None) -> tuple[str, str, str | None]:
     """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case."""
-    from seqpar.testing.verdicts import classify_errors
 
     if draws["sub"] == "attention":
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, timeout=timeout)
-        bad = classify_errors(per_rank)
+        bad = _classify(draws, per_rank)
         if bad is not None:
             return (*bad, _trace(per_rank))
         return (*_with_counts(*_judge_attention(draws, compile_reference(draws, tensors), per_rank), draws, per_rank), None)
@@ -504,7 +526,7 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float,
     if any(r["dtype"] != dtype for r in refs):
         return "skipped", "the reference runs its steps in different dtypes", None
     per_rank = pools.run(draws["world"], compile_model_task, draws, steps, dtype, timeout=timeout)
-    bad = classify_errors(per_rank)
+    bad = _classify(draws, per_rank)
     if bad is not None:
         return (*bad, _trace(per_rank))
     worst = []
@@ -514,6 +536,18 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float,
             return (*_with_counts(verdict, f"step {i}: {detail}", draws, per_rank), None)
         worst.append(detail)
     return (*_with_counts("exact", worst[-1], draws, per_rank), None)
+
+
+def _classify(draws: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """``classify_errors``, but a graph break under ``fullgraph=True`` (dynamo's ``Unsupported`` on every rank,
+    not a seqpar refusal) is ``breaks``: the docs promised one graph (``fullgraph`` is drawn only then)."""
+    from seqpar.testing.verdicts import classify_errors
+
+    errors = [r["error"] for r in per_rank if not r["ok"]]
+    if (draws.get("fullgraph") and errors and len(errors) == len(per_rank)
+            and all(e["type"] == "Unsupported" and not e["refusal"] for e in errors)):
+        return "breaks", f"fullgraph=True: {errors[0]['message'][:300]}"
+    return classify_errors(per_rank)
 
 
 def _trace(per_rank: list[dict[str, Any]]) -> str | None:
