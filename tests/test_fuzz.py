@@ -180,6 +180,19 @@ FOUND[850779075] = (("dynamic",), "exact")
 FOUND[1056038257] = (("dynamic",), "exact")
 FOUND_SET[1146194759] = {"engine": "plain"}  # found in a plain loop (the dynamic kind draws engines since)
 FOUND[1146194759] = (("dynamic",), "refused")
+# fz21c: found by the compile kind (torch.compile over seqpar.attention and swapped tiny models; run by
+# test_found_compile_cases in CI's compile stage, not by test_found_cases):
+# - 192080593 (seed 601, case 7; tiny zamba2, P=2, ring, rows of changing lengths, dynamic=None): crash "unhashable
+#   type: non-nested SymInt": the second length made dynamo's shapes dynamic, and seqpar::halo_fwd's fake function
+#   built halo_plan (an lru_cache) on the SymInt length for its chunk count. The fake takes the count from the
+#   sharding now (tests/test_compile_halo_dynamic.py).
+# - 468232840, 1677996661, 1070478505 (seed 601; mode="auto" at P=4 with a second call of another batch or length, or
+#   dynamic=True): crash, InternalTorchDynamoError "Unknown format code 'f' for object of type 'str'". torch's: an
+#   f-string format spec on a SymFloat (seqpar.attn.choose.mode_costs' reason string) crashes dynamo 2.13
+#   (fuzz_compile.TORCH_FORMAT_BUG, a torch-only repro; test_torch_format_spec_bug_is_still_there). mode="auto" is
+#   drawn with dynamic=False since; 1677996661 pinned as drawn now (static shapes, three lengths): exact.
+FOUND[192080593] = (("compile",), "exact")
+FOUND[1677996661] = (("compile",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -614,6 +627,7 @@ def test_compile_kind_draws_changing_calls() -> None:
     assert any(c["sp"] != d["world"] for d in att for c in d["calls"])  # the SP group switched
     assert any(len({c["window"] for c in d["calls"]}) > 1 for d in att)  # a window of another value
     assert any(d["check_inputs"] for d in att) and any(d["sinks"] for d in att) and any(d["alibi"] for d in att)
+    assert all(d["dynamic"] is False for d in att if d["mode"] == "auto")  # fuzz_compile.TORCH_FORMAT_BUG
     types = {d["model_type"] for d in mod}
     assert set(COVERED) <= types and len(types - set(COVERED)) >= 10, types
     assert {d["batch"] for d in mod} == {"rows", "packed", "padded"}
@@ -655,3 +669,20 @@ def test_found_compile_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
     kinds, verdict = FOUND[case_seed]
     rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
     assert rec["verdict"] == verdict, (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))
+
+
+@pytest.mark.compile_stage
+def test_torch_format_spec_bug_is_still_there() -> None:
+    """torch's own bug the compile kind steers around (``fuzz_compile.TORCH_FORMAT_BUG``: ``mode="auto"`` drawn with
+    static shapes only): an f-string format spec on a value of a symbolic size crashes dynamo. When this fails, torch
+    fixed it: draw ``mode="auto"`` with dynamic shapes again (``fuzz_compile._draw_attention``)."""
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        mib = x.shape[0] * 4 / 2**20
+        return x + len(f"{mib:.1f} MiB")
+
+    assert torch.equal(torch.compile(f, backend="eager", dynamic=False)(torch.zeros(8)), torch.full((8,), 7.0))  # "0.0 MiB"
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="Unknown format code 'f'"):
+        torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
+    torch._dynamo.reset()
