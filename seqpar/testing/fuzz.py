@@ -106,9 +106,6 @@ def _draw_documents(rng: random.Random, seq: int, world: int) -> list[int]:
     return cu
 
 
-draw_documents = _draw_documents  # public: the compile kind draws its calls' documents alike
-
-
 def _draw_attention(rng: random.Random) -> dict[str, Any]:
     world = rng.randint(1, 4)
     mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
@@ -185,7 +182,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
     elif kind == "compile":
         from seqpar.testing.fuzz_compile import draw_compile
 
-        draws = draw_compile(rng)
+        draws = draw_compile(rng, _draw_documents)  # handed over: fuzz_compile does not import this module
     else:
         from seqpar.testing.fuzz_engines import draw_engine
 
@@ -468,7 +465,8 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
         elif draws["kind"] == "compile":
             from seqpar.testing.fuzz_compile import run_compile_case
 
-            verdict, detail, trace = run_compile_case(pools, draws, timeout, plant)
+            verdict, detail, trace = run_compile_case(pools, draws, timeout, plant, positions=positions,
+                                                      reference=attention_reference)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,9 +88,7 @@ def _steps(rng: random.Random, n: int) -> list[list[int]]:
     return [list(range(n))[i:i + 2] for i in range(0, n, 2)]
 
 
-def _draw_attention(rng: random.Random) -> dict[str, Any]:
-    from seqpar.testing.fuzz import draw_documents
-
+def _draw_attention(rng: random.Random, draw_documents: Callable[[random.Random, int, int], list[int]]) -> dict[str, Any]:
     world = rng.randint(1, 4)
     mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
     divisors = [u for u in range(1, world + 1) if world % u == 0]
@@ -155,11 +154,12 @@ def _draw_model(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def draw_compile(rng: random.Random) -> dict[str, Any]:
+def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, int, int], list[int]]) -> dict[str, Any]:
     """A ``compile`` case's draws (JSON-able): a direct call (60%) or a swapped tiny model; ``fullgraph=True`` now
     and then where the docs promise one graph (a refusal while tracing then reaches the caller, instead of the
-    eager fallback dynamo makes of it without ``fullgraph``)."""
-    draws = _draw_attention(rng) if rng.random() < 0.6 else _draw_model(rng)
+    eager fallback dynamo makes of it without ``fullgraph``). ``draw_documents(rng, seq, world)``: the ``attention``
+    kind's document boundaries (:mod:`seqpar.testing.fuzz` hands its own over: no import cycle)."""
+    draws = _draw_attention(rng, draw_documents) if rng.random() < 0.6 else _draw_model(rng)
     draws["fullgraph"] = _promised_one_graph(draws) and rng.random() < 0.4
     return draws
 
@@ -221,11 +221,10 @@ def _call_draws(draws: dict[str, Any], ci: int) -> dict[str, Any]:
             "window": c["window"], "calls": [{"cu": c["cu"]}]}
 
 
-def compile_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[str, Any]:
-    """One process, float64, no compile: per call ``[out, dq, dk, dv]``; ``dsinks`` summed over every rank of every
-    call (a call on the pairs counts once per pair: both pairs run it)."""
-    from seqpar.testing.fuzz import attention_reference
-
+def compile_reference(draws: dict[str, Any], tensors: dict[str, Any], attention_reference: Callable) -> dict[str, Any]:
+    """One process, float64, no compile: per call ``[out, dq, dk, dv]`` (``attention_reference``: the ``attention``
+    kind's, :func:`seqpar.testing.fuzz.attention_reference`); ``dsinks`` summed over every rank of every call (a
+    call on the pairs counts once per pair: both pairs run it)."""
     res: dict[str, Any] = {"calls": []}
     for ci, c in enumerate(draws["calls"]):
         t = {k: v for k, v in tensors.items() if k != "calls"}
@@ -305,13 +304,14 @@ def _compiled(fn: Any, draws: dict[str, Any]) -> Any:
     return torch.compile(fn, backend=draws["backend"], dynamic=draws["dynamic"], fullgraph=draws.get("fullgraph", False))
 
 
-def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-    """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.attention`. Returns
+def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None,
+                           positions: Callable) -> dict[str, Any]:
+    """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.attention`
+    (``positions``: :func:`seqpar.testing.fuzz.positions`, the global positions a rank holds). Returns
     ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows)], "dsinks"?, "counts"}`` or ``{"ok": False, "error"}``."""
     import torch.distributed as dist
 
     import seqpar
-    from seqpar.testing.fuzz import positions
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
@@ -470,8 +470,8 @@ def _with_counts(verdict: str, detail: str, draws: dict[str, Any], per_rank: lis
     return verdict, detail + note
 
 
-def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
-    from seqpar.testing.fuzz import positions
+def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]],
+                     positions: Callable) -> tuple[str, str]:
     from seqpar.testing.verdicts import close
 
     tol = _TOL[draws["dtype"]]
@@ -504,17 +504,20 @@ def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict
             "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31}
 
 
-def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float,
-                     plant: str | None = None) -> tuple[str, str, str | None]:
-    """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case."""
+def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
+                     positions: Callable, reference: Callable) -> tuple[str, str, str | None]:
+    """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case.
+    ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
+    :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
 
     if draws["sub"] == "attention":
         tensors = compile_tensors(draws)
-        per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, timeout=timeout)
+        per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, positions, timeout=timeout)
         bad = _classify(draws, per_rank)
         if bad is not None:
             return (*bad, _trace(per_rank))
-        return (*_with_counts(*_judge_attention(draws, compile_reference(draws, tensors), per_rank), draws, per_rank), None)
+        ref = compile_reference(draws, tensors, reference)
+        return (*_with_counts(*_judge_attention(draws, ref, per_rank, positions), draws, per_rank), None)
     from seqpar.testing.fuzz_models import case_batches, judge_model, model_reference
 
     refs, steps = [], []
