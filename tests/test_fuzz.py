@@ -190,9 +190,14 @@ FOUND[1146194759] = (("dynamic",), "refused")
 #   dynamic=True): crash, InternalTorchDynamoError "Unknown format code 'f' for object of type 'str'". torch's: an
 #   f-string format spec on a SymFloat (seqpar.attn.choose.mode_costs' reason string) crashes dynamo 2.13
 #   (fuzz_compile.TORCH_FORMAT_BUG, a torch-only repro; test_torch_format_spec_bug_is_still_there). mode="auto" is
-#   drawn with dynamic=False since; 1677996661 pinned as drawn now (static shapes, three lengths): exact.
+#   drawn with dynamic=False since.
+# - 1677996661 as drawn since (mode="auto", P=4, static shapes, documents as a tensor, calls of 16, 40 and 16 tokens,
+#   fullgraph=True): breaks, NOT FIXED (seqpar.attn.choose is outside fz21c's files): choose_mode's
+#   logger.info(...) is a graph break ("logging.Logger method not supported") whenever the traced call's shape was
+#   not chosen eagerly before, though docs/performance.md promises one graph for "auto" after one eager call (the
+#   test there compiles the probed shape only). Fix: log only when not torch.compiler.is_compiling(); then pin exact.
 FOUND[192080593] = (("compile",), "exact")
-FOUND[1677996661] = (("compile",), "exact")
+FOUND[1677996661] = (("compile",), "breaks")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -596,8 +601,8 @@ def test_compile_kind_draws_changing_calls() -> None:
     documents as a tensor and as ints; and several calls of one compiled function whose inputs change (other
     documents, another length, a second batch row, the SP group switched to pairs at P = 4, a backward after two
     forwards), so stale guards show. JSON-able and reproducible from the case seed; not drawn without ``--kinds``.
-    Seen failing: with every call given the first call's documents and length in ``fuzz_compile._draw_attention``
-    (the changing-documents and changing-length assertions)."""
+    Seen failing: with every call given the first call's length in ``fuzz_compile._draw_attention`` (the
+    changing-length assertion: 7 of 182 direct cases changed length, by the SP-group switch alone)."""
     import json
 
     from seqpar.testing.fuzz_compile import COVERED
