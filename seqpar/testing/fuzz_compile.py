@@ -401,7 +401,7 @@ def _record(e: BaseException) -> dict[str, Any]:
     seqpar_dir = Path(__file__).resolve().parents[1]
     inside = where is not None and seqpar_dir in where.parents and Path(__file__).resolve().parent not in where.parents
     if inside:
-        rec.update(type=found.group(1), message=found.group(2)[:600], refusal=True, where=str(where))
+        rec.update(type=found.group(1), message=found.group(2).strip("'\"")[:600], refusal=True, where=str(where))
     return rec
 
 
