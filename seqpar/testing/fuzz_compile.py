@@ -243,7 +243,9 @@ def _plant(name: str | None) -> Any:
     """A deliberately broken compile path, for the fuzzer's own tests. ``"stale_documents"``: the ops read the first
     document boundaries they see forever (a compiled call reusing the first call's boundaries);
     ``"fake_stride"``: the attention op's fake output laid out ``bshd`` (the wrong strides) while the real one is
-    q's. Returns an undo callable."""
+    q's; tried on tests/test_fuzz.py's ``_compile_case``: exact under ``aot_eager`` (eager kernels read the real
+    strides), a crash under ``inductor`` (torch's own check of the fake's strides against the real output's,
+    "incorrect fake kernel"), so a wrong fake stride cannot pass silently there. Returns an undo callable."""
     if name is None:
         return lambda: None
     if name not in PLANTS:
