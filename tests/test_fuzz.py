@@ -196,8 +196,13 @@ FOUND[1146194759] = (("dynamic",), "refused")
 #   logger.info(...) is a graph break ("logging.Logger method not supported") whenever the traced call's shape was
 #   not chosen eagerly before, though docs/performance.md promises one graph for "auto" after one eager call (the
 #   test there compiles the probed shape only). Fix: log only when not torch.compiler.is_compiling(); then pin exact.
+# - 152934153 (seed 602, case 31; hybrid u=2, P=4, check_inputs, dynamic=True): crash, InternalTorchDynamoError
+#   RecursionError in dynamo's struct.pack polyfill, torch's (fuzz_compile.TORCH_STRUCT_BUG, a torch-only repro;
+#   test_torch_struct_pack_bug_is_still_there): check_inputs is drawn without dynamic=True since; pinned as drawn
+#   now (dynamic=None): refused by name (hybrid with balanced sharding), on every rank.
 FOUND[192080593] = (("compile",), "exact")
 FOUND[1677996661] = (("compile",), "breaks")
+FOUND[152934153] = (("compile",), "refused")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -633,6 +638,7 @@ def test_compile_kind_draws_changing_calls() -> None:
     assert any(len({c["window"] for c in d["calls"]}) > 1 for d in att)  # a window of another value
     assert any(d["check_inputs"] for d in att) and any(d["sinks"] for d in att) and any(d["alibi"] for d in att)
     assert all(d["dynamic"] is False for d in att if d["mode"] == "auto")  # fuzz_compile.TORCH_FORMAT_BUG
+    assert not any(d["dynamic"] is True for d in att if d["check_inputs"])  # fuzz_compile.TORCH_STRUCT_BUG
     types = {d["model_type"] for d in mod}
     assert set(COVERED) <= types and len(types - set(COVERED)) >= 10, types
     assert {d["batch"] for d in mod} == {"rows", "packed", "padded"}
@@ -689,5 +695,23 @@ def test_torch_format_spec_bug_is_still_there() -> None:
     assert torch.equal(torch.compile(f, backend="eager", dynamic=False)(torch.zeros(8)), torch.full((8,), 7.0))  # "0.0 MiB"
     torch._dynamo.reset()
     with pytest.raises(Exception, match="Unknown format code 'f'"):
+        torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
+    torch._dynamo.reset()
+
+
+@pytest.mark.compile_stage
+def test_torch_struct_pack_bug_is_still_there() -> None:
+    """torch's own bug the compile kind steers around (``fuzz_compile.TORCH_STRUCT_BUG``: ``check_inputs`` drawn
+    without ``dynamic=True``): ``struct.pack`` of a value of a symbolic size recurses in dynamo's polyfill. When this
+    fails, torch fixed it: draw them together again (``fuzz_compile._no_torch_bugs``)."""
+    import struct
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        bits = struct.unpack("<q", struct.pack("<d", float(x.shape[-1] ** -0.5)))[0]
+        return x + (bits & 1)
+
+    assert torch.equal(torch.compile(f, backend="eager", dynamic=False)(torch.zeros(8)), torch.ones(8))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="recursion"):
         torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
     torch._dynamo.reset()

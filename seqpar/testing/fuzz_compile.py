@@ -71,6 +71,14 @@ TORCH_FORMAT_BUG = """torch 2.13 (torch only):
 raises InternalTorchDynamoError "ValueError: Unknown format code 'f' for object of type 'str'" (dynamic=False: runs).
 seqpar.attn.choose.mode_costs formats its reason so: mode="auto" traced with symbolic sizes (dynamic=True, or a
 recompile after a shape change) crashes (case 468232840: P=4, a second call with batch 2). Not drawn since."""
+TORCH_STRUCT_BUG = """torch 2.13 (torch only):
+    def f(x):
+        bits = struct.unpack("<q", struct.pack("<d", float(x.shape[-1] ** -0.5)))[0]
+        return x + (bits & 1)
+    torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
+raises InternalTorchDynamoError "RecursionError: maximum recursion depth exceeded" (dynamo's struct.pack polyfill
+calls itself; dynamic=False: runs). seqpar.attn.checks._scale_bits packs the scale so: check_inputs=True with
+dynamic=True (a symbolic head dim) crashes (case 152934153, seed 602). Not drawn since (dynamic=None instead)."""
 PLANTS = ("stale_documents", "fake_stride")
 
 
@@ -127,10 +135,18 @@ def _draw_attention(rng: random.Random, draw_documents: Callable[[random.Random,
         "check_inputs": rng.random() < 0.15,
         "dtype": "float64" if rng.random() < 0.25 else "float32",
         # mode="auto" only with static shapes: torch 2.13's dynamo crashes on its cost model's reason string under
-        # symbolic sizes (an f-string format spec on a SymFloat, InternalTorchDynamoError; see TORCH_FORMAT_BUG)
+        # symbolic sizes (an f-string format spec on a SymFloat, InternalTorchDynamoError; see TORCH_FORMAT_BUG);
+        # check_inputs never with dynamic=True (a symbolic head dim crashes dynamo's struct.pack: TORCH_STRUCT_BUG)
         "dynamic": False if mode == "auto" else rng.choice((None, True, False)),
         "backend": "inductor" if rng.random() < 0.05 else rng.choice(("eager", "aot_eager", "aot_eager")),
     }
+
+
+def _no_torch_bugs(draws: dict[str, Any]) -> dict[str, Any]:
+    """The draws without what torch's own bugs crash (see ``TORCH_STRUCT_BUG``)."""
+    if draws["check_inputs"] and draws["dynamic"] is True:
+        draws["dynamic"] = None
+    return draws
 
 
 def _draw_model(rng: random.Random) -> dict[str, Any]:
@@ -159,7 +175,7 @@ def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, in
     and then where the docs promise one graph (a refusal while tracing then reaches the caller, instead of the
     eager fallback dynamo makes of it without ``fullgraph``). ``draw_documents(rng, seq, world)``: the ``attention``
     kind's document boundaries (:mod:`seqpar.testing.fuzz` hands its own over: no import cycle)."""
-    draws = _draw_attention(rng, draw_documents) if rng.random() < 0.6 else _draw_model(rng)
+    draws = _no_torch_bugs(_draw_attention(rng, draw_documents)) if rng.random() < 0.6 else _draw_model(rng)
     draws["fullgraph"] = _promised_one_graph(draws) and rng.random() < 0.4
     return draws
 
