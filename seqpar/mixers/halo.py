@@ -223,6 +223,11 @@ def halo_fwd(x: Tensor, group: str, world: int, rank: int, sharding: str, seq_le
 
 @halo_fwd.register_fake
 def _(x, group, world, rank, sharding, seq_len, cu_seqlens, halo):  # noqa: ANN001, ANN202
+    # Only the chunk count is needed, which contiguous and zigzag fix without the length: under dynamic shapes
+    # seq_len is a SymInt, which halo_plan's cache cannot hash ("unhashable type: non-nested SymInt": a tiny
+    # Zamba2 compiled on rows of changing lengths crashed at its second length, fuzzer case 192080593).
+    if sharding != "balanced":
+        return x.new_empty(x.shape[0], x.shape[1], len(chunk_ids(rank, world, sharding)), halo)
     plan = halo_plan(world, sharding, seq_len, _cu(cu_seqlens), halo)
     return x.new_empty(x.shape[0], x.shape[1], plan.chunks_per_rank, halo)
 

@@ -18,7 +18,9 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
   (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP
-  pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`).
+  pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`);
+- ``compile``: ``torch.compile`` over a direct call or a tiny swapped model, called several times with changing
+  inputs (:mod:`seqpar.testing.fuzz_compile`; drawn only when ``--kinds`` names it: its traces are slow).
 
 Verdicts (one per case):
 
@@ -29,12 +31,13 @@ Verdicts (one per case):
   from a frame inside the ``seqpar`` package (not ``seqpar.testing``), of the same type on every rank.
   An error of torch or transformers, one raised on some ranks only, or one of another type is a crash;
 - ``WRONG``: ran on every rank, but some tensor is off beyond tolerance (silently wrong);
+- ``breaks`` (``compile`` only): exact, but dynamo broke the graph where the docs promise one graph;
 - ``crash``: anything else, a hang past the case's timeout included. After a crash the rank pool of that world
   size is restarted before the next case: a rank that failed may have left its process group broken (a
   gloo pair closed by a timed-out collective), and a later case on it would fail for that alone.
 
 Cases run on a persistent rank pool (:class:`seqpar.testing.ranks.PoolSet`): start-up is paid once per
-world size. Exit status: 1 when any case is WRONG or crash.
+world size. Exit status: 1 when any case is WRONG, crash or breaks.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ __all__ = [
     "main",
 ]
 
-VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped")
-KINDS = ("attention", "dilated", "model", "engine", "dynamic")
+VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped", "breaks")
+KINDS = ("attention", "dilated", "model", "engine", "dynamic", "compile")
+DEFAULT_KINDS = KINDS[:-1]  # without --kinds: not compile (a trace per case, 10-60 s on CPU)
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 _HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
           (6, 3, 4, 4))
@@ -161,7 +165,7 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
 def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
     """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
     rng = random.Random(case_seed)
-    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2}
+    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "compile": 3}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
     if kind == "attention":
         draws = _draw_attention(rng)
@@ -175,6 +179,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
         from seqpar.testing.fuzz_dynamic import draw_dynamic
 
         draws = draw_dynamic(rng)
+    elif kind == "compile":
+        from seqpar.testing.fuzz_compile import draw_compile
+
+        draws = draw_compile(rng, _draw_documents)  # handed over: fuzz_compile does not import this module
     else:
         from seqpar.testing.fuzz_engines import draw_engine
 
@@ -454,6 +462,11 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             from seqpar.testing.fuzz_dynamic import run_dynamic_case
 
             verdict, detail = run_dynamic_case(pools, draws, timeout, plant)
+        elif draws["kind"] == "compile":
+            from seqpar.testing.fuzz_compile import run_compile_case
+
+            verdict, detail, trace = run_compile_case(pools, draws, timeout, plant, positions=positions,
+                                                      reference=attention_reference)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
@@ -491,6 +504,10 @@ def summary(draws: dict[str, Any]) -> str:
         from seqpar.testing.fuzz_dynamic import dynamic_summary
 
         return dynamic_summary(draws)
+    if draws["kind"] == "compile":
+        from seqpar.testing.fuzz_compile import compile_summary
+
+        return compile_summary(draws)
     if draws["kind"] == "dilated":
         return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
                 f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}")
@@ -533,7 +550,7 @@ class Fuzzer:
         self.timeout, self.model_timeout = timeout, model_timeout
 
     def run(self, draws: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-        slow = draws["kind"] in ("model", "engine", "dynamic")
+        slow = draws["kind"] in ("model", "engine", "dynamic", "compile")
         return run_case(self.pools, draws, self.model_timeout if slow else self.timeout, plant)
 
     def close(self) -> None:
@@ -569,8 +586,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the run's seed: case i's seed is drawn from it")
     parser.add_argument("--case-seed", type=int, action="append", metavar="X",
                         help="run only the case of this case seed (repeatable); --cases and --seed are then ignored")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic (default: all)")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic, compile "
+                             "(default: all but compile)")
     parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
     parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
     parser.add_argument("--model-timeout", type=float, default=300.0, help="per model, engine or dynamic case, seconds")
@@ -600,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(records)} cases in {time.time() - t0:.0f} s: " + ", ".join(f"{v} {counts.get(v, 0)}" for v in VERDICTS),
           flush=True)
     for r in records:
-        if r["verdict"] in ("WRONG", "crash"):
+        if r["verdict"] in ("WRONG", "crash", "breaks"):
             sets = "".join(f" --set {k}={json.dumps(v)}" for k, v in overrides.items())
             print(f"  {r['verdict']}: --case-seed {r['case_seed']} --kinds {','.join(kinds)}{sets} ({summary(r['draws'])}): "
                   f"{r['detail']}")
@@ -609,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"seed": args.seed, "kinds": list(kinds), "counts": dict(counts),
                                                "cases": records}, indent=1, default=str))
-    return 1 if counts.get("WRONG") or counts.get("crash") else 0
+    return 1 if counts.get("WRONG") or counts.get("crash") or counts.get("breaks") else 0
 
 
 if __name__ == "__main__":

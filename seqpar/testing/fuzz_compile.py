@@ -1,0 +1,579 @@
+"""The fuzzer's ``compile`` cases (:mod:`seqpar.testing.fuzz`): ``torch.compile`` over a direct
+:func:`seqpar.attention` call or a tiny swapped model, called several times with changing inputs, against one
+process in float64 without compile.
+
+Not drawn when ``--kinds`` is not given: a case traces forward and backward (and retraces on every recompile),
+10-60 s of CPU per case on a loaded 2-core machine where an ``attention`` case takes ~1 s, so it would make the
+default fuzz several times slower. Ask for it: ``python -m seqpar.testing.fuzz --kinds compile``.
+
+Drawn, ``sub="attention"`` (a compiled function around :func:`seqpar.attention`): P in 1..4; mode (ring,
+allgather, ulysses, hybrid with a drawn Ulysses degree, auto after one eager call that probes its links);
+sharding (contiguous, zigzag; balanced with documents); MHA / GQA / MQA, odd head dims, V's head dim apart;
+packed documents as an int tensor (read by the op at run time) or as ints (a graph constant: a new layout must
+recompile); window (its value may change between calls), sinks, chunked attention, ALiBi, soft-cap, scale,
+layout bshd, head_chunks, overlap; ``check_inputs`` (mostly off: on, the cross-rank check breaks the graph,
+docs/performance.md); fp32 or float64; ``dynamic`` None / True / False; backend ``eager`` / ``aot_eager``
+(``inductor`` now and then: its C++ builds are slow on CPU); ``fullgraph=True`` now and then where one graph is
+promised (below). Then **two or three calls of the one compiled
+function** with changing inputs: other documents, another sequence length, a second batch row, now and then
+(P = 4) a call on the pairs ``{0, 1}, {2, 3}`` (the SP group changes between calls, passed as ``group=``), with
+the backward after each call, after two forwards, or after all (``steps``).
+
+``sub="model"``: a tiny model (:func:`seqpar.testing.fuzz_models.build_case_model`) under ``swap_attention``,
+``torch.compile(model)``, two or three batches of :func:`seqpar.shard_batch` (rows of changing lengths; packed
+documents of changing layouts; a right-padded row with its ``attention_mask``, which a compiled model refuses by
+name), grouped in steps (a backward per batch, or two forwards before one backward); the types the compile tests
+cover (``COVERED``) mostly, any decoder type now and then; activation checkpointing now and then.
+
+Reference: the ``attention`` kind's float64 dense attention per call (each call on its own SP group's ranks)
+and the sinks' gradient summed over the calls; the ``model`` kind's one-process model per step
+(:func:`seqpar.testing.fuzz_models.model_reference`), every parameter's gradient summed over the SP ranks, per
+step. Each output and gradient on its own scale (:func:`seqpar.testing.verdicts.close`, ``judge_model``).
+
+Verdicts: ``exact``, ``refused`` (by name, on every rank), ``WRONG``, ``crash``, ``skipped`` (the model does
+not run even without seqpar), and ``breaks``: every tensor exact, but dynamo broke the graph
+(``torch._dynamo.utils.counters["graph_break"]``) where docs/performance.md promises one graph: a direct call
+with ``check_inputs=False`` (and not balanced sharding with the boundaries as a tensor, refused while tracing); a
+swapped model of ``ONE_GRAPH`` without checkpointing, padding mask or balanced sharding. Under ``fullgraph=True`` such a
+break is dynamo's ``Unsupported`` on every rank (``breaks`` too), and a seqpar refusal raised while tracing reaches
+the caller wrapped as ``Unsupported("Observed exception")``, which is still ``refused`` when it names a
+``ValueError`` / ``TypeError`` / ``NotImplementedError`` raised in a seqpar frame (:func:`_record`). The detail names
+the graph breaks, graphs and recompiles (dynamo's counters on rank 0).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task",
+           "compile_model_task", "compile_reference", "compile_tensors"]
+
+COVERED = ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss")
+"""Model types tests/test_compile_models.py and tests/test_compile_breadth.py compile as one graph (docs)."""
+ONE_GRAPH = ("llama", "qwen3")
+"""Of ``COVERED``, those whose fuzz model (``tiny_config``) is promised one graph: the MoE types' tiny configs run
+transformers' ``"eager"`` experts loop (a per-expert ``nonzero``), which breaks the graph without seqpar too (tiny
+qwen3_moe, one process, no swap: 18 breaks; the compile tests build them with the batched experts)."""
+_HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
+          (6, 3, 4, 4))
+_TOL = {"float32": 2e-5, "float64": 1e-9}
+TORCH_FORMAT_BUG = """torch 2.13 (torch only):
+    def f(x):
+        mib = x.shape[0] * 4 / 2**20
+        return x + len(f"{mib:.1f} MiB")
+    torch.compile(f, backend="eager", dynamic=True)(torch.randn(8))
+raises InternalTorchDynamoError "ValueError: Unknown format code 'f' for object of type 'str'" (dynamic=False: runs).
+seqpar.attn.choose.mode_costs formats its reason so: mode="auto" traced with symbolic sizes (dynamic=True, or a
+recompile after a shape change) crashes (case 468232840: P=4, a second call with batch 2). Not drawn since."""
+TORCH_STRUCT_BUG = """torch 2.13 (torch only):
+    def f(x):
+        bits = struct.unpack("<q", struct.pack("<d", float(x.shape[-1] ** -0.5)))[0]
+        return x + (bits & 1)
+    torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
+raises InternalTorchDynamoError "RecursionError: maximum recursion depth exceeded" (dynamo's struct.pack polyfill
+calls itself; dynamic=False: runs). seqpar.attn.checks._scale_bits packs the scale so: check_inputs=True with
+dynamic=True (a symbolic head dim) crashes (case 152934153, seed 602). Not drawn since (dynamic=None instead)."""
+PLANTS = ("stale_documents", "fake_stride")
+
+
+# --------------------------------------------------------------------------------------------------
+# Draws
+# --------------------------------------------------------------------------------------------------
+
+def _steps(rng: random.Random, n: int) -> list[list[int]]:
+    """How the ``n`` calls group into backwards: one per call, two forwards before one, or all at once."""
+    how = rng.choice(("each", "pairs", "all"))
+    if how == "each" or n == 1:
+        return [[i] for i in range(n)]
+    if how == "all":
+        return [list(range(n))]
+    return [list(range(n))[i:i + 2] for i in range(0, n, 2)]
+
+
+def _draw_attention(rng: random.Random, draw_documents: Callable[[random.Random, int, int], list[int]]) -> dict[str, Any]:
+    world = rng.randint(1, 4)
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
+    divisors = [u for u in range(1, world + 1) if world % u == 0]
+    inner = [u for u in divisors if 1 < u < world]
+    ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
+    hq, hkv, d, dv = rng.choice(_HEADS)
+    docs = rng.choice((None, None, "tensor", "tensor", "ints"))
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag"))
+    chunk = rng.randint(1, 5)
+    n_calls = rng.randint(2, 3)
+    switch = world == 4 and mode in ("ring", "allgather", "ulysses") and rng.random() < 0.3
+    window = rng.random() < 0.3
+    calls = []
+    for i in range(n_calls):
+        sp = 2 if switch and i == n_calls - 1 else world
+        c = chunk if i == 0 or rng.random() < 0.5 else rng.randint(1, 5)  # another length now and then
+        seq = 2 * sp * c
+        calls.append({
+            "sp": sp, "seq": seq, "cu": draw_documents(rng, seq, sp) if docs else None,
+            "batch": 2 if not docs and rng.random() < 0.3 else 1,
+            "window": rng.randint(1, seq) if window else None,
+        })
+    min_seq = min(c["seq"] for c in calls)
+    return {
+        "kind": "compile", "sub": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
+        "sharding": sharding, "heads": [hq, hkv, d, dv], "docs": docs, "causal": rng.random() < 0.7,
+        "calls": calls, "steps": _steps(rng, n_calls),
+        "sinks": rng.random() < 0.25,
+        "chunk_size": rng.randint(1, min_seq) if rng.random() < 0.15 else None,
+        "alibi": rng.random() < 0.15,
+        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.15 else None,
+        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
+        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
+        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
+        "overlap": rng.random() < 0.8,
+        "check_inputs": rng.random() < 0.15,
+        "dtype": "float64" if rng.random() < 0.25 else "float32",
+        # mode="auto" only with static shapes: torch 2.13's dynamo crashes on its cost model's reason string under
+        # symbolic sizes (an f-string format spec on a SymFloat, InternalTorchDynamoError; see TORCH_FORMAT_BUG);
+        # check_inputs never with dynamic=True (a symbolic head dim crashes dynamo's struct.pack: TORCH_STRUCT_BUG)
+        "dynamic": False if mode == "auto" else rng.choice((None, True, False)),
+        "backend": "inductor" if rng.random() < 0.05 else rng.choice(("eager", "aot_eager", "aot_eager")),
+    }
+
+
+def _no_torch_bugs(draws: dict[str, Any]) -> dict[str, Any]:
+    """The draws without what torch's own bugs crash (see ``TORCH_STRUCT_BUG``)."""
+    if draws["check_inputs"] and draws["dynamic"] is True:
+        draws["dynamic"] = None
+    return draws
+
+
+def _draw_model(rng: random.Random) -> dict[str, Any]:
+    from seqpar.testing.fuzz_models import draw_lengths
+    from seqpar.testing.tiny_models import decoder_model_types
+
+    world = rng.randint(1, 4)
+    model_type = rng.choice(COVERED) if rng.random() < 0.75 else rng.choice(decoder_model_types())
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid"))
+    ulysses_size = 2 if mode == "hybrid" and world == 4 else (world if mode == "hybrid" else 1)
+    batch = rng.choice(("rows", "rows", "packed", "packed", "padded")) if rng.random() < 0.95 else "padded"
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if batch == "packed" else ("contiguous", "zigzag"))
+    lengths = draw_lengths(rng, world, batch) + draw_lengths(rng, world, batch)
+    n = rng.randint(2, 3)
+    return {
+        "kind": "compile", "sub": "model", "model_type": model_type, "world": world, "mode": mode,
+        "ulysses_size": ulysses_size, "sharding": sharding, "batch": batch, "lengths": lengths[:n],
+        "steps": _steps(rng, n), "checkpointing": "non-reentrant" if rng.random() < 0.15 else None,
+        "dynamic": rng.choice((None, True, False)),
+        "backend": "inductor" if rng.random() < 0.03 else rng.choice(("eager", "aot_eager", "aot_eager")),
+    }
+
+
+def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, int, int], list[int]]) -> dict[str, Any]:
+    """A ``compile`` case's draws (JSON-able): a direct call (60%) or a swapped tiny model; ``fullgraph=True`` now
+    and then where the docs promise one graph (a refusal while tracing then reaches the caller, instead of the
+    eager fallback dynamo makes of it without ``fullgraph``). ``draw_documents(rng, seq, world)``: the ``attention``
+    kind's document boundaries (:mod:`seqpar.testing.fuzz` hands its own over: no import cycle)."""
+    draws = _no_torch_bugs(_draw_attention(rng, draw_documents)) if rng.random() < 0.6 else _draw_model(rng)
+    draws["fullgraph"] = _promised_one_graph(draws) and rng.random() < 0.4
+    return draws
+
+
+def compile_summary(draws: dict[str, Any]) -> str:
+    d = draws
+    head = (f"compile/{d['sub']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
+            + f" {d['sharding']} {d['backend']} dynamic={d['dynamic']}")
+    if d["sub"] == "model":
+        return (f"{head} {d['model_type']} {d['batch']}={d['lengths']} steps={d['steps']}"
+                + (f" ckpt={d['checkpointing']}" if d["checkpointing"] else ""))
+    parts = [head, "H=" + "/".join(map(str, d["heads"])), f"causal={int(d['causal'])}"]
+    for c in d["calls"]:
+        docs = "" if c["cu"] is None else " docs=" + ",".join(str(b - a) for a, b in zip(c["cu"], c["cu"][1:]))
+        parts.append(f"[P{c['sp']} B{c['batch']} S{c['seq']}{docs}" + (f" w={c['window']}" if c["window"] else "") + "]")
+    if d["docs"]:
+        parts.append(f"docs-as-{d['docs']}")
+    parts.append(f"steps={d['steps']}")
+    for key in ("chunk_size", "softcap", "scale"):
+        if d.get(key) is not None:
+            parts.append(f"{key}={d[key]}")
+    for key in ("sinks", "alibi", "check_inputs"):
+        if d.get(key):
+            parts.append(key)
+    if d["layout"] != "bhsd":
+        parts.append(d["layout"])
+    if d["head_chunks"] != "auto":
+        parts.append(f"head_chunks={d['head_chunks']}")
+    if not d["overlap"]:
+        parts.append("no-overlap")
+    parts.append(d["dtype"])
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention: tensors and reference
+# --------------------------------------------------------------------------------------------------
+
+def compile_tensors(draws: dict[str, Any]) -> dict[str, Any]:
+    """Full-sequence float64 inputs of every call (each call its own batch and length), sinks and slopes."""
+    g = torch.Generator().manual_seed(draws["case_seed"])
+    hq, hkv, d, dv = draws["heads"]
+    calls = [{n: torch.randn(c["batch"], h, c["seq"], w, generator=g, dtype=torch.float64)
+              for n, h, w in (("q", hq, d), ("k", hkv, d), ("v", hkv, dv), ("dout", hq, dv))}
+             for c in draws["calls"]]
+    out: dict[str, Any] = {"calls": calls}
+    if draws["sinks"]:
+        out["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64)
+    if draws["alibi"]:
+        out["alibi"] = torch.rand(hq, generator=g, dtype=torch.float64) * 0.5 + 0.01
+    return out
+
+
+def _call_draws(draws: dict[str, Any], ci: int) -> dict[str, Any]:
+    """Call ``ci`` as a one-call ``attention`` draw of :mod:`seqpar.testing.fuzz` (its SP size, length,
+    batch, documents and window), for its reference and its ranks' positions."""
+    c = draws["calls"][ci]
+    return {**draws, "kind": "attention", "world": c["sp"], "seq": c["seq"], "batch": c["batch"],
+            "window": c["window"], "calls": [{"cu": c["cu"]}]}
+
+
+def compile_reference(draws: dict[str, Any], tensors: dict[str, Any], attention_reference: Callable) -> dict[str, Any]:
+    """One process, float64, no compile: per call ``[out, dq, dk, dv]`` (``attention_reference``: the ``attention``
+    kind's, :func:`seqpar.testing.fuzz.attention_reference`); ``dsinks`` summed over every rank of every call (a
+    call on the pairs counts once per pair: both pairs run it)."""
+    res: dict[str, Any] = {"calls": []}
+    for ci, c in enumerate(draws["calls"]):
+        t = {k: v for k, v in tensors.items() if k != "calls"}
+        r = attention_reference(_call_draws(draws, ci), {**t, "calls": [tensors["calls"][ci]]})
+        res["calls"].append(r["calls"][0])
+        if "dsinks" in r:
+            res["dsinks"] = res.get("dsinks", 0) + r["dsinks"] * (draws["world"] // c["sp"])
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank side
+# --------------------------------------------------------------------------------------------------
+
+def _plant(name: str | None) -> Any:
+    """A deliberately broken compile path, for the fuzzer's own tests. ``"stale_documents"``: the ops read the first
+    document boundaries they see forever (a compiled call reusing the first call's boundaries);
+    ``"fake_stride"``: the attention op's fake output laid out ``bshd`` (the wrong strides) while the real one is
+    q's; tried on tests/test_fuzz.py's ``_compile_case``: exact under ``aot_eager`` (eager kernels read the real
+    strides), a crash under ``inductor`` (torch's own check of the fake's strides against the real output's,
+    "incorrect fake kernel"), so a wrong fake stride cannot pass silently there. Returns an undo callable."""
+    if name is None:
+        return lambda: None
+    if name not in PLANTS:
+        raise ValueError(f"unknown plant {name!r}: one of {PLANTS}")
+    from seqpar.attn import ops
+
+    if name == "stale_documents":
+        original = ops.host_boundaries
+        first: list[Any] = []
+
+        def stale(documents: torch.Tensor) -> Any:
+            if not first:
+                first.append(original(documents))
+            return first[0]
+
+        ops.host_boundaries = stale
+
+        def undo() -> None:
+            ops.host_boundaries = original
+        return undo
+    fake = ops.attention_fwd._abstract_fn
+
+    def wrong(q, k, v, *rest):  # noqa: ANN001, ANN202
+        out, lse = fake(q, k, v, *rest)
+        b, h, s, dv = out.shape
+        return out.new_empty((b, s, h, dv)).transpose(1, 2), lse
+
+    ops.attention_fwd._abstract_fn = wrong
+
+    def undo_fake() -> None:
+        ops.attention_fwd._abstract_fn = fake
+    return undo_fake
+
+
+def _counts() -> dict[str, int]:
+    """Dynamo's counters of this process: graph breaks (each break once per trace), graphs, recompiles."""
+    from torch._dynamo import utils
+
+    return {"breaks": sum(utils.counters["graph_break"].values()), "graphs": utils.counters["stats"]["unique_graphs"],
+            "recompiles": sum(len(r) for r in utils.guard_failures.values())}
+
+
+def _break_reasons() -> list[str]:
+    from torch._dynamo import utils
+
+    return [str(r).splitlines()[0][:160] for r in list(utils.counters["graph_break"])[:3]]
+
+
+def _fresh_dynamo() -> None:
+    from torch._dynamo import utils
+
+    torch._dynamo.reset()
+    utils.counters.clear()
+    utils.guard_failures.clear()
+
+
+def _compiled(fn: Any, draws: dict[str, Any]) -> Any:
+    return torch.compile(fn, backend=draws["backend"], dynamic=draws["dynamic"], fullgraph=draws.get("fullgraph", False))
+
+
+def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None,
+                           positions: Callable) -> dict[str, Any]:
+    """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.attention`
+    (``positions``: :func:`seqpar.testing.fuzz.positions`, the global positions a rank holds). Returns
+    ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows)], "dsinks"?, "counts"}`` or ``{"ok": False, "error"}``."""
+    import torch.distributed as dist
+
+    import seqpar
+
+    rank, world = ctx.rank, ctx.world_size
+    dtype = getattr(torch, draws["dtype"])
+    _fresh_dynamo()
+    undo = _plant(plant)
+    pairs = None
+    try:
+        seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"])
+        if any(c["sp"] != world for c in draws["calls"]):
+            pairs, _ = dist.new_subgroups(2)
+        sinks = tensors["sinks"].to(dtype).requires_grad_() if "sinks" in tensors else None
+        alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
+
+        def call(q, k, v, sinks, alibi, cu, window, group):  # noqa: ANN001, ANN202
+            return seqpar.attention(
+                q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
+                sharding=draws["sharding"], overlap=draws["overlap"], check_inputs=draws["check_inputs"],
+                head_chunks=draws["head_chunks"], cu_seqlens=cu, window=window, sinks=sinks, layout=draws["layout"],
+                chunk_size=draws["chunk_size"], softcap=draws["softcap"], alibi_slopes=alibi)
+
+        def args(ci: int) -> tuple[list[torch.Tensor], torch.Tensor, tuple]:
+            c, t = draws["calls"][ci], tensors["calls"][ci]
+            sub = c["sp"] != world
+            pos = positions(_call_draws(draws, ci), c["cu"], rank % c["sp"])
+            q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
+            if draws["layout"] == "bshd":
+                q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            cu = c["cu"]
+            if cu is not None:
+                cu = torch.tensor(cu, dtype=torch.int32) if draws["docs"] == "tensor" else tuple(cu)
+            return [x.requires_grad_() for x in (q, k, v)], dout, (sinks, alibi, cu, c["window"], pairs if sub else None)
+
+        if draws["mode"] == "auto":  # its links are probed by one eager call (docs/performance.md)
+            (q, k, v), _, rest = args(0)
+            call(q.detach(), k.detach(), v.detach(), *rest)
+        compiled = _compiled(call, draws)
+        before = _counts()
+        leaves: dict[int, list[torch.Tensor]] = {}
+        outs: dict[int, torch.Tensor] = {}
+        for step in draws["steps"]:
+            total = 0.0
+            for ci in step:
+                (q, k, v), dout, rest = args(ci)
+                out = compiled(q, k, v, *rest)
+                if draws["layout"] == "bshd":
+                    out = out.transpose(1, 2)
+                total = total + (out * dout).sum()
+                leaves[ci], outs[ci] = [q, k, v], out.detach()
+            total.backward()
+        after = _counts()
+        calls = []
+        for ci in range(len(draws["calls"])):
+            grads = [x.grad.transpose(1, 2) if draws["layout"] == "bshd" else x.grad for x in leaves[ci]]
+            calls.append([outs[ci], *grads])
+        res: dict[str, Any] = {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after},
+                               "reasons": _break_reasons()}
+        if sinks is not None:
+            res["dsinks"] = sinks.grad
+        return res
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": _record(e)}
+    finally:
+        undo()
+        _fresh_dynamo()
+        if pairs is not None:
+            dist.destroy_process_group(pairs)
+
+
+_OBSERVED = re.compile(r"raised exception (ValueError|TypeError|NotImplementedError)\((.*)\)\s*$", re.M)
+
+
+def _record(e: BaseException) -> dict[str, Any]:
+    """:func:`seqpar.testing.verdicts.error_record` of ``e``, seeing through dynamo: with ``fullgraph=True`` an
+    exception seqpar raised while dynamo traced reaches the caller as ``Unsupported("Observed exception")``,
+    which names the original (``raised exception ValueError(...)``) and the user frames (``from user code:``);
+    it is a refusal when the original is a refusal type and the innermost user frame lies in seqpar (not
+    seqpar.testing), as for an eager call."""
+    from seqpar.testing.verdicts import error_record
+
+    rec = error_record(e)
+    text = str(e)
+    found = _OBSERVED.search(text) if type(e).__module__.startswith("torch._dynamo") else None
+    if found is None or "from user code:" not in text:
+        return rec
+    files = re.findall(r'File "([^"]+)", line \d+', text.split("from user code:", 1)[1])
+    where = Path(files[-1]).resolve() if files else None
+    seqpar_dir = Path(__file__).resolve().parents[1]
+    inside = where is not None and seqpar_dir in where.parents and Path(__file__).resolve().parent not in where.parents
+    if inside:
+        rec.update(type=found.group(1), message=found.group(2).strip("'\"")[:600], refusal=True, where=str(where))
+    return rec
+
+
+def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[str, Any]]], dtype_name: str) -> dict[str, Any]:
+    """Pool task (every rank): the swapped model compiled, each step's batches forward then one backward; rank 0
+    returns per step the loss and every gradient summed over the SP ranks."""
+    import warnings
+
+    import transformers
+
+    import seqpar
+    from seqpar.testing.fuzz_models import build_case_model, enable_checkpointing, sp_summed_grads
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    _fresh_dynamo()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
+                   "ulysses_size": draws["ulysses_size"], "check_inputs": False}
+            manager = seqpar.init_process_groups(config=cfg)
+            model = build_case_model({**draws, "kind": "model"}, getattr(torch, dtype_name))
+            seqpar.swap_attention(model, cfg)
+            enable_checkpointing(model, draws["checkpointing"])
+            compiled = _compiled(model, draws)
+            before = _counts()
+            results = []
+            for batches in steps:
+                losses = [compiled(**seqpar.shard_batch(b["batch"])).loss for b in batches]
+                sum(losses).backward()
+                grads = sp_summed_grads(model, manager.sp_group)
+                results.append({"loss": float(sum(x.detach() for x in losses)), "grads": grads if ctx.rank == 0 else None})
+                model.zero_grad(set_to_none=True)
+            after = _counts()
+            return {"ok": True, "steps": results, "counts": {k: after[k] - before[k] for k in after},
+                    "reasons": _break_reasons()}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": _record(e)}
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        _fresh_dynamo()
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+# --------------------------------------------------------------------------------------------------
+
+def _promised_one_graph(draws: dict[str, Any]) -> bool:
+    """Whether docs/performance.md promises one graph for the case (then a break is the ``breaks`` verdict)."""
+    if draws["sub"] == "attention":
+        # balanced sharding with the boundaries as a tensor is refused while tracing (resolve.py), which dynamo
+        # without fullgraph turns into an eager fallback (a break), as the docs say for compile
+        return not draws["check_inputs"] and not (draws["sharding"] == "balanced" and draws["docs"] == "tensor")
+    # packed batches compile with zigzag or contiguous; a mask passed to a compiled model is not one graph (docs)
+    return (draws["model_type"] in ONE_GRAPH and draws["checkpointing"] is None and draws["batch"] != "padded"
+            and draws["sharding"] != "balanced")
+
+
+def _with_counts(verdict: str, detail: str, draws: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
+    counts = per_rank[0]["counts"]
+    note = f"; {counts['breaks']} graph breaks, {counts['graphs']} graphs, {counts['recompiles']} recompiles (rank 0)"
+    breaks = max(r["counts"]["breaks"] for r in per_rank)
+    if verdict == "exact" and breaks and _promised_one_graph(draws):
+        return "breaks", f"{breaks} graph breaks where one graph is promised: {per_rank[0]['reasons']}" + note
+    return verdict, detail + note
+
+
+def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]],
+                     positions: Callable) -> tuple[str, str]:
+    from seqpar.testing.verdicts import close
+
+    tol = _TOL[draws["dtype"]]
+    world = draws["world"]
+    scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
+    floor = tol * 0.1 * scale_all  # as the attention kind: a ~0 tensor is judged on the case's scale
+    worst = ("", 0.0)
+    for ci, (c, ref_call) in enumerate(zip(draws["calls"], ref["calls"], strict=True)):
+        cd = _call_draws(draws, ci)
+        for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
+            for ti, name in enumerate(("out", "dq", "dk", "dv")):
+                full = torch.zeros_like(ref_call[ti])
+                for r in range(c["sp"]):
+                    full[:, :, positions(cd, c["cu"], r)] = per_rank[g0 + r]["calls"][ci][ti].double()
+                ok, err = close(full, ref_call[ti], tol, floor)
+                label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
+                if not ok:
+                    return "WRONG", f"{label} off by {err:.2e} of its scale (tol {tol:.0e})"
+                worst = max(worst, (label, err), key=lambda x: x[1])
+    if "dsinks" in ref:
+        ok, err = close(sum(p["dsinks"].double() for p in per_rank), ref["dsinks"], tol, floor)
+        if not ok:
+            return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
+    return "exact", f"worst {worst[0]} {worst[1]:.1e}"
+
+
+def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict[str, Any]:
+    """Step ``i`` as a ``model`` draw (its batches' lengths; its own tokens: the case seed plus ``i``)."""
+    return {**draws, "kind": "model", "lengths": lengths, "step": "one" if len(lengths) == 1 else "two-forwards",
+            "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31}
+
+
+def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
+                     positions: Callable, reference: Callable) -> tuple[str, str, str | None]:
+    """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case.
+    ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
+    :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
+
+    if draws["sub"] == "attention":
+        tensors = compile_tensors(draws)
+        per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, positions, timeout=timeout)
+        bad = _classify(draws, per_rank)
+        if bad is not None:
+            return (*bad, _trace(per_rank))
+        ref = compile_reference(draws, tensors, reference)
+        return (*_with_counts(*_judge_attention(draws, ref, per_rank, positions), draws, per_rank), None)
+    from seqpar.testing.fuzz_models import case_batches, judge_model, model_reference
+
+    refs, steps = [], []
+    for i, step in enumerate(draws["steps"]):
+        sd = _step_draws(draws, i, [draws["lengths"][j] for j in step])
+        batches = case_batches(sd)
+        ref = model_reference(sd, batches)
+        if not ref["ok"]:
+            return "skipped", f"cannot run without seqpar: {ref['error']}", None
+        refs.append(ref)
+        steps.append(batches)
+    dtype = refs[0]["dtype"]
+    if any(r["dtype"] != dtype for r in refs):
+        return "skipped", "the reference runs its steps in different dtypes", None
+    per_rank = pools.run(draws["world"], compile_model_task, draws, steps, dtype, timeout=timeout)
+    bad = _classify(draws, per_rank)
+    if bad is not None:
+        return (*bad, _trace(per_rank))
+    worst = []
+    for i, (ref, got) in enumerate(zip(refs, per_rank[0]["steps"], strict=True)):
+        verdict, detail = judge_model(ref, got)
+        if verdict != "exact":
+            return (*_with_counts(verdict, f"step {i}: {detail}", draws, per_rank), None)
+        worst.append(detail)
+    return (*_with_counts("exact", worst[-1], draws, per_rank), None)
+
+
+def _classify(draws: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """``classify_errors``, but a graph break under ``fullgraph=True`` (dynamo's ``Unsupported`` on every rank,
+    not a seqpar refusal) is ``breaks``: the docs promised one graph (``fullgraph`` is drawn only then)."""
+    from seqpar.testing.verdicts import classify_errors
+
+    errors = [r["error"] for r in per_rank if not r["ok"]]
+    if (draws.get("fullgraph") and errors and len(errors) == len(per_rank)
+            and all(e["type"] == "Unsupported" and not e["refusal"] for e in errors)):
+        return "breaks", f"fullgraph=True: {errors[0]['message'][:300]}"
+    return classify_errors(per_rank)
+
+
+def _trace(per_rank: list[dict[str, Any]]) -> str | None:
+    return next((r["error"]["trace"] for r in per_rank if not r["ok"]), None)
