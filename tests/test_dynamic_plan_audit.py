@@ -1,4 +1,5 @@
-"""The planner's thresholds and orders that the other plan tests do not pin (session 21's mutation audit, mut21d).
+"""What the other dynamic-CP tests do not pin: the planner's spread threshold, the step's target count (session 21's
+mutation audit, mut21d).
 
 Each test names the mutant it was written for; each was seen failing with it applied and passing without.
 """
@@ -30,3 +31,25 @@ def test_a_spread_that_does_not_lower_the_busiest_rank_is_not_kept(slot_sync: bo
     spread = plan_dynamic([100, 2], 2, 128, cost=cost, spread_heavy=True, slot_sync=slot_sync)
     assert [mb.size for slot in spread.slots for mb in slot if 0 in mb.docs] == [2], spread.slots
     assert max(spread.rank_cost) < 0.9 * max(plan_dynamic([100, 2], 2, 128, cost=cost).rank_cost)
+
+
+def test_step_targets_count_what_one_process_predicts() -> None:
+    """``step_targets`` (every micro-batch's ``num_items_in_batch``) counts a document's labels but its first,
+    less ``ignore_index``: what transformers' ``ForCausalLMLoss`` on the document alone averages over (its labels
+    shifted left: no token predicts the first). Labels whose first entry is a real token: the launcher's recall
+    task and the pool tests give none such (their first label is ``ignore_index`` or the labels default to the
+    tokens, counted ``n - 1``), so nothing else sees it.
+    Seen failing: ``step_targets`` counting ``lab`` whole instead of ``lab[1:]`` (one target too many per
+    document: every dynamic loss and gradient scaled by ``T / (T + documents)``)."""
+    import torch
+
+    from seqpar.sequence.dynamic_batch import step_targets
+
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(3, 50, (n,), generator=g) for n in (1, 2, 7, 12)]
+    labels = [d.clone() for d in docs]
+    labels[2][3] = -100
+    labels[3][5:] = -100
+    shifted = sum(int((lab[1:] != -100).sum()) for lab in labels)  # transformers' count: labels[..., 1:]
+    assert step_targets(docs, labels) == shifted == 0 + 1 + 5 + 4
+    assert step_targets(docs) == sum(len(d) - 1 for d in docs)
