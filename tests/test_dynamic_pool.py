@@ -18,14 +18,15 @@ through an engine; here 4 gloo ranks are DP 2 x SP 2, so a group of 2 is a DP re
   process gives it (transformers' ``ForCausalLMLoss`` with ``num_items_in_batch`` 0, and torch's mean
   cross-entropy over no target: 0 / 0), and every gradient is exactly zero (the step moves nothing).
 
-Seen failing (each alone; the mutation audit's table is in the session's report):
+Seen failing (each alone, session 21's mutation audit; the first three pass ``test_dynamic_train``'s SP = 4 Llama
+step or ``test_dynamic_groups``):
 
-- ``dynamic_group`` handing every rank the group of index ``pool_position % (pool // size)`` (a strided group):
-  the group check;
-- ``tokens_per_rank`` at pad 2 whatever the sharding (``plan_from_config`` without the sharding): the
-  balanced cut holds 16 where the plan says 14 (and contiguous: 9 where it says 10);
+- ``packed_micro_batches`` taking ``manager.sp_rank`` for the pool position (a DP replica's ranks run the first
+  replica's micro-batches); ``pool_position`` as ``sp_rank * dp + dp_rank``; ``dynamic_ranks`` reading the
+  transposed grid: the group check or the step;
+- ``plan_from_config`` planning at pad 2 whatever the sharding (``pad_multiple_of`` returning 2, or ``plan_step``
+  not passing the sharding): the balanced cut holds more than the plan's ``tokens_per_rank``;
 - ``DynamicStep.loss`` dividing by the pool's size instead of each group's, or not all-reducing: the loss;
-- the loss normalised per micro-batch (``num_items_in_batch`` the micro-batch's targets): loss and gradients;
 - ``DynamicStep.loss`` returning 0 for a step with no target (``nan_to_num``): the NaN check.
 """
 
