@@ -18,12 +18,12 @@ through an engine; here 4 gloo ranks are DP 2 x SP 2, so a group of 2 is a DP re
   process gives it (transformers' ``ForCausalLMLoss`` with ``num_items_in_batch`` 0, and torch's mean
   cross-entropy over no target: 0 / 0), and every gradient is exactly zero (the step moves nothing).
 
-Seen failing (each alone, session 21's mutation audit; the first three pass ``test_dynamic_train``'s SP = 4 Llama
+Seen failing (each alone, session 21's mutation audit; the first four pass ``test_dynamic_train``'s SP = 4 Llama
 step or ``test_dynamic_groups``):
 
 - ``packed_micro_batches`` taking ``manager.sp_rank`` for the pool position (a DP replica's ranks run the first
   replica's micro-batches); ``pool_position`` as ``sp_rank * dp + dp_rank``; ``dynamic_ranks`` reading the
-  transposed grid: the group check or the step;
+  transposed grid; the groups of size ``sp`` taken from the DP group (strided): the group check or the step;
 - ``plan_from_config`` planning at pad 2 whatever the sharding (``pad_multiple_of`` returning 2, or ``plan_step``
   not passing the sharding): the balanced cut holds more than the plan's ``tokens_per_rank``;
 - ``DynamicStep.loss`` dividing by the pool's size instead of each group's, or not all-reducing: the loss;
