@@ -8,7 +8,7 @@ import torch
 
 
 def launcher_step(model: torch.nn.Module, task: Any, dynamic: Any, step: int, rows: int,
-                  pool: int = 4) -> tuple[float, Any, int]:
+                  pool: int = 4, sharding: str = "zigzag") -> tuple[float, Any, int]:
     """Step ``step`` of ``launch/train.py --dynamic``, run on one process.
 
     The step's documents are those of the ``rows`` packed rows (``grad_accum x dp``) a static run trains on in
@@ -25,7 +25,8 @@ def launcher_step(model: torch.nn.Module, task: Any, dynamic: Any, step: int, ro
     from seqpar.sequence.dynamic_batch import pack_documents, step_targets
 
     docs = [doc for row in range(step * rows, (step + 1) * rows) for doc in task.packed_docs(row)]
-    planned = plan_from_config([int(ids.numel()) for ids, _ in docs], pool, dynamic)  # as the launcher plans
+    planned = plan_from_config([int(ids.numel()) for ids, _ in docs], pool, dynamic,
+                               sharding=sharding)  # as the launcher plans (plan_step: the run's sharding's padding)
     targets = step_targets([ids for ids, _ in docs], [labels for _, labels in docs])
     total = 0.0
     for mb in (mb for slot in planned.slots for mb in slot if mb.docs):
@@ -57,7 +58,7 @@ def launcher_reference(argv: list[str], *, sgd: bool = False) -> tuple[list[floa
            else torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay))
     losses, sizes = [], []
     for step in range(t.steps):
-        total, planned, _ = launcher_step(model, task, dynamic, step, t.grad_accum)
+        total, planned, _ = launcher_step(model, task, dynamic, step, t.grad_accum, sharding=plan.sp.sharding)
         if not sgd:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()

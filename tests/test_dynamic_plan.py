@@ -649,13 +649,18 @@ def test_a_spread_never_puts_a_document_over_the_budget(slot_sync: bool) -> None
     multiple above the budget the doubled group holds less than the document's own (``capacity(2, 4, pad 8)`` is
     0), and the greedy placement opened it anyway: the fuzzer's dynamic kind (session 20, seed 7's plan draws)
     found ``plan_dynamic([2], 4, 4, pad_multiple=8, spread_heavy=True)`` giving a 4-rank group with 8 tokens per
-    rank, over the budget of 4. Every document now stays within the budget, on its own rank here.
-    Seen failing: without the ``length > cap`` guard in ``seqpar.sequence.packing.place`` (8 > 4, a group of 4)."""
+    rank, over the budget of 4. Since one rank's share is padded too (the cut pads it: session 21, mut21d), a
+    budget below the padding multiple holds nothing on any group: refused, naming the multiple; at a budget of
+    12 (not a multiple of 8) every document stays within the budget.
+    Seen failing: without the ``length > cap`` guard in ``seqpar.sequence.packing.place`` (8 > 4, a group of 4),
+    before one rank's share was padded."""
     budget, pad, pool = 4, 8, 4
     for lengths in ([2], [4], [2, 1], [3, 3], [4, 1, 1, 2]):
-        plan = plan_dynamic(lengths, pool, budget, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
-        _check_plan(plan, lengths, pool, budget, 1, CostModel(), pad)
-        assert all(mb.size == 1 for slot in plan.slots for mb in slot), plan.slots
+        with pytest.raises(ValueError, match="not a multiple of 8"):
+            plan_dynamic(lengths, pool, budget, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
+    for lengths in ([2], [9], [2, 1], [3, 3, 17], [4, 1, 1, 2, 30]):
+        plan = plan_dynamic(lengths, pool, 12, pad_multiple=pad, spread_heavy=True, slot_sync=slot_sync)
+        _check_plan(plan, lengths, pool, 12, 1, CostModel(), pad)
 
 
 def test_empty_micro_batches_run_on_groups_that_exist() -> None:

@@ -554,7 +554,7 @@ class ShardedDataLoader:
                     "keeps them apart, e.g. lambda s: {k: [x[k] for x in s] for k in s[0]}")
             labels = batch.get("labels")
             plan = plan_from_config([int(d.numel()) for d in docs], self.manager.pool_size, self.dynamic,
-                                    cost=self.cost)
+                                    cost=self.cost, sharding=self.sharding)
             yield rank_micro_batches(plan, list(docs), self.manager, labels=None if labels is None else list(labels),
                                      sharding=self.sharding, pad_token_id=self.pad_token_id,
                                      ignore_index=self.ignore_index)

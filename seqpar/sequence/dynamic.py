@@ -93,6 +93,7 @@ from seqpar.sequence.packing import (
     slot_sync_cost,
     smooth,
 )
+from seqpar.sequence.sharding import SHARDINGS, length_multiple
 
 if TYPE_CHECKING:
     from seqpar.config import DynamicConfig
@@ -105,6 +106,7 @@ __all__ = [
     "plan_from_config",
     "static_plan",
     "tokens_per_rank",
+    "pad_multiple_of",
     "ring_bytes_per_rank",
     "visible_pairs",
     "fit_cost_terms",
@@ -308,12 +310,19 @@ def _least_squares(x: list[list[float]], y: list[float]) -> list[float] | None:
 
 
 def tokens_per_rank(tokens: int, size: int, pad_multiple: int = 2) -> int:
-    """Tokens each rank of a group of ``size`` ranks holds for a micro-batch of ``tokens``: all of them
-    on one rank; else the packed sequence padded to a multiple of ``pad_multiple * size`` (2: zigzag; 8:
-    seqpar's ``balanced`` sharding at its finest) and cut evenly."""
-    if size == 1:
-        return tokens
+    """Tokens each rank of a group of ``size`` ranks holds for a micro-batch of ``tokens``: the packed sequence
+    padded to a multiple of ``pad_multiple * size`` and cut evenly, as
+    :func:`seqpar.sequence.batch.shard_batch` cuts it, on one rank too (its whole row, padded).
+    ``pad_multiple`` is what the sharding pads one rank's share to (:func:`pad_multiple_of`: 1 contiguous,
+    2 zigzag, 8 ``balanced``)."""
     return -(-tokens // (pad_multiple * size)) * pad_multiple
+
+
+def pad_multiple_of(sharding: str) -> int:
+    """The ``pad_multiple`` of ``sharding``: what :func:`seqpar.sequence.batch.shard_batch` pads each rank's
+    share of a micro-batch to (:func:`seqpar.sequence.sharding.length_multiple` of one rank: 1 contiguous,
+    2 zigzag, 8 ``balanced``), so the plan counts the tokens the cut holds."""
+    return length_multiple(1, sharding)
 
 
 def ring_bytes_per_rank(tokens_local: int, size: int, cost: CostModel) -> int:
@@ -508,6 +517,8 @@ def plan_dynamic(
                 f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} ({cmax} x {budget}, padded to a "
                 f"multiple of {pad * cmax}): raise max_tokens_per_rank to at least {tokens_per_rank(n, cmax, pad)}, "
                 "use a pool with a larger power-of-two group (more DP x SP ranks), or cut the document"
+                + (f"; max_tokens_per_rank is not a multiple of {pad}, what the sharding pads each rank's share to: "
+                   f"choose a multiple of {pad}" if budget % pad else "")
             )
         sizes.append(c)
     costs = [cost.planned_cost(n) for n in lengths]
@@ -545,14 +556,18 @@ def plan_dynamic(
 
 
 def plan_from_config(lengths: Sequence[int], pool_size: int, dynamic: DynamicConfig,
-                     cost: CostModel | None = None) -> DynamicPlan:
+                     cost: CostModel | None = None, *, sharding: str = "zigzag") -> DynamicPlan:
     """:func:`plan_dynamic` with the ``sequence_parallel.dynamic`` block's settings
     (:class:`seqpar.config.DynamicConfig`): ``max_tokens_per_rank``, ``min_size``, and ``balance="slot"`` as
-    ``spread_heavy=True, slot_sync=True`` (``"step"``: neither). What the loader, ``plan_step`` and the
-    launcher plan with."""
+    ``spread_heavy=True, slot_sync=True`` (``"step"``: neither); ``pad_multiple`` is the run's ``sharding``'s
+    (:func:`pad_multiple_of`: the cut's), so the plan's ``tokens_per_rank`` figures are what
+    :func:`seqpar.sequence.batch.rank_micro_batches` cuts. What the loader, ``plan_step`` and the launcher plan
+    with (``sharding``: the run's resolved sharding; the default, zigzag, pads as the planner always did)."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"plan_from_config: unknown sharding {sharding!r}; choose one of {list(SHARDINGS)}")
     slot = dynamic.balance == "slot"
     return plan_dynamic(lengths, pool_size, dynamic.max_tokens_per_rank, min_size=dynamic.min_size, cost=cost,
-                        spread_heavy=slot, slot_sync=slot)
+                        pad_multiple=pad_multiple_of(sharding), spread_heavy=slot, slot_sync=slot)
 
 
 def _slot_balanced(packing: Packing, lengths: Sequence[int], sizes: list[int], costs: list[float], lower: int,

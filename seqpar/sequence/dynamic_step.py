@@ -35,6 +35,7 @@ from torch import Tensor
 from seqpar.sequence.batch import rank_micro_batches
 from seqpar.sequence.call_group import GROUP_KEY
 from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_from_config
+from seqpar.sequence.sharding import resolve_sharding
 
 __all__ = ["DynamicStep", "plan_step"]
 
@@ -56,6 +57,12 @@ class DynamicStep:
         0-dim float64 sum over the pool (``manager.sp_dp_group``) of each of this rank's micro-batch losses
         (``losses[i]`` of ``micro_batches[i]``, 0-dim) divided by the size of its group, which holds it on every
         rank. Collective over the pool.
+
+        A step with no target anywhere (every label ``ignore_index``, or one-token documents only) has no
+        per-token mean: its loss is NaN (0 / 0) on every rank, what one process gives for the same step
+        (transformers' ``ForCausalLMLoss`` with ``num_items_in_batch`` 0, as each micro-batch's loss here, and
+        torch's mean cross-entropy over no target), and every gradient is exactly zero, so the step moves
+        nothing; a caller that logs it may skip or count such a step (``math.isnan``).
 
         Raises:
             ValueError: not one loss per micro-batch.
@@ -89,7 +96,9 @@ def plan_step(
     Returns:
         the plan and this rank's micro-batches (:class:`DynamicStep`).
     """
-    plan = plan_from_config([int(d.numel()) for d in docs], manager.pool_size, dynamic, cost=cost)
+    sharding = resolve_sharding(sharding, manager=manager, where="plan_step")
+    # planned with the sharding's pad multiple: the plan's tokens per rank are what the cut below holds
+    plan = plan_from_config([int(d.numel()) for d in docs], manager.pool_size, dynamic, cost=cost, sharding=sharding)
     micro = rank_micro_batches(plan, list(docs), manager, labels=None if labels is None else list(labels),
                                sharding=sharding, pad_token_id=pad_token_id, ignore_index=ignore_index)
     return DynamicStep(plan, micro, manager)

@@ -42,7 +42,7 @@ class Bin:
 def capacity(size: int, budget: int, pad: int) -> int:
     """The most tokens a micro-batch of a group of ``size`` holds: ``tokens_per_rank(t, size, pad) <= budget``
     exactly when ``t <= capacity(size, budget, pad)``."""
-    return budget if size == 1 else pad * size * (budget // pad)
+    return pad * size * (budget // pad)
 
 
 class Packing:

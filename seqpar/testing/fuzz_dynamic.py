@@ -63,6 +63,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from seqpar.runtime.grid import dynamic_group_sizes
+
 __all__ = ["draw_dynamic", "dynamic_summary", "run_dynamic_case", "dynamic_task", "case_plan", "plan_problems",
            "case_documents", "FAMILIES", "DYNAMIC_ENGINES", "DYNAMIC_ENTRY_POINT_GROUP", "DynamicEngineRunner",
            "dynamic_engine_runner"]
@@ -113,11 +115,6 @@ def dynamic_engine_runner(engine: str) -> DynamicEngineRunner:
     return engine_runner(engine, DYNAMIC_ENTRY_POINT_GROUP, "dynamic engine runner", "run_dynamic_engine")
 
 
-def _pow2_divisors(pool: int) -> list[int]:
-    largest = pool & -pool
-    return [1 << k for k in range(largest.bit_length())]
-
-
 def _draw_lengths(rng: random.Random, pool: int, budget: int, sharding: str) -> tuple[list[int], list[str]]:
     """A long-tailed mix of document lengths and the corner cases it holds (for the summary and the tests)."""
     cmax = pool & -pool
@@ -140,7 +137,7 @@ def _draw_lengths(rng: random.Random, pool: int, budget: int, sharding: str) -> 
             else:  # log-normal, median the budget, long tail
                 lengths.append(max(1, min(fits, int(round(budget * math.exp(rng.gauss(0.0, 1.0)))))))
         if rng.random() < 0.35:
-            c = rng.choice(_pow2_divisors(pool))
+            c = rng.choice(dynamic_group_sizes(pool))
             lengths[rng.randrange(len(lengths))] = c * budget
             corners.append(f"exact{c}x")
         if pool > 1 and rng.random() < 0.3:
@@ -171,7 +168,7 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
     budget = rng.choice((8, 16, 24) if sharding == "balanced" else (4, 6, 8, 8, 12, 16, 24))
     if rng.random() < 0.1:
         budget = rng.choice((3, 5, 6, 7, 12, 13))
-    sizes = _pow2_divisors(world)
+    sizes = dynamic_group_sizes(world)
     min_size = 1 if rng.random() < 0.75 else rng.choice(sizes)
     lengths, corners = _draw_lengths(rng, world, budget, sharding)
     if rng.random() < 0.5:
