@@ -308,11 +308,21 @@ def _refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
     count their own calls. Recomputes in the backward run the layers' ``forward`` inside the checkpoint, without
     module hooks, and outside the model's forward, and are not counted. The count is the model's structure, the
     same on every rank, so every rank raises at the same call, before that call's collectives.
+
+    A third shape is the same rule: a parameter one reentrant call uses and a module outside every checkpointed
+    call uses too (a Linear held by layer 0 and called again by the model after the layers): the recompute's
+    backward and the outer backward each accumulate its gradient (ZeRO-2's "Gradient computed twice", ZeRO-3's
+    bare AssertionError; tests/test_deepspeed_tied_reentrant.py). Such uses are counted by a pre-hook on each module
+    reachable without entering a checkpointed layer that holds one of a layer's parameters, at calls with grad
+    enabled (torch's reentrant checkpoint runs its forward without grad, so calls inside a reentrant layer are that
+    layer's). Tied input / output embeddings used outside the layers only are one outer backward: not refused.
     """
     layers = _outermost_checkpoint_layers(model)
     if not layers:
         return
-    # id(parameter) -> (its name, the layer whose call used it first) in the running forward; None outside one
+    outside = "outside every checkpointed layer"
+    # id(parameter) -> (its name, the layer whose call used it first, or `outside`) in the running forward; None
+    # outside one
     frame: dict[str, dict[int, tuple[str, str]] | None] = {"used": None}
 
     def start(module: torch.nn.Module, args: Any) -> None:
@@ -334,21 +344,56 @@ def _refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
                 what = (f"its forward calls the checkpointed layer {name} more than once, a looped or recurrent "
                         "layer") if first[1] == name else (
                         f"the checkpointed layers {first[1]} and {name} both use it, a block shared across layers "
-                        "as Zamba's shared transformer is")
-                raise ConfigError(
-                    f"DeepSpeed ZeRO-{stage} with reentrant activation checkpointing cannot train "
-                    f"{type(model).__name__}: the parameter {first[0]} is used by two checkpointed calls in one "
-                    f"forward ({what}), so each call's recompute computes its gradient again in one backward and "
-                    "DeepSpeed's reduction hook fires twice ('Gradient computed twice'). Enable non-reentrant "
-                    "checkpointing (model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-                    "{'use_reentrant': False})), or use ZeRO-1 or FSDP2"
-                )
+                        "as Zamba's shared transformer is") if first[1] != outside else (
+                        f"the checkpointed layer {name} uses it and so does a module {outside}, e.g. a shared Linear")
+                raise ConfigError(_reuse_message(model, stage, first[0], what))
+        return hook
+
+    def count_outside(name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            # inside a reentrant call grad is off (torch's reentrant checkpoint runs the forward without it): that
+            # call's layer hook counted the use; a non-reentrant layer's call is the outer graph's, an outside use
+            used = frame["used"]
+            if used is None or not torch.is_grad_enabled():
+                return
+            for pname, p in module.named_parameters(recurse=False):
+                first = used.get(id(p))
+                if first is None:
+                    used[id(p)] = (f"{name}.{pname}", outside)
+                elif first[1] != outside:
+                    raise ConfigError(_reuse_message(model, stage, first[0], (
+                        f"the checkpointed layer {first[1]} uses it and so does a module {outside}, e.g. a shared "
+                        "Linear")))
         return hook
 
     model.register_forward_pre_hook(start)
     model.register_forward_hook(stop, always_call=True)
     for name, layer in layers:
         layer.register_forward_pre_hook(count(name))
+    # the modules reachable without entering a checkpointed layer that hold one of its parameters (a module shared
+    # with a layer, or tied to one of its modules); none in most models, so nothing else is hooked
+    in_layers = {id(p) for _, layer in layers for p in layer.parameters()}
+    layer_ids = {id(layer) for _, layer in layers}
+    seen, stack = set(), [("", model)]
+    while stack:
+        name, module = stack.pop()
+        if id(module) in layer_ids or id(module) in seen:
+            continue
+        seen.add(id(module))
+        if any(id(p) in in_layers for p in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(count_outside(name))
+        stack += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in module.named_children()]
+
+
+def _reuse_message(model: torch.nn.Module, stage: int, param: str, what: str) -> str:
+    """The refusal of :func:`_refuse_reentrant_reuse`: ``param`` used twice in one forward, ``what`` says how."""
+    return (
+        f"DeepSpeed ZeRO-{stage} with reentrant activation checkpointing cannot train {type(model).__name__}: the "
+        f"parameter {param} is used twice in one forward, at least once inside a checkpointed call ({what}), so each "
+        "recompute computes its gradient again in one backward and DeepSpeed's reduction hook fires twice ('Gradient "
+        "computed twice'). Enable non-reentrant checkpointing (model.gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})), or use ZeRO-1 or FSDP2"
+    )
 
 
 def _zero_stage(ds_config: Mapping[str, Any]) -> int | None:

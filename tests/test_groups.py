@@ -783,3 +783,27 @@ def test_config_high_priority_streams_must_be_a_bool() -> None:
 
     with pytest.raises(ConfigError, match="high_priority_streams"):
         SeqParConfig.load({"size": 2, "high_priority_streams": "yes"})
+
+
+def _resolve_by_size(rank: int, world_size: int) -> list:
+    from seqpar.config import SeqParConfig
+    from seqpar.integrations.common import resolve_manager
+    from seqpar.runtime.groups import init_process_groups, set_default_manager
+
+    one = init_process_groups(1)  # the default manager: SP 1 (DP 2)
+    two = resolve_manager(SeqParConfig(size=world_size), None)
+    try:
+        return [two is not one, two.sp_size, resolve_manager(SeqParConfig(size=world_size), None) is two]
+    finally:
+        two.destroy()
+        one.destroy()
+        set_default_manager(None)
+
+
+def test_an_integration_builds_the_configs_sp_size_beside_a_default_of_another(dist_pool) -> None:
+    """resolve_manager (every engine adapter) with no manager given reuses the default one only when its SP size is
+    the config's; otherwise it builds one from the config (and later calls reuse that one).
+
+    Seen failing: with the size check dropped (``if manager is None:`` alone) the adapter took the SP 1 default for a
+    config of SP 2: ``[False, 1, True]``."""
+    assert dist_pool.run(2, _resolve_by_size) == [[True, 2, True]] * 2

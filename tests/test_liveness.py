@@ -156,3 +156,20 @@ def test_a_forked_child_forgets_the_heartbeat(server, monkeypatch):
         hb.beat()  # the parent's connection still works
     finally:
         hb.release()
+
+
+def test_the_interval_follows_the_timeout(server, monkeypatch):
+    """A tenth of the collective timeout, within [0.1, 2] s, so a lost rank shows well inside a short timeout; and
+    :func:`liveness.start` beats at that interval.
+
+    Seen failing: ``heartbeat_interval`` ignoring ``timeout_s`` (always torch's 1800 s default, so 2 s: a diagnosis
+    under ``timeout_s=1`` waited 4.1 s, past the timeout it explains)."""
+    assert [liveness.heartbeat_interval(t) for t in (0.5, 1, 5, 10, 100, None)] == [0.1, 0.1, 0.5, 1.0, 2.0, 2.0]
+    _, port = server
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hb = liveness.start(rank=0, world_size=2, timeout_s=3)
+    try:
+        assert hb is not None and hb.interval_s == pytest.approx(0.3) and hb.timeout_s == 3
+    finally:
+        hb.release()

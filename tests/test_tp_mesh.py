@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
 import torch
@@ -265,12 +266,17 @@ def _eight(rank: int, world: int) -> list[dict]:
 
     out = []
     for sp, tp, u in ((2, 2, 1), (4, 2, 2)):  # DP2 x SP2 x TP2; SP4 (hybrid 2 x 2) x TP2
-        m = init_process_groups(sp, tp_size=tp, ulysses_size=u, heads=(8, 4))
+        m = init_process_groups(sp, tp_size=tp, ulysses_size=u, heads=(8, 4), timeout=timedelta(seconds=47 + u))
         groups = {"tp": m.tp_group, "sp": m.sp_group, "dp": m.dp_group, "ulysses": m.ulysses_group,
                   "ring": m.ring_group}
         out.append({"members": {k: dist.get_process_group_ranks(g) for k, g in groups.items()},
                     "sums": {k: _summed(g, rank) for k, g in groups.items()},
-                    "mesh": m.mesh.mesh.tolist()})
+                    "mesh": m.mesh.mesh.tolist(),
+                    # DTensor and DCP place a shard by its mesh coordinate, FSDP2 and the collectives by the
+                    # group rank: the two must agree on every dim of both meshes
+                    "coords": [list(m.mesh.get_coordinate()), [dist.get_rank(g) for g in (m.dp_group, m.sp_group, m.tp_group)],
+                               list(m.dp_sp_tp_mesh.get_coordinate()), [dist.get_rank(m.sp_dp_group), dist.get_rank(m.tp_group)]],
+                    "liveness_timeout": m.liveness.timeout_s})
         m.destroy()
         set_default_manager(None)
     return out
@@ -278,9 +284,20 @@ def _eight(rank: int, world: int) -> list[dict]:
 
 def test_eight_ranks_dp_sp_tp_and_hybrid_inside_tp(dist_pool) -> None:
     """DP2 x SP2 x TP2, and the hybrid's Ulysses / ring groups of SP4 x TP2: each runs over the ranks of
-    one TP rank's SP group (Ulysses = u consecutive SP ranks, ring = SP ranks u apart)."""
+    one TP rank's SP group (Ulysses = u consecutive SP ranks, ring = SP ranks u apart). Every rank's coordinate in
+    ``manager.mesh`` and ``manager.dp_sp_tp_mesh`` is its rank in the dim's group, and the rank's heartbeat names
+    the groups' timeout.
+
+    Seen failing: ``dp_sp_tp_mesh`` built from the cube with DP and SP swapped (``cube.permute(1, 0, 2)`` before the
+    reshape; the groups and test_tp_train's DP2 x SP2 x TP2 training were unchanged, but DCP would have written each
+    FSDP2 shard at another rank's offset): rank 2's "dp_sp" coordinate 2, its group rank 1; ``init_process_groups``
+    starting the heartbeat without the timeout: ``liveness_timeout`` None."""
     per_rank = dist_pool.run(8, _eight, timeout=300)
     for rank, (three_d, hybrid) in enumerate(per_rank):
+        for record, u in ((three_d, 1), (hybrid, 2)):
+            mesh_coords, group_ranks, flat_coords, flat_ranks = record["coords"]
+            assert mesh_coords == group_ranks and flat_coords == flat_ranks, (rank, record["coords"])
+            assert record["liveness_timeout"] == 47 + u, (rank, record["liveness_timeout"])
         want = _theory(rank, 8, 2, 2)
         assert three_d["mesh"] == want["cube"]
         assert {k: three_d["members"][k] for k in ("tp", "sp", "dp")} == {k: want[k] for k in ("tp", "sp", "dp")}
