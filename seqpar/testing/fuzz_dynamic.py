@@ -236,7 +236,7 @@ def case_plan(draws: dict[str, Any]) -> Any:
     if p["how"] == "config":
         config = DynamicConfig(max_tokens_per_rank=draws["max_tokens_per_rank"], min_size=draws["min_size"],
                                balance=p["balance"])
-        return plan_from_config(list(draws["lengths"]), pool, config)
+        return plan_from_config(list(draws["lengths"]), pool, config, sharding=draws["sharding"])  # as the loader
     return plan_dynamic(list(draws["lengths"]), pool, draws["max_tokens_per_rank"], min_size=draws["min_size"],
                         cost=CostModel(**p["cost"]) if p["cost"] else None, pad_multiple=p["pad_multiple"],
                         spread_heavy=p["spread_heavy"], slot_sync=p["slot_sync"])
@@ -414,8 +414,10 @@ def _engine_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dtyp
 
 
 def _pad(draws: dict[str, Any]) -> int:
+    from seqpar.sequence.dynamic import pad_multiple_of
+
     p = draws["planner"]
-    return p["pad_multiple"] if p["how"] == "direct" else 2
+    return p["pad_multiple"] if p["how"] == "direct" else pad_multiple_of(draws["sharding"])
 
 
 def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
