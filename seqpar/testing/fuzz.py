@@ -18,7 +18,10 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
   (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP
-  pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`).
+  pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`);
+- ``trainer``: Hugging Face's ``Trainer`` or TRL's ``SFTTrainer`` with seqpar (DeepSpeed ZeRO or FSDP2, DP x SP
+  over 1..4 ranks, the trainers' knobs) against the same trainer without seqpar on one process
+  (:mod:`seqpar.testing.fuzz_trainers`).
 
 Verdicts (one per case):
 
@@ -68,7 +71,7 @@ __all__ = [
 ]
 
 VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped")
-KINDS = ("attention", "dilated", "model", "engine", "dynamic")
+KINDS = ("attention", "dilated", "model", "engine", "dynamic", "trainer")
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 _HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
           (6, 3, 4, 4))
@@ -161,7 +164,7 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
 def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
     """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
     rng = random.Random(case_seed)
-    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2}
+    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "trainer": 1}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
     if kind == "attention":
         draws = _draw_attention(rng)
@@ -175,6 +178,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
         from seqpar.testing.fuzz_dynamic import draw_dynamic
 
         draws = draw_dynamic(rng)
+    elif kind == "trainer":
+        from seqpar.testing.fuzz_trainers import draw_trainer
+
+        draws = draw_trainer(rng)
     else:
         from seqpar.testing.fuzz_engines import draw_engine
 
@@ -454,6 +461,10 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             from seqpar.testing.fuzz_dynamic import run_dynamic_case
 
             verdict, detail = run_dynamic_case(pools, draws, timeout, plant)
+        elif draws["kind"] == "trainer":
+            from seqpar.testing.fuzz_trainers import run_trainer_case
+
+            verdict, detail = run_trainer_case(pools, draws, timeout, plant)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
@@ -491,6 +502,10 @@ def summary(draws: dict[str, Any]) -> str:
         from seqpar.testing.fuzz_dynamic import dynamic_summary
 
         return dynamic_summary(draws)
+    if draws["kind"] == "trainer":
+        from seqpar.testing.fuzz_trainers import trainer_summary
+
+        return trainer_summary(draws)
     if draws["kind"] == "dilated":
         return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
                 f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}")
@@ -533,7 +548,7 @@ class Fuzzer:
         self.timeout, self.model_timeout = timeout, model_timeout
 
     def run(self, draws: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-        slow = draws["kind"] in ("model", "engine", "dynamic")
+        slow = draws["kind"] in ("model", "engine", "dynamic", "trainer")
         return run_case(self.pools, draws, self.model_timeout if slow else self.timeout, plant)
 
     def close(self) -> None:
@@ -570,10 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case-seed", type=int, action="append", metavar="X",
                         help="run only the case of this case seed (repeatable); --cases and --seed are then ignored")
     parser.add_argument("--kinds", default=",".join(KINDS),
-                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic (default: all)")
+                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic, trainer "
+                             "(default: all)")
     parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
     parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
-    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model, engine or dynamic case, seconds")
+    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model, engine, dynamic or trainer case, seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help='override a draw of every case, e.g. --set world=1 --set checkpointing=null')
     parser.add_argument("--verbose", action="store_true", help="print a failing rank's traceback under each crash")
