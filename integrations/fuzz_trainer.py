@@ -79,7 +79,8 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             ``collator`` (``trainer`` only; None: transformers' default) and ``tokenizer`` (``sft``: the
             processing class).
         knobs: ``micro`` (per-device batch), ``accumulation``, ``steps``, ``lr``, ``max_grad_norm``,
-            ``average_tokens`` (``average_tokens_across_devices``), ``label_smoothing``; for ``sft`` also
+            ``average_tokens`` (``average_tokens_across_devices``), ``label_smoothing``, ``eval_batch`` (the
+            per-device eval batch, default 1); for ``sft`` also
             ``packing``, ``padding_free``, ``assistant_only_loss``, ``loss_type``, ``max_length``.
         config: the ``sequence_parallel`` block (``size``, ``mode``, ``sharding``).
 
@@ -112,7 +113,7 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=knobs["max_grad_norm"],
             average_tokens_across_devices=knobs["average_tokens"], label_smoothing_factor=knobs["label_smoothing"],
             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
-            train_sampling_strategy="sequential", prediction_loss_only=True, per_device_eval_batch_size=1,
+            train_sampling_strategy="sequential", prediction_loss_only=True, per_device_eval_batch_size=knobs.get("eval_batch", 1),
             eval_strategy="steps" if data.get("eval") is not None else "no", eval_steps=1,
             deepspeed=_ds_config(engine, config) if engine.startswith("zero") else None,
         )

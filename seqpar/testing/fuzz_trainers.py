@@ -17,7 +17,9 @@ of P).
 
 The contract judged (docs/integrations.md, tests/test_trainer.py, tests/test_trl_sft.py): a seqpar trainer on
 DP x SP ranks trains as the same trainer without seqpar on one process whose per-device batch is the global
-batch (``micro x dp``; the same accumulation and steps). The reference is that run
+batch (``micro x dp``; the same accumulation and steps; the eval batch ``dp`` rows, one per replica: with
+``average_tokens_across_devices`` transformers 5.2x's eval loss of a step is the token mean over the global
+eval batch). The reference is that run
 (:func:`run_trainer_case`), in float64 (fp32 ranks): the logged loss of every step (and ``grad_norm`` when
 clipping), every evaluation's loss, and every parameter's total update ``p_before - p_after`` (the sum of the
 SGD steps, each parameter judged on its own scale) must agree.
@@ -30,7 +32,16 @@ plain DP run, whatever seqpar does):
   token mean one process computes. Drawn at DP 1 only;
 - the MoE router loss with DP > 1: it is a per-batch statistic (expert load x router probability over the
   batch's tokens), not a sum over tokens, so one process's router loss of the global batch is not the mean of
-  the replicas'. Drawn at DP 1 only.
+  the replicas'. Drawn at DP 1 only. Plain ``SFTTrainer`` at DP 2 (no seqpar, ``--set engine=plain``), tiny
+  Mixtral with the router loss: ``embed_tokens``' update 6.7e-3 off one process's (case 495490371, found when
+  SFTTrainer still turned the router loss on by its coefficient; the draw now sets the coefficient to 0 when the
+  router loss is off);
+- left-padded rows (``padded-left``) with DP > 1: transformers shifts the labels on the padded row, so the first
+  real token of a left-padded row becomes a target predicted from the pad before it; how many rows are padded
+  depends on how the global batch is split, so one process (all rows padded to the global batch's longest)
+  trains on other targets than DP replicas. Plain ``Trainer`` at DP 2 (no seqpar): step 1's loss 1.9e-3 off one
+  process's (case 1588844063 with ``--set engine=plain``). Drawn at DP 1 only (seqpar refuses left padding
+  at SP > 1 by name).
 
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
@@ -86,6 +97,8 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     }
     if trainer == "trainer":
         collator = rng.choice(("rows", "padded-right", "padded-left", "packed"))
+        if collator == "padded-left" and dp > 1:
+            collator = "padded-right"  # the trainer's own at DP > 1 (the module docstring)
         if collator == "rows":
             n = rng.randint(3, 20)
             lengths = [n] * rows
@@ -167,7 +180,7 @@ class _Rows(torch.utils.data.Dataset):
 def trainer_data(draws: dict[str, Any]) -> dict[str, Any]:
     """The case's data sets, collator and tokenizer (from ``data_seed``): ``{"train", "eval", "collator",
     "tokenizer"}`` as :func:`seqpar.integrations.fuzz_trainer.run_trainer` takes them. Evaluation: ``2 x dp``
-    rows, one per evaluation batch (so the eval loss, a mean of per-batch means, splits alike over DP)."""
+    rows, one per rank and evaluation step (the reference takes ``dp`` rows a step: the global eval batch)."""
     import transformers
 
     from seqpar.testing.tiny_models import VOCAB
@@ -211,7 +224,8 @@ def _build_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     model.config.use_cache = False
     if draws["model_type"] in MOE_TYPES:
         model.config.output_router_logits = bool(draws["router_loss"])
-        model.config.router_aux_loss_coef = 0.5
+        # SFTTrainer turns the router loss on whenever the coefficient is not 0, whatever output_router_logits says
+        model.config.router_aux_loss_coef = 0.5 if draws["router_loss"] else 0.0
     return model
 
 
@@ -281,11 +295,13 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
         reference = role == "reference"
         knobs = {"micro": draws["micro"] * (draws["dp"] if reference else 1), "accumulation": draws["accumulation"],
                  "steps": draws["steps"], "lr": LR, "max_grad_norm": draws["max_grad_norm"],
-                 "average_tokens": draws["average_tokens"], "label_smoothing": draws["label_smoothing"]}
+                 "average_tokens": draws["average_tokens"], "label_smoothing": draws["label_smoothing"],
+                 "eval_batch": draws["dp"] if reference else 1}
         if draws["trainer"] == "sft":
             knobs.update(packing=draws["packing"], padding_free=draws["padding_free"],
                          assistant_only_loss=draws["assistant_only_loss"], loss_type=draws["loss_type"],
-                         max_length=SFT_MAX_LENGTH)
+                         # TRL refuses max_length with padding_free and no packing (it would not truncate)
+                         max_length=SFT_MAX_LENGTH if draws["packing"] or not draws["padding_free"] else None)
         config = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"]}
         model = _build_model(draws, getattr(torch, dtype_name))
         with warnings.catch_warnings(), released_deepspeed_engines():
@@ -323,31 +339,31 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     """``("exact" | "WRONG", detail)``: every rank logged the reference's steps (loss within :data:`LOSS_RTOL`
     relative, ``grad_norm`` too when clipping) and evaluations; rank 0's total update of every parameter,
     ``before - after``, within ``UPDATE_RTOL x`` that parameter's reference update ``+ 1e-8 x`` the model's
-    largest update ``+ steps x`` one fp32 rounding step of the parameter (its largest value x eps)."""
+    largest update ``+ steps x`` one fp32 rounding step of the parameter (its largest value x eps). A WRONG
+    detail names the first problem of each sort (logs, updates), so a wrong logged number with right updates
+    (a logging error) reads apart from wrong updates."""
     n_logs = len(ref["logs"])
     if n_logs != draws["steps"]:
         return "WRONG", f"the reference logged {n_logs} steps, not {draws['steps']}"
+    problems: list[str] = []
     worst = ("", 0.0)
     for rank, r in enumerate(per_rank):
         if len(r["logs"]) != n_logs or len(r["evals"]) != len(ref["evals"]):
             return "WRONG", (f"rank {rank} logged {len(r['logs'])} steps and {len(r['evals'])} evaluations "
                              f"(reference {n_logs}, {len(ref['evals'])})")
-        keys = [("loss", "loss")] + ([("grad_norm", "grad_norm")] if draws["max_grad_norm"] else [])
-        for step, (g, e) in enumerate(zip(r["logs"], ref["logs"], strict=True)):
-            for key, _ in keys:
-                if key not in e:
-                    continue
-                rel = _rel(float(g.get(key, float("nan"))), float(e[key]))
-                if not rel <= LOSS_RTOL:
-                    return "WRONG", (f"rank {rank} step {step + 1}: {key} {g.get(key)} vs {e[key]} "
-                                     f"({rel:.1e} relative, tol {LOSS_RTOL:.0e})")
-                worst = max(worst, (key, rel), key=lambda x: x[1])
-        for i, (g, e) in enumerate(zip(r["evals"], ref["evals"], strict=True)):
-            rel = _rel(float(g["eval_loss"]), float(e["eval_loss"]))
+        pairs = [(f"step {i + 1}: {key}", g.get(key, float("nan")), e[key])
+                 for i, (g, e) in enumerate(zip(r["logs"], ref["logs"], strict=True))
+                 for key in ("loss", "grad_norm") if key in e and (key == "loss" or draws["max_grad_norm"])]
+        pairs += [(f"evaluation {i + 1}: eval_loss", g["eval_loss"], e["eval_loss"])
+                  for i, (g, e) in enumerate(zip(r["evals"], ref["evals"], strict=True))]
+        for what, g, e in pairs:
+            rel = _rel(float(g), float(e))
             if not rel <= LOSS_RTOL:
-                return "WRONG", (f"rank {rank} evaluation {i + 1}: eval_loss {g['eval_loss']} vs {e['eval_loss']} "
-                                 f"({rel:.1e} relative, tol {LOSS_RTOL:.0e})")
-            worst = max(worst, ("eval_loss", rel), key=lambda x: x[1])
+                problems.append(f"rank {rank} {what} {g} vs {e} ({rel:.1e} relative, tol {LOSS_RTOL:.0e})")
+                break
+            worst = max(worst, (what.split(": ")[1], rel), key=lambda x: x[1])
+        if problems:
+            break
     got = per_rank[0]
     if set(got["before"]) != set(ref["before"]):
         return "WRONG", f"parameters on one side only: {sorted(set(got['before']) ^ set(ref['before']))[:4]}"
@@ -365,8 +381,12 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
         tol = UPDATE_RTOL * own + 1e-8 * model_max + draws["steps"] * eps * float(start.abs().max())
         diff = float((d_got - d_ref).abs().max())
         if not diff <= tol:
-            return "WRONG", f"update of {name} off by {diff / max(own, 1e-300):.1e} of its max (tol {tol / max(own, 1e-300):.1e})"
+            problems.append(f"update of {name} off by {diff / max(own, 1e-300):.1e} of its max "
+                            f"(tol {tol / max(own, 1e-300):.1e})")
+            break
         worst = max(worst, (f"update {name}", diff / max(own, 1e-300)), key=lambda x: x[1])
+    if problems:
+        return "WRONG", "; ".join(problems) + ("" if len(problems) > 1 else " (the other checks pass)")
     return "exact", f"worst {worst[0]} {worst[1]:.1e}"
 
 
