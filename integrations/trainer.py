@@ -464,7 +464,8 @@ class SequenceParallelMixin:
         """The SP-exact loss of a cut batch (Trainer's own would see no ``labels`` once they are
         shifted into ``shift_labels``); logits stay sharded, so only the loss is returned.
 
-        The target count is Trainer's own, taken on the full batch before the cut: a transformers whose
+        The target count is Trainer's own, taken on the full batch before the cut where the trainer's own
+        ``prediction_step`` is ``transformers.Trainer``'s (not SFTTrainer's, which passes none): a transformers whose
         ``prediction_step`` counts ``num_items_in_batch`` (summed over every process with
         ``average_tokens_across_devices``, 5.2x) makes the eval loss of each step the token mean over the
         global eval batch, not the mean of the DP replicas' token means; the count is divided by ``sp`` as in
@@ -479,7 +480,9 @@ class SequenceParallelMixin:
         if inputs.get("labels") is None and inputs.get("shift_labels") is None:
             return None, None, None
         num_items_in_batch = None
-        if _COUNTS_IN_PREDICTION_STEP:
+        # as the trainer's own prediction_step would: Trainer's counts, SFTTrainer's (its own, no count) does not
+        own = getattr(super().prediction_step, "__func__", None)
+        if _COUNTS_IN_PREDICTION_STEP and own is transformers.Trainer.prediction_step:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
             if self._counts_every_sp_rank(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch / self.seqpar_manager.sp_size
