@@ -160,6 +160,17 @@ def _sp_config_from_args(args: Any, seqpar_config: SeqParConfig | Mapping[str, A
 
 
 _EXACT_LOSS_FLAG = "seqpar_exact_loss"
+# Whether transformers.Trainer.prediction_step passes the batch's target count (summed over the processes with
+# average_tokens_across_devices) to compute_loss: then its eval loss is the token mean over the global eval batch,
+# and SequenceParallelMixin.prediction_step counts alike
+def _counts_in_prediction_step() -> bool:
+    try:
+        return "_get_num_items_in_batch" in inspect.getsource(transformers.Trainer.prediction_step)
+    except (OSError, TypeError):  # no source installed (a .pyc-only transformers): Trainer's older behaviour
+        return False
+
+
+_COUNTS_IN_PREDICTION_STEP = _counts_in_prediction_step()
 
 
 def _check_bases(cls: type) -> None:
@@ -458,7 +469,14 @@ class SequenceParallelMixin:
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: Any = None) -> tuple[Any, None, None]:
         """The SP-exact loss of a cut batch (Trainer's own would see no ``labels`` once they are
-        shifted into ``shift_labels``); logits stay sharded, so only the loss is returned."""
+        shifted into ``shift_labels``); logits stay sharded, so only the loss is returned.
+
+        The target count is Trainer's own, taken on the full batch before the cut where the trainer's own
+        ``prediction_step`` is ``transformers.Trainer``'s (not SFTTrainer's, which passes none): a transformers whose
+        ``prediction_step`` counts ``num_items_in_batch`` (summed over every process with
+        ``average_tokens_across_devices``, 5.2x) makes the eval loss of each step the token mean over the
+        global eval batch, not the mean of the DP replicas' token means; the count is divided by ``sp`` as in
+        training (each SP rank counted the same batch)."""
         if not prediction_loss_only:
             raise ValueError(
                 "under sequence parallelism each rank holds a shard of the logits; evaluate with "
@@ -468,9 +486,16 @@ class SequenceParallelMixin:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if inputs.get("labels") is None and inputs.get("shift_labels") is None:
             return None, None, None
+        num_items_in_batch = None
+        # as the trainer's own prediction_step would: Trainer's counts, SFTTrainer's (its own, no count) does not
+        own = getattr(super().prediction_step, "__func__", None)
+        if _COUNTS_IN_PREDICTION_STEP and own is transformers.Trainer.prediction_step:
+            num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+            if self._counts_every_sp_rank(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch / self.seqpar_manager.sp_size
         inputs = self._prepare_inputs(self._sp_shard(inputs))
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = self.compute_loss(model, inputs)  # no num_items_in_batch: the token mean
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         return loss.detach().mean(), None, None
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,

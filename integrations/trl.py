@@ -112,17 +112,20 @@ class SFTLoss:
         finally:
             hook.remove()
         loss, outputs = (result[0], result[1]) if return_outputs else (result, None)
-        aux = loss.new_zeros(())
+        aux = added = loss.new_zeros(())
         if getattr(trainer, "aux_loss_enabled", False) and fused and fused[-1].aux_loss is not None:
-            # As SFTTrainer adds it: the coefficient, over the accumulation steps when the count is given.
-            steps = trainer.current_gradient_accumulation_steps if given else 1
-            aux = trainer.router_aux_loss_coef * fused[-1].aux_loss / steps
+            # As SFTTrainer adds it: the coefficient, over the accumulation steps when the count is given. base
+            # was always given one (the SP group's count above, in evaluation), so it added the router loss over
+            # the steps: that is taken off, and SFTTrainer's own (over 1 step without a count) added.
+            weighted = trainer.router_aux_loss_coef * fused[-1].aux_loss
+            added = weighted / trainer.current_gradient_accumulation_steps
+            aux = weighted / (trainer.current_gradient_accumulation_steps if given else 1)
         # SFTTrainer multiplied its cross-entropy by the process count whenever it had a count and
         # average_tokens_across_devices; the engines average gradients over the dp replicas only.
         multiplied = trainer.accelerator.num_processes // trainer.get_tp_size() \
             if trainer.args.average_tokens_across_devices else 1
         wanted = manager.dp_size if (given and trainer.args.average_tokens_across_devices) else 1
-        cross_entropy = (loss - aux) * (wanted / multiplied)
+        cross_entropy = (loss - added) * (wanted / multiplied)
         loss = all_reduce_identity_backward(cross_entropy, group=manager.sp_group) + aux
         if tokens_before is not None and trainer.model.training and "attention_mask" not in inputs:
             _recount_tokens(trainer, inputs, tokens_before)

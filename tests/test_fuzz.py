@@ -215,6 +215,16 @@ FOUND[1115978788] = (("dynamic",), "refused")
 FOUND[192080593] = (("compile",), "exact")
 FOUND[1677996661] = (("compile",), "exact")
 FOUND[152934153] = (("compile",), "refused")
+# fz21t: found by the trainer kind (HF Trainer / TRL SFTTrainer with seqpar against the same trainer without it):
+# - 1588844063 (SeqParTrainer, ZeRO-3, DP 2 x SP 1, tiny qwen2, right-padded rows, an evaluation after the step):
+#   WRONG, eval_loss 5.9e-3 off: seqpar's prediction_step took each replica's token mean and Trainer averaged
+#   them, where transformers 5.2x's Trainer (and plain Trainer on 2 processes) takes the token mean over the
+#   global eval batch (tests/test_trainer.py::test_trainer_eval_loss_at_dp2_is_the_global_batch_token_mean).
+#   The one real trainer case in CI (test_a_planted_trainer_bug_is_wrong plants a bug into the same case).
+# - 1029382515 (sequence_parallel(SFTTrainer), ZeRO-2, SP 1, tiny Mixtral with the router loss, 2 micro-batches a
+#   step, eval): WRONG, eval_loss 8.4e-2 off (the router loss over the steps where SFTTrainer adds it whole). Not
+#   pinned here (one real trainer case in CI): tests/test_trl_sft.py's accumulation test evaluates now.
+FOUND[1588844063] = (("trainer",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -841,3 +851,58 @@ def test_torch_struct_pack_bug_is_still_there() -> None:
     with pytest.raises(Exception, match="recursion"):
         torch.compile(f, backend="eager", dynamic=True)(torch.zeros(8))
     torch._dynamo.reset()
+
+
+# The trainer kind (HF Trainer / TRL SFTTrainer with seqpar against the same trainer without it): draws only,
+# plus one real case (planted and clean)
+# --------------------------------------------------------------------------------------------------
+
+def test_trainer_kind_draws_its_knobs() -> None:
+    """The ``trainer`` kind draws both trainers, every engine, DP x SP splits (DP > 1 and SP > 1 each), every
+    collator, clipping, label smoothing, evaluation, the SFT options; ``average_tokens_across_devices=False`` and
+    the router loss only at DP 1 (the trainer's own behaviour at DP > 1: fuzz_trainers' docstring); the draws are
+    JSON-able, the same again from the case seed, named in the summary; the runners are found by entry point.
+    Seen failing: with ``average_tokens`` drawn at every DP (the DP-1 assertion), and with the SFT options
+    dropped from ``draw_trainer`` (KeyError)."""
+    import json
+
+    from seqpar.testing.fuzz_trainers import ENGINES, TRAINERS, trainer_runner
+
+    draws = [fuzz.draw_case(s, ("trainer",)) for s in fuzz.case_seeds(21, 300)]
+    assert {d["trainer"] for d in draws} == set(TRAINERS)
+    assert {d["engine"] for d in draws} == set(ENGINES)
+    assert {(d["dp"] > 1, d["sp"] > 1) for d in draws} == {(False, False), (True, False), (False, True), (True, True)}
+    assert all(d["dp"] * d["sp"] == d["world"] for d in draws)
+    trainers = [d for d in draws if d["trainer"] == "trainer"]
+    assert {d["collator"] for d in trainers} == {"rows", "padded-right", "padded-left", "packed"}
+    assert any(any(d["masked"]) for d in trainers)
+    assert all(len(d["lengths"]) == d["micro"] * d["dp"] * d["accumulation"] * d["steps"] for d in trainers)
+    sft = [d for d in draws if d["trainer"] == "sft"]
+    for key in ("packing", "padding_free", "assistant_only_loss"):
+        assert {d[key] for d in sft} == {True, False}, key
+    assert {d["loss_type"] for d in sft} == {"nll", "dft"}
+    assert {d["max_grad_norm"] for d in draws} == {0.0, 1.0, 0.05}
+    assert {d["accumulation"] for d in draws} == {1, 2} and {d["steps"] for d in draws} == {1, 2}
+    assert any(d["label_smoothing"] for d in draws) and any(d["evaluate"] for d in draws)
+    assert any(not d["average_tokens"] for d in draws) and any(d["router_loss"] for d in draws)
+    assert all(d["dp"] == 1 for d in draws if not d["average_tokens"] or d["router_loss"])
+    for d in draws[:20]:
+        assert json.loads(json.dumps(d)) == d == fuzz.draw_case(d["case_seed"], ("trainer",))
+        assert fuzz.summary(d).startswith(f"trainer {d['trainer']} {d['engine']} P={d['world']}")
+    for name in TRAINERS:
+        assert trainer_runner(name).__name__ == "run_trainer"
+    with pytest.raises(LookupError, match="no fuzzer trainer runner for 'dpo9'.*seqpar.fuzz_trainers"):
+        trainer_runner("dpo9")
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_trainer_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The trainer kind can fail: Trainer's process-count factor divided by the world (DP x SP) instead of SP
+    (``loss_over_world``: every gradient ``1 / dp`` of one process's) is WRONG in FOUND's trainer case 1588844063
+    (DP 2 x SP 1: the divisors differ), whose clean run test_found_cases judges exact. The case clips at
+    ``max_grad_norm=0.05``, which scales the halved gradient back to the same update: the logged loss and
+    ``grad_norm`` show it. Seen failing: with the plant's ``sp / world`` made 1 (exact)."""
+    draws = fuzz.draw_case(1588844063, ("trainer",))
+    assert (draws["trainer"], draws["dp"], draws["sp"]) == ("trainer", 2, 1), fuzz.summary(draws)
+    planted = fuzzer.run(draws, plant="loss_over_world")
+    assert planted["verdict"] == "WRONG" and "step 1: loss" in planted["detail"], (planted["detail"], planted.get("trace"))

@@ -167,3 +167,54 @@ def test_trainer_refusals_name_the_fix(tmp_path):
     rebalance.deepspeed = ds_config(2, 2)  # as if given; only the strategy is checked before groups
     with pytest.raises(ConfigError, match="batch_rebalance.*'sequential'"):
         SeqParTrainer(model=hf_tiny.tiny_llama(), args=rebalance)
+
+
+def _eval_run(rank: int, world: int, tmp: str) -> float:
+    from transformers import DataCollatorForSeq2Seq, TrainingArguments
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        args = TrainingArguments(output_dir=f"{tmp}/r{rank}", per_device_eval_batch_size=1, prediction_loss_only=True,
+                                 report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+        trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args, eval_dataset=hf_tiny.ListDataset(_eval_rows()),
+                                data_collator=DataCollatorForSeq2Seq(_pad_only_tokenizer(), padding=True),
+                                seqpar_config={"size": 1, "mode": "ring", "sharding": "zigzag"})
+        return trainer.evaluate()["eval_loss"]
+
+
+def _eval_rows() -> list[dict]:
+    g = torch.Generator().manual_seed(77)
+    return [{"input_ids": ids.tolist(), "labels": ids.tolist()}
+            for ids in (torch.randint(0, hf_tiny.VOCAB, (n,), generator=g) for n in (4, 14))]
+
+
+def _pad_only_tokenizer():
+    """DataCollatorForSeq2Seq's padding needs a tokenizer; rows of one sample are never padded."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<pad>": 0}, unk_token="<pad>")),
+                                  pad_token="<pad>", model_input_names=["input_ids", "attention_mask"])
+    return tok
+
+
+@pytest.mark.timeout(300)
+def test_trainer_eval_loss_at_dp2_is_the_global_batch_token_mean(dist_pool, tmp_path):
+    """DP 2 (FSDP2 path, SP 1), one eval row per replica, rows of 4 and 14 tokens: with
+    ``average_tokens_across_devices`` transformers (5.2x) computes each eval step's loss over the target count of
+    the global eval batch, so plain ``Trainer`` on 2 processes and on one process with both rows in one batch give
+    the token mean over both rows (float64 here, 1e-5). Found by the fuzzer's trainer kind (case 1588844063,
+    padded-right, eval: ``eval_loss`` 5.9e-3 off; ``--set engine=plain`` gave the token mean).
+
+    Seen failing: with ``SequenceParallelMixin.prediction_step`` not passing the count (the token mean of each
+    replica's row, then their mean: 2.9e-4 relative off here)."""
+    rows = _eval_rows()
+    model = hf_tiny.tiny_llama(torch.float64)
+    with torch.no_grad():
+        total = sum(model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss
+                    * (len(r["input_ids"]) - 1) for r in rows)
+    token_mean = float(total) / sum(len(r["input_ids"]) - 1 for r in rows)
+    out = dist_pool.run(2, _eval_run, str(tmp_path), timeout=240)
+    for got in out:
+        assert abs(got - token_mean) <= 1e-5 * token_mean, (got, token_mean)

@@ -21,6 +21,9 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`);
 - ``compile``: ``torch.compile`` over a direct call or a tiny swapped model, called several times with changing
   inputs (:mod:`seqpar.testing.fuzz_compile`; drawn only when ``--kinds`` names it: its traces are slow).
+- ``trainer``: Hugging Face's ``Trainer`` or TRL's ``SFTTrainer`` with seqpar (DeepSpeed ZeRO or FSDP2, DP x SP
+  over 1..4 ranks, the trainers' knobs) against the same trainer without seqpar on one process
+  (:mod:`seqpar.testing.fuzz_trainers`).
 
 Verdicts (one per case):
 
@@ -71,7 +74,7 @@ __all__ = [
 ]
 
 VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped", "breaks")
-KINDS = ("attention", "dilated", "model", "engine", "dynamic", "compile")
+KINDS = ("attention", "dilated", "model", "engine", "dynamic", "trainer", "compile")
 DEFAULT_KINDS = KINDS[:-1]  # without --kinds: not compile (a trace per case, 10-60 s on CPU)
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 _HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
@@ -165,7 +168,7 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
 def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
     """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
     rng = random.Random(case_seed)
-    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "compile": 3}
+    weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "trainer": 1, "compile": 3}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
     if kind == "attention":
         draws = _draw_attention(rng)
@@ -183,6 +186,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
         from seqpar.testing.fuzz_compile import draw_compile
 
         draws = draw_compile(rng, _draw_documents)  # handed over: fuzz_compile does not import this module
+    elif kind == "trainer":
+        from seqpar.testing.fuzz_trainers import draw_trainer
+
+        draws = draw_trainer(rng)
     else:
         from seqpar.testing.fuzz_engines import draw_engine
 
@@ -467,6 +474,10 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
 
             verdict, detail, trace = run_compile_case(pools, draws, timeout, plant, positions=positions,
                                                       reference=attention_reference)
+        elif draws["kind"] == "trainer":
+            from seqpar.testing.fuzz_trainers import run_trainer_case
+
+            verdict, detail = run_trainer_case(pools, draws, timeout, plant)
         else:
             tensors = _tensors(draws)
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
@@ -508,6 +519,10 @@ def summary(draws: dict[str, Any]) -> str:
         from seqpar.testing.fuzz_compile import compile_summary
 
         return compile_summary(draws)
+    if draws["kind"] == "trainer":
+        from seqpar.testing.fuzz_trainers import trainer_summary
+
+        return trainer_summary(draws)
     if draws["kind"] == "dilated":
         return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
                 f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}")
@@ -550,7 +565,7 @@ class Fuzzer:
         self.timeout, self.model_timeout = timeout, model_timeout
 
     def run(self, draws: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-        slow = draws["kind"] in ("model", "engine", "dynamic", "compile")
+        slow = draws["kind"] in ("model", "engine", "dynamic", "trainer", "compile")
         return run_case(self.pools, draws, self.model_timeout if slow else self.timeout, plant)
 
     def close(self) -> None:
@@ -587,11 +602,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case-seed", type=int, action="append", metavar="X",
                         help="run only the case of this case seed (repeatable); --cases and --seed are then ignored")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
-                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic, compile "
-                             "(default: all but compile)")
+                        help="comma-separated kinds to draw from: attention, dilated, model, engine, dynamic, "
+                             "trainer, compile (default: all but compile)")
     parser.add_argument("--json", metavar="OUT", help="write every case (seed, draws, verdict, detail) to OUT")
     parser.add_argument("--timeout", type=float, default=60.0, help="per attention / dilated case, seconds")
-    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model, engine or dynamic case, seconds")
+    parser.add_argument("--model-timeout", type=float, default=300.0, help="per model, engine, dynamic or trainer case, seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help='override a draw of every case, e.g. --set world=1 --set checkpointing=null')
     parser.add_argument("--verbose", action="store_true", help="print a failing rank's traceback under each crash")

@@ -1,0 +1,419 @@
+"""The fuzzer's ``trainer`` cases (:mod:`seqpar.testing.fuzz`): the trainers users run, with seqpar, against the
+same trainer without it.
+
+Drawn: the trainer (``trainer``: ``transformers.Trainer`` / :class:`~seqpar.integrations.trainer.SeqParTrainer`;
+``sft``: TRL's ``SFTTrainer`` / ``sequence_parallel(SFTTrainer)``), the world (1-4 ranks) and its DP x SP split
+(``dp`` a divisor of the world, SP = world / dp), the engine (DeepSpeed ZeRO-1/2/3 through
+``TrainingArguments(deepspeed=...)``, or FSDP2 through ``seqpar_config=``), the ring mode and sharding, a tiny
+model (:data:`MODEL_TYPES`, rotary Llama-family and MoE models, the trainer tests' kinds; the MoE router loss on
+or off), and the trainer's knobs: per-device batch 1-2, gradient accumulation 1-2, one or two optimizer steps,
+``max_grad_norm`` (off, 1.0, or 0.05, which clips), ``average_tokens_across_devices``, ``label_smoothing_factor``
+now and then (seqpar refuses it by name), an evaluation after every step (``eval_steps=1``); for ``trainer`` the
+collator (equal-length rows with transformers' default collator, right- or left-padded rows with
+``DataCollatorForSeq2Seq``, packed documents with ``DataCollatorWithFlattening``) and prompt tokens masked
+(-100) at the start of some rows; for ``sft`` conversational data with a chat template, packing, ``padding_free``,
+``assistant_only_loss`` and ``loss_type`` (``nll``, ``dft``). The optimizer is plain SGD (Adam hides a factor
+of P).
+
+The contract judged (docs/integrations.md, tests/test_trainer.py, tests/test_trl_sft.py): a seqpar trainer on
+DP x SP ranks trains as the same trainer without seqpar on one process whose per-device batch is the global
+batch (``micro x dp``; the same accumulation and steps; the eval batch ``dp`` rows, one per replica: with
+``average_tokens_across_devices`` transformers 5.2x's eval loss of a step is the token mean over the global
+eval batch). The reference is that run
+(:func:`run_trainer_case`), in float64 (fp32 ranks): the logged loss of every step (and ``grad_norm`` when
+clipping), every evaluation's loss, and every parameter's total update ``p_before - p_after`` (the sum of the
+SGD steps, each parameter judged on its own scale) must agree. Tolerances (:data:`LOSS_RTOL`, :data:`UPDATE_RTOL`): the logged numbers 2e-5 relative; each update
+1e-4 of its own largest value, plus one fp32 rounding step of the parameter per optimizer step (the update is read
+from fp32 parameters: a norm weight near 1.0 resolves its update to ~1.2e-7, which is most of its tolerance in the
+``worst`` figure of an exact case). With clipping (``max_grad_norm``) a gradient off by a constant factor is
+scaled back to the same update: the logged loss and ``grad_norm`` show it (the planted ``loss_over_world`` in
+tests/test_fuzz.py is such a case).
+
+Not drawn, because the trainer itself breaks the contract without seqpar (the reference would differ from a
+plain DP run, whatever seqpar does):
+
+- ``average_tokens_across_devices=False`` with DP > 1: each replica's loss is the mean over its own tokens and
+  DDP averages the replicas (``transformers.Trainer`` documents this as the per-device mean), not the global
+  token mean one process computes. Drawn at DP 1 only;
+- the MoE router loss with DP > 1: it is a per-batch statistic (expert load x router probability over the
+  batch's tokens), not a sum over tokens, so one process's router loss of the global batch is not the mean of
+  the replicas'. Drawn at DP 1 only. Plain ``SFTTrainer`` at DP 2 (no seqpar, ``--set engine=plain``), tiny
+  Mixtral with the router loss: ``embed_tokens``' update 6.7e-3 off one process's (case 495490371, found when
+  SFTTrainer still turned the router loss on by its coefficient; the draw now sets the coefficient to 0 when the
+  router loss is off);
+- left-padded rows (``padded-left``) with DP > 1: transformers shifts the labels on the padded row, so the first
+  real token of a left-padded row becomes a target predicted from the pad before it; how many rows are padded
+  depends on how the global batch is split, so one process (all rows padded to the global batch's longest)
+  trains on other targets than DP replicas. Plain ``Trainer`` at DP 2 (no seqpar): step 1's loss 1.9e-3 off one
+  process's (case 1588844063 with ``--set engine=plain``). Drawn at DP 1 only (seqpar refuses left padding
+  at SP > 1 by name);
+- evaluation under ``SFTTrainer`` with DP > 1: its own ``prediction_step`` passes no target count, so each
+  process's eval loss is its own batch's token mean and the logged one their mean, not the token mean over the
+  global eval batch that one process computes (transformers' ``Trainer.prediction_step`` counts the global
+  batch's targets). Drawn at DP 1 only.
+
+Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
+``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
+engine runners: the harness never imports ``seqpar.integrations``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+__all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
+           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case"]
+
+TRAINERS = ("trainer", "sft")
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
+MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3_moe")
+MOE_TYPES = frozenset({"mixtral", "qwen3_moe"})
+ENTRY_POINT_GROUP = "seqpar.fuzz_trainers"
+PLANTS = ("loss_over_world",)
+LR = 0.1
+SFT_MAX_LENGTH = 24
+# fp32 ranks against a float64 reference: the logged numbers, and each parameter's update on its own scale
+# (plus one fp32 rounding step of the parameter per optimizer step: the update is read from fp32 parameters)
+LOSS_RTOL = 2e-5
+UPDATE_RTOL = 1e-4
+
+
+def draw_trainer(rng: random.Random) -> dict[str, Any]:
+    """A ``trainer`` case's draws (JSON-able; see the module docstring)."""
+    trainer = rng.choice(("trainer", "trainer", "trainer", "sft", "sft"))
+    world = rng.randint(1, 4)
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    dp = 1 if rng.random() < 0.5 else rng.choice(divisors)
+    model_type = rng.choice(MODEL_TYPES)
+    micro = rng.choice((1, 1, 2))
+    accumulation = rng.choice((1, 1, 2))
+    steps = rng.choice((1, 2))
+    rows = micro * dp * accumulation * steps
+    draws: dict[str, Any] = {
+        "kind": "trainer", "trainer": trainer, "world": world, "dp": dp, "sp": world // dp,
+        "engine": rng.choice(ENGINES), "model_type": model_type,
+        "mode": rng.choice(("ring", "ring", "allgather")), "sharding": rng.choice(("zigzag", "contiguous")),
+        "micro": micro, "accumulation": accumulation, "steps": steps,
+        "max_grad_norm": rng.choice((0.0, 0.0, 1.0, 0.05)),
+        "average_tokens": True if dp > 1 else rng.random() < 0.7,  # False at DP > 1: the trainer's own (docstring)
+        "label_smoothing": 0.1 if rng.random() < 0.08 else 0.0,
+        "router_loss": model_type in MOE_TYPES and dp == 1 and rng.random() < 0.5,  # DP 1 only (docstring)
+        "evaluate": rng.random() < 0.3, "data_seed": rng.randrange(2 ** 31),
+    }
+    if trainer == "sft" and dp > 1:
+        draws["evaluate"] = False  # SFTTrainer's own eval loss at DP > 1 (the module docstring)
+    if trainer == "trainer":
+        collator = rng.choice(("rows", "padded-right", "padded-left", "packed"))
+        if collator == "padded-left" and dp > 1:
+            collator = "padded-right"  # the trainer's own at DP > 1 (the module docstring)
+        if collator == "rows":
+            n = rng.randint(3, 20)
+            lengths = [n] * rows
+        else:
+            lengths = [rng.randint(1 if collator == "packed" else 2, 20) for _ in range(rows)]
+        masked = [rng.randint(1, max(1, n // 2)) if rng.random() < 0.3 else 0 for n in lengths]
+        draws.update(collator=collator, lengths=lengths, masked=masked)
+    else:
+        packing = rng.random() < 0.5
+        draws.update(packing=packing, padding_free=packing or rng.random() < 0.5,
+                     assistant_only_loss=rng.random() < 0.6, loss_type=rng.choice(("nll", "nll", "dft")),
+                     turns=[[rng.randint(1, 6), rng.randint(1, 9)] for _ in range(max(rows, 1) * 3)])
+    return draws
+
+
+def trainer_summary(draws: dict[str, Any]) -> str:
+    """One short line naming the case's composition."""
+    d = draws
+    parts = [f"trainer {d['trainer']} {d['engine']} P={d['world']}", f"dp={d['dp']}x sp={d['sp']}", d["model_type"],
+             d["mode"], d["sharding"], f"micro={d['micro']} ga={d['accumulation']} steps={d['steps']}"]
+    if d["trainer"] == "trainer":
+        lengths = f"{d['lengths'][0]}x{len(d['lengths'])}" if d["collator"] == "rows" else str(d["lengths"])
+        parts.append(f"{d['collator']}={lengths}" + (f" masked={d['masked']}" if any(d["masked"]) else ""))
+    else:
+        parts.append(("packing " if d["packing"] else "") + ("padding-free " if d["padding_free"] else "")
+                     + ("assistant-only " if d["assistant_only_loss"] else "") + f"loss={d['loss_type']}")
+    if d["max_grad_norm"]:
+        parts.append(f"clip={d['max_grad_norm']}")
+    if not d["average_tokens"]:
+        parts.append("no-avg-tokens")
+    if d["label_smoothing"]:
+        parts.append(f"smoothing={d['label_smoothing']}")
+    if d["router_loss"]:
+        parts.append("router-loss")
+    if d["evaluate"]:
+        parts.append("eval")
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Data (rebuilt on each rank from the draws: the same everywhere)
+# --------------------------------------------------------------------------------------------------
+
+PAD, USER, ASSISTANT, EOS = 0, 1, 2, 3  # the chat tokenizer's special tokens; words t4 .. t<VOCAB-1> are the rest
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<u> {{ m['content'] }} "
+    "{% else %}<a> {% generation %}{{ m['content'] }} <eos>{% endgeneration %} {% endif %}{% endfor %}"
+)
+
+
+def _tokenizer(padding_side: str = "right") -> Any:
+    """A word-level tokenizer over the tiny models' vocabulary (one token per word ``t<id>``), with a chat
+    template marking the assistant's tokens (``{% generation %}``): nothing is downloaded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from seqpar.testing.tiny_models import VOCAB
+
+    vocab = {"<pad>": PAD, "<u>": USER, "<a>": ASSISTANT, "<eos>": EOS, **{f"t{i}": i for i in range(4, VOCAB)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                  padding_side=padding_side, model_input_names=["input_ids", "attention_mask"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.items[i]
+
+
+def trainer_data(draws: dict[str, Any]) -> dict[str, Any]:
+    """The case's data sets, collator and tokenizer (from ``data_seed``): ``{"train", "eval", "collator",
+    "tokenizer"}`` as :func:`seqpar.integrations.fuzz_trainer.run_trainer` takes them. Evaluation: ``2 x dp``
+    rows, one per rank and evaluation step (the reference takes ``dp`` rows a step: the global eval batch)."""
+    import transformers
+
+    from seqpar.testing.tiny_models import VOCAB
+
+    g = torch.Generator().manual_seed(draws["data_seed"])
+    n_eval = 2 * draws["dp"] if draws["evaluate"] else 0
+    if draws["trainer"] == "sft":
+        import datasets
+
+        def words(n: int) -> str:
+            return " ".join(f"t{i}" for i in torch.randint(4, VOCAB, (n,), generator=g).tolist())
+
+        convs = [{"messages": [{"role": "user", "content": words(u)}, {"role": "assistant", "content": words(a)}]}
+                 for u, a in draws["turns"]]
+        evals = [{"messages": [{"role": "user", "content": words(3)}, {"role": "assistant", "content": words(4)}]}
+                 for _ in range(n_eval)]
+        return {"train": datasets.Dataset.from_list(convs), "eval": datasets.Dataset.from_list(evals) if n_eval else None,
+                "collator": None, "tokenizer": _tokenizer()}
+
+    def row(n: int, masked: int) -> dict[str, Any]:
+        ids = torch.randint(4, VOCAB, (n,), generator=g).tolist()
+        return {"input_ids": ids, "labels": [-100] * masked + ids[masked:]}
+
+    train = [row(n, m) for n, m in zip(draws["lengths"], draws["masked"], strict=True)]
+    evals = [row(draws["lengths"][i % len(draws["lengths"])], 0) for i in range(n_eval)]
+    collator = draws["collator"]
+    tok = _tokenizer("left" if collator == "padded-left" else "right")
+    if collator == "packed":
+        fn = transformers.DataCollatorWithFlattening()
+    elif collator.startswith("padded"):
+        fn = transformers.DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100)
+    else:
+        fn = None
+    return {"train": _Rows(train), "eval": _Rows(evals) if n_eval else None, "collator": fn, "tokenizer": tok}
+
+
+def _build_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
+    from seqpar.testing.tiny_models import build_model
+
+    model = build_model(draws["model_type"], dtype)
+    model.config.use_cache = False
+    if draws["model_type"] in MOE_TYPES:
+        model.config.output_router_logits = bool(draws["router_loss"])
+        # SFTTrainer turns the router loss on whenever the coefficient is not 0, whatever output_router_logits says
+        model.config.router_aux_loss_coef = 0.5 if draws["router_loss"] else 0.0
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# The pool task
+# --------------------------------------------------------------------------------------------------
+
+def trainer_runner(trainer: str) -> Any:
+    """The installed runner of ``trainer`` (the entry point of that name in :data:`ENTRY_POINT_GROUP`).
+
+    Raises:
+        LookupError: none is installed (``pip install -e .`` declares seqpar's own).
+    """
+    from seqpar.testing.fuzz_engines import engine_runner
+
+    return engine_runner(trainer, ENTRY_POINT_GROUP, "trainer runner", "run_trainer")
+
+
+def _plant(name: str | None, world: int, sp: int) -> Any:
+    """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
+    ``"loss_over_world"``: ``transformers.Trainer.compute_loss``'s result times ``sp / world``, so that
+    SeqParTrainer's division of Trainer's process-count factor by ``sp`` divides by the world instead (the
+    gradient is ``1 / dp`` of one process's; the ``trainer`` trainer, DP > 1 shows it)."""
+    if name is None:
+        return lambda: None
+    if name not in PLANTS:
+        raise ValueError(f"unknown plant {name!r}: choose from {list(PLANTS)}")
+    import transformers
+
+    original = transformers.Trainer.compute_loss
+
+    def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if isinstance(result, tuple):
+            return (result[0] * sp / world, *result[1:])
+        return result * sp / world
+
+    transformers.Trainer.compute_loss = compute_loss
+
+    def undo() -> None:
+        transformers.Trainer.compute_loss = original
+    return undo
+
+
+def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, plant: str | None = None) -> dict[str, Any]:
+    """Pool task (every rank): the case's trainer, ``role`` ``"seqpar"`` (the drawn engine and SP block, on the
+    case's world) or ``"reference"`` (the trainer without seqpar on one process, the global batch per step).
+    Every rank returns ``{"ok": True, "logs", "evals", "dp_sp"}``, rank 0 the parameter snapshots too
+    (``before``, ``after``); ``{"ok": False, "error"}`` on an exception."""
+    import warnings
+
+    import transformers
+
+    from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
+    from seqpar.testing.fuzz_engines import runner_dir
+    from seqpar.testing.verdicts import error_record
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    saved = dict(os.environ)
+    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
+                      LOCAL_WORLD_SIZE=str(ctx.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    runner = None
+    undo = _plant(plant if role == "seqpar" else None, draws["world"], draws["sp"])
+    try:
+        runner = trainer_runner(draws["trainer"])
+        reference = role == "reference"
+        knobs = {"micro": draws["micro"] * (draws["dp"] if reference else 1), "accumulation": draws["accumulation"],
+                 "steps": draws["steps"], "lr": LR, "max_grad_norm": draws["max_grad_norm"],
+                 "average_tokens": draws["average_tokens"], "label_smoothing": draws["label_smoothing"],
+                 "eval_batch": draws["dp"] if reference else 1}
+        if draws["trainer"] == "sft":
+            knobs.update(packing=draws["packing"], padding_free=draws["padding_free"],
+                         assistant_only_loss=draws["assistant_only_loss"], loss_type=draws["loss_type"],
+                         # TRL refuses max_length with padding_free and no packing (it would not truncate)
+                         max_length=SFT_MAX_LENGTH if draws["packing"] or not draws["padding_free"] else None)
+        config = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"]}
+        model = _build_model(draws, getattr(torch, dtype_name))
+        with warnings.catch_warnings(), released_deepspeed_engines():
+            warnings.simplefilter("ignore")
+            out = runner(draws["trainer"], "plain" if reference else draws["engine"], model, trainer_data(draws),
+                         knobs, config)
+        if ctx.rank != 0:
+            out = {**out, "before": None, "after": None}
+        return {"ok": True, **out}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
+    finally:
+        undo()
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        unset_hf_deepspeed_config()
+        os.environ.clear()
+        os.environ.update(saved)
+        transformers.logging.set_verbosity(verbosity)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verdict
+# --------------------------------------------------------------------------------------------------
+
+def _rel(got: float, ref: float) -> float:
+    return abs(got - ref) / max(abs(ref), 1e-30)
+
+
+def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
+    """``("exact" | "WRONG", detail)``: every rank logged the reference's steps (loss within :data:`LOSS_RTOL`
+    relative, ``grad_norm`` too when clipping) and evaluations; rank 0's total update of every parameter,
+    ``before - after``, within ``UPDATE_RTOL x`` that parameter's reference update ``+ 1e-8 x`` the model's
+    largest update ``+ steps x`` one fp32 rounding step of the parameter (its largest value x eps). A WRONG
+    detail names the first problem of each sort (logs, updates), so a wrong logged number with right updates
+    (a logging error) reads apart from wrong updates."""
+    n_logs = len(ref["logs"])
+    if n_logs != draws["steps"]:
+        return "WRONG", f"the reference logged {n_logs} steps, not {draws['steps']}"
+    problems: list[str] = []
+    worst = ("", 0.0)
+    for rank, r in enumerate(per_rank):
+        if len(r["logs"]) != n_logs or len(r["evals"]) != len(ref["evals"]):
+            return "WRONG", (f"rank {rank} logged {len(r['logs'])} steps and {len(r['evals'])} evaluations "
+                             f"(reference {n_logs}, {len(ref['evals'])})")
+        pairs = [(f"step {i + 1}: {key}", g.get(key, float("nan")), e[key])
+                 for i, (g, e) in enumerate(zip(r["logs"], ref["logs"], strict=True))
+                 for key in ("loss", "grad_norm") if key in e and (key == "loss" or draws["max_grad_norm"])]
+        pairs += [(f"evaluation {i + 1}: eval_loss", g["eval_loss"], e["eval_loss"])
+                  for i, (g, e) in enumerate(zip(r["evals"], ref["evals"], strict=True))]
+        for what, g, e in pairs:
+            rel = _rel(float(g), float(e))
+            if not rel <= LOSS_RTOL:
+                problems.append(f"rank {rank} {what} {g} vs {e} ({rel:.1e} relative, tol {LOSS_RTOL:.0e})")
+                break
+            worst = max(worst, (what.split(": ")[1], rel), key=lambda x: x[1])
+        if problems:
+            break
+    got = per_rank[0]
+    if set(got["before"]) != set(ref["before"]):
+        return "WRONG", f"parameters on one side only: {sorted(set(got['before']) ^ set(ref['before']))[:4]}"
+    eps = torch.finfo(torch.float32).eps
+    deltas = {n: ref["before"][n].double() - ref["after"][n].double() for n in ref["before"]}
+    model_max = max(float(d.abs().max()) for d in deltas.values())
+    if model_max == 0.0:
+        return "WRONG", "the reference did not move any parameter"
+    for name, d_ref in deltas.items():
+        start = ref["before"][name].double()
+        if float((got["before"][name].double() - start).abs().max()) > eps * float(start.abs().max()) + 1e-12:
+            return "WRONG", f"{name} differs before training (the case's models are not the same)"
+        d_got = got["before"][name].double() - got["after"][name].double()
+        own = float(d_ref.abs().max())
+        tol = UPDATE_RTOL * own + 1e-8 * model_max + draws["steps"] * eps * float(start.abs().max())
+        diff = float((d_got - d_ref).abs().max())
+        if not diff <= tol:
+            problems.append(f"update of {name} off by {diff / max(own, 1e-300):.1e} of its max "
+                            f"(tol {tol / max(own, 1e-300):.1e})")
+            break
+        worst = max(worst, (f"update {name}", diff / tol), key=lambda x: x[1])
+    if problems:
+        return "WRONG", "; ".join(problems) + ("" if len(problems) > 1 else " (the other checks pass)")
+    return "exact", f"worst {worst[0]} {worst[1]:.1e} (logs: relative error; updates: of the tolerance)"
+
+
+def run_trainer_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
+    """Verdict and detail of a ``trainer`` case: the seqpar run on the case's world first (a refusal or crash
+    decides there), then the reference on one process (``"skipped"`` when it cannot run), then
+    :func:`judge_trainer`."""
+    from seqpar.testing.verdicts import classify_errors
+
+    if draws["world"] != draws["dp"] * draws["sp"]:
+        raise ValueError(f"trainer draws inconsistent: world {draws['world']} != dp {draws['dp']} x sp {draws['sp']}")
+    per_rank = pools.run(draws["world"], trainer_task, draws, "seqpar", "float32", plant, timeout=timeout)
+    bad = classify_errors(per_rank)
+    if bad is not None:
+        return bad
+    ref = pools.run(1, trainer_task, draws, "reference", "float64", timeout=timeout)[0]
+    if not ref["ok"]:
+        return "skipped", f"cannot run without seqpar: {ref['error']['type']}: {ref['error']['message'][:200]}"
+    return judge_trainer(draws, ref, per_rank)
