@@ -413,7 +413,9 @@ def _engine_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dtyp
         return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
 
 
-def _pad(draws: dict[str, Any]) -> int:
+def case_pad(draws: dict[str, Any]) -> int:
+    """The pad multiple the case's plan is made with: the drawn one (direct planner calls), else the sharding's
+    (:func:`seqpar.sequence.dynamic.pad_multiple_of`, as the loader plans)."""
     from seqpar.sequence.dynamic import pad_multiple_of
 
     p = draws["planner"]
@@ -431,7 +433,7 @@ def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
         plan = None  # the planner refuses the step: every rank must refuse it too, by name
     if plan is not None:
         problems = plan_problems(plan, list(draws["lengths"]), draws["max_tokens_per_rank"], draws["min_size"],
-                                 _pad(draws))
+                                 case_pad(draws))
         if problems:
             return "WRONG", "plan: " + "; ".join(problems[:3])
     docs = case_documents(draws)
