@@ -11,12 +11,12 @@ gradient scaled by the SP size changes the losses from the second step on (by ~1
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from seqpar.testing.launcher_env import launcher_env  # noqa: F401 - the tests import it from here
 
 VOCAB = 53
 SEQ = 14  # not a multiple of 2 x SP: the cut pads at the end
@@ -167,29 +167,6 @@ def per_document_reference_losses(steps: int, docs_per_row: int = DOCS_PER_ROW,
         with torch.no_grad():
             losses.append(sum(_per_document_loss(model, r).item() for r in rows[:eval_rows]) / eval_rows)
     return losses
-
-
-@contextlib.contextmanager
-def launcher_env(rank: int, world: int) -> Iterator[None]:
-    """What a launcher would set (accelerate and DeepSpeed read it; the pool joined gloo already),
-    undone on exit with everything accelerate / transformers left behind: pool ranks run later tests
-    in the same process (``ACCELERATE_USE_DEEPSPEED``, accelerate's singletons, transformers'
-    global DeepSpeed config, which would make later models build under ``zero.Init``)."""
-    saved = dict(os.environ)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    try:
-        yield
-    finally:
-        from accelerate.state import AcceleratorState, GradientState, PartialState
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
-        unset_hf_deepspeed_config()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-4) -> None:

@@ -9,23 +9,13 @@ import pytest
 import torch
 from hf_tiny import enable_checkpointing, family_config
 
+from seqpar.testing.fuzz_models import HostCopyTransfer
+
 transformers = pytest.importorskip("transformers")
 
 
-class _CloneTransfer:
-    """'Offloads' by cloning: the tensors come back equal, so any difference is the recompute's."""
-
-    def applies(self, args) -> bool:
-        return any(isinstance(a, torch.Tensor) for a in args)
-
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().clone()
-
-    def prefetch(self, handle: torch.Tensor) -> torch.Tensor:
-        return handle.clone()
-
-    def fetch(self, handle: torch.Tensor) -> torch.Tensor:
-        return handle
+# "Offloads" by cloning: the tensors come back equal, so any difference is the recompute's.
+_CloneTransfer = HostCopyTransfer
 
 
 def test_offloaded_recompute_replays_the_forwards_dropout() -> None:

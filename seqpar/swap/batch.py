@@ -35,6 +35,7 @@ from seqpar.sequence.boundaries import host_boundaries
 from seqpar.sequence.call_group import call_group
 from seqpar.swap.options import SwapError, SwapOptions
 from seqpar.swap.state import is_probing
+from seqpar.swap.together import raise_together
 from seqpar.swap.traced import tracing
 
 __all__ = ["install_batch_check", "input_row", "describe_inputs", "VALUE_KEYS", "Preparer", "FirstForward"]
@@ -219,17 +220,8 @@ class _BatchCheck:
         where = type(module).__name__
         refused = [r for r, other in enumerate(rows) if not other[0]]
         if refused:
-            # Every rank says why (one object gather, on this error path only).
-            said: list[Any] = [None] * len(rows)
-            mine = None if refusal is None else (isinstance(refusal, SwapError), str(refusal))
-            dist.all_gather_object(said, mine, group=group)
-            if refusal is not None:
-                raise refusal
-            swap_error, text = said[refused[0]]
-            raise (SwapError if swap_error else ValueError)(
-                f"seqpar ({where}): SP rank(s) {refused} refused this batch; every rank stops here instead "
-                f"of waiting for them in a collective. Rank {refused[0]} said: {text}"
-            )
+            raise_together(group, refused, refusal, f"seqpar ({where}): SP rank(s) {refused} refused this batch",
+                            "a collective")
         notes: list[str | None] = [None] * len(rows)
         dist.all_gather_object(notes, describe_inputs(args, kwargs), group=group)
         detail = "; ".join(f"rank {r}: {note}" for r, note in enumerate(notes))
@@ -273,19 +265,10 @@ class _BatchCheck:
         A rank whose SP group refused raises its own error; every other rank raises one naming the first
         refusing rank and its message, instead of waiting in the forward's first parameter gather."""
         refused = flagged_ranks(error is not None, wide)
-        if not refused:
-            return
-        said: list[Any] = [None] * dist.get_world_size(wide)  # every rank's message (on this error path only)
-        mine = None if error is None else (isinstance(error, SwapError), str(error))
-        dist.all_gather_object(said, mine, group=wide)
-        if error is not None:
-            raise error
-        swap_error, text = said[refused[0]]
-        raise (SwapError if swap_error else ValueError)(
-            f"seqpar ({type(module).__name__}): rank(s) {refused} of the {len(said)} ranks this model's forward "
-            "gathers parameters over (ZeRO-3 or FSDP over data and sequence parallelism) refused their batch; "
-            f"every rank stops here instead of waiting for them in a gather. Rank {refused[0]} said: {text}"
-        )
+        if refused:
+            raise_together(wide, refused, error, f"seqpar ({type(module).__name__}): rank(s) {refused} of the "
+                            f"{dist.get_world_size(wide)} ranks this model's forward gathers parameters over (ZeRO-3 "
+                            "or FSDP over data and sequence parallelism) refused their batch", "a gather")
 
     def post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         # always_call: also runs when the forward (or the pre-hook) raised.

@@ -33,6 +33,7 @@ from seqpar.swap.probe import (
     replace_tensors,
     tensor_leaves,
 )
+from seqpar.swap.together import raise_together
 
 __all__ = ["slice_probe", "first_forward_probe"]
 
@@ -227,22 +228,9 @@ def first_forward_probe(model: nn.Module, args: tuple, kwargs: dict) -> None:
                 refusal = SwapError(f"{mixing_refusal(mixers, type(model).__name__)} The model stays swapped, "
                                     "and refuses every forward.")
     if group is not None:
-        _agree_refusal(group, refusal)
+        refused = flagged_ranks(refusal is not None, group)  # the verdict can differ: each rank probed its own batch
+        if refused:
+            raise_together(group, refused, refusal, f"seqpar: the position-mixing probe refused the batch of "
+                           f"rank(s) {refused} of the ranks this model's forward gathers parameters over", "a gather")
     if refusal is not None:
         raise refusal from None
-
-
-def _agree_refusal(group: dist.ProcessGroup, refusal: BaseException | None) -> None:
-    """Every rank of ``group`` raises when one does: the probe's verdict can differ between ranks (each
-    probes its own batch), and a rank that went on would wait in the forward's first parameter gather for
-    ranks that stopped."""
-    refused = flagged_ranks(refusal is not None, group)
-    if not refused:
-        return
-    said: list[Any] = [None] * dist.get_world_size(group)  # every rank's message (on this error path only)
-    dist.all_gather_object(said, None if refusal is None else str(refusal), group=group)
-    if refusal is not None:
-        return  # this rank raises its own refusal
-    raise SwapError(f"seqpar: the position-mixing probe refused the batch of rank(s) {refused} of the ranks "
-                    f"this model's forward gathers parameters over; every rank stops here. Rank {refused[0]} "
-                    f"said: {said[refused[0]]}")

@@ -59,7 +59,7 @@ engine runners: the harness never imports ``seqpar.integrations``.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import random
 from typing import Any
 
@@ -292,13 +292,13 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
 
     from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
     from seqpar.testing.fuzz_engines import runner_dir
+    from seqpar.testing.launcher_env import launcher_env
     from seqpar.testing.verdicts import error_record
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    saved = dict(os.environ)
-    os.environ.update(RANK=str(ctx.rank), WORLD_SIZE=str(ctx.world_size), LOCAL_RANK=str(ctx.rank),
-                      LOCAL_WORLD_SIZE=str(ctx.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    env = contextlib.ExitStack()
+    env.enter_context(launcher_env(ctx.rank, ctx.world_size))
     runner = None
     undo = _plant(plant if role == "seqpar" else None, draws["world"], draws["sp"])
     try:
@@ -326,15 +326,7 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
         return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
     finally:
         undo()
-        from accelerate.state import AcceleratorState, GradientState, PartialState
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        PartialState._reset_state()
-        unset_hf_deepspeed_config()
-        os.environ.clear()
-        os.environ.update(saved)
+        env.close()
         transformers.logging.set_verbosity(verbosity)
 
 
