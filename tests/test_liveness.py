@@ -173,3 +173,24 @@ def test_the_interval_follows_the_timeout(server, monkeypatch):
         assert hb is not None and hb.interval_s == pytest.approx(0.3) and hb.timeout_s == 3
     finally:
         hb.release()
+
+
+def test_a_joining_manager_brings_its_timeout(server, monkeypatch):
+    """A heartbeat started by a manager without a timeout (torch's default), joined by one with ``timeout_s=3``: the
+    diagnosis names 3 s and the beat follows the shorter timeout; a later manager with a longer one keeps the beat.
+
+    Seen failing: joining without taking the timeout (``timeout_s`` None after the second start: the full suite's
+    ``test_tp_mesh.py::test_eight_ranks_dp_sp_tp_and_hybrid_inside_tp`` on a pool process whose earlier test left a
+    heartbeat running)."""
+    _, port = server
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hb = liveness.start(rank=0, world_size=2, timeout_s=None)
+    try:
+        assert hb is not None and hb.timeout_s is None and hb.interval_s == 2.0
+        assert liveness.start(0, 2, 3) is hb and hb.timeout_s == 3 and hb.interval_s == pytest.approx(0.3)
+        assert liveness.start(0, 2, 60) is hb and hb.timeout_s == 60 and hb.interval_s == pytest.approx(0.3)
+    finally:
+        for _ in range(3):
+            hb.release()
+    assert liveness.active() is None

@@ -329,6 +329,11 @@ def start(rank: int, world_size: int, timeout_s: float | None) -> Heartbeat | No
         hb = _ACTIVE
         if hb is not None and hb.rank == rank and hb.world_size == world_size and hb.running:
             hb.users += 1
+            if timeout_s is not None:
+                # The joining manager's collectives run now, with its timeout: the diagnosis names it, and the
+                # beat is kept fast enough for the shortest timeout of the managers sharing the heartbeat
+                hb.timeout_s = timeout_s
+                hb.interval_s = min(hb.interval_s, heartbeat_interval(timeout_s))
             return hb
         if hb is not None:
             _shutdown(hb, locked=True)
