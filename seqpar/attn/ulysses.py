@@ -53,10 +53,10 @@ from torch import Tensor
 
 from seqpar.attn.common import AttentionOptions, SingleRank, packed_views, rank_chunks
 from seqpar.attn.ring import ring_backward, ring_forward
-from seqpar.comm.alltoall import start_all_to_all
+from seqpar.comm.alltoall import start_all_to_all, start_all_to_all_uneven
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import block_backward, block_forward, lse_dtype, output_like, sink_grad
-from seqpar.runtime.groups import divisors, ulysses_heads_ok
+from seqpar.runtime.grid import divisors, ulysses_heads_even, ulysses_heads_problem, ulysses_shares
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
@@ -64,55 +64,87 @@ __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesA
 
 @dataclass(frozen=True)
 class HeadSplit:
-    """Which heads each rank of a Ulysses group of ``u`` ranks attends."""
+    """Which heads each rank of a Ulysses group of ``u`` ranks attends: an even split
+    (:func:`~seqpar.runtime.grid.ulysses_heads_even`) or uneven contiguous shares (:meth:`share`)."""
 
     q_heads: int
     kv_heads: int
     u: int
 
     @property
+    def even(self) -> bool:
+        return ulysses_heads_even(self.q_heads, self.kv_heads, self.u)
+
+    @property
     def q_per_rank(self) -> int:
-        return self.q_heads // self.u
+        """Query heads per rank: ``Hq/u`` (even); uneven: the largest share, ``ceil(Hq/u)``."""
+        return -(-self.q_heads // self.u)
 
     @property
     def kv_per_rank(self) -> int:
-        """K/V heads per rank: ``Hkv/u``, or 1 when ``Hkv < u`` (replicated ``u/Hkv`` times)."""
-        return max(self.kv_heads // self.u, 1)
+        """K/V heads per rank: ``Hkv/u``, or 1 when ``Hkv < u`` (replicated ``u/Hkv`` times); uneven: the
+        largest rank's union of K/V heads."""
+        if self.even:
+            return max(self.kv_heads // self.u, 1)
+        return max(share[3] for share in ulysses_shares(self.q_heads, self.kv_heads, self.u))
 
     @property
     def replicated(self) -> bool:
         return self.kv_heads < self.u
 
+    def share(self, rank: int) -> tuple[int, int, int, int]:
+        """``(q_first, q_count, kv_first, kv_count)`` of rank ``rank``
+        (:func:`~seqpar.runtime.grid.ulysses_shares`)."""
+        return ulysses_shares(self.q_heads, self.kv_heads, self.u)[rank]
+
+    def counts(self, rank: int, chunks: int) -> tuple[int, int]:
+        """Query and K/V heads rank ``rank`` attends per head chunk (``chunks`` is 1 when uneven)."""
+        if self.even:
+            return self.q_per_rank // chunks, self.kv_per_rank // chunks
+        return self.share(rank)[1], self.share(rank)[3]
+
     def kv_index(self, rank: int, chunk: int, chunks: int) -> list[int]:
-        """Global K/V heads rank ``rank`` receives for head chunk ``chunk`` of ``chunks``."""
+        """Global K/V heads rank ``rank`` receives for head chunk ``chunk`` of ``chunks`` (even split)."""
         kc = self.kv_per_rank // chunks
         first = rank * self.kv_heads // self.u + chunk * kc
         return list(range(first, first + kc))
 
+    def segments(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """Uneven split: rank ``rank``'s local heads as GQA-regular pieces ``(q_first, q_count, kv_first,
+        kv_count)`` (local indices) in order, covering its query and K/V heads once each. Within a piece,
+        local query head i reads local K/V head ``i // (q_count / kv_count)``, the kernels' GQA rule;
+        a K/V head only partly read here (it is shared with a neighbour rank) is a piece of its own, the
+        K/V heads read by all ``Hq/Hkv`` of their query heads are one piece together."""
+        q_first, q_count, kv_first, kv_count = self.share(rank)
+        group = self.q_heads // self.kv_heads
+        pieces: list[tuple[int, int, int, int]] = []
+        for t in range(kv_count):
+            lo = max(q_first, (kv_first + t) * group) - q_first
+            hi = min(q_first + q_count, (kv_first + t + 1) * group) - q_first
+            if pieces and hi - lo == group and pieces[-1][1] == group * pieces[-1][3]:
+                a, n, b, m = pieces[-1]
+                pieces[-1] = (a, n + group, b, m + 1)  # full groups run together
+            else:
+                pieces.append((lo, hi - lo, t, 1))
+        return pieces
+
 
 def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str, tp: int = 1) -> HeadSplit:
     """Validate that ``u`` ranks can share the heads (the rule is
-    :func:`seqpar.runtime.groups.ulysses_heads_ok`, the one the cost model uses too); raise
-    ``ValueError`` naming the fix otherwise. ``q_heads`` / ``kv_heads`` are the heads this rank holds:
-    under tensor parallelism (``tp`` > 1, only named in the error) the model's heads / ``tp``."""
-    if ulysses_heads_ok(q_heads, kv_heads, u):
+    :func:`seqpar.runtime.grid.ulysses_heads_problem`, the one the cost model uses too); raise
+    ``ValueError`` naming the fix otherwise. Uneven shares are accepted (:class:`HeadSplit`). ``q_heads`` /
+    ``kv_heads`` are the heads this rank holds: under tensor parallelism (``tp`` > 1, only named in the
+    error) the model's heads / ``tp``."""
+    problem = ulysses_heads_problem(q_heads, kv_heads, u)
+    if problem is None:
         return HeadSplit(q_heads, kv_heads, u)
-    fits = [d for d in divisors(sp_size) if ulysses_heads_ok(q_heads, kv_heads, d)]
+    fits = [d for d in divisors(sp_size) if ulysses_heads_problem(q_heads, kv_heads, d) is None and d < u]
     tp_note = (f" These are the heads tensor parallelism leaves this rank (the model's heads / tp_size {tp}); "
                "a smaller tp_size leaves each rank more." if tp > 1 else "")
-    if q_heads % u:
-        smaller = [d for d in divisors(sp_size) if q_heads % d == 0 and d < u]
-        raise ValueError(
-            f"mode={mode!r}: {q_heads} query heads cannot be split over {u} Ulysses ranks ({q_heads} is not a "
-            f"multiple of {u}). Use mode='hybrid' with a smaller ulysses_size that divides the head count "
-            f"(init_process_groups(sp_size={sp_size}, ulysses_size=u) with u in {smaller}), or mode='ring' / 'allgather'."
-            + tp_note
-        )
     raise ValueError(
-        f"mode={mode!r}: {kv_heads} K/V heads cannot be shared by {u} Ulysses ranks without expanding them "
-        f"(the K/V head count must be a multiple or a divisor of the Ulysses degree). Use mode='hybrid' with "
-        f"ulysses_size in {fits} (init_process_groups(sp_size={sp_size}, ulysses_size=u)), or mode='ring' / 'allgather'."
-        + tp_note
+        f"mode={mode!r}: {q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks: {problem}. "
+        f"Use mode='hybrid' with a smaller ulysses_size (init_process_groups(sp_size={sp_size}, ulysses_size=u) "
+        f"with u in {fits}), or mode='ring' / 'allgather'." + tp_note
     )
 
 
@@ -136,7 +168,8 @@ class UlyssesPlan:
 
     ``order``: :func:`sequence_order` (``None`` = identity); ``chunks_per_rank``:
     sequence chunks each rank holds (1 contiguous, 2 zigzag); ``head_chunks``: pipelined head passes,
-    dividing ``split.kv_per_rank``."""
+    dividing ``split.kv_per_rank``; always 1 for an uneven split (its ranks' shares differ, so equal
+    passes would not line up across ranks: the whole share runs in one pass, whatever was asked)."""
 
     attn: AttentionOptions
     split: HeadSplit
@@ -154,10 +187,13 @@ class UlyssesPlan:
         order = sequence_order(first, split.u, sp_size, attn.sharding, seq_len=seq_len, cu_seqlens=attn.cu_seqlens)
         return cls(
             attn, split, rank, None if order is None else tuple(order),
-            len(rank_chunks(attn, sp_size, 0, seq_local)), head_chunks,
+            len(rank_chunks(attn, sp_size, 0, seq_local)), head_chunks if split.even else 1,
         )
 
     def q_slice(self, rank: int, chunk: int) -> slice:
+        if not self.split.even:
+            first, count = self.split.share(rank)[:2]
+            return slice(first, first + count)
         qc = self.split.q_per_rank // self.head_chunks
         first = rank * self.split.q_per_rank + chunk * qc
         return slice(first, first + qc)
@@ -232,12 +268,154 @@ def start_heads_back(tensors: list[Tensor], plan: UlyssesPlan, group: dist.Proce
     """Pack head-layout tensors ``(B, h_i, u * L, D_i)`` (one dtype; head dims may differ) into one
     ``(u, B, m)`` buffer (per slot and batch row: each tensor's ``(h_i, L, D_i)``, in order) and start
     the all-to-all that returns each rank its tokens."""
+    return start_all_to_all(_pack_heads_back(tensors, plan), group)
+
+
+def _pack_heads_back(tensors: list[Tensor], plan: UlyssesPlan) -> Tensor:
+    """The ``(u, B, m)`` send buffer of :func:`start_heads_back` (slot j: rank j's tokens)."""
     b, _, n_all, _ = tensors[0].shape
     u, n = plan.split.u, n_all // plan.split.u
     send = tensors[0].new_empty((u, b, sum(t.shape[1] * n * t.shape[3] for t in tensors)))
     for t, slots in zip(tensors, packed_views(send, *((t.shape[1], n, t.shape[3]) for t in tensors))):
         _heads_to_slots(t, slots, plan)
-    return start_all_to_all(send, group)
+    return send
+
+
+# ------------------------------------------------------------------------------ uneven head shares
+# Rank j attends query heads [q_first_j, +q_count_j) and K/V heads [kv_first_j, +kv_count_j)
+# (HeadSplit.share). What a rank sends to peer j is sized by j's share, what it receives from every peer by
+# its own: the q/k/v and dout all-to-alls send uneven slots and receive equal ones, the output and
+# dq/dk/dv all-to-alls send equal slots and receive uneven ones (all_to_all_single with split sizes).
+# One head pass (head_chunks = 1). Bytes per rank: sent = sum over peers of their shares, received =
+# (u - 1) x its own share; the slowest rank holds ceil(Hq/u) query heads.
+def _uneven_sizes(plan: UlyssesPlan, b: int, n: int, dims: tuple[int, ...], kv_dims: tuple[int, ...]) -> list[int]:
+    """Elements per peer j of a buffer holding, per batch row, j's query heads at each of ``dims`` and
+    its K/V heads at each of ``kv_dims`` (``n`` tokens each)."""
+    sizes = []
+    for j in range(plan.split.u):
+        _, qn, _, kn = plan.split.share(j)
+        sizes.append(b * n * (qn * sum(dims) + kn * sum(kv_dims)))
+    return sizes
+
+
+def _uneven_blocks(buf: Tensor, sizes: list[int], b: int) -> list[Tensor]:
+    """Views ``(B, m_j)`` of the consecutive per-peer blocks of a flat buffer."""
+    out, at = [], 0
+    for size in sizes:
+        out.append(buf.narrow(0, at, size).view(b, size // b))
+        at += size
+    return out
+
+
+def _uneven_qkv(q: Tensor, k: Tensor, v: Tensor, plan: UlyssesPlan, group: dist.ProcessGroup) -> Pending:
+    """Send peer j its query heads and the K/V heads they read, packed per batch row as
+    :func:`start_qkv` packs them; receive ``u`` equal slots of this rank's share."""
+    b, _, n, d = q.shape
+    dv = v.shape[-1]
+    send_sizes = _uneven_sizes(plan, b, n, (d,), (d, dv))
+    send = q.new_empty(sum(send_sizes))
+    for j, block in enumerate(_uneven_blocks(send, send_sizes, b)):
+        qf, qn, kf, kn = plan.split.share(j)
+        sq, sk, sv = packed_views(block, (qn, n, d), (kn, n, d), (kn, n, dv))
+        sq.copy_(q.narrow(1, qf, qn))
+        sk.copy_(k.narrow(1, kf, kn))
+        sv.copy_(v.narrow(1, kf, kn))
+    mine = send_sizes[plan.rank]
+    return start_all_to_all_uneven(send, send_sizes, [mine] * plan.split.u, group)
+
+
+def _uneven_pieces(
+    fn, plan: UlyssesPlan, q_h: Tensor, k_h: Tensor, v_h: Tensor, *rest: Tensor  # noqa: ANN001
+) -> list[tuple[Tensor, ...]]:
+    """``fn`` on each GQA-regular piece of this rank's heads (:meth:`HeadSplit.segments`); ``rest``:
+    tensors with query heads (dout, out, lse)."""
+    results = []
+    for a, qn, kf, kn in plan.split.segments(plan.rank):
+        results.append(fn(q_h.narrow(1, a, qn), k_h.narrow(1, kf, kn), v_h.narrow(1, kf, kn),
+                          *(t.narrow(1, a, qn) for t in rest), a, qn))
+    return results
+
+
+def _cat_heads(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _uneven_forward(
+    q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan,
+    sinks: Tensor | None,
+) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
+    """:func:`ulysses_forward` for an uneven split (one head pass)."""
+    b, _, n, d = q.shape
+    dv = v.shape[-1]
+    qf, qn, _, kn = plan.split.share(plan.rank)
+    (recv,) = _uneven_qkv(q, k.contiguous(), v.contiguous(), plan, group).wait()
+    recv_q, recv_k, recv_v = packed_views(recv.view(plan.split.u, b, -1), (qn, n, d), (kn, n, d), (kn, n, dv))
+    q_h, k_h, v_h = seq_to_heads(recv_q, plan), seq_to_heads(recv_k, plan), seq_to_heads(recv_v, plan)
+    del recv, recv_q, recv_k, recv_v
+    my_sinks = None if sinks is None else sinks[qf:qf + qn]
+
+    def piece(qp: Tensor, kp: Tensor, vp: Tensor, a: int, m: int) -> tuple[Tensor, Tensor]:
+        return _inner_forward(qp, kp, vp, ring, plan.attn, None if my_sinks is None else my_sinks[a:a + m])
+
+    outs, lses = zip(*_uneven_pieces(piece, plan, q_h, k_h, v_h))
+    out_h, lse_h = _cat_heads(list(outs)), _cat_heads(list(lses))
+    send = _pack_heads_back([out_h], plan).view(-1)  # u equal slots of this rank's heads
+    recv_sizes = _uneven_sizes(plan, b, n, (dv,), ())
+    (back,) = start_all_to_all_uneven(send, [send.numel() // plan.split.u] * plan.split.u, recv_sizes, group).wait()
+    out = output_like(q, dv)
+    for j, block in enumerate(_uneven_blocks(back, recv_sizes, b)):
+        first, count = plan.split.share(j)[:2]
+        out[:, first:first + count] = block.view(b, count, n, dv)
+    return out, [(q_h, k_h, v_h, out_h, lse_h)]
+
+
+def _uneven_backward(
+    dout: Tensor, saved: list[tuple[Tensor, ...]], k_shape: torch.Size, v_shape: torch.Size,
+    group: dist.ProcessGroup, ring: RingExchange | None, plan: UlyssesPlan, sinks: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """:func:`ulysses_backward` for an uneven split: dout's all-to-all (uneven sends), the inner backward per
+    GQA-regular piece, the packed dq/dk/dv all-to-all (uneven receives). A K/V head shared by two ranks gets
+    both ranks' dK/dV, summed in fp32 (every K/V head's gradient accumulates into zeroed fp32 ``dk``, ``dv``)."""
+    b, _, n, dvd = dout.shape
+    d = k_shape[3]
+    u = plan.split.u
+    qf, qn, _, kn = plan.split.share(plan.rank)
+    send_sizes = _uneven_sizes(plan, b, n, (dvd,), ())
+    dout = dout.contiguous()
+    send = dout.new_empty(sum(send_sizes))
+    for j, block in enumerate(_uneven_blocks(send, send_sizes, b)):
+        first, count = plan.split.share(j)[:2]
+        block.view(b, count, n, dvd).copy_(dout.narrow(1, first, count))
+    (recv,) = start_all_to_all_uneven(send, send_sizes, [send_sizes[plan.rank]] * u, group).wait()
+    dout_h = seq_to_heads(recv.view(u, b, qn, n, dvd), plan)
+    del recv, send
+    ((q_h, k_h, v_h, out_h, lse_h),) = saved
+    dsinks = None
+    if sinks is not None:
+        dsinks = torch.zeros_like(sinks)
+        dsinks[qf:qf + qn] = sink_grad(dout_h, out_h, lse_h, sinks[qf:qf + qn])
+
+    def piece(qp: Tensor, kp: Tensor, vp: Tensor, dp: Tensor, op: Tensor, lp: Tensor, a: int, m: int) -> tuple:
+        return _inner_backward(dp, qp, kp, vp, op, lp, ring, plan.attn)
+
+    dqs, dks, dvs = zip(*_uneven_pieces(piece, plan, q_h, k_h, v_h, dout_h, out_h, lse_h))
+    del dout_h
+    dq_h = _cat_heads(list(dqs))
+    send = _pack_heads_back([dq_h, _cat_heads(list(dks)).to(dq_h.dtype), _cat_heads(list(dvs)).to(dq_h.dtype)],
+                            plan).view(-1)
+    del dqs, dks, dvs, dq_h
+    recv_sizes = _uneven_sizes(plan, b, n, (d,), (d, v_shape[3]))
+    (back,) = start_all_to_all_uneven(send, [send.numel() // u] * u, recv_sizes, group).wait()
+    dq = output_like(dout, d)
+    dk = torch.zeros(k_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+    dv = torch.zeros(v_shape, dtype=lse_dtype(dout.dtype), device=dout.device)
+    for j, block in enumerate(_uneven_blocks(back, recv_sizes, b)):
+        first, count, kf, kc = plan.split.share(j)
+        gq, gk, gv = packed_views(block, (count, n, d), (kc, n, d), (kc, n, v_shape[3]))
+        dq[:, first:first + count] = gq
+        dk.narrow(1, kf, kc).add_(gk)
+        dv.narrow(1, kf, kc).add_(gv)
+    return dq, dk.to(dout.dtype), dv.to(dout.dtype), dsinks
 
 
 # ------------------------------------------------------------------------------ inner attention
@@ -283,7 +461,10 @@ def ulysses_forward(
     sinks: Tensor | None = None,
 ) -> tuple[Tensor, list[tuple[Tensor, ...]]]:
     """Returns ``out`` ``(B, Hq, L, Dv)`` in q's dtype and, per head chunk, the head-layout tensors the
-    backward needs: ``(q, k, v, out, lse)`` of that chunk. ``sinks``: ``(q_heads,)`` or None."""
+    backward needs: ``(q, k, v, out, lse)`` of that chunk. ``sinks``: ``(q_heads,)`` or None. An uneven
+    split (:class:`HeadSplit`) runs one pass with uneven all-to-alls (:func:`_uneven_forward`)."""
+    if not plan.split.even:
+        return _uneven_forward(q, k, v, group, ring, plan, sinks)
     hc = plan.head_chunks
     n, d, dv = q.shape[2], q.shape[3], v.shape[3]
     out = output_like(q, dv)
@@ -361,6 +542,8 @@ def ulysses_backward(
     ``dout`` ``(B, Hq, L, Dv)``; ``k_shape`` ``(B, Hkv, L, D)``; ``v_head_dim``: Dv (default D)."""
     hc = plan.head_chunks
     v_shape = k_shape if v_head_dim is None else torch.Size((*k_shape[:3], v_head_dim))
+    if not plan.split.even:
+        return _uneven_backward(dout, saved, k_shape, v_shape, group, ring, plan, sinks)
     dq = output_like(dout, k_shape[3])
     # a replicated K/V head's gradient is the sum over its replicas: accumulate in fp32 from zeros;
     # otherwise every head is copied in once (place_grads)

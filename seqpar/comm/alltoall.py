@@ -5,6 +5,8 @@ Two layers:
 - :func:`start_all_to_all` — the raw, asynchronous exchange the attention algorithms pipeline:
   ``send`` is ``(u, ...)``, slot j goes to rank j of the group; the received tensor is ``(u, ...)``,
   slot i from rank i. One ``all_to_all_single`` however many tensors were packed into the slots.
+  :func:`start_all_to_all_uneven` is its uneven twin (blocks of per-peer sizes, Ulysses with head
+  counts the group size does not divide).
 - :class:`AllToAll` / :func:`all_to_all` — a differentiable all-to-all along tensor dimensions:
   ``x`` is cut into ``u`` equal pieces along ``scatter_dim``, piece j goes to rank j, and the pieces
   received are concatenated in rank order along ``gather_dim``. Its backward is its own dual: the
@@ -23,7 +25,7 @@ from torch import Tensor
 
 from seqpar.comm.ring import Pending
 
-__all__ = ["start_all_to_all", "AllToAll", "all_to_all"]
+__all__ = ["start_all_to_all", "start_all_to_all_uneven", "AllToAll", "all_to_all"]
 
 
 def start_all_to_all(send: Tensor, group: dist.ProcessGroup) -> Pending:
@@ -39,6 +41,32 @@ def start_all_to_all(send: Tensor, group: dist.ProcessGroup) -> Pending:
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
     reading = [send]  # the collective reads it until done: keep it referenced until the wait
+
+    def finish() -> None:
+        work.wait()
+        reading.clear()
+
+    return Pending(finish, [recv])
+
+
+def start_all_to_all_uneven(
+    send: Tensor, send_sizes: list[int], recv_sizes: list[int], group: dist.ProcessGroup
+) -> Pending:
+    """Start an all-to-all of uneven blocks: ``send`` is 1-D, its consecutive blocks of ``send_sizes[j]``
+    elements go to rank j; ``wait()`` gives ``[recv]``, 1-D, the blocks of ``recv_sizes[i]`` elements from
+    rank i, in rank order. Rank i's ``send_sizes[j]`` must equal rank j's ``recv_sizes[i]`` (the caller
+    derives both from a split every rank shares). One ``all_to_all_single`` with split sizes (gloo and
+    NCCL both take them); the even exchange stays :func:`start_all_to_all`."""
+    world = dist.get_world_size(group)
+    if len(send_sizes) != world or len(recv_sizes) != world:
+        raise ValueError(f"all-to-all: {len(send_sizes)} send / {len(recv_sizes)} receive sizes for a group of {world} ranks")
+    if send.dim() != 1 or send.numel() != sum(send_sizes):
+        raise ValueError(f"all-to-all: send {tuple(send.shape)} is not 1-D of the {sum(send_sizes)} elements the sizes name")
+    send = send.contiguous()
+    recv = send.new_empty(sum(recv_sizes))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(recv_sizes), input_split_sizes=list(send_sizes),
+                                  group=group, async_op=True)
+    reading = [send]
 
     def finish() -> None:
         work.wait()

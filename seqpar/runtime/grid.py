@@ -40,6 +40,9 @@ __all__ = [
     "check_ulysses_size",
     "tp_heads_problem",
     "ulysses_heads_ok",
+    "ulysses_heads_even",
+    "ulysses_heads_problem",
+    "ulysses_shares",
     "choose_ulysses_size",
     "rank_grid",
     "check_layout",
@@ -91,16 +94,54 @@ def tp_heads_problem(q_heads: int, kv_heads: int, tp: int) -> str | None:
     )
 
 
-def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
-    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses):
-    ``u`` divides the query heads, and the K/V head count is a multiple or a divisor of ``u``. With
-    ``tp`` > 1 the heads are those TP leaves each rank (``q_heads / tp``, ``kv_heads / tp``; ``tp`` must
-    divide both, :func:`tp_heads_problem`), so e.g. K/V heads < ``tp x u`` needs ``u`` to be a multiple
-    of ``kv_heads / tp``."""
+def ulysses_heads_even(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
+    """Whether ``u`` Ulysses ranks share the heads evenly (the all-to-alls' equal-slot path, see
+    seqpar.attn.ulysses): ``u`` divides the query heads, and the K/V head count is a multiple or a divisor
+    of ``u``. With ``tp`` > 1 the heads are those TP leaves each rank (``q_heads / tp``, ``kv_heads / tp``;
+    ``tp`` must divide both, :func:`tp_heads_problem`), so e.g. K/V heads < ``tp x u`` needs ``u`` to be a
+    multiple of ``kv_heads / tp``."""
     if tp_heads_problem(q_heads, kv_heads, tp):
         return False
     q_heads, kv_heads = q_heads // tp, kv_heads // tp
     return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
+
+
+def ulysses_heads_problem(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> str | None:
+    """Why ``u`` Ulysses ranks cannot share the heads (``None``: they can, evenly or not). Uneven shares
+    (:func:`ulysses_shares`) are accepted: what stays refused is a ``tp`` that does not divide the heads,
+    fewer query heads than Ulysses ranks (a rank would attend no head), and query heads that are no
+    multiple of the K/V heads (no GQA grouping to follow)."""
+    if problem := tp_heads_problem(q_heads, kv_heads, tp):
+        return problem
+    q_heads, kv_heads = q_heads // tp, kv_heads // tp
+    if q_heads < u:
+        return f"{q_heads} query heads are fewer than the {u} Ulysses ranks (a rank would attend no head)"
+    if kv_heads < 1 or q_heads % kv_heads:
+        return f"{q_heads} query heads are not a multiple of the {kv_heads} K/V heads (no GQA grouping)"
+    return None
+
+
+def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
+    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses),
+    evenly (:func:`ulysses_heads_even`) or in uneven contiguous shares (:func:`ulysses_shares`), on the
+    heads ``tp`` leaves each rank; :func:`ulysses_heads_problem` says why not."""
+    return ulysses_heads_problem(q_heads, kv_heads, u, tp) is None
+
+
+def ulysses_shares(q_heads: int, kv_heads: int, u: int) -> list[tuple[int, int, int, int]]:
+    """Per Ulysses rank j: ``(q_first, q_count, kv_first, kv_count)``, its contiguous range of query heads
+    (DeepSpeed's uneven split: sizes differing by at most one, the first ``q_heads % u`` ranks taking the
+    larger share) and the K/V heads those query heads read (query head i reads K/V head
+    ``i // (q_heads / kv_heads)``) and no others. A K/V head may fall in two ranks' ranges. For an even
+    split (:func:`ulysses_heads_even`) these are ``Hq/u`` query heads and ``max(Hkv/u, 1)`` K/V heads."""
+    base, extra = divmod(q_heads, u)
+    group = q_heads // kv_heads
+    shares = []
+    for j in range(u):
+        first, count = j * base + min(j, extra), base + (j < extra)
+        kv_first, kv_last = first // group, (first + count - 1) // group
+        shares.append((first, count, kv_first, kv_last - kv_first + 1))
+    return shares
 
 
 def choose_ulysses_size(
@@ -108,9 +149,10 @@ def choose_ulysses_size(
 ) -> int:
     """``ulysses_size="auto"`` at init: the largest divisor of ``sp_size`` that fits in a node (Ulysses
     all-to-all on the fast intra-node links, the ring across nodes hides the slow ones) and, when the
-    model's ``heads = (q_heads, kv_heads)`` are known, satisfies the head-count rule
-    (:func:`ulysses_heads_ok`, on the heads ``tp`` leaves each rank; a Ulysses group of ``u`` spans
-    ``u x tp`` consecutive ranks, which must fit in the node).
+    model's ``heads = (q_heads, kv_heads)`` are known, splits them evenly (:func:`ulysses_heads_even`, on
+    the heads ``tp`` leaves each rank; a Ulysses group of ``u`` spans ``u x tp`` consecutive ranks, which
+    must fit in the node). Uneven shares are accepted by the attention (:func:`ulysses_heads_ok`) but
+    never chosen here: the slowest rank holds ``ceil(Hq/u)`` heads, and ``u = 1`` always splits evenly.
 
     ``node_size`` defaults to ``LOCAL_WORLD_SIZE`` from the launcher, else ``sp_size x tp`` (one node).
     Integer arithmetic on the group layout only, so it lives with the groups (no attention import).
@@ -123,7 +165,7 @@ def choose_ulysses_size(
     if node_size is None:
         node_size = int(os.environ.get("LOCAL_WORLD_SIZE", sp_size * tp))
     fits = [u for u in divisors(sp_size)
-            if u * tp <= max(node_size, tp) and (heads is None or ulysses_heads_ok(heads[0], heads[1], u, tp))]
+            if u * tp <= max(node_size, tp) and (heads is None or ulysses_heads_even(heads[0], heads[1], u, tp))]
     return max(fits)
 
 
