@@ -34,8 +34,10 @@ partial, ~3 fp32 outputs per merge) and add a fp32 dq share per block in backwar
 unpacks what it sends (~2x its bytes); the hybrid pays both at its own sizes. The model ranks modes; it
 does not predict absolute times.
 
-Validity (never chosen when it would fail): Ulysses/hybrid need ``Hq`` divisible by ``u`` and ``Hkv`` a
-multiple or divisor of ``u``; a mode lacking a feature the call uses (documents, windows, sinks, dilated
+Validity (never chosen when it would fail): Ulysses/hybrid need ``Hq >= u`` and ``Hq`` a multiple of
+``Hkv`` (:func:`ulysses_heads_accepted`). Where ``u`` does not split the heads evenly, the slowest rank holds
+``ceil(Hq/u)`` query heads and the union of the K/V heads they read: its compute and its all-to-all bytes
+(``(u-1) * 2 B L d e * 2 (qmax + kmax)``) are what an uneven call costs, in one head pass; a mode lacking a feature the call uses (documents, windows, sinks, dilated
 patterns: :data:`MODE_FEATURES`) is skipped. The choice depends only on integers every rank shares (shapes,
 group sizes) and on link figures that are either configured or probed once and broadcast from one rank,
 so it is identical on every rank and the same on every call, activation-checkpoint recompute included;
@@ -59,6 +61,7 @@ import torch.distributed as dist
 # with the config, the Ulysses-size rules with the groups), so runtime never imports attention; kept
 # importable from here, where the cost model uses them.
 from seqpar.config import Links
+from seqpar.runtime.grid import ulysses_heads_accepted, ulysses_shares
 from seqpar.runtime.groups import choose_ulysses_size, ulysses_heads_ok
 
 if TYPE_CHECKING:
@@ -174,8 +177,13 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
         a2a_sent = int((u - 1) / u * 2 * c.batch * c.seq_local * c.qkv_dims * c.elem_bytes * (c.q_heads + u * h))
         a2a_gbps = links.intra_gbps if u <= links.node_size else links.inter_gbps
         chunks = math.gcd(h, c.head_chunks)
+        shape, q_share = c, c.q_heads // u
+        if not ulysses_heads_ok(c.q_heads, c.kv_heads, u):  # uneven: the slowest rank's share, one head pass
+            q_share, h = -(-c.q_heads // u), max(share[3] for share in ulysses_shares(c.q_heads, c.kv_heads, u))
+            a2a_sent = (u - 1) * 2 * c.batch * c.seq_local * c.qkv_dims * c.elem_bytes * (q_share + h)
+            chunks, shape = 1, replace(c, q_heads=q_share * u)  # its compute: u ranks of its size
         a2a_s = a2a_sent / (a2a_gbps * 1e9) + 4 * chunks * links.latency_s
-        ring_t, ring_sent, ring_exposed = _ring_cost(c, links, p // u, c.q_heads // u, h, u * c.seq_local, ring_gbps,
+        ring_t, ring_sent, ring_exposed = _ring_cost(shape, links, p // u, q_share, h, u * c.seq_local, ring_gbps,
                                                      c.dkv_bytes)
         a2a_exposed = _pipelined(ring_t, a2a_s, chunks)  # the all-to-alls hide behind the (ring) attention
         copies = 2 * a2a_sent * u / max(u - 1, 1) / (links.mem_gbps * 1e9)  # pack + unpack of every slot
@@ -190,9 +198,9 @@ def allowed_modes(c: CallShape, features: Iterable[str] = ()) -> list[str]:
     """The modes that would not fail on this call: head-count rule, the manager's axes, features used."""
     features = frozenset(features)
     modes = ["ring", "allgather"]
-    if ulysses_heads_ok(c.q_heads, c.kv_heads, c.sp_size):
+    if ulysses_heads_accepted(c.q_heads, c.kv_heads, c.sp_size):  # evenly or not
         modes.append("ulysses")
-    if 1 < c.ulysses_size < c.sp_size and ulysses_heads_ok(c.q_heads, c.kv_heads, c.ulysses_size):
+    if 1 < c.ulysses_size < c.sp_size and ulysses_heads_accepted(c.q_heads, c.kv_heads, c.ulysses_size):
         modes.append("hybrid")
     return [m for m in modes if features <= MODE_FEATURES[m]]
 

@@ -201,8 +201,7 @@ def ulysses_fwd(
 def _(q, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks,  # noqa: ANN001, ANN202
       causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
       documents):
-    split = HeadSplit(q_heads, kv_heads, u)
-    qc, kc = split.q_per_rank // head_chunks, split.kv_per_rank // head_chunks
+    qc, kc = HeadSplit(q_heads, kv_heads, u).counts(rank, head_chunks)  # uneven: this rank's share, one pass
     b, n, d, dv = q.shape[0], u * q.shape[2], q.shape[3], v.shape[3]
     saved = []
     for _ in range(head_chunks):

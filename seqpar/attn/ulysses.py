@@ -56,7 +56,13 @@ from seqpar.attn.ring import ring_backward, ring_forward
 from seqpar.comm.alltoall import start_all_to_all, start_all_to_all_uneven
 from seqpar.comm.ring import Pending, RingExchange
 from seqpar.kernels import block_backward, block_forward, lse_dtype, output_like, sink_grad
-from seqpar.runtime.grid import divisors, ulysses_heads_even, ulysses_heads_problem, ulysses_shares
+from seqpar.runtime.grid import (
+    divisors,
+    ulysses_heads_ok,
+    ulysses_heads_problem,
+    ulysses_shares,
+    ulysses_split_even,
+)
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesAttention"]
@@ -65,7 +71,7 @@ __all__ = ["HeadSplit", "head_split", "sequence_order", "UlyssesPlan", "UlyssesA
 @dataclass(frozen=True)
 class HeadSplit:
     """Which heads each rank of a Ulysses group of ``u`` ranks attends: an even split
-    (:func:`~seqpar.runtime.grid.ulysses_heads_even`) or uneven contiguous shares (:meth:`share`)."""
+    (:func:`~seqpar.runtime.grid.ulysses_split_even`) or uneven contiguous shares (:meth:`share`)."""
 
     q_heads: int
     kv_heads: int
@@ -73,7 +79,7 @@ class HeadSplit:
 
     @property
     def even(self) -> bool:
-        return ulysses_heads_even(self.q_heads, self.kv_heads, self.u)
+        return ulysses_split_even(self.q_heads, self.kv_heads, self.u)
 
     @property
     def q_per_rank(self) -> int:
@@ -130,11 +136,13 @@ class HeadSplit:
 
 
 def head_split(q_heads: int, kv_heads: int, u: int, *, sp_size: int, mode: str, tp: int = 1) -> HeadSplit:
-    """Validate that ``u`` ranks can share the heads (the rule is
-    :func:`seqpar.runtime.grid.ulysses_heads_problem`, the one the cost model uses too); raise
+    """Validate that ``u`` ranks can share the heads (the rules are
+    :func:`seqpar.runtime.grid.ulysses_heads_ok` / ``ulysses_heads_problem``, the cost model's too); raise
     ``ValueError`` naming the fix otherwise. Uneven shares are accepted (:class:`HeadSplit`). ``q_heads`` /
     ``kv_heads`` are the heads this rank holds: under tensor parallelism (``tp`` > 1, only named in the
     error) the model's heads / ``tp``."""
+    if ulysses_heads_ok(q_heads, kv_heads, u):  # even: the common case, one check
+        return HeadSplit(q_heads, kv_heads, u)
     problem = ulysses_heads_problem(q_heads, kv_heads, u)
     if problem is None:
         return HeadSplit(q_heads, kv_heads, u)

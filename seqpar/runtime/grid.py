@@ -40,7 +40,8 @@ __all__ = [
     "check_ulysses_size",
     "tp_heads_problem",
     "ulysses_heads_ok",
-    "ulysses_heads_even",
+    "ulysses_split_even",
+    "ulysses_heads_accepted",
     "ulysses_heads_problem",
     "ulysses_shares",
     "choose_ulysses_size",
@@ -94,15 +95,11 @@ def tp_heads_problem(q_heads: int, kv_heads: int, tp: int) -> str | None:
     )
 
 
-def ulysses_heads_even(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
-    """Whether ``u`` Ulysses ranks share the heads evenly (the all-to-alls' equal-slot path, see
+def ulysses_split_even(q_heads: int, kv_heads: int, u: int) -> bool:
+    """Whether ``u`` Ulysses ranks share these heads evenly (the all-to-alls' equal-slot path, see
     seqpar.attn.ulysses): ``u`` divides the query heads, and the K/V head count is a multiple or a divisor
-    of ``u``. With ``tp`` > 1 the heads are those TP leaves each rank (``q_heads / tp``, ``kv_heads / tp``;
-    ``tp`` must divide both, :func:`tp_heads_problem`), so e.g. K/V heads < ``tp x u`` needs ``u`` to be a
-    multiple of ``kv_heads / tp``."""
-    if tp_heads_problem(q_heads, kv_heads, tp):
-        return False
-    q_heads, kv_heads = q_heads // tp, kv_heads // tp
+    of ``u`` (``Hkv/u`` K/V heads per rank, or one replicated K/V head each). Heads as each rank holds them
+    (under TP: the model's / tp)."""
     return q_heads % u == 0 and (kv_heads % u == 0 or u % kv_heads == 0)
 
 
@@ -122,9 +119,20 @@ def ulysses_heads_problem(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> s
 
 
 def ulysses_heads_ok(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
-    """Whether ``u`` Ulysses ranks can share the heads without expanding K/V (see seqpar.attn.ulysses),
-    evenly (:func:`ulysses_heads_even`) or in uneven contiguous shares (:func:`ulysses_shares`), on the
-    heads ``tp`` leaves each rank; :func:`ulysses_heads_problem` says why not."""
+    """Whether ``u`` Ulysses ranks split the heads evenly, without expanding K/V
+    (:func:`ulysses_split_even`, the split ``ulysses_size="auto"`` chooses). With ``tp`` > 1 the heads are
+    those TP leaves each rank (``q_heads / tp``, ``kv_heads / tp``; ``tp`` must divide both,
+    :func:`tp_heads_problem`), so e.g. K/V heads < ``tp x u`` needs ``u`` to be a multiple of
+    ``kv_heads / tp``. Uneven splits are accepted too: :func:`ulysses_heads_accepted` is what the
+    attention and ``mode="auto"`` accept."""
+    if tp_heads_problem(q_heads, kv_heads, tp):
+        return False
+    return ulysses_split_even(q_heads // tp, kv_heads // tp, u)
+
+
+def ulysses_heads_accepted(q_heads: int, kv_heads: int, u: int, tp: int = 1) -> bool:
+    """Whether a Ulysses / hybrid call with ``u`` Ulysses ranks runs, evenly or in uneven contiguous shares
+    (:func:`ulysses_shares`); :func:`ulysses_heads_problem` says why not."""
     return ulysses_heads_problem(q_heads, kv_heads, u, tp) is None
 
 
@@ -133,7 +141,7 @@ def ulysses_shares(q_heads: int, kv_heads: int, u: int) -> list[tuple[int, int, 
     (DeepSpeed's uneven split: sizes differing by at most one, the first ``q_heads % u`` ranks taking the
     larger share) and the K/V heads those query heads read (query head i reads K/V head
     ``i // (q_heads / kv_heads)``) and no others. A K/V head may fall in two ranks' ranges. For an even
-    split (:func:`ulysses_heads_even`) these are ``Hq/u`` query heads and ``max(Hkv/u, 1)`` K/V heads."""
+    split (:func:`ulysses_split_even`) these are ``Hq/u`` query heads and ``max(Hkv/u, 1)`` K/V heads."""
     base, extra = divmod(q_heads, u)
     group = q_heads // kv_heads
     shares = []
@@ -149,7 +157,7 @@ def choose_ulysses_size(
 ) -> int:
     """``ulysses_size="auto"`` at init: the largest divisor of ``sp_size`` that fits in a node (Ulysses
     all-to-all on the fast intra-node links, the ring across nodes hides the slow ones) and, when the
-    model's ``heads = (q_heads, kv_heads)`` are known, splits them evenly (:func:`ulysses_heads_even`, on
+    model's ``heads = (q_heads, kv_heads)`` are known, splits them evenly (:func:`ulysses_heads_ok`, on
     the heads ``tp`` leaves each rank; a Ulysses group of ``u`` spans ``u x tp`` consecutive ranks, which
     must fit in the node). Uneven shares are accepted by the attention (:func:`ulysses_heads_ok`) but
     never chosen here: the slowest rank holds ``ceil(Hq/u)`` heads, and ``u = 1`` always splits evenly.
@@ -165,7 +173,7 @@ def choose_ulysses_size(
     if node_size is None:
         node_size = int(os.environ.get("LOCAL_WORLD_SIZE", sp_size * tp))
     fits = [u for u in divisors(sp_size)
-            if u * tp <= max(node_size, tp) and (heads is None or ulysses_heads_even(heads[0], heads[1], u, tp))]
+            if u * tp <= max(node_size, tp) and (heads is None or ulysses_heads_ok(heads[0], heads[1], u, tp))]
     return max(fits)
 
 
