@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from test_attention import make_case, reference, sp_group, unshard_rows
+from test_attention import make_case, reference, shard_rows, sp_group, unshard_rows
 from test_attention import run_cases as _run_cases
 
 import seqpar
@@ -224,3 +224,130 @@ def test_bf16_replicated_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     col, want_col = dk[..., -1], want[..., -1]
     assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
     torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
+
+
+# ------------------------------------------------------------------------ uneven head shares
+# (q_heads, kv_heads, head_dim) per Ulysses degree u where u does not split the heads evenly: MHA, MQA, GQA
+# with a K/V head shared by two ranks (6/3, 14/7, 14/2, 6/2), odd head dims; q_heads 3, 5, 6, 7, 14.
+UNEVEN = {
+    2: ((3, 3, 8), (5, 1, 9), (6, 3, 8), (7, 7, 5), (3, 1, 8)),
+    3: ((5, 5, 8), (7, 1, 9), (14, 7, 8), (14, 2, 8), (6, 2, 8), (7, 7, 5)),
+    4: ((14, 2, 8), (14, 7, 9), (5, 5, 8), (6, 3, 8), (7, 1, 8), (6, 2, 5), (14, 14, 8)),
+}
+
+
+def uneven_reference(case: dict, causal: bool, cu_seqlens: tuple[int, ...] | None,
+                     sinks: torch.Tensor | None) -> list[torch.Tensor]:
+    """Float64 attention on the whole sequence by explicit scores (GQA by repeating K/V in the reference
+    only), causal and/or inside documents, with an optional per-query-head sink logit in the softmax's
+    denominator: ``[out, dq, dk, dv]`` (+ ``dsinks``)."""
+    q, k, v = (case[n].clone().requires_grad_() for n in "qkv")
+    group = q.shape[1] // k.shape[1]
+    s = q.shape[2]
+    scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
+    keep = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        keep = keep.tril()
+    if cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(s), torch.tensor(cu_seqlens[1:-1]), right=True)
+        keep = keep & (doc[:, None] == doc[None, :])
+    scores = scores.masked_fill(~keep, float("-inf"))
+    leaves = [q, k, v]
+    if sinks is not None:
+        sink = sinks.double().clone().requires_grad_()
+        leaves.append(sink)
+        scores = torch.cat([scores, sink.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)], dim=-1)
+    p = scores.softmax(-1)[..., :s]
+    out = p @ v.repeat_interleave(group, 1)
+    out.backward(case["dout"])
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def run_uneven(rank: int, world: int, cases: list[tuple], ulysses_size: int | None = None) -> list[list[torch.Tensor]]:
+    """Worker body: each ``(case, mode, sharding, causal, cu_seqlens, sinks, head_chunks)`` in fp32 through
+    seqpar.attention on this rank's shard: ``[out, dq, dk, dv]`` (+ ``dsinks``)."""
+    if ulysses_size is not None:
+        seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
+    results = []
+    for case, mode, sharding, causal, cu, sinks, chunks in cases:
+        q, k, v, dout = (shard_rows(case[n], rank, world, sharding).float() for n in ("q", "k", "v", "dout"))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        extra = {} if sinks is None else {"sinks": sinks.float().requires_grad_()}
+        out = seqpar.attention(q, k, v, causal=causal, mode=mode, sharding=sharding, group=sp_group(), layout="bhsd",
+                               cu_seqlens=cu, head_chunks=chunks, **extra)
+        out.backward(dout)
+        results.append([out.detach(), q.grad, k.grad, v.grad] + ([extra["sinks"].grad] if sinks is not None else []))
+    return results
+
+
+def check_uneven(per_rank: list, cases: list[tuple], world: int, tol: float = 1e-5) -> None:
+    """Gathered out, dq, dk, dv (and the sinks' gradient, summed over ranks like any replicated weight)
+    against :func:`uneven_reference`, each within ``tol`` of its own largest value."""
+    for idx, (case, mode, sharding, causal, cu, sinks, chunks) in enumerate(cases):
+        got = [unshard_rows([per_rank[r][idx][j] for r in range(world)], world, sharding) for j in range(4)]
+        if sinks is not None:
+            got.append(sum(per_rank[r][idx][4] for r in range(world)))
+        label = (mode, sharding, causal, tuple(case["q"].shape), tuple(case["k"].shape), cu is not None, chunks)
+        for name, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, uneven_reference(case, causal, cu, sinks)):
+            err = (g.double() - w).abs().max().item()
+            assert err <= tol * w.abs().max().item(), (name, label, err, w.abs().max().item())
+
+
+def uneven_cases(world: int, mode: str, heads: tuple, seed: int, u: int | None = None) -> list[tuple]:
+    """One case per head count, cycling sharding and causality; every third with documents, one with sinks,
+    and 2 head chunks asked wherever valid (an uneven split runs one pass). ``u``: the Ulysses degree."""
+    from seqpar.attn.ulysses import HeadSplit
+
+    u = world if u is None else u
+    cases = []
+    for i, h in enumerate(heads):
+        sharding, causal = SHARDINGS[i % 2], i % 4 < 2 or i % 3 == 0
+        docs = i % 3 == 1  # documents are packed into one row: batch 1
+        case = make_case(seed + i, world, h, batch=1 if docs else 1 + i % 2)
+        seq = case["q"].shape[2]
+        cu = (0, 5, seq // 2 + 1, seq) if docs else None
+        g = torch.Generator().manual_seed(seed + 50 + i)
+        sinks = torch.randn(h[0], generator=g, dtype=torch.float64) if i == 2 else None
+        # 2 passes asked where 2 divides the K/V heads and the largest share's (else the entry refuses it)
+        chunks = 2 if h[1] % 2 == 0 and HeadSplit(h[0], h[1], u).kv_per_rank % 2 == 0 else "auto"
+        cases.append((case, mode, sharding, causal, cu, sinks, chunks))
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_uneven_heads_exact_fp32(dist_pool, world: int) -> None:
+    """u = 2, 3, 4 with head counts u does not split evenly (:data:`UNEVEN`): rank j attends a contiguous
+    range of query heads (the first ranks one more) and the K/V heads those read, a shared K/V head's dK/dV
+    summed over its ranks. Exact (fp32, 1e-5 of each tensor's own scale) against float64 on the gathered
+    sequence: causal and not, zigzag and contiguous, documents, sinks, odd head dims, batch 1 and 2.
+
+    Seen failing: the last rank's share off by one (``base + (j < extra)`` -> ``(j <= extra)`` in
+    ulysses_shares: a size mismatch in the all-to-all); a shared K/V head's dK taken from one rank only
+    (``.add_`` -> ``.copy_`` in _uneven_backward: dk/dv off by ~1 at 14/2, 14/7, 6/3, 6/2); the GQA pieces
+    merged into one kernel call (segments returning one piece: dq/out off at 14/2 on 4 ranks); the sinks
+    of rank 0's heads used on every rank (``sinks[qf:qf + qn]`` -> ``sinks[:qn]``: out and dsinks off)."""
+    cases = uneven_cases(world, "ulysses", UNEVEN[world], 12000 + 100 * world)
+    check_uneven(dist_pool.run(world, run_uneven, cases, timeout=300), cases, world)
+
+
+def test_uneven_head_rule() -> None:
+    """What stays refused (fewer query heads than ranks; no GQA grouping) and the shares themselves:
+    DeepSpeed's split (14 heads on 4 ranks: 4, 4, 3, 3) and the K/V heads each share reads, by hand."""
+    from seqpar.attn.ulysses import HeadSplit, head_split
+    from seqpar.runtime.grid import ulysses_heads_accepted, ulysses_heads_ok, ulysses_shares
+
+    assert ulysses_shares(14, 2, 4) == [(0, 4, 0, 1), (4, 4, 0, 2), (8, 3, 1, 1), (11, 3, 1, 1)]
+    assert ulysses_shares(6, 3, 4) == [(0, 2, 0, 1), (2, 2, 1, 1), (4, 1, 2, 1), (5, 1, 2, 1)]
+    assert ulysses_shares(7, 1, 3) == [(0, 3, 0, 1), (3, 2, 0, 1), (5, 2, 0, 1)]
+    assert ulysses_shares(6, 2, 4) == [(0, 2, 0, 1), (2, 2, 0, 2), (4, 1, 1, 1), (5, 1, 1, 1)]  # q 2 | q 3
+    assert ulysses_shares(8, 2, 4) == [(0, 2, 0, 1), (2, 2, 0, 1), (4, 2, 1, 1), (6, 2, 1, 1)]  # even: replicated
+    # GQA-regular pieces: 14/2 on rank 1 reads K/V head 0 with 3 query heads and head 1 with 1
+    assert HeadSplit(14, 2, 4).segments(1) == [(0, 3, 0, 1), (3, 1, 1, 1)]
+    assert HeadSplit(14, 14, 4).segments(0) == [(0, 4, 0, 4)]  # MHA: one piece
+    assert HeadSplit(12, 4, 5).segments(3) == [(0, 1, 0, 1), (1, 1, 1, 1)]  # q 8, 9: end of kv 2, start of kv 3
+    assert HeadSplit(14, 7, 3).segments(0) == [(0, 4, 0, 2), (4, 1, 2, 1)]  # two full groups together, then q 4
+    assert ulysses_heads_accepted(14, 2, 4) and not ulysses_heads_ok(14, 2, 4)  # accepted, not even
+    assert ulysses_heads_ok(8, 2, 4) and not ulysses_heads_accepted(3, 1, 4)
+    assert not ulysses_heads_accepted(6, 4, 2)  # 6 query heads on 4 K/V heads: no grouping
+    with pytest.raises(ValueError, match=r"3 query heads are fewer than the 4 Ulysses ranks.*ulysses_size.*\[1, 2\]"):
+        head_split(3, 1, 4, sp_size=4, mode="ulysses")
