@@ -9,7 +9,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_attention import make_case
-from test_ulysses import _count_all_to_all, check_cases, run_cases
+from test_ulysses import (
+    UNEVEN,
+    _count_all_to_all,
+    check_cases,
+    check_uneven,
+    run_cases,
+    run_uneven,
+    uneven_cases,
+)
 
 import seqpar
 
@@ -87,6 +95,19 @@ def test_hybrid_exact_fp32(dist_pool, u: int) -> None:
         scale = 0.3 if h[2] == 40 else None
         cases.append((make_case(9000 + 10 * u + i, 4, h), "hybrid", sharding, causal, scale))
     check_cases(dist_pool.run(4, run_cases, cases, torch.float32, ulysses_size=u, timeout=240), cases, 4)
+
+
+def test_hybrid_uneven_heads_exact_fp32(dist_pool) -> None:
+    """P = 4 as 2 x 2 with head counts 2 does not split evenly (odd query heads; 6 on 3 K/V heads, whose
+    middle head lives on both Ulysses ranks): rank i of every Ulysses group holds the same uneven share,
+    so the ring across super-ranks runs on it unchanged (once per GQA-regular piece of the share).
+    Documents, sinks, both shardings, causal and not; fp32 within 1e-5 of each tensor's own scale.
+
+    Seen failing: a shared K/V head's dK taken from one Ulysses rank only (``.add_`` -> ``.copy_`` in
+    _uneven_backward: dk/dv off at 6/3); the ring across super-ranks given rank 0's share on every rank
+    (``share(plan.rank)`` -> ``share(0)`` in _uneven_forward: a shape mismatch / wrong out)."""
+    cases = uneven_cases(4, "hybrid", UNEVEN[2], 13000, u=2)
+    check_uneven(dist_pool.run(4, run_uneven, cases, ulysses_size=2, timeout=300), cases, 4)
 
 
 def test_hybrid_moves_the_theoretical_bytes(dist_pool) -> None:

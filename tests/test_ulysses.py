@@ -72,12 +72,15 @@ def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks
     """Count the collectives and bytes of one forward and one backward, at torch's entry points."""
     if ulysses_size is not None:
         seqpar.init_process_groups(sp_size=world, ulysses_size=ulysses_size)
-    calls = {"a2a": [], "p2p": 0, "other": 0}
+    calls = {"a2a": [], "p2p": 0, "other": 0, "splits": []}
     originals = {n: getattr(dist, n) for n in ("all_to_all_single", "batch_isend_irecv", "all_gather_into_tensor",
                                                "all_gather", "all_reduce", "all_to_all")}
 
     def a2a(out, inp, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
         calls["a2a"].append(inp.numel() * inp.element_size())
+        sizes = (kwargs.get("output_split_sizes"), kwargs.get("input_split_sizes"))  # (None, None): even
+        calls["splits"].append(None if sizes == (None, None) else
+                               tuple([n * inp.element_size() for n in x] for x in sizes))
         return originals["all_to_all_single"](out, inp, *args, **kwargs)
 
     def p2p(ops):  # noqa: ANN001, ANN202
@@ -101,9 +104,10 @@ def _count_all_to_all(rank: int, world: int, heads: tuple[int, int], head_chunks
     try:
         mode = "ulysses" if ulysses_size is None else "hybrid"
         out = seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, head_chunks=head_chunks,
-                               check_inputs=False, group=sp_group(), dkv_wire_dtype=dkv_wire_dtype)
-        fwd = dict(a2a=list(calls["a2a"]), p2p=calls["p2p"], other=calls["other"])
+                               check_inputs=False, group=sp_group(), dkv_wire_dtype=dkv_wire_dtype, layout="bhsd")
+        fwd = dict(a2a=list(calls["a2a"]), p2p=calls["p2p"], other=calls["other"], splits=list(calls["splits"]))
         calls["a2a"].clear()
+        calls["splits"].clear()
         calls["p2p"] = 0
         out.backward(torch.randn_like(out))
     finally:
@@ -129,6 +133,43 @@ def test_one_packed_all_to_all_each_way(dist_pool, world: int, heads: tuple[int,
             assert len(fwd["a2a"]) == len(bwd["a2a"]) == 2 * chunks, (r, chunks, got)
             assert sum(fwd["a2a"]) == sum(bwd["a2a"]) == qkv_bytes + out_bytes, (r, chunks, got)
             assert sorted(fwd["a2a"]) == sorted(bwd["a2a"]) == sorted([qkv_bytes // chunks, out_bytes // chunks] * chunks)
+            # the even path is today's: equal slots, no split sizes (seen failing with the even split routed
+            # through _uneven_forward / _uneven_backward)
+            assert fwd["splits"] == bwd["splits"] == [None] * 2 * chunks, (r, got)
+
+
+# (world, q_heads, kv_heads) -> each rank's (query heads, K/V heads), written out by hand: DeepSpeed's split
+UNEVEN_SHARES = {
+    (4, 14, 2): [(4, 1), (4, 2), (3, 1), (3, 1)],  # q 0-3 | 4-7 (K/V heads 0 and 1) | 8-10 | 11-13
+    (3, 7, 1): [(3, 1), (2, 1), (2, 1)],
+    (4, 6, 3): [(2, 1), (2, 1), (1, 1), (1, 1)],
+}
+
+
+@pytest.mark.parametrize("world, hq, hkv", list(UNEVEN_SHARES))
+def test_uneven_all_to_all_bytes(dist_pool, world: int, hq: int, hkv: int) -> None:
+    """Uneven heads: still one packed all-to-all each way per direction (q/k/v, out; dout, dq/dk/dv), with
+    per-peer split sizes. Rank r sends peer j j's share of its tokens (q_j query + 2 kv_j K/V heads; dout:
+    q_j heads) and receives u equal slots of its own share; the output and dq/dk/dv come back the other
+    way. Against the shares written out by hand (:data:`UNEVEN_SHARES`), in bytes.
+
+    Seen failing: the last rank's share off by one in ulysses_shares (``base + (j < extra)`` ->
+    ``base + (j < extra) - (j == u - 1)``: every size differs), the K/V union lacking the second head
+    (``kv_last - kv_first + 1`` -> ``1``: rank 1's 14/2 sizes)."""
+    shares = UNEVEN_SHARES[(world, hq, hkv)]
+    unit = 2 * 8 * 16 * 4  # batch x seq_local x head_dim x fp32: one head of one rank's tokens
+    chunks = 2 if hkv == 2 else 1  # 2 passes asked at 14/2 (valid there): an uneven split runs one
+    for r, got in enumerate(dist_pool.run(world, _count_all_to_all, (hq, hkv), chunks, None)):
+        fwd, bwd = got["fwd"], got["bwd"]
+        assert fwd["p2p"] == bwd["p2p"] == fwd["other"] == bwd["other"] == 0, (r, got)
+        qr, kr = shares[r]
+        qkv_send = [(q + 2 * k) * unit for q, k in shares]
+        q_send = [q * unit for q, _ in shares]
+        mine_qkv, mine_q = [(qr + 2 * kr) * unit] * world, [qr * unit] * world
+        # (output split sizes, input split sizes) of each call, in order
+        assert fwd["splits"] == [(mine_qkv, qkv_send), (q_send, mine_q)], (r, fwd)
+        assert bwd["splits"] == [(mine_q, q_send), (qkv_send, mine_qkv)], (r, bwd)
+        assert fwd["a2a"] == [sum(qkv_send), world * qr * unit] and bwd["a2a"] == [hq * unit, world * (qr + 2 * kr) * unit]
 
 
 # ------------------------------------------------------------------------ the communicator
@@ -158,19 +199,14 @@ def test_all_to_all_round_trip_and_dual_backward(dist_pool, world: int) -> None:
 # ------------------------------------------------------------------------ errors, never a hang
 def _bad_calls(rank: int, world: int) -> list[str]:
     messages = []
-    q = torch.randn(1, 4, 4, 8)
     kv = torch.randn(1, 4, 4, 8)
-    with pytest.raises(ValueError) as e:  # 4 query heads over 3 ranks
-        seqpar.attention(q, kv, kv, mode="ulysses", layout="bhsd",
-                         group=dist.group.WORLD)
+    with pytest.raises(ValueError) as e:  # 2 query heads over 3 ranks (4 over 3 runs now: 2, 1, 1)
+        seqpar.attention(torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses",
+                         layout="bhsd", group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # shapes differ across ranks
         seqpar.attention(torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8), torch.randn(1, 6, 4 + rank, 8),
                          mode="ulysses", layout="bhsd",
-                         group=dist.group.WORLD)
-    messages.append(str(e.value))
-    with pytest.raises(ValueError) as e:  # K/V heads neither a multiple nor a divisor of 3
-        seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), mode="ulysses", layout="bhsd",
                          group=dist.group.WORLD)
     messages.append(str(e.value))
     with pytest.raises(ValueError) as e:  # hybrid needs the manager's axes
@@ -179,20 +215,21 @@ def _bad_calls(rank: int, world: int) -> list[str]:
     with pytest.raises(ValueError) as e:  # ... and a manager
         seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), torch.randn(1, 6, 4, 8), mode="hybrid", layout="bhsd")
     messages.append(str(e.value))
-    # still in step: a good call completes
-    out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8), mode="ulysses", layout="bhsd",
-                           group=dist.group.WORLD)
-    assert out.shape == (1, 6, 4, 8)
+    # still in step: good calls complete, K/V heads neither a multiple nor a divisor of 3 included (uneven)
+    for hkv in (3, 2):
+        out = seqpar.attention(torch.randn(1, 6, 4, 8), torch.randn(1, hkv, 4, 8), torch.randn(1, hkv, 4, 8),
+                               mode="ulysses", layout="bhsd", group=dist.group.WORLD)
+        assert out.shape == (1, 6, 4, 8)
     return messages
 
 
 def test_bad_input_is_a_clear_error_on_every_rank(dist_pool) -> None:
     per_rank = dist_pool.run(3, _bad_calls, timeout=60)
-    heads, shapes, kv, explicit, manager = per_rank[0]
+    heads, shapes, explicit, manager = per_rank[0]
     assert all(m == per_rank[0] for m in per_rank)
-    assert "4 query heads" in heads and "hybrid" in heads and "ulysses_size" in heads and "[1]" in heads
+    assert "2 query heads are fewer than the 3 Ulysses ranks" in heads and "hybrid" in heads
+    assert "ulysses_size" in heads and "[1]" in heads and "'ring'" in heads
     assert "different inputs" in shapes and "rank 2" in shapes
-    assert "2 K/V heads" in kv and "ulysses_size" in kv
     assert "hybrid" in explicit and "group=" in explicit
     assert "init_process_groups" in manager and "ulysses_size" in manager
 
