@@ -241,14 +241,29 @@ def _compiled_uneven(rank: int, world: int) -> list[str]:
             if not torch.allclose(c, e, rtol=1e-5, atol=1e-5 * e.abs().max().item()):
                 failures.append(f"{heads} {name} differs by {(c - e).abs().max().item():.3g}")
         torch._dynamo.reset()
+    # the op's fake against the real op on this rank's uneven share (torch.library.opcheck, a collective:
+    # every rank runs the same calls): 5 heads on 2 ranks are 3 on rank 0, 2 on rank 1
+    from seqpar.attn.ops import ulysses_fwd
+    from seqpar.attn.ulysses import sequence_order
+    from seqpar.comm.group_names import group_name
+
+    case = make_case(402, world, (5, 5, 8), batch=1)
+    q, k, v = (shard_rows(case[n], rank, world, "zigzag").float() for n in ("q", "k", "v"))
+    order = sequence_order(0, world, world, "zigzag")
+    args = (q, k, v, None, group_name(torch.distributed.group.WORLD), "", 5, 5, world, rank, order, 2, 1,
+            True, 8 ** -0.5, "zigzag", True, 1, None, None, None, None, "fp32", None)
+    try:
+        torch.library.opcheck(ulysses_fwd, args, test_utils=("test_faketensor",))
+    except Exception as error:  # noqa: BLE001 - reported as text, like the mismatches
+        failures.append(f"opcheck: {str(error)[:300]}")
     return failures
 
 
 @pytest.mark.compile_stage
 def test_compiled_uneven_ulysses_heads_equal_eager(dist_pool) -> None:
     """The Ulysses custom op with uneven head shares: its fake gives each rank its own share's saved
-    tensors, so a compiled call traces (fullgraph) and equals eager (which tests/test_ulysses.py checks
-    against float64).
+    tensors (torch.library.opcheck's fake-tensor check), and a compiled call traces (fullgraph) and equals
+    eager (which tests/test_ulysses.py checks against float64).
 
     Seen failing: the fake sizing the saved tensors by the even ``q_per_rank`` (``HeadSplit.counts`` ->
     ``(split.q_per_rank, split.kv_per_rank)``: a fake/real shape mismatch on rank 1 of 5/5)."""
