@@ -57,9 +57,13 @@ def test_choice_is_the_cheapest_valid_mode() -> None:
 
 
 def test_head_count_rule_and_axes() -> None:
-    c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 8)  # Qwen2-7B at P = 8: 28 heads do not split 8 ways
+    c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 8)  # Qwen2-7B at P = 8: 28 heads split 8 ways unevenly
+    assert allowed_modes(c) == ["ring", "allgather", "ulysses"]
+    c = CallShape(1, 6, 2, 4096, 128, 2, True, 8, 8)  # 6 query heads cannot feed 8 Ulysses ranks
     assert allowed_modes(c) == ["ring", "allgather"]
     c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 4)
+    assert allowed_modes(c) == ["ring", "allgather", "ulysses", "hybrid"]
+    c = CallShape(1, 6, 2, 4096, 128, 2, True, 8, 4)
     assert allowed_modes(c) == ["ring", "allgather", "hybrid"]
     assert not ulysses_heads_ok(6, 2, 3) and ulysses_heads_ok(6, 1, 3) and ulysses_heads_ok(8, 2, 4)
 

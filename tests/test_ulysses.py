@@ -1,6 +1,7 @@
 """Ulysses attention (mode="ulysses"): exact against a float64 single-process reference on the full
-sequence, GQA/MQA with fewer K/V heads than ranks, one packed all-to-all each way (counted at torch's
-entry point), the all-to-all communicator's round trip, and clear errors on every rank."""
+sequence, GQA/MQA with fewer K/V heads than ranks, uneven head shares (u not dividing the heads), one
+packed all-to-all each way (counted at torch's entry point, with the uneven calls' split sizes), the
+all-to-all communicator's round trip, and clear errors on every rank."""
 
 from __future__ import annotations
 
@@ -388,3 +389,20 @@ def test_uneven_head_rule() -> None:
     assert not ulysses_heads_accepted(6, 4, 2)  # 6 query heads on 4 K/V heads: no grouping
     with pytest.raises(ValueError, match=r"3 query heads are fewer than the 4 Ulysses ranks.*ulysses_size.*\[1, 2\]"):
         head_split(3, 1, 4, sp_size=4, mode="ulysses")
+
+
+def test_auto_costs_the_slowest_uneven_share() -> None:
+    """mode='auto' prices uneven Ulysses at its slowest rank: 28 query / 4 K/V heads on 8 ranks (shares of 4
+    or 3 query heads; the largest K/V union is 2 heads, e.g. rank 1's query heads 4-7 read K/V heads 0 and 1)
+    cost what an even split with 4 query and 2 K/V heads per rank costs (32 / 16 heads), in one head pass.
+
+    Seen failing: the uneven branch of mode_costs removed (priced as an even 28/4 split: fewer bytes, a
+    quarter less compute than its slowest rank does)."""
+    from seqpar.attn.choose import CallShape, Links, allowed_modes, mode_costs
+
+    uneven = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 8, head_chunks=1)
+    even = CallShape(1, 32, 16, 4096, 128, 2, True, 8, 8, head_chunks=1)
+    assert "ulysses" in allowed_modes(uneven)
+    (u_cost,), (e_cost,) = mode_costs(uneven, Links(), ["ulysses"]), mode_costs(even, Links(), ["ulysses"])
+    assert u_cost.bytes_sent == e_cost.bytes_sent == 7 * 2 * 4096 * 256 * 2 * (4 + 2)
+    assert u_cost.seconds == pytest.approx(e_cost.seconds, rel=1e-12)

@@ -14,6 +14,10 @@ chunks ``g*u .. g*u+u-1``, i.e. super-chunk g of ``P/u``. Zigzag over P (rank r 
 (:func:`seqpar.attn.ulysses.sequence_order`), the ring code sees an ordinary P/u-rank sharding, so
 one sharding serves every mode and the user never re-shards.
 
+Uneven heads (``u`` does not split them evenly, see :mod:`seqpar.attn.ulysses`) work here too: rank i of
+every Ulysses group holds the same uneven share, so each ring group is uniform and runs the ring on it
+(once per GQA-regular piece of the share).
+
 Edge cases: ``u = 1`` is the ring (dispatched to it directly), ``u = P`` is Ulysses (no ring step).
 Compute per ring step is ``u`` times that of a plain ring at the same P, with the same K/V bytes per
 step, which is what hides a slow inter-node link.

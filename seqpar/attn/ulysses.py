@@ -3,10 +3,26 @@ sequence for ``1/u`` of the heads, and a second all-to-all turns the output back
 
 Rank j of a Ulysses group of ``u`` ranks receives, from every member, that member's tokens of
 
-- query heads ``[j * Hq/u, (j+1) * Hq/u)`` (``Hq`` must be a multiple of ``u``), and
+- query heads ``[j * Hq/u, (j+1) * Hq/u)`` (when ``u`` divides ``Hq``), and
 - the K/V heads those query heads read, and no others: ``Hkv/u`` of them when ``u`` divides ``Hkv``;
   when ``Hkv < u`` (GQA/MQA with few K/V heads) the single K/V head ``j * Hkv // u``, so each K/V head
   is replicated on ``u / Hkv`` ranks — the minimum — and never expanded to the query head count.
+
+Uneven heads (``u`` does not divide ``Hq``, or ``Hkv`` is neither a multiple nor a divisor of ``u``; as
+DeepSpeed's ``DistributedAttention`` >= 0.15 accepts): rank j attends a contiguous range of query heads,
+the sizes differing by at most one and the first ``Hq % u`` ranks taking the larger share (14 heads on 4
+ranks: 4, 4, 3, 3), and the K/V heads those read (their union; a K/V head may then live on two ranks, and
+its dK/dV is summed over them in fp32). K/V is never expanded. The four all-to-alls carry per-peer sizes
+(``all_to_all_single`` with split sizes, :func:`seqpar.comm.alltoall.start_all_to_all_uneven`): what goes
+to peer j is sized by j's share, what comes from every peer by this rank's. A rank's heads run as
+GQA-regular pieces (:meth:`HeadSplit.segments`: a K/V head only partly read here is its own piece), and
+in one head pass (``head_chunks`` is taken as 1: the shares differ, so equal passes would not line up).
+Bytes: rank r's q/k/v buffer is ``sum_j L (q_j + 2 kv_j) d`` and its output buffer ``u L q_r d`` (its own
+slot included; the backward the same again, reversed); no rank receives more than
+``(u - 1) L (ceil(Hq/u) + 2 kv_max) d`` per direction, ``kv_max`` the largest K/V union: for MHA at 14
+heads on 4 ranks what 16 heads cost. The even path is unchanged (equal slots, no
+split sizes, pipelined head chunks). Refused by name: fewer query heads than ranks (a rank would attend
+none) and query heads that are no multiple of the K/V heads.
 
 One all-to-all carries q, k and v together (packed into one buffer ``(u, batch, hq + 2 hkv, seq_local,
 head_dim)``), and one carries dq, dk and dv back in the backward (dK/dV of a replicated K/V head are
