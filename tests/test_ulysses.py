@@ -406,3 +406,17 @@ def test_auto_costs_the_slowest_uneven_share() -> None:
     (u_cost,), (e_cost,) = mode_costs(uneven, Links(), ["ulysses"]), mode_costs(even, Links(), ["ulysses"])
     assert u_cost.bytes_sent == e_cost.bytes_sent == 7 * 2 * 4096 * 256 * 2 * (4 + 2)
     assert u_cost.seconds == pytest.approx(e_cost.seconds, rel=1e-12)
+
+
+def test_uneven_ulysses_under_nccl_rules(dist_pool) -> None:
+    """Uneven heads (5 query / 5 K/V and 7 / 7 over 3 ranks) through the documents x windows x shardings x
+    causal matrix of tests/test_nccl_rules.py, under NCCL's rules enforced on gloo (collective inputs
+    unchanged until wait(), receive buffers NaN until wait(), every group set up eagerly): exact in every
+    gradient. The uneven all_to_all_single with split sizes is one more collective those rules wrap."""
+    from test_documents import check as check_documents
+    from test_nccl_rules import SENDS, _cases, _check_clean, _run_under_rules, _variants, store_port
+
+    cases = _cases(3, "ulysses", (5, 5, 8), 7300, _variants(3)[::2]) + _cases(3, "ulysses", (7, 7, 6), 7400, _variants(3)[1::2])
+    out = dist_pool.run(3, _run_under_rules, store_port(), cases, 1, sends=SENDS["ulysses"], timeout=300)
+    _check_clean(out)
+    check_documents([o["results"] for o in out], cases, 3)
