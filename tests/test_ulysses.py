@@ -412,7 +412,10 @@ def test_uneven_ulysses_under_nccl_rules(dist_pool) -> None:
     """Uneven heads (5 query / 5 K/V and 7 / 7 over 3 ranks) through the documents x windows x shardings x
     causal matrix of tests/test_nccl_rules.py, under NCCL's rules enforced on gloo (collective inputs
     unchanged until wait(), receive buffers NaN until wait(), every group set up eagerly): exact in every
-    gradient. The uneven all_to_all_single with split sizes is one more collective those rules wrap."""
+    gradient. The uneven all_to_all_single with split sizes is one more collective those rules wrap.
+
+    Seen failing: start_all_to_all_uneven's Pending finishing without ``work.wait()`` (the rules name the
+    80 works never waited)."""
     from test_documents import check as check_documents
     from test_nccl_rules import SENDS, _cases, _check_clean, _run_under_rules, _variants, store_port
 
