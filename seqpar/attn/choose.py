@@ -35,11 +35,12 @@ unpacks what it sends (~2x its bytes); the hybrid pays both at its own sizes. Th
 does not predict absolute times.
 
 Validity (never chosen when it would fail): Ulysses/hybrid need ``Hq >= u`` and ``Hq`` a multiple of
-``Hkv`` (:func:`ulysses_heads_accepted`). Where ``u`` does not split the heads evenly, the slowest rank holds
-``ceil(Hq/u)`` query heads and the union of the K/V heads they read: its compute and its all-to-all bytes
-(``(u-1) * 2 B L d e * 2 (qmax + kmax)``) are what an uneven call costs, in one head pass; a mode lacking a feature the call uses (documents, windows, sinks, dilated
-patterns: :data:`MODE_FEATURES`) is skipped. The choice depends only on integers every rank shares (shapes,
-group sizes) and on link figures that are either configured or probed once and broadcast from one rank,
+``Hkv`` (:func:`ulysses_heads_accepted`); a mode lacking a feature the call uses (documents, windows, sinks,
+dilated patterns: :data:`MODE_FEATURES`) is skipped. Where ``u`` does not split the heads evenly, the
+slowest rank holds ``qmax = ceil(Hq/u)`` query heads and ``kmax`` K/V heads (the largest union of the K/V
+heads a rank's query heads read): its compute and its all-to-all bytes, ``(u-1) * 2 B L d e * 2 (qmax +
+kmax)``, are what an uneven call costs, in one head pass. The choice depends only on integers every rank
+shares (shapes, group sizes) and on link figures that are either configured or probed once and broadcast from one rank,
 so it is identical on every rank and the same on every call, activation-checkpoint recompute included;
 it is logged once per distinct call shape, with the reason.
 """
