@@ -359,11 +359,12 @@ def test_ulysses_uneven_heads_exact_fp32(dist_pool, world: int) -> None:
     summed over its ranks. Exact (fp32, 1e-5 of each tensor's own scale) against float64 on the gathered
     sequence: causal and not, zigzag and contiguous, documents, sinks, odd head dims, batch 1 and 2.
 
-    Seen failing: the last rank's share off by one (``base + (j < extra)`` -> ``(j <= extra)`` in
-    ulysses_shares: a size mismatch in the all-to-all); a shared K/V head's dK taken from one rank only
-    (``.add_`` -> ``.copy_`` in _uneven_backward: dk/dv off by ~1 at 14/2, 14/7, 6/3, 6/2); the GQA pieces
-    merged into one kernel call (segments returning one piece: dq/out off at 14/2 on 4 ranks); the sinks
-    of rank 0's heads used on every rank (``sinks[qf:qf + qn]`` -> ``sinks[:qn]``: out and dsinks off)."""
+    Seen failing: the last rank's share off by one (``- (j == u - 1)`` on its count in ulysses_shares: a
+    rank raised in the all-to-all's sizes); the K/V union cut to one head (``kv_last - kv_first + 1`` ->
+    ``1``: a rank raised); a shared K/V head's dK taken from one rank only (``.add_`` -> ``.copy_`` in
+    _uneven_backward: dk off by 3.4 at a scale of 4.0, 5 query / 1 K/V head on 2 ranks); the GQA pieces
+    merged into one kernel call (segments returning one piece: the kernels raised on 6/3); the sinks of rank
+    0's heads used on every rank (``sinks[qf:qf + qn]`` -> ``sinks[:qn]``: out off by 0.076 at 6/3)."""
     cases = uneven_cases(world, "ulysses", UNEVEN[world], 12000 + 100 * world)
     check_uneven(dist_pool.run(world, run_uneven, cases, timeout=300), cases, world)
 
