@@ -104,8 +104,8 @@ def test_hybrid_uneven_heads_exact_fp32(dist_pool) -> None:
     Documents, sinks, both shardings, causal and not; fp32 within 1e-5 of each tensor's own scale.
 
     Seen failing: a shared K/V head's dK taken from one Ulysses rank only (``.add_`` -> ``.copy_`` in
-    _uneven_backward: dk/dv off at 6/3); the ring across super-ranks given rank 0's share on every rank
-    (``share(plan.rank)`` -> ``share(0)`` in _uneven_forward: a shape mismatch / wrong out)."""
+    _uneven_backward: dk off by 3.6 at a scale of 3.3, 5 query / 1 K/V head); every rank unpacking rank 0's
+    share (``share(plan.rank)`` -> ``share(0)`` in _uneven_forward: ranks 1 and 3 raised)."""
     cases = uneven_cases(4, "hybrid", UNEVEN[2], 13000, u=2)
     check_uneven(dist_pool.run(4, run_uneven, cases, ulysses_size=2, timeout=300), cases, 4)
 
