@@ -155,8 +155,9 @@ def test_uneven_all_to_all_bytes(dist_pool, world: int, hq: int, hkv: int) -> No
     way. Against the shares written out by hand (:data:`UNEVEN_SHARES`), in bytes.
 
     Seen failing: the last rank's share off by one in ulysses_shares (``base + (j < extra)`` ->
-    ``base + (j < extra) - (j == u - 1)``: every size differs), the K/V union lacking the second head
-    (``kv_last - kv_first + 1`` -> ``1``: rank 1's 14/2 sizes)."""
+    ``base + (j < extra) - (j == u - 1)``: rank 0's sizes differ from the hand-written ones), the K/V union
+    lacking the second head (``kv_last - kv_first + 1`` -> ``1``: every rank raised, the sizes no longer
+    pairing)."""
     shares = UNEVEN_SHARES[(world, hq, hkv)]
     unit = 2 * 8 * 16 * 4  # batch x seq_local x head_dim x fp32: one head of one rank's tokens
     chunks = 2 if hkv == 2 else 1  # 2 passes asked at 14/2 (valid there): an uneven split runs one
@@ -371,7 +372,11 @@ def test_ulysses_uneven_heads_exact_fp32(dist_pool, world: int) -> None:
 
 def test_uneven_head_rule() -> None:
     """What stays refused (fewer query heads than ranks; no GQA grouping) and the shares themselves:
-    DeepSpeed's split (14 heads on 4 ranks: 4, 4, 3, 3) and the K/V heads each share reads, by hand."""
+    DeepSpeed's split (14 heads on 4 ranks: 4, 4, 3, 3) and the K/V heads each share reads, by hand.
+
+    Seen failing: the last share off by one and the K/V union cut to one head (as in
+    test_uneven_all_to_all_bytes); it also caught a hand value of mine (6/2 on 4 ranks: rank 1's query heads
+    2 and 3 read K/V heads 0 and 1)."""
     from seqpar.attn.ulysses import HeadSplit, head_split
     from seqpar.runtime.grid import ulysses_heads_accepted, ulysses_heads_ok, ulysses_shares
 
