@@ -100,7 +100,7 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
-           "fit_tp_lengths", "engine_summary", "PLANTS",
+           "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
            "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
@@ -227,7 +227,10 @@ def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]
 
 def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
     """A ``tp2`` case's loss draws, in place (JSON-able; taken after every other draw, so a case seed's other
-    draws are those it had before them): ``tp_sequence_parallel`` (the config key: the residual stream split
+    draws are those it had before them, but for the model type): first the model type, redrawn among
+    :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES` 30% of the time (the tiled loss and the odd vocabularies
+    run there), and among the types with a tensor-parallel plan (:func:`tp_plan_types`) 60% of the time when
+    the drawn one has none (the rest keep it, a refusal by name); then ``tp_sequence_parallel`` (the config key: the residual stream split
     over TP and the LM head's logits kept split on the vocabulary, so the loss is the vocab-parallel one), half
     the time; ``memory``: ``tiled_loss`` (the config key; under TP the tiled loss is vocab-parallel whatever
     ``tp_sequence_parallel``) with its tile ``loss_tile_rows`` as the ``model`` kind draws it, the vocabulary
@@ -241,6 +244,11 @@ def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
     from seqpar.testing.fuzz_models import TILEABLE_TYPES
     from seqpar.testing.tiny_models import VOCAB
 
+    u = rng.random()
+    if u < 0.3:
+        draws["model_type"] = rng.choice(TILEABLE_TYPES)
+    elif u < 0.9 and draws["model_type"] not in tp_plan_types():
+        draws["model_type"] = rng.choice(tp_plan_types())
     tp_sp = rng.random() < 0.5
     tileable = draws["model_type"] in TILEABLE_TYPES
     tiled = rng.random() < (0.5 if tileable else 0.1)
@@ -256,6 +264,19 @@ def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
         draws["lengths"] = fit_tp_lengths(draws["lengths"], draws["batch"], multiple)
         for r in draws["replicas"]:
             r["lengths"] = fit_tp_lengths(r["lengths"], draws["batch"], multiple)
+
+
+_TP_PLAN_TYPES: list[str] = []
+
+
+def tp_plan_types() -> list[str]:
+    """The tiny model types whose config carries a tensor-parallel plan (``base_model_tp_plan``): the ones
+    ``tp2`` can shard (a plan with a style seqpar does not apply is still refused by name)."""
+    if not _TP_PLAN_TYPES:
+        from seqpar.testing.tiny_models import decoder_model_types, tiny_config
+
+        _TP_PLAN_TYPES.extend(t for t in decoder_model_types() if getattr(tiny_config(t), "base_model_tp_plan", None))
+    return _TP_PLAN_TYPES
 
 
 def fit_tp_lengths(lengths: list[list[int]], batch: str, multiple: int) -> list[list[int]]:
@@ -474,7 +495,7 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
                   "check_inputs": draws["check_inputs"]}
         if "tp_sequence_parallel" in draws:  # tp2's loss draws (draw_tp_loss), as a user's config sets them
             config["tp_sequence_parallel"] = draws["tp_sequence_parallel"]
-            config["tiled_loss"] = draws["memory"]["tiled_loss"]
+            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         fed = [[b["batch"] for b in replica] for replica in batches]
         if plant == "dp_same_data":
             fed = [fed[0]] * len(fed)
