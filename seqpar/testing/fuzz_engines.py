@@ -248,7 +248,7 @@ def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
     if u < 0.3:
         draws["model_type"] = rng.choice(TILEABLE_TYPES)
     elif u < 0.9 and draws["model_type"] not in tp_plan_types():
-        draws["model_type"] = rng.choice(tp_plan_types())
+        draws["model_type"] = rng.choice([t for t in tp_plan_types() if t not in ZERO_COMPUTATION_EXPERTS])
     tp_sp = rng.random() < 0.5
     tileable = draws["model_type"] in TILEABLE_TYPES
     tiled = rng.random() < (0.5 if tileable else 0.1)
