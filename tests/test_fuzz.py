@@ -234,6 +234,23 @@ FOUND[1588844063] = (("trainer",), "exact")
 FOUND_SET[67525761] = {**FOUND_SET[67525761], "model_type": "minicpm3", "tp_sequence_parallel": False, "memory": None}
 FOUND_SET[1096474577] = {"model_type": "smollm3", "tp_sequence_parallel": False, "memory": None}
 FOUND_SET[1320238728] = {"tp_sequence_parallel": False, "memory": None}
+# - 2133353775 (seed 801, --set engine=tp2; tiny qwen2, TP 2 x SP 1 x DP 2, tp_sequence_parallel, tiled loss of
+#   3-row tiles, vocabulary 97): crash, gloo "Received data size doesn't match expected size" (ranks 0 and 2
+#   aborted). The tiled loss sized its automatic tile on the rank's own vocabulary slice, 49 and 48 columns
+#   when TP 2 splits 97, so the TP ranks cut different tiles and each tile's vocab-parallel all-reduces
+#   mismatched. The tile is sized on one slice for every rank now (seqpar/memory/tiling.py;
+#   tests/test_tp_sequence_parallel.py::test_tiled_loss_vocab_split_chunks).
+# - 1731344740 (seed 801; tiny llama, TP 2 x DP 2 without tp_sequence_parallel, 1-row tiles, vocabulary 61): the
+#   same through the replicated-hidden path, a hang (ranks waiting in mismatched all-reduces) until the timeout.
+FOUND_SET[2133353775] = {"model_type": "qwen2", "world": 4, "lengths": [[28, 14], [26, 12]], "engine": "tp2",
+                         "tp_size": 2, "dp": 2, "replicas": [{"case_seed": 483840221, "lengths": [[25, 13], [32, 23]]}],
+                         "tp_sequence_parallel": True,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 3, "vocab": 97, "ignored_prefix": 1}}
+FOUND[2133353775] = (("engine",), "exact")
+FOUND_SET[1731344740] = {"model_type": "llama", "ulysses_size": 1, "engine": "tp2", "tp_size": 2,
+                         "replicas": [{"case_seed": 317771277, "lengths": [[32], [25]]}], "tp_sequence_parallel": False,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 1, "vocab": 61, "ignored_prefix": 0}}
+FOUND[1731344740] = (("engine",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
