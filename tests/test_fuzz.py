@@ -251,6 +251,15 @@ FOUND_SET[1731344740] = {"model_type": "llama", "ulysses_size": 1, "engine": "tp
                          "replicas": [{"case_seed": 317771277, "lengths": [[32], [25]]}], "tp_sequence_parallel": False,
                          "memory": {"tiled_loss": True, "loss_tile_rows": 1, "vocab": 61, "ignored_prefix": 0}}
 FOUND[1731344740] = (("engine",), "exact")
+# - 880891029 (seed 801; tiny Apertus, TP 2 x SP 1, tp_sequence_parallel, accumulation): WRONG, silently:
+#   model.layers.0.mlp.act_fn.alpha_p's gradient 60% off, the loss exact; as wrong without tp_sequence_parallel.
+#   Apertus' XIELU activation has learnable scalars applied to up_proj's column-split output, so each TP rank's
+#   gradient of them was a partial sum that nothing summed over TP. apply_tensor_parallel gives such an
+#   activation transformers' replicated_with_grad_allreduce now (integrations/tp.split_feature_activations;
+#   tests/test_tp_activation_params.py). Seen WRONG with the fix's call removed.
+FOUND_SET[880891029] = {"engine": "tp2", "tp_size": 2, "tp_sequence_parallel": True,
+                        "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 0}}
+FOUND[880891029] = (("engine",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
