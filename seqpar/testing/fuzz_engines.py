@@ -13,6 +13,20 @@ dividing by SP instead of DP shows: at DP 2 x SP 2 both are 2); else DP 1 (SP = 
 the first has batches of its own (``replicas``: its own case seed, so other tokens, and lengths drawn as the
 model draw's: other rows, padding, documents), as a DP loader feeds it.
 
+``tp2`` then draws its loss as a user's config sets it (:func:`draw_tp_loss`, after every other draw):
+``tp_sequence_parallel`` on or off (on: the residual stream split over TP and the LM head's logits kept split on
+the vocabulary, a DTensor ``Shard(-1)`` that the swap's loss reduces vocab-parallel,
+:mod:`seqpar.sequence.vocab_parallel`; off: the plan's gathered logits), the tiled loss (``tiled_loss``; under
+TP it is vocab-parallel with or without ``tp_sequence_parallel``) with its tile, the vocabulary size (odd ones
+that TP 2 splits unevenly, 97 = 49 + 48) and ignored labels (a prompt of -100 labels, right padding, packed
+documents). The reference is unchanged: one process per DP replica, float64, the whole vocabulary. Not drawn:
+``apply_tensor_parallel(vocab_parallel=...)`` apart from ``tp_sequence_parallel`` (the vocab-split logits
+without TP sequence parallelism, or gathered ones with it): :func:`seqpar.integrations.fsdp.wrap`, the runner's
+and a user's entry point, takes the loss layout from ``tp_sequence_parallel`` alone and offers no setting of
+its own. Nor is label smoothing: the model's loss (the swap's ``loss_function``,
+:func:`seqpar.sequence.loss.sequence_parallel_loss`) takes none, and Trainer's ``label_smoothing_factor`` is
+refused by seqpar's trainer integration (the trainer kind's business).
+
 The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
 seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
 packed), and the reduced gradient is the mean over the DP replicas of each replica's full-sequence gradient
@@ -117,7 +131,7 @@ class EngineRunner(Protocol):
         batches: the case's full (unsharded) batches, as the model takes them; the runner shards each with
             :func:`seqpar.shard_batch` on its SP group and ``config["sharding"]``.
         config: the ``sequence_parallel`` config (``size``, ``tp_size``, ``mode``, ``sharding``,
-            ``ulysses_size``, ``check_inputs``).
+            ``ulysses_size``, ``check_inputs``; ``tp2`` cases also ``tp_sequence_parallel`` and ``tiled_loss``).
         accumulate: one backward per batch (gradient accumulation); else every forward, then one backward of
             the summed losses.
 
