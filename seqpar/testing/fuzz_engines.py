@@ -287,9 +287,12 @@ def tp_plan_types() -> list[str]:
     """The tiny model types whose config carries a tensor-parallel plan (``base_model_tp_plan``): the ones
     ``tp2`` can shard (a plan with a style seqpar does not apply is still refused by name)."""
     if not _TP_PLAN_TYPES:
-        from seqpar.testing.tiny_models import decoder_model_types, tiny_config
+        from transformers import CONFIG_MAPPING
 
-        _TP_PLAN_TYPES.extend(t for t in decoder_model_types() if getattr(tiny_config(t), "base_model_tp_plan", None))
+        from seqpar.testing.tiny_models import decoder_model_types
+
+        # the config class's own plan (what the tiny configs carry, without building one per type)
+        _TP_PLAN_TYPES.extend(t for t in decoder_model_types() if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None))
     return _TP_PLAN_TYPES
 
 
