@@ -51,7 +51,7 @@ from seqpar.runtime.groups import ProcessGroupManager, default_manager, tp_heads
 from seqpar.swap.state import is_probing
 
 __all__ = [
-    "SUPPORTED_STYLES", "expand_tp_plan", "feature_statistics_problem", "apply_tensor_parallel", "apply_tp_sequence_parallel",
+    "SUPPORTED_STYLES", "expand_tp_plan", "split_feature_activations", "feature_statistics_problem", "apply_tensor_parallel", "apply_tp_sequence_parallel",
     "SequenceParallelLayout", "sequence_parallel_layout", "clip_grad_norm",
 ]
 
@@ -151,6 +151,7 @@ def apply_tensor_parallel(
         if problem := tp_heads_problem(heads, kv_heads, manager.tp_size):
             raise ValueError(f"tensor parallelism: {problem}")
     expanded = expand_tp_plan(model, plan)
+    expanded.update(split_feature_activations(model, expanded))
     if problem := feature_statistics_problem(model, expanded):
         raise ValueError(f"tensor parallelism: {problem}")
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
@@ -183,6 +184,26 @@ def apply_tensor_parallel(
             module_name, _, param_name = name.rpartition(".")
             setattr(modules[module_name], param_name, shared)
     return expanded
+
+
+def split_feature_activations(model: nn.Module, expanded: dict[str, str]) -> dict[str, str]:
+    """``{name: "replicated_with_grad_allreduce"}`` for every MLP activation with learnable parameters that
+    the plan leaves out: the ``act_fn`` of a module whose children ``expanded`` splits column-wise and
+    row-wise (Apertus' XIELU, scalars ``alpha_p`` / ``alpha_n``). transformers' MLPs apply ``act_fn`` to the
+    column-parallel projections' output, so each TP rank's gradient of its parameters covers that rank's
+    features only: a partial sum, which transformers' own style sums over the TP group (as for Qwen3's
+    ``q_norm``). Without it the loss was exact and ``alpha_p``'s gradient 60% off under TP 2 (fuzzer case
+    880891029: tiny Apertus, with and without ``tp_sequence_parallel``)."""
+    out = {}
+    for name, module in model.named_modules():
+        act = getattr(module, "act_fn", None)
+        if not isinstance(act, nn.Module) or not any(p.requires_grad for p in act.parameters(recurse=False)):
+            continue
+        prefix = f"{name}." if name else ""
+        styles = {expanded.get(prefix + child) for child, _ in module.named_children()}
+        if "colwise" in styles and "rowwise" in styles and prefix + "act_fn" not in expanded:
+            out[prefix + "act_fn"] = "replicated_with_grad_allreduce"
+    return out
 
 
 def feature_statistics_problem(model: nn.Module, expanded: dict[str, str]) -> str | None:

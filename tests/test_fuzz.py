@@ -226,6 +226,40 @@ FOUND[152934153] = (("compile",), "refused")
 #   step, eval): WRONG, eval_loss 8.4e-2 off (the router loss over the steps where SFTTrainer adds it whole). Not
 #   pinned here (one real trainer case in CI): tests/test_trl_sft.py's accumulation test evaluates now.
 FOUND[1588844063] = (("trainer",), "exact")
+# fz22v (session 22: tp2 draws its loss: tp_sequence_parallel, the tiled loss, odd vocabularies, ignored labels).
+# tp2 now redraws its model type (among the tileable types 30% of the time, among the types with a TP plan where
+# the drawn one has none) and draws the loss knobs after everything else: the tp2 cases above are pinned to what
+# they were drawn as when found (their findings are the tied head and Gemma 3n's feature statistics, with the
+# logits gathered).
+FOUND_SET[67525761] = {**FOUND_SET[67525761], "model_type": "minicpm3", "tp_sequence_parallel": False, "memory": None}
+FOUND_SET[1096474577] = {"model_type": "smollm3", "tp_sequence_parallel": False, "memory": None}
+FOUND_SET[1320238728] = {"tp_sequence_parallel": False, "memory": None}
+# - 2133353775 (seed 801, --set engine=tp2; tiny qwen2, TP 2 x SP 1 x DP 2, tp_sequence_parallel, tiled loss of
+#   3-row tiles, vocabulary 97): crash, gloo "Received data size doesn't match expected size" (ranks 0 and 2
+#   aborted). The tiled loss sized its automatic tile on the rank's own vocabulary slice, 49 and 48 columns
+#   when TP 2 splits 97, so the TP ranks cut different tiles and each tile's vocab-parallel all-reduces
+#   mismatched. The tile is sized on one slice for every rank now (seqpar/memory/tiling.py;
+#   tests/test_tp_sequence_parallel.py::test_tiled_loss_vocab_split_chunks).
+# - 1731344740 (seed 801; tiny llama, TP 2 x DP 2 without tp_sequence_parallel, 1-row tiles, vocabulary 61): the
+#   same through the replicated-hidden path, a hang (ranks waiting in mismatched all-reduces) until the timeout.
+FOUND_SET[2133353775] = {"model_type": "qwen2", "world": 4, "lengths": [[28, 14], [26, 12]], "engine": "tp2",
+                         "tp_size": 2, "dp": 2, "replicas": [{"case_seed": 483840221, "lengths": [[25, 13], [32, 23]]}],
+                         "tp_sequence_parallel": True,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 3, "vocab": 97, "ignored_prefix": 1}}
+FOUND[2133353775] = (("engine",), "exact")
+FOUND_SET[1731344740] = {"model_type": "llama", "ulysses_size": 1, "engine": "tp2", "tp_size": 2,
+                         "replicas": [{"case_seed": 317771277, "lengths": [[32], [25]]}], "tp_sequence_parallel": False,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 1, "vocab": 61, "ignored_prefix": 0}}
+FOUND[1731344740] = (("engine",), "exact")
+# - 880891029 (seed 801; tiny Apertus, TP 2 x SP 1, tp_sequence_parallel, accumulation): WRONG, silently:
+#   model.layers.0.mlp.act_fn.alpha_p's gradient 60% off, the loss exact; as wrong without tp_sequence_parallel.
+#   Apertus' XIELU activation has learnable scalars applied to up_proj's column-split output, so each TP rank's
+#   gradient of them was a partial sum that nothing summed over TP. apply_tensor_parallel gives such an
+#   activation transformers' replicated_with_grad_allreduce now (integrations/tp.split_feature_activations;
+#   tests/test_tp_activation_params.py). Seen WRONG with the fix's call removed.
+FOUND_SET[880891029] = {"engine": "tp2", "tp_size": 2, "tp_sequence_parallel": True,
+                        "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 0}}
+FOUND[880891029] = (("engine",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -627,7 +661,7 @@ def test_model_kind_draws_the_memory_features() -> None:
     head_chunks, odd vocabularies,
     ignored label prefixes, combinations of them, and now and then one feature on a type seqpar does not tile
     (a refusal); the draws are JSON-able, reproducible, named by the summary; a seed's other draws are those
-    it had before (the model type aside, where a memory case redraws it); the engine kind draws none; the
+    it had before (the model type aside, where a memory case redraws it); the engine kind draws none but tp2's loss; the
     tileable types are the tiling module's. Seen failing: ``_with_memory`` not called (no memory draw), the
     one-token MLP tile dropped from the choices, the summary without ``_memory_summary``."""
     import json
@@ -685,7 +719,9 @@ def test_model_kind_draws_the_memory_features() -> None:
             ("batch", "packed"), "tiled loss under checkpointing"}
     assert want <= seen, sorted(map(str, want - seen))
     for seed in range(30):
-        assert "memory" not in fuzz.draw_case(seed, ("engine",))
+        d = fuzz.draw_case(seed, ("engine",))  # tp2 alone draws its loss's (fz22v: draw_tp_loss)
+        assert "memory" not in d or (d["engine"] == "tp2" and set(d["memory"]) == {
+            "tiled_loss", "loss_tile_rows", "vocab", "ignored_prefix"}), fuzz.summary(d)
 
 
 def _after_kind(seed: int):
@@ -907,3 +943,85 @@ def test_a_planted_trainer_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     assert (draws["trainer"], draws["dp"], draws["sp"]) == ("trainer", 2, 1), fuzz.summary(draws)
     planted = fuzzer.run(draws, plant="loss_over_world")
     assert planted["verdict"] == "WRONG" and "step 1: loss" in planted["detail"], (planted["detail"], planted.get("trace"))
+
+
+def test_engine_tp2_draws_the_vocab_parallel_loss() -> None:
+    """tp2 draws its loss as a user's config sets it: ``tp_sequence_parallel`` on and off (on: the logits stay
+    split on the vocabulary, the vocab-parallel loss), the tiled loss on and off (vocab-parallel under TP) with
+    its tile, odd vocabularies TP 2 splits unevenly, ignored labels, packed documents, at P = 2 and 4 (DP 1 and
+    2); contiguous tp_sp cases mostly have lengths each SP shard's TP split divides, some not (refused by name);
+    the tiled loss on a type seqpar does not tile (refused by name); ``--set engine=tp2`` (draw_case's ``engine``)
+    draws any case seed as tp2 on an even world; the other engines' draws carry no tp2 knob. Seen failing:
+    draw_tp_loss's tp_sequence_parallel fixed False (no tp_sp draw), fit_tp_lengths returning its input (no
+    fitted contiguous case), the forced engine ignored (a non-tp2 draw)."""
+    import json
+
+    from seqpar.testing.fuzz_engines import ZERO_COMPUTATION_EXPERTS, fit_tp_lengths, tp_plan_types
+    from seqpar.testing.fuzz_models import TILEABLE_TYPES
+
+    seen: set = set()
+    fitted = unfitted = 0
+    for seed in range(200):
+        d = fuzz.draw_case(seed, ("engine",), "tp2")
+        assert d == fuzz.draw_case(seed, ("engine",), "tp2") and json.loads(json.dumps(d)) == d
+        assert d["engine"] == "tp2" and d["tp_size"] == 2 and d["world"] in (2, 4), fuzz.summary(d)
+        mem, tp_sp = d["memory"], d["tp_sequence_parallel"]
+        tileable = d["model_type"] in TILEABLE_TYPES
+        seen.add(("tp_sp", tp_sp, mem["tiled_loss"], tileable))
+        seen.add(("vocab", mem["vocab"]))
+        seen.add(("world", d["world"], d["dp"]))
+        seen.add(("batch", d["batch"], bool(mem["ignored_prefix"])))
+        seen.add(("planned", d["model_type"] in tp_plan_types()))
+        assert d["model_type"] not in ZERO_COMPUTATION_EXPERTS, fuzz.summary(d)  # zero3 only (fuzz_engines)
+        assert tileable or mem["vocab"] == 96, fuzz.summary(d)
+        assert mem["tiled_loss"] or mem["loss_tile_rows"] is None
+        if tp_sp and d["sharding"] == "contiguous":
+            sp = d["world"] // (2 * d["dp"])
+            lens = [sum(x) if d["batch"] == "packed" else x[0] for x in d["lengths"]]
+            lens += [sum(x) if d["batch"] == "packed" else x[0] for r in d["replicas"] for x in r["lengths"]]
+            if all(n % (2 * sp) == 0 for n in lens):
+                fitted += 1
+            else:
+                unfitted += 1
+        assert ("tp_sp " in fuzz.summary(d)) == tp_sp
+    for tp_sp in (True, False):
+        for tiled in (True, False):
+            assert ("tp_sp", tp_sp, tiled, True) in seen, (tp_sp, tiled)
+        assert ("tp_sp", tp_sp, True, False) in seen  # the tiled loss on a type seqpar refuses to tile
+    assert {("vocab", v) for v in (96, 97, 61, 31)} <= seen
+    assert {("world", 2, 1), ("world", 4, 1), ("world", 4, 2)} <= seen
+    assert {("batch", b, True) for b in ("rows", "padded")} | {("batch", "packed", False)} <= seen
+    assert ("planned", True) in seen and ("planned", False) in seen
+    assert fitted >= 4 * unfitted > 0, (fitted, unfitted)
+    assert fit_tp_lengths([[13, 7], [15, 14]], "padded", 4) == [[12, 7], [12, 11]]
+    assert fit_tp_lengths([[3, 6]], "packed", 4) == [[3, 6, 3]] and fit_tp_lengths([[14]], "rows", 2) == [[14]]
+    for seed in range(100):  # the other engines: as before, no tp2 knob
+        d = fuzz.draw_case(seed, ("engine",))
+        assert (d["engine"] == "tp2") == ("tp_sequence_parallel" in d), fuzz.summary(d)
+        assert d["engine"] == "tp2" or "memory" not in d, fuzz.summary(d)
+
+
+@pytest.mark.timeout(900)
+def test_a_planted_engine_divisor_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The engine kind judges FSDP1's and DeepSpeed ZeRO's DP x SP divisor: DP 2 x SP 2 (dividing by the world
+    and by DP differ by SP, and SP ranks have shares to sum) cases of DP_ENGINE_SAMPLE (FSDP1, ZeRO-2; judged
+    exact there) and a ZeRO-3 one (exact here) are WRONG with each of fuzz_engines' plants: FSDP1's divide factor
+    left at its group size (``fsdp1_divide_world``), FSDP1 over the DP group alone (``fsdp1_no_sp_sum``),
+    DeepSpeed's ``dp x sp`` divisor uncompensated (``zero_divide_world``: ZeRO-2's optimizer not told the SP size;
+    ZeRO-3's loss scaling by SP lost) and the SP ranks' shares not summed (``zero_no_sp_sum``). At DP 3 x SP 1 the
+    world and DP are one divisor and no SP share exists: these plants cannot show there (test_a_planted_dp_bug_is_wrong
+    covers dividing by SP instead of DP). Seen failing: each plant made a no-op (its undo applied at once: exact)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    cases = ((1053884244, "fsdp1", ("fsdp1_divide_world", "fsdp1_no_sp_sum")),
+             (1689065986, "zero2", ("zero_divide_world", "zero_no_sp_sum")),
+             (1691, "zero3", (None, "zero_divide_world", "zero_no_sp_sum")))
+    for seed, engine, plants in cases:
+        draws = fuzz.draw_case(seed, ("engine",))
+        assert (draws["engine"], draws["dp"], draws["world"]) == (engine, 2, 4), fuzz.summary(draws)
+        for plant in plants:
+            verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant=plant)
+            if plant is None:
+                assert verdict == "exact", detail
+            else:
+                assert verdict == "WRONG" and "grad" in detail and "off by" in detail, (plant, detail)

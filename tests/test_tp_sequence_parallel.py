@@ -198,7 +198,15 @@ def _tiled_direct(manager) -> int:  # noqa: ANN001
     h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss_ref = F.cross_entropy((h_ref @ w_ref.t()).reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
     loss_ref.backward()
-    for split in (False, True):
+    from seqpar.memory import tiling
+
+    cap = tiling.MAX_LOSS_CHUNK_ELEMENTS
+    for split, chunk_rows in ((False, 4), (True, 4), (False, None), (True, None)):
+        # chunk_rows None: the automatic tile, capped at 3 x VOCAB elements, which the ranks' slices (27, 26
+        # columns) would make 5 and 6 rows: the tile must be sized on one slice for every rank (fuzzer case
+        # 2133353775). Seen failing with the tile sized on the rank's own slice: gloo aborted the ranks on
+        # "Received data size doesn't match expected size".
+        tiling.MAX_LOSS_CHUNK_ELEMENTS = cap if chunk_rows else 3 * VOCAB
         w = torch.nn.Parameter(distribute_tensor(weight, mesh, [Shard(0)]))
         if split:
             leaf = hidden[:, t * 8 // tp:(t + 1) * 8 // tp].clone().requires_grad_()
@@ -206,9 +214,12 @@ def _tiled_direct(manager) -> int:  # noqa: ANN001
         else:
             leaf = hidden.clone().requires_grad_()
             h_in, want_h = leaf, h_ref.grad
-        loss, count = tiled_lm_loss(h_in, w, targets, chunk_rows=4)
-        loss.backward()
-        what = f"tiled_lm_loss vocab-split, hidden {'sequence-split' if split else 'replicated'}"
+        try:
+            loss, count = tiled_lm_loss(h_in, w, targets, chunk_rows=chunk_rows)
+            loss.backward()
+        finally:
+            tiling.MAX_LOSS_CHUNK_ELEMENTS = cap
+        what = f"tiled_lm_loss vocab-split, hidden {'sequence-split' if split else 'replicated'}, tile {chunk_rows}"
         # the tiled loss computes its logits in fp32 (as transformers' loss upcasts): fp32 tolerances
         torch.testing.assert_close(loss, loss_ref.detach().float(), rtol=1e-5, atol=0,
                                    msg=lambda m, what=what: f"{what}: {m}")
@@ -283,8 +294,8 @@ def test_fsdp2_tp_sequence_parallel_gradients(per_rank) -> None:
 
 def test_tiled_loss_vocab_split_chunks(per_rank) -> None:
     """``tiled_lm_loss`` with a vocab-split head, hidden states replicated or sequence-split over TP (the latter
-    all-gathered one chunk at a time, its gradient reduce-scattered): loss and gradients equal one process
-    (asserted on every rank)."""
+    all-gathered one chunk at a time, its gradient reduce-scattered), tiles of 4 rows and the automatic tile of
+    uneven vocabulary slices: loss and gradients equal one process (asserted on every rank)."""
     assert [got["tiled_direct"] for got in per_rank] == [2] * 4
 
 

@@ -246,18 +246,23 @@ def tiled_lm_loss(
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"LM-head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
     vocab: tuple[int, dist.ProcessGroup | None] = (0, None)
+    tile_vocab = weight.shape[0]  # the logits' columns the automatic tile is sized for
     if (sharded := _vocab_sharded_weight(weight)) is not None:
         # tensor parallelism: the head is split on the vocabulary; the hidden states enter the TP region
         # (all-gathered along the sequence under TP sequence parallelism) and the loss is vocab-parallel
         weight, mesh, vocab_start = sharded
         vocab = (vocab_start, mesh.get_group())
+        # the largest slice, not this rank's: every TP rank must cut the same tiles, since each tile's
+        # vocab-parallel reductions are collectives (a vocabulary TP does not divide, 97 = 49 + 48, gave
+        # the ranks different tile counts: gloo aborted on "Received data size doesn't match expected size")
+        tile_vocab = vocab_slice(tile_vocab, 0, mesh.size())[1]
         if _sequence_split(hidden, mesh):
-            return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index)
+            return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index, tile_vocab)
         hidden = enter_tp_region(hidden, mesh)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # (batch * seq_local, hidden)
     targets_1d = targets.reshape(-1).to(hidden.device)
     rows = hidden_2d.shape[0]
-    chunk = chunk_rows or loss_chunk_rows(rows, hidden.shape[-1], weight.shape[0])
+    chunk = chunk_rows or loss_chunk_rows(rows, hidden.shape[-1], tile_vocab)
     loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index, vocab)
     count = (targets_1d != ignore_index).sum()
     return loss_sum, count
@@ -271,9 +276,10 @@ def _sequence_split(hidden: Tensor, mesh: Any) -> bool:
 
 
 def _gathered_tiled_lm_loss(hidden: Any, weight: Tensor, targets: Tensor, vocab: tuple[int, dist.ProcessGroup],
-                            chunk_rows: int | None, ignore_index: int) -> tuple[Tensor, Tensor]:
+                            chunk_rows: int | None, ignore_index: int, tile_vocab: int) -> tuple[Tensor, Tensor]:
     """:func:`tiled_lm_loss` for hidden states split on the sequence over the TP group (a DTensor ``Shard(1)``
-    of ``(batch, seq_local, hidden)``), with :class:`_GatheredTiledLMLoss`."""
+    of ``(batch, seq_local, hidden)``), with :class:`_GatheredTiledLMLoss`; ``tile_vocab``: the vocabulary slice
+    the automatic tile is sized for, the same on every TP rank."""
     tp = dist.get_world_size(vocab[1])
     local = hidden.to_local()  # (batch, seq_local / tp, hidden); its gradient stays this rank's rows
     batch, seq_t, width = local.shape
@@ -284,7 +290,7 @@ def _gathered_tiled_lm_loss(hidden: Any, weight: Tensor, targets: Tensor, vocab:
     targets_by_rank = targets.to(local.device).reshape(batch, tp, seq_t).permute(1, 0, 2).reshape(tp, -1)
     rows = batch * seq_t
     # rows per rank and chunk: a gathered chunk (tp x rows) is about loss_chunk_rows' size
-    chunk = max(1, (chunk_rows or loss_chunk_rows(rows * tp, width, weight.shape[0])) // tp)
+    chunk = max(1, (chunk_rows or loss_chunk_rows(rows * tp, width, tile_vocab)) // tp)
     loss_sum = _GatheredTiledLMLoss.apply(local.reshape(rows, width), weight, targets_by_rank, chunk, ignore_index,
                                           vocab)
     return loss_sum, (targets != ignore_index).sum()

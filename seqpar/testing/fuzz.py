@@ -165,8 +165,9 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
     }
 
 
-def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated")) -> dict[str, Any]:
-    """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it)."""
+def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"), engine: str | None = None) -> dict[str, Any]:
+    """The composition of case ``case_seed`` (a JSON-able dict; ``kind`` says which runner takes it); ``engine``:
+    an ``engine`` case is drawn as that engine (``--set engine=...``, see ``fuzz_engines.draw_engine``)."""
     rng = random.Random(case_seed)
     weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "trainer": 1, "compile": 3}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
@@ -193,7 +194,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"))
     else:
         from seqpar.testing.fuzz_engines import draw_engine
 
-        draws = draw_engine(rng)
+        draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
     return draws
 
@@ -586,7 +587,7 @@ def run_cases(seeds: list[int], kinds: tuple[str, ...] = ("attention", "dilated"
     records = []
     with Fuzzer(timeout, model_timeout) as fuzzer:
         for i, s in enumerate(seeds):
-            draws = {**draw_case(s, kinds), **(overrides or {})}
+            draws = {**draw_case(s, kinds, (overrides or {}).get("engine")), **(overrides or {})}
             rec = fuzzer.run(draws, plant)
             records.append(rec)
             if out is not None:

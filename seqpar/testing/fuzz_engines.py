@@ -13,6 +13,20 @@ dividing by SP instead of DP shows: at DP 2 x SP 2 both are 2); else DP 1 (SP = 
 the first has batches of its own (``replicas``: its own case seed, so other tokens, and lengths drawn as the
 model draw's: other rows, padding, documents), as a DP loader feeds it.
 
+``tp2`` then draws its loss as a user's config sets it (:func:`draw_tp_loss`, after every other draw):
+``tp_sequence_parallel`` on or off (on: the residual stream split over TP and the LM head's logits kept split on
+the vocabulary, a DTensor ``Shard(-1)`` that the swap's loss reduces vocab-parallel,
+:mod:`seqpar.sequence.vocab_parallel`; off: the plan's gathered logits), the tiled loss (``tiled_loss``; under
+TP it is vocab-parallel with or without ``tp_sequence_parallel``) with its tile, the vocabulary size (odd ones
+that TP 2 splits unevenly, 97 = 49 + 48) and ignored labels (a prompt of -100 labels, right padding, packed
+documents). The reference is unchanged: one process per DP replica, float64, the whole vocabulary. Not drawn:
+``apply_tensor_parallel(vocab_parallel=...)`` apart from ``tp_sequence_parallel`` (the vocab-split logits
+without TP sequence parallelism, or gathered ones with it): :func:`seqpar.integrations.fsdp.wrap`, the runner's
+and a user's entry point, takes the loss layout from ``tp_sequence_parallel`` alone and offers no setting of
+its own. Nor is label smoothing: the model's loss (the swap's ``loss_function``,
+:func:`seqpar.sequence.loss.sequence_parallel_loss`) takes none, and Trainer's ``label_smoothing_factor`` is
+refused by seqpar's trainer integration (the trainer kind's business).
+
 The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
 seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
 packed), and the reduced gradient is the mean over the DP replicas of each replica's full-sequence gradient
@@ -99,7 +113,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "engine_summary",
+__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
+           "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
            "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
@@ -116,7 +131,7 @@ class EngineRunner(Protocol):
         batches: the case's full (unsharded) batches, as the model takes them; the runner shards each with
             :func:`seqpar.shard_batch` on its SP group and ``config["sharding"]``.
         config: the ``sequence_parallel`` config (``size``, ``tp_size``, ``mode``, ``sharding``,
-            ``ulysses_size``, ``check_inputs``).
+            ``ulysses_size``, ``check_inputs``; ``tp2`` cases also ``tp_sequence_parallel`` and ``tiled_loss``).
         accumulate: one backward per batch (gradient accumulation); else every forward, then one backward of
             the summed losses.
 
@@ -160,7 +175,7 @@ ZERO_COMPUTATION_EXPERTS = frozenset({"longcat_flash"})
 """Model types whose router can skip every real expert for a whole shard (see the module docstring)."""
 
 
-def draw_engine(rng: random.Random) -> dict[str, Any]:
+def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]:
     """An ``engine`` case's draws (JSON-able): a ``model`` case's, then ``engine`` (``tp2`` only where the
     world is even; ``zero1`` not with accumulation, see the module docstring), ``tp_size``, and the data-parallel
     degree ``dp`` with the batches of the replicas after the first (``replicas``: one ``{"case_seed",
@@ -170,12 +185,29 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     step and replica-0 batches are those it had before them: ``fsdp1`` takes 40% of the ``fsdp2`` draws, then
     DP: at world 4, DP 2 x SP 2 for the ZeRO and FSDP engines and TP 2 x SP 1 x DP 2 for
     ``tp2``, 60% of the time; at world 2, DP 2 x SP 1 30% of the time (not ``tp2``: no rank left); at world 3,
-    DP 3 x SP 1 30% of the time."""
+    DP 3 x SP 1 30% of the time. ``tp2`` then draws its loss (:func:`draw_tp_loss`), after everything else.
+
+    ``engine``: drawn as that engine (``--set engine=tp2`` of the fuzzer's CLI): an odd world becomes the next
+    even one for ``tp2`` (its lengths redrawn), ``zero1`` makes accumulation two forwards, a model type with
+    zero-computation experts is redrawn for an engine other than ``zero3``; every other draw is as drawn."""
     from seqpar.testing.fuzz_models import draw_lengths, draw_model
+    from seqpar.testing.tiny_models import decoder_model_types
 
     draws = draw_model(rng)
-    engine = rng.choice([e for e in ENGINES if e != "fsdp1" and (e != "tp2" or draws["world"] % 2 == 0)
-                         and (e != "zero1" or draws["step"] != "accumulate")])
+    drawn = rng.choice([e for e in ENGINES if e != "fsdp1" and (e != "tp2" or draws["world"] % 2 == 0)
+                        and (e != "zero1" or draws["step"] != "accumulate")])
+    if engine is not None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: choose one of {list(ENGINES)}")
+        if engine == "tp2" and draws["world"] % 2:
+            draws["world"] += 1
+            draws["lengths"] = draw_lengths(rng, draws["world"], draws["batch"])
+        if engine == "zero1" and draws["step"] == "accumulate":
+            draws["step"] = "two-forwards"
+        if engine != "zero3" and draws["model_type"] in ZERO_COMPUTATION_EXPERTS:
+            draws["model_type"] = rng.choice([t for t in decoder_model_types() if t not in ZERO_COMPUTATION_EXPERTS])
+        drawn = engine
+    engine, forced = drawn, engine
     if draws["model_type"] in ZERO_COMPUTATION_EXPERTS:
         engine = "zero3"  # the other engines' own limit with experts unused on some rank (the module docstring)
     if engine in ("zero2", "zero3", "fsdp2", "tp2") and draws["step"] == "two-forwards" and draws["checkpointing"] == "reentrant":
@@ -185,7 +217,7 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
         draws["step"] = "accumulate"  # DeepSpeed's limit for ZeRO-3 leaf modules (the module docstring)
     tp = 2 if engine == "tp2" else 1
     world = draws["world"]
-    if engine == "fsdp2" and rng.random() < 0.4:
+    if engine == "fsdp2" and rng.random() < 0.4 and forced != "fsdp2":
         # FSDP1 takes 40% of FSDP2's draws and their rules (the module docstring); 40%, not half: the fsdp2 cases
         # pinned in tests/test_fuzz.py (1556311079, 1739095319, 1940826750) stay fsdp2
         engine = "fsdp1"
@@ -202,7 +234,81 @@ def draw_engine(rng: random.Random) -> dict[str, Any]:
     replicas = [{"case_seed": rng.randrange(2 ** 31), "lengths": draw_lengths(rng, world, draws["batch"])}
                 for _ in range(dp - 1)]
     draws.update(kind="engine", engine=engine, tp_size=tp, dp=dp, replicas=replicas)
+    if engine == "tp2":
+        draw_tp_loss(rng, draws)
     return draws
+
+
+def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
+    """A ``tp2`` case's loss draws, in place (JSON-able; taken after every other draw, so a case seed's other
+    draws are those it had before them, but for the model type): first the model type, redrawn among
+    :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES` 30% of the time (the tiled loss and the odd vocabularies
+    run there), and among the types with a tensor-parallel plan (:func:`tp_plan_types`) 60% of the time when
+    the drawn one has none (the rest keep it, a refusal by name); then ``tp_sequence_parallel`` (the config key: the residual stream split
+    over TP and the LM head's logits kept split on the vocabulary, so the loss is the vocab-parallel one), half
+    the time; ``memory``: ``tiled_loss`` (the config key; under TP the tiled loss is vocab-parallel whatever
+    ``tp_sequence_parallel``) with its tile ``loss_tile_rows`` as the ``model`` kind draws it, the vocabulary
+    size ``vocab`` (96, or 97 / 61 / 31, which TP 2 splits unevenly) and ``ignored_prefix`` (row 0's first
+    labels -100, on rows and right-padded batches). The tiled loss and the odd vocabularies are drawn for
+    :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES`; any other type takes the tiled loss 10% of the time,
+    which must be refused by name. Under ``tp_sequence_parallel`` with contiguous sharding each SP shard must
+    hold a multiple of ``tp`` tokens (zigzag and balanced padding always gives one): 85% of those cases have
+    lengths cut to fit, as a user's collator pads them (:func:`fit_tp_lengths`); the rest must be refused by
+    name where a shard does not divide."""
+    from seqpar.testing.fuzz_models import TILEABLE_TYPES
+    from seqpar.testing.tiny_models import VOCAB
+
+    u = rng.random()
+    if u < 0.3:
+        draws["model_type"] = rng.choice(TILEABLE_TYPES)
+    elif u < 0.9 and draws["model_type"] not in tp_plan_types():
+        draws["model_type"] = rng.choice([t for t in tp_plan_types() if t not in ZERO_COMPUTATION_EXPERTS])
+    tp_sp = rng.random() < 0.5
+    tileable = draws["model_type"] in TILEABLE_TYPES
+    tiled = rng.random() < (0.5 if tileable else 0.1)
+    tile = rng.choice((None, None, 1, rng.randint(2, 7)))
+    vocab = rng.choice((VOCAB, VOCAB, 97, 61, 31))
+    ignored = rng.choice((0, 0, 1, rng.randint(2, 8)))
+    fit = rng.random() < 0.85
+    draws["tp_sequence_parallel"] = tp_sp
+    draws["memory"] = {"tiled_loss": tiled, "loss_tile_rows": tile if tiled else None,
+                       "vocab": vocab if tileable else VOCAB, "ignored_prefix": ignored}
+    if tp_sp and fit and draws["sharding"] == "contiguous":
+        multiple = draws["world"] // draws["dp"]  # sp x tp
+        draws["lengths"] = fit_tp_lengths(draws["lengths"], draws["batch"], multiple)
+        for r in draws["replicas"]:
+            r["lengths"] = fit_tp_lengths(r["lengths"], draws["batch"], multiple)
+
+
+_TP_PLAN_TYPES: list[str] = []
+
+
+def tp_plan_types() -> list[str]:
+    """The tiny model types whose config carries a tensor-parallel plan (``base_model_tp_plan``): the ones
+    ``tp2`` can shard (a plan with a style seqpar does not apply is still refused by name)."""
+    if not _TP_PLAN_TYPES:
+        from transformers import CONFIG_MAPPING
+
+        from seqpar.testing.tiny_models import decoder_model_types
+
+        # the config class's own plan (what the tiny configs carry, without building one per type)
+        _TP_PLAN_TYPES.extend(t for t in decoder_model_types() if getattr(CONFIG_MAPPING[t], "base_model_tp_plan", None))
+    return _TP_PLAN_TYPES
+
+
+def fit_tp_lengths(lengths: list[list[int]], batch: str, multiple: int) -> list[list[int]]:
+    """``lengths`` (:func:`~seqpar.testing.fuzz_models.draw_lengths`) with every sequence a multiple of
+    ``multiple``: rows cut down to one, a right-padded batch's too (its padded row keeping at most all but one
+    token), packed documents given one more document of the missing tokens."""
+    out = []
+    for lens in lengths:
+        if batch == "packed":
+            extra = -sum(lens) % multiple
+            out.append(list(lens) + ([extra] if extra else []))
+        else:
+            seq = lens[0] - lens[0] % multiple
+            out.append([seq] if batch == "rows" else [seq, min(lens[1], seq - 1)])
+    return out
 
 
 def replica_draws(draws: dict[str, Any]) -> list[dict[str, Any]]:
@@ -231,7 +337,7 @@ def engine_summary(draws: dict[str, Any]) -> str:
     from seqpar.testing.fuzz_models import model_summary
 
     dp = draws.get("dp", 1)
-    head = f"engine {draws['engine']} " + (f"dp={dp} " if dp > 1 else "")
+    head = f"engine {draws['engine']} " + ("tp_sp " if draws.get("tp_sequence_parallel") else "") + (f"dp={dp} " if dp > 1 else "")
     tail = ""
     if dp > 1:
         n_batches = 1 if draws["step"] == "one" else 2
@@ -239,28 +345,133 @@ def engine_summary(draws: dict[str, Any]) -> str:
     return head + model_summary(draws).removeprefix("model ") + tail
 
 
+PLANTS = ("dp_divide_world", "dp_divide_sp", "dp_same_data", "fsdp1_divide_world", "fsdp1_no_sp_sum",
+          "zero_divide_world", "zero_no_sp_sum")
+"""Deliberately broken compositions, for the fuzzer's own tests (:func:`run_engine_case`'s ``plant``), each what a
+real adapter bug would look like:
+
+- ``"dp_divide_world"``: FSDP2 divides reduced gradients by the world (``dp x sp``), FSDP's own default, instead
+  of seqpar's DP size (the reduced gradient is ``1 / sp`` of the DP mean); ``"dp_divide_sp"``: by the SP size
+  instead (``dp`` times the DP mean);
+- ``"dp_same_data"``: every DP replica gets replica 0's batches (applied by :func:`engine_task`);
+- ``"fsdp1_divide_world"``: the adapter's FSDP1 divide factor never reaches the units
+  (``set_fsdp1_divide_factor`` without effect), so FSDP1 divides by its group's size, ``dp x sp``;
+- ``"fsdp1_no_sp_sum"``: FSDP1 built over the DP group instead of the SP x DP one, so each SP rank's share of
+  the gradient is averaged over the DP replicas and never summed with the other SP ranks' shares;
+- ``"zero_divide_world"``: DeepSpeed's divisor is ``dp x sp`` uncompensated: under ZeRO-1/2 the optimizer is
+  not told the SP size (its ``sequence_parallel_size`` 1: the sum over ``dp x sp`` ranks divided by all of
+  them), under ZeRO-3 the adapter's loss scaling by ``sp`` in ``engine.backward`` is lost;
+- ``"zero_no_sp_sum"``: the SP ranks' shares not summed: the reduction sees SP rank 0's share alone (the
+  backward of every other SP rank contributes nothing), which is what a reduction over the DP group alone leaves
+  on SP rank 0, whose gradients are read.
+
+The DP-divisor plants show where the divisor differs from the right one: ``*_divide_world`` needs SP > 1
+(DP 2 x SP 2, or DP 1 x SP 2), ``dp_divide_sp`` DP > 1 with DP != SP (DP 3 x SP 1); ``*_no_sp_sum`` needs SP > 1."""
+
+
 def _plant(name: str | None, ctx: Any, draws: dict[str, Any]) -> Callable[[], None]:
-    """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
-    ``"dp_divide_world"``: FSDP2 divides reduced gradients by the world (``dp x sp``), FSDP's own default, instead
-    of seqpar's DP size (the reduced gradient is ``1 / sp`` of the DP mean); ``"dp_divide_sp"``: by the SP size
-    instead (``dp`` times the DP mean); ``"dp_same_data"``: every DP replica gets replica 0's batches (applied by
-    :func:`engine_task`)."""
+    """Apply the plant ``name`` (:data:`PLANTS`) in this rank; returns the undo callable."""
     if name in (None, "dp_same_data"):
         return lambda: None
-    if name not in ("dp_divide_world", "dp_divide_sp"):
-        raise ValueError(f"unknown plant {name!r}")
-    from torch.distributed.fsdp import FSDPModule
+    if name not in PLANTS:
+        raise ValueError(f"unknown plant {name!r}: choose one of {list(PLANTS)}")
+    sp = ctx.world_size // (draws.get("dp", 1) * draws["tp_size"])
+    if name.startswith("dp_"):
+        from torch.distributed.fsdp import FSDPModule
 
-    original = FSDPModule.set_gradient_divide_factor
-    wrong = ctx.world_size if name == "dp_divide_world" else ctx.world_size // (draws.get("dp", 1) * draws["tp_size"])
+        original = FSDPModule.set_gradient_divide_factor
+        wrong = ctx.world_size if name == "dp_divide_world" else sp
 
-    def divide_wrongly(self: Any, factor: float) -> None:
-        original(self, float(wrong))
+        def divide_wrongly(self: Any, factor: float) -> None:
+            original(self, float(wrong))
 
-    FSDPModule.set_gradient_divide_factor = divide_wrongly
+        FSDPModule.set_gradient_divide_factor = divide_wrongly
+
+        def undo() -> None:
+            FSDPModule.set_gradient_divide_factor = original
+        return undo
+    if name.startswith("fsdp1_"):
+        return _plant_fsdp1(name)
+    return _plant_zero(name)
+
+
+def _plant_fsdp1(name: str) -> Callable[[], None]:
+    """The FSDP1 plants (:data:`PLANTS`), on torch's ``FullyShardedDataParallel`` class."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    init = FSDP.__init__
+    if name == "fsdp1_no_sp_sum":
+        from seqpar.runtime.groups import default_manager
+
+        def dp_group_init(self: Any, module: Any, process_group: Any = None, *args: Any, **kwargs: Any) -> None:
+            manager = default_manager()  # the runner's, made before the wrap
+            init(self, module, manager.dp_group if manager is not None else process_group, *args, **kwargs)
+
+        FSDP.__init__ = dp_group_init
+
+        def undo_init() -> None:
+            FSDP.__init__ = init
+        return undo_init
+    # fsdp1_divide_world: once a unit is built, later settings of its divide factors (the adapter's) are lost
+    names = ("_gradient_predivide_factor", "_gradient_postdivide_factor")
+
+    def frozen_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.__dict__["_planted_frozen"] = True
+
+    def factor(attr: str) -> property:
+        def get(self: Any) -> Any:
+            return self.__dict__["_planted" + attr]
+
+        def put(self: Any, value: Any) -> None:
+            if not self.__dict__.get("_planted_frozen"):
+                self.__dict__["_planted" + attr] = value
+        return property(get, put)
+
+    FSDP.__init__ = frozen_init
+    for attr in names:
+        setattr(FSDP, attr, factor(attr))
 
     def undo() -> None:
-        FSDPModule.set_gradient_divide_factor = original
+        FSDP.__init__ = init
+        for attr in names:
+            delattr(FSDP, attr)
+    return undo
+
+
+def _plant_zero(name: str) -> Callable[[], None]:
+    """The DeepSpeed plants (:data:`PLANTS`), on DeepSpeed's engine and ZeRO optimizer classes."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    backward, zero_init = DeepSpeedEngine.backward, DeepSpeedZeroOptimizer.__init__
+    setattr_ = DeepSpeedEngine.__setattr__
+    own_setattr = "__setattr__" in DeepSpeedEngine.__dict__
+    if name == "zero_no_sp_sum":
+        def own_share_only(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+            keep = 1.0 if self.seqpar_manager.sp_rank == 0 else 0.0
+            return backward(self, loss * keep, *args, **kwargs)
+
+        DeepSpeedEngine.backward = own_share_only
+    else:
+        def unscaled(self: Any, key: str, value: Any) -> None:
+            if key in ("backward", "scale"):
+                return  # the adapter's loss scaling by sp (ZeRO-3's divisor dp x sp), its one setter, is lost
+            setattr_(self, key, value)
+
+        def no_sp_size(self: Any, *args: Any, **kwargs: Any) -> None:
+            zero_init(self, *args, **kwargs)
+            self.sequence_parallel_size = 1  # ZeRO-1/2 then divide the sum over dp x sp ranks by all of them
+
+        DeepSpeedEngine.__setattr__ = unscaled
+        DeepSpeedZeroOptimizer.__init__ = no_sp_size
+
+    def undo() -> None:
+        DeepSpeedEngine.backward, DeepSpeedZeroOptimizer.__init__ = backward, zero_init
+        if own_setattr:
+            DeepSpeedEngine.__setattr__ = setattr_
+        elif "__setattr__" in DeepSpeedEngine.__dict__:
+            del DeepSpeedEngine.__setattr__
     return undo
 
 
@@ -278,7 +489,14 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
 
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    from seqpar.memory import tiling
+    from seqpar.testing.tiny_models import VOCAB
+
     runner = None
+    cap = tiling.MAX_LOSS_CHUNK_ELEMENTS
+    mem = draws.get("memory") or {}
+    if mem.get("loss_tile_rows"):  # the tile of this many rows, as the model kind sets it (fuzz_models)
+        tiling.MAX_LOSS_CHUNK_ELEMENTS = mem["loss_tile_rows"] * mem.get("vocab", VOCAB)
     undo = _plant(plant, ctx, draws)
     try:
         runner = engine_runner(draws["engine"])
@@ -292,6 +510,9 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
         config = {"size": ctx.world_size // (draws["tp_size"] * dp), "tp_size": draws["tp_size"], "mode": draws["mode"],
                   "sharding": draws["sharding"], "ulysses_size": draws["ulysses_size"],
                   "check_inputs": draws["check_inputs"]}
+        if "tp_sequence_parallel" in draws:  # tp2's loss draws (draw_tp_loss), as a user's config sets them
+            config["tp_sequence_parallel"] = draws["tp_sequence_parallel"]
+            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         fed = [[b["batch"] for b in replica] for replica in batches]
         if plant == "dp_same_data":
             fed = [fed[0]] * len(fed)
@@ -304,6 +525,7 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
         return {"ok": False, "error": error_record(e, also=() if runner is None else (runner_dir(runner),))}
     finally:
         undo()
+        tiling.MAX_LOSS_CHUNK_ELEMENTS = cap
         transformers.logging.set_verbosity(verbosity)
 
 
