@@ -168,12 +168,12 @@ def case_problem(method: str, seq_len: int, world: int, causal: bool, shape: Ben
         return dilated_problem(seq_len, world, shape)
     if world == 1:
         return f"{method} with P = 1 is plain SDPA (measured as 'sdpa')"
-    from seqpar.attn.choose import ulysses_heads_ok
+    from seqpar.runtime.grid import ulysses_heads_problem
 
-    if method == "seqpar_ulysses" and not ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
-        return f"{shape.q_heads} query / {shape.kv_heads} K/V heads do not split over {world} Ulysses ranks"
-    if method == "hybrid" and (world < 4 or world % 2 or not ulysses_heads_ok(shape.q_heads, shape.kv_heads, 2)):
-        return f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two"
+    if method == "seqpar_ulysses" and (why := ulysses_heads_problem(shape.q_heads, shape.kv_heads, world)):
+        return f"{shape.q_heads} query / {shape.kv_heads} K/V heads do not split over {world} Ulysses ranks: {why}"
+    if method == "hybrid" and (world < 4 or world % 2 or ulysses_heads_problem(shape.q_heads, shape.kv_heads, 2)):
+        return f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and at least 2 query heads, a multiple of the K/V heads"
     chunks = 2 * world if causal else world
     if seq_len % chunks:
         return f"S={seq_len} is not a multiple of {chunks} chunks"
@@ -192,8 +192,11 @@ _HYBRID_MANAGERS: dict[int, Any] = {}
 
 def hybrid_manager(world: int) -> Any:
     """A (P/2) x 2 process-group manager for ``method="hybrid"`` (Ulysses pairs, ring across them), made
-    once per pool: group creation is collective, every rank gets here on the same call."""
-    if world not in _HYBRID_MANAGERS:
+    once per pool: group creation is collective, every rank gets here on the same call. Made again when its
+    groups were destroyed since (the test pools destroy what a task leaves before the next task, on every
+    rank alike: a second hybrid measurement in one pool process, e.g. the memory suite's largest S, met a
+    destroyed group)."""
+    if world not in _HYBRID_MANAGERS or not _alive(_HYBRID_MANAGERS[world].sp_group):
         import seqpar
 
         _HYBRID_MANAGERS[world] = seqpar.init_process_groups(sp_size=world, ulysses_size=2 if world % 2 == 0 else 1)
@@ -201,6 +204,17 @@ def hybrid_manager(world: int) -> Any:
 
     set_default_manager(_HYBRID_MANAGERS[world])
     return _HYBRID_MANAGERS[world]
+
+
+def _alive(group: Any) -> bool:
+    """Whether ``group`` is still registered with torch.distributed (not destroyed)."""
+    import torch.distributed as dist
+
+    try:
+        dist.get_backend(group)
+    except (ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _group() -> Any:
