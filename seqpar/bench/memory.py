@@ -59,15 +59,15 @@ def _estimator_mode(method: str) -> str:
 
 def _methods(world: int, shape: BenchShape) -> list[str]:
     """What runs at P = world: SDPA alone at P = 1; ring, all-gather, and Ulysses / the (P/2) x 2 hybrid
-    where the head counts allow them (see seqpar.attn.choose.ulysses_heads_ok)."""
-    from seqpar.attn.choose import ulysses_heads_ok
+    where the head counts allow them, evenly or in uneven shares (seqpar.runtime.grid.ulysses_heads_accepted)."""
+    from seqpar.runtime.grid import ulysses_heads_accepted
 
     if world == 1:
         return ["sdpa"]
     methods = ["ring", "allgather"]
-    if ulysses_heads_ok(shape.q_heads, shape.kv_heads, world):
+    if ulysses_heads_accepted(shape.q_heads, shape.kv_heads, world):
         methods.append("seqpar_ulysses")
-    if world > 2 and world % 2 == 0 and ulysses_heads_ok(shape.q_heads, shape.kv_heads, 2):
+    if world > 2 and world % 2 == 0 and ulysses_heads_accepted(shape.q_heads, shape.kv_heads, 2):
         methods.append("hybrid")
     return methods
 

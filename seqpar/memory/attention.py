@@ -44,7 +44,11 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   outputs and their ~2 Q workspace, the previous chunk's packed dq/dk/dv all-to-all in flight (send +
   receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1. The
   hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
-  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``).
+  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``). Uneven heads (``u`` does not split the
+  heads evenly, :mod:`seqpar.attn.ulysses`): the largest rank's share counts, ``Qh = Q u q_max / Hq`` and
+  ``Kh = K u kv_max / Hkv`` (``q_max = ceil(Hq/u)``, ``kv_max`` the largest K/V union), one head pass,
+  fp32 dK/dV (a K/V head may be shared by two ranks), and the per-piece kernel outputs beside their
+  concatenation.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -133,8 +137,7 @@ def estimate_attention_memory(
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
-        return _ulysses_peak(sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.base, world=world, u=u,
-                             kv_heads=kv_heads, chunks=chunks, low=sizes.low, Kw=sizes.Kw)
+        return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks)
     if mode == "allgather":
         return _allgather_peak(sizes, world=world, chunks=chunks)
     return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch)
@@ -193,11 +196,14 @@ def _effective_run(mode: str, *, seq_len: int, world_size: int, causal: bool, q_
         elif u == world:
             mode = "ulysses"
     if mode in ("ulysses", "hybrid"):
-        from seqpar.attn.choose import ulysses_heads_ok
+        from seqpar.runtime.grid import ulysses_heads_problem, ulysses_shares, ulysses_split_even
 
-        if not ulysses_heads_ok(q_heads, kv_heads, u):
-            raise ValueError(f"{q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks")
-        chunks = resolve_head_chunks(head_chunks, max(kv_heads // u, 1))
+        if problem := ulysses_heads_problem(q_heads, kv_heads, u):
+            raise ValueError(f"{q_heads} query / {kv_heads} K/V heads cannot be split over {u} Ulysses ranks: {problem}")
+        kv_max = max(share[3] for share in ulysses_shares(q_heads, kv_heads, u))
+        chunks = resolve_head_chunks(head_chunks, kv_max)
+        if not ulysses_split_even(q_heads, kv_heads, u):
+            chunks = 1  # an uneven split runs one head pass (seqpar.attn.ulysses.UlyssesPlan)
     return mode, world, u, chunks
 
 
@@ -283,32 +289,49 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
-def _ulysses_peak(
-    Q: float, K: float, Q32: float, K32: float, lse: float, base: float, *, world: int, u: int, kv_heads: int,
-    chunks: int, low: bool, Kw: float,
-) -> int:
-    """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks.
-    ``Kw``: ``K`` in the inner ring's dK/dV wire dtype."""
+def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int) -> int:
+    """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks, on
+    the rank with the largest head share. ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype."""
+    from seqpar.runtime.grid import ulysses_shares, ulysses_split_even
+
+    Q, K, Q32, K32, lse, base, low, Kw = (sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.base,
+                                          sizes.low, sizes.Kw)
     G = chunks
-    replicated = kv_heads < u
-    Kh, Kh32, Khw = (K * u / kv_heads, K32 * u / kv_heads, Kw * u / kv_heads) if replicated else (K, K32, Kw)
-    saved = 2 * Q + 2 * Kh + lse  # q, k, v, out (head layout) and lse
-    grads = Q + (2 * K32 if replicated else 2 * K)
-    grads_h = Q + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
+    uneven = not ulysses_split_even(q_heads, kv_heads, u)
+    shares = ulysses_shares(q_heads, kv_heads, u)
+    # head layout on the largest share: q_max query heads and kv_max K/V heads over u L rows (even: Q and
+    # K, or K u / kv_heads for a replicated K/V head)
+    qs, ks = u * max(s[1] for s in shares) / q_heads, u * max(s[3] for s in shares) / kv_heads
+    Qh, lse_h, Kh, Kh32, Khw = Q * qs, lse * qs, K * ks, K32 * ks, Kw * ks
+    fp32_dkv = uneven or kv_heads < u  # zeroed fp32 dK/dV, a K/V head's replicas summed into them
+    saved = 2 * Qh + 2 * Kh + lse_h  # q, k, v, out (head layout) and lse
+    grads = Q + (2 * K32 if fp32_dkv else 2 * K)
+    grads_h = Qh + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
     # at a kernel: dout (head layout), the kernel's outputs and its workspace (~2 Q), and with G > 1 the
     # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
-    at_kernel = (Q + grads_h + 2 * Q + (2 * grads_h + 2 * Q if G > 1 else 0)) / G
+    at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
     # placing a chunk's received grads: send + receive, and the K/V grads reordered for index_add
-    at_place = (2 * grads_h + 2 * Kh + (2 * Q if G > 1 else 0)) / G
+    at_place = (2 * grads_h + 2 * Kh + (2 * Qh if G > 1 else 0)) / G
+    if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
+        at_kernel = max(at_kernel, Qh + 2 * grads_h)
     a2a = max(at_kernel, at_place)
     inner = 0.0
     ring = world // u
     if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV in the wire dtype (its fp32
         # accumulators are grads_h)
         kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
-        inner = (kv_bufs + 4 * Khw + (Q32 + 2 * Kh32 if low else 0)) / G
-    fwd = base - Q - lse + saved + (2 * Q + 4 * Kh + 3 * Q) / G + inner  # q, k, v, out + saved + in flight
+        inner = (kv_bufs + 4 * Khw + (Q32 * qs + 2 * Kh32 if low else 0)) / G
+    fwd = base - Q - lse + saved + (2 * Qh + 4 * Kh + 3 * Qh) / G + inner  # q, k, v, out + saved + in flight
     return int(max(base + saved + grads + a2a + inner, fwd))
+
+
+def _pieces(q_heads: int, kv_heads: int, u: int) -> int:
+    """The most kernel pieces a rank's uneven head share runs as (:meth:`seqpar.attn.ulysses.HeadSplit.segments`:
+    a K/V head only partly read on a rank is a piece of its own); one piece needs no concatenation."""
+    from seqpar.attn.ulysses import HeadSplit
+
+    split = HeadSplit(q_heads, kv_heads, u)
+    return max(len(split.segments(r)) for r in range(u))
 
 
 def max_seq_len(
