@@ -18,6 +18,18 @@ def test_defaults_and_round_trip() -> None:
         True,
         True,
     )
+    # every documented default at once (the module docstring and each field's): a default changed
+    # silently changes every run that leaves the key out. Seen failing: a default head_chunks of 1 instead of
+    # "auto" (which the five fields checked above let through).
+    assert cfg.to_dict() == {
+        "size": 1, "mode": "ring", "ulysses_size": 1, "tp_size": 1, "tp_sequence_parallel": False, "links": None,
+        "sharding": None, "overlap": True, "check_inputs": True, "head_chunks": "auto", "mla_transfer": "latent",
+        "mixer_kernels": "torch", "swap": "auto",
+        "pattern": {"type": "dense", "segment_lengths": [], "dilation_rates": [], "head_layout": "mixed"},
+        "apex": False, "timeout_s": None, "check_finite": False, "tiled_loss": False, "tiled_mlp": False,
+        "offload_activations": False, "dynamic": None, "recompute_norm": False, "high_priority_streams": False,
+        "dkv_wire_dtype": "fp32",
+    }
     again = SeqParConfig.from_dict(cfg.to_dict())
     assert again == cfg
     assert cfg.timeout_s is None  # torch's default
@@ -141,6 +153,38 @@ def test_dilated_pattern() -> None:
             {"pattern": {"type": "dilated", "segment_lengths": [8.0], "dilation_rates": [1]}},
             ["segment_lengths", "positive integer"],
         ),
+        # every cross-key rule and range of the block, each error naming the key, the value and the fix
+        # (mutation audit, session 22). Seen failing, each with its check removed while the rows above
+        # passed: tp_sequence_parallel without tp_size > 1, ulysses_size not dividing size, bf16 dK/dV wire
+        # under allgather, DeepSpeed's autotp_size != tp_size, dynamic.min_size 3, an unknown key in the
+        # dynamic block dropped, a links figure of 0, mla_transfer unchecked.
+        ({"tp_sequence_parallel": True}, ["tp_sequence_parallel", "True", "tp_size > 1"]),
+        ({"tp_size": 0}, ["tp_size", "0", "positive integer"]),
+        ({"tp_size": True}, ["tp_size", "True", "positive integer"]),
+        ({"size": 4, "ulysses_size": 3}, ["ulysses_size", "3", "dividing size 4", "auto"]),
+        ({"size": 4, "ulysses_size": 0}, ["ulysses_size", "0", "dividing size 4"]),
+        ({"ulysses_size": "all"}, ["ulysses_size", "'all'", "auto"]),
+        ({"mode": "allgather", "dkv_wire_dtype": "bf16"}, ["dkv_wire_dtype", "'bf16'", "allgather", "\"fp32\""]),
+        ({"mode": "ulysses", "dkv_wire_dtype": "bf16"}, ["dkv_wire_dtype", "'bf16'", "ulysses", "\"ring\""]),
+        ({"dkv_wire_dtype": "fp16"}, ["dkv_wire_dtype", "'fp16'", "loss scaling"]),
+        ({"dynamic": {"max_tokens_per_rank": 64, "min_size": 3}}, ["dynamic.min_size", "3", "power of two"]),
+        ({"dynamic": {"max_tokens_per_rank": 64, "max_size": 4}}, ["unknown", "max_size", "min_size"]),
+        ({"dynamic": {"max_tokens_per_rank": 0}}, ["dynamic.max_tokens_per_rank", "0", "positive integer"]),
+        ({"dynamic": {"min_size": 2}}, ["dynamic", "max_tokens_per_rank"]),
+        ({"dynamic": {"max_tokens_per_rank": 64, "balance": "rank"}}, ["dynamic.balance", "'rank'", "slot"]),
+        ({"links": {"intra_gbps": 0}}, ["links", "positive numbers", "intra_gbps"]),
+        ({"links": {"intra_gbps": True}}, ["links", "True", "positive numbers"]),
+        ({"links": {"nvlink": 400}}, ["links", "nvlink", "inter_gbps"]),
+        ({"mla_transfer": "compressed"}, ["mla_transfer", "'compressed'", "latent", "expanded"]),
+        ({"mixer_kernels": "cuda"}, ["mixer_kernels", "'cuda'", "torch"]),
+        ({"tiled_mlp": 0}, ["tiled_mlp", "0", "positive integer", "auto"]),
+        ({"tiled_mlp": True}, ["tiled_mlp", "True", "false"]),
+        ({"recompute_norm": 1}, ["recompute_norm", "1", "true or false"]),
+        ({"check_finite": 1}, ["check_finite", "1", "true or false"]),
+        ({"high_priority_streams": "no"}, ["high_priority_streams", "'no'", "true or false"]),
+        ({"tp_size": 2, "cp_size": 2, "size": 4}, ["size = 4", "cp_size = 2", "disagree"]),
+        ({"sequence_parallel": {"tp_size": 2}, "tensor_parallel": {"autotp_size": 4}},
+         ["tp_size", "2", "autotp_size is 4", "same value"]),
     ],
 )
 def test_bad_values_name_key_value_and_allowed(block: dict, words: list[str]) -> None:

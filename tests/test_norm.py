@@ -80,6 +80,31 @@ def test_lean_norm_bitwise_forward_and_exact_gradients(name: str) -> None:
                 assert (got[2].double() - exact[2]).abs().max() <= tol, (name, dtype)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "phi3", "gemma"])
+def test_lean_norm_without_grad_and_with_its_own_eps_is_the_module(name: str) -> None:
+    """Evaluation (``torch.no_grad``: the lean forward's other branch) is bitwise the module's, for each
+    formula, with a large epsilon of the module's own (1e-1: a wrong epsilon moves every output).
+    Seen failing: the no-grad branch computing the Llama formula for every norm (Gemma's ``1 + weight``
+    lost in evaluation, the grad-enabled path untouched), and the epsilon read as a fixed 1e-6."""
+    cls = dict(_norms())[name]
+    torch.manual_seed(13)
+    hf = cls(24, eps=1e-1)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(24) * 0.5 + (0.0 if name == "gemma" else 1.0))
+    lean = copy.deepcopy(hf)
+    apply_recompute_norm(lean)
+    x = torch.randn(3, 7, 24) * 0.2  # a mean square near eps: the epsilon is a large part of the RMS
+    with torch.no_grad():
+        assert torch.equal(lean(x), hf(x)), name
+    x_hf, x_lean = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_hf, out_lean = hf(x_hf), lean(x_lean)
+    assert torch.equal(out_lean, out_hf), name
+    g = torch.randn_like(x)
+    out_hf.backward(g)
+    out_lean.backward(g)
+    assert torch.equal(x_lean.grad, x_hf.grad), name
+
+
 def test_lean_norm_saves_only_its_input() -> None:
     cls = dict(_norms())["llama"]
     hf, lean = _pair(cls, torch.bfloat16, hidden=64)

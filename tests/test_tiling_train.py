@@ -131,3 +131,58 @@ def _check_equal(dist_pool, engine: str, stage: int, world: int, tiled: bool | s
             scale = r.abs().max().item()
             assert scale > 0, name
             assert (g - r).abs().max().item() <= RTOL * 10 * scale, name
+
+
+def _num_items_run(rank: int, world: int, num_items: int) -> tuple[float, dict[str, torch.Tensor]]:
+    """SP = ``world``: the swapped, tiled Llama called as transformers' Trainer calls it (``num_items_in_batch``);
+    the loss on this rank and every parameter's gradient summed over the SP group (what the engines' reduction
+    adds up), in float64 on the CPU."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import swap_attention
+
+    cfg = SeqParConfig.from_dict({**_sp_block(world, False), "tiled_loss": True})
+    manager = seqpar.init_process_groups(config=cfg)
+    model = _model()
+    swap_attention(model, cfg, group=manager.sp_group)
+    batch = shard_batch(_batch(0), group=manager.sp_group, sharding="zigzag")
+    loss = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                 shift_labels=batch["shift_labels"], num_items_in_batch=num_items).loss
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=manager.sp_group)
+        grads[name] = g.double()
+    return loss.item(), grads
+
+
+def test_tiled_loss_with_num_items_in_batch_at_sp2(dist_pool) -> None:
+    """The tiled loss's ``num_items_in_batch`` path (transformers' Trainer: a sum over the step's tokens divided
+    by the step's count) at SP = 2: every rank's loss is the whole sequence's sum over ``num_items`` and the
+    gradients summed over the SP group are those of that loss, each parameter against its own scale, all
+    against one float64 process. ``num_items`` (37) is not the batch's own count, so a path that used the
+    local or the global count instead would show.
+    Seen failing: the SP all-reduce of the loss sum dropped (``loss_sum / num_items``: each rank's own
+    shard's sum, loss off by half the sequence), and the all-reduce's identity backward replaced by a plain
+    all-reduce (every gradient doubled)."""
+    num_items = 37
+    per_rank = dist_pool.run(2, _num_items_run, num_items, timeout=240)
+    ref_model = _model().double()
+    batch = _batch(0)
+    logits = ref_model(input_ids=batch["input_ids"]).logits
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1),
+                                            reduction="sum") / num_items
+    ref.backward()
+    ref_grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    for loss, grads in per_rank:
+        assert abs(loss - ref.item()) <= RTOL * abs(ref.item()), (loss, ref.item())
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            r = ref_grads[name]
+            scale = r.abs().max().item()
+            assert scale > 0, name
+            assert (g - r).abs().max().item() <= 1e-4 * scale, (name, (g - r).abs().max().item(), scale)

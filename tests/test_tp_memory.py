@@ -68,3 +68,20 @@ def test_layouts_cli(capsys: pytest.CaptureFixture) -> None:
 
     assert tokens("TP 8, tp_sequence_parallel") > tokens("TP 8")
     assert tokens("TP 2 x SP 4, tp_sequence_parallel") > tokens("TP 2 x SP 4")
+
+
+def test_tiled_loss_under_plain_tp_is_vocab_parallel() -> None:
+    """``tiled_loss`` at tp_size > 1 without TP-SP is vocab-parallel too (``tiled_lm_loss`` takes the head's
+    ``Shard(0)`` slice: each chunk's logits and the fp32 dW accumulator are ``vocab / tp`` wide), so its loss buffers
+    are the rank's slice's, written out: two chunks of fp32 logits, the fp32 dW accumulator and dhidden.
+    Seen failing: the model's vocab-parallel rule reduced to ``tp_sequence_parallel`` alone (the tiled loss at
+    plain TP counted with the whole vocabulary's accumulator: 2x it at TP 2)."""
+    from seqpar.memory.tiling import loss_chunk_rows
+
+    setting = {**SETTING, "tiled_loss": True}
+    for tp in (2, 8):
+        got = estimate_training_memory("llama3-8b", sp_size=2, tp_size=tp, **setting)["logits_loss"]
+        v, h, e = -(-128256 // tp), 4096, 2
+        rows = 32768 // 2
+        chunk = loss_chunk_rows(rows, h, v) * v * 4
+        assert got == 2 * chunk + v * h * 4 + rows * h * e, (tp, got)
