@@ -436,7 +436,7 @@ class SeqParConfig:
             if self.ulysses_size < 1 or self.size % self.ulysses_size:
                 _fail("ulysses_size", self.ulysses_size, u_hint)
         if self.links is not None:
-            link_keys = ("intra_gbps", "inter_gbps", "flops", "node_size", "latency_s")
+            link_keys = tuple(f.name for f in dataclasses.fields(Links))  # every figure the cost model reads
             links_hint = f"an object with positive numbers for any of {list(link_keys)}"
             if not isinstance(self.links, Mapping) or not set(self.links) <= set(link_keys) or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in self.links.values()

@@ -281,3 +281,19 @@ def test_sharding_is_undeclared_unless_given() -> None:
         SeqParConfig(size=4, mode="hybrid", ulysses_size=2, sharding="balanced")
     with pytest.raises(ConfigError, match="sharding = 'diagonal' is invalid"):
         SeqParConfig(sharding="diagonal")
+
+
+def test_links_block_takes_every_figure_the_cost_model_reads() -> None:
+    """The ``links`` block accepts each field of :class:`seqpar.config.Links` (``mem_gbps``, the merges' and
+    copies' memory bandwidth, included) and hands it to the cost model unchanged.
+
+    Seen failing: the allowed keys written out without ``mem_gbps`` (the block refused it by name while the
+    cost model reads it)."""
+    import dataclasses
+
+    from seqpar.config import Links
+
+    figures = {f.name: 7 if f.name == "node_size" else 1.5 for f in dataclasses.fields(Links)}
+    assert "mem_gbps" in figures
+    cfg = SeqParConfig(size=1, links=figures)
+    assert cfg.links_figures == Links(**figures)
