@@ -206,6 +206,15 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
         )
         kwargs: dict[str, Any] = {"train_dataset": data["train"], "eval_dataset": data.get("eval"),
                                   "callbacks": [Snapshots()]}
+        if trainer in ("dpo", "grpo") and engine.startswith("zero"):
+            # As accelerate does on an accelerator before any engine (it skips it under use_cpu=True): DPO's and
+            # GRPO's trainers build their reference model's DeepSpeed engine in __init__, before the policy's
+            # engine starts DeepSpeed's comm; without it DeepSpeed counts a world of 1 for that engine's batch
+            # check ("train_batch_size ... 6 != 1 * 2 * 1" at ZeRO-3 in a fresh pool, case 1055730221)
+            import deepspeed
+
+            if not deepspeed.comm.is_initialized():
+                deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False)
         if trainer in ("dpo", "grpo"):
             model = _from_folder(model, out_dir)
             # a reference model the trainer builds from the folder gets the policy's experts implementation (the
