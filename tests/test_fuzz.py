@@ -998,9 +998,9 @@ def test_trainer_judge_reads_the_trl_metrics() -> None:
     assert verdict == "WRONG" and "kl" in detail, detail  # a metric the reference logs and seqpar's run does not
 
 
-# A DPO case of every sort at once: FSDP2, DP 2 x SP 2, two loss types with weights, the reference model DPOTrainer
-# builds, accumulation, clipping, an evaluation
-DPO_CASE = 361303409
+# A DPO case of many sorts at once: FSDP2, DP 2 x SP 2, zigzag, two loss types (ipo + sigmoid), the reference model
+# DPOTrainer builds from the policy's folder, LD-DPO's ld_alpha
+DPO_CASE = 1712871804
 
 
 @pytest.mark.timeout(600)
@@ -1008,9 +1008,9 @@ def test_a_planted_dpo_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     """The trainer kind's DPO cases can fail: DPOTrainer's own loss (what seqpar's adapter wraps) times
     ``sp / world`` (``trl_loss_over_world``: divided by the world instead of SP, every gradient ``1 / dp`` of one
     process's) is WRONG in :data:`DPO_CASE` (DP 2 x SP 2), whose clean run is exact: its logged loss, its
-    metrics and every parameter's update equal one process's (the one real DPO case in CI). The case clips at
-    0.05, which scales the halved gradient back: the logged loss shows it. Seen failing: with the plant's
-    ``sp / world`` made 1 (exact)."""
+    metrics and every parameter's update equal one process's (the one real DPO case in CI). Seen failing: with
+    the plant's ``sp / world`` made 1 (exact; tried on case 361303409 of an earlier draw, DP 2 x SP 2 under
+    FSDP2 too)."""
     draws = fuzz.draw_case(DPO_CASE, ("trainer",))
     assert (draws["trainer"], draws["engine"], draws["dp"], draws["sp"]) == ("dpo", "fsdp2", 2, 2), \
         fuzz.summary(draws)
