@@ -1009,8 +1009,7 @@ def test_a_planted_dpo_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     ``sp / world`` (``trl_loss_over_world``: divided by the world instead of SP, every gradient ``1 / dp`` of one
     process's) is WRONG in :data:`DPO_CASE` (DP 2 x SP 2), whose clean run is exact: its logged loss, its
     metrics and every parameter's update equal one process's (the one real DPO case in CI). Seen failing: with
-    the plant's ``sp / world`` made 1 (exact; tried on case 361303409 of an earlier draw, DP 2 x SP 2 under
-    FSDP2 too)."""
+    the plant's ``sp / world`` made 1 (exact)."""
     draws = fuzz.draw_case(DPO_CASE, ("trainer",))
     assert (draws["trainer"], draws["engine"], draws["dp"], draws["sp"]) == ("dpo", "fsdp2", 2, 2), \
         fuzz.summary(draws)
