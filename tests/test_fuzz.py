@@ -226,11 +226,19 @@ FOUND[152934153] = (("compile",), "refused")
 #   step, eval): WRONG, eval_loss 8.4e-2 off (the router loss over the steps where SFTTrainer adds it whole). Not
 #   pinned here (one real trainer case in CI): tests/test_trl_sft.py's accumulation test evaluates now.
 FOUND[1588844063] = (("trainer",), "exact")
-# fz22p: the trainer kind's DPO and GRPO draws (seeds 701, 702): no WRONG answer of seqpar's found, so nothing is
-# pinned here. The first runs' crashes were the fuzzer's own and are fixed in the draw / runner: DPOConfig refuses
-# the exo_pair loss without label smoothing (280896641), and transformers' save_pretrained wrote the policy's folder
-# on the first rank only (every multi-rank DPO / GRPO case). The one real DPO case in CI:
-# test_a_planted_dpo_bug_is_wrong (clean and planted).
+# fz22p: the trainer kind's DPO and GRPO draws (seeds 701, 702). No silent wrong answer of seqpar's found. Found:
+# - 1146559688 (sequence_parallel(DPOTrainer), seqpar's FSDP2, SP 1, sync_ref_model=True): crash after the first
+#   step, "aten.add_.Tensor got mixed torch.Tensor and DTensor" (TR-DPO's update mixed FSDP2 shards into the whole
+#   reference model). Refused by name now; not pinned here (one real DPO / GRPO case in CI): its own test is
+#   tests/test_trl_dpo.py::test_dpo_sync_ref_model_under_fsdp2_is_refused_by_name.
+# - 494186300 (WPO weighting with the hinge loss): crash, autograd's "modified by an inplace operation"; plain
+#   DPOTrainer on one process too (TRL's own): not drawn since (fuzz_trainers' docstring), as WPO with the aot
+#   losses (DPOTrainer raises NotImplementedError) and exo_pair without smoothing (DPOConfig raises).
+# - 1055730221, 647925007 (ZeRO-3, SP 3-4, a reference model): crash in a fresh pool only, DeepSpeed's batch check
+#   "6 != 1 * 2 * 1" for the reference model's engine: under use_cpu=True accelerate does not start DeepSpeed's comm,
+#   so the engine DPOTrainer builds in __init__ counted a world of 1. The runner starts it first, as accelerate does
+#   off CPU.
+# The one real DPO case in CI: test_a_planted_dpo_bug_is_wrong (clean and planted).
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
