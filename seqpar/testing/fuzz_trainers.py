@@ -66,7 +66,8 @@ scale too (:func:`_floor`).
 - DPO draws: one or two loss types of TRL's 15 (with ``loss_weights`` now and then), ``label_smoothing``
   (``dpo_smoothing``), ``beta``, ``ld_alpha``, WPO weighting (``use_weighting``), a given reference model (a second
   copy of the weights) or the one DPOTrainer builds from the policy's folder, ``sync_ref_model`` (TR-DPO, every
-  step), ``precompute_ref_log_probs`` now and then (seqpar refuses it by name), accumulation, DP x SP, clipping,
+  step; seqpar refuses it by name under its FSDP2), ``precompute_ref_log_probs`` now and then (seqpar refuses it by
+  name), accumulation, DP x SP, clipping,
   evaluation, preference pairs of 1-7 prompt and 1-9 completion words.
 - GRPO draws: ``num_generations`` (2, 3), one or two prompt groups per rank and step, ``num_iterations`` (1, 2),
   ``scale_rewards`` (``group``, ``none``, now and then ``batch``, refused by name), ``loss_type`` (``grpo``,
@@ -75,7 +76,8 @@ scale too (:func:`_floor`).
   words. Rollouts must be the same on both sides: the runner samples them with the Gumbel-max trick under noise
   drawn from each row's prompt, its place in its group and the decoding step (not torch's RNG), so one process
   and DP replicas holding the prompts in other batches sample the same completions (SP ranks share them anyway).
-  Accumulation is 1 (GRPOTrainer shuffles the rows of a generation batch over the accumulation steps with torch's
+  A case whose advantages are all 0 (each group scored its completions alike) and without KL moves nothing; then
+  seqpar's run must not move anything either. Accumulation is 1 (GRPOTrainer shuffles the rows of a generation batch over the accumulation steps with torch's
   RNG, which no split over replicas can match; its per-micro-batch metrics depend on that split).
 - Not drawn: TRL 1.16's DPOTrainer has no ``reference_free`` or ``use_logits_to_keep`` any more, and its
   ``padding_free`` falls back to padding (a warning), so they are not knobs; vLLM generation, continuous batching,
