@@ -88,9 +88,13 @@ scale too (:func:`_floor`).
   process too, ``--case-seed 494186300 --set world=1 --set sp=1 --set engine=plain``) or the ``aot`` losses
   (DPOTrainer raises NotImplementedError); ``exo_pair`` without label smoothing (DPOConfig refuses it: drawn with
   1e-3).
-- Not drawn at DP > 1, the trainers' own behaviour without seqpar: DPO's ``aot`` and ``aot_unpaired`` losses sort
-  the rewards over the batch, each replica its own rows, not the global batch; GRPO's ``bnpo`` divides by the
-  replica's own completion tokens (each replica's token mean, averaged by the engine), not the global batch's.
+- Not drawn at DP > 1, the trainers' own behaviour without seqpar: GRPO's ``bnpo`` divides by the replica's own
+  completion tokens (each replica's token mean, averaged by the engine), not the global batch's: plain
+  GRPOTrainer on 2 processes, ``--case-seed 1687088778 --set grpo_loss=bnpo --set engine=plain``, step 1's loss
+  5.6e-2 and ``embed_tokens``' update 3.8e-2 off one process's. DPO's ``aot`` and ``aot_unpaired`` losses sort
+  the log-ratios over the batch, each replica its own rows, not the global batch: by reading TRL's code, not yet
+  shown (``--case-seed 1235500454 --set 'dpo_loss=["aot"]' --set loss_weights=null --set engine=plain``, one pair
+  per replica, was exact: at the first step every delta is 0, whatever the order).
 
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
