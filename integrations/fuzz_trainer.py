@@ -8,7 +8,14 @@ runner takes plain arguments and knows nothing of the fuzzer (it does not import
 Trainers (the entry-point names, :data:`TRAINERS`):
 
 - ``trainer``: ``transformers.Trainer``, or :class:`seqpar.integrations.trainer.SeqParTrainer` under SP;
-- ``sft``: ``trl.SFTTrainer``, or ``sequence_parallel(SFTTrainer)`` under SP (:mod:`seqpar.integrations.trl`).
+- ``sft``: ``trl.SFTTrainer``, or ``sequence_parallel(SFTTrainer)`` under SP (:mod:`seqpar.integrations.trl`);
+- ``dpo``: ``trl.DPOTrainer`` / ``sequence_parallel(DPOTrainer)``; the policy is loaded from a folder it was saved
+  to, so that a reference model DPOTrainer builds itself (``ref_model=None``) is loaded from the same weights;
+- ``grpo``: ``trl.GRPOTrainer`` / ``sequence_parallel(GRPOTrainer)`` (the reference model, ``beta > 0``, is built
+  by GRPOTrainer from the policy's folder, as for DPO). Its rollouts are sampled with the Gumbel-max trick under
+  noise drawn from each row's prompt, its place in the prompt's group and the decoding step
+  (:class:`_RowNoise`), not from torch's RNG: the same prompt gets the same completions whichever process holds
+  it and however the batch is split over DP replicas, which one process's sampling could not match otherwise.
 
 Engines: ``zero1`` / ``zero2`` / ``zero3`` (``TrainingArguments(deepspeed=...)`` with a ``sequence_parallel``
 block: Trainer builds the engine through accelerate, seqpar's mixin routes it to seqpar's ``initialize``),
@@ -30,8 +37,83 @@ from torch import nn
 
 __all__ = ["TRAINERS", "ENGINES", "run_trainer"]
 
-TRAINERS = ("trainer", "sft")
+TRAINERS = ("trainer", "sft", "dpo", "grpo")
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "plain")
+
+
+def word_sum(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward that varies between completions: the words' ids weighted by place, mod 7."""
+    return [float(sum((i + 1) * int(w[1:]) for i, w in enumerate(c.split()) if w.startswith("t")) % 7)
+            for c in completions]
+
+
+def length(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward for short completions: minus the word count."""
+    return [-float(len(c.split())) for c in completions]
+
+
+REWARDS = {"word_sum": word_sum, "length": length}
+"""GRPO's reward functions by name (deterministic: the same completions score the same on every process)."""
+
+
+def _from_folder(model: nn.Module | None, folder: str, like: nn.Module | None = None) -> nn.Module:
+    """``model`` saved to ``folder/model`` and loaded back (its config then names the folder, from which DPO's
+    and GRPO's trainers build their reference model), in its dtype; ``model=None``: another copy of ``like``'s
+    saved weights."""
+    import os
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if distributed:  # transformers writes on the first rank only: every rank reads its folder
+        shared = [folder]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        folder = shared[0]
+    path = os.path.join(folder, "model")
+    if model is not None:
+        model.save_pretrained(path)
+        if distributed:
+            torch.distributed.barrier()
+    source = model if model is not None else like
+    implementations = {key: getattr(source.config, f"_{key}") for key in ("attn_implementation",
+                                                                          "experts_implementation")
+                       if getattr(source.config, f"_{key}", None) is not None}
+    loaded = type(source).from_pretrained(path, dtype=source.dtype, **implementations)
+    loaded.config.use_cache = False
+    return loaded
+
+
+class _RowNoise:
+    """A logits processor that makes greedy decoding a sample of ``softmax(logits)`` (the Gumbel-max trick) whose
+    noise is a function of the row's prompt (its tokens without padding), its place in the prompt's group of
+    ``generations`` consecutive rows (GRPO's sampler repeats each prompt that many times in a row; seqpar requires
+    whole groups on each rank) and the decoding step: the same on every process and batch split."""
+
+    def __init__(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, generations: int) -> None:
+        self.width = prompt_ids.shape[1]
+        self.keys = [hash((tuple(ids[mask.bool()].tolist()), row % generations))
+                     for row, (ids, mask) in enumerate(zip(prompt_ids, prompt_mask, strict=True))]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.width
+        noise = torch.stack([
+            -torch.log(-torch.log(torch.rand(scores.shape[1], generator=torch.Generator().manual_seed(
+                (key * 1000003 + step) % 2 ** 63), dtype=torch.float64).clamp(min=1e-300)))
+            for key in self.keys])
+        return scores + noise.to(scores.device, scores.dtype)
+
+
+def _sample_by_row(model: nn.Module, generations: int) -> None:
+    """``model.generate`` (an instance attribute: this model only) decodes greedily through :class:`_RowNoise`
+    (GRPOTrainer's generation config has ``do_sample=False`` from the runner's ``generation_kwargs``)."""
+    import transformers
+
+    generate = model.generate
+
+    def sampled(*args: Any, **kwargs: Any) -> Any:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        kwargs["logits_processor"] = transformers.LogitsProcessorList([_RowNoise(ids, mask, generations)])
+        return generate(*args, **kwargs)
+
+    model.generate = sampled
 
 
 @contextlib.contextmanager
@@ -81,7 +163,12 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
         knobs: ``micro`` (per-device batch), ``accumulation``, ``steps``, ``lr``, ``max_grad_norm``,
             ``average_tokens`` (``average_tokens_across_devices``), ``label_smoothing``, ``eval_batch`` (the
             per-device eval batch, default 1); for ``sft`` also
-            ``packing``, ``padding_free``, ``assistant_only_loss``, ``loss_type``, ``max_length``.
+            ``packing``, ``padding_free``, ``assistant_only_loss``, ``loss_type``, ``max_length``; for ``dpo``
+            ``dpo_loss`` (the loss types), ``loss_weights``, ``dpo_smoothing``, ``beta``, ``ld_alpha``,
+            ``use_weighting``, ``ref_model`` (``"given"``: a second model of the same weights; ``"built"``:
+            DPOTrainer's own), ``sync_ref_model``, ``precompute_ref``; for ``grpo`` ``num_generations``,
+            ``num_iterations``, ``scale_rewards``, ``grpo_loss``, ``beta``, ``epsilon``, ``rewards`` (names in
+            :data:`REWARDS`), ``reward_weights``, ``max_completion_length``.
         config: the ``sequence_parallel`` block (``size``, ``mode``, ``sharding``).
 
     Returns:
@@ -119,7 +206,47 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
         )
         kwargs: dict[str, Any] = {"train_dataset": data["train"], "eval_dataset": data.get("eval"),
                                   "callbacks": [Snapshots()]}
-        if trainer == "sft":
+        if trainer in ("dpo", "grpo") and engine.startswith("zero"):
+            # As accelerate does on an accelerator before any engine (it skips it under use_cpu=True): DPO's and
+            # GRPO's trainers build their reference model's DeepSpeed engine in __init__, before the policy's
+            # engine starts DeepSpeed's comm; without it DeepSpeed counts a world of 1 for that engine's batch
+            # check ("train_batch_size ... 6 != 1 * 2 * 1" at ZeRO-3 in a fresh pool, case 1055730221)
+            import deepspeed
+
+            if not deepspeed.comm.is_initialized():
+                deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False)
+        if trainer in ("dpo", "grpo"):
+            model = _from_folder(model, out_dir)
+            # a reference model the trainer builds from the folder gets the policy's experts implementation (the
+            # tiny MoE models run "eager": grouped_mm takes no float64)
+            experts = getattr(model.config, "_experts_implementation", None)
+            common["model_init_kwargs"] = {"experts_implementation": experts} if experts else None
+        if trainer == "dpo":
+            import trl
+
+            args = trl.DPOConfig(
+                **common, bf16=False, loss_type=list(knobs["dpo_loss"]), loss_weights=knobs["loss_weights"],
+                label_smoothing=knobs["dpo_smoothing"], beta=knobs["beta"], ld_alpha=knobs["ld_alpha"],
+                use_weighting=knobs["use_weighting"], sync_ref_model=knobs["sync_ref_model"], ref_model_sync_steps=1,
+                precompute_ref_log_probs=knobs["precompute_ref"])
+            cls = trl.DPOTrainer
+            kwargs["processing_class"] = data["tokenizer"]
+            if knobs["ref_model"] == "given":
+                kwargs["ref_model"] = _from_folder(None, out_dir, like=model)
+        elif trainer == "grpo":
+            import trl
+
+            args = trl.GRPOConfig(
+                **common, bf16=False, num_generations=knobs["num_generations"],
+                num_iterations=knobs["num_iterations"], scale_rewards=knobs["scale_rewards"],
+                loss_type=knobs["grpo_loss"], beta=knobs["beta"], epsilon=knobs["epsilon"],
+                reward_weights=knobs["reward_weights"], max_completion_length=knobs["max_completion_length"],
+                temperature=1.0, shuffle_dataset=False, generation_kwargs={"do_sample": False})
+            cls = trl.GRPOTrainer
+            kwargs["processing_class"] = data["tokenizer"]
+            kwargs["reward_funcs"] = [REWARDS[name] for name in knobs["rewards"]]
+            _sample_by_row(model, knobs["num_generations"])
+        elif trainer == "sft":
             import trl
 
             args = trl.SFTConfig(**common, packing=knobs["packing"], padding_free=knobs["padding_free"],

@@ -167,7 +167,8 @@ class DPOLoss:
     by the SP size.
 
     Refused by name: ``precompute_ref_log_probs=True`` (its pass gathers per-row results over every
-    process, which repeats each SP group's rows), and vision batches.
+    process, which repeats each SP group's rows), vision batches, and ``sync_ref_model=True`` under
+    seqpar's FSDP2 (TR-DPO's update mixes FSDP2-sharded policy parameters into the whole reference model).
     """
 
     shards_in_step = False
@@ -200,6 +201,7 @@ class DPOLoss:
 
             raise ConfigError("DPOTrainer on vision batches is not handled under sequence parallelism: the "
                               "image tokens' features are not cut with the sequence; train it without seqpar")
+        _refuse_sync_under_fsdp2(trainer)
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
             swap(_hf_model(ref))  # once per model: a given reference model was swapped in prepare
@@ -267,7 +269,8 @@ class GRPOLoss:
 
     Refused by name: vLLM and transformers' continuous batching (generation outside the model's own
     ``generate``), ``scale_rewards="batch"`` and ``multi_objective_aggregation="normalize_then_sum"``
-    (a standard deviation over the duplicated rows), ``top_entropy_quantile < 1`` (a quantile over
+    (a standard deviation over the duplicated rows), ``sync_ref_model=True`` under seqpar's FSDP2 (as for
+    DPO), ``top_entropy_quantile < 1`` (a quantile over
     them), a per-rank generation batch that splits a prompt's group across DP ranks, and models with
     seqpar layers of their own (mixers, ALiBi, MLA latent transfer), which the unsharded generation
     does not switch off, and models without rotary embeddings (the rotation above shifts positions).
@@ -331,6 +334,7 @@ class GRPOLoss:
         scoring around GRPOTrainer's own methods (instance attributes: this trainer only)."""
         policy = trainer.accelerator.unwrap_model(trainer.model)
         _refuse_own_layers(policy)
+        _refuse_sync_under_fsdp2(trainer)
         ref = getattr(trainer, "ref_model", None)
         if ref is not None:
             swap(_hf_model(ref))
@@ -396,6 +400,26 @@ class GRPOLoss:
         policy = trainer.accelerator.unwrap_model(model)
         with _cut_fused_calls(policy, manager.sp_group, trainer.seqpar_config.sharding, left_padding=True):
             return base(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+
+def _refuse_sync_under_fsdp2(trainer: Any) -> None:
+    """TR-DPO's reference update (``sync_ref_model=True``, TRL's ``SyncRefModelCallback``) mixes each policy
+    parameter into the reference model's in place. Under seqpar's FSDP2 (``seqpar_config=``) the policy's
+    parameters are FSDP2 shards (DTensors) while the reference model stays whole: the mix fails in the first
+    synchronisation (``add_`` of a DTensor into a tensor), after a full optimizer step. Refused at construction,
+    on every rank (the same arguments everywhere)."""
+    if not getattr(trainer.args, "sync_ref_model", False):
+        return
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    if any(hasattr(p, "full_tensor") for p in policy.parameters()):  # FSDP2's DTensor shards
+        from seqpar.config import ConfigError
+
+        raise ConfigError(
+            f"{type(trainer).__name__} with sync_ref_model=True under seqpar's FSDP2 (seqpar_config=): the policy's "
+            "parameters are FSDP2 shards and the reference model is kept whole, which TRL's reference update "
+            "cannot mix. Set sync_ref_model=False, or train under DeepSpeed (TrainingArguments(deepspeed=...) "
+            "with a sequence_parallel block)"
+        )
 
 
 def _refuse_absolute_positions(model: Any) -> None:

@@ -100,3 +100,34 @@ def test_dpo_zero2_sp2_equals_one_process(dist_pool, tmp_path, family):
         # rounding step): a Llama layer norm's gradient of scale 2e-3 was 6e-7 (one step) off without it
         trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
         trl_tiny.assert_logs_close(r["logs"], ref["logs"], LOGGED)
+
+
+def _sync_ref_under_fsdp2(rank: int, world: int, tmp: str) -> str:
+    """Build ``sequence_parallel(DPOTrainer)`` under seqpar's FSDP2 with ``sync_ref_model=True``: the error."""
+    from trl import DPOConfig, DPOTrainer
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import sequence_parallel
+
+    args = DPOConfig(output_dir=f"{tmp}/r{rank}", per_device_train_batch_size=PAIRS_PER_STEP, max_steps=1,
+                     learning_rate=hf_tiny.LR, optim="sgd", report_to=[], save_strategy="no", use_cpu=True,
+                     disable_tqdm=True, bf16=False, sync_ref_model=True, ref_model_sync_steps=1)
+    with hf_tiny.launcher_env(rank, world):
+        try:
+            sequence_parallel(DPOTrainer)(model=_model("llama"), ref_model=_model("llama"), args=args,
+                                          train_dataset=preference_pairs(), processing_class=trl_tiny.tokenizer(),
+                                          seqpar_config={"size": world, "mode": "ring", "sharding": "zigzag"})
+        except ConfigError as e:
+            return str(e)
+    return "built"
+
+
+@pytest.mark.timeout(300)
+def test_dpo_sync_ref_model_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
+    """TR-DPO's reference update (``sync_ref_model=True``) under seqpar's FSDP2 (``seqpar_config=``): the policy's
+    parameters are FSDP2 shards and the reference model stays whole, so TRL's in-place mix failed in the first
+    synchronisation ("aten.add_.Tensor got mixed torch.Tensor and DTensor", found by the fuzzer's trainer kind,
+    case 1146559688, after a whole optimizer step). Now refused at construction, on every rank, naming the option
+    and the fix. Seen failing: without ``_refuse_sync_under_fsdp2`` (the trainer was built)."""
+    for message in dist_pool.run(2, _sync_ref_under_fsdp2, str(tmp_path), timeout=200):
+        assert "sync_ref_model=True" in message and "Set sync_ref_model=False" in message, message

@@ -52,6 +52,50 @@ plain DP run, whatever seqpar does):
   global eval batch that one process computes (transformers' ``Trainer.prediction_step`` counts the global
   batch's targets). Drawn at DP 1 only.
 
+**DPO and GRPO** (``dpo``: ``sequence_parallel(trl.DPOTrainer)``, ``grpo``: ``sequence_parallel(trl.GRPOTrainer)``;
+about 40% of the cases, drawn from a generator of their own seeded after every older draw, so the older case
+seeds keep their compositions). The contract is the one above (docs/integrations.md, tests/test_trl_dpo.py,
+tests/test_trl_grpo.py): the same TRL trainer without seqpar on one process over the same global batch, float64,
+SGD; judged as above (the logged loss, ``grad_norm`` when clipping, DPO's evaluation loss, every parameter's
+update), plus the logged metrics seqpar promises equal to one process's (:data:`METRICS`): DPO's rewards
+(chosen, rejected, margins, accuracies), log-probs, entropy, logits, mean token accuracy and ``num_tokens``;
+GRPO's ``kl``, entropy, clip ratios, rewards (their mean and standard deviation, each reward function's too),
+completion length and ``num_tokens``. A number that is a small difference of large ones is judged against their
+scale too (:func:`_floor`).
+
+- DPO draws: one or two loss types of TRL's 15 (with ``loss_weights`` now and then), ``label_smoothing``
+  (``dpo_smoothing``), ``beta``, ``ld_alpha``, WPO weighting (``use_weighting``), a given reference model (a second
+  copy of the weights) or the one DPOTrainer builds from the policy's folder, ``sync_ref_model`` (TR-DPO, every
+  step; seqpar refuses it by name under its FSDP2), ``precompute_ref_log_probs`` now and then (seqpar refuses it by
+  name), accumulation, DP x SP, clipping,
+  evaluation, preference pairs of 1-7 prompt and 1-9 completion words.
+- GRPO draws: ``num_generations`` (2, 3), one or two prompt groups per rank and step, ``num_iterations`` (1, 2),
+  ``scale_rewards`` (``group``, ``none``, now and then ``batch``, refused by name), ``loss_type`` (``grpo``,
+  ``bnpo``, ``dr_grpo``, ``dapo``), ``beta`` (0: no reference model; 0.2: KL), ``epsilon``, one or two
+  deterministic reward functions with or without ``reward_weights``, ``max_completion_length`` 3-6, prompts of 1-6
+  words. Rollouts must be the same on both sides: the runner samples them with the Gumbel-max trick under noise
+  drawn from each row's prompt, its place in its group and the decoding step (not torch's RNG), so one process
+  and DP replicas holding the prompts in other batches sample the same completions (SP ranks share them anyway).
+  A case whose advantages are all 0 (each group scored its completions alike) and without KL moves nothing; then
+  seqpar's run must not move anything either. Accumulation is 1 (GRPOTrainer shuffles the rows of a generation batch over the accumulation steps with torch's
+  RNG, which no split over replicas can match; its per-micro-batch metrics depend on that split).
+- Not drawn: TRL 1.16's DPOTrainer has no ``reference_free`` or ``use_logits_to_keep`` any more, and its
+  ``padding_free`` falls back to padding (a warning), so they are not knobs; vLLM generation, continuous batching,
+  ``top_entropy_quantile < 1`` and other GRPO loss types (``cispo``, ``sapo``, ...) are not drawn (refused by
+  seqpar, or not yet); models without rotary embeddings are never drawn (all of :data:`MODEL_TYPES` are rotary).
+- Not drawn, DPOTrainer's own without seqpar: WPO weighting (``use_weighting``) with the ``hinge`` loss (TRL
+  multiplies the relu's output in place: autograd's "modified by an inplace operation", plain DPOTrainer on one
+  process too, ``--case-seed 494186300 --set world=1 --set sp=1 --set engine=plain``) or the ``aot`` losses
+  (DPOTrainer raises NotImplementedError); ``exo_pair`` without label smoothing (DPOConfig refuses it: drawn with
+  1e-3).
+- Not drawn at DP > 1, the trainers' own behaviour without seqpar: GRPO's ``bnpo`` divides by the replica's own
+  completion tokens (each replica's token mean, averaged by the engine), not the global batch's: plain
+  GRPOTrainer on 2 processes, ``--case-seed 1687088778 --set grpo_loss=bnpo --set engine=plain``, step 1's loss
+  5.6e-2 and ``embed_tokens``' update 3.8e-2 off one process's. DPO's ``aot`` and ``aot_unpaired`` losses sort
+  the log-ratios over the batch, each replica its own rows, not the global batch: by reading TRL's code, not yet
+  shown (``--case-seed 1235500454 --set 'dpo_loss=["aot"]' --set loss_weights=null --set engine=plain``, one pair
+  per replica, was exact: at the first step every delta is 0, whatever the order).
+
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
 engine runners: the harness never imports ``seqpar.integrations``.
@@ -68,12 +112,21 @@ import torch
 __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
            "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case"]
 
-TRAINERS = ("trainer", "sft")
+TRAINERS = ("trainer", "sft", "dpo", "grpo")
+TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
+# The TRL trainers share one runner (seqpar.integrations.fuzz_trainer:run_trainer), declared in setup.cfg under the
+# name ``sft``: ``dpo`` and ``grpo`` are found through it (the runner dispatches on the trainer name it is given)
+RUNNER_NAME = {"trainer": "trainer", "sft": "sft", "dpo": "sft", "grpo": "sft"}
+DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+BATCH_SORTED_LOSSES = frozenset({"aot", "aot_unpaired"})  # sort over the batch: DP 1 only (the module docstring)
+GRPO_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
+GRPO_REWARDS = ("word_sum", "length")
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
 MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3_moe")
 MOE_TYPES = frozenset({"mixtral", "qwen3_moe"})
 ENTRY_POINT_GROUP = "seqpar.fuzz_trainers"
-PLANTS = ("loss_over_world",)
+PLANTS = ("loss_over_world", "trl_loss_over_world")
 LR = 0.1
 SFT_MAX_LENGTH = 24
 # fp32 ranks against a float64 reference: the logged numbers, and each parameter's update on its own scale
@@ -122,7 +175,56 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
         draws.update(packing=packing, padding_free=packing or rng.random() < 0.5,
                      assistant_only_loss=rng.random() < 0.6, loss_type=rng.choice(("nll", "nll", "dft")),
                      turns=[[rng.randint(1, 6), rng.randint(1, 9)] for _ in range(max(rows, 1) * 3)])
+    # DPO and GRPO: drawn from their own generator, seeded after every older draw, so that the cases drawn before
+    # them (FOUND's pinned seeds) keep their compositions
+    trl = random.Random(rng.randrange(2 ** 31))
+    pick = trl.random()
+    if pick < 0.4:
+        _draw_trl(trl, draws, "dpo" if pick < 0.2 else "grpo")
     return draws
+
+
+def _draw_trl(rng: random.Random, draws: dict[str, Any], trainer: str) -> None:
+    """Turn ``draws`` (a drawn ``trainer`` / ``sft`` case) into a DPO or GRPO case: the world, engine, model,
+    ring mode, clipping and steps stay; the other trainers' data knobs go; the trainer's own are drawn."""
+    for key in ("collator", "lengths", "masked", "packing", "padding_free", "assistant_only_loss", "loss_type",
+                "turns"):
+        draws.pop(key, None)
+    dp = draws["dp"]
+    draws.update(trainer=trainer, label_smoothing=0.0)
+    if trainer == "dpo":
+        # at DP > 1 the batch-sorted losses are DPOTrainer's own per replica (the module docstring)
+        losses = [x for x in DPO_LOSSES if dp == 1 or x not in BATCH_SORTED_LOSSES]
+        loss_types = rng.sample(losses, rng.choice((1, 1, 2)))
+        pairs = draws["micro"] * dp * draws["accumulation"] * draws["steps"]
+        smoothing = rng.choice((0.0, 0.0, 0.1))
+        if "exo_pair" in loss_types and not smoothing:
+            smoothing = 1e-3  # DPOConfig requires it for EXO (the paper's value)
+        draws.update(
+            dpo_loss=loss_types,
+            loss_weights=[rng.choice((0.3, 1.0, 1.7)) for _ in loss_types] if rng.random() < 0.4 else None,
+            dpo_smoothing=smoothing, beta=rng.choice((0.1, 0.5, 1.0)),
+            ld_alpha=0.5 if rng.random() < 0.2 else None,
+            # WPO: TRL's own hinge multiplies its relu output in place (autograd error), and it refuses the aot losses
+            use_weighting=rng.random() < 0.2 and not {"hinge", "aot", "aot_unpaired"} & set(loss_types),
+            ref_model=rng.choice(("given", "built")), sync_ref_model=draws["steps"] > 1 and rng.random() < 0.15,
+            precompute_ref=rng.random() < 0.04,
+            pairs=[[rng.randint(1, 7), rng.randint(1, 9), rng.randint(1, 9)] for _ in range(pairs)])
+        return
+    generations = rng.choice((2, 2, 3))
+    groups = rng.choice((1, 1, 2))  # prompt groups per rank and optimizer step
+    iterations = rng.choice((1, 2))
+    draws.update(
+        micro=generations * groups, accumulation=1, evaluate=False, num_generations=generations,
+        num_iterations=iterations,
+        scale_rewards=rng.choice(("group", "group", "none")) if rng.random() < 0.92 else "batch", grpo_loss=rng.choice(GRPO_LOSSES), beta=rng.choice((0.0, 0.2)),
+        epsilon=rng.choice((0.2, 0.05)), rewards=rng.choice((["word_sum"], ["length"], ["word_sum", "length"])),
+        max_completion_length=rng.randint(3, 6),
+        prompts=[rng.randint(1, 6) for _ in range(groups * dp * draws["steps"])])
+    if draws["grpo_loss"] == "bnpo" and dp > 1:
+        draws["grpo_loss"] = "grpo"  # bnpo's token mean is GRPOTrainer's own per replica (the module docstring)
+    draws["reward_weights"] = [rng.choice((0.5, 1.0, 2.0)) for _ in draws["rewards"]] \
+        if len(draws["rewards"]) > 1 and rng.random() < 0.5 else None
 
 
 def trainer_summary(draws: dict[str, Any]) -> str:
@@ -133,6 +235,19 @@ def trainer_summary(draws: dict[str, Any]) -> str:
     if d["trainer"] == "trainer":
         lengths = f"{d['lengths'][0]}x{len(d['lengths'])}" if d["collator"] == "rows" else str(d["lengths"])
         parts.append(f"{d['collator']}={lengths}" + (f" masked={d['masked']}" if any(d["masked"]) else ""))
+    elif d["trainer"] == "dpo":
+        parts.append(f"loss={'+'.join(d['dpo_loss'])}" + (f" weights={d['loss_weights']}" if d["loss_weights"] else "")
+                     + f" beta={d['beta']} ref={d['ref_model']} pairs={len(d['pairs'])}")
+        for key, name in (("dpo_smoothing", "dpo-smoothing"), ("ld_alpha", "ld_alpha"), ("use_weighting", "wpo"),
+                          ("sync_ref_model", "sync-ref"), ("precompute_ref", "precompute-ref")):
+            if d[key]:
+                parts.append(name if d[key] is True else f"{name}={d[key]}")
+    elif d["trainer"] == "grpo":
+        parts.append(f"loss={d['grpo_loss']} G={d['num_generations']} prompts={d['prompts']} "
+                     f"iterations={d['num_iterations']} scale={d['scale_rewards']} beta={d['beta']} "
+                     f"eps={d['epsilon']} rewards={'+'.join(d['rewards'])}"
+                     + (f" weights={d['reward_weights']}" if d["reward_weights"] else "")
+                     + f" completion<={d['max_completion_length']}")
     else:
         parts.append(("packing " if d["packing"] else "") + ("padding-free " if d["padding_free"] else "")
                      + ("assistant-only " if d["assistant_only_loss"] else "") + f"loss={d['loss_type']}")
@@ -198,6 +313,22 @@ def trainer_data(draws: dict[str, Any]) -> dict[str, Any]:
 
     g = torch.Generator().manual_seed(draws["data_seed"])
     n_eval = 2 * draws["dp"] if draws["evaluate"] else 0
+    if draws["trainer"] in ("dpo", "grpo"):
+        import datasets
+
+        def text(n: int) -> str:
+            return " ".join(f"t{i}" for i in torch.randint(4, VOCAB, (n,), generator=g).tolist())
+
+        if draws["trainer"] == "grpo":
+            rows = [{"prompt": text(n)} for n in draws["prompts"]]
+            return {"train": datasets.Dataset.from_list(rows), "eval": None, "collator": None,
+                    "tokenizer": _tokenizer("left")}
+        # the prompt ends in a space: DPOTrainer joins prompt and completion texts as they are
+        pairs = [{"prompt": text(p) + " ", "chosen": text(c), "rejected": text(r)} for p, c, r in draws["pairs"]]
+        evals = [{"prompt": text(3) + " ", "chosen": text(4), "rejected": text(2)} for _ in range(n_eval)]
+        return {"train": datasets.Dataset.from_list(pairs),
+                "eval": datasets.Dataset.from_list(evals) if n_eval else None, "collator": None,
+                "tokenizer": _tokenizer()}
     if draws["trainer"] == "sft":
         import datasets
 
@@ -252,12 +383,14 @@ def trainer_runner(trainer: str) -> Any:
     """
     from seqpar.testing.fuzz_engines import engine_runner
 
-    return engine_runner(trainer, ENTRY_POINT_GROUP, "trainer runner", "run_trainer")
+    return engine_runner(RUNNER_NAME.get(trainer, trainer), ENTRY_POINT_GROUP, "trainer runner", "run_trainer")
 
 
 def _plant(name: str | None, world: int, sp: int) -> Any:
     """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
-    ``"loss_over_world"``: ``transformers.Trainer.compute_loss``'s result times ``sp / world``, so that
+    ``"trl_loss_over_world"``: DPOTrainer's and GRPOTrainer's own ``compute_loss`` (which seqpar's adapters wrap)
+    times ``sp / world`` (the loss divided by the world instead of SP: at DP > 1 every gradient ``1 / dp`` of one
+    process's); ``"loss_over_world"``: ``transformers.Trainer.compute_loss``'s result times ``sp / world``, so that
     SeqParTrainer's division of Trainer's process-count factor by ``sp`` divides by the world instead (the
     gradient is ``1 / dp`` of one process's; the ``trainer`` trainer, DP > 1 shows it)."""
     if name is None:
@@ -266,6 +399,28 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
         raise ValueError(f"unknown plant {name!r}: choose from {list(PLANTS)}")
     import transformers
 
+    if name == "trl_loss_over_world":
+        # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
+        import trl
+
+        owners = (trl.DPOTrainer, trl.GRPOTrainer)
+        originals = [owner.__dict__["compute_loss"] for owner in owners]
+
+        def scaled(original: Any) -> Any:
+            def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(self, *args, **kwargs)
+                if isinstance(result, tuple):
+                    return (result[0] * sp / world, *result[1:])
+                return result * sp / world
+            return compute_loss
+
+        for owner, original in zip(owners, originals, strict=True):
+            owner.compute_loss = scaled(original)
+
+        def undo_trl() -> None:
+            for owner, original in zip(owners, originals, strict=True):
+                owner.compute_loss = original
+        return undo_trl
     original = transformers.Trainer.compute_loss
 
     def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -313,6 +468,13 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
                          assistant_only_loss=draws["assistant_only_loss"], loss_type=draws["loss_type"],
                          # TRL refuses max_length with padding_free and no packing (it would not truncate)
                          max_length=SFT_MAX_LENGTH if draws["packing"] or not draws["padding_free"] else None)
+        if draws["trainer"] == "dpo":
+            knobs.update({k: draws[k] for k in ("dpo_loss", "loss_weights", "dpo_smoothing", "beta", "ld_alpha",
+                                                "use_weighting", "ref_model", "sync_ref_model", "precompute_ref")})
+        if draws["trainer"] == "grpo":
+            knobs.update({k: draws[k] for k in ("num_generations", "num_iterations", "scale_rewards", "grpo_loss",
+                                                "beta", "epsilon", "rewards", "reward_weights",
+                                                "max_completion_length")})
         config = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"]}
         model = _build_model(draws, getattr(torch, dtype_name))
         with warnings.catch_warnings(), released_deepspeed_engines():
@@ -334,6 +496,36 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
 # Verdict
 # --------------------------------------------------------------------------------------------------
 
+# The logged metrics judged beside the loss (and grad_norm): those seqpar promises equal to one process's
+# (integrations/trl.py; tests/test_trl_dpo.py, tests/test_trl_grpo.py). A key ending in "/" stands for every logged
+# key under it (GRPO's per-reward-function mean and std).
+METRICS = {
+    "dpo": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected", "entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens"),
+    "grpo": ("kl", "entropy", "clip_ratio/", "reward", "reward_std", "rewards/", "completions/mean_length",
+             "num_tokens"),
+}
+
+
+def _floor(draws: dict[str, Any], key: str, ref_log: dict[str, Any]) -> float:
+    """The absolute difference below which a logged number counts as equal (its own relative tolerance above):
+    a number that is a small difference of large ones carries their rounding. DPO's rewards and margins are
+    ``beta x`` differences of per-sequence log-prob sums (0 at the first step, the policy being its reference);
+    GRPO's loss is a mean of advantages (0 at the first step with group scaling, the advantages summing to 0 in
+    each group) of the rewards' scale, and ``kl`` a difference of log-probs (0 at the first step); DPO's mean
+    logits are means of logits that cancel, judged within ``LOSS_RTOL x 0.01`` absolute too."""
+    if draws["trainer"] == "dpo" and key.startswith("rewards/") and key != "rewards/accuracies":
+        scale = max(abs(ref_log.get("logps/chosen", 0.0)), abs(ref_log.get("logps/rejected", 0.0)))
+        return LOSS_RTOL * draws["beta"] * scale
+    if draws["trainer"] == "dpo" and key.startswith("logits/"):
+        # the mean logit over the vocabulary and the completion tokens: ~1e-3, a sum of logits of order 0.1-1 that
+        # cancel (fp32 rounding of the sum 2e-10 in case 647925007, 5.8e-5 of the mean)
+        return LOSS_RTOL * 1e-2
+    if draws["trainer"] == "grpo" and key in ("loss", "kl"):
+        return LOSS_RTOL * max(1.0, abs(ref_log.get("reward", 0.0)))
+    return 0.0
+
+
 def _rel(got: float, ref: float) -> float:
     return abs(got - ref) / max(abs(ref), 1e-30)
 
@@ -354,13 +546,16 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
         if len(r["logs"]) != n_logs or len(r["evals"]) != len(ref["evals"]):
             return "WRONG", (f"rank {rank} logged {len(r['logs'])} steps and {len(r['evals'])} evaluations "
                              f"(reference {n_logs}, {len(ref['evals'])})")
-        pairs = [(f"step {i + 1}: {key}", g.get(key, float("nan")), e[key])
+        keys = ("loss", "grad_norm", *METRICS.get(draws["trainer"], ()))
+        pairs = [(f"step {i + 1}: {key}", g.get(key, float("nan")), e[key], _floor(draws, key, e))
                  for i, (g, e) in enumerate(zip(r["logs"], ref["logs"], strict=True))
-                 for key in ("loss", "grad_norm") if key in e and (key == "loss" or draws["max_grad_norm"])]
-        pairs += [(f"evaluation {i + 1}: eval_loss", g["eval_loss"], e["eval_loss"])
+                 for key in keys if (key in e or key.endswith("/")) and (key != "grad_norm" or draws["max_grad_norm"])
+                 for key in ([key] if not key.endswith("/") else sorted(k for k in e if k.startswith(key)))]
+        pairs += [(f"evaluation {i + 1}: eval_loss", g["eval_loss"], e["eval_loss"], 0.0)
                   for i, (g, e) in enumerate(zip(r["evals"], ref["evals"], strict=True))]
-        for what, g, e in pairs:
-            rel = _rel(float(g), float(e))
+        for what, g, e, floor in pairs:
+            # (a NaN, or a number missing on one side, is never within the floor)
+            rel = 0.0 if abs(float(g) - float(e)) <= floor else _rel(float(g), float(e))
             if not rel <= LOSS_RTOL:
                 problems.append(f"rank {rank} {what} {g} vs {e} ({rel:.1e} relative, tol {LOSS_RTOL:.0e})")
                 break
@@ -373,8 +568,10 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     eps = torch.finfo(torch.float32).eps
     deltas = {n: ref["before"][n].double() - ref["after"][n].double() for n in ref["before"]}
     model_max = max(float(d.abs().max()) for d in deltas.values())
-    if model_max == 0.0:
+    if model_max == 0.0 and draws["trainer"] != "grpo":
         return "WRONG", "the reference did not move any parameter"
+    # GRPO without KL (beta 0) whose groups each scored their completions alike has every advantage 0 and moves
+    # nothing: seqpar's run must not move anything either (the tolerance below is then one rounding step)
     for name, d_ref in deltas.items():
         start = ref["before"][name].double()
         if float((got["before"][name].double() - start).abs().max()) > eps * float(start.abs().max()) + 1e-12:
