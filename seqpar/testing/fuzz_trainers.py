@@ -114,9 +114,9 @@ __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", 
 
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
-# The TRL trainers share one runner (seqpar.integrations.fuzz_trainer:run_trainer), declared in setup.cfg under the
-# name ``sft``: ``dpo`` and ``grpo`` are found through it (the runner dispatches on the trainer name it is given)
-RUNNER_NAME = {"trainer": "trainer", "sft": "sft", "dpo": "sft", "grpo": "sft"}
+# Each trainer's runner is the entry point of its name in setup.cfg; seqpar's are one function
+# (seqpar.integrations.fuzz_trainer:run_trainer), which dispatches on the trainer name it is given
+RUNNER_NAME = {name: name for name in TRAINERS}
 DPO_LOSSES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 BATCH_SORTED_LOSSES = frozenset({"aot", "aot_unpaired"})  # sort over the batch: DP 1 only (the module docstring)
