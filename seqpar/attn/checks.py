@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.config import DKV_WIRE_DTYPES, DKV_WIRE_HINT, DKV_WIRE_NO_EFFECT, MODES, SHARDINGS
@@ -211,7 +212,14 @@ def _describe(t: Tensor) -> list[int]:
 
 
 def _scale_bits(scale: float) -> int:
-    """The float64 bit pattern of ``scale`` as an int64: equal exactly when the scales are."""
+    """The float64 bit pattern of ``scale`` as an int64: equal exactly when the scales are.
+
+    While dynamo traces with symbolic sizes the default scale ``head_dim ** -0.5`` is a SymFloat, and dynamo
+    2.13's ``struct.pack`` polyfill recurses on it (torch's bug, seqpar.testing.fuzz_compile.TORCH_STRUCT_BUG):
+    ``guard_scalar`` makes it this call's number first (a guard that it stays so: the head dim is a model's
+    constant, which the head split specialises anyway); any other value goes to ``float()`` as before."""
+    if isinstance(scale, (float, torch.SymFloat)):  # (dynamo's isinstance of a SymFloat says float)
+        scale = guard_scalar(scale)
     return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
 
 
