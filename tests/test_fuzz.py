@@ -230,7 +230,8 @@ FOUND[1588844063] = (("trainer",), "exact")
 # - 468232840 (mode="auto", P=4, check_inputs, ALiBi, chunked, a window; a second call of batch 2, which recompiles
 #   with symbolic sizes): crash, torch's TORCH_FORMAT_BUG in choose.mode_costs' reason string. The reason is
 #   formatted only when logged now, and the choice is guarded on the decision
-#   (tests/test_compile_auto_dynamic.py): exact.
+#   (tests/test_compile_auto_dynamic.py): exact. fz21c's 1677996661 and 1070478505 draw dynamic=True again (exact),
+#   and 152934153 draws check_inputs with dynamic=True again (still refused by name: hybrid with balanced sharding).
 FOUND[468232840] = (("compile",), "exact")
 # - 499836113 (seed 901, case 13; allgather, P=4, check_inputs, dynamic=True, the third call on the pairs {0,1},
 #   {2,3}): crash once check_inputs was drawn with dynamic=True, TorchRuntimeError "expand: attempting to expand a
