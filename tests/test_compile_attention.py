@@ -144,8 +144,7 @@ def compile_auto(rank: int, world: int) -> list[str]:
     failures += eager_vs_compiled(call, q, k, v, dout, "auto")
     torch._dynamo.reset()
     # A shape never chosen eagerly (batch 2): choose_mode must not log while tracing (a logger call is a graph
-    # break under fullgraph). (Dynamic shapes are another matter: dynamo 2.13 crashes on the cost model's format
-    # spec of a symbolic figure, torch's bug; seqpar.testing.fuzz_compile steers around it.)
+    # break under fullgraph). (Symbolic sizes: tests/test_compile_auto_dynamic.py.)
     wide = make_case(8, world, (4, 2, 8), batch=2)
     q, k, v, dout = (shard_rows(wide[n], rank, world, "zigzag").float() for n in ("q", "k", "v", "dout"))
     failures += eager_vs_compiled(call, q, k, v, dout, "auto, unseen shape", compiled_first=True)

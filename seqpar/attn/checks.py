@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.config import DKV_WIRE_DTYPES, DKV_WIRE_HINT, DKV_WIRE_NO_EFFECT, MODES, SHARDINGS
@@ -211,7 +212,14 @@ def _describe(t: Tensor) -> list[int]:
 
 
 def _scale_bits(scale: float) -> int:
-    """The float64 bit pattern of ``scale`` as an int64: equal exactly when the scales are."""
+    """The float64 bit pattern of ``scale`` as an int64: equal exactly when the scales are.
+
+    While dynamo traces with symbolic sizes the default scale ``head_dim ** -0.5`` is a SymFloat, and dynamo
+    2.13's ``struct.pack`` polyfill recurses on it (torch's bug, seqpar.testing.fuzz_compile.TORCH_STRUCT_BUG):
+    ``guard_scalar`` makes it this call's number first (a guard that it stays so: the head dim is a model's
+    constant, which the head split specialises anyway); any other value goes to ``float()`` as before."""
+    if isinstance(scale, (float, torch.SymFloat)):  # (dynamo's isinstance of a SymFloat says float)
+        scale = guard_scalar(scale)
     return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
 
 
@@ -255,6 +263,17 @@ def _show(row: list[int]) -> str:
     return f"{text} extra={extra}" if extra else text
 
 
+@torch.compiler.disable
+def _rows_across_ranks_eagerly(row: list[int], group: dist.ProcessGroup) -> list[list[int]] | None:
+    """:func:`~seqpar.comm.agree.rows_across_ranks` outside dynamo: under ``torch.compile`` the agreement is a
+    graph break anyway (its verdict is a host read), and traced with symbolic sizes it crashed: after the SP group
+    changed between calls, dynamo made the group size a symbol in the resumed frame, and its remapped
+    ``all_gather_into_tensor`` copied a ``(group size * 3,)`` result into a buffer of symbolic size
+    (TorchRuntimeError "expand: attempting to expand a dimension", fuzz case 499836113). Run eagerly, the row's
+    traced sizes arrive as this call's ints."""
+    return rows_across_ranks(row, group)
+
+
 def check_across_ranks(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
     head_chunks: int | str = "auto", extra: Sequence[int] = (), scale: float | None = None,
@@ -275,7 +294,7 @@ def check_across_ranks(
     """
     row = describe_call(q, k, v, causal=causal, mode=mode, sharding=sharding,
                         head_chunks=head_chunks, extra=extra, scale=scale)
-    rows = rows_across_ranks(row, group)
+    rows = _rows_across_ranks_eagerly(row, group)
     if rows is None:
         return
     detail = "; ".join(f"rank {r}: {_show(row)}" for r, row in enumerate(rows))

@@ -52,11 +52,12 @@ import math
 import time
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 # Plain data and pure integer rules that the process groups need too: they live below attention (Links
 # with the config, the Ulysses-size rules with the groups), so runtime never imports attention; kept
@@ -115,7 +116,22 @@ class ModeCost:
     seconds: float  # modelled time of forward + backward of one layer
     bytes_sent: int  # per rank, forward + backward
     exposed_s: float  # modelled communication time not hidden behind compute
-    reason: str
+    # (bytes over the link or the all-to-all, ring bytes, the ring's super-ranks, the ranks or "inter"/"intra"):
+    # :attr:`reason` formats them only when read (a log line), never while dynamo traces, where sizes may be
+    # SymInts and torch 2.13's dynamo crashes on a format spec of a symbolic value (fuzz_compile.TORCH_FORMAT_BUG)
+    why: tuple = field(default=(), repr=False, compare=False)
+
+    @property
+    def reason(self) -> str:
+        """Why the mode costs what it does, for the log line (formatted on demand)."""
+        if self.mode in ("ring", "allgather"):
+            sent, link = self.why
+            return f"{sent / 2**20:.1f} MiB over the {link}-node ring link"
+        a2a, u, ring_sent, supers = self.why
+        reason = f"{a2a / 2**20:.1f} MiB all-to-all over {u} ranks"
+        if supers > 1:
+            reason += f" + {ring_sent / 2**20:.1f} MiB ring over {supers} super-ranks"
+        return reason
 
 
 def _compute_s(c: CallShape, links: Links) -> float:
@@ -154,6 +170,12 @@ def _pipelined(compute: float, comm: float, chunks: int) -> float:
     return comm / chunks + max(0.0, comm * (chunks - 1) / chunks - compute)
 
 
+def _whole(x: float) -> int | float:
+    """``int(x)`` of a number; a symbolic one (a ``SymFloat`` of the batch and length while dynamo traces with
+    symbolic sizes) stays as it is: ``int()`` would specialise the sizes it is made of (one graph per length)."""
+    return int(x) if isinstance(x, (int, float)) else x
+
+
 def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeCost]:
     """Modelled cost of each mode in ``allowed`` (validity is the caller's business)."""
     p = c.sp_size
@@ -169,13 +191,12 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
                 comm = sent / (ring_gbps * 1e9) + 3 * c.head_chunks * links.latency_s
                 exposed = _pipelined(compute, comm, c.head_chunks)
                 t = compute + _merge_s(c, links, p, c.q_heads, c.seq_local) + exposed
-            reason = f"{sent / 2**20:.1f} MiB over the {'inter' if p > links.node_size else 'intra'}-node ring link"
-            costs.append(ModeCost(mode, t, sent, exposed, reason))
+            costs.append(ModeCost(mode, t, sent, exposed, (sent, "inter" if p > links.node_size else "intra")))
             continue
         u = p if mode == "ulysses" else c.ulysses_size
         h = max(c.kv_heads // u, 1)
         # q + out (q_heads) and k + v (u h), each at head_dim + v_head_dim, forward and backward
-        a2a_sent = int((u - 1) / u * 2 * c.batch * c.seq_local * c.qkv_dims * c.elem_bytes * (c.q_heads + u * h))
+        a2a_sent = _whole((u - 1) / u * 2 * c.batch * c.seq_local * c.qkv_dims * c.elem_bytes * (c.q_heads + u * h))
         a2a_gbps = links.intra_gbps if u <= links.node_size else links.inter_gbps
         chunks = math.gcd(h, c.head_chunks)
         shape, q_share = c, c.q_heads // u
@@ -188,10 +209,8 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
                                                      c.dkv_bytes)
         a2a_exposed = _pipelined(ring_t, a2a_s, chunks)  # the all-to-alls hide behind the (ring) attention
         copies = 2 * a2a_sent * u / max(u - 1, 1) / (links.mem_gbps * 1e9)  # pack + unpack of every slot
-        reason = f"{a2a_sent / 2**20:.1f} MiB all-to-all over {u} ranks"
-        if p // u > 1:
-            reason += f" + {ring_sent / 2**20:.1f} MiB ring over {p // u} super-ranks"
-        costs.append(ModeCost(mode, ring_t + copies + a2a_exposed, a2a_sent + ring_sent, a2a_exposed + ring_exposed, reason))
+        costs.append(ModeCost(mode, ring_t + copies + a2a_exposed, a2a_sent + ring_sent, a2a_exposed + ring_exposed,
+                              (a2a_sent, u, ring_sent, p // u)))
     return costs
 
 
@@ -211,6 +230,22 @@ def rank_modes(c: CallShape, links: Links, features: Iterable[str] = ()) -> list
     allowed = allowed_modes(c, features)
     costs = mode_costs(c, links, allowed)
     return sorted(costs, key=lambda m: (round(m.seconds, 12), m.bytes_sent, allowed.index(m.mode)))
+
+
+def _cheapest_traced(c: CallShape, links: Links, features: Iterable[str] = ()) -> list[ModeCost]:
+    """``[the cheapest allowed mode]`` (empty when none is), for a call dynamo traces: one pass keeping the
+    first of the cheapest, so the comparisons made are exactly "the chosen mode costs no more than each other
+    mode" (strictly less than those before it). With symbolic sizes each comparison is a guard of the graph:
+    it fails, and dynamo recompiles, only when another batch or length would choose another mode (sorting
+    would guard the whole order, recompiling where only the runners-up swap). Eager calls use
+    :func:`rank_modes`; the two agree but on near-ties within 1e-12 s, which :func:`rank_modes` rounds away and
+    settles by bytes (either choice is exact, and every rank traces the same shapes, so it agrees)."""
+    costs = mode_costs(c, links, allowed_modes(c, features))
+    best = costs[0] if costs else None
+    for m in costs[1:]:
+        if m.seconds < best.seconds:
+            best = m
+    return [] if best is None else [best]
 
 
 # ------------------------------------------------------------------------------ links: config or probe
@@ -287,9 +322,17 @@ def choose_mode(
     (probed on the first call, then cached)."""
     u = manager.ulysses_size if manager is not None else 1
     compiling = torch.compiler.is_compiling()
-    c = CallShape(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], q.element_size(), bool(causal),
-                  world, u, head_chunks, None if v_head_dim in (None, q.shape[3]) else v_head_dim,
-                  2 if dkv_wire_dtype == "bf16" else 4)
+    # While dynamo traces with symbolic sizes (dynamic=True, or the recompile after a shape change) the dims are
+    # SymInts. The head counts and head dims are a model's constants: guard_scalar specialises them (a guard that
+    # they equal this call's, never failing for one model; int() would not: dynamo keeps it symbolic).
+    # Batch and length stay symbolic: the costs below are then expressions of them, evaluated on this call's
+    # sizes (the same on every rank: the group's shapes agree), and only the comparisons that pick the mode
+    # become guards (see _cheapest_traced), so another batch or length recompiles only where it would choose
+    # another mode, and dynamic=True keeps one graph per decision.
+    hq, hkv, d = (guard_scalar(n) for n in (q.shape[1], k.shape[1], q.shape[3]))
+    vd = None if v_head_dim is None or guard_scalar(v_head_dim) == d else guard_scalar(v_head_dim)
+    c = CallShape(q.shape[0], hq, hkv, q.shape[2], d, q.element_size(),
+                  bool(causal), world, u, head_chunks, vd, 2 if dkv_wire_dtype == "bf16" else 4)
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group
@@ -297,15 +340,17 @@ def choose_mode(
             links = _probed_while_tracing(pg)
         else:
             links = probe_links(pg) if pg is not None else Links()
-    ranked = rank_modes(c, links, features)
+    ranked = _cheapest_traced(c, links, features) if compiling else rank_modes(c, links, features)
     if not ranked:
         raise ValueError(
             f"mode='auto': no sequence-parallel mode supports {sorted(features)} for this call "
             f"({c.q_heads} query / {c.kv_heads} K/V heads, P={world}); pass an explicit mode"
         )
     best = ranked[0]
+    if compiling:  # a logger call is a graph break (and a symbolic size can't be formatted): eager calls log
+        return best.mode
     key = (c, links, tuple(sorted(features)))
-    if key not in _LOGGED and not compiling:  # a logger call is a graph break: eager calls log
+    if key not in _LOGGED:
         _LOGGED.add(key)
         others = "; ".join(f"{m.mode} {m.seconds * 1e3:.3g} ms ({m.reason})" for m in ranked[1:])
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
@@ -169,8 +170,11 @@ def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tenso
             f"which has no compiled op ({', '.join(OP_ALGORITHMS)} have): pass cu_seqlens as a tuple of ints"
         )
     if plan.algorithm == "sdpa":
+        # guard_scalar: with symbolic head counts (torch.compile, dynamic=True) the comparison is a SymBool, which
+        # SDPA's enable_gqa refuses (a TypeError in dynamo's fake call: a graph break, fuzz case 1637623653; bool()
+        # stays symbolic under dynamo); guard_scalar makes it a bool, guarded (head counts are a model's constants)
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=q.shape[1] != k.shape[1]
+            q, k, v, is_causal=opts.causal, scale=opts.scale, enable_gqa=guard_scalar(q.shape[1] != k.shape[1])
         )
     if plan.algorithm == "single":  # documents, windows or sinks on one rank: the planner, no exchange
         return RingAttention.apply(q, k, v, SingleRank(), opts, sinks)
