@@ -267,3 +267,37 @@ def test_compiled_uneven_ulysses_heads_equal_eager(dist_pool) -> None:
     Seen failing: the fake sizing the saved tensors by the even ``q_per_rank`` (``HeadSplit.counts`` ->
     ``(split.q_per_rank, split.kv_per_rank)``: a fake/real shape mismatch on rank 1 of 5/5)."""
     assert dist_pool.run(2, _compiled_uneven, timeout=600) == [[], []]
+
+
+def _op_layouts(rank: int, world: int) -> list[str]:
+    """The ring and all-gather ops' real outputs against their fake's layout (``torch.library.opcheck``'s
+    fake-tensor check) on every rank, with packed documents that leave a rank's queries no remote block."""
+    import torch.distributed as dist
+
+    from seqpar.attn.ops import attention_fwd
+    from seqpar.comm.group_names import group_name
+
+    failures = []
+    name = group_name(dist.group.WORLD)
+    for cu in ([0, 14, 15, 16], [0, 1, 2, 15, 16], [0, 16]):
+        g = torch.Generator().manual_seed(len(cu))
+        q, k, v = (torch.randn(1, h, 16, 5, generator=g)[:, :, rank * 8:(rank + 1) * 8].clone().requires_grad_()
+                   for h in (3, 1, 1))
+        for algorithm in ("ring", "allgather"):
+            args = (q, k, v, None, algorithm, name, True, 5 ** -0.5, "contiguous", True, 1, None, cu, None, None,
+                    "fp32", None)
+            try:
+                torch.library.opcheck(attention_fwd, args, test_utils=("test_faketensor",))
+            except Exception as error:  # noqa: BLE001 - reported with its case
+                failures.append(f"{algorithm} cu={cu} rank {rank}: {str(error)[:300]}")
+    return failures
+
+
+def test_the_ring_ops_outputs_have_their_fakes_layout(dist_pool) -> None:
+    """Inductor asserts every custom op output's strides against the fake's: the ring op's log-sum-exp came back
+    ``(batch, seq, heads)``-strided on rank 0 of fuzzer case 674949561 (P = 2, 3 query heads over 1 K/V head,
+    packed documents, inductor with ``dynamic=True``): rank 0 raised in the compiled forward while rank 1 waited
+    in the ring. Every op returns its lse contiguous now, as its fake says.
+
+    Seen failing: without the ``.contiguous()`` on ``attention_fwd``'s lse."""
+    assert dist_pool.run(2, _op_layouts, timeout=300) == [[], []]

@@ -702,6 +702,7 @@ def dilated_fwd(
     """``(out, lse)`` of one rank (see the module)."""
     plan, comms = _plan(q, k, group, segment_lengths, dilation_rates, causal, scale, mode, head_layout, dkv_wire_dtype)
     out_acc, lse = dilated_forward(q, k, v, plan, comms)
+    lse = lse.contiguous()  # the fake's layout (see seqpar.attn.ops)
     # a custom op's outputs have the fake's layout (q's) and never alias an input: the accumulator is a fresh
     # buffer, returned as it is when it already has q's dtype and memory order (no copy), else copied into one
     if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):

@@ -231,7 +231,7 @@ def latent_attention_fwd(
     comm = _latent_comm(algorithm, group)
     run = ring_forward if algorithm == "ring" else allgather_forward
     out_acc, lse = run(q, c, r, comm, opts, sinks, expander=MLAExpander(weight, dims))
-    return output_like(q, v_head_dim).copy_(out_acc), lse
+    return output_like(q, v_head_dim).copy_(out_acc), lse.contiguous()  # the fake's layout (see seqpar.attn.ops)
 
 
 @latent_attention_fwd.register_fake

@@ -110,10 +110,13 @@ def attention_fwd(
         out_acc, lse = allgather_forward(q, k, v, comm, opts, sinks)
     else:
         out_acc, lse = ring_attention_forward(q, k, v, comm, opts, sinks)
+    # a custom op's outputs have the fake's layout and never alias an input: out q's, lse contiguous (a rank whose
+    # queries meet only its own block gets the kernel's (batch, seq, heads)-strided lse, which inductor's stride
+    # assertion refused: fuzzer case 674949561)
+    lse = lse.contiguous()
     if out_acc.dtype == q.dtype and in_layout_of(out_acc, q) and out_acc.data_ptr() not in (
             q.data_ptr(), k.data_ptr(), v.data_ptr()):
         return out_acc, lse
-    # a custom op's outputs have the fake's layout (q's) and never alias an input
     return output_like(q, v.shape[-1]).copy_(out_acc), lse
 
 
