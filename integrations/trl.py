@@ -467,15 +467,20 @@ def _from_seqpar(fn: Any) -> bool:
 def _unsharded(model: Any, implementations: list[tuple[Any, str]]) -> Iterator[None]:
     """Within the block ``model`` runs as before the swap, on whole sequences: its top models' attention
     implementation is the one recorded before the swap, and seqpar's forward hooks on its modules are
-    set aside (restored afterwards, in their order, also on error)."""
+    set aside (put back afterwards at their places, also on error). Only seqpar's: hooks others removed or added
+    inside the block stay as the block left them (under ZeRO-3, TRL's ``unwrap_model_for_generation`` takes
+    DeepSpeed's module hooks off and registers new ones; putting the whole dicts back as they were brought back
+    the old ones and dropped the new on every module with a seqpar hook, a MoE router among them, whose parameter
+    then stayed "active in submodules": DeepSpeed raised on the next generation, fuzzer case 845186468)."""
     from seqpar.swap.hf_route import ATTN_IMPLEMENTATION
 
-    saved = []
+    saved = []  # (hook dict, its keys in order before the block, seqpar's hooks in it by key)
     for module in model.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            if any(_from_seqpar(h) for h in hooks.values()):
-                saved.append((hooks, list(hooks.items())))
-                for key in [k for k, h in hooks.items() if _from_seqpar(h)]:
+            ours = {k: h for k, h in hooks.items() if _from_seqpar(h)}
+            if ours:
+                saved.append((hooks, list(hooks), ours))
+                for key in ours:
                     del hooks[key]
     try:
         for top, implementation in implementations:
@@ -484,9 +489,15 @@ def _unsharded(model: Any, implementations: list[tuple[Any, str]]) -> Iterator[N
     finally:
         for top, _ in implementations:
             top.set_attn_implementation(ATTN_IMPLEMENTATION)
-        for hooks, items in saved:
+        for hooks, order, ours in saved:
+            now = dict(hooks)  # what the block left
             hooks.clear()
-            hooks.update(items)
+            for key in order:  # seqpar's back at their places, the others as the block left them
+                if key in ours:
+                    hooks[key] = ours[key]
+                elif key in now:
+                    hooks[key] = now.pop(key)
+            hooks.update(now)  # hooks added inside the block, after
 
 
 def _share_rng_state(group: Any, sp_size: int) -> None:

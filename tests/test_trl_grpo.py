@@ -102,3 +102,44 @@ def test_grpo_zero2_sp2_equals_one_process_on_the_same_rollouts(dist_pool, tmp_p
         assert len(r["logs"]) == STEPS
         for got, want in zip(r["logs"], ref["logs"], strict=True):  # rewards and lengths: the generating step's
             trl_tiny.assert_logs_close([got], [want], tuple(k for k in LOGGED if k in want))
+
+
+def test_generation_sets_aside_only_seqpars_hooks() -> None:
+    """GRPO's generation runs the model without seqpar's forward hooks and puts them back at their places; hooks
+    others take off or add inside the block stay as the block left them. Under ZeRO-3, TRL's
+    ``unwrap_model_for_generation`` takes DeepSpeed's module hooks off and registers new ones inside it: putting the
+    whole hook dicts back brought the old DeepSpeed hooks back and dropped the new on every module with a seqpar hook
+    (MoE routers), and DeepSpeed raised "Cannot free a ZeRO-3 parameter while it is still active in submodules" at
+    the next generation (fuzzer case 845186468: GRPO, ZeRO-3, Mixtral; exact without seqpar).
+
+    Seen failing: the old restore (``hooks.clear(); hooks.update(items)``): the removed hook came back, the new one
+    was gone."""
+    from seqpar.integrations.trl import _unsharded
+
+    calls: list[str] = []
+    layer = torch.nn.Linear(2, 2)
+
+    def seqpar_hook(module, args, out):  # noqa: ANN001, ANN202
+        calls.append("seqpar")
+
+    def engine_hook(module, args, out):  # noqa: ANN001, ANN202
+        calls.append("old engine")
+
+    def new_engine_hook(module, args, out):  # noqa: ANN001, ANN202
+        calls.append("new engine")
+
+    seqpar_hook.__module__ = "seqpar.sequence.router"  # what _unsharded recognises as seqpar's
+    ours = layer.register_forward_hook(seqpar_hook)
+    engine = layer.register_forward_hook(engine_hook)
+    x = torch.randn(1, 2)
+    with _unsharded(layer, []):
+        layer(x)
+        assert calls == ["old engine"], calls  # seqpar's hook set aside
+        engine.remove()  # as TRL's unwrap does with DeepSpeed's hooks ...
+        added = layer.register_forward_hook(new_engine_hook)  # ... and registers new ones
+    calls.clear()
+    layer(x)
+    assert calls == ["seqpar", "new engine"], calls
+    ours.remove()
+    added.remove()
+    assert not layer._forward_hooks
