@@ -47,6 +47,16 @@ BUDGET = 16  # max_tokens_per_rank: a multiple of 8, what balanced sharding pads
 FIGURE_CASES = ((50, 30, 12, 9, 7, 3), (9, 5), (33, 17, 1, 2, 15), (64,), (1, 1, 2, 3, 4, 5, 6, 7))
 
 
+
+def _backward_each(model, step) -> list:  # noqa: ANN001
+    """Each of the step's micro-batches forward and backward, as a training loop runs them; their losses."""
+    losses = []
+    for inputs in step.micro_batches:
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss)
+    return losses
+
 def documents(lengths: tuple[int, ...], seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(71 + seed)
     return [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
@@ -118,12 +128,7 @@ def _pool_task(rank: int, world: int) -> dict:
             model = tiny_llama(torch.float32)
             swap_attention(model, SeqParConfig(size=2, sharding=sharding))
             step = plan_step(documents(LENGTHS), manager, dynamic)
-            losses = []
-            for inputs in step.micro_batches:
-                loss = model(**inputs).loss
-                loss.backward()
-                losses.append(loss)
-            out["loss"] = float(step.loss(losses))
+            out["loss"] = float(step.loss(_backward_each(model, step)))
             grads = {}
             for name, p in model.named_parameters():  # the step's one reduction: a sum over the pool
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -134,12 +139,7 @@ def _pool_task(rank: int, world: int) -> dict:
             model.zero_grad()
             docs = documents((5, 3, 2), seed=1)
             step = plan_step(docs, manager, dynamic, labels=[torch.full_like(d, -100) for d in docs])
-            losses = []
-            for inputs in step.micro_batches:
-                loss = model(**inputs).loss
-                loss.backward()
-                losses.append(loss)
-            out["no_target_loss"] = float(step.loss(losses))
+            out["no_target_loss"] = float(step.loss(_backward_each(model, step)))
             out["no_target_nonzero"] = [n for n, p in model.named_parameters()
                                         if p.grad is not None and bool(p.grad.ne(0).any())]
         finally:
