@@ -20,6 +20,7 @@ each rank's local-token mean) would need a different factor: use the seqpar loss
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -154,6 +155,7 @@ def wrap(
     swap: bool = True,
     device: torch.device | str | None = None,
     compile: bool | Mapping[str, Any] = False,
+    tp_loss_parallel: bool | str | None = None,
 ) -> nn.Module:
     """Swap the model's attention and shard it with FSDP over the sequence-data-parallel group (with
     ``tp_size`` > 1: first tensor parallelism from the model's own plan, :mod:`seqpar.integrations.tp`),
@@ -170,6 +172,11 @@ def wrap(
         device: FSDP1's ``device_id`` (default: the current CUDA device, else CPU).
         compile: ``True`` or ``torch.compile`` keyword arguments (``{"backend": "aot_eager"}``): each
             FSDP2 block compiled after ``fully_shard`` (:func:`compile_blocks`). FSDP2 only.
+        tp_loss_parallel: the LM head's logits under TP: ``True`` split on the vocabulary (a DTensor
+            ``Shard(-1)``, ``(batch, seq_local, vocab / tp)`` per rank, which seqpar's losses reduce
+            vocab-parallel), ``False`` gathered (plain ``(batch, seq_local, vocab)`` on every TP rank),
+            ``"auto"`` as ``tp_sequence_parallel``; ``None`` (default): the config's
+            ``sequence_parallel.tp_loss_parallel``. Checked as that key is.
 
     Returns:
         The wrapped model: the same object for FSDP2 (now an ``FSDPModule``), an
@@ -179,6 +186,8 @@ def wrap(
         ConfigError / ValueError: bad config or options; seqpar.swap.SwapError from the swap.
     """
     sp_config = SeqParConfig.load(config)
+    if tp_loss_parallel is not None:  # the argument overrides the key, under the key's rules
+        sp_config = dataclasses.replace(sp_config, tp_loss_parallel=tp_loss_parallel)
     opts = fsdp if isinstance(fsdp, FSDPOptions) else FSDPOptions.from_dict(fsdp)
     manager = resolve_manager(sp_config, manager)
     if compile is not False and opts.version != 2:
@@ -196,7 +205,9 @@ def wrap(
     if manager.tp_size > 1:  # tensor parallelism from the model's own plan, before FSDP2 shards over dp x sp
         from seqpar.integrations.tp import apply_tensor_parallel
 
-        apply_tensor_parallel(model, manager, sequence_parallel=sp_config.tp_sequence_parallel)
+        loss_parallel = sp_config.tp_loss_parallel
+        apply_tensor_parallel(model, manager, sequence_parallel=sp_config.tp_sequence_parallel,
+                              vocab_parallel=None if loss_parallel == "auto" else loss_parallel)
     if sp_config.apex:
         from seqpar.integrations.apex import apply_fused_norms
 

@@ -123,13 +123,14 @@ def apply_tensor_parallel(
             ``(batch, seq_local, vocab / tp)`` local logits, which seqpar's losses reduce vocab-parallel
             (:mod:`seqpar.sequence.vocab_parallel`) instead of gathering ``(seq_local, vocab)`` on every
             rank. Default: on with ``sequence_parallel`` (Megatron's layout), off otherwise (the plan's
-            ``colwise_gather_output``: plain, full logits).
+            ``colwise_gather_output``: plain, full logits). ``sequence_parallel.tp_loss_parallel`` (true / false /
+            ``"auto"`` = None), which :func:`seqpar.integrations.fsdp.wrap` passes here.
 
     Raises:
         ValueError: no manager; a model without a plan; head counts TP cannot split; an unsupported style;
             a tied parameter the plan lays out two ways; a statistic over features the plan splits
             (:func:`feature_statistics_problem`); with ``sequence_parallel``, a model whose layout it does not
-            know.
+            know; ``vocab_parallel=True`` with a plan that has no ``colwise_gather_output`` head.
     """
     manager = manager if manager is not None else default_manager()
     if manager is None:
@@ -164,11 +165,19 @@ def apply_tensor_parallel(
     # transformers' apply_tensor_parallelism can look up: the others raised KeyError 'lm_head.weight'), then
     # handed to its other holders (below)
     duplicates = {name for names in tied for name in names[1:]}
+    asked_vocab_parallel = vocab_parallel is True
     vocab_parallel = sequence_parallel if vocab_parallel is None else vocab_parallel
     layout = sequence_parallel_layout(model, expanded) if sequence_parallel else None
     # module entries whose forward takes other layouts (transformers' own classes with other placements);
     # their parameters are sharded by the plan as usual
     relaid = _relaid_styles(model, expanded, vocab_parallel=vocab_parallel, layout=layout)
+    if asked_vocab_parallel and not any(expanded.get(name) == "colwise_gather_output" for name in relaid):
+        # asked for by name (tp_loss_parallel true) and nothing to keep split: say so rather than run without it
+        raise ValueError(
+            f"tp_loss_parallel: {type(model).__name__}'s tensor-parallel plan has no LM head to keep split on the "
+            "vocabulary (no module with the style colwise_gather_output); set sequence_parallel.tp_loss_parallel "
+            '"auto" (or false), or pass a plan with the head'
+        )
     skip = set(relaid) | (set(layout.embedding) if layout is not None else set())
     apply_tensor_parallelism(model, mesh, {k: v for k, v in expanded.items() if k not in skip | duplicates})
     modules = dict(model.named_modules())

@@ -13,6 +13,7 @@ Example block::
         "ulysses_size": 1,          # Ulysses (all-to-all) degree inside the SP group, or "auto"
         "tp_size": 1,               # tensor-parallel degree (innermost mesh dim); world = dp x size x tp_size
         "tp_sequence_parallel": false,  # Megatron-style: norms/residuals split along the sequence over TP
+        "tp_loss_parallel": "auto", # LM head logits split on the vocabulary over TP: true | false | "auto"
         "sharding": "zigzag",       # "contiguous" | "zigzag" | "balanced"; absent: undeclared
         "overlap": true,            # overlap ring transfers with block compute
         "check_inputs": true,       # cross-rank shape/dtype check before each call
@@ -44,6 +45,8 @@ from typing import Any
 
 __all__ = [
     "ConfigError",
+    "TP_LOSS_PARALLEL",
+    "check_tp_loss_parallel",
     "check_autotp",
     "Links",
     "SIZE_ALIASES",
@@ -102,6 +105,23 @@ def _check_type(key: str, value: Any, types: tuple[type, ...], allowed: str) -> 
         _fail(key, value, allowed)
     if not isinstance(value, types):
         _fail(key, value, allowed)
+
+
+TP_LOSS_PARALLEL = (True, False, "auto")
+
+
+def check_tp_loss_parallel(value: Any, *, tp_size: int, tiled_loss: bool) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a valid ``tp_loss_parallel`` for ``tp_size`` and
+    ``tiled_loss`` (also :func:`seqpar.integrations.fsdp.wrap`'s argument of that name)."""
+    if not any(value is v or (isinstance(value, str) and value == v) for v in TP_LOSS_PARALLEL):
+        _fail("tp_loss_parallel", value, 'expected true, false or "auto" (follow tp_sequence_parallel)')
+    if value is True and tp_size == 1:
+        _fail("tp_loss_parallel", value, "it splits the logits over the TP group: set tp_size > 1, or "
+              'tp_loss_parallel "auto"')
+    if value is False and tp_size > 1 and tiled_loss:
+        _fail("tp_loss_parallel", value, "tiled_loss under TP computes its loss vocab-parallel from the "
+              "vocabulary-split head and builds no logits to gather: set tp_loss_parallel \"auto\" or true, "
+              "or tiled_loss false")
 
 
 def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
@@ -325,6 +345,14 @@ class SeqParConfig:
     replace plain TP's all-reduces (see seqpar.integrations.tp). The LM head's logits then stay split on
     the vocabulary and seqpar's loss is vocab-parallel. Each SP shard's length must be a multiple of
     ``tp_size``. Default off."""
+    tp_loss_parallel: bool | str = "auto"
+    """The LM head's logits under TP (torchtitan's ``loss_parallel``, Megatron's vocab-parallel cross-entropy):
+    ``true`` keeps them split on the vocabulary, ``(batch, seq_local, vocab / tp_size)`` per rank (a DTensor
+    ``Shard(-1)``), and seqpar's loss reduces them vocab-parallel, so no rank holds ``(seq_local, vocab)``;
+    ``false`` gathers the full logits on every TP rank (the plan's ``colwise_gather_output``: plain tensors,
+    any loss); ``"auto"`` (default) follows ``tp_sequence_parallel``. ``true`` needs ``tp_size`` > 1;
+    ``false`` is refused with ``tiled_loss`` (under TP the tiled loss is vocab-parallel: it never builds the
+    logits to gather)."""
     links: dict[str, float] | None = None
     """Link figures for ``mode="auto"`` (:class:`Links`): any of ``intra_gbps``, ``inter_gbps``,
     ``flops``, ``node_size``, ``latency_s``. ``None``: measured once by a probe broadcast from one rank."""
@@ -454,6 +482,7 @@ class SeqParConfig:
         for key in ("overlap", "check_inputs", "apex", "tiled_loss", "offload_activations", "check_finite",
                     "high_priority_streams"):
             _check_type(key, getattr(self, key), (bool,), "expected true or false")
+        check_tp_loss_parallel(self.tp_loss_parallel, tp_size=self.tp_size, tiled_loss=self.tiled_loss)
         _check_type("recompute_norm", self.recompute_norm, (bool,), "expected true or false")
         _check_type("mla_transfer", self.mla_transfer, (str,), 'choose "latent" or "expanded"')
         if self.mla_transfer not in ("latent", "expanded"):

@@ -22,7 +22,8 @@ def test_defaults_and_round_trip() -> None:
     # silently changes every run that leaves the key out. Seen failing: a default head_chunks of 1 instead of
     # "auto" (which the five fields checked above let through).
     assert cfg.to_dict() == {
-        "size": 1, "mode": "ring", "ulysses_size": 1, "tp_size": 1, "tp_sequence_parallel": False, "links": None,
+        "size": 1, "mode": "ring", "ulysses_size": 1, "tp_size": 1, "tp_sequence_parallel": False, "tp_loss_parallel": "auto",
+        "links": None,
         "sharding": None, "overlap": True, "check_inputs": True, "head_chunks": "auto", "mla_transfer": "latent",
         "mixer_kernels": "torch", "swap": "auto",
         "pattern": {"type": "dense", "segment_lengths": [], "dilation_rates": [], "head_layout": "mixed"},

@@ -158,6 +158,7 @@ def _stated() -> dict[tuple[str, str], Callable[[Any], bool]]:
         ("sequence_parallel", "ulysses_size"): lambda v: v == "auto" or _is_int(v),  # dividing size: checked
         ("sequence_parallel", "tp_size"): _is_int,  # a positive integer (world = dp x size x tp_size: checked)
         ("sequence_parallel", "tp_sequence_parallel"): _is_bool,  # needs tp_size > 1: checked
+        ("sequence_parallel", "tp_loss_parallel"): lambda v: v is True or v is False or v == "auto",  # true: tp_size > 1
         ("sequence_parallel", "mla_transfer"): _one_of("latent", "expanded"),
         ("sequence_parallel", "mixer_kernels"): _one_of("torch", "auto"),
         ("sequence_parallel", "links"): lambda v: v is None or isinstance(v, dict),
