@@ -44,11 +44,13 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   outputs and their ~2 Q workspace, the previous chunk's packed dq/dk/dv all-to-all in flight (send +
   receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1. The
   hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
-  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``). Uneven heads (``u`` does not split the
+  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``) at the kernel moment only: they are dead
+  while a chunk's gradients are placed, and with one head pass the forward's all-to-alls are done before its
+  ring runs (the larger of the two moments counts, not their sum). Uneven heads (``u`` does not split the
   heads evenly, :mod:`seqpar.attn.ulysses`): the largest rank's share counts, ``Qh = Q u q_max / Hq`` and
   ``Kh = K u kv_max / Hkv`` (``q_max = ceil(Hq/u)``, ``kv_max`` the largest K/V union), one head pass,
   fp32 dK/dV (a K/V head may be shared by two ranks), and the per-piece kernel outputs beside their
-  concatenation.
+  concatenation; the final dq, dk, dv are made after the inner backward, so they count at placing only.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -314,15 +316,29 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     at_place = (2 * grads_h + 2 * Kh + (2 * Qh if G > 1 else 0)) / G
     if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
         at_kernel = max(at_kernel, Qh + 2 * grads_h)
-    a2a = max(at_kernel, at_place)
     inner = 0.0
     ring = world // u
     if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV in the wire dtype (its fp32
         # accumulators are grads_h)
         kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
         inner = (kv_bufs + 4 * Khw + (Q32 * qs + 2 * Kh32 if low else 0)) / G
-    fwd = base - Q - lse + saved + (2 * Qh + 4 * Kh + 3 * Qh) / G + inner  # q, k, v, out + saved + in flight
-    return int(max(base + saved + grads + a2a + inner, fwd))
+    # The hybrid's inner ring runs inside the kernel moment (between dout's all-to-all and the grads'): its
+    # transients are live beside at_kernel's, and dead when a chunk's grads are placed. The uneven path
+    # (_uneven_backward) makes dq, dk, dv only after the inner backward, so they are not live at the kernel.
+    # (Adding inner to max(at_kernel, at_place) over-counted the hybrid: +18% even at head_chunks=1, +30% uneven.)
+    at_kernel = at_kernel + inner
+    bwd = grads + at_place if uneven else grads + max(at_kernel, at_place)
+    if uneven:
+        bwd = max(bwd, at_kernel)
+    # forward: q, k, v, out + saved + the all-to-alls in flight; with one head pass those are done before the
+    # inner ring starts and its K/V buffers, fp32 output accumulator and block output (no dK/dV) come after
+    a2a_fwd = (2 * Qh + 4 * Kh + 3 * Qh) / G
+    if ring > 1 and G == 1:
+        ring_fwd = (2 * Kh if ring == 2 else 4 * Kh) + Q32 * qs + Qh
+        fwd = base - Q - lse + saved + max(a2a_fwd, ring_fwd)
+    else:
+        fwd = base - Q - lse + saved + a2a_fwd + inner
+    return int(max(base + saved + bwd, fwd))
 
 
 def _pieces(q_heads: int, kv_heads: int, u: int) -> int:
