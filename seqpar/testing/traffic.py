@@ -6,7 +6,8 @@ alone would count none of their collectives). Bytes are what this rank puts on t
 
 - ``batch_isend_irecv``: the bytes of every ``isend`` (p2p);
 - ``all_gather_*``: (P-1) x the input (a ring all-gather forwards every block but its own);
-- ``reduce_scatter_*``: (P-1) x the output; ``all_to_all_single``: (P-1)/P of the input;
+- ``reduce_scatter_*``: (P-1) x the output; ``all_to_all_single``: the input but this rank's own block
+  ((P-1)/P of it, or its ``input_split_sizes`` blocks for the other ranks);
 - ``all_reduce``: 2 (P-1)/P of the tensor; ``broadcast``, ``barrier``, ``all_gather_object``: calls only.
 
 A call made from inside another counted call (torch's ``all_gather_into_tensor`` forwards to
@@ -68,12 +69,23 @@ _RULES: dict[str, _ByteRule] = {
     "all_gather": lambda w, a, k: (w - 1) * _nbytes(_arg(a, k, 1, "tensor")),
     "reduce_scatter_single": lambda w, a, k: (w - 1) * _nbytes(_arg(a, k, 0, "output")),
     "reduce_scatter_tensor": lambda w, a, k: (w - 1) * _nbytes(_arg(a, k, 0, "output")),
-    "all_to_all_single": lambda w, a, k: _nbytes(_arg(a, k, 1, "input")) * (w - 1) // w,
+    "all_to_all_single": lambda w, a, k: _all_to_all_sent(w, a, k),
     "all_reduce": lambda w, a, k: 2 * _nbytes(_arg(a, k, 0, "tensor")) * (w - 1) // w,
     "broadcast": lambda w, a, k: 0,
     "barrier": lambda w, a, k: 0,
     "all_gather_object": lambda w, a, k: 0,
 }
+
+
+def _all_to_all_sent(w: int, a: tuple[Any, ...], k: dict[str, Any]) -> int:
+    """``all_to_all_single``: the input's rows but this rank's own block; with ``input_split_sizes``
+    (uneven blocks, seqpar.comm.alltoall.start_all_to_all_uneven) the blocks' own sizes, else (P-1)/P."""
+    nbytes = _nbytes(_arg(a, k, 1, "input"))
+    splits = k.get("input_split_sizes", a[3] if len(a) > 3 else None)
+    if not splits:
+        return nbytes * (w - 1) // w
+    own = splits[dist.get_rank(k.get("group"))]
+    return nbytes * (sum(splits) - own) // sum(splits)
 
 
 @contextlib.contextmanager
