@@ -15,6 +15,10 @@ Theory per rank, with ``B`` one rank's K (or V) block in the input dtype and ``B
   + 2 u h) Kr) (one packed q/k/v all-to-all + the output's); backward the same (dout + packed dq/dk/dv);
   the hybrid adds the ring across super-ranks on blocks of h heads x u L rows: 2 (P/u - 1) blocks
   forward, 2 (P/u - 1) blocks + 2 (P/u - 1) fp32 dK/dV backward
+  With uneven heads (``u`` does not split them evenly, :func:`seqpar.runtime.grid.ulysses_shares`) each
+  Ulysses rank j sends its q/k/v blocks of every other rank's share and its own share's output (backward:
+  the others' dout blocks and its own dq/dk/dv), so ranks differ: theory and measurement are the largest
+  rank's (:func:`_ulysses_rank_heads`; the even case is the formula above)
 - dilated:   see :mod:`seqpar.attn.dilated` (depends on the pattern); measured only
 
 plus a few bytes for seqpar's cross-rank shape check. The suite also times one K/V block exchange
@@ -121,12 +125,29 @@ def theory(mode: str, seq_len: int, world: int, shape: BenchShape) -> dict[str, 
         return {"fwd": per, "bwd": per}
     if mode in ("seqpar_ulysses", "hybrid"):
         u = world if mode == "seqpar_ulysses" else 2
-        h = max(shape.kv_heads // u, 1)
-        head = elems_kv // shape.kv_heads  # one head of one rank's rows
-        per = (2 * shape.q_heads + 2 * u * h) * head * e * (u - 1) // u
-        ring, blk = world // u, h * u * head  # super-ranks; a super-rank's K (or V) block
-        return {"fwd": per + 2 * (ring - 1) * blk * e, "bwd": per + 2 * (ring - 1) * blk * (e + a)}
+        head = elems_kv // shape.kv_heads * e  # bytes of one head of one rank's rows
+        fwd, bwd = zip(*(_ulysses_rank_heads(j, shape.q_heads, shape.kv_heads, u, world // u, a / e)
+                         for j in range(u)))
+        return {"fwd": round(max(fwd) * head), "bwd": round(max(bwd) * head)}
     return None
+
+
+def _ulysses_rank_heads(j: int, q_heads: int, kv_heads: int, u: int, ring: int, acc: float) -> tuple[float, float]:
+    """Ulysses rank ``j``'s (forward, backward) bytes in units of one head of one rank's rows in the input
+    dtype, from the head shares (:func:`seqpar.runtime.grid.ulysses_shares`; even or not): forward, its
+    q/k/v blocks for every other rank's share and its own heads' output rows for every other rank; backward,
+    the other ranks' dout blocks and its own heads' packed dq/dk/dv; with ``ring`` > 1 super-ranks (the
+    hybrid), its K/V heads over ``u`` ranks' rows around the ring, forward and backward, plus the travelling
+    dK/dV in the accumulation dtype (``acc``: its element size over the input's)."""
+    from seqpar.runtime.grid import ulysses_shares
+
+    shares = [(q, kv) for _, q, _, kv in ulysses_shares(q_heads, kv_heads, u)]
+    q_j, kv_j = shares[j]
+    others = [s for r, s in enumerate(shares) if r != j]
+    fwd = sum(q + 2 * kv for q, kv in others) + (u - 1) * q_j
+    bwd = sum(q for q, _ in others) + (u - 1) * (q_j + 2 * kv_j)
+    block = kv_j * u  # one of its K (or V) blocks on the ring
+    return fwd + 2 * (ring - 1) * block, bwd + 2 * (ring - 1) * block * (1 + acc)
 
 
 def configure(args: Any) -> CommConfig:
@@ -148,13 +169,13 @@ def _problem(mode: str, seq_len: int, world: int, causal: bool, shape: BenchShap
     if mode == "ulysses" and (shape.kv_heads % world or shape.q_heads % world):
         return f"Ulysses needs q_heads and kv_heads divisible by P={world}"
     if mode in ("seqpar_ulysses", "hybrid"):
-        from seqpar.attn.choose import ulysses_heads_ok
+        from seqpar.runtime.grid import ulysses_heads_problem
 
         u = world if mode == "seqpar_ulysses" else 2
         if mode == "hybrid" and (world < 4 or world % 2):
             return f"the (P/2) x 2 hybrid needs an even P >= 4, not P={world}"
-        if not ulysses_heads_ok(shape.q_heads, shape.kv_heads, u):
-            return f"q_heads={shape.q_heads}, kv_heads={shape.kv_heads} do not split over {u} Ulysses ranks"
+        if problem := ulysses_heads_problem(shape.q_heads, shape.kv_heads, u):  # uneven shares run
+            return f"q_heads={shape.q_heads}, kv_heads={shape.kv_heads} over {u} Ulysses ranks: {problem}"
     if mode == "dilated":
         return dilated_problem(seq_len, world, shape)
     if seq_len % (2 * world if causal else world):
@@ -167,6 +188,8 @@ def run(cfg: CommConfig, progress: Callable[[str], None], *, pools: PoolSet | No
 
     ``pools``: rank pools to run on (left running); else each world size gets its own pool, closed before
     the next one starts."""
+    from seqpar.runtime.grid import ulysses_shares, ulysses_split_even
+
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     exchanges: list[dict[str, Any]] = []
@@ -187,6 +210,13 @@ def run(cfg: CommConfig, progress: Callable[[str], None], *, pools: PoolSet | No
                         per_rank = world_pools.run(world, count_bytes, mode, seq_len, causal, cfg.shape, cfg.seed)
                         row.update(status="ok", fwd_bytes=max(r["fwd"] for r in per_rank),
                                    bwd_bytes=max(r["bwd"] for r in per_rank), per_rank=per_rank)
+                        if mode in ("seqpar_ulysses", "hybrid"):
+                            u = world if mode == "seqpar_ulysses" else 2
+                            if not ulysses_split_even(cfg.shape.q_heads, cfg.shape.kv_heads, u):
+                                # ranks hold different head counts and send different bytes: the row's
+                                # figures (measured and theory) are the largest rank's
+                                row["uneven_shares"] = [[q, kv] for _, q, _, kv in
+                                                        ulysses_shares(cfg.shape.q_heads, cfg.shape.kv_heads, u)]
                         th = theory(mode, seq_len, world, cfg.shape)
                         if th:
                             row.update(theory_fwd=th["fwd"], theory_bwd=th["bwd"],
@@ -216,6 +246,10 @@ def render(payload: dict[str, Any]) -> str:
     cols = [("mode", "mode"), ("P", "P"), ("S", "S"), ("causal", "causal"), ("fwd sent", "fwd"),
             ("theory", "tfwd"), ("bwd sent", "bwd"), ("theory", "tbwd"), ("x theory", "x")]
     out = ["comm: bytes sent per rank per attention call (measured at torch.distributed)", format_table(rows, cols)]
+    uneven = {(r["mode"], r["P"]): r["uneven_shares"] for r in ok if r.get("uneven_shares")}
+    for (mode, world), shares in uneven.items():
+        out.append(f"{mode} P={world}: uneven Ulysses heads, (query, K/V) heads per Ulysses rank {shares}: the "
+                   "ranks send different bytes; fwd / bwd are the largest rank's (measured and theory)")
     skipped = [r for r in payload["results"] if r["status"] == "skipped"]
     if skipped:
         out.append("not run:")

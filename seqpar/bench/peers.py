@@ -299,14 +299,17 @@ def _jobs(cfg: PeersConfig, rows: list[dict[str, Any]], pools: PoolSet) -> list[
         if cfg.shape.kv_heads % world or cfg.shape.q_heads % world:
             uly_why = (f"Ulysses splits heads over ranks: q_heads={cfg.shape.q_heads} and kv_heads="
                        f"{cfg.shape.kv_heads} must be multiples of P={world}")
-        from seqpar.attn.choose import ulysses_heads_ok
+        from seqpar.runtime.grid import ulysses_heads_problem
 
         hq, hkv = cfg.shape.q_heads, cfg.shape.kv_heads
+        # uneven head shares run (seqpar.runtime.grid.ulysses_shares); what stays refused is named
+        uly_problem = ulysses_heads_problem(hq, hkv, world)
+        pair_problem = ulysses_heads_problem(hq, hkv, 2)
         ours_why = {
-            "seqpar_ulysses": None if ulysses_heads_ok(hq, hkv, world) else
-            f"q_heads={hq} must be a multiple of P={world} and kv_heads={hkv} a multiple or divisor of it",
-            "hybrid": None if world >= 4 and world % 2 == 0 and ulysses_heads_ok(hq, hkv, 2) else
-            f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two",
+            "seqpar_ulysses": None if uly_problem is None else f"q_heads={hq}, kv_heads={hkv} over P={world}: {uly_problem}",
+            "hybrid": None if world >= 4 and world % 2 == 0 and pair_problem is None else
+            f"the (P/2) x 2 hybrid needs an even P >= 4 (P={world}) and heads that split in two"
+            + (f": {pair_problem}" if pair_problem else ""),
         }
         for s, c in cases:
             jobs += [("ring", world, s, c), ("allgather", world, s, c)]
@@ -353,6 +356,12 @@ def run(cfg: PeersConfig, progress: Callable[[str], None], *, pools: PoolSet | N
         else:
             rows.append(summarize_case(peer, seq_len, world, causal, cfg.shape, per_rank))
     _attach(rows)
+    from seqpar.runtime.grid import ulysses_shares, ulysses_split_even
+
+    for row in rows:  # uneven heads: the ranks' shares differ, and the row is its slowest / largest rank's
+        u = {"seqpar_ulysses": row["P"], "hybrid": 2}.get(row["method"])
+        if row["status"] == "ok" and u and not ulysses_split_even(cfg.shape.q_heads, cfg.shape.kv_heads, u):
+            row["uneven_shares"] = [[q, kv] for _, q, _, kv in ulysses_shares(cfg.shape.q_heads, cfg.shape.kv_heads, u)]
     return {"config": {"seq_lens": cfg.seq_lens, "worlds": cfg.worlds, "causal": cfg.causal,
                        "shape": asdict(cfg.shape), "settings": asdict(cfg.settings), "device": cfg.device},
             "results": rows}
@@ -400,6 +409,10 @@ def render(payload: dict[str, Any]) -> str:
             ("x ideal", "x_ideal"), ("x ulysses", "vs_uly"), ("peak/rank", "peak"), ("mem vs P=1", "mem")]
     out = ["peers: forward+backward per step (median of the slowest rank), same shapes and seeds",
            format_table(rows, cols)]
+    uneven = {(r["method"], r["P"]): r["uneven_shares"] for r in ok if r.get("uneven_shares")}
+    for (method, world), shares in uneven.items():
+        out.append(f"{_LABELS[method]} P={world}: uneven Ulysses heads, (query, K/V) heads per Ulysses rank {shares}: "
+                   "time and peak/rank are the slowest / largest rank's (the largest share's)")
     reasons: dict[tuple[str, str], list[str]] = {}
     for r in payload["results"]:
         if r["status"] == "skipped":
