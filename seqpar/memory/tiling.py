@@ -45,7 +45,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.config import SeqParConfig
-from seqpar.sequence.vocab_parallel import enter_tp_region, lse_and_picked, vocab_slice
+from seqpar.sequence.vocab_parallel import (
+    enter_tp_region,
+    loss_dtype,
+    lse_and_picked,
+    upcast,
+    vocab_slice,
+)
 
 __all__ = [
     "TilingError",
@@ -111,7 +117,7 @@ def _chunk_loss_and_grad(
     log-sum-exp and the target's logit are reduced over the group, see
     :mod:`seqpar.sequence.vocab_parallel`); ``dlogits`` is then this slice's.
     """
-    logits = (hidden_c @ weight.t()).float()  # (rows, vocab_local) fp32
+    logits = upcast(hidden_c @ weight.t())  # (rows, vocab_local) fp32 (fp64 for fp64 inputs)
     lse, picked, valid = lse_and_picked(logits, target_c, vocab[0], vocab[1], ignore_index)  # (rows,) each
     loss_sum = ((lse - picked) * valid).sum()
     if not want_grad:
@@ -131,7 +137,7 @@ class _TiledLMLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, chunk_rows: int,  # type: ignore[override]
                 ignore_index: int, vocab: tuple[int, dist.ProcessGroup | None]) -> Tensor:
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)  # fp32 (fp64 for fp64)
         for sl in _row_slices(hidden.shape[0], chunk_rows):
             loss_c, _ = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False, vocab)
             total += loss_c
@@ -149,14 +155,14 @@ class _TiledLMLoss(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dhidden = torch.empty_like(hidden) if want_h else None
         # fp32 accumulator for dW over the chunks (one matmul would accumulate in fp32 as well)
-        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True, ctx.vocab)
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
             if want_h:
                 dhidden[sl] = dlogits @ weight
             if want_w:
-                dweight.addmm_(dlogits.t().float(), hidden[sl].float())  # .float(): no copy in fp32
+                dweight.addmm_(dlogits.t().to(dweight.dtype), hidden[sl].to(dweight.dtype))  # no copy in fp32
             del dlogits
         return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
 
@@ -186,7 +192,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, targets_by_rank: Tensor, chunk_rows: int,  # type: ignore[override]
                 ignore_index: int, vocab: tuple[int, dist.ProcessGroup]) -> Tensor:
         # hidden (rows_local, hidden), targets_by_rank (tp, rows_local): the targets of every rank's rows
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)  # fp32 (fp64 for fp64)
         for sl in _row_slices(hidden.shape[0], chunk_rows):
             gathered = _gather_rows(hidden[sl], vocab[1])  # (tp * rows_c, hidden)
             loss_c, _ = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ignore_index,
@@ -203,7 +209,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
         weight, group = ctx.weight, ctx.vocab[1]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dhidden = torch.empty_like(hidden) if want_h else None
-        dweight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             gathered = _gather_rows(hidden[sl], group)
             _, dlogits = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ctx.ignore_index,
@@ -212,7 +218,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
             if want_h:
                 dhidden[sl] = _reduce_scatter_rows(dlogits @ weight, group)
             if want_w:
-                dweight.addmm_(dlogits.t().float(), gathered.float())
+                dweight.addmm_(dlogits.t().to(dweight.dtype), gathered.to(dweight.dtype))
             del dlogits, gathered
         return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
 

@@ -35,7 +35,7 @@ from torch import Tensor
 from seqpar.runtime.groups import resolve_group
 from seqpar.sequence.batch import sp_rank_and_size
 from seqpar.sequence.sharding import chunk_ids, num_chunks, resolve_sharding
-from seqpar.sequence.vocab_parallel import vocab_parallel_token_losses, vocab_sharded_logits
+from seqpar.sequence.vocab_parallel import upcast, vocab_parallel_token_losses, vocab_sharded_logits
 
 __all__ = [
     "sequence_parallel_loss",
@@ -112,7 +112,7 @@ def _token_losses(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
             f"logits {tuple(logits.shape)} and labels {tuple(targets.shape)} disagree: expected "
             "logits (batch, seq_local, vocab) and labels (batch, seq_local) of the same shard"
         )
-    acc = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    acc = upcast(logits)
     flat = F.cross_entropy(
         acc.reshape(-1, acc.shape[-1]), targets.reshape(-1).to(logits.device),
         ignore_index=ignore_index, reduction="none",

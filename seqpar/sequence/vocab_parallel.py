@@ -42,7 +42,20 @@ __all__ = [
     "vocab_sharded_logits",
     "enter_tp_region",
     "lse_and_picked",
+    "upcast",
+    "loss_dtype",
 ]
+
+
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss over logits of ``dtype`` accumulates in: fp32 for half precision (as transformers'
+    loss upcasts), else ``dtype`` itself (fp32, or fp64: a float64 run stays float64, as the gathered path does)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def upcast(x: Tensor) -> Tensor:
+    """``x`` in :func:`loss_dtype` of its dtype (no copy when it already is)."""
+    return x.to(loss_dtype(x.dtype))
 
 
 def vocab_slice(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -90,7 +103,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_local: Tensor, target: Tensor, vocab_start: int,  # type: ignore[override]
                 group: dist.ProcessGroup | None, ignore_index: int) -> Tensor:
-        x = logits_local.float()  # (rows, vocab_local) fp32, as transformers' loss upcasts
+        x = upcast(logits_local)  # (rows, vocab_local) fp32 (fp64 for fp64 logits), as transformers' loss upcasts
         lse, picked, valid = lse_and_picked(x, target, vocab_start, group, ignore_index)
         losses = (lse - picked) * valid  # (rows,)
         ctx.save_for_backward(logits_local, target, lse)
@@ -101,13 +114,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits_local, target, lse = ctx.saved_tensors
         # softmax_local - onehot_local, computed in place on one fp32 buffer; no communication
-        grad = logits_local.float().sub(lse.unsqueeze(1)).exp_()  # (rows, vocab_local)
+        grad = upcast(logits_local).sub(lse.unsqueeze(1)).exp_()  # (rows, vocab_local), a new buffer
         valid = target != ctx.ignore_index
         local_target = target - ctx.vocab_start
         owned = valid & (local_target >= 0) & (local_target < grad.shape[1])
         safe = torch.where(owned, local_target, 0).unsqueeze(1)
         grad.scatter_add_(1, safe, -owned.to(grad.dtype).unsqueeze(1))
-        grad.mul_((grad_losses.float() * valid).unsqueeze(1))
+        grad.mul_((grad_losses.to(grad.dtype) * valid).unsqueeze(1))
         return grad.to(logits_local.dtype), None, None, None, None
 
 
@@ -115,11 +128,12 @@ def vocab_parallel_token_losses(
     logits_local: Tensor, target: Tensor, *, vocab_start: int, group: dist.ProcessGroup | None,
     ignore_index: int = -100,
 ) -> Tensor:
-    """Per-token cross-entropy ``(rows,)`` (fp32, 0 where ignored) from this rank's vocabulary slice.
+    """Per-token cross-entropy ``(rows,)`` (fp32, fp64 for fp64 logits; 0 where ignored) from this rank's
+    vocabulary slice.
 
     Args:
         logits_local: ``(rows, vocab_local)``, the columns ``[vocab_start, vocab_start + vocab_local)``
-            of the full ``(rows, vocab)`` logits; any float dtype (computed in fp32).
+            of the full ``(rows, vocab)`` logits; any float dtype (computed in fp32, fp64 for fp64).
         target: ``(rows,)`` global ids.
         vocab_start: first global id of this slice (:func:`vocab_slice`).
         group: the TP group that splits the vocabulary; every rank of it must call with the same rows.
