@@ -85,3 +85,21 @@ def test_tiled_loss_under_plain_tp_is_vocab_parallel() -> None:
         rows = 32768 // 2
         chunk = loss_chunk_rows(rows, h, v) * v * 4
         assert got == 2 * chunk + v * h * 4 + rows * h * e, (tp, got)
+
+
+def test_tp_loss_parallel_sets_the_logits_layout() -> None:
+    """``tp_loss_parallel`` (the block's key) overrides the layout ``tp_sequence_parallel`` implies: ``True`` at
+    plain TP counts the vocab-split loss buffers (TP-SP's), ``False`` under TP-SP the gathered ones (plain TP's).
+
+    Seen failing: the model's rule left at ``tp_sequence_parallel or tiled_loss`` (the key ignored): both
+    overrides counted the other layout's buffers (2x off at TP 2)."""
+    tp2 = estimate_training_memory("llama3-70b", sp_size=1, tp_size=2, **SETTING)
+    tpsp = estimate_training_memory("llama3-70b", sp_size=1, tp_size=2, tp_sequence_parallel=True, **SETTING)
+    split = estimate_training_memory("llama3-70b", sp_size=1, tp_size=2, tp_loss_parallel=True, **SETTING)
+    gathered = estimate_training_memory("llama3-70b", sp_size=1, tp_size=2, tp_sequence_parallel=True,
+                                        tp_loss_parallel=False, **SETTING)
+    assert tpsp["logits_loss"] < tp2["logits_loss"]
+    assert split["logits_loss"] == tpsp["logits_loss"]
+    assert gathered["logits_loss"] == tp2["logits_loss"]
+    with pytest.raises(ValueError, match="tp_loss_parallel"):
+        estimate_training_memory("llama3-70b", sp_size=1, tp_size=2, tp_loss_parallel="yes", **SETTING)

@@ -449,6 +449,7 @@ def estimate_training_memory(
     tp_size: int = 1,
     tp_sequence_parallel: bool = False,
     dkv_wire_dtype: str = "fp32",
+    tp_loss_parallel: bool | str = "auto",
 ) -> dict[str, int]:
     """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
 
@@ -474,12 +475,15 @@ def estimate_training_memory(
             holds ``1 / tp`` of the heads, the MLP width and the vocabulary (:meth:`ModelShape.tp_local`):
             weights, gradients, optimizer state and the attention / MLP activations shrink by ``tp``;
             the engine shards over the dp x sp ranks. The logits are the full vocabulary's (the plan's
-            gathered head) unless the loss is vocab-parallel: with ``tp_sequence_parallel`` or ``tiled_loss``.
+            gathered head) unless the loss is vocab-parallel: with ``tiled_loss``, else as ``tp_loss_parallel``
+            says (``"auto"``: with ``tp_sequence_parallel``).
         tp_sequence_parallel: Megatron-style sequence parallelism in the TP group: the residual stream
             (checkpointed layer inputs, the norms' saved tensors) holds ``seq_local / tp`` tokens; the
             column-parallel projections still save their all-gathered input, whole.
         dkv_wire_dtype: the ``sequence_parallel`` block's ``dkv_wire_dtype`` (``"fp32"`` or ``"bf16"``): what
             the ring's travelling dK/dV accumulators are held in, for the attention transients.
+        tp_loss_parallel: the ``sequence_parallel`` block's ``tp_loss_parallel`` (``True``, ``False`` or
+            ``"auto"``): whether the LM head's logits stay split on the vocabulary under TP.
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
@@ -491,7 +495,10 @@ def estimate_training_memory(
         raise ValueError(f"tp_size={tp_size!r}: expected a positive integer (the TP degree)")
     m = full.tp_local(tp_size)  # a rank's shape: the model itself at tp_size 1
     tp_seq = tp_size if tp_sequence_parallel else 1
-    vocab_parallel = tp_size > 1 and (tp_sequence_parallel or tiled_loss)
+    if tp_loss_parallel not in (True, False, "auto"):
+        raise ValueError(f"tp_loss_parallel={tp_loss_parallel!r}: expected true, false or \"auto\" (the block's key)")
+    loss_parallel = tp_sequence_parallel if tp_loss_parallel == "auto" else tp_loss_parallel
+    vocab_parallel = tp_size > 1 and (loss_parallel or tiled_loss)
     dt = as_dtype(dtype)
     e = torch.empty((), dtype=dt).element_size()
     world = sp_size * dp_size
