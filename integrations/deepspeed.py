@@ -445,6 +445,12 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "FSDP2 (seqpar.integrations.fsdp.wrap); DeepSpeed's AutoTP shards the weights its own way and keeps "
             "whole activations on every TP rank: set tp_sequence_parallel false, or train with FSDP2"
         )
+    if sp_config.tp_loss_parallel is True:
+        raise ConfigError(
+            "sequence_parallel.tp_loss_parallel = true keeps the LM head's logits split on the vocabulary with the "
+            "model's tp plan under FSDP2 (seqpar.integrations.fsdp.wrap); DeepSpeed's AutoTP gives every TP rank the "
+            "whole logits: set tp_loss_parallel false or \"auto\", or train with FSDP2"
+        )
     for key in ("sequence_parallel_size", "data_parallel_size"):
         if key in ds_config:
             raise ConfigError(

@@ -221,6 +221,9 @@ def test_autotp_size_must_equal_tp_size() -> None:
         initialize(model=model, config=ds_tp_config(1), seqpar_config={"size": 2})
     with pytest.raises(ConfigError, match=r"tp_sequence_parallel .*set tp_sequence_parallel false, or train with FSDP2"):
         initialize(model=model, config={**ds_tp_config(1), "sequence_parallel": {**SP, "tp_sequence_parallel": True}})
+    # the vocab-split loss is the FSDP2 plan's (Seen failing: the key ignored under AutoTP, as it was before)
+    with pytest.raises(ConfigError, match=r"tp_loss_parallel = true .*set tp_loss_parallel false or \"auto\""):
+        initialize(model=model, config={**ds_tp_config(1), "sequence_parallel": {**SP, "tp_loss_parallel": True}})
     assert not dist.is_initialized()
 
 
