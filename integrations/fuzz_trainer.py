@@ -136,9 +136,26 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     with _gathered(model):
         for name, p in model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-            out[clean] = full.detach().clone().cpu()
+            out[_clean(name)] = full.detach().clone().cpu()
     return out
+
+
+def _clean(name: str) -> str:
+    """A parameter's name without FSDP's / checkpointing's wrapper prefixes, nor PEFT's outer ``base_model.model.``
+    (the same on every side however the model is wrapped)."""
+    name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+    return name.removeprefix("base_model.model.")
+
+
+def _lora_config(lora: dict[str, Any]) -> Any:
+    """peft's ``LoraConfig`` of the fuzzer's draw (``r``, ``alpha``, ``targets``, ``init``, ``modules_to_save``).
+    Dropout is 0: LoRA's dropout masks come from torch's RNG on each process, which no split of the sequence or the
+    batch over ranks can draw the same as one process."""
+    import peft
+
+    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(lora["targets"]),
+                           lora_dropout=0.0, init_lora_weights=lora["init"] != "random",
+                           modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM")
 
 
 def _ds_config(engine: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -258,6 +275,19 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             args = transformers.TrainingArguments(**common)
             cls = transformers.Trainer
             kwargs["data_collator"] = data.get("collator")
+        lora = knobs.get("lora")
+        if lora is not None:
+            peft_config = _lora_config(lora)
+            # the adapter's random init (A, and B under init_lora_weights=False) from the case's seed on both sides
+            # (peft draws it in fp32 and casts it to the model's dtype: the fp32 ranks and the float64 reference get
+            # the same values)
+            torch.manual_seed(lora["seed"])
+            if trainer == "trainer":
+                import peft
+
+                model = peft.get_peft_model(model, peft_config)  # as a user wires LoRA into Trainer
+            else:
+                kwargs["peft_config"] = peft_config  # TRL's trainers wrap the model themselves
         if engine != "plain":
             from seqpar.integrations.trainer import sequence_parallel
 
@@ -269,7 +299,9 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
         built.train()
         history = built.state.log_history
         manager = getattr(built, "seqpar_manager", None)
+        trainable = sorted(_clean(n) for n, p in built.model.named_parameters() if p.requires_grad)
         return {"logs": [h for h in history if "loss" in h and "train_runtime" not in h],
+                "trainable": trainable,
                 "evals": [h for h in history if "eval_loss" in h],
                 "before": snapshots["before"], "after": snapshots["after"],
                 "dp_sp": None if manager is None else (manager.dp_size, manager.sp_size)}

@@ -126,7 +126,10 @@ ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
 MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3_moe")
 MOE_TYPES = frozenset({"mixtral", "qwen3_moe"})
 ENTRY_POINT_GROUP = "seqpar.fuzz_trainers"
-PLANTS = ("loss_over_world", "trl_loss_over_world")
+PLANTS = ("loss_over_world", "trl_loss_over_world", "lora_grad_over_world")
+LORA_SHARE = 0.35  # of the cases, LoRA on (most post-training runs use an adapter)
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")  # the dense types' MLP (the MoE types' experts are fused tensors)
 LR = 0.1
 SFT_MAX_LENGTH = 24
 # fp32 ranks against a float64 reference: the logged numbers, and each parameter's update on its own scale
@@ -181,7 +184,26 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     pick = trl.random()
     if pick < 0.4:
         _draw_trl(trl, draws, "dpo" if pick < 0.2 else "grpo")
+    # LoRA: its own generator, seeded after every older draw (DPO / GRPO's included), so the older case seeds keep
+    # their compositions; the adapter's config is drawn in every case and used where ``peft`` is (``--set
+    # peft=true`` forces it on, with each case's own config)
+    lora = random.Random(rng.randrange(2 ** 31))
+    draws["peft"] = lora.random() < LORA_SHARE
+    draws["lora"] = _draw_lora(lora, draws)
     return draws
+
+
+def _draw_lora(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter's config (peft's ``LoraConfig`` knobs, see the module docstring): rank, alpha, 1-4 target
+    modules among the attention projections and (dense MLP types) the MLP projections, the init (peft's default,
+    B = 0, or ``init_lora_weights=False``: B random too, so step 1 moves A), ``modules_to_save`` now and then, and
+    the seed the adapter is initialized under (the same on both sides)."""
+    pool = list(LORA_ATTENTION) + ([] if draws["model_type"] in MOE_TYPES else list(LORA_MLP))
+    return {"r": rng.choice((1, 2, 4, 8)), "alpha": rng.choice((1, 4, 8, 16)),
+            "targets": sorted(rng.sample(pool, rng.randint(1, 4))),
+            "init": rng.choice(("default", "default", "random")),
+            "modules_to_save": rng.choice((["lm_head"], ["embed_tokens"])) if rng.random() < 0.2 else None,
+            "seed": rng.randrange(2 ** 31)}
 
 
 def _draw_trl(rng: random.Random, draws: dict[str, Any], trainer: str) -> None:
@@ -251,6 +273,11 @@ def trainer_summary(draws: dict[str, Any]) -> str:
     else:
         parts.append(("packing " if d["packing"] else "") + ("padding-free " if d["padding_free"] else "")
                      + ("assistant-only " if d["assistant_only_loss"] else "") + f"loss={d['loss_type']}")
+    if d.get("peft"):
+        lo = d["lora"]
+        parts.append(f"lora r={lo['r']} alpha={lo['alpha']} on={'+'.join(t[:-5] for t in lo['targets'])}"
+                     + (" init=random" if lo["init"] == "random" else "")
+                     + (f" save={'+'.join(lo['modules_to_save'])}" if lo["modules_to_save"] else ""))
     if d["max_grad_norm"]:
         parts.append(f"clip={d['max_grad_norm']}")
     if not d["average_tokens"]:
@@ -399,6 +426,9 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
         raise ValueError(f"unknown plant {name!r}: choose from {list(PLANTS)}")
     import transformers
 
+    if name == "lora_grad_over_world":
+        return _plant_lora_grad((world // sp) / world)  # dp / world
+
     if name == "trl_loss_over_world":
         # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
         import trl
@@ -433,6 +463,44 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
 
     def undo() -> None:
         transformers.Trainer.compute_loss = original
+    return undo
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the incoming gradient times ``factor`` backward (a planted bug)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _plant_lora_grad(factor: float) -> Any:
+    """``"lora_grad_over_world"``: every LoRA adapter's gradient times ``dp / world`` (= ``1 / sp``: divided by the
+    world where DP is due, or an SP share left unsummed). The forward is unchanged (the logged loss is right); the
+    gradient flowing into each ``lora_B`` output is scaled, so A's and B's gradients (and what flows on through the
+    adapter branch) are. Undo callable returned."""
+    from peft.tuners.lora import layer
+
+    original = layer.Linear.forward
+
+    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
+                   for m in self.lora_B.values()]
+        try:
+            return original(self, x, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    layer.Linear.forward = forward
+
+    def undo() -> None:
+        layer.Linear.forward = original
     return undo
 
 
@@ -475,6 +543,7 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
             knobs.update({k: draws[k] for k in ("num_generations", "num_iterations", "scale_rewards", "grpo_loss",
                                                 "beta", "epsilon", "rewards", "reward_weights",
                                                 "max_completion_length")})
+        knobs["lora"] = draws["lora"] if draws.get("peft") else None
         config = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"]}
         model = _build_model(draws, getattr(torch, dtype_name))
         with warnings.catch_warnings(), released_deepspeed_engines():
@@ -570,6 +639,20 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     model_max = max(float(d.abs().max()) for d in deltas.values())
     if model_max == 0.0 and draws["trainer"] != "grpo":
         return "WRONG", "the reference did not move any parameter"
+    if draws.get("peft"):
+        # LoRA: the same parameters train on both sides, only adapters (and modules_to_save's copies), and every
+        # frozen one (the base weights, the originals of modules_to_save) is bit-for-bit where it started
+        trainable = set(got.get("trainable", ()))
+        if trainable != set(ref.get("trainable", ())) or not trainable:
+            return "WRONG", (f"trainable parameters differ: {sorted(trainable ^ set(ref.get('trainable', ())))[:4]}"
+                             if trainable else "no trainable parameter under LoRA")
+        stray = sorted(n for n in trainable if "lora_" not in n and ".modules_to_save." not in n)
+        if stray:
+            return "WRONG", f"base parameters trainable under LoRA: {stray[:4]}"
+        for name in sorted(set(deltas) - trainable):
+            moved = float((got["before"][name] - got["after"][name]).abs().max())
+            if moved or float(deltas[name].abs().max()):
+                return "WRONG", f"frozen {name} moved by {moved:.1e} (reference {float(deltas[name].abs().max()):.1e})"
     # GRPO without KL (beta 0) whose groups each scored their completions alike has every advantage 0 and moves
     # nothing: seqpar's run must not move anything either (the tolerance below is then one rounding step)
     for name, d_ref in deltas.items():
