@@ -185,12 +185,15 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             ``use_weighting``, ``ref_model`` (``"given"``: a second model of the same weights; ``"built"``:
             DPOTrainer's own), ``sync_ref_model``, ``precompute_ref``; for ``grpo`` ``num_generations``,
             ``num_iterations``, ``scale_rewards``, ``grpo_loss``, ``beta``, ``epsilon``, ``rewards`` (names in
-            :data:`REWARDS`), ``reward_weights``, ``max_completion_length``.
+            :data:`REWARDS`), ``reward_weights``, ``max_completion_length``; for every trainer ``lora`` (None, or
+            the LoRA adapter's ``r``, ``alpha``, ``targets``, ``init`` (``"default"`` / ``"random"``),
+            ``modules_to_save`` and ``seed``: ``get_peft_model`` before ``trainer``, ``peft_config=`` to TRL's).
         config: the ``sequence_parallel`` block (``size``, ``mode``, ``sharding``).
 
     Returns:
         ``{"logs": [each logged training step's entry], "evals": [each evaluation's entry], "before" / "after":
-        {parameter name: whole tensor} at the start and end of training, "dp_sp": (dp, sp) or None}``.
+        {parameter name: whole tensor} at the start and end of training, "trainable": [the names of the
+        parameters that require grad], "dp_sp": (dp, sp) or None}``.
 
     Raises:
         ValueError: an unknown trainer or engine; whatever seqpar or the trainer raises otherwise.

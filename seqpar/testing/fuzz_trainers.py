@@ -96,6 +96,36 @@ scale too (:func:`_floor`).
   shown (``--case-seed 1235500454 --set 'dpo_loss=["aot"]' --set loss_weights=null --set engine=plain``, one pair
   per replica, was exact: at the first step every delta is 0, whatever the order).
 
+**PEFT/LoRA** (``peft``: about 35% of the cases, every trainer, every engine, DP x SP; drawn from a generator of
+its own seeded after every older draw; the adapter's config, ``lora``, is drawn in every case so that ``--set
+peft=true`` forces LoRA on with each case's own config). Wired as a user wires it: ``peft.get_peft_model(model,
+LoraConfig(...))`` before ``Trainer`` / SeqParTrainer, ``peft_config=LoraConfig(...)`` to SFT, DPO and GRPO (TRL
+wraps the model itself). Drawn: the rank (1, 2, 4, 8), ``lora_alpha`` (1, 4, 8, 16), 1-4 target modules among
+``q/k/v/o_proj`` and, on the dense types, ``gate/up/down_proj``, peft's default init (B = 0: at step 1 only B
+moves) or ``init_lora_weights=False`` (A and B random: step 1 moves both), ``modules_to_save`` (``lm_head`` or
+``embed_tokens``, a trainable copy) now and then. DPO's reference is then the policy with its adapters disabled
+when none is given (``ref="built"``: DPOTrainer builds no second model under PEFT), a second model when given;
+GRPO's KL reference (``beta > 0``) is the adapter-disabled policy. The reference run is the same trainer with the
+same LoRA config on one process; the adapter's random init is drawn under the case's seed (``lora["seed"]``) in
+fp32 by peft and cast, so both sides start from the same adapters (judged: "differs before training"). Judged
+besides the above: the same parameters are trainable on both sides, all of them adapters (``lora_``) or
+``modules_to_save`` copies, and every frozen parameter (the base, the originals of ``modules_to_save``) ends
+bit-for-bit where it started; each trainable parameter's update on its own scale (as every parameter's above).
+
+- Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
+  shard of the sequence and batch, which no split over ranks can draw as one process does.
+- Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
+  shards the model before TRL adds the adapters, which were then sharded and never gathered: peft's "size of
+  tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set peft=true``). Trainer with
+  ``get_peft_model`` under FSDP2 is exact.
+- Not drawn, TRL's own without seqpar: ``sync_ref_model`` with PEFT (DPOTrainer and GRPOTrainer raise
+  NotImplementedError whenever the model is a PEFT model, trl 1.16's ``dpo_trainer.py`` / ``grpo_trainer.py``;
+  case 2076377569 with ``--set peft=true`` before the draw dropped it: ``sync_ref_model`` is False under PEFT).
+- Not drawn (not yet, or not on CPU): LoRA on the MoE types' experts (fused 3D tensors: peft's
+  ``target_parameters``), a PEFT model passed to a TRL trainer (DPOTrainer then copies the adapter as a frozen
+  "ref" adapter), ``bias`` other than ``"none"``, DoRA, rsLoRA, LoRA on embeddings, other PEFT methods (prefix
+  tuning, IA3), QLoRA (bitsandbytes' quantized layers need an accelerator).
+
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
 engine runners: the harness never imports ``seqpar.integrations``.
