@@ -78,6 +78,11 @@ def _from_folder(model: nn.Module | None, folder: str, like: nn.Module | None = 
                        if getattr(source.config, f"_{key}", None) is not None}
     loaded = type(source).from_pretrained(path, dtype=source.dtype, **implementations)
     loaded.config.use_cache = False
+    if distributed:
+        # every rank has read the folder before any goes on: rank 0 deletes it when it leaves run_trainer, and a rank
+        # refused early (a ConfigError at construction) left while the others still read it (FileNotFoundError on
+        # ranks 1-2, so a refusal on every rank read as a crash: fuzzer cases 934084441, 1664443607 at P = 3)
+        torch.distributed.barrier()
     return loaded
 
 
