@@ -447,6 +447,7 @@ def trainer_runner(trainer: str) -> Any:
 
 def _plant(name: str | None, world: int, sp: int) -> Any:
     """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
+    ``"lora_grad_over_world"``: every LoRA adapter's gradient times ``dp / world`` (:func:`_plant_lora_grad`);
     ``"trl_loss_over_world"``: DPOTrainer's and GRPOTrainer's own ``compute_loss`` (which seqpar's adapters wrap)
     times ``sp / world`` (the loss divided by the world instead of SP: at DP > 1 every gradient ``1 / dp`` of one
     process's); ``"loss_over_world"``: ``transformers.Trainer.compute_loss``'s result times ``sp / world``, so that
