@@ -78,6 +78,11 @@ def _from_folder(model: nn.Module | None, folder: str, like: nn.Module | None = 
                        if getattr(source.config, f"_{key}", None) is not None}
     loaded = type(source).from_pretrained(path, dtype=source.dtype, **implementations)
     loaded.config.use_cache = False
+    if distributed:
+        # every rank has read the folder before any goes on: rank 0 deletes it when it leaves run_trainer, and a rank
+        # refused early (a ConfigError at construction) left while the others still read it (FileNotFoundError on
+        # ranks 1-2, so a refusal on every rank read as a crash: fuzzer cases 934084441, 1664443607 at P = 3)
+        torch.distributed.barrier()
     return loaded
 
 
@@ -136,9 +141,26 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     with _gathered(model):
         for name, p in model.named_parameters():
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            clean = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-            out[clean] = full.detach().clone().cpu()
+            out[_clean(name)] = full.detach().clone().cpu()
     return out
+
+
+def _clean(name: str) -> str:
+    """A parameter's name without FSDP's / checkpointing's wrapper prefixes, nor PEFT's outer ``base_model.model.``
+    (the same on every side however the model is wrapped)."""
+    name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+    return name.removeprefix("base_model.model.")
+
+
+def _lora_config(lora: dict[str, Any]) -> Any:
+    """peft's ``LoraConfig`` of the fuzzer's draw (``r``, ``alpha``, ``targets``, ``init``, ``modules_to_save``).
+    Dropout is 0: LoRA's dropout masks come from torch's RNG on each process, which no split of the sequence or the
+    batch over ranks can draw the same as one process."""
+    import peft
+
+    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(lora["targets"]),
+                           lora_dropout=0.0, init_lora_weights=lora["init"] != "random",
+                           modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM")
 
 
 def _ds_config(engine: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -168,12 +190,15 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             ``use_weighting``, ``ref_model`` (``"given"``: a second model of the same weights; ``"built"``:
             DPOTrainer's own), ``sync_ref_model``, ``precompute_ref``; for ``grpo`` ``num_generations``,
             ``num_iterations``, ``scale_rewards``, ``grpo_loss``, ``beta``, ``epsilon``, ``rewards`` (names in
-            :data:`REWARDS`), ``reward_weights``, ``max_completion_length``.
+            :data:`REWARDS`), ``reward_weights``, ``max_completion_length``; for every trainer ``lora`` (None, or
+            the LoRA adapter's ``r``, ``alpha``, ``targets``, ``init`` (``"default"`` / ``"random"``),
+            ``modules_to_save`` and ``seed``: ``get_peft_model`` before ``trainer``, ``peft_config=`` to TRL's).
         config: the ``sequence_parallel`` block (``size``, ``mode``, ``sharding``).
 
     Returns:
         ``{"logs": [each logged training step's entry], "evals": [each evaluation's entry], "before" / "after":
-        {parameter name: whole tensor} at the start and end of training, "dp_sp": (dp, sp) or None}``.
+        {parameter name: whole tensor} at the start and end of training, "trainable": [the names of the
+        parameters that require grad], "dp_sp": (dp, sp) or None}``.
 
     Raises:
         ValueError: an unknown trainer or engine; whatever seqpar or the trainer raises otherwise.
@@ -258,6 +283,19 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             args = transformers.TrainingArguments(**common)
             cls = transformers.Trainer
             kwargs["data_collator"] = data.get("collator")
+        lora = knobs.get("lora")
+        if lora is not None:
+            peft_config = _lora_config(lora)
+            # the adapter's random init (A, and B under init_lora_weights=False) from the case's seed on both sides
+            # (peft draws it in fp32 and casts it to the model's dtype: the fp32 ranks and the float64 reference get
+            # the same values)
+            torch.manual_seed(lora["seed"])
+            if trainer == "trainer":
+                import peft
+
+                model = peft.get_peft_model(model, peft_config)  # as a user wires LoRA into Trainer
+            else:
+                kwargs["peft_config"] = peft_config  # TRL's trainers wrap the model themselves
         if engine != "plain":
             from seqpar.integrations.trainer import sequence_parallel
 
@@ -269,7 +307,9 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
         built.train()
         history = built.state.log_history
         manager = getattr(built, "seqpar_manager", None)
+        trainable = sorted(_clean(n) for n, p in built.model.named_parameters() if p.requires_grad)
         return {"logs": [h for h in history if "loss" in h and "train_runtime" not in h],
+                "trainable": trainable,
                 "evals": [h for h in history if "eval_loss" in h],
                 "before": snapshots["before"], "after": snapshots["after"],
                 "dp_sp": None if manager is None else (manager.dp_size, manager.sp_size)}

@@ -256,6 +256,16 @@ class SequenceParallelMixin:
             raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
+        if self._seqpar_engine == "fsdp2" and model is not None and kwargs.get("peft_config") is not None:
+            # The mixin shards the model before the trainer's __init__, where TRL applies peft_config: the adapters
+            # would be added to FSDP2-sharded layers and never gathered (a shape error in peft's LoRA forward at
+            # the first step; GRPO's generation mixes DTensors and tensors). Fuzzer cases 188540536, 2083956903.
+            raise ConfigError(
+                f"{type(self).__name__}(peft_config=...) under seqpar's FSDP2: the trainer applies the adapters "
+                "after seqpar has sharded the model, so they would be sharded and never gathered. Train LoRA with "
+                "a TRL trainer under a DeepSpeed ZeRO config instead (TrainingArguments(deepspeed=...) with a "
+                "sequence_parallel block)"
+            )
         if self.seqpar_config.dynamic is not None:
             self._check_dynamic(args)
             # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)

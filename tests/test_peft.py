@@ -132,3 +132,40 @@ def test_lora_sp2_matches_single_device_and_trains_only_adapters(dist_pool, tmp_
     saved = out[0]["saved"]
     assert saved and all(_is_adapter(k) for k in saved), saved
     assert len(saved) == len(out[0]["trainable"])
+
+
+# ---------------------------------------------------------------------------------- TRL's peft_config under FSDP2
+def _sft_peft_config_under_fsdp2(rank: int, world: int, tmp: str) -> str:
+    """Build ``sequence_parallel(SFTTrainer)`` under seqpar's FSDP2 with ``peft_config=``: the error."""
+    import trl_tiny
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import sequence_parallel
+
+    args = SFTConfig(output_dir=f"{tmp}/r{rank}", per_device_train_batch_size=1, max_steps=1, learning_rate=0.1,
+                     optim="sgd", report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False)
+    with hf_tiny.launcher_env(rank, world):
+        try:
+            trainer = sequence_parallel(SFTTrainer)(
+                model=hf_tiny.tiny_llama(), args=args, train_dataset=trl_tiny.conversations(),
+                processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"},
+                peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+            trainer.train()  # before the refusal: peft's LoRA forward raised on the sharded adapters here
+        except ConfigError as e:
+            return str(e)
+    return "trained"
+
+
+@pytest.mark.timeout(300)
+def test_trl_peft_config_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
+    """A TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``, no DeepSpeed): the mixin shards
+    the model before TRL's ``__init__`` applies the adapters, so they were added to FSDP2-sharded layers and never
+    gathered: "The size of tensor a (16) must match the size of tensor b (8)" in peft's LoRA forward at the first
+    step (SFT, DPO), DTensor and tensor mixed in GRPO's generation (found by the fuzzer's trainer kind, cases
+    188540536, 1664443607, 2083956903, 769461221). Refused at construction now, on every rank, naming the option
+    and the fix (``get_peft_model`` before SeqParTrainer under FSDP2 is exact: the fuzzer's Trainer cases).
+    Seen failing: without the refusal in integrations/trainer.py (peft's shape RuntimeError)."""
+    for message in dist_pool.run(2, _sft_peft_config_under_fsdp2, str(tmp_path), timeout=200):
+        assert "peft_config=" in message and "FSDP2" in message and "deepspeed=" in message, message

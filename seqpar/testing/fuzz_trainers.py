@@ -96,6 +96,36 @@ scale too (:func:`_floor`).
   shown (``--case-seed 1235500454 --set 'dpo_loss=["aot"]' --set loss_weights=null --set engine=plain``, one pair
   per replica, was exact: at the first step every delta is 0, whatever the order).
 
+**PEFT/LoRA** (``peft``: about 35% of the cases, every trainer, every engine, DP x SP; drawn from a generator of
+its own seeded after every older draw; the adapter's config, ``lora``, is drawn in every case so that ``--set
+peft=true`` forces LoRA on with each case's own config). Wired as a user wires it: ``peft.get_peft_model(model,
+LoraConfig(...))`` before ``Trainer`` / SeqParTrainer, ``peft_config=LoraConfig(...)`` to SFT, DPO and GRPO (TRL
+wraps the model itself). Drawn: the rank (1, 2, 4, 8), ``lora_alpha`` (1, 4, 8, 16), 1-4 target modules among
+``q/k/v/o_proj`` and, on the dense types, ``gate/up/down_proj``, peft's default init (B = 0: at step 1 only B
+moves) or ``init_lora_weights=False`` (A and B random: step 1 moves both), ``modules_to_save`` (``lm_head`` or
+``embed_tokens``, a trainable copy) now and then. DPO's reference is then the policy with its adapters disabled
+when none is given (``ref="built"``: DPOTrainer builds no second model under PEFT), a second model when given;
+GRPO's KL reference (``beta > 0``) is the adapter-disabled policy. The reference run is the same trainer with the
+same LoRA config on one process; the adapter's random init is drawn under the case's seed (``lora["seed"]``) in
+fp32 by peft and cast, so both sides start from the same adapters (judged: "differs before training"). Judged
+besides the above: the same parameters are trainable on both sides, all of them adapters (``lora_``) or
+``modules_to_save`` copies, and every frozen parameter (the base, the originals of ``modules_to_save``) ends
+bit-for-bit where it started; each trainable parameter's update on its own scale (as every parameter's above).
+
+- Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
+  shard of the sequence and batch, which no split over ranks can draw as one process does.
+- Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
+  shards the model before TRL adds the adapters, which were then sharded and never gathered: peft's "size of
+  tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set peft=true``). Trainer with
+  ``get_peft_model`` under FSDP2 is exact.
+- Not drawn, TRL's own without seqpar: ``sync_ref_model`` with PEFT (DPOTrainer and GRPOTrainer raise
+  NotImplementedError whenever the model is a PEFT model, trl 1.16's ``dpo_trainer.py`` / ``grpo_trainer.py``;
+  case 2076377569 with ``--set peft=true`` before the draw dropped it: ``sync_ref_model`` is False under PEFT).
+- Not drawn (not yet, or not on CPU): LoRA on the MoE types' experts (fused 3D tensors: peft's
+  ``target_parameters``), a PEFT model passed to a TRL trainer (DPOTrainer then copies the adapter as a frozen
+  "ref" adapter), ``bias`` other than ``"none"``, DoRA, rsLoRA, LoRA on embeddings, other PEFT methods (prefix
+  tuning, IA3), QLoRA (bitsandbytes' quantized layers need an accelerator).
+
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
 engine runners: the harness never imports ``seqpar.integrations``.
@@ -126,7 +156,10 @@ ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
 MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3_moe")
 MOE_TYPES = frozenset({"mixtral", "qwen3_moe"})
 ENTRY_POINT_GROUP = "seqpar.fuzz_trainers"
-PLANTS = ("loss_over_world", "trl_loss_over_world")
+PLANTS = ("loss_over_world", "trl_loss_over_world", "lora_grad_over_world")
+LORA_SHARE = 0.35  # of the cases, LoRA on (most post-training runs use an adapter)
+LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")  # the dense types' MLP (the MoE types' experts are fused tensors)
 LR = 0.1
 SFT_MAX_LENGTH = 24
 # fp32 ranks against a float64 reference: the logged numbers, and each parameter's update on its own scale
@@ -181,7 +214,28 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     pick = trl.random()
     if pick < 0.4:
         _draw_trl(trl, draws, "dpo" if pick < 0.2 else "grpo")
+    # LoRA: its own generator, seeded after every older draw (DPO / GRPO's included), so the older case seeds keep
+    # their compositions; the adapter's config is drawn in every case and used where ``peft`` is (``--set
+    # peft=true`` forces it on, with each case's own config)
+    lora = random.Random(rng.randrange(2 ** 31))
+    draws["peft"] = lora.random() < LORA_SHARE
+    draws["lora"] = _draw_lora(lora, draws)
+    if draws["peft"] and draws.get("sync_ref_model"):
+        draws["sync_ref_model"] = False  # DPOTrainer's own NotImplementedError under PEFT (the module docstring)
     return draws
+
+
+def _draw_lora(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter's config (peft's ``LoraConfig`` knobs, see the module docstring): rank, alpha, 1-4 target
+    modules among the attention projections and (dense MLP types) the MLP projections, the init (peft's default,
+    B = 0, or ``init_lora_weights=False``: B random too, so step 1 moves A), ``modules_to_save`` now and then, and
+    the seed the adapter is initialized under (the same on both sides)."""
+    pool = list(LORA_ATTENTION) + ([] if draws["model_type"] in MOE_TYPES else list(LORA_MLP))
+    return {"r": rng.choice((1, 2, 4, 8)), "alpha": rng.choice((1, 4, 8, 16)),
+            "targets": sorted(rng.sample(pool, rng.randint(1, 4))),
+            "init": rng.choice(("default", "default", "random")),
+            "modules_to_save": rng.choice((["lm_head"], ["embed_tokens"])) if rng.random() < 0.2 else None,
+            "seed": rng.randrange(2 ** 31)}
 
 
 def _draw_trl(rng: random.Random, draws: dict[str, Any], trainer: str) -> None:
@@ -251,6 +305,11 @@ def trainer_summary(draws: dict[str, Any]) -> str:
     else:
         parts.append(("packing " if d["packing"] else "") + ("padding-free " if d["padding_free"] else "")
                      + ("assistant-only " if d["assistant_only_loss"] else "") + f"loss={d['loss_type']}")
+    if d.get("peft"):
+        lo = d["lora"]
+        parts.append(f"lora r={lo['r']} alpha={lo['alpha']} on={'+'.join(t[:-5] for t in lo['targets'])}"
+                     + (" init=random" if lo["init"] == "random" else "")
+                     + (f" save={'+'.join(lo['modules_to_save'])}" if lo["modules_to_save"] else ""))
     if d["max_grad_norm"]:
         parts.append(f"clip={d['max_grad_norm']}")
     if not d["average_tokens"]:
@@ -388,6 +447,7 @@ def trainer_runner(trainer: str) -> Any:
 
 def _plant(name: str | None, world: int, sp: int) -> Any:
     """A deliberately broken composition, for the fuzzer's own tests (undo callable returned):
+    ``"lora_grad_over_world"``: every LoRA adapter's gradient times ``dp / world`` (:func:`_plant_lora_grad`);
     ``"trl_loss_over_world"``: DPOTrainer's and GRPOTrainer's own ``compute_loss`` (which seqpar's adapters wrap)
     times ``sp / world`` (the loss divided by the world instead of SP: at DP > 1 every gradient ``1 / dp`` of one
     process's); ``"loss_over_world"``: ``transformers.Trainer.compute_loss``'s result times ``sp / world``, so that
@@ -398,6 +458,9 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
     if name not in PLANTS:
         raise ValueError(f"unknown plant {name!r}: choose from {list(PLANTS)}")
     import transformers
+
+    if name == "lora_grad_over_world":
+        return _plant_lora_grad((world // sp) / world)  # dp / world
 
     if name == "trl_loss_over_world":
         # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
@@ -433,6 +496,44 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
 
     def undo() -> None:
         transformers.Trainer.compute_loss = original
+    return undo
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the incoming gradient times ``factor`` backward (a planted bug)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _plant_lora_grad(factor: float) -> Any:
+    """``"lora_grad_over_world"``: every LoRA adapter's gradient times ``dp / world`` (= ``1 / sp``: divided by the
+    world where DP is due, or an SP share left unsummed). The forward is unchanged (the logged loss is right); the
+    gradient flowing into each ``lora_B`` output is scaled, so A's and B's gradients (and what flows on through the
+    adapter branch) are. Undo callable returned."""
+    from peft.tuners.lora import layer
+
+    original = layer.Linear.forward
+
+    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
+                   for m in self.lora_B.values()]
+        try:
+            return original(self, x, *args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
+    layer.Linear.forward = forward
+
+    def undo() -> None:
+        layer.Linear.forward = original
     return undo
 
 
@@ -475,6 +576,9 @@ def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, pl
             knobs.update({k: draws[k] for k in ("num_generations", "num_iterations", "scale_rewards", "grpo_loss",
                                                 "beta", "epsilon", "rewards", "reward_weights",
                                                 "max_completion_length")})
+        knobs["lora"] = draws["lora"] if draws.get("peft") else None
+        if knobs["lora"] is not None and "sync_ref_model" in knobs:
+            knobs["sync_ref_model"] = False  # --set peft=true on a TR-DPO case: DPOTrainer's own refusal otherwise
         config = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"]}
         model = _build_model(draws, getattr(torch, dtype_name))
         with warnings.catch_warnings(), released_deepspeed_engines():
@@ -570,6 +674,20 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     model_max = max(float(d.abs().max()) for d in deltas.values())
     if model_max == 0.0 and draws["trainer"] != "grpo":
         return "WRONG", "the reference did not move any parameter"
+    if draws.get("peft"):
+        # LoRA: the same parameters train on both sides, only adapters (and modules_to_save's copies), and every
+        # frozen one (the base weights, the originals of modules_to_save) is bit-for-bit where it started
+        trainable = set(got.get("trainable", ()))
+        if trainable != set(ref.get("trainable", ())) or not trainable:
+            return "WRONG", (f"trainable parameters differ: {sorted(trainable ^ set(ref.get('trainable', ())))[:4]}"
+                             if trainable else "no trainable parameter under LoRA")
+        stray = sorted(n for n in trainable if "lora_" not in n and ".modules_to_save." not in n)
+        if stray:
+            return "WRONG", f"base parameters trainable under LoRA: {stray[:4]}"
+        for name in sorted(set(deltas) - trainable):
+            moved = float((got["before"][name] - got["after"][name]).abs().max())
+            if moved or float(deltas[name].abs().max()):
+                return "WRONG", f"frozen {name} moved by {moved:.1e} (reference {float(deltas[name].abs().max()):.1e})"
     # GRPO without KL (beta 0) whose groups each scored their completions alike has every advantage 0 and moves
     # nothing: seqpar's run must not move anything either (the tolerance below is then one rounding step)
     for name, d_ref in deltas.items():
@@ -584,7 +702,7 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
             problems.append(f"update of {name} off by {diff / max(own, 1e-300):.1e} of its max "
                             f"(tol {tol / max(own, 1e-300):.1e})")
             break
-        worst = max(worst, (f"update {name}", diff / tol), key=lambda x: x[1])
+        worst = max(worst, (f"update {name}", diff / tol if tol else 0.0), key=lambda x: x[1])  # tol 0: nothing moved (a zero-init LoRA B)
     if problems:
         return "WRONG", "; ".join(problems) + ("" if len(problems) > 1 else " (the other checks pass)")
     return "exact", f"worst {worst[0]} {worst[1]:.1e} (logs: relative error; updates: of the tolerance)"
