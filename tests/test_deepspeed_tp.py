@@ -372,3 +372,31 @@ def test_tiled_loss_on_a_head_autotp_split_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"tiled_loss .*AutoTP split over the vocabulary \(lm_head: 27 of its 53 rows"
                                           r".*Set tiled_loss false"):
         _refuse_tiled_loss_on_split_head(model, before)
+
+
+def test_an_activation_sparse_gate_autotp_split_is_refused() -> None:
+    """An activation-sparse MLP (Gemma 3n's: the cutoff is the mean and standard deviation of ``gate_proj``'s output
+    over its features) whose ``gate_proj`` AutoTP split is refused by name (``_refuse_split_sparse_gate``, called in
+    ``initialize`` with the rows read before ``deepspeed.initialize``): each TP rank set its cutoff from its own
+    slice, silently wrong (fuzzer case 1709044604, tiny gemma3n_text under AutoTP 2 x SP 2: the loss 5.5e-3 off;
+    tests/test_fuzz.py pins it refused). A whole gate, or one without sparsity, is not refused. No process group:
+    a stand-in MLP. Seen failing: the refusal's call removed from ``initialize`` (the fuzzer case WRONG again), and
+    here the sparsity test ``> 0`` made ``< 0`` (nothing recorded, the split gate passed)."""
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import _refuse_split_sparse_gate, _sparse_gate_rows
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.activation_sparsity = 0.95
+    model.mlp.gate_proj = torch.nn.Linear(8, 16, bias=False)
+    model.dense = torch.nn.Module()  # no sparsity: never refused
+    model.dense.activation_sparsity = 0.0
+    model.dense.gate_proj = torch.nn.Linear(8, 16, bias=False)
+    before = _sparse_gate_rows(model)
+    assert before == {"mlp": 16}
+    _refuse_split_sparse_gate(model, before)
+    model.dense.gate_proj = torch.nn.Linear(8, 8, bias=False)
+    _refuse_split_sparse_gate(model, before)
+    model.mlp.gate_proj = torch.nn.Linear(8, 8, bias=False)  # AutoTP's slice of the gate's 16 features
+    with pytest.raises(ConfigError, match=r"\['mlp'\] take the mean and standard deviation .*AutoTP split"):
+        _refuse_split_sparse_gate(model, before)

@@ -58,7 +58,11 @@ with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpa
 Found by ``autotp``: the tiled loss under AutoTP was silently wrong (case 756378705, tiny qwen2, TP 2 x SP 1: the
 loss 13% off): it computes the logits from ``lm_head.weight``, which AutoTP had replaced by the TP rank's slice
 of the vocabulary. :func:`seqpar.integrations.deepspeed.initialize` refuses it by name now on every rank where
-AutoTP split the head (a tied head AutoTP keeps whole is exact).
+AutoTP split the head (a tied head AutoTP keeps whole is exact). And Gemma 3n's activation-sparse MLPs under AutoTP
+(case 1709044604: the loss 5.5e-3 off; their cutoff is a statistic over ``gate_proj``'s output features, which
+AutoTP splits), refused by name now as under FSDP2's TP. Found and open: tiny starcoder2 under AutoTP at SP 2
+(case 222158336 of seed 811, TP 2 x SP 2: the loss 6.9e-4 off; 3.7e-2 on plain rows) is WRONG, exact at TP 2 x SP 1,
+under ZeRO-2 at SP 2 and under ``tp2`` at TP 2 x SP 2; the cause is not found yet (still drawn).
 
 The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
 seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
