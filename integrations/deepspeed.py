@@ -245,6 +245,8 @@ def initialize(
         _partition_zero3_over_sp_dp(deepspeed, model, ds_config, manager)
     # Under AutoTP DeepSpeed samples over its DP group (dp x sp ranks): the loader is built below
     tp_loader = training_data is not None and manager.tp_size > 1
+    head_rows = _lm_head_rows(model) if sp_config.tiled_loss and manager.tp_size > 1 else {}
+    sparse_rows = _sparse_gate_rows(model) if manager.tp_size > 1 else {}
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         args=_args_without_config_path(args),
         model=model,
@@ -259,6 +261,8 @@ def initialize(
         **({"distributed_port": distributed_port} if distributed_port is not None else {}),
     )
     _check_engine_groups(engine, manager)
+    _refuse_tiled_loss_on_split_head(model, head_rows)
+    _refuse_split_sparse_gate(model, sparse_rows)
     _compensate_gradient_average(engine, manager)
     if tp_loader:
         loader = _dp_axis_loader(engine, training_data, collate_fn, manager)
@@ -702,6 +706,64 @@ def _partition_zero3_over_sp_dp(deepspeed: Any, model: torch.nn.Module, ds_confi
         module=model, data_parallel_group=manager.sp_dp_group, dtype=dtype,
         config_dict_or_path=ds_config, mpu=manager,
     )
+
+
+def _lm_head_rows(model: torch.nn.Module) -> dict[str, int]:
+    """The output rows (vocabulary) of every ``lm_head`` weight in ``model``, by the owning module's name (ZeRO-3's
+    partitioned parameters by their full ``ds_shape``)."""
+    rows = {}
+    for name, module in model.named_modules():
+        weight = getattr(getattr(module, "lm_head", None), "weight", None)
+        if isinstance(weight, torch.Tensor):
+            rows[name] = int(getattr(weight, "ds_shape", weight.shape)[0])
+    return rows
+
+
+def _refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, int]) -> None:
+    """Refuse ``tiled_loss`` where DeepSpeed's AutoTP split an LM head over the vocabulary (``before``: the head
+    rows before ``deepspeed.initialize``; empty when there is nothing to check). The tiled loss computes the
+    logits from ``lm_head.weight`` itself, which AutoTP replaced by this TP rank's slice of the vocabulary (a
+    plain tensor, unlike FSDP2's TP, whose DTensor weight the tiled loss reduces vocab-parallel): each rank's
+    loss would be over its own slice, silently wrong (fuzzer case 756378705: the loss 13% off). A head AutoTP
+    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises."""
+    after = _lm_head_rows(model)
+    for name, rows in before.items():
+        if after.get(name, rows) != rows:
+            where = f"{name}.lm_head" if name else "lm_head"
+            raise ConfigError(
+                f"sequence_parallel.tiled_loss computes the logits from the LM head's weight, which DeepSpeed AutoTP "
+                f"split over the vocabulary ({where}: {after[name]} of its {rows} rows on this TP rank), so the loss "
+                "would cover this rank's slice of the vocabulary only. Set tiled_loss false under DeepSpeed AutoTP "
+                "(or tp_size 1), or use FSDP2's tensor parallelism (seqpar.integrations.fsdp.wrap), whose tiled loss "
+                "is vocab-parallel"
+            )
+
+
+def _sparse_gate_rows(model: torch.nn.Module) -> dict[str, int]:
+    """The ``gate_proj`` output rows of every module with activation sparsity (Gemma 3n's MLPs), by name."""
+    rows = {}
+    for name, module in model.named_modules():
+        weight = getattr(getattr(module, "gate_proj", None), "weight", None)
+        if (getattr(module, "activation_sparsity", 0) or 0) > 0 and isinstance(weight, torch.Tensor):
+            rows[name] = int(getattr(weight, "ds_shape", weight.shape)[0])
+    return rows
+
+
+def _refuse_split_sparse_gate(model: torch.nn.Module, before: dict[str, int]) -> None:
+    """Refuse an activation-sparse MLP whose ``gate_proj`` AutoTP split over its output features (``before``: the
+    rows before ``deepspeed.initialize``). Its cutoff is the mean and standard deviation of ``gate_proj``'s output
+    over those features, so each TP rank would set it from its own slice: silently wrong (fuzzer case 1709044604,
+    tiny gemma3n_text, AutoTP 2 x SP 2: the loss 5.5e-3 off), as under FSDP2's TP, which refuses it the same
+    (``seqpar.integrations.tp``). Every TP rank splits alike, so every rank raises."""
+    after = _sparse_gate_rows(model)
+    split = [name for name, rows in before.items() if after.get(name, rows) != rows]
+    if split:
+        raise ConfigError(
+            f"{type(model).__name__}'s {split} take the mean and standard deviation of gate_proj's output over its "
+            "features (activation sparsity), which DeepSpeed AutoTP split over the TP ranks, so each rank would set "
+            "its cutoff from its own slice. Set config.activation_sparsity_pattern to zeros, keep the MLPs whole "
+            "(tensor_parallel.partition_config without them), or run tp_size 1"
+        )
 
 
 def _compensate_gradient_average(engine: Any, manager: Any) -> None:

@@ -18,7 +18,25 @@ Engines (the entry-point names):
   as the adapter sets it, each block a unit); gradients read inside
   ``FullyShardedDataParallel.summon_full_params(with_grads=True)``;
 - ``tp2``: the same ``wrap`` with the config's ``tp_size`` (TP from the model's own plan, FSDP2 over the SP
-  ranks).
+  ranks);
+- ``autotp``: :func:`seqpar.integrations.deepspeed.initialize` with the config's ``tp_size`` (DeepSpeed's AutoTP,
+  ``tensor_parallel.autotp_size`` set from it) under ZeRO stage ``config["zero_stage"]`` (the key is
+  the runner's, taken out before the block reaches DeepSpeed), driven as the ZeRO engines above but for
+  ``engine.step()`` after each accumulated micro-batch but the last, as a DeepSpeed loop calls it (off the
+  boundary it only counts the micro-step; without it a stage that reduces at the boundary alone, ZeRO-0,
+  never reaches one and leaves every rank's gradient unreduced: fuzzer cases 295 and 442 of ``--set
+  engine=autotp`` at ZeRO-0, the embedding's gradient 100% off), then each
+  parameter AutoTP split gathered over the TP group (the TP ranks' slices in TP rank order, concatenated on the
+  one dim where the slice is smaller than the parameter the model was built with);
+- ``accelerate``: the plain accelerate loop as a user writes it (docs/integrations.md): ``Accelerator()``
+  (``gradient_accumulation_steps=2`` when accumulating), :func:`seqpar.integrations.accelerate.prepare` with an
+  optimizer factory and a map-style loader of the replicas' full batches (one batch an item, interleaved
+  replica by replica, so that accelerate's split over the DP axis hands each replica its own), then
+  ``model(**batch).loss`` and ``accelerator.backward`` (inside ``accelerator.accumulate(model)`` when
+  accumulating). accelerate divides each loss by its ``gradient_accumulation_steps`` (its documented mean over
+  the micro-batches), so the gradient returned is the reduced one times that count: the sum over the batches,
+  as every other engine returns it. The caller sets the launcher's environment (``RANK``, ``WORLD_SIZE``, ...)
+  and resets accelerate's singletons afterwards (the fuzzer's ``launcher_env``).
 
 Data parallelism: the world is DP x SP x TP (``config["size"]`` is SP); each DP replica trains on its own
 batches (``batches[manager.dp_rank]``), as a user's DP loader feeds it, and the engine averages the gradients
@@ -48,7 +66,7 @@ from torch import nn
 
 __all__ = ["ENGINES", "DYNAMIC_ENGINES", "run_engine", "run_dynamic_engine"]
 
-ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2")
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2", "autotp", "accelerate")
 DYNAMIC_ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
 """The engines :func:`run_dynamic_engine` drives (``run_dynamic_step``'s: FSDP2 and DeepSpeed ZeRO-1/2/3)."""
 
@@ -92,6 +110,41 @@ def _full_grads_fsdp1(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _gather_tp(grads: dict[str, torch.Tensor], shapes: dict[str, torch.Size], model: nn.Module,
+               tp_group: Any) -> dict[str, torch.Tensor]:
+    """``grads`` (ZeRO-gathered, each this rank's AutoTP slice) with every parameter AutoTP split made whole:
+    the TP ranks' slices in TP rank order, concatenated on the one dim where this rank's parameter is smaller
+    than ``shapes[name]`` (the model's before AutoTP; slices may be uneven, an odd vocabulary). Collective over
+    the TP group: every rank calls, with the same parameters."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, p in model.named_parameters():
+        g = grads.get(name)
+        want = shapes[name]
+        if tuple(p.shape) == tuple(want):
+            if g is not None:
+                out[name] = g
+            continue
+        (dim,) = [d for d, (a, b) in enumerate(zip(p.shape, want, strict=True)) if a != b]
+        parts: list[Any] = [None] * dist.get_world_size(tp_group)
+        dist.all_gather_object(parts, (g, tuple(p.shape)), group=tp_group)
+        if any(x is not None for x, _ in parts):  # a TP rank without a gradient holds zeros there
+            out[name] = torch.cat([x if x is not None else torch.zeros(shape, dtype=p.dtype) for x, shape in parts],
+                                  dim=dim)
+    return out
+
+
+def _replica_loader(batches: list[list[dict[str, Any]]]) -> Any:
+    """A map-style loader of every replica's full batches, one batch an item, interleaved replica by replica
+    (item ``i x dp + d`` is replica ``d``'s batch ``i``): accelerate's split over ``dp`` processes with batches
+    of one item hands DP rank ``d`` the items ``d, d + dp, ...``, its own batches in order."""
+    from torch.utils.data import DataLoader
+
+    items = [replica[i] for i in range(len(batches[0])) for replica in batches]
+    return DataLoader(items, batch_size=1, shuffle=False, collate_fn=lambda one: one[0])
+
+
 def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[list[dict[str, Any]]],
                config: dict[str, Any], *, accumulate: bool) -> dict[str, Any]:
     """One step of ``build_model()`` through ``engine`` on this rank (every rank of the default group calls).
@@ -123,11 +176,16 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
     manager = None
     try:
         model = build_model()
-        if engine.startswith("zero"):
+        if engine == "accelerate":
+            return _run_accelerate(model, batches, config, accumulate=accumulate)
+        if engine.startswith("zero") or engine == "autotp":
             from seqpar.integrations.deepspeed import initialize
 
+            config = dict(config)
+            stage = config.pop("zero_stage") if engine == "autotp" else int(engine[-1])
+            shapes = {n: p.shape for n, p in model.named_parameters()}  # before AutoTP splits them
             ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2 if accumulate else 1,
-                         "zero_optimization": {"stage": int(engine[-1])}, "zero_allow_untested_optimizer": True,
+                         "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
                          "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "sequence_parallel": config}
             ds_engine, _, _, _ = initialize(model=model, config=ds_config,
                                             optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
@@ -137,7 +195,10 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
                 ds_engine.backward(loss, scale_wrt_gas=False)  # the sum of the micro-batches' losses
 
             def full_grads() -> dict[str, torch.Tensor]:
-                return _full_grads_zero(ds_engine)
+                grads = _full_grads_zero(ds_engine)
+                if engine == "autotp":
+                    grads = _gather_tp(grads, shapes, ds_engine.module, manager.tp_group)
+                return grads
         else:
             from seqpar.integrations.fsdp import wrap
 
@@ -155,10 +216,13 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
                              f"(world {manager.world_size} = dp x sp {manager.sp_size} x tp {manager.tp_size}): "
                              "pass one list per replica")
         losses = []
-        for b in batches[manager.dp_rank]:
+        mine = batches[manager.dp_rank]
+        for i, b in enumerate(mine):
             out = forward(**shard_batch(b, group=manager.sp_group, sharding=config["sharding"]))
             if accumulate:
                 backward(out.loss)
+                if engine == "autotp" and i < len(mine) - 1:
+                    forward.step()  # off the boundary: counts the micro-step (ZeRO-0 reduces at the boundary)
             losses.append(out.loss)
         if not accumulate:
             backward(sum(losses))
@@ -166,6 +230,40 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
     finally:
         if manager is not None:
             manager.destroy()
+
+
+def _run_accelerate(model: nn.Module, batches: list[list[dict[str, Any]]], config: dict[str, Any], *,
+                    accumulate: bool) -> dict[str, Any]:
+    """The ``accelerate`` engine (module docstring): the loop as a user writes it, on this rank."""
+    from accelerate import Accelerator
+
+    import seqpar
+    from seqpar.integrations.accelerate import prepare
+
+    gas = 2 if accumulate else 1
+    accelerator = Accelerator(gradient_accumulation_steps=gas)
+    manager = seqpar.init_process_groups(config=config)
+    try:
+        if len(batches) != manager.dp_size:
+            raise ValueError(f"run_engine: {len(batches)} lists of batches for {manager.dp_size} DP replicas "
+                             f"(world {manager.world_size} = dp x sp {manager.sp_size}): pass one list per replica")
+        model, _, loader = prepare(accelerator, model, lambda params: torch.optim.SGD(params, lr=0.0),
+                                   _replica_loader(batches), config=config, manager=manager)
+        losses = []
+        for batch in loader:
+            if accumulate:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+            else:
+                loss = model(**batch).loss
+            losses.append(loss)
+        if not accumulate:
+            accelerator.backward(sum(losses))
+        grads = {n: g * gas for n, g in _full_grads_fsdp(model).items()}  # accelerate's mean over micro-batches
+        return {"loss": float(sum(x.detach() for x in losses)), "replica": manager.dp_rank, "grads": grads}
+    finally:
+        manager.destroy()
 
 
 def run_dynamic_engine(engine: str, build_model: Callable[[], nn.Module], plan: Any, docs: list[torch.Tensor],

@@ -350,3 +350,56 @@ def test_launcher_resumes_at_another_tp_layout(dist_pool, tmp_path) -> None:
     assert (len(head), len(tail)) == (2, 1), (head, tail)
     assert (tmp_path / "ckpt" / "universal" / "step2").is_dir()
     _close(head + tail, ref)
+
+
+def test_tiled_loss_on_a_head_autotp_split_is_refused() -> None:
+    """``tiled_loss`` where DeepSpeed AutoTP split the LM head over the vocabulary is refused by name
+    (``_refuse_tiled_loss_on_split_head``, called in ``initialize`` with the head rows read before
+    ``deepspeed.initialize``): the tiled loss computes the logits from ``lm_head.weight``, AutoTP's slice of the
+    vocabulary on each TP rank, so its loss was silently wrong (fuzzer case 756378705, tiny qwen2 under AutoTP 2:
+    the loss 13% off; tests/test_fuzz.py pins it refused). A head AutoTP keeps whole (a tied embedding) and a
+    ZeRO-3 head (partitioned, its full ``ds_shape`` read) are not refused. No process group: the heads stand in
+    for AutoTP's replacement. Seen failing: the refusal's call removed from ``initialize`` (the fuzzer case WRONG,
+    loss 13% off), and here ``after.get(name, rows) != rows`` made ``>`` (a split head passed)."""
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import _lm_head_rows, _refuse_tiled_loss_on_split_head
+
+    model = _model()
+    before = _lm_head_rows(model)
+    assert before == {"": VOCAB}
+    _refuse_tiled_loss_on_split_head(model, before)  # kept whole: fine
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros(0, 64))  # ZeRO-3's partitioned parameter, full ds_shape
+    model.lm_head.weight.ds_shape = torch.Size([VOCAB, 64])
+    _refuse_tiled_loss_on_split_head(model, before)
+    model.lm_head = torch.nn.Linear(64, VOCAB // 2 + 1, bias=False)  # AutoTP's slice on TP rank 0 (53 = 27 + 26)
+    with pytest.raises(ConfigError, match=r"tiled_loss .*AutoTP split over the vocabulary \(lm_head: 27 of its 53 rows"
+                                          r".*Set tiled_loss false"):
+        _refuse_tiled_loss_on_split_head(model, before)
+
+
+def test_an_activation_sparse_gate_autotp_split_is_refused() -> None:
+    """An activation-sparse MLP (Gemma 3n's: the cutoff is the mean and standard deviation of ``gate_proj``'s output
+    over its features) whose ``gate_proj`` AutoTP split is refused by name (``_refuse_split_sparse_gate``, called in
+    ``initialize`` with the rows read before ``deepspeed.initialize``): each TP rank set its cutoff from its own
+    slice, silently wrong (fuzzer case 1709044604, tiny gemma3n_text under AutoTP 2 x SP 2: the loss 5.5e-3 off;
+    tests/test_fuzz.py pins it refused). A whole gate, or one without sparsity, is not refused. No process group:
+    a stand-in MLP. Seen failing: the refusal's call removed from ``initialize`` (the fuzzer case WRONG again), and
+    here the sparsity test ``> 0`` made ``< 0`` (nothing recorded, the split gate passed)."""
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import _refuse_split_sparse_gate, _sparse_gate_rows
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.activation_sparsity = 0.95
+    model.mlp.gate_proj = torch.nn.Linear(8, 16, bias=False)
+    model.dense = torch.nn.Module()  # no sparsity: never refused
+    model.dense.activation_sparsity = 0.0
+    model.dense.gate_proj = torch.nn.Linear(8, 16, bias=False)
+    before = _sparse_gate_rows(model)
+    assert before == {"mlp": 16}
+    _refuse_split_sparse_gate(model, before)
+    model.dense.gate_proj = torch.nn.Linear(8, 8, bias=False)
+    _refuse_split_sparse_gate(model, before)
+    model.mlp.gate_proj = torch.nn.Linear(8, 8, bias=False)  # AutoTP's slice of the gate's 16 features
+    with pytest.raises(ConfigError, match=r"\['mlp'\] take the mean and standard deviation .*AutoTP split"):
+        _refuse_split_sparse_gate(model, before)

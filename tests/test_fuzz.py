@@ -328,6 +328,28 @@ FOUND[674949561] = (("compile",), "exact")
 # Not pinned here (at most one real LoRA case in CI: test_a_planted_lora_bug_is_wrong; pinned, 188540536 took 52 s
 # under load to be refused): tests/test_peft.py's refusal test guards it.
 
+# fz23b: the engine kind draws DeepSpeed AutoTP (autotp, 40% of tp2's draws) and the plain accelerate loop
+# (accelerate, 35% of fsdp2's), from a stream of their own; the tp2 cases pinned above that it now draws as autotp
+# keep tp2. Found:
+# - 756378705 (seed 811, --set engine=autotp; tiny qwen2, TP 2 x SP 1, ZeRO-2, the tiled loss of 4-row tiles):
+#   WRONG, silently: the loss 13% off (the gradients with it). The tiled loss computed the logits from
+#   lm_head.weight, which AutoTP had replaced by the TP rank's slice of the vocabulary. seqpar.integrations.deepspeed
+#   refuses the tiled loss by name where AutoTP split the head (tests/test_deepspeed_tp.py::
+#   test_tiled_loss_on_a_head_autotp_split_is_refused); seen WRONG with the refusal's call removed.
+FOUND_SET[67525761] = {**FOUND_SET[67525761], "engine": "tp2"}
+FOUND_SET[1096474577] = {**FOUND_SET[1096474577], "engine": "tp2"}
+FOUND_SET[756378705] = {"model_type": "qwen2", "world": 2, "mode": "ulysses", "ulysses_size": 1, "sharding": "zigzag",
+                        "batch": "rows", "lengths": [[13]], "checkpointing": "non-reentrant", "step": "one",
+                        "check_inputs": False, "engine": "autotp", "tp_size": 2, "dp": 1, "replicas": [], "zero_stage": 2,
+                        "tp_sequence_parallel": False,
+                        "memory": {"tiled_loss": True, "loss_tile_rows": 4, "vocab": 96, "ignored_prefix": 0}}
+FOUND[756378705] = (("engine",), "refused")
+# - 1709044604 (seed 813; tiny gemma3n_text under AutoTP 2 x SP 2, ZeRO-2): WRONG, silently: the loss 5.5e-3 off.
+#   AutoTP split gate_proj, over whose output features Gemma 3n's activation-sparse MLPs take the cutoff's mean and
+#   standard deviation (refused by name under FSDP2's TP since case 1320238728). Refused by name under AutoTP now
+#   (integrations/deepspeed.py; tests/test_deepspeed_tp.py::test_an_activation_sparse_gate_autotp_split_is_refused).
+FOUND[1709044604] = (("engine",), "refused")
+
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1279,3 +1301,78 @@ def test_a_planted_lora_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     planted = fuzzer.run(draws, plant="lora_grad_over_world")
     assert planted["verdict"] == "WRONG" and "update of" in planted["detail"] and "lora_" in planted["detail"], \
         (planted["detail"], planted.get("trace"))
+
+
+def test_engine_draws_autotp_and_accelerate() -> None:
+    """The engine kind draws DeepSpeed AutoTP (``autotp``: TP 2, SP = world / (dp x 2), DP 1 or 2 at world 4, ZeRO-1
+    or -2, ZeRO-2 with accumulation, a model type AutoTP shards from its plan, the tiled loss and
+    ``tp_sequence_parallel`` at times) and the plain accelerate loop (``accelerate``, every world and DP of fsdp2),
+    reproducibly; the draws existing cases had before them are unchanged (those pinned here that became autotp are
+    pinned back to tp2). Seen failing: the autotp / accelerate flips removed from draw_engine (neither drawn); the
+    flips drawn from ``rng`` itself (the pinned fsdp2 case of test_a_planted_dp_bug_is_wrong, 757583708, drawn as
+    accelerate)."""
+    import json
+
+    from seqpar.testing.fuzz_engines import autotp_types
+
+    seen, stages, knobs = set(), set(), set()
+    for seed in range(400):
+        d = fuzz.draw_case(seed, ("engine",))
+        assert d == fuzz.draw_case(seed, ("engine",)) and json.loads(json.dumps(d)) == d
+        if d["engine"] == "autotp":
+            assert d["tp_size"] == 2 and d["world"] in (2, 4) and d["world"] % (2 * d["dp"]) == 0, d
+            assert d["dp"] == 1 or d["world"] == 4, d
+            assert d["zero_stage"] in (1, 2) and (d["zero_stage"] == 2 or d["step"] != "accumulate"), d
+            assert d["model_type"] in autotp_types(), d
+            stages.add((d["zero_stage"], d["step"] == "accumulate"))
+            knobs.update(k for k in ("tp_sequence_parallel",) if d[k])
+            knobs.update(k for k in ("tiled_loss",) if d["memory"][k])
+        if d["engine"] == "accelerate":
+            assert d["tp_size"] == 1 and "zero_stage" not in d, d
+        seen.add((d["engine"], d["world"], d["dp"]))
+    assert {("autotp", 2, 1), ("autotp", 4, 1), ("autotp", 4, 2)} <= seen, sorted(seen)
+    assert {("accelerate", w, 1) for w in (1, 2, 3, 4)} | {("accelerate", 4, 2)} <= seen, sorted(seen)
+    assert {(1, False), (2, False), (2, True)} <= stages and knobs == {"tp_sequence_parallel", "tiled_loss"}, stages
+    # the draws the other engines' samples were pinned on are those they had before autotp and accelerate
+    assert fuzz.draw_case(757583708, ("engine",))["engine"] == "fsdp2"
+    assert {fuzz.draw_case(s, ("engine",))["engine"] for s in DP_ENGINE_SAMPLE} == {"fsdp1", "zero2"}
+    assert fuzz.draw_case(1148634672, ("engine",), engine="autotp")["engine"] == "autotp"
+
+
+# The one real case of each new engine in CI: autotp (tiny llama, TP 2 x SP 2, ZeRO-2, accumulation, vocabulary 31
+# that TP 2 splits 16 + 15) and accelerate (tiny qwen3, SP 2, reentrant checkpointing, accelerate's accumulation)
+AUTOTP_CASE, ACCELERATE_CASE = 810, 942
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_autotp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The autotp engine's judge can fail: :data:`AUTOTP_CASE` is exact (every TP slice gathered, every gradient on
+    its own scale), then WRONG with the adapter's loss scaling by ``sp`` lost (``zero_divide_world``: AutoTP's engine
+    divides the sum over dp x sp ranks by all of them, the gradients half the DP mean). Seen failing: the runner's
+    TP gather left out (the clean case WRONG: the split gradients of another shape)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    draws = fuzz.draw_case(AUTOTP_CASE, ("engine",))
+    assert (draws["engine"], draws["world"], draws["dp"], draws["zero_stage"]) == ("autotp", 4, 1, 2), \
+        fuzz.summary(draws)
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0)
+    assert verdict == "exact", detail
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="zero_divide_world")
+    assert verdict == "WRONG" and "grad" in detail, detail
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_accelerate_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The accelerate engine's judge can fail: :data:`ACCELERATE_CASE` (the loop with ``accelerator.accumulate`` and
+    ``accelerator.backward``) is exact, then WRONG with FSDP2 dividing by the world instead of seqpar's DP size
+    (``dp_divide_world``, through ``prepare``'s wrap). Seen failing: the runner not undoing accelerate's division of
+    each micro-batch's loss by ``gradient_accumulation_steps`` (the clean case WRONG, every gradient half)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    draws = fuzz.draw_case(ACCELERATE_CASE, ("engine",))
+    assert (draws["engine"], draws["world"], draws["dp"], draws["step"]) == ("accelerate", 2, 1, "accumulate"), \
+        fuzz.summary(draws)
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0)
+    assert verdict == "exact", detail
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="dp_divide_world")
+    assert verdict == "WRONG" and "grad" in detail, detail
