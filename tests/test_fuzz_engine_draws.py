@@ -59,3 +59,22 @@ def test_longcat_flash_is_drawn_under_zero3_only() -> None:
         if draws["model_type"] in ZERO_COMPUTATION_EXPERTS:
             engines.add(draws["engine"])
     assert engines == {"zero3"}, engines
+
+
+
+def test_tp2_draws_the_loss_layout_key_from_its_own_stream() -> None:
+    """``tp2`` draws ``tp_loss_parallel`` (``"auto"``, or true / false against ``tp_sequence_parallel``), and drawing
+    it left every other draw as it was before the key existed (the pinned cases of tests/test_fuzz.py): the digest of
+    60 ``tp2`` draws without the key is the one taken on the code before it. Seen failing:
+    a draw from the case's ``rng`` before :func:`draw_tp_loss` (the digest moved: every later draw shifted), and the
+    key left out (never drawn). (The key itself comes from the case's own stream, as autotp's share does.)"""
+    import hashlib
+    import json
+
+    seen, digest = set(), hashlib.sha256()
+    for seed in range(60):
+        d = draw_engine(random.Random(seed), engine="tp2")
+        seen.add((d["tp_sequence_parallel"], d.pop("tp_loss_parallel")))
+        digest.update(json.dumps(d, sort_keys=True).encode())
+    assert digest.hexdigest() == "8c254bfd6ca7b2da49c97a4c1c2c7b805fa0d4f090c33d71be01a14c3fed13d5"
+    assert {(sp, lp) for sp in (False, True) for lp in ("auto", True, False)} <= seen, sorted(seen, key=str)

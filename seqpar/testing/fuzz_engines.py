@@ -19,11 +19,10 @@ the vocabulary, a DTensor ``Shard(-1)`` that the swap's loss reduces vocab-paral
 :mod:`seqpar.sequence.vocab_parallel`; off: the plan's gathered logits), the tiled loss (``tiled_loss``; under
 TP it is vocab-parallel with or without ``tp_sequence_parallel``) with its tile, the vocabulary size (odd ones
 that TP 2 splits unevenly, 97 = 49 + 48) and ignored labels (a prompt of -100 labels, right padding, packed
-documents). The reference is unchanged: one process per DP replica, float64, the whole vocabulary. Not drawn:
-``apply_tensor_parallel(vocab_parallel=...)`` apart from ``tp_sequence_parallel`` (the vocab-split logits
-without TP sequence parallelism, or gathered ones with it): :func:`seqpar.integrations.fsdp.wrap`, the runner's
-and a user's entry point, takes the loss layout from ``tp_sequence_parallel`` alone and offers no setting of
-its own. Nor is label smoothing: the model's loss (the swap's ``loss_function``,
+documents), and the loss layout's own key ``tp_loss_parallel`` (``"auto"``, or true / false against
+``tp_sequence_parallel``: the vocab-split logits without TP sequence parallelism, gathered ones with it; false with
+the tiled loss is refused by name), from the case's own stream. The reference is unchanged: one process per DP
+replica, float64, the whole vocabulary. Not drawn: label smoothing: the model's loss (the swap's ``loss_function``,
 :func:`seqpar.sequence.loss.sequence_parallel_loss`) takes none, and Trainer's ``label_smoothing_factor`` is
 refused by seqpar's trainer integration (the trainer kind's business).
 
@@ -285,6 +284,12 @@ def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]
     draws.update(kind="engine", engine=engine, tp_size=tp, dp=dp, replicas=replicas)
     if engine == "tp2":
         draw_tp_loss(rng, draws)
+        # the loss layout's key, from the case's own stream (rng's draws, and so the pinned cases, unchanged):
+        # "auto" (follow tp_sequence_parallel) 60%, else true or false against it (false with the tiled loss: a
+        # refusal by name)
+        u = own.random()
+        draws["tp_loss_parallel"] = "auto" if u < 0.6 else not draws["tp_sequence_parallel"] if u < 0.9 else \
+            draws["tp_sequence_parallel"]
     elif engine == "autotp":
         draw_autotp(own, draws)
     return draws
@@ -627,6 +632,8 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
                   "check_inputs": draws["check_inputs"]}
         if "tp_sequence_parallel" in draws:  # tp2's and autotp's loss draws, as a user's config sets them
             config["tp_sequence_parallel"] = draws["tp_sequence_parallel"]
+        if "tp_loss_parallel" in draws:  # tp2's loss layout (a case pinned before the key runs "auto")
+            config["tp_loss_parallel"] = draws["tp_loss_parallel"]
             config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if draws["engine"] == "autotp":
             config["zero_stage"] = draws["zero_stage"]  # the runner's key (integrations/fuzz_engine.py)
