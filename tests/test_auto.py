@@ -56,6 +56,27 @@ def test_choice_is_the_cheapest_valid_mode() -> None:
     assert seen == {"ring", "ulysses", "hybrid", "allgather"}, seen  # the sweep exercises every choice
 
 
+def test_traced_choice_is_the_eager_choice() -> None:
+    """While dynamo traces, mode='auto' picks through ``_cheapest_traced`` (one pass of comparisons, each a guard),
+    eagerly through :func:`rank_modes`: over the sweep above (uneven head splits included: 28/4, 12/3, 6/1 on up
+    to 16 ranks), the traced pick costs what the eager one does (the same mode but on sub-picosecond ties, which
+    either side may settle), and it is empty exactly where nothing is allowed.
+
+    Seen failing: the traced pass keeping the most expensive mode (``m.seconds < best.seconds`` -> ``>``);
+    no compiled test outside CI's compile stage saw it."""
+    from seqpar.attn.choose import _cheapest_traced
+
+    for (hq, hkv), p, links, feats, causal in itertools.product(
+        ((4, 4), (6, 1), (28, 4), (12, 3)), (2, 4, 8, 16), LINKS, ((), ("dilated",), ("documents",)), (False, True),
+    ):
+        for u in (d for d in range(1, p + 1) if p % d == 0):
+            c = CallShape(1, hq, hkv, 32768 // p, 128, 2, causal, p, u)
+            ranked, traced = rank_modes(c, links, feats), _cheapest_traced(c, links, feats)
+            assert len(traced) == min(len(ranked), 1), (c, feats)
+            if ranked:
+                assert abs(traced[0].seconds - ranked[0].seconds) <= 1e-12, (c, traced, ranked[0])
+
+
 def test_head_count_rule_and_axes() -> None:
     c = CallShape(1, 28, 4, 4096, 128, 2, True, 8, 8)  # Qwen2-7B at P = 8: 28 heads split 8 ways unevenly
     assert allowed_modes(c) == ["ring", "allgather", "ulysses"]

@@ -236,6 +236,39 @@ def test_bad_input_is_a_clear_error_on_every_rank(dist_pool) -> None:
     assert "init_process_groups" in manager and "ulysses_size" in manager
 
 
+def _bad_uneven_sizes(rank: int, world: int) -> list[str]:
+    """Worker body: start_all_to_all_uneven with sizes that do not fit the group or the buffer; then a good
+    exchange, so the ranks are still in step."""
+    from seqpar.comm.alltoall import start_all_to_all_uneven
+
+    messages = []
+    send = torch.arange(3.0 + rank)  # rank r sends 1 element to rank 0, 2 + r to rank 1
+    sizes = [1, 2 + rank]
+    recv = [1, 1] if rank == 0 else [2, 3]
+    for bad in ((send, sizes, recv[:1]), (send, sizes[:1], recv), (send[:-1], sizes, recv)):
+        with pytest.raises(ValueError) as e:
+            start_all_to_all_uneven(*bad, dist.group.WORLD)
+        messages.append(str(e.value))
+    (got,) = start_all_to_all_uneven(send, sizes, recv, dist.group.WORLD).wait()
+    assert got.tolist() == ([0.0, 0.0] if rank == 0 else [1.0, 2.0, 1.0, 2.0, 3.0]), got
+    return messages
+
+
+def test_uneven_all_to_all_refuses_sizes_that_do_not_fit(dist_pool) -> None:
+    """start_all_to_all_uneven: a receive or send size list not one per rank, and a send buffer that is not the
+    sum of its sizes, are a ValueError naming it on every rank (before any collective: the ranks stay in step,
+    a good exchange follows), never gloo's size mismatch or a hang.
+
+    Seen failing: the receive sizes' length unchecked (``or len(recv_sizes) != world`` dropped: torch's own
+    error, unnamed), the buffer's size unchecked (``or send.numel() != sum(send_sizes)`` dropped)."""
+    per_rank = dist_pool.run(2, _bad_uneven_sizes, timeout=60)
+    for messages in per_rank:
+        recv_len, send_len, numel = messages
+        assert "1 receive sizes for a group of 2 ranks" in recv_len, recv_len
+        assert "1 send / 2 receive sizes for a group of 2 ranks" in send_len, send_len
+        assert "is not 1-D of the" in numel, numel
+
+
 def test_bf16_replicated_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     """MQA at P = 4 in bf16: the K/V head is replicated on the 4 ranks, and its dK is the sum of their
     shares, which must add up in fp32 and be rounded once. Along the last head dim (``e``), the keys are 0
@@ -414,6 +447,31 @@ def test_auto_costs_the_slowest_uneven_share() -> None:
     assert u_cost.seconds == pytest.approx(e_cost.seconds, rel=1e-12)
 
 
+def test_auto_costs_an_uneven_split_as_one_head_pass() -> None:
+    """An uneven split runs one head pass whatever ``head_chunks`` asks (HeadSplit: 1 when uneven), so mode='auto'
+    prices it so: 36 query / 18 K/V heads on 8 ranks (shares of 5 or 4 query heads; 18 // 8 = 2 K/V heads would
+    let an even split take 2 passes) costs the same at head_chunks 2 as at 1, while an even 32/16 split's
+    2 passes cost more latency than its 1. Public contract of the head rules under tensor parallelism too:
+    ``ulysses_heads_accepted(q, kv, u, tp)`` judges the heads each TP rank holds (4 query heads over TP 2 leave
+    2 a rank, fewer than 4 Ulysses ranks), and the problem names those per-rank counts.
+
+    Seen failing: the uneven branch keeping the even split's pass count (``chunks, shape = 1, ...`` ->
+    ``chunks, shape = chunks, ...`` in mode_costs: 2 passes' latency priced); the per-rank division dropped
+    from ulysses_heads_problem (``q_heads, kv_heads = q_heads // tp, kv_heads // tp`` removed: 4/2 at TP 2
+    accepted on 4 Ulysses ranks)."""
+    from seqpar.attn.choose import CallShape, Links, mode_costs
+    from seqpar.runtime.grid import ulysses_heads_accepted, ulysses_heads_problem
+
+    def cost(hq: int, hkv: int, chunks: int) -> float:
+        (m,) = mode_costs(CallShape(1, hq, hkv, 4096, 128, 2, True, 8, 8, head_chunks=chunks), Links(), ["ulysses"])
+        return m.seconds
+
+    assert cost(36, 18, 2) == cost(36, 18, 1)
+    assert cost(32, 16, 2) != cost(32, 16, 1)  # the pass count is priced: the check above can see it
+    assert ulysses_heads_accepted(8, 2, 4, tp=2) and not ulysses_heads_accepted(4, 2, 4, tp=2)
+    assert "2 query heads are fewer than the 4 Ulysses ranks" in ulysses_heads_problem(4, 2, 4, tp=2)
+
+
 def test_uneven_ulysses_under_nccl_rules(dist_pool) -> None:
     """Uneven heads (5 query / 5 K/V and 7 / 7 over 3 ranks) through the documents x windows x shardings x
     causal matrix of tests/test_nccl_rules.py, under NCCL's rules enforced on gloo (collective inputs
@@ -429,3 +487,33 @@ def test_uneven_ulysses_under_nccl_rules(dist_pool) -> None:
     out = dist_pool.run(3, _run_under_rules, store_port(), cases, 1, sends=SENDS["ulysses"], timeout=300)
     _check_clean(out)
     check_documents([o["results"] for o in out], cases, 3)
+
+
+def test_bf16_uneven_shared_kv_grads_are_summed_in_fp32(dist_pool) -> None:
+    """MQA with uneven shares in bf16: 5 query heads over 1 K/V head on 3 ranks (shares 2, 2, 1), the K/V head
+    read by every rank, so its dK is the sum of 3 ranks' bf16 partials, which must add up in fp32 and be rounded
+    once. Along the last head dim (``e``) the keys are 0 (no score depends on it); rank 0's query head 0 is +1
+    there and rank 2's head 4 is -1 (equal otherwise, with equal dout), rank 0's head 1 is 0, rank 1's heads 2
+    and 3 are 2**-10: ranks 0 and 2 send exactly opposite partials for dk[..., e] and rank 1's small one is all
+    that is left, which a bf16 sum in rank order loses in rank 0's rounding. dk[..., e] against float64 at its
+    own scale (2**10 below the other columns').
+
+    Seen failing: the shared head's dK/dV accumulated in the input dtype (``dk = torch.zeros(k_shape,
+    dtype=dout.dtype, ...)`` in _uneven_backward), which every fp32 uneven test and the 2-rank bf16 sums (two
+    partials round once either way) let through."""
+    g = torch.Generator().manual_seed(37)
+    world, seq, d = 3, 24, 8
+    q, dout = torch.randn(1, 5, seq, d, generator=g), torch.randn(1, 5, seq, d, generator=g)
+    k, v = torch.randn(1, 1, seq, d, generator=g), torch.randn(1, 1, seq, d, generator=g)
+    q[:, 4], dout[:, 4] = q[:, 0], dout[:, 0]
+    q[..., -1] = 2.0 ** -10
+    q[:, 0, :, -1], q[:, 1, :, -1], q[:, 4, :, -1] = 1.0, 0.0, -1.0
+    k[..., -1] = 0.0
+    case = {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    per_rank = dist_pool.run(world, run_cases, [(case, "ulysses", "contiguous", True, None)], torch.bfloat16,
+                             timeout=240)
+    dk = unshard_rows([per_rank[r][0][2] for r in range(world)], world, "contiguous").double()
+    want = reference(case, True, None)[2]
+    col, want_col = dk[..., -1], want[..., -1]
+    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
+    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
