@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_attention import make_case, shard_rows
+from test_attention import make_case, reference, shard_rows
 
 import seqpar
 
@@ -267,6 +267,47 @@ def test_compiled_uneven_ulysses_heads_equal_eager(dist_pool) -> None:
     Seen failing: the fake sizing the saved tensors by the even ``q_per_rank`` (``HeadSplit.counts`` ->
     ``(split.q_per_rank, split.kv_per_rank)``: a fake/real shape mismatch on rank 1 of 5/5)."""
     assert dist_pool.run(2, _compiled_uneven, timeout=600) == [[], []]
+
+
+def _compiled_uneven_dynamic(rank: int, world: int) -> list[str]:
+    """Worker body: Ulysses with uneven head shares (6 query / 3 K/V heads on 2 ranks, the middle K/V head on
+    both; 5 / 5) compiled with ``dynamic=True`` (symbolic sizes: the head counts reach the op's fake as SymInts),
+    two calls of one compiled function (batch 1, then 2), each against the float64 reference on the whole
+    sequence: the mismatches as text."""
+    failures = []
+    for i, (heads, sharding, causal) in enumerate((((6, 3, 8), "contiguous", True), ((5, 5, 8), "zigzag", False))):
+
+        def call(q, k, v, causal=causal, sharding=sharding):  # noqa: ANN001, ANN202
+            return seqpar.attention(q, k, v, causal=causal, mode="ulysses", sharding=sharding,
+                                    group=torch.distributed.group.WORLD, check_inputs=False)
+
+        fn = torch.compile(call, backend="aot_eager", dynamic=True)
+        for batch in (1, 2):
+            case = make_case(420 + 2 * i + batch, world, heads, batch=batch)
+            ref = [shard_rows(t, rank, world, sharding) for t in reference(case, causal, None)]
+            leaves = [shard_rows(case[n], rank, world, sharding).float().requires_grad_() for n in "qkv"]
+            try:
+                out = fn(*leaves)
+                out.backward(shard_rows(case["dout"], rank, world, sharding).float())
+            except Exception as error:  # noqa: BLE001 - reported as text, like the mismatches
+                failures.append(f"{heads} batch {batch}: {type(error).__name__}: {str(error)[:200]}")
+                break
+            for name, got, want in zip(("out", "dq", "dk", "dv"), [out.detach(), *(t.grad for t in leaves)], ref):
+                err = (got.double() - want).abs().max().item()
+                if err > 2e-5 * want.abs().max().item():
+                    failures.append(f"{heads} batch {batch} {name} off by {err:.3g}")
+        torch._dynamo.reset()
+    return failures
+
+
+def test_compiled_uneven_ulysses_heads_with_symbolic_sizes(dist_pool) -> None:
+    """Uneven Ulysses head shares under ``torch.compile(dynamic=True)``: exact against float64 (fuzzer case
+    1218503732: hybrid u = 2 at P = 2, 6 / 3 heads, ``dynamic=True``, raised on every rank).
+
+    Seen failing: without ``guard_int`` in the Ulysses op's fake (seqpar/attn/ops.py), dynamo's fake call raised
+    ``TypeError: unsupported operand type(s) for divmod(): 'SymInt' and 'SymInt'`` (runtime.grid.ulysses_shares)
+    on both ranks for 6 / 3 and 5 / 5."""
+    assert dist_pool.run(2, _compiled_uneven_dynamic, timeout=600) == [[], []]
 
 
 def _op_layouts(rank: int, world: int) -> list[str]:

@@ -304,6 +304,13 @@ FOUND[1637623653] = (("compile",), "exact")
 #   causal contiguous rank 0 included). Every op returns its lse contiguous now (seqpar/attn/ops.py, latent.py,
 #   dilated.py; tests/test_compile_attention.py::test_the_ring_ops_outputs_have_their_fakes_layout): exact.
 FOUND[674949561] = (("compile",), "exact")
+# fz23c: fresh seeds over the core kinds (session 23: uneven Ulysses heads, mode="auto" under symbolic sizes):
+# - 1218503732 (seed 904, case 0; hybrid u=2 at P=2, 6 query / 3 K/V heads, aot_eager, dynamic=True, documents as
+#   a tensor): crash on every rank, "divmod(): 'SymInt' and 'SymInt'" in the Ulysses op's fake: traced with
+#   symbolic sizes the head counts reach the fake as SymInts, and an uneven split's shares
+#   (runtime.grid.ulysses_shares) use divmod. The fake specialises the head counts now (guard_int; a model's
+#   constants): exact (tests/test_compile_attention.py::test_compiled_uneven_ulysses_heads_with_symbolic_sizes).
+FOUND[1218503732] = (("compile",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
