@@ -311,6 +311,13 @@ FOUND[674949561] = (("compile",), "exact")
 #   (runtime.grid.ulysses_shares) use divmod. The fake specialises the head counts now (guard_int; a model's
 #   constants): exact (tests/test_compile_attention.py::test_compiled_uneven_ulysses_heads_with_symbolic_sizes).
 FOUND[1218503732] = (("compile",), "exact")
+# - 920671610 (seed 921, case 11, run with --set dynamic=true --set mode=auto; P=2, 6 / 3 heads, head_chunks=3, sinks,
+#   eager backend): breaks (10, "torch.* op returned non-Tensor"; Unsupported under fullgraph): an int head_chunks
+#   other than 0 / 1 is symbolic under dynamic=True, and mode_costs' math.gcd(h, head_chunks) has no symbolic form.
+#   choose_mode specialises head_chunks with the head counts now: exact, one graph per choice
+#   (tests/test_compile_auto_dynamic.py::test_auto_mode_with_a_symbolic_head_chunks_keeps_one_graph).
+FOUND_SET[920671610] = {"dynamic": True, "mode": "auto"}
+FOUND[920671610] = (("compile",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
