@@ -310,6 +310,56 @@ def test_compiled_uneven_ulysses_heads_with_symbolic_sizes(dist_pool) -> None:
     assert dist_pool.run(2, _compiled_uneven_dynamic, timeout=600) == [[], []]
 
 
+def _compiled_balanced_ulysses(rank: int, world: int) -> list[str]:
+    """Worker body: Ulysses over balanced sharding with packed documents as ints (graph constants), compiled
+    with fullgraph (aot_eager), against float64 dense attention with the causal document mask on the whole
+    sequence: the failures as text."""
+    import torch.nn.functional as F
+
+    from seqpar.sequence.sharding import shard_index
+
+    case = make_case(430, world, (4, 2, 8), batch=1)
+    seq = case["q"].shape[2]
+    cu = (0, 5, 13, seq)
+    pos = shard_index(seq, rank, world, "balanced", cu_seqlens=cu)
+    doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    full = [case[n].clone().requires_grad_() for n in "qkv"]
+    out = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=True)
+    out.backward(case["dout"])
+    ref = [t.index_select(2, pos) for t in (out.detach(), *(x.grad for x in full))]
+
+    def call(q, k, v):  # noqa: ANN001, ANN202
+        return seqpar.attention(q, k, v, causal=True, mode="ulysses", sharding="balanced", cu_seqlens=cu,
+                                group=torch.distributed.group.WORLD, check_inputs=False)
+
+    leaves = [case[n].index_select(2, pos).float().requires_grad_() for n in "qkv"]
+    try:
+        got = torch.compile(call, fullgraph=True, backend="aot_eager")(*leaves)
+        got.backward(case["dout"].index_select(2, pos).float())
+    except Exception as error:  # noqa: BLE001 - reported as text
+        return [f"{type(error).__name__}: {str(error)[:300]}"]
+    finally:
+        torch._dynamo.reset()
+    failures = []
+    for name, g, want in zip(("out", "dq", "dk", "dv"), [got.detach(), *(x.grad for x in leaves)], ref):
+        err = (g.double() - want).abs().max().item()
+        if err > 2e-5 * want.abs().max().item():
+            failures.append(f"{name} off by {err:.3g}")
+    return failures
+
+
+def test_compiled_ulysses_over_balanced_documents_is_one_graph(dist_pool) -> None:
+    """Ulysses with ``sharding="balanced"`` and documents as ints traces as one graph (fullgraph) and is exact
+    against float64: the call's balanced sequence order (``sharding.balanced_layout``) is computed while dynamo
+    traces, in plain Python it folds into constants (fuzzer case 1490451036: ``breaks``, 7).
+
+    Seen failing: with ``_causal_chunk_work``'s ``bisect.bisect_right`` back (Unsupported "Attempted to call
+    function marked as skipped", _bisect), and with ``balanced_layout``'s ``min(..., key=...)`` back (Unsupported
+    "invalid call to builtin op handler"), each on both ranks."""
+    assert dist_pool.run(2, _compiled_balanced_ulysses, timeout=600) == [[], []]
+
+
 def _op_layouts(rank: int, world: int) -> list[str]:
     """The ring and all-gather ops' real outputs against their fake's layout (``torch.library.opcheck``'s
     fake-tensor check) on every rank, with packed documents that leave a rank's queries no remote block."""
