@@ -310,15 +310,15 @@ def test_compiled_uneven_ulysses_heads_with_symbolic_sizes(dist_pool) -> None:
     assert dist_pool.run(2, _compiled_uneven_dynamic, timeout=600) == [[], []]
 
 
-def _compiled_balanced_ulysses(rank: int, world: int) -> list[str]:
+def _compiled_balanced_ulysses(rank: int, world: int, dynamic: bool | None) -> list[str]:
     """Worker body: Ulysses over balanced sharding with packed documents as ints (graph constants), compiled
-    with fullgraph (aot_eager), against float64 dense attention with the causal document mask on the whole
-    sequence: the failures as text."""
+    with fullgraph (aot_eager) and ``dynamic``, 6 query / 3 K/V heads (uneven shares on 2 ranks), against float64
+    dense attention with the causal document mask on the whole sequence: the failures as text."""
     import torch.nn.functional as F
 
     from seqpar.sequence.sharding import shard_index
 
-    case = make_case(430, world, (4, 2, 8), batch=1)
+    case = make_case(430, world, (6, 3, 8), batch=1)
     seq = case["q"].shape[2]
     cu = (0, 5, 13, seq)
     pos = shard_index(seq, rank, world, "balanced", cu_seqlens=cu)
@@ -335,7 +335,7 @@ def _compiled_balanced_ulysses(rank: int, world: int) -> list[str]:
 
     leaves = [case[n].index_select(2, pos).float().requires_grad_() for n in "qkv"]
     try:
-        got = torch.compile(call, fullgraph=True, backend="aot_eager")(*leaves)
+        got = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=dynamic)(*leaves)
         got.backward(case["dout"].index_select(2, pos).float())
     except Exception as error:  # noqa: BLE001 - reported as text
         return [f"{type(error).__name__}: {str(error)[:300]}"]
@@ -349,15 +349,19 @@ def _compiled_balanced_ulysses(rank: int, world: int) -> list[str]:
     return failures
 
 
-def test_compiled_ulysses_over_balanced_documents_is_one_graph(dist_pool) -> None:
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_ulysses_over_balanced_documents_is_one_graph(dist_pool, dynamic: bool | None) -> None:
     """Ulysses with ``sharding="balanced"`` and documents as ints traces as one graph (fullgraph) and is exact
     against float64: the call's balanced sequence order (``sharding.balanced_layout``) is computed while dynamo
     traces, in plain Python it folds into constants (fuzzer case 1490451036: ``breaks``, 7).
 
     Seen failing: with ``_causal_chunk_work``'s ``bisect.bisect_right`` back (Unsupported "Attempted to call
     function marked as skipped", _bisect), and with ``balanced_layout``'s ``min(..., key=...)`` back (Unsupported
-    "invalid call to builtin op handler"), each on both ranks."""
-    assert dist_pool.run(2, _compiled_balanced_ulysses, timeout=600) == [[], []]
+    "invalid call to builtin op handler"), each on both ranks. With ``dynamic=True`` (fuzzer case 456854197, 2
+    breaks, then 6) also: without ``guard_scalar`` of the head counts in ``resolve._ulysses_plan`` (the uneven
+    shares' divmod on SymInts: Unsupported "Observed exception") and of the length in ``sharding.chunk_ids``
+    (Unsupported "sort with non-constant keys")."""
+    assert dist_pool.run(2, _compiled_balanced_ulysses, dynamic, timeout=600) == [[], []]
 
 
 def _op_layouts(rank: int, world: int) -> list[str]:

@@ -323,6 +323,15 @@ FOUND[920671610] = (("compile",), "exact")
 #   (a C builtin dynamo skips) and min(key=) (no handler). Plain loops now, folded into constants: exact, one graph
 #   per layout (tests/test_compile_attention.py::test_compiled_ulysses_over_balanced_documents_is_one_graph).
 FOUND[1490451036] = (("compile",), "exact")
+# - 456854197 (seed 932, run with --set dynamic=true mode=ulysses heads=[6,3,4,4] head_chunks="auto" backend=aot_eager;
+#   P=2, balanced, documents as ints, a second call of another length): breaks (2, then 6 once balanced_layout was
+#   plain loops): the uneven shares' divmod on symbolic head counts (resolve._ulysses_plan) and the balanced layout
+#   sorted on works of a symbolic length (sharding.chunk_ids). Both specialised now (guard_scalar; head counts are a
+#   model's constants, and integer documents pin the length): exact, one graph per layout
+#   (test_compile_attention.py::test_compiled_ulysses_over_balanced_documents_is_one_graph[True]).
+FOUND_SET[456854197] = {"dynamic": True, "mode": "ulysses", "heads": [6, 3, 4, 4], "head_chunks": "auto",
+                        "backend": "aot_eager"}
+FOUND[456854197] = (("compile",), "exact")
 # - 1485046037 (seed 905, case 0): crash "worker(s) died during start-up (init_process_group)" with another fuzzer run
 #   on the machine; exact alone (a pool start-up flake, not pinned).
 

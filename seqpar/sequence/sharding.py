@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
@@ -110,7 +111,9 @@ def chunk_ids(
     """The global chunk indices rank ``rank`` holds, in local (ascending) order (``balanced`` needs
     the global ``seq_len`` and the batch's ``cu_seqlens``)."""
     if sharding == BALANCED:
-        return list(balanced_layout(_need_len(seq_len), world_size, host_boundaries(cu_seqlens))[rank])
+        # guard_scalar: the layout is decided on this length's exact value (a symbolic one, dynamic=True, would
+        # reach sorted() as non-constant keys: a graph break); integer documents pin the length anyway
+        return list(balanced_layout(guard_scalar(_need_len(seq_len)), world_size, host_boundaries(cu_seqlens))[rank])
     if sharding == "contiguous":
         return [rank]
     if sharding == "zigzag":
