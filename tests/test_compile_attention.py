@@ -396,3 +396,22 @@ def test_the_ring_ops_outputs_have_their_fakes_layout(dist_pool) -> None:
 
     Seen failing: without the ``.contiguous()`` on ``attention_fwd``'s lse."""
     assert dist_pool.run(2, _op_layouts, timeout=300) == [[], []]
+
+
+def test_mask_digest_of_symbolic_boundaries_compiles() -> None:
+    """The cross-rank check's digest of the boundaries (``masks.mask_digest``) traced with ``dynamic=True``, the
+    boundaries as a tuple argument (SymInts): the same digest as eager (fuzzer case 647716: Ulysses, P=4, balanced,
+    documents as a tensor, ``check_inputs``, where dynamo traced the digest after the refused compiled frame).
+    Seen failing: without ``guard_scalar`` of the boundaries, InternalTorchDynamoError RecursionError in dynamo's
+    ``struct.pack`` polyfill (torch's TORCH_STRUCT_BUG)."""
+    from seqpar.attn.masks import mask_digest
+
+    def f(x, cu):  # noqa: ANN001, ANN202
+        return x + mask_digest(cu, None, None)[1] % 1009
+
+    cu = (0, 5, 13, 24)
+    try:
+        got = torch.compile(f, backend="eager", dynamic=True)(torch.zeros(2), cu)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, f(torch.zeros(2), cu)), (got, f(torch.zeros(2), cu))
