@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_attention import make_case, shard_rows
+from test_attention import make_case, reference, shard_rows
 
 import seqpar
 
@@ -269,6 +269,101 @@ def test_compiled_uneven_ulysses_heads_equal_eager(dist_pool) -> None:
     assert dist_pool.run(2, _compiled_uneven, timeout=600) == [[], []]
 
 
+def _compiled_uneven_dynamic(rank: int, world: int) -> list[str]:
+    """Worker body: Ulysses with uneven head shares (6 query / 3 K/V heads on 2 ranks, the middle K/V head on
+    both; 5 / 5) compiled with ``dynamic=True`` (symbolic sizes: the head counts reach the op's fake as SymInts),
+    two calls of one compiled function (batch 1, then 2), each against the float64 reference on the whole
+    sequence: the mismatches as text."""
+    failures = []
+    for i, (heads, sharding, causal) in enumerate((((6, 3, 8), "contiguous", True), ((5, 5, 8), "zigzag", False))):
+
+        def call(q, k, v, causal=causal, sharding=sharding):  # noqa: ANN001, ANN202
+            return seqpar.attention(q, k, v, causal=causal, mode="ulysses", sharding=sharding,
+                                    group=torch.distributed.group.WORLD, check_inputs=False)
+
+        fn = torch.compile(call, backend="aot_eager", dynamic=True)
+        for batch in (1, 2):
+            case = make_case(420 + 2 * i + batch, world, heads, batch=batch)
+            ref = [shard_rows(t, rank, world, sharding) for t in reference(case, causal, None)]
+            leaves = [shard_rows(case[n], rank, world, sharding).float().requires_grad_() for n in "qkv"]
+            try:
+                out = fn(*leaves)
+                out.backward(shard_rows(case["dout"], rank, world, sharding).float())
+            except Exception as error:  # noqa: BLE001 - reported as text, like the mismatches
+                failures.append(f"{heads} batch {batch}: {type(error).__name__}: {str(error)[:200]}")
+                break
+            for name, got, want in zip(("out", "dq", "dk", "dv"), [out.detach(), *(t.grad for t in leaves)], ref):
+                err = (got.double() - want).abs().max().item()
+                if err > 2e-5 * want.abs().max().item():
+                    failures.append(f"{heads} batch {batch} {name} off by {err:.3g}")
+        torch._dynamo.reset()
+    return failures
+
+
+def test_compiled_uneven_ulysses_heads_with_symbolic_sizes(dist_pool) -> None:
+    """Uneven Ulysses head shares under ``torch.compile(dynamic=True)``: exact against float64 (fuzzer case
+    1218503732: hybrid u = 2 at P = 2, 6 / 3 heads, ``dynamic=True``, raised on every rank).
+
+    Seen failing: without ``guard_int`` in the Ulysses op's fake (seqpar/attn/ops.py), dynamo's fake call raised
+    ``TypeError: unsupported operand type(s) for divmod(): 'SymInt' and 'SymInt'`` (runtime.grid.ulysses_shares)
+    on both ranks for 6 / 3 and 5 / 5."""
+    assert dist_pool.run(2, _compiled_uneven_dynamic, timeout=600) == [[], []]
+
+
+def _compiled_balanced_ulysses(rank: int, world: int, dynamic: bool | None) -> list[str]:
+    """Worker body: Ulysses over balanced sharding with packed documents as ints (graph constants), compiled
+    with fullgraph (aot_eager) and ``dynamic``, 6 query / 3 K/V heads (uneven shares on 2 ranks), against float64
+    dense attention with the causal document mask on the whole sequence: the failures as text."""
+    import torch.nn.functional as F
+
+    from seqpar.sequence.sharding import shard_index
+
+    case = make_case(430, world, (6, 3, 8), batch=1)
+    seq = case["q"].shape[2]
+    cu = (0, 5, 13, seq)
+    pos = shard_index(seq, rank, world, "balanced", cu_seqlens=cu)
+    doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    mask = (doc[:, None] == doc[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    full = [case[n].clone().requires_grad_() for n in "qkv"]
+    out = F.scaled_dot_product_attention(*full, attn_mask=mask, enable_gqa=True)
+    out.backward(case["dout"])
+    ref = [t.index_select(2, pos) for t in (out.detach(), *(x.grad for x in full))]
+
+    def call(q, k, v):  # noqa: ANN001, ANN202
+        return seqpar.attention(q, k, v, causal=True, mode="ulysses", sharding="balanced", cu_seqlens=cu,
+                                group=torch.distributed.group.WORLD, check_inputs=False)
+
+    leaves = [case[n].index_select(2, pos).float().requires_grad_() for n in "qkv"]
+    try:
+        got = torch.compile(call, fullgraph=True, backend="aot_eager", dynamic=dynamic)(*leaves)
+        got.backward(case["dout"].index_select(2, pos).float())
+    except Exception as error:  # noqa: BLE001 - reported as text
+        return [f"{type(error).__name__}: {str(error)[:300]}"]
+    finally:
+        torch._dynamo.reset()
+    failures = []
+    for name, g, want in zip(("out", "dq", "dk", "dv"), [got.detach(), *(x.grad for x in leaves)], ref):
+        err = (g.double() - want).abs().max().item()
+        if err > 2e-5 * want.abs().max().item():
+            failures.append(f"{name} off by {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_ulysses_over_balanced_documents_is_one_graph(dist_pool, dynamic: bool | None) -> None:
+    """Ulysses with ``sharding="balanced"`` and documents as ints traces as one graph (fullgraph) and is exact
+    against float64: the call's balanced sequence order (``sharding.balanced_layout``) is computed while dynamo
+    traces, in plain Python it folds into constants (fuzzer case 1490451036: ``breaks``, 7).
+
+    Seen failing: with ``_causal_chunk_work``'s ``bisect.bisect_right`` back (Unsupported "Attempted to call
+    function marked as skipped", _bisect), and with ``balanced_layout``'s ``min(..., key=...)`` back (Unsupported
+    "invalid call to builtin op handler"), each on both ranks. With ``dynamic=True`` (fuzzer case 456854197, 2
+    breaks, then 6) also: without ``guard_scalar`` of the head counts in ``resolve._ulysses_plan`` (the uneven
+    shares' divmod on SymInts: Unsupported "Observed exception") and of the length in ``sharding.chunk_ids``
+    (Unsupported "sort with non-constant keys")."""
+    assert dist_pool.run(2, _compiled_balanced_ulysses, dynamic, timeout=600) == [[], []]
+
+
 def _op_layouts(rank: int, world: int) -> list[str]:
     """The ring and all-gather ops' real outputs against their fake's layout (``torch.library.opcheck``'s
     fake-tensor check) on every rank, with packed documents that leave a rank's queries no remote block."""
@@ -347,3 +442,22 @@ def test_the_latent_and_dilated_ops_outputs_have_their_fakes_layout(dist_pool) -
     Seen failing: the latent op's lse returned ``(batch, seq, heads)``-ordered (``lse.contiguous()`` ->
     ``lse.transpose(1, 2).contiguous().transpose(1, 2)`` in latent_attention_fwd), and the same in dilated_fwd."""
     assert dist_pool.run(2, _latent_and_dilated_layouts, timeout=300) == [[], []]
+
+
+def test_mask_digest_of_symbolic_boundaries_compiles() -> None:
+    """The cross-rank check's digest of the boundaries (``masks.mask_digest``) traced with ``dynamic=True``, the
+    boundaries as a tuple argument (SymInts): the same digest as eager (fuzzer case 647716: Ulysses, P=4, balanced,
+    documents as a tensor, ``check_inputs``, where dynamo traced the digest after the refused compiled frame).
+    Seen failing: without ``guard_scalar`` of the boundaries, InternalTorchDynamoError RecursionError in dynamo's
+    ``struct.pack`` polyfill (torch's TORCH_STRUCT_BUG)."""
+    from seqpar.attn.masks import mask_digest
+
+    def f(x, cu):  # noqa: ANN001, ANN202
+        return x + mask_digest(cu, None, None)[1] % 1009
+
+    cu = (0, 5, 13, 24)
+    try:
+        got = torch.compile(f, backend="eager", dynamic=True)(torch.zeros(2), cu)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(got, f(torch.zeros(2), cu)), (got, f(torch.zeros(2), cu))

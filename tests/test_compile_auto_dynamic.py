@@ -47,12 +47,14 @@ OPS = {"ring": "seqpar.attention_fwd", "ulysses": "seqpar.ulysses_fwd"}
 
 
 def compiled_auto_calls(rank: int, world: int, dynamic: bool | None, sharding: str,
-                        check_inputs: bool = False, n_calls: int = 5) -> dict[str, Any]:
+                        check_inputs: bool = False, n_calls: int = 5, head_chunks: int | None = None) -> dict[str, Any]:
     """Worker body: one compiled ``seqpar.attention(mode="auto")`` (aot_eager; fullgraph unless ``check_inputs``),
     called with each ``(batch, seq_local)`` of ``SETUPS[world]`` (the first ``n_calls``; fresh inputs, a backward after each). Returns per
     call this rank's
     ``[out, dq, dk, dv]`` rows, the full float64 inputs, dynamo's graph count after the call
-    (``counters["stats"]["unique_graphs"]``) and the seqpar op of the graph compiled last; and the graph breaks."""
+    (``counters["stats"]["unique_graphs"]``) and the seqpar op of the graph compiled last; and the graph breaks.
+    ``head_chunks``: passed as an argument of the compiled function (an int argument is symbolic under
+    ``dynamic=True``, unless 0 or 1); None: the default ``"auto"``."""
     from torch._dynamo.backends.registry import lookup_backend
     from torch._dynamo.utils import counters
 
@@ -68,9 +70,9 @@ def compiled_auto_calls(rank: int, world: int, dynamic: bool | None, sharding: s
                         "none"))
         return lookup_backend("aot_eager")(gm, example_inputs)
 
-    def call(q, k, v):  # noqa: ANN001, ANN202
+    def call(q, k, v, chunks="auto"):  # noqa: ANN001, ANN202
         return seqpar.attention(q, k, v, causal=True, mode="auto", sharding=sharding,
-                                check_inputs=check_inputs)
+                                check_inputs=check_inputs, head_chunks=chunks)
 
     compiled = torch.compile(call, backend=backend, dynamic=dynamic, fullgraph=not check_inputs)  # the check breaks
     hq, hkv, d = heads
@@ -81,7 +83,7 @@ def compiled_auto_calls(rank: int, world: int, dynamic: bool | None, sharding: s
             full = {n: torch.randn(batch, h, seq_local * world, d, generator=g, dtype=torch.float64)
                     for n, h in (("q", hq), ("k", hkv), ("v", hkv), ("dout", hq))}
             q, k, v = (shard_rows(full[n], rank, world, sharding).float().requires_grad_() for n in "qkv")
-            out = compiled(q, k, v)
+            out = compiled(q, k, v) if head_chunks is None else compiled(q, k, v, head_chunks)
             out.backward(shard_rows(full["dout"], rank, world, sharding).float())
             results.append({"full": full, "got": [out.detach(), q.grad, k.grad, v.grad],
                             "graphs": counters["stats"]["unique_graphs"], "op": ops[-1]})
@@ -158,3 +160,15 @@ def test_check_inputs_with_dynamic_shapes_is_exact(dist_pool) -> None:
     struct.pack polyfill: torch's TORCH_STRUCT_BUG, the fuzzer's case 152934153)."""
     per_rank = dist_pool.run(2, compiled_auto_calls, True, "zigzag", True, 2, timeout=600)  # ring, then Ulysses
     check_exact(per_rank, 2, "zigzag")
+
+
+@pytest.mark.timeout(600)
+def test_auto_mode_with_a_symbolic_head_chunks_keeps_one_graph(dist_pool) -> None:
+    """``head_chunks=2`` passed as an argument of the compiled function with ``dynamic=True`` (symbolic: dynamo
+    specialises only 0 and 1), fullgraph: both calls (ring, then Ulysses) exact and no graph break. Fuzzer case
+    920671610 (P = 2, 6 / 3 heads, ``head_chunks=3``): ``breaks``. Seen failing: without ``guard_scalar`` of
+    ``head_chunks`` in ``choose_mode``, dynamo's Unsupported "torch.* op returned non-Tensor" at ``math.gcd(h,
+    c.head_chunks)`` in ``mode_costs`` (fullgraph) on both ranks."""
+    per_rank = dist_pool.run(2, compiled_auto_calls, True, "zigzag", False, 2, 2, timeout=600)
+    check_exact(per_rank, 2, "zigzag")
+    assert [r["breaks"] for r in per_rank] == [0, 0]

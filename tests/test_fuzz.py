@@ -351,6 +351,45 @@ FOUND[756378705] = (("engine",), "refused")
 FOUND[1709044604] = (("engine",), "refused")
 
 
+# fz23c: fresh seeds over the core kinds (session 23: uneven Ulysses heads, mode="auto" under symbolic sizes):
+# - 1218503732 (seed 904, case 0; hybrid u=2 at P=2, 6 query / 3 K/V heads, aot_eager, dynamic=True, documents as
+#   a tensor): crash on every rank, "divmod(): 'SymInt' and 'SymInt'" in the Ulysses op's fake: traced with
+#   symbolic sizes the head counts reach the fake as SymInts, and an uneven split's shares
+#   (runtime.grid.ulysses_shares) use divmod. The fake specialises the head counts now (guard_int; a model's
+#   constants): exact (tests/test_compile_attention.py::test_compiled_uneven_ulysses_heads_with_symbolic_sizes).
+FOUND[1218503732] = (("compile",), "exact")
+# - 920671610 (seed 921, case 11, run with --set dynamic=true --set mode=auto; P=2, 6 / 3 heads, head_chunks=3, sinks,
+#   eager backend): breaks (10, "torch.* op returned non-Tensor"; Unsupported under fullgraph): an int head_chunks
+#   other than 0 / 1 is symbolic under dynamic=True, and mode_costs' math.gcd(h, head_chunks) has no symbolic form.
+#   choose_mode specialises head_chunks with the head counts now: exact, one graph per choice
+#   (tests/test_compile_auto_dynamic.py::test_auto_mode_with_a_symbolic_head_chunks_keeps_one_graph).
+FOUND_SET[920671610] = {"dynamic": True, "mode": "auto"}
+FOUND[920671610] = (("compile",), "exact")
+# - 1490451036 (seed 905, case 1; Ulysses, P=2, balanced sharding, documents as ints, aot_eager): breaks (7): the
+#   Ulysses plan's balanced sequence order (sharding.balanced_layout) runs while dynamo traces, and called bisect
+#   (a C builtin dynamo skips) and min(key=) (no handler). Plain loops now, folded into constants: exact, one graph
+#   per layout (tests/test_compile_attention.py::test_compiled_ulysses_over_balanced_documents_is_one_graph).
+FOUND[1490451036] = (("compile",), "exact")
+# - 456854197 (seed 932, run with --set dynamic=true mode=ulysses heads=[6,3,4,4] head_chunks="auto" backend=aot_eager;
+#   P=2, balanced, documents as ints, a second call of another length): breaks (2, then 6 once balanced_layout was
+#   plain loops): the uneven shares' divmod on symbolic head counts (resolve._ulysses_plan) and the balanced layout
+#   sorted on works of a symbolic length (sharding.chunk_ids). Both specialised now (guard_scalar; head counts are a
+#   model's constants, and integer documents pin the length): exact, one graph per layout
+#   (test_compile_attention.py::test_compiled_ulysses_over_balanced_documents_is_one_graph[True]).
+FOUND_SET[456854197] = {"dynamic": True, "mode": "ulysses", "heads": [6, 3, 4, 4], "head_chunks": "auto",
+                        "backend": "aot_eager"}
+FOUND[456854197] = (("compile",), "exact")
+# - 647716 (seed 932, the same --set; P=4, Ulysses, balanced, documents as a tensor, check_inputs): crash on every
+#   rank, InternalTorchDynamoError RecursionError in dynamo's struct.pack polyfill (torch's TORCH_STRUCT_BUG): after
+#   the refused compiled frame (balanced with a tensor) dynamo traced the cross-rank check's mask_digest with
+#   symbolic boundaries. mask_digest specialises them first now: exact (graph breaks: check_inputs, not promised;
+#   test_compile_attention.py::test_mask_digest_of_symbolic_boundaries_compiles).
+FOUND_SET[647716] = FOUND_SET[456854197]
+FOUND[647716] = (("compile",), "exact")
+# - 1485046037 (seed 905, case 0): crash "worker(s) died during start-up (init_process_group)" with another fuzzer run
+#   on the machine; exact alone (a pool start-up flake, not pinned).
+
+
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
 ENGINE_SAMPLE = (

@@ -330,6 +330,9 @@ def choose_mode(
     # become guards (see _cheapest_traced), so another batch or length recompiles only where it would choose
     # another mode, and dynamic=True keeps one graph per decision.
     hq, hkv, d = (guard_scalar(n) for n in (q.shape[1], k.shape[1], q.shape[3]))
+    # head_chunks too: an int the caller passes (an argument or a closure's) is symbolic under dynamic=True unless
+    # 0 or 1, and math.gcd in mode_costs has no symbolic form (a graph break where one graph is promised)
+    head_chunks = guard_scalar(head_chunks)
     vd = None if v_head_dim is None or guard_scalar(v_head_dim) == d else guard_scalar(v_head_dim)
     c = CallShape(q.shape[0], hq, hkv, q.shape[2], d, q.element_size(),
                   bool(causal), world, u, head_chunks, vd, 2 if dkv_wire_dtype == "bf16" else 4)

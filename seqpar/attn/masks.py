@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.plan import BlockCall
 from seqpar.sequence.boundaries import host_boundaries  # re-exported: the one conversion
@@ -201,7 +202,9 @@ def mask_digest(bounds: tuple[int, ...] | None, window: object, sinks: object, c
     (-1: none), their CRC32, the window (0: none, -1: not an int), the sinks' length (-1: none) and
     the chunk size (0: none, -1: not an int)."""
     n = -1 if bounds is None else len(bounds)
-    crc = 0 if bounds is None else zlib.crc32(struct.pack(f"<{len(bounds)}q", *bounds))
+    # guard_scalar: boundaries dynamo traces as SymInts (dynamic=True) would reach struct.pack, whose polyfill
+    # recurses without end on them (torch's TORCH_STRUCT_BUG, seqpar.testing.fuzz_compile; fuzzer case 647716)
+    crc = 0 if bounds is None else zlib.crc32(struct.pack(f"<{len(bounds)}q", *(guard_scalar(b) for b in bounds)))
     s = -1 if sinks is None else (sinks.numel() if isinstance(sinks, Tensor) else -2)
     return [n, crc, _int_digest(window), s, _int_digest(chunk_size)]
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions, SingleRank
@@ -204,6 +205,10 @@ def ulysses_fwd(
 def _(q, k, v, sinks, group, ring_group, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks,  # noqa: ANN001, ANN202
       causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
       documents):
+    # Traced with symbolic sizes (dynamic=True) the head counts arrive as SymInts, and an uneven split's shares
+    # (runtime.grid.ulysses_shares: divmod, which SymInt has no overload for) would raise here on every rank.
+    # Head counts are a model's constants: guard_int specialises them (a guard that never fails for one model).
+    q_heads, kv_heads, u = (guard_int(n) for n in (q_heads, kv_heads, u))
     qc, kc = HeadSplit(q_heads, kv_heads, u).counts(rank, head_chunks)  # uneven: this rank's share, one pass
     b, n, d, dv = q.shape[0], u * q.shape[2], q.shape[3], v.shape[3]
     saved = []

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.checks import (
     GpuCall,
@@ -171,7 +172,9 @@ def _ulysses_plan(
     else:
         assert manager is not None
         u, sp, rank, first = manager.ulysses_size, manager.sp_size, manager.ulysses_rank, manager.ring_rank * manager.ulysses_size
-    split = head_split(q.shape[1], k.shape[1], u, sp_size=sp, mode=algorithm,
+    # guard_scalar: head counts are a model's constants (choose_mode specialises them alike); symbolic
+    # (dynamic=True), an uneven split's shares (runtime.grid.ulysses_shares' divmod) broke the graph
+    split = head_split(guard_scalar(q.shape[1]), guard_scalar(k.shape[1]), u, sp_size=sp, mode=algorithm,
                        tp=manager.tp_size if manager is not None else 1)
     return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
                             head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2])

@@ -16,7 +16,6 @@ Layouts (P = SP size):
 
 from __future__ import annotations
 
-import bisect
 import functools
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
@@ -111,7 +111,9 @@ def chunk_ids(
     """The global chunk indices rank ``rank`` holds, in local (ascending) order (``balanced`` needs
     the global ``seq_len`` and the batch's ``cu_seqlens``)."""
     if sharding == BALANCED:
-        return list(balanced_layout(_need_len(seq_len), world_size, host_boundaries(cu_seqlens))[rank])
+        # guard_scalar: the layout is decided on this length's exact value (a symbolic one, dynamic=True, would
+        # reach sorted() as non-constant keys: a graph break); integer documents pin the length anyway
+        return list(balanced_layout(guard_scalar(_need_len(seq_len)), world_size, host_boundaries(cu_seqlens))[rank])
     if sharding == "contiguous":
         return [rank]
     if sharding == "zigzag":
@@ -139,10 +141,15 @@ def _balanced_per_rank(seq_len: int, world_size: int) -> int:
 def _causal_chunk_work(cu: tuple[int, ...], seq_len: int, n: int) -> list[int]:
     """Visible (query, key) pairs of each of ``n`` equal query chunks under causal document masks:
     row i of a document starting at ds sees i - ds + 1 keys."""
-    length, work = seq_len // n, []
+    # The document of each chunk's first row by a pointer that only moves forward (chunks ascend), not
+    # bisect: under torch.compile dynamo traces this (a Ulysses call's balanced order, seqpar.attn.ulysses),
+    # and bisect, a C builtin, is a graph break where one graph is promised (fuzzer case 1490451036)
+    length, work, first_doc = seq_len // n, [], 0
     for c in range(n):
         a, b = c * length, (c + 1) * length
-        d, i, total = bisect.bisect_right(cu, a) - 1, a, 0
+        while cu[first_doc + 1] <= a:
+            first_doc += 1
+        d, i, total = first_doc, a, 0
         while i < b:
             ds, de = cu[d], cu[d + 1]
             e = min(b, de)
@@ -166,8 +173,12 @@ def balanced_layout(seq_len: int, world_size: int, cu_seqlens: tuple[int, ...] |
         )
     work = _causal_chunk_work(cu, seq_len, m * world_size)
     load, held = [0] * world_size, [[] for _ in range(world_size)]
-    for c in sorted(range(len(work)), key=lambda c: (-work[c], c)):
-        r = min((r for r in range(world_size) if len(held[r]) < m), key=lambda r: (load[r], r))
+    # plain loops, no key= to min / sorted: dynamo traces this too (see _causal_chunk_work) and has no min(key=)
+    for _, c in sorted([(-w, c) for c, w in enumerate(work)]):
+        r = -1
+        for j in range(world_size):
+            if len(held[j]) < m and (r < 0 or load[j] < load[r]):
+                r = j  # the least loaded rank with room, ties to the lower rank
         load[r] += work[c]
         held[r].append(c)
     return tuple(tuple(sorted(h)) for h in held)
