@@ -39,7 +39,10 @@ sum over ``dp x sp`` ranks by ``dp x sp / 1`` instead of ``dp`` (and ZeRO-3 alwa
 :func:`_compensate_gradient_average`), so ``engine.backward`` scales the loss by ``sp``. AutoTP checks
 that the first batch is identical across each TP group: every TP rank of one SP rank gets the same
 sequence shard (the SP groups are cut from the cube's TP-rank slices). Under AutoTP DeepSpeed's own
-loader would sample over ``dp x sp`` ranks, so the loader is built here over the DP axis.
+loader would sample over ``dp x sp`` ranks, so the loader is built here over the DP axis. With SP > 1 the
+LM head stays whole (``tensor_parallel.vocab_parallel_lm_head`` set false unless given; true is refused): DeepSpeed's
+vocabulary-parallel head brings a loss of its own that would override seqpar's (see
+:func:`_refuse_vocab_parallel_head_under_sp`).
 
 Checkpoints: ``engine.save_checkpoint`` resumes at the same layout. To resume at another TP / SP / DP
 layout (e.g. saved at TP2 x SP2, resumed at SP2, and back), convert with :func:`to_universal` and load
@@ -228,6 +231,8 @@ def initialize(
     ds_config.pop(BLOCK_KEY, None)  # DeepSpeed ignores unknown top-level keys; drop ours anyway
     if sp_config.tp_size > 1:  # one TP degree: AutoTP's is seqpar's
         ds_config.setdefault("tensor_parallel", {})["autotp_size"] = sp_config.tp_size
+        if sp_config.size > 1:  # seqpar's loss needs whole logits: see _refuse_vocab_parallel_head_under_sp
+            ds_config["tensor_parallel"].setdefault("vocab_parallel_lm_head", False)
     deepspeed = _import_deepspeed()
 
     _init_distributed(deepspeed, sp_config, distributed_port, dist_init_required)
@@ -443,6 +448,7 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "parallelism; pipeline parallelism is not supported)"
         )
     check_autotp(ds_config, sp_config)
+    _refuse_vocab_parallel_head_under_sp(ds_config, sp_config)
     if sp_config.tp_sequence_parallel:
         raise ConfigError(
             "sequence_parallel.tp_sequence_parallel splits activations over TP with the model's tp plan under "
@@ -467,6 +473,32 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "ZeRO-3 with \"reduce_scatter\": false mixes two gradient averages in DeepSpeed 0.19 "
             "(over dp for buckets that fit, over dp x sp otherwise), so sequence-parallel gradients "
             "would be scaled inconsistently; remove \"reduce_scatter\": false (the default is true)"
+        )
+
+
+def _refuse_vocab_parallel_head_under_sp(ds_config: Mapping[str, Any], sp_config: SeqParConfig) -> None:
+    """Refuse DeepSpeed's vocabulary-parallel LM head (``tensor_parallel.vocab_parallel_lm_head: true``) under
+    AutoTP with SP > 1.
+
+    With it DeepSpeed 0.19.8 splits the LM head (and its tied embedding) over the vocabulary and replaces the
+    model's ``loss_function`` by its own ``VocabParallelCausalLMLoss``, built with ``sp_group=None``: the mean over
+    this rank's sequence shard only, overriding seqpar's sequence-parallel loss (:mod:`seqpar.swap.hf_loss`), so
+    every SP rank's loss and its gradient share were silently wrong. DeepSpeed turns it on by itself
+    (``vocab_parallel_lm_head`` left out, its default ``None``) for every model with tied input / output
+    embeddings whose transformers tp plan has ``embedding_rowwise`` (transformers adds it to every tied model):
+    fuzzer case 222158336, tiny starcoder2 under AutoTP 2 x SP 2, the loss 6.9e-4 off (3.7e-2 on plain rows);
+    exact at SP 1, where a shard's mean is the sequence's. :func:`initialize` therefore sets the key to ``false``
+    when SP > 1 and the config leaves it out (the head stays whole, its logits gathered, seqpar's loss exact);
+    an explicit ``true`` is refused here, on every rank alike (the config is the same everywhere)."""
+    tp_block = ds_config.get("tensor_parallel")
+    if sp_config.size > 1 and sp_config.tp_size > 1 and isinstance(tp_block, Mapping) and (
+            tp_block.get("vocab_parallel_lm_head") is True):
+        raise ConfigError(
+            "tensor_parallel.vocab_parallel_lm_head = true makes DeepSpeed AutoTP split the LM head over the "
+            "vocabulary and replace the model's loss_function by its VocabParallelCausalLMLoss, which averages over "
+            "this rank's sequence shard only and would override seqpar's sequence-parallel loss (a silently wrong "
+            f"loss and gradient at sequence_parallel.size = {sp_config.size}). Remove vocab_parallel_lm_head (seqpar "
+            "sets it false under SP) or set it false, or run sequence_parallel.size 1"
         )
 
 

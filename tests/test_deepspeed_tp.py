@@ -403,3 +403,92 @@ def test_an_activation_sparse_gate_autotp_split_is_refused() -> None:
     model.mlp.gate_proj = torch.nn.Linear(8, 8, bias=False)  # AutoTP's slice of the gate's 16 features
     with pytest.raises(ConfigError, match=r"\['mlp'\] take the mean and standard deviation .*AutoTP split"):
         _refuse_split_sparse_gate(model, before)
+
+
+# ------------------------------------------------------------------ a tied LM head under AutoTP x SP
+def _tied_starcoder2():  # noqa: ANN202
+    """Tiny starcoder2 in float64: tied input / output embeddings (so transformers' tp plan has
+    ``embedding_rowwise``), biases on every projection, LayerNorm with bias, a GELU MLP."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Starcoder2Config(
+        vocab_size=VOCAB + 1, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=6, tie_word_embeddings=True,
+        use_bias=True, residual_dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0, use_cache=False,
+    )
+    return transformers.Starcoder2ForCausalLM(cfg).to(torch.float64)
+
+
+@releases_deepspeed_engines
+def _tied_head_step(rank: int, world: int) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+    from seqpar.sequence.batch import shard_batch
+
+    model = _tied_starcoder2()
+    ref = copy.deepcopy(model)
+    vocab = model.config.vocab_size
+    config = {**ds_tp_config(2), "sequence_parallel": {**SP, "mode": "ulysses", "sharding": "contiguous"}}
+    del config["tensor_parallel"]  # as a user writes it: autotp_size follows tp_size, vocab_parallel_lm_head unset
+    engine, _, _, _ = initialize(model=model, config=config, optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    manager = engine.seqpar_manager
+    try:
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(11))
+        logits_ref = ref(input_ids=ids).logits  # the reference loss in float64 (transformers' upcasts to float32)
+        loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        loss_ref.backward()
+        out = engine(**shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="contiguous"))
+        engine.backward(out.loss)
+        torch.testing.assert_close(out.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0)
+        ref_params, sharded = dict(ref.named_parameters()), set()
+        for name, p in engine.module.named_parameters():
+            want = ref_params[name].grad
+            zero_grad = safe_get_full_grad(p)
+            if zero_grad.shape != want.shape:
+                sharded.add(name)
+            # ZeRO-2 hands the reduced gradient back in its float32 buffers: judged at float32's precision
+            grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group).to(want.dtype)
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+        head = engine.module.lm_head
+        return {"sharded": sorted(sharded), "head": (type(head).__name__, tuple(out.logits.shape)),
+                "tied": head.weight is engine.module.model.embed_tokens.weight}
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def test_tied_head_under_autotp2_sp2_matches_one_process(dist_pool) -> None:
+    """A tied LM head (tiny starcoder2, float64) under AutoTP 2 x SP 2, ZeRO-2, through the model's own loss: the loss
+    and every reduced gradient equal one process's. DeepSpeed 0.19.8 turns on its vocabulary-parallel head by
+    itself for a tied model whose transformers tp plan has ``embedding_rowwise`` and replaces ``loss_function`` by
+    its ``VocabParallelCausalLMLoss`` without an SP group (each SP rank's shard mean), overriding seqpar's loss:
+    fuzzer case 222158336 (tests/test_fuzz.py, ``# st23``). ``initialize`` sets ``vocab_parallel_lm_head`` false
+    under SP, so the head stays a whole, tied ``Linear`` with full-vocabulary logits.
+
+    Seen failing: the ``setdefault("vocab_parallel_lm_head", False)`` line removed from ``initialize`` (rank 0's loss
+    3.4e-3 relative off on every rank: DeepSpeed's loss over the rank's own sequence shard)."""
+    for got in dist_pool.run(4, _tied_head_step, timeout=240):
+        assert got["head"] == ("Linear", (BATCH, SEQ // 2, VOCAB + 1)) and got["tied"], got
+        # q/k/v/o and c_fc/c_proj weights and the column-parallel biases (q/k/v, c_fc) of both layers
+        assert len(got["sharded"]) == 2 * 10, got["sharded"]
+
+
+def test_vocab_parallel_head_under_sp_is_refused() -> None:
+    """``tensor_parallel.vocab_parallel_lm_head: true`` with SP > 1 under AutoTP is refused by name before any process
+    group (config-only, so every rank raises alike); at SP 1 (a shard's mean is the sequence's) it is left to
+    DeepSpeed. Seen failing: the refusal's ``is True`` made ``is False`` (nothing raised)."""
+    from seqpar.config import ConfigError, SeqParConfig
+    from seqpar.integrations.deepspeed import _refuse_vocab_parallel_head_under_sp, initialize
+
+    config = {**ds_tp_config(2), "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}
+    with pytest.raises(ConfigError, match=r"vocab_parallel_lm_head = true .*VocabParallelCausalLMLoss.*this rank's "
+                                          r"sequence shard only.*sequence_parallel.size = 2.*set it false"):
+        initialize(model=torch.nn.Linear(2, 2), config=config)
+    assert not dist.is_initialized()
+    _refuse_vocab_parallel_head_under_sp(config, SeqParConfig(size=1, tp_size=2))
+    _refuse_vocab_parallel_head_under_sp({**config, "tensor_parallel": {"vocab_parallel_lm_head": False}},
+                                         SeqParConfig(size=2, tp_size=2))

@@ -59,9 +59,12 @@ loss 13% off): it computes the logits from ``lm_head.weight``, which AutoTP had 
 of the vocabulary. :func:`seqpar.integrations.deepspeed.initialize` refuses it by name now on every rank where
 AutoTP split the head (a tied head AutoTP keeps whole is exact). And Gemma 3n's activation-sparse MLPs under AutoTP
 (case 1709044604: the loss 5.5e-3 off; their cutoff is a statistic over ``gate_proj``'s output features, which
-AutoTP splits), refused by name now as under FSDP2's TP. Found and open: tiny starcoder2 under AutoTP at SP 2
-(case 222158336 of seed 811, TP 2 x SP 2: the loss 6.9e-4 off; 3.7e-2 on plain rows) is WRONG, exact at TP 2 x SP 1,
-under ZeRO-2 at SP 2 and under ``tp2`` at TP 2 x SP 2; the cause is not found yet (still drawn).
+AutoTP splits), refused by name now as under FSDP2's TP. And tiny starcoder2 under AutoTP 2 x SP 2 (case 222158336 of seed 811: the
+loss 6.9e-4 off; 3.7e-2 on plain rows; exact at TP 2 x SP 1): DeepSpeed 0.19.8 turns on its vocabulary-parallel LM
+head by itself for a tied model whose transformers tp plan has ``embedding_rowwise`` and replaces ``loss_function``
+by its ``VocabParallelCausalLMLoss`` without an SP group (each SP rank's shard mean), overriding seqpar's loss.
+:func:`seqpar.integrations.deepspeed.initialize` sets ``tensor_parallel.vocab_parallel_lm_head`` false under SP now
+(the head whole, seqpar's loss; exact) and refuses an explicit true by name.
 
 The DP x SP contract judged (docs/integrations.md, integrations/fsdp.py's divide factor; DeepSpeed's with
 seqpar's ``mpu`` the same): each replica's loss is the mean over its own batch's tokens (per document when
