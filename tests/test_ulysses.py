@@ -254,6 +254,19 @@ def _bad_uneven_sizes(rank: int, world: int) -> list[str]:
     return messages
 
 
+def _assert_cancelling_dk_column_exact(dist_pool, world: int, q, k, v, dout) -> None:  # noqa: ANN001
+    """Ulysses in bf16 on ``world`` ranks over ``q, k, v, dout`` built so that the last column of the one K/V head's
+    dK is a sum of partials that cancel (keys 0 there): that column against float64 at its own scale."""
+    case = {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
+    per_rank = dist_pool.run(world, run_cases, [(case, "ulysses", "contiguous", True, None)], torch.bfloat16,
+                             timeout=240)
+    dk = unshard_rows([per_rank[r][0][2] for r in range(world)], world, "contiguous").double()
+    want = reference(case, True, None)[2]
+    col, want_col = dk[..., -1], want[..., -1]
+    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
+    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
+
+
 def test_uneven_all_to_all_refuses_sizes_that_do_not_fit(dist_pool) -> None:
     """start_all_to_all_uneven: a receive or send size list not one per rank, and a send buffer that is not the
     sum of its sizes, are a ValueError naming it on every rank (before any collective: the ranks stay in step,
@@ -288,14 +301,7 @@ def test_bf16_replicated_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     q[..., -1] = 2.0 ** -10
     q[:, 0, :, -1], q[:, 2, :, -1] = 1.0, -1.0
     k[..., -1] = 0.0
-    case = {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
-    per_rank = dist_pool.run(world, run_cases, [(case, "ulysses", "contiguous", True, None)], torch.bfloat16,
-                             timeout=240)
-    dk = unshard_rows([per_rank[r][0][2] for r in range(world)], world, "contiguous").double()
-    want = reference(case, True, None)[2]
-    col, want_col = dk[..., -1], want[..., -1]
-    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
-    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
+    _assert_cancelling_dk_column_exact(dist_pool, world, q, k, v, dout)
 
 
 # ------------------------------------------------------------------------ uneven head shares
@@ -509,11 +515,4 @@ def test_bf16_uneven_shared_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     q[..., -1] = 2.0 ** -10
     q[:, 0, :, -1], q[:, 1, :, -1], q[:, 4, :, -1] = 1.0, 0.0, -1.0
     k[..., -1] = 0.0
-    case = {n: t.to(torch.bfloat16).double() for n, t in (("q", q), ("k", k), ("v", v), ("dout", dout))}
-    per_rank = dist_pool.run(world, run_cases, [(case, "ulysses", "contiguous", True, None)], torch.bfloat16,
-                             timeout=240)
-    dk = unshard_rows([per_rank[r][0][2] for r in range(world)], world, "contiguous").double()
-    want = reference(case, True, None)[2]
-    col, want_col = dk[..., -1], want[..., -1]
-    assert want_col.abs().max() < 2.0 ** -6 * want[..., :-1].abs().max()  # the construction holds
-    torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
+    _assert_cancelling_dk_column_exact(dist_pool, world, q, k, v, dout)
