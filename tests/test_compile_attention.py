@@ -364,6 +364,16 @@ def test_compiled_ulysses_over_balanced_documents_is_one_graph(dist_pool, dynami
     assert dist_pool.run(2, _compiled_balanced_ulysses, dynamic, timeout=600) == [[], []]
 
 
+def _fake_layout_failures(op, args: tuple, label: str) -> list[str]:  # noqa: ANN001
+    """``[label: error]`` if ``op(*args)``'s real outputs disagree with its fake's (``torch.library.opcheck``'s
+    fake-tensor check: shapes, dtypes, strides), else ``[]``."""
+    try:
+        torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+    except Exception as error:  # noqa: BLE001 - reported with its case
+        return [f"{label}: {str(error)[:300]}"]
+    return []
+
+
 def _op_layouts(rank: int, world: int) -> list[str]:
     """The ring and all-gather ops' real outputs against their fake's layout (``torch.library.opcheck``'s
     fake-tensor check) on every rank, with packed documents that leave a rank's queries no remote block."""
@@ -381,10 +391,7 @@ def _op_layouts(rank: int, world: int) -> list[str]:
         for algorithm in ("ring", "allgather"):
             args = (q, k, v, None, algorithm, name, True, 5 ** -0.5, "contiguous", True, 1, None, cu, None, None,
                     "fp32", None)
-            try:
-                torch.library.opcheck(attention_fwd, args, test_utils=("test_faketensor",))
-            except Exception as error:  # noqa: BLE001 - reported with its case
-                failures.append(f"{algorithm} cu={cu} rank {rank}: {str(error)[:300]}")
+            failures += _fake_layout_failures(attention_fwd, args, f"{algorithm} cu={cu} rank {rank}")
     return failures
 
 
@@ -419,18 +426,12 @@ def _latent_and_dilated_layouts(rank: int, world: int) -> list[str]:
         for algorithm in ("ring", "allgather"):
             args = (q, c, r, weight, None, algorithm, name, heads, nope, rope, dv, lora, True, 6 ** -0.5, "contiguous",
                     True, None, cu, None, None, "fp32")
-            try:
-                torch.library.opcheck(latent_attention_fwd, args, test_utils=("test_faketensor",))
-            except Exception as error:  # noqa: BLE001 - reported with its case
-                failures.append(f"latent {algorithm} cu={cu} rank {rank}: {str(error)[:300]}")
+            failures += _fake_layout_failures(latent_attention_fwd, args, f"latent {algorithm} cu={cu} rank {rank}")
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 16, 4, generator=g)[:, :, rank * 8:(rank + 1) * 8].clone() for _ in range(3))
     for causal in (True, False):
         args = (q, k, v, name, [4, 16], [1, 2], causal, 0.5, "ring", "bhsd", "fp32")
-        try:
-            torch.library.opcheck(dilated_fwd, args, test_utils=("test_faketensor",))
-        except Exception as error:  # noqa: BLE001 - reported with its case
-            failures.append(f"dilated causal={causal} rank {rank}: {str(error)[:300]}")
+        failures += _fake_layout_failures(dilated_fwd, args, f"dilated causal={causal} rank {rank}")
     return failures
 
 
