@@ -360,7 +360,9 @@ FOUND[1709044604] = (("engine",), "refused")
 # model.layers.0.self_attn.q_proj.lora_A's update 1.5e-03 of its max, tol 1.5e-04), bit for bit the same with the
 # probe skipped, so not the probe's: exact with --set peft=false, router_loss=false, engine=zero2 or steps=1 (A does
 # not move at step 1: peft's B = 0); WRONG, just past the tolerance, with data_seed=1 and 2 (always layer 0's
-# q_proj lora_A). Left open (ZeRO-3 x LoRA x router loss).
+# q_proj lora_A), and the same with sharding=zigzag or mode=ring. Not sequence parallelism's: WRONG the same at
+# --set world=1 --set sp=1 (ZeRO-3 on one process, 10 s), exact there with engine=zero2. Left open (ZeRO-3 x LoRA x
+# router loss: DeepSpeed's, TRL's or the harness's, to be told apart by a run without seqpar).
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
