@@ -363,6 +363,11 @@ FOUND[1709044604] = (("engine",), "refused")
 # q_proj lora_A), and the same with sharding=zigzag or mode=ring. Not sequence parallelism's: WRONG the same at
 # --set world=1 --set sp=1 (ZeRO-3 on one process, 10 s), exact there with engine=zero2. Left open (ZeRO-3 x LoRA x
 # router loss: DeepSpeed's, TRL's or the harness's, to be told apart by a run without seqpar).
+# Pinned without LoRA (exact: the probe's fix end to end under ZeRO-3, router loss, SP 3; refused before it with
+# --set peft=false too). Seen failing (a crash: the IndexError, which hf_probe raises as itself now) with moe's
+# dispatcher without its is_probing() check. 18 s under load.
+FOUND_SET[1410858051] = {"peft": False}
+FOUND[1410858051] = (("trainer",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
