@@ -356,7 +356,7 @@ FOUND[1709044604] = (("engine",), "refused")
 # probe's runs take the original loss now (seqpar/swap/moe.py), and a torch error inside seqpar's code while
 # probing is raised as itself (seqpar/swap/hf_probe.py); tests/test_moe.py::
 # test_router_loss_of_a_model_probed_at_its_first_forward and ::test_a_crash_inside_seqpar_while_probing_is_no_refusal.
-# Not pinned: past the probe the case is WRONG (rank 0 step 2: grad_norm 6.3e-05 relative, tol 2e-05;
+# Not pinned as drawn (LoRA on): past the probe it is WRONG (rank 0 step 2: grad_norm 6.3e-05 relative, tol 2e-05;
 # model.layers.0.self_attn.q_proj.lora_A's update 1.5e-03 of its max, tol 1.5e-04), bit for bit the same with the
 # probe skipped, so not the probe's: exact with --set peft=false, router_loss=false, engine=zero2 or steps=1 (A does
 # not move at step 1: peft's B = 0); WRONG, just past the tolerance, with data_seed=1 and 2 (always layer 0's

@@ -201,8 +201,9 @@ def test_router_loss_of_a_model_probed_at_its_first_forward(dist_pool) -> None:
     group) for the probe's 13 synthetic tokens: "seqpar refused a layer while probing the model: Expected index
     [26] to be no larger than self [4]" on every rank. The probe's runs take the original loss now; loss, aux
     loss and every gradient are one process's.
-    Seen failing: moe's dispatcher without its is_probing() check -> SwapError "The size of tensor a (13) must
-    match the size of tensor b (10)" (and the RuntimeError itself with hf_probe's narrowing in place)."""
+    Seen failing: moe's dispatcher without its is_probing() check -> the case's own RuntimeError "Expected index
+    [26] to be no larger than self [4] ..." on every rank (a SwapError "seqpar refused a layer while probing" with
+    hf_probe's narrowing undone too)."""
     results = dist_pool.run(3, _probed_at_first_forward, timeout=300)
     assert len(set(results)) == 1, f"loss and aux differ across SP ranks: {results}"
 
