@@ -182,6 +182,51 @@ def test_router_losses_exact_right_padded(dist_pool, world: int) -> None:
     dist_pool.run(world, _family_parity, "mixtral", "zigzag", False, True, timeout=300)
 
 
+def _probed_at_first_forward(rank: int, world: int) -> tuple[float, float]:
+    """``_family_parity`` (Mixtral, right-padded rows, so the batch carries a token mask) with the
+    position-mixing probe put off to the first forward, as ZeRO-3's partitioned parameters put it off."""
+    from seqpar.swap import hf_probe
+
+    saved = hf_probe.is_materialised
+    hf_probe.is_materialised = lambda model: False  # ZeRO-3's partitions: the probe runs at the first forward
+    try:
+        return _family_parity(rank, world, "mixtral", "contiguous", False, True)
+    finally:
+        hf_probe.is_materialised = saved
+
+
+def test_router_loss_of_a_model_probed_at_its_first_forward(dist_pool) -> None:
+    """Fuzz case 1410858051 (DPO, ZeRO-3, Mixtral with its router loss, SP 3): the probe put off to the first
+    forward runs inside that forward's call frame, and its router loss took the real batch's token mask (and SP
+    group) for the probe's 13 synthetic tokens: "seqpar refused a layer while probing the model: Expected index
+    [26] to be no larger than self [4]" on every rank. The probe's runs take the original loss now; loss, aux
+    loss and every gradient are one process's.
+    Seen failing: moe's dispatcher without its is_probing() check -> the case's own RuntimeError "Expected index
+    [26] to be no larger than self [4] ..." on every rank (a SwapError "seqpar refused a layer while probing" with
+    hf_probe's narrowing undone too)."""
+    results = dist_pool.run(3, _probed_at_first_forward, timeout=300)
+    assert len(set(results)) == 1, f"loss and aux differ across SP ranks: {results}"
+
+
+def test_a_crash_inside_seqpar_while_probing_is_no_refusal(monkeypatch) -> None:
+    """An error a torch op raised inside seqpar's code while the probe ran the model is a bug of seqpar's,
+    raised as it is, not worded as seqpar refusing a layer (as case 1410858051's IndexError was). The crash
+    here is that case's, brought back: the router loss of a probe at the first forward on the batch's token
+    mask. Seen failing: hf_probe._probe_tops without its _raise_statement check -> SwapError "seqpar refused
+    a layer while probing the model: The size of tensor a (13) must match ..."."""
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import hf_probe
+
+    monkeypatch.setattr(hf_probe, "is_materialised", lambda model: False)
+    monkeypatch.setattr(moe, "is_probing", lambda: False)  # the dispatcher's fix undone
+    model = make("mixtral")
+    swap_attention(model, {"size": 1})
+    local = shard_batch(_batch(14, False, right_padded=True), group=None)
+    with pytest.raises(RuntimeError, match="must match the size") as raised:
+        model(**local)
+    assert not isinstance(raised.value, SwapError), raised.value
+
+
 def test_router_loss_forms_are_recognised() -> None:
     """Every installed decoder's load_balancing_loss_func is one seqpar knows (probed by value and
     gradient against its own form); the encoder-decoders' (not swapped: no decoder-only LM) are not."""

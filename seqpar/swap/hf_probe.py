@@ -18,6 +18,7 @@ itself there, would attend across the documents of a packed row.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -189,12 +190,26 @@ def _probe_tops(tops: list[tuple[str, nn.Module]], after: str) -> tuple[nn.Modul
         except ProbeFailed as failed:
             if not raised_by_seqpar(failed.error):
                 return top, failed
+            if not _raise_statement(failed.error):
+                # A torch op that seqpar's code called failed (a shape or index error): a bug of seqpar's, not a
+                # refusal; worded as one it read as a limit of the model (case 1410858051). Raised as it is.
+                raise failed.error from None
             raise SwapError(
                 f"{type(top).__name__}: seqpar refused a layer while probing the model: {failed.error}. {after}"
             ) from failed.error
         if mixers:
             raise SwapError(f"{mixing_refusal(mixers, type(top).__name__, prefix)} {after}")
     return None
+
+
+def _raise_statement(error: BaseException) -> bool:
+    """Whether ``error`` came from a ``raise`` statement in the innermost frame of its traceback (a refusal
+    seqpar's code wrote), not from an operation that frame ran (a torch op's IndexError or RuntimeError)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and any(ins.offset == tb.tb_lasti and ins.opname in ("RAISE_VARARGS", "RERAISE")
+                                  for ins in dis.get_instructions(tb.tb_frame.f_code))
 
 
 def _runs_plain(top: nn.Module) -> bool:

@@ -46,6 +46,7 @@ from seqpar.sequence.router import (
 )
 from seqpar.swap import frame as call_frame
 from seqpar.swap.options import SwapError
+from seqpar.swap.state import is_probing
 
 __all__ = ["install", "install_dispatcher", "router_loss_problem", "ExpertCounter", "FUNCTION_NAME"]
 
@@ -170,6 +171,11 @@ def _dispatcher(original: Callable, module_name: str) -> Callable:
     form = _form_of(original)
 
     def load_balancing_loss_func(*args: Any, **kwargs: Any) -> Any:
+        # The position-mixing probe's runs (:mod:`seqpar.swap.probe`) attend self-only on their own synthetic
+        # tokens, with no collective: their loss is the original's. A probe put off to the first forward
+        # (ZeRO-3) runs inside that forward's frame, whose token mask is the real batch's, not the probe's.
+        if is_probing():
+            return original(*args, **kwargs)
         frame = call_frame.innermost()  # the running swapped call's: its group, the batch's token mask
         token_mask = call_frame.token_mask()
         if frame is None or (_world(frame.group) == 1 and token_mask is None):
@@ -273,7 +279,7 @@ def _z_loss_problem(model: nn.Module) -> str | None:
 def _z_loss_hook(module: nn.Module, args: Any, output: Any) -> Any:
     """Runs inside the model call's frame (registered before :func:`~seqpar.swap.frame.hold_calls`' hooks)."""
     frame = call_frame.frame_of(module)
-    if frame is None:
+    if frame is None or is_probing():  # the probe's runs: their own tokens, no collective (see the dispatcher)
         return output
     group = frame.group  # dynamic CP: the micro-batch's group, which its call carries
     coef = getattr(module, "z_loss_coefficient", 0) or 0
@@ -383,6 +389,8 @@ class ExpertCounter:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return  # a backward's recompute of a checkpointed layer: counted in the forward
+            if is_probing():
+                return  # the position-mixing probe's synthetic tokens are no batch's (and take no collective)
             indices = _routed_indices(output)
             if indices is None:
                 raise ValueError(
