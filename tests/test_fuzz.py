@@ -880,8 +880,8 @@ def test_model_kind_draws_the_memory_features() -> None:
             ("batch", "packed"), "tiled loss under checkpointing"}
     assert want <= seen, sorted(map(str, want - seen))
     for seed in range(30):
-        d = fuzz.draw_case(seed, ("engine",))  # tp2 alone draws its loss's (fz22v: draw_tp_loss)
-        assert "memory" not in d or (d["engine"] == "tp2" and set(d["memory"]) == {
+        d = fuzz.draw_case(seed, ("engine",))  # tp2 and autotp alone draw their loss's (draw_tp_loss, draw_autotp)
+        assert "memory" not in d or (d["engine"] in ("tp2", "autotp") and set(d["memory"]) == {
             "tiled_loss", "loss_tile_rows", "vocab", "ignored_prefix"}), fuzz.summary(d)
 
 
@@ -1158,10 +1158,10 @@ def test_engine_tp2_draws_the_vocab_parallel_loss() -> None:
     assert fitted >= 4 * unfitted > 0, (fitted, unfitted)
     assert fit_tp_lengths([[13, 7], [15, 14]], "padded", 4) == [[12, 7], [12, 11]]
     assert fit_tp_lengths([[3, 6]], "packed", 4) == [[3, 6, 3]] and fit_tp_lengths([[14]], "rows", 2) == [[14]]
-    for seed in range(100):  # the other engines: as before, no tp2 knob
+    for seed in range(100):  # the other engines: as before, no tp2 knob (autotp draws tp2's loss knobs: fz23b)
         d = fuzz.draw_case(seed, ("engine",))
-        assert (d["engine"] == "tp2") == ("tp_sequence_parallel" in d), fuzz.summary(d)
-        assert d["engine"] == "tp2" or "memory" not in d, fuzz.summary(d)
+        assert (d["engine"] in ("tp2", "autotp")) == ("tp_sequence_parallel" in d), fuzz.summary(d)
+        assert d["engine"] in ("tp2", "autotp") or "memory" not in d, fuzz.summary(d)
 
 
 @pytest.mark.timeout(900)
