@@ -121,6 +121,10 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
 - Not drawn, TRL's own without seqpar: ``sync_ref_model`` with PEFT (DPOTrainer and GRPOTrainer raise
   NotImplementedError whenever the model is a PEFT model, trl 1.16's ``dpo_trainer.py`` / ``grpo_trainer.py``;
   case 2076377569 with ``--set peft=true`` before the draw dropped it: ``sync_ref_model`` is False under PEFT).
+- Not drawn, DeepSpeed's or TRL's own without seqpar: the router loss with LoRA under ZeRO-3 (case 1410858051 with
+  LoRA: DPO, tiny Mixtral, the router loss, ZeRO-3, two steps: ``grad_norm`` 7e-5 relative and a ``lora_A`` update
+  1.5e-3 of its scale off at step 2, the same with TRL's DPOTrainer under ZeRO-3 on one process without seqpar;
+  exact under ZeRO-2, without the router loss, or with one step): :func:`router_loss` turns it off there.
 - Not drawn (not yet, or not on CPU): LoRA on the MoE types' experts (fused 3D tensors: peft's
   ``target_parameters``), a PEFT model passed to a TRL trainer (DPOTrainer then copies the adapter as a frozen
   "ref" adapter), ``bias`` other than ``"none"``, DoRA, rsLoRA, LoRA on embeddings, other PEFT methods (prefix
@@ -140,7 +144,7 @@ from typing import Any
 import torch
 
 __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
-           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case"]
+           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss"]
 
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
@@ -223,6 +227,13 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     if draws["peft"] and draws.get("sync_ref_model"):
         draws["sync_ref_model"] = False  # DPOTrainer's own NotImplementedError under PEFT (the module docstring)
     return draws
+
+
+def router_loss(draws: dict[str, Any]) -> bool:
+    """Whether the case trains with the MoE router loss: as drawn (``router_loss``), but never with LoRA under
+    ZeRO-3 (DeepSpeed's or TRL's own without seqpar, the module docstring). Read where the model is built, so a
+    case's draws stay as drawn and ``--set peft=...`` decides."""
+    return bool(draws["router_loss"]) and not (draws.get("peft") and draws.get("engine") == "zero3")
 
 
 def _draw_lora(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
@@ -316,7 +327,7 @@ def trainer_summary(draws: dict[str, Any]) -> str:
         parts.append("no-avg-tokens")
     if d["label_smoothing"]:
         parts.append(f"smoothing={d['label_smoothing']}")
-    if d["router_loss"]:
+    if router_loss(d):
         parts.append("router-loss")
     if d["evaluate"]:
         parts.append("eval")
@@ -424,9 +435,9 @@ def _build_model(draws: dict[str, Any], dtype: torch.dtype) -> Any:
     model = build_model(draws["model_type"], dtype)
     model.config.use_cache = False
     if draws["model_type"] in MOE_TYPES:
-        model.config.output_router_logits = bool(draws["router_loss"])
+        model.config.output_router_logits = router_loss(draws)
         # SFTTrainer turns the router loss on whenever the coefficient is not 0, whatever output_router_logits says
-        model.config.router_aux_loss_coef = 0.5 if draws["router_loss"] else 0.0
+        model.config.router_aux_loss_coef = 0.5 if router_loss(draws) else 0.0
     return model
 
 
