@@ -462,7 +462,7 @@ def test_fixed_sample_has_no_wrong_and_no_crash(fuzzer: fuzz.Fuzzer, seed: int, 
 @pytest.mark.parametrize("case_seed", sorted(s for s, (kinds, _) in FOUND.items() if "compile" not in kinds))
 def test_found_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
     kinds, verdict = FOUND[case_seed]
-    rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
+    rec = fuzzer.run(fuzz.force(fuzz.draw_case(case_seed, kinds), FOUND_SET.get(case_seed, {}))[0])  # as --set does
     assert rec["verdict"] == verdict, (fuzz.summary(rec["draws"]), rec["detail"])
 
 
@@ -592,6 +592,65 @@ def test_a_failed_case_restarts_its_pool(fuzzer: fuzz.Fuzzer) -> None:
     assert pool.closed
     assert fuzzer.run(draws)["verdict"] == "exact"
     assert fuzzer.pools.get(draws["world"]) is not pool
+
+
+def _covered(draws: dict, cu: list[int] | None) -> list[int]:
+    """The global positions the harness gives the ranks of ``draws`` (sorted, with repeats): ``range(seq)`` when
+    the shards cover the sequence once."""
+    sharded = draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"}
+    return sorted(int(i) for r in range(draws["world"]) for i in fuzz.positions(sharded, cu, r))
+
+
+def test_forced_world_rederives_what_depends_on_it() -> None:
+    """``--set world=N`` alone (``fuzz.force``): every ``attention`` / ``dilated`` draw of 150 seeds forced to each
+    world 1..4 is judgeable -- the harness's shards cover the sequence exactly once, documents end at it, a hybrid
+    Ulysses degree divides the world, window and chunk size fit it, the dilated segments that fitted still fit --
+    and keeps every draw that does not depend on the world (heads, mode, masks, dtype: the case is narrowed, not
+    redrawn); forced at the drawn world nothing changes; a forced seq the forced world cannot shard is a conflict
+    (skipped), never judged. Seen failing: ``force`` as the plain merge ``{**draws, **overrides}`` it replaced (case
+    222708024 at world 3: 12 of 16 positions covered, the WRONG below)."""
+    kept = ("mode", "heads", "causal", "dtype", "batch", "sharding", "layout", "alibi", "sinks", "softcap", "scale",
+            "check_inputs", "overlap", "head_layout", "case_seed", "kind")
+    for seed in range(150):
+        d = fuzz.draw_case(seed, ("attention", "dilated"))
+        assert fuzz.force(d, {"world": d["world"]}) == (d, None)
+        for w in range(1, 5):
+            f, conflict = fuzz.force(d, {"world": w})
+            assert conflict is None and f["world"] == w, (seed, w, conflict)
+            assert {k: f.get(k) for k in kept} == {k: d.get(k) for k in kept}, (seed, w)
+            seq = f["seq"]
+            for call in f.get("calls", [{"cu": None}]):
+                assert _covered(f, call["cu"]) == list(range(seq)), (seed, w, fuzz.summary(f))
+                assert call["cu"] is None or (call["cu"][0] == 0 and call["cu"][-1] == seq), (seed, w, call)
+            if f["kind"] == "attention":
+                assert w % f["ulysses_size"] == 0 and f["head_chunks"] == d["head_chunks"], (seed, w)
+                assert all(f[k] is None or 1 <= f[k] <= seq for k in ("window", "chunk_size")), (seed, w)
+            else:
+                local = seq // w
+                for w0, s0 in zip(d["segment_lengths"], f["segment_lengths"], strict=True):
+                    fitted = d["seq"] % w0 == 0 and (d["world"] == 1 or (d["seq"] // d["world"]) % w0 == 0
+                                                     or w0 % (d["seq"] // d["world"]) == 0)
+                    assert not fitted or (seq % s0 == 0 and (w == 1 or local % s0 == 0 or s0 % local == 0)), (seed, w)
+    d = fuzz.draw_case(222708024, ("attention",))
+    assert (d["seq"], d["sharding"]) == (16, "zigzag"), fuzz.summary(d)
+    assert len(_covered({**d, "world": 3}, None)) == 12  # the gap: the plain merge shards 12 of the 16 tokens
+    f, conflict = fuzz.force(d, {"world": 3, "seq": 16})
+    assert conflict is not None and conflict.startswith("skipped: forced key") and "world=3" in conflict \
+        and "seq=16" in conflict, conflict
+
+
+@pytest.mark.timeout(300)
+def test_forced_world_is_judged_on_the_forced_world(fuzzer: fuzz.Fuzzer) -> None:
+    """Case 222708024 (zigzag, 16 tokens, float64) with ``--set world=3`` and ``world=4`` is exact (before
+    ``fuzz.force``: WRONG at world 3, "out off by 4.63e-01", the four tokens the harness did not shard judged as
+    zeros); with ``--set world=3 --set seq=16`` it is skipped, naming the conflict, and starts no rank pool. Seen
+    failing: run_cases merging the overrides as before (WRONG; the conflict case judged)."""
+    for w in (3, 4):
+        draws, conflict = fuzz.force(fuzz.draw_case(222708024, ("attention",)), {"world": w})
+        rec = fuzzer.run(draws)
+        assert conflict is None and rec["verdict"] == "exact", (w, fuzz.summary(draws), rec["detail"])
+    (rec,) = fuzz.run_cases([222708024], ("attention",), overrides={"world": 3, "seq": 16})
+    assert rec["verdict"] == "skipped" and "conflicts with world=3" in rec["detail"], rec
 
 
 def test_engine_runners_are_found_by_entry_point() -> None:
@@ -1015,7 +1074,7 @@ def test_a_planted_compile_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
 def test_found_compile_cases(fuzzer: fuzz.Fuzzer, case_seed: int) -> None:
     """The compile kind's pinned cases (``FOUND``'s ``# fz21c`` block), each with the verdict it has since its fix."""
     kinds, verdict = FOUND[case_seed]
-    rec = fuzzer.run({**fuzz.draw_case(case_seed, kinds), **FOUND_SET.get(case_seed, {})})
+    rec = fuzzer.run(fuzz.force(fuzz.draw_case(case_seed, kinds), FOUND_SET.get(case_seed, {}))[0])  # as --set does
     assert rec["verdict"] == verdict, (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))
 
 

@@ -35,6 +35,8 @@ Verdicts (one per case):
   An error of torch or transformers, one raised on some ranks only, or one of another type is a crash;
 - ``WRONG``: ran on every rank, but some tensor is off beyond tolerance (silently wrong);
 - ``breaks`` (``compile`` only): exact, but dynamo broke the graph where the docs promise one graph;
+- ``skipped``: the case cannot be judged, e.g. a ``--set`` key that conflicts with another forced key
+  (:func:`force`: what depends on a forced key is re-derived; a conflict is never judged);
 - ``crash``: anything else, a hang past the case's timeout included. After a crash the rank pool of that world
   size is restarted before the next case: a rank that failed may have left its process group broken (a
   gloo pair closed by a timed-out collective), and a later case on it would fail for that alone.
@@ -63,6 +65,7 @@ __all__ = [
     "VERDICTS",
     "case_seeds",
     "draw_case",
+    "force",
     "run_case",
     "run_cases",
     "close",
@@ -163,6 +166,121 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
         "sharding": "contiguous" if rng.random() < 0.95 else "zigzag", "check_inputs": rng.random() < 0.7,
         "dtype": "float64" if rng.random() < 0.2 else "float32",
     }
+
+
+def _fit_seq(seq: int, unit: int) -> int:
+    """The multiple of ``unit`` nearest ``seq`` (at least ``unit``): a sequence re-derived for a forced world."""
+    return unit * max(1, round(seq / unit))
+
+
+def _rederive_calls(calls: list[dict[str, Any]], rng: random.Random, world_of: Any, unit_of: Any) -> None:
+    """Re-derive, in place, what a forced world makes stale in per-call draws (``sp``, ``seq``, ``cu``, ``window``)
+    of the compile kind's direct calls: ``world_of(call)`` is the call's new SP size, ``unit_of(sp)`` the multiple
+    its sequence must be."""
+    for c in calls:
+        sp = world_of(c)
+        seq = c["seq"] if c["seq"] % unit_of(sp) == 0 else _fit_seq(c["seq"], unit_of(sp))
+        if c.get("cu") is not None and seq != c["seq"]:
+            c["cu"] = _draw_documents(rng, seq, sp)
+        if c.get("window") is not None and c["window"] > seq:
+            c["window"] = rng.randint(1, seq)
+        c["sp"], c["seq"] = sp, seq
+
+
+def _shard_unit(draws: dict[str, Any], world: int) -> int:
+    """The multiple of ``world`` an ``attention`` case's sequence must be for :func:`positions` to cover it: ``P``
+    contiguous shards, ``2P`` zigzag / balanced chunks (the draw makes it ``2 P chunk``)."""
+    return world if draws.get("sharding") == "contiguous" else 2 * world
+
+
+def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``draws`` with the ``--set`` keys ``overrides`` forced, and what depends on a forced key re-derived; or the
+    conflict that makes the case unjudgeable (then it is ``skipped``, never judged).
+
+    A draw's keys depend on each other: the ``attention`` kind's sequence is ``2 P chunk`` tokens (:func:`positions`
+    cuts it into ``2P`` equal zigzag chunks or ``P`` contiguous shards), its documents end at that sequence, its
+    window and chunk size are at most it, a hybrid Ulysses degree divides ``P``. Forcing ``world`` alone used to leave
+    the sequence of the drawn world: ``--set world=3`` on a sequence of 16 tokens judged only the 12 the harness
+    sharded, against a reference over 16 -- a WRONG that was the harness's, not seqpar's (case 222708024). So a
+    forced key's dependents that are not forced themselves are re-derived here (from a generator of the case seed,
+    the same every run; the keys that do not depend on it keep their draws, so ``--set world=1`` still narrows the
+    case down), and a forced key that contradicts another forced key is a conflict: ``"forced key seq=10
+    conflicts with world=3 ..."``. Re-derived: ``attention`` (``ulysses_size``, ``seq``, documents, ``window``,
+    ``chunk_size``, ``head_chunks``), ``dilated`` (``seq``, its segments), ``compile`` (its calls' ``sp``, ``seq``,
+    documents, window; ``ulysses_size``), ``model`` and ``dynamic`` (``ulysses_size``; ``sp``). The ``engine``
+    and ``trainer`` kinds' draws are forced as given."""
+    if not overrides:
+        return draws, None
+    out = json.loads(json.dumps(draws))  # a deep copy (draws are JSON-able)
+    out.update(json.loads(json.dumps(overrides)))
+    rng = random.Random(f"{draws['case_seed']}:forced")
+    kind, world = out["kind"], out.get("world")
+    free = [k for k in out if k not in overrides]  # the keys a forced key may re-derive
+
+    def conflict(key: str, why: str) -> str:
+        forced = ", ".join(f"{k}={json.dumps(v)}" for k, v in overrides.items() if k in (key, "world", "seq", "sharding"))
+        return f"skipped: forced key {forced} conflicts with {why}"
+
+    if not isinstance(world, int) or world < 1:
+        return out, conflict("world", f"world={world!r} (a positive int)")
+    divisors = [u for u in range(1, world + 1) if world % u == 0]
+    if (kind in ("attention", "compile", "model", "dynamic") and "ulysses_size" in free and out.get("mode") == "hybrid"
+            and world % out.get("ulysses_size", 1)):
+        if kind in ("attention", "compile") and out.get("sub", "attention") == "attention":
+            inner = [u for u in divisors if 1 < u < world]
+            out["ulysses_size"] = rng.choice(inner or divisors)
+        else:  # the model and compile-model draws' rule
+            out["ulysses_size"] = 2 if world == 4 else world
+    if kind == "dynamic" and "sp" in free and world % out["sp"]:
+        out["sp"] = max(d for d in divisors if d <= out["sp"])
+    if kind == "attention":
+        if "heads" not in free and "head_chunks" in free and out["head_chunks"] != "auto" and out["heads"][1] % out["head_chunks"]:
+            out["head_chunks"] = "auto"
+        unit = _shard_unit(out, world)
+        if out["seq"] % unit:
+            if "seq" not in free:
+                return out, conflict("seq", f"world={world} sharding={out['sharding']}: the harness shards the sequence "
+                                     f"into {unit} equal parts (seq a multiple of {unit})")
+            out["seq"] = _fit_seq(out["seq"], 2 * world)
+        seq = out["seq"]
+        for i, c in enumerate(out["calls"]):
+            cu = c["cu"]
+            if cu is not None and (cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu, cu[1:]))):
+                if "calls" not in free:
+                    return out, conflict("calls", f"seq={seq}: call {i}'s documents {cu} must run from 0 to {seq}")
+                c["cu"] = _draw_documents(rng, seq, world)
+        for key in ("window", "chunk_size"):
+            if out.get(key) is not None and out[key] > seq and key in free:
+                out[key] = rng.randint(1, seq)
+    elif kind == "dilated":
+        if out["seq"] % world:
+            if "seq" not in free:
+                return out, conflict("seq", f"world={world}: the harness shards the sequence into {world} equal "
+                                     f"contiguous parts (seq a multiple of {world})")
+            out["seq"] = world * max(1, out["seq"] // draws["world"])
+        seq, local = out["seq"], out["seq"] // world
+        fits = [w for w in range(1, seq + 1) if seq % w == 0 and (world == 1 or local % w == 0 or w % local == 0)]
+        if "segment_lengths" in free and "dilation_rates" in free:
+            for i, w in enumerate(out["segment_lengths"]):
+                old_local = draws["seq"] // draws["world"]
+                fitted = draws["seq"] % w == 0 and (draws["world"] == 1 or old_local % w == 0 or w % old_local == 0)
+                if fitted and w not in fits:  # a drawn fit made stale (the draw's deliberate misfits stay)
+                    w = rng.choice(fits)
+                    out["segment_lengths"][i] = w
+                    out["dilation_rates"][i] = rng.choice([r for r in range(1, w + 1) if w % r == 0])
+    elif kind == "compile" and out.get("sub") == "attention" and "calls" in free:
+        # a call on the pairs {0, 1}, {2, 3} (sp 2) only where the world is 4
+        _rederive_calls(out["calls"], rng, lambda c: 2 if c["sp"] == 2 and world == 4 and draws["world"] == 4 else world,
+                        lambda sp: 2 * sp)
+        min_seq = min(c["seq"] for c in out["calls"])
+        if out.get("chunk_size") is not None and out["chunk_size"] > min_seq and "chunk_size" in free:
+            out["chunk_size"] = rng.randint(1, min_seq)
+    elif kind == "compile" and out.get("sub") == "attention":
+        bad = [i for i, c in enumerate(out["calls"]) if world % c["sp"] or c["seq"] % (2 * c["sp"])]
+        if bad:
+            return out, conflict("calls", f"world={world}: call {bad[0]}'s SP size must divide the world and its "
+                                 "sequence be a multiple of 2 sp")
+    return out, None
 
 
 def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"), engine: str | None = None) -> dict[str, Any]:
@@ -582,13 +700,17 @@ class Fuzzer:
 def run_cases(seeds: list[int], kinds: tuple[str, ...] = ("attention", "dilated"), *, plant: str | None = None,
               timeout: float = 60.0, model_timeout: float = 300.0, out: Any = None,
               overrides: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Draw and run the cases of ``seeds`` (each draw updated with ``overrides``, e.g. ``{"world": 1}`` to
+    """Draw and run the cases of ``seeds`` (each draw forced with ``overrides`` by :func:`force`, e.g. ``{"world": 1}`` to
     narrow a finding down); prints one line per case to ``out`` (None: silent)."""
     records = []
     with Fuzzer(timeout, model_timeout) as fuzzer:
         for i, s in enumerate(seeds):
-            draws = {**draw_case(s, kinds, (overrides or {}).get("engine")), **(overrides or {})}
-            rec = fuzzer.run(draws, plant)
+            draws, conflict = force(draw_case(s, kinds, (overrides or {}).get("engine")), overrides or {})
+            if conflict:  # the forced draws cannot be judged: not seqpar's to answer for
+                rec = {"case_seed": s, "kind": draws["kind"], "verdict": "skipped", "detail": conflict,
+                       "seconds": 0.0, "draws": draws}
+            else:
+                rec = fuzzer.run(draws, plant)
             records.append(rec)
             if out is not None:
                 print(f"[{i:4d}] case-seed {s:10d} {rec['verdict']:7s} {rec['seconds']:6.1f}s  {summary(draws)}  "
