@@ -653,6 +653,26 @@ def test_forced_world_is_judged_on_the_forced_world(fuzzer: fuzz.Fuzzer) -> None
     assert rec["verdict"] == "skipped" and "conflicts with world=3" in rec["detail"], rec
 
 
+@pytest.mark.timeout(300)
+def test_dkv_wire_draws_are_judged_at_the_wire_bound(fuzzer: fuzz.Fuzzer) -> None:
+    """The attention kind draws ``dkv_wire_dtype="bf16"`` (fz24c; 15% of the attention / dilated draws, drawn last so
+    a case seed's other draws are unchanged): case 869144246 (P=4 ring, zigzag, ALiBi) is exact, out and dq at fp32's
+    tolerance, dk and dv at the wire's ``4 (P - 1) 2**-9``; judged as if the wire were fp32, its dk or dv is WRONG:
+    the bf16 rounding really happened and only dk / dv are let off. Seen failing: attention_task not passing
+    dkv_wire_dtype to seqpar.attention (no rounding: the fp32 judge exact)."""
+    draws = fuzz.draw_case(869144246, ("attention", "dilated"))
+    assert (draws["world"], draws["mode"], draws["dkv_wire_dtype"]) == (4, "ring", "bf16"), fuzz.summary(draws)
+    assert sum(fuzz.draw_case(s, ("attention", "dilated"))["dkv_wire_dtype"] == "bf16" for s in range(200)) >= 15
+    tensors = fuzz._tensors(draws)
+    per_rank = fuzzer.pools.run(4, fuzz.attention_task, draws, tensors, None, timeout=90.0)
+    assert all(r["ok"] for r in per_rank), per_rank
+    ref = fuzz.attention_reference(draws, tensors)
+    verdict, detail = fuzz._judge_attention(draws, ref, per_rank)
+    assert verdict == "exact", detail
+    verdict, detail = fuzz._judge_attention({**draws, "dkv_wire_dtype": "fp32"}, ref, per_rank)
+    assert verdict == "WRONG" and detail.split()[0] in ("dk", "dv"), detail
+
+
 def test_engine_runners_are_found_by_entry_point() -> None:
     """Every drawn engine has an installed runner (integrations/fuzz_engine.py, through setup.cfg's entry-point
     group), and an engine without one is named in a LookupError."""
