@@ -673,6 +673,27 @@ def test_dkv_wire_draws_are_judged_at_the_wire_bound(fuzzer: fuzz.Fuzzer) -> Non
     assert verdict == "WRONG" and detail.split()[0] in ("dk", "dv"), detail
 
 
+@pytest.mark.timeout(300)
+def test_pairs_draws_run_each_pair_on_the_whole_sequence(fuzzer: fuzz.Fuzzer) -> None:
+    """The attention kind draws, at P = 4, an eager call on the pairs ``{0, 1}, {2, 3}`` (``group=``; fz24c, drawn
+    last): case 983214091 forced to it (ring, sinks, two calls before one backward) is exact, each pair against the
+    whole sequence and the sinks' gradient summed over both pairs twice the reference's; each rank holds half the
+    sequence (the pairs really ran apart). Seen failing: the pairs' dsinks not halved (WRONG "dsinks off");
+    attention_task sharding by the global rank (rank 2's rows past the sequence: a crash)."""
+    assert sum(fuzz.draw_case(s, ("attention",))["group"] == "pairs" for s in range(300)) >= 5
+    draws, conflict = fuzz.force(fuzz.draw_case(983214091, ("attention",)), {"world": 4, "group": "pairs"})
+    assert conflict is None and (draws["mode"], draws["sinks"], len(draws["calls"])) == ("ring", True, 2), draws
+    assert fuzz.force(draws, {"world": 2})[0]["group"] is None
+    assert "need world=4" in fuzz.force(draws, {"world": 2, "group": "pairs"})[1]
+    tensors = fuzz._tensors(draws)
+    per_rank = fuzzer.pools.run(4, fuzz.attention_task, draws, tensors, None, timeout=90.0)
+    assert all(r["ok"] for r in per_rank), per_rank
+    ref = fuzz.attention_reference(draws, tensors)
+    verdict, detail = fuzz._judge_attention(draws, ref, per_rank)
+    assert verdict == "exact", detail
+    assert all(r["calls"][0][0].shape[2] == draws["seq"] // 2 for r in per_rank)  # a pair's shards: S / 2 rows
+
+
 def test_engine_runners_are_found_by_entry_point() -> None:
     """Every drawn engine has an installed runner (integrations/fuzz_engine.py, through setup.cfg's entry-point
     group), and an engine without one is named in a LookupError."""

@@ -12,7 +12,8 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   window, sinks, chunked attention, ALiBi, soft-cap, layout bshd, head_chunks, overlap,
   ``check_inputs`` on and off, fp32 or float64, ``dkv_wire_dtype`` ``"bf16"`` now and then (dk and dv judged at
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
-  no dK/dV);
+  no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
+  sequence);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
@@ -147,6 +148,8 @@ def _draw_attention(rng: random.Random) -> dict[str, Any]:
         "dtype": "float64" if rng.random() < 0.2 else "float32",
         # drawn last: a case seed's other draws are those it had before (fz24c)
         "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
+        # at P = 4 now and then the call runs on the pairs {0, 1}, {2, 3} (group=, eager), each pair the whole sequence
+        "group": "pairs" if world == 4 and rng.random() < 0.2 else None,
     }
 
 
@@ -239,6 +242,10 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
     if kind == "dynamic" and "sp" in free and world % out["sp"]:
         out["sp"] = max(d for d in divisors if d <= out["sp"])
     if kind == "attention":
+        if out.get("group") == "pairs" and world != 4:
+            if "group" not in free:
+                return out, conflict("group", f"world={world}: the pairs {{0, 1}}, {{2, 3}} need world=4")
+            out["group"] = None
         if "heads" not in free and "head_chunks" in free and out["head_chunks"] != "auto" and out["heads"][1] % out["head_chunks"]:
             out["head_chunks"] = "auto"
         unit = _shard_unit(out, world)
@@ -505,18 +512,24 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             return {"ok": True, "calls": [[out.detach(), q.grad, k.grad, v.grad]]}
         seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
                                    sharding=draws["sharding"] if draws["declare_sharding"] else None)
+        group, sp_draws, sp_rank = None, draws, rank
+        if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
+            import torch.distributed as dist
+
+            group, _ = dist.new_subgroups(2)
+            sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
         sinks = tensors["sinks"].to(dtype).requires_grad_() if "sinks" in tensors else None
         alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
         leaves, outs, total = [], [], 0.0
         for call, t in zip(draws["calls"], tensors["calls"], strict=True):
-            pos = positions(draws, call["cu"], rank)
+            pos = positions(sp_draws, call["cu"], sp_rank)
             q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
             if draws["layout"] == "bshd":
                 q, k, v = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
             else:
                 q, k, v = (x.requires_grad_() for x in (q, k, v))
             out = seqpar.attention(
-                q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"],
+                q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
                 sharding=draws["sharding"], overlap=draws["overlap"], check_inputs=draws["check_inputs"],
                 head_chunks=draws["head_chunks"], cu_seqlens=None if call["cu"] is None else torch.tensor(call["cu"]),
                 window=draws["window"], sinks=sinks, layout=draws["layout"], chunk_size=draws["chunk_size"],
@@ -549,6 +562,7 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     dtype = getattr(torch, draws["dtype"])
     tol = _TOL[dtype]
     world = draws["world"]
+    sp = 2 if draws.get("group") == "pairs" else world  # each SP group computes the whole sequence
     scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
     # A tensor that is ~0 in exact arithmetic (dq where each query sees one key) carries the rounding of
     # the case's largest products: judge it on the case's scale, not on its own noise.
@@ -556,22 +570,23 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     # dkv_wire_dtype="bf16": the ring's travelling dK/dV accumulators are rounded to bf16 once per hop (at most P - 1
     # hops, unit roundoff 2**-9; docs/configuration.md), so dk and dv are judged at 4 (P - 1) 2**-9 of their scale
     # (elementwise: an accumulator on its way may exceed the finished gradient); out and dq must stay exact
-    wire_tol = max(tol, 4 * (world - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
+    wire_tol = max(tol, 4 * (sp - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
+    sharded = {**(draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"}), "world": sp}
     worst = ("", 0.0)
     for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
         for ti, name in enumerate(("out", "dq", "dk", "dv")):
-            full = torch.zeros_like(ref_call[ti])
-            for r in range(world):
-                full[:, :, positions(draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"},
-                                     call["cu"], r)] = per_rank[r]["calls"][ci][ti].double()
-            t_tol = wire_tol if name in ("dk", "dv") else tol
-            ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
-            label = f"call{ci}.{name}" if len(ref["calls"]) > 1 else name
-            if not ok:
-                return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
-            worst = max(worst, (label, err), key=lambda x: x[1])
-    if "dsinks" in ref:
-        got = sum(p["dsinks"].double() for p in per_rank)
+            for g0 in range(0, world, sp):
+                full = torch.zeros_like(ref_call[ti])
+                for r in range(sp):
+                    full[:, :, positions(sharded, call["cu"], r)] = per_rank[g0 + r]["calls"][ci][ti].double()
+                t_tol = wire_tol if name in ("dk", "dv") else tol
+                ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
+                label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (f"ranks{g0}-{g0 + sp - 1}." if sp < world else "") + name
+                if not ok:
+                    return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
+                worst = max(worst, (label, err), key=lambda x: x[1])
+    if "dsinks" in ref:  # each SP group's ranks sum to the reference's: the pairs' to twice it
+        got = sum(p["dsinks"].double() for p in per_rank) / (world // sp)
         ok, err = close(got, ref["dsinks"], tol, floor)
         if not ok:
             return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
@@ -681,6 +696,8 @@ def summary(draws: dict[str, Any]) -> str:
     parts.append(draws["dtype"])
     if draws.get("dkv_wire_dtype", "fp32") != "fp32":
         parts.append(f"dkv={draws['dkv_wire_dtype']}")
+    if draws.get("group"):
+        parts.append(f"group={draws['group']}")
     return " ".join(parts)
 
 
