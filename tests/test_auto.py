@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,6 +88,20 @@ def test_head_count_rule_and_axes() -> None:
     c = CallShape(1, 6, 2, 4096, 128, 2, True, 8, 4)
     assert allowed_modes(c) == ["ring", "allgather", "hybrid"]
     assert not ulysses_heads_ok(6, 2, 3) and ulysses_heads_ok(6, 1, 3) and ulysses_heads_ok(8, 2, 4)
+
+
+def test_a_given_head_chunks_rules_out_the_modes_it_does_not_divide() -> None:
+    """An int ``head_chunks`` the caller gives must divide the K/V heads a Ulysses / hybrid rank holds, else that
+    mode refuses the call: auto does not pick it (fz24c, fuzz case 74588220). "auto" head_chunks (resolved per mode)
+    rules out nothing. Seen failing without the fix: ulysses and hybrid allowed with head_chunks=4 of 4 K/V heads."""
+    c = CallShape(1, 4, 4, 4096, 128, 2, True, 4, 2, head_chunks=4, head_chunks_given=True)
+    assert allowed_modes(c) == ["ring", "allgather"]  # a Ulysses rank holds 1 K/V head, a hybrid rank 2
+    assert allowed_modes(replace(c, head_chunks=2)) == ["ring", "allgather", "hybrid"]
+    assert allowed_modes(replace(c, head_chunks_given=False)) == ["ring", "allgather", "ulysses", "hybrid"]
+    # uneven Ulysses (6 query / 6 K/V heads over 4 ranks): the largest rank's union of K/V heads, 2
+    c = CallShape(1, 6, 6, 4096, 128, 2, True, 4, 4, head_chunks=2, head_chunks_given=True)
+    assert allowed_modes(c) == ["ring", "allgather", "ulysses"]
+    assert allowed_modes(replace(c, head_chunks=3)) == ["ring", "allgather"]
 
 
 def test_slow_inter_node_link_favours_the_hybrid() -> None:
@@ -202,6 +217,29 @@ def test_auto_is_exact_identical_on_every_rank_and_logged_once(dist_pool, links:
         assert modes == {"hybrid"}
     for r in per_rank:
         assert len(r["logs"]) == 1 and f"mode={next(iter(modes))!r}" in r["logs"][0], r["logs"]
+    got = [unshard_rows([per_rank[r]["results"][j] for r in range(4)], 4, "zigzag") for j in range(4)]
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, True, None)):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")
+
+
+def _auto_with_head_chunks(rank: int, world: int, case: dict, links: dict) -> dict:
+    cfg = seqpar.SeqParConfig(size=world, ulysses_size=2, links=links)
+    seqpar.init_process_groups(config=cfg)
+    q, k, v, dout = (shard_rows(case[n], rank, world, "zigzag").float().requires_grad_() for n in ("q", "k", "v", "dout"))
+    out = seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode="auto", head_chunks=4)
+    out.backward(dout)
+    return {"results": [out.detach(), q.grad, k.grad, v.grad]}
+
+
+def test_auto_with_a_given_head_chunks_runs_a_mode_that_takes_it(dist_pool) -> None:
+    """P = 4, a 2 x 2 grid, 4 K/V heads, ``head_chunks=4``, links that make the hybrid the cheapest: the hybrid's
+    ranks hold 2 K/V heads, which 4 passes do not divide, so auto picks a mode that takes the call; exact against
+    float64 (fz24c: the fuzzer's case 74588220, auto picked Ulysses and refused "head_chunks=2 does not divide the 1
+    K/V heads", a head_chunks the user gave for their 2). Seen failing without the fix: every rank raised "head_chunks=4
+    does not divide the 2 K/V heads"."""
+    case = make_case(79, 4, (4, 4, 16))
+    links = {"intra_gbps": 1e4, "inter_gbps": 1e-3, "node_size": 2, "flops": 1e9}
+    per_rank = dist_pool.run(4, _auto_with_head_chunks, case, links, timeout=240)
     got = [unshard_rows([per_rank[r]["results"][j] for r in range(4)], 4, "zigzag") for j in range(4)]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, reference(case, True, None)):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda s, n=name: f"{n}: {s}")

@@ -423,6 +423,14 @@ FOUND_SET[647716] = FOUND_SET[456854197]
 FOUND[647716] = (("compile",), "exact")
 # - 1485046037 (seed 905, case 0): crash "worker(s) died during start-up (init_process_group)" with another fuzzer run
 #   on the machine; exact alone (a pool start-up flake, not pinned).
+# fz24c: fresh seeds over the core kinds (session 24; the attention kind draws dkv_wire_dtype="bf16" and, at P = 4, the
+# pairs {0, 1}, {2, 3} as group=; --set world=N re-derives what depends on the world, fuzz.force):
+# - 74588220 (seed 945, case 15, run with --set dkv_wire_dtype=bf16; as drawn too: P=4, mode="auto", 4 / 4 heads,
+#   head_chunks=2, batch 2): refused on every rank, "head_chunks=2 does not divide the 1 K/V heads": auto picked
+#   Ulysses, whose ranks hold 1 K/V head, for a head_chunks the caller gave for its 4. Auto now allows only the modes
+#   whose ranks' K/V heads a given head_chunks divides: exact
+#   (tests/test_auto.py::test_auto_with_a_given_head_chunks_runs_a_mode_that_takes_it).
+FOUND[74588220] = (("attention", "dilated"), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in

@@ -102,6 +102,9 @@ class CallShape:
     head_chunks: int = 4
     v_head_dim: int | None = None  # V's head dim where it differs from q/k's (MLA); None: head_dim
     dkv_bytes: int = 4  # a travelling dK/dV value on a ring's wire: fp32, or 2 with dkv_wire_dtype="bf16"
+    # head_chunks is the caller's int, not "auto" (which each mode resolves on the K/V heads its ranks hold): it must
+    # divide the K/V heads a Ulysses / hybrid rank holds too, else that mode refuses the call
+    head_chunks_given: bool = False
 
     @property
     def qkv_dims(self) -> int:
@@ -217,10 +220,19 @@ def mode_costs(c: CallShape, links: Links, allowed: Iterable[str]) -> list[ModeC
 def allowed_modes(c: CallShape, features: Iterable[str] = ()) -> list[str]:
     """The modes that would not fail on this call: head-count rule, the manager's axes, features used."""
     features = frozenset(features)
+
+    def chunks_fit(u: int) -> bool:  # a given head_chunks divides a Ulysses rank's K/V heads (HeadSplit.kv_per_rank)
+        if not c.head_chunks_given:
+            return True
+        even = ulysses_heads_ok(c.q_heads, c.kv_heads, u)
+        held = max(c.kv_heads // u, 1) if even else max(s[3] for s in ulysses_shares(c.q_heads, c.kv_heads, u))
+        return held % c.head_chunks == 0
+
     modes = ["ring", "allgather"]
-    if ulysses_heads_accepted(c.q_heads, c.kv_heads, c.sp_size):  # evenly or not
+    if ulysses_heads_accepted(c.q_heads, c.kv_heads, c.sp_size) and chunks_fit(c.sp_size):  # evenly or not
         modes.append("ulysses")
-    if 1 < c.ulysses_size < c.sp_size and ulysses_heads_accepted(c.q_heads, c.kv_heads, c.ulysses_size):
+    if (1 < c.ulysses_size < c.sp_size and ulysses_heads_accepted(c.q_heads, c.kv_heads, c.ulysses_size)
+            and chunks_fit(c.ulysses_size)):
         modes.append("hybrid")
     return [m for m in modes if features <= MODE_FEATURES[m]]
 
@@ -312,11 +324,12 @@ _LOGGED: set[tuple] = set()
 def choose_mode(
     q: torch.Tensor, k: torch.Tensor, *, world: int, manager: ProcessGroupManager | None, causal: bool,
     group: dist.ProcessGroup | None = None, head_chunks: int = 4, features: Iterable[str] = (),
-    v_head_dim: int | None = None, dkv_wire_dtype: str = "fp32",
+    v_head_dim: int | None = None, dkv_wire_dtype: str = "fp32", head_chunks_given: bool = False,
 ) -> str:
     """The cheapest allowed mode for this call (see the module docstring); logs its reason once.
     ``dkv_wire_dtype`` ("fp32" or "bf16") is what a ring's dK/dV travels in: bf16 makes the ring and the
-    hybrid's ring a sixth to a third cheaper in bytes.
+    hybrid's ring a sixth to a third cheaper in bytes. ``head_chunks_given``: ``head_chunks`` is the caller's int
+    (not ``"auto"``), so a Ulysses or hybrid rank's K/V heads must be a multiple of it for that mode to be allowed.
 
     Links come from ``manager.links`` when set (config), else from :func:`probe_links` on ``group``
     (probed on the first call, then cached)."""
@@ -335,7 +348,7 @@ def choose_mode(
     head_chunks = guard_scalar(head_chunks)
     vd = None if v_head_dim is None or guard_scalar(v_head_dim) == d else guard_scalar(v_head_dim)
     c = CallShape(q.shape[0], hq, hkv, q.shape[2], d, q.element_size(),
-                  bool(causal), world, u, head_chunks, vd, 2 if dkv_wire_dtype == "bf16" else 4)
+                  bool(causal), world, u, head_chunks, vd, 2 if dkv_wire_dtype == "bf16" else 4, bool(head_chunks_given))
     links = getattr(manager, "links", None) if manager is not None else None
     if links is None:
         pg = manager.sp_group if manager is not None else group

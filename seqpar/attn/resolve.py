@@ -134,16 +134,18 @@ def _mask_features(opts: AttentionOptions, sinks: Tensor | None, documents: bool
 def _algorithm(
     mode: str, q: Tensor, k: Tensor, *, world: int, group: dist.ProcessGroup | None,
     manager: ProcessGroupManager | None, opts: AttentionOptions, sinks: Tensor | None,
-    v_head_dim: int | None = None, documents: bool = False,
+    v_head_dim: int | None = None, documents: bool = False, head_chunks_given: bool = False,
 ) -> str:
-    """The algorithm a multi-rank call runs: ``"auto"`` through the cost model; ``"hybrid"`` with
-    ``u = 1`` is the ring and with ``u = P`` Ulysses."""
+    """The algorithm a multi-rank call runs: ``"auto"`` through the cost model (``head_chunks_given``: the caller
+    passed an int ``head_chunks``, which the chosen mode's ranks must be able to divide their K/V heads by);
+    ``"hybrid"`` with ``u = 1`` is the ring and with ``u = P`` Ulysses."""
     if mode == "auto":
         from seqpar.attn.choose import choose_mode  # the cost model is only needed for "auto"
 
         mode = choose_mode(
             q, k, world=world, manager=manager, causal=opts.causal, group=group, head_chunks=opts.head_chunks,
             features=_mask_features(opts, sinks, documents), v_head_dim=v_head_dim, dkv_wire_dtype=opts.dkv_wire_dtype,
+            head_chunks_given=head_chunks_given,
         )
     if mode != "hybrid":
         return mode
@@ -285,7 +287,8 @@ def resolve_attention(
         masked = not opts.mask.dense or documents is not None or sinks is not None or opts.softcap is not None
         return AttentionPlan("single" if masked else "sdpa", opts, layout, documents=documents)
     algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks,
-                           v_head_dim=vb.shape[-1], documents=documents is not None)
+                           v_head_dim=vb.shape[-1], documents=documents is not None,
+                           head_chunks_given=head_chunks != "auto")
     ulysses = None
     if algorithm in ("ulysses", "hybrid"):
         ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,
