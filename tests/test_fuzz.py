@@ -614,9 +614,10 @@ def test_forced_world_rederives_what_depends_on_it() -> None:
     world 1..4 is judgeable -- the harness's shards cover the sequence exactly once, documents end at it, a hybrid
     Ulysses degree divides the world, window and chunk size fit it, the dilated segments that fitted still fit --
     and keeps every draw that does not depend on the world (heads, mode, masks, dtype: the case is narrowed, not
-    redrawn); forced at the drawn world nothing changes; a forced seq the forced world cannot shard is a conflict
+    redrawn); the compile kind's direct calls alike; forced at the drawn world nothing changes; a forced seq the forced world cannot shard is a conflict
     (skipped), never judged. Seen failing: ``force`` as the plain merge ``{**draws, **overrides}`` it replaced (case
-    222708024 at world 3: 12 of 16 positions covered, the WRONG below)."""
+    222708024 at world 3: 12 of 16 positions covered, the WRONG below); the compile branch removed (its calls a
+    conflict)."""
     kept = ("mode", "heads", "causal", "dtype", "batch", "sharding", "layout", "alibi", "sinks", "softcap", "scale",
             "check_inputs", "overlap", "head_layout", "case_seed", "kind")
     for seed in range(150):
@@ -639,6 +640,14 @@ def test_forced_world_rederives_what_depends_on_it() -> None:
                     fitted = d["seq"] % w0 == 0 and (d["world"] == 1 or (d["seq"] // d["world"]) % w0 == 0
                                                      or w0 % (d["seq"] // d["world"]) == 0)
                     assert not fitted or (seq % s0 == 0 and (w == 1 or local % s0 == 0 or s0 % local == 0)), (seed, w)
+    for seed in range(100):  # the compile kind's direct calls: each call's SP size, length, documents, window
+        d = fuzz.draw_case(seed, ("compile",))
+        for w in range(1, 5) if d["sub"] == "attention" else ():
+            f, conflict = fuzz.force(d, {"world": w})
+            assert conflict is None and (f["mode"] != "hybrid" or w % f["ulysses_size"] == 0), (seed, w)
+            for c in f["calls"]:
+                assert w % c["sp"] == 0 and c["seq"] % (2 * c["sp"]) == 0, (seed, w, c)
+                assert (c["cu"] is None or c["cu"][-1] == c["seq"]) and (c["window"] or 0) <= c["seq"], (seed, w, c)
     d = fuzz.draw_case(222708024, ("attention",))
     assert (d["seq"], d["sharding"]) == (16, "zigzag"), fuzz.summary(d)
     assert len(_covered({**d, "world": 3}, None)) == 12  # the gap: the plain merge shards 12 of the 16 tokens
