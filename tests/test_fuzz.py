@@ -614,8 +614,8 @@ def test_forced_world_rederives_what_depends_on_it() -> None:
     world 1..4 is judgeable -- the harness's shards cover the sequence exactly once, documents end at it, a hybrid
     Ulysses degree divides the world, window and chunk size fit it, the dilated segments that fitted still fit --
     and keeps every draw that does not depend on the world (heads, mode, masks, dtype: the case is narrowed, not
-    redrawn); the compile kind's direct calls alike; forced at the drawn world nothing changes; a forced seq the forced world cannot shard is a conflict
-    (skipped), never judged. Seen failing: ``force`` as the plain merge ``{**draws, **overrides}`` it replaced (case
+    redrawn); the compile kind's direct calls alike; forced at the drawn world nothing changes; a forced seq the
+    forced world cannot shard is a conflict (skipped), never judged. Seen failing: ``force`` as the plain merge ``{**draws, **overrides}`` it replaced (case
     222708024 at world 3: 12 of 16 positions covered, the WRONG below); the compile branch removed (its calls a
     conflict)."""
     kept = ("mode", "heads", "causal", "dtype", "batch", "sharding", "layout", "alibi", "sinks", "softcap", "scale",
