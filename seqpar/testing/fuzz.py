@@ -51,6 +51,7 @@ world size. Exit status: 1 when any case is WRONG, crash or breaks.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -219,8 +220,7 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
     and ``trainer`` kinds' draws are forced as given."""
     if not overrides:
         return draws, None
-    out = json.loads(json.dumps(draws))  # a deep copy (draws are JSON-able)
-    out.update(json.loads(json.dumps(overrides)))
+    out = {**copy.deepcopy(draws), **copy.deepcopy(overrides)}  # tuples stay tuples (a JSON round trip would not)
     rng = random.Random(f"{draws['case_seed']}:forced")
     kind, world = out["kind"], out.get("world")
     free = [k for k in out if k not in overrides]  # the keys a forced key may re-derive
