@@ -159,7 +159,10 @@ def test_tiled_mlp_keeps_one_chunk_of_intermediates() -> None:
     untiled, tiled = peak(mlp), peak(lambda x: tiled_mlp(mlp.forward, x, 8, params))
     # untiled saves gate, up, act(gate) and their product: 4 x (512 x 1024) fp32 = 8 MiB
     assert untiled > 8 * 2**20
-    assert tiled < 0.4 * untiled, (tiled, untiled)
+    # measured (tensor bytes, deterministic): 8 chunks 0.168 of untiled, 4 chunks 0.291, 2 chunks 0.531.
+    # Seen failing: half the chunks asked for (``chunks // 2`` in tiled_mlp: 0.291, which the old bound 0.4 let
+    # through: twice one chunk's intermediates)
+    assert tiled < 0.2 * untiled, (tiled, untiled)
 
 
 def test_config_keys_fail_at_load_with_their_name() -> None:
