@@ -142,7 +142,7 @@ def test_memory_suite_estimator_on_uneven_ulysses_heads(tmp_path: Path, dist_poo
 @pytest.mark.parametrize("heads,head_chunks", [(7, "auto"), (8, 1)], ids=["uneven_7_7", "even_8_8_hc1"])
 def test_memory_estimator_hybrid_2x2_tight(dist_pool, heads: int, head_chunks) -> None:  # noqa: ANN001
     """The hybrid (u = 2, a ring of 2 super-ranks) at P = 4, fp32, head_dim 16, S = 256, non-causal: the estimator
-    within -3% .. +10% of the measured peak of the largest rank (MemTracker), with uneven heads (7 / 7: shares
+    within -2% .. +10% of the measured peak of the largest rank (MemTracker), with uneven heads (7 / 7: shares
     4 + 3, one head pass) and even ones at ``head_chunks=1`` (8 / 8). Measured (2-core VM under load): 632832
     and 722944 bytes; the estimate was +30% and +18% when the inner ring's transients were added to the larger
     of the all-to-all moments (and, uneven, to dq/dk/dv made only after the inner backward); now +6.1% and +9.3%.
@@ -155,7 +155,30 @@ def test_memory_estimator_hybrid_2x2_tight(dist_pool, heads: int, head_chunks) -
     peak = max(dist_pool.pools.run(4, measure_peak, "hybrid", 256, False, shape, 0))
     est = estimate_attention_memory(256, world_size=4, mode="hybrid", batch=1, q_heads=heads, kv_heads=heads,
                                     head_dim=16, causal=False, head_chunks=head_chunks, ulysses_size=2)
-    assert -0.03 <= est / peak - 1 <= 0.10, (heads, head_chunks, peak, est, est / peak - 1)
+    assert -0.02 <= est / peak - 1 <= 0.10, (heads, head_chunks, peak, est, est / peak - 1)
+
+
+@pytest.mark.parametrize("world,heads,head_chunks", [(4, 8, 1), (2, 8, 1), (4, 8, "auto"), (4, 7, "auto")],
+                         ids=["P4_8_8_hc1", "P2_8_8_hc1", "P4_8_8_auto", "P4_7_7_uneven"])
+def test_memory_estimator_ulysses_tight(dist_pool, world: int, heads: int, head_chunks) -> None:  # noqa: ANN001
+    """Plain Ulysses (u = P), fp32, head_dim 16, S = 256, non-causal: the estimator within -2% .. +10% of the
+    largest rank's measured peak (MemTracker), even heads in one head pass at P = 4 and 2, even heads in
+    "auto" chunks, and uneven 7 / 7 (shares 2 2 2 1, one pass). An estimate users size jobs by must not be under.
+    Measured (2-core VM under load), bytes, estimate before -> after: P4_8_8_hc1 690176, 659456 (-4.5%) ->
+    692224 (+0.3%); P2_8_8_hc1 1380352, 1318912 (-4.5%) -> 1384448 (+0.3%); P4_8_8_auto 641024, 626688 (-2.2%)
+    -> 643072 (+0.3%); P4_7_7_uneven 575488, 626432 (+8.9%, unchanged). The even path's peak is the start of
+    the grads' return all-to-all (``start_heads_back``): the kernel's dq/dk/dv, their packed send buffer and
+    the receive buffer, three chunk-grads at once.
+    Seen failing: the send moment left out (``max(at_kernel, at_place, at_send)`` -> ``max(at_kernel,
+    at_place)`` in ``_ulysses_peak``, the estimate before): P4_8_8_hc1, P2_8_8_hc1 and P4_8_8_auto failed."""
+    from seqpar.bench.attention import BenchShape
+    from seqpar.bench.memory import measure_peak
+
+    shape = BenchShape(batch=1, q_heads=heads, kv_heads=heads, head_dim=16, dtype="float32", head_chunks=head_chunks)
+    peak = max(dist_pool.pools.run(world, measure_peak, "seqpar_ulysses", 256, False, shape, 0))
+    est = estimate_attention_memory(256, world_size=world, mode="ulysses", batch=1, q_heads=heads, kv_heads=heads,
+                                    head_dim=16, causal=False, head_chunks=head_chunks)
+    assert -0.02 <= est / peak - 1 <= 0.10, (world, heads, head_chunks, peak, est, est / peak - 1)
 
 
 def test_comm_suite_matches_theory(tmp_path: Path, dist_pool, capsys) -> None:  # noqa: ANN001

@@ -48,7 +48,11 @@ def test_shipped_dilated_configs_load() -> None:
 
 
 def test_swap_options_route_dilated_pattern() -> None:
-    """SwapOptions.attention with a dilated pattern is seqpar.dilated_attention (one process)."""
+    """SwapOptions.attention with a dilated pattern is seqpar.dilated_attention (one process), with the layer's
+    softmax scale passed on (a model's own scale, e.g. YaRN's, as well as the default).
+
+    Seen failing: the scale doubled on its way to dilated_attention (``scale=2 * scale`` in SwapOptions.attention),
+    which this test let through while it called with ``scale=None`` only; ``causal`` inverted."""
     case = make_case(5, 1, (4, 2, 16))
     q, k, v = (case[n].float() for n in "qkv")
     cfg = SeqParConfig.from_dict({"pattern": {"type": "dilated", "segment_lengths": [4, 12],
@@ -56,6 +60,12 @@ def test_swap_options_route_dilated_pattern() -> None:
     got = SwapOptions.from_config(cfg, None).attention(q, k, v, causal=True, scale=None)
     want = seqpar.dilated_attention(q, k, v, segment_lengths=[4, 12], dilation_rates=[1, 2], causal=True)
     torch.testing.assert_close(got, want)
+    got = SwapOptions.from_config(cfg, None).attention(q, k, v, causal=True, scale=0.3)
+    want = seqpar.dilated_attention(q, k, v, segment_lengths=[4, 12], dilation_rates=[1, 2], causal=True, scale=0.3)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, seqpar.dilated_attention(q, k, v, segment_lengths=[4, 12], dilation_rates=[1, 2],
+                                                            causal=True)), "scale=0.3 must differ from the default"
+    got = SwapOptions.from_config(cfg, None).attention(q, k, v, causal=True, scale=None)
     dense = seqpar.attention(q, k, v, causal=True)
     assert not torch.allclose(got, dense), "the dilated pattern must differ from dense attention"
 

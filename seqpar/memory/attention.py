@@ -42,7 +42,10 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   kv_heads when K/V heads are replicated), the gradients (Q + 2 K; fp32 dK/dV when replicated), and per
   head chunk (G = head chunks of each rank's K/V heads) at a kernel: the head-layout dout, the kernel's
   outputs and their ~2 Q workspace, the previous chunk's packed dq/dk/dv all-to-all in flight (send +
-  receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1. The
+  receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1; or, often
+  larger (the even path's peak at G = 1), the start of a chunk's return all-to-all: its kernel outputs,
+  their packed send buffer and the receive buffer (3 (Q + 2 Kh) / G), beside the previous chunk's pair in
+  flight (G > 1) and the next chunk's dout all-to-all (G > 2). The
   hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
   for one chunk (its travelling dK/dV in the wire dtype, ``Kw``) at the kernel moment only: they are dead
   while a chunk's gradients are placed, and with one head pass the forward's all-to-alls are done before its
@@ -314,6 +317,12 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
     # placing a chunk's received grads: send + receive, and the K/V grads reordered for index_add
     at_place = (2 * grads_h + 2 * Kh + (2 * Qh if G > 1 else 0)) / G
+    # sending a chunk's grads back (start_heads_back): the kernel's outputs are still referenced while their
+    # packed send buffer and the all-to-all's receive buffer are made (3 grads_h), beside the previous chunk's
+    # pair still in flight (G > 1; it is placed after this start) and, but at the last chunk, the next chunk's
+    # dout all-to-all (G > 2: a middle chunk has both). The even path's peak at head_chunks=1 (was left out:
+    # 8 / 8 heads, P = 4, -4.5% under the measured peak)
+    at_send = (3 * grads_h + (2 * grads_h if G > 1 else 0) + (2 * Qh if G > 2 else 0)) / G
     if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
         at_kernel = max(at_kernel, Qh + 2 * grads_h)
     inner = 0.0
@@ -327,7 +336,7 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     # (_uneven_backward) makes dq, dk, dv only after the inner backward, so they are not live at the kernel.
     # (Adding inner to max(at_kernel, at_place) over-counted the hybrid: +18% even at head_chunks=1, +30% uneven.)
     at_kernel = at_kernel + inner
-    bwd = grads + at_place if uneven else grads + max(at_kernel, at_place)
+    bwd = grads + at_place if uneven else grads + max(at_kernel, at_place, at_send)
     if uneven:
         bwd = max(bwd, at_kernel)
     # forward: q, k, v, out + saved + the all-to-alls in flight; with one head pass those are done before the
