@@ -129,11 +129,14 @@ def _with_ce(model):  # noqa: ANN001, ANN202
 
 
 def assert_grads(model, ref_grads: dict, world: int, where: str) -> None:
-    scale = max(g.abs().max().item() for g in ref_grads.values())
+    """Every parameter's gradient, summed over the ranks, equals the one-process fp32 reference's, each at its own
+    scale. The model-wide scale it used gave the smallest gradients a loose bound: gpt_oss's ``k_proj.bias`` (5.8e-4
+    of the model's largest, measured) was allowed 1.7% of its own scale, now 1e-5 (tolerance audit, session 24)."""
     for name, p in model.named_parameters():
         grad = p.grad.detach().clone()
         if world > 1:
             dist.all_reduce(grad)  # each rank holds its share of the full-sequence gradient
+        scale = ref_grads[name].abs().max().item()
         torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-5 * scale,
                                    msg=lambda m, name=name: f"{where}: grad of {name}: {m}")
 
