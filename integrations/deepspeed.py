@@ -732,7 +732,9 @@ def _refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, i
     logits from ``lm_head.weight`` itself, which AutoTP replaced by this TP rank's slice of the vocabulary (a
     plain tensor, unlike FSDP2's TP, whose DTensor weight the tiled loss reduces vocab-parallel): each rank's
     loss would be over its own slice, silently wrong (fuzzer case 756378705: the loss 13% off). A head AutoTP
-    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises."""
+    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises. With
+    ``vocab_parallel_lm_head: true`` under SP the untiled loss is vocab-parallel (:func:`_seqpar_loss_on_split_head`);
+    the tiled one is still refused there (it would need the head's slice and TP group in the tiled forward)."""
     after = _lm_head_rows(model)
     for name, rows in before.items():
         if after.get(name, rows) != rows:
