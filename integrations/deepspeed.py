@@ -40,9 +40,10 @@ sum over ``dp x sp`` ranks by ``dp x sp / 1`` instead of ``dp`` (and ZeRO-3 alwa
 that the first batch is identical across each TP group: every TP rank of one SP rank gets the same
 sequence shard (the SP groups are cut from the cube's TP-rank slices). Under AutoTP DeepSpeed's own
 loader would sample over ``dp x sp`` ranks, so the loader is built here over the DP axis. With SP > 1 the
-LM head stays whole (``tensor_parallel.vocab_parallel_lm_head`` set false unless given; true is refused): DeepSpeed's
-vocabulary-parallel head brings a loss of its own that would override seqpar's (see
-:func:`_refuse_vocab_parallel_head_under_sp`).
+LM head stays whole by default (``tensor_parallel.vocab_parallel_lm_head`` set false unless given); with ``true``
+DeepSpeed splits it over the vocabulary and seqpar's loss replaces DeepSpeed's ``VocabParallelCausalLMLoss`` (which
+knows no SP group): vocab-parallel over the TP group, token-weighted over SP x DP (see
+:func:`_seqpar_loss_on_split_head`).
 
 Checkpoints: ``engine.save_checkpoint`` resumes at the same layout. To resume at another TP / SP / DP
 layout (e.g. saved at TP2 x SP2, resumed at SP2, and back), convert with :func:`to_universal` and load
@@ -231,7 +232,7 @@ def initialize(
     ds_config.pop(BLOCK_KEY, None)  # DeepSpeed ignores unknown top-level keys; drop ours anyway
     if sp_config.tp_size > 1:  # one TP degree: AutoTP's is seqpar's
         ds_config.setdefault("tensor_parallel", {})["autotp_size"] = sp_config.tp_size
-        if sp_config.size > 1:  # seqpar's loss needs whole logits: see _refuse_vocab_parallel_head_under_sp
+        if sp_config.size > 1:  # DeepSpeed's default (on for tied heads): see _seqpar_loss_on_split_head
             ds_config["tensor_parallel"].setdefault("vocab_parallel_lm_head", False)
     deepspeed = _import_deepspeed()
 
@@ -267,6 +268,7 @@ def initialize(
     )
     _check_engine_groups(engine, manager)
     _refuse_tiled_loss_on_split_head(model, head_rows)
+    _seqpar_loss_on_split_head(model, manager)
     _refuse_split_sparse_gate(model, sparse_rows)
     _compensate_gradient_average(engine, manager)
     if tp_loader:
@@ -448,7 +450,6 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "parallelism; pipeline parallelism is not supported)"
         )
     check_autotp(ds_config, sp_config)
-    _refuse_vocab_parallel_head_under_sp(ds_config, sp_config)
     if sp_config.tp_sequence_parallel:
         raise ConfigError(
             "sequence_parallel.tp_sequence_parallel splits activations over TP with the model's tp plan under "
@@ -473,32 +474,6 @@ def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu
             "ZeRO-3 with \"reduce_scatter\": false mixes two gradient averages in DeepSpeed 0.19 "
             "(over dp for buckets that fit, over dp x sp otherwise), so sequence-parallel gradients "
             "would be scaled inconsistently; remove \"reduce_scatter\": false (the default is true)"
-        )
-
-
-def _refuse_vocab_parallel_head_under_sp(ds_config: Mapping[str, Any], sp_config: SeqParConfig) -> None:
-    """Refuse DeepSpeed's vocabulary-parallel LM head (``tensor_parallel.vocab_parallel_lm_head: true``) under
-    AutoTP with SP > 1.
-
-    With it DeepSpeed 0.19.8 splits the LM head (and its tied embedding) over the vocabulary and replaces the
-    model's ``loss_function`` by its own ``VocabParallelCausalLMLoss``, built with ``sp_group=None``: the mean over
-    this rank's sequence shard only, overriding seqpar's sequence-parallel loss (:mod:`seqpar.swap.hf_loss`), so
-    every SP rank's loss and its gradient share were silently wrong. DeepSpeed turns it on by itself
-    (``vocab_parallel_lm_head`` left out, its default ``None``) for every model with tied input / output
-    embeddings whose transformers tp plan has ``embedding_rowwise`` (transformers adds it to every tied model):
-    fuzzer case 222158336, tiny starcoder2 under AutoTP 2 x SP 2, the loss 6.9e-4 off (3.7e-2 on plain rows);
-    exact at SP 1, where a shard's mean is the sequence's. :func:`initialize` therefore sets the key to ``false``
-    when SP > 1 and the config leaves it out (the head stays whole, its logits gathered, seqpar's loss exact);
-    an explicit ``true`` is refused here, on every rank alike (the config is the same everywhere)."""
-    tp_block = ds_config.get("tensor_parallel")
-    if sp_config.size > 1 and sp_config.tp_size > 1 and isinstance(tp_block, Mapping) and (
-            tp_block.get("vocab_parallel_lm_head") is True):
-        raise ConfigError(
-            "tensor_parallel.vocab_parallel_lm_head = true makes DeepSpeed AutoTP split the LM head over the "
-            "vocabulary and replace the model's loss_function by its VocabParallelCausalLMLoss, which averages over "
-            "this rank's sequence shard only and would override seqpar's sequence-parallel loss (a silently wrong "
-            f"loss and gradient at sequence_parallel.size = {sp_config.size}). Remove vocab_parallel_lm_head (seqpar "
-            "sets it false under SP) or set it false, or run sequence_parallel.size 1"
         )
 
 
@@ -757,7 +732,9 @@ def _refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, i
     logits from ``lm_head.weight`` itself, which AutoTP replaced by this TP rank's slice of the vocabulary (a
     plain tensor, unlike FSDP2's TP, whose DTensor weight the tiled loss reduces vocab-parallel): each rank's
     loss would be over its own slice, silently wrong (fuzzer case 756378705: the loss 13% off). A head AutoTP
-    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises."""
+    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises. With
+    ``vocab_parallel_lm_head: true`` under SP the untiled loss is vocab-parallel (:func:`_seqpar_loss_on_split_head`);
+    the tiled one is still refused there (it would need the head's slice and TP group in the tiled forward)."""
     after = _lm_head_rows(model)
     for name, rows in before.items():
         if after.get(name, rows) != rows:
@@ -769,6 +746,69 @@ def _refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, i
                 "(or tp_size 1), or use FSDP2's tensor parallelism (seqpar.integrations.fsdp.wrap), whose tiled loss "
                 "is vocab-parallel"
             )
+
+
+class _SplitHeadLoss:
+    """The ``loss_function`` of a model whose LM head DeepSpeed AutoTP split over the vocabulary, under SP > 1:
+    seqpar's loss (``loss``, the swap's :class:`~seqpar.swap.hf_loss.SequenceParallelLMLoss`) on this TP rank's
+    logits ``(batch, seq_local, vocab_local)``, passed as a :class:`~seqpar.sequence.vocab_parallel.VocabSlicedLogits`
+    (columns ``[vocab_start, vocab_start + vocab_local)`` of ``vocab_size``, split over ``group``)."""
+
+    def __init__(self, loss: Any, group: Any, vocab_start: int, vocab_size: int) -> None:
+        self.loss, self.group, self.vocab_start, self.vocab_size = loss, group, vocab_start, vocab_size
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor | None = None, vocab_size: int | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        from seqpar.sequence.vocab_parallel import VocabSlicedLogits
+
+        sliced = VocabSlicedLogits(logits, self.group, self.vocab_start, self.vocab_size)
+        return self.loss(sliced, labels, vocab_size=vocab_size, **kwargs)
+
+
+def _seqpar_loss_on_split_head(model: torch.nn.Module, manager: Any) -> None:
+    """Under AutoTP x SP > 1, make the loss of a head DeepSpeed split over the vocabulary seqpar's, exact.
+
+    With ``tensor_parallel.vocab_parallel_lm_head`` (``true``, or DeepSpeed's default ``None`` for a tied head whose
+    transformers tp plan has ``embedding_rowwise``, which :func:`initialize` turns to ``false`` under SP) DeepSpeed
+    0.19.8 replaces the head by a ``VocabParallelLinear`` whose output is this TP rank's slice of the logits
+    (``(batch, seq_local, vocab_local)``, no gather; the head's input gradient is all-reduced over TP by its
+    column-parallel backward) and the model's ``loss_function`` by its ``VocabParallelCausalLMLoss`` built with
+    ``sp_group=None``, the mean over this rank's sequence shard only (fuzzer case 222158336: each SP rank's loss its
+    own shard's mean, silently wrong). Here ``loss_function`` becomes seqpar's loss again (DeepSpeed kept it as
+    ``_deepspeed_original_loss_function``), given the slice with its place in the vocabulary
+    (:class:`_SplitHeadLoss`): the cross-entropy is vocab-parallel over the TP group, the mean token-weighted over
+    the SP group, so no rank holds ``(seq_local, vocab)`` logits. Nothing changes at SP 1 (DeepSpeed's loss is then
+    exact) or with the head whole.
+
+    Raises:
+        ConfigError: (on every rank alike: the model and config are) the model's loss was not seqpar's token loss
+            before DeepSpeed replaced it (``swap=False``, or a loss that is not a mean over tokens).
+    """
+    if manager.sp_size == 1 or manager.tp_size == 1:
+        return
+    try:
+        from deepspeed.module_inject.layers import VocabParallelLinear
+    except ImportError:  # a DeepSpeed without a vocabulary-parallel head
+        return
+    heads = [(name, m) for name, m in model.named_modules() if isinstance(m, VocabParallelLinear)]
+    if not heads:
+        return
+    from seqpar.swap.hf_loss import TOKEN_LOSSES, SequenceParallelLMLoss
+
+    name, head = heads[0]  # DeepSpeed refuses more than one
+    original = getattr(model, "_deepspeed_original_loss_function", None)
+    if not isinstance(original, SequenceParallelLMLoss) or original.loss_type not in TOKEN_LOSSES:
+        raise ConfigError(
+            f"DeepSpeed AutoTP split the LM head '{name}' over the vocabulary (tensor_parallel.vocab_parallel_lm_head) "
+            f"and replaced the model's loss_function by its VocabParallelCausalLMLoss, which averages over this rank's "
+            f"sequence shard only; seqpar puts its own sequence-parallel loss back, but the model's loss before was "
+            f"{type(original).__name__}, not seqpar's token loss (initialize(swap=False), or a loss that is no mean "
+            "over tokens). Set tensor_parallel.vocab_parallel_lm_head false, or let initialize swap the model"
+        )
+    model.loss_function = _SplitHeadLoss(original, head.mp_group, int(head.vocab_start_index), int(head.vocab_size))
+    logger.info("%s seqpar: DeepSpeed AutoTP split %s over the vocabulary (columns %d-%d of %d here): the loss is "
+                "seqpar's, vocab-parallel over TP", rank_prefix(), name or "lm_head", head.vocab_start_index,
+                head.vocab_end_index, head.vocab_size)
 
 
 def _sparse_gate_rows(model: torch.nn.Module) -> dict[str, int]:

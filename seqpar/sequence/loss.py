@@ -95,7 +95,8 @@ def sequence_parallel_mean(
 def _token_losses(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
     # logits (B, S_local, V), targets (B, S_local) -> per-token loss (B, S_local) in fp32 (or fp64),
     # 0 where ignored. Upcast as transformers' ForCausalLMLoss does: bf16 logits lose the tail.
-    # Logits split over TP on the vocabulary (a DTensor Shard(-1), the column-parallel head's output):
+    # Logits split over TP on the vocabulary (a DTensor Shard(-1), the column-parallel head's output, or a
+    # VocabSlicedLogits, DeepSpeed AutoTP's split head):
     # the vocab-parallel cross-entropy, so no rank gathers (S_local, V).
     if (sharded := vocab_sharded_logits(logits)) is not None:
         local, tp_group, vocab_start = sharded
@@ -133,8 +134,9 @@ def sequence_parallel_loss(
     Args:
         logits_local: ``(batch, seq_local, vocab)``, this rank's shard; under tensor parallelism also a
             DTensor sharded on the vocabulary over the TP mesh (``Shard(-1)``: the column-parallel LM
-            head's output), whose cross-entropy is then vocab-parallel
-            (:mod:`seqpar.sequence.vocab_parallel`): the full vocabulary never exists on a rank.
+            head's output), or a :class:`~seqpar.sequence.vocab_parallel.VocabSlicedLogits` (a plain tensor of
+            this TP rank's vocabulary columns, e.g. DeepSpeed AutoTP's split head), whose cross-entropy is then
+            vocab-parallel (:mod:`seqpar.sequence.vocab_parallel`): the full vocabulary never exists on a rank.
         labels_local: ``(batch, seq_local)`` targets aligned with the logits, i.e. labels shifted
             for causal LM **before** sharding: the ``shift_labels`` of :func:`seqpar.sequence.batch.shard_batch`.
             For labels sharded unshifted, use :func:`sequence_parallel_causal_lm_loss`.

@@ -30,6 +30,7 @@ ones shorter), the layout of a DTensor sharded on the vocabulary dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "vocab_slice",
     "vocab_parallel_token_losses",
     "vocab_sharded_logits",
+    "VocabSlicedLogits",
     "enter_tp_region",
     "lse_and_picked",
     "upcast",
@@ -145,11 +147,40 @@ def vocab_parallel_token_losses(
                                             ignore_index)
 
 
+@dataclass(frozen=True)
+class VocabSlicedLogits:
+    """Logits split on the vocabulary held as a plain tensor, with where this rank's columns sit: the output of a
+    head that splits the vocabulary without DTensor (DeepSpeed AutoTP's ``VocabParallelLinear``, whose slices
+    need not follow torch's ``Shard`` layout: its ``tp_grain_size`` rounding gives 25152 + 25105 columns for a
+    vocabulary of 50257 where ``torch.chunk`` gives 25129 + 25128). seqpar's losses take it where they take logits
+    (:func:`vocab_sharded_logits`), and compute the vocab-parallel cross-entropy over ``group``.
+
+    Attributes:
+        local: ``(..., vocab_local)``, the columns ``[vocab_start, vocab_start + vocab_local)`` of the logits.
+        group: the TP group that splits the vocabulary (every rank of it holds the same rows).
+        vocab_start: the global id of ``local``'s first column.
+        vocab_size: the whole vocabulary.
+    """
+
+    local: Tensor
+    group: dist.ProcessGroup
+    vocab_start: int
+    vocab_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        """The whole logits' shape, ``(..., vocab_size)``."""
+        return torch.Size((*self.local.shape[:-1], self.vocab_size))
+
+
 def vocab_sharded_logits(logits: Any) -> tuple[Tensor, dist.ProcessGroup, int] | None:
     """For a DTensor sharded on its last dim over a 1-D mesh (a column-parallel LM head's output kept
-    as a DTensor): ``(local logits, the mesh's group, the slice's first global id)``; else ``None``."""
+    as a DTensor), or a :class:`VocabSlicedLogits`: ``(local logits, the TP group, the slice's first global id)``;
+    else ``None``."""
     from torch.distributed.tensor import DTensor, Shard
 
+    if isinstance(logits, VocabSlicedLogits):
+        return logits.local, logits.group, logits.vocab_start
     if not isinstance(logits, DTensor):
         return None
     placements = logits.placements
