@@ -375,9 +375,10 @@ FOUND[1410858051] = (("trainer",), "exact")
 #   silently: the loss 6.9e-4 off (3.7e-2 on plain rows). DeepSpeed 0.19.8 turns on its vocabulary-parallel LM head
 #   by itself for a tied model whose transformers tp plan has embedding_rowwise, and replaces loss_function by its
 #   VocabParallelCausalLMLoss without an SP group (each SP rank's shard mean), overriding seqpar's loss. Exact now:
-#   seqpar.integrations.deepspeed sets tensor_parallel.vocab_parallel_lm_head false under SP and refuses an explicit
-#   true (tests/test_deepspeed_tp.py::test_tied_head_under_autotp2_sp2_matches_one_process,
-#   test_vocab_parallel_head_under_sp_is_refused); seen WRONG with the default removed.
+#   seqpar.integrations.deepspeed sets tensor_parallel.vocab_parallel_lm_head false under SP by default
+#   (tests/test_deepspeed_tp.py::test_tied_head_under_autotp2_sp2_matches_one_process); seen WRONG with the default
+#   removed. Since session 24 (vp24) an explicit true is exact too: seqpar's loss, vocab-parallel over TP, replaces
+#   DeepSpeed's (test_vocab_split_head_under_autotp2_sp2_matches_one_process).
 FOUND_SET[222158336] = {"model_type": "starcoder2", "world": 4, "mode": "ulysses", "ulysses_size": 1,
                         "sharding": "contiguous", "batch": "packed", "lengths": [[4, 9, 5, 1, 5, 1], [6, 13, 7]],
                         "checkpointing": "reentrant", "step": "one", "check_inputs": False, "engine": "autotp",
