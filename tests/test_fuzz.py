@@ -1471,3 +1471,78 @@ def test_trainer_kind_drops_the_router_loss_with_lora_under_zero3() -> None:
             assert router_loss(d), fuzz.summary(d)
             kept += 1
     assert dropped and kept, (dropped, kept)
+
+
+# LoRA's variants (fz24b): rsLoRA, bias, LoRA on the embeddings, DoRA, a PeftModel handed to TRL's trainers
+# --------------------------------------------------------------------------------------------------
+
+# sha256 of the trainer kind's draws of case_seeds(24, 200) (json, sorted keys) as drawn before the LoRA variants,
+# the variants' keys left out: the variants are drawn from a stream of their own, so every older draw is kept
+TRAINER_DRAWS_BEFORE_FZ24B = "7a4bc9d0f4eb362671a24030543b0b7848c906b88500367524091900d7b04105"
+
+
+def test_trainer_kind_draws_lora_variants() -> None:
+    """The LoRA variants are drawn in every case's adapter config: rsLoRA on and off, ``bias`` none / lora_only /
+    all, LoRA on ``embed_tokens`` (never with ``modules_to_save`` of it), DoRA, and a ``PeftModel`` handed to SFT,
+    DPO and GRPO (``premade``) on every engine, FSDP2 included; a LoRA case's summary names them; every older draw
+    is as it was (the digest of 200 cases' draws without the variants' keys, computed with main's code before
+    them). Seen failing: the variants' generator seeded before the LoRA draw's (the digest), and ``embed`` kept with
+    ``modules_to_save=["embed_tokens"]`` (the exclusion assertion)."""
+    import hashlib
+    import json
+
+    from seqpar.testing import fuzz_trainers as ft
+
+    draws = [fuzz.draw_case(s, ("trainer",)) for s in fuzz.case_seeds(24, 200)]
+    older = json.loads(json.dumps(draws))
+    for d in older:
+        assert set(ft.LORA_VARIANTS_OFF) <= set(d["lora"])
+        for key in ft.LORA_VARIANTS_OFF:
+            del d["lora"][key]
+    assert hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest() == TRAINER_DRAWS_BEFORE_FZ24B
+    configs = [d["lora"] for d in draws]
+    assert {c["rslora"] for c in configs} == {c["embed"] for c in configs} == {c["dora"] for c in configs} \
+        == {True, False}
+    assert {c["bias"] for c in configs} == {"none", "lora_only", "all"}
+    assert not any(c["embed"] and c["modules_to_save"] == ["embed_tokens"] for c in configs)
+    premade = {(d["trainer"], d["engine"]) for d in draws if d["lora"]["premade"] and d["trainer"] in ft.TRL_TRAINERS}
+    assert {t for t, _ in premade} == ft.TRL_TRAINERS and ("dpo", "fsdp2") in premade, sorted(premade)
+    for d in draws:
+        lo, summary = d["lora"], fuzz.summary({**d, "peft": True})
+        assert (" +embed" in summary) == lo["embed"] and (" dora" in summary) == lo["dora"], summary
+        assert (" rslora" in summary) == lo["rslora"] and (" bias=" in summary) == (lo["bias"] != "none"), summary
+        assert (" premade" in summary) == (lo["premade"] and d["trainer"] in ft.TRL_TRAINERS), summary
+
+
+def test_trainer_judge_reads_lora_biases() -> None:
+    """Under ``bias="all"`` every bias is a trainable parameter of its own, under ``"lora_only"`` the adapted
+    layers' (``base_layer.bias``) only, under ``"none"`` none: a bias trainable on both sides beyond that is WRONG
+    ("base parameters trainable"), and a trainable bias judged like an adapter (its update on its own scale).
+    Made-up snapshots, no training. Seen failing: with the judge's bias allowance applied whatever ``bias`` says
+    (the ``"none"`` case judged exact)."""
+    from seqpar.testing.fuzz_trainers import judge_trainer
+
+    adapter = "model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    lora_bias = "model.layers.0.self_attn.q_proj.base_layer.bias"
+    other_bias = "model.layers.0.self_attn.k_proj.bias"
+    names = (adapter, lora_bias, other_bias)
+    before = {n: torch.zeros(3, dtype=torch.float64) for n in names}
+    after = {n: torch.full((3,), -0.1, dtype=torch.float64) for n in names}
+
+    def run(trainable: tuple, moved: dict | None = None) -> dict:
+        return {"logs": [{"loss": 1.0}], "evals": [], "before": before, "after": {**after, **(moved or {})},
+                "trainable": list(trainable)}
+
+    def draws(bias: str) -> dict:
+        return {"trainer": "trainer", "steps": 1, "max_grad_norm": 0.0, "peft": True, "lora": {"bias": bias}}
+
+    assert judge_trainer(draws("all"), run(names), [run(names)])[0] == "exact"
+    verdict, detail = judge_trainer(draws("all"), run(names), [run(names, {other_bias: after[other_bias] * 0.5})])
+    assert verdict == "WRONG" and f"update of {other_bias}" in detail, detail
+    assert judge_trainer(draws("lora_only"), run(names[:2]), [run(names[:2], {other_bias: before[other_bias]})])[0] \
+        == "WRONG"  # k_proj's bias moved while frozen (not adapted: lora_only leaves it)
+    only = {other_bias: before[other_bias]}
+    assert judge_trainer(draws("lora_only"), run(names[:2], only), [run(names[:2], only)])[0] == "exact"
+    for bias, trainable in (("lora_only", names), ("none", names[:2])):
+        verdict, detail = judge_trainer(draws(bias), run(trainable), [run(trainable)])
+        assert verdict == "WRONG" and "base parameters trainable" in detail, (bias, detail)
