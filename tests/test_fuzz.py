@@ -1505,6 +1505,8 @@ def test_trainer_kind_draws_lora_variants() -> None:
         == {True, False}
     assert {c["bias"] for c in configs} == {"none", "lora_only", "all"}
     assert not any(c["embed"] and c["modules_to_save"] == ["embed_tokens"] for c in configs)
+    # peft's own: one adapter with bias per model, and TRL adds a "ref" adapter to a premade PeftModel there
+    assert all(d["lora"]["bias"] == "none" for d in draws if d["lora"]["premade"] and ft.ref_adapter(d))
     premade = {(d["trainer"], d["engine"]) for d in draws if d["lora"]["premade"] and d["trainer"] in ft.TRL_TRAINERS}
     assert {t for t, _ in premade} == ft.TRL_TRAINERS and ("dpo", "fsdp2") in premade, sorted(premade)
     for d in draws:

@@ -122,6 +122,14 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
   biases (all of them under ``"all"``, the adapted layers' ``base_layer.bias`` under ``"lora_only"``) are
   trainable parameters of their own. Plants (:data:`PLANTS`): ``adapter_grad_over_world`` (every LoRA layer's
   adapter branch, Linear or Embedding, DoRA's magnitude included), ``bias_grad_over_world``, ``rslora_ignored``.
+- Refused by name (drawn): a premade PeftModel to which TRL adds its "ref" adapter (DPO with the reference built
+  from the policy, GRPO with ``beta > 0``) under seqpar's FSDP2: TRL copies the adapter into the new one after the
+  mixin sharded the model ("aten.copy_.default got mixed torch.Tensor and DTensor", case 1171 with ``--set
+  peft=true``, the PeftModel premade). Under ZeRO it runs.
+- Not drawn, PEFT's own without seqpar: ``bias`` other than ``"none"`` with a premade PeftModel to which TRL adds
+  its "ref" adapter (peft's "LoraModel supports only 1 adapter with bias" from ``add_adapter``; plain DPOTrainer
+  on one process too: case 638403696 with ``--set peft=true`` as first drawn, and 1171 with ``--set
+  engine=plain``, bias ``"all"``, premade): the draw sets ``bias="none"`` there.
 - Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
   shard of the sequence and batch, which no split over ranks can draw as one process does.
 - Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
@@ -154,7 +162,7 @@ from typing import Any
 import torch
 
 __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
-           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss"]
+           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss", "ref_adapter"]
 
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
@@ -261,7 +269,16 @@ def _draw_lora_variants(rng: random.Random, draws: dict[str, Any]) -> dict[str, 
            "premade": rng.random() < 0.5}
     if draws["lora"]["modules_to_save"] == ["embed_tokens"]:
         out["embed"] = False
+    if out["premade"] and ref_adapter(draws):
+        out["bias"] = "none"  # peft's own: one adapter with bias per model (the module docstring)
     return out
+
+
+def ref_adapter(draws: dict[str, Any]) -> bool:
+    """Whether TRL adds a frozen copy of a premade PeftModel's adapter ("ref"): DPO with the reference built from
+    the policy, GRPO with KL (``beta > 0``)."""
+    return (draws["trainer"] == "dpo" and draws["ref_model"] == "built") or \
+        (draws["trainer"] == "grpo" and draws["beta"] > 0)
 
 
 def router_loss(draws: dict[str, Any]) -> bool:
