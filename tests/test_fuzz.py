@@ -1548,3 +1548,28 @@ def test_trainer_judge_reads_lora_biases() -> None:
     for bias, trainable in (("lora_only", names), ("none", names[:2])):
         verdict, detail = judge_trainer(draws(bias), run(trainable), [run(trainable)])
         assert verdict == "WRONG" and "base parameters trainable" in detail, (bias, detail)
+
+
+def test_trainer_judge_lets_dora_magnitudes_start_apart_by_their_rounding() -> None:
+    """DoRA's magnitude is computed at init (the norm of each row of ``W + scale x BA``) in the model's dtype, so the
+    fp32 ranks' start is a few roundings from the float64 reference's (1.2 eps of the largest norm on
+    ``embed_tokens``, case 1171 with DoRA, was judged "differs before training"): 2 eps is a start in common for a
+    magnitude, never for a drawn adapter weight. Made-up snapshots, no training. Seen failing: with the
+    magnitude's slack of 4 eps made 1 (the magnitude judged "differs before training")."""
+    from seqpar.testing.fuzz_trainers import judge_trainer
+
+    eps = torch.finfo(torch.float32).eps
+    magnitude = "model.embed_tokens.lora_magnitude_vector.default.weight"
+    adapter = "model.embed_tokens.lora_embedding_A.default"
+    draws = {"trainer": "trainer", "steps": 1, "max_grad_norm": 0.0, "peft": True, "lora": {"bias": "none"}}
+    before = {n: torch.full((3,), 40.0, dtype=torch.float64) for n in (magnitude, adapter)}
+    ref = {"logs": [{"loss": 1.0}], "evals": [], "before": before, "trainable": [magnitude, adapter],
+           "after": {n: t - 0.1 for n, t in before.items()}}
+
+    def apart(name: str) -> dict:
+        start = {**before, name: before[name] * (1 + 2 * eps)}
+        return {**ref, "before": start, "after": {n: t - 0.1 for n, t in start.items()}}
+
+    assert judge_trainer(draws, ref, [apart(magnitude)])[0] == "exact"
+    verdict, detail = judge_trainer(draws, ref, [apart(adapter)])
+    assert verdict == "WRONG" and f"{adapter} differs before training" in detail, detail

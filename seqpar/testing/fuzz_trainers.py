@@ -836,7 +836,10 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     # nothing: seqpar's run must not move anything either (the tolerance below is then one rounding step)
     for name, d_ref in deltas.items():
         start = ref["before"][name].double()
-        if float((got["before"][name].double() - start).abs().max()) > eps * float(start.abs().max()) + 1e-12:
+        # DoRA's magnitude is not drawn but computed at init, in the model's dtype, as the norm of each row of
+        # W + scale x BA (fp32 on the ranks: 1.2 eps of the largest norm, ~39, on embed_tokens, case 1171 with DoRA)
+        slack = 4 if "lora_magnitude_vector" in name else 1
+        if float((got["before"][name].double() - start).abs().max()) > slack * eps * float(start.abs().max()) + 1e-12:
             return "WRONG", f"{name} differs before training (the case's models are not the same)"
         d_got = got["before"][name].double() - got["after"][name].double()
         own = float(d_ref.abs().max())
