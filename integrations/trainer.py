@@ -308,10 +308,12 @@ class SequenceParallelMixin:
         model with FSDP2 before that ``__init__``, so the copy mixes FSDP2's DTensors with the new plain tensors
         ("aten.copy_.default got mixed torch.Tensor and DTensor", fuzzer case 1171 with a PeftModel). GRPO's
         generation with a PeftModel mixed them at ``beta=0`` too (case 1720900617 with ``beta=0``)."""
+        from accelerate.utils import is_peft_model
+
         from seqpar.integrations.trl import DPOLoss, GRPOLoss
 
-        if not (hasattr(model, "peft_config") and hasattr(model, "add_adapter") and hasattr(model, "base_model")):
-            return  # not a peft PeftModel
+        if not is_peft_model(model):  # TRL's own test (a peft PeftModel)
+            return
         zero = "train under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
         if isinstance(self._seqpar_loss, GRPOLoss):
             # beta = 0 too: its generation mixed FSDP2's DTensors with plain tensors ("aten.embedding.default got
