@@ -153,14 +153,19 @@ def _clean(name: str) -> str:
 
 
 def _lora_config(lora: dict[str, Any]) -> Any:
-    """peft's ``LoraConfig`` of the fuzzer's draw (``r``, ``alpha``, ``targets``, ``init``, ``modules_to_save``).
+    """peft's ``LoraConfig`` of the fuzzer's draw (``r``, ``alpha``, ``targets``, ``init``, ``modules_to_save``;
+    the variants ``rslora`` (``use_rslora``), ``bias``, ``embed`` (``embed_tokens`` among the targets) and ``dora``
+    (``use_dora``), each off when absent).
     Dropout is 0: LoRA's dropout masks come from torch's RNG on each process, which no split of the sequence or the
     batch over ranks can draw the same as one process."""
     import peft
 
-    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(lora["targets"]),
+    targets = list(lora["targets"]) + (["embed_tokens"] if lora.get("embed") else [])
+    return peft.LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=targets,
                            lora_dropout=0.0, init_lora_weights=lora["init"] != "random",
-                           modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM")
+                           modules_to_save=lora["modules_to_save"], task_type="CAUSAL_LM",
+                           use_rslora=lora.get("rslora", False), bias=lora.get("bias", "none"),
+                           use_dora=lora.get("dora", False))
 
 
 def _ds_config(engine: str, block: dict[str, Any]) -> dict[str, Any]:
@@ -192,7 +197,8 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             ``num_iterations``, ``scale_rewards``, ``grpo_loss``, ``beta``, ``epsilon``, ``rewards`` (names in
             :data:`REWARDS`), ``reward_weights``, ``max_completion_length``; for every trainer ``lora`` (None, or
             the LoRA adapter's ``r``, ``alpha``, ``targets``, ``init`` (``"default"`` / ``"random"``),
-            ``modules_to_save`` and ``seed``: ``get_peft_model`` before ``trainer``, ``peft_config=`` to TRL's).
+            ``modules_to_save`` and ``seed``, the variants ``rslora``, ``bias``, ``embed``, ``dora``, and ``premade``:
+            ``get_peft_model`` before ``trainer`` (and before TRL's with ``premade``), ``peft_config=`` to TRL's).
         config: the ``sequence_parallel`` block (``size``, ``mode``, ``sharding``).
 
     Returns:
@@ -290,10 +296,12 @@ def run_trainer(trainer: str, engine: str, model: nn.Module, data: dict[str, Any
             # (peft draws it in fp32 and casts it to the model's dtype: the fp32 ranks and the float64 reference get
             # the same values)
             torch.manual_seed(lora["seed"])
-            if trainer == "trainer":
+            if trainer == "trainer" or lora.get("premade"):
                 import peft
 
-                model = peft.get_peft_model(model, peft_config)  # as a user wires LoRA into Trainer
+                # as a user wires LoRA into Trainer, or hands a TRL trainer a PeftModel of their own (DPO / GRPO
+                # with a reference from the policy then copy the adapter as a frozen "ref" adapter)
+                model = peft.get_peft_model(model, peft_config)
             else:
                 kwargs["peft_config"] = peft_config  # TRL's trainers wrap the model themselves
         if engine != "plain":

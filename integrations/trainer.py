@@ -262,10 +262,12 @@ class SequenceParallelMixin:
             # the first step; GRPO's generation mixes DTensors and tensors). Fuzzer cases 188540536, 2083956903.
             raise ConfigError(
                 f"{type(self).__name__}(peft_config=...) under seqpar's FSDP2: the trainer applies the adapters "
-                "after seqpar has sharded the model, so they would be sharded and never gathered. Train LoRA with "
-                "a TRL trainer under a DeepSpeed ZeRO config instead (TrainingArguments(deepspeed=...) with a "
-                "sequence_parallel block)"
+                "after seqpar has sharded the model, so they would be sharded and never gathered. Make the "
+                "PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model=, or train LoRA under "
+                "a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
             )
+        if self._seqpar_engine == "fsdp2" and model is not None and self._seqpar_loss is not None:
+            self._check_ref_adapter(model, args, kwargs)
         if self.seqpar_config.dynamic is not None:
             self._check_dynamic(args)
             # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)
@@ -298,6 +300,36 @@ class SequenceParallelMixin:
             self._seqpar_loss.after_init(self, swap_other)
         logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
                     self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
+
+    def _check_ref_adapter(self, model: Any, args: Any, kwargs: Mapping[str, Any]) -> None:
+        """Under seqpar's FSDP2: refuse, by name on every rank (before any group or engine), a ``PeftModel`` given
+        to DPOTrainer without ``ref_model`` or to GRPOTrainer. DPOTrainer (and GRPOTrainer with ``beta != 0``) add
+        a frozen copy of the adapter ("ref") and copy the trained adapter's weights into it; the mixin shards the
+        model with FSDP2 before that ``__init__``, so the copy mixes FSDP2's DTensors with the new plain tensors
+        ("aten.copy_.default got mixed torch.Tensor and DTensor", fuzzer case 1171 with a PeftModel). GRPO's
+        generation with a PeftModel mixed them at ``beta=0`` too (case 1720900617 with ``beta=0``)."""
+        from accelerate.utils import is_peft_model
+
+        from seqpar.integrations.trl import DPOLoss, GRPOLoss
+
+        if not is_peft_model(model):  # TRL's own test (a peft PeftModel)
+            return
+        zero = "train under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
+        if isinstance(self._seqpar_loss, GRPOLoss):
+            # beta = 0 too: its generation mixed FSDP2's DTensors with plain tensors ("aten.embedding.default got
+            # mixed torch.Tensor and DTensor", fuzzer case 1720900617 with beta=0, a PeftModel), as with peft_config=
+            raise ConfigError(
+                f"{type(self).__name__}(model=<a PeftModel>) under seqpar's FSDP2: GRPO's generation with a PEFT "
+                "model mixes FSDP2's sharded weights with plain tensors (and with beta != 0 the trainer adds a "
+                f"frozen copy of the adapter, 'ref', after seqpar has sharded the model): {zero}"
+            )
+        if isinstance(self._seqpar_loss, DPOLoss) and kwargs.get("ref_model") is None:
+            raise ConfigError(
+                f"{type(self).__name__}(model=<a PeftModel>) without ref_model under seqpar's FSDP2: the trainer "
+                "adds a frozen copy of the adapter ('ref') after seqpar has sharded the model, and the copy cannot "
+                "mix FSDP2's sharded weights with the new ones. Pass ref_model= (the model the reference log-probs "
+                f"come from), or {zero}"
+            )
 
     def _check_dynamic(self, args: Any) -> None:
         """Length-aware dynamic CP runs one Trainer micro-step per optimizer step (see :meth:`training_step`):

@@ -169,3 +169,57 @@ def test_trl_peft_config_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
     Seen failing: without the refusal in integrations/trainer.py (peft's shape RuntimeError)."""
     for message in dist_pool.run(2, _sft_peft_config_under_fsdp2, str(tmp_path), timeout=200):
         assert "peft_config=" in message and "FSDP2" in message and "deepspeed=" in message, message
+        assert "get_peft_model" in message, message  # the FSDP2 path: a PeftModel of your own (fz24b)
+
+
+# ------------------------------------------------------------------ a PeftModel handed to DPO / GRPO under FSDP2
+def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> list[str]:
+    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)``
+    (``beta=0``: no reference adapter, its generation) under seqpar's FSDP2 with a ``PeftModel`` made by ``get_peft_model``: each one's error."""
+    import datasets
+    import trl_tiny
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import sequence_parallel
+
+    common = dict(per_device_train_batch_size=2, max_steps=1, learning_rate=0.1, optim="sgd", report_to=[],
+                  save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False)
+    pairs = datasets.Dataset.from_list([{"prompt": "t5 t6 ", "chosen": "t7 t8", "rejected": "t9"}] * 2)
+    prompts = datasets.Dataset.from_list([{"prompt": "t5 t6"}] * 2)
+    builds = (
+        lambda: sequence_parallel(DPOTrainer)(
+            model=lora_llama(), args=DPOConfig(output_dir=f"{tmp}/d{rank}", **common), train_dataset=pairs,
+            processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"}),
+        lambda: sequence_parallel(GRPOTrainer)(
+            model=lora_llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=0.0,
+                            **common),
+            train_dataset=prompts, processing_class=trl_tiny.tokenizer(),
+            seqpar_config={"size": world, "mode": "ring"}),
+    )
+    messages = []
+    with hf_tiny.launcher_env(rank, world):
+        for build in builds:
+            try:
+                build()
+                messages.append("built")
+            except ConfigError as e:
+                messages.append(str(e))
+    return messages
+
+
+@pytest.mark.timeout(300)
+def test_trl_premade_peft_model_with_a_ref_adapter_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
+    """A ``PeftModel`` (``get_peft_model`` before the trainer) handed to DPOTrainer without ``ref_model`` under
+    seqpar's FSDP2: TRL adds a frozen copy of the adapter ("ref") in its ``__init__`` and copies the adapter's
+    weights into it, after the mixin sharded the model: "aten.copy_.default got mixed torch.Tensor and DTensor"
+    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same). GRPO's
+    generation with a PeftModel mixed them at ``beta=0`` too ("aten.embedding.default", case 1720900617 with
+    ``beta=0``). Refused at construction now, on every rank, naming what and the fix (``ref_model=``, or ZeRO).
+    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO; GRPO
+    at beta 0 built, its crash at the first generation)."""
+    pytest.importorskip("trl")
+    for dpo, grpo in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
+        assert "PeftModel" in dpo and "without ref_model" in dpo and "ref_model=" in dpo and "FSDP2" in dpo, dpo
+        assert "PeftModel" in grpo and "generation" in grpo and "FSDP2" in grpo and "deepspeed=" in grpo, grpo

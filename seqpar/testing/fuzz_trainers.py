@@ -112,6 +112,26 @@ besides the above: the same parameters are trainable on both sides, all of them 
 ``modules_to_save`` copies, and every frozen parameter (the base, the originals of ``modules_to_save``) ends
 bit-for-bit where it started; each trainable parameter's update on its own scale (as every parameter's above).
 
+- LoRA's variants (fz24b; drawn in every case's ``lora`` from a generator of their own seeded after every older
+  draw, so the older case seeds keep every draw they had): rsLoRA (``use_rslora``, about 30%), ``bias``
+  (``"lora_only"``, ``"all"``: 20% each; only qwen2 has biases, on q/k/v), LoRA on ``embed_tokens`` (25%; not with
+  ``modules_to_save=["embed_tokens"]``), DoRA (``use_dora``, 20%), and for TRL's trainers (half the cases) a
+  ``PeftModel`` made by ``get_peft_model`` before the trainer instead of ``peft_config=`` (``premade``: the path
+  under seqpar's FSDP2; DPOTrainer with the reference built from the policy, and GRPOTrainer with KL, then add a
+  frozen copy of the adapter, "ref", and compute the reference through it). Judged as above; the trainable
+  biases (all of them under ``"all"``, the adapted layers' ``base_layer.bias`` under ``"lora_only"``) are
+  trainable parameters of their own. Plants (:data:`PLANTS`): ``adapter_grad_over_world`` (every LoRA layer's
+  adapter branch, Linear or Embedding, DoRA's magnitude included), ``bias_grad_over_world``, ``rslora_ignored``.
+- Refused by name (drawn): under seqpar's FSDP2, a premade PeftModel given to DPO with the reference built from
+  the policy (TRL adds its "ref" adapter and copies the adapter into it after the mixin sharded the model:
+  "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO at any ``beta`` (its generation
+  mixed DTensors and tensors at ``beta=0``: "aten.embedding.default ...", case 1720900617 with ``--set beta=0.0``;
+  ``beta > 0`` adds the "ref" adapter too). Under ZeRO they run (exact); SFT, and DPO with a given reference, run
+  under FSDP2 (exact).
+- Not drawn, PEFT's own without seqpar: ``bias`` other than ``"none"`` with a premade PeftModel to which TRL adds
+  its "ref" adapter (peft's "LoraModel supports only 1 adapter with bias" from ``add_adapter``; plain DPOTrainer
+  on one process too: case 638403696 with ``--set peft=true`` as first drawn, and 1171 with ``--set
+  engine=plain``, bias ``"all"``, premade): the draw sets ``bias="none"`` there.
 - Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
   shard of the sequence and batch, which no split over ranks can draw as one process does.
 - Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
@@ -126,9 +146,9 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
   1.5e-3 of its scale off at step 2, the same with TRL's DPOTrainer under ZeRO-3 on one process without seqpar;
   exact under ZeRO-2, without the router loss, or with one step): :func:`router_loss` turns it off there.
 - Not drawn (not yet, or not on CPU): LoRA on the MoE types' experts (fused 3D tensors: peft's
-  ``target_parameters``), a PEFT model passed to a TRL trainer (DPOTrainer then copies the adapter as a frozen
-  "ref" adapter), ``bias`` other than ``"none"``, DoRA, rsLoRA, LoRA on embeddings, other PEFT methods (prefix
-  tuning, IA3), QLoRA (bitsandbytes' quantized layers need an accelerator).
+  ``target_parameters``), other PEFT methods (prefix tuning, IA3), QLoRA (bitsandbytes' quantized layers need an
+  accelerator), LoRA's own bias on B (``lora_bias``), ``init_lora_weights`` other than peft's default and
+  ``False`` (PiSSA, OLoRA, LoftQ ...).
 
 Runners are found through the entry-point group :data:`ENTRY_POINT_GROUP` (seqpar's own,
 ``seqpar.integrations.fuzz_trainer:run_trainer``, declared in setup.cfg), as the ``engine`` kind finds its
@@ -144,7 +164,7 @@ from typing import Any
 import torch
 
 __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
-           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss"]
+           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss", "ref_adapter"]
 
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
@@ -160,7 +180,8 @@ ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
 MODEL_TYPES = ("llama", "qwen2", "mixtral", "qwen3_moe")
 MOE_TYPES = frozenset({"mixtral", "qwen3_moe"})
 ENTRY_POINT_GROUP = "seqpar.fuzz_trainers"
-PLANTS = ("loss_over_world", "trl_loss_over_world", "lora_grad_over_world")
+PLANTS = ("loss_over_world", "trl_loss_over_world", "lora_grad_over_world", "adapter_grad_over_world",
+          "bias_grad_over_world", "rslora_ignored")
 LORA_SHARE = 0.35  # of the cases, LoRA on (most post-training runs use an adapter)
 LORA_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP = ("gate_proj", "up_proj", "down_proj")  # the dense types' MLP (the MoE types' experts are fused tensors)
@@ -226,7 +247,40 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     draws["lora"] = _draw_lora(lora, draws)
     if draws["peft"] and draws.get("sync_ref_model"):
         draws["sync_ref_model"] = False  # DPOTrainer's own NotImplementedError under PEFT (the module docstring)
+    # LoRA's variants (fz24b): their own generator, seeded after every older draw, so the older case seeds keep
+    # every draw they had (the variants are added to the adapter's config; pinned LoRA cases set them off)
+    draws["lora"].update(_draw_lora_variants(random.Random(rng.randrange(2 ** 31)), draws))
     return draws
+
+
+LORA_VARIANTS_OFF = {"rslora": False, "bias": "none", "embed": False, "dora": False, "premade": False}
+"""The LoRA variants' values that leave an adapter as drawn before them (fz24b): ``--set`` them, or merge them into
+a pinned case's ``lora``, to train it as it was drawn then."""
+
+
+def _draw_lora_variants(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """The LoRA variants a TRL + PEFT user sets (the module docstring): rsLoRA (``use_rslora``: the scale
+    ``alpha / sqrt(r)``), ``bias`` (``"lora_only"``: the adapted layers' biases train; ``"all"``: every bias; only
+    the biased types, qwen2's q/k/v, have any), LoRA on ``embed_tokens`` (never with ``modules_to_save`` of it: peft
+    refuses a module both adapted and saved), DoRA (``use_dora``), and for TRL's trainers a ``PeftModel`` made by
+    ``get_peft_model`` before the trainer (``premade``) instead of ``peft_config=`` (Trainer always takes one)."""
+    out = {"rslora": rng.random() < 0.3,
+           "bias": rng.choice(("none", "none", "none", "lora_only", "all")),
+           "embed": rng.random() < 0.25,
+           "dora": rng.random() < 0.2,
+           "premade": rng.random() < 0.5}
+    if draws["lora"]["modules_to_save"] == ["embed_tokens"]:
+        out["embed"] = False
+    if out["premade"] and ref_adapter(draws):
+        out["bias"] = "none"  # peft's own: one adapter with bias per model (the module docstring)
+    return out
+
+
+def ref_adapter(draws: dict[str, Any]) -> bool:
+    """Whether TRL adds a frozen copy of a premade PeftModel's adapter ("ref"): DPO with the reference built from
+    the policy, GRPO with KL (``beta > 0``)."""
+    return (draws["trainer"] == "dpo" and draws["ref_model"] == "built") or \
+        (draws["trainer"] == "grpo" and draws["beta"] > 0)
 
 
 def router_loss(draws: dict[str, Any]) -> bool:
@@ -320,7 +374,11 @@ def trainer_summary(draws: dict[str, Any]) -> str:
         lo = d["lora"]
         parts.append(f"lora r={lo['r']} alpha={lo['alpha']} on={'+'.join(t[:-5] for t in lo['targets'])}"
                      + (" init=random" if lo["init"] == "random" else "")
-                     + (f" save={'+'.join(lo['modules_to_save'])}" if lo["modules_to_save"] else ""))
+                     + (f" save={'+'.join(lo['modules_to_save'])}" if lo["modules_to_save"] else "")
+                     + (" +embed" if lo.get("embed") else "") + (" rslora" if lo.get("rslora") else "")
+                     + (" dora" if lo.get("dora") else "")
+                     + (f" bias={lo['bias']}" if lo.get("bias", "none") != "none" else "")
+                     + (" premade" if lo.get("premade") and d["trainer"] in TRL_TRAINERS else ""))
     if d["max_grad_norm"]:
         parts.append(f"clip={d['max_grad_norm']}")
     if not d["average_tokens"]:
@@ -472,6 +530,12 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
 
     if name == "lora_grad_over_world":
         return _plant_lora_grad((world // sp) / world)  # dp / world
+    if name == "adapter_grad_over_world":
+        return _plant_adapter_grad((world // sp) / world)
+    if name == "bias_grad_over_world":
+        return _plant_bias_grad((world // sp) / world)
+    if name == "rslora_ignored":
+        return _plant_rslora_ignored()
 
     if name == "trl_loss_over_world":
         # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
@@ -545,6 +609,73 @@ def _plant_lora_grad(factor: float) -> Any:
 
     def undo() -> None:
         layer.Linear.forward = original
+    return undo
+
+
+def _plant_adapter_grad(factor: float) -> Any:
+    """``"adapter_grad_over_world"``: the gradient of every LoRA layer's adapter branch (its output less its base
+    layer's: A, B, DoRA's magnitude, on ``nn.Linear`` and ``nn.Embedding`` alike) times ``factor`` (``dp / world``);
+    the forward unchanged (to a rounding). Undo callable returned."""
+    from peft.tuners.lora import layer
+
+    originals = {cls: cls.forward for cls in (layer.Linear, layer.Embedding)}
+
+    def planted(original: Any) -> Any:
+        def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, x, *args, **kwargs)
+            if not torch.is_grad_enabled() or self.disable_adapters:
+                return out
+            base = self.base_layer(x, *args, **{k: v for k, v in kwargs.items() if k != "adapter_names"})
+            return base + _ScaleGrad.apply(out - base, factor)
+        return forward
+
+    for cls, original in originals.items():
+        cls.forward = planted(original)
+
+    def undo() -> None:
+        for cls, original in originals.items():
+            cls.forward = original
+    return undo
+
+
+def _plant_bias_grad(factor: float) -> Any:
+    """``"bias_grad_over_world"``: every trainable ``nn.Linear`` bias's gradient times ``factor`` (``dp / world``;
+    LoRA's ``bias="lora_only"`` / ``"all"``), the forward unchanged. Undo callable returned."""
+    original = torch.nn.Linear.forward
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias
+        if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+            bias = _ScaleGrad.apply(bias, factor)
+        return torch.nn.functional.linear(x, self.weight, bias)
+
+    torch.nn.Linear.forward = forward
+
+    def undo() -> None:
+        torch.nn.Linear.forward = original
+    return undo
+
+
+def _plant_rslora_ignored() -> Any:
+    """``"rslora_ignored"``: ``use_rslora`` dropped when peft builds an adapter (its scale ``alpha / r``, not
+    ``alpha / sqrt(r)``). Undo callable returned."""
+    from peft.tuners.lora import layer
+
+    originals = {cls: cls.__dict__["update_layer"] for cls in (layer.LoraLayer, layer.Embedding)}
+
+    def planted(original: Any) -> Any:
+        def update_layer(self: Any, adapter_name: str, r: int, lora_alpha: int, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, adapter_name, r, lora_alpha, *args, **kwargs)
+            self.scaling[adapter_name] = lora_alpha / r
+            return result
+        return update_layer
+
+    for cls, original in originals.items():
+        cls.update_layer = planted(original)
+
+    def undo() -> None:
+        for cls, original in originals.items():
+            cls.update_layer = original
     return undo
 
 
@@ -692,7 +823,11 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
         if trainable != set(ref.get("trainable", ())) or not trainable:
             return "WRONG", (f"trainable parameters differ: {sorted(trainable ^ set(ref.get('trainable', ())))[:4]}"
                              if trainable else "no trainable parameter under LoRA")
-        stray = sorted(n for n in trainable if "lora_" not in n and ".modules_to_save." not in n)
+        bias = draws["lora"].get("bias", "none") if draws.get("lora") else "none"
+        # bias="all": every bias trains; "lora_only": the adapted layers' (their base_layer's) biases
+        biases = (lambda n: n.endswith(".bias")) if bias == "all" else \
+            (lambda n: n.endswith(".base_layer.bias")) if bias == "lora_only" else (lambda n: False)
+        stray = sorted(n for n in trainable if "lora_" not in n and ".modules_to_save." not in n and not biases(n))
         if stray:
             return "WRONG", f"base parameters trainable under LoRA: {stray[:4]}"
         for name in sorted(set(deltas) - trainable):
@@ -703,7 +838,10 @@ def judge_trainer(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dic
     # nothing: seqpar's run must not move anything either (the tolerance below is then one rounding step)
     for name, d_ref in deltas.items():
         start = ref["before"][name].double()
-        if float((got["before"][name].double() - start).abs().max()) > eps * float(start.abs().max()) + 1e-12:
+        # DoRA's magnitude is not drawn but computed at init, in the model's dtype, as the norm of each row of
+        # W + scale x BA (fp32 on the ranks: 1.2 eps of the largest norm, ~39, on embed_tokens, case 1171 with DoRA)
+        slack = 4 if "lora_magnitude_vector" in name else 1
+        if float((got["before"][name].double() - start).abs().max()) > slack * eps * float(start.abs().max()) + 1e-12:
             return "WRONG", f"{name} differs before training (the case's models are not the same)"
         d_got = got["before"][name].double() - got["after"][name].double()
         own = float(d_ref.abs().max())
