@@ -260,11 +260,16 @@ class SequenceParallelMixin:
             # The mixin shards the model before the trainer's __init__, where TRL applies peft_config: the adapters
             # would be added to FSDP2-sharded layers and never gathered (a shape error in peft's LoRA forward at
             # the first step; GRPO's generation mixes DTensors and tensors). Fuzzer cases 188540536, 2083956903.
+            from seqpar.integrations.trl import GRPOLoss
+
+            # GRPO with a PeftModel under FSDP2 is refused too (_check_ref_adapter): name only the path that runs
+            premade = "" if isinstance(self._seqpar_loss, GRPOLoss) else (
+                "Make the PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model=, or ")
             raise ConfigError(
                 f"{type(self).__name__}(peft_config=...) under seqpar's FSDP2: the trainer applies the adapters "
-                "after seqpar has sharded the model, so they would be sharded and never gathered. Make the "
-                "PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model=, or train LoRA under "
-                "a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
+                f"after seqpar has sharded the model, so they would be sharded and never gathered. {premade}"
+                f"{'t' if premade else 'T'}rain LoRA under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) "
+                "with a sequence_parallel block)"
             )
         if self._seqpar_engine == "fsdp2" and model is not None and self._seqpar_loss is not None:
             self._check_ref_adapter(model, args, kwargs)
