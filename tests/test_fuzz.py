@@ -1378,25 +1378,26 @@ def test_a_planted_lora_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
 
 
 def test_engine_draws_autotp_and_accelerate() -> None:
-    """The engine kind draws DeepSpeed AutoTP (``autotp``: TP 2, SP = world / (dp x 2), DP 1 or 2 at world 4, ZeRO-1
-    or -2, ZeRO-2 with accumulation, a model type AutoTP shards from its plan, the tiled loss and
+    """The engine kind draws DeepSpeed AutoTP (``autotp``: TP 2, SP = world / (dp x 2), DP 1 or 2 at world 4, ZeRO-1,
+    -2 or -3 (fz24a), not ZeRO-1 with accumulation, a model type AutoTP shards from its plan, the tiled loss and
     ``tp_sequence_parallel`` at times) and the plain accelerate loop (``accelerate``, every world and DP of fsdp2),
     reproducibly; the draws existing cases had before them are unchanged (those pinned here that became autotp are
     pinned back to tp2). Seen failing: the autotp / accelerate flips removed from draw_engine (neither drawn); the
     flips drawn from ``rng`` itself (the pinned fsdp2 case of test_a_planted_dp_bug_is_wrong, 757583708, drawn as
-    accelerate)."""
+    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)). ZeRO-3 is drawn last from autotp's own
+    stream, so the pinned autotp cases (AUTOTP_CASE, 1709044604) keep ZeRO-2 and every other draw."""
     import json
 
     from seqpar.testing.fuzz_engines import autotp_types
 
     seen, stages, knobs = set(), set(), set()
-    for seed in range(400):
+    for seed in range(500):  # ZeRO-2 with accumulation first at 464 (8 is ZeRO-3 now)
         d = fuzz.draw_case(seed, ("engine",))
         assert d == fuzz.draw_case(seed, ("engine",)) and json.loads(json.dumps(d)) == d
         if d["engine"] == "autotp":
             assert d["tp_size"] == 2 and d["world"] in (2, 4) and d["world"] % (2 * d["dp"]) == 0, d
             assert d["dp"] == 1 or d["world"] == 4, d
-            assert d["zero_stage"] in (1, 2) and (d["zero_stage"] == 2 or d["step"] != "accumulate"), d
+            assert d["zero_stage"] in (1, 2, 3) and (d["zero_stage"] != 1 or d["step"] != "accumulate"), d
             assert d["model_type"] in autotp_types(), d
             stages.add((d["zero_stage"], d["step"] == "accumulate"))
             knobs.update(k for k in ("tp_sequence_parallel",) if d[k])
@@ -1406,11 +1407,13 @@ def test_engine_draws_autotp_and_accelerate() -> None:
         seen.add((d["engine"], d["world"], d["dp"]))
     assert {("autotp", 2, 1), ("autotp", 4, 1), ("autotp", 4, 2)} <= seen, sorted(seen)
     assert {("accelerate", w, 1) for w in (1, 2, 3, 4)} | {("accelerate", 4, 2)} <= seen, sorted(seen)
-    assert {(1, False), (2, False), (2, True)} <= stages and knobs == {"tp_sequence_parallel", "tiled_loss"}, stages
+    assert {(1, False), (2, False), (2, True), (3, False), (3, True)} <= stages, stages
+    assert knobs == {"tp_sequence_parallel", "tiled_loss"}, knobs
     # the draws the other engines' samples were pinned on are those they had before autotp and accelerate
     assert fuzz.draw_case(757583708, ("engine",))["engine"] == "fsdp2"
     assert {fuzz.draw_case(s, ("engine",))["engine"] for s in DP_ENGINE_SAMPLE} == {"fsdp1", "zero2"}
     assert fuzz.draw_case(1148634672, ("engine",), engine="autotp")["engine"] == "autotp"
+    assert [fuzz.draw_case(s, ("engine",))["zero_stage"] for s in (AUTOTP_CASE, 1709044604)] == [2, 2]
 
 
 # The one real case of each new engine in CI: autotp (tiny llama, TP 2 x SP 2, ZeRO-2, accumulation, vocabulary 31
@@ -1432,6 +1435,28 @@ def test_a_planted_autotp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0)
     assert verdict == "exact", detail
     verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="zero_divide_world")
+    assert verdict == "WRONG" and "grad" in detail, detail
+
+
+# fz24a: AutoTP under ZeRO-3 (tiny mistral, TP 2 x SP 2, ulysses, accumulation over two micro-batches, vocabulary 97
+# that TP 2 splits 49 + 48: ZeRO-3 partitions each TP slice, the runner gathers them by their ds_shape)
+AUTOTP_ZERO3_CASE = 21304
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_autotp_zero3_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The autotp engine's judge can fail under ZeRO-3 too: :data:`AUTOTP_ZERO3_CASE` is exact, then WRONG with
+    the adapter's loss scaling by ``sp`` in ``engine.backward`` lost (``zero_divide_world``: ZeRO-3's reduce-scatter
+    divides by dp x sp, the gradients half the DP mean). Seen failing: the runner's TP gather reading ``p.shape``
+    (ZeRO-3's partitioned (0,)) instead of ``ds_shape`` (the clean case a crash: no dim where the shapes differ)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    draws = fuzz.draw_case(AUTOTP_ZERO3_CASE, ("engine",))
+    assert (draws["engine"], draws["world"], draws["dp"], draws["zero_stage"], draws["step"]) == \
+        ("autotp", 4, 1, 3, "accumulate"), fuzz.summary(draws)
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 300.0)
+    assert verdict == "exact", detail
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 300.0, plant="zero_divide_world")
     assert verdict == "WRONG" and "grad" in detail, detail
 
 

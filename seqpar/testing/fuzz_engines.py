@@ -322,6 +322,11 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     draws["tp_sequence_parallel"] = rng.random() < 0.1
     draws["memory"] = {"tiled_loss": tiled, "loss_tile_rows": tile if tiled else None,
                        "vocab": vocab if tileable else VOCAB, "ignored_prefix": rng.choice((0, 0, 1, rng.randint(2, 8)))}
+    if rng.random() < 0.3:
+        # ZeRO-3, last: every draw above is what the case seed drew before it (a third of the stage draws flip to 3).
+        # Its rules are ZeRO-3's: two forwards with reentrant checkpointing are already non-reentrant (draw_engine),
+        # and autotp_types has no mixture-of-experts blocks (ZeRO-3's leaf modules)
+        draws["zero_stage"] = 3
 
 
 def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
