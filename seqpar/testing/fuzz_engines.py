@@ -34,7 +34,8 @@ the ``fsdp2`` draws left after ``fsdp1``'s, both from a stream of their own (see
 every case seed draws what it drew before them), and both keep their parent's rules. ``autotp`` is TP 2 x SP
 (world / (dp x 2)) x DP 1 or 2 at world 4, TP 2 x SP 1 at world 2 (an odd world forced to ``autotp`` becomes the
 next even one), judged like ``tp2`` (the TP slices of each gradient gathered by the runner). Its draws
-(:func:`draw_autotp`): the ZeRO stage, 1 or 2 (2 with accumulation: ZeRO-1's rule above), the model type among
+(:func:`draw_autotp`): the ZeRO stage, 1 or 2 (2 with accumulation: ZeRO-1's rule above), then 3 in 30% of the
+cases (drawn last, so every other draw is what the case seed drew before it), the model type among
 :func:`autotp_types`, the tiled loss, odd vocabularies and ignored labels as ``tp2`` draws them, and
 ``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it.
@@ -45,14 +46,16 @@ with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpa
 - ZeRO-0: its reduction (``engine.allreduce_gradients`` -> ``split_half_float_double_sparse``) asserts
   "attempting to reduce an unsupported grad type: torch.float64", so it cannot run the float64 cases (tiny
   llama, plain: the same assertion on both ranks). ZeRO-1/2 reduce float64.
-- ZeRO-3 is not drawn yet (coverage left out, not a limit found): tests/test_deepspeed_tp.py trains AutoTP under
-  ZeRO-3 at TP 2 x SP 2 against one process.
 - model types outside :func:`autotp_types`: a ``base_model_tp_plan`` with a style DeepSpeed does not convert
   (``packed_colwise``, ``moe_tp_experts``, ``rowwise_split_input``: DeepSpeed's own ``ValueError`` "HuggingFace
   tp_plan contains unsupported partition style(s)", phi3 and granitemoehybrid in seed 811's first run), mixture-of-
   experts blocks, and no plan at all, where AutoTP's name-pattern heuristic splits the mixers' projections and
   the model's own code fails (plain falcon_mamba and zamba2: "split_with_sizes expects split_sizes to sum exactly
   to ...", the crash seed 811's first run met under seqpar).
+
+ZeRO-3 under ``autotp`` (drawn since session 24; ``--set engine=autotp --set zero_stage=3`` forces it): ZeRO-3
+partitions each TP slice, and the runner gathers the slices over TP by their ``ds_shape``; seeds 915 and 916 found
+nothing wrong (exact or refused by name).
 
 Found by ``autotp``: the tiled loss under AutoTP was silently wrong (case 756378705, tiny qwen2, TP 2 x SP 1: the
 loss 13% off): it computes the logits from ``lm_head.weight``, which AutoTP had replaced by the TP rank's slice
@@ -300,7 +303,8 @@ def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]
 
 def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     """An ``autotp`` case's draws, in place (JSON-able; from the case's own stream, after every other draw):
-    the ZeRO stage ``zero_stage`` (1 or 2; 2 with accumulation, see the module docstring), the model
+    the ZeRO stage ``zero_stage`` (1 or 2; 2 with accumulation, see the module docstring; then 3 30% of the time,
+    after every other draw, so that they are what each case seed drew before ZeRO-3 was drawn), the model
     type redrawn among :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES` 30% of the time, then the loss knobs
     as :func:`draw_tp_loss` draws them for ``tp2`` (the tiled loss with its tile, odd vocabularies, ignored
     labels), but ``tp_sequence_parallel`` 10% of the time only: seqpar refuses it under DeepSpeed by name
