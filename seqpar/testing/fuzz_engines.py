@@ -644,9 +644,11 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
                   "check_inputs": draws["check_inputs"]}
         if "tp_sequence_parallel" in draws:  # tp2's and autotp's loss draws, as a user's config sets them
             config["tp_sequence_parallel"] = draws["tp_sequence_parallel"]
+            # autotp's too (fz24a: set under tp_loss_parallel alone since session 23's merge, autotp's tiled loss
+            # was drawn, never configured: its cases ran the plain loss, case 756378705's refusal exact)
+            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if "tp_loss_parallel" in draws:  # tp2's loss layout (a case pinned before the key runs "auto")
             config["tp_loss_parallel"] = draws["tp_loss_parallel"]
-            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if draws["engine"] == "autotp":
             config["zero_stage"] = draws["zero_stage"]  # the runner's key (integrations/fuzz_engine.py)
         fed = [[b["batch"] for b in replica] for replica in batches]
