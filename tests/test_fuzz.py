@@ -424,6 +424,22 @@ FOUND[647716] = (("compile",), "exact")
 # - 1485046037 (seed 905, case 0): crash "worker(s) died during start-up (init_process_group)" with another fuzzer run
 #   on the machine; exact alone (a pool start-up flake, not pinned).
 
+# fz24a: the engine kind's fresh seeds (911; --set engine=autotp 912, 913; accelerate 914) and AutoTP under ZeRO-3
+# (drawn since fz24a; --set engine=autotp --set zero_stage=3, seeds 915, 916). Found:
+# - 2075268836 (seed 915, --set engine=autotp --set zero_stage=3; tiny internlm3, AutoTP 2 x SP 2, ZeRO-3, the tiled
+#   loss of 1-row tiles, vocabulary 97): exact, and so 1339442544 and 1829082068 of seeds 911 / 915, because the
+#   tiled loss never reached the config of an autotp case: since session 23's merge engine_task set it under
+#   tp_loss_parallel, tp2's key alone, so every autotp case that drew the tiled loss ran the plain one (and the pinned
+#   756378705 above was exact, not refused). engine_task sets it with tp_sequence_parallel again (tp2's and autotp's):
+#   refused by name on every rank (integrations/deepspeed.py reads ZeRO-3's partitioned head by its ds_shape, 49 of
+#   its 97 rows). Seen failing: exact as drawn before the fix (seed 915's run). 756378705 guards ZeRO-2; this ZeRO-3.
+FOUND_SET[2075268836] = {"model_type": "internlm3", "world": 4, "mode": "ring", "ulysses_size": 1,
+                         "sharding": "contiguous", "batch": "rows", "lengths": [[25], [29]], "checkpointing": None,
+                         "step": "one", "check_inputs": True, "engine": "autotp", "tp_size": 2, "dp": 1, "replicas": [],
+                         "zero_stage": 3, "tp_sequence_parallel": False,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 1, "vocab": 97, "ignored_prefix": 0}}
+FOUND[2075268836] = (("engine",), "refused")
+
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
