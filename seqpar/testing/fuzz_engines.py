@@ -54,8 +54,19 @@ with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpa
   to ...", the crash seed 811's first run met under seqpar).
 
 ZeRO-3 under ``autotp`` (drawn since session 24; ``--set engine=autotp --set zero_stage=3`` forces it): ZeRO-3
-partitions each TP slice, and the runner gathers the slices over TP by their ``ds_shape``; seeds 915 and 916 found
-nothing wrong (exact or refused by name).
+partitions each TP slice, and the runner gathers the slices over TP by their ``ds_shape``; seeds 915 and 916 (16
+cases) found nothing wrong under ZeRO-3 itself (exact or refused by name).
+
+Found by ``autotp`` in session 24: the tiled loss drawn under ``autotp`` never reached its config (set under
+``tp_loss_parallel``, ``tp2``'s key alone, since session 23's merge), so those cases ran the plain loss and were
+exact (case 2075268836 under ZeRO-3, and the pinned 756378705 with them); :func:`engine_task` sets it with
+``tp_sequence_parallel`` (both engines' key) now, and they are refused by name. And tiny Dory under AutoTP (case
+543632810: ``lm_head.logit_scale`` without a gradient): AutoTP swaps ``DoryLMHead``, an ``nn.Linear`` subclass
+scaling its logits by a trained ``logit_scale``, for its plain ``LinearLayer``, dropping the scale, with or without
+seqpar (plain ``deepspeed.initialize``, ``autotp_size`` 2, tiny dory in float64 on 2 gloo ranks with a trained scale:
+the loss 1.5% off one process). seqpar cannot keep the parameter, so
+:func:`seqpar.integrations.deepspeed.initialize` refuses by name, on every rank, a model whose parameters AutoTP
+dropped; Dory stays drawn, its refusal checked.
 
 Found by ``autotp``: the tiled loss under AutoTP was silently wrong (case 756378705, tiny qwen2, TP 2 x SP 1: the
 loss 13% off): it computes the logits from ``lm_head.weight``, which AutoTP had replaced by the TP rank's slice
