@@ -1415,11 +1415,12 @@ def test_engine_draws_autotp_and_accelerate() -> None:
     reproducibly; the draws existing cases had before them are unchanged (those pinned here that became autotp are
     pinned back to tp2). Seen failing: the autotp / accelerate flips removed from draw_engine (neither drawn); the
     flips drawn from ``rng`` itself (the pinned fsdp2 case of test_a_planted_dp_bug_is_wrong, 757583708, drawn as
-    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)). ZeRO-3 is drawn last from autotp's own
+    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)); apertus kept under autotp (case
+    1878399021 drawn as apertus). ZeRO-3 is drawn last from autotp's own
     stream, so the pinned autotp cases (AUTOTP_CASE, 1709044604) keep ZeRO-2 and every other draw."""
     import json
 
-    from seqpar.testing.fuzz_engines import autotp_types
+    from seqpar.testing.fuzz_engines import autotp_types, trained_activation_types
 
     seen, stages, knobs = set(), set(), set()
     for seed in range(500):  # ZeRO-2 with accumulation first at 464 (8 is ZeRO-3 now)
@@ -1429,7 +1430,7 @@ def test_engine_draws_autotp_and_accelerate() -> None:
             assert d["tp_size"] == 2 and d["world"] in (2, 4) and d["world"] % (2 * d["dp"]) == 0, d
             assert d["dp"] == 1 or d["world"] == 4, d
             assert d["zero_stage"] in (1, 2, 3) and (d["zero_stage"] != 1 or d["step"] != "accumulate"), d
-            assert d["model_type"] in autotp_types(), d
+            assert d["model_type"] in autotp_types() and d["model_type"] not in trained_activation_types(), d
             stages.add((d["zero_stage"], d["step"] == "accumulate"))
             knobs.update(k for k in ("tp_sequence_parallel",) if d[k])
             knobs.update(k for k in ("tiled_loss",) if d["memory"][k])
@@ -1445,6 +1446,9 @@ def test_engine_draws_autotp_and_accelerate() -> None:
     assert {fuzz.draw_case(s, ("engine",))["engine"] for s in DP_ENGINE_SAMPLE} == {"fsdp1", "zero2"}
     assert fuzz.draw_case(1148634672, ("engine",), engine="autotp")["engine"] == "autotp"
     assert [fuzz.draw_case(s, ("engine",))["zero_stage"] for s in (AUTOTP_CASE, 1709044604)] == [2, 2]
+    # fz24a: Apertus' trained activation under AutoTP is DeepSpeed's limit (fuzz_engines' docstring): redrawn
+    assert trained_activation_types() == ["apertus", "apertus1p5_text"], trained_activation_types()
+    assert fuzz.draw_case(1878399021, ("engine",), engine="autotp")["model_type"] != "apertus"
 
 
 # The one real case of each new engine in CI: autotp (tiny llama, TP 2 x SP 2, ZeRO-2, accumulation, vocabulary 31
