@@ -454,6 +454,13 @@ FOUND_SET[543632810] = {"model_type": "dory", "world": 4, "mode": "auto", "ulyss
                         "tp_sequence_parallel": False,
                         "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 2}}
 FOUND[543632810] = (("engine",), "refused")
+# - 1878399021 (seed 917, --set engine=autotp; tiny apertus, AutoTP 2 x SP 1, ZeRO-2, accumulation): WRONG, silently:
+#   model.layers.0.mlp.act_fn.alpha_p off by 5x its size (loss exact). Apertus' xIELU activation has parameters of
+#   its own and runs on up_proj's output features, which AutoTP splits; transformers' tp plan leaves act_fn out, so
+#   DeepSpeed never sums their gradient over TP. DeepSpeed's own: plain deepspeed.initialize, autotp_size 2, ZeRO-1,
+#   tiny apertus in float64, 2 gloo ranks, no seqpar: alpha_p's gradient 0.0268 and 0.0142 on the TP ranks, one
+#   process's 0.0410 their sum. Not drawn under autotp now (fuzz_engines.trained_activation_types; the draw test
+#   test_engine_draws_autotp_and_accelerate). Not pinned (nothing of seqpar's to guard). Not refused (reported).
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
