@@ -253,6 +253,7 @@ def initialize(
     tp_loader = training_data is not None and manager.tp_size > 1
     head_rows = _lm_head_rows(model) if sp_config.tiled_loss and manager.tp_size > 1 else {}
     sparse_rows = _sparse_gate_rows(model) if manager.tp_size > 1 else {}
+    named_before = [name for name, _ in model.named_parameters()] if manager.tp_size > 1 else []
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         args=_args_without_config_path(args),
         model=model,
@@ -270,6 +271,7 @@ def initialize(
     _refuse_tiled_loss_on_split_head(model, head_rows)
     _seqpar_loss_on_split_head(model, manager)
     _refuse_split_sparse_gate(model, sparse_rows)
+    _refuse_parameters_autotp_dropped(model, named_before)
     _compensate_gradient_average(engine, manager)
     if tp_loader:
         loader = _dp_axis_loader(engine, training_data, collate_fn, manager)
@@ -835,6 +837,27 @@ def _refuse_split_sparse_gate(model: torch.nn.Module, before: dict[str, int]) ->
             "features (activation sparsity), which DeepSpeed AutoTP split over the TP ranks, so each rank would set "
             "its cutoff from its own slice. Set config.activation_sparsity_pattern to zeros, keep the MLPs whole "
             "(tensor_parallel.partition_config without them), or run tp_size 1"
+        )
+
+
+def _refuse_parameters_autotp_dropped(model: torch.nn.Module, before: list[str]) -> None:
+    """Refuse a model some of whose parameters DeepSpeed's AutoTP dropped (``before``: the parameter names before
+    ``deepspeed.initialize``; empty when there is nothing to check). AutoTP replaces each ``nn.Linear`` it splits,
+    a subclass included, by its own layer, which keeps ``weight`` and ``bias`` and loses the subclass's own
+    parameters and ``forward``: Dory's ``DoryLMHead`` (a Linear scaling its logits by a trained ``logit_scale``)
+    becomes a plain ``LinearLayer``, so the scale is neither applied nor trained, silently (fuzzer case 543632810:
+    ``lm_head.logit_scale`` without a gradient; with a trained scale the loss 1.5% off, DeepSpeed 0.19.8's own
+    without seqpar: plain ``deepspeed.initialize``, ``autotp_size`` 2, tiny dory, 2 gloo ranks). Every TP rank
+    replaces alike, so every rank raises."""
+    after = {name for name, _ in model.named_parameters()}
+    lost = [name for name in before if name not in after]
+    if lost:
+        raise ConfigError(
+            f"DeepSpeed AutoTP replaced modules of {type(model).__name__} and dropped their parameters {lost}: it "
+            "swaps each nn.Linear it splits, a subclass too, for its own layer with the weight and bias alone, so "
+            "the subclass's own parameters and forward (e.g. a head's logit scale) are lost and the model computes "
+            "something else. Keep those modules whole (tensor_parallel.partition_config / the model's tp plan "
+            "without them), or run tp_size 1"
         )
 
 

@@ -113,8 +113,9 @@ def _full_grads_fsdp1(model: nn.Module) -> dict[str, torch.Tensor]:
 def _gather_tp(grads: dict[str, torch.Tensor], shapes: dict[str, torch.Size], model: nn.Module,
                tp_group: Any) -> dict[str, torch.Tensor]:
     """``grads`` (ZeRO-gathered, each this rank's AutoTP slice) with every parameter AutoTP split made whole:
-    the TP ranks' slices in TP rank order, concatenated on the one dim where this rank's parameter is smaller
-    than ``shapes[name]`` (the model's before AutoTP; slices may be uneven, an odd vocabulary). Collective over
+    the TP ranks' slices in TP rank order, concatenated on the one dim where this rank's parameter (its full
+    ``ds_shape`` under ZeRO-3) is smaller than ``shapes[name]`` (the model's before AutoTP; slices may be uneven, an
+    odd vocabulary). Collective over
     the TP group: every rank calls, with the same parameters."""
     import torch.distributed as dist
 
@@ -122,13 +123,14 @@ def _gather_tp(grads: dict[str, torch.Tensor], shapes: dict[str, torch.Size], mo
     for name, p in model.named_parameters():
         g = grads.get(name)
         want = shapes[name]
-        if tuple(p.shape) == tuple(want):
+        shape = tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 partitions p (p.shape (0,)); ds_shape is this TP slice's
+        if shape == tuple(want):
             if g is not None:
                 out[name] = g
             continue
-        (dim,) = [d for d, (a, b) in enumerate(zip(p.shape, want, strict=True)) if a != b]
+        (dim,) = [d for d, (a, b) in enumerate(zip(shape, want, strict=True)) if a != b]
         parts: list[Any] = [None] * dist.get_world_size(tp_group)
-        dist.all_gather_object(parts, (g, tuple(p.shape)), group=tp_group)
+        dist.all_gather_object(parts, (g, shape), group=tp_group)
         if any(x is not None for x, _ in parts):  # a TP rank without a gradient holds zeros there
             out[name] = torch.cat([x if x is not None else torch.zeros(shape, dtype=p.dtype) for x, shape in parts],
                                   dim=dim)

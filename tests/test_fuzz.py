@@ -457,6 +457,44 @@ FOUND[1171] = (("trainer",), "refused")
 FOUND_SET[1720900617] = {"peft": True, "beta": 0.0}
 FOUND[1720900617] = (("trainer",), "refused")
 
+# fz24a: the engine kind's fresh seeds (911; --set engine=autotp 912, 913; accelerate 914) and AutoTP under ZeRO-3
+# (drawn since fz24a; --set engine=autotp --set zero_stage=3, seeds 915, 916). Found:
+# - 2075268836 (seed 915, --set engine=autotp --set zero_stage=3; tiny internlm3, AutoTP 2 x SP 2, ZeRO-3, the tiled
+#   loss of 1-row tiles, vocabulary 97): exact, and so 1339442544 and 1829082068 of seeds 911 / 915, because the
+#   tiled loss never reached the config of an autotp case: since session 23's merge engine_task set it under
+#   tp_loss_parallel, tp2's key alone, so every autotp case that drew the tiled loss ran the plain one (and the pinned
+#   756378705 above was exact, not refused). engine_task sets it with tp_sequence_parallel again (tp2's and autotp's):
+#   refused by name on every rank (integrations/deepspeed.py reads ZeRO-3's partitioned head by its ds_shape, 49 of
+#   its 97 rows). Seen failing: exact as drawn before the fix (seed 915's run). 756378705 guards ZeRO-2; this ZeRO-3.
+FOUND_SET[2075268836] = {"model_type": "internlm3", "world": 4, "mode": "ring", "ulysses_size": 1,
+                         "sharding": "contiguous", "batch": "rows", "lengths": [[25], [29]], "checkpointing": None,
+                         "step": "one", "check_inputs": True, "engine": "autotp", "tp_size": 2, "dp": 1, "replicas": [],
+                         "zero_stage": 3, "tp_sequence_parallel": False,
+                         "memory": {"tiled_loss": True, "loss_tile_rows": 1, "vocab": 97, "ignored_prefix": 0}}
+FOUND[2075268836] = (("engine",), "refused")
+# - 543632810 (seed 912, --set engine=autotp; tiny dory, AutoTP 2 x SP 1 x DP 2, ZeRO-2, accumulation): WRONG,
+#   silently: "gradients present on one side only: ['lm_head.logit_scale']" (the loss exact only because the tiny
+#   model's scale starts at 1 / its factor). AutoTP swaps DoryLMHead, an nn.Linear subclass scaling its logits by a
+#   trained logit_scale, for its plain LinearLayer: the scale neither applied nor trained. DeepSpeed's own: plain
+#   deepspeed.initialize, autotp_size 2, tiny dory in float64 on 2 gloo ranks, no seqpar, a trained scale: the loss
+#   1.5% off one process, lm_head a LinearLayer without logit_scale. seqpar.integrations.deepspeed refuses a model
+#   whose parameters AutoTP dropped by name on every rank now (tests/test_deepspeed_tp.py::
+#   test_parameters_autotp_drops_are_refused, seen passing initialize without the refusal).
+FOUND_SET[543632810] = {"model_type": "dory", "world": 4, "mode": "auto", "ulysses_size": 1, "sharding": "contiguous",
+                        "batch": "rows", "lengths": [[28], [25]], "checkpointing": "non-reentrant", "step": "accumulate",
+                        "check_inputs": True, "engine": "autotp", "tp_size": 2, "dp": 2,
+                        "replicas": [{"case_seed": 1633051942, "lengths": [[32], [29]]}], "zero_stage": 2,
+                        "tp_sequence_parallel": False,
+                        "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 2}}
+FOUND[543632810] = (("engine",), "refused")
+# - 1878399021 (seed 917, --set engine=autotp; tiny apertus, AutoTP 2 x SP 1, ZeRO-2, accumulation): WRONG, silently:
+#   model.layers.0.mlp.act_fn.alpha_p off by 5x its size (loss exact). Apertus' xIELU activation has parameters of
+#   its own and runs on up_proj's output features, which AutoTP splits; transformers' tp plan leaves act_fn out, so
+#   DeepSpeed never sums their gradient over TP. DeepSpeed's own: plain deepspeed.initialize, autotp_size 2, ZeRO-1,
+#   tiny apertus in float64, 2 gloo ranks, no seqpar: alpha_p's gradient 0.0268 and 0.0142 on the TP ranks, one
+#   process's 0.0410 their sum. Not drawn under autotp now (fuzz_engines.trained_activation_types; the draw test
+#   test_engine_draws_autotp_and_accelerate). Not pinned (nothing of seqpar's to guard). Not refused (reported).
+
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1520,26 +1558,28 @@ def test_a_planted_lora_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
 
 
 def test_engine_draws_autotp_and_accelerate() -> None:
-    """The engine kind draws DeepSpeed AutoTP (``autotp``: TP 2, SP = world / (dp x 2), DP 1 or 2 at world 4, ZeRO-1
-    or -2, ZeRO-2 with accumulation, a model type AutoTP shards from its plan, the tiled loss and
+    """The engine kind draws DeepSpeed AutoTP (``autotp``: TP 2, SP = world / (dp x 2), DP 1 or 2 at world 4, ZeRO-1,
+    -2 or -3 (fz24a), not ZeRO-1 with accumulation, a model type AutoTP shards from its plan, the tiled loss and
     ``tp_sequence_parallel`` at times) and the plain accelerate loop (``accelerate``, every world and DP of fsdp2),
     reproducibly; the draws existing cases had before them are unchanged (those pinned here that became autotp are
     pinned back to tp2). Seen failing: the autotp / accelerate flips removed from draw_engine (neither drawn); the
     flips drawn from ``rng`` itself (the pinned fsdp2 case of test_a_planted_dp_bug_is_wrong, 757583708, drawn as
-    accelerate)."""
+    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)); apertus kept under autotp (case
+    1878399021 drawn as apertus). ZeRO-3 is drawn last from autotp's own
+    stream, so the pinned autotp cases (AUTOTP_CASE, 1709044604) keep ZeRO-2 and every other draw."""
     import json
 
-    from seqpar.testing.fuzz_engines import autotp_types
+    from seqpar.testing.fuzz_engines import autotp_types, trained_activation_types
 
     seen, stages, knobs = set(), set(), set()
-    for seed in range(400):
+    for seed in range(500):  # ZeRO-2 with accumulation first at 464 (8 is ZeRO-3 now)
         d = fuzz.draw_case(seed, ("engine",))
         assert d == fuzz.draw_case(seed, ("engine",)) and json.loads(json.dumps(d)) == d
         if d["engine"] == "autotp":
             assert d["tp_size"] == 2 and d["world"] in (2, 4) and d["world"] % (2 * d["dp"]) == 0, d
             assert d["dp"] == 1 or d["world"] == 4, d
-            assert d["zero_stage"] in (1, 2) and (d["zero_stage"] == 2 or d["step"] != "accumulate"), d
-            assert d["model_type"] in autotp_types(), d
+            assert d["zero_stage"] in (1, 2, 3) and (d["zero_stage"] != 1 or d["step"] != "accumulate"), d
+            assert d["model_type"] in autotp_types() and d["model_type"] not in trained_activation_types(), d
             stages.add((d["zero_stage"], d["step"] == "accumulate"))
             knobs.update(k for k in ("tp_sequence_parallel",) if d[k])
             knobs.update(k for k in ("tiled_loss",) if d["memory"][k])
@@ -1548,11 +1588,16 @@ def test_engine_draws_autotp_and_accelerate() -> None:
         seen.add((d["engine"], d["world"], d["dp"]))
     assert {("autotp", 2, 1), ("autotp", 4, 1), ("autotp", 4, 2)} <= seen, sorted(seen)
     assert {("accelerate", w, 1) for w in (1, 2, 3, 4)} | {("accelerate", 4, 2)} <= seen, sorted(seen)
-    assert {(1, False), (2, False), (2, True)} <= stages and knobs == {"tp_sequence_parallel", "tiled_loss"}, stages
+    assert {(1, False), (2, False), (2, True), (3, False), (3, True)} <= stages, stages
+    assert knobs == {"tp_sequence_parallel", "tiled_loss"}, knobs
     # the draws the other engines' samples were pinned on are those they had before autotp and accelerate
     assert fuzz.draw_case(757583708, ("engine",))["engine"] == "fsdp2"
     assert {fuzz.draw_case(s, ("engine",))["engine"] for s in DP_ENGINE_SAMPLE} == {"fsdp1", "zero2"}
     assert fuzz.draw_case(1148634672, ("engine",), engine="autotp")["engine"] == "autotp"
+    assert [fuzz.draw_case(s, ("engine",))["zero_stage"] for s in (AUTOTP_CASE, 1709044604)] == [2, 2]
+    # fz24a: Apertus' trained activation under AutoTP is DeepSpeed's limit (fuzz_engines' docstring): redrawn
+    assert trained_activation_types() == ["apertus", "apertus1p5_text"], trained_activation_types()
+    assert fuzz.draw_case(1878399021, ("engine",), engine="autotp")["model_type"] != "apertus"
 
 
 # The one real case of each new engine in CI: autotp (tiny llama, TP 2 x SP 2, ZeRO-2, accumulation, vocabulary 31
@@ -1574,6 +1619,30 @@ def test_a_planted_autotp_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
     verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0)
     assert verdict == "exact", detail
     verdict, detail = run_engine_case(fuzzer.pools, draws, 240.0, plant="zero_divide_world")
+    assert verdict == "WRONG" and "grad" in detail, detail
+
+
+# fz24a: AutoTP under ZeRO-3 (tiny mistral, TP 2 x SP 2, ulysses, accumulation over two micro-batches, vocabulary 97
+# that TP 2 splits 49 + 48: ZeRO-3 partitions each TP slice, the runner gathers them by their ds_shape)
+AUTOTP_ZERO3_CASE = 21304
+
+
+@pytest.mark.timeout(600)
+def test_a_planted_autotp_zero3_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
+    """The autotp engine's judge can fail under ZeRO-3 too: :data:`AUTOTP_ZERO3_CASE` is exact, then WRONG with
+    the adapter's loss scaling by ``sp`` in ``engine.backward`` lost (``zero_divide_world``: ZeRO-3's reduce-scatter
+    divides by dp x sp, the gradients half the DP mean). Seen failing: the runner's TP gather reading ``p.shape``
+    (ZeRO-3's partitioned (0,)) instead of ``ds_shape``: the clean case not exact ("ValueError: zip() argument 2 is
+    longer than argument 1", raised in the runner, so counted as refused; case 2075268836 of seed 915 the same).
+    111 s under load (load average 57)."""
+    from seqpar.testing.fuzz_engines import run_engine_case
+
+    draws = fuzz.draw_case(AUTOTP_ZERO3_CASE, ("engine",))
+    assert (draws["engine"], draws["world"], draws["dp"], draws["zero_stage"], draws["step"]) == \
+        ("autotp", 4, 1, 3, "accumulate"), fuzz.summary(draws)
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 300.0)
+    assert verdict == "exact", detail
+    verdict, detail = run_engine_case(fuzzer.pools, draws, 300.0, plant="zero_divide_world")
     assert verdict == "WRONG" and "grad" in detail, detail
 
 

@@ -34,7 +34,8 @@ the ``fsdp2`` draws left after ``fsdp1``'s, both from a stream of their own (see
 every case seed draws what it drew before them), and both keep their parent's rules. ``autotp`` is TP 2 x SP
 (world / (dp x 2)) x DP 1 or 2 at world 4, TP 2 x SP 1 at world 2 (an odd world forced to ``autotp`` becomes the
 next even one), judged like ``tp2`` (the TP slices of each gradient gathered by the runner). Its draws
-(:func:`draw_autotp`): the ZeRO stage, 1 or 2 (2 with accumulation: ZeRO-1's rule above), the model type among
+(:func:`draw_autotp`): the ZeRO stage, 1 or 2 (2 with accumulation: ZeRO-1's rule above), then 3 in 30% of the
+cases (drawn last, so every other draw is what the case seed drew before it), the model type among
 :func:`autotp_types`, the tiled loss, odd vocabularies and ignored labels as ``tp2`` draws them, and
 ``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it.
@@ -45,14 +46,36 @@ with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpa
 - ZeRO-0: its reduction (``engine.allreduce_gradients`` -> ``split_half_float_double_sparse``) asserts
   "attempting to reduce an unsupported grad type: torch.float64", so it cannot run the float64 cases (tiny
   llama, plain: the same assertion on both ranks). ZeRO-1/2 reduce float64.
-- ZeRO-3 is not drawn yet (coverage left out, not a limit found): tests/test_deepspeed_tp.py trains AutoTP under
-  ZeRO-3 at TP 2 x SP 2 against one process.
+- model types whose MLP activation has parameters of its own (:func:`trained_activation_types`: Apertus' xIELU,
+  ``act_fn.alpha_p`` / ``alpha_n``; redrawn): the activation runs on ``up_proj``'s output features, which AutoTP
+  splits, and transformers' tp plan leaves ``act_fn`` out, so DeepSpeed neither all-reduces its gradient over TP
+  (``replicated_with_grad_allreduce``) nor warns: each TP rank holds its slice's share, silently (fuzzer case
+  1878399021 of seed 917, tiny apertus, AutoTP 2, ZeRO-2: ``model.layers.0.mlp.act_fn.alpha_p`` off by 5x its
+  size, loss exact). Plain ``deepspeed.initialize``, ``autotp_size`` 2, ZeRO-1, tiny apertus in float64 on 2 gloo
+  ranks, no seqpar: ``layers.0``'s ``alpha_p`` gradient 0.0268 on TP rank 1 and 0.0142 on rank 0, one process's
+  0.0410 their sum. Not refused by seqpar yet (reported; a refusal would have to tell which of a model's modules
+  run on TP-split features).
 - model types outside :func:`autotp_types`: a ``base_model_tp_plan`` with a style DeepSpeed does not convert
   (``packed_colwise``, ``moe_tp_experts``, ``rowwise_split_input``: DeepSpeed's own ``ValueError`` "HuggingFace
   tp_plan contains unsupported partition style(s)", phi3 and granitemoehybrid in seed 811's first run), mixture-of-
   experts blocks, and no plan at all, where AutoTP's name-pattern heuristic splits the mixers' projections and
   the model's own code fails (plain falcon_mamba and zamba2: "split_with_sizes expects split_sizes to sum exactly
   to ...", the crash seed 811's first run met under seqpar).
+
+ZeRO-3 under ``autotp`` (drawn since session 24; ``--set engine=autotp --set zero_stage=3`` forces it): ZeRO-3
+partitions each TP slice, and the runner gathers the slices over TP by their ``ds_shape``; seeds 915 and 916 (16
+cases) found nothing wrong under ZeRO-3 itself (exact or refused by name).
+
+Found by ``autotp`` in session 24: the tiled loss drawn under ``autotp`` never reached its config (set under
+``tp_loss_parallel``, ``tp2``'s key alone, since session 23's merge), so those cases ran the plain loss and were
+exact (case 2075268836 under ZeRO-3, and the pinned 756378705 with them); :func:`engine_task` sets it with
+``tp_sequence_parallel`` (both engines' key) now, and they are refused by name. And tiny Dory under AutoTP (case
+543632810: ``lm_head.logit_scale`` without a gradient): AutoTP swaps ``DoryLMHead``, an ``nn.Linear`` subclass
+scaling its logits by a trained ``logit_scale``, for its plain ``LinearLayer``, dropping the scale, with or without
+seqpar (plain ``deepspeed.initialize``, ``autotp_size`` 2, tiny dory in float64 on 2 gloo ranks with a trained scale:
+the loss 1.5% off one process). seqpar cannot keep the parameter, so
+:func:`seqpar.integrations.deepspeed.initialize` refuses by name, on every rank, a model whose parameters AutoTP
+dropped; Dory stays drawn, its refusal checked.
 
 Found by ``autotp``: the tiled loss under AutoTP was silently wrong (case 756378705, tiny qwen2, TP 2 x SP 1: the
 loss 13% off): it computes the logits from ``lm_head.weight``, which AutoTP had replaced by the TP rank's slice
@@ -155,7 +178,7 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
-           "draw_autotp", "autotp_types", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
+           "draw_autotp", "autotp_types", "trained_activation_types", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
            "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2", "autotp", "accelerate")
@@ -300,7 +323,8 @@ def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]
 
 def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     """An ``autotp`` case's draws, in place (JSON-able; from the case's own stream, after every other draw):
-    the ZeRO stage ``zero_stage`` (1 or 2; 2 with accumulation, see the module docstring), the model
+    the ZeRO stage ``zero_stage`` (1 or 2; 2 with accumulation, see the module docstring; then 3 30% of the time,
+    after every other draw, so that they are what each case seed drew before ZeRO-3 was drawn), the model
     type redrawn among :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES` 30% of the time, then the loss knobs
     as :func:`draw_tp_loss` draws them for ``tp2`` (the tiled loss with its tile, odd vocabularies, ignored
     labels), but ``tp_sequence_parallel`` 10% of the time only: seqpar refuses it under DeepSpeed by name
@@ -322,6 +346,16 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     draws["tp_sequence_parallel"] = rng.random() < 0.1
     draws["memory"] = {"tiled_loss": tiled, "loss_tile_rows": tile if tiled else None,
                        "vocab": vocab if tileable else VOCAB, "ignored_prefix": rng.choice((0, 0, 1, rng.randint(2, 8)))}
+    if rng.random() < 0.3:
+        # ZeRO-3, last: every draw above is what the case seed drew before it (a third of the stage draws flip to 3).
+        # Its rules are ZeRO-3's: two forwards with reentrant checkpointing are already non-reentrant (draw_engine),
+        # and autotp_types has no mixture-of-experts blocks (ZeRO-3's leaf modules)
+        draws["zero_stage"] = 3
+    if draws["model_type"] in trained_activation_types():
+        # DeepSpeed's limit (the module docstring): redrawn, last, among the types of the same tileability, so that
+        # the loss draws above still hold and every other case seed keeps its draws
+        draws["model_type"] = rng.choice([t for t in shardable if t not in trained_activation_types()
+                                          and (t in TILEABLE_TYPES) == tileable])
 
 
 def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
@@ -367,6 +401,22 @@ def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
 
 _TP_PLAN_TYPES: list[str] = []
 _AUTOTP_TYPES: list[str] = []
+_TRAINED_ACTIVATION_TYPES: list[str] = []
+
+
+def trained_activation_types() -> list[str]:
+    """The types among :func:`autotp_types` whose MLP activation (``ACT2FN[config.hidden_act]``) has parameters of its
+    own (Apertus' xIELU ``alpha_p`` / ``alpha_n``): not drawn under ``autotp`` (the module docstring)."""
+    if not _TRAINED_ACTIVATION_TYPES:
+        from transformers import CONFIG_MAPPING
+        from transformers.activations import ACT2FN
+
+        for t in autotp_types():
+            act = getattr(CONFIG_MAPPING[t](), "hidden_act", None)
+            if isinstance(act, str) and act in ACT2FN and list(ACT2FN[act].parameters()):
+                _TRAINED_ACTIVATION_TYPES.append(t)
+        _TRAINED_ACTIVATION_TYPES.append("")  # computed (none found is a result too)
+    return [t for t in _TRAINED_ACTIVATION_TYPES if t]
 
 
 def autotp_types() -> list[str]:
@@ -635,9 +685,11 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
                   "check_inputs": draws["check_inputs"]}
         if "tp_sequence_parallel" in draws:  # tp2's and autotp's loss draws, as a user's config sets them
             config["tp_sequence_parallel"] = draws["tp_sequence_parallel"]
+            # autotp's too (fz24a: set under tp_loss_parallel alone since session 23's merge, autotp's tiled loss
+            # was drawn, never configured: its cases ran the plain loss, case 756378705's refusal exact)
+            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if "tp_loss_parallel" in draws:  # tp2's loss layout (a case pinned before the key runs "auto")
             config["tp_loss_parallel"] = draws["tp_loss_parallel"]
-            config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if draws["engine"] == "autotp":
             config["zero_stage"] = draws["zero_stage"]  # the runner's key (integrations/fuzz_engine.py)
         fed = [[b["batch"] for b in replica] for replica in batches]
