@@ -126,7 +126,7 @@ def test_hooks_others_change_inside_the_generation_block_stay_as_the_block_left_
     registers new ones (fuzzer case 845186468): after the block the hooks others removed stay removed, the ones
     they added stay (after the others), and seqpar's are back at their places.
     Seen failing (audit 24): ``hooks.update(now)`` dropped from ``_unsharded``'s ``finally`` (the hook added inside
-    the block was gone: ``post-E`` missing, DeepSpeed's parameter left "active in submodules" in the fuzzer case)."""
+    the block were gone: ``pre-E`` and ``post-E`` missing, DeepSpeed's parameter left "active in submodules" in the fuzzer case)."""
     from seqpar.integrations.trl import _unsharded
 
     calls: list[str] = []
