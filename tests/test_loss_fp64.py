@@ -64,3 +64,23 @@ def test_tiled_loss_keeps_float64(chunk_rows):
     assert _rel(loss_sum.detach(), ref.detach()) < 1e-12
     assert _rel(h.grad, rh.grad) < 1e-12
     assert _rel(w.grad, rw.grad) < 1e-12
+
+
+def test_gathered_sequence_parallel_loss_keeps_float64():
+    """The gathered path (``seqpar.sequence.loss._token_losses``, whole logits on one process) on float64 logits:
+    the loss and the logits' gradient are float64 and equal ``F.cross_entropy``'s to 1e-12, as the vocab-parallel
+    and tiled losses above. Seen failing: ``acc = upcast(logits)`` made ``logits.float()`` (the loss came back
+    float32, ~1e-8 relative off)."""
+    from seqpar.sequence.loss import sequence_parallel_loss
+
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(2, 11, 31, generator=gen, dtype=torch.float64) * 4).requires_grad_()
+    targets = torch.stack([_targets(11, 31, gen) for _ in range(2)])
+    loss = sequence_parallel_loss(logits, targets)
+    loss.backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, 31), targets.reshape(-1), ignore_index=-100)
+    ref.backward()
+    assert loss.dtype == torch.float64 and logits.grad.dtype == torch.float64
+    assert _rel(loss.detach(), ref.detach()) < 1e-12
+    assert _rel(logits.grad, ref_logits.grad) < 1e-12

@@ -522,3 +522,25 @@ def _trainer_reference(steps: int, batch: int, eval_rows: int, **attrs: float) -
                          torch.stack([d["input_ids"] for d in data[:eval_rows]]).split(batch)]
         losses.append(sum(per_batch) / len(per_batch))
     return losses
+
+
+def _counts_probed_at_first_forward(rank: int, world: int) -> dict[str, list[int]]:
+    """``_counts`` (GLM-4.5) with the position-mixing probe put off to the first forward (ZeRO-3's partitions)."""
+    from seqpar.swap import hf_probe
+
+    saved = hf_probe.is_materialised
+    hf_probe.is_materialised = lambda model: False
+    try:
+        return _counts(rank, world, "glm4_moe")
+    finally:
+        hf_probe.is_materialised = saved
+
+
+def test_expert_counts_skip_the_probe_run_at_the_first_forward(dist_pool) -> None:
+    """An ``ExpertCounter`` attached before the first forward of a model whose probe is put off to that forward
+    counts the batch's tokens only, not the probe's synthetic ones (the counts are one process's).
+    Seen failing (audit 24): ExpertCounter's hook without its ``is_probing()`` check: on every rank "The expanded
+    size of the tensor (13) must match the existing size (16)" (the probe's 13 synthetic tokens against the
+    batch's token mask), where the existing tests, whose probe runs at swap time, passed."""
+    per_rank = dist_pool.run(2, _counts_probed_at_first_forward, timeout=300)
+    assert per_rank[0] == per_rank[1]

@@ -397,3 +397,67 @@ def test_a_refusal_reaches_every_rank_the_forward_gathers_over(dist_pool, checki
     texts = dist_pool.run(2, _gathered_refusal, checking, timeout=60)
     assert texts[1] == ["rank 1's batch is bad: cut it with shard_batch"], texts
     assert len(texts[0]) == 1 and "rank(s) [1]" in texts[0][0] and "cut it with shard_batch" in texts[0][0], texts
+
+
+# ------------------------------------------------------------- audit 24: a refusal vs a crash while probing
+def _seqpar_refusal() -> BaseException:
+    """A refusal seqpar's code wrote: ``raise`` in a helper two calls below the caller (``config._fail``)."""
+    from seqpar.config import ConfigError, SeqParConfig
+
+    try:
+        SeqParConfig.from_dict({"tp_loss_parallel": "yes"})
+    except ConfigError as error:
+        return error
+    raise AssertionError("the config was accepted")
+
+
+def _op_error_in_a_frame_that_also_raises() -> BaseException:
+    """An IndexError from an operation, in a frame whose code holds a ``raise`` statement it did not reach."""
+    def index(x: torch.Tensor, bad: bool) -> torch.Tensor:
+        if bad:
+            raise ValueError("never reached")
+        return x[10]
+
+    try:
+        index(torch.zeros(3), False)
+    except IndexError as error:
+        return error
+    raise AssertionError("no IndexError")
+
+
+def test_a_refusal_while_probing_stays_a_refusal_and_a_crash_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hf_probe._probe_tops`` words a seqpar error raised by a ``raise`` statement (a refusal, however deep in
+    seqpar's helpers) as "seqpar refused a layer while probing the model", and raises an error a seqpar frame's
+    operation hit (a bug of seqpar's, case 1410858051) as it is. ``_raise_statement`` judges the innermost
+    frame at its last instruction: a raise statement elsewhere in that frame's code is not enough.
+    Seen failing: ``_raise_statement`` without its walk to the innermost frame (the refusal, raised two frames
+    down, came out bare: "a ConfigError, not SwapError"); without its ``ins.offset == tb.tb_lasti`` (the op's
+    IndexError in a frame holding a ``raise`` read as a refusal)."""
+    from seqpar.config import ConfigError
+    from seqpar.swap import hf_probe
+    from seqpar.swap.probe import ProbeFailed
+
+    refusal, crash = _seqpar_refusal(), _op_error_in_a_frame_that_also_raises()
+    assert hf_probe._raise_statement(refusal)
+    assert not hf_probe._raise_statement(crash)
+
+    class Top(nn.Module):
+        pass
+
+    def probe_raising(error: BaseException):  # noqa: ANN202
+        def find_mixers(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise ProbeFailed("layers.0", "Layer", error)
+        return find_mixers
+
+    monkeypatch.setattr(hf_probe, "_synthetic_run", lambda top: None)
+    monkeypatch.setattr(hf_probe, "find_mixers", probe_raising(refusal))
+    with pytest.raises(SwapError, match=r"Top: seqpar refused a layer while probing the model: .*tp_loss_parallel"
+                                        r".*Nothing changed\.$") as raised:
+        hf_probe._probe_tops([("", Top())], "Nothing changed.")
+    assert raised.value.__cause__ is refusal
+    # a seqpar frame's own operation failing (raised_by_seqpar: the innermost frame is seqpar's) is raised bare
+    monkeypatch.setattr(hf_probe, "raised_by_seqpar", lambda error: True)
+    monkeypatch.setattr(hf_probe, "find_mixers", probe_raising(crash))
+    with pytest.raises(IndexError) as raised:
+        hf_probe._probe_tops([("", Top())], "Nothing changed.")
+    assert raised.value is crash and not isinstance(raised.value, (SwapError, ConfigError))

@@ -119,3 +119,28 @@ def test_sync_ref_model_under_fsdp2_is_refused_by_both_trainer_kinds(kind: str) 
             loss.after_init(trainer, swap=lambda model: None)
         except AttributeError as e:
             assert kind == "GRPOLoss" and "seqpar_manager" in str(e), e
+
+
+def test_hooks_others_change_inside_the_generation_block_stay_as_the_block_left_them() -> None:
+    """Under ZeRO-3 TRL's ``unwrap_model_for_generation`` takes DeepSpeed's module hooks off inside the block and
+    registers new ones (fuzzer case 845186468): after the block the hooks others removed stay removed, the ones
+    they added stay (after the others), and seqpar's are back at their places.
+    Seen failing (audit 24): ``hooks.update(now)`` dropped from ``_unsharded``'s ``finally`` (the hook added inside
+    the block were gone: ``pre-E`` and ``post-E`` missing, DeepSpeed's parameter left "active in submodules" in the fuzzer case)."""
+    from seqpar.integrations.trl import _unsharded
+
+    calls: list[str] = []
+    layer = torch.nn.Linear(2, 2)
+    removed = layer.register_forward_pre_hook(_hook(calls, "pre-A", ours=False))
+    layer.register_forward_pre_hook(_hook(calls, "pre-seqpar", ours=True))
+    layer.register_forward_hook(_hook(calls, "post-C", ours=False))
+    layer.register_forward_hook(_hook(calls, "post-seqpar", ours=True))
+    with _unsharded(layer, []):
+        removed.remove()  # DeepSpeed's hook taken off ...
+        layer.register_forward_pre_hook(_hook(calls, "pre-E", ours=False))  # ... and new ones registered
+        layer.register_forward_hook(_hook(calls, "post-E", ours=False))
+        layer(torch.randn(1, 2))
+        assert calls == ["pre-E", "post-C", "post-E"], calls
+    calls.clear()
+    layer(torch.randn(1, 2))
+    assert calls == ["pre-seqpar", "pre-E", "post-C", "post-seqpar", "post-E"], calls
