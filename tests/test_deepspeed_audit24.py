@@ -29,17 +29,3 @@ def test_tp_loss_parallel_true_is_refused_under_autotp_at_every_sp_size() -> Non
     assert not dist.is_initialized()
     for setting in ("auto", False):
         _check_compatible(config, SeqParConfig.from_dict({**sp1, "tp_loss_parallel": setting}), None, None)
-
-
-def test_vocab_parallel_head_true_is_refused_at_sp2_without_initialize() -> None:
-    """``_refuse_vocab_parallel_head_under_sp`` itself at SP 2 and SP 4 (TP 2): test_deepspeed_tp reaches the SP 2
-    refusal through ``initialize`` only, where a refusal that lets SP 2 through goes on into DeepSpeed's
-    ``init_distributed`` and waits for other processes until pytest-timeout (300 s) instead of failing.
-    Seen failing (audit 24): the refusal's ``sp_config.size > 1`` made ``> 2`` ("DID NOT RAISE" at SP 2, at once)."""
-    from seqpar.config import ConfigError, SeqParConfig
-    from seqpar.integrations.deepspeed import _refuse_vocab_parallel_head_under_sp
-
-    config = {**ds_tp_config(2), "tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}
-    for size in (2, 4):
-        with pytest.raises(ConfigError, match=rf"vocab_parallel_lm_head = true .*sequence_parallel.size = {size}"):
-            _refuse_vocab_parallel_head_under_sp(config, SeqParConfig(size=size, tp_size=2))
