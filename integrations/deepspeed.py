@@ -272,6 +272,8 @@ def initialize(
     _seqpar_loss_on_split_head(model, manager)
     _refuse_split_sparse_gate(model, sparse_rows)
     _refuse_parameters_autotp_dropped(model, named_before)
+    _sum_split_activation_gradients(model, manager)
+    _refuse_unreduced_parameters_on_split_features(model, manager)
     _compensate_gradient_average(engine, manager)
     if tp_loader:
         loader = _dp_axis_loader(engine, training_data, collate_fn, manager)
@@ -858,6 +860,100 @@ def _refuse_parameters_autotp_dropped(model: torch.nn.Module, before: list[str])
             "the subclass's own parameters and forward (e.g. a head's logit scale) are lost and the model computes "
             "something else. Keep those modules whole (tensor_parallel.partition_config / the model's tp plan "
             "without them), or run tp_size 1"
+        )
+
+
+def _sum_split_activation_gradients(model: torch.nn.Module, manager: Any) -> list[str]:
+    """Sum over the TP group the gradient of every MLP activation's own parameters that AutoTP left whole (returns
+    their names). transformers' MLPs apply ``act_fn`` to the column-parallel projections' output, so each TP rank's
+    gradient of its parameters (Apertus' xIELU ``alpha_p`` / ``alpha_n``) covers that rank's features only, and
+    transformers' tp plan leaves ``act_fn`` out, so DeepSpeed 0.19.8 neither sums it nor warns (fuzzer case
+    1878399021: ``alpha_p``'s gradient 0.0268 and 0.0142 on the two TP ranks, one process's 0.0410 their sum,
+    DeepSpeed's own without seqpar). The hook is DeepSpeed's own for the parameters its partition config marks
+    ``grad_allreduce`` (Qwen3's ``q_norm``): an all-reduce of the gradient when autograd computes it, before it is
+    accumulated, marked ``_ds_grad_allreduce_registered``. FSDP2's TP does the same with transformers'
+    ``replicated_with_grad_allreduce`` (:func:`seqpar.integrations.tp.split_feature_activations`)."""
+    if manager.tp_size == 1:
+        return []
+    try:
+        from deepspeed.module_inject.layers import (
+            LinearAllreduce,
+            LinearAllreduceWithReplicatedInput,
+            LinearLayer,
+        )
+    except ImportError:  # pragma: no cover - a DeepSpeed without AutoTP's layers
+        return []
+
+    def summed_over(group: Any) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            grad = grad.contiguous()
+            torch.distributed.all_reduce(grad, group=group)
+            return grad
+        return hook
+
+    summed = []
+    for name, module in model.named_modules():
+        act = getattr(module, "act_fn", None)
+        if not isinstance(act, torch.nn.Module):
+            continue
+        children = list(module.children())
+        rows = [c for c in children if isinstance(c, LinearAllreduce)
+                and not isinstance(c, LinearAllreduceWithReplicatedInput)]
+        if not rows or not any(isinstance(c, LinearLayer) for c in children):
+            continue
+        for pname, p in act.named_parameters(recurse=False):
+            if p.requires_grad and not getattr(p, "_ds_grad_allreduce_registered", False):
+                p.register_hook(summed_over(rows[0].mp_group))
+                p._ds_grad_allreduce_registered = True
+                summed.append(f"{name}.act_fn.{pname}" if name else f"act_fn.{pname}")
+    if summed:
+        logger.info("%s seqpar: DeepSpeed AutoTP splits the features of %d MLP activations with parameters; their "
+                    "gradients are summed over TP (e.g. %s)", rank_prefix(), len(summed), summed[0])
+    return summed
+
+
+def _refuse_unreduced_parameters_on_split_features(model: torch.nn.Module, manager: Any) -> None:
+    """Refuse a trained parameter that DeepSpeed's AutoTP keeps whole but that acts on features it split.
+
+    Inside a module one of whose direct children AutoTP made row-parallel (``LinearAllreduce``: the MLP's
+    ``down_proj``, the attention's ``o_proj``), the activations between its column-parallel and row-parallel layers
+    are this TP rank's slice of the features. A parameter of another child there (or of the module itself) is
+    replicated, but its gradient on each TP rank covers that rank's slice only: the gradient is the sum over the TP
+    group, which DeepSpeed 0.19.8 takes only for the parameters its partition config marks ``grad_allreduce`` (a
+    hook, ``_ds_grad_allreduce_registered``: Qwen3's ``q_norm`` / ``k_norm``). Any other such parameter trains on a
+    partial gradient, silently: Apertus' xIELU activation (``mlp.act_fn.alpha_p`` / ``alpha_n``, applied to the split
+    ``up_proj`` output; fuzzer case 1878399021, ``alpha_p``'s gradient on the two TP ranks 0.0268 and 0.0142 where one
+    process has their sum 0.0410, DeepSpeed's own without seqpar), which :func:`_sum_split_activation_gradients` now
+    sums: this refuses what is left. Every TP rank splits alike, so every rank raises."""
+    if manager.tp_size == 1:
+        return
+    try:
+        from deepspeed.module_inject.layers import (
+            LinearAllreduce,
+            LinearAllreduceWithReplicatedInput,
+            TensorParallel_Layer,
+        )
+    except ImportError:  # pragma: no cover - a DeepSpeed without AutoTP's layers
+        return
+    unreduced = []
+    for prefix, module in model.named_modules():
+        children = dict(module.named_children())
+        if not any(isinstance(c, LinearAllreduce) and not isinstance(c, LinearAllreduceWithReplicatedInput)
+                   for c in children.values()):
+            continue
+        owners = [("", module, False)] + [(n, c, True) for n, c in children.items()
+                                          if not isinstance(c, TensorParallel_Layer)]
+        for name, owner, recurse in owners:
+            for pname, p in owner.named_parameters(recurse=recurse):
+                if p.requires_grad and not getattr(p, "_ds_grad_allreduce_registered", False):
+                    unreduced.append(".".join(x for x in (prefix, name, pname) if x))
+    if unreduced:
+        raise ConfigError(
+            f"DeepSpeed AutoTP keeps {type(model).__name__}'s parameters {unreduced} whole, but they act on features "
+            "it split over the TP ranks (between a column-parallel and a row-parallel layer), and it does not sum "
+            "their gradients over the TP group: each rank would train them on its own slice's share, silently "
+            "wrong. Freeze them (requires_grad False), keep those modules whole (tensor_parallel.partition_config "
+            "/ the model's tp plan without them), or run tp_size 1"
         )
 
 

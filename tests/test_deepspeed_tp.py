@@ -606,7 +606,8 @@ def test_vocab_split_head_under_autotp2_sp2_matches_one_process(dist_pool, stage
 
 
 @releases_deepspeed_engines
-def _dory_under_autotp(rank: int, world: int) -> str:
+def _dory_under_autotp(rank: int, world: int, model_type: str = "dory") -> str:
+    """``initialize`` tiny ``model_type`` under AutoTP 2 x SP 1: the ConfigError's message, or "" if it ran."""
     from deepspeed.utils import groups
 
     from seqpar.config import ConfigError
@@ -616,10 +617,12 @@ def _dory_under_autotp(rank: int, world: int) -> str:
 
     config = {**ds_tp_config(1), "sequence_parallel": {"size": 1, "tp_size": 2}}
     try:
-        with pytest.raises(ConfigError) as info:
-            initialize(model=build_model("dory", torch.float64), config=config,
+        try:
+            initialize(model=build_model(model_type, torch.float64), config=config,
                        optimizer=lambda params: torch.optim.SGD(params, lr=LR))
-        return str(info.value)
+        except ConfigError as e:
+            return str(e)
+        return ""
     finally:
         set_default_manager(None)
         groups._release_process_group_references(None)  # AutoTP's TP group, kept per process otherwise
@@ -635,3 +638,65 @@ def test_parameters_autotp_drops_are_refused(dist_pool) -> None:
     for message in dist_pool.run(2, _dory_under_autotp, timeout=240):
         assert "DeepSpeed AutoTP replaced modules of DoryForCausalLM and dropped their parameters " \
                "['lm_head.logit_scale']" in message and "tp_size 1" in message, message
+
+
+def test_parameters_on_split_features_are_summed_or_refused(dist_pool) -> None:
+    """A parameter AutoTP keeps whole but that acts on features it split trains on each TP rank's share of its
+    gradient unless the gradient is summed over TP: Apertus' xIELU activation (``mlp.act_fn.alpha_p`` / ``alpha_n``,
+    on the split ``up_proj`` output; fuzzer case 1878399021: 0.0268 and 0.0142 on the TP ranks where one process has
+    0.0410, DeepSpeed's own without seqpar). seqpar's ``initialize`` sums an MLP activation's parameters' gradients
+    over TP (the fuzzer's pinned case is exact at ZeRO-3, and at ZeRO-2 as drawn) and refuses by name any other
+    whole parameter inside a module with a row-parallel child whose gradient nothing sums (the unit test below).
+    Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``, which DeepSpeed's partition config sums itself, and Llama run.
+    Seen failing: the ``_sum_split_activation_gradients`` call removed (apertus refused by name:
+    "keeps ApertusForCausalLM's parameters ['model.layers.0.mlp.act_fn.alpha_p', ..."); and with the refusal removed
+    too, the fuzzer case WRONG (``alpha_p`` off by 5x its size); the ``_ds_grad_allreduce_registered`` test dropped
+    from the refusal (every model refused for its q_norm / k_norm)."""
+    for got in dist_pool.run(2, _each_under_autotp, ("apertus", "qwen3", "gemma3_text", "llama"), timeout=400):
+        assert got == {"apertus": "", "qwen3": "", "gemma3_text": "", "llama": ""}, got
+
+
+def test_whole_parameters_on_split_features_left_unsummed_are_refused() -> None:
+    """The refusal itself, on modules built without a process group: a module with a row-parallel child
+    (DeepSpeed's ``LinearAllreduce``) and a column-parallel one (``LinearLayer``) whose other child holds a trained
+    parameter nothing sums over TP is refused by name; the same parameter marked as DeepSpeed marks the ones it sums
+    (``_ds_grad_allreduce_registered``), frozen, or beside a row-parallel layer with replicated input
+    (``LinearAllreduceWithReplicatedInput``: its input is whole) is not. Seen failing: the refusal's
+    ``isinstance(c, LinearAllreduce)`` test inverted (nothing raised for the unsummed scale)."""
+    import types
+
+    from deepspeed.module_inject.layers import (
+        LinearAllreduce,
+        LinearAllreduceWithReplicatedInput,
+        LinearLayer,
+    )
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import _refuse_unreduced_parameters_on_split_features
+
+    def bare(cls: type) -> torch.nn.Module:  # DeepSpeed's layer class, without its process group or weights
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        return layer
+
+    def mlp(row: type, mark: bool = False, trained: bool = True) -> torch.nn.Module:
+        block = torch.nn.Module()
+        block.up_proj, block.down_proj, block.scale = bare(LinearLayer), bare(row), torch.nn.Module()
+        block.scale.weight = torch.nn.Parameter(torch.ones(3), requires_grad=trained)
+        if mark:
+            block.scale.weight._ds_grad_allreduce_registered = True
+        model = torch.nn.Module()
+        model.mlp = block
+        return model
+
+    manager = types.SimpleNamespace(tp_size=2)
+    with pytest.raises(ConfigError, match=r"keeps Module's parameters \['mlp.scale.weight'\] whole.*tp_size 1"):
+        _refuse_unreduced_parameters_on_split_features(mlp(LinearAllreduce), manager)
+    _refuse_unreduced_parameters_on_split_features(mlp(LinearAllreduce, mark=True), manager)
+    _refuse_unreduced_parameters_on_split_features(mlp(LinearAllreduce, trained=False), manager)
+    _refuse_unreduced_parameters_on_split_features(mlp(LinearAllreduceWithReplicatedInput), manager)
+    _refuse_unreduced_parameters_on_split_features(mlp(LinearAllreduce), types.SimpleNamespace(tp_size=1))
+
+
+def _each_under_autotp(rank: int, world: int, types: tuple[str, ...]) -> dict[str, str]:
+    return {t: _dory_under_autotp(rank, world, t) for t in types}

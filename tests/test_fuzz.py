@@ -492,8 +492,13 @@ FOUND[543632810] = (("engine",), "refused")
 #   its own and runs on up_proj's output features, which AutoTP splits; transformers' tp plan leaves act_fn out, so
 #   DeepSpeed never sums their gradient over TP. DeepSpeed's own: plain deepspeed.initialize, autotp_size 2, ZeRO-1,
 #   tiny apertus in float64, 2 gloo ranks, no seqpar: alpha_p's gradient 0.0268 and 0.0142 on the TP ranks, one
-#   process's 0.0410 their sum. Not drawn under autotp now (fuzz_engines.trained_activation_types; the draw test
-#   test_engine_draws_autotp_and_accelerate). Not pinned (nothing of seqpar's to guard). Not refused (reported).
+#   process's 0.0410 their sum. Exact now (lead, session 24): seqpar's initialize sums the gradient of an MLP
+#   activation's parameters over TP, as DeepSpeed does for Qwen3's q_norm (_sum_split_activation_gradients), and
+#   refuses by name any other whole parameter on split features with no TP sum
+#   (tests/test_deepspeed_tp.py::test_parameters_on_split_features_are_summed_or_refused). Pinned at ZeRO-3 (exact at
+#   ZeRO-2 as drawn too); seen WRONG (alpha_p 5x off) with the sum removed and the refusal with it.
+FOUND_SET[1878399021] = {"engine": "autotp", "zero_stage": 3}
+FOUND[1878399021] = (("engine",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -1564,12 +1569,11 @@ def test_engine_draws_autotp_and_accelerate() -> None:
     reproducibly; the draws existing cases had before them are unchanged (those pinned here that became autotp are
     pinned back to tp2). Seen failing: the autotp / accelerate flips removed from draw_engine (neither drawn); the
     flips drawn from ``rng`` itself (the pinned fsdp2 case of test_a_planted_dp_bug_is_wrong, 757583708, drawn as
-    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)); apertus kept under autotp (case
-    1878399021 drawn as apertus). ZeRO-3 is drawn last from autotp's own
+    accelerate); ZeRO-3 never drawn (fz24a: the stages seen lack (3, ...)). ZeRO-3 is drawn last from autotp's own
     stream, so the pinned autotp cases (AUTOTP_CASE, 1709044604) keep ZeRO-2 and every other draw."""
     import json
 
-    from seqpar.testing.fuzz_engines import autotp_types, trained_activation_types
+    from seqpar.testing.fuzz_engines import autotp_types
 
     seen, stages, knobs = set(), set(), set()
     for seed in range(500):  # ZeRO-2 with accumulation first at 464 (8 is ZeRO-3 now)
@@ -1579,7 +1583,7 @@ def test_engine_draws_autotp_and_accelerate() -> None:
             assert d["tp_size"] == 2 and d["world"] in (2, 4) and d["world"] % (2 * d["dp"]) == 0, d
             assert d["dp"] == 1 or d["world"] == 4, d
             assert d["zero_stage"] in (1, 2, 3) and (d["zero_stage"] != 1 or d["step"] != "accumulate"), d
-            assert d["model_type"] in autotp_types() and d["model_type"] not in trained_activation_types(), d
+            assert d["model_type"] in autotp_types(), d
             stages.add((d["zero_stage"], d["step"] == "accumulate"))
             knobs.update(k for k in ("tp_sequence_parallel",) if d[k])
             knobs.update(k for k in ("tiled_loss",) if d["memory"][k])
@@ -1595,9 +1599,8 @@ def test_engine_draws_autotp_and_accelerate() -> None:
     assert {fuzz.draw_case(s, ("engine",))["engine"] for s in DP_ENGINE_SAMPLE} == {"fsdp1", "zero2"}
     assert fuzz.draw_case(1148634672, ("engine",), engine="autotp")["engine"] == "autotp"
     assert [fuzz.draw_case(s, ("engine",))["zero_stage"] for s in (AUTOTP_CASE, 1709044604)] == [2, 2]
-    # fz24a: Apertus' trained activation under AutoTP is DeepSpeed's limit (fuzz_engines' docstring): redrawn
-    assert trained_activation_types() == ["apertus", "apertus1p5_text"], trained_activation_types()
-    assert fuzz.draw_case(1878399021, ("engine",), engine="autotp")["model_type"] != "apertus"
+    # Apertus' trained activation under AutoTP: its gradient is summed over TP by seqpar (session 24), drawn again
+    assert fuzz.draw_case(1878399021, ("engine",), engine="autotp")["model_type"] == "apertus"
 
 
 # The one real case of each new engine in CI: autotp (tiny llama, TP 2 x SP 2, ZeRO-2, accumulation, vocabulary 31

@@ -38,7 +38,10 @@ next even one), judged like ``tp2`` (the TP slices of each gradient gathered by 
 cases (drawn last, so every other draw is what the case seed drew before it), the model type among
 :func:`autotp_types`, the tiled loss, odd vocabularies and ignored labels as ``tp2`` draws them, and
 ``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's).
-``accelerate`` draws what ``fsdp2`` draws and is judged like it.
+``accelerate`` draws what ``fsdp2`` draws and is judged like it. Apertus is drawn under ``autotp``: its xIELU
+activation's parameters act on the features AutoTP splits, and DeepSpeed 0.19.8 does not sum their gradient over TP
+(each TP rank's share, silently, without seqpar: case 1878399021); seqpar's ``initialize`` does
+(``_sum_split_activation_gradients`` in :mod:`seqpar.integrations.deepspeed`), exact under ZeRO-2 and ZeRO-3.
 
 Not drawn under ``autotp``, each DeepSpeed's own with or without seqpar (DeepSpeed 0.19.8, shown on 2 gloo ranks
 with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpar, tiny models in float64):
@@ -46,15 +49,6 @@ with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpa
 - ZeRO-0: its reduction (``engine.allreduce_gradients`` -> ``split_half_float_double_sparse``) asserts
   "attempting to reduce an unsupported grad type: torch.float64", so it cannot run the float64 cases (tiny
   llama, plain: the same assertion on both ranks). ZeRO-1/2 reduce float64.
-- model types whose MLP activation has parameters of its own (:func:`trained_activation_types`: Apertus' xIELU,
-  ``act_fn.alpha_p`` / ``alpha_n``; redrawn): the activation runs on ``up_proj``'s output features, which AutoTP
-  splits, and transformers' tp plan leaves ``act_fn`` out, so DeepSpeed neither all-reduces its gradient over TP
-  (``replicated_with_grad_allreduce``) nor warns: each TP rank holds its slice's share, silently (fuzzer case
-  1878399021 of seed 917, tiny apertus, AutoTP 2, ZeRO-2: ``model.layers.0.mlp.act_fn.alpha_p`` off by 5x its
-  size, loss exact). Plain ``deepspeed.initialize``, ``autotp_size`` 2, ZeRO-1, tiny apertus in float64 on 2 gloo
-  ranks, no seqpar: ``layers.0``'s ``alpha_p`` gradient 0.0268 on TP rank 1 and 0.0142 on rank 0, one process's
-  0.0410 their sum. Not refused by seqpar yet (reported; a refusal would have to tell which of a model's modules
-  run on TP-split features).
 - model types outside :func:`autotp_types`: a ``base_model_tp_plan`` with a style DeepSpeed does not convert
   (``packed_colwise``, ``moe_tp_experts``, ``rowwise_split_input``: DeepSpeed's own ``ValueError`` "HuggingFace
   tp_plan contains unsupported partition style(s)", phi3 and granitemoehybrid in seed 811's first run), mixture-of-
@@ -178,7 +172,7 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
-           "draw_autotp", "autotp_types", "trained_activation_types", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
+           "draw_autotp", "autotp_types", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
            "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2", "autotp", "accelerate")
@@ -351,11 +345,6 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
         # Its rules are ZeRO-3's: two forwards with reentrant checkpointing are already non-reentrant (draw_engine),
         # and autotp_types has no mixture-of-experts blocks (ZeRO-3's leaf modules)
         draws["zero_stage"] = 3
-    if draws["model_type"] in trained_activation_types():
-        # DeepSpeed's limit (the module docstring): redrawn, last, among the types of the same tileability, so that
-        # the loss draws above still hold and every other case seed keeps its draws
-        draws["model_type"] = rng.choice([t for t in shardable if t not in trained_activation_types()
-                                          and (t in TILEABLE_TYPES) == tileable])
 
 
 def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
@@ -401,22 +390,6 @@ def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
 
 _TP_PLAN_TYPES: list[str] = []
 _AUTOTP_TYPES: list[str] = []
-_TRAINED_ACTIVATION_TYPES: list[str] = []
-
-
-def trained_activation_types() -> list[str]:
-    """The types among :func:`autotp_types` whose MLP activation (``ACT2FN[config.hidden_act]``) has parameters of its
-    own (Apertus' xIELU ``alpha_p`` / ``alpha_n``): not drawn under ``autotp`` (the module docstring)."""
-    if not _TRAINED_ACTIVATION_TYPES:
-        from transformers import CONFIG_MAPPING
-        from transformers.activations import ACT2FN
-
-        for t in autotp_types():
-            act = getattr(CONFIG_MAPPING[t](), "hidden_act", None)
-            if isinstance(act, str) and act in ACT2FN and list(ACT2FN[act].parameters()):
-                _TRAINED_ACTIVATION_TYPES.append(t)
-        _TRAINED_ACTIVATION_TYPES.append("")  # computed (none found is a result too)
-    return [t for t in _TRAINED_ACTIVATION_TYPES if t]
 
 
 def autotp_types() -> list[str]:
