@@ -63,9 +63,10 @@ then none beside them); with
 batch > 1 a head slice is strided, so each pass also copies its ``dout, k, v`` slices (Q + 2 K) / G.
 
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
-the attention call. The forward peaks lower, except with low-precision inputs and few K/V heads:
-there the merge's two fp32 copies of a block output (2 Q32) on top of ``q, k, v, dout``, the fp32
-output accumulator and the K/V buffers can be the step's peak. The model describes the CPU
+the attention call. The forward peaks lower, except with few K/V heads (GQA), where the ring's backward
+is small: there a forward merge (``q, k, v, dout``, the fp32 output accumulator, the block's output, the
+K/V buffers, and the CPU merge's fp64 pieces of the accumulator and the block, at least 4 K elements
+each, and its fp64 lse temporaries) can be the step's peak. The model describes the CPU
 kernels; on CUDA the kernels' workspaces (and GQA's expanded K/V in the flash backend) add to it.
 """
 
@@ -145,7 +146,8 @@ def estimate_attention_memory(
         return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks)
     if mode == "allgather":
         return _allgather_peak(sizes, world=world, chunks=chunks)
-    return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch)
+    return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch,
+                      acc_bytes=8 if dt == torch.float64 else 4)
 
 
 class _Sizes(NamedTuple):
@@ -230,12 +232,30 @@ def _single_peak(sizes: _Sizes) -> int:
     return int(sizes.base + (Q + 2 * K) + Q)
 
 
-def _forward_merge_bytes(sizes: _Sizes) -> int:
-    """Forward, at a block's merge: q, k, v, dout, the fp32 out accumulator, the block's output, plus lse
-    temporaries (the K/V buffers apart). The merge converts a block a piece of rows at a time
-    (:mod:`seqpar.kernels.merge`: at most 1/64 of it), so no block-sized upcast copies."""
+# seqpar.kernels.merge's CPU merge (_merge_torch) upcasts the accumulator and the block's output to fp64 a piece
+# at a time: at most _CPU_CHUNK output elements, at least _CPU_MIN_PIECE (or the whole block, when it is smaller)
+_MERGE_PIECE_MAX = 1 << 14
+_MERGE_PIECE_MIN = 1 << 12
+
+
+def _forward_merge_bytes(sizes: _Sizes, *, chunks: int = 1, acc_bytes: int = 4) -> float:
+    """Forward, at a block's merge into one head chunk's accumulators (of G = ``chunks``; the K/V buffers
+    apart): q, k, v, dout, and over the chunk's heads the fp32 out and lse accumulators, the block's output and
+    lse, and the CPU merge's temporaries (:func:`seqpar.kernels.merge.merge_into`): the two lse in fp64 and
+    the two softmax weights (fp64: 2 lse / G each when ``acc_bytes`` = 4), the empty-row mask (1 byte a row),
+    and the accumulator's and the block's pieces upcast to fp64 (2 x 8 bytes a piece element; fp64
+    accumulators are used as they are). A piece is 1/64 of the merged rows, but never under
+    ``_MERGE_PIECE_MIN`` elements nor over ``_MERGE_PIECE_MAX``: a chunk of at most 4 K output elements is
+    upcast whole, one of up to 256 K in 4 K-element pieces (2 x 32 KiB), a larger one in pieces of up to 16 K
+    (2 x 128 KiB). At S = 256 that was 27% of a GQA rank's peak (8 / 2 heads, P = 4, fp32: with few K/V heads
+    the forward's merge, not the backward, is the peak; the estimate was 7.7% under with it left out)."""
     Q, K, Q32, lse = sizes.Q, sizes.K, sizes.Q32, sizes.lse
-    return 2 * Q + 2 * K + Q32 + Q + 5 * lse
+    G = chunks
+    elems = Q32 / acc_bytes / G  # the chunk's output elements: a full-block merge covers all its rows
+    piece = min(elems, min(_MERGE_PIECE_MAX, max(elems // 64, _MERGE_PIECE_MIN)))
+    upcast = 0 if acc_bytes == 8 else 2 * 8 * piece
+    lse_tmp = (2 if acc_bytes == 8 else 4) * 8 / acc_bytes * lse / G + lse / acc_bytes / G
+    return 2 * Q + 2 * K + (Q32 + Q + 2 * lse) / G + lse_tmp + upcast
 
 
 def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
@@ -264,12 +284,11 @@ def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
     return int(max(peaks))
 
 
-def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: int) -> int:
+def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: int, acc_bytes: int = 4) -> int:
     """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
     pass per head chunk, each on 1/chunks of every transient."""
     Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
     Kw = sizes.Kw  # the travelling dK/dV accumulators' K-sized unit (dkv_wire_dtype)
-    fwd_merge = _forward_merge_bytes(sizes)
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
     kernel_out = Q + 2 * K + (2 * K32 if low else 0)
     if causal:  # a call over half a key block: the block's widened dK/dV accumulator (its first hop, in the
@@ -280,7 +299,7 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     # the travelling dK/dV accumulators: the pair being sent and the pair being received (wire dtype)
     at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * Kw) + kernel_out
     at_end = acc + kv_bufs + 4 * Kw + convert
-    fwd = fwd_merge + kv_bufs
+    fwd = _forward_merge_bytes(sizes, acc_bytes=acc_bytes) + kv_bufs
     if chunks == 1:  # the fp32 accumulators are the gradients
         return int(max(base + at_kernel, base + at_end, fwd))
     # chunked: full-size gradients written chunk by chunk; in the accumulation dtype (fp32, fp64 inputs)
@@ -290,7 +309,8 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     if not low:
         at_kernel, at_end = at_kernel - acc, at_end - acc
     copies = (Q + 2 * K) if batch > 1 else 0
-    fwd = 3 * Q + 2 * K + lse + (fwd_merge - (2 * Q + 2 * K) + kv_bufs + 2 * lse) / chunks
+    # forward: out and lse (all heads) beside one chunk's merge and K/V buffers
+    fwd = Q + lse + _forward_merge_bytes(sizes, chunks=chunks, acc_bytes=acc_bytes) + kv_bufs / chunks
     return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
