@@ -110,6 +110,13 @@ _CPU_MIN_PIECE = 1 << 12
 _FUSED_BLOCK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def cpu_merge_piece(elems: int, row: int = 1) -> int:
+    """The most output elements the CPU merge (``_merge_torch``) upcasts to fp64 at a time, for an accumulator of
+    ``elems`` output elements in rows of ``row``: 1/64 of it, but at least ``_CPU_MIN_PIECE`` elements (and one row)
+    and at most ``_CPU_CHUNK`` (the memory estimator counts these temporaries: :mod:`seqpar.memory.attention`)."""
+    return min(_CPU_CHUNK, max(row, elems // 64, _CPU_MIN_PIECE))
+
+
 @functools.cache
 def _triton_available() -> bool:
     """Triton imports (torch's CUDA build ships it). Asked once per process, never per call."""
@@ -167,7 +174,7 @@ def _merge_torch(out_acc: Tensor, lse_acc: Tensor, block_out: Tensor | None, blo
     # pieces of at most _CPU_CHUNK elements and 1/64 of the block: the fp64 temporaries stay a small
     # share of a large block (a whole block in fp64 was 4x its fp32 size at the merge); a small block's
     # pieces are _CPU_MIN_PIECE elements (32 KiB in fp64), not a Python step per few rows
-    limit = min(_CPU_CHUNK, max(out_acc.shape[-1], out_acc.numel() // 64, _CPU_MIN_PIECE))
+    limit = cpu_merge_piece(out_acc.numel(), out_acc.shape[-1])
     for piece in _pieces(out_acc.shape, limit):
         acc = _narrow(out_acc, piece)
         merged = acc.double()  # acc itself for fp64 accumulators

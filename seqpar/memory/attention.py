@@ -77,6 +77,7 @@ from typing import NamedTuple
 import torch
 
 from seqpar.attn.checks import check_dkv_wire, resolve_head_chunks
+from seqpar.kernels.merge import cpu_merge_piece
 
 __all__ = ["estimate_attention_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
@@ -232,12 +233,6 @@ def _single_peak(sizes: _Sizes) -> int:
     return int(sizes.base + (Q + 2 * K) + Q)
 
 
-# seqpar.kernels.merge's CPU merge (_merge_torch) upcasts the accumulator and the block's output to fp64 a piece
-# at a time: at most _CPU_CHUNK output elements, at least _CPU_MIN_PIECE (or the whole block, when it is smaller)
-_MERGE_PIECE_MAX = 1 << 14
-_MERGE_PIECE_MIN = 1 << 12
-
-
 def _forward_merge_bytes(sizes: _Sizes, *, chunks: int = 1, acc_bytes: int = 4) -> float:
     """Forward, at a block's merge into one head chunk's accumulators (of G = ``chunks``; the K/V buffers
     apart): q, k, v, dout, and over the chunk's heads the fp32 out and lse accumulators, the block's output and
@@ -245,14 +240,14 @@ def _forward_merge_bytes(sizes: _Sizes, *, chunks: int = 1, acc_bytes: int = 4) 
     the two softmax weights (fp64: 2 lse / G each when ``acc_bytes`` = 4), the empty-row mask (1 byte a row),
     and the accumulator's and the block's pieces upcast to fp64 (2 x 8 bytes a piece element; fp64
     accumulators are used as they are). A piece is 1/64 of the merged rows, but never under
-    ``_MERGE_PIECE_MIN`` elements nor over ``_MERGE_PIECE_MAX``: a chunk of at most 4 K output elements is
+    4 K elements nor over 16 K (:func:`seqpar.kernels.merge.cpu_merge_piece`): a chunk of at most 4 K output elements is
     upcast whole, one of up to 256 K in 4 K-element pieces (2 x 32 KiB), a larger one in pieces of up to 16 K
     (2 x 128 KiB). At S = 256 that was 27% of a GQA rank's peak (8 / 2 heads, P = 4, fp32: with few K/V heads
     the forward's merge, not the backward, is the peak; the estimate was 7.7% under with it left out)."""
     Q, K, Q32, lse = sizes.Q, sizes.K, sizes.Q32, sizes.lse
     G = chunks
     elems = Q32 / acc_bytes / G  # the chunk's output elements: a full-block merge covers all its rows
-    piece = min(elems, min(_MERGE_PIECE_MAX, max(elems // 64, _MERGE_PIECE_MIN)))
+    piece = min(elems, cpu_merge_piece(int(elems)))
     upcast = 0 if acc_bytes == 8 else 2 * 8 * piece
     lse_tmp = (2 if acc_bytes == 8 else 4) * 8 / acc_bytes * lse / G + lse / acc_bytes / G
     return 2 * Q + 2 * K + (Q32 + Q + 2 * lse) / G + lse_tmp + upcast
