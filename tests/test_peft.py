@@ -174,8 +174,9 @@ def test_trl_peft_config_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
 
 # ------------------------------------------------------------------ a PeftModel handed to DPO / GRPO under FSDP2
 def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> list[str]:
-    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)``
-    (``beta=0``: no reference adapter, its generation) under seqpar's FSDP2 with a ``PeftModel`` made by ``get_peft_model``: each one's error."""
+    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)`` at
+    ``beta=0.1`` (a reference adapter) and ``beta=0`` (none) under seqpar's FSDP2 with a ``PeftModel`` made by
+    ``get_peft_model``: each one's error, or "built"."""
     import datasets
     import trl_tiny
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
@@ -191,12 +192,12 @@ def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> li
         lambda: sequence_parallel(DPOTrainer)(
             model=lora_llama(), args=DPOConfig(output_dir=f"{tmp}/d{rank}", **common), train_dataset=pairs,
             processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"}),
-        lambda: sequence_parallel(GRPOTrainer)(
+        *(lambda beta=beta: sequence_parallel(GRPOTrainer)(
             model=lora_llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=0.0,
+            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=beta,
                             **common),
             train_dataset=prompts, processing_class=trl_tiny.tokenizer(),
-            seqpar_config={"size": world, "mode": "ring"}),
+            seqpar_config={"size": world, "mode": "ring"}) for beta in (0.1, 0.0)),
     )
     messages = []
     with hf_tiny.launcher_env(rank, world):
@@ -214,15 +215,19 @@ def test_trl_premade_peft_model_with_a_ref_adapter_under_fsdp2_is_refused_by_nam
     """A ``PeftModel`` (``get_peft_model`` before the trainer) handed to DPOTrainer without ``ref_model`` under
     seqpar's FSDP2: TRL adds a frozen copy of the adapter ("ref") in its ``__init__`` and copies the adapter's
     weights into it, after the mixin sharded the model: "aten.copy_.default got mixed torch.Tensor and DTensor"
-    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same). GRPO's
-    generation with a PeftModel mixed them at ``beta=0`` too ("aten.embedding.default", case 1720900617 with
-    ``beta=0``). Refused at construction now, on every rank, naming what and the fix (``ref_model=``, or ZeRO).
-    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO; GRPO
-    at beta 0 built, its crash at the first generation)."""
+    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same,
+    "aten.add.Tensor" in peft's DoRA: case 1720900617 with ``beta=0.1``). Refused at construction now, on every
+    rank, naming what and the fix (``ref_model=`` / ``beta=0``, or ZeRO). GRPO at ``beta=0`` (no reference
+    adapter) builds: its generation is exact since fz24d (test_peft_model_generate_under_seqpar_fsdp2_matches_one_
+    process; the fuzzer's case 1720900617 pinned exact in tests/test_fuzz.py).
+    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO and
+    for GRPO at beta 0.1); with the GRPO refusal for every beta (fz24d: beta 0 refused, not built)."""
     pytest.importorskip("trl")
-    for dpo, grpo in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
+    for dpo, grpo, grpo_beta0 in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
         assert "PeftModel" in dpo and "without ref_model" in dpo and "ref_model=" in dpo and "FSDP2" in dpo, dpo
-        assert "PeftModel" in grpo and "generation" in grpo and "FSDP2" in grpo and "deepspeed=" in grpo, grpo
+        assert "PeftModel" in grpo and "beta=0.1" in grpo and "beta=0" in grpo and "FSDP2" in grpo, grpo
+        assert "deepspeed=" in grpo, grpo
+        assert grpo_beta0 == "built", grpo_beta0
 
 
 # ------------------------------------------------------------------ a PeftModel's generate under seqpar's FSDP2
