@@ -247,6 +247,15 @@ def _wrap_fsdp2(
     for group in shard_groups(model, blocks):
         fully_shard(group if len(group) > 1 else group[0], reshard_after_forward=opts.reshard_after_forward, **kw)
     fully_shard(model, **kw)
+    if _is_peft_model(model):
+        # PeftModel.generate calls its base model's generate, which calls the base model, never the PeftModel: the
+        # root's FSDP2 hooks (its lazy init, the all-gather of the root's own parameters: embeddings, final norm,
+        # LM head) would not run, so generation met sharded DTensors ("aten.embedding.default got mixed
+        # torch.Tensor and DTensor", GRPO's generation, fuzzer case 1720900617), and the first block called would
+        # have made itself FSDP2's root. FSDP2's own hook for that: run generate as a forward of the root.
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
     # gloo has no AVG / PREMUL_SUM reduce ops: reduce with SUM and divide afterwards.
     force_sum = dist.get_backend(manager.sp_dp_group) == "gloo"
     for module in model.modules():
@@ -255,6 +264,15 @@ def _wrap_fsdp2(
             if force_sum:
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``peft.PeftModel`` (False without peft installed)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
 
 
 def shard_groups(model: nn.Module, blocks: list[nn.Module]) -> list[list[nn.Module]]:

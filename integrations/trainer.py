@@ -262,14 +262,13 @@ class SequenceParallelMixin:
             # the first step; GRPO's generation mixes DTensors and tensors). Fuzzer cases 188540536, 2083956903.
             from seqpar.integrations.trl import GRPOLoss
 
-            # GRPO with a PeftModel under FSDP2 is refused too (_check_ref_adapter): name only the path that runs
-            premade = "" if isinstance(self._seqpar_loss, GRPOLoss) else (
-                "Make the PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model=, or ")
+            # GRPO with a PeftModel under FSDP2 runs at beta=0 only (_check_ref_adapter)
+            grpo = " with beta=0" if isinstance(self._seqpar_loss, GRPOLoss) else ""
             raise ConfigError(
                 f"{type(self).__name__}(peft_config=...) under seqpar's FSDP2: the trainer applies the adapters "
-                f"after seqpar has sharded the model, so they would be sharded and never gathered. {premade}"
-                f"{'t' if premade else 'T'}rain LoRA under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) "
-                "with a sequence_parallel block)"
+                "after seqpar has sharded the model, so they would be sharded and never gathered. Make the "
+                f"PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model={grpo}, or train "
+                "LoRA under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
             )
         if self._seqpar_engine == "fsdp2" and model is not None and self._seqpar_loss is not None:
             self._check_ref_adapter(model, args, kwargs)
@@ -308,11 +307,14 @@ class SequenceParallelMixin:
 
     def _check_ref_adapter(self, model: Any, args: Any, kwargs: Mapping[str, Any]) -> None:
         """Under seqpar's FSDP2: refuse, by name on every rank (before any group or engine), a ``PeftModel`` given
-        to DPOTrainer without ``ref_model`` or to GRPOTrainer. DPOTrainer (and GRPOTrainer with ``beta != 0``) add
-        a frozen copy of the adapter ("ref") and copy the trained adapter's weights into it; the mixin shards the
-        model with FSDP2 before that ``__init__``, so the copy mixes FSDP2's DTensors with the new plain tensors
-        ("aten.copy_.default got mixed torch.Tensor and DTensor", fuzzer case 1171 with a PeftModel). GRPO's
-        generation with a PeftModel mixed them at ``beta=0`` too (case 1720900617 with ``beta=0``)."""
+        to DPOTrainer without ``ref_model`` or to GRPOTrainer with ``beta != 0``. Both add a frozen copy of the
+        adapter ("ref") and copy the trained adapter's weights into it; the mixin shards the model with FSDP2
+        before that ``__init__``, so the copy mixes FSDP2's DTensors with the new plain tensors ("aten.copy_.default
+        got mixed torch.Tensor and DTensor", fuzzer case 1171 with a PeftModel; GRPO: "aten.add.Tensor" in peft's
+        DoRA, case 1720900617 with ``beta=0.1``). GRPO at ``beta=0`` runs: its generation's crash ("aten.embedding
+        .default got mixed torch.Tensor and DTensor", case 1720900617 at ``beta=0``) was PeftModel.generate calling
+        the base model, never the FSDP2 root, whose hooks gather the root's own parameters; ``wrap`` registers
+        ``generate`` as the root's forward now (:func:`seqpar.integrations.fsdp.wrap`)."""
         from accelerate.utils import is_peft_model
 
         from seqpar.integrations.trl import DPOLoss, GRPOLoss
@@ -320,13 +322,12 @@ class SequenceParallelMixin:
         if not is_peft_model(model):  # TRL's own test (a peft PeftModel)
             return
         zero = "train under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
-        if isinstance(self._seqpar_loss, GRPOLoss):
-            # beta = 0 too: its generation mixed FSDP2's DTensors with plain tensors ("aten.embedding.default got
-            # mixed torch.Tensor and DTensor", fuzzer case 1720900617 with beta=0, a PeftModel), as with peft_config=
+        if isinstance(self._seqpar_loss, GRPOLoss) and getattr(args, "beta", 0.0) != 0.0:
             raise ConfigError(
-                f"{type(self).__name__}(model=<a PeftModel>) under seqpar's FSDP2: GRPO's generation with a PEFT "
-                "model mixes FSDP2's sharded weights with plain tensors (and with beta != 0 the trainer adds a "
-                f"frozen copy of the adapter, 'ref', after seqpar has sharded the model): {zero}"
+                f"{type(self).__name__}(model=<a PeftModel>) with beta={args.beta} under seqpar's FSDP2: the "
+                "trainer adds a frozen copy of the adapter ('ref', for the KL term) after seqpar has sharded the "
+                "model, and the copy cannot mix FSDP2's sharded weights with the new ones. Set beta=0 (no KL term, "
+                f"no reference adapter), or {zero}"
             )
         if isinstance(self._seqpar_loss, DPOLoss) and kwargs.get("ref_model") is None:
             raise ConfigError(

@@ -174,8 +174,9 @@ def test_trl_peft_config_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
 
 # ------------------------------------------------------------------ a PeftModel handed to DPO / GRPO under FSDP2
 def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> list[str]:
-    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)``
-    (``beta=0``: no reference adapter, its generation) under seqpar's FSDP2 with a ``PeftModel`` made by ``get_peft_model``: each one's error."""
+    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)`` at
+    ``beta=0.1`` (a reference adapter) and ``beta=0`` (none) under seqpar's FSDP2 with a ``PeftModel`` made by
+    ``get_peft_model``: each one's error, or "built"."""
     import datasets
     import trl_tiny
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
@@ -191,12 +192,12 @@ def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> li
         lambda: sequence_parallel(DPOTrainer)(
             model=lora_llama(), args=DPOConfig(output_dir=f"{tmp}/d{rank}", **common), train_dataset=pairs,
             processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"}),
-        lambda: sequence_parallel(GRPOTrainer)(
+        *(lambda beta=beta: sequence_parallel(GRPOTrainer)(
             model=lora_llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=0.0,
+            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=beta,
                             **common),
             train_dataset=prompts, processing_class=trl_tiny.tokenizer(),
-            seqpar_config={"size": world, "mode": "ring"}),
+            seqpar_config={"size": world, "mode": "ring"}) for beta in (0.1, 0.0)),
     )
     messages = []
     with hf_tiny.launcher_env(rank, world):
@@ -214,12 +215,79 @@ def test_trl_premade_peft_model_with_a_ref_adapter_under_fsdp2_is_refused_by_nam
     """A ``PeftModel`` (``get_peft_model`` before the trainer) handed to DPOTrainer without ``ref_model`` under
     seqpar's FSDP2: TRL adds a frozen copy of the adapter ("ref") in its ``__init__`` and copies the adapter's
     weights into it, after the mixin sharded the model: "aten.copy_.default got mixed torch.Tensor and DTensor"
-    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same). GRPO's
-    generation with a PeftModel mixed them at ``beta=0`` too ("aten.embedding.default", case 1720900617 with
-    ``beta=0``). Refused at construction now, on every rank, naming what and the fix (``ref_model=``, or ZeRO).
-    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO; GRPO
-    at beta 0 built, its crash at the first generation)."""
+    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same,
+    "aten.add.Tensor" in peft's DoRA: case 1720900617 with ``beta=0.1``). Refused at construction now, on every
+    rank, naming what and the fix (``ref_model=`` / ``beta=0``, or ZeRO). GRPO at ``beta=0`` (no reference
+    adapter) builds: its generation is exact since fz24d (test_peft_model_generate_under_seqpar_fsdp2_matches_one_
+    process; the fuzzer's case 1720900617 pinned exact in tests/test_fuzz.py).
+    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO and
+    for GRPO at beta 0.1); with the GRPO refusal for every beta (fz24d: beta 0 refused, not built)."""
     pytest.importorskip("trl")
-    for dpo, grpo in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
+    for dpo, grpo, grpo_beta0 in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
         assert "PeftModel" in dpo and "without ref_model" in dpo and "ref_model=" in dpo and "FSDP2" in dpo, dpo
-        assert "PeftModel" in grpo and "generation" in grpo and "FSDP2" in grpo and "deepspeed=" in grpo, grpo
+        assert "PeftModel" in grpo and "beta=0.1" in grpo and "beta=0" in grpo and "FSDP2" in grpo, grpo
+        assert "deepspeed=" in grpo, grpo
+        assert grpo_beta0 == "built", grpo_beta0
+
+
+# ------------------------------------------------------------------ a PeftModel's generate under seqpar's FSDP2
+def _random_lora_llama() -> object:
+    """``lora_llama`` in float64 with random ``lora_B`` (peft starts it at zero: the adapters would not count)."""
+    model = lora_llama(torch.float64)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def _peft_generate_under_fsdp2(rank: int, world: int) -> dict:
+    """Greedy ``generate`` (scores kept) of a PeftModel sharded by ``seqpar.integrations.fsdp.wrap`` (FSDP2,
+    DP ``world``, no swap: generation runs whole sequences), then a forward and backward through the root, each
+    against the same model unsharded in this process (float64)."""
+    from torch.distributed.tensor import DTensor
+
+    from seqpar.integrations.fsdp import wrap
+
+    torch.manual_seed(4)
+    prompt = torch.randint(0, hf_tiny.VOCAB, (2, 5))  # the same on every rank: the same seed
+    kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=3, do_sample=False, output_scores=True,
+              return_dict_in_generate=True, pad_token_id=0)
+    with hf_tiny.launcher_env(rank, world):
+        ref = _random_lora_llama()
+        model = _random_lora_llama()
+        want = ref.generate(prompt, **kw)
+        want_loss = ref(input_ids=want.sequences, labels=want.sequences).loss
+        want_loss.backward()
+        wrap(model, {"size": 1}, swap=False)  # DP world x SP 1
+        got = model.generate(prompt, **kw)  # before the fix: "aten.embedding.default got mixed ... DTensor"
+        loss = model(input_ids=want.sequences, labels=want.sequences).loss  # the root runs after generation
+        loss.backward()
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                 for n, p in model.named_parameters() if p.grad is not None}
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        grad_err = max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in ref_grads.items())
+        return {
+            "same_tokens": torch.equal(got.sequences, want.sequences),
+            "score_err": max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores, strict=True)),
+            "loss_err": abs(loss.item() - want_loss.item()),
+            "grad_names": sorted(grads) == sorted(ref_grads) and len(ref_grads) > 0,
+            "grad_err": grad_err,
+        }
+
+
+@pytest.mark.timeout(300)
+def test_peft_model_generate_under_seqpar_fsdp2_matches_one_process(dist_pool):
+    """A PeftModel sharded by seqpar's FSDP2 (what ``sequence_parallel(GRPOTrainer)(model=peft_model)`` runs): its
+    ``generate`` calls the base model's ``generate``, never the PeftModel, so FSDP2's root hooks did not run: the
+    root's own parameters (embeddings, final norm, head) stayed sharded DTensors ("aten.embedding.default got
+    mixed torch.Tensor and DTensor" in GRPO's generation, fuzzer case 1720900617 at ``beta=0``). ``wrap`` now
+    registers ``generate`` as a forward of the root (``register_fsdp_forward_method``). The greedy tokens and
+    every step's scores equal one process's unsharded model (float64, 1e-10), and a forward and backward through
+    the root afterwards (FSDP2's lazy init already done by generate) give the same loss and adapter gradients,
+    each against its own scale. Seen failing: without the ``register_fsdp_forward_method`` call in
+    integrations/fsdp.py (the embedding's DTensor RuntimeError in generate)."""
+    for res in dist_pool.run(2, _peft_generate_under_fsdp2, timeout=200):
+        assert res["same_tokens"] and res["grad_names"], res
+        assert res["score_err"] < 1e-10 and res["loss_err"] < 1e-10 and res["grad_err"] < 1e-10, res
