@@ -124,10 +124,10 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
   adapter branch, Linear or Embedding, DoRA's magnitude included), ``bias_grad_over_world``, ``rslora_ignored``.
 - Refused by name (drawn): under seqpar's FSDP2, a premade PeftModel given to DPO with the reference built from
   the policy (TRL adds its "ref" adapter and copies the adapter into it after the mixin sharded the model:
-  "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO at any ``beta`` (its generation
-  mixed DTensors and tensors at ``beta=0``: "aten.embedding.default ...", case 1720900617 with ``--set beta=0.0``;
-  ``beta > 0`` adds the "ref" adapter too). Under ZeRO they run (exact); SFT, and DPO with a given reference, run
-  under FSDP2 (exact).
+  "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO with ``beta != 0`` (the same
+  "ref" adapter). Under ZeRO they run (exact); SFT, DPO with a given reference and GRPO at ``beta=0`` run under
+  FSDP2 (exact: GRPO's generation crashed there, "aten.embedding.default ...", case 1720900617 with ``--set
+  beta=0.0``, until ``fsdp.wrap`` ran a PeftModel's ``generate`` as a forward of FSDP2's root).
 - Not drawn, PEFT's own without seqpar: ``bias`` other than ``"none"`` with a premade PeftModel to which TRL adds
   its "ref" adapter (peft's "LoraModel supports only 1 adapter with bias" from ``add_adapter``; plain DPOTrainer
   on one process too: case 638403696 with ``--set peft=true`` as first drawn, and 1171 with ``--set
