@@ -1813,3 +1813,32 @@ def test_a_planted_lora_variant_bug_is_wrong(fuzzer: fuzz.Fuzzer) -> None:
         planted = fuzzer.run(draws, plant=plant)
         assert planted["verdict"] == "WRONG" and "update of" in planted["detail"], (plant, planted["detail"],
                                                                                    planted.get("trace"))
+
+
+
+def test_autotp_draws_the_vocabulary_split_head() -> None:
+    """fz24e: the autotp engine draws DeepSpeed's vocabulary-split LM head (``vocab_parallel_lm_head`` true in about
+    30% of the cases), reproducibly, last from autotp's own stream: every other draw of each case is what it drew
+    before the key (a digest of 150 cases' draws without it, taken with fuzz_engines.py as it was before fz24e), the
+    pinned autotp cases keep the whole head, and a type whose tied embedding DeepSpeed refuses to split (gemma) never
+    draws it. Seen failing: the key drawn before the ZeRO-3 draw (the digest differs); the key drawn as
+    ``rng.random() < 0.3`` (AUTOTP_CASE 810 drawn true); the draw removed (none true)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_engines import vocab_split_refused
+
+    digest, split, types = hashlib.sha256(), 0, set()
+    for seed in range(150):
+        d = fuzz.draw_case(seed, ("engine",), engine="autotp")
+        assert d == fuzz.draw_case(seed, ("engine",), engine="autotp") and isinstance(d["vocab_parallel_lm_head"], bool)
+        split += d["vocab_parallel_lm_head"]
+        assert not (d["vocab_parallel_lm_head"] and vocab_split_refused(d["model_type"])), fuzz.summary(d)
+        types.update([d["model_type"]] if d["vocab_parallel_lm_head"] else [])
+        d.pop("vocab_parallel_lm_head")
+        digest.update(json.dumps(d, sort_keys=True).encode())
+    assert digest.hexdigest()[:16] == "1f7519b374fa7850"
+    assert 25 <= split <= 60 and len(types) > 5, (split, types)
+    assert vocab_split_refused("gemma") and not vocab_split_refused("gemma3_text") and not vocab_split_refused("llama")
+    assert [fuzz.draw_case(s, ("engine",))["vocab_parallel_lm_head"]
+            for s in (AUTOTP_CASE, AUTOTP_ZERO3_CASE, 1709044604)] == [False] * 3
