@@ -42,7 +42,8 @@ cases (drawn last, so every other draw is what the case seed drew before it), th
 DeepSpeed's ``VocabParallelLinear`` head (a tied embedding split with it), the loss seqpar's vocab-parallel one under
 SP > 1 (``_seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
 left unset, seqpar's default false under SP, DeepSpeed's own at SP 1). Not drawn for a type whose tied embedding
-DeepSpeed refuses to split (:func:`vocab_split_refused`: the Gemma family's scaled embeddings but Gemma 3's).
+DeepSpeed refuses to split or whose forward DeepSpeed's split head breaks (:func:`vocab_split_refused`: the Gemma
+family's scaled embeddings but Gemma 3's, Apertus 1.5's read of the head's width, Bamba's z-loss).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it. Apertus is drawn under ``autotp``: its xIELU
 activation's parameters act on the features AutoTP splits, and DeepSpeed 0.19.8 does not sum their gradient over TP
 (each TP rank's share, silently, without seqpar: case 1878399021); seqpar's ``initialize`` does
@@ -354,8 +355,7 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     # DeepSpeed's vocabulary-split LM head (tensor_parallel.vocab_parallel_lm_head: true), last (fz24e): every draw
     # above is what the case seed drew before it. 30% of the cases, the band [0.4, 0.7) of the draw: the pinned autotp
     # cases (AUTOTP_CASE 810, AUTOTP_ZERO3_CASE 21304, 1709044604 in tests/test_fuzz.py) fall outside it and keep the
-    # head they were pinned on. Not drawn where DeepSpeed refuses to split the type's tied embedding
-    # (vocab_split_refused)
+    # head they were pinned on. Not drawn where DeepSpeed's split head fails the type by itself (vocab_split_refused)
     draws["vocab_parallel_lm_head"] = 0.4 <= rng.random() < 0.7 and not vocab_split_refused(draws["model_type"])
 
 
@@ -363,14 +363,23 @@ _VOCAB_SPLIT_REFUSED: dict[str, bool] = {}
 
 
 def vocab_split_refused(model_type: str) -> bool:
-    """Whether DeepSpeed 0.19.8 refuses ``vocab_parallel_lm_head: true`` for the tiny ``model_type``: its AutoTP splits
-    an embedding tied to the head with the head (``VocabParallelEmbedding``), and refuses one whose ``forward`` is not
-    ``nn.Embedding``'s (Gemma 3's scaled embedding aside): ``NotImplementedError: Vocabulary-parallel sharding does
-    not support the custom embedding forward of GemmaTextScaledWordEmbedding`` (fz24e: case 491650326 of seed 952;
-    DeepSpeed's own, plain ``deepspeed.initialize`` with no seqpar, ``autotp_size`` 2 at SP 1, tiny gemma: the same
-    error). Among :func:`autotp_types`: gemma, gemma2, gemma3n_text, gemma4_unified_text, vaultgemma. Asked of
-    DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``) on the tiny model, once per type."""
+    """Whether DeepSpeed 0.19.8's vocabulary-split LM head (``vocab_parallel_lm_head: true``) fails the tiny
+    ``model_type`` by itself (fz24e; each shown with plain ``deepspeed.initialize``, no seqpar, ``autotp_size`` 2 at
+    SP 1 on 2 gloo ranks), so that it is not drawn there:
+
+    - a tied embedding whose ``forward`` is not ``nn.Embedding``'s (Gemma 3's scaled embedding aside): AutoTP splits
+      it with the head and refuses it, ``NotImplementedError: Vocabulary-parallel sharding does not support the custom
+      embedding forward of GemmaTextScaledWordEmbedding`` (case 491650326 of seed 952; gemma, gemma2, gemma3n_text,
+      gemma4_unified_text, vaultgemma), asked of DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``);
+    - a causal-LM ``forward`` that reads the head's width (``self.lm_head.out_features``, which DeepSpeed's
+      ``VocabParallelLinear`` lacks: ``AttributeError``, case 60306700 of seed 951, apertus1p5_text) or normalises the
+      logits over the vocabulary outside ``loss_function`` (``logsumexp``: Bamba's z-loss, over this TP rank's slice
+      of the vocabulary only, the loss silently 8% off: case 1297835562 of seed 951), asked of the class's source.
+
+    Once per type (the tiny model built once)."""
     if model_type not in _VOCAB_SPLIT_REFUSED:
+        import inspect
+
         from deepspeed.module_inject.layers import VocabParallelEmbedding
         from transformers import AutoModelForCausalLM
 
@@ -378,7 +387,8 @@ def vocab_split_refused(model_type: str) -> bool:
 
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        refused = False
+        source = inspect.getsource(type(model).forward)
+        refused = "lm_head.out_features" in source or "logsumexp" in source
         if head is not None and head.weight is embedding.weight:
             try:
                 VocabParallelEmbedding.validate_embedding(embedding)
