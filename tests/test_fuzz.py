@@ -499,6 +499,25 @@ FOUND[543632810] = (("engine",), "refused")
 #   ZeRO-2 as drawn too); seen WRONG (alpha_p 5x off) with the sum removed and the refusal with it.
 FOUND_SET[1878399021] = {"engine": "autotp", "zero_stage": 3}
 FOUND[1878399021] = (("engine",), "exact")
+# fz24e: the autotp engine draws DeepSpeed's vocabulary-split LM head (vocab_parallel_lm_head true, 30%; seeds 951, 952
+# with --set engine=autotp --set vocab_parallel_lm_head=true). Found, each DeepSpeed 0.19.8's own (plain
+# deepspeed.initialize, no seqpar, autotp_size 2 at SP 1, tiny model in float64 on 2 gloo ranks, the same failure)
+# and no longer drawn (seqpar.testing.fuzz_engines.vocab_split_refused; test_autotp_draws_the_vocabulary_split_head):
+# - 491650326 (seed 952; gemma): crash, "NotImplementedError: Vocabulary-parallel sharding does not support the custom
+#   embedding forward of GemmaTextScaledWordEmbedding" (AutoTP splits the tied embedding with the head);
+# - 60306700 (seed 951; apertus1p5_text, ZeRO-3): crash, "'VocabParallelLinear' object has no attribute
+#   'out_features'" (Apertus 1.5's forward passes vocab_size=self.lm_head.out_features to its loss);
+# - 1297835562 (seed 951; bamba, TP 2 x SP 1 x DP 2): WRONG, silently, the loss 8% off: Bamba's z-loss is the
+#   logsumexp of the logits outside loss_function, over this TP rank's slice of the vocabulary only (plain DeepSpeed:
+#   8.22 one process, 7.56 / 7.54 on the two TP ranks).
+# Pinned exact: 407951953 (seed 951; tiny nanochat, AutoTP 2 x SP 2, hybrid u=2, ZeRO-1, the split head, ignored
+# labels): seqpar's vocab-parallel loss over TP, token mean over SP (_seqpar_loss_on_split_head) in a fuzzer case.
+FOUND_SET[407951953] = {"kind": "engine", "model_type": "nanochat", "world": 4, "mode": "hybrid", "ulysses_size": 2,
+                        "sharding": "zigzag", "batch": "rows", "lengths": [[30], [29]], "checkpointing": None,
+                        "step": "one", "check_inputs": True, "engine": "autotp", "tp_size": 2, "dp": 1, "replicas": [],
+                        "zero_stage": 1, "tp_sequence_parallel": False, "vocab_parallel_lm_head": True,
+                        "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 4}}
+FOUND[407951953] = (("engine",), "exact")
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
