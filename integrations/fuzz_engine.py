@@ -21,13 +21,15 @@ Engines (the entry-point names):
   ranks);
 - ``autotp``: :func:`seqpar.integrations.deepspeed.initialize` with the config's ``tp_size`` (DeepSpeed's AutoTP,
   ``tensor_parallel.autotp_size`` set from it) under ZeRO stage ``config["zero_stage"]`` (the key is
-  the runner's, taken out before the block reaches DeepSpeed), driven as the ZeRO engines above but for
+  the runner's, taken out before the block reaches DeepSpeed; so is ``config["vocab_parallel_lm_head"]``, when
+  given DeepSpeed's ``tensor_parallel.vocab_parallel_lm_head``), driven as the ZeRO engines above but for
   ``engine.step()`` after each accumulated micro-batch but the last, as a DeepSpeed loop calls it (off the
   boundary it only counts the micro-step; without it a stage that reduces at the boundary alone, ZeRO-0,
   never reaches one and leaves every rank's gradient unreduced: fuzzer cases 295 and 442 of ``--set
   engine=autotp`` at ZeRO-0, the embedding's gradient 100% off), then each
   parameter AutoTP split gathered over the TP group (the TP ranks' slices in TP rank order, concatenated on the
-  one dim where the slice is smaller than the parameter the model was built with);
+  one dim where the slice is smaller than the parameter the model was built with; a vocabulary-split head or
+  embedding checked against DeepSpeed's own slice bounds, ``vocab_start_index``);
 - ``accelerate``: the plain accelerate loop as a user writes it (docs/integrations.md): ``Accelerator()``
   (``gradient_accumulation_steps=2`` when accumulating), :func:`seqpar.integrations.accelerate.prepare` with an
   optimizer factory and a map-style loader of the replicas' full batches (one batch an item, interleaved
@@ -119,6 +121,11 @@ def _gather_tp(grads: dict[str, torch.Tensor], shapes: dict[str, torch.Size], mo
     the TP group: every rank calls, with the same parameters."""
     import torch.distributed as dist
 
+    # a vocabulary-split head / embedding (DeepSpeed's VocabParallelLinear / VocabParallelEmbedding; tied, one
+    # parameter) holds rows [vocab_start_index, vocab_end_index) of the vocabulary: DeepSpeed's own bounds, which its
+    # tp_grain_size may make uneven
+    starts = {id(m.weight): int(m.vocab_start_index) for m in model.modules()
+              if hasattr(m, "vocab_start_index") and isinstance(getattr(m, "weight", None), torch.Tensor)}
     out = {}
     for name, p in model.named_parameters():
         g = grads.get(name)
@@ -130,9 +137,14 @@ def _gather_tp(grads: dict[str, torch.Tensor], shapes: dict[str, torch.Size], mo
             continue
         (dim,) = [d for d, (a, b) in enumerate(zip(shape, want, strict=True)) if a != b]
         parts: list[Any] = [None] * dist.get_world_size(tp_group)
-        dist.all_gather_object(parts, (g, shape), group=tp_group)
-        if any(x is not None for x, _ in parts):  # a TP rank without a gradient holds zeros there
-            out[name] = torch.cat([x if x is not None else torch.zeros(shape, dtype=p.dtype) for x, shape in parts],
+        dist.all_gather_object(parts, (g, shape, starts.get(id(p))), group=tp_group)
+        if parts[0][2] is not None:  # rank order must be vocabulary order, with no gap or overlap
+            offsets = [sum(s[dim] for _, s, _ in parts[:r]) for r in range(len(parts))]
+            if [start for _, _, start in parts] != offsets or dim != 0:
+                raise ValueError(f"{name}: the TP slices start at rows {[s for _, _, s in parts]} of the vocabulary "
+                                 f"(DeepSpeed's vocab_start_index), not at {offsets} on dim 0 as gathered")
+        if any(x is not None for x, _, _ in parts):  # a TP rank without a gradient holds zeros there
+            out[name] = torch.cat([x if x is not None else torch.zeros(shape, dtype=p.dtype) for x, shape, _ in parts],
                                   dim=dim)
     return out
 
@@ -185,10 +197,13 @@ def run_engine(engine: str, build_model: Callable[[], nn.Module], batches: list[
 
             config = dict(config)
             stage = config.pop("zero_stage") if engine == "autotp" else int(engine[-1])
+            vocab_split = config.pop("vocab_parallel_lm_head", None)
             shapes = {n: p.shape for n, p in model.named_parameters()}  # before AutoTP splits them
             ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2 if accumulate else 1,
                          "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
                          "gradient_clipping": 0.0, "steps_per_print": 10 ** 9, "sequence_parallel": config}
+            if vocab_split is not None:
+                ds_config["tensor_parallel"] = {"vocab_parallel_lm_head": bool(vocab_split)}
             ds_engine, _, _, _ = initialize(model=model, config=ds_config,
                                             optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
             manager, forward = ds_engine.seqpar_manager, ds_engine

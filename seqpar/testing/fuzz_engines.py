@@ -37,7 +37,13 @@ next even one), judged like ``tp2`` (the TP slices of each gradient gathered by 
 (:func:`draw_autotp`): the ZeRO stage, 1 or 2 (2 with accumulation: ZeRO-1's rule above), then 3 in 30% of the
 cases (drawn last, so every other draw is what the case seed drew before it), the model type among
 :func:`autotp_types`, the tiled loss, odd vocabularies and ignored labels as ``tp2`` draws them, and
-``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's).
+``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's), then
+(fz24e, last) ``vocab_parallel_lm_head`` true in 30% of the cases: ``tensor_parallel.vocab_parallel_lm_head`` set true,
+DeepSpeed's ``VocabParallelLinear`` head (a tied embedding split with it), the loss seqpar's vocab-parallel one under
+SP > 1 (``_seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
+left unset, seqpar's default false under SP, DeepSpeed's own at SP 1). Not drawn for a type whose tied embedding
+DeepSpeed refuses to split or whose forward DeepSpeed's split head breaks (:func:`vocab_split_refused`: the Gemma
+family's scaled embeddings but Gemma 3's, Apertus 1.5's read of the head's width, Bamba's z-loss).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it. Apertus is drawn under ``autotp``: its xIELU
 activation's parameters act on the features AutoTP splits, and DeepSpeed 0.19.8 does not sum their gradient over TP
 (each TP rank's share, silently, without seqpar: case 1878399021); seqpar's ``initialize`` does
@@ -172,7 +178,7 @@ import torch
 from torch import nn
 
 __all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
-           "draw_autotp", "autotp_types", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
+           "draw_autotp", "autotp_types", "vocab_split_refused", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
            "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2", "autotp", "accelerate")
@@ -322,7 +328,8 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
     type redrawn among :data:`~seqpar.testing.fuzz_models.TILEABLE_TYPES` 30% of the time, then the loss knobs
     as :func:`draw_tp_loss` draws them for ``tp2`` (the tiled loss with its tile, odd vocabularies, ignored
     labels), but ``tp_sequence_parallel`` 10% of the time only: seqpar refuses it under DeepSpeed by name
-    (docs/integrations.md), which those cases check on every rank."""
+    (docs/integrations.md), which those cases check on every rank; last (fz24e), ``vocab_parallel_lm_head``: DeepSpeed's
+    vocabulary-split LM head, true 30% of the time but for the types :func:`vocab_split_refused` names."""
     from seqpar.testing.fuzz_models import TILEABLE_TYPES
     from seqpar.testing.tiny_models import VOCAB
 
@@ -345,6 +352,50 @@ def draw_autotp(rng: random.Random, draws: dict[str, Any]) -> None:
         # Its rules are ZeRO-3's: two forwards with reentrant checkpointing are already non-reentrant (draw_engine),
         # and autotp_types has no mixture-of-experts blocks (ZeRO-3's leaf modules)
         draws["zero_stage"] = 3
+    # DeepSpeed's vocabulary-split LM head (tensor_parallel.vocab_parallel_lm_head: true), last (fz24e): every draw
+    # above is what the case seed drew before it. 30% of the cases, the band [0.4, 0.7) of the draw: the pinned autotp
+    # cases (AUTOTP_CASE 810, AUTOTP_ZERO3_CASE 21304, 1709044604 in tests/test_fuzz.py) fall outside it and keep the
+    # head they were pinned on. Not drawn where DeepSpeed's split head fails the type by itself (vocab_split_refused)
+    draws["vocab_parallel_lm_head"] = 0.4 <= rng.random() < 0.7 and not vocab_split_refused(draws["model_type"])
+
+
+_VOCAB_SPLIT_REFUSED: dict[str, bool] = {}
+
+
+def vocab_split_refused(model_type: str) -> bool:
+    """Whether DeepSpeed 0.19.8's vocabulary-split LM head (``vocab_parallel_lm_head: true``) fails the tiny
+    ``model_type`` by itself (fz24e; each shown with plain ``deepspeed.initialize``, no seqpar, ``autotp_size`` 2 at
+    SP 1 on 2 gloo ranks), so that it is not drawn there:
+
+    - a tied embedding whose ``forward`` is not ``nn.Embedding``'s (Gemma 3's scaled embedding aside): AutoTP splits
+      it with the head and refuses it, ``NotImplementedError: Vocabulary-parallel sharding does not support the custom
+      embedding forward of GemmaTextScaledWordEmbedding`` (case 491650326 of seed 952; gemma, gemma2, gemma3n_text,
+      gemma4_unified_text, vaultgemma), asked of DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``);
+    - a causal-LM ``forward`` that reads the head's width (``self.lm_head.out_features``, which DeepSpeed's
+      ``VocabParallelLinear`` lacks: ``AttributeError``, case 60306700 of seed 951, apertus1p5_text) or normalises the
+      logits over the vocabulary outside ``loss_function`` (``logsumexp``: Bamba's z-loss, over this TP rank's slice
+      of the vocabulary only, the loss silently 8% off: case 1297835562 of seed 951), asked of the class's source.
+
+    Once per type (the tiny model built once)."""
+    if model_type not in _VOCAB_SPLIT_REFUSED:
+        import inspect
+
+        from deepspeed.module_inject.layers import VocabParallelEmbedding
+        from transformers import AutoModelForCausalLM
+
+        from seqpar.testing.tiny_models import tiny_config
+
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        source = inspect.getsource(type(model).forward)
+        refused = "lm_head.out_features" in source or "logsumexp" in source
+        if head is not None and head.weight is embedding.weight:
+            try:
+                VocabParallelEmbedding.validate_embedding(embedding)
+            except NotImplementedError:
+                refused = True
+        _VOCAB_SPLIT_REFUSED[model_type] = refused
+    return _VOCAB_SPLIT_REFUSED[model_type]
 
 
 def draw_tp_loss(rng: random.Random, draws: dict[str, Any]) -> None:
@@ -466,6 +517,7 @@ def engine_summary(draws: dict[str, Any]) -> str:
     dp = draws.get("dp", 1)
     stage = f"zero{draws['zero_stage']} " if draws["engine"] == "autotp" else ""
     head = (f"engine {draws['engine']} " + stage + ("tp_sp " if draws.get("tp_sequence_parallel") else "")
+            + ("vocab_head " if draws.get("vocab_parallel_lm_head") else "")
             + (f"dp={dp} " if dp > 1 else ""))
     tail = ""
     if dp > 1:
@@ -665,6 +717,8 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
             config["tp_loss_parallel"] = draws["tp_loss_parallel"]
         if draws["engine"] == "autotp":
             config["zero_stage"] = draws["zero_stage"]  # the runner's key (integrations/fuzz_engine.py)
+            if draws.get("vocab_parallel_lm_head"):  # the runner's too (tensor_parallel); else the default stands
+                config["vocab_parallel_lm_head"] = True
         fed = [[b["batch"] for b in replica] for replica in batches]
         if plant == "dp_same_data":
             fed = [fed[0]] * len(fed)
