@@ -253,6 +253,7 @@ def initialize(
     tp_loader = training_data is not None and manager.tp_size > 1
     head_rows = _lm_head_rows(model) if sp_config.tiled_loss and manager.tp_size > 1 else {}
     sparse_rows = _sparse_gate_rows(model) if manager.tp_size > 1 else {}
+    _refuse_autotp_model_type(model, manager)
     named_before = [name for name, _ in model.named_parameters()] if manager.tp_size > 1 else []
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         args=_args_without_config_path(args),
@@ -271,6 +272,7 @@ def initialize(
     _refuse_tiled_loss_on_split_head(model, head_rows)
     _seqpar_loss_on_split_head(model, manager)
     _refuse_split_sparse_gate(model, sparse_rows)
+    _refuse_z_loss_on_split_head(model)
     _refuse_parameters_autotp_dropped(model, named_before)
     _sum_split_activation_gradients(model, manager)
     _refuse_unreduced_parameters_on_split_features(model, manager)
@@ -839,6 +841,43 @@ def _refuse_split_sparse_gate(model: torch.nn.Module, before: dict[str, int]) ->
             "features (activation sparsity), which DeepSpeed AutoTP split over the TP ranks, so each rank would set "
             "its cutoff from its own slice. Set config.activation_sparsity_pattern to zeros, keep the MLPs whole "
             "(tensor_parallel.partition_config without them), or run tp_size 1"
+        )
+
+
+def _refuse_autotp_model_type(model: torch.nn.Module, manager: Any) -> None:
+    """Refuse, before any engine, a model type DeepSpeed's AutoTP trains wrong by itself. CodeGen: AutoTP splits its
+    fused ``qkv_proj`` (the ``codegentype`` layout of ``deepspeed.module_inject.fusedqkv_utils``, four interleaved
+    blocks) and the loss is wrong without seqpar (DeepSpeed 0.19.8, plain ``deepspeed.initialize``,
+    ``autotp_size`` 2, ZeRO-1, tiny CodeGen in float64 on 2 gloo ranks: 7% off one process; fuzzer case 292734181
+    under seqpar at SP 1, ZeRO-2 and -3: 12%). Every rank holds the same model, so every rank raises."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if manager.tp_size > 1 and model_type == "codegen":
+        raise ConfigError(
+            f"DeepSpeed AutoTP trains {type(model).__name__} wrong by itself: its split of CodeGen's fused qkv_proj "
+            "gives a loss several percent off one process's (DeepSpeed 0.19.8, without seqpar too). Run tp_size 1 "
+            "(sequence parallelism alone) for CodeGen"
+        )
+
+
+def _refuse_z_loss_on_split_head(model: torch.nn.Module) -> None:
+    """Refuse a z-loss (``z_loss_coefficient`` > 0: Bamba's ``mean(logsumexp(logits) ** 2)``, added inside the model's
+    forward, outside ``loss_function``) on an LM head DeepSpeed AutoTP split over the vocabulary: the logsumexp is
+    then over this TP rank's slice only, silently wrong at any SP size (fuzzer case 1297835562, tiny Bamba, TP 2 x
+    SP 1: the loss 8% off; plain DeepSpeed without seqpar: 8.22 one process, 7.56 and 7.54 on the TP ranks).
+    Every TP rank splits alike, so every rank raises."""
+    try:
+        from deepspeed.module_inject.layers import VocabParallelLinear
+    except ImportError:  # a DeepSpeed without a vocabulary-parallel head
+        return
+    if not any(isinstance(m, VocabParallelLinear) for m in model.modules()):
+        return
+    coefs = sorted({c for m in model.modules() if (c := getattr(m, "z_loss_coefficient", 0) or 0) > 0})
+    if coefs:
+        raise ConfigError(
+            f"{type(model).__name__} adds a z-loss (z_loss_coefficient={coefs[0]}, the logsumexp of the logits over "
+            "the vocabulary) inside its forward, and DeepSpeed AutoTP split the LM head over the vocabulary "
+            "(tensor_parallel.vocab_parallel_lm_head), so each TP rank would take it over its own slice. Set "
+            "vocab_parallel_lm_head false, or z_loss_coefficient 0"
         )
 
 
