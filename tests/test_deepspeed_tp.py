@@ -58,6 +58,24 @@ def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tens
     return torch.cat(parts, dim=dim)
 
 
+def _assert_tp_grads(engine, ref: torch.nn.Module, manager, what: str) -> set[str]:
+    """Every gradient of ``engine``'s model (ZeRO-reduced, its AutoTP slices gathered over TP) against ``ref``'s
+    float64 one, each on its own scale; returns the names AutoTP split. ZeRO-1/2 hand the reduced gradient back in
+    their float32 buffers: judged at float32's precision."""
+    from deepspeed.utils import safe_get_full_grad
+
+    ref_params, sharded = dict(ref.named_parameters()), set()
+    for name, p in engine.module.named_parameters():
+        want = ref_params[name].grad
+        zero_grad = safe_get_full_grad(p)
+        if zero_grad.shape != want.shape:
+            sharded.add(name)
+        grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group).to(want.dtype)
+        torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=lambda m, n=name: f"{what}grad of {n}: {m}")
+    return sharded
+
+
 @releases_deepspeed_engines
 def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
     from deepspeed.utils import safe_get_full_grad
@@ -422,7 +440,6 @@ def _tied_starcoder2():  # noqa: ANN202
 
 @releases_deepspeed_engines
 def _tied_head_step(rank: int, world: int) -> dict:
-    from deepspeed.utils import safe_get_full_grad
 
     from seqpar.integrations.deepspeed import initialize
     from seqpar.runtime.groups import set_default_manager
@@ -443,16 +460,7 @@ def _tied_head_step(rank: int, world: int) -> dict:
         out = engine(**shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="contiguous"))
         engine.backward(out.loss)
         torch.testing.assert_close(out.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0)
-        ref_params, sharded = dict(ref.named_parameters()), set()
-        for name, p in engine.module.named_parameters():
-            want = ref_params[name].grad
-            zero_grad = safe_get_full_grad(p)
-            if zero_grad.shape != want.shape:
-                sharded.add(name)
-            # ZeRO-2 hands the reduced gradient back in its float32 buffers: judged at float32's precision
-            grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group).to(want.dtype)
-            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
-                                       msg=lambda m, n=name: f"grad of {n}: {m}")
+        sharded = _assert_tp_grads(engine, ref, manager, "")
         head = engine.module.lm_head
         return {"sharded": sorted(sharded), "head": (type(head).__name__, tuple(out.logits.shape)),
                 "tied": head.weight is engine.module.model.embed_tokens.weight}
@@ -538,7 +546,6 @@ def _tied_llama():  # noqa: ANN202
 def _split_head_steps(rank: int, world: int, stage: int) -> dict:
     """Both tied models at AutoTP 2 x SP 2 with ``vocab_parallel_lm_head: true``, one ZeRO stage: loss and every
     reduced gradient against one float64 process, plus what the head and the loss became."""
-    from deepspeed.utils import safe_get_full_grad
 
     from seqpar.integrations.deepspeed import initialize
     from seqpar.runtime.groups import set_default_manager
@@ -566,16 +573,7 @@ def _split_head_steps(rank: int, world: int, stage: int) -> dict:
             engine.backward(got.loss)
             torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
                                        msg=lambda m, k=kind: f"{k} ZeRO-{stage} loss: {m}")
-            ref_params, sharded = dict(ref.named_parameters()), set()
-            for name, p in engine.module.named_parameters():
-                want = ref_params[name].grad
-                zero_grad = safe_get_full_grad(p)
-                if zero_grad.shape != want.shape:
-                    sharded.add(name)
-                # ZeRO-1/2 hand the reduced gradient back in their float32 buffers: judged at float32's precision
-                grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group).to(want.dtype)
-                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
-                                           msg=lambda m, n=name, k=kind: f"{k} ZeRO-{stage} grad of {n}: {m}")
+            sharded = _assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
             head = engine.module.lm_head
             out[kind] = {"head": (type(head).__name__, tuple(got.logits.shape)),
                          "loss_function": type(engine.module.loss_function).__name__,

@@ -794,14 +794,20 @@ def test_dkv_wire_draws_are_judged_at_the_wire_bound(fuzzer: fuzz.Fuzzer) -> Non
     draws = fuzz.draw_case(869144246, ("attention", "dilated"))
     assert (draws["world"], draws["mode"], draws["dkv_wire_dtype"]) == (4, "ring", "bf16"), fuzz.summary(draws)
     assert sum(fuzz.draw_case(s, ("attention", "dilated"))["dkv_wire_dtype"] == "bf16" for s in range(200)) >= 15
+    ref, per_rank = _exact_attention_case(fuzzer, draws)
+    verdict, detail = fuzz._judge_attention({**draws, "dkv_wire_dtype": "fp32"}, ref, per_rank)
+    assert verdict == "WRONG" and detail.split()[0] in ("dk", "dv"), detail
+
+
+def _exact_attention_case(fuzzer: fuzz.Fuzzer, draws: dict) -> tuple[dict, list]:
+    """Run an attention-kind case on 4 ranks and assert it exact: (the float64 reference, each rank's result)."""
     tensors = fuzz._tensors(draws)
     per_rank = fuzzer.pools.run(4, fuzz.attention_task, draws, tensors, None, timeout=90.0)
     assert all(r["ok"] for r in per_rank), per_rank
     ref = fuzz.attention_reference(draws, tensors)
     verdict, detail = fuzz._judge_attention(draws, ref, per_rank)
     assert verdict == "exact", detail
-    verdict, detail = fuzz._judge_attention({**draws, "dkv_wire_dtype": "fp32"}, ref, per_rank)
-    assert verdict == "WRONG" and detail.split()[0] in ("dk", "dv"), detail
+    return ref, per_rank
 
 
 @pytest.mark.timeout(300)
@@ -816,12 +822,7 @@ def test_pairs_draws_run_each_pair_on_the_whole_sequence(fuzzer: fuzz.Fuzzer) ->
     assert conflict is None and (draws["mode"], draws["sinks"], len(draws["calls"])) == ("ring", True, 2), draws
     assert fuzz.force(draws, {"world": 2})[0]["group"] is None
     assert "need world=4" in fuzz.force(draws, {"world": 2, "group": "pairs"})[1]
-    tensors = fuzz._tensors(draws)
-    per_rank = fuzzer.pools.run(4, fuzz.attention_task, draws, tensors, None, timeout=90.0)
-    assert all(r["ok"] for r in per_rank), per_rank
-    ref = fuzz.attention_reference(draws, tensors)
-    verdict, detail = fuzz._judge_attention(draws, ref, per_rank)
-    assert verdict == "exact", detail
+    ref, per_rank = _exact_attention_case(fuzzer, draws)
     assert all(r["calls"][0][0].shape[2] == draws["seq"] // 2 for r in per_rank)  # a pair's shards: S / 2 rows
 
 
