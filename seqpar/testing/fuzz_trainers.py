@@ -537,40 +537,32 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
     if name == "rslora_ignored":
         return _plant_rslora_ignored()
 
+    def scaled(original: Any) -> Any:
+        def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if isinstance(result, tuple):
+                return (result[0] * sp / world, *result[1:])
+            return result * sp / world
+        return compute_loss
+
     if name == "trl_loss_over_world":
         # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
         import trl
 
-        owners = (trl.DPOTrainer, trl.GRPOTrainer)
-        originals = [owner.__dict__["compute_loss"] for owner in owners]
+        return _patch((trl.DPOTrainer, trl.GRPOTrainer), "compute_loss", scaled)
+    return _patch((transformers.Trainer,), "compute_loss", scaled)
 
-        def scaled(original: Any) -> Any:
-            def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-                result = original(self, *args, **kwargs)
-                if isinstance(result, tuple):
-                    return (result[0] * sp / world, *result[1:])
-                return result * sp / world
-            return compute_loss
 
-        for owner, original in zip(owners, originals, strict=True):
-            owner.compute_loss = scaled(original)
-
-        def undo_trl() -> None:
-            for owner, original in zip(owners, originals, strict=True):
-                owner.compute_loss = original
-        return undo_trl
-    original = transformers.Trainer.compute_loss
-
-    def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if isinstance(result, tuple):
-            return (result[0] * sp / world, *result[1:])
-        return result * sp / world
-
-    transformers.Trainer.compute_loss = compute_loss
+def _patch(classes: tuple[type, ...], name: str, planted: Any) -> Any:
+    """Replace the method ``name`` of each class in ``classes`` (its own, in its ``__dict__``) by
+    ``planted(original)``, the plants' one way to install; the undo callable (restoring each) returned."""
+    originals = {cls: cls.__dict__[name] for cls in classes}
+    for cls, original in originals.items():
+        setattr(cls, name, planted(original))
 
     def undo() -> None:
-        transformers.Trainer.compute_loss = original
+        for cls, original in originals.items():
+            setattr(cls, name, original)
     return undo
 
 
@@ -594,22 +586,18 @@ def _plant_lora_grad(factor: float) -> Any:
     adapter branch) are. Undo callable returned."""
     from peft.tuners.lora import layer
 
-    original = layer.Linear.forward
+    def planted(original: Any) -> Any:
+        def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
+                       for m in self.lora_B.values()]
+            try:
+                return original(self, x, *args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+        return forward
 
-    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
-                   for m in self.lora_B.values()]
-        try:
-            return original(self, x, *args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-
-    layer.Linear.forward = forward
-
-    def undo() -> None:
-        layer.Linear.forward = original
-    return undo
+    return _patch((layer.Linear,), "forward", planted)
 
 
 def _plant_adapter_grad(factor: float) -> Any:
@@ -617,8 +605,6 @@ def _plant_adapter_grad(factor: float) -> Any:
     layer's: A, B, DoRA's magnitude, on ``nn.Linear`` and ``nn.Embedding`` alike) times ``factor`` (``dp / world``);
     the forward unchanged (to a rounding). Undo callable returned."""
     from peft.tuners.lora import layer
-
-    originals = {cls: cls.forward for cls in (layer.Linear, layer.Embedding)}
 
     def planted(original: Any) -> Any:
         def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -629,39 +615,27 @@ def _plant_adapter_grad(factor: float) -> Any:
             return base + _ScaleGrad.apply(out - base, factor)
         return forward
 
-    for cls, original in originals.items():
-        cls.forward = planted(original)
-
-    def undo() -> None:
-        for cls, original in originals.items():
-            cls.forward = original
-    return undo
+    return _patch((layer.Linear, layer.Embedding), "forward", planted)
 
 
 def _plant_bias_grad(factor: float) -> Any:
     """``"bias_grad_over_world"``: every trainable ``nn.Linear`` bias's gradient times ``factor`` (``dp / world``;
     LoRA's ``bias="lora_only"`` / ``"all"``), the forward unchanged. Undo callable returned."""
-    original = torch.nn.Linear.forward
+    def planted(original: Any) -> Any:  # the original is restored by the undo, not called
+        def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            bias = self.bias
+            if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+                bias = _ScaleGrad.apply(bias, factor)
+            return torch.nn.functional.linear(x, self.weight, bias)
+        return forward
 
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        if bias is not None and bias.requires_grad and torch.is_grad_enabled():
-            bias = _ScaleGrad.apply(bias, factor)
-        return torch.nn.functional.linear(x, self.weight, bias)
-
-    torch.nn.Linear.forward = forward
-
-    def undo() -> None:
-        torch.nn.Linear.forward = original
-    return undo
+    return _patch((torch.nn.Linear,), "forward", planted)
 
 
 def _plant_rslora_ignored() -> Any:
     """``"rslora_ignored"``: ``use_rslora`` dropped when peft builds an adapter (its scale ``alpha / r``, not
     ``alpha / sqrt(r)``). Undo callable returned."""
     from peft.tuners.lora import layer
-
-    originals = {cls: cls.__dict__["update_layer"] for cls in (layer.LoraLayer, layer.Embedding)}
 
     def planted(original: Any) -> Any:
         def update_layer(self: Any, adapter_name: str, r: int, lora_alpha: int, *args: Any, **kwargs: Any) -> Any:
@@ -670,13 +644,7 @@ def _plant_rslora_ignored() -> Any:
             return result
         return update_layer
 
-    for cls, original in originals.items():
-        cls.update_layer = planted(original)
-
-    def undo() -> None:
-        for cls, original in originals.items():
-            cls.update_layer = original
-    return undo
+    return _patch((layer.LoraLayer, layer.Embedding), "update_layer", planted)
 
 
 def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, plant: str | None = None) -> dict[str, Any]:
