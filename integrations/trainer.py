@@ -20,7 +20,9 @@ one shard's numbers; :mod:`seqpar.integrations.trl` lists the TRL trainers that 
 
 Without DeepSpeed, pass ``seqpar_config=`` (the block) and the trainer shards the model with FSDP2
 itself (:func:`seqpar.integrations.fsdp.wrap`, gradient divide factor ``dp``; options in
-``seqpar_fsdp=``); accelerate then leaves the model as it is (no DDP around it).
+``seqpar_fsdp=``); accelerate then leaves the model as it is (no DDP around it). It shards the model
+``transformers.Trainer.__init__`` receives, as that ``__init__``'s first step: after a TRL trainer's own
+``__init__`` applied ``peft_config`` and added its frozen "ref" adapter, which FSDP2 then shards with the rest.
 
 What it changes in Trainer, and why (each a small override or hook):
 

@@ -116,28 +116,29 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
   draw, so the older case seeds keep every draw they had): rsLoRA (``use_rslora``, about 30%), ``bias``
   (``"lora_only"``, ``"all"``: 20% each; only qwen2 has biases, on q/k/v), LoRA on ``embed_tokens`` (25%; not with
   ``modules_to_save=["embed_tokens"]``), DoRA (``use_dora``, 20%), and for TRL's trainers (half the cases) a
-  ``PeftModel`` made by ``get_peft_model`` before the trainer instead of ``peft_config=`` (``premade``: the path
-  under seqpar's FSDP2; DPOTrainer with the reference built from the policy, and GRPOTrainer with KL, then add a
+  ``PeftModel`` made by ``get_peft_model`` before the trainer instead of ``peft_config=`` (``premade``;
+  DPOTrainer with the reference built from the policy, and GRPOTrainer with KL, then add a
   frozen copy of the adapter, "ref", and compute the reference through it). Judged as above; the trainable
   biases (all of them under ``"all"``, the adapted layers' ``base_layer.bias`` under ``"lora_only"``) are
   trainable parameters of their own. Plants (:data:`PLANTS`): ``adapter_grad_over_world`` (every LoRA layer's
   adapter branch, Linear or Embedding, DoRA's magnitude included), ``bias_grad_over_world``, ``rslora_ignored``.
-- Refused by name (drawn): under seqpar's FSDP2, a premade PeftModel given to DPO with the reference built from
-  the policy (TRL adds its "ref" adapter and copies the adapter into it after the mixin sharded the model:
-  "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO with ``beta != 0`` (the same
-  "ref" adapter). Under ZeRO they run (exact); SFT, DPO with a given reference and GRPO at ``beta=0`` run under
-  FSDP2 (exact: GRPO's generation crashed there, "aten.embedding.default ...", case 1720900617 with ``--set
-  beta=0.0``, until ``fsdp.wrap`` ran a PeftModel's ``generate`` as a forward of FSDP2's root).
+- Exact since ref25 (refused by name before, drawn all along): under seqpar's FSDP2, a premade PeftModel given to DPO
+  with the reference built from the policy (TRL adds its "ref" adapter and copies the adapter into it: after the
+  mixin had sharded the model, "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO with
+  ``beta != 0`` (the same "ref" adapter; 1720900617 with ``beta=0.2``). The mixin shards the model Trainer's
+  ``__init__`` receives, after TRL's ``__init__`` added the adapter. GRPO's generation under FSDP2 with a PeftModel
+  crashed until fz24d ("aten.embedding.default ...", case 1720900617 with ``--set beta=0.0``: ``fsdp.wrap`` runs a
+  PeftModel's ``generate`` as a forward of FSDP2's root).
 - Not drawn, PEFT's own without seqpar: ``bias`` other than ``"none"`` with a premade PeftModel to which TRL adds
   its "ref" adapter (peft's "LoraModel supports only 1 adapter with bias" from ``add_adapter``; plain DPOTrainer
   on one process too: case 638403696 with ``--set peft=true`` as first drawn, and 1171 with ``--set
   engine=plain``, bias ``"all"``, premade): the draw sets ``bias="none"`` there.
 - Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
   shard of the sequence and batch, which no split over ranks can draw as one process does.
-- Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
-  shards the model before TRL adds the adapters, which were then sharded and never gathered: peft's "size of
-  tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set peft=true``). Trainer with
-  ``get_peft_model`` under FSDP2 is exact.
+- Exact since ref25 (refused by name before, drawn all along): a TRL trainer's ``peft_config=`` under seqpar's FSDP2
+  (``seqpar_config=``; the mixin sharded the model before TRL added the adapters, which were then sharded and never
+  gathered: peft's "size of tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set
+  peft=true``). Trainer with ``get_peft_model`` under FSDP2 is exact.
 - Not drawn, TRL's own without seqpar: ``sync_ref_model`` with PEFT (DPOTrainer and GRPOTrainer raise
   NotImplementedError whenever the model is a PEFT model, trl 1.16's ``dpo_trainer.py`` / ``grpo_trainer.py``;
   case 2076377569 with ``--set peft=true`` before the draw dropped it: ``sync_ref_model`` is False under PEFT).
