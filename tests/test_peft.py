@@ -210,7 +210,9 @@ def test_trl_lora_recipes_under_seqpar_fsdp2_shard_trl_s_adapters(dist_pool, tmp
     adapters, TRL's own for SFT) is FSDP2-sharded and every ``lora_B`` moves in the step (SFT, DPO), the "ref"
     adapters start as copies of the trained ones and stay frozen and unmoved. Exact against each trainer on one process: the fuzzer's pins 188540536 (SFT,
     ``peft_config``), 1171 (DPO) and 1720900617 (GRPO, ``beta=0.2``) in tests/test_fuzz.py.
-    Seen failing: with the sharding in ``_seqpar_shard_model`` skipped (no FSDP2 root, plain adapters)."""
+    Seen failing: with the model sharded before TRL's ``__init__`` again (the old order: peft's "The size of tensor
+    a (32) must match the size of tensor b (16)" in SFT's step), and with the sharding in ``_seqpar_shard_model``
+    skipped (both ranks raised)."""
     pytest.importorskip("trl")
     for per_rank in dist_pool.run(2, _trl_peft_under_fsdp2, str(tmp_path), timeout=350):
         for res in per_rank:
