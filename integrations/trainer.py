@@ -20,7 +20,9 @@ one shard's numbers; :mod:`seqpar.integrations.trl` lists the TRL trainers that 
 
 Without DeepSpeed, pass ``seqpar_config=`` (the block) and the trainer shards the model with FSDP2
 itself (:func:`seqpar.integrations.fsdp.wrap`, gradient divide factor ``dp``; options in
-``seqpar_fsdp=``); accelerate then leaves the model as it is (no DDP around it).
+``seqpar_fsdp=``); accelerate then leaves the model as it is (no DDP around it). It shards the model
+``transformers.Trainer.__init__`` receives, as that ``__init__``'s first step: after a TRL trainer's own
+``__init__`` applied ``peft_config`` and added its frozen "ref" adapter, which FSDP2 then shards with the rest.
 
 What it changes in Trainer, and why (each a small override or hook):
 
@@ -256,22 +258,6 @@ class SequenceParallelMixin:
             raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
-        if self._seqpar_engine == "fsdp2" and model is not None and kwargs.get("peft_config") is not None:
-            # The mixin shards the model before the trainer's __init__, where TRL applies peft_config: the adapters
-            # would be added to FSDP2-sharded layers and never gathered (a shape error in peft's LoRA forward at
-            # the first step; GRPO's generation mixes DTensors and tensors). Fuzzer cases 188540536, 2083956903.
-            from seqpar.integrations.trl import GRPOLoss
-
-            # GRPO with a PeftModel under FSDP2 runs at beta=0 only (_check_ref_adapter)
-            grpo = " with beta=0" if isinstance(self._seqpar_loss, GRPOLoss) else ""
-            raise ConfigError(
-                f"{type(self).__name__}(peft_config=...) under seqpar's FSDP2: the trainer applies the adapters "
-                "after seqpar has sharded the model, so they would be sharded and never gathered. Make the "
-                f"PeftModel yourself (peft.get_peft_model(model, config)) and pass it as model={grpo}, or train "
-                "LoRA under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
-            )
-        if self._seqpar_engine == "fsdp2" and model is not None and self._seqpar_loss is not None:
-            self._check_ref_adapter(model, args, kwargs)
         if self.seqpar_config.dynamic is not None:
             self._check_dynamic(args)
             # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)
@@ -286,56 +272,25 @@ class SequenceParallelMixin:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
             self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
-        if model is not None and self._seqpar_engine == "fsdp2":
-            from seqpar.integrations.fsdp import wrap
-
-            model = wrap(model, self.seqpar_config, manager=self.seqpar_manager, fsdp=fsdp_options,
-                         swap=self.seqpar_config.swap != "none")
-        elif model is not None and self.seqpar_config.swap != "none":
+        # FSDP2: the model Trainer.__init__ is given is swapped and sharded as its first step (in
+        # create_accelerator_and_postprocess), after the trainer's own __init__ made it what it trains: TRL applies
+        # peft_config there and adds the frozen "ref" copy of a PeftModel's adapter (DPO without ref_model, GRPO
+        # with beta != 0), which on a model sharded before would mix FSDP2's DTensors with the new plain tensors
+        # (fuzzer cases 188540536, 1171, 1720900617)
+        self._seqpar_fsdp_pending = fsdp_options if self._seqpar_engine == "fsdp2" else None
+        if model is not None and self._seqpar_engine != "fsdp2" and self.seqpar_config.swap != "none":
             from seqpar.swap import swap_attention
 
             swap_attention(model, self.seqpar_config, group=self.seqpar_manager.sp_group)
         swap_other = self._seqpar_swap_other_models()
         if self._seqpar_loss is not None:  # a TRL trainer's further models (DPO's reference model)
             self._seqpar_loss.prepare(args, kwargs, swap_other)
-        bound.arguments["model"] = model  # sharded by FSDP2 above, or the given model swapped in place
+        bound.arguments["model"] = model  # the given model, swapped in place (DeepSpeed; FSDP2: swapped later)
         super().__init__(*bound.args, **bound.kwargs)
         if self._seqpar_loss is not None:
             self._seqpar_loss.after_init(self, swap_other)
         logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
                     self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
-
-    def _check_ref_adapter(self, model: Any, args: Any, kwargs: Mapping[str, Any]) -> None:
-        """Under seqpar's FSDP2: refuse, by name on every rank (before any group or engine), a ``PeftModel`` given
-        to DPOTrainer without ``ref_model`` or to GRPOTrainer with ``beta != 0``. Both add a frozen copy of the
-        adapter ("ref") and copy the trained adapter's weights into it; the mixin shards the model with FSDP2
-        before that ``__init__``, so the copy mixes FSDP2's DTensors with the new plain tensors ("aten.copy_.default
-        got mixed torch.Tensor and DTensor", fuzzer case 1171 with a PeftModel; GRPO: "aten.add.Tensor" in peft's
-        DoRA, case 1720900617 with ``beta=0.1``). GRPO at ``beta=0`` runs: its generation's crash ("aten.embedding
-        .default got mixed torch.Tensor and DTensor", case 1720900617 at ``beta=0``) was PeftModel.generate calling
-        the base model, never the FSDP2 root, whose hooks gather the root's own parameters; ``wrap`` registers
-        ``generate`` as the root's forward now (:func:`seqpar.integrations.fsdp.wrap`)."""
-        from accelerate.utils import is_peft_model
-
-        from seqpar.integrations.trl import DPOLoss, GRPOLoss
-
-        if not is_peft_model(model):  # TRL's own test (a peft PeftModel)
-            return
-        zero = "train under a DeepSpeed ZeRO config (TrainingArguments(deepspeed=...) with a sequence_parallel block)"
-        if isinstance(self._seqpar_loss, GRPOLoss) and getattr(args, "beta", 0.0) != 0.0:
-            raise ConfigError(
-                f"{type(self).__name__}(model=<a PeftModel>) with beta={args.beta} under seqpar's FSDP2: the "
-                "trainer adds a frozen copy of the adapter ('ref', for the KL term) after seqpar has sharded the "
-                "model, and the copy cannot mix FSDP2's sharded weights with the new ones. Set beta=0 (no KL term, "
-                f"no reference adapter), or {zero}"
-            )
-        if isinstance(self._seqpar_loss, DPOLoss) and kwargs.get("ref_model") is None:
-            raise ConfigError(
-                f"{type(self).__name__}(model=<a PeftModel>) without ref_model under seqpar's FSDP2: the trainer "
-                "adds a frozen copy of the adapter ('ref') after seqpar has sharded the model, and the copy cannot "
-                "mix FSDP2's sharded weights with the new ones. Pass ref_model= (the model the reference log-probs "
-                f"come from), or {zero}"
-            )
 
     def _check_dynamic(self, args: Any) -> None:
         """Length-aware dynamic CP runs one Trainer micro-step per optimizer step (see :meth:`training_step`):
@@ -408,7 +363,27 @@ class SequenceParallelMixin:
         return adapter
 
     # ------------------------------------------------------------------ engine and data loaders
+    def _seqpar_shard_model(self) -> None:
+        """FSDP2: swap and shard ``self.model`` (in place, :func:`seqpar.integrations.fsdp.wrap`), once.
+
+        Called first in ``create_accelerator_and_postprocess``, which ``transformers.Trainer.__init__`` calls first,
+        with ``self.model`` the model the trainer's own ``__init__`` hands it: for TRL's trainers, the ``PeftModel``
+        it made from ``peft_config`` (``get_peft_model``), with the frozen "ref" adapter it adds to a given
+        ``PeftModel`` and fills from the trained one (DPOTrainer without ``ref_model``, GRPOTrainer with
+        ``beta != 0``). So TRL's adapters are built as without seqpar, on whole tensors, and FSDP2 shards and
+        gathers them with the rest; the trainer's later steps see the sharded model (the same object).
+        A ``model_init`` model (``self.model`` None here) is not sharded."""
+        options = getattr(self, "_seqpar_fsdp_pending", None)
+        if options is None or self.model is None:
+            return
+        from seqpar.integrations.fsdp import wrap
+
+        self._seqpar_fsdp_pending = None  # hyperparameter search calls create_accelerator_and_postprocess again
+        wrap(self.model, self.seqpar_config, manager=self.seqpar_manager, fsdp=options,
+             swap=self.seqpar_config.swap != "none")
+
     def create_accelerator_and_postprocess(self) -> None:
+        self._seqpar_shard_model()
         super().create_accelerator_and_postprocess()
         accelerator = self.accelerator
         manager = self.seqpar_manager

@@ -312,7 +312,7 @@ FOUND[674949561] = (("compile",), "exact")
 #   (1664443607) the same, GRPO (2083956903) too and "aten.embedding got mixed torch.Tensor and DTensor" in its
 #   generation (769461221). The mixin shards the model with FSDP2 before TRL's __init__ adds the adapters, which
 #   were then sharded and never gathered. Refused by name at construction now (integrations/trainer.py;
-#   tests/test_peft.py::test_trl_peft_config_under_fsdp2_is_refused_by_name). SeqParTrainer with get_peft_model
+#   tests/test_peft.py's refusal test; exact since ref25, below). SeqParTrainer with get_peft_model
 #   under FSDP2 is exact (371619585). Seen refused with --set peft=true.
 # - 2076377569 (DPO, sync_ref_model with LoRA): crash, DPOTrainer's own NotImplementedError for sync_ref_model
 #   with any PEFT model (GRPOTrainer's too), without seqpar as well: not drawn under PEFT since.
@@ -439,7 +439,7 @@ FOUND[74588220] = (("attention", "dilated"), "exact")
 #   reference built from the policy): crash, "aten.copy_.default got mixed torch.Tensor and DTensor" in TRL's
 #   __init__: it adds a frozen copy of the adapter ("ref") and copies the adapter into it after the mixin sharded
 #   the model (GRPO with beta > 0 the same). Refused by name at construction now (integrations/trainer.py;
-#   tests/test_peft.py::test_trl_premade_peft_model_with_a_ref_adapter_under_fsdp2_is_refused_by_name). Under ZeRO-2
+#   tests/test_peft.py's refusal test; exact since ref25, below). Under ZeRO-2
 #   it is exact (with DoRA, LoRA on embed_tokens and A, B random too).
 # - 638403696 (seed 922; DPO, FSDP2, a premade PeftModel with bias="lora_only"): crash, peft's "LoraModel supports
 #   only 1 adapter with bias" from TRL's add_adapter("ref"); the same without seqpar (1171 with bias="all" and
@@ -461,6 +461,21 @@ FOUND[74588220] = (("attention", "dilated"), "exact")
 FOUND[1171] = (("trainer",), "refused")
 FOUND_SET[1720900617] = {"peft": True, "beta": 0.0}
 FOUND[1720900617] = (("trainer",), "exact")
+
+# ref25: TRL's own LoRA recipes under seqpar's FSDP2, refused by name since fz23a / fz24b, run exact now: the mixin
+# swaps and shards the model Trainer.__init__ receives (first in create_accelerator_and_postprocess), after TRL's
+# __init__ applied peft_config and added its frozen "ref" adapter, instead of before TRL's __init__
+# (tests/test_peft.py::test_trl_lora_recipes_under_seqpar_fsdp2_shard_trl_s_adapters). Seen refused before
+# (the pins above; these three verdicts "refused" at 9273f0a), exact after:
+# - 1171 (DPO, SP 2, tiny qwen2, a PeftModel and the reference built from the policy: TRL's "ref" adapter);
+# - 1720900617 with beta=0.2 (GRPO, DP 2, tiny Mixtral, a PeftModel with DoRA and LoRA on the embeddings, the KL
+#   through the "ref" adapter, 2 iterations: the KL is nonzero at the second); replaces its beta=0 pin, whose
+#   generation fix (fz24d) this case runs too;
+# - 188540536 with --set peft=true (SFT, DP 2, tiny Mixtral, peft_config= with DoRA, bias="all", A and B random).
+FOUND[1171] = (("trainer",), "exact")
+FOUND_SET[1720900617] = {"peft": True, "beta": 0.2}
+FOUND_SET[188540536] = {"peft": True}
+FOUND[188540536] = (("trainer",), "exact")
 
 # fz24a: the engine kind's fresh seeds (911; --set engine=autotp 912, 913; accelerate 914) and AutoTP under ZeRO-3
 # (drawn since fz24a; --set engine=autotp --set zero_stage=3, seeds 915, 916). Found:

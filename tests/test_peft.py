@@ -134,100 +134,95 @@ def test_lora_sp2_matches_single_device_and_trains_only_adapters(dist_pool, tmp_
     assert len(saved) == len(out[0]["trainable"])
 
 
-# ---------------------------------------------------------------------------------- TRL's peft_config under FSDP2
-def _sft_peft_config_under_fsdp2(rank: int, world: int, tmp: str) -> str:
-    """Build ``sequence_parallel(SFTTrainer)`` under seqpar's FSDP2 with ``peft_config=``: the error."""
-    import trl_tiny
-    from peft import LoraConfig
-    from trl import SFTConfig, SFTTrainer
-
-    from seqpar.config import ConfigError
-    from seqpar.integrations.trainer import sequence_parallel
-
-    args = SFTConfig(output_dir=f"{tmp}/r{rank}", per_device_train_batch_size=1, max_steps=1, learning_rate=0.1,
-                     optim="sgd", report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False)
-    with hf_tiny.launcher_env(rank, world):
-        try:
-            trainer = sequence_parallel(SFTTrainer)(
-                model=hf_tiny.tiny_llama(), args=args, train_dataset=trl_tiny.conversations(),
-                processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"},
-                peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
-            trainer.train()  # before the refusal: peft's LoRA forward raised on the sharded adapters here
-        except ConfigError as e:
-            return str(e)
-    return "trained"
-
-
-@pytest.mark.timeout(300)
-def test_trl_peft_config_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
-    """A TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``, no DeepSpeed): the mixin shards
-    the model before TRL's ``__init__`` applies the adapters, so they were added to FSDP2-sharded layers and never
-    gathered: "The size of tensor a (16) must match the size of tensor b (8)" in peft's LoRA forward at the first
-    step (SFT, DPO), DTensor and tensor mixed in GRPO's generation (found by the fuzzer's trainer kind, cases
-    188540536, 1664443607, 2083956903, 769461221). Refused at construction now, on every rank, naming the option
-    and the fix (``get_peft_model`` before SeqParTrainer under FSDP2 is exact: the fuzzer's Trainer cases).
-    Seen failing: without the refusal in integrations/trainer.py (peft's shape RuntimeError)."""
-    for message in dist_pool.run(2, _sft_peft_config_under_fsdp2, str(tmp_path), timeout=200):
-        assert "peft_config=" in message and "FSDP2" in message and "deepspeed=" in message, message
-        assert "get_peft_model" in message, message  # the FSDP2 path: a PeftModel of your own (fz24b)
-
-
-# ------------------------------------------------------------------ a PeftModel handed to DPO / GRPO under FSDP2
-def _premade_peft_ref_adapter_under_fsdp2(rank: int, world: int, tmp: str) -> list[str]:
-    """Build ``sequence_parallel(DPOTrainer)`` (no ``ref_model``) and ``sequence_parallel(GRPOTrainer)`` at
-    ``beta=0.1`` (a reference adapter) and ``beta=0`` (none) under seqpar's FSDP2 with a ``PeftModel`` made by
-    ``get_peft_model``: each one's error, or "built"."""
+# ------------------------------------------------------------------ TRL's own LoRA recipes under seqpar's FSDP2
+def _trl_peft_under_fsdp2(rank: int, world: int, tmp: str) -> list[dict]:
+    """Under seqpar's FSDP2 (SP ``world``): ``sequence_parallel(SFTTrainer)`` with ``peft_config=`` (TRL applies
+    ``get_peft_model``), ``sequence_parallel(DPOTrainer)`` with a ``PeftModel`` and no ``ref_model`` and
+    ``sequence_parallel(GRPOTrainer)`` with a ``PeftModel`` at ``beta=0.1`` (TRL adds a frozen "ref" copy of the
+    adapter), each built and trained one step; what each one's model looked like after construction and after
+    the step."""
     import datasets
     import trl_tiny
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from peft import LoraConfig
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
-    from seqpar.config import ConfigError
     from seqpar.integrations.trainer import sequence_parallel
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
     common = dict(per_device_train_batch_size=2, max_steps=1, learning_rate=0.1, optim="sgd", report_to=[],
                   save_strategy="no", use_cpu=True, disable_tqdm=True, bf16=False)
+    sp = {"size": world, "mode": "ring"}
     pairs = datasets.Dataset.from_list([{"prompt": "t5 t6 ", "chosen": "t7 t8", "rejected": "t9"}] * 2)
     prompts = datasets.Dataset.from_list([{"prompt": "t5 t6"}] * 2)
-    builds = (
-        lambda: sequence_parallel(DPOTrainer)(
+    builds = {
+        "sft": lambda: sequence_parallel(SFTTrainer)(
+            model=hf_tiny.tiny_llama(), args=SFTConfig(output_dir=f"{tmp}/s{rank}", **common),
+            train_dataset=trl_tiny.conversations(), processing_class=trl_tiny.tokenizer(), seqpar_config=sp,
+            peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])),
+        "dpo": lambda: sequence_parallel(DPOTrainer)(
             model=lora_llama(), args=DPOConfig(output_dir=f"{tmp}/d{rank}", **common), train_dataset=pairs,
-            processing_class=trl_tiny.tokenizer(), seqpar_config={"size": world, "mode": "ring"}),
-        *(lambda beta=beta: sequence_parallel(GRPOTrainer)(
-            model=lora_llama(), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=beta,
+            processing_class=trl_tiny.tokenizer(), seqpar_config=sp),
+        "grpo": lambda: sequence_parallel(GRPOTrainer)(
+            model=lora_llama(), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+            args=GRPOConfig(output_dir=f"{tmp}/g{rank}", num_generations=2, max_completion_length=2, beta=0.1,
                             **common),
-            train_dataset=prompts, processing_class=trl_tiny.tokenizer(),
-            seqpar_config={"size": world, "mode": "ring"}) for beta in (0.1, 0.0)),
-    )
-    messages = []
+            train_dataset=prompts, processing_class=trl_tiny.tokenizer(), seqpar_config=sp),
+    }
+    out = []
     with hf_tiny.launcher_env(rank, world):
-        for build in builds:
-            try:
-                build()
-                messages.append("built")
-            except ConfigError as e:
-                messages.append(str(e))
-    return messages
+        for name, build in builds.items():
+            trainer = build()
+            model = trainer.model
+            params = dict(model.named_parameters())
+            trainable = sorted(n for n, p in params.items() if p.requires_grad)
+            refs = {n: full(p) for n, p in params.items() if ".ref." in n}
+            start = {n: full(params[n]) for n in trainable}
+            # TRL fills the "ref" adapter with the trained one's weights at construction
+            refs_copy = all(torch.equal(t, start[n.replace(".ref.", ".default.")]) for n, t in refs.items())
+            trainer.train()
+            out.append({
+                "name": name,
+                "sharded": isinstance(model, FSDPModule),
+                "trainable": trainable,
+                "adapters_sharded": all(isinstance(params[n], DTensor) for n in trainable),
+                "refs": len(refs),
+                "refs_frozen": not any(params[n].requires_grad for n in refs),
+                "refs_copy_default": refs_copy,
+                "refs_unmoved": all(torch.equal(t, full(params[n])) for n, t in refs.items()),
+                "moved": sorted(n for n in trainable if not torch.equal(start[n], full(params[n]))),
+            })
+    return out
 
 
-@pytest.mark.timeout(300)
-def test_trl_premade_peft_model_with_a_ref_adapter_under_fsdp2_is_refused_by_name(dist_pool, tmp_path):
-    """A ``PeftModel`` (``get_peft_model`` before the trainer) handed to DPOTrainer without ``ref_model`` under
-    seqpar's FSDP2: TRL adds a frozen copy of the adapter ("ref") in its ``__init__`` and copies the adapter's
-    weights into it, after the mixin sharded the model: "aten.copy_.default got mixed torch.Tensor and DTensor"
-    (found by the fuzzer's trainer kind, case 1171 with the PeftModel; GRPO with ``beta > 0`` the same,
-    "aten.add.Tensor" in peft's DoRA: case 1720900617 with ``beta=0.1``). Refused at construction now, on every
-    rank, naming what and the fix (``ref_model=`` / ``beta=0``, or ZeRO). GRPO at ``beta=0`` (no reference
-    adapter) builds: its generation is exact since fz24d (test_peft_model_generate_under_seqpar_fsdp2_matches_one_
-    process; the fuzzer's case 1720900617 pinned exact in tests/test_fuzz.py).
-    Seen failing: without the refusal in integrations/trainer.py (TRL's RuntimeError from the copy for DPO and
-    for GRPO at beta 0.1); with the GRPO refusal for every beta (fz24d: beta 0 refused, not built)."""
+@pytest.mark.timeout(400)
+def test_trl_lora_recipes_under_seqpar_fsdp2_shard_trl_s_adapters(dist_pool, tmp_path):
+    """TRL's default LoRA recipes under seqpar's FSDP2 (SP 2): ``peft_config=`` to SFTTrainer (TRL applies
+    ``get_peft_model`` in its ``__init__``), a ``PeftModel`` to DPOTrainer without ``ref_model`` and to GRPOTrainer
+    at ``beta=0.1`` (TRL adds a frozen "ref" copy of the adapter and copies the adapter into it). The mixin used to
+    shard the model before TRL's ``__init__``, so TRL's new adapters were plain tensors beside FSDP2's DTensors:
+    peft's "size of tensor a (16) must match ... b (8)" (fuzzer case 188540536), "aten.copy_.default got mixed
+    torch.Tensor and DTensor" (case 1171), and the two were refused by name. The model is now swapped and sharded
+    as Trainer's ``__init__`` receives it: each trainer's model is FSDP2's root, every trainable parameter (the
+    adapters, TRL's own for SFT) is FSDP2-sharded and every ``lora_B`` moves in the step (SFT, DPO), the "ref"
+    adapters start as copies of the trained ones and stay frozen and unmoved. Exact against each trainer on one process: the fuzzer's pins 188540536 (SFT,
+    ``peft_config``), 1171 (DPO) and 1720900617 (GRPO, ``beta=0.2``) in tests/test_fuzz.py.
+    Seen failing: with the model sharded before TRL's ``__init__`` again (the old order: peft's "The size of tensor
+    a (32) must match the size of tensor b (16)" in SFT's step), and with the sharding in ``_seqpar_shard_model``
+    skipped (both ranks raised)."""
     pytest.importorskip("trl")
-    for dpo, grpo, grpo_beta0 in dist_pool.run(2, _premade_peft_ref_adapter_under_fsdp2, str(tmp_path), timeout=200):
-        assert "PeftModel" in dpo and "without ref_model" in dpo and "ref_model=" in dpo and "FSDP2" in dpo, dpo
-        assert "PeftModel" in grpo and "beta=0.1" in grpo and "beta=0" in grpo and "FSDP2" in grpo, grpo
-        assert "deepspeed=" in grpo, grpo
-        assert grpo_beta0 == "built", grpo_beta0
+    for per_rank in dist_pool.run(2, _trl_peft_under_fsdp2, str(tmp_path), timeout=350):
+        for res in per_rank:
+            assert res["sharded"] and res["adapters_sharded"], res
+            assert res["trainable"] and all("lora_" in n for n in res["trainable"]), res
+            if res["name"] != "grpo":  # GRPO's step may have every advantage 0 (equal rewards in a group)
+                # peft's B = 0 start: step 1 moves every B (A's gradient is B's transpose times ..., 0)
+                assert [n for n in res["trainable"] if "lora_B" in n] == res["moved"], res
+            assert (res["refs"] > 0) == (res["name"] != "sft"), res
+            assert res["refs_frozen"] and res["refs_unmoved"] and res["refs_copy_default"], res
 
 
 # ------------------------------------------------------------------ a PeftModel's generate under seqpar's FSDP2

@@ -116,28 +116,29 @@ bit-for-bit where it started; each trainable parameter's update on its own scale
   draw, so the older case seeds keep every draw they had): rsLoRA (``use_rslora``, about 30%), ``bias``
   (``"lora_only"``, ``"all"``: 20% each; only qwen2 has biases, on q/k/v), LoRA on ``embed_tokens`` (25%; not with
   ``modules_to_save=["embed_tokens"]``), DoRA (``use_dora``, 20%), and for TRL's trainers (half the cases) a
-  ``PeftModel`` made by ``get_peft_model`` before the trainer instead of ``peft_config=`` (``premade``: the path
-  under seqpar's FSDP2; DPOTrainer with the reference built from the policy, and GRPOTrainer with KL, then add a
+  ``PeftModel`` made by ``get_peft_model`` before the trainer instead of ``peft_config=`` (``premade``;
+  DPOTrainer with the reference built from the policy, and GRPOTrainer with KL, then add a
   frozen copy of the adapter, "ref", and compute the reference through it). Judged as above; the trainable
   biases (all of them under ``"all"``, the adapted layers' ``base_layer.bias`` under ``"lora_only"``) are
   trainable parameters of their own. Plants (:data:`PLANTS`): ``adapter_grad_over_world`` (every LoRA layer's
   adapter branch, Linear or Embedding, DoRA's magnitude included), ``bias_grad_over_world``, ``rslora_ignored``.
-- Refused by name (drawn): under seqpar's FSDP2, a premade PeftModel given to DPO with the reference built from
-  the policy (TRL adds its "ref" adapter and copies the adapter into it after the mixin sharded the model:
-  "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO with ``beta != 0`` (the same
-  "ref" adapter). Under ZeRO they run (exact); SFT, DPO with a given reference and GRPO at ``beta=0`` run under
-  FSDP2 (exact: GRPO's generation crashed there, "aten.embedding.default ...", case 1720900617 with ``--set
-  beta=0.0``, until ``fsdp.wrap`` ran a PeftModel's ``generate`` as a forward of FSDP2's root).
+- Exact since ref25 (refused by name before, drawn all along): under seqpar's FSDP2, a premade PeftModel given to DPO
+  with the reference built from the policy (TRL adds its "ref" adapter and copies the adapter into it: after the
+  mixin had sharded the model, "aten.copy_.default got mixed torch.Tensor and DTensor", case 1171), or to GRPO with
+  ``beta != 0`` (the same "ref" adapter; 1720900617 with ``beta=0.2``). The mixin shards the model Trainer's
+  ``__init__`` receives, after TRL's ``__init__`` added the adapter. GRPO's generation under FSDP2 with a PeftModel
+  crashed until fz24d ("aten.embedding.default ...", case 1720900617 with ``--set beta=0.0``: ``fsdp.wrap`` runs a
+  PeftModel's ``generate`` as a forward of FSDP2's root).
 - Not drawn, PEFT's own without seqpar: ``bias`` other than ``"none"`` with a premade PeftModel to which TRL adds
   its "ref" adapter (peft's "LoraModel supports only 1 adapter with bias" from ``add_adapter``; plain DPOTrainer
   on one process too: case 638403696 with ``--set peft=true`` as first drawn, and 1171 with ``--set
   engine=plain``, bias ``"all"``, premade): the draw sets ``bias="none"`` there.
 - Dropout is always 0: LoRA's dropout masks come from torch's RNG on each process, drawn over each rank's
   shard of the sequence and batch, which no split over ranks can draw as one process does.
-- Refused by name (drawn): a TRL trainer's ``peft_config=`` under seqpar's FSDP2 (``seqpar_config=``; the mixin
-  shards the model before TRL adds the adapters, which were then sharded and never gathered: peft's "size of
-  tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set peft=true``). Trainer with
-  ``get_peft_model`` under FSDP2 is exact.
+- Exact since ref25 (refused by name before, drawn all along): a TRL trainer's ``peft_config=`` under seqpar's FSDP2
+  (``seqpar_config=``; the mixin sharded the model before TRL added the adapters, which were then sharded and never
+  gathered: peft's "size of tensor a (16) must match ... b (8)" at the first step, case 188540536 with ``--set
+  peft=true``). Trainer with ``get_peft_model`` under FSDP2 is exact.
 - Not drawn, TRL's own without seqpar: ``sync_ref_model`` with PEFT (DPOTrainer and GRPOTrainer raise
   NotImplementedError whenever the model is a PEFT model, trl 1.16's ``dpo_trainer.py`` / ``grpo_trainer.py``;
   case 2076377569 with ``--set peft=true`` before the draw dropped it: ``sync_ref_model`` is False under PEFT).
@@ -537,40 +538,32 @@ def _plant(name: str | None, world: int, sp: int) -> Any:
     if name == "rslora_ignored":
         return _plant_rslora_ignored()
 
+    def scaled(original: Any) -> Any:
+        def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            if isinstance(result, tuple):
+                return (result[0] * sp / world, *result[1:])
+            return result * sp / world
+        return compute_loss
+
     if name == "trl_loss_over_world":
         # DPOTrainer's / GRPOTrainer's own compute_loss (what seqpar's adapters call) times sp / world
         import trl
 
-        owners = (trl.DPOTrainer, trl.GRPOTrainer)
-        originals = [owner.__dict__["compute_loss"] for owner in owners]
+        return _patch((trl.DPOTrainer, trl.GRPOTrainer), "compute_loss", scaled)
+    return _patch((transformers.Trainer,), "compute_loss", scaled)
 
-        def scaled(original: Any) -> Any:
-            def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-                result = original(self, *args, **kwargs)
-                if isinstance(result, tuple):
-                    return (result[0] * sp / world, *result[1:])
-                return result * sp / world
-            return compute_loss
 
-        for owner, original in zip(owners, originals, strict=True):
-            owner.compute_loss = scaled(original)
-
-        def undo_trl() -> None:
-            for owner, original in zip(owners, originals, strict=True):
-                owner.compute_loss = original
-        return undo_trl
-    original = transformers.Trainer.compute_loss
-
-    def compute_loss(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        if isinstance(result, tuple):
-            return (result[0] * sp / world, *result[1:])
-        return result * sp / world
-
-    transformers.Trainer.compute_loss = compute_loss
+def _patch(classes: tuple[type, ...], name: str, planted: Any) -> Any:
+    """Replace the method ``name`` of each class in ``classes`` (its own, in its ``__dict__``) by
+    ``planted(original)``, the plants' one way to install; the undo callable (restoring each) returned."""
+    originals = {cls: cls.__dict__[name] for cls in classes}
+    for cls, original in originals.items():
+        setattr(cls, name, planted(original))
 
     def undo() -> None:
-        transformers.Trainer.compute_loss = original
+        for cls, original in originals.items():
+            setattr(cls, name, original)
     return undo
 
 
@@ -594,22 +587,18 @@ def _plant_lora_grad(factor: float) -> Any:
     adapter branch) are. Undo callable returned."""
     from peft.tuners.lora import layer
 
-    original = layer.Linear.forward
+    def planted(original: Any) -> Any:
+        def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
+                       for m in self.lora_B.values()]
+            try:
+                return original(self, x, *args, **kwargs)
+            finally:
+                for h in handles:
+                    h.remove()
+        return forward
 
-    def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        handles = [m.register_forward_hook(lambda mod, inp, out: _ScaleGrad.apply(out, factor))
-                   for m in self.lora_B.values()]
-        try:
-            return original(self, x, *args, **kwargs)
-        finally:
-            for h in handles:
-                h.remove()
-
-    layer.Linear.forward = forward
-
-    def undo() -> None:
-        layer.Linear.forward = original
-    return undo
+    return _patch((layer.Linear,), "forward", planted)
 
 
 def _plant_adapter_grad(factor: float) -> Any:
@@ -617,8 +606,6 @@ def _plant_adapter_grad(factor: float) -> Any:
     layer's: A, B, DoRA's magnitude, on ``nn.Linear`` and ``nn.Embedding`` alike) times ``factor`` (``dp / world``);
     the forward unchanged (to a rounding). Undo callable returned."""
     from peft.tuners.lora import layer
-
-    originals = {cls: cls.forward for cls in (layer.Linear, layer.Embedding)}
 
     def planted(original: Any) -> Any:
         def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -629,39 +616,27 @@ def _plant_adapter_grad(factor: float) -> Any:
             return base + _ScaleGrad.apply(out - base, factor)
         return forward
 
-    for cls, original in originals.items():
-        cls.forward = planted(original)
-
-    def undo() -> None:
-        for cls, original in originals.items():
-            cls.forward = original
-    return undo
+    return _patch((layer.Linear, layer.Embedding), "forward", planted)
 
 
 def _plant_bias_grad(factor: float) -> Any:
     """``"bias_grad_over_world"``: every trainable ``nn.Linear`` bias's gradient times ``factor`` (``dp / world``;
     LoRA's ``bias="lora_only"`` / ``"all"``), the forward unchanged. Undo callable returned."""
-    original = torch.nn.Linear.forward
+    def planted(original: Any) -> Any:  # the original is restored by the undo, not called
+        def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+            bias = self.bias
+            if bias is not None and bias.requires_grad and torch.is_grad_enabled():
+                bias = _ScaleGrad.apply(bias, factor)
+            return torch.nn.functional.linear(x, self.weight, bias)
+        return forward
 
-    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias
-        if bias is not None and bias.requires_grad and torch.is_grad_enabled():
-            bias = _ScaleGrad.apply(bias, factor)
-        return torch.nn.functional.linear(x, self.weight, bias)
-
-    torch.nn.Linear.forward = forward
-
-    def undo() -> None:
-        torch.nn.Linear.forward = original
-    return undo
+    return _patch((torch.nn.Linear,), "forward", planted)
 
 
 def _plant_rslora_ignored() -> Any:
     """``"rslora_ignored"``: ``use_rslora`` dropped when peft builds an adapter (its scale ``alpha / r``, not
     ``alpha / sqrt(r)``). Undo callable returned."""
     from peft.tuners.lora import layer
-
-    originals = {cls: cls.__dict__["update_layer"] for cls in (layer.LoraLayer, layer.Embedding)}
 
     def planted(original: Any) -> Any:
         def update_layer(self: Any, adapter_name: str, r: int, lora_alpha: int, *args: Any, **kwargs: Any) -> Any:
@@ -670,13 +645,7 @@ def _plant_rslora_ignored() -> Any:
             return result
         return update_layer
 
-    for cls, original in originals.items():
-        cls.update_layer = planted(original)
-
-    def undo() -> None:
-        for cls, original in originals.items():
-            cls.update_layer = original
-    return undo
+    return _patch((layer.LoraLayer, layer.Embedding), "update_layer", planted)
 
 
 def trainer_task(ctx: Any, draws: dict[str, Any], role: str, dtype_name: str, plant: str | None = None) -> dict[str, Any]:
