@@ -277,11 +277,10 @@ class SequenceParallelMixin:
         # peft_config there and adds the frozen "ref" copy of a PeftModel's adapter (DPO without ref_model, GRPO
         # with beta != 0), which on a model sharded before would mix FSDP2's DTensors with the new plain tensors
         # (fuzzer cases 188540536, 1171, 1720900617)
-        self._seqpar_fsdp_pending = fsdp_options if self._seqpar_engine == "fsdp2" else None
-        if model is not None and self._seqpar_engine != "fsdp2" and self.seqpar_config.swap != "none":
-            from seqpar.swap import swap_attention
-
-            swap_attention(model, self.seqpar_config, group=self.seqpar_manager.sp_group)
+        self._seqpar_fsdp_options = fsdp_options if self._seqpar_engine == "fsdp2" else None
+        self._seqpar_fsdp_pending = self._seqpar_fsdp_options is not None  # the given model, not yet sharded
+        if model is not None and self._seqpar_engine != "fsdp2":
+            self._seqpar_take_model(model)  # swapped in place; DeepSpeed's engine shards it
         swap_other = self._seqpar_swap_other_models()
         if self._seqpar_loss is not None:  # a TRL trainer's further models (DPO's reference model)
             self._seqpar_loss.prepare(args, kwargs, swap_other)
@@ -372,15 +371,35 @@ class SequenceParallelMixin:
         ``PeftModel`` and fills from the trained one (DPOTrainer without ``ref_model``, GRPOTrainer with
         ``beta != 0``). So TRL's adapters are built as without seqpar, on whole tensors, and FSDP2 shards and
         gathers them with the rest; the trainer's later steps see the sharded model (the same object).
-        A ``model_init`` model (``self.model`` None here) is not sharded."""
-        options = getattr(self, "_seqpar_fsdp_pending", None)
-        if options is None or self.model is None:
+        A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
+        if not self._seqpar_fsdp_pending or self.model is None:
             return
-        from seqpar.integrations.fsdp import wrap
+        self._seqpar_fsdp_pending = False  # hyperparameter search calls create_accelerator_and_postprocess again
+        self._seqpar_take_model(self.model)
 
-        self._seqpar_fsdp_pending = None  # hyperparameter search calls create_accelerator_and_postprocess again
-        wrap(self.model, self.seqpar_config, manager=self.seqpar_manager, fsdp=options,
-             swap=self.seqpar_config.swap != "none")
+    def _seqpar_take_model(self, model: Any) -> None:
+        """Make ``model`` seqpar's, in place: swapped (DeepSpeed: the engine shards it later) or swapped and sharded
+        with FSDP2 (:func:`seqpar.integrations.fsdp.wrap`)."""
+        if self._seqpar_fsdp_options is not None:
+            from seqpar.integrations.fsdp import wrap
+
+            wrap(model, self.seqpar_config, manager=self.seqpar_manager, fsdp=self._seqpar_fsdp_options,
+                 swap=self.seqpar_config.swap != "none")
+        elif self.seqpar_config.swap != "none":
+            from seqpar.swap import swap_attention
+
+            swap_attention(model, self.seqpar_config, group=self.seqpar_manager.sp_group)
+
+    def call_model_init(self, trial: Any = None) -> Any:
+        """``Trainer(model_init=...)``: transformers builds the model in its ``__init__`` (no ``model=``) and again for
+        each hyperparameter-search trial in ``train``; each model it builds is made seqpar's as a given one is
+        (:meth:`_seqpar_take_model`). Without this it reached training unswapped and crashed in ``compute_loss`` (a
+        tiny Llama, unswapped, returns no loss for seqpar's cut inputs: transformers' "did not return a loss")."""
+        model = super().call_model_init(trial)
+        if self._seqpar_loss is not None:
+            self._seqpar_loss.before_swap(self.args, model, self.seqpar_manager)
+        self._seqpar_take_model(model)
+        return model
 
     def create_accelerator_and_postprocess(self) -> None:
         self._seqpar_shard_model()

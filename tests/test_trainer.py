@@ -47,7 +47,7 @@ def training_args(tmp: str, sp: int, stage: int, batch: int = BATCH, **extra):
     # runs as a world of 1 (no token-count gather, no loss scaling): the path under test is the one
     # a GPU launch takes, world_size = 2.
     return TrainingArguments(
-        output_dir=tmp, deepspeed=ds_config(sp, stage), per_device_train_batch_size=batch,
+        output_dir=tmp, deepspeed=extra.pop("deepspeed", ds_config(sp, stage)), per_device_train_batch_size=batch,
         max_steps=STEPS, learning_rate=hf_tiny.LR, weight_decay=0.0, lr_scheduler_type="constant", optim="sgd",
         max_grad_norm=0.0, logging_steps=1, per_device_eval_batch_size=batch, prediction_loss_only=True, save_strategy="no", report_to=[],
         train_sampling_strategy="sequential", seed=0, disable_tqdm=True, use_cpu=True, **extra,
@@ -218,3 +218,36 @@ def test_trainer_eval_loss_at_dp2_is_the_global_batch_token_mean(dist_pool, tmp_
     out = dist_pool.run(2, _eval_run, str(tmp_path), timeout=240)
     for got in out:
         assert abs(got - token_mean) <= 1e-5 * token_mean, (got, token_mean)
+
+
+@releases_deepspeed_engines
+def _model_init_run(rank: int, world: int, engine: str, tmp: str) -> dict:
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        sp = {"size": 2, "mode": "ring", "sharding": "zigzag"}
+        if engine == "zero2":
+            args, extra = training_args(f"{tmp}/r{rank}", 2, 2), {}
+        else:  # seqpar's FSDP2 path: no DeepSpeed config, the block given to the trainer
+            args, extra = training_args(f"{tmp}/r{rank}", 2, 2, deepspeed=None), {"seqpar_config": sp}
+        trainer = SeqParTrainer(model_init=hf_tiny.tiny_llama, args=args, train_dataset=hf_tiny.ListDataset(
+                                hf_tiny.samples()), eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]),
+                                **extra)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return {"losses": losses + [trainer.evaluate()["eval_loss"]]}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["zero2", "fsdp2"])
+def test_trainer_model_init_is_swapped_and_sharded(dist_pool, tmp_path, engine):
+    """``Trainer(model_init=...)`` (the hyperparameter-search form: transformers builds the model in its
+    ``__init__`` and again per trial in ``train``) at SP 2: the model it builds is swapped (and, on the FSDP2 path,
+    sharded) like a given ``model=``, so the logged losses and the eval loss are one float64 device's.
+
+    Seen failing, both engines: with ``SequenceParallelMixin.call_model_init`` removed (the model reached training
+    unswapped: transformers' "The model did not return a loss" on every rank, where seqpar names nothing)."""
+    out = dist_pool.run(2, _model_init_run, engine, str(tmp_path), timeout=540)
+    ref = hf_tiny.reference_losses(STEPS, BATCH, eval_rows=EVAL_ROWS)
+    for r in out:
+        hf_tiny.assert_losses_close(r["losses"], ref)
