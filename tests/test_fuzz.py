@@ -830,8 +830,8 @@ def test_pairs_draws_run_each_pair_on_the_whole_sequence(fuzzer: fuzz.Fuzzer) ->
 def test_strided_and_dilated_axes_are_drawn() -> None:
     """fz25b's axes, each drawn after a kind's other draws (a case seed's earlier draws stay): q, k, v as the views
     models pass (``strided``: a ``bshd`` buffer seen ``bhsd`` or the reverse, a fused qkv buffer split in three) in
-    the attention, dilated and compile kinds; the bf16 dK/dV wire in the compile kind; V's own head dim, ``scale``
-    and the pairs as ``group=`` in the dilated kind. The views really are strided (not contiguous; the fused three
+    the attention, dilated and compile kinds; the bf16 dK/dV wire in the compile kind; V's own head dim, ``scale``,
+    the pairs as ``group=`` and ``mode="auto"`` in the dilated kind. The views really are strided (not contiguous; the fused three
     share one buffer) and :func:`strided_grads` reads each gradient back whole. Seen failing: strided_grads reading
     every fused part from offset 0 (dk and dv not v's)."""
     from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
@@ -843,6 +843,7 @@ def test_strided_and_dilated_axes_are_drawn() -> None:
         assert {d["strided"] for d in ds} == {None, "transposed", "fused"}
     assert {d["dkv_wire_dtype"] for d in com} == {"fp32", "bf16"}
     assert any(d["heads"][3] != d["heads"][2] for d in dil) and any(d["scale"] for d in dil)
+    assert {d["mode"] for d in dil} == {"ring", "allgather", "auto"}
     assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs"} and all(
         d["group"] is None for d in dil if d["world"] != 4)
     g = torch.Generator().manual_seed(0)

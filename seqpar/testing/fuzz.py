@@ -17,7 +17,7 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
-  ``scale``, strided views as above, at P = 4 the pairs as ``group=``);
+  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
@@ -187,6 +187,8 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
     draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None
     # at P = 4 now and then the call on the pairs {0, 1}, {2, 3} (group=), each pair the whole sequence
     draws["group"] = "pairs" if world == 4 and rng.random() < 0.2 else None
+    if rng.random() < 0.15:  # dilated_attention's mode="auto" (it picks ring or allgather after probing the links)
+        draws["mode"] = "auto"
     return draws
 
 
