@@ -87,6 +87,31 @@ def test_parity_fp32(dist_pool, world: int) -> None:
             )
 
 
+def _auto_calls(rank: int, world: int, cases: list[dict]) -> tuple[list[list[torch.Tensor]], float]:
+    from seqpar.attn.choose import probe_links
+
+    return run_cases(rank, world, cases, torch.float32), probe_links(torch.distributed.group.WORLD).intra_gbps
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 2])
+def test_auto_mode_is_exact_on_one_rank_too(dist_pool, world: int) -> None:
+    """``mode="auto"`` (ring or all-gather, by the cost model) is exact at P = 1 and 2, and a one-rank group's
+    probed link is the default's, never 0 GB/s. Seen failing: fuzz case 766629414 (P = 1, mode="auto": a
+    ZeroDivisionError on every rank: the probe's all-to-all over one rank moved 0 bytes, 0 GB/s, and the cost
+    model divided by it), with dilated_attention choosing a mode at P = 1 and probe_links keeping the 0."""
+    (ws, rs) = PATTERNS[world][0]
+    cases = [_make_case(31 * world + i, world, HEADS[i], dict(segment_lengths=ws, dilation_rates=rs, causal=causal,
+                                                              mode="auto", head_layout="mixed"))
+             for i, causal in enumerate((False, True))]
+    per_rank = dist_pool.run(world, _auto_calls, cases, timeout=200)
+    assert all(gbps > 0 for _, gbps in per_rank), per_rank
+    for idx, case in enumerate(cases):
+        got = [torch.cat([per_rank[r][0][idx][j] for r in range(world)], dim=2) for j in range(4)]
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, _reference(case), strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # --------------------------------------------------------------------------- communication volume
 def sent_bytes(rank: int, world: int, mode: str, causal: bool, patterns: tuple,
                check_inputs: bool = False) -> dict[str, int]:

@@ -561,6 +561,21 @@ FOUND_SET[407951953] = {"kind": "engine", "model_type": "nanochat", "world": 4, 
                         "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 4}}
 FOUND[407951953] = (("engine",), "exact")
 
+# fz25b: fresh seeds 1031-1045 over the attention and dilated kinds, which draw q / k / v as the strided views models
+# pass, and in the dilated kind V's own head dim, scale, the pairs as group= and mode="auto" (session 25). Found:
+# - 766629414 (seed 1042, case 49; dilated P=1 mode="auto"; also 1216152015, 146356858 of seed 1044 and 1332702434):
+#   crash, ZeroDivisionError on every rank in seqpar.attn.choose.mode_costs: dilated_attention chose a mode at
+#   P = 1, probe_links' all-to-all over the one rank moved 0 bytes (0 GB/s) and the all-gather cost divided by it.
+#   dilated_attention runs the ring at P = 1 now (no exchange), and a one-rank probe keeps the default link: exact
+#   (tests/test_dilated_dist.py::test_auto_mode_is_exact_on_one_rank_too); 1332702434 (grouped heads the patterns do not
+#   divide) is refused by name now, as without auto.
+FOUND[766629414] = (("attention", "dilated"), "exact")
+# The compile kind draws the bf16 dK/dV wire and strided views after its other draws since (fz25b): four pinned
+# compile cases now draw one of them (647716 the wire with Ulysses, which refuses it); each keeps the case it was
+# pinned as (the draws it was found with).
+for _seed in (468232840, 920671610, 1490451036, 647716):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "dkv_wire_dtype": "fp32", "strided": None}
+
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -815,11 +830,12 @@ def test_dkv_wire_draws_are_judged_at_the_wire_bound(fuzzer: fuzz.Fuzzer) -> Non
 
 
 def _exact_attention_case(fuzzer: fuzz.Fuzzer, draws: dict) -> tuple[dict, list]:
-    """Run an attention-kind case on 4 ranks and assert it exact: (the float64 reference, each rank's result)."""
+    """Run an attention- or dilated-kind case on 4 ranks and assert it exact: (the float64 reference, each rank's
+    result)."""
     tensors = fuzz._tensors(draws)
     per_rank = fuzzer.pools.run(4, fuzz.attention_task, draws, tensors, None, timeout=90.0)
     assert all(r["ok"] for r in per_rank), per_rank
-    ref = fuzz.attention_reference(draws, tensors)
+    ref = (fuzz.attention_reference if draws["kind"] == "attention" else fuzz.dilated_reference)(draws, tensors)
     verdict, detail = fuzz._judge_attention(draws, ref, per_rank)
     assert verdict == "exact", detail
     return ref, per_rank
@@ -839,6 +855,56 @@ def test_pairs_draws_run_each_pair_on_the_whole_sequence(fuzzer: fuzz.Fuzzer) ->
     assert "need world=4" in fuzz.force(draws, {"world": 2, "group": "pairs"})[1]
     ref, per_rank = _exact_attention_case(fuzzer, draws)
     assert all(r["calls"][0][0].shape[2] == draws["seq"] // 2 for r in per_rank)  # a pair's shards: S / 2 rows
+
+
+def test_strided_and_dilated_axes_are_drawn() -> None:
+    """fz25b's axes, each drawn after a kind's other draws (a case seed's earlier draws stay): q, k, v as the views
+    models pass (``strided``: a ``bshd`` buffer seen ``bhsd`` or the reverse, a fused qkv buffer split in three) in
+    the attention, dilated and compile kinds; the bf16 dK/dV wire in the compile kind; V's own head dim, ``scale``,
+    the pairs as ``group=`` and ``mode="auto"`` in the dilated kind. The views really are strided (not contiguous; the fused three
+    share one buffer) and :func:`strided_grads` reads each gradient back whole. Seen failing: strided_grads reading
+    every fused part from offset 0 (dk and dv not v's)."""
+    from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
+
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(300)]
+    dil = [fuzz.draw_case(s, ("dilated",)) for s in range(300)]
+    com = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(200)) if d["sub"] == "attention"]
+    for ds in (att, dil, com):
+        assert {d["strided"] for d in ds} == {None, "transposed", "fused"}
+    assert {d["dkv_wire_dtype"] for d in com} == {"fp32", "bf16"}
+    assert any(d["heads"][3] != d["heads"][2] for d in dil) and any(d["scale"] for d in dil)
+    assert {d["mode"] for d in dil} == {"ring", "allgather", "auto"}
+    assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs"} and all(
+        d["group"] is None for d in dil if d["world"] != 4)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 5, w, generator=g) for h, w in ((4, 6), (2, 6), (2, 3)))
+    for layout in ("bhsd", "bshd"):
+        for how in ("transposed", "fused"):
+            leaves, views = strided_inputs(q, k, v, layout, how)
+            assert not any(x.is_contiguous() for x in views), (layout, how)
+            assert len(leaves) == (1 if how == "fused" else 3)
+            dense = [x.transpose(1, 2) if layout == "bshd" else x for x in views]
+            assert all(torch.equal(a, b) for a, b in zip(dense, (q, k, v), strict=True))
+            sum((x * (i + 1)).sum() for i, x in enumerate(dense)).backward()
+            grads = strided_grads(leaves, [x.shape for x in (q, k, v)], layout, how)
+            assert all(torch.equal(gr, torch.full_like(x, i + 1.0)) for i, (gr, x) in enumerate(zip(grads, (q, k, v))))
+
+
+@pytest.mark.timeout(300)
+def test_strided_views_and_the_dilated_axes_are_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """Two cases of fz25b's axes on 4 ranks, exact: 322 (ring, zigzag, documents, two calls before one backward,
+    q / k / v three views of one fused qkv buffer) and 4030 forced to a scale (dilated ring on the pairs
+    ``{0, 1}, {2, 3}``, a segment spanning both ranks of a pair, V's head dim 4 beside q/k's 8, transposed views).
+    Seen failing: the dilated task not passing ``scale`` (WRONG out); its pairs sharded by the global rank (rows
+    past the sequence: a crash)."""
+    draws = fuzz.draw_case(322, ("attention",))
+    assert (draws["world"], draws["mode"], draws["strided"], len(draws["calls"])) == (4, "ring", "fused", 2), draws
+    _exact_attention_case(fuzzer, draws)
+    draws, conflict = fuzz.force(fuzz.draw_case(4030, ("dilated",)), {"scale": 0.37})
+    assert conflict is None and (draws["world"], draws["group"], draws["strided"], draws["heads"]) == (
+        4, "pairs", "transposed", [8, 2, 8, 4]), draws
+    assert max(draws["segment_lengths"]) > draws["seq"] // 2  # a segment spans a pair's two ranks
+    _exact_attention_case(fuzzer, draws)
 
 
 def test_engine_runners_are_found_by_entry_point() -> None:

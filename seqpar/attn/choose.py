@@ -297,6 +297,8 @@ def probe_links(group: dist.ProcessGroup, base: Links = DEFAULT_LINKS, nbytes: i
                            dtype=torch.float64, device=device)
     dist.broadcast(figures, src=dist.get_global_rank(group, 0), group=group)
     gbps, flops = figures.tolist()
+    if world == 1:  # nothing crossed a link (the all-to-all moved 0 bytes): keep the base's figure, never 0 GB/s
+        gbps = base.intra_gbps
     links = replace(base, intra_gbps=gbps, inter_gbps=gbps, flops=flops, node_size=world)
     _PROBED[group] = links
     logger.info("[rank %d] seqpar auto: probed links %s", dist.get_rank(), links)

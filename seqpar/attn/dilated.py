@@ -841,6 +841,10 @@ def dilated_attention(
                                   dkv_wire_digest(dkv_wire_dtype)])
     # every mode of the dilated pattern sends dK/dV point to point and sums it in fp32 at the receiver
     check_dkv_wire(dkv_wire_dtype)
+    if mode == "auto" and world == 1:
+        # one rank exchanges nothing (every mode runs the same local pattern), and its group has no link to probe:
+        # the probe measured 0 GB/s and the cost model divided by it (fuzz case 766629414: ZeroDivisionError)
+        mode = "ring"
     if mode == "auto":
         from seqpar.attn.choose import choose_mode
 

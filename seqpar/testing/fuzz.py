@@ -13,9 +13,11 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   ``check_inputs`` on and off, fp32 or float64, ``dkv_wire_dtype`` ``"bf16"`` now and then (dk and dv judged at
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
   no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
-  sequence);
+  sequence); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
+  buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
-  P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above);
+  P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
+  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
@@ -63,6 +65,7 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 from seqpar.testing.verdicts import classify_errors, close, error_record
 
 __all__ = [
@@ -151,6 +154,8 @@ def _draw_attention(rng: random.Random) -> dict[str, Any]:
         "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
         # at P = 4 now and then the call runs on the pairs {0, 1}, {2, 3} (group=, eager), each pair the whole sequence
         "group": "pairs" if world == 4 and rng.random() < 0.2 else None,
+        # drawn after them (fz25b): q, k, v as the views models pass (a bshd buffer seen bhsd, a fused qkv split)
+        "strided": rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None,
     }
 
 
@@ -167,7 +172,7 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
         segs.append(w)
         rates.append(r)
     hq, hkv, d, _ = rng.choice(_HEADS)
-    return {
+    draws = {
         "kind": "dilated", "world": world, "seq": seq, "segment_lengths": segs, "dilation_rates": rates,
         "heads": [hq, hkv, d, d], "batch": rng.choice((1, 2)), "causal": rng.random() < 0.5,
         "mode": rng.choice(("ring", "allgather")), "head_layout": rng.choice(("mixed", "mixed", "grouped")),
@@ -175,6 +180,16 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
         "dtype": "float64" if rng.random() < 0.2 else "float32",
         "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",  # drawn last, as the attention kind's
     }
+    # drawn after them (fz25b), so a case seed's earlier draws stay: the axes users run that the kind never drew
+    if rng.random() < 0.2:  # V's head dim apart from q/k's (MLA; the docstring allows it)
+        draws["heads"][3] = rng.choice([x for x in (3, 4, 6, 8, 12) if x != d])
+    draws["scale"] = round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None
+    draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None
+    # at P = 4 now and then the call on the pairs {0, 1}, {2, 3} (group=), each pair the whole sequence
+    draws["group"] = "pairs" if world == 4 and rng.random() < 0.2 else None
+    if rng.random() < 0.15:  # dilated_attention's mode="auto" (it picks ring or allgather after probing the links)
+        draws["mode"] = "auto"
+    return draws
 
 
 def _fit_seq(seq: int, unit: int) -> int:
@@ -265,6 +280,10 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
             if out.get(key) is not None and out[key] > seq and key in free:
                 out[key] = rng.randint(1, seq)
     elif kind == "dilated":
+        if out.get("group") == "pairs" and world != 4:
+            if "group" not in free:
+                return out, conflict("group", f"world={world}: the pairs {{0, 1}}, {{2, 3}} need world=4")
+            out["group"] = None
         if out["seq"] % world:
             if "seq" not in free:
                 return out, conflict("seq", f"world={world}: the harness shards the sequence into {world} equal "
@@ -441,7 +460,7 @@ def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[st
             if draws["causal"]:
                 m &= pos[None, :] <= pos[:, None]
             masks[p, h] = m
-    s = q @ ke.transpose(-1, -2) * d ** -0.5
+    s = q @ ke.transpose(-1, -2) * (draws.get("scale") or d ** -0.5)
     cat = torch.cat([s.masked_fill(~m, float("-inf")) for m in masks], -1)
     peak = cat.amax(-1, keepdim=True)
     peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak).detach()
@@ -500,16 +519,24 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
     try:
         if draws["kind"] == "dilated":
             seqpar.init_process_groups(sp_size=world)
+            group, sp_draws, sp_rank = None, draws, rank
+            if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
+                import torch.distributed as dist
+
+                group, _ = dist.new_subgroups(2)
+                sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
             t = tensors["calls"][0]
-            pos = positions({**draws, "sharding": "contiguous"}, None, rank)
-            q, k, v = (_local(t[n], pos, dtype).requires_grad_() for n in "qkv")
+            pos = positions({**sp_draws, "sharding": "contiguous"}, None, sp_rank)
+            q, k, v = (_local(t[n], pos, dtype) for n in "qkv")
+            shapes = [x.shape for x in (q, k, v)]
+            xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
             out = seqpar.dilated_attention(
                 q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
-                causal=draws["causal"], mode=draws["mode"], sharding=draws["sharding"],
-                head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
+                causal=draws["causal"], scale=draws.get("scale"), mode=draws["mode"], group=group,
+                sharding=draws["sharding"], head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
                 dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
             out.backward(_local(t["dout"], pos, dtype))
-            return {"ok": True, "calls": [[out.detach(), q.grad, k.grad, v.grad]]}
+            return {"ok": True, "calls": [[out.detach(), *strided_grads(xs, shapes, "bhsd", draws.get("strided"))]]}
         seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
                                    sharding=draws["sharding"] if draws["declare_sharding"] else None)
         group, sp_draws, sp_rank = None, draws, rank
@@ -524,10 +551,8 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
         for call, t in zip(draws["calls"], tensors["calls"], strict=True):
             pos = positions(sp_draws, call["cu"], sp_rank)
             q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
-            if draws["layout"] == "bshd":
-                q, k, v = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
-            else:
-                q, k, v = (x.requires_grad_() for x in (q, k, v))
+            shapes = [x.shape for x in (q, k, v)]
+            xs, (q, k, v) = strided_inputs(q, k, v, draws["layout"], draws.get("strided"))
             out = seqpar.attention(
                 q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
                 sharding=draws["sharding"], overlap=draws["overlap"], check_inputs=draws["check_inputs"],
@@ -537,13 +562,12 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             if draws["layout"] == "bshd":
                 out = out.transpose(1, 2)
             total = total + (out * dout).sum()
-            leaves.append((q, k, v))
+            leaves.append((xs, shapes))
             outs.append(out.detach())
         total.backward()
         calls = []
-        for o, (q, k, v) in zip(outs, leaves, strict=True):
-            grads = [x.grad.transpose(1, 2) if draws["layout"] == "bshd" else x.grad for x in (q, k, v)]
-            calls.append([o, *grads])
+        for o, (xs, shapes) in zip(outs, leaves, strict=True):
+            calls.append([o, *strided_grads(xs, shapes, draws["layout"], draws.get("strided"))])
         res: dict[str, Any] = {"ok": True, "calls": calls}
         if sinks is not None:
             res["dsinks"] = sinks.grad
@@ -670,8 +694,11 @@ def summary(draws: dict[str, Any]) -> str:
         return trainer_summary(draws)
     if draws["kind"] == "dilated":
         return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
-                f"{draws['head_layout']} causal={int(draws['causal'])} {draws['dtype']}"
-                + (" dkv=bf16" if draws.get("dkv_wire_dtype") == "bf16" else ""))
+                f"{draws['head_layout']} H={'/'.join(map(str, draws['heads']))} causal={int(draws['causal'])} "
+                f"{draws['dtype']}" + (" dkv=bf16" if draws.get("dkv_wire_dtype") == "bf16" else "")
+                + (f" scale={draws['scale']}" if draws.get("scale") is not None else "")
+                + (f" strided={draws['strided']}" if draws.get("strided") else "")
+                + (f" group={draws['group']}" if draws.get("group") else ""))
     parts = [f"attention P={draws['world']}", draws["mode"] + (f"(u={draws['ulysses_size']})" if draws["mode"] == "hybrid" else ""),
              draws["sharding"], "H=" + "/".join(map(str, draws["heads"])), f"B={draws['batch']}", f"S={draws['seq']}",
              f"causal={int(draws['causal'])}"]
@@ -698,6 +725,8 @@ def summary(draws: dict[str, Any]) -> str:
         parts.append(f"dkv={draws['dkv_wire_dtype']}")
     if draws.get("group"):
         parts.append(f"group={draws['group']}")
+    if draws.get("strided"):
+        parts.append(f"strided={draws['strided']}")
     return " ".join(parts)
 
 
