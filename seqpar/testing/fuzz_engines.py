@@ -40,14 +40,14 @@ cases (drawn last, so every other draw is what the case seed drew before it), th
 ``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's), then
 (fz24e, last) ``vocab_parallel_lm_head`` true in 30% of the cases: ``tensor_parallel.vocab_parallel_lm_head`` set true,
 DeepSpeed's ``VocabParallelLinear`` head (a tied embedding split with it), the loss seqpar's vocab-parallel one under
-SP > 1 (``_seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
+SP > 1 (``seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
 left unset, seqpar's default false under SP, DeepSpeed's own at SP 1). Not drawn for a type whose tied embedding
 DeepSpeed refuses to split or whose forward DeepSpeed's split head breaks (:func:`vocab_split_refused`: the Gemma
 family's scaled embeddings but Gemma 3's, Apertus 1.5's read of the head's width, Bamba's z-loss).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it. Apertus is drawn under ``autotp``: its xIELU
 activation's parameters act on the features AutoTP splits, and DeepSpeed 0.19.8 does not sum their gradient over TP
 (each TP rank's share, silently, without seqpar: case 1878399021); seqpar's ``initialize`` does
-(``_sum_split_activation_gradients`` in :mod:`seqpar.integrations.deepspeed`), exact under ZeRO-2 and ZeRO-3.
+(``sum_split_activation_gradients`` in :mod:`seqpar.integrations.deepspeed_tp`), exact under ZeRO-2 and ZeRO-3.
 
 Not drawn under ``autotp``, each DeepSpeed's own with or without seqpar (DeepSpeed 0.19.8, shown on 2 gloo ranks
 with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpar, tiny models in float64):
