@@ -256,6 +256,8 @@ def initialize(
     head_rows = deepspeed_tp.lm_head_rows(model) if sp_config.tiled_loss and manager.tp_size > 1 else {}
     sparse_rows = deepspeed_tp.sparse_gate_rows(model) if manager.tp_size > 1 else {}
     deepspeed_tp.refuse_autotp_model_type(model, manager)
+    if manager.tp_size > 1:
+        deepspeed_tp.refuse_unsplittable_tied_embedding(model, ds_config)
     named_before = [name for name, _ in model.named_parameters()] if manager.tp_size > 1 else []
     engine, ds_optimizer, loader, scheduler = deepspeed.initialize(
         args=_args_without_config_path(args),
@@ -272,6 +274,7 @@ def initialize(
     )
     _check_engine_groups(engine, manager)
     deepspeed_tp.refuse_tiled_loss_on_split_head(model, head_rows)
+    deepspeed_tp.complete_split_head(model)
     deepspeed_tp.seqpar_loss_on_split_head(model, manager)
     deepspeed_tp.refuse_split_sparse_gate(model, sparse_rows)
     deepspeed_tp.refuse_z_loss_on_split_head(model)

@@ -8,9 +8,10 @@ replace the ``mpu``. This module owns what that means for seqpar, one function p
 - the groups: DeepSpeed's TP group must be seqpar's and its DP group seqpar's SP-DP group
   (:func:`check_autotp_groups`), and its loader samples over the DP axis only (:func:`dp_axis_loader`);
 - the vocabulary-split LM head (``tensor_parallel.vocab_parallel_lm_head``): seqpar's loss put back, vocab-parallel
-  over TP and token-weighted over SP x DP (:class:`SplitHeadLoss`, :func:`seqpar_loss_on_split_head`); what that
-  head cannot honour is refused by name (:func:`refuse_tiled_loss_on_split_head`,
-  :func:`refuse_z_loss_on_split_head`);
+  over TP and token-weighted over SP x DP (:class:`SplitHeadLoss`, :func:`seqpar_loss_on_split_head`), the head's
+  width where a model reads it (:func:`complete_split_head`); what that head cannot honour is refused by name
+  (:func:`refuse_tiled_loss_on_split_head`, :func:`refuse_z_loss_on_split_head`, and before any engine
+  :func:`refuse_unsplittable_tied_embedding`);
 - what AutoTP itself trains wrong, refused by name: a model type (:func:`refuse_autotp_model_type`), a split
   activation-sparse gate (:func:`refuse_split_sparse_gate`), parameters it dropped
   (:func:`refuse_parameters_autotp_dropped`), parameters it keeps whole on split features without summing their
@@ -33,6 +34,7 @@ from seqpar.integrations.common import rank_prefix
 __all__ = [
     "SplitHeadLoss",
     "check_autotp_groups",
+    "complete_split_head",
     "dp_axis_loader",
     "lm_head_rows",
     "refuse_autotp_model_type",
@@ -40,6 +42,7 @@ __all__ = [
     "refuse_split_sparse_gate",
     "refuse_tiled_loss_on_split_head",
     "refuse_unreduced_parameters_on_split_features",
+    "refuse_unsplittable_tied_embedding",
     "refuse_z_loss_on_split_head",
     "seqpar_loss_on_split_head",
     "sparse_gate_rows",
@@ -171,6 +174,61 @@ def seqpar_loss_on_split_head(model: torch.nn.Module, manager: Any) -> None:
     logger.info("%s seqpar: DeepSpeed AutoTP split %s over the vocabulary (columns %d-%d of %d here): the loss is "
                 "seqpar's, vocab-parallel over TP", rank_prefix(), name or "lm_head", head.vocab_start_index,
                 head.vocab_end_index, head.vocab_size)
+
+
+def refuse_unsplittable_tied_embedding(model: torch.nn.Module, ds_config: dict[str, Any]) -> None:
+    """Refuse, before any engine, ``tensor_parallel.vocab_parallel_lm_head: true`` on a model whose LM head is tied to
+    an input embedding DeepSpeed cannot split: DeepSpeed 0.19.8 splits the tied embedding with the head
+    (``VocabParallelEmbedding``), whose lookup is ``nn.Embedding``'s alone, so a custom embedding ``forward`` (the
+    Gemma family's ``*ScaledWordEmbedding``, which multiplies by ``sqrt(hidden)``; Gemma 3's aside, which DeepSpeed
+    handles) would be lost; DeepSpeed itself raises ``NotImplementedError`` inside ``deepspeed.initialize`` without
+    saying what to set (fuzzer case 491650326 of seed 952; gemma, gemma2, gemma3n_text, vaultgemma). Asked of
+    DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``). Every rank holds the same model and
+    config, so every rank raises. Nothing is checked when the key is unset or false (DeepSpeed's own choice for a
+    tied head then falls back to a whole head on this error)."""
+    if (ds_config.get("tensor_parallel") or {}).get("vocab_parallel_lm_head") is not True:
+        return
+    try:
+        from deepspeed.module_inject.layers import VocabParallelEmbedding
+    except ImportError:  # a DeepSpeed without a vocabulary-parallel head
+        return
+    outputs, inputs = getattr(model, "get_output_embeddings", None), getattr(model, "get_input_embeddings", None)
+    head = outputs() if callable(outputs) else None
+    embedding = inputs() if callable(inputs) else None
+    if head is None or embedding is None or getattr(head, "weight", None) is not getattr(embedding, "weight", 1):
+        return
+    try:
+        VocabParallelEmbedding.validate_embedding(embedding)
+    except NotImplementedError as e:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError(
+            f"tensor_parallel.vocab_parallel_lm_head is true, but {model_type}'s LM head is tied to its input "
+            f"embedding {type(embedding).__name__}, which DeepSpeed AutoTP would split over the vocabulary with the "
+            f"head and cannot: {e} (its lookup is nn.Embedding's alone, so the embedding's own forward, e.g. a "
+            "scale, would be lost). Set tensor_parallel.vocab_parallel_lm_head false (the head stays whole; "
+            "seqpar's loss is exact)"
+        ) from None
+
+
+def complete_split_head(model: torch.nn.Module) -> list[str]:
+    """Give every LM head DeepSpeed AutoTP split over the vocabulary (``VocabParallelLinear``) ``nn.Linear``'s
+    ``in_features`` / ``out_features``, the whole head's (``out_features`` = the whole vocabulary), where it has none;
+    returns the heads' names. DeepSpeed 0.19.8's layer keeps neither, and a causal LM that reads its head's width
+    fails in its first forward: Apertus 1.5 passes ``vocab_size=self.lm_head.out_features`` to ``loss_function``
+    (``AttributeError``, fuzzer case 60306700 of seed 951). That width is the vocabulary of the logits the loss
+    covers (:class:`SplitHeadLoss` under SP, DeepSpeed's ``VocabParallelCausalLMLoss`` at SP 1, each across the TP
+    slices; DeepSpeed's compares it with its own global vocabulary), so the whole head's is the honest value."""
+    try:
+        from deepspeed.module_inject.layers import VocabParallelLinear
+    except ImportError:  # a DeepSpeed without a vocabulary-parallel head
+        return []
+    named = []
+    for name, head in model.named_modules():
+        if isinstance(head, VocabParallelLinear) and not hasattr(head, "out_features"):
+            rows, columns = (int(n) for n in head._orig_weight_shape)
+            head.in_features, head.out_features = columns, rows
+            named.append(name)
+    return named
 
 
 def sparse_gate_rows(model: torch.nn.Module) -> dict[str, int]:

@@ -698,3 +698,98 @@ def test_whole_parameters_on_split_features_left_unsummed_are_refused() -> None:
 
 def _each_under_autotp(rank: int, world: int, types: tuple[str, ...]) -> dict[str, str]:
     return {t: _dory_under_autotp(rank, world, t) for t in types}
+
+
+# ------------------------------------------------------------------ the vocabulary-split head: model types, compositions
+@releases_deepspeed_engines
+def _split_head_case(rank: int, world: int, model_type: str, sp: int, stage: int, num_items: bool = False) -> dict:
+    """Tiny ``model_type`` (float64) under AutoTP 2 x SP ``sp`` x DP ``world / (2 sp)`` with
+    ``vocab_parallel_lm_head: true`` at ZeRO ``stage``, one step through the model's own loss, each DP replica on a
+    batch of its own with ignored targets: the loss (``num_items``: a Trainer-style ``num_items_in_batch``, the
+    replica's target count plus 5, so that it differs from the mean's divisor) and every reduced gradient (TP slices
+    gathered) against one float64 process (the DP mean of the replicas' gradients). Returns what the head and loss
+    became, or ``{"refused": message}`` for a ConfigError on this rank."""
+    from deepspeed.utils import groups
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.testing.tiny_models import build_model
+
+    model = build_model(model_type, torch.float64)
+    ref = copy.deepcopy(model)
+    vocab, dp = model.config.vocab_size, world // (2 * sp)
+    config = {**ds_tp_config(stage, vocab_parallel_lm_head=True),
+              "sequence_parallel": {"size": sp, "tp_size": 2, "mode": "ulysses", "sharding": "contiguous"}}
+    try:
+        engine, _, _, _ = initialize(model=model, config=config, optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+    except ConfigError as e:
+        set_default_manager(None)
+        groups._release_process_group_references(None)  # AutoTP's TP group, kept per process otherwise
+        return {"refused": str(e)}
+    manager = engine.seqpar_manager
+    try:
+        batches, ref_losses = [], []
+        for replica in range(dp):
+            ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(12 + replica))
+            labels = ids.clone()
+            labels[replica, 3:6 + replica] = -100  # ignored targets, on one SP rank's shard only
+            divisor = int((labels[:, 1:] != -100).sum()) + (5 if num_items else 0)
+            logits_ref = ref(input_ids=ids).logits
+            loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1),
+                                       reduction="sum") / divisor
+            (loss_ref / dp).backward()  # the DP mean of the replicas' gradients
+            batches.append((ids, labels, divisor))
+            ref_losses.append(loss_ref.detach())
+        ids, labels, divisor = batches[manager.dp_rank]
+        extra = {"num_items_in_batch": torch.tensor(divisor)} if num_items else {}
+        got = engine(**shard_batch({"input_ids": ids, "labels": labels}, group=manager.sp_group,
+                                   sharding="contiguous"), **extra)
+        engine.backward(got.loss)
+        what = f"{model_type} TP2 x SP{sp} x DP{dp} ZeRO-{stage}{' num_items' if num_items else ''} "
+        torch.testing.assert_close(got.loss.detach().to(torch.float64), ref_losses[manager.dp_rank], rtol=1e-7,
+                                   atol=0, msg=lambda m: f"{what}loss: {m}")
+        sharded = _assert_tp_grads(engine, ref, manager, what)
+        return {"head": type(engine.module.lm_head).__name__, "loss_function": type(engine.module.loss_function).__name__,
+                "head_split": "lm_head.weight" in sharded}
+    finally:
+        manager.destroy()
+        set_default_manager(None)
+
+
+def _split_head_cases(rank: int, world: int, cases: tuple[tuple, ...]) -> list[dict]:
+    return [_split_head_case(rank, world, *case) for case in cases]
+
+
+VOCAB_SPLIT_REFUSED = ("gemma", "gemma2", "gemma3n_text", "gemma4_unified_text", "vaultgemma")
+
+
+def test_vocab_split_head_types_deepspeed_breaks_are_exact_or_refused_by_name(dist_pool) -> None:
+    """The types whose forward DeepSpeed 0.19.8's vocabulary-split head breaks by itself, each with
+    ``vocab_parallel_lm_head: true`` under AutoTP 2 x SP 1 (DeepSpeed's own loss), ZeRO-1, on both ranks:
+
+    - Apertus 1.5 reads ``self.lm_head.out_features`` for its loss's ``vocab_size``, which DeepSpeed's
+      ``VocabParallelLinear`` lacks (``AttributeError`` in the first forward: fuzzer case 60306700 of seed 951).
+      ``initialize`` gives the split head the whole head's width (``complete_split_head``): exact.
+    - The Gemma family's tied scaled embeddings (gemma, gemma2, gemma3n_text, gemma4_unified_text, vaultgemma):
+      DeepSpeed would split the embedding with the head and cannot keep its scale (its own ``NotImplementedError``
+      inside ``deepspeed.initialize``, no fix named: case 491650326 of seed 952). Refused by name before any engine
+      (``refuse_unsplittable_tied_embedding``), naming the type, the reason and ``vocab_parallel_lm_head false``.
+    - Bamba's z-loss over the logits, refused by name (``refuse_z_loss_on_split_head``, case 1297835562).
+
+    Seen failing: the ``complete_split_head`` call removed from ``initialize`` (apertus1p5_text: "AttributeError:
+    'VocabParallelLinear' object has no attribute 'out_features'" on both ranks); the
+    ``refuse_unsplittable_tied_embedding`` call removed (gemma: DeepSpeed's "NotImplementedError: Vocabulary-parallel
+    sharding does not support the custom embedding forward of GemmaTextScaledWordEmbedding", no fix named)."""
+    types = ("apertus1p5_text", *VOCAB_SPLIT_REFUSED, "bamba")
+    for got in dist_pool.run(2, _split_head_cases, tuple((t, 1, 1) for t in types), timeout=600):
+        got = dict(zip(types, got, strict=True))
+        assert got["apertus1p5_text"] == {"head": "VocabParallelLinear", "loss_function": "VocabParallelCausalLMLoss",
+                                          "head_split": True}, got
+        for t in VOCAB_SPLIT_REFUSED:
+            message = got[t].get("refused", "")
+            assert f"{t}'s LM head is tied to its input embedding" in message and "custom embedding forward" in message \
+                and "Set tensor_parallel.vocab_parallel_lm_head false" in message, (t, got[t])
+        assert "adds a z-loss" in got["bamba"].get("refused", "") and "vocab_parallel_lm_head false" \
+            in got["bamba"]["refused"], got["bamba"]
