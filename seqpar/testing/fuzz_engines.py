@@ -40,14 +40,15 @@ cases (drawn last, so every other draw is what the case seed drew before it), th
 ``tp_sequence_parallel`` 10% of the time, which seqpar refuses under DeepSpeed by name (it is FSDP2's), then
 (fz24e, last) ``vocab_parallel_lm_head`` true in 30% of the cases: ``tensor_parallel.vocab_parallel_lm_head`` set true,
 DeepSpeed's ``VocabParallelLinear`` head (a tied embedding split with it), the loss seqpar's vocab-parallel one under
-SP > 1 (``_seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
+SP > 1 (``seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss refused by name there (false: the key
 left unset, seqpar's default false under SP, DeepSpeed's own at SP 1). Not drawn for a type whose tied embedding
 DeepSpeed refuses to split or whose forward DeepSpeed's split head breaks (:func:`vocab_split_refused`: the Gemma
-family's scaled embeddings but Gemma 3's, Apertus 1.5's read of the head's width, Bamba's z-loss).
+family's scaled embeddings but Gemma 3's, Bamba's z-loss: both refused by name by seqpar's ``initialize`` now, on every
+rank; Apertus 1.5's read of the head's width, which crashed, is exact since session 25 and drawn).
 ``accelerate`` draws what ``fsdp2`` draws and is judged like it. Apertus is drawn under ``autotp``: its xIELU
 activation's parameters act on the features AutoTP splits, and DeepSpeed 0.19.8 does not sum their gradient over TP
 (each TP rank's share, silently, without seqpar: case 1878399021); seqpar's ``initialize`` does
-(``_sum_split_activation_gradients`` in :mod:`seqpar.integrations.deepspeed`), exact under ZeRO-2 and ZeRO-3.
+(``sum_split_activation_gradients`` in :mod:`seqpar.integrations.deepspeed_tp`), exact under ZeRO-2 and ZeRO-3.
 
 Not drawn under ``autotp``, each DeepSpeed's own with or without seqpar (DeepSpeed 0.19.8, shown on 2 gloo ranks
 with plain ``deepspeed.initialize``, ``tensor_parallel.autotp_size`` 2, no seqpar, tiny models in float64):
@@ -365,16 +366,20 @@ _VOCAB_SPLIT_REFUSED: dict[str, bool] = {}
 def vocab_split_refused(model_type: str) -> bool:
     """Whether DeepSpeed 0.19.8's vocabulary-split LM head (``vocab_parallel_lm_head: true``) fails the tiny
     ``model_type`` by itself (fz24e; each shown with plain ``deepspeed.initialize``, no seqpar, ``autotp_size`` 2 at
-    SP 1 on 2 gloo ranks), so that it is not drawn there:
+    SP 1 on 2 gloo ranks), so that it is not drawn there (each refused by name by seqpar's ``initialize`` on every
+    rank, tests/test_deepspeed_tp.py::test_vocab_split_head_types_deepspeed_breaks_are_exact_or_refused_by_name):
 
     - a tied embedding whose ``forward`` is not ``nn.Embedding``'s (Gemma 3's scaled embedding aside): AutoTP splits
       it with the head and refuses it, ``NotImplementedError: Vocabulary-parallel sharding does not support the custom
       embedding forward of GemmaTextScaledWordEmbedding`` (case 491650326 of seed 952; gemma, gemma2, gemma3n_text,
       gemma4_unified_text, vaultgemma), asked of DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``);
-    - a causal-LM ``forward`` that reads the head's width (``self.lm_head.out_features``, which DeepSpeed's
-      ``VocabParallelLinear`` lacks: ``AttributeError``, case 60306700 of seed 951, apertus1p5_text) or normalises the
-      logits over the vocabulary outside ``loss_function`` (``logsumexp``: Bamba's z-loss, over this TP rank's slice
-      of the vocabulary only, the loss silently 8% off: case 1297835562 of seed 951), asked of the class's source.
+    - a causal-LM ``forward`` that normalises the logits over the vocabulary outside ``loss_function``
+      (``logsumexp``: Bamba's z-loss, over this TP rank's slice of the vocabulary only, the loss silently 8% off:
+      case 1297835562 of seed 951), asked of the class's source.
+
+    Apertus 1.5, whose ``forward`` reads ``self.lm_head.out_features`` (``AttributeError`` on DeepSpeed's
+    ``VocabParallelLinear``: case 60306700 of seed 951), is drawn since session 25: seqpar's ``initialize`` gives the
+    split head the whole head's width (:func:`seqpar.integrations.deepspeed_tp.complete_split_head`), exact.
 
     Once per type (the tiny model built once)."""
     if model_type not in _VOCAB_SPLIT_REFUSED:
@@ -388,7 +393,7 @@ def vocab_split_refused(model_type: str) -> bool:
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
         source = inspect.getsource(type(model).forward)
-        refused = "lm_head.out_features" in source or "logsumexp" in source
+        refused = "logsumexp" in source
         if head is not None and head.weight is embedding.weight:
             try:
                 VocabParallelEmbedding.validate_embedding(embedding)
