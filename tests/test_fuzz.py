@@ -546,6 +546,15 @@ FOUND_SET[407951953] = {"kind": "engine", "model_type": "nanochat", "world": 4, 
                         "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 4}}
 FOUND[407951953] = (("engine",), "exact")
 
+# fz25c: the model kind draws ``knobs`` (fuzz_models.draw_knobs: overlap off, check_finite, mla_transfer "expanded"
+# with the model type redrawn among the MLA ones half the time, ulysses_size "auto", links under mode="auto") and the
+# dynamic kind its own (fuzz_dynamic: hybrid / auto with a ulysses_size, check_inputs off, head_chunks, overlap off,
+# the memory features), each drawn after every other draw. The pinned cases they reach keep the draws they were
+# found with (2132084004 was tiny Jamba: the MLA redraw made it GLM-4.5 lite).
+FOUND_SET[2132084004] = {**FOUND_SET[2132084004], "model_type": "jamba", "knobs": {}}
+for _seed in (1086484656, 680605197, 2143272812, 1054415801, 1146194759):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "knobs": {}}
+
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1076,11 +1085,12 @@ def test_model_kind_draws_the_memory_features() -> None:
         d = fuzz.draw_case(seed, ("model",))
         assert d == fuzz.draw_case(seed, ("model",)) and json.loads(json.dumps(d)) == d
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
-        assert {k: v for k, v in d.items() if k not in ("memory", "model_type")} == \
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
-        if mem is None:
-            assert d["model_type"] == old["model_type"] and "mem[" not in fuzz.summary(d)
+        if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
+            assert d["model_type"] == old["model_type"] or d["knobs"].get("mla_transfer") == "expanded", seed
+            assert "mem[" not in fuzz.summary(d)
             continue
         assert "mem[" in fuzz.summary(d)
         on = [k for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm") if mem[k] is not False]
@@ -1117,6 +1127,68 @@ def test_model_kind_draws_the_memory_features() -> None:
         d = fuzz.draw_case(seed, ("engine",))  # tp2 and autotp alone draw their loss's (draw_tp_loss, draw_autotp)
         assert "memory" not in d or (d["engine"] in ("tp2", "autotp") and set(d["memory"]) == {
             "tiled_loss", "loss_tile_rows", "vocab", "ignored_prefix"}), fuzz.summary(d)
+
+
+def test_model_and_dynamic_kinds_draw_the_block_keys_they_left_at_defaults() -> None:
+    """The model kind's ``knobs`` (fz25c) reach the ``sequence_parallel`` keys its other draws never set:
+    ``overlap`` off, ``check_finite``, ``mla_transfer="expanded"`` on MLA model types, ``ulysses_size="auto"``
+    under hybrid and auto, ``links`` under auto, two at once; the dynamic kind's reach hybrid and auto with each
+    ``ulysses_size``, ``check_inputs`` off, ``head_chunks``, ``overlap`` off and the memory features, under an
+    engine too. Most cases keep every default; every draw is JSON-able, reproducible and named by the summary, and
+    reaches the ranks' config. Seen failing: with ``draw_knobs`` returning ``{}`` (the set assertion), and with
+    ``_model_task`` not applying the knobs to its config (the config assertion)."""
+    import json
+
+    from seqpar.testing import fuzz_models
+    from seqpar.testing.fuzz_models import _MLA_TYPES
+
+    seen: set = set()
+    draws = [fuzz.draw_case(s, ("model",)) for s in range(400)]
+    for d in draws:
+        k = d["knobs"]
+        assert json.loads(json.dumps(d)) == d == fuzz.draw_case(d["case_seed"], ("model",))
+        assert ("knobs[" in fuzz.summary(d)) == bool(k)
+        seen.update(f"model {key}" for key in k)
+        if k.get("mla_transfer") == "expanded" and d["model_type"] in _MLA_TYPES:
+            seen.add("model MLA expanded")
+        if len(k) >= 2:
+            seen.add("model two")
+        assert "ulysses_size" not in k or d["mode"] in ("hybrid", "auto")
+        assert "links" not in k or d["mode"] == "auto"
+    assert sum(not d["knobs"] for d in draws) > len(draws) // 2
+    for d in (fuzz.draw_case(s, ("dynamic",)) for s in range(400)):
+        k = d["knobs"]
+        assert json.loads(json.dumps(d)) == d and ("knobs[" in fuzz.summary(d)) == bool(k)
+        seen.update(f"dynamic {key}" for key in k)
+        if "mode" in k:
+            seen.add(("dynamic", k["mode"], "auto" if k["ulysses_size"] == "auto" else k["ulysses_size"] > 1))
+        if k and d["engine"] != "plain":
+            seen.add("dynamic knobs under an engine")
+    want = {"model overlap", "model check_finite", "model mla_transfer", "model ulysses_size", "model links",
+            "model MLA expanded", "model two", "dynamic check_inputs", "dynamic head_chunks", "dynamic overlap",
+            "dynamic tiled_loss", "dynamic tiled_mlp", "dynamic recompute_norm", ("dynamic", "hybrid", True),
+            ("dynamic", "auto", "auto"), ("dynamic", "hybrid", False), "dynamic knobs under an engine"}
+    assert want <= seen, sorted(map(str, want - seen))
+
+    class _Stop(Exception):
+        pass
+
+    got: dict = {}
+
+    def init(config: dict) -> None:
+        got.update(config)
+        raise _Stop
+
+    import seqpar
+
+    d = next(d for d in draws if len(d["knobs"]) >= 2)
+    original = seqpar.init_process_groups
+    seqpar.init_process_groups = init
+    try:
+        out = fuzz_models._model_task(type("Ctx", (), {"world_size": d["world"], "rank": 0})(), d, [], "float64")
+    finally:
+        seqpar.init_process_groups = original
+    assert not out["ok"] and got.items() >= d["knobs"].items(), (got, d["knobs"])
 
 
 def _after_kind(seed: int):

@@ -203,7 +203,34 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
         if model_type in ZERO_COMPUTATION_EXPERTS:
             engine = "zero3"  # the engine kind's rule: experts unused on a rank abort ZeRO-1/2 and FSDP2
         draws.update(engine=engine, backward="per-micro-batch")  # run_dynamic_step's backward
+    draws["knobs"] = _draw_knobs(rng, draws)  # drawn after the engine, for the same reason
     return draws
+
+
+def _draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """The ``sequence_parallel`` keys a dynamic step runs with beyond ``size`` / ``mode`` / ``sharding`` /
+    ``dynamic`` (JSON-able; only those that differ from the default), each rarely: ``mode`` ``"hybrid"`` or
+    ``"auto"`` with a ``ulysses_size`` (2, the SP degree, or ``"auto"``; a planned group smaller than it must run
+    exactly or be refused by name), ``check_inputs`` off, ``head_chunks`` 1 or 2, ``overlap`` off, and the memory
+    features (``tiled_loss``, ``tiled_mlp``, ``recompute_norm``: on a type seqpar does not tile, refused by name)."""
+    knobs: dict[str, Any] = {}
+    if rng.random() < 0.15:
+        knobs["mode"] = rng.choice(("hybrid", "auto"))
+        knobs["ulysses_size"] = rng.choice([u for u in (1, 2, draws["sp"]) if draws["sp"] % u == 0] + ["auto"])
+    if rng.random() < 0.15:
+        knobs["check_inputs"] = False
+    if rng.random() < 0.1:
+        knobs["head_chunks"] = rng.choice((1, 2))
+    if rng.random() < 0.1:
+        knobs["overlap"] = False
+    if rng.random() < 0.15:
+        knobs["tiled_loss"] = rng.random() < 0.7
+        knobs["tiled_mlp"] = rng.choice((False, "auto", 2, 4096))
+        knobs["recompute_norm"] = rng.random() < 0.5
+        for key in ("tiled_loss", "tiled_mlp", "recompute_norm"):
+            if knobs[key] is False:
+                del knobs[key]
+    return knobs
 
 
 def dynamic_summary(draws: dict[str, Any]) -> str:
@@ -215,7 +242,8 @@ def dynamic_summary(draws: dict[str, Any]) -> str:
     return (f"dynamic {d['model_type']} P={d['world']} (dp {d['world'] // d['sp']} x sp {d['sp']}) {d['mode']} "
             f"{d['sharding']} B={d['max_tokens_per_rank']} min={d['min_size']} {how} docs={d['lengths']} "
             f"ckpt={d['checkpointing']} bwd={d['backward']}" + (f" [{','.join(d['corners'])}]" if d["corners"] else "")
-            + (f" engine={d['engine']}" if d.get("engine", "plain") != "plain" else ""))
+            + (f" engine={d['engine']}" if d.get("engine", "plain") != "plain" else "")
+            + (" knobs[" + " ".join(f"{k}={v}" for k, v in d["knobs"].items()) + "]" if d.get("knobs") else ""))
 
 
 def case_documents(draws: dict[str, Any]) -> list[torch.Tensor]:
@@ -354,7 +382,8 @@ def _dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dty
         dynamic = {"max_tokens_per_rank": draws["max_tokens_per_rank"], "min_size": draws["min_size"]}
         if draws["planner"]["how"] == "config":
             dynamic["balance"] = draws["planner"]["balance"]
-        cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic}
+        cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic,
+               **(draws.get("knobs") or {})}
         if draws.get("engine", "plain") != "plain":
             return _engine_task(ctx, draws, docs, dtype_name, plant, cfg)
         manager = seqpar.init_process_groups(config=cfg)
