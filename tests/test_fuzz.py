@@ -1134,7 +1134,8 @@ def test_model_and_dynamic_kinds_draw_the_block_keys_they_left_at_defaults() -> 
     ``overlap`` off, ``check_finite``, ``mla_transfer="expanded"`` on MLA model types, ``ulysses_size="auto"``
     under hybrid and auto, ``links`` under auto, two at once; the dynamic kind's reach hybrid and auto with each
     ``ulysses_size``, ``check_inputs`` off, ``head_chunks``, ``overlap`` off and the memory features, under an
-    engine too. Most cases keep every default; every draw is JSON-able, reproducible and named by the summary, and
+    engine too, and its ``edge`` corner (a document between what the largest group holds whatever the padding
+    and its room). Most cases keep every default; every draw is JSON-able, reproducible and named by the summary, and
     reaches the ranks' config. Seen failing: with ``draw_knobs`` returning ``{}`` (the set assertion), and with
     ``_model_task`` not applying the knobs to its config (the config assertion)."""
     import json
@@ -1164,10 +1165,13 @@ def test_model_and_dynamic_kinds_draw_the_block_keys_they_left_at_defaults() -> 
             seen.add(("dynamic", k["mode"], "auto" if k["ulysses_size"] == "auto" else k["ulysses_size"] > 1))
         if k and d["engine"] != "plain":
             seen.add("dynamic knobs under an engine")
+        if "edge" in d["corners"]:
+            seen.add("dynamic edge")
     want = {"model overlap", "model check_finite", "model mla_transfer", "model ulysses_size", "model links",
             "model MLA expanded", "model two", "dynamic check_inputs", "dynamic head_chunks", "dynamic overlap",
             "dynamic tiled_loss", "dynamic tiled_mlp", "dynamic recompute_norm", ("dynamic", "hybrid", True),
-            ("dynamic", "auto", "auto"), ("dynamic", "hybrid", False), "dynamic knobs under an engine"}
+            ("dynamic", "auto", "auto"), ("dynamic", "hybrid", False), "dynamic knobs under an engine",
+            "dynamic edge"}
     assert want <= seen, sorted(map(str, want - seen))
 
     class _Stop(Exception):

@@ -20,7 +20,11 @@ Drawn:
 - activation checkpointing (off, reentrant, non-reentrant); the step's backward per micro-batch (as
   ``run_dynamic_step`` does) or once over the summed losses.
 
-- the engine, drawn last (so a case seed's other draws are those it had before engines were drawn): ``plain``
+- after the engine (so a case seed's draws above are those it had before): ``knobs``, the ``sequence_parallel`` keys
+  beyond ``size`` / ``mode`` / ``sharding`` / ``dynamic`` now and then (``mode`` hybrid or auto with a
+  ``ulysses_size``, ``check_inputs`` off, ``head_chunks``, ``overlap`` off, the memory features), and last an
+  ``edge`` document (8%: between what the largest group holds whatever the padding and its room);
+- the engine, drawn before the knobs (so a case seed's other draws are those it had before engines were drawn): ``plain``
   60% of the time (no engine: the gradients summed once over the pool, as tests/test_dynamic_train.py does),
   else one of :data:`DYNAMIC_ENGINES`, ``run_dynamic_step``'s engines (DeepSpeed ``zero1``, ``zero2``,
   ``zero3``, ``fsdp2``) over the whole pool (DP x SP as drawn). Under an engine the backward is per micro-batch
@@ -204,7 +208,26 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
             engine = "zero3"  # the engine kind's rule: experts unused on a rank abort ZeRO-1/2 and FSDP2
         draws.update(engine=engine, backward="per-micro-batch")  # run_dynamic_step's backward
     draws["knobs"] = _draw_knobs(rng, draws)  # drawn after the engine, for the same reason
+    _draw_edge(rng, draws)  # and last of all
     return draws
+
+
+def _draw_edge(rng: random.Random, draws: dict[str, Any]) -> None:
+    """Now and then (8%) one document at the pool's edge: longer than what the largest group holds whatever the
+    sharding's padding (``fits`` in :func:`_draw_lengths`) but no longer than its room (``max_tokens_per_rank``
+    times the largest group), so whether it fits depends on the sharding's padding of that length: it must run
+    exactly or be refused by name. Corner ``edge``; skipped where it would take the step past :data:`MAX_TOKENS`."""
+    pool, budget, lengths = draws["world"], draws["max_tokens_per_rank"], draws["lengths"]
+    if rng.random() >= 0.08 or not lengths:
+        return
+    cmax = pool & -pool
+    room = cmax * budget
+    fits = max(1, room - (8 if draws["sharding"] == "balanced" else 2) * cmax)
+    i = rng.randrange(len(lengths))
+    n = rng.randint(min(fits + 1, room), room)
+    if sum(lengths) - lengths[i] + n <= MAX_TOKENS:
+        lengths[i] = n
+        draws["corners"].append("edge")
 
 
 def _draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,10 @@ applies them. The vocab-parallel loss is not drawn: it runs under TP only (the L
 with ``tp_sequence_parallel`` or the tiled loss), which this kind has no engine for; nor does the ``engine``
 kind's ``tp2`` reach it today (its config sets neither, so the head's output is gathered).
 
+Last, ``knobs`` (:func:`draw_knobs`): the ``sequence_parallel`` keys no draw above reaches, each rarely (``overlap``
+off, ``check_finite``, ``mla_transfer="expanded"`` with the model type redrawn among the MLA ones half the time,
+``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths.
+
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
 packed documents each run alone and token-weighted (per-document semantics). The loss must agree within
