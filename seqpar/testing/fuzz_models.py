@@ -135,7 +135,7 @@ def draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
     if draws["mode"] == "auto" and rng.random() < 0.5:
         knobs["links"] = {"intra_gbps": rng.choice((0.01, 1.0, 450.0, 1e6)), "inter_gbps": rng.choice((0.01, 50.0, 1e6)),
                           "node_size": rng.choice((1, 2, 8)), "flops": rng.choice((1e9, 4e14, 1e18)),
-                          "latency_s": rng.choice((0.0, 2e-5, 1e-2))}
+                          "latency_s": rng.choice((1e-7, 2e-5, 1e-2))}
     return knobs
 
 
