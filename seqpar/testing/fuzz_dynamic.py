@@ -20,7 +20,11 @@ Drawn:
 - activation checkpointing (off, reentrant, non-reentrant); the step's backward per micro-batch (as
   ``run_dynamic_step`` does) or once over the summed losses.
 
-- the engine, drawn last (so a case seed's other draws are those it had before engines were drawn): ``plain``
+- after the engine (so a case seed's draws above are those it had before): ``knobs``, the ``sequence_parallel`` keys
+  beyond ``size`` / ``mode`` / ``sharding`` / ``dynamic`` now and then (``mode`` hybrid or auto with a
+  ``ulysses_size``, ``check_inputs`` off, ``head_chunks``, ``overlap`` off, the memory features), and last an
+  ``edge`` document (8%: between what the largest group holds whatever the padding and its room);
+- the engine, drawn before the knobs (so a case seed's other draws are those it had before engines were drawn): ``plain``
   60% of the time (no engine: the gradients summed once over the pool, as tests/test_dynamic_train.py does),
   else one of :data:`DYNAMIC_ENGINES`, ``run_dynamic_step``'s engines (DeepSpeed ``zero1``, ``zero2``,
   ``zero3``, ``fsdp2``) over the whole pool (DP x SP as drawn). Under an engine the backward is per micro-batch
@@ -203,7 +207,53 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
         if model_type in ZERO_COMPUTATION_EXPERTS:
             engine = "zero3"  # the engine kind's rule: experts unused on a rank abort ZeRO-1/2 and FSDP2
         draws.update(engine=engine, backward="per-micro-batch")  # run_dynamic_step's backward
+    draws["knobs"] = _draw_knobs(rng, draws)  # drawn after the engine, for the same reason
+    _draw_edge(rng, draws)  # and last of all
     return draws
+
+
+def _draw_edge(rng: random.Random, draws: dict[str, Any]) -> None:
+    """Now and then (8%) one document at the pool's edge: longer than what the largest group holds whatever the
+    sharding's padding (``fits`` in :func:`_draw_lengths`) but no longer than its room (``max_tokens_per_rank``
+    times the largest group), so whether it fits depends on the sharding's padding of that length: it must run
+    exactly or be refused by name. Corner ``edge``; skipped where it would take the step past :data:`MAX_TOKENS`."""
+    pool, budget, lengths = draws["world"], draws["max_tokens_per_rank"], draws["lengths"]
+    if rng.random() >= 0.08 or not lengths:
+        return
+    cmax = pool & -pool
+    room = cmax * budget
+    fits = max(1, room - (8 if draws["sharding"] == "balanced" else 2) * cmax)
+    i = rng.randrange(len(lengths))
+    n = rng.randint(min(fits + 1, room), room)
+    if sum(lengths) - lengths[i] + n <= MAX_TOKENS:
+        lengths[i] = n
+        draws["corners"].append("edge")
+
+
+def _draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """The ``sequence_parallel`` keys a dynamic step runs with beyond ``size`` / ``mode`` / ``sharding`` /
+    ``dynamic`` (JSON-able; only those that differ from the default), each rarely: ``mode`` ``"hybrid"`` or
+    ``"auto"`` with a ``ulysses_size`` (2, the SP degree, or ``"auto"``; a planned group smaller than it must run
+    exactly or be refused by name), ``check_inputs`` off, ``head_chunks`` 1 or 2, ``overlap`` off, and the memory
+    features (``tiled_loss``, ``tiled_mlp``, ``recompute_norm``: on a type seqpar does not tile, refused by name)."""
+    knobs: dict[str, Any] = {}
+    if rng.random() < 0.15:
+        knobs["mode"] = rng.choice(("hybrid", "auto"))
+        knobs["ulysses_size"] = rng.choice([u for u in (1, 2, draws["sp"]) if draws["sp"] % u == 0] + ["auto"])
+    if rng.random() < 0.15:
+        knobs["check_inputs"] = False
+    if rng.random() < 0.1:
+        knobs["head_chunks"] = rng.choice((1, 2))
+    if rng.random() < 0.1:
+        knobs["overlap"] = False
+    if rng.random() < 0.15:
+        knobs["tiled_loss"] = rng.random() < 0.7
+        knobs["tiled_mlp"] = rng.choice((False, "auto", 2, 4096))
+        knobs["recompute_norm"] = rng.random() < 0.5
+        for key in ("tiled_loss", "tiled_mlp", "recompute_norm"):
+            if knobs[key] is False:
+                del knobs[key]
+    return knobs
 
 
 def dynamic_summary(draws: dict[str, Any]) -> str:
@@ -215,7 +265,8 @@ def dynamic_summary(draws: dict[str, Any]) -> str:
     return (f"dynamic {d['model_type']} P={d['world']} (dp {d['world'] // d['sp']} x sp {d['sp']}) {d['mode']} "
             f"{d['sharding']} B={d['max_tokens_per_rank']} min={d['min_size']} {how} docs={d['lengths']} "
             f"ckpt={d['checkpointing']} bwd={d['backward']}" + (f" [{','.join(d['corners'])}]" if d["corners"] else "")
-            + (f" engine={d['engine']}" if d.get("engine", "plain") != "plain" else ""))
+            + (f" engine={d['engine']}" if d.get("engine", "plain") != "plain" else "")
+            + (" knobs[" + " ".join(f"{k}={v}" for k, v in d["knobs"].items()) + "]" if d.get("knobs") else ""))
 
 
 def case_documents(draws: dict[str, Any]) -> list[torch.Tensor]:
@@ -354,7 +405,8 @@ def _dynamic_task(ctx: Any, draws: dict[str, Any], docs: list[torch.Tensor], dty
         dynamic = {"max_tokens_per_rank": draws["max_tokens_per_rank"], "min_size": draws["min_size"]}
         if draws["planner"]["how"] == "config":
             dynamic["balance"] = draws["planner"]["balance"]
-        cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic}
+        cfg = {"size": draws["sp"], "mode": draws["mode"], "sharding": draws["sharding"], "dynamic": dynamic,
+               **(draws.get("knobs") or {})}
         if draws.get("engine", "plain") != "plain":
             return _engine_task(ctx, draws, docs, dtype_name, plant, cfg)
         manager = seqpar.init_process_groups(config=cfg)

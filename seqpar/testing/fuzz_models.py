@@ -28,6 +28,10 @@ applies them. The vocab-parallel loss is not drawn: it runs under TP only (the L
 with ``tp_sequence_parallel`` or the tiled loss), which this kind has no engine for; nor does the ``engine``
 kind's ``tp2`` reach it today (its config sets neither, so the head's output is gathered).
 
+Last, ``knobs`` (:func:`draw_knobs`): the ``sequence_parallel`` keys no draw above reaches, each rarely (``overlap``
+off, ``check_finite``, ``mla_transfer="expanded"`` with the model type redrawn among the MLA ones half the time,
+``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths.
+
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
 packed documents each run alone and token-weighted (per-document semantics). The loss must agree within
@@ -99,7 +103,40 @@ def draw_model(rng: random.Random, memory: bool = False) -> dict[str, Any]:
     }
     if memory:
         draws = _with_memory(rng, draws)
+        draws["knobs"] = draw_knobs(rng, draws)  # after the memory draws: a case seed's draws above are unchanged
     return draws
+
+
+_MLA_TYPES = ("axk1", "bailing_hybrid", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_linear", "longcat_flash", "minicpm3",
+              "sarvam_mla", "youtu")
+"""Tiny model types whose attention is MLA (``kv_lora_rank``; seqpar.swap.mla): ``knobs`` draws ``mla_transfer``
+among them more often than it would by chance."""
+
+
+def draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
+    """The ``knobs`` draws (JSON-able; only the keys that differ from the default): the ``sequence_parallel`` block's
+    keys no other draw of this kind reaches, each rarely, so most cases keep every default and a few combine two:
+    ``overlap`` false (the ring waits for each transfer), ``check_finite`` (a collective NaN/Inf check per layer),
+    ``mla_transfer`` ``"expanded"`` (MLA layers send expanded K/V instead of the latent; then the model type is
+    redrawn among the MLA ones half the time), ``ulysses_size`` ``"auto"`` under ``hybrid`` / ``auto`` (the degree
+    chosen at ``init_process_groups``), and ``links`` under ``auto`` (link figures far from the defaults, so that
+    the choice swings between ring, all-gather, Ulysses and hybrid without the probe). None may change the maths."""
+    knobs: dict[str, Any] = {}
+    if rng.random() < 0.15:
+        knobs["overlap"] = False
+    if rng.random() < 0.12:
+        knobs["check_finite"] = True
+    if rng.random() < 0.15:
+        knobs["mla_transfer"] = "expanded"
+        if rng.random() < 0.5 and not draws.get("memory"):
+            draws["model_type"] = rng.choice(_MLA_TYPES)
+    if draws["mode"] in ("hybrid", "auto") and rng.random() < 0.35:
+        knobs["ulysses_size"] = "auto"
+    if draws["mode"] == "auto" and rng.random() < 0.5:
+        knobs["links"] = {"intra_gbps": rng.choice((0.01, 1.0, 450.0, 1e6)), "inter_gbps": rng.choice((0.01, 50.0, 1e6)),
+                          "node_size": rng.choice((1, 2, 8)), "flops": rng.choice((1e9, 4e14, 1e18)),
+                          "latency_s": rng.choice((1e-7, 2e-5, 1e-2))}
+    return knobs
 
 
 TILEABLE_TYPES = ("exaone", "gemma", "internlm3", "iquestcoder", "llama", "mistral", "phi3", "qwen2")
@@ -185,7 +222,14 @@ def model_summary(draws: dict[str, Any]) -> str:
     n_batches = 1 if d["step"] == "one" else 2
     return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
-            + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")))
+            + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")) + _knobs_summary(d.get("knobs")))
+
+
+def _knobs_summary(knobs: dict[str, Any] | None) -> str:
+    if not knobs:
+        return ""
+    return " knobs[" + " ".join(f"{k}={v}" if k != "links" else "links=" + ",".join(f"{a}={b:g}" for a, b in v.items())
+                                for k, v in knobs.items()) + "]"
 
 
 def case_batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
@@ -424,6 +468,7 @@ def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], 
         mem = draws.get("memory") or {}
         cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
                     if k in mem})
+        cfg.update(draws.get("knobs") or {})
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
