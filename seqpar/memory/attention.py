@@ -27,11 +27,12 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   ``dq, dk, dv`` (Q + 2 K) and one Q-sized kernel workspace.
 - ``ring`` (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
   (Q32 + 2 K32), two K/V receive buffers (4 K, double-buffered), the travelling dK/dV accumulator being
-  sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K; with
-  low-precision inputs also their 2 K32 fp32 copies). The travelling accumulators are 4 Kw (4 K32 with
-  the default fp32 wire, 2 K32 on a bf16 wire with fp32 inputs). Under causal zigzag some ranks' calls
-  cover half a key block, which adds the block's widened 2 Kw dK/dV accumulator (its first hop) instead.
-  P = 2 has a single remote step: one K/V buffer (2 K) and the accumulator's first hop.
+  sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K, in the
+  input dtype: dq is added into its accumulator in place, dk and dv are the block's share as they are).
+  The travelling accumulators are 4 Kw (4 K32 with the default fp32 wire, 2 K32 on a bf16 wire with fp32
+  inputs). Under causal zigzag a call over half a key block makes less; the block's widened first hop
+  (2 Kw) is made when nothing travels yet and is then the pair sent on. P = 2 has a single remote step:
+  one K/V buffer (2 K), and at its end the accumulator's first hop out and our own block's coming home.
 - ``allgather`` (pipelined over G head chunks): one chunk's gathered K/V of all ranks (2 P K / G) and
   their fp32 dK/dV (2 P K32 / G), the next chunk's gather in flight and the previous chunk's
   reduce-scatter in flight (each about as large), the fp32 dq accumulator and the kernel's outputs;
@@ -59,8 +60,7 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   kernels' are not tensors). Uneven heads run one pass, one inner ring per GQA-regular piece in turn (the
   earlier pieces' outputs kept for the concatenation), and keep dout's all-to-all send buffer (gloo's
   worker thread frees it, not the wait). Measured at P = 4 and 8 (fp32, bf16, GQA, uneven, causal, head
-  chunks 1 to 4): +0.2% to +0.8%, +2.6% causal GQA, +5.9% causal at P = 8, +12% bf16 at P = 8 (the ring's
-  fp32 copies of the kernel outputs, counted for low precision, are not made for dense blocks).
+  chunks 1 to 4): +0.2% to +0.8%, up to +5.9% causal (tests/test_memory_hybrid.py).
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -152,10 +152,10 @@ def estimate_attention_memory(
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
         return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
-                             causal=causal, acc_bytes=8 if dt == torch.float64 else 4)
+                             acc_bytes=8 if dt == torch.float64 else 4)
     if mode == "allgather":
         return _allgather_peak(sizes, world=world, chunks=chunks)
-    return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch,
+    return _ring_peak(sizes, world=world, chunks=chunks, batch=batch,
                       acc_bytes=8 if dt == torch.float64 else 4)
 
 
@@ -293,7 +293,7 @@ def _kv_buffers(K: float, world: int) -> float:
     return 2 * K if world == 2 else 4 * K
 
 
-def _ring_backward_moments(sizes: _Sizes, *, world: int, causal: bool) -> tuple[float, float, float]:
+def _ring_backward_moments(sizes: _Sizes, *, world: int) -> tuple[float, float, float]:
     """The ring backward's transients beside the always-live tensors, for one pass over ``sizes``' heads:
     ``(accumulators, at a remote block's kernel, at the end)``. The accumulators ``dq_acc, dk_own, dv_own``
     (Q32 + 2 K32) are part of both moments; at a kernel, the K/V receive buffers, the travelling dK/dV
@@ -303,10 +303,12 @@ def _ring_backward_moments(sizes: _Sizes, *, world: int, causal: bool) -> tuple[
     remote block's share on its way home and our own block's coming home), and the final casts."""
     Q, K, Q32, K32, low, Kw = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.low, sizes.Kw
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
-    kernel_out = Q + 2 * K + (2 * K32 if low else 0)
-    if causal:  # a call over half a key block: the block's widened dK/dV accumulator (its first hop, in the
-        # wire dtype) + outputs for half of it
-        kernel_out = max(kernel_out, 2 * Kw + Q + K + (K32 // 2 if low else 0))
+    # one kernel call per block (dense masks): its dq is added into dq_acc in place, its dk, dv become the
+    # block's share as they are, low precision too (no fp32 copies: those were +15% at 8 / 8 heads in bf16, P =
+    # 4 and 8). Causal zigzag's calls over half a key block make less; their share's widened first hop (2 Kw) is
+    # made at step 1, when no accumulator travels yet, and then is the pair sent on: counted in 4 Kw (it was
+    # counted twice: +17.6% causal bf16, P = 4)
+    kernel_out = Q + 2 * K
     convert = (Q + 2 * K) if low else 0  # final casts of the accumulators to the input dtype
     kv_bufs = _kv_buffers(K, world)
     at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * Kw) + kernel_out
@@ -314,11 +316,11 @@ def _ring_backward_moments(sizes: _Sizes, *, world: int, causal: bool) -> tuple[
     return acc, at_kernel, at_end
 
 
-def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: int, acc_bytes: int = 4) -> int:
+def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, batch: int, acc_bytes: int = 4) -> int:
     """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
     pass per head chunk, each on 1/chunks of every transient."""
     Q, K, lse, low, base = sizes.Q, sizes.K, sizes.lse, sizes.low, sizes.base
-    acc, at_kernel, at_end = _ring_backward_moments(sizes, world=world, causal=causal)
+    acc, at_kernel, at_end = _ring_backward_moments(sizes, world=world)
     kv_bufs = _kv_buffers(K, world)
     fwd = _forward_merge_bytes(sizes, acc_bytes=acc_bytes) + kv_bufs
     if chunks == 1:  # the fp32 accumulators are the gradients
@@ -336,7 +338,7 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
 
 
 def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
-                  causal: bool = True, acc_bytes: int = 4) -> int:
+                  acc_bytes: int = 4) -> int:
     """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks, on
     the rank with the largest head share. ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype. A hybrid
     (a ring of ``world / u`` super-ranks inside) is :func:`_hybrid_peak`."""
@@ -344,7 +346,7 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
 
     if world // u > 1:
         return _hybrid_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
-                            causal=causal, acc_bytes=acc_bytes)
+                            acc_bytes=acc_bytes)
     Q, K32, lse, base = sizes.Q, sizes.K32, sizes.lse, sizes.base
     G = chunks
     uneven = not ulysses_split_even(q_heads, kv_heads, u)
@@ -394,7 +396,7 @@ def _grads_back_moments(Qh: float, Kh: float, G: int) -> tuple[float, float]:
 
 
 def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
-                 causal: bool, acc_bytes: int = 4) -> int:
+                 acc_bytes: int = 4) -> int:
     """The hybrid's peak: Ulysses over u ranks around a ring of ``world / u`` super-ranks, run once per head
     chunk (G = ``chunks``) on that chunk's head-layout tensors. The inner ring's transients are the ring's own
     (:func:`_ring_backward_moments`, :func:`_forward_merge_bytes`) on one chunk's head-layout sizes, counted
@@ -432,14 +434,13 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
     # one chunk's head-layout tensors, as the inner ring sees them (its own q, k, v, ... and accumulators)
     ks = Kh / K
     chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=low, Kw=sizes.Kw * ks / G)
-    inner_bwd = max(_ring_backward_moments(chunk, world=ring, causal=causal)[1:])
+    inner_bwd = max(_ring_backward_moments(chunk, world=ring)[1:])
     # the forward merge's terms less the ring's own q, dout, k, v (counted as the chunk's, below)
     inner_fwd = (_kv_buffers(chunk.K, ring) + _forward_merge_bytes(chunk, acc_bytes=acc_bytes)
                  - 2 * chunk.Q - 2 * chunk.K)
     bwd, fwd = [], []
     if uneven:  # one pass (G = 1); the grads are made after it, dout's send buffer is still alive
-        bwd.append(Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=ring,
-                                              causal=causal))
+        bwd.append(Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=ring))
         # the pieces' dq/dk/dv, their concatenation (one piece: the same tensors) and the packed send buffer
         bwd.append(Q + (3 if _pieces(q_heads, kv_heads, u) > 1 else 2) * grads_h)
     for c in sorted({0, min(1, G - 1), G - 1}):  # the first, a middle and the last chunk
@@ -455,7 +456,7 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
     return int(max(base + saved + max(bwd), base + max(fwd)))
 
 
-def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int, ring: int, causal: bool) -> float:
+def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int, ring: int) -> float:
     """An uneven hybrid's inner backward on its busiest rank: the head-layout dout beside, per GQA-regular
     piece (:meth:`seqpar.attn.ulysses.HeadSplit.segments`, one inner ring each, in turn), the earlier pieces'
     dq/dk/dv and this piece's ring transients (:func:`_ring_backward_moments` on the piece's heads)."""
@@ -471,7 +472,7 @@ def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int
             piece = _Sizes(Q=sizes.Q * per_q * qn, K=sizes.K * per_k * kn, Q32=sizes.Q32 * per_q * qn,
                            K32=sizes.K32 * per_k * kn, lse=sizes.lse * per_q * qn, low=sizes.low,
                            Kw=sizes.Kw * per_k * kn)
-            peak = max(peak, done + max(_ring_backward_moments(piece, world=ring, causal=causal)[1:]))
+            peak = max(peak, done + max(_ring_backward_moments(piece, world=ring)[1:]))
             done += piece.Q + 2 * piece.K  # its dq, dk, dv wait for the concatenation
         worst = max(worst, sizes.Q * per_q * split.share(r)[1] + peak)
     return worst
