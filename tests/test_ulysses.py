@@ -267,6 +267,24 @@ def _assert_cancelling_dk_column_exact(dist_pool, world: int, q, k, v, dout) -> 
     torch.testing.assert_close(col, want_col, rtol=0, atol=2.0 ** -5 * want_col.abs().max().item())
 
 
+def _cancelling_mqa_inputs(seed: int, seq: int, q_heads: int, *, minus: int, zero: tuple[int, ...] = (),
+                           d: int = 8) -> tuple[torch.Tensor, ...]:
+    """Fresh MQA inputs ``q, k, v, dout`` ((1, q_heads, seq, d), K/V one head) whose K/V head's dK has a last
+    column (``e``) of partials that cancel: the keys are 0 there (no score depends on it), query head 0 is +1
+    and head ``minus`` -1 (a copy of head 0 otherwise, with equal dout), the ``zero`` heads 0 and the others
+    2**-10, so their small terms are all that is left of dk[..., e]."""
+    g = torch.Generator().manual_seed(seed)
+    q, dout = torch.randn(1, q_heads, seq, d, generator=g), torch.randn(1, q_heads, seq, d, generator=g)
+    k, v = torch.randn(1, 1, seq, d, generator=g), torch.randn(1, 1, seq, d, generator=g)
+    q[:, minus], dout[:, minus] = q[:, 0], dout[:, 0]
+    q[..., -1] = 2.0 ** -10
+    q[:, 0, :, -1], q[:, minus, :, -1] = 1.0, -1.0
+    for head in zero:
+        q[:, head, :, -1] = 0.0
+    k[..., -1] = 0.0
+    return q, k, v, dout
+
+
 def test_uneven_all_to_all_refuses_sizes_that_do_not_fit(dist_pool) -> None:
     """start_all_to_all_uneven: a receive or send size list not one per rank, and a send buffer that is not the
     sum of its sizes, are a ValueError naming it on every rank (before any collective: the ranks stay in step,
@@ -293,15 +311,7 @@ def test_bf16_replicated_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     Seen failing: the replicas' dK summed in the input dtype (``dk = torch.zeros(k_shape, dtype=dout.dtype,
     ...)`` in ulysses_backward), which test_ulysses_bf16_within_sdpa_rounding let through (2 replicas per
     K/V head there: a bf16 sum of two rounds once, as fp32's does)."""
-    g = torch.Generator().manual_seed(31)
-    world, seq, d = 4, 16, 8
-    q, dout = torch.randn(1, 4, seq, d, generator=g), torch.randn(1, 4, seq, d, generator=g)
-    k, v = torch.randn(1, 1, seq, d, generator=g), torch.randn(1, 1, seq, d, generator=g)
-    q[:, 2], dout[:, 2] = q[:, 0], dout[:, 0]
-    q[..., -1] = 2.0 ** -10
-    q[:, 0, :, -1], q[:, 2, :, -1] = 1.0, -1.0
-    k[..., -1] = 0.0
-    _assert_cancelling_dk_column_exact(dist_pool, world, q, k, v, dout)
+    _assert_cancelling_dk_column_exact(dist_pool, 4, *_cancelling_mqa_inputs(31, 16, 4, minus=2))
 
 
 # ------------------------------------------------------------------------ uneven head shares
@@ -507,12 +517,4 @@ def test_bf16_uneven_shared_kv_grads_are_summed_in_fp32(dist_pool) -> None:
     Seen failing: the shared head's dK/dV accumulated in the input dtype (``dk = torch.zeros(k_shape,
     dtype=dout.dtype, ...)`` in _uneven_backward), which every fp32 uneven test and the 2-rank bf16 sums (two
     partials round once either way) let through."""
-    g = torch.Generator().manual_seed(37)
-    world, seq, d = 3, 24, 8
-    q, dout = torch.randn(1, 5, seq, d, generator=g), torch.randn(1, 5, seq, d, generator=g)
-    k, v = torch.randn(1, 1, seq, d, generator=g), torch.randn(1, 1, seq, d, generator=g)
-    q[:, 4], dout[:, 4] = q[:, 0], dout[:, 0]
-    q[..., -1] = 2.0 ** -10
-    q[:, 0, :, -1], q[:, 1, :, -1], q[:, 4, :, -1] = 1.0, 0.0, -1.0
-    k[..., -1] = 0.0
-    _assert_cancelling_dk_column_exact(dist_pool, world, q, k, v, dout)
+    _assert_cancelling_dk_column_exact(dist_pool, 3, *_cancelling_mqa_inputs(37, 24, 5, minus=4, zero=(1,)))

@@ -27,11 +27,12 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   ``dq, dk, dv`` (Q + 2 K) and one Q-sized kernel workspace.
 - ``ring`` (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
   (Q32 + 2 K32), two K/V receive buffers (4 K, double-buffered), the travelling dK/dV accumulator being
-  sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K; with
-  low-precision inputs also their 2 K32 fp32 copies). The travelling accumulators are 4 Kw (4 K32 with
-  the default fp32 wire, 2 K32 on a bf16 wire with fp32 inputs). Under causal zigzag some ranks' calls
-  cover half a key block, which adds the block's widened 2 Kw dK/dV accumulator (its first hop) instead.
-  P = 2 has a single remote step: one K/V buffer (2 K) and the accumulator's first hop.
+  sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K, in the
+  input dtype: dq is added into its accumulator in place, dk and dv are the block's share as they are).
+  The travelling accumulators are 4 Kw (4 K32 with the default fp32 wire, 2 K32 on a bf16 wire with fp32
+  inputs). Under causal zigzag a call over half a key block makes less; the block's widened first hop
+  (2 Kw) is made when nothing travels yet and is then the pair sent on. P = 2 has a single remote step:
+  one K/V buffer (2 K), and at its end the accumulator's first hop out and our own block's coming home.
 - ``allgather`` (pipelined over G head chunks): one chunk's gathered K/V of all ranks (2 P K / G) and
   their fp32 dK/dV (2 P K32 / G), the next chunk's gather in flight and the previous chunk's
   reduce-scatter in flight (each about as large), the fp32 dq accumulator and the kernel's outputs;
@@ -45,15 +46,21 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   receive) and the next chunk's dout all-to-all (send + receive): (8 Q + 6 Kh) / G for G > 1; or, often
   larger (the even path's peak at G = 1), the start of a chunk's return all-to-all: its kernel outputs,
   their packed send buffer and the receive buffer (3 (Q + 2 Kh) / G), beside the previous chunk's pair in
-  flight (G > 1) and the next chunk's dout all-to-all (G > 2). The
-  hybrid adds its inner ring's transients (fp32 accumulators, K/V receive buffers, travelling dK/dV)
-  for one chunk (its travelling dK/dV in the wire dtype, ``Kw``) at the kernel moment only: they are dead
-  while a chunk's gradients are placed, and with one head pass the forward's all-to-alls are done before its
-  ring runs (the larger of the two moments counts, not their sum). Uneven heads (``u`` does not split the
+  flight (G > 1) and the next chunk's dout all-to-all (G > 2). Uneven heads (``u`` does not split the
   heads evenly, :mod:`seqpar.attn.ulysses`): the largest rank's share counts, ``Qh = Q u q_max / Hq`` and
   ``Kh = K u kv_max / Hkv`` (``q_max = ceil(Hq/u)``, ``kv_max`` the largest K/V union), one head pass,
   fp32 dK/dV (a K/V head may be shared by two ranks), and the per-piece kernel outputs beside their
   concatenation; the final dq, dk, dv are made after the inner backward, so they count at placing only.
+- ``hybrid``: the same all-to-alls around an inner ring over P/u super-ranks, whose transients are the
+  ring's own (above: accumulators, K/V receive buffers, travelling dK/dV in the wire dtype ``Kw``, kernel
+  outputs; at the forward, its merge) on one head chunk's head-layout tensors, counted beside what is in
+  flight while that chunk's ring runs: its head-layout dout, the next chunk's dout all-to-all (not at the
+  last chunk) and the previous chunk's dq/dk/dv all-to-all (not at the first). The inner ring's
+  accumulators become the chunk's dq/dk/dv (no second set), and no kernel workspace is added (the CPU
+  kernels' are not tensors). Uneven heads run one pass, one inner ring per GQA-regular piece in turn (the
+  earlier pieces' outputs kept for the concatenation), and keep dout's all-to-all send buffer (gloo's
+  worker thread frees it, not the wait). Measured at P = 4 and 8 (fp32, bf16, GQA, uneven, causal, head
+  chunks 1 to 4): +0.2% to +0.8%, up to +5.9% causal (tests/test_memory_hybrid.py).
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -144,10 +151,11 @@ def estimate_attention_memory(
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
-        return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks)
+        return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
+                             acc_bytes=8 if dt == torch.float64 else 4)
     if mode == "allgather":
         return _allgather_peak(sizes, world=world, chunks=chunks)
-    return _ring_peak(sizes, world=world, chunks=chunks, causal=causal, batch=batch,
+    return _ring_peak(sizes, world=world, chunks=chunks, batch=batch,
                       acc_bytes=8 if dt == torch.float64 else 4)
 
 
@@ -279,21 +287,41 @@ def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
     return int(max(peaks))
 
 
-def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: int, acc_bytes: int = 4) -> int:
-    """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
-    pass per head chunk, each on 1/chunks of every transient."""
-    Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
-    Kw = sizes.Kw  # the travelling dK/dV accumulators' K-sized unit (dkv_wire_dtype)
+def _kv_buffers(K: float, world: int) -> float:
+    """The ring's K/V receive buffers: double-buffered (the block in use and the next one in flight), but a
+    single one at P = 2 (one remote step)."""
+    return 2 * K if world == 2 else 4 * K
+
+
+def _ring_backward_moments(sizes: _Sizes, *, world: int) -> tuple[float, float, float]:
+    """The ring backward's transients beside the always-live tensors, for one pass over ``sizes``' heads:
+    ``(accumulators, at a remote block's kernel, at the end)``. The accumulators ``dq_acc, dk_own, dv_own``
+    (Q32 + 2 K32) are part of both moments; at a kernel, the K/V receive buffers, the travelling dK/dV
+    accumulators (the pair sent and the pair received, wire dtype; none at P = 2, whose one remote block's
+    share goes straight home after the kernel) and the kernel's outputs (plus their fp32 copies for low
+    precision inputs); at the end, the K/V buffers, the last hop's dK/dV pair out and in (at P = 2: the
+    remote block's share on its way home and our own block's coming home), and the final casts."""
+    Q, K, Q32, K32, low, Kw = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.low, sizes.Kw
     acc = Q32 + 2 * K32  # dq_acc, dk_own, dv_own
-    kernel_out = Q + 2 * K + (2 * K32 if low else 0)
-    if causal:  # a call over half a key block: the block's widened dK/dV accumulator (its first hop, in the
-        # wire dtype) + outputs for half of it
-        kernel_out = max(kernel_out, 2 * Kw + Q + K + (K32 // 2 if low else 0))
+    # one kernel call per block (dense masks): its dq is added into dq_acc in place, its dk, dv become the
+    # block's share as they are, low precision too (no fp32 copies: those were +15% at 8 / 8 heads in bf16, P =
+    # 4 and 8). Causal zigzag's calls over half a key block make less; their share's widened first hop (2 Kw) is
+    # made at step 1, when no accumulator travels yet, and then is the pair sent on: counted in 4 Kw (it was
+    # counted twice: +17.6% causal bf16, P = 4)
+    kernel_out = Q + 2 * K
     convert = (Q + 2 * K) if low else 0  # final casts of the accumulators to the input dtype
-    kv_bufs = 2 * K if world == 2 else 4 * K  # P = 2 has one remote step: a single K/V buffer
-    # the travelling dK/dV accumulators: the pair being sent and the pair being received (wire dtype)
+    kv_bufs = _kv_buffers(K, world)
     at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * Kw) + kernel_out
     at_end = acc + kv_bufs + 4 * Kw + convert
+    return acc, at_kernel, at_end
+
+
+def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, batch: int, acc_bytes: int = 4) -> int:
+    """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
+    pass per head chunk, each on 1/chunks of every transient."""
+    Q, K, lse, low, base = sizes.Q, sizes.K, sizes.lse, sizes.low, sizes.base
+    acc, at_kernel, at_end = _ring_backward_moments(sizes, world=world)
+    kv_bufs = _kv_buffers(K, world)
     fwd = _forward_merge_bytes(sizes, acc_bytes=acc_bytes) + kv_bufs
     if chunks == 1:  # the fp32 accumulators are the gradients
         return int(max(base + at_kernel, base + at_end, fwd))
@@ -309,60 +337,145 @@ def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, causal: bool, batch: i
     return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
-def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int) -> int:
+def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
+                  acc_bytes: int = 4) -> int:
     """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks, on
-    the rank with the largest head share. ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype."""
-    from seqpar.runtime.grid import ulysses_shares, ulysses_split_even
+    the rank with the largest head share. ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype. A hybrid
+    (a ring of ``world / u`` super-ranks inside) is :func:`_hybrid_peak`."""
+    from seqpar.runtime.grid import ulysses_split_even
 
-    Q, K, Q32, K32, lse, base, low, Kw = (sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.base,
-                                          sizes.low, sizes.Kw)
+    if world // u > 1:
+        return _hybrid_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
+                            acc_bytes=acc_bytes)
+    Q, K32, lse, base = sizes.Q, sizes.K32, sizes.lse, sizes.base
     G = chunks
     uneven = not ulysses_split_even(q_heads, kv_heads, u)
-    shares = ulysses_shares(q_heads, kv_heads, u)
-    # head layout on the largest share: q_max query heads and kv_max K/V heads over u L rows (even: Q and
-    # K, or K u / kv_heads for a replicated K/V head)
-    qs, ks = u * max(s[1] for s in shares) / q_heads, u * max(s[3] for s in shares) / kv_heads
-    Qh, lse_h, Kh, Kh32, Khw = Q * qs, lse * qs, K * ks, K32 * ks, Kw * ks
+    Qh, Kh, lse_h = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)[:3]
     fp32_dkv = uneven or kv_heads < u  # zeroed fp32 dK/dV, a K/V head's replicas summed into them
     saved = 2 * Qh + 2 * Kh + lse_h  # q, k, v, out (head layout) and lse
-    grads = Q + (2 * K32 if fp32_dkv else 2 * K)
+    grads = Q + (2 * K32 if fp32_dkv else 2 * sizes.K)
     grads_h = Qh + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
     # at a kernel: dout (head layout), the kernel's outputs and its workspace (~2 Q), and with G > 1 the
     # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
     at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
-    # placing a chunk's received grads: send + receive, and the K/V grads reordered for index_add
-    at_place = (2 * grads_h + 2 * Kh + (2 * Qh if G > 1 else 0)) / G
-    # sending a chunk's grads back (start_heads_back): the kernel's outputs are still referenced while their
-    # packed send buffer and the all-to-all's receive buffer are made (3 grads_h), beside the previous chunk's
-    # pair still in flight (G > 1; it is placed after this start) and, but at the last chunk, the next chunk's
-    # dout all-to-all (G > 2: a middle chunk has both). The even path's peak at head_chunks=1 (was left out:
-    # 8 / 8 heads, P = 4, -4.5% under the measured peak)
-    at_send = (3 * grads_h + (2 * grads_h if G > 1 else 0) + (2 * Qh if G > 2 else 0)) / G
+    at_place, at_send = _grads_back_moments(Qh, Kh, G)
     if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
         at_kernel = max(at_kernel, Qh + 2 * grads_h)
-    inner = 0.0
-    ring = world // u
-    if ring > 1:  # one chunk's ring: K/V receive buffers, travelling dK/dV in the wire dtype (its fp32
-        # accumulators are grads_h)
-        kv_bufs = 2 * Kh if ring == 2 else 4 * Kh
-        inner = (kv_bufs + 4 * Khw + (Q32 * qs + 2 * Kh32 if low else 0)) / G
-    # The hybrid's inner ring runs inside the kernel moment (between dout's all-to-all and the grads'): its
-    # transients are live beside at_kernel's, and dead when a chunk's grads are placed. The uneven path
-    # (_uneven_backward) makes dq, dk, dv only after the inner backward, so they are not live at the kernel.
-    # (Adding inner to max(at_kernel, at_place) over-counted the hybrid: +18% even at head_chunks=1, +30% uneven.)
-    at_kernel = at_kernel + inner
-    bwd = grads + at_place if uneven else grads + max(at_kernel, at_place, at_send)
-    if uneven:
-        bwd = max(bwd, at_kernel)
-    # forward: q, k, v, out + saved + the all-to-alls in flight; with one head pass those are done before the
-    # inner ring starts and its K/V buffers, fp32 output accumulator and block output (no dK/dV) come after
+    # the uneven path (_uneven_backward) makes dq, dk, dv only after the inner backward
+    bwd = max(grads + at_place, at_kernel) if uneven else grads + max(at_kernel, at_place, at_send)
+    # forward: q, k, v, out + saved + the all-to-alls in flight
     a2a_fwd = (2 * Qh + 4 * Kh + 3 * Qh) / G
-    if ring > 1 and G == 1:
-        ring_fwd = (2 * Kh if ring == 2 else 4 * Kh) + Q32 * qs + Qh
-        fwd = base - Q - lse + saved + max(a2a_fwd, ring_fwd)
-    else:
-        fwd = base - Q - lse + saved + a2a_fwd + inner
+    fwd = base - Q - lse + saved + a2a_fwd
     return int(max(base + saved + bwd, fwd))
+
+
+def _head_layout(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int) -> tuple[float, float, float, float, float]:
+    """``(Qh, Kh, lse_h, Qh32, Kh32)``: the head-layout units of the rank with the largest share, its q_max
+    query heads and kv_max K/V heads over u L rows (even: Q and K, or K u / kv_heads for a replicated K/V
+    head); ``Qh32``, ``Kh32`` in the accumulation dtype."""
+    from seqpar.runtime.grid import ulysses_shares
+
+    shares = ulysses_shares(q_heads, kv_heads, u)
+    qs, ks = u * max(s[1] for s in shares) / q_heads, u * max(s[3] for s in shares) / kv_heads
+    return sizes.Q * qs, sizes.K * ks, sizes.lse * qs, sizes.Q32 * qs, sizes.K32 * ks
+
+
+def _grads_back_moments(Qh: float, Kh: float, G: int) -> tuple[float, float]:
+    """The even path's moments after a head chunk's inner backward, beside the gradients (of G chunks):
+    ``(placing, sending)``. Placing a chunk's received grads: send + receive, and the K/V grads reordered
+    for index_add (the next chunk's dout all-to-all in flight for G > 1). Sending a chunk's grads back
+    (start_heads_back): the inner backward's outputs are still referenced while their packed send buffer
+    and the all-to-all's receive buffer are made (3 grads_h), beside the previous chunk's pair still in
+    flight (G > 1; it is placed after this start) and, but at the last chunk, the next chunk's dout
+    all-to-all (G > 2: a middle chunk has both). The Ulysses even path's peak at head_chunks=1 (was left
+    out: 8 / 8 heads, P = 4, -4.5% under the measured peak)."""
+    grads_h = Qh + 2 * Kh
+    at_place = (2 * grads_h + 2 * Kh + (2 * Qh if G > 1 else 0)) / G
+    at_send = (3 * grads_h + (2 * grads_h if G > 1 else 0) + (2 * Qh if G > 2 else 0)) / G
+    return at_place, at_send
+
+
+def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
+                 acc_bytes: int = 4) -> int:
+    """The hybrid's peak: Ulysses over u ranks around a ring of ``world / u`` super-ranks, run once per head
+    chunk (G = ``chunks``) on that chunk's head-layout tensors. The inner ring's transients are the ring's own
+    (:func:`_ring_backward_moments`, :func:`_forward_merge_bytes`) on one chunk's head-layout sizes, counted
+    beside the all-to-alls that are in flight while it runs:
+
+    - backward, at the inner ring's peak (a remote block's kernel, or its last dK/dV exchange) for chunk c:
+      the chunk's head-layout dout, the next chunk's dout all-to-all (send + receive; c < G - 1) and the
+      previous chunk's packed dq/dk/dv all-to-all (send + receive; c >= 1). The inner ring's fp32
+      accumulators become the chunk's dq/dk/dv, so they are not counted again as kernel outputs, and there
+      is no kernel workspace beside the ring's (the CPU kernels' are not tensors). An uneven split runs one
+      pass whose dq, dk, dv are made after it; its dout all-to-all's send buffer (sequence layout, all query
+      heads) is freed by gloo's worker thread, not at the wait (seen alive at the peak at P = 4, 7 / 7), so it
+      counts, and with several GQA pieces the earlier pieces' outputs (at most one chunk's dq/dk/dv) too.
+    - then the Ulysses moments of placing and sending a chunk's grads (:func:`_grads_back_moments`).
+    - forward, for chunk c: the saved head-layout tensors of the chunks before it, this chunk's q, k, v, the
+      next chunk's q/k/v all-to-all (c < G - 1), the previous chunk's output all-to-all (c >= 1), and the inner
+      ring's K/V buffers and merge (fp32 output accumulator, block output, the CPU merge's fp64 pieces); or,
+      after the ring, this chunk's saved tensors and its output's all-to-all (send + receive). An uneven split
+      also keeps its q/k/v all-to-all's send buffer (as its dout's, above).
+
+    (Before: the inner ring's travelling dK/dV counted at a ring of 2, which sends its one remote share home
+    after the kernel, a ~2 Q kernel workspace, and both neighbours' all-to-alls at every chunk: +13% at 8 / 2
+    heads, P = 4, and +10% at 8 / 8, ``head_chunks=2``; and the kernel's outputs beside the accumulators left
+    out: -3.5% at 8 / 8, P = 8, ``head_chunks=1``.)"""
+    from seqpar.runtime.grid import ulysses_split_even
+
+    Q, K, K32, base, low = sizes.Q, sizes.K, sizes.K32, sizes.base, sizes.low
+    G, ring = chunks, world // u
+    uneven = not ulysses_split_even(q_heads, kv_heads, u)
+    Qh, Kh, lse_h, Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)
+    fp32_dkv = uneven or kv_heads < u  # zeroed fp32 dK/dV, a K/V head's replicas summed into them
+    saved = 2 * Qh + 2 * Kh + lse_h  # q, k, v, out (head layout) and lse, all chunks
+    grads = Q + (2 * K32 if fp32_dkv else 2 * K)
+    grads_h = Qh + 2 * Kh  # dq, dk, dv in head layout, all chunks
+    # one chunk's head-layout tensors, as the inner ring sees them (its own q, k, v, ... and accumulators)
+    ks = Kh / K
+    chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=low, Kw=sizes.Kw * ks / G)
+    inner_bwd = max(_ring_backward_moments(chunk, world=ring)[1:])
+    # the forward merge's terms less the ring's own q, dout, k, v (counted as the chunk's, below)
+    inner_fwd = (_kv_buffers(chunk.K, ring) + _forward_merge_bytes(chunk, acc_bytes=acc_bytes)
+                 - 2 * chunk.Q - 2 * chunk.K)
+    bwd, fwd = [], []
+    if uneven:  # one pass (G = 1); the grads are made after it, dout's send buffer is still alive
+        bwd.append(Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=ring))
+        # the pieces' dq/dk/dv, their concatenation (one piece: the same tensors) and the packed send buffer
+        bwd.append(Q + (3 if _pieces(q_heads, kv_heads, u) > 1 else 2) * grads_h)
+    for c in sorted({0, min(1, G - 1), G - 1}):  # the first, a middle and the last chunk
+        nxt, prev = c < G - 1, c >= 1
+        if not uneven:
+            bwd.append(grads + (Qh + (2 * Qh if nxt else 0) + (2 * grads_h if prev else 0)) / G + inner_bwd)
+        a2a = (2 * (Qh + 2 * Kh) if nxt else 0) + (2 * Qh if prev else 0)  # next q/k/v, previous output
+        kept = (Q + 2 * K) if uneven else 0  # the uneven q/k/v all-to-all's send buffer
+        fwd.append(saved * c / G + (Qh + 2 * Kh + a2a) / G + kept + inner_fwd)
+        fwd.append(saved * (c + 1) / G + (2 * Qh + a2a) / G + kept)
+    at_place, at_send = _grads_back_moments(Qh, Kh, G)
+    bwd.append(grads + (at_place if uneven else max(at_place, at_send)))
+    return int(max(base + saved + max(bwd), base + max(fwd)))
+
+
+def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int, ring: int) -> float:
+    """An uneven hybrid's inner backward on its busiest rank: the head-layout dout beside, per GQA-regular
+    piece (:meth:`seqpar.attn.ulysses.HeadSplit.segments`, one inner ring each, in turn), the earlier pieces'
+    dq/dk/dv and this piece's ring transients (:func:`_ring_backward_moments` on the piece's heads)."""
+    from seqpar.attn.ulysses import HeadSplit
+
+    split = HeadSplit(q_heads, kv_heads, u)
+    # one head over u L rows: query-sized and K/V-sized, in the input and the accumulation dtypes
+    per_q, per_k = u / q_heads, u / kv_heads
+    worst = 0.0
+    for r in range(u):
+        done, peak = 0.0, 0.0
+        for _, qn, _, kn in split.segments(r):
+            piece = _Sizes(Q=sizes.Q * per_q * qn, K=sizes.K * per_k * kn, Q32=sizes.Q32 * per_q * qn,
+                           K32=sizes.K32 * per_k * kn, lse=sizes.lse * per_q * qn, low=sizes.low,
+                           Kw=sizes.Kw * per_k * kn)
+            peak = max(peak, done + max(_ring_backward_moments(piece, world=ring)[1:]))
+            done += piece.Q + 2 * piece.K  # its dq, dk, dv wait for the concatenation
+        worst = max(worst, sizes.Q * per_q * split.share(r)[1] + peak)
+    return worst
 
 
 def _pieces(q_heads: int, kv_heads: int, u: int) -> int:
