@@ -589,9 +589,8 @@ for _seed in (1086484656, 680605197, 2143272812, 1054415801, 1146194759):
 # (seqpar/memory/tiling.py, _tiled_causal_lm_forward) reduces the loss over the group the swap was given (the
 # static SP group, one rank here) and never over the micro-batch's group that the call carries
 # (seqpar_group, seqpar.sequence.call_group), so a document planned over two ranks gets each rank's share alone.
-# Not fixed here (seqpar/memory/ is another helper's): taking call_group(extra, group) for the loss's reduction
-# and the shift check makes it exact (seen, both the drawn case and the plain one); the test below is a strict
-# xfail until then.
+# Fixed (lead): the loss's reduction and the shift check take call_group(extra, group); exact, the drawn case and
+# the plain one (test_tiled_loss_under_dynamic_cp_reduces_over_the_call_group).
 TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": True}})
 
 
@@ -1285,8 +1284,6 @@ def test_model_and_dynamic_kinds_draw_the_block_keys_they_left_at_defaults() -> 
     assert not out["ok"] and got.items() >= d["knobs"].items(), (got, d["knobs"])
 
 
-@pytest.mark.xfail(strict=True, reason="the tiled loss reduces over the static SP group, not dynamic CP's call group "
-                   "(seqpar/memory/tiling.py; fz25c's report has the patch): WRONG until fixed")
 @pytest.mark.timeout(300)
 def test_tiled_loss_under_dynamic_cp_reduces_over_the_call_group(fuzzer: fuzz.Fuzzer) -> None:
     """Dynamic CP with ``tiled_loss`` (case 1005769243 in a plain loop, DP 2 x SP 1: two ranks run its longer

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.config import SeqParConfig
+from seqpar.sequence.call_group import call_group
 from seqpar.sequence.vocab_parallel import (
     enter_tp_region,
     loss_dtype,
@@ -465,8 +466,9 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
             return original(*args, **kwargs)  # no loss wanted: logits as before (evaluation)
         num_items = extra.pop("num_items_in_batch", None)
         call.pop("logits_to_keep", None)
+        loss_group = call_group(extra, group)  # dynamic CP: the micro-batch's group travels with the call
         if shift_labels is None:
-            sp_group = resolve_group(group)
+            sp_group = resolve_group(loss_group)
             if sp_group is not None and dist.get_world_size(sp_group) > 1:
                 raise ValueError(
                     "tiled_loss under sequence parallelism needs shift_labels= (labels shifted before "
@@ -479,9 +481,9 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
         if num_items is not None:  # transformers' convention: a sum over the micro-batches' tokens
             from seqpar.sequence.loss import all_reduce_identity_backward
 
-            loss = all_reduce_identity_backward(loss_sum, group=group) / num_items
+            loss = all_reduce_identity_backward(loss_sum, group=loss_group) / num_items
         else:
-            loss = sequence_parallel_mean(loss_sum, count, group=group)
+            loss = sequence_parallel_mean(loss_sum, count, group=loss_group)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
