@@ -522,6 +522,11 @@ class SeqParConfig:
             _fail("pattern", self.pattern, "expected a pattern object")
         if self.dynamic is not None and not isinstance(self.dynamic, DynamicConfig):
             _fail("dynamic", self.dynamic, 'expected {"max_tokens_per_rank": N, "min_size": 1}, or leave it out')
+        if self.dynamic is not None and self.mode == "hybrid":
+            # the refusal resolve.py would give at the first call names a group= the user never passed
+            _fail("mode", self.mode, 'length-aware dynamic CP gives each micro-batch its own group of ranks, and '
+                  "hybrid's Ulysses x ring groups are fixed at init; with a \"dynamic\" block use mode \"ring\", "
+                  '"allgather", "ulysses" or "auto", or drop "dynamic"')
         _check_type("dkv_wire_dtype", self.dkv_wire_dtype, (str,), DKV_WIRE_HINT)
         if self.dkv_wire_dtype not in DKV_WIRE_DTYPES:
             _fail("dkv_wire_dtype", self.dkv_wire_dtype, DKV_WIRE_HINT)
