@@ -145,7 +145,9 @@ def test_memory_estimator_hybrid_2x2_tight(dist_pool, heads: int, head_chunks) -
     within -2% .. +10% of the measured peak of the largest rank (MemTracker), with uneven heads (7 / 7: shares
     4 + 3, one head pass) and even ones at ``head_chunks=1`` (8 / 8). Measured (2-core VM under load): 632832
     and 722944 bytes; the estimate was +30% and +18% when the inner ring's transients were added to the larger
-    of the all-to-all moments (and, uneven, to dq/dk/dv made only after the inner backward); now +6.1% and +9.3%.
+    of the all-to-all moments (and, uneven, to dq/dk/dv made only after the inner backward); +6.1% and +9.3% in
+    session 24, +0.3% since the hybrid takes the ring's own transients on one head chunk (session 25,
+    tests/test_memory_hybrid.py).
     Seen failing: the old sum (``base + saved + grads + max(at_kernel, at_place) + inner``: +30%, +18%); the inner
     ring's transients left out of the kernel moment (``at_kernel + 0 * inner``: the even case -8.8%, under)."""
     from seqpar.bench.attention import BenchShape
