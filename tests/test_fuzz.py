@@ -505,7 +505,7 @@ FOUND[543632810] = (("engine",), "refused")
 # Audit 25: the pin above forced only engine and zero_stage on the case drawn without engine="autotp" (test_found_cases
 # draws as --case-seed does, not as --set engine=autotp does): tiny minimax_m2 at tp_size 1, no Apertus, so it could
 # not see the TP sum. The whole draw of the case as found (draw_case(1878399021, ("engine",), "autotp"), ZeRO-3, the
-# head whole as then) is pinned now.
+# head whole as then) is pinned now: seen WRONG with the hook's all_reduce removed (alpha_p 5x off), exact restored.
 FOUND_SET[1878399021] = {"kind": "engine", "model_type": "apertus", "world": 2, "mode": "ring", "ulysses_size": 1,
                          "sharding": "contiguous", "batch": "padded", "lengths": [[15, 10], [15, 6]],
                          "checkpointing": None, "step": "accumulate", "check_inputs": True, "engine": "autotp",
