@@ -103,3 +103,41 @@ def test_autotp_refusals_keep_to_what_they_name(dist_pool, model_type: str, sp_s
     refused with its head whole); the CodeGen refusal without ``manager.tp_size > 1`` (CodeGen refused at TP 1)."""
     for message in dist_pool.run(2, _initialize_error, model_type, sp_size, tp_size, timeout=550):
         assert message == "", message
+
+
+@releases_deepspeed_engines
+def _whole_parameter_on_attention(rank: int, world: int) -> str:
+    """``initialize`` tiny Llama (float64) at AutoTP 2 x SP 1 with a trained parameter of its own on the first
+    layer's attention module (as an attention sink is), beside the ``o_proj`` AutoTP makes row-parallel: the
+    ConfigError's message, or "" if it ran."""
+    from deepspeed.utils import groups
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed import initialize
+    from seqpar.runtime.groups import set_default_manager
+    from seqpar.testing.tiny_models import build_model
+
+    model = build_model("llama", torch.float64)
+    model.model.layers[0].self_attn.sink = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    config = {**ds_tp_config(1), "sequence_parallel": {"size": 1, "tp_size": 2}}
+    try:
+        try:
+            engine, _, _, _ = initialize(model=model, config=config,
+                                         optimizer=lambda params: torch.optim.SGD(params, lr=LR))
+        except ConfigError as e:
+            return str(e)
+        engine.seqpar_manager.destroy()
+        return ""
+    finally:
+        set_default_manager(None)
+        groups._release_process_group_references(None)
+
+
+@pytest.mark.timeout(600)
+def test_a_whole_parameter_of_a_module_with_a_row_parallel_child_is_refused(dist_pool) -> None:
+    """A trained parameter held by the module itself (not by one of its children) whose row-parallel child AutoTP
+    made (``self_attn.o_proj``) sees the split heads' features too, and nothing sums its gradient over TP: refused
+    by name on every rank. Seen failing: the refusal's owners without the module itself (``owners = [children]``:
+    nothing raised; test_deepspeed_tp's unit test puts its parameter in a child)."""
+    for message in dist_pool.run(2, _whole_parameter_on_attention, timeout=550):
+        assert "['model.layers.0.self_attn.sink']" in message and "tp_size 1" in message, message
