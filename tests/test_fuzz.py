@@ -517,7 +517,16 @@ FOUND[543632810] = (("engine",), "refused")
 #   refuses by name any other whole parameter on split features with no TP sum
 #   (tests/test_deepspeed_tp.py::test_parameters_on_split_features_are_summed_or_refused). Pinned at ZeRO-3 (exact at
 #   ZeRO-2 as drawn too); seen WRONG (alpha_p 5x off) with the sum removed and the refusal with it.
-FOUND_SET[1878399021] = {"engine": "autotp", "zero_stage": 3}
+# Audit 25: the pin above forced only engine and zero_stage on the case drawn without engine="autotp" (test_found_cases
+# draws as --case-seed does, not as --set engine=autotp does): tiny minimax_m2 at tp_size 1, no Apertus, so it could
+# not see the TP sum. The whole draw of the case as found (draw_case(1878399021, ("engine",), "autotp"), ZeRO-3, the
+# head whole as then) is pinned now: seen WRONG with the hook's all_reduce removed (alpha_p 5x off), exact restored.
+FOUND_SET[1878399021] = {"kind": "engine", "model_type": "apertus", "world": 2, "mode": "ring", "ulysses_size": 1,
+                         "sharding": "contiguous", "batch": "padded", "lengths": [[15, 10], [15, 6]],
+                         "checkpointing": None, "step": "accumulate", "check_inputs": True, "engine": "autotp",
+                         "tp_size": 2, "dp": 1, "replicas": [], "zero_stage": 3, "tp_sequence_parallel": False,
+                         "memory": {"tiled_loss": False, "loss_tile_rows": None, "vocab": 96, "ignored_prefix": 0},
+                         "vocab_parallel_lm_head": False}
 FOUND[1878399021] = (("engine",), "exact")
 # fz24e: the autotp engine draws DeepSpeed's vocabulary-split LM head (vocab_parallel_lm_head true, 30%; seeds 951, 952
 # with --set engine=autotp --set vocab_parallel_lm_head=true). Found, each DeepSpeed 0.19.8's own (plain
