@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_deepspeed_tp import _assert_tp_grads, ds_tp_config
+from test_deepspeed_tp import assert_tp_grads, ds_tp_config
 
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
@@ -47,7 +47,7 @@ def _apertus_step(rank: int, world: int) -> dict:
         got = engine(**shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="contiguous"))
         engine.backward(got.loss)
         torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0)
-        _assert_tp_grads(engine, ref, manager, "apertus AutoTP 2 x SP 2 ")
+        assert_tp_grads(engine, ref, manager, "apertus AutoTP 2 x SP 2 ")
         return {n: float(p.grad.abs().max()) for n, p in ref.named_parameters() if ".act_fn." in n}
     finally:
         manager.destroy()

@@ -58,7 +58,7 @@ def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tens
     return torch.cat(parts, dim=dim)
 
 
-def _assert_tp_grads(engine, ref: torch.nn.Module, manager, what: str) -> set[str]:
+def assert_tp_grads(engine, ref: torch.nn.Module, manager, what: str) -> set[str]:
     """Every gradient of ``engine``'s model (ZeRO-reduced, its AutoTP slices gathered over TP) against ``ref``'s
     float64 one, each on its own scale; returns the names AutoTP split. ZeRO-1/2 hand the reduced gradient back in
     their float32 buffers: judged at float32's precision."""
@@ -460,7 +460,7 @@ def _tied_head_step(rank: int, world: int) -> dict:
         out = engine(**shard_batch({"input_ids": ids, "labels": ids}, group=manager.sp_group, sharding="contiguous"))
         engine.backward(out.loss)
         torch.testing.assert_close(out.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0)
-        sharded = _assert_tp_grads(engine, ref, manager, "")
+        sharded = assert_tp_grads(engine, ref, manager, "")
         head = engine.module.lm_head
         return {"sharded": sorted(sharded), "head": (type(head).__name__, tuple(out.logits.shape)),
                 "tied": head.weight is engine.module.model.embed_tokens.weight}
@@ -573,7 +573,7 @@ def _split_head_steps(rank: int, world: int, stage: int) -> dict:
             engine.backward(got.loss)
             torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
                                        msg=lambda m, k=kind: f"{k} ZeRO-{stage} loss: {m}")
-            sharded = _assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
+            sharded = assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
             head = engine.module.lm_head
             out[kind] = {"head": (type(head).__name__, tuple(got.logits.shape)),
                          "loss_function": type(engine.module.loss_function).__name__,
@@ -750,7 +750,7 @@ def _split_head_case(rank: int, world: int, model_type: str, sp: int, stage: int
         what = f"{model_type} TP2 x SP{sp} x DP{dp} ZeRO-{stage}{' num_items' if num_items else ''} "
         torch.testing.assert_close(got.loss.detach().to(torch.float64), ref_losses[manager.dp_rank], rtol=1e-7,
                                    atol=0, msg=lambda m: f"{what}loss: {m}")
-        sharded = _assert_tp_grads(engine, ref, manager, what)
+        sharded = assert_tp_grads(engine, ref, manager, what)
         return {"head": type(engine.module.lm_head).__name__, "loss_function": type(engine.module.loss_function).__name__,
                 "head_split": bool(sharded & {"lm_head.weight", "model.embed_tokens.weight"})}  # a tied head: the embedding's
     finally:
