@@ -73,6 +73,11 @@ What it changes in Trainer, and why (each a small override or hook):
   one accumulation boundary and ``engine.step()`` (DeepSpeed). ``num_items_in_batch`` is the target count of
   the whole global batch (Trainer's own count is not used); the logged loss is the per-token mean over it.
 
+- **Saving and resuming under FSDP2**: transformers does not know the model is sharded, so ``save_model`` gathers
+  the full state dict (every rank; rank 0 writes it through ``Trainer._save``), a checkpoint adds the model's and
+  optimizer's shards with torch.distributed.checkpoint (``checkpoint-N/seqpar_fsdp2/``), and resuming reads them
+  back (before, safetensors crashed on the model's DTensors at the first save).
+
 accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
 and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
 """
