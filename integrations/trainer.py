@@ -591,12 +591,8 @@ class SequenceParallelMixin:
         from seqpar.integrations.fsdp import full_state_dict
 
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = full_state_dict(self.model)  # {} on every rank but 0
-        if self.args.should_save and not state_dict:
-            raise ConfigError(
-                "a seqpar FSDP2 trainer gathers the full state dict on global rank 0 only, but this process "
-                f"(rank {self.args.process_index}) saves as well: drop save_on_each_node=True"
-            )
+        # {} on every rank but 0, unless each node's first rank writes as well (save_on_each_node)
+        state_dict = full_state_dict(self.model, every_rank=self.args.save_on_each_node)
         self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)

@@ -10,6 +10,8 @@ checkpoint carries the model's and optimizer's shards (torch.distributed.checkpo
 
 from __future__ import annotations
 
+import os
+
 import hf_tiny
 import pytest
 import torch
@@ -104,11 +106,14 @@ def test_fsdp2_trainer_save_model_writes_the_trained_weights(dist_pool, tmp_path
         assert abs(r["loaded_loss"] - r["eval_loss"]) <= 1e-5 * abs(r["eval_loss"]), r
 
 
-def _resume_run(rank: int, world: int, tmp: str) -> dict:
+def _resume_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
     from seqpar.integrations.trainer import SeqParTrainer
 
+    def build():
+        return _lora_llama() if peft else hf_tiny.tiny_llama()
+
     def trainer(out: str):
-        return SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(out, save_strategy="steps", save_steps=2),
+        return SeqParTrainer(model=build(), args=_args(out, save_strategy="steps", save_steps=2),
                              train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
 
     def losses(t) -> list[float]:
@@ -120,16 +125,19 @@ def _resume_run(rank: int, world: int, tmp: str) -> dict:
         resumed = trainer(f"{tmp}/resumed")
         resumed.train(resume_from_checkpoint=f"{tmp}/straight/checkpoint-2")
         a, b = _gathered(straight.model), _gathered(resumed.model)
-        initial = dict(hf_tiny.tiny_llama().named_parameters())
+        initial = dict(build().named_parameters())
         return {"straight": losses(straight), "resumed": losses(resumed),
                 "weights_differ": sorted(n for n in a if not torch.equal(a[n], b[n])),
                 "lr": (straight.lr_scheduler.get_last_lr(), resumed.lr_scheduler.get_last_lr()),
-                "untrained_equal": all(torch.equal(p, initial[n].detach()) for n, p in a.items())}
+                "untrained_equal": all(torch.equal(p, initial[n].detach()) for n, p in a.items()),
+                "checkpoint_files": sorted(os.listdir(f"{tmp}/straight/checkpoint-2")) if rank == 0 else None}
 
 
 @pytest.mark.timeout(600)
-def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_path):
-    """SP 2 on 2 ranks (seqpar's FSDP2), AdamW with a linear schedule and the random sampler: 4 steps straight
+@pytest.mark.parametrize("peft", [False, True], ids=["model", "peft"])
+def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_path, peft):
+    """SP 2 on 2 ranks (seqpar's FSDP2), a model and a PeftModel (only its adapters train), AdamW with a linear
+    schedule and the random sampler: 4 steps straight
     (checkpoints at steps 2 and 4) vs. a new trainer resumed from ``checkpoint-2`` to step 4: the logged losses and
     the final weights are equal, bit for bit (model, every rank's optimizer shard, scheduler, RNG and data order
     come back).
@@ -137,7 +145,13 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
     Seen failing: with ``SequenceParallelMixin._save_optimizer_and_scheduler`` removed, the checkpoint has no
     seqpar_fsdp2/ and resume is refused by name on both ranks; with the optimizer not reloaded (``None`` passed to
     ``load_checkpoint`` in ``_load_optimizer_and_scheduler``), steps 3 and 4 differ (AdamW restarts its moments)."""
-    for r in dist_pool.run(2, _resume_run, str(tmp_path), timeout=540):
+    if peft:
+        pytest.importorskip("peft")
+    out = dist_pool.run(2, _resume_run, str(tmp_path), peft, timeout=540)
+    files = out[0]["checkpoint_files"]  # checkpoint-2 as rank 0 sees it
+    assert {"seqpar_fsdp2", "adapter_model.safetensors" if peft else "model.safetensors", "scheduler.pt",
+            "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), files
+    for r in out:
         assert len(r["straight"]) == STEPS, r
         assert r["resumed"] == r["straight"], r
         assert r["weights_differ"] == [], r["weights_differ"]
