@@ -142,9 +142,11 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
     the final weights are equal, bit for bit (model, every rank's optimizer shard, scheduler, RNG and data order
     come back).
 
-    Seen failing: with ``SequenceParallelMixin._save_optimizer_and_scheduler`` removed, the checkpoint has no
-    seqpar_fsdp2/ and resume is refused by name on both ranks; with the optimizer not reloaded (``None`` passed to
-    ``load_checkpoint`` in ``_load_optimizer_and_scheduler``), steps 3 and 4 differ (AdamW restarts its moments)."""
+    Seen failing: with ``SequenceParallelMixin._save_optimizer_and_scheduler`` removed (model), the checkpoint has
+    no seqpar_fsdp2/ and resume is refused by name on both ranks; with ``_load_from_checkpoint`` removed (model),
+    transformers' own load: "aten.copy_.default got mixed torch.Tensor and DTensor" for every parameter; with the
+    optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``; model and peft), step 4's loss
+    differs (AdamW restarts its moments)."""
     if peft:
         pytest.importorskip("peft")
     out = dist_pool.run(2, _resume_run, str(tmp_path), peft, timeout=540)
