@@ -32,7 +32,7 @@ def _args(out: str, steps: int = STEPS, **extra):
     # the optimizer's and scheduler's states matter on resume; the default (random) sampler so the data order does
     return TrainingArguments(
         output_dir=out, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH, max_steps=steps,
-        learning_rate=1e-2, weight_decay=0.0, lr_scheduler_type="linear", optim="adamw_torch", max_grad_norm=1.0,
+        learning_rate=extra.pop("learning_rate", 1e-2), weight_decay=0.0, lr_scheduler_type="linear", optim="adamw_torch", max_grad_norm=1.0,
         logging_steps=1, prediction_loss_only=True, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
         **extra,
     )
@@ -159,3 +159,38 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
         assert r["weights_differ"] == [], r["weights_differ"]
         assert r["lr"][0] == r["lr"][1], r["lr"]
         assert not r["untrained_equal"]  # the run trained
+
+
+def _best_run(rank: int, world: int, tmp: str) -> dict:
+    from safetensors.torch import load_file
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        trainer = SeqParTrainer(
+            model=hf_tiny.tiny_llama(),
+            args=_args(f"{tmp}/out", save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                       load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.3),
+            train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+            eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]), seqpar_config=SP)
+        trainer.train()
+        best = trainer.state.best_model_checkpoint
+        final = f"{tmp}/out/checkpoint-{STEPS}"
+        got = _gathered(trainer.model)
+        saved = load_file(f"{best}/model.safetensors")
+        last = load_file(f"{final}/model.safetensors")
+        return {"best": best, "final": final, "differ": sorted(n for n in saved if not torch.equal(saved[n], got[n])),
+                "last_differs": any(not torch.equal(last[n], saved[n]) for n in saved)}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_load_best_model_at_end_loads_the_best_checkpoint(dist_pool, tmp_path):
+    """``load_best_model_at_end=True`` at SP 2 on 2 ranks (seqpar's FSDP2), a checkpoint and an eval each step and a
+    learning rate large enough that the last step is not the best: after ``train`` the model's gathered weights
+    are the best checkpoint's saved ones.
+
+    Seen failing: with ``SequenceParallelMixin._load_best_model`` removed, transformers' own load: "aten.copy_.default
+    got mixed torch.Tensor and DTensor"."""
+    for r in dist_pool.run(2, _best_run, str(tmp_path), timeout=540):
+        assert r["best"] != r["final"] and r["last_differs"], r  # the best is not where training ended
+        assert r["differ"] == [], r
