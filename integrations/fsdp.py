@@ -43,6 +43,7 @@ __all__ = [
     "find_block_classes",
     "save_checkpoint",
     "load_checkpoint",
+    "full_state_dict",
     "dtype_from_name",
     "set_fsdp1_divide_factor",
     "shard_groups",
@@ -461,3 +462,19 @@ def load_checkpoint(
     reshards; :func:`seqpar.runtime.checkpoint.read_dcp`).
     """
     return checkpoint.read_dcp(path, model, optimizer)
+
+
+def full_state_dict(model: nn.Module, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state dict of an FSDP2 / FSDP1 model on the CPU, on rank 0 (``every_rank``: on every
+    rank, each holding a full copy on its device until moved); ``{}`` on the other ranks.
+
+    Collective: every rank calls it (each shard is gathered). Keys are the model's own (``model.state_dict()``'s,
+    a PeftModel's with its frozen base), values plain tensors, so ``save_pretrained(state_dict=...)`` and
+    safetensors can write them (the model's own ``state_dict()`` holds FSDP2 DTensors, which they cannot).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not every_rank:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -73,6 +73,11 @@ What it changes in Trainer, and why (each a small override or hook):
   one accumulation boundary and ``engine.step()`` (DeepSpeed). ``num_items_in_batch`` is the target count of
   the whole global batch (Trainer's own count is not used); the logged loss is the per-token mean over it.
 
+- **Saving and resuming under FSDP2**: transformers does not know the model is sharded, so ``save_model`` gathers
+  the full state dict (every rank; rank 0 writes it through ``Trainer._save``), a checkpoint adds the model's and
+  optimizer's shards with torch.distributed.checkpoint (``checkpoint-N/seqpar_fsdp2/``), and resuming reads them
+  back (before, safetensors crashed on the model's DTensors at the first save).
+
 accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
 and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
 """
@@ -572,6 +577,106 @@ class SequenceParallelMixin:
 
     def get_total_train_batch_size(self, args: Any) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.seqpar_manager.dp_size
+
+    # ------------------------------------------------------------------ saving and resuming (FSDP2)
+    # transformers does not know seqpar's FSDP2 model is sharded (is_fsdp_enabled is False), so its own save
+    # handed the model's DTensors to safetensors ("Attempted to access the data pointer on an invalid python
+    # storage") and its resume loaded plain tensors into them. DeepSpeed's path is transformers' own.
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """FSDP2: the full state dict, gathered on every rank (a collective), written once by the saving rank
+        through ``Trainer._save``, so ``from_pretrained(output_dir)`` loads the trained weights (a PeftModel:
+        its adapters, as peft saves them). Every rank must call it, as for transformers' own FSDP."""
+        if self._seqpar_engine != "fsdp2":
+            return super().save_model(output_dir, _internal_call)
+        from seqpar.integrations.fsdp import full_state_dict
+
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        # {} on every rank but 0, unless each node's first rank writes as well (save_on_each_node)
+        state_dict = full_state_dict(self.model, every_rank=self.args.save_on_each_node)
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _seqpar_dcp_dir(self, checkpoint: str) -> str:
+        import os
+
+        return os.path.join(checkpoint, SEQPAR_FSDP2_CHECKPOINT)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """FSDP2: model and optimizer sharded as they train, each rank its shards (torch.distributed.checkpoint,
+        :func:`seqpar.integrations.fsdp.save_checkpoint`, a collective) into ``<checkpoint>/seqpar_fsdp2``; the
+        scheduler as transformers saves it. Resume reads them back (:meth:`_load_optimizer_and_scheduler`)."""
+        if self._seqpar_engine != "fsdp2":
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import os
+        import warnings
+
+        from seqpar.integrations.fsdp import save_checkpoint
+
+        save_checkpoint(self._seqpar_dcp_dir(output_dir), self.model, _raw_optimizer(self.optimizer))
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+            transformers.trainer.reissue_pt_warnings(caught)
+
+    def _seqpar_require_dcp(self, checkpoint: str) -> str:
+        import os
+
+        path = self._seqpar_dcp_dir(checkpoint)
+        if not os.path.isdir(path):
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint!r} has no {SEQPAR_FSDP2_CHECKPOINT}/ (the sharded model and "
+                "optimizer a seqpar FSDP2 trainer writes with every checkpoint): it was saved with "
+                "save_only_model=True, by save_model(), or by another trainer. Resume from a checkpoint this "
+                "trainer saved with save_only_model=False, or load the saved weights with from_pretrained() and "
+                "train anew"
+            )
+        return path
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """FSDP2: the model's shards from ``<checkpoint>/seqpar_fsdp2`` (a collective; resharded onto this run's
+        layout). transformers' own would load the full safetensors into the sharded model."""
+        if self._seqpar_engine != "fsdp2":
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from seqpar.integrations.fsdp import load_checkpoint
+
+        load_checkpoint(self._seqpar_require_dcp(resume_from_checkpoint), self.model if model is None else model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """FSDP2: the optimizer's shards (every rank's, with the model's again) from ``<checkpoint>/seqpar_fsdp2``,
+        and the scheduler as transformers loads it."""
+        if self._seqpar_engine != "fsdp2" or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        import os
+        import warnings
+
+        from seqpar.integrations.fsdp import load_checkpoint
+
+        load_checkpoint(self._seqpar_require_dcp(checkpoint), self.model, _raw_optimizer(self.optimizer))
+        scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            transformers.trainer.reissue_pt_warnings(caught)
+
+    def _load_best_model(self) -> None:
+        """FSDP2 (``load_best_model_at_end``): the best checkpoint's model shards (a collective)."""
+        if self._seqpar_engine != "fsdp2":
+            return super()._load_best_model()
+        from seqpar.integrations.fsdp import load_checkpoint
+
+        load_checkpoint(self._seqpar_require_dcp(self.state.best_model_checkpoint), self.model)
+
+
+SEQPAR_FSDP2_CHECKPOINT = "seqpar_fsdp2"
+"""The folder of a Trainer checkpoint (``checkpoint-<step>/``) where a seqpar FSDP2 trainer writes the model's and
+the optimizer's shards with torch.distributed.checkpoint, for ``train(resume_from_checkpoint=...)``."""
+
+
+def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` (torch's state-dict helpers need its param
+    groups as the model's parameters)."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def _batch_documents(inputs: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:

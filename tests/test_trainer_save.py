@@ -1,0 +1,196 @@
+"""Saving and resuming under a seqpar Trainer's FSDP2 path (``seqpar_config=``, no DeepSpeed config).
+
+The mixin shards the model with FSDP2 itself, so transformers does not know the model is sharded: before, its
+``save_model`` (and every checkpoint of the default ``save_strategy``) handed the model's FSDP2 DTensors to
+safetensors and crashed ("Attempted to access the data pointer on an invalid python storage"). Now ``save_model``
+writes the gathered full state dict (``from_pretrained`` loads the trained weights; a PeftModel's adapters), and a
+checkpoint carries the model's and optimizer's shards (torch.distributed.checkpoint) that
+``train(resume_from_checkpoint=...)`` reads back, so a resumed run continues as the straight one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import hf_tiny
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SP = {"size": 2, "mode": "ring", "sharding": "zigzag"}
+STEPS = 4
+BATCH = 2
+EVAL_ROWS = 4
+
+
+def _args(out: str, steps: int = STEPS, **extra):
+    from transformers import TrainingArguments
+
+    # use_cpu: the world of 2 a GPU launch gets (see tests/test_trainer.py); AdamW and a linear schedule so
+    # the optimizer's and scheduler's states matter on resume; the default (random) sampler so the data order does
+    return TrainingArguments(
+        output_dir=out, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH, max_steps=steps,
+        learning_rate=extra.pop("learning_rate", 1e-2), weight_decay=0.0, lr_scheduler_type="linear", optim="adamw_torch", max_grad_norm=1.0,
+        logging_steps=1, prediction_loss_only=True, report_to=[], seed=0, disable_tqdm=True, use_cpu=True,
+        **extra,
+    )
+
+
+def _lora_llama():
+    from peft import LoraConfig, get_peft_model
+
+    base = hf_tiny.tiny_llama()
+    torch.manual_seed(1)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+
+
+def _gathered(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a collective: each rank, the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def _save_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
+    import torch.distributed as dist
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        trainer = SeqParTrainer(model=_lora_llama() if peft else hf_tiny.tiny_llama(),
+                                args=_args(f"{tmp}/out", save_strategy="no"),
+                                train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                                eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]), seqpar_config=SP)
+        trainer.train()
+        trained = _gathered(trainer.model)
+        eval_loss = trainer.evaluate()["eval_loss"]
+        trainer.save_model(f"{tmp}/saved")
+        dist.barrier()  # rank 0 wrote the files
+        if peft:
+            from peft import PeftModel
+
+            loaded = PeftModel.from_pretrained(hf_tiny.tiny_llama(), f"{tmp}/saved")
+        else:
+            from transformers import LlamaForCausalLM
+
+            loaded = LlamaForCausalLM.from_pretrained(f"{tmp}/saved")
+        got = dict(loaded.named_parameters())
+        mismatched = sorted(n for n, p in trained.items() if n not in got or not torch.equal(got[n].detach(), p))
+        ids = torch.stack([r["input_ids"] for r in hf_tiny.samples()[:EVAL_ROWS]])
+        losses = []
+        for start in range(0, EVAL_ROWS, BATCH):  # the mean of the per-batch losses, as Trainer's eval loss
+            with torch.no_grad():
+                losses.append(loaded(input_ids=ids[start:start + BATCH], labels=ids[start:start + BATCH]).loss.item())
+        initial = dict((_lora_llama() if peft else hf_tiny.tiny_llama()).named_parameters())
+        moved = sum(not torch.equal(p, initial[n].detach()) for n, p in trained.items())
+        return {"mismatched": mismatched, "eval_loss": eval_loss, "loaded_loss": sum(losses) / len(losses),
+                "moved": moved, "count": len(trained)}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("peft", [False, True], ids=["model", "peft"])
+def test_fsdp2_trainer_save_model_writes_the_trained_weights(dist_pool, tmp_path, peft):
+    """``trainer.save_model()`` at SP 2 on 2 ranks (seqpar's FSDP2): the files hold exactly the trained model's
+    gathered weights (a PeftModel: its adapters, on the saved base), and the loaded model's loss on the eval rows
+    is the trainer's eval loss.
+
+    Seen failing, both: with ``SequenceParallelMixin.save_model`` removed, "RuntimeError: Attempted to access the
+    data pointer on an invalid python storage" (safetensors given the model's DTensors) on rank 0."""
+    if peft:
+        pytest.importorskip("peft")
+    for r in dist_pool.run(2, _save_run, str(tmp_path), peft, timeout=540):
+        assert r["mismatched"] == [], r["mismatched"]
+        assert r["moved"] > 0  # training changed the weights the test compares
+        assert abs(r["loaded_loss"] - r["eval_loss"]) <= 1e-5 * abs(r["eval_loss"]), r
+
+
+def _resume_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    def build():
+        return _lora_llama() if peft else hf_tiny.tiny_llama()
+
+    def trainer(out: str):
+        return SeqParTrainer(model=build(), args=_args(out, save_strategy="steps", save_steps=2),
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+
+    def losses(t) -> list[float]:
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+    with hf_tiny.launcher_env(rank, world):
+        straight = trainer(f"{tmp}/straight")
+        straight.train()  # checkpoints at steps 2 and 4 (the default save path, which crashed before)
+        resumed = trainer(f"{tmp}/resumed")
+        resumed.train(resume_from_checkpoint=f"{tmp}/straight/checkpoint-2")
+        a, b = _gathered(straight.model), _gathered(resumed.model)
+        initial = dict(build().named_parameters())
+        return {"straight": losses(straight), "resumed": losses(resumed),
+                "weights_differ": sorted(n for n in a if not torch.equal(a[n], b[n])),
+                "lr": (straight.lr_scheduler.get_last_lr(), resumed.lr_scheduler.get_last_lr()),
+                "untrained_equal": all(torch.equal(p, initial[n].detach()) for n, p in a.items()),
+                "checkpoint_files": sorted(os.listdir(f"{tmp}/straight/checkpoint-2")) if rank == 0 else None}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("peft", [False, True], ids=["model", "peft"])
+def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_path, peft):
+    """SP 2 on 2 ranks (seqpar's FSDP2), a model and a PeftModel (only its adapters train), AdamW with a linear
+    schedule and the random sampler: 4 steps straight
+    (checkpoints at steps 2 and 4) vs. a new trainer resumed from ``checkpoint-2`` to step 4: the logged losses and
+    the final weights are equal, bit for bit (model, every rank's optimizer shard, scheduler, RNG and data order
+    come back).
+
+    Seen failing: with ``SequenceParallelMixin._save_optimizer_and_scheduler`` removed (model), the checkpoint has
+    no seqpar_fsdp2/ and resume is refused by name on both ranks; with ``_load_from_checkpoint`` removed (model),
+    transformers' own load: "aten.copy_.default got mixed torch.Tensor and DTensor" for every parameter; with the
+    optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``; model and peft), step 4's loss
+    differs (AdamW restarts its moments)."""
+    if peft:
+        pytest.importorskip("peft")
+    out = dist_pool.run(2, _resume_run, str(tmp_path), peft, timeout=540)
+    files = out[0]["checkpoint_files"]  # checkpoint-2 as rank 0 sees it
+    assert {"seqpar_fsdp2", "adapter_model.safetensors" if peft else "model.safetensors", "scheduler.pt",
+            "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= set(files), files
+    for r in out:
+        assert len(r["straight"]) == STEPS, r
+        assert r["resumed"] == r["straight"], r
+        assert r["weights_differ"] == [], r["weights_differ"]
+        assert r["lr"][0] == r["lr"][1], r["lr"]
+        assert not r["untrained_equal"]  # the run trained
+
+
+def _best_run(rank: int, world: int, tmp: str) -> dict:
+    from safetensors.torch import load_file
+
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        trainer = SeqParTrainer(
+            model=hf_tiny.tiny_llama(),
+            args=_args(f"{tmp}/out", save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                       load_best_model_at_end=True, metric_for_best_model="eval_loss", learning_rate=0.3),
+            train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+            eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]), seqpar_config=SP)
+        trainer.train()
+        best = trainer.state.best_model_checkpoint
+        final = f"{tmp}/out/checkpoint-{STEPS}"
+        got = _gathered(trainer.model)
+        saved = load_file(f"{best}/model.safetensors")
+        last = load_file(f"{final}/model.safetensors")
+        return {"best": best, "final": final, "differ": sorted(n for n in saved if not torch.equal(saved[n], got[n])),
+                "last_differs": any(not torch.equal(last[n], saved[n]) for n in saved)}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_load_best_model_at_end_loads_the_best_checkpoint(dist_pool, tmp_path):
+    """``load_best_model_at_end=True`` at SP 2 on 2 ranks (seqpar's FSDP2), a checkpoint and an eval each step and a
+    learning rate large enough that the last step is not the best: after ``train`` the model's gathered weights
+    are the best checkpoint's saved ones.
+
+    Seen failing: with ``SequenceParallelMixin._load_best_model`` removed, transformers' own load: "aten.copy_.default
+    got mixed torch.Tensor and DTensor"."""
+    for r in dist_pool.run(2, _best_run, str(tmp_path), timeout=540):
+        assert r["best"] != r["final"] and r["last_differs"], r  # the best is not where training ended
+        assert r["differ"] == [], r
