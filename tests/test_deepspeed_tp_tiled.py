@@ -123,9 +123,10 @@ def test_tiled_loss_on_the_vocab_split_head_matches_one_process(dist_pool) -> No
     untied and tied, float64. The tiled forward reads the head's ``seqpar_vocab_split`` and is vocab-parallel over TP
     (no logits returned); the loss and every reduced gradient (TP slices gathered) equal one process's.
 
-    Seen failing: the TP all-reduce of the hidden states' gradient dropped (``enter_tp_group`` returning ``x``: every
-    gradient below the head off, e.g. Qwen2's ``model.norm.weight``); the slice start off by one row
-    (``vocab_start + 1`` in ``complete_split_head``: the loss off)."""
+    Seen failing: the TP all-reduce of the hidden states' gradient dropped (``enter_tp_group`` returning ``x``: the
+    gradients below the head off, Qwen2's ``model.embed_tokens.weight`` first, 704 of 1696 elements); the slice
+    start off by one row (``max(0, vocab_start_index - 1)`` in ``complete_split_head``: Qwen2's loss off on every
+    rank; ``+ 1`` instead is caught by ``tiled_lm_loss``'s own check, "the LM head's 26 rows from 28 do not fit")."""
     for rank, got in enumerate(dist_pool.run(4, _tiled_split_head_steps, 1, timeout=400)):
         tp_rank = rank % 2  # DeepSpeed's TP groups are consecutive ranks
         for kind, tied in (("qwen2_tied", True), ("llama_untied", False), ("llama_tied", True)):
@@ -133,3 +134,34 @@ def test_tiled_loss_on_the_vocab_split_head_matches_one_process(dist_pool) -> No
             assert got[kind]["head"] == "VocabParallelLinear" and got[kind]["logits"] is None, got[kind]
             assert got[kind]["tied"] is tied and got[kind]["head_split"], got[kind]
             assert vocab == VOCAB and (start == 0) == (tp_rank == 0) and 0 < rows < VOCAB, got[kind]
+
+
+def test_tiled_loss_refusals_on_split_heads() -> None:
+    """What ``refuse_tiled_loss_on_split_head`` (called in ``initialize`` with the head rows read before
+    ``deepspeed.initialize``) passes and refuses, on stand-in heads without a process group: DeepSpeed's
+    ``VocabParallelLinear`` (``vocab_parallel_lm_head: true``) passes, its rows fewer than before; the same head under
+    ZeRO-3 (its weight partitioned, ``ds_id``) is refused by name, since the tiled loss reads the weight outside the
+    head's forward, where ZeRO-3 has not gathered it; any other head with fewer rows is refused (fuzzer case
+    756378705). Seen failing: the ``ds_id`` test dropped from the refusal (the ZeRO-3 head passed)."""
+    import pytest
+    from deepspeed.module_inject.layers import VocabParallelLinear
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.deepspeed_tp import lm_head_rows, refuse_tiled_loss_on_split_head
+
+    model = _llama(False)
+    before = lm_head_rows(model)
+    assert before == {"": VOCAB}
+    head = VocabParallelLinear.__new__(VocabParallelLinear)
+    torch.nn.Module.__init__(head)
+    head.weight = torch.nn.Parameter(torch.zeros(VOCAB // 2 + 1, 32))  # TP rank 0's rows
+    model.lm_head = head
+    refuse_tiled_loss_on_split_head(model, before)
+    head.weight.ds_id = 7  # ZeRO-3's partitioned parameter
+    with pytest.raises(ConfigError, match=r"tiled_loss reads the LM head's weight outside the head's forward.*lm_head "
+                                          r"over the vocabulary under ZeRO-3.*Set tiled_loss false, or use ZeRO stage"):
+        refuse_tiled_loss_on_split_head(model, before)
+    model.lm_head = torch.nn.Linear(32, VOCAB // 2 + 1, bias=False)  # another split: AutoTP's LinearLayer's rows
+    with pytest.raises(ConfigError, match=r"tiled_loss .*AutoTP split over the vocabulary \(lm_head: 27 of its 53 rows"
+                                          r".*vocab_parallel_lm_head true"):
+        refuse_tiled_loss_on_split_head(model, before)
