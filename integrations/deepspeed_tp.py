@@ -10,7 +10,8 @@ replace the ``mpu``. This module owns what that means for seqpar, one function p
 - the vocabulary-split LM head (``tensor_parallel.vocab_parallel_lm_head``): seqpar's loss put back, vocab-parallel
   over TP and token-weighted over SP x DP (:class:`SplitHeadLoss`, :func:`seqpar_loss_on_split_head`), the head's
   width where a model reads it (:func:`complete_split_head`); what that head cannot honour is refused by name
-  (:func:`refuse_tiled_loss_on_split_head`, :func:`refuse_z_loss_on_split_head`, and before any engine
+  (:func:`refuse_tiled_loss_on_split_head` where the head is split without ``vocab_parallel_lm_head`` or under
+  ZeRO-3, :func:`refuse_z_loss_on_split_head`, and before any engine
   :func:`refuse_unsplittable_tied_embedding`);
 - what AutoTP itself trains wrong, refused by name: a model type (:func:`refuse_autotp_model_type`), a split
   activation-sparse gate (:func:`refuse_split_sparse_gate`), parameters it dropped
@@ -92,25 +93,47 @@ def lm_head_rows(model: torch.nn.Module) -> dict[str, int]:
 
 
 def refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, int]) -> None:
-    """Refuse ``tiled_loss`` where DeepSpeed's AutoTP split an LM head over the vocabulary (``before``: the head
-    rows before ``deepspeed.initialize``; empty when there is nothing to check). The tiled loss computes the
-    logits from ``lm_head.weight`` itself, which AutoTP replaced by this TP rank's slice of the vocabulary (a
-    plain tensor, unlike FSDP2's TP, whose DTensor weight the tiled loss reduces vocab-parallel): each rank's
-    loss would be over its own slice, silently wrong (fuzzer case 756378705: the loss 13% off). A head AutoTP
-    keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank raises. With
-    ``vocab_parallel_lm_head: true`` under SP the untiled loss is vocab-parallel (:func:`seqpar_loss_on_split_head`);
-    the tiled one is still refused there (it would need the head's slice and TP group in the tiled forward)."""
+    """Refuse ``tiled_loss`` where DeepSpeed's AutoTP split an LM head over the vocabulary in a way the tiled loss
+    cannot follow (``before``: the head rows before ``deepspeed.initialize``; empty when there is nothing to check).
+    The tiled loss computes the logits from ``lm_head.weight`` itself, which AutoTP replaced by this TP rank's slice
+    of the vocabulary (a plain tensor, unlike FSDP2's TP, whose DTensor weight the tiled loss reduces vocab-parallel).
+
+    - ``vocab_parallel_lm_head: true`` (a ``VocabParallelLinear``): exact, not refused. :func:`complete_split_head`
+      attaches where the rows sit (``seqpar_vocab_split``), and the tiled loss is vocab-parallel over TP with the
+      hidden states' gradient summed over TP (:func:`seqpar.memory.tiling.tiled_lm_loss`). Except under ZeRO-3: the
+      tiled loss reads the head's weight outside the head's forward, where ZeRO-3 has not gathered it; refused.
+    - any other split head: each rank's loss would be over its own slice, silently wrong (fuzzer case 756378705: the
+      loss 13% off); refused.
+
+    A head AutoTP keeps whole (a tied embedding) is exact and not refused. Every TP rank splits alike, so every rank
+    raises."""
+    try:
+        from deepspeed.module_inject.layers import VocabParallelLinear
+    except ImportError:  # a DeepSpeed without a vocabulary-parallel head
+        VocabParallelLinear = ()  # noqa: N806
     after = lm_head_rows(model)
+    modules = dict(model.named_modules())
     for name, rows in before.items():
-        if after.get(name, rows) != rows:
-            where = f"{name}.lm_head" if name else "lm_head"
+        where = f"{name}.lm_head" if name else "lm_head"
+        head = getattr(modules.get(name), "lm_head", None)
+        if isinstance(head, VocabParallelLinear) and not hasattr(head.weight, "ds_id"):
+            continue  # vocab-parallel: complete_split_head describes the slice, the tiled loss reduces over TP
+        if isinstance(head, VocabParallelLinear):  # ZeRO-3's partitioned parameter
             raise ConfigError(
-                f"sequence_parallel.tiled_loss computes the logits from the LM head's weight, which DeepSpeed AutoTP "
-                f"split over the vocabulary ({where}: {after[name]} of its {rows} rows on this TP rank), so the loss "
-                "would cover this rank's slice of the vocabulary only. Set tiled_loss false under DeepSpeed AutoTP "
-                "(or tp_size 1), or use FSDP2's tensor parallelism (seqpar.integrations.fsdp.wrap), whose tiled loss "
-                "is vocab-parallel"
+                f"sequence_parallel.tiled_loss reads the LM head's weight outside the head's forward, and DeepSpeed "
+                f"AutoTP split {where} over the vocabulary under ZeRO-3, which gathers that weight only inside the "
+                "head's forward. Set tiled_loss false, or use "
+                "ZeRO stage 0-2"
             )
+        if after.get(name, rows) == rows:
+            continue
+        raise ConfigError(
+            f"sequence_parallel.tiled_loss computes the logits from the LM head's weight, which DeepSpeed AutoTP "
+            f"split over the vocabulary ({where}: {after[name]} of its {rows} rows on this TP rank), so the loss "
+            "would cover this rank's slice of the vocabulary only. Set tiled_loss false, tp_size 1, or "
+            "tensor_parallel.vocab_parallel_lm_head true (the tiled loss is then vocab-parallel), or use FSDP2's "
+            "tensor parallelism (seqpar.integrations.fsdp.wrap)"
+        )
 
 
 class SplitHeadLoss:
@@ -217,17 +240,27 @@ def complete_split_head(model: torch.nn.Module) -> list[str]:
     fails in its first forward: Apertus 1.5 passes ``vocab_size=self.lm_head.out_features`` to ``loss_function``
     (``AttributeError``, fuzzer case 60306700 of seed 951). That width is the vocabulary of the logits the loss
     covers (:class:`SplitHeadLoss` under SP, DeepSpeed's ``VocabParallelCausalLMLoss`` at SP 1, each across the TP
-    slices; DeepSpeed's compares it with its own global vocabulary), so the whole head's is the honest value."""
+    slices; DeepSpeed's compares it with its own global vocabulary), so the whole head's is the honest value. Each
+    such head also gets ``seqpar_vocab_split`` (:class:`~seqpar.sequence.vocab_parallel.VocabSplitHead`: its TP
+    group, first row, vocabulary and largest slice), which the tiled loss reads to be vocab-parallel."""
     try:
         from deepspeed.module_inject.layers import VocabParallelLinear
     except ImportError:  # a DeepSpeed without a vocabulary-parallel head
         return []
+    from seqpar.sequence.vocab_parallel import VocabSplitHead
+
     named = []
     for name, head in model.named_modules():
-        if isinstance(head, VocabParallelLinear) and not hasattr(head, "out_features"):
+        if not isinstance(head, VocabParallelLinear):
+            continue
+        if not hasattr(head, "out_features"):
             rows, columns = (int(n) for n in head._orig_weight_shape)
             head.in_features, head.out_features = columns, rows
             named.append(name)
+        # where this rank's rows sit, for the tiled loss (which reads the weight, not the head's output); DeepSpeed's
+        # partition sizes are the same list on every TP rank, so the largest slice is too
+        head.seqpar_vocab_split = VocabSplitHead(head.mp_group, int(head.vocab_start_index), int(head.vocab_size),
+                                                 max(int(n) for n in head._partition_sizes))
     return named
 
 

@@ -371,8 +371,9 @@ def test_launcher_resumes_at_another_tp_layout(dist_pool, tmp_path) -> None:
 
 
 def test_tiled_loss_on_a_head_autotp_split_is_refused() -> None:
-    """``tiled_loss`` where DeepSpeed AutoTP split the LM head over the vocabulary is refused by name
-    (``refuse_tiled_loss_on_split_head``, called in ``initialize`` with the head rows read before
+    """``tiled_loss`` where DeepSpeed AutoTP split the LM head over the vocabulary other than as its
+    ``VocabParallelLinear`` (whose tiled loss is vocab-parallel and exact: tests/test_deepspeed_tp_tiled.py) is refused
+    by name (``refuse_tiled_loss_on_split_head``, called in ``initialize`` with the head rows read before
     ``deepspeed.initialize``): the tiled loss computes the logits from ``lm_head.weight``, AutoTP's slice of the
     vocabulary on each TP rank, so its loss was silently wrong (fuzzer case 756378705, tiny qwen2 under AutoTP 2:
     the loss 13% off; tests/test_fuzz.py pins it refused). A head AutoTP keeps whole (a tied embedding) and a

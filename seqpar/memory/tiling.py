@@ -47,6 +47,8 @@ from torch import Tensor, nn
 from seqpar.config import SeqParConfig
 from seqpar.sequence.call_group import call_group
 from seqpar.sequence.vocab_parallel import (
+    VocabSplitHead,
+    enter_tp_group,
     enter_tp_region,
     loss_dtype,
     lse_and_picked,
@@ -225,7 +227,8 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
 
 
 def tiled_lm_loss(
-    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, chunk_rows: int | None = None
+    hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, chunk_rows: int | None = None,
+    vocab_split: VocabSplitHead | None = None,
 ) -> tuple[Tensor, Tensor]:
     """LM head + cross-entropy over row chunks: ``(loss_sum, count)``, never the full logits.
 
@@ -239,6 +242,9 @@ def tiled_lm_loss(
         targets: ``(batch, seq_local)`` already-shifted labels (``shift_labels`` of
             :func:`seqpar.sequence.batch.shard_batch`), ``ignore_index`` where a token has no loss.
         chunk_rows: rows per chunk (default :func:`loss_chunk_rows`).
+        vocab_split: for a plain ``weight`` that holds rows ``[vocab_split.vocab_start, + weight.shape[0])`` of a
+            head split over ``vocab_split.group`` (DeepSpeed AutoTP's vocabulary-parallel head): the loss is then
+            vocab-parallel over that group, and ``hidden`` (replicated over it) gets its gradient summed over it.
 
     Returns:
         ``loss_sum``: fp32 scalar, the sum of the valid tokens' losses (differentiable w.r.t.
@@ -254,7 +260,21 @@ def tiled_lm_loss(
         raise ValueError(f"LM-head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
     vocab: tuple[int, dist.ProcessGroup | None] = (0, None)
     tile_vocab = weight.shape[0]  # the logits' columns the automatic tile is sized for
-    if (sharded := _vocab_sharded_weight(weight)) is not None:
+    if vocab_split is not None:
+        if _vocab_sharded_weight(weight) is not None:
+            raise TilingError("tiled_loss: the LM head's weight is a DTensor and a vocab_split was given too; "
+                              "pass one description of the split, not both")
+        start, rows = vocab_split.vocab_start, weight.shape[0]
+        if not (0 <= start and start + rows <= vocab_split.vocab_size and rows <= vocab_split.largest_rows):
+            raise TilingError(f"tiled_loss: the LM head's {rows} rows from {start} do not fit the vocabulary split "
+                              f"it describes ({vocab_split.vocab_size} ids, at most {vocab_split.largest_rows} a rank)")
+        # the logits are this rank's columns; the head's input is replicated over TP, and each rank's gradient
+        # of it covers its columns only: summed over TP on the way back (the split head's own backward does that,
+        # which the tiled loss bypasses by reading the weight)
+        vocab = (start, vocab_split.group)
+        tile_vocab = vocab_split.largest_rows  # the same tiles on every TP rank (see below)
+        hidden = enter_tp_group(hidden, vocab_split.group)
+    elif (sharded := _vocab_sharded_weight(weight)) is not None:
         # tensor parallelism: the head is split on the vocabulary; the hidden states enter the TP region
         # (all-gathered along the sequence under TP sequence parallelism) and the loss is vocab-parallel
         weight, mesh, vocab_start = sharded
@@ -477,7 +497,9 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
             shift_labels = nn.functional.pad(labels[..., 1:], (0, 1), value=-100)
         outputs = self.model(**call, **extra)
         hidden = outputs.last_hidden_state  # (batch, seq_local, hidden)
-        loss_sum, count = tiled_lm_loss(hidden, self.lm_head.weight, shift_labels)
+        # a head split over the vocabulary as a plain tensor (DeepSpeed AutoTP) carries where its rows sit
+        split = getattr(self.lm_head, "seqpar_vocab_split", None)
+        loss_sum, count = tiled_lm_loss(hidden, self.lm_head.weight, shift_labels, vocab_split=split)
         if num_items is not None:  # transformers' convention: a sum over the micro-batches' tokens
             from seqpar.sequence.loss import all_reduce_identity_backward
 

@@ -42,6 +42,8 @@ __all__ = [
     "vocab_parallel_token_losses",
     "vocab_sharded_logits",
     "VocabSlicedLogits",
+    "VocabSplitHead",
+    "enter_tp_group",
     "enter_tp_region",
     "lse_and_picked",
     "upcast",
@@ -171,6 +173,50 @@ class VocabSlicedLogits:
     def shape(self) -> torch.Size:
         """The whole logits' shape, ``(..., vocab_size)``."""
         return torch.Size((*self.local.shape[:-1], self.vocab_size))
+
+
+@dataclass(frozen=True)
+class VocabSplitHead:
+    """Where the rows of an LM head weight split over the vocabulary as a plain tensor sit (DeepSpeed AutoTP's
+    ``VocabParallelLinear``, whose ``tp_grain_size`` rounding need not follow torch's ``Shard`` layout; see
+    :class:`VocabSlicedLogits`): what the tiled loss (:func:`seqpar.memory.tiling.tiled_lm_loss`) needs to reduce
+    its logits vocab-parallel. The integration that split the head attaches it to the head as
+    ``seqpar_vocab_split``.
+
+    Attributes:
+        group: the TP group that splits the vocabulary (every rank of it holds the same hidden states).
+        vocab_start: the global id of this rank's first row.
+        vocab_size: the whole vocabulary.
+        largest_rows: the largest rank's row count, the same on every rank: the tiled loss sizes its tiles by it,
+            since each tile's reductions are collectives every TP rank must reach alike.
+    """
+
+    group: dist.ProcessGroup
+    vocab_start: int
+    vocab_size: int
+    largest_rows: int
+
+
+class _EnterTPGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's copy to the TP region)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def enter_tp_group(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``x`` (a plain tensor replicated over ``group``) as the input of a column-parallel matmul split over
+    ``group``: the same tensor, whose backward sums the TP ranks' partial gradients (each rank's covers its own
+    slice of the output). :func:`enter_tp_region` for a process group instead of a DTensor mesh."""
+    return _EnterTPGroup.apply(x, group)
 
 
 def vocab_sharded_logits(logits: Any) -> tuple[Tensor, dist.ProcessGroup, int] | None:
