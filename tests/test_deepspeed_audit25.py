@@ -66,23 +66,17 @@ def test_activation_parameters_are_summed_over_the_tp_group_at_sp2(dist_pool) ->
         assert got and all(v > 0 for v in got.values()), got
 
 
-@releases_deepspeed_engines
-def _initialize_error(rank: int, world: int, model_type: str, sp_size: int, tp_size: int) -> str:
-    """``initialize`` tiny ``model_type`` (float64, ZeRO-1) at SP ``sp_size`` x TP ``tp_size``: the ConfigError's
-    message, or "" if it ran."""
+def _initialize_message(model: torch.nn.Module, config: dict) -> str:
+    """``initialize`` ``model`` (ZeRO-1, SGD) under ``config``: the ConfigError's message, or "" if it ran."""
     from deepspeed.utils import groups
 
     from seqpar.config import ConfigError
     from seqpar.integrations.deepspeed import initialize
     from seqpar.runtime.groups import set_default_manager
-    from seqpar.testing.tiny_models import build_model
 
-    config = {**ds_tp_config(1), "sequence_parallel": {"size": sp_size, "tp_size": tp_size}}
-    if tp_size == 1:
-        del config["tensor_parallel"]
     try:
         try:
-            engine, _, _, _ = initialize(model=build_model(model_type, torch.float64), config=config,
+            engine, _, _, _ = initialize(model=model, config=config,
                                          optimizer=lambda params: torch.optim.SGD(params, lr=LR))
         except ConfigError as e:
             return str(e)
@@ -91,6 +85,18 @@ def _initialize_error(rank: int, world: int, model_type: str, sp_size: int, tp_s
     finally:
         set_default_manager(None)
         groups._release_process_group_references(None)  # AutoTP's TP group, kept per process otherwise
+
+
+@releases_deepspeed_engines
+def _initialize_error(rank: int, world: int, model_type: str, sp_size: int, tp_size: int) -> str:
+    """``initialize`` tiny ``model_type`` (float64, ZeRO-1) at SP ``sp_size`` x TP ``tp_size``: the ConfigError's
+    message, or "" if it ran."""
+    from seqpar.testing.tiny_models import build_model
+
+    config = {**ds_tp_config(1), "sequence_parallel": {"size": sp_size, "tp_size": tp_size}}
+    if tp_size == 1:
+        del config["tensor_parallel"]
+    return _initialize_message(build_model(model_type, torch.float64), config)
 
 
 @pytest.mark.timeout(600)
@@ -110,27 +116,11 @@ def _whole_parameter_on_attention(rank: int, world: int) -> str:
     """``initialize`` tiny Llama (float64) at AutoTP 2 x SP 1 with a trained parameter of its own on the first
     layer's attention module (as an attention sink is), beside the ``o_proj`` AutoTP makes row-parallel: the
     ConfigError's message, or "" if it ran."""
-    from deepspeed.utils import groups
-
-    from seqpar.config import ConfigError
-    from seqpar.integrations.deepspeed import initialize
-    from seqpar.runtime.groups import set_default_manager
     from seqpar.testing.tiny_models import build_model
 
     model = build_model("llama", torch.float64)
     model.model.layers[0].self_attn.sink = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    config = {**ds_tp_config(1), "sequence_parallel": {"size": 1, "tp_size": 2}}
-    try:
-        try:
-            engine, _, _, _ = initialize(model=model, config=config,
-                                         optimizer=lambda params: torch.optim.SGD(params, lr=LR))
-        except ConfigError as e:
-            return str(e)
-        engine.seqpar_manager.destroy()
-        return ""
-    finally:
-        set_default_manager(None)
-        groups._release_process_group_references(None)
+    return _initialize_message(model, {**ds_tp_config(1), "sequence_parallel": {"size": 1, "tp_size": 2}})
 
 
 @pytest.mark.timeout(600)

@@ -13,7 +13,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from test_deepspeed_tp import SP, ds_tp_config
+from test_deepspeed_tp import SP, assert_tp_grads, ds_tp_config
 
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
@@ -45,25 +45,10 @@ def _llama(tied: bool):  # noqa: ANN202
     return transformers.LlamaForCausalLM(cfg).to(torch.float64)
 
 
-def _tp_full(grad: torch.Tensor, want_shape: torch.Size, tp_group) -> torch.Tensor:  # noqa: ANN001
-    """The whole gradient from the TP ranks' AutoTP slices (in TP rank order, uneven allowed), concatenated along
-    the one dim where this rank's slice is smaller."""
-    import torch.distributed as dist
-
-    if grad.shape == want_shape:
-        return grad
-    (dim,) = [d for d, (a, b) in enumerate(zip(grad.shape, want_shape, strict=True)) if a != b]
-    parts: list = [None] * dist.get_world_size(tp_group)
-    dist.all_gather_object(parts, grad, group=tp_group)
-    return torch.cat(parts, dim=dim)
-
-
 @releases_deepspeed_engines
 def _tiled_split_head_steps(rank: int, world: int, stage: int) -> dict:
     """Each model at AutoTP 2 x SP 2, ``vocab_parallel_lm_head`` and ``tiled_loss`` true, 3-row tiles: the loss and
     every reduced gradient (TP slices gathered) against one float64 process; what the head became."""
-    from deepspeed.utils import safe_get_full_grad
-
     from seqpar.integrations.deepspeed import initialize
     from seqpar.memory import tiling
     from seqpar.runtime.groups import set_default_manager
@@ -97,15 +82,7 @@ def _tiled_split_head_steps(rank: int, world: int, stage: int) -> dict:
             engine.backward(got.loss)
             torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
                                        msg=lambda m, k=kind: f"{k} ZeRO-{stage} loss: {m}")
-            ref_params, sharded = dict(ref.named_parameters()), set()
-            for name, p in engine.module.named_parameters():
-                want = ref_params[name].grad
-                zero_grad = safe_get_full_grad(p)
-                if zero_grad.shape != want.shape:
-                    sharded.add(name)
-                grad = _tp_full(zero_grad.detach().clone(), want.shape, manager.tp_group).to(want.dtype)
-                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
-                                           msg=lambda m, n=name, k=kind: f"{k} ZeRO-{stage} grad of {n}: {m}")
+            sharded = assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
             out[kind] = {"head": type(head).__name__, "logits": got.logits,
                          "slice": (split.vocab_start, int(head.weight.shape[0]), split.vocab_size),
                          "tied": head.weight is engine.module.model.embed_tokens.weight,
