@@ -145,7 +145,7 @@ def test_bf16_runs_and_keeps_dtype():
     # yardstick, its error against float64 measured as a whole-tensor norm (a max over elements is too noisy
     # at this size: it swings +-40% with the seed). Ours is 0.5-0.85 of the yardstick on seeds 1-8. The old
     # fixed 3e-2 tolerance let a whole 1% of each tensor's largest entry through; both breaks below passed it.
-    # Seen failing: the partial results accumulated in bf16 instead of fp32 (``new_accumulators`` given q's
+    # Seen failing: the partial results accumulated in bf16 instead of fp32 (the accumulators given q's
     # dtype: dv at 1.19 of the yardstick), and the softmax scale off by 2**-8 in the local patterns' kernel
     # calls (dk at 1.01, dv at 1.41).
     rounded = grads_of(lambda *a: dilated_reference(*a, ws, rs, causal=True), q, k, v, dout, torch.bfloat16)
@@ -196,3 +196,84 @@ def test_straddling_segments_refused():
     with pytest.raises(ValueError, match="do not divide one another"):
         check_pattern([12], [1], seq_local=8, world_size=3)
     check_pattern([24, 4], [3, 2], seq_local=8, world_size=3)  # multiple / divisor: fine
+
+
+# ------------------------------------------------------------------------------ output memory layout
+# q as transformers hands it to an attention function: a (batch, seq, heads, dim) buffer seen as
+# (batch, heads, seq, dim); "mla": v's head dim differs from q's (the output has v's).
+LAYOUT_CASES = [("bhsd", 8), ("hf", 8), ("hf", 12)]
+
+
+def _layout_inputs(layout: str, v_dim: int, dtype: torch.dtype, seed: int = 3):
+    """q, k, v ``(2, heads, 32, dim)`` (4 query heads over 2 K/V heads) in ``layout``'s memory order, and a
+    ``dout`` of the output's shape."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(heads: int, dim: int) -> Tensor:
+        if layout == "hf":
+            return torch.randn(2, 32, heads, dim, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+        return torch.randn(2, heads, 32, dim, generator=g, dtype=torch.float64).to(dtype)
+
+    q, k, v = make(4, 8), make(2, 8), make(2, v_dim)
+    return q, k, v, torch.randn(2, 4, 32, v_dim, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _dilated_call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return dilated_attention(q, k, v, segment_lengths=(8, 32), dilation_rates=(1, 4), causal=True)
+
+
+def _out_and_grads(fn, q, k, v, dout):
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))  # clone keeps the memory order
+    out = fn(qs, ks, vs)
+    out.backward(dout)
+    return out.detach(), qs.grad, ks.grad, vs.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout,v_dim", LAYOUT_CASES, ids=[f"{lay}-v{d}" for lay, d in LAYOUT_CASES])
+def test_output_laid_out_as_the_rings(layout, v_dim, dtype):
+    """The eager output is laid out in memory as ``seqpar.attention``'s ring for the same q: q's order
+    (``seqpar.kernels.output_like``; a Hugging Face q gives a ``(batch, seq, heads, dim)``-ordered output, whose
+    transpose back is free), also with an MLA v (the ring's P > 1 layout; one process hands that case to torch's
+    SDPA, which returns it contiguous); its values and every gradient equal those of the same call on contiguous
+    copies, bit for bit, and the float64 reference's.
+
+    Seen failing: the accumulator allocated contiguous and returned as ``out_acc.to(q.dtype)`` (the eager output
+    ``(batch, heads, seq, dim)``-contiguous for a Hugging Face q, strides (1024, 256, 8, 1) where the ring's and
+    the compiled call's are (1024, 8, 32, 1)), while the compiled op returned q's order."""
+    import seqpar
+    from seqpar.kernels import output_like
+
+    q, k, v, dout = _layout_inputs(layout, v_dim, dtype)
+    got = _out_and_grads(_dilated_call, q, k, v, dout)
+    expected = output_like(q, v_dim)
+    assert got[0].shape == expected.shape and got[0].stride() == expected.stride(), (got[0].stride(), expected.stride())
+    if v_dim == q.shape[-1]:
+        ring = seqpar.attention(q, k, v, causal=True)
+        assert got[0].stride() == ring.stride(), (got[0].stride(), ring.stride())
+    assert got[0].dtype == dtype
+    dense = _out_and_grads(_dilated_call, *(t.contiguous() for t in (q, k, v)), dout)
+    for name, g, d in zip(("out", "dq", "dk", "dv"), got, dense, strict=True):
+        assert torch.equal(g, d), f"{name} differs from the call on contiguous inputs"
+    if dtype == torch.float32:
+        ref = _out_and_grads(lambda *a: dilated_reference(*a, (8, 32), (1, 4), causal=True),
+                             *(t.double() for t in (q, k, v, dout)))
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True):
+            torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5 * float(r.abs().max()), msg=name)
+
+
+@pytest.mark.compile_stage
+@pytest.mark.parametrize("layout,v_dim", LAYOUT_CASES, ids=[f"{lay}-v{d}" for lay, d in LAYOUT_CASES])
+def test_compiled_output_laid_out_as_eager(layout, v_dim):
+    """Under ``torch.compile(fullgraph=True)`` (aot_eager) the output has eager's strides (q's memory order, as
+    ``seqpar.attention``'s), eager's values and eager's gradients, bit for bit (fp32, one process).
+
+    Seen failing: the accumulator allocated contiguous and returned as ``out_acc.to(q.dtype)`` in eager, while the
+    compiled op returned q's order: for a Hugging Face q, eager (1024, 256, 8, 1) against compiled (1024, 8, 32, 1)."""
+    q, k, v, dout = _layout_inputs(layout, v_dim, torch.float32)
+    eager = _out_and_grads(_dilated_call, q, k, v, dout)
+    torch._dynamo.reset()
+    compiled = _out_and_grads(torch.compile(_dilated_call, backend="aot_eager", fullgraph=True), q, k, v, dout)
+    assert compiled[0].stride() == eager[0].stride(), (compiled[0].stride(), eager[0].stride())
+    for name, c, e in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
+        assert torch.equal(c, e), f"{name}: compiled differs from eager"

@@ -109,7 +109,6 @@ from seqpar.kernels import (
     in_layout_of,
     lse_dtype,
     merge_into,
-    new_accumulators,
     output_like,
 )
 from seqpar.runtime.groups import resolve_group
@@ -624,12 +623,16 @@ def _span_backward(span: _Span, comm: SegmentComm, dq_acc: Tensor, dk_acc: Tenso
 def dilated_forward(
     q: Tensor, k: Tensor, v: Tensor, plan: DilatedPlan, comms: dict[int, SegmentComm]
 ) -> tuple[Tensor, Tensor]:
-    """Merged ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``) and ``lse``
-    ``(batch, q_heads, seq_local)``.
+    """Merged ``out`` (fp32/fp64 accumulator ``(batch, q_heads, seq_local, v_head_dim)``, laid out in memory
+    as q is) and ``lse`` ``(batch, q_heads, seq_local)``.
 
     ``comms[p]`` is the segment communicator of spanning pattern ``p`` (absent for local patterns).
     """
-    out_acc, lse_acc = new_accumulators(q, lse_dtype(q.dtype), v.shape[-1])
+    acc = lse_dtype(q.dtype)
+    # the empty partial (out 0, lse -inf), out in q's memory order (a Hugging Face q is a (batch, seq, heads, dim)
+    # buffer seen transposed): the output then is too, as seqpar.attention's, with no copy where q's dtype is acc
+    out_acc = output_like(q, v.shape[-1], dtype=acc).zero_()
+    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
     for p, pat in enumerate(plan.patterns):
         if pat.span == 1:
             _local_forward(q, k, v, pat, plan.opts, out_acc, lse_acc)
@@ -658,6 +661,15 @@ def dilated_backward(
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
+def output_in_layout(out_acc: Tensor, q: Tensor) -> Tensor:
+    """The merged accumulator ``(batch, q_heads, seq_local, v_head_dim)`` as the output, in q's dtype and laid
+    out in memory as q is (:func:`seqpar.kernels.output_like`), eager and compiled alike: ``out_acc`` itself
+    when it already is (no copy), else copied into a fresh buffer that is."""
+    if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):
+        return out_acc
+    return output_like(q, out_acc.shape[-1]).copy_(out_acc)
+
+
 class DilatedAttention(torch.autograd.Function):
     """Thin autograd wrapper of :func:`dilated_forward` / :func:`dilated_backward`. The backward
     repeats the forward's exchanges and sends every dK/dV share back to the block's owner (their dual)."""
@@ -665,7 +677,7 @@ class DilatedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, plan: DilatedPlan, comms: dict[int, SegmentComm]) -> Tensor:  # noqa: ANN001
         out_acc, lse = dilated_forward(q, k, v, plan, comms)
-        out = out_acc.to(q.dtype)
+        out = output_in_layout(out_acc, q)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.comms = plan, comms
         return out
@@ -703,11 +715,8 @@ def dilated_fwd(
     plan, comms = _plan(q, k, group, segment_lengths, dilation_rates, causal, scale, mode, head_layout, dkv_wire_dtype)
     out_acc, lse = dilated_forward(q, k, v, plan, comms)
     lse = lse.contiguous()  # the fake's layout (see seqpar.attn.ops)
-    # a custom op's outputs have the fake's layout (q's) and never alias an input: the accumulator is a fresh
-    # buffer, returned as it is when it already has q's dtype and memory order (no copy), else copied into one
-    if out_acc.dtype == q.dtype and in_layout_of(out_acc, q):
-        return out_acc, lse
-    return output_like(q, v.shape[-1]).copy_(out_acc), lse
+    # a custom op's outputs have the fake's layout (q's) and never alias an input: the accumulator is a fresh buffer
+    return output_in_layout(out_acc, q), lse
 
 
 @dilated_fwd.register_fake
