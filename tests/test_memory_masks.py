@@ -1,0 +1,80 @@
+"""The ring's memory estimate under documents, windows, chunked attention and sinks (seqpar.memory.masked: the plan
+the ring runs, replayed) against the largest rank's measured peak (MemTracker: exact CPU tensor accounting, the lowest
+of 3 steps), within -2% .. +10% like the dense estimates (tests/test_memory_low_precision.py,
+tests/test_memory_hybrid.py): an estimate users size jobs by must never be under, and one 10% over leaves a tenth of
+the memory unused. 8 / 8 heads, head_dim 16, batch 1, ``head_chunks=1``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seqpar.memory.attention import estimate_attention_memory
+
+DOCS = (0, 40, 200, 230, 512)  # packed documents over S = 512: one crosses rank edges, two sit inside a shard
+
+# (id, world, seq_len, dtype, causal, sharding, masks); the shape is 8 / 8 heads, batch 1, head_chunks 1 unless
+# masks carries "shape": (batch, q_heads, kv_heads, head_chunks)
+CASES = [
+    ("P4_fp32_causal_docs", 4, 512, "float32", True, None, {"cu_seqlens": DOCS}),
+    ("P4_fp32_full_docs", 4, 512, "float32", False, None, {"cu_seqlens": DOCS}),
+    ("P4_fp32_causal_window", 4, 512, "float32", True, None, {"window": 48}),
+    ("P4_bf16_full_window", 4, 512, "bfloat16", False, None, {"window": 48}),
+    ("P4_fp32_causal_window_contiguous", 4, 512, "float32", True, "contiguous", {"window": 32}),
+    ("P2_fp32_causal_chunked", 2, 512, "float32", True, None, {"chunk_size": 96}),
+    ("P2_bf16_causal_docs_sinks", 2, 512, "bfloat16", True, None, {"cu_seqlens": DOCS, "sinks": True}),
+    ("P4_bf16_causal_docs_window", 4, 512, "bfloat16", True, None, {"cu_seqlens": DOCS, "window": 64}),
+    ("P4_fp32_causal_docs_balanced_hc4", 4, 512, "float32", True, "balanced",
+     {"cu_seqlens": DOCS, "shape": (1, 8, 8, "auto")}),
+    ("P2_fp32_full_window_gqa_b2_hc2", 2, 512, "float32", False, None, {"window": 40, "shape": (2, 8, 2, 2)}),
+    ("P4_bf16_causal_chunked_hc2", 4, 512, "bfloat16", True, None, {"chunk_size": 80, "shape": (1, 8, 8, 2)}),
+    ("P4_fp32_causal_short_docs_contiguous_sinks", 4, 512, "float32", True, "contiguous",
+     {"cu_seqlens": (0, 100, 128, 300, 384, 512), "sinks": True}),
+]
+
+
+def measure_masked_peak(ctx, seq_len: int, dtype: str, causal: bool, sharding: str | None, masks: dict,  # noqa: ANN001
+                        seed: int) -> int:
+    """Peak tensor bytes on this rank over one masked ring forward + backward (inputs and gradients included)."""
+    import torch.distributed as dist
+
+    import seqpar
+    from seqpar.bench.attention import BenchShape, make_inputs
+    from seqpar.bench.runner import peak_memory
+
+    batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
+    shape = BenchShape(batch=batch, q_heads=q_heads, kv_heads=kv_heads, head_dim=16, dtype=dtype,
+                       head_chunks=head_chunks)
+    seq_local = seq_len // ctx.world_size
+    kw = {k: v for k, v in masks.items() if k not in ("sinks", "shape")}
+
+    def step() -> None:
+        q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
+        sinks = torch.zeros(q_heads, dtype=q.dtype, requires_grad=True) if masks.get("sinks") else None
+        out = seqpar.attention(q, k, v, causal=causal, mode="ring", group=dist.group.WORLD, head_chunks=head_chunks,
+                               sharding=sharding or ("zigzag" if causal else "contiguous"), sinks=sinks, **kw)
+        out.backward(dout)
+
+    return peak_memory(step, ctx.device, repeats=3)
+
+
+def _estimate(world: int, seq_len: int, dtype: str, causal: bool, sharding: str | None, masks: dict) -> int:
+    batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
+    kw = {k: v for k, v in masks.items() if k != "shape"}
+    return estimate_attention_memory(seq_len, world_size=world, mode="ring", batch=batch, q_heads=q_heads,
+                                     kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal,
+                                     head_chunks=head_chunks, sharding=sharding, **kw)
+
+
+@pytest.mark.parametrize("world,seq_len,dtype,causal,sharding,masks", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_masked_ring_estimate_within_band_of_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str,  # noqa: ANN001
+                                                               causal: bool, sharding, masks: dict) -> None:
+    """Seen failing: TODO"""
+    peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, sharding, masks, 0,
+                                   timeout=600))
+    est = _estimate(world, seq_len, dtype, causal, sharding, masks)
+    print(f"\nMASKED {world} {dtype} {causal} {sharding} {masks}: measured {peak}, estimate {est} "
+          f"({est / peak - 1:+.1%})")
+    assert -0.02 <= est / peak - 1 <= 0.10, (masks, peak, est, est / peak - 1)
