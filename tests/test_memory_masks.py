@@ -31,6 +31,11 @@ CASES = [
     ("P4_bf16_causal_chunked_hc2", 4, 512, "bfloat16", True, None, {"chunk_size": 80, "shape": (1, 8, 8, 2)}),
     ("P4_fp32_causal_short_docs_contiguous_sinks", 4, 512, "float32", True, "contiguous",
      {"cu_seqlens": (0, 100, 128, 300, 384, 512), "sinks": True}),
+    ("P4_bf16_causal_window_s256", 4, 256, "bfloat16", True, None, {"window": 64}),
+    ("P4_bf16_full_docs_mqa_s256", 4, 256, "bfloat16", False, None,
+     {"cu_seqlens": (0, 43, 123, 256), "shape": (1, 8, 1, 1)}),
+    ("P2_bf16_full_docs_mqa_sinks", 2, 512, "bfloat16", False, None,
+     {"cu_seqlens": DOCS, "sinks": True, "shape": (1, 8, 1, 1)}),
 ]
 
 

@@ -185,23 +185,29 @@ def _block_grads(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes) -> None
         live.bind(ref, None)
 
 
-def _merge_temps(rows: float, u: RowBytes) -> float:
-    """The CPU merge of ``rows`` rows (:func:`seqpar.kernels.merge._merge_torch`): both lse and the two weights in
-    fp64 (one more lse-sized fp64 temporary while a weight is made), the empty-row mask, and one piece of the
-    accumulator and of the block upcast to fp64 (fp64 accumulators: the block's only)."""
-    lse64 = rows * u.la * (8 / (8 if u.acc8 else 4))
+def _merge_temps(rows: float, u: RowBytes, *, sink: bool = False) -> float:
+    """The CPU merge's temporaries over ``rows`` rows (:func:`seqpar.kernels.merge._merge_torch`): the two lse in
+    fp64 (copies unless the accumulators are fp64), the empty-row mask, the accumulator's weight (and the block's:
+    ``sink`` has no block), one more lse-sized fp64 temporary while a weight or the merged lse is made, or
+    instead one piece of the accumulator and of the block upcast to fp64 (fp64 accumulators: the block's only;
+    a sink: the accumulator's only)."""
+    lse64 = rows * u.heads * 8
     elems = rows * u.q_elems
     piece = min(elems, cpu_merge_piece(int(elems)))
-    return 5 * lse64 + rows * u.heads + (1 if u.acc8 else 2) * 8 * piece
+    copies = 0 if u.acc8 else 2
+    weights = 1 if sink else 2
+    upcast = ((0 if u.acc8 else 1) + (0 if sink else 1)) * 8 * piece
+    return (copies + weights) * lse64 + rows * u.heads + max(lse64, upcast)
 
 
-def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_local: int) -> None:
+def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_local: int,
+                   reached: list[tuple[int, int]]) -> None:
     """:func:`seqpar.attn.common.forward_block` into the partial accumulators (``Partials``), statement by
     statement of ``forward_pieces``: a stacked group's q, k, v copies are made while the generator still holds
     the last stacked group's (and its output), anti-causal groups flip inputs and outputs, the loop holds the
     previous piece's output, and each piece's merge makes the CPU merge's fp64 temporaries. The accumulators
     are made at the first piece, unless that piece covers every row in the accumulation dtype (it becomes
-    them)."""
+    them). ``reached``: the row ranges some piece has reached (``Partials``' own record), extended here."""
     for group in _groups(calls):
         n, m, _, _ = _group_sizes(group, u)
         ins, outs = n * u.q + 2 * m * u.k, n * (u.q + u.la)
@@ -233,13 +239,18 @@ def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_l
                 live.bind("p_out", None)
             live.bind("f_loop", live.get("p_kernel"))
             live.bind("p_kernel", None)
-        for c in group:  # Partials.add, piece by piece
+        for c in group:  # Partials.add, piece by piece: rows reached before are merged, the others copied
             if live.get("acc") is None:
                 if len(group) == 1 and _len(c.q_rows) == seq_local and not u.low:
                     live.bind("acc", live.get("f_loop"))  # the piece's out and lse become the accumulators
+                    reached.append((0, seq_local))
                     continue
                 live.new(seq_local * (u.qa + u.la), "acc")
-            live.touch(_merge_temps(_len(c.q_rows), u))
+            for a, b in reached:
+                n = min(b, c.q_rows.stop) - max(a, c.q_rows.start)
+                if n > 0:
+                    live.touch(_merge_temps(n, u))
+            reached.append((c.q_rows.start, c.q_rows.stop))
     for ref in ("f_args", "f_outs", "f_loop"):  # the generator and the loop end
         live.bind(ref, None)
 
@@ -251,6 +262,7 @@ def _forward(rank: int, world: int, seq_local: int, opts: AttentionOptions, u: R
     hops = block_hops(opts, world, seq_local)
     L = seq_local
     live = _Refs()
+    reached: list[tuple[int, int]] = []
     for step in range(max(hops) + 1):
         src, prev = (rank - step) % world, (rank - 1 - step) % world
         recv = step + 1 <= hops[prev]
@@ -258,13 +270,13 @@ def _forward(rank: int, world: int, seq_local: int, opts: AttentionOptions, u: R
         if recv and live.get(slot) is None:
             live.new(2 * L * u.k, slot)
         if step <= hops[src]:
-            _forward_block(live, block_calls(opts, world, rank, src, L), u, L)
+            _forward_block(live, block_calls(opts, world, rank, src, L), u, L, reached)
         if recv:
             live.bind("cur", live.get(slot))
     if live.get("acc") is None:
         live.new(L * (u.qa + u.la), "acc")
     if sinks:
-        live.touch(_merge_temps(L, u))
+        live.touch(_merge_temps(L, u, sink=True))
     if u.low:  # out = output_like(q).copy_(out_acc)
         live.new(L * u.q, "out")
     return live.peak
