@@ -585,9 +585,14 @@ def max_seq_len(
     ulysses_size: int | None = None,
     v_head_dim: int | None = None,
     dkv_wire_dtype: str = "fp32",
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    sharding: str | None = None,
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_attention_memory`
-    fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
+    fits ``budget_bytes`` per rank; 0 when even the smallest does not. ``window``, ``chunk_size``, ``sinks``,
+    ``sharding``: as there (documents are not an option here: their boundaries fix S)."""
     world = 1 if mode in ("single", "sdpa") else world_size
     step = (2 * world if causal and world > 1 else world) * multiple
 
@@ -595,7 +600,8 @@ def max_seq_len(
         return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                head_chunks=head_chunks, ulysses_size=ulysses_size,
-                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype) <= budget_bytes
+                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype, window=window,
+                               chunk_size=chunk_size, sinks=sinks, sharding=sharding) <= budget_bytes
 
     if not fits(step):
         return 0
