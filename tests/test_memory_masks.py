@@ -36,6 +36,10 @@ CASES = [
      {"cu_seqlens": (0, 43, 123, 256), "shape": (1, 8, 1, 1)}),
     ("P2_bf16_full_docs_mqa_sinks", 2, 512, "bfloat16", False, None,
      {"cu_seqlens": DOCS, "sinks": True, "shape": (1, 8, 1, 1)}),
+    ("P2_bf16_causal_sinks_hc2", 2, 512, "bfloat16", True, None, {"sinks": True, "shape": (1, 8, 8, 2)}),
+    ("P2_bf16_full_sinks_hc4", 2, 512, "bfloat16", False, None, {"sinks": True, "shape": (1, 8, 8, "auto")}),
+    ("P4_fp32_causal_sinks", 4, 512, "float32", True, None, {"sinks": True}),
+    ("P2_fp32_causal_sinks_gqa", 2, 512, "float32", True, None, {"sinks": True, "shape": (1, 8, 2, 1)}),
 ]
 
 
