@@ -62,6 +62,17 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   worker thread frees it, not the wait). Measured at P = 4 and 8 (fp32, bf16, GQA, uneven, causal, head
   chunks 1 to 4): +0.2% to +0.8%, up to +5.9% causal (tests/test_memory_hybrid.py).
 
+Masks (``cu_seqlens``, ``window``, ``chunk_size``) and ``sinks``: the ring (and one process, which runs the
+ring's planner alone) is not sized by the closed forms above but by replaying the plan it runs for them,
+statement by statement (:mod:`seqpar.memory.masked`): each block's hops, the K/V a rank receives only while it
+or a rank further on needs them, blocks it skips (an empty share), blocks in pieces (zeroed fp32 dK/dV, the
+pieces' outputs one group at a time, small pieces stacked into one call, anti-causal pieces flipped), the own
+block in pieces (zeroed accumulators), dK/dV accumulators that go home early (their sends held until the end of
+the backward), the forward's merges over rows already reached, and the sink logits' merge and gradient. The
+closed forms above assume every block is one kernel call making P - 1 hops; under masks that was -28% to +36% off
+the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py). Masks with
+another mode are refused by name.
+
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
 transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G (the ring's
@@ -84,7 +95,11 @@ from typing import NamedTuple
 import torch
 
 from seqpar.attn.checks import check_dkv_wire, resolve_head_chunks
+from seqpar.attn.common import AttentionOptions, dkv_wire_dtype
+from seqpar.attn.masks import check_boundary_values, host_boundaries
 from seqpar.kernels.merge import cpu_merge_piece
+from seqpar.memory.masked import RowBytes, masked_ring_peak, ring_options
+from seqpar.sequence.sharding import num_chunks
 
 __all__ = ["estimate_attention_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
 
@@ -117,6 +132,11 @@ def estimate_attention_memory(
     ulysses_size: int | None = None,
     v_head_dim: int | None = None,
     dkv_wire_dtype: str = "fp32",
+    cu_seqlens: object = None,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    sharding: str | None = None,
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
@@ -132,11 +152,19 @@ def estimate_attention_memory(
         v_head_dim: V's head dim where it differs from ``head_dim`` (MLA; see the module docstring).
         dkv_wire_dtype: :func:`seqpar.attention`'s ``dkv_wire_dtype`` (``"fp32"`` or ``"bf16"``): what the
             ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
+        cu_seqlens, window, chunk_size: :func:`seqpar.attention`'s masks (global document boundaries
+            ``(0, ..., seq_len)`` as ints or a tensor, a sliding window, chunked attention). With any of them,
+            or ``sinks``, the ring (and one process) is sized by replaying the plan it runs
+            (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in pieces.
+        sinks: the call passes ``sinks`` (per-head sink logits).
+        sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
+            when causal on more than one rank, else contiguous (the plan, and so the peak, depend on it).
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
-            ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses).
+            ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses);
+            masks or sinks with a mode other than ``"ring"`` / ``"single"`` (not modelled), or bad masks.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
@@ -148,6 +176,12 @@ def estimate_attention_memory(
     sizes = _tensor_sizes(dt, rows=batch * (seq_len // world), q_heads=q_heads, kv_heads=kv_heads,
                           head_dim=head_dim if v_head_dim is None else (head_dim + v_head_dim) / 2,
                           wire=dkv_wire_dtype)
+    masks = _mask_options(seq_len, world=world, causal=causal, cu_seqlens=cu_seqlens, window=window,
+                          chunk_size=chunk_size, sinks=sinks, sharding=sharding, mode=mode)
+    if masks is not None:
+        return _masked_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
+                            q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
+                            wire=dkv_wire_dtype, sinks=sinks)
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
@@ -233,6 +267,67 @@ def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, he
     return _Sizes(Q=rows * q_heads * head_dim * e, K=rows * kv_heads * head_dim * e,
                   Q32=rows * q_heads * head_dim * a, K32=rows * kv_heads * head_dim * a,
                   lse=rows * q_heads * a, low=e != a, Kw=rows * kv_heads * head_dim * w)
+
+
+def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object, window: int | None,
+                  chunk_size: int | None, sinks: bool, sharding: str | None, mode: str) -> AttentionOptions | None:
+    """The ring's options for a masked (or sinks) call, checked as :func:`seqpar.attention` checks them; None for
+    a dense call without sinks (the closed forms)."""
+    if cu_seqlens is None and window is None and chunk_size is None and not sinks:
+        return None
+    if mode not in ("ring", "single"):
+        raise ValueError(
+            f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring' (and one "
+            f"process), not mode={mode!r}: pass mode='ring', or leave out cu_seqlens / window / chunk_size / sinks "
+            f"for the dense figure")
+    bounds = None if cu_seqlens is None else host_boundaries(cu_seqlens)
+    if bounds is not None:
+        check_boundary_values(bounds, seq_len)
+    for name, value in (("window", window), ("chunk_size", chunk_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{name}={value!r} is invalid: pass an int >= 1, or None")
+    if sharding is None:
+        sharding = "zigzag" if causal and world > 1 else "contiguous"
+    if world == 1:
+        sharding = "contiguous"  # one process holds the sequence in order
+    if sharding not in ("contiguous", "zigzag", "balanced"):
+        raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous', 'zigzag' or 'balanced'")
+    if sharding != "contiguous":
+        seq_chunks = num_chunks(world, sharding, seq_len=seq_len)
+        if seq_len % seq_chunks:
+            raise ValueError(f"seq_len={seq_len} does not split into {seq_chunks} equal chunks for "
+                             f"sharding={sharding!r} and world_size={world}")
+    return ring_options(causal=causal, sharding=sharding, window=window, cu_seqlens=bounds, chunk_size=chunk_size)
+
+
+def _masked_peak(sizes: _Sizes, opts: AttentionOptions, *, dt: torch.dtype, world: int, seq_len: int, chunks: int,
+                 batch: int, q_heads: int, kv_heads: int, head_dim: int, wire: str, sinks: bool) -> int:
+    """The ring (or one process) under masks / sinks: :func:`seqpar.memory.masked.masked_ring_peak` on one head
+    chunk's row sizes, plus what the closed forms add around a pass (the always-live tensors; with G > 1 the
+    full-size gradients, out and lse, and batch > 1's contiguous head slices) and the sink gradient's moment."""
+    Q, K, Q32, lse, base, low = sizes.Q, sizes.K, sizes.Q32, sizes.lse, sizes.base, sizes.low
+    G, L = chunks, seq_len // world
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    wire_dt = dkv_wire_dtype(wire, acc_dt)
+    per = L * G
+    units = RowBytes(q=Q / per, k=K / per, qa=Q32 / per, ka=sizes.K32 / per, kw=sizes.Kw / per, la=lse / per,
+                     q_elems=batch * q_heads * head_dim / G, heads=batch * q_heads / G, acc8=acc_dt == torch.float64,
+                     low=low, wire_is_acc=wire_dt == acc_dt, wire_is_input=wire_dt == dt,
+                     kernel_grads_contiguous=kv_heads == G)
+    into = G > 1 and not low
+    bwd, fwd = masked_ring_peak(world=world, seq_local=L, opts=opts, units=units, into=into, cast=G == 1 and low,
+                                sinks=sinks)
+    moments = [2 * Q + 2 * K + fwd + ((Q + lse) if G > 1 else 0)]
+    if G == 1:
+        moments.append(base + bwd)
+    else:  # the gradients written chunk by chunk; at batch > 1 a head slice is strided: each pass copies its
+        # dout, k, v and lse slices contiguous
+        moments.append(base + Q + 2 * K + bwd + ((Q + 2 * K + lse) / G if batch > 1 else 0))
+    if sinks:  # seqpar.kernels.merge.sink_grad after the ring: the gradients, p, dout * out (and their upcasts)
+        moments.append(base + Q + 2 * K + Q32 * (3 if low else 1) + lse)
+    # the sink logits themselves, (q_heads,) in the inputs' dtype, alive throughout
+    sink_param = q_heads * torch.tensor([], dtype=dt).element_size() if sinks else 0
+    return int(max(moments) + sink_param)
 
 
 def _single_peak(sizes: _Sizes) -> int:
@@ -503,9 +598,14 @@ def max_seq_len(
     ulysses_size: int | None = None,
     v_head_dim: int | None = None,
     dkv_wire_dtype: str = "fp32",
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    sharding: str | None = None,
 ) -> int:
     """The largest S (a multiple of ``multiple`` and of the chunk count) whose :func:`estimate_attention_memory`
-    fits ``budget_bytes`` per rank; 0 when even the smallest does not."""
+    fits ``budget_bytes`` per rank; 0 when even the smallest does not. ``window``, ``chunk_size``, ``sinks``,
+    ``sharding``: as there (documents are not an option here: their boundaries fix S)."""
     world = 1 if mode in ("single", "sdpa") else world_size
     step = (2 * world if causal and world > 1 else world) * multiple
 
@@ -513,7 +613,8 @@ def max_seq_len(
         return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
                                kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
                                head_chunks=head_chunks, ulysses_size=ulysses_size,
-                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype) <= budget_bytes
+                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype, window=window,
+                               chunk_size=chunk_size, sinks=sinks, sharding=sharding) <= budget_bytes
 
     if not fits(step):
         return 0

@@ -347,14 +347,15 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
-                               batch: int, head_chunks: int | str, dkv_wire_dtype: str = "fp32") -> int:
-    """One layer's attention call (:func:`estimate_attention_memory`) less its q, k, v and output, which
-    the layer's activations already count."""
+                               batch: int, head_chunks: int | str, dkv_wire_dtype: str = "fp32",
+                               masks: dict[str, Any] | None = None) -> int:
+    """One layer's attention call (:func:`estimate_attention_memory`, with the data's ``masks``: cu_seqlens,
+    window, chunk_size, sinks, sharding) less its q, k, v and output, which the layer's activations already count."""
     e = torch.empty((), dtype=dt).element_size()
     attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
                                      batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
                                      head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks,
-                                     dkv_wire_dtype=dkv_wire_dtype)
+                                     dkv_wire_dtype=dkv_wire_dtype, **(masks or {}))
     qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
     return max(0, attn - qkvo)
 
@@ -450,6 +451,11 @@ def estimate_training_memory(
     tp_sequence_parallel: bool = False,
     dkv_wire_dtype: str = "fp32",
     tp_loss_parallel: bool | str = "auto",
+    cu_seqlens: Any = None,
+    window: int | None = None,
+    chunk_size: int | None = None,
+    sinks: bool = False,
+    sharding: str | None = None,
 ) -> dict[str, int]:
     """Peak bytes per rank of one training step (forward, backward, AdamW step), by category.
 
@@ -484,6 +490,11 @@ def estimate_training_memory(
             the ring's travelling dK/dV accumulators are held in, for the attention transients.
         tp_loss_parallel: the ``sequence_parallel`` block's ``tp_loss_parallel`` (``True``, ``False`` or
             ``"auto"``): whether the LM head's logits stay split on the vocabulary under TP.
+        cu_seqlens, window, chunk_size, sinks, sharding: the data's masks as :func:`seqpar.attention` takes them
+            (packed documents' global boundaries ``(0, ..., seq_len)``, the sliding window, chunked attention,
+            whether the layers pass sink logits) and the sequence's sharding, for the attention transients: the
+            ring's plan under them (:func:`seqpar.memory.attention.estimate_attention_memory`; ``mode="ring"``, or
+            one SP rank). Every attention layer is taken to use them.
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
@@ -511,7 +522,9 @@ def estimate_training_memory(
                              offload_activations=offload_activations, device=device, tp_seq=tp_seq,
                              head_gathers=not tiled_loss, batch=batch)
     attention = _attention_transient_bytes(m, dt, rows=rows, seq_len=seq_len, sp_size=sp_size, mode=mode,
-                                           batch=batch, head_chunks=head_chunks, dkv_wire_dtype=dkv_wire_dtype)
+                                           batch=batch, head_chunks=head_chunks, dkv_wire_dtype=dkv_wire_dtype,
+                                           masks=dict(cu_seqlens=cu_seqlens, window=window, chunk_size=chunk_size,
+                                                      sinks=sinks, sharding=sharding))
     if not any(kind in ("attention", "both") for kind in m.kinds):
         attention = 0  # a model of mixer layers only: no attention call
     logits = _logits_loss_bytes(m if vocab_parallel else full, e, rows=rows, tiled_loss=tiled_loss, tp_seq=tp_seq)
@@ -534,7 +547,12 @@ def estimate_training_memory(
 def longest_sequence(model_config: Any, budget_bytes: int, *, sp_size: int, granularity: int = 1024,
                      **kwargs: Any) -> tuple[int, dict[str, Any]]:
     """The longest ``seq_len`` (a multiple of ``granularity * sp_size``) whose modelled peak fits
-    ``budget_bytes`` per rank, and its breakdown; ``(0, {})`` when not even one step fits."""
+    ``budget_bytes`` per rank, and its breakdown; ``(0, {})`` when not even one step fits. ``kwargs``:
+    :func:`estimate_training_memory`'s (a ``window``, ``chunk_size`` or ``sinks`` holds at every length;
+    ``cu_seqlens`` fixes the length, so it is refused here)."""
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("longest_sequence: cu_seqlens fixes seq_len (its last boundary); ask estimate_training_memory "
+                         "at that length instead, or leave cu_seqlens out")
     step = granularity * sp_size
 
     def fits(n: int) -> bool:
