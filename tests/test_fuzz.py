@@ -601,6 +601,11 @@ for _seed in (1086484656, 680605197, 2143272812, 1054415801, 1146194759):
 # Fixed (lead): the loss's reduction and the shift check take call_group(extra, group); exact, the drawn case and
 # the plain one (test_tiled_loss_under_dynamic_cp_reduces_over_the_call_group).
 TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": True}})
+# fz26: the dynamic kind no longer pairs pad_multiple 8 with a budget under 8 (the planner refuses every document: a
+# wasted draw); 1056038257 (budget 6) draws pad 2 since, so it is pinned back to the pad 8 it was found with, where
+# the planner refuses the step by name (its finding).
+FOUND_SET[1056038257] = {"planner": {"how": "direct", "spread_heavy": True, "slot_sync": False, "pad_multiple": 8,
+                                     "cost": None}}
 
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
@@ -2076,3 +2081,100 @@ def test_autotp_draws_the_vocabulary_split_head() -> None:
     assert not any(vocab_split_refused(t) for t in ("gemma3_text", "llama", "starcoder2", "apertus", "apertus1p5_text"))
     assert [fuzz.draw_case(s, ("engine",))["vocab_parallel_lm_head"]
             for s in (AUTOTP_CASE, AUTOTP_ZERO3_CASE, 1709044604)] == [False] * 3
+
+
+# --------------------------------------------------------------------------------------------------
+# fz26: a forced DP x SP split on the trainer and engine kinds re-derives what depends on it
+# --------------------------------------------------------------------------------------------------
+
+def _trainer_rows(d: dict) -> int:
+    rows = d["micro"] * d["dp"] * d["accumulation"] * d["steps"]
+    if d["trainer"] == "sft":
+        return len(d["turns"]) == max(rows, 1) * 3
+    if d["trainer"] == "grpo":
+        return len(d["prompts"]) == max(1, d["micro"] // d["num_generations"]) * d["dp"] * d["steps"]
+    return len(d["pairs"] if d["trainer"] == "dpo" else d["lengths"]) == rows
+
+
+def test_a_forced_trainer_split_is_rederived_or_skipped() -> None:
+    """``--set dp=1`` on a trainer case drawn at DP > 1 without SP (world = dp) stopped the case with the driver's
+    "trainer draws inconsistent: world != dp x sp" (a crash of the run, not a verdict): ``fuzz.force`` took the
+    trainer kind's draws as given. It re-derives them now (``fuzz_trainers.force_trainer``): ``sp`` from a forced
+    ``dp`` (or ``dp`` from a forced ``sp``, or the largest divisor under the drawn ``dp`` of a forced ``world``), the
+    global batch's rows (cut or extended), the draws DP > 1 never takes (``average_tokens`` off, the router loss,
+    left padding, SFT evaluation, the batch-sorted DPO losses, ``bnpo``); a forced split that cannot hold is the
+    case's ``skipped`` verdict, naming the conflict. Every pinned trainer and engine case keeps its draws.
+    Seen failing: with ``force_trainer``'s call removed from ``fuzz.force`` (world 3 != dp 1 x sp 1)."""
+    from seqpar.testing.fuzz_trainers import BATCH_SORTED_LOSSES
+
+    draws = [fuzz.draw_case(s, ("trainer",)) for s in fuzz.case_seeds(7, 300)]
+    wide = [d for d in draws if d["dp"] > 1 and d["sp"] == 1]
+    narrow = [d for d in draws if d["dp"] == 1 and d["world"] == 4]
+    assert len(wide) > 20 and len(narrow) > 10 and {d["trainer"] for d in wide} == {"trainer", "sft", "dpo", "grpo"}
+    for d in wide:
+        out, conflict = fuzz.force(d, {"dp": 1})
+        assert conflict is None and (out["dp"], out["sp"]) == (1, d["world"]), fuzz.summary(out)
+        assert _trainer_rows(out), fuzz.summary(out)
+    for d in narrow:
+        out, conflict = fuzz.force(d, {"dp": 2})
+        assert conflict is None and (out["dp"], out["sp"]) == (2, 2) and _trainer_rows(out), fuzz.summary(out)
+        assert out["average_tokens"] and not out["router_loss"] and out.get("collator") != "padded-left"
+        assert not (out["trainer"] == "sft" and out["evaluate"]) and out.get("grpo_loss") != "bnpo"
+        assert not BATCH_SORTED_LOSSES & set(out.get("dpo_loss", ()))
+        same = out["trainer"] in ("trainer", "dpo")  # their first rows are the drawn ones
+        assert not same or (out.get("lengths") or out["pairs"])[:len(d.get("lengths") or d["pairs"])] == \
+            (d.get("lengths") or d["pairs"])
+    out, conflict = fuzz.force(narrow[0], {"world": 1})
+    assert conflict is None and (out["world"], out["dp"], out["sp"]) == (1, 1, 1) and _trainer_rows(out)
+    out, conflict = fuzz.force(narrow[0], {"dp": 3, "sp": 1})
+    assert conflict is not None and conflict.startswith("skipped:") and "world=4 != dp=3 x sp=1" in conflict
+    d = next(d for d in wide if d["trainer"] == "trainer")  # forced rows that the forced batch does not hold
+    out, conflict = fuzz.force(d, {"dp": 1, "micro": 2, "lengths": [3], "masked": [0]})
+    assert conflict is not None and "lengths (1 rows) != the " in conflict, conflict
+
+
+def test_a_forced_engine_dp_draws_or_drops_its_replicas() -> None:
+    """``--set dp=...`` on an engine case needed ``--set replicas=...`` too (the driver's "engine draws
+    inconsistent", a crash of the run); the replicas' batches are cut or drawn as the kind draws them now
+    (``fuzz_engines.force_engine``), and a ``dp`` the world does not hold is the case's ``skipped`` verdict.
+    Seen failing: with ``force_engine``'s call removed from ``fuzz.force`` (replicas left at 1 under dp 1)."""
+    draws = [fuzz.draw_case(s, ("engine",)) for s in fuzz.case_seeds(8, 200)]
+    two = [d for d in draws if d["dp"] == 2]
+    one = [d for d in draws if d["dp"] == 1 and d["world"] == 4 and d["tp_size"] == 1]
+    assert two and one
+    for d in two:
+        out, conflict = fuzz.force(d, {"dp": 1})
+        assert conflict is None and out["replicas"] == [], fuzz.summary(out)
+    out, conflict = fuzz.force(one[0], {"dp": 2})
+    assert conflict is None and len(out["replicas"]) == 1 and out == fuzz.force(one[0], {"dp": 2})[0]
+    assert out["replicas"][0]["lengths"] and out["replicas"][0]["case_seed"] >= 0
+    out, conflict = fuzz.force(one[0], {"dp": 3})
+    assert conflict is not None and "world=4 is not a multiple of dp=3" in conflict
+    out, conflict = fuzz.force(two[0], {"dp": 1, "replicas": two[0]["replicas"]})
+    assert conflict is not None and "replicas (1) != dp - 1 = 0" in conflict
+
+
+def test_the_vocab_split_draw_asks_the_librarys_own_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fz26 (review finding): ``fuzz_engines.vocab_split_refused`` repeated the library's tied-embedding check
+    (DeepSpeed's ``VocabParallelEmbedding.validate_embedding`` on a head tied to its embedding) instead of calling
+    it, so the draw and the refusal could drift apart. It calls
+    ``seqpar.integrations.deepspeed_tp.refuse_unsplittable_tied_embedding`` now, through the entry point
+    ``vocab_split_tied_embedding`` of ``fuzz_engines.CHECK_ENTRY_POINT_GROUP`` (the harness does not import the
+    adapters): the 146 decoder types answer as before (compared type by type), and a library that stopped refusing
+    Gemma's scaled embedding would have the draws split Gemma's head again.
+    Seen failing: with the repeated DeepSpeed check back in ``vocab_split_refused`` (gemma stays refused)."""
+    from seqpar.integrations import deepspeed_tp
+    from seqpar.testing.fuzz_engines import (
+        CHECK_ENTRY_POINT_GROUP,
+        engine_runner,
+        vocab_split_refused,
+    )
+
+    assert engine_runner("vocab_split_tied_embedding", CHECK_ENTRY_POINT_GROUP) is \
+        deepspeed_tp.refuse_unsplittable_tied_embedding
+    monkeypatch.setattr("seqpar.testing.fuzz_engines._VOCAB_SPLIT_REFUSED", {})
+    assert vocab_split_refused("gemma") and not vocab_split_refused("llama")
+    monkeypatch.setattr("seqpar.testing.fuzz_engines._VOCAB_SPLIT_REFUSED", {})
+    monkeypatch.setattr(deepspeed_tp, "refuse_unsplittable_tied_embedding", lambda model, ds_config: None)
+    assert not vocab_split_refused("gemma")
+    assert vocab_split_refused("bamba")  # its z-loss, read from the forward's source (not a tied embedding)

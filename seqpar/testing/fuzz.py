@@ -231,8 +231,9 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
     case down), and a forced key that contradicts another forced key is a conflict: ``"forced key seq=10
     conflicts with world=3 ..."``. Re-derived: ``attention`` (``ulysses_size``, ``seq``, documents, ``window``,
     ``chunk_size``, ``head_chunks``), ``dilated`` (``seq``, its segments), ``compile`` (its calls' ``sp``, ``seq``,
-    documents, window; ``ulysses_size``), ``model`` and ``dynamic`` (``ulysses_size``; ``sp``). The ``engine``
-    and ``trainer`` kinds' draws are forced as given."""
+    documents, window; ``ulysses_size``), ``model`` and ``dynamic`` (``ulysses_size``; ``sp``), ``trainer``
+    (:func:`~seqpar.testing.fuzz_trainers.force_trainer`: the DP x SP split, the rows, the DP-1 draws) and ``engine``
+    (:func:`~seqpar.testing.fuzz_engines.force_engine`: ``dp`` and the replicas' batches)."""
     if not overrides:
         return draws, None
     out = {**copy.deepcopy(draws), **copy.deepcopy(overrides)}  # tuples stay tuples (a JSON round trip would not)
@@ -256,6 +257,14 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
             out["ulysses_size"] = 2 if world == 4 else world
     if kind == "dynamic" and "sp" in free and world % out["sp"]:
         out["sp"] = max(d for d in divisors if d <= out["sp"])
+    if kind in ("trainer", "engine"):  # the DP x SP split and what depends on it (its rows, replicas, DP-1 draws)
+        from seqpar.testing.fuzz_engines import force_engine
+        from seqpar.testing.fuzz_trainers import force_trainer
+
+        problem = (force_trainer if kind == "trainer" else force_engine)(out, free, rng)
+        if problem:
+            return out, f"skipped: forced key {', '.join(f'{k}={json.dumps(v)}' for k, v in overrides.items())} " \
+                        f"conflicts with {problem}"
     if kind == "attention":
         if out.get("group") == "pairs" and world != 4:
             if "group" not in free:

@@ -8,7 +8,8 @@ Drawn:
 - the planner: ``max_tokens_per_rank`` (3..24; a multiple of the sharding's per-rank padding but now and then), ``min_size`` (a power of two dividing the pool, mostly 1), and
   either the ``sequence_parallel.dynamic`` block's way (:func:`~seqpar.sequence.dynamic.plan_from_config`,
   ``balance`` step or slot: what ``plan_step`` and the loader do) or :func:`~seqpar.sequence.dynamic.plan_dynamic`
-  directly with ``spread_heavy`` / ``slot_sync`` / ``pad_multiple`` (2 or 8) and a random :class:`CostModel`
+  directly with ``spread_heavy`` / ``slot_sync`` / ``pad_multiple`` (2 or 8, never over the budget: 2 where
+  the budget is under 8) and a random :class:`CostModel`
   (token cost, window, chunk size, fixed terms);
 - the documents, a long-tailed mix over the budget ``B``: one-token documents, short ones, log-normal ones,
   one exactly ``c * B`` for an allowed group size ``c`` (exactly the budget), one longer than half the pool's
@@ -187,9 +188,11 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
                     "ring_step_cost": rng.choice((0.0, 0.0, 5.0, 80.0)),
                     "per_document_cost": rng.choice((0.0, 0.0, 20.0)), "layers": rng.choice((1, 2))}
         spread = rng.random() < 0.5
-        planner = {"how": "direct", "spread_heavy": spread, "slot_sync": spread and rng.random() < 0.6,
-                   "pad_multiple": 8 if sharding == "balanced" and rng.random() < 0.7 else rng.choice((2, 2, 8)),
-                   "cost": cost}
+        slot_sync = spread and rng.random() < 0.6
+        pad = 8 if sharding == "balanced" and rng.random() < 0.7 else rng.choice((2, 2, 8))
+        if pad > budget:  # no share fits a budget under its pad multiple: the planner refuses every document
+            pad = 2  # (a wasted draw, 1056038257's); the same generator calls, so the later draws stay as they were
+        planner = {"how": "direct", "spread_heavy": spread, "slot_sync": slot_sync, "pad_multiple": pad, "cost": cost}
     types = [t for t in decoder_model_types() if t not in _SKIP]
     model_type = rng.choice([t for t in FAMILIES if t in types]) if rng.random() < 0.67 else rng.choice(types)
     draws = {

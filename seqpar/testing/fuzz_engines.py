@@ -179,12 +179,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
+__all__ = ["ENGINES", "ENTRY_POINT_GROUP", "CHECK_ENTRY_POINT_GROUP", "EngineRunner", "engine_runner", "runner_dir", "draw_engine", "draw_tp_loss",
            "draw_autotp", "autotp_types", "vocab_split_refused", "fit_tp_lengths", "tp_plan_types", "engine_summary", "PLANTS",
-           "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference"]
+           "engine_task", "run_engine_case", "has_expert_blocks", "replica_draws", "dp_reference", "force_engine"]
 
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "fsdp1", "tp2", "autotp", "accelerate")
 ENTRY_POINT_GROUP = "seqpar.fuzz_engines"
+CHECK_ENTRY_POINT_GROUP = "seqpar.fuzz_engine_checks"
+"""The adapters' refusals the draws ask (setup.cfg): ``vocab_split_tied_embedding`` names
+``seqpar.integrations.deepspeed_tp.refuse_unsplittable_tied_embedding`` (:func:`vocab_split_refused`)."""
 
 
 class EngineRunner(Protocol):
@@ -225,7 +228,8 @@ def engine_runner(engine: str, group: str = ENTRY_POINT_GROUP, what: str = "engi
         raise LookupError(
             f"no fuzzer {what} for {engine!r}: no entry point {engine!r} in group {group!r} "
             f"(installed: {sorted(ep.name for ep in entry_points(group=group))}). Install seqpar "
-            f"(pip install -e . in a checkout), which declares seqpar.integrations.fuzz_engine:{declared} in setup.cfg")
+            f"(pip install -e . in a checkout), which declares "
+            f"{declared if ':' in declared else 'seqpar.integrations.fuzz_engine:' + declared} in setup.cfg")
     return next(iter(found)).load()
 
 
@@ -239,6 +243,33 @@ def runner_dir(runner: Any) -> Path:
 
 ZERO_COMPUTATION_EXPERTS = frozenset({"longcat_flash"})
 """Model types whose router can skip every real expert for a whole shard (see the module docstring)."""
+
+
+def force_engine(draws: dict[str, Any], free: list[str], rng: random.Random) -> str | None:
+    """Re-derive, in place, what forced keys (``--set``, :func:`seqpar.testing.fuzz.force`) make stale in an
+    ``engine`` case's ``draws``; ``free`` names the keys not forced, ``rng`` draws what must be new. Returns the
+    conflict (the case is then ``skipped``) or None. ``dp`` must divide ``world / tp_size`` (a forced world keeps
+    the drawn ``dp`` where it still does, else the largest divisor under it), and ``replicas`` holds the batches
+    of replicas 1..dp-1: cut to the first ones, or extended by replicas drawn as :func:`draw_engine` draws them
+    (a forced ``dp=1`` needs no ``--set replicas=[]``)."""
+    from seqpar.testing.fuzz_models import draw_lengths
+
+    world, dp, tp = draws["world"], draws.get("dp", 1), draws["tp_size"]
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        return f"dp={dp!r} (a positive int)"
+    if world % (dp * tp):
+        if "dp" not in free or world % tp:
+            return f"world={world} is not a multiple of dp={dp} x tp_size={tp}"
+        dp = max(d for d in range(1, dp + 1) if (world // tp) % d == 0)
+    draws["dp"] = dp
+    replicas = list(draws.get("replicas", []))
+    if len(replicas) != dp - 1:
+        if "replicas" not in free:
+            return f"replicas ({len(replicas)}) != dp - 1 = {dp - 1} (one batch draw per replica after the first)"
+        draws["replicas"] = replicas[:dp - 1] + [
+            {"case_seed": rng.randrange(2 ** 31), "lengths": draw_lengths(rng, world, draws["batch"])}
+            for _ in range(dp - 1 - len(replicas))]
+    return None
 
 
 def draw_engine(rng: random.Random, engine: str | None = None) -> dict[str, Any]:
@@ -373,7 +404,11 @@ def vocab_split_refused(model_type: str) -> bool:
     - a tied embedding whose ``forward`` is not ``nn.Embedding``'s (Gemma 3's scaled embedding aside): AutoTP splits
       it with the head and refuses it, ``NotImplementedError: Vocabulary-parallel sharding does not support the custom
       embedding forward of GemmaTextScaledWordEmbedding`` (case 491650326 of seed 952; gemma, gemma2, gemma3n_text,
-      gemma4_unified_text, vaultgemma), asked of DeepSpeed's own check (``VocabParallelEmbedding.validate_embedding``);
+      gemma4_unified_text, vaultgemma), asked of seqpar's own refusal,
+      :func:`seqpar.integrations.deepspeed_tp.refuse_unsplittable_tied_embedding` (DeepSpeed's
+      ``VocabParallelEmbedding.validate_embedding`` on a tied embedding), found through the entry point
+      ``vocab_split_tied_embedding`` of :data:`CHECK_ENTRY_POINT_GROUP` (the harness does not import the adapters),
+      so that the draw and the library cannot drift;
     - a causal-LM ``forward`` that normalises the logits over the vocabulary outside ``loss_function``
       (``logsumexp``: Bamba's z-loss, over this TP rank's slice of the vocabulary only, the loss silently 8% off:
       case 1297835562 of seed 951), asked of the class's source.
@@ -386,20 +421,19 @@ def vocab_split_refused(model_type: str) -> bool:
     if model_type not in _VOCAB_SPLIT_REFUSED:
         import inspect
 
-        from deepspeed.module_inject.layers import VocabParallelEmbedding
         from transformers import AutoModelForCausalLM
 
+        from seqpar.config import ConfigError
         from seqpar.testing.tiny_models import tiny_config
 
+        refuse = engine_runner("vocab_split_tied_embedding", CHECK_ENTRY_POINT_GROUP, "check",
+                               "seqpar.integrations.deepspeed_tp:refuse_unsplittable_tied_embedding")
         model = AutoModelForCausalLM.from_config(tiny_config(model_type))
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        source = inspect.getsource(type(model).forward)
-        refused = "logsumexp" in source
-        if head is not None and head.weight is embedding.weight:
-            try:
-                VocabParallelEmbedding.validate_embedding(embedding)
-            except NotImplementedError:
-                refused = True
+        refused = "logsumexp" in inspect.getsource(type(model).forward)
+        try:
+            refuse(model, {"tensor_parallel": {"vocab_parallel_lm_head": True}})
+        except ConfigError:
+            refused = True
         _VOCAB_SPLIT_REFUSED[model_type] = refused
     return _VOCAB_SPLIT_REFUSED[model_type]
 

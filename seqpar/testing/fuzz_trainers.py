@@ -160,12 +160,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 __all__ = ["TRAINERS", "ENGINES", "MODEL_TYPES", "ENTRY_POINT_GROUP", "PLANTS", "draw_trainer", "trainer_summary",
-           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss", "ref_adapter"]
+           "trainer_task", "trainer_data", "judge_trainer", "run_trainer_case", "router_loss", "ref_adapter",
+           "force_trainer"]
 
 TRAINERS = ("trainer", "sft", "dpo", "grpo")
 TRL_TRAINERS = frozenset({"sft", "dpo", "grpo"})
@@ -252,6 +254,73 @@ def draw_trainer(rng: random.Random) -> dict[str, Any]:
     # every draw they had (the variants are added to the adapter's config; pinned LoRA cases set them off)
     draws["lora"].update(_draw_lora_variants(random.Random(rng.randrange(2 ** 31)), draws))
     return draws
+
+
+def _resize(items: list[Any], n: int, draw: Callable[[], Any]) -> list[Any]:
+    """``items`` cut to its first ``n`` or extended to ``n`` by ``draw()``."""
+    return list(items[:n]) + [draw() for _ in range(n - len(items))]
+
+
+def force_trainer(draws: dict[str, Any], free: list[str], rng: random.Random) -> str | None:
+    """Re-derive, in place, what forced keys (``--set``, :func:`seqpar.testing.fuzz.force`) make stale in a
+    ``trainer`` case's ``draws``; ``free`` names the keys not forced (only those are re-derived), ``rng`` draws
+    what must be new. Returns the conflict (the case is then ``skipped``, never judged) or None.
+
+    The split: ``world == dp x sp`` (a forced ``dp`` re-derives ``sp``, a forced ``sp`` ``dp``, a forced ``world``
+    the drawn ``dp`` if it still divides it, else the largest divisor under it). The data: the global batch's rows
+    (``micro x dp x accumulation x steps``; GRPO's prompts ``micro / num_generations x dp x steps``) cut to the
+    first ones or extended by new draws. The draws only DP 1 takes (the module docstring: the trainer's own,
+    without seqpar): at DP > 1 ``average_tokens`` on, no router loss, no SFT evaluation, right padding for
+    left, no batch-sorted DPO loss (``sigmoid`` if none is left), GRPO's ``bnpo`` as ``grpo``."""
+    world, dp, sp = draws["world"], draws["dp"], draws["sp"]
+    for key, v in (("dp", dp), ("sp", sp), ("world", world)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"{key}={v!r} (a positive int)"
+    if world != dp * sp:
+        if "sp" in free and world % dp == 0:
+            sp = world // dp
+        elif "dp" in free and world % sp == 0:
+            dp = world // sp
+        elif "dp" in free and "sp" in free:
+            dp = max(d for d in range(1, dp + 1) if world % d == 0)
+            sp = world // dp
+        else:
+            return f"world={world} != dp={dp} x sp={sp} (each rank is one DP replica's SP rank)"
+    draws.update(dp=dp, sp=sp)
+    trainer = draws["trainer"]
+    rows = draws["micro"] * dp * draws["accumulation"] * draws["steps"]
+    if trainer == "trainer":
+        n = draws["lengths"][0] if draws["lengths"] else rng.randint(3, 20)
+        data = {"lengths": lambda: n if draws["collator"] == "rows" else
+                rng.randint(1 if draws["collator"] == "packed" else 2, 20), "masked": lambda: 0}
+    elif trainer == "sft":
+        rows = max(rows, 1) * 3
+        data = {"turns": lambda: [rng.randint(1, 6), rng.randint(1, 9)]}
+    elif trainer == "dpo":
+        data = {"pairs": lambda: [rng.randint(1, 7), rng.randint(1, 9), rng.randint(1, 9)]}
+    else:
+        rows = max(1, draws["micro"] // draws["num_generations"]) * dp * draws["steps"]
+        data = {"prompts": lambda: rng.randint(1, 6)}
+    for key, draw in data.items():
+        if len(draws[key]) != rows:
+            if key not in free:
+                return f"{key} ({len(draws[key])} rows) != the {rows} rows of the global batch at dp={dp}"
+            draws[key] = _resize(draws[key], rows, draw)
+    if dp > 1:
+        rules = {"average_tokens": True, "router_loss": False}
+        if trainer == "sft":
+            rules["evaluate"] = False
+        if trainer == "trainer" and draws["collator"] == "padded-left":
+            rules["collator"] = "padded-right"
+        if trainer == "grpo" and draws["grpo_loss"] == "bnpo":
+            rules["grpo_loss"] = "grpo"
+        if trainer == "dpo" and BATCH_SORTED_LOSSES & set(draws["dpo_loss"]):
+            keep = [i for i, x in enumerate(draws["dpo_loss"]) if x not in BATCH_SORTED_LOSSES]
+            rules["dpo_loss"] = [draws["dpo_loss"][i] for i in keep] or ["sigmoid"]
+            if draws["loss_weights"] and "loss_weights" in free and "dpo_loss" in free:
+                draws["loss_weights"] = [draws["loss_weights"][i] for i in keep] or [1.0]
+        draws.update({k: v for k, v in rules.items() if k in free})
+    return None
 
 
 LORA_VARIANTS_OFF = {"rslora": False, "bias": "none", "embed": False, "dora": False, "premade": False}
@@ -832,7 +901,7 @@ def run_trainer_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
     :func:`judge_trainer`."""
     from seqpar.testing.verdicts import classify_errors
 
-    if draws["world"] != draws["dp"] * draws["sp"]:
+    if draws["world"] != draws["dp"] * draws["sp"]:  # fuzz.force re-derives or skips a forced split: a bug
         raise ValueError(f"trainer draws inconsistent: world {draws['world']} != dp {draws['dp']} x sp {draws['sp']}")
     per_rank = pools.run(draws["world"], trainer_task, draws, "seqpar", "float32", plant, timeout=timeout)
     bad = classify_errors(per_rank)
