@@ -45,6 +45,7 @@ the graph breaks, graphs and recompiles (dynamo's counters on rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from collections.abc import Callable
@@ -181,6 +182,9 @@ def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, in
         # pass (fuzz_strides: a bshd buffer seen bhsd, a fused qkv split): the compiled op's fake must follow them
         draws["dkv_wire_dtype"] = "bf16" if rng.random() < 0.15 else "fp32"
         draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.3 else None
+        # drawn after them (fz26b): the compiled function called for evaluation or generation, forward only under
+        # torch.no_grad() or torch.inference_mode() (only the outputs judged): a compiled graph without autograd
+        draws["grad"] = rng.choice(("no_grad", "inference")) if rng.random() < 0.15 else None
     return draws
 
 
@@ -215,6 +219,8 @@ def compile_summary(draws: dict[str, Any]) -> str:
         parts.append(f"dkv={d['dkv_wire_dtype']}")
     if d.get("strided"):
         parts.append(f"strided={d['strided']}")
+    if d.get("grad"):
+        parts.append(f"grad={d['grad']}")
     return " ".join(parts)
 
 
@@ -379,23 +385,28 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
         before = _counts()
         leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
         outs: dict[int, torch.Tensor] = {}
+        forward_only = draws.get("grad") in ("no_grad", "inference")
         for step in draws["steps"]:
             total = 0.0
             for ci in step:
                 (q, k, v), leaves[ci], dout, rest = args(ci)
-                out = compiled(q, k, v, *rest)
+                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
+                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
+                    out = compiled(q, k, v, *rest)
                 if draws["layout"] == "bshd":
                     out = out.transpose(1, 2)
-                total = total + (out * dout).sum()
-                outs[ci] = out.detach()
-            total.backward()
+                if not forward_only:
+                    total = total + (out * dout).sum()
+                outs[ci] = out.detach().clone()  # clone: an inference tensor leaves inference mode as a plain one
+            if not forward_only:
+                total.backward()
         after = _counts()
         calls = []
         for ci in range(len(draws["calls"])):
             calls.append([outs[ci], *strided_grads(*leaves[ci], draws["layout"], draws.get("strided"))])
         res: dict[str, Any] = {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after},
                                "reasons": _break_reasons()}
-        if sinks is not None:
+        if sinks is not None and sinks.grad is not None:
             res["dsinks"] = sinks.grad
         return res
     except Exception as e:  # noqa: BLE001 - classified by the driver
@@ -506,22 +517,29 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
     floor = tol * 0.1 * scale_all  # as the attention kind: a ~0 tensor is judged on the case's scale
     worst = ("", 0.0)
+    forward_only = draws.get("grad") in ("no_grad", "inference")
+    names = ("out",) if forward_only else ("out", "dq", "dk", "dv")  # forward only: the outputs alone
     for ci, (c, ref_call) in enumerate(zip(draws["calls"], ref["calls"], strict=True)):
         cd = _call_draws(draws, ci)
         # the bf16 dK/dV wire: dk and dv at the attention kind's bound, 4 (P - 1) 2**-9 of their scale; out, dq exact
         wire_tol = max(tol, 4 * (c["sp"] - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
         for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
-            for ti, name in enumerate(("out", "dq", "dk", "dv")):
+            for ti, name in enumerate(names):
                 full = torch.zeros_like(ref_call[ti])
                 for r in range(c["sp"]):
-                    full[:, :, positions(cd, c["cu"], r)] = per_rank[g0 + r]["calls"][ci][ti].double()
+                    got = per_rank[g0 + r]["calls"][ci][ti]
+                    if got is None:
+                        return "WRONG", f"call{ci}.{name} missing on rank {g0 + r}: no gradient reached the leaf"
+                    full[:, :, positions(cd, c["cu"], r)] = got.double()
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
                 if not ok:
                     return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
                 worst = max(worst, (label, err), key=lambda x: x[1])
-    if "dsinks" in ref:
+    if "dsinks" in ref and not forward_only:
+        if any("dsinks" not in p for p in per_rank):
+            return "WRONG", "dsinks missing: no gradient reached the sinks"
         ok, err = close(sum(p["dsinks"].double() for p in per_rank), ref["dsinks"], tol, floor)
         if not ok:
             return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
