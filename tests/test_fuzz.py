@@ -602,6 +602,18 @@ for _seed in (1086484656, 680605197, 2143272812, 1054415801, 1146194759):
 # the plain one (test_tiled_loss_under_dynamic_cp_reduces_over_the_call_group).
 TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": True}})
 
+# fz26b: the attention and dilated kinds draw, after their other draws, what users pass that they never did
+# (fuzz.GRADS: forward only under no_grad / inference_mode, a frozen K/V; frozen sinks; documents as an int32 tensor
+# or a tuple; sharding=None / layout=None; group= the manager's SP group; balanced sharding without documents; the
+# dilated kind two calls before one backward and group=WORLD without a manager), and the compile kind forward-only
+# calls. The pinned cases they reach keep the draws they were found with (1880712864's layout=None would be refused
+# as ambiguous before its ALiBi-with-sinks refusal; 766629414 is the dilated P = 1 auto crash, kept with a manager
+# and every gradient).
+for _seed in (1812976885, 2127877499, 1880712864, 74588220):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "grad": None, "sinks_grad": True, "cu_as": "int64",
+                        "omit_sharding": False, "omit_layout": False, "group_arg": None}
+FOUND_SET[766629414] = {**FOUND_SET.get(766629414, {}), "grad": None, "group": None, "calls": [{"cu": None}]}
+FOUND_SET[456854197] = {**FOUND_SET[456854197], "grad": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -900,8 +912,9 @@ def test_strided_and_dilated_axes_are_drawn() -> None:
     assert {d["dkv_wire_dtype"] for d in com} == {"fp32", "bf16"}
     assert any(d["heads"][3] != d["heads"][2] for d in dil) and any(d["scale"] for d in dil)
     assert {d["mode"] for d in dil} == {"ring", "allgather", "auto"}
-    assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs"} and all(
-        d["group"] is None for d in dil if d["world"] != 4)
+    # (fz26b: "world", group=WORLD without a manager, at any world)
+    assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs", "world"} and all(
+        d["group"] != "pairs" for d in dil if d["world"] != 4)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 5, w, generator=g) for h, w in ((4, 6), (2, 6), (2, 3)))
     for layout in ("bhsd", "bshd"):
@@ -2076,3 +2089,61 @@ def test_autotp_draws_the_vocabulary_split_head() -> None:
     assert not any(vocab_split_refused(t) for t in ("gemma3_text", "llama", "starcoder2", "apertus", "apertus1p5_text"))
     assert [fuzz.draw_case(s, ("engine",))["vocab_parallel_lm_head"]
             for s in (AUTOTP_CASE, AUTOTP_ZERO3_CASE, 1709044604)] == [False] * 3
+
+
+def test_fz26b_axes_are_drawn() -> None:
+    """fz26b's axes, each drawn after a kind's other draws (a case seed's earlier draws stay, but for balanced
+    sharding without documents, which turns a quarter of the undocumented zigzag draws): forward only under
+    ``no_grad`` / ``inference_mode`` and a frozen K/V (never with the fused views, one leaf), frozen sinks, documents
+    as an int32 tensor or a tuple, ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group in the
+    attention kind; the grads, two calls and ``group=WORLD`` without a manager in the dilated kind; forward-only
+    compiled calls. ``strided_inputs`` freezes k and v alone. Seen failing: with ``_draw_grad`` drawing nothing (the
+    GRADS set assertion), and with ``strided_inputs`` freezing q as well (``frozen_kv``: q not a grad leaf)."""
+    from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
+
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(400)]
+    dil = [fuzz.draw_case(s, ("dilated",)) for s in range(400)]
+    com = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(300)) if d["sub"] == "attention"]
+    assert {d["grad"] for d in att} == {d["grad"] for d in dil} == set(fuzz.GRADS)
+    assert not any(d["grad"] == "frozen_kv" and d["strided"] == "fused" for d in att + dil)
+    assert {d["grad"] for d in com} == {None, "no_grad", "inference"}
+    assert {d["cu_as"] for d in att if d["calls"][0]["cu"]} == set(fuzz.CU_AS)
+    assert any(not d["sinks_grad"] for d in att if d["sinks"]) and all(d["sinks_grad"] for d in att if not d["sinks"])
+    assert any(d["omit_sharding"] and d["declare_sharding"] for d in att) and any(d["omit_layout"] for d in att)
+    assert any(d["group_arg"] == "manager" for d in att) and not any(d["group_arg"] and d["group"] for d in att)
+    assert any(d["sharding"] == "balanced" and d["calls"][0]["cu"] is None for d in att)
+    assert any(len(d.get("calls", [])) == 2 for d in dil) and any(d["group"] == "world" for d in dil)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4, 6, generator=g) for h in (4, 2, 2))
+    leaves, views = strided_inputs(q, k, v, "bhsd", "transposed", frozen_kv=True)
+    assert [x.requires_grad for x in leaves] == [True, False, False]
+    views[0].sum().backward()
+    dq, dk, dv = strided_grads(leaves, [x.shape for x in (q, k, v)], "bhsd", "transposed")
+    assert torch.equal(dq, torch.ones_like(q)) and dk is None and dv is None
+    with pytest.raises(ValueError, match="one leaf"):
+        strided_inputs(q, k, v, "bhsd", "fused", frozen_kv=True)
+
+
+# fz26b's axes on 3 ranks, exact: 1860 (hybrid u=3, zigzag declared and sharding=None passed, documents as a tuple,
+# sinks, two calls before one backward, a frozen K/V and sinks frozen with it), 2012 (ring, balanced sharding without
+# documents, declared and not passed, layout=None, window and chunks, the fused views, under inference_mode) and the
+# dilated 230 (group=WORLD with no manager, two calls before one backward, a segment over all three ranks)
+FZ26B_CASES = ((1860, ("attention",)), (2012, ("attention",)), (230, ("dilated",)))
+
+
+@pytest.mark.timeout(300)
+def test_fz26b_axes_are_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """:data:`FZ26B_CASES` are exact. Seen failing: with ``resolve_sharding`` ignoring the declared sharding when a
+    call passes none (1860 WRONG: its zigzag shards read as contiguous), and with ``strided_grads`` dropping dq
+    (1860 WRONG: "dq missing")."""
+    for seed, kinds in FZ26B_CASES:
+        draws = fuzz.draw_case(seed, kinds)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (seed, fuzz.summary(draws), rec["detail"], rec.get("trace"))
+    d = fuzz.draw_case(1860, ("attention",))
+    assert (d["grad"], d["cu_as"], d["omit_sharding"], d["declare_sharding"], d["sharding"]) == (
+        "frozen_kv", "tuple", True, True, "zigzag"), fuzz.summary(d)
+    d = fuzz.draw_case(2012, ("attention",))
+    assert (d["grad"], d["sharding"], d["calls"][0]["cu"], d["strided"]) == ("inference", "balanced", None, "fused")
+    d = fuzz.draw_case(230, ("dilated",))
+    assert (d["group"], len(d["calls"]), d["world"]) == ("world", 2, 3) and max(d["segment_lengths"]) == d["seq"]
