@@ -2097,7 +2097,7 @@ def test_fz26b_axes_are_drawn() -> None:
     ``no_grad`` / ``inference_mode`` and a frozen K/V (never with the fused views, one leaf), frozen sinks, documents
     as an int32 tensor or a tuple, ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group in the
     attention kind; the grads, two calls and ``group=WORLD`` without a manager in the dilated kind; forward-only
-    compiled calls. ``strided_inputs`` freezes k and v alone. Seen failing: with ``_draw_grad`` drawing nothing (the
+    compiled calls, and compiled ``dilated_attention`` (``sub="dilated"``, a pattern fitting every call). ``strided_inputs`` freezes k and v alone. Seen failing: with ``_draw_grad`` drawing nothing (the
     GRADS set assertion), and with ``strided_inputs`` freezing q as well (``frozen_kv``: q not a grad leaf)."""
     from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
 
@@ -2107,6 +2107,13 @@ def test_fz26b_axes_are_drawn() -> None:
     assert {d["grad"] for d in att} == {d["grad"] for d in dil} == set(fuzz.GRADS)
     assert not any(d["grad"] == "frozen_kv" and d["strided"] == "fused" for d in att + dil)
     assert {d["grad"] for d in com} == {None, "no_grad", "inference"}
+    cdil = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(300)) if d["sub"] == "dilated"]
+    assert len(cdil) > 15 and {d["dilated_mode"] for d in cdil} == {"ring", "allgather"}
+    for d in cdil:  # every segment fits every call's length and shard (the docstring's rule)
+        assert all(c["seq"] % w == 0 and (c["sp"] == 1 or (c["seq"] // c["sp"]) % w == 0 or w % (c["seq"] // c["sp"]) == 0)
+                   for c in d["calls"] for w in d["segment_lengths"]), fuzz.summary(d)
+        assert all(w % r == 0 for w, r in zip(d["segment_lengths"], d["dilation_rates"], strict=True))
+    assert any(d["fullgraph"] for d in cdil) and not any(d["fullgraph"] and d["check_inputs"] for d in cdil)
     assert {d["cu_as"] for d in att if d["calls"][0]["cu"]} == set(fuzz.CU_AS)
     assert any(not d["sinks_grad"] for d in att if d["sinks"]) and all(d["sinks_grad"] for d in att if not d["sinks"])
     assert any(d["omit_sharding"] and d["declare_sharding"] for d in att) and any(d["omit_layout"] for d in att)
@@ -2124,11 +2131,12 @@ def test_fz26b_axes_are_drawn() -> None:
         strided_inputs(q, k, v, "bhsd", "fused", frozen_kv=True)
 
 
-# fz26b's axes on 3 ranks, exact: 1860 (hybrid u=3, zigzag declared and sharding=None passed, documents as a tuple,
-# sinks, two calls before one backward, a frozen K/V and sinks frozen with it), 2012 (ring, balanced sharding without
+# fz26b's axes on 3 ranks, exact: 1860 with head_chunks="auto" (hybrid u=3, zigzag declared and sharding=None
+# passed, documents as a tuple, sinks, two calls before one backward, a frozen K/V and sinks frozen with it; its drawn
+# head_chunks=3 is refused by name: each Ulysses rank holds 1 of the 3 K/V heads), 2012 (ring, balanced sharding without
 # documents, declared and not passed, layout=None, window and chunks, the fused views, under inference_mode) and the
 # dilated 230 (group=WORLD with no manager, two calls before one backward, a segment over all three ranks)
-FZ26B_CASES = ((1860, ("attention",)), (2012, ("attention",)), (230, ("dilated",)))
+FZ26B_CASES = ((1860, ("attention",), {"head_chunks": "auto"}), (2012, ("attention",), {}), (230, ("dilated",), {}))
 
 
 @pytest.mark.timeout(300)
@@ -2136,8 +2144,9 @@ def test_fz26b_axes_are_exact(fuzzer: fuzz.Fuzzer) -> None:
     """:data:`FZ26B_CASES` are exact. Seen failing: with ``resolve_sharding`` ignoring the declared sharding when a
     call passes none (1860 WRONG: its zigzag shards read as contiguous), and with ``strided_grads`` dropping dq
     (1860 WRONG: "dq missing")."""
-    for seed, kinds in FZ26B_CASES:
-        draws = fuzz.draw_case(seed, kinds)
+    for seed, kinds, pinned in FZ26B_CASES:
+        draws, conflict = fuzz.force(fuzz.draw_case(seed, kinds), pinned)
+        assert conflict is None, conflict
         rec = fuzzer.run(draws)
         assert rec["verdict"] == "exact", (seed, fuzz.summary(draws), rec["detail"], rec.get("trace"))
     d = fuzz.draw_case(1860, ("attention",))
@@ -2147,3 +2156,22 @@ def test_fz26b_axes_are_exact(fuzzer: fuzz.Fuzzer) -> None:
     assert (d["grad"], d["sharding"], d["calls"][0]["cu"], d["strided"]) == ("inference", "balanced", None, "fused")
     d = fuzz.draw_case(230, ("dilated",))
     assert (d["group"], len(d["calls"]), d["world"]) == ("world", 2, 3) and max(d["segment_lengths"]) == d["seq"]
+
+
+@pytest.mark.compile_stage
+@pytest.mark.timeout(600)
+def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """The compile kind's ``sub="dilated"`` (fz26b): 73 (P = 2, ring, ``fullgraph=True``, three calls, two
+    forwards before a backward, transposed views: one graph) and 1968 pinned to ``mixed`` heads and aot_eager
+    (P = 4, then the pairs ``{0, 1}, {2, 3}`` with batch 2; a 12-token segment over two ranks of each group; fused
+    views) are exact. Seen failing: with the compiled op's scale off by 0.1% (``dilated._compiled_dilated``: 73
+    WRONG), and with ``compile_dilated_task`` sharding the pairs' call by the global rank (1968: a crash). Not seen
+    failing with the pairs' call given no group: 1968's segments (2 and 12 tokens) lie inside each pair, so the
+    4-rank group computes the same."""
+    rec = fuzzer.run(fuzz.draw_case(73, ("compile",)))
+    assert rec["draws"]["sub"] == "dilated" and rec["draws"]["fullgraph"], fuzz.summary(rec["draws"])
+    assert rec["verdict"] == "exact" and "1 graphs" in rec["detail"], (rec["detail"], rec.get("trace"))
+    draws, conflict = fuzz.force(fuzz.draw_case(1968, ("compile",)), {"head_layout": "mixed", "backend": "aot_eager"})
+    assert conflict is None and [c["sp"] for c in draws["calls"]] == [4, 2], fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact", (rec["detail"], rec.get("trace"))

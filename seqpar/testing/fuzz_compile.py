@@ -56,7 +56,7 @@ import torch
 
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
-__all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task",
+__all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task", "compile_dilated_task",
            "compile_model_task", "compile_reference", "compile_tensors"]
 
 COVERED = ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss")
@@ -185,11 +185,40 @@ def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, in
         # drawn after them (fz26b): the compiled function called for evaluation or generation, forward only under
         # torch.no_grad() or torch.inference_mode() (only the outputs judged): a compiled graph without autograd
         draws["grad"] = rng.choice(("no_grad", "inference")) if rng.random() < 0.15 else None
+        _draw_dilated_tail(rng, draws)
     return draws
+
+
+def _draw_dilated_tail(rng: random.Random, draws: dict[str, Any]) -> None:
+    """Now and then (fz26b, drawn last) turn a direct-call draw into ``sub="dilated"``: the same compiled calls
+    (SP sizes, lengths, batches, the pairs, steps, heads, causal, scale, the wire, strided views, grad, dtype,
+    dynamic, backend) through :func:`seqpar.dilated_attention` with a drawn pattern that fits every call's length
+    and shard, ``head_layout`` and ``dilated_mode`` (ring or allgather). Its attention-only draws (documents,
+    window, sinks, ALiBi, soft-cap, chunks, layout, head_chunks, overlap, mode) are left unused. The compile kind
+    never drew dilated attention; its op (``dilated_fwd``) must follow every call's shapes and groups."""
+    if rng.random() >= 0.2:
+        return
+    seqs = [(c["seq"], c["sp"]) for c in draws["calls"]]
+    fits = [w for w in range(1, max(s for s, _ in seqs) + 1)
+            if all(s % w == 0 and (sp == 1 or (s // sp) % w == 0 or w % (s // sp) == 0) for s, sp in seqs)]
+    segs = [rng.choice(fits) for _ in range(rng.randint(1, 3))]
+    draws.update(sub="dilated", segment_lengths=segs,
+                 dilation_rates=[rng.choice([r for r in range(1, w + 1) if w % r == 0]) for w in segs],
+                 head_layout=rng.choice(("mixed", "mixed", "grouped")), dilated_mode=rng.choice(("ring", "allgather")))
+    # one graph is promised where the cross-rank check is off (docs/performance.md: dilated compiles as custom ops)
+    draws["fullgraph"] = not draws["check_inputs"] and rng.random() < 0.4
 
 
 def compile_summary(draws: dict[str, Any]) -> str:
     d = draws
+    if d["sub"] == "dilated":
+        calls = " ".join(f"[P{c['sp']} B{c['batch']} S{c['seq']}]" for c in d["calls"])
+        return (f"compile/dilated P={d['world']} {d['dilated_mode']} {d['backend']} dynamic={d['dynamic']} "
+                f"w={d['segment_lengths']} r={d['dilation_rates']} {d['head_layout']} H={'/'.join(map(str, d['heads']))} "
+                f"causal={int(d['causal'])} {calls} steps={d['steps']} {d['dtype']}"
+                + "".join(f" {k}={d[k]}" for k in ("scale", "strided", "grad") if d.get(k))
+                + (" dkv=bf16" if d.get("dkv_wire_dtype") == "bf16" else "") + (" check_inputs" if d["check_inputs"] else "")
+                + (" fullgraph" if d.get("fullgraph") else ""))
     head = (f"compile/{d['sub']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['backend']} dynamic={d['dynamic']}")
     if d["sub"] == "model":
@@ -418,6 +447,73 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
             dist.destroy_process_group(pairs)
 
 
+def _dilated_call_draws(draws: dict[str, Any], ci: int) -> dict[str, Any]:
+    """Call ``ci`` of a ``sub="dilated"`` case as a one-call ``dilated`` draw (contiguous shards, its SP size and
+    length), for its reference and its ranks' positions."""
+    c = draws["calls"][ci]
+    return {**draws, "kind": "dilated", "world": c["sp"], "seq": c["seq"], "batch": c["batch"], "sharding": "contiguous",
+            "calls": [{"cu": None}]}
+
+
+def compile_dilated_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None,
+                         positions: Callable) -> dict[str, Any]:
+    """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.dilated_attention`
+    (``sub="dilated"``), contiguous shards. Returns as :func:`compile_attention_task`."""
+    import torch.distributed as dist
+
+    import seqpar
+
+    rank, world = ctx.rank, ctx.world_size
+    dtype = getattr(torch, draws["dtype"])
+    _fresh_dynamo()
+    undo = _plant(plant)
+    pairs = None
+    try:
+        seqpar.init_process_groups(sp_size=world)
+        if any(c["sp"] != world for c in draws["calls"]):
+            pairs, _ = dist.new_subgroups(2)
+
+        def call(q, k, v, group):  # noqa: ANN001, ANN202
+            return seqpar.dilated_attention(
+                q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
+                causal=draws["causal"], scale=draws["scale"], mode=draws["dilated_mode"], group=group,
+                head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
+                dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+
+        compiled = _compiled(call, draws)
+        forward_only = draws.get("grad") in ("no_grad", "inference")
+        before = _counts()
+        leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
+        outs: dict[int, torch.Tensor] = {}
+        for step in draws["steps"]:
+            total = 0.0
+            for ci in step:
+                c, t = draws["calls"][ci], tensors["calls"][ci]
+                pos = positions(_dilated_call_draws(draws, ci), None, rank % c["sp"])
+                q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
+                shapes = [x.shape for x in (q, k, v)]
+                xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
+                leaves[ci] = (xs, shapes)
+                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
+                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
+                    out = compiled(q, k, v, pairs if c["sp"] != world else None)
+                if not forward_only:
+                    total = total + (out * dout).sum()
+                outs[ci] = out.detach().clone()
+            if not forward_only:
+                total.backward()
+        after = _counts()
+        calls = [[outs[ci], *strided_grads(*leaves[ci], "bhsd", draws.get("strided"))] for ci in range(len(draws["calls"]))]
+        return {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after}, "reasons": _break_reasons()}
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": _record(e)}
+    finally:
+        undo()
+        _fresh_dynamo()
+        if pairs is not None:
+            dist.destroy_process_group(pairs)
+
+
 _OBSERVED = re.compile(r"raised exception (ValueError|TypeError|NotImplementedError)\((.*)\)\s*$", re.M)
 
 
@@ -490,6 +586,8 @@ def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[st
 
 def _promised_one_graph(draws: dict[str, Any]) -> bool:
     """Whether docs/performance.md promises one graph for the case (then a break is the ``breaks`` verdict)."""
+    if draws["sub"] == "dilated":  # custom ops; the cross-rank check (a collective with a host read) breaks it
+        return not draws["check_inputs"]
     if draws["sub"] == "attention":
         # balanced sharding with the boundaries as a tensor is refused while tracing (resolve.py), which dynamo
         # without fullgraph turns into an eager fallback (a break), as the docs say for compile
@@ -558,6 +656,20 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
     ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
     :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
 
+    if draws["sub"] == "dilated":
+        # the dilated kind's float64 reference (seqpar.testing.fuzz.dilated_reference), imported where it is used:
+        # fuzz imports this module, so a top-level import would make the two a cycle
+        from seqpar.testing.fuzz import dilated_reference
+
+        tensors = compile_tensors(draws)
+        per_rank = pools.run(draws["world"], compile_dilated_task, draws, tensors, plant, positions, timeout=timeout)
+        bad = _classify(draws, per_rank)
+        if bad is not None:
+            return (*bad, _trace(per_rank))
+        ref = {"calls": [dilated_reference(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
+                         for ci in range(len(draws["calls"]))]}
+        flat = {**draws, "sharding": "contiguous", "calls": [{**c, "cu": None} for c in draws["calls"]]}
+        return (*_with_counts(*_judge_attention(flat, ref, per_rank, positions), draws, per_rank), None)
     if draws["sub"] == "attention":
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, positions, timeout=timeout)
