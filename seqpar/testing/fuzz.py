@@ -14,10 +14,14 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
   no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
   sequence); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
-  buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer);
+  buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
+  ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
+  tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
+  without documents;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
-  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``);
+  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
+  before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2

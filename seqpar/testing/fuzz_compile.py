@@ -21,6 +21,11 @@ function** with changing inputs: other documents, another sequence length, a sec
 (P = 4) a call on the pairs ``{0, 1}, {2, 3}`` (the SP group changes between calls, passed as ``group=``), with
 the backward after each call, after two forwards, or after all (``steps``).
 
+Now and then (``_draw_dilated_tail``) a direct-call draw becomes ``sub="dilated"``: the same compiled calls through
+:func:`seqpar.dilated_attention` (a pattern fitting every call's length and shard, ``head_layout``, ring or
+allgather), against the ``dilated`` kind's float64 reference. Direct calls now and then run forward only under
+``torch.no_grad()`` or ``torch.inference_mode()`` (``grad``; only the outputs judged).
+
 ``sub="model"``: a tiny model (:func:`seqpar.testing.fuzz_models.build_case_model`) under ``swap_attention``,
 ``torch.compile(model)``, two or three batches of :func:`seqpar.shard_batch` (rows of changing lengths; packed
 documents of changing layouts; a right-padded row with its ``attention_mask``, which a compiled model refuses by
