@@ -607,6 +607,21 @@ TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": Tr
 FOUND_SET[1056038257] = {"planner": {"how": "direct", "spread_heavy": True, "slot_sync": False, "pad_multiple": 8,
                                      "cost": None}}
 
+# fz26b: the attention and dilated kinds draw, after their other draws, what users pass that they never did
+# (fuzz.GRADS: forward only under no_grad / inference_mode, a frozen K/V; frozen sinks; documents as an int32 tensor
+# or a tuple; sharding=None / layout=None; group= the manager's SP group; balanced sharding without documents; the
+# dilated kind two calls before one backward and group=WORLD without a manager), and the compile kind forward-only
+# calls. The pinned cases they reach keep the draws they were found with (1880712864's layout=None would be refused
+# as ambiguous before its ALiBi-with-sinks refusal; 766629414 is the dilated P = 1 auto crash, kept with a manager
+# and every gradient).
+for _seed in (1812976885, 2127877499, 1880712864, 74588220):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "grad": None, "sinks_grad": True, "cu_as": "int64",
+                        "omit_sharding": False, "omit_layout": False, "group_arg": None, "expand_kv": False}
+# ALiBi with sinks or soft-cap is drawn a fifth as often since (its refusal by design): the two pinned refusals keep it
+for _seed in (2127877499, 1880712864):
+    FOUND_SET[_seed]["alibi"] = True
+FOUND_SET[766629414] = {**FOUND_SET.get(766629414, {}), "grad": None, "group": None, "calls": [{"cu": None}]}
+FOUND_SET[456854197] = {**FOUND_SET[456854197], "grad": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -905,8 +920,9 @@ def test_strided_and_dilated_axes_are_drawn() -> None:
     assert {d["dkv_wire_dtype"] for d in com} == {"fp32", "bf16"}
     assert any(d["heads"][3] != d["heads"][2] for d in dil) and any(d["scale"] for d in dil)
     assert {d["mode"] for d in dil} == {"ring", "allgather", "auto"}
-    assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs"} and all(
-        d["group"] is None for d in dil if d["world"] != 4)
+    # (fz26b: "world", group=WORLD without a manager, at any world)
+    assert {d["group"] for d in dil if d["world"] == 4} == {None, "pairs", "world"} and all(
+        d["group"] != "pairs" for d in dil if d["world"] != 4)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 5, w, generator=g) for h, w in ((4, 6), (2, 6), (2, 3)))
     for layout in ("bhsd", "bshd"):
@@ -2178,3 +2194,91 @@ def test_the_vocab_split_draw_asks_the_librarys_own_refusal(monkeypatch: pytest.
     monkeypatch.setattr(deepspeed_tp, "refuse_unsplittable_tied_embedding", lambda model, ds_config: None)
     assert not vocab_split_refused("gemma")
     assert vocab_split_refused("bamba")  # its z-loss, read from the forward's source (not a tied embedding)
+
+def test_fz26b_axes_are_drawn() -> None:
+    """fz26b's axes, each drawn after a kind's other draws (a case seed's earlier draws stay, but for balanced
+    sharding without documents, which turns a quarter of the undocumented zigzag draws): forward only under
+    ``no_grad`` / ``inference_mode`` and a frozen K/V (never with the fused views, one leaf), frozen sinks, documents
+    as an int32 tensor or a tuple, ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group in the
+    attention kind; the grads, two calls and ``group=WORLD`` without a manager in the dilated kind; forward-only
+    compiled calls, and compiled ``dilated_attention`` (``sub="dilated"``, a pattern fitting every call). ``strided_inputs`` freezes k and v alone. Seen failing: with ``_draw_grad`` drawing nothing (the
+    GRADS set assertion), and with ``strided_inputs`` freezing q as well (``frozen_kv``: q not a grad leaf)."""
+    from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
+
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(400)]
+    dil = [fuzz.draw_case(s, ("dilated",)) for s in range(400)]
+    com = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(300)) if d["sub"] == "attention"]
+    assert {d["grad"] for d in att} == {d["grad"] for d in dil} == set(fuzz.GRADS)
+    assert not any(d["grad"] == "frozen_kv" and d["strided"] == "fused" for d in att + dil)
+    assert {d["grad"] for d in com} == {None, "no_grad", "inference"}
+    cdil = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(300)) if d["sub"] == "dilated"]
+    assert len(cdil) > 15 and {d["dilated_mode"] for d in cdil} == {"ring", "allgather"}
+    for d in cdil:  # every segment fits every call's length and shard (the docstring's rule)
+        assert all(c["seq"] % w == 0 and (c["sp"] == 1 or (c["seq"] // c["sp"]) % w == 0 or w % (c["seq"] // c["sp"]) == 0)
+                   for c in d["calls"] for w in d["segment_lengths"]), fuzz.summary(d)
+        assert all(w % r == 0 for w, r in zip(d["segment_lengths"], d["dilation_rates"], strict=True))
+    assert any(d["fullgraph"] for d in cdil) and not any(d["fullgraph"] and d["check_inputs"] for d in cdil)
+    assert {d["cu_as"] for d in att if d["calls"][0]["cu"]} == set(fuzz.CU_AS)
+    assert any(not d["sinks_grad"] for d in att if d["sinks"]) and all(d["sinks_grad"] for d in att if not d["sinks"])
+    assert any(d["omit_sharding"] and d["declare_sharding"] for d in att) and any(d["omit_layout"] for d in att)
+    assert any(d["group_arg"] == "manager" for d in att) and not any(d["group_arg"] and d["group"] for d in att)
+    assert any(d["sharding"] == "balanced" and d["calls"][0]["cu"] is None for d in att)
+    assert any(d["expand_kv"] for d in att) and all(d["heads"][1] == 1 and d["strided"] != "fused"
+                                                    for d in att if d["expand_kv"])
+    assert 0 < sum(d["alibi"] and (d["sinks"] or d["softcap"] is not None) for d in att) < 15  # a fifth kept
+    assert any(len(d.get("calls", [])) == 2 for d in dil) and any(d["group"] == "world" for d in dil)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 4, 6, generator=g) for h in (4, 2, 2))
+    leaves, views = strided_inputs(q, k, v, "bhsd", "transposed", frozen_kv=True)
+    assert [x.requires_grad for x in leaves] == [True, False, False]
+    views[0].sum().backward()
+    dq, dk, dv = strided_grads(leaves, [x.shape for x in (q, k, v)], "bhsd", "transposed")
+    assert torch.equal(dq, torch.ones_like(q)) and dk is None and dv is None
+    with pytest.raises(ValueError, match="one leaf"):
+        strided_inputs(q, k, v, "bhsd", "fused", frozen_kv=True)
+
+
+# fz26b's axes on 3 ranks, exact: 1860 with head_chunks="auto" (hybrid u=3, zigzag declared and sharding=None
+# passed, documents as a tuple, sinks, two calls before one backward, a frozen K/V and sinks frozen with it; its drawn
+# head_chunks=3 is refused by name: each Ulysses rank holds 1 of the 3 K/V heads), 2012 (ring, balanced sharding without
+# documents, declared and not passed, layout=None, window and chunks, the fused views, under inference_mode) and the
+# dilated 230 (group=WORLD with no manager, two calls before one backward, a segment over all three ranks)
+FZ26B_CASES = ((1860, ("attention",), {"head_chunks": "auto"}), (2012, ("attention",), {}), (230, ("dilated",), {}))
+
+
+@pytest.mark.timeout(300)
+def test_fz26b_axes_are_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """:data:`FZ26B_CASES` are exact. Seen failing: with ``resolve_sharding`` ignoring the declared sharding when a
+    call passes none (1860 WRONG: its zigzag shards read as contiguous), and with ``strided_grads`` dropping dq
+    (1860 WRONG: "dq missing")."""
+    for seed, kinds, pinned in FZ26B_CASES:
+        draws, conflict = fuzz.force(fuzz.draw_case(seed, kinds), pinned)
+        assert conflict is None, conflict
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (seed, fuzz.summary(draws), rec["detail"], rec.get("trace"))
+    d = fuzz.draw_case(1860, ("attention",))
+    assert (d["grad"], d["cu_as"], d["omit_sharding"], d["declare_sharding"], d["sharding"]) == (
+        "frozen_kv", "tuple", True, True, "zigzag"), fuzz.summary(d)
+    d = fuzz.draw_case(2012, ("attention",))
+    assert (d["grad"], d["sharding"], d["calls"][0]["cu"], d["strided"]) == ("inference", "balanced", None, "fused")
+    d = fuzz.draw_case(230, ("dilated",))
+    assert (d["group"], len(d["calls"]), d["world"]) == ("world", 2, 3) and max(d["segment_lengths"]) == d["seq"]
+
+
+@pytest.mark.compile_stage
+@pytest.mark.timeout(600)
+def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
+    """The compile kind's ``sub="dilated"`` (fz26b): 73 (P = 2, ring, ``fullgraph=True``, three calls, two
+    forwards before a backward, transposed views: one graph) and 1968 pinned to ``mixed`` heads and aot_eager
+    (P = 4, then the pairs ``{0, 1}, {2, 3}`` with batch 2; a 12-token segment over two ranks of each group; fused
+    views) are exact. Seen failing: with the compiled op's scale off by 0.1% (``dilated._compiled_dilated``: 73
+    WRONG), and with ``compile_dilated_task`` sharding the pairs' call by the global rank (1968: a crash). Not seen
+    failing with the pairs' call given no group: 1968's segments (2 and 12 tokens) lie inside each pair, so the
+    4-rank group computes the same."""
+    rec = fuzzer.run(fuzz.draw_case(73, ("compile",)))
+    assert rec["draws"]["sub"] == "dilated" and rec["draws"]["fullgraph"], fuzz.summary(rec["draws"])
+    assert rec["verdict"] == "exact" and "1 graphs" in rec["detail"], (rec["detail"], rec.get("trace"))
+    draws, conflict = fuzz.force(fuzz.draw_case(1968, ("compile",)), {"head_layout": "mixed", "backend": "aot_eager"})
+    assert conflict is None and [c["sp"] for c in draws["calls"]] == [4, 2], fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact", (rec["detail"], rec.get("trace"))

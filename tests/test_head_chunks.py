@@ -115,3 +115,20 @@ def test_every_rank_decides_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
                                            group=dist.group.WORLD) for mode in ("ring", "allgather")]
                 decided[rank] = [plan.opts.head_chunks for plan in plans]
     assert set(map(tuple, decided.values())) == {(1, 1)}, decided
+
+
+def test_a_head_chunks_refusal_names_the_share_it_divides() -> None:
+    """Under Ulysses and hybrid ``head_chunks`` divides each rank's share of the K/V heads, not the call's: the
+    refusal names the share (fuzz case 243281122: hybrid u=3 over 2 K/V heads, ``head_chunks=2``, refused as "does
+    not divide the 1 K/V heads", which read as a miscount of the caller's 2). Rank 0 of a 3-rank fake world.
+    Seen failing: without ``share=`` in resolve.py's Ulysses plan (the message names 1 K/V heads alone)."""
+    import seqpar
+    from seqpar.testing.fake_world import fake_rank
+
+    q, k = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)  # the case's heads: 4 query, 2 K/V
+    with fake_rank(0, 3):
+        seqpar.init_process_groups(sp_size=3)
+        with pytest.raises(ValueError) as err:
+            seqpar.attention(q, k, k, causal=True, mode="ulysses", head_chunks=2, check_inputs=False)
+    msg = str(err.value)
+    assert "head_chunks=2" in msg and "3 Ulysses ranks holds" in msg and "the call's 2" in msg, msg

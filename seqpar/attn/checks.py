@@ -109,8 +109,11 @@ class GpuCall:
         return self.batch * (self.q_heads // chunks) * math.ceil(max(rows, 1) / FLASH_TILE_ROWS)
 
 
-def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | None = None) -> int:
-    """The number of head passes: ``head_chunks`` itself (validated), or for ``"auto"``:
+def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | None = None, *,
+                        share: str = "") -> int:
+    """The number of head passes over ``kv_heads`` K/V heads (the call's, or under Ulysses each rank's share of
+    them, which ``share`` then names for the error: the caller's tensor has more heads than the message's
+    count): ``head_chunks`` itself (validated), or for ``"auto"``:
 
     - on a GPU (``gpu`` given, its total memory known): 1 while the unchunked call's transients fit in
       :data:`AUTO_MEMORY_FRACTION` of the device's memory, else the fewest passes (a divisor of
@@ -132,7 +135,8 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | No
     if kv_heads % head_chunks:
         divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
         raise ValueError(
-            f"head_chunks={head_chunks} does not divide the {kv_heads} K/V heads: choose one of {divisors} or 'auto'"
+            f"head_chunks={head_chunks} does not divide the {kv_heads} K/V heads{share}: choose one of {divisors} or "
+            "'auto'"
         )
     return head_chunks
 

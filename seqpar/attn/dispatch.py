@@ -84,7 +84,7 @@ def attention(
         head_chunks: run the algorithm this many times, each on ``kv_heads / head_chunks`` K/V heads
             and their query heads: the transient buffers (travelling K/V and dK/dV, gathered K/V,
             kernel outputs) shrink by that factor at the cost of more, smaller messages. Must
-            divide kv_heads. ``"auto"``: on CPU the largest divisor of kv_heads that is at most
+            divide kv_heads (Ulysses / hybrid: each Ulysses rank's share of them). ``"auto"``: on CPU the largest divisor of kv_heads that is at most
             :data:`AUTO_HEAD_CHUNKS` (4); on a GPU 1 unless the unchunked call's transients exceed a
             quarter of the device's total memory, never below one wave of the GPU per kernel call
             (:func:`seqpar.attn.checks.resolve_head_chunks`).

@@ -178,8 +178,12 @@ def _ulysses_plan(
     # (dynamic=True), an uneven split's shares (runtime.grid.ulysses_shares' divmod) broke the graph
     split = head_split(guard_scalar(q.shape[1]), guard_scalar(k.shape[1]), u, sp_size=sp, mode=algorithm,
                        tp=manager.tp_size if manager is not None else 1)
+    # head_chunks cuts each rank's share of the K/V heads: name it, or "the 1 K/V heads" reads as a miscount of the
+    # caller's 2 (fuzz case 243281122: hybrid u=3, 2 K/V heads, head_chunks=2)
+    share = f" each of the {u} Ulysses ranks holds (its share of the call's {k.shape[1]})"
     return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
-                            head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank), seq_local=q.shape[2])
+                            head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank, share=share),
+                            seq_local=q.shape[2])
 
 
 def _float_digest(value: object) -> int:

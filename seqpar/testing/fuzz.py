@@ -14,10 +14,14 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
   no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
   sequence); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
-  buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer);
+  buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
+  ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
+  tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
+  without documents;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
-  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``);
+  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
+  before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
@@ -134,8 +138,9 @@ def _draw_attention(rng: random.Random) -> dict[str, Any]:
     calls = []
     for _ in range(2 if two_calls else 1):
         calls.append({"cu": _draw_documents(rng, seq, world) if docs else None})
+    # cu_seqlens needs batch 1 (its docstring): batch 2 with documents is drawn rarely, to see the refusal
     batch = 2 if (not docs and rng.random() < 0.3) or rng.random() < 0.03 else 1
-    return {
+    draws = {
         "kind": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
         "declare_sharding": rng.random() < 0.5, "sharding": sharding, "heads": [hq, hkv, d, dv],
         "batch": batch, "seq": seq, "causal": rng.random() < 0.7, "calls": calls,
@@ -149,6 +154,8 @@ def _draw_attention(rng: random.Random) -> dict[str, Any]:
         "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
         "overlap": rng.random() < 0.8,
         "check_inputs": rng.random() < 0.7,
+        # not bf16 / fp16: the bar is exact against float64 (fp32 to ~1e-5); low precision has its own bounds and
+        # tests (tests/test_low_precision_ring.py, BENCHMARKS.md), not a per-tensor exactness verdict
         "dtype": "float64" if rng.random() < 0.2 else "float32",
         # drawn last: a case seed's other draws are those it had before (fz24c)
         "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
@@ -157,6 +164,47 @@ def _draw_attention(rng: random.Random) -> dict[str, Any]:
         # drawn after them (fz25b): q, k, v as the views models pass (a bshd buffer seen bhsd, a fused qkv split)
         "strided": rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None,
     }
+    # drawn after them (fz26b), so a case seed's earlier draws stay: the arguments users pass that the kind never did
+    _draw_grad(rng, draws)
+    draws["sinks_grad"] = not (draws["sinks"] and rng.random() < 0.3)  # frozen sinks (a PEFT run's base weights)
+    # documents as users pass them: an int64 tensor, an int32 one (flash-attn's and transformers' cu_seq_lens), or
+    # a tuple of ints (documented: no device-to-host copy)
+    draws["cu_as"] = rng.choice(CU_AS) if docs and rng.random() < 0.5 else "int64"
+    # sharding=None / layout=None, the defaults a caller leaves: the declared sharding (or contiguous when none is
+    # declared: where the drawn sharding is another and none is declared, the task passes it) and bhsd
+    draws["omit_sharding"] = rng.random() < 0.3
+    draws["omit_layout"] = rng.random() < 0.3
+    # group= the manager's own SP group, as the integrations pass it (the docstring accepts it even with hybrid)
+    draws["group_arg"] = "manager" if draws["group"] is None and rng.random() < 0.15 else None
+    # balanced sharding without documents (one document: the whole sequence; a config's "sharding": "balanced" on
+    # unpacked rows), which the sharding draw above leaves out: balanced there only balances documents
+    if not docs and draws["sharding"] == "zigzag" and rng.random() < 0.25:
+        draws["sharding"] = "balanced"
+    # ALiBi with sinks or soft-cap is refused by design (seqpar.attn.alibi: the per-key bias is exact only up to a
+    # per-row constant, which a sink logit and a soft-cap do not ignore; no model combines them): drawn
+    # independently it was 8% of the kind's cases (seeds 2601-2654: 45 of ~700), so keep a fifth of them for the
+    # refusal and give the rest their ALiBi-free composition
+    if draws["alibi"] and (draws["sinks"] or draws["softcap"] is not None) and rng.random() < 0.8:
+        draws["alibi"] = False
+    # MQA's single K/V head handed over as a stride-0 view expanded to the query heads (callers that expand K/V
+    # instead of passing kv_heads: repeat_kv without its copy); only one K/V head expands without a copy
+    draws["expand_kv"] = hkv == 1 and draws["strided"] != "fused" and rng.random() < 0.3
+    return draws
+
+
+GRADS = (None, "no_grad", "inference", "frozen_kv")
+"""How a case's call runs: ``None`` forward and backward, every input a leaf; ``"no_grad"`` / ``"inference"``
+forward only under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, generation: only the outputs are
+judged); ``"frozen_kv"`` k and v (and the sinks) not requiring grad, q does (only dq is judged; dk / dv must not
+appear)."""
+CU_AS = ("int64", "int32", "tuple")
+
+
+def _draw_grad(rng: random.Random, draws: dict[str, Any]) -> None:
+    """``draws["grad"]`` (:data:`GRADS`): the default now and then left for evaluation or a frozen K/V. Not
+    ``"frozen_kv"`` with ``strided="fused"``: the fused q, k and v are views of one leaf, frozen together or not."""
+    grad = rng.choice(GRADS[1:]) if rng.random() < 0.2 else None
+    draws["grad"] = None if grad == "frozen_kv" and draws["strided"] == "fused" else grad
 
 
 def _draw_dilated(rng: random.Random) -> dict[str, Any]:
@@ -167,6 +215,7 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
     n = rng.randint(1, 3)
     segs, rates = [], []
     for _ in range(n):
+        # a segment the docstring's rule fits; 5% any length, to see the refusal of one that does not fit
         w = rng.choice(fits) if rng.random() < 0.95 else rng.randint(1, seq)
         r = rng.choice([r for r in range(1, w + 1) if w % r == 0])
         segs.append(w)
@@ -175,6 +224,8 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
     draws = {
         "kind": "dilated", "world": world, "seq": seq, "segment_lengths": segs, "dilation_rates": rates,
         "heads": [hq, hkv, d, d], "batch": rng.choice((1, 2)), "causal": rng.random() < 0.5,
+        # not ulysses / hybrid, and zigzag rarely: dilated_attention refuses them by design (its segments are
+        # contiguous position ranges exchanged point to point); zigzag is drawn now and then to see that refusal
         "mode": rng.choice(("ring", "allgather")), "head_layout": rng.choice(("mixed", "mixed", "grouped")),
         "sharding": "contiguous" if rng.random() < 0.95 else "zigzag", "check_inputs": rng.random() < 0.7,
         "dtype": "float64" if rng.random() < 0.2 else "float32",
@@ -189,6 +240,14 @@ def _draw_dilated(rng: random.Random) -> dict[str, Any]:
     draws["group"] = "pairs" if world == 4 and rng.random() < 0.2 else None
     if rng.random() < 0.15:  # dilated_attention's mode="auto" (it picks ring or allgather after probing the links)
         draws["mode"] = "auto"
+    # drawn after them (fz26b): forward only or frozen K/V (GRADS); two calls before one backward (two layers, as
+    # the attention kind draws); group= the whole world with no manager (the docstring's own advice:
+    # group=torch.distributed.group.WORLD without init_process_groups)
+    _draw_grad(rng, draws)
+    if rng.random() < 0.25:
+        draws["calls"] = [{"cu": None}, {"cu": None}]
+    if draws["group"] is None and rng.random() < 0.15:
+        draws["group"] = "world"
     return draws
 
 
@@ -451,9 +510,6 @@ def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[st
     their softmax denominators; a row no pattern selects is 0."""
     hq, hkv, d, _ = draws["heads"]
     seq, n = draws["seq"], len(draws["segment_lengths"])
-    t = tensors["calls"][0]
-    q, k, v = (t[x].clone().requires_grad_() for x in "qkv")
-    ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     pos = torch.arange(seq)
     masks = torch.zeros(n, hq, seq, seq, dtype=torch.bool)
     for p, (w, r) in enumerate(zip(draws["segment_lengths"], draws["dilation_rates"], strict=True)):
@@ -469,14 +525,19 @@ def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[st
             if draws["causal"]:
                 m &= pos[None, :] <= pos[:, None]
             masks[p, h] = m
-    s = q @ ke.transpose(-1, -2) * (draws.get("scale") or d ** -0.5)
-    cat = torch.cat([s.masked_fill(~m, float("-inf")) for m in masks], -1)
-    peak = cat.amax(-1, keepdim=True)
-    peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak).detach()
-    e = torch.exp(cat - peak)
-    out = (e @ torch.cat([ve] * n, 2)) / e.sum(-1, keepdim=True).clamp_min(1.0)
-    out.backward(t["dout"])
-    return {"calls": [[out.detach(), q.grad, k.grad, v.grad]]}
+    res = []
+    for t in tensors["calls"]:  # each call on its own inputs (two calls: two layers)
+        q, k, v = (t[x].clone().requires_grad_() for x in "qkv")
+        ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        s = q @ ke.transpose(-1, -2) * (draws.get("scale") or d ** -0.5)
+        cat = torch.cat([s.masked_fill(~m, float("-inf")) for m in masks], -1)
+        peak = cat.amax(-1, keepdim=True)
+        peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak).detach()
+        e = torch.exp(cat - peak)
+        out = (e @ torch.cat([ve] * n, 2)) / e.sum(-1, keepdim=True).clamp_min(1.0)
+        out.backward(t["dout"])
+        res.append([out.detach(), q.grad, k.grad, v.grad])
+    return {"calls": res}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -517,68 +578,107 @@ def _local(x: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     return x.index_select(2, pos).to(dtype)
 
 
+def _grad_context(draws: dict[str, Any]) -> Any:
+    """The context a case's forwards run in (:data:`GRADS`)."""
+    import contextlib
+
+    grad = draws.get("grad")
+    return torch.no_grad() if grad == "no_grad" else torch.inference_mode() if grad == "inference" else contextlib.nullcontext()
+
+
 def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
     """Pool task (every rank): this rank's part of an ``attention`` or ``dilated`` case. Returns
-    ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows)], "dsinks"?}`` or ``{"ok": False, "error"}``."""
+    ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows; None where no gradient)], "dsinks"?}`` or
+    ``{"ok": False, "error"}``."""
+    import torch.distributed as dist
+
     import seqpar
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
     undo = _plant(plant, rank)
+    grad = draws.get("grad")
+    backward = grad in (None, "frozen_kv")
     try:
         if draws["kind"] == "dilated":
-            seqpar.init_process_groups(sp_size=world)
             group, sp_draws, sp_rank = None, draws, rank
+            if draws.get("group") == "world":  # no manager: the whole world on purpose, as the docstring advises
+                group = dist.group.WORLD
+            else:
+                seqpar.init_process_groups(sp_size=world)
             if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-                import torch.distributed as dist
-
                 group, _ = dist.new_subgroups(2)
                 sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
-            t = tensors["calls"][0]
             pos = positions({**sp_draws, "sharding": "contiguous"}, None, sp_rank)
-            q, k, v = (_local(t[n], pos, dtype) for n in "qkv")
-            shapes = [x.shape for x in (q, k, v)]
-            xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
-            out = seqpar.dilated_attention(
-                q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
-                causal=draws["causal"], scale=draws.get("scale"), mode=draws["mode"], group=group,
-                sharding=draws["sharding"], head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
-                dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
-            out.backward(_local(t["dout"], pos, dtype))
-            return {"ok": True, "calls": [[out.detach(), *strided_grads(xs, shapes, "bhsd", draws.get("strided"))]]}
-        seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
-                                   sharding=draws["sharding"] if draws["declare_sharding"] else None)
+            leaves, outs, total = [], [], 0.0
+            for t in tensors["calls"]:
+                q, k, v = (_local(t[n], pos, dtype) for n in "qkv")
+                shapes = [x.shape for x in (q, k, v)]
+                xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"), frozen_kv=grad == "frozen_kv")
+                with _grad_context(draws):
+                    out = seqpar.dilated_attention(
+                        q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
+                        causal=draws["causal"], scale=draws.get("scale"), mode=draws["mode"], group=group,
+                        sharding=draws["sharding"], head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
+                        dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+                if backward:
+                    total = total + (out * _local(t["dout"], pos, dtype)).sum()
+                leaves.append((xs, shapes))
+                outs.append(out.detach().clone())
+            if backward:
+                total.backward()
+            return {"ok": True, "calls": [[o, *strided_grads(xs, shapes, "bhsd", draws.get("strided"))]
+                                          for o, (xs, shapes) in zip(outs, leaves, strict=True)]}
+        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
+                                             sharding=draws["sharding"] if draws["declare_sharding"] else None)
         group, sp_draws, sp_rank = None, draws, rank
         if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-            import torch.distributed as dist
-
             group, _ = dist.new_subgroups(2)
             sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
-        sinks = tensors["sinks"].to(dtype).requires_grad_() if "sinks" in tensors else None
+        elif draws.get("group_arg") == "manager":
+            group = manager.sp_group
+        # the defaults a caller leaves (fz26b): sharding=None means the declared one, else contiguous
+        sharding = draws["sharding"]
+        if draws.get("omit_sharding") and (draws["declare_sharding"] or sharding == "contiguous"):
+            sharding = None
+        layout = None if draws.get("omit_layout") and draws["layout"] == "bhsd" else draws["layout"]
+        sinks = tensors["sinks"].to(dtype) if "sinks" in tensors else None
+        if sinks is not None and draws.get("sinks_grad", True) and grad != "frozen_kv":
+            sinks.requires_grad_()
         alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
         leaves, outs, total = [], [], 0.0
         for call, t in zip(draws["calls"], tensors["calls"], strict=True):
             pos = positions(sp_draws, call["cu"], sp_rank)
             q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
             shapes = [x.shape for x in (q, k, v)]
-            xs, (q, k, v) = strided_inputs(q, k, v, draws["layout"], draws.get("strided"))
-            out = seqpar.attention(
-                q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
-                sharding=draws["sharding"], overlap=draws["overlap"], check_inputs=draws["check_inputs"],
-                head_chunks=draws["head_chunks"], cu_seqlens=None if call["cu"] is None else torch.tensor(call["cu"]),
-                window=draws["window"], sinks=sinks, layout=draws["layout"], chunk_size=draws["chunk_size"],
-                softcap=draws["softcap"], alibi_slopes=alibi, dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+            xs, (q, k, v) = strided_inputs(q, k, v, draws["layout"], draws.get("strided"), frozen_kv=grad == "frozen_kv")
+            if draws.get("expand_kv"):  # one K/V head seen as every query head's: stride 0 over the heads
+                hd = 2 if draws["layout"] == "bshd" else 1
+                k, v = (x.expand(*x.shape[:hd], q.shape[hd], *x.shape[hd + 1:]) for x in (k, v))
+            cu = call["cu"]
+            if cu is not None:
+                cu_as = draws.get("cu_as", "int64")
+                cu = tuple(cu) if cu_as == "tuple" else torch.tensor(cu, dtype=getattr(torch, cu_as))
+            with _grad_context(draws):
+                out = seqpar.attention(
+                    q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
+                    sharding=sharding, overlap=draws["overlap"], check_inputs=draws["check_inputs"],
+                    head_chunks=draws["head_chunks"], cu_seqlens=cu, window=draws["window"], sinks=sinks, layout=layout,
+                    chunk_size=draws["chunk_size"], softcap=draws["softcap"], alibi_slopes=alibi,
+                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
             if draws["layout"] == "bshd":
                 out = out.transpose(1, 2)
-            total = total + (out * dout).sum()
+            if backward:
+                total = total + (out * dout).sum()
             leaves.append((xs, shapes))
-            outs.append(out.detach())
-        total.backward()
+            outs.append(out.detach().clone())  # clone: an inference tensor leaves inference mode as a plain one
+        if backward:
+            total.backward()
         calls = []
         for o, (xs, shapes) in zip(outs, leaves, strict=True):
             calls.append([o, *strided_grads(xs, shapes, draws["layout"], draws.get("strided"))])
         res: dict[str, Any] = {"ok": True, "calls": calls}
-        if sinks is not None:
+        if sinks is not None and sinks.grad is not None:
             res["dsinks"] = sinks.grad
         return res
     except Exception as e:  # noqa: BLE001 - classified by the driver
@@ -606,19 +706,28 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     wire_tol = max(tol, 4 * (sp - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
     sharded = {**(draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"}), "world": sp}
     worst = ("", 0.0)
+    # what the case's grad draw (GRADS) asks for: forward only judges out; a frozen K/V out and dq
+    grad = draws.get("grad")
+    judged = ("out",) if grad in ("no_grad", "inference") else ("out", "dq") if grad == "frozen_kv" else ("out", "dq", "dk", "dv")
     for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
-        for ti, name in enumerate(("out", "dq", "dk", "dv")):
+        for ti, name in enumerate(judged):
             for g0 in range(0, world, sp):
                 full = torch.zeros_like(ref_call[ti])
                 for r in range(sp):
-                    full[:, :, positions(sharded, call["cu"], r)] = per_rank[g0 + r]["calls"][ci][ti].double()
+                    got = per_rank[g0 + r]["calls"][ci][ti]
+                    if got is None:
+                        return "WRONG", f"{name} missing on rank {g0 + r}: no gradient reached the leaf"
+                    full[:, :, positions(sharded, call["cu"], r)] = got.double()
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (f"ranks{g0}-{g0 + sp - 1}." if sp < world else "") + name
                 if not ok:
                     return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
                 worst = max(worst, (label, err), key=lambda x: x[1])
-    if "dsinks" in ref:  # each SP group's ranks sum to the reference's: the pairs' to twice it
+    if "dsinks" in ref and grad is None and draws.get("sinks_grad", True):  # the sinks trained
+        # each SP group's ranks sum to the reference's: the pairs' to twice it
+        if any("dsinks" not in p for p in per_rank):
+            return "WRONG", "dsinks missing: no gradient reached the sinks"
         got = sum(p["dsinks"].double() for p in per_rank) / (world // sp)
         ok, err = close(got, ref["dsinks"], tol, floor)
         if not ok:
@@ -707,7 +816,9 @@ def summary(draws: dict[str, Any]) -> str:
                 f"{draws['dtype']}" + (" dkv=bf16" if draws.get("dkv_wire_dtype") == "bf16" else "")
                 + (f" scale={draws['scale']}" if draws.get("scale") is not None else "")
                 + (f" strided={draws['strided']}" if draws.get("strided") else "")
-                + (f" group={draws['group']}" if draws.get("group") else ""))
+                + (f" group={draws['group']}" if draws.get("group") else "")
+                + (" two-calls" if len(draws.get("calls", [])) > 1 else "")
+                + (f" grad={draws['grad']}" if draws.get("grad") else ""))
     parts = [f"attention P={draws['world']}", draws["mode"] + (f"(u={draws['ulysses_size']})" if draws["mode"] == "hybrid" else ""),
              draws["sharding"], "H=" + "/".join(map(str, draws["heads"])), f"B={draws['batch']}", f"S={draws['seq']}",
              f"causal={int(draws['causal'])}"]
@@ -736,6 +847,20 @@ def summary(draws: dict[str, Any]) -> str:
         parts.append(f"group={draws['group']}")
     if draws.get("strided"):
         parts.append(f"strided={draws['strided']}")
+    if draws.get("grad"):
+        parts.append(f"grad={draws['grad']}")
+    if draws.get("sinks") and not draws.get("sinks_grad", True):
+        parts.append("frozen-sinks")
+    if draws["calls"][0]["cu"] is not None and draws.get("cu_as", "int64") != "int64":
+        parts.append(f"cu-as-{draws['cu_as']}")
+    if draws.get("omit_sharding") and (draws["declare_sharding"] or draws["sharding"] == "contiguous"):
+        parts.append("sharding=None")
+    if draws.get("omit_layout") and draws["layout"] == "bhsd":
+        parts.append("layout=None")
+    if draws.get("group_arg"):
+        parts.append(f"group-arg={draws['group_arg']}")
+    if draws.get("expand_kv"):
+        parts.append("expand-kv")
     return " ".join(parts)
 
 

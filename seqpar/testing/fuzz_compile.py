@@ -21,6 +21,11 @@ function** with changing inputs: other documents, another sequence length, a sec
 (P = 4) a call on the pairs ``{0, 1}, {2, 3}`` (the SP group changes between calls, passed as ``group=``), with
 the backward after each call, after two forwards, or after all (``steps``).
 
+Now and then (``_draw_dilated_tail``) a direct-call draw becomes ``sub="dilated"``: the same compiled calls through
+:func:`seqpar.dilated_attention` (a pattern fitting every call's length and shard, ``head_layout``, ring or
+allgather), against the ``dilated`` kind's float64 reference. Direct calls now and then run forward only under
+``torch.no_grad()`` or ``torch.inference_mode()`` (``grad``; only the outputs judged).
+
 ``sub="model"``: a tiny model (:func:`seqpar.testing.fuzz_models.build_case_model`) under ``swap_attention``,
 ``torch.compile(model)``, two or three batches of :func:`seqpar.shard_batch` (rows of changing lengths; packed
 documents of changing layouts; a right-padded row with its ``attention_mask``, which a compiled model refuses by
@@ -45,6 +50,7 @@ the graph breaks, graphs and recompiles (dynamo's counters on rank 0).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 from collections.abc import Callable
@@ -55,7 +61,7 @@ import torch
 
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
-__all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task",
+__all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task", "compile_dilated_task",
            "compile_model_task", "compile_reference", "compile_tensors"]
 
 COVERED = ("llama", "qwen3", "mixtral", "qwen3_moe", "gpt_oss")
@@ -181,11 +187,43 @@ def draw_compile(rng: random.Random, draw_documents: Callable[[random.Random, in
         # pass (fuzz_strides: a bshd buffer seen bhsd, a fused qkv split): the compiled op's fake must follow them
         draws["dkv_wire_dtype"] = "bf16" if rng.random() < 0.15 else "fp32"
         draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.3 else None
+        # drawn after them (fz26b): the compiled function called for evaluation or generation, forward only under
+        # torch.no_grad() or torch.inference_mode() (only the outputs judged): a compiled graph without autograd
+        draws["grad"] = rng.choice(("no_grad", "inference")) if rng.random() < 0.15 else None
+        _draw_dilated_tail(rng, draws)
     return draws
+
+
+def _draw_dilated_tail(rng: random.Random, draws: dict[str, Any]) -> None:
+    """Now and then (fz26b, drawn last) turn a direct-call draw into ``sub="dilated"``: the same compiled calls
+    (SP sizes, lengths, batches, the pairs, steps, heads, causal, scale, the wire, strided views, grad, dtype,
+    dynamic, backend) through :func:`seqpar.dilated_attention` with a drawn pattern that fits every call's length
+    and shard, ``head_layout`` and ``dilated_mode`` (ring or allgather). Its attention-only draws (documents,
+    window, sinks, ALiBi, soft-cap, chunks, layout, head_chunks, overlap, mode) are left unused. The compile kind
+    never drew dilated attention; its op (``dilated_fwd``) must follow every call's shapes and groups."""
+    if rng.random() >= 0.2:
+        return
+    seqs = [(c["seq"], c["sp"]) for c in draws["calls"]]
+    fits = [w for w in range(1, max(s for s, _ in seqs) + 1)
+            if all(s % w == 0 and (sp == 1 or (s // sp) % w == 0 or w % (s // sp) == 0) for s, sp in seqs)]
+    segs = [rng.choice(fits) for _ in range(rng.randint(1, 3))]
+    draws.update(sub="dilated", segment_lengths=segs,
+                 dilation_rates=[rng.choice([r for r in range(1, w + 1) if w % r == 0]) for w in segs],
+                 head_layout=rng.choice(("mixed", "mixed", "grouped")), dilated_mode=rng.choice(("ring", "allgather")))
+    # one graph is promised where the cross-rank check is off (docs/performance.md: dilated compiles as custom ops)
+    draws["fullgraph"] = not draws["check_inputs"] and rng.random() < 0.4
 
 
 def compile_summary(draws: dict[str, Any]) -> str:
     d = draws
+    if d["sub"] == "dilated":
+        calls = " ".join(f"[P{c['sp']} B{c['batch']} S{c['seq']}]" for c in d["calls"])
+        return (f"compile/dilated P={d['world']} {d['dilated_mode']} {d['backend']} dynamic={d['dynamic']} "
+                f"w={d['segment_lengths']} r={d['dilation_rates']} {d['head_layout']} H={'/'.join(map(str, d['heads']))} "
+                f"causal={int(d['causal'])} {calls} steps={d['steps']} {d['dtype']}"
+                + "".join(f" {k}={d[k]}" for k in ("scale", "strided", "grad") if d.get(k))
+                + (" dkv=bf16" if d.get("dkv_wire_dtype") == "bf16" else "") + (" check_inputs" if d["check_inputs"] else "")
+                + (" fullgraph" if d.get("fullgraph") else ""))
     head = (f"compile/{d['sub']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['backend']} dynamic={d['dynamic']}")
     if d["sub"] == "model":
@@ -215,6 +253,8 @@ def compile_summary(draws: dict[str, Any]) -> str:
         parts.append(f"dkv={d['dkv_wire_dtype']}")
     if d.get("strided"):
         parts.append(f"strided={d['strided']}")
+    if d.get("grad"):
+        parts.append(f"grad={d['grad']}")
     return " ".join(parts)
 
 
@@ -379,25 +419,97 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
         before = _counts()
         leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
         outs: dict[int, torch.Tensor] = {}
+        forward_only = draws.get("grad") in ("no_grad", "inference")
         for step in draws["steps"]:
             total = 0.0
             for ci in step:
                 (q, k, v), leaves[ci], dout, rest = args(ci)
-                out = compiled(q, k, v, *rest)
+                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
+                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
+                    out = compiled(q, k, v, *rest)
                 if draws["layout"] == "bshd":
                     out = out.transpose(1, 2)
-                total = total + (out * dout).sum()
-                outs[ci] = out.detach()
-            total.backward()
+                if not forward_only:
+                    total = total + (out * dout).sum()
+                outs[ci] = out.detach().clone()  # clone: an inference tensor leaves inference mode as a plain one
+            if not forward_only:
+                total.backward()
         after = _counts()
         calls = []
         for ci in range(len(draws["calls"])):
             calls.append([outs[ci], *strided_grads(*leaves[ci], draws["layout"], draws.get("strided"))])
         res: dict[str, Any] = {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after},
                                "reasons": _break_reasons()}
-        if sinks is not None:
+        if sinks is not None and sinks.grad is not None:
             res["dsinks"] = sinks.grad
         return res
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": _record(e)}
+    finally:
+        undo()
+        _fresh_dynamo()
+        if pairs is not None:
+            dist.destroy_process_group(pairs)
+
+
+def _dilated_call_draws(draws: dict[str, Any], ci: int) -> dict[str, Any]:
+    """Call ``ci`` of a ``sub="dilated"`` case as a one-call ``dilated`` draw (contiguous shards, its SP size and
+    length), for its reference and its ranks' positions."""
+    c = draws["calls"][ci]
+    return {**draws, "kind": "dilated", "world": c["sp"], "seq": c["seq"], "batch": c["batch"], "sharding": "contiguous",
+            "calls": [{"cu": None}]}
+
+
+def compile_dilated_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None,
+                         positions: Callable) -> dict[str, Any]:
+    """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.dilated_attention`
+    (``sub="dilated"``), contiguous shards. Returns as :func:`compile_attention_task`."""
+    import torch.distributed as dist
+
+    import seqpar
+
+    rank, world = ctx.rank, ctx.world_size
+    dtype = getattr(torch, draws["dtype"])
+    _fresh_dynamo()
+    undo = _plant(plant)
+    pairs = None
+    try:
+        seqpar.init_process_groups(sp_size=world)
+        if any(c["sp"] != world for c in draws["calls"]):
+            pairs, _ = dist.new_subgroups(2)
+
+        def call(q, k, v, group):  # noqa: ANN001, ANN202
+            return seqpar.dilated_attention(
+                q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
+                causal=draws["causal"], scale=draws["scale"], mode=draws["dilated_mode"], group=group,
+                head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
+                dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+
+        compiled = _compiled(call, draws)
+        forward_only = draws.get("grad") in ("no_grad", "inference")
+        before = _counts()
+        leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
+        outs: dict[int, torch.Tensor] = {}
+        for step in draws["steps"]:
+            total = 0.0
+            for ci in step:
+                c, t = draws["calls"][ci], tensors["calls"][ci]
+                pos = positions(_dilated_call_draws(draws, ci), None, rank % c["sp"])
+                q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
+                shapes = [x.shape for x in (q, k, v)]
+                xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
+                leaves[ci] = (xs, shapes)
+                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
+                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
+                    out = compiled(q, k, v, pairs if c["sp"] != world else None)
+                if not forward_only:
+                    total = total + (out * dout).sum()
+                outs[ci] = out.detach().clone()
+            if not forward_only:
+                total.backward()
+        after = _counts()
+        calls = [[outs[ci], *strided_grads(*leaves[ci], "bhsd", draws.get("strided"))] for ci in range(len(draws["calls"]))]
+        return {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after}, "reasons": _break_reasons()}
     except Exception as e:  # noqa: BLE001 - classified by the driver
         return {"ok": False, "error": _record(e)}
     finally:
@@ -479,6 +591,8 @@ def compile_model_task(ctx: Any, draws: dict[str, Any], steps: list[list[dict[st
 
 def _promised_one_graph(draws: dict[str, Any]) -> bool:
     """Whether docs/performance.md promises one graph for the case (then a break is the ``breaks`` verdict)."""
+    if draws["sub"] == "dilated":  # custom ops; the cross-rank check (a collective with a host read) breaks it
+        return not draws["check_inputs"]
     if draws["sub"] == "attention":
         # balanced sharding with the boundaries as a tensor is refused while tracing (resolve.py), which dynamo
         # without fullgraph turns into an eager fallback (a break), as the docs say for compile
@@ -506,22 +620,29 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
     floor = tol * 0.1 * scale_all  # as the attention kind: a ~0 tensor is judged on the case's scale
     worst = ("", 0.0)
+    forward_only = draws.get("grad") in ("no_grad", "inference")
+    names = ("out",) if forward_only else ("out", "dq", "dk", "dv")  # forward only: the outputs alone
     for ci, (c, ref_call) in enumerate(zip(draws["calls"], ref["calls"], strict=True)):
         cd = _call_draws(draws, ci)
         # the bf16 dK/dV wire: dk and dv at the attention kind's bound, 4 (P - 1) 2**-9 of their scale; out, dq exact
         wire_tol = max(tol, 4 * (c["sp"] - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
         for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
-            for ti, name in enumerate(("out", "dq", "dk", "dv")):
+            for ti, name in enumerate(names):
                 full = torch.zeros_like(ref_call[ti])
                 for r in range(c["sp"]):
-                    full[:, :, positions(cd, c["cu"], r)] = per_rank[g0 + r]["calls"][ci][ti].double()
+                    got = per_rank[g0 + r]["calls"][ci][ti]
+                    if got is None:
+                        return "WRONG", f"call{ci}.{name} missing on rank {g0 + r}: no gradient reached the leaf"
+                    full[:, :, positions(cd, c["cu"], r)] = got.double()
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
                 if not ok:
                     return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
                 worst = max(worst, (label, err), key=lambda x: x[1])
-    if "dsinks" in ref:
+    if "dsinks" in ref and not forward_only:
+        if any("dsinks" not in p for p in per_rank):
+            return "WRONG", "dsinks missing: no gradient reached the sinks"
         ok, err = close(sum(p["dsinks"].double() for p in per_rank), ref["dsinks"], tol, floor)
         if not ok:
             return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
@@ -540,6 +661,20 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
     ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
     :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
 
+    if draws["sub"] == "dilated":
+        # the dilated kind's float64 reference (seqpar.testing.fuzz.dilated_reference), imported where it is used:
+        # fuzz imports this module, so a top-level import would make the two a cycle
+        from seqpar.testing.fuzz import dilated_reference
+
+        tensors = compile_tensors(draws)
+        per_rank = pools.run(draws["world"], compile_dilated_task, draws, tensors, plant, positions, timeout=timeout)
+        bad = _classify(draws, per_rank)
+        if bad is not None:
+            return (*bad, _trace(per_rank))
+        ref = {"calls": [dilated_reference(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
+                         for ci in range(len(draws["calls"]))]}
+        flat = {**draws, "sharding": "contiguous", "calls": [{**c, "cu": None} for c in draws["calls"]]}
+        return (*_with_counts(*_judge_attention(flat, ref, per_rank, positions), draws, per_rank), None)
     if draws["sub"] == "attention":
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_attention_task, draws, tensors, plant, positions, timeout=timeout)

@@ -25,12 +25,16 @@ __all__ = ["STRIDES", "strided_inputs", "strided_grads"]
 STRIDES = (None, "transposed", "fused")
 
 
-def strided_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
-                   strided: str | None) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def strided_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, strided: str | None,
+                   frozen_kv: bool = False) -> tuple[list[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Leaves (requiring grad) and the ``(q, k, v)`` views to pass, in ``layout`` (``"bhsd"`` / ``"bshd"``), laid
-    out as ``strided`` says. ``q, k, v``: dense ``(batch, heads, seq_local, dim)`` values (no grad)."""
+    out as ``strided`` says. ``q, k, v``: dense ``(batch, heads, seq_local, dim)`` values (no grad).
+    ``frozen_kv``: k's and v's leaves do not require grad (K/V from a frozen cache or encoder, only q trains);
+    not with ``"fused"``, whose three views share one leaf."""
     if strided not in STRIDES:
         raise ValueError(f"unknown strided draw {strided!r}: one of {STRIDES}")
+    if frozen_kv and strided == "fused":
+        raise ValueError("frozen_kv with strided='fused': the fused q, k and v are views of one leaf")
     if strided == "fused":
         b, _, s, _ = q.shape
         parts = [x.transpose(1, 2).reshape(b, s, -1) for x in (q, k, v)]  # (b, s, h * d) each
@@ -47,21 +51,25 @@ def strided_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: st
         # a buffer (b, s, h, d) when the call's layout and the buffer's differ as `strided` says, else (b, h, s, d);
         # always a copy, so the caller's tensor is never made a leaf
         bshd_buffer = (layout == "bshd") != (strided == "transposed")
-        leaf = (x.transpose(1, 2) if bshd_buffer else x).clone(memory_format=torch.contiguous_format).requires_grad_()
+        leaf = (x.transpose(1, 2) if bshd_buffer else x).clone(memory_format=torch.contiguous_format)
+        leaf.requires_grad_(not (frozen_kv and x is not q))
         views.append(leaf.transpose(1, 2) if strided == "transposed" else leaf)
         leaves.append(leaf)
     return leaves, tuple(views)
 
 
 def strided_grads(leaves: list[torch.Tensor], shapes: list[torch.Size], layout: str,
-                  strided: str | None) -> list[torch.Tensor]:
+                  strided: str | None) -> list[torch.Tensor | None]:
     """``[dq, dk, dv]``, each ``(batch, heads, seq_local, dim)``, from the leaves :func:`strided_inputs` made
-    (``shapes``: q's, k's and v's ``(batch, heads, seq_local, dim)``)."""
+    (``shapes``: q's, k's and v's ``(batch, heads, seq_local, dim)``); ``None`` for a leaf with no gradient (frozen,
+    or no backward ran)."""
     if strided == "fused":
         g, out, start = leaves[0].grad, [], 0
+        if g is None:
+            return [None, None, None]
         for _, h, _, d in shapes:
             out.append(g.narrow(-1, start, h * d).unflatten(-1, (h, d)).transpose(1, 2))
             start += h * d
         return out
     bshd_buffer = (layout == "bshd") != (strided == "transposed")  # the leaf is (b, s, h, d)
-    return [x.grad.transpose(1, 2) if bshd_buffer else x.grad for x in leaves]
+    return [None if x.grad is None else x.grad.transpose(1, 2) if bshd_buffer else x.grad for x in leaves]
