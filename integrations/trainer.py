@@ -263,6 +263,18 @@ class SequenceParallelMixin:
             raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
+        if self._seqpar_engine == "fsdp2" and getattr(args, "save_only_model", False) and args.load_best_model_at_end:
+            raise ConfigError(  # as transformers refuses it for its own FSDP: a best checkpoint must be loadable
+                "save_only_model=True with load_best_model_at_end=True: a seqpar FSDP2 trainer reloads the best "
+                "checkpoint from its sharded model (checkpoint-N/seqpar_fsdp2), which save_only_model does not write; "
+                "drop one of them"
+            )
+        if self._seqpar_engine == "fsdp2" and _is_fsdp2_sharded(model):
+            raise ConfigError(
+                f"model is an FSDP2 module already ({type(model).__name__}, sharded by fully_shard, "
+                "seqpar.integrations.fsdp.wrap or another seqpar trainer): a seqpar Trainer without DeepSpeed swaps "
+                "and shards the model itself (gradient divide factor dp); pass the unsharded model"
+            )
         if self.seqpar_config.dynamic is not None:
             self._check_dynamic(args)
             # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)
@@ -283,7 +295,6 @@ class SequenceParallelMixin:
         # with beta != 0), which on a model sharded before would mix FSDP2's DTensors with the new plain tensors
         # (fuzzer cases 188540536, 1171, 1720900617)
         self._seqpar_fsdp_options = fsdp_options if self._seqpar_engine == "fsdp2" else None
-        self._seqpar_fsdp_pending = self._seqpar_fsdp_options is not None  # the given model, not yet sharded
         if model is not None and self._seqpar_engine != "fsdp2":
             self._seqpar_take_model(model)  # swapped in place; DeepSpeed's engine shards it
         swap_other = self._seqpar_swap_other_models()
@@ -377,9 +388,10 @@ class SequenceParallelMixin:
         ``beta != 0``). So TRL's adapters are built as without seqpar, on whole tensors, and FSDP2 shards and
         gathers them with the rest; the trainer's later steps see the sharded model (the same object).
         A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
-        if not self._seqpar_fsdp_pending or self.model is None:
+        # sharded already (a given FSDP2 model is refused in __init__, so this one is seqpar's): hyperparameter search
+        # calls create_accelerator_and_postprocess again with its model_init model, sharded in call_model_init
+        if self._seqpar_fsdp_options is None or self.model is None or _is_fsdp2_sharded(self.model):
             return
-        self._seqpar_fsdp_pending = False  # hyperparameter search calls create_accelerator_and_postprocess again
         self._seqpar_take_model(self.model)
 
     def _seqpar_take_model(self, model: Any) -> None:
@@ -634,17 +646,17 @@ class SequenceParallelMixin:
         return path
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """FSDP2: the model's shards from ``<checkpoint>/seqpar_fsdp2`` (a collective; resharded onto this run's
-        layout). transformers' own would load the full safetensors into the sharded model."""
+        """FSDP2: only checks that the checkpoint has ``seqpar_fsdp2/`` (refused by name, on every rank, before the
+        optimizer is built); the model's shards are read with the optimizer's, in one load, by
+        :meth:`_load_optimizer_and_scheduler`, which ``train`` calls next. transformers' own would load the full
+        safetensors into the sharded model."""
         if self._seqpar_engine != "fsdp2":
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from seqpar.integrations.fsdp import load_checkpoint
-
-        load_checkpoint(self._seqpar_require_dcp(resume_from_checkpoint), self.model if model is None else model)
+        self._seqpar_require_dcp(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """FSDP2: the optimizer's shards (every rank's, with the model's again) from ``<checkpoint>/seqpar_fsdp2``,
-        and the scheduler as transformers loads it."""
+        """FSDP2: the model's and the optimizer's shards (every rank's, one DCP load, resharded onto this run's
+        layout) from ``<checkpoint>/seqpar_fsdp2``, and the scheduler as transformers loads it."""
         if self._seqpar_engine != "fsdp2" or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         import os
@@ -671,6 +683,13 @@ class SequenceParallelMixin:
 SEQPAR_FSDP2_CHECKPOINT = "seqpar_fsdp2"
 """The folder of a Trainer checkpoint (``checkpoint-<step>/``) where a seqpar FSDP2 trainer writes the model's and
 the optimizer's shards with torch.distributed.checkpoint, for ``train(resume_from_checkpoint=...)``."""
+
+
+def _is_fsdp2_sharded(model: Any) -> bool:
+    """Whether ``model`` is an FSDP2 module (``fully_shard`` applied to it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
