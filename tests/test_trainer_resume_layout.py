@@ -131,9 +131,9 @@ def test_fsdp2_trainer_resumes_an_sp2_checkpoint_at_another_layout(dist_pool, tm
     run of the new layout handed the checkpoint's model and optimizer state at step 3's start.
 
     Seen failing: with the optimizer not loaded on resume (``None`` for it in
-    ``SequenceParallelMixin._load_optimizer_and_scheduler``), at both layouts: the AdamW states are missing after
-    the load and step 4's loss differs; with resume reading only the optimizer (the model's shards dropped from
-    that load, after the model load moved into it), the weights after the load are the untrained ones."""
+    ``SequenceParallelMixin._load_optimizer_and_scheduler``), at both layouts: every AdamW state after the load
+    differs from the checkpoint's (63 of them); with that DCP load removed (SP 1 on one rank), the weights as
+    well (84 entries)."""
     checkpoint, saved = sp2_checkpoint
     world, sp = LAYOUTS[layout]
     out = dist_pool.run(world, _layout_run, str(tmp_path), sp, checkpoint, timeout=840)
