@@ -605,7 +605,8 @@ class SequenceParallelMixin:
         output_dir = self.args.output_dir if output_dir is None else output_dir
         # {} on every rank but 0, unless each node's first rank writes as well (save_on_each_node)
         state_dict = full_state_dict(self.model, every_rank=self.args.save_on_each_node)
-        self._save(output_dir, state_dict=state_dict)
+        with _writes_where_trainer_says(self.model):
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -632,16 +633,33 @@ class SequenceParallelMixin:
             transformers.trainer.reissue_pt_warnings(caught)
 
     def _seqpar_require_dcp(self, checkpoint: str) -> str:
-        import os
+        """``<checkpoint>/seqpar_fsdp2``, checked on every rank before DCP reads it (a collective): refused by name on
+        every rank where any rank lacks it or any file of it (DCP would fail on those ranks only and leave the others
+        waiting in its collectives)."""
+        import torch.distributed as dist
 
         path = self._seqpar_dcp_dir(checkpoint)
-        if not os.path.isdir(path):
+        problem = _dcp_problem(path)
+        problems = [problem]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        missing = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if missing and all(p == "no directory" for _, p in missing):
             raise ConfigError(
                 f"resume_from_checkpoint={checkpoint!r} has no {SEQPAR_FSDP2_CHECKPOINT}/ (the sharded model and "
-                "optimizer a seqpar FSDP2 trainer writes with every checkpoint): it was saved with "
-                "save_only_model=True, by save_model(), or by another trainer. Resume from a checkpoint this "
-                "trainer saved with save_only_model=False, or load the saved weights with from_pretrained() and "
-                "train anew"
+                "optimizer a seqpar FSDP2 trainer writes with every checkpoint) on rank(s) "
+                f"{[rank for rank, _ in missing]}: it was saved with save_only_model=True, by save_model(), or by "
+                "another trainer. Resume from a checkpoint this trainer saved with save_only_model=False, or load the "
+                "saved weights with from_pretrained() and train anew"
+            )
+        if missing:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint!r}: {SEQPAR_FSDP2_CHECKPOINT}/ is incomplete where rank(s) read it "
+                f"({'; '.join(f'rank {rank}: {p}' for rank, p in missing)}). It holds every rank's shards "
+                "(torch.distributed.checkpoint), which every rank must be able to read: with save_on_each_node=True "
+                "on node-local disks each node wrote only its own ranks' shards; copy every node's "
+                f"{SEQPAR_FSDP2_CHECKPOINT}/ files into one directory all ranks read (a shared filesystem)"
             )
         return path
 
@@ -683,6 +701,41 @@ class SequenceParallelMixin:
 SEQPAR_FSDP2_CHECKPOINT = "seqpar_fsdp2"
 """The folder of a Trainer checkpoint (``checkpoint-<step>/``) where a seqpar FSDP2 trainer writes the model's and
 the optimizer's shards with torch.distributed.checkpoint, for ``train(resume_from_checkpoint=...)``."""
+
+
+@contextlib.contextmanager
+def _writes_where_trainer_says(model: Any) -> Iterator[None]:
+    """Within the block, ``model.save_pretrained(is_main_process=...)`` writes where it is told: Trainer passes
+    ``args.should_save`` (with ``save_on_each_node=True``, each node's first rank), but transformers 5.x's
+    ``save_pretrained`` also requires global rank 0 once torch.distributed is up (``should_save_on_this_rank``), so
+    the other nodes' checkpoints had no weights. Scoped to this model instance (an attribute shadowing the method,
+    removed after)."""
+    if not hasattr(model, "should_save_on_this_rank") or "should_save_on_this_rank" in vars(model):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
+def _dcp_problem(path: str) -> str | None:
+    """What keeps this rank from reading the DCP checkpoint at ``path`` (no directory, no ``.metadata``, a file the
+    metadata names missing), or None."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        return "no directory"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata (written by rank 0)"
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    return f"missing shard file(s) {absent}" if absent else None
 
 
 def _is_fsdp2_sharded(model: Any) -> bool:

@@ -224,3 +224,109 @@ def test_fsdp2_trainer_load_best_model_at_end_loads_the_best_checkpoint(dist_poo
     for r in dist_pool.run(2, _best_run, str(tmp_path), timeout=540):
         assert r["best"] != r["final"] and r["last_differs"], r  # the best is not where training ended
         assert r["differ"] == [], r
+
+
+def _save_only_model_run(rank: int, world: int, tmp: str) -> dict:
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    def trainer(out: str, **extra):
+        return SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(out, steps=2, save_strategy="steps", save_steps=2,
+                                                                    save_only_model=True, **extra),
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                             eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]), seqpar_config=SP)
+
+    errors = {}
+    with hf_tiny.launcher_env(rank, world):
+        trainer(f"{tmp}/out").train()
+        files = sorted(os.listdir(f"{tmp}/out/checkpoint-2"))
+        try:
+            trainer(f"{tmp}/resumed").train(resume_from_checkpoint=f"{tmp}/out/checkpoint-2")
+        except ConfigError as e:
+            errors["resume"] = str(e)
+    with hf_tiny.launcher_env(rank, world):
+        try:
+            trainer(f"{tmp}/best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True)
+        except ConfigError as e:
+            errors["best"] = str(e)
+    return {"files": files, **errors}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_save_only_model_checkpoint_is_refused_on_resume(dist_pool, tmp_path):
+    """``save_only_model=True`` at SP 2 on 2 ranks: the checkpoint holds the model's weights only (no
+    ``seqpar_fsdp2/``, no optimizer or RNG state), and ``train(resume_from_checkpoint=...)`` from it is refused by
+    name on every rank before any step, as is ``load_best_model_at_end=True`` with it at construction (transformers
+    refuses both for its own FSDP).
+
+    Seen failing: with ``_load_from_checkpoint``'s check removed and ``_load_optimizer_and_scheduler`` reading only
+    where the folder exists (transformers' own way with a missing optimizer.pt), the run resumed silently with
+    AdamW restarted (no error: KeyError 'resume'); with the constructor's check removed, 'best' was missing (the
+    run would have failed only at its end, loading the best checkpoint)."""
+    for r in dist_pool.run(2, _save_only_model_run, str(tmp_path), timeout=540):
+        assert "model.safetensors" in r["files"] and "seqpar_fsdp2" not in r["files"], r["files"]
+        assert "save_only_model=True" in r["resume"] and "seqpar_fsdp2" in r["resume"], r
+        assert "save_only_model=True with load_best_model_at_end=True" in r["best"], r
+
+
+def _each_node_run(rank: int, world: int, tmp: str) -> dict:
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    node = f"{tmp}/node{rank}"  # each rank a node of its own, with a disk of its own
+
+    def trainer(out: str):
+        return SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(out, save_strategy="steps", save_steps=2,
+                                                                    save_on_each_node=True),
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+
+    def losses(t) -> list[float]:
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+    with hf_tiny.launcher_env(rank, world):
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # 2 nodes of one process: both are local writers
+        straight = trainer(f"{node}/straight")
+        straight.train()  # checkpoints 2 and 4, each written on both nodes
+        straight.save_model(f"{node}/saved")
+        trained = _gathered(straight.model)
+        files = {name: load_file(f"{node}/{name}/model.safetensors") for name in ("saved", "straight/checkpoint-4")}
+        differ = {name: sorted(n for n in trained if not torch.equal(got[n], trained[n])) for name, got in files.items()}
+        error = None
+        try:  # each node resumes from its own disk, which has its own ranks' shards only
+            trainer(f"{node}/resumed").train(resume_from_checkpoint=f"{node}/straight/checkpoint-2")
+        except ConfigError as e:
+            error = str(e)
+        dist.barrier()
+        if rank == 0:  # the fix the error names: every node's shards in one directory all ranks read
+            shutil.copytree(f"{node}/straight/checkpoint-2", f"{tmp}/shared", dirs_exist_ok=True)
+            shutil.copytree(f"{tmp}/node1/straight/checkpoint-2/seqpar_fsdp2", f"{tmp}/shared/seqpar_fsdp2",
+                            dirs_exist_ok=True)
+        dist.barrier()
+        resumed = trainer(f"{node}/resumed2")
+        resumed.train(resume_from_checkpoint=f"{tmp}/shared")
+        b = _gathered(resumed.model)
+        return {"differ": differ, "error": error, "straight": losses(straight), "resumed": losses(resumed),
+                "resumed_differ": sorted(n for n in trained if not torch.equal(trained[n], b[n]))}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
+    """``save_on_each_node=True`` at SP 2 with each rank a node of its own (``LOCAL_RANK`` 0 on both) and its own
+    disk: every rank gathers the full weights and writes them (``save_model`` and every checkpoint's
+    model.safetensors equal the trained weights on both disks); resuming from a node's own disk, which holds only
+    its ranks' DCP shards, is refused by name on every rank (not a hang in DCP's collectives); once every node's
+    shards are in one directory, the resumed run equals the straight one bit for bit.
+
+    Seen failing: with ``save_model`` gathering to rank 0 only (``every_rank=False``), rank 1's files were empty
+    ("model.safetensors" without the weights); without ``_seqpar_require_dcp``'s cross-rank check, rank 1 failed in
+    DCP's read (no .metadata) and rank 0 waited in its collective until the pool's timeout."""
+    for r in dist_pool.run(2, _each_node_run, str(tmp_path), timeout=540):
+        assert r["differ"] == {"saved": [], "straight/checkpoint-4": []}, r["differ"]
+        assert r["error"] is not None and "save_on_each_node" in r["error"] and "rank 1: no .metadata" in r["error"], r
+        assert r["resumed"] == r["straight"], r
+        assert r["resumed_differ"] == [], r["resumed_differ"]
