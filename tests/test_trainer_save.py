@@ -307,10 +307,16 @@ def _each_node_run(rank: int, world: int, tmp: str) -> dict:
             shutil.copytree(f"{tmp}/node1/straight/checkpoint-2/seqpar_fsdp2", f"{tmp}/shared/seqpar_fsdp2",
                             dirs_exist_ok=True)
         dist.barrier()
+        partly = None
+        try:  # node 0's disk completed, node 1's not: rank 0 alone could read it
+            own = f"{tmp}/shared" if rank == 0 else f"{node}/straight/checkpoint-2"
+            trainer(f"{node}/resumed1").train(resume_from_checkpoint=own)
+        except ConfigError as e:
+            partly = str(e)
         resumed = trainer(f"{node}/resumed2")
         resumed.train(resume_from_checkpoint=f"{tmp}/shared")
         b = _gathered(resumed.model)
-        return {"differ": differ, "error": error, "straight": losses(straight), "resumed": losses(resumed),
+        return {"differ": differ, "error": error, "partly": partly, "straight": losses(straight), "resumed": losses(resumed),
                 "resumed_differ": sorted(n for n in trained if not torch.equal(trained[n], b[n]))}
 
 
@@ -319,14 +325,18 @@ def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
     """``save_on_each_node=True`` at SP 2 with each rank a node of its own (``LOCAL_RANK`` 0 on both) and its own
     disk: every rank gathers the full weights and writes them (``save_model`` and every checkpoint's
     model.safetensors equal the trained weights on both disks); resuming from a node's own disk, which holds only
-    its ranks' DCP shards, is refused by name on every rank (not a hang in DCP's collectives); once every node's
-    shards are in one directory, the resumed run equals the straight one bit for bit.
+    its ranks' DCP shards, is refused by name on every rank, also where only one node's disk lacks them (not a wait
+    in DCP's collectives); once every node's shards are in one directory, the resumed run equals the straight one
+    bit for bit.
 
-    Seen failing: with ``save_model`` gathering to rank 0 only (``every_rank=False``), rank 1's files were empty
-    ("model.safetensors" without the weights); without ``_seqpar_require_dcp``'s cross-rank check, rank 1 failed in
-    DCP's read (no .metadata) and rank 0 waited in its collective until the pool's timeout."""
+    Seen failing: without ``_writes_where_trainer_says`` around ``save_model``'s ``_save``, rank 1 wrote no weights
+    ("FileNotFoundError: .../node1/saved/model.safetensors": transformers' save_pretrained writes on global rank 0
+    only); without ``_seqpar_require_dcp``'s cross-rank check, each rank named only its own problem (rank 0: "missing
+    shard file(s)", not rank 1's missing .metadata), and where rank 0 could read the checkpoint it entered DCP's load
+    alone and waited there while rank 1 raised."""
     for r in dist_pool.run(2, _each_node_run, str(tmp_path), timeout=540):
         assert r["differ"] == {"saved": [], "straight/checkpoint-4": []}, r["differ"]
         assert r["error"] is not None and "save_on_each_node" in r["error"] and "rank 1: no .metadata" in r["error"], r
+        assert r["partly"] is not None and "rank 1: no .metadata" in r["partly"], r
         assert r["resumed"] == r["straight"], r
         assert r["resumed_differ"] == [], r["resumed_differ"]
