@@ -259,10 +259,10 @@ def test_fsdp2_trainer_save_only_model_checkpoint_is_refused_on_resume(dist_pool
     name on every rank before any step, as is ``load_best_model_at_end=True`` with it at construction (transformers
     refuses both for its own FSDP).
 
-    Seen failing: with ``_load_from_checkpoint``'s check removed and ``_load_optimizer_and_scheduler`` reading only
-    where the folder exists (transformers' own way with a missing optimizer.pt), the run resumed silently with
-    AdamW restarted (no error: KeyError 'resume'); with the constructor's check removed, 'best' was missing (the
-    run would have failed only at its end, loading the best checkpoint)."""
+    Seen failing: with the check removed (``_dcp_problem`` returning None), DCP's own error on both ranks, not naming
+    save_only_model ("CheckpointException ... metadata is None; ... No such file or directory: .../seqpar_fsdp2/
+    .metadata"); with the constructor's check removed, "KeyError: 'best'" (no refusal: the run would have failed
+    only at its end, loading the best checkpoint)."""
     for r in dist_pool.run(2, _save_only_model_run, str(tmp_path), timeout=540):
         assert "model.safetensors" in r["files"] and "seqpar_fsdp2" not in r["files"], r["files"]
         assert "save_only_model=True" in r["resume"] and "seqpar_fsdp2" in r["resume"], r
@@ -333,7 +333,7 @@ def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
     ("FileNotFoundError: .../node1/saved/model.safetensors": transformers' save_pretrained writes on global rank 0
     only); without ``_seqpar_require_dcp``'s cross-rank check, each rank named only its own problem (rank 0: "missing
     shard file(s)", not rank 1's missing .metadata), and where rank 0 could read the checkpoint it entered DCP's load
-    alone and waited there while rank 1 raised."""
+    alone and waited there while rank 1 raised (gloo: "Timed out waiting 60000ms for send operation to complete")."""
     for r in dist_pool.run(2, _each_node_run, str(tmp_path), timeout=540):
         assert r["differ"] == {"saved": [], "straight/checkpoint-4": []}, r["differ"]
         assert r["error"] is not None and "save_on_each_node" in r["error"] and "rank 1: no .metadata" in r["error"], r
