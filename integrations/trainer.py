@@ -295,8 +295,12 @@ class SequenceParallelMixin:
         # with beta != 0), which on a model sharded before would mix FSDP2's DTensors with the new plain tensors
         # (fuzzer cases 188540536, 1171, 1720900617)
         self._seqpar_fsdp_options = fsdp_options if self._seqpar_engine == "fsdp2" else None
-        if model is not None and self._seqpar_engine != "fsdp2":
-            self._seqpar_take_model(model)  # swapped in place; DeepSpeed's engine shards it
+        # DeepSpeed: the given model is swapped now, in place (the engine shards it); one given by name (TRL's
+        # model="path", built in the trainer's own __init__) where it is built, as FSDP2's (_seqpar_shard_model).
+        # Before, swap_attention got the name ("'str' object has no attribute 'named_modules'")
+        self._seqpar_swap_built = self._seqpar_engine != "fsdp2" and isinstance(model, str)
+        if model is not None and self._seqpar_engine != "fsdp2" and not self._seqpar_swap_built:
+            self._seqpar_take_model(model)
         swap_other = self._seqpar_swap_other_models()
         if self._seqpar_loss is not None:  # a TRL trainer's further models (DPO's reference model)
             self._seqpar_loss.prepare(args, kwargs, swap_other)
@@ -390,6 +394,10 @@ class SequenceParallelMixin:
         A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
         # sharded already (a given FSDP2 model is refused in __init__, so this one is seqpar's): hyperparameter search
         # calls create_accelerator_and_postprocess again with its model_init model, sharded in call_model_init
+        if self._seqpar_swap_built and self.model is not None:  # DeepSpeed, a model TRL built from a name
+            self._seqpar_swap_built = False  # swapped once (hyperparameter search calls this hook again)
+            self._seqpar_take_model(self.model)
+            return
         if self._seqpar_fsdp_options is None or self.model is None or _is_fsdp2_sharded(self.model):
             return
         self._seqpar_take_model(self.model)
