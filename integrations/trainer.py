@@ -263,6 +263,18 @@ class SequenceParallelMixin:
             raise ConfigError("seqpar_fsdp= is for the FSDP2 path; with a DeepSpeed config drop it")
         if fsdp_options.setdefault("version", 2) != 2:
             raise ConfigError("a seqpar Trainer shards with FSDP2: leave seqpar_fsdp['version'] at 2")
+        if self._seqpar_engine == "fsdp2" and getattr(args, "save_only_model", False) and args.load_best_model_at_end:
+            raise ConfigError(  # as transformers refuses it for its own FSDP: a best checkpoint must be loadable
+                "save_only_model=True with load_best_model_at_end=True: a seqpar FSDP2 trainer reloads the best "
+                "checkpoint from its sharded model (checkpoint-N/seqpar_fsdp2), which save_only_model does not write; "
+                "drop one of them"
+            )
+        if self._seqpar_engine == "fsdp2" and _is_fsdp2_sharded(model):
+            raise ConfigError(
+                f"model is an FSDP2 module already ({type(model).__name__}, sharded by fully_shard, "
+                "seqpar.integrations.fsdp.wrap or another seqpar trainer): a seqpar Trainer without DeepSpeed swaps "
+                "and shards the model itself (gradient divide factor dp); pass the unsharded model"
+            )
         if self.seqpar_config.dynamic is not None:
             self._check_dynamic(args)
             # a manager made earlier without the dynamic block has no dynamic groups: make them (collective)
@@ -283,9 +295,12 @@ class SequenceParallelMixin:
         # with beta != 0), which on a model sharded before would mix FSDP2's DTensors with the new plain tensors
         # (fuzzer cases 188540536, 1171, 1720900617)
         self._seqpar_fsdp_options = fsdp_options if self._seqpar_engine == "fsdp2" else None
-        self._seqpar_fsdp_pending = self._seqpar_fsdp_options is not None  # the given model, not yet sharded
-        if model is not None and self._seqpar_engine != "fsdp2":
-            self._seqpar_take_model(model)  # swapped in place; DeepSpeed's engine shards it
+        # DeepSpeed: the given model is swapped now, in place (the engine shards it); one given by name (TRL's
+        # model="path", built in the trainer's own __init__) where it is built, as FSDP2's (_seqpar_shard_model).
+        # Before, swap_attention got the name ("'str' object has no attribute 'named_modules'")
+        self._seqpar_swap_built = self._seqpar_engine != "fsdp2" and isinstance(model, str)
+        if model is not None and self._seqpar_engine != "fsdp2" and not self._seqpar_swap_built:
+            self._seqpar_take_model(model)
         swap_other = self._seqpar_swap_other_models()
         if self._seqpar_loss is not None:  # a TRL trainer's further models (DPO's reference model)
             self._seqpar_loss.prepare(args, kwargs, swap_other)
@@ -377,9 +392,14 @@ class SequenceParallelMixin:
         ``beta != 0``). So TRL's adapters are built as without seqpar, on whole tensors, and FSDP2 shards and
         gathers them with the rest; the trainer's later steps see the sharded model (the same object).
         A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
-        if not self._seqpar_fsdp_pending or self.model is None:
+        # sharded already (a given FSDP2 model is refused in __init__, so this one is seqpar's): hyperparameter search
+        # calls create_accelerator_and_postprocess again with its model_init model, sharded in call_model_init
+        if self._seqpar_swap_built and self.model is not None:  # DeepSpeed, a model TRL built from a name
+            self._seqpar_swap_built = False  # swapped once (hyperparameter search calls this hook again)
+            self._seqpar_take_model(self.model)
             return
-        self._seqpar_fsdp_pending = False  # hyperparameter search calls create_accelerator_and_postprocess again
+        if self._seqpar_fsdp_options is None or self.model is None or _is_fsdp2_sharded(self.model):
+            return
         self._seqpar_take_model(self.model)
 
     def _seqpar_take_model(self, model: Any) -> None:
@@ -593,7 +613,8 @@ class SequenceParallelMixin:
         output_dir = self.args.output_dir if output_dir is None else output_dir
         # {} on every rank but 0, unless each node's first rank writes as well (save_on_each_node)
         state_dict = full_state_dict(self.model, every_rank=self.args.save_on_each_node)
-        self._save(output_dir, state_dict=state_dict)
+        with _writes_where_trainer_says(self.model):
+            self._save(output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -620,31 +641,48 @@ class SequenceParallelMixin:
             transformers.trainer.reissue_pt_warnings(caught)
 
     def _seqpar_require_dcp(self, checkpoint: str) -> str:
-        import os
+        """``<checkpoint>/seqpar_fsdp2``, checked on every rank before DCP reads it (a collective): refused by name on
+        every rank where any rank lacks it or any file of it (DCP would fail on those ranks only and leave the others
+        waiting in its collectives)."""
+        import torch.distributed as dist
 
         path = self._seqpar_dcp_dir(checkpoint)
-        if not os.path.isdir(path):
+        problem = _dcp_problem(path)
+        problems = [problem]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            problems = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+        missing = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+        if missing and all(p == "no directory" for _, p in missing):
             raise ConfigError(
                 f"resume_from_checkpoint={checkpoint!r} has no {SEQPAR_FSDP2_CHECKPOINT}/ (the sharded model and "
-                "optimizer a seqpar FSDP2 trainer writes with every checkpoint): it was saved with "
-                "save_only_model=True, by save_model(), or by another trainer. Resume from a checkpoint this "
-                "trainer saved with save_only_model=False, or load the saved weights with from_pretrained() and "
-                "train anew"
+                "optimizer a seqpar FSDP2 trainer writes with every checkpoint) on rank(s) "
+                f"{[rank for rank, _ in missing]}: it was saved with save_only_model=True, by save_model(), or by "
+                "another trainer. Resume from a checkpoint this trainer saved with save_only_model=False, or load the "
+                "saved weights with from_pretrained() and train anew"
+            )
+        if missing:
+            raise ConfigError(
+                f"resume_from_checkpoint={checkpoint!r}: {SEQPAR_FSDP2_CHECKPOINT}/ is incomplete where rank(s) read it "
+                f"({'; '.join(f'rank {rank}: {p}' for rank, p in missing)}). It holds every rank's shards "
+                "(torch.distributed.checkpoint), which every rank must be able to read: with save_on_each_node=True "
+                "on node-local disks each node wrote only its own ranks' shards; copy every node's "
+                f"{SEQPAR_FSDP2_CHECKPOINT}/ files into one directory all ranks read (a shared filesystem)"
             )
         return path
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """FSDP2: the model's shards from ``<checkpoint>/seqpar_fsdp2`` (a collective; resharded onto this run's
-        layout). transformers' own would load the full safetensors into the sharded model."""
+        """FSDP2: only checks that the checkpoint has ``seqpar_fsdp2/`` (refused by name, on every rank, before the
+        optimizer is built); the model's shards are read with the optimizer's, in one load, by
+        :meth:`_load_optimizer_and_scheduler`, which ``train`` calls next. transformers' own would load the full
+        safetensors into the sharded model."""
         if self._seqpar_engine != "fsdp2":
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        from seqpar.integrations.fsdp import load_checkpoint
-
-        load_checkpoint(self._seqpar_require_dcp(resume_from_checkpoint), self.model if model is None else model)
+        self._seqpar_require_dcp(resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """FSDP2: the optimizer's shards (every rank's, with the model's again) from ``<checkpoint>/seqpar_fsdp2``,
-        and the scheduler as transformers loads it."""
+        """FSDP2: the model's and the optimizer's shards (every rank's, one DCP load, resharded onto this run's
+        layout) from ``<checkpoint>/seqpar_fsdp2``, and the scheduler as transformers loads it."""
         if self._seqpar_engine != "fsdp2" or checkpoint is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
         import os
@@ -671,6 +709,48 @@ class SequenceParallelMixin:
 SEQPAR_FSDP2_CHECKPOINT = "seqpar_fsdp2"
 """The folder of a Trainer checkpoint (``checkpoint-<step>/``) where a seqpar FSDP2 trainer writes the model's and
 the optimizer's shards with torch.distributed.checkpoint, for ``train(resume_from_checkpoint=...)``."""
+
+
+@contextlib.contextmanager
+def _writes_where_trainer_says(model: Any) -> Iterator[None]:
+    """Within the block, ``model.save_pretrained(is_main_process=...)`` writes where it is told: Trainer passes
+    ``args.should_save`` (with ``save_on_each_node=True``, each node's first rank), but transformers 5.x's
+    ``save_pretrained`` also requires global rank 0 once torch.distributed is up (``should_save_on_this_rank``), so
+    the other nodes' checkpoints had no weights. Scoped to this model instance (an attribute shadowing the method,
+    removed after)."""
+    if not hasattr(model, "should_save_on_this_rank") or "should_save_on_this_rank" in vars(model):
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
+def _dcp_problem(path: str) -> str | None:
+    """What keeps this rank from reading the DCP checkpoint at ``path`` (no directory, no ``.metadata``, a file the
+    metadata names missing), or None."""
+    import os
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isdir(path):
+        return "no directory"
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        return "no .metadata (written by rank 0)"
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    return f"missing shard file(s) {absent}" if absent else None
+
+
+def _is_fsdp2_sharded(model: Any) -> bool:
+    """Whether ``model`` is an FSDP2 module (``fully_shard`` applied to it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
 
 
 def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:

@@ -106,7 +106,9 @@ def test_fsdp2_trainer_save_model_writes_the_trained_weights(dist_pool, tmp_path
         assert abs(r["loaded_loss"] - r["eval_loss"]) <= 1e-5 * abs(r["eval_loss"]), r
 
 
-def _resume_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
+def _resume_run(rank: int, world: int, tmp: str, peft: bool, sp: dict = SP) -> dict:
+    import torch.distributed.checkpoint as dcp
+
     from seqpar.integrations.trainer import SeqParTrainer
 
     def build():
@@ -114,7 +116,7 @@ def _resume_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
 
     def trainer(out: str):
         return SeqParTrainer(model=build(), args=_args(out, save_strategy="steps", save_steps=2),
-                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=sp)
 
     def losses(t) -> list[float]:
         return [h["loss"] for h in t.state.log_history if "loss" in h]
@@ -123,13 +125,23 @@ def _resume_run(rank: int, world: int, tmp: str, peft: bool) -> dict:
         straight = trainer(f"{tmp}/straight")
         straight.train()  # checkpoints at steps 2 and 4 (the default save path, which crashed before)
         resumed = trainer(f"{tmp}/resumed")
-        resumed.train(resume_from_checkpoint=f"{tmp}/straight/checkpoint-2")
+        load, loads = dcp.load, []  # the checkpoint's reads while resuming: one (model and optimizer together)
+
+        def counted(*args, **kwargs):
+            loads.append(1)
+            return load(*args, **kwargs)
+
+        dcp.load = counted
+        try:
+            resumed.train(resume_from_checkpoint=f"{tmp}/straight/checkpoint-2")
+        finally:
+            dcp.load = load
         a, b = _gathered(straight.model), _gathered(resumed.model)
         initial = dict(build().named_parameters())
         return {"straight": losses(straight), "resumed": losses(resumed),
                 "weights_differ": sorted(n for n in a if not torch.equal(a[n], b[n])),
                 "lr": (straight.lr_scheduler.get_last_lr(), resumed.lr_scheduler.get_last_lr()),
-                "untrained_equal": all(torch.equal(p, initial[n].detach()) for n, p in a.items()),
+                "untrained_equal": all(torch.equal(p, initial[n].detach()) for n, p in a.items()), "dcp_loads": len(loads),
                 "checkpoint_files": sorted(os.listdir(f"{tmp}/straight/checkpoint-2")) if rank == 0 else None}
 
 
@@ -159,6 +171,24 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
         assert r["weights_differ"] == [], r["weights_differ"]
         assert r["lr"][0] == r["lr"][1], r["lr"]
         assert not r["untrained_equal"]  # the run trained
+        assert r["dcp_loads"] == 1, r["dcp_loads"]  # model and optimizer in one read
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path):
+    """As :func:`test_fsdp2_trainer_resume_from_checkpoint_continues_exactly` at SP 1 x DP 2 on 2 ranks (each rank
+    its own samples, FSDP2 over both): 4 steps straight vs. resumed from ``checkpoint-2``, bit for bit, with the
+    checkpoint read once.
+
+    Seen failing: with the optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``), step 4's
+    loss differs; with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP reads."""
+    for r in dist_pool.run(2, _resume_run, str(tmp_path), False, {"size": 1}, timeout=540):
+        assert len(r["straight"]) == STEPS, r
+        assert r["resumed"] == r["straight"], r
+        assert r["weights_differ"] == [], r["weights_differ"]
+        assert r["lr"][0] == r["lr"][1], r["lr"]
+        assert not r["untrained_equal"]
+        assert r["dcp_loads"] == 1, r["dcp_loads"]
 
 
 def _best_run(rank: int, world: int, tmp: str) -> dict:
@@ -194,3 +224,119 @@ def test_fsdp2_trainer_load_best_model_at_end_loads_the_best_checkpoint(dist_poo
     for r in dist_pool.run(2, _best_run, str(tmp_path), timeout=540):
         assert r["best"] != r["final"] and r["last_differs"], r  # the best is not where training ended
         assert r["differ"] == [], r
+
+
+def _save_only_model_run(rank: int, world: int, tmp: str) -> dict:
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    def trainer(out: str, **extra):
+        return SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(out, steps=2, save_strategy="steps", save_steps=2,
+                                                                    save_only_model=True, **extra),
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                             eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]), seqpar_config=SP)
+
+    errors = {}
+    with hf_tiny.launcher_env(rank, world):
+        trainer(f"{tmp}/out").train()
+        files = sorted(os.listdir(f"{tmp}/out/checkpoint-2"))
+        try:
+            trainer(f"{tmp}/resumed").train(resume_from_checkpoint=f"{tmp}/out/checkpoint-2")
+        except ConfigError as e:
+            errors["resume"] = str(e)
+    with hf_tiny.launcher_env(rank, world):
+        try:
+            trainer(f"{tmp}/best", eval_strategy="steps", eval_steps=2, load_best_model_at_end=True)
+        except ConfigError as e:
+            errors["best"] = str(e)
+    return {"files": files, **errors}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_save_only_model_checkpoint_is_refused_on_resume(dist_pool, tmp_path):
+    """``save_only_model=True`` at SP 2 on 2 ranks: the checkpoint holds the model's weights only (no
+    ``seqpar_fsdp2/``, no optimizer or RNG state), and ``train(resume_from_checkpoint=...)`` from it is refused by
+    name on every rank before any step, as is ``load_best_model_at_end=True`` with it at construction (transformers
+    refuses both for its own FSDP).
+
+    Seen failing: with the check removed (``_dcp_problem`` returning None), DCP's own error on both ranks, not naming
+    save_only_model ("CheckpointException ... metadata is None; ... No such file or directory: .../seqpar_fsdp2/
+    .metadata"); with the constructor's check removed, "KeyError: 'best'" (no refusal: the run would have failed
+    only at its end, loading the best checkpoint)."""
+    for r in dist_pool.run(2, _save_only_model_run, str(tmp_path), timeout=540):
+        assert "model.safetensors" in r["files"] and "seqpar_fsdp2" not in r["files"], r["files"]
+        assert "save_only_model=True" in r["resume"] and "seqpar_fsdp2" in r["resume"], r
+        assert "save_only_model=True with load_best_model_at_end=True" in r["best"], r
+
+
+def _each_node_run(rank: int, world: int, tmp: str) -> dict:
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    node = f"{tmp}/node{rank}"  # each rank a node of its own, with a disk of its own
+
+    def trainer(out: str):
+        return SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(out, save_strategy="steps", save_steps=2,
+                                                                    save_on_each_node=True),
+                             train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+
+    def losses(t) -> list[float]:
+        return [h["loss"] for h in t.state.log_history if "loss" in h]
+
+    with hf_tiny.launcher_env(rank, world):
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # 2 nodes of one process: both are local writers
+        straight = trainer(f"{node}/straight")
+        straight.train()  # checkpoints 2 and 4, each written on both nodes
+        straight.save_model(f"{node}/saved")
+        trained = _gathered(straight.model)
+        files = {name: load_file(f"{node}/{name}/model.safetensors") for name in ("saved", "straight/checkpoint-4")}
+        differ = {name: sorted(n for n in trained if not torch.equal(got[n], trained[n])) for name, got in files.items()}
+        error = None
+        try:  # each node resumes from its own disk, which has its own ranks' shards only
+            trainer(f"{node}/resumed").train(resume_from_checkpoint=f"{node}/straight/checkpoint-2")
+        except ConfigError as e:
+            error = str(e)
+        dist.barrier()
+        if rank == 0:  # the fix the error names: every node's shards in one directory all ranks read
+            shutil.copytree(f"{node}/straight/checkpoint-2", f"{tmp}/shared", dirs_exist_ok=True)
+            shutil.copytree(f"{tmp}/node1/straight/checkpoint-2/seqpar_fsdp2", f"{tmp}/shared/seqpar_fsdp2",
+                            dirs_exist_ok=True)
+        dist.barrier()
+        partly = None
+        try:  # node 0's disk completed, node 1's not: rank 0 alone could read it
+            own = f"{tmp}/shared" if rank == 0 else f"{node}/straight/checkpoint-2"
+            trainer(f"{node}/resumed1").train(resume_from_checkpoint=own)
+        except ConfigError as e:
+            partly = str(e)
+        resumed = trainer(f"{node}/resumed2")
+        resumed.train(resume_from_checkpoint=f"{tmp}/shared")
+        b = _gathered(resumed.model)
+        return {"differ": differ, "error": error, "partly": partly, "straight": losses(straight), "resumed": losses(resumed),
+                "resumed_differ": sorted(n for n in trained if not torch.equal(trained[n], b[n]))}
+
+
+@pytest.mark.timeout(600)
+def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
+    """``save_on_each_node=True`` at SP 2 with each rank a node of its own (``LOCAL_RANK`` 0 on both) and its own
+    disk: every rank gathers the full weights and writes them (``save_model`` and every checkpoint's
+    model.safetensors equal the trained weights on both disks); resuming from a node's own disk, which holds only
+    its ranks' DCP shards, is refused by name on every rank, also where only one node's disk lacks them (not a wait
+    in DCP's collectives); once every node's shards are in one directory, the resumed run equals the straight one
+    bit for bit.
+
+    Seen failing: without ``_writes_where_trainer_says`` around ``save_model``'s ``_save``, rank 1 wrote no weights
+    ("FileNotFoundError: .../node1/saved/model.safetensors": transformers' save_pretrained writes on global rank 0
+    only); without ``_seqpar_require_dcp``'s cross-rank check, each rank named only its own problem (rank 0: "missing
+    shard file(s)", not rank 1's missing .metadata), and where rank 0 could read the checkpoint it entered DCP's load
+    alone and waited there while rank 1 raised (gloo: "Timed out waiting 60000ms for send operation to complete")."""
+    for r in dist_pool.run(2, _each_node_run, str(tmp_path), timeout=540):
+        assert r["differ"] == {"saved": [], "straight/checkpoint-4": []}, r["differ"]
+        assert r["error"] is not None and "save_on_each_node" in r["error"] and "rank 1: no .metadata" in r["error"], r
+        assert r["partly"] is not None and "rank 1: no .metadata" in r["partly"], r
+        assert r["resumed"] == r["straight"], r
+        assert r["resumed_differ"] == [], r["resumed_differ"]
