@@ -10,8 +10,9 @@ replace the ``mpu``. This module owns what that means for seqpar, one function p
 - the vocabulary-split LM head (``tensor_parallel.vocab_parallel_lm_head``): seqpar's loss put back, vocab-parallel
   over TP and token-weighted over SP x DP (:class:`SplitHeadLoss`, :func:`seqpar_loss_on_split_head`), the head's
   width where a model reads it (:func:`complete_split_head`); what that head cannot honour is refused by name
-  (:func:`refuse_tiled_loss_on_split_head` where the head is split without ``vocab_parallel_lm_head`` or under
-  ZeRO-3, :func:`refuse_z_loss_on_split_head`, and before any engine
+  (:func:`refuse_tiled_loss_on_split_head` where the head is split without ``vocab_parallel_lm_head``; under ZeRO-3
+  it has the split head's weight gathered for the tiled loss, :func:`gather_split_head_for_tiled_loss`),
+  :func:`refuse_z_loss_on_split_head`, and before any engine
   :func:`refuse_unsplittable_tied_embedding`);
 - what AutoTP itself trains wrong, refused by name: a model type (:func:`refuse_autotp_model_type`), a split
   activation-sparse gate (:func:`refuse_split_sparse_gate`), parameters it dropped
@@ -37,6 +38,7 @@ __all__ = [
     "check_autotp_groups",
     "complete_split_head",
     "dp_axis_loader",
+    "gather_split_head_for_tiled_loss",
     "lm_head_rows",
     "refuse_autotp_model_type",
     "refuse_parameters_autotp_dropped",
@@ -100,8 +102,9 @@ def refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, in
 
     - ``vocab_parallel_lm_head: true`` (a ``VocabParallelLinear``): exact, not refused. :func:`complete_split_head`
       attaches where the rows sit (``seqpar_vocab_split``), and the tiled loss is vocab-parallel over TP with the
-      hidden states' gradient summed over TP (:func:`seqpar.memory.tiling.tiled_lm_loss`). Except under ZeRO-3: the
-      tiled loss reads the head's weight outside the head's forward, where ZeRO-3 has not gathered it; refused.
+      hidden states' gradient summed over TP (:func:`seqpar.memory.tiling.tiled_lm_loss`). Under ZeRO-3 the tiled
+      loss reads the head's partitioned weight outside the head's forward: it is registered for the causal LM's
+      forward and backward (:func:`gather_split_head_for_tiled_loss`), exact too.
     - any other split head: each rank's loss would be over its own slice, silently wrong (fuzzer case 756378705: the
       loss 13% off); refused.
 
@@ -116,15 +119,11 @@ def refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, in
     for name, rows in before.items():
         where = f"{name}.lm_head" if name else "lm_head"
         head = getattr(modules.get(name), "lm_head", None)
-        if isinstance(head, VocabParallelLinear) and not hasattr(head.weight, "ds_id"):
-            continue  # vocab-parallel: complete_split_head describes the slice, the tiled loss reduces over TP
-        if isinstance(head, VocabParallelLinear):  # ZeRO-3's partitioned parameter
-            raise ConfigError(
-                f"sequence_parallel.tiled_loss reads the LM head's weight outside the head's forward, and DeepSpeed "
-                f"AutoTP split {where} over the vocabulary under ZeRO-3, which gathers that weight only inside the "
-                "head's forward. Set tiled_loss false, or use "
-                "ZeRO stage 0-2"
-            )
+        if isinstance(head, VocabParallelLinear):
+            # vocab-parallel: complete_split_head describes the slice, the tiled loss reduces over TP
+            if hasattr(head.weight, "ds_id"):  # ZeRO-3's partitioned parameter
+                gather_split_head_for_tiled_loss(modules[name], head)
+            continue
         if after.get(name, rows) == rows:
             continue
         raise ConfigError(
@@ -134,6 +133,26 @@ def refuse_tiled_loss_on_split_head(model: torch.nn.Module, before: dict[str, in
             "tensor_parallel.vocab_parallel_lm_head true (the tiled loss is then vocab-parallel), or use FSDP2's "
             "tensor parallelism (seqpar.integrations.fsdp.wrap)"
         )
+
+
+def gather_split_head_for_tiled_loss(owner: torch.nn.Module, head: torch.nn.Module) -> None:
+    """Under ZeRO-3, have DeepSpeed gather the split head's weight for ``owner``'s forward and backward: ``owner``
+    (the causal LM) runs the tiled loss, which reads ``head.weight`` (this TP rank's rows, partitioned over ZeRO's
+    DP group) outside the head's own forward, where ZeRO-3 would hand it over empty.
+
+    DeepSpeed's own mechanism for a parameter read outside its module, ``deepspeed.zero.register_external_parameter``:
+    ``owner``'s forward pre-hook then gathers the weight with ``owner``'s own parameters and keeps it while ``owner``
+    is active (a tied embedding's release inside the decoder does not drop it); its pre-backward hook (on the loss)
+    gathers it again before the tiled loss's backward, which recomputes every tile from it. The tiled loss keeps the
+    weight as the ``Parameter`` itself, not a saved tensor, so the backward reads the refilled storage, and returns
+    the whole slice's gradient once, to the parameter's own accumulator, where ZeRO-3's hook reduce-scatters it into
+    its partitioned gradient as for any parameter. (``GatheredParameters(modifier_rank=None)`` around the read alone
+    would cover the forward only: the backward would recompute from an empty weight.)"""
+    from deepspeed.runtime.zero import register_external_parameter
+
+    register_external_parameter(owner, head.weight)
+    logger.info("%s seqpar: ZeRO-3 gathers the vocabulary-split LM head's weight for %s's forward and backward "
+                "(the tiled loss reads it there)", rank_prefix(), type(owner).__name__)
 
 
 class SplitHeadLoss:

@@ -76,6 +76,28 @@ def assert_tp_grads(engine, ref: torch.nn.Module, manager, what: str) -> set[str
     return sharded
 
 
+def split_head_step(engine, ref: torch.nn.Module, manager, vocab: int, what: str, seed: int = 12):  # noqa: ANN001, ANN201
+    """One forward and backward of ``engine`` (a split head at AutoTP x SP) and of its float64 reference ``ref`` on
+    fresh ids ``(BATCH, SEQ)`` drawn with ``seed``: the last id at ``[1, 5]`` (the last slice's last row), the targets
+    ``[0, 3:6]`` ignored (on one SP rank's shard only), ``engine`` fed its contiguous SP shard. The loss (to 1e-7
+    relative) and every reduced gradient (:func:`assert_tp_grads`) equal ``ref``'s; returns ``engine``'s output and
+    the names AutoTP split. ``ref``'s gradients accumulate: zero them between steps."""
+    from seqpar.sequence.batch import shard_batch
+
+    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    ids[1, 5] = vocab - 1
+    labels = ids.clone()
+    labels[0, 3:6] = -100
+    logits_ref = ref(input_ids=ids).logits
+    loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+    loss_ref.backward()
+    got = engine(**shard_batch({"input_ids": ids, "labels": labels}, group=manager.sp_group, sharding="contiguous"))
+    engine.backward(got.loss)
+    torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
+                               msg=lambda m: f"{what}loss: {m}")
+    return got, assert_tp_grads(engine, ref, manager, what)
+
+
 @releases_deepspeed_engines
 def _ds_tp_steps(rank: int, world: int, stage: int) -> dict:
     from deepspeed.utils import safe_get_full_grad
@@ -550,7 +572,6 @@ def _split_head_steps(rank: int, world: int, stage: int) -> dict:
 
     from seqpar.integrations.deepspeed import initialize
     from seqpar.runtime.groups import set_default_manager
-    from seqpar.sequence.batch import shard_batch
 
     out: dict = {}
     for kind, build in (("starcoder2", _tied_starcoder2), ("llama", _tied_llama)):
@@ -563,18 +584,7 @@ def _split_head_steps(rank: int, world: int, stage: int) -> dict:
                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR))
         manager = engine.seqpar_manager
         try:
-            ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(12))
-            labels = ids.clone()
-            labels[0, 3:6] = -100  # ignored targets, on one SP rank's shard only
-            logits_ref = ref(input_ids=ids).logits
-            loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
-            loss_ref.backward()
-            got = engine(**shard_batch({"input_ids": ids, "labels": labels}, group=manager.sp_group,
-                                       sharding="contiguous"))
-            engine.backward(got.loss)
-            torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
-                                       msg=lambda m, k=kind: f"{k} ZeRO-{stage} loss: {m}")
-            sharded = assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
+            got, sharded = split_head_step(engine, ref, manager, vocab, f"{kind} ZeRO-{stage} ")
             head = engine.module.lm_head
             out[kind] = {"head": (type(head).__name__, tuple(got.logits.shape)),
                          "loss_function": type(engine.module.loss_function).__name__,

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
-import torch.nn.functional as F
-from test_deepspeed_tp import SP, assert_tp_grads, ds_tp_config
+from test_deepspeed_tp import SP, ds_tp_config, split_head_step
 
 from seqpar.testing.deepspeed_teardown import releases_deepspeed_engines
 
@@ -45,21 +45,25 @@ def _llama(tied: bool):  # noqa: ANN202
     return transformers.LlamaForCausalLM(cfg).to(torch.float64)
 
 
+MODELS = {"qwen2_tied": _qwen2_tied, "llama_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True)}
+
+
 @releases_deepspeed_engines
-def _tiled_split_head_steps(rank: int, world: int, stage: int) -> dict:
-    """Each model at AutoTP 2 x SP 2, ``vocab_parallel_lm_head`` and ``tiled_loss`` true, 3-row tiles: the loss and
-    every reduced gradient (TP slices gathered) against one float64 process; what the head became."""
+def _tiled_split_head_steps(rank: int, world: int, stage: int, kinds: tuple[str, ...] = tuple(MODELS),
+                            steps: int = 1) -> dict:
+    """Each of ``kinds`` at AutoTP 2 x SP 2, ZeRO ``stage``, ``vocab_parallel_lm_head`` and ``tiled_loss`` true,
+    3-row tiles, ``steps`` SGD steps beside one float64 process on fresh batches: every step's loss and every reduced
+    gradient (TP slices gathered) equal the process's; returns what the head became."""
     from seqpar.integrations.deepspeed import initialize
     from seqpar.memory import tiling
     from seqpar.runtime.groups import set_default_manager
-    from seqpar.sequence.batch import shard_batch
 
     out: dict = {}
     max_elements = tiling.MAX_LOSS_CHUNK_ELEMENTS
-    for kind, build in (("qwen2_tied", _qwen2_tied), ("llama_untied", lambda: _llama(False)),
-                        ("llama_tied", lambda: _llama(True))):
-        model = build()
+    for kind in kinds:
+        model = MODELS[kind]()
         ref = copy.deepcopy(model)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
         config = {**ds_tp_config(stage, vocab_parallel_lm_head=True),
                   "sequence_parallel": {**SP, "mode": "ulysses", "sharding": "contiguous", "tiled_loss": True}}
         engine, _, _, _ = initialize(model=model, config=config,
@@ -70,21 +74,15 @@ def _tiled_split_head_steps(rank: int, world: int, stage: int) -> dict:
             split = head.seqpar_vocab_split
             # tiles of 3 rows of the largest slice: several tiles per shard, the same count on both TP ranks
             tiling.MAX_LOSS_CHUNK_ELEMENTS = 3 * split.largest_rows
-            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(12))
-            ids[1, 5] = VOCAB - 1  # the last id: the last slice's last row
-            labels = ids.clone()
-            labels[0, 3:6] = -100  # ignored targets, on one SP rank's shard only
-            logits_ref = ref(input_ids=ids).logits
-            loss_ref = F.cross_entropy(logits_ref[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
-            loss_ref.backward()
-            got = engine(**shard_batch({"input_ids": ids, "labels": labels}, group=manager.sp_group,
-                                       sharding="contiguous"))
-            engine.backward(got.loss)
-            torch.testing.assert_close(got.loss.detach().to(loss_ref.dtype), loss_ref.detach(), rtol=1e-7, atol=0,
-                                       msg=lambda m, k=kind: f"{k} ZeRO-{stage} loss: {m}")
-            sharded = assert_tp_grads(engine, ref, manager, f"{kind} ZeRO-{stage} ")
+            for step in range(steps):
+                got, sharded = split_head_step(engine, ref, manager, VOCAB, f"{kind} ZeRO-{stage} step {step} ",
+                                               seed=12 + step)
+                engine.step()
+                ref_opt.step()
+                ref_opt.zero_grad()
             out[kind] = {"head": type(head).__name__, "logits": got.logits,
-                         "slice": (split.vocab_start, int(head.weight.shape[0]), split.vocab_size),
+                         "slice": (split.vocab_start, int(getattr(head.weight, "ds_shape", head.weight.shape)[0]),
+                                   split.vocab_size),
                          "tied": head.weight is engine.module.model.embed_tokens.weight,
                          "head_split": "lm_head.weight" in sharded or "model.embed_tokens.weight" in sharded}
         finally:
@@ -92,6 +90,17 @@ def _tiled_split_head_steps(rank: int, world: int, stage: int) -> dict:
             manager.destroy()
             set_default_manager(None)
     return out
+
+
+def _assert_heads(got: dict, rank: int, kinds: tuple[str, ...] = tuple(MODELS)) -> None:
+    """What each model's head became on ``rank``: DeepSpeed's ``VocabParallelLinear``, no logits returned, tied as
+    the model is, this TP rank's slice of the vocabulary."""
+    tp_rank = rank % 2  # DeepSpeed's TP groups are consecutive ranks
+    for kind in kinds:
+        start, rows, vocab = got[kind]["slice"]
+        assert got[kind]["head"] == "VocabParallelLinear" and got[kind]["logits"] is None, got[kind]
+        assert got[kind]["tied"] is (kind != "llama_untied") and got[kind]["head_split"], got[kind]
+        assert vocab == VOCAB and (start == 0) == (tp_rank == 0) and 0 < rows < VOCAB, got[kind]
 
 
 def test_tiled_loss_on_the_vocab_split_head_matches_one_process(dist_pool) -> None:
@@ -105,22 +114,31 @@ def test_tiled_loss_on_the_vocab_split_head_matches_one_process(dist_pool) -> No
     start off by one row (``max(0, vocab_start_index - 1)`` in ``complete_split_head``: Qwen2's loss off on every
     rank; ``+ 1`` instead is caught by ``tiled_lm_loss``'s own check, "the LM head's 26 rows from 28 do not fit")."""
     for rank, got in enumerate(dist_pool.run(4, _tiled_split_head_steps, 1, timeout=400)):
-        tp_rank = rank % 2  # DeepSpeed's TP groups are consecutive ranks
-        for kind, tied in (("qwen2_tied", True), ("llama_untied", False), ("llama_tied", True)):
-            start, rows, vocab = got[kind]["slice"]
-            assert got[kind]["head"] == "VocabParallelLinear" and got[kind]["logits"] is None, got[kind]
-            assert got[kind]["tied"] is tied and got[kind]["head_split"], got[kind]
-            assert vocab == VOCAB and (start == 0) == (tp_rank == 0) and 0 < rows < VOCAB, got[kind]
+        _assert_heads(got, rank)
+
+
+@pytest.mark.timeout(900)
+def test_tiled_loss_on_the_vocab_split_head_under_zero3_trains_as_one_process(dist_pool) -> None:
+    """``tiled_loss`` on DeepSpeed AutoTP's vocabulary-split head under ZeRO-3, AutoTP 2 x SP 2, vocabulary 53, 3-row
+    tiles: tiny Qwen2 (tied) and Llama (untied), float64, 3 SGD steps on fresh batches. ZeRO-3 partitions the head's
+    slice over SP; the tiled loss reads it outside the head's forward, so ``initialize`` registers it as an external
+    parameter of the causal LM (``gather_split_head_for_tiled_loss``), gathered for the LM's forward and again for
+    its backward, which recomputes every tile. Every step's loss and every reduced gradient equal one process's.
+
+    Seen failing: """
+    kinds = ("qwen2_tied", "llama_untied")
+    for rank, got in enumerate(dist_pool.run(4, _tiled_split_head_steps, 3, kinds, 3, timeout=840)):
+        _assert_heads(got, rank, kinds)
 
 
 def test_tiled_loss_refusals_on_split_heads() -> None:
     """What ``refuse_tiled_loss_on_split_head`` (called in ``initialize`` with the head rows read before
     ``deepspeed.initialize``) passes and refuses, on stand-in heads without a process group: DeepSpeed's
     ``VocabParallelLinear`` (``vocab_parallel_lm_head: true``) passes, its rows fewer than before; the same head under
-    ZeRO-3 (its weight partitioned, ``ds_id``) is refused by name, since the tiled loss reads the weight outside the
-    head's forward, where ZeRO-3 has not gathered it; any other head with fewer rows is refused (fuzzer case
-    756378705). Seen failing: the ``ds_id`` test dropped from the refusal (the ZeRO-3 head passed)."""
-    import pytest
+    ZeRO-3 (its weight partitioned, ``ds_id``) passes too, its weight registered as an external parameter of the
+    causal LM (ZeRO-3 gathers it for the LM's forward and backward, where the tiled loss reads it); any other head
+    with fewer rows is refused (fuzzer case 756378705). Seen failing: the ``ds_id`` test dropped (the ZeRO-3 head's
+    weight not registered)."""
     from deepspeed.module_inject.layers import VocabParallelLinear
 
     from seqpar.config import ConfigError
@@ -134,10 +152,10 @@ def test_tiled_loss_refusals_on_split_heads() -> None:
     head.weight = torch.nn.Parameter(torch.zeros(VOCAB // 2 + 1, 32))  # TP rank 0's rows
     model.lm_head = head
     refuse_tiled_loss_on_split_head(model, before)
+    assert not getattr(model, "_external_params", {})  # ZeRO 0-2: nothing to gather
     head.weight.ds_id = 7  # ZeRO-3's partitioned parameter
-    with pytest.raises(ConfigError, match=r"tiled_loss reads the LM head's weight outside the head's forward.*lm_head "
-                                          r"over the vocabulary under ZeRO-3.*Set tiled_loss false, or use ZeRO stage"):
-        refuse_tiled_loss_on_split_head(model, before)
+    refuse_tiled_loss_on_split_head(model, before)
+    assert list(model._external_params.values()) == [head.weight]  # gathered with the causal LM's parameters
     model.lm_head = torch.nn.Linear(32, VOCAB // 2 + 1, bias=False)  # another split: AutoTP's LinearLayer's rows
     with pytest.raises(ConfigError, match=r"tiled_loss .*AutoTP split over the vocabulary \(lm_head: 27 of its 53 rows"
                                           r".*vocab_parallel_lm_head true"):

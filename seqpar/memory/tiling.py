@@ -264,10 +264,8 @@ def tiled_lm_loss(
         if _vocab_sharded_weight(weight) is not None:
             raise TilingError("tiled_loss: the LM head's weight is a DTensor and a vocab_split was given too; "
                               "pass one description of the split, not both")
-        start, rows = vocab_split.vocab_start, weight.shape[0]
-        if not (0 <= start and start + rows <= vocab_split.vocab_size and rows <= vocab_split.largest_rows):
-            raise TilingError(f"tiled_loss: the LM head's {rows} rows from {start} do not fit the vocabulary split "
-                              f"it describes ({vocab_split.vocab_size} ids, at most {vocab_split.largest_rows} a rank)")
+        start = vocab_split.vocab_start
+        _check_vocab_split(weight.shape[0], vocab_split, hidden.device)
         # the logits are this rank's columns; the head's input is replicated over TP, and each rank's gradient
         # of it covers its columns only: summed over TP on the way back (the split head's own backward does that,
         # which the tiled loss bypasses by reading the weight)
@@ -337,10 +335,63 @@ def _vocab_sharded_weight(weight: Tensor) -> tuple[Tensor, Any, int] | None:
                           "(Shard(0), the colwise head of the model's tp plan)")
     start, length = vocab_slice(weight.shape[0], mesh.get_local_rank(), mesh.size())
     local = weight.to_local()
-    if local.shape[0] != length:
-        raise TilingError(f"tiled_loss: the LM head's local slice has {local.shape[0]} rows, torch's Shard layout "
-                          f"gives {length}")
+    # agreed over the TP group before the tiles' collectives: a rank raising alone would leave the others blocked
+    table = _gather_ints([int(local.shape[0] == length), local.shape[0]], mesh.get_group(), local.device)
+    bad = [(r, rows) for r, (ok, rows) in enumerate(table) if not ok]
+    if bad:
+        where = ", ".join(f"TP rank {r}: {rows} rows where torch's Shard layout gives "
+                          f"{vocab_slice(weight.shape[0], r, mesh.size())[1]}" for r, rows in bad)
+        raise TilingError(f"tiled_loss: the LM head's weight, a DTensor of {weight.shape[0]} rows split over TP "
+                          f"{mesh.size()}, has local slices that do not follow its Shard(0) layout ({where}). Build "
+                          "the head's DTensor with torch's even split (distribute_tensor / the model's tp plan), or "
+                          "give DTensor.from_local each rank's torch.chunk slice")
     return local, mesh, start
+
+
+def _gather_ints(values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """``values`` of every rank of ``group``, in group rank order: one small all-gather, on ``device`` (the
+    backend's: the rank's GPU under NCCL)."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return torch.stack(out).tolist()
+
+
+def _check_vocab_split(rows: int, split: VocabSplitHead, device: torch.device) -> None:
+    """Raise on every rank of ``split.group`` alike unless the ranks' head rows tile the vocabulary: this rank
+    holds ``rows`` rows from ``split.vocab_start``. Each rank's slice must lie in ``[0, split.vocab_size)`` and
+    hold at most ``split.largest_rows`` rows, the same ``vocab_size`` and ``largest_rows`` on every rank (the tile
+    count follows them), and the slices together cover the vocabulary once. One all-gather of five integers, before
+    the tiles' collectives: a rank raising alone (its slice inconsistent) would leave the others blocked in them."""
+    me = [split.vocab_start, rows, split.vocab_size, split.largest_rows]
+    fits = int(0 <= me[0] and me[0] + rows <= split.vocab_size and rows <= split.largest_rows)
+    if dist.get_world_size(split.group) == 1:
+        table = [[fits, *me]]
+    else:
+        table = _gather_ints([fits, *me], split.group, device)
+    problems = [f"TP rank {r}'s {n} rows from {start} do not fit the split it describes ({vocab} ids, at most "
+                f"{largest} a rank)" for r, (ok, start, n, vocab, largest) in enumerate(table) if not ok]
+    if not problems and len({(vocab, largest) for _, _, _, vocab, largest in table}) > 1:
+        problems.append("the ranks describe different splits (ids, most rows a rank: "
+                        + ", ".join(f"TP rank {r}: {vocab}, {largest}" for r, (*_, vocab, largest) in enumerate(table))
+                        + ")")
+    if not problems:
+        covered = 0
+        for start, n in sorted((start, n) for _, start, n, _, _ in table):
+            if start != covered:
+                problems.append(f"the slices (first id, rows) {[(start, n) for _, start, n, _, _ in table]} by TP "
+                                f"rank do not cover the {split.vocab_size} ids once")
+                break
+            covered += n
+        if not problems and covered != split.vocab_size:
+            problems.append(f"the slices (first id, rows) {[(start, n) for _, start, n, _, _ in table]} by TP rank "
+                            f"cover {covered} of the {split.vocab_size} ids")
+    if problems:
+        raise TilingError("tiled_loss: the LM head's rows do not match the vocabulary split it carries "
+                          f"(seqpar_vocab_split): {'; '.join(problems)}. Each TP rank's VocabSplitHead must give "
+                          "where that rank's weight rows sit (complete_split_head sets it from DeepSpeed's "
+                          "VocabParallelLinear); rebuild it after changing the head, or set tiled_loss false")
 
 
 # ============================================================================ tiled MLP
