@@ -656,16 +656,14 @@ def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict
 
 
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
-                     positions: Callable, reference: Callable) -> tuple[str, str, str | None]:
+                     positions: Callable, reference: Callable,
+                     dilated_reference: Callable) -> tuple[str, str, str | None]:
     """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case.
-    ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
-    :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
+    ``positions``, ``reference``, ``dilated_reference``: :func:`seqpar.testing.fuzz.positions`,
+    ``attention_reference`` and ``dilated_reference``, handed over by :mod:`seqpar.testing.fuzz` (which imports this
+    module: importing them back would make the two a cycle)."""
 
     if draws["sub"] == "dilated":
-        # the dilated kind's float64 reference (seqpar.testing.fuzz.dilated_reference), imported where it is used:
-        # fuzz imports this module, so a top-level import would make the two a cycle
-        from seqpar.testing.fuzz import dilated_reference
-
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_dilated_task, draws, tensors, plant, positions, timeout=timeout)
         bad = _classify(draws, per_rank)
