@@ -334,8 +334,7 @@ def _backward(rank: int, world: int, seq_local: int, opts: AttentionOptions, u: 
             live.bind("k_cur", live.get("received"))
             live.bind(other, live.get("received"))
             calls = block_calls(opts, world, rank, src, L)
-            if not calls:  # an empty share
-                share_full = False
+            if not calls:  # an empty share (no key of the block visible here): widened to zeros below
                 live.new(0.0, "share")
             elif len(calls) == 1:
                 c = calls[0]
