@@ -230,6 +230,36 @@ def test_model_memory_cli(capsys: pytest.CaptureFixture) -> None:
     assert "llama3-8b" in out and "MODELLED" in out and "tiled MLP" in out and "ALST" in out
 
 
+def test_model_memory_cli_takes_the_data_mask(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``memory --model ... --window W --sinks`` hands the data's mask to every row's whole-step estimate (the ring's
+    plan under it, seqpar.memory.masked) and leaves out the Ulysses row, whose estimate refuses masks (that the
+    whole-step estimate follows the mask is test_memory_masks'). Seen failing: with ``kw.update(cfg.masks)`` removed from model_memory.run (the rows were estimated unmasked)."""
+    from seqpar.bench import model_memory
+    from seqpar.bench.__main__ import main
+
+    seen = []
+
+    def recording(model, budget, **kw):  # the search itself is the library's; the test only sees what it is asked
+        seen.append(kw)
+        return 0, {}
+
+    monkeypatch.setattr(model_memory, "longest_sequence", recording)
+    assert main(["memory", "--model", "llama3-8b", "--gpus", "8", "--window", "512", "--sinks", "--sharding",
+                 "contiguous", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "window 512, sinks True, sharding contiguous" in out and "Ulysses" not in out and "head_chunks 8" in out
+    assert len(seen) == len(model_memory.CONFIGURATIONS) - 1
+    assert all((k["window"], k["sinks"], k["sharding"], k.get("chunk_size")) == (512, True, "contiguous", None)
+               for k in seen)
+    seen.clear()
+    assert main(["memory", "--model", "llama3-70b", "--layouts", "tp2xsp4", "--chunk-size", "2048",
+                 "--no-progress"]) == 0
+    assert seen and all(k["chunk_size"] == 2048 and "window" not in k for k in seen)
+    with pytest.raises(SystemExit, match="--chunk-size 0"):
+        main(["memory", "--model", "llama3-8b", "--chunk-size", "0", "--no-progress"])
+
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_layer_activations_equal_the_measured_saved_tensors(dtype: str) -> None:
     # what one recomputed decoder layer saves (the estimator's activations less the checkpointed

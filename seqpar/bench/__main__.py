@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory --model: training dtype (default bf16)")
     g.add_argument("--gpu-reserve", type=float, default=0.05,
                    help="memory --model: fraction of --gpu-mem kept for the CUDA context and fragmentation")
+    g.add_argument("--window", type=int, help="memory --model: the data's sliding window (tokens); the ring's plan "
+                   "skips and pieces blocks by it (seqpar.memory.masked)")
+    g.add_argument("--chunk-size", type=int, help="memory --model: chunked attention's chunk (tokens)")
+    g.add_argument("--sinks", action="store_true", help="memory --model: attention sinks (one learned logit a head)")
+    g.add_argument("--sharding", choices=["zigzag", "contiguous", "balanced"],
+                   help="memory --model: the sequence's sharding under a mask (default: the ring's, zigzag)")
     g.add_argument("--sp-sizes", type=_ints, help="train: SP sizes (default 1,2[,4])")
     g.add_argument("--train-config", default="configs/fsdp_ring.json", help="train: launch/train.py config")
     g.add_argument("--train-launcher", default="torchrun", choices=["torchrun", "deepspeed"])

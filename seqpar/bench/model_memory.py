@@ -12,12 +12,16 @@ to the host as well (as ALST does), since an 8B model's AdamW state alone exceed
 TP degree A, SP degree B, their product the GPUs): one configuration, every memory tool on (ZeRO-3 over
 the SP ranks with the optimizer offloaded, activation checkpointing, tiled loss and MLP, offloaded
 checkpoints, lean norms), each layout with TP > 1 with and without ``tp_sequence_parallel``.
+
+``--window W``, ``--chunk-size C``, ``--sinks`` and ``--sharding`` describe the data's mask: the ring's
+attention term then follows the plan the ring runs for it (:mod:`seqpar.memory.masked`: skipped and pieced
+blocks). The Ulysses row is left out under a mask (its estimate does not model masks and refuses them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from seqpar.memory.training import CATEGORIES, MODEL_SHAPES, longest_sequence, shape_dict
@@ -76,6 +80,7 @@ class ModelMemoryConfig:
     dtype: str
     mode: str
     layouts: list[tuple[int, int]] | None = None
+    masks: dict[str, Any] = field(default_factory=dict)  # window, chunk_size, sinks, sharding: given ones only
 
 
 def configure(args: Any) -> ModelMemoryConfig:
@@ -89,22 +94,29 @@ def configure(args: Any) -> ModelMemoryConfig:
             raise SystemExit(f"--layouts {args.layouts} covers {gpus} GPUs, --gpus says {args.gpus}")
     else:
         gpus = [args.gpus] if args.gpus else [1, 8]
+    masks = {k: v for k, v in (("window", getattr(args, "window", None)), ("chunk_size", getattr(args, "chunk_size", None)),
+                               ("sinks", getattr(args, "sinks", False) or None),
+                               ("sharding", getattr(args, "sharding", None))) if v is not None}
+    for key in ("window", "chunk_size"):
+        if masks.get(key) is not None and masks[key] < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} {masks[key]}: a positive number of tokens, or leave it out")
     return ModelMemoryConfig(model=args.model, gpus=gpus, gpu_mem_gb=args.gpu_mem, reserve=args.gpu_reserve,
-                             dtype=dtype, mode="ring", layouts=layouts)
+                             dtype=dtype, mode="ring", layouts=layouts, masks=masks)
 
 
 def _layout_runs(layouts: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
     return [(tp, sp, tsp) for tp, sp in layouts for tsp in ((False, True) if tp > 1 else (False,))]
 
 
-def _configurations(gpus: int) -> list[tuple[str, dict[str, Any]]]:
-    return [(n, t) for n, t in CONFIGURATIONS if gpus > 1 or not any(k in t for k in _ATTENTION_KEYS)]
+def _configurations(gpus: int, masked: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, t) for n, t in CONFIGURATIONS if (gpus > 1 or not any(k in t for k in _ATTENTION_KEYS))
+            and not (masked and t.get("mode") == "ulysses")]
 
 
 def count(cfg: ModelMemoryConfig) -> int:
     if cfg.layouts is not None:
         return len(_layout_runs(cfg.layouts))
-    return sum(len(_configurations(g)) for g in cfg.gpus)
+    return sum(len(_configurations(g, bool(cfg.masks))) for g in cfg.gpus)
 
 
 def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -115,23 +127,24 @@ def run(cfg: ModelMemoryConfig, progress: Callable[[str], None]) -> dict[str, An
         name += ", tp_sequence_parallel" if tp_seq else ""
         progress(f"{name}")
         kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
-                  mode=cfg.mode, device="cuda", tp_size=tp, tp_sequence_parallel=tp_seq, **LAYOUT_TOOLS)
+                  mode=cfg.mode, device="cuda", tp_size=tp, tp_sequence_parallel=tp_seq, **LAYOUT_TOOLS, **cfg.masks)
         seq, breakdown = longest_sequence(cfg.model, budget, sp_size=sp, **kw)
         rows.append({"gpus": tp * sp, "configuration": name, "tools": {**LAYOUT_TOOLS, "tp_size": tp,
                      "sp_size": sp, "tp_sequence_parallel": tp_seq}, "longest_seq": seq, "breakdown": breakdown,
                      "published_alst": None})
     for gpus in ([] if cfg.layouts is not None else cfg.gpus):
-        for name, tools in _configurations(gpus):
+        for name, tools in _configurations(gpus, bool(cfg.masks)):
             progress(f"{name} on {gpus}")
             kw = dict(dp_size=1, engine="deepspeed", zero_stage=3, dtype=cfg.dtype, activation_checkpointing=True,
                       mode=cfg.mode, device="cuda", offload_optimizer=gpus == 1)
             kw.update(tools)
+            kw.update(cfg.masks)
             seq, breakdown = longest_sequence(cfg.model, budget, sp_size=gpus, **kw)
             rows.append({"gpus": gpus, "configuration": name, "tools": tools, "longest_seq": seq,
                          "breakdown": breakdown, "published_alst": PUBLISHED["alst"].get(gpus)})
     return {"kind": "model", "model": cfg.model, "shape": shape_dict(cfg.model), "budget_bytes": budget,
             "gpu_mem_gb": cfg.gpu_mem_gb, "reserve": cfg.reserve, "dtype": cfg.dtype, "results": rows,
-            "modelled": True, "layouts": cfg.layouts}
+            "modelled": True, "layouts": cfg.layouts, "masks": cfg.masks}
 
 
 def _tokens(n: int) -> str:
@@ -157,6 +170,8 @@ def render(payload: dict[str, Any]) -> str:
     head = (f"{payload['model']}: longest trainable sequence per configuration (MODELLED, not measured): ZeRO-3, "
             f"{payload['dtype']}, activation checkpointing, {mesh}, {payload['gpu_mem_gb']:g} GB per GPU "
             f"less {payload['reserve']:.0%} reserve = {fmt_bytes(payload['budget_bytes'])} usable")
+    if payload.get("masks"):
+        head += "; the data's mask: " + ", ".join(f"{k} {v}" for k, v in payload["masks"].items())
     return "\n".join([head, format_table(table, cols)])
 
 
