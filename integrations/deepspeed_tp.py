@@ -147,7 +147,10 @@ def gather_split_head_for_tiled_loss(owner: torch.nn.Module, head: torch.nn.Modu
     weight as the ``Parameter`` itself, not a saved tensor, so the backward reads the refilled storage, and returns
     the whole slice's gradient once, to the parameter's own accumulator, where ZeRO-3's hook reduce-scatters it into
     its partitioned gradient as for any parameter. (``GatheredParameters(modifier_rank=None)`` around the read alone
-    would cover the forward only: the backward would recompute from an empty weight.)"""
+    would release it at the forward's end; the backward needs it again.) DeepSpeed 0.19.8 also discovers such a read
+    by itself during a forward (its ``ZeROOrderedDict`` getter registers the parameter with the module then running:
+    checked, the ZeRO-3 test passes without this call, and with forward-only ``GatheredParameters`` hooks, by that
+    discovery); registering it explicitly, DeepSpeed's documented way, does not depend on that."""
     from deepspeed.runtime.zero import register_external_parameter
 
     register_external_parameter(owner, head.weight)

@@ -66,12 +66,16 @@ def _tiled_split_head_steps(rank: int, world: int, stage: int, kinds: tuple[str,
         ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
         config = {**ds_tp_config(stage, vocab_parallel_lm_head=True),
                   "sequence_parallel": {**SP, "mode": "ulysses", "sharding": "contiguous", "tiled_loss": True}}
+        if stage == 3:  # every parameter partitioned: ZeRO-3 keeps those under 100000 elements whole by default
+            config["zero_optimization"] = {**config["zero_optimization"], "stage3_param_persistence_threshold": 0}
         engine, _, _, _ = initialize(model=model, config=config,
                                      optimizer=lambda params: torch.optim.SGD(params, lr=LR))
         manager = engine.seqpar_manager
         try:
             head = engine.module.lm_head
             split = head.seqpar_vocab_split
+            # ZeRO-3: the head's weight partitioned (empty here) until a forward gathers it
+            partitioned = stage == 3 and head.weight.numel() == 0 and not head.weight.ds_persist
             # tiles of 3 rows of the largest slice: several tiles per shard, the same count on both TP ranks
             tiling.MAX_LOSS_CHUNK_ELEMENTS = 3 * split.largest_rows
             for step in range(steps):
@@ -83,7 +87,7 @@ def _tiled_split_head_steps(rank: int, world: int, stage: int, kinds: tuple[str,
             out[kind] = {"head": type(head).__name__, "logits": got.logits,
                          "slice": (split.vocab_start, int(getattr(head.weight, "ds_shape", head.weight.shape)[0]),
                                    split.vocab_size),
-                         "tied": head.weight is engine.module.model.embed_tokens.weight,
+                         "tied": head.weight is engine.module.model.embed_tokens.weight, "partitioned": partitioned,
                          "head_split": "lm_head.weight" in sharded or "model.embed_tokens.weight" in sharded}
         finally:
             tiling.MAX_LOSS_CHUNK_ELEMENTS = max_elements
@@ -120,15 +124,20 @@ def test_tiled_loss_on_the_vocab_split_head_matches_one_process(dist_pool) -> No
 @pytest.mark.timeout(900)
 def test_tiled_loss_on_the_vocab_split_head_under_zero3_trains_as_one_process(dist_pool) -> None:
     """``tiled_loss`` on DeepSpeed AutoTP's vocabulary-split head under ZeRO-3, AutoTP 2 x SP 2, vocabulary 53, 3-row
-    tiles: tiny Qwen2 (tied) and Llama (untied), float64, 3 SGD steps on fresh batches. ZeRO-3 partitions the head's
-    slice over SP; the tiled loss reads it outside the head's forward, so ``initialize`` registers it as an external
-    parameter of the causal LM (``gather_split_head_for_tiled_loss``), gathered for the LM's forward and again for
-    its backward, which recomputes every tile. Every step's loss and every reduced gradient equal one process's.
+    tiles: tiny Qwen2 (tied) and Llama (untied), float64, every parameter partitioned
+    (``stage3_param_persistence_threshold: 0``: the head's slice is empty outside a forward), 3 SGD steps on fresh
+    batches. The tiled loss reads the head's weight outside the head's forward; ZeRO-3 gathers it for the causal
+    LM's forward and again for its backward, which recomputes every tile (``gather_split_head_for_tiled_loss``
+    registers it as an external parameter of the LM). Every step's loss and every reduced gradient equal one
+    process's.
 
-    Seen failing: """
+    Seen failing: the refusal put back (ConfigError on all 4 ranks); the persistence threshold left at DeepSpeed's
+    100000 (the head's slice persistent, never partitioned: the ``partitioned`` check failed, and without it this
+    test had passed on a whole weight)."""
     kinds = ("qwen2_tied", "llama_untied")
     for rank, got in enumerate(dist_pool.run(4, _tiled_split_head_steps, 3, kinds, 3, timeout=840)):
         _assert_heads(got, rank, kinds)
+        assert all(got[kind]["partitioned"] for kind in kinds), got
 
 
 def test_tiled_loss_refusals_on_split_heads() -> None:
