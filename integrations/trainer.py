@@ -287,6 +287,12 @@ class SequenceParallelMixin:
                 raise_recompile_limit(self.seqpar_manager.pool_size)
         else:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
+        if isinstance(model, str) and not getattr(self._seqpar_loss, "takes_model_name", True):
+            raise ConfigError(
+                f"{type(self).__name__} given the model by name ({model!r}): seqpar reads the model before the "
+                "trainer's own __init__ builds it (the attention implementation generation goes back to); pass the "
+                "model object (AutoModelForCausalLM.from_pretrained(...))"
+            )
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
             self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
         # FSDP2: the model Trainer.__init__ is given is swapped and sharded as its first step (in
