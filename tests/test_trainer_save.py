@@ -340,3 +340,30 @@ def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
         assert r["partly"] is not None and "rank 1: no .metadata" in r["partly"], r
         assert r["resumed"] == r["straight"], r
         assert r["resumed_differ"] == [], r["resumed_differ"]
+
+
+def _given_sharded_run(rank: int, world: int, tmp: str) -> str | None:
+    from seqpar.config import ConfigError
+    from seqpar.integrations.fsdp import wrap
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        model = wrap(hf_tiny.tiny_llama(), SP)  # sharded (and swapped) before the trainer sees it
+        try:
+            SeqParTrainer(model=model, args=_args(f"{tmp}/out", save_strategy="no"),
+                          train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_trainer_refuses_a_model_sharded_already(dist_pool, tmp_path):
+    """A model already FSDP2-sharded (here by ``seqpar.integrations.fsdp.wrap``) given to a seqpar FSDP2 trainer is
+    refused by name on every rank: the trainer swaps and shards the model itself, and whether the model is sharded
+    is how it tells a model it sharded (``model_init``'s, on hyperparameter search's second pass) from one to shard.
+
+    Seen failing: without the refusal the trainer took the sharded model as its own and went on (no error), so a
+    model sharded by the user's own ``fully_shard`` would train unswapped, with FSDP2's default gradient divide."""
+    for error in dist_pool.run(2, _given_sharded_run, str(tmp_path), timeout=240):
+        assert error is not None and "FSDP2 module already" in error and "pass the unsharded model" in error, error
