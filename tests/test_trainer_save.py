@@ -174,15 +174,17 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
         assert r["dcp_loads"] == 1, r["dcp_loads"]  # model and optimizer in one read
 
 
-@pytest.mark.timeout(600)
-def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path):
-    """As :func:`test_fsdp2_trainer_resume_from_checkpoint_continues_exactly` at SP 1 x DP 2 on 2 ranks (each rank
-    its own samples, FSDP2 over both): 4 steps straight vs. resumed from ``checkpoint-2``, bit for bit, with the
-    checkpoint read once.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["sp1_dp2", "sp2_dp2"])
+def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path, layout):
+    """As :func:`test_fsdp2_trainer_resume_from_checkpoint_continues_exactly` at SP 1 x DP 2 on 2 ranks and at
+    SP 2 x DP 2 on 4 ranks (each DP replica its own samples, FSDP2 over every rank): 4 steps straight vs. resumed
+    from ``checkpoint-2``, bit for bit, with the checkpoint read once.
 
     Seen failing: with the optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``), step 4's
     loss differs; with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP reads."""
-    for r in dist_pool.run(2, _resume_run, str(tmp_path), False, {"size": 1}, timeout=540):
+    world, sp = (2, {"size": 1}) if layout == "sp1_dp2" else (4, SP)
+    for r in dist_pool.run(world, _resume_run, str(tmp_path), False, sp, timeout=840):
         assert len(r["straight"]) == STEPS, r
         assert r["resumed"] == r["straight"], r
         assert r["weights_differ"] == [], r["weights_differ"]
