@@ -182,7 +182,8 @@ def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path, layo
     from ``checkpoint-2``, bit for bit, with the checkpoint read once.
 
     Seen failing: with the optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``), step 4's
-    loss differs; with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP reads."""
+    loss differs (both layouts); with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP
+    reads."""
     world, sp = (2, {"size": 1}) if layout == "sp1_dp2" else (4, SP)
     for r in dist_pool.run(world, _resume_run, str(tmp_path), False, sp, timeout=840):
         assert len(r["straight"]) == STEPS, r
