@@ -76,7 +76,12 @@ What it changes in Trainer, and why (each a small override or hook):
 - **Saving and resuming under FSDP2**: transformers does not know the model is sharded, so ``save_model`` gathers
   the full state dict (every rank; rank 0 writes it through ``Trainer._save``), a checkpoint adds the model's and
   optimizer's shards with torch.distributed.checkpoint (``checkpoint-N/seqpar_fsdp2/``), and resuming reads them
-  back (before, safetensors crashed on the model's DTensors at the first save).
+  back in one load, resharded onto the resuming run's layout (before, safetensors crashed on the model's DTensors
+  at the first save). ``save_on_each_node``: each node's first rank writes (transformers' ``save_pretrained`` alone
+  writes on global rank 0 only); a checkpoint some rank cannot read whole, or one saved with ``save_only_model``,
+  is refused by name on every rank.
+- **A model given by name** (TRL's ``model="path"``, built in the trainer's own ``__init__``) is swapped (DeepSpeed)
+  or swapped and sharded (FSDP2) as ``transformers.Trainer.__init__``'s first step, where it exists.
 
 accelerate's own ``ParallelismConfig`` with ``cp_size``/``sp_size`` > 1 is another SP implementation
 and is refused alongside this one; so is Trainer's own ``fsdp=`` (seqpar shards with FSDP2 itself).
@@ -287,6 +292,12 @@ class SequenceParallelMixin:
                 raise_recompile_limit(self.seqpar_manager.pool_size)
         else:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
+        if isinstance(model, str) and not getattr(self._seqpar_loss, "takes_model_name", True):
+            raise ConfigError(
+                f"{type(self).__name__} given the model by name ({model!r}): seqpar reads the model before the "
+                "trainer's own __init__ builds it (the attention implementation generation goes back to); pass the "
+                "model object (AutoModelForCausalLM.from_pretrained(...))"
+            )
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
             self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
         # FSDP2: the model Trainer.__init__ is given is swapped and sharded as its first step (in

@@ -279,6 +279,10 @@ class GRPOLoss:
     shards_in_step = False
     """The mixin passes the full batch on; the cut happens at each fused-head call."""
 
+    takes_model_name = False
+    """A model given by name (``model="path"``) is refused by name: :meth:`before_swap` reads the model's attention
+    implementation before GRPOTrainer's ``__init__`` would build it (it crashed on the string)."""
+
     def __init__(self) -> None:
         self._attn_implementations: list[tuple[Any, str]] = []  # (top PreTrainedModel, before the swap)
 

@@ -174,15 +174,18 @@ def test_fsdp2_trainer_resume_from_checkpoint_continues_exactly(dist_pool, tmp_p
         assert r["dcp_loads"] == 1, r["dcp_loads"]  # model and optimizer in one read
 
 
-@pytest.mark.timeout(600)
-def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path):
-    """As :func:`test_fsdp2_trainer_resume_from_checkpoint_continues_exactly` at SP 1 x DP 2 on 2 ranks (each rank
-    its own samples, FSDP2 over both): 4 steps straight vs. resumed from ``checkpoint-2``, bit for bit, with the
-    checkpoint read once.
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["sp1_dp2", "sp2_dp2"])
+def test_fsdp2_trainer_resume_at_dp2_continues_exactly(dist_pool, tmp_path, layout):
+    """As :func:`test_fsdp2_trainer_resume_from_checkpoint_continues_exactly` at SP 1 x DP 2 on 2 ranks and at
+    SP 2 x DP 2 on 4 ranks (each DP replica its own samples, FSDP2 over every rank): 4 steps straight vs. resumed
+    from ``checkpoint-2``, bit for bit, with the checkpoint read once.
 
     Seen failing: with the optimizer not reloaded (``None`` for it in ``_load_optimizer_and_scheduler``), step 4's
-    loss differs; with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP reads."""
-    for r in dist_pool.run(2, _resume_run, str(tmp_path), False, {"size": 1}, timeout=540):
+    loss differs (both layouts); with the model loaded in ``_load_from_checkpoint`` as well (session 25's code), 2 DCP
+    reads."""
+    world, sp = (2, {"size": 1}) if layout == "sp1_dp2" else (4, SP)
+    for r in dist_pool.run(world, _resume_run, str(tmp_path), False, sp, timeout=840):
         assert len(r["straight"]) == STEPS, r
         assert r["resumed"] == r["straight"], r
         assert r["weights_differ"] == [], r["weights_differ"]
@@ -340,3 +343,30 @@ def test_fsdp2_trainer_save_on_each_node(dist_pool, tmp_path):
         assert r["partly"] is not None and "rank 1: no .metadata" in r["partly"], r
         assert r["resumed"] == r["straight"], r
         assert r["resumed_differ"] == [], r["resumed_differ"]
+
+
+def _given_sharded_run(rank: int, world: int, tmp: str) -> str | None:
+    from seqpar.config import ConfigError
+    from seqpar.integrations.fsdp import wrap
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        model = wrap(hf_tiny.tiny_llama(), SP)  # sharded (and swapped) before the trainer sees it
+        try:
+            SeqParTrainer(model=model, args=_args(f"{tmp}/out", save_strategy="no"),
+                          train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_trainer_refuses_a_model_sharded_already(dist_pool, tmp_path):
+    """A model already FSDP2-sharded (here by ``seqpar.integrations.fsdp.wrap``) given to a seqpar FSDP2 trainer is
+    refused by name on every rank: the trainer swaps and shards the model itself, and whether the model is sharded
+    is how it tells a model it sharded (``model_init``'s, on hyperparameter search's second pass) from one to shard.
+
+    Seen failing: without the refusal the trainer took the sharded model as its own and went on (no error), so a
+    model sharded by the user's own ``fully_shard`` would train unswapped, with FSDP2's default gradient divide."""
+    for error in dist_pool.run(2, _given_sharded_run, str(tmp_path), timeout=240):
+        assert error is not None and "FSDP2 module already" in error and "pass the unsharded model" in error, error
