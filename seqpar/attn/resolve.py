@@ -186,6 +186,30 @@ def _ulysses_plan(
                             seq_local=q.shape[2])
 
 
+def _check_head_chunks_every_dynamic_size(head_chunks: int | str, q: Tensor, k: Tensor,
+                                          group: dist.ProcessGroup | None) -> None:
+    """Under length-aware dynamic CP with ``mode="ulysses"``, an int ``head_chunks`` must divide each rank's share of
+    the K/V heads at **every** group size the planner may hand a micro-batch, checked on every rank of the pool
+    alike. Checked only in the group a micro-batch got, the refusal reached that group's ranks alone and the pool's
+    others waited in its next collective for good (fuzz case 1844892924: 2 K/V heads, ``head_chunks=2``, a pair
+    holding 1 head a rank beside two one-rank groups). Static shapes and sizes only: no collective."""
+    manager = default_manager()
+    if head_chunks == "auto" or manager is None or not manager.dynamic_sizes or not manager.is_dynamic_group(group):
+        return
+    q_heads, kv_heads = guard_scalar(q.shape[1]), guard_scalar(k.shape[1])
+    for u in manager.dynamic_sizes:
+        if u == 1:
+            continue
+        split = head_split(q_heads, kv_heads, u, sp_size=u, mode="ulysses", tp=manager.tp_size)
+        if split.even and split.kv_per_rank % head_chunks:
+            raise ValueError(
+                f"head_chunks={head_chunks} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
+                f"dynamic-CP group of {u} under mode='ulysses' (of the call's {kv_heads}; the planner may hand a "
+                f"micro-batch any of the group sizes {list(manager.dynamic_sizes)}): set head_chunks to 'auto' or to "
+                "a divisor of every such share, or raise sequence_parallel.dynamic.min_size past the sizes it fails"
+            )
+
+
 def _float_digest(value: object) -> int:
     """An int every rank derives alike from an optional float option (0: None, -1: not a number)."""
     if value is None:
@@ -286,6 +310,8 @@ def resolve_attention(
         window=window, cu_seqlens=bounds,
         chunk_size=chunk_size, softcap=None if softcap is None else float(softcap), dkv_wire_dtype=dkv_wire_dtype,
     )
+    if mode == "ulysses":
+        _check_head_chunks_every_dynamic_size(head_chunks, qb, kb, group)
     if world == 1:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
         masked = not opts.mask.dense or documents is not None or sinks is not None or opts.softcap is not None

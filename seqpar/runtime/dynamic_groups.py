@@ -78,6 +78,10 @@ class DynamicGroups:
         """The group sizes made for dynamic CP, ascending (empty without ``sequence_parallel.dynamic``)."""
         return tuple(self._dynamic_groups)
 
+    def is_dynamic_group(self, group: dist.ProcessGroup | None) -> bool:
+        """``group`` is one of this rank's dynamic-CP groups (of any size, the one-rank group included)."""
+        return group is not None and any(group is g for g in self._dynamic_groups.values())
+
     def dynamic_group(self, size: int, index: int) -> dist.ProcessGroup:
         """Dynamic CP's group ``(size, index)``: pool positions ``[index * size, (index + 1) * size)`` of
         this rank's TP rank set (made at creation; no collective here). A rank holds only the groups it
