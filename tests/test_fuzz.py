@@ -601,6 +601,18 @@ for _seed in (1086484656, 680605197, 2143272812, 1054415801, 1146194759):
 # Fixed (lead): the loss's reduction and the shift check take call_group(extra, group); exact, the drawn case and
 # the plain one (test_tiled_loss_under_dynamic_cp_reduces_over_the_call_group).
 TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": True}})
+# fz26: found by the dynamic kind (seed 2603, case 9): 1844892924 (tiny ERNIE 4.5, 4 query / 2 K/V heads, a pool of
+# DP 1 x SP 4, ulysses, ZeRO-3, knobs head_chunks=2 overlap=False; planned slot 0 as a pair {0, 1} and two single
+# ranks): crash, the case timed out after 600 s. The pair's Ulysses call splits the K/V heads to 1 a rank, and
+# seqpar.attn.checks.resolve_head_chunks refuses head_chunks=2 there ("head_chunks=2 does not divide the 1 K/V heads")
+# on ranks 0 and 1 alone; ranks 2 and 3 (one-rank groups, 2 K/V heads, which 2 divides) go on into ZeRO-3's
+# parameter all-gather over the pool and wait there forever (DeepSpeed's shm all-gather has no timeout). In a plain
+# loop (pinned below) the same: ranks 0, 1 refuse, 2, 3 reach the pool's gradient sum, a gloo timeout (crash, ~2 min).
+# Not the harness's: a refusal that depends on the micro-batch's group size reaches only that group's ranks. Owner:
+# the swap / dynamic-CP config check (not fz26's files): head_chunks must be checked, on every rank before the first
+# forward, against the K/V heads per rank of every group size the plan may use (dynamic_group_sizes under Ulysses).
+# Strict xfail until then (test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank).
+HEAD_CHUNKS_DYNAMIC = (1844892924, {"engine": "plain", "knobs": {"head_chunks": 2}})
 # fz26: the dynamic kind no longer pairs pad_multiple 8 with a budget under 8 (the planner refuses every document: a
 # wasted draw); 1056038257 (budget 6) draws pad 2 since, so it is pinned back to the pad 8 it was found with, where
 # the planner refuses the step by name (its finding).
@@ -2282,3 +2294,17 @@ def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
     assert conflict is None and [c["sp"] for c in draws["calls"]] == [4, 2], fuzz.summary(draws)
     rec = fuzzer.run(draws)
     assert rec["verdict"] == "exact", (rec["detail"], rec.get("trace"))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason="a head_chunks refusal under dynamic CP reaches only the ranks of the group "
+                   "whose Ulysses split it fails (case 1844892924): the other ranks wait in the pool's collectives")
+def test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank(fuzzer: fuzz.Fuzzer) -> None:
+    """Dynamic CP with Ulysses and ``head_chunks=2`` on tiny ERNIE 4.5 (2 K/V heads), a pool of 4 planned as a pair
+    and two single ranks (case 1844892924, HEAD_CHUNKS_DYNAMIC above, in a plain loop): the pair's ranks hold 1 K/V
+    head each, which 2 chunks do not divide, so the step must be refused by name on every rank of the pool. Seen
+    failing (as found): crash, ranks 0 and 1 raise the head_chunks ValueError and ranks 2 and 3 wait in the pool's
+    gradient sum until gloo's timeout (under ZeRO-3, in its parameter all-gather, for good)."""
+    seed, pinned = HEAD_CHUNKS_DYNAMIC
+    rec = fuzzer.run(fuzz.force(fuzz.draw_case(seed, ("dynamic",)), pinned)[0])
+    assert rec["verdict"] == "refused" and "head_chunks" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
