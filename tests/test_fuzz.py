@@ -611,7 +611,9 @@ TILED_LOSS_DYNAMIC = (1005769243, {"engine": "plain", "knobs": {"tiled_loss": Tr
 # Not the harness's: a refusal that depends on the micro-batch's group size reaches only that group's ranks. Owner:
 # the swap / dynamic-CP config check (not fz26's files): head_chunks must be checked, on every rank before the first
 # forward, against the K/V heads per rank of every group size the plan may use (dynamic_group_sizes under Ulysses).
-# Strict xfail until then (test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank).
+# Fixed (lead): seqpar.attn.resolve checks an int head_chunks under mode='ulysses' against each rank's K/V share at
+# every dynamic group size, on every rank of the pool (test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank,
+# a strict xfail before the fix).
 HEAD_CHUNKS_DYNAMIC = (1844892924, {"engine": "plain", "knobs": {"head_chunks": 2}})
 # fz26: the dynamic kind no longer pairs pad_multiple 8 with a budget under 8 (the planner refuses every document: a
 # wasted draw); 1056038257 (budget 6) draws pad 2 since, so it is pinned back to the pad 8 it was found with, where
@@ -2297,14 +2299,13 @@ def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(strict=True, reason="a head_chunks refusal under dynamic CP reaches only the ranks of the group "
-                   "whose Ulysses split it fails (case 1844892924): the other ranks wait in the pool's collectives")
 def test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank(fuzzer: fuzz.Fuzzer) -> None:
     """Dynamic CP with Ulysses and ``head_chunks=2`` on tiny ERNIE 4.5 (2 K/V heads), a pool of 4 planned as a pair
     and two single ranks (case 1844892924, HEAD_CHUNKS_DYNAMIC above, in a plain loop): the pair's ranks hold 1 K/V
     head each, which 2 chunks do not divide, so the step must be refused by name on every rank of the pool. Seen
     failing (as found): crash, ranks 0 and 1 raise the head_chunks ValueError and ranks 2 and 3 wait in the pool's
-    gradient sum until gloo's timeout (under ZeRO-3, in its parameter all-gather, for good)."""
+    gradient sum until gloo's timeout (under ZeRO-3, in its parameter all-gather, for good); a strict xfail until
+    ``_check_head_chunks_every_dynamic_size`` (seqpar.attn.resolve) made every rank refuse it."""
     seed, pinned = HEAD_CHUNKS_DYNAMIC
     rec = fuzzer.run(fuzz.force(fuzz.draw_case(seed, ("dynamic",)), pinned)[0])
     assert rec["verdict"] == "refused" and "head_chunks" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
