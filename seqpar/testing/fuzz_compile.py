@@ -207,6 +207,8 @@ def _draw_dilated_tail(rng: random.Random, draws: dict[str, Any]) -> None:
     fits = [w for w in range(1, max(s for s, _ in seqs) + 1)
             if all(s % w == 0 and (sp == 1 or (s // sp) % w == 0 or w % (s // sp) == 0) for s, sp in seqs)]
     segs = [rng.choice(fits) for _ in range(rng.randint(1, 3))]
+    # not mode="auto": it probes the links with a collective outside the graph (the attention sub makes one eager call
+    # first); the dilated kind draws it eagerly. Not zigzag: refused by design (contiguous segments)
     draws.update(sub="dilated", segment_lengths=segs,
                  dilation_rates=[rng.choice([r for r in range(1, w + 1) if w % r == 0]) for w in segs],
                  head_layout=rng.choice(("mixed", "mixed", "grouped")), dilated_mode=rng.choice(("ring", "allgather")))
