@@ -751,7 +751,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             from seqpar.testing.fuzz_compile import run_compile_case
 
             verdict, detail, trace = run_compile_case(pools, draws, timeout, plant, positions=positions,
-                                                      reference=attention_reference)
+                                                      reference=attention_reference, dilated=dilated_reference)
         elif draws["kind"] == "trainer":
             from seqpar.testing.fuzz_trainers import run_trainer_case
 

@@ -658,22 +658,21 @@ def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict
 
 
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
-                     positions: Callable, reference: Callable) -> tuple[str, str, str | None]:
+                     positions: Callable, reference: Callable, dilated: Callable | None = None) -> tuple[str, str, str | None]:
     """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case.
-    ``positions``, ``reference``: :func:`seqpar.testing.fuzz.positions` and ``attention_reference``, handed over by
-    :mod:`seqpar.testing.fuzz` (which imports this module: no cycle)."""
+    ``positions``, ``reference``, ``dilated``: :func:`seqpar.testing.fuzz.positions`, ``attention_reference`` and
+    ``dilated_reference`` (for ``sub="dilated"``), handed over by :mod:`seqpar.testing.fuzz` (which imports this
+    module: no cycle)."""
 
     if draws["sub"] == "dilated":
-        # the dilated kind's float64 reference (seqpar.testing.fuzz.dilated_reference), imported where it is used:
-        # fuzz imports this module, so a top-level import would make the two a cycle
-        from seqpar.testing.fuzz import dilated_reference
-
+        if dilated is None:
+            raise ValueError("a sub='dilated' compile case needs dilated= (seqpar.testing.fuzz.dilated_reference)")
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_dilated_task, draws, tensors, plant, positions, timeout=timeout)
         bad = _classify(draws, per_rank)
         if bad is not None:
             return (*bad, _trace(per_rank))
-        ref = {"calls": [dilated_reference(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
+        ref = {"calls": [dilated(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
                          for ci in range(len(draws["calls"]))]}
         flat = {**draws, "sharding": "contiguous", "calls": [{**c, "cu": None} for c in draws["calls"]]}
         return (*_with_counts(*_judge_attention(flat, ref, per_rank, positions), draws, per_rank), None)
