@@ -17,7 +17,7 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
   ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
-  without documents;
+  without documents, MQA's one K/V head expanded (stride 0) to the query heads;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
@@ -760,8 +760,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             from seqpar.testing.fuzz_compile import run_compile_case
 
             verdict, detail, trace = run_compile_case(pools, draws, timeout, plant, positions=positions,
-                                                      reference=attention_reference,
-                                                      dilated_reference=dilated_reference)
+                                                      reference=attention_reference, dilated=dilated_reference)
         elif draws["kind"] == "trainer":
             from seqpar.testing.fuzz_trainers import run_trainer_case
 

@@ -207,6 +207,8 @@ def _draw_dilated_tail(rng: random.Random, draws: dict[str, Any]) -> None:
     fits = [w for w in range(1, max(s for s, _ in seqs) + 1)
             if all(s % w == 0 and (sp == 1 or (s // sp) % w == 0 or w % (s // sp) == 0) for s, sp in seqs)]
     segs = [rng.choice(fits) for _ in range(rng.randint(1, 3))]
+    # not mode="auto": it probes the links with a collective outside the graph (the attention sub makes one eager call
+    # first); the dilated kind draws it eagerly. Not zigzag: refused by design (contiguous segments)
     draws.update(sub="dilated", segment_lengths=segs,
                  dilation_rates=[rng.choice([r for r in range(1, w + 1) if w % r == 0]) for w in segs],
                  head_layout=rng.choice(("mixed", "mixed", "grouped")), dilated_mode=rng.choice(("ring", "allgather")))
@@ -656,20 +658,21 @@ def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict
 
 
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
-                     positions: Callable, reference: Callable,
-                     dilated_reference: Callable) -> tuple[str, str, str | None]:
+                     positions: Callable, reference: Callable, dilated: Callable | None = None) -> tuple[str, str, str | None]:
     """Verdict, detail and (when a rank raised) the first failing rank's traceback of a ``compile`` case.
-    ``positions``, ``reference``, ``dilated_reference``: :func:`seqpar.testing.fuzz.positions`,
-    ``attention_reference`` and ``dilated_reference``, handed over by :mod:`seqpar.testing.fuzz` (which imports this
-    module: importing them back would make the two a cycle)."""
+    ``positions``, ``reference``, ``dilated``: :func:`seqpar.testing.fuzz.positions`, ``attention_reference`` and
+    ``dilated_reference`` (for ``sub="dilated"``), handed over by :mod:`seqpar.testing.fuzz` (which imports this
+    module: no cycle)."""
 
     if draws["sub"] == "dilated":
+        if dilated is None:
+            raise ValueError("a sub='dilated' compile case needs dilated= (seqpar.testing.fuzz.dilated_reference)")
         tensors = compile_tensors(draws)
         per_rank = pools.run(draws["world"], compile_dilated_task, draws, tensors, plant, positions, timeout=timeout)
         bad = _classify(draws, per_rank)
         if bad is not None:
             return (*bad, _trace(per_rank))
-        ref = {"calls": [dilated_reference(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
+        ref = {"calls": [dilated(_dilated_call_draws(draws, ci), {"calls": [tensors["calls"][ci]]})["calls"][0]
                          for ci in range(len(draws["calls"]))]}
         flat = {**draws, "sharding": "contiguous", "calls": [{**c, "cu": None} for c in draws["calls"]]}
         return (*_with_counts(*_judge_attention(flat, ref, per_rank, positions), draws, per_rank), None)
