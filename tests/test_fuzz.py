@@ -2309,3 +2309,15 @@ def test_head_chunks_refusal_under_dynamic_cp_reaches_every_rank(fuzzer: fuzz.Fu
     seed, pinned = HEAD_CHUNKS_DYNAMIC
     rec = fuzzer.run(fuzz.force(fuzz.draw_case(seed, ("dynamic",)), pinned)[0])
     assert rec["verdict"] == "refused" and "head_chunks" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+def test_a_forced_world_on_a_compiled_dilated_case_is_skipped() -> None:
+    """``--set world=W`` on a ``compile`` case of ``sub="dilated"``: its calls' ``sp`` / ``seq`` and the segments fitted
+    to them are the drawn world's, and ``force`` re-derives calls for ``sub="attention"`` only, so the case is
+    ``skipped`` naming the conflict (the harness would shard for the wrong world). Seen failing: without the
+    ``sub == "dilated"`` branch in ``fuzz.force`` (no conflict returned)."""
+    drawn = next(d for d in (fuzz.draw_case(s, ("compile",)) for s in range(300)) if d["sub"] == "dilated")
+    other = 1 if drawn["world"] != 1 else 2
+    out, conflict = fuzz.force(drawn, {"world": other})
+    assert conflict is not None and "compiled dilated" in conflict, conflict
+    assert fuzz.force(drawn, {"world": drawn["world"]})[1] is None

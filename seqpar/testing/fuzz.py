@@ -374,6 +374,11 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
         min_seq = min(c["seq"] for c in out["calls"])
         if out.get("chunk_size") is not None and out["chunk_size"] > min_seq and "chunk_size" in free:
             out["chunk_size"] = rng.randint(1, min_seq)
+    elif kind == "compile" and out.get("sub") == "dilated" and world != draws["world"]:
+        # its calls' sp and seq, and the segments fitted to them, are the drawn world's (re-derived for
+        # sub="attention" only): run at another world the harness would shard for the wrong one (fz26b)
+        return out, conflict("world", f"world={world}: a compiled dilated case's calls and segments are drawn for "
+                             f"world={draws['world']}")
     elif kind == "compile" and out.get("sub") == "attention":
         bad = [i for i, c in enumerate(out["calls"]) if world % c["sp"] or c["seq"] % (2 * c["sp"])]
         if bad:

@@ -41,7 +41,7 @@ cases (drawn last, so every other draw is what the case seed drew before it), th
 (fz24e, last) ``vocab_parallel_lm_head`` true in 30% of the cases: ``tensor_parallel.vocab_parallel_lm_head`` set true,
 DeepSpeed's ``VocabParallelLinear`` head (a tied embedding split with it), the loss seqpar's vocab-parallel one under
 SP > 1 (``seqpar_loss_on_split_head``), DeepSpeed's at SP 1; the tiled loss vocab-parallel over TP on it since
-session 25 (ts25; refused by name under ZeRO-3) (false: the key left unset, seqpar's default false under SP,
+session 25 (ts25; under ZeRO-3 too since session 26, z3t26) (false: the key left unset, seqpar's default false under SP,
 DeepSpeed's own at SP 1). Not drawn for a type whose tied embedding
 DeepSpeed refuses to split or whose forward DeepSpeed's split head breaks (:func:`vocab_split_refused`: the Gemma
 family's scaled embeddings but Gemma 3's, Bamba's z-loss: both refused by name by seqpar's ``initialize`` now, on every
