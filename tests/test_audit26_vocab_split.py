@@ -98,8 +98,8 @@ def test_tiled_lm_loss_on_a_vocab_split_plain_head_matches_one_process(dist_pool
     TP ranks' tile counts differ); the vocabulary bound and the DTensor refusal dropped."""
     for got in dist_pool.run(4, _direct, timeout=180):
         assert got[4] == got[None] == "exact", got
-        assert "do not fit the vocabulary split" in got["past_vocab"], got
-        assert "do not fit the vocabulary split" in got["over_largest"], got
+        assert "do not match the vocabulary split" in got["past_vocab"], got
+        assert "do not match the vocabulary split" in got["over_largest"], got
         assert "DTensor and a vocab_split" in got["dtensor"], got
 
 
