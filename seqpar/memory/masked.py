@@ -154,21 +154,7 @@ def _block_grads(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes) -> None
         _, _, ins, outs = _group_sizes(group, u)
         anti = group[0].anti
         if len(group) > 1:
-            live.new(ins, "g_stack")
-            live.bind("g_args", live.get("g_stack"))
-            live.bind("g_stack", None)
-            if anti:
-                live.new(ins, "g_flip")
-                live.bind("g_args", live.get("g_flip"))
-                live.bind("g_flip", None)
-            live.new(outs, "g_kernel")
-            if anti:
-                live.new(outs, "g_kflip")
-                live.bind("g_outs", live.get("g_kflip"))
-                live.bind("g_kflip", None)
-            else:
-                live.bind("g_outs", live.get("g_kernel"))
-            live.bind("g_kernel", None)
+            _stacked_group(live, "g_", ins, outs, anti)
             live.bind("loop", live.get("g_outs"))
         else:
             if anti:
@@ -183,6 +169,27 @@ def _block_grads(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes) -> None
             live.bind("p_kernel", None)
     for ref in ("g_args", "g_outs", "loop"):  # the generator and the loop end
         live.bind(ref, None)
+
+
+def _stacked_group(live: _Refs, p: str, ins: float, outs: float, anti: bool) -> None:
+    """A stacked group of pieces, as ``forward_pieces`` and ``backward_pieces`` both run it (references prefixed
+    ``p``): the stacked inputs (``ins`` bytes) made and held as the call's arguments, for an anti-causal group
+    flipped into a second copy beside the first while it is made; the kernel's outputs (``outs`` bytes), flipped
+    back likewise; ``{p}args`` and ``{p}outs`` hold them until the next group rebinds them."""
+    live.new(ins, f"{p}stack")
+    live.bind(f"{p}args", live.get(f"{p}stack"))
+    live.bind(f"{p}stack", None)
+    if anti:
+        live.new(ins, f"{p}flip")
+        live.bind(f"{p}args", live.get(f"{p}flip"))
+        live.bind(f"{p}flip", None)
+    live.new(outs, f"{p}kernel")
+    if anti:
+        live.new(outs, f"{p}kflip")
+        live.bind(f"{p}kernel", live.get(f"{p}kflip"))
+        live.bind(f"{p}kflip", None)
+    live.bind(f"{p}outs", live.get(f"{p}kernel"))
+    live.bind(f"{p}kernel", None)
 
 
 def _merge_temps(rows: float, u: RowBytes, *, sink: bool = False) -> float:
@@ -213,20 +220,7 @@ def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_l
         ins, outs = n * u.q + 2 * m * u.k, n * (u.q + u.la)
         anti = group[0].anti
         if len(group) > 1:
-            live.new(ins, "f_stack")
-            live.bind("f_args", live.get("f_stack"))
-            live.bind("f_stack", None)
-            if anti:
-                live.new(ins, "f_flip")
-                live.bind("f_args", live.get("f_flip"))
-                live.bind("f_flip", None)
-            live.new(outs, "f_kernel")
-            if anti:
-                live.new(outs, "f_kflip")
-                live.bind("f_kernel", live.get("f_kflip"))
-                live.bind("f_kflip", None)
-            live.bind("f_outs", live.get("f_kernel"))
-            live.bind("f_kernel", None)
+            _stacked_group(live, "f_", ins, outs, anti)
             live.bind("f_loop", live.get("f_outs"))
         else:
             if anti:
