@@ -67,9 +67,22 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
+from seqpar.testing.fuzz_attention import (
+    CU_AS,
+    GRADS,
+    attention_summary,
+    draw_attention,
+    draw_dilated,
+    draw_documents,
+)
+from seqpar.testing.fuzz_attention_run import (
+    attention_reference,
+    attention_task,
+    dilated_reference,
+    positions,
+)
+from seqpar.testing.fuzz_attention_run import judge_attention as _judge_attention
+from seqpar.testing.fuzz_attention_run import tensors_of as _tensors
 from seqpar.testing.verdicts import classify_errors, close, error_record
 
 __all__ = [
@@ -85,15 +98,18 @@ __all__ = [
     "summary",
     "Fuzzer",
     "main",
+    # the attention and dilated kinds' (seqpar.testing.fuzz_attention, fuzz_attention_run), named here as before
+    "GRADS",
+    "CU_AS",
+    "positions",
+    "attention_reference",
+    "dilated_reference",
+    "attention_task",
 ]
 
 VERDICTS = ("exact", "refused", "WRONG", "crash", "skipped", "breaks")
 KINDS = ("attention", "dilated", "model", "engine", "dynamic", "trainer", "compile")
 DEFAULT_KINDS = KINDS[:-1]  # without --kinds: not compile (a trace per case, 10-60 s on CPU)
-# (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
-_HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
-          (6, 3, 4, 4))
-_TOL = {torch.float32: 2e-5, torch.float64: 1e-9}
 
 
 def case_seeds(seed: int, n: int) -> list[int]:
@@ -103,153 +119,9 @@ def case_seeds(seed: int, n: int) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Draws (plain JSON-able dicts; every tensor is rebuilt from the case seed)
+# Draws (plain JSON-able dicts; every tensor is rebuilt from the case seed): the attention and dilated kinds' in
+# seqpar.testing.fuzz_attention, the others' in their modules; forcing --set keys on any kind here
 # --------------------------------------------------------------------------------------------------
-
-def _draw_documents(rng: random.Random, seq: int, world: int) -> list[int]:
-    """Boundaries ``[0, ..., seq]`` of random documents: length-1 ones, short ones, and (when the
-    sequence allows) one longer than a shard (``seq / world`` tokens)."""
-    shard = seq // world
-    lens: list[int] = []
-    if world > 1 and seq > shard + 1 and rng.random() < 0.7:
-        lens.append(rng.randint(shard + 1, seq - 1))
-    while sum(lens) < seq:
-        n = 1 if rng.random() < 0.3 else rng.randint(1, max(1, seq // 3))
-        lens.append(min(n, seq - sum(lens)))
-    rng.shuffle(lens)
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    return cu
-
-
-def _draw_attention(rng: random.Random) -> dict[str, Any]:
-    world = rng.randint(1, 4)
-    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
-    divisors = [u for u in range(1, world + 1) if world % u == 0]
-    inner = [u for u in divisors if 1 < u < world]
-    ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
-    hq, hkv, d, dv = rng.choice(_HEADS)
-    docs = rng.random() < 0.5
-    sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag", "zigzag"))
-    chunk = rng.randint(1, 6)  # tokens per zigzag chunk
-    seq = 2 * world * chunk
-    two_calls = rng.random() < 0.25
-    calls = []
-    for _ in range(2 if two_calls else 1):
-        calls.append({"cu": _draw_documents(rng, seq, world) if docs else None})
-    # cu_seqlens needs batch 1 (its docstring): batch 2 with documents is drawn rarely, to see the refusal
-    batch = 2 if (not docs and rng.random() < 0.3) or rng.random() < 0.03 else 1
-    draws = {
-        "kind": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
-        "declare_sharding": rng.random() < 0.5, "sharding": sharding, "heads": [hq, hkv, d, dv],
-        "batch": batch, "seq": seq, "causal": rng.random() < 0.7, "calls": calls,
-        "window": rng.randint(1, seq) if rng.random() < 0.3 else None,
-        "sinks": rng.random() < 0.25,
-        "chunk_size": rng.randint(1, seq) if rng.random() < 0.2 else None,
-        "alibi": rng.random() < 0.2,
-        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.2 else None,
-        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
-        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
-        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
-        "overlap": rng.random() < 0.8,
-        "check_inputs": rng.random() < 0.7,
-        # not bf16 / fp16: the bar is exact against float64 (fp32 to ~1e-5); low precision has its own bounds and
-        # tests (tests/test_low_precision_ring.py, BENCHMARKS.md), not a per-tensor exactness verdict
-        "dtype": "float64" if rng.random() < 0.2 else "float32",
-        # drawn last: a case seed's other draws are those it had before (fz24c)
-        "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
-        # at P = 4 now and then the call runs on the pairs {0, 1}, {2, 3} (group=, eager), each pair the whole sequence
-        "group": "pairs" if world == 4 and rng.random() < 0.2 else None,
-        # drawn after them (fz25b): q, k, v as the views models pass (a bshd buffer seen bhsd, a fused qkv split)
-        "strided": rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None,
-    }
-    # drawn after them (fz26b), so a case seed's earlier draws stay: the arguments users pass that the kind never did
-    _draw_grad(rng, draws)
-    draws["sinks_grad"] = not (draws["sinks"] and rng.random() < 0.3)  # frozen sinks (a PEFT run's base weights)
-    # documents as users pass them: an int64 tensor, an int32 one (flash-attn's and transformers' cu_seq_lens), or
-    # a tuple of ints (documented: no device-to-host copy)
-    draws["cu_as"] = rng.choice(CU_AS) if docs and rng.random() < 0.5 else "int64"
-    # sharding=None / layout=None, the defaults a caller leaves: the declared sharding (or contiguous when none is
-    # declared: where the drawn sharding is another and none is declared, the task passes it) and bhsd
-    draws["omit_sharding"] = rng.random() < 0.3
-    draws["omit_layout"] = rng.random() < 0.3
-    # group= the manager's own SP group, as the integrations pass it (the docstring accepts it even with hybrid)
-    draws["group_arg"] = "manager" if draws["group"] is None and rng.random() < 0.15 else None
-    # balanced sharding without documents (one document: the whole sequence; a config's "sharding": "balanced" on
-    # unpacked rows), which the sharding draw above leaves out: balanced there only balances documents
-    if not docs and draws["sharding"] == "zigzag" and rng.random() < 0.25:
-        draws["sharding"] = "balanced"
-    # ALiBi with sinks or soft-cap is refused by design (seqpar.attn.alibi: the per-key bias is exact only up to a
-    # per-row constant, which a sink logit and a soft-cap do not ignore; no model combines them): drawn
-    # independently it was 8% of the kind's cases (seeds 2601-2654: 45 of ~700), so keep a fifth of them for the
-    # refusal and give the rest their ALiBi-free composition
-    if draws["alibi"] and (draws["sinks"] or draws["softcap"] is not None) and rng.random() < 0.8:
-        draws["alibi"] = False
-    # MQA's single K/V head handed over as a stride-0 view expanded to the query heads (callers that expand K/V
-    # instead of passing kv_heads: repeat_kv without its copy); only one K/V head expands without a copy
-    draws["expand_kv"] = hkv == 1 and draws["strided"] != "fused" and rng.random() < 0.3
-    return draws
-
-
-GRADS = (None, "no_grad", "inference", "frozen_kv")
-"""How a case's call runs: ``None`` forward and backward, every input a leaf; ``"no_grad"`` / ``"inference"``
-forward only under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, generation: only the outputs are
-judged); ``"frozen_kv"`` k and v (and the sinks) not requiring grad, q does (only dq is judged; dk / dv must not
-appear)."""
-CU_AS = ("int64", "int32", "tuple")
-
-
-def _draw_grad(rng: random.Random, draws: dict[str, Any]) -> None:
-    """``draws["grad"]`` (:data:`GRADS`): the default now and then left for evaluation or a frozen K/V. Not
-    ``"frozen_kv"`` with ``strided="fused"``: the fused q, k and v are views of one leaf, frozen together or not."""
-    grad = rng.choice(GRADS[1:]) if rng.random() < 0.2 else None
-    draws["grad"] = None if grad == "frozen_kv" and draws["strided"] == "fused" else grad
-
-
-def _draw_dilated(rng: random.Random) -> dict[str, Any]:
-    world = rng.randint(1, 4)
-    local = rng.choice((4, 8, 12, 16))
-    seq = world * local
-    fits = [w for w in range(1, seq + 1) if seq % w == 0 and (world == 1 or local % w == 0 or w % local == 0)]
-    n = rng.randint(1, 3)
-    segs, rates = [], []
-    for _ in range(n):
-        # a segment the docstring's rule fits; 5% any length, to see the refusal of one that does not fit
-        w = rng.choice(fits) if rng.random() < 0.95 else rng.randint(1, seq)
-        r = rng.choice([r for r in range(1, w + 1) if w % r == 0])
-        segs.append(w)
-        rates.append(r)
-    hq, hkv, d, _ = rng.choice(_HEADS)
-    draws = {
-        "kind": "dilated", "world": world, "seq": seq, "segment_lengths": segs, "dilation_rates": rates,
-        "heads": [hq, hkv, d, d], "batch": rng.choice((1, 2)), "causal": rng.random() < 0.5,
-        # not ulysses / hybrid, and zigzag rarely: dilated_attention refuses them by design (its segments are
-        # contiguous position ranges exchanged point to point); zigzag is drawn now and then to see that refusal
-        "mode": rng.choice(("ring", "allgather")), "head_layout": rng.choice(("mixed", "mixed", "grouped")),
-        "sharding": "contiguous" if rng.random() < 0.95 else "zigzag", "check_inputs": rng.random() < 0.7,
-        "dtype": "float64" if rng.random() < 0.2 else "float32",
-        "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",  # drawn last, as the attention kind's
-    }
-    # drawn after them (fz25b), so a case seed's earlier draws stay: the axes users run that the kind never drew
-    if rng.random() < 0.2:  # V's head dim apart from q/k's (MLA; the docstring allows it)
-        draws["heads"][3] = rng.choice([x for x in (3, 4, 6, 8, 12) if x != d])
-    draws["scale"] = round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None
-    draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None
-    # at P = 4 now and then the call on the pairs {0, 1}, {2, 3} (group=), each pair the whole sequence
-    draws["group"] = "pairs" if world == 4 and rng.random() < 0.2 else None
-    if rng.random() < 0.15:  # dilated_attention's mode="auto" (it picks ring or allgather after probing the links)
-        draws["mode"] = "auto"
-    # drawn after them (fz26b): forward only or frozen K/V (GRADS); two calls before one backward (two layers, as
-    # the attention kind draws); group= the whole world with no manager (the docstring's own advice:
-    # group=torch.distributed.group.WORLD without init_process_groups)
-    _draw_grad(rng, draws)
-    if rng.random() < 0.25:
-        draws["calls"] = [{"cu": None}, {"cu": None}]
-    if draws["group"] is None and rng.random() < 0.15:
-        draws["group"] = "world"
-    return draws
-
 
 def _fit_seq(seq: int, unit: int) -> int:
     """The multiple of ``unit`` nearest ``seq`` (at least ``unit``): a sequence re-derived for a forced world."""
@@ -264,7 +136,7 @@ def _rederive_calls(calls: list[dict[str, Any]], rng: random.Random, world_of: A
         sp = world_of(c)
         seq = c["seq"] if c["seq"] % unit_of(sp) == 0 else _fit_seq(c["seq"], unit_of(sp))
         if c.get("cu") is not None and seq != c["seq"]:
-            c["cu"] = _draw_documents(rng, seq, sp)
+            c["cu"] = draw_documents(rng, seq, sp)
         if c.get("window") is not None and c["window"] > seq:
             c["window"] = rng.randint(1, seq)
         c["sp"], c["seq"] = sp, seq
@@ -343,7 +215,7 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
             if cu is not None and (cu[0] != 0 or cu[-1] != seq or any(b < a for a, b in zip(cu, cu[1:]))):
                 if "calls" not in free:
                     return out, conflict("calls", f"seq={seq}: call {i}'s documents {cu} must run from 0 to {seq}")
-                c["cu"] = _draw_documents(rng, seq, world)
+                c["cu"] = draw_documents(rng, seq, world)
         for key in ("window", "chunk_size"):
             if out.get(key) is not None and out[key] > seq and key in free:
                 out[key] = rng.randint(1, seq)
@@ -394,9 +266,9 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     weights = {"attention": 6, "dilated": 1, "model": 3, "engine": 2, "dynamic": 2, "trainer": 1, "compile": 3}
     kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
     if kind == "attention":
-        draws = _draw_attention(rng)
+        draws = draw_attention(rng)
     elif kind == "dilated":
-        draws = _draw_dilated(rng)
+        draws = draw_dilated(rng)
     elif kind == "model":
         from seqpar.testing.fuzz_models import draw_model
 
@@ -408,7 +280,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     elif kind == "compile":
         from seqpar.testing.fuzz_compile import draw_compile
 
-        draws = draw_compile(rng, _draw_documents)  # handed over: fuzz_compile does not import this module
+        draws = draw_compile(rng, draw_documents)  # handed over: fuzz_compile does not import this module
     elif kind == "trainer":
         from seqpar.testing.fuzz_trainers import draw_trainer
 
@@ -422,323 +294,9 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
 
 # --------------------------------------------------------------------------------------------------
-# Tensors, sharding, references
+# Running a case (the attention and dilated kinds' tensors, references, rank task and judging are in
+# seqpar.testing.fuzz_attention_run; the other kinds' in their modules), the CLI
 # --------------------------------------------------------------------------------------------------
-
-def _tensors(draws: dict[str, Any]) -> dict[str, Any]:
-    """Full-sequence float64 inputs of every call of the case (from its seed)."""
-    g = torch.Generator().manual_seed(draws["case_seed"])
-    hq, hkv, d, dv = draws["heads"]
-    b, s = draws["batch"], draws["seq"]
-    calls = []
-    for _ in draws.get("calls", [{}]):
-        calls.append({n: torch.randn(b, h, s, w, generator=g, dtype=torch.float64)
-                      for n, h, w in (("q", hq, d), ("k", hkv, d), ("v", hkv, dv), ("dout", hq, dv))})
-    out: dict[str, Any] = {"calls": calls}
-    if draws.get("sinks"):
-        out["sinks"] = torch.randn(hq, generator=g, dtype=torch.float64)
-    if draws.get("alibi"):
-        out["alibi"] = torch.rand(hq, generator=g, dtype=torch.float64) * 0.5 + 0.01
-    return out
-
-
-def positions(draws: dict[str, Any], cu: list[int] | None, rank: int) -> torch.Tensor:
-    """Global positions rank ``rank`` holds, in local order: contiguous and zigzag from their definition
-    (DESIGN.md: zigzag rank r holds chunks r and 2P-1-r), balanced from seqpar's own ``shard_index``."""
-    world, seq, sharding = draws["world"], draws["seq"], draws["sharding"]
-    if sharding == "balanced":
-        from seqpar.sequence.sharding import shard_index
-
-        return shard_index(seq, rank, world, "balanced", cu_seqlens=cu)
-    chunks = [rank] if sharding == "contiguous" else [rank, 2 * world - 1 - rank]
-    c = seq // (world if sharding == "contiguous" else 2 * world)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunks])
-
-
-def _visible(draws: dict[str, Any], cu: list[int] | None) -> torch.Tensor:
-    """``(S, S)`` bool: key j visible to query i (documents, causal, window, chunks)."""
-    seq = draws["seq"]
-    pos = torch.arange(seq)
-    i, j = pos[:, None], pos[None, :]
-    doc = torch.zeros(seq, dtype=torch.long) if cu is None else torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
-    ok = doc[:, None] == doc[None, :]
-    if draws["causal"]:
-        ok &= j <= i
-    if draws.get("window") is not None:
-        ok &= (i - j < draws["window"]) if draws["causal"] else ((i - j).abs() < draws["window"])
-    if draws.get("chunk_size") is not None:
-        starts = torch.tensor(cu if cu is not None else [0])[doc]
-        idx = (pos - starts) // draws["chunk_size"]
-        ok &= idx[:, None] == idx[None, :]
-    return ok
-
-
-def attention_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
-    """One process, float64, dense: per call ``[out, dq, dk, dv]``, plus ``dsinks`` (summed over calls).
-
-    Scores ``scale * q.k``, soft-capped (``softcap * tanh(s / softcap)``), then ALiBi's ``-m_h (i - j)``
-    added, then the mask; sinks join each softmax denominator."""
-    hq, hkv, d, _ = draws["heads"]
-    scale = draws.get("scale") or d ** -0.5
-    sinks = tensors["sinks"].clone().requires_grad_() if "sinks" in tensors else None
-    leaves, outs, total = [], [], 0.0
-    for call, t in zip(draws["calls"], tensors["calls"], strict=True):
-        q, k, v = (t[n].clone().requires_grad_() for n in "qkv")
-        ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        s = q @ ke.transpose(-1, -2) * scale
-        if draws.get("softcap") is not None:
-            s = draws["softcap"] * torch.tanh(s / draws["softcap"])
-        if "alibi" in tensors:
-            pos = torch.arange(draws["seq"], dtype=torch.float64)
-            s = s - tensors["alibi"].view(1, -1, 1, 1) * (pos[:, None] - pos[None, :])
-        s = s.masked_fill(~_visible(draws, call["cu"]), float("-inf"))
-        if sinks is not None:
-            col = sinks.view(1, -1, 1, 1).expand(*s.shape[:3], 1)
-            p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
-        else:
-            p = torch.softmax(s, -1)
-        out = p @ ve
-        total = total + (out * t["dout"]).sum()
-        leaves.append((q, k, v))
-        outs.append(out.detach())
-    total.backward()
-    res = {"calls": [[o, q.grad, k.grad, v.grad] for o, (q, k, v) in zip(outs, leaves, strict=True)]}
-    if sinks is not None:
-        res["dsinks"] = sinks.grad
-    return res
-
-
-def dilated_reference(draws: dict[str, Any], tensors: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
-    """LongNet's definition (:mod:`seqpar.attn.dilated`'s docstring) with explicit float64 masks: pattern
-    ``(w, r)`` keeps, in each segment of ``w`` positions, those with ``p % r`` equal to the head's offset
-    (mixed: ``h % r``; grouped: pattern ``i`` for head group ``i``, offset ``i % r``); patterns merge by
-    their softmax denominators; a row no pattern selects is 0."""
-    hq, hkv, d, _ = draws["heads"]
-    seq, n = draws["seq"], len(draws["segment_lengths"])
-    pos = torch.arange(seq)
-    masks = torch.zeros(n, hq, seq, seq, dtype=torch.bool)
-    for p, (w, r) in enumerate(zip(draws["segment_lengths"], draws["dilation_rates"], strict=True)):
-        for h in range(hq):
-            if draws["head_layout"] == "mixed":
-                off = h % r
-            elif h // (hq // n) != p:
-                continue
-            else:
-                off = p % r
-            sel = (pos % w) % r == off
-            m = ((pos[:, None] // w) == (pos[None, :] // w)) & sel[:, None] & sel[None, :]
-            if draws["causal"]:
-                m &= pos[None, :] <= pos[:, None]
-            masks[p, h] = m
-    res = []
-    for t in tensors["calls"]:  # each call on its own inputs (two calls: two layers)
-        q, k, v = (t[x].clone().requires_grad_() for x in "qkv")
-        ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-        s = q @ ke.transpose(-1, -2) * (draws.get("scale") or d ** -0.5)
-        cat = torch.cat([s.masked_fill(~m, float("-inf")) for m in masks], -1)
-        peak = cat.amax(-1, keepdim=True)
-        peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak).detach()
-        e = torch.exp(cat - peak)
-        out = (e @ torch.cat([ve] * n, 2)) / e.sum(-1, keepdim=True).clamp_min(1.0)
-        out.backward(t["dout"])
-        res.append([out.detach(), q.grad, k.grad, v.grad])
-    return {"calls": res}
-
-
-# --------------------------------------------------------------------------------------------------
-# Rank side
-# --------------------------------------------------------------------------------------------------
-
-def _plant(name: str | None, rank: int) -> Any:
-    """A deliberately broken seqpar, for the fuzzer's own tests: ``"ring_scale"`` scales the ring's output by
-    1.001; ``"ring_hang"`` makes rank 0's ring call sleep for 10 minutes; ``"ring_raise"`` makes every rank's
-    ring call raise a ``RuntimeError`` (a crash, not a refusal). Returns an undo callable (the pool's ranks
-    must leave each task as they found it)."""
-    if name is None:
-        return lambda: None
-    if name not in ("ring_scale", "ring_hang", "ring_raise"):
-        raise ValueError(f"unknown plant {name!r}")
-    from seqpar.attn import dispatch
-
-    original = dispatch.RingAttention
-
-    class Scaled:
-        @staticmethod
-        def apply(*args: Any) -> torch.Tensor:
-            if name == "ring_hang" and rank == 0:
-                time.sleep(600)
-            if name == "ring_raise":
-                raise RuntimeError("planted: the ring broke")
-            out = original.apply(*args)
-            return out * 1.001 if name == "ring_scale" else out
-
-    dispatch.RingAttention = Scaled
-
-    def undo() -> None:
-        dispatch.RingAttention = original
-    return undo
-
-
-def _local(x: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x.index_select(2, pos).to(dtype)
-
-
-def _grad_context(draws: dict[str, Any]) -> Any:
-    """The context a case's forwards run in (:data:`GRADS`)."""
-    import contextlib
-
-    grad = draws.get("grad")
-    return torch.no_grad() if grad == "no_grad" else torch.inference_mode() if grad == "inference" else contextlib.nullcontext()
-
-
-def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
-    """Pool task (every rank): this rank's part of an ``attention`` or ``dilated`` case. Returns
-    ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows; None where no gradient)], "dsinks"?}`` or
-    ``{"ok": False, "error"}``."""
-    import torch.distributed as dist
-
-    import seqpar
-
-    rank, world = ctx.rank, ctx.world_size
-    dtype = getattr(torch, draws["dtype"])
-    undo = _plant(plant, rank)
-    grad = draws.get("grad")
-    backward = grad in (None, "frozen_kv")
-    try:
-        if draws["kind"] == "dilated":
-            group, sp_draws, sp_rank = None, draws, rank
-            if draws.get("group") == "world":  # no manager: the whole world on purpose, as the docstring advises
-                group = dist.group.WORLD
-            else:
-                seqpar.init_process_groups(sp_size=world)
-            if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-                group, _ = dist.new_subgroups(2)
-                sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
-            pos = positions({**sp_draws, "sharding": "contiguous"}, None, sp_rank)
-            leaves, outs, total = [], [], 0.0
-            for t in tensors["calls"]:
-                q, k, v = (_local(t[n], pos, dtype) for n in "qkv")
-                shapes = [x.shape for x in (q, k, v)]
-                xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"), frozen_kv=grad == "frozen_kv")
-                with _grad_context(draws):
-                    out = seqpar.dilated_attention(
-                        q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
-                        causal=draws["causal"], scale=draws.get("scale"), mode=draws["mode"], group=group,
-                        sharding=draws["sharding"], head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
-                        dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
-                if backward:
-                    total = total + (out * _local(t["dout"], pos, dtype)).sum()
-                leaves.append((xs, shapes))
-                outs.append(out.detach().clone())
-            if backward:
-                total.backward()
-            return {"ok": True, "calls": [[o, *strided_grads(xs, shapes, "bhsd", draws.get("strided"))]
-                                          for o, (xs, shapes) in zip(outs, leaves, strict=True)]}
-        manager = seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"],
-                                             sharding=draws["sharding"] if draws["declare_sharding"] else None)
-        group, sp_draws, sp_rank = None, draws, rank
-        if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-            group, _ = dist.new_subgroups(2)
-            sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
-        elif draws.get("group_arg") == "manager":
-            group = manager.sp_group
-        # the defaults a caller leaves (fz26b): sharding=None means the declared one, else contiguous
-        sharding = draws["sharding"]
-        if draws.get("omit_sharding") and (draws["declare_sharding"] or sharding == "contiguous"):
-            sharding = None
-        layout = None if draws.get("omit_layout") and draws["layout"] == "bhsd" else draws["layout"]
-        sinks = tensors["sinks"].to(dtype) if "sinks" in tensors else None
-        if sinks is not None and draws.get("sinks_grad", True) and grad != "frozen_kv":
-            sinks.requires_grad_()
-        alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
-        leaves, outs, total = [], [], 0.0
-        for call, t in zip(draws["calls"], tensors["calls"], strict=True):
-            pos = positions(sp_draws, call["cu"], sp_rank)
-            q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
-            shapes = [x.shape for x in (q, k, v)]
-            xs, (q, k, v) = strided_inputs(q, k, v, draws["layout"], draws.get("strided"), frozen_kv=grad == "frozen_kv")
-            if draws.get("expand_kv"):  # one K/V head seen as every query head's: stride 0 over the heads
-                hd = 2 if draws["layout"] == "bshd" else 1
-                k, v = (x.expand(*x.shape[:hd], q.shape[hd], *x.shape[hd + 1:]) for x in (k, v))
-            cu = call["cu"]
-            if cu is not None:
-                cu_as = draws.get("cu_as", "int64")
-                cu = tuple(cu) if cu_as == "tuple" else torch.tensor(cu, dtype=getattr(torch, cu_as))
-            with _grad_context(draws):
-                out = seqpar.attention(
-                    q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
-                    sharding=sharding, overlap=draws["overlap"], check_inputs=draws["check_inputs"],
-                    head_chunks=draws["head_chunks"], cu_seqlens=cu, window=draws["window"], sinks=sinks, layout=layout,
-                    chunk_size=draws["chunk_size"], softcap=draws["softcap"], alibi_slopes=alibi,
-                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
-            if draws["layout"] == "bshd":
-                out = out.transpose(1, 2)
-            if backward:
-                total = total + (out * dout).sum()
-            leaves.append((xs, shapes))
-            outs.append(out.detach().clone())  # clone: an inference tensor leaves inference mode as a plain one
-        if backward:
-            total.backward()
-        calls = []
-        for o, (xs, shapes) in zip(outs, leaves, strict=True):
-            calls.append([o, *strided_grads(xs, shapes, draws["layout"], draws.get("strided"))])
-        res: dict[str, Any] = {"ok": True, "calls": calls}
-        if sinks is not None and sinks.grad is not None:
-            res["dsinks"] = sinks.grad
-        return res
-    except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": error_record(e)}
-    finally:
-        undo()
-
-
-# --------------------------------------------------------------------------------------------------
-# Verdicts
-# --------------------------------------------------------------------------------------------------
-
-def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[str, str]:
-    dtype = getattr(torch, draws["dtype"])
-    tol = _TOL[dtype]
-    world = draws["world"]
-    sp = 2 if draws.get("group") == "pairs" else world  # each SP group computes the whole sequence
-    scale_all = max(float(t.abs().max()) for c in ref["calls"] for t in c)
-    # A tensor that is ~0 in exact arithmetic (dq where each query sees one key) carries the rounding of
-    # the case's largest products: judge it on the case's scale, not on its own noise.
-    floor = tol * 0.1 * scale_all
-    # dkv_wire_dtype="bf16": the ring's travelling dK/dV accumulators are rounded to bf16 once per hop (at most P - 1
-    # hops, unit roundoff 2**-9; docs/configuration.md), so dk and dv are judged at 4 (P - 1) 2**-9 of their scale
-    # (elementwise: an accumulator on its way may exceed the finished gradient); out and dq must stay exact
-    wire_tol = max(tol, 4 * (sp - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
-    sharded = {**(draws if draws["kind"] == "attention" else {**draws, "sharding": "contiguous"}), "world": sp}
-    worst = ("", 0.0)
-    # what the case's grad draw (GRADS) asks for: forward only judges out; a frozen K/V out and dq
-    grad = draws.get("grad")
-    judged = ("out",) if grad in ("no_grad", "inference") else ("out", "dq") if grad == "frozen_kv" else ("out", "dq", "dk", "dv")
-    for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
-        for ti, name in enumerate(judged):
-            for g0 in range(0, world, sp):
-                full = torch.zeros_like(ref_call[ti])
-                for r in range(sp):
-                    got = per_rank[g0 + r]["calls"][ci][ti]
-                    if got is None:
-                        return "WRONG", f"{name} missing on rank {g0 + r}: no gradient reached the leaf"
-                    full[:, :, positions(sharded, call["cu"], r)] = got.double()
-                t_tol = wire_tol if name in ("dk", "dv") else tol
-                ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
-                label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (f"ranks{g0}-{g0 + sp - 1}." if sp < world else "") + name
-                if not ok:
-                    return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
-                worst = max(worst, (label, err), key=lambda x: x[1])
-    if "dsinks" in ref and grad is None and draws.get("sinks_grad", True):  # the sinks trained
-        # each SP group's ranks sum to the reference's: the pairs' to twice it
-        if any("dsinks" not in p for p in per_rank):
-            return "WRONG", "dsinks missing: no gradient reached the sinks"
-        got = sum(p["dsinks"].double() for p in per_rank) / (world // sp)
-        ok, err = close(got, ref["dsinks"], tol, floor)
-        if not ok:
-            return "WRONG", f"dsinks off by {err:.2e} of its scale (tol {tol:.0e})"
-    return "exact", f"worst {worst[0]} {worst[1]:.1e}"
-
 
 def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: str | None = None) -> dict[str, Any]:
     """Run one case on ``pools`` (a :class:`seqpar.testing.ranks.PoolSet`); returns its record
@@ -815,58 +373,7 @@ def summary(draws: dict[str, Any]) -> str:
         from seqpar.testing.fuzz_trainers import trainer_summary
 
         return trainer_summary(draws)
-    if draws["kind"] == "dilated":
-        return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
-                f"{draws['head_layout']} H={'/'.join(map(str, draws['heads']))} causal={int(draws['causal'])} "
-                f"{draws['dtype']}" + (" dkv=bf16" if draws.get("dkv_wire_dtype") == "bf16" else "")
-                + (f" scale={draws['scale']}" if draws.get("scale") is not None else "")
-                + (f" strided={draws['strided']}" if draws.get("strided") else "")
-                + (f" group={draws['group']}" if draws.get("group") else "")
-                + (" two-calls" if len(draws.get("calls", [])) > 1 else "")
-                + (f" grad={draws['grad']}" if draws.get("grad") else ""))
-    parts = [f"attention P={draws['world']}", draws["mode"] + (f"(u={draws['ulysses_size']})" if draws["mode"] == "hybrid" else ""),
-             draws["sharding"], "H=" + "/".join(map(str, draws["heads"])), f"B={draws['batch']}", f"S={draws['seq']}",
-             f"causal={int(draws['causal'])}"]
-    if draws["calls"][0]["cu"] is not None:
-        parts.append("docs=" + ",".join(str(b - a) for a, b in zip(draws["calls"][0]["cu"], draws["calls"][0]["cu"][1:])))
-    for key in ("window", "chunk_size", "softcap", "scale"):
-        if draws.get(key) is not None:
-            parts.append(f"{key}={draws[key]}")
-    for key in ("sinks", "alibi"):
-        if draws.get(key):
-            parts.append(key)
-    if len(draws["calls"]) > 1:
-        parts.append("two-calls")
-    if draws["layout"] != "bhsd":
-        parts.append(draws["layout"])
-    if draws["head_chunks"] != "auto":
-        parts.append(f"head_chunks={draws['head_chunks']}")
-    if not draws["overlap"]:
-        parts.append("no-overlap")
-    if not draws["check_inputs"]:
-        parts.append("no-check")
-    parts.append(draws["dtype"])
-    if draws.get("dkv_wire_dtype", "fp32") != "fp32":
-        parts.append(f"dkv={draws['dkv_wire_dtype']}")
-    if draws.get("group"):
-        parts.append(f"group={draws['group']}")
-    if draws.get("strided"):
-        parts.append(f"strided={draws['strided']}")
-    if draws.get("grad"):
-        parts.append(f"grad={draws['grad']}")
-    if draws.get("sinks") and not draws.get("sinks_grad", True):
-        parts.append("frozen-sinks")
-    if draws["calls"][0]["cu"] is not None and draws.get("cu_as", "int64") != "int64":
-        parts.append(f"cu-as-{draws['cu_as']}")
-    if draws.get("omit_sharding") and (draws["declare_sharding"] or draws["sharding"] == "contiguous"):
-        parts.append("sharding=None")
-    if draws.get("omit_layout") and draws["layout"] == "bhsd":
-        parts.append("layout=None")
-    if draws.get("group_arg"):
-        parts.append(f"group-arg={draws['group_arg']}")
-    if draws.get("expand_kv"):
-        parts.append("expand-kv")
-    return " ".join(parts)
+    return attention_summary(draws)  # the attention and dilated kinds (seqpar.testing.fuzz_attention)
 
 
 class Fuzzer:

@@ -1,0 +1,221 @@
+"""The ``attention`` and ``dilated`` kinds of the composition fuzzer (:mod:`seqpar.testing.fuzz`): their draws
+(plain JSON-able dicts; every tensor is rebuilt from the case seed) and their one-line summaries.
+
+Each draw reads its generator in a fixed order; a new axis is drawn after the old ones, so that every case seed
+keeps the draws it had before (the comments below name the session that added each). The tensors, references,
+rank task and judging of these kinds are in :mod:`seqpar.testing.fuzz_attention_run`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from seqpar.testing.fuzz_strides import STRIDES
+
+__all__ = ["HEADS", "GRADS", "CU_AS", "draw_documents", "draw_attention", "draw_dilated", "attention_summary"]
+
+# (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
+HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
+          (6, 3, 4, 4))
+
+
+def draw_documents(rng: random.Random, seq: int, world: int) -> list[int]:
+    """Boundaries ``[0, ..., seq]`` of random documents: length-1 ones, short ones, and (when the
+    sequence allows) one longer than a shard (``seq / world`` tokens)."""
+    shard = seq // world
+    lens: list[int] = []
+    if world > 1 and seq > shard + 1 and rng.random() < 0.7:
+        lens.append(rng.randint(shard + 1, seq - 1))
+    while sum(lens) < seq:
+        n = 1 if rng.random() < 0.3 else rng.randint(1, max(1, seq // 3))
+        lens.append(min(n, seq - sum(lens)))
+    rng.shuffle(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def draw_attention(rng: random.Random) -> dict[str, Any]:
+    world = rng.randint(1, 4)
+    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
+    divisors = [u for u in range(1, world + 1) if world % u == 0]
+    inner = [u for u in divisors if 1 < u < world]
+    ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
+    hq, hkv, d, dv = rng.choice(HEADS)
+    docs = rng.random() < 0.5
+    sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag", "zigzag"))
+    chunk = rng.randint(1, 6)  # tokens per zigzag chunk
+    seq = 2 * world * chunk
+    two_calls = rng.random() < 0.25
+    calls = []
+    for _ in range(2 if two_calls else 1):
+        calls.append({"cu": draw_documents(rng, seq, world) if docs else None})
+    # cu_seqlens needs batch 1 (its docstring): batch 2 with documents is drawn rarely, to see the refusal
+    batch = 2 if (not docs and rng.random() < 0.3) or rng.random() < 0.03 else 1
+    draws = {
+        "kind": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
+        "declare_sharding": rng.random() < 0.5, "sharding": sharding, "heads": [hq, hkv, d, dv],
+        "batch": batch, "seq": seq, "causal": rng.random() < 0.7, "calls": calls,
+        "window": rng.randint(1, seq) if rng.random() < 0.3 else None,
+        "sinks": rng.random() < 0.25,
+        "chunk_size": rng.randint(1, seq) if rng.random() < 0.2 else None,
+        "alibi": rng.random() < 0.2,
+        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.2 else None,
+        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
+        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
+        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
+        "overlap": rng.random() < 0.8,
+        "check_inputs": rng.random() < 0.7,
+        # not bf16 / fp16: the bar is exact against float64 (fp32 to ~1e-5); low precision has its own bounds and
+        # tests (tests/test_low_precision_ring.py, BENCHMARKS.md), not a per-tensor exactness verdict
+        "dtype": "float64" if rng.random() < 0.2 else "float32",
+        # drawn last: a case seed's other draws are those it had before (fz24c)
+        "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
+        # at P = 4 now and then the call runs on the pairs {0, 1}, {2, 3} (group=, eager), each pair the whole sequence
+        "group": "pairs" if world == 4 and rng.random() < 0.2 else None,
+        # drawn after them (fz25b): q, k, v as the views models pass (a bshd buffer seen bhsd, a fused qkv split)
+        "strided": rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None,
+    }
+    # drawn after them (fz26b), so a case seed's earlier draws stay: the arguments users pass that the kind never did
+    _draw_grad(rng, draws)
+    draws["sinks_grad"] = not (draws["sinks"] and rng.random() < 0.3)  # frozen sinks (a PEFT run's base weights)
+    # documents as users pass them: an int64 tensor, an int32 one (flash-attn's and transformers' cu_seq_lens), or
+    # a tuple of ints (documented: no device-to-host copy)
+    draws["cu_as"] = rng.choice(CU_AS) if docs and rng.random() < 0.5 else "int64"
+    # sharding=None / layout=None, the defaults a caller leaves: the declared sharding (or contiguous when none is
+    # declared: where the drawn sharding is another and none is declared, the task passes it) and bhsd
+    draws["omit_sharding"] = rng.random() < 0.3
+    draws["omit_layout"] = rng.random() < 0.3
+    # group= the manager's own SP group, as the integrations pass it (the docstring accepts it even with hybrid)
+    draws["group_arg"] = "manager" if draws["group"] is None and rng.random() < 0.15 else None
+    # balanced sharding without documents (one document: the whole sequence; a config's "sharding": "balanced" on
+    # unpacked rows), which the sharding draw above leaves out: balanced there only balances documents
+    if not docs and draws["sharding"] == "zigzag" and rng.random() < 0.25:
+        draws["sharding"] = "balanced"
+    # ALiBi with sinks or soft-cap is refused by design (seqpar.attn.alibi: the per-key bias is exact only up to a
+    # per-row constant, which a sink logit and a soft-cap do not ignore; no model combines them): drawn
+    # independently it was 8% of the kind's cases (seeds 2601-2654: 45 of ~700), so keep a fifth of them for the
+    # refusal and give the rest their ALiBi-free composition
+    if draws["alibi"] and (draws["sinks"] or draws["softcap"] is not None) and rng.random() < 0.8:
+        draws["alibi"] = False
+    # MQA's single K/V head handed over as a stride-0 view expanded to the query heads (callers that expand K/V
+    # instead of passing kv_heads: repeat_kv without its copy); only one K/V head expands without a copy
+    draws["expand_kv"] = hkv == 1 and draws["strided"] != "fused" and rng.random() < 0.3
+    return draws
+
+
+GRADS = (None, "no_grad", "inference", "frozen_kv")
+"""How a case's call runs: ``None`` forward and backward, every input a leaf; ``"no_grad"`` / ``"inference"``
+forward only under ``torch.no_grad()`` / ``torch.inference_mode()`` (evaluation, generation: only the outputs are
+judged); ``"frozen_kv"`` k and v (and the sinks) not requiring grad, q does (only dq is judged; dk / dv must not
+appear)."""
+CU_AS = ("int64", "int32", "tuple")
+
+
+def _draw_grad(rng: random.Random, draws: dict[str, Any]) -> None:
+    """``draws["grad"]`` (:data:`GRADS`): the default now and then left for evaluation or a frozen K/V. Not
+    ``"frozen_kv"`` with ``strided="fused"``: the fused q, k and v are views of one leaf, frozen together or not."""
+    grad = rng.choice(GRADS[1:]) if rng.random() < 0.2 else None
+    draws["grad"] = None if grad == "frozen_kv" and draws["strided"] == "fused" else grad
+
+
+def draw_dilated(rng: random.Random) -> dict[str, Any]:
+    world = rng.randint(1, 4)
+    local = rng.choice((4, 8, 12, 16))
+    seq = world * local
+    fits = [w for w in range(1, seq + 1) if seq % w == 0 and (world == 1 or local % w == 0 or w % local == 0)]
+    n = rng.randint(1, 3)
+    segs, rates = [], []
+    for _ in range(n):
+        # a segment the docstring's rule fits; 5% any length, to see the refusal of one that does not fit
+        w = rng.choice(fits) if rng.random() < 0.95 else rng.randint(1, seq)
+        r = rng.choice([r for r in range(1, w + 1) if w % r == 0])
+        segs.append(w)
+        rates.append(r)
+    hq, hkv, d, _ = rng.choice(HEADS)
+    draws = {
+        "kind": "dilated", "world": world, "seq": seq, "segment_lengths": segs, "dilation_rates": rates,
+        "heads": [hq, hkv, d, d], "batch": rng.choice((1, 2)), "causal": rng.random() < 0.5,
+        # not ulysses / hybrid, and zigzag rarely: dilated_attention refuses them by design (its segments are
+        # contiguous position ranges exchanged point to point); zigzag is drawn now and then to see that refusal
+        "mode": rng.choice(("ring", "allgather")), "head_layout": rng.choice(("mixed", "mixed", "grouped")),
+        "sharding": "contiguous" if rng.random() < 0.95 else "zigzag", "check_inputs": rng.random() < 0.7,
+        "dtype": "float64" if rng.random() < 0.2 else "float32",
+        "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",  # drawn last, as the attention kind's
+    }
+    # drawn after them (fz25b), so a case seed's earlier draws stay: the axes users run that the kind never drew
+    if rng.random() < 0.2:  # V's head dim apart from q/k's (MLA; the docstring allows it)
+        draws["heads"][3] = rng.choice([x for x in (3, 4, 6, 8, 12) if x != d])
+    draws["scale"] = round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None
+    draws["strided"] = rng.choice(STRIDES[1:]) if rng.random() < 0.25 else None
+    # at P = 4 now and then the call on the pairs {0, 1}, {2, 3} (group=), each pair the whole sequence
+    draws["group"] = "pairs" if world == 4 and rng.random() < 0.2 else None
+    if rng.random() < 0.15:  # dilated_attention's mode="auto" (it picks ring or allgather after probing the links)
+        draws["mode"] = "auto"
+    # drawn after them (fz26b): forward only or frozen K/V (GRADS); two calls before one backward (two layers, as
+    # the attention kind draws); group= the whole world with no manager (the docstring's own advice:
+    # group=torch.distributed.group.WORLD without init_process_groups)
+    _draw_grad(rng, draws)
+    if rng.random() < 0.25:
+        draws["calls"] = [{"cu": None}, {"cu": None}]
+    if draws["group"] is None and rng.random() < 0.15:
+        draws["group"] = "world"
+    return draws
+
+
+def attention_summary(draws: dict[str, Any]) -> str:
+    """One short line naming an ``attention`` or ``dilated`` case's composition (:func:`seqpar.testing.fuzz.summary`)."""
+    if draws["kind"] == "dilated":
+        return (f"dilated P={draws['world']} {draws['mode']} w={draws['segment_lengths']} r={draws['dilation_rates']} "
+                f"{draws['head_layout']} H={'/'.join(map(str, draws['heads']))} causal={int(draws['causal'])} "
+                f"{draws['dtype']}" + (" dkv=bf16" if draws.get("dkv_wire_dtype") == "bf16" else "")
+                + (f" scale={draws['scale']}" if draws.get("scale") is not None else "")
+                + (f" strided={draws['strided']}" if draws.get("strided") else "")
+                + (f" group={draws['group']}" if draws.get("group") else "")
+                + (" two-calls" if len(draws.get("calls", [])) > 1 else "")
+                + (f" grad={draws['grad']}" if draws.get("grad") else ""))
+    parts = [f"attention P={draws['world']}", draws["mode"] + (f"(u={draws['ulysses_size']})" if draws["mode"] == "hybrid" else ""),
+             draws["sharding"], "H=" + "/".join(map(str, draws["heads"])), f"B={draws['batch']}", f"S={draws['seq']}",
+             f"causal={int(draws['causal'])}"]
+    if draws["calls"][0]["cu"] is not None:
+        parts.append("docs=" + ",".join(str(b - a) for a, b in zip(draws["calls"][0]["cu"], draws["calls"][0]["cu"][1:])))
+    for key in ("window", "chunk_size", "softcap", "scale"):
+        if draws.get(key) is not None:
+            parts.append(f"{key}={draws[key]}")
+    for key in ("sinks", "alibi"):
+        if draws.get(key):
+            parts.append(key)
+    if len(draws["calls"]) > 1:
+        parts.append("two-calls")
+    if draws["layout"] != "bhsd":
+        parts.append(draws["layout"])
+    if draws["head_chunks"] != "auto":
+        parts.append(f"head_chunks={draws['head_chunks']}")
+    if not draws["overlap"]:
+        parts.append("no-overlap")
+    if not draws["check_inputs"]:
+        parts.append("no-check")
+    parts.append(draws["dtype"])
+    if draws.get("dkv_wire_dtype", "fp32") != "fp32":
+        parts.append(f"dkv={draws['dkv_wire_dtype']}")
+    if draws.get("group"):
+        parts.append(f"group={draws['group']}")
+    if draws.get("strided"):
+        parts.append(f"strided={draws['strided']}")
+    if draws.get("grad"):
+        parts.append(f"grad={draws['grad']}")
+    if draws.get("sinks") and not draws.get("sinks_grad", True):
+        parts.append("frozen-sinks")
+    if draws["calls"][0]["cu"] is not None and draws.get("cu_as", "int64") != "int64":
+        parts.append(f"cu-as-{draws['cu_as']}")
+    if draws.get("omit_sharding") and (draws["declare_sharding"] or draws["sharding"] == "contiguous"):
+        parts.append("sharding=None")
+    if draws.get("omit_layout") and draws["layout"] == "bhsd":
+        parts.append("layout=None")
+    if draws.get("group_arg"):
+        parts.append(f"group-arg={draws['group_arg']}")
+    if draws.get("expand_kv"):
+        parts.append("expand-kv")
+    return " ".join(parts)
