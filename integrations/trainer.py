@@ -298,14 +298,8 @@ class SequenceParallelMixin(CheckpointMethods):
                 raise_recompile_limit(self.seqpar_manager.pool_size)
         else:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
-        if isinstance(model, str) and not getattr(self._seqpar_loss, "takes_model_name", True):
-            raise ConfigError(
-                f"{type(self).__name__} given the model by name ({model!r}): seqpar reads the model before the "
-                "trainer's own __init__ builds it (the attention implementation generation goes back to); pass the "
-                "model object (AutoModelForCausalLM.from_pretrained(...))"
-            )
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
-            self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
+            self._seqpar_loss.before_swap(args, model, self.seqpar_manager)  # a name: again once built
         # FSDP2: the model Trainer.__init__ is given is swapped and sharded as its first step (in
         # create_accelerator_and_postprocess), after the trainer's own __init__ made it what it trains: TRL applies
         # peft_config there and adds the frozen "ref" copy of a PeftModel's adapter (DPO without ref_model, GRPO
@@ -316,6 +310,7 @@ class SequenceParallelMixin(CheckpointMethods):
         # model="path", built in the trainer's own __init__) where it is built, as FSDP2's (_seqpar_shard_model).
         # Before, swap_attention got the name ("'str' object has no attribute 'named_modules'")
         self._seqpar_swap_built = self._seqpar_engine != "fsdp2" and isinstance(model, str)
+        self._seqpar_built_from_name = isinstance(model, str)  # the loss adapter sees it before the swap
         if model is not None and self._seqpar_engine != "fsdp2" and not self._seqpar_swap_built:
             self._seqpar_take_model(model)
         swap_other = self._seqpar_swap_other_models()
@@ -412,6 +407,10 @@ class SequenceParallelMixin(CheckpointMethods):
         A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
         # sharded already (a given FSDP2 model is refused in __init__, so this one is seqpar's): hyperparameter search
         # calls create_accelerator_and_postprocess again with its model_init model, sharded in call_model_init
+        if self.model is not None and self._seqpar_built_from_name:  # TRL built it from the name: the adapter's turn
+            self._seqpar_built_from_name = False
+            if self._seqpar_loss is not None:
+                self._seqpar_loss.before_swap(self.args, self.model, self.seqpar_manager)
         if self._seqpar_swap_built and self.model is not None:  # DeepSpeed, a model TRL built from a name
             self._seqpar_swap_built = False  # swapped once (hyperparameter search calls this hook again)
             self._seqpar_take_model(self.model)
