@@ -322,13 +322,12 @@ class GRPOLoss:
         built, before swapping it (it crashed on the string: "'str' object has no attribute 'modules'")."""
         from seqpar.swap.hf_route import top_pretrained
 
+        if not isinstance(model, str):
+            _refuse_absolute_positions(model)
+            self._attn_implementations = [(top, top.config._attn_implementation)
+                                          for top in top_pretrained(model)]
         args.generation_batch_size = (args.per_device_train_batch_size * manager.dp_size
                                       * args.steps_per_generation)
-        if isinstance(model, str):
-            return
-        _refuse_absolute_positions(model)
-        self._attn_implementations = [(top, top.config._attn_implementation)
-                                      for top in top_pretrained(model)]
 
     def prepare(self, args: Any, kwargs: dict[str, Any], swap: Callable[[Any], None]) -> None:
         """A given reference model would be swapped here; GRPOTrainer builds its own (see after_init)."""
