@@ -79,7 +79,8 @@ What it changes in Trainer, and why (each a small override or hook):
   back in one load, resharded onto the resuming run's layout (before, safetensors crashed on the model's DTensors
   at the first save). ``save_on_each_node``: each node's first rank writes (transformers' ``save_pretrained`` alone
   writes on global rank 0 only); a checkpoint some rank cannot read whole, or one saved with ``save_only_model``,
-  is refused by name on every rank.
+  is refused by name on every rank. ``save_model()`` called on some ranks only (it gathers) is refused by name
+  on those ranks. These overrides live in :mod:`seqpar.integrations.trainer_checkpoint`.
 - **A model given by name** (TRL's ``model="path"``, built in the trainer's own ``__init__``) is swapped (DeepSpeed)
   or swapped and sharded (FSDP2) as ``transformers.Trainer.__init__``'s first step, where it exists.
 
@@ -102,6 +103,11 @@ import transformers
 from seqpar.config import ConfigError, SeqParConfig
 from seqpar.integrations.accelerate import prepare_data_loader
 from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.integrations.trainer_checkpoint import (  # noqa: F401 - SEQPAR_FSDP2_CHECKPOINT importable from here
+    SEQPAR_FSDP2_CHECKPOINT,
+    CheckpointMethods,
+    is_fsdp2_sharded,
+)
 from seqpar.runtime.groups import ProcessGroupManager
 from seqpar.sequence.batch import shard_batch
 
@@ -208,7 +214,7 @@ def _check_bases(cls: type) -> None:
         )
 
 
-class SequenceParallelMixin:
+class SequenceParallelMixin(CheckpointMethods):
     """Sequence parallelism under any ``transformers.Trainer`` subclass: list it *first* among the bases
     (or use :func:`sequence_parallel`).
 
@@ -274,7 +280,7 @@ class SequenceParallelMixin:
                 "checkpoint from its sharded model (checkpoint-N/seqpar_fsdp2), which save_only_model does not write; "
                 "drop one of them"
             )
-        if self._seqpar_engine == "fsdp2" and _is_fsdp2_sharded(model):
+        if self._seqpar_engine == "fsdp2" and is_fsdp2_sharded(model):
             raise ConfigError(
                 f"model is an FSDP2 module already ({type(model).__name__}, sharded by fully_shard, "
                 "seqpar.integrations.fsdp.wrap or another seqpar trainer): a seqpar Trainer without DeepSpeed swaps "
@@ -292,14 +298,8 @@ class SequenceParallelMixin:
                 raise_recompile_limit(self.seqpar_manager.pool_size)
         else:
             self.seqpar_manager = resolve_manager(self.seqpar_config, None)
-        if isinstance(model, str) and not getattr(self._seqpar_loss, "takes_model_name", True):
-            raise ConfigError(
-                f"{type(self).__name__} given the model by name ({model!r}): seqpar reads the model before the "
-                "trainer's own __init__ builds it (the attention implementation generation goes back to); pass the "
-                "model object (AutoModelForCausalLM.from_pretrained(...))"
-            )
         if self._seqpar_loss is not None and model is not None:  # e.g. GRPO notes the unswapped attention
-            self._seqpar_loss.before_swap(args, model, self.seqpar_manager)
+            self._seqpar_loss.before_swap(args, model, self.seqpar_manager)  # a name: again once built
         # FSDP2: the model Trainer.__init__ is given is swapped and sharded as its first step (in
         # create_accelerator_and_postprocess), after the trainer's own __init__ made it what it trains: TRL applies
         # peft_config there and adds the frozen "ref" copy of a PeftModel's adapter (DPO without ref_model, GRPO
@@ -310,6 +310,7 @@ class SequenceParallelMixin:
         # model="path", built in the trainer's own __init__) where it is built, as FSDP2's (_seqpar_shard_model).
         # Before, swap_attention got the name ("'str' object has no attribute 'named_modules'")
         self._seqpar_swap_built = self._seqpar_engine != "fsdp2" and isinstance(model, str)
+        self._seqpar_built_from_name = isinstance(model, str)  # the loss adapter sees it before the swap
         if model is not None and self._seqpar_engine != "fsdp2" and not self._seqpar_swap_built:
             self._seqpar_take_model(model)
         swap_other = self._seqpar_swap_other_models()
@@ -319,6 +320,7 @@ class SequenceParallelMixin:
         super().__init__(*bound.args, **bound.kwargs)
         if self._seqpar_loss is not None:
             self._seqpar_loss.after_init(self, swap_other)
+        self._seqpar_prepare_save_check()
         logger.info("%s seqpar: %s over dp %d x sp %d (%s)", rank_prefix(), type(self).__name__,
                     self.seqpar_manager.dp_size, self.seqpar_manager.sp_size, self._seqpar_engine)
 
@@ -405,11 +407,15 @@ class SequenceParallelMixin:
         A ``model_init`` model (``self.model`` None here) is sharded where it is built (:meth:`call_model_init`)."""
         # sharded already (a given FSDP2 model is refused in __init__, so this one is seqpar's): hyperparameter search
         # calls create_accelerator_and_postprocess again with its model_init model, sharded in call_model_init
+        if self.model is not None and self._seqpar_built_from_name:  # TRL built it from the name: the adapter's turn
+            self._seqpar_built_from_name = False
+            if self._seqpar_loss is not None:
+                self._seqpar_loss.before_swap(self.args, self.model, self.seqpar_manager)
         if self._seqpar_swap_built and self.model is not None:  # DeepSpeed, a model TRL built from a name
             self._seqpar_swap_built = False  # swapped once (hyperparameter search calls this hook again)
             self._seqpar_take_model(self.model)
             return
-        if self._seqpar_fsdp_options is None or self.model is None or _is_fsdp2_sharded(self.model):
+        if self._seqpar_fsdp_options is None or self.model is None or is_fsdp2_sharded(self.model):
             return
         self._seqpar_take_model(self.model)
 
@@ -608,167 +614,6 @@ class SequenceParallelMixin:
 
     def get_total_train_batch_size(self, args: Any) -> int:
         return self._train_batch_size * args.gradient_accumulation_steps * self.seqpar_manager.dp_size
-
-    # ------------------------------------------------------------------ saving and resuming (FSDP2)
-    # transformers does not know seqpar's FSDP2 model is sharded (is_fsdp_enabled is False), so its own save
-    # handed the model's DTensors to safetensors ("Attempted to access the data pointer on an invalid python
-    # storage") and its resume loaded plain tensors into them. DeepSpeed's path is transformers' own.
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """FSDP2: the full state dict, gathered on every rank (a collective), written once by the saving rank
-        through ``Trainer._save``, so ``from_pretrained(output_dir)`` loads the trained weights (a PeftModel:
-        its adapters, as peft saves them). Every rank must call it, as for transformers' own FSDP."""
-        if self._seqpar_engine != "fsdp2":
-            return super().save_model(output_dir, _internal_call)
-        from seqpar.integrations.fsdp import full_state_dict
-
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        # {} on every rank but 0, unless each node's first rank writes as well (save_on_each_node)
-        state_dict = full_state_dict(self.model, every_rank=self.args.save_on_each_node)
-        with _writes_where_trainer_says(self.model):
-            self._save(output_dir, state_dict=state_dict)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _seqpar_dcp_dir(self, checkpoint: str) -> str:
-        import os
-
-        return os.path.join(checkpoint, SEQPAR_FSDP2_CHECKPOINT)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """FSDP2: model and optimizer sharded as they train, each rank its shards (torch.distributed.checkpoint,
-        :func:`seqpar.integrations.fsdp.save_checkpoint`, a collective) into ``<checkpoint>/seqpar_fsdp2``; the
-        scheduler as transformers saves it. Resume reads them back (:meth:`_load_optimizer_and_scheduler`)."""
-        if self._seqpar_engine != "fsdp2":
-            return super()._save_optimizer_and_scheduler(output_dir)
-        import os
-        import warnings
-
-        from seqpar.integrations.fsdp import save_checkpoint
-
-        save_checkpoint(self._seqpar_dcp_dir(output_dir), self.model, _raw_optimizer(self.optimizer))
-        if self.args.should_save:
-            with warnings.catch_warnings(record=True) as caught:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
-            transformers.trainer.reissue_pt_warnings(caught)
-
-    def _seqpar_require_dcp(self, checkpoint: str) -> str:
-        """``<checkpoint>/seqpar_fsdp2``, checked on every rank before DCP reads it (a collective): refused by name on
-        every rank where any rank lacks it or any file of it (DCP would fail on those ranks only and leave the others
-        waiting in its collectives)."""
-        import torch.distributed as dist
-
-        path = self._seqpar_dcp_dir(checkpoint)
-        problem = _dcp_problem(path)
-        problems = [problem]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            problems = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-        missing = [(rank, p) for rank, p in enumerate(problems) if p is not None]
-        if missing and all(p == "no directory" for _, p in missing):
-            raise ConfigError(
-                f"resume_from_checkpoint={checkpoint!r} has no {SEQPAR_FSDP2_CHECKPOINT}/ (the sharded model and "
-                "optimizer a seqpar FSDP2 trainer writes with every checkpoint) on rank(s) "
-                f"{[rank for rank, _ in missing]}: it was saved with save_only_model=True, by save_model(), or by "
-                "another trainer. Resume from a checkpoint this trainer saved with save_only_model=False, or load the "
-                "saved weights with from_pretrained() and train anew"
-            )
-        if missing:
-            raise ConfigError(
-                f"resume_from_checkpoint={checkpoint!r}: {SEQPAR_FSDP2_CHECKPOINT}/ is incomplete where rank(s) read it "
-                f"({'; '.join(f'rank {rank}: {p}' for rank, p in missing)}). It holds every rank's shards "
-                "(torch.distributed.checkpoint), which every rank must be able to read: with save_on_each_node=True "
-                "on node-local disks each node wrote only its own ranks' shards; copy every node's "
-                f"{SEQPAR_FSDP2_CHECKPOINT}/ files into one directory all ranks read (a shared filesystem)"
-            )
-        return path
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """FSDP2: only checks that the checkpoint has ``seqpar_fsdp2/`` (refused by name, on every rank, before the
-        optimizer is built); the model's shards are read with the optimizer's, in one load, by
-        :meth:`_load_optimizer_and_scheduler`, which ``train`` calls next. transformers' own would load the full
-        safetensors into the sharded model."""
-        if self._seqpar_engine != "fsdp2":
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self._seqpar_require_dcp(resume_from_checkpoint)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """FSDP2: the model's and the optimizer's shards (every rank's, one DCP load, resharded onto this run's
-        layout) from ``<checkpoint>/seqpar_fsdp2``, and the scheduler as transformers loads it."""
-        if self._seqpar_engine != "fsdp2" or checkpoint is None:
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        import os
-        import warnings
-
-        from seqpar.integrations.fsdp import load_checkpoint
-
-        load_checkpoint(self._seqpar_require_dcp(checkpoint), self.model, _raw_optimizer(self.optimizer))
-        scheduler = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
-        if os.path.isfile(scheduler):
-            with warnings.catch_warnings(record=True) as caught:
-                self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-            transformers.trainer.reissue_pt_warnings(caught)
-
-    def _load_best_model(self) -> None:
-        """FSDP2 (``load_best_model_at_end``): the best checkpoint's model shards (a collective)."""
-        if self._seqpar_engine != "fsdp2":
-            return super()._load_best_model()
-        from seqpar.integrations.fsdp import load_checkpoint
-
-        load_checkpoint(self._seqpar_require_dcp(self.state.best_model_checkpoint), self.model)
-
-
-SEQPAR_FSDP2_CHECKPOINT = "seqpar_fsdp2"
-"""The folder of a Trainer checkpoint (``checkpoint-<step>/``) where a seqpar FSDP2 trainer writes the model's and
-the optimizer's shards with torch.distributed.checkpoint, for ``train(resume_from_checkpoint=...)``."""
-
-
-@contextlib.contextmanager
-def _writes_where_trainer_says(model: Any) -> Iterator[None]:
-    """Within the block, ``model.save_pretrained(is_main_process=...)`` writes where it is told: Trainer passes
-    ``args.should_save`` (with ``save_on_each_node=True``, each node's first rank), but transformers 5.x's
-    ``save_pretrained`` also requires global rank 0 once torch.distributed is up (``should_save_on_this_rank``), so
-    the other nodes' checkpoints had no weights. Scoped to this model instance (an attribute shadowing the method,
-    removed after)."""
-    if not hasattr(model, "should_save_on_this_rank") or "should_save_on_this_rank" in vars(model):
-        yield
-        return
-    model.should_save_on_this_rank = lambda is_main_process: is_main_process
-    try:
-        yield
-    finally:
-        del model.should_save_on_this_rank
-
-
-def _dcp_problem(path: str) -> str | None:
-    """What keeps this rank from reading the DCP checkpoint at ``path`` (no directory, no ``.metadata``, a file the
-    metadata names missing), or None."""
-    import os
-
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not os.path.isdir(path):
-        return "no directory"
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except FileNotFoundError:
-        return "no .metadata (written by rank 0)"
-    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-    absent = [f for f in files if not os.path.isfile(os.path.join(path, f))]
-    return f"missing shard file(s) {absent}" if absent else None
-
-
-def _is_fsdp2_sharded(model: Any) -> bool:
-    """Whether ``model`` is an FSDP2 module (``fully_shard`` applied to it)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
-def _raw_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's ``AcceleratedOptimizer`` (torch's state-dict helpers need its param
-    groups as the model's parameters)."""
-    return getattr(optimizer, "optimizer", optimizer)
-
 
 def _batch_documents(inputs: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The documents of one collated batch, ``(input_ids (n,), labels (n,))`` each on the CPU, in order:

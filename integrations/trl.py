@@ -279,10 +279,6 @@ class GRPOLoss:
     shards_in_step = False
     """The mixin passes the full batch on; the cut happens at each fused-head call."""
 
-    takes_model_name = False
-    """A model given by name (``model="path"``) is refused by name: :meth:`before_swap` reads the model's attention
-    implementation before GRPOTrainer's ``__init__`` would build it (it crashed on the string)."""
-
     def __init__(self) -> None:
         self._attn_implementations: list[tuple[Any, str]] = []  # (top PreTrainedModel, before the swap)
 
@@ -321,12 +317,15 @@ class GRPOLoss:
 
     def before_swap(self, args: Any, model: Any, manager: Any) -> None:
         """Remember the attention implementation generation goes back to; count the generation batch
-        over the DP replicas (GRPOConfig counted every process)."""
+        over the DP replicas (GRPOConfig counted every process). ``model`` a name (``model="path"``): the batch
+        only, before GRPOTrainer's ``__init__`` reads it; the mixin calls this again with the model GRPOTrainer
+        built, before swapping it (it crashed on the string: "'str' object has no attribute 'modules'")."""
         from seqpar.swap.hf_route import top_pretrained
 
-        _refuse_absolute_positions(model)
-        self._attn_implementations = [(top, top.config._attn_implementation)
-                                      for top in top_pretrained(model)]
+        if not isinstance(model, str):
+            _refuse_absolute_positions(model)
+            self._attn_implementations = [(top, top.config._attn_implementation)
+                                          for top in top_pretrained(model)]
         args.generation_batch_size = (args.per_device_train_batch_size * manager.dp_size
                                       * args.steps_per_generation)
 

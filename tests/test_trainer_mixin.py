@@ -26,7 +26,9 @@ def test_sequence_parallel_composes_once_with_the_mixin_first():
     trl = pytest.importorskip("trl")
     cls = sequence_parallel(trl.SFTTrainer)
     assert cls is sequence_parallel(trl.SFTTrainer) and cls.__name__ == "SeqParSFTTrainer"
-    assert cls.__mro__[1:3] == (SequenceParallelMixin, trl.SFTTrainer)
+    # the mixin first, then its own bases (the save/resume overrides), then the Trainer class
+    assert cls.__mro__[1:3 + len(SequenceParallelMixin.__bases__)] == (
+        SequenceParallelMixin, *SequenceParallelMixin.__bases__, trl.SFTTrainer)
     assert sequence_parallel(transformers.Trainer) is SeqParTrainer
     assert sequence_parallel(SeqParTrainer) is SeqParTrainer
     with pytest.raises(TypeError, match="transformers.Trainer subclass"):

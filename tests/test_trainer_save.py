@@ -370,3 +370,69 @@ def test_fsdp2_trainer_refuses_a_model_sharded_already(dist_pool, tmp_path):
     model sharded by the user's own ``fully_shard`` would train unswapped, with FSDP2's default gradient divide."""
     for error in dist_pool.run(2, _given_sharded_run, str(tmp_path), timeout=240):
         assert error is not None and "FSDP2 module already" in error and "pass the unsharded model" in error, error
+
+
+def _save_on_some_ranks(rank: int, world: int, tmp: str, savers: tuple[int, ...], engine: str) -> dict:
+    """``trainer.save_model()`` called by the ranks in ``savers`` only (``ddp_timeout=4``); what each rank saw, and
+    whether the world's group still works after (a barrier and an all-reduce)."""
+    import time
+
+    import torch.distributed as dist
+
+    from seqpar.config import ConfigError
+    from seqpar.integrations.trainer import SeqParTrainer
+
+    with hf_tiny.launcher_env(rank, world):
+        if engine == "fsdp2":
+            trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(f"{tmp}/out", save_strategy="no", ddp_timeout=4),
+                                    train_dataset=hf_tiny.ListDataset(hf_tiny.samples()), seqpar_config=SP)
+        else:  # ZeRO-3 (seqpar's block in the DeepSpeed config): the engine exists once training started
+            from test_trainer import ds_config
+
+            trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=_args(f"{tmp}/out", steps=1, save_strategy="no",
+                                                                           ddp_timeout=4, deepspeed=ds_config(2, 3)),
+                                    train_dataset=hf_tiny.ListDataset(hf_tiny.samples()))
+            trainer.train()
+        error, start = None, time.monotonic()
+        if rank in savers:
+            try:
+                trainer.save_model(f"{tmp}/saved")
+            except ConfigError as e:
+                error = str(e)
+        waited = time.monotonic() - start
+        dist.barrier()
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        return {"error": error, "waited": waited, "world_ok": total.item() == world,
+                "files": sorted(os.listdir(f"{tmp}/saved")) if os.path.isdir(f"{tmp}/saved") else []}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["fsdp2", "zero3"])
+def test_save_model_on_some_ranks_is_refused_by_name(dist_pool, tmp_path, engine):
+    """``save_model()`` under ``if trainer.is_world_process_zero():`` (and on rank 1 alone) at SP 2 on 2 ranks
+    (seqpar's FSDP2, and DeepSpeed ZeRO-3, which gather every rank's shards to save): the calling rank raises a
+    ConfigError naming the fix within ``ddp_timeout``, writes nothing, and the world's group works after; called on
+    both ranks it saves.
+
+    Seen failing: without ``_seqpar_meet_every_rank`` in ``save_model``, rank 0 alone entered the full state dict's
+    gather and never came back (the pool killed it), while rank 1's next barrier failed on gloo's timeout ("Timed out
+    waiting 60000ms for recv operation to complete"). With a gloo ``monitored_barrier`` on the world's group instead
+    of the store, the calling rank raised but its timeout closed the group's connections: the barrier after failed
+    on both ranks ("Application timeout caused pair closure", "Connection closed by peer"). ZeRO-3 without the check
+    (its case dropped from ``_seqpar_prepare_save_check``): rank 0 alone in DeepSpeed's save_checkpoint met rank 1's
+    barrier and rank 1 died ("gloo::EnforceNotMet ... Received data size doesn't match expected size", exit -6)."""
+    for savers in ((0,), (1,)):
+        for rank, r in enumerate(dist_pool.run(2, _save_on_some_ranks, str(tmp_path / f"s{savers[0]}"), savers,
+                                               engine, timeout=300)):
+            assert r["world_ok"], r
+            assert r["files"] == [], r  # nothing written
+            if rank in savers:
+                assert r["error"] is not None and "call trainer.save_model() on every rank" in r["error"], r
+                assert "ddp_timeout (4 s)" in r["error"], r
+            else:
+                assert r["error"] is None, r
+    for r in dist_pool.run(2, _save_on_some_ranks, str(tmp_path / "both"), (0, 1), engine, timeout=300):
+        # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: transformers writes DeepSpeed's checkpoint
+        assert r["error"] is None and r["world_ok"], r
+        assert ("model.safetensors" if engine == "fsdp2" else "latest") in r["files"], r
