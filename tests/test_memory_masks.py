@@ -111,6 +111,41 @@ def test_masked_ring_estimate_within_band_of_the_measured_peak(dist_pool, world:
     assert -0.02 <= est / peak - 1 <= 0.10, (masks, peak, est, est / peak - 1)
 
 
+# plain causal / full masks, no sinks: (id, world, seq_len, dtype, causal, shape (batch, q_heads, kv_heads, head_chunks))
+PLAIN = [
+    ("P4_fp32_causal", 4, 256, "float32", True, (1, 8, 8, 1)),
+    ("P4_fp32_full", 4, 256, "float32", False, (1, 8, 8, 1)),
+    ("P4_bf16_causal", 4, 256, "bfloat16", True, (1, 8, 8, 1)),
+    ("P8_bf16_causal", 8, 256, "bfloat16", True, (1, 8, 8, 1)),
+    ("P2_bf16_causal_hc2", 2, 512, "bfloat16", True, (1, 8, 8, 2)),
+    ("P2_bf16_full_hc8", 2, 512, "bfloat16", False, (1, 8, 8, "auto")),
+    ("P4_fp32_causal_s512", 4, 512, "float32", True, (1, 8, 8, 1)),
+    ("P4_fp32_causal_gqa_hc1", 4, 256, "float32", True, (1, 8, 2, 1)),
+    ("P2_fp32_causal_gqa", 2, 512, "float32", True, (1, 8, 2, 1)),
+    ("P2_fp32_full_gqa_b2_hc2", 2, 512, "float32", False, (2, 8, 2, 2)),
+    ("P4_bf16_causal_hc2", 4, 512, "bfloat16", True, (1, 8, 8, 2)),
+    ("P4_fp32_causal_b2_hc2", 4, 256, "float32", True, (2, 8, 8, 2)),
+    ("P8_fp32_causal_hc4", 8, 512, "float32", True, (1, 8, 8, 4)),
+    ("P2_bf16_causal_mqa", 2, 512, "bfloat16", True, (1, 8, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("world,seq_len,dtype,causal,shape", [c[1:] for c in PLAIN], ids=[c[0] for c in PLAIN])
+def test_plain_ring_estimate_is_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str, causal: bool,  # noqa: ANN001
+                                                  shape: tuple) -> None:
+    """Plain causal (zigzag) and full (contiguous) masks: the ring's estimate replays its plan as under masks (the
+    closed form, ``_ring_peak`` until session 27, is gone) and is the largest rank's measured peak: every case
+    is exact to the byte (measured on the 2-core VM), held to -1% .. +1%.
+
+    Seen failing: the closed form (the estimate before session 27: ``_mask_options`` returning None for a plain
+    ring call) on 9 of 14, from P2_bf16_causal_hc2 +9.3%, P2_bf16_full_hc8 +6.2%, P2_fp32_causal_gqa +3.7% and
+    P4_fp32_causal_gqa_hc1 +3.0% to P4_bf16_causal_hc2 +1.4%; the -2% .. +3% band of the brief caught 4."""
+    peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, {"shape": shape}, 0,
+                                   timeout=600))
+    est = _estimate(world, seq_len, dtype, causal, None, {"shape": shape})
+    assert -0.01 <= est / peak - 1 <= 0.01, (shape, peak, est, est / peak - 1)
+
+
 def test_training_estimate_takes_the_masks() -> None:
     """The whole-step model passes the data's masks to its attention term: ``attention_transients`` is the masked
     call's estimate less q, k, v and the output (a model whose MLP transient is smaller).

@@ -25,7 +25,8 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
 
 - ``single`` (one process, ``F.scaled_dot_product_attention`` on the whole sequence): the gradients
   ``dq, dk, dv`` (Q + 2 K) and one Q-sized kernel workspace.
-- ``ring`` (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
+- ``ring``, as the hybrid's inner ring counts it (the ring itself is replayed: "The ring, every mask", below; this closed form
+  was up to +9.3% high for it) (P >= 3, at a remote block's backward kernel): fp32 accumulators ``dq, dk_own, dv_own``
   (Q32 + 2 K32), two K/V receive buffers (4 K, double-buffered), the travelling dK/dV accumulator being
   sent and the one being received (4 K32), and the kernel's outputs ``dq, dk, dv`` (Q + 2 K, in the
   input dtype: dq is added into its accumulator in place, dk and dv are the block's share as they are).
@@ -62,16 +63,17 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   worker thread frees it, not the wait). Measured at P = 4 and 8 (fp32, bf16, GQA, uneven, causal, head
   chunks 1 to 4): +0.2% to +0.8%, up to +5.9% causal (tests/test_memory_hybrid.py).
 
-Masks (``cu_seqlens``, ``window``, ``chunk_size``) and ``sinks``: the ring (and one process, which runs the
-ring's planner alone) is not sized by the closed forms above but by replaying the plan it runs for them,
+The ring, every mask (plain causal / full too), and one process under masks (``cu_seqlens``, ``window``,
+``chunk_size``) or ``sinks`` (it runs the ring's planner alone): not sized by the closed forms above but by
+replaying the plan it runs,
 statement by statement (:mod:`seqpar.memory.masked`): each block's hops, the K/V a rank receives only while it
 or a rank further on needs them, blocks it skips (an empty share), blocks in pieces (zeroed fp32 dK/dV, the
 pieces' outputs one group at a time, small pieces stacked into one call, anti-causal pieces flipped), the own
 block in pieces (zeroed accumulators), dK/dV accumulators that go home early (their sends held until the end of
 the backward), the forward's merges over rows already reached, and the sink logits' merge and gradient. The
 closed forms above assume every block is one kernel call making P - 1 hops; under masks that was -28% to +36% off
-the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py). Masks with
-another mode are refused by name.
+the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py; and 14 plain
+cases, where the closed form was -0.5% to +9.3% off). Masks with another mode are refused by name.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -99,6 +101,7 @@ from seqpar.attn.common import AttentionOptions, dkv_wire_dtype
 from seqpar.attn.masks import check_boundary_values, host_boundaries
 from seqpar.kernels.merge import cpu_merge_piece
 from seqpar.memory.masked import RowBytes, masked_ring_peak, ring_options
+from seqpar.memory.search import largest_fitting
 from seqpar.sequence.sharding import num_chunks
 
 __all__ = ["estimate_attention_memory", "ESTIMATOR_MODES", "max_seq_len", "as_dtype"]
@@ -187,10 +190,7 @@ def estimate_attention_memory(
     if mode in ("ulysses", "hybrid"):
         return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
                              acc_bytes=8 if dt == torch.float64 else 4)
-    if mode == "allgather":
-        return _allgather_peak(sizes, world=world, chunks=chunks)
-    return _ring_peak(sizes, world=world, chunks=chunks, batch=batch,
-                      acc_bytes=8 if dt == torch.float64 else 4)
+    return _allgather_peak(sizes, world=world, chunks=chunks)  # the ring is replayed, above
 
 
 class _Sizes(NamedTuple):
@@ -271,10 +271,12 @@ def _tensor_sizes(dt: torch.dtype, *, rows: int, q_heads: int, kv_heads: int, he
 
 def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object, window: int | None,
                   chunk_size: int | None, sinks: bool, sharding: str | None, mode: str) -> AttentionOptions | None:
-    """The ring's options for a masked (or sinks) call, checked as :func:`seqpar.attention` checks them; None for
-    a dense call without sinks (the closed forms)."""
-    if cu_seqlens is None and window is None and chunk_size is None and not sinks:
-        return None
+    """The ring's options for a masked (or sinks) call, checked as :func:`seqpar.attention` checks them, and for
+    every ring call (a plain causal / full mask is replayed too: the closed form it had, ``_ring_peak`` until
+    session 27, was up to +9.3% high for causal, bf16 and head-chunked calls); None for a dense call of another mode without sinks (the
+    closed forms)."""
+    if cu_seqlens is None and window is None and chunk_size is None and not sinks and mode != "ring":
+        return None  # one process runs plain SDPA; the other modes' closed forms
     if mode not in ("ring", "single"):
         raise ValueError(
             f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring' (and one "
@@ -409,27 +411,6 @@ def _ring_backward_moments(sizes: _Sizes, *, world: int) -> tuple[float, float, 
     at_kernel = acc + kv_bufs + (0 if world == 2 else 4 * Kw) + kernel_out
     at_end = acc + kv_bufs + 4 * Kw + convert
     return acc, at_kernel, at_end
-
-
-def _ring_peak(sizes: _Sizes, *, world: int, chunks: int, batch: int, acc_bytes: int = 4) -> int:
-    """The ring: at a remote block's backward kernel, at the end of backward, or at a forward merge; one
-    pass per head chunk, each on 1/chunks of every transient."""
-    Q, K, lse, low, base = sizes.Q, sizes.K, sizes.lse, sizes.low, sizes.base
-    acc, at_kernel, at_end = _ring_backward_moments(sizes, world=world)
-    kv_bufs = _kv_buffers(K, world)
-    fwd = _forward_merge_bytes(sizes, acc_bytes=acc_bytes) + kv_bufs
-    if chunks == 1:  # the fp32 accumulators are the gradients
-        return int(max(base + at_kernel, base + at_end, fwd))
-    # chunked: full-size gradients written chunk by chunk; in the accumulation dtype (fp32, fp64 inputs)
-    # each pass accumulates straight into its heads of them (no chunk accumulators); with batch > 1 a
-    # head slice is strided, so each pass also copies its dout, k, v slices contiguous
-    grads = Q + 2 * K
-    if not low:
-        at_kernel, at_end = at_kernel - acc, at_end - acc
-    copies = (Q + 2 * K) if batch > 1 else 0
-    # forward: out and lse (all heads) beside one chunk's merge and K/V buffers
-    fwd = Q + lse + _forward_merge_bytes(sizes, chunks=chunks, acc_bytes=acc_bytes) + kv_bufs / chunks
-    return int(max(base + grads + (max(at_kernel, at_end) + copies) / chunks, fwd))
 
 
 def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
@@ -609,19 +590,11 @@ def max_seq_len(
     world = 1 if mode in ("single", "sdpa") else world_size
     step = (2 * world if causal and world > 1 else world) * multiple
 
-    def fits(s: int) -> bool:
-        return estimate_attention_memory(s, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
-                               kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
-                               head_chunks=head_chunks, ulysses_size=ulysses_size,
-                               v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype, window=window,
-                               chunk_size=chunk_size, sinks=sinks, sharding=sharding) <= budget_bytes
+    def cost(n: int) -> int:
+        return estimate_attention_memory(n * step, world_size=world_size, mode=mode, batch=batch, q_heads=q_heads,
+                                         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal,
+                                         head_chunks=head_chunks, ulysses_size=ulysses_size,
+                                         v_head_dim=v_head_dim, dkv_wire_dtype=dkv_wire_dtype, window=window,
+                                         chunk_size=chunk_size, sinks=sinks, sharding=sharding)
 
-    if not fits(step):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi * step):  # the estimate is linear in S: doubling finds a bound fast
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
-    return lo * step
+    return largest_fitting(cost, budget_bytes) * step
