@@ -32,7 +32,7 @@ from seqpar.attn.common import (
 from seqpar.attn.plan import BlockCall
 from seqpar.kernels.merge import cpu_merge_piece
 
-__all__ = ["RowBytes", "masked_ring_peak", "ring_options"]
+__all__ = ["RowBytes", "masked_ring_peak", "ring_backward_peak", "ring_forward_peak", "ring_options"]
 
 
 @dataclass(frozen=True)
@@ -408,3 +408,16 @@ def masked_ring_peak(*, world: int, seq_local: int, opts: AttentionOptions, unit
     bwd = max(_backward(r, world, seq_local, opts, units, into=into, cast=cast) for r in range(world))
     fwd = max(_forward(r, world, seq_local, opts, units, sinks) for r in range(world))
     return bwd, fwd
+
+
+def ring_backward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes, cast: bool) -> float:
+    """The largest live bytes of any rank in one ring backward (one pass, beside its always-live q, k, v, out, dout
+    and lse): :func:`masked_ring_peak`'s backward alone, for a ring run inside another algorithm (the hybrid's inner
+    ring on one head chunk, or on one GQA piece of an uneven head share)."""
+    return max(_backward(r, world, seq_local, opts, units, into=False, cast=cast) for r in range(world))
+
+
+def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes) -> float:
+    """The largest live bytes of any rank in one ring forward beside its q, k, v (no sinks): :func:`masked_ring_peak`'s
+    forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring on one GQA piece)."""
+    return max(_forward(r, world, seq_local, opts, units, False) for r in range(world))
