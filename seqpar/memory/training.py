@@ -307,6 +307,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     h, n_layers = m.hidden_size, m.num_hidden_layers
     low = e < 4
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
+    if mlp_rows >= rows:  # one chunk: the tiled MLP calls the MLP as it is (seqpar.memory.tiling's forward), so no
+        # fp32 weight-gradient accumulator and the intermediates saved (counted tiled, "auto" at 1K rows of Llama-3-8B
+        # needed 1 GiB more than untiled: --gpu-mem 24 fitted 8K untiled, nothing tiled)
+        tiled_mlp = False
     # seqpar attention returns its output in q's layout at SP size 1 (plain SDPA) and in ring mode:
     # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
     out_copy = sp_size > 1 and mode != "ring"
