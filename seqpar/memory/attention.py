@@ -73,7 +73,11 @@ block in pieces (zeroed accumulators), dK/dV accumulators that go home early (th
 the backward), the forward's merges over rows already reached, and the sink logits' merge and gradient. The
 closed forms above assume every block is one kernel call making P - 1 hops; under masks that was -28% to +36% off
 the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py; and 14 plain
-cases, where the closed form was -0.5% to +9.3% off). Masks with another mode are refused by name.
+cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention (an
+even head split, no sinks) runs the ring's planner at P = 1 on each rank's heads over the sorted sequence: that
+inner attention is replayed on one head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to
++4.7% on 8 measured cases). Masks with all-gather or the hybrid, sinks with Ulysses and an uneven Ulysses split
+under a mask are refused by name.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
