@@ -61,7 +61,8 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   kernels' are not tensors). Uneven heads run one pass, one inner ring per GQA-regular piece in turn (the
   earlier pieces' outputs kept for the concatenation), and keep dout's all-to-all send buffer (gloo's
   worker thread frees it, not the wait). Measured at P = 4 and 8 (fp32, bf16, GQA, uneven, causal, head
-  chunks 1 to 4): +0.2% to +0.8%, up to +5.9% causal (tests/test_memory_hybrid.py).
+  chunks 1 to 4): +0.2% to +0.8% (tests/test_memory_hybrid.py); causal +0.2% to +0.5% since the even split's inner
+  ring is replayed as the ring's own estimate is (its closed form, above, was +2.1% at P = 8).
 
 The ring, every mask (plain causal / full too), and one process under masks (``cu_seqlens``, ``window``,
 ``chunk_size``) or ``sinks`` (it runs the ring's planner alone): not sized by the closed forms above but by
@@ -583,6 +584,9 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
     ks = Kh / K
     chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=low, Kw=sizes.Kw * ks / G)
     inner_bwd = max(_ring_backward_moments(chunk, world=ring)[1:])
+    if inner is not None and not uneven:  # replayed, as the ring's own estimate is
+        q_max, kv_max = Qh / sizes.Q * q_heads / u, Kh / K * kv_heads / u
+        inner_bwd = _inner_ring(chunk, inner, ring=ring, q_heads=q_max / G, kv_heads=kv_max / G)
     # the forward merge's terms less the ring's own q, dout, k, v (counted as the chunk's, below)
     inner_fwd = (_kv_buffers(chunk.K, ring) + _forward_merge_bytes(chunk, acc_bytes=acc_bytes)
                  - 2 * chunk.Q - 2 * chunk.K)
