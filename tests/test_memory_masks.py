@@ -56,7 +56,7 @@ CASES = [
 
 
 def measure_masked_peak(ctx, seq_len: int, dtype: str, causal: bool, sharding: str | None, masks: dict,  # noqa: ANN001
-                        seed: int) -> int:
+                        seed: int, mode: str = "ring") -> int:
     """Peak tensor bytes on this rank over one masked ring forward + backward (inputs and gradients included)."""
     import torch.distributed as dist
 
@@ -73,17 +73,18 @@ def measure_masked_peak(ctx, seq_len: int, dtype: str, causal: bool, sharding: s
     def step() -> None:
         q, k, v, dout = make_inputs(shape, seq_local, ctx.device, seed + ctx.rank)
         sinks = torch.zeros(q_heads, dtype=q.dtype, requires_grad=True) if masks.get("sinks") else None
-        out = seqpar.attention(q, k, v, causal=causal, mode="ring", group=dist.group.WORLD, head_chunks=head_chunks,
+        out = seqpar.attention(q, k, v, causal=causal, mode=mode, group=dist.group.WORLD, head_chunks=head_chunks,
                                sharding=sharding or ("zigzag" if causal else "contiguous"), sinks=sinks, **kw)
         out.backward(dout)
 
     return peak_memory(step, ctx.device, repeats=3)
 
 
-def _estimate(world: int, seq_len: int, dtype: str, causal: bool, sharding: str | None, masks: dict) -> int:
+def _estimate(world: int, seq_len: int, dtype: str, causal: bool, sharding: str | None, masks: dict,
+              mode: str = "ring") -> int:
     batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
     kw = {k: v for k, v in masks.items() if k != "shape"}
-    return estimate_attention_memory(seq_len, world_size=world, mode="ring", batch=batch, q_heads=q_heads,
+    return estimate_attention_memory(seq_len, world_size=world, mode=mode, batch=batch, q_heads=q_heads,
                                      kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal,
                                      head_chunks=head_chunks, sharding=sharding, **kw)
 
@@ -108,6 +109,76 @@ def test_masked_ring_estimate_within_band_of_the_measured_peak(dist_pool, world:
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, sharding, masks, 0,
                                    timeout=600))
     est = _estimate(world, seq_len, dtype, causal, sharding, masks)
+    assert -0.02 <= est / peak - 1 <= 0.10, (masks, peak, est, est / peak - 1)
+
+
+# plain causal / full masks, no sinks: (id, world, seq_len, dtype, causal, shape (batch, q_heads, kv_heads, head_chunks))
+PLAIN = [
+    ("P4_fp32_causal", 4, 256, "float32", True, (1, 8, 8, 1)),
+    ("P4_fp32_full", 4, 256, "float32", False, (1, 8, 8, 1)),
+    ("P4_bf16_causal", 4, 256, "bfloat16", True, (1, 8, 8, 1)),
+    ("P8_bf16_causal", 8, 256, "bfloat16", True, (1, 8, 8, 1)),
+    ("P2_bf16_causal_hc2", 2, 512, "bfloat16", True, (1, 8, 8, 2)),
+    ("P2_bf16_full_hc8", 2, 512, "bfloat16", False, (1, 8, 8, "auto")),
+    ("P4_fp32_causal_s512", 4, 512, "float32", True, (1, 8, 8, 1)),
+    ("P4_fp32_causal_gqa_hc1", 4, 256, "float32", True, (1, 8, 2, 1)),
+    ("P2_fp32_causal_gqa", 2, 512, "float32", True, (1, 8, 2, 1)),
+    ("P2_fp32_full_gqa_b2_hc2", 2, 512, "float32", False, (2, 8, 2, 2)),
+    ("P4_bf16_causal_hc2", 4, 512, "bfloat16", True, (1, 8, 8, 2)),
+    ("P4_fp32_causal_b2_hc2", 4, 256, "float32", True, (2, 8, 8, 2)),
+    ("P8_fp32_causal_hc4", 8, 512, "float32", True, (1, 8, 8, 4)),
+    ("P2_bf16_causal_mqa", 2, 512, "bfloat16", True, (1, 8, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("world,seq_len,dtype,causal,shape", [c[1:] for c in PLAIN], ids=[c[0] for c in PLAIN])
+def test_plain_ring_estimate_is_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str, causal: bool,  # noqa: ANN001
+                                                  shape: tuple) -> None:
+    """Plain causal (zigzag) and full (contiguous) masks: the ring's estimate replays its plan as under masks (the
+    closed form, ``_ring_peak`` until session 27, is gone) and is the largest rank's measured peak: every case
+    is exact to the byte (measured on the 2-core VM), held to -1% .. +1%.
+
+    Seen failing: the closed form (the estimate before session 27: ``_mask_options`` returning None for a plain
+    ring call) on 11 of 14, from P2_bf16_causal_hc2 +9.3%, P2_bf16_full_hc8 +6.2%, P2_fp32_causal_gqa +3.7% and
+    P4_fp32_causal_gqa_hc1 +3.0% to P8_fp32_causal_hc4 +1.2% (from the recorded figures); run under the brief's -2% .. +3%: 4 failed."""
+    peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, {"shape": shape}, 0,
+                                   timeout=600))
+    est = _estimate(world, seq_len, dtype, causal, None, {"shape": shape})
+    assert -0.01 <= est / peak - 1 <= 0.01, (shape, peak, est, est / peak - 1)
+
+
+# Ulysses under masks: (id, world, seq_len, dtype, causal, masks); 8 / 8 heads, batch 1, head_chunks 1 unless "shape"
+ULYSSES = [
+    ("P4_fp32_causal_docs", 4, 512, "float32", True, {"cu_seqlens": DOCS}),
+    ("P4_fp32_full_docs", 4, 512, "float32", False, {"cu_seqlens": DOCS}),
+    ("P4_fp32_causal_window", 4, 512, "float32", True, {"window": 48}),
+    ("P4_fp32_full_window", 4, 512, "float32", False, {"window": 48}),
+    ("P4_bf16_causal_window", 4, 512, "bfloat16", True, {"window": 48}),
+    ("P2_fp32_causal_docs_window_hc4", 2, 512, "float32", True,
+     {"cu_seqlens": DOCS, "window": 64, "shape": (1, 8, 8, "auto")}),
+    ("P4_fp32_causal_chunked_gqa", 4, 512, "float32", True, {"chunk_size": 96, "shape": (1, 8, 4, 1)}),
+    ("P2_bf16_full_window_hc2", 2, 512, "bfloat16", False, {"window": 40, "shape": (1, 8, 8, 2)}),
+]
+
+
+@pytest.mark.parametrize("world,seq_len,dtype,causal,masks", [c[1:] for c in ULYSSES], ids=[c[0] for c in ULYSSES])
+def test_masked_ulysses_estimate_within_band_of_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str,  # noqa: ANN001
+                                                                  causal: bool, masks: dict) -> None:
+    """Ulysses under documents, windows and chunked attention: each rank attends its heads over the whole sorted
+    sequence with the ring's planner at P = 1 (seqpar.attn.ulysses._inner_forward / _inner_backward), replayed on
+    one head chunk's head-layout sizes, beside the all-to-alls' moments of the dense estimate. Within -2% .. +10%
+    of the largest rank's measured peak (the ring's band above). Measured (2-core VM), bytes, estimate: causal / full
+    documents 1380352, +0.3%; causal / full window 48 1772600 / 1688480, +0.2%; bf16 causal window 990072, +0.4%;
+    P = 2 documents + window 64, 4 head chunks 2188016, +0.4%; chunked 96, 8 / 4 heads 1171200, +0.3%; P = 2 bf16 full
+    window 40, 2 head chunks 1553928, +4.7%. Before session 27 the estimate refused masks with mode='ulysses'.
+
+    Seen failing: the replayed inner backward dropped (the masked kernel moment ``0 * (...)``, leaving the dense
+    all-to-all moments): P4_fp32_causal_window -21.9%, P4_fp32_full_window -18.0%, P4_bf16_causal_window -29.7%,
+    P4_fp32_causal_chunked_gqa -15.4%, P2_bf16_full_window_hc2 -16.7%. (Not seen failing: the replayed inner
+    forward dropped; in these cases the backward is the peak.)"""
+    peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
+                                   timeout=600))
+    est = _estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
     assert -0.02 <= est / peak - 1 <= 0.10, (masks, peak, est, est / peak - 1)
 
 
@@ -136,16 +207,19 @@ def test_training_estimate_takes_the_masks() -> None:
 @pytest.mark.parametrize("kwargs,needle", [
     ({"mode": "allgather", "window": 64}, "mode='ring'"),
     ({"mode": "ulysses", "sinks": True}, "mode='ring'"),
+    ({"mode": "ulysses", "q_heads": 6, "kv_heads": 6, "window": 64}, "uneven Ulysses head split"),
+    ({"mode": "hybrid", "ulysses_size": 2, "cu_seqlens": (0, 100, 1024)}, "mode='hybrid'"),
     ({"cu_seqlens": (0, 100, 500)}, "cu_seqlens"),
     ({"window": 0}, "window=0"),
     ({"chunk_size": 1.5}, "chunk_size=1.5"),
     ({"window": 8, "sharding": "striped"}, "sharding='striped'"),
-], ids=["allgather", "ulysses_sinks", "docs_not_ending_at_S", "window_0", "chunk_float", "bad_sharding"])
+], ids=["allgather", "ulysses_sinks", "ulysses_uneven", "hybrid", "docs_not_ending_at_S", "window_0", "chunk_float", "bad_sharding"])
 def test_masked_estimate_refuses_what_it_cannot_size(kwargs: dict, needle: str) -> None:
     """Masks for a mode the estimate does not replay, or masks seqpar.attention would refuse, raise naming them (never
     the unmasked figure).
 
-    Seen failing: before this session, the masks' arguments were not taken (TypeError)."""
+    Seen failing: before session 26, the masks' arguments were not taken (TypeError); the uneven Ulysses split's
+    refusal removed (``if False:``): ulysses_uneven (no error; its inner pieces are not replayed under a mask)."""
     args = {"world_size": 4, "mode": "ring", "batch": 1, "q_heads": 8, "kv_heads": 8, "head_dim": 16, "causal": True}
     args.update(kwargs)
     with pytest.raises(ValueError, match=__import__("re").escape(needle)):

@@ -230,6 +230,31 @@ def test_model_memory_cli(capsys: pytest.CaptureFixture) -> None:
     assert "llama3-8b" in out and "MODELLED" in out and "tiled MLP" in out and "ALST" in out
 
 
+def test_tiled_mlp_of_one_chunk_is_the_untiled_mlp(capsys: pytest.CaptureFixture) -> None:
+    """``tiled_mlp="auto"`` at fewer local rows than the hidden size makes one chunk, and seqpar's tiled MLP then calls
+    the MLP as it is (seqpar.memory.tiling: ``chunks == 1`` runs ``original(x)``): the whole-step estimate is the
+    untiled one, every figure; with more chunks (Llama-3-8B on 8 GPUs from 64K tokens) tiling never needs more.
+    The memory CLI at 24 GB per GPU: every tiled-MLP row fits at least the AC-only row's 8K.
+
+    Seen failing: the estimate before session 27, which counted the tiled MLP's fp32 weight-gradient accumulator at
+    one chunk (``mlp_rows >= rows`` not taken as untiled in ``_activation_bytes``): 23.37 GiB tiled against 22.49
+    GiB untiled at 8K, and the CLI's tiled-MLP rows fitted nothing ("-")."""
+    from seqpar.bench.__main__ import main
+
+    kw = {"sp_size": 8, "dp_size": 1, "engine": "deepspeed", "zero_stage": 3, "dtype": "bf16",
+          "activation_checkpointing": True, "mode": "ring", "device": "cuda", "tiled_loss": True}
+    for seq in (8192, 16384, 32768):  # 1K to 4K rows a rank: one chunk of 4096
+        assert (estimate_training_memory("llama3-8b", seq_len=seq, tiled_mlp="auto", **kw)
+                == estimate_training_memory("llama3-8b", seq_len=seq, tiled_mlp=False, **kw)), seq
+    for seq in (65536, 131072, 524288):
+        tiled = estimate_training_memory("llama3-8b", seq_len=seq, tiled_mlp="auto", **kw)["peak"]
+        assert tiled <= estimate_training_memory("llama3-8b", seq_len=seq, tiled_mlp=False, **kw)["peak"], seq
+    assert main(["memory", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "24", "--no-progress"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("8 ")]
+    assert len(rows) == 7 and all(" - " not in line[:90] for line in rows), rows
+    assert all("8K" in line[:90] or "16K" in line[:90] or "24K" in line[:90] for line in rows), rows
+
+
 def test_model_memory_cli_takes_the_data_mask(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """``memory --model ... --window W --sinks`` hands the data's mask to every row's whole-step estimate (the ring's
     plan under it, seqpar.memory.masked) and leaves out the Ulysses row, whose estimate refuses masks (that the

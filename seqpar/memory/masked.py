@@ -32,7 +32,7 @@ from seqpar.attn.common import (
 from seqpar.attn.plan import BlockCall
 from seqpar.kernels.merge import cpu_merge_piece
 
-__all__ = ["RowBytes", "masked_ring_peak", "ring_options"]
+__all__ = ["RowBytes", "masked_ring_peak", "ring_backward_peak", "ring_forward_peak", "ring_options"]
 
 
 @dataclass(frozen=True)
@@ -77,16 +77,15 @@ class _Refs:
         self.size: dict[int, float] = {}
         self.held: dict[str, int] = {}
         self.peak = 0.0
+        self.total = 0.0  # sum(self.size.values()), kept as storages come and go
+        self._refs: dict[int, int] = {}  # references per storage
         self._next = 0
-
-    @property
-    def total(self) -> float:
-        return sum(self.size.values())
 
     def new(self, size: float, ref: str) -> int:
         """Allocate a storage of ``size`` bytes held by ``ref``."""
         self._next += 1
         self.size[self._next] = size
+        self.total += size
         self.bind(ref, self._next)
         self.peak = max(self.peak, self.total)
         return self._next
@@ -96,8 +95,12 @@ class _Refs:
         old = self.held.pop(ref, None)
         if storage is not None:
             self.held[ref] = storage
-        if old is not None and old not in self.held.values():
-            self.size.pop(old, None)
+            self._refs[storage] = self._refs.get(storage, 0) + 1
+        if old is not None:
+            self._refs[old] -= 1
+            if not self._refs[old]:
+                del self._refs[old]
+                self.total -= self.size.pop(old, 0.0)
 
     def get(self, ref: str) -> int | None:
         return self.held.get(ref)
@@ -207,6 +210,20 @@ def _merge_temps(rows: float, u: RowBytes, *, sink: bool = False) -> float:
     return (copies + weights) * lse64 + rows * u.heads + max(lse64, upcast)
 
 
+def _reach(reached: list[tuple[int, int]], a: int, b: int) -> None:
+    """Add rows ``[a, b)`` to ``reached`` in place, kept as ``Partials`` keeps it: disjoint, sorted row ranges,
+    touching ones joined. So a later piece merges each run of reached rows at once, as ``Partials.add`` does (a
+    list of every piece's range counted one merge per earlier piece: smaller merges than the real ones where
+    pieces meet, and quadratic in the pieces: 0.2 s an estimate at 6M tokens with a window of 4096)."""
+    merged: list[tuple[int, int]] = []
+    for ra, rb in sorted([*reached, (a, b)]):
+        if merged and ra <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], rb))
+        else:
+            merged.append((ra, rb))
+    reached[:] = merged
+
+
 def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_local: int,
                    reached: list[tuple[int, int]]) -> None:
     """:func:`seqpar.attn.common.forward_block` into the partial accumulators (``Partials``), statement by
@@ -237,14 +254,14 @@ def _forward_block(live: _Refs, calls: tuple[BlockCall, ...], u: RowBytes, seq_l
             if live.get("acc") is None:
                 if len(group) == 1 and _len(c.q_rows) == seq_local and not u.low:
                     live.bind("acc", live.get("f_loop"))  # the piece's out and lse become the accumulators
-                    reached.append((0, seq_local))
+                    _reach(reached, 0, seq_local)
                     continue
                 live.new(seq_local * (u.qa + u.la), "acc")
-            for a, b in reached:
+            for a, b in reached:  # one merge per run of rows reached before (Partials._split)
                 n = min(b, c.q_rows.stop) - max(a, c.q_rows.start)
                 if n > 0:
                     live.touch(_merge_temps(n, u))
-            reached.append((c.q_rows.start, c.q_rows.stop))
+            _reach(reached, c.q_rows.start, c.q_rows.stop)
     for ref in ("f_args", "f_outs", "f_loop"):  # the generator and the loop end
         live.bind(ref, None)
 
@@ -391,3 +408,16 @@ def masked_ring_peak(*, world: int, seq_local: int, opts: AttentionOptions, unit
     bwd = max(_backward(r, world, seq_local, opts, units, into=into, cast=cast) for r in range(world))
     fwd = max(_forward(r, world, seq_local, opts, units, sinks) for r in range(world))
     return bwd, fwd
+
+
+def ring_backward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes, cast: bool) -> float:
+    """The largest live bytes of any rank in one ring backward (one pass, beside its always-live q, k, v, out, dout
+    and lse): :func:`masked_ring_peak`'s backward alone, for a ring run inside another algorithm (the hybrid's inner
+    ring on one head chunk, or on one GQA piece of an uneven head share)."""
+    return max(_backward(r, world, seq_local, opts, units, into=False, cast=cast) for r in range(world))
+
+
+def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes) -> float:
+    """The largest live bytes of any rank in one ring forward beside its q, k, v (no sinks): :func:`masked_ring_peak`'s
+    forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring on one GQA piece)."""
+    return max(_forward(r, world, seq_local, opts, units, False) for r in range(world))

@@ -44,6 +44,7 @@ import torch
 
 from seqpar.memory.attention import as_dtype, estimate_attention_memory
 from seqpar.memory.mixers import MixerShape, mixer_shape
+from seqpar.memory.search import largest_fitting
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "estimate_training_memory", "longest_sequence", "layer_saved_bytes",
            "CATEGORIES"]
@@ -306,6 +307,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     h, n_layers = m.hidden_size, m.num_hidden_layers
     low = e < 4
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
+    if mlp_rows >= rows:  # one chunk: the tiled MLP calls the MLP as it is (seqpar.memory.tiling's forward), so no
+        # fp32 weight-gradient accumulator and the intermediates saved (counted tiled, "auto" at 1K rows of Llama-3-8B
+        # needed 1 GiB more than untiled: --gpu-mem 24 fitted 8K untiled, nothing tiled)
+        tiled_mlp = False
     # seqpar attention returns its output in q's layout at SP size 1 (plain SDPA) and in ring mode:
     # o_proj's contiguous input is then the same storage; the other modes make a copy (measured at SP 2)
     out_copy = sp_size > 1 and mode != "ring"
@@ -555,20 +560,12 @@ def longest_sequence(model_config: Any, budget_bytes: int, *, sp_size: int, gran
                          "at that length instead, or leave cu_seqlens out")
     step = granularity * sp_size
 
-    def fits(n: int) -> bool:
-        return estimate_training_memory(model_config, seq_len=n * step, sp_size=sp_size, **kwargs)["peak"] <= budget_bytes
+    def cost(n: int) -> int:
+        return estimate_training_memory(model_config, seq_len=n * step, sp_size=sp_size, **kwargs)["peak"]
 
-    if not fits(1):
+    lo = largest_fitting(cost, budget_bytes, limit=1 << 25)
+    if not lo:
         return 0, {}
-    hi = 1
-    while fits(hi * 2):
-        hi *= 2
-        if hi > 1 << 24:
-            break
-    lo, hi = hi, hi * 2  # fits(lo), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     best = lo * step
     return best, estimate_training_memory(model_config, seq_len=best, sp_size=sp_size, **kwargs)
 
