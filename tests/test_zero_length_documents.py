@@ -132,27 +132,24 @@ def cases_for(world: int, modes: tuple[str, ...], shardings: tuple[str, ...], se
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero_length_documents_change_nothing(dist_pool, world: int) -> None:
     """Ring, all-gather and (P >= 2) Ulysses, contiguous / zigzag / balanced, causal or not, GQA / MQA, windows,
-    chunks and sinks: with repeats == without, and == the float64 reference. Seen failing: with
-    check_boundary_values relaxed but the repeats not dropped in resolve_attention (the planner read the padded
-    boundaries), ring zigzag P = 2 gave dq off by 0.9 (a zero-length document at the end of a shard made the
-    planner's document walk skip the next one); with nothing changed, every case raised 'cu_seqlens must
-    increase strictly'."""
+    chunks and sinks: with repeats == without, and == the float64 reference. Seen failing (P = 1..4): with
+    check_boundary_values's strict test back ('<=': every padded call refused, 'got 0 then 0 at index 1')."""
     modes = ("ring", "allgather") + (("ulysses",) if world > 1 else ())
     cases = cases_for(world, modes, ("contiguous", "zigzag", "balanced"), 7000 + 100 * world)
     check_pairs(dist_pool.run(world, run_pair, cases, timeout=600), cases, world)
 
 
 def test_zero_length_documents_hybrid(dist_pool) -> None:
-    """Hybrid at P = 4 (2 x 2), contiguous and zigzag. Seen failing: as test_zero_length_documents_change_nothing
-    (every case refused before the change)."""
+    """Hybrid at P = 4 (2 x 2), contiguous and zigzag. Seen failing: with check_boundary_values's strict test back
+    (every padded call refused)."""
     cases = cases_for(4, ("hybrid",), ("contiguous", "zigzag"), 7900)
     check_pairs(dist_pool.run(4, run_pair, cases, 2, timeout=600), cases, 4)
 
 
 # --------------------------------------------------------------------------- host rules, no process group
 def test_boundary_rules() -> None:
-    """Repeats pass and are dropped; the balanced layout ignores them. Seen failing: check_boundary_values with
-    its strict test back ('must increase strictly'); balanced_layout with its strict test back."""
+    """Repeats pass and are dropped; the balanced layout ignores them. Seen failing: with balanced_layout's strict
+    test back ('never decreasing' raised for the padded boundaries)."""
     check_boundary_values((0, 0, 4, 4, 16, 16), 16)
     assert document_bounds((0, 0, 4, 4, 16, 16), 16) == (0, 4, 16)
     assert drop_empty_documents((0, 4, 16)) == (0, 4, 16)
@@ -165,6 +162,23 @@ def test_boundary_rules() -> None:
         for r in range(world):
             assert torch.equal(shard_index(seq, r, world, "balanced", cu_seqlens=torch.tensor(padded)),
                                shard_index(seq, r, world, "balanced", cu_seqlens=cu))
+
+
+def test_plans_read_the_boundaries_without_repeats() -> None:
+    """seqpar.attention's plan holds the boundaries without repeats, so a padded call plans exactly what the clean
+    call plans; the memory estimate takes them and gives the clean figure. Seen failing: without the drop in
+    resolve_attention (plan.opts.cu_seqlens kept the repeats; the results stayed exact: the planner already skips
+    empty documents, so the drop is what makes the two calls one computation by construction)."""
+    from seqpar.attn.resolve import resolve_attention
+    from seqpar.memory.attention import estimate_attention_memory
+
+    q, k, v = torch.randn(1, 4, 16, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    for cu in (torch.tensor([0, 0, 4, 4, 16, 16, 16]), (0, 4, 4, 16)):
+        plan = resolve_attention(q, k, v, causal=True, cu_seqlens=cu, window=3)
+        assert plan.opts.cu_seqlens == (0, 4, 16), plan.opts.cu_seqlens
+    sizes = {"world_size": 4, "mode": "ring", "batch": 1, "q_heads": 8, "kv_heads": 2, "head_dim": 16, "window": 100}
+    assert (estimate_attention_memory(1024, cu_seqlens=(0, 0, 100, 100, 700, 1024, 1024), **sizes)
+            == estimate_attention_memory(1024, cu_seqlens=(0, 100, 700, 1024), **sizes))
 
 
 def _bad_call(rank: int, world: int, case: str) -> tuple[str, str] | None:
@@ -189,8 +203,9 @@ def _bad_call(rank: int, world: int, case: str) -> tuple[str, str] | None:
     ("float", "int32/int64"), ("float_ints", "tuple of ints"),
 ])
 def test_what_is_wrong_is_still_refused_on_every_rank(dist_pool, case: str, expect: str) -> None:
-    """Seen failing: with check_boundary_values's test made '<' but skipping its first-entry check, 'first_not_zero'
-    ran (rank 0 and rank 1 returned None)."""
+    """Seen failing: without check_boundary_values's first-entry test, 'first_not_zero' ran on both ranks (no
+    error); with its strict test back, 'last_not_s' and 'past_s' were refused for the repeat instead of naming the
+    wrong end."""
     for rank, res in enumerate(dist_pool.run(2, _bad_call, case, timeout=60)):
         assert res is not None, f"rank {rank} did not raise for {case}"
         assert expect in res[1], (rank, res)
@@ -233,8 +248,8 @@ def _compiled(rank: int, world: int) -> list[str]:
 
 
 def test_compiled_padded_boundaries_are_one_graph(dist_pool) -> None:
-    """Seen failing: with the repeats dropped in seqpar.attention only (not inside the op, seqpar.attn.ops._options),
-    the compiled call raised 'must increase strictly' at run time in the op."""
+    """Seen failing: with check_boundary_values's strict test back, which the op runs at run time on the tensor it
+    reads (seqpar.attn.ops._options): both ranks raised inside the compiled call."""
     assert dist_pool.run(2, _compiled, timeout=600) == [[], []]
 
 
@@ -275,14 +290,15 @@ def _hf_packed(rank: int, world: int, sharding: str) -> None:
 @pytest.mark.parametrize("world,sharding", [(1, "contiguous"), (2, "zigzag"), (2, "balanced")])
 def test_hf_packed_batch_with_zero_length_documents(dist_pool, world: int, sharding: str) -> None:
     """A collator's packed batch whose cu_seq_lens_q/k carry repeats: loss and every gradient equal each document
-    alone in float64. Seen failing: with batch._check_boundaries's strict test back ('strictly increase')."""
+    alone in float64 (P = 1 through the swap's own read, P = 2 through shard_batch). Seen failing: with
+    batch._check_boundaries's strict test back (all three refused the batch)."""
     dist_pool.run(world, _hf_packed, sharding, timeout=600)
 
 
 def test_pack_documents_and_dynamic_plan_drop_empty_documents() -> None:
     """pack_documents leaves out an empty document; plan_dynamic plans the others as without it and runs the empty
-    one nowhere. Seen failing: plan_dynamic's lengths check back at n < 1 ('must be positive integers');
-    pack_documents without the filter (an index error at the labels)."""
+    one nowhere. Seen failing: plan_dynamic's lengths check back at n < 1 (the zeros refused); pack_documents
+    without its filter (IndexError at the labels of an empty last document)."""
     from seqpar.sequence.dynamic import plan_dynamic
     from seqpar.sequence.dynamic_batch import pack_documents
 
