@@ -8,7 +8,7 @@ the repeats removed (bit for bit: the plans are the same) and the float64 single
 on P = 1..4 ranks, for ring, all-gather, Ulysses and hybrid, every sharding, causal or not, GQA / MQA, with windows,
 chunked attention and sinks. Also: the compiled op drops the repeats at run time (a fixed-size padded tensor is one
 graph whatever its values), the balanced layout, the Hugging Face swap's packed batches (cu_seq_lens_q with
-repeats, beside position_ids), ``pack_documents`` and the dynamic-CP planner (a zero-length document is dropped: it
+repeats, beside position_ids; a Llama and a Qwen3-Next with Gated DeltaNet mixers), ``pack_documents`` and the dynamic-CP planner (a zero-length document is dropped: it
 runs in no micro-batch). What is really wrong (decreasing, first != 0, last != S, negative, non-integer) is still
 refused with a clear error on every rank.
 """
@@ -322,3 +322,29 @@ def test_pack_documents_and_dynamic_plan_drop_empty_documents() -> None:
         assert runs == [1 if n else 0 for n in lengths]
     with pytest.raises(ValueError, match="integers >= 0"):
         plan_dynamic([4, -1], 4, 32)
+
+
+def test_hybrid_mixer_model_packed_with_zero_length_documents(monkeypatch) -> None:
+    """A swapped Qwen3-Next (Gated DeltaNet mixers and attention) on one process, fed a packed batch whose
+    cu_seq_lens_q/k carry repeats: loss and every gradient equal each document alone (float64, transformers' own
+    run). The mixers read the batch's boundaries after the swap's read dropped the repeats. Seen failing: with
+    batch._check_boundaries returning the boundaries as given (repeats kept): the mixers' own check refused them
+    ('must be strictly increasing')."""
+    pytest.importorskip("transformers")
+    import mixer_parity as mp
+    from test_mixers_gdn import _small_kda_chunks, tiny
+
+    from seqpar.swap import swap_attention
+
+    _small_kda_chunks(monkeypatch)
+    docs = mp.documents()
+    ref_loss, ref_grads = mp.per_document_reference(lambda dtype: tiny("qwen3_next", dtype), docs)
+    model = tiny("qwen3_next", torch.float32)
+    swap_attention(model)
+    batch = mp.packed_batch(docs)
+    cu = batch["cu_seq_lens_q"].tolist()
+    padded = torch.tensor(with_repeats(cu, cu[-1], len(cu) + 3), dtype=torch.int32)
+    batch.update(cu_seq_lens_q=padded, cu_seq_lens_k=padded.clone())
+    out = model(**batch)
+    out.loss.backward()
+    mp.check(model, out.loss, ref_loss, ref_grads, 1, "one process, zero-length documents")
