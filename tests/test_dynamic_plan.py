@@ -232,9 +232,9 @@ def test_bad_input_is_refused_naming_the_fix() -> None:
         plan_dynamic([10, 20000], 4, 4096)
     with pytest.raises(ValueError, match="largest group of 2 ranks"):
         plan_dynamic([9000], 6, 4096)  # a pool of 6 has groups of 1 and 2 only
-    with pytest.raises(ValueError, match="positive integers"):
-        plan_dynamic([10, 0], 4, 4096)
-    with pytest.raises(ValueError, match="positive integers"):
+    with pytest.raises(ValueError, match="integers >= 0"):  # 0 is an empty document, dropped (test_zero_length_documents)
+        plan_dynamic([10, -1], 4, 4096)
+    with pytest.raises(ValueError, match="integers >= 0"):
         plan_dynamic([10, 2.5], 4, 4096)
     with pytest.raises(ValueError, match="max_tokens_per_rank = 0"):
         plan_dynamic([10], 4, 0)

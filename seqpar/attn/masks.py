@@ -31,11 +31,15 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.plan import BlockCall
-from seqpar.sequence.boundaries import host_boundaries  # re-exported: the one conversion
+from seqpar.sequence.boundaries import (  # host_boundaries re-exported: the one conversion
+    drop_empty_documents,
+    host_boundaries,
+)
 from seqpar.sequence.sharding import num_chunks
 
 __all__ = [
-    "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs", "check_boundary_values",
+    "MaskSpec", "plan_pieces", "visible_pair_count", "host_boundaries", "mask_digest", "check_mask_inputs",
+    "check_boundary_values", "document_bounds",
 ]
 
 
@@ -250,18 +254,28 @@ def check_mask_inputs(
 
 def check_boundary_values(bounds: tuple[int, ...], seq_len: int) -> None:
     """Raise ValueError unless ``bounds`` are document boundaries ``[0, l1, l1 + l2, ..., seq_len]``
-    (strictly increasing). Also run at run time inside the compiled ops, which read boundary tensors
-    that tracing could not (:mod:`seqpar.attn.ops`)."""
+    (non-decreasing: a repeated entry is a zero-length document, dropped by :func:`document_bounds`). Also run
+    at run time inside the compiled ops, which read boundary tensors that tracing could not
+    (:mod:`seqpar.attn.ops`)."""
     fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S]; got {_show(bounds)}: {fix}")
-    bad = next((i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]), None)
+    bad = next((i for i in range(1, len(bounds)) if bounds[i] < bounds[i - 1]), None)
     if bad is not None:
         raise ValueError(
-            f"cu_seqlens must increase strictly; got {bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
+            f"cu_seqlens must not decrease (a repeated entry, a zero-length document, is allowed); got "
+            f"{bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
         )
     if bounds[-1] != seq_len:
         raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {bounds[-1]}: {fix}")
+
+
+def document_bounds(bounds: tuple[int, ...], seq_len: int) -> tuple[int, ...]:
+    """``bounds`` checked (:func:`check_boundary_values`) and without zero-length documents (repeated entries,
+    :func:`~seqpar.sequence.boundaries.drop_empty_documents`): what every plan reads, so an empty document costs
+    nothing and the result equals the same call with the repeats removed."""
+    check_boundary_values(bounds, seq_len)
+    return drop_empty_documents(bounds)
 
 
 def _show(bounds: tuple[int, ...]) -> str:

@@ -44,7 +44,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
 from seqpar.attn.common import AttentionOptions, SingleRank
-from seqpar.attn.masks import check_boundary_values, host_boundaries
+from seqpar.attn.masks import document_bounds, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
 from seqpar.comm.group_names import group_by_name, group_name
@@ -63,9 +63,9 @@ def _options(causal: bool, scale: float, sharding: str, overlap: bool, head_chun
     """The call's options; ``documents`` (the boundaries as a tensor, see the module) read on the host here,
     at run time, and checked against the global length ``seq_len`` (tracing could not read them)."""
     if documents is not None:
-        bounds = host_boundaries(documents)
-        check_boundary_values(bounds, seq_len)
-        cu_seqlens = list(bounds)
+        # zero-length documents (repeats: a fixed-size cu_seqlens padded with copies of S) are dropped here, at run
+        # time, so the traced graph sees one tensor shape whatever the batch's documents
+        cu_seqlens = list(document_bounds(host_boundaries(documents), seq_len))
     return AttentionOptions(causal=causal, scale=scale, sharding=sharding, overlap=overlap, head_chunks=head_chunks,
                             window=window, cu_seqlens=None if cu_seqlens is None else tuple(cu_seqlens),
                             chunk_size=chunk_size, softcap=softcap, dkv_wire_dtype=dkv_wire_dtype)

@@ -38,6 +38,7 @@ from seqpar.attn.common import AttentionOptions
 from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
 from seqpar.attn.ulysses import UlyssesPlan, head_split
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, resolve_group
+from seqpar.sequence.boundaries import drop_empty_documents
 from seqpar.sequence.sharding import resolve_sharding
 
 __all__ = ["AttentionPlan", "resolve_attention", "LAYOUTS", "to_bhsd", "from_bhsd"]
@@ -294,6 +295,8 @@ def resolve_attention(
     check_local(qb, kb, vb, world_size=world, sharding=sharding)
     check_mask_inputs(bounds, window, sinks, q=qb, seq_len=qb.shape[2] * world, world=world, sharding=sharding,
                       chunk_size=chunk_size)
+    if bounds is not None:  # checked: now without zero-length documents (repeats), which no plan needs to see
+        bounds = drop_empty_documents(bounds)
     _check_softcap(softcap, qb)
     _check_alibi(alibi_slopes, qb)
     if alibi_slopes is not None and (sinks is not None or softcap is not None):

@@ -103,7 +103,7 @@ import torch
 
 from seqpar.attn.checks import check_dkv_wire, resolve_head_chunks
 from seqpar.attn.common import AttentionOptions, dkv_wire_dtype
-from seqpar.attn.masks import check_boundary_values, host_boundaries
+from seqpar.attn.masks import document_bounds, host_boundaries
 from seqpar.kernels.merge import cpu_merge_piece
 from seqpar.memory.masked import (
     RowBytes,
@@ -309,7 +309,7 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
             f"window / chunk_size / sinks for the dense figure")
     bounds = None if cu_seqlens is None else host_boundaries(cu_seqlens)
     if bounds is not None:
-        check_boundary_values(bounds, seq_len)
+        bounds = document_bounds(bounds, seq_len)
     for name, value in (("window", window), ("chunk_size", chunk_size)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{name}={value!r} is invalid: pass an int >= 1, or None")

@@ -49,7 +49,12 @@ from torch.utils.data import (
 )
 
 from seqpar.runtime.groups import default_manager, resolve_group
-from seqpar.sequence.boundaries import boundary_tensor, host_boundaries, known_boundaries
+from seqpar.sequence.boundaries import (
+    boundary_tensor,
+    drop_empty_documents,
+    host_boundaries,
+    known_boundaries,
+)
 from seqpar.sequence.call_group import GROUP_KEY
 from seqpar.sequence.dynamic import CostModel, DynamicPlan, plan_from_config
 from seqpar.sequence.dynamic_batch import packed_micro_batches, step_targets
@@ -90,14 +95,18 @@ global_positions = shard_index
 
 
 def _check_boundaries(bounds: tuple[int, ...], seq_len: int, where: str) -> tuple[int, ...]:
+    """``bounds`` checked, without zero-length documents (repeated entries: flash-attn, Megatron and
+    TransformerEngine accept them, e.g. a fixed-size ``cu_seqlens`` padded with copies of S): an empty document
+    holds no token, so every consumer of the batch's boundaries (attention, positions, mixers, loss) sees the
+    same documents it would without it."""
     if (not bounds or bounds[0] != 0 or bounds[-1] != seq_len
-            or any(b <= a for a, b in zip(bounds, bounds[1:]))):
+            or any(b < a for a, b in zip(bounds, bounds[1:]))):
         raise ValueError(
             f"{where}: packed-document boundaries {list(bounds[:8])}{'...' if len(bounds) > 8 else ''} must "
-            f"start at 0, strictly increase and end at the sequence length {seq_len} (the "
-            "cu_seq_lens_q of transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
+            f"start at 0, never decrease (a repeat, a zero-length document, is allowed) and end at the sequence "
+            f"length {seq_len} (the cu_seq_lens_q of transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True))"
         )
-    return bounds
+    return drop_empty_documents(bounds)
 
 
 def document_boundaries(batch: Mapping[str, Any], seq_len: int) -> tuple[int, ...] | None:

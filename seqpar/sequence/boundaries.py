@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["host_boundaries", "boundary_tensor", "known_boundaries", "remember_boundaries"]
+__all__ = ["host_boundaries", "boundary_tensor", "known_boundaries", "remember_boundaries", "drop_empty_documents"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 
@@ -58,6 +58,16 @@ def host_boundaries(cu_seqlens: Tensor | Sequence[int] | None) -> tuple[int, ...
     raise TypeError(
         f"cu_seqlens must be a 1-D int32/int64 tensor or a tuple of ints, got {type(cu_seqlens).__name__}"
     )
+
+
+def drop_empty_documents(bounds: tuple[int, ...]) -> tuple[int, ...]:
+    """``bounds`` (non-decreasing, already checked) without their repeated entries: a repeat is a zero-length
+    document (flash-attn's varlen kernels, Megatron and TransformerEngine accept them, e.g. a fixed-size
+    ``cu_seqlens`` padded with trailing copies of S to keep shapes static, or an empty sample), which holds no
+    token and so changes no mask. ``(0, 4, 4, 16, 16)`` -> ``(0, 4, 16)``; ``bounds`` itself when it has none."""
+    if all(a != b for a, b in zip(bounds, bounds[1:])):
+        return bounds
+    return tuple(b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1])
 
 
 def boundary_tensor(bounds: Sequence[int]) -> Tensor:

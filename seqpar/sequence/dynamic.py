@@ -78,6 +78,7 @@ The search itself (placement, bin completion, balance moves, slot order) is :mod
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -441,9 +442,10 @@ def _check_args(lengths: Sequence[int], pool_size: int, max_tokens_per_rank: int
                     ("pad_multiple", pad_multiple)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"plan_dynamic: {name} = {v!r} is invalid: expected a positive integer")
-    bad = [(i, n) for i, n in enumerate(lengths) if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    bad = [(i, n) for i, n in enumerate(lengths) if isinstance(n, bool) or not isinstance(n, int) or n < 0]
     if bad:
-        raise ValueError(f"plan_dynamic: document lengths must be positive integers; got {bad[:5]} (index, length)")
+        raise ValueError(f"plan_dynamic: document lengths must be integers >= 0 (0: an empty document, which "
+                         f"runs nowhere); got {bad[:5]} (index, length)")
 
 
 def slots_lower_bound(lengths: Sequence[int], sizes: Sequence[int], pool: int, budget: int, pad: int = 2) -> int:
@@ -500,10 +502,19 @@ def plan_dynamic(
         changes no per-rank figure (documents are ordered by length, cost and then index).
 
     Raises:
-        ValueError: a length that is not a positive integer; a bad pool, budget or ``min_size``; a
+        ValueError: a length that is not an integer >= 0 (a zero-length document is dropped: it runs in no
+            micro-batch); a bad pool, budget or ``min_size``; a
             document longer than the largest group (``pool``'s largest power-of-two divisor) can hold.
     """
     _check_args(lengths, pool_size, max_tokens_per_rank, pad_multiple)
+    if 0 in lengths:
+        # A zero-length document (an empty sample from the collator) holds no token and no target: dropped. It runs in
+        # no micro-batch, so it costs no per-document term, no slot and no room; planned alone, the other documents
+        # get the plan they get without it (their indices mapped back to the given ones)
+        kept = [i for i, n in enumerate(lengths) if n]
+        plan = plan_dynamic([lengths[i] for i in kept], pool_size, max_tokens_per_rank, min_size=min_size, cost=cost,
+                            pad_multiple=pad_multiple, spread_heavy=spread_heavy, slot_sync=slot_sync)
+        return _with_empty_documents(plan, lengths, kept)
     cost = cost if cost is not None else CostModel()
     allowed = dynamic_group_sizes(pool_size, min_size)
     budget, pad = max_tokens_per_rank, pad_multiple
@@ -553,6 +564,18 @@ def plan_dynamic(
         num_slots = packing.num_slots
     align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+
+
+def _with_empty_documents(plan: DynamicPlan, lengths: Sequence[int], kept: list[int]) -> DynamicPlan:
+    """``plan`` (of the documents ``kept`` of ``lengths``) as a plan of all ``lengths``: document indices mapped back,
+    each zero-length document in no micro-batch with the smallest group size (it holds nothing)."""
+    smallest = dynamic_group_sizes(plan.pool_size, plan.min_size)[0]
+    sizes = [smallest] * len(lengths)
+    for d, c in zip(kept, plan.doc_sizes):
+        sizes[d] = c
+    slots = tuple(tuple(dataclasses.replace(mb, docs=tuple(kept[d] for d in mb.docs)) for mb in slot)
+                  for slot in plan.slots)
+    return dataclasses.replace(plan, lengths=tuple(lengths), doc_sizes=tuple(sizes), slots=slots)
 
 
 def plan_from_config(lengths: Sequence[int], pool_size: int, dynamic: DynamicConfig,

@@ -53,7 +53,11 @@ def pack_documents(docs: Sequence[Tensor], labels: Sequence[Tensor] | None = Non
     """Documents (1-D token tensors) packed into one row, as ``transformers.DataCollatorWithFlattening(
     return_flash_attn_kwargs=True)`` packs them: ``input_ids``, ``labels`` (each document's own ``labels``,
     default its tokens; ``ignore_index`` at each document's first token) and ``position_ids`` ``(1, T)``;
-    ``cu_seq_lens_q/k`` ``(n_docs + 1,)`` int32; ``max_length_q/k``."""
+    ``cu_seq_lens_q/k`` ``(n_docs + 1,)`` int32 (``n_docs``: the documents of at least one token; an empty one is
+    dropped); ``max_length_q/k``."""
+    if labels is not None:  # zero-length documents hold no token and no target: dropped (their labels are empty too)
+        labels = [lab for d, lab in zip(docs, labels) if d.numel()]
+    docs = [d for d in docs if d.numel()]
     if not docs:
         raise ValueError("pack_documents: no documents (an empty micro-batch has none to pack)")
     input_ids = torch.cat([d.reshape(-1) for d in docs])[None]

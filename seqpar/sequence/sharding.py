@@ -29,7 +29,7 @@ from seqpar.comm.agree import rows_across_ranks
 from seqpar.comm.collectives import all_gather
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, resolve_group
 from seqpar.runtime.verified import batch_verified
-from seqpar.sequence.boundaries import host_boundaries
+from seqpar.sequence.boundaries import drop_empty_documents, host_boundaries
 
 __all__ = [
     "resolve_sharding",
@@ -167,10 +167,13 @@ def balanced_layout(seq_len: int, world_size: int, cu_seqlens: tuple[int, ...] |
     chunk, so every rank computes the same layout). Returns one ascending tuple per rank."""
     m = _balanced_per_rank(seq_len, world_size)
     cu = cu_seqlens if cu_seqlens is not None else (0, seq_len)
-    if cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:])):
+    if cu[0] != 0 or cu[-1] != seq_len or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(
-            f"cu_seqlens must be the boundaries [0, ..., {seq_len}] of the whole sequence, strictly increasing"
+            f"cu_seqlens must be the boundaries [0, ..., {seq_len}] of the whole sequence, never decreasing"
         )
+    # a zero-length document (a repeated entry) holds no chunk's row: the layout is that of the boundaries without
+    # it, so shard_sequence, seqpar.attention and gather_sequence agree whichever of the two a caller passes
+    cu = drop_empty_documents(cu)
     work = _causal_chunk_work(cu, seq_len, m * world_size)
     load, held = [0] * world_size, [[] for _ in range(world_size)]
     # plain loops, no key= to min / sorted: dynamo traces this too (see _causal_chunk_work) and has no min(key=)
