@@ -329,7 +329,8 @@ def test_hybrid_mixer_model_packed_with_zero_length_documents(monkeypatch) -> No
     cu_seq_lens_q/k carry repeats: loss and every gradient equal each document alone (float64, transformers' own
     run). The mixers read the batch's boundaries after the swap's read dropped the repeats. Seen failing: with
     batch._check_boundaries returning the boundaries as given (repeats kept): the mixers' own check refused them
-    ('must be strictly increasing')."""
+    ('must be strictly increasing'), before the mixers' check took repeats too (tests/test_mixers_conv.py's
+    zero-length test guards that check now); the test still fails with the swap's read refusing repeats."""
     pytest.importorskip("transformers")
     import mixer_parity as mp
     from test_mixers_gdn import _small_kda_chunks, tiny

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.runtime.groups import resolve_group
-from seqpar.sequence.boundaries import host_boundaries
+from seqpar.sequence.boundaries import drop_empty_documents, host_boundaries
 from seqpar.sequence.sharding import chunk_ids
 
 __all__ = ["ScanLayout", "scan_layout", "shard_boundaries"]
@@ -104,14 +104,17 @@ def shard_boundaries(seq_local: int, *, group: dist.ProcessGroup | None, cu_seql
         cu_seqlens: global document boundaries ``[0, ..., S]`` (a tensor is read on the host once per batch).
         where: names the caller in errors.
     Raises:
-        ValueError: boundaries that are not strictly increasing from 0 to the global length.
+        ValueError: boundaries that decrease or do not run from 0 to the global length (repeats are dropped).
     """
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     seq_len = seq_local * world
     cu = host_boundaries(cu_seqlens)
-    if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b <= a for a, b in zip(cu, cu[1:]))):
-        raise ValueError(f"{where}: cu_seqlens {list(cu)} must be strictly increasing from 0 to the global length "
-                         f"{seq_len} (seq_local {seq_local} x {world} ranks)")
-    return world, rank, seq_len, cu
+    if cu is not None and (cu[0] != 0 or cu[-1] != seq_len or any(b < a for a, b in zip(cu, cu[1:]))):
+        raise ValueError(f"{where}: cu_seqlens {list(cu)} must not decrease, running from 0 to the global length "
+                         f"{seq_len} (seq_local {seq_local} x {world} ranks; a repeated entry, a zero-length "
+                         "document, is allowed)")
+    # a zero-length document (flash-attn varlen / Megatron's fixed-size padding) holds no token: dropped here, so
+    # every mixer plans the boundaries the attention does
+    return world, rank, seq_len, None if cu is None else drop_empty_documents(cu)
