@@ -202,16 +202,21 @@ def check_pattern(
         )
     if seq_local is None:
         return
+    # Traced with a symbolic local length (torch.compile, dynamic=True) each test below is one guard on the
+    # call's validity, true for every valid length alike, so a new length reuses the graph. Two separate
+    # tests of the straddle (``seq_local % w``, then ``w % seq_local``) guarded on which side held: a pattern
+    # local at one length and spanning at the next recompiled. (A refusal's f-string of a symbolic length is a
+    # graph break, dynamo's BUILD_STRING: the frame then runs eagerly and raises this message.)
     seq = seq_local * world_size
     for w in ws:
-        if seq % w:
+        if seq % w != 0:
             lcm = math.lcm(*ws)
             raise ValueError(
                 f"segment length {w} does not divide the sequence length {seq} (= seq_local {seq_local} "
                 f"x {world_size} ranks); pad the full sequence to a multiple of {lcm} (the lcm of the "
                 f"segment lengths) or choose segment lengths that divide {seq}"
             )
-        if world_size > 1 and seq_local % w and w % seq_local:
+        if world_size > 1 and (seq_local % w) * (w % seq_local) != 0:
             raise ValueError(
                 f"segment length {w} and the local length seq_local={seq_local} (= {seq} / {world_size} "
                 f"ranks) do not divide one another, so segments would straddle rank boundaries "
@@ -867,11 +872,13 @@ def dilated_attention(
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale), mode=mode, head_layout=head_layout,
         dkv_wire_dtype=dkv_wire_dtype,
     )
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace the segments' point-to-point exchanges: the call is one custom op in the graph,
+        # which plans from the real sizes when it runs. Not planned here: the plan branches on seq_local
+        # (local or spanning, rows per offset), and traced with a symbolic length each branch was a guard
+        return _compiled_dilated(q, k, v, opts, group)
     plan = plan_dilated(opts, q_heads=q.shape[1], kv_heads=k.shape[1], seq_local=q.shape[2],
                         rank=rank, world_size=world)
-    if torch.compiler.is_compiling():
-        # dynamo cannot trace the segments' point-to-point exchanges: the call is one custom op in the graph
-        return _compiled_dilated(q, k, v, opts, group)
     comms = {p: SegmentComm(group, pat.first, pat.span) for p, pat in enumerate(plan.patterns) if pat.span > 1}
     return DilatedAttention.apply(q, k, v, plan, comms)
 
