@@ -12,7 +12,7 @@ from seqpar.attn.dilated_blocks import Span, local_backward, local_forward
 from seqpar.attn.dilated_plan import DilatedPlan
 from seqpar.comm.ring import Pending
 from seqpar.comm.segment import SegmentComm
-from seqpar.kernels import in_layout_of, lse_dtype, output_like
+from seqpar.kernels import in_layout_of, lse_dtype, new_accumulators, output_like
 
 __all__ = ["dilated_forward", "dilated_backward", "output_in_layout"]
 
@@ -163,11 +163,9 @@ def dilated_forward(
 
     ``comms[p]`` is the segment communicator of spanning pattern ``p`` (absent for local patterns).
     """
-    acc = lse_dtype(q.dtype)
     # the empty partial (out 0, lse -inf), out in q's memory order (a Hugging Face q is a (batch, seq, heads, dim)
     # buffer seen transposed): the output then is too, as seqpar.attention's, with no copy where q's dtype is acc
-    out_acc = output_like(q, v.shape[-1], dtype=acc).zero_()
-    lse_acc = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    out_acc, lse_acc = new_accumulators(q, lse_dtype(q.dtype), v.shape[-1])
     for p, pat in enumerate(plan.patterns):
         if pat.span == 1:
             local_forward(q, k, v, pat, plan.opts, out_acc, lse_acc)
