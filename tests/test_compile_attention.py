@@ -430,7 +430,7 @@ def _latent_and_dilated_layouts(rank: int, world: int) -> list[str]:
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(1, 2, 16, 4, generator=g)[:, :, rank * 8:(rank + 1) * 8].clone() for _ in range(3))
     for causal in (True, False):
-        args = (q, k, v, name, [4, 16], [1, 2], causal, 0.5, "ring", "bhsd", "fp32")
+        args = (q, k, v, name, [4, 16], [1, 2], causal, 0.5, "ring", "grouped", "fp32")
         failures += _fake_layout_failures(dilated_fwd, args, f"dilated causal={causal} rank {rank}")
     return failures
 

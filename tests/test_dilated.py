@@ -277,3 +277,25 @@ def test_compiled_output_laid_out_as_eager(layout, v_dim):
     assert compiled[0].stride() == eager[0].stride(), (compiled[0].stride(), eager[0].stride())
     for name, c, e in zip(("out", "dq", "dk", "dv"), compiled, eager, strict=True):
         assert torch.equal(c, e), f"{name}: compiled differs from eager"
+
+
+@pytest.mark.parametrize("layout,v_dim", LAYOUT_CASES, ids=[f"{lay}-v{d}" for lay, d in LAYOUT_CASES])
+def test_fp32_output_is_the_forwards_accumulator(layout, v_dim):
+    """``seqpar.kernels.new_accumulators`` (the dilated forward's empty partial) lays its out ``(2, 4, 32, v_dim)``
+    out as q is (zeros; lse ``(2, 4, 32)`` -inf, contiguous), so an fp32 call's output is the forward's accumulator
+    itself, no copy, a Hugging Face q included.
+
+    Seen failing: with ``new_accumulators`` allocating out contiguous (``torch.zeros``, as before session 27): the
+    ``hf`` cases' accumulator strides were (1024, 256, 8, 1), not q's order, and ``output_in_layout`` copied."""
+    from seqpar.attn.dilated import dilated_forward, output_in_layout
+    from seqpar.kernels import new_accumulators, output_like
+
+    q, k, v, _ = _layout_inputs(layout, v_dim, torch.float32)
+    out, lse = new_accumulators(q, torch.float32, v_dim)
+    assert out.stride() == output_like(q, v_dim).stride() and out.shape == (2, 4, 32, v_dim)
+    assert torch.equal(out, torch.zeros_like(out)) and lse.shape == (2, 4, 32) and lse.is_contiguous()
+    assert bool(torch.isneginf(lse).all())
+    opts = DilatedOptions(segment_lengths=(8, 32), dilation_rates=(1, 4), causal=True, scale=8 ** -0.5)
+    out_acc, _ = dilated_forward(q, k, v, plan_dilated(opts, q_heads=4, kv_heads=2, seq_local=32), {})
+    assert out_acc.stride() == output_like(q, v_dim).stride(), out_acc.stride()
+    assert output_in_layout(out_acc, q) is out_acc

@@ -2285,7 +2285,7 @@ def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
     """The compile kind's ``sub="dilated"`` (fz26b): 73 (P = 2, ring, ``fullgraph=True``, three calls, two
     forwards before a backward, transposed views: one graph) and 1968 pinned to ``mixed`` heads and aot_eager
     (P = 4, then the pairs ``{0, 1}, {2, 3}`` with batch 2; a 12-token segment over two ranks of each group; fused
-    views) are exact. Seen failing: with the compiled op's scale off by 0.1% (``dilated._compiled_dilated``: 73
+    views) are exact. Seen failing: with the compiled op's scale off by 0.1% (``dilated._compiled_dilated``, now ``dilated_ops.compiled_dilated``: 73
     WRONG), and with ``compile_dilated_task`` sharding the pairs' call by the global rank (1968: a crash). Not seen
     failing with the pairs' call given no group: 1968's segments (2 and 12 tokens) lie inside each pair, so the
     4-rank group computes the same."""

@@ -20,7 +20,7 @@ import torch
 import seqpar
 import seqpar.attn.allgather as allgather_mod
 import seqpar.attn.common as common_mod
-import seqpar.attn.dilated as dilated_mod
+import seqpar.attn.dilated_blocks as dilated_blocks_mod
 import seqpar.attn.hybrid as hybrid_mod
 import seqpar.attn.ulysses as ulysses_mod
 from seqpar.attn.common import AttentionOptions
@@ -32,7 +32,7 @@ from seqpar.comm.ring import Pending, RingComm
 from seqpar.comm.schedule import Event
 
 KERNEL_SITES = ((common_mod, "block_forward"), (common_mod, "block_backward"),
-                (dilated_mod, "block_forward"), (dilated_mod, "block_backward"))
+                (dilated_blocks_mod, "block_forward"), (dilated_blocks_mod, "block_backward"))
 
 
 @contextlib.contextmanager

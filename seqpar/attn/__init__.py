@@ -4,7 +4,8 @@
 - ``allgather``: K/V gathered once, O(S) K/V memory; reduce-scattered dK/dV.
 - ``ulysses``: all-to-all from sequence shards to head shards, local attention, all-to-all back.
 - ``hybrid``: Ulysses inside groups of u ranks, the ring across them.
-- ``dilated``: LongNet dilated attention, distributed the same way.
+- ``dilated``: LongNet dilated attention, distributed the same way (its pattern plan, kernel calls, passes and
+  custom ops in ``dilated_plan``, ``dilated_blocks``, ``dilated_schedule`` and ``dilated_ops``).
 
 Shared pieces: ``common`` (options, piece kernels), ``plan`` (which (query chunk, key chunk) blocks
 a rank computes), ``masks`` (documents, windows, sinks as a mask description), ``checks`` (input

@@ -59,9 +59,11 @@ def in_layout_of(x: Tensor, q: Tensor) -> bool:
 
 def new_accumulators(q: Tensor, acc_dtype: torch.dtype, v_head_dim: int | None = None) -> tuple[Tensor, Tensor]:
     """The empty partial for q ``(batch, heads, len, head_dim)``: out ``(batch, heads, len, v_head_dim)``
-    zeros (``v_head_dim`` default: q's), lse -inf, in ``acc_dtype``. For callers whose pieces reach rows
-    in patterns too irregular to track (dilated attention)."""
-    out = torch.zeros(_out_shape(q, v_head_dim), dtype=acc_dtype, device=q.device)
+    zeros (``v_head_dim`` default: q's), laid out in memory as q is (:func:`output_like`: where ``acc_dtype``
+    is q's, the output can be the accumulator itself, no copy), and lse ``(batch, heads, len)`` -inf
+    (contiguous), both in ``acc_dtype``. For callers whose pieces reach rows in patterns too irregular to
+    track (dilated attention: :func:`seqpar.attn.dilated_schedule.dilated_forward`)."""
+    out = output_like(q, v_head_dim, dtype=acc_dtype).zero_()
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc_dtype, device=q.device)
     return out, lse
 
