@@ -270,8 +270,7 @@ def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: st
     seqpar). Judged against :func:`dp_reference`: every rank's loss against its replica's, then the DP-mean
     loss and every reduced gradient with :func:`~seqpar.testing.fuzz_models.judge_model`. ``plant``: see
     :func:`_plant` (the fuzzer's own tests)."""
-    from seqpar.testing.fuzz_models import case_batches, judge_model
-    from seqpar.testing.verdicts import classify_errors
+    from seqpar.testing.fuzz_models import case_batches, judge_model, run_ranks
 
     dp = draws.get("dp", 1)
     if draws["world"] % (dp * draws["tp_size"]) or len(draws.get("replicas", [])) != dp - 1:
@@ -279,12 +278,9 @@ def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: st
                          f"{len(draws.get('replicas', []))} other replicas (a --set of dp needs replicas too)")
     batches = [case_batches(rd) for rd in replica_draws(draws)]
     ref = dp_reference(draws, batches)
-    if not ref["ok"]:
-        return "skipped", f"cannot run without seqpar: {ref['error']}"
-    per_rank = pools.run(draws["world"], engine_task, draws, batches, ref["dtype"], plant, timeout=timeout)
-    bad = classify_errors(per_rank)
-    if bad is not None:
-        return bad
+    ended, per_rank = run_ranks(pools, draws, ref, engine_task, batches, plant, timeout)
+    if ended is not None:
+        return ended
     replicas = sorted({r["replica"] for r in per_rank})
     if replicas != list(range(len(batches))):
         return "WRONG", f"the ranks fed replicas {replicas}, not 0..{len(batches) - 1}"
