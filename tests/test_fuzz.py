@@ -2202,9 +2202,9 @@ def test_the_vocab_split_draw_asks_the_librarys_own_refusal(monkeypatch: pytest.
 
     assert engine_runner("vocab_split_tied_embedding", CHECK_ENTRY_POINT_GROUP) is \
         deepspeed_tp.refuse_unsplittable_tied_embedding
-    monkeypatch.setattr("seqpar.testing.fuzz_engines._VOCAB_SPLIT_REFUSED", {})
+    monkeypatch.setattr("seqpar.testing.fuzz_engines_tp._VOCAB_SPLIT_REFUSED", {})
     assert vocab_split_refused("gemma") and not vocab_split_refused("llama")
-    monkeypatch.setattr("seqpar.testing.fuzz_engines._VOCAB_SPLIT_REFUSED", {})
+    monkeypatch.setattr("seqpar.testing.fuzz_engines_tp._VOCAB_SPLIT_REFUSED", {})
     monkeypatch.setattr(deepspeed_tp, "refuse_unsplittable_tied_embedding", lambda model, ds_config: None)
     assert not vocab_split_refused("gemma")
     assert vocab_split_refused("bamba")  # its z-loss, read from the forward's source (not a tied embedding)

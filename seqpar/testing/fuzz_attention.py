@@ -181,31 +181,10 @@ def attention_summary(draws: dict[str, Any]) -> str:
              f"causal={int(draws['causal'])}"]
     if draws["calls"][0]["cu"] is not None:
         parts.append("docs=" + ",".join(str(b - a) for a, b in zip(draws["calls"][0]["cu"], draws["calls"][0]["cu"][1:])))
-    for key in ("window", "chunk_size", "softcap", "scale"):
-        if draws.get(key) is not None:
-            parts.append(f"{key}={draws[key]}")
-    for key in ("sinks", "alibi"):
-        if draws.get(key):
-            parts.append(key)
+    parts += knob_words(draws, ("window", "chunk_size", "softcap", "scale"), ("sinks", "alibi"))
     if len(draws["calls"]) > 1:
         parts.append("two-calls")
-    if draws["layout"] != "bhsd":
-        parts.append(draws["layout"])
-    if draws["head_chunks"] != "auto":
-        parts.append(f"head_chunks={draws['head_chunks']}")
-    if not draws["overlap"]:
-        parts.append("no-overlap")
-    if not draws["check_inputs"]:
-        parts.append("no-check")
-    parts.append(draws["dtype"])
-    if draws.get("dkv_wire_dtype", "fp32") != "fp32":
-        parts.append(f"dkv={draws['dkv_wire_dtype']}")
-    if draws.get("group"):
-        parts.append(f"group={draws['group']}")
-    if draws.get("strided"):
-        parts.append(f"strided={draws['strided']}")
-    if draws.get("grad"):
-        parts.append(f"grad={draws['grad']}")
+    parts += call_words(draws, no_check=True)
     if draws.get("sinks") and not draws.get("sinks_grad", True):
         parts.append("frozen-sinks")
     if draws["calls"][0]["cu"] is not None and draws.get("cu_as", "int64") != "int64":
@@ -219,3 +198,29 @@ def attention_summary(draws: dict[str, Any]) -> str:
     if draws.get("expand_kv"):
         parts.append("expand-kv")
     return " ".join(parts)
+
+
+def knob_words(draws: dict[str, Any], values: tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """Summary words of an attention call's knobs (the attention kind's and the compile kind's summaries):
+    ``key=value`` for each of ``values`` drawn (not None), ``key`` for each of ``flags`` set."""
+    return ([f"{key}={draws[key]}" for key in values if draws.get(key) is not None]
+            + [key for key in flags if draws.get(key)])
+
+
+def call_words(draws: dict[str, Any], *, no_check: bool) -> list[str]:
+    """Summary words of how an attention call is made (the attention kind's and the compile kind's summaries):
+    the layout (not ``bhsd``), ``head_chunks`` (not ``auto``), ``no-overlap``, ``no-check`` (where ``no_check``
+    and the cross-rank check is off), the dtype, the dK/dV wire dtype (not fp32), the group, the strided views and
+    the grad context drawn."""
+    words = [draws["layout"]] if draws["layout"] != "bhsd" else []
+    if draws["head_chunks"] != "auto":
+        words.append(f"head_chunks={draws['head_chunks']}")
+    if not draws["overlap"]:
+        words.append("no-overlap")
+    if no_check and not draws["check_inputs"]:
+        words.append("no-check")
+    words.append(draws["dtype"])
+    if draws.get("dkv_wire_dtype", "fp32") != "fp32":
+        words.append(f"dkv={draws['dkv_wire_dtype']}")
+    words += [f"{key}={draws[key]}" for key in ("group", "strided", "grad") if draws.get(key)]
+    return words

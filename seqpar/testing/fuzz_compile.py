@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_attention import call_words, knob_words
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
 __all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task", "compile_dilated_task",
@@ -238,25 +239,8 @@ def compile_summary(draws: dict[str, Any]) -> str:
     if d["docs"]:
         parts.append(f"docs-as-{d['docs']}")
     parts.append(f"steps={d['steps']}")
-    for key in ("chunk_size", "softcap", "scale"):
-        if d.get(key) is not None:
-            parts.append(f"{key}={d[key]}")
-    for key in ("sinks", "alibi", "check_inputs"):
-        if d.get(key):
-            parts.append(key)
-    if d["layout"] != "bhsd":
-        parts.append(d["layout"])
-    if d["head_chunks"] != "auto":
-        parts.append(f"head_chunks={d['head_chunks']}")
-    if not d["overlap"]:
-        parts.append("no-overlap")
-    parts.append(d["dtype"])
-    if d.get("dkv_wire_dtype", "fp32") != "fp32":
-        parts.append(f"dkv={d['dkv_wire_dtype']}")
-    if d.get("strided"):
-        parts.append(f"strided={d['strided']}")
-    if d.get("grad"):
-        parts.append(f"grad={d['grad']}")
+    parts += knob_words(d, ("chunk_size", "softcap", "scale"), ("sinks", "alibi", "check_inputs"))
+    parts += call_words(d, no_check=False)
     return " ".join(parts)
 
 
@@ -372,24 +356,74 @@ def _compiled(fn: Any, draws: dict[str, Any]) -> Any:
     return torch.compile(fn, backend=draws["backend"], dynamic=draws["dynamic"], fullgraph=draws.get("fullgraph", False))
 
 
+def _compiled_task(draws: dict[str, Any], world: int, plant: str | None, groups: dict[str, Any],
+                   body: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """The rank side the compiled attention and dilated tasks share: a fresh dynamo and the plant ``plant``
+    applied, seqpar's groups (``groups``: :func:`seqpar.init_process_groups`' keywords), 2-rank subgroups where a
+    call runs at SP 2 of a larger world (``body``'s argument, else None); ``body``'s result, or ``{"ok": False,
+    "error"}`` seen through dynamo (:func:`_record`); the plant, dynamo and the subgroups undone after, whatever
+    happened."""
+    import torch.distributed as dist
+
+    import seqpar
+
+    _fresh_dynamo()
+    undo = _plant(plant)
+    pairs = None
+    try:
+        seqpar.init_process_groups(**groups)
+        if any(c["sp"] != world for c in draws["calls"]):
+            pairs, _ = dist.new_subgroups(2)
+        return body(pairs)
+    except Exception as e:  # noqa: BLE001 - classified by the driver
+        return {"ok": False, "error": _record(e)}
+    finally:
+        undo()
+        _fresh_dynamo()
+        if pairs is not None:
+            dist.destroy_process_group(pairs)
+
+
+def _run_steps(draws: dict[str, Any], compiled: Callable, inputs: Callable[[int], tuple[tuple, Any, torch.Tensor]],
+               layout: str) -> dict[str, Any]:
+    """Each step of ``draws["steps"]``: its calls of ``compiled`` (``inputs(ci)``: call ``ci``'s arguments, its
+    ``(leaves, shapes)`` and dout) under the drawn grad context, then one backward of the step's ``(out x dout)``
+    sums, unless forward only. Returns ``{"calls": [[out (bhsd), dq, dk, dv] per call], "counts": dynamo's counts
+    over the steps, "reasons"}``."""
+    forward_only = draws.get("grad") in ("no_grad", "inference")
+    before = _counts()
+    leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
+    outs: dict[int, torch.Tensor] = {}
+    for step in draws["steps"]:
+        total = 0.0
+        for ci in step:
+            args, leaves[ci], dout = inputs(ci)
+            with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
+                  if draws.get("grad") == "inference" else contextlib.nullcontext()):
+                out = compiled(*args)
+            if layout == "bshd":
+                out = out.transpose(1, 2)
+            if not forward_only:
+                total = total + (out * dout).sum()
+            outs[ci] = out.detach().clone()  # clone: an inference tensor leaves inference mode as a plain one
+        if not forward_only:
+            total.backward()
+    after = _counts()
+    calls = [[outs[ci], *strided_grads(*leaves[ci], layout, draws.get("strided"))] for ci in range(len(draws["calls"]))]
+    return {"calls": calls, "counts": {k: after[k] - before[k] for k in after}, "reasons": _break_reasons()}
+
+
 def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None,
                            positions: Callable) -> dict[str, Any]:
     """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.attention`
     (``positions``: :func:`seqpar.testing.fuzz.positions`, the global positions a rank holds). Returns
     ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows)], "dsinks"?, "counts"}`` or ``{"ok": False, "error"}``."""
-    import torch.distributed as dist
-
     import seqpar
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
-    _fresh_dynamo()
-    undo = _plant(plant)
-    pairs = None
-    try:
-        seqpar.init_process_groups(sp_size=world, ulysses_size=draws["ulysses_size"])
-        if any(c["sp"] != world for c in draws["calls"]):
-            pairs, _ = dist.new_subgroups(2)
+
+    def body(pairs: Any) -> dict[str, Any]:
         sinks = tensors["sinks"].to(dtype).requires_grad_() if "sinks" in tensors else None
         alibi = tensors["alibi"].to(dtype) if "alibi" in tensors else None
 
@@ -414,44 +448,19 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
                 cu = torch.tensor(cu, dtype=torch.int32) if draws["docs"] == "tensor" else tuple(cu)
             return qkv, (xs, shapes), dout, (sinks, alibi, cu, c["window"], pairs if sub else None)
 
+        def inputs(ci: int) -> tuple[tuple, Any, torch.Tensor]:
+            qkv, leaves, dout, rest = args(ci)
+            return (*qkv, *rest), leaves, dout
+
         if draws["mode"] == "auto":  # its links are probed by one eager call (docs/performance.md)
             (q, k, v), _, _, rest = args(0)
             call(q.detach(), k.detach(), v.detach(), *rest)
-        compiled = _compiled(call, draws)
-        before = _counts()
-        leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
-        outs: dict[int, torch.Tensor] = {}
-        forward_only = draws.get("grad") in ("no_grad", "inference")
-        for step in draws["steps"]:
-            total = 0.0
-            for ci in step:
-                (q, k, v), leaves[ci], dout, rest = args(ci)
-                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
-                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
-                    out = compiled(q, k, v, *rest)
-                if draws["layout"] == "bshd":
-                    out = out.transpose(1, 2)
-                if not forward_only:
-                    total = total + (out * dout).sum()
-                outs[ci] = out.detach().clone()  # clone: an inference tensor leaves inference mode as a plain one
-            if not forward_only:
-                total.backward()
-        after = _counts()
-        calls = []
-        for ci in range(len(draws["calls"])):
-            calls.append([outs[ci], *strided_grads(*leaves[ci], draws["layout"], draws.get("strided"))])
-        res: dict[str, Any] = {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after},
-                               "reasons": _break_reasons()}
+        res: dict[str, Any] = {"ok": True, **_run_steps(draws, _compiled(call, draws), inputs, draws["layout"])}
         if sinks is not None and sinks.grad is not None:
             res["dsinks"] = sinks.grad
         return res
-    except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": _record(e)}
-    finally:
-        undo()
-        _fresh_dynamo()
-        if pairs is not None:
-            dist.destroy_process_group(pairs)
+
+    return _compiled_task(draws, world, plant, {"sp_size": world, "ulysses_size": draws["ulysses_size"]}, body)
 
 
 def _dilated_call_draws(draws: dict[str, Any], ci: int) -> dict[str, Any]:
@@ -466,20 +475,12 @@ def compile_dilated_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any
                          positions: Callable) -> dict[str, Any]:
     """Pool task (every rank): the case's calls of one compiled function around :func:`seqpar.dilated_attention`
     (``sub="dilated"``), contiguous shards. Returns as :func:`compile_attention_task`."""
-    import torch.distributed as dist
-
     import seqpar
 
     rank, world = ctx.rank, ctx.world_size
     dtype = getattr(torch, draws["dtype"])
-    _fresh_dynamo()
-    undo = _plant(plant)
-    pairs = None
-    try:
-        seqpar.init_process_groups(sp_size=world)
-        if any(c["sp"] != world for c in draws["calls"]):
-            pairs, _ = dist.new_subgroups(2)
 
+    def body(pairs: Any) -> dict[str, Any]:
         def call(q, k, v, group):  # noqa: ANN001, ANN202
             return seqpar.dilated_attention(
                 q, k, v, segment_lengths=draws["segment_lengths"], dilation_rates=draws["dilation_rates"],
@@ -487,38 +488,17 @@ def compile_dilated_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any
                 head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
                 dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
 
-        compiled = _compiled(call, draws)
-        forward_only = draws.get("grad") in ("no_grad", "inference")
-        before = _counts()
-        leaves: dict[int, tuple[list[torch.Tensor], list]] = {}
-        outs: dict[int, torch.Tensor] = {}
-        for step in draws["steps"]:
-            total = 0.0
-            for ci in step:
-                c, t = draws["calls"][ci], tensors["calls"][ci]
-                pos = positions(_dilated_call_draws(draws, ci), None, rank % c["sp"])
-                q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
-                shapes = [x.shape for x in (q, k, v)]
-                xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
-                leaves[ci] = (xs, shapes)
-                with (torch.no_grad() if draws.get("grad") == "no_grad" else torch.inference_mode()
-                      if draws.get("grad") == "inference" else contextlib.nullcontext()):
-                    out = compiled(q, k, v, pairs if c["sp"] != world else None)
-                if not forward_only:
-                    total = total + (out * dout).sum()
-                outs[ci] = out.detach().clone()
-            if not forward_only:
-                total.backward()
-        after = _counts()
-        calls = [[outs[ci], *strided_grads(*leaves[ci], "bhsd", draws.get("strided"))] for ci in range(len(draws["calls"]))]
-        return {"ok": True, "calls": calls, "counts": {k: after[k] - before[k] for k in after}, "reasons": _break_reasons()}
-    except Exception as e:  # noqa: BLE001 - classified by the driver
-        return {"ok": False, "error": _record(e)}
-    finally:
-        undo()
-        _fresh_dynamo()
-        if pairs is not None:
-            dist.destroy_process_group(pairs)
+        def inputs(ci: int) -> tuple[tuple, Any, torch.Tensor]:
+            c, t = draws["calls"][ci], tensors["calls"][ci]
+            pos = positions(_dilated_call_draws(draws, ci), None, rank % c["sp"])
+            q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
+            shapes = [x.shape for x in (q, k, v)]
+            xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
+            return (q, k, v, pairs if c["sp"] != world else None), (xs, shapes), dout
+
+        return {"ok": True, **_run_steps(draws, _compiled(call, draws), inputs, "bhsd")}
+
+    return _compiled_task(draws, world, plant, {"sp_size": world}, body)
 
 
 _OBSERVED = re.compile(r"raised exception (ValueError|TypeError|NotImplementedError)\((.*)\)\s*$", re.M)

@@ -539,14 +539,21 @@ def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
 def run_model_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
     """Verdict and detail of a ``model`` case (``"skipped"``: the tiny model does not run even without
     seqpar, so there is nothing to compare). ``plant``: one of :data:`MODEL_PLANTS` (the fuzzer's own tests)."""
-    from seqpar.testing.verdicts import classify_errors
-
     batches = case_batches(draws)
     ref = model_reference(draws, batches)
+    ended, per_rank = run_ranks(pools, draws, ref, model_task, batches, plant, timeout)
+    return ended if ended is not None else judge_model(ref, per_rank[0])
+
+
+def run_ranks(pools: Any, draws: dict[str, Any], ref: dict[str, Any], task: Any, batches: Any, plant: str | None,
+              timeout: float) -> tuple[tuple[str, str] | None, list[dict[str, Any]]]:
+    """``(None, every rank's result)`` of the pool task ``task(ctx, draws, batches, ref["dtype"], plant)`` on
+    ``draws["world"]`` ranks, or ``(verdict, [])`` where the case ends before the judging: ``"skipped"`` where
+    the one-process reference ``ref`` could not run, the ranks' crash or refusal
+    (:func:`~seqpar.testing.verdicts.classify_errors`). The ``model`` and ``engine`` kinds' run."""
+    from seqpar.testing.verdicts import classify_errors
+
     if not ref["ok"]:
-        return "skipped", f"cannot run without seqpar: {ref['error']}"
-    per_rank = pools.run(draws["world"], model_task, draws, batches, ref["dtype"], plant, timeout=timeout)
-    bad = classify_errors(per_rank)
-    if bad is not None:
-        return bad
-    return judge_model(ref, per_rank[0])
+        return ("skipped", f"cannot run without seqpar: {ref['error']}"), []
+    per_rank = pools.run(draws["world"], task, draws, batches, ref["dtype"], plant, timeout=timeout)
+    return classify_errors(per_rank), per_rank
