@@ -22,6 +22,8 @@ CASES = [
     ("P4_bf16_full_docs_mqa_s256", 4, 256, "bfloat16", False, None, (1, 8, 1, 1), {"cu_seqlens": (0, 43, 123, 256)},
      "fp32"),
     ("P2_fp32_causal_sinks_gqa_b2_bf16_wire_s64", 2, 64, "float32", True, None, (2, 8, 2, 1), {"sinks": True}, "bf16"),
+    ("P4_bf16_full_docs_chunked_gqa_auto_s128", 4, 128, "bfloat16", False, None, (1, 8, 2, "auto"),
+     {"cu_seqlens": (0, 17, 88, 105, 106, 110, 119, 128), "chunk_size": 49}, "bf16"),
 ]
 
 
@@ -58,43 +60,60 @@ def measure(ctx, seq_len: int, dtype: str, causal: bool, sharding: str | None, s
 def test_masked_ring_estimate_is_never_under_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str,  # noqa: ANN001
                                                                causal: bool, sharding, shape: tuple, masks: dict,
                                                                wire: str) -> None:
-    """The largest rank's measured peak against the estimate: at least the peak, at most 10% over.
+    """The largest rank's measured peak against the estimate: at least the peak (to 0.1%), at most 10% over.
 
     Seen failing (each estimate under the peak): a stacked group's inputs without their lse rows
     (``_group_sizes``' ``n * u.la`` dropped: P4_fp32_causal_window_contiguous -0.47%); the forward's first piece
     taken as the accumulators in low precision too (``not u.low`` dropped: P4_bf16_full_docs_mqa_s256 -1.53%); the
-    forward's receive buffers made one hop short (``step + 1 < hops[prev]``: the GQA batch-2 case -6.5%)."""
+    forward's receive buffers made one hop short (``step + 1 < hops[prev]``: the GQA batch-2 case -6.5%); the
+    forward moment of head-chunk passes without the full-size out and lse (``(Q + lse) if G > 1``, memory/attention.py:
+    the GQA auto-chunked case -10.8%)."""
     batch, q_heads, kv_heads, head_chunks = shape
     peak = max(dist_pool.pools.run(world, measure, seq_len, dtype, causal, sharding, shape, masks, wire, timeout=540))
     est = estimate_attention_memory(seq_len, world_size=world, mode="ring", batch=batch, q_heads=q_heads,
                                     kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal,
                                     head_chunks=head_chunks, sharding=sharding, dkv_wire_dtype=wire, **masks)
-    assert 0 <= est / peak - 1 <= 0.10, (peak, est, est / peak - 1)
+    # -0.1%: the largest rank's peak moves by a few bytes between runs with the exchange threads' timing (32 bytes
+    # seen, the GQA batch-2 case: 250368 against 250400 once, within the band another time)
+    assert -0.001 <= est / peak - 1 <= 0.10, (peak, est, est / peak - 1)
 
 
 
-def test_one_process_stacked_documents_estimate_is_exact() -> None:
-    """One process (``seqpar.attention``'s "single" algorithm: the ring's planner alone) over 65 documents of 64 tokens
-    (S = 4160, fp32 causal, 2 / 2 heads, head_dim 8, ``head_chunks=1``): the pieces of one shape are stacked into
-    kernel calls of at most ``BATCH_ROWS`` (4096) query rows, so 63 pieces a call and a second call of 2; no case of
-    tests/test_memory_masks.py has enough rows to fill one. The estimate equals the measured peak to the byte
-    (4305408), as the masked replay is documented to (exact on CPU).
+
+# (id, seq_len, dtype, (q_heads, kv_heads, head_dim, head_chunks), documents)
+ONE_PROCESS = [
+    ("stacked_docs_fp32_s4160", 4160, "float32", (2, 2, 8, 1), tuple(range(0, 4160, 64)) + (4160,)),
+    ("docs_bf16_hc2_s512", 512, "bfloat16", (8, 8, 16, 2), DOCS),
+]
+
+
+@pytest.mark.parametrize("seq_len,dtype,heads,documents", [c[1:] for c in ONE_PROCESS], ids=[c[0] for c in ONE_PROCESS])
+def test_one_process_documents_estimate_is_exact(seq_len: int, dtype: str, heads: tuple, documents: tuple) -> None:
+    """One process (``seqpar.attention``'s "single" algorithm: the ring's planner alone), causal, batch 1, with packed
+    documents: the estimate equals the measured peak to the byte, as the masked replay is documented to (exact on
+    CPU); tests/test_memory_masks.py measures no one-process case. 65 documents of 64 tokens (S = 4160, fp32, 2 / 2
+    heads, head_dim 8): the pieces of one shape are stacked into kernel calls of at most ``BATCH_ROWS`` (4096) query
+    rows, 63 pieces a call and a second of 2 (no other case has rows enough to fill one); bf16 with two head chunks
+    (8 / 8 heads, head_dim 16, S = 512): each pass's accumulators copied into the gradients' slices, not cast.
 
     Seen failing: the stacking rule's bound off by one piece (``len(group) * n > BATCH_ROWS``: 64 pieces a call,
-    4326400, +0.49%, inside every band the other tests use)."""
+    4326400 against 4305408, +0.49%); the final cast counted for head-chunk passes too (``cast=low`` in
+    memory/attention.py: 1654784 against 1577984, +4.9%); both inside every band the other tests use."""
     import seqpar
     from seqpar.bench.attention import BenchShape, make_inputs
     from seqpar.bench.runner import peak_memory
 
-    seq_len, documents = 4160, tuple(range(0, 4160, 64)) + (4160,)
-    bench = BenchShape(batch=1, q_heads=2, kv_heads=2, head_dim=8, dtype="float32", head_chunks=1)
+    q_heads, kv_heads, head_dim, head_chunks = heads
+    bench = BenchShape(batch=1, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                       head_chunks=head_chunks)
     device = torch.device("cpu")
 
     def step() -> None:
         q, k, v, dout = make_inputs(bench, seq_len, device, 0)
-        seqpar.attention(q, k, v, causal=True, head_chunks=1, cu_seqlens=documents).backward(dout)
+        seqpar.attention(q, k, v, causal=True, head_chunks=head_chunks, cu_seqlens=documents).backward(dout)
 
     peak = peak_memory(step, device, repeats=3)
-    est = estimate_attention_memory(seq_len, world_size=1, mode="single", batch=1, q_heads=2, kv_heads=2, head_dim=8,
-                                    dtype="float32", causal=True, head_chunks=1, cu_seqlens=documents)
+    est = estimate_attention_memory(seq_len, world_size=1, mode="single", batch=1, q_heads=q_heads, kv_heads=kv_heads,
+                                    head_dim=head_dim, dtype=dtype, causal=True, head_chunks=head_chunks,
+                                    cu_seqlens=documents)
     assert est == peak, (peak, est, est / peak - 1)
