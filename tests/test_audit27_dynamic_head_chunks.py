@@ -39,6 +39,8 @@ def _calls(rank: int, world: int) -> dict:
         out = {
             # 8 / 4 heads, head_chunks 2: 2 K/V heads a rank in a pair, 1 in the group of 4 (which 2 does not divide)
             "largest_size": _outcome(8, 4, 2, pair),
+            # 16 / 8 heads, head_chunks 4: 4 K/V heads a rank in a pair, 2 in the group of 4
+            "largest_size_hc4": _outcome(16, 8, 4, pair),
             # 6 / 3 heads, head_chunks 3: a pair splits the 3 K/V heads unevenly (2 on the busier rank), refused
             # there; a one-rank group holds all 3
             "uneven_pair": _outcome(6, 3, 3, mixed),
@@ -60,11 +62,17 @@ def test_a_size_larger_than_the_calls_group_is_checked_on_every_rank(outcomes: l
     """8 / 4 heads, ``head_chunks=2``, the call on a pair: the planner may hand a micro-batch the group of 4, whose
     ranks hold 1 K/V head each; refused by name on every rank now, not at that step on that group's ranks alone.
 
+    The same with 16 / 8 heads and ``head_chunks=4`` (2 K/V heads a rank in the group of 4).
+
     Seen failing: with the last (largest) dynamic size left out of the check (``manager.dynamic_sizes[:-1]``): "ran"
-    on every rank."""
+    on every rank; with the check run only for ``head_chunks=2`` (``head_chunks != 2`` for ``== "auto"`` in its
+    guard): the ``head_chunks=4`` call "ran" on every rank; with ``is_dynamic_group`` knowing only the first of the
+    rank's dynamic groups: "ran"."""
     for rank, got in enumerate(outcomes):
         assert "head_chunks=2 does not divide the 1 K/V heads each rank holds in a dynamic-CP group of 4" \
             in got["largest_size"], (rank, got)
+        assert "head_chunks=4 does not divide the 2 K/V heads each rank holds in a dynamic-CP group of 4" \
+            in got["largest_size_hc4"], (rank, got)
 
 
 def test_a_group_of_the_users_own_is_judged_by_its_own_size(outcomes: list[dict]) -> None:

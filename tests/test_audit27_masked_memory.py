@@ -4,7 +4,7 @@ most 10% over: tests/test_memory_masks.py's band (-2% .. +10%) let estimate term
 one of its cases is exact to the byte; an estimate users size jobs by must not be under. Plus a case none of its 19
 reach: GQA at batch 2 with the bf16 dK/dV wire and sinks, P = 2, S = 64 (the forward's receive buffers decide it).
 
-Measured (2-core VM under load), bytes: see each case's id in CASES; every one equals its estimate to the byte.
+Measured (2-core VM under load), bytes, each equal to its estimate: 1296800, 180736, 250400, 84096 (CASES' order).
 """
 
 from __future__ import annotations
@@ -60,22 +60,21 @@ def measure(ctx, seq_len: int, dtype: str, causal: bool, sharding: str | None, s
 def test_masked_ring_estimate_is_never_under_the_measured_peak(dist_pool, world: int, seq_len: int, dtype: str,  # noqa: ANN001
                                                                causal: bool, sharding, shape: tuple, masks: dict,
                                                                wire: str) -> None:
-    """The largest rank's measured peak against the estimate: at least the peak (to 0.1%), at most 10% over.
+    """The largest rank's measured peak against the estimate: at least the peak, at most 10% over.
 
     Seen failing (each estimate under the peak): a stacked group's inputs without their lse rows
     (``_group_sizes``' ``n * u.la`` dropped: P4_fp32_causal_window_contiguous -0.47%); the forward's first piece
     taken as the accumulators in low precision too (``not u.low`` dropped: P4_bf16_full_docs_mqa_s256 -1.53%); the
     forward's receive buffers made one hop short (``step + 1 < hops[prev]``: the GQA batch-2 case -6.5%); the
     forward moment of head-chunk passes without the full-size out and lse (``(Q + lse) if G > 1``, memory/attention.py:
-    the GQA auto-chunked case -10.8%)."""
+    the GQA auto-chunked case -10.8%); the sink logits' own ``(q_heads,)`` tensor left out (``sink_param = 0``: the
+    GQA batch-2 case 250368 against 250400, 32 bytes under; tests/test_memory_masks.py's band lets it go)."""
     batch, q_heads, kv_heads, head_chunks = shape
     peak = max(dist_pool.pools.run(world, measure, seq_len, dtype, causal, sharding, shape, masks, wire, timeout=540))
     est = estimate_attention_memory(seq_len, world_size=world, mode="ring", batch=batch, q_heads=q_heads,
                                     kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal,
                                     head_chunks=head_chunks, sharding=sharding, dkv_wire_dtype=wire, **masks)
-    # -0.1%: the largest rank's peak moves by a few bytes between runs with the exchange threads' timing (32 bytes
-    # seen, the GQA batch-2 case: 250368 against 250400 once, within the band another time)
-    assert -0.001 <= est / peak - 1 <= 0.10, (peak, est, est / peak - 1)
+    assert 0 <= est / peak - 1 <= 0.10, (peak, est, est / peak - 1)
 
 
 
