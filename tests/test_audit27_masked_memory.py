@@ -116,3 +116,19 @@ def test_one_process_documents_estimate_is_exact(seq_len: int, dtype: str, heads
                                     head_dim=head_dim, dtype=dtype, causal=True, head_chunks=head_chunks,
                                     cu_seqlens=documents)
     assert est == peak, (peak, est, est / peak - 1)
+
+
+@pytest.mark.timeout(600)
+def test_masked_ring_estimate_with_head_chunks_is_exact(dist_pool) -> None:  # noqa: ANN001
+    """P = 2, fp32, causal (zigzag), window 190, 8 / 8 heads, ``head_chunks=2``, S = 512: each pass's accumulators are
+    copied into the gradients' slices and freed before the ring's hops; the estimate equals the largest rank's
+    measured peak to the byte (1912832), as the masked replay is documented to (exact on CPU).
+
+    Seen failing: the own block's accumulators kept through the hops in head-chunk passes (``if into:`` ``acc``
+    release dropped in seqpar/memory/masked.py's backward): 1956592, +2.3%, inside every band the other tests use
+    (P4_fp32_causal_docs_balanced_hc4 of tests/test_memory_masks.py: +6.3%)."""
+    shape, masks = (1, 8, 8, 2), {"window": 190}
+    peak = max(dist_pool.pools.run(2, measure, 512, "float32", True, None, shape, masks, "fp32", timeout=540))
+    est = estimate_attention_memory(512, world_size=2, mode="ring", batch=1, q_heads=8, kv_heads=8, head_dim=16,
+                                    dtype="float32", causal=True, head_chunks=2, **masks)
+    assert est == peak, (peak, est, est / peak - 1)
