@@ -1,8 +1,11 @@
 """The ring's memory estimate under documents, windows, chunks and sinks (seqpar.memory.masked, replaying the plan the
 ring runs) against the largest rank's measured peak (MemTracker: exact CPU tensor accounting), never under and at
 most 10% over: tests/test_memory_masks.py's band (-2% .. +10%) let estimate terms worth up to 1.5% go, though every
-one of its cases is exact to the byte; an estimate users size jobs by must not be under. Plus a case none of its 19
-reach: GQA at batch 2 with the bf16 dK/dV wire and sinks, P = 2, S = 64 (the forward's receive buffers decide it).
+one of its cases is exact to the byte; an estimate users size jobs by must not be under. Plus two cases none of its
+19 reach (GQA at batch 2 with the bf16 dK/dV wire and sinks, P = 2, S = 64, where the forward's receive buffers decide
+the peak; GQA with automatic head chunks under documents and chunks, where the forward's full-size out does), and
+three cases asserted exact to the byte (one process over stacked documents, one process in bf16 with two head chunks,
+two ranks with two head chunks), where the band let over-counts of +0.5% to +9% through.
 
 Measured (2-core VM under load), bytes, each equal to its estimate: 1296800, 180736, 250400, 84096 (CASES' order).
 """
