@@ -85,17 +85,14 @@ def test_a_group_of_the_users_own_is_judged_by_its_own_size(outcomes: list[dict]
         assert got["own_group"] == "ran", (rank, got)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug (reports/mut27.md): _check_head_chunks_every_dynamic_size skips "
-                                       "uneven head splits (`split.even and ...`), so a pair's uneven split refuses "
-                                       "on the pair's ranks alone")
 def test_an_uneven_split_at_a_dynamic_size_is_refused_on_every_rank(outcomes: list[dict]) -> None:
     """6 / 3 heads, ``head_chunks=3``, a step planned as the pair {0, 1} beside two one-rank groups: the pair splits
     the 3 K/V heads unevenly (the busier rank 2), which 3 does not divide, and its ranks refuse; the one-rank groups
     (3 K/V heads) must refuse too, or they go on into the step's next collective while the pair has raised (the
-    hang of fuzz case 1844892924, for an uneven split). The check skips uneven splits, so ranks 2 and 3 run.
+    hang of fuzz case 1844892924, for an uneven split).
 
-    Seen failing: on the code as it is (hence the strict xfail): ranks 0, 1 "head_chunks=3 does not divide the 2 K/V
-    heads each of the 2 Ulysses ranks holds", ranks 2, 3 "ran". Seen passing with ``split.even and`` dropped from
-    the check's condition."""
+    Seen failing: with the check's condition ``split.even and split.kv_per_rank % head_chunks`` (before the fix):
+    ranks 0, 1 "head_chunks=3 does not divide the 2 K/V heads each of the 2 Ulysses ranks holds", ranks 2, 3
+    "ran". Passing since ``split.even and`` was dropped."""
     for rank, got in enumerate(outcomes):
         assert "head_chunks=3" in got["uneven_pair"], (rank, got)

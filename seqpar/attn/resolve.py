@@ -202,7 +202,8 @@ def _check_head_chunks_every_dynamic_size(head_chunks: int | str, q: Tensor, k: 
         if u == 1:
             continue
         split = head_split(q_heads, kv_heads, u, sp_size=u, mode="ulysses", tp=manager.tp_size)
-        if split.even and split.kv_per_rank % head_chunks:
+        # uneven splits too: the Ulysses plan checks head_chunks against kv_per_rank for every split (audit 27, H3)
+        if split.kv_per_rank % head_chunks:
             raise ValueError(
                 f"head_chunks={head_chunks} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
                 f"dynamic-CP group of {u} under mode='ulysses' (of the call's {kv_heads}; the planner may hand a "
