@@ -255,6 +255,10 @@ class _ActivationBytes(NamedTuple):
     at_loss: int
     mlp_transient: int
     after_attention: int = 0
+    mlp_holds_grads: bool = False
+    """The tiled MLP: ``mlp_transient`` is its backward's whole moment, the MLP weights' gradient included (its
+    accumulator and one chunk's gradient); the layer's other gradients are not made yet (attention's backward runs
+    after the MLP's)."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -348,7 +352,8 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         mlp_transient = 3 * m.intermediate_size * rows * e
     # the MLP's saved intermediates are gone once its backward ran, before attention's backward
     after_attention = 4 * m.intermediate_size * e * rows if tiled_mlp is False else 0
-    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention)
+    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention,
+                            mlp_holds_grads=tiled_mlp is not False)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -420,9 +425,12 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         "loss_backward": static + acts.at_loss + logits,
         # the last layer's backward (the first to run): the head's gradient made, the layer's own
         # whole gradients in flight, attention's transients (its MLP's saved tensors freed by then)
-        # or the tiled MLP's
-        "layer_backward": static + acts.backward + head_grad + p_layer * e + comm
-        + max(attention - acts.after_attention, acts.mlp_transient, 0),
+        # or the MLP's. The tiled MLP's transient already holds the MLP weights' gradient (accumulator
+        # + one chunk's) and nothing else of the layer's is made yet: adding the layer's whole
+        # gradients too counted 3 h I e twice (measured at FSDP2, 2 and 3 chunks: tests/test_training_memory.py)
+        "layer_backward": static + acts.backward + head_grad + comm
+        + max(p_layer * e + max(attention - acts.after_attention, 0),
+              acts.mlp_transient + (0 if acts.mlp_holds_grads else p_layer * e)),
         # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
         # reduce-scatter input while the last whole gradient is still alive, and the output shard),
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
