@@ -234,7 +234,8 @@ def test_tiled_mlp_of_one_chunk_is_the_untiled_mlp(capsys: pytest.CaptureFixture
     """``tiled_mlp="auto"`` at fewer local rows than the hidden size makes one chunk, and seqpar's tiled MLP then calls
     the MLP as it is (seqpar.memory.tiling: ``chunks == 1`` runs ``original(x)``): the whole-step estimate is the
     untiled one, every figure; with more chunks (Llama-3-8B on 8 GPUs from 64K tokens) tiling never needs more.
-    The memory CLI at 24 GB per GPU: every tiled-MLP row fits at least the AC-only row's 8K.
+    The memory CLI at 24 GB per GPU: the tiled-MLP row fits what the tiled-loss row fits, and every row with offload
+    at least the AC-only row's 8K.
 
     Seen failing: the estimate before session 27, which counted the tiled MLP's fp32 weight-gradient accumulator at
     one chunk (``mlp_rows >= rows`` not taken as untiled in ``_activation_bytes``): 23.37 GiB tiled against 22.49
@@ -251,8 +252,12 @@ def test_tiled_mlp_of_one_chunk_is_the_untiled_mlp(capsys: pytest.CaptureFixture
         assert tiled <= estimate_training_memory("llama3-8b", seq_len=seq, tiled_mlp=False, **kw)["peak"], seq
     assert main(["memory", "--model", "llama3-8b", "--gpus", "8", "--gpu-mem", "24", "--no-progress"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("8 ")]
-    assert len(rows) == 7 and all(" - " not in line[:90] for line in rows), rows
-    assert all("8K" in line[:90] or "16K" in line[:90] or "24K" in line[:90] for line in rows), rows
+    assert len(rows) == 7, rows
+    # the tiled-MLP row fits what the row without it fits: at 1K rows a rank the MLP is one chunk. (Both fit nothing
+    # since est27c: at 8K the tiled loss's term, 2.94 GiB with the head's bf16 gradient cast from its fp32
+    # accumulator, is above the untiled loss's 1.71 GiB; tests/test_memory_tiled_loss_bf16.py measures it.)
+    assert rows[2][10:90].split()[-2] == rows[1][10:90].split()[-2], rows
+    assert all("8K" in line[:90] or "16K" in line[:90] or "24K" in line[:90] for line in rows[:1] + rows[3:]), rows
 
 
 def test_model_memory_cli_takes_the_data_mask(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
