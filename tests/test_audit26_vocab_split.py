@@ -19,6 +19,34 @@ import torch.nn.functional as F
 VOCAB, HIDDEN, LARGEST = 11, 8, 6  # slices of 6 and 5 rows
 
 
+def one_process_reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> tuple:
+    """``(loss sum, hidden with its grad, weight with its grad)``: float64 cross entropy over the whole head."""
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w_ref.T).reshape(-1, weight.shape[0]), targets.reshape(-1), ignore_index=-100,
+                          reduction="sum")
+    ref.backward()
+    return ref, h_ref, w_ref
+
+
+def assert_slice_matches(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, piece: tuple[int, int],
+                         split: object, chunk_rows: int | None, reference: tuple) -> None:
+    """``tiled_lm_loss`` on this rank's slice ``piece = (vocab_start, rows)`` of ``weight`` (``vocab_split=split``)
+    against :func:`one_process_reference`: the loss sum, the count, the hidden states' gradient and the slice's."""
+    from seqpar.memory import tiling
+
+    (start, rows), (ref, h_ref, w_ref) = piece, reference
+    h = hidden.clone().requires_grad_()
+    w = weight[start:start + rows].clone().requires_grad_()
+    loss_sum, count = tiling.tiled_lm_loss(h, w, targets, chunk_rows=chunk_rows, vocab_split=split)
+    loss_sum.backward()
+    torch.testing.assert_close(loss_sum.detach().double(), ref.detach(), rtol=1e-10, atol=0)
+    assert int(count) == int((targets != -100).sum()), (count, chunk_rows)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-10, atol=1e-12,
+                               msg=lambda m, c=chunk_rows: f"hidden grad, chunk_rows={c}: {m}")
+    torch.testing.assert_close(w.grad, w_ref.grad[start:start + rows], rtol=1e-10, atol=1e-12,
+                               msg=lambda m, c=chunk_rows: f"head slice grad, chunk_rows={c}: {m}")
+
+
 def _slice(tp_rank: int) -> tuple[int, int]:
     """``(vocab_start, rows)`` of this TP rank's slice."""
     return (0, LARGEST) if tp_rank == 0 else (LARGEST, VOCAB - LARGEST)
@@ -42,26 +70,14 @@ def _direct(rank: int, world: int) -> dict:
     targets = torch.randint(0, VOCAB, (2, 7), generator=g)
     targets[0, 2:4] = -100
     targets[1, 6] = VOCAB - 1  # the last slice's last row
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = F.cross_entropy((h_ref @ w_ref.T).reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100,
-                          reduction="sum")
-    ref.backward()
+    ref, h_ref, w_ref = one_process_reference(hidden, weight, targets)
     split = VocabSplitHead(pair, start, VOCAB, LARGEST)
     out: dict = {}
     max_elements = tiling.MAX_LOSS_CHUNK_ELEMENTS
     try:
         for chunk_rows in (4, None):
             tiling.MAX_LOSS_CHUNK_ELEMENTS = 15
-            h = hidden.clone().requires_grad_()
-            w = weight[start:start + rows].clone().requires_grad_()
-            loss_sum, count = tiling.tiled_lm_loss(h, w, targets, chunk_rows=chunk_rows, vocab_split=split)
-            loss_sum.backward()
-            torch.testing.assert_close(loss_sum.detach().double(), ref.detach(), rtol=1e-10, atol=0)
-            assert int(count) == int((targets != -100).sum()), (count, chunk_rows)
-            torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-10, atol=1e-12,
-                                       msg=lambda m, c=chunk_rows: f"hidden grad, chunk_rows={c}: {m}")
-            torch.testing.assert_close(w.grad, w_ref.grad[start:start + rows], rtol=1e-10, atol=1e-12,
-                                       msg=lambda m, c=chunk_rows: f"head slice grad, chunk_rows={c}: {m}")
+            assert_slice_matches(hidden, weight, targets, (start, rows), split, chunk_rows, (ref, h_ref, w_ref))
             out[chunk_rows] = "exact"
     finally:
         tiling.MAX_LOSS_CHUNK_ELEMENTS = max_elements

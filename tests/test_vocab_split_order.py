@@ -8,7 +8,6 @@ survivor T16: the slice check's coverage walk had no test of an unsorted split).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 VOCAB, HIDDEN = 11, 8
 SLICES = {0: (5, 6), 1: (0, 5)}  # tp rank -> (vocab_start, rows): rank 0 holds ids 5..10, rank 1 ids 0..4
@@ -18,8 +17,8 @@ def _reversed_split(rank: int, world: int) -> str:
     """On 2 gloo ranks, the pair as the TP group, rows out of rank order: loss, count and every gradient against
     one process's float64 cross entropy over the whole head, at 4-row tiles and the automatic tile."""
     import torch.distributed as dist
+    from test_audit26_vocab_split import assert_slice_matches, one_process_reference
 
-    from seqpar.memory import tiling
     from seqpar.sequence.vocab_parallel import VocabSplitHead
 
     start, rows = SLICES[rank]
@@ -30,20 +29,10 @@ def _reversed_split(rank: int, world: int) -> str:
     targets[0, 1] = 0
     targets[1, 3] = VOCAB - 1
     targets[1, 5] = -100
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = F.cross_entropy((h_ref @ w_ref.T).reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100,
-                          reduction="sum")
-    ref.backward()
+    reference = one_process_reference(hidden, weight, targets)
     split = VocabSplitHead(dist.group.WORLD, start, VOCAB, max(r for _, r in SLICES.values()))
     for chunk_rows in (4, None):
-        h = hidden.clone().requires_grad_()
-        w = weight[start:start + rows].clone().requires_grad_()
-        loss_sum, count = tiling.tiled_lm_loss(h, w, targets, chunk_rows=chunk_rows, vocab_split=split)
-        loss_sum.backward()
-        torch.testing.assert_close(loss_sum.detach().double(), ref.detach(), rtol=1e-10, atol=0)
-        assert int(count) == int((targets != -100).sum()), (count, chunk_rows)
-        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(w.grad, w_ref.grad[start:start + rows], rtol=1e-10, atol=1e-12)
+        assert_slice_matches(hidden, weight, targets, (start, rows), split, chunk_rows, reference)
     return "exact"
 
 
