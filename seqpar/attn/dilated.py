@@ -237,8 +237,15 @@ def dilated_attention(
         mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"},
                            dkv_wire_dtype=dkv_wire_dtype)
     check_local(q, k, v, world_size=world, sharding=sharding)
-    check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
-                  seq_local=q.shape[2], world_size=world)
+    if torch.compiler.is_compiling():
+        # Traced, only the shape-free checks run here. A refusal raised while dynamo traces reaches a
+        # fullgraph=True caller as dynamo's "Unsupported: Observed exception", not as this ValueError; the
+        # custom op checks the pattern against the real sizes when it runs (dilated_ops), where the
+        # ValueError propagates as in eager, and no guard on the symbolic length is made here.
+        check_pattern(segment_lengths, dilation_rates, head_layout=head_layout)
+    else:
+        check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
+                      seq_local=q.shape[2], world_size=world)
     opts = DilatedOptions(
         segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=bool(causal),
         scale=float(q.shape[-1] ** -0.5 if scale is None else scale), mode=mode, head_layout=head_layout,

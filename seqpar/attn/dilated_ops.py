@@ -1,6 +1,7 @@
 """The compiled form of :func:`seqpar.attn.dilated.dilated_attention`: the custom ops ``seqpar::dilated_fwd`` and
-``seqpar::dilated_bwd``, which plan from the real sizes when they run (so a traced call guards nothing on the local
-length: ``tests/test_compile_dilated_dynamic.py``)."""
+``seqpar::dilated_bwd``, which check the pattern against the real sizes and plan from them when they run: a traced
+call guards nothing on the local length (``tests/test_compile_dilated_dynamic.py``), and a refusal of the sizes is
+eager's ValueError even under ``fullgraph=True`` (``tests/test_compile_refusals.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from seqpar.attn.dilated_plan import DilatedOptions, DilatedPlan, plan_dilated
+from seqpar.attn.dilated_plan import DilatedOptions, DilatedPlan, check_pattern, plan_dilated
 from seqpar.attn.dilated_schedule import dilated_backward, dilated_forward, output_in_layout
 from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.segment import SegmentComm
@@ -29,6 +30,11 @@ def _plan(q: Tensor, k: Tensor, group: str, segment_lengths: list[int], dilation
     opts = DilatedOptions(segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=causal,
                           scale=scale, mode=mode, head_layout=head_layout, dkv_wire_dtype=dkv_wire_dtype)
     rank, world = (0, 1) if pg is None else (dist.get_rank(pg), dist.get_world_size(pg))
+    # the shape-dependent checks, which the traced call left to the op: the sizes are real here, so the
+    # refusal is eager's ValueError, raised on every rank alike before any exchange (the traced one
+    # would reach a fullgraph=True caller as dynamo's Unsupported)
+    check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
+                  seq_local=q.shape[2], world_size=world)
     plan = plan_dilated(opts, q_heads=q.shape[1], kv_heads=k.shape[1], seq_local=q.shape[2], rank=rank, world_size=world)
     return plan, {p: SegmentComm(pg, pat.first, pat.span) for p, pat in enumerate(plan.patterns) if pat.span > 1}
 

@@ -90,11 +90,12 @@ def check_pattern(
         )
     if seq_local is None:
         return
-    # Traced with a symbolic local length (torch.compile, dynamic=True) each test below is one guard on the
-    # call's validity, true for every valid length alike, so a new length reuses the graph. Two separate
-    # tests of the straddle (``seq_local % w``, then ``w % seq_local``) guarded on which side held: a pattern
-    # local at one length and spanning at the next recompiled. (A refusal's f-string of a symbolic length is a
-    # graph break, dynamo's BUILD_STRING: the frame then runs eagerly and raises this message.)
+    # Under torch.compile these run inside the custom op, at the real sizes (dilated_attention passes no shapes
+    # while tracing): a refusal raised in a trace reaches a fullgraph=True caller as dynamo's "Unsupported:
+    # Observed exception". Should a trace call this with a symbolic length, each test below is one guard on the
+    # call's validity, true for every valid length alike: two separate tests of the straddle (``seq_local % w``,
+    # then ``w % seq_local``) guarded on which side held, and a pattern local at one length and spanning at the
+    # next recompiled.
     seq = seq_local * world_size
     for w in ws:
         if seq % w != 0:
