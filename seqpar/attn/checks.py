@@ -109,7 +109,7 @@ class GpuCall:
         return self.batch * (self.q_heads // chunks) * math.ceil(max(rows, 1) / FLASH_TILE_ROWS)
 
 
-def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | None = None, *,
+def resolve_head_chunks(head_chunks: int | str, kv_heads: int | None, gpu: GpuCall | None = None, *,
                         share: str = "") -> int:
     """The number of head passes over ``kv_heads`` K/V heads (the call's, or under Ulysses each rank's share of
     them, which ``share`` then names for the error: the caller's tensor has more heads than the message's
@@ -120,6 +120,9 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | No
       ``kv_heads``) that fit, never so many that a kernel call falls below one wave of the GPU (a flash
       tile per SM, :meth:`GpuCall.tiles`): where both cannot hold, the wave wins;
     - elsewhere: the largest divisor of ``kv_heads`` that is at most :data:`AUTO_HEAD_CHUNKS`.
+
+    ``kv_heads=None`` (an int ``head_chunks`` only): validate the value but not that it divides the heads, which a
+    traced multi-rank call leaves to its custom op (:mod:`seqpar.attn.ops`), at the real head count.
     """
     if head_chunks == "auto":
         divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
@@ -132,7 +135,7 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int, gpu: GpuCall | No
         return next((c for c in allowed if need / c <= budget), allowed[-1])
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
         raise ValueError(f"head_chunks={head_chunks!r} is invalid: pass a positive integer or 'auto'")
-    if kv_heads % head_chunks:
+    if kv_heads is not None and kv_heads % head_chunks:
         divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
         raise ValueError(
             f"head_chunks={head_chunks} does not divide the {kv_heads} K/V heads{share}: choose one of {divisors} or "
@@ -169,9 +172,10 @@ def check_options(mode: str, sharding: str) -> None:
         raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
 
 
-def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str) -> None:
+def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: str, length: bool = True) -> None:
     """Shapes, dtypes and devices of one rank's q, k ``(batch, heads, seq_local, head_dim)`` and v
-    ``(batch, kv_heads, seq_local, v_head_dim)`` (V's head dim may differ from q/k's: MLA)."""
+    ``(batch, kv_heads, seq_local, v_head_dim)`` (V's head dim may differ from q/k's: MLA). ``length=False``
+    leaves out :func:`check_local_length`, which a traced multi-rank call leaves to its custom op."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -202,9 +206,17 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
         )
     if q.shape[2] == 0:
         raise ValueError("seq_local is 0: every rank needs at least one token of the sequence")
-    if sharding == "zigzag" and q.shape[2] % 2:
+    if length:
+        check_local_length(q.shape[2], world_size=world_size, sharding=sharding)
+
+
+def check_local_length(seq_local: int, *, world_size: int, sharding: str) -> None:
+    """Zigzag's two chunks per rank need an even local length. Under ``torch.compile`` a multi-rank call runs
+    this in its custom op, at the real length (:mod:`seqpar.attn.ops`): raised while dynamo traces, a refusal
+    reaches a ``fullgraph=True`` caller as dynamo's "Unsupported: Observed exception" instead."""
+    if sharding == "zigzag" and seq_local % 2:
         raise ValueError(
-            f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={q.shape[2]}: "
+            f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={seq_local}: "
             f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sequence.sharding.pad_to_multiple) "
             f"or use sharding='contiguous'"
         )

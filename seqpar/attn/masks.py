@@ -221,10 +221,11 @@ def _int_digest(value: object) -> int:
 
 def check_mask_inputs(
     bounds: tuple[int, ...] | None, window: object, sinks: object, *, q: Tensor, seq_len: int,
-    world: int = 1, sharding: str = "contiguous", chunk_size: object = None,
+    world: int = 1, sharding: str = "contiguous", chunk_size: object = None, check_end: bool = True,
 ) -> None:
     """Raise ValueError/TypeError naming the problem and the fix (the same verdict on every rank,
-    once the ranks are known to agree on these inputs)."""
+    once the ranks are known to agree on these inputs). ``check_end=False``: not that ``bounds`` end at
+    ``seq_len``, which a traced multi-rank call leaves to its custom op (:mod:`seqpar.attn.ops`)."""
     if sharding == "balanced":
         num_chunks(world, sharding, seq_len=seq_len)  # raises with the padding to use
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
@@ -238,7 +239,7 @@ def check_mask_inputs(
             "key j only inside the same chunk of chunk_size tokens of its document) or None for no chunks"
         )
     if bounds is not None:
-        check_boundary_values(bounds, seq_len)
+        check_boundary_values(bounds, seq_len if check_end else None)
         if q.shape[0] != 1:
             raise ValueError(
                 f"cu_seqlens needs batch 1 (documents packed into one sequence, as flash varlen), got batch "
@@ -252,12 +253,14 @@ def check_mask_inputs(
             raise TypeError(f"sinks must be a floating-point tensor on {q.device}; got {sinks.dtype} on {sinks.device}")
 
 
-def check_boundary_values(bounds: tuple[int, ...], seq_len: int) -> None:
+def check_boundary_values(bounds: tuple[int, ...], seq_len: int | None) -> None:
     """Raise ValueError unless ``bounds`` are document boundaries ``[0, l1, l1 + l2, ..., seq_len]``
     (non-decreasing: a repeated entry is a zero-length document, dropped by :func:`document_bounds`). Also run
-    at run time inside the compiled ops, which read boundary tensors that tracing could not
-    (:mod:`seqpar.attn.ops`)."""
-    fix = f"pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P = {seq_len}"
+    at run time inside the compiled ops, which read boundary tensors that tracing could not, and check that
+    boundaries given as ints end at the real length (:mod:`seqpar.attn.ops`). ``seq_len=None``: the end is
+    not checked (a traced call, whose length is symbolic: see :func:`check_mask_inputs`)."""
+    fix = ("pass the global boundaries [0, l1, l1 + l2, ..., S] with S = seq_local * P"
+           + ("" if seq_len is None else f" = {seq_len}"))
     if len(bounds) < 2 or bounds[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least [0, S]; got {_show(bounds)}: {fix}")
     bad = next((i for i in range(1, len(bounds)) if bounds[i] < bounds[i - 1]), None)
@@ -266,7 +269,7 @@ def check_boundary_values(bounds: tuple[int, ...], seq_len: int) -> None:
             f"cu_seqlens must not decrease (a repeated entry, a zero-length document, is allowed); got "
             f"{bounds[bad - 1]} then {bounds[bad]} at index {bad}: {fix}"
         )
-    if bounds[-1] != seq_len:
+    if seq_len is not None and bounds[-1] != seq_len:
         raise ValueError(f"cu_seqlens must end at the global sequence length {seq_len}, got {bounds[-1]}: {fix}")
 
 

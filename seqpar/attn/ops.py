@@ -43,15 +43,16 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
+from seqpar.attn.checks import check_local_length, resolve_head_chunks
 from seqpar.attn.common import AttentionOptions, SingleRank
-from seqpar.attn.masks import document_bounds, host_boundaries
+from seqpar.attn.masks import check_boundary_values, document_bounds, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
 from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "compiled_attention", "comm_size"]
+__all__ = ["OP_ALGORITHMS", "check_sizes", "compiled_attention", "comm_size"]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
@@ -76,6 +77,18 @@ def _flat(opts: AttentionOptions) -> tuple[Any, ...]:
     return (opts.causal, opts.scale, opts.sharding, opts.overlap, opts.head_chunks, opts.window,
             None if opts.cu_seqlens is None else list(opts.cu_seqlens), opts.chunk_size, opts.softcap,
             opts.dkv_wire_dtype)
+
+
+def check_sizes(q: Tensor, k: Tensor, *, world: int, sharding: str, head_chunks: int,
+                cu_seqlens: list[int] | None) -> None:
+    """The checks a traced multi-rank call leaves to its op (:func:`seqpar.attn.resolve.resolve_attention`), made
+    here at the real sizes: zigzag's even local length, ``head_chunks`` dividing the K/V heads, boundaries given
+    as ints ending at the global length. Raised in the op, a refusal is eager's ValueError even under
+    ``torch.compile(fullgraph=True)``, on every rank alike (the sizes agree) and before any exchange."""
+    check_local_length(q.shape[2], world_size=world, sharding=sharding)
+    resolve_head_chunks(head_chunks, k.shape[1])
+    if cu_seqlens is not None:
+        check_boundary_values(tuple(cu_seqlens), q.shape[2] * world)
 
 
 def _comm(algorithm: str, name: str) -> Any:
@@ -105,6 +118,7 @@ def attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of one rank (see the module)."""
     comm = _comm(algorithm, group)
+    check_sizes(q, k, world=comm_size(comm), sharding=sharding, head_chunks=head_chunks, cu_seqlens=cu_seqlens)
     opts = _options(causal, scale, sharding, overlap, head_chunks, window, cu_seqlens, chunk_size, softcap, dkv_wire_dtype,
                     documents, q.shape[2] * comm_size(comm))
     if algorithm == "allgather":
@@ -194,6 +208,8 @@ def ulysses_fwd(
 ) -> tuple[Tensor, list[Tensor]]:
     """Ulysses (``ring_group=""``) or hybrid forward: ``out`` like q and, per head chunk, the head-layout
     ``q, k, v, out, lse`` the backward reads (contiguous)."""
+    check_sizes(q, k, world=_ulysses_world(group, ring_group), sharding=sharding, head_chunks=inner_head_chunks,
+                cu_seqlens=cu_seqlens)
     opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
                     dkv_wire_dtype, documents, q.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)

@@ -293,9 +293,14 @@ def resolve_attention(
     check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
-    check_local(qb, kb, vb, world_size=world, sharding=sharding)
+    # Traced on more than one rank, the checks of the local length and the K/V head count are left to the custom op,
+    # which makes them at the real sizes when it runs (seqpar.attn.ops): a refusal raised while dynamo traces reaches
+    # a fullgraph=True caller as dynamo's "Unsupported: Observed exception" (or a BUILD_STRING break on a symbolic
+    # size), not as the ValueError naming the fix. (World 1 may run torch's SDPA, no op: it checks here.)
+    in_op = world > 1 and torch.compiler.is_compiling()
+    check_local(qb, kb, vb, world_size=world, sharding=sharding, length=not in_op)
     check_mask_inputs(bounds, window, sinks, q=qb, seq_len=qb.shape[2] * world, world=world, sharding=sharding,
-                      chunk_size=chunk_size)
+                      chunk_size=chunk_size, check_end=not in_op)
     if bounds is not None:  # checked: now without zero-length documents (repeats), which no plan needs to see
         bounds = drop_empty_documents(bounds)
     _check_softcap(softcap, qb)
@@ -310,7 +315,9 @@ def resolve_attention(
         )
     opts = AttentionOptions(
         causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
-        overlap=overlap, head_chunks=resolve_head_chunks(head_chunks, kb.shape[1], GpuCall.of(qb, kb, vb, world)),
+        overlap=overlap,
+        head_chunks=resolve_head_chunks(head_chunks, None if in_op and head_chunks != "auto" else kb.shape[1],
+                                        GpuCall.of(qb, kb, vb, world)),
         window=window, cu_seqlens=bounds,
         chunk_size=chunk_size, softcap=None if softcap is None else float(softcap), dkv_wire_dtype=dkv_wire_dtype,
     )
