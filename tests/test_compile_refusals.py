@@ -1,0 +1,115 @@
+"""A refusal of a compiled call's sizes reaches a ``torch.compile(fullgraph=True)`` caller as eager's ValueError.
+
+Dynamo (torch 2.13) turns any exception raised while it traces into its own ``Unsupported: Observed exception``
+under ``fullgraph=True`` (the message survives only as "Developer debug context"), and an f-string of a symbolic
+size can fail first (``BUILD_STRING type error``, which loses the message). So the checks of sizes that a
+traced call can hold symbolically (the local length, the head counts) are made inside seqpar's custom ops, at
+the real sizes, where the exception propagates unchanged: :mod:`seqpar.attn.dilated_ops` (the dilated pattern
+against the length and head count) and :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
+``head_chunks`` against the K/V heads, boundaries given as ints against the global length).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+WORLD = 2
+
+# name -> (function kwargs, [(q_heads, kv_heads, seq_local) valid, then refused]); P = 2, head dim 6
+CASES = {
+    # segment 32 spans both ranks at seq_local 16, and straddles them unevenly at 48 (dil27's open case)
+    "dilated_straddle": ({"dilated": True, "segment_lengths": (32,), "dilation_rates": (1,)}, [(4, 2, 16), (4, 2, 48)]),
+    # a segment of 16 divides the global length 2 * 16 but not 2 * 12
+    "dilated_length": ({"dilated": True, "segment_lengths": (16,), "dilation_rates": (2,)}, [(4, 2, 16), (4, 2, 12)]),
+    # grouped heads split evenly among the 3 patterns: 6 query heads do, 4 do not
+    "dilated_grouped_heads": ({"dilated": True, "segment_lengths": (4, 8, 16), "dilation_rates": (1, 2, 4),
+                               "head_layout": "grouped"}, [(6, 2, 16), (4, 2, 16)]),
+    "zigzag_odd_length": ({"mode": "ring", "sharding": "zigzag"}, [(4, 2, 8), (4, 2, 9)]),
+    "head_chunks": ({"mode": "allgather", "head_chunks": 2}, [(4, 2, 8), (3, 3, 8)]),
+    "ulysses_head_chunks": ({"mode": "ulysses", "head_chunks": 2}, [(4, 4, 8), (6, 3, 8)]),
+    # boundaries as ints: a constant of the graph, ending at 16 = 2 * 8 but not at 2 * 12
+    "documents_ints": ({"mode": "ring", "cu_seqlens": (0, 5, 16)}, [(4, 2, 8), (4, 2, 12)]),
+    # boundaries as a tensor (read in the op since session 26): ending at S + 1 at the second length
+    "documents_tensor": ({"mode": "ring", "cu_seqlens": "tensor"}, [(4, 2, 8), (4, 2, 12)]),
+}
+
+
+def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
+    """q ``(1, q_heads, seq_local, 6)``, k/v ``(1, kv_heads, seq_local, 6)``: one rank's contiguous (or zigzag) shard."""
+    import seqpar
+    from seqpar.attn.dilated import dilated_attention
+
+    kw = dict(kw)
+    group = torch.distributed.group.WORLD
+    if kw.pop("dilated", False):
+        return dilated_attention(q, k, v, group=group, check_inputs=False, **kw)
+    if kw.get("cu_seqlens") == "tensor":
+        kw["cu_seqlens"] = cu
+    return seqpar.attention(q, k, v, group=group, check_inputs=False, layout="bhsd", **kw)
+
+
+def _inputs(q_heads: int, kv_heads: int, seq_local: int, bad: bool) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(7 * seq_local + q_heads)
+    q, k, v = (torch.randn(1, h, seq_local, 6, generator=g) for h in (q_heads, kv_heads, kv_heads))
+    seq = WORLD * seq_local
+    cu = torch.tensor([0, 3, seq + 1 if bad else seq])  # the refused call's boundaries overrun S by one
+    return q, k, v, cu
+
+
+def _error(fn, *args) -> tuple[str, str] | None:  # noqa: ANN001
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - what reaches the caller is the point
+        return type(e).__name__, str(e)
+    return None
+
+
+def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
+    """Worker body: per case, one ``torch.compile(dynamic=True, fullgraph=True)`` function called at the valid
+    sizes and then at the refused ones, and (dynamic=False) a fresh one whose first call is the refused one.
+    Returns per case the three errors (None: no error) and eager's error at the refused sizes."""
+    results = {}
+    for name in names:
+        kw, (good, bad) = CASES[name]
+        eager = _error(_call, *_inputs(*bad, True), kw)
+        torch._dynamo.reset()
+        fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
+        valid = _error(fn, *_inputs(*good, False), kw)
+        dynamic = _error(fn, *_inputs(*bad, True), kw)
+        torch._dynamo.reset()
+        static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True),
+                        *_inputs(*bad, True), kw)
+        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.compile_stage
+def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """Under ``torch.compile(fullgraph=True)``, with symbolic sizes (a second length under ``dynamic=True``) and
+    with static ones (the refused sizes first), each refusal kind raises eager's ValueError, the same text, on
+    both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
+    splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
+    and Ulysses), boundaries given as ints or as a tensor not ending at the global length.
+
+    Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
+    kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
+    exception" (seqpar's text only in its debug context), and with symbolic sizes "BUILD_STRING type error"
+    (``dilated_straddle``, both ``head_chunks`` kinds) or "torch.* op returned non-Tensor" (``dilated_length``:
+    ``math.lcm`` of a symbolic length), neither carrying seqpar's message."""
+    names = list(CASES)
+    per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["eager"] is None or got["eager"][0] != "ValueError":
+                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
+                continue
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            for how in ("dynamic", "static"):
+                if got[how] != got["eager"]:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
