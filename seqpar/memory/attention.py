@@ -192,17 +192,13 @@ def estimate_attention_memory(
                           wire=dkv_wire_dtype)
     masks = _mask_options(seq_len, world=world, causal=causal, cu_seqlens=cu_seqlens, window=window,
                           chunk_size=chunk_size, sinks=sinks, sharding=sharding, mode=mode)
-    if masks is not None and mode == "ulysses":
-        from seqpar.runtime.grid import ulysses_split_even
-
-        if not ulysses_split_even(q_heads, kv_heads, world):
-            raise ValueError(f"the memory estimate does not model masks with an uneven Ulysses head split ({q_heads} "
-                             f"query / {kv_heads} K/V heads over {world} ranks): pass mode='ring', or heads that "
-                             f"{world} divides evenly")
+    if masks is not None and mode == "ulysses":  # masks and / or sinks: the inner attention is replayed
         inner = _InnerRing(causal=causal, seq_len=seq_len, batch=batch, dt=dt, wire=dkv_wire_dtype,
-                           head_dim=head_dim if v_head_dim is None else v_head_dim, opts=masks)
-        return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
-                             acc_bytes=8 if dt == torch.float64 else 4, inner=inner)
+                           head_dim=head_dim if v_head_dim is None else v_head_dim, opts=masks, sinks=sinks)
+        # the sink logits (q_heads,) throughout, and in the backward their zeroed gradient beside them
+        sink_bytes = 2 * q_heads * torch.tensor([], dtype=dt).element_size() if sinks else 0
+        return sink_bytes + _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
+                                          acc_bytes=8 if dt == torch.float64 else 4, inner=inner)
     if masks is not None:
         return _masked_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
                             q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
@@ -301,12 +297,11 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
     closed forms)."""
     if cu_seqlens is None and window is None and chunk_size is None and not sinks and mode != "ring":
         return None  # one process runs plain SDPA; the other modes' closed forms
-    if mode not in ("ring", "single", "ulysses") or (mode == "ulysses" and sinks):
+    if mode not in ("ring", "single", "ulysses"):
         raise ValueError(
-            f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring' (and one "
-            f"process), and documents, windows and chunked attention for mode='ulysses', not "
-            f"mode={mode!r}{' with sinks' if mode == 'ulysses' else ''}: pass mode='ring', or leave out cu_seqlens / "
-            f"window / chunk_size / sinks for the dense figure")
+            f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring', "
+            f"mode='ulysses' and one process, not mode={mode!r}: pass mode='ring' or 'ulysses', or leave out "
+            f"cu_seqlens / window / chunk_size / sinks for the dense figure")
     bounds = None if cu_seqlens is None else host_boundaries(cu_seqlens)
     if bounds is not None:
         bounds = document_bounds(bounds, seq_len)
@@ -448,6 +443,7 @@ class _InnerRing(NamedTuple):
     wire: str
     head_dim: int
     opts: AttentionOptions | None = None  # the mask (Ulysses' inner attention at P = 1); None: plain
+    sinks: bool = False  # the forward's sink merge (Ulysses' inner attention)
 
 
 def _inner_ring(piece: _Sizes, inner: _InnerRing, *, ring: int, q_heads: float, kv_heads: float,
@@ -466,7 +462,7 @@ def _inner_ring(piece: _Sizes, inner: _InnerRing, *, ring: int, q_heads: float, 
     opts = inner.opts or ring_options(causal=inner.causal, sharding="zigzag" if inner.causal else "contiguous",
                                       window=None, cu_seqlens=None, chunk_size=None)
     if forward:
-        return ring_forward_peak(world=ring, seq_local=L, opts=opts, units=units)
+        return ring_forward_peak(world=ring, seq_local=L, opts=opts, units=units, sinks=inner.sinks)
     return ring_backward_peak(world=ring, seq_local=L, opts=opts, units=units, cast=piece.low)
 
 
@@ -492,20 +488,35 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
     at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
     masked_fwd = 0.0
-    if inner is not None and inner.opts is not None:  # a mask: the inner attention is the ring's planner at P = 1
+    if inner is not None and inner.opts is not None:  # a mask or sinks: the inner attention is the ring's planner
+        # at P = 1 (a dense mask with sinks: its forward only, the backward is the dense kernel's)
+        masked = not inner.opts.mask.dense
         Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)[3:]
         chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=sizes.low, Kw=Kh32 / G)
         heads_q, heads_k = q_heads / u / G, kv_heads / u / G
-        # beside the chunk's q, k, v, out, dout, lse: its accumulators, pieces and the final casts (replayed);
-        # the chunk's head-layout dout and, G > 1, the neighbouring chunks' all-to-alls as for a kernel
-        at_kernel = ((Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
-                     + _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k))
-        # forward, at chunk c's inner attention: the saved chunks before it, its q, k, v, the next chunk's q/k/v
-        # all-to-all (send + receive) and the previous chunk's output's, and its accumulators and pieces (replayed)
-        inner_fwd = _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k, forward=True)
-        for c in sorted({0, min(1, G - 1), G - 1}):
-            a2a = (2 * (Qh + 2 * Kh) if c < G - 1 else 0) + (2 * Qh if c >= 1 else 0)
-            masked_fwd = max(masked_fwd, saved * c / G + (Qh + 2 * Kh + a2a) / G + inner_fwd)
+        beside = (Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G  # dout (head layout), G > 1: the neighbours'
+        if uneven:  # one pass, one inner attention per GQA piece in turn (replayed), the earlier pieces' outputs
+            # kept; dout's all-to-all send buffer (sequence layout) is freed by gloo's worker, not the wait
+            if masked:
+                at_kernel = Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=1,
+                                                       inner=inner)
+            masked_fwd = Q + 2 * sizes.K + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads,
+                                                                   ring=1, inner=inner, forward=True)
+        else:
+            if masked:
+                # beside the chunk's q, k, v, out, dout, lse: its accumulators, pieces and the final casts
+                # (replayed); the chunk's head-layout dout and, G > 1, the neighbouring chunks' all-to-alls
+                at_kernel = beside + _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k)
+            # forward, at chunk c's inner attention: the saved chunks before it, its q, k, v, the next chunk's
+            # q/k/v all-to-all (send + receive) and the previous chunk's output's, and its accumulators and pieces
+            inner_fwd = _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k, forward=True)
+            for c in sorted({0, min(1, G - 1), G - 1}):
+                a2a = (2 * (Qh + 2 * Kh) if c < G - 1 else 0) + (2 * Qh if c >= 1 else 0)
+                masked_fwd = max(masked_fwd, saved * c / G + (Qh + 2 * Kh + a2a) / G + inner_fwd)
+        if inner.sinks:  # sink_grad before the chunk's inner backward: p (lse-sized), dout * out in the
+            # accumulation dtype (and, low precision, dout's and out's upcasts), beside what a kernel has beside it
+            sink = (Q + Qh if uneven else beside) + (Qh32 * (3 if sizes.low else 1) + lse_h) / G
+            at_kernel = max(at_kernel, sink)
     at_place, at_send = _grads_back_moments(Qh, Kh, G)
     if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
         at_kernel = max(at_kernel, Qh + 2 * grads_h)

@@ -417,7 +417,9 @@ def ring_backward_peak(*, world: int, seq_local: int, opts: AttentionOptions, un
     return max(_backward(r, world, seq_local, opts, units, into=False, cast=cast) for r in range(world))
 
 
-def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes) -> float:
-    """The largest live bytes of any rank in one ring forward beside its q, k, v (no sinks): :func:`masked_ring_peak`'s
-    forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring on one GQA piece)."""
-    return max(_forward(r, world, seq_local, opts, units, False) for r in range(world))
+def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes,
+                      sinks: bool = False) -> float:
+    """The largest live bytes of any rank in one ring forward beside its q, k, v (``sinks``: with the sink merge):
+    :func:`masked_ring_peak`'s forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring
+    on one GQA piece, Ulysses' inner attention at P = 1)."""
+    return max(_forward(r, world, seq_local, opts, units, sinks) for r in range(world))
