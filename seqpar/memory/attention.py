@@ -74,11 +74,17 @@ block in pieces (zeroed accumulators), dK/dV accumulators that go home early (th
 the backward), the forward's merges over rows already reached, and the sink logits' merge and gradient. The
 closed forms above assume every block is one kernel call making P - 1 hops; under masks that was -28% to +36% off
 the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py; and 14 plain
-cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention (an
-even head split, no sinks) runs the ring's planner at P = 1 on each rank's heads over the sorted sequence: that
-inner attention is replayed on one head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to
-+4.7% on 8 measured cases). Masks with all-gather or the hybrid, sinks with Ulysses and an uneven Ulysses split
-under a mask are refused by name.
+cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention runs
+the ring's planner at P = 1 on each rank's heads over the sorted sequence: that inner attention is replayed on one
+head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to +4.7% on 8 measured cases). An
+uneven head split under a mask runs it once per GQA-regular piece, in turn (replayed as the uneven hybrid's inner
+rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send buffers too). Sinks with Ulysses:
+the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
+``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
+and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
+uneven cases are 0 to +6.3% over (tests/test_memory_masks_ulysses.py; the larger figures are the uneven split's
+dense terms, sized on the largest query share and the largest K/V share together). Masks with all-gather or the
+hybrid are refused by name.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -168,7 +174,7 @@ def estimate_attention_memory(
             ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
         cu_seqlens, window, chunk_size: :func:`seqpar.attention`'s masks (global document boundaries
             ``(0, ..., seq_len)`` as ints or a tensor, a sliding window, chunked attention). With any of them,
-            or ``sinks``, the ring (and one process) is sized by replaying the plan it runs
+            or ``sinks``, the ring, Ulysses' inner attention and one process are sized by replaying the plan they run
             (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in pieces.
         sinks: the call passes ``sinks`` (per-head sink logits).
         sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
@@ -178,7 +184,7 @@ def estimate_attention_memory(
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
             ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses);
-            masks or sinks with a mode other than ``"ring"`` / ``"single"`` (not modelled), or bad masks.
+            masks or sinks with ``"allgather"`` or ``"hybrid"`` (not modelled), or bad masks.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
