@@ -83,8 +83,11 @@ the inner forward is that planner with the sink merge even on a dense mask (its 
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
 uneven cases are 0 to +6.3% over (tests/test_memory_masks_ulysses.py; the larger figures are the uneven split's
-dense terms, sized on the largest query share and the largest K/V share together). Masks with all-gather or the
-hybrid are refused by name.
+dense terms, sized on the largest query share and the largest K/V share together). The hybrid under masks or sinks:
+the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
+on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
+cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
+:func:`seqpar.attention` refuses it. Masks with all-gather are refused by name.
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -174,8 +177,9 @@ def estimate_attention_memory(
             ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
         cu_seqlens, window, chunk_size: :func:`seqpar.attention`'s masks (global document boundaries
             ``(0, ..., seq_len)`` as ints or a tensor, a sliding window, chunked attention). With any of them,
-            or ``sinks``, the ring, Ulysses' inner attention and one process are sized by replaying the plan they run
-            (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in pieces.
+            or ``sinks``, the ring, Ulysses' and the hybrid's inner attention and one process are sized by replaying
+            the plan they run (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in
+            pieces.
         sinks: the call passes ``sinks`` (per-head sink logits).
         sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
             when causal on more than one rank, else contiguous (the plan, and so the peak, depend on it).
@@ -184,7 +188,8 @@ def estimate_attention_memory(
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
             ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses);
-            masks or sinks with ``"allgather"`` or ``"hybrid"`` (not modelled), or bad masks.
+            masks or sinks with ``"allgather"`` (not modelled), the hybrid with ``sharding="balanced"``, or bad
+            masks.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
@@ -198,7 +203,7 @@ def estimate_attention_memory(
                           wire=dkv_wire_dtype)
     masks = _mask_options(seq_len, world=world, causal=causal, cu_seqlens=cu_seqlens, window=window,
                           chunk_size=chunk_size, sinks=sinks, sharding=sharding, mode=mode)
-    if masks is not None and mode == "ulysses":  # masks and / or sinks: the inner attention is replayed
+    if masks is not None and mode in ("ulysses", "hybrid"):  # masks and / or sinks: the inner attention replayed
         inner = _InnerRing(causal=causal, seq_len=seq_len, batch=batch, dt=dt, wire=dkv_wire_dtype,
                            head_dim=head_dim if v_head_dim is None else v_head_dim, opts=masks, sinks=sinks)
         # the sink logits (q_heads,) throughout, and in the backward their zeroed gradient beside them
@@ -303,10 +308,10 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
     closed forms)."""
     if cu_seqlens is None and window is None and chunk_size is None and not sinks and mode != "ring":
         return None  # one process runs plain SDPA; the other modes' closed forms
-    if mode not in ("ring", "single", "ulysses"):
+    if mode not in ("ring", "single", "ulysses", "hybrid"):
         raise ValueError(
             f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring', "
-            f"mode='ulysses' and one process, not mode={mode!r}: pass mode='ring' or 'ulysses', or leave out "
+            f"'ulysses', 'hybrid' and one process, not mode={mode!r}: pass mode='ring', or leave out "
             f"cu_seqlens / window / chunk_size / sinks for the dense figure")
     bounds = None if cu_seqlens is None else host_boundaries(cu_seqlens)
     if bounds is not None:
@@ -320,6 +325,9 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
         sharding = "contiguous"  # one process (Ulysses: each rank's heads) holds the sequence in order
     if sharding not in ("contiguous", "zigzag", "balanced"):
         raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous', 'zigzag' or 'balanced'")
+    if mode == "hybrid" and sharding == "balanced":  # as seqpar.attention refuses it
+        raise ValueError("mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no "
+                         "balanced layout over the super-ranks): pass sharding='zigzag' or 'contiguous'")
     if sharding != "contiguous":
         seq_chunks = num_chunks(world, sharding, seq_len=seq_len)
         if seq_len % seq_chunks:
@@ -607,16 +615,29 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
     # the forward merge's terms less the ring's own q, dout, k, v (counted as the chunk's, below)
     inner_fwd = (_kv_buffers(chunk.K, ring) + _forward_merge_bytes(chunk, acc_bytes=acc_bytes)
                  - 2 * chunk.Q - 2 * chunk.K)
+    masked = inner is not None and inner.opts is not None  # a mask or sinks: the inner forward replayed too
+    if masked and not uneven:
+        q_max, kv_max = Qh / sizes.Q * q_heads / u, Kh / K * kv_heads / u
+        inner_fwd = _inner_ring(chunk, inner, ring=ring, q_heads=q_max / G, kv_heads=kv_max / G, forward=True)
+    sinks = masked and inner.sinks
+    # sink_grad before a chunk's inner backward: p (lse-sized) and dout * out in the accumulation dtype (with
+    # dout's and out's upcasts in low precision), beside the chunk's head-layout dout
+    sink = (Qh + Qh32 * (3 if low else 1) + lse_h) / G
     bwd, fwd = [], []
     if uneven:  # one pass (G = 1); the grads are made after it, dout's send buffer is still alive
         bwd.append(Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=ring,
                                               inner=inner))
         # the pieces' dq/dk/dv, their concatenation (one piece: the same tensors) and the packed send buffer
         bwd.append(Q + (3 if _pieces(q_heads, kv_heads, u) > 1 else 2) * grads_h)
+        if sinks:
+            bwd.append(Q + sink)
     for c in sorted({0, min(1, G - 1), G - 1}):  # the first, a middle and the last chunk
         nxt, prev = c < G - 1, c >= 1
         if not uneven:
-            bwd.append(grads + (Qh + (2 * Qh if nxt else 0) + (2 * grads_h if prev else 0)) / G + inner_bwd)
+            around = (Qh + (2 * Qh if nxt else 0) + (2 * grads_h if prev else 0)) / G
+            bwd.append(grads + around + inner_bwd)
+            if sinks:
+                bwd.append(grads + around - Qh / G + sink)
         a2a = (2 * (Qh + 2 * Kh) if nxt else 0) + (2 * Qh if prev else 0)  # next q/k/v, previous output
         kept = (Q + 2 * K) if uneven else 0  # the uneven q/k/v all-to-all's send buffer
         if uneven and inner is not None:  # one inner ring per GQA piece, in turn, replayed
