@@ -116,6 +116,7 @@ from seqpar.attn.masks import document_bounds, host_boundaries
 from seqpar.kernels.merge import cpu_merge_piece
 from seqpar.memory.masked import (
     RowBytes,
+    allgather_block_peaks,
     masked_ring_peak,
     ring_backward_peak,
     ring_forward_peak,
@@ -210,6 +211,10 @@ def estimate_attention_memory(
         sink_bytes = 2 * q_heads * torch.tensor([], dtype=dt).element_size() if sinks else 0
         return sink_bytes + _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
                                           acc_bytes=8 if dt == torch.float64 else 4, inner=inner)
+    if masks is not None and mode == "allgather":
+        return _masked_allgather_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
+                                      q_heads=q_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
+                                      sinks=sinks)
     if masks is not None:
         return _masked_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
                             q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
@@ -308,7 +313,7 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
     closed forms)."""
     if cu_seqlens is None and window is None and chunk_size is None and not sinks and mode != "ring":
         return None  # one process runs plain SDPA; the other modes' closed forms
-    if mode not in ("ring", "single", "ulysses", "hybrid"):
+    if mode not in ("ring", "single", "ulysses", "hybrid", "allgather"):
         raise ValueError(
             f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring', "
             f"'ulysses', 'hybrid' and one process, not mode={mode!r}: pass mode='ring', or leave out "
@@ -392,27 +397,58 @@ def _forward_merge_bytes(sizes: _Sizes, *, chunks: int = 1, acc_bytes: int = 4) 
     return 2 * Q + 2 * K + (Q32 + Q + 2 * lse) / G + lse_tmp + upcast
 
 
-def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
-    """All-gather pipelined over G head chunks: the largest of the forward and each chunk's backward moments."""
+def _masked_allgather_peak(sizes: _Sizes, opts: AttentionOptions, *, dt: torch.dtype, world: int, seq_len: int,
+                           chunks: int, batch: int, q_heads: int, head_dim: int, sinks: bool) -> int:
+    """All-gather under masks / sinks: :func:`_allgather_peak`'s moments (the gathers, the fp32 dK/dV slots of all
+    ranks, the scatters in flight) with the per-block kernel terms replayed (:func:`seqpar.memory.masked.
+    allgather_block_peaks`: a block's pieces, stacked and flipped copies; the forward's pieces and merges over rows
+    reached before), plus sinks: the forward's sink merge, sink_grad after the backward beside the gradients (as for
+    the ring), and the logits."""
+    G, L = chunks, seq_len // world
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    per = L * G
+    units = RowBytes(q=sizes.Q / per, k=sizes.K / per, qa=sizes.Q32 / per, ka=sizes.K32 / per, kw=sizes.K32 / per,
+                     la=sizes.lse / per, q_elems=batch * q_heads * head_dim / G, heads=batch * q_heads / G,
+                     acc8=acc_dt == torch.float64, low=sizes.low, wire_is_acc=True, wire_is_input=not sizes.low)
+    own, remote, fwd_block = allgather_block_peaks(world=world, seq_local=L, opts=opts, units=units)
+    peak = _allgather_peak(sizes, world=world, chunks=chunks, kern=(own, remote), fwd_block=fwd_block)
+    if not sinks:
+        return peak
+    e = torch.tensor([], dtype=dt).element_size()
+    Q, K, lse = sizes.Q, sizes.K, sizes.lse
+    sink_grad = sizes.base + Q + 2 * K + sizes.Q32 * (3 if sizes.low else 1) + lse
+    return int(max(peak, sink_grad) + q_heads * e)  # the logits, alive throughout
+
+
+def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int, kern: tuple[float, float] | None = None,
+                    fwd_block: float | None = None) -> int:
+    """All-gather pipelined over G head chunks: the largest of the forward and each chunk's backward moments.
+    ``kern``: ``(own, remote)``, the largest backward kernel transients of the own block and of a remote one
+    (default: one call's dq, dk, dv each); ``fwd_block``: the forward's block output and merge temporaries (default:
+    one call's output and 4 lse-sized temporaries); both replayed under masks (:func:`_masked_allgather_peak`)."""
     Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
     # one chunk's gathered K/V (all ranks), its fp32 dK/dV (all ranks) and kernel outputs
     G = chunks
     Kc, K32c, Qc = K / G, K32 / G, Q / G
-    gath, dkv, kern = 2 * world * Kc, 2 * world * K32c, Qc + 2 * Kc
+    gath, dkv = 2 * world * Kc, 2 * world * K32c
+    kern_own, kern_remote = (Qc + 2 * Kc, Qc + 2 * Kc) if kern is None else kern
+    fwd_block = Qc + 4 * lse / G if fwd_block is None else fwd_block
     grads = 2 * K  # dk, dv in the input dtype, made when chunk 0's scatter is done
     nxt = gath + 2 * Kc  # the next chunk's gather in flight: receive + packed send buffer
     prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
     acc_b = base + Q32  # + the fp32 dq accumulator
-    peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
-             + 4 * lse / G]  # forward (the merge converts a block piece by piece: no upcast copies)
+    peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc)
+             + fwd_block]  # forward (the merge converts a block piece by piece: no upcast copies)
     for c in range(G):
         done = grads if c >= 2 else 0
         ahead = nxt if c < G - 1 else 0
-        peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern)  # a kernel
+        peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern_remote)  # a remote kernel
+        if c < G - 1:  # the own block first, this chunk's gather (receive + send) in flight
+            peaks.append(acc_b + done + gath + 2 * Kc + dkv + (prev if c >= 1 else 0) + kern_own)
         if c >= 1:  # waiting for the previous scatter (gloo copies its input meanwhile)
             peaks.append(acc_b + done + ahead + 3 * dkv + 2 * K32c)
     own = grads if G >= 2 else 0
-    peaks.append(acc_b + own + dkv + 4 * K32c + kern)  # last chunk's own block, scatter in flight
+    peaks.append(acc_b + own + dkv + 4 * K32c + kern_own)  # last chunk's own block, scatter in flight
     peaks.append(acc_b + own + 2 * dkv + 4 * K32c)
     peaks.append(acc_b + grads + 2 * K32c + (Q if low else 0))
     return int(max(peaks))
