@@ -87,7 +87,11 @@ dense terms, sized on the largest query share and the largest K/V share together
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
-:func:`seqpar.attention` refuses it. Masks with all-gather are refused by name.
+:func:`seqpar.attention` refuses it. The all-gather under masks or sinks keeps its closed-form moments (the
+gathers, the fp32 dK/dV slots of all ranks, the scatters in flight) with each K/V block's kernel transients
+replayed (:func:`seqpar.memory.masked.allgather_block_peaks`: the pieces' dq/dk/dv, stacked and flipped copies; the
+own block's apart from a remote one's, since they run beside different buffers), and the forward's pieces and merges
+replayed: 11 measured cases exact to the byte (tests/test_memory_masks_allgather.py).
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -178,9 +182,8 @@ def estimate_attention_memory(
             ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
         cu_seqlens, window, chunk_size: :func:`seqpar.attention`'s masks (global document boundaries
             ``(0, ..., seq_len)`` as ints or a tensor, a sliding window, chunked attention). With any of them,
-            or ``sinks``, the ring, Ulysses' and the hybrid's inner attention and one process are sized by replaying
-            the plan they run (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in
-            pieces.
+            or ``sinks``, every mode (and one process) is sized by replaying the plan it runs
+            (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in pieces.
         sinks: the call passes ``sinks`` (per-head sink logits).
         sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
             when causal on more than one rank, else contiguous (the plan, and so the peak, depend on it).
@@ -189,8 +192,7 @@ def estimate_attention_memory(
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
             ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses);
-            masks or sinks with ``"allgather"`` (not modelled), the hybrid with ``sharding="balanced"``, or bad
-            masks.
+            the hybrid with ``sharding="balanced"``, or bad masks.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
