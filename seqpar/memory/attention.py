@@ -74,11 +74,24 @@ block in pieces (zeroed accumulators), dK/dV accumulators that go home early (th
 the backward), the forward's merges over rows already reached, and the sink logits' merge and gradient. The
 closed forms above assume every block is one kernel call making P - 1 hops; under masks that was -28% to +36% off
 the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py; and 14 plain
-cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention (an
-even head split, no sinks) runs the ring's planner at P = 1 on each rank's heads over the sorted sequence: that
-inner attention is replayed on one head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to
-+4.7% on 8 measured cases). Masks with all-gather or the hybrid, sinks with Ulysses and an uneven Ulysses split
-under a mask are refused by name.
+cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention runs
+the ring's planner at P = 1 on each rank's heads over the sorted sequence: that inner attention is replayed on one
+head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to +4.7% on 8 measured cases). An
+uneven head split under a mask runs it once per GQA-regular piece, in turn (replayed as the uneven hybrid's inner
+rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send buffers too). Sinks with Ulysses:
+the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
+``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
+and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
+uneven cases are 0 to +6.3% over (tests/test_memory_masks_ulysses.py; the larger figures are the uneven split's
+dense terms, sized on the largest query share and the largest K/V share together). The hybrid under masks or sinks:
+the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
+on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
+cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
+:func:`seqpar.attention` refuses it. The all-gather under masks or sinks keeps its closed-form moments (the
+gathers, the fp32 dK/dV slots of all ranks, the scatters in flight) with each K/V block's kernel transients
+replayed (:func:`seqpar.memory.masked.allgather_block_peaks`: the pieces' dq/dk/dv, stacked and flipped copies; the
+own block's apart from a remote one's, since they run beside different buffers), and the forward's pieces and merges
+replayed: 11 measured cases exact to the byte (tests/test_memory_masks_allgather.py).
 
 Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads / G heads. The
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
@@ -107,6 +120,7 @@ from seqpar.attn.masks import document_bounds, host_boundaries
 from seqpar.kernels.merge import cpu_merge_piece
 from seqpar.memory.masked import (
     RowBytes,
+    allgather_block_peaks,
     masked_ring_peak,
     ring_backward_peak,
     ring_forward_peak,
@@ -168,7 +182,7 @@ def estimate_attention_memory(
             ring's (and the hybrid's inner ring's) travelling dK/dV accumulators are held and sent in.
         cu_seqlens, window, chunk_size: :func:`seqpar.attention`'s masks (global document boundaries
             ``(0, ..., seq_len)`` as ints or a tensor, a sliding window, chunked attention). With any of them,
-            or ``sinks``, the ring (and one process) is sized by replaying the plan it runs
+            or ``sinks``, every mode (and one process) is sized by replaying the plan it runs
             (:mod:`seqpar.memory.masked`): which blocks each rank receives, skips, or runs in pieces.
         sinks: the call passes ``sinks`` (per-head sink logits).
         sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
@@ -178,7 +192,7 @@ def estimate_attention_memory(
     Raises:
         ValueError: unknown mode, a sequence that does not split over the ranks, bad sizes, or a
             ``dkv_wire_dtype`` that :func:`seqpar.attention` refuses (``"bf16"`` with allgather / ulysses);
-            masks or sinks with a mode other than ``"ring"`` / ``"single"`` (not modelled), or bad masks.
+            the hybrid with ``sharding="balanced"``, or bad masks.
     """
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
@@ -192,17 +206,17 @@ def estimate_attention_memory(
                           wire=dkv_wire_dtype)
     masks = _mask_options(seq_len, world=world, causal=causal, cu_seqlens=cu_seqlens, window=window,
                           chunk_size=chunk_size, sinks=sinks, sharding=sharding, mode=mode)
-    if masks is not None and mode == "ulysses":
-        from seqpar.runtime.grid import ulysses_split_even
-
-        if not ulysses_split_even(q_heads, kv_heads, world):
-            raise ValueError(f"the memory estimate does not model masks with an uneven Ulysses head split ({q_heads} "
-                             f"query / {kv_heads} K/V heads over {world} ranks): pass mode='ring', or heads that "
-                             f"{world} divides evenly")
+    if masks is not None and mode in ("ulysses", "hybrid"):  # masks and / or sinks: the inner attention replayed
         inner = _InnerRing(causal=causal, seq_len=seq_len, batch=batch, dt=dt, wire=dkv_wire_dtype,
-                           head_dim=head_dim if v_head_dim is None else v_head_dim, opts=masks)
-        return _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
-                             acc_bytes=8 if dt == torch.float64 else 4, inner=inner)
+                           head_dim=head_dim if v_head_dim is None else v_head_dim, opts=masks, sinks=sinks)
+        # the sink logits (q_heads,) throughout, and in the backward their zeroed gradient beside them
+        sink_bytes = 2 * q_heads * torch.tensor([], dtype=dt).element_size() if sinks else 0
+        return sink_bytes + _ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
+                                          acc_bytes=8 if dt == torch.float64 else 4, inner=inner)
+    if masks is not None and mode == "allgather":
+        return _masked_allgather_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
+                                      q_heads=q_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
+                                      sinks=sinks)
     if masks is not None:
         return _masked_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
                             q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
@@ -301,12 +315,11 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
     closed forms)."""
     if cu_seqlens is None and window is None and chunk_size is None and not sinks and mode != "ring":
         return None  # one process runs plain SDPA; the other modes' closed forms
-    if mode not in ("ring", "single", "ulysses") or (mode == "ulysses" and sinks):
+    if mode not in ("ring", "single", "ulysses", "hybrid", "allgather"):
         raise ValueError(
-            f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring' (and one "
-            f"process), and documents, windows and chunked attention for mode='ulysses', not "
-            f"mode={mode!r}{' with sinks' if mode == 'ulysses' else ''}: pass mode='ring', or leave out cu_seqlens / "
-            f"window / chunk_size / sinks for the dense figure")
+            f"the memory estimate models documents, windows, chunked attention and sinks for mode='ring', "
+            f"'ulysses', 'hybrid' and one process, not mode={mode!r}: pass mode='ring', or leave out "
+            f"cu_seqlens / window / chunk_size / sinks for the dense figure")
     bounds = None if cu_seqlens is None else host_boundaries(cu_seqlens)
     if bounds is not None:
         bounds = document_bounds(bounds, seq_len)
@@ -319,6 +332,9 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
         sharding = "contiguous"  # one process (Ulysses: each rank's heads) holds the sequence in order
     if sharding not in ("contiguous", "zigzag", "balanced"):
         raise ValueError(f"sharding={sharding!r} is invalid: choose 'contiguous', 'zigzag' or 'balanced'")
+    if mode == "hybrid" and sharding == "balanced":  # as seqpar.attention refuses it
+        raise ValueError("mode='hybrid' does not take sharding='balanced' (its Ulysses groups' chunks are no "
+                         "balanced layout over the super-ranks): pass sharding='zigzag' or 'contiguous'")
     if sharding != "contiguous":
         seq_chunks = num_chunks(world, sharding, seq_len=seq_len)
         if seq_len % seq_chunks:
@@ -383,27 +399,58 @@ def _forward_merge_bytes(sizes: _Sizes, *, chunks: int = 1, acc_bytes: int = 4) 
     return 2 * Q + 2 * K + (Q32 + Q + 2 * lse) / G + lse_tmp + upcast
 
 
-def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int) -> int:
-    """All-gather pipelined over G head chunks: the largest of the forward and each chunk's backward moments."""
+def _masked_allgather_peak(sizes: _Sizes, opts: AttentionOptions, *, dt: torch.dtype, world: int, seq_len: int,
+                           chunks: int, batch: int, q_heads: int, head_dim: int, sinks: bool) -> int:
+    """All-gather under masks / sinks: :func:`_allgather_peak`'s moments (the gathers, the fp32 dK/dV slots of all
+    ranks, the scatters in flight) with the per-block kernel terms replayed (:func:`seqpar.memory.masked.
+    allgather_block_peaks`: a block's pieces, stacked and flipped copies; the forward's pieces and merges over rows
+    reached before), plus sinks: the forward's sink merge, sink_grad after the backward beside the gradients (as for
+    the ring), and the logits."""
+    G, L = chunks, seq_len // world
+    acc_dt = torch.float64 if dt == torch.float64 else torch.float32
+    per = L * G
+    units = RowBytes(q=sizes.Q / per, k=sizes.K / per, qa=sizes.Q32 / per, ka=sizes.K32 / per, kw=sizes.K32 / per,
+                     la=sizes.lse / per, q_elems=batch * q_heads * head_dim / G, heads=batch * q_heads / G,
+                     acc8=acc_dt == torch.float64, low=sizes.low, wire_is_acc=True, wire_is_input=not sizes.low)
+    own, remote, fwd_block = allgather_block_peaks(world=world, seq_local=L, opts=opts, units=units)
+    peak = _allgather_peak(sizes, world=world, chunks=chunks, kern=(own, remote), fwd_block=fwd_block)
+    if not sinks:
+        return peak
+    e = torch.tensor([], dtype=dt).element_size()
+    Q, K, lse = sizes.Q, sizes.K, sizes.lse
+    sink_grad = sizes.base + Q + 2 * K + sizes.Q32 * (3 if sizes.low else 1) + lse
+    return int(max(peak, sink_grad) + q_heads * e)  # the logits, alive throughout
+
+
+def _allgather_peak(sizes: _Sizes, *, world: int, chunks: int, kern: tuple[float, float] | None = None,
+                    fwd_block: float | None = None) -> int:
+    """All-gather pipelined over G head chunks: the largest of the forward and each chunk's backward moments.
+    ``kern``: ``(own, remote)``, the largest backward kernel transients of the own block and of a remote one
+    (default: one call's dq, dk, dv each); ``fwd_block``: the forward's block output and merge temporaries (default:
+    one call's output and 4 lse-sized temporaries); both replayed under masks (:func:`_masked_allgather_peak`)."""
     Q, K, Q32, K32, lse, low, base = sizes.Q, sizes.K, sizes.Q32, sizes.K32, sizes.lse, sizes.low, sizes.base
     # one chunk's gathered K/V (all ranks), its fp32 dK/dV (all ranks) and kernel outputs
     G = chunks
     Kc, K32c, Qc = K / G, K32 / G, Q / G
-    gath, dkv, kern = 2 * world * Kc, 2 * world * K32c, Qc + 2 * Kc
+    gath, dkv = 2 * world * Kc, 2 * world * K32c
+    kern_own, kern_remote = (Qc + 2 * Kc, Qc + 2 * Kc) if kern is None else kern
+    fwd_block = Qc + 4 * lse / G if fwd_block is None else fwd_block
     grads = 2 * K  # dk, dv in the input dtype, made when chunk 0's scatter is done
     nxt = gath + 2 * Kc  # the next chunk's gather in flight: receive + packed send buffer
     prev = dkv + 2 * K32c  # the previous chunk's scatter in flight: input + output
     acc_b = base + Q32  # + the fp32 dq accumulator
-    peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc) + Qc
-             + 4 * lse / G]  # forward (the merge converts a block piece by piece: no upcast copies)
+    peaks = [2 * Q + 2 * K + Q32 + lse + gath + (nxt if G > 1 else 2 * Kc)
+             + fwd_block]  # forward (the merge converts a block piece by piece: no upcast copies)
     for c in range(G):
         done = grads if c >= 2 else 0
         ahead = nxt if c < G - 1 else 0
-        peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern)  # a kernel
+        peaks.append(acc_b + done + gath + ahead + dkv + (prev if c >= 1 else 0) + kern_remote)  # a remote kernel
+        if c < G - 1:  # the own block first, this chunk's gather (receive + send) in flight
+            peaks.append(acc_b + done + gath + 2 * Kc + dkv + (prev if c >= 1 else 0) + kern_own)
         if c >= 1:  # waiting for the previous scatter (gloo copies its input meanwhile)
             peaks.append(acc_b + done + ahead + 3 * dkv + 2 * K32c)
     own = grads if G >= 2 else 0
-    peaks.append(acc_b + own + dkv + 4 * K32c + kern)  # last chunk's own block, scatter in flight
+    peaks.append(acc_b + own + dkv + 4 * K32c + kern_own)  # last chunk's own block, scatter in flight
     peaks.append(acc_b + own + 2 * dkv + 4 * K32c)
     peaks.append(acc_b + grads + 2 * K32c + (Q if low else 0))
     return int(max(peaks))
@@ -448,6 +495,7 @@ class _InnerRing(NamedTuple):
     wire: str
     head_dim: int
     opts: AttentionOptions | None = None  # the mask (Ulysses' inner attention at P = 1); None: plain
+    sinks: bool = False  # the forward's sink merge (Ulysses' inner attention)
 
 
 def _inner_ring(piece: _Sizes, inner: _InnerRing, *, ring: int, q_heads: float, kv_heads: float,
@@ -466,7 +514,7 @@ def _inner_ring(piece: _Sizes, inner: _InnerRing, *, ring: int, q_heads: float, 
     opts = inner.opts or ring_options(causal=inner.causal, sharding="zigzag" if inner.causal else "contiguous",
                                       window=None, cu_seqlens=None, chunk_size=None)
     if forward:
-        return ring_forward_peak(world=ring, seq_local=L, opts=opts, units=units)
+        return ring_forward_peak(world=ring, seq_local=L, opts=opts, units=units, sinks=inner.sinks)
     return ring_backward_peak(world=ring, seq_local=L, opts=opts, units=units, cast=piece.low)
 
 
@@ -492,20 +540,35 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
     at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
     masked_fwd = 0.0
-    if inner is not None and inner.opts is not None:  # a mask: the inner attention is the ring's planner at P = 1
+    if inner is not None and inner.opts is not None:  # a mask or sinks: the inner attention is the ring's planner
+        # at P = 1 (a dense mask with sinks: its forward only, the backward is the dense kernel's)
+        masked = not inner.opts.mask.dense
         Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)[3:]
         chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=sizes.low, Kw=Kh32 / G)
         heads_q, heads_k = q_heads / u / G, kv_heads / u / G
-        # beside the chunk's q, k, v, out, dout, lse: its accumulators, pieces and the final casts (replayed);
-        # the chunk's head-layout dout and, G > 1, the neighbouring chunks' all-to-alls as for a kernel
-        at_kernel = ((Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
-                     + _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k))
-        # forward, at chunk c's inner attention: the saved chunks before it, its q, k, v, the next chunk's q/k/v
-        # all-to-all (send + receive) and the previous chunk's output's, and its accumulators and pieces (replayed)
-        inner_fwd = _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k, forward=True)
-        for c in sorted({0, min(1, G - 1), G - 1}):
-            a2a = (2 * (Qh + 2 * Kh) if c < G - 1 else 0) + (2 * Qh if c >= 1 else 0)
-            masked_fwd = max(masked_fwd, saved * c / G + (Qh + 2 * Kh + a2a) / G + inner_fwd)
+        beside = (Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G  # dout (head layout), G > 1: the neighbours'
+        if uneven:  # one pass, one inner attention per GQA piece in turn (replayed), the earlier pieces' outputs
+            # kept; dout's all-to-all send buffer (sequence layout) is freed by gloo's worker, not the wait
+            if masked:
+                at_kernel = Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=1,
+                                                       inner=inner)
+            masked_fwd = Q + 2 * sizes.K + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads,
+                                                                   ring=1, inner=inner, forward=True)
+        else:
+            if masked:
+                # beside the chunk's q, k, v, out, dout, lse: its accumulators, pieces and the final casts
+                # (replayed); the chunk's head-layout dout and, G > 1, the neighbouring chunks' all-to-alls
+                at_kernel = beside + _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k)
+            # forward, at chunk c's inner attention: the saved chunks before it, its q, k, v, the next chunk's
+            # q/k/v all-to-all (send + receive) and the previous chunk's output's, and its accumulators and pieces
+            inner_fwd = _inner_ring(chunk, inner, ring=1, q_heads=heads_q, kv_heads=heads_k, forward=True)
+            for c in sorted({0, min(1, G - 1), G - 1}):
+                a2a = (2 * (Qh + 2 * Kh) if c < G - 1 else 0) + (2 * Qh if c >= 1 else 0)
+                masked_fwd = max(masked_fwd, saved * c / G + (Qh + 2 * Kh + a2a) / G + inner_fwd)
+        if inner.sinks:  # sink_grad before the chunk's inner backward: p (lse-sized), dout * out in the
+            # accumulation dtype (and, low precision, dout's and out's upcasts), beside what a kernel has beside it
+            sink = (Q + Qh if uneven else beside) + (Qh32 * (3 if sizes.low else 1) + lse_h) / G
+            at_kernel = max(at_kernel, sink)
     at_place, at_send = _grads_back_moments(Qh, Kh, G)
     if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
         at_kernel = max(at_kernel, Qh + 2 * grads_h)
@@ -590,16 +653,29 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
     # the forward merge's terms less the ring's own q, dout, k, v (counted as the chunk's, below)
     inner_fwd = (_kv_buffers(chunk.K, ring) + _forward_merge_bytes(chunk, acc_bytes=acc_bytes)
                  - 2 * chunk.Q - 2 * chunk.K)
+    masked = inner is not None and inner.opts is not None  # a mask or sinks: the inner forward replayed too
+    if masked and not uneven:
+        q_max, kv_max = Qh / sizes.Q * q_heads / u, Kh / K * kv_heads / u
+        inner_fwd = _inner_ring(chunk, inner, ring=ring, q_heads=q_max / G, kv_heads=kv_max / G, forward=True)
+    sinks = masked and inner.sinks
+    # sink_grad before a chunk's inner backward: p (lse-sized) and dout * out in the accumulation dtype (with
+    # dout's and out's upcasts in low precision), beside the chunk's head-layout dout
+    sink = (Qh + Qh32 * (3 if low else 1) + lse_h) / G
     bwd, fwd = [], []
     if uneven:  # one pass (G = 1); the grads are made after it, dout's send buffer is still alive
         bwd.append(Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=ring,
                                               inner=inner))
         # the pieces' dq/dk/dv, their concatenation (one piece: the same tensors) and the packed send buffer
         bwd.append(Q + (3 if _pieces(q_heads, kv_heads, u) > 1 else 2) * grads_h)
+        if sinks:
+            bwd.append(Q + sink)
     for c in sorted({0, min(1, G - 1), G - 1}):  # the first, a middle and the last chunk
         nxt, prev = c < G - 1, c >= 1
         if not uneven:
-            bwd.append(grads + (Qh + (2 * Qh if nxt else 0) + (2 * grads_h if prev else 0)) / G + inner_bwd)
+            around = (Qh + (2 * Qh if nxt else 0) + (2 * grads_h if prev else 0)) / G
+            bwd.append(grads + around + inner_bwd)
+            if sinks:
+                bwd.append(grads + around - Qh / G + sink)
         a2a = (2 * (Qh + 2 * Kh) if nxt else 0) + (2 * Qh if prev else 0)  # next q/k/v, previous output
         kept = (Q + 2 * K) if uneven else 0  # the uneven q/k/v all-to-all's send buffer
         if uneven and inner is not None:  # one inner ring per GQA piece, in turn, replayed

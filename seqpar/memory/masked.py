@@ -32,7 +32,7 @@ from seqpar.attn.common import (
 from seqpar.attn.plan import BlockCall
 from seqpar.kernels.merge import cpu_merge_piece
 
-__all__ = ["RowBytes", "masked_ring_peak", "ring_backward_peak", "ring_forward_peak", "ring_options"]
+__all__ = ["RowBytes", "allgather_block_peaks", "masked_ring_peak", "ring_backward_peak", "ring_forward_peak", "ring_options"]
 
 
 @dataclass(frozen=True)
@@ -417,7 +417,35 @@ def ring_backward_peak(*, world: int, seq_local: int, opts: AttentionOptions, un
     return max(_backward(r, world, seq_local, opts, units, into=False, cast=cast) for r in range(world))
 
 
-def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes) -> float:
-    """The largest live bytes of any rank in one ring forward beside its q, k, v (no sinks): :func:`masked_ring_peak`'s
-    forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring on one GQA piece)."""
-    return max(_forward(r, world, seq_local, opts, units, False) for r in range(world))
+def ring_forward_peak(*, world: int, seq_local: int, opts: AttentionOptions, units: RowBytes,
+                      sinks: bool = False) -> float:
+    """The largest live bytes of any rank in one ring forward beside its q, k, v (``sinks``: with the sink merge):
+    :func:`masked_ring_peak`'s forward alone, for a ring run inside another algorithm (an uneven hybrid's inner ring
+    on one GQA piece, Ulysses' inner attention at P = 1)."""
+    return max(_forward(r, world, seq_local, opts, units, sinks) for r in range(world))
+
+
+def allgather_block_peaks(*, world: int, seq_local: int, opts: AttentionOptions,
+                          units: RowBytes) -> tuple[float, float, float]:
+    """``(own, remote, forward)`` transients of the all-gather under ``opts``' mask, for one head-chunk pass (units as
+    :func:`masked_ring_peak`'s), the largest of any rank: one K/V block's ``_grads_into`` (the pieces' dq/dk/dv,
+    stacked and flipped copies, :func:`_block_grads`; its fp32 slot is the caller's), for the own block and for a
+    remote one; forward, the chunk's ``forward_block`` calls over the own block then every remote one into its
+    ``Partials`` (views of the preallocated fp32 out / lse: no accumulator made here), with the CPU merge's
+    temporaries over rows reached before (:func:`_forward_block`)."""
+    own = remote = fwd = 0.0
+    for rank in range(world):
+        live = _Refs()
+        live.new(0.0, "acc")  # Partials over out[:, qs], lse[:, qs]: storage the caller counts
+        reached: list[tuple[int, int]] = []
+        for src in [rank, *(s for s in range(world) if s != rank)]:
+            calls = block_calls(opts, world, rank, src, seq_local)
+            block = _Refs()
+            _block_grads(block, calls, units)
+            if src == rank:
+                own = max(own, block.peak)
+            else:
+                remote = max(remote, block.peak)
+            _forward_block(live, calls, units, seq_local, reached)
+        fwd = max(fwd, live.peak)
+    return own, remote, fwd
