@@ -157,7 +157,7 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
     # a block's weight in fp32 and its gradient's accumulator; a tile's fp32 logits; beside them, one at a time,
     # the logits' cast to the hidden dtype or the tile's rows in fp32; the targets' masks and indices
     loop = (block * h * a * low_w + block * h * a + tile * block * a
-            + max(tile * block * hidden_bytes, tile * h * a) * low_h + rows * 9 + tile * 21)
+            + max(tile * block * hidden_bytes, tile * h * a) * low_h + rows * 9 + tile * (13 + 2 * a))
     return v * h * weight_bytes + rows * h * a + max(loop, rows * h * hidden_bytes * low_h) + lse
 
 
