@@ -11,9 +11,11 @@ Both are token-wise, so computing them over chunks of the local rows is exact. T
 Functions do it; each saves only its input and recomputes one chunk at a time in backward:
 
 - :func:`tiled_lm_loss`: ``sum of cross-entropy(hidden @ W^T, target)`` over chunks of rows. Forward
-  keeps a running fp32 sum; backward recomputes each chunk's logits, turns them into
-  ``softmax - onehot`` in place and multiplies back. At most one chunk's ``(rows, vocab)`` logits
-  exist, in fp32.
+  keeps a running fp32 sum and saves the rows' log-sum-exp; backward recomputes each tile's logits, turns
+  them into ``softmax - onehot`` in place and multiplies back, over row chunks (the head's gradient
+  accumulated in fp32) or, for a bf16 / fp16 head with fewer rows than vocabulary, over blocks of the
+  head's rows (each block's gradient written once in the weight's dtype: no fp32 ``(vocab, hidden)``
+  buffer). At most one tile's logits exist, in fp32.
 - :func:`tiled_mlp`: ``mlp(x)`` chunk by chunk under ``no_grad``; backward recomputes each chunk
   with grad and takes ``torch.autograd.grad`` with respect to the chunk and the parameters. The
   parameters' gradients are summed inside the Function and returned **once**, as the gradients of
