@@ -106,7 +106,7 @@ def test_llama3_8b_tiled_loss_term_written_out() -> None:
     """Llama-3-8B, bf16, 8K tokens over SP 8 (1,024 rows per rank): the loss runs its vocabulary order; the term is
     the head's bf16 gradient ``2 V h``, dhidden's fp32 accumulator ``4 rows h``, one block's buffers (a 4096-row
     block of the head in fp32 and its fp32 gradient, ``2 x 4 h h``; a tile of 1,024 rows x 4096 ids in fp32 and
-    bf16 beside the tile's rows in fp32; the targets' masks) and the rows' log-sum-exp: 1.17 GiB, and the step
+    bf16 beside the tile's rows in fp32; the targets' masks) and the rows' log-sum-exp: 1.15 GiB, and the step
     peaks at ``grad_reduction`` (22.49 GiB), as without the tiled loss.
 
     Seen failing: the row order's term (before tl28): the fp32 accumulator ``4 V h`` + its bf16 cast ``2 V h`` +
