@@ -114,7 +114,7 @@ def test_bad_order_is_refused() -> None:
 
 def _split_heads(rank: int, world: int, dtype_name: str) -> str:
     """On 2 gloo ranks, the pair as the TP group: the vocabulary order on this rank's slice of the head, given as
-    ``vocab_split`` (uneven slices, 263 + 254 ids) and as a DTensor ``Shard(0)`` over a 1-D mesh, against one
+    ``vocab_split`` (uneven slices, 259 + 258 ids) and as a DTensor ``Shard(0)`` over a 1-D mesh, against one
     process's float64 cross entropy; both orders, with row tiles of 3 rows and the automatic tile."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
