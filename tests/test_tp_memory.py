@@ -73,18 +73,23 @@ def test_layouts_cli(capsys: pytest.CaptureFixture) -> None:
 def test_tiled_loss_under_plain_tp_is_vocab_parallel() -> None:
     """``tiled_loss`` at tp_size > 1 without TP-SP is vocab-parallel too (``tiled_lm_loss`` takes the head's
     ``Shard(0)`` slice: each chunk's logits and the fp32 dW accumulator are ``vocab / tp`` wide), so its loss buffers
-    are the rank's slice's, written out: two chunks of fp32 logits, the fp32 dW accumulator and dhidden.
+    are the rank's slice's: the tiled loss's backward model over ``vocab / tp`` (at TP 2, 16K rows under a 64K
+    slice: the vocabulary order, the slice's bf16 gradient + dhidden's fp32 accumulator + a block's buffers; at TP 8,
+    a 16K slice: the row order, two chunks of fp32 logits, the fp32 dW accumulator and its bf16 cast, dhidden).
     Seen failing: the model's vocab-parallel rule reduced to ``tp_sequence_parallel`` alone (the tiled loss at
     plain TP counted with the whole vocabulary's accumulator: 2x it at TP 2)."""
-    from seqpar.memory.tiling import loss_chunk_rows
+    from seqpar.memory.tiling import loss_backward_bytes, loss_backward_order, loss_chunk_rows
 
     setting = {**SETTING, "tiled_loss": True}
-    for tp in (2, 8):
+    for tp, order in ((2, "vocab"), (8, "rows")):
         got = estimate_training_memory("llama3-8b", sp_size=2, tp_size=tp, **setting)["logits_loss"]
         v, h, e = -(-128256 // tp), 4096, 2
         rows = 32768 // 2
-        chunk = loss_chunk_rows(rows, h, v) * v * 4
-        assert got == 2 * chunk + v * h * 4 + rows * h * e, (tp, got)
+        chunk = loss_chunk_rows(rows, h, v)
+        assert loss_backward_order(rows, h, v, e, e, chunk) == order
+        assert got == loss_backward_bytes(order, rows, h, v, e, e, chunk), (tp, got)
+        whole = loss_backward_bytes(order, rows, h, 128256, e, e, loss_chunk_rows(rows, h, 128256))
+        assert got < whole, (tp, got, whole)
 
 
 def test_tp_loss_parallel_sets_the_logits_layout() -> None:

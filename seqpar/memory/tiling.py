@@ -11,9 +11,11 @@ Both are token-wise, so computing them over chunks of the local rows is exact. T
 Functions do it; each saves only its input and recomputes one chunk at a time in backward:
 
 - :func:`tiled_lm_loss`: ``sum of cross-entropy(hidden @ W^T, target)`` over chunks of rows. Forward
-  keeps a running fp32 sum; backward recomputes each chunk's logits, turns them into
-  ``softmax - onehot`` in place and multiplies back. At most one chunk's ``(rows, vocab)`` logits
-  exist, in fp32.
+  keeps a running fp32 sum and saves the rows' log-sum-exp; backward recomputes each tile's logits, turns
+  them into ``softmax - onehot`` in place and multiplies back, over row chunks (the head's gradient
+  accumulated in fp32) or, for a bf16 / fp16 head with fewer rows than vocabulary, over blocks of the
+  head's rows (each block's gradient written once in the weight's dtype: no fp32 ``(vocab, hidden)``
+  buffer). At most one tile's logits exist, in fp32.
 - :func:`tiled_mlp`: ``mlp(x)`` chunk by chunk under ``no_grad``; backward recomputes each chunk
   with grad and takes ``torch.autograd.grad`` with respect to the chunk and the parameters. The
   parameters' gradients are summed inside the Function and returned **once**, as the gradients of
@@ -63,6 +65,9 @@ __all__ = [
     "tiled_lm_loss",
     "tiled_mlp",
     "loss_chunk_rows",
+    "loss_backward_order",
+    "loss_backward_bytes",
+    "loss_backward_tiles",
     "mlp_chunks",
     "CAUSAL_LM_CLASSES",
     "MLP_CLASSES",
@@ -107,24 +112,95 @@ def _row_slices(rows: int, chunk_rows: int) -> list[slice]:
 
 
 # ============================================================================ tiled loss
+BACKWARD_ORDERS = ("auto", "rows", "vocab")
+
+
+def _acc_bytes(weight_bytes: int) -> int:
+    """Bytes of the loss's accumulation dtype for a head of ``weight_bytes`` an element
+    (:func:`seqpar.sequence.vocab_parallel.loss_dtype`: fp32 for bf16 / fp16, else the weight's own)."""
+    return max(weight_bytes, 4)
+
+
+def loss_backward_tiles(rows: int, hidden_size: int, vocab_size: int, chunk_rows: int) -> tuple[int, int]:
+    """``(tile rows, vocabulary block)`` of the vocabulary-outer backward (:func:`tiled_lm_loss`, ``backward_order
+    "vocab"``) over ``rows`` local rows and a head of ``vocab_size`` rows: blocks of ``hidden_size`` head rows (a
+    block's weight and gradient in fp32 are then ``(hidden, hidden)``), each crossed with tiles of rows holding at
+    most as many logits as the row-outer order's tile (``chunk_rows x vocab_size``)."""
+    block = max(1, min(vocab_size, hidden_size))
+    return max(1, min(rows, (chunk_rows * vocab_size) // block)), block
+
+
+def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
+                        weight_bytes: int, chunk_rows: int) -> int:
+    """Modelled peak bytes of :func:`tiled_lm_loss`'s backward on one rank, beyond what is alive when it starts
+    (the hidden states ``(rows, hidden_size)``, the head ``(vocab_size, hidden_size)``), plus the rows'
+    log-sum-exp the forward saved for it; ``hidden_bytes`` / ``weight_bytes``: their dtypes' element sizes.
+    ``order``: ``"rows"`` or ``"vocab"`` (see :func:`loss_backward_order`). The whole-step estimate's tiled-loss
+    term (:mod:`seqpar.memory.training`); measured in tests/test_memory_tiled_loss_bf16.py.
+
+    - ``"rows"``: the dW accumulator ``V h a`` (``a``: the accumulation dtype's bytes, fp32 for bf16 / fp16),
+      ``dhidden`` ``rows h e``, and the larger of two moments never alive together: inside the loop a chunk's
+      logits and dlogits (two chunks' worth), at its end the head's gradient in the weight's dtype cast from
+      the accumulator while it is alive (``V h e``, low precision only: in fp32 / fp64 the cast is no copy).
+    - ``"vocab"``: the head's gradient in the weight's dtype ``V h e``, written block by block, and dhidden's
+      accumulator ``rows h a``; inside the loop a block's weight in ``a`` (no copy in fp32), its gradient's
+      accumulator, one tile's logits (``a``) beside their cast to the hidden dtype, and the tile's rows in ``a``;
+      at its end dhidden cast once from the accumulator (``rows h e``).
+    """
+    h, v, a = hidden_size, vocab_size, _acc_bytes(weight_bytes)
+    lse = rows * a
+    if order == "rows":
+        cast = v * h * weight_bytes if weight_bytes < a else 0
+        return max(2 * chunk_rows * v * a, cast) + v * h * a + rows * h * hidden_bytes + lse
+    if order != "vocab":
+        raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
+    tile, block = loss_backward_tiles(rows, h, v, chunk_rows)
+    low_h, low_w = hidden_bytes < a, weight_bytes < a  # fp32 / fp64: the casts below make no copy
+    # a block's weight in fp32 and its gradient's accumulator; a tile's fp32 logits; beside them, one at a time,
+    # the logits' cast to the hidden dtype or the tile's rows in fp32; the targets' masks and indices
+    loop = (block * h * a * low_w + block * h * a + tile * block * a
+            + max(tile * block * hidden_bytes, tile * h * a) * low_h + rows * 9 + tile * (13 + 2 * a))
+    return v * h * weight_bytes + rows * h * a + max(loop, rows * h * hidden_bytes * low_h) + lse
+
+
+def loss_backward_order(rows: int, hidden_size: int, vocab_size: int, hidden_bytes: int, weight_bytes: int,
+                        chunk_rows: int) -> str:
+    """The tiled loss's backward order, from shapes and element sizes only (the same on every TP rank when given
+    the same ``vocab_size``, the largest slice): ``"vocab"`` when the head is in low precision (bf16 / fp16: the
+    row-outer order's fp32 ``(V, h)`` accumulator and its cast hold ``V h (4 + e)`` at its end) and the
+    vocabulary-outer order's modelled peak (:func:`loss_backward_bytes`) is the smaller, about when ``rows`` is
+    below ``vocab_size``; else ``"rows"`` (fp32 / fp64 heads: the accumulator is the gradient itself, nothing to
+    save)."""
+    if weight_bytes >= _acc_bytes(weight_bytes):
+        return "rows"
+    args = (rows, hidden_size, vocab_size, hidden_bytes, weight_bytes, chunk_rows)
+    return "vocab" if loss_backward_bytes("vocab", *args) < loss_backward_bytes("rows", *args) else "rows"
+
+
 def _chunk_loss_and_grad(
     hidden_c: Tensor, weight: Tensor, target_c: Tensor, ignore_index: int, want_grad: bool,
-    vocab: tuple[int, dist.ProcessGroup | None] = (0, None),
-) -> tuple[Tensor, Tensor | None]:
-    """One chunk: ``(sum of per-token losses (fp32 scalar), dlogits (rows, vocab) fp32 or None)``.
+    vocab: tuple[int, dist.ProcessGroup | None] = (0, None), saved_lse: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One chunk: ``(sum of per-token losses (fp32 scalar), dlogits (rows, vocab) fp32)`` with ``want_grad``, else
+    ``(the sum, the rows' log-sum-exp (rows,) fp32)``, which the forward saves for the backward.
 
     ``hidden_c (rows, hidden)``, ``weight (vocab, hidden)``, ``target_c (rows,)`` with
     ``ignore_index`` for tokens without a loss. Logits are computed in the input dtype and upcast,
     as transformers' loss does. ``vocab = (start, tp_group)``: ``weight`` is the rows
     ``[start, start + vocab_local)`` of a head split over ``tp_group`` (vocab-parallel: the
     log-sum-exp and the target's logit are reduced over the group, see
-    :mod:`seqpar.sequence.vocab_parallel`); ``dlogits`` is then this slice's.
+    :mod:`seqpar.sequence.vocab_parallel`); ``dlogits`` is then this slice's. ``saved_lse (rows,)``: the rows'
+    log-sum-exp from the forward; given, ``dlogits`` uses it and no reduction runs (the loss sum is then 0).
     """
     logits = upcast(hidden_c @ weight.t())  # (rows, vocab_local) fp32 (fp64 for fp64 inputs)
-    lse, picked, valid = lse_and_picked(logits, target_c, vocab[0], vocab[1], ignore_index)  # (rows,) each
-    loss_sum = ((lse - picked) * valid).sum()
+    valid = target_c != ignore_index
+    if saved_lse is None:
+        lse, picked, valid = lse_and_picked(logits, target_c, vocab[0], vocab[1], ignore_index)  # (rows,) each
+        loss_sum = ((lse - picked) * valid).sum()
+    else:
+        lse, loss_sum = saved_lse, logits.new_zeros(())
     if not want_grad:
-        return loss_sum, None
+        return loss_sum, lse
     # d(lse - picked)/dlogits = softmax - onehot, zero on ignored rows; computed in place
     local_target = target_c - vocab[0]
     owned = valid & (local_target >= 0) & (local_target < logits.shape[1])
@@ -134,40 +210,92 @@ def _chunk_loss_and_grad(
     return loss_sum, dlogits
 
 
+def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor, grad_total: Tensor,
+                          ignore_index: int, vocab_start: int, tiles: tuple[int, int], want_h: bool,
+                          want_w: bool) -> tuple[Tensor | None, Tensor | None]:
+    """The tiled loss's gradients, vocabulary blocks outer: ``(dhidden (rows, hidden), dweight (vocab_local,
+    hidden))`` in the inputs' dtypes. ``lse (rows,)``: the rows' log-sum-exp over the whole vocabulary (every TP
+    rank's slice included) saved by the forward, so no collective runs. ``tiles = (tile rows, vocabulary block)``
+    (:func:`loss_backward_tiles`). Each block's gradient is accumulated over the row tiles in the loss's dtype
+    (fp32) and written once into ``dweight`` in the weight's dtype; ``dhidden`` accumulates over the blocks in fp32
+    and is cast once at the end: the full fp32 ``(vocab, hidden)`` accumulator never exists. The products are the
+    row-outer order's (``dlogits`` cast to the hidden dtype as autograd would, then back to fp32), summed in
+    another order."""
+    acc = loss_dtype(weight.dtype)
+    tile, block = tiles
+    rows, width = hidden.shape
+    dweight = torch.empty_like(weight) if want_w else None
+    dh = torch.zeros((rows, width), dtype=acc, device=hidden.device) if want_h else None
+    valid = target != ignore_index  # (rows,)
+    local_target = target - vocab_start
+    for v0 in range(0, weight.shape[0], block):
+        w_blk = weight[v0:v0 + block]  # (block, hidden), a view
+        w_acc = w_blk.to(acc) if want_h else None  # no copy in fp32
+        dw_blk = torch.zeros(w_blk.shape, dtype=acc, device=weight.device) if want_w else None
+        for sl in _row_slices(rows, tile):
+            dl = upcast(hidden[sl] @ w_blk.t())  # (tile, block) fp32: the logits of the block's columns
+            dl.sub_(lse[sl].unsqueeze(1)).exp_()  # softmax over the whole vocabulary
+            col = local_target[sl] - v0
+            owned = valid[sl] & (col >= 0) & (col < w_blk.shape[0])
+            dl.scatter_add_(1, torch.where(owned, col, 0).unsqueeze(1), -owned.to(dl.dtype).unsqueeze(1))
+            dl.mul_(valid[sl].unsqueeze(1)).mul_(grad_total)
+            if hidden.dtype != acc:
+                dl.copy_(dl.to(hidden.dtype))  # rounded as the row-outer order (and autograd) rounds dlogits
+            if want_w:
+                dw_blk.addmm_(dl.t(), hidden[sl].to(acc))
+            if want_h:
+                dh[sl].addmm_(dl, w_acc)
+            del dl
+        if want_w:
+            dweight[v0:v0 + block].copy_(dw_blk)
+        del w_acc, dw_blk
+    return (dh.to(hidden.dtype) if want_h else None), dweight
+
+
 class _TiledLMLoss(torch.autograd.Function):
     """``sum over valid rows of CE(hidden @ weight^T, target)``; see :func:`tiled_lm_loss`."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, target: Tensor, chunk_rows: int,  # type: ignore[override]
-                ignore_index: int, vocab: tuple[int, dist.ProcessGroup | None]) -> Tensor:
+                ignore_index: int, vocab: tuple[int, dist.ProcessGroup | None],
+                order: tuple[str, tuple[int, int]]) -> Tensor:
         total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)  # fp32 (fp64 for fp64)
+        lse = []
         for sl in _row_slices(hidden.shape[0], chunk_rows):
-            loss_c, _ = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False, vocab)
+            loss_c, lse_c = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ignore_index, False, vocab)
             total += loss_c
-        ctx.save_for_backward(hidden, target)
+            lse.append(lse_c)
+        # the rows' log-sum-exp (rows,), reduced over the vocabulary split: the backward needs no collective
+        ctx.save_for_backward(hidden, target, torch.cat(lse))
         # the weight as an attribute, not a saved tensor: FSDP2 / ZeRO-3 refill a parameter's
         # storage between forward and backward, which a saved tensor's version check would refuse
         ctx.weight = weight
-        ctx.chunk_rows, ctx.ignore_index, ctx.vocab = chunk_rows, ignore_index, vocab
+        ctx.chunk_rows, ctx.ignore_index, ctx.vocab, ctx.order = chunk_rows, ignore_index, vocab, order
         return total
 
     @staticmethod
     def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, target = ctx.saved_tensors
+        hidden, target, lse = ctx.saved_tensors
         weight = ctx.weight
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        order, tiles = ctx.order
+        if order == "vocab":
+            dhidden, dweight = _vocab_outer_backward(hidden, weight, target, lse, grad_total, ctx.ignore_index,
+                                                     ctx.vocab[0], tiles, want_h, want_w)
+            return dhidden, dweight, None, None, None, None, None
         dhidden = torch.empty_like(hidden) if want_h else None
         # fp32 accumulator for dW over the chunks (one matmul would accumulate in fp32 as well)
         dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
-            _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True, ctx.vocab)
+            _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True, ctx.vocab,
+                                              lse[sl])
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
             if want_h:
                 dhidden[sl] = dlogits @ weight
             if want_w:
                 dweight.addmm_(dlogits.t().to(dweight.dtype), hidden[sl].to(dweight.dtype))  # no copy in fp32
             del dlogits
-        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
+        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None, None
 
 
 def _gather_rows(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -228,7 +356,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
 
 def tiled_lm_loss(
     hidden: Tensor, weight: Tensor, targets: Tensor, *, ignore_index: int = -100, chunk_rows: int | None = None,
-    vocab_split: VocabSplitHead | None = None,
+    vocab_split: VocabSplitHead | None = None, backward_order: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """LM head + cross-entropy over row chunks: ``(loss_sum, count)``, never the full logits.
 
@@ -245,6 +373,15 @@ def tiled_lm_loss(
         vocab_split: for a plain ``weight`` that holds rows ``[vocab_split.vocab_start, + weight.shape[0])`` of a
             head split over ``vocab_split.group`` (DeepSpeed AutoTP's vocabulary-parallel head): the loss is then
             vocab-parallel over that group, and ``hidden`` (replicated over it) gets its gradient summed over it.
+        backward_order: how the backward loops. ``"rows"``: over row chunks, the head's gradient accumulated in a
+            ``(vocab, hidden)`` fp32 buffer (cast to the weight's dtype at the end: ``V h (4 + e)`` bytes then in
+            bf16 / fp16). ``"vocab"``: over blocks of the head's rows outer, each block's gradient accumulated
+            over row tiles and written once in the weight's dtype, ``dhidden`` accumulated in fp32 (``V h e +
+            rows h 4`` and a block's buffers). Both exact (the same products, summed in another order), neither
+            with a collective (the forward saves the rows' log-sum-exp). ``"auto"`` (default):
+            :func:`loss_backward_order`, the smaller modelled peak (``"vocab"`` for a bf16 / fp16 head with fewer
+            rows than vocabulary, else ``"rows"``). TP sequence parallelism always runs ``"rows"`` (the vocabulary
+            order would need every rank's rows at once, or their all-gather once per block).
 
     Returns:
         ``loss_sum``: fp32 scalar, the sum of the valid tokens' losses (differentiable w.r.t.
@@ -258,6 +395,8 @@ def tiled_lm_loss(
         )
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"LM-head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    if backward_order not in BACKWARD_ORDERS:
+        raise ValueError(f"tiled_lm_loss: backward_order {backward_order!r}; expected one of {BACKWARD_ORDERS}")
     vocab: tuple[int, dist.ProcessGroup | None] = (0, None)
     tile_vocab = weight.shape[0]  # the logits' columns the automatic tile is sized for
     if vocab_split is not None:
@@ -282,13 +421,22 @@ def tiled_lm_loss(
         # the ranks different tile counts: gloo aborted on "Received data size doesn't match expected size")
         tile_vocab = vocab_slice(tile_vocab, 0, mesh.size())[1]
         if _sequence_split(hidden, mesh):
+            if backward_order == "vocab":
+                raise ValueError("tiled_lm_loss: backward_order 'vocab' under TP sequence parallelism (hidden states "
+                                 "split on the sequence): that backward runs over row chunks only; pass 'auto' or "
+                                 "'rows'")
             return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index, tile_vocab)
         hidden = enter_tp_region(hidden, mesh)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # (batch * seq_local, hidden)
     targets_1d = targets.reshape(-1).to(hidden.device)
     rows = hidden_2d.shape[0]
     chunk = chunk_rows or loss_chunk_rows(rows, hidden.shape[-1], tile_vocab)
-    loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index, vocab)
+    # the order from shapes and dtypes only, with the largest vocabulary slice: the same on every TP rank
+    if backward_order == "auto":
+        backward_order = loss_backward_order(rows, hidden.shape[-1], tile_vocab, hidden.element_size(),
+                                             weight.element_size(), chunk)
+    tiles = loss_backward_tiles(rows, hidden.shape[-1], tile_vocab, chunk)
+    loss_sum = _TiledLMLoss.apply(hidden_2d, weight, targets_1d, chunk, ignore_index, vocab, (backward_order, tiles))
     count = (targets_1d != ignore_index).sum()
     return loss_sum, count
 

@@ -15,8 +15,10 @@ alive at the step's worst moment, by category:
 - ``attention_transients``: :func:`seqpar.memory.attention.estimate_attention_memory` for one layer's attention call,
   less the q, k, v, output already counted as activations;
 - ``logits_loss``: the ``(seq_local, vocab)`` logits, their fp32 log-softmax and two gradients of that
-  size (untiled), or two chunks of fp32 logits plus the fp32 dW accumulator (``tiled_loss``; in low precision, at
-  least the head's gradient cast from that accumulator while it is alive: the end of the loss's backward);
+  size (untiled), or the tiled loss's backward (``tiled_loss``: :func:`seqpar.memory.tiling.loss_backward_bytes`, in
+  the order the loss runs: the head's gradient in its dtype plus a block's buffers and dhidden in fp32 when the
+  vocabulary blocks are outer, else two chunks of fp32 logits plus the fp32 dW accumulator and, in low precision,
+  the head's gradient cast from it while it is alive at the end of the loss's backward);
 - ``communication``: the engines' gradient-reduction buckets.
 
 ``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
@@ -378,19 +380,25 @@ def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp
     chunk of every rank's at a time."""
     h, v = m.hidden_size, m.vocab_size
     if tiled_loss:
-        from seqpar.memory.tiling import loss_chunk_rows
+        from seqpar.memory.tiling import loss_backward_bytes, loss_backward_order, loss_chunk_rows
 
         a = max(e, 4)  # the loss's accumulation dtype (seqpar.sequence.vocab_parallel.loss_dtype): fp32, fp64 for fp64
         chunk_rows = loss_chunk_rows(rows, h, v)
+        if tp_seq == 1:
+            # the backward's own model, in the order it runs (tiling.loss_backward_order: vocabulary blocks outer
+            # for a bf16 / fp16 head with fewer rows than vocabulary, else row chunks outer); measured in every
+            # dtype and both orders by tests/test_memory_tiled_loss_bf16.py
+            order = loss_backward_order(rows, h, v, e, e, chunk_rows)
+            return loss_backward_bytes(order, rows, h, v, e, e, chunk_rows)
+        # TP sequence parallelism (_GatheredTiledLMLoss) loops over row chunks only: the same moments as the row
+        # order, over this rank's rows / tp_seq and one gathered chunk of hidden rows
         chunk = chunk_rows * v * a  # one chunk's fp32 logits / dlogits
         # the backward's two moments, never together: inside the loop two chunks' buffers; at its end, once the
         # chunks are freed, dweight.to(weight.dtype) makes the head's low-precision gradient (V h e) while the fp32
-        # accumulator is still alive (measured: bf16, V 1024, h 64, 64 rows was 24.5% over the 2-chunk figure,
-        # tests/test_memory_tiled_loss_bf16.py); in fp32 / fp64 the cast is the accumulator itself, no copy
+        # accumulator is still alive; in fp32 / fp64 the cast is the accumulator itself, no copy
         cast = v * h * e if e < a else 0
-        # + the dW accumulator, dhidden (and, under TP-SP, the gathered chunk of hidden rows)
-        return (max(2 * chunk, cast) + v * h * a + rows * h * e // tp_seq
-                + (chunk_rows * h * e if tp_seq > 1 else 0))
+        # + the dW accumulator, dhidden and the gathered chunk of hidden rows
+        return max(2 * chunk, cast) + v * h * a + rows * h * e // tp_seq + chunk_rows * h * e
     # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
     return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
 
