@@ -153,3 +153,35 @@ def test_vocab_order_on_split_heads(dist_pool, dtype_name: str) -> None:  # noqa
     """Seen failing: the vocabulary order's one-hot at the target's global id (``local_target = target``, the
     slice's ``vocab_start`` not subtracted): both ranks' gradients off (bf16)."""
     assert dist_pool.run(2, _split_heads, dtype_name, timeout=300) == ["exact", "exact"]
+
+
+@pytest.mark.parametrize("order", ["vocab", "rows"])
+def test_low_precision_matmul_path_matches_float64(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's fp32 accumulations by one bf16 matmul writing fp32 (``torch.addmm(..., out_dtype=float32)``,
+    which torch has on CUDA only), played on CPU: the kernel is replaced by its definition (``acc += fp32(a) @
+    fp32(b)``) and its inputs are checked to be the bf16 tensors themselves (no upcast copies). Both orders' loss and
+    gradients still equal float64 on bf16-rounded inputs, as the upcast path does.
+
+    Seen failing: ``addmm_fp32_out(dh[sl], dl, w_blk)`` given ``w_blk.t()`` (the shapes' assert), and the vocabulary
+    order's ``dl`` left fp32 on this path (the bf16 assert)."""
+    import seqpar.memory.tiling as tiling
+
+    calls = []
+
+    def emulated(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        assert a.dtype == b.dtype == torch.bfloat16 and acc.dtype == torch.float32
+        assert acc.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0]
+        calls.append(a.shape)
+        acc.add_(a.float() @ b.float())
+
+    monkeypatch.setattr(tiling, "fp32_out_matmul_supported", lambda device, dtype: True)
+    monkeypatch.setattr(tiling, "addmm_fp32_out", emulated)
+    h64, w64, t = _inputs(3, 517, 24, 2, 37, torch.bfloat16)
+    ref_loss, ref_h, ref_w = _reference(h64, w64, t)
+    h, w = h64.to(torch.bfloat16).requires_grad_(), w64.to(torch.bfloat16).requires_grad_()
+    loss, _ = tiled_lm_loss(h, w, t, chunk_rows=5, backward_order=order)
+    loss.backward()
+    assert calls, "the low-precision path was not taken"
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=LOSS_RTOL[torch.bfloat16], atol=0)
+    _close(h.grad, ref_h, torch.bfloat16, f"{order}: dhidden")
+    _close(w.grad, ref_w, torch.bfloat16, f"{order}: dweight")

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.config import SeqParConfig
+from seqpar.kernels.matmul import addmm_fp32_out, fp32_out_matmul_supported
 from seqpar.sequence.call_group import call_group
 from seqpar.sequence.vocab_parallel import (
     VocabSplitHead,
@@ -119,6 +120,16 @@ def _acc_bytes(weight_bytes: int) -> int:
     """Bytes of the loss's accumulation dtype for a head of ``weight_bytes`` an element
     (:func:`seqpar.sequence.vocab_parallel.loss_dtype`: fp32 for bf16 / fp16, else the weight's own)."""
     return max(weight_bytes, 4)
+
+
+def _low_precision_matmuls(hidden: Tensor, weight: Tensor) -> bool:
+    """The backward's fp32 accumulations take one bf16 / fp16 matmul writing fp32
+    (:func:`seqpar.kernels.matmul.addmm_fp32_out`: no upcast copies, the tensor-core rate) instead of the fp32
+    matmul of upcast inputs: both inputs in one 16-bit dtype, on a device with that kernel (CUDA). The sums are
+    the same up to their order (a product of two bf16 numbers is exact in fp32); the buffers are fewer, so the
+    memory model (:func:`loss_backward_bytes`, the upcast path's, which CPU measures) stays an upper bound."""
+    return (hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+            and fp32_out_matmul_supported(str(weight.device), weight.dtype))
 
 
 def loss_backward_tiles(rows: int, hidden_size: int, vocab_size: int, chunk_rows: int) -> tuple[int, int]:
@@ -228,9 +239,10 @@ def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: T
     dh = torch.zeros((rows, width), dtype=acc, device=hidden.device) if want_h else None
     valid = target != ignore_index  # (rows,)
     local_target = target - vocab_start
+    low_mm = _low_precision_matmuls(hidden, weight)
     for v0 in range(0, weight.shape[0], block):
         w_blk = weight[v0:v0 + block]  # (block, hidden), a view
-        w_acc = w_blk.to(acc) if want_h else None  # no copy in fp32
+        w_acc = w_blk.to(acc) if want_h and not low_mm else None  # no copy in fp32
         dw_blk = torch.zeros(w_blk.shape, dtype=acc, device=weight.device) if want_w else None
         for sl in _row_slices(rows, tile):
             dl = upcast(hidden[sl] @ w_blk.t())  # (tile, block) fp32: the logits of the block's columns
@@ -239,6 +251,14 @@ def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: T
             owned = valid[sl] & (col >= 0) & (col < w_blk.shape[0])
             dl.scatter_add_(1, torch.where(owned, col, 0).unsqueeze(1), -owned.to(dl.dtype).unsqueeze(1))
             dl.mul_(valid[sl].unsqueeze(1)).mul_(grad_total)
+            if low_mm:  # dlogits rounded to the hidden dtype, as autograd rounds them, and multiplied as they are
+                dl = dl.to(hidden.dtype)
+                if want_w:
+                    addmm_fp32_out(dw_blk, dl.t(), hidden[sl])
+                if want_h:
+                    addmm_fp32_out(dh[sl], dl, w_blk)
+                del dl
+                continue
             if hidden.dtype != acc:
                 dl.copy_(dl.to(hidden.dtype))  # rounded as the row-outer order (and autograd) rounds dlogits
             if want_w:
@@ -286,13 +306,16 @@ class _TiledLMLoss(torch.autograd.Function):
         dhidden = torch.empty_like(hidden) if want_h else None
         # fp32 accumulator for dW over the chunks (one matmul would accumulate in fp32 as well)
         dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
+        low_mm = _low_precision_matmuls(hidden, weight)
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             _, dlogits = _chunk_loss_and_grad(hidden[sl], weight, target[sl], ctx.ignore_index, True, ctx.vocab,
                                               lse[sl])
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (rows, vocab), as autograd would cast
             if want_h:
                 dhidden[sl] = dlogits @ weight
-            if want_w:
+            if want_w and low_mm:
+                addmm_fp32_out(dweight, dlogits.t(), hidden[sl])
+            elif want_w:
                 dweight.addmm_(dlogits.t().to(dweight.dtype), hidden[sl].to(dweight.dtype))  # no copy in fp32
             del dlogits
         return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None, None
@@ -341,6 +364,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dhidden = torch.empty_like(hidden) if want_h else None
         dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
+        low_mm = _low_precision_matmuls(hidden, weight)
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             gathered = _gather_rows(hidden[sl], group)
             _, dlogits = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ctx.ignore_index,
@@ -348,7 +372,9 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (tp * rows_c, vocab_local)
             if want_h:
                 dhidden[sl] = _reduce_scatter_rows(dlogits @ weight, group)
-            if want_w:
+            if want_w and low_mm:
+                addmm_fp32_out(dweight, dlogits.t(), gathered)
+            elif want_w:
                 dweight.addmm_(dlogits.t().to(dweight.dtype), gathered.to(dweight.dtype))
             del dlogits, gathered
         return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
