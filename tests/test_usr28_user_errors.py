@@ -119,3 +119,19 @@ def test_a_model_sharing_a_swapped_models_config_is_refused_naming_the_cause(dis
     """Seen failing: the unswapped model's refusal said its layer "was left out by sequence_parallel.swap",
     which no swap config of the user's did; the cause (one config object for both models) went unnamed."""
     dist_pool.run(2, _shared_config_refused)
+
+
+@pytest.mark.parametrize("config", ["fsdp_ring", "deepspeed_ring"])
+def test_run_cpu_sh_takes_the_port_from_master_port(tmp_path, config):
+    """docs/getting-started.md's `NPROC=4 bash launch/run_cpu.sh ...`, a second job on one machine. Seen failing:
+    the script started torchrun / deepspeed on their default port 29500 whatever MASTER_PORT said (both launchers
+    read their own --master_port flag, not the variable), so a second job collided with the first."""
+    for launcher in ("torchrun", "deepspeed"):  # stand-ins that print the command line they were given
+        stub = tmp_path / launcher
+        stub.write_text('#!/usr/bin/env bash\necho "$@"\n')
+        stub.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MASTER_PORT": "29613", "NPROC": "2"}
+    run = subprocess.run(["bash", str(ROOT / "launch" / "run_cpu.sh"), config, "--steps", "1"], env=env,
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "--master_port 29613 launch/train.py" in run.stdout, run.stdout
