@@ -135,3 +135,24 @@ def test_run_cpu_sh_takes_the_port_from_master_port(tmp_path, config):
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "--master_port 29613 launch/train.py" in run.stdout, run.stdout
+
+
+def test_launcher_refuses_a_model_without_sdpa_by_name(tmp_path):
+    """`"model": {"architecture": "gpt_neo", ...}` (docs/getting-started.md: any transformers model type). Seen
+    failing: the launcher built every model with attn_implementation="sdpa", so GPT-Neo died in transformers'
+    `from_config` ("GPTNeoForCausalLM does not support an attention implementation through
+    torch.nn.functional.scaled_dot_product_attention yet") instead of reaching the swap, which names the module
+    that stops it."""
+    cfg = {"sequence_parallel": {"size": 1},
+           "model": {"architecture": "gpt_neo", "hidden_size": 32, "num_layers": 2, "num_heads": 4,
+                     "attention_types": [[["global", "local"], 1]]},
+           "train": {"engine": "fsdp", "seq_len": 64, "steps": 1, "seed": 0}, "fsdp": {"version": 2}}
+    path = tmp_path / "neo.json"
+    path.write_text(json.dumps(cfg))
+    env = {**__import__("os").environ, "MASTER_PORT": "0"}
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(path), "--no-progress"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert run.returncode != 0
+    assert "does not support an attention implementation" not in run.stderr, run.stderr[-2000:]
+    assert "SwapError" in run.stderr and "'transformer.h.0.attn.attention' (GPTNeoSelfAttention)" in run.stderr, \
+        run.stderr[-2000:]
