@@ -156,3 +156,18 @@ def test_launcher_refuses_a_model_without_sdpa_by_name(tmp_path):
     assert "does not support an attention implementation" not in run.stderr, run.stderr[-2000:]
     assert "SwapError" in run.stderr and "'transformer.h.0.attn.attention' (GPTNeoSelfAttention)" in run.stderr, \
         run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key", ["sequence_parallel_size", "data_parallel_size"])
+def test_validate_only_refuses_deepspeeds_own_mesh_keys(tmp_path, key):
+    """docs/names.md: DeepSpeed's top-level `sequence_parallel_size` stays refused (DeepSpeed would build its own
+    mesh), and docs/integrations.md: `--validate-only` checks every block before queueing a job. Seen failing:
+    `--validate-only` printed "valid" for it; the refusal came only from `initialize`, after the job started."""
+    cfg = json.loads((ROOT / "configs" / "deepspeed_ring.json").read_text())
+    cfg[key] = 2
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    run = subprocess.run([sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(path),
+                          "--validate-only"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode != 0, run.stderr[-1000:]
+    assert f"has '{key}', which makes DeepSpeed build its own mesh" in run.stderr, run.stderr[-1000:]
