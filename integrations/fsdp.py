@@ -21,6 +21,7 @@ each rank's local-token mean) would need a different factor: use the seqpar loss
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -104,7 +105,9 @@ class FSDPOptions:
         d = dict(d or {})
         unknown = sorted(set(d) - set(cls.KEYS))
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in 'fsdp'; allowed keys are {list(cls.KEYS)}")
+            close = [m for key in unknown for m in difflib.get_close_matches(key, cls.KEYS, n=1, cutoff=0.75)]
+            hint = f" (did you mean {close}?)" if close else ""
+            raise ValueError(f"unknown key(s) {unknown} in 'fsdp'{hint}; allowed keys are {list(cls.KEYS)}")
         return cls(**d)
 
 

@@ -88,6 +88,11 @@ def check_top_level(raw: dict[str, Any], engine: str, path: str) -> None:
         if raw.get(block) is not None and not isinstance(raw[block], dict):
             raise ConfigError(f"--config {path}: {block!r} must be a JSON object, got {type(raw[block]).__name__}")
     ds_keys = deepspeed_keys() if engine == "deepspeed" else frozenset()
+    for key in ("sequence_parallel_size", "data_parallel_size"):  # DeepSpeed reads them: refused by
+        if engine == "deepspeed" and key in raw:  # seqpar.integrations.deepspeed.initialize, here before any group
+            raise ConfigError(f"--config {path}: the DeepSpeed config has {key!r}, which makes DeepSpeed build its "
+                              "own mesh; set the SP degree in the 'sequence_parallel' block (\"size\") instead and "
+                              f"remove {key!r}")
     for key in raw:
         if key in BLOCKS or key in ds_keys:
             continue

@@ -161,7 +161,14 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
         ) from e
     cfg = llama_config(plan, vocab_size, seq_len_padded)
     torch.manual_seed(plan.train.seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    try:
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    except ValueError as e:  # a model without transformers' SDPA path (GPT-Neo): its eager one, which the swap
+        if "scaled_dot_product_attention" not in str(e):  # replaces or refuses by name, not this traceback
+            raise
+        cfg._attn_implementation = "eager"
+        torch.manual_seed(plan.train.seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     if plan.train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

@@ -5,10 +5,11 @@
 #   bash launch/run_cpu.sh deepspeed_ring                    # 2 CPU ranks, SP=2, ring
 #   NPROC=4 bash launch/run_cpu.sh fsdp_ring --sp-size 2     # 4 ranks = DP 2 x SP 2
 #   bash launch/run_cpu.sh all --steps 5                     # every config, briefly
-# Metrics land in runs/<config>.json.
+# Metrics land in runs/<config>.json. MASTER_PORT (default 29500) sets the rendezvous port, for a second job on one machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NPROC="${NPROC:-2}"
+MASTER_PORT="${MASTER_PORT:-29500}"  # torchrun and deepspeed read their own flag, not this variable
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 which="${1:-deepspeed_ring}"
 shift || true
@@ -20,9 +21,9 @@ run_one() {
   mkdir -p runs
   echo ">>> ${name} on ${NPROC} CPU ranks"
   if [[ "$name" == deepspeed_* ]]; then
-    deepspeed --num_gpus "$NPROC" launch/train.py --config "$cfg" --metrics-out "runs/${name}.json" "$@"
+    deepspeed --num_gpus "$NPROC" --master_port "$MASTER_PORT" launch/train.py --config "$cfg" --metrics-out "runs/${name}.json" "$@"
   else
-    torchrun --nproc_per_node "$NPROC" launch/train.py --config "$cfg" --metrics-out "runs/${name}.json" "$@"
+    torchrun --nproc_per_node "$NPROC" --master_port "$MASTER_PORT" launch/train.py --config "$cfg" --metrics-out "runs/${name}.json" "$@"
   fi
 }
 

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from seqpar_launch.config_file import did_you_mean
+
 __all__ = ["Plan", "TrainSettings", "compile_backends"]
 
 
@@ -140,7 +142,8 @@ class TrainSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in 'train'; allowed keys are {sorted(known)}")
+            hints = "".join(did_you_mean(key, known) for key in unknown)
+            raise ValueError(f"unknown key(s) {unknown} in 'train'{hints}; allowed keys are {sorted(known)}")
         return cls(**d)
 
 

@@ -37,6 +37,7 @@ Example block::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -124,12 +125,34 @@ def check_tp_loss_parallel(value: Any, *, tp_size: int, tiled_loss: bool) -> Non
               "or tiled_loss false")
 
 
+# Names a user plausibly writes for a key of the block that no close spelling finds (docs/names.md).
+_KEY_HINTS = {"sp_size": "size", "sp_degree": "size", "cp_degree": "size", "degree": "size",
+              "context_parallel_size": "size", "sequence_parallel_degree": "size", "sp_mode": "mode",
+              "attn_mode": "mode", "cp_mode": "mode"}
+
+
+def _suggestion(key: str, known: set[str]) -> str:
+    """`` (did you mean 'x'?)`` for a misspelt or foreign ``key``, else ``""``."""
+    if key in _KEY_HINTS and _KEY_HINTS[key] in known:
+        return f"{key!r} -> {_KEY_HINTS[key]!r}"
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+    return f"{key!r} -> {close[0]!r}" if close else ""
+
+
 def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(given) - known)
     if unknown:
+        # Without the block's key the whole JSON was read as the block: a misspelt block name lands here.
+        whole = section == BLOCK_KEY and BLOCK_KEY not in given
+        hints = [f"{k!r} -> {BLOCK_KEY!r}" if whole and difflib.get_close_matches(k, [BLOCK_KEY], n=1, cutoff=0.75)
+                 else _suggestion(k, known | ({*SIZE_ALIASES, "cp_comm_type"} if section == BLOCK_KEY else set()))
+                 for k in unknown]
+        hints = [h for h in hints if h]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        aliases = f"; also accepted: {[*SIZE_ALIASES, 'cp_comm_type']} (docs/names.md)" if section == BLOCK_KEY else ""
         raise ConfigError(
-            f"unknown key(s) {unknown} in {section}; allowed keys are {sorted(known)}"
+            f"unknown key(s) {unknown} in {section}{hint}; allowed keys are {sorted(known)}{aliases}"
         )
 
 

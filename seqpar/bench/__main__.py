@@ -27,9 +27,19 @@ from typing import Any
 
 from seqpar.bench.report import machine_info, write_json
 
-__all__ = ["main", "build_parser", "SUITES"]
+__all__ = ["main", "build_parser", "SUITES", "COMMANDS"]
 
 SUITES = ("attention", "peers", "memory", "train", "comm")
+COMMANDS = {
+    "gpu-check": "the GPU run-book's stages (docs/gpu-runbook.md)",
+    "gpu-perf": "the ring's speed on one GPU",
+    "ssd": "one Mamba2 layer sequence-parallel",
+    "overlap": "transfers hidden on emulated links",
+    "ring-memory": "one ring rank's peak memory against one process",
+    "dynamic": "length-aware dynamic CP against static SP",
+    "interleave": "a few methods timed in interleaved rounds",
+}
+"""Commands with parsers of their own, dispatched by :func:`main` before the suites' parser."""
 
 # preset -> defaults (flags given on the command line win)
 _PRESETS: dict[str, dict[str, Any]] = {
@@ -78,8 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="seqpar-bench",
         description="Benchmarks of seqpar's sequence-parallel attention against single-device attention and peers.",
+        # the commands are dispatched in main() before this parser runs: list them, or --help hides them
+        epilog="commands with flags of their own (python -m seqpar.bench COMMAND --help):\n"
+               + "\n".join(f"  {name}: {what}" for name, what in COMMANDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's one line per command
     )
-    p.add_argument("suite", choices=[*SUITES, "all"], help="what to measure")
+    p.add_argument("suite", choices=[*SUITES, "all"], help="what to measure (or a command below)")
     preset = p.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="P=2, S up to 4096 (a few minutes on 2 CPU cores)")
     preset.add_argument("--tiny", action="store_true", help="toy shapes: checks that every path runs (tests)")

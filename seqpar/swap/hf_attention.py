@@ -158,7 +158,10 @@ def seqpar_attention_forward(
                 f"seqpar: attention layer {type(module).__name__} (layer_idx "
                 f"{getattr(module, 'layer_idx', '?')}) was left out by sequence_parallel.swap, but "
                 f"the model runs on sequence shards of {world_size} ranks, where it would see only "
-                "this rank's keys. Include every attention layer in sequence_parallel.swap"
+                "this rank's keys. Include every attention layer in sequence_parallel.swap. If this "
+                "model was never swapped, it shares its config object with a swapped one (transformers "
+                "keeps the attention implementation on the config, and the swap sets it to seqpar's): "
+                "build each model from its own config (copy.deepcopy(config))"
             )
         if isinstance(attention_mask, WindowMask):  # the unsharded sequence: the window as a tensor
             i = torch.arange(query.shape[2], device=query.device)[:, None]
