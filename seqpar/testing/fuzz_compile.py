@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from seqpar.testing.fuzz_attention import call_words, knob_words
+from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
 __all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task", "compile_dilated_task",
@@ -610,12 +611,10 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
         wire_tol = max(tol, 4 * (c["sp"] - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
         for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
             for ti, name in enumerate(names):
-                full = torch.zeros_like(ref_call[ti])
-                for r in range(c["sp"]):
-                    got = per_rank[g0 + r]["calls"][ci][ti]
-                    if got is None:
-                        return "WRONG", f"call{ci}.{name} missing on rank {g0 + r}: no gradient reached the leaf"
-                    full[:, :, positions(cd, c["cu"], r)] = got.double()
+                full, missing = lay_shards(ref_call[ti], per_rank, range(g0, g0 + c["sp"]), ci, ti,
+                                           lambda r, cd=cd, cu=c["cu"]: positions(cd, cu, r))
+                if missing is not None:
+                    return "WRONG", f"call{ci}.{name} missing on rank {missing}: no gradient reached the leaf"
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
