@@ -76,7 +76,7 @@ def empty_documents_applied(draws: dict[str, Any]) -> dict[str, Any]:
     """``draws`` as the run sees it: each call's ``cu`` with the zero-length documents of ``draws["empty_docs"]``
     (:func:`draw_empty_documents`) put in; ``draws`` itself where there are none."""
     empty = draws.get("empty_docs")
-    if not empty:
+    if not empty or "calls" not in draws:  # a forced empty_docs on a kind without calls: nothing to put in
         return draws
     calls = [{**c, "cu": with_empty_documents(c["cu"], empty[i] if i < len(empty) else [])}
              if c.get("cu") is not None else c for i, c in enumerate(draws["calls"])]
