@@ -2335,6 +2335,11 @@ PRE_FZ28_DRAWS = {
                 "layout lengths mode model_type overlap scale segment_lengths sharding sinks softcap steps strided sub "
                 "ulysses_size world",
                 "9cfc369e57fd6625a82967fea6750b9c4f834c5083dd99a09b5f4c3c539660fd"),
+    "model": ("batch case_seed check_inputs checkpointing kind knobs lengths memory mode model_type sharding step "
+              "ulysses_size world", "11c7cdf6862e70130f1969a904bd0beea5fc9c77cd4708db37e81d1e703f73a5"),
+    "engine": ("batch case_seed check_inputs checkpointing dp engine kind lengths memory mode model_type replicas "
+               "sharding step tp_loss_parallel tp_sequence_parallel tp_size ulysses_size vocab_parallel_lm_head world "
+               "zero_stage", "d73b0327988201205c77575ffa720476c8ab2fd85af4d20c06bfb4e7709cd487"),
 }
 
 
@@ -2342,13 +2347,17 @@ def test_zero_length_documents_are_drawn_without_touching_the_old_draws() -> Non
     """fz28: the attention kind and the compile kind's attention calls draw zero-length documents (repeated
     ``cu_seqlens`` entries: a leading one, one between, Megatron's trailing padding) in about a third of the cases
     with documents, and only there, from a generator of their own: the draws of case seeds 0-299 over the keys
-    they had before are those they had (``PRE_FZ28_DRAWS``). ``--set empty_docs=...`` on a draw without calls
+    they had before are those they had (``PRE_FZ28_DRAWS``). So do the model, engine and compiled-model cases with
+    packed rows (the collator drops an empty sample, so its ``cu_seq_lens_q`` / ``_k`` get the repeats; the
+    reference runs the documents). ``--set empty_docs=...`` on a draw without calls
     (compile/model) changes nothing. Seen failing: with ``EMPTY_DOCUMENTS_RATE = 0`` (no draw), and with the choice
     made off the case generator in ``draw_attention`` (the attention hash changed)."""
     import hashlib
+    import itertools
     import json
 
     from seqpar.testing.fuzz_attention import with_empty_documents
+    from seqpar.testing.fuzz_models import case_batches
 
     for kind, (keys, digest) in PRE_FZ28_DRAWS.items():
         old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, (kind,)) for s in range(300))]
@@ -2368,7 +2377,17 @@ def test_zero_length_documents_are_drawn_without_touching_the_old_draws() -> Non
     assert set(where) == {"first", "middle", "last"} and min(where.values()) > 50, where
     com = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(600)) if d["sub"] == "attention" and d["docs"]]
     assert 0.2 < sum(bool(d["empty_docs"]) for d in com) / len(com) < 0.5
-    model = next(d for d in (fuzz.draw_case(s, ("compile",)) for s in range(50)) if d["sub"] == "model")
+    for kind in ("model", "engine", "compile"):  # packed rows: the collator's cu_seq_lens get the repeats
+        packed = [d for d in (fuzz.draw_case(s, (kind,)) for s in range(400)) if d.get("batch") == "packed"]
+        assert 0.2 < sum(bool(d.get("empty_docs")) for d in packed) / len(packed) < 0.5, kind
+        assert not any(d.get("empty_docs") for d in (fuzz.draw_case(s, (kind,)) for s in range(100))
+                       if d.get("batch") != "packed" and d.get("sub", "model") == "model")
+    model = next(d for d in (fuzz.draw_case(s, ("model",)) for s in range(100)) if d.get("empty_docs"))
+    for b, picks in zip(case_batches(model), model["empty_docs"], strict=False):
+        cu, plain = b["batch"]["cu_seq_lens_q"].tolist(), b["plain"]["cu_seq_lens_q"].tolist()
+        assert cu == with_empty_documents(plain, picks) and b["batch"]["cu_seq_lens_k"].tolist() == cu
+        assert len(set(cu)) < len(cu) and plain == [0, *itertools.accumulate(len(x) for x in b["docs"])]
+    model = next(d for d in (fuzz.draw_case(s, ("compile",)) for s in range(50)) if d["sub"] == "model" and d["batch"] != "packed")
     forced, conflict = fuzz.force(model, {"empty_docs": [[0, 99]]})
     assert conflict is None and fuzz.empty_documents_applied(forced) is forced and fuzz.summary(forced)
 

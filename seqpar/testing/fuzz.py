@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import random
@@ -294,6 +295,9 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     draws["case_seed"] = case_seed
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
+    elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
+        draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
+                                                               for lens in draws["lengths"]])
     return draws
 
 

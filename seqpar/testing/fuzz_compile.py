@@ -630,10 +630,13 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     return "exact", f"worst {worst[0]} {worst[1]:.1e}"
 
 
-def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict[str, Any]:
-    """Step ``i`` as a ``model`` draw (its batches' lengths; its own tokens: the case seed plus ``i``)."""
+def _step_draws(draws: dict[str, Any], i: int, step: list[int]) -> dict[str, Any]:
+    """Step ``i`` (the batches ``step`` of the case) as a ``model`` draw (its batches' lengths and zero-length
+    documents; its own tokens: the case seed plus ``i``)."""
+    lengths, empty = [draws["lengths"][j] for j in step], draws.get("empty_docs")
     return {**draws, "kind": "model", "lengths": lengths, "step": "one" if len(lengths) == 1 else "two-forwards",
-            "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31}
+            "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31,
+            "empty_docs": [empty[j] if j < len(empty) else [] for j in step] if empty else None}
 
 
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
@@ -667,7 +670,7 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
 
     refs, steps = [], []
     for i, step in enumerate(draws["steps"]):
-        sd = _step_draws(draws, i, [draws["lengths"][j] for j in step])
+        sd = _step_draws(draws, i, step)
         batches = case_batches(sd)
         ref = model_reference(sd, batches)
         if not ref["ok"]:
