@@ -363,7 +363,10 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
 
 def summary(draws: dict[str, Any]) -> str:
     """One short line naming the case's composition."""
-    if draws.get("empty_docs"):  # the documents as the run sees them (lengths 0 among them), and a word saying so
+    if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
+                                                                         for c in draws.get("calls", []))):
+        # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced
+        # empty_docs finds no documents to put them in)
         return summary({**empty_documents_applied(draws), "empty_docs": None}) + " empty-docs"
     if draws["kind"] == "model":
         from seqpar.testing.fuzz_models import model_summary
