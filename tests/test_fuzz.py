@@ -636,6 +636,10 @@ for _seed in (2127877499, 1880712864):
     FOUND_SET[_seed]["alibi"] = True
 FOUND_SET[766629414] = {**FOUND_SET.get(766629414, {}), "grad": None, "group": None, "calls": [{"cu": None}]}
 FOUND_SET[456854197] = {**FOUND_SET[456854197], "grad": None}
+# fz28: zero-length documents (``empty_docs``, drawn from a generator of their own after every other draw) reach these
+# pinned cases' runs since; each keeps the run it was found with, without them (the new draw has its own tests)
+for _seed in (2127877499, 2132084004, 1260527780, 1789442528, 1096474577, 1490451036):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "empty_docs": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -763,7 +767,7 @@ def _ring_case() -> dict:
     draws = fuzz.draw_case(11, ("attention",))
     draws.update(world=2, mode="ring", ulysses_size=1, sharding="zigzag", alibi=False, sinks=False, softcap=None,
                  batch=1, dtype="float32", heads=[4, 2, 8, 8], seq=16,
-                 calls=[{"cu": [0, 1, 9, 10, 16]}])
+                 calls=[{"cu": [0, 1, 9, 10, 16]}], empty_docs=None)
     return draws
 
 
@@ -1443,7 +1447,7 @@ def _compile_case(backend: str = "aot_eager") -> dict:
                  scale=None, layout="bhsd", head_chunks="auto", overlap=True, check_inputs=False, dtype="float32",
                  dynamic=None, backend=backend,
                  calls=[{"sp": 2, "seq": 16, "cu": [0, 5, 16], "batch": 1, "window": None},
-                        {"sp": 2, "seq": 16, "cu": [0, 11, 16], "batch": 1, "window": None}])
+                        {"sp": 2, "seq": 16, "cu": [0, 11, 16], "batch": 1, "window": None}], empty_docs=None)
     return draws
 
 
@@ -2321,3 +2325,107 @@ def test_a_forced_world_on_a_compiled_dilated_case_is_skipped() -> None:
     out, conflict = fuzz.force(drawn, {"world": other})
     assert conflict is not None and "compiled dilated" in conflict, conflict
     assert fuzz.force(drawn, {"world": drawn["world"]})[1] is None
+
+
+# fz28: the draws of case seeds 0-299 of the attention and compile kinds before zero-length documents were drawn
+# (sha256 of their JSON over the keys they had then: /work/tmp/fz28/before.json in fz28's report)
+PRE_FZ28_DRAWS = {
+    "attention": ("alibi batch calls case_seed causal check_inputs chunk_size cu_as declare_sharding dkv_wire_dtype "
+                  "dtype expand_kv grad group group_arg head_chunks heads kind layout mode omit_layout omit_sharding "
+                  "overlap scale seq sharding sinks sinks_grad softcap strided ulysses_size window world",
+                  "16a8987907819b3a38e1c581c20888fa2d01e7e280477fae1094c3ddd2e5dc16"),
+    "compile": ("alibi backend batch calls case_seed causal check_inputs checkpointing chunk_size dilated_mode "
+                "dilation_rates dkv_wire_dtype docs dtype dynamic fullgraph grad head_chunks head_layout heads kind "
+                "layout lengths mode model_type overlap scale segment_lengths sharding sinks softcap steps strided sub "
+                "ulysses_size world",
+                "9cfc369e57fd6625a82967fea6750b9c4f834c5083dd99a09b5f4c3c539660fd"),
+    "model": ("batch case_seed check_inputs checkpointing kind knobs lengths memory mode model_type sharding step "
+              "ulysses_size world", "11c7cdf6862e70130f1969a904bd0beea5fc9c77cd4708db37e81d1e703f73a5"),
+    "engine": ("batch case_seed check_inputs checkpointing dp engine kind lengths memory mode model_type replicas "
+               "sharding step tp_loss_parallel tp_sequence_parallel tp_size ulysses_size vocab_parallel_lm_head world "
+               "zero_stage", "d73b0327988201205c77575ffa720476c8ab2fd85af4d20c06bfb4e7709cd487"),
+}
+
+
+def test_zero_length_documents_are_drawn_without_touching_the_old_draws() -> None:
+    """fz28: the attention kind and the compile kind's attention calls draw zero-length documents (repeated
+    ``cu_seqlens`` entries: a leading one, one between, Megatron's trailing padding) in about a third of the cases
+    with documents, and only there, from a generator of their own: the draws of case seeds 0-299 over the keys
+    they had before are those they had (``PRE_FZ28_DRAWS``). So do the model, engine and compiled-model cases with
+    packed rows (the collator drops an empty sample, so its ``cu_seq_lens_q`` / ``_k`` get the repeats; the
+    reference runs the documents). ``--set empty_docs=...`` on a draw without calls
+    (compile/model) changes nothing. Seen failing: with ``EMPTY_DOCUMENTS_RATE = 0`` (no draw), and with the choice
+    made off the case generator in ``draw_attention`` (the attention hash changed)."""
+    import hashlib
+    import itertools
+    import json
+
+    from seqpar.testing.fuzz_attention import with_empty_documents
+    from seqpar.testing.fuzz_models import case_batches
+
+    for kind, (keys, digest) in PRE_FZ28_DRAWS.items():
+        old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, (kind,)) for s in range(300))]
+        assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    docs = [d for d in att if any(c["cu"] is not None for c in d["calls"])]
+    empty = [d for d in docs if d["empty_docs"]]
+    assert not any(d["empty_docs"] for d in att if all(c["cu"] is None for c in d["calls"]))
+    assert 0.28 < len(empty) / len(docs) < 0.42, (len(empty), len(docs))
+    where = Counter()
+    for d in empty:
+        assert len(d["empty_docs"]) == len(d["calls"])
+        for c, picks in zip(d["calls"], d["empty_docs"], strict=True):
+            cu = with_empty_documents(c["cu"], picks)
+            assert len(cu) == len(c["cu"]) + len(picks) and sorted(set(cu)) == sorted(set(c["cu"]))
+            where.update("first" if i == 0 else "last" if i == len(c["cu"]) - 1 else "middle" for i in picks)
+    assert set(where) == {"first", "middle", "last"} and min(where.values()) > 50, where
+    com = [d for d in (fuzz.draw_case(s, ("compile",)) for s in range(600)) if d["sub"] == "attention" and d["docs"]]
+    assert 0.2 < sum(bool(d["empty_docs"]) for d in com) / len(com) < 0.5
+    for kind in ("model", "engine", "compile"):  # packed rows: the collator's cu_seq_lens get the repeats
+        packed = [d for d in (fuzz.draw_case(s, (kind,)) for s in range(400)) if d.get("batch") == "packed"]
+        assert 0.2 < sum(bool(d.get("empty_docs")) for d in packed) / len(packed) < 0.5, kind
+        assert not any(d.get("empty_docs") for d in (fuzz.draw_case(s, (kind,)) for s in range(100))
+                       if d.get("batch") != "packed" and d.get("sub", "model") == "model")
+    model = next(d for d in (fuzz.draw_case(s, ("model",)) for s in range(100)) if d.get("empty_docs"))
+    for b, picks in zip(case_batches(model), model["empty_docs"], strict=False):
+        cu, plain = b["batch"]["cu_seq_lens_q"].tolist(), b["plain"]["cu_seq_lens_q"].tolist()
+        assert cu == with_empty_documents(plain, picks) and b["batch"]["cu_seq_lens_k"].tolist() == cu
+        assert len(set(cu)) < len(cu) and plain == [0, *itertools.accumulate(len(x) for x in b["docs"])]
+    model = next(d for d in (fuzz.draw_case(s, ("compile",)) for s in range(50)) if d["sub"] == "model" and d["batch"] != "packed")
+    forced, conflict = fuzz.force(model, {"empty_docs": [[0, 99]]})
+    assert conflict is None and fuzz.empty_documents_applied(forced) is forced and fuzz.summary(forced)
+
+
+class _Capture:
+    """A stand-in rank pool that keeps the draws a case hands its ranks and fails the case there."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def run(self, world: int, task: object, draws: dict, *args: object, **kwargs: object) -> list:
+        self.seen.append(draws)
+        raise RuntimeError("captured")
+
+
+@pytest.mark.timeout(600)
+def test_zero_length_documents_reach_the_run(fuzzer: fuzz.Fuzzer) -> None:
+    """The ranks (attention and compile kinds) get each call's ``cu_seqlens`` with the drawn repeats, the record
+    keeps the draws as drawn; and two such cases from seed 2801's hunt are exact: 541917705 (P = 4 ring, balanced,
+    two calls, sinks, documents ``2,37,0,1,0,0`` as a tuple) and 2086131580 (P = 2 ring, balanced, float64,
+    ``14,7,3,0,0,0``). Seen failing: without ``empty_documents_applied`` in ``fuzz.run_case`` (the ranks got the
+    boundaries without repeats)."""
+    for kinds, seed in ((("attention",), 541917705), (("compile",), None)):
+        draws = fuzz.draw_case(seed, kinds) if seed else next(
+            d for d in (fuzz.draw_case(s, kinds) for s in range(200)) if d.get("sub") == "attention" and d["empty_docs"])
+        assert draws["empty_docs"], fuzz.summary(draws)
+        pool = _Capture()
+        rec = fuzz.run_case(pool, draws)
+        assert rec["verdict"] == "crash" and "captured" in rec["detail"] and rec["draws"] is draws
+        (seen,) = pool.seen
+        for c, s, picks in zip(draws["calls"], seen["calls"], draws["empty_docs"], strict=True):
+            got = None if s["cu"] is None else list(s["cu"])
+            assert got == (None if c["cu"] is None else sorted(c["cu"] + [c["cu"][min(i, len(c["cu"]) - 1)] for i in picks]))
+            assert c["cu"] is None or not picks or len(set(got)) < len(got)  # repeated entries: zero-length documents
+    for seed in (541917705, 2086131580):
+        rec = fuzzer.run(fuzz.draw_case(seed, ("attention",)))
+        assert rec["draws"]["empty_docs"] and rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import random
@@ -74,6 +75,8 @@ from seqpar.testing.fuzz_attention import (
     draw_attention,
     draw_dilated,
     draw_documents,
+    draw_empty_documents,
+    empty_documents_applied,
 )
 from seqpar.testing.fuzz_attention_run import (
     attention_reference,
@@ -290,6 +293,11 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
+    if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
+        draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
+    elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
+        draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
+                                                               for lens in draws["lengths"]])
     return draws
 
 
@@ -305,6 +313,8 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
 
     t0 = time.time()
     trace = None
+    record = draws
+    draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     restart = False  # the pool answered, but a case failed on it: its process groups may be broken
     try:
         if draws["kind"] == "model":
@@ -348,11 +358,16 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
         pools.get(draws["world"]).kill()  # the next case on this world size starts a fresh pool
         detail += " (the rank pool was restarted)"
     return {"case_seed": draws["case_seed"], "kind": draws["kind"], "verdict": verdict, "detail": detail,
-            "seconds": round(time.time() - t0, 2), "draws": draws, **({"trace": trace} if trace else {})}
+            "seconds": round(time.time() - t0, 2), "draws": record, **({"trace": trace} if trace else {})}
 
 
 def summary(draws: dict[str, Any]) -> str:
     """One short line naming the case's composition."""
+    if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
+                                                                         for c in draws.get("calls", []))):
+        # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced
+        # empty_docs finds no documents to put them in)
+        return summary({**empty_documents_applied(draws), "empty_docs": None}) + " empty-docs"
     if draws["kind"] == "model":
         from seqpar.testing.fuzz_models import model_summary
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from seqpar.testing.fuzz_strides import STRIDES
 
-__all__ = ["HEADS", "GRADS", "CU_AS", "draw_documents", "draw_attention", "draw_dilated", "attention_summary"]
+__all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "draw_documents", "draw_empty_documents",
+           "with_empty_documents", "empty_documents_applied", "draw_attention", "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
@@ -35,6 +36,51 @@ def draw_documents(rng: random.Random, seq: int, world: int) -> list[int]:
     for n in lens:
         cu.append(cu[-1] + n)
     return cu
+
+
+EMPTY_DOCUMENTS_RATE = 0.35
+"""How often a case that draws documents gets zero-length ones too (:func:`draw_empty_documents`)."""
+
+
+def draw_empty_documents(case_seed: int, calls: list[dict[str, Any]]) -> list[list[int]] | None:
+    """Zero-length documents for a case's calls (``calls[i]["cu"]``: boundaries ``[0, ..., S]`` or None): per call
+    the boundary indices to repeat (:func:`with_empty_documents`), ``[]`` for a call without documents; None (most
+    cases) for none at all. Repeated ``cu_seqlens`` entries are what flash-attn's varlen kernels, Megatron (a
+    fixed-size ``cu_seqlens`` padded with trailing copies of S) and a collator emitting an empty sample hand over;
+    seqpar accepts them everywhere since session 27 (tests/test_zero_length_documents.py).
+
+    Drawn from a generator of its own (``f"{case_seed}:empty_documents"``), never the case's: every case seed keeps
+    every draw it had before (fz28), and the indices leave ``calls`` untouched (a forced ``world`` that re-derives
+    the documents keeps its repeats: an index past the new boundaries repeats S)."""
+    rng = random.Random(f"{case_seed}:empty_documents")
+    if all(c.get("cu") is None for c in calls) or rng.random() >= EMPTY_DOCUMENTS_RATE:
+        return None
+    picks: list[list[int]] = []
+    for c in calls:
+        n = len(c["cu"]) if c.get("cu") is not None else 0
+        idx = []
+        for _ in range(rng.randint(1, 3) if n else 0):
+            where = rng.choice(("first", "middle", "last", "last"))  # a leading one, one between, Megatron's padding
+            idx.append(0 if where == "first" else rng.randint(1, n - 2) if where == "middle" and n > 2 else n - 1)
+        picks.append(sorted(idx))
+    return picks
+
+
+def with_empty_documents(cu: list[int], picks: list[int]) -> list[int]:
+    """``cu`` (boundaries ``[0, ..., S]``) with ``cu[i]`` repeated once more for each ``i`` of ``picks``: one
+    zero-length document per pick (an index past the end repeats S)."""
+    return sorted(cu + [cu[min(i, len(cu) - 1)] for i in picks])
+
+
+def empty_documents_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` as the run sees it: each call's ``cu`` with the zero-length documents of ``draws["empty_docs"]``
+    (:func:`draw_empty_documents`) put in; ``draws`` itself where there are none."""
+    empty = draws.get("empty_docs")
+    if not empty or "calls" not in draws:  # a forced empty_docs on a kind without calls: nothing to put in
+        return draws
+    calls = [{**c, "cu": with_empty_documents(c["cu"], empty[i] if i < len(empty) else [])}
+             if c.get("cu") is not None else c for i, c in enumerate(draws["calls"])]
+    return {**draws, "calls": calls}
 
 
 def draw_attention(rng: random.Random) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
 from seqpar.testing.verdicts import close, error_record
 
@@ -311,12 +312,10 @@ def judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[d
     for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
         for ti, name in enumerate(judged):
             for g0 in range(0, world, sp):
-                full = torch.zeros_like(ref_call[ti])
-                for r in range(sp):
-                    got = per_rank[g0 + r]["calls"][ci][ti]
-                    if got is None:
-                        return "WRONG", f"{name} missing on rank {g0 + r}: no gradient reached the leaf"
-                    full[:, :, positions(sharded, call["cu"], r)] = got.double()
+                full, missing = lay_shards(ref_call[ti], per_rank, range(g0, g0 + sp), ci, ti,
+                                           lambda r, cu=call["cu"]: positions(sharded, cu, r))
+                if missing is not None:
+                    return "WRONG", f"{name} missing on rank {missing}: no gradient reached the leaf"
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (f"ranks{g0}-{g0 + sp - 1}." if sp < world else "") + name

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 
 from seqpar.testing.fuzz_attention import call_words, knob_words
+from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
 __all__ = ["COVERED", "draw_compile", "compile_summary", "run_compile_case", "compile_attention_task", "compile_dilated_task",
@@ -610,12 +611,10 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
         wire_tol = max(tol, 4 * (c["sp"] - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
         for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
             for ti, name in enumerate(names):
-                full = torch.zeros_like(ref_call[ti])
-                for r in range(c["sp"]):
-                    got = per_rank[g0 + r]["calls"][ci][ti]
-                    if got is None:
-                        return "WRONG", f"call{ci}.{name} missing on rank {g0 + r}: no gradient reached the leaf"
-                    full[:, :, positions(cd, c["cu"], r)] = got.double()
+                full, missing = lay_shards(ref_call[ti], per_rank, range(g0, g0 + c["sp"]), ci, ti,
+                                           lambda r, cd=cd, cu=c["cu"]: positions(cd, cu, r))
+                if missing is not None:
+                    return "WRONG", f"call{ci}.{name} missing on rank {missing}: no gradient reached the leaf"
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
                 label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
@@ -631,10 +630,13 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
     return "exact", f"worst {worst[0]} {worst[1]:.1e}"
 
 
-def _step_draws(draws: dict[str, Any], i: int, lengths: list[list[int]]) -> dict[str, Any]:
-    """Step ``i`` as a ``model`` draw (its batches' lengths; its own tokens: the case seed plus ``i``)."""
+def _step_draws(draws: dict[str, Any], i: int, step: list[int]) -> dict[str, Any]:
+    """Step ``i`` (the batches ``step`` of the case) as a ``model`` draw (its batches' lengths and zero-length
+    documents; its own tokens: the case seed plus ``i``)."""
+    lengths, empty = [draws["lengths"][j] for j in step], draws.get("empty_docs")
     return {**draws, "kind": "model", "lengths": lengths, "step": "one" if len(lengths) == 1 else "two-forwards",
-            "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31}
+            "case_seed": (draws["case_seed"] + 7919 * i) % 2 ** 31,
+            "empty_docs": [empty[j] if j < len(empty) else [] for j in step] if empty else None}
 
 
 def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None, *,
@@ -668,7 +670,7 @@ def run_compile_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
 
     refs, steps = [], []
     for i, step in enumerate(draws["steps"]):
-        sd = _step_draws(draws, i, [draws["lengths"][j] for j in step])
+        sd = _step_draws(draws, i, step)
         batches = case_batches(sd)
         ref = model_reference(sd, batches)
         if not ref["ok"]:

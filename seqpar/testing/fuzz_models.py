@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_attention import with_empty_documents
+
 __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
            "HostCopyTransfer", "MODEL_PLANTS"]
@@ -240,13 +242,18 @@ def case_batches(draws: dict[str, Any]) -> list[dict[str, Any]]:
     vocab, ignored = mem.get("vocab", VOCAB), mem.get("ignored_prefix", 0)
     g = torch.Generator().manual_seed(draws["case_seed"])
     out = []
-    for lens in draws["lengths"][: 1 if draws["step"] == "one" else 2]:
+    empty = draws.get("empty_docs") or []  # zero-length documents per batch (fuzz_attention.draw_empty_documents)
+    for i, lens in enumerate(draws["lengths"][: 1 if draws["step"] == "one" else 2]):
         if draws["batch"] == "packed":
             import transformers
 
             docs = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
             b = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": x} for x in docs])
-            out.append({"docs": docs, "batch": dict(b)})
+            plain = dict(b)
+            if i < len(empty) and empty[i]:  # the collator drops an empty sample: its boundaries get the repeats
+                cu = torch.tensor(with_empty_documents(b["cu_seq_lens_q"].tolist(), empty[i]), dtype=b["cu_seq_lens_q"].dtype)
+                b = {**plain, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone()}
+            out.append({"docs": docs, "batch": dict(b), "plain": plain})
         elif draws["batch"] == "padded":
             seq, keep = lens
             ids = torch.randint(3, vocab, (2, seq), generator=g)
@@ -328,7 +335,7 @@ def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dic
             total = 0.0
             for b in batches:
                 if "docs" in b and draws["model_type"] in ROW_INDEXED_PACKING:
-                    loss = model(**b["batch"]).loss  # the packed row as transformers runs it (see the constant)
+                    loss = model(**b.get("plain", b["batch"])).loss  # the packed row as transformers runs it (see the constant)
                 elif "docs" in b:  # each document alone, token-weighted (per-document semantics)
                     loss, count = 0.0, 0
                     for d in b["docs"]:
