@@ -15,9 +15,7 @@ MQA S = 256 430080.
 from __future__ import annotations
 
 import pytest
-from test_memory_masks import DOCS, measure_masked_peak
-
-from seqpar.memory.attention import estimate_attention_memory
+from test_memory_masks import DOCS, masked_estimate, measure_masked_peak
 
 # (id, world, seq_len, dtype, causal, masks); masks may carry "shape": (batch, q_heads, kv_heads, head_chunks)
 CASES = [
@@ -50,8 +48,5 @@ def test_masked_allgather_estimate_is_the_measured_peak(dist_pool, world: int, s
     logits' own bytes, 16 .. 32, are inside the band.)"""
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "allgather",
                                    timeout=600))
-    batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
-    est = estimate_attention_memory(seq_len, world_size=world, mode="allgather", batch=batch, q_heads=q_heads,
-                                    kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal, head_chunks=head_chunks,
-                                    **{k: v for k, v in masks.items() if k != "shape"})
+    est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="allgather")
     assert 0 <= est / peak - 1 <= 0.01, (masks, peak, est, est / peak - 1)

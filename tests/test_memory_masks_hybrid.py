@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_memory_masks import DOCS
-
-from seqpar.memory.attention import estimate_attention_memory
+from test_memory_masks import DOCS, masked_estimate
 
 
 def measure_hybrid_masked_peak(ctx, seq_len: int, dtype: str, causal: bool, masks: dict, seed: int) -> int:  # noqa: ANN001
@@ -40,10 +38,7 @@ def measure_hybrid_masked_peak(ctx, seq_len: int, dtype: str, causal: bool, mask
 
 def hybrid_estimate(world: int, seq_len: int, dtype: str, causal: bool, masks: dict) -> int:
     """The estimate for a case of :data:`CASES`."""
-    batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
-    return estimate_attention_memory(seq_len, world_size=world, mode="hybrid", ulysses_size=2, batch=batch,
-                                     q_heads=q_heads, kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal,
-                                     head_chunks=head_chunks, **{k: v for k, v in masks.items() if k != "shape"})
+    return masked_estimate(world, seq_len, dtype, causal, None, masks, mode="hybrid", ulysses_size=2)
 
 
 # (id, world, seq_len, dtype, causal, masks); masks may carry "shape": (batch, q_heads, kv_heads, head_chunks)

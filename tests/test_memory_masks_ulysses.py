@@ -18,9 +18,7 @@ Measured (2-core VM), bytes, and the estimate:
 from __future__ import annotations
 
 import pytest
-from test_memory_masks import DOCS, measure_masked_peak
-
-from seqpar.memory.attention import estimate_attention_memory
+from test_memory_masks import DOCS, masked_estimate, measure_masked_peak
 
 # (id, world, seq_len, dtype, causal, masks); masks may carry "shape": (batch, q_heads, kv_heads, head_chunks)
 CASES = [
@@ -68,8 +66,5 @@ def test_ulysses_sinks_and_uneven_masked_estimate_is_never_under(dist_pool, worl
     add 16 .. 64 bytes; the uneven forward's kept q/k/v send buffer dropped: the backward is the peak.)"""
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
-    batch, q_heads, kv_heads, head_chunks = masks.get("shape", (1, 8, 8, 1))
-    est = estimate_attention_memory(seq_len, world_size=world, mode="ulysses", batch=batch, q_heads=q_heads,
-                                    kv_heads=kv_heads, head_dim=16, dtype=dtype, causal=causal, head_chunks=head_chunks,
-                                    **{k: v for k, v in masks.items() if k != "shape"})
+    est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
     assert 0 <= est / peak - 1 <= 0.07, (masks, peak, est, est / peak - 1)
