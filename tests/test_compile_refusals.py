@@ -5,8 +5,9 @@ under ``fullgraph=True`` (the message survives only as "Developer debug context"
 size can fail first (``BUILD_STRING type error``, which loses the message). So the checks of sizes that a
 traced call can hold symbolically (the local length, the head counts) are made inside seqpar's custom ops, at
 the real sizes, where the exception propagates unchanged: :mod:`seqpar.attn.dilated_ops` (the dilated pattern
-against the length and head count) and :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
-``head_chunks`` against the K/V heads, boundaries given as ints against the global length).
+against the length and head count), :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
+``head_chunks`` against the K/V heads, boundaries given as ints against the global length) and
+:func:`seqpar.attn.ops.check_share` (``head_chunks`` against each Ulysses rank's share of the K/V heads).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ CASES = {
     "zigzag_odd_length": ({"mode": "ring", "sharding": "zigzag"}, [(4, 2, 8), (4, 2, 9)]),
     "head_chunks": ({"mode": "allgather", "head_chunks": 2}, [(4, 2, 8), (3, 3, 8)]),
     "ulysses_head_chunks": ({"mode": "ulysses", "head_chunks": 2}, [(4, 4, 8), (6, 3, 8)]),
+    # head_chunks 4 divides the call's 4 K/V heads but not the 2 each of the 2 Ulysses ranks holds (8 heads: 4 each)
+    "ulysses_share_head_chunks": ({"mode": "ulysses", "head_chunks": 4}, [(8, 8, 8), (4, 4, 8)]),
     # boundaries as ints: a constant of the graph, ending at 16 = 2 * 8 but not at 2 * 12
     "documents_ints": ({"mode": "ring", "cu_seqlens": (0, 5, 16)}, [(4, 2, 8), (4, 2, 12)]),
     # boundaries as a tensor (read in the op since session 26): ending at S + 1 at the second length
@@ -91,13 +94,16 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     with static ones (the refused sizes first), each refusal kind raises eager's ValueError, the same text, on
     both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
     splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
-    and Ulysses), boundaries given as ints or as a tensor not ending at the global length.
+    and Ulysses) or dividing them but not each Ulysses rank's share, boundaries given as ints or as a tensor not
+    ending at the global length.
 
     Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
     kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
     exception" (seqpar's text only in its debug context), and with symbolic sizes "BUILD_STRING type error"
     (``dilated_straddle``, both ``head_chunks`` kinds) or "torch.* op returned non-Tensor" (``dilated_length``:
-    ``math.lcm`` of a symbolic length), neither carrying seqpar's message."""
+    ``math.lcm`` of a symbolic length), neither carrying seqpar's message. ``ulysses_share_head_chunks`` (added in
+    session 28, cmp28b) seen failing with seqpar/attn/resolve.py and ops.py restored from 02dde11: "BUILD_STRING
+    type error" (dynamic) and "Observed exception" (static), on both ranks."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []

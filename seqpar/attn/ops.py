@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
-from seqpar.attn.checks import check_local_length, resolve_head_chunks
+from seqpar.attn.checks import check_local_length, resolve_head_chunks, ulysses_share
 from seqpar.attn.common import AttentionOptions, SingleRank
 from seqpar.attn.masks import check_boundary_values, document_bounds, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
@@ -52,7 +52,7 @@ from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "check_sizes", "compiled_attention", "comm_size"]
+__all__ = ["OP_ALGORITHMS", "check_share", "check_sizes", "compiled_attention", "comm_size"]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
@@ -89,6 +89,15 @@ def check_sizes(q: Tensor, k: Tensor, *, world: int, sharding: str, head_chunks:
     resolve_head_chunks(head_chunks, k.shape[1])
     if cu_seqlens is not None:
         check_boundary_values(tuple(cu_seqlens), q.shape[2] * world)
+
+
+def check_share(plan: UlyssesPlan) -> None:
+    """A Ulysses / hybrid op's check that its plan's ``head_chunks`` divides each rank's share of the K/V heads
+    (an even split's; an uneven one runs one pass), left to the op by a traced call
+    (:func:`seqpar.attn.resolve.resolve_attention`) as :func:`check_sizes` is, with eager's message."""
+    if plan.split.even:
+        resolve_head_chunks(plan.head_chunks, plan.split.kv_per_rank,
+                            share=ulysses_share(plan.split.u, plan.split.kv_heads))
 
 
 def _comm(algorithm: str, name: str) -> Any:
@@ -213,6 +222,7 @@ def ulysses_fwd(
     opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
                     dkv_wire_dtype, documents, q.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
+    check_share(plan)
     out, saved = ulysses_forward(q, k, v, group_by_name(group), _ring(ring_group), plan, sinks)
     return out, [t.contiguous() for chunk in saved for t in chunk]
 
