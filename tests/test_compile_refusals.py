@@ -1,4 +1,4 @@
-"""A refusal of a compiled call's sizes reaches a ``torch.compile(fullgraph=True)`` caller as eager's ValueError.
+"""A refusal of a compiled call's sizes or options reaches a ``torch.compile(fullgraph=True)`` caller as eager's ValueError.
 
 Dynamo (torch 2.13) turns any exception raised while it traces into its own ``Unsupported: Observed exception``
 under ``fullgraph=True`` (the message survives only as "Developer debug context"), and an f-string of a symbolic
@@ -8,6 +8,8 @@ the real sizes, where the exception propagates unchanged: :mod:`seqpar.attn.dila
 against the length and head count), :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
 ``head_chunks`` against the K/V heads, boundaries given as ints against the global length) and
 :func:`seqpar.attn.ops.check_share` (``head_chunks`` against each Ulysses rank's share of the K/V heads).
+The option refusals that :func:`seqpar.attn.resolve.resolve_attention` raises while dynamo traces are caught by
+:func:`seqpar.attention` and raised when the graph runs, by the op :func:`seqpar.attn.ops.refusal`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,24 @@ CASES = {
     "documents_tensor": ({"mode": "ring", "cu_seqlens": "tensor"}, [(4, 2, 8), (4, 2, 12)]),
 }
 
+# Option refusals (no size involved): name -> (the valid call's kwargs, the refused call's), at (4, 2, 8) then (4, 2, 12).
+# Found while dynamo traces, they are raised by seqpar.attn.ops.refusal when the graph runs.
+OPTION_CASES = {
+    "bad_mode": ({"mode": "ring"}, {"mode": "rings"}),
+    "bad_sharding": ({"mode": "ring"}, {"mode": "ring", "sharding": "zig-zag"}),
+    "bad_layout": ({"mode": "ring"}, {"mode": "ring", "layout": "bsdh"}),
+    "dkv_wire_allgather": ({"mode": "allgather"}, {"mode": "allgather", "dkv_wire_dtype": "bf16"}),
+    "bad_dkv_wire": ({"mode": "ring"}, {"mode": "ring", "dkv_wire_dtype": "fp8"}),
+    "bad_softcap": ({"mode": "ring", "softcap": 30.0}, {"mode": "ring", "softcap": -1.0}),
+    "alibi_with_softcap": ({"mode": "ring", "alibi_slopes": "tensor"},
+                           {"mode": "ring", "alibi_slopes": "tensor", "softcap": 30.0}),
+    "bad_alibi_slopes": ({"mode": "ring", "alibi_slopes": "tensor"}, {"mode": "ring", "alibi_slopes": "short"}),
+    # compile only: eager reads the tensor's values, a traced call cannot (seqpar.attn.resolve._traced_documents)
+    "balanced_documents_tensor": ({"mode": "ring", "sharding": "zigzag", "cu_seqlens": "tensor"},
+                                  {"mode": "ring", "sharding": "balanced", "cu_seqlens": "tensor"}),
+}
+COMPILE_ONLY = {"balanced_documents_tensor"}
+
 
 def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
     """q ``(1, q_heads, seq_local, 6)``, k/v ``(1, kv_heads, seq_local, 6)``: one rank's contiguous (or zigzag) shard."""
@@ -49,7 +69,10 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
         return dilated_attention(q, k, v, group=group, check_inputs=False, **kw)
     if kw.get("cu_seqlens") == "tensor":
         kw["cu_seqlens"] = cu
-    return seqpar.attention(q, k, v, group=group, check_inputs=False, layout="bhsd", **kw)
+    if "alibi_slopes" in kw:  # one slope per query head, or one too few
+        kw["alibi_slopes"] = torch.linspace(0.5, 0.1, q.shape[1] - (kw["alibi_slopes"] == "short"))
+    kw.setdefault("layout", "bhsd")
+    return seqpar.attention(q, k, v, group=group, check_inputs=False, **kw)
 
 
 def _inputs(q_heads: int, kv_heads: int, seq_local: int, bad: bool) -> tuple[torch.Tensor, ...]:
@@ -74,6 +97,9 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
     Returns per case the three errors (None: no error) and eager's error at the refused sizes."""
     results = {}
     for name in names:
+        if name in OPTION_CASES:
+            results[name] = _option_refusal(*OPTION_CASES[name])
+            continue
         kw, (good, bad) = CASES[name]
         eager = _error(_call, *_inputs(*bad, True), kw)
         torch._dynamo.reset()
@@ -86,6 +112,20 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
         results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
     torch._dynamo.reset()
     return results
+
+
+def _option_refusal(good_kw: dict, bad_kw: dict) -> dict:
+    """As :func:`compiled_refusals` for one option case: the valid kwargs, then the refused ones (a new graph: the
+    options are constants), dynamic=True; and a fresh static function called with the refused ones first."""
+    bad = _inputs(4, 2, 12, False)
+    eager = _error(_call, *bad, bad_kw)
+    torch._dynamo.reset()
+    fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
+    valid = _error(fn, *_inputs(4, 2, 8, False), good_kw)
+    dynamic = _error(fn, *bad, bad_kw)
+    torch._dynamo.reset()
+    static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw)
+    return {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
 
 
 @pytest.mark.compile_stage
@@ -118,4 +158,40 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
             for how in ("dynamic", "static"):
                 if got[how] != got["eager"]:
                     failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.compile_stage
+def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """Under ``torch.compile(fullgraph=True)`` (dynamic=True after a valid call, and static), each option refusal
+    raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
+    bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
+    length; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only, as a ValueError
+    alike in both.
+
+    Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
+    traced): every kind raised dynamo's ``Unsupported: Observed exception`` on both ranks, dynamic and static. With
+    resolve.py's ``_check_softcap`` message built from ``softcap`` itself (before the fix), ``bad_softcap`` under
+    dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there)."""
+    names = list(OPTION_CASES)
+    per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            if name in COMPILE_ONLY:
+                expected = got["static"]
+                if got["eager"] is not None or expected is None or expected[0] != "ValueError" \
+                        or "under torch.compile" not in expected[1]:
+                    failures.append(f"{name} rank {rank}: eager {got['eager']}, compiled {expected!r:.400}")
+            else:
+                expected = got["eager"]
+                if expected is None or expected[0] not in ("ValueError", "TypeError"):
+                    failures.append(f"{name} rank {rank}: eager raised {expected}, not a ValueError / TypeError")
+                    continue
+            for how in ("dynamic", "static"):
+                if got[how] != expected:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not {expected}")
     assert not failures, "\n".join(failures)
