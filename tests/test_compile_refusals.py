@@ -37,6 +37,10 @@ CASES = {
     "documents_ints": ({"mode": "ring", "cu_seqlens": (0, 5, 16)}, [(4, 2, 8), (4, 2, 12)]),
     # boundaries as a tensor (read in the op since session 26): ending at S + 1 at the second length
     "documents_tensor": ({"mode": "ring", "cu_seqlens": "tensor"}, [(4, 2, 8), (4, 2, 12)]),
+    # q/k shape comparisons: 4 query heads are no multiple of 3 K/V heads
+    "gqa_heads": ({"mode": "ring"}, [(4, 2, 8), (4, 3, 8)]),
+    # balanced sharding cuts the sequence in at least 2 * P equal chunks: 16 tokens can be, 18 cannot
+    "balanced_length": ({"mode": "ring", "sharding": "balanced"}, [(4, 2, 8), (4, 2, 9)]),
 }
 
 # Option refusals (no size involved): name -> (the valid call's kwargs, the refused call's), at (4, 2, 8) then (4, 2, 12).
@@ -72,7 +76,8 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
     if "alibi_slopes" in kw:  # one slope per query head, or one too few
         kw["alibi_slopes"] = torch.linspace(0.5, 0.1, q.shape[1] - (kw["alibi_slopes"] == "short"))
     kw.setdefault("layout", "bhsd")
-    return seqpar.attention(q, k, v, group=group, check_inputs=False, **kw)
+    kw.setdefault("check_inputs", False)
+    return seqpar.attention(q, k, v, group=group, **kw)
 
 
 def _inputs(q_heads: int, kv_heads: int, seq_local: int, bad: bool) -> tuple[torch.Tensor, ...]:
@@ -135,7 +140,7 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
     splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
     and Ulysses) or dividing them but not each Ulysses rank's share, boundaries given as ints or as a tensor not
-    ending at the global length.
+    ending at the global length, 4 query heads over 3 K/V heads, a global length balanced sharding cannot cut.
 
     Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
     kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
@@ -143,7 +148,9 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     (``dilated_straddle``, both ``head_chunks`` kinds) or "torch.* op returned non-Tensor" (``dilated_length``:
     ``math.lcm`` of a symbolic length), neither carrying seqpar's message. ``ulysses_share_head_chunks`` (added in
     session 28, cmp28b) seen failing with seqpar/attn/resolve.py and ops.py restored from 02dde11: "BUILD_STRING
-    type error" (dynamic) and "Observed exception" (static), on both ranks."""
+    type error" (dynamic) and "Observed exception" (static), on both ranks. ``gqa_heads`` and ``balanced_length``
+    (added by cmp28b, refused while tracing and raised by the op ``seqpar::refusal``) seen failing with
+    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
