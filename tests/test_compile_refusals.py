@@ -58,6 +58,12 @@ OPTION_CASES = {
     # compile only: eager reads the tensor's values, a traced call cannot (seqpar.attn.resolve._traced_documents)
     "balanced_documents_tensor": ({"mode": "ring", "sharding": "zigzag", "cu_seqlens": "tensor"},
                                   {"mode": "ring", "sharding": "balanced", "cu_seqlens": "tensor"}),
+    "dilated_head_layout": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                            {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "head_layout": "split"}),
+    "dilated_zigzag": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                       {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "sharding": "zigzag"}),
+    "dilated_ulysses": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                        {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "mode": "ulysses"}),
 }
 COMPILE_ONLY = {"balanced_documents_tensor"}
 
@@ -174,12 +180,14 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
     bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
     length; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only, as a ValueError
-    alike in both.
+    alike in both; ``dilated_attention``'s bad ``head_layout``, zigzag sharding and ``mode="ulysses"``.
 
     Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
     traced): every kind raised dynamo's ``Unsupported: Observed exception`` on both ranks, dynamic and static. With
     resolve.py's ``_check_softcap`` message built from ``softcap`` itself (before the fix), ``bad_softcap`` under
-    dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there)."""
+    dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there). The three dilated kinds
+    (cmp28b) seen failing with seqpar/attn/dilated.py restored from 0afef41: "Observed exception", both ranks,
+    dynamic and static."""
     names = list(OPTION_CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
