@@ -1,12 +1,15 @@
-"""A refusal of a compiled call's sizes reaches a ``torch.compile(fullgraph=True)`` caller as eager's ValueError.
+"""A refusal of a compiled call's sizes or options reaches a ``torch.compile(fullgraph=True)`` caller as eager's ValueError.
 
 Dynamo (torch 2.13) turns any exception raised while it traces into its own ``Unsupported: Observed exception``
 under ``fullgraph=True`` (the message survives only as "Developer debug context"), and an f-string of a symbolic
 size can fail first (``BUILD_STRING type error``, which loses the message). So the checks of sizes that a
 traced call can hold symbolically (the local length, the head counts) are made inside seqpar's custom ops, at
 the real sizes, where the exception propagates unchanged: :mod:`seqpar.attn.dilated_ops` (the dilated pattern
-against the length and head count) and :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
-``head_chunks`` against the K/V heads, boundaries given as ints against the global length).
+against the length and head count), :func:`seqpar.attn.ops.check_sizes` (zigzag's even length,
+``head_chunks`` against the K/V heads, boundaries given as ints against the global length) and
+:func:`seqpar.attn.ops.check_share` (``head_chunks`` against each Ulysses rank's share of the K/V heads).
+The option refusals that :func:`seqpar.attn.resolve.resolve_attention` raises while dynamo traces are caught by
+:func:`seqpar.attention` and raised when the graph runs, by the op :func:`seqpar.attn.ops.refusal`.
 """
 
 from __future__ import annotations
@@ -28,11 +31,41 @@ CASES = {
     "zigzag_odd_length": ({"mode": "ring", "sharding": "zigzag"}, [(4, 2, 8), (4, 2, 9)]),
     "head_chunks": ({"mode": "allgather", "head_chunks": 2}, [(4, 2, 8), (3, 3, 8)]),
     "ulysses_head_chunks": ({"mode": "ulysses", "head_chunks": 2}, [(4, 4, 8), (6, 3, 8)]),
+    # head_chunks 4 divides the call's 4 K/V heads but not the 2 each of the 2 Ulysses ranks holds (8 heads: 4 each)
+    "ulysses_share_head_chunks": ({"mode": "ulysses", "head_chunks": 4}, [(8, 8, 8), (4, 4, 8)]),
     # boundaries as ints: a constant of the graph, ending at 16 = 2 * 8 but not at 2 * 12
     "documents_ints": ({"mode": "ring", "cu_seqlens": (0, 5, 16)}, [(4, 2, 8), (4, 2, 12)]),
     # boundaries as a tensor (read in the op since session 26): ending at S + 1 at the second length
     "documents_tensor": ({"mode": "ring", "cu_seqlens": "tensor"}, [(4, 2, 8), (4, 2, 12)]),
+    # q/k shape comparisons: 4 query heads are no multiple of 3 K/V heads
+    "gqa_heads": ({"mode": "ring"}, [(4, 2, 8), (4, 3, 8)]),
+    # balanced sharding cuts the sequence in at least 2 * P equal chunks: 16 tokens can be, 18 cannot
+    "balanced_length": ({"mode": "ring", "sharding": "balanced"}, [(4, 2, 8), (4, 2, 9)]),
 }
+
+# Option refusals (no size involved): name -> (the valid call's kwargs, the refused call's), at (4, 2, 8) then (4, 2, 12).
+# Found while dynamo traces, they are raised by seqpar.attn.ops.refusal when the graph runs.
+OPTION_CASES = {
+    "bad_mode": ({"mode": "ring"}, {"mode": "rings"}),
+    "bad_sharding": ({"mode": "ring"}, {"mode": "ring", "sharding": "zig-zag"}),
+    "bad_layout": ({"mode": "ring"}, {"mode": "ring", "layout": "bsdh"}),
+    "dkv_wire_allgather": ({"mode": "allgather"}, {"mode": "allgather", "dkv_wire_dtype": "bf16"}),
+    "bad_dkv_wire": ({"mode": "ring"}, {"mode": "ring", "dkv_wire_dtype": "fp8"}),
+    "bad_softcap": ({"mode": "ring", "softcap": 30.0}, {"mode": "ring", "softcap": -1.0}),
+    "alibi_with_softcap": ({"mode": "ring", "alibi_slopes": "tensor"},
+                           {"mode": "ring", "alibi_slopes": "tensor", "softcap": 30.0}),
+    "bad_alibi_slopes": ({"mode": "ring", "alibi_slopes": "tensor"}, {"mode": "ring", "alibi_slopes": "short"}),
+    # compile only: eager reads the tensor's values, a traced call cannot (seqpar.attn.resolve._traced_documents)
+    "balanced_documents_tensor": ({"mode": "ring", "sharding": "zigzag", "cu_seqlens": "tensor"},
+                                  {"mode": "ring", "sharding": "balanced", "cu_seqlens": "tensor"}),
+    "dilated_head_layout": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                            {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "head_layout": "split"}),
+    "dilated_zigzag": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                       {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "sharding": "zigzag"}),
+    "dilated_ulysses": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
+                        {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "mode": "ulysses"}),
+}
+COMPILE_ONLY = {"balanced_documents_tensor"}
 
 
 def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
@@ -46,7 +79,11 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
         return dilated_attention(q, k, v, group=group, check_inputs=False, **kw)
     if kw.get("cu_seqlens") == "tensor":
         kw["cu_seqlens"] = cu
-    return seqpar.attention(q, k, v, group=group, check_inputs=False, layout="bhsd", **kw)
+    if "alibi_slopes" in kw:  # one slope per query head, or one too few
+        kw["alibi_slopes"] = torch.linspace(0.5, 0.1, q.shape[1] - (kw["alibi_slopes"] == "short"))
+    kw.setdefault("layout", "bhsd")
+    kw.setdefault("check_inputs", False)
+    return seqpar.attention(q, k, v, group=group, **kw)
 
 
 def _inputs(q_heads: int, kv_heads: int, seq_local: int, bad: bool) -> tuple[torch.Tensor, ...]:
@@ -71,6 +108,9 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
     Returns per case the three errors (None: no error) and eager's error at the refused sizes."""
     results = {}
     for name in names:
+        if name in OPTION_CASES:
+            results[name] = _option_refusal(*OPTION_CASES[name])
+            continue
         kw, (good, bad) = CASES[name]
         eager = _error(_call, *_inputs(*bad, True), kw)
         torch._dynamo.reset()
@@ -85,19 +125,38 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
     return results
 
 
+def _option_refusal(good_kw: dict, bad_kw: dict) -> dict:
+    """As :func:`compiled_refusals` for one option case: the valid kwargs, then the refused ones (a new graph: the
+    options are constants), dynamic=True; and a fresh static function called with the refused ones first."""
+    bad = _inputs(4, 2, 12, False)
+    eager = _error(_call, *bad, bad_kw)
+    torch._dynamo.reset()
+    fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
+    valid = _error(fn, *_inputs(4, 2, 8, False), good_kw)
+    dynamic = _error(fn, *bad, bad_kw)
+    torch._dynamo.reset()
+    static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw)
+    return {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+
+
 @pytest.mark.compile_stage
 def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     """Under ``torch.compile(fullgraph=True)``, with symbolic sizes (a second length under ``dynamic=True``) and
     with static ones (the refused sizes first), each refusal kind raises eager's ValueError, the same text, on
     both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
     splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
-    and Ulysses), boundaries given as ints or as a tensor not ending at the global length.
+    and Ulysses) or dividing them but not each Ulysses rank's share, boundaries given as ints or as a tensor not
+    ending at the global length, 4 query heads over 3 K/V heads, a global length balanced sharding cannot cut.
 
     Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
     kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
     exception" (seqpar's text only in its debug context), and with symbolic sizes "BUILD_STRING type error"
     (``dilated_straddle``, both ``head_chunks`` kinds) or "torch.* op returned non-Tensor" (``dilated_length``:
-    ``math.lcm`` of a symbolic length), neither carrying seqpar's message."""
+    ``math.lcm`` of a symbolic length), neither carrying seqpar's message. ``ulysses_share_head_chunks`` (added in
+    session 28, cmp28b) seen failing with seqpar/attn/resolve.py and ops.py restored from 02dde11: "BUILD_STRING
+    type error" (dynamic) and "Observed exception" (static), on both ranks. ``gqa_heads`` and ``balanced_length``
+    (added by cmp28b, refused while tracing and raised by the op ``seqpar::refusal``) seen failing with
+    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
@@ -112,4 +171,42 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
             for how in ("dynamic", "static"):
                 if got[how] != got["eager"]:
                     failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.compile_stage
+def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """Under ``torch.compile(fullgraph=True)`` (dynamic=True after a valid call, and static), each option refusal
+    raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
+    bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
+    length; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only, as a ValueError
+    alike in both; ``dilated_attention``'s bad ``head_layout``, zigzag sharding and ``mode="ulysses"``.
+
+    Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
+    traced): every kind raised dynamo's ``Unsupported: Observed exception`` on both ranks, dynamic and static. With
+    resolve.py's ``_check_softcap`` message built from ``softcap`` itself (before the fix), ``bad_softcap`` under
+    dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there). The three dilated kinds
+    (cmp28b) seen failing with seqpar/attn/dilated.py restored from 0afef41: "Observed exception", both ranks,
+    dynamic and static."""
+    names = list(OPTION_CASES)
+    per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            if name in COMPILE_ONLY:
+                expected = got["static"]
+                if got["eager"] is not None or expected is None or expected[0] != "ValueError" \
+                        or "under torch.compile" not in expected[1]:
+                    failures.append(f"{name} rank {rank}: eager {got['eager']}, compiled {expected!r:.400}")
+            else:
+                expected = got["eager"]
+                if expected is None or expected[0] not in ("ValueError", "TypeError"):
+                    failures.append(f"{name} rank {rank}: eager raised {expected}, not a ValueError / TypeError")
+                    continue
+            for how in ("dynamic", "static"):
+                if got[how] != expected:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not {expected}")
     assert not failures, "\n".join(failures)

@@ -32,6 +32,7 @@ __all__ = [
     "check_across_ranks",
     "describe_call",
     "resolve_head_chunks",
+    "ulysses_share",
     "AUTO_HEAD_CHUNKS",
     "AUTO_MEMORY_FRACTION",
     "FLASH_TILE_ROWS",
@@ -142,6 +143,13 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int | None, gpu: GpuCa
             "'auto'"
         )
     return head_chunks
+
+
+def ulysses_share(u: int, kv_heads: int) -> str:
+    """The words :func:`resolve_head_chunks` adds (``share=``) when it checks ``head_chunks`` against each Ulysses
+    rank's share of the K/V heads, so that "the 1 K/V heads" does not read as a miscount of the caller's
+    ``kv_heads`` (fuzz case 243281122: hybrid u=3, 2 K/V heads, head_chunks=2)."""
+    return f" each of the {u} Ulysses ranks holds (its share of the call's {kv_heads})"
 
 
 def dkv_wire_digest(dkv_wire_dtype: object) -> int:

@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from seqpar.attn.allgather import allgather_backward, allgather_forward
-from seqpar.attn.checks import check_local_length, resolve_head_chunks
+from seqpar.attn.checks import check_local_length, resolve_head_chunks, ulysses_share
 from seqpar.attn.common import AttentionOptions, SingleRank
 from seqpar.attn.masks import check_boundary_values, document_bounds, host_boundaries
 from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
@@ -52,7 +52,7 @@ from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "check_sizes", "compiled_attention", "comm_size"]
+__all__ = ["OP_ALGORITHMS", "REFUSALS", "check_share", "check_sizes", "refusal", "refused_output", "compiled_attention", "comm_size"]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
@@ -89,6 +89,15 @@ def check_sizes(q: Tensor, k: Tensor, *, world: int, sharding: str, head_chunks:
     resolve_head_chunks(head_chunks, k.shape[1])
     if cu_seqlens is not None:
         check_boundary_values(tuple(cu_seqlens), q.shape[2] * world)
+
+
+def check_share(plan: UlyssesPlan) -> None:
+    """A Ulysses / hybrid op's check that its plan's ``head_chunks`` divides each rank's share of the K/V heads
+    (an even split's; an uneven one runs one pass), left to the op by a traced call
+    (:func:`seqpar.attn.resolve.resolve_attention`) as :func:`check_sizes` is, with eager's message."""
+    if plan.split.even:
+        resolve_head_chunks(plan.head_chunks, plan.split.kv_per_rank,
+                            share=ulysses_share(plan.split.u, plan.split.kv_heads))
 
 
 def _comm(algorithm: str, name: str) -> Any:
@@ -213,6 +222,7 @@ def ulysses_fwd(
     opts = _options(causal, scale, sharding, overlap, inner_head_chunks, window, cu_seqlens, chunk_size, softcap,
                     dkv_wire_dtype, documents, q.shape[2] * _ulysses_world(group, ring_group))
     plan = _ulysses_plan(opts, q_heads, kv_heads, u, rank, order, chunks_per_rank, head_chunks)
+    check_share(plan)
     out, saved = ulysses_forward(q, k, v, group_by_name(group), _ring(ring_group), plan, sinks)
     return out, [t.contiguous() for chunk in saved for t in chunk]
 
@@ -276,6 +286,49 @@ def _ulysses_backward(ctx, dout: Tensor, dsaved: list[Tensor] | None):  # noqa: 
 
 
 ulysses_fwd.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
+
+
+REFUSALS = {"ValueError": ValueError, "TypeError": TypeError}
+"""The exception types :func:`refused_output` defers to :func:`refusal` (by name: an op takes primitives)."""
+
+
+@torch.library.custom_op("seqpar::refusal", mutates_args=())
+def refusal(q: Tensor, v: Tensor, kind: str, message: str) -> Tensor:
+    """Raise ``REFUSALS[kind](message)``: a refusal found while dynamo traced a call, raised when the graph runs."""
+    raise REFUSALS[kind](message)
+
+
+@refusal.register_fake
+def _(q, v, kind, message):  # noqa: ANN001, ANN202
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _no_gradient(ctx, grad: Tensor) -> tuple[None, None, None, None]:  # noqa: ANN001
+    return None, None, None, None  # never reached: the forward raises
+
+
+refusal.register_autograd(_no_gradient)
+
+
+def refused_output(q: object, v: object, error: Exception) -> Tensor | None:
+    """While dynamo traces a call that ``error`` refuses: a stand-in for the call's output, ``q``'s shape with ``v``'s
+    head dim (in ``q``'s layout, as the call's own), made by :func:`refusal`, which raises ``error`` (its type and
+    text) when the compiled graph runs. None otherwise (the caller re-raises).
+
+    Why: under ``torch.compile(fullgraph=True)`` an exception raised while dynamo traces reaches the caller as
+    dynamo's ``Unsupported: Observed exception``, the message only in its debug context; one caught in the traced
+    code and raised by an op reaches it as eager's exception. So the option refusals (a bad mode, layout or
+    sharding name, ``dkv_wire_dtype``, ``softcap``, ALiBi's slopes or ALiBi with softcap/sinks, balanced sharding
+    with a tensor ``cu_seqlens``) raise as eager's under fullgraph. Exception subclasses (a ConfigError) and
+    refusals whose message dynamo cannot build (an f-string of a symbolic size: "BUILD_STRING type error") are
+    not deferred."""
+    if not (torch.compiler.is_compiling() and isinstance(q, Tensor) and isinstance(v, Tensor)
+            and q.dim() > 0 and v.dim() > 0):
+        return None
+    kind = type(error).__name__
+    if kind not in REFUSALS or type(error) is not REFUSALS[kind]:
+        return None
+    return refusal(q, v, kind, str(error))
 
 
 def compiled_attention(algorithm: str, group: dist.ProcessGroup | None, opts: AttentionOptions, q: Tensor, k: Tensor,

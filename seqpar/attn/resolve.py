@@ -33,6 +33,7 @@ from seqpar.attn.checks import (
     check_options,
     dkv_wire_digest,
     resolve_head_chunks,
+    ulysses_share,
 )
 from seqpar.attn.common import AttentionOptions
 from seqpar.attn.masks import check_mask_inputs, host_boundaries, mask_digest
@@ -179,11 +180,13 @@ def _ulysses_plan(
     # (dynamic=True), an uneven split's shares (runtime.grid.ulysses_shares' divmod) broke the graph
     split = head_split(guard_scalar(q.shape[1]), guard_scalar(k.shape[1]), u, sp_size=sp, mode=algorithm,
                        tp=manager.tp_size if manager is not None else 1)
-    # head_chunks cuts each rank's share of the K/V heads: name it, or "the 1 K/V heads" reads as a miscount of the
-    # caller's 2 (fuzz case 243281122: hybrid u=3, 2 K/V heads, head_chunks=2)
-    share = f" each of the {u} Ulysses ranks holds (its share of the call's {k.shape[1]})"
+    # Traced, an int head_chunks against an even split's share is checked by the op at run time (ops.check_share,
+    # the plan carrying the int unchecked), for the reason resolve_attention gives. An uneven split's plan runs
+    # one pass whatever was asked, so the op cannot see the int: checked here.
+    in_op = torch.compiler.is_compiling() and head_chunks != "auto" and split.even
     return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
-                            head_chunks=resolve_head_chunks(head_chunks, split.kv_per_rank, share=share),
+                            head_chunks=resolve_head_chunks(head_chunks, None if in_op else split.kv_per_rank,
+                                                            share=ulysses_share(u, k.shape[1])),
                             seq_local=q.shape[2])
 
 
@@ -227,7 +230,10 @@ def _check_softcap(softcap: object, q: Tensor) -> None:
     if softcap is None:
         return
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap={softcap!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
+        # type(softcap)(softcap): the value itself in eager; traced with dynamic=True a float argument is symbolic,
+        # whose f-string dynamo cannot build ("BUILD_STRING type error"), and float() of it is a constant (guarded)
+        shown = type(softcap)(softcap) if isinstance(softcap, (int, float)) else softcap
+        raise ValueError(f"softcap={shown!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
     if q.device.type == "cuda" and q.dtype != torch.float64:
         raise ValueError(
             f"softcap={softcap} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
