@@ -373,3 +373,31 @@ def test_thread_ring_hf_layout_gqa(backend: Backend, dtype: torch.dtype, shardin
         assert got.dtype == dtype and got.shape == want[j].shape, name
         err = float((got.double() - want[j]).abs().max())
         assert err <= bounds[j], f"{backend.value} {sharding} causal={causal} {name}: max error {err:.3g} > {bounds[j]:.3g}"
+
+
+@pytest.mark.parametrize("order", ["vocab", "rows"])
+def test_tiled_loss_bf16_takes_the_fp32_output_matmul_and_matches_float64(order: str) -> None:
+    """The tiled LM loss in bf16 on the GPU: its fp32 accumulations run as bf16 matmuls writing fp32
+    (``torch.addmm(..., out_dtype=torch.float32)``, seqpar.kernels.matmul; torch has it on CUDA only, so CI cannot
+    run this path) and both backward orders equal float64 on the bf16-rounded inputs within bf16's rounding of each
+    gradient's scale (as tests/test_tiled_loss_vocab_order.py holds them on CPU). Fails if the kernel is missing on
+    this GPU's torch (the loss then takes the slower upcast path: say so in BENCHMARKS)."""
+    from seqpar.kernels.matmul import fp32_out_matmul_supported
+    from seqpar.memory.tiling import tiled_lm_loss
+
+    assert fp32_out_matmul_supported(str(torch.device("cuda", torch.cuda.current_device())), torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    vocab, hidden, rows = 1000, 64, 96
+    h64 = torch.randn(rows, hidden, generator=g, dtype=torch.float64).bfloat16().double()
+    w64 = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) / hidden**0.5).bfloat16().double()
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    t[torch.rand(rows, generator=g) < 0.2] = -100
+    hr, wr = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+    F.cross_entropy(hr @ wr.T, t, ignore_index=-100, reduction="sum").backward()
+    h = h64.cuda().bfloat16().requires_grad_()
+    w = w64.cuda().bfloat16().requires_grad_()
+    loss, _ = tiled_lm_loss(h.unsqueeze(0), w, t.cuda().unsqueeze(0), chunk_rows=17, backward_order=order)
+    loss.backward()
+    for name, got, want in (("dhidden", h.grad, hr.grad), ("dweight", w.grad, wr.grad)):
+        err = (got.double().cpu() - want).abs().max().item() / want.abs().max().item()
+        assert err <= 2.0**-6, f"{order}: {name} off by {err:.3g} of its scale"
