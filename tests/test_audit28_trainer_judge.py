@@ -28,8 +28,8 @@ def test_the_judge_refuses_each_broken_rule_and_passes_an_identical_run() -> Non
     """The same result on both ranks is exact; one rank with an evaluation fewer, seqpar's run with an extra
     trainable parameter (left where it started), or a frozen base weight moved on seqpar's side only is WRONG.
 
-    Seen failing: the evaluations' count not compared (``len(r["evals"])`` dropped: exact); the trainable sets not
-    compared (only ``not trainable`` checked: exact); a frozen parameter WRONG only when both sides moved it
+    Seen failing: the evaluations' count not compared (``len(r["evals"])`` dropped: the judge's strict zip of the
+    evaluations raised instead of saying WRONG); the trainable sets not compared (only ``not trainable`` checked: exact); a frozen parameter WRONG only when both sides moved it
     (``moved and ...``: exact)."""
     ref = _reference()
     assert judge_trainer(DRAWS, ref, [copy.deepcopy(ref), copy.deepcopy(ref)])[0] == "exact"
