@@ -1,7 +1,7 @@
 """The ring's memory estimate under documents, windows, chunked attention and sinks (seqpar.memory.masked: the plan
 the ring runs, replayed) against the largest rank's measured peak (MemTracker: exact CPU tensor accounting, the lowest
-of 3 steps): the ring's within 0 .. +1% (every case is exact), Ulysses' within -2% .. +10% like the dense estimates (tests/test_memory_low_precision.py,
-tests/test_memory_hybrid.py): an estimate users size jobs by must never be under, and one 10% over leaves a tenth of
+of 3 steps): the ring's within 0 .. +1% (every case is exact), Ulysses' within 0 .. +5% (the dense estimates' band
+is -2% .. +10%: tests/test_memory_low_precision.py, tests/test_memory_hybrid.py): an estimate users size jobs by must never be under, and one 10% over leaves a tenth of
 the memory unused. head_dim 16; 8 / 8 heads, batch 1, ``head_chunks=1`` unless a case says otherwise.
 
 Measured (2-core VM under load), bytes: measured peak, the estimate before (the unmasked figure) -> after. Every
@@ -172,8 +172,9 @@ def test_masked_ulysses_estimate_within_band_of_the_measured_peak(dist_pool, wor
                                                                   causal: bool, masks: dict) -> None:
     """Ulysses under documents, windows and chunked attention: each rank attends its heads over the whole sorted
     sequence with the ring's planner at P = 1 (seqpar.attn.ulysses._inner_forward / _inner_backward), replayed on
-    one head chunk's head-layout sizes, beside the all-to-alls' moments of the dense estimate. Within -2% .. +10%
-    of the largest rank's measured peak (the ring's band above). Measured (2-core VM), bytes, estimate: causal / full
+    one head chunk's head-layout sizes, beside the all-to-alls' moments of the dense estimate. Within 0 .. +5% of
+    the largest rank's measured peak, never under (session 28: the -2% .. +10% band it had let a term 2% under
+    through, on cases that sit at +0.2% .. +4.7%). Measured (2-core VM), bytes, estimate: causal / full
     documents 1380352, +0.3%; causal / full window 48 1772600 / 1688480, +0.2%; bf16 causal window 990072, +0.4%;
     P = 2 documents + window 64, 4 head chunks 2188016, +0.4%; chunked 96, 8 / 4 heads 1171200, +0.3%; P = 2 bf16 full
     window 40, 2 head chunks 1553928, +4.7%. Before session 27 the estimate refused masks with mode='ulysses'.
@@ -185,7 +186,7 @@ def test_masked_ulysses_estimate_within_band_of_the_measured_peak(dist_pool, wor
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
     est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
-    assert -0.02 <= est / peak - 1 <= 0.10, (masks, peak, est, est / peak - 1)
+    assert 0 <= est / peak - 1 <= 0.05, (masks, peak, est, est / peak - 1)
 
 
 def test_training_estimate_takes_the_masks() -> None:
