@@ -48,10 +48,15 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   larger (the even path's peak at G = 1), the start of a chunk's return all-to-all: its kernel outputs,
   their packed send buffer and the receive buffer (3 (Q + 2 Kh) / G), beside the previous chunk's pair in
   flight (G > 1) and the next chunk's dout all-to-all (G > 2). Uneven heads (``u`` does not split the
-  heads evenly, :mod:`seqpar.attn.ulysses`): the largest rank's share counts, ``Qh = Q u q_max / Hq`` and
-  ``Kh = K u kv_max / Hkv`` (``q_max = ceil(Hq/u)``, ``kv_max`` the largest K/V union), one head pass,
-  fp32 dK/dV (a K/V head may be shared by two ranks), and the per-piece kernel outputs beside their
-  concatenation; the final dq, dk, dv are made after the inner backward, so they count at placing only.
+  heads evenly, :mod:`seqpar.attn.ulysses`): the largest of each rank's own peak, on its own shares
+  ``Qh = Q u q_r / Hq`` and ``Kh = K u kv_r / Hkv`` (the largest query share and the largest K/V union can
+  sit on different ranks: counted together they were up to +17% over), one head pass, fp32 dK/dV (a K/V
+  head may be shared by two ranks), and dout's all-to-all send buffer (Q) held throughout. Packing: the
+  pieces' dq/dk/dv, their concatenation (two or more GQA pieces) and the packed send buffer; placing: the
+  send buffer beside the receive buffer (every peer's share of this rank's rows, ``Q + 2 K sum(kv_j) /
+  Hkv``), dq, the zeroed fp32 dK/dV and, low precision, their casts; the forward keeps the q/k/v send
+  buffer (``Q + 2 K sum(kv_j) / Hkv``) beside the receive buffer or the output's pair. 11 measured dense
+  and documents splits, 0 to +4.9% (fp32 +0.3% to +0.4%; tests/test_memory_uneven.py).
 - ``hybrid``: the same all-to-alls around an inner ring over P/u super-ranks, whose transients are the
   ring's own (above: accumulators, K/V receive buffers, travelling dK/dV in the wire dtype ``Kw``, kernel
   outputs; at the forward, its merge) on one head chunk's head-layout tensors, counted beside what is in
@@ -82,8 +87,8 @@ rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send 
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
-uneven cases are 0 to +6.3% over (tests/test_memory_masks_ulysses.py; the larger figures are the uneven split's
-dense terms, sized on the largest query share and the largest K/V share together). The hybrid under masks or sinks:
+uneven cases are 0 to +4.7% over (tests/test_memory_masks_ulysses.py; the larger figures are bf16 dense moments,
+dout's send buffer counted beside both casts of dK/dV, and a sinks case's 2 head chunks). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
