@@ -81,7 +81,7 @@ def test_uneven_estimate_is_each_ranks_own_peak(dist_pool, world: int, seq_len: 
     Seen failing: the estimate before (the largest query share and the largest K/V share together, the even
     path's grads-back moments): 7 of 11 cases out of the band (6 over +5%, 10 / 5 under -0.79%), and the 7 / 7 pins
     above; the largest shares together with the new moments (the per-rank ``max`` skipped): 9 / 3 +14.2%, both; dout's
-    send buffer left out: 9 of 11 under, -3.7% to -6.1%; the concatenation left out (2 grads_h at packing with two
+    send buffer left out: 9 of 11 under, -3.9% to -6.1%; the concatenation left out (2 grads_h at packing with two
     pieces): 9 / 3, 10 / 5 and 6 / 2 under, -7.7% to -10.0%."""
     from test_memory_masks import masked_estimate, measure_masked_peak
 
