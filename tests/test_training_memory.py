@@ -257,8 +257,8 @@ def test_tiled_mlp_of_one_chunk_is_the_untiled_mlp(capsys: pytest.CaptureFixture
     # since est27c: at 8K the tiled loss's term, 2.94 GiB with the head's bf16 gradient cast from its fp32
     # accumulator, is above the untiled loss's 1.71 GiB; tests/test_memory_tiled_loss_bf16.py measures it.)
     assert rows[2][10:90].split()[-2] == rows[1][10:90].split()[-2], rows
-    # (the offload rows fit 24K and 32K since est28b, 16K and 24K before: the untiled MLP's moment holds down_proj's weight gradient
-    # beside its intermediates' gradients, not the layer's whole gradients)
+    # (the offload rows fit 24K and 32K since est28b, 16K and 24K before: the untiled MLP's moment holds
+    # down_proj's weight gradient beside its intermediates' gradients, not the layer's whole gradients)
     assert all(any(f"{k}K" in line[:90] for k in (8, 16, 24, 32)) for line in rows[:1] + rows[3:]), rows
 
 
