@@ -48,10 +48,15 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   larger (the even path's peak at G = 1), the start of a chunk's return all-to-all: its kernel outputs,
   their packed send buffer and the receive buffer (3 (Q + 2 Kh) / G), beside the previous chunk's pair in
   flight (G > 1) and the next chunk's dout all-to-all (G > 2). Uneven heads (``u`` does not split the
-  heads evenly, :mod:`seqpar.attn.ulysses`): the largest rank's share counts, ``Qh = Q u q_max / Hq`` and
-  ``Kh = K u kv_max / Hkv`` (``q_max = ceil(Hq/u)``, ``kv_max`` the largest K/V union), one head pass,
-  fp32 dK/dV (a K/V head may be shared by two ranks), and the per-piece kernel outputs beside their
-  concatenation; the final dq, dk, dv are made after the inner backward, so they count at placing only.
+  heads evenly, :mod:`seqpar.attn.ulysses`): the largest of each rank's own peak, on its own shares
+  ``Qh = Q u q_r / Hq`` and ``Kh = K u kv_r / Hkv`` (the largest query share and the largest K/V union can
+  sit on different ranks: counted together they were up to +17% over), one head pass, fp32 dK/dV (a K/V
+  head may be shared by two ranks), and dout's all-to-all send buffer (Q) held throughout. Packing: the
+  pieces' dq/dk/dv, their concatenation (two or more GQA pieces) and the packed send buffer; placing: the
+  send buffer beside the receive buffer (every peer's share of this rank's rows, ``Q + 2 K sum(kv_j) /
+  Hkv``), dq, the zeroed fp32 dK/dV and, low precision, their casts; the forward keeps the q/k/v send
+  buffer (``Q + 2 K sum(kv_j) / Hkv``) beside the receive buffer or the output's pair. 11 measured dense
+  and documents splits, 0 to +4.9% (fp32 +0.3% to +0.4%; tests/test_memory_uneven.py).
 - ``hybrid``: the same all-to-alls around an inner ring over P/u super-ranks, whose transients are the
   ring's own (above: accumulators, K/V receive buffers, travelling dK/dV in the wire dtype ``Kw``, kernel
   outputs; at the forward, its merge) on one head chunk's head-layout tensors, counted beside what is in
@@ -82,8 +87,8 @@ rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send 
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
-uneven cases are 0 to +6.3% over (tests/test_memory_masks_ulysses.py; the larger figures are the uneven split's
-dense terms, sized on the largest query share and the largest K/V share together). The hybrid under masks or sinks:
+uneven cases are 0 to +4.7% over (tests/test_memory_masks_ulysses.py; the larger figures are bf16 dense moments,
+dout's send buffer counted beside both casts of dK/dV, and a sinks case's 2 head chunks). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
@@ -519,19 +524,28 @@ def _inner_ring(piece: _Sizes, inner: _InnerRing, *, ring: int, q_heads: float, 
 
 
 def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: int, chunks: int,
-                  acc_bytes: int = 4, inner: _InnerRing | None = None) -> int:
+                  acc_bytes: int = 4, inner: _InnerRing | None = None, rank: int | None = None) -> int:
     """Ulysses / hybrid peak (see the module docstring): at a backward kernel of the last head chunks, on
-    the rank with the largest head share. ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype. A hybrid
-    (a ring of ``world / u`` super-ranks inside) is :func:`_hybrid_peak`."""
+    the rank with the largest head share; an uneven split: the largest of each rank's own (``rank``), its query
+    and K/V shares together (the largest query share and the largest K/V share can sit on different ranks).
+    ``sizes.Kw``: ``K`` in the inner ring's dK/dV wire dtype. A hybrid (a ring of ``world / u`` super-ranks
+    inside) is :func:`_hybrid_peak`."""
     from seqpar.runtime.grid import ulysses_split_even
 
     if world // u > 1:
         return _hybrid_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
                             acc_bytes=acc_bytes, inner=inner)
+    uneven = not ulysses_split_even(q_heads, kv_heads, u)
+    if uneven and rank is None:
+        return max(_ulysses_peak(sizes, world=world, u=u, q_heads=q_heads, kv_heads=kv_heads, chunks=chunks,
+                                 acc_bytes=acc_bytes, inner=inner, rank=r) for r in range(u))
+    from seqpar.runtime.grid import ulysses_shares
+
     Q, K32, lse, base = sizes.Q, sizes.K32, sizes.lse, sizes.base
     G = chunks
-    uneven = not ulysses_split_even(q_heads, kv_heads, u)
-    Qh, Kh, lse_h = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)[:3]
+    Qh, Kh, lse_h = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, rank=rank)[:3]
+    # a rank's K/V heads over its L rows as every peer reads them (uneven: a K/V head two ranks read comes twice)
+    kv_recv = sum(share[3] for share in ulysses_shares(q_heads, kv_heads, u)) / kv_heads
     fp32_dkv = uneven or kv_heads < u  # zeroed fp32 dK/dV, a K/V head's replicas summed into them
     saved = 2 * Qh + 2 * Kh + lse_h  # q, k, v, out (head layout) and lse
     grads = Q + (2 * K32 if fp32_dkv else 2 * sizes.K)
@@ -543,7 +557,7 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     if inner is not None and inner.opts is not None:  # a mask or sinks: the inner attention is the ring's planner
         # at P = 1 (a dense mask with sinks: its forward only, the backward is the dense kernel's)
         masked = not inner.opts.mask.dense
-        Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads)[3:]
+        Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, rank=rank)[3:]
         chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=sizes.low, Kw=Kh32 / G)
         heads_q, heads_k = q_heads / u / G, kv_heads / u / G
         beside = (Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G  # dout (head layout), G > 1: the neighbours'
@@ -551,9 +565,9 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
             # kept; dout's all-to-all send buffer (sequence layout) is freed by gloo's worker, not the wait
             if masked:
                 at_kernel = Q + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, ring=1,
-                                                       inner=inner)
+                                                       inner=inner, rank=rank)
             masked_fwd = Q + 2 * sizes.K + _uneven_inner_backward(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads,
-                                                                   ring=1, inner=inner, forward=True)
+                                                                   ring=1, inner=inner, forward=True, rank=rank)
         else:
             if masked:
                 # beside the chunk's q, k, v, out, dout, lse: its accumulators, pieces and the final casts
@@ -569,24 +583,35 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
             # accumulation dtype (and, low precision, dout's and out's upcasts), beside what a kernel has beside it
             sink = (Q + Qh if uneven else beside) + (Qh32 * (3 if sizes.low else 1) + lse_h) / G
             at_kernel = max(at_kernel, sink)
-    at_place, at_send = _grads_back_moments(Qh, Kh, G)
-    if uneven and _pieces(q_heads, kv_heads, u) > 1:  # the pieces' dq/dk/dv beside their concatenation
-        at_kernel = max(at_kernel, Qh + 2 * grads_h)
-    # the uneven path (_uneven_backward) makes dq, dk, dv only after the inner backward
-    bwd = max(grads + at_place, at_kernel) if uneven else grads + max(at_kernel, at_place, at_send)
+    if uneven:  # _uneven_backward on this rank (G = 1), dout's all-to-all send buffer (Q) held throughout
+        # packing: the pieces' dq/dk/dv, their concatenation (more than one piece) and the packed send buffer
+        at_pack = Q + grads_h * (3 if _pieces(q_heads, kv_heads, u, rank) > 1 else 2)
+        # placing: dq, dk, dv made (grads) beside the send buffer and the receive buffer, every peer's share of
+        # this rank's rows in sequence layout (a K/V head two ranks read comes twice); low precision, the casts
+        at_place = Q + grads + grads_h + Q + 2 * sizes.K * kv_recv + (2 * sizes.K if sizes.low else 0)
+        bwd = max(at_place, at_pack, at_kernel)
+    else:
+        at_place, at_send = _grads_back_moments(Qh, Kh, G)
+        bwd = grads + max(at_kernel, at_place, at_send)
     # forward: q, k, v, out + saved + the all-to-alls in flight
     a2a_fwd = (2 * Qh + 4 * Kh + 3 * Qh) / G
+    if uneven:  # _uneven_forward: the q/k/v send buffer (every peer's share of this rank's rows) kept beside the
+        # receive buffer as q_h, k_h, v_h are copied out, then beside the output's send and receive buffers
+        a2a_fwd = Q + 2 * sizes.K * kv_recv + max(Qh + 2 * Kh, Qh + Q)
     fwd = max(base - Q - lse + saved + a2a_fwd, base - Q - lse + masked_fwd)
     return int(max(base + saved + bwd, fwd))
 
 
-def _head_layout(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int) -> tuple[float, float, float, float, float]:
+def _head_layout(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int,
+                 rank: int | None = None) -> tuple[float, float, float, float, float]:
     """``(Qh, Kh, lse_h, Qh32, Kh32)``: the head-layout units of the rank with the largest share, its q_max
     query heads and kv_max K/V heads over u L rows (even: Q and K, or K u / kv_heads for a replicated K/V
-    head); ``Qh32``, ``Kh32`` in the accumulation dtype."""
+    head), or of ``rank``'s own share; ``Qh32``, ``Kh32`` in the accumulation dtype."""
     from seqpar.runtime.grid import ulysses_shares
 
     shares = ulysses_shares(q_heads, kv_heads, u)
+    if rank is not None:
+        shares = shares[rank:rank + 1]
     qs, ks = u * max(s[1] for s in shares) / q_heads, u * max(s[3] for s in shares) / kv_heads
     return sizes.Q * qs, sizes.K * ks, sizes.lse * qs, sizes.Q32 * qs, sizes.K32 * ks
 
@@ -690,19 +715,20 @@ def _hybrid_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: i
 
 
 def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int, ring: int,
-                           inner: _InnerRing | None = None, forward: bool = False) -> float:
+                           inner: _InnerRing | None = None, forward: bool = False, rank: int | None = None) -> float:
     """An uneven hybrid's inner backward on its busiest rank: the head-layout dout beside, per GQA-regular
     piece (:meth:`seqpar.attn.ulysses.HeadSplit.segments`, one inner ring each, in turn), the earlier pieces'
     dq/dk/dv and this piece's ring transients (replayed: :func:`_inner_ring`; without ``inner``,
     :func:`_ring_backward_moments` on the piece's heads). ``forward``: its inner forward instead, the head-layout
-    q, k, v beside the earlier pieces' out and lse and this piece's ring forward (replayed)."""
+    q, k, v beside the earlier pieces' out and lse and this piece's ring forward (replayed). ``rank``: that rank's
+    only (else the busiest)."""
     from seqpar.attn.ulysses import HeadSplit
 
     split = HeadSplit(q_heads, kv_heads, u)
     # one head over u L rows: query-sized and K/V-sized, in the input and the accumulation dtypes
     per_q, per_k = u / q_heads, u / kv_heads
     worst = 0.0
-    for r in range(u):
+    for r in range(u) if rank is None else (rank,):
         done, peak = 0.0, 0.0
         for _, qn, _, kn in split.segments(r):
             piece = _Sizes(Q=sizes.Q * per_q * qn, K=sizes.K * per_k * kn, Q32=sizes.Q32 * per_q * qn,
@@ -721,13 +747,14 @@ def _uneven_inner_backward(sizes: _Sizes, *, u: int, q_heads: int, kv_heads: int
     return worst
 
 
-def _pieces(q_heads: int, kv_heads: int, u: int) -> int:
+def _pieces(q_heads: int, kv_heads: int, u: int, rank: int | None = None) -> int:
     """The most kernel pieces a rank's uneven head share runs as (:meth:`seqpar.attn.ulysses.HeadSplit.segments`:
-    a K/V head only partly read on a rank is a piece of its own); one piece needs no concatenation."""
+    a K/V head only partly read on a rank is a piece of its own), or ``rank``'s; one piece needs no
+    concatenation."""
     from seqpar.attn.ulysses import HeadSplit
 
     split = HeadSplit(q_heads, kv_heads, u)
-    return max(len(split.segments(r)) for r in range(u))
+    return max(len(split.segments(r)) for r in (range(u) if rank is None else (rank,)))
 
 
 def max_seq_len(

@@ -258,10 +258,11 @@ class _ActivationBytes(NamedTuple):
     at_loss: int
     mlp_transient: int
     after_attention: int = 0
-    mlp_holds_grads: bool = False
-    """The tiled MLP: ``mlp_transient`` is its backward's whole moment, the MLP weights' gradient included (its
-    accumulator and one chunk's gradient); the layer's other gradients are not made yet (attention's backward runs
-    after the MLP's)."""
+    mlp_grads: int = 0
+    """The layer's whole gradients alive beside ``mlp_transient`` at the MLP backward's peak. Tiled: 0, the
+    transient already holds the MLP weights' gradient (its accumulator and one chunk's). Untiled: the MLP weights'
+    gradients made so far (down_proj's beside the three intermediate gradients; gate's and up's beside fewer).
+    Either way the layer's other gradients are not made yet: attention's backward runs after the MLP's."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -344,7 +345,7 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         final_norm += h * e // tp_seq - h * e
     activations_at_loss += final_norm * rows
     activations += rows * h * e // tp_seq
-    mlp_transient = 0
+    mlp_transient = mlp_grads = 0
     if tiled_mlp is not False:
         # one chunk's intermediates recomputed, and the MLP weights' gradient accumulator + the
         # chunk's gradient (fp32 accumulator when low precision)
@@ -353,10 +354,15 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         # the untiled MLP's backward, just before attention's: the gradients of its intermediates
         # (the product, then up and act(gate), then gate: at most three of size I per token at once)
         mlp_transient = 3 * m.intermediate_size * rows * e
+        # beside them only the MLP weights' gradients made so far: down_proj's (h I) beside the three, then up's
+        # and gate's as the intermediates' gradients are freed (2 h I beside two, 3 h I beside one). The layer's
+        # whole gradients counted here instead were +10.1% at SP 2 / 128 rows (recorded at the peak: 1 gradient
+        # of h I and 3 of I rows; tests/test_training_memory.py)
+        hi, ir = h * m.intermediate_size, m.intermediate_size * rows
+        mlp_grads = (max(hi + 3 * ir, 2 * hi + 2 * ir, 3 * hi + ir) - 3 * ir) * e
     # the MLP's saved intermediates are gone once its backward ran, before attention's backward
     after_attention = 4 * m.intermediate_size * e * rows if tiled_mlp is False else 0
-    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention,
-                            mlp_holds_grads=tiled_mlp is not False)
+    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -439,14 +445,14 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
     return {
         # the loss's backward: every layer's activations and the logits' buffers
         "loss_backward": static + acts.at_loss + logits,
-        # the last layer's backward (the first to run): the head's gradient made, the layer's own
-        # whole gradients in flight, attention's transients (its MLP's saved tensors freed by then)
-        # or the MLP's. The tiled MLP's transient already holds the MLP weights' gradient (accumulator
-        # + one chunk's) and nothing else of the layer's is made yet: adding the layer's whole
-        # gradients too counted 3 h I e twice (measured at FSDP2, 2 and 3 chunks: tests/test_training_memory.py)
+        # the last layer's backward (the first to run): the head's gradient made, then attention's
+        # transients with the layer's own whole gradients in flight (its MLP's saved tensors freed by
+        # then), or the MLP's with only the MLP weights' gradients made so far. The tiled MLP's transient
+        # already holds them (accumulator + one chunk's): adding the layer's whole gradients counted 3 h I e
+        # twice; untiled, only down_proj's is alive beside the three intermediate gradients (both measured at
+        # FSDP2: tests/test_training_memory.py)
         "layer_backward": static + acts.backward + head_grad + comm
-        + max(p_layer * e + max(attention - acts.after_attention, 0),
-              acts.mlp_transient + (0 if acts.mlp_holds_grads else p_layer * e)),
+        + max(p_layer * e + max(attention - acts.after_attention, 0), acts.mlp_transient + acts.mlp_grads),
         # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
         # reduce-scatter input while the last whole gradient is still alive, and the output shard),
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
