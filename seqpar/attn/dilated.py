@@ -115,7 +115,7 @@ from seqpar.attn.dilated_plan import (
     plan_dilated,
 )
 from seqpar.attn.dilated_schedule import dilated_backward, dilated_forward, output_in_layout
-from seqpar.attn.ops import refused_output
+from seqpar.attn.ops import defer_refusals
 from seqpar.comm.segment import SegmentComm
 from seqpar.runtime.groups import resolve_group
 
@@ -159,6 +159,8 @@ class DilatedAttention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------- public entry
+# a refusal found while dynamo traces is raised by an op when the graph runs (seqpar.attn.ops.refused_output)
+@defer_refusals
 def dilated_attention(
     q: Tensor,
     k: Tensor,
@@ -204,38 +206,6 @@ def dilated_attention(
     Raises:
         ValueError / TypeError naming the problem and the fix.
     """
-    try:
-        return _dilated_attention(
-            q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates, causal=causal, scale=scale,
-            mode=mode, group=group, sharding=sharding, head_layout=head_layout, check_inputs=check_inputs,
-            dkv_wire_dtype=dkv_wire_dtype,
-        )
-    except (ValueError, TypeError) as e:
-        # traced: the refusal is raised by an op when the graph runs, so that a fullgraph=True caller gets it as
-        # eager's exception, not dynamo's "Unsupported: Observed exception" (seqpar.attn.ops.refused_output)
-        out = refused_output(q, v, e)
-        if out is None:
-            raise
-        return out
-
-
-def _dilated_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    causal: bool = False,
-    scale: float | None = None,
-    mode: str = "ring",
-    group: dist.ProcessGroup | None = None,
-    sharding: str = "contiguous",
-    head_layout: str = "mixed",
-    check_inputs: bool = True,
-    dkv_wire_dtype: str = "fp32",
-) -> Tensor:
-    """:func:`dilated_attention`'s checks and run (arguments and shapes as there)."""
     check_options(mode, sharding)
     if sharding != "contiguous":
         raise ValueError(

@@ -18,7 +18,7 @@ from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
 from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
-from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention, refused_output
+from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention, defer_refusals
 from seqpar.attn.resolve import AttentionPlan, from_bhsd, resolve_attention, to_bhsd
 from seqpar.attn.ring import RingAttention
 from seqpar.comm.ring import RingComm
@@ -27,6 +27,9 @@ from seqpar.sequence.sharding import shard_index
 __all__ = ["attention", "run_attention"]
 
 
+# a refusal found while dynamo traces is raised by an op when the graph runs, so that a fullgraph=True caller gets
+# it as eager's exception, not dynamo's "Unsupported: Observed exception" (seqpar.attn.ops.refused_output)
+@defer_refusals
 def attention(
     q: Tensor,
     k: Tensor,
@@ -126,20 +129,12 @@ def attention(
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group.
     """
-    try:
-        plan = resolve_attention(
-            q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
-            check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
-            layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
-            dkv_wire_dtype=dkv_wire_dtype,
-        )
-    except (ValueError, TypeError) as e:
-        # traced: the refusal is raised by an op when the graph runs, so that a fullgraph=True caller gets it as
-        # eager's exception, not dynamo's "Unsupported: Observed exception" (seqpar.attn.ops.refused_output)
-        out = refused_output(q, v, e)
-        if out is None:
-            raise
-        return out
+    plan = resolve_attention(
+        q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
+        check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
+        layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        dkv_wire_dtype=dkv_wire_dtype,
+    )
     return run_attention(plan, q, k, v, sinks, alibi_slopes)
 
 

@@ -35,6 +35,8 @@ dtype and memory layout (:func:`~seqpar.kernels.output_like`), lse ``(batch, q_h
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,7 +54,10 @@ from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
-__all__ = ["OP_ALGORITHMS", "REFUSALS", "check_share", "check_sizes", "refusal", "refused_output", "compiled_attention", "comm_size"]
+__all__ = [
+    "OP_ALGORITHMS", "REFUSALS", "check_share", "check_sizes", "defer_refusals", "refusal", "refused_output",
+    "compiled_attention", "comm_size",
+]
 
 OP_ALGORITHMS = ("single", "ring", "allgather", "ulysses", "hybrid")
 """The algorithms run as custom ops under ``torch.compile``."""
@@ -329,6 +334,24 @@ def refused_output(q: object, v: object, error: Exception) -> Tensor | None:
     if kind not in REFUSALS or type(error) is not REFUSALS[kind]:
         return None
     return refusal(q, v, kind, str(error))
+
+
+def defer_refusals(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """An attention entry ``fn(q, k, v, ...) -> output`` whose ValueError / TypeError found while dynamo traces it
+    is raised when the graph runs, by :func:`refused_output` (eager: raised as it is). Used on
+    :func:`seqpar.attention` and :func:`seqpar.attn.dilated.dilated_attention`."""
+
+    @functools.wraps(fn)
+    def entry(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return fn(q, k, v, *args, **kwargs)
+        except (ValueError, TypeError) as e:
+            out = refused_output(q, v, e)
+            if out is None:
+                raise
+            return out
+
+    return entry
 
 
 def compiled_attention(algorithm: str, group: dist.ProcessGroup | None, opts: AttentionOptions, q: Tensor, k: Tensor,
