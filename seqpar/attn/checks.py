@@ -37,7 +37,15 @@ __all__ = [
     "AUTO_MEMORY_FRACTION",
     "FLASH_TILE_ROWS",
     "GpuCall",
+    "CompileOnlyRefusal",
 ]
+
+
+class CompileOnlyRefusal(ValueError):
+    """A call that runs in eager mode but cannot be traced (e.g. ``sharding="balanced"`` with ``cu_seqlens`` as a
+    tensor). Raised while dynamo traces, never deferred to the graph (:func:`seqpar.attn.ops.refused_output` defers
+    plain ValueError / TypeError only): without ``fullgraph=True`` dynamo then runs the call eagerly, which is exact;
+    under ``fullgraph=True`` it is dynamo's ``Unsupported``, this message in its debug context."""
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks, scale bits

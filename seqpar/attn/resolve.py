@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.checks import (
+    CompileOnlyRefusal,
     GpuCall,
     check_across_ranks,
     check_dkv_wire,
@@ -359,7 +360,8 @@ def _traced_documents(cu_seqlens: Tensor, q: Tensor, sharding: str) -> Tensor:
             f"{q.shape[0]}: pack the batch's rows into one sequence and concatenate their boundaries"
         )
     if sharding == "balanced":
-        raise ValueError(
+        # not deferred to the graph: without fullgraph, dynamo falls back to the eager call, which is exact
+        raise CompileOnlyRefusal(
             "seqpar.attention under torch.compile: sharding='balanced' with cu_seqlens as a tensor is not "
             "supported (the balanced layout is decided by the boundaries' values, which a traced call cannot "
             "read); use sharding='zigzag' or 'contiguous' when compiling, or pass cu_seqlens as a tuple of ints "
