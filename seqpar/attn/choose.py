@@ -62,6 +62,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 # Plain data and pure integer rules that the process groups need too: they live below attention (Links
 # with the config, the Ulysses-size rules with the groups), so runtime never imports attention; kept
 # importable from here, where the cost model uses them.
+from seqpar.attn.checks import CompileOnlyRefusal
 from seqpar.config import Links
 from seqpar.runtime.grid import ulysses_heads_accepted, ulysses_shares
 from seqpar.runtime.groups import choose_ulysses_size, ulysses_heads_ok
@@ -310,7 +311,8 @@ def _probed_while_tracing(group: dist.ProcessGroup) -> Links:
     run inside a graph, so it must have run eagerly before (every rank decided alike then)."""
     links = _PROBED.get(group)
     if links is None:
-        raise ValueError(
+        # compile only, not deferred to the graph: without fullgraph, dynamo runs the call eagerly, which probes
+        raise CompileOnlyRefusal(
             "mode='auto' under torch.compile: this SP group's links have not been probed yet (a timed "
             "collective, which cannot run inside a traced graph). Run one eager step first, or call "
             "seqpar.attn.choose.probe_links(group) on every rank before compiling, or give the links in the "

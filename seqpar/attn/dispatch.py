@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
+from seqpar.attn.checks import CompileOnlyRefusal
 from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
 from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention, defer_refusals
@@ -167,8 +168,8 @@ def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tenso
                                       ulysses=plan.ulysses, ring_group=ring, documents=plan.documents)
         return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks, ulysses=plan.ulysses,
                                   documents=plan.documents)
-    if plan.documents is not None:
-        raise ValueError(
+    if plan.documents is not None:  # compile only, not deferred: without fullgraph dynamo runs the call eagerly
+        raise CompileOnlyRefusal(
             f"seqpar.attention under torch.compile: cu_seqlens as a tensor with algorithm {plan.algorithm!r}, "
             f"which has no compiled op ({', '.join(OP_ALGORITHMS)} have): pass cu_seqlens as a tuple of ints"
         )
