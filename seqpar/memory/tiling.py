@@ -142,7 +142,7 @@ def loss_backward_tiles(rows: int, hidden_size: int, vocab_size: int, chunk_rows
 
 
 def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
-                        weight_bytes: int, chunk_rows: int) -> int:
+                        weight_bytes: int, chunk_rows: int, tp: int = 1) -> int:
     """Modelled peak bytes of :func:`tiled_lm_loss`'s backward on one rank, beyond what is alive when it starts
     (the hidden states ``(rows, hidden_size)``, the head ``(vocab_size, hidden_size)``), plus the rows'
     log-sum-exp the forward saved for it; ``hidden_bytes`` / ``weight_bytes``: their dtypes' element sizes.
@@ -157,7 +157,17 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
       accumulator ``rows h a``; inside the loop a block's weight in ``a`` (no copy in fp32), its gradient's
       accumulator, one tile's logits (``a``) beside their cast to the hidden dtype, and the tile's rows in ``a``;
       at its end dhidden cast once from the accumulator (``rows h e``).
+
+    ``tp > 1``: TP sequence parallelism (:class:`_GatheredTiledLMLoss`); ``rows`` and ``chunk_rows`` are this rank's
+    (every rank holds ``rows``, a gathered chunk is ``tp x chunk_rows``), the saved log-sum-exp covers the gathered
+    ``tp x rows``. ``"rows"``: the row order's moments over one gathered chunk, beside it the chunk of hidden rows
+    (``tp chunk_rows h e``) and ``dhidden`` of this rank's rows. ``"vocab"``: the hidden rows regathered once
+    (``tp rows h e``) for the loop above over ``tp x rows`` rows, dhidden's accumulator ``tp rows h a``; at its end
+    (the gathered rows freed) the accumulator reduce-scattered in ``a`` into this rank's ``rows h a``, then cast.
     """
+    if tp > 1:
+        return _gathered_backward_bytes(order, rows, tp, hidden_size, vocab_size, hidden_bytes, weight_bytes,
+                                        chunk_rows)
     h, v, a = hidden_size, vocab_size, _acc_bytes(weight_bytes)
     lse = rows * a
     if order == "rows":
@@ -165,26 +175,54 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
         return max(2 * chunk_rows * v * a, cast) + v * h * a + rows * h * hidden_bytes + lse
     if order != "vocab":
         raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
+    loop = _vocab_loop_bytes(rows, h, v, hidden_bytes, weight_bytes, chunk_rows)
+    return v * h * weight_bytes + rows * h * a + max(loop, rows * h * hidden_bytes * (hidden_bytes < a)) + lse
+
+
+def _vocab_loop_bytes(rows: int, h: int, v: int, hidden_bytes: int, weight_bytes: int, chunk_rows: int) -> int:
+    """The vocabulary order's loop (:func:`_vocab_outer_backward`) over ``rows`` rows: its transient bytes."""
+    a = _acc_bytes(weight_bytes)
     tile, block = loss_backward_tiles(rows, h, v, chunk_rows)
     low_h, low_w = hidden_bytes < a, weight_bytes < a  # fp32 / fp64: the casts below make no copy
     # a block's weight in fp32 and its gradient's accumulator; a tile's fp32 logits; beside them, one at a time,
     # the logits' cast to the hidden dtype or the tile's rows in fp32; the targets' masks and indices
-    loop = (block * h * a * low_w + block * h * a + tile * block * a
+    return (block * h * a * low_w + block * h * a + tile * block * a
             + max(tile * block * hidden_bytes, tile * h * a) * low_h + rows * 9 + tile * (13 + 2 * a))
-    return v * h * weight_bytes + rows * h * a + max(loop, rows * h * hidden_bytes * low_h) + lse
+
+
+def _gathered_backward_bytes(order: str, rows: int, tp: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
+                             weight_bytes: int, chunk_rows: int) -> int:
+    """:func:`loss_backward_bytes` under TP sequence parallelism (``tp > 1``; see there)."""
+    h, v, a = hidden_size, vocab_size, _acc_bytes(weight_bytes)
+    gathered_rows, gathered_chunk = tp * rows, tp * chunk_rows
+    lse = gathered_rows * a
+    if order == "rows":
+        cast = v * h * weight_bytes if weight_bytes < a else 0
+        return (max(2 * gathered_chunk * v * a, cast) + v * h * a + rows * h * hidden_bytes
+                + gathered_chunk * h * hidden_bytes + lse)
+    if order != "vocab":
+        raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
+    # held throughout: the head's gradient, dhidden's accumulator over the gathered rows, the saved lse; in the loop
+    # the regathered rows beside the single-process loop's buffers; at its end (the gathered rows freed) the
+    # accumulator reduce-scattered into this rank's rows in ``a`` (its cast to the hidden dtype comes after the
+    # accumulator is freed, and is smaller)
+    loop = _vocab_loop_bytes(gathered_rows, h, v, hidden_bytes, weight_bytes, gathered_chunk)
+    held = v * h * weight_bytes + gathered_rows * h * a + lse
+    return held + max(gathered_rows * h * hidden_bytes + loop, rows * h * a)
 
 
 def loss_backward_order(rows: int, hidden_size: int, vocab_size: int, hidden_bytes: int, weight_bytes: int,
-                        chunk_rows: int) -> str:
+                        chunk_rows: int, tp: int = 1) -> str:
     """The tiled loss's backward order, from shapes and element sizes only (the same on every TP rank when given
     the same ``vocab_size``, the largest slice): ``"vocab"`` when the head is in low precision (bf16 / fp16: the
     row-outer order's fp32 ``(V, h)`` accumulator and its cast hold ``V h (4 + e)`` at its end) and the
     vocabulary-outer order's modelled peak (:func:`loss_backward_bytes`) is the smaller, about when ``rows`` is
     below ``vocab_size``; else ``"rows"`` (fp32 / fp64 heads: the accumulator is the gradient itself, nothing to
-    save)."""
+    save). ``tp > 1``: TP sequence parallelism, ``rows`` / ``chunk_rows`` this rank's (see
+    :func:`loss_backward_bytes`)."""
     if weight_bytes >= _acc_bytes(weight_bytes):
         return "rows"
-    args = (rows, hidden_size, vocab_size, hidden_bytes, weight_bytes, chunk_rows)
+    args = (rows, hidden_size, vocab_size, hidden_bytes, weight_bytes, chunk_rows, tp)
     return "vocab" if loss_backward_bytes("vocab", *args) < loss_backward_bytes("rows", *args) else "rows"
 
 
@@ -223,7 +261,7 @@ def _chunk_loss_and_grad(
 
 def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: Tensor, grad_total: Tensor,
                           ignore_index: int, vocab_start: int, tiles: tuple[int, int], want_h: bool,
-                          want_w: bool) -> tuple[Tensor | None, Tensor | None]:
+                          want_w: bool, cast_dhidden: bool = True) -> tuple[Tensor | None, Tensor | None]:
     """The tiled loss's gradients, vocabulary blocks outer: ``(dhidden (rows, hidden), dweight (vocab_local,
     hidden))`` in the inputs' dtypes. ``lse (rows,)``: the rows' log-sum-exp over the whole vocabulary (every TP
     rank's slice included) saved by the forward, so no collective runs. ``tiles = (tile rows, vocabulary block)``
@@ -231,7 +269,8 @@ def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: T
     (fp32) and written once into ``dweight`` in the weight's dtype; ``dhidden`` accumulates over the blocks in fp32
     and is cast once at the end: the full fp32 ``(vocab, hidden)`` accumulator never exists. The products are the
     row-outer order's (``dlogits`` cast to the hidden dtype as autograd would, then back to fp32), summed in
-    another order."""
+    another order. ``cast_dhidden=False``: ``dhidden`` is returned as its fp32 accumulator (TP sequence
+    parallelism reduce-scatters it before the cast)."""
     acc = loss_dtype(weight.dtype)
     tile, block = tiles
     rows, width = hidden.shape
@@ -269,7 +308,7 @@ def _vocab_outer_backward(hidden: Tensor, weight: Tensor, target: Tensor, lse: T
         if want_w:
             dweight[v0:v0 + block].copy_(dw_blk)
         del w_acc, dw_blk
-    return (dh.to(hidden.dtype) if want_h else None), dweight
+    return (dh.to(hidden.dtype) if want_h and cast_dhidden else dh), dweight
 
 
 class _TiledLMLoss(torch.autograd.Function):
@@ -340,35 +379,58 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
     vocabulary. Chunk by chunk, every rank's rows of the chunk are all-gathered (``(tp * rows, hidden)``), their
     local-vocabulary logits reduced vocab-parallel; backward recomputes each chunk (the same all-gather) and
     reduce-scatters its input gradient (partial over the vocabulary slices) back to the rows' owners, the dual
-    of the gather. At most one gathered chunk exists: the whole ``(seq_local, hidden)`` never does."""
+    of the gather. At most one gathered chunk exists: the whole ``(seq_local, hidden)`` never does. The forward
+    saves every rank's rows' log-sum-exp ``(tp, rows)``. The vocabulary order's backward (``order``, as in
+    :class:`_TiledLMLoss`) regathers all of them once (``(tp * rows, hidden)``, the one moment the gathered rows
+    exist, small beside the ``(V / tp, hidden)`` fp32 accumulator of the row order it avoids)."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, targets_by_rank: Tensor, chunk_rows: int,  # type: ignore[override]
-                ignore_index: int, vocab: tuple[int, dist.ProcessGroup]) -> Tensor:
+                ignore_index: int, vocab: tuple[int, dist.ProcessGroup], order: tuple[str, tuple[int, int]]) -> Tensor:
         # hidden (rows_local, hidden), targets_by_rank (tp, rows_local): the targets of every rank's rows
         total = torch.zeros((), dtype=loss_dtype(hidden.dtype), device=hidden.device)  # fp32 (fp64 for fp64)
+        lse = torch.empty(targets_by_rank.shape, dtype=total.dtype, device=hidden.device)  # (tp, rows_local)
         for sl in _row_slices(hidden.shape[0], chunk_rows):
             gathered = _gather_rows(hidden[sl], vocab[1])  # (tp * rows_c, hidden)
-            loss_c, _ = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ignore_index,
-                                             False, vocab)
+            loss_c, lse_c = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ignore_index,
+                                                 False, vocab)
             total += loss_c
-        ctx.save_for_backward(hidden, targets_by_rank)
+            lse[:, sl] = lse_c.view(lse.shape[0], -1)  # the gathered chunk is rank-major: (tp, rows_c)
+        # every rank's rows' log-sum-exp, reduced over the vocabulary split: the backward runs no reduction for it
+        ctx.save_for_backward(hidden, targets_by_rank, lse)
         ctx.weight = weight  # an attribute, as in _TiledLMLoss (FSDP2 refills the parameter's storage)
-        ctx.chunk_rows, ctx.ignore_index, ctx.vocab = chunk_rows, ignore_index, vocab
+        ctx.chunk_rows, ctx.ignore_index, ctx.vocab, ctx.order = chunk_rows, ignore_index, vocab, order
         return total
 
     @staticmethod
     def backward(ctx, grad_total: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        hidden, targets_by_rank = ctx.saved_tensors
+        hidden, targets_by_rank, lse = ctx.saved_tensors
         weight, group = ctx.weight, ctx.vocab[1]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        order, tiles = ctx.order
+        if order == "vocab":
+            # every rank's rows regathered once (one all-gather, the same rows and bytes the row order gathers chunk
+            # by chunk; every TP rank runs it, the order being chosen from shapes only), held for the loop over this
+            # rank's head rows: (tp * rows, hidden), small beside the (V / tp, hidden) fp32 accumulator it avoids.
+            # Regathered rather than saved by the forward: nothing more is held between forward and backward.
+            gathered = _gather_rows(hidden, group)
+            dh, dweight = _vocab_outer_backward(gathered, weight, targets_by_rank.reshape(-1), lse.reshape(-1),
+                                                grad_total, ctx.ignore_index, ctx.vocab[0], tiles, want_h, want_w,
+                                                cast_dhidden=False)
+            del gathered
+            dhidden = None
+            if want_h:  # summed over the vocabulary slices in fp32, then cast once: (rows, hidden)
+                dhidden = _reduce_scatter_rows(dh, group)
+                del dh
+                dhidden = dhidden.to(hidden.dtype)
+            return dhidden, dweight, None, None, None, None, None
         dhidden = torch.empty_like(hidden) if want_h else None
         dweight = torch.zeros(weight.shape, dtype=loss_dtype(weight.dtype), device=weight.device) if want_w else None
         low_mm = _low_precision_matmuls(hidden, weight)
         for sl in _row_slices(hidden.shape[0], ctx.chunk_rows):
             gathered = _gather_rows(hidden[sl], group)
             _, dlogits = _chunk_loss_and_grad(gathered, weight, targets_by_rank[:, sl].reshape(-1), ctx.ignore_index,
-                                              True, ctx.vocab)
+                                              True, ctx.vocab, lse[:, sl].reshape(-1))
             dlogits = dlogits.mul_(grad_total).to(hidden.dtype)  # (tp * rows_c, vocab_local)
             if want_h:
                 dhidden[sl] = _reduce_scatter_rows(dlogits @ weight, group)
@@ -377,7 +439,7 @@ class _GatheredTiledLMLoss(torch.autograd.Function):
             elif want_w:
                 dweight.addmm_(dlogits.t().to(dweight.dtype), gathered.to(dweight.dtype))
             del dlogits, gathered
-        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None
+        return dhidden, (dweight.to(weight.dtype) if want_w else None), None, None, None, None, None
 
 
 def tiled_lm_loss(
@@ -406,8 +468,10 @@ def tiled_lm_loss(
             rows h 4`` and a block's buffers). Both exact (the same products, summed in another order), neither
             with a collective (the forward saves the rows' log-sum-exp). ``"auto"`` (default):
             :func:`loss_backward_order`, the smaller modelled peak (``"vocab"`` for a bf16 / fp16 head with fewer
-            rows than vocabulary, else ``"rows"``). TP sequence parallelism always runs ``"rows"`` (the vocabulary
-            order would need every rank's rows at once, or their all-gather once per block).
+            rows than vocabulary, else ``"rows"``). Under TP sequence parallelism the rule is the same, on this
+            rank's rows and the gathered chunk (``loss_backward_order(..., tp=)``); its vocabulary order regathers
+            every rank's rows once in the backward (``(tp * rows, hidden)``), loops over this rank's head rows and
+            reduce-scatters dhidden in fp32: one all-gather and one reduce-scatter in the backward.
 
     Returns:
         ``loss_sum``: fp32 scalar, the sum of the valid tokens' losses (differentiable w.r.t.
@@ -447,11 +511,8 @@ def tiled_lm_loss(
         # the ranks different tile counts: gloo aborted on "Received data size doesn't match expected size")
         tile_vocab = vocab_slice(tile_vocab, 0, mesh.size())[1]
         if _sequence_split(hidden, mesh):
-            if backward_order == "vocab":
-                raise ValueError("tiled_lm_loss: backward_order 'vocab' under TP sequence parallelism (hidden states "
-                                 "split on the sequence): that backward runs over row chunks only; pass 'auto' or "
-                                 "'rows'")
-            return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index, tile_vocab)
+            return _gathered_tiled_lm_loss(hidden, weight, targets, vocab, chunk_rows, ignore_index, tile_vocab,
+                                           backward_order)
         hidden = enter_tp_region(hidden, mesh)
     hidden_2d = hidden.reshape(-1, hidden.shape[-1])  # (batch * seq_local, hidden)
     targets_1d = targets.reshape(-1).to(hidden.device)
@@ -475,10 +536,13 @@ def _sequence_split(hidden: Tensor, mesh: Any) -> bool:
 
 
 def _gathered_tiled_lm_loss(hidden: Any, weight: Tensor, targets: Tensor, vocab: tuple[int, dist.ProcessGroup],
-                            chunk_rows: int | None, ignore_index: int, tile_vocab: int) -> tuple[Tensor, Tensor]:
+                            chunk_rows: int | None, ignore_index: int, tile_vocab: int,
+                            backward_order: str) -> tuple[Tensor, Tensor]:
     """:func:`tiled_lm_loss` for hidden states split on the sequence over the TP group (a DTensor ``Shard(1)``
     of ``(batch, seq_local, hidden)``), with :class:`_GatheredTiledLMLoss`; ``tile_vocab``: the vocabulary slice
-    the automatic tile is sized for, the same on every TP rank."""
+    the automatic tile is sized for, the same on every TP rank, as are the backward order and its tiles (from
+    shapes and element sizes only: the vocabulary order's one all-gather and one reduce-scatter must run on every
+    rank or none)."""
     tp = dist.get_world_size(vocab[1])
     local = hidden.to_local()  # (batch, seq_local / tp, hidden); its gradient stays this rank's rows
     batch, seq_t, width = local.shape
@@ -490,8 +554,12 @@ def _gathered_tiled_lm_loss(hidden: Any, weight: Tensor, targets: Tensor, vocab:
     rows = batch * seq_t
     # rows per rank and chunk: a gathered chunk (tp x rows) is about loss_chunk_rows' size
     chunk = max(1, (chunk_rows or loss_chunk_rows(rows * tp, width, tile_vocab)) // tp)
+    if backward_order == "auto":
+        backward_order = loss_backward_order(rows, width, tile_vocab, local.element_size(), weight.element_size(),
+                                             chunk, tp=tp)
+    tiles = loss_backward_tiles(rows * tp, width, tile_vocab, chunk * tp)  # over the gathered rows
     loss_sum = _GatheredTiledLMLoss.apply(local.reshape(rows, width), weight, targets_by_rank, chunk, ignore_index,
-                                          vocab)
+                                          vocab, (backward_order, tiles))
     return loss_sum, (targets != ignore_index).sum()
 
 
