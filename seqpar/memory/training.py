@@ -388,7 +388,6 @@ def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp
     if tiled_loss:
         from seqpar.memory.tiling import loss_backward_bytes, loss_backward_order, loss_chunk_rows
 
-        a = max(e, 4)  # the loss's accumulation dtype (seqpar.sequence.vocab_parallel.loss_dtype): fp32, fp64 for fp64
         chunk_rows = loss_chunk_rows(rows, h, v)
         if tp_seq == 1:
             # the backward's own model, in the order it runs (tiling.loss_backward_order: vocabulary blocks outer
@@ -396,15 +395,12 @@ def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp
             # dtype and both orders by tests/test_memory_tiled_loss_bf16.py
             order = loss_backward_order(rows, h, v, e, e, chunk_rows)
             return loss_backward_bytes(order, rows, h, v, e, e, chunk_rows)
-        # TP sequence parallelism (_GatheredTiledLMLoss) loops over row chunks only: the same moments as the row
-        # order, over this rank's rows / tp_seq and one gathered chunk of hidden rows
-        chunk = chunk_rows * v * a  # one chunk's fp32 logits / dlogits
-        # the backward's two moments, never together: inside the loop two chunks' buffers; at its end, once the
-        # chunks are freed, dweight.to(weight.dtype) makes the head's low-precision gradient (V h e) while the fp32
-        # accumulator is still alive; in fp32 / fp64 the cast is the accumulator itself, no copy
-        cast = v * h * e if e < a else 0
-        # + the dW accumulator, dhidden and the gathered chunk of hidden rows
-        return max(2 * chunk, cast) + v * h * a + rows * h * e // tp_seq + chunk_rows * h * e
+        # TP sequence parallelism (_GatheredTiledLMLoss): the same rule and model over this rank's rows / tp_seq and
+        # a gathered chunk of about chunk_rows (tiling._gathered_tiled_lm_loss); its vocabulary order regathers
+        # every rank's rows once in the backward. Measured in both orders by tests/test_tiled_loss_tp_seq.py
+        local, chunk = rows // tp_seq, max(1, chunk_rows // tp_seq)
+        order = loss_backward_order(local, h, v, e, e, chunk, tp=tp_seq)
+        return loss_backward_bytes(order, local, h, v, e, e, chunk, tp=tp_seq)
     # logits (kept by the caller), fp32 log-softmax (saved), its gradient and the logits' gradient
     return rows * v * (e + 4 + 4 + 4) if e < 4 else 4 * rows * v * 4
 
