@@ -19,7 +19,8 @@ alive at the step's worst moment, by category:
   the order the loss runs: the head's gradient in its dtype plus a block's buffers and dhidden in fp32 when the
   vocabulary blocks are outer, else two chunks of fp32 logits plus the fp32 dW accumulator and, in low precision,
   the head's gradient cast from it while it is alive at the end of the loss's backward);
-- ``communication``: the engines' gradient-reduction buckets.
+- ``communication``: the engines' gradient-reduction buckets (ZeRO-3's end of backward: beside its bucket, the bucket's
+  flat reduce-scatter input and, on CPU, gloo's copy of it).
 
 ``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
 the gradients' reduction at the end of backward), each a sum of the categories alive then. The figures are those of
