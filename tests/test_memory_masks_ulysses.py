@@ -10,11 +10,11 @@ Measured (2-core VM), bytes, and the estimate:
   chunks 2564160 +0.32%; P = 4 bf16 causal window 48 990104 +0.41%; P = 2 bf16 full window 40, 2 head chunks 1553960
   +4.74%; P = 4 fp32 causal chunk 96, 8 / 4 heads 1171264 +0.35%; P = 4 bf16 causal documents, MQA 491552 +0.83%
 - uneven split under a mask: P = 4 fp32 causal window 48, 6 / 6 heads 1543224 +0.20%; bf16 full documents 6 / 6
-  610304 +3.19% (+5.87% until est28b sized an uneven split per rank); fp32 causal chunk 96, 6 / 3 1023744 +0.30%;
+  610304 +0.50% (+5.87% until est28b sized an uneven split per rank, +3.19% until est29); fp32 causal chunk 96, 6 / 3 1023744 +0.30%;
   bf16 causal window 64, 6 / 3 681160 +0.45%; fp32 causal documents + window 64 + sinks, 6 / 6 1250832 +0.25%; bf16
   causal window 64 + sinks, 6 / 6, head_chunks=2 (an uneven split runs one pass) 889632 +0.35%; P = 2 fp32 full
   chunk 80, 3 / 3 1330944 +0.23%; two GQA pieces: fp32 causal window 48, 10 / 5 1626296 +0.31%; bf16 causal chunk
-  96, 6 / 2 573184 +0.54% (+6.25% until est28b); bf16 full documents + sinks, 10 / 5 725032 +3.25% (+4.38%)
+  96, 6 / 2 573184 +0.54% (+6.25% until est28b); bf16 full documents + sinks, 10 / 5 725032 +0.71% (+4.38%, +3.25%)
 """
 
 from __future__ import annotations
@@ -49,16 +49,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,seq_len,dtype,causal,masks", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_ulysses_sinks_and_uneven_masked_estimate_is_never_under(dist_pool, world: int, seq_len: int, dtype: str,  # noqa: ANN001
-                                                                 causal: bool, masks: dict) -> None:
+# the one case over the 1% band, and its band: an even split with sinks at 2 head chunks, +4.74% (not the uneven
+# split's moments; not looked into)
+LOOSER = {"P2_bf16_full_window_sinks_hc2": 0.05}
+
+
+@pytest.mark.parametrize("case_id,world,seq_len,dtype,causal,masks", CASES, ids=[c[0] for c in CASES])
+def test_ulysses_sinks_and_uneven_masked_estimate_is_never_under(dist_pool, case_id: str, world: int, seq_len: int,  # noqa: ANN001
+                                                                 dtype: str, causal: bool, masks: dict) -> None:
     """Sinks with Ulysses (the inner forward runs the ring's planner at P = 1 with the sink merge even on a dense mask;
     the backward's sink_grad before each chunk's inner backward; the sink logits and their zeroed gradient) and an
     uneven head split under a mask (one pass; one inner attention per GQA-regular piece in turn, replayed, the earlier
-    pieces' outputs kept; dout's and q/k/v's all-to-all send buffers kept): within 0 .. +5% of the largest rank's
-    measured peak, never under (figures in the module docstring; the band was +7% until est28b sized an uneven split
-    per rank: bf16 causal chunk 96, 6 / 2 +6.25% -> +0.54%, bf16 full documents 6 / 6 +5.87% -> +3.19%, bf16 full
-    documents + sinks, 10 / 5 +4.38% -> +3.25%; the largest now, +4.74%, is a sinks case at 2 head chunks).
+    pieces' outputs kept; dout's and q/k/v's all-to-all send buffers kept): within 0 .. +1% of the largest rank's
+    measured peak, never under, but for the sinks case at 2 head chunks (+4.74%, 0 .. +5%) (figures in the module
+    docstring; the band was +7% until est28b sized an uneven split per rank: bf16 causal chunk 96, 6 / 2 +6.25% ->
+    +0.54%, bf16 full documents 6 / 6 +5.87% -> +3.19%, bf16 full documents + sinks, 10 / 5 +4.38% -> +3.25%; +5%
+    until est29 counted dout's send buffer as gone by the casts of dK/dV: +3.19% -> +0.50%, +3.25% -> +0.71%).
 
     Seen failing: the uneven split's masked replay dropped (``if masked:`` -> ``if False:`` for the uneven pieces,
     leaving the dense path's kernel moment): 8 of the 10 uneven cases under, -5.1% (documents + window + sinks) to
@@ -66,8 +72,11 @@ def test_ulysses_sinks_and_uneven_masked_estimate_is_never_under(dist_pool, worl
     P4_fp32_causal_window_10_5 -5.7%; the refusal of sinks with Ulysses restored: the 10 sinks cases raise. (Not seen
     failing: the sink gradient's moment, the sink logits and their gradient, and the forward's sink merge each dropped
     on their own: the peak is at the inner backward's kernel or the dense moments in every measured case, the terms
-    add 16 .. 64 bytes; the uneven forward's kept q/k/v send buffer dropped: the backward is the peak.)"""
+    add 16 .. 64 bytes; the uneven forward's kept q/k/v send buffer dropped: the backward is the peak.) est29's band
+    (+1%) on the placing moment before it (dout's send buffer beside the casts): P4_bf16_full_docs_6_6 +3.19% and
+    P4_bf16_full_docs_sinks_10_5 +3.25%."""
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
     est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
-    assert 0 <= est / peak - 1 <= 0.05, (masks, peak, est, est / peak - 1)
+    band = LOOSER.get(case_id, 0.01)
+    assert 0 <= est / peak - 1 <= band, (masks, peak, est, est / peak - 1)

@@ -1,6 +1,6 @@
 """The attention memory estimator on Ulysses with uneven heads (seqpar.memory.attention._ulysses_peak): the largest
 of each rank's own peak (its query and K/V shares), with fp32 dK/dV accumulators. The first test is integer
-arithmetic, one process; test_uneven_estimate_is_each_ranks_own_peak measures 11 splits (0 .. +5%), and
+arithmetic, one process; test_uneven_estimate_is_each_ranks_own_peak measures 11 splits (0 .. +1%), and
 tests/test_bench.py::test_memory_suite_estimator_on_uneven_ulysses_heads (3/1 on 2 ranks) and
 test_memory_estimator_ulysses_tight (7/7 and 8/8 on 4 ranks, within -2% .. +10%) measure through the bench."""
 
@@ -40,9 +40,9 @@ def test_uneven_estimate_follows_the_largest_share_and_its_fp32_dkv() -> None:
     q, lse = 1024 * 8 * 16 * 4, 1024 * 8 * 4
     assert _ulysses(8, torch.float32) == 21 * q + 2 * lse
     # since est28b (per rank, _uneven_backward's own moments) 577280 (+0.31%) and 347904 (+4.86%); 626432 (+8.85%)
-    # and 343808 (+3.63%) before
+    # and 343808 (+3.63%) before; bf16 333568 (+0.54%) since est29 (dout's send buffer gone by the dK/dV casts)
     assert 575488 <= _ulysses(7, torch.float32, 256) <= 1.005 * 575488
-    assert 331776 <= _ulysses(7, torch.bfloat16, 256) <= 1.05 * 331776
+    assert 331776 <= _ulysses(7, torch.bfloat16, 256) <= 1.01 * 331776
 
 
 # (id, world, seq_len, dtype, causal, masks) as tests/test_memory_masks.py measures them; head_dim 16, batch 1, one
@@ -69,23 +69,28 @@ def test_uneven_estimate_is_each_ranks_own_peak(dist_pool, world: int, seq_len: 
     share can sit on different ranks: 9 / 3 over 4 puts 3 query heads on rank 0 and 2 K/V heads on rank 2), with
     _uneven_backward's moments (recorded at the peak: dout's send buffer still held; placing, the packed send buffer
     beside the sequence-layout receive buffer and dq with the zeroed fp32 dK/dV; packing, 2 or more GQA pieces:
-    the pieces' dq/dk/dv, their concatenation and the send buffer): within 0 .. +5% of the largest rank's measured
-    peak, never under. fp32 is +0.3% .. +0.4% (the sequence-layout lse the base counts); bf16 +0.6% .. +4.9%
-    (dout's send buffer counted beside both casts of dK/dV: one of them fewer is alive at the measured peak).
+    the pieces' dq/dk/dv, their concatenation and the send buffer; low precision, the casts of dK/dV, by which
+    dout's send buffer is gone): within 0 .. +1% of the largest rank's measured peak, never under. fp32 is +0.3% ..
+    +0.4%, bf16 +0.5% .. +0.6% (the sequence-layout lse the base counts, relatively larger beside bf16 tensors).
 
     Measured (2-core VM), bytes, estimate before -> after: 6 / 6 fp32 1052672, +12.74% -> +0.29%; bf16 602112,
     +7.31% -> +4.59%; 7 / 7 fp32 575488, +8.85% -> +0.31%; bf16 331776, +3.63% -> +4.86%; 9 / 3 (dense and
     documents) 1200128, +10.11% -> +0.38%; 6 / 3 790528, +4.53% -> +0.39%; 10 / 5 1431552, -0.79% -> +0.36%;
     6 / 2 bf16 544768, +0.56% -> +0.56%; 5 / 5 954368, +17.44% -> +0.27%; 3 / 1 P = 2 378880, +4.73% -> +0.41%.
+    est29: bf16 6 / 6 +4.59% -> +0.51% and 7 / 7 +4.86% -> +0.54% (recorded at the peak, TensorMemoryTracker
+    record_peak: fp32's is at the zeroing of dK/dV with dout's send buffer alive, bf16's at their casts without it;
+    the estimate counted both together); 6 / 2 bf16 keeps +0.56% (its K/V casts, 2 K, are smaller than the send
+    buffer, Q: its peak is the zeroing's).
 
     Seen failing: the estimate before (the largest query share and the largest K/V share together, the even
     path's grads-back moments): 7 of 11 cases out of the band (6 over +5%, 10 / 5 under -0.79%), and the 7 / 7 pins
     above; the largest shares together with the new moments (the per-rank ``max`` skipped): 9 / 3 +14.2%, both; dout's
     send buffer left out: 9 of 11 under, -3.9% to -6.1%; the concatenation left out (2 grads_h at packing with two
-    pieces): 9 / 3, 10 / 5 and 6 / 2 under, -7.7% to -10.0%."""
+    pieces): 9 / 3, 10 / 5 and 6 / 2 under, -7.7% to -10.0%; est29's band (+1%) on the placing moment before it
+    (dout's send buffer counted beside the casts): 6 / 6 bf16 +4.59% and 7 / 7 bf16 +4.86%, and the 7 / 7 pin."""
     from test_memory_masks import masked_estimate, measure_masked_peak
 
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
     est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
-    assert 0 <= est / peak - 1 <= 0.05, (masks, peak, est, est / peak - 1)
+    assert 0 <= est / peak - 1 <= 0.01, (masks, peak, est, est / peak - 1)

@@ -74,6 +74,14 @@ LOOSE = {
         "estimator's docstring: -9.7% then), and from -9.7% a term of 21% doubled lands at +9.6%",
 }
 
+# settings whose measured peak the model is known to much better than the band: (lowest, highest) ratio - 1
+TIGHT = {
+    # ZeRO-3's end-of-backward reduce-scatter: the flat input and gloo's copy of it (est29: -7.8% -> -0.05%; what is
+    # left, -57 KB, is the batch's int64 token ids and labels, which the model does not count). Seen failing on the
+    # estimate before: 104,152,704 against 112,879,861 bytes measured, -7.7%
+    ("deepspeed", 3, 2, 2048, True, False, False): (-0.005, 0.02),
+}
+
 # each term of the estimate, by the estimator that makes it
 TERMS = {
     "attention_transients": "_attention_transient_bytes",
@@ -138,6 +146,8 @@ def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, 
     print(f"\nestimate vs measured {setting}: {est['peak'] / 2**20:.1f} MiB vs {measured / 2**20:.1f} MiB "
           f"({est['peak'] / measured - 1:+.1%}, at {est['moment']})")  # BENCHMARKS.md's table (pytest -s)
     assert abs(est["peak"] / measured - 1) <= TOLERANCE, (setting, est, measured)
+    lo, hi = TIGHT.get(tuple(setting), (-TOLERANCE, TOLERANCE))
+    assert lo <= est["peak"] / measured - 1 <= hi, (setting, est, measured)
     shares = {}
     for term, name in TERMS.items():  # the validation above must see each term that matters
         with mock.patch.object(training, name, _doubled(name)):
@@ -150,6 +160,32 @@ def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, 
             )
     if len(rest) > 2 and rest[2] == "attn":
         assert shares["attention_transients"] >= 0.25, shares  # the point of these settings
+
+
+# tests/test_training_memory.py's ZeRO-3 tiled-loss setting measured (est29, TensorMemoryTracker record_peak): the peak
+# is stage3's __avg_scatter_grads at the end of backward, bytes per rank
+ZERO3_TILED_MEASURED = 112_879_861
+
+
+def test_zero3_end_of_backward_counts_the_flat_scatter_input_and_gloos_copy() -> None:
+    """ZeRO-3 reducing its last gradient bucket (stage3's ``__avg_scatter_grads`` -> ``reduce_scatter_coalesced``),
+    the storages alive at the measured peak (fp32, SP 2, 2048, tiled loss; ``ZERO3_TILED_MEASURED``): the five
+    partitions (fp16/fp32 flat, fp32 master, AdamW's two moments, the gradient partition: 5 x 8,438,400), the
+    5e6-element bucket (20,000,000) holding the whole gradients, the gathered whole parameters (16,876,800), the
+    bucket's flat reduce-scatter input padded to the world (16,876,800) and gloo's copy of it made inside torch's
+    ``reduce_scatter_tensor`` (16,876,800); 57 KB of token ids. The estimate is that moment, within -0.5% .. +2%;
+    on a GPU (NCCL scatters in place) it has no gloo copy.
+
+    Seen failing: the estimate before (the root's whole gradients beside the bucket instead of the flat input and
+    gloo's copy): 104,152,704 bytes, -7.7%, at the last layer's backward; without gloo's copy (``2 if device ==
+    "cpu" else 1`` -> ``1``): the same, the end of backward then 95,952,896 bytes (-15.0%)."""
+    kw = {"seq_len": 2048, "sp_size": 2, "engine": "deepspeed", "zero_stage": 3, "tiled_loss": True,
+          "reduce_bucket_size": 5_000_000}
+    est = estimate_training_memory(MODEL, **kw)
+    assert est["moment"] == "grad_reduction", est
+    assert -0.005 <= est["peak"] / ZERO3_TILED_MEASURED - 1 <= 0.02, est
+    # a GPU: no gloo copy, so this moment is 16,876,800 bytes lower there and the last layer's backward the peak
+    assert estimate_training_memory(MODEL, **kw, device="cuda")["peak"] < est["peak"] - 8_000_000
 
 
 def test_estimator_categories_and_rules() -> None:

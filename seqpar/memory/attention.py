@@ -54,9 +54,10 @@ Always live: ``q, out, dout`` (3 Q) and ``k, v`` (2 K), plus the row log-sum-exp
   head may be shared by two ranks), and dout's all-to-all send buffer (Q) held throughout. Packing: the
   pieces' dq/dk/dv, their concatenation (two or more GQA pieces) and the packed send buffer; placing: the
   send buffer beside the receive buffer (every peer's share of this rank's rows, ``Q + 2 K sum(kv_j) /
-  Hkv``), dq, the zeroed fp32 dK/dV and, low precision, their casts; the forward keeps the q/k/v send
-  buffer (``Q + 2 K sum(kv_j) / Hkv``) beside the receive buffer or the output's pair. 11 measured dense
-  and documents splits, 0 to +4.9% (fp32 +0.3% to +0.4%; tests/test_memory_uneven.py).
+  Hkv``), dq and the zeroed fp32 dK/dV, then, low precision, their casts (by which dout's send buffer is
+  gone: the larger of Q and 2 K); the forward keeps the q/k/v send buffer (``Q + 2 K sum(kv_j) / Hkv``)
+  beside the receive buffer or the output's pair. 11 measured dense and documents splits, +0.3% to +0.6%
+  (fp32 +0.3% to +0.4%, bf16 +0.5% to +0.6%; tests/test_memory_uneven.py).
 - ``hybrid``: the same all-to-alls around an inner ring over P/u super-ranks, whose transients are the
   ring's own (above: accumulators, K/V receive buffers, travelling dK/dV in the wire dtype ``Kw``, kernel
   outputs; at the forward, its merge) on one head chunk's head-layout tensors, counted beside what is in
@@ -87,8 +88,8 @@ rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send 
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
-uneven cases are 0 to +4.7% over (tests/test_memory_masks_ulysses.py; the larger figures are bf16 dense moments,
-dout's send buffer counted beside both casts of dK/dV, and a sinks case's 2 head chunks). The hybrid under masks or sinks:
+uneven cases are 0 to +4.7% over (tests/test_memory_masks_ulysses.py; the uneven ones +0.2% to +0.8%, the +4.7% a
+sinks case's 2 head chunks). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
@@ -587,8 +588,10 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
         # packing: the pieces' dq/dk/dv, their concatenation (more than one piece) and the packed send buffer
         at_pack = Q + grads_h * (3 if _pieces(q_heads, kv_heads, u, rank) > 1 else 2)
         # placing: dq, dk, dv made (grads) beside the send buffer and the receive buffer, every peer's share of
-        # this rank's rows in sequence layout (a K/V head two ranks read comes twice); low precision, the casts
-        at_place = Q + grads + grads_h + Q + 2 * sizes.K * kv_recv + (2 * sizes.K if sizes.low else 0)
+        # this rank's rows in sequence layout (a K/V head two ranks read comes twice). dout's send buffer is still
+        # alive as dk, dv are zeroed, but gone by their casts (low precision: recorded at the measured peaks, fp32
+        # at the zeroing and bf16 at the casts; counting both together was +3.2% .. +4.9% over in bf16 MHA)
+        at_place = grads + grads_h + Q + 2 * sizes.K * kv_recv + max(Q, 2 * sizes.K if sizes.low else 0)
         bwd = max(at_place, at_pack, at_kernel)
     else:
         at_place, at_send = _grads_back_moments(Qh, Kh, G)
