@@ -160,8 +160,9 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     with static ones (the refused sizes first), each refusal kind raises eager's ValueError, the same text, on
     both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
     splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
-    and Ulysses) or dividing them but not each Ulysses rank's share, boundaries given as ints or as a tensor not
-    ending at the global length, 4 query heads over 3 K/V heads, a global length balanced sharding cannot cut.
+    and Ulysses) or dividing them but not each Ulysses rank's share (even and uneven splits), boundaries given as
+    ints or as a tensor not ending at the global length, 4 query heads over 3 K/V heads, q and k of different local
+    lengths, a global length balanced sharding cannot cut.
 
     Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
     kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
@@ -171,7 +172,12 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     session 28, cmp28b) seen failing with seqpar/attn/resolve.py and ops.py restored from 02dde11: "BUILD_STRING
     type error" (dynamic) and "Observed exception" (static), on both ranks. ``gqa_heads`` and ``balanced_length``
     (added by cmp28b, refused while tracing and raised by the op ``seqpar::refusal``) seen failing with
-    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks."""
+    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks.
+    The three kinds cmp29 added seen failing with seqpar/attn/checks.py, resolve.py and ops.py restored from e2e58d9,
+    on both ranks: ``ulysses_uneven_head_chunks`` "BUILD_STRING type error" (dynamic: the share's words formatted a
+    symbolic K/V head count); ``ulysses_uneven_call_head_chunks`` the same (dynamic), and static the traced plan's
+    share message ("does not divide the 3 K/V heads each of the 2 Ulysses ranks holds") where eager names the
+    call's 5 heads; ``qk_seq_local`` (dynamic) "Failed to trace builtin operator `str`" (a shape's tuple)."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
@@ -194,7 +200,7 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     """Under ``torch.compile(fullgraph=True)`` (dynamic=True after a valid call, and static), each option refusal
     raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
     bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
-    length; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
+    length, ``head_chunks=0``, a 2-D boundary tensor (a TypeError); and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
     ``Unsupported`` with seqpar's text (a CompileOnlyRefusal is not deferred: without fullgraph the call runs eagerly); ``dilated_attention``'s bad ``head_layout``, zigzag sharding and ``mode="ulysses"``.
 
     Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
@@ -202,7 +208,10 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     resolve.py's ``_check_softcap`` message built from ``softcap`` itself (before the fix), ``bad_softcap`` under
     dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there). The three dilated kinds
     (cmp28b) seen failing with seqpar/attn/dilated.py restored from 0afef41: "Observed exception", both ranks,
-    dynamic and static."""
+    dynamic and static. cmp29's ``bad_head_chunks`` (0) and ``documents_2d`` (a ``(1, 3)`` boundary tensor) seen
+    failing with seqpar/attn/checks.py, resolve.py and ops.py restored from e2e58d9, dynamic, both ranks:
+    "BUILD_STRING type error" (``{head_chunks!r}`` of a symbolic int) and "Failed to trace builtin operator `str`"
+    (the tensor's shape)."""
     names = list(OPTION_CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
