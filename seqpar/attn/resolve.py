@@ -215,7 +215,7 @@ def _check_head_chunks_every_dynamic_size(head_chunks: int | str, q: Tensor, k: 
         # uneven splits too: the Ulysses plan checks head_chunks against kv_per_rank for every split (audit 27, H3)
         if split.kv_per_rank % head_chunks:
             raise ValueError(
-                f"head_chunks={head_chunks} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
+                f"head_chunks={shown(head_chunks)} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
                 f"dynamic-CP group of {u} under mode='ulysses' (of the call's {kv_heads}; the planner may hand a "
                 f"micro-batch any of the group sizes {list(manager.dynamic_sizes)}): set head_chunks to 'auto' or to "
                 "a divisor of every such share, or raise sequence_parallel.dynamic.min_size past the sizes it fails"
@@ -243,7 +243,7 @@ def _check_softcap(softcap: object, q: Tensor) -> None:
         raise ValueError(f"softcap={shown!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
     if q.device.type == "cuda" and q.dtype != torch.float64:
         raise ValueError(
-            f"softcap={softcap} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
+            f"softcap={shown(softcap)} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
             "cuDNN) have no logit soft-capping, and seqpar's exact math kernel would materialise every block's "
             "scores. Run soft-capped attention on CPU or in float64, or drop the soft-capping "
             "(transformers: config.attn_logit_softcapping=None)"
