@@ -311,3 +311,70 @@ def test_auto_before_the_probe_runs_eagerly_without_fullgraph(dist_pool) -> None
     group's links have not been probed yet ...") on both ranks, where eager runs the call."""
     per_rank = dist_pool.run(WORLD, auto_falls_back, timeout=600)
     assert per_rank == [[]] * WORLD, per_rank
+
+
+# A swapped layer's refusals (seqpar.swap.options.SwapOptions.attention calls resolve_attention itself, not through
+# seqpar.attention): name -> (the valid call's keywords, the refused call's); "batch2": the refused call's batch is 2.
+SWAP_CASES = {
+    "swap_bad_softcap": ({"softcap": 30.0}, {"softcap": -1.0}),
+    "swap_alibi_slopes": ({"alibi_slopes": 4}, {"alibi_slopes": 3}),
+    "swap_documents_batch": ({"cu_seqlens": "tensor"}, {"cu_seqlens": "tensor", "batch2": True}),
+}
+
+
+def _swap_call(q, k, v, cu, kw, options):  # noqa: ANN001, ANN202
+    """A swapped layer's attention (``options``: its SwapOptions, made outside the trace) on q ``(batch, 4, 8, 6)``,
+    k/v ``(batch, 2, 8, 6)`` (ring, 2 ranks)."""
+    kw = {n: cu if value == "tensor" else torch.linspace(0.5, 0.1, value) if n == "alibi_slopes" else value
+          for n, value in kw.items() if n != "batch2"}
+    return options.attention(q, k, v, causal=True, scale=None, **kw)
+
+
+def swap_refusals(rank: int, world: int, names: list[str]) -> dict:
+    """Worker body: as :func:`_option_refusal` for each swap case (dynamic=True after the valid call, and a fresh
+    static function called with the refused keywords first)."""
+    from seqpar.swap.options import SwapOptions
+
+    options = SwapOptions(group=torch.distributed.group.WORLD, mode="ring", check_inputs=False)
+    results = {}
+    for name in names:
+        good_kw, bad_kw = SWAP_CASES[name]
+        q, k, v, cu = _inputs((4, 2, 8), False)
+        good = (q, k, v, cu)
+        bad = tuple(t.repeat(2, 1, 1, 1) for t in (q, k, v)) + (cu,) if bad_kw.get("batch2") else good
+        eager = _error(_swap_call, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        fn = torch.compile(_swap_call, backend="aot_eager", dynamic=True, fullgraph=True)
+        valid = _error(fn, *good, good_kw, options)
+        dynamic = _error(fn, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        static = _error(torch.compile(_swap_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw,
+                        options)
+        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.compile_stage
+def test_swapped_layer_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """A swapped layer's call (``SwapOptions.attention``, which resolves the call itself) refused while dynamo traces
+    raises eager's ValueError, its text, on both ranks under ``fullgraph=True``, dynamic and static: a softcap <= 0,
+    ALiBi slopes one short, a boundary tensor with batch 2.
+
+    Seen failing with seqpar/swap/options.py restored from e2e58d9 (resolve_attention's refusal raised while
+    tracing, not deferred): dynamo's ``Unsupported: Observed exception`` for each kind, both ranks, dynamic and static."""
+    names = list(SWAP_CASES)
+    per_rank = dist_pool.run(WORLD, swap_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["eager"] is None or got["eager"][0] != "ValueError":
+                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
+                continue
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            for how in ("dynamic", "static"):
+                if got[how] != got["eager"]:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
