@@ -71,6 +71,10 @@ OPTION_CASES = {
     "dilated_zigzag": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
                        {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "sharding": "zigzag"}),
     "bad_head_chunks": ({"mode": "ring", "head_chunks": 1}, {"mode": "ring", "head_chunks": 0}),
+    # int options symbolic under dynamic=True, and a sinks length against the (symbolic) query heads
+    "bad_window": ({"mode": "ring", "window": 4}, {"mode": "ring", "window": 0}),
+    "bad_chunk_size": ({"mode": "ring", "chunk_size": 4}, {"mode": "ring", "chunk_size": 0}),
+    "bad_sinks": ({"mode": "ring", "sinks": "tensor"}, {"mode": "ring", "sinks": "short"}),
     # a (1, 3) boundary tensor: the TypeError shows its shape
     "documents_2d": ({"mode": "ring", "cu_seqlens": "tensor"}, {"mode": "ring", "cu_seqlens": "tensor2d"}),
     "dilated_ulysses": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
@@ -90,8 +94,9 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
         return dilated_attention(q, k, v, group=group, check_inputs=False, **kw)
     if kw.get("cu_seqlens") in ("tensor", "tensor2d"):
         kw["cu_seqlens"] = cu if kw["cu_seqlens"] == "tensor" else cu[None]
-    if "alibi_slopes" in kw:  # one slope per query head, or one too few
-        kw["alibi_slopes"] = torch.linspace(0.5, 0.1, q.shape[1] - (kw["alibi_slopes"] == "short"))
+    for name in ("alibi_slopes", "sinks"):  # one per query head, or one too few
+        if name in kw:
+            kw[name] = torch.linspace(0.5, 0.1, q.shape[1] - (kw[name] == "short"))
     kw.setdefault("layout", "bhsd")
     kw.setdefault("check_inputs", False)
     return seqpar.attention(q, k, v, group=group, **kw)
@@ -200,7 +205,7 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     """Under ``torch.compile(fullgraph=True)`` (dynamic=True after a valid call, and static), each option refusal
     raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
     bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
-    length, ``head_chunks=0``, a 2-D boundary tensor (a TypeError); and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
+    length, ``head_chunks=0``, a 2-D boundary tensor (a TypeError), ``window=0``, ``chunk_size=0``, sinks one short; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
     ``Unsupported`` with seqpar's text (a CompileOnlyRefusal is not deferred: without fullgraph the call runs eagerly); ``dilated_attention``'s bad ``head_layout``, zigzag sharding and ``mode="ulysses"``.
 
     Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
@@ -211,7 +216,11 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     dynamic and static. cmp29's ``bad_head_chunks`` (0) and ``documents_2d`` (a ``(1, 3)`` boundary tensor) seen
     failing with seqpar/attn/checks.py, resolve.py and ops.py restored from e2e58d9, dynamic, both ranks:
     "BUILD_STRING type error" (``{head_chunks!r}`` of a symbolic int) and "Failed to trace builtin operator `str`"
-    (the tensor's shape)."""
+    (the tensor's shape). ``bad_window`` and ``bad_chunk_size`` seen failing with seqpar/attn/masks.py restored
+    from e2e58d9, dynamic, both ranks: "BUILD_STRING type error" (``{window!r}``, ``{chunk_size!r}``). ``bad_sinks``
+    was not seen failing here (after the valid call the refused one passed on the old masks.py too); compiled
+    with dynamic=True and called with the refused sinks first, the old message gave "Failed to trace builtin
+    operator `str`" (cmp29's scratch run, both ranks)."""
     names = list(OPTION_CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
