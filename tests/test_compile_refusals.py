@@ -19,7 +19,7 @@ import torch
 
 WORLD = 2
 
-# name -> (function kwargs, [(q_heads, kv_heads, seq_local) valid, then refused]); P = 2, head dim 6
+# name -> (function kwargs, [(q_heads, kv_heads, seq_local[, k's seq_local]) valid, then refused]); P = 2, head dim 6
 CASES = {
     # segment 32 spans both ranks at seq_local 16, and straddles them unevenly at 48 (dil27's open case)
     "dilated_straddle": ({"dilated": True, "segment_lengths": (32,), "dilation_rates": (1,)}, [(4, 2, 16), (4, 2, 48)]),
@@ -33,6 +33,14 @@ CASES = {
     "ulysses_head_chunks": ({"mode": "ulysses", "head_chunks": 2}, [(4, 4, 8), (6, 3, 8)]),
     # head_chunks 4 divides the call's 4 K/V heads but not the 2 each of the 2 Ulysses ranks holds (8 heads: 4 each)
     "ulysses_share_head_chunks": ({"mode": "ulysses", "head_chunks": 4}, [(8, 8, 8), (4, 4, 8)]),
+    # uneven Ulysses (3 K/V heads over 2 ranks: 2 and 1): head_chunks 3 divides the call's 3 but not the larger share,
+    # checked while tracing (the uneven plan runs one pass, so the op cannot see the int) and raised by seqpar::refusal
+    "ulysses_uneven_head_chunks": ({"mode": "ulysses", "head_chunks": 3}, [(6, 6, 8), (6, 3, 8)]),
+    # ... and head_chunks 2 dividing neither the call's 5 K/V heads nor the share of 3: eager names the call's heads
+    # first (its options' check, which a traced call leaves to the op), so the traced plan must too
+    "ulysses_uneven_call_head_chunks": ({"mode": "ulysses", "head_chunks": 2}, [(4, 4, 8), (10, 5, 8)]),
+    # q and k of different local lengths: the message shows both shapes (symbolic under dynamic=True)
+    "qk_seq_local": ({"mode": "ring"}, [(4, 2, 8), (4, 2, 8, 9)]),
     # boundaries as ints: a constant of the graph, ending at 16 = 2 * 8 but not at 2 * 12
     "documents_ints": ({"mode": "ring", "cu_seqlens": (0, 5, 16)}, [(4, 2, 8), (4, 2, 12)]),
     # boundaries as a tensor (read in the op since session 26): ending at S + 1 at the second length
@@ -62,6 +70,13 @@ OPTION_CASES = {
                             {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "head_layout": "split"}),
     "dilated_zigzag": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
                        {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "sharding": "zigzag"}),
+    "bad_head_chunks": ({"mode": "ring", "head_chunks": 1}, {"mode": "ring", "head_chunks": 0}),
+    # int options symbolic under dynamic=True, and a sinks length against the (symbolic) query heads
+    "bad_window": ({"mode": "ring", "window": 4}, {"mode": "ring", "window": 0}),
+    "bad_chunk_size": ({"mode": "ring", "chunk_size": 4}, {"mode": "ring", "chunk_size": 0}),
+    "bad_sinks": ({"mode": "ring", "sinks": "tensor"}, {"mode": "ring", "sinks": "short"}),
+    # a (1, 3) boundary tensor: the TypeError shows its shape
+    "documents_2d": ({"mode": "ring", "cu_seqlens": "tensor"}, {"mode": "ring", "cu_seqlens": "tensor2d"}),
     "dilated_ulysses": ({"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,)},
                         {"dilated": True, "segment_lengths": (4,), "dilation_rates": (2,), "mode": "ulysses"}),
 }
@@ -77,18 +92,23 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
     group = torch.distributed.group.WORLD
     if kw.pop("dilated", False):
         return dilated_attention(q, k, v, group=group, check_inputs=False, **kw)
-    if kw.get("cu_seqlens") == "tensor":
-        kw["cu_seqlens"] = cu
-    if "alibi_slopes" in kw:  # one slope per query head, or one too few
-        kw["alibi_slopes"] = torch.linspace(0.5, 0.1, q.shape[1] - (kw["alibi_slopes"] == "short"))
+    if kw.get("cu_seqlens") in ("tensor", "tensor2d"):
+        kw["cu_seqlens"] = cu if kw["cu_seqlens"] == "tensor" else cu[None]
+    for name in ("alibi_slopes", "sinks"):  # one per query head, or one too few
+        if name in kw:
+            kw[name] = torch.linspace(0.5, 0.1, q.shape[1] - (kw[name] == "short"))
     kw.setdefault("layout", "bhsd")
     kw.setdefault("check_inputs", False)
     return seqpar.attention(q, k, v, group=group, **kw)
 
 
-def _inputs(q_heads: int, kv_heads: int, seq_local: int, bad: bool) -> tuple[torch.Tensor, ...]:
+def _inputs(shape: tuple[int, ...], bad: bool) -> tuple[torch.Tensor, ...]:
+    """q ``(1, q_heads, seq_local, 6)``, k/v ``(1, kv_heads, k_seq_local, 6)`` from ``shape`` = ``(q_heads, kv_heads,
+    seq_local[, k_seq_local])`` (k's length defaults to q's), and the boundaries as a tensor."""
+    q_heads, kv_heads, seq_local, *rest = shape
     g = torch.Generator().manual_seed(7 * seq_local + q_heads)
-    q, k, v = (torch.randn(1, h, seq_local, 6, generator=g) for h in (q_heads, kv_heads, kv_heads))
+    q = torch.randn(1, q_heads, seq_local, 6, generator=g)
+    k, v = (torch.randn(1, kv_heads, rest[0] if rest else seq_local, 6, generator=g) for _ in "kv")
     seq = WORLD * seq_local
     cu = torch.tensor([0, 3, seq + 1 if bad else seq])  # the refused call's boundaries overrun S by one
     return q, k, v, cu
@@ -112,14 +132,14 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
             results[name] = _option_refusal(*OPTION_CASES[name])
             continue
         kw, (good, bad) = CASES[name]
-        eager = _error(_call, *_inputs(*bad, True), kw)
+        eager = _error(_call, *_inputs(bad, True), kw)
         torch._dynamo.reset()
         fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
-        valid = _error(fn, *_inputs(*good, False), kw)
-        dynamic = _error(fn, *_inputs(*bad, True), kw)
+        valid = _error(fn, *_inputs(good, False), kw)
+        dynamic = _error(fn, *_inputs(bad, True), kw)
         torch._dynamo.reset()
         static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True),
-                        *_inputs(*bad, True), kw)
+                        *_inputs(bad, True), kw)
         results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
     torch._dynamo.reset()
     return results
@@ -128,11 +148,11 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
 def _option_refusal(good_kw: dict, bad_kw: dict) -> dict:
     """As :func:`compiled_refusals` for one option case: the valid kwargs, then the refused ones (a new graph: the
     options are constants), dynamic=True; and a fresh static function called with the refused ones first."""
-    bad = _inputs(4, 2, 12, False)
+    bad = _inputs((4, 2, 12), False)
     eager = _error(_call, *bad, bad_kw)
     torch._dynamo.reset()
     fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
-    valid = _error(fn, *_inputs(4, 2, 8, False), good_kw)
+    valid = _error(fn, *_inputs((4, 2, 8), False), good_kw)
     dynamic = _error(fn, *bad, bad_kw)
     torch._dynamo.reset()
     static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw)
@@ -145,8 +165,9 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     with static ones (the refused sizes first), each refusal kind raises eager's ValueError, the same text, on
     both ranks: a dilated segment straddling the ranks, a segment not dividing the length, grouped heads not
     splitting among the patterns, zigzag's odd local length, ``head_chunks`` not dividing the K/V heads (all-gather
-    and Ulysses) or dividing them but not each Ulysses rank's share, boundaries given as ints or as a tensor not
-    ending at the global length, 4 query heads over 3 K/V heads, a global length balanced sharding cannot cut.
+    and Ulysses) or dividing them but not each Ulysses rank's share (even and uneven splits), boundaries given as
+    ints or as a tensor not ending at the global length, 4 query heads over 3 K/V heads, q and k of different local
+    lengths, a global length balanced sharding cannot cut.
 
     Seen failing on the code before session 28's change (7da76dc: the seven source files restored from it): every
     kind but ``documents_tensor`` raised dynamo's ``Unsupported`` on both ranks, static and dynamic: "Observed
@@ -156,7 +177,12 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     session 28, cmp28b) seen failing with seqpar/attn/resolve.py and ops.py restored from 02dde11: "BUILD_STRING
     type error" (dynamic) and "Observed exception" (static), on both ranks. ``gqa_heads`` and ``balanced_length``
     (added by cmp28b, refused while tracing and raised by the op ``seqpar::refusal``) seen failing with
-    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks."""
+    seqpar/attn/dispatch.py and ops.py restored from 4f18a5a: "Observed exception", dynamic and static, both ranks.
+    The three kinds cmp29 added seen failing with seqpar/attn/checks.py, resolve.py and ops.py restored from e2e58d9,
+    on both ranks: ``ulysses_uneven_head_chunks`` "BUILD_STRING type error" (dynamic: the share's words formatted a
+    symbolic K/V head count); ``ulysses_uneven_call_head_chunks`` the same (dynamic), and static the traced plan's
+    share message ("does not divide the 3 K/V heads each of the 2 Ulysses ranks holds") where eager names the
+    call's 5 heads; ``qk_seq_local`` (dynamic) "Failed to trace builtin operator `str`" (a shape's tuple)."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
@@ -179,7 +205,7 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     """Under ``torch.compile(fullgraph=True)`` (dynamic=True after a valid call, and static), each option refusal
     raises eager's exception, type and text, on both ranks: a bad mode, sharding or layout name, ``dkv_wire_dtype``
     bf16 with all-gather or an unknown wire dtype, a softcap <= 0, ALiBi with softcap, ALiBi slopes of the wrong
-    length; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
+    length, ``head_chunks=0``, a 2-D boundary tensor (a TypeError), ``window=0``, ``chunk_size=0``, sinks one short; and ``sharding="balanced"`` with a tensor ``cu_seqlens``, refused under compile only: dynamo's
     ``Unsupported`` with seqpar's text (a CompileOnlyRefusal is not deferred: without fullgraph the call runs eagerly); ``dilated_attention``'s bad ``head_layout``, zigzag sharding and ``mode="ulysses"``.
 
     Seen failing with seqpar/attn/dispatch.py and ops.py restored from 4f18a5a (the refusal raised while dynamo
@@ -187,7 +213,14 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     resolve.py's ``_check_softcap`` message built from ``softcap`` itself (before the fix), ``bad_softcap`` under
     dynamic=True raised "BUILD_STRING type error" (a float argument is symbolic there). The three dilated kinds
     (cmp28b) seen failing with seqpar/attn/dilated.py restored from 0afef41: "Observed exception", both ranks,
-    dynamic and static."""
+    dynamic and static. cmp29's ``bad_head_chunks`` (0) and ``documents_2d`` (a ``(1, 3)`` boundary tensor) seen
+    failing with seqpar/attn/checks.py, resolve.py and ops.py restored from e2e58d9, dynamic, both ranks:
+    "BUILD_STRING type error" (``{head_chunks!r}`` of a symbolic int) and "Failed to trace builtin operator `str`"
+    (the tensor's shape). ``bad_window`` and ``bad_chunk_size`` seen failing with seqpar/attn/masks.py restored
+    from e2e58d9, dynamic, both ranks: "BUILD_STRING type error" (``{window!r}``, ``{chunk_size!r}``). ``bad_sinks``
+    was not seen failing here (after the valid call the refused one passed on the old masks.py too); compiled
+    with dynamic=True and called with the refused sinks first, the old message gave "Failed to trace builtin
+    operator `str`" (cmp29's scratch run, both ranks)."""
     names = list(OPTION_CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
     failures = []
@@ -212,4 +245,145 @@ def test_option_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
             for how in ("dynamic", "static"):
                 if got[how] != expected:
                     failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not {expected}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.compile_stage
+def test_a_deferred_refusal_keeps_its_type() -> None:
+    """The rule of :func:`seqpar.attn.ops.defer_refusals` (one process, no exchange): under ``fullgraph=True`` a
+    ValueError, a TypeError and a ``seqpar.ConfigError`` (a ValueError subclass: ``except seqpar.ConfigError`` must
+    catch it compiled as in eager) raised while dynamo traces reach the caller as themselves, their text intact; a
+    ``CompileOnlyRefusal`` is not deferred (dynamo's ``Unsupported``, its text in the message), so that without
+    fullgraph dynamo runs the call eagerly.
+
+    Seen failing with ops.py's REFUSALS without ConfigError (session 28's rule, plain ValueError / TypeError only):
+    the ConfigError kind raised dynamo's ``Unsupported: Observed exception``."""
+    from seqpar.attn.checks import CompileOnlyRefusal
+    from seqpar.attn.ops import defer_refusals
+    from seqpar.config import ConfigError
+
+    q = torch.randn(1, 2, 4, 6)
+    failures = []
+    for kind in (ValueError, TypeError, ConfigError, CompileOnlyRefusal):
+
+        @defer_refusals
+        def entry(q, k, v, kind=kind):  # noqa: ANN001, ANN202
+            raise kind(f"refused: {kind.__name__}")
+
+        torch._dynamo.reset()
+        got = _error(torch.compile(entry, backend="aot_eager", fullgraph=True), q, q, q)
+        want = ("Unsupported" if kind is CompileOnlyRefusal else kind.__name__, f"refused: {kind.__name__}")
+        if got is None or got[0] != want[0] or (want[0] == "Unsupported") != (got[1] != want[1]) \
+                or want[1] not in got[1]:
+            failures.append(f"{kind.__name__}: {got!r:.400}")
+    torch._dynamo.reset()
+    assert not failures, "\n".join(failures)
+
+
+def auto_falls_back(rank: int, world: int) -> list[str]:
+    """Worker body: ``mode="auto"`` on a group nothing has probed, compiled without ``fullgraph``: the first call
+    (dynamo cannot probe the links while tracing: a CompileOnlyRefusal) runs eagerly, which probes them. Its output
+    and gradients (float64) against one process's float64 SDPA, each on its own scale; the mismatches as text."""
+    from test_attention import make_case, reference, shard_rows
+
+    import seqpar
+
+    case = make_case(29, world, (4, 2, 6), batch=1)
+    expected = [shard_rows(t, rank, world, "zigzag") for t in reference(case, True, None)]
+    q, k, v, dout = (shard_rows(case[n], rank, world, "zigzag") for n in ("q", "k", "v", "dout"))
+    group = torch.distributed.new_group(list(range(world)))  # a group nothing has probed yet
+
+    def call(q, k, v):  # noqa: ANN001, ANN202
+        return seqpar.attention(q, k, v, causal=True, mode="auto", sharding="zigzag", group=group, check_inputs=False)
+
+    torch._dynamo.reset()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    try:
+        out = torch.compile(call, backend="aot_eager")(*leaves)
+    except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+        return [f"compiled before the probe raised {type(error).__name__}: {str(error)[:400]}"]
+    finally:
+        torch._dynamo.reset()
+    out.backward(dout)
+    return [f"{name} differs by {(got - want).abs().max().item():.3g}"
+            for name, want, got in zip(("out", "dq", "dk", "dv"), expected, (out.detach(), *(t.grad for t in leaves)))
+            if not torch.allclose(got, want, rtol=1e-10, atol=1e-10 * want.abs().max().item())]
+
+
+@pytest.mark.compile_stage
+def test_auto_before_the_probe_runs_eagerly_without_fullgraph(dist_pool) -> None:
+    """``mode="auto"`` before its group's links are probed, compiled without ``fullgraph=True``: dynamo falls back to
+    the eager call (which probes the links), exact against one process in float64 on both ranks, not refused.
+
+    Seen failing with seqpar/attn/choose.py's ``_probed_while_tracing`` raising a plain ValueError (deferred to
+    ``seqpar::refusal``): the compiled graph raised that ValueError ("mode='auto' under torch.compile: this SP
+    group's links have not been probed yet ...") on both ranks, where eager runs the call."""
+    per_rank = dist_pool.run(WORLD, auto_falls_back, timeout=600)
+    assert per_rank == [[]] * WORLD, per_rank
+
+
+# A swapped layer's refusals (seqpar.swap.options.SwapOptions.attention calls resolve_attention itself, not through
+# seqpar.attention): name -> (the valid call's keywords, the refused call's); "batch2": the refused call's batch is 2.
+SWAP_CASES = {
+    "swap_bad_softcap": ({"softcap": 30.0}, {"softcap": -1.0}),
+    "swap_alibi_slopes": ({"alibi_slopes": 4}, {"alibi_slopes": 3}),
+    "swap_documents_batch": ({"cu_seqlens": "tensor"}, {"cu_seqlens": "tensor", "batch2": True}),
+}
+
+
+def _swap_call(q, k, v, cu, kw, options):  # noqa: ANN001, ANN202
+    """A swapped layer's attention (``options``: its SwapOptions, made outside the trace) on q ``(batch, 4, 8, 6)``,
+    k/v ``(batch, 2, 8, 6)`` (ring, 2 ranks)."""
+    kw = {n: cu if value == "tensor" else torch.linspace(0.5, 0.1, value) if n == "alibi_slopes" else value
+          for n, value in kw.items() if n != "batch2"}
+    return options.attention(q, k, v, causal=True, scale=None, **kw)
+
+
+def swap_refusals(rank: int, world: int, names: list[str]) -> dict:
+    """Worker body: as :func:`_option_refusal` for each swap case (dynamic=True after the valid call, and a fresh
+    static function called with the refused keywords first)."""
+    from seqpar.swap.options import SwapOptions
+
+    options = SwapOptions(group=torch.distributed.group.WORLD, mode="ring", check_inputs=False)
+    results = {}
+    for name in names:
+        good_kw, bad_kw = SWAP_CASES[name]
+        q, k, v, cu = _inputs((4, 2, 8), False)
+        good = (q, k, v, cu)
+        bad = tuple(t.repeat(2, 1, 1, 1) for t in (q, k, v)) + (cu,) if bad_kw.get("batch2") else good
+        eager = _error(_swap_call, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        fn = torch.compile(_swap_call, backend="aot_eager", dynamic=True, fullgraph=True)
+        valid = _error(fn, *good, good_kw, options)
+        dynamic = _error(fn, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        static = _error(torch.compile(_swap_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw,
+                        options)
+        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.compile_stage
+def test_swapped_layer_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """A swapped layer's call (``SwapOptions.attention``, which resolves the call itself) refused while dynamo traces
+    raises eager's ValueError, its text, on both ranks under ``fullgraph=True``, dynamic and static: a softcap <= 0,
+    ALiBi slopes one short, a boundary tensor with batch 2.
+
+    Seen failing with seqpar/swap/options.py restored from e2e58d9 (resolve_attention's refusal raised while
+    tracing, not deferred): dynamo's ``Unsupported: Observed exception`` for each kind, both ranks, dynamic and static."""
+    names = list(SWAP_CASES)
+    per_rank = dist_pool.run(WORLD, swap_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["eager"] is None or got["eager"][0] != "ValueError":
+                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
+                continue
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            for how in ("dynamic", "static"):
+                if got[how] != got["eager"]:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
     assert not failures, "\n".join(failures)

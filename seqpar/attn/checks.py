@@ -38,6 +38,7 @@ __all__ = [
     "FLASH_TILE_ROWS",
     "GpuCall",
     "CompileOnlyRefusal",
+    "shown",
 ]
 
 
@@ -46,6 +47,24 @@ class CompileOnlyRefusal(ValueError):
     tensor). Raised while dynamo traces, never deferred to the graph (:func:`seqpar.attn.ops.refused_output` defers
     plain ValueError / TypeError only): without ``fullgraph=True`` dynamo then runs the call eagerly, which is exact;
     under ``fullgraph=True`` it is dynamo's ``Unsupported``, this message in its debug context."""
+
+
+
+def shown(value: object) -> object:
+    """``value`` as a refusal's message shows it: a size, or a shape's sizes, as this call's ints.
+
+    Why: while dynamo traces with symbolic sizes (``dynamic=True``, or a second length), a size or an int argument
+    is a SymInt, and dynamo cannot build an f-string of one (``{n!r}``, or a SymInt inside a string built by another
+    f-string: "BUILD_STRING type error"; ``tuple(t.shape)``: "Failed to trace builtin operator str"), which lost
+    the message under ``fullgraph=True``. ``guard_scalar`` makes it the call's number (a guard: the refused graph
+    is specialised to it, which is fine, it only raises). Eager values are returned as they are (``torch.Size``:
+    as a tuple)."""
+    if isinstance(value, (tuple, list)):  # torch.Size too
+        return tuple(shown(v) for v in value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):  # (dynamo's isinstance of a SymInt says int)
+        return guard_scalar(value)
+    return value
+
 
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 # tag, 3 tensors x (ndim + 4 dims), dtype, device type, causal, mode/sharding, head chunks, scale bits
@@ -143,11 +162,12 @@ def resolve_head_chunks(head_chunks: int | str, kv_heads: int | None, gpu: GpuCa
         need = gpu.transient_bytes()
         return next((c for c in allowed if need / c <= budget), allowed[-1])
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-        raise ValueError(f"head_chunks={head_chunks!r} is invalid: pass a positive integer or 'auto'")
+        raise ValueError(f"head_chunks={shown(head_chunks)!r} is invalid: pass a positive integer or 'auto'")
     if kv_heads is not None and kv_heads % head_chunks:
         divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
         raise ValueError(
-            f"head_chunks={head_chunks} does not divide the {kv_heads} K/V heads{share}: choose one of {divisors} or "
+            f"head_chunks={shown(head_chunks)} does not divide the {shown(kv_heads)} K/V heads{share}: choose one of "
+            f"{divisors} or "
             "'auto'"
         )
     return head_chunks
@@ -157,7 +177,7 @@ def ulysses_share(u: int, kv_heads: int) -> str:
     """The words :func:`resolve_head_chunks` adds (``share=``) when it checks ``head_chunks`` against each Ulysses
     rank's share of the K/V heads, so that "the 1 K/V heads" does not read as a miscount of the caller's
     ``kv_heads`` (fuzz case 243281122: hybrid u=3, 2 K/V heads, head_chunks=2)."""
-    return f" each of the {u} Ulysses ranks holds (its share of the call's {kv_heads})"
+    return f" each of the {shown(u)} Ulysses ranks holds (its share of the call's {shown(kv_heads)})"
 
 
 def dkv_wire_digest(dkv_wire_dtype: object) -> int:
@@ -197,7 +217,7 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(
-                f"{name} has {t.dim()} dimensions (shape {tuple(t.shape)}); seqpar.attention expects "
+                f"{name} has {t.dim()} dimensions (shape {shown(t.shape)}); seqpar.attention expects "
                 f"(batch, heads, seq_local, head_dim) — transpose (batch, seq, heads, dim) inputs with .transpose(1, 2)"
             )
         if t.dtype not in _DTYPES:
@@ -208,17 +228,17 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}); move them to one")
     if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in batch, kv_heads and seq_local "
+            f"k {shown(k.shape)} and v {shown(v.shape)} must agree in batch, kv_heads and seq_local "
             f"(layout (batch, heads, seq_local, head_dim); only the head dims may differ, as in MLA)"
         )
     if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq_local and head_dim "
+            f"q {shown(q.shape)} and k {shown(k.shape)} must agree in batch, seq_local and head_dim "
             f"(layout (batch, heads, seq_local, head_dim); v's head_dim may differ)"
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(
-            f"q has {q.shape[1]} heads and k/v have {k.shape[1]}: q_heads must be a multiple of kv_heads (GQA)"
+            f"q has {shown(q.shape[1])} heads and k/v have {shown(k.shape[1])}: q_heads must be a multiple of kv_heads (GQA)"
         )
     if q.shape[2] == 0:
         raise ValueError("seq_local is 0: every rank needs at least one token of the sequence")
@@ -232,7 +252,7 @@ def check_local_length(seq_local: int, *, world_size: int, sharding: str) -> Non
     reaches a ``fullgraph=True`` caller as dynamo's "Unsupported: Observed exception" instead."""
     if sharding == "zigzag" and seq_local % 2:
         raise ValueError(
-            f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={seq_local}: "
+            f"zigzag sharding needs an even local length (two chunks per rank), got seq_local={shown(seq_local)}: "
             f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sequence.sharding.pad_to_multiple) "
             f"or use sharding='contiguous'"
         )

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+from seqpar.attn.checks import shown
 from seqpar.attn.plan import BlockCall
 from seqpar.sequence.boundaries import (  # host_boundaries re-exported: the one conversion
     drop_empty_documents,
@@ -230,12 +231,12 @@ def check_mask_inputs(
         num_chunks(world, sharding, seq_len=seq_len)  # raises with the padding to use
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(
-            f"window={window!r} is invalid: pass an int >= 1 (query i sees key j when 0 <= i - j < window, "
+            f"window={shown(window)!r} is invalid: pass an int >= 1 (query i sees key j when 0 <= i - j < window, "
             f"or |i - j| < window without causal) or None for no window"
         )
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(
-            f"chunk_size={chunk_size!r} is invalid: pass an int >= 1 (chunked local attention: query i sees "
+            f"chunk_size={shown(chunk_size)!r} is invalid: pass an int >= 1 (chunked local attention: query i sees "
             "key j only inside the same chunk of chunk_size tokens of its document) or None for no chunks"
         )
     if bounds is not None:
@@ -248,7 +249,7 @@ def check_mask_inputs(
     if sinks is not None:
         if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
             shape = tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__
-            raise ValueError(f"sinks must be a ({q.shape[1]},) tensor, one logit per query head; got {shape}")
+            raise ValueError(f"sinks must be a ({shown(q.shape[1])},) tensor, one logit per query head; got {shown(shape)}")
         if not sinks.is_floating_point() or sinks.device != q.device:
             raise TypeError(f"sinks must be a floating-point tensor on {q.device}; got {sinks.dtype} on {sinks.device}")
 

@@ -52,6 +52,7 @@ from seqpar.attn.ring import ring_attention_backward, ring_attention_forward
 from seqpar.attn.ulysses import HeadSplit, UlyssesPlan, ulysses_backward, ulysses_forward
 from seqpar.comm.group_names import group_by_name, group_name
 from seqpar.comm.ring import RingComm
+from seqpar.config import ConfigError
 from seqpar.kernels import in_layout_of, lse_dtype, output_like, sink_grad
 
 __all__ = [
@@ -293,8 +294,10 @@ def _ulysses_backward(ctx, dout: Tensor, dsaved: list[Tensor] | None):  # noqa: 
 ulysses_fwd.register_autograd(_ulysses_backward, setup_context=_ulysses_setup)
 
 
-REFUSALS = {"ValueError": ValueError, "TypeError": TypeError}
-"""The exception types :func:`refused_output` defers to :func:`refusal` (by name: an op takes primitives)."""
+REFUSALS = {"ValueError": ValueError, "TypeError": TypeError, "ConfigError": ConfigError}
+"""The exception types :func:`refused_output` defers to :func:`refusal` (by name: an op takes primitives), each
+raised as itself: a ConfigError stays one (``except seqpar.ConfigError`` catches it compiled as in eager). Not
+:class:`~seqpar.attn.checks.CompileOnlyRefusal`, nor any other subclass: see :func:`refused_output`."""
 
 
 @torch.library.custom_op("seqpar::refusal", mutates_args=())
@@ -324,14 +327,16 @@ def refused_output(q: object, v: object, error: Exception) -> Tensor | None:
     dynamo's ``Unsupported: Observed exception``, the message only in its debug context; one caught in the traced
     code and raised by an op reaches it as eager's exception. So the option refusals (a bad mode, layout or
     sharding name, ``dkv_wire_dtype``, ``softcap``, ALiBi's slopes or ALiBi with softcap/sinks, balanced sharding
-    with a tensor ``cu_seqlens``) raise as eager's under fullgraph. Exception subclasses (a ConfigError) and
-    refusals whose message dynamo cannot build (an f-string of a symbolic size: "BUILD_STRING type error") are
-    not deferred."""
+    with a tensor ``cu_seqlens``) raise as eager's under fullgraph. Deferred: the exact types of :data:`REFUSALS`
+    (a ConfigError too). Not deferred: a :class:`~seqpar.attn.checks.CompileOnlyRefusal` (eager runs that call:
+    without fullgraph dynamo falls back to it) and any other subclass. A message must not format a symbolic size
+    (dynamo cannot build it: "BUILD_STRING type error"): seqpar's format them through
+    :func:`seqpar.attn.checks.shown`."""
     if not (torch.compiler.is_compiling() and isinstance(q, Tensor) and isinstance(v, Tensor)
             and q.dim() > 0 and v.dim() > 0):
         return None
     kind = type(error).__name__
-    if kind not in REFUSALS or type(error) is not REFUSALS[kind]:
+    if REFUSALS.get(kind) is not type(error):
         return None
     return refusal(q, v, kind, str(error))
 

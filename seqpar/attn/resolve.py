@@ -34,6 +34,7 @@ from seqpar.attn.checks import (
     check_options,
     dkv_wire_digest,
     resolve_head_chunks,
+    shown,
     ulysses_share,
 )
 from seqpar.attn.common import AttentionOptions
@@ -99,9 +100,9 @@ def _check_unambiguous(q: Tensor) -> None:
     """Shapes and strides cannot tell ``bhsd`` from ``bshd``; a bhsd reading with more heads than
     tokens per rank is far more likely a bshd tensor, so without an explicit ``layout=`` it is refused."""
     if q.dim() == 4 and q.shape[1] > q.shape[2]:
-        b, d1, d2, d = q.shape
+        b, d1, d2, d = shown(q.shape)
         raise ValueError(
-            f"seqpar.attention: q {tuple(q.shape)} is ambiguous: read as layout='bhsd' it has {d1} heads and "
+            f"seqpar.attention: q {(b, d1, d2, d)} is ambiguous: read as layout='bhsd' it has {d1} heads and "
             f"seq_local={d2}; read as layout='bshd' (flash-attn's) it has seq_local={d1} and {d2} heads. "
             "Pass layout='bhsd' or layout='bshd' explicitly (or check_inputs=False once a loop is known good)"
         )
@@ -179,15 +180,20 @@ def _ulysses_plan(
         u, sp, rank, first = manager.ulysses_size, manager.sp_size, manager.ulysses_rank, manager.ring_rank * manager.ulysses_size
     # guard_scalar: head counts are a model's constants (choose_mode specialises them alike); symbolic
     # (dynamic=True), an uneven split's shares (runtime.grid.ulysses_shares' divmod) broke the graph
-    split = head_split(guard_scalar(q.shape[1]), guard_scalar(k.shape[1]), u, sp_size=sp, mode=algorithm,
+    kv_heads = guard_scalar(k.shape[1])
+    split = head_split(guard_scalar(q.shape[1]), kv_heads, u, sp_size=sp, mode=algorithm,
                        tp=manager.tp_size if manager is not None else 1)
     # Traced, an int head_chunks against an even split's share is checked by the op at run time (ops.check_share,
     # the plan carrying the int unchecked), for the reason resolve_attention gives. An uneven split's plan runs
-    # one pass whatever was asked, so the op cannot see the int: checked here.
-    in_op = torch.compiler.is_compiling() and head_chunks != "auto" and split.even
+    # one pass whatever was asked, so the op cannot see the int: checked here, after the call's K/V heads, which
+    # eager checks first (resolve_attention's options; traced, that check is left to the op, which this refusal,
+    # raised by seqpar::refusal when the graph runs, comes before): the same refusal, eager's text.
+    traced = torch.compiler.is_compiling() and head_chunks != "auto"
+    if traced and not split.even:
+        resolve_head_chunks(head_chunks, kv_heads)
     return UlyssesPlan.make(opts, split, rank=rank, first=first, sp_size=sp,
-                            head_chunks=resolve_head_chunks(head_chunks, None if in_op else split.kv_per_rank,
-                                                            share=ulysses_share(u, k.shape[1])),
+                            head_chunks=resolve_head_chunks(head_chunks, None if traced and split.even
+                                                            else split.kv_per_rank, share=ulysses_share(u, kv_heads)),
                             seq_local=q.shape[2])
 
 
@@ -209,7 +215,7 @@ def _check_head_chunks_every_dynamic_size(head_chunks: int | str, q: Tensor, k: 
         # uneven splits too: the Ulysses plan checks head_chunks against kv_per_rank for every split (audit 27, H3)
         if split.kv_per_rank % head_chunks:
             raise ValueError(
-                f"head_chunks={head_chunks} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
+                f"head_chunks={shown(head_chunks)} does not divide the {split.kv_per_rank} K/V heads each rank holds in a "
                 f"dynamic-CP group of {u} under mode='ulysses' (of the call's {kv_heads}; the planner may hand a "
                 f"micro-batch any of the group sizes {list(manager.dynamic_sizes)}): set head_chunks to 'auto' or to "
                 "a divisor of every such share, or raise sequence_parallel.dynamic.min_size past the sizes it fails"
@@ -237,7 +243,7 @@ def _check_softcap(softcap: object, q: Tensor) -> None:
         raise ValueError(f"softcap={shown!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
     if q.device.type == "cuda" and q.dtype != torch.float64:
         raise ValueError(
-            f"softcap={softcap} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
+            f"softcap={shown(softcap)} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
             "cuDNN) have no logit soft-capping, and seqpar's exact math kernel would materialise every block's "
             "scores. Run soft-capped attention on CPU or in float64, or drop the soft-capping "
             "(transformers: config.attn_logit_softcapping=None)"
@@ -249,7 +255,8 @@ def _check_alibi(slopes: object, q: Tensor) -> None:
         return
     if not isinstance(slopes, Tensor) or slopes.dim() != 1 or slopes.shape[0] != q.shape[1]:
         shape = tuple(slopes.shape) if isinstance(slopes, Tensor) else type(slopes).__name__
-        raise ValueError(f"alibi_slopes must be a ({q.shape[1]},) tensor, one ALiBi slope per query head; got {shape}")
+        raise ValueError(f"alibi_slopes must be a ({shown(q.shape[1])},) tensor, one ALiBi slope per query head; got "
+                         f"{shown(shape)}")
     if not slopes.is_floating_point():
         raise TypeError(f"alibi_slopes must be a floating-point tensor; got {slopes.dtype}")
 
@@ -352,12 +359,12 @@ def _traced_documents(cu_seqlens: Tensor, q: Tensor, sharding: str) -> Tensor:
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(
             f"cu_seqlens must be a 1-D int32/int64 tensor of document boundaries, got shape "
-            f"{tuple(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
+            f"{shown(cu_seqlens.shape)} and dtype {cu_seqlens.dtype}"
         )
     if q.shape[0] != 1:
         raise ValueError(
             f"cu_seqlens needs batch 1 (documents packed into one sequence, as flash varlen), got batch "
-            f"{q.shape[0]}: pack the batch's rows into one sequence and concatenate their boundaries"
+            f"{shown(q.shape[0])}: pack the batch's rows into one sequence and concatenate their boundaries"
         )
     if sharding == "balanced":
         # not deferred to the graph: without fullgraph, dynamo falls back to the eager call, which is exact

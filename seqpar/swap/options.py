@@ -160,6 +160,16 @@ class SwapOptions:
     def _attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
+        # a refusal found while dynamo traces (resolve_attention's, this method's own) is raised by the op
+        # seqpar::refusal when the graph runs, as seqpar.attention's are: raised while tracing, a fullgraph=True
+        # caller got dynamo's "Unsupported: Observed exception" instead of the message
+        from seqpar.attn.ops import defer_refusals
+
+        return defer_refusals(self._resolved_attention)(q, k, v, causal=causal, scale=scale, masked=masked)
+
+    def _resolved_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
+    ) -> Tensor:
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.resolve import resolve_attention
 
