@@ -42,7 +42,9 @@ def _neo_config(path: Path, size: int) -> str:
 @pytest.mark.parametrize("config", CONFIGS, ids=[Path(c).stem for c in CONFIGS])
 def test_validate_only_passes_every_shipped_config(config, capsys):
     """Every shipped config builds its model and passes the swap's checks in `--validate-only` (in process: the
-    same `main` the command runs), with no process group made."""
+    same `main` the command runs), with no process group made. Seen failing (fsdp_ring, deepspeed_ring, ...) with the
+    swap's size check comparing `size` against a world of 1 when there is no group: every config of size 2 was
+    refused by its own validation."""
     assert train_module().main(["--config", config, "--validate-only"]) == {}
     assert f"{config}: valid" in capsys.readouterr().out
     assert not dist.is_initialized()
@@ -102,7 +104,8 @@ def test_a_config_error_after_the_groups_start_is_one_line_per_rank(dist_pool, t
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
     """A ValueError that no seqpar check raised (here torch's) is a bug: the command re-raises it, traceback and
-    all, instead of turning it into a config error."""
+    all, instead of turning it into a config error. Seen failing with the source check of `config_error_message`
+    removed: torch's error became `train.py: error:` and exit 2."""
     train = train_module()
 
     def broken(args):
