@@ -62,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--validate-only", action="store_true",
-                   help="check the config, every block and the model, then exit 0 (or non-zero naming the "
-                        "key) before any process group exists")
+                   help="check the config and every block, build the model and run the swap's refusals on it "
+                        "(one process), then exit 0 (or 2 naming the key or module) before any process group "
+                        "exists")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
