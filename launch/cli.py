@@ -4,8 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import linecache
+import os
 
-__all__ = ["DESCRIPTION", "parse_args"]
+__all__ = ["DESCRIPTION", "PROG", "config_error_message", "parse_args"]
+
+PROG = "train.py"
+"""The name argparse's errors start with (``train.py: error: ...``); the launcher's own config errors use it too."""
 
 DESCRIPTION = "Train a small Llama on a long-range recall task with sequence parallelism (DeepSpeed or FSDP)."
 """``--help``'s first line: the first paragraph of launch/train.py's docstring."""
@@ -13,7 +18,7 @@ DESCRIPTION = "Train a small Llama on a long-range recall task with sequence par
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags of ``argv`` (default: the command line's); ``--resume`` without ``--save-dir`` exits as argparse does."""
-    p = argparse.ArgumentParser(description=DESCRIPTION)
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
     p.add_argument("--config", required=True, help="DeepSpeed or seqpar JSON (see module docstring)")
     p.add_argument("--engine", choices=["auto", "deepspeed", "fsdp"], help="override train.engine")
     p.add_argument("--sp-size", type=int, help="override sequence_parallel.size")
@@ -57,8 +62,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--validate-only", action="store_true",
-                   help="check the config, every block and the model, then exit 0 (or non-zero naming the "
-                        "key) before any process group exists")
+                   help="check the config and every block, build the model and run the swap's refusals on it "
+                        "(one process), then exit 0 (or 2 naming the key or module) before any process group "
+                        "exists")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
@@ -66,3 +72,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume and not args.save_dir:
         p.error("--resume needs --save-dir")
     return args
+
+
+def _own_sources() -> tuple[str, ...]:
+    """The folders of seqpar's own code: the package, its integrations, and this launcher."""
+    import seqpar
+    import seqpar.integrations
+
+    return tuple(os.path.join(os.path.abspath(d), "") for d in (*seqpar.__path__, *seqpar.integrations.__path__,
+                                                               os.path.dirname(os.path.abspath(__file__))))
+
+
+def config_error_message(exc: BaseException) -> str | None:
+    """The message of ``exc`` when it is one of seqpar's own checks refusing the config or the model (a
+    ``ConfigError``, a ``SwapError``, or a ``ValueError`` that a ``raise`` statement in seqpar, its integrations
+    or this launcher raised), as ``"<type>: <message>"`` (``SwapError: ...``), else None: a bug (an exception from torch or transformers, or one seqpar did not
+    raise on purpose) keeps its traceback."""
+    if not isinstance(exc, ValueError):  # ConfigError and SwapError are ValueErrors
+        return None
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+    if not path.startswith(_own_sources()):
+        return None
+    if not linecache.getline(path, tb.tb_lineno).lstrip().startswith("raise"):
+        return None  # e.g. an unpacking error inside seqpar: a bug, not a check
+    return f"{type(exc).__name__}: {exc}"

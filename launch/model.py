@@ -15,8 +15,8 @@ from seqpar_launch.config_file import did_you_mean
 from seqpar_launch.recall import RecallTask
 from seqpar_launch.settings import Plan, TrainSettings
 
-__all__ = ["ARCHITECTURE_KEY", "MODEL_SIZE_RANGES", "build_model", "check_model_keys", "config_class", "llama_config",
-           "model_keys", "validate_model"]
+__all__ = ["ARCHITECTURE_KEY", "MODEL_SIZE_RANGES", "PROBE_MAX_PARAMS", "build_model", "check_model_keys", "check_swap",
+           "config_class", "llama_config", "model_keys", "validate_model"]
 
 
 ARCHITECTURE_KEY = "architecture"
@@ -172,3 +172,37 @@ def build_model(plan: Plan, vocab_size: int, seq_len_padded: int) -> torch.nn.Mo
     if plan.train.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+PROBE_MAX_PARAMS = 2**26
+"""The largest model :func:`check_swap` builds with real weights (64M parameters, 256 MiB in fp32: a few seconds);
+a larger one is built on the meta device, where the swap checks its modules but leaves the position-mixing probe,
+which needs numbers, to the job's first forward."""
+
+
+def check_swap(plan: Plan) -> str | None:
+    """The swap's refusals, in this process, on the model the job would build (``--validate-only``): the model of
+    the ``model`` block, seeded as the job seeds it, then ``seqpar.swap.swap_attention`` with the
+    ``sequence_parallel`` block and no process group (world 1, no manager: the swap's checks and its
+    position-mixing probe need none; the swap's ``size`` check has no group to compare with). Raises the
+    ``SwapError`` the job would raise. Returns a note when the probe was left to the job (a model above
+    :data:`PROBE_MAX_PARAMS`, built on the meta device), else None."""
+    from seqpar.sequence.sharding import UNDECLARED_DEFAULT, padded_length
+
+    if plan.sp.swap == "none":
+        return None
+    from seqpar.swap import swap_attention
+
+    task = RecallTask(plan.train)
+    seq_padded = padded_length(plan.train.seq_len, plan.sp.size, plan.sp.sharding or UNDECLARED_DEFAULT)
+    with torch.device("meta"):
+        model = build_model(plan, task.vocab_size, seq_padded)
+    n_params = sum(p.numel() for p in model.parameters())
+    note = None
+    if n_params <= PROBE_MAX_PARAMS:
+        model = build_model(plan, task.vocab_size, seq_padded)
+    else:
+        note = (f"the model has {n_params:,} parameters (> {PROBE_MAX_PARAMS:,}): its modules were checked on the "
+                "meta device; the position-mixing probe runs at the job's first forward")
+    swap_attention(model, plan.sp)
+    return note

@@ -78,7 +78,7 @@ def _register_package() -> None:
 _register_package()
 
 # The public names of the launcher, as tests and launch/soak.py reach them on this module.
-from seqpar_launch.cli import parse_args  # noqa: E402
+from seqpar_launch.cli import PROG, config_error_message, parse_args  # noqa: E402
 from seqpar_launch.config_file import DEEPSPEED_KEYS, LAUNCHER_KEYS  # noqa: E402, F401
 from seqpar_launch.engines import DeepSpeedEngine, Engine, FSDPEngine, packed_kwargs  # noqa: E402, F401
 from seqpar_launch.loop import PeakMemory, train_steps  # noqa: E402, F401
@@ -87,6 +87,7 @@ from seqpar_launch.model import (  # noqa: E402, F401
     ARCHITECTURE_KEY,
     MODEL_SIZE_RANGES,
     build_model,
+    check_swap,
     config_class,
     llama_config,
     validate_model,
@@ -96,17 +97,19 @@ from seqpar_launch.recall import IGNORE, RecallTask, recall_accuracy  # noqa: E4
 from seqpar_launch.report import configure_logging, run_metrics, summary, write_metrics  # noqa: E402
 from seqpar_launch.settings import Plan, TrainSettings, compile_backends  # noqa: E402, F401
 
-__all__ = ["TrainSettings", "RecallTask", "parse_args", "main"]
+__all__ = ["TrainSettings", "RecallTask", "parse_args", "main", "cli"]
 
 logger = logging.getLogger("seqpar")
 
 
 def validate(argv: list[str] | None = None) -> Plan:
-    """Everything ``--validate-only`` checks, in process: the JSON, every block, the flags and the
-    model (on the meta device). No process group is created. Raises ConfigError/ValueError naming
-    the key and the fix."""
+    """Everything ``--validate-only`` checks, in process: the JSON, every block, the flags, the ``model`` block
+    and the swap's refusals on the model built from it (``check_swap``: the model the job builds, or on the meta
+    device above ``PROBE_MAX_PARAMS``). No process group is created. Raises ConfigError/ValueError (SwapError)
+    naming the key or the module and the fix."""
     plan = build_plan(parse_args(argv))
     validate_model(plan)
+    check_swap(plan)
     return plan
 
 
@@ -147,6 +150,9 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     plan = build_plan(args)  # no process group yet: config errors surface first
     if args.validate_only:
         validate_model(plan)
+        note = check_swap(plan)  # the model the job builds, swapped in this process: the job's SwapError, if any
+        if note:
+            logger.warning("%s: %s", args.config, note)
         print(f"{args.config}: valid ({plan.engine}, sp size {plan.sp.size}, mode {plan.sp.mode})", flush=True)
         return {}
     task, engine, n_params = build_engine(plan)
@@ -164,8 +170,23 @@ def main(argv: list[str] | None = None, on_step: Any = None) -> dict[str, Any]:
     return metrics
 
 
-def _cli() -> None:
-    main()
+def cli(argv: list[str] | None = None) -> None:
+    """:func:`main` as the command runs it. A config or model that seqpar's own checks refuse, before or after the
+    process groups start, exits 2 with one ``train.py: error: [rank R] <type>: <message>`` on each rank (argparse's style;
+    the rank once groups exist) instead of a traceback; any other exception (a bug) keeps its traceback.
+
+    seqpar's checks after the groups start raise on every rank alike (each reads what every rank has, or agrees
+    across ranks first), so each rank prints its line and exits; none is left waiting in a collective for it."""
+    try:
+        main(argv)
+    except ValueError as e:
+        message = config_error_message(e)
+        if message is None:
+            raise
+        where = f"[rank {dist.get_rank()}] " if dist.is_available() and dist.is_initialized() else ""
+        print(f"{PROG}: error: {where}{message}", file=sys.stderr, flush=True)
+        # no barrier and no destroy_process_group: every rank exits on its own, none waits for another
+        raise SystemExit(2) from None
     # Only after success: a rank that failed alone must not wait here for ranks stuck in a
     # collective; the launcher stops them when it exits non-zero.
     if dist.is_available() and dist.is_initialized():
@@ -174,4 +195,4 @@ def _cli() -> None:
 
 
 if __name__ == "__main__":
-    _cli()
+    cli()

@@ -144,7 +144,8 @@ def swap_attention(
         model: any ``nn.Module``; after the swap it must be fed sequence shards
             (:func:`seqpar.sequence.batch.shard_batch`), on every rank of the SP group.
         config: a ``SeqParConfig`` (or dict / JSON path); uses ``swap``, ``mode``, ``sharding``,
-            ``overlap``, ``check_inputs``. ``swap="auto"`` tries every route, ``"hf"``, ``"sdpa"``,
+            ``overlap``, ``check_inputs``; a ``size`` other than 1 must equal the SP group's size.
+            ``swap="auto"`` tries every route, ``"hf"``, ``"sdpa"``,
             ``"mha"`` one route, a tuple of class names / fnmatch patterns (matched against the
             qualified module name, the class name and the dotted class path) limits the swap to
             those modules, ``"none"`` swaps nothing.
@@ -155,7 +156,7 @@ def swap_attention(
         A :class:`SwapReport` of the swapped modules and their routes.
 
     Raises:
-        SwapError: nothing matched; or a matched module uses a feature seqpar does not honour
+        SwapError: ``size`` contradicts the SP group's size; nothing matched; or a matched module uses a feature seqpar does not honour
             (all such modules are named, and nothing is changed); or a module other than the swapped
             attention mixes information across sequence positions (a state-space, linear-attention
             or convolution layer, a cumulative sum ...), or an attention layer passes a keyword
@@ -167,6 +168,7 @@ def swap_attention(
     """
     cfg = SeqParConfig.load(config)
     _check_config(cfg)
+    _check_size(cfg, group)
     if cfg.swap == "none":
         logger.info("seqpar swap: swap='none', attention left as it is")
         return SwapReport()
@@ -265,6 +267,32 @@ def _check_config(cfg: SeqParConfig) -> None:
             f"{cfg.sharding!r}: dilated segments are contiguous runs of the sequence, so shard with "
             "\"sharding\": \"contiguous\" (dilated attention needs no zigzag balancing: its causal "
             "work is the same in every segment)"
+        )
+
+
+def _check_size(cfg: SeqParConfig, group: dist.ProcessGroup | None) -> None:
+    """A ``size`` that contradicts the SP group the swap runs on is refused (as a contradicting ``sharding`` is,
+    :func:`seqpar.sequence.sharding.resolve_sharding`). The group is ``group``, else the default manager's SP
+    group; with neither (one process, or before any manager: the launcher's ``--validate-only``) there is no
+    group to contradict. ``size`` 1, the default, reads as "not set", as ``init_process_groups`` reads it. Every
+    rank raises alike: the config and the group's size are the same on every rank of a correct program."""
+    if cfg.size == 1:
+        return
+    if group is None:
+        from seqpar.runtime.factory import default_manager
+
+        manager = default_manager()
+        if manager is None:
+            return
+        group, whose = manager.sp_group, "the default manager's SP group (seqpar.init_process_groups)"
+    else:
+        whose = "the group= passed to swap_attention"
+    actual = dist.get_world_size(group)
+    if cfg.size != actual:
+        raise SwapError(
+            f"swap_attention: sequence_parallel.size = {cfg.size} contradicts the SP group it runs on, {whose}, "
+            f"of {actual} rank(s); set size to {actual} or leave it out (the group decides), or make the "
+            f"groups with sp_size={cfg.size}: one SP size must cut the batch and run attention"
         )
 
 
