@@ -66,6 +66,20 @@ def test_validate_only_refuses_a_model_the_swap_refuses(tmp_path):
         train_module().validate(["--config", path])
 
 
+
+def test_the_refusals_advice_validates(tmp_path):
+    """The refusal's own advice works: GPT-Neo at sequence_parallel.size 1 with swap "none" is valid (at size 1
+    with the default swap the launcher still swaps and the probe refuses it). Seen failing: the message said
+    "(sequence_parallel.size 1, no swap)" with no key to set, and size 1 alone is refused (the test's first half)."""
+    refused = train_module()
+    with pytest.raises(SwapError, match='size 1 and swap "none"'):
+        refused.validate(["--config", _neo_config(tmp_path / "size1.json", 1)])
+    path = tmp_path / "none.json"
+    config = json.loads(Path(_neo_config(path, 1)).read_text())
+    config["sequence_parallel"]["swap"] = "none"
+    path.write_text(json.dumps(config))
+    train_module().validate(["--config", str(path)])
+
 # ----------------------------------------------------------------------------- 2. errors after the groups start
 def _cli_on_rank(rank: int, world: int, argv: list[str]) -> tuple[object, str]:
     """``launch/train.py``'s command on this rank: its exit code and what it wrote to stderr."""

@@ -357,7 +357,8 @@ def _bind(hook: Callable[..., Any], name: str) -> Callable[..., Any]:
 _NEEDS = (
     "Sequence parallelism needs a sequence-parallel implementation of each such mixer (state-space, "
     "linear-attention and convolution layers: seqpar issue 21); seqpar runs softmax attention only. "
-    "Until then run this model without sequence parallelism (sequence_parallel.size 1, no swap), or "
+    "Until then run this model without sequence parallelism (sequence_parallel.size 1 and swap \"none\": "
+    "at size 1 a swap still probes the model), or "
     "with these modules replaced."
 )
 
