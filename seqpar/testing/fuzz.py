@@ -302,6 +302,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         from seqpar.testing.fuzz_dynamic import draw_empty_lengths
 
         draws["empty_docs"] = draw_empty_lengths(case_seed, draws["lengths"])
+    elif kind == "trainer":  # a zero-length example where the data path carries one (fz29): its own generator too
+        from seqpar.testing.fuzz_trainers_draw import draw_empty_rows
+
+        draws["empty_docs"] = draw_empty_rows(case_seed, draws)
     return draws
 
 
