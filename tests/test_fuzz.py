@@ -640,6 +640,19 @@ FOUND_SET[456854197] = {**FOUND_SET[456854197], "grad": None}
 # pinned cases' runs since; each keeps the run it was found with, without them (the new draw has its own tests)
 for _seed in (2127877499, 2132084004, 1260527780, 1789442528, 1096474577, 1490451036):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "empty_docs": None}
+# fz29: the dynamic kind draws zero-length documents too (into the planner's lengths, from the same generator); the
+# pinned 850779075 (the "3 empty slots of 5" plan) keeps the run it was found with, without them
+FOUND_SET[850779075] = {**FOUND_SET.get(850779075, {}), "empty_docs": None}
+# fz29: found by the dynamic kind with zero-length documents (case seeds of case_seeds(2913, 400) that draw them):
+# 304181941 (tiny Llama, P = 3, ring, balanced, B = 12, pad 8, lengths [0, 1, 8, 4, 12, 1, 4, 4, 2, 0, 1, 2]) and
+# 1021459125 (tiny DeepSeek-V3, P = 4, ulysses, ZeRO-3, B = 5, lengths [0, 20, 0, 0]). The planner refuses both
+# steps, rightly (a document longer than the largest group holds), but named the document by its index among the
+# non-empty ones: "document 3 has 12 tokens" (the 12 is document 4) and "document 0 has 20 tokens" (document 1),
+# a refusal that points the user at the wrong sample. The fuzzer checks the named document since
+# (fuzz_dynamic.misnamed_document: WRONG before the fix); fixed in seqpar/sequence/dynamic.py (plan_dynamic checks
+# every given length before it plans the non-empty ones: "document 4", "document 1").
+FOUND[304181941] = (("dynamic",), "refused")
+FOUND[1021459125] = (("dynamic",), "refused")
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -2513,3 +2526,42 @@ def test_zero_length_documents_in_the_dynamic_and_trainer_kinds() -> None:
         assert rows[i] == {"input_ids": [], "labels": []} and len(plain[i]["input_ids"]) == d["lengths"][i]
         assert [rows[j] for j in range(len(rows)) if j != i] == [plain[j] for j in range(len(rows)) if j != i]
         assert not empty_rows({**d, "micro": 1})  # a forced micro 1: the row would be a micro-batch of no token
+
+
+# fz29: cases with zero-length documents / an empty row from the hunt (exact): the dynamic kind's 469548486 (tiny
+# MPT, P = 4, ulysses, zigzag, lengths [0, 0, 6, 0, 5, 5, 1, 7, 6, 6, 3]) and the trainer kind's 623079972
+# (Trainer, ZeRO-2, P = 4 at SP 4, qwen2, packed rows [11, 16, 1, 8] with row 2 empty, LoRA) and 2140849233
+# (Trainer, FSDP2, P = 4 at SP 4, qwen3_moe, right-padded rows [10, 5] with row 1 empty, LoRA)
+EMPTY_DOCUMENT_RUNS = ((469548486, ("dynamic",)), (623079972, ("trainer",)), (2140849233, ("trainer",)))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case_seed, kinds", EMPTY_DOCUMENT_RUNS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
+def test_zero_length_documents_run_exactly_in_the_dynamic_and_trainer_kinds(fuzzer: fuzz.Fuzzer, case_seed: int,
+                                                                            kinds: tuple) -> None:
+    """fz29: a dynamic step whose planner lengths hold zero-length documents, and a Trainer whose data holds an empty
+    row (packed: the collator drops it; right-padded: a row of padding alone, sharing its micro-batch with a real
+    one), are exact on real ranks. Seen failing: with ``plan_problems`` counting a zero-length document as one that
+    must run (the dynamic case WRONG: "documents not run exactly once")."""
+    rec = fuzzer.run(fuzz.draw_case(case_seed, kinds))
+    assert rec["draws"]["empty_docs"] and rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+    assert "empty-docs" in fuzz.summary(rec["draws"]) or "empty-row=" in fuzz.summary(rec["draws"])
+
+
+def test_a_misnamed_document_in_a_planner_refusal_is_wrong() -> None:
+    """fz29: the dynamic kind judges a planner refusal that names a document (``"document i has n tokens"``) the
+    step does not hold at that index as WRONG, without starting ranks, and the planner names the caller's document
+    where zero-length ones precede it (cases 304181941, 1021459125 in FOUND). Seen failing: with plan_dynamic's
+    check of the given lengths removed (the refusal named "document 3": WRONG before any rank ran)."""
+    from seqpar.testing.fuzz_dynamic import case_plan, empty_lengths_applied, run_dynamic_case
+    from seqpar.testing.fuzz_dynamic import misnamed_document as misnamed
+
+    assert misnamed("plan_dynamic: document 3 has 12 tokens, more than", [0, 1, 8, 4, 12]) is not None
+    assert misnamed("plan_dynamic: document 4 has 12 tokens, more than", [0, 1, 8, 4, 12]) is None
+    for seed, named in ((304181941, "document 4 has 12 tokens"), (1021459125, "document 1 has 20 tokens")):
+        draws = empty_lengths_applied(fuzz.draw_case(seed, ("dynamic",)))
+        with pytest.raises(ValueError, match=named):
+            case_plan(draws)
+        pool = _Capture()
+        with pytest.raises(RuntimeError, match="captured"):  # the driver hands the case to the ranks: not WRONG
+            run_dynamic_case(pool, draws, timeout=1.0)

@@ -74,7 +74,7 @@ from seqpar.runtime.grid import dynamic_group_sizes
 
 __all__ = ["draw_dynamic", "dynamic_summary", "run_dynamic_case", "dynamic_task", "case_plan", "plan_problems",
            "case_documents", "FAMILIES", "DYNAMIC_ENGINES", "DYNAMIC_ENTRY_POINT_GROUP", "DynamicEngineRunner",
-           "dynamic_engine_runner", "draw_empty_lengths", "with_empty_lengths", "empty_lengths_applied"]
+           "dynamic_engine_runner", "draw_empty_lengths", "misnamed_document", "with_empty_lengths", "empty_lengths_applied"]
 
 FAMILIES = ("llama", "mistral", "mixtral", "jamba", "deepseek_v3", "bloom", "mpt", "falcon", "qwen2", "gemma2")
 """The model types drawn two cases in three: tests/test_dynamic_models.py's families and the ALiBi ones."""
@@ -522,6 +522,23 @@ def case_pad(draws: dict[str, Any]) -> int:
     return p["pad_multiple"] if p["how"] == "direct" else pad_multiple_of(draws["sharding"])
 
 
+def misnamed_document(message: str, lengths: list[int]) -> str | None:
+    """What is wrong with a planner refusal that names a document (``"document i has n tokens"``) the step's
+    ``lengths`` do not hold at that index, or None. Zero-length documents shift the indices of the documents the
+    planner plans (fuzzer case 304181941: ``[0, 1, 8, 4, 12, ...]``'s 12 was named "document 3"): the message must
+    name the caller's."""
+    import re
+
+    named = re.search(r"document (\d+) has (\d+) tokens", message)
+    if named is None:
+        return None
+    i, n = int(named[1]), int(named[2])
+    if i < len(lengths) and lengths[i] == n:
+        return None
+    held = f"{lengths[i]} tokens" if i < len(lengths) else f"no such document ({len(lengths)})"
+    return f"the planner's refusal names document {i} of {n} tokens, which holds {held}: {message[:200]}"
+
+
 def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
     """Verdict and detail of a ``dynamic`` case."""
     from seqpar.testing.fuzz_models import judge_model, model_reference
@@ -529,8 +546,11 @@ def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
 
     try:
         plan = case_plan(draws)
-    except ValueError:
+    except ValueError as e:
         plan = None  # the planner refuses the step: every rank must refuse it too, by name
+        wrong = misnamed_document(str(e), list(draws["lengths"]))
+        if wrong:
+            return "WRONG", wrong
     if plan is not None:
         problems = plan_problems(plan, list(draws["lengths"]), draws["max_tokens_per_rank"], draws["min_size"],
                                  case_pad(draws))
