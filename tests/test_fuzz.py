@@ -1998,6 +1998,7 @@ def test_trainer_kind_draws_lora_variants() -> None:
         assert set(ft.LORA_VARIANTS_OFF) <= set(d["lora"])
         for key in ft.LORA_VARIANTS_OFF:
             del d["lora"][key]
+        d.pop("empty_docs", None)  # fz29's empty row, drawn from a generator of its own (the old draws are unchanged)
     assert hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest() == TRAINER_DRAWS_BEFORE_FZ24B
     configs = [d["lora"] for d in draws]
     assert {c["rslora"] for c in configs} == {c["embed"] for c in configs} == {c["dora"] for c in configs} \
