@@ -640,6 +640,19 @@ FOUND_SET[456854197] = {**FOUND_SET[456854197], "grad": None}
 # pinned cases' runs since; each keeps the run it was found with, without them (the new draw has its own tests)
 for _seed in (2127877499, 2132084004, 1260527780, 1789442528, 1096474577, 1490451036):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "empty_docs": None}
+# fz29: the dynamic kind draws zero-length documents too (into the planner's lengths, from the same generator); the
+# pinned 850779075 (the "3 empty slots of 5" plan) keeps the run it was found with, without them
+FOUND_SET[850779075] = {**FOUND_SET.get(850779075, {}), "empty_docs": None}
+# fz29: found by the dynamic kind with zero-length documents (case seeds of case_seeds(2913, 400) that draw them):
+# 304181941 (tiny Llama, P = 3, ring, balanced, B = 12, pad 8, lengths [0, 1, 8, 4, 12, 1, 4, 4, 2, 0, 1, 2]) and
+# 1021459125 (tiny DeepSeek-V3, P = 4, ulysses, ZeRO-3, B = 5, lengths [0, 20, 0, 0]). The planner refuses both
+# steps, rightly (a document longer than the largest group holds), but named the document by its index among the
+# non-empty ones: "document 3 has 12 tokens" (the 12 is document 4) and "document 0 has 20 tokens" (document 1),
+# a refusal that points the user at the wrong sample. The fuzzer checks the named document since
+# (fuzz_dynamic.misnamed_document: WRONG before the fix); fixed in seqpar/sequence/dynamic.py (plan_dynamic checks
+# every given length before it plans the non-empty ones: "document 4", "document 1").
+FOUND[304181941] = (("dynamic",), "refused")
+FOUND[1021459125] = (("dynamic",), "refused")
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1985,6 +1998,7 @@ def test_trainer_kind_draws_lora_variants() -> None:
         assert set(ft.LORA_VARIANTS_OFF) <= set(d["lora"])
         for key in ft.LORA_VARIANTS_OFF:
             del d["lora"][key]
+        d.pop("empty_docs", None)  # fz29's empty row, drawn from a generator of its own (the old draws are unchanged)
     assert hashlib.sha256(json.dumps(older, sort_keys=True).encode()).hexdigest() == TRAINER_DRAWS_BEFORE_FZ24B
     configs = [d["lora"] for d in draws]
     assert {c["rslora"] for c in configs} == {c["embed"] for c in configs} == {c["dora"] for c in configs} \
@@ -2431,3 +2445,124 @@ def test_zero_length_documents_reach_the_run(fuzzer: fuzz.Fuzzer) -> None:
     for seed in (541917705, 2086131580):
         rec = fuzzer.run(fuzz.draw_case(seed, ("attention",)))
         assert rec["draws"]["empty_docs"] and rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+# fz29: the draws of case seeds 0-299 of the dynamic and trainer kinds before zero-length documents were drawn there
+# (sha256 of their JSON over the keys they had then, from a snapshot of e2e58d9: /work/tmp/fz29/before.json)
+PRE_FZ29_DRAWS = {
+    "dynamic": ("backward case_seed checkpointing corners engine kind knobs lengths max_tokens_per_rank min_size mode "
+                "model_type planner sharding sp world",
+                "eb244150d2a5988c5ee62ff5dff5404bf5366091118f0973562935f864b5f281"),
+    "trainer": ("accumulation assistant_only_loss average_tokens beta case_seed collator data_seed dp dpo_loss "
+                "dpo_smoothing engine epsilon evaluate grpo_loss kind label_smoothing ld_alpha lengths lora loss_type "
+                "loss_weights masked max_completion_length max_grad_norm micro mode model_type num_generations "
+                "num_iterations packing padding_free pairs peft precompute_ref prompts ref_model reward_weights rewards "
+                "router_loss scale_rewards sharding sp steps sync_ref_model trainer turns use_weighting world",
+                "db2676b6a2f880a2d76323449cb7bfaec8fc6366958ce1f24fc52c5326233d13"),
+}
+
+
+def test_zero_length_documents_in_the_dynamic_and_trainer_kinds() -> None:
+    """fz29: the dynamic kind draws zero-length documents into the planner's lengths (``plan_dynamic`` takes them and
+    drops them) in about a third of its cases, at the front, between and at the end; the plain ``trainer`` kind a
+    zero-length training row where its collator carries one (``packed``, ``padded-right``, at ``micro`` 2) and
+    nowhere else; both from a generator of their own: the draws of case seeds 0-299 over the keys they had before
+    are those they had (``PRE_FZ29_DRAWS``). The dynamic ranks get the lengths with the zeros (the record keeps
+    them as drawn), every plan of them holds the planner's contract (a zero-length document runs nowhere), and the
+    trainer's data has the empty row with every other row's tokens unchanged. Seen failing: with
+    ``EMPTY_DOCUMENTS_RATE = 0`` (no draw: the rate), with the dynamic choice made off the case generator in
+    ``draw_dynamic`` (the dynamic hash changed), without ``empty_lengths_applied`` in ``fuzz.run_case`` (the ranks
+    got the lengths without zeros), with ``plan_problems`` counting a zero-length document as one that must run
+    (every plan of them "not run exactly once"), and without ``empty_rows`` in ``trainer_data`` (the row kept its
+    tokens)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_dynamic import (
+        case_pad,
+        case_plan,
+        empty_lengths_applied,
+        plan_problems,
+        with_empty_lengths,
+    )
+    from seqpar.testing.fuzz_trainers_draw import EMPTY_ROW_COLLATORS, empty_rows
+    from seqpar.testing.fuzz_trainers_run import trainer_data
+
+    for kind, (keys, digest) in PRE_FZ29_DRAWS.items():
+        old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, (kind,)) for s in range(300))]
+        assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+    dyn = [fuzz.draw_case(s, ("dynamic",)) for s in range(1500)]
+    empty = [d for d in dyn if d["empty_docs"]]
+    assert 0.28 < len(empty) / len(dyn) < 0.42, len(empty)
+    where, checked = Counter(), 0
+    for d in empty:
+        n = len(d["lengths"])
+        assert 1 <= len(d["empty_docs"]) <= 3 and all(0 <= i <= n for i in d["empty_docs"])
+        where.update("first" if i == 0 else "last" if i == n else "middle" for i in d["empty_docs"])
+        lengths = empty_lengths_applied(d)["lengths"]
+        assert lengths == with_empty_lengths(d["lengths"], d["empty_docs"]) and d["lengths"] == [x for x in lengths if x]
+        assert lengths.count(0) == len(d["empty_docs"]) and "empty-docs" in fuzz.summary(d)
+        if checked < 120:  # every plan of them holds the contract: a zero-length document runs nowhere
+            try:
+                plan = case_plan(empty_lengths_applied(d))
+            except ValueError:
+                continue
+            checked += 1
+            assert not plan_problems(plan, lengths, d["max_tokens_per_rank"], d["min_size"], case_pad(d)), fuzz.summary(d)
+    assert set(where) == {"first", "middle", "last"} and min(where.values()) > 50 and checked == 120, (where, checked)
+    pool = _Capture()
+    rec = fuzz.run_case(pool, empty[0])
+    assert rec["verdict"] == "crash" and "captured" in rec["detail"] and rec["draws"] is empty[0]
+    (seen,) = pool.seen
+    assert seen["lengths"] == with_empty_lengths(empty[0]["lengths"], empty[0]["empty_docs"]) != empty[0]["lengths"]
+    trainers = [fuzz.draw_case(s, ("trainer",)) for s in range(3000)]
+    carry = [d for d in trainers if d["trainer"] == "trainer" and d["collator"] in EMPTY_ROW_COLLATORS and d["micro"] == 2]
+    assert 0.2 < sum(bool(d["empty_docs"]) for d in carry) / len(carry) < 0.5, len(carry)
+    assert not any(d["empty_docs"] for d in trainers if d not in carry)
+    for collator in EMPTY_ROW_COLLATORS:
+        d = next(d for d in carry if d["empty_docs"] and d["collator"] == collator)
+        (i,) = empty_rows(d)
+        assert f"empty-row={i}" in fuzz.summary(d)
+        rows, plain = trainer_data(d)["train"], trainer_data({**d, "empty_docs": None})["train"]
+        assert rows[i] == {"input_ids": [], "labels": []} and len(plain[i]["input_ids"]) == d["lengths"][i]
+        assert [rows[j] for j in range(len(rows)) if j != i] == [plain[j] for j in range(len(rows)) if j != i]
+        assert not empty_rows({**d, "micro": 1})  # a forced micro 1: the row would be a micro-batch of no token
+
+
+# fz29: cases with zero-length documents / an empty row from the hunt (exact): the dynamic kind's 469548486 (tiny
+# MPT, P = 4, ulysses, zigzag, lengths [0, 0, 6, 0, 5, 5, 1, 7, 6, 6, 3]) and the trainer kind's 623079972
+# (Trainer, ZeRO-2, P = 4 at SP 4, qwen2, packed rows [11, 16, 1, 8] with row 2 empty, LoRA) and 2140849233
+# (Trainer, FSDP2, P = 4 at SP 4, qwen3_moe, right-padded rows [10, 5] with row 1 empty, LoRA)
+EMPTY_DOCUMENT_RUNS = ((469548486, ("dynamic",)), (623079972, ("trainer",)), (2140849233, ("trainer",)))
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case_seed, kinds", EMPTY_DOCUMENT_RUNS, ids=lambda x: ",".join(x) if isinstance(x, tuple) else str(x))
+def test_zero_length_documents_run_exactly_in_the_dynamic_and_trainer_kinds(fuzzer: fuzz.Fuzzer, case_seed: int,
+                                                                            kinds: tuple) -> None:
+    """fz29: a dynamic step whose planner lengths hold zero-length documents, and a Trainer whose data holds an empty
+    row (packed: the collator drops it; right-padded: a row of padding alone, sharing its micro-batch with a real
+    one), are exact on real ranks. Seen failing: with ``plan_problems`` counting a zero-length document as one that
+    must run (the dynamic case WRONG: "documents not run exactly once")."""
+    rec = fuzzer.run(fuzz.draw_case(case_seed, kinds))
+    assert rec["draws"]["empty_docs"] and rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+    assert "empty-docs" in fuzz.summary(rec["draws"]) or "empty-row=" in fuzz.summary(rec["draws"])
+
+
+def test_a_misnamed_document_in_a_planner_refusal_is_wrong() -> None:
+    """fz29: the dynamic kind judges a planner refusal that names a document (``"document i has n tokens"``) the
+    step does not hold at that index as WRONG, without starting ranks, and the planner names the caller's document
+    where zero-length ones precede it (cases 304181941, 1021459125 in FOUND). Seen failing: with plan_dynamic's
+    check of the given lengths removed (the refusal named "document 3": WRONG before any rank ran)."""
+    from seqpar.testing.fuzz_dynamic import case_plan, empty_lengths_applied, run_dynamic_case
+    from seqpar.testing.fuzz_dynamic import misnamed_document as misnamed
+
+    assert misnamed("plan_dynamic: document 3 has 12 tokens, more than", [0, 1, 8, 4, 12]) is not None
+    assert misnamed("plan_dynamic: document 4 has 12 tokens, more than", [0, 1, 8, 4, 12]) is None
+    for seed, named in ((304181941, "document 4 has 12 tokens"), (1021459125, "document 1 has 20 tokens")):
+        draws = empty_lengths_applied(fuzz.draw_case(seed, ("dynamic",)))
+        with pytest.raises(ValueError, match=named):
+            case_plan(draws)
+        pool = _Capture()
+        with pytest.raises(RuntimeError, match="captured"):  # the driver hands the case to the ranks: not WRONG
+            run_dynamic_case(pool, draws, timeout=1.0)

@@ -510,7 +510,12 @@ def plan_dynamic(
     if 0 in lengths:
         # A zero-length document (an empty sample from the collator) holds no token and no target: dropped. It runs in
         # no micro-batch, so it costs no per-document term, no slot and no room; planned alone, the other documents
-        # get the plan they get without it (their indices mapped back to the given ones)
+        # get the plan they get without it (their indices mapped back to the given ones). A document too long is
+        # refused here first, by its index among the given lengths (fuzzer case 304181941: the plan of the others
+        # named [0, 1, 8, 4, 12, ...]'s 12 "document 3")
+        allowed = dynamic_group_sizes(pool_size, min_size)
+        for i, n in enumerate(lengths):
+            _group_size(i, n, allowed, max_tokens_per_rank, pad_multiple)
         kept = [i for i, n in enumerate(lengths) if n]
         plan = plan_dynamic([lengths[i] for i in kept], pool_size, max_tokens_per_rank, min_size=min_size, cost=cost,
                             pad_multiple=pad_multiple, spread_heavy=spread_heavy, slot_sync=slot_sync)
@@ -518,20 +523,7 @@ def plan_dynamic(
     cost = cost if cost is not None else CostModel()
     allowed = dynamic_group_sizes(pool_size, min_size)
     budget, pad = max_tokens_per_rank, pad_multiple
-    sizes: list[int] = []
-    for i, n in enumerate(lengths):
-        c = next((c for c in allowed if tokens_per_rank(n, c, pad) <= budget), None)
-        if c is None:
-            cmax = allowed[-1]
-            raise ValueError(
-                f"plan_dynamic: document {i} has {n} tokens, more than the largest group of {cmax} ranks holds at "
-                f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} ({cmax} x {budget}, padded to a "
-                f"multiple of {pad * cmax}): raise max_tokens_per_rank to at least {tokens_per_rank(n, cmax, pad)}, "
-                "use a pool with a larger power-of-two group (more DP x SP ranks), or cut the document"
-                + (f"; max_tokens_per_rank is not a multiple of {pad}, what the sharding pads each rank's share to: "
-                   f"choose a multiple of {pad}" if budget % pad else "")
-            )
-        sizes.append(c)
+    sizes = [_group_size(i, n, allowed, budget, pad) for i, n in enumerate(lengths)]
     costs = [cost.planned_cost(n) for n in lengths]
     fixed = {c: cost.ring_step_cost * cost.ring_steps(c) for c in allowed}
     lower = slots_lower_bound(lengths, sizes, pool_size, budget, pad)
@@ -564,6 +556,23 @@ def plan_dynamic(
         num_slots = packing.num_slots
     align_slots(packing, fixed)
     return _finish(packing, lengths, sizes, cost, pool_size, budget, min_size, lower, num_slots)
+
+
+def _group_size(i: int, n: int, allowed: Sequence[int], budget: int, pad: int) -> int:
+    """The smallest allowed group whose ranks hold document ``i`` (``n`` tokens) within ``budget`` each; raises
+    the planner's ValueError, naming document ``i``, where none does."""
+    c = next((c for c in allowed if tokens_per_rank(n, c, pad) <= budget), None)
+    if c is None:
+        cmax = allowed[-1]
+        raise ValueError(
+            f"plan_dynamic: document {i} has {n} tokens, more than the largest group of {cmax} ranks holds at "
+            f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} ({cmax} x {budget}, padded to a "
+            f"multiple of {pad * cmax}): raise max_tokens_per_rank to at least {tokens_per_rank(n, cmax, pad)}, "
+            "use a pool with a larger power-of-two group (more DP x SP ranks), or cut the document"
+            + (f"; max_tokens_per_rank is not a multiple of {pad}, what the sharding pads each rank's share to: "
+               f"choose a multiple of {pad}" if budget % pad else "")
+        )
+    return c
 
 
 def _with_empty_documents(plan: DynamicPlan, lengths: Sequence[int], kept: list[int]) -> DynamicPlan:

@@ -298,6 +298,14 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
+    elif kind == "dynamic":  # the planner's lengths (fz29): its own generator too, so the old draws stay
+        from seqpar.testing.fuzz_dynamic import draw_empty_lengths
+
+        draws["empty_docs"] = draw_empty_lengths(case_seed, draws["lengths"])
+    elif kind == "trainer":  # a zero-length example where the data path carries one (fz29): its own generator too
+        from seqpar.testing.fuzz_trainers_draw import draw_empty_rows
+
+        draws["empty_docs"] = draw_empty_rows(case_seed, draws)
     return draws
 
 
@@ -315,6 +323,10 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     trace = None
     record = draws
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
+    if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
+        from seqpar.testing.fuzz_dynamic import empty_lengths_applied
+
+        draws = empty_lengths_applied(draws)
     restart = False  # the pool answered, but a case failed on it: its process groups may be broken
     try:
         if draws["kind"] == "model":
@@ -368,6 +380,10 @@ def summary(draws: dict[str, Any]) -> str:
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced
         # empty_docs finds no documents to put them in)
         return summary({**empty_documents_applied(draws), "empty_docs": None}) + " empty-docs"
+    if draws.get("empty_docs") and draws["kind"] == "dynamic":  # the lengths as the planner gets them (fz29)
+        from seqpar.testing.fuzz_dynamic import empty_lengths_applied
+
+        return summary({**empty_lengths_applied(draws), "empty_docs": None}) + " empty-docs"
     if draws["kind"] == "model":
         from seqpar.testing.fuzz_models import model_summary
 

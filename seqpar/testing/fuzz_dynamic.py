@@ -14,7 +14,9 @@ Drawn:
 - the documents, a long-tailed mix over the budget ``B``: one-token documents, short ones, log-normal ones,
   one exactly ``c * B`` for an allowed group size ``c`` (exactly the budget), one longer than half the pool's
   room, all of one length now and then, and now and then one longer than the largest group holds (refused by
-  name);
+  name)
+  and, from a generator of their own (:func:`draw_empty_lengths`, key ``empty_docs``), zero-length documents in
+  about a third of the cases (the planner drops them: the step must be what it is without them);
 - the model type: the families tests/test_dynamic_models.py trains (llama, mistral with its window, mixtral,
   jamba, deepseek_v3) and the ALiBi ones, or (a third of the cases) any of
   :func:`~seqpar.testing.tiny_models.decoder_model_types` (one a dynamic step cannot run must be refused by name);
@@ -72,7 +74,7 @@ from seqpar.runtime.grid import dynamic_group_sizes
 
 __all__ = ["draw_dynamic", "dynamic_summary", "run_dynamic_case", "dynamic_task", "case_plan", "plan_problems",
            "case_documents", "FAMILIES", "DYNAMIC_ENGINES", "DYNAMIC_ENTRY_POINT_GROUP", "DynamicEngineRunner",
-           "dynamic_engine_runner"]
+           "dynamic_engine_runner", "draw_empty_lengths", "misnamed_document", "with_empty_lengths", "empty_lengths_applied"]
 
 FAMILIES = ("llama", "mistral", "mixtral", "jamba", "deepseek_v3", "bloom", "mpt", "falcon", "qwen2", "gemma2")
 """The model types drawn two cases in three: tests/test_dynamic_models.py's families and the ALiBi ones."""
@@ -215,6 +217,48 @@ def draw_dynamic(rng: random.Random) -> dict[str, Any]:
     return draws
 
 
+def draw_empty_lengths(case_seed: int, lengths: list[int]) -> list[int] | None:
+    """Zero-length documents for a ``dynamic`` case's step: the positions (indices into ``lengths``, ``len(lengths)``
+    for the end) where a document of length 0 goes in (:func:`with_empty_lengths`), 1-3 of them; None (most cases)
+    for none. The planner's contract takes them (``plan_dynamic``: lengths are integers >= 0; a zero-length
+    document, an empty sample from the collator, is dropped and runs in no micro-batch), so the step must run
+    exactly as it does without them.
+
+    Drawn from a generator of its own (``f"{case_seed}:empty_documents"``, the other kinds' as
+    :func:`seqpar.testing.fuzz_attention.draw_empty_documents`; a case seed draws one kind) at the other kinds' rate,
+    never the case's: every case seed keeps every draw it had before (fz29)."""
+    from seqpar.testing.fuzz_attention import EMPTY_DOCUMENTS_RATE
+
+    rng = random.Random(f"{case_seed}:empty_documents")
+    n = len(lengths)
+    if not n or rng.random() >= EMPTY_DOCUMENTS_RATE:
+        return None
+    picks = []
+    for _ in range(rng.randint(1, 3)):
+        where = rng.choice(("first", "middle", "last", "last"))  # a leading one, one between, trailing padding
+        picks.append(0 if where == "first" else rng.randint(1, n - 1) if where == "middle" and n > 1 else n)
+    return sorted(picks)
+
+
+def with_empty_lengths(lengths: list[int], picks: list[int]) -> list[int]:
+    """``lengths`` with a 0 put in before ``lengths[i]`` for each ``i`` of ``picks`` (an index past the end: at
+    the end, so a forced ``lengths`` keeps valid picks); a nested list (another kind's ``empty_docs``, forced) is
+    read flat."""
+    flat = [j for i in picks for j in (i if isinstance(i, list | tuple) else [i])]
+    out = list(lengths)
+    for i in sorted(flat, reverse=True):  # from the end: each index still points into the original lengths
+        out.insert(min(i, len(lengths)), 0)
+    return out
+
+
+def empty_lengths_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` (a ``dynamic`` case) as the run sees it: its ``lengths`` with the zero-length documents of
+    ``draws["empty_docs"]`` (:func:`draw_empty_lengths`) put in; ``draws`` itself where there are none."""
+    if not draws.get("empty_docs"):
+        return draws
+    return {**draws, "lengths": with_empty_lengths(draws["lengths"], draws["empty_docs"])}
+
+
 def _draw_edge(rng: random.Random, draws: dict[str, Any]) -> None:
     """Now and then (8%) one document at the pool's edge: longer than what the largest group holds whatever the
     sharding's padding (``fits`` in :func:`_draw_lengths`) but no longer than its room (``max_tokens_per_rank``
@@ -299,7 +343,7 @@ def case_plan(draws: dict[str, Any]) -> Any:
 def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad: int) -> list[str]:
     """What is wrong with ``plan`` (a :class:`~seqpar.sequence.dynamic.DynamicPlan` of ``lengths`` over its pool),
     as lines; empty when it holds the planner's contract: every slot's micro-batches partition the pool, every
-    document runs exactly once in an allowed group at least as large as its own size (an empty micro-batch in an
+    document runs exactly once (a zero-length one never: the planner drops it) in an allowed group at least as large as its own size (an empty micro-batch in an
     allowed group too: the groups of other sizes are not made), each micro-batch's tokens and padded share
     (``pad``) as recorded and within ``budget``, no slot without a document, and no fewer slots than the lower
     bound."""
@@ -339,11 +383,12 @@ def plan_problems(plan: Any, lengths: list[int], budget: int, min_size: int, pad
                 if mb.size < plan.doc_sizes[d]:
                     out.append(f"document {d} ({lengths[d]} tokens, size {plan.doc_sizes[d]}) runs on {mb.size} ranks")
     idle = [s for s, slot in enumerate(plan.slots) if not any(mb.docs for mb in slot)]
-    if idle and lengths:  # a slot of nothing but empty micro-batches: dropping it breaks no invariant
+    if idle and any(lengths):  # a slot of nothing but empty micro-batches: dropping it breaks no invariant
         out.append(f"slots {idle} run no document ({plan.num_slots} slots, lower bound {plan.slots_lower_bound})")
-    twice = [d for d, r in enumerate(runs) if r != 1]
+    twice = [d for d, r in enumerate(runs) if r != (1 if lengths[d] else 0)]  # a zero-length document: never
     if twice:
-        out.append(f"documents not run exactly once: {[(d, runs[d]) for d in twice][:6]} (index, runs)")
+        out.append(f"documents not run exactly once (a zero-length one never): {[(d, runs[d]) for d in twice][:6]} "
+                   "(index, runs)")
     if plan.num_slots < plan.slots_lower_bound:
         out.append(f"{plan.num_slots} slots, under the lower bound {plan.slots_lower_bound}")
     if any(c < min_size or c not in allowed for c in plan.doc_sizes):
@@ -477,6 +522,23 @@ def case_pad(draws: dict[str, Any]) -> int:
     return p["pad_multiple"] if p["how"] == "direct" else pad_multiple_of(draws["sharding"])
 
 
+def misnamed_document(message: str, lengths: list[int]) -> str | None:
+    """What is wrong with a planner refusal that names a document (``"document i has n tokens"``) the step's
+    ``lengths`` do not hold at that index, or None. Zero-length documents shift the indices of the documents the
+    planner plans (fuzzer case 304181941: ``[0, 1, 8, 4, 12, ...]``'s 12 was named "document 3"): the message must
+    name the caller's."""
+    import re
+
+    named = re.search(r"document (\d+) has (\d+) tokens", message)
+    if named is None:
+        return None
+    i, n = int(named[1]), int(named[2])
+    if i < len(lengths) and lengths[i] == n:
+        return None
+    held = f"{lengths[i]} tokens" if i < len(lengths) else f"no such document ({len(lengths)})"
+    return f"the planner's refusal names document {i} of {n} tokens, which holds {held}: {message[:200]}"
+
+
 def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str | None = None) -> tuple[str, str]:
     """Verdict and detail of a ``dynamic`` case."""
     from seqpar.testing.fuzz_models import judge_model, model_reference
@@ -484,8 +546,11 @@ def run_dynamic_case(pools: Any, draws: dict[str, Any], timeout: float, plant: s
 
     try:
         plan = case_plan(draws)
-    except ValueError:
+    except ValueError as e:
         plan = None  # the planner refuses the step: every rank must refuse it too, by name
+        wrong = misnamed_document(str(e), list(draws["lengths"]))
+        if wrong:
+            return "WRONG", wrong
     if plan is not None:
         problems = plan_problems(plan, list(draws["lengths"]), draws["max_tokens_per_rank"], draws["min_size"],
                                  case_pad(draws))

@@ -11,7 +11,9 @@ or off), and the trainer's knobs: per-device batch 1-2, gradient accumulation 1-
 now and then (seqpar refuses it by name), an evaluation after every step (``eval_steps=1``); for ``trainer`` the
 collator (equal-length rows with transformers' default collator, right- or left-padded rows with
 ``DataCollatorForSeq2Seq``, packed documents with ``DataCollatorWithFlattening``) and prompt tokens masked
-(-100) at the start of some rows; for ``sft`` conversational data with a chat template, packing, ``padding_free``,
+(-100) at the start of some rows, and (from a generator of its own, at a per-device batch of 2) now and then one
+row of no token (:func:`~seqpar.testing.fuzz_trainers_draw.draw_empty_rows`: packed or right-padded; TRL's
+trainers get none, and it says why); for ``sft`` conversational data with a chat template, packing, ``padding_free``,
 ``assistant_only_loss`` and ``loss_type`` (``nll``, ``dft``). The optimizer is plain SGD (Adam hides a factor
 of P).
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from seqpar.testing.fuzz_trainers_draw import MOE_TYPES, TRAINERS, router_loss
+from seqpar.testing.fuzz_trainers_draw import MOE_TYPES, TRAINERS, empty_rows, router_loss
 
 # Each trainer's runner is the entry point of its name in setup.cfg; seqpar's are one function
 # (seqpar.integrations.fuzz_trainer:run_trainer), which dispatches on the trainer name it is given
@@ -110,6 +110,8 @@ def trainer_data(draws: dict[str, Any]) -> dict[str, Any]:
         return {"input_ids": ids, "labels": [-100] * masked + ids[masked:]}
 
     train = [row(n, m) for n, m in zip(draws["lengths"], draws["masked"], strict=True)]
+    for i in empty_rows(draws):  # a zero-length example (fz29), drawn after the rows: the others' tokens unchanged
+        train[i] = {"input_ids": [], "labels": []}
     evals = [row(draws["lengths"][i % len(draws["lengths"])], 0) for i in range(n_eval)]
     collator = draws["collator"]
     tok = _tokenizer("left" if collator == "padded-left" else "right")
