@@ -239,8 +239,8 @@ def _check_softcap(softcap: object, q: Tensor) -> None:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
         # type(softcap)(softcap): the value itself in eager; traced with dynamic=True a float argument is symbolic,
         # whose f-string dynamo cannot build ("BUILD_STRING type error"), and float() of it is a constant (guarded)
-        shown = type(softcap)(softcap) if isinstance(softcap, (int, float)) else softcap
-        raise ValueError(f"softcap={shown!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
+        value = type(softcap)(softcap) if isinstance(softcap, (int, float)) else softcap
+        raise ValueError(f"softcap={value!r} is invalid: pass a float > 0 (scores s -> softcap * tanh(s / softcap)) or None")
     if q.device.type == "cuda" and q.dtype != torch.float64:
         raise ValueError(
             f"softcap={shown(softcap)} on CUDA ({q.dtype}): torch's fused attention kernels (flash, memory-efficient, "
