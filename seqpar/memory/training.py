@@ -460,7 +460,7 @@ def _zero3_head_scatter_bytes(m: ModelShape, e: int, *, world: int, reduce_bucke
 
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
-             zero3_scatter: int = 0, zero3_head_scatter: int = 0) -> dict[str, float]:
+             zero3_scatter: int = 0, zero3_head_scatter: int = 0, overflows: bool = False) -> dict[str, float]:
     """The bytes alive at each candidate peak moment of the step; the peak is the largest."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
     head_grad, embed_grad = _root_grad_bytes(m, e)
@@ -489,11 +489,19 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         "grad_reduction": static + (
             p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
             else (zero12_reduce if not sharded else zero3_reduce) + comm),
-        # ZeRO-3 reducing the head's whole gradient when it overflows the bucket (_zero3_head_scatter_bytes): the
-        # first reduction of the backward, before any layer's, so every layer's activations, the head's gradient
-        # and the bucket, with its scatter input and gloo's copy. Without it the estimate was -5.5% under the
-        # measurement (89.0 MiB, 1e6-element bucket): the gloo copy was nowhere
-        "head_grad_reduction": static + acts.backward + head_grad + comm + zero3_head_scatter,
+        # ZeRO-3 reducing during the backward, when the gradients overflow the bucket (est29b, both recorded at the
+        # measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting): a head gradient larger than
+        # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
+        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
+        # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
+        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket, -0.6% -> +5.2%: the model
+        # counts every layer's activations, the measurement had the last layer's partly freed). Neither happens when
+        # the whole model's gradients fit the bucket: the one reduction is then the end of backward's. (0 from
+        # _zero3_head_scatter_bytes, scattered in place on a GPU, leaves the head's case below the last layer's
+        # backward, which counts the head's gradient too.)
+        "backward_reduction": static + acts.backward + comm + max(
+            head_grad + zero3_head_scatter if zero3_head_scatter else 0,
+            zero3_scatter if overflows else 0),
     }
 
 
@@ -608,7 +616,8 @@ def estimate_training_memory(
                                                     device=device) if engine == "deepspeed" and sharded else 0)
     moments = _moments(m, e, state, acts, attention=attention, logits=logits, comm=comm, zero12_reduce=zero12_reduce,
                        world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter,
-                       zero3_head_scatter=zero3_head_scatter)
+                       zero3_head_scatter=zero3_head_scatter,
+                       overflows=engine == "deepspeed" and sharded and m.params > reduce_bucket_size)
     moment = max(moments, key=moments.get)
     head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
