@@ -172,21 +172,23 @@ def test_masked_ulysses_estimate_within_band_of_the_measured_peak(dist_pool, wor
                                                                   causal: bool, masks: dict) -> None:
     """Ulysses under documents, windows and chunked attention: each rank attends its heads over the whole sorted
     sequence with the ring's planner at P = 1 (seqpar.attn.ulysses._inner_forward / _inner_backward), replayed on
-    one head chunk's head-layout sizes, beside the all-to-alls' moments of the dense estimate. Within 0 .. +5% of
+    one head chunk's head-layout sizes, beside the all-to-alls' moments of the dense estimate. Within 0 .. +1% of
     the largest rank's measured peak, never under (session 28: the -2% .. +10% band it had let a term 2% under
-    through, on cases that sit at +0.2% .. +4.7%). Measured (2-core VM), bytes, estimate: causal / full
+    through, on cases that sit at +0.2% .. +4.7%; +5% until est29b counted, at 2 head chunks, the next chunk's dout
+    all-to-all at the first chunk only, not beside the previous chunk's packed grads at the last). Measured (2-core VM), bytes, estimate: causal / full
     documents 1380352, +0.3%; causal / full window 48 1772600 / 1688480, +0.2%; bf16 causal window 990072, +0.4%;
     P = 2 documents + window 64, 4 head chunks 2188016, +0.4%; chunked 96, 8 / 4 heads 1171200, +0.3%; P = 2 bf16 full
-    window 40, 2 head chunks 1553928, +4.7%. Before session 27 the estimate refused masks with mode='ulysses'.
+    window 40, 2 head chunks 1553928, +0.53% (+4.7% before est29b). Before session 27 the estimate refused masks with mode='ulysses'.
 
     Seen failing: the replayed inner backward dropped (the masked kernel moment ``0 * (...)``, leaving the dense
     all-to-all moments): P4_fp32_causal_window -21.9%, P4_fp32_full_window -18.0%, P4_bf16_causal_window -29.7%,
     P4_fp32_causal_chunked_gqa -15.4%, P2_bf16_full_window_hc2 -16.7%. (Not seen failing: the replayed inner
-    forward dropped; in these cases the backward is the peak.)"""
+    forward dropped; in these cases the backward is the peak.) The 1% band on the estimate before est29b (both
+    neighbours' all-to-alls beside each of 2 head chunks): P2_bf16_full_window_hc2 +4.7%."""
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
     est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
-    assert 0 <= est / peak - 1 <= 0.05, (masks, peak, est, est / peak - 1)
+    assert 0 <= est / peak - 1 <= 0.01, (masks, peak, est, est / peak - 1)
 
 
 def test_training_estimate_takes_the_masks() -> None:

@@ -36,7 +36,7 @@ TOLERANCE = 0.10
 SIGNIFICANT = 0.20  # a term worth this share of the peak must move the estimate out of the band when doubled
 
 # (engine, zero stage, SP size, seq len, tiled_loss, tiled_mlp, activation checkpointing
-#  [, recompute_norm[, attention mode[, model]]])
+#  [, recompute_norm[, attention mode[, model[, DeepSpeed reduce_bucket_size]]]])
 SETTINGS = [
     ("fsdp2", 0, 1, 2048, False, False, False),
     ("fsdp2", 0, 2, 2048, False, False, True),
@@ -51,6 +51,10 @@ SETTINGS = [
     ("fsdp2", 0, 2, 8192, False, False, True, False, "allgather", "attn"),
     ("fsdp2", 0, 4, 8192, False, False, True, False, "allgather", "attn"),
     ("fsdp2", 0, 2, 8192, False, False, True, False, "ring", "attn"),
+    # a bucket a quarter of the model's gradients: ZeRO-3 reduces during the backward (the head's, larger than it)
+    ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 1_000_000),
+    # a bucket the head fits and the layers overflow: a bucket's worth reduced inside the last layer's backward
+    ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 2_100_000),
 ]
 
 
@@ -80,6 +84,10 @@ TIGHT = {
     # left, -57 KB, is the batch's int64 token ids and labels, which the model does not count). Seen failing on the
     # estimate before: 104,152,704 against 112,879,861 bytes measured, -7.7%
     ("deepspeed", 3, 2, 2048, True, False, False): (-0.005, 0.02),
+    # ZeRO-3 reducing the head's gradient (larger than the 1e6-element bucket) during the backward, beside every
+    # layer's activations: the gloo copy of it (est29b: -5.5% -> -0.2%). Seen failing on the estimate before:
+    # 88,152,704 against 93,326,329 bytes measured, -5.5%, at the last layer's backward
+    ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 1_000_000): (-0.005, 0.02),
 }
 
 # each term of the estimate, by the estimator that makes it
@@ -91,6 +99,7 @@ TERMS = {
     "root gradients": "_root_grad_bytes",
     "zero12 reduction": "_zero12_reduce_bytes",
     "communication": "_communication_bytes",
+    "zero3 head reduction": "_zero3_head_scatter_bytes",
 }
 
 
@@ -102,7 +111,8 @@ def _run_main(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     return run_main(argv)
 
 
-def _config(tmp_path: Path, engine: str, stage: int, mode: str = "ring", model: dict = MODEL) -> str:
+def _config(tmp_path: Path, engine: str, stage: int, mode: str = "ring", model: dict = MODEL,
+            bucket: int = 5_000_000) -> str:
     sp = {"size": 1, "mode": mode, "sharding": "zigzag", "swap": "auto"}
     train = {"steps": 2, "seed": 0, "lr": 0.003, "eval_samples": 0}
     if engine == "fsdp2":
@@ -111,8 +121,8 @@ def _config(tmp_path: Path, engine: str, stage: int, mode: str = "ring", model: 
     else:
         cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "AdamW", "params": {"lr": 0.003, "weight_decay": 0.0, "torch_adam": True}},
-               "zero_optimization": {"stage": stage, "reduce_bucket_size": 5_000_000,
-                                     "allgather_bucket_size": 5_000_000},
+               "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                     "allgather_bucket_size": bucket},
                "gradient_clipping": 1.0, "steps_per_print": 10**9,
                "sequence_parallel": sp, "model": model, "train": train}
     path = tmp_path / f"{engine}{stage}.json"
@@ -128,7 +138,8 @@ def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, 
     recompute_norm = bool(rest and rest[0])
     mode = rest[1] if len(rest) > 1 else "ring"
     model = MODELS[rest[2] if len(rest) > 2 else "train"]
-    argv = ["--config", _config(tmp_path, engine, stage, mode, model), "--sp-size", str(sp), "--seq-len", str(seq),
+    bucket = rest[3] if len(rest) > 3 else 5_000_000
+    argv = ["--config", _config(tmp_path, engine, stage, mode, model, bucket), "--sp-size", str(sp), "--seq-len", str(seq),
             "--no-progress", "--log-level", "WARNING"]
     argv += ["--tiled-loss"] * tiled_loss + (["--tiled-mlp", str(tiled_mlp)] if tiled_mlp else [])
     argv += ["--activation-checkpointing"] * ac
@@ -140,7 +151,7 @@ def test_estimate_within_10_percent_of_measured_peak(dist_pool, tmp_path: Path, 
     def estimate() -> dict:
         return estimate_training_memory(model, seq_len=seq, sp_size=sp, engine=engine, zero_stage=stage,
                                         activation_checkpointing=ac, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
-                                        reduce_bucket_size=5_000_000, recompute_norm=recompute_norm, mode=mode)
+                                        reduce_bucket_size=bucket, recompute_norm=recompute_norm, mode=mode)
 
     est = estimate()
     print(f"\nestimate vs measured {setting}: {est['peak'] / 2**20:.1f} MiB vs {measured / 2**20:.1f} MiB "
@@ -186,6 +197,39 @@ def test_zero3_end_of_backward_counts_the_flat_scatter_input_and_gloos_copy() ->
     assert -0.005 <= est["peak"] / ZERO3_TILED_MEASURED - 1 <= 0.02, est
     # a GPU: no gloo copy, so this moment is 16,876,800 bytes lower there and the last layer's backward the peak
     assert estimate_training_memory(MODEL, **kw, device="cuda")["peak"] < est["peak"] - 8_000_000
+
+
+# the same setting with a 1e6-element bucket (est29b, record_peak): the peak is stage3's
+# reduce_independent_p_g_buckets_and_remove_grads -> __avg_scatter_grads on the head's gradient, bytes per rank
+ZERO3_SMALL_BUCKET_MEASURED = 93_326_329
+
+
+def test_zero3_head_gradient_larger_than_the_bucket_is_reduced_beside_the_activations() -> None:
+    """ZeRO-3 with a bucket smaller than the LM head's gradient (1e6 elements, a quarter of the model's): DeepSpeed
+    leaves that gradient out of the bucket, and the final norm's gradient, the next to arrive, overflows the bucket
+    and reduce-scatters it during the backward. Alive at the measured peak (``ZERO3_SMALL_BUCKET_MEASURED``): the five
+    partitions (5 x 8,438,400), the gathered embedding and head (2 x 8,192,000), the head's whole gradient
+    (8,192,000; evenly split, so scattered in place), gloo's copy of it inside torch's ``reduce_scatter_tensor``
+    (8,192,000), the 1e6-element bucket (4,000,000) and every layer's activations. The estimate is that moment,
+    within -0.5% .. +2%; on a GPU (NCCL, no copy) the moment adds nothing, and a bucket the whole model fits has no
+    such moment. A bucket the head fits but the layers overflow (2.1e6) reduces a bucket's worth inside the last
+    layer's backward: 93,147,769 bytes measured, estimated 0 .. +6% over.
+
+    Seen failing: the estimate before (no such moment): 88,152,704 bytes, -5.5%, at the last layer's backward; with
+    a 2.1e6-element bucket 92,552,704 bytes, -0.64%."""
+    kw = {"seq_len": 2048, "sp_size": 2, "engine": "deepspeed", "zero_stage": 3, "tiled_loss": True,
+          "reduce_bucket_size": 1_000_000}
+    est = estimate_training_memory(MODEL, **kw)
+    assert est["moment"] == "backward_reduction", est
+    assert -0.005 <= est["peak"] / ZERO3_SMALL_BUCKET_MEASURED - 1 <= 0.02, est
+    assert estimate_training_memory(MODEL, **kw, device="cuda")["moment"] != "backward_reduction"
+    # a bucket the head fits and the layers overflow (2.1e6): a bucket's worth reduced inside the last layer's
+    # backward, measured 93,147,769 bytes (the flat input and gloo's copy, 2 x 8,389,120, beside the bucket); the model
+    # counts every layer's activations there, never under
+    over = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 2_100_000})["peak"] / 93_147_769 - 1
+    assert 0 <= over <= 0.06, over
+    fits = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 5_000_000})  # the whole model fits
+    assert fits["moment"] != "backward_reduction", fits
 
 
 def test_estimator_categories_and_rules() -> None:

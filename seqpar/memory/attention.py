@@ -82,14 +82,13 @@ closed forms above assume every block is one kernel call making P - 1 hops; unde
 the measured peak, the replay is exact to the byte on CPU (19 cases, tests/test_memory_masks.py; and 14 plain
 cases, where the closed form was -0.5% to +9.3% off). Ulysses under documents, a window or chunked attention runs
 the ring's planner at P = 1 on each rank's heads over the sorted sequence: that inner attention is replayed on one
-head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to +4.7% on 8 measured cases). An
+head chunk's head-layout sizes, beside the all-to-alls' moments above (+0.2% to +0.5% on 8 measured cases). An
 uneven head split under a mask runs it once per GQA-regular piece, in turn (replayed as the uneven hybrid's inner
 rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send buffers too). Sinks with Ulysses:
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
-uneven cases are 0 to +4.7% over (tests/test_memory_masks_ulysses.py; the uneven ones +0.2% to +0.8%, the +4.7% a
-sinks case's 2 head chunks). The hybrid under masks or sinks:
+uneven cases are +0.2% to +0.8% over (tests/test_memory_masks_ulysses.py). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
@@ -561,7 +560,11 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
         Qh32, Kh32 = _head_layout(sizes, u=u, q_heads=q_heads, kv_heads=kv_heads, rank=rank)[3:]
         chunk = _Sizes(Q=Qh / G, K=Kh / G, Q32=Qh32 / G, K32=Kh32 / G, lse=lse_h / G, low=sizes.low, Kw=Kh32 / G)
         heads_q, heads_k = q_heads / u / G, kv_heads / u / G
-        beside = (Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G  # dout (head layout), G > 1: the neighbours'
+        # dout (head layout), G > 1: the neighbours' all-to-alls, the previous chunk's packed grads (send + receive)
+        # and the next chunk's dout (send + receive); both only at a middle chunk (G > 2). At G = 2 the first chunk
+        # has only the next dout's, the last only the previous grads' (recorded at the measured peak, the last
+        # chunk's inner backward: counting both was +4.74% over in P = 2 bf16 full window 40 + sinks, 2 chunks)
+        beside = (Qh + (2 * grads_h + (2 * Qh if G > 2 else 0) if G > 1 else 0)) / G
         if uneven:  # one pass, one inner attention per GQA piece in turn (replayed), the earlier pieces' outputs
             # kept; dout's all-to-all send buffer (sequence layout) is freed by gloo's worker, not the wait
             if masked:

@@ -20,10 +20,11 @@ alive at the step's worst moment, by category:
   vocabulary blocks are outer, else two chunks of fp32 logits plus the fp32 dW accumulator and, in low precision,
   the head's gradient cast from it while it is alive at the end of the loss's backward);
 - ``communication``: the engines' gradient-reduction buckets (ZeRO-3's end of backward: beside its bucket, the bucket's
-  flat reduce-scatter input and, on CPU, gloo's copy of it).
+  flat reduce-scatter input and, on CPU, gloo's copy of it; a head gradient larger than the bucket is reduce-scattered
+  on its own during the backward, beside every layer's activations).
 
 ``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
-the gradients' reduction at the end of backward), each a sum of the categories alive then. The figures are those of
+the gradients' reduction at the end of backward, ZeRO-3's reduction of a head gradient that overflows the bucket), each a sum of the categories alive then. The figures are those of
 ``launch/train.py``'s Llama on CPU (fp32, exact tensor accounting); ``tests/test_training_memory.py``
 holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activation checkpointing
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
@@ -441,9 +442,25 @@ def _zero3_scatter_bytes(m: ModelShape, e: int, *, world: int, reduce_bucket_siz
     return flat * (2 if device == "cpu" else 1)
 
 
+def _zero3_head_scatter_bytes(m: ModelShape, e: int, *, world: int, reduce_bucket_size: int, device: str) -> int:
+    """ZeRO-3 reducing the LM head's whole gradient during the backward, when it is larger than the bucket: DeepSpeed
+    does not copy a gradient that does not fit into the bucket, so the head's stays its own tensor, alone in the
+    bucket's list, and the next gradient to arrive (the final norm's) overflows the bucket and reduce-scatters it
+    (stage3's ``reduce_independent_p_g_buckets_and_remove_grads`` -> ``__avg_scatter_grads``) while every layer's
+    activations are still alive. ``reduce_scatter_coalesced`` scatters one evenly divisible tensor in place, else
+    a padded flat copy; on CPU gloo copies the input inside torch's ``reduce_scatter_tensor`` (NCCL does not).
+    Recorded at the measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting with a 1e6-element
+    bucket (est29b). 0 when the head's gradient fits the bucket (it is then copied into it and reduced with others)."""
+    head = m.vocab_size * m.hidden_size
+    if head <= reduce_bucket_size:
+        return 0
+    padded = math.ceil(head / world) * world * e
+    return (0 if head % world == 0 else padded) + (padded if device == "cpu" else 0)
+
+
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
-             zero3_scatter: int = 0) -> dict[str, float]:
+             zero3_scatter: int = 0, zero3_head_scatter: int = 0, overflows: bool = False) -> dict[str, float]:
     """The bytes alive at each candidate peak moment of the step; the peak is the largest."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
     head_grad, embed_grad = _root_grad_bytes(m, e)
@@ -472,6 +489,19 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         "grad_reduction": static + (
             p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
             else (zero12_reduce if not sharded else zero3_reduce) + comm),
+        # ZeRO-3 reducing during the backward, when the gradients overflow the bucket (est29b, both recorded at the
+        # measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting): a head gradient larger than
+        # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
+        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
+        # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
+        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket, -0.6% -> +5.2%: the model
+        # counts every layer's activations, the measurement had the last layer's partly freed). Neither happens when
+        # the whole model's gradients fit the bucket: the one reduction is then the end of backward's. (0 from
+        # _zero3_head_scatter_bytes, scattered in place on a GPU, leaves the head's case below the last layer's
+        # backward, which counts the head's gradient too.)
+        "backward_reduction": static + acts.backward + comm + max(
+            head_grad + zero3_head_scatter if zero3_head_scatter else 0,
+            zero3_scatter if overflows else 0),
     }
 
 
@@ -582,8 +612,12 @@ def estimate_training_memory(
 
     zero3_scatter = (_zero3_scatter_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size, device=device)
                      if engine == "deepspeed" and sharded else 0)
+    zero3_head_scatter = (_zero3_head_scatter_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
+                                                    device=device) if engine == "deepspeed" and sharded else 0)
     moments = _moments(m, e, state, acts, attention=attention, logits=logits, comm=comm, zero12_reduce=zero12_reduce,
-                       world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter)
+                       world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter,
+                       zero3_head_scatter=zero3_head_scatter,
+                       overflows=engine == "deepspeed" and sharded and m.params > reduce_bucket_size)
     moment = max(moments, key=moments.get)
     head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
