@@ -533,8 +533,11 @@ def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool) -> None:
     compile-only refusal makes dynamo run the call eagerly, exact against one process's float64 MLA attention
     (output, dq, dc, dr, and dW summed over the ranks, each on its own scale), not refused.
 
-    Seen failing with that refusal a plain ValueError (deferred to ``seqpar::refusal``): the compiled graph raised
-    "packed documents under torch.compile with the MLA latent transfer are not supported" on both ranks."""
+    Seen failing: on dc97140's seqpar/swap/options.py, and with that refusal a plain ValueError (deferred to
+    ``seqpar::refusal``), the compiled graph raised "packed documents under torch.compile with the MLA latent transfer
+    are not supported" on both ranks; as a CompileOnlyRefusal without the eager branch's second resolve, the
+    fallback raised it too (resolve_attention, compiled as a frame of its own, hands Python a traced plan); with that
+    traced plan run as it is, the boundaries were dropped: out differs by 1.63, every gradient too (WRONG)."""
     from test_documents import visible
 
     world = WORLD
