@@ -505,9 +505,9 @@ def test_mla_latent_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     assert not failures, "\n".join(failures)
 
 
-def latent_documents_fall_back(rank: int, world: int) -> dict:
+def latent_documents_fall_back(rank: int, world: int, dynamic: bool | None) -> dict:
     """Worker body: an MLA latent call with packed documents as a boundary tensor, float64, compiled without
-    ``fullgraph`` (while tracing: the compile-only refusal, so dynamo runs it eagerly). This rank's output and
+    ``fullgraph`` (``dynamic`` as torch.compile takes it; while tracing: the compile-only refusal, so dynamo runs it eagerly). This rank's output and
     dq, dc, dr, and its share of dW; or the error that reached the caller."""
     from seqpar.swap.options import SwapOptions
 
@@ -518,7 +518,8 @@ def latent_documents_fall_back(rank: int, world: int) -> dict:
     cu = torch.tensor([0, 3, 11, 8 * world])
     torch._dynamo.reset()
     try:
-        out = torch.compile(_latent_call, backend="aot_eager")(q, c, r, proj, cu, {"cu_seqlens": "tensor"}, options)
+        out = torch.compile(_latent_call, backend="aot_eager", dynamic=dynamic)(q, c, r, proj, cu,
+                                                                              {"cu_seqlens": "tensor"}, options)
     except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
         return {"error": f"{type(error).__name__}: {str(error)[:400]}"}
     finally:
@@ -528,7 +529,8 @@ def latent_documents_fall_back(rank: int, world: int) -> dict:
 
 
 @pytest.mark.compile_stage
-def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool) -> None:
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool, dynamic: bool | None) -> None:
     """Packed documents (a boundary tensor) on the MLA latent path, compiled without ``fullgraph=True``: the
     compile-only refusal makes dynamo run the call eagerly, exact against one process's float64 MLA attention
     (output, dq, dc, dr, and dW summed over the ranks, each on its own scale), not refused.
@@ -537,11 +539,13 @@ def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool) -> None:
     ``seqpar::refusal``), the compiled graph raised "packed documents under torch.compile with the MLA latent transfer
     are not supported" on both ranks; as a CompileOnlyRefusal without the eager branch's second resolve, the
     fallback raised it too (resolve_attention, compiled as a frame of its own, hands Python a traced plan); with that
-    traced plan run as it is, the boundaries were dropped: out differs by 1.63, every gradient too (WRONG)."""
+    traced plan run as it is, the boundaries were dropped: out differs by 1.63, every gradient too (WRONG), static
+    and dynamic=True; with the plan resolved again eagerly but the latent ring run with dynamo on (it compiled the
+    ring's helpers frame by frame), dynamic=True failed: TorchRuntimeError "BooleanAtom not allowed" in ring.py."""
     from test_documents import visible
 
     world = WORLD
-    per_rank = dist_pool.run(world, latent_documents_fall_back, timeout=600)
+    per_rank = dist_pool.run(world, latent_documents_fall_back, dynamic, timeout=600)
     errors = [f"rank {rank}: {res['error']}" for rank, res in enumerate(per_rank) if "error" in res]
     assert not errors, errors
     full = _latent_inputs(31, 8 * world, torch.float64)

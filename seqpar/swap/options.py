@@ -261,15 +261,14 @@ class SwapOptions:
                     "tracing); set mla_transfer='expanded' when compiling packed batches, or run eagerly"
                 )
             if plan.documents is not None:
-                # run by Python after dynamo gave this frame up: resolve_attention, compiled as a frame of its
-                # own, returned a traced plan (the boundaries a tensor, their checks left to an op the latent
-                # kernels do not run). Resolved again eagerly, as an eager call resolves it (the tensor's values
-                # read and checked); compiler.disable keeps dynamo from tracing it again
-                plan = torch.compiler.disable(resolve_attention)(
-                    q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,
-                    sharding=self.sharding, overlap=self.overlap, check_inputs=check,
-                    head_chunks=self.head_chunks, layout="bhsd", dkv_wire_dtype=self.dkv_wire_dtype, **masked,
-                )
+                # run by Python after dynamo gave this frame up, yet holding a traced plan (the boundaries a
+                # tensor, their checks left to an op the latent kernels do not run; used as it is, the latent ring
+                # drops the documents). The whole call again, eagerly: resolved as an eager call resolves it (the
+                # tensor's values read and checked), with dynamo off for the frames it calls (else it compiles
+                # the ring's helpers one by one, which fails under dynamic=True)
+                return torch.compiler.disable(self._latent_attention)(
+                    q, call, causal=causal, scale=scale, layer=layer, cu_seqlens=cu_seqlens, window=window,
+                    sinks=sinks, chunk_size=chunk_size, softcap=softcap)
             if self.check_finite:
                 from seqpar.runtime.guard import check_finite
 
