@@ -387,3 +387,177 @@ def test_swapped_layer_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
                 if got[how] != got["eager"]:
                     failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
     assert not failures, "\n".join(failures)
+
+
+# The MLA latent path (SwapOptions.latent_attention: the ring moves the latent, seqpar.swap.mla), DeepSeek-V2/V3's
+# shape at toy sizes: 4 heads, d_nope 6, d_rope 4, d_v 5, kv_lora_rank 7; P = 2 ring, 8 tokens per rank.
+# name -> (the valid call's keywords, the refused call's); "batch2": the refused call's batch is 2.
+LATENT_CASES = {
+    "latent_bad_softcap": ({"softcap": 30.0}, {"softcap": -1.0}),
+    "latent_bad_window": ({"window": 4}, {"window": 0}),
+    "latent_documents_batch": ({}, {"cu_seqlens": "tensor", "batch2": True}),
+}
+
+
+class _KVProjection(torch.nn.Module):
+    """An MLA ``kv_b_proj`` as :func:`seqpar.swap.mla.install_latent_transfer` prepares it: ``forward(c, r,
+    seqpar_latent=f)`` returns ``f(weight, c, r)``; weight ``(heads * (d_nope + d_v), kv_lora_rank)``."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+
+    def forward(self, c, r, seqpar_latent=None):  # noqa: ANN001, ANN201
+        return seqpar_latent(self.weight, c, r)
+
+
+def _mla_dims():  # noqa: ANN202
+    from seqpar.attn.latent import MLADims
+
+    return MLADims(heads=4, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5, kv_lora_rank=7)
+
+
+def _expand(weight: torch.Tensor, c: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's own expansion: c ``(batch, 1, n, 7)``, r ``(batch, 1, n, 4)`` -> k ``(batch, 4, n, 10)``,
+    v ``(batch, 4, n, 5)``."""
+    d = _mla_dims()
+    b, _, n, _ = c.shape
+    kv = (c.squeeze(1) @ weight.t()).view(b, n, d.heads, -1).transpose(1, 2)
+    return torch.cat([kv[..., :d.qk_nope_head_dim], r.expand(b, d.heads, n, -1)], -1), kv[..., d.qk_nope_head_dim:]
+
+
+def _latent_call(q, c, r, proj, cu, kw, options):  # noqa: ANN001, ANN202
+    """One MLA layer's latent attention: q ``(batch, 4, n, 10)``, c/r the latent, as the swapped layer makes it."""
+    from seqpar.swap.mla import LatentCall
+
+    d = _mla_dims()
+    b, _, n, _ = c.shape
+    zero = c.new_zeros(())
+    key = zero.expand(b, d.heads, n, d.qk_nope_head_dim + d.qk_rope_head_dim)
+    value = zero.expand(b, d.heads, n, d.v_head_dim)
+    call = LatentCall(c, r, proj, d, key, value, lambda c_in, r_in: _expand(proj.weight, c_in, r_in))
+    kw = {name: cu if value == "tensor" else value for name, value in kw.items() if name != "batch2"}
+    return options.latent_attention(q, call, causal=True, scale=0.3, layer="0", **kw)
+
+
+def _latent_inputs(seed: int, seq: int, dtype: torch.dtype) -> dict:
+    d = _mla_dims()
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    return {"q": rnd(1, d.heads, seq, d.qk_nope_head_dim + d.qk_rope_head_dim), "c": rnd(1, 1, seq, d.kv_lora_rank),
+            "r": rnd(1, 1, seq, d.qk_rope_head_dim), "w": rnd(d.heads * (d.qk_nope_head_dim + d.v_head_dim),
+                                                              d.kv_lora_rank) / d.kv_lora_rank ** 0.5,
+            "dout": rnd(1, d.heads, seq, d.v_head_dim)}
+
+
+def latent_refusals(rank: int, world: int, names: list[str]) -> dict:
+    """Worker body: as :func:`swap_refusals` for each MLA latent case."""
+    from seqpar.swap.options import SwapOptions
+
+    options = SwapOptions(group=torch.distributed.group.WORLD, mode="ring", check_inputs=False)
+    full = _latent_inputs(29, 8 * world, torch.float32)
+    q, c, r = (full[n][:, :, rank * 8:(rank + 1) * 8] for n in "qcr")
+    proj = _KVProjection(full["w"])
+    cu = torch.tensor([0, 3, 8 * world])
+    results = {}
+    for name in names:
+        good_kw, bad_kw = LATENT_CASES[name]
+        good = (q, c, r, proj, cu)
+        bad = (*(t.repeat(2, 1, 1, 1) for t in (q, c, r)), proj, cu) if bad_kw.get("batch2") else good
+        eager = _error(_latent_call, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        fn = torch.compile(_latent_call, backend="aot_eager", dynamic=True, fullgraph=True)
+        valid = _error(fn, *good, good_kw, options)
+        dynamic = _error(fn, *bad, bad_kw, options)
+        torch._dynamo.reset()
+        static = _error(torch.compile(_latent_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw,
+                        options)
+        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+    torch._dynamo.reset()
+    return results
+
+
+@pytest.mark.compile_stage
+def test_mla_latent_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
+    """An MLA layer's latent call (``SwapOptions.latent_attention``) refused while dynamo traces raises eager's
+    ValueError, its text, on both ranks under ``fullgraph=True``, dynamic and static: a softcap <= 0, a window of 0,
+    a boundary tensor with batch 2.
+
+    Seen failing with seqpar/swap/options.py from dc97140 (latent_attention not deferred): dynamo's ``Unsupported:
+    Observed exception`` for each kind, both ranks, dynamic and static."""
+    names = list(LATENT_CASES)
+    per_rank = dist_pool.run(WORLD, latent_refusals, names, timeout=900)
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["eager"] is None or got["eager"][0] != "ValueError":
+                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
+                continue
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            for how in ("dynamic", "static"):
+                if got[how] != got["eager"]:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
+
+
+def latent_documents_fall_back(rank: int, world: int, dynamic: bool | None) -> dict:
+    """Worker body: an MLA latent call with packed documents as a boundary tensor, float64, compiled without
+    ``fullgraph`` (``dynamic`` as torch.compile takes it; while tracing: the compile-only refusal, so dynamo runs it eagerly). This rank's output and
+    dq, dc, dr, and its share of dW; or the error that reached the caller."""
+    from seqpar.swap.options import SwapOptions
+
+    options = SwapOptions(group=torch.distributed.group.WORLD, mode="ring", check_inputs=False)
+    full = _latent_inputs(31, 8 * world, torch.float64)
+    q, c, r, dout = (full[n][:, :, rank * 8:(rank + 1) * 8].clone().requires_grad_() for n in ("q", "c", "r", "dout"))
+    proj = _KVProjection(full["w"].clone())
+    cu = torch.tensor([0, 3, 11, 8 * world])
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(_latent_call, backend="aot_eager", dynamic=dynamic)(q, c, r, proj, cu,
+                                                                              {"cu_seqlens": "tensor"}, options)
+    except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+        return {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+    finally:
+        torch._dynamo.reset()
+    out.backward(dout.detach())
+    return {"out": out.detach(), "dq": q.grad, "dc": c.grad, "dr": r.grad, "dw": proj.weight.grad}
+
+
+@pytest.mark.compile_stage
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool, dynamic: bool | None) -> None:
+    """Packed documents (a boundary tensor) on the MLA latent path, compiled without ``fullgraph=True``: the
+    compile-only refusal makes dynamo run the call eagerly, exact against one process's float64 MLA attention
+    (output, dq, dc, dr, and dW summed over the ranks, each on its own scale), not refused.
+
+    Seen failing: on dc97140's seqpar/swap/options.py, and with that refusal a plain ValueError (deferred to
+    ``seqpar::refusal``), the compiled graph raised "packed documents under torch.compile with the MLA latent transfer
+    are not supported" on both ranks; as a CompileOnlyRefusal without the eager branch's second resolve, the
+    fallback raised it too (resolve_attention, compiled as a frame of its own, hands Python a traced plan); with that
+    traced plan run as it is, the boundaries were dropped: out differs by 1.63, every gradient too (WRONG), static
+    and dynamic=True; with the plan resolved again eagerly but the latent ring run with dynamo on (it compiled the
+    ring's helpers frame by frame), dynamic=True failed: TorchRuntimeError "BooleanAtom not allowed" in ring.py."""
+    from test_documents import visible
+
+    world = WORLD
+    per_rank = dist_pool.run(world, latent_documents_fall_back, dynamic, timeout=600)
+    errors = [f"rank {rank}: {res['error']}" for rank, res in enumerate(per_rank) if "error" in res]
+    assert not errors, errors
+    full = _latent_inputs(31, 8 * world, torch.float64)
+    q, c, r, w = (full[n].clone().requires_grad_() for n in "qcrw")
+    k, v = _expand(w, c, r)
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~visible(8 * world, True, None, [0, 3, 11, 8 * world]),
+                                                    float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    want = dict(zip(("out", "dq", "dc", "dr", "dw"), (out.detach(), *torch.autograd.grad(out, [q, c, r, w],
+                                                                                         full["dout"]))))
+    got = {name: torch.cat([res[name] for res in per_rank], 2) for name in ("out", "dq", "dc", "dr")}
+    got["dw"] = sum(res["dw"] for res in per_rank)
+    failures = [f"{name} differs by {(got[name] - want[name]).abs().max().item():.3g}" for name in want
+                if not torch.allclose(got[name], want[name], rtol=1e-10, atol=1e-10 * want[name].abs().max().item())]
+    assert not failures, failures

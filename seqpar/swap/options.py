@@ -210,6 +210,26 @@ class SwapOptions:
         resolves it (the stand-in K/V give the shapes); the ring or the all-gather then moves the latent
         (:mod:`seqpar.attn.latent`), any other plan (and soft-capping, which the latent kernels do not
         take) gets the expanded K/V."""
+        from seqpar.attn.ops import refused_output
+
+        # a refusal found while dynamo traces is raised by seqpar::refusal when the graph runs (as
+        # SwapOptions.attention's): raised while tracing, a fullgraph=True caller got dynamo's "Unsupported:
+        # Observed exception" without the message. The stand-in value gives the output's head dim. A
+        # CompileOnlyRefusal is never deferred (without fullgraph dynamo runs the exact eager call).
+        try:
+            return self._latent_attention(q, call, causal=causal, scale=scale, layer=layer, cu_seqlens=cu_seqlens,
+                                          window=window, sinks=sinks, chunk_size=chunk_size, softcap=softcap)
+        except (ValueError, TypeError) as e:
+            out = refused_output(q, call.value, e)
+            if out is None:
+                raise
+            return out
+
+    def _latent_attention(
+        self, q: Tensor, call: Any, *, causal: bool, scale: float | None, layer: str | None,
+        cu_seqlens: Any, window: int | None, sinks: Tensor | None, chunk_size: int | None, softcap: float | None,
+    ) -> Tensor:
+        from seqpar.attn.checks import CompileOnlyRefusal
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.latent import (
             LatentAllGatherAttention,
@@ -231,12 +251,24 @@ class SwapOptions:
             if plan.algorithm not in ("ring", "allgather") or plan.opts.softcap is not None:
                 k, v = call.expand(call.c, call.r)
                 return run_attention(plan, q, k, v, sinks)
-            if plan.documents is not None:  # traced: the latent kernels have no op reading the boundary tensor
-                raise ValueError(
+            if plan.documents is not None and torch.compiler.is_compiling():
+                # traced: the latent kernels have no op reading the boundary tensor. Compile only (eager reads the
+                # tensor's values): never deferred, so that without fullgraph dynamo gives this frame up and
+                # Python runs it (the branch below)
+                raise CompileOnlyRefusal(
                     f"seqpar (layer {layer or '?'}): packed documents under torch.compile with the MLA latent "
                     "transfer are not supported (the boundaries are a tensor the latent ring cannot read while "
                     "tracing); set mla_transfer='expanded' when compiling packed batches, or run eagerly"
                 )
+            if plan.documents is not None:
+                # run by Python after dynamo gave this frame up, yet holding a traced plan (the boundaries a
+                # tensor, their checks left to an op the latent kernels do not run; used as it is, the latent ring
+                # drops the documents). The whole call again, eagerly: resolved as an eager call resolves it (the
+                # tensor's values read and checked), with dynamo off for the frames it calls (else it compiles
+                # the ring's helpers one by one, which fails under dynamic=True)
+                return torch.compiler.disable(self._latent_attention)(
+                    q, call, causal=causal, scale=scale, layer=layer, cu_seqlens=cu_seqlens, window=window,
+                    sinks=sinks, chunk_size=chunk_size, softcap=softcap)
             if self.check_finite:
                 from seqpar.runtime.guard import check_finite
 
