@@ -92,3 +92,58 @@ def test_fp32_and_fp64_heads_keep_the_row_order(rows: int, hidden: int, vocab: i
     args = (rows, hidden, vocab, element_bytes, element_bytes, chunk)
     assert loss_backward_bytes("vocab", *args) < loss_backward_bytes("rows", *args)  # the shapes' point
     assert loss_backward_order(*args) == "rows"
+
+
+# (vocab, hidden, rows, chunk_rows): an explicit small row chunk, so that the vocabulary order's row tiles are a
+# fraction of the rows (tile = chunk_rows x vocab / hidden: 32 of 512, 64 of 1024) and its end-of-loop moment,
+# dhidden cast from its fp32 accumulator (rows h e beside it), tops the loop's buffers
+SMALL_TILES = [(1024, 64, 512, 2), (2048, 32, 1024, 1)]
+
+
+def _measured_vocab_backward(vocab: int, hidden: int, rows: int, chunk_rows: int, dtype: torch.dtype) -> int:
+    """Peak bytes the vocabulary-order backward adds over what is alive when it starts (CPU, exact tensor accounting
+    by seqpar.memory.tracker.TensorMemoryTracker), as tests/test_memory_tiled_loss_bf16.py measures it."""
+    from seqpar.memory.tracker import TensorMemoryTracker
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(1, rows, hidden, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g, dtype=dtype) / hidden**0.5).requires_grad_()
+    t = torch.randint(0, vocab, (1, rows), generator=g)
+    t[0, ::7] = -100
+    loss, _ = tiled_lm_loss(h, w, t, chunk_rows=chunk_rows, backward_order="vocab")
+    with TensorMemoryTracker("cpu") as tracker:
+        loss.backward()
+    return tracker.peak - tracker.baseline
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab,hidden,rows,chunk_rows", SMALL_TILES)
+def test_vocab_model_counts_its_end_of_loop_moment(vocab: int, hidden: int, rows: int, chunk_rows: int,
+                                                   dtype: torch.dtype) -> None:
+    """``loss_backward_bytes("vocab", ...)`` with small row tiles, where the end-of-loop moment (dhidden's cast) is the
+    peak: within 3% of the measured backward (measured, bf16 and fp16 alike: 332580 B, modelled -0.86%; 337476 B,
+    -1.69%: under, see the strict xfail below).
+
+    Seen failing: the end-of-loop moment dropped (``max(loop, rows * h * hidden_bytes * low_h)`` -> ``loop``):
+    -4.2% and -10.7% (test_memory_tiled_loss_bf16.py's shapes, at the automatic tile, peak inside the loop and
+    passed it; so does every shape of a 64-shape grid (vocab 2K-32K, hidden 8-64, rows 2K-16K) at the automatic tile)."""
+    from seqpar.memory.tiling import loss_backward_bytes
+
+    measured = _measured_vocab_backward(vocab, hidden, rows, chunk_rows, dtype)
+    modelled = loss_backward_bytes("vocab", rows, hidden, vocab, 2, 2, chunk_rows)
+    assert modelled >= 0.97 * measured, (measured, modelled, f"{modelled / measured - 1:+.2%}")
+
+
+@pytest.mark.xfail(strict=True, reason="library: loss_backward_bytes('vocab') is under the measured backward with "
+                   "small explicit row tiles (-0.86%, -1.69%): the end-of-loop moment misses ~5.6 B a row")
+@pytest.mark.parametrize("vocab,hidden,rows,chunk_rows", SMALL_TILES)
+def test_vocab_model_is_never_under_with_small_tiles(vocab: int, hidden: int, rows: int, chunk_rows: int) -> None:
+    """The model's contract (tests/test_memory_tiled_loss_bf16.py: never under, 16 bytes of scalars aside) at an
+    explicit ``chunk_rows``: bf16, measured 332580 B against 329728 modelled (1024 x 64, 512 rows, chunk 2) and
+    337476 against 331776 (2048 x 32, 1024 rows, chunk 1): 2852 and 5700 B under, 5.57 B a row, at the end-of-loop
+    moment (the automatic tile never reaches it: its tiles hold every row)."""
+    from seqpar.memory.tiling import loss_backward_bytes
+
+    measured = _measured_vocab_backward(vocab, hidden, rows, chunk_rows, torch.bfloat16)
+    modelled = loss_backward_bytes("vocab", rows, hidden, vocab, 2, 2, chunk_rows)
+    assert modelled + 16 >= measured, (measured, modelled, f"{modelled / measured - 1:+.2%}")
