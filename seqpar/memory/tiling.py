@@ -176,7 +176,10 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
     if order != "vocab":
         raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
     loop = _vocab_loop_bytes(rows, h, v, hidden_bytes, weight_bytes, chunk_rows)
-    return v * h * weight_bytes + rows * h * a + max(loop, rows * h * hidden_bytes * (hidden_bytes < a)) + lse
+    # at its end dhidden's cast, beside the targets' mask and indices (``rows * 9``: the loop's, alive until the
+    # function returns; the loop's term has them too, so with a tile of every row the end never mattered)
+    end = (rows * h * hidden_bytes + rows * 9) * (hidden_bytes < a)
+    return v * h * weight_bytes + rows * h * a + max(loop, end) + lse
 
 
 def _vocab_loop_bytes(rows: int, h: int, v: int, hidden_bytes: int, weight_bytes: int, chunk_rows: int) -> int:
