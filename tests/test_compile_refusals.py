@@ -122,6 +122,39 @@ def _error(fn, *args) -> tuple[str, str] | None:  # noqa: ANN001
     return None
 
 
+def _four_ways(call, good: tuple, bad: tuple, good_kw: dict, bad_kw: dict, *extra) -> dict:  # noqa: ANN001
+    """One refused call four ways, ``call(*inputs, kw, *extra)``: ``eager`` at the refused inputs; compiled with
+    ``dynamic=True, fullgraph=True``, first at the ``valid`` ones, then at the refused ones (``dynamic``: symbolic
+    sizes, or a new graph for new option constants); and a fresh ``static`` function whose first call is the
+    refused one. Each the error :func:`_error` records (None: no error)."""
+    eager = _error(call, *bad, bad_kw, *extra)
+    torch._dynamo.reset()
+    fn = torch.compile(call, backend="aot_eager", dynamic=True, fullgraph=True)
+    valid = _error(fn, *good, good_kw, *extra)
+    dynamic = _error(fn, *bad, bad_kw, *extra)
+    torch._dynamo.reset()
+    static = _error(torch.compile(call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw, *extra)
+    return {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+
+
+def _assert_eager_four_ways(per_rank: list[dict], names: list[str]) -> None:
+    """Every rank's :func:`_four_ways` results: eager raised a ValueError, the valid call nothing, and both compiled
+    refused calls (dynamic and static) eager's type and text."""
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for name in names:
+            got = results[name]
+            if got["eager"] is None or got["eager"][0] != "ValueError":
+                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
+                continue
+            if got["valid"] is not None:
+                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
+            for how in ("dynamic", "static"):
+                if got[how] != got["eager"]:
+                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
+    assert not failures, "\n".join(failures)
+
+
 def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
     """Worker body: per case, one ``torch.compile(dynamic=True, fullgraph=True)`` function called at the valid
     sizes and then at the refused ones, and (dynamic=False) a fresh one whose first call is the refused one.
@@ -132,15 +165,7 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
             results[name] = _option_refusal(*OPTION_CASES[name])
             continue
         kw, (good, bad) = CASES[name]
-        eager = _error(_call, *_inputs(bad, True), kw)
-        torch._dynamo.reset()
-        fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
-        valid = _error(fn, *_inputs(good, False), kw)
-        dynamic = _error(fn, *_inputs(bad, True), kw)
-        torch._dynamo.reset()
-        static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True),
-                        *_inputs(bad, True), kw)
-        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+        results[name] = _four_ways(_call, _inputs(good, False), _inputs(bad, True), kw, kw)
     torch._dynamo.reset()
     return results
 
@@ -148,15 +173,7 @@ def compiled_refusals(rank: int, world: int, names: list[str]) -> dict:
 def _option_refusal(good_kw: dict, bad_kw: dict) -> dict:
     """As :func:`compiled_refusals` for one option case: the valid kwargs, then the refused ones (a new graph: the
     options are constants), dynamic=True; and a fresh static function called with the refused ones first."""
-    bad = _inputs((4, 2, 12), False)
-    eager = _error(_call, *bad, bad_kw)
-    torch._dynamo.reset()
-    fn = torch.compile(_call, backend="aot_eager", dynamic=True, fullgraph=True)
-    valid = _error(fn, *_inputs((4, 2, 8), False), good_kw)
-    dynamic = _error(fn, *bad, bad_kw)
-    torch._dynamo.reset()
-    static = _error(torch.compile(_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw)
-    return {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+    return _four_ways(_call, _inputs((4, 2, 8), False), _inputs((4, 2, 12), False), good_kw, bad_kw)
 
 
 @pytest.mark.compile_stage
@@ -185,19 +202,7 @@ def test_size_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     call's 5 heads; ``qk_seq_local`` (dynamic) "Failed to trace builtin operator `str`" (a shape's tuple)."""
     names = list(CASES)
     per_rank = dist_pool.run(WORLD, compiled_refusals, names, timeout=900)
-    failures = []
-    for rank, results in enumerate(per_rank):
-        for name in names:
-            got = results[name]
-            if got["eager"] is None or got["eager"][0] != "ValueError":
-                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
-                continue
-            if got["valid"] is not None:
-                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
-            for how in ("dynamic", "static"):
-                if got[how] != got["eager"]:
-                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
-    assert not failures, "\n".join(failures)
+    _assert_eager_four_ways(per_rank, names)
 
 
 @pytest.mark.compile_stage
@@ -351,15 +356,7 @@ def swap_refusals(rank: int, world: int, names: list[str]) -> dict:
         q, k, v, cu = _inputs((4, 2, 8), False)
         good = (q, k, v, cu)
         bad = tuple(t.repeat(2, 1, 1, 1) for t in (q, k, v)) + (cu,) if bad_kw.get("batch2") else good
-        eager = _error(_swap_call, *bad, bad_kw, options)
-        torch._dynamo.reset()
-        fn = torch.compile(_swap_call, backend="aot_eager", dynamic=True, fullgraph=True)
-        valid = _error(fn, *good, good_kw, options)
-        dynamic = _error(fn, *bad, bad_kw, options)
-        torch._dynamo.reset()
-        static = _error(torch.compile(_swap_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw,
-                        options)
-        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+        results[name] = _four_ways(_swap_call, good, bad, good_kw, bad_kw, options)
     torch._dynamo.reset()
     return results
 
@@ -374,19 +371,7 @@ def test_swapped_layer_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     tracing, not deferred): dynamo's ``Unsupported: Observed exception`` for each kind, both ranks, dynamic and static."""
     names = list(SWAP_CASES)
     per_rank = dist_pool.run(WORLD, swap_refusals, names, timeout=900)
-    failures = []
-    for rank, results in enumerate(per_rank):
-        for name in names:
-            got = results[name]
-            if got["eager"] is None or got["eager"][0] != "ValueError":
-                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
-                continue
-            if got["valid"] is not None:
-                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
-            for how in ("dynamic", "static"):
-                if got[how] != got["eager"]:
-                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
-    assert not failures, "\n".join(failures)
+    _assert_eager_four_ways(per_rank, names)
 
 
 # The MLA latent path (SwapOptions.latent_attention: the ring moves the latent, seqpar.swap.mla), DeepSeek-V2/V3's
@@ -467,15 +452,7 @@ def latent_refusals(rank: int, world: int, names: list[str]) -> dict:
         good_kw, bad_kw = LATENT_CASES[name]
         good = (q, c, r, proj, cu)
         bad = (*(t.repeat(2, 1, 1, 1) for t in (q, c, r)), proj, cu) if bad_kw.get("batch2") else good
-        eager = _error(_latent_call, *bad, bad_kw, options)
-        torch._dynamo.reset()
-        fn = torch.compile(_latent_call, backend="aot_eager", dynamic=True, fullgraph=True)
-        valid = _error(fn, *good, good_kw, options)
-        dynamic = _error(fn, *bad, bad_kw, options)
-        torch._dynamo.reset()
-        static = _error(torch.compile(_latent_call, backend="aot_eager", dynamic=False, fullgraph=True), *bad, bad_kw,
-                        options)
-        results[name] = {"eager": eager, "valid": valid, "dynamic": dynamic, "static": static}
+        results[name] = _four_ways(_latent_call, good, bad, good_kw, bad_kw, options)
     torch._dynamo.reset()
     return results
 
@@ -490,19 +467,7 @@ def test_mla_latent_refusals_reach_a_fullgraph_caller(dist_pool) -> None:
     Observed exception`` for each kind, both ranks, dynamic and static."""
     names = list(LATENT_CASES)
     per_rank = dist_pool.run(WORLD, latent_refusals, names, timeout=900)
-    failures = []
-    for rank, results in enumerate(per_rank):
-        for name in names:
-            got = results[name]
-            if got["eager"] is None or got["eager"][0] != "ValueError":
-                failures.append(f"{name} rank {rank}: eager raised {got['eager']}, not a ValueError")
-                continue
-            if got["valid"] is not None:
-                failures.append(f"{name} rank {rank}: the valid call raised {got['valid']}")
-            for how in ("dynamic", "static"):
-                if got[how] != got["eager"]:
-                    failures.append(f"{name} rank {rank} ({how}): {got[how]!r:.400} is not eager's {got['eager']}")
-    assert not failures, "\n".join(failures)
+    _assert_eager_four_ways(per_rank, names)
 
 
 def latent_documents_fall_back(rank: int, world: int, dynamic: bool | None) -> dict:
