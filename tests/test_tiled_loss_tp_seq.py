@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tiled_loss_reference import LOSS_RTOL
+from tiled_loss_reference import close as _close
+from tiled_loss_reference import inputs as _inputs
+from tiled_loss_reference import reference as _reference
 
 from seqpar.memory.tiling import (
     loss_backward_bytes,
@@ -25,35 +28,8 @@ from seqpar.memory.tiling import (
     tiled_lm_loss,
 )
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
-LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
 SCALARS = 16  # the incoming loss gradient and a chunk's loss sum, which the model leaves out
 BAND = 0.06  # as tests/test_memory_tiled_loss_bf16.py
-
-
-def _inputs(seed: int, vocab: int, hidden: int, batch: int, seq: int, dtype: torch.dtype) -> tuple:
-    """``(hidden (batch, seq, hidden), weight (vocab, hidden), targets (batch, seq))`` in float64 holding ``dtype``'s
-    values, about one target in five ignored (-100), the last id a target."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(batch, seq, hidden, generator=g, dtype=torch.float64).to(dtype).double()
-    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 2 / hidden**0.5).to(dtype).double()
-    t = torch.randint(0, vocab, (batch, seq), generator=g)
-    t[torch.rand(batch, seq, generator=g) < 0.2] = -100
-    t[0, 0] = vocab - 1
-    return h, w, t
-
-
-def _reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple:
-    """float64: ``(loss sum, dhidden, dweight)``."""
-    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = F.cross_entropy((h @ w.T).reshape(-1, w.shape[0]), t.reshape(-1), ignore_index=-100, reduction="sum")
-    loss.backward()
-    return loss.detach(), h.grad, w.grad
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    err = (got.double() - want).abs().max().item() / want.abs().max().item()
-    assert err <= TOL[dtype], f"{what}: largest error {err:.3g} of its scale (tolerance {TOL[dtype]:.3g})"
 
 
 def _split_inputs(h64: torch.Tensor, w64: torch.Tensor, dtype: torch.dtype, mesh) -> tuple:  # noqa: ANN001

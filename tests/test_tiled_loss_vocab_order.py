@@ -12,38 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tiled_loss_reference import LOSS_RTOL
+from tiled_loss_reference import close as _close
+from tiled_loss_reference import inputs as _inputs
+from tiled_loss_reference import reference as _reference
 
 from seqpar.memory.tiling import loss_backward_order, loss_chunk_rows, tiled_lm_loss
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-6}
-# the loss sum: bf16 logits (as transformers' loss computes them) round each row's terms once
-LOSS_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
-
-
-def _inputs(seed: int, vocab: int, hidden: int, batch: int, seq: int, dtype: torch.dtype) -> tuple:
-    """``(hidden (batch, seq, hidden), weight (vocab, hidden), targets (batch, seq))``, hidden and weight in ``dtype``
-    (float64 tensors holding ``dtype``'s values), about one target in five ignored (-100)."""
-    g = torch.Generator().manual_seed(seed)
-    h = torch.randn(batch, seq, hidden, generator=g, dtype=torch.float64).to(dtype).double()
-    w = (torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * 2 / hidden**0.5).to(dtype).double()
-    t = torch.randint(0, vocab, (batch, seq), generator=g)
-    t[torch.rand(batch, seq, generator=g) < 0.2] = -100
-    t[0, 0] = vocab - 1  # the last id: the last vocabulary block's last column
-    return h, w, t
-
-
-def _reference(h: torch.Tensor, w: torch.Tensor, t: torch.Tensor) -> tuple:
-    """float64: ``(loss sum, dhidden, dweight)``."""
-    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = F.cross_entropy((h @ w.T).reshape(-1, w.shape[0]), t.reshape(-1), ignore_index=-100, reduction="sum")
-    loss.backward()
-    return loss.detach(), h.grad, w.grad
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    err = (got.double() - want).abs().max().item() / want.abs().max().item()
-    assert err <= TOL[dtype], f"{what}: largest error {err:.3g} of its scale (tolerance {TOL[dtype]:.3g})"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
