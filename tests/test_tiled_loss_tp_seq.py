@@ -95,6 +95,56 @@ def test_tp_sequence_parallel_orders_match_float64(dist_pool, dtype_name: str) -
     assert dist_pool.run(2, _exact, dtype_name, timeout=300) == ["exact", "exact"]
 
 
+
+def _low_precision_exact(rank: int, world: int) -> str:
+    """bf16, both orders, tiles of 6 gathered rows, with the CUDA path's fp32-output matmuls played on CPU (as
+    tests/test_tiled_loss_vocab_order.py plays them in one process): ``addmm_fp32_out`` replaced by its definition,
+    its inputs checked to be bf16 tensors themselves. Restored before returning (the pool's process runs other
+    tests after)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import seqpar.memory.tiling as tiling
+
+    calls: list[str] = []
+
+    def emulated(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        assert a.dtype == b.dtype == torch.bfloat16 and acc.dtype == torch.float32, (a.dtype, b.dtype, acc.dtype)
+        assert acc.shape == (a.shape[0], b.shape[1]) and a.shape[1] == b.shape[0], (acc.shape, a.shape, b.shape)
+        calls.append(order)
+        acc.add_(a.float() @ b.float())
+
+    saved = tiling.fp32_out_matmul_supported, tiling.addmm_fp32_out
+    tiling.fp32_out_matmul_supported, tiling.addmm_fp32_out = (lambda device, dtype: True), emulated
+    try:
+        dtype = torch.bfloat16
+        vocab, hidden, batch, seq = 517, 24, 2, 38
+        h64, w64, t = _inputs(31, vocab, hidden, batch, seq, dtype)
+        ref_loss, ref_h, ref_w = _reference(h64, w64, t)
+        mesh = init_device_mesh("cpu", (world,))
+        seq_t = seq // world
+        for order in ("vocab", "rows"):
+            leaf, h_in, w = _split_inputs(h64, w64, dtype, mesh)
+            loss, _ = tiled_lm_loss(h_in, w, t, chunk_rows=6, backward_order=order)
+            loss.backward()
+            assert order in calls, f"{order}: the fp32-output matmul path was not taken"
+            torch.testing.assert_close(loss.double(), ref_loss, rtol=LOSS_RTOL[dtype], atol=0)
+            _close(leaf.grad, ref_h[:, rank * seq_t:(rank + 1) * seq_t], dtype, f"{order}: dhidden")
+            _close(w.grad.full_tensor(), ref_w, dtype, f"{order}: dweight")
+    finally:
+        tiling.fp32_out_matmul_supported, tiling.addmm_fp32_out = saved
+    return "exact"
+
+
+def test_tp_sequence_parallel_low_precision_matmul_path_matches_float64(dist_pool) -> None:  # noqa: ANN001
+    """The CUDA-only branch of both orders under TP sequence parallelism (one bf16 matmul writing fp32, torch's
+    ``addmm(..., out_dtype=float32)``), played on CPU on 2 gloo ranks: loss, dhidden and dweight equal float64 on
+    bf16-rounded inputs (audit 29's survivor T16: no test took this branch under TP-SP).
+
+    Seen failing (both ranks): the row order's ``addmm_fp32_out(dweight, dlogits.t(), gathered)`` given
+    ``gathered.t()`` (the shapes' assert), and the vocabulary order's ``dl`` left in fp32 on this path (its
+    ``dl.to(hidden.dtype)`` dropped: the bf16 assert)."""
+    assert dist_pool.run(2, _low_precision_exact, timeout=300) == ["exact", "exact"]
+
 # (vocab, hidden, seq): per rank V / tp = 4096 head rows of 64, 64 gathered rows (32 a rank)
 MEM_SHAPE = (8192, 64, 64)
 
