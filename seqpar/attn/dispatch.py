@@ -16,7 +16,6 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
-from seqpar.attn.checks import CompileOnlyRefusal
 from seqpar.attn.common import SingleRank
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
 from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention, defer_refusals
@@ -159,8 +158,11 @@ def run_attention(
 
 def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> Tensor:
     opts = plan.opts
-    if plan.algorithm in OP_ALGORITHMS and torch.compiler.is_compiling():
-        # dynamo cannot trace the exchanges: the algorithm is one custom op in the graph (seqpar.attn.ops)
+    if plan.algorithm in OP_ALGORITHMS and (torch.compiler.is_compiling() or plan.traced):
+        # dynamo cannot trace the exchanges: the algorithm is one custom op in the graph (seqpar.attn.ops). A plan
+        # resolved while tracing takes the op even when Python runs it (dynamo gave up the frame that runs it, no
+        # fullgraph): its documents and size checks are the op's; the eager Functions refused a boundary tensor
+        # (CompileOnlyRefusal) where the call is valid, and would have dropped it
         if plan.algorithm == "hybrid":
             assert plan.manager is not None
             ring = plan.manager.ring_group if plan.manager.ring_size > 1 else None
@@ -168,11 +170,8 @@ def _run_bhsd(plan: AttentionPlan, q: Tensor, k: Tensor, v: Tensor, sinks: Tenso
                                       ulysses=plan.ulysses, ring_group=ring, documents=plan.documents)
         return compiled_attention(plan.algorithm, plan.group, opts, q, k, v, sinks, ulysses=plan.ulysses,
                                   documents=plan.documents)
-    if plan.documents is not None:  # compile only, not deferred: without fullgraph dynamo runs the call eagerly
-        raise CompileOnlyRefusal(
-            f"seqpar.attention under torch.compile: cu_seqlens as a tensor with algorithm {plan.algorithm!r}, "
-            f"which has no compiled op ({', '.join(OP_ALGORITHMS)} have): pass cu_seqlens as a tuple of ints"
-        )
+    # a boundary tensor is resolved only while tracing, and only into an op's algorithm (one rank: "single")
+    assert plan.documents is None, plan.algorithm
     if plan.algorithm == "sdpa":
         # guard_scalar: with symbolic head counts (torch.compile, dynamic=True) the comparison is a SymBool, which
         # SDPA's enable_gqa refuses (a TypeError in dynamo's fake call: a graph break, fuzz case 1637623653; bool()

@@ -76,6 +76,11 @@ class AttentionPlan:
     """While ``torch.compile`` traces: the document boundaries as the caller's 1-D int tensor, which the
     traced call cannot read (``opts.cu_seqlens`` is then None); the compiled op reads and checks them at
     run time (:mod:`seqpar.attn.ops`). None otherwise."""
+    traced: bool = False
+    """Resolved while ``torch.compile`` traced: the checks of the sizes (local length, ``head_chunks``, the
+    boundaries' end) and ``documents`` are left to the compiled op, so the plan runs through the op even when
+    Python runs it (dynamo gave up the frame that runs it: its recompile limit, a break it cannot resume), never
+    through the eager autograd Functions, which would drop the documents and skip those checks."""
 
 
 def to_bhsd(t: Tensor, layout: str) -> Tensor:
@@ -340,7 +345,8 @@ def resolve_attention(
     if world == 1:
         # one rank holds the whole sequence in order (zigzag with P=1 is chunks [0, 1])
         masked = not opts.mask.dense or documents is not None or sinks is not None or opts.softcap is not None
-        return AttentionPlan("single" if masked else "sdpa", opts, layout, documents=documents)
+        return AttentionPlan("single" if masked else "sdpa", opts, layout, documents=documents,
+                             traced=torch.compiler.is_compiling())
     algorithm = _algorithm(mode, qb, kb, world=world, group=group, manager=manager, opts=opts, sinks=sinks,
                            v_head_dim=vb.shape[-1], documents=documents is not None,
                            head_chunks_given=head_chunks != "auto")
@@ -349,7 +355,7 @@ def resolve_attention(
         ulysses = _ulysses_plan(algorithm, qb, kb, world=world, group=group, manager=manager, opts=opts,
                                 head_chunks=head_chunks)
     return AttentionPlan(algorithm, opts, layout, group, manager if algorithm == "hybrid" else None, ulysses,
-                         documents)
+                         documents, traced=torch.compiler.is_compiling())
 
 
 def _traced_documents(cu_seqlens: Tensor, q: Tensor, sharding: str) -> Tensor:
