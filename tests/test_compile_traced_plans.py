@@ -118,3 +118,36 @@ def test_traced_plan_run_by_python_is_exact(dist_pool, name: str) -> None:
     failures = [f"{n} differs by {(got[n] - want[n]).abs().max().item():.3g}" for n in want
                 if not torch.allclose(got[n], want[n], rtol=1e-10, atol=1e-10 * want[n].abs().max().item())]
     assert not failures, failures
+
+
+def fullgraph_check_inputs(rank: int, world: int, dynamic: bool | None) -> tuple[str, str] | None:
+    """Worker body: ``seqpar.attention(check_inputs=True)`` compiled with ``fullgraph=True``; the error's type and
+    text that reached the caller (None: it compiled)."""
+    full = _inputs(5, 4, 2)
+    q, k, v = (full[n][:, :, rank * SEQ_LOCAL:(rank + 1) * SEQ_LOCAL] for n in "qkv")
+    torch._dynamo.reset()
+    try:
+        torch.compile(_direct, backend="aot_eager", fullgraph=True, dynamic=dynamic)(
+            q, k, v, None, {"mode": "ring", "check_inputs": True})
+    except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+        return type(error).__name__, str(error)
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+@pytest.mark.compile_stage
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_check_inputs_under_fullgraph_is_refused_by_name(dist_pool, dynamic: bool | None) -> None:
+    """``check_inputs=True`` on 2 ranks under ``torch.compile(fullgraph=True)``: its cross-rank check (a collective
+    read on the host) cannot be in a graph, so it is a compile-only refusal naming the option and the fix, on both
+    ranks (dynamo's ``Unsupported`` carrying seqpar's text, as every CompileOnlyRefusal under fullgraph). Without
+    fullgraph the call is exact (``test_traced_plan_run_by_python_is_exact``'s ``check_inputs`` cases).
+
+    Seen failing: on 41f57e6's seqpar/attn/resolve.py (no such refusal), both ranks, static and dynamic: dynamo's Unsupported for the disabled
+    ``_rows_across_ranks_eagerly`` (a graph break), without "check_inputs" in its text."""
+    per_rank = dist_pool.run(WORLD, fullgraph_check_inputs, dynamic, timeout=600)
+    for rank, got in enumerate(per_rank):
+        assert got is not None, f"rank {rank}: compiled"
+        assert got[0] == "Unsupported" and "check_inputs=True on 2 ranks" in got[1] and "check_inputs=False" in got[1], \
+            f"rank {rank}: {got[0]}: {got[1][:600]}"

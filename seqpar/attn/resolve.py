@@ -297,6 +297,16 @@ def resolve_attention(
         bounds = host_boundaries(cu_seqlens)  # the call's one device-to-host copy, when documents are given
     except TypeError as e:  # raised after the cross-rank check, so that no rank is left waiting in it
         bad_bounds = e
+    if check_inputs and world > 1 and torch.compiler.is_compiling():
+        # Not deferred: without fullgraph dynamo gives this frame up and Python resolves the call eagerly, the check
+        # included (exact); under fullgraph=True the collective broke the graph as dynamo's Unsupported "skipped
+        # function", without a word of the fix
+        raise CompileOnlyRefusal(
+            f"seqpar.attention under torch.compile with check_inputs=True on {world} ranks: the cross-rank check "
+            "is a collective whose verdict is read on the host, which cannot be part of a graph (fullgraph=True "
+            "refuses it; without fullgraph the call is resolved eagerly). Pass check_inputs=False inside compiled "
+            "code, and check the inputs once eagerly (a swapped model checks each batch before its layers run)"
+        )
     if check_inputs and world > 1:
         extra = mask_digest(bounds, window, sinks, chunk_size) + [
             _float_digest(softcap), -1 if alibi_slopes is None else (alibi_slopes.numel() if isinstance(alibi_slopes, Tensor) else -2)]
