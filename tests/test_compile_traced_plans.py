@@ -151,3 +151,42 @@ def test_check_inputs_under_fullgraph_is_refused_by_name(dist_pool, dynamic: boo
         assert got is not None, f"rank {rank}: compiled"
         assert got[0] == "Unsupported" and "check_inputs=True on 2 ranks" in got[1] and "check_inputs=False" in got[1], \
             f"rank {rank}: {got[0]}: {got[1][:600]}"
+
+
+def traced_plan_refusal(rank: int, world: int) -> dict:
+    """Worker body: ``head_chunks=3`` over 2 K/V heads (a refusal a traced call leaves to the op), eagerly and compiled
+    without fullgraph with the frame that runs the plan given up; the (type, text) each raised."""
+    import seqpar.attn.dispatch as dispatch
+
+    full = _inputs(5, 4, 2)
+    q, k, v = (full[n][:, :, rank * SEQ_LOCAL:(rank + 1) * SEQ_LOCAL] for n in "qkv")
+    kw = {"mode": "ring", "check_inputs": False, "head_chunks": 3}
+    got = {}
+    for how in ("eager", "compiled"):
+        run = dispatch.run_attention
+        fn = _direct
+        if how == "compiled":
+            dispatch.run_attention = torch.compiler.disable(run)
+            torch._dynamo.reset()
+            fn = torch.compile(_direct, backend="aot_eager")
+        try:
+            fn(q, k, v, None, kw)
+            got[how] = None
+        except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+            got[how] = (type(error).__name__, str(error))
+        finally:
+            dispatch.run_attention = run
+            torch._dynamo.reset()
+    return got
+
+
+@pytest.mark.compile_stage
+def test_traced_plan_run_by_python_keeps_the_ops_checks(dist_pool) -> None:
+    """A refusal a traced call leaves to its op (``head_chunks`` against the K/V heads), the plan run by Python
+    (dynamo gave up the frame that runs it): eager's ValueError and text on both ranks.
+
+    Seen failing: on 658d6e4's seqpar/attn/dispatch.py and resolve.py, the eager Functions ran the traced plan,
+    whose head_chunks was never checked: """
+    for rank, got in enumerate(dist_pool.run(WORLD, traced_plan_refusal, timeout=600)):
+        assert got["eager"] is not None and got["eager"][0] == "ValueError", (rank, got)
+        assert got["compiled"] == got["eager"], f"rank {rank}: {got}"
