@@ -186,7 +186,9 @@ def test_traced_plan_run_by_python_keeps_the_ops_checks(dist_pool) -> None:
     (dynamo gave up the frame that runs it): eager's ValueError and text on both ranks.
 
     Seen failing: on 658d6e4's seqpar/attn/dispatch.py and resolve.py, the eager Functions ran the traced plan,
-    whose head_chunks was never checked: """
+    whose head_chunks was never checked, and the caller got another message from deep inside the ring, "head_chunks=3
+    must be a positive divisor of kv_heads=2", where eager says "does not divide the 2 K/V heads: choose one of [1,
+    2] or 'auto'" (both ranks)."""
     for rank, got in enumerate(dist_pool.run(WORLD, traced_plan_refusal, timeout=600)):
         assert got["eager"] is not None and got["eager"][0] == "ValueError", (rank, got)
         assert got["compiled"] == got["eager"], f"rank {rank}: {got}"
