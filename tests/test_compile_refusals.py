@@ -526,3 +526,69 @@ def test_mla_latent_documents_run_eagerly_without_fullgraph(dist_pool, dynamic: 
     failures = [f"{name} differs by {(got[name] - want[name]).abs().max().item():.3g}" for name in want
                 if not torch.allclose(got[name], want[name], rtol=1e-10, atol=1e-10 * want[name].abs().max().item())]
     assert not failures, failures
+
+
+def latent_traced_plan(rank: int, world: int) -> dict:
+    """Worker body: the MLA latent ring with ``check_finite=True`` (a collective inside the swap's ``with
+    suspended()``: dynamo gives the latent frame up, and Python runs it holding the plan resolve_attention, compiled
+    as a frame of its own, made while tracing), compiled without fullgraph. The valid call's output and grads
+    (float64), and ``head_chunks=3`` over the 4 heads (a refusal a traced call leaves to the op): (type, text)
+    eagerly and compiled."""
+    from seqpar.swap.options import SwapOptions
+
+    full = _latent_inputs(37, 8 * world, torch.float64)
+    q, c, r, dout = (full[n][:, :, rank * 8:(rank + 1) * 8].clone().requires_grad_() for n in ("q", "c", "r", "dout"))
+    proj = _KVProjection(full["w"].clone())
+    got: dict = {}
+    for chunks in (1, 3):
+        options = SwapOptions(group=torch.distributed.group.WORLD, mode="ring", check_inputs=False, check_finite=True,
+                              head_chunks=chunks)
+        for how in ("eager", "compiled") if chunks == 3 else ("compiled",):
+            torch._dynamo.reset()
+            fn = torch.compile(_latent_call, backend="aot_eager") if how == "compiled" else _latent_call
+            try:
+                out = fn(q, c, r, proj, None, {}, options)
+            except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+                got[(how, chunks)] = (type(error).__name__, str(error))
+                continue
+            finally:
+                torch._dynamo.reset()
+            if chunks == 1:
+                out.backward(dout.detach())
+                got["exact"] = {"out": out.detach(), "dq": q.grad, "dc": c.grad, "dr": r.grad, "dw": proj.weight.grad}
+            else:
+                got[(how, chunks)] = None
+    return got
+
+
+@pytest.mark.compile_stage
+def test_mla_latent_traced_plan_run_by_python(dist_pool) -> None:
+    """The MLA latent path run by Python with a plan made while tracing (``check_finite=True`` breaks the graph
+    inside the swap's ``with suspended()``, so dynamo gives the latent frame up, while resolve_attention, called from
+    it, is compiled as a frame of its own): the valid call equals one process's float64 MLA attention (output and
+    every gradient, each on its own scale), and ``head_chunks=3`` over 4 heads gets eager's ValueError and text on
+    both ranks.
+
+    Seen failing: on 3871d0f's seqpar/swap/options.py (the eager second resolve only when the plan held documents),
+    the compiled ``head_chunks=3`` call ran without a word on both ranks (the traced plan's unchecked head_chunks),
+    where eager raises "head_chunks=3 does not divide the 4 K/V heads: choose one of [1, 2, 4] or 'auto'". The
+    valid call was exact there too."""
+    world = WORLD
+    per_rank = dist_pool.run(world, latent_traced_plan, timeout=600)
+    for rank, got in enumerate(per_rank):
+        assert "exact" in got, f"rank {rank}: {got.get(('compiled', 1))}"
+        assert got[("eager", 3)] is not None and got[("eager", 3)][0] == "ValueError", (rank, got[("eager", 3)])
+        assert got[("compiled", 3)] == got[("eager", 3)], f"rank {rank}: {got[('compiled', 3)]} vs {got[('eager', 3)]}"
+    full = _latent_inputs(37, 8 * world, torch.float64)
+    q, c, r, w = (full[n].clone().requires_grad_() for n in "qcrw")
+    k, v = _expand(w, c, r)
+    seq = 8 * world
+    s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    want = dict(zip(("out", "dq", "dc", "dr", "dw"), (out.detach(), *torch.autograd.grad(out, [q, c, r, w],
+                                                                                         full["dout"]))))
+    got = {name: torch.cat([res["exact"][name] for res in per_rank], 2) for name in ("out", "dq", "dc", "dr")}
+    got["dw"] = sum(res["exact"]["dw"] for res in per_rank)
+    failures = [f"{name} differs by {(got[name] - want[name]).abs().max().item():.3g}" for name in want
+                if not torch.allclose(got[name], want[name], rtol=1e-10, atol=1e-10 * want[name].abs().max().item())]
+    assert not failures, failures

@@ -260,11 +260,12 @@ class SwapOptions:
                     "transfer are not supported (the boundaries are a tensor the latent ring cannot read while "
                     "tracing); set mla_transfer='expanded' when compiling packed batches, or run eagerly"
                 )
-            if plan.documents is not None:
-                # run by Python after dynamo gave this frame up, yet holding a traced plan (the boundaries a
-                # tensor, their checks left to an op the latent kernels do not run; used as it is, the latent ring
-                # drops the documents). The whole call again, eagerly: resolved as an eager call resolves it (the
-                # tensor's values read and checked), with dynamo off for the frames it calls (else it compiles
+            if plan.traced and not torch.compiler.is_compiling():
+                # run by Python after dynamo gave this frame up (this refusal, or a break inside `with suspended()`:
+                # check_finite's collective), yet holding a traced plan (the boundaries a tensor, the size checks
+                # left to an op the latent kernels do not run; used as it is, the latent ring drops the documents
+                # and runs an unchecked head_chunks). The whole call again, eagerly: resolved as an eager call
+                # resolves it (the tensor's values read and checked), with dynamo off for the frames it calls (else it compiles
                 # the ring's helpers one by one, which fails under dynamic=True)
                 return torch.compiler.disable(self._latent_attention)(
                     q, call, causal=causal, scale=scale, layer=layer, cu_seqlens=cu_seqlens, window=window,
