@@ -8,7 +8,7 @@ Measured (2-core VM), bytes, and the estimate:
 
 - sinks, even split: P = 4 fp32 causal 1380416 +0.30%; P = 4 bf16 full 692256 +0.59%; P = 2 fp32 causal, 2 head
   chunks 2564160 +0.32%; P = 4 bf16 causal window 48 990104 +0.41%; P = 2 bf16 full window 40, 2 head chunks 1553960
-  +0.53% (+4.74% until est29b: the next chunk's dout all-to-all counted at the last chunk); P = 4 fp32 causal chunk 96, 8 / 4 heads 1171264 +0.35%; P = 4 bf16 causal documents, MQA 491552 +0.83%
+  +0.53% (+4.74% until est29b: the next chunk's dout all-to-all counted at the last chunk); P = 4 fp32 causal chunk 96, 8 / 4 heads 1171264 +0.35%; P = 4 bf16 causal documents, MQA 491552 +0.00% (+0.83% until est30: the sequence-layout lse at sink_grad)
 - uneven split under a mask: P = 4 fp32 causal window 48, 6 / 6 heads 1543224 +0.20%; bf16 full documents 6 / 6
   610304 +0.50% (+5.87% until est28b sized an uneven split per rank, +3.19% until est29); fp32 causal chunk 96, 6 / 3 1023744 +0.30%;
   bf16 causal window 64, 6 / 3 681160 +0.45%; fp32 causal documents + window 64 + sinks, 6 / 6 1250832 +0.25%; bf16
