@@ -88,6 +88,10 @@ TIGHT = {
     # layer's activations: the gloo copy of it (est29b: -5.5% -> -0.2%). Seen failing on the estimate before:
     # 88,152,704 against 93,326,329 bytes measured, -5.5%, at the last layer's backward
     ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 1_000_000): (-0.005, 0.02),
+    # ZeRO-3 reducing a bucket's worth inside the last layer's backward, at o_proj's gradient: the layer's MLP has
+    # freed its saved tensors by then (est30: +5.2% -> +0.7%). Seen failing on the estimate before: 97,949,440 against
+    # 93,147,769 bytes measured, +5.2%
+    ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 2_100_000): (-0.005, 0.02),
 }
 
 # each term of the estimate, by the estimator that makes it
@@ -184,17 +188,19 @@ def test_zero3_end_of_backward_counts_the_flat_scatter_input_and_gloos_copy() ->
     partitions (fp16/fp32 flat, fp32 master, AdamW's two moments, the gradient partition: 5 x 8,438,400), the
     5e6-element bucket (20,000,000) holding the whole gradients, the gathered whole parameters (16,876,800), the
     bucket's flat reduce-scatter input padded to the world (16,876,800) and gloo's copy of it made inside torch's
-    ``reduce_scatter_tensor`` (16,876,800); 57 KB of token ids. The estimate is that moment, within -0.5% .. +2%;
-    on a GPU (NCCL scatters in place) it has no gloo copy.
+    ``reduce_scatter_tensor`` (16,876,800); the batch's int64 token tensors (57,344: the whole sample's input ids and
+    labels, this rank's input ids, shift labels and positions). The estimate is that moment, within -0.02% .. +0.5%
+    (what is left is 117 bytes of scalars); on a GPU (NCCL scatters in place) it has no gloo copy.
 
     Seen failing: the estimate before (the root's whole gradients beside the bucket instead of the flat input and
     gloo's copy): 104,152,704 bytes, -7.7%, at the last layer's backward; without gloo's copy (``2 if device ==
-    "cpu" else 1`` -> ``1``): the same, the end of backward then 95,952,896 bytes (-15.0%)."""
+    "cpu" else 1`` -> ``1``): the same, the end of backward then 95,952,896 bytes (-15.0%); without the token
+    tensors (est29's model): 112,822,400 bytes, -0.05%."""
     kw = {"seq_len": 2048, "sp_size": 2, "engine": "deepspeed", "zero_stage": 3, "tiled_loss": True,
           "reduce_bucket_size": 5_000_000}
     est = estimate_training_memory(MODEL, **kw)
     assert est["moment"] == "grad_reduction", est
-    assert -0.005 <= est["peak"] / ZERO3_TILED_MEASURED - 1 <= 0.02, est
+    assert -0.0002 <= est["peak"] / ZERO3_TILED_MEASURED - 1 <= 0.005, est
     # a GPU: no gloo copy, so this moment is 16,876,800 bytes lower there and the last layer's backward the peak
     assert estimate_training_memory(MODEL, **kw, device="cuda")["peak"] < est["peak"] - 8_000_000
 
@@ -213,10 +219,13 @@ def test_zero3_head_gradient_larger_than_the_bucket_is_reduced_beside_the_activa
     (8,192,000), the 1e6-element bucket (4,000,000) and every layer's activations. The estimate is that moment,
     within -0.5% .. +2%; on a GPU (NCCL, no copy) the moment adds nothing, and a bucket the whole model fits has no
     such moment. A bucket the head fits but the layers overflow (2.1e6) reduces a bucket's worth inside the last
-    layer's backward: 93,147,769 bytes measured, estimated 0 .. +6% over.
+    layer's backward, at o_proj's gradient (the bucket holds the head's, the final norm's and the layer's MLP's:
+    2,097,280 elements): 93,147,769 bytes measured (est30's record_peak: the flat input and gloo's copy, 2 x 8,389,120,
+    beside the bucket; the layer's MLP's saved gate, up, act(gate) and product freed), estimated 0 .. +1% over.
 
     Seen failing: the estimate before (no such moment): 88,152,704 bytes, -5.5%, at the last layer's backward; with
-    a 2.1e6-element bucket 92,552,704 bytes, -0.64%."""
+    a 2.1e6-element bucket 92,552,704 bytes, -0.64%; with every layer's activations counted at the 2.1e6 bucket's
+    reduction (est29b's model): 97,949,440 bytes, +5.2%."""
     kw = {"seq_len": 2048, "sp_size": 2, "engine": "deepspeed", "zero_stage": 3, "tiled_loss": True,
           "reduce_bucket_size": 1_000_000}
     est = estimate_training_memory(MODEL, **kw)
@@ -224,10 +233,10 @@ def test_zero3_head_gradient_larger_than_the_bucket_is_reduced_beside_the_activa
     assert -0.005 <= est["peak"] / ZERO3_SMALL_BUCKET_MEASURED - 1 <= 0.02, est
     assert estimate_training_memory(MODEL, **kw, device="cuda")["moment"] != "backward_reduction"
     # a bucket the head fits and the layers overflow (2.1e6): a bucket's worth reduced inside the last layer's
-    # backward, measured 93,147,769 bytes (the flat input and gloo's copy, 2 x 8,389,120, beside the bucket); the model
-    # counts every layer's activations there, never under
+    # backward after its MLP's, measured 93,147,769 bytes (the flat input and gloo's copy, 2 x 8,389,120, beside the
+    # bucket; the MLP's saved tensors freed)
     over = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 2_100_000})["peak"] / 93_147_769 - 1
-    assert 0 <= over <= 0.06, over
+    assert 0 <= over <= 0.01, over
     fits = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 5_000_000})  # the whole model fits
     assert fits["moment"] != "backward_reduction", fits
 
@@ -290,7 +299,8 @@ def test_state_and_offload_terms_written_out() -> None:
     assert params - tied.params == model["vocab_size"] * h
     # FSDP2's end of backward on a large model at short sequences (the peak there): the fp32 shard and the
     # gathered root and two layers, two moments, the root's gradients being reduce-scattered (the flat fp32
-    # input and the output shard) beside the head's whole gradient, and every layer's reduced fp32 shard
+    # input and the output shard) beside the head's whole gradient, every layer's reduced fp32 shard, and the
+    # batch's int64 token tensors (the whole sample's input ids and labels, this rank's three cuts)
     shape = ModelShape.from_config(training.MODEL_SHAPES["llama3-8b"])
     world = 8
     part = -(-shape.params // world)
@@ -298,7 +308,7 @@ def test_state_and_offload_terms_written_out() -> None:
                                    activation_checkpointing=True, tiled_loss=True, tiled_mlp="auto")
     want = (part * 4 + (shape.root_params + 2 * shape.layer_params) * 4 + 2 * part * 4
             + shape.root_params * 4 * (1 + 1 / world) + shape.vocab_size * shape.hidden_size * 4
-            + shape.num_hidden_layers * shape.layer_params * 4 / world)
+            + shape.num_hidden_layers * shape.layer_params * 4 / world + 8 * (2 * 1024 + 3 * 512))
     assert (est["moment"], est["peak"]) == ("grad_reduction", int(want)), (est["peak"] / want)
 
 

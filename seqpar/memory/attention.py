@@ -88,7 +88,7 @@ rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send 
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
 and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
-uneven cases are +0.2% to +0.8% over (tests/test_memory_masks_ulysses.py). The hybrid under masks or sinks:
+uneven cases are 0 to +0.7% over (tests/test_memory_masks_ulysses.py). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
 cases within 0 to +0.8% (tests/test_memory_masks_hybrid.py); ``sharding='balanced'`` is refused with it as
@@ -585,7 +585,10 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
                 masked_fwd = max(masked_fwd, saved * c / G + (Qh + 2 * Kh + a2a) / G + inner_fwd)
         if inner.sinks:  # sink_grad before the chunk's inner backward: p (lse-sized), dout * out in the
             # accumulation dtype (and, low precision, dout's and out's upcasts), beside what a kernel has beside it
-            sink = (Q + Qh if uneven else beside) + (Qh32 * (3 if sizes.low else 1) + lse_h) / G
+            # (even split: less the sequence-layout lse ``base`` counts, which Ulysses never makes: its lse is the
+            # head layout's, in ``saved``; recorded at the measured peak, sink_grad's multiply, in P = 4 bf16 causal
+            # documents + sinks MQA: +0.83% -> 0, est30)
+            sink = ((Q + Qh if uneven else beside - lse * G) + (Qh32 * (3 if sizes.low else 1) + lse_h) / G)
             at_kernel = max(at_kernel, sink)
     if uneven:  # _uneven_backward on this rank (G = 1), dout's all-to-all send buffer (Q) held throughout
         # packing: the pieces' dq/dk/dv, their concatenation (more than one piece) and the packed send buffer

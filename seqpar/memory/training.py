@@ -265,6 +265,9 @@ class _ActivationBytes(NamedTuple):
     transient already holds the MLP weights' gradient (its accumulator and one chunk's). Untiled: the MLP weights'
     gradients made so far (down_proj's beside the three intermediate gradients; gate's and up's beside fewer).
     Either way the layer's other gradients are not made yet: attention's backward runs after the MLP's."""
+    layer_freed: int = 0
+    """What one layer's finished backward frees of ``backward``: its saved tensors (its checkpointed input under
+    activation checkpointing); 0 where the model does not follow layers one by one (hybrids, offloaded inputs)."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -364,7 +367,12 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         mlp_grads = (max(hi + 3 * ir, 2 * hi + 2 * ir, 3 * hi + ir) - 3 * ir) * e
     # the MLP's saved intermediates are gone once its backward ran, before attention's backward
     after_attention = 4 * m.intermediate_size * e * rows if tiled_mlp is False else 0
-    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads)
+    if m.layer_kinds or (activation_checkpointing and offload_activations and device == "cuda"):
+        layer_freed = 0
+    else:
+        layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer
+    return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads,
+                            layer_freed=layer_freed)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -458,13 +466,50 @@ def _zero3_head_scatter_bytes(m: ModelShape, e: int, *, world: int, reduce_bucke
     return (0 if head % world == 0 else padded) + (padded if device == "cpu" else 0)
 
 
+def _batch_token_bytes(*, batch: int, seq_len: int, rows: int) -> int:
+    """The batch's int64 token tensors, held through every engine's micro-step (launch/loop.py): the whole sample's
+    ``input_ids`` and ``labels`` ``(batch, seq_len)``, and this rank's cut of ``input_ids``, ``shift_labels`` and
+    ``position_ids`` ``(batch, rows)`` (:func:`seqpar.sequence.batch.shard_batch`). 57,344 bytes at 2048 tokens over
+    SP 2, recorded at the measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting (est30): the
+    -0.05% the model had left under there."""
+    return 8 * batch * (2 * seq_len + 3 * rows)
+
+
+def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> tuple[int, bool] | None:
+    """Where ZeRO-3's gradient bucket first overflows during the backward: ``(layers whose backward has finished,
+    whether the layer in flight has finished its MLP's backward)``, or None when it never does before the
+    embedding's gradient (the end of backward's reduction). Stage3 reduces the bucket when the next gradient to
+    arrive would take it past ``reduce_bucket_size`` elements (a gradient larger than the bucket is counted but never
+    copied: the head's, :func:`_zero3_head_scatter_bytes`). The gradients arrive in backward order: the LM head's
+    (untied), the final norm's, then each layer's from the last: down, up, gate, the post-attention norm, then
+    o, q, k, v and the input norm (a remainder, biases, last)."""
+    h, i = m.hidden_size, m.intermediate_size
+    qd, kvd = m.num_attention_heads * m.d, m.num_key_value_heads * m.d
+    mlp = [h * i] * 3 + [h]
+    attention = [qd * h, qd * h, kvd * h, kvd * h, h]
+    attention.append(max(0, m.layer_params - sum(mlp) - sum(attention)))
+    elems = 0 if m.tie_word_embeddings else m.vocab_size * h
+    if elems and elems + h > reduce_bucket_size:
+        return 0, False
+    elems += h
+    for done in range(m.num_hidden_layers):
+        for after_mlp, part in ((False, mlp), (True, attention)):
+            for n in part:
+                if elems + n > reduce_bucket_size and elems > 0:
+                    return done, after_mlp
+                elems += n
+    return None
+
+
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
-             zero3_scatter: int = 0, zero3_head_scatter: int = 0, overflows: bool = False) -> dict[str, float]:
-    """The bytes alive at each candidate peak moment of the step; the peak is the largest."""
+             zero3_scatter: int = 0, zero3_head_scatter: int = 0,
+             overflow: tuple[int, bool] | None = None, tokens: int = 0) -> dict[str, float]:
+    """The bytes alive at each candidate peak moment of the step; the peak is the largest. ``tokens``: the batch's
+    token tensors (:func:`_batch_token_bytes`), alive through forward and backward."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
     head_grad, embed_grad = _root_grad_bytes(m, e)
-    static = state.params + state.optimizer
+    static = state.params + state.optimizer + tokens
     if engine == "deepspeed" and sharded:
         static += state.grads_reduced  # ZeRO-3 allocates its gradient partition up front
     # ZeRO-3's last bucket at the end of backward: its flat reduce-scatter input (and gloo's copy) beside the
@@ -472,6 +517,11 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
     # bucket stays its own tensor beside it. Counting the root's gradients instead of the flat input and gloo's copy
     # was -7.8% under the measurement (107.7 MiB); the larger of the two keeps either case counted.
     zero3_reduce = max(head_grad + embed_grad, zero3_scatter)
+    # a bucket's worth reduced during the backward (_zero3_first_overflow): the layers whose backward has finished
+    # have freed their saved tensors, and so has the layer in flight's MLP once its backward ran. Counting every
+    # layer's activations there was +5.2% over the 2.1e6-element bucket's measurement (the overflow at the last
+    # layer's o_proj gradient, its MLP's saved gate, up, act(gate) and product gone: recorded at the peak, est30)
+    freed = 0 if overflow is None else overflow[0] * acts.layer_freed + (acts.after_attention if overflow[1] else 0)
     return {
         # the loss's backward: every layer's activations and the logits' buffers
         "loss_backward": static + acts.at_loss + logits,
@@ -494,14 +544,14 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
         # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
         # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
-        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket, -0.6% -> +5.2%: the model
-        # counts every layer's activations, the measurement had the last layer's partly freed). Neither happens when
+        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket, -0.6% -> +0.6%, less what
+        # the finished backward freed: ``freed``). Neither happens when
         # the whole model's gradients fit the bucket: the one reduction is then the end of backward's. (0 from
         # _zero3_head_scatter_bytes, scattered in place on a GPU, leaves the head's case below the last layer's
         # backward, which counts the head's gradient too.)
         "backward_reduction": static + acts.backward + comm + max(
             head_grad + zero3_head_scatter if zero3_head_scatter else 0,
-            zero3_scatter if overflows else 0),
+            zero3_scatter - freed if overflow is not None else 0),
     }
 
 
@@ -617,7 +667,9 @@ def estimate_training_memory(
     moments = _moments(m, e, state, acts, attention=attention, logits=logits, comm=comm, zero12_reduce=zero12_reduce,
                        world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter,
                        zero3_head_scatter=zero3_head_scatter,
-                       overflows=engine == "deepspeed" and sharded and m.params > reduce_bucket_size)
+                       overflow=(_zero3_first_overflow(m, reduce_bucket_size) if engine == "deepspeed" and sharded
+                                 else None),
+                       tokens=_batch_token_bytes(batch=batch, seq_len=seq_len, rows=rows))
     moment = max(moments, key=moments.get)
     head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
