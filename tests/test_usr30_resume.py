@@ -43,16 +43,17 @@ def _error_line(run: subprocess.CompletedProcess) -> str:
 
 
 def test_resume_without_a_checkpoint_names_the_directory_and_the_fix(tmp_path):
-    """`--resume --save-dir DIR` with nothing saved in DIR. Seen failing: a `FileNotFoundError` traceback on every
-    rank ("no complete FSDP checkpoint in DIR"), exit 1, no fix named."""
+    """`--resume --save-dir DIR` with nothing saved in DIR. Seen failing (launch/engines.py before this session): a
+    `FileNotFoundError` traceback on every rank ("no complete FSDP checkpoint in DIR"), exit 1, no fix named."""
     save_dir = str(tmp_path / "empty")
     line = _error_line(_resume("fsdp_ring.json", save_dir))
     assert repr(save_dir) in line and "run without --resume" in line, line
 
 
 def test_resume_of_a_deepspeed_checkpoint_under_fsdp_names_the_engine(tmp_path):
-    """An FSDP run resuming a directory DeepSpeed saved. Seen failing (`resume_tag`'s engine check removed): DCP's
-    loader raised from inside torch on every rank, a traceback that does not say the engines differ."""
+    """An FSDP run resuming a directory DeepSpeed saved. Seen failing (launch/engines.py before this session):
+    DCP's loader raised `FileNotFoundError: .../step3/__0.metadata` from inside torch on every rank, exit 1, a
+    traceback that does not say the engines differ."""
     save_dir = _fake_checkpoint(tmp_path / "ds", ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     line = _error_line(_resume("fsdp_ring.json", save_dir))
     assert "is a DeepSpeed checkpoint, but this run's engine is fsdp" in line and "--engine deepspeed" in line, line
@@ -60,8 +61,9 @@ def test_resume_of_a_deepspeed_checkpoint_under_fsdp_names_the_engine(tmp_path):
 
 def test_resume_of_an_fsdp_checkpoint_under_deepspeed_names_the_engine(tmp_path):
     """A DeepSpeed run resuming a directory FSDP2 saved (`torchrun ... fsdp_ring.json --save-dir ck`, then
-    `deepspeed ... deepspeed_ring.json --save-dir ck --resume`). Seen failing: a bare `AssertionError` from
-    DeepSpeed's `load_checkpoint` on every rank, naming nothing."""
+    `deepspeed ... deepspeed_ring.json --save-dir ck --resume`). Seen failing (launch/engines.py before this session,
+    by the command itself: `train.py --config configs/deepspeed_ring.json --sp-size 1 --resume --save-dir <an FSDP
+    run's dir>`): a bare `AssertionError` traceback from DeepSpeed's `load_checkpoint`, naming nothing."""
     save_dir = _fake_checkpoint(tmp_path / "fsdp", ("__0_0.distcp", ".metadata"))
     line = _error_line(_resume("deepspeed_ring.json", save_dir))
     assert "is a FSDP (torch.distributed.checkpoint) checkpoint, but this run's engine is deepspeed" in line, line
