@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Engine", "DeepSpeedEngine", "FSDPEngine", "packed_kwargs"]
+__all__ = ["Engine", "DeepSpeedEngine", "FSDPEngine", "packed_kwargs", "checkpoint_engine", "resume_tag"]
 
 
 def packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +26,44 @@ def packed_kwargs(batch: dict[str, Any]) -> dict[str, Any]:
     from seqpar.sequence.batch import PACKED_KEYS
 
     return {k: batch[k] for k in PACKED_KEYS if k in batch}
+
+
+ENGINE_NAMES = {"fsdp": "FSDP (torch.distributed.checkpoint)", "deepspeed": "DeepSpeed"}
+
+
+def checkpoint_engine(path: str) -> str | None:
+    """``"fsdp"`` or ``"deepspeed"``: which engine wrote the checkpoint directory ``path``, from the files each
+    writes (DCP's ``*.distcp`` / ``.metadata``; DeepSpeed's ``*model_states.pt`` / ``*optim_states.pt``), else None."""
+    names = os.listdir(path)
+    if any(n.endswith(".distcp") or n == ".metadata" for n in names):
+        return "fsdp"
+    if any(n.endswith(("model_states.pt", "optim_states.pt")) for n in names):
+        return "deepspeed"
+    return None
+
+
+def resume_tag(save_dir: str, engine: str) -> str:
+    """The tag ``--resume`` loads: the latest complete checkpoint in ``save_dir``, written by ``engine``.
+
+    Raises ValueError (``train.py: error: [rank R] ...`` on every rank, each reading the same directory) when there is
+    none, or when another engine wrote it (DeepSpeed's loader met a DCP directory with a bare ``AssertionError``)."""
+    from seqpar.runtime import checkpoint
+
+    tag = checkpoint.latest_complete(save_dir)
+    if tag is None:
+        raise ValueError(
+            f"--resume: no complete checkpoint in {save_dir!r} (a step<N> directory holding its "
+            f"{checkpoint.MARKER} marker, as --save-dir runs write them); run without --resume to start at step 0, or "
+            "pass the --save-dir an earlier run saved into"
+        )
+    wrote = checkpoint_engine(os.path.join(save_dir, tag))
+    if wrote is not None and wrote != engine:
+        raise ValueError(
+            f"--resume: {os.path.join(save_dir, tag)!r} is a {ENGINE_NAMES[wrote]} checkpoint, but this run's engine "
+            f"is {engine}; resume it with the config it was saved with (train.engine / --engine {wrote}), or start "
+            "in a new --save-dir"
+        )
+    return tag
 
 
 class Engine(abc.ABC):
@@ -91,11 +129,7 @@ class DeepSpeedEngine(Engine):
         dist.barrier()
 
     def load(self, save_dir: str) -> int:
-        from seqpar.runtime import checkpoint
-
-        tag = checkpoint.latest_complete(save_dir)
-        if tag is None:
-            raise FileNotFoundError(f"--resume: no complete DeepSpeed checkpoint in {save_dir}")
+        tag = resume_tag(save_dir, "deepspeed")
         if self.load_universal:
             tag = self._universal(save_dir, tag)
         path, client = self.model.load_checkpoint(save_dir, tag=tag)
@@ -172,7 +206,6 @@ class FSDPEngine(Engine):
     def load(self, save_dir: str) -> int:
         from seqpar.runtime import checkpoint
 
-        if checkpoint.latest_complete(save_dir) is None:
-            raise FileNotFoundError(f"--resume: no complete FSDP checkpoint in {save_dir}")
+        resume_tag(save_dir, "fsdp")
         # DCP reshards: the checkpoint may come from another layout (SP, TP or world size)
         return int(checkpoint.load_dcp(save_dir, self.model, self.optimizer)["step"])

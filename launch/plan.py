@@ -81,7 +81,8 @@ def _sequence_parallel(raw: dict[str, Any], args: argparse.Namespace) -> Any:
 
 
 def _check_dynamic(train: TrainSettings, sp: Any) -> None:
-    """``--dynamic`` plans with the ``sequence_parallel.dynamic`` block: it must be there."""
+    """``--dynamic`` plans with the ``sequence_parallel.dynamic`` block: it must be there, with a
+    ``max_tokens_per_rank`` the sharding's cut can keep (a multiple of what it pads each rank's share to)."""
     from seqpar.config import ConfigError
 
     if train.dynamic and sp.dynamic is None:
@@ -89,6 +90,21 @@ def _check_dynamic(train: TrainSettings, sp: Any) -> None:
             "--dynamic (train.dynamic) needs a \"sequence_parallel\": {\"dynamic\": {\"max_tokens_per_rank\": N, "
             "\"min_size\": 1}} block"
         )
+    if train.dynamic and sp.dynamic is not None:
+        # the cut of every planned micro-batch checks this (seqpar.sequence.batch.rank_micro_batches) once the job
+        # runs; sharding and budget are both in the config, so --validate-only says it before any job is queued
+        from seqpar.sequence.sharding import length_multiple
+
+        sharding = sp.sharding or "contiguous"  # undeclared: the calls' default
+        multiple = length_multiple(1, sharding)
+        budget = sp.dynamic.max_tokens_per_rank
+        if budget % multiple:
+            raise ConfigError(
+                f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} is not a multiple of {multiple}, and "
+                f"{sharding} sharding pads each rank's share of a micro-batch to a multiple of {multiple}, over the "
+                f"budget: choose max_tokens_per_rank a multiple of {multiple} (e.g. "
+                f"{max(multiple, budget - budget % multiple)})"
+            )
 
 
 def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:
