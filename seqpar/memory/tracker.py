@@ -15,15 +15,8 @@ many bytes of tensors were alive at the worst moment", so this tracker counts st
   dispatcher) is wrapped to follow size changes.
 
 A storage is counted once however many views share it. Storages allocated by C++ code without a
-Python op (e.g. inside a communication backend) are not counted, even when that code then runs a view
-op on them through the dispatcher (a storage is registered when an op makes it, never when an op only
-views or updates a storage the tracker did not see made); neither is memory that is not a tensor (the
-CPU allocator's caches, Python objects). Why the view rule: gloo's reduce-scatter (FSDP2's gradient
-reduction on CPU) copies its whole input into a buffer of its own and splits it; gloo's worker thread
-drops that buffer after the caller's ``wait()`` returns, usually before the caller's next op, on
-oversubscribed cores sometimes a layer's backward later. Counted, it made the peak depend on thread
-scheduling (tests/test_training_memory.py's tiled-MLP case at SP 4 measured +540,928 B, -10.06%, in one
-CI run of two); NCCL, which the memory estimate models, reduces in place without such a copy.
+Python op (e.g. inside a communication backend) are not counted; neither is memory that is not a
+tensor (the CPU allocator's caches, Python objects).
 """
 
 from __future__ import annotations
@@ -217,21 +210,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented  # let DTensor desugar into plain ops, which come back here
         out = func(*args, **(kwargs or {}))
-        inputs: set[int] | None = None
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
                 for st in tensor_storages(x):
-                    if st not in self._sizes:
-                        if inputs is None:
-                            inputs = {s._cdata for a in tree_flatten((args, kwargs))[0]
-                                      if isinstance(a, torch.Tensor) for s in tensor_storages(a)}
-                        if st._cdata in inputs:
-                            # A view of (or in-place op on) a storage this op did not make and the tracker never
-                            # saw made: one allocated outside the dispatcher (a communication backend's own
-                            # buffer, e.g. gloo's whole-input copy for a reduce-scatter, which it splits) or
-                            # before entry. Not counted, like the backend's buffers it never views: counting it
-                            # would make the peak depend on when gloo's worker thread drops its last reference.
-                            continue
                     self._register(st)
         return out
 
