@@ -76,7 +76,9 @@ from seqpar.testing.fuzz_attention import (
     draw_dilated,
     draw_documents,
     draw_empty_documents,
+    draw_odd_local,
     empty_documents_applied,
+    odd_local_applied,
 )
 from seqpar.testing.fuzz_attention_run import (
     attention_reference,
@@ -295,6 +297,8 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     draws["case_seed"] = case_seed
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
+        if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
+            draws["odd_local"] = draw_odd_local(case_seed, draws)
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -306,6 +310,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         from seqpar.testing.fuzz_trainers_draw import draw_empty_rows
 
         draws["empty_docs"] = draw_empty_rows(case_seed, draws)
+    if kind == "model":  # the sequence_parallel keys no draw reached (fz30): its own generator, the old draws stay
+        from seqpar.testing.fuzz_models import draw_config_knobs
+
+        draws["config_knobs"] = draw_config_knobs(case_seed)
     return draws
 
 
@@ -322,6 +330,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     t0 = time.time()
     trace = None
     record = draws
+    draws = odd_local_applied(draws)  # an odd shard under contiguous sharding (fz30), before the documents' zeros
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
         from seqpar.testing.fuzz_dynamic import empty_lengths_applied
@@ -375,6 +384,8 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
 
 def summary(draws: dict[str, Any]) -> str:
     """One short line naming the case's composition."""
+    if odd_local_applied(draws) is not draws:  # the sequence and documents as the run sees them (fz30)
+        return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced
