@@ -2601,7 +2601,7 @@ def test_odd_shards_and_config_knobs_are_drawn_without_touching_the_old_draws() 
     import json
 
     from seqpar.testing.fuzz_attention import odd_local_applied
-    from seqpar.testing.fuzz_models import draw_config_knobs
+    from seqpar.testing.fuzz_models import case_config, draw_config_knobs
 
     for kind, (keys, digest) in PRE_FZ30_DRAWS.items():
         old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, (kind,)) for s in range(300))]
@@ -2635,6 +2635,12 @@ def test_odd_shards_and_config_knobs_are_drawn_without_touching_the_old_draws() 
     model = next(d for d in (fuzz.draw_case(s, ("model",)) for s in range(100)) if d["config_knobs"])
     assert model["config_knobs"] == draw_config_knobs(model["case_seed"])
     assert "config[" in fuzz.summary(model)
+    cfg = case_config(model, model["world"])
+    assert {k: cfg[k] for k in model["config_knobs"]} == model["config_knobs"]
+    from seqpar.config import SeqParConfig
+
+    assert all(getattr(SeqParConfig.from_dict(case_config(d, d["world"])), k) == v  # the keys as the config reads them
+               for d in (fuzz.draw_case(s, ("model",)) for s in range(60)) for k, v in (d["config_knobs"] or {}).items())
 
 
 @pytest.mark.timeout(600)

@@ -50,7 +50,8 @@ from seqpar.testing.fuzz_attention import with_empty_documents
 
 __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
-           "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs"]
+           "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs",
+           "case_config"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -496,18 +497,26 @@ def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], d
         transformers.logging.set_verbosity(verbosity)
 
 
+def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
+    """The ``sequence_parallel`` block a ``model`` case's ranks pass to ``init_process_groups`` and
+    ``swap_attention`` (``world`` ranks, one SP group): the drawn mode, sharding, Ulysses degree and check, the
+    memory features, ``knobs`` and ``config_knobs``."""
+    cfg = {"size": world, "mode": draws["mode"], "sharding": draws["sharding"],
+           "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
+    mem = draws.get("memory") or {}
+    cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
+                if k in mem})
+    cfg.update(draws.get("knobs") or {})
+    cfg.update(draws.get("config_knobs") or {})
+    return cfg
+
+
 def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
     import seqpar
     from seqpar.testing.verdicts import error_record
 
     try:
-        cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
-               "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
-        mem = draws.get("memory") or {}
-        cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
-                    if k in mem})
-        cfg.update(draws.get("knobs") or {})
-        cfg.update(draws.get("config_knobs") or {})
+        cfg = case_config(draws, ctx.world_size)
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
