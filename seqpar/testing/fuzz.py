@@ -17,13 +17,15 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
   ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
-  without documents, MQA's one K/V head expanded (stride 0) to the query heads;
+  without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
+  (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
   before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
-  ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`);
+  ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
+  keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
   (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP

@@ -30,7 +30,9 @@ kind's ``tp2`` reach it today (its config sets neither, so the head's output is 
 
 Last, ``knobs`` (:func:`draw_knobs`): the ``sequence_parallel`` keys no draw above reaches, each rarely (``overlap``
 off, ``check_finite``, ``mla_transfer="expanded"`` with the model type redrawn among the MLA ones half the time,
-``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths.
+``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths. And ``config_knobs``
+(:func:`draw_config_knobs`, from a generator of its own): ``high_priority_streams``, ``timeout_s``, ``apex``,
+``mixer_kernels="auto"``, which no draw reached before fz30; on CPU none may change the maths either.
 
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
