@@ -1241,8 +1241,9 @@ def test_model_kind_draws_the_memory_features() -> None:
         d = fuzz.draw_case(seed, ("model",))
         assert d == fuzz.draw_case(seed, ("model",)) and json.loads(json.dumps(d)) == d
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
-        # empty_docs: fz28's zero-length documents, drawn by draw_case from a generator of their own
-        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs")} == \
+        # empty_docs: fz28's zero-length documents, config_knobs: fz30's config keys, each drawn by draw_case from a
+        # generator of its own
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
         if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
