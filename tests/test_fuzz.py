@@ -653,6 +653,12 @@ FOUND_SET[850779075] = {**FOUND_SET.get(850779075, {}), "empty_docs": None}
 # every given length before it plans the non-empty ones: "document 4", "document 1").
 FOUND[304181941] = (("dynamic",), "refused")
 FOUND[1021459125] = (("dynamic",), "refused")
+# fz30: the attention kind draws an odd shard under contiguous sharding (odd_local) and the model kind the config keys
+# no draw reached (config_knobs), each from a generator of its own; the pinned cases that now get one keep the run
+# they were found with, without it (the new draws have their own tests)
+FOUND_SET[1880712864] = {**FOUND_SET.get(1880712864, {}), "odd_local": None}
+for _seed in (2132084004, 2143272812):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "config_knobs": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1235,8 +1241,9 @@ def test_model_kind_draws_the_memory_features() -> None:
         d = fuzz.draw_case(seed, ("model",))
         assert d == fuzz.draw_case(seed, ("model",)) and json.loads(json.dumps(d)) == d
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
-        # empty_docs: fz28's zero-length documents, drawn by draw_case from a generator of their own
-        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs")} == \
+        # empty_docs: fz28's zero-length documents, config_knobs: fz30's config keys, each drawn by draw_case from a
+        # generator of its own
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
         if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
@@ -2566,3 +2573,92 @@ def test_a_misnamed_document_in_a_planner_refusal_is_wrong() -> None:
         pool = _Capture()
         with pytest.raises(RuntimeError, match="captured"):  # the driver hands the case to the ranks: not WRONG
             run_dynamic_case(pool, draws, timeout=1.0)
+
+
+# fz30: the draws of case seeds 0-299 of the attention and model kinds before the odd shard and the config keys were
+# drawn (sha256 of their JSON over the keys they had then, from a snapshot of 658d6e4: /work/tmp/fz30/before.json)
+PRE_FZ30_DRAWS = {
+    "attention": ("alibi batch calls case_seed causal check_inputs chunk_size cu_as declare_sharding dkv_wire_dtype "
+                  "dtype empty_docs expand_kv grad group group_arg head_chunks heads kind layout mode omit_layout "
+                  "omit_sharding overlap scale seq sharding sinks sinks_grad softcap strided ulysses_size window world",
+                  "fc13297e728866b2a5ca0bc563fcbda00e05ab6d800e5355e92d096f0753993d"),
+    "model": ("batch case_seed check_inputs checkpointing empty_docs kind knobs lengths memory mode model_type sharding "
+              "step ulysses_size world", "4e3642251dd9560a1d3fda677f318ce357a6302018ace9f53aaf9c56ddaa55e2"),
+}
+
+
+def test_odd_shards_and_config_knobs_are_drawn_without_touching_the_old_draws() -> None:
+    """fz30: the attention kind runs about a third of its contiguous cases with one token fewer per rank (an odd
+    ``seq_local``, which ``seq = 2 P chunk`` never gave; the documents cut at the new end, ``window`` and
+    ``chunk_size`` kept, so now and then wider than the sequence), and the model kind about a third of its cases
+    with the ``sequence_parallel`` keys no draw reached (``high_priority_streams``, ``timeout_s``, ``apex``,
+    ``mixer_kernels="auto"``); both from a generator of their own: the draws of case seeds 0-299 over the keys they
+    had before are those they had (``PRE_FZ30_DRAWS``). The ranks get the odd shard (the record keeps the draws as
+    drawn), a forced sharding other than contiguous drops it, and the model ranks' config carries the keys. Seen
+    failing: with ``ODD_LOCAL_RATE = 0`` (the rate), with the odd shard drawn off the case generator in
+    ``draw_attention`` (the attention hash changed), without ``odd_local_applied`` in ``fuzz.run_case`` (the ranks
+    got the even shard), and without ``config_knobs`` in the model task's config (no key reached the ranks)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import odd_local_applied
+    from seqpar.testing.fuzz_models import case_config, draw_config_knobs
+
+    for kind, (keys, digest) in PRE_FZ30_DRAWS.items():
+        old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, (kind,)) for s in range(300))]
+        assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    contiguous = [d for d in att if d["sharding"] == "contiguous"]
+    odd = [d for d in contiguous if d["odd_local"]]
+    assert all(d["odd_local"] is None for d in att if d["sharding"] != "contiguous")
+    assert 0.22 < len(odd) / len(contiguous) < 0.38, (len(odd), len(contiguous))
+    wide = 0
+    for d in odd:
+        run = odd_local_applied(d)
+        assert run is not d and run["seq"] == d["seq"] - d["world"] and (run["seq"] // d["world"]) % 2 == 1
+        for c, r in zip(d["calls"], run["calls"], strict=True):
+            if c["cu"] is not None:
+                cu = r["cu"]
+                assert cu[0] == 0 and cu[-1] == run["seq"] and all(a < b for a, b in zip(cu, cu[1:]))
+                assert cu[:-1] == [b for b in c["cu"] if b < run["seq"]]
+        wide += any(d[k] is not None and d[k] > run["seq"] for k in ("window", "chunk_size"))
+        assert "odd-local" in fuzz.summary(d) and f"S={run['seq']} " in fuzz.summary(d)
+        assert odd_local_applied(fuzz.force(d, {"sharding": "zigzag"})[0])["seq"] == d["seq"]
+    assert wide > 10, wide  # a window or chunk wider than the sequence now and then
+    pool = _Capture()
+    d = odd[0]
+    rec = fuzz.run_case(pool, d)
+    assert rec["verdict"] == "crash" and rec["draws"] is d and pool.seen[0]["seq"] == d["seq"] - d["world"]
+    knobs = [draw_config_knobs(s) for s in range(1500)]
+    drawn = [k for k in knobs if k]
+    assert 0.22 < len(drawn) / len(knobs) < 0.38, len(drawn)
+    assert {key for k in drawn for key in k} == {"high_priority_streams", "timeout_s", "apex", "mixer_kernels"}
+    model = next(d for d in (fuzz.draw_case(s, ("model",)) for s in range(100)) if d["config_knobs"])
+    assert model["config_knobs"] == draw_config_knobs(model["case_seed"])
+    assert "config[" in fuzz.summary(model)
+    cfg = case_config(model, model["world"])
+    assert {k: cfg[k] for k in model["config_knobs"]} == model["config_knobs"]
+    from seqpar.config import SeqParConfig
+
+    assert all(getattr(SeqParConfig.from_dict(case_config(d, d["world"])), k) == v  # the keys as the config reads them
+               for d in (fuzz.draw_case(s, ("model",)) for s in range(60)) for k, v in (d["config_knobs"] or {}).items())
+
+
+@pytest.mark.timeout(600)
+def test_odd_shards_and_config_knobs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
+    """fz30's new draws from its hunt, exact: attention 714535540 (P = 4 ring, contiguous shards of 7 tokens, causal,
+    documents ``1,10,5,1,2,3,6`` as a tuple, soft-cap, sinks, head_chunks 1), 1193166136 (P = 4 ring, shards of 5,
+    soft-cap, head_chunks 2) and 928599017 (P = 2 ulysses, shards of 11, batch 2, window 22 over 22 tokens, sinks,
+    bshd, float64); and model 1698934068 (tiny DeepSeek-V3, P = 2, auto, right-padded rows, reentrant checkpointing,
+    ``mla_transfer="expanded"``, ``ulysses_size="auto"``, with ``high_priority_streams`` and ``mixer_kernels="auto"``).
+    Seen failing: with a contiguous shard's length rounded down to even in the harness's ``positions`` (``c = 2 *
+    (seq // (2 P))``): 714535540 refused, its documents ending at 28 where the ranks held 24 tokens."""
+    for seed in (714535540, 1193166136, 928599017):
+        draws = fuzz.draw_case(seed, ("attention",))
+        assert draws["odd_local"] and draws["sharding"] == "contiguous", fuzz.summary(draws)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+    draws = fuzz.draw_case(1698934068, ("model",))
+    assert draws["config_knobs"] == {"high_priority_streams": True, "mixer_kernels": "auto"}, fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])

@@ -13,8 +13,9 @@ from typing import Any
 
 from seqpar.testing.fuzz_strides import STRIDES
 
-__all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "draw_documents", "draw_empty_documents",
-           "with_empty_documents", "empty_documents_applied", "draw_attention", "draw_dilated", "attention_summary"]
+__all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", "draw_documents", "draw_empty_documents",
+           "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "draw_attention",
+           "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
 HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
@@ -81,6 +82,39 @@ def empty_documents_applied(draws: dict[str, Any]) -> dict[str, Any]:
     calls = [{**c, "cu": with_empty_documents(c["cu"], empty[i] if i < len(empty) else [])}
              if c.get("cu") is not None else c for i, c in enumerate(draws["calls"])]
     return {**draws, "calls": calls}
+
+
+ODD_LOCAL_RATE = 0.3
+"""How often an ``attention`` case with contiguous sharding runs with an odd shard (:func:`draw_odd_local`)."""
+
+
+def draw_odd_local(case_seed: int, draws: dict[str, Any]) -> bool | None:
+    """Whether an ``attention`` case with contiguous sharding runs with one token fewer per rank
+    (:func:`odd_local_applied`): ``seq_local = 2 chunk - 1``, an odd shard, which the draw (``seq = 2 P chunk``,
+    made for zigzag's ``2P`` chunks) never gives; contiguous sharding takes any ``seq_local``. None where the case
+    is not one.
+
+    Drawn from a generator of its own (``f"{case_seed}:odd_local"``), never the case's: every case seed keeps
+    every draw it had before (fz30), as ``empty_docs`` does (fz28)."""
+    if draws.get("kind") != "attention" or draws.get("sharding") != "contiguous":
+        return None
+    return random.Random(f"{case_seed}:odd_local").random() < ODD_LOCAL_RATE
+
+
+def odd_local_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` as the run sees it where ``draws["odd_local"]`` (:func:`draw_odd_local`): ``seq`` one token fewer
+    per rank (``seq - P``), each call's documents cut at the new end (a document past it dropped, the one across it
+    shortened); ``window`` and ``chunk_size`` are kept, so they may now exceed the sequence, which their docstrings
+    allow (any int >= 1: a window wider than the sequence masks nothing). ``draws`` itself where not drawn, where
+    the sharding is not contiguous (a forced one), or where a shard would be empty."""
+    world, seq = draws.get("world"), draws.get("seq")
+    if (not draws.get("odd_local") or draws.get("kind") != "attention" or draws.get("sharding") != "contiguous"
+            or not isinstance(world, int) or seq % world or seq // world < 2):
+        return draws
+    new = seq - world
+    calls = [{**c, "cu": [b for b in c["cu"] if b < new] + [new]} if c.get("cu") is not None else c
+             for c in draws["calls"]]
+    return {**draws, "seq": new, "calls": calls}
 
 
 def draw_attention(rng: random.Random) -> dict[str, Any]:

@@ -30,7 +30,9 @@ kind's ``tp2`` reach it today (its config sets neither, so the head's output is 
 
 Last, ``knobs`` (:func:`draw_knobs`): the ``sequence_parallel`` keys no draw above reaches, each rarely (``overlap``
 off, ``check_finite``, ``mla_transfer="expanded"`` with the model type redrawn among the MLA ones half the time,
-``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths.
+``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths. And ``config_knobs``
+(:func:`draw_config_knobs`, from a generator of its own): ``high_priority_streams``, ``timeout_s``, ``apex``,
+``mixer_kernels="auto"``, which no draw reached before fz30; on CPU none may change the maths either.
 
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
@@ -50,7 +52,8 @@ from seqpar.testing.fuzz_attention import with_empty_documents
 
 __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
-           "HostCopyTransfer", "MODEL_PLANTS"]
+           "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs",
+           "case_config"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -141,6 +144,36 @@ def draw_knobs(rng: random.Random, draws: dict[str, Any]) -> dict[str, Any]:
     return knobs
 
 
+CONFIG_KNOBS_RATE = 0.3
+"""How often a ``model`` case gets :func:`draw_config_knobs`' keys (one or more of them)."""
+
+
+def draw_config_knobs(case_seed: int) -> dict[str, Any] | None:
+    """The ``config_knobs`` draws (JSON-able; None for most cases): the ``sequence_parallel`` block's keys that no
+    draw of any kind reached before fz30, each of which must leave the maths as it is on CPU:
+    ``high_priority_streams`` (NCCL's high-priority streams; documented "no effect on gloo"), ``timeout_s`` (the
+    collectives' timeout of the SP / DP groups seqpar makes; far above a case's run), ``apex`` (apex's fused kernels
+    where installed, else a log line and the plain path) and ``mixer_kernels="auto"`` (flash-linear-attention /
+    mamba_ssm on CUDA where importable, else transformers' torch path).
+
+    Drawn from a generator of its own (``f"{case_seed}:config_knobs"``), never the case's: every case seed keeps
+    every draw it had before (fz30), as ``empty_docs`` does (fz28)."""
+    rng = random.Random(f"{case_seed}:config_knobs")
+    if rng.random() >= CONFIG_KNOBS_RATE:
+        return None
+    knobs: dict[str, Any] = {}
+    while not knobs:  # at least one, now and then several
+        if rng.random() < 0.4:
+            knobs["high_priority_streams"] = True
+        if rng.random() < 0.3:
+            knobs["timeout_s"] = rng.choice((600, 3600))
+        if rng.random() < 0.3:
+            knobs["apex"] = True
+        if rng.random() < 0.4:
+            knobs["mixer_kernels"] = "auto"
+    return knobs
+
+
 TILEABLE_TYPES = ("exaone", "gemma", "internlm3", "iquestcoder", "llama", "mistral", "phi3", "qwen2")
 """The tiny model types whose causal LM is one :mod:`seqpar.memory.tiling` tiles (``CAUSAL_LM_CLASSES``); the
 memory cases draw among them (tests/test_fuzz.py checks the list against the tiling module's classes)."""
@@ -224,13 +257,14 @@ def model_summary(draws: dict[str, Any]) -> str:
     n_batches = 1 if d["step"] == "one" else 2
     return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
-            + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")) + _knobs_summary(d.get("knobs")))
+            + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")) + _knobs_summary(d.get("knobs"))
+            + _knobs_summary(d.get("config_knobs"), "config"))
 
 
-def _knobs_summary(knobs: dict[str, Any] | None) -> str:
+def _knobs_summary(knobs: dict[str, Any] | None, word: str = "knobs") -> str:
     if not knobs:
         return ""
-    return " knobs[" + " ".join(f"{k}={v}" if k != "links" else "links=" + ",".join(f"{a}={b:g}" for a, b in v.items())
+    return f" {word}[" + " ".join(f"{k}={v}" if k != "links" else "links=" + ",".join(f"{a}={b:g}" for a, b in v.items())
                                 for k, v in knobs.items()) + "]"
 
 
@@ -465,17 +499,26 @@ def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], d
         transformers.logging.set_verbosity(verbosity)
 
 
+def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
+    """The ``sequence_parallel`` block a ``model`` case's ranks pass to ``init_process_groups`` and
+    ``swap_attention`` (``world`` ranks, one SP group): the drawn mode, sharding, Ulysses degree and check, the
+    memory features, ``knobs`` and ``config_knobs``."""
+    cfg = {"size": world, "mode": draws["mode"], "sharding": draws["sharding"],
+           "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
+    mem = draws.get("memory") or {}
+    cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
+                if k in mem})
+    cfg.update(draws.get("knobs") or {})
+    cfg.update(draws.get("config_knobs") or {})
+    return cfg
+
+
 def _model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], dtype_name: str) -> dict[str, Any]:
     import seqpar
     from seqpar.testing.verdicts import error_record
 
     try:
-        cfg = {"size": ctx.world_size, "mode": draws["mode"], "sharding": draws["sharding"],
-               "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
-        mem = draws.get("memory") or {}
-        cfg.update({k: mem[k] for k in ("tiled_loss", "tiled_mlp", "offload_activations", "recompute_norm", "head_chunks")
-                    if k in mem})
-        cfg.update(draws.get("knobs") or {})
+        cfg = case_config(draws, ctx.world_size)
         manager = seqpar.init_process_groups(config=cfg)
         model = build_case_model(draws, getattr(torch, dtype_name))
         seqpar.swap_attention(model, cfg)
