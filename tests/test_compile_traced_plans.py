@@ -192,3 +192,61 @@ def test_traced_plan_run_by_python_keeps_the_ops_checks(dist_pool) -> None:
     for rank, got in enumerate(dist_pool.run(WORLD, traced_plan_refusal, timeout=600)):
         assert got["eager"] is not None and got["eager"][0] == "ValueError", (rank, got)
         assert got["compiled"] == got["eager"], f"rank {rank}: {got}"
+
+
+def dilated_check_inputs(rank: int, world: int, fullgraph: bool, dynamic: bool | None) -> dict:
+    """Worker body: ``dilated_attention(check_inputs=True)`` compiled with or without fullgraph, float64; the error
+    (type, text) that reached the caller, or this rank's output and dq, dk, dv."""
+    from seqpar.attn.dilated import dilated_attention
+
+    full = _inputs(9, 4, 2)
+    q, k, v, dout = (full[n][:, :, rank * SEQ_LOCAL:(rank + 1) * SEQ_LOCAL].clone().requires_grad_()
+                     for n in ("q", "k", "v", "dout"))
+
+    def call(q, k, v):  # noqa: ANN001, ANN202
+        return dilated_attention(q, k, v, segment_lengths=(4, 16), dilation_rates=(1, 2), causal=True,
+                                 group=torch.distributed.group.WORLD, check_inputs=True)
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(call, backend="aot_eager", fullgraph=fullgraph, dynamic=dynamic)(q, k, v)
+    except Exception as error:  # noqa: BLE001 - what reaches the caller is the point
+        return {"error": (type(error).__name__, str(error))}
+    finally:
+        torch._dynamo.reset()
+    out.backward(dout.detach())
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.compile_stage
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_dilated_check_inputs_under_compile(dist_pool, dynamic: bool | None) -> None:
+    """``dilated_attention(check_inputs=True)`` on 2 ranks under ``torch.compile``: under ``fullgraph=True`` a
+    refusal naming the option and the fix on both ranks (dynamo's ``Unsupported`` carrying seqpar's text); without
+    fullgraph the call runs eagerly and equals the single-process float64 dilated reference (output and each
+    gradient on its own scale).
+
+    Seen failing: without the refusal in seqpar/attn/dilated.py, both ranks under fullgraph, static and dynamic:
+    dynamo's Unsupported for the disabled cross-rank check, without "check_inputs" in its text."""
+    from test_dilated import dilated_reference
+
+    for fullgraph in (True, False):
+        per_rank = dist_pool.run(WORLD, dilated_check_inputs, fullgraph, dynamic, timeout=600)
+        if fullgraph:
+            for rank, got in enumerate(per_rank):
+                kind, text = got.get("error", ("compiled", ""))
+                assert kind == "Unsupported" and "check_inputs=True on 2 ranks" in text \
+                    and "check_inputs=False" in text, f"rank {rank}: {kind}: {text[:600]}"
+            continue
+        assert all("error" not in got for got in per_rank), [got.get("error") for got in per_rank]
+        full = _inputs(9, 4, 2)
+        q, k, v = (full[n].clone().requires_grad_() for n in "qkv")
+        want_out = dilated_reference(q, k, v, (4, 16), (1, 2), causal=True)
+        grads = torch.autograd.grad(want_out, [q, k, v], full["dout"])
+        want = dict(zip(("out", "dq", "dk", "dv"), (want_out.detach(), *grads)))
+        failures = []
+        for name, ref in want.items():
+            got = torch.cat([res[name] for res in per_rank], 2)
+            if not torch.allclose(got, ref, rtol=1e-10, atol=1e-10 * ref.abs().max().item()):
+                failures.append(f"{name} differs by {(got - ref).abs().max().item():.3g}")
+        assert not failures, failures

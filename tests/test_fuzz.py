@@ -2350,6 +2350,20 @@ def test_a_forced_world_on_a_compiled_dilated_case_is_skipped() -> None:
     assert fuzz.force(drawn, {"world": drawn["world"]})[1] is None
 
 
+
+def test_a_forced_compile_sub_other_than_the_draw_is_skipped() -> None:
+    """``--set sub=...`` on a ``compile`` case that drew another sub: each sub's keys are its own (calls, segments, a
+    model) and none is re-derived, so the case is ``skipped`` naming the conflict; the drawn sub forced again runs.
+    Seen failing: without the ``sub`` check in ``fuzz.force``: a dilated draw forced to ``sub="attention"`` and an
+    attention draw forced to ``"dilated"`` were run (no conflict) with keys the other sub never drew, and
+    ``--set sub="attention"`` on a model draw raised ``KeyError: 'calls'`` inside ``force`` (cmp30, seed 3030),
+    stopping the whole fuzzer run."""
+    for have, want in (("dilated", "attention"), ("attention", "dilated"), ("model", "attention")):
+        drawn = next(d for d in (fuzz.draw_case(s, ("compile",)) for s in range(400)) if d["sub"] == have)
+        out, conflict = fuzz.force(drawn, {"sub": want})
+        assert conflict is not None and "sub=" in conflict and have in conflict, (have, want, conflict)
+        assert fuzz.force(drawn, {"sub": have})[1] is None
+
 # fz28: the draws of case seeds 0-299 of the attention and compile kinds before zero-length documents were drawn
 # (sha256 of their JSON over the keys they had then: /work/tmp/fz28/before.json in fz28's report)
 PRE_FZ28_DRAWS = {

@@ -96,6 +96,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from seqpar.attn.checks import (
+    CompileOnlyRefusal,
     check_across_ranks,
     check_dkv_wire,
     check_local,
@@ -222,6 +223,16 @@ def dilated_attention(
     group = resolve_group(group)
     world = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
+    if check_inputs and world > 1 and torch.compiler.is_compiling():
+        # As seqpar.attention's (resolve.py): not deferred, so without fullgraph dynamo gives this frame up and runs
+        # the call eagerly, check included (exact); under fullgraph=True the collective broke the graph as dynamo's
+        # Unsupported "skipped function", without a word of the option or the fix
+        raise CompileOnlyRefusal(
+            f"seqpar.dilated_attention under torch.compile with check_inputs=True on {world} ranks: the cross-rank "
+            "check is a collective whose verdict is read on the host, which cannot be part of a graph "
+            "(fullgraph=True refuses it; without fullgraph the call runs eagerly). Pass check_inputs=False inside "
+            "compiled code, and check the inputs once eagerly"
+        )
     if check_inputs and world > 1:
         # The pattern decides which K/V rows travel: ranks that disagree on it would pair up
         # mismatched collectives, so it is part of what every rank must agree on.

@@ -203,6 +203,10 @@ def force(draws: dict[str, Any], overrides: dict[str, Any]) -> tuple[dict[str, A
         if problem:
             return out, f"skipped: forced key {', '.join(f'{k}={json.dumps(v)}' for k, v in overrides.items())} " \
                         f"conflicts with {problem}"
+    if kind == "compile" and "sub" not in free and out["sub"] != draws["sub"]:
+        # each sub draws keys of its own (attention: calls; dilated: segments; model: a model), none re-derived
+        return out, conflict("sub", f"the case's draw: sub={draws['sub']!r}, whose keys another sub cannot run "
+                             f"(pick a case seed that draws sub={out['sub']!r}: `--kinds compile` and read its summary)")
     if kind == "attention":
         if out.get("group") == "pairs" and world != 4:
             if "group" not in free:
