@@ -54,6 +54,6 @@ def test_auto_order_is_the_same_on_ranks_with_uneven_vocabulary_slices(dist_pool
     different order: ``backward_order="auto"`` runs one order on both ranks, loss and gradients equal float64.
 
     Seen failing (audit 30's G7): ``_gathered_tiled_lm_loss`` choosing the order from this rank's slice
-    (``weight.shape[0]``) instead of ``tile_vocab``: the ranks ran different orders' collectives (see the pool's
-    error for how it broke: gloo's size mismatch or the timeout)."""
+    (``weight.shape[0]``) instead of ``tile_vocab``: the ranks ran different orders' collectives and gloo aborted a
+    rank ("Received data size doesn't match expected size", 720 vs 72 bytes)."""
     assert dist_pool.run(2, _auto_order_exact, timeout=240) == ["exact", "exact"]
