@@ -14,6 +14,6 @@ def test_a_too_long_document_is_named_by_its_given_index(lengths: list[int], ind
     """A pool of 2 ranks at 4 tokens a rank holds 8 tokens at most: the 12-token document is refused by its index.
 
     Seen failing (audit 30's D1): without the refusal before the empty documents are dropped, [0, 1, 8, 4, 12]'s
-    12 was "document 3" and [0, 0, 12, 1]'s "document 0"."""
+    12 was refused as "document 3" (its index among the non-empty ones)."""
     with pytest.raises(ValueError, match=rf"plan_dynamic: document {index} has 12 tokens"):
         plan_dynamic(lengths, 2, 4)
