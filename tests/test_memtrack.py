@@ -142,3 +142,39 @@ def test_record_peak_lists_what_is_alive_at_the_peak() -> None:
     assert live == sorted([("a", 4000), ("b", 40), ("merge.py:output_like", 800), ("?", 800)]), live
     assert peak == t.peak == sum(n for _l, n, _p in t.peak_live)
     del a, b, late
+
+
+def _reduce_scatter_copy(rank: int, world: int, n: int) -> dict:
+    """One async gloo reduce-scatter of ``x`` (``world * n`` fp32) into ``y`` (``n``), tracked, its Work
+    still referenced after ``wait()`` returns (as gloo's worker thread can still hold it)."""
+    import torch.distributed as dist
+
+    x, y = torch.randn(world * n), torch.empty(n)
+    with TensorMemoryTracker() as tr:
+        work = dist.reduce_scatter_single(y, x, async_op=True)
+        work.wait()
+        after_wait = tr.current - tr.baseline
+        peak_in_wait = tr.peak - tr.baseline
+        later = torch.empty(3 * n)  # a later op's storage: not stacked on the copy
+        peak_later = tr.peak - tr.baseline
+        del work, later
+        after_free = tr.current - tr.baseline
+    return {"after_wait": after_wait, "peak_in_wait": peak_in_wait, "peak_later": peak_later, "after_free": after_free}
+
+
+def test_a_backend_copy_is_counted_until_its_wait_returns(dist_pool) -> None:  # noqa: ANN001
+    """gloo's reduce-scatter copies its whole input (``world * n`` fp32) into a buffer of its own, which the
+    waiting thread splits through the dispatcher; gloo drops the buffer when its Work goes, which for a
+    synchronous call is gloo's worker thread, some time after the wait has returned. The tracker counts the
+    copy while the wait runs and not after it, however long the Work lives, and subtracts it once.
+
+    Seen failing: without the ``Work.wait`` rule (the tracker before session 30, flk30b) ``after_wait`` was
+    the copy's 32,768 B and ``peak_later`` 81,920 B (the copy plus the later tensor's 49,152 B).
+    """
+    n = 4096
+    for got in dist_pool.run(2, _reduce_scatter_copy, n, timeout=120):
+        copy = 2 * n * 4
+        assert got["peak_in_wait"] == copy, got  # real memory while the collective runs: counted
+        assert got["after_wait"] == 0, got  # the Work still holds it; the wait has returned: not counted
+        assert got["peak_later"] == 3 * n * 4, got  # the later tensor alone, not the copy under it
+        assert got["after_free"] == 0, got  # subtracted once: the copy's own free takes nothing more

@@ -548,11 +548,13 @@ def test_tiled_mlp_weight_gradient_is_counted_once(dist_pool, tmp_path: Path, sp
     SP 4 at 2 chunks +14.6% and at 4 chunks +13.7% (SP 2: +9.1% at 2 chunks, +5.4% at 3, inside the band).
     Seen failing: the untiled MLP's moment with the layer's whole gradients (``p_layer * e``): 1 chunk +10.1%.
 
-    Known flake, not fixed (flk30's report): SP 4 x 4 measured 5,978,360 B (-10.06%) on rank 2 in one CI run of two.
-    gloo's reduce-scatter copies a layer's whole flat gradient input (803,072 B here) into a buffer of its own,
-    counted because gloo splits it through the dispatcher; gloo's worker thread drops it after the caller's wait,
-    on loaded cores sometimes ops later. Deferring that one free by 30 tracked allocations gives exactly 5,978,360;
-    by 100 or more, 6,240,504 (-13.8%); by 10 or fewer, the usual 5,437,432."""
+    A flake, fixed in the tracker (flk30, flk30b): SP 4 x 4 measured 5,978,360 B (-10.06%) on rank 2 in one CI run
+    of two. gloo's reduce-scatter copies a layer's whole flat gradient input (803,072 B here) into a buffer of its
+    own, seen because gloo splits it through the dispatcher; gloo's worker thread drops it after the caller's wait,
+    on loaded cores sometimes ops later. Deferring that one free by 30 tracked allocations gave exactly 5,978,360;
+    by 100 or more, 6,240,504 (-13.8%); by 10 or fewer, the usual 5,437,432. The tracker now counts such a backend
+    copy until the wait on its collective returns (seqpar.memory.tracker's docstring): 5,437,432 at every deferral
+    (30 and 300 checked)."""
     argv = ["--config", _config(tmp_path, "fsdp2", 0, model=MLP_MODEL), "--sp-size", str(sp), "--seq-len", str(seq),
             "--no-progress", "--log-level", "WARNING", "--tiled-mlp", str(chunks)]
     out = dist_pool.run(sp, _run_main, argv, timeout=400)
