@@ -9,7 +9,9 @@ DTensor ``Shard(0)``: ``_GatheredTiledLMLoss``) in both backward orders, on 2 gl
   alone) drops as the model says: the row order holds the fp32 ``(V / tp, h)`` accumulator and its bf16 cast
   (``V / tp * h * 6``) at its end, the vocabulary order ``V / tp * h * 2`` and the regathered rows. Each order's
   ``loss_backward_bytes(..., tp=2)`` against its measurement: never under, within 1% over; the row order also on
-  small shapes and explicit chunks, where a gathered chunk's buffers are a large share of the peak.
+  small shapes and explicit chunks, where a gathered chunk's buffers are a large share of the peak; the automatic
+  order on shapes where the TP rule (``tp=2``) picks the row order and the one-process rule would pick the
+  vocabulary order, measured as that order's model.
 """
 
 from __future__ import annotations
