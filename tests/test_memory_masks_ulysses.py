@@ -15,6 +15,10 @@ Measured (2-core VM), bytes, and the estimate:
   causal window 64 + sinks, 6 / 6, head_chunks=2 (an uneven split runs one pass) 889632 +0.35%; P = 2 fp32 full
   chunk 80, 3 / 3 1330944 +0.23%; two GQA pieces: fp32 causal window 48, 10 / 5 1626296 +0.31%; bf16 causal chunk
   96, 6 / 2 573184 +0.54% (+6.25% until est28b); bf16 full documents + sinks, 10 / 5 725032 +0.71% (+4.38%, +3.25%)
+- three head chunks (P = 2, 6 / 6 heads, one head a chunk on each rank; est30b, for mut30's survivor U2: a middle
+  chunk's inner backward has both neighbours' all-to-alls beside it, the previous chunk's packed grads and the next
+  chunk's dout): fp32 causal window 48 1938972 +0.32%; bf16 full documents 890880 +0.69%; bf16 full window 40 + sinks
+  1008412 +0.61%
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ CASES = [
     ("P4_bf16_causal_chunked_6_2", 4, 512, "bfloat16", True, {"chunk_size": 96, "shape": (1, 6, 2, 1)}),
     ("P4_bf16_full_docs_sinks_10_5", 4, 512, "bfloat16", False,
      {"cu_seqlens": DOCS, "sinks": True, "shape": (1, 10, 5, 1)}),
+    # three head chunks: a middle chunk has both neighbours' all-to-alls beside its inner backward
+    ("P2_fp32_causal_window_hc3", 2, 512, "float32", True, {"window": 48, "shape": (1, 6, 6, 3)}),
+    ("P2_bf16_full_docs_hc3", 2, 512, "bfloat16", False, {"cu_seqlens": DOCS, "shape": (1, 6, 6, 3)}),
+    ("P2_bf16_full_window_sinks_hc3", 2, 512, "bfloat16", False, {"window": 40, "sinks": True, "shape": (1, 6, 6, 3)}),
 ]
 
 
@@ -75,7 +83,9 @@ def test_ulysses_sinks_and_uneven_masked_estimate_is_never_under(dist_pool, case
     add 16 .. 64 bytes; the uneven forward's kept q/k/v send buffer dropped: the backward is the peak.) est29's band
     (+1%) on the placing moment before it (dout's send buffer beside the casts): P4_bf16_full_docs_6_6 +3.19% and
     P4_bf16_full_docs_sinks_10_5 +3.25%. The band at 1% on the estimate before est29b (both neighbours' all-to-alls
-    beside each of 2 chunks): P2_bf16_full_window_sinks_hc2 +4.74%."""
+    beside each of 2 chunks): P2_bf16_full_window_sinks_hc2 +4.74%. The next chunk's dout all-to-all (send + receive)
+    not counted at a middle chunk (``beside`` without ``2 Qh`` for G > 2, mut30's U2): the three 3-chunk cases under,
+    -3.06% (fp32 causal window), -1.15% (bf16 full documents), -2.64% (bf16 full window + sinks)."""
     peak = max(dist_pool.pools.run(world, measure_masked_peak, seq_len, dtype, causal, None, masks, 0, "ulysses",
                                    timeout=600))
     est = masked_estimate(world, seq_len, dtype, causal, None, masks, mode="ulysses")
