@@ -586,3 +586,26 @@ def test_untiled_mlp_moment_counts_down_projs_gradient(dist_pool, tmp_path: Path
     est = estimate_training_memory(model, seq_len=64, sp_size=2, engine="fsdp2", tiled_mlp=1)
     assert est["moment"] == "layer_backward", est
     assert 0 <= est["peak"] / measured - 1 <= 0.05, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("hidden,inter,seq", [(64, 2048, 64), (64, 4096, 128)])
+def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, hidden: int, inter: int,
+                                                    seq: int) -> None:  # noqa: ANN001
+    """FSDP2 with a one-layer model gathers the root and that layer only: there is no next layer to prefetch, so the
+    estimate counts none (fp32, SP 2, untiled MLP, the MLP model at one layer; within 0 .. +10% of the measured peak:
+    est30b measured 7,312,476 B at hidden 64 / I 2048 / 64 tokens, +2.2% with the fix, and 16,096,604 B at I 4096 /
+    128 tokens, +5.7%).
+
+    Seen failing: the estimate counting a prefetched second layer whatever the depth (``gathered = (p_root + 2 *
+    p_layer) * e``): +24.6% and +25.7%."""
+    model = dict(MLP_MODEL, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1)
+    argv = ["--config", _config(tmp_path, "fsdp2", 0, model=model), "--sp-size", "2", "--seq-len", str(seq),
+            "--no-progress", "--log-level", "WARNING", "--tiled-mlp", "1"]
+    out = dist_pool.run(2, _run_main, argv, timeout=600)
+    measured = max(out[0]["peak_mem_bytes"])
+    est = estimate_training_memory(model, seq_len=seq, sp_size=2, engine="fsdp2", tiled_mlp=1)
+    print(f"\none layer, hidden {hidden}, I {inter}, {seq} tokens: estimate {est['peak']:,} vs measured {measured:,} "
+          f"({est['peak'] / measured - 1:+.2%}, at {est['moment']})")
+    assert 0 <= est["peak"] / measured - 1 <= TOLERANCE, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")

@@ -87,7 +87,7 @@ uneven head split under a mask runs it once per GQA-regular piece, in turn (repl
 rings are, the earlier pieces' outputs kept, dout's and q/k/v's all-to-all send buffers too). Sinks with Ulysses:
 the inner forward is that planner with the sink merge even on a dense mask (its backward the dense kernel's there),
 ``sink_grad`` runs before each chunk's inner backward (p and ``dout * out`` in the accumulation dtype, with dout's
-and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 17 measured sinks or
+and out's upcasts in low precision), and the sink logits and their zeroed gradient are counted. 20 measured sinks or
 uneven cases are 0 to +0.7% over (tests/test_memory_masks_ulysses.py). The hybrid under masks or sinks:
 the super-ranks' masked ring (the same sharding over P/u super-ranks of u L rows) is replayed, forward and backward,
 on one head chunk's head-layout sizes (per GQA piece when uneven), with the sink terms as for Ulysses: 10 measured
