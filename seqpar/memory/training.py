@@ -547,7 +547,7 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
         # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
         # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
-        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket, -0.6% -> +0.6%, less what
+        # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket: +5.2% -> +0.7% once less what
         # the finished backward freed: ``freed``). Neither happens when
         # the whole model's gradients fit the bucket: the one reduction is then the end of backward's. (0 from
         # _zero3_head_scatter_bytes, scattered in place on a GPU, leaves the head's case below the last layer's
