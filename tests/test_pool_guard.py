@@ -125,3 +125,36 @@ def test_ranks_leave_when_the_process_that_started_them_is_killed() -> None:
     for p in alive:  # don't leak them from the test either
         os.kill(p, 9)
     assert not alive, f"ranks {alive} outlived their pool's owner"
+
+
+def _compile_with_a_break_in_seqpar(ctx) -> tuple[int, ...]:  # noqa: ANN001
+    """Compiled: seqpar's host copy of a boundary tensor, a graph break inside ``seqpar.sequence.boundaries``, where
+    dynamo installs the frame's resume function as a module global (``__resume_at_...``)."""
+    import torch
+
+    from seqpar.sequence.boundaries import host_boundaries
+
+    torch._dynamo.reset()
+    return torch.compile(lambda t: host_boundaries(t * 1), backend="eager")(torch.tensor([0, 3, 8]))
+
+
+def _reset_dynamo(ctx) -> str:  # noqa: ANN001
+    import torch
+
+    torch._dynamo.reset()  # deletes the resume functions an earlier task's compile installed
+    return "reset"
+
+
+@pytest.mark.timeout(120)
+def test_dynamo_generated_module_globals_are_no_patch():
+    """dynamo's own module globals (a graph break's ``__resume_at_*`` function, installed in the module of the frame
+    it resumes, and deleted by ``torch._dynamo.reset()``) change by design: a task whose reset deletes those of an
+    earlier task's compile is no patch left behind.
+
+    Seen failing: without the guard's dynamo exclusion (seqpar/testing/ranks.py ``_module_state``): "the task left
+    module state changed on rank 0 ... seqpar.sequence.boundaries.__resume_at_... is deleted" (CI's compile stage,
+    session 30: tests/test_compile_traced_plans.py's reset after another test's compile on the same rank)."""
+    with RankPool(1, guard_modules=("seqpar.*",), timeout=60) as pool:
+        assert pool.run(_compile_with_a_break_in_seqpar) == [(0, 3, 8)]
+        assert pool.run(_reset_dynamo) == ["reset"]
+        assert not pool.closed

@@ -182,16 +182,21 @@ def _health() -> tuple[int, int]:
     return _threads(), len(_process_groups())
 
 
+_DYNAMO_GLOBALS = ("__resume_at_", "__compiled_fn_", "__import_")
+
+
 def _module_state(names: tuple[str, ...]) -> dict[tuple[str, str], Any]:
     """``(module, attribute) -> value`` of every callable attribute of the loaded modules ``names`` names
     (``"torch.cuda"``: that module; ``"seqpar.*"``: seqpar and every module below it). Data attributes are
-    left out: counters and caches change by design."""
+    left out: counters and caches change by design. So are dynamo's own globals (a graph break's
+    ``__resume_at_*`` function, installed in the module of the frame it resumes; ``__compiled_fn_*``,
+    ``__import_*``): ``torch._dynamo.reset()`` in a later task deletes them, which is no patch left behind."""
     state = {}
     for name, module in list(sys.modules.items()):
         if module is None or not _guarded(name, names):
             continue
         for attr, value in list(vars(module).items()):
-            if callable(value) and not inspect.ismodule(value):
+            if callable(value) and not inspect.ismodule(value) and not attr.startswith(_DYNAMO_GLOBALS):
                 state[(name, attr)] = value
     return state
 
