@@ -91,20 +91,13 @@ def _check_dynamic(train: TrainSettings, sp: Any) -> None:
             "\"min_size\": 1}} block"
         )
     if train.dynamic and sp.dynamic is not None:
-        # the cut of every planned micro-batch checks this (seqpar.sequence.batch.rank_micro_batches) once the job
-        # runs; sharding and budget are both in the config, so --validate-only says it before any job is queued
-        from seqpar.sequence.sharding import length_multiple
+        # the cut of every planned micro-batch checks this once the job runs; sharding and budget are both in the
+        # config, so --validate-only says it before any job is queued, in the runtime's words
+        from seqpar.sequence.batch import dynamic_budget_problem
 
-        sharding = sp.sharding or "contiguous"  # undeclared: the calls' default
-        multiple = length_multiple(1, sharding)
-        budget = sp.dynamic.max_tokens_per_rank
-        if budget % multiple:
-            raise ConfigError(
-                f"sequence_parallel.dynamic.max_tokens_per_rank = {budget} is not a multiple of {multiple}, and "
-                f"{sharding} sharding pads each rank's share of a micro-batch to a multiple of {multiple}, over the "
-                f"budget: choose max_tokens_per_rank a multiple of {multiple} (e.g. "
-                f"{max(multiple, budget - budget % multiple)})"
-            )
+        problem = dynamic_budget_problem(sp.dynamic.max_tokens_per_rank, sp.sharding or "contiguous")
+        if problem is not None:  # undeclared sharding: the calls' default, contiguous
+            raise ConfigError(problem)
 
 
 def _check_tp(raw: dict[str, Any], sp: Any, engine: str, model: dict[str, Any]) -> None:

@@ -61,7 +61,8 @@ from seqpar.sequence.dynamic_batch import packed_micro_batches, step_targets
 from seqpar.sequence.sharding import length_multiple, resolve_sharding, shard_index
 
 __all__ = ["shard_batch", "global_positions", "ShardedDataLoader", "sp_rank_and_size",
-           "document_boundaries", "PACKED_KEYS", "TOKEN_MASK_KEY", "rank_micro_batches"]
+           "document_boundaries", "PACKED_KEYS", "TOKEN_MASK_KEY", "rank_micro_batches",
+           "dynamic_budget_problem"]
 
 logger = logging.getLogger("seqpar")
 
@@ -359,6 +360,24 @@ def _set_boundaries(out: dict[str, Any], bounds: tuple[int, ...]) -> None:
         torch._dynamo.maybe_mark_dynamic(out[key], 0)
 
 
+def dynamic_budget_problem(max_tokens_per_rank: int, sharding: str) -> str | None:
+    """What is wrong with a dynamic-CP token budget under ``sharding`` (``None``: nothing).
+
+    :func:`shard_batch` pads each rank's share of a micro-batch to a multiple of ``length_multiple(1, sharding)``
+    (1 contiguous, 2 zigzag, 8 balanced); the planner keeps a micro-batch of ``c`` ranks within
+    ``c * max_tokens_per_rank`` tokens, so unless the budget is such a multiple a rank's cut holds more than the
+    budget (fuzzer case 1146194759: balanced sharding, max_tokens_per_rank 6, one rank holding 8). The runtime
+    (:func:`rank_micro_batches`) and the launcher's ``--validate-only`` both ask this, so the two say the same.
+    """
+    multiple = length_multiple(1, sharding)
+    if max_tokens_per_rank % multiple == 0:
+        return None
+    return (f"sequence_parallel.dynamic.max_tokens_per_rank = {max_tokens_per_rank} is not a multiple of {multiple}, "
+            f"and {sharding} sharding pads each rank's share of a micro-batch to a multiple of {multiple}, over the "
+            f"budget: choose max_tokens_per_rank a multiple of {multiple} (e.g. "
+            f"{max(multiple, max_tokens_per_rank - max_tokens_per_rank % multiple)})")
+
+
 def rank_micro_batches(
     plan: DynamicPlan, docs: list[Tensor], manager: Any, *, labels: list[Tensor] | None = None,
     sharding: str | None = None, pad_token_id: int = 0, ignore_index: int = -100,
@@ -385,16 +404,9 @@ def rank_micro_batches(
             (2 for zigzag, 8 for balanced): the cut would hold more than the budget.
     """
     sharding = resolve_sharding(sharding, manager=manager, where="rank_micro_batches")
-    multiple = length_multiple(1, sharding)  # shard_batch pads each rank's share to a multiple of this
-    if plan.max_tokens_per_rank % multiple:
-        # the planner keeps a micro-batch within c * max_tokens_per_rank tokens; shard_batch pads it to a multiple of
-        # multiple * c, over the budget unless the budget is a multiple of it (fuzzer case 1146194759: balanced
-        # sharding, max_tokens_per_rank 6, one rank holding 8)
-        raise ValueError(
-            f"dynamic CP: sequence_parallel.dynamic.max_tokens_per_rank = {plan.max_tokens_per_rank} is not a multiple "
-            f"of {multiple}, and {sharding} sharding pads each rank's share of a micro-batch to a multiple of {multiple}, "
-            f"over the budget: choose max_tokens_per_rank a multiple of {multiple} (e.g. "
-            f"{max(multiple, plan.max_tokens_per_rank - plan.max_tokens_per_rank % multiple)})")
+    problem = dynamic_budget_problem(plan.max_tokens_per_rank, sharding)
+    if problem is not None:
+        raise ValueError("dynamic CP: " + problem)
     targets = step_targets(docs, labels, ignore_index)
     out = []
     for batch, group in packed_micro_batches(plan, docs, manager, labels=labels, pad_token_id=pad_token_id,
