@@ -67,7 +67,8 @@ from torch import Tensor
 from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.bench.runner import peak_memory, resolve_device, sync
 
-__all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser"]
+__all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser", "excess_50",
+           "table_markdown", "table_main"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "cudnn", "sdpa", "mha")
@@ -496,9 +497,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         payload["wall_s"] = time.perf_counter() - start
         print(format_table([row], _COLUMNS), flush=True)
         if args.out:
-            write_json(os.path.join(args.out, "gpu_perf.json"), payload)
+            _write_whole(os.path.join(args.out, "gpu_perf.json"), payload)
     payload["wall_s"] = time.perf_counter() - start
     return payload
+
+
+def _write_whole(path: str, payload: dict[str, Any]) -> None:
+    """``write_json`` to a temporary name, then renamed over ``path``: a run stopped mid-write (the device
+    tool's time limit, ``timeout``) leaves the last complete file, never a truncated one."""
+    write_json(path + ".part", payload)
+    os.replace(path + ".part", path)
 
 
 def _list(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -570,6 +578,91 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     if args.out:
         path = os.path.join(args.out, "gpu_perf.json")
-        write_json(path, payload)
+        _write_whole(path, payload)
         print(f"wrote {path}", flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------------------ BENCHMARKS rows
+_TABLE_HEAD = ("| L | mask | hc | layout | eta | eta_c | slow400 | glue | hidden50 | max50 | excess50 ms | lag50 ms "
+               "| peak | /theory | T_sdpa ms | T_compute ms | T_400 ms | T_floor ms |")
+
+
+def _cell(row: dict[str, Any], key: str, kind: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "—"
+    if kind == "pct":
+        return f"{100 * v:+.1f}%" if key == "slow_400" else f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1e3 * v:.2f}" if key == "t_sdpa_local" else f"{1e3 * v:.1f}"
+    return f"{v:.3f}" if kind == "3" else f"{v:.2f}"
+
+
+def excess_50(row: dict[str, Any]) -> float | None:
+    """Seconds the 50 GB/s step took beyond what its recorded schedule allows: ``t_step_50 - t_compute -
+    (1 - hidden_max_50) * t_transfer_50`` (the exposed transfer time the schedule does not explain;
+    BENCHMARKS' "What a GPU session should run" compares it with ``link_lag_50``). None off ``--hidden-at``."""
+    if any(row.get(k) is None for k in ("t_step_50", "t_compute", "hidden_max_50", "t_transfer_50")):
+        return None
+    return row["t_step_50"] - row["t_compute"] - (1 - row["hidden_max_50"]) * row["t_transfer_50"]
+
+
+def table_markdown(payload: dict[str, Any]) -> str:
+    """One ``gpu_perf.json`` as BENCHMARKS.md's rows (the "The ring on one GPU" columns, plus ``excess50``
+    and ``lag50`` at ``--hidden-at``), with its command, device, commit, skipped cases and kernel-time
+    splits. Figures are printed as recorded (nothing is recomputed but ``excess50``)."""
+    machine = payload.get("machine", {})
+    lines = [f"`{payload.get('command', '?')}`: {payload.get('device', '?')}, torch {machine.get('torch', '?')}, "
+             f"commit {str(machine.get('seqpar_commit') or '?')[:7]}, {machine.get('date_utc', '?')} UTC, "
+             f"link priority {payload.get('link_priority', '?')}; {len(payload.get('cases', []))} cases"
+             + (f" in {payload['wall_s']:.0f} s" if payload.get("wall_s") is not None else ""), "",
+             _TABLE_HEAD, "|" + "---|" * (_TABLE_HEAD.count("|") - 1)]
+    for r in payload.get("cases", []):
+        seq = r["seq_local"]
+        length = f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
+        hc = f"{r['head_chunks']} ({r.get('head_chunks_resolved', '?')})"
+        ex = excess_50(r)
+        cells = [length, "causal" if r["causal"] else "full", hc, r["layout"],
+                 _cell(r, "eta", "3"), _cell(r, "eta_compute", "3"), _cell(r, "slow_400", "pct"),
+                 _cell(r, "glue", "pct"), _cell(r, "hidden_50", "3"), _cell(r, "hidden_max_50", "3"),
+                 "—" if ex is None else f"{1e3 * ex:.1f}", _cell(r, "link_lag_50", "ms"),
+                 _cell(r, "peak", "2"), _cell(r, "peak_vs_theory", "2"), _cell(r, "t_sdpa_local", "ms"),
+                 _cell(r, "t_compute", "ms"), _cell(r, "t_step_400", "ms"), _cell(r, "t_floor", "ms")]
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in payload.get("cases", []):
+        split = r.get("profile")
+        if split and split.get("kernel_s"):
+            top = ", ".join(f"`{name}` {1e3 * t:.1f} ms" for name, t in split.get("other_top", [])[:5])
+            lines += ["", f"One step's kernel time, {r['label']}: {1e3 * split['kernel_s']:.1f} ms, attention kernels "
+                          f"{1e3 * split['attention_s']:.1f} ms, the rest {1e3 * split['other_s']:.1f} ms "
+                          f"({100 * split['other_share']:.0f}%)" + (f": {top}" if top else "")]
+    if payload.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{s['label']} ({s['reason']})" for s in payload["skipped"])]
+    return "\n".join(lines)
+
+
+def table_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m seqpar.bench gpu-perf-table DIR [DIR ...]``: print each ``DIR/gpu_perf.json`` (or a JSON
+    file named directly) as BENCHMARKS.md's markdown rows; a missing or unreadable file is named, and the
+    others still print (exit 1 then)."""
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m seqpar.bench gpu-perf-table", description=table_main.__doc__)
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a gpu-perf --out DIR, or its gpu_perf.json")
+    args = p.parse_args(argv)
+    rc = 0
+    for i, d in enumerate(args.dirs):
+        path = d if d.endswith(".json") else os.path.join(d, "gpu_perf.json")
+        if i:
+            print()
+        print(f"### {path}\n")
+        try:
+            with open(path) as f:
+                payload = json.load(f)
+        except (OSError, ValueError) as error:
+            print(f"gpu-perf-table: cannot read {path}: {error}")
+            rc = 1
+            continue
+        print(table_markdown(payload))
+    return rc
