@@ -214,3 +214,25 @@ def test_partial_json_is_replaced_whole(tmp_path, monkeypatch):
                     "--layouts", "hf", "--hidden-at", "64", "--profile-at", "0", "--repeats", "1", "--out", str(out)])
     payload = json.loads((out / "gpu_perf.json").read_text())
     assert [r["label"] for r in payload["cases"]] == ["L=64 causal hc=1 hf"]
+
+
+def test_link_lag_split_from_the_trace(tmp_path):
+    """lag50 split by the step's Chrome trace: the sleeps' own run time (``spin_kernel``, device
+    durations) against the link model says how much of the lag is a slow sleep clock, the rest is the
+    sleeps starting late (waiting for an SM). Figures made up: 14 messages, 37.6 ms modelled, lag 6.4 ms,
+    the sleeps ran 38.6 ms: 1.0 ms clock, 5.4 ms SM wait.
+    Seen failing: with the kernel durations read as seconds (the trace's are microseconds)."""
+    runs = [38.6e3 / 14] * 14
+    events = [{"ph": "X", "cat": "kernel", "name": "at::cuda::(anonymous namespace)::spin_kernel(long)",
+               "ts": 10.0 * i, "dur": d} for i, d in enumerate(runs)]
+    events += [{"ph": "X", "cat": "kernel", "name": "cudnn_attention_fwd", "ts": 0.0, "dur": 5e3},
+               {"ph": "X", "cat": "cpu_op", "name": "spin_kernel_host_side", "ts": 0.0, "dur": 7.0}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = gpu_perf.sleep_kernels(str(path))
+    assert got["link_sleeps_traced_50"] == 14 and got["link_sleep_run_50"] == pytest.approx(38.6e-3)
+    assert gpu_perf.sleep_kernels(str(tmp_path / "none.json")) == {}
+    row = {"seq_local": 16384, "causal": True, "head_chunks": 1, "layout": "hf", "label": "L=16384 causal hc=1 hf",
+           "link_lag_50": 6.4e-3, "link_lag_50_max": 0.9e-3, "link_messages_50": 14, "link_model_50": 37.6e-3, **got}
+    text = gpu_perf.table_markdown({"cases": [row]})
+    assert "ran +1.00 ms against the model (sleep clock), so they started 5.40 ms late (SM wait)" in text

@@ -32,9 +32,11 @@ Per case:
   recorded schedule allows at best (:func:`~seqpar.comm.schedule.hidden_bound`); on CUDA also
   ``link_lag_50`` (one more step with each message timed on its link stream: the seconds the messages
   took beyond ``bytes / B`` in all, ``link_lag_50_max`` the largest: waiting for an SM, or a sleep clock
-  slower than calibrated) and, with ``--trace DIR``, that step's profiler trace. The link streams run at
-  high CUDA priority (``--link-priority normal``: torch's default, as before issue 29 §8's fix; see
-  :class:`~seqpar.comm.emulated.CudaLinks`);
+  slower than calibrated; ``link_model_50`` what they should take, bytes / B summed) and, with ``--trace
+  DIR``, that step's profiler trace, from which ``link_sleep_run_50`` sums the sleeps' own device time
+  (:func:`sleep_kernels`: beyond ``link_model_50`` a slow sleep clock, the rest of the lag SM wait). The
+  link streams run at high CUDA priority (``--link-priority normal``: torch's default, as before issue 29
+  §8's fix; see :class:`~seqpar.comm.emulated.CudaLinks`);
 - ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
   backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
   above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
@@ -68,7 +70,7 @@ from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.bench.runner import peak_memory, resolve_device, sync
 
 __all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser", "excess_50",
-           "table_markdown", "table_main"]
+           "table_markdown", "table_main", "sleep_kernels"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "cudnn", "sdpa", "mha")
@@ -369,12 +371,36 @@ def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch
             sync(device)
         os.makedirs(trace, exist_ok=True)
         name = case.label.replace(" ", "_").replace("=", "")
-        prof.export_chrome_trace(os.path.join(trace, f"trace_{name}.json"))
+        trace_path = os.path.join(trace, f"trace_{name}.json")
+        prof.export_chrome_trace(trace_path)
     else:
-        links = step()
+        links, trace_path = step(), None
     links.finish()
-    return {"link_lag_50": sum(links.lags), "link_lag_50_max": max(links.lags, default=0.0),
-            "link_messages_50": len(links.lags)}
+    res = {"link_lag_50": sum(links.lags), "link_lag_50_max": max(links.lags, default=0.0),
+           "link_messages_50": len(links.lags),
+           # what the messages should take on the link model, in all (latency 0: bytes / B)
+           "link_model_50": sum(e.nbytes for e in links.trace.events if e.kind == "post") / 50e9}
+    if trace_path is not None:
+        res.update(sleep_kernels(trace_path))
+    return res
+
+
+def sleep_kernels(trace_path: str) -> dict[str, Any]:
+    """The link sleeps' own run time in a Chrome trace (``torch.cuda._sleep``'s ``spin_kernel``): how many
+    and their summed device duration (``link_sleep_run_50``, seconds). Against ``link_model_50`` it splits
+    ``link_lag_50`` into the sleeps running longer than modelled (a sleep clock slower under load than
+    calibrated) and, the rest, the sleeps starting late (waiting for an SM). ``{}`` when the trace cannot
+    be read."""
+    import json
+
+    try:
+        with open(trace_path) as f:
+            events = json.load(f).get("traceEvents", [])
+    except (OSError, ValueError):
+        return {}
+    runs = [e.get("dur", 0.0) for e in events
+            if e.get("cat") == "kernel" and "spin_kernel" in str(e.get("name", ""))]
+    return {"link_sleeps_traced_50": len(runs), "link_sleep_run_50": sum(runs) * 1e-6}
 
 
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
@@ -630,6 +656,18 @@ def table_markdown(payload: dict[str, Any]) -> str:
                  _cell(r, "peak", "2"), _cell(r, "peak_vs_theory", "2"), _cell(r, "t_sdpa_local", "ms"),
                  _cell(r, "t_compute", "ms"), _cell(r, "t_step_400", "ms"), _cell(r, "t_floor", "ms")]
         lines.append("| " + " | ".join(cells) + " |")
+    for r in payload.get("cases", []):
+        if r.get("link_lag_50") is None:
+            continue
+        line = (f"Links at 50 GB/s, {r['label']}: the {r.get('link_messages_50', '?')} messages took "
+                f"{1e3 * r['link_lag_50']:.2f} ms beyond bytes / B in all (largest {1e3 * r['link_lag_50_max']:.2f} ms)")
+        if r.get("link_model_50"):
+            line += f" on {1e3 * r['link_model_50']:.1f} ms modelled"
+        if r.get("link_sleep_run_50") is not None and r.get("link_model_50") is not None:
+            slow = r["link_sleep_run_50"] - r["link_model_50"]
+            line += (f"; the traced sleeps ({r['link_sleeps_traced_50']}) ran {1e3 * slow:+.2f} ms against the model "
+                     f"(sleep clock), so they started {1e3 * (r['link_lag_50'] - slow):.2f} ms late (SM wait)")
+        lines += ["", line]
     for r in payload.get("cases", []):
         split = r.get("profile")
         if split and split.get("kernel_s"):
