@@ -113,7 +113,9 @@ def test_floor_measured_once_per_block_shapes_and_shared_across_layouts(tmp_path
     """T_floor is measured in the first case with given block shapes, interleaved with its ring step, and
     reused by the same mask and L in the other layout, so the two layouts' glue read one T_floor.
     Seen failing: with ``floors`` not kept across cases (run_case's default), the contiguous rows measured
-    their own T_floor (4 interleaved measurements, not 2; their t_floor differed from the hf rows')."""
+    their own T_floor (4 interleaved measurements, not 2; their t_floor differed from the hf rows'). T_sdpa is
+    interleaved too (at 0dbebd6 the same 8K call timed alone came out 6.48-7.06 ms in four cases).
+    Seen failing: with T_sdpa timed alone before the ring (calls [1 + n, 1 + n], no eta_alone)."""
     calls: list[int] = []
     real = gpu_perf._interleaved
 
@@ -130,8 +132,13 @@ def test_floor_measured_once_per_block_shapes_and_shared_across_layouts(tmp_path
     assert [(r["causal"], r["layout"]) for r in rows] == [
         (True, "hf"), (False, "hf"), (True, "contiguous"), (False, "contiguous")]
     shape = gpu_perf.Shape(world=8, rank=4, q_heads=4, kv_heads=2, head_dim=16)
-    # one interleaved measurement per mask: the ring step and each distinct floor call
-    assert calls == [1 + len(gpu_perf._block_shapes(shape, gpu_perf.Case(64, c, 1, "hf"))) for c in (True, False)]
+    # per mask, one interleaved measurement of the ring step, the local SDPA step and each distinct floor
+    # call; the other layout's cases interleave the ring step and the local SDPA step only
+    assert calls == [2 + len(gpu_perf._block_shapes(shape, gpu_perf.Case(64, c, 1, "hf"))) for c in (True, False)
+                     ] + [2, 2]
+    for r in rows:  # eta from the interleaved T_sdpa; the one timed alone beside it
+        assert r["eta"] == pytest.approx(8 * r["t_sdpa_local"] / r["t_step_400"])
+        assert r["eta_alone"] == pytest.approx(8 * r["t_sdpa_alone"] / r["t_step_400"])
     for hf, contiguous in ((rows[0], rows[2]), (rows[1], rows[3])):
         assert hf["t_floor_from"] == hf["label"] and contiguous["t_floor_from"] == hf["label"]
         assert contiguous["t_floor"] == hf["t_floor"] and contiguous["floor_calls"] == hf["floor_calls"]
@@ -159,8 +166,8 @@ def test_table_prints_the_recorded_benchmarks_rows(capsys):
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 30
-    # BENCHMARKS' columns are ours without excess50 and lag50 (cells 11 and 12)
-    old = ["| " + " | ".join(c for i, c in enumerate(r.strip("| ").split(" | ")) if i not in (10, 11)) + " |"
+    # BENCHMARKS' columns are ours without excess50 and lag50 (cells 11 and 12) and eta alone (the last)
+    old = ["| " + " | ".join(c for i, c in enumerate(r.strip("| ").split(" | ")[:-1]) if i not in (10, 11)) + " |"
            for r in rows]
     for want in _RECORDED_0DBEBD6:
         assert want in old, want

@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 timeout 20 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
   || { tail "$OUT/install.log"; exit 1; }
 git rev-parse HEAD > "$OUT/commit" 2>/dev/null || true
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv > "$OUT/smi.txt" 2>&1 || true
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv > "$OUT/smi.txt" 2>&1 || true
 case "${1:-}" in
   check)
     # straight into $OUT: gpu-check rewrites gpu_check.json after every stage
@@ -47,7 +47,7 @@ case "${1:-}" in
     timeout 30 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "strided_gqa and cudnn and bfloat16" \
       > "$OUT/tests.txt" 2>&1
     tail -4 "$OUT/tests.txt"
-    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,clocks_throttle_reasons.active --format=csv \
+    nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader \
       >> "$OUT/smi.txt" 2>&1 || true
     python3 -m seqpar.bench gpu-perf-table "$OUT/normal" "$OUT/high" "$OUT/eta8k" > "$OUT/table.md" 2>&1
     cat "$OUT/table.md"

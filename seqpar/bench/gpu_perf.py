@@ -13,12 +13,15 @@ and ``"auto"``; inputs in the Hugging Face memory layout (``(batch, seq, heads, 
 ``--repeats`` after a warm-up, timed with CUDA events around the step (``time.perf_counter`` on CPU).
 Per case:
 
-- ``t_sdpa_local``: one SDPA call (``enable_gqa``) on the local shard, same mask kind and layout;
+- ``t_sdpa_local``: one SDPA call (``enable_gqa``) on the local shard, same mask kind and layout, its
+  repeats interleaved with the ring step's ``t_compute`` repeats (below); ``t_sdpa_alone`` the same call
+  timed alone before the ring, as the tables up to 0dbebd6 measured it (there the same 8K block measured
+  6.48-7.06 ms across four cases of one configuration, moving eta by +-4%);
 - ``t_compute``: the ring step with free links (transfers cost nothing);
 - ``t_step_400``: the ring step over an emulated 400 GB/s link;
 - ``eta = P * t_sdpa_local / t_step_400`` (ring-flash-attn's metric includes its real transfers, so ours
-  includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``slow_400 = t_step_400 /
-  t_compute - 1``;
+  includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``eta_alone`` with
+  ``t_sdpa_alone``; ``slow_400 = t_step_400 / t_compute - 1``;
 - ``t_floor``: the sum of bare SDPA calls (forward + backward, contiguous inputs) on the plan's exact
   block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``. Measured once per set of
   block shapes (mask, ``L`` and resolved head chunks; the layout does not change them), in the first
@@ -262,16 +265,18 @@ def _interleaved(clock: _Clock, steps: Sequence[Callable[[], Any]], *, warmup: i
 
 
 def _compute_and_floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, free: Callable[[], Any],
-                       warmup: int, repeats: int, floors: dict[Any, dict[str, Any]]) -> dict[str, Any]:
-    """``t_compute`` (the ring step ``free``) and T_floor, the sum of bare SDPA forward + backward calls
-    on the plan's block shapes. T_floor is taken from ``floors`` when a case with the same block shapes
-    measured it (they do not depend on the layout); else measured here, each floor call's repeats
-    interleaved with the ring step's, and stored there."""
+                       warmup: int, repeats: int, floors: dict[Any, dict[str, Any]],
+                       sdpa: Callable[[], Any]) -> dict[str, Any]:
+    """``t_compute`` (the ring step ``free``), ``t_sdpa_local`` (the local SDPA step ``sdpa``) and T_floor,
+    the sum of bare SDPA forward + backward calls on the plan's block shapes, their repeats interleaved
+    (so that a clock or temperature drift moves eta's numerator and denominator alike). T_floor is taken
+    from ``floors`` when a case with the same block shapes measured it (they do not depend on the
+    layout); else measured here and stored there."""
     blocks = sorted(_block_shapes(shape, case, device).items())
     key = tuple(blocks)
     if key in floors:
-        t_compute = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
-        return {"t_compute": t_compute, **floors[key]}
+        ring, local = _interleaved(clock, [free, sdpa], warmup=warmup, repeats=repeats)
+        return {"t_compute": statistics.median(ring), "t_sdpa_local": statistics.median(local), **floors[key]}
     dtype = _DTYPES[shape.dtype]
     steps = []
     for (hq, hkv, nq, nk, causal), _ in blocks:
@@ -279,14 +284,14 @@ def _compute_and_floor(shape: Shape, case: Case, device: torch.device, clock: _C
         k = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         steps.append(_sdpa_step((q, k, v, torch.randn_like(q)), causal, shape.head_dim ** -0.5))
-    ring, *calls = _interleaved(clock, [free, *steps], warmup=warmup, repeats=repeats)
+    ring, local, *calls = _interleaved(clock, [free, sdpa, *steps], warmup=warmup, repeats=repeats)
     del steps
     rows = [{"q_heads": hq, "kv_heads": hkv, "q_rows": nq, "k_rows": nk, "causal": causal, "count": count,
              "t": statistics.median(t)} for ((hq, hkv, nq, nk, causal), count), t in zip(blocks, calls)]
     # the floor of repeat i: every call's i-th run, weighted by its count; T_floor their median
     samples = [sum(count * t[i] for (_, count), t in zip(blocks, calls)) for i in range(repeats)]
     floors[key] = {"t_floor": statistics.median(samples), "floor_calls": rows, "t_floor_from": case.label}
-    return {"t_compute": statistics.median(ring), **floors[key]}
+    return {"t_compute": statistics.median(ring), "t_sdpa_local": statistics.median(local), **floors[key]}
 
 
 def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -419,15 +424,18 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     res: dict[str, Any] = {**asdict(case), "label": case.label,
                            "head_chunks_resolved": _options(shape, case, device).head_chunks}
     t0 = time.perf_counter()
-    res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
-                                                       repeats=repeats))
+    sdpa = _sdpa_step(inputs, case.causal, scale)
+    # as 0dbebd6's tables measured it: alone, before the ring (kept for comparison: eta_alone)
+    res["t_sdpa_alone"] = statistics.median(clock.time(sdpa, warmup=warmup, repeats=repeats))
     free = _ring_step(shape, case, inputs, links_at(None), device)
-    res.update(_compute_and_floor(shape, case, device, clock, free, warmup, repeats, {} if floors is None else floors))
+    res.update(_compute_and_floor(shape, case, device, clock, free, warmup, repeats, {} if floors is None else floors,
+                                  sdpa))
     res["t_step_400"] = statistics.median(clock.time(
         _ring_step(shape, case, inputs, links_at(400e9), device), warmup=warmup, repeats=repeats))
     p = shape.world
     res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
     res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
+    res["eta_alone"] = p * res["t_sdpa_alone"] / res["t_step_400"]
     res["slow_400"] = res["t_step_400"] / res["t_compute"] - 1
     res["glue"] = res["t_compute"] / res["t_floor"] - 1
     if case.seq_local == hidden_at:
@@ -611,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ------------------------------------------------------------------------------------------ BENCHMARKS rows
 _TABLE_HEAD = ("| L | mask | hc | layout | eta | eta_c | slow400 | glue | hidden50 | max50 | excess50 ms | lag50 ms "
-               "| peak | /theory | T_sdpa ms | T_compute ms | T_400 ms | T_floor ms |")
+               "| peak | /theory | T_sdpa ms | T_compute ms | T_400 ms | T_floor ms | eta alone |")
 
 
 def _cell(row: dict[str, Any], key: str, kind: str) -> str:
@@ -636,7 +644,7 @@ def excess_50(row: dict[str, Any]) -> float | None:
 
 def table_markdown(payload: dict[str, Any]) -> str:
     """One ``gpu_perf.json`` as BENCHMARKS.md's rows (the "The ring on one GPU" columns, plus ``excess50``
-    and ``lag50`` at ``--hidden-at``), with its command, device, commit, skipped cases and kernel-time
+    and ``lag50`` at ``--hidden-at`` and, last, ``eta alone``: eta from T_sdpa timed alone), with its command, device, commit, skipped cases and kernel-time
     splits. Figures are printed as recorded (nothing is recomputed but ``excess50``)."""
     machine = payload.get("machine", {})
     lines = [f"`{payload.get('command', '?')}`: {payload.get('device', '?')}, torch {machine.get('torch', '?')}, "
@@ -654,7 +662,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
                  _cell(r, "glue", "pct"), _cell(r, "hidden_50", "3"), _cell(r, "hidden_max_50", "3"),
                  "—" if ex is None else f"{1e3 * ex:.1f}", _cell(r, "link_lag_50", "ms"),
                  _cell(r, "peak", "2"), _cell(r, "peak_vs_theory", "2"), _cell(r, "t_sdpa_local", "ms"),
-                 _cell(r, "t_compute", "ms"), _cell(r, "t_step_400", "ms"), _cell(r, "t_floor", "ms")]
+                 _cell(r, "t_compute", "ms"), _cell(r, "t_step_400", "ms"), _cell(r, "t_floor", "ms"),
+                 _cell(r, "eta_alone", "3")]
         lines.append("| " + " | ".join(cells) + " |")
     for r in payload.get("cases", []):
         if r.get("link_lag_50") is None:
