@@ -113,7 +113,9 @@ def test_floor_measured_once_per_block_shapes_and_shared_across_layouts(tmp_path
     """T_floor is measured in the first case with given block shapes, interleaved with its ring step, and
     reused by the same mask and L in the other layout, so the two layouts' glue read one T_floor.
     Seen failing: with ``floors`` not kept across cases (run_case's default), the contiguous rows measured
-    their own T_floor (4 interleaved measurements, not 2; their t_floor differed from the hf rows')."""
+    their own T_floor (4 interleaved measurements, not 2; their t_floor differed from the hf rows'). T_sdpa is
+    interleaved too (at 0dbebd6 the same 8K call timed alone came out 6.48-7.06 ms in four cases).
+    Seen failing: with T_sdpa timed alone before the ring (calls [1 + n, 1 + n], no eta_alone)."""
     calls: list[int] = []
     real = gpu_perf._interleaved
 
@@ -130,10 +132,114 @@ def test_floor_measured_once_per_block_shapes_and_shared_across_layouts(tmp_path
     assert [(r["causal"], r["layout"]) for r in rows] == [
         (True, "hf"), (False, "hf"), (True, "contiguous"), (False, "contiguous")]
     shape = gpu_perf.Shape(world=8, rank=4, q_heads=4, kv_heads=2, head_dim=16)
-    # one interleaved measurement per mask: the ring step and each distinct floor call
-    assert calls == [1 + len(gpu_perf._block_shapes(shape, gpu_perf.Case(64, c, 1, "hf"))) for c in (True, False)]
+    # per mask, one interleaved measurement of the ring step, the local SDPA step and each distinct floor
+    # call; the other layout's cases interleave the ring step and the local SDPA step only
+    assert calls == [2 + len(gpu_perf._block_shapes(shape, gpu_perf.Case(64, c, 1, "hf"))) for c in (True, False)
+                     ] + [2, 2]
+    for r in rows:  # eta from the interleaved T_sdpa; the one timed alone beside it
+        assert r["eta"] == pytest.approx(8 * r["t_sdpa_local"] / r["t_step_400"])
+        assert r["eta_alone"] == pytest.approx(8 * r["t_sdpa_alone"] / r["t_step_400"])
     for hf, contiguous in ((rows[0], rows[2]), (rows[1], rows[3])):
         assert hf["t_floor_from"] == hf["label"] and contiguous["t_floor_from"] == hf["label"]
         assert contiguous["t_floor"] == hf["t_floor"] and contiguous["floor_calls"] == hf["floor_calls"]
         for r in (hf, contiguous):
             assert r["glue"] == pytest.approx(r["t_compute"] / r["t_floor"] - 1)
+
+
+# the 0dbebd6 H200 rows as BENCHMARKS.md printed them ("After issue 29 §3, §4, §6, §7"); the fixture holds
+# their figures as gpu_perf.json fields (the run's own JSON was not kept), the two new columns are empty
+_RECORDED_0DBEBD6 = [
+    "| 8K | causal | 1 (1) | hf | 0.927 | 0.946 | +2.0% | 12.9% | — | — | 1.36 | 0.94 | 3.63 | 30.7 | 31.3 | 27.2 |",
+    "| 8K | full | 1 (1) | hf | 0.874 | 0.883 | +1.0% | 12.7% | — | — | 1.50 | 1.04 | 6.48 | 58.7 | 59.3 | 52.1 |",
+    "| 16K | causal | 1 (1) | hf | 0.897 | 0.933 | +4.1% | 9.3% | 0.757 | 0.929 | 1.36 | 0.94 | 13.49 | 115.6 | 120.3 | 105.8 |",
+    "| 16K | full | auto (1) | hf | 0.984 | 0.984 | -0.0% | 1.9% | 0.809 | 0.929 | 1.50 | 1.04 | 28.31 | 230.1 | 230.0 | 225.8 |",
+    "| 4K | full | auto (1) | contiguous | 0.754 | 0.836 | +10.8% | 16.4% | — | — | 1.66 | 1.15 | 1.77 | 17.0 | 18.8 | 14.6 |",
+]
+
+
+def test_table_prints_the_recorded_benchmarks_rows(capsys):
+    """``gpu-perf-table DIR`` turns a gpu_perf.json into BENCHMARKS.md's rows: the fixture of the 0dbebd6
+    figures prints the rows BENCHMARKS recorded, with the two new columns (excess50, lag50) beside them.
+    Seen failing: with glue printed as "+12.9%" (slow400's sign format) and with T_sdpa at one decimal."""
+    fixture = __import__("pathlib").Path(__file__).parent / "data" / "gpu_perf_0dbebd6.json"
+    assert bench_main(["gpu-perf-table", str(fixture)]) == 0
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 30
+    # BENCHMARKS' columns are ours without excess50 and lag50 (cells 11 and 12) and eta alone (the last)
+    old = ["| " + " | ".join(c for i, c in enumerate(r.strip("| ").split(" | ")[:-1]) if i not in (10, 11)) + " |"
+           for r in rows]
+    for want in _RECORDED_0DBEBD6:
+        assert want in old, want
+    assert "commit 0dbebd6" in text and "Skipped: L=32768 full hc=auto contiguous" in text
+
+
+def test_table_excess_is_what_the_schedule_does_not_explain():
+    """excess50 = T_step_50 - T_compute - (1 - max50) T_transfer_50: at the 0dbebd6 16K causal HF figures
+    (T_compute 115.6 ms, hidden 0.757, max 0.929, T_transfer 37.58 ms by the link model) about 6.5 ms."""
+    t_c, t_t = 0.1156, 0.03758
+    row = {"t_compute": t_c, "t_transfer_50": t_t, "hidden_max_50": 0.929,
+           "t_step_50": t_c + t_t - 0.757 * t_t}  # hidden's definition solved for T_step
+    assert gpu_perf.excess_50(row) == pytest.approx((0.929 - 0.757) * t_t)
+    assert gpu_perf.excess_50({"t_compute": t_c}) is None
+    line = [r for r in gpu_perf.table_markdown({"cases": [{**row, "seq_local": 16384, "causal": True,
+                                                           "head_chunks": 1, "layout": "hf", "hidden_50": 0.757}]}
+                                               ).splitlines() if r.startswith("| 16K")][0]
+    assert line.split(" | ")[10] == "6.5"
+
+
+def test_table_names_an_unreadable_run_and_prints_the_rest(tmp_path, capsys):
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "gpu_perf.json").write_text('{"cases": [')  # a run stopped mid-write (old writer)
+    fixture = __import__("pathlib").Path(__file__).parent / "data" / "gpu_perf_0dbebd6.json"
+    assert bench_main(["gpu-perf-table", str(tmp_path / "cut"), str(tmp_path / "none"), str(fixture)]) == 1
+    text = capsys.readouterr().out
+    assert "cannot read " + str(tmp_path / "cut" / "gpu_perf.json") in text
+    assert "cannot read " + str(tmp_path / "none" / "gpu_perf.json") in text
+    assert "| 8K | causal | 1 (1) | hf | 0.927 |" in text
+
+
+def test_partial_json_is_replaced_whole(tmp_path, monkeypatch):
+    """The run's JSON is written to a temporary name and renamed, so a run stopped by a time limit
+    mid-write leaves the last whole file (the device tool brings back what is under $OUT as it is).
+    Seen failing: with write_json straight onto gpu_perf.json (a killed write left it truncated)."""
+    out = tmp_path / "gp"
+    writes = []
+    real = gpu_perf.write_json
+
+    def cut_second(path, payload):
+        writes.append(path)
+        if len(writes) == 2:  # the second case's write is stopped halfway
+            with open(path, "w") as f:
+                f.write('{"cases": [')
+            raise KeyboardInterrupt
+        real(path, payload)
+
+    monkeypatch.setattr(gpu_perf, "write_json", cut_second)
+    with pytest.raises(KeyboardInterrupt):
+        bench_main(["gpu-perf", "--tiny", "--device", "cpu", "--seq-locals", "64", "--head-chunks", "1",
+                    "--layouts", "hf", "--hidden-at", "64", "--profile-at", "0", "--repeats", "1", "--out", str(out)])
+    payload = json.loads((out / "gpu_perf.json").read_text())
+    assert [r["label"] for r in payload["cases"]] == ["L=64 causal hc=1 hf"]
+
+
+def test_link_lag_split_from_the_trace(tmp_path):
+    """lag50 split by the step's Chrome trace: the sleeps' own run time (``spin_kernel``, device
+    durations) against the link model says how much of the lag is a slow sleep clock, the rest is the
+    sleeps starting late (waiting for an SM). Figures made up: 14 messages, 37.6 ms modelled, lag 6.4 ms,
+    the sleeps ran 38.6 ms: 1.0 ms clock, 5.4 ms SM wait.
+    Seen failing: with the kernel durations read as seconds (the trace's are microseconds)."""
+    runs = [38.6e3 / 14] * 14
+    events = [{"ph": "X", "cat": "kernel", "name": "at::cuda::(anonymous namespace)::spin_kernel(long)",
+               "ts": 10.0 * i, "dur": d} for i, d in enumerate(runs)]
+    events += [{"ph": "X", "cat": "kernel", "name": "cudnn_attention_fwd", "ts": 0.0, "dur": 5e3},
+               {"ph": "X", "cat": "cpu_op", "name": "spin_kernel_host_side", "ts": 0.0, "dur": 7.0}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = gpu_perf.sleep_kernels(str(path))
+    assert got["link_sleeps_traced_50"] == 14 and got["link_sleep_run_50"] == pytest.approx(38.6e-3)
+    assert gpu_perf.sleep_kernels(str(tmp_path / "none.json")) == {}
+    row = {"seq_local": 16384, "causal": True, "head_chunks": 1, "layout": "hf", "label": "L=16384 causal hc=1 hf",
+           "link_lag_50": 6.4e-3, "link_lag_50_max": 0.9e-3, "link_messages_50": 14, "link_model_50": 37.6e-3, **got}
+    text = gpu_perf.table_markdown({"cases": [row]})
+    assert "ran +1.00 ms against the model (sleep clock), so they started 5.40 ms late (SM wait)" in text

@@ -234,6 +234,10 @@ def main(argv: Sequence[str] | None = None, *, pools: Any = None) -> int:
         from seqpar.bench.gpu_perf import main as gpu_perf_main
 
         return gpu_perf_main(argv[1:])
+    if argv[:1] == ["gpu-perf-table"]:  # a gpu-perf JSON as BENCHMARKS.md's markdown rows
+        from seqpar.bench.gpu_perf import table_main
+
+        return table_main(argv[1:])
     if argv[:1] == ["overlap"]:  # transfers hidden on emulated links (issue 29): a command of its own
         from seqpar.bench.overlap import main as overlap_main
 

@@ -13,12 +13,15 @@ and ``"auto"``; inputs in the Hugging Face memory layout (``(batch, seq, heads, 
 ``--repeats`` after a warm-up, timed with CUDA events around the step (``time.perf_counter`` on CPU).
 Per case:
 
-- ``t_sdpa_local``: one SDPA call (``enable_gqa``) on the local shard, same mask kind and layout;
+- ``t_sdpa_local``: one SDPA call (``enable_gqa``) on the local shard, same mask kind and layout, its
+  repeats interleaved with the ring step's ``t_compute`` repeats (below); ``t_sdpa_alone`` the same call
+  timed alone before the ring, as the tables up to 0dbebd6 measured it (there the same 8K block measured
+  6.48-7.06 ms across four cases of one configuration, moving eta by +-4%);
 - ``t_compute``: the ring step with free links (transfers cost nothing);
 - ``t_step_400``: the ring step over an emulated 400 GB/s link;
 - ``eta = P * t_sdpa_local / t_step_400`` (ring-flash-attn's metric includes its real transfers, so ours
-  includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``slow_400 = t_step_400 /
-  t_compute - 1``;
+  includes emulated ones) and ``eta_compute = P * t_sdpa_local / t_compute``; ``eta_alone`` with
+  ``t_sdpa_alone``; ``slow_400 = t_step_400 / t_compute - 1``;
 - ``t_floor``: the sum of bare SDPA calls (forward + backward, contiguous inputs) on the plan's exact
   block shapes, every hop and head chunk; ``glue = t_compute / t_floor - 1``. Measured once per set of
   block shapes (mask, ``L`` and resolved head chunks; the layout does not change them), in the first
@@ -32,9 +35,11 @@ Per case:
   recorded schedule allows at best (:func:`~seqpar.comm.schedule.hidden_bound`); on CUDA also
   ``link_lag_50`` (one more step with each message timed on its link stream: the seconds the messages
   took beyond ``bytes / B`` in all, ``link_lag_50_max`` the largest: waiting for an SM, or a sleep clock
-  slower than calibrated) and, with ``--trace DIR``, that step's profiler trace. The link streams run at
-  high CUDA priority (``--link-priority normal``: torch's default, as before issue 29 §8's fix; see
-  :class:`~seqpar.comm.emulated.CudaLinks`);
+  slower than calibrated; ``link_model_50`` what they should take, bytes / B summed) and, with ``--trace
+  DIR``, that step's profiler trace, from which ``link_sleep_run_50`` sums the sleeps' own device time
+  (:func:`sleep_kernels`: beyond ``link_model_50`` a slow sleep clock, the rest of the lag SM wait). The
+  link streams run at high CUDA priority (``--link-priority normal``: torch's default, as before issue 29
+  §8's fix; see :class:`~seqpar.comm.emulated.CudaLinks`);
 - ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
   backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
   above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
@@ -67,7 +72,8 @@ from torch import Tensor
 from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.bench.runner import peak_memory, resolve_device, sync
 
-__all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser"]
+__all__ = ["Shape", "Case", "cases", "theory_peak", "run_case", "run", "main", "build_parser", "excess_50",
+           "table_markdown", "table_main", "sleep_kernels"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _ATTENTION_KERNELS = ("flash", "fmha", "attention", "attn", "cudnn", "sdpa", "mha")
@@ -259,16 +265,18 @@ def _interleaved(clock: _Clock, steps: Sequence[Callable[[], Any]], *, warmup: i
 
 
 def _compute_and_floor(shape: Shape, case: Case, device: torch.device, clock: _Clock, free: Callable[[], Any],
-                       warmup: int, repeats: int, floors: dict[Any, dict[str, Any]]) -> dict[str, Any]:
-    """``t_compute`` (the ring step ``free``) and T_floor, the sum of bare SDPA forward + backward calls
-    on the plan's block shapes. T_floor is taken from ``floors`` when a case with the same block shapes
-    measured it (they do not depend on the layout); else measured here, each floor call's repeats
-    interleaved with the ring step's, and stored there."""
+                       warmup: int, repeats: int, floors: dict[Any, dict[str, Any]],
+                       sdpa: Callable[[], Any]) -> dict[str, Any]:
+    """``t_compute`` (the ring step ``free``), ``t_sdpa_local`` (the local SDPA step ``sdpa``) and T_floor,
+    the sum of bare SDPA forward + backward calls on the plan's block shapes, their repeats interleaved
+    (so that a clock or temperature drift moves eta's numerator and denominator alike). T_floor is taken
+    from ``floors`` when a case with the same block shapes measured it (they do not depend on the
+    layout); else measured here and stored there."""
     blocks = sorted(_block_shapes(shape, case, device).items())
     key = tuple(blocks)
     if key in floors:
-        t_compute = statistics.median(clock.time(free, warmup=warmup, repeats=repeats))
-        return {"t_compute": t_compute, **floors[key]}
+        ring, local = _interleaved(clock, [free, sdpa], warmup=warmup, repeats=repeats)
+        return {"t_compute": statistics.median(ring), "t_sdpa_local": statistics.median(local), **floors[key]}
     dtype = _DTYPES[shape.dtype]
     steps = []
     for (hq, hkv, nq, nk, causal), _ in blocks:
@@ -276,14 +284,14 @@ def _compute_and_floor(shape: Shape, case: Case, device: torch.device, clock: _C
         k = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         v = torch.randn(shape.batch, hkv, nk, shape.head_dim, device=device, dtype=dtype, requires_grad=True)
         steps.append(_sdpa_step((q, k, v, torch.randn_like(q)), causal, shape.head_dim ** -0.5))
-    ring, *calls = _interleaved(clock, [free, *steps], warmup=warmup, repeats=repeats)
+    ring, local, *calls = _interleaved(clock, [free, sdpa, *steps], warmup=warmup, repeats=repeats)
     del steps
     rows = [{"q_heads": hq, "kv_heads": hkv, "q_rows": nq, "k_rows": nk, "causal": causal, "count": count,
              "t": statistics.median(t)} for ((hq, hkv, nq, nk, causal), count), t in zip(blocks, calls)]
     # the floor of repeat i: every call's i-th run, weighted by its count; T_floor their median
     samples = [sum(count * t[i] for (_, count), t in zip(blocks, calls)) for i in range(repeats)]
     floors[key] = {"t_floor": statistics.median(samples), "floor_calls": rows, "t_floor_from": case.label}
-    return {"t_compute": statistics.median(ring), **floors[key]}
+    return {"t_compute": statistics.median(ring), "t_sdpa_local": statistics.median(local), **floors[key]}
 
 
 def _profile(step: Callable[[], Any], device: torch.device) -> dict[str, Any]:
@@ -368,12 +376,36 @@ def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch
             sync(device)
         os.makedirs(trace, exist_ok=True)
         name = case.label.replace(" ", "_").replace("=", "")
-        prof.export_chrome_trace(os.path.join(trace, f"trace_{name}.json"))
+        trace_path = os.path.join(trace, f"trace_{name}.json")
+        prof.export_chrome_trace(trace_path)
     else:
-        links = step()
+        links, trace_path = step(), None
     links.finish()
-    return {"link_lag_50": sum(links.lags), "link_lag_50_max": max(links.lags, default=0.0),
-            "link_messages_50": len(links.lags)}
+    res = {"link_lag_50": sum(links.lags), "link_lag_50_max": max(links.lags, default=0.0),
+           "link_messages_50": len(links.lags),
+           # what the messages should take on the link model, in all (latency 0: bytes / B)
+           "link_model_50": sum(e.nbytes for e in links.trace.events if e.kind == "post") / 50e9}
+    if trace_path is not None:
+        res.update(sleep_kernels(trace_path))
+    return res
+
+
+def sleep_kernels(trace_path: str) -> dict[str, Any]:
+    """The link sleeps' own run time in a Chrome trace (``torch.cuda._sleep``'s ``spin_kernel``): how many
+    and their summed device duration (``link_sleep_run_50``, seconds). Against ``link_model_50`` it splits
+    ``link_lag_50`` into the sleeps running longer than modelled (a sleep clock slower under load than
+    calibrated) and, the rest, the sleeps starting late (waiting for an SM). ``{}`` when the trace cannot
+    be read."""
+    import json
+
+    try:
+        with open(trace_path) as f:
+            events = json.load(f).get("traceEvents", [])
+    except (OSError, ValueError):
+        return {}
+    runs = [e.get("dur", 0.0) for e in events
+            if e.get("cat") == "kernel" and "spin_kernel" in str(e.get("name", ""))]
+    return {"link_sleeps_traced_50": len(runs), "link_sleep_run_50": sum(runs) * 1e-6}
 
 
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
@@ -392,15 +424,18 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
     res: dict[str, Any] = {**asdict(case), "label": case.label,
                            "head_chunks_resolved": _options(shape, case, device).head_chunks}
     t0 = time.perf_counter()
-    res["t_sdpa_local"] = statistics.median(clock.time(_sdpa_step(inputs, case.causal, scale), warmup=warmup,
-                                                       repeats=repeats))
+    sdpa = _sdpa_step(inputs, case.causal, scale)
+    # as 0dbebd6's tables measured it: alone, before the ring (kept for comparison: eta_alone)
+    res["t_sdpa_alone"] = statistics.median(clock.time(sdpa, warmup=warmup, repeats=repeats))
     free = _ring_step(shape, case, inputs, links_at(None), device)
-    res.update(_compute_and_floor(shape, case, device, clock, free, warmup, repeats, {} if floors is None else floors))
+    res.update(_compute_and_floor(shape, case, device, clock, free, warmup, repeats, {} if floors is None else floors,
+                                  sdpa))
     res["t_step_400"] = statistics.median(clock.time(
         _ring_step(shape, case, inputs, links_at(400e9), device), warmup=warmup, repeats=repeats))
     p = shape.world
     res["eta"] = p * res["t_sdpa_local"] / res["t_step_400"]
     res["eta_compute"] = p * res["t_sdpa_local"] / res["t_compute"]
+    res["eta_alone"] = p * res["t_sdpa_alone"] / res["t_step_400"]
     res["slow_400"] = res["t_step_400"] / res["t_compute"] - 1
     res["glue"] = res["t_compute"] / res["t_floor"] - 1
     if case.seq_local == hidden_at:
@@ -496,9 +531,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         payload["wall_s"] = time.perf_counter() - start
         print(format_table([row], _COLUMNS), flush=True)
         if args.out:
-            write_json(os.path.join(args.out, "gpu_perf.json"), payload)
+            _write_whole(os.path.join(args.out, "gpu_perf.json"), payload)
     payload["wall_s"] = time.perf_counter() - start
     return payload
+
+
+def _write_whole(path: str, payload: dict[str, Any]) -> None:
+    """``write_json`` to a temporary name, then renamed over ``path``: a run stopped mid-write (the device
+    tool's time limit, ``timeout``) leaves the last complete file, never a truncated one."""
+    write_json(path + ".part", payload)
+    os.replace(path + ".part", path)
 
 
 def _list(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -570,6 +612,104 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     if args.out:
         path = os.path.join(args.out, "gpu_perf.json")
-        write_json(path, payload)
+        _write_whole(path, payload)
         print(f"wrote {path}", flush=True)
     return 0
+
+
+# ------------------------------------------------------------------------------------------ BENCHMARKS rows
+_TABLE_HEAD = ("| L | mask | hc | layout | eta | eta_c | slow400 | glue | hidden50 | max50 | excess50 ms | lag50 ms "
+               "| peak | /theory | T_sdpa ms | T_compute ms | T_400 ms | T_floor ms | eta alone |")
+
+
+def _cell(row: dict[str, Any], key: str, kind: str) -> str:
+    v = row.get(key)
+    if v is None:
+        return "—"
+    if kind == "pct":
+        return f"{100 * v:+.1f}%" if key == "slow_400" else f"{100 * v:.1f}%"
+    if kind == "ms":
+        return f"{1e3 * v:.2f}" if key == "t_sdpa_local" else f"{1e3 * v:.1f}"
+    return f"{v:.3f}" if kind == "3" else f"{v:.2f}"
+
+
+def excess_50(row: dict[str, Any]) -> float | None:
+    """Seconds the 50 GB/s step took beyond what its recorded schedule allows: ``t_step_50 - t_compute -
+    (1 - hidden_max_50) * t_transfer_50`` (the exposed transfer time the schedule does not explain;
+    BENCHMARKS' "What a GPU session should run" compares it with ``link_lag_50``). None off ``--hidden-at``."""
+    if any(row.get(k) is None for k in ("t_step_50", "t_compute", "hidden_max_50", "t_transfer_50")):
+        return None
+    return row["t_step_50"] - row["t_compute"] - (1 - row["hidden_max_50"]) * row["t_transfer_50"]
+
+
+def table_markdown(payload: dict[str, Any]) -> str:
+    """One ``gpu_perf.json`` as BENCHMARKS.md's rows (the "The ring on one GPU" columns, plus ``excess50``
+    and ``lag50`` at ``--hidden-at`` and, last, ``eta alone``: eta from T_sdpa timed alone), with its command, device, commit, skipped cases and kernel-time
+    splits. Figures are printed as recorded (nothing is recomputed but ``excess50``)."""
+    machine = payload.get("machine", {})
+    lines = [f"`{payload.get('command', '?')}`: {payload.get('device', '?')}, torch {machine.get('torch', '?')}, "
+             f"commit {str(machine.get('seqpar_commit') or '?')[:7]}, {machine.get('date_utc', '?')} UTC, "
+             f"link priority {payload.get('link_priority', '?')}; {len(payload.get('cases', []))} cases"
+             + (f" in {payload['wall_s']:.0f} s" if payload.get("wall_s") is not None else ""), "",
+             _TABLE_HEAD, "|" + "---|" * (_TABLE_HEAD.count("|") - 1)]
+    for r in payload.get("cases", []):
+        seq = r["seq_local"]
+        length = f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
+        hc = f"{r['head_chunks']} ({r.get('head_chunks_resolved', '?')})"
+        ex = excess_50(r)
+        cells = [length, "causal" if r["causal"] else "full", hc, r["layout"],
+                 _cell(r, "eta", "3"), _cell(r, "eta_compute", "3"), _cell(r, "slow_400", "pct"),
+                 _cell(r, "glue", "pct"), _cell(r, "hidden_50", "3"), _cell(r, "hidden_max_50", "3"),
+                 "—" if ex is None else f"{1e3 * ex:.1f}", _cell(r, "link_lag_50", "ms"),
+                 _cell(r, "peak", "2"), _cell(r, "peak_vs_theory", "2"), _cell(r, "t_sdpa_local", "ms"),
+                 _cell(r, "t_compute", "ms"), _cell(r, "t_step_400", "ms"), _cell(r, "t_floor", "ms"),
+                 _cell(r, "eta_alone", "3")]
+        lines.append("| " + " | ".join(cells) + " |")
+    for r in payload.get("cases", []):
+        if r.get("link_lag_50") is None:
+            continue
+        line = (f"Links at 50 GB/s, {r['label']}: the {r.get('link_messages_50', '?')} messages took "
+                f"{1e3 * r['link_lag_50']:.2f} ms beyond bytes / B in all (largest {1e3 * r['link_lag_50_max']:.2f} ms)")
+        if r.get("link_model_50"):
+            line += f" on {1e3 * r['link_model_50']:.1f} ms modelled"
+        if r.get("link_sleep_run_50") is not None and r.get("link_model_50") is not None:
+            slow = r["link_sleep_run_50"] - r["link_model_50"]
+            line += (f"; the traced sleeps ({r['link_sleeps_traced_50']}) ran {1e3 * slow:+.2f} ms against the model "
+                     f"(sleep clock), so they started {1e3 * (r['link_lag_50'] - slow):.2f} ms late (SM wait)")
+        lines += ["", line]
+    for r in payload.get("cases", []):
+        split = r.get("profile")
+        if split and split.get("kernel_s"):
+            top = ", ".join(f"`{name}` {1e3 * t:.1f} ms" for name, t in split.get("other_top", [])[:5])
+            lines += ["", f"One step's kernel time, {r['label']}: {1e3 * split['kernel_s']:.1f} ms, attention kernels "
+                          f"{1e3 * split['attention_s']:.1f} ms, the rest {1e3 * split['other_s']:.1f} ms "
+                          f"({100 * split['other_share']:.0f}%)" + (f": {top}" if top else "")]
+    if payload.get("skipped"):
+        lines += ["", "Skipped: " + "; ".join(f"{s['label']} ({s['reason']})" for s in payload["skipped"])]
+    return "\n".join(lines)
+
+
+def table_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m seqpar.bench gpu-perf-table DIR [DIR ...]``: print each ``DIR/gpu_perf.json`` (or a JSON
+    file named directly) as BENCHMARKS.md's markdown rows; a missing or unreadable file is named, and the
+    others still print (exit 1 then)."""
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m seqpar.bench gpu-perf-table", description=table_main.__doc__)
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="a gpu-perf --out DIR, or its gpu_perf.json")
+    args = p.parse_args(argv)
+    rc = 0
+    for i, d in enumerate(args.dirs):
+        path = d if d.endswith(".json") else os.path.join(d, "gpu_perf.json")
+        if i:
+            print()
+        print(f"### {path}\n")
+        try:
+            with open(path) as f:
+                payload = json.load(f)
+        except (OSError, ValueError) as error:
+            print(f"gpu-perf-table: cannot read {path}: {error}")
+            rc = 1
+            continue
+        print(table_markdown(payload))
+    return rc
