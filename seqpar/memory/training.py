@@ -4,8 +4,9 @@ Attention is one term among several once it is O(S/P). This model adds up, per r
 alive at the step's worst moment, by category:
 
 - ``parameters``: the engine's copy of the weights (sharded or whole) plus the whole-layer copies it
-  gathers for compute (FSDP2: the root module and up to two decoder layers; ZeRO-3: a layer and
-  its prefetch) and, with low-precision training, the fp32 master partition;
+  gathers for compute (FSDP2: the root module and up to two decoder layers; ZeRO-3: the root, every
+  tensor under DeepSpeed's persistence threshold, and the layers' other tensors its prefetch and reuse
+  distance keep gathered: :func:`_zero3_gathered`) and, with low-precision training, the fp32 master partition;
 - ``gradients``: the reduced gradient partition plus the unreduced whole-layer gradients in flight;
 - ``optimizer_state``: AdamW's two moments, fp32, on the engine's partition;
 - ``activations``: what each decoder layer saves for backward (per token: the tensors listed in
@@ -24,7 +25,8 @@ alive at the step's worst moment, by category:
   on its own during the backward, beside every layer's activations).
 
 ``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
-the gradients' reduction at the end of backward, ZeRO-3's reduction of a head gradient that overflows the bucket), each a sum of the categories alive then. The figures are those of
+the gradients' reduction at the end of backward, ZeRO-3's reduction of a head gradient that overflows the bucket,
+ZeRO-3's forward beside its prefetch's coalesced all-gather buffer), each a sum of the categories alive then. The figures are those of
 ``launch/train.py``'s Llama on CPU (fp32, exact tensor accounting); ``tests/test_training_memory.py``
 holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activation checkpointing
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
@@ -719,7 +721,8 @@ def estimate_training_memory(
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
-        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
+        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"``, ``"grad_reduction"``, ZeRO-3's
+        ``"backward_reduction"`` or ``"forward_gather"``).
     """
     full = _model_shape(model_config)
     _check_run(engine, zero_stage, seq_len, sp_size)
