@@ -551,8 +551,11 @@ def _ulysses_peak(sizes: _Sizes, *, world: int, u: int, q_heads: int, kv_heads: 
     grads = Q + (2 * K32 if fp32_dkv else 2 * sizes.K)
     grads_h = Qh + 2 * Kh  # one chunk's dq, dk, dv in head layout (times G)
     # at a kernel: dout (head layout), the kernel's outputs and its workspace (~2 Q), and with G > 1 the
-    # previous chunk's packed grads all-to-all (send + receive) and the next chunk's dout all-to-all
-    at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + 2 * Qh if G > 1 else 0)) / G
+    # previous chunk's packed grads all-to-all (send + receive) and, at a middle chunk (G > 2), the next chunk's
+    # dout all-to-all: at G = 2 the first chunk has only the next dout's, the last only the previous grads', as in
+    # the masked path's ``beside`` (both counted was +4.0% .. +9.9% over in P = 2 dense GQA at 2 head chunks, where
+    # this moment is the peak: 8 / 4 and 16 / 4 heads, est31)
+    at_kernel = (Qh + grads_h + 2 * Qh + (2 * grads_h + (2 * Qh if G > 2 else 0) if G > 1 else 0)) / G
     masked_fwd = 0.0
     if inner is not None and inner.opts is not None:  # a mask or sinks: the inner attention is the ring's planner
         # at P = 1 (a dense mask with sinks: its forward only, the backward is the dense kernel's)

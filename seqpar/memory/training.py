@@ -4,8 +4,9 @@ Attention is one term among several once it is O(S/P). This model adds up, per r
 alive at the step's worst moment, by category:
 
 - ``parameters``: the engine's copy of the weights (sharded or whole) plus the whole-layer copies it
-  gathers for compute (FSDP2: the root module and up to two decoder layers; ZeRO-3: a layer and
-  its prefetch) and, with low-precision training, the fp32 master partition;
+  gathers for compute (FSDP2: the root module and up to two decoder layers; ZeRO-3: the root, every
+  tensor under DeepSpeed's persistence threshold, and the layers' other tensors its prefetch and reuse
+  distance keep gathered: :func:`_zero3_gathered`) and, with low-precision training, the fp32 master partition;
 - ``gradients``: the reduced gradient partition plus the unreduced whole-layer gradients in flight;
 - ``optimizer_state``: AdamW's two moments, fp32, on the engine's partition;
 - ``activations``: what each decoder layer saves for backward (per token: the tensors listed in
@@ -24,7 +25,8 @@ alive at the step's worst moment, by category:
   on its own during the backward, beside every layer's activations).
 
 ``peak`` is the largest of the step's candidate moments (the loss backward, the last layer's backward,
-the gradients' reduction at the end of backward, ZeRO-3's reduction of a head gradient that overflows the bucket), each a sum of the categories alive then. The figures are those of
+the gradients' reduction at the end of backward, ZeRO-3's reduction of a head gradient that overflows the bucket,
+ZeRO-3's forward beside its prefetch's coalesced all-gather buffer), each a sum of the categories alive then. The figures are those of
 ``launch/train.py``'s Llama on CPU (fp32, exact tensor accounting); ``tests/test_training_memory.py``
 holds them within 10% of the measured peak over SP 1/2/4, tiling on/off, activation checkpointing
 on/off, FSDP2 and ZeRO-2/3. On a GPU the allocator's fragmentation and the kernels' workspaces
@@ -248,6 +250,12 @@ class _StateBytes(NamedTuple):
     params: int
     optimizer: int
     grads_reduced: int
+    layers_gathered: int = 0
+    """ZeRO-3: the decoder layers' non-persistent whole copies within ``params`` (gathered for compute, alive
+    through the backward's moments), which the end of backward has released (:func:`_zero3_gathered`)."""
+    forward_fetch: int = 0
+    """ZeRO-3: the traced step's first coalesced all-gather of non-persistent parameters, whole (its flat buffer is
+    alive beside the copies made from it: the forward's peak; :func:`_zero3_gathered`)."""
 
 
 class _ActivationBytes(NamedTuple):
@@ -268,6 +276,9 @@ class _ActivationBytes(NamedTuple):
     layer_freed: int = 0
     """What one layer's finished backward frees of ``backward``: its saved tensors (its checkpointed input under
     activation checkpointing); 0 where the model does not follow layers one by one (hybrids, offloaded inputs)."""
+    mlp_product: int = 0
+    """Untiled: the product ``act(gate) * up`` the last layer's down_proj saved (within ``backward``), freed by
+    down_proj's backward, before the MLP backward's peak (recorded at ZeRO-3's, est31)."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -288,6 +299,60 @@ def _check_run(engine: str, zero_stage: int, seq_len: int, sp_size: int) -> None
         raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
 
 
+# DeepSpeed ZeRO-3's defaults (deepspeed.runtime.zero.config): a parameter of at most this many elements stays whole
+# on every rank (``stage3_param_persistence_threshold``); the traced step's prefetch gathers up to this many elements
+# ahead at one fetch (``stage3_prefetch_bucket_size``); a gathered parameter is not released when its next use is
+# within this many elements of parameters (``stage3_max_reuse_distance``)
+ZERO3_PERSISTENCE = 100_000
+ZERO3_PREFETCH = 50_000_000
+ZERO3_REUSE = 1_000_000_000
+
+
+def _layer_tensors(m: ModelShape, kind: str) -> list[int]:
+    """The elements of each parameter tensor of one layer of ``kind`` (sum: :meth:`ModelShape.params_of`): q, k, v,
+    o; a hybrid mixer's parameters as one lump; gate, up, down; the two RMSNorms."""
+    h, i, qd, kvd = m.hidden_size, m.intermediate_size, m.num_attention_heads * m.d, m.num_key_value_heads * m.d
+    attn = [h * qd, h * kvd, h * kvd, qd * h] if kind in ("attention", "both") else []
+    mix = [m.mixer.params(h)] if m.mixer is not None and kind in ("mixer", "both") else []
+    return attn + mix + [h * i] * 3 + [h, h]
+
+
+def _zero3_gathered(m: ModelShape) -> tuple[int, int, int]:
+    """ZeRO-3's whole parameter copies, in elements: ``(always, layers, forward_fetch)``.
+
+    ``always``: the root (embedding, LM head, final norm: whole through the step; recorded at the peaks of
+    tests/test_training_memory.py's 2-layer ZeRO-3 settings, est29 / est29b) and every layer's persistent tensors
+    (``ZERO3_PERSISTENCE`` elements or fewer: whole on every rank from the start). ``layers``: the layers'
+    non-persistent tensors gathered at the backward's moments: all of them when the model's non-persistent
+    parameters are within ``ZERO3_REUSE`` (what the forward gathered is kept for its reuse in the backward), else a
+    layer and its prefetch; released by the end of backward (est31: a one-layer model's MLP weights, 3 x 1,048,576 B,
+    alive at its layer's backward and not at the end of backward's reduction). ``forward_fetch``: the traced step's
+    first coalesced all-gather (the first fetch's prefetch: up to ``ZERO3_PREFETCH`` elements ahead, the root's
+    non-persistent tensors included), whose flat buffer is alive beside the copies made from it (est31: 4 layers'
+    MLP weights, 12 x 524,288 B, beside their 6,291,456-byte flat buffer at the forward's peak)."""
+    root = [m.vocab_size * m.hidden_size] * (1 if m.tie_word_embeddings else 2)
+    layers = [_layer_tensors(m, kind) for kind in m.kinds]
+    persistent = sum(n for t in layers for n in t if n <= ZERO3_PERSISTENCE)
+    per_layer = [sum(n for n in t if n > ZERO3_PERSISTENCE) for t in layers]
+    non_persistent = sum(per_layer)
+    root_np = sum(n for n in root if n > ZERO3_PERSISTENCE)
+    if root_np + non_persistent <= ZERO3_REUSE:
+        in_backward = non_persistent
+    else:
+        in_backward = sum(sorted(per_layer)[-2:])  # a layer and its prefetch (not measured at this size)
+    # the non-persistent tensors in the order the forward uses them: the embedding, each layer's, the LM head. A
+    # non-persistent embedding is fetched on its own (a single tensor gathers into its copy, no flat buffer); the
+    # prefetch after it (or after a persistent embedding's fetch) takes the next ones until it holds ZERO3_PREFETCH
+    order = [n for t in layers for n in t if n > ZERO3_PERSISTENCE] + (root[1:] if root[-1] > ZERO3_PERSISTENCE else [])
+    fetched: list[int] = []
+    for n in order:
+        if sum(fetched) >= ZERO3_PREFETCH:
+            break
+        fetched.append(n)
+    fetch = sum(fetched) if len(fetched) > 1 else 0  # one coalesced all-gather's flat buffer
+    return m.root_params + persistent, in_backward, fetch
+
+
 def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: bool,
                  offload_optimizer: bool) -> _StateBytes:
     """Parameters, AdamW state and the reduced gradients, on the engine's partition of ``world`` ranks."""
@@ -302,7 +367,16 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
             gathered = (p_root + p_layer) * e
         params = part * 4 + gathered
     elif sharded:
-        params = part * e + part * 4 + gathered  # ZeRO-3: its partition + the fp32 optimizer partition
+        # ZeRO-3: its partition + the fp32 optimizer partition + the whole copies (_zero3_gathered: the root and the
+        # persistent tensors always, the layers' non-persistent ones through the backward). Counting a layer and its
+        # prefetch whatever the persistence was +27.8% over a one-layer model's measured peak (est31)
+        always, layers, fetch = _zero3_gathered(m)
+        params = part * e + part * 4 + (always + layers) * e
+        optimizer, grads_reduced = 2 * part * 4, part * 4
+        if offload_optimizer:
+            params -= part * 4
+            optimizer = grads_reduced = 0
+        return _StateBytes(params, optimizer, grads_reduced, layers_gathered=layers * e, forward_fetch=fetch * e)
     else:
         params = p_all * e + part * 4  # whole weights + the optimizer's fp32 partition
     optimizer = 2 * part * 4
@@ -375,7 +449,7 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     else:
         layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer
     return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads,
-                            layer_freed=layer_freed)
+                            layer_freed=layer_freed, mlp_product=after_attention // 4)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -524,8 +598,26 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
     # have freed their saved tensors, and so has the layer in flight's MLP once its backward ran. Counting every
     # layer's activations there was +5.2% over the 2.1e6-element bucket's measurement (the overflow at the last
     # layer's o_proj gradient, its MLP's saved gate, up, act(gate) and product gone: recorded at the peak, est30)
+    layer_grads, mlp_grads = p_layer * e, acts.mlp_grads
+    if engine == "deepspeed" and sharded:
+        # ZeRO-3 copies each whole gradient into its bucket (``comm``) as it is made and frees it: the untiled MLP's
+        # backward holds one weight gradient (down_proj's, h I) beside the three intermediate gradients, and
+        # down_proj's backward has freed the product it saved (I per row; ``acts.backward`` counts it). Both
+        # recorded at a one-layer model's measured peak (est31): the MLP weights' gradients made so far and the
+        # product were +8.0% over there with the layer's whole gradients, +2.8% without the product's release.
+        # Attention's transients: at most its four projections' gradients beside them (not the layer's whole ones)
+        layer_grads = m.attention_params * e if any(k in ("attention", "both") for k in m.kinds) else p_layer * e
+        if acts.mlp_grads:  # untiled
+            mlp_grads = m.hidden_size * m.intermediate_size * e - acts.mlp_product
     freed = 0 if overflow is None else overflow[0] * acts.layer_freed + (acts.after_attention if overflow[1] else 0)
-    return {
+    moments = {} if not state.forward_fetch else {
+        # ZeRO-3's forward in the traced step: the first fetch's coalesced all-gather flat buffer stays alive until
+        # the last parameter it gathered is used (the last layer's MLP in a model it gathers whole), beside the
+        # whole copies made from it and every layer's activations but that MLP's saved tensors (est31: measured at
+        # the last layer's post-attention norm, 4 layers)
+        "forward_gather": static + comm + state.forward_fetch + acts.at_loss - acts.after_attention,
+    }
+    return moments | {
         # the loss's backward: every layer's activations and the logits' buffers
         "loss_backward": static + acts.at_loss + logits,
         # the last layer's backward (the first to run): the head's gradient made, then attention's
@@ -535,13 +627,13 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # twice; untiled, only down_proj's is alive beside the three intermediate gradients (both measured at
         # FSDP2: tests/test_training_memory.py)
         "layer_backward": static + acts.backward + head_grad + comm
-        + max(p_layer * e + max(attention - acts.after_attention, 0), acts.mlp_transient + acts.mlp_grads),
+        + max(layer_grads + max(attention - acts.after_attention, 0), acts.mlp_transient + mlp_grads),
         # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
         # reduce-scatter input while the last whole gradient is still alive, and the output shard),
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
         "grad_reduction": static + (
             p_root * 4 * (1 + 1 / world) + head_grad + n_layers * p_layer * 4 / world if engine == "fsdp2"
-            else (zero12_reduce if not sharded else zero3_reduce) + comm),
+            else (zero12_reduce if not sharded else zero3_reduce - state.layers_gathered) + comm),
         # ZeRO-3 reducing during the backward, when the gradients overflow the bucket (est29b, both recorded at the
         # measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting): a head gradient larger than
         # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
@@ -629,7 +721,8 @@ def estimate_training_memory(
 
     Returns:
         ``{category: bytes}`` for :data:`CATEGORIES`, plus ``"peak"`` (the worst moment) and
-        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"`` or ``"grad_reduction"``).
+        ``"moment"`` (which moment that is: ``"loss_backward"``, ``"layer_backward"``, ``"grad_reduction"``, ZeRO-3's
+        ``"backward_reduction"`` or ``"forward_gather"``).
     """
     full = _model_shape(model_config)
     _check_run(engine, zero_stage, seq_len, sp_size)
