@@ -94,6 +94,11 @@ class SwappedMixer(nn.Module):
         self.mixer_kernels = mixer_kernels
         if self.SPECS is not None:
             self.spec = self.SPECS[self.original_class]
+        self.take_over(original)
+
+    def take_over(self, original: nn.Module) -> None:
+        """What a family reads from ``original`` beyond :attr:`COPIED` (flags, sizes it derives), called last in
+        the constructor, once the parameters, children and copied attributes are this layer's; by default nothing."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:

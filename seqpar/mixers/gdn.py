@@ -29,12 +29,10 @@ keyword arguments on), or through :func:`seqpar.mixers.documents.feed_documents`
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -131,10 +129,7 @@ class SeqParGatedDeltaNet(SwappedMixer):
     SPECS = GDN_SPECS
     spec: DeltaNetSpec
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)

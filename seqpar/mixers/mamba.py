@@ -166,10 +166,7 @@ class SeqParMambaMixer(SwappedMixer):
     SPECS = MAMBA_SPECS
     spec: MambaSpec
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
 

@@ -20,10 +20,8 @@ transformers): one of :data:`SHORT_CONV_CLASSES` from a ``transformers`` module,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from seqpar.mixers.conv import is_causal_depthwise_conv
@@ -56,10 +54,7 @@ class SeqParShortConv(SwappedMixer):
     ``out_proj`` are taken over); see :class:`seqpar.mixers.family.SwappedMixer` for the arguments
     (``position_wise``: only the current position's tap, no communication)."""
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         self.conv_kernel_size = self.conv.kernel_size[0]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
