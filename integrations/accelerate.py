@@ -35,7 +35,7 @@ accelerator still does everything else (``backward``, gradient accumulation, ``g
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -43,9 +43,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from seqpar.config import SeqParConfig
-from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.integrations.common import ShardedLoader, rank_prefix, resolve_manager
 from seqpar.runtime.groups import ProcessGroupManager
-from seqpar.sequence.batch import shard_batch
 
 __all__ = ["prepare", "prepare_data_loader", "ShardedBatches"]
 
@@ -55,8 +54,9 @@ OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 """``params -> optimizer``, called with the sharded model's parameters."""
 
 
-class ShardedBatches:
-    """A data loader whose dict batches are cut along the sequence for this rank's SP shard.
+class ShardedBatches(ShardedLoader):
+    """A data loader whose dict batches are cut along the sequence for ``manager``'s SP group
+    (:class:`seqpar.integrations.common.ShardedLoader`, the group read from the manager).
 
     Iterating yields ``shard_batch(batch)``; ``len``, ``set_epoch`` and other attributes come from the
     wrapped loader.
@@ -64,31 +64,9 @@ class ShardedBatches:
 
     def __init__(self, loader: Any, *, manager: ProcessGroupManager, sharding: str | None,
                  causal_lm: bool = True, ignore_index: int = -100, pad_token_id: int = 0) -> None:
-        self.loader = loader
+        super().__init__(loader, group=manager.sp_group, sharding=sharding, causal_lm=causal_lm,
+                         ignore_index=ignore_index, pad_token_id=pad_token_id)
         self.manager = manager
-        self.sharding = sharding
-        self.causal_lm = causal_lm
-        self.ignore_index = ignore_index
-        self.pad_token_id = pad_token_id
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.loader:
-            if not isinstance(batch, Mapping):
-                raise TypeError(
-                    "sequence-parallel training needs dict batches ({'input_ids': ..., 'labels': ...}) "
-                    f"to know which tensors to cut; the loader gave {type(batch).__name__}. Return a "
-                    "dict from the dataset or collate_fn"
-                )
-            yield shard_batch(
-                batch, group=self.manager.sp_group, sharding=self.sharding, causal_lm=self.causal_lm,
-                ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
-            )
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
 
 
 def prepare_data_loader(accelerator: Any, dataloader: DataLoader, manager: ProcessGroupManager) -> Any:

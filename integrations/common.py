@@ -1,13 +1,18 @@
-"""Helpers every engine adapter shares: the log prefix and finding the process groups."""
+"""Helpers every engine adapter shares: the log prefix, finding the process groups, and the loader wrapper
+that cuts each batch along the sequence."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch.distributed as dist
 
 from seqpar.config import SeqParConfig
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, init_process_groups
+from seqpar.sequence.batch import shard_batch
 
-__all__ = ["rank_prefix", "resolve_manager"]
+__all__ = ["rank_prefix", "resolve_manager", "ShardedLoader"]
 
 
 def rank_prefix() -> str:
@@ -41,3 +46,49 @@ def resolve_manager(config: SeqParConfig, manager: ProcessGroupManager | None) -
     if config.sharding is not None:
         manager.sharding = config.sharding
     return manager
+
+
+class ShardedLoader:
+    """A data loader whose dict batches are cut along the sequence for this rank's SP shard.
+
+    Iterating yields ``shard_batch(batch, group=group, ...)`` for each batch of ``loader`` (each tensor
+    ``(batch, seq, ...)`` becomes this rank's ``(batch, seq_local, ...)``, labels shifted first when
+    ``causal_lm``; see :func:`seqpar.sequence.batch.shard_batch`); ``len`` and other attributes come
+    from the wrapped loader. The engine adapters' loaders (accelerate's ``ShardedBatches``, DeepSpeed's
+    ``ShardedDeepSpeedLoader``) are this one.
+
+    Raises:
+        TypeError: (while iterating) the loader gave a batch that is not a dict.
+    """
+
+    def __init__(self, loader: Any, *, group: Any, sharding: str | None, causal_lm: bool = True,
+                 ignore_index: int = -100, pad_token_id: int = 0) -> None:
+        self.loader = loader
+        self.group = group
+        self.sharding = sharding
+        self.causal_lm = causal_lm
+        self.ignore_index = ignore_index
+        self.pad_token_id = pad_token_id
+
+    def shard(self, batch: Any) -> dict[str, Any]:
+        """One batch of the wrapped loader, cut for this rank (a non-dict batch is refused by name)."""
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                "sequence-parallel training needs dict batches ({'input_ids': ..., 'labels': ...}) "
+                f"to know which tensors to cut; the loader gave {type(batch).__name__}. Return a dict "
+                "from the dataset or collate_fn"
+            )
+        return shard_batch(
+            batch, group=self.group, sharding=self.sharding, causal_lm=self.causal_lm,
+            ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
+        )
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            yield self.shard(batch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["loader"], name)

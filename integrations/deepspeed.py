@@ -67,7 +67,7 @@ import torch
 
 from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig, check_autotp
 from seqpar.integrations import deepspeed_tp
-from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.integrations.common import ShardedLoader, rank_prefix, resolve_manager
 from seqpar.runtime.groups import init_process_groups, single_process_env, timeout_of
 
 __all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader", "to_universal"]
@@ -119,8 +119,9 @@ def load_deepspeed_config(
         raise ConfigError(f"{config}: not valid JSON ({e})") from None
 
 
-class ShardedDeepSpeedLoader:
-    """Wraps DeepSpeed's training loader (DP-axis sampler): every batch is cut along the sequence.
+class ShardedDeepSpeedLoader(ShardedLoader):
+    """Wraps DeepSpeed's training loader (DP-axis sampler): every batch is cut along the sequence
+    (:class:`seqpar.integrations.common.ShardedLoader`).
 
     Iterating yields ``shard_batch(batch)`` dicts; ``len`` and other attributes come from the
     wrapped loader. DeepSpeed's loader is itself an iterator (``next(loader)`` works), so this is too.
@@ -136,42 +137,14 @@ class ShardedDeepSpeedLoader:
         ignore_index: int = -100,
         pad_token_id: int = 0,
     ) -> None:
-        self.loader = loader
-        self.group = group
-        self.sharding = sharding
-        self.causal_lm = causal_lm
-        self.ignore_index = ignore_index
-        self.pad_token_id = pad_token_id
+        super().__init__(loader, group=group, sharding=sharding, causal_lm=causal_lm, ignore_index=ignore_index,
+                         pad_token_id=pad_token_id)
         self._it: Iterator[Any] | None = None
-
-    def _shard(self, batch: Any) -> dict[str, Any]:
-        from seqpar.sequence.batch import shard_batch
-
-        if not isinstance(batch, Mapping):
-            raise TypeError(
-                "sequence-parallel training needs dict batches ({'input_ids': ..., 'labels': ...}) "
-                f"to know which tensors to cut; the loader gave {type(batch).__name__}. Return a dict "
-                "from the dataset or collate_fn"
-            )
-        return shard_batch(
-            batch, group=self.group, sharding=self.sharding, causal_lm=self.causal_lm,
-            ignore_index=self.ignore_index, pad_token_id=self.pad_token_id,
-        )
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for batch in self.loader:
-            yield self._shard(batch)
 
     def __next__(self) -> dict[str, Any]:
         if self._it is None:
             self._it = iter(self)
         return next(self._it)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["loader"], name)
 
 
 def initialize(

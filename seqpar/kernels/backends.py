@@ -191,6 +191,14 @@ def _sm_between(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int
     return low <= cap <= high
 
 
+def _sm_rejection(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> str | None:
+    """Why a kernel built for compute capabilities ``low`` .. ``high`` (``(major, minor)``, inclusive) cannot
+    run on ``cap`` (None: it can); the range in the message is the one checked."""
+    if _sm_between(cap, low, high):
+        return None
+    return f"needs sm{low[0]}{low[1]}-sm{high[0]}{high[1]}, the device is sm{cap[0]}{cap[1]}"
+
+
 def efficient_alignment(caps: DeviceCaps, dtype: torch.dtype) -> int:
     """Head-dim multiple the memory-efficient kernel needs (sdp_utils ``minimum_gemm_alignment``)."""
     half = dtype in (torch.float16, torch.bfloat16)
@@ -222,8 +230,8 @@ def _flash_rejection(spec: BlockSpec, caps: DeviceCaps, flags: SdpFlags) -> str 
     if not flags.flash:
         return "disabled (torch.backends.cuda.enable_flash_sdp(False) or an sdpa_kernel context)"
     cap = caps.capability
-    if not _sm_between(cap, (8, 0), (12, 1)):
-        return f"needs sm80-sm121, the device is sm{cap[0]}{cap[1]}"
+    if (why := _sm_rejection(cap, (8, 0), (12, 1))) is not None:
+        return why
     if spec.dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16, got {spec.dtype}"
     if spec.head_dim > 256:
@@ -240,8 +248,8 @@ def _efficient_rejection(spec: BlockSpec, caps: DeviceCaps, flags: SdpFlags) -> 
     if not flags.efficient:
         return "disabled (torch.backends.cuda.enable_mem_efficient_sdp(False) or an sdpa_kernel context)"
     cap = caps.capability
-    if not _sm_between(cap, (5, 0), (12, 1)):
-        return f"needs sm50-sm121, the device is sm{cap[0]}{cap[1]}"
+    if (why := _sm_rejection(cap, (5, 0), (12, 1))) is not None:
+        return why
     dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if cap[0] >= 8 else ())
     if spec.dtype not in dtypes:
         return f"takes {', '.join(str(d) for d in dtypes)} on sm{cap[0]}{cap[1]}, got {spec.dtype}"
@@ -264,8 +272,8 @@ def _cudnn_rejection(spec: BlockSpec, caps: DeviceCaps, flags: SdpFlags) -> str 
     if flags.deterministic:
         return "not deterministic (torch.use_deterministic_algorithms(True))"
     cap = caps.capability
-    if not _sm_between(cap, (8, 0), (12, 1)):
-        return f"needs sm80-sm121, the device is sm{cap[0]}{cap[1]}"
+    if (why := _sm_rejection(cap, (8, 0), (12, 1))) is not None:
+        return why
     if spec.dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16, got {spec.dtype}"
     if spec.head_dim % 8 or spec.head_dim > 128:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from seqpar.mixers.conv import causal_conv_shard
 from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 
@@ -93,6 +94,11 @@ class SwappedMixer(nn.Module):
         self.mixer_kernels = mixer_kernels
         if self.SPECS is not None:
             self.spec = self.SPECS[self.original_class]
+        self.take_over(original)
+
+    def take_over(self, original: nn.Module) -> None:
+        """What a family reads from ``original`` beyond :attr:`COPIED` (flags, sizes it derives), called last in
+        the constructor, once the parameters, children and copied attributes are this layer's; by default nothing."""
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -122,6 +128,15 @@ class SwappedMixer(nn.Module):
             return None
         return scan_layout(seq_local, group=self.group, sharding=self.sharding, cu_seqlens=cu_seqlens,
                            where=f"seqpar ({self.original_class})")
+
+    def conv_shard(self, conv: nn.Conv1d, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
+        """The layer's causal depthwise ``conv`` (one of its children: ``weight (channels, 1, k)``, optional
+        bias) over this rank's shard, equal to the full sequence's (each document's; see
+        :func:`seqpar.mixers.conv.causal_conv_shard`): x ``(batch, channels, seq_local)`` -> the same shape,
+        no activation, in the dtype the convolution computes in (the caller casts back). While the
+        position-mixing probe runs, only the current position's tap and no communication."""
+        return causal_conv_shard(x, conv.weight.squeeze(1), conv.bias, group=self.group, sharding=self.sharding,
+                                 cu_seqlens=cu_seqlens, position_wise=self.position_wise())
 
     def extra_repr(self) -> str:
         return f"{self.original_class}, sharding={self.sharding!r}"

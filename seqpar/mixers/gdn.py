@@ -29,16 +29,14 @@ keyword arguments on), or through :func:`seqpar.mixers.documents.feed_documents`
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
+from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
 
@@ -131,10 +129,7 @@ class SeqParGatedDeltaNet(SwappedMixer):
     SPECS = GDN_SPECS
     spec: DeltaNetSpec
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         for name, value in vars(original).items():  # sizes, activation, flags
             if not name.startswith("_") and isinstance(value, (bool, int, float, str)) and not hasattr(self, name):
                 setattr(self, name, value)
@@ -166,14 +161,12 @@ class SeqParGatedDeltaNet(SwappedMixer):
         self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
         spec = self.spec
-        position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
         batch, seq_local, _ = hidden_states.shape
         layout = self.layout(seq_local, cu)
         mixed, gate, b, a = self._inputs(hidden_states)
-        conv = causal_conv_shard(mixed.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                 group=self.group, sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
+        conv = self.conv_shard(self.conv1d, mixed.transpose(1, 2), cu)
         mixed = tf.ACT2FN[self.activation](conv).to(mixed.dtype).transpose(1, 2)  # as causal_conv1d_fn
         head_k, head_v = (getattr(self, name) for name in spec.head_dims)
         query, key, value = torch.split(mixed, [getattr(self, name) for name in spec.splits], dim=-1)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
+from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
@@ -166,10 +166,7 @@ class SeqParMambaMixer(SwappedMixer):
     SPECS = MAMBA_SPECS
     spec: MambaSpec
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         self.use_mambapy = bool(getattr(original, "use_mambapy", False))
         self.use_associative_scan = bool(getattr(original, "use_associative_scan", False))
 
@@ -180,7 +177,6 @@ class SeqParMambaMixer(SwappedMixer):
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
-        position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         layout = self.layout(seq_local, cu)
         hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
@@ -193,8 +189,7 @@ class SeqParMambaMixer(SwappedMixer):
         else:
             x, gate = projected.chunk(2, dim=1)
             gate = gate[None]
-        conv = causal_conv_shard(x, self.conv1d.weight.squeeze(1), self.conv1d.bias, group=self.group,
-                                 sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
+        conv = self.conv_shard(self.conv1d, x, cu)
         x = self.act(conv).to(x.dtype)
         x = tf.apply_mask_to_padding_states(x.transpose(1, 2), attention_mask)  # (batch, seq_local, d_inner)
         if multi_head:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
+from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.ssd import ssd_shard
 
@@ -109,7 +109,6 @@ class SeqParMamba2Mixer(SwappedMixer):
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
-        position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         layout = self.layout(seq_local, cu)
         spec = self.spec
@@ -121,8 +120,7 @@ class SeqParMamba2Mixer(SwappedMixer):
             projected = projected * getattr(self, spec.projection_multiplier)
         A = -torch.exp(self.A_log.float())
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        conv = causal_conv_shard(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1), self.conv1d.bias,
-                                 group=self.group, sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise)
+        conv = self.conv_shard(self.conv1d, xbc.transpose(1, 2), cu)
         xbc = self.act(conv).to(xbc.dtype)  # transformers: activation in the weight's dtype, then the input's
         xbc = tf.apply_mask_to_padding_states(xbc.transpose(1, 2), attention_mask)
         groups_state = self.n_groups * self.ssm_state_size

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
+from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
@@ -113,13 +113,11 @@ class SeqParRecurrentBlock(SwappedMixer):
         document) -> ``((batch, seq_local, hidden), None)``."""
         self.refuse_cache(use_cache or None, kwargs.get("cache"))
         seq_local = input_states.shape[1]
-        position_wise = self.position_wise()
         cu = self.cu_seqlens(kwargs)
         layout = self.layout(seq_local, cu)
         y = self.act_fn(self.linear_y(input_states))
         x = self.linear_x(input_states).transpose(1, 2)  # (batch, lru_width, seq_local)
-        x = causal_conv_shard(x, self.conv_1d.weight.squeeze(1), self.conv_1d.bias, group=self.group,
-                              sharding=self.sharding, cu_seqlens=cu, position_wise=position_wise).to(x.dtype)
+        x = self.conv_shard(self.conv_1d, x, cu).to(x.dtype)
         x = rglru_shard(self.rg_lru, x.transpose(1, 2), position_ids.expand(input_states.shape[0], -1),
                         layout=layout, group=self.group, sharding=self.sharding)
         return self.linear_out(x * y), None

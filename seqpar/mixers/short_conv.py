@@ -20,13 +20,11 @@ transformers): one of :data:`SHORT_CONV_CLASSES` from a ``transformers`` module,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
+from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
 
 __all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
@@ -56,10 +54,7 @@ class SeqParShortConv(SwappedMixer):
     ``out_proj`` are taken over); see :class:`seqpar.mixers.family.SwappedMixer` for the arguments
     (``position_wise``: only the current position's tap, no communication)."""
 
-    def __init__(self, original: nn.Module, *, group: dist.ProcessGroup | None, sharding: str,
-                 position_wise: Callable[[], bool] = lambda: False, mixer_kernels: str = "torch") -> None:
-        super().__init__(original, group=group, sharding=sharding, position_wise=position_wise,
-                         mixer_kernels=mixer_kernels)
+    def take_over(self, original: nn.Module) -> None:
         self.conv_kernel_size = self.conv.kernel_size[0]
 
     def forward(self, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
@@ -70,9 +65,7 @@ class SeqParShortConv(SwappedMixer):
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         bcx = self.in_proj(hidden_states).transpose(-1, -2)  # (B, 3*hidden, S_local)
         b, c, x = bcx.chunk(3, dim=-2)
-        conv = causal_conv_shard(b * x, self.conv.weight.squeeze(1), self.conv.bias, group=self.group,
-                                 sharding=self.sharding, cu_seqlens=self.cu_seqlens(kwargs),
-                                 position_wise=self.position_wise())
+        conv = self.conv_shard(self.conv, b * x, self.cu_seqlens(kwargs))
         y = (c * conv.to(x.dtype)).transpose(-1, -2).contiguous()  # (B, S_local, hidden)
         return self.out_proj(y)
 

@@ -44,6 +44,7 @@ from seqpar.sequence.batch import (
 from seqpar.sequence.boundaries import boundary_tensor, known_boundaries, remember_boundaries
 from seqpar.sequence.call_group import call_group
 from seqpar.swap import moe
+from seqpar.swap.hf_call import reference_input, refuse_cache
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
 from seqpar.swap.hf_padding import fill_padding
 from seqpar.swap.hf_traced import prepare_traced
@@ -86,14 +87,12 @@ def prepare_inputs(
         return args, kwargs  # let the model raise its own error for a bad call
     arguments = bound.arguments
     params = forward_signature(type(module)).parameters
-    ref = arguments.get("input_ids")
+    ref = reference_input(arguments)
     if ref is None:
-        ref = arguments.get("inputs_embeds")
-    if not isinstance(ref, Tensor) or ref.dim() < 2:
         return args, kwargs
     where = type(module).__name__
 
-    _refuse_cache(arguments, params, where)
+    refuse_cache(arguments, params, where)
     extra = _var_keyword(arguments, params)
     fill_padding(module, arguments, extra.get(TOKEN_MASK_KEY))  # no zero pad embedding (seqpar.swap.hf_padding)
     moe.take_token_mask(extra)  # padding the router statistics must skip
@@ -196,22 +195,6 @@ def all_ones(mask: Tensor) -> bool:
                 and noted.device == mask.device and (mask is noted or mask.dtype == torch.bool)):
             return verdict
     return bool(mask.bool().all())
-
-
-def _refuse_cache(arguments: dict[str, Any], params: Any, where: str) -> None:
-    """A KV cache of a sharded sequence is meaningless: refuse one, and turn ``use_cache`` off."""
-    if arguments.get("past_key_values") is not None:
-        raise ValueError(
-            f"seqpar ({where}): past_key_values given; a KV cache of a sequence-sharded model is "
-            "not supported (generate with the unswapped model)"
-        )
-    if "use_cache" in params:
-        if arguments.get("use_cache"):
-            raise ValueError(
-                f"seqpar ({where}): use_cache=True is not supported on a sequence-sharded model; "
-                "pass use_cache=False"
-            )
-        arguments["use_cache"] = False
 
 
 def _fill_attention_mask(arguments: dict[str, Any], params: Any, ref: Tensor, where: str,

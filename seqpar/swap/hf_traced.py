@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from seqpar.sequence.batch import TOKEN_MASK_KEY, sp_rank_and_size
 from seqpar.swap import moe
+from seqpar.swap.hf_call import reference_input, refuse_cache
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
 from seqpar.swap.hf_padding import fill_padding
 from seqpar.swap.options import SwapOptions
@@ -43,20 +44,11 @@ def prepare_traced(
     as a frame of their own, so a tensor made there would be a graph of its own (a graph break in
     ``torch._dynamo.explain``'s count); the nested models' hooks are traced inline with the forward."""
     bound, names = bind_traced(module, args, kwargs)
-    ref = bound.get("input_ids")
+    ref = reference_input(bound)
     if ref is None:
-        ref = bound.get("inputs_embeds")
-    if not isinstance(ref, Tensor) or ref.dim() < 2:
         return args, kwargs
     where = type(module).__name__
-    if bound.get("past_key_values") is not None:
-        raise ValueError(f"seqpar ({where}): past_key_values given; a KV cache of a sequence-sharded model is "
-                         "not supported (generate with the unswapped model)")
-    if "use_cache" in names:
-        if bound.get("use_cache"):
-            raise ValueError(f"seqpar ({where}): use_cache=True is not supported on a sequence-sharded model; "
-                             "pass use_cache=False")
-        bound["use_cache"] = False
+    refuse_cache(bound, names, where)
     fill_padding(module, bound, bound.get(TOKEN_MASK_KEY))  # no zero pad embedding (seqpar.swap.hf_padding)
     moe.take_token_mask(bound)  # padding the router statistics must skip
     prepared_documents(bound, ref, where)
