@@ -3,6 +3,7 @@ that cuts each batch along the sequence."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -11,6 +12,16 @@ import torch.distributed as dist
 from seqpar.config import SeqParConfig
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, init_process_groups
 from seqpar.sequence.batch import shard_batch
+
+
+def check_block_keys(d: Mapping[str, Any], keys: tuple[str, ...], block: str) -> None:
+    """Refuse keys of a config block (``'fsdp'``, ``'fairscale'``) that its options do not have, naming the
+    closest allowed key for each typo and the whole allowed list (ValueError)."""
+    unknown = sorted(set(d) - set(keys))
+    if unknown:
+        close = [m for key in unknown for m in difflib.get_close_matches(key, keys, n=1, cutoff=0.75)]
+        hint = f" (did you mean {close}?)" if close else ""
+        raise ValueError(f"unknown key(s) {unknown} in '{block}'{hint}; allowed keys are {list(keys)}")
 
 __all__ = ["rank_prefix", "resolve_manager", "ShardedLoader"]
 

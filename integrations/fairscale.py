@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.integrations.common import resolve_manager
+from seqpar.integrations.common import check_block_keys, resolve_manager
 from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = ["FairScaleOptions", "wrap", "fairscale_kwargs", "divide_factors", "import_fairscale_fsdp"]
@@ -86,11 +86,7 @@ class FairScaleOptions:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> FairScaleOptions:
         d = dict(d or {})
-        unknown = sorted(set(d) - set(cls.KEYS))
-        if unknown:
-            raise ValueError(
-                f"unknown key(s) {unknown} in 'fairscale'; allowed keys are {list(cls.KEYS)}"
-            )
+        check_block_keys(d, tuple(cls.KEYS), "fairscale")
         return cls(**d)
 
 

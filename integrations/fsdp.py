@@ -21,7 +21,6 @@ each rank's local-token mean) would need a different factor: use the seqpar loss
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -32,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.integrations.common import rank_prefix, resolve_manager
+from seqpar.integrations.common import check_block_keys, rank_prefix, resolve_manager
 from seqpar.runtime import checkpoint
 from seqpar.runtime.groups import ProcessGroupManager
 
@@ -103,11 +102,7 @@ class FSDPOptions:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> FSDPOptions:
         d = dict(d or {})
-        unknown = sorted(set(d) - set(cls.KEYS))
-        if unknown:
-            close = [m for key in unknown for m in difflib.get_close_matches(key, cls.KEYS, n=1, cutoff=0.75)]
-            hint = f" (did you mean {close}?)" if close else ""
-            raise ValueError(f"unknown key(s) {unknown} in 'fsdp'{hint}; allowed keys are {list(cls.KEYS)}")
+        check_block_keys(d, tuple(cls.KEYS), "fsdp")
         return cls(**d)
 
 

@@ -4,8 +4,8 @@ Suites: ``attention``, ``peers``, ``memory``, ``train``, ``comm``, or ``all``; `
 flags, see :mod:`seqpar.bench.gpu_check`) is the GPU run-book; ``ssd`` (:mod:`seqpar.bench.ssd`)
 measures one Mamba2 layer sequence-parallel; ``overlap``
 (:mod:`seqpar.bench.overlap`) the transfers hidden on emulated links; ``gpu-perf``
-(:mod:`seqpar.bench.gpu_perf`) the ring's speed on one GPU. Presets: ``--quick``
-(P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
+(:mod:`seqpar.bench.gpu_perf`) the ring's speed on one GPU, ``gpu-perf-table`` its JSON as BENCHMARKS rows.
+Presets: ``--quick`` (P = 2, S up to 4096: a few minutes on 2 CPU cores), ``--tiny`` (toy shapes: checks the machinery,
 used by the tests), default (S up to 8192, P = 2 and 4). Explicit flags override the preset.
 Every run prints a table; ``--out DIR`` also writes ``DIR/<suite>.json`` (every figure, the command,
 the machine and versions) and PNG plots. ``ring-memory`` (:mod:`seqpar.bench.ring_memory`): one ring
@@ -33,6 +33,7 @@ SUITES = ("attention", "peers", "memory", "train", "comm")
 COMMANDS = {
     "gpu-check": "the GPU run-book's stages (docs/gpu-runbook.md)",
     "gpu-perf": "the ring's speed on one GPU",
+    "gpu-perf-table": "a gpu-perf JSON as BENCHMARKS.md's markdown rows",
     "ssd": "one Mamba2 layer sequence-parallel",
     "overlap": "transfers hidden on emulated links",
     "ring-memory": "one ring rank's peak memory against one process",
