@@ -659,6 +659,11 @@ FOUND[1021459125] = (("dynamic",), "refused")
 FOUND_SET[1880712864] = {**FOUND_SET.get(1880712864, {}), "odd_local": None}
 for _seed in (2132084004, 2143272812):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "config_knobs": None}
+# fz31: the model kind draws dkv_wire_dtype "bf16" through the config (dkv_wire), from a generator of its own; the
+# pinned cases that now get it keep the run they were found with, without it (under ulysses / allgather it would be
+# refused by name: the new draw has its own tests)
+for _seed in (2132084004, 1286627009):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "dkv_wire": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1243,7 +1248,9 @@ def test_model_kind_draws_the_memory_features() -> None:
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
         # empty_docs: fz28's zero-length documents, config_knobs: fz30's config keys, each drawn by draw_case from a
         # generator of its own
-        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs")} == \
+        # (and dkv_wire: fz31's bf16 dK/dV wire, the same way)
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs",
+                                                        "dkv_wire")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
         if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
@@ -2676,3 +2683,81 @@ def test_odd_shards_and_config_knobs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
     assert draws["config_knobs"] == {"high_priority_streams": True, "mixer_kernels": "auto"}, fuzz.summary(draws)
     rec = fuzzer.run(draws)
     assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+PRE_FZ31_DRAWS = ("batch case_seed check_inputs checkpointing config_knobs empty_docs kind knobs lengths memory mode "
+                  "model_type sharding step ulysses_size world",
+                  "50cb72230e8733b7909f64f4ec4a3efa7c1353282e9ce8d3143b1737955e49fe")
+"""The sha256 of the model kind's draws of case seeds 0-299 over the keys they had before fz31 (computed on af59807)."""
+
+
+def test_dkv_wire_is_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the model kind runs about a fifth of its cases with ``dkv_wire_dtype: "bf16"`` in the config, from a
+    generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_DRAWS``); no other kind gets it; the ranks' config carries it and the config reads it back; the
+    judge (against the same run with the wire at fp32) passes a rounding-sized difference and calls a gradient off
+    by a factor of 2, or a loss the wire moved, WRONG at every P and mode; the first run the
+    ranks get is the bf16 one (a refusal under allgather / ulysses ends the case). Seen failing: with
+    ``DKV_WIRE_RATE = 0`` (the rate), and with the draw taken off the case generator in ``draw_model`` (the hash)."""
+    import hashlib
+    import json
+
+    from seqpar.config import SeqParConfig
+    from seqpar.testing.fuzz_models import (
+        DKV_WIRE_RATE,
+        case_config,
+        dkv_wire_bound,
+        draw_dkv_wire,
+        judge_dkv_wire,
+    )
+
+    keys, digest = PRE_FZ31_DRAWS
+    old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, ("model",)) for s in range(300))]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    wires = [draw_dkv_wire(s) for s in range(1500)]
+    assert set(wires) == {None, "bf16"} and abs(wires.count("bf16") / 1500 - DKV_WIRE_RATE) < 0.05, wires.count("bf16")
+    for kinds in (("engine",), ("dynamic",), ("attention",), ("trainer",)):
+        assert not any("dkv_wire" in fuzz.draw_case(s, kinds) for s in range(40)), kinds
+    models = [fuzz.draw_case(s, ("model",)) for s in range(200)]
+    wired = [d for d in models if d["dkv_wire"]]
+    assert all(d["dkv_wire"] == draw_dkv_wire(d["case_seed"]) for d in models)
+    for d in wired:
+        cfg = case_config(d, d["world"])
+        assert cfg["dkv_wire_dtype"] == "bf16" and " dkv=bf16" in fuzz.summary(d)
+        if d["mode"] not in ("allgather", "ulysses"):
+            assert SeqParConfig.from_dict(cfg).dkv_wire_dtype == "bf16"
+    assert "dkv_wire_dtype" not in case_config({**wired[0], "dkv_wire": None}, wired[0]["world"])
+    # the judge, on made-up gradients
+    g = torch.Generator().manual_seed(0)
+    base = {"k.weight": torch.randn(8, 4, generator=g, dtype=torch.float64),
+            "lm_head.weight": torch.randn(16, 4, generator=g, dtype=torch.float64)}
+    ref = {"dtype": "float64"}
+    for world, mode, u in ((2, "ring", 1), (4, "ring", 1), (4, "hybrid", 2), (4, "auto", 1)):
+        d = {**wired[0], "world": world, "mode": mode, "ulysses_size": u}
+        assert dkv_wire_bound(d, 8) <= 0.5 and dkv_wire_bound(d, 2) >= 2 * (world // u - 1) * 2.0 ** -8
+        near = {**base, "k.weight": base["k.weight"] * (1 + 2.0 ** -8)}
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0, "grads": near})[0] == "exact"
+        doubled = {**base, "k.weight": base["k.weight"] * 2}
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0, "grads": doubled})[0] == "WRONG"
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0 + 1e-3, "grads": base})[0] == "WRONG"
+    pool = _Capture()
+    rec = fuzz.run_case(pool, wired[0])
+    assert rec["verdict"] == "crash" and rec["draws"] is wired[0] and pool.seen[0]["dkv_wire"] == "bf16"
+
+
+@pytest.mark.timeout(600)
+def test_dkv_wire_through_the_config_is_judged(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's draw from its hunt: model 36574558 (tiny gpt_oss, P = 3 ring, contiguous, rows of 24 and 19 tokens,
+    accumulation over two micro-batches, no check) with ``dkv_wire_dtype: "bf16"``: the fp32-wire run exact against
+    one process, the bf16 one within the wire's bound of it (worst about 3.5e-3 of a gradient's norm, bound 0.12);
+    and model 921113717 (tiny glm4, P = 2, allgather) refused by name. Seen failing: with dk doubled on the bf16
+    path at the end of ``seqpar.attn.ring``'s backward (``if wire != acc: dk_own.mul_(2)``): 36574558 WRONG,
+    ``model.embed_tokens.weight`` off the fp32-wire run's by 0.97 of its norm (bound 0.12)."""
+    draws = fuzz.draw_case(36574558, ("model",))
+    assert draws["dkv_wire"] == "bf16" and draws["mode"] == "ring", fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact" and "dkv=bf16 within" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
+    draws = fuzz.draw_case(921113717, ("model",))
+    assert draws["dkv_wire"] == "bf16" and draws["mode"] == "allgather", fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "refused" and "dkv_wire_dtype" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])

@@ -320,6 +320,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         from seqpar.testing.fuzz_models import draw_config_knobs
 
         draws["config_knobs"] = draw_config_knobs(case_seed)
+    if kind == "model":  # dkv_wire_dtype "bf16" through the config (fz31): its own generator, the old draws stay
+        from seqpar.testing.fuzz_models import draw_dkv_wire
+
+        draws["dkv_wire"] = draw_dkv_wire(case_seed)
     return draws
 
 
