@@ -2761,3 +2761,42 @@ def test_dkv_wire_through_the_config_is_judged(fuzzer: fuzz.Fuzzer) -> None:
     assert draws["dkv_wire"] == "bf16" and draws["mode"] == "allgather", fuzz.summary(draws)
     rec = fuzzer.run(draws)
     assert rec["verdict"] == "refused" and "dkv_wire_dtype" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+PRE_FZ31_ATTENTION_DRAWS = (
+    "alibi batch calls case_seed causal check_inputs chunk_size cu_as declare_sharding dkv_wire_dtype dtype empty_docs "
+    "expand_kv grad group group_arg head_chunks heads kind layout mode odd_local omit_layout omit_sharding overlap scale "
+    "seq sharding sinks sinks_grad softcap strided ulysses_size window world",
+    "4dcfe774138d39588764845530d764b90a3c9fa3995320c2388f8d31bac482ca")
+"""The sha256 of the attention kind's draws of case seeds 0-299 over the keys they had before fz31's ``wide_batch``
+(computed on 374e0ab)."""
+
+
+def test_wide_batches_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the attention kind runs about a quarter of its cases without documents with a batch of 3 or 4 (it drew
+    1 or 2 only), from a generator of its own: the draws of case seeds 0-299 over the keys they had are those they
+    had (``PRE_FZ31_ATTENTION_DRAWS``); a case with documents never gets it (``cu_seqlens`` takes batch 1); the
+    ranks get the batch while the record keeps the draws; the summary says so. Seen failing: with
+    ``WIDE_BATCH_RATE = 0`` (no batch of 3 or 4 drawn), and without ``wide_batch_applied`` in ``fuzz.run_case`` (the ranks got the
+    drawn batch)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import WIDE_BATCH_RATE, draw_wide_batch, wide_batch_applied
+
+    keys, digest = PRE_FZ31_ATTENTION_DRAWS
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    old = [{k: d.get(k) for k in keys.split()} for d in att[:300]]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    plain = [d for d in att if all(c["cu"] is None for c in d["calls"])]
+    wide = [d for d in plain if d["wide_batch"]]
+    assert all(d["wide_batch"] is None for d in att if d not in plain)
+    assert abs(len(wide) / len(plain) - WIDE_BATCH_RATE) < 0.06, (len(wide), len(plain))
+    assert {d["wide_batch"] for d in wide} == {3, 4}
+    for d in wide:
+        assert d["wide_batch"] == draw_wide_batch(d["case_seed"], d)
+        assert wide_batch_applied(d)["batch"] == d["wide_batch"] and f"B={d['wide_batch']} " in fuzz.summary(d)
+        assert " wide-batch" in fuzz.summary(d)
+    pool = _Capture()
+    rec = fuzz.run_case(pool, wide[0])
+    assert rec["verdict"] == "crash" and rec["draws"] is wide[0] and pool.seen[0]["batch"] == wide[0]["wide_batch"]

@@ -18,14 +18,16 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
   without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
-  (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence);
+  (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
+  or 4 where the case has no documents (``wide_batch``);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
   before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
-  keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then);
+  keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then; ``dkv_wire``:
+  ``dkv_wire_dtype: "bf16"``, judged against the same run with the wire at fp32);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
   (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP
@@ -79,8 +81,10 @@ from seqpar.testing.fuzz_attention import (
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
+    draw_wide_batch,
     empty_documents_applied,
     odd_local_applied,
+    wide_batch_applied,
 )
 from seqpar.testing.fuzz_attention_run import (
     attention_reference,
@@ -305,6 +309,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
             draws["odd_local"] = draw_odd_local(case_seed, draws)
+            draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -341,6 +346,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     trace = None
     record = draws
     draws = odd_local_applied(draws)  # an odd shard under contiguous sharding (fz30), before the documents' zeros
+    draws = wide_batch_applied(draws)  # a batch of 3 or 4 (fz31)
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
         from seqpar.testing.fuzz_dynamic import empty_lengths_applied
@@ -396,6 +402,8 @@ def summary(draws: dict[str, Any]) -> str:
     """One short line naming the case's composition."""
     if odd_local_applied(draws) is not draws:  # the sequence and documents as the run sees them (fz30)
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
+    if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
+        return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced

@@ -14,7 +14,8 @@ from typing import Any
 from seqpar.testing.fuzz_strides import STRIDES
 
 __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", "draw_documents", "draw_empty_documents",
-           "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "draw_attention",
+           "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "WIDE_BATCH_RATE",
+           "draw_wide_batch", "wide_batch_applied", "draw_attention",
            "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
@@ -115,6 +116,32 @@ def odd_local_applied(draws: dict[str, Any]) -> dict[str, Any]:
     calls = [{**c, "cu": [b for b in c["cu"] if b < new] + [new]} if c.get("cu") is not None else c
              for c in draws["calls"]]
     return {**draws, "seq": new, "calls": calls}
+
+
+WIDE_BATCH_RATE = 0.25
+"""How often an ``attention`` case without documents runs with a batch of 3 or 4 (:func:`draw_wide_batch`)."""
+
+
+def draw_wide_batch(case_seed: int, draws: dict[str, Any]) -> int | None:
+    """The batch (3 or 4) an ``attention`` case without documents runs with instead of its drawn 1 or 2
+    (:func:`wide_batch_applied`), which no case had before fz31; None for most cases and where the case has
+    documents (``cu_seqlens`` takes batch 1; batch 2 with documents is drawn for that refusal already).
+
+    Drawn from a generator of its own (``f"{case_seed}:wide_batch"``), never the case's: every case seed keeps
+    every draw it had before (fz31), as ``odd_local`` does (fz30)."""
+    if draws.get("kind") != "attention" or any(c.get("cu") is not None for c in draws.get("calls", [])):
+        return None
+    rng = random.Random(f"{case_seed}:wide_batch")
+    return rng.choice((3, 4)) if rng.random() < WIDE_BATCH_RATE else None
+
+
+def wide_batch_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` as the run sees it where ``draws["wide_batch"]`` (:func:`draw_wide_batch`): ``batch`` that one.
+    ``draws`` itself where not drawn, or where a call has documents (a forced ``calls``)."""
+    wide = draws.get("wide_batch")
+    if not wide or draws.get("kind") != "attention" or any(c.get("cu") is not None for c in draws.get("calls", [])):
+        return draws
+    return {**draws, "batch": wide}
 
 
 def draw_attention(rng: random.Random) -> dict[str, Any]:
