@@ -2800,3 +2800,54 @@ def test_wide_batches_are_drawn_without_touching_the_old_draws() -> None:
     pool = _Capture()
     rec = fuzz.run_case(pool, wide[0])
     assert rec["verdict"] == "crash" and rec["draws"] is wide[0] and pool.seen[0]["batch"] == wide[0]["wide_batch"]
+
+
+def test_disagreeing_ranks_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the attention kind has, in about a tenth of its cases at P >= 2 with ``check_inputs`` on and one SP
+    group, its last rank pass another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``), from a
+    generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_ATTENTION_DRAWS``); a forced ``check_inputs=false`` or ``world=1`` drops it; each changed option
+    differs and is valid on one process; the summary says so. Seen failing: with ``DISAGREE_RATE = 0`` (nothing
+    drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import DISAGREEMENTS, disagreeing_options, disagreement
+
+    keys, digest = PRE_FZ31_ATTENTION_DRAWS
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    old = [{k: d.get(k) for k in keys.split()} for d in att[:300]]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    can = [d for d in att if d["world"] >= 2 and d["check_inputs"] and d["group"] is None]
+    drawn = [d for d in can if d["disagree"]]
+    assert all(d["disagree"] is None for d in att if d not in can)
+    assert 0.05 < len(drawn) / len(can) < 0.15 and {d["disagree"] for d in drawn} == set(DISAGREEMENTS), len(drawn)
+    for d in drawn:
+        assert f"disagree={d['disagree']}" in fuzz.summary(d)
+        assert disagreement(fuzz.force(d, {"check_inputs": False})[0]) is None
+        assert disagreement(fuzz.force(d, {"world": 1})[0]) is None
+        opts = {"causal": d["causal"], "scale": d["scale"], "window": d["window"], "head_chunks": d["head_chunks"]}
+        other = disagreeing_options(d["disagree"], opts, d["heads"][2])
+        assert [k for k in opts if other[k] != opts[k]] == [d["disagree"]]
+
+
+@pytest.mark.timeout(600)
+def test_disagreeing_ranks_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's hunt: attention cases whose last rank passes another option under ``check_inputs=True`` are refused
+    on every rank by the cross-rank check, naming each rank's inputs (no hang, no run): the first ring case of
+    seed 3161 per option (causal 1699289319: P = 4, zigzag, batch 2, window, sinks, two calls; scale 621184986: P = 2,
+    balanced, documents; window 1587191221: P = 2, zigzag, float64, transposed views; head_chunks 1501812367: P = 4,
+    balanced, a window and chunk of 43). Seen failing: with ``check_across_ranks`` returning at once
+    (``seqpar.attn.checks``): 1699289319 WRONG, every rank ran with the last one non-causal."""
+    from seqpar.testing.fuzz_attention import DISAGREEMENTS
+
+    seen = {}
+    for s in fuzz.case_seeds(3161, 3000):
+        d = fuzz.draw_case(s, ("attention",))
+        if d["disagree"] and d["disagree"] not in seen and d["mode"] == "ring":
+            seen[d["disagree"]] = d
+    assert set(seen) == set(DISAGREEMENTS)
+    for option, draws in seen.items():
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
+            (option, fuzz.summary(draws), rec["detail"])

@@ -19,7 +19,9 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
   without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
   (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
-  or 4 where the case has no documents (``wide_batch``);
+  or 4 where the case has no documents (``wide_batch``), and at P >= 2 with ``check_inputs`` the last rank passing
+  another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``: refused by name on every rank, or the
+  case is WRONG; a hang is a crash by the timeout);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
@@ -76,8 +78,10 @@ from seqpar.testing.fuzz_attention import (
     CU_AS,
     GRADS,
     attention_summary,
+    disagreement,
     draw_attention,
     draw_dilated,
+    draw_disagree,
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
@@ -310,6 +314,7 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
             draws["odd_local"] = draw_odd_local(case_seed, draws)
             draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
+            draws["disagree"] = draw_disagree(case_seed, draws)  # the last rank's option apart (fz31): its own too
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -380,6 +385,9 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
             trace = next((r["error"]["trace"] for r in per_rank if not r["ok"]), None)
             verdict, detail = classify_errors(per_rank) or ("", "")
+            if not verdict and disagreement(draws):  # the last rank passed another option, and every rank ran
+                verdict, detail = "WRONG", (f"the last rank passed another {disagreement(draws)} under check_inputs=True, "
+                                            "but every rank ran (no refusal)")
             if not verdict:  # every rank ran: the reference decides
                 ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
                 verdict, detail = _judge_attention(draws, ref, per_rank)
@@ -404,6 +412,8 @@ def summary(draws: dict[str, Any]) -> str:
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
     if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
         return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
+    if disagreement(draws):  # the last rank's option apart (fz31)
+        return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced

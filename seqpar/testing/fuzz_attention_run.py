@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_attention import disagreeing_options, disagreement
 from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
 from seqpar.testing.verdicts import close, error_record
@@ -260,13 +261,17 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             if cu is not None:
                 cu_as = draws.get("cu_as", "int64")
                 cu = tuple(cu) if cu_as == "tuple" else torch.tensor(cu, dtype=getattr(torch, cu_as))
+            opts = {"causal": draws["causal"], "scale": draws["scale"], "window": draws["window"],
+                    "head_chunks": draws["head_chunks"]}
+            if disagreement(draws) and rank == world - 1:  # a user's mistake: check_inputs must refuse it (fz31)
+                opts = disagreeing_options(disagreement(draws), opts, q.shape[-1])
             with _grad_context(draws):
                 out = seqpar.attention(
-                    q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
+                    q, k, v, mode=draws["mode"], group=group,
                     sharding=sharding, overlap=draws["overlap"], check_inputs=draws["check_inputs"],
-                    head_chunks=draws["head_chunks"], cu_seqlens=cu, window=draws["window"], sinks=sinks, layout=layout,
+                    cu_seqlens=cu, sinks=sinks, layout=layout,
                     chunk_size=draws["chunk_size"], softcap=draws["softcap"], alibi_slopes=alibi,
-                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"), **opts)
             if draws["layout"] == "bshd":
                 out = out.transpose(1, 2)
             if backward:
