@@ -664,6 +664,11 @@ for _seed in (2132084004, 2143272812):
 # refused by name: the new draw has its own tests)
 for _seed in (2132084004, 1286627009):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "dkv_wire": None}
+# and an explicit swap value (swap), and the attention kind ranks that disagree under check_inputs (disagree): the
+# pinned cases that now get one keep their run without it too
+for _seed in (680605197, 1156417737, 1535814214):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "swap": None}
+FOUND_SET[1812976885] = {**FOUND_SET.get(1812976885, {}), "disagree": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1248,9 +1253,9 @@ def test_model_kind_draws_the_memory_features() -> None:
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
         # empty_docs: fz28's zero-length documents, config_knobs: fz30's config keys, each drawn by draw_case from a
         # generator of its own
-        # (and dkv_wire: fz31's bf16 dK/dV wire, the same way)
+        # (and dkv_wire, swap: fz31's bf16 dK/dV wire and explicit swap values, the same way)
         assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs",
-                                                        "dkv_wire")} == \
+                                                        "dkv_wire", "swap")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
         if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
@@ -2851,3 +2856,32 @@ def test_disagreeing_ranks_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> Non
         rec = fuzzer.run(draws)
         assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
             (option, fuzz.summary(draws), rec["detail"])
+
+
+def test_swap_values_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the model kind passes an explicit ``swap`` (``"hf"``, ``"sdpa"`` or ``["*Attention"]``) in about 15% of
+    its cases, from a generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_DRAWS``); the ranks' config carries it and the config reads it back; the summary says so; a pinned
+    case forced without it keeps its draws. Seen failing: with ``SWAP_RATE = 0`` (nothing drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.config import SeqParConfig
+    from seqpar.testing.fuzz_models import SWAP_RATE, SWAPS, case_config, draw_swap
+
+    keys, digest = PRE_FZ31_DRAWS
+    models = [fuzz.draw_case(s, ("model",)) for s in range(300)]
+    old = [{k: d.get(k) for k in keys.split()} for d in models]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    swaps = [draw_swap(s) for s in range(1500)]
+    drawn = [x for x in swaps if x is not None]
+    assert abs(len(drawn) / 1500 - SWAP_RATE) < 0.05 and {json.dumps(x) for x in drawn} == {json.dumps(x) for x in SWAPS}
+    for d in models:
+        assert d["swap"] == draw_swap(d["case_seed"])
+        if d["swap"]:
+            cfg = case_config(d, d["world"])
+            assert cfg["swap"] == d["swap"] and f" swap={d['swap']}" in fuzz.summary(d)
+            read = SeqParConfig.from_dict({**cfg, "dkv_wire_dtype": "fp32"}).swap
+            assert (list(read) if isinstance(read, tuple) else read) == d["swap"]
+    d = fuzz.force(fuzz.draw_case(1535814214, ("attention", "dilated", "model", "engine")), FOUND_SET[1535814214])[0]
+    assert d["swap"] is None and "swap" not in case_config(d, d["world"])

@@ -331,9 +331,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws["config_knobs"] = draw_config_knobs(case_seed)
     if kind == "model":  # dkv_wire_dtype "bf16" through the config (fz31): its own generator, the old draws stay
-        from seqpar.testing.fuzz_models import draw_dkv_wire
+        from seqpar.testing.fuzz_models import draw_dkv_wire, draw_swap
 
         draws["dkv_wire"] = draw_dkv_wire(case_seed)
+        draws["swap"] = draw_swap(case_seed)  # an explicit swap value (fz31): its own generator too
     return draws
 
 

@@ -56,7 +56,8 @@ from seqpar.testing.fuzz_attention import with_empty_documents
 __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
            "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs",
-           "case_config", "DKV_WIRE_RATE", "draw_dkv_wire", "dkv_wire_bound", "judge_dkv_wire"]
+           "case_config", "DKV_WIRE_RATE", "draw_dkv_wire", "dkv_wire_bound", "judge_dkv_wire",
+           "SWAP_RATE", "SWAPS", "draw_swap"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -191,6 +192,22 @@ def draw_dkv_wire(case_seed: int) -> str | None:
     draw it had before (fz31), as ``config_knobs`` does (fz30)."""
     rng = random.Random(f"{case_seed}:dkv_wire")
     return "bf16" if rng.random() < DKV_WIRE_RATE else None
+
+
+SWAP_RATE = 0.15
+"""How often a ``model`` case passes an explicit ``swap`` (:func:`draw_swap`) instead of the default ``"auto"``."""
+SWAPS = ("hf", "hf", "sdpa", ["*Attention"])
+"""The explicit ``swap`` values drawn: ``"hf"`` (the route ``"auto"`` takes for a transformers model: the same
+run), ``"sdpa"`` (a transformers attention module does not call ``scaled_dot_product_attention`` itself: refused
+by name, "found nothing to swap"), and a list of class-name patterns (``"*Attention"``: the model's attention
+modules by name, where their names end so)."""
+
+
+def draw_swap(case_seed: int) -> str | list[str] | None:
+    """The ``swap`` draw (JSON-able; None: the default ``"auto"``), from a generator of its own
+    (``f"{case_seed}:swap"``), never the case's: every case seed keeps every draw it had before (fz31)."""
+    rng = random.Random(f"{case_seed}:swap")
+    return rng.choice(SWAPS) if rng.random() < SWAP_RATE else None
 
 
 _BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is off by at most 2**-8 relative
@@ -343,7 +360,8 @@ def model_summary(draws: dict[str, Any]) -> str:
     return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
             + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")) + _knobs_summary(d.get("knobs"))
-            + _knobs_summary(d.get("config_knobs"), "config") + (f" dkv={d['dkv_wire']}" if d.get("dkv_wire") else ""))
+            + _knobs_summary(d.get("config_knobs"), "config") + (f" dkv={d['dkv_wire']}" if d.get("dkv_wire") else "")
+            + (f" swap={d['swap']}" if d.get("swap") else ""))
 
 
 def _knobs_summary(knobs: dict[str, Any] | None, word: str = "knobs") -> str:
@@ -587,7 +605,7 @@ def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], d
 def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
     """The ``sequence_parallel`` block a ``model`` case's ranks pass to ``init_process_groups`` and
     ``swap_attention`` (``world`` ranks, one SP group): the drawn mode, sharding, Ulysses degree and check, the
-    memory features, ``knobs``, ``config_knobs`` and ``dkv_wire``."""
+    memory features, ``knobs``, ``config_knobs``, ``dkv_wire`` and ``swap``."""
     cfg = {"size": world, "mode": draws["mode"], "sharding": draws["sharding"],
            "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
     mem = draws.get("memory") or {}
@@ -597,6 +615,8 @@ def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
     cfg.update(draws.get("config_knobs") or {})
     if draws.get("dkv_wire"):
         cfg["dkv_wire_dtype"] = draws["dkv_wire"]
+    if draws.get("swap"):
+        cfg["swap"] = draws["swap"]
     return cfg
 
 
