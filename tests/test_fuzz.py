@@ -2885,3 +2885,51 @@ def test_swap_values_are_drawn_without_touching_the_old_draws() -> None:
             assert (list(read) if isinstance(read, tuple) else read) == d["swap"]
     d = fuzz.force(fuzz.draw_case(1535814214, ("attention", "dilated", "model", "engine")), FOUND_SET[1535814214])[0]
     assert d["swap"] is None and "swap" not in case_config(d, d["world"])
+
+
+PRE_FZ31_DILATED_DRAWS = (
+    "batch calls case_seed causal check_inputs dilation_rates dkv_wire_dtype dtype grad group head_layout heads kind "
+    "mode scale segment_lengths seq sharding strided world",
+    "5adf9a9a7c2211432f15d5aa551041d97f1a1c0e5da8d0a3002e6296da736cb9")
+"""The sha256 of the dilated kind's draws of case seeds 0-299 over the keys they had before fz31 (on 76f4525)."""
+
+
+def test_strided_pairs_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: half the attention and dilated cases on the pairs (``group=``, P = 4) run on ``{0, 2}, {1, 3}``, a
+    non-consecutive group, instead of ``{0, 1}, {2, 3}`` (``strided_pairs``), from a generator of its own: the draws
+    of case seeds 0-299 over the keys they had are those they had; the judge lays each group's shards back in group
+    order (:func:`~seqpar.testing.fuzz_attention.sp_groups`); the summary says so. Seen failing: with
+    ``STRIDED_PAIRS_RATE = 0`` (nothing drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import STRIDED_PAIRS_RATE, sp_groups
+
+    for kind, (keys, digest) in (("attention", PRE_FZ31_ATTENTION_DRAWS), ("dilated", PRE_FZ31_DILATED_DRAWS)):
+        draws = [fuzz.draw_case(s, (kind,)) for s in range(1500)]
+        old = [{k: d.get(k) for k in keys.split()} for d in draws[:300]]
+        assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+        pairs = [d for d in draws if d["group"] == "pairs"]
+        strided = [d for d in pairs if d["strided_pairs"]]
+        assert all(d["strided_pairs"] is None for d in draws if d["group"] != "pairs")
+        assert abs(len(strided) / len(pairs) - STRIDED_PAIRS_RATE) < 0.15, (kind, len(strided), len(pairs))
+        for d in strided:
+            assert [list(g) for g in sp_groups(d, 4)] == [[0, 2], [1, 3]] and "group=pairs{0,2}{1,3}" in fuzz.summary(d)
+        assert [list(g) for g in sp_groups(pairs[0] if not pairs[0]["strided_pairs"] else {**pairs[0], "strided_pairs": False}, 4)] \
+            == [[0, 1], [2, 3]]
+
+
+@pytest.mark.timeout(600)
+def test_strided_pairs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's hunt: calls on the non-consecutive pairs ``{0, 2}, {1, 3}`` (``group=`` a group made by
+    ``new_subgroups_by_enumeration``), each pair the whole sequence, exact: attention 507072983 (ring, zigzag, MQA with
+    an odd head dim, documents ``2,14``, window and chunk 13, forward only) and 992383832 (ring, balanced, bshd, MQA
+    expanded, scale 0.792); dilated 1302988049 (allgather, segments 2 and 8 at rate 2, grouped heads, two calls).
+    Seen failing: with the
+    harness's rank in its pair taken as ``rank % 2`` (the consecutive pairs' rule): 507072983 WRONG, out of ranks
+    0,2 off its reference."""
+    for kinds, seed in ((("attention",), 507072983), (("attention",), 992383832), (("dilated",), 1302988049)):
+        draws = fuzz.draw_case(seed, kinds)
+        assert draws["strided_pairs"], fuzz.summary(draws)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])

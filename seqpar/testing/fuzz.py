@@ -13,7 +13,7 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   ``check_inputs`` on and off, fp32 or float64, ``dkv_wire_dtype`` ``"bf16"`` now and then (dk and dv judged at
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
   no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
-  sequence); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
+  sequence; half of them the non-consecutive ``{0, 2}, {1, 3}``, ``strided_pairs``); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
   buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
   ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
@@ -85,6 +85,7 @@ from seqpar.testing.fuzz_attention import (
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
+    draw_strided_pairs,
     draw_wide_batch,
     empty_documents_applied,
     odd_local_applied,
@@ -309,6 +310,8 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
+    if kind in ("attention", "dilated"):  # the pairs {0, 2}, {1, 3} (fz31): its own generator, the old draws stay
+        draws["strided_pairs"] = draw_strided_pairs(case_seed, draws)
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
@@ -413,6 +416,8 @@ def summary(draws: dict[str, Any]) -> str:
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
     if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
         return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
+    if draws.get("strided_pairs") and draws.get("group") == "pairs":  # the non-consecutive pairs (fz31)
+        return summary({**draws, "strided_pairs": None}).replace("group=pairs", "group=pairs{0,2}{1,3}")
     if disagreement(draws):  # the last rank's option apart (fz31)
         return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None

@@ -16,7 +16,7 @@ from seqpar.testing.fuzz_strides import STRIDES
 __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", "draw_documents", "draw_empty_documents",
            "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "WIDE_BATCH_RATE",
            "draw_wide_batch", "wide_batch_applied", "DISAGREE_RATE", "DISAGREEMENTS", "draw_disagree", "disagreement",
-           "draw_attention",
+           "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "draw_attention",
            "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
@@ -191,6 +191,30 @@ def disagreeing_options(option: str, kwargs: dict[str, Any], head_dim: int) -> d
     else:
         raise ValueError(f"unknown disagreement {option!r}")
     return new
+
+
+STRIDED_PAIRS_RATE = 0.5
+"""How often a case on the pairs (``group="pairs"``, P = 4) takes the non-consecutive ones (:func:`sp_groups`)."""
+
+
+def draw_strided_pairs(case_seed: int, draws: dict[str, Any]) -> bool | None:
+    """Whether an ``attention`` or ``dilated`` case on the pairs runs on ``{0, 2}, {1, 3}`` (``group=`` a
+    non-consecutive group, made by ``dist.new_subgroups_by_enumeration``) instead of ``{0, 1}, {2, 3}``; None where
+    the case is not on the pairs. Drawn from a generator of its own (``f"{case_seed}:strided_pairs"``), never the
+    case's: every case seed keeps every draw it had before (fz31)."""
+    if draws.get("kind") not in ("attention", "dilated") or draws.get("group") != "pairs":
+        return None
+    return random.Random(f"{case_seed}:strided_pairs").random() < STRIDED_PAIRS_RATE
+
+
+def sp_groups(draws: dict[str, Any], world: int) -> list[range]:
+    """The SP groups of a case's call, each a range of global ranks in its group order: the whole world; the pairs
+    ``{0, 1}, {2, 3}``; or, where ``draws["strided_pairs"]``, ``{0, 2}, {1, 3}``."""
+    if draws.get("group") != "pairs":
+        return [range(world)]
+    if draws.get("strided_pairs"):
+        return [range(g, world, 2) for g in range(2)]
+    return [range(g, g + 2) for g in range(0, world, 2)]
 
 
 def draw_attention(rng: random.Random) -> dict[str, Any]:
