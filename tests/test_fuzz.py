@@ -2666,7 +2666,8 @@ def test_odd_shards_and_config_knobs_are_drawn_without_touching_the_old_draws() 
     assert {k: cfg[k] for k in model["config_knobs"]} == model["config_knobs"]
     from seqpar.config import SeqParConfig
 
-    assert all(getattr(SeqParConfig.from_dict(case_config(d, d["world"])), k) == v  # the keys as the config reads them
+    # the keys as the config reads them (without fz31's bf16 wire, which the config refuses under allgather / ulysses)
+    assert all(getattr(SeqParConfig.from_dict(case_config({**d, "dkv_wire": None}, d["world"])), k) == v
                for d in (fuzz.draw_case(s, ("model",)) for s in range(60)) for k, v in (d["config_knobs"] or {}).items())
 
 
@@ -2912,7 +2913,7 @@ def test_strided_pairs_are_drawn_without_touching_the_old_draws() -> None:
         pairs = [d for d in draws if d["group"] == "pairs"]
         strided = [d for d in pairs if d["strided_pairs"]]
         assert all(d["strided_pairs"] is None for d in draws if d["group"] != "pairs")
-        assert abs(len(strided) / len(pairs) - STRIDED_PAIRS_RATE) < 0.15, (kind, len(strided), len(pairs))
+        assert 0.35 < len(strided) / len(pairs) < 0.65 and STRIDED_PAIRS_RATE == 0.5, (kind, len(strided), len(pairs))
         for d in strided:
             assert [list(g) for g in sp_groups(d, 4)] == [[0, 2], [1, 3]] and "group=pairs{0,2}{1,3}" in fuzz.summary(d)
         assert [list(g) for g in sp_groups(pairs[0] if not pairs[0]["strided_pairs"] else {**pairs[0], "strided_pairs": False}, 4)] \
