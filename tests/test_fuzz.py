@@ -659,6 +659,16 @@ FOUND[1021459125] = (("dynamic",), "refused")
 FOUND_SET[1880712864] = {**FOUND_SET.get(1880712864, {}), "odd_local": None}
 for _seed in (2132084004, 2143272812):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "config_knobs": None}
+# fz31: the model kind draws dkv_wire_dtype "bf16" through the config (dkv_wire), from a generator of its own; the
+# pinned cases that now get it keep the run they were found with, without it (under ulysses / allgather it would be
+# refused by name: the new draw has its own tests)
+for _seed in (2132084004, 1286627009):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "dkv_wire": None}
+# and an explicit swap value (swap), and the attention kind ranks that disagree under check_inputs (disagree): the
+# pinned cases that now get one keep their run without it too
+for _seed in (680605197, 1156417737, 1535814214):
+    FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "swap": None}
+FOUND_SET[1812976885] = {**FOUND_SET.get(1812976885, {}), "disagree": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -1243,7 +1253,9 @@ def test_model_kind_draws_the_memory_features() -> None:
         old = {**draw_model(_after_kind(seed)), "case_seed": seed}  # the draws without memory features
         # empty_docs: fz28's zero-length documents, config_knobs: fz30's config keys, each drawn by draw_case from a
         # generator of its own
-        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs")} == \
+        # (and dkv_wire, swap: fz31's bf16 dK/dV wire and explicit swap values, the same way)
+        assert {k: v for k, v in d.items() if k not in ("memory", "model_type", "knobs", "empty_docs", "config_knobs",
+                                                        "dkv_wire", "swap")} == \
             {k: v for k, v in old.items() if k != "model_type"}, seed
         mem = d["memory"]
         if mem is None:  # the model type as before, but where knobs redrew it among the MLA types (fz25c)
@@ -2654,7 +2666,8 @@ def test_odd_shards_and_config_knobs_are_drawn_without_touching_the_old_draws() 
     assert {k: cfg[k] for k in model["config_knobs"]} == model["config_knobs"]
     from seqpar.config import SeqParConfig
 
-    assert all(getattr(SeqParConfig.from_dict(case_config(d, d["world"])), k) == v  # the keys as the config reads them
+    # the keys as the config reads them (without fz31's bf16 wire, which the config refuses under allgather / ulysses)
+    assert all(getattr(SeqParConfig.from_dict(case_config({**d, "dkv_wire": None}, d["world"])), k) == v
                for d in (fuzz.draw_case(s, ("model",)) for s in range(60)) for k, v in (d["config_knobs"] or {}).items())
 
 
@@ -2676,3 +2689,248 @@ def test_odd_shards_and_config_knobs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
     assert draws["config_knobs"] == {"high_priority_streams": True, "mixer_kernels": "auto"}, fuzz.summary(draws)
     rec = fuzzer.run(draws)
     assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+PRE_FZ31_DRAWS = ("batch case_seed check_inputs checkpointing config_knobs empty_docs kind knobs lengths memory mode "
+                  "model_type sharding step ulysses_size world",
+                  "50cb72230e8733b7909f64f4ec4a3efa7c1353282e9ce8d3143b1737955e49fe")
+"""The sha256 of the model kind's draws of case seeds 0-299 over the keys they had before fz31 (computed on af59807)."""
+
+
+def test_dkv_wire_is_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the model kind runs about a fifth of its cases with ``dkv_wire_dtype: "bf16"`` in the config, from a
+    generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_DRAWS``); no other kind gets it; the ranks' config carries it and the config reads it back; the
+    judge (against the same run with the wire at fp32) passes a rounding-sized difference and calls a gradient off
+    by a factor of 2, or a loss the wire moved, WRONG at every P and mode; the first run the
+    ranks get is the bf16 one (a refusal under allgather / ulysses ends the case). Seen failing: with
+    ``DKV_WIRE_RATE = 0`` (the rate), and with the draw taken off the case generator in ``draw_model`` (the hash)."""
+    import hashlib
+    import json
+
+    from seqpar.config import SeqParConfig
+    from seqpar.testing.fuzz_models import (
+        DKV_WIRE_RATE,
+        case_config,
+        dkv_wire_bound,
+        draw_dkv_wire,
+        judge_dkv_wire,
+    )
+
+    keys, digest = PRE_FZ31_DRAWS
+    old = [{k: d.get(k) for k in keys.split()} for d in (fuzz.draw_case(s, ("model",)) for s in range(300))]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    wires = [draw_dkv_wire(s) for s in range(1500)]
+    assert set(wires) == {None, "bf16"} and abs(wires.count("bf16") / 1500 - DKV_WIRE_RATE) < 0.05, wires.count("bf16")
+    for kinds in (("engine",), ("dynamic",), ("attention",), ("trainer",)):
+        assert not any("dkv_wire" in fuzz.draw_case(s, kinds) for s in range(40)), kinds
+    models = [fuzz.draw_case(s, ("model",)) for s in range(200)]
+    wired = [d for d in models if d["dkv_wire"]]
+    assert all(d["dkv_wire"] == draw_dkv_wire(d["case_seed"]) for d in models)
+    for d in wired:
+        cfg = case_config(d, d["world"])
+        assert cfg["dkv_wire_dtype"] == "bf16" and " dkv=bf16" in fuzz.summary(d)
+        if d["mode"] not in ("allgather", "ulysses"):
+            assert SeqParConfig.from_dict(cfg).dkv_wire_dtype == "bf16"
+    assert "dkv_wire_dtype" not in case_config({**wired[0], "dkv_wire": None}, wired[0]["world"])
+    # the judge, on made-up gradients
+    g = torch.Generator().manual_seed(0)
+    base = {"k.weight": torch.randn(8, 4, generator=g, dtype=torch.float64),
+            "lm_head.weight": torch.randn(16, 4, generator=g, dtype=torch.float64)}
+    ref = {"dtype": "float64"}
+    for world, mode, u in ((2, "ring", 1), (4, "ring", 1), (4, "hybrid", 2), (4, "auto", 1)):
+        d = {**wired[0], "world": world, "mode": mode, "ulysses_size": u}
+        assert dkv_wire_bound(d, 8) <= 0.5 and dkv_wire_bound(d, 2) >= 2 * (world // u - 1) * 2.0 ** -8
+        near = {**base, "k.weight": base["k.weight"] * (1 + 2.0 ** -8)}
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0, "grads": near})[0] == "exact"
+        doubled = {**base, "k.weight": base["k.weight"] * 2}
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0, "grads": doubled})[0] == "WRONG"
+        assert judge_dkv_wire(d, ref, {"loss": 1.0, "grads": base}, {"loss": 1.0 + 1e-3, "grads": base})[0] == "WRONG"
+    pool = _Capture()
+    rec = fuzz.run_case(pool, wired[0])
+    assert rec["verdict"] == "crash" and rec["draws"] is wired[0] and pool.seen[0]["dkv_wire"] == "bf16"
+
+
+@pytest.mark.timeout(600)
+def test_dkv_wire_through_the_config_is_judged(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's draw from its hunt: model 36574558 (tiny gpt_oss, P = 3 ring, contiguous, rows of 24 and 19 tokens,
+    accumulation over two micro-batches, no check) with ``dkv_wire_dtype: "bf16"``: the fp32-wire run exact against
+    one process, the bf16 one within the wire's bound of it (worst about 3.5e-3 of a gradient's norm, bound 0.12);
+    and model 921113717 (tiny glm4, P = 2, allgather) refused by name. Seen failing: with dk doubled on the bf16
+    path at the end of ``seqpar.attn.ring``'s backward (``if wire != acc: dk_own.mul_(2)``): 36574558 WRONG,
+    ``model.embed_tokens.weight`` off the fp32-wire run's by 0.97 of its norm (bound 0.12)."""
+    draws = fuzz.draw_case(36574558, ("model",))
+    assert draws["dkv_wire"] == "bf16" and draws["mode"] == "ring", fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "exact" and "dkv=bf16 within" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
+    draws = fuzz.draw_case(921113717, ("model",))
+    assert draws["dkv_wire"] == "bf16" and draws["mode"] == "allgather", fuzz.summary(draws)
+    rec = fuzzer.run(draws)
+    assert rec["verdict"] == "refused" and "dkv_wire_dtype" in rec["detail"], (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+PRE_FZ31_ATTENTION_DRAWS = (
+    "alibi batch calls case_seed causal check_inputs chunk_size cu_as declare_sharding dkv_wire_dtype dtype empty_docs "
+    "expand_kv grad group group_arg head_chunks heads kind layout mode odd_local omit_layout omit_sharding overlap scale "
+    "seq sharding sinks sinks_grad softcap strided ulysses_size window world",
+    "4dcfe774138d39588764845530d764b90a3c9fa3995320c2388f8d31bac482ca")
+"""The sha256 of the attention kind's draws of case seeds 0-299 over the keys they had before fz31's ``wide_batch``
+(computed on 374e0ab)."""
+
+
+def test_wide_batches_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the attention kind runs about a quarter of its cases without documents with a batch of 3 or 4 (it drew
+    1 or 2 only), from a generator of its own: the draws of case seeds 0-299 over the keys they had are those they
+    had (``PRE_FZ31_ATTENTION_DRAWS``); a case with documents never gets it (``cu_seqlens`` takes batch 1); the
+    ranks get the batch while the record keeps the draws; the summary says so. Seen failing: with
+    ``WIDE_BATCH_RATE = 0`` (no batch of 3 or 4 drawn), and without ``wide_batch_applied`` in ``fuzz.run_case`` (the ranks got the
+    drawn batch)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import WIDE_BATCH_RATE, draw_wide_batch, wide_batch_applied
+
+    keys, digest = PRE_FZ31_ATTENTION_DRAWS
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    old = [{k: d.get(k) for k in keys.split()} for d in att[:300]]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    plain = [d for d in att if all(c["cu"] is None for c in d["calls"])]
+    wide = [d for d in plain if d["wide_batch"]]
+    assert all(d["wide_batch"] is None for d in att if d not in plain)
+    assert abs(len(wide) / len(plain) - WIDE_BATCH_RATE) < 0.06, (len(wide), len(plain))
+    assert {d["wide_batch"] for d in wide} == {3, 4}
+    for d in wide:
+        assert d["wide_batch"] == draw_wide_batch(d["case_seed"], d)
+        assert wide_batch_applied(d)["batch"] == d["wide_batch"] and f"B={d['wide_batch']} " in fuzz.summary(d)
+        assert " wide-batch" in fuzz.summary(d)
+    pool = _Capture()
+    rec = fuzz.run_case(pool, wide[0])
+    assert rec["verdict"] == "crash" and rec["draws"] is wide[0] and pool.seen[0]["batch"] == wide[0]["wide_batch"]
+
+
+def test_disagreeing_ranks_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the attention kind has, in about a tenth of its cases at P >= 2 with ``check_inputs`` on and one SP
+    group, its last rank pass another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``), from a
+    generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_ATTENTION_DRAWS``); a forced ``check_inputs=false`` or ``world=1`` drops it; each changed option
+    differs and is valid on one process; the summary says so. Seen failing: with ``DISAGREE_RATE = 0`` (nothing
+    drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import DISAGREEMENTS, disagreeing_options, disagreement
+
+    keys, digest = PRE_FZ31_ATTENTION_DRAWS
+    att = [fuzz.draw_case(s, ("attention",)) for s in range(1500)]
+    old = [{k: d.get(k) for k in keys.split()} for d in att[:300]]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    can = [d for d in att if d["world"] >= 2 and d["check_inputs"] and d["group"] is None]
+    drawn = [d for d in can if d["disagree"]]
+    assert all(d["disagree"] is None for d in att if d not in can)
+    assert 0.05 < len(drawn) / len(can) < 0.15 and {d["disagree"] for d in drawn} == set(DISAGREEMENTS), len(drawn)
+    for d in drawn:
+        assert f"disagree={d['disagree']}" in fuzz.summary(d)
+        assert disagreement(fuzz.force(d, {"check_inputs": False})[0]) is None
+        assert disagreement(fuzz.force(d, {"world": 1})[0]) is None
+        opts = {"causal": d["causal"], "scale": d["scale"], "window": d["window"], "head_chunks": d["head_chunks"]}
+        other = disagreeing_options(d["disagree"], opts, d["heads"][2])
+        assert [k for k in opts if other[k] != opts[k]] == [d["disagree"]]
+
+
+@pytest.mark.timeout(600)
+def test_disagreeing_ranks_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's hunt: attention cases whose last rank passes another option under ``check_inputs=True`` are refused
+    on every rank by the cross-rank check, naming each rank's inputs (no hang, no run): the first ring case of
+    seed 3161 per option (causal 1699289319: P = 4, zigzag, batch 2, window, sinks, two calls; scale 621184986: P = 2,
+    balanced, documents; window 1587191221: P = 2, zigzag, float64, transposed views; head_chunks 1501812367: P = 4,
+    balanced, a window and chunk of 43). Seen failing: with ``check_across_ranks`` returning at once
+    (``seqpar.attn.checks``): 1699289319 WRONG, every rank ran with the last one non-causal."""
+    from seqpar.testing.fuzz_attention import DISAGREEMENTS
+
+    seen = {}
+    for s in fuzz.case_seeds(3161, 3000):
+        d = fuzz.draw_case(s, ("attention",))
+        if d["disagree"] and d["disagree"] not in seen and d["mode"] == "ring":
+            seen[d["disagree"]] = d
+    assert set(seen) == set(DISAGREEMENTS)
+    for option, draws in seen.items():
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
+            (option, fuzz.summary(draws), rec["detail"])
+
+
+def test_swap_values_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: the model kind passes an explicit ``swap`` (``"hf"``, ``"sdpa"`` or ``["*Attention"]``) in about 15% of
+    its cases, from a generator of its own: the draws of case seeds 0-299 over the keys they had are those they had
+    (``PRE_FZ31_DRAWS``); the ranks' config carries it and the config reads it back; the summary says so; a pinned
+    case forced without it keeps its draws. Seen failing: with ``SWAP_RATE = 0`` (nothing drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.config import SeqParConfig
+    from seqpar.testing.fuzz_models import SWAP_RATE, SWAPS, case_config, draw_swap
+
+    keys, digest = PRE_FZ31_DRAWS
+    models = [fuzz.draw_case(s, ("model",)) for s in range(300)]
+    old = [{k: d.get(k) for k in keys.split()} for d in models]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest
+    swaps = [draw_swap(s) for s in range(1500)]
+    drawn = [x for x in swaps if x is not None]
+    assert abs(len(drawn) / 1500 - SWAP_RATE) < 0.05 and {json.dumps(x) for x in drawn} == {json.dumps(x) for x in SWAPS}
+    for d in models:
+        assert d["swap"] == draw_swap(d["case_seed"])
+        if d["swap"]:
+            cfg = case_config(d, d["world"])
+            assert cfg["swap"] == d["swap"] and f" swap={d['swap']}" in fuzz.summary(d)
+            read = SeqParConfig.from_dict({**cfg, "dkv_wire_dtype": "fp32"}).swap
+            assert (list(read) if isinstance(read, tuple) else read) == d["swap"]
+    d = fuzz.force(fuzz.draw_case(1535814214, ("attention", "dilated", "model", "engine")), FOUND_SET[1535814214])[0]
+    assert d["swap"] is None and "swap" not in case_config(d, d["world"])
+
+
+PRE_FZ31_DILATED_DRAWS = (
+    "batch calls case_seed causal check_inputs dilation_rates dkv_wire_dtype dtype grad group head_layout heads kind "
+    "mode scale segment_lengths seq sharding strided world",
+    "5adf9a9a7c2211432f15d5aa551041d97f1a1c0e5da8d0a3002e6296da736cb9")
+"""The sha256 of the dilated kind's draws of case seeds 0-299 over the keys they had before fz31 (on 76f4525)."""
+
+
+def test_strided_pairs_are_drawn_without_touching_the_old_draws() -> None:
+    """fz31: half the attention and dilated cases on the pairs (``group=``, P = 4) run on ``{0, 2}, {1, 3}``, a
+    non-consecutive group, instead of ``{0, 1}, {2, 3}`` (``strided_pairs``), from a generator of its own: the draws
+    of case seeds 0-299 over the keys they had are those they had; the judge lays each group's shards back in group
+    order (:func:`~seqpar.testing.fuzz_attention.sp_groups`); the summary says so. Seen failing: with
+    ``STRIDED_PAIRS_RATE = 0`` (nothing drawn)."""
+    import hashlib
+    import json
+
+    from seqpar.testing.fuzz_attention import STRIDED_PAIRS_RATE, sp_groups
+
+    for kind, (keys, digest) in (("attention", PRE_FZ31_ATTENTION_DRAWS), ("dilated", PRE_FZ31_DILATED_DRAWS)):
+        draws = [fuzz.draw_case(s, (kind,)) for s in range(1500)]
+        old = [{k: d.get(k) for k in keys.split()} for d in draws[:300]]
+        assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+        pairs = [d for d in draws if d["group"] == "pairs"]
+        strided = [d for d in pairs if d["strided_pairs"]]
+        assert all(d["strided_pairs"] is None for d in draws if d["group"] != "pairs")
+        assert 0.35 < len(strided) / len(pairs) < 0.65 and STRIDED_PAIRS_RATE == 0.5, (kind, len(strided), len(pairs))
+        for d in strided:
+            assert [list(g) for g in sp_groups(d, 4)] == [[0, 2], [1, 3]] and "group=pairs{0,2}{1,3}" in fuzz.summary(d)
+        assert [list(g) for g in sp_groups(pairs[0] if not pairs[0]["strided_pairs"] else {**pairs[0], "strided_pairs": False}, 4)] \
+            == [[0, 1], [2, 3]]
+
+
+@pytest.mark.timeout(600)
+def test_strided_pairs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
+    """fz31's hunt: calls on the non-consecutive pairs ``{0, 2}, {1, 3}`` (``group=`` a group made by
+    ``new_subgroups_by_enumeration``), each pair the whole sequence, exact: attention 507072983 (ring, zigzag, MQA with
+    an odd head dim, documents ``2,14``, window and chunk 13, forward only) and 992383832 (ring, balanced, bshd, MQA
+    expanded, scale 0.792); dilated 1302988049 (allgather, segments 2 and 8 at rate 2, grouped heads, two calls).
+    Seen failing: with the
+    harness's rank in its pair taken as ``rank % 2`` (the consecutive pairs' rule): 507072983 WRONG, out of ranks
+    0,2 off its reference."""
+    for kinds, seed in ((("attention",), 507072983), (("attention",), 992383832), (("dilated",), 1302988049)):
+        draws = fuzz.draw_case(seed, kinds)
+        assert draws["strided_pairs"], fuzz.summary(draws)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])

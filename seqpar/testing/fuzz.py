@@ -13,19 +13,23 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   ``check_inputs`` on and off, fp32 or float64, ``dkv_wire_dtype`` ``"bf16"`` now and then (dk and dv judged at
   the wire's bound, ``4 (P - 1) 2**-9`` of their scale; out and dq exact; refused by name in the modes that move
   no dK/dV), at P = 4 now and then the call on the pairs ``{0, 1}, {2, 3}`` (``group=``, each pair the whole
-  sequence); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
+  sequence; half of them the non-consecutive ``{0, 2}, {1, 3}``, ``strided_pairs``); q, k and v now and then as the views models pass (:mod:`seqpar.testing.fuzz_strides`: a ``bshd``
   buffer seen ``bhsd`` or the reverse, three narrow views of one fused qkv buffer); forward only under
   ``no_grad`` / ``inference_mode`` or a frozen K/V (:data:`GRADS`), frozen sinks, documents as an int32 tensor or a
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
   without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
-  (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence);
+  (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
+  or 4 where the case has no documents (``wide_batch``), and at P >= 2 with ``check_inputs`` the last rank passing
+  another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``: refused by name on every rank, or the
+  case is WRONG; a hang is a crash by the timeout);
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
   before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
-  keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then);
+  keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then; ``dkv_wire``:
+  ``dkv_wire_dtype: "bf16"``, judged against the same run with the wire at fp32);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
   (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP
@@ -74,13 +78,18 @@ from seqpar.testing.fuzz_attention import (
     CU_AS,
     GRADS,
     attention_summary,
+    disagreement,
     draw_attention,
     draw_dilated,
+    draw_disagree,
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
+    draw_strided_pairs,
+    draw_wide_batch,
     empty_documents_applied,
     odd_local_applied,
+    wide_batch_applied,
 )
 from seqpar.testing.fuzz_attention_run import (
     attention_reference,
@@ -301,10 +310,14 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
+    if kind in ("attention", "dilated"):  # the pairs {0, 2}, {1, 3} (fz31): its own generator, the old draws stay
+        draws["strided_pairs"] = draw_strided_pairs(case_seed, draws)
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
             draws["odd_local"] = draw_odd_local(case_seed, draws)
+            draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
+            draws["disagree"] = draw_disagree(case_seed, draws)  # the last rank's option apart (fz31): its own too
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -320,6 +333,11 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         from seqpar.testing.fuzz_models import draw_config_knobs
 
         draws["config_knobs"] = draw_config_knobs(case_seed)
+    if kind == "model":  # dkv_wire_dtype "bf16" through the config (fz31): its own generator, the old draws stay
+        from seqpar.testing.fuzz_models import draw_dkv_wire, draw_swap
+
+        draws["dkv_wire"] = draw_dkv_wire(case_seed)
+        draws["swap"] = draw_swap(case_seed)  # an explicit swap value (fz31): its own generator too
     return draws
 
 
@@ -337,6 +355,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     trace = None
     record = draws
     draws = odd_local_applied(draws)  # an odd shard under contiguous sharding (fz30), before the documents' zeros
+    draws = wide_batch_applied(draws)  # a batch of 3 or 4 (fz31)
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
         from seqpar.testing.fuzz_dynamic import empty_lengths_applied
@@ -370,6 +389,9 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             per_rank = pools.run(draws["world"], attention_task, draws, tensors, plant, timeout=timeout)
             trace = next((r["error"]["trace"] for r in per_rank if not r["ok"]), None)
             verdict, detail = classify_errors(per_rank) or ("", "")
+            if not verdict and disagreement(draws):  # the last rank passed another option, and every rank ran
+                verdict, detail = "WRONG", (f"the last rank passed another {disagreement(draws)} under check_inputs=True, "
+                                            "but every rank ran (no refusal)")
             if not verdict:  # every rank ran: the reference decides
                 ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
                 verdict, detail = _judge_attention(draws, ref, per_rank)
@@ -392,6 +414,12 @@ def summary(draws: dict[str, Any]) -> str:
     """One short line naming the case's composition."""
     if odd_local_applied(draws) is not draws:  # the sequence and documents as the run sees them (fz30)
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
+    if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
+        return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
+    if draws.get("strided_pairs") and draws.get("group") == "pairs":  # the non-consecutive pairs (fz31)
+        return summary({**draws, "strided_pairs": None}).replace("group=pairs", "group=pairs{0,2}{1,3}")
+    if disagreement(draws):  # the last rank's option apart (fz31)
+        return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced

@@ -14,7 +14,9 @@ from typing import Any
 from seqpar.testing.fuzz_strides import STRIDES
 
 __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", "draw_documents", "draw_empty_documents",
-           "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "draw_attention",
+           "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "WIDE_BATCH_RATE",
+           "draw_wide_batch", "wide_batch_applied", "DISAGREE_RATE", "DISAGREEMENTS", "draw_disagree", "disagreement",
+           "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "draw_attention",
            "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
@@ -115,6 +117,104 @@ def odd_local_applied(draws: dict[str, Any]) -> dict[str, Any]:
     calls = [{**c, "cu": [b for b in c["cu"] if b < new] + [new]} if c.get("cu") is not None else c
              for c in draws["calls"]]
     return {**draws, "seq": new, "calls": calls}
+
+
+WIDE_BATCH_RATE = 0.25
+"""How often an ``attention`` case without documents runs with a batch of 3 or 4 (:func:`draw_wide_batch`)."""
+
+
+def draw_wide_batch(case_seed: int, draws: dict[str, Any]) -> int | None:
+    """The batch (3 or 4) an ``attention`` case without documents runs with instead of its drawn 1 or 2
+    (:func:`wide_batch_applied`), which no case had before fz31; None for most cases and where the case has
+    documents (``cu_seqlens`` takes batch 1; batch 2 with documents is drawn for that refusal already).
+
+    Drawn from a generator of its own (``f"{case_seed}:wide_batch"``), never the case's: every case seed keeps
+    every draw it had before (fz31), as ``odd_local`` does (fz30)."""
+    if draws.get("kind") != "attention" or any(c.get("cu") is not None for c in draws.get("calls", [])):
+        return None
+    rng = random.Random(f"{case_seed}:wide_batch")
+    return rng.choice((3, 4)) if rng.random() < WIDE_BATCH_RATE else None
+
+
+def wide_batch_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` as the run sees it where ``draws["wide_batch"]`` (:func:`draw_wide_batch`): ``batch`` that one.
+    ``draws`` itself where not drawn, or where a call has documents (a forced ``calls``)."""
+    wide = draws.get("wide_batch")
+    if not wide or draws.get("kind") != "attention" or any(c.get("cu") is not None for c in draws.get("calls", [])):
+        return draws
+    return {**draws, "batch": wide}
+
+
+DISAGREE_RATE = 0.1
+"""How often an ``attention`` case that can (:func:`disagreement`) has its last rank pass another option."""
+DISAGREEMENTS = ("causal", "scale", "window", "head_chunks")
+"""The options the last rank passes otherwise than the others (:func:`disagreeing_options`)."""
+
+
+def draw_disagree(case_seed: int, draws: dict[str, Any]) -> str | None:
+    """One of :data:`DISAGREEMENTS` (about :data:`DISAGREE_RATE` of the cases that can take one, see
+    :func:`disagreement`) or None: the option the last rank passes otherwise than the others, a user's mistake
+    that ``check_inputs=True`` must refuse by name on every rank (``seqpar.attn.checks.check_across_ranks``), never
+    run or hang. Drawn from a generator of its own (``f"{case_seed}:disagree"``), never the case's: every case seed
+    keeps every draw it had before (fz31)."""
+    if not _can_disagree(draws):
+        return None
+    rng = random.Random(f"{case_seed}:disagree")
+    return rng.choice(DISAGREEMENTS) if rng.random() < DISAGREE_RATE else None
+
+
+def _can_disagree(draws: dict[str, Any]) -> bool:
+    # P >= 2 with the check on, one SP group (the pairs would leave {0, 1} agreeing, a half-refused case)
+    return (draws.get("kind") == "attention" and isinstance(draws.get("world"), int) and draws["world"] >= 2
+            and bool(draws.get("check_inputs")) and draws.get("group") is None)
+
+
+def disagreement(draws: dict[str, Any]) -> str | None:
+    """The option the run's last rank passes otherwise (``draws["disagree"]``), or None where not drawn or where
+    forced draws took away what it needs (the check off, P = 1, the pairs as ``group=``)."""
+    return draws.get("disagree") if _can_disagree(draws) else None
+
+
+def disagreeing_options(option: str, kwargs: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """``kwargs`` (the ``seqpar.attention`` options every rank passes) with ``option`` changed as the last rank of a
+    disagreeing case passes it: ``causal`` flipped, ``scale`` 1.5 times the call's, ``window`` one wider (or 1 where
+    none), ``head_chunks`` 1 where ``"auto"`` else ``"auto"``; each is valid on one process."""
+    new = dict(kwargs)
+    if option == "causal":
+        new["causal"] = not kwargs["causal"]
+    elif option == "scale":
+        new["scale"] = 1.5 * (kwargs["scale"] if kwargs["scale"] is not None else head_dim ** -0.5)
+    elif option == "window":
+        new["window"] = kwargs["window"] + 1 if kwargs["window"] is not None else 1
+    elif option == "head_chunks":
+        new["head_chunks"] = 1 if kwargs["head_chunks"] == "auto" else "auto"
+    else:
+        raise ValueError(f"unknown disagreement {option!r}")
+    return new
+
+
+STRIDED_PAIRS_RATE = 0.5
+"""How often a case on the pairs (``group="pairs"``, P = 4) takes the non-consecutive ones (:func:`sp_groups`)."""
+
+
+def draw_strided_pairs(case_seed: int, draws: dict[str, Any]) -> bool | None:
+    """Whether an ``attention`` or ``dilated`` case on the pairs runs on ``{0, 2}, {1, 3}`` (``group=`` a
+    non-consecutive group, made by ``dist.new_subgroups_by_enumeration``) instead of ``{0, 1}, {2, 3}``; None where
+    the case is not on the pairs. Drawn from a generator of its own (``f"{case_seed}:strided_pairs"``), never the
+    case's: every case seed keeps every draw it had before (fz31)."""
+    if draws.get("kind") not in ("attention", "dilated") or draws.get("group") != "pairs":
+        return None
+    return random.Random(f"{case_seed}:strided_pairs").random() < STRIDED_PAIRS_RATE
+
+
+def sp_groups(draws: dict[str, Any], world: int) -> list[range]:
+    """The SP groups of a case's call, each a range of global ranks in its group order: the whole world; the pairs
+    ``{0, 1}, {2, 3}``; or, where ``draws["strided_pairs"]``, ``{0, 2}, {1, 3}``."""
+    if draws.get("group") != "pairs":
+        return [range(world)]
+    if draws.get("strided_pairs"):
+        return [range(g, world, 2) for g in range(2)]
+    return [range(g, g + 2) for g in range(0, world, 2)]
 
 
 def draw_attention(rng: random.Random) -> dict[str, Any]:

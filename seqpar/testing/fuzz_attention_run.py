@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from seqpar.testing.fuzz_attention import disagreeing_options, disagreement, sp_groups
 from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
 from seqpar.testing.verdicts import close, error_record
@@ -187,6 +188,25 @@ def _grad_context(draws: dict[str, Any]) -> Any:
     return torch.no_grad() if grad == "no_grad" else torch.inference_mode() if grad == "inference" else contextlib.nullcontext()
 
 
+def _group_label(ranks: range) -> str:
+    return f"ranks{ranks[0]}-{ranks[-1]}." if ranks.step == 1 else "ranks" + ",".join(map(str, ranks)) + "."
+
+
+def _pair_group(draws: dict[str, Any], rank: int, world: int) -> tuple[Any, dict[str, Any], int]:
+    """This rank's pair (:func:`~seqpar.testing.fuzz_attention.sp_groups`: ``{0, 1}, {2, 3}``, or ``{0, 2}, {1, 3}``
+    where ``strided_pairs``, a non-consecutive group), the draws as its SP group of 2 sees them, and its rank there.
+    Collective: every rank makes every subgroup (torch's rule)."""
+    import torch.distributed as dist
+
+    groups = sp_groups(draws, world)
+    if draws.get("strided_pairs"):
+        group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
+    else:
+        group, _ = dist.new_subgroups(2)
+    mine = next(g for g in groups if rank in g)
+    return group, {**draws, "world": 2}, list(mine).index(rank)
+
+
 def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], plant: str | None = None) -> dict[str, Any]:
     """Pool task (every rank): this rank's part of an ``attention`` or ``dilated`` case. Returns
     ``{"ok": True, "calls": [[out, dq, dk, dv] (local rows; None where no gradient)], "dsinks"?}`` or
@@ -208,8 +228,7 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             else:
                 seqpar.init_process_groups(sp_size=world)
             if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-                group, _ = dist.new_subgroups(2)
-                sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
+                group, sp_draws, sp_rank = _pair_group(draws, rank, world)
             pos = positions({**sp_draws, "sharding": "contiguous"}, None, sp_rank)
             leaves, outs, total = [], [], 0.0
             for t in tensors["calls"]:
@@ -234,8 +253,7 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
                                              sharding=draws["sharding"] if draws["declare_sharding"] else None)
         group, sp_draws, sp_rank = None, draws, rank
         if draws.get("group") == "pairs":  # every rank makes every subgroup (torch's rule)
-            group, _ = dist.new_subgroups(2)
-            sp_draws, sp_rank = {**draws, "world": 2}, rank % 2
+            group, sp_draws, sp_rank = _pair_group(draws, rank, world)
         elif draws.get("group_arg") == "manager":
             group = manager.sp_group
         # the defaults a caller leaves (fz26b): sharding=None means the declared one, else contiguous
@@ -260,13 +278,17 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             if cu is not None:
                 cu_as = draws.get("cu_as", "int64")
                 cu = tuple(cu) if cu_as == "tuple" else torch.tensor(cu, dtype=getattr(torch, cu_as))
+            opts = {"causal": draws["causal"], "scale": draws["scale"], "window": draws["window"],
+                    "head_chunks": draws["head_chunks"]}
+            if disagreement(draws) and rank == world - 1:  # a user's mistake: check_inputs must refuse it (fz31)
+                opts = disagreeing_options(disagreement(draws), opts, q.shape[-1])
             with _grad_context(draws):
                 out = seqpar.attention(
-                    q, k, v, causal=draws["causal"], scale=draws["scale"], mode=draws["mode"], group=group,
+                    q, k, v, mode=draws["mode"], group=group,
                     sharding=sharding, overlap=draws["overlap"], check_inputs=draws["check_inputs"],
-                    head_chunks=draws["head_chunks"], cu_seqlens=cu, window=draws["window"], sinks=sinks, layout=layout,
+                    cu_seqlens=cu, sinks=sinks, layout=layout,
                     chunk_size=draws["chunk_size"], softcap=draws["softcap"], alibi_slopes=alibi,
-                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
+                    dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"), **opts)
             if draws["layout"] == "bshd":
                 out = out.transpose(1, 2)
             if backward:
@@ -311,14 +333,14 @@ def judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[d
     judged = ("out",) if grad in ("no_grad", "inference") else ("out", "dq") if grad == "frozen_kv" else ("out", "dq", "dk", "dv")
     for ci, (call, ref_call) in enumerate(zip(draws.get("calls", [{"cu": None}]), ref["calls"], strict=True)):
         for ti, name in enumerate(judged):
-            for g0 in range(0, world, sp):
-                full, missing = lay_shards(ref_call[ti], per_rank, range(g0, g0 + sp), ci, ti,
+            for ranks in sp_groups(draws, world):
+                full, missing = lay_shards(ref_call[ti], per_rank, ranks, ci, ti,
                                            lambda r, cu=call["cu"]: positions(sharded, cu, r))
                 if missing is not None:
                     return "WRONG", f"{name} missing on rank {missing}: no gradient reached the leaf"
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
-                label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (f"ranks{g0}-{g0 + sp - 1}." if sp < world else "") + name
+                label = (f"call{ci}." if len(ref["calls"]) > 1 else "") + (_group_label(ranks) if sp < world else "") + name
                 if not ok:
                     return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
                 worst = max(worst, (label, err), key=lambda x: x[1])

@@ -32,7 +32,10 @@ Last, ``knobs`` (:func:`draw_knobs`): the ``sequence_parallel`` keys no draw abo
 off, ``check_finite``, ``mla_transfer="expanded"`` with the model type redrawn among the MLA ones half the time,
 ``ulysses_size="auto"``, ``links`` under ``mode="auto"``); none may change the maths. And ``config_knobs``
 (:func:`draw_config_knobs`, from a generator of its own): ``high_priority_streams``, ``timeout_s``, ``apex``,
-``mixer_kernels="auto"``, which no draw reached before fz30; on CPU none may change the maths either.
+``mixer_kernels="auto"``, which no draw reached before fz30; on CPU none may change the maths either. And
+``dkv_wire`` (:func:`draw_dkv_wire`, from a generator of its own, fz31): ``dkv_wire_dtype: "bf16"`` in the block, which
+is not exact: the case then runs twice, with the wire at ``"fp32"`` (judged as every case, against one process) and
+at ``"bf16"`` (judged against that fp32-wire run, :func:`judge_dkv_wire`, at :func:`dkv_wire_bound`).
 
 Reference: one process without seqpar and without the memory features (they must not change the maths),
 float64 where the model runs in it (else fp32), on the full batch, with the case's activation checkpointing;
@@ -53,7 +56,8 @@ from seqpar.testing.fuzz_attention import with_empty_documents
 __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_model_case", "model_task", "model_reference",
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
            "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs",
-           "case_config"]
+           "case_config", "DKV_WIRE_RATE", "draw_dkv_wire", "dkv_wire_bound", "judge_dkv_wire",
+           "SWAP_RATE", "SWAPS", "draw_swap"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
 _TYPES: list[str] = []
@@ -174,6 +178,104 @@ def draw_config_knobs(case_seed: int) -> dict[str, Any] | None:
     return knobs
 
 
+DKV_WIRE_RATE = 0.2
+"""How often a ``model`` case gets :func:`draw_dkv_wire`'s ``dkv_wire_dtype: "bf16"``."""
+
+
+def draw_dkv_wire(case_seed: int) -> str | None:
+    """The ``dkv_wire`` draw: ``"bf16"`` (the config's ``dkv_wire_dtype``; about :data:`DKV_WIRE_RATE` of the cases)
+    or None (the default, ``"fp32"``). Every mode is kept: under ``allgather`` / ``ulysses`` the config must refuse
+    it by name on every rank (docs/configuration.md); ``auto`` may pick a mode whose wire is not a ring (then it must
+    not change the gradients at all, which the bound allows).
+
+    Drawn from a generator of its own (``f"{case_seed}:dkv_wire"``), never the case's: every case seed keeps every
+    draw it had before (fz31), as ``config_knobs`` does (fz30)."""
+    rng = random.Random(f"{case_seed}:dkv_wire")
+    return "bf16" if rng.random() < DKV_WIRE_RATE else None
+
+
+SWAP_RATE = 0.15
+"""How often a ``model`` case passes an explicit ``swap`` (:func:`draw_swap`) instead of the default ``"auto"``."""
+SWAPS = ("hf", "hf", "sdpa", ["*Attention"])
+"""The explicit ``swap`` values drawn: ``"hf"`` (the route ``"auto"`` takes for a transformers model: the same
+run), ``"sdpa"`` (a transformers attention module does not call ``scaled_dot_product_attention`` itself: refused
+by name, "found nothing to swap"), and a list of class-name patterns (``"*Attention"``: the model's attention
+modules by name, where their names end so)."""
+
+
+def draw_swap(case_seed: int) -> str | list[str] | None:
+    """The ``swap`` draw (JSON-able; None: the default ``"auto"``), from a generator of its own
+    (``f"{case_seed}:swap"``), never the case's: every case seed keeps every draw it had before (fz31)."""
+    rng = random.Random(f"{case_seed}:swap")
+    return rng.choice(SWAPS) if rng.random() < SWAP_RATE else None
+
+
+_BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: round-to-nearest is off by at most 2**-8 relative
+_DKV_WIRE_CONDITIONING = 4.0  # the backward's linear maps from a layer's dK/dV to a weight gradient (see below)
+_DKV_WIRE_CAP = 0.5  # never a bound that a factor of 2 in dK/dV (an error of 100% of a gradient's norm) could pass
+
+
+def dkv_wire_bound(draws: dict[str, Any], layers: int) -> float:
+    """The norm-relative bound of each parameter gradient of a ``dkv_wire_dtype: "bf16"`` run against the same run
+    with the wire at ``"fp32"`` (``layers``: the model's decoder layers, each with at most one ring attention).
+
+    Why: in the ring backward a block's dK/dV accumulator is rounded to bf16 once per hop (the receiver adds its own
+    share in fp32 and rounds once when it stores; :func:`seqpar.attn.common.dkv_wire_dtype`), and it makes at most
+    ``h`` hops, ``h = P - 1`` on a ring (``P / u - 1`` on hybrid's ring of ``P / u`` ranks, ``P - 1`` under ``auto``,
+    whose choice the driver does not see). With the unit roundoff ``u = 2**-8``, each rounding is off by at most ``u``
+    of the accumulator, so one layer's dK and dV are off by at most ``h u`` of their partial sums; the attention
+    kind's judge, at ``4 (P - 1) 2**-9 = 2 h u`` of dk/dv's scale, allows the factor of 2 for partial sums above
+    the final value (tests/test_dkv_wire.py, docs/configuration.md: 1.4e-3 measured at P = 4, S = 4096). A weight
+    gradient is a linear map of every layer's dK/dV above it (the K/V projections' of their own layer's, the
+    layers below of all those above), so the errors of the ``layers`` layers add: ``layers * 2 h u``, times
+    :data:`_DKV_WIRE_CONDITIONING` = 4 for those maps, which are not isometries (a norm, not a max, so that a
+    gradient summed over tokens is not judged by one element of it). Capped at :data:`_DKV_WIRE_CAP`: a bound of
+    0.5 of a gradient's norm still calls doubling dK or dV WRONG (fz31's break: dk doubled on the bf16 path gives
+    the K projections' gradients off by about 100% of their norm)."""
+    world, mode = draws["world"], draws["mode"]
+    hops = world // draws["ulysses_size"] - 1 if mode == "hybrid" else world - 1
+    return min(_DKV_WIRE_CAP, _DKV_WIRE_CONDITIONING * max(layers, 1) * 2 * hops * _BF16_UNIT_ROUNDOFF)
+
+
+def _decoder_layers(model_type: str) -> int:
+    from seqpar.testing.tiny_models import tiny_config
+
+    config = tiny_config(model_type)
+    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 4)
+
+
+def judge_dkv_wire(draws: dict[str, Any], ref: dict[str, Any], fp32_wire: dict[str, Any], bf16_wire: dict[str, Any]
+                   ) -> tuple[str, str]:
+    """``("exact" | "WRONG", detail)`` of a ``dkv_wire_dtype: "bf16"`` run (rank 0's ``{"loss", "grads"}``) against
+    the same run with the wire at ``"fp32"``: the loss within the exact tolerance of ``ref["dtype"]`` (the wire is the
+    backward's; the forward must not move), the same parameters with gradients, each gradient within
+    :func:`dkv_wire_bound` of its own norm, plus the exact tolerance (``tol`` of its own norm, ``floor`` of the
+    model's largest gradient norm). The bound is applied to every parameter: the driver does not know which ones sit
+    above every ring attention (the LM head, the last norm), where the two runs agree to the last bit anyway."""
+    tol, floor = _TOL[ref["dtype"]]
+    base = fp32_wire["loss"]
+    loss_rel = abs(bf16_wire["loss"] - base) / max(abs(base), 1e-30)
+    if not loss_rel <= tol:
+        return "WRONG", f"dkv_wire_dtype=bf16: loss off the fp32-wire run's by {loss_rel:.1e} relative (tol {tol:.0e})"
+    a, b = fp32_wire["grads"], bf16_wire["grads"]
+    missing = sorted(set(a) ^ set(b))
+    if missing:
+        return "WRONG", f"dkv_wire_dtype=bf16: gradients present in one run only: {missing[:4]}"
+    bound = dkv_wire_bound(draws, _decoder_layers(draws["model_type"]))
+    model_norm = max((float(g.double().norm()) for g in a.values() if g.numel()), default=0.0)
+    worst = ("", 0.0)
+    for name, g in a.items():
+        if not g.numel():
+            continue
+        diff = float((b[name].double() - g.double()).norm())
+        own = float(g.double().norm())
+        if not diff <= bound * own + tol * own + floor * model_norm:
+            return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off the fp32-wire run's by {diff / max(own, 1e-300):.1e} "
+                             f"of its norm (bound {bound:.1e}); loss rel {loss_rel:.1e}")
+        worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
+    return "exact", f"dkv=bf16 within {bound:.1e}: worst grad {worst[0]} {worst[1]:.1e} of its norm"
+
+
 TILEABLE_TYPES = ("exaone", "gemma", "internlm3", "iquestcoder", "llama", "mistral", "phi3", "qwen2")
 """The tiny model types whose causal LM is one :mod:`seqpar.memory.tiling` tiles (``CAUSAL_LM_CLASSES``); the
 memory cases draw among them (tests/test_fuzz.py checks the list against the tiling module's classes)."""
@@ -258,7 +360,8 @@ def model_summary(draws: dict[str, Any]) -> str:
     return (f"model {d['model_type']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['batch']}={d['lengths'][:n_batches]} ckpt={d['checkpointing']} step={d['step']}"
             + ("" if d["check_inputs"] else " no-check") + _memory_summary(d.get("memory")) + _knobs_summary(d.get("knobs"))
-            + _knobs_summary(d.get("config_knobs"), "config"))
+            + _knobs_summary(d.get("config_knobs"), "config") + (f" dkv={d['dkv_wire']}" if d.get("dkv_wire") else "")
+            + (f" swap={d['swap']}" if d.get("swap") else ""))
 
 
 def _knobs_summary(knobs: dict[str, Any] | None, word: str = "knobs") -> str:
@@ -502,7 +605,7 @@ def model_task(ctx: Any, draws: dict[str, Any], batches: list[dict[str, Any]], d
 def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
     """The ``sequence_parallel`` block a ``model`` case's ranks pass to ``init_process_groups`` and
     ``swap_attention`` (``world`` ranks, one SP group): the drawn mode, sharding, Ulysses degree and check, the
-    memory features, ``knobs`` and ``config_knobs``."""
+    memory features, ``knobs``, ``config_knobs``, ``dkv_wire`` and ``swap``."""
     cfg = {"size": world, "mode": draws["mode"], "sharding": draws["sharding"],
            "ulysses_size": draws["ulysses_size"], "check_inputs": draws["check_inputs"]}
     mem = draws.get("memory") or {}
@@ -510,6 +613,10 @@ def case_config(draws: dict[str, Any], world: int) -> dict[str, Any]:
                 if k in mem})
     cfg.update(draws.get("knobs") or {})
     cfg.update(draws.get("config_knobs") or {})
+    if draws.get("dkv_wire"):
+        cfg["dkv_wire_dtype"] = draws["dkv_wire"]
+    if draws.get("swap"):
+        cfg["swap"] = draws["swap"]
     return cfg
 
 
@@ -591,8 +698,18 @@ def run_model_case(pools: Any, draws: dict[str, Any], timeout: float, plant: str
     seqpar, so there is nothing to compare). ``plant``: one of :data:`MODEL_PLANTS` (the fuzzer's own tests)."""
     batches = case_batches(draws)
     ref = model_reference(draws, batches)
-    ended, per_rank = run_ranks(pools, draws, ref, model_task, batches, plant, timeout)
-    return ended if ended is not None else judge_model(ref, per_rank[0])
+    if draws.get("dkv_wire"):  # first the bf16 wire: a refusal (allgather, ulysses) ends the case by itself
+        ended, wired = run_ranks(pools, draws, ref, model_task, batches, plant, timeout)
+        if ended is not None:
+            return ended
+    ended, per_rank = run_ranks(pools, {**draws, "dkv_wire": None}, ref, model_task, batches, plant, timeout)
+    if ended is not None:
+        return ended
+    verdict = judge_model(ref, per_rank[0])  # the fp32 wire: exact against one process, as every case
+    if verdict[0] != "exact" or not draws.get("dkv_wire"):
+        return verdict
+    wire = judge_dkv_wire(draws, ref, per_rank[0], wired[0])
+    return wire if wire[0] != "exact" else ("exact", f"{verdict[1]}; {wire[1]}")
 
 
 def run_ranks(pools: Any, draws: dict[str, Any], ref: dict[str, Any], task: Any, batches: Any, plant: str | None,
