@@ -34,6 +34,7 @@ accelerator still does everything else (``backward``, gradient accumulation, ``g
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -213,4 +214,9 @@ def _optimizer_for(wrapped: nn.Module, model: nn.Module,
             "an optimizer with several parameter groups cannot be rebuilt on the sharded parameters; "
             "pass a factory params -> optimizer instead"
         )
+    # Only what the class's __init__ takes: torch's AdamW keeps Adam's decoupled_weight_decay=True in its
+    # groups but does not accept it (TypeError at prepare before this filter).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values()):
+        defaults = {k: v for k, v in defaults.items() if k in accepted}
     return type(optimizer)(params, **defaults)
