@@ -299,7 +299,8 @@ def _check_run(engine: str, zero_stage: int, seq_len: int, sp_size: int) -> None
         raise ValueError(f"seq_len={seq_len} is not a multiple of sp_size={sp_size}")
 
 
-# DeepSpeed ZeRO-3's defaults (deepspeed.runtime.zero.config): a parameter of at most this many elements stays whole
+# DeepSpeed ZeRO-3's defaults (deepspeed.runtime.zero.config), the defaults of estimate_training_memory's keywords of
+# the same names: a parameter of at most this many elements stays whole
 # on every rank (``stage3_param_persistence_threshold``); the traced step's prefetch gathers up to this many elements
 # ahead at one fetch (``stage3_prefetch_bucket_size``); a gathered parameter is not released when its next use is
 # within this many elements of parameters (``stage3_max_reuse_distance``)
@@ -317,36 +318,39 @@ def _layer_tensors(m: ModelShape, kind: str) -> list[int]:
     return attn + mix + [h * i] * 3 + [h, h]
 
 
-def _zero3_gathered(m: ModelShape) -> tuple[int, int, int]:
-    """ZeRO-3's whole parameter copies, in elements: ``(always, layers, forward_fetch)``.
+def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, prefetch: int = ZERO3_PREFETCH,
+                    reuse: int = ZERO3_REUSE) -> tuple[int, int, int]:
+    """ZeRO-3's whole parameter copies, in elements: ``(always, layers, forward_fetch)``, under DeepSpeed's
+    ``stage3_param_persistence_threshold`` (``persistence``), ``stage3_prefetch_bucket_size`` (``prefetch``) and
+    ``stage3_max_reuse_distance`` (``reuse``), all in elements.
 
     ``always``: the root (embedding, LM head, final norm: whole through the step; recorded at the peaks of
     tests/test_training_memory.py's 2-layer ZeRO-3 settings, est29 / est29b) and every layer's persistent tensors
-    (``ZERO3_PERSISTENCE`` elements or fewer: whole on every rank from the start). ``layers``: the layers'
+    (``persistence`` elements or fewer: whole on every rank from the start). ``layers``: the layers'
     non-persistent tensors gathered at the backward's moments: all of them when the model's non-persistent
-    parameters are within ``ZERO3_REUSE`` (what the forward gathered is kept for its reuse in the backward), else a
+    parameters are within ``reuse`` (what the forward gathered is kept for its reuse in the backward), else a
     layer and its prefetch; released by the end of backward (est31: a one-layer model's MLP weights, 3 x 1,048,576 B,
     alive at its layer's backward and not at the end of backward's reduction). ``forward_fetch``: the traced step's
-    first coalesced all-gather (the first fetch's prefetch: up to ``ZERO3_PREFETCH`` elements ahead, the root's
+    first coalesced all-gather (the first fetch's prefetch: up to ``prefetch`` elements ahead, the root's
     non-persistent tensors included), whose flat buffer is alive beside the copies made from it (est31: 4 layers'
     MLP weights, 12 x 524,288 B, beside their 6,291,456-byte flat buffer at the forward's peak)."""
     root = [m.vocab_size * m.hidden_size] * (1 if m.tie_word_embeddings else 2)
     layers = [_layer_tensors(m, kind) for kind in m.kinds]
-    persistent = sum(n for t in layers for n in t if n <= ZERO3_PERSISTENCE)
-    per_layer = [sum(n for n in t if n > ZERO3_PERSISTENCE) for t in layers]
+    persistent = sum(n for t in layers for n in t if n <= persistence)
+    per_layer = [sum(n for n in t if n > persistence) for t in layers]
     non_persistent = sum(per_layer)
-    root_np = sum(n for n in root if n > ZERO3_PERSISTENCE)
-    if root_np + non_persistent <= ZERO3_REUSE:
+    root_np = sum(n for n in root if n > persistence)
+    if root_np + non_persistent <= reuse:
         in_backward = non_persistent
     else:
         in_backward = sum(sorted(per_layer)[-2:])  # a layer and its prefetch (not measured at this size)
     # the non-persistent tensors in the order the forward uses them: the embedding, each layer's, the LM head. A
     # non-persistent embedding is fetched on its own (a single tensor gathers into its copy, no flat buffer); the
-    # prefetch after it (or after a persistent embedding's fetch) takes the next ones until it holds ZERO3_PREFETCH
-    order = [n for t in layers for n in t if n > ZERO3_PERSISTENCE] + (root[1:] if root[-1] > ZERO3_PERSISTENCE else [])
+    # prefetch after it (or after a persistent embedding's fetch) takes the next ones until it holds ``prefetch``
+    order = [n for t in layers for n in t if n > persistence] + (root[1:] if root[-1] > persistence else [])
     fetched: list[int] = []
     for n in order:
-        if sum(fetched) >= ZERO3_PREFETCH:
+        if sum(fetched) >= prefetch:
             break
         fetched.append(n)
     fetch = sum(fetched) if len(fetched) > 1 else 0  # one coalesced all-gather's flat buffer
@@ -354,8 +358,9 @@ def _zero3_gathered(m: ModelShape) -> tuple[int, int, int]:
 
 
 def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: bool,
-                 offload_optimizer: bool) -> _StateBytes:
-    """Parameters, AdamW state and the reduced gradients, on the engine's partition of ``world`` ranks."""
+                 offload_optimizer: bool, zero3: dict[str, int] | None = None) -> _StateBytes:
+    """Parameters, AdamW state and the reduced gradients, on the engine's partition of ``world`` ranks. ``zero3``:
+    :func:`_zero3_gathered`'s keywords (DeepSpeed ZeRO-3's persistence, prefetch and reuse settings)."""
     p_all, p_layer, p_root = m.params, m.layer_params, m.root_params
     part = math.ceil(p_all / world)
     gathered = (p_root + 2 * p_layer) * e  # whole copies for compute: root + a layer + its prefetch
@@ -370,7 +375,7 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
         # ZeRO-3: its partition + the fp32 optimizer partition + the whole copies (_zero3_gathered: the root and the
         # persistent tensors always, the layers' non-persistent ones through the backward). Counting a layer and its
         # prefetch whatever the persistence was +27.8% over a one-layer model's measured peak (est31)
-        always, layers, fetch = _zero3_gathered(m)
+        always, layers, fetch = _zero3_gathered(m, **(zero3 or {}))
         params = part * e + part * 4 + (always + layers) * e
         optimizer, grads_reduced = 2 * part * 4, part * 4
         if offload_optimizer:
@@ -669,6 +674,9 @@ def estimate_training_memory(
     device: str = "cpu",
     offload_optimizer: bool = False,
     reduce_bucket_size: int = 500_000_000,
+    stage3_param_persistence_threshold: int = ZERO3_PERSISTENCE,
+    stage3_prefetch_bucket_size: int = ZERO3_PREFETCH,
+    stage3_max_reuse_distance: int = ZERO3_REUSE,
     recompute_norm: bool = False,
     tp_size: int = 1,
     tp_sequence_parallel: bool = False,
@@ -699,6 +707,11 @@ def estimate_training_memory(
         head_chunks: attention's ``head_chunks``. device: ``"cpu"`` or ``"cuda"``.
         offload_optimizer: DeepSpeed's ``offload_optimizer`` (fp32 master and AdamW state on the host).
         reduce_bucket_size: DeepSpeed's gradient bucket, in elements (its default 5e8).
+        stage3_param_persistence_threshold, stage3_prefetch_bucket_size, stage3_max_reuse_distance: DeepSpeed
+            ZeRO-3's settings of those names in the config's ``zero_optimization`` block, in elements (defaults:
+            DeepSpeed's, 1e5, 5e7 and 1e9): which tensors stay whole on every rank, how much the traced step's
+            prefetch gathers at one fetch, and whether the forward's copies are kept for the backward
+            (``engine="deepspeed"``, ``zero_stage=3`` only).
         recompute_norm: the lean RMSNorms of :mod:`seqpar.memory.norm` (save only their input).
         tp_size: tensor-parallel degree (``sequence_parallel.tp_size``; world = dp x sp x tp). Each rank
             holds ``1 / tp`` of the heads, the MLP width and the vocabulary (:meth:`ModelShape.tp_local`):
@@ -740,7 +753,15 @@ def estimate_training_memory(
     rows = batch * seq_len // sp_size  # local tokens
     sharded = engine == "fsdp2" or zero_stage == 3
 
-    state = _state_bytes(m, e, world=world, engine=engine, sharded=sharded, offload_optimizer=offload_optimizer)
+    zero3 = {"persistence": stage3_param_persistence_threshold, "prefetch": stage3_prefetch_bucket_size,
+             "reuse": stage3_max_reuse_distance}
+    for key, value in zip(("stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+                           "stage3_max_reuse_distance"), zero3.values()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{key}={value!r}: expected a number of elements >= 0, as the zero_optimization "
+                             "block's key of that name (or leave it out for DeepSpeed's default)")
+    state = _state_bytes(m, e, world=world, engine=engine, sharded=sharded, offload_optimizer=offload_optimizer,
+                         zero3={k: int(v) for k, v in zero3.items()})
     acts = _activation_bytes(m, e, rows=rows, sp_size=sp_size, mode=mode, tiled_mlp=tiled_mlp,
                              recompute_norm=recompute_norm, activation_checkpointing=activation_checkpointing,
                              offload_activations=offload_activations, device=device, tp_seq=tp_seq,
