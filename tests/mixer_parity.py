@@ -52,16 +52,27 @@ def per_document_reference(tiny: Callable[[torch.dtype], torch.nn.Module],
 def check(model, loss: torch.Tensor, ref_loss: float, ref_grads: dict, world: int, what: str,
           atol: dict[str, float] | None = None) -> None:
     """fp32 loss within 1e-5 relative and every gradient (summed over the ranks) close to the reference
-    (``atol``: per parameter, where a long sequence's fp32 rounding on one process exceeds :data:`ATOL`)."""
+    (``atol``: per parameter, where a long sequence's fp32 rounding on one process exceeds :data:`ATOL`).
+
+    :data:`ATOL` is capped at 1e-2 of the parameter's own largest reference gradient, floored at 1e-7 of the
+    model's largest (the fp32 rounding of a gradient that is ~0, Qwen3.5-MoE's ``dt_bias`` at 7e-8: 1.4e-9 off at
+    SP = 2): Zamba2's shared attention has q / k projection gradients of 4e-7 - 5e-7 at most, below the
+    absolute 1e-6 (one process in fp32 errs by at most 5% of this bound on the families' tiny models).
+    Seen failing: dq doubled in ``seqpar_attention_forward`` (``query + (query - query.detach())``) ->
+    Zamba2's ``shared_transformer.self_attn.q_proj.weight`` 2x off; with the absolute 1e-6 alone
+    test_zamba2_with_activation_checkpointing passed it."""
     loss = float(loss.detach())
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (what, loss, ref_loss)
     checked = 0
+    top = max((float(g.abs().max()) for g in ref_grads.values()), default=0.0)
     for name, p in model.named_parameters():
         grad = (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone().double()
         if world > 1:
             dist.all_reduce(grad)
         want = ref_grads.get(name, torch.zeros_like(grad))
-        torch.testing.assert_close(grad, want, rtol=RTOL, atol=max(ATOL, (atol or {}).get(name, 0.0)),
+        own = float(want.abs().max())
+        floor = min(ATOL, max(1e-2 * own, 1e-7 * top)) if own > 0 else ATOL  # a small parameter on its own scale
+        torch.testing.assert_close(grad, want, rtol=RTOL, atol=max(floor, (atol or {}).get(name, 0.0)),
                                    msg=lambda m, name=name: f"{what}: grad of {name}: {m}")
         checked += 1
     assert checked == len(list(model.parameters()))
