@@ -737,7 +737,8 @@ def test_zero3_settings_are_the_estimates_keywords() -> None:
     Seen failing (the 1e6-element prefetch setting, est31c): the backward's reduction as before est31c, +11.07%
     (74,915,968 B); without the finished layers' released gathered copies (4 x 3 x 524,288 B), +10.29% (74,391,680);
     without the layer in flight's MLP intermediates freed (4 x 262,144 B), +2.52% (69,148,800). (Without the arriving
-    gate_proj gradient, 524,288 B, it is +0.19%: inside the band, not seen.)"""
+    gate_proj gradient, 524,288 B, it is +0.19%: inside the band, not seen.) Seen failing: the up_proj overflow's
+    intermediates not freed and gate's gradient not counted (the rule at gate's only): +2.14% (67,948,800 B)."""
     model = dict(MLP_MODEL, hidden_size=64, intermediate_size=2048, num_hidden_layers=4)
     kw = dict(seq_len=64, sp_size=2, engine="deepspeed", zero_stage=3, tiled_mlp=1, reduce_bucket_size=2_000_000)
     for (inter, layers, zero), (measured, moment) in ZERO3_SETTINGS_MEASURED.items():
@@ -745,6 +746,12 @@ def test_zero3_settings_are_the_estimates_keywords() -> None:
                                        **dict(zero))
         assert est["moment"] == moment, (zero, est)
         assert -0.005 <= est["peak"] / measured - 1 <= 0.01, (zero, est["peak"], measured)
+    # the 8-layer 1e6-element prefetch setting with a 1.9e6-element bucket: the overflow at the 5th-last layer's
+    # up_proj gradient (recorded, est31c: 66,524,345 B both ranks; up's and gate's weight gradients alive, the MLP's
+    # intermediates freed). Over by the scatter term's unfilled room (2 x 454,272 B): +1.35%
+    up = estimate_training_memory(dict(model, num_hidden_layers=8), **dict(kw, reduce_bucket_size=1_900_000),
+                                  stage3_prefetch_bucket_size=1_000_000)
+    assert up["moment"] == "backward_reduction" and 0 <= up["peak"] / 66_524_345 - 1 <= 0.015, up
     default = estimate_training_memory(model, **kw)
     assert default == estimate_training_memory(model, **kw, stage3_param_persistence_threshold=100_000,
                                                stage3_prefetch_bucket_size=50_000_000,

@@ -575,11 +575,14 @@ class _Overflow(NamedTuple):
     after_mlp: bool
     """The layer in flight has finished its MLP's backward (the overflowing gradient is attention's)."""
     arriving: int = 0
-    """The elements of the gradient whose arrival overflows the bucket when it is one of the layer in flight's MLP
-    gradients (0 otherwise): stage3 reduces the bucket before copying it in, so it is alive beside the reduction."""
+    """In the layer in flight's MLP backward (0 otherwise): the elements of the gradients alive beside the reduction,
+    not yet in the bucket: the one whose arrival overflows it (stage3 reduces the bucket before copying it in) and, at
+    up_proj's, gate_proj's, made by then (est31c, recorded at the measured peaks: one 524,288-byte weight gradient
+    at gate_proj's overflow, two at up_proj's)."""
     mlp_ran: bool = False
-    """That gradient is gate_proj's or the post-attention norm's: the MLP's three weight backwards have run and freed
-    its saved intermediates."""
+    """That gradient is up_proj's, gate_proj's or the post-attention norm's: the MLP's weight backwards have run and
+    freed its saved intermediates (recorded at up_proj's and gate_proj's overflows, est31c; at down_proj's, not
+    traced, none is taken as freed)."""
 
 
 def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow | None:
@@ -604,7 +607,10 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
         for after_mlp, part in ((False, mlp), (True, attention)):
             for j, n in enumerate(part):
                 if elems + n > reduce_bucket_size and elems > 0:
-                    return _Overflow(done, after_mlp) if after_mlp else _Overflow(done, False, n, j >= 2)
+                    if after_mlp:
+                        return _Overflow(done, True)
+                    # down, up, gate, norm: at up's or gate's, gate's is made too (recorded, est31c)
+                    return _Overflow(done, False, sum(part[j:3]) if 1 <= j < 3 else n, j >= 1)
                 elems += n
     return None
 
@@ -645,8 +651,9 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # inside a layer's MLP backward (est31c, 8 layers, a 1e6-element prefetch, the overflow at the 5th-last
         # layer's gate_proj gradient; recorded at the measured peak): the finished layers' gathered copies are
         # released (``layer_copies``: 4 x 3 x 524,288 B; counted, +10.3% over), the MLP's saved
-        # intermediates are freed once its three weight backwards ran (4 x 262,144 B), and the arriving gradient
-        # is alive beside the reduction (gate_proj's, 524,288 B). Attention's overflow (est30's 2.1e6-element
+        # intermediates are freed once its weight backwards ran (4 x 262,144 B), and the arriving gradient
+        # is alive beside the reduction (gate_proj's, 524,288 B; at up_proj's, up's and gate's: 2 x 524,288 B,
+        # recorded with a 1.9e6-element bucket). Attention's overflow (est30's 2.1e6-element
         # bucket, at o_proj's gradient) is as before: within the scatter term's unfilled room there (+0.7%)
         freed += sum(state.layer_copies[len(state.layer_copies) - overflow.done:]) if overflow.done else 0
         freed += (acts.after_attention if overflow.mlp_ran else 0) - overflow.arriving * e
