@@ -256,6 +256,11 @@ class _StateBytes(NamedTuple):
     forward_fetch: int = 0
     """ZeRO-3: the traced step's first coalesced all-gather of non-persistent parameters, whole (its flat buffer is
     alive beside the copies made from it: the forward's peak; :func:`_zero3_gathered`)."""
+    layer_copies: tuple[int, ...] = ()
+    """ZeRO-3: each decoder layer's share of ``layers_gathered``, first layer first, when every layer's copies are
+    kept from the forward to its backward (empty when only a layer and its prefetch are): DeepSpeed releases a layer's
+    copies once its backward has run (est31c, a bucket overflowing inside the 5th-last layer's MLP backward of 8: only
+    the 4 layers still to run held their MLP weights, 12 x 524,288 B)."""
 
 
 class _ActivationBytes(NamedTuple):
@@ -319,8 +324,8 @@ def _layer_tensors(m: ModelShape, kind: str) -> list[int]:
 
 
 def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, prefetch: int = ZERO3_PREFETCH,
-                    reuse: int = ZERO3_REUSE) -> tuple[int, int, int]:
-    """ZeRO-3's whole parameter copies, in elements: ``(always, layers, forward_fetch)``, under DeepSpeed's
+                    reuse: int = ZERO3_REUSE) -> tuple[int, int, int, tuple[int, ...]]:
+    """ZeRO-3's whole parameter copies, in elements: ``(always, layers, forward_fetch, per_layer)``, under DeepSpeed's
     ``stage3_param_persistence_threshold`` (``persistence``), ``stage3_prefetch_bucket_size`` (``prefetch``) and
     ``stage3_max_reuse_distance`` (``reuse``), all in elements.
 
@@ -333,7 +338,11 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
     alive at its layer's backward and not at the end of backward's reduction). ``forward_fetch``: the traced step's
     first coalesced all-gather (the first fetch's prefetch: up to ``prefetch`` elements ahead, the root's
     non-persistent tensors included), whose flat buffer is alive beside the copies made from it (est31: 4 layers'
-    MLP weights, 12 x 524,288 B, beside their 6,291,456-byte flat buffer at the forward's peak)."""
+    MLP weights, 12 x 524,288 B, beside their 6,291,456-byte flat buffer at the forward's peak). Under a smaller
+    ``prefetch`` the forward fetches several such buffers, one at a time: the one alive at the last layer is the last
+    prefetch's, at most the first's (est31c, 1e6 elements: 3 prefetches of 8 x 524,288 B, one 4,194,304-byte buffer
+    alive at the forward's peak). ``per_layer``: each layer's share of ``layers`` when it holds every layer's (else
+    empty)."""
     root = [m.vocab_size * m.hidden_size] * (1 if m.tie_word_embeddings else 2)
     layers = [_layer_tensors(m, kind) for kind in m.kinds]
     persistent = sum(n for t in layers for n in t if n <= persistence)
@@ -341,9 +350,9 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
     non_persistent = sum(per_layer)
     root_np = sum(n for n in root if n > persistence)
     if root_np + non_persistent <= reuse:
-        in_backward = non_persistent
+        in_backward, kept = non_persistent, tuple(per_layer)
     else:
-        in_backward = sum(sorted(per_layer)[-2:])  # a layer and its prefetch (not measured at this size)
+        in_backward, kept = sum(sorted(per_layer)[-2:]), ()  # a layer and its prefetch (not measured at this size)
     # the non-persistent tensors in the order the forward uses them: the embedding, each layer's, the LM head. A
     # non-persistent embedding is fetched on its own (a single tensor gathers into its copy, no flat buffer); the
     # prefetch after it (or after a persistent embedding's fetch) takes the next ones until it holds ``prefetch``
@@ -354,7 +363,7 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
             break
         fetched.append(n)
     fetch = sum(fetched) if len(fetched) > 1 else 0  # one coalesced all-gather's flat buffer
-    return m.root_params + persistent, in_backward, fetch
+    return m.root_params + persistent, in_backward, fetch, kept
 
 
 def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: bool,
@@ -375,13 +384,14 @@ def _state_bytes(m: ModelShape, e: int, *, world: int, engine: str, sharded: boo
         # ZeRO-3: its partition + the fp32 optimizer partition + the whole copies (_zero3_gathered: the root and the
         # persistent tensors always, the layers' non-persistent ones through the backward). Counting a layer and its
         # prefetch whatever the persistence was +27.8% over a one-layer model's measured peak (est31)
-        always, layers, fetch = _zero3_gathered(m, **(zero3 or {}))
+        always, layers, fetch, kept = _zero3_gathered(m, **(zero3 or {}))
         params = part * e + part * 4 + (always + layers) * e
         optimizer, grads_reduced = 2 * part * 4, part * 4
         if offload_optimizer:
             params -= part * 4
             optimizer = grads_reduced = 0
-        return _StateBytes(params, optimizer, grads_reduced, layers_gathered=layers * e, forward_fetch=fetch * e)
+        return _StateBytes(params, optimizer, grads_reduced, layers_gathered=layers * e, forward_fetch=fetch * e,
+                           layer_copies=tuple(n * e for n in kept))
     else:
         params = p_all * e + part * 4  # whole weights + the optimizer's fp32 partition
     optimizer = 2 * part * 4
@@ -557,9 +567,28 @@ def _batch_token_bytes(*, batch: int, seq_len: int, rows: int) -> int:
     return 8 * batch * (2 * seq_len + 3 * rows)
 
 
-def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> tuple[int, bool] | None:
-    """Where ZeRO-3's gradient bucket first overflows during the backward: ``(layers whose backward has finished,
-    whether the layer in flight has finished its MLP's backward)``, or None when it never does before the
+class _Overflow(NamedTuple):
+    """Where ZeRO-3's gradient bucket first overflows during the backward (:func:`_zero3_first_overflow`)."""
+
+    done: int
+    """The layers whose backward has finished (the last ones)."""
+    after_mlp: bool
+    """The layer in flight has finished its MLP's backward (the overflowing gradient is attention's)."""
+    arriving: int = 0
+    """In the layer in flight's MLP backward (0 otherwise): the elements of the gradients alive beside the reduction,
+    not yet in the bucket: the one whose arrival overflows it (stage3 reduces the bucket before copying it in) and, at
+    up_proj's, gate_proj's, made by then (est31c, recorded at the measured peaks: one 524,288-byte weight gradient
+    at gate_proj's overflow, two at up_proj's)."""
+    mlp_ran: bool = False
+    """That gradient is up_proj's, gate_proj's or the post-attention norm's: the MLP's weight backwards have run and
+    freed its saved intermediates (recorded at up_proj's and gate_proj's overflows, est31c; at down_proj's, not
+    traced, none is taken as freed)."""
+
+
+def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow | None:
+    """Where ZeRO-3's gradient bucket first overflows during the backward (an :class:`_Overflow`: the layers whose
+    backward has finished, whether the layer in flight has finished its MLP's backward, and in its MLP's backward the
+    arriving gradient), or None when it never does before the
     embedding's gradient (the end of backward's reduction). Stage3 reduces the bucket when the next gradient to
     arrive would take it past ``reduce_bucket_size`` elements (a gradient larger than the bucket is counted but never
     copied: the head's, :func:`_zero3_head_scatter_bytes`). The gradients arrive in backward order: the LM head's
@@ -572,13 +601,16 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> tuple[int, 
     attention.append(max(0, m.layer_params - sum(mlp) - sum(attention)))
     elems = 0 if m.tie_word_embeddings else m.vocab_size * h
     if elems and elems + h > reduce_bucket_size:
-        return 0, False
+        return _Overflow(0, False)
     elems += h
     for done in range(m.num_hidden_layers):
         for after_mlp, part in ((False, mlp), (True, attention)):
-            for n in part:
+            for j, n in enumerate(part):
                 if elems + n > reduce_bucket_size and elems > 0:
-                    return done, after_mlp
+                    if after_mlp:
+                        return _Overflow(done, True)
+                    # down, up, gate, norm: at up's or gate's, gate's is made too (recorded, est31c)
+                    return _Overflow(done, False, sum(part[j:3]) if 1 <= j < 3 else n, j >= 1)
                 elems += n
     return None
 
@@ -586,7 +618,7 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> tuple[int, 
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
              zero3_scatter: int = 0, zero3_head_scatter: int = 0,
-             overflow: tuple[int, bool] | None = None, tokens: int = 0) -> dict[str, float]:
+             overflow: _Overflow | None = None, tokens: int = 0) -> dict[str, float]:
     """The bytes alive at each candidate peak moment of the step; the peak is the largest. ``tokens``: the batch's
     token tensors (:func:`_batch_token_bytes`), alive through forward and backward."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
@@ -615,6 +647,16 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         if acts.mlp_grads:  # untiled
             mlp_grads = m.hidden_size * m.intermediate_size * e - acts.mlp_product
     freed = 0 if overflow is None else overflow[0] * acts.layer_freed + (acts.after_attention if overflow[1] else 0)
+    if overflow is not None and engine == "deepspeed" and sharded:
+        # inside a layer's MLP backward (est31c, 8 layers, a 1e6-element prefetch, the overflow at the 5th-last
+        # layer's gate_proj gradient; recorded at the measured peak): the finished layers' gathered copies are
+        # released (``layer_copies``: 4 x 3 x 524,288 B; counted, +10.3% over), the MLP's saved
+        # intermediates are freed once its weight backwards ran (4 x 262,144 B), and the arriving gradient
+        # is alive beside the reduction (gate_proj's, 524,288 B; at up_proj's, up's and gate's: 2 x 524,288 B,
+        # recorded with a 1.9e6-element bucket). Attention's overflow (est30's 2.1e6-element
+        # bucket, at o_proj's gradient) is as before: within the scatter term's unfilled room there (+0.7%)
+        freed += sum(state.layer_copies[len(state.layer_copies) - overflow.done:]) if overflow.done else 0
+        freed += (acts.after_attention if overflow.mlp_ran else 0) - overflow.arriving * e
     moments = {} if not state.forward_fetch else {
         # ZeRO-3's forward in the traced step: the first fetch's coalesced all-gather flat buffer stays alive until
         # the last parameter it gathered is used (the last layer's MLP in a model it gathers whole), beside the
