@@ -43,4 +43,7 @@ def test_first_overflow_at_the_bucket_boundaries(model: ModelShape, bucket: int,
     Seen failing (audit 31): Z1 (``>=``: a gradient that fills the bucket exactly overflows it) at 1200 ((0, False))
     and 1400 ((0, True)); Z8 (the MLP's norm left out of its gradients) at 1192 ((0, True)); Z9 (a head gradient
     larger than the bucket taken for "never overflows") at 799 (None)."""
-    assert training._zero3_first_overflow(model, bucket) == want
+    got = training._zero3_first_overflow(model, bucket)
+    # its first two fields; est31c's later ones (what is alive beside the reduction) are judged against measurements
+    # in tests/test_training_memory.py
+    assert (None if got is None else (got.done, got.after_mlp)) == want
