@@ -355,14 +355,16 @@ def test_overlap_cuda_is_a_clear_error_without_it() -> None:
 def test_emulated_links_share_a_link_fifo() -> None:
     """Two messages posted together on one link end at 2 x bytes / B (FIFO), on two links at 1 x; a wait
     passes no CPU time on the thread clock; the replay of the trace gives the same step time. (With
-    the FIFO made per message instead of per link, the first assertion fails.)"""
+    the FIFO made per message instead of per link, the first assertion fails: seen failing, 10 ms where 20 are due.)"""
     from seqpar.comm.emulated import EmulatedLinks, EmulatedRing, LinkClock
     from seqpar.comm.loopback import LoopbackComm
     from seqpar.comm.schedule import replay
 
-    x = torch.zeros(250)  # 1000 bytes
+    # 10 ms a message, so the Python the calls themselves run (on the thread clock too: 0.67 ms once under CI's load,
+    # past a 0.2 ms tolerance at 1 ms a message) stays far inside the 10 ms a per-message FIFO would be off by
+    x = torch.zeros(2500)  # 10,000 bytes
     for shift, expect in ((1, 2.0), (2, 1.0)):
-        links = EmulatedLinks(1e6, 0.0, LinkClock("thread"))  # 1 ms per 1000 bytes
+        links = EmulatedLinks(1e6, 0.0, LinkClock("thread"))  # 10 ms per 10,000 bytes
         comm = EmulatedRing(LoopbackComm(0, 4, transfer=False), links)
         t0 = links.clock.now()
         a = comm.exchange([x], channel=0)
@@ -371,8 +373,8 @@ def test_emulated_links_share_a_link_fifo() -> None:
         b.wait()
         links.finish()
         took = links.clock.now() - t0
-        assert abs(took - expect * 1e-3) < 2e-4, (shift, took)
-        assert abs(replay(links.trace.events, lambda n: n / 1e6) - took) < 2e-4
+        assert expect * 1e-2 <= took < expect * 1e-2 + 3e-3, (shift, took)
+        assert abs(replay(links.trace.events, lambda n: n / 1e6) - took) < 1e-3
 
 
 def _allgather_peaks(rank: int, world: int, cases: list[tuple[bool, int | str]]) -> list[int]:
