@@ -13,6 +13,8 @@ from seqpar.config import SeqParConfig
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, init_process_groups
 from seqpar.sequence.batch import shard_batch
 
+__all__ = ["check_block_keys", "rank_prefix", "resolve_manager", "ShardedLoader"]
+
 
 def check_block_keys(d: Mapping[str, Any], keys: tuple[str, ...], block: str) -> None:
     """Refuse keys of a config block (``'fsdp'``, ``'fairscale'``) that its options do not have, naming the
@@ -22,8 +24,6 @@ def check_block_keys(d: Mapping[str, Any], keys: tuple[str, ...], block: str) ->
         close = [m for key in unknown for m in difflib.get_close_matches(key, keys, n=1, cutoff=0.75)]
         hint = f" (did you mean {close}?)" if close else ""
         raise ValueError(f"unknown key(s) {unknown} in '{block}'{hint}; allowed keys are {list(keys)}")
-
-__all__ = ["rank_prefix", "resolve_manager", "ShardedLoader"]
 
 
 def rank_prefix() -> str:

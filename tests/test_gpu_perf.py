@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from seqpar.bench import gpu_perf
+from seqpar.bench import gpu_perf, report
 from seqpar.bench.__main__ import main as bench_main
 
 FIELDS = ("t_sdpa_local", "t_compute", "t_step_400", "eta", "eta_compute", "slow_400", "t_floor", "glue",
@@ -200,22 +200,22 @@ def test_table_names_an_unreadable_run_and_prints_the_rest(tmp_path, capsys):
 
 
 def test_partial_json_is_replaced_whole(tmp_path, monkeypatch):
-    """The run's JSON is written to a temporary name and renamed, so a run stopped by a time limit
-    mid-write leaves the last whole file (the device tool brings back what is under $OUT as it is).
-    Seen failing: with write_json straight onto gpu_perf.json (a killed write left it truncated)."""
+    """Every bench JSON (``report.write_json``, gpu-perf's after each case) is written to a temporary name
+    and renamed, so a run stopped by a time limit mid-write leaves the last whole file (the device tool
+    brings back what is under $OUT as it is).
+    Seen failing: with write_json's ``open`` straight onto the path (a killed write left it truncated)."""
     out = tmp_path / "gp"
-    writes = []
-    real = gpu_perf.write_json
+    dumps = []
+    real = report.json.dump
 
-    def cut_second(path, payload):
-        writes.append(path)
-        if len(writes) == 2:  # the second case's write is stopped halfway
-            with open(path, "w") as f:
-                f.write('{"cases": [')
+    def cut_second(obj, f, **kw):
+        dumps.append(1)
+        if len(dumps) == 2:  # the second case's write is stopped halfway
+            f.write('{"cases": [')
             raise KeyboardInterrupt
-        real(path, payload)
+        real(obj, f, **kw)
 
-    monkeypatch.setattr(gpu_perf, "write_json", cut_second)
+    monkeypatch.setattr(report.json, "dump", cut_second)
     with pytest.raises(KeyboardInterrupt):
         bench_main(["gpu-perf", "--tiny", "--device", "cpu", "--seq-locals", "64", "--head-chunks", "1",
                     "--layouts", "hf", "--hidden-at", "64", "--profile-at", "0", "--repeats", "1", "--out", str(out)])

@@ -531,16 +531,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         payload["wall_s"] = time.perf_counter() - start
         print(format_table([row], _COLUMNS), flush=True)
         if args.out:
-            _write_whole(os.path.join(args.out, "gpu_perf.json"), payload)
+            write_json(os.path.join(args.out, "gpu_perf.json"), payload)
     payload["wall_s"] = time.perf_counter() - start
     return payload
-
-
-def _write_whole(path: str, payload: dict[str, Any]) -> None:
-    """``write_json`` to a temporary name, then renamed over ``path``: a run stopped mid-write (the device
-    tool's time limit, ``timeout``) leaves the last complete file, never a truncated one."""
-    write_json(path + ".part", payload)
-    os.replace(path + ".part", path)
 
 
 def _list(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
@@ -612,7 +605,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     if args.out:
         path = os.path.join(args.out, "gpu_perf.json")
-        _write_whole(path, payload)
+        write_json(path, payload)
         print(f"wrote {path}", flush=True)
     return 0
 

@@ -110,11 +110,15 @@ def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str,
 
 
 def write_json(path: str, payload: Mapping[str, Any]) -> None:
-    """Write ``payload`` (indented, keys in insertion order), creating the directory."""
+    """Write ``payload`` (indented, keys in insertion order), creating the directory.
+
+    Written to ``path + ".part"`` and renamed over ``path``: a run stopped mid-write (the device tool's time
+    limit, ``timeout``) leaves the last complete file, never a truncated one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+    with open(path + ".part", "w") as f:
         json.dump(payload, f, indent=1, default=str)
         f.write("\n")
+    os.replace(path + ".part", path)
 
 
 def plot_series(
