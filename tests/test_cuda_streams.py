@@ -319,3 +319,33 @@ def test_copy_emulation_refuses_two_links_on_one_copy_engine() -> None:
         with pytest.raises(ValueError, match=r"link \('send', 2\) would share the d2h copy engine with link "
                                              r"\('send', 1\).*--link-emulation sleep"):
             links.post([(("send", 2), 4096)], None, 0)
+
+
+@needs_cuda_build
+def test_copy_calibration_times_each_direction_beside_the_other(monkeypatch) -> None:
+    """``CopyEngine.measure`` on fake CUDA (event times all 0, so ``rate_from_two`` is replaced by a
+    recorder): per direction, a small and a whole-buffer copy on the timed stream (a warm-up and 3 runs
+    each), and beside each whole-buffer run two whole-buffer copies the other way on a side stream that
+    waits for the run's start event; the host waits (an event sync) after each run.
+    Seen failing: with the side stream's copies queued on the timed stream (``with torch.cuda.stream(side)``
+    dropped): no copy on the side stream."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import seqpar.comm.emulated as emulated
+    from seqpar.testing.streams import record_streams
+    from seqpar.testing.syncs import simulated_gpu
+
+    seen = []
+    monkeypatch.setattr(emulated, "rate_from_two",
+                        lambda *a: seen.append(a) or emulated.CopyRate(1e-6, 50e9))
+    with simulated_gpu("h100"), FakeTensorMode(allow_non_fake_inputs=True), record_streams() as rec:
+        engine = emulated.CopyEngine.measure(torch.device("cuda", 0), buffer_bytes=1 << 20, small=1 << 10)
+    assert [a[0::2] for a in seen] == [(1 << 10, 1 << 20)] * 2
+    assert engine.rates == {"h2d": emulated.CopyRate(1e-6, 50e9), "d2h": emulated.CopyRate(1e-6, 50e9)}
+    side = rec.log.streams[1]
+    copies = [o for o in rec.log.on(side) if o.kind == "copy"]
+    # 4 whole-buffer runs per direction (a warm-up and 3), two copies the other way beside each
+    assert [o.name for o in copies] == ["DtoH"] * 8 + ["HtoD"] * 8 and {o.nbytes for o in copies} == {1 << 20}
+    waits = [o for o in rec.log.on(side) if o.kind == "wait"]
+    assert len(waits) == 8 and all(rec.log.ops[w.version].stream == MAIN for w in waits)
+    assert len([o for o in rec.log.ops if o.kind == "host_sync"]) == 16 + 2  # every run, and the side stream
