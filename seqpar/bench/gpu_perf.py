@@ -4,7 +4,8 @@ One process plays rank ``--rank`` (default 4) of a ``--world``-rank ring (defaul
 ring code: a loopback communicator hands the rank its own blocks back (the causal plan still follows
 each source rank, so a rank in the middle of a zigzag ring meets both half-block kinds), over an
 emulated link (:class:`~seqpar.comm.emulated.CudaLinks`: each directed link a side stream held by a
-calibrated ``torch.cuda._sleep``, FIFO, ``bytes / bandwidth``; the host never blocks).
+calibrated ``torch.cuda._sleep`` or, ``--link-emulation copy``, by host <-> device copies, FIFO, ``bytes /
+bandwidth``; the host never blocks).
 
 Setup (the defaults): Llama-3-8B's attention heads (32 query, 8 K/V heads of 128), bf16, batch 1;
 causal zigzag and full (contiguous) masks; ``L`` = 8K, 32K, 16K, 4K tokens per rank; ``head_chunks`` 1

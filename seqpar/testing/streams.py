@@ -514,10 +514,20 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - a repo
     p.add_argument("--attention-tflops", type=float, default=450.0)
     p.add_argument("--delays", action="store_true", help="list the sleeps' modelled SM waits by the kernel in flight")
     p.add_argument("--link-priority", default="high", choices=("high", "normal"))
+    p.add_argument("--link-emulation", default="sleep", choices=("sleep", "copy"),
+                   help="copy: the links held by copies at --copy-gbps, 10 us a copy")
+    p.add_argument("--copy-gbps", type=float, default=52.0)
     args = p.parse_args(argv)
+    copy_rate = None
+    if args.link_emulation == "copy":
+        from seqpar.comm.emulated import CopyRate
+
+        copy_rate = CopyRate(10e-6, args.copy_gbps * 1e9)
     log = ring_step_log(seq_local=args.seq_local, layout=args.layout, causal=args.causal == "yes",
-                        bandwidth=args.gbps * 1e9, high_priority=args.link_priority == "high")
-    timing = Timing(attention_flops=args.attention_tflops * 1e12)
+                        bandwidth=args.gbps * 1e9, high_priority=args.link_priority == "high",
+                        emulation=args.link_emulation, copy_rate=copy_rate)
+    timing = Timing(attention_flops=args.attention_tflops * 1e12,
+                    **({} if copy_rate is None else {"copy_rate": copy_rate.rate, "copy_fixed": copy_rate.fixed}))
     report = hidden_report(log, timing)
     print(json.dumps(report, indent=1))
     if args.delays:
