@@ -316,8 +316,9 @@ def test_overlap_command(tmp_path: Path) -> None:
                                                          for c in (True, False)}
     for c in cases:
         for key in ("t_compute", "t_transfer", "t_step", "hidden", "hidden_max", "hidden_max_early", "link_gbps",
-                    "half_compute", "transfer_over_compute"):
+                    "half_compute", "transfer_over_compute", "link_emulation"):
             assert key in c, (key, c)
+        assert c["link_emulation"] == "host clock", c  # the CPU's links: neither sleep nor copy
         assert c["t_compute"] > 0 and c["t_transfer"] > 0 and c["t_step"] > 0, c
         assert 0 <= c["hidden_max"] <= 1.05, c
         if c["link_auto"]:
@@ -350,6 +351,14 @@ def test_overlap_cuda_is_a_clear_error_without_it() -> None:
 
     with pytest.raises(ValueError, match="--device cpu"):
         run_case("ring", 4, 64, True, ["auto"], device="cuda")
+
+
+def test_overlap_names_an_unknown_link_emulation() -> None:
+    """Seen failing: with run_case's emulation check removed (the CPU run went on with 'dma')."""
+    from seqpar.bench.overlap import run_case
+
+    with pytest.raises(ValueError, match="--link-emulation must be sleep or copy, not 'dma'"):
+        run_case("ring", 4, 64, True, ["auto"], link_emulation="dma")
 
 
 def test_emulated_links_share_a_link_fifo() -> None:

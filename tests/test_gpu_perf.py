@@ -85,6 +85,8 @@ def test_bad_flags_are_named():
         bench_main(["gpu-perf", "--tiny", "--q-heads", "3", "--kv-heads", "2"])
     with pytest.raises(SystemExit):
         bench_main(["gpu-perf", "--tiny", "--rank", "8"])
+    with pytest.raises(SystemExit):
+        bench_main(["gpu-perf", "--tiny", "--link-emulation", "dma"])
 
 
 def test_interleaved_times_each_step_round_robin():
@@ -166,8 +168,10 @@ def test_table_prints_the_recorded_benchmarks_rows(capsys):
     text = capsys.readouterr().out
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 30
-    # BENCHMARKS' columns are ours without excess50 and lag50 (cells 11 and 12) and eta alone (the last)
-    old = ["| " + " | ".join(c for i, c in enumerate(r.strip("| ").split(" | ")[:-1]) if i not in (10, 11)) + " |"
+    # BENCHMARKS' columns are ours without link (cell 5), excess50 and lag50 (cells 12 and 13) and eta
+    # alone (the last); 0dbebd6's links were the sleep
+    assert {r.strip("| ").split(" | ")[4] for r in rows} == {"sleep"}
+    old = ["| " + " | ".join(c for i, c in enumerate(r.strip("| ").split(" | ")[:-1]) if i not in (4, 11, 12)) + " |"
            for r in rows]
     for want in _RECORDED_0DBEBD6:
         assert want in old, want
@@ -185,7 +189,7 @@ def test_table_excess_is_what_the_schedule_does_not_explain():
     line = [r for r in gpu_perf.table_markdown({"cases": [{**row, "seq_local": 16384, "causal": True,
                                                            "head_chunks": 1, "layout": "hf", "hidden_50": 0.757}]}
                                                ).splitlines() if r.startswith("| 16K")][0]
-    assert line.split(" | ")[10] == "6.5"
+    assert line.split(" | ")[11] == "6.5"
 
 
 def test_table_names_an_unreadable_run_and_prints_the_rest(tmp_path, capsys):
@@ -196,7 +200,7 @@ def test_table_names_an_unreadable_run_and_prints_the_rest(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "cannot read " + str(tmp_path / "cut" / "gpu_perf.json") in text
     assert "cannot read " + str(tmp_path / "none" / "gpu_perf.json") in text
-    assert "| 8K | causal | 1 (1) | hf | 0.927 |" in text
+    assert "| 8K | causal | 1 (1) | hf | sleep | 0.927 |" in text
 
 
 def test_partial_json_is_replaced_whole(tmp_path, monkeypatch):
@@ -243,3 +247,69 @@ def test_link_lag_split_from_the_trace(tmp_path):
            "link_lag_50": 6.4e-3, "link_lag_50_max": 0.9e-3, "link_messages_50": 14, "link_model_50": 37.6e-3, **got}
     text = gpu_perf.table_markdown({"cases": [row]})
     assert "ran +1.00 ms against the model (sleep clock), so they started 5.40 ms late (SM wait)" in text
+
+
+def test_table_shows_the_link_emulation_and_the_copies_split(tmp_path):
+    """A copy-emulation run (``--link-emulation copy``): every row names its links (``copy``), the header
+    the measured copy rates, and lag50 is split by the trace's memcpy events (``gpu_memcpy``, HtoD / DtoH)
+    as the sleeps' is by their kernels: 14 copies that ran 38.1 ms on 37.6 ms modelled with lag 0.8 ms:
+    +0.50 ms copy rate, 0.30 ms late. A CPU run names the host clock and the emulation it was asked for.
+    Seen failing: with the link cell left out of the row (the cell read "0.957", the row's eta) and with
+    the memcpy events not counted (no copies' line)."""
+    events = [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)" if i % 2 else
+               "Memcpy DtoH (Device -> Pinned)", "ts": 10.0 * i, "dur": 38.1e3 / 14} for i in range(14)]
+    events += [{"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 0.0, "dur": 9e3}]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    got = gpu_perf.sleep_kernels(str(path))
+    assert got["link_sleeps_traced_50"] == 0 and got["link_copies_traced_50"] == 14
+    assert got["link_copy_run_50"] == pytest.approx(38.1e-3)
+    row = {"seq_local": 16384, "causal": True, "head_chunks": 1, "layout": "hf", "label": "L=16384 causal hc=1 hf",
+           "link_emulation": "copy", "eta": 0.957, "link_lag_50": 0.8e-3, "link_lag_50_max": 0.1e-3,
+           "link_messages_50": 14, "link_model_50": 37.6e-3, **got}
+    rates = {"h2d": {"fixed_s": 8e-6, "bytes_per_s": 52e9}, "d2h": {"fixed_s": 9e-6, "bytes_per_s": 51e9}}
+    text = gpu_perf.table_markdown({"cases": [row], "link_emulation": "copy", "copy_rates": rates,
+                                    "link_priority": "high"})
+    line = [r for r in text.splitlines() if r.startswith("| 16K")][0]
+    assert line.split(" | ")[4:6] == ["copy", "0.957"]
+    assert "link emulation copy (copies: d2h 51.0 GB/s + 9.0 us, h2d 52.0 GB/s + 8.0 us)" in text
+    assert "the traced copies (14) ran +0.50 ms against the model (copy rate), so they started 0.30 ms late" in text
+    out = tmp_path / "cpu"
+    assert bench_main(["gpu-perf", "--tiny", "--device", "cpu", "--seq-locals", "64", "--head-chunks", "1",
+                       "--layouts", "hf", "--hidden-at", "0", "--profile-at", "0", "--repeats", "1",
+                       "--link-emulation", "copy", "--out", str(out)]) == 0
+    payload = json.loads((out / "gpu_perf.json").read_text())
+    assert payload["link_emulation"] == "host clock (copy asked)" and payload["copy_rates"] is None
+    assert {r["link_emulation"] for r in payload["cases"]} == {"host clock (copy asked)"}
+
+
+def test_issue29_perf_call_fits_its_limits_with_the_copy_pair(tmp_path):
+    """``gpu_issue29.sh perf`` (the GPU call) with ``timeout`` stubbed to log its limit and command: the
+    limits add up to at most 270 s (the device budget: machine start, the call, a rerun), and one step
+    runs the 16K pair (both masks, hc 1, hf) on copy-engine links at high priority into ``$OUT/copy``,
+    which the table reads. Seen failing: with the copy step's limit at 60 s (300 s in all)."""
+    import os
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    log = tmp_path / "limits.txt"
+    (stub / "timeout").write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    (stub / "timeout").chmod(0o755)
+    (stub / "python3").write_text(f'#!/bin/sh\necho "python3 $@" >> {log}.untimed\n')
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    subprocess.run(["bash", str(root / "bench/scripts/gpu_issue29.sh"), "perf"], cwd=root, env=env, check=True,
+                   capture_output=True, timeout=60)
+    calls = log.read_text().splitlines()
+    assert sum(int(c.split()[0]) for c in calls) <= 270, calls
+    copy = [c for c in calls if "--link-emulation copy" in c]
+    assert len(copy) == 1, calls
+    flags = copy[0].split()
+    assert flags[flags.index("--seq-locals") + 1] == "16384" and flags[flags.index("--head-chunks") + 1] == "1"
+    assert flags[flags.index("--layouts") + 1] == "hf" and flags[flags.index("--link-priority") + 1] == "high"
+    assert flags[flags.index("--out") + 1] == str(tmp_path / "out" / "copy")
+    table = [c for c in pathlib.Path(f"{log}.untimed").read_text().splitlines() if "gpu-perf-table" in c]
+    assert table and str(tmp_path / "out" / "copy") in table[0]

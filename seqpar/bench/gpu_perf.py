@@ -4,7 +4,8 @@ One process plays rank ``--rank`` (default 4) of a ``--world``-rank ring (defaul
 ring code: a loopback communicator hands the rank its own blocks back (the causal plan still follows
 each source rank, so a rank in the middle of a zigzag ring meets both half-block kinds), over an
 emulated link (:class:`~seqpar.comm.emulated.CudaLinks`: each directed link a side stream held by a
-calibrated ``torch.cuda._sleep``, FIFO, ``bytes / bandwidth``; the host never blocks).
+calibrated ``torch.cuda._sleep`` or, ``--link-emulation copy``, by host <-> device copies, FIFO, ``bytes /
+bandwidth``; the host never blocks).
 
 Setup (the defaults): Llama-3-8B's attention heads (32 query, 8 K/V heads of 128), bf16, batch 1;
 causal zigzag and full (contiguous) masks; ``L`` = 8K, 32K, 16K, 4K tokens per rank; ``head_chunks`` 1
@@ -39,7 +40,11 @@ Per case:
   DIR``, that step's profiler trace, from which ``link_sleep_run_50`` sums the sleeps' own device time
   (:func:`sleep_kernels`: beyond ``link_model_50`` a slow sleep clock, the rest of the lag SM wait). The
   link streams run at high CUDA priority (``--link-priority normal``: torch's default, as before issue 29
-  §8's fix; see :class:`~seqpar.comm.emulated.CudaLinks`);
+  §8's fix; see :class:`~seqpar.comm.emulated.CudaLinks`). ``--link-emulation copy`` holds each message
+  with pinned host <-> device copies sized to its time (:class:`~seqpar.comm.emulated.CopyEngine`,
+  measured once per run: ``copy_rates`` in the JSON) instead of the sleep: the copy engine runs them, no
+  SM, so a sleep's SM wait cannot arise; the trace then gives ``link_copy_run_50`` (the copies' own
+  device time, :func:`sleep_kernels`) in the sleeps' place;
 - ``peak``: the peak bytes of a ring step (inputs created inside) over those of one SDPA forward +
   backward on the local shard (:func:`~seqpar.bench.runner.peak_memory`: ``max_memory_allocated``
   above the allocation before), beside ``peak_theory``, the sum of the buffers the ring holds at its
@@ -188,12 +193,14 @@ class _Clock:
 
 
 def _links(device: torch.device, bandwidth: float | None, cycles: float | None, *, high_priority: bool = True,
-           time_links: bool = False) -> Any:
+           time_links: bool = False, copies: Any = None) -> Any:
+    """``copies``: a :class:`~seqpar.comm.emulated.CopyEngine` for the copy emulation (None: the sleep)."""
     if device.type == "cuda":
         from seqpar.comm.emulated import CudaLinks
 
+        extra = {} if copies is None else {"emulation": "copy", "copies": copies}
         return CudaLinks(bandwidth, device=device, cycles_per_second=cycles, high_priority=high_priority,
-                         time_links=time_links)
+                         time_links=time_links, **extra)
     from seqpar.comm.emulated import EmulatedLinks, LinkClock
 
     return EmulatedLinks(bandwidth, clock=LinkClock("wall"))
@@ -357,7 +364,7 @@ def theory_peak(shape: Shape, case: Case, device: torch.device | None = None) ->
 
 # ------------------------------------------------------------------------------------------ one case
 def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch.device, cycles: float | None,
-               high: bool, trace: str | None) -> dict[str, Any]:
+               high: bool, trace: str | None, copies: Any = None) -> dict[str, Any]:
     """One more step over the 50 GB/s links with every message timed on its stream
     (``CudaLinks(time_links=True)``): how much longer the messages took than ``bytes / B`` in all
     (``link_lag_50``, seconds) and at most; with ``trace``, that step under ``torch.profiler`` written as
@@ -366,8 +373,8 @@ def _link_lags(shape: Shape, case: Case, inputs: Sequence[Tensor], device: torch
 
     if device.type != "cuda":
         return {}
-    step = _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles, high_priority=high, time_links=True),
-                      device)
+    step = _ring_step(shape, case, inputs, lambda: _links(device, 50e9, cycles, high_priority=high, time_links=True,
+                                                          copies=copies), device)
     step()  # warm-up
     sync(device)
     if trace:
@@ -394,8 +401,10 @@ def sleep_kernels(trace_path: str) -> dict[str, Any]:
     """The link sleeps' own run time in a Chrome trace (``torch.cuda._sleep``'s ``spin_kernel``): how many
     and their summed device duration (``link_sleep_run_50``, seconds). Against ``link_model_50`` it splits
     ``link_lag_50`` into the sleeps running longer than modelled (a sleep clock slower under load than
-    calibrated) and, the rest, the sleeps starting late (waiting for an SM). ``{}`` when the trace cannot
-    be read."""
+    calibrated) and, the rest, the sleeps starting late (waiting for an SM). The copy emulation's pinned
+    host <-> device copies (``gpu_memcpy`` events, ``HtoD`` / ``DtoH``) likewise, as
+    ``link_copies_traced_50`` and ``link_copy_run_50`` (beyond the model: a copy rate slower than
+    measured; the rest: copies starting late). ``{}`` when the trace cannot be read."""
     import json
 
     try:
@@ -405,24 +414,32 @@ def sleep_kernels(trace_path: str) -> dict[str, Any]:
         return {}
     runs = [e.get("dur", 0.0) for e in events
             if e.get("cat") == "kernel" and "spin_kernel" in str(e.get("name", ""))]
-    return {"link_sleeps_traced_50": len(runs), "link_sleep_run_50": sum(runs) * 1e-6}
+    res = {"link_sleeps_traced_50": len(runs), "link_sleep_run_50": sum(runs) * 1e-6}
+    copies = [e.get("dur", 0.0) for e in events
+              if e.get("cat") == "gpu_memcpy" and any(d in str(e.get("name", "")) for d in ("HtoD", "DtoH"))]
+    if copies:
+        res.update(link_copies_traced_50=len(copies), link_copy_run_50=sum(copies) * 1e-6)
+    return res
 
 
 def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, repeats: int, hidden_at: int,
              profile_split: bool, cycles: float | None, high_priority: bool = True, trace: str | None = None,
-             floors: dict[Any, dict[str, Any]] | None = None) -> dict[str, Any]:
+             floors: dict[Any, dict[str, Any]] | None = None, copies: Any = None) -> dict[str, Any]:
     """Every figure of one case (see the module docstring). ``floors``: the T_floor figures measured so far
-    in this run, by block shapes (read and extended; default: none)."""
+    in this run, by block shapes (read and extended; default: none). ``copies``: a
+    :class:`~seqpar.comm.emulated.CopyEngine` to hold the links by copies (None: the sleep)."""
     from seqpar.comm.schedule import hidden, hidden_bound, replay
 
     def links_at(bandwidth: float | None) -> Callable[[], Any]:
-        return lambda: _links(device, bandwidth, cycles, high_priority=high_priority)
+        return lambda: _links(device, bandwidth, cycles, high_priority=high_priority, copies=copies)
 
     clock = _Clock(device)
     inputs = _inputs(shape, case, device)
     scale = shape.head_dim ** -0.5
     res: dict[str, Any] = {**asdict(case), "label": case.label,
-                           "head_chunks_resolved": _options(shape, case, device).head_chunks}
+                           "head_chunks_resolved": _options(shape, case, device).head_chunks,
+                           "link_emulation": ("sleep" if copies is None else "copy") if device.type == "cuda"
+                           else "host clock"}
     t0 = time.perf_counter()
     sdpa = _sdpa_step(inputs, case.causal, scale)
     # as 0dbebd6's tables measured it: alone, before the ring (kept for comparison: eta_alone)
@@ -446,7 +463,7 @@ def run_case(shape: Shape, case: Case, device: torch.device, *, warmup: int, rep
         res["t_step_50"] = statistics.median(clock.time(
             _ring_step(shape, case, inputs, links_at(50e9), device), warmup=warmup, repeats=repeats))
         res["hidden_50"] = hidden(res["t_compute"], res["t_transfer_50"], res["t_step_50"])
-        res.update(_link_lags(shape, case, inputs, device, cycles, high_priority, trace))
+        res.update(_link_lags(shape, case, inputs, device, cycles, high_priority, trace, copies))
     if profile_split:
         res["profile"] = _profile(free, device)
     del inputs, free
@@ -500,11 +517,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cycles = sleep_cycles_per_second(device)
     else:
         cycles = None
+    copies = None
+    if device.type == "cuda" and args.link_emulation == "copy":
+        from seqpar.comm.emulated import CopyEngine
+
+        copies = CopyEngine.measure(device)
     payload: dict[str, Any] = {
         "command": "python -m seqpar.bench gpu-perf " + " ".join(args.argv if args.argv is not None else sys.argv[2:]),
         "machine": machine_info(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": asdict(shape), "budget_s": args.budget_s, "sleep_cycles_per_second": cycles,
         "link_priority": args.link_priority,
+        # on CPU the host-clock links hold either emulation alike (no stream, no copy)
+        "link_emulation": args.link_emulation if device.type == "cuda" else f"host clock ({args.link_emulation} asked)",
+        "copy_rates": None if copies is None else {d: {"fixed_s": r.fixed, "bytes_per_s": r.rate}
+                                                   for d, r in copies.rates.items()},
         "cases": [], "skipped": [],
     }
     start = time.perf_counter()
@@ -520,13 +546,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             row = run_case(shape, case, device, warmup=args.warmup, repeats=args.repeats, hidden_at=args.hidden_at,
                            profile_split=profile_split, cycles=cycles, high_priority=args.link_priority == "high",
-                           trace=args.trace, floors=floors)
+                           trace=args.trace, floors=floors, copies=copies)
         except torch.OutOfMemoryError as error:
             payload["skipped"].append({"label": case.label, "reason": f"out of memory: {str(error)[:200]}"})
             torch.cuda.empty_cache()
             continue
         if profile_split:
             profiled.add(case.causal)
+        row["link_emulation"] = payload["link_emulation"]
         payload["cases"].append(row)
         payload["wall_s"] = time.perf_counter() - start
         print(format_table([row], _COLUMNS), flush=True)
@@ -571,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-at", type=int, default=None, help="L of the kernel-time split (8192)")
     p.add_argument("--link-priority", default="high", choices=("high", "normal"),
                    help="CUDA priority of the emulated links' streams (normal: torch's default, before issue 29 §8's fix)")
+    p.add_argument("--link-emulation", default="sleep", choices=("sleep", "copy"),
+                   help="what holds an emulated link for a message's time on CUDA: a torch.cuda._sleep kernel (one "
+                        "thread block on an SM) or pinned host<->device copies (the copy engine, no SM)")
     p.add_argument("--trace", metavar="DIR", default=None,
                    help="at --hidden-at, write a torch.profiler Chrome trace of one 50 GB/s step per case to DIR")
     return p
@@ -611,7 +641,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # ------------------------------------------------------------------------------------------ BENCHMARKS rows
-_TABLE_HEAD = ("| L | mask | hc | layout | eta | eta_c | slow400 | glue | hidden50 | max50 | excess50 ms | lag50 ms "
+_TABLE_HEAD = ("| L | mask | hc | layout | link | eta | eta_c | slow400 | glue | hidden50 | max50 | excess50 ms | lag50 ms "
                "| peak | /theory | T_sdpa ms | T_compute ms | T_400 ms | T_floor ms | eta alone |")
 
 
@@ -635,6 +665,14 @@ def excess_50(row: dict[str, Any]) -> float | None:
     return row["t_step_50"] - row["t_compute"] - (1 - row["hidden_max_50"]) * row["t_transfer_50"]
 
 
+def _rates(payload: dict[str, Any]) -> str:
+    rates = payload.get("copy_rates")
+    if not rates:
+        return ""
+    return " (copies: " + ", ".join(f"{d} {r['bytes_per_s'] / 1e9:.1f} GB/s + {r['fixed_s'] * 1e6:.1f} us"
+                                    for d, r in sorted(rates.items())) + ")"
+
+
 def table_markdown(payload: dict[str, Any]) -> str:
     """One ``gpu_perf.json`` as BENCHMARKS.md's rows (the "The ring on one GPU" columns, plus ``excess50``
     and ``lag50`` at ``--hidden-at`` and, last, ``eta alone``: eta from T_sdpa timed alone), with its command, device, commit, skipped cases and kernel-time
@@ -642,7 +680,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
     machine = payload.get("machine", {})
     lines = [f"`{payload.get('command', '?')}`: {payload.get('device', '?')}, torch {machine.get('torch', '?')}, "
              f"commit {str(machine.get('seqpar_commit') or '?')[:7]}, {machine.get('date_utc', '?')} UTC, "
-             f"link priority {payload.get('link_priority', '?')}; {len(payload.get('cases', []))} cases"
+             f"link priority {payload.get('link_priority', '?')}, link emulation "
+             f"{payload.get('link_emulation', 'sleep')}{_rates(payload)}; {len(payload.get('cases', []))} cases"
              + (f" in {payload['wall_s']:.0f} s" if payload.get("wall_s") is not None else ""), "",
              _TABLE_HEAD, "|" + "---|" * (_TABLE_HEAD.count("|") - 1)]
     for r in payload.get("cases", []):
@@ -650,7 +689,8 @@ def table_markdown(payload: dict[str, Any]) -> str:
         length = f"{seq // 1024}K" if seq % 1024 == 0 else str(seq)
         hc = f"{r['head_chunks']} ({r.get('head_chunks_resolved', '?')})"
         ex = excess_50(r)
-        cells = [length, "causal" if r["causal"] else "full", hc, r["layout"],
+        link = r.get("link_emulation") or payload.get("link_emulation") or "sleep"  # (0dbebd6's runs: the sleep)
+        cells = [length, "causal" if r["causal"] else "full", hc, r["layout"], link,
                  _cell(r, "eta", "3"), _cell(r, "eta_compute", "3"), _cell(r, "slow_400", "pct"),
                  _cell(r, "glue", "pct"), _cell(r, "hidden_50", "3"), _cell(r, "hidden_max_50", "3"),
                  "—" if ex is None else f"{1e3 * ex:.1f}", _cell(r, "link_lag_50", "ms"),
@@ -669,6 +709,10 @@ def table_markdown(payload: dict[str, Any]) -> str:
             slow = r["link_sleep_run_50"] - r["link_model_50"]
             line += (f"; the traced sleeps ({r['link_sleeps_traced_50']}) ran {1e3 * slow:+.2f} ms against the model "
                      f"(sleep clock), so they started {1e3 * (r['link_lag_50'] - slow):.2f} ms late (SM wait)")
+        if r.get("link_copy_run_50") is not None and r.get("link_model_50") is not None:
+            slow = r["link_copy_run_50"] - r["link_model_50"]
+            line += (f"; the traced copies ({r['link_copies_traced_50']}) ran {1e3 * slow:+.2f} ms against the model "
+                     f"(copy rate), so they started {1e3 * (r['link_lag_50'] - slow):.2f} ms late (copy queue)")
         lines += ["", line]
     for r in payload.get("cases", []):
         split = r.get("profile")

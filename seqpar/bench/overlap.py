@@ -26,6 +26,10 @@ and uses ``time.perf_counter``. Kernels run on one thread (``torch.set_num_threa
 ``--device cuda`` runs the same on one GPU in bf16: each link a side stream held by a calibrated
 ``torch.cuda._sleep`` (:class:`~seqpar.comm.emulated.CudaLinks`), steps timed with CUDA events, the
 schedule's compute segments measured on the compute stream (``--clock`` does not apply).
+``--link-emulation copy`` holds each message with pinned host <-> device copies instead (the copy engine,
+no SM; :class:`~seqpar.comm.emulated.CopyEngine`, measured once per case), one link per copy direction:
+the ring's; a mode with more links (dilated, several distances) is refused by name. On CPU the host-clock
+links serve either value (recorded as ``host clock``).
 
 Modes: ``ring`` (zigzag when causal, contiguous when not), ``dilated`` (one pattern spanning the whole
 sequence, ``segment_lengths=(S,)``, ``dilation_rates=(1,)``: every block travels, the most transfer a
@@ -49,6 +53,7 @@ import torch
 
 from seqpar.bench.report import format_table, machine_info, write_json
 from seqpar.comm.emulated import (
+    CopyEngine,
     CudaLinks,
     EmulatedLinks,
     EmulatedRing,
@@ -104,14 +109,17 @@ def _step_fn(mode: str, world: int, rank: int, seq_len: int, causal: bool, heads
 
 
 def _timed(step: Callable[[EmulatedLinks], None], bandwidth: float | None, latency: float, clock: str,
-           device: torch.device | None = None, cycles: float | None = None) -> tuple[float, EmulatedLinks]:
+           device: torch.device | None = None, cycles: float | None = None,
+           copies: CopyEngine | None = None) -> tuple[float, EmulatedLinks]:
     """One step on fresh links: its time and the links (their trace). On CUDA the links are
-    :class:`~seqpar.comm.emulated.CudaLinks` and the step is timed with CUDA events."""
+    :class:`~seqpar.comm.emulated.CudaLinks` (held by ``copies`` when given, else by sleeps) and the step
+    is timed with CUDA events."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        links = CudaLinks(bandwidth, latency, device=device, cycles_per_second=cycles)
+        extra = {} if copies is None else {"emulation": "copy", "copies": copies}
+        links = CudaLinks(bandwidth, latency, device=device, cycles_per_second=cycles, **extra)
         step(links)
         end.record()
         links.finish()
@@ -127,15 +135,18 @@ def _timed(step: Callable[[EmulatedLinks], None], bandwidth: float | None, laten
 
 def run_case(mode: str, world: int, seq_len: int, causal: bool, gbps: Sequence[float | str], *, rank: int | None = None,
              heads: int = 8, head_dim: int = 64, ulysses: int = 2, repeats: int = 5, latency_us: float = 0.0,
-             clock: str = "thread", device: str = "cpu") -> list[dict[str, Any]]:
+             clock: str = "thread", device: str = "cpu", link_emulation: str = "sleep") -> list[dict[str, Any]]:
     """Rows (one per link bandwidth) of one (mode, P, S, causal); see the module docstring for the fields."""
+    if link_emulation not in ("sleep", "copy"):
+        raise ValueError(f"--link-emulation must be sleep or copy, not {link_emulation!r}")
     dev = torch.device(device)
-    cycles = None
+    cycles = copies = None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch.cuda.is_available() is False; run with --device cpu")
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
         cycles = sleep_cycles_per_second(dev)
+        copies = CopyEngine.measure(dev) if link_emulation == "copy" else None
     if mode not in MODES:
         raise ValueError(f"--mode must be one of {MODES}, not {mode!r}")
     if seq_len % (2 * world):
@@ -143,7 +154,7 @@ def run_case(mode: str, world: int, seq_len: int, causal: bool, gbps: Sequence[f
     rank = world // 2 if rank is None else rank
     latency = latency_us * 1e-6
     step = _step_fn(mode, world, rank, seq_len, causal, heads, head_dim, ulysses, dev)
-    timed = functools.partial(_timed, clock=clock, device=dev, cycles=cycles)
+    timed = functools.partial(_timed, clock=clock, device=dev, cycles=cycles, copies=copies)
     timed(step, None, latency)  # warm-up
     first = timed(step, None, latency)  # a free-link run to size the links ('auto')
 
@@ -184,6 +195,7 @@ def run_case(mode: str, world: int, seq_len: int, causal: bool, gbps: Sequence[f
             "mode": mode, "world": world, "rank": rank, "seq_len": seq_len, "causal": causal, "heads": heads,
             "head_dim": head_dim, "ulysses_size": ulysses if mode == "hybrid" else None,
             "link_gbps": b_val, "link_auto": b == "auto", "latency_us": latency_us, "clock": clock,
+            "link_emulation": link_emulation if dev.type == "cuda" else "host clock",
             "t_compute": t_compute, "t_transfer": t_transfer, "t_step": t_step,
             "hidden": hidden(t_compute, t_transfer, t_step), "hidden_same_run": same_run,
             "hidden_max": bound["hidden"], "hidden_max_early": early["hidden"],
@@ -205,7 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for causal in args.causal:
             cases += run_case(mode, args.world, args.seq_len, causal, args.link_gbps, rank=args.rank,
                               heads=args.heads, head_dim=args.head_dim, ulysses=args.ulysses_size,
-                              repeats=args.repeats, latency_us=args.latency_us, clock=args.clock, device=args.device)
+                              repeats=args.repeats, latency_us=args.latency_us, clock=args.clock, device=args.device,
+                              link_emulation=args.link_emulation)
             print(format_table(cases[-len(args.link_gbps):], _COLUMNS), flush=True)
     return {"command": "python -m seqpar.bench overlap " + " ".join(sys.argv[1:] if args.argv is None else args.argv),
             "machine": machine_info(), "cases": cases}
@@ -255,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="runs per figure (the median is reported)")
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message link latency")
     p.add_argument("--clock", default="thread", choices=("thread", "wall"))
+    p.add_argument("--link-emulation", default="sleep", choices=("sleep", "copy"),
+                   help="--device cuda: hold a link by a torch.cuda._sleep kernel or by host<->device copies (no SM)")
     p.add_argument("--out", metavar="DIR", help="write DIR/overlap.json")
     return p
 

@@ -16,15 +16,19 @@ between them, is recorded in a :class:`~seqpar.comm.schedule.Trace` for
 :func:`~seqpar.comm.schedule.hidden_bound`.
 
 On CUDA, :class:`CudaLinks` keeps the same model on the device: each link a side stream held by a
-calibrated ``torch.cuda._sleep`` (:func:`sleep_cycles_per_second`), the host never blocking.
+calibrated ``torch.cuda._sleep`` (:func:`sleep_cycles_per_second`; ``emulation="sleep"``) or by pinned
+host <-> device copies that the copy engines run without an SM (:class:`CopyEngine`; ``emulation="copy"``),
+the host never blocking.
 
 Layouts: whatever the inner communicator takes; only the byte counts matter here.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -34,7 +38,12 @@ from seqpar.comm.schedule import Event, Trace
 
 __all__ = [
     "LinkClock", "EmulatedLinks", "EmulatedRing", "EmulatedSegment", "CudaLinks", "sleep_cycles_per_second",
+    "CopyRate", "CopyEngine", "copy_pieces", "copy_direction", "rate_from_two", "EMULATIONS",
 ]
+
+EMULATIONS = ("sleep", "copy")
+"""How :class:`CudaLinks` holds a link for a message's time: a ``torch.cuda._sleep`` kernel (one thread
+block on an SM) or copy-engine copies (no SM)."""
 
 
 class LinkClock:
@@ -208,19 +217,35 @@ class CudaLinks:
     it to its end): :meth:`finish` then lists in :attr:`lags` how much longer each took than
     ``latency + bytes / bandwidth`` (waiting for an SM, or a sleep clock slower than calibrated).
 
+    ``emulation="copy"`` holds a message with copy-engine copies instead of the sleep (``copies``, a
+    :class:`CopyEngine`: pinned host <-> device, ``non_blocking``, on the link's stream, sized by
+    :func:`copy_pieces` to last ``latency + bytes / bandwidth`` at the measured copy rate): no kernel,
+    so no SM to wait for whatever the compute stream runs (a persistent attention kernel included).
+    The waits and the FIFO order are the sleep's. A ``send`` link copies device -> host and a ``recv``
+    link host -> device; two links of one direction would share its copy engine and each copy would run
+    longer than sized, so a second one is refused by name (gpu-perf's ring uses one link each way).
+
     Posts and waits are recorded in :attr:`trace`, and :meth:`finish` adds the compute stream's time
     between them (CUDA events around each segment; the time the stream idles in a wait is excluded), so
     a trace replays as :class:`EmulatedLinks`' does (:func:`~seqpar.comm.schedule.hidden_bound`).
     """
 
     def __init__(self, bandwidth: float | None, latency: float = 0.0, *, device: torch.device,
-                 cycles_per_second: float | None = None, high_priority: bool = True, time_links: bool = False) -> None:
+                 cycles_per_second: float | None = None, high_priority: bool = True, time_links: bool = False,
+                 emulation: str = "sleep", copies: CopyEngine | None = None) -> None:
         if bandwidth is not None and bandwidth <= 0:
             raise ValueError(f"CudaLinks: bandwidth must be > 0 bytes/s (or None for free links), not {bandwidth}")
         if device.type != "cuda":
             raise ValueError(f"CudaLinks needs a CUDA device, not {device}; on CPU use EmulatedLinks")
-        self.bandwidth, self.latency, self.device = bandwidth, latency, device
-        self.cycles_per_second = cycles_per_second if cycles_per_second else sleep_cycles_per_second(device)
+        if emulation not in EMULATIONS:
+            raise ValueError(f"CudaLinks: emulation must be one of {EMULATIONS}, not {emulation!r}")
+        self.bandwidth, self.latency, self.device, self.emulation = bandwidth, latency, device, emulation
+        if emulation == "sleep":
+            self.cycles_per_second = cycles_per_second if cycles_per_second else sleep_cycles_per_second(device)
+        else:
+            self.cycles_per_second = cycles_per_second
+            self.copies = copies if copies is not None or bandwidth is None else CopyEngine.measure(device)
+        self._directions: dict[str, tuple] = {}  # copy direction -> the link holding it (emulation "copy")
         self.trace = Trace()
         self.high_priority, self.time_links = high_priority, time_links
         self.lags: list[float] = []  # seconds each timed message took beyond its modelled time (finish())
@@ -257,6 +282,14 @@ class CudaLinks:
             if self.bandwidth is None:
                 continue
             stream = self._streams.get(link)
+            if stream is None and self.emulation == "copy":
+                direction = copy_direction(link)
+                other = self._directions.setdefault(direction, link)
+                if other != link:
+                    raise ValueError(
+                        f"CudaLinks(emulation='copy'): link {link} would share the {direction} copy engine with link "
+                        f"{other}; their copies would split its rate and each last longer than its message. The copy "
+                        "emulation holds one link per direction (a ring at distance 1): use --link-emulation sleep")
             if stream is None:
                 # high priority: the sleep takes the next free SM instead of queueing behind the compute
                 # stream's grid in flight (see the class docstring)
@@ -267,7 +300,11 @@ class CudaLinks:
                 begin = torch.cuda.Event(enable_timing=True) if self.time_links else None
                 if begin is not None:
                     begin.record(stream)
-                torch.cuda._sleep(max(1, int(self.transfer_seconds(nbytes) * self.cycles_per_second)))
+                if self.emulation == "copy":
+                    self.copies.issue(copy_direction(link), self.transfer_seconds(nbytes),
+                                      what=f"a message of {nbytes} bytes on link {link}")
+                else:
+                    torch.cuda._sleep(max(1, int(self.transfer_seconds(nbytes) * self.cycles_per_second)))
                 end = torch.cuda.Event(enable_timing=self.time_links)
                 end.record(stream)
             if begin is not None:
@@ -311,3 +348,127 @@ class _CudaTimed(Pending):
             self._received = self._wait()
             self._finish = None
         return self._received
+
+
+# ------------------------------------------------------------------------------------------ copy-engine links
+@dataclass(frozen=True)
+class CopyRate:
+    """One copy direction's measured cost: a copy of ``n`` bytes lasts ``fixed + n / rate`` seconds."""
+
+    fixed: float
+    rate: float
+
+    def seconds(self, nbytes: int) -> float:
+        return self.fixed + nbytes / self.rate
+
+
+def copy_direction(link: tuple) -> str:
+    """The copy direction that holds ``link``: ``"d2h"`` for a ``("send", d)`` link, ``"h2d"`` for a
+    ``("recv", d)`` one, so a rank's two directions of one distance use PCIe's two directions (two copy
+    engines) and never share one."""
+    return "d2h" if link[0] == "send" else "h2d"
+
+
+def copy_pieces(seconds: float, rate: CopyRate, buffer_bytes: int, *, what: str = "a message") -> list[int]:
+    """Byte counts of the copies that together last ``seconds`` at ``rate``, each at most ``buffer_bytes``
+    (the staging buffers' size): ``k`` copies of ``S`` bytes in all last ``k * fixed + S / rate``, so
+    ``S = (seconds - k * fixed) * rate`` with the least ``k`` such that ``S <= k * buffer_bytes``; the
+    pieces are as equal as whole bytes allow. A bandwidth above the copy rate needs nothing special: the
+    copies carry none of the message's bytes (the loopback moves nothing), only its duration, so they
+    are then smaller than the message. Raises ``ValueError`` naming ``what`` when ``seconds`` is shorter
+    than one copy's fixed cost (no copy can last that little: a silent wrong figure otherwise)."""
+    if rate.rate <= 0 or rate.fixed < 0 or buffer_bytes < 1:
+        raise ValueError(f"copy_pieces: need rate > 0, fixed >= 0 and buffer_bytes >= 1, not {rate}, {buffer_bytes}")
+    k = 1
+    while True:
+        total = (seconds - k * rate.fixed) * rate.rate
+        if total < k:  # each copy at least one byte
+            raise ValueError(
+                f"copy emulation: {what} lasts {seconds * 1e6:.2f} us on the link model, less than "
+                f"{k} cop{'y' if k == 1 else 'ies'} of at least one byte ({k * rate.fixed * 1e6:.2f} us of fixed cost "
+                f"at {rate.rate / 1e9:.1f} GB/s): a copy cannot hold it that briefly. Use --link-emulation sleep, a "
+                "lower bandwidth, a larger latency or larger messages")
+        need = math.ceil(total / buffer_bytes)
+        if need <= k:
+            break
+        k = need
+    total = int(total)
+    return [total // k + (1 if i < total % k else 0) for i in range(k)]
+
+
+class CopyEngine:
+    """Pinned host and device staging buffers (``buffer_bytes`` each) and each direction's measured
+    :class:`CopyRate`: what :class:`CudaLinks` (``emulation="copy"``) holds a link with. Made once per run
+    (:meth:`measure`) and shared by every ``CudaLinks`` of it, as the sleep's clock rate is. The buffers'
+    contents are garbage: only the copies' durations matter."""
+
+    def __init__(self, device: torch.device, rates: dict[str, CopyRate], *, buffer_bytes: int = 64 << 20,
+                 pin: bool = True) -> None:
+        missing = {"h2d", "d2h"} - set(rates)
+        if missing:
+            raise ValueError(f"CopyEngine: rates need 'h2d' and 'd2h', missing {sorted(missing)}")
+        self.device, self.rates, self.buffer_bytes = device, dict(rates), buffer_bytes
+        self.host = torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin)
+        # one device buffer per direction: the two directions' copies run at once
+        self.dev = {d: torch.empty(buffer_bytes, dtype=torch.uint8, device=device) for d in ("h2d", "d2h")}
+        self.host_out = torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin)
+
+    def issue(self, direction: str, seconds: float, *, what: str = "a message") -> list[int]:
+        """Queue on the current stream the copies that last ``seconds`` in ``direction``; returns their
+        sizes. Asynchronous (pinned memory, ``non_blocking``): the host does not wait, no SM runs them."""
+        sizes = copy_pieces(seconds, self.rates[direction], self.buffer_bytes, what=what)
+        for n in sizes:
+            self._copy(direction, n)
+        return sizes
+
+    def _copy(self, direction: str, n: int) -> None:
+        if direction == "h2d":
+            self.dev[direction][:n].copy_(self.host[:n], non_blocking=True)
+        else:
+            self.host_out[:n].copy_(self.dev[direction][:n], non_blocking=True)
+
+    @classmethod
+    def measure(cls, device: torch.device, *, buffer_bytes: int = 64 << 20, small: int = 1 << 16,
+                repeats: int = 3) -> CopyEngine:
+        """Each direction's :class:`CopyRate` from CUDA events around copies of ``small`` bytes and of the
+        whole buffer (median of ``repeats`` after a warm-up): ``rate`` from the difference, ``fixed`` from
+        the small copy (at least 0). The whole-buffer copy is timed while the other direction copies too
+        (two whole buffers on a side stream, started with it): a ring's send and receive messages are
+        posted together, so its links run both directions at once (PCIe is full duplex, but the host's
+        memory and the bus's overheads are shared)."""
+        engine = cls(device, {"h2d": CopyRate(0.0, 1.0), "d2h": CopyRate(0.0, 1.0)}, buffer_bytes=buffer_bytes)
+        stream = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device=device)
+        for direction in ("h2d", "d2h"):
+            other = "d2h" if direction == "h2d" else "h2d"
+            times = {}
+            for n in (small, buffer_bytes):
+                runs = []
+                for i in range(repeats + 1):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
+                    if n == buffer_bytes:
+                        side.wait_event(start)
+                        with torch.cuda.stream(side):
+                            engine._copy(other, n)
+                            engine._copy(other, n)
+                    engine._copy(direction, n)
+                    end.record(stream)
+                    end.synchronize()
+                    if i:
+                        runs.append(start.elapsed_time(end) * 1e-3)
+                times[n] = sorted(runs)[len(runs) // 2]
+            side.synchronize()
+            engine.rates[direction] = rate_from_two(small, times[small], buffer_bytes, times[buffer_bytes])
+        return engine
+
+
+def rate_from_two(small: int, t_small: float, big: int, t_big: float) -> CopyRate:
+    """The :class:`CopyRate` through two timed copies (``t_small`` s for ``small`` bytes, ``t_big`` for
+    ``big``): ``rate = (big - small) / (t_big - t_small)``, ``fixed = t_small - small / rate`` (at least
+    0). Raises ``ValueError`` when the larger copy was not slower (a broken measurement)."""
+    if big <= small or t_big <= t_small:
+        raise ValueError(f"copy calibration: {big} bytes took {t_big * 1e6:.1f} us, not more than {small} bytes' "
+                         f"{t_small * 1e6:.1f} us; rerun (a loaded machine?) or use --link-emulation sleep")
+    rate = (big - small) / (t_big - t_small)
+    return CopyRate(max(0.0, t_small - small / rate), rate)

@@ -14,7 +14,9 @@ sync (:class:`StreamLog`). :func:`simulate` then plays that graph with modelled 
   ``attention_flops``; its backward is modelled as FlashAttention-2's three kernels (the ``rowsum(dO * O)``
   prologue, the main kernel, the dq conversion), the short ones at memory speed;
 - any other kernel moves the bytes of its tensors (inputs read, outputs written) at ``hbm`` bytes/s;
-- every kernel costs ``launch`` seconds more; a sleep lasts its cycles at ``cycles_per_second``.
+- every kernel costs ``launch`` seconds more; a sleep lasts its cycles at ``cycles_per_second``;
+- a host <-> device copy on a link stream (``CudaLinks(emulation="copy")``, logged as ``"copy"``, not as a
+  kernel: the copy engine runs it, no SM) lasts ``copy_fixed + bytes / copy_rate``.
 
 Two models of when a side stream's kernel (a link's sleep) starts once its stream and events allow it:
 
@@ -28,6 +30,7 @@ Two models of when a side stream's kernel (a link's sleep) starts once its strea
   compute stream (``torch.cuda.Stream(priority=-1)``) gets the next SM a thread block frees instead,
   modelled as at once (the ``ideal`` start): that holds while the compute kernels retire thread blocks
   during their run, which a persistent kernel (one block per SM for the whole grid) would not.
+  A link's copies wait for no SM under either model.
 
 Both are models, not measurements; the durations are a roofline, not a profile.
 """
@@ -70,7 +73,8 @@ _NO_KERNEL = {
 @dataclass
 class Op:
     """One entry of a stream, in host order. ``kind``: ``"kernel"`` (``name``, ``flops``, ``nbytes``,
-    ``attention``, ``backward``, ``causal``), ``"sleep"`` (``cycles``), ``"record"`` (``event``: the id
+    ``attention``, ``backward``, ``causal``), ``"sleep"`` (``cycles``), ``"copy"`` (a host <-> device
+    copy on a link stream: ``name`` ``HtoD`` / ``DtoH``, ``nbytes`` copied), ``"record"`` (``event``: the id
     of the event object recorded), ``"wait"`` (``event``, ``version``: the host index of the record it
     waits for, -1 for an event never recorded), ``"record_stream"`` or ``"host_sync"`` (``name``)."""
 
@@ -103,8 +107,8 @@ class StreamLog:
         return [op for op in self.ops if op.stream == stream]
 
     def kinds(self, stream: str) -> list[str]:
-        """The stream's ops as short words (tests read these): ``kernel:name``, ``sleep``, ``record``,
-        ``wait``, ``host_sync:name``."""
+        """The stream's ops as short words (tests read these): ``kernel:name``, ``sleep``, ``copy``,
+        ``record``, ``wait``, ``host_sync:name``."""
         return [f"{op.kind}:{op.name}" if op.kind in ("kernel", "host_sync") else op.kind for op in self.on(stream)]
 
 
@@ -199,6 +203,13 @@ class _Kernels(TorchDispatchMode):
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, Tensor)]
         if not any(t.device.type == "cuda" for t in tensors):
             return out
+        devices = {t.device.type for t in tensors}
+        if name == "copy_" and devices == {"cpu", "cuda"} and self.rec.current.name != MAIN:
+            # a host <-> device copy on a link stream: the copy engine's, no kernel (CudaLinks' copy emulation)
+            dst = args[0]
+            self.rec.add(self.rec.current.name, "copy", name="HtoD" if dst.device.type == "cuda" else "DtoH",
+                         nbytes=dst.numel() * dst.element_size(), where=_where())
+            return out
         attention = name.startswith(_ATTENTION)
         flops, causal, backward = _flops(func, args, kwargs) if attention else (0.0, False, False)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -266,19 +277,24 @@ def record_streams() -> Iterator[_Recorder]:
 class Timing:
     """Modelled durations (an H200 in bf16 by default; see the module docstring). ``attention_flops``:
     FLOP/s of the attention kernels; ``hbm``: bytes/s of every other kernel; ``launch``: seconds added to
-    each kernel; ``cycles_per_second``: the sleep's clock (what ``CudaLinks`` was given);
-    ``backward_kernels``: model an attention backward as FlashAttention-2's three kernels (else one)."""
+    each kernel; ``cycles_per_second``: the sleep's clock (what ``CudaLinks`` was given); ``copy_rate``,
+    ``copy_fixed``: a link copy's bytes/s and seconds per copy; ``backward_kernels``: model an attention
+    backward as FlashAttention-2's three kernels (else one)."""
 
     attention_flops: float = 450e12
     hbm: float = 3.0e12
     launch: float = 3e-6
     cycles_per_second: float = 1e9
     backward_kernels: bool = True
+    copy_rate: float = 50e9
+    copy_fixed: float = 0.0
 
     def pieces(self, op: Op) -> list[float]:
         """The kernel(s) one logged op runs, in seconds."""
         if op.kind == "sleep":
             return [op.cycles / self.cycles_per_second]
+        if op.kind == "copy":
+            return [self.copy_fixed + op.nbytes / self.copy_rate]
         if not op.attention:
             return [self.launch + op.nbytes / self.hbm]
         main = self.launch + op.flops / self.attention_flops
@@ -327,7 +343,7 @@ def simulate(log: StreamLog, timing: Timing, dispatch: str = "ideal") -> dict[st
         t, s = best
         op = queues[s][pos[s]]
         pos[s] += 1
-        if op.kind in ("kernel", "sleep"):
+        if op.kind in ("kernel", "sleep", "copy"):
             begin = t
             if op.kind == "sleep" and s != MAIN and dispatch == "tail" and log.priority.get(s, 0) >= log.priority[MAIN]:
                 inflight = [(e, k) for b, e, k in main_kernels if b <= t < e]
@@ -360,8 +376,8 @@ def host_schedule(log: StreamLog, timing: Timing) -> list[Any]:
     """The host-side schedule of ``log`` as :func:`~seqpar.comm.schedule.hidden_bound` replays it
     (what ``gpu-perf``'s ``hidden_max_50`` is): the compute stream's kernels as ``compute`` events in
     host order, each link sleep a ``post`` on its link (``nbytes`` = its cycles: replay with
-    ``lambda c: c / timing.cycles_per_second``), and each compute-stream wait on a link's event the
-    ``wait`` of the sleeps recorded before it."""
+    ``lambda c: c / timing.cycles_per_second``; a link copy posts its modelled seconds in those cycles),
+    and each compute-stream wait on a link's event the ``wait`` of the sleeps recorded before it."""
     from seqpar.comm.schedule import Event
 
     events: list[Any] = []
@@ -370,9 +386,10 @@ def host_schedule(log: StreamLog, timing: Timing) -> list[Any]:
     for op in log.ops:
         if op.stream == MAIN and op.kind == "kernel":
             events.append(Event("compute", seconds=sum(timing.pieces(op))))
-        elif op.kind == "sleep" and op.stream != MAIN:
+        elif op.kind in ("sleep", "copy") and op.stream != MAIN:
             last_sleep[op.stream] = op.index
-            events.append(Event("post", xid=op.index, nbytes=op.cycles, link=(op.stream,)))
+            cycles = op.cycles if op.kind == "sleep" else sum(timing.pieces(op)) * timing.cycles_per_second
+            events.append(Event("post", xid=op.index, nbytes=cycles, link=(op.stream,)))
         elif op.kind == "record" and op.stream != MAIN and op.stream in last_sleep:
             recorded_after[op.index] = last_sleep[op.stream]
         elif op.kind == "wait" and op.stream == MAIN and op.version in recorded_after:
@@ -384,12 +401,16 @@ def host_schedule(log: StreamLog, timing: Timing) -> list[Any]:
 def ring_step_log(*, world: int = 8, rank: int = 4, seq_local: int = 16384, causal: bool = True,
                   layout: str = "hf", q_heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                   bandwidth: float | None = 50e9, dtype: torch.dtype = torch.bfloat16,
-                  cudnn_version: int = 91900, cycles_per_second: float = 1e9, high_priority: bool = True) -> StreamLog:
+                  cudnn_version: int = 91900, cycles_per_second: float = 1e9, high_priority: bool = True,
+                  emulation: str = "sleep", copy_rate: Any = None, copy_buffer_bytes: int = 64 << 20) -> StreamLog:
     """``gpu-perf``'s step (rank ``rank`` of ``world``, Llama-3-8B heads, bf16, causal zigzag or full
     contiguous sharding, inputs in ``layout`` ``"hf"`` or ``"contiguous"``, head_chunks 1) over
     ``CudaLinks(bandwidth)`` on fake CUDA tensors, as an H200 runs it (sm90, cuDNN ``cudnn_version``:
     cuDNN attention first from 9.15 on, as torch does). ``high_priority``: ``CudaLinks``' link streams'
-    priority (False: torch's default, as before issue 29 §8's fix). Needs torch's CUDA build."""
+    priority (False: torch's default, as before issue 29 §8's fix). ``emulation``: ``CudaLinks``' link
+    emulation, ``"copy"`` with a :class:`~seqpar.comm.emulated.CopyRate` ``copy_rate`` for both directions
+    (default: 1 byte a cycle, so a copy's bytes are the sleep's cycles) and staging buffers of
+    ``copy_buffer_bytes``. Needs torch's CUDA build."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import seqpar.kernels.backends as backends
@@ -415,10 +436,20 @@ def ring_step_log(*, world: int = 8, rank: int = 4, seq_local: int = 16384, caus
 
             with checker.paused():
                 q, k, v, dout = make(q_heads), make(kv_heads), make(kv_heads), make(q_heads)
+                engine = None
+                if emulation != "sleep":  # (older trees have the sleep only)
+                    from seqpar.comm.emulated import CopyEngine, CopyRate
+
+                    rate = copy_rate or CopyRate(0.0, cycles_per_second)
+                    engine = CopyEngine(torch.device("cuda", 0), {"h2d": rate, "d2h": rate},
+                                        buffer_bytes=copy_buffer_bytes)
             rec.log.ops.clear()  # the inputs' creation is no part of the step
             opts = AttentionOptions(causal=causal, scale=head_dim ** -0.5,
                                     sharding="zigzag" if causal else "contiguous", head_chunks=1)
-            extra = {"high_priority": high_priority} if "high_priority" in inspect.signature(CudaLinks).parameters else {}
+            params = inspect.signature(CudaLinks).parameters
+            extra: dict[str, Any] = {"high_priority": high_priority} if "high_priority" in params else {}
+            if engine is not None:
+                extra.update(emulation=emulation, copies=engine)
             links = CudaLinks(bandwidth, device=torch.device("cuda", 0), cycles_per_second=cycles_per_second, **extra)
             comm = EmulatedRing(LoopbackComm(rank, world, transfer=False), links)
             with checker.layer("ring_forward"):
@@ -483,10 +514,20 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - a repo
     p.add_argument("--attention-tflops", type=float, default=450.0)
     p.add_argument("--delays", action="store_true", help="list the sleeps' modelled SM waits by the kernel in flight")
     p.add_argument("--link-priority", default="high", choices=("high", "normal"))
+    p.add_argument("--link-emulation", default="sleep", choices=("sleep", "copy"),
+                   help="copy: the links held by copies at --copy-gbps, 10 us a copy")
+    p.add_argument("--copy-gbps", type=float, default=52.0)
     args = p.parse_args(argv)
+    copy_rate = None
+    if args.link_emulation == "copy":
+        from seqpar.comm.emulated import CopyRate
+
+        copy_rate = CopyRate(10e-6, args.copy_gbps * 1e9)
     log = ring_step_log(seq_local=args.seq_local, layout=args.layout, causal=args.causal == "yes",
-                        bandwidth=args.gbps * 1e9, high_priority=args.link_priority == "high")
-    timing = Timing(attention_flops=args.attention_tflops * 1e12)
+                        bandwidth=args.gbps * 1e9, high_priority=args.link_priority == "high",
+                        emulation=args.link_emulation, copy_rate=copy_rate)
+    timing = Timing(attention_flops=args.attention_tflops * 1e12,
+                    **({} if copy_rate is None else {"copy_rate": copy_rate.rate, "copy_fixed": copy_rate.fixed}))
     report = hidden_report(log, timing)
     print(json.dumps(report, indent=1))
     if args.delays:
