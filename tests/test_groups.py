@@ -69,16 +69,24 @@ def _threads(rank: int, world: int) -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _assert_no_threads_left(dist_pool, task, *args, times: int, expect: list | None = None, **run_kwargs) -> None:
+    """Runs ``task(rank, 2, *args)`` on 2 ranks ``times`` times between two thread counts of each rank: no rank
+    may end with more than 2 threads over its count before (a gloo group that outlives its task keeps ~3 for
+    good). ``expect``: what every run must return, when given; ``run_kwargs`` go to ``dist_pool.run``."""
+    before = dist_pool.run(2, _threads)
+    for _ in range(times):
+        out = dist_pool.run(2, task, *args, **run_kwargs)
+        assert expect is None or out == expect, out
+    after = dist_pool.run(2, _threads)
+    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_harness_destroys_groups_a_task_left_behind(dist_pool):
     # Each gloo group holds threads and sockets; a pool rank runs hundreds of tasks in a session, so the
     # groups one task leaves must not outlive it (the next task destroys them). Each manager here is 12 threads.
-    dist_pool.run(2, _threads)
-    before = dist_pool.run(2, _threads)
-    for _ in range(5):
-        dist_pool.run(2, _leave_a_manager)
-    after = dist_pool.run(2, _threads)
-    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+    dist_pool.run(2, _threads)  # warm-up: the pool started and what earlier tasks left cleaned up, before the count
+    _assert_no_threads_left(dist_pool, _leave_a_manager, times=5)
 
 
 class _Cycle:
@@ -100,12 +108,8 @@ def _leave_a_group_in_a_cycle(rank: int, world: int) -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_harness_frees_groups_a_task_left_in_a_reference_cycle(dist_pool):
-    dist_pool.run(2, _threads)
-    before = dist_pool.run(2, _threads)
-    for _ in range(5):
-        dist_pool.run(2, _leave_a_group_in_a_cycle)
-    after = dist_pool.run(2, _threads)
-    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+    dist_pool.run(2, _threads)  # warm-up: the pool started and what earlier tasks left cleaned up, before the count
+    _assert_no_threads_left(dist_pool, _leave_a_group_in_a_cycle, times=5)
 
 
 _KEPT: list = []  # a module-level reference on each rank: the clean-up cannot release what it holds
@@ -153,11 +157,7 @@ def test_released_deepspeed_engines_free_their_threads(dist_pool, stage):
     # groups left and collects cycles. An engine kept alive keeps DeepSpeed's groups: +9-15 threads a task.
     pytest.importorskip("deepspeed")
     assert dist_pool.run(2, _release_a_deepspeed_engine, stage, timeout=300) == [True, True]  # + one-time set-up
-    before = dist_pool.run(2, _threads)
-    for _ in range(3):
-        assert dist_pool.run(2, _release_a_deepspeed_engine, stage, timeout=300) == [True, True]
-    after = dist_pool.run(2, _threads)
-    assert all(a <= b + 2 for a, b in zip(after, before)), (before, after)
+    _assert_no_threads_left(dist_pool, _release_a_deepspeed_engine, stage, times=3, expect=[True, True], timeout=300)
 
 
 def test_deepspeed_teardown_refuses_unchecked_versions(monkeypatch):

@@ -147,64 +147,11 @@ def seqpar_attention_forward(
         # judges the rest of the model around it.
         return self_only_attention(query, value).transpose(1, 2).contiguous(), None
     if options is None:
-        # A layer the swap config left out (name patterns): transformers' own SDPA path, which is
-        # only right while the sequence is not sharded.
-        try:
-            _, world_size = sp_rank_and_size(None)
-        except ValueError:  # no manager on a world > 1: the SP group is unknown, so the world may be shards
-            world_size = dist.get_world_size()  # (a refusal either way; this one names the left-out layer)
-        if world_size > 1:
-            raise ValueError(
-                f"seqpar: attention layer {type(module).__name__} (layer_idx "
-                f"{getattr(module, 'layer_idx', '?')}) was left out by sequence_parallel.swap, but "
-                f"the model runs on sequence shards of {world_size} ranks, where it would see only "
-                "this rank's keys. Include every attention layer in sequence_parallel.swap. If this "
-                "model was never swapped, it shares its config object with a swapped one (transformers "
-                "keeps the attention implementation on the config, and the swap sets it to seqpar's): "
-                "build each model from its own config (copy.deepcopy(config))"
-            )
-        if isinstance(attention_mask, WindowMask):  # the unsharded sequence: the window as a tensor
-            i = torch.arange(query.shape[2], device=query.device)[:, None]
-            j = torch.arange(key.shape[2], device=query.device)[None, :]
-            attention_mask = ((j <= i) & (i - j < attention_mask.window))[None, None]
-        return transformers.AttentionInterface._global_mapping["sdpa"](
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, **kwargs,
-        )
+        return _left_out_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                   is_causal=is_causal, **kwargs)
     layer = layer_name(module)
-    refuse_unknown_kwargs(kwargs, layer, module)
-    if kwargs.get("output_attentions"):
-        raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError(f"seqpar (layer '{layer}'): a position bias (position_bias=...) is not supported")
-    if dropout:
-        raise ValueError(
-            f"seqpar (layer '{layer}'): attention dropout {dropout} in training is not supported; "
-            "set the config's attention dropout to 0.0"
-        )
-    seq_local = query.shape[2]
-    if key.shape[2] != seq_local:
-        raise ValueError(
-            f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
-            "cross-attention is not supported on a sharded sequence"
-        )
-    sliding_window = kwargs.get("sliding_window")
-    if isinstance(attention_mask, WindowMask):
-        if sliding_window is not None and sliding_window != attention_mask.window:
-            raise ValueError(
-                f"seqpar (layer '{layer}'): the layer passed sliding_window={sliding_window} but its mask "
-                f"is a window of {attention_mask.window}; the model is inconsistent"
-            )
-        sliding_window, attention_mask = attention_mask.window, None
-    if attention_mask is not None:
-        # while torch.compile traces, a mask's values cannot be read: a caller's own mask is refused
-        if (not isinstance(attention_mask, Tensor) or torch.compiler.is_compiling()
-                or not _masks_nothing(attention_mask)):
-            raise ValueError(
-                f"seqpar (layer '{layer}'): got a custom attention mask ({type(attention_mask).__name__}"
-                f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "
-                "attention honours only causal or bidirectional attention with no mask"
-            )
+    _refuse_unsupported_call(layer, module, query, key, dropout, kwargs)
+    sliding_window = _sliding_window(layer, attention_mask, kwargs.get("sliding_window"))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if not causal and kwargs.get("cu_seq_lens_q") is None and call_frame.token_mask() is not None:
         raise _bidirectional_padding_error(layer)
@@ -223,6 +170,79 @@ def seqpar_attention_forward(
                             sinks=kwargs.get("s_aux"), chunk_size=layer_chunk_size(module),
                             softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None  # (B, H, S, D) -> (B, S, H, D)
+
+
+def _left_out_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                        **kwargs: Any) -> tuple[Tensor, None]:
+    """A layer the swap config left out (name patterns): transformers' own SDPA path (``kwargs``: what it
+    takes, ``dropout``, ``scaling``, ``is_causal`` included), which is only right while the sequence is not
+    sharded; on shards, refused naming the layer. Shapes as :func:`seqpar_attention_forward`."""
+    try:
+        _, world_size = sp_rank_and_size(None)
+    except ValueError:  # no manager on a world > 1: the SP group is unknown, so the world may be shards
+        world_size = dist.get_world_size()  # (a refusal either way; this one names the left-out layer)
+    if world_size > 1:
+        raise ValueError(
+            f"seqpar: attention layer {type(module).__name__} (layer_idx "
+            f"{getattr(module, 'layer_idx', '?')}) was left out by sequence_parallel.swap, but "
+            f"the model runs on sequence shards of {world_size} ranks, where it would see only "
+            "this rank's keys. Include every attention layer in sequence_parallel.swap. If this "
+            "model was never swapped, it shares its config object with a swapped one (transformers "
+            "keeps the attention implementation on the config, and the swap sets it to seqpar's): "
+            "build each model from its own config (copy.deepcopy(config))"
+        )
+    if isinstance(attention_mask, WindowMask):  # the unsharded sequence: the window as a tensor
+        i = torch.arange(query.shape[2], device=query.device)[:, None]
+        j = torch.arange(key.shape[2], device=query.device)[None, :]
+        attention_mask = ((j <= i) & (i - j < attention_mask.window))[None, None]
+    return transformers.AttentionInterface._global_mapping["sdpa"](module, query, key, value, attention_mask,
+                                                                   **kwargs)
+
+
+def _refuse_unsupported_call(layer: str, module: nn.Module, query: Tensor, key: Tensor, dropout: float,
+                             kwargs: dict[str, Any]) -> None:
+    """Refuse, naming ``layer``, what a swapped layer's call cannot be given: an unknown keyword, attention
+    weights, a position bias, dropout, and keys of another length than the queries ``(batch, heads, seq_local,
+    head_dim)`` (a KV cache, cross-attention)."""
+    refuse_unknown_kwargs(kwargs, layer, module)
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"seqpar (layer '{layer}'): output_attentions=True is not supported")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"seqpar (layer '{layer}'): a position bias (position_bias=...) is not supported")
+    if dropout:
+        raise ValueError(
+            f"seqpar (layer '{layer}'): attention dropout {dropout} in training is not supported; "
+            "set the config's attention dropout to 0.0"
+        )
+    seq_local = query.shape[2]
+    if key.shape[2] != seq_local:
+        raise ValueError(
+            f"seqpar (layer '{layer}'): {seq_local} queries but {key.shape[2]} keys; a KV cache or "
+            "cross-attention is not supported on a sharded sequence"
+        )
+
+
+def _sliding_window(layer: str, attention_mask: Any, sliding_window: int | None) -> int | None:
+    """The call's window: the layer's ``sliding_window``, or the :class:`WindowMask`'s (the two must agree).
+    Any other mask is refused, naming ``layer``, unless it is a tensor that masks nothing (read eagerly: while
+    torch.compile traces its values cannot be read, so it is refused too)."""
+    if isinstance(attention_mask, WindowMask):
+        if sliding_window is not None and sliding_window != attention_mask.window:
+            raise ValueError(
+                f"seqpar (layer '{layer}'): the layer passed sliding_window={sliding_window} but its mask "
+                f"is a window of {attention_mask.window}; the model is inconsistent"
+            )
+        return attention_mask.window
+    if attention_mask is not None:
+        # while torch.compile traces, a mask's values cannot be read: a caller's own mask is refused
+        if (not isinstance(attention_mask, Tensor) or torch.compiler.is_compiling()
+                or not _masks_nothing(attention_mask)):
+            raise ValueError(
+                f"seqpar (layer '{layer}'): got a custom attention mask ({type(attention_mask).__name__}"
+                f"{tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else ''}); seqpar "
+                "attention honours only causal or bidirectional attention with no mask"
+            )
+    return sliding_window
 
 
 def _global_temperature(module: nn.Module, query: Tensor, options: SwapOptions, cu_seqlens: Any) -> Tensor:
