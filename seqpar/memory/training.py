@@ -347,7 +347,10 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
     tests/test_training_memory.py's 2-layer ZeRO-3 settings, est29 / est29b) and every layer's persistent tensors
     (``persistence`` elements or fewer: whole on every rank from the start). ``layers``: the layers'
     non-persistent tensors gathered at the backward's moments: all of them when the model's non-persistent
-    parameters are within ``reuse`` (what the forward gathered is kept for its reuse in the backward), else a
+    parameters are within ``reuse`` (what the forward gathered is kept for its reuse in the backward) or within what
+    the fetches before the first layer's MLP is released can prefetch (:data:`ZERO3_FETCHES_BEFORE_RELEASE`
+    ``x prefetch``: the prefetcher then passes every backward use and DeepSpeed releases nothing before it; measured
+    past a 1e6-element reuse distance at 4 and 8 layers, est32), else a
     layer and its prefetch; released by the end of backward (est31: a one-layer model's MLP weights, 3 x 1,048,576 B,
     alive at its layer's backward and not at the end of backward's reduction). ``forward_fetch``: the traced step's
     first coalesced all-gather (the first fetch's prefetch: up to ``prefetch`` elements ahead, the root's
@@ -599,19 +602,19 @@ class _Overflow(NamedTuple):
     after_mlp: bool
     """The layer in flight has finished its MLP's backward (the overflowing gradient is attention's)."""
     arriving: int = 0
-    """In the layer in flight's MLP backward (0 otherwise): the elements of the gradients alive beside the reduction,
-    not yet in the bucket: the one whose arrival overflows it (stage3 reduces the bucket before copying it in) and, at
-    up_proj's, gate_proj's, made by then (est31c, recorded at the measured peaks: one 524,288-byte weight gradient
-    at gate_proj's overflow, two at up_proj's)."""
+    """The elements of the weight gradients alive beside the reduction, not yet in the bucket: the one whose arrival
+    overflows it (stage3 reduces the bucket before copying it in) and, in the MLP's backward, the MLP's later ones:
+    the bucket's hook runs once the MLP's three weight backwards ran (recorded: one 524,288-byte weight gradient at
+    gate_proj's overflow, two at up_proj's, est31c; three at down_proj's, est32; o_proj's own at its overflow,
+    est32). 0 at attention's other gradients (not traced)."""
     mlp_ran: bool = False
-    """That gradient is up_proj's, gate_proj's or the post-attention norm's: the MLP's weight backwards have run and
-    freed its saved intermediates (recorded at up_proj's and gate_proj's overflows, est31c; at down_proj's, not
-    traced, none is taken as freed)."""
+    """The overflow is in the layer in flight's MLP backward: the MLP's weight backwards have run and freed its saved
+    intermediates (recorded at down_proj's, up_proj's and gate_proj's overflows, est31c / est32)."""
     contents: int = 0
     """The elements in the bucket when it overflows (what its flat reduce-scatter input copies), where the overflow
-    is traced: at up_proj's, gate_proj's and o_proj's gradients (est31c, est32: the flat input and gloo's copy were
-    2 x 7,670,016 / 2 x 7,145,728 / 2 x 8,389,120 B, the contents, not the bucket's size). 0 elsewhere: a full
-    bucket is counted (not traced)."""
+    is traced: at down_proj's, up_proj's, gate_proj's and o_proj's gradients (est32: the flat input and gloo's copy
+    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size). 0
+    elsewhere (the norms', q, k, v's): a full bucket is counted (not traced)."""
     at_o_proj: bool = False
     """The overflowing gradient is o_proj's, the first of attention's backward (est32, recorded at the 2.1e6-element
     bucket's peak): the post-attention norm's backward has freed its saved tensors, and o_proj's input gradient
