@@ -643,9 +643,10 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
         for after_mlp, part in ((False, mlp), (True, attention)):
             for j, n in enumerate(part):
                 if elems + n > reduce_bucket_size and elems > 0:
-                    if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32)
-                        return _Overflow(done, True, n if j == 0 else 0, contents=elems if j == 0 else 0,
-                                         at_o_proj=j == 0)
+                    if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32; not for hybrids' mixers)
+                        traced = j == 0 and not m.layer_kinds
+                        return _Overflow(done, True, n if traced else 0, contents=elems if traced else 0,
+                                         at_o_proj=traced)
                     # down, up, gate, norm: the bucket's hook runs once the MLP's three weight backwards have
                     # run, so every MLP weight gradient from the overflowing one on is alive and its
                     # intermediates are freed (recorded: gate's overflow est31c, up's est31c, down's est32)
