@@ -284,6 +284,16 @@ class _ActivationBytes(NamedTuple):
     mlp_product: int = 0
     """Untiled: the product ``act(gate) * up`` the last layer's down_proj saved (within ``backward``), freed by
     down_proj's backward, before the MLP backward's peak (recorded at ZeRO-3's, est31)."""
+    post_norm: int = 0
+    """What the post-attention RMSNorm saved (within ``backward``), freed by its backward, which runs between the
+    MLP's and o_proj's (recorded at ZeRO-3's overflow at o_proj's gradient, est32)."""
+    out_grad: int = 0
+    """o_proj's input gradient (rows x q heads' width), made before its weight's (recorded at that overflow,
+    est32)."""
+    hidden_grad: int = 0
+    """One hidden-size gradient over the rows (one is counted in ``backward``, the gradient coming down): a second
+    one is alive while a layer's MLP weight gradients are reduced (recorded at ZeRO-3's overflows at down_proj's,
+    up_proj's and gate_proj's gradients: two of 8,192 B, est32)."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -312,6 +322,10 @@ def _check_run(engine: str, zero_stage: int, seq_len: int, sp_size: int) -> None
 ZERO3_PERSISTENCE = 100_000
 ZERO3_PREFETCH = 50_000_000
 ZERO3_REUSE = 1_000_000_000
+# the modules fetched (each fetch prefetching) before a Llama model's first MLP is released: the causal LM, the
+# decoder model, the embedding, the rotary embedding, the first layer, its input norm, attention and its four
+# projections, the post-attention norm, the MLP (:func:`_zero3_gathered`)
+ZERO3_FETCHES_BEFORE_RELEASE = 13
 
 
 def _layer_tensors(m: ModelShape, kind: str) -> list[int]:
@@ -333,7 +347,10 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
     tests/test_training_memory.py's 2-layer ZeRO-3 settings, est29 / est29b) and every layer's persistent tensors
     (``persistence`` elements or fewer: whole on every rank from the start). ``layers``: the layers'
     non-persistent tensors gathered at the backward's moments: all of them when the model's non-persistent
-    parameters are within ``reuse`` (what the forward gathered is kept for its reuse in the backward), else a
+    parameters are within ``reuse`` (what the forward gathered is kept for its reuse in the backward) or within what
+    the fetches before the first layer's MLP is released can prefetch (:data:`ZERO3_FETCHES_BEFORE_RELEASE`
+    ``x prefetch``: the prefetcher then passes every backward use and DeepSpeed releases nothing before it; measured
+    past a 1e6-element reuse distance at 4 and 8 layers, est32), else a
     layer and its prefetch; released by the end of backward (est31: a one-layer model's MLP weights, 3 x 1,048,576 B,
     alive at its layer's backward and not at the end of backward's reduction). ``forward_fetch``: the traced step's
     first coalesced all-gather (the first fetch's prefetch: up to ``prefetch`` elements ahead, the root's
@@ -349,7 +366,15 @@ def _zero3_gathered(m: ModelShape, *, persistence: int = ZERO3_PERSISTENCE, pref
     per_layer = [sum(n for n in t if n > persistence) for t in layers]
     non_persistent = sum(per_layer)
     root_np = sum(n for n in root if n > persistence)
-    if root_np + non_persistent <= reuse:
+    # a gathered copy is kept for its backward use when that use is within ``reuse``, or when a prefetch passed it:
+    # at each module's fetch the prefetcher pops the parameter trace until it holds ``prefetch`` elements of
+    # parameters not yet gathered (gathered ones pass free), marking each use it pops, and DeepSpeed releases no
+    # parameter whose marked use is still ahead. When the fetches before the first layer's MLP is released can
+    # gather every non-persistent parameter, the trace drains, backward uses included, and nothing is released
+    # before its backward (est32, both measured past a 1e6-element reuse distance: 4 layers at the default
+    # prefetch, 41,181,861 B, and 8 layers at a 1e6-element prefetch, 67,448,633 B, each the default reuse
+    # distance's peak to the byte; "a layer and its prefetch" was -6.5% / -4.7% under)
+    if root_np + non_persistent <= reuse or root_np + non_persistent <= ZERO3_FETCHES_BEFORE_RELEASE * prefetch:
         in_backward, kept = non_persistent, tuple(per_layer)
     else:
         in_backward, kept = sum(sorted(per_layer)[-2:]), ()  # a layer and its prefetch (not measured at this size)
@@ -464,7 +489,9 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     else:
         layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer
     return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads,
-                            layer_freed=layer_freed, mlp_product=after_attention // 4)
+                            layer_freed=layer_freed, mlp_product=after_attention // 4,
+                            post_norm=_norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows,
+                            out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -575,14 +602,23 @@ class _Overflow(NamedTuple):
     after_mlp: bool
     """The layer in flight has finished its MLP's backward (the overflowing gradient is attention's)."""
     arriving: int = 0
-    """In the layer in flight's MLP backward (0 otherwise): the elements of the gradients alive beside the reduction,
-    not yet in the bucket: the one whose arrival overflows it (stage3 reduces the bucket before copying it in) and, at
-    up_proj's, gate_proj's, made by then (est31c, recorded at the measured peaks: one 524,288-byte weight gradient
-    at gate_proj's overflow, two at up_proj's)."""
+    """The elements of the weight gradients alive beside the reduction, not yet in the bucket: the one whose arrival
+    overflows it (stage3 reduces the bucket before copying it in) and, in the MLP's backward, the MLP's later ones:
+    the bucket's hook runs once the MLP's three weight backwards ran (recorded: one 524,288-byte weight gradient at
+    gate_proj's overflow, two at up_proj's, est31c; three at down_proj's, est32; o_proj's own at its overflow,
+    est32). 0 at attention's other gradients (not traced)."""
     mlp_ran: bool = False
-    """That gradient is up_proj's, gate_proj's or the post-attention norm's: the MLP's weight backwards have run and
-    freed its saved intermediates (recorded at up_proj's and gate_proj's overflows, est31c; at down_proj's, not
-    traced, none is taken as freed)."""
+    """The overflow is in the layer in flight's MLP backward: the MLP's weight backwards have run and freed its saved
+    intermediates (recorded at down_proj's, up_proj's and gate_proj's overflows, est31c / est32)."""
+    contents: int = 0
+    """The elements in the bucket when it overflows (what its flat reduce-scatter input copies), where the overflow
+    is traced: at down_proj's, up_proj's, gate_proj's and o_proj's gradients (est32: the flat input and gloo's copy
+    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size). 0
+    elsewhere (the norms', q, k, v's): a full bucket is counted (not traced)."""
+    at_o_proj: bool = False
+    """The overflowing gradient is o_proj's, the first of attention's backward (est32, recorded at the 2.1e6-element
+    bucket's peak): the post-attention norm's backward has freed its saved tensors, and o_proj's input gradient
+    (rows x q heads' width) is alive beside its weight gradient (``arriving``)."""
 
 
 def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow | None:
@@ -607,10 +643,15 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
         for after_mlp, part in ((False, mlp), (True, attention)):
             for j, n in enumerate(part):
                 if elems + n > reduce_bucket_size and elems > 0:
-                    if after_mlp:
-                        return _Overflow(done, True)
-                    # down, up, gate, norm: at up's or gate's, gate's is made too (recorded, est31c)
-                    return _Overflow(done, False, sum(part[j:3]) if 1 <= j < 3 else n, j >= 1)
+                    if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32; not for hybrids' mixers)
+                        traced = j == 0 and not m.layer_kinds
+                        return _Overflow(done, True, n if traced else 0, contents=elems if traced else 0,
+                                         at_o_proj=traced)
+                    # down, up, gate, norm: the bucket's hook runs once the MLP's three weight backwards have
+                    # run, so every MLP weight gradient from the overflowing one on is alive and its
+                    # intermediates are freed (recorded: gate's overflow est31c, up's est31c, down's est32)
+                    return _Overflow(done, False, sum(part[j:3]) if j < 3 else n, True,
+                                     contents=elems if j < 3 else 0)
                 elems += n
     return None
 
@@ -618,7 +659,7 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
              zero3_scatter: int = 0, zero3_head_scatter: int = 0,
-             overflow: _Overflow | None = None, tokens: int = 0) -> dict[str, float]:
+             overflow: _Overflow | None = None, tokens: int = 0, overflow_scatter: int = 0) -> dict[str, float]:
     """The bytes alive at each candidate peak moment of the step; the peak is the largest. ``tokens``: the batch's
     token tensors (:func:`_batch_token_bytes`), alive through forward and backward."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
@@ -657,6 +698,13 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # bucket, at o_proj's gradient) is as before: within the scatter term's unfilled room there (+0.7%)
         freed += sum(state.layer_copies[len(state.layer_copies) - overflow.done:]) if overflow.done else 0
         freed += (acts.after_attention if overflow.mlp_ran else 0) - overflow.arriving * e
+        if overflow.contents and not overflow.after_mlp:
+            freed -= acts.hidden_grad  # a second hidden-size gradient in flight (recorded, est32)
+        if overflow.at_o_proj:
+            # o_proj's gradient overflows (est32, the 2.1e6-element bucket, recorded at the measured peak): the
+            # post-attention norm's backward has freed its saved tensors (3 x 262,144 + 4,096 B), and o_proj's input
+            # gradient (262,144 B) is alive beside its weight's (16,384 B, ``arriving``)
+            freed += acts.post_norm - acts.out_grad
     moments = {} if not state.forward_fetch else {
         # ZeRO-3's forward in the traced step: the first fetch's coalesced all-gather flat buffer stays alive until
         # the last parameter it gathered is used (the last layer's MLP in a model it gathers whole), beside the
@@ -693,7 +741,7 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # backward, which counts the head's gradient too.)
         "backward_reduction": static + acts.backward + comm + max(
             head_grad + zero3_head_scatter if zero3_head_scatter else 0,
-            zero3_scatter - freed if overflow is not None else 0),
+            (overflow_scatter or zero3_scatter) - freed if overflow is not None else 0),
     }
 
 
@@ -823,12 +871,15 @@ def estimate_training_memory(
                      if engine == "deepspeed" and sharded else 0)
     zero3_head_scatter = (_zero3_head_scatter_bytes(m, e, world=world, reduce_bucket_size=reduce_bucket_size,
                                                     device=device) if engine == "deepspeed" and sharded else 0)
+    overflow = _zero3_first_overflow(m, reduce_bucket_size) if engine == "deepspeed" and sharded else None
+    # the reduction inside the backward copies the bucket's contents where traced (else a full bucket is counted)
+    overflow_scatter = (_zero3_scatter_bytes(m, e, world=world, reduce_bucket_size=overflow.contents, device=device)
+                        if overflow is not None and overflow.contents else 0)
     moments = _moments(m, e, state, acts, attention=attention, logits=logits, comm=comm, zero12_reduce=zero12_reduce,
                        world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter,
-                       zero3_head_scatter=zero3_head_scatter,
-                       overflow=(_zero3_first_overflow(m, reduce_bucket_size) if engine == "deepspeed" and sharded
-                                 else None),
-                       tokens=_batch_token_bytes(batch=batch, seq_len=seq_len, rows=rows))
+                       zero3_head_scatter=zero3_head_scatter, overflow=overflow,
+                       tokens=_batch_token_bytes(batch=batch, seq_len=seq_len, rows=rows),
+                       overflow_scatter=overflow_scatter)
     moment = max(moments, key=moments.get)
     head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
