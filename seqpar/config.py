@@ -132,11 +132,11 @@ _KEY_HINTS = {"sp_size": "size", "sp_degree": "size", "cp_degree": "size", "degr
 
 
 def _suggestion(key: str, known: set[str]) -> str:
-    """`` (did you mean 'x'?)`` for a misspelt or foreign ``key``, else ``""``."""
+    """The key a user most likely meant by the misspelt or foreign ``key``, else ``""``."""
     if key in _KEY_HINTS and _KEY_HINTS[key] in known:
-        return f"{key!r} -> {_KEY_HINTS[key]!r}"
+        return _KEY_HINTS[key]
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
-    return f"{key!r} -> {close[0]!r}" if close else ""
+    return close[0] if close else ""
 
 
 def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
@@ -145,14 +145,19 @@ def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
     if unknown:
         # Without the block's key the whole JSON was read as the block: a misspelt block name lands here.
         whole = section == BLOCK_KEY and BLOCK_KEY not in given
-        hints = [f"{k!r} -> {BLOCK_KEY!r}" if whole and difflib.get_close_matches(k, [BLOCK_KEY], n=1, cutoff=0.75)
+        meant = {k: BLOCK_KEY if whole and difflib.get_close_matches(k, [BLOCK_KEY], n=1, cutoff=0.75)
                  else _suggestion(k, known | ({*SIZE_ALIASES, "cp_comm_type"} if section == BLOCK_KEY else set()))
-                 for k in unknown]
-        hints = [h for h in hints if h]
-        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+                 for k in unknown}
+        # One sentence naming each key and its fix: "rename 'shardnig' to 'sharding'"; beside it, a key with no
+        # near name is to be removed (not when the whole JSON was read as the block: those are DeepSpeed's keys).
+        renames = [f"{k!r} to {m!r}" for k, m in meant.items() if m]
+        lost = [k for k, m in meant.items() if not m]
+        fix = f": rename {' and '.join(renames)}" if renames else ""
+        if renames and lost and not whole:
+            fix += f", and remove {' and '.join(map(repr, lost))}"
         aliases = f"; also accepted: {[*SIZE_ALIASES, 'cp_comm_type']} (docs/names.md)" if section == BLOCK_KEY else ""
         raise ConfigError(
-            f"unknown key(s) {unknown} in {section}{hint}; allowed keys are {sorted(known)}{aliases}"
+            f"unknown key(s) {unknown} in {section}{fix}; allowed keys are {sorted(known)}{aliases}"
         )
 
 
