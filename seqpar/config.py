@@ -92,6 +92,14 @@ SIZE_ALIASES = ("cp_size", "context_parallel_degree", "sequence_parallel_size")
 COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 
 
+def foreign_mode_hint(mode: object) -> str:
+    """``" ('p2p' is Megatron's cp_comm_type for mode 'ring')"`` when ``mode`` is one of Megatron's
+    ``cp_comm_type`` names (a migrating user's mode), else ``""``."""
+    if isinstance(mode, str) and mode in COMM_TYPES:
+        return f" ({mode!r} is Megatron's cp_comm_type name for {COMM_TYPES[mode]!r}: write {COMM_TYPES[mode]!r})"
+    return ""
+
+
 class ConfigError(ValueError):
     """A seqpar config key has a wrong type or an impossible value; the message says how to fix it."""
 
@@ -485,7 +493,7 @@ class SeqParConfig:
                   "it splits activations over the TP group: set tp_size > 1, or tp_sequence_parallel false")
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
-            _fail("mode", self.mode, f"choose one of {list(MODES)}")
+            _fail("mode", self.mode, f"choose one of {list(MODES)}{foreign_mode_hint(self.mode)}")
         if self.ulysses_size != "auto":
             u_hint = f'a positive integer dividing size {self.size}, or "auto"'
             _check_type("ulysses_size", self.ulysses_size, (int,), u_hint)
