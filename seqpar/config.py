@@ -92,6 +92,14 @@ SIZE_ALIASES = ("cp_size", "context_parallel_degree", "sequence_parallel_size")
 COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
 
 
+def foreign_mode_hint(mode: object) -> str:
+    """``" ('p2p' is Megatron's cp_comm_type for mode 'ring')"`` when ``mode`` is one of Megatron's
+    ``cp_comm_type`` names (a migrating user's mode), else ``""``."""
+    if isinstance(mode, str) and mode in COMM_TYPES:
+        return f" ({mode!r} is Megatron's cp_comm_type name for {COMM_TYPES[mode]!r}: write {COMM_TYPES[mode]!r})"
+    return ""
+
+
 class ConfigError(ValueError):
     """A seqpar config key has a wrong type or an impossible value; the message says how to fix it."""
 
@@ -132,11 +140,11 @@ _KEY_HINTS = {"sp_size": "size", "sp_degree": "size", "cp_degree": "size", "degr
 
 
 def _suggestion(key: str, known: set[str]) -> str:
-    """`` (did you mean 'x'?)`` for a misspelt or foreign ``key``, else ``""``."""
+    """The key a user most likely meant by the misspelt or foreign ``key``, else ``""``."""
     if key in _KEY_HINTS and _KEY_HINTS[key] in known:
-        return f"{key!r} -> {_KEY_HINTS[key]!r}"
+        return _KEY_HINTS[key]
     close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
-    return f"{key!r} -> {close[0]!r}" if close else ""
+    return close[0] if close else ""
 
 
 def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
@@ -145,14 +153,19 @@ def _check_unknown(section: str, given: Mapping[str, Any], cls: type) -> None:
     if unknown:
         # Without the block's key the whole JSON was read as the block: a misspelt block name lands here.
         whole = section == BLOCK_KEY and BLOCK_KEY not in given
-        hints = [f"{k!r} -> {BLOCK_KEY!r}" if whole and difflib.get_close_matches(k, [BLOCK_KEY], n=1, cutoff=0.75)
+        meant = {k: BLOCK_KEY if whole and difflib.get_close_matches(k, [BLOCK_KEY], n=1, cutoff=0.75)
                  else _suggestion(k, known | ({*SIZE_ALIASES, "cp_comm_type"} if section == BLOCK_KEY else set()))
-                 for k in unknown]
-        hints = [h for h in hints if h]
-        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+                 for k in unknown}
+        # One sentence naming each key and its fix: "rename 'shardnig' to 'sharding'"; beside it, a key with no
+        # near name is to be removed (not when the whole JSON was read as the block: those are DeepSpeed's keys).
+        renames = [f"{k!r} to {m!r}" for k, m in meant.items() if m]
+        lost = [k for k, m in meant.items() if not m]
+        fix = f": rename {' and '.join(renames)}" if renames else ""
+        if renames and lost and not whole:
+            fix += f", and remove {' and '.join(map(repr, lost))}"
         aliases = f"; also accepted: {[*SIZE_ALIASES, 'cp_comm_type']} (docs/names.md)" if section == BLOCK_KEY else ""
         raise ConfigError(
-            f"unknown key(s) {unknown} in {section}{hint}; allowed keys are {sorted(known)}{aliases}"
+            f"unknown key(s) {unknown} in {section}{fix}; allowed keys are {sorted(known)}{aliases}"
         )
 
 
@@ -480,7 +493,7 @@ class SeqParConfig:
                   "it splits activations over the TP group: set tp_size > 1, or tp_sequence_parallel false")
         _check_type("mode", self.mode, (str,), f"choose one of {list(MODES)}")
         if self.mode not in MODES:
-            _fail("mode", self.mode, f"choose one of {list(MODES)}")
+            _fail("mode", self.mode, f"choose one of {list(MODES)}{foreign_mode_hint(self.mode)}")
         if self.ulysses_size != "auto":
             u_hint = f'a positive integer dividing size {self.size}, or "auto"'
             _check_type("ulysses_size", self.ulysses_size, (int,), u_hint)

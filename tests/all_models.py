@@ -290,12 +290,17 @@ def counts(results: dict[str, dict[str, Any]]) -> dict[str, int]:
     return {s: c.get(s, 0) for s in STATUSES}
 
 
+# The probe's refusal (seqpar.swap.probe.mixing_refusal): a module seqpar cannot route mixes positions.
+MIXES_POSITIONS = ("mixes positions in code seqpar cannot route (attention scores computed in the model's own "
+                   "code, or a state-space, linear-attention or convolution layer)")
+
+
 def refusal_reason(detail: str) -> tuple[str, str]:
     """``(reason, class)`` of a ``SwapError`` message: the reason without paths and numbers (so that a
     family shares one), and the refused module's class where the message names one."""
     m = re.search(r"'[\w.]+' \((\w+)\): its output changed", detail)
     if m:
-        return "mixes positions outside attention (state space, linear attention, convolution)", m.group(1)
+        return MIXES_POSITIONS, m.group(1)
     m = re.search(r"'[\w.]+' \((\w+)\) raised (\w+)", detail)
     if m:
         return (f"the model fails with its attention routed to seqpar ({m.group(2)} in the layer: DSA "

@@ -38,7 +38,7 @@ def test_a_typo_in_the_block_names_the_key_meant(block, meant):
     """Seen failing: before the fix the message listed the 26 allowed keys and left the reader to find the one
     meant ("unknown key(s) ['sp_size'] in sequence_parallel; allowed keys are [...]"), and left out the
     aliases docs/names.md says are accepted."""
-    with pytest.raises(ConfigError, match=rf"did you mean [^)]*-> '{meant}'"):
+    with pytest.raises(ConfigError, match=rf": rename '[^']+' to '{meant}'; allowed keys"):
         SeqParConfig.load(block)
 
 
@@ -55,14 +55,14 @@ def test_a_misspelt_block_name_in_a_deepspeed_json_is_named(tmp_path):
     one of many unknown keys. Seen failing: no hint before the fix."""
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "sequence_paralel": {"size": 2}}))
-    with pytest.raises(ConfigError, match=r"did you mean 'sequence_paralel' -> 'sequence_parallel'\?"):
+    with pytest.raises(ConfigError, match=r": rename 'sequence_paralel' to 'sequence_parallel'; allowed keys"):
         SeqParConfig.load(str(path))
 
 
 def test_an_unknown_key_with_no_near_name_gets_no_guess():
     with pytest.raises(ConfigError) as info:
         SeqParConfig.load({"size": 2, "colour": "red"})
-    assert "did you mean" not in str(info.value)
+    assert "rename" not in str(info.value) and "did you mean" not in str(info.value)
 
 
 def test_launcher_blocks_name_the_key_meant(tmp_path):

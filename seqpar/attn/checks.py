@@ -21,7 +21,14 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.comm.agree import rows_across_ranks
-from seqpar.config import DKV_WIRE_DTYPES, DKV_WIRE_HINT, DKV_WIRE_NO_EFFECT, MODES, SHARDINGS
+from seqpar.config import (
+    DKV_WIRE_DTYPES,
+    DKV_WIRE_HINT,
+    DKV_WIRE_NO_EFFECT,
+    MODES,
+    SHARDINGS,
+    foreign_mode_hint,
+)
 from seqpar.kernels.backends import DeviceCaps
 
 __all__ = [
@@ -203,7 +210,7 @@ def check_dkv_wire(dkv_wire_dtype: object, algorithm: str | None = None) -> None
 
 def check_options(mode: str, sharding: str) -> None:
     if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}")
+        raise ValueError(f"mode={mode!r} is invalid: choose one of {list(MODES)}{foreign_mode_hint(mode)}")
     if sharding not in SHARDINGS:
         raise ValueError(f"sharding={sharding!r} is invalid: choose one of {list(SHARDINGS)}")
 
@@ -216,9 +223,13 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
+            # a 3-D tensor is most likely flash varlen's packed (total_tokens, heads, head_dim)
+            varlen = (" (flash varlen's packed (total_tokens, heads, head_dim): pass t.unsqueeze(0) for each of q, k, "
+                      "v with layout='bshd' and the whole sequence's cu_seqlens)" if t.dim() == 3 else "")
             raise ValueError(
                 f"{name} has {t.dim()} dimensions (shape {shown(t.shape)}); seqpar.attention expects "
-                f"(batch, heads, seq_local, head_dim) — transpose (batch, seq, heads, dim) inputs with .transpose(1, 2)"
+                f"(batch, heads, seq_local, head_dim), or (batch, seq_local, heads, head_dim) with layout='bshd'"
+                f"{varlen}"
             )
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; use one of float16, bfloat16, float32, float64")

@@ -63,7 +63,8 @@ def attention(
         causal: causal masking over the *global* positions of the sharded sequence.
         scale: score multiplier, default ``head_dim ** -0.5``.
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
-            ``"ulysses"`` (all-to-all to head shards over the whole SP group; q_heads divisible by P),
+            ``"ulysses"`` (all-to-all to head shards over the whole SP group; head counts P does not divide
+            are split unevenly; fewer q_heads than P is refused),
             ``"hybrid"`` (Ulysses over the manager's Ulysses groups, ring across them; see
             ``init_process_groups(ulysses_size=u)``) or ``"auto"`` (the cheapest allowed, see
             :mod:`seqpar.attn.choose`).

@@ -43,6 +43,7 @@ from seqpar.sequence.batch import (
 )
 from seqpar.sequence.boundaries import boundary_tensor, known_boundaries, remember_boundaries
 from seqpar.sequence.call_group import call_group
+from seqpar.sequence.sharding import SHARDINGS
 from seqpar.swap import moe
 from seqpar.swap.hf_call import reference_input, refuse_cache
 from seqpar.swap.hf_loss import TOKEN_LOSSES, model_loss_type
@@ -230,6 +231,10 @@ def _fill_positions(
         if given is None:
             arguments["position_ids"] = expected
         elif given.shape[-1] != seq_local or not _packed_positions_ok(given, host, known):
+            row = given.reshape(-1, given.shape[-1])[0]
+            cut = _other_cut(row, rank, world_size, sharding, bounds) if given.shape[-1] == seq_local else None
+            if cut is not None:
+                raise _undeclared_cut(where, rank, world_size, cut, sharding)
             raise ValueError(
                 f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
                 f"per-document positions of this rank's {sharding} shard of the packed "
@@ -274,6 +279,37 @@ def _packed_positions_ok(given: Tensor, expected: Tensor, known: dict[str, Any])
     return given.shape[0] == 1 or bool((given == expected.to(given.device)).all())
 
 
+def _other_cut(row: Tensor, rank: int, world_size: int, sharding: str,
+               bounds: tuple[int, ...] | None = None) -> str | None:
+    """The sharding other than ``sharding`` whose cut gives this rank exactly the positions ``row``
+    (``(S_local,)``; per document with the packed ``bounds``), else None. Only on the error path (a host read)."""
+    seq_len = row.shape[0] * world_size
+    for other in SHARDINGS:
+        if other == sharding:
+            continue
+        try:
+            expected = global_positions(seq_len, rank, world_size, other, device="cpu", cu_seqlens=bounds)[None]
+        except ValueError:  # the length cannot be cut that way
+            continue
+        if bounds is not None:
+            expected = _document_positions(expected, bounds)
+        if torch.equal(row.cpu(), expected[0].to(row.dtype)):
+            return other
+    return None
+
+
+def _undeclared_cut(where: str, rank: int, world_size: int, cut: str, sharding: str) -> ValueError:
+    """A batch cut with another sharding (``shard_batch(sharding="zigzag")`` in a run that declares none): its
+    positions are right for that cut, and the fix is to declare it for the run."""
+    return ValueError(
+        f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are this rank's positions of a "
+        f"{cut!r} cut, but the swapped model runs sharding {sharding!r} (the run's declared sharding, "
+        f"'contiguous' when none is declared): declare \"sharding\": \"{cut}\" in the sequence_parallel block "
+        f"(or init_process_groups(sharding={cut!r})), so that the batch's cut, the attention and the loss "
+        "agree, or cut the batch with the run's sharding"
+    )
+
+
 def _refuse_positions(
     given: Tensor, expected: Tensor, rank: int, world_size: int, sharding: str, where: str
 ) -> None:
@@ -287,6 +323,9 @@ def _refuse_positions(
         if restarts else
         "pass the global positions of the shard, or none (seqpar fills them in)"
     )
+    cut = None if restarts else _other_cut(row, rank, world_size, sharding)
+    if cut is not None:
+        raise _undeclared_cut(where, rank, world_size, cut, sharding)
     raise ValueError(
         f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the global "
         f"positions of this rank's {sharding} shard (expected "

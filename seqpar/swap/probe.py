@@ -355,11 +355,13 @@ def _bind(hook: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 _NEEDS = (
-    "Sequence parallelism needs a sequence-parallel implementation of each such mixer (state-space, "
-    "linear-attention and convolution layers: seqpar issue 21); seqpar runs softmax attention only. "
-    "Until then run this model without sequence parallelism (sequence_parallel.size 1 and swap \"none\": "
+    "Each such module is one seqpar cannot route: an attention whose scores the model computes in its own "
+    "code (not through transformers' attention interface or F.scaled_dot_product_attention: GPT-Neo, xGLM, "
+    "XLNet, ...), or a state-space, linear-attention or convolution layer without a sequence-parallel "
+    "implementation (seqpar issue 21). "
+    "Run this model without sequence parallelism (sequence_parallel.size 1 and swap \"none\": "
     "at size 1 a swap still probes the model), or "
-    "with these modules replaced."
+    "with these modules replaced (an attention rewritten to call F.scaled_dot_product_attention is routed)."
 )
 
 
@@ -368,8 +370,8 @@ def mixing_refusal(mixers: list[Mixer], where: str, prefix: str = "") -> str:
     lines = "\n  - ".join(m.describe(prefix) for m in mixers)
     return (
         f"seqpar cannot shard {where} over the sequence: these modules mix information across sequence "
-        f"positions outside attention, and on a shard each would see only its own rank's positions "
-        f"(a silently different model):\n  - {lines}\n{_NEEDS} (Found by seqpar's position-mixing "
+        f"positions outside any attention seqpar routes, and on a shard each would see only its own rank's "
+        f"positions (a silently different model):\n  - {lines}\n{_NEEDS} (Found by seqpar's position-mixing "
         f"probe: two forwards of a {PROBE_LENGTH}-token sequence with self-only attention, one token "
         "changed; see seqpar.swap.probe.)"
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fnmatch
 import importlib
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -116,6 +117,12 @@ def _hf_glue() -> ModuleType | None:
             "transformers>=%s", getattr(transformers, "__version__", "?"), e, TRANSFORMERS_FLOOR,
         )
         return None
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def _matches(name: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
@@ -352,6 +359,8 @@ def _refuse_nothing_found(model: nn.Module, cfg: SeqParConfig, routes: set[str],
     if "hf" in routes and glue is None:
         hint = " (transformers is not installed, so the 'hf' route was unavailable)"
     named = ""
+    if glue is None and "hf" not in routes and _is_transformers_model(model):
+        glue = _hf_glue()  # swap="sdpa"/"mha" on a transformers model: name its mixers as "auto" does
     if glue is not None:
         # A transformers model whose attention seqpar cannot route (it computes its own scores: GPT-Neo,
         # xGLM, ...) or that has none (Mamba, RWKV, xLSTM): the probe, with nothing routed, names every
