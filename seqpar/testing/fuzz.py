@@ -78,16 +78,20 @@ from seqpar.testing.fuzz_attention import (
     CU_AS,
     GRADS,
     attention_summary,
+    big_scale_applied,
     disagreement,
     draw_attention,
+    draw_big_scale,
     draw_dilated,
     draw_disagree,
+    draw_disagree_input,
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
     draw_strided_pairs,
     draw_wide_batch,
     empty_documents_applied,
+    input_disagreement,
     odd_local_applied,
     wide_batch_applied,
 )
@@ -312,12 +316,14 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
     draws["case_seed"] = case_seed
     if kind in ("attention", "dilated"):  # the pairs {0, 2}, {1, 3} (fz31): its own generator, the old draws stay
         draws["strided_pairs"] = draw_strided_pairs(case_seed, draws)
+        draws["big_scale"] = draw_big_scale(case_seed, draws)  # a scale above 1 (fz32): its own generator too
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
             draws["odd_local"] = draw_odd_local(case_seed, draws)
             draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
             draws["disagree"] = draw_disagree(case_seed, draws)  # the last rank's option apart (fz31): its own too
+            draws["disagree_input"] = draw_disagree_input(case_seed, draws)  # or its inputs (fz32): its own too
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -356,6 +362,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     record = draws
     draws = odd_local_applied(draws)  # an odd shard under contiguous sharding (fz30), before the documents' zeros
     draws = wide_batch_applied(draws)  # a batch of 3 or 4 (fz31)
+    draws = big_scale_applied(draws)  # a scale above 1 (fz32)
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
         from seqpar.testing.fuzz_dynamic import empty_lengths_applied
@@ -392,6 +399,9 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             if not verdict and disagreement(draws):  # the last rank passed another option, and every rank ran
                 verdict, detail = "WRONG", (f"the last rank passed another {disagreement(draws)} under check_inputs=True, "
                                             "but every rank ran (no refusal)")
+            if not verdict and input_disagreement(draws):  # the last rank passed other inputs, and every rank ran
+                verdict, detail = "WRONG", (f"the last rank passed another {input_disagreement(draws)} under "
+                                            "check_inputs=True, but every rank ran (no refusal)")
             if not verdict:  # every rank ran: the reference decides
                 ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
                 verdict, detail = _judge_attention(draws, ref, per_rank)
@@ -416,10 +426,14 @@ def summary(draws: dict[str, Any]) -> str:
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
     if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
         return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
+    if big_scale_applied(draws) is not draws:  # the scale as the run sees it (fz32)
+        return summary({**big_scale_applied(draws), "big_scale": None}) + " big-scale"
     if draws.get("strided_pairs") and draws.get("group") == "pairs":  # the non-consecutive pairs (fz31)
         return summary({**draws, "strided_pairs": None}).replace("group=pairs", "group=pairs{0,2}{1,3}")
     if disagreement(draws):  # the last rank's option apart (fz31)
         return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
+    if input_disagreement(draws):  # the last rank's inputs apart (fz32)
+        return summary({**draws, "disagree_input": None}) + f" disagree-input={input_disagreement(draws)}"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced
