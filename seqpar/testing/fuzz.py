@@ -19,12 +19,13 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
   without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
   (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
-  or 4 where the case has no documents (``wide_batch``), and at P >= 2 with ``check_inputs`` the last rank passing
-  another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``: refused by name on every rank, or the
-  case is WRONG; a hang is a crash by the timeout);
+  or 4 where the case has no documents (``wide_batch``), a ``scale`` in 1.25-4 (``big_scale``), and at P >= 2 with
+  ``check_inputs`` the last rank passing another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``)
+  or other inputs: its shard one token shorter, other ``cu_seqlens``, another batch (``disagree_input``), each
+  refused by name on every rank, or the case is WRONG; a hang is a crash by the timeout;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
-  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
+  ``scale`` (``big_scale`` too), strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
   before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
@@ -314,6 +315,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
+    if kind == "compile":  # its calls on the pairs {0, 2}, {1, 3} (fz32): its own generator, the old draws stay
+        from seqpar.testing.fuzz_compile import draw_compile_strided_pairs
+
+        draws["strided_pairs"] = draw_compile_strided_pairs(case_seed, draws)
     if kind in ("attention", "dilated"):  # the pairs {0, 2}, {1, 3} (fz31): its own generator, the old draws stay
         draws["strided_pairs"] = draw_strided_pairs(case_seed, draws)
         draws["big_scale"] = draw_big_scale(case_seed, draws)  # a scale above 1 (fz32): its own generator too
