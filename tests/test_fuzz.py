@@ -2993,11 +2993,14 @@ def test_big_scales_are_drawn_without_touching_the_old_draws() -> None:
 @pytest.mark.timeout(600)
 def test_big_scales_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
     """fz32's hunt: softmax scales above 1 (each row nearly one-hot, its log-sum-exp far from its values) are exact:
-    attention 1529181409 (scale 3.5: P = 4, ring, balanced, MQA expanded, frozen K/V, zero-length documents),
-    577875229 (scale 3.4: P = 4, a window, two calls, bshd, float64) and 75150147 (scale 1.9: transposed views,
-    ``layout=None``). Seen failing: with ``seqpar.attention`` clamping the scale to 1 in ``seqpar.attn.resolve``
-    (``scale = min(scale, 1.0)``): 1529181409 WRONG, out off its reference."""
-    for seed in (1529181409, 577875229, 75150147):
+    attention 1564892211 (scale 2.18: P = 4, ring, zigzag, MQA with an odd head dim, bshd, no overlap, fused qkv
+    views), 1529181409 (scale 3.209: P = 1, documents with zero-length ones, a window, sinks, frozen K/V, MQA
+    expanded), 577875229 (scale 2.362: P = 3, hybrid u = 1, a window, two calls, bshd, float64) and 75150147
+    (scale 3.844: P = 4, allgather, documents, head_chunks 2, float64, transposed views, ``layout=None``). Seen
+    failing: with ``seqpar.attention`` clamping the scale to 1 in ``seqpar.attn.resolve``
+    (``scale=min(1.0, ...)``): WRONG at the first case then run (1529181409, before 1564892211 was added:
+    out off by 0.21 of its scale)."""
+    for seed in (1564892211, 1529181409, 577875229, 75150147):
         draws = fuzz.draw_case(seed, ("attention",))
         assert draws["big_scale"], fuzz.summary(draws)
         rec = fuzzer.run(draws)
