@@ -669,6 +669,9 @@ for _seed in (2132084004, 1286627009):
 for _seed in (680605197, 1156417737, 1535814214):
     FOUND_SET[_seed] = {**FOUND_SET.get(_seed, {}), "swap": None}
 FOUND_SET[1812976885] = {**FOUND_SET.get(1812976885, {}), "disagree": None}
+# fz32: the compile kind runs half its calls on the pairs on {0, 2}, {1, 3} (strided_pairs, from a generator of its
+# own); the pinned 499836113 (its third call on the pairs {0, 1}, {2, 3}) keeps the run it was found with, without it
+FOUND_SET[499836113] = {**FOUND_SET.get(499836113, {}), "strided_pairs": None}
 
 # CI's engine cases: drawn cases pinned to P = 2 and one engine each, so the sample covers every engine in
 # a few tiny models (case seed, the draws pinned, as --set would). Verdict: exact.
@@ -2331,7 +2334,8 @@ def test_compiled_dilated_cases_are_exact(fuzzer: fuzz.Fuzzer) -> None:
     rec = fuzzer.run(fuzz.draw_case(73, ("compile",)))
     assert rec["draws"]["sub"] == "dilated" and rec["draws"]["fullgraph"], fuzz.summary(rec["draws"])
     assert rec["verdict"] == "exact" and "1 graphs" in rec["detail"], (rec["detail"], rec.get("trace"))
-    draws, conflict = fuzz.force(fuzz.draw_case(1968, ("compile",)), {"head_layout": "mixed", "backend": "aot_eager"})
+    draws, conflict = fuzz.force(fuzz.draw_case(1968, ("compile",)), {"head_layout": "mixed", "backend": "aot_eager",
+                                                                       "strided_pairs": None})  # {0, 1}, {2, 3}
     assert conflict is None and [c["sp"] for c in draws["calls"]] == [4, 2], fuzz.summary(draws)
     rec = fuzzer.run(draws)
     assert rec["verdict"] == "exact", (rec["detail"], rec.get("trace"))
@@ -2937,3 +2941,167 @@ def test_strided_pairs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
         assert draws["strided_pairs"], fuzz.summary(draws)
         rec = fuzzer.run(draws)
         assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+PRE_FZ32_ATTENTION_DRAWS = (
+    "alibi batch calls case_seed causal check_inputs chunk_size cu_as declare_sharding disagree dkv_wire_dtype dtype "
+    "empty_docs expand_kv grad group group_arg head_chunks heads kind layout mode odd_local omit_layout omit_sharding "
+    "overlap scale seq sharding sinks sinks_grad softcap strided strided_pairs ulysses_size wide_batch window world",
+    "5bfe2f20c82403b682c37b9db22ad9ed78eb8a596e0aa9efc8c175be79ca677f")
+"""The sha256 of the attention kind's draws of case seeds 0-299 over every key they had before fz32 (on 2d182da)."""
+PRE_FZ32_DILATED_DRAWS = (
+    "batch calls case_seed causal check_inputs dilation_rates dkv_wire_dtype dtype grad group head_layout heads kind "
+    "mode scale segment_lengths seq sharding strided strided_pairs world",
+    "dcb2f2614c8fab6f249f9f5937316db3ac516c5125edd46db36ade91a462934d")
+"""The same for the dilated kind (on 2d182da)."""
+
+
+def _old_draws_kept(kind: str, keys_digest: tuple[str, str], n: int = 1500) -> list[dict]:
+    """Case seeds 0..n-1 of ``kind``, after checking that seeds 0-299 draw what they drew over ``keys_digest``'s
+    keys (their sha256)."""
+    import hashlib
+    import json
+
+    keys, digest = keys_digest
+    draws = [fuzz.draw_case(s, (kind,)) for s in range(n)]
+    old = [{k: d.get(k) for k in keys.split()} for d in draws[:300]]
+    assert hashlib.sha256(json.dumps(old, sort_keys=True, default=repr).encode()).hexdigest() == digest, kind
+    return draws
+
+
+def test_big_scales_are_drawn_without_touching_the_old_draws() -> None:
+    """fz32: about 15% of the attention and dilated cases run with a softmax scale in ``[1.25, 4]`` (``big_scale``;
+    they drew None or ``0.1 .. 1`` only), from a generator of their own: the draws of case seeds 0-299 over every key
+    they had are those they had (``PRE_FZ32_*_DRAWS``); no other kind draws it; the ranks get the scale while the
+    record keeps the draws; the summary says so. Seen failing: with ``BIG_SCALE_RATE = 0`` (nothing drawn); and
+    without ``big_scale_applied`` in ``fuzz.run_case`` (the ranks got the drawn scale)."""
+    from seqpar.testing.fuzz_attention import draw_big_scale
+
+    for kind, keys_digest in (("attention", PRE_FZ32_ATTENTION_DRAWS), ("dilated", PRE_FZ32_DILATED_DRAWS)):
+        draws = _old_draws_kept(kind, keys_digest)
+        big = [d for d in draws if d["big_scale"]]
+        assert 0.1 < len(big) / len(draws) < 0.2, (kind, len(big))
+        for d in big:
+            assert 1.25 <= d["big_scale"] <= 4.0 and d["big_scale"] == draw_big_scale(d["case_seed"], d)
+            assert f"scale={d['big_scale']}" in fuzz.summary(d) and " big-scale" in fuzz.summary(d)
+    assert all("big_scale" not in fuzz.draw_case(s, ("model",)) for s in range(40))
+    pool = _Capture()
+    rec = fuzz.run_case(pool, big[0])
+    assert rec["verdict"] == "crash" and rec["draws"] is big[0] and pool.seen[0]["scale"] == big[0]["big_scale"]
+
+
+@pytest.mark.timeout(600)
+def test_big_scales_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
+    """fz32's hunt: softmax scales above 1 (each row nearly one-hot, its log-sum-exp far from its values) are exact:
+    attention 1564892211 (scale 2.18: P = 4, ring, zigzag, MQA with an odd head dim, bshd, no overlap, fused qkv
+    views), 1529181409 (scale 3.209: P = 1, documents with zero-length ones, a window, sinks, frozen K/V, MQA
+    expanded), 577875229 (scale 2.362: P = 3, hybrid u = 1, a window, two calls, bshd, float64) and 75150147
+    (scale 3.844: P = 4, allgather, documents, head_chunks 2, float64, transposed views, ``layout=None``). Seen
+    failing: with ``seqpar.attention`` clamping the scale to 1 in ``seqpar.attn.resolve``
+    (``scale=min(1.0, ...)``): WRONG at the first case then run (1529181409, before 1564892211 was added:
+    out off by 0.21 of its scale)."""
+    for seed in (1564892211, 1529181409, 577875229, 75150147):
+        draws = fuzz.draw_case(seed, ("attention",))
+        assert draws["big_scale"], fuzz.summary(draws)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"])
+
+
+def test_disagreeing_inputs_are_drawn_without_touching_the_old_draws() -> None:
+    """fz32: the attention kind has, in about a tenth of the cases that can (P >= 2, ``check_inputs`` on, one SP
+    group, no disagreeing option drawn), its last rank pass other inputs (``disagree_input``): its shard one token
+    shorter, other document boundaries, another batch; from a generator of its own: the draws of case seeds 0-299
+    over every key they had are those they had (``PRE_FZ32_ATTENTION_DRAWS``); a forced ``check_inputs=false`` or
+    ``world=1`` drops it; each change is the one named; the summary says so. Seen failing: with
+    ``DISAGREE_INPUT_RATE = 0`` (nothing drawn)."""
+    from seqpar.testing.fuzz_attention import (
+        DISAGREE_INPUTS,
+        disagreeing_inputs,
+        input_disagreement,
+    )
+
+    att = _old_draws_kept("attention", PRE_FZ32_ATTENTION_DRAWS, 3000)
+    can = [d for d in att if d["world"] >= 2 and d["check_inputs"] and d["group"] is None and not d["disagree"]]
+    drawn = [d for d in can if d["disagree_input"]]
+    assert all(d["disagree_input"] is None for d in att if d not in can)
+    assert 0.05 < len(drawn) / len(can) < 0.15 and {d["disagree_input"] for d in drawn} == set(DISAGREE_INPUTS)
+    for d in drawn:
+        assert f"disagree-input={d['disagree_input']}" in fuzz.summary(d)
+        assert input_disagreement(fuzz.force(d, {"check_inputs": False})[0]) is None
+        assert input_disagreement(fuzz.force(d, {"world": 1})[0]) is None
+    x = torch.zeros(2, 3, 5, 4)
+    for cu, seq in ((None, 10), ([0, 3, 10], 10), ([0, 1, 2, 3, 4], 4), ([0, 5, 5, 10], 10)):
+        _, _, _, _, new = disagreeing_inputs("documents", x, x, x, x, cu, seq)
+        assert new != (cu or [0, seq]) and new[0] == 0 and new[-1] == seq and new == sorted(new), (cu, new)
+    assert [t.shape[2] for t in disagreeing_inputs("seq_local", x, x, x, x, None, 10)[:4]] == [4] * 4
+    assert [t.shape[0] for t in disagreeing_inputs("batch", x, x, x, x, None, 10)[:4]] == [1] * 4
+    assert [t.shape[0] for t in disagreeing_inputs("batch", x[:1], x[:1], x[:1], x[:1], None, 10)[:4]] == [2] * 4
+
+
+@pytest.mark.timeout(600)
+def test_disagreeing_inputs_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> None:
+    """fz32's hunt: attention cases whose last rank passes other inputs under ``check_inputs=True`` are refused on
+    every rank by the cross-rank check, naming each rank's inputs (no hang, no crash in a collective): the first ring
+    case of seed 3221 per input (documents 148912333: P = 4, zigzag, bshd, zero-length documents; batch 208912624:
+    P = 2, balanced, forward only, documents as a tuple; seq_local 1513243409: P = 3, zigzag, sinks, float64, fused
+    qkv views). Seen failing: with ``check_across_ranks`` returning at once (``seqpar.attn.checks``): 148912333 WRONG
+    (every rank ran on its own documents; the test stops there). Under the same break the CLI called 529924412
+    (allgather, batch) a crash (rank 0 aborted in the all-gather) and 310215144 (auto, seq_local) a crash (a hang
+    past the timeout)."""
+    from seqpar.testing.fuzz_attention import DISAGREE_INPUTS
+
+    seen = {}
+    for s in fuzz.case_seeds(3221, 4000):
+        d = fuzz.draw_case(s, ("attention",))
+        if d["disagree_input"] and d["disagree_input"] not in seen and d["mode"] == "ring":
+            seen[d["disagree_input"]] = d
+    assert set(seen) == set(DISAGREE_INPUTS)
+    for option, draws in seen.items():
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
+            (option, fuzz.summary(draws), rec["detail"])
+
+
+PRE_FZ32_COMPILE_DRAWS = (
+    "alibi backend batch calls case_seed causal check_inputs checkpointing chunk_size dilated_mode dilation_rates "
+    "dkv_wire_dtype docs dtype dynamic empty_docs fullgraph grad head_chunks head_layout heads kind layout lengths mode "
+    "model_type overlap scale segment_lengths sharding sinks softcap steps strided sub ulysses_size world",
+    "3d0990e5014ce67cfe7fc021d4201274cf3b357e5a3f660e240a16b4da572573")
+"""The sha256 of the compile kind's draws of case seeds 0-299 over every key they had before fz32 (on 2d182da)."""
+
+
+def test_compile_strided_pairs_are_drawn_without_touching_the_old_draws() -> None:
+    """fz32: half the direct-call compile cases with a call on the pairs (SP 2 of P = 4) run it on ``{0, 2}, {1, 3}``
+    (``strided_pairs``), from a generator of its own: the draws of case seeds 0-299 over every key they had are those
+    they had (``PRE_FZ32_COMPILE_DRAWS``); a case without such a call never gets it; the groups and each rank's place
+    in its group (:func:`~seqpar.testing.fuzz_compile.call_groups`); the summary says so; FOUND's 499836113 keeps its
+    consecutive pairs. Seen failing: with ``COMPILE_STRIDED_PAIRS_RATE = 0`` (nothing drawn)."""
+    from seqpar.testing.fuzz_compile import call_groups
+
+    draws = _old_draws_kept("compile", PRE_FZ32_COMPILE_DRAWS, 2000)
+    pairs = [d for d in draws if d["sub"] in ("attention", "dilated") and any(c["sp"] != d["world"] for c in d["calls"])]
+    strided = [d for d in pairs if d["strided_pairs"]]
+    assert all(d["strided_pairs"] is None for d in draws if d not in pairs)
+    assert 0.3 < len(strided) / len(pairs) < 0.7 and {d["sub"] for d in strided} == {"attention", "dilated"}, len(strided)
+    for d in strided:
+        assert [list(g) for g in call_groups(d, 2)] == [[0, 2], [1, 3]] and "pairs{0,2}{1,3}" in fuzz.summary(d)
+        assert [list(g) for g in call_groups({**d, "strided_pairs": False}, 2)] == [[0, 1], [2, 3]]
+        assert [list(g) for g in call_groups(d, 4)] == [[0, 1, 2, 3]]
+    d = fuzz.force(fuzz.draw_case(499836113, ("compile",)), FOUND_SET[499836113])[0]
+    assert d["strided_pairs"] is None and "pairs{0,2}" not in fuzz.summary(d)
+
+
+@pytest.mark.compile_stage
+@pytest.mark.timeout(600)
+def test_compile_strided_pairs_run_exactly(fuzzer: fuzz.Fuzzer) -> None:
+    """fz32's hunt: compiled calls whose SP group switches from the 4 ranks to the non-consecutive pairs
+    ``{0, 2}, {1, 3}`` are exact: 247 (ring, zigzag, eager backend, dynamic=True, bshd, [P4 S8] then [P2 S16]) and
+    295 (compiled dilated ring, aot_eager, forward only under inference_mode, the bf16 wire). Seen failing: with the
+    harness's rank in its pair taken as ``rank % 2`` (the consecutive pairs' rule, ``fuzz_compile._rank_in_call``):
+    both WRONG through the CLI (``--case-seed 247 --case-seed 295 --kinds compile``), ``call1(ranks 0,2).out`` off by
+    0.90 and 1.08 of its scale."""
+    for seed in (247, 295):
+        draws = fuzz.draw_case(seed, ("compile",))
+        assert draws["strided_pairs"], fuzz.summary(draws)
+        rec = fuzzer.run(draws)
+        assert rec["verdict"] == "exact", (fuzz.summary(rec["draws"]), rec["detail"], rec.get("trace"))

@@ -19,12 +19,13 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   tuple (:data:`CU_AS`), ``sharding=None`` / ``layout=None``, ``group=`` the manager's SP group, balanced sharding
   without documents, MQA's one K/V head expanded (stride 0) to the query heads, contiguous shards of an odd length
   (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
-  or 4 where the case has no documents (``wide_batch``), and at P >= 2 with ``check_inputs`` the last rank passing
-  another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``: refused by name on every rank, or the
-  case is WRONG; a hang is a crash by the timeout);
+  or 4 where the case has no documents (``wide_batch``), a ``scale`` in 1.25-4 (``big_scale``), and at P >= 2 with
+  ``check_inputs`` the last rank passing another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``)
+  or other inputs: its shard one token shorter, other ``cu_seqlens``, another batch (``disagree_input``), each
+  refused by name on every rank, or the case is WRONG; a hang is a crash by the timeout;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
-  ``scale``, strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
+  ``scale`` (``big_scale`` too), strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
   before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
@@ -78,16 +79,20 @@ from seqpar.testing.fuzz_attention import (
     CU_AS,
     GRADS,
     attention_summary,
+    big_scale_applied,
     disagreement,
     draw_attention,
+    draw_big_scale,
     draw_dilated,
     draw_disagree,
+    draw_disagree_input,
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
     draw_strided_pairs,
     draw_wide_batch,
     empty_documents_applied,
+    input_disagreement,
     odd_local_applied,
     wide_batch_applied,
 )
@@ -310,14 +315,20 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
 
         draws = draw_engine(rng, engine)
     draws["case_seed"] = case_seed
+    if kind == "compile":  # its calls on the pairs {0, 2}, {1, 3} (fz32): its own generator, the old draws stay
+        from seqpar.testing.fuzz_compile import draw_compile_strided_pairs
+
+        draws["strided_pairs"] = draw_compile_strided_pairs(case_seed, draws)
     if kind in ("attention", "dilated"):  # the pairs {0, 2}, {1, 3} (fz31): its own generator, the old draws stay
         draws["strided_pairs"] = draw_strided_pairs(case_seed, draws)
+        draws["big_scale"] = draw_big_scale(case_seed, draws)  # a scale above 1 (fz32): its own generator too
     if kind == "attention" or (kind == "compile" and draws["sub"] == "attention"):  # the kinds that draw cu_seqlens
         draws["empty_docs"] = draw_empty_documents(case_seed, draws["calls"])  # its own generator: fz28
         if kind == "attention":  # an odd shard under contiguous sharding (fz30): its own generator too
             draws["odd_local"] = draw_odd_local(case_seed, draws)
             draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
             draws["disagree"] = draw_disagree(case_seed, draws)  # the last rank's option apart (fz31): its own too
+            draws["disagree_input"] = draw_disagree_input(case_seed, draws)  # or its inputs (fz32): its own too
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -356,6 +367,7 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
     record = draws
     draws = odd_local_applied(draws)  # an odd shard under contiguous sharding (fz30), before the documents' zeros
     draws = wide_batch_applied(draws)  # a batch of 3 or 4 (fz31)
+    draws = big_scale_applied(draws)  # a scale above 1 (fz32)
     draws = empty_documents_applied(draws)  # each call's cu_seqlens with its zero-length documents (fz28)
     if draws["kind"] == "dynamic":  # the planner's lengths with theirs (fz29)
         from seqpar.testing.fuzz_dynamic import empty_lengths_applied
@@ -392,6 +404,9 @@ def run_case(pools: Any, draws: dict[str, Any], timeout: float = 60.0, plant: st
             if not verdict and disagreement(draws):  # the last rank passed another option, and every rank ran
                 verdict, detail = "WRONG", (f"the last rank passed another {disagreement(draws)} under check_inputs=True, "
                                             "but every rank ran (no refusal)")
+            if not verdict and input_disagreement(draws):  # the last rank passed other inputs, and every rank ran
+                verdict, detail = "WRONG", (f"the last rank passed another {input_disagreement(draws)} under "
+                                            "check_inputs=True, but every rank ran (no refusal)")
             if not verdict:  # every rank ran: the reference decides
                 ref = (attention_reference if draws["kind"] == "attention" else dilated_reference)(draws, tensors)
                 verdict, detail = _judge_attention(draws, ref, per_rank)
@@ -416,10 +431,14 @@ def summary(draws: dict[str, Any]) -> str:
         return summary({**odd_local_applied(draws), "odd_local": None}) + " odd-local"
     if wide_batch_applied(draws) is not draws:  # the batch as the run sees it (fz31)
         return summary({**wide_batch_applied(draws), "wide_batch": None}) + " wide-batch"
+    if big_scale_applied(draws) is not draws:  # the scale as the run sees it (fz32)
+        return summary({**big_scale_applied(draws), "big_scale": None}) + " big-scale"
     if draws.get("strided_pairs") and draws.get("group") == "pairs":  # the non-consecutive pairs (fz31)
         return summary({**draws, "strided_pairs": None}).replace("group=pairs", "group=pairs{0,2}{1,3}")
     if disagreement(draws):  # the last rank's option apart (fz31)
         return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
+    if input_disagreement(draws):  # the last rank's inputs apart (fz32)
+        return summary({**draws, "disagree_input": None}) + f" disagree-input={input_disagreement(draws)}"
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced

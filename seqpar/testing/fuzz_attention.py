@@ -16,7 +16,10 @@ from seqpar.testing.fuzz_strides import STRIDES
 __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", "draw_documents", "draw_empty_documents",
            "with_empty_documents", "empty_documents_applied", "draw_odd_local", "odd_local_applied", "WIDE_BATCH_RATE",
            "draw_wide_batch", "wide_batch_applied", "DISAGREE_RATE", "DISAGREEMENTS", "draw_disagree", "disagreement",
-           "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "draw_attention",
+           "disagreeing_inputs",
+           "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "BIG_SCALE_RATE", "draw_big_scale",
+           "big_scale_applied", "DISAGREE_INPUT_RATE", "DISAGREE_INPUTS", "draw_disagree_input", "input_disagreement",
+           "draw_attention",
            "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
@@ -191,6 +194,84 @@ def disagreeing_options(option: str, kwargs: dict[str, Any], head_dim: int) -> d
     else:
         raise ValueError(f"unknown disagreement {option!r}")
     return new
+
+
+BIG_SCALE_RATE = 0.15
+"""How often an ``attention`` or ``dilated`` case runs with a softmax scale above 1 (:func:`draw_big_scale`)."""
+
+
+def draw_big_scale(case_seed: int, draws: dict[str, Any]) -> float | None:
+    """A softmax ``scale`` in ``[1.25, 4]`` that an ``attention`` or ``dilated`` case runs with instead of its drawn
+    one (None or ``0.1 .. 1``; :func:`big_scale_applied`): scores several times the default's, so each softmax row is
+    nearly one-hot and its log-sum-exp far from the row's values, which no case had before fz32 (Gemma 2's
+    ``query_pre_attn_scalar`` and muP's ``1 / d`` give scales off the default; a scale above 1 is the large end).
+    None for most cases.
+
+    Drawn from a generator of its own (``f"{case_seed}:big_scale"``), never the case's: every case seed keeps every
+    draw it had before (fz32), as ``wide_batch`` does (fz31)."""
+    if draws.get("kind") not in ("attention", "dilated"):
+        return None
+    rng = random.Random(f"{case_seed}:big_scale")
+    return round(rng.uniform(1.25, 4.0), 3) if rng.random() < BIG_SCALE_RATE else None
+
+
+def big_scale_applied(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` as the run sees it where ``draws["big_scale"]`` (:func:`draw_big_scale`): ``scale`` that one (the
+    references read ``scale`` too). ``draws`` itself where not drawn."""
+    big = draws.get("big_scale")
+    if not big or draws.get("kind") not in ("attention", "dilated"):
+        return draws
+    return {**draws, "scale": big}
+
+
+DISAGREE_INPUT_RATE = 0.1
+"""How often an ``attention`` case that can (:func:`input_disagreement`) has its last rank pass other inputs."""
+DISAGREE_INPUTS = ("seq_local", "documents", "batch")
+"""What the last rank passes otherwise than the others (:func:`disagreeing_inputs`): a shard one token shorter,
+other document boundaries, another batch."""
+
+
+def draw_disagree_input(case_seed: int, draws: dict[str, Any]) -> str | None:
+    """One of :data:`DISAGREE_INPUTS` (about :data:`DISAGREE_INPUT_RATE` of the cases that can take one) or None:
+    the input the last rank passes otherwise than the others: its shard one token shorter (a collator that padded
+    one rank's rows differently), other ``cu_seqlens`` (a rank that packed its own documents), or one batch row
+    more or fewer. ``check_inputs=True`` must refuse each by name on every rank
+    (``seqpar.attn.checks.check_across_ranks``), never run, hang or crash in a collective. Drawn where
+    :data:`DISAGREEMENTS`' option draw (``disagree``) is not, from a generator of its own
+    (``f"{case_seed}:disagree_input"``), never the case's: every case seed keeps every draw it had before (fz32)."""
+    if not _can_disagree(draws) or draws.get("disagree"):
+        return None
+    rng = random.Random(f"{case_seed}:disagree_input")
+    return rng.choice(DISAGREE_INPUTS) if rng.random() < DISAGREE_INPUT_RATE else None
+
+
+def input_disagreement(draws: dict[str, Any]) -> str | None:
+    """The input the run's last rank passes otherwise (``draws["disagree_input"]``), or None where not drawn or
+    where forced draws took away what it needs (as :func:`disagreement`)."""
+    return draws.get("disagree_input") if _can_disagree(draws) else None
+
+
+def disagreeing_inputs(option: str, q: Any, k: Any, v: Any, dout: Any, cu: list[int] | None, seq: int
+                       ) -> tuple[Any, Any, Any, Any, list[int] | None]:
+    """The last rank's ``(q, k, v, dout, cu)`` of a case disagreeing on ``option`` (:data:`DISAGREE_INPUTS`), from
+    its own ``(B, H, S_local, D)`` shards and the call's boundaries ``cu`` (``[0, ..., seq]`` or None):
+    ``seq_local`` drops the shard's last token; ``documents`` splits a document in two (a boundary at the first
+    position from ``seq // 2`` on that is none; where every position is one, merges the first two documents):
+    boundaries valid on one process, other than the other ranks'; ``batch`` drops the last row (one row: repeats
+    it)."""
+    if option == "seq_local":
+        return q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], dout[:, :, :-1], cu
+    if option == "documents":
+        bounds = list(cu) if cu is not None else [0, seq]
+        free = [p for p in (*range(seq // 2, seq), *range(1, seq // 2)) if p not in bounds]
+        if free:  # one more boundary: a document split in two
+            return q, k, v, dout, sorted([*bounds, free[0]])
+        return q, k, v, dout, bounds[:1] + bounds[2:]  # every token its own document: two of them merged
+    if option == "batch":
+        if q.shape[0] > 1:
+            return q[:-1], k[:-1], v[:-1], dout[:-1], cu
+        return (*(x.expand(2, *x.shape[1:]).contiguous() for x in (q, k, v, dout)), cu)
+    raise ValueError(f"unknown input disagreement {option!r}")
 
 
 STRIDED_PAIRS_RATE = 0.5

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from seqpar.testing.fuzz_attention import disagreeing_options, disagreement, sp_groups
+from seqpar.testing.fuzz_attention import (
+    disagreeing_inputs,
+    disagreeing_options,
+    disagreement,
+    input_disagreement,
+    sp_groups,
+)
 from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import strided_grads, strided_inputs
 from seqpar.testing.verdicts import close, error_record
@@ -269,12 +275,14 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
         for call, t in zip(draws["calls"], tensors["calls"], strict=True):
             pos = positions(sp_draws, call["cu"], sp_rank)
             q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
+            cu = call["cu"]
+            if input_disagreement(draws) and rank == world - 1:  # a user's mistake: check_inputs must refuse it (fz32)
+                q, k, v, dout, cu = disagreeing_inputs(input_disagreement(draws), q, k, v, dout, cu, sp_draws["seq"])
             shapes = [x.shape for x in (q, k, v)]
             xs, (q, k, v) = strided_inputs(q, k, v, draws["layout"], draws.get("strided"), frozen_kv=grad == "frozen_kv")
             if draws.get("expand_kv"):  # one K/V head seen as every query head's: stride 0 over the heads
                 hd = 2 if draws["layout"] == "bshd" else 1
                 k, v = (x.expand(*x.shape[:hd], q.shape[hd], *x.shape[hd + 1:]) for x in (k, v))
-            cu = call["cu"]
             if cu is not None:
                 cu_as = draws.get("cu_as", "int64")
                 cu = tuple(cu) if cu_as == "tuple" else torch.tensor(cu, dtype=getattr(torch, cu_as))

@@ -218,6 +218,45 @@ def _draw_dilated_tail(rng: random.Random, draws: dict[str, Any]) -> None:
     draws["fullgraph"] = not draws["check_inputs"] and rng.random() < 0.4
 
 
+COMPILE_STRIDED_PAIRS_RATE = 0.5
+"""How often a direct-call ``compile`` case with a call on the pairs takes the non-consecutive ones
+(:func:`call_groups`)."""
+
+
+def draw_compile_strided_pairs(case_seed: int, draws: dict[str, Any]) -> bool | None:
+    """Whether a direct-call ``compile`` case (``sub`` attention or dilated) whose calls switch to SP 2 of P = 4 runs
+    those calls on ``{0, 2}, {1, 3}`` (a non-consecutive group, made by ``dist.new_subgroups_by_enumeration``)
+    instead of ``{0, 1}, {2, 3}``: the compiled op's group changes between calls to one whose ranks are not
+    consecutive. None where no call is on the pairs. Drawn from a generator of its own
+    (``f"{case_seed}:compile_strided_pairs"``), never the case's: every case seed keeps every draw it had before
+    (fz32), as the attention kind's ``strided_pairs`` (fz31)."""
+    if draws.get("kind") != "compile" or draws.get("sub") not in ("attention", "dilated") or not any(
+            c["sp"] != draws["world"] for c in draws.get("calls", [])):
+        return None
+    return random.Random(f"{case_seed}:compile_strided_pairs").random() < COMPILE_STRIDED_PAIRS_RATE
+
+
+def call_groups(draws: dict[str, Any], sp: int) -> list[range]:
+    """The SP groups of a direct-call ``compile`` case's call at SP size ``sp``, each a range of global ranks in
+    its group order: the whole world; ``{0, 1}, {2, 3}``; or, where ``draws["strided_pairs"]``, ``{0, 2}, {1, 3}``
+    (every ``P / sp``-th rank)."""
+    world = draws["world"]
+    if sp == world:
+        return [range(world)]
+    if draws.get("strided_pairs"):
+        return [range(g, world, world // sp) for g in range(world // sp)]
+    return [range(g0, g0 + sp) for g0 in range(0, world, sp)]
+
+
+def _ranks_word(ranks: range) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if ranks.step == 1 else ",".join(map(str, ranks))
+
+
+def _rank_in_call(draws: dict[str, Any], sp: int, rank: int) -> int:
+    """Global rank ``rank``'s rank in its SP group of a call at SP size ``sp`` (:func:`call_groups`)."""
+    return next(list(g).index(rank) for g in call_groups(draws, sp) if rank in g)
+
+
 def compile_summary(draws: dict[str, Any]) -> str:
     d = draws
     if d["sub"] == "dilated":
@@ -227,7 +266,7 @@ def compile_summary(draws: dict[str, Any]) -> str:
                 f"causal={int(d['causal'])} {calls} steps={d['steps']} {d['dtype']}"
                 + "".join(f" {k}={d[k]}" for k in ("scale", "strided", "grad") if d.get(k))
                 + (" dkv=bf16" if d.get("dkv_wire_dtype") == "bf16" else "") + (" check_inputs" if d["check_inputs"] else "")
-                + (" fullgraph" if d.get("fullgraph") else ""))
+                + (" fullgraph" if d.get("fullgraph") else "") + (" pairs{0,2}{1,3}" if d.get("strided_pairs") else ""))
     head = (f"compile/{d['sub']} P={d['world']} {d['mode']}" + (f"(u={d['ulysses_size']})" if d["mode"] == "hybrid" else "")
             + f" {d['sharding']} {d['backend']} dynamic={d['dynamic']}")
     if d["sub"] == "model":
@@ -242,6 +281,8 @@ def compile_summary(draws: dict[str, Any]) -> str:
     parts.append(f"steps={d['steps']}")
     parts += knob_words(d, ("chunk_size", "softcap", "scale"), ("sinks", "alibi", "check_inputs"))
     parts += call_words(d, no_check=False)
+    if d.get("strided_pairs"):  # the non-consecutive pairs (fz32)
+        parts.append("pairs{0,2}{1,3}")
     return " ".join(parts)
 
 
@@ -373,7 +414,10 @@ def _compiled_task(draws: dict[str, Any], world: int, plant: str | None, groups:
     pairs = None
     try:
         seqpar.init_process_groups(**groups)
-        if any(c["sp"] != world for c in draws["calls"]):
+        subs = [c["sp"] for c in draws["calls"] if c["sp"] != world]
+        if subs and draws.get("strided_pairs"):  # {0, 2}, {1, 3} (fz32): every rank makes every subgroup
+            pairs, _ = dist.new_subgroups_by_enumeration([list(g) for g in call_groups(draws, subs[0])])
+        elif subs:
             pairs, _ = dist.new_subgroups(2)
         return body(pairs)
     except Exception as e:  # noqa: BLE001 - classified by the driver
@@ -440,7 +484,7 @@ def compile_attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, A
             """The call's ``(q, k, v)`` (views of its leaves, as ``strided`` says), ``(leaves, shapes)``, dout, rest."""
             c, t = draws["calls"][ci], tensors["calls"][ci]
             sub = c["sp"] != world
-            pos = positions(_call_draws(draws, ci), c["cu"], rank % c["sp"])
+            pos = positions(_call_draws(draws, ci), c["cu"], _rank_in_call(draws, c["sp"], rank))
             q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
             shapes = [x.shape for x in (q, k, v)]
             xs, qkv = strided_inputs(q, k, v, draws["layout"], draws.get("strided"))
@@ -491,7 +535,7 @@ def compile_dilated_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any
 
         def inputs(ci: int) -> tuple[tuple, Any, torch.Tensor]:
             c, t = draws["calls"][ci], tensors["calls"][ci]
-            pos = positions(_dilated_call_draws(draws, ci), None, rank % c["sp"])
+            pos = positions(_dilated_call_draws(draws, ci), None, _rank_in_call(draws, c["sp"], rank))
             q, k, v, dout = (t[n].index_select(2, pos).to(dtype) for n in ("q", "k", "v", "dout"))
             shapes = [x.shape for x in (q, k, v)]
             xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"))
@@ -609,15 +653,15 @@ def _judge_attention(draws: dict[str, Any], ref: dict[str, Any], per_rank: list[
         cd = _call_draws(draws, ci)
         # the bf16 dK/dV wire: dk and dv at the attention kind's bound, 4 (P - 1) 2**-9 of their scale; out, dq exact
         wire_tol = max(tol, 4 * (c["sp"] - 1) * 2.0 ** -9) if draws.get("dkv_wire_dtype", "fp32") == "bf16" else tol
-        for g0 in range(0, world, c["sp"]):  # each SP group of the call (the pairs: two)
+        for ranks in call_groups(draws, c["sp"]):  # each SP group of the call (the pairs: two)
             for ti, name in enumerate(names):
-                full, missing = lay_shards(ref_call[ti], per_rank, range(g0, g0 + c["sp"]), ci, ti,
+                full, missing = lay_shards(ref_call[ti], per_rank, ranks, ci, ti,
                                            lambda r, cd=cd, cu=c["cu"]: positions(cd, cu, r))
                 if missing is not None:
                     return "WRONG", f"call{ci}.{name} missing on rank {missing}: no gradient reached the leaf"
                 t_tol = wire_tol if name in ("dk", "dv") else tol
                 ok, err = close(full, ref_call[ti], t_tol, t_tol * 0.1 * scale_all)
-                label = f"call{ci}" + (f"(ranks {g0}-{g0 + c['sp'] - 1})" if c["sp"] != world else "") + f".{name}"
+                label = f"call{ci}" + (f"(ranks {_ranks_word(ranks)})" if c["sp"] != world else "") + f".{name}"
                 if not ok:
                     return "WRONG", f"{label} off by {err:.2e} of its scale (tol {t_tol:.0e})"
                 worst = max(worst, (label, err), key=lambda x: x[1])
