@@ -383,3 +383,19 @@ def layer_bf16_errors(world: int, rank: int, layer64: torch.nn.Module, sp_class:
         assert out.dtype == torch.bfloat16
         full = gather_sequence(out, 1, group=WORLD, sharding="zigzag").double()
     return float((full - exact).abs().max()), float((own.double() - exact).abs().max())
+
+
+def simple_gla_by_token(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_gamma: torch.Tensor, scale: float,
+                        output_final_state: bool, initial_state: torch.Tensor | None = None,
+                        cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fake of flash-linear-attention's ``chunk_simple_gla``: simple GLA token by token in its layout.
+
+    q, k: (batch, seq, heads, dk); v: (batch, seq, heads, dv); g_gamma: (heads,) log decays. Returns the output
+    (batch, seq, heads, dv) and the final state (batch, heads, dk, dv). ``initial_state`` and ``cu_seqlens`` are
+    accepted for the kernel's signature and ignored: callers that depend on them assert they are None."""
+    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    outs = []
+    for t in range(q.shape[1]):
+        state = g_gamma.exp()[:, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, dim=1), state

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from mixer_parity import simple_gla_by_token
 
 import seqpar.bench.gpu_check as gc
 from seqpar.mixers import delta_rule, lightning, ssd
@@ -35,16 +36,6 @@ def test_mixer_kernels_stage_skips_when_nothing_imports(monkeypatch: pytest.Monk
         assert f"{family}: " in result["skipped"]
 
 
-def _chunk_simple_gla(q, k, v, g_gamma, scale, output_final_state, initial_state=None, cu_seqlens=None):  # noqa: ANN001, ANN202
-    # flash-linear-attention's simple GLA, token by token, in its (batch, seq, heads, dim) layout
-    state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
-    outs = []
-    for t in range(q.shape[1]):
-        state = g_gamma.exp()[:, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
-        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(outs, dim=1), state
-
-
 def _fake_kernels(monkeypatch: pytest.MonkeyPatch, skew: float) -> None:
     """The three Triton paths as modules that run the torch path (times ``skew``), on "cpu"."""
     import transformers.models.bamba.modeling_bamba as bamba
@@ -62,7 +53,7 @@ def _fake_kernels(monkeypatch: pytest.MonkeyPatch, skew: float) -> None:
         out, state = ssd_torch(*args, **kwargs)
         return out * skew, state
 
-    fakes = {"gdn": gdn, "lightning": _chunk_simple_gla, "mamba2": ssd_kernel}
+    fakes = {"gdn": gdn, "lightning": simple_gla_by_token, "mamba2": ssd_kernel}
     for family, (module, name) in gc.MIXER_KERNEL_PATHS.items():
         parts = module.split(".")
         for i in range(1, len(parts) + 1):

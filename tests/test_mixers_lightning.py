@@ -20,6 +20,7 @@ from mixer_parity import (
     layer_parity,
     one_process_parity,
     sharded_parity,
+    simple_gla_by_token,
 )
 
 from seqpar.mixers.lightning import SeqParLightningAttention
@@ -143,12 +144,7 @@ def test_flash_linear_attention_kernel_is_used_where_importable(monkeypatch):
     def chunk_simple_gla(q, k, v, g_gamma, scale, output_final_state, initial_state=None, cu_seqlens=None):
         calls.append(q.shape[1])
         assert initial_state is None and cu_seqlens is None and output_final_state
-        state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
-        outs = []
-        for t in range(q.shape[1]):
-            state = g_gamma.exp()[:, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
-            outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-        return torch.stack(outs, dim=1), state
+        return simple_gla_by_token(q, k, v, g_gamma, scale, output_final_state)
 
     fla = types.ModuleType("fla")
     fla.ops = types.ModuleType("fla.ops")

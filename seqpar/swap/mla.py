@@ -4,7 +4,7 @@ transformers 5.x MLA attention modules (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, Mini
 with ``key, value = self.expand_kv(kv_nope, k_rot)`` from the normalised latent ``kv_nope`` ``(batch, 1,
 seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rope_head_dim)``, and pass
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
-attribute): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
+attribute, a method bound to the module: a deep copy of the model rebinds it to the copy): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
 ``"allgather"``, more than one rank in the call's SP group, the dense pattern; under dynamic CP the group the
 layer's call carries), the wrapper keeps the latent on the layer call's frame and returns zero-cost stand-ins
 of K/V's shapes
@@ -39,6 +39,7 @@ verdict depends on the weights only, which every SP rank holds alike, so every r
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -152,15 +153,17 @@ def _prepare_projection(proj: nn.Module) -> None:
     the module's own forward. Idempotent (a second swap keeps the first own forward)."""
     if _PROJ_ATTR in proj.__dict__:
         return
-    own = proj.forward
+    setattr(proj, _PROJ_ATTR, proj.forward)
+    proj.forward = types.MethodType(_projection_forward, proj)  # a method: a deep copy rebinds it to its copy
 
-    def forward(*args: Any, seqpar_latent: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
-        if seqpar_latent is None:
-            return own(*args, **kwargs)
-        return seqpar_latent(proj.weight, *args)
 
-    setattr(proj, _PROJ_ATTR, own)
-    proj.forward = forward
+def _projection_forward(self: nn.Module, *args: Any, seqpar_latent: Callable[..., Any] | None = None,
+                        **kwargs: Any) -> Any:
+    """``forward`` of a projection prepared by :func:`_prepare_projection` (its own forward, kept in
+    ``_PROJ_ATTR``, read from the module at each call)."""
+    if seqpar_latent is None:
+        return self.__dict__[_PROJ_ATTR](*args, **kwargs)
+    return seqpar_latent(self.weight, *args)
 
 
 def mla_dims(module: nn.Module) -> MLADims | None:
@@ -257,28 +260,32 @@ def install_latent_transfer(module: nn.Module, options: Any) -> bool:
     # each call of the layer holds a frame: its group, and the latent between expand_kv and the attention
     hold_calls(module, options.group, on_leave=_untaken_latent)
 
-    def expand_kv(kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
-        frame = frame_of(module)  # None: called outside the layer's call, which holds no latent for it
+    # bound to the module (a method), not a closure over it: a deep copy of the model rebinds it to the copy,
+    # whose calls then expand with the copy's kv_b_proj and read the copy's frames (a closure would keep the
+    # source module: its weights, and frames the copy never pushes)
+    def expand_kv(self: nn.Module, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
+        original = self.__dict__[_ORIGINAL_ATTR]
+        frame = frame_of(self)  # None: called outside the layer's call, which holds no latent for it
         if frame is None or is_probing() or not _ring_will_run(frame, options):  # the probe attends self-only
             return original(kv_nope, k_rot)
-        if getattr(module, _VERDICT_ATTR) is None:
-            heads, why = _verdict(module, original, dims, kv_nope)
-            setattr(module, _VERDICT_ATTR, heads is not None)
-            setattr(module, _HEADS_ATTR, heads)
+        if getattr(self, _VERDICT_ATTR) is None:
+            heads, why = _verdict(self, original, dims, kv_nope)
+            setattr(self, _VERDICT_ATTR, heads is not None)
+            setattr(self, _HEADS_ATTR, heads)
             if heads is None:
-                _warn_once(f"seqpar: {type(module).__name__}: {why}; its ring moves expanded K/V, not the latent")
-        if not getattr(module, _VERDICT_ATTR) or kv_nope.shape[1] != 1 or k_rot.shape[1] != 1:
+                _warn_once(f"seqpar: {type(self).__name__}: {why}; its ring moves expanded K/V, not the latent")
+        if not getattr(self, _VERDICT_ATTR) or kv_nope.shape[1] != 1 or k_rot.shape[1] != 1:
             return original(kv_nope, k_rot)
-        local = replace(dims, heads=getattr(module, _HEADS_ATTR))  # this rank's heads (fewer under TP)
+        local = replace(dims, heads=getattr(self, _HEADS_ATTR))  # this rank's heads (fewer under TP)
         b, _, n, _ = kv_nope.shape
         # stand-ins of K/V's shapes and dtype: broadcast views of one element, never read
         zero = kv_nope.new_zeros(())
         key = zero.expand(b, local.heads, n, local.qk_nope_head_dim + local.qk_rope_head_dim)
         value = zero.expand(b, local.heads, n, local.v_head_dim)
-        frame.latent = LatentCall(kv_nope, k_rot, module.kv_b_proj, local, key, value, original)
+        frame.latent = LatentCall(kv_nope, k_rot, self.kv_b_proj, local, key, value, original)
         return key, value
 
-    module.expand_kv = expand_kv
+    module.expand_kv = types.MethodType(expand_kv, module)
     return True
 
 
