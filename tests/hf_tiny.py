@@ -193,6 +193,24 @@ def assert_gradients_close(got: dict[str, torch.Tensor], want: dict[str, torch.T
                                    msg=lambda m, n=name: f"{what}: gradient of {n}: {m}")
 
 
+def read_gradients_before_first_step(engine: Any, into: dict[str, torch.Tensor]) -> None:
+    """Fill ``into`` with a DeepSpeed ``engine``'s reduced gradients (``safe_get_full_grad``, whole, by parameter
+    name) just before its first ``step()``: accelerate calls ``engine.step()`` inside its ``backward``, so neither a
+    Trainer callback nor the loop sees them. Idempotent (a second call on the same engine does nothing)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    if "step" in vars(engine):
+        return
+    step = engine.step
+
+    def read_then_step(*args: Any, **kwargs: Any) -> Any:
+        if not into:
+            into.update({n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()})
+        return step(*args, **kwargs)
+
+    engine.step = read_then_step
+
+
 def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-4) -> None:
     assert len(got) == len(ref), (got, ref)
     for i, (a, b) in enumerate(zip(got, ref, strict=True)):
