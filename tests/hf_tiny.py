@@ -195,7 +195,7 @@ def assert_gradients_close(got: dict[str, torch.Tensor], want: dict[str, torch.T
 
 def read_gradients_before_first_step(engine: Any, into: dict[str, torch.Tensor]) -> None:
     """Fill ``into`` with a DeepSpeed ``engine``'s reduced gradients (``safe_get_full_grad``, whole, by parameter
-    name) just before its first ``step()``: accelerate calls ``engine.step()`` inside its ``backward``, so neither a
+    name; trainable parameters only) just before its first ``step()``: accelerate calls ``engine.step()`` inside its ``backward``, so neither a
     Trainer callback nor the loop sees them. Idempotent (a second call on the same engine does nothing)."""
     from deepspeed.utils import safe_get_full_grad
 
@@ -205,7 +205,8 @@ def read_gradients_before_first_step(engine: Any, into: dict[str, torch.Tensor])
 
     def read_then_step(*args: Any, **kwargs: Any) -> Any:
         if not into:
-            into.update({n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()})
+            into.update({n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()
+                         if p.requires_grad})
         return step(*args, **kwargs)
 
     engine.step = read_then_step
