@@ -15,7 +15,14 @@ from unittest import mock
 
 import pytest
 from launch_module import train_module
-from test_train import _close, _config, _expect_error, _losses, _sgd_config
+from test_train import (
+    _close,
+    _config,
+    _expect_error,
+    _losses_and_grads,
+    _sgd_config,
+    assert_first_gradients_close,
+)
 
 SHORT = ["--seq-len", "96", "--steps", "3", "--no-progress", "--log-level", "WARNING"]
 ARGV = ["--config", _config("fsdp_hybrid.json"), *SHORT]
@@ -30,10 +37,16 @@ CASES = [("fsdp_hybrid.json", (), (2, 4)), ("fsdp_hybrid.json", ("--packed",), (
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("config,extra,sizes", CASES, ids=["fsdp", "fsdp-packed", "deepspeed-moe"])
 def test_hybrid_sp2_sp4_match_sp1(dist_pool, config, extra, sizes):
+    """The losses and step 1's reduced gradients (each parameter on its own scale) equal SP = 1's.
+    Seen failing (tolerance audit 32): seqpar's attention with dq doubled on a world > 1 only (``query + (query -
+    query.detach())`` in ``seqpar_attention_forward``) -> fsdp at SP 2: ``embed_tokens`` 1.1e-3 off where 6.4e-6 is
+    allowed; the losses alone passed it (fsdp, SP 2 and 4)."""
     argv = ["--config", _sgd_config(config), *SHORT, *extra]
-    ref = _losses(dist_pool, 1, [*argv, "--sp-size", "1"])
+    ref, ref_grads = _losses_and_grads(dist_pool, 1, [*argv, "--sp-size", "1"])
     for sp in sizes:
-        _close(_losses(dist_pool, sp, [*argv, "--sp-size", str(sp)]), ref)
+        losses, grads = _losses_and_grads(dist_pool, sp, [*argv, "--sp-size", str(sp)])
+        assert_first_gradients_close(grads, ref_grads, f"SP {sp}")
+        _close(losses, ref)
     # (no "the loss falls" check: SGD's 3 steps need not lower this task's loss; the breaks above show the
     # gradients reach the compared losses)
 
