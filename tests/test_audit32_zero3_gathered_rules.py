@@ -51,7 +51,7 @@ def test_layer_tensors_are_the_layers_parameters() -> None:
 
 
 def test_a_tensor_of_exactly_the_threshold_is_persistent() -> None:
-    """``stage3_param_persistence_threshold`` = h INTER (131,072): every tensor is persistent, nothing is gathered,
+    """``stage3_param_persistence_threshold`` = h x intermediate (131,072): every tensor is persistent, nothing is gathered,
     fetched or kept (as at any larger threshold); one element lower, the MLP weights are the gathered ones, all
     fetched in the first prefetch (default 5e7) and kept for the backward (reuse 1e9).
 
@@ -100,3 +100,22 @@ def test_the_reuse_distance_counts_the_roots_gathered_tensors() -> None:
     layers = L * 3 * H * INTER
     assert training._zero3_gathered(m, reuse=layers)[1:4:2] == (2 * 3 * H * INTER, ())
     assert training._zero3_gathered(m, reuse=layers + 2 * 4096 * H)[1:4:2] == (layers, (3 * H * INTER,) * L)
+
+
+def test_an_offloaded_optimizer_takes_the_fp32_partition_off_the_device() -> None:
+    """ZeRO-3 with ``offload_optimizer``: the fp32 master partition (4 bytes x ceil(params / world)) and AdamW's
+    state live on the host, so the device's parameters are the same less that partition and its optimizer state is
+    0 (the rule ZeRO-3's branch of ``_state_bytes`` states; est31 rewrote that branch).
+
+    Seen failing (audit 32): the fp32 partition left in the parameters under offload (G10: 3,343,488 B over, the
+    same parameters either way)."""
+    import math
+
+    model = dict(vocab_size=256, hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=2,
+                 num_key_value_heads=2)
+    kw = dict(seq_len=64, sp_size=2, engine="deepspeed", zero_stage=3, tiled_mlp=1)
+    on = estimate_training_memory(model, **kw, offload_optimizer=True)
+    off = estimate_training_memory(model, **kw)
+    part = math.ceil(ModelShape.from_config(model).params / 2)
+    assert off["parameters"] - on["parameters"] == 4 * part, (off, on, part)
+    assert on["optimizer_state"] == 0 and off["optimizer_state"] == 2 * 4 * part, (off, on)
