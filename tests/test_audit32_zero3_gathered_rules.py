@@ -119,3 +119,17 @@ def test_an_offloaded_optimizer_takes_the_fp32_partition_off_the_device() -> Non
     part = math.ceil(ModelShape.from_config(model).params / 2)
     assert off["parameters"] - on["parameters"] == 4 * part, (off, on, part)
     assert on["optimizer_state"] == 0 and off["optimizer_state"] == 2 * 4 * part, (off, on)
+
+
+@pytest.mark.parametrize("key", ["stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+                                 "stage3_max_reuse_distance"])
+@pytest.mark.parametrize("value", [True, -1, "1e5"])
+def test_a_setting_that_is_not_a_number_of_elements_is_refused_by_name(key: str, value: object) -> None:
+    """A ZeRO-3 setting given as a bool (``True`` is an int to Python: 1 element), a negative number or a string is
+    refused by name, never taken as a number of elements.
+
+    Seen failing (audit 32): the bool check dropped (G21: ``True`` taken as 1 element, an estimate returned)."""
+    model = dict(vocab_size=256, hidden_size=H, intermediate_size=INTER, num_hidden_layers=L, num_attention_heads=2,
+                 num_key_value_heads=2)
+    with pytest.raises(ValueError, match=f"{key}=.*expected a number of elements >= 0"):
+        estimate_training_memory(model, seq_len=64, sp_size=2, engine="deepspeed", zero_stage=3, **{key: value})
