@@ -5,8 +5,8 @@ DTensor ``Shard(0)``: ``_GatheredTiledLMLoss``) in both backward orders, on 2 gl
   forced and the automatic one, with ignored rows, an uneven vocabulary split (259 + 258 ids), several vocabulary
   blocks and row tiles. Tolerances as tests/test_tiled_loss_vocab_order.py (each gradient on its own scale: fp32
   ``1e-5``, bf16 ``2^-6`` on bf16-rounded inputs).
-- Memory: the bf16 backward's peak on each rank (``TensorMemoryTracker``, peak minus baseline of the loss's backward
-  alone) drops as the model says: the row order holds the fp32 ``(V / tp, h)`` accumulator and its bf16 cast
+- Memory: the bf16 backward's peak on each rank (``backward_peak``: ``TensorMemoryTracker``'s peak of the loss's
+  backward alone over the loss's own state, its inputs and what its graph saved) drops as the model says: the row order holds the fp32 ``(V / tp, h)`` accumulator and its bf16 cast
   (``V / tp * h * 6``) at its end, the vocabulary order ``V / tp * h * 2`` and the regathered rows. Each order's
   ``loss_backward_bytes(..., tp=2)`` against its measurement: never under, within 1% over; the row order also on
   small shapes and explicit chunks, where a gathered chunk's buffers are a large share of the peak; the automatic
