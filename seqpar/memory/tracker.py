@@ -32,7 +32,12 @@ depended on thread scheduling (tests/test_training_memory.py's tiled-MLP case at
 +540,928 B, -10.06%, in one CI run of two). The buffer is real memory while the collective runs, and
 the estimate models it there; on NCCL, which reduces in place, a collective's buffers live as long as
 the collective, so the tail after the wait is the only part left out. A copy is tied to the wait it
-was first seen in: another collective's wait does not end it.
+was first seen in: another collective's wait does not end it. A storage alive at entry is never a backend
+copy (the copy is made by the collective, inside the tracked window): with ``count_existing=False`` the entry's
+garbage-collector walk records those storages, uncounted, and one first touched inside a wait is then counted as it
+would be outside one, until freed, not ended when the wait returns (it was before: a caller's buffer that existed
+at entry and was first touched inside a wait was left out of every later peak). A storage alive at entry that the
+garbage collector cannot see (held by C++ only, e.g. autograd's saved tensors) stays indistinguishable from a copy.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         # per thread: one list per Work.wait() running, of the backend copies first seen in it
         self._waits = threading.local()
         self._ended: WeakIdKeyDictionary = WeakIdKeyDictionary()  # backend copies whose wait returned
+        # storages alive at entry, not counted (count_existing=False): never backend copies (module docstring)
+        self._pre_entry: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # ------------------------------------------------------------------ registration
     def _register(self, st: torch.UntypedStorage) -> None:
@@ -182,16 +189,14 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _register_all_live(self) -> None:
         gc.collect()  # garbage in reference cycles is not memory the block can use
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # isinstance() on deprecated module proxies warns
-            for obj in gc.get_objects():
-                try:
-                    is_tensor = isinstance(obj, torch.Tensor)
-                except Exception:  # noqa: BLE001 - exotic proxies may raise on isinstance
-                    continue
-                if is_tensor:
-                    for st in tensor_storages(obj):
-                        self._register(st)
+        for st in _live_storages():
+            self._register(st)
+
+    def _note_pre_entry(self) -> None:
+        """Record, uncounted, the storages alive at entry (``count_existing=False``): none is a backend copy."""
+        for st in _live_storages():
+            if st.device.type == self.device_type:
+                self._pre_entry[st] = True
 
     # ------------------------------------------------------------------ mode
     def __enter__(self) -> TensorMemoryTracker:
@@ -200,6 +205,8 @@ class TensorMemoryTracker(TorchDispatchMode):
             if self.count_existing:
                 with self.tag("existing"):
                     self._register_all_live()
+            else:
+                self._note_pre_entry()
             self.baseline = self.current
             self.peak = max(self.peak, self.current)
         self._wrap_resize()
@@ -280,7 +287,8 @@ class TensorMemoryTracker(TorchDispatchMode):
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
                 for st in tensor_storages(x):
-                    if stack and st not in self._sizes and st.device.type == self.device_type:
+                    if (stack and st not in self._sizes and st.device.type == self.device_type
+                            and st not in self._pre_entry):
                         if inputs is None:
                             inputs = {s._cdata for a in tree_flatten((args, kwargs))[0]
                                       if isinstance(a, torch.Tensor) for s in tensor_storages(a)}
@@ -302,6 +310,19 @@ def _maker() -> str:
             return f"{os.path.basename(path)}:{frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+def _live_storages() -> Iterator[torch.UntypedStorage]:
+    """The storages of every tensor the garbage collector can see (a storage may come more than once)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated module proxies warns
+        for obj in gc.get_objects():
+            try:
+                is_tensor = isinstance(obj, torch.Tensor)
+            except Exception:  # noqa: BLE001 - exotic proxies may raise on isinstance
+                continue
+            if is_tensor:
+                yield from tensor_storages(obj)
 
 
 def _work_class() -> Any:
