@@ -93,13 +93,15 @@ def test_the_reuse_distance_counts_the_roots_gathered_tensors() -> None:
     root's among them, with ``stage3_max_reuse_distance`` (the docstring's rule): at a reuse distance of exactly the
     layers' 1,572,864 non-persistent elements, a non-persistent root (4,096 x 64 embedding and untied head, 524,288
     elements) puts the model over it, so only a layer and its prefetch are kept (2 x 393,216), none per layer;
-    at the model's whole non-persistent count, every layer's copies are kept.
+    at the model's whole non-persistent count, every layer's copies are kept. The prefetch is set small (1,000
+    elements) so that est32's second route to keeping every copy (the model within 13 prefetches) is closed and
+    the reuse distance alone decides.
 
     Seen failing (audit 32): the root left out of the comparison (G3: every layer's copies kept, 1,572,864)."""
     m = _shape(vocab_size=4096)
     layers = L * 3 * H * INTER
-    assert training._zero3_gathered(m, reuse=layers)[1:4:2] == (2 * 3 * H * INTER, ())
-    assert training._zero3_gathered(m, reuse=layers + 2 * 4096 * H)[1:4:2] == (layers, (3 * H * INTER,) * L)
+    assert training._zero3_gathered(m, reuse=layers, prefetch=1000)[1:4:2] == (2 * 3 * H * INTER, ())
+    assert training._zero3_gathered(m, reuse=layers + 2 * 4096 * H, prefetch=1000)[1:4:2] == (layers, (3 * H * INTER,) * L)
 
 
 def test_an_offloaded_optimizer_takes_the_fp32_partition_off_the_device() -> None:
