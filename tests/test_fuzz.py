@@ -2854,12 +2854,19 @@ def test_disagreeing_ranks_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> Non
     (``seqpar.attn.checks``): 1699289319 WRONG, every rank ran with the last one non-causal."""
     from seqpar.testing.fuzz_attention import DISAGREEMENTS
 
+    _assert_first_ring_cases_refused(fuzzer, 3161, 3000, "disagree", DISAGREEMENTS)
+
+
+def _assert_first_ring_cases_refused(fuzzer: fuzz.Fuzzer, seed: int, count: int, key: str,
+                                     options: tuple[str, ...]) -> None:
+    """Run the first ring case of ``seed``'s ``count`` attention seeds for each value of the draw ``key`` (all of
+    ``options`` must be reached) and assert the cross-rank check refused it on every rank."""
     seen = {}
-    for s in fuzz.case_seeds(3161, 3000):
+    for s in fuzz.case_seeds(seed, count):
         d = fuzz.draw_case(s, ("attention",))
-        if d["disagree"] and d["disagree"] not in seen and d["mode"] == "ring":
-            seen[d["disagree"]] = d
-    assert set(seen) == set(DISAGREEMENTS)
+        if d[key] and d[key] not in seen and d["mode"] == "ring":
+            seen[d[key]] = d
+    assert set(seen) == set(options)
     for option, draws in seen.items():
         rec = fuzzer.run(draws)
         assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
@@ -3050,16 +3057,7 @@ def test_disagreeing_inputs_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer) -> No
     past the timeout)."""
     from seqpar.testing.fuzz_attention import DISAGREE_INPUTS
 
-    seen = {}
-    for s in fuzz.case_seeds(3221, 4000):
-        d = fuzz.draw_case(s, ("attention",))
-        if d["disagree_input"] and d["disagree_input"] not in seen and d["mode"] == "ring":
-            seen[d["disagree_input"]] = d
-    assert set(seen) == set(DISAGREE_INPUTS)
-    for option, draws in seen.items():
-        rec = fuzzer.run(draws)
-        assert rec["verdict"] == "refused" and "different inputs or options" in rec["detail"], \
-            (option, fuzz.summary(draws), rec["detail"])
+    _assert_first_ring_cases_refused(fuzzer, 3221, 4000, "disagree_input", DISAGREE_INPUTS)
 
 
 PRE_FZ32_COMPILE_DRAWS = (
