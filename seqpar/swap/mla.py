@@ -4,13 +4,13 @@ transformers 5.x MLA attention modules (DeepSeek-V2/V3, Kimi, GLM-4.5 lite, Mini
 with ``key, value = self.expand_kv(kv_nope, k_rot)`` from the normalised latent ``kv_nope`` ``(batch, 1,
 seq, kv_lora_rank)`` and the rotated rope key ``k_rot`` ``(batch, 1, seq, qk_rope_head_dim)``, and pass
 them straight to the attention function. The swap wraps ``expand_kv`` of each such module (one instance
-attribute, a method bound to the module: a deep copy of the model rebinds it to the copy): when the layer's call will run the ring or the all-gather (``mode="ring"`` or
-``"allgather"``, more than one rank in the call's SP group, the dense pattern; under dynamic CP the group the
-layer's call carries), the wrapper keeps the latent on the layer call's frame and returns zero-cost stand-ins
-of K/V's shapes
-(broadcast views, no storage); seqpar's attention function takes the latent back
-(:func:`take_latent`, matching the stand-in by identity) and runs
-:class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``). Otherwise ``expand_kv`` runs as the model wrote it.
+attribute, a method bound to the module: a deep copy of the model rebinds it to the copy): when the layer's
+call will run the ring or the all-gather (``mode="ring"`` or ``"allgather"``, more than one rank in the
+call's SP group, the dense pattern; under dynamic CP the group the layer's call carries), the wrapper keeps
+the latent on the layer call's frame and returns zero-cost stand-ins of K/V's shapes (broadcast views, no
+storage); seqpar's attention function takes the latent back (:func:`take_latent`, matching the stand-in by
+identity) and runs :class:`~seqpar.attn.latent.LatentRingAttention` (or ``LatentAllGatherAttention``).
+Otherwise ``expand_kv`` runs as the model wrote it.
 
 transformers calls ``expand_kv`` without the layer's keyword arguments, so each call of the layer holds a
 frame (:mod:`seqpar.swap.frame`, forward hooks) with the group the call carries and, between ``expand_kv``
