@@ -205,13 +205,7 @@ def _measured(rank: int, world: int, order: str, dtype_name: str, shape: tuple =
     mesh = init_device_mesh("cpu", (world,))
     leaf, h_in, w = _split_inputs(h64, w64, dtype, mesh)
     loss, _ = tiled_lm_loss(h_in, w, t, backward_order=order, chunk_rows=chunk_rows)
-    # The baseline is the loss's own state only (its inputs and what its forward saved), not every tensor the
-    # process holds (count_existing=False): a tensor alive at entry that something else frees inside the window
-    # (an earlier task's buffers that a gloo worker thread or the garbage collector releases late) lowered the
-    # measured peak by its bytes in a loaded CI run (fp32 1024 x 16 / 64, chunks of 16: 70,152 B where quiet
-    # loaded ones here too, and loaded runs here measure 71,176 with the same live set at the peak: one 1,024 B tensor short, and only a
-    # free of a storage counted at entry can lower a peak). Tensors alive at entry that the backward never touches
-    # are now never counted, so nothing they do moves the measurement.
+    # over the loss's own state only (a whole-process baseline moved in a loaded CI run): see backward_peak
     peak = backward_peak(loss, leaf, w)
     assert leaf.grad is not None and w.grad is not None
     rows, v_local, e = seq // world, vocab // world, torch.empty((), dtype=dtype).element_size()
