@@ -97,3 +97,38 @@ def test_a_deep_copy_forward_is_not_counted_by_the_original_counter() -> None:
         h.remove()
     counter.remove()
     twin_counter.remove()
+
+
+def _swapped_copy(rank: int, world: int) -> tuple[float, bool, bool]:
+    """A swapped model deep-copied after its ExpertCounter (and every hook the swap installs: the batch check, the
+    SDPA routing, the call frames): the copy's forward on the same shards gives the original's loss, leaves the
+    original's counts as they were, and a counter of the copy's own counts what the original's counted."""
+    import torch.distributed as dist
+
+    from seqpar.config import SeqParConfig
+    from seqpar.sequence.batch import shard_batch
+    from seqpar.swap import swap_attention
+
+    model = _model()
+    swap_attention(model, SeqParConfig(size=world, sharding="zigzag"), group=dist.group.WORLD)
+    counter = moe.ExpertCounter(model, group=dist.group.WORLD)
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=g)
+    local = shard_batch({"input_ids": ids, "labels": ids.clone()}, group=dist.group.WORLD, sharding="zigzag")
+    with torch.no_grad():
+        loss = model(**local).loss
+        before = {n: c.clone() for n, c in counter.counts.items()}
+        twin_loss = twin(**local).loss
+    unchanged = all(torch.equal(counter.counts[n], c) for n, c in before.items())
+    twin_counter = moe.ExpertCounter(twin, group=dist.group.WORLD)
+    with torch.no_grad():
+        twin(**local)
+    same = set(twin_counter.counts) == set(before) and all(torch.equal(twin_counter.counts[n], c)
+                                                          for n, c in before.items())
+    return float((loss - twin_loss).abs()), unchanged, same
+
+
+def test_a_swapped_models_deep_copy_runs_apart_from_the_original(dist_pool) -> None:
+    for err, unchanged, same in dist_pool.run(2, _swapped_copy, timeout=180):
+        assert err == 0.0 and unchanged and same, (err, unchanged, same)
