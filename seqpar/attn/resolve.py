@@ -113,6 +113,41 @@ def _check_unambiguous(q: Tensor) -> None:
         )
 
 
+def _check_bshd_signs(q: Tensor, k: Tensor, *, sinks: object, alibi_slopes: object, bounds: tuple[int, ...] | None,
+                      world: int) -> None:
+    """Without an explicit ``layout=``: a call the ``bhsd`` reading refuses anyway whose ``bshd`` reading fits is
+    refused naming ``layout='bshd'`` (the likely cause) instead of a shape mismatch that does not say so. Only calls
+    already invalid as bhsd are refused here: a bshd tensor whose bhsd reading is valid (multi-head attention
+    with seq_local <= heads and nothing else that counts heads or tokens) cannot be told apart (see ``layout``
+    in :func:`seqpar.attention`). Decided from the shapes, the head vectors' lengths and the boundaries, which
+    the cross-rank check has made equal on every rank when ``check_inputs``: every rank raises alike."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and q.dim() == 4 and k.dim() == 4):
+        return  # check_local names a wrong type or rank
+    b, d1, d2, d = shown(q.shape)
+    sign = None
+    # GQA/MQA: bshd q (b, s, hq, d) and k (b, s, hkv, d) agree on dim 1 (tokens), not on dim 2 (heads); read as
+    # bhsd their seq_local differ, which is no valid call
+    if (q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and q.shape[1] == k.shape[1]
+            and q.shape[2] != k.shape[2] and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0):
+        sign = (f"k {shown(k.shape)} agrees with it on dim 1 and not on dim 2: read as 'bhsd' their seq_local differ "
+                f"({d2} and {shown(k.shape[2])}); read as 'bshd' they hold {d1} tokens each, with {d2} query heads "
+                f"and {shown(k.shape[2])} K/V heads (GQA)")
+    for name, vec in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if sign is None and isinstance(vec, Tensor) and vec.dim() == 1 and vec.shape[0] != q.shape[1] \
+                and vec.shape[0] == q.shape[2]:
+            sign = (f"{name} holds {shown(vec.shape[0])} values, one per query head: dim 2's count, as in 'bshd' "
+                    f"(read as 'bhsd' q has {d1} heads)")
+    if sign is None and bounds is not None and len(bounds) > 1 and bounds[-1] != q.shape[2] * world \
+            and bounds[-1] == q.shape[1] * world:
+        sign = (f"cu_seqlens ends at {bounds[-1]} = {world} x dim 1, the global length as in 'bshd' (read as 'bhsd' "
+                f"it would be {world} x {d2})")
+    if sign is not None:
+        raise ValueError(
+            f"seqpar.attention: q {(b, d1, d2, d)} read as layout='bhsd' (the default) does not fit the call: {sign}. "
+            "Most likely these are flash-attn's (batch, seq_local, heads, head_dim) tensors: pass layout='bshd'"
+        )
+
+
 def _group_and_manager(mode: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, ProcessGroupManager | None]:
     """The SP group and, when the call runs on the manager's own SP group, the manager (whose
     Ulysses / ring axes ``"hybrid"`` and ``"auto"`` use)."""
@@ -322,6 +357,8 @@ def resolve_attention(
     check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
+    if not explicit_layout:  # a call that fails as bhsd and fits as bshd: name the layout, not the mismatch
+        _check_bshd_signs(q, k, sinks=sinks, alibi_slopes=alibi_slopes, bounds=bounds, world=world)
     # Traced on more than one rank, the checks of the local length and the K/V head count are left to the custom op,
     # which makes them at the real sizes when it runs (seqpar.attn.ops): a refusal raised while dynamo traces reaches
     # a fullgraph=True caller as dynamo's "Unsupported: Observed exception" (or a BUILD_STRING break on a symbolic

@@ -363,6 +363,8 @@ class ExpertCounter:
         counter.reset()
 
     Counts accumulate over forwards (gradient accumulation) until :meth:`reset`; ``remove()`` unhooks.
+    Only the routers given (or found) are counted: a ``copy.deepcopy`` of the model (a DPO reference model) carries
+    the hooks but not the counter; count a copy's routing with an ``ExpertCounter`` of its own.
     """
 
     def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None,
@@ -387,6 +389,11 @@ class ExpertCounter:
 
     def _hook(self, name: str, num_experts: int) -> Callable:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module is not self.routers[name]:
+                # a copy of the router (copy.deepcopy(model): TRL's DPO reference model) keeps this hook, whose
+                # closure is this counter's; its routing is another model's, not counted here. Every rank runs
+                # the same copy, so every rank skips the count's collective alike
+                return
             if torch._C._current_graph_task_id() != -1:
                 return  # a backward's recompute of a checkpointed layer: counted in the forward
             if is_probing():
