@@ -239,7 +239,7 @@ def _train_families(rank: int, world: int, argvs: dict[str, list[str]]
     return out
 
 
-def _reference(argv: list[str]) -> tuple[list[float], list[set[int]], dict[str, torch.Tensor]]:
+def _launcher_reference(argv: list[str]) -> tuple[list[float], list[set[int]], dict[str, torch.Tensor]]:
     """One process, fp32, the launcher's own model and task, SGD: every step's planned micro-batches in
     sequence, packed (Mixtral: each with its own router loss), gradients accumulated -> per-step losses, each
     step's group sizes in use and step 1's gradients by parameter name."""
@@ -268,7 +268,7 @@ def test_train_dynamic_every_family_equals_one_process(dist_pool, tmp_path) -> N
         path = tmp_path / f"{family}.json"
         path.write_text(json.dumps(_config(family)))
         argvs[family] = _argv(path)
-    refs = {family: _reference(argv) for family, argv in argvs.items()}
+    refs = {family: _launcher_reference(argv) for family, argv in argvs.items()}
     got = dist_pool.run(4, _train_families, argvs, timeout=500)
     for family in FAMILIES:
         assert all(g[family][0] == got[0][family][0] for g in got), \
