@@ -37,12 +37,14 @@ def launcher_step(model: torch.nn.Module, task: Any, dynamic: Any, step: int, ro
     return total, planned, len(docs)
 
 
-def launcher_reference(argv: list[str], *, sgd: bool = False) -> tuple[list[float], list[set[int]]]:
+def launcher_reference(argv: list[str], *, sgd: bool = False, first_grads: dict[str, torch.Tensor] | None = None
+                       ) -> tuple[list[float], list[set[int]]]:
     """One process, fp32, ``launch/train.py``'s own model and task for ``argv``, each step as
     :func:`launcher_step` (a pool of 4 ranks at dp = 1: a step's rows are its ``grad_accum`` ones), then the
     optimizer step: the launcher's AdamW with its clipping, or with ``sgd`` plain SGD at the launcher's lr
     (what exposes a wrong gradient's scale, which AdamW hides). Returns the per-step losses and each step's
-    group sizes in use."""
+    group sizes in use; ``first_grads``, when given, receives step 1's accumulated gradients before clipping
+    (by parameter name, fp32; a parameter the step leaves without one is absent)."""
     from launch_module import train_module
 
     from seqpar.sequence.sharding import padded_length
@@ -59,6 +61,9 @@ def launcher_reference(argv: list[str], *, sgd: bool = False) -> tuple[list[floa
     losses, sizes = [], []
     for step in range(t.steps):
         total, planned, _ = launcher_step(model, task, dynamic, step, t.grad_accum, sharding=plan.sp.sharding)
+        if step == 0 and first_grads is not None:
+            first_grads.update({n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+                                if p.grad is not None})
         if not sgd:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()

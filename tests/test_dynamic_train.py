@@ -232,19 +232,15 @@ def _train_argv(path) -> list[str]:  # noqa: ANN001
     return ["--config", str(path), "--dynamic", "--no-progress", "--log-level", "WARNING"]
 
 
-def _run_train(rank: int, world: int, argv: list[str]) -> list[float]:
-    from launch_module import run_main
-
-    return run_main(argv)["loss"]
-
-
-def train_reference(argv: list[str]) -> tuple[list[float], list[set[int]]]:
+def train_reference(argv: list[str], first_grads: dict[str, torch.Tensor] | None = None
+                    ) -> tuple[list[float], list[set[int]]]:
     """One process (fp32, the launcher's own model and task, plain SGD without clipping): every step's planned
     micro-batches run in sequence, packed, each its targets' summed loss over the step's, gradients
-    accumulated; returns the per-step losses and each step's group sizes in use."""
+    accumulated; returns the per-step losses and each step's group sizes in use (``first_grads``, when given,
+    receives step 1's gradients by parameter name)."""
     from dynamic_reference import launcher_reference
 
-    return launcher_reference(argv, sgd=True)
+    return launcher_reference(argv, sgd=True, first_grads=first_grads)
 
 
 @pytest.mark.timeout(240)
@@ -253,19 +249,30 @@ def test_train_dynamic_losses_equal_one_process(dist_pool, tmp_path) -> None:
     both under plain SGD without clipping (``train.optimizer = "sgd"``): AdamW and the clipping at 1.0 normalise a
     gradient's scale away.
 
+    Step 1's reduced gradients equal the reference's too, each parameter on its own scale
+    (``hf_tiny.assert_gradients_close``; read where the launcher's FSDP engine updates).
+
     Seen failing: ``run_dynamic_step``'s loss multiplier ``dp x sp`` instead of ``dp`` (every gradient 4x) -> step 2's
-    loss 3.116 against 3.159; on the AdamW config with clipping that break passed."""
+    loss 3.116 against 3.159; on the AdamW config with clipping that break passed. Tolerance audit 33: the second
+    layer's query projection's reduced gradient doubled in ``run_dynamic_step`` before ``update`` passed the losses
+    (lr 0.01) and fails the gradients: ``layers.1.self_attn.q_proj.weight`` off in all its elements (1.0 relative)."""
     import json
+
+    import hf_tiny
+    from test_train import _run_main_first_grads
 
     path = tmp_path / "dynamic.json"
     config = json.loads(json.dumps(TRAIN_CONFIG))
     config["train"].update(optimizer="sgd", grad_clip=0.0, weight_decay=0.0)
     path.write_text(json.dumps(config))
     argv = _train_argv(path)
-    ref, sizes = train_reference(argv)
+    ref_grads: dict[str, torch.Tensor] = {}
+    ref, sizes = train_reference(argv, first_grads=ref_grads)
     assert set().union(*sizes) >= {1, 2}, sizes  # the long tail gives the plans more than one group size
-    got = dist_pool.run(4, _run_train, argv, timeout=200)
+    out = dist_pool.run(4, _run_main_first_grads, argv, timeout=200)
+    got = [o["metrics"]["loss"] for o in out]
     assert all(g == got[0] for g in got), f"every rank reports the same loss: {got}"
+    hf_tiny.assert_gradients_close(out[0]["grads"], ref_grads, "--dynamic step 1")
     for step, (a, b) in enumerate(zip(got[0], ref, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: --dynamic {a} vs one process {b} (sizes {sizes})"
 

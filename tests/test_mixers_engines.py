@@ -180,7 +180,8 @@ def test_fsdp2_sp2_equals_one_process(dist_pool, family: str) -> None:
 
 
 @releases_deepspeed_engines
-def _trainer(rank: int, world: int, family: str, tmp: str) -> list[float]:
+def _trainer(rank: int, world: int, family: str, tmp: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The logged losses (the eval loss last) and step 1's reduced gradients (``hf_tiny.read_gradients_before_first_step``)."""
     pytest.importorskip("deepspeed")
     pytest.importorskip("accelerate")
     import hf_tiny
@@ -188,24 +189,37 @@ def _trainer(rank: int, world: int, family: str, tmp: str) -> list[float]:
 
     from seqpar.integrations.trainer import SeqParTrainer
 
+    first: dict[str, torch.Tensor] = {}
+
+    class FirstGradients(SeqParTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001, ANN202
+            hf_tiny.read_gradients_before_first_step(model, first)  # model: the DeepSpeed engine
+            return super().training_step(model, inputs, num_items_in_batch)
+
     with hf_tiny.launcher_env(rank, world):
-        trainer = SeqParTrainer(model=_tiny(family, torch.float32), args=training_args(f"{tmp}/r{rank}", world, 2),
-                                train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
-                                eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]))
+        trainer = FirstGradients(model=_tiny(family, torch.float32), args=training_args(f"{tmp}/r{rank}", world, 2),
+                                 train_dataset=hf_tiny.ListDataset(hf_tiny.samples()),
+                                 eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]))
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return [*losses, trainer.evaluate()["eval_loss"]]
+        return [*losses, trainer.evaluate()["eval_loss"]], first
 
 
 @pytest.mark.parametrize("family", ["jamba", "lfm2"])
 def test_seqpar_trainer_sp2_equals_one_process(dist_pool, tmp_path, family: str) -> None:
     """SeqParTrainer (DeepSpeed ZeRO-2, SP=2, SGD) on a hybrid: the logged training losses and the eval loss
-    are those of float64 SGD on one process (a gradient off by a factor of 2 moves them by ~1e-3)."""
+    are those of float64 SGD on one process, and so are step 1's reduced gradients, each parameter on its own scale
+    (every gradient x2 moves the losses by ~1e-3, one parameter's alone by 1e-7 - 1e-5: tolerance audit 32).
+    Seen failing (tolerance audit 33): the mixers' convolution weight's gradient doubled at SP > 1
+    (``conv_shard`` in ``seqpar/mixers/family.py``) -> Jamba's ``layers.0.mamba.conv1d.weight`` and LFM2's
+    ``layers.0.conv.conv.weight`` off in every element (1.0 relative); the losses alone passed it on both."""
     import hf_tiny
     from test_trainer import BATCH, EVAL_ROWS
     from test_trainer import STEPS as TRAINER_STEPS
 
     ref = hf_tiny.reference_losses(TRAINER_STEPS, BATCH, make_model=lambda dtype: _tiny(family, dtype),
                                    eval_rows=EVAL_ROWS)
-    for losses in dist_pool.run(2, _trainer, family, str(tmp_path), timeout=400):
+    ref_grads = hf_tiny.reference_first_gradients(BATCH, make_model=lambda dtype: _tiny(family, dtype))
+    for rank, (losses, grads) in enumerate(dist_pool.run(2, _trainer, family, str(tmp_path), timeout=400)):
+        hf_tiny.assert_gradients_close(grads, ref_grads, f"{family} rank {rank}: step 1's reduced")
         hf_tiny.assert_losses_close(losses, ref)
