@@ -33,6 +33,9 @@ BAND = 0.01
 # (vocab, hidden, seq, chunk rows or None for the loss's own; under TP the gathered chunk's rows)
 TP1_SHAPES = [(512, 16, 64, None), (512, 16, 64, 1), (1024, 64, 256, 16), (512, 16, 256, None)]
 TP2_SHAPES = [(512, 16, 64, None), (1024, 64, 256, 2), (2048, 32, 96, 8), (4096, 16, 128, 2)]
+# bf16, TP 2, both orders measured: where the models before row33 or its step 1 alone picked the order measuring more
+TP2_PICK_SHAPES = [(256, 16, 256, 64), (256, 128, 1024, None), (1024, 64, 256, 2), (256, 16, 512, 128),
+                   (256, 8, 64, 8), (1024, 32, 1024, 128)]
 TP1_PICK_SHAPES = [(256, 16, 128, 4), (512, 16, 256, None)]
 
 
@@ -94,6 +97,16 @@ def _pick_check(got: dict, shapes: list, world: int) -> None:
         peaks = {order: got[order, "bfloat16", shape][0] for order in ("rows", "vocab")}
         assert peaks[picked] <= min(peaks.values()) * (1 + BAND), (shape, picked, peaks,
                                                                     f"{peaks[picked] / min(peaks.values()) - 1:+.2%}")
+
+
+@pytest.mark.timeout(600)
+def test_tp_sequence_parallel_auto_order_measures_less(dist_pool) -> None:  # noqa: ANN001
+    """bf16, TP 2: the automatic order's measured peak is within 1% of the smaller order's. Seen failing: the models
+    before row33 (the vocabulary order on 256 x 128 / 1024, +14.0% over the row order's 1,769,480 B; on 1024 x 64 /
+    256, chunks of 2, +7.7%), and row33's vocabulary model with the row order's late gloo copy kept (mem32b's flips:
+    the vocabulary order on 256 x 16 / 512, chunks of 128, +2.4%)."""
+    for got in dist_pool.run(2, _tp2_measured, TP2_PICK_SHAPES, ("bfloat16",), timeout=600):
+        _pick_check(got, TP2_PICK_SHAPES, 2)
 
 
 def test_one_process_auto_order_measures_less() -> None:
