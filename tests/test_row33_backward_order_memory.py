@@ -103,8 +103,8 @@ def _pick_check(got: dict, shapes: list, world: int) -> None:
 def test_tp_sequence_parallel_auto_order_measures_less(dist_pool) -> None:  # noqa: ANN001
     """bf16, TP 2: the automatic order's measured peak is within 1% of the smaller order's. Seen failing: the models
     before row33 (the vocabulary order on 256 x 128 / 1024, +14.0% over the row order's 1,769,480 B; on 1024 x 64 /
-    256, chunks of 2, +7.7%), and row33's vocabulary model with the row order's late gloo copy kept (mem32b's flips:
-    the vocabulary order on 256 x 16 / 512, chunks of 128, +2.4%)."""
+    256, chunks of 2, +7.7%), and row33's vocabulary model with the row order's late gloo copy kept (the vocabulary
+    order on 256 x 128 / 1024, +14.0%, as before; on 256 x 16 / 512 with chunks of 128, +2.4%, measured)."""
     for got in dist_pool.run(2, _tp2_measured, TP2_PICK_SHAPES, ("bfloat16",), timeout=600):
         _pick_check(got, TP2_PICK_SHAPES, 2)
 
