@@ -80,16 +80,17 @@ def test_last_vocabulary_block_of_one_row(vocab: int, hidden: int, dtype: torch.
 @pytest.mark.parametrize("rows,hidden,vocab", [(512, 64, 1024), (16, 64, 4096)])
 def test_fp32_and_fp64_heads_keep_the_row_order(rows: int, hidden: int, vocab: int, element_bytes: int) -> None:
     """An fp32 / fp64 head always takes the row order (its accumulator is the gradient itself: nothing for the
-    vocabulary order to save), even at shapes where the vocabulary order's modelled peak is the smaller one (one
-    tile of logits instead of two chunks' worth).
+    vocabulary order to save), even at shapes where the vocabulary order's modelled peak is the smaller one (an
+    explicit chunk of every row: the row order's chunk of logits ``rows V`` against the vocabulary order's tile
+    ``rows h``; at the automatic chunk the row order's model is the smaller since row33 counts one chunk of logits,
+    not two).
 
     Seen failing: the rule's first test dropped (``if weight_bytes >= _acc_bytes(weight_bytes)`` -> ``if False``):
     "vocab" at both shapes in fp32 and fp64 (tests/test_tiled_loss_vocab_order.py's rule test asks at shapes where
     the comparison gives "rows" anyway)."""
-    from seqpar.memory.tiling import loss_backward_bytes, loss_backward_order, loss_chunk_rows
+    from seqpar.memory.tiling import loss_backward_bytes, loss_backward_order
 
-    chunk = loss_chunk_rows(rows, hidden, vocab)
-    args = (rows, hidden, vocab, element_bytes, element_bytes, chunk)
+    args = (rows, hidden, vocab, element_bytes, element_bytes, rows)
     assert loss_backward_bytes("vocab", *args) < loss_backward_bytes("rows", *args)  # the shapes' point
     assert loss_backward_order(*args) == "rows"
 

@@ -3,7 +3,7 @@
 ``_GatheredTiledLMLoss``'s two orders run different collectives in the backward (the vocabulary order one all-gather
 of every rank's rows and one reduce-scatter; the row order one all-gather and one reduce-scatter per chunk), so every
 TP rank must pick the same one. ``tiled_lm_loss`` picks it from shapes and element sizes only, with the largest
-vocabulary slice (``tile_vocab``) on every rank. With an uneven split (517 = 259 + 258) and 30 rows a rank (2 x 30
+vocabulary slice (``tile_vocab``) on every rank. With an uneven split (517 = 259 + 258) and 31 rows a rank (1 x 62
 tokens, TP 2), bf16, hidden 24 and the automatic tile (3 rows a rank), the order rule gives "vocab" for 259 and
 "rows" for 258: a rank that used its own slice would run the other order than its peer.
 """
@@ -18,7 +18,8 @@ from tiled_loss_reference import reference as _reference
 
 from seqpar.memory.tiling import loss_backward_order, loss_chunk_rows, tiled_lm_loss
 
-VOCAB, HIDDEN, BATCH, SEQ = 517, 24, 2, 30
+# (row33: 2 x 30 tokens before; the tightened models give "vocab" for both slices there)
+VOCAB, HIDDEN, BATCH, SEQ = 517, 24, 1, 62
 
 
 def _auto_order_exact(rank: int, world: int) -> str:

@@ -117,6 +117,8 @@ def test_llama3_8b_tiled_loss_term_written_out() -> None:
     est = estimate_training_memory("llama3-8b", seq_len=8192, sp_size=8, engine="deepspeed", zero_stage=3,
                                    dtype="bf16", activation_checkpointing=True, tiled_loss=True, device="cuda")
     # a block of h head rows and a tile of all 1,024 rows (at most the row order's 33-row x V tile of logits)
-    loop = 2 * 4 * h * h + rows * h * 4 + max(rows * h * 2, rows * h * 4) + rows * 9 + rows * 21
+    # (row33: the one-hot scatter's buffers, ``rows (8 + 2 x 4)``, one at a time with the casts, the tile's columns and
+    # mask ``rows 9`` beside the targets')
+    loop = 2 * 4 * h * h + rows * h * 4 + max(rows * h * 2, rows * h * 4, rows * (8 + 2 * 4)) + rows * 9 + rows * 9
     assert est["logits_loss"] == 2 * v * h + 4 * rows * h + loop + 4 * rows
     assert est["moment"] == "layer_backward"

@@ -151,19 +151,20 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
 
     - ``"rows"``: the dW accumulator ``V h a`` (``a``: the accumulation dtype's bytes, fp32 for bf16 / fp16),
       ``dhidden`` ``rows h e``, and the larger of two moments never alive together: inside the loop a chunk's
-      logits and dlogits (two chunks' worth), at its end the head's gradient in the weight's dtype cast from
+      logits turned into dlogits in place (one chunk's worth) and their cast or matmul buffers, at its end the head's gradient in the weight's dtype cast from
       the accumulator while it is alive (``V h e``, low precision only: in fp32 / fp64 the cast is no copy).
     - ``"vocab"``: the head's gradient in the weight's dtype ``V h e``, written block by block, and dhidden's
       accumulator ``rows h a``; inside the loop a block's weight in ``a`` (no copy in fp32), its gradient's
-      accumulator, one tile's logits (``a``) beside their cast to the hidden dtype, and the tile's rows in ``a``;
-      at its end dhidden cast once from the accumulator (``rows h e``).
+      accumulator, one tile's logits (``a``) beside one at a time their cast to the hidden dtype, the tile's rows in
+      ``a`` or the one-hot scatter's buffers; at its end dhidden cast once from the accumulator (``rows h e``).
 
     ``tp > 1``: TP sequence parallelism (:class:`_GatheredTiledLMLoss`); ``rows`` and ``chunk_rows`` are this rank's
     (every rank holds ``rows``, a gathered chunk is ``tp x chunk_rows``), the saved log-sum-exp covers the gathered
     ``tp x rows``. ``"rows"``: the row order's moments over one gathered chunk, beside it the chunk of hidden rows
     (``tp chunk_rows h e``) and ``dhidden`` of this rank's rows. ``"vocab"``: the hidden rows regathered once
     (``tp rows h e``) for the loop above over ``tp x rows`` rows, dhidden's accumulator ``tp rows h a``; at its end
-    (the gathered rows freed) the accumulator reduce-scattered in ``a`` into this rank's ``rows h a``, then cast.
+    (the gathered rows freed) the accumulator reduce-scattered in ``a`` into this rank's ``rows h a`` (beside gloo's
+    copy of the accumulator), then cast.
     """
     if tp > 1:
         return _gathered_backward_bytes(order, rows, tp, hidden_size, vocab_size, hidden_bytes, weight_bytes,
@@ -172,13 +173,21 @@ def loss_backward_bytes(order: str, rows: int, hidden_size: int, vocab_size: int
     lse = rows * a
     if order == "rows":
         cast = v * h * weight_bytes if weight_bytes < a else 0
-        return max(2 * chunk_rows * v * a, cast) + v * h * a + rows * h * hidden_bytes + lse
+        # inside the loop one chunk's fp32 logits, turned into dlogits in place (the saved lse spares the second
+        # chunk's worth the old term counted: bf16 +13.2% over on 512 x 16 / 256, fp32 +25.6%, recorded at the peak,
+        # row33), beside one at a time: in bf16 / fp16 their cast with the fp32 copies of it and of the chunk's rows
+        # that the head's gradient's addmm takes (CPU); dlogits @ weight (``chunk h e``); the one-hot scatter's
+        # buffers with the chunk's targets and masks (``chunk (18 + 2 a)``)
+        c, e = chunk_rows, hidden_bytes
+        inner = c * v * a + max(c * v * e + c * h * a if e < a else c * h * e, c * (18 + 2 * a))
+        return max(inner, cast) + v * h * a + rows * h * e + lse
     if order != "vocab":
         raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
     loop = _vocab_loop_bytes(rows, h, v, hidden_bytes, weight_bytes, chunk_rows)
-    # at its end dhidden's cast, beside the targets' mask and indices (``rows * 9``: the loop's, alive until the
-    # function returns; the loop's term has them too, so with a tile of every row the end never mattered)
-    end = (rows * h * hidden_bytes + rows * 9) * (hidden_bytes < a)
+    # at its end dhidden's cast, beside the targets' mask and indices (``rows * 9``) and the last tile's (``tile *
+    # 9``), alive until the function returns (the loop's term has them too)
+    tile = loss_backward_tiles(rows, h, v, chunk_rows)[0]
+    end = (rows * h * hidden_bytes + rows * 9 + tile * 9) * (hidden_bytes < a)
     return v * h * weight_bytes + rows * h * a + max(loop, end) + lse
 
 
@@ -187,10 +196,16 @@ def _vocab_loop_bytes(rows: int, h: int, v: int, hidden_bytes: int, weight_bytes
     a = _acc_bytes(weight_bytes)
     tile, block = loss_backward_tiles(rows, h, v, chunk_rows)
     low_h, low_w = hidden_bytes < a, weight_bytes < a  # fp32 / fp64: the casts below make no copy
-    # a block's weight in fp32 and its gradient's accumulator; a tile's fp32 logits; beside them, one at a time,
-    # the logits' cast to the hidden dtype or the tile's rows in fp32; the targets' masks and indices
+    # a block's weight in fp32 and its gradient's accumulator; a tile's fp32 logits; beside them, one at a time
+    # (recorded at the peak, row33): the logits in the hidden dtype before their upcast or their cast back, the
+    # tile's rows in fp32 for the head's gradient, or the one-hot scatter's index and value (``tile (8 + 2 a)``:
+    # int64 indices, the mask in ``a`` and its negation); throughout, the targets' mask and indices (``rows 9``) and
+    # the tile's (``tile 9``: its columns and mask, alive until the next tile's replace them). Before, the scatter's
+    # buffers were counted beside the casts, never alive with them: bf16 +3.2% over on 512 x 16 / 64 (TP 1), +4.0%
+    # at TP 2; fp32 ``tile 4`` under
     return (block * h * a * low_w + block * h * a + tile * block * a
-            + max(tile * block * hidden_bytes, tile * h * a) * low_h + rows * 9 + tile * (13 + 2 * a))
+            + max(tile * block * hidden_bytes * low_h, tile * h * a * low_h, tile * (8 + 2 * a))
+            + rows * 9 + tile * 9)
 
 
 def _gathered_backward_bytes(order: str, rows: int, tp: int, hidden_size: int, vocab_size: int, hidden_bytes: int,
@@ -206,22 +221,25 @@ def _gathered_backward_bytes(order: str, rows: int, tp: int, hidden_size: int, v
         # over the fp32 measurements of 2048 x 32 and 1024 x 64, recorded at the peak, est30). fp32: beside them
         # dlogits @ weight, gloo's copy of it inside the reduce-scatter and this rank's rows out. bf16 / fp16: the
         # larger of dlogits' cast beside the fp32 ones with the fp32 copies of it and of the gathered rows that the
-        # head's gradient's addmm takes (CPU) and, in about 1 run in 8, the previous chunk's gloo copy (released late
-        # by gloo's worker thread: +512 B on 1024 x 16 / 64, recorded), and the cast dlogits beside the
-        # reduce-scatter's buffers
+        # head's gradient's addmm takes (CPU), and the cast dlogits beside the reduce-scatter's buffers. Not the
+        # previous chunk's gloo copy, which gloo's worker thread releases late in about 1 run in 8 and the tracker's
+        # wait rule never counts (mem32b; it made this model +4.4% over on 512 x 64 / 128 and +15% on 256 x 128 /
+        # 1024, and so picked the vocabulary order where the row order measures 7-14% less, row33)
         e, gc = hidden_bytes, gathered_chunk
         scatter = 2 * gc * h * e + chunk_rows * h * e
-        inner = (max(gc * v * (a + e) + gc * h * (a + e), gc * v * e + scatter) if e < a else gc * v * a + scatter)
+        inner = (max(gc * v * (a + e) + gc * h * a, gc * v * e + scatter) if e < a else gc * v * a + scatter)
         return max(inner, cast) + v * h * a + rows * h * e + gc * h * e + lse
     if order != "vocab":
         raise ValueError(f"backward order {order!r}: expected 'rows' or 'vocab'")
     # held throughout: the head's gradient, dhidden's accumulator over the gathered rows, the saved lse; in the loop
     # the regathered rows beside the single-process loop's buffers; at its end (the gathered rows freed) the
-    # accumulator reduce-scattered into this rank's rows in ``a`` (its cast to the hidden dtype comes after the
-    # accumulator is freed, and is smaller)
+    # accumulator reduce-scattered into this rank's rows in ``a`` beside gloo's copy of the accumulator (``tp rows h
+    # a``, recorded at the peak, row33: without it -9.1% under on bf16 1024 x 64 / 256 with gathered chunks of 2,
+    # where the loop is small; NCCL scatters in place, so on GPUs an upper bound). Its cast to the hidden dtype
+    # comes after the accumulator is freed, and is smaller.
     loop = _vocab_loop_bytes(gathered_rows, h, v, hidden_bytes, weight_bytes, gathered_chunk)
     held = v * h * weight_bytes + gathered_rows * h * a + lse
-    return held + max(gathered_rows * h * hidden_bytes + loop, rows * h * a)
+    return held + max(gathered_rows * h * hidden_bytes + loop, rows * h * a + gathered_rows * h * a)
 
 
 def loss_backward_order(rows: int, hidden_size: int, vocab_size: int, hidden_bytes: int, weight_bytes: int,
