@@ -294,7 +294,7 @@ class _ActivationBytes(NamedTuple):
     """The MLP's input (the post-attention norm's output, within ``backward``: the norm's figure counts it, as the
     projections after it save it), freed by the MLP's weight backwards: the norm itself keeps its normalised copy,
     not its output (recorded at ZeRO-3's overflow at gate_proj's gradient: 4 layers still to run, 15 of their 16
-    norm outputs and copies alive, est33)."""
+    norm outputs and copies alive, est33). Untiled only: the tiled MLP's hold on its input was not recorded (0)."""
     hidden_grad: int = 0
     """One hidden-size gradient over the rows (one is counted in ``backward``, the gradient coming down): a second
     one is alive while a layer's MLP weight gradients are reduced (recorded at ZeRO-3's overflows at down_proj's,
@@ -505,7 +505,8 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
         # a finished layer frees its own saved tensors, not the shared rotary pair (the first layer's backward does)
         layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer - rotary
     return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads,
-                            layer_freed=layer_freed, mlp_product=after_attention // 4, mlp_input=rows * h * e,
+                            layer_freed=layer_freed, mlp_product=after_attention // 4,
+                            mlp_input=rows * h * e if tiled_mlp is False else 0,
                             post_norm=_norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows,
                             out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq)
 
