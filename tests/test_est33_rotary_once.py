@@ -134,3 +134,22 @@ def test_the_step_counts_one_rotary_pair() -> None:
                                          offload_activations=False, device="cpu").at_loss
     final_norm = training._norm_saved_bytes(64, 4, False, False) * 1024
     assert at_loss == 2 * 1024 * 64 * 4 + pair + final_norm, at_loss
+
+
+def test_the_flat_input_at_q_projs_gradient_holds_the_buckets_contents() -> None:
+    """ZeRO-3's bucket overflowing at attention's q_proj gradient (the whole-step table's 2-layer model, 2048 tokens,
+    tiled loss, a 2,103,000-element bucket: the head's, the final norm's, the last layer's MLP, its post-attention
+    norm and o_proj's, 2,101,376 elements, are in it). Recorded (est33, record_peak, rank 0): peak 92,774,745 B; the
+    flat reduce-scatter input and gloo's copy are 2 x 8,405,504 B, the contents, beside the 8,412,000-byte bucket.
+    The estimate counts the contents (est32 counted the full bucket there, 2 x 8,412,000): 93,717,408 -> 93,704,416 B,
+    +1.016% -> +1.002%. The rest of the +1.0% is what is in flight at q_proj's gradient (attention's backward has
+    freed the post-attention norm's tensors and made dq / dk / dv), not modelled: the band is 0 .. +1.01%.
+
+    Seen failing: a full bucket at q_proj's (est32's rule): +1.016% (93,717,408 B), the contents 0."""
+    m = training._model_shape(MODEL)
+    overflow = training._zero3_first_overflow(m, 2_103_000)
+    assert overflow.after_mlp and not overflow.at_o_proj and overflow.contents * 4 == 8_405_504, overflow
+    est = estimate_training_memory(MODEL, seq_len=2048, sp_size=2, engine="deepspeed", zero_stage=3, tiled_loss=True,
+                                   reduce_bucket_size=2_103_000)
+    assert est["moment"] == "backward_reduction", est
+    assert 0 <= est["peak"] / 92_774_745 - 1 <= 0.0101, (est["peak"], f"{est['peak'] / 92_774_745 - 1:+.3%}")

@@ -630,8 +630,9 @@ class _Overflow(NamedTuple):
     contents: int = 0
     """The elements in the bucket when it overflows (what its flat reduce-scatter input copies), where the overflow
     is traced: at down_proj's, up_proj's, gate_proj's and o_proj's gradients (est32: the flat input and gloo's copy
-    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size). 0
-    elsewhere (the norms', q, k, v's): a full bucket is counted (not traced)."""
+    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size),
+    and at attention's q, k, v and input norm gradients (est33: recorded at q_proj's, 2 x 8,405,504 B); 0 elsewhere
+    (the MLP's norm, hybrids' mixers, the remainder): a full bucket is counted (not traced)."""
     at_o_proj: bool = False
     """The overflowing gradient is o_proj's, the first of attention's backward (est32, recorded at the 2.1e6-element
     bucket's peak): the post-attention norm's backward has freed its saved tensors, and o_proj's input gradient
@@ -662,8 +663,11 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
                 if elems + n > reduce_bucket_size and elems > 0:
                     if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32; not for hybrids' mixers)
                         traced = j == 0 and not m.layer_kinds
-                        return _Overflow(done, True, n if traced else 0, contents=elems if traced else 0,
-                                         at_o_proj=traced)
+                        # the flat input holds the bucket's contents at attention's other gradients too (est33,
+                        # recorded at q_proj's: 2 x 8,405,504 B, the 2,101,376 elements in it, not the bucket's
+                        # 2,103,000); what else is in flight there is not modelled (the estimate +1.0% over)
+                        return _Overflow(done, True, n if traced else 0,
+                                         contents=elems if not m.layer_kinds and j < 5 else 0, at_o_proj=traced)
                     # down, up, gate, norm: the bucket's hook runs once the MLP's three weight backwards have
                     # run, so every MLP weight gradient from the overflowing one on is alive and its
                     # intermediates are freed (recorded: gate's overflow est31c, up's est31c, down's est32)
