@@ -221,7 +221,7 @@ def test_zero3_head_gradient_larger_than_the_bucket_is_reduced_beside_the_activa
     such moment. A bucket the head fits but the layers overflow (2.1e6) reduces a bucket's worth inside the last
     layer's backward, at o_proj's gradient (the bucket holds the head's, the final norm's and the layer's MLP's:
     2,097,280 elements): 93,147,769 bytes measured (est30's record_peak: the flat input and gloo's copy, 2 x 8,389,120,
-    beside the bucket; the layer's MLP's saved gate, up, act(gate) and product freed), estimated 0 .. +1% over.
+    beside the bucket; the layer's MLP's saved gate, up, act(gate) and product freed), estimated -0.05 .. +1%.
 
     Seen failing: the estimate before (no such moment): 88,152,704 bytes, -5.5%, at the last layer's backward; with
     a 2.1e6-element bucket 92,552,704 bytes, -0.64%; with every layer's activations counted at the 2.1e6 bucket's
@@ -236,7 +236,7 @@ def test_zero3_head_gradient_larger_than_the_bucket_is_reduced_beside_the_activa
     # backward after its MLP's, measured 93,147,769 bytes (the flat input and gloo's copy, 2 x 8,389,120, beside the
     # bucket; the MLP's saved tensors freed)
     over = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 2_100_000})["peak"] / 93_147_769 - 1
-    assert 0 <= over <= 0.01, over
+    assert -0.0005 <= over <= 0.01, over  # est33: -121 B of scalars once the rotary pair is counted once
     fits = estimate_training_memory(MODEL, **{**kw, "reduce_bucket_size": 5_000_000})  # the whole model fits
     assert fits["moment"] != "backward_reduction", fits
 

@@ -290,6 +290,11 @@ class _ActivationBytes(NamedTuple):
     out_grad: int = 0
     """o_proj's input gradient (rows x q heads' width), made before its weight's (recorded at that overflow,
     est32)."""
+    mlp_input: int = 0
+    """The MLP's input (the post-attention norm's output, within ``backward``: the norm's figure counts it, as the
+    projections after it save it), freed by the MLP's weight backwards: the norm itself keeps its normalised copy,
+    not its output (recorded at ZeRO-3's overflow at gate_proj's gradient: 4 layers still to run, 15 of their 16
+    norm outputs and copies alive, est33). Untiled only: the tiled MLP's hold on its input was not recorded (0)."""
     hidden_grad: int = 0
     """One hidden-size gradient over the rows (one is counted in ``backward``, the gradient coming down): a second
     one is alive while a layer's MLP weight gradients are reduced (recorded at ZeRO-3's overflows at down_proj's,
@@ -450,14 +455,24 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     layers = ([per_layer] * n_layers if not m.layer_kinds else
               [per_layer + _mixer_layer_delta(m, e, kind, sp_size=sp_size, out_copy=out_copy) * rows
                for kind in m.layer_kinds])
+    # the rotary cos / sin: one pair of (rows, head_dim) tables, made once by the model's rotary embedding and passed
+    # to every layer, whose q and k products save views of the same two storages. _layer_saved_bytes counts the pair
+    # in each attention layer (one layer, as seqpar.bench.layer_memory measures it); the step holds it once, from the
+    # forward (kept by activation checkpointing's recompute inputs) to the first layer's backward. Recorded (est33,
+    # TensorMemoryTracker record_peak): one pair alive at the peak of Hugging Face Llama's forward + backward at 1, 2,
+    # 4 and 8 layers, fp32 and bf16, with and without checkpointing, and at the peak of ZeRO-3's 8-layer step
+    # (tests/test_est33_rotary_once.py); counted per layer, multi-layer estimates were over by (layers - 1) pairs
+    rotary = 2 * m.d * e * rows
+    own = [n - rotary if kind in ("attention", "both") else n for n, kind in zip(layers, m.kinds)]
+    rotary = rotary if any(kind in ("attention", "both") for kind in m.kinds) else 0  # mixers only: no table
     if activation_checkpointing:
         inputs_kept = n_layers * rows * h * e // tp_seq
         if offload_activations and device == "cuda":
             inputs_kept = 2 * rows * h * e // tp_seq  # the layer in use and its prefetched predecessor
-        activations = inputs_kept + max(layers)  # plus one layer recomputed in backward
-        activations_at_loss = inputs_kept  # no layer is recomputed yet when the loss runs backward
+        activations = inputs_kept + max(own) + rotary  # plus one layer recomputed in backward
+        activations_at_loss = inputs_kept + rotary  # no layer is recomputed yet when the loss runs backward
     else:
-        activations = activations_at_loss = sum(layers)
+        activations = activations_at_loss = sum(own) + rotary
     if m.mixer is not None:  # one mixer layer's sequence-parallel exchange at a time (2 chunks: zigzag)
         activations += m.mixer.state_bytes(batch, e, sp_size, chunks=2)
     # the final norm's saved tensors (its output is the head's input) live until the loss's backward
@@ -487,9 +502,11 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     if m.layer_kinds or (activation_checkpointing and offload_activations and device == "cuda"):
         layer_freed = 0
     else:
-        layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer
+        # a finished layer frees its own saved tensors, not the shared rotary pair (the first layer's backward does)
+        layer_freed = rows * h * e // tp_seq if activation_checkpointing else per_layer - rotary
     return _ActivationBytes(activations, activations_at_loss, mlp_transient, after_attention, mlp_grads=mlp_grads,
                             layer_freed=layer_freed, mlp_product=after_attention // 4,
+                            mlp_input=rows * h * e if tiled_mlp is False else 0,
                             post_norm=_norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows,
                             out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq)
 
@@ -613,8 +630,9 @@ class _Overflow(NamedTuple):
     contents: int = 0
     """The elements in the bucket when it overflows (what its flat reduce-scatter input copies), where the overflow
     is traced: at down_proj's, up_proj's, gate_proj's and o_proj's gradients (est32: the flat input and gloo's copy
-    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size). 0
-    elsewhere (the norms', q, k, v's): a full bucket is counted (not traced)."""
+    were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size),
+    and at attention's q, k, v and input norm gradients (est33: recorded at q_proj's, 2 x 8,405,504 B); 0 elsewhere
+    (the MLP's norm, hybrids' mixers, the remainder): a full bucket is counted (not traced)."""
     at_o_proj: bool = False
     """The overflowing gradient is o_proj's, the first of attention's backward (est32, recorded at the 2.1e6-element
     bucket's peak): the post-attention norm's backward has freed its saved tensors, and o_proj's input gradient
@@ -645,8 +663,11 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
                 if elems + n > reduce_bucket_size and elems > 0:
                     if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32; not for hybrids' mixers)
                         traced = j == 0 and not m.layer_kinds
-                        return _Overflow(done, True, n if traced else 0, contents=elems if traced else 0,
-                                         at_o_proj=traced)
+                        # the flat input holds the bucket's contents at attention's other gradients too (est33,
+                        # recorded at q_proj's: 2 x 8,405,504 B, the 2,101,376 elements in it, not the bucket's
+                        # 2,103,000); what else is in flight there is not modelled (the estimate +1.0% over)
+                        return _Overflow(done, True, n if traced else 0,
+                                         contents=elems if not m.layer_kinds and j < 5 else 0, at_o_proj=traced)
                     # down, up, gate, norm: the bucket's hook runs once the MLP's three weight backwards have
                     # run, so every MLP weight gradient from the overflowing one on is alive and its
                     # intermediates are freed (recorded: gate's overflow est31c, up's est31c, down's est32)
@@ -659,9 +680,11 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
 def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, *, attention: int, logits: int,
              comm: int, zero12_reduce: int, world: int, engine: str, sharded: bool,
              zero3_scatter: int = 0, zero3_head_scatter: int = 0,
-             overflow: _Overflow | None = None, tokens: int = 0, overflow_scatter: int = 0) -> dict[str, float]:
+             overflow: _Overflow | None = None, tokens: int = 0, overflow_scatter: int = 0,
+             logits_kept: int = 0) -> dict[str, float]:
     """The bytes alive at each candidate peak moment of the step; the peak is the largest. ``tokens``: the batch's
-    token tensors (:func:`_batch_token_bytes`), alive through forward and backward."""
+    token tensors (:func:`_batch_token_bytes`), alive through forward and backward. ``logits_kept``: the untiled
+    loss's logits, which the training loop holds through the backward (counted at ZeRO-3's reduction inside it)."""
     p_layer, p_root, n_layers = m.layer_params, m.root_params, m.num_hidden_layers
     head_grad, embed_grad = _root_grad_bytes(m, e)
     static = state.params + state.optimizer + tokens
@@ -697,7 +720,8 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # recorded with a 1.9e6-element bucket). Attention's overflow (est30's 2.1e6-element
         # bucket, at o_proj's gradient) is as before: within the scatter term's unfilled room there (+0.7%)
         freed += sum(state.layer_copies[len(state.layer_copies) - overflow.done:]) if overflow.done else 0
-        freed += (acts.after_attention if overflow.mlp_ran else 0) - overflow.arriving * e
+        # (and with them the MLP's input, which only its projections saved: est33, recorded at gate_proj's overflow)
+        freed += (acts.after_attention + acts.mlp_input if overflow.mlp_ran else 0) - overflow.arriving * e
         if overflow.contents and not overflow.after_mlp:
             freed -= acts.hidden_grad  # a second hidden-size gradient in flight (recorded, est32)
         if overflow.at_o_proj:
@@ -739,7 +763,10 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # the whole model's gradients fit the bucket: the one reduction is then the end of backward's. (0 from
         # _zero3_head_scatter_bytes, scattered in place on a GPU, leaves the head's case below the last layer's
         # backward, which counts the head's gradient too.)
-        "backward_reduction": static + acts.backward + comm + max(
+        # The untiled loss's logits are alive there too: launch/loop.py holds them across engine.backward (est33:
+        # rows x vocab x 4 = 32,768 B made by the LM head, recorded at the 8-layer overflow at gate_proj's gradient;
+        # not counted at the other backward moments, whose settings were not recorded with them)
+        "backward_reduction": static + acts.backward + comm + logits_kept + max(
             head_grad + zero3_head_scatter if zero3_head_scatter else 0,
             (overflow_scatter or zero3_scatter) - freed if overflow is not None else 0),
     }
@@ -879,7 +906,8 @@ def estimate_training_memory(
                        world=world, engine=engine, sharded=sharded, zero3_scatter=zero3_scatter,
                        zero3_head_scatter=zero3_head_scatter, overflow=overflow,
                        tokens=_batch_token_bytes(batch=batch, seq_len=seq_len, rows=rows),
-                       overflow_scatter=overflow_scatter)
+                       overflow_scatter=overflow_scatter,
+                       logits_kept=0 if tiled_loss else rows * (m if vocab_parallel else full).vocab_size * e)
     moment = max(moments, key=moments.get)
     head_grad, embed_grad = _root_grad_bytes(m, e)
     return {
