@@ -4,7 +4,8 @@ no transformers class name is compared in the computation.
 - the scalar-decay state-passing step (prefix fold with an elementwise transition, then each chunk's leading-run
   correction) is :func:`seqpar.mixers.state_passing.scalar_decay_correction`, which Mamba, Mamba2 / SSD,
   lightning attention and RG-LRU call;
-- the depthwise causal convolution check is :func:`seqpar.mixers.conv.is_causal_depthwise_conv`;
+- the depthwise causal convolution check is :func:`seqpar.mixers.conv.is_causal_depthwise_conv`, called by
+  :func:`seqpar.mixers.family.has_mixer_parts` alone (each family's recogniser calls that);
 - the ``cu_seqlens`` validation is :func:`seqpar.mixers.scan_layout.shard_boundaries`;
 - a family's per-model differences are fields of its spec (one per transformers class), read by one forward:
   no comparison with a class name (nor with ``original_class``), and no comparison with a string constant in a
@@ -72,8 +73,11 @@ def test_one_depthwise_conv_check() -> None:
     checks = [name for name, tree in _trees().items() for n in ast.walk(tree)
               if isinstance(n, ast.Compare) and getattr(n.left, "attr", None) == "groups"]
     assert checks == ["conv.py"], checks
+    # each family's recogniser checks its parts through the one helper, which holds the one conv check call
     for name in ("gdn.py", "mamba.py", "mamba2.py", "rglru.py", "short_conv.py"):
-        assert _calls(_trees()[name], "is_causal_depthwise_conv") == 1, name
+        assert _calls(_trees()[name], "has_mixer_parts") == 1, name
+    users = [name for name, tree in _trees().items() if _calls(tree, "is_causal_depthwise_conv")]
+    assert users == ["family.py"], users
 
 
 def test_one_boundary_validation() -> None:

@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from seqpar.mixers.kernels import use_kernels
+from seqpar.mixers.kernels import optional_kernel
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import chunk_initial_states
 
@@ -93,13 +93,8 @@ def delta_rule_kernel(rule: str, torch_path: Callable[..., Any], device: torch.d
     Every kernel is called as ``kernel(q, k, v, g=, beta=, initial_state=, output_final_state=True,
     use_qk_l2norm_in_kernel=)`` on ``(batch, seq, heads, dim)`` tensors and returns ``(out, final_state)``.
     """
-    if use_kernels(mixer_kernels, device, KERNEL_DEVICES):
-        module, name = FLA_KERNELS[rule]
-        try:
-            return getattr(__import__(module, fromlist=[name]), name)
-        except (ImportError, AttributeError):
-            pass
-    return getattr(torch_path, "__wrapped__", torch_path)
+    kernel = optional_kernel(mixer_kernels, device, KERNEL_DEVICES, *FLA_KERNELS[rule])
+    return getattr(torch_path, "__wrapped__", torch_path) if kernel is None else kernel
 
 
 def _is_torch_path(kernel: Callable[..., Any]) -> bool:

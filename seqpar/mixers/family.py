@@ -6,6 +6,7 @@ module can define its entry without an import cycle.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -13,11 +14,11 @@ from typing import Any, ClassVar
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import causal_conv_shard
+from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
 
-__all__ = ["MixerFamily", "SwappedMixer", "is_transformers_class"]
+__all__ = ["MixerFamily", "SwappedMixer", "is_transformers_class", "has_mixer_parts"]
 
 
 def is_transformers_class(module: nn.Module, names: Collection[str]) -> bool:
@@ -25,6 +26,17 @@ def is_transformers_class(module: nn.Module, names: Collection[str]) -> bool:
     the same name elsewhere, nor a swapped layer)."""
     cls = type(module)
     return cls.__name__ in names and cls.__module__.startswith("transformers.")
+
+
+def has_mixer_parts(module: nn.Module, conv: str, *, linears: Collection[str] = (), parameters: Collection[str] = (),
+                    modules: Collection[str] = ()) -> bool:
+    """Whether ``module`` has the parts a swapped convolution mixer reads: a causal depthwise ``nn.Conv1d``
+    child named ``conv`` (:func:`seqpar.mixers.conv.is_causal_depthwise_conv`), ``nn.Linear`` children
+    ``linears``, ``nn.Parameter`` attributes ``parameters`` and ``nn.Module`` children ``modules``."""
+    return (is_causal_depthwise_conv(getattr(module, conv, None))
+            and all(isinstance(getattr(module, name, None), nn.Linear) for name in linears)
+            and all(isinstance(getattr(module, name, None), nn.Parameter) for name in parameters)
+            and all(isinstance(getattr(module, name, None), nn.Module) for name in modules))
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,17 @@ class SwappedMixer(nn.Module):
             return None
         return scan_layout(seq_local, group=self.group, sharding=self.sharding, cu_seqlens=cu_seqlens,
                            where=f"seqpar ({self.original_class})")
+
+    def open_call(self, hidden_states: Tensor, attention_mask: Tensor | None,
+                  kwargs: dict[str, Any]) -> tuple[Tensor, Tensor | None, ScanLayout | None]:
+        """The start of a forward that transformers opens with ``apply_mask_to_padding_states`` (Mamba, Mamba2,
+        GDN): hidden_states ``(batch, seq_local, hidden)`` with padded positions zeroed by the layer's own
+        transformers module, this call's document boundaries (:meth:`cu_seqlens`) and scan layout
+        (:meth:`layout`)."""
+        tf = sys.modules[self.transformers_module]
+        cu = self.cu_seqlens(kwargs)
+        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        return hidden_states, cu, self.layout(hidden_states.shape[1], cu)
 
     def conv_shard(self, conv: nn.Conv1d, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         """The layer's causal depthwise ``conv`` (one of its children: ``weight (channels, 1, k)``, optional

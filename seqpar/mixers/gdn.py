@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import is_causal_depthwise_conv
 from seqpar.mixers.delta_rule import delta_rule_kernel, delta_rule_shard
-from seqpar.mixers.family import SwappedMixer, is_transformers_class
+from seqpar.mixers.family import SwappedMixer, has_mixer_parts, is_transformers_class
 
 __all__ = ["GDN_CLASSES", "GDN_SPECS", "DeltaNetSpec", "SeqParGatedDeltaNet", "is_gated_delta_net", "FAMILY"]
 
@@ -118,8 +117,7 @@ def is_gated_delta_net(module: nn.Module) -> bool:
     if not is_transformers_class(module, GDN_CLASSES):
         return False
     spec = GDN_CLASSES[type(module).__name__]
-    return (is_causal_depthwise_conv(getattr(module, "conv1d", None))
-            and all(isinstance(getattr(module, name, None), nn.Module) for name in spec.required))
+    return has_mixer_parts(module, "conv1d", modules=spec.required)
 
 
 class SeqParGatedDeltaNet(SwappedMixer):
@@ -161,10 +159,8 @@ class SeqParGatedDeltaNet(SwappedMixer):
         self.refuse_cache(cache, kwargs.get("cache_params"))
         tf = sys.modules[self.transformers_module]
         spec = self.spec
-        cu = self.cu_seqlens(kwargs)
-        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states, cu, layout = self.open_call(hidden_states, attention_mask, kwargs)
         batch, seq_local, _ = hidden_states.shape
-        layout = self.layout(seq_local, cu)
         mixed, gate, b, a = self._inputs(hidden_states)
         conv = self.conv_shard(self.conv1d, mixed.transpose(1, 2), cu)
         mixed = tf.ACT2FN[self.activation](conv).to(mixed.dtype).transpose(1, 2)  # as causal_conv1d_fn

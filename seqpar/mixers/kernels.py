@@ -14,13 +14,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import importlib
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 
 from seqpar.config import MIXER_KERNELS
 
-__all__ = ["MIXER_KERNELS", "use_kernels"]
+__all__ = ["MIXER_KERNELS", "use_kernels", "optional_kernel"]
 
 
 def use_kernels(mixer_kernels: str, device: torch.device, devices: Collection[str]) -> bool:
@@ -30,3 +32,16 @@ def use_kernels(mixer_kernels: str, device: torch.device, devices: Collection[st
         raise ValueError(f"seqpar: mixer_kernels={mixer_kernels!r} is invalid: choose one of {list(MIXER_KERNELS)} "
                          '("torch", the default, runs transformers\' torch path)')
     return mixer_kernels == "auto" and device.type in devices
+
+
+def optional_kernel(mixer_kernels: str, device: torch.device, devices: Collection[str], module: str,
+                    name: str) -> Callable[..., Any] | None:
+    """``module.name`` (an optional package's kernel, e.g. ``("fla.ops.simple_gla", "chunk_simple_gla")``)
+    where :func:`use_kernels` allows it and it imports; else None, and the caller runs its torch path.
+    ``devices`` is read at the call (the families' ``KERNEL_DEVICES``, which tests widen to "cpu")."""
+    if not use_kernels(mixer_kernels, device, devices):
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None

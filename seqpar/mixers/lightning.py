@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqpar.mixers.family import SwappedMixer, is_transformers_class
-from seqpar.mixers.kernels import use_kernels
+from seqpar.mixers.kernels import optional_kernel
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
 
@@ -83,13 +83,7 @@ def lightning_kernel(device: torch.device, mixer_kernels: str = "torch") -> Call
     """With ``mixer_kernels="auto"``, flash-linear-attention's ``chunk_simple_gla`` on a kernel device when
     it is importable; else None (the torch path, :func:`lightning_scan`; see :mod:`seqpar.mixers.kernels`). Lightning attention is simple GLA with the constant per-head
     log decay ``g_gamma = -s`` and ``scale = 1``; the kernel takes ``(batch, seq, heads, head_dim)``."""
-    if not use_kernels(mixer_kernels, device, KERNEL_DEVICES):
-        return None
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla
-    except ImportError:
-        return None
-    return chunk_simple_gla
+    return optional_kernel(mixer_kernels, device, KERNEL_DEVICES, "fla.ops.simple_gla", "chunk_simple_gla")
 
 
 def _scan(q: Tensor, k: Tensor, v: Tensor, slope: Tensor, query_decay: Tensor, key_decay: Tensor,

@@ -44,8 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer, is_transformers_class
+from seqpar.mixers.family import SwappedMixer, has_mixer_parts, is_transformers_class
 from seqpar.mixers.kernels import use_kernels
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
@@ -87,10 +86,7 @@ def is_mamba_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers Mamba (v1) mixer that seqpar can shard."""
     if not is_transformers_class(module, MAMBA_CLASSES):
         return False
-    conv = getattr(module, "conv1d", None)
-    return (is_causal_depthwise_conv(conv)
-            and isinstance(getattr(module, "in_proj", None), nn.Linear)
-            and isinstance(getattr(module, "A_log", None), nn.Parameter))
+    return has_mixer_parts(module, "conv1d", linears=("in_proj",), parameters=("A_log",))
 
 
 def selective_scan_shard(
@@ -177,9 +173,7 @@ class SeqParMambaMixer(SwappedMixer):
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
-        cu = self.cu_seqlens(kwargs)
-        layout = self.layout(seq_local, cu)
-        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states, cu, layout = self.open_call(hidden_states, attention_mask, kwargs)
         projected = self.in_proj(hidden_states).transpose(1, 2)  # (batch, 2 * d_inner, seq_local)
         multi_head = self.spec.multi_head
         if multi_head:  # (x, z) interleaved per channel, heads of mamba_head_dim channels

@@ -38,8 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer, is_transformers_class
+from seqpar.mixers.family import SwappedMixer, has_mixer_parts, is_transformers_class
 from seqpar.mixers.ssd import ssd_shard
 
 __all__ = ["MAMBA2_CLASSES", "MAMBA2_SPECS", "Mamba2Spec", "SeqParMamba2Mixer", "is_mamba2_mixer",
@@ -85,11 +84,7 @@ def is_mamba2_mixer(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers Mamba2 layer that seqpar can shard."""
     if not is_transformers_class(module, MAMBA2_CLASSES):
         return False
-    conv = getattr(module, "conv1d", None)
-    return (is_causal_depthwise_conv(conv)
-            and isinstance(getattr(module, "in_proj", None), nn.Linear)
-            and isinstance(getattr(module, "out_proj", None), nn.Linear)
-            and all(isinstance(getattr(module, name, None), nn.Parameter) for name in ("A_log", "D", "dt_bias"))
+    return (has_mixer_parts(module, "conv1d", linears=("in_proj", "out_proj"), parameters=("A_log", "D", "dt_bias"))
             and all(hasattr(module, name) for name in _ATTRIBUTES[1:]))
 
 
@@ -109,10 +104,8 @@ class SeqParMamba2Mixer(SwappedMixer):
         tf = sys.modules[self.transformers_module]
         dtype = hidden_states.dtype
         batch, seq_local, _ = hidden_states.shape
-        cu = self.cu_seqlens(kwargs)
-        layout = self.layout(seq_local, cu)
         spec = self.spec
-        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states, cu, layout = self.open_call(hidden_states, attention_mask, kwargs)
         if spec.input_multiplier is not None:
             hidden_states = hidden_states * getattr(self, spec.input_multiplier)
         projected = self.in_proj(hidden_states)

@@ -31,8 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer, is_transformers_class
+from seqpar.mixers.family import SwappedMixer, has_mixer_parts, is_transformers_class
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
 
@@ -44,10 +43,7 @@ RGLRU_CLASSES = frozenset({"RecurrentGemmaRecurrentBlock"})
 
 def is_recurrent_block(module: nn.Module) -> bool:
     """Whether ``module`` is a RecurrentGemma recurrent block that seqpar can shard."""
-    conv = getattr(module, "conv_1d", None)
-    return (is_transformers_class(module, RGLRU_CLASSES)
-            and is_causal_depthwise_conv(conv)
-            and isinstance(getattr(module, "rg_lru", None), nn.Module))
+    return is_transformers_class(module, RGLRU_CLASSES) and has_mixer_parts(module, "conv_1d", modules=("rg_lru",))
 
 
 def rglru_log_decay(rg_lru: nn.Module, x: Tensor) -> Tensor:

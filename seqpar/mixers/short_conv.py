@@ -24,8 +24,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from seqpar.mixers.conv import is_causal_depthwise_conv
-from seqpar.mixers.family import SwappedMixer, is_transformers_class
+from seqpar.mixers.family import SwappedMixer, has_mixer_parts, is_transformers_class
 
 __all__ = ["SHORT_CONV_CLASSES", "SeqParShortConv", "is_short_conv", "find_short_convs", "FAMILY"]
 
@@ -38,10 +37,7 @@ def is_short_conv(module: nn.Module) -> bool:
     """Whether ``module`` is an LFM2-family gated short convolution layer that seqpar can shard."""
     if not is_transformers_class(module, SHORT_CONV_CLASSES):
         return False
-    conv = getattr(module, "conv", None)
-    return (is_causal_depthwise_conv(conv)
-            and isinstance(getattr(module, "in_proj", None), nn.Linear)
-            and isinstance(getattr(module, "out_proj", None), nn.Linear))
+    return has_mixer_parts(module, "conv", linears=("in_proj", "out_proj"))
 
 
 def find_short_convs(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqpar.mixers.kernels import use_kernels
+from seqpar.mixers.kernels import optional_kernel
 from seqpar.mixers.scan_layout import ScanLayout
 from seqpar.mixers.state_passing import scalar_decay_correction
 
@@ -48,13 +48,8 @@ def ssd_kernel(device: torch.device, mixer_kernels: str = "torch") -> Callable[.
     is importable; else None (the torch path; see :mod:`seqpar.mixers.kernels`). It takes transformers' argument order ``(x, dt, A, B, C, chunk_size, D=, dt_bias=,
     seq_idx=, dt_softplus=, dt_limit=, return_final_states=)``; with ``seq_idx`` the returned final state
     is that of the last document, scanned from its start."""
-    if not use_kernels(mixer_kernels, device, KERNEL_DEVICES):
-        return None
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        return None
-    return mamba_chunk_scan_combined
+    return optional_kernel(mixer_kernels, device, KERNEL_DEVICES, "mamba_ssm.ops.triton.ssd_combined",
+                           "mamba_chunk_scan_combined")
 
 
 def ssd_time_steps(dt: Tensor, A: Tensor, dt_bias: Tensor | None, dt_limit: tuple[float, float]) -> Tensor:
