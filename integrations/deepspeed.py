@@ -189,8 +189,9 @@ def initialize(
         ``engine.seqpar_manager`` and the swap report ``engine.seqpar_swap_report``.
 
     Raises:
-        ConfigError: a bad ``sequence_parallel`` block, or ``mpu``/``mesh_param`` given as well
-            (seqpar builds the groups itself).
+        ConfigError: a bad ``sequence_parallel`` block, a DeepSpeed Ulysses / ALST setting left in the JSON or
+            the arguments (:func:`refuse_deepspeed_ulysses`), or ``mpu``/``mesh_param`` given as well (seqpar builds
+            the groups itself).
         ValueError: the world size is not ``dp x sp x tp``.
         RuntimeError: DeepSpeed's AutoTP groups are not seqpar's TP and SP-DP groups (a manager whose
             TP axis is not innermost).
