@@ -65,12 +65,13 @@ from typing import Any
 
 import torch
 
-from seqpar.config import BLOCK_KEY, ConfigError, SeqParConfig, check_autotp
+from seqpar.config import BLOCK_KEY, SIZE_ALIASES, ConfigError, SeqParConfig, check_autotp
 from seqpar.integrations import deepspeed_tp
 from seqpar.integrations.common import ShardedLoader, rank_prefix, resolve_manager
 from seqpar.runtime.groups import init_process_groups, single_process_env, timeout_of
 
-__all__ = ["initialize", "load_deepspeed_config", "ShardedDeepSpeedLoader", "to_universal"]
+__all__ = ["initialize", "load_deepspeed_config", "refuse_deepspeed_ulysses", "ShardedDeepSpeedLoader", "to_universal",
+           "ULYSSES_KEYS"]
 
 logger = logging.getLogger("seqpar")
 
@@ -188,8 +189,9 @@ def initialize(
         ``engine.seqpar_manager`` and the swap report ``engine.seqpar_swap_report``.
 
     Raises:
-        ConfigError: a bad ``sequence_parallel`` block, or ``mpu``/``mesh_param`` given as well
-            (seqpar builds the groups itself).
+        ConfigError: a bad ``sequence_parallel`` block, a DeepSpeed Ulysses / ALST setting left in the JSON or
+            the arguments (:func:`refuse_deepspeed_ulysses`), or ``mpu``/``mesh_param`` given as well (seqpar builds
+            the groups itself).
         ValueError: the world size is not ``dp x sp x tp``.
         RuntimeError: DeepSpeed's AutoTP groups are not seqpar's TP and SP-DP groups (a manager whose
             TP axis is not innermost).
@@ -198,6 +200,7 @@ def initialize(
     if model is None:
         raise ValueError("initialize requires a model (as deepspeed.initialize does)")
     ds_config = load_deepspeed_config(args, config, config_params)
+    refuse_deepspeed_ulysses(ds_config, mpu, training_data)
     sp_config = (
         SeqParConfig.load(seqpar_config)
         if seqpar_config is not None
@@ -424,14 +427,85 @@ def to_universal(checkpoint_dir: str | os.PathLike, tag: str, output_tag: str | 
     return output_tag
 
 
+# What a user of DeepSpeed's Ulysses / Arctic Long Sequence Training (ALST) leaves in the JSON or passes: the arguments
+# of UlyssesSPAttentionHF.register_with_transformers and UlyssesSPDataLoaderAdapter written as keys (at the top level,
+# where DeepSpeed ignores them without a word, or in seqpar's block, where they would get a bare "unknown key"), and
+# seqpar's form of each (docs/names.md, "DeepSpeed Ulysses / ALST").
+ULYSSES_KEYS: dict[str, str] = {
+    "seq_length_is_variable": "seqpar shards each batch as it comes, whatever its length (shard_batch pads it to a "
+                              "multiple of the shards): remove it",
+    "seq_length": "seqpar reads each batch's length (shard_batch pads it to a multiple of the shards): remove it",
+    "max_length": "seqpar reads each batch's length (shard_batch pads it to a multiple of the shards): remove it",
+    "core_attn_implementation": "seqpar swaps the model's attention itself (attn_implementation 'seqpar', running "
+                                f"{BLOCK_KEY}.mode): remove it",
+    "micro_batch_size": "the micro-batch is DeepSpeed's top-level train_micro_batch_size_per_gpu: remove it",
+    "disable_in_eval": "seqpar has no such switch: remove it",
+}
+
+
+def _block_size(ds_config: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """``(key, degree)`` the ``sequence_parallel`` block writes the SP degree with (``size`` or an alias), ``None``
+    when it writes none."""
+    block = ds_config.get(BLOCK_KEY)
+    if not isinstance(block, Mapping):
+        return None
+    return next(((k, block[k]) for k in ("size", *SIZE_ALIASES) if k in block), None)
+
+
+def refuse_deepspeed_ulysses(ds_config: Mapping[str, Any], mpu: Any = None, training_data: Any = None) -> None:
+    """Raise one ``ConfigError`` naming every piece of a DeepSpeed Ulysses / ALST setup left in ``ds_config`` or the
+    arguments, each with seqpar's key: a top-level ``sequence_parallel_size`` (beside the block or instead of it,
+    agreeing or not), ``register_with_transformers``' arguments written as keys (top level or block), DeepSpeed's
+    Ulysses ``mpu`` (``parallel_state_sp``), a ``UlyssesSPDataLoaderAdapter`` as ``training_data``. Read from the
+    config and the arguments alone, before torch.distributed or DeepSpeed is touched: every rank raises alike."""
+    problems: list[str] = []
+    said = _block_size(ds_config)
+    size = None if said is None else said[1]
+    in_block = f"{BLOCK_KEY}.{said[0]} = {said[1]!r}" if said is not None else f"no {BLOCK_KEY}.size yet"
+    if "sequence_parallel_size" in ds_config:
+        top = ds_config["sequence_parallel_size"]
+        if size is None:
+            fix = f'write "{BLOCK_KEY}": {{"size": {top!r}}} and remove the top-level key'
+        elif size == top and type(size) is type(top):
+            fix = f"the block already says {size!r}: remove the top-level key"
+        else:
+            fix = f"they disagree ({in_block}): set the degree in the block only and remove the top-level key"
+        problems.append(
+            f"the DeepSpeed config has 'sequence_parallel_size' = {top!r} at its top level, DeepSpeed Ulysses' key "
+            f"(with data_parallel_size DeepSpeed builds its own mesh from it); seqpar reads the SP degree from "
+            f"{BLOCK_KEY}.size: {fix}"
+        )
+    for where, keys in (("top level", ds_config),
+                        (BLOCK_KEY, ds_config.get(BLOCK_KEY) if isinstance(ds_config.get(BLOCK_KEY), Mapping) else {})):
+        for key in sorted(set(keys) & set(ULYSSES_KEYS)):
+            problems.append(f"{key!r} ({where}) is an argument of DeepSpeed's UlyssesSPAttentionHF."
+                            f"register_with_transformers, not a config key: {ULYSSES_KEYS[key]}")
+    if mpu is not None and (hasattr(mpu, "initialize_sequence_parallel")
+                            or "parallel_state_sp" in getattr(mpu, "__name__", "")):
+        problems.append(
+            "mpu= is DeepSpeed Ulysses' parallel state (what UlyssesSPAttentionHF.register_with_transformers returns): "
+            f"remove that call and mpu=; seqpar builds the SP x DP groups from {BLOCK_KEY}.size ({in_block}) and "
+            "swaps the model's attention itself"
+        )
+    if type(training_data).__name__ == "UlyssesSPDataLoaderAdapter":
+        problems.append(
+            "training_data= is a UlyssesSPDataLoaderAdapter, which shards batches over DeepSpeed's own SP group: pass "
+            "the dataset (as deepspeed.initialize takes it); the returned loader samples over DP and cuts every "
+            f"batch over seqpar's SP group ({in_block}), or shard your own loader's batches with seqpar.shard_batch"
+        )
+    if problems:
+        raise ConfigError("DeepSpeed Ulysses / ALST settings seqpar does not read (docs/names.md): "
+                          + "; ".join(problems))
+
+
 def _check_compatible(ds_config: Mapping[str, Any], sp_config: SeqParConfig, mpu: Any,
                       mesh_param: Any) -> None:
     """Refuse what would make DeepSpeed build groups of its own or average gradients wrongly."""
     if mpu is not None or mesh_param is not None:
         raise ConfigError(
             "seqpar builds the sequence/data/tensor-parallel groups itself and passes them to DeepSpeed "
-            "as mpu; do not pass mpu= or mesh_param= (set sequence_parallel.tp_size for tensor "
-            "parallelism; pipeline parallelism is not supported)"
+            "as mpu; do not pass mpu= or mesh_param= (set sequence_parallel.size for the SP degree, "
+            "sequence_parallel.tp_size for tensor parallelism; pipeline parallelism is not supported)"
         )
     check_autotp(ds_config, sp_config)
     if sp_config.tp_sequence_parallel:

@@ -116,6 +116,7 @@ from seqpar.attn.dilated_plan import (
     plan_dilated,
 )
 from seqpar.attn.dilated_schedule import dilated_backward, dilated_forward, output_in_layout
+from seqpar.attn.foreign import DILATED_FOREIGN_KEYWORDS, foreign_keyword_refuser
 from seqpar.attn.ops import defer_refusals
 from seqpar.comm.segment import SegmentComm
 from seqpar.runtime.groups import resolve_group
@@ -162,6 +163,10 @@ class DilatedAttention(torch.autograd.Function):
 # ---------------------------------------------------------------------------------- public entry
 # a refusal found while dynamo traces is raised by an op when the graph runs (seqpar.attn.ops.refused_output)
 @defer_refusals
+@foreign_keyword_refuser(
+    "seqpar.dilated_attention", DILATED_FOREIGN_KEYWORDS,
+    positional_hint=" (dilated-attention-pytorch's 4th is is_causal: pass causal=)",
+)
 def dilated_attention(
     q: Tensor,
     k: Tensor,
