@@ -8,10 +8,6 @@ options and piece kernels in ``common``, the kernel planning in ``plan`` (chunks
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
 from seqpar.attn.common import SingleRank
+from seqpar.attn.foreign import ATTENTION_FOREIGN_KEYWORDS, attention_foreign_keywords
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
 from seqpar.attn.ops import OP_ALGORITHMS, compiled_attention, defer_refusals
 from seqpar.attn.resolve import AttentionPlan, from_bhsd, resolve_attention, to_bhsd
@@ -31,111 +28,15 @@ from seqpar.sequence.sharding import shard_index
 __all__ = ["attention", "run_attention"]
 
 
-# ------------------------------------------------------------------------- other libraries' argument names
-# What a caller migrating from flash-attn / ring-flash-attn (and its varlen / llama3 functions), Megatron-LM's or
-# TransformerEngine's context parallelism, torch's SDPA or a transformers attention function passes, and seqpar's
-# form of it (docs/names.md). Python's own "unexpected keyword argument" names none of that; a name absent here still
-# gets Python's message (the real signature is unchanged: the wrapper below looks names up, it accepts nothing).
-_CP_COMM_TYPES = {"p2p": "ring", "all_gather": "allgather", "a2a": "ulysses", "a2a+p2p": "hybrid"}
-_GLOBAL_BOUNDS = ("the whole packed sequence's boundaries [0, ..., S] with S = seq_local * P, the same on every rank "
-                  "(q and k share them)")
-FOREIGN_KEYWORDS: dict[str, str] = {
-    "softmax_scale": "pass scale= (the same score multiplier; default head_dim ** -0.5, as theirs)",
-    "dropout_p": "seqpar.attention has no attention dropout: leave dropout_p out (dropout_p=0.0 is what it computes; "
-                 "attention dropout > 0 is not supported)",
-    "deterministic": "leave it out: seqpar.attention has no such switch (torch's kernels, which it runs, follow "
-                     "torch.use_deterministic_algorithms)",
-    "return_attn_probs": "not supported: seqpar.attention returns the output only (no probabilities, no softmax_lse); "
-                         "leave it out",
-    "return_softmax_lse": "not supported: seqpar.attention returns the output only (no softmax_lse); leave it out",
-    "cu_seqlens_q": f"pass cu_seqlens= once: {_GLOBAL_BOUNDS}",
-    "cu_seqlens_k": f"pass cu_seqlens= once: {_GLOBAL_BOUNDS}",
-    "max_seqlen": "leave it out: the lengths come from cu_seqlens",
-    "max_seqlen_q": "leave it out: the lengths come from cu_seqlens",
-    "max_seqlen_k": "leave it out: the lengths come from cu_seqlens",
-    "heads_k_stride": "pass head_chunks=kv_heads // heads_k_stride with mode='allgather' (ring-flash-attn's llama3 "
-                      "all-gather of K/V in head groups)",
-    "local_k_slice": "leave it out: each rank's share of the keys follows from sharding= and cu_seqlens=",
-    "cp_group": "pass group= (the SP process group; None: the default manager's)",
-    "process_group": "pass group= (the SP process group; None: the default manager's)",
-    "sequence_process_group": "pass group= (the SP process group; None: the default manager's)",
-    "cp_global_ranks": "leave it out: group= carries the ranks",
-    "cp_stream": "leave it out: seqpar.attention takes no stream",
-    "is_causal": "pass causal=",
-    "attn_mask": "a dense mask has no seqpar form: pass its structure (causal=, window=, cu_seqlens= for packed "
-                 "documents, chunk_size=)",
-    "enable_gqa": "leave it out: q_heads a multiple of kv_heads is grouped-query attention, always accepted",
-    "attn_mask_type": "pass causal=True for 'causal', causal=False for 'no_mask'; padding masks are packed documents "
-                      "(cu_seqlens=)",
-    "qkv_format": "pass layout='bshd' for 'bshd' (layout='bhsd' is SDPA's); 'sbhd' is x.transpose(0, 1) (a view) with "
-                  "layout='bshd'; 'thd' is x.unsqueeze(0) with layout='bshd' and cu_seqlens=",
-    "sliding_window": "pass window= (the same count: query i sees key j iff 0 <= i - j < window with causal)",
-    "s_aux": "pass sinks= (the (q_heads,) sink logits)",
-    "block_table": "not supported: seqpar.attention has no paged KV cache",
-}
-
-
-def _window_size_hint(value: object, causal: object) -> str:
-    """seqpar's form of flash-attn's ``window_size=(left, right)``: key j is seen iff ``-left <= j - i <= right``
-    (-1: unbounded), and with ``causal`` flash-attn takes ``right`` as 0."""
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(type(x) is int for x in value)):
-        return ("flash-attn's window_size=(left, right) is seqpar's window=left + 1 with causal=True, or window=l + 1 "
-                "for (l, l) without; (-1, -1) is no window=")
-    left, right = value
-    if causal is True:
-        return "leave window out (causal, no window)" if left < 0 else f"pass window={left + 1} with causal=True"
-    if left < 0 and right < 0:
-        return "leave window out (no window)"
-    if left >= 0 and left == right:
-        return f"pass window={left + 1} (keys with |i - j| <= {left})"
-    if left < 0 and right == 0:
-        return "pass causal=True (no window)"
-    return (f"window_size=({left}, {right}) has no seqpar form: seqpar's windows are causal (window=left + 1 with "
-            "causal=True) or symmetric ((l, l) is window=l + 1)")
-
-
-def _cp_comm_type_hint(value: object) -> str:
-    mode = _CP_COMM_TYPES.get(value) if isinstance(value, str) else None
-    if mode is None:
-        return "pass mode= ('p2p' is 'ring', 'all_gather' 'allgather', 'a2a' 'ulysses', 'a2a+p2p' 'hybrid')"
-    extra = " and init_process_groups(ulysses_size=u) (the a2a degree)" if mode == "hybrid" else ""
-    return f"pass mode={mode!r}{extra}"
-
-
-def refuse_foreign_keywords(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """``fn`` (:func:`attention`), whose call with another library's argument name (:data:`FOREIGN_KEYWORDS`,
-    flash-attn's ``window_size`` and Megatron's ``cp_comm_type``) raises a TypeError naming seqpar's form, and with a
-    4th positional argument (flash-attn's ``dropout_p``) one saying the options are keyword-only. Any other name is
-    passed on, so a typo still gets Python's "unexpected keyword argument"; ``inspect.signature`` shows ``fn``'s.
-    Raised before any collective, from the arguments alone: the same on every rank that passes them."""
-
-    @functools.wraps(fn)
-    def entry(*args: Any, **kwargs: Any) -> Tensor:
-        if len(args) > 3:
-            raise TypeError(
-                f"seqpar.attention() takes q, k, v positionally and its options by keyword; got {len(args)} positional "
-                "arguments (flash-attn's and ring-flash-attn's 4th is dropout_p, then softmax_scale, causal): pass "
-                "causal=, scale=, ... by name (see docs/names.md)"
-            )
-        for name in kwargs:
-            if name == "window_size":
-                hint = _window_size_hint(kwargs[name], kwargs.get("causal", False))
-            elif name == "cp_comm_type":
-                hint = _cp_comm_type_hint(kwargs[name])
-            else:
-                hint = FOREIGN_KEYWORDS.get(name)
-            if hint is not None:
-                raise TypeError(f"seqpar.attention() got {name}=, another library's argument name: {hint} "
-                                "(docs/names.md)")
-        return fn(*args, **kwargs)
-
-    return entry
+# other libraries' argument names (flash-attn's softmax_scale / window_size, Megatron's cp_group / cp_comm_type, ...):
+# a TypeError naming seqpar's form, before any collective (seqpar.attn.foreign, docs/names.md)
+FOREIGN_KEYWORDS = ATTENTION_FOREIGN_KEYWORDS
 
 
 # a refusal found while dynamo traces is raised by an op when the graph runs, so that a fullgraph=True caller gets
 # it as eager's exception, not dynamo's "Unsupported: Observed exception" (seqpar.attn.ops.refused_output)
 @defer_refusals
-@refuse_foreign_keywords
+@attention_foreign_keywords
 def attention(
     q: Tensor,
     k: Tensor,
