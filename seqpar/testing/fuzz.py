@@ -123,6 +123,7 @@ __all__ = [
     "classify_errors",
     "error_record",
     "summary",
+    "without_fz33_draws",
     "Fuzzer",
     "main",
     # the attention and dilated kinds' (seqpar.testing.fuzz_attention, fuzz_attention_run), named here as before
@@ -362,6 +363,16 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         draws["dkv_wire"] = draw_dkv_wire(case_seed)
         draws["swap"] = draw_swap(case_seed)  # an explicit swap value (fz31): its own generator too
     return draws
+
+
+def without_fz33_draws(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` without fz33's new draws (``disagree_shape``; ``dkv_wire`` in the ``engine``, ``dynamic`` and
+    ``trainer`` kinds, not the ``model`` kind's own): the composition a case seed had before fz33, for the suite's
+    pinned cases (tests/test_fuzz.py's ``fuzzer``), whose verdicts were pinned on it."""
+    out = {**draws, "disagree_shape": None} if "disagree_shape" in draws else dict(draws)
+    if out.get("kind") in ("engine", "dynamic", "trainer") and "dkv_wire" in out:
+        out["dkv_wire"] = None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
