@@ -25,7 +25,8 @@ def fuzzer() -> Iterator[fuzz.Fuzzer]:
 def test_disagreeing_shapes_are_refused_on_every_rank(fuzzer: fuzz.Fuzzer, kind: str, options: tuple[str, ...]) -> None:
     """The first ring case of seed 3331 per option is refused on every rank by the cross-rank check, naming each
     rank's inputs (no run, no hang, no crash in a collective). Seen failing: with ``check_across_ranks`` returning
-    at once (``seqpar.attn.checks``): see the report of fz33 for what each option did then."""
+    at once (``seqpar.attn.checks``): attention 403875020 (dtype, P = 2) a crash, rank 1 aborted (exit -6); dilated
+    1066249336 (head_dim) refused by a later local check, not by the cross-rank one."""
     seen: dict[str, dict] = {}
     for s in fuzz.case_seeds(3331, 20000):
         d = fuzz.draw_case(s, (kind,))
