@@ -45,8 +45,8 @@ def _draws(kind: str, n: int = 200) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("kind", sorted(PRE_FZ33_DRAWS))
 def test_the_old_draws_are_untouched(kind: str) -> None:
     """Each kind's draws without fz33's key are those it had before (so every pinned case seed keeps its
-    composition), and the new key is in every draw. Seen failing: ``draw_kind_dkv_wire`` reading the case's
-    generator (``rng.random()`` on the engine's draws: the engine digest differs)."""
+    composition), and the new key is in every draw. Seen failing: one ``rng.random()`` added at the top of
+    ``draw_engine`` (a draw taken from the case's generator): the engine digest differs."""
     draws = _draws(kind)
     key = NEW_KEYS[kind]
     assert all(key in d for d in draws)
@@ -166,8 +166,8 @@ def test_the_wire_judge_calls_a_planted_wrong_wrong() -> None:
     """:func:`judge_model_wire` against a float64 reference: a gradient off by half the bound of its own norm is
     exact, one doubled (the small one: far below the bound times the model's largest norm) is WRONG, a loss moved by
     twice the exact tolerance is WRONG (the wire is the backward's), a gradient on one side only is WRONG; at bound 0
-    it is :func:`judge_model` itself. Seen failing: the bound taken of the model's largest norm (the doubled small
-    gradient passed); the loss judged at the bound (the moved loss passed)."""
+    it is :func:`judge_model` itself. Seen failing: the bound taken of the model's largest gradient norm (the
+    doubled small gradient passed)."""
     ref = {"dtype": "float64", "loss": 2.0, "grads": _grads(3)}
     bound = kind_dkv_wire_bound(2, 2)
     assert bound == 4 * 2 * 2 * 1 * 2.0 ** -8
@@ -222,8 +222,7 @@ def test_the_trainer_judge_widens_only_what_follows_a_backward() -> None:
     """:func:`judge_trainer` of a wired case: updates off by a tenth of the bound and a second step's loss off by
     1e-3 relative are exact (the exact judge calls both WRONG); the first step's loss off by 1e-4 relative is WRONG
     (a forward before any backward), as a doubled update is. Seen failing: every logged number at the bound (the
-    first step's moved loss passed); the updates judged at the bound times the model's largest update (the doubled
-    small update passed)."""
+    first step's moved loss passed)."""
     draws = {"trainer": "trainer", "steps": 2, "max_grad_norm": 0.0, "model_type": "llama", "sp": 2,
              "dkv_wire": "bf16", "peft": False}
     g = torch.Generator().manual_seed(7)
