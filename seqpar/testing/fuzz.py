@@ -21,18 +21,23 @@ alone, so ``--case-seed X`` re-runs exactly one case. Each case is one of:
   (``odd_local``: one token fewer per rank, a window or chunk now and then wider than the sequence), a batch of 3
   or 4 where the case has no documents (``wide_batch``), a ``scale`` in 1.25-4 (``big_scale``), and at P >= 2 with
   ``check_inputs`` the last rank passing another ``causal``, ``scale``, ``window`` or ``head_chunks`` (``disagree``)
-  or other inputs: its shard one token shorter, other ``cu_seqlens``, another batch (``disagree_input``), each
-  refused by name on every rank, or the case is WRONG; a hang is a crash by the timeout;
+  or other inputs: its shard one token shorter, other ``cu_seqlens``, another batch (``disagree_input``), fewer
+  heads, a smaller head dim, the other dtype (``disagree_shape``, fz33), each refused by name on every rank, or the
+  case is WRONG; a hang is a crash by the timeout;
 - ``dilated``: a direct :func:`seqpar.dilated_attention` call (patterns, head layouts, ring / allgather,
   P in 1..4, a shape the patterns do not fit now and then, ``dkv_wire_dtype`` as above, V's head dim apart,
   ``scale`` (``big_scale`` too), strided views as above, at P = 4 the pairs as ``group=``, ``mode="auto"``, :data:`GRADS`, two calls
-  before one backward, ``group=torch.distributed.group.WORLD`` without a manager);
+  before one backward, ``group=torch.distributed.group.WORLD`` without a manager, and at P >= 2 with ``check_inputs``
+  the last rank passing a shorter shard, another batch, fewer heads, a smaller head dim or the other dtype
+  (``disagree_shape``, fz33: refused by name on every rank, or the case is WRONG));
 - ``model``: a tiny model of any type of :func:`seqpar.testing.tiny_models.decoder_model_types` under
   ``swap_attention`` on P in 1..4 (:mod:`seqpar.testing.fuzz_models`; ``config_knobs``: the ``sequence_parallel``
   keys ``high_priority_streams``, ``timeout_s``, ``apex``, ``mixer_kernels="auto"`` now and then; ``dkv_wire``:
   ``dkv_wire_dtype: "bf16"``, judged against the same run with the wire at fp32);
 - ``engine``: a ``model`` case trained through an engine: DeepSpeed ZeRO-1/2/3, FSDP2, or TP 2 x SP P/2
-  (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process;
+  (:mod:`seqpar.testing.fuzz_engines`), every reduced gradient against one process; ``dkv_wire`` (fz33, as in the
+  ``dynamic`` and ``trainer`` kinds): ``dkv_wire_dtype: "bf16"`` in the config, judged against the same float64
+  reference at the wire's bound (:func:`~seqpar.testing.fuzz_models.judge_model_wire`), not exactly;
 - ``dynamic``: one step of length-aware dynamic CP on a tiny model, random document-length mixes over a DP x SP
   pool of 1..4 ranks, the plan's invariants and every reduced gradient checked (:mod:`seqpar.testing.fuzz_dynamic`);
 - ``compile``: ``torch.compile`` over a direct call or a tiny swapped model, called several times with changing
@@ -86,6 +91,7 @@ from seqpar.testing.fuzz_attention import (
     draw_dilated,
     draw_disagree,
     draw_disagree_input,
+    draw_disagree_shape,
     draw_documents,
     draw_empty_documents,
     draw_odd_local,
@@ -117,6 +123,7 @@ __all__ = [
     "classify_errors",
     "error_record",
     "summary",
+    "without_fz33_draws",
     "Fuzzer",
     "main",
     # the attention and dilated kinds' (seqpar.testing.fuzz_attention, fuzz_attention_run), named here as before
@@ -329,6 +336,8 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
             draws["wide_batch"] = draw_wide_batch(case_seed, draws)  # a batch of 3 or 4 (fz31): its own generator
             draws["disagree"] = draw_disagree(case_seed, draws)  # the last rank's option apart (fz31): its own too
             draws["disagree_input"] = draw_disagree_input(case_seed, draws)  # or its inputs (fz32): its own too
+    if kind in ("attention", "dilated"):  # or its heads, head dim, dtype; dilated's inputs too (fz33): its own too
+        draws["disagree_shape"] = draw_disagree_shape(case_seed, draws)
     elif kind in ("model", "engine", "compile") and draws.get("batch") == "packed":  # the packed rows' cu_seq_lens
         draws["empty_docs"] = draw_empty_documents(case_seed, [{"cu": [0, *itertools.accumulate(lens)]}
                                                                for lens in draws["lengths"]])
@@ -340,6 +349,10 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         from seqpar.testing.fuzz_trainers_draw import draw_empty_rows
 
         draws["empty_docs"] = draw_empty_rows(case_seed, draws)
+    if kind in ("engine", "dynamic", "trainer"):  # dkv_wire_dtype "bf16" in their config (fz33): its own generator
+        from seqpar.testing.fuzz_models import draw_kind_dkv_wire
+
+        draws["dkv_wire"] = draw_kind_dkv_wire(case_seed, kind)
     if kind == "model":  # the sequence_parallel keys no draw reached (fz30): its own generator, the old draws stay
         from seqpar.testing.fuzz_models import draw_config_knobs
 
@@ -350,6 +363,16 @@ def draw_case(case_seed: int, kinds: tuple[str, ...] = ("attention", "dilated"),
         draws["dkv_wire"] = draw_dkv_wire(case_seed)
         draws["swap"] = draw_swap(case_seed)  # an explicit swap value (fz31): its own generator too
     return draws
+
+
+def without_fz33_draws(draws: dict[str, Any]) -> dict[str, Any]:
+    """``draws`` without fz33's new draws (``disagree_shape``; ``dkv_wire`` in the ``engine``, ``dynamic`` and
+    ``trainer`` kinds, not the ``model`` kind's own): the composition a case seed had before fz33, for the suite's
+    pinned cases (tests/test_fuzz.py's ``fuzzer``), whose verdicts were pinned on it."""
+    out = {**draws, "disagree_shape": None} if "disagree_shape" in draws else dict(draws)
+    if out.get("kind") in ("engine", "dynamic", "trainer") and "dkv_wire" in out:
+        out["dkv_wire"] = None
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -435,10 +458,13 @@ def summary(draws: dict[str, Any]) -> str:
         return summary({**big_scale_applied(draws), "big_scale": None}) + " big-scale"
     if draws.get("strided_pairs") and draws.get("group") == "pairs":  # the non-consecutive pairs (fz31)
         return summary({**draws, "strided_pairs": None}).replace("group=pairs", "group=pairs{0,2}{1,3}")
+    if draws.get("dkv_wire") and draws["kind"] in ("engine", "dynamic", "trainer"):  # the bf16 wire (fz33)
+        return summary({**draws, "dkv_wire": None}) + f" dkv={draws['dkv_wire']}"
     if disagreement(draws):  # the last rank's option apart (fz31)
         return summary({**draws, "disagree": None}) + f" disagree={disagreement(draws)}"
     if input_disagreement(draws):  # the last rank's inputs apart (fz32)
-        return summary({**draws, "disagree_input": None}) + f" disagree-input={input_disagreement(draws)}"
+        return (summary({**draws, "disagree_input": None, "disagree_shape": None})
+                + f" disagree-input={input_disagreement(draws)}")
     if draws.get("empty_docs") and (draws.get("batch") == "packed" or any(c.get("cu") is not None
                                                                          for c in draws.get("calls", []))):
         # the documents as the run sees them (lengths 0 among them), and a word saying so (not where a forced

@@ -19,6 +19,7 @@ __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", 
            "disagreeing_inputs",
            "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "BIG_SCALE_RATE", "draw_big_scale",
            "big_scale_applied", "DISAGREE_INPUT_RATE", "DISAGREE_INPUTS", "draw_disagree_input", "input_disagreement",
+           "DISAGREE_SHAPE_RATE", "DISAGREE_SHAPES", "DILATED_DISAGREE_INPUTS", "draw_disagree_shape",
            "draw_attention",
            "draw_dilated", "attention_summary"]
 
@@ -246,9 +247,46 @@ def draw_disagree_input(case_seed: int, draws: dict[str, Any]) -> str | None:
 
 
 def input_disagreement(draws: dict[str, Any]) -> str | None:
-    """The input the run's last rank passes otherwise (``draws["disagree_input"]``), or None where not drawn or
-    where forced draws took away what it needs (as :func:`disagreement`)."""
-    return draws.get("disagree_input") if _can_disagree(draws) else None
+    """The input the run's last rank passes otherwise (``draws["disagree_input"]``, or fz33's
+    ``draws["disagree_shape"]``), or None where not drawn or where forced draws took away what it needs (as
+    :func:`disagreement`)."""
+    if draws.get("disagree_input") and _can_disagree(draws):
+        return draws["disagree_input"]
+    if draws.get("disagree_shape") and _can_disagree_shape(draws):
+        return draws["disagree_shape"]
+    return None
+
+
+DISAGREE_SHAPE_RATE = 0.12
+"""How often an ``attention`` or ``dilated`` case that can (:func:`draw_disagree_shape`) gets ``disagree_shape``."""
+DISAGREE_SHAPES = ("heads", "head_dim", "dtype")
+"""What an ``attention`` case's last rank passes otherwise in fz33's draw (:func:`disagreeing_inputs`): fewer heads,
+a smaller head dim, the other float dtype."""
+DILATED_DISAGREE_INPUTS = ("seq_local", "batch", "heads", "head_dim", "dtype")
+"""What a ``dilated`` case's last rank passes otherwise (no documents there: ``dilated_attention`` takes none)."""
+
+
+def _can_disagree_shape(draws: dict[str, Any]) -> bool:
+    # as _can_disagree, the dilated kind too (its group=WORLD without a manager is one SP group as well), and only
+    # where neither older disagreement is drawn: one mistake per case
+    return (draws.get("kind") in ("attention", "dilated") and isinstance(draws.get("world"), int)
+            and draws["world"] >= 2 and bool(draws.get("check_inputs")) and draws.get("group") in (None, "world")
+            and not draws.get("disagree") and not draws.get("disagree_input"))
+
+
+def draw_disagree_shape(case_seed: int, draws: dict[str, Any]) -> str | None:
+    """fz33: one of :data:`DISAGREE_SHAPES` (``attention``) or :data:`DILATED_DISAGREE_INPUTS` (``dilated``), about
+    :data:`DISAGREE_SHAPE_RATE` of the cases that can take one, or None: the last rank passes fewer heads (a group of
+    GQA query heads and its K/V head dropped), a head dim one smaller (q and k), or its inputs in the other float dtype
+    (float32 for float64 and back); a ``dilated`` case also a shard one token shorter or another batch. Every such
+    case must be refused by the cross-rank check on every rank (``check_inputs=True``), never run, hang or crash in a
+    collective. Drawn from a generator of its own (``f"{case_seed}:disagree_shape"``), never the case's: every case
+    seed keeps every draw it had before, ``disagree`` and ``disagree_input`` included."""
+    if not _can_disagree_shape(draws):
+        return None
+    rng = random.Random(f"{case_seed}:disagree_shape")
+    options = DILATED_DISAGREE_INPUTS if draws["kind"] == "dilated" else DISAGREE_SHAPES
+    return rng.choice(options) if rng.random() < DISAGREE_SHAPE_RATE else None
 
 
 def disagreeing_inputs(option: str, q: Any, k: Any, v: Any, dout: Any, cu: list[int] | None, seq: int
@@ -258,7 +296,9 @@ def disagreeing_inputs(option: str, q: Any, k: Any, v: Any, dout: Any, cu: list[
     ``seq_local`` drops the shard's last token; ``documents`` splits a document in two (a boundary at the first
     position from ``seq // 2`` on that is none; where every position is one, merges the first two documents):
     boundaries valid on one process, other than the other ranks'; ``batch`` drops the last row (one row: repeats
-    it)."""
+    it); fz33's :data:`DISAGREE_SHAPES`: ``heads`` drops the last K/V head and its query heads (MQA: the last query
+    head; one head: doubled), ``head_dim`` drops q's and k's last feature, ``dtype`` casts the four to the other float
+    dtype."""
     if option == "seq_local":
         return q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], dout[:, :, :-1], cu
     if option == "documents":
@@ -271,6 +311,23 @@ def disagreeing_inputs(option: str, q: Any, k: Any, v: Any, dout: Any, cu: list[
         if q.shape[0] > 1:
             return q[:-1], k[:-1], v[:-1], dout[:-1], cu
         return (*(x.expand(2, *x.shape[1:]).contiguous() for x in (q, k, v, dout)), cu)
+    if option == "heads":  # one K/V head and its group of query heads fewer (MQA: one query head; one head: two)
+        hq, hkv = q.shape[1], k.shape[1]
+        if hkv > 1:
+            g = hq // hkv
+            return q[:, :-g], k[:, :-1], v[:, :-1], dout[:, :-g], cu
+        if hq > 1:
+            return q[:, :-1], k, v, dout[:, :-1], cu
+        return (*(x.expand(x.shape[0], 2, *x.shape[2:]).contiguous() for x in (q, k, v, dout)), cu)
+    if option == "head_dim":  # q's and k's head dim one smaller (one larger where it is 1); V's is its own
+        if q.shape[-1] > 1:
+            return q[..., :-1], k[..., :-1], v, dout, cu
+        return q.repeat_interleave(2, -1), k.repeat_interleave(2, -1), v, dout, cu
+    if option == "dtype":  # the other float dtype: float32 for float64 and back
+        import torch
+
+        other = torch.float32 if q.dtype == torch.float64 else torch.float64
+        return (*(x.to(other) for x in (q, k, v, dout)), cu)
     raise ValueError(f"unknown input disagreement {option!r}")
 
 

@@ -238,7 +238,9 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
             pos = positions({**sp_draws, "sharding": "contiguous"}, None, sp_rank)
             leaves, outs, total = [], [], 0.0
             for t in tensors["calls"]:
-                q, k, v = (_local(t[n], pos, dtype) for n in "qkv")
+                q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
+                if input_disagreement(draws) and rank == world - 1:  # check_inputs must refuse it (fz33)
+                    q, k, v, dout, _ = disagreeing_inputs(input_disagreement(draws), q, k, v, dout, None, draws["seq"])
                 shapes = [x.shape for x in (q, k, v)]
                 xs, (q, k, v) = strided_inputs(q, k, v, "bhsd", draws.get("strided"), frozen_kv=grad == "frozen_kv")
                 with _grad_context(draws):
@@ -248,7 +250,7 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
                         sharding=draws["sharding"], head_layout=draws["head_layout"], check_inputs=draws["check_inputs"],
                         dkv_wire_dtype=draws.get("dkv_wire_dtype", "fp32"))
                 if backward:
-                    total = total + (out * _local(t["dout"], pos, dtype)).sum()
+                    total = total + (out * dout).sum()
                 leaves.append((xs, shapes))
                 outs.append(out.detach().clone())
             if backward:

@@ -211,6 +211,8 @@ def engine_task(ctx: Any, draws: dict[str, Any], batches: list[list[dict[str, An
             config["tiled_loss"] = bool((draws.get("memory") or {}).get("tiled_loss"))
         if "tp_loss_parallel" in draws:  # tp2's loss layout (a case pinned before the key runs "auto")
             config["tp_loss_parallel"] = draws["tp_loss_parallel"]
+        if draws.get("dkv_wire"):  # the bf16 dK/dV wire (fz33), as a user's sequence_parallel block sets it
+            config["dkv_wire_dtype"] = draws["dkv_wire"]
         if draws["engine"] == "autotp":
             config["zero_stage"] = draws["zero_stage"]  # the runner's key (integrations/fuzz_engine.py)
             if draws.get("vocab_parallel_lm_head"):  # the runner's too (tensor_parallel); else the default stands
@@ -270,7 +272,14 @@ def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: st
     seqpar). Judged against :func:`dp_reference`: every rank's loss against its replica's, then the DP-mean
     loss and every reduced gradient with :func:`~seqpar.testing.fuzz_models.judge_model`. ``plant``: see
     :func:`_plant` (the fuzzer's own tests)."""
-    from seqpar.testing.fuzz_models import case_batches, judge_model, run_ranks
+    from seqpar.testing.fuzz_models import (
+        case_batches,
+        decoder_layers,
+        judge_model,
+        judge_model_wire,
+        kind_dkv_wire_bound,
+        run_ranks,
+    )
 
     dp = draws.get("dp", 1)
     if draws["world"] % (dp * draws["tp_size"]) or len(draws.get("replicas", [])) != dp - 1:
@@ -293,4 +302,7 @@ def run_engine_case(pools: Any, draws: dict[str, Any], timeout: float, plant: st
     got = {"loss": sum(by_replica.values()) / len(by_replica), "grads": per_rank[0]["grads"]}
     # an engine may hold an all-zero gradient where the reference has none (ZeRO's flat buffers)
     got["grads"] = {n: g for n, g in got["grads"].items() if n in ref["grads"] or bool(g.ne(0).any())}
+    if draws.get("dkv_wire"):  # the bf16 wire (fz33): each gradient within the wire's bound, not exact
+        sp = draws["world"] // (draws["tp_size"] * dp)
+        return judge_model_wire(ref, got, kind_dkv_wire_bound(sp, decoder_layers(draws["model_type"])))
     return judge_model(ref, got)

@@ -57,6 +57,8 @@ __all__ = ["draw_model", "draw_lengths", "draw_memory", "model_summary", "run_mo
            "case_batches", "build_case_model", "enable_checkpointing", "judge_model", "sp_summed_grads", "TILEABLE_TYPES",
            "HostCopyTransfer", "MODEL_PLANTS", "CONFIG_KNOBS_RATE", "draw_config_knobs",
            "case_config", "DKV_WIRE_RATE", "draw_dkv_wire", "dkv_wire_bound", "judge_dkv_wire",
+           "KIND_DKV_WIRE_RATE", "DKV_WIRE_KINDS", "draw_kind_dkv_wire", "decoder_layers", "kind_dkv_wire_bound",
+           "judge_model_wire",
            "SWAP_RATE", "SWAPS", "draw_swap"]
 
 _TOL = {"float64": (1e-4, 1e-8), "float32": (2e-3, 1e-5)}
@@ -274,6 +276,76 @@ def judge_dkv_wire(draws: dict[str, Any], ref: dict[str, Any], fp32_wire: dict[s
                              f"of its norm (bound {bound:.1e}); loss rel {loss_rel:.1e}")
         worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
     return "exact", f"dkv=bf16 within {bound:.1e}: worst grad {worst[0]} {worst[1]:.1e} of its norm"
+
+
+KIND_DKV_WIRE_RATE = 0.25
+"""How often an ``engine``, ``dynamic`` or ``trainer`` case gets :func:`draw_kind_dkv_wire`'s ``"bf16"``."""
+DKV_WIRE_KINDS = ("engine", "dynamic", "trainer")
+"""The kinds that draw ``dkv_wire`` from :func:`draw_kind_dkv_wire` (fz33; the ``model`` kind from
+:func:`draw_dkv_wire`, fz31)."""
+
+
+def draw_kind_dkv_wire(case_seed: int, kind: str) -> str | None:
+    """fz33: ``"bf16"`` (about :data:`KIND_DKV_WIRE_RATE` of the cases; the ``sequence_parallel`` block's
+    ``dkv_wire_dtype``, which each of :data:`DKV_WIRE_KINDS` sets in the config its ranks pass) or None (the default
+    ``"fp32"``); None for the other kinds. Every mode is kept, as in the ``model`` kind: ``allgather`` / ``ulysses``
+    must refuse it by name on every rank. Judged against the kind's own float64 reference at
+    :func:`kind_dkv_wire_bound` (:func:`judge_model_wire`; the trainer kind's :func:`~seqpar.testing.fuzz_trainers.
+    judge_trainer` with ``wire``), not exactly.
+
+    Drawn from a generator of its own (``f"{case_seed}:{kind}_dkv_wire"``), never the case's: every case seed keeps
+    every draw it had before."""
+    if kind not in DKV_WIRE_KINDS:
+        return None
+    rng = random.Random(f"{case_seed}:{kind}_dkv_wire")
+    return "bf16" if rng.random() < KIND_DKV_WIRE_RATE else None
+
+
+def decoder_layers(model_type: str) -> int:
+    """The decoder layers of the tiny ``model_type`` (each with at most one ring attention)."""
+    return _decoder_layers(model_type)
+
+
+def kind_dkv_wire_bound(sp: int, layers: int) -> float:
+    """The norm-relative bound of each gradient of a ``dkv_wire_dtype: "bf16"`` run on SP groups of at most ``sp``
+    ranks against one process in float64: :func:`dkv_wire_bound`'s rule (``4 * layers * 2 * hops * 2**-8``, capped at
+    0.5) with ``hops = sp - 1``, the ring's, an upper bound of the hops of hybrid's ring of ``sp / u`` ranks and of
+    the dynamic kind's planned groups (smaller than ``sp`` now and then, which the driver does not follow). 0 at
+    ``sp = 1``: no hop, the wire is never used, and the run must be exact."""
+    return min(_DKV_WIRE_CAP, _DKV_WIRE_CONDITIONING * max(layers, 1) * 2 * max(sp - 1, 0) * _BF16_UNIT_ROUNDOFF)
+
+
+def judge_model_wire(ref: dict[str, Any], got: dict[str, Any], bound: float) -> tuple[str, str]:
+    """``("exact" | "WRONG", detail)`` of a ``dkv_wire_dtype: "bf16"`` run (``{"loss", "grads"}``, as
+    :func:`judge_model` takes) against the one-process reference ``ref``: the loss within the exact tolerance (the wire
+    is the backward's: the forward must not move), the same parameters with gradients, and each gradient ``g`` within
+    ``bound`` (:func:`kind_dkv_wire_bound`) of its reference's norm plus the exact judge's own allowance in norm:
+    ``|g - g_ref| <= bound |g_ref| + sqrt(n) (tol max|g_ref| + floor max|g_ref| over the model)`` (a gradient
+    :func:`judge_model` passes passes here too). ``bound`` 0 (no hop): :func:`judge_model` itself."""
+    if bound <= 0:
+        return judge_model(ref, got)
+    tol, floor = _TOL[ref["dtype"]]
+    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    if not loss_rel <= tol:
+        return "WRONG", f"dkv_wire_dtype=bf16: loss off by {loss_rel:.1e} relative (tol {tol:.0e}; the wire is the backward's)"
+    grads = got["grads"]
+    missing = sorted(set(ref["grads"]) ^ set(grads))
+    if missing:
+        return "WRONG", f"dkv_wire_dtype=bf16: gradients present on one side only: {missing[:4]}"
+    model_max = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    worst = ("", 0.0)
+    for name, g_ref in ref["grads"].items():
+        if not g_ref.numel():
+            continue
+        g_ref = g_ref.double()
+        diff = float((grads[name].double() - g_ref).norm())
+        own = float(g_ref.norm())
+        allowance = bound * own + g_ref.numel() ** 0.5 * (tol * float(g_ref.abs().max()) + floor * model_max)
+        if not diff <= allowance:
+            return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off by {diff / max(own, 1e-300):.1e} of its norm "
+                             f"(bound {bound:.1e}); loss rel {loss_rel:.1e}")
+        worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
+    return "exact", f"dkv=bf16 within {bound:.1e}: loss rel {loss_rel:.1e}, worst grad {worst[0]} {worst[1]:.1e} of its norm"
 
 
 TILEABLE_TYPES = ("exaone", "gemma", "internlm3", "iquestcoder", "llama", "mistral", "phi3", "qwen2")
