@@ -92,10 +92,10 @@ CASES = {
     "head_chunks_not_dividing": ["head_chunks=3", "2 k/v heads", "[1, 2]", "auto"],
     "head_chunks_bad": ["head_chunks='many'", "positive integer", "auto"],
     "head_chunks_differ": ["different inputs", "head_chunks=1", "head_chunks=2"],
-    "dilated_pattern_differs": ["different inputs", "extra="],
+    "dilated_pattern_differs": ["seqpar.dilated_attention: the ranks", "different inputs", "extra="],
     "extra_differs": ["different inputs", "extra=[7]", "extra=[7, 7]"],
-    "scale_differs": ["different inputs", "scale=0.25", "scale=0.5"],
-    "dilated_scale_differs": ["different inputs", "scale=0.25", "scale=0.5"],
+    "scale_differs": ["seqpar.attention: the ranks", "different inputs", "scale=0.25", "scale=0.5"],
+    "dilated_scale_differs": ["seqpar.dilated_attention: the ranks", "different inputs", "scale=0.25", "scale=0.5"],
 }
 
 

@@ -340,6 +340,7 @@ def _rows_across_ranks_eagerly(row: list[int], group: dist.ProcessGroup) -> list
 def check_across_ranks(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool, mode: str, sharding: str,
     head_chunks: int | str = "auto", extra: Sequence[int] = (), scale: float | None = None,
+    entry: str = "seqpar.attention",
 ) -> None:
     """Raise on every rank if the ranks of ``group`` disagree on shapes, dtype, device, scale or options.
 
@@ -351,6 +352,7 @@ def check_across_ranks(
             default ``head_dim ** -0.5``).
         extra: more integers every rank must agree on (a mask description, a pattern, ...);
             compared with their length, so ranks may even pass different lengths.
+        entry: the public function the user called, which the message names.
     Raises:
         ValueError: on every rank, naming each rank's inputs.
     Cost: one all-gather of 3 int64 and one device-to-host read (seqpar.comm.agree).
@@ -362,7 +364,7 @@ def check_across_ranks(
         return
     detail = "; ".join(f"rank {r}: {_show(row)}" for r, row in enumerate(rows))
     raise ValueError(
-        "seqpar.attention: the ranks of the sequence-parallel group passed different inputs or options "
+        f"{entry}: the ranks of the sequence-parallel group passed different inputs or options "
         f"({detail}). Every rank must pass its own shard of the same sequences: same batch, heads, "
         "seq_local and head_dim, same dtype, scale and options; cu_seqlens, window and sinks, when given: the "
         "same on every rank, as is a dilated pattern (shard with seqpar.shard_sequence)."

@@ -243,7 +243,7 @@ def dilated_attention(
         # mismatched collectives, so it is part of what every rank must agree on.
         check_across_ranks(q, k, v, group=group, causal=causal, mode=mode, sharding=sharding, scale=scale,
                            extra=[*pattern_row(segment_lengths, dilation_rates, head_layout),
-                                  dkv_wire_digest(dkv_wire_dtype)])
+                                  dkv_wire_digest(dkv_wire_dtype)], entry="seqpar.dilated_attention")
     # every mode of the dilated pattern sends dK/dV point to point and sums it in fp32 at the receiver
     check_dkv_wire(dkv_wire_dtype)
     if mode == "auto" and world == 1:
