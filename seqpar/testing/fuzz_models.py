@@ -325,14 +325,11 @@ def judge_model_wire(ref: dict[str, Any], got: dict[str, Any], bound: float) -> 
     if bound <= 0:
         return judge_model(ref, got)
     tol, floor = _TOL[ref["dtype"]]
-    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
-    if not loss_rel <= tol:
-        return "WRONG", f"dkv_wire_dtype=bf16: loss off by {loss_rel:.1e} relative (tol {tol:.0e}; the wire is the backward's)"
+    wrong, loss_rel, model_max = _loss_and_gradient_names(ref, got, tol, "dkv_wire_dtype=bf16: ",
+                                                          "; the wire is the backward's")
+    if wrong is not None:
+        return wrong
     grads = got["grads"]
-    missing = sorted(set(ref["grads"]) ^ set(grads))
-    if missing:
-        return "WRONG", f"dkv_wire_dtype=bf16: gradients present on one side only: {missing[:4]}"
-    model_max = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
     worst = ("", 0.0)
     for name, g_ref in ref["grads"].items():
         if not g_ref.numel():
@@ -740,19 +737,30 @@ def sp_summed_grads(model: Any, group: Any) -> dict[str, torch.Tensor]:
     return grads
 
 
+def _loss_and_gradient_names(ref: dict[str, Any], got: dict[str, Any], tol: float, tag: str = "",
+                             why: str = "") -> tuple[tuple[str, str] | None, float, float]:
+    """What both model judges check first: ``(WRONG verdict or None, the loss's relative error, max|g_ref| over the
+    model)``. WRONG when ``got``'s loss is off by more than ``tol`` relative or the two sides' sets of parameters
+    with gradients differ (``tag`` starts the detail, ``why`` ends the loss's tolerance note)."""
+    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
+    if not loss_rel <= tol:
+        return ("WRONG", f"{tag}loss off by {loss_rel:.1e} relative (tol {tol:.0e}{why})"), loss_rel, 0.0
+    missing = sorted(set(ref["grads"]) ^ set(got["grads"]))
+    if missing:
+        return ("WRONG", f"{tag}gradients present on one side only: {missing[:4]}"), loss_rel, 0.0
+    model_max = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
+    return None, loss_rel, model_max
+
+
 def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
     """``("exact" | "WRONG", detail)``: ``got``'s loss within ``tol`` relative of ``ref``'s, the same parameters
     with gradients, each within ``tol * max|g_ref of that parameter| + floor * max|g_ref| over the model``
     (``tol, floor`` from ``ref["dtype"]``)."""
     tol, floor = _TOL[ref["dtype"]]
-    loss_rel = abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30)
-    if not loss_rel <= tol:
-        return "WRONG", f"loss off by {loss_rel:.1e} relative (tol {tol:.0e})"
+    wrong, loss_rel, model_max = _loss_and_gradient_names(ref, got, tol)
+    if wrong is not None:
+        return wrong
     grads = got["grads"]
-    missing = sorted(set(ref["grads"]) ^ set(grads))
-    if missing:
-        return "WRONG", f"gradients present on one side only: {missing[:4]}"
-    model_max = max((float(g.abs().max()) for g in ref["grads"].values() if g.numel()), default=0.0)
     worst = ("", 0.0)
     for name, g_ref in ref["grads"].items():
         if not g_ref.numel():
