@@ -269,3 +269,21 @@ def full_sequence_parity(build: Callable[[str, torch.dtype], Any], kind: str, wo
     assert abs(loss - ref_loss) <= 1e-4 * ref_loss, (kind, loss, ref_loss)
     assert_grads_equal(model, ref_grads, world, kind, rtol=rtol, atol=atol)
     return report
+
+
+def fsdp2_gradients_before_first_step(into: dict[str, torch.Tensor]) -> Any:
+    """A ``transformers.TrainerCallback`` that fills ``into`` with an FSDP2-sharded model's reduced gradients
+    (``full_tensor()``, whole, by parameter name; parameters with a gradient only) in ``on_pre_optimizer_step`` of
+    the first step, before the update: the FSDP2 path's analogue of :func:`read_gradients_before_first_step`
+    (there the engine steps inside accelerate's ``backward``, before any callback). Collective: every rank runs it."""
+    from torch.distributed.tensor import DTensor
+    from transformers import TrainerCallback
+
+    class FirstGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if into:
+                return
+            into.update({n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                         for n, p in model.named_parameters() if p.grad is not None})
+
+    return FirstGradients()

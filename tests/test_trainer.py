@@ -244,12 +244,21 @@ def _model_init_run(rank: int, world: int, engine: str, tmp: str) -> dict:
             args, extra = training_args(f"{tmp}/r{rank}", 2, 2), {}
         else:  # seqpar's FSDP2 path: no DeepSpeed config, the block given to the trainer
             args, extra = training_args(f"{tmp}/r{rank}", 2, 2, deepspeed=None), {"seqpar_config": sp}
-        trainer = SeqParTrainer(model_init=hf_tiny.tiny_llama, args=args, train_dataset=hf_tiny.ListDataset(
-                                hf_tiny.samples()), eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]),
-                                **extra)
+        grads: dict[str, torch.Tensor] = {}
+
+        class FirstGradients(SeqParTrainer):  # DeepSpeed: read at the engine's step, inside accelerate's backward
+            def training_step(self, model, inputs, num_items_in_batch=None):  # noqa: ANN001, ANN202
+                if engine == "zero2":
+                    hf_tiny.read_gradients_before_first_step(model, grads)  # model: the DeepSpeed engine
+                return super().training_step(model, inputs, num_items_in_batch)
+
+        callbacks = [hf_tiny.fsdp2_gradients_before_first_step(grads)] if engine == "fsdp2" else []
+        trainer = FirstGradients(model_init=hf_tiny.tiny_llama, args=args, train_dataset=hf_tiny.ListDataset(
+                                 hf_tiny.samples()), eval_dataset=hf_tiny.ListDataset(hf_tiny.samples()[:EVAL_ROWS]),
+                                 callbacks=callbacks, **extra)
         trainer.train()
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return {"losses": losses + [trainer.evaluate()["eval_loss"]]}
+        return {"losses": losses + [trainer.evaluate()["eval_loss"]], "grads": grads}
 
 
 @pytest.mark.timeout(600)
@@ -257,11 +266,17 @@ def _model_init_run(rank: int, world: int, engine: str, tmp: str) -> dict:
 def test_trainer_model_init_is_swapped_and_sharded(dist_pool, tmp_path, engine):
     """``Trainer(model_init=...)`` (the hyperparameter-search form: transformers builds the model in its
     ``__init__`` and again per trial in ``train``) at SP 2: the model it builds is swapped (and, on the FSDP2 path,
-    sharded) like a given ``model=``, so the logged losses and the eval loss are one float64 device's.
+    sharded) like a given ``model=``, so step 1's reduced gradients (each parameter on its own scale:
+    ``hf_tiny.assert_gradients_close``), the logged losses and the eval loss are one float64 device's.
 
     Seen failing, both engines: with ``SequenceParallelMixin.call_model_init`` removed (the model reached training
-    unswapped: transformers' "The model did not return a loss" on every rank, where seqpar names nothing)."""
+    unswapped: transformers' "The model did not return a loss" on every rank, where seqpar names nothing); and
+    (tst33b) with ``call_model_init`` doubling layer 1's q projection's weight gradient (a forward hook,
+    ``2 * w - w.detach()``) -> ``model.layers.1.self_attn.q_proj.weight`` 1.0 relative off, where the losses alone
+    (SGD) passed it on both engines."""
     out = dist_pool.run(2, _model_init_run, engine, str(tmp_path), timeout=540)
     ref = hf_tiny.reference_losses(STEPS, BATCH, eval_rows=EVAL_ROWS)
-    for r in out:
+    ref_grads = hf_tiny.reference_first_gradients(BATCH)  # DP 1: the reduced gradient is the global batch's
+    for rank, r in enumerate(out):
+        hf_tiny.assert_gradients_close(r["grads"], ref_grads, f"{engine} rank {rank}, step 1")
         hf_tiny.assert_losses_close(r["losses"], ref)
