@@ -50,3 +50,26 @@ def test_streams_cli_copy_rate_is_in_gigabytes_per_second(monkeypatch) -> None:
     assert seen["emulation"] == "copy", seen
     assert seen["copy_rate"].rate == pytest.approx(37.5e9, rel=1e-12), seen["copy_rate"]
     assert seen["copy_rate"].fixed == pytest.approx(10e-6), seen["copy_rate"]
+
+
+@pytest.mark.parametrize("emulation, measured", [("copy", True), ("sleep", False)])
+def test_gpu_perf_measures_the_copy_engine_only_when_asked(monkeypatch, emulation: str, measured: bool) -> None:
+    """``gpu-perf --device cuda --link-emulation copy`` measures the copy engine, ``sleep`` does not (G1, which
+    mut33 left surviving: ``== "sleep"`` measured copies for the sleep run and ran the copy run on sleeps)."""
+    import seqpar.bench.gpu_perf as gpu_perf
+    import seqpar.comm.emulated as emulated
+
+    calls: list = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda dev: None)
+    monkeypatch.setattr(emulated, "sleep_cycles_per_second", lambda dev: 1e9)
+    monkeypatch.setattr(emulated.CopyEngine, "measure", staticmethod(lambda dev: calls.append(dev) or "engine"))
+
+    def stop():  # the payload's first field past the engine's choice
+        raise _Seen
+
+    monkeypatch.setattr(gpu_perf, "machine_info", stop)
+    with pytest.raises(_Seen):
+        gpu_perf.main(["--tiny", "--device", "cuda", "--link-emulation", emulation])
+    assert calls == ([torch.device("cuda", 0)] if measured else []), calls
