@@ -23,18 +23,19 @@ class _Wrapper(nn.Module):
         return self.inner(**kwargs)
 
 
-def _refusal(model: nn.Module) -> str:
+def _refusal(model: nn.Module, swap: str) -> str:
     with pytest.raises(SwapError) as refused:
-        swap_attention(model, {"size": 1, "swap": "sdpa"})
+        swap_attention(model, {"size": 1, "swap": swap})
     return str(refused.value)
 
 
+@pytest.mark.parametrize("swap", ["sdpa", "mha"])
 @pytest.mark.parametrize("model_type", ["rwkv", "xglm"])
-def test_a_wrapped_model_is_refused_as_the_model_is(model_type: str) -> None:
+def test_a_wrapped_model_is_refused_as_the_model_is(model_type: str, swap: str) -> None:
     torch.manual_seed(0)
-    direct = _refusal(build_model(model_type, torch.float32))
+    direct = _refusal(build_model(model_type, torch.float32), swap)
     torch.manual_seed(0)
-    wrapped = _refusal(_Wrapper(build_model(model_type, torch.float32)))
+    wrapped = _refusal(_Wrapper(build_model(model_type, torch.float32)), swap)
     assert "found nothing to swap in _Wrapper" in wrapped, wrapped
     assert "its output changed" in wrapped and "'inner." in wrapped, wrapped
     assert refusal_reason(wrapped) == refusal_reason(direct), (wrapped, direct)
