@@ -231,7 +231,7 @@ def _fill_positions(
         if given is None:
             arguments["position_ids"] = expected
         elif given.shape[-1] != seq_local or not _packed_positions_ok(given, host, known):
-            row = given.reshape(-1, given.shape[-1])[0]
+            row = _wrong_row(given, host)
             cut = _other_cut(row, rank, world_size, sharding, bounds) if given.shape[-1] == seq_local else None
             if cut is not None:
                 raise _undeclared_cut(where, rank, world_size, cut, sharding)
@@ -239,7 +239,7 @@ def _fill_positions(
                 f"seqpar ({where}): position_ids on SP rank {rank} of {world_size} are not the "
                 f"per-document positions of this rank's {sharding} shard of the packed "
                 f"sequence with boundaries {_short(torch.tensor(bounds))} (expected "
-                f"{_short(expected[0])}, got {_short(given.reshape(-1, given.shape[-1])[0])}). "
+                f"{_short(expected[0])}, got {_short(row)}). "
                 "Cut packed batches with seqpar.sequence.batch.shard_batch"
             )
         _note(arguments["position_ids"], "positions", True)
@@ -279,6 +279,18 @@ def _packed_positions_ok(given: Tensor, expected: Tensor, known: dict[str, Any])
     return given.shape[0] == 1 or bool((given == expected.to(given.device)).all())
 
 
+def _wrong_row(given: Tensor, expected: Tensor) -> Tensor:
+    """The first row of ``given`` (``(B, S_local)``) that differs from ``expected`` (``(1, S_local)``), else
+    the first row. Only on the error path (a host read): a batch whose first row is right and a later one wrong
+    is refused for the later one, which the message shows and whose cut :func:`_other_cut` judges (mut33b)."""
+    rows = given.reshape(-1, given.shape[-1]).cpu()
+    if rows.shape[-1] == expected.shape[-1]:
+        wrong = (rows != expected[0].cpu().to(rows.dtype)).any(-1).nonzero()
+        if wrong.numel():
+            return rows[int(wrong[0, 0])]
+    return rows[0]
+
+
 def _other_cut(row: Tensor, rank: int, world_size: int, sharding: str,
                bounds: tuple[int, ...] | None = None) -> str | None:
     """The sharding other than ``sharding`` whose cut gives this rank exactly the positions ``row``
@@ -314,7 +326,7 @@ def _refuse_positions(
     given: Tensor, expected: Tensor, rank: int, world_size: int, sharding: str, where: str
 ) -> None:
     """Raise for ``position_ids`` that are not the shard's global positions, saying why they may be wrong."""
-    row = given.reshape(-1, given.shape[-1])[0]
+    row = _wrong_row(given, expected)
     restarts = bool((row.diff() < 0).any())
     what = (
         "they restart (packed sequences): on shards the global document boundaries are "

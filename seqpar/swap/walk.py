@@ -120,9 +120,11 @@ def _hf_glue() -> ModuleType | None:
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    """Whether ``model`` is or holds a transformers ``PreTrainedModel`` (without importing transformers): a user's
+    wrapper around one is probed as the model itself is (mut33b: a wrapped RWKV's ``swap="sdpa"`` refusal named
+    no module, as ``"auto"``'s does)."""
     transformers = sys.modules.get("transformers")
-    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+    return transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
 
 
 def _matches(name: str, module: nn.Module, patterns: tuple[str, ...]) -> bool:
