@@ -252,12 +252,8 @@ def dp_reference(draws: dict[str, Any], batches: list[list[dict[str, Any]]]) -> 
     from seqpar.testing.fuzz_models import model_reference
 
     refs = []
-    # AutoTP under ZeRO-3: seqpar leaves the ZeRO-3 conversion to DeepSpeed (AutoTP shards first), whose
-    # _convert_to_zero_parameters builds zero.Init in the parameters' dtype, and zero.Init refuses float64 (DeepSpeed
-    # 0.19.8's own assert, "Invalid data type torch.float64"): those cases run, and are judged, in fp32
-    dtypes = (torch.float32,) if draws.get("engine") == "autotp" and draws.get("zero_stage") == 3 else None
     for rd, rb in zip(replica_draws(draws), batches, strict=True):
-        ref = model_reference(rd, rb) if dtypes is None else model_reference(rd, rb, dtypes)
+        ref = model_reference(rd, rb)
         if not ref["ok"]:
             return ref
         refs.append(ref)

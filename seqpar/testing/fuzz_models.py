@@ -527,14 +527,12 @@ def enable_checkpointing(model: Any, how: str | None) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
 
 
-def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]],
-                    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)) -> dict[str, Any]:
+def model_reference(draws: dict[str, Any], batches: list[dict[str, Any]]) -> dict[str, Any]:
     """One process, no seqpar, the case's checkpointing: ``{"ok", "dtype", "loss", "grads"}`` (loss summed over the batches) or
-    ``{"ok": False, "error"}`` when the tiny model does not run even so. ``dtypes``: tried in order, the first the
-    model runs in is the case's (the ranks then build the model in it)."""
+    ``{"ok": False, "error"}`` when the tiny model does not run even so."""
 
     errors = []
-    for dtype in dtypes:
+    for dtype in (torch.float64, torch.float32):
         try:
             model = build_case_model(draws, dtype)
             # the same checkpointing as the SP run: transformers' reentrant checkpointing alone changes some
