@@ -7,6 +7,7 @@ vocabulary (``hf_tiny.VOCAB``), one token per whitespace-separated word ``t<id>`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import hf_tiny
@@ -105,11 +106,14 @@ def assert_gradients_close(got: list[dict[str, torch.Tensor]], ref: list[dict[st
 
 
 def assert_logs_close(got: list[dict[str, float]], ref: list[dict[str, float]], keys: tuple[str, ...],
-                      rtol: float = 1e-5) -> None:
+                      rtol: float = 1e-5, atol_of: Callable[[dict[str, float], str], float] | None = None) -> None:
+    """Each logged ``key`` of every step within ``rtol`` of the reference's, plus ``atol_of(ref_step, key)`` where a
+    logged value is a difference of larger ones (DPO's rewards: its own scale says nothing of their rounding)."""
     assert len(got) == len(ref) and got, (got, ref)
     for step, (g, r) in enumerate(zip(got, ref, strict=True)):
         for key in keys:
-            assert abs(g[key] - r[key]) <= rtol * abs(r[key]) + 1e-12, \
+            atol = atol_of(r, key) if atol_of is not None else 0.0
+            assert abs(g[key] - r[key]) <= rtol * abs(r[key]) + 1e-12 + atol, \
                 f"step {step + 1}: {key} {g[key]} vs SP=1 {r[key]} (all: {got} vs {ref})"
 
 
