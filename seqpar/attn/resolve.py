@@ -357,7 +357,9 @@ def resolve_attention(
     check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
-    if not explicit_layout:  # a call that fails as bhsd and fits as bshd: name the layout, not the mismatch
+    # a call that fails as bhsd and fits as bshd: name the layout, not the mismatch. Eager only: its comparisons of
+    # symbolic sizes would add guards (a recompile per shape) where dynamo traces; the op's own checks refuse there
+    if not explicit_layout and not torch.compiler.is_compiling():
         _check_bshd_signs(q, k, sinks=sinks, alibi_slopes=alibi_slopes, bounds=bounds, world=world)
     # Traced on more than one rank, the checks of the local length and the K/V head count are left to the custom op,
     # which makes them at the real sizes when it runs (seqpar.attn.ops): a refusal raised while dynamo traces reaches
