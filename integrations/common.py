@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Self
 
 import torch.distributed as dist
 
@@ -13,7 +13,7 @@ from seqpar.config import SeqParConfig
 from seqpar.runtime.groups import ProcessGroupManager, default_manager, init_process_groups
 from seqpar.sequence.batch import shard_batch
 
-__all__ = ["check_block_keys", "rank_prefix", "resolve_manager", "ShardedLoader"]
+__all__ = ["BlockOptions", "check_block_keys", "rank_prefix", "resolve_manager", "ShardedLoader"]
 
 
 def check_block_keys(d: Mapping[str, Any], keys: tuple[str, ...], block: str) -> None:
@@ -24,6 +24,21 @@ def check_block_keys(d: Mapping[str, Any], keys: tuple[str, ...], block: str) ->
         close = [m for key in unknown for m in difflib.get_close_matches(key, keys, n=1, cutoff=0.75)]
         hint = f" (did you mean {close}?)" if close else ""
         raise ValueError(f"unknown key(s) {unknown} in '{block}'{hint}; allowed keys are {list(keys)}")
+
+
+class BlockOptions:
+    """Base of the options of one engine's config block: ``KEYS`` the keys ``__init__`` takes, ``BLOCK`` the
+    block's name in the JSON (``"fsdp"``, ``"fairscale"``), both set by the subclass."""
+
+    KEYS: tuple[str, ...] = ()
+    BLOCK: str = ""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Self:
+        """The options of block ``d`` (None: every default); ValueError on a key not in ``KEYS``."""
+        d = dict(d or {})
+        check_block_keys(d, tuple(cls.KEYS), cls.BLOCK)
+        return cls(**d)
 
 
 def rank_prefix() -> str:

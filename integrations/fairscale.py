@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.integrations.common import check_block_keys, resolve_manager
+from seqpar.integrations.common import BlockOptions, resolve_manager
 from seqpar.runtime.groups import ProcessGroupManager
 
 __all__ = ["FairScaleOptions", "wrap", "fairscale_kwargs", "divide_factors", "import_fairscale_fsdp"]
@@ -48,7 +48,7 @@ def import_fairscale_fsdp() -> type:
     return FullyShardedDataParallel
 
 
-class FairScaleOptions:
+class FairScaleOptions(BlockOptions):
     """The ``"fairscale"`` section of a seqpar JSON; keys map one to one onto FairScale's FSDP.
 
     Args:
@@ -60,6 +60,7 @@ class FairScaleOptions:
         wrap_classes: class names of the blocks wrapped as their own units (default: found by name).
     """
 
+    BLOCK = "fairscale"
     KEYS = ("mixed_precision", "compute_dtype", "fp32_reduce_scatter", "reshard_after_forward",
             "flatten_parameters", "wrap_classes")
 
@@ -82,12 +83,6 @@ class FairScaleOptions:
         self.reshard_after_forward = bool(reshard_after_forward)
         self.flatten_parameters = bool(flatten_parameters)
         self.wrap_classes = tuple(wrap_classes) if wrap_classes is not None else None
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> FairScaleOptions:
-        d = dict(d or {})
-        check_block_keys(d, tuple(cls.KEYS), "fairscale")
-        return cls(**d)
 
 
 def divide_factors(dp_size: int) -> tuple[float, float]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from seqpar.config import SeqParConfig
-from seqpar.integrations.common import check_block_keys, rank_prefix, resolve_manager
+from seqpar.integrations.common import BlockOptions, rank_prefix, resolve_manager
 from seqpar.runtime import checkpoint
 from seqpar.runtime.groups import ProcessGroupManager
 
@@ -70,7 +70,7 @@ def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
         raise ValueError(f"unknown dtype {name!r}: choose one of {sorted(_DTYPES)}") from None
 
 
-class FSDPOptions:
+class FSDPOptions(BlockOptions):
     """The ``"fsdp"`` section of a seqpar launcher JSON.
 
     Args:
@@ -81,6 +81,7 @@ class FSDPOptions:
         wrap_classes: class names of the blocks that become FSDP units (default: found by name).
     """
 
+    BLOCK = "fsdp"
     KEYS = ("version", "param_dtype", "reduce_dtype", "reshard_after_forward", "wrap_classes")
 
     def __init__(
@@ -98,12 +99,6 @@ class FSDPOptions:
         self.reduce_dtype = dtype_from_name(reduce_dtype)
         self.reshard_after_forward = bool(reshard_after_forward)
         self.wrap_classes = tuple(wrap_classes) if wrap_classes is not None else None
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> FSDPOptions:
-        d = dict(d or {})
-        check_block_keys(d, tuple(cls.KEYS), "fsdp")
-        return cls(**d)
 
 
 def build_mesh(manager: ProcessGroupManager, device_type: str | None = None) -> Any:

@@ -248,33 +248,33 @@ class SyncChecker:
         self._modes = []
 
     @contextlib.contextmanager
-    def layer(self, name: str) -> Iterator[None]:
-        """A scope in which any host sync is an error (a layer's forward or backward)."""
-        self._scopes.append(f"layer:{name}")
+    def _scope(self, scope: str) -> Iterator[None]:
+        """``scope`` innermost for the ``with`` block (the one :meth:`_sync` judges a sync in)."""
+        self._scopes.append(scope)
         try:
             yield
         finally:
             self._scopes.pop()
+
+    @contextlib.contextmanager
+    def layer(self, name: str) -> Iterator[None]:
+        """A scope in which any host sync is an error (a layer's forward or backward)."""
+        with self._scope(f"layer:{name}"):
+            yield
 
     @contextlib.contextmanager
     def batch_scope(self) -> Iterator[None]:
         """A batch scope inside a layer: once-per-batch work a layer does at its first call (counted,
         not an error)."""
-        self._scopes.append("batch")
-        try:
+        with self._scope("batch"):
             yield
-        finally:
-            self._scopes.pop()
 
     @contextlib.contextmanager
     def startup(self) -> Iterator[None]:
         """A first, warm-up step: once-per-run work (e.g. ``mode="auto"`` probing the links) is
         counted under "startup", allowed, and not steady state."""
-        self._scopes.append("startup")
-        try:
+        with self._scope("startup"):
             yield
-        finally:
-            self._scopes.pop()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
