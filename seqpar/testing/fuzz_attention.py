@@ -9,6 +9,7 @@ rank task and judging of these kinds are in :mod:`seqpar.testing.fuzz_attention_
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 from seqpar.testing.fuzz_strides import STRIDES
@@ -20,7 +21,7 @@ __all__ = ["HEADS", "GRADS", "CU_AS", "EMPTY_DOCUMENTS_RATE", "ODD_LOCAL_RATE", 
            "STRIDED_PAIRS_RATE", "draw_strided_pairs", "sp_groups", "BIG_SCALE_RATE", "draw_big_scale",
            "big_scale_applied", "DISAGREE_INPUT_RATE", "DISAGREE_INPUTS", "draw_disagree_input", "input_disagreement",
            "DISAGREE_SHAPE_RATE", "DISAGREE_SHAPES", "DILATED_DISAGREE_INPUTS", "draw_disagree_shape",
-           "draw_attention",
+           "draw_world_mode", "OptionRates", "ATTENTION_RATES", "draw_call_options", "draw_attention",
            "draw_dilated", "attention_summary"]
 
 # (q_heads, kv_heads, qk_head_dim, v_head_dim): MHA, GQA, MQA, an odd head dim, MLA-like V dim apart
@@ -355,12 +356,61 @@ def sp_groups(draws: dict[str, Any], world: int) -> list[range]:
     return [range(g, g + 2) for g in range(0, world, 2)]
 
 
-def draw_attention(rng: random.Random) -> dict[str, Any]:
+def draw_world_mode(rng: random.Random) -> tuple[int, str, int]:
+    """``(world, mode, ulysses_size)``, the first draws of an attention case (this kind's and the compile kind's):
+    1 to 4 ranks, the mode (ring twice as often), and hybrid's Ulysses size (a divisor of the world strictly
+    between 1 and it four times in five where there is one; 1 for every other mode)."""
     world = rng.randint(1, 4)
     mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
     divisors = [u for u in range(1, world + 1) if world % u == 0]
     inner = [u for u in divisors if 1 < u < world]
     ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
+    return world, mode, ulysses_size
+
+
+@dataclass(frozen=True)
+class OptionRates:
+    """How often :func:`draw_call_options` moves an option off its default, per kind (the rest are shared)."""
+
+    chunk_size: float
+    """of drawing a ``chunk_size`` (else None)"""
+    alibi: float
+    """of ``alibi=True``"""
+    softcap: float
+    """of drawing a ``softcap`` (else None)"""
+    check_inputs: float
+    """of ``check_inputs=True`` (the default: the rest of the cases run without the cross-rank checks)"""
+    float64: float
+    """of ``dtype="float64"`` (else float32)"""
+
+
+ATTENTION_RATES = OptionRates(chunk_size=0.2, alibi=0.2, softcap=0.2, check_inputs=0.7, float64=0.2)
+"""The ``attention`` kind's :class:`OptionRates`."""
+
+
+def draw_call_options(rng: random.Random, kv_heads: int, max_chunk: int, rates: OptionRates) -> dict[str, Any]:
+    """The ``seqpar.attention`` options an attention case's calls share, drawn in this order (a case seed's draws
+    depend on it): ``sinks``, ``chunk_size`` (1 to ``max_chunk``), ``alibi``, ``softcap``, ``scale``, ``layout``,
+    ``head_chunks`` (a divisor of ``kv_heads`` or ``"auto"``), ``overlap``, ``check_inputs``, ``dtype``."""
+    return {
+        "sinks": rng.random() < 0.25,
+        "chunk_size": rng.randint(1, max_chunk) if rng.random() < rates.chunk_size else None,
+        "alibi": rng.random() < rates.alibi,
+        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < rates.softcap else None,
+        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
+        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
+        "head_chunks": (rng.choice([h for h in range(1, kv_heads + 1) if kv_heads % h == 0])
+                        if rng.random() < 0.3 else "auto"),
+        "overlap": rng.random() < 0.8,
+        "check_inputs": rng.random() < rates.check_inputs,
+        # not bf16 / fp16: the bar is exact against float64 (fp32 to ~1e-5); low precision has its own bounds and
+        # tests (tests/test_low_precision_ring.py, BENCHMARKS.md), not a per-tensor exactness verdict
+        "dtype": "float64" if rng.random() < rates.float64 else "float32",
+    }
+
+
+def draw_attention(rng: random.Random) -> dict[str, Any]:
+    world, mode, ulysses_size = draw_world_mode(rng)
     hq, hkv, d, dv = rng.choice(HEADS)
     docs = rng.random() < 0.5
     sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag", "zigzag"))
@@ -377,18 +427,7 @@ def draw_attention(rng: random.Random) -> dict[str, Any]:
         "declare_sharding": rng.random() < 0.5, "sharding": sharding, "heads": [hq, hkv, d, dv],
         "batch": batch, "seq": seq, "causal": rng.random() < 0.7, "calls": calls,
         "window": rng.randint(1, seq) if rng.random() < 0.3 else None,
-        "sinks": rng.random() < 0.25,
-        "chunk_size": rng.randint(1, seq) if rng.random() < 0.2 else None,
-        "alibi": rng.random() < 0.2,
-        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.2 else None,
-        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
-        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
-        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
-        "overlap": rng.random() < 0.8,
-        "check_inputs": rng.random() < 0.7,
-        # not bf16 / fp16: the bar is exact against float64 (fp32 to ~1e-5); low precision has its own bounds and
-        # tests (tests/test_low_precision_ring.py, BENCHMARKS.md), not a per-tensor exactness verdict
-        "dtype": "float64" if rng.random() < 0.2 else "float32",
+        **draw_call_options(rng, hkv, seq, ATTENTION_RATES),
         # drawn last: a case seed's other draws are those it had before (fz24c)
         "dkv_wire_dtype": "bf16" if rng.random() < 0.15 else "fp32",
         # at P = 4 now and then the call runs on the pairs {0, 1}, {2, 3} (group=, eager), each pair the whole sequence

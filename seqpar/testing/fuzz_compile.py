@@ -59,7 +59,14 @@ from typing import Any
 
 import torch
 
-from seqpar.testing.fuzz_attention import call_words, knob_words
+from seqpar.testing.fuzz_attention import (
+    HEADS,
+    OptionRates,
+    call_words,
+    draw_call_options,
+    draw_world_mode,
+    knob_words,
+)
 from seqpar.testing.fuzz_shards import lay_shards
 from seqpar.testing.fuzz_strides import STRIDES, strided_grads, strided_inputs
 
@@ -72,8 +79,8 @@ ONE_GRAPH = ("llama", "qwen3")
 """Of ``COVERED``, those whose fuzz model (``tiny_config``) is promised one graph: the MoE types' tiny configs run
 transformers' ``"eager"`` experts loop (a per-expert ``nonzero``), which breaks the graph without seqpar too (tiny
 qwen3_moe, one process, no swap: 18 breaks; the compile tests build them with the batched experts)."""
-_HEADS = ((4, 2, 8, 8), (4, 1, 6, 6), (2, 2, 8, 8), (4, 4, 4, 4), (8, 2, 8, 8), (4, 2, 8, 4), (3, 1, 5, 5),
-          (6, 3, 4, 4))
+_RATES = OptionRates(chunk_size=0.15, alibi=0.15, softcap=0.15, check_inputs=0.15, float64=0.25)
+"""The compile kind's :class:`~seqpar.testing.fuzz_attention.OptionRates` (its calls' shared options)."""
 _TOL = {"float32": 2e-5, "float64": 1e-9}
 TORCH_FORMAT_BUG = """torch 2.13 (torch only):
     def f(x):
@@ -113,12 +120,8 @@ def _steps(rng: random.Random, n: int) -> list[list[int]]:
 
 
 def _draw_attention(rng: random.Random, draw_documents: Callable[[random.Random, int, int], list[int]]) -> dict[str, Any]:
-    world = rng.randint(1, 4)
-    mode = rng.choice(("ring", "ring", "allgather", "ulysses", "hybrid", "auto"))
-    divisors = [u for u in range(1, world + 1) if world % u == 0]
-    inner = [u for u in divisors if 1 < u < world]
-    ulysses_size = (rng.choice(inner) if inner and rng.random() < 0.8 else rng.choice(divisors)) if mode == "hybrid" else 1
-    hq, hkv, d, dv = rng.choice(_HEADS)
+    world, mode, ulysses_size = draw_world_mode(rng)
+    hq, hkv, d, dv = rng.choice(HEADS)
     docs = rng.choice((None, None, "tensor", "tensor", "ints"))
     sharding = rng.choice(("contiguous", "zigzag", "balanced") if docs else ("contiguous", "zigzag"))
     chunk = rng.randint(1, 5)
@@ -140,16 +143,7 @@ def _draw_attention(rng: random.Random, draw_documents: Callable[[random.Random,
         "kind": "compile", "sub": "attention", "world": world, "mode": mode, "ulysses_size": ulysses_size,
         "sharding": sharding, "heads": [hq, hkv, d, dv], "docs": docs, "causal": rng.random() < 0.7,
         "calls": calls, "steps": _steps(rng, n_calls),
-        "sinks": rng.random() < 0.25,
-        "chunk_size": rng.randint(1, min_seq) if rng.random() < 0.15 else None,
-        "alibi": rng.random() < 0.15,
-        "softcap": round(rng.uniform(0.5, 5.0), 3) if rng.random() < 0.15 else None,
-        "scale": round(rng.uniform(0.1, 1.0), 3) if rng.random() < 0.2 else None,
-        "layout": "bshd" if rng.random() < 0.2 else "bhsd",
-        "head_chunks": rng.choice([h for h in range(1, hkv + 1) if hkv % h == 0]) if rng.random() < 0.3 else "auto",
-        "overlap": rng.random() < 0.8,
-        "check_inputs": rng.random() < 0.15,
-        "dtype": "float64" if rng.random() < 0.25 else "float32",
+        **draw_call_options(rng, hkv, min_seq, _RATES),
         # every mode with every dynamic: seqpar steers around TORCH_FORMAT_BUG and TORCH_STRUCT_BUG itself
         "dynamic": rng.choice((None, True, False)),
         "backend": "inductor" if rng.random() < 0.05 else rng.choice(("eager", "aot_eager", "aot_eager")),
