@@ -7,6 +7,7 @@ gradients summed over the SP ranks); a verdict is ``("exact" | "WRONG", detail)`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["judge_model", "dkv_wire_bound", "judge_dkv_wire", "decoder_layers", "kind_dkv_wire_bound",
@@ -70,17 +71,16 @@ def judge_dkv_wire(draws: dict[str, Any], ref: dict[str, Any], fp32_wire: dict[s
         return "WRONG", f"dkv_wire_dtype=bf16: gradients present in one run only: {missing[:4]}"
     bound = dkv_wire_bound(draws, _decoder_layers(draws["model_type"]))
     model_norm = max((float(g.double().norm()) for g in a.values() if g.numel()), default=0.0)
-    worst = ("", 0.0)
-    for name, g in a.items():
-        if not g.numel():
-            continue
-        diff = float((b[name].double() - g.double()).norm())
+
+    def measure(g: Any, g_bf16: Any) -> tuple[float, float, float]:
         own = float(g.double().norm())
-        if not diff <= bound * own + tol * own + floor * model_norm:
-            return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off the fp32-wire run's by {diff / max(own, 1e-300):.1e} "
-                             f"of its norm (bound {bound:.1e}); loss rel {loss_rel:.1e}")
-        worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
-    return "exact", f"dkv=bf16 within {bound:.1e}: worst grad {worst[0]} {worst[1]:.1e} of its norm"
+        return float((g_bf16.double() - g.double()).norm()), own, bound * own + tol * own + floor * model_norm
+
+    within, name, rel = _worst_gradient(a, b, measure)
+    if not within:
+        return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off the fp32-wire run's by {rel:.1e} "
+                         f"of its norm (bound {bound:.1e}); loss rel {loss_rel:.1e}")
+    return "exact", f"dkv=bf16 within {bound:.1e}: worst grad {name} {rel:.1e} of its norm"
 
 
 def decoder_layers(model_type: str) -> int:
@@ -111,20 +111,35 @@ def judge_model_wire(ref: dict[str, Any], got: dict[str, Any], bound: float) -> 
                                                           "; the wire is the backward's")
     if wrong is not None:
         return wrong
-    grads = got["grads"]
-    worst = ("", 0.0)
-    for name, g_ref in ref["grads"].items():
-        if not g_ref.numel():
-            continue
+
+    def measure(g_ref: Any, g: Any) -> tuple[float, float, float]:
         g_ref = g_ref.double()
-        diff = float((grads[name].double() - g_ref).norm())
         own = float(g_ref.norm())
         allowance = bound * own + g_ref.numel() ** 0.5 * (tol * float(g_ref.abs().max()) + floor * model_max)
+        return float((g.double() - g_ref).norm()), own, allowance
+
+    within, name, rel = _worst_gradient(ref["grads"], got["grads"], measure)
+    if not within:
+        return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off by {rel:.1e} of its norm "
+                         f"(bound {bound:.1e}); loss rel {loss_rel:.1e}")
+    return "exact", f"dkv=bf16 within {bound:.1e}: loss rel {loss_rel:.1e}, worst grad {name} {rel:.1e} of its norm"
+
+
+def _worst_gradient(base: dict[str, Any], other: dict[str, Any], measure: Callable[[Any, Any], tuple[float, float, float]]
+                    ) -> tuple[bool, str, float]:
+    """The gradient walk every judge here makes: for each non-empty gradient of ``base`` (by name, ``other`` holds
+    the same names), ``measure(base's, other's) -> (diff, own, allowance)``. ``(False, name, diff / own)`` of the
+    first whose ``diff`` passes its allowance (NaN included), else ``(True, name, diff / own)`` of the worst
+    (``("", 0.0)`` where there is none; ties keep the first)."""
+    worst = ("", 0.0)
+    for name, g in base.items():
+        if not g.numel():
+            continue
+        diff, own, allowance = measure(g, other[name])
         if not diff <= allowance:
-            return "WRONG", (f"dkv_wire_dtype=bf16: grad {name} off by {diff / max(own, 1e-300):.1e} of its norm "
-                             f"(bound {bound:.1e}); loss rel {loss_rel:.1e}")
+            return False, name, diff / max(own, 1e-300)
         worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
-    return "exact", f"dkv=bf16 within {bound:.1e}: loss rel {loss_rel:.1e}, worst grad {worst[0]} {worst[1]:.1e} of its norm"
+    return True, *worst
 
 
 def _loss_and_gradient_names(ref: dict[str, Any], got: dict[str, Any], tol: float, tag: str = "",
@@ -150,14 +165,12 @@ def judge_model(ref: dict[str, Any], got: dict[str, Any]) -> tuple[str, str]:
     wrong, loss_rel, model_max = _loss_and_gradient_names(ref, got, tol)
     if wrong is not None:
         return wrong
-    grads = got["grads"]
-    worst = ("", 0.0)
-    for name, g_ref in ref["grads"].items():
-        if not g_ref.numel():
-            continue
-        diff = float((grads[name].double() - g_ref.double()).abs().max())
+
+    def measure(g_ref: Any, g: Any) -> tuple[float, float, float]:
         own = float(g_ref.abs().max())
-        if not diff <= tol * own + floor * model_max:
-            return "WRONG", f"grad {name} off by {diff / max(own, 1e-300):.1e} of its max (tol {tol:.0e}); loss rel {loss_rel:.1e}"
-        worst = max(worst, (name, diff / max(own, 1e-300)), key=lambda x: x[1])
-    return "exact", f"loss rel {loss_rel:.1e}, worst grad {worst[0]} {worst[1]:.1e}"
+        return float((g.double() - g_ref.double()).abs().max()), own, tol * own + floor * model_max
+
+    within, name, rel = _worst_gradient(ref["grads"], got["grads"], measure)
+    if not within:
+        return "WRONG", f"grad {name} off by {rel:.1e} of its max (tol {tol:.0e}); loss rel {loss_rel:.1e}"
+    return "exact", f"loss rel {loss_rel:.1e}, worst grad {name} {rel:.1e}"
