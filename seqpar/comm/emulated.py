@@ -136,16 +136,23 @@ def _nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-class EmulatedRing:
-    """A :class:`~seqpar.comm.ring.RingExchange` whose exchanges take ``links``' time (see the module)."""
+class _OnLinks:
+    """An inner communicator and the ``links`` its messages take the time of: the bytes sent are the inner one's."""
 
-    def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - any RingExchange
+    def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - a RingExchange or SegmentComm-like
         self.inner, self.links = inner, links
-        self.rank, self.world_size = inner.rank, inner.world_size
 
     @property
     def bytes_sent(self) -> int:
         return self.inner.bytes_sent
+
+
+class EmulatedRing(_OnLinks):
+    """A :class:`~seqpar.comm.ring.RingExchange` whose exchanges take ``links``' time (see the module)."""
+
+    def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - any RingExchange
+        super().__init__(inner, links)
+        self.rank, self.world_size = inner.rank, inner.world_size
 
     def exchange(
         self, tensors: Sequence[Tensor], out: Sequence[Tensor] | None = None, *, channel: int = 0, shift: int = 1,
@@ -158,17 +165,13 @@ class EmulatedRing:
         return self.links.post(messages, inner, channel)
 
 
-class EmulatedSegment:
+class EmulatedSegment(_OnLinks):
     """A :class:`~seqpar.comm.segment.SegmentComm`-like communicator (``exchange(sends, recvs)``) whose
     messages take ``links``' time; peers are segment indices, links keyed by their distance."""
 
     def __init__(self, inner, links: EmulatedLinks) -> None:  # noqa: ANN001 - SegmentComm-like
-        self.inner, self.links = inner, links
+        super().__init__(inner, links)
         self.index, self.size = inner.index, inner.size
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.inner.bytes_sent
 
     def exchange(
         self, sends: Sequence[tuple[int, Tensor]], recvs: Sequence[tuple[int, Tensor]], *, channel: int = 0
