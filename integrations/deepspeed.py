@@ -76,9 +76,6 @@ __all__ = ["initialize", "load_deepspeed_config", "refuse_deepspeed_ulysses", "S
 
 logger = logging.getLogger("seqpar")
 
-# its name here before it moved to deepspeed_reuse.py (tests import it from this module)
-_refuse_reentrant_reuse = refuse_reentrant_reuse
-
 _INSTALL_HINT = "pip install 'deepspeed>=0.15' (or pip install 'seqpar[deepspeed]')"
 
 

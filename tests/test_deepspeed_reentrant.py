@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO-2/3 with reentrant activation checkpointing: a parameter that two checkpointed calls use in one
-forward is refused by name, on every rank, in that forward (``integrations/deepspeed.py::_refuse_reentrant_reuse``).
+forward is refused by name, on every rank, in that forward (``integrations/deepspeed_reuse.py::refuse_reentrant_reuse``).
 
 Under reentrant checkpointing each checkpointed call's recompute runs a backward of its own, so such a parameter's
 gradient is accumulated, and ZeRO-2/3's per-parameter reduction hook fired, once per call in one backward
@@ -110,12 +110,12 @@ def test_the_rule_per_parameter_per_forward() -> None:
     Seen failing: with the per-forward reset dropped (``start`` not clearing the count), the second of two forwards
     was refused; with the count keyed by layer instead of by parameter (``id(module)``), the shared block passed.
     """
-    from seqpar.integrations.deepspeed import _refuse_reentrant_reuse
+    from seqpar.integrations.deepspeed_reuse import refuse_reentrant_reuse
 
     ids = _batch()["input_ids"]
     shared, looped, plain = Toy(shared=True), Toy(loops=2), Toy()
     for model in (shared, looped, plain):
-        _refuse_reentrant_reuse(model, 2)
+        refuse_reentrant_reuse(model, 2)
         assert _refused(model, ids) is None  # checkpointing off
         _checkpoint(model, reentrant=True)  # enabled after the hooks, as a user may
     msg = _refused(shared, ids)
@@ -147,13 +147,13 @@ def test_the_rule_under_torch_compile() -> None:
     each called once (whose compiled graph then refuses when the loop count changes and dynamo retraces).
 
     Seen failing: with the hook's ``raise`` replaced by ``return`` the compiled looped model ran through."""
-    from seqpar.integrations.deepspeed import _refuse_reentrant_reuse
+    from seqpar.integrations.deepspeed_reuse import refuse_reentrant_reuse
 
     ids = _batch()["input_ids"]
     torch._dynamo.reset()
     try:
         model = _checkpoint(Toy(), reentrant=True)
-        _refuse_reentrant_reuse(model, 3)
+        refuse_reentrant_reuse(model, 3)
         compiled = torch.compile(model, backend="aot_eager")
         for _ in range(2):
             assert _refused(compiled, ids) is None
@@ -225,7 +225,7 @@ def test_refused_on_every_rank_and_non_reentrant_exact(dist_pool) -> None:
 
     The compiled case also asserts dynamo made graphs of the forward: the refusal is not left to an eager fallback.
 
-    Seen failing: without the adapter's hooks (``_refuse_reentrant_reuse`` not called in ``initialize``) the shared
+    Seen failing: without the adapter's hooks (``refuse_reentrant_reuse`` not called in ``initialize``) the shared
     block raised ZeRO-3's bare AssertionError in the backward and the looped layers DeepSpeed's "Gradient computed
     twice"."""
     ref = Toy(loops=2)

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2/3 with reentrant activation checkpointing and a parameter used both inside one checkpointed
 call and outside every checkpointed layer (the open question of session 21, mut21r point 3).
 
-``integrations/deepspeed.py::_refuse_reentrant_reuse`` refuses a parameter two reentrantly checkpointed calls use in
+``integrations/deepspeed_reuse.py::refuse_reentrant_reuse`` refuses a parameter two reentrantly checkpointed calls use in
 one forward (each call's recompute runs a backward of its own, so ZeRO-2/3's per-parameter reduction hook would
 fire twice). Is a parameter used by *one* checkpointed call and once more outside any checkpointed layer safe?
 Two shapes, each trained one SGD step at SP 2 under ZeRO-2 and ZeRO-3:
@@ -190,7 +190,7 @@ def test_tied_exact_and_outside_use_refused_by_name(dist_pool) -> None:
       "The parameter shared.weight has already been reduced. Gradient computed twice" and ZeRO-3 a bare
       AssertionError, both in the backward).
 
-    Seen failing: without the outside count (``count_outside`` hooks not registered in ``_refuse_reentrant_reuse``)
+    Seen failing: without the outside count (``count_outside`` hooks not registered in ``refuse_reentrant_reuse``)
     the toy's cases ended in those two backward AssertionErrors; with the Llama's gradient doubled (``engine.backward
     (2 * loss)``) "llama zero2: model.embed_tokens.weight"."""
     per_rank = dist_pool.run(2, _engine_task, CASES, timeout=420)
@@ -225,15 +225,15 @@ def test_the_outside_rule_in_one_process() -> None:
     Seen failing: with ``count_outside``'s refusal dropped (its ``refuse(first, outside)`` a ``pass``) the toy
     ran ("DID NOT RAISE"); with the walk entering the layers (``id(module) in layer_ids`` dropped from its skip) the
     toy without the outside use was refused for ``layers.0.scale``."""
-    from seqpar.integrations.deepspeed import _refuse_reentrant_reuse
+    from seqpar.integrations.deepspeed_reuse import refuse_reentrant_reuse
 
     ids = _batch()["input_ids"]
     plain = Toy("none")
-    _refuse_reentrant_reuse(plain, 2)
+    refuse_reentrant_reuse(plain, 2)
     _reentrant(plain)(ids).sum().backward()
     for where in ("after", "before"):
         toy = Toy(where)
-        _refuse_reentrant_reuse(toy, 3)
+        refuse_reentrant_reuse(toy, 3)
         toy(ids)  # checkpointing off: one backward graph
         _reentrant(toy)
         with pytest.raises(ConfigError, match="layers.0 uses it and so does a module outside every checkpointed"):
@@ -243,7 +243,7 @@ def test_the_outside_rule_in_one_process() -> None:
         toy.eval()
         toy(ids)  # transformers does not checkpoint in eval
     llama = _llama()
-    _refuse_reentrant_reuse(llama, 2)
+    refuse_reentrant_reuse(llama, 2)
     _reentrant(llama).train()
     llama(input_ids=ids).logits.sum().backward()
     assert llama.model.embed_tokens.weight.grad is not None

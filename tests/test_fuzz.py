@@ -85,7 +85,7 @@ FOUND[2143272812] = (("attention", "dilated", "model", "engine"), "exact")
 # - 1601891524 (seed 9, ZeRO-2, tiny dory, P=3, reentrant checkpointing; pinned at P=2): crash, DeepSpeed's "Gradient
 #   computed twice" for model.layers.1.lambda_2: Dory loops its recurrent layers, so one forward calls a checkpointed
 #   layer several times. The DeepSpeed adapter now refuses it by name in the forward, on every rank (seen crashing
-#   without the hooks of integrations/deepspeed._refuse_reentrant_reuse).
+#   without the hooks of integrations/deepspeed_reuse.refuse_reentrant_reuse).
 FOUND_SET[1601891524] = {"world": 2}
 FOUND[1601891524] = (("attention", "dilated", "model", "engine"), "refused")
 # found by seeds 2-7 (session 19):
