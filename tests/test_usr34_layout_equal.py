@@ -113,3 +113,24 @@ def test_heads_equal_to_seq_local_on_one_process(case: str) -> None:
     kind, message, err_bshd, err_bhsd = _call(0, 1, case)
     assert kind == ("ValueError" if case == "plain" else ""), (case, message)
     assert err_bshd <= 1e-12 and err_bhsd <= 1e-12, (case, err_bshd, err_bhsd)
+
+
+def test_a_fuzzer_draw_that_omits_layout_at_heads_equal_to_seq_local_runs_exact() -> None:
+    """The attention fuzzer leaves ``layout=None`` on 30% of its bhsd draws; about 0.9% of its draws (171 of seeds
+    0..19999) have ``heads == seq_local`` with K/V of q's heads there, which is now refused. Its runner passes
+    ``layout='bhsd'`` for those (the shape decides, on the shard before a drawn disagreement): case 415 (P = 2,
+    allgather, 4 heads, seq_local 4, two calls) is exact. Seen failing: the runner omitting layout= as drawn ->
+    every rank's ValueError naming both layouts."""
+    from seqpar.testing import fuzz
+    from seqpar.testing.fuzz_attention_run import judge_attention, tensors_of
+
+    draws = fuzz.draw_case(415, ("attention",))
+    assert draws["omit_layout"] and draws["layout"] == "bhsd" and draws["check_inputs"], fuzz.summary(draws)
+    assert draws["heads"][:2] == [4, 4] and draws["seq"] // draws["world"] == 4 and draws["world"] == 2
+    with fuzz.Fuzzer(timeout=90.0, model_timeout=240.0) as f:
+        tensors = tensors_of(draws)
+        per_rank = f.pools.run(2, fuzz.attention_task, draws, tensors, None, timeout=90.0)
+        assert all(r["ok"] for r in per_rank), per_rank
+        ref = fuzz.attention_reference(draws, tensors)
+        verdict, detail = judge_attention(draws, ref, per_rank)
+    assert verdict == "exact", detail
