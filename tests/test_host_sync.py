@@ -176,7 +176,9 @@ def _counts_per_step(rank: int, world_size: int, kind: str, mode: str, ulysses_s
         bare(q, k, v).sum().backward()
     result["bare"] = dict(counts)
     with counting() as counts:
-        seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, group=group).sum().backward()
+        # layout= given: nano's 4 heads == seq_local 4 reads alike as bhsd and bshd, refused without it
+        seqpar.attention(q, k, v, causal=True, sharding="zigzag", mode=mode, group=group,
+                         layout="bhsd").sum().backward()
     result["checked"] = dict(counts)
     return result
 

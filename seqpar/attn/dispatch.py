@@ -127,9 +127,12 @@ def attention(
             ``layout=`` raises, naming both readings. Without ``layout=``, a call that fails as ``bhsd`` and
             fits as ``bshd`` raises naming ``layout='bshd'``: under GQA/MQA q and k agreeing on dim 1 but not
             dim 2, or ``sinks`` / ``alibi_slopes`` of dim 2's length, or ``cu_seqlens`` ending at ``P x dim 1``.
-            What stays ambiguous: a ``bshd`` call with ``seq_local <= heads``, q_heads == kv_heads and none of
-            those is a valid ``bhsd`` call (heads and tokens swapped), run without an error and wrong: pass
-            ``layout=`` whenever the tensors are ``bshd``.
+            With ``check_inputs``, q with ``size(1) == size(2)`` and K/V of the same two sizes (multi-head
+            attention) raises too, naming both readings: sinks, ALiBi and ``cu_seqlens`` fit either, so
+            nothing tells them apart (eager calls; under ``torch.compile`` the size comparison would add a
+            guard, so it is not made there). What stays ambiguous: a ``bshd`` call with
+            ``seq_local < heads``, q_heads == kv_heads and none of those is a valid ``bhsd`` call (heads and
+            tokens swapped), run without an error and wrong: pass ``layout=`` whenever the tensors are ``bshd``.
         dkv_wire_dtype: what the backward's travelling dK/dV accumulators are sent in (ring, and the ring
             of ``"hybrid"``): ``"fp32"`` (default: the accumulation dtype, exact) or ``"bf16"`` (half their
             bytes, TransformerEngine's choice; each hop adds its share in fp32 and rounds once to bf16, so

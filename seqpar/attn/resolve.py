@@ -113,6 +113,25 @@ def _check_unambiguous(q: Tensor) -> None:
         )
 
 
+def _check_equal_sizes(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Without an explicit ``layout=``: q with ``heads == seq_local`` and K/V of q's heads and tokens reads alike as
+    ``bhsd`` and as ``bshd`` (flash-attn's). Sinks, ALiBi slopes and ``cu_seqlens`` count the same either way, so
+    nothing in the call can tell the two apart: refused, naming both. Decided from shapes that the cross-rank check
+    has made equal on every rank when ``check_inputs``: every rank raises alike. Eager only (the caller's test):
+    comparing symbolic sizes under dynamo would add a guard per shape. A GQA/MQA call is left to the other checks:
+    one reading of it fails (``_check_bshd_signs`` names ``layout='bshd'`` where that is the one that fits)."""
+    if not all(isinstance(t, Tensor) and t.dim() == 4 for t in (q, k, v)):
+        return  # check_local names a wrong type or rank
+    if q.shape[1] != q.shape[2] or any(tuple(t.shape[1:3]) != tuple(q.shape[1:3]) for t in (k, v)):
+        return
+    b, n, _, d = shown(q.shape)
+    raise ValueError(
+        f"seqpar.attention: q {(b, n, n, d)} is ambiguous: read as layout='bhsd' (the default) it has {n} heads and "
+        f"seq_local={n}; read as layout='bshd' (flash-attn's) it has seq_local={n} and {n} heads, and K/V, sinks, "
+        "ALiBi slopes and cu_seqlens fit both readings. Pass layout='bhsd' or layout='bshd' explicitly"
+    )
+
+
 def _check_bshd_signs(q: Tensor, k: Tensor, *, sinks: object, alibi_slopes: object, bounds: tuple[int, ...] | None,
                       world: int) -> None:
     """Without an explicit ``layout=``: a call the ``bhsd`` reading refuses anyway whose ``bshd`` reading fits is
@@ -322,6 +341,12 @@ def resolve_attention(
     qb, kb, vb = (to_bhsd(t, layout) if isinstance(t, Tensor) else t for t in (q, k, v))
     group, manager = _group_and_manager(mode, group)
     world = 1 if group is None else dist.get_world_size(group)
+    if world < 1:  # torch gives -1 to a rank outside the group; the ring then failed on an empty hop list
+        raise ValueError(
+            f"seqpar.attention: group= is a process group this rank (global rank {dist.get_rank()}) is not in: every "
+            "rank that calls it must be a member. Pass the sequence-parallel group this rank belongs to (the "
+            "manager's sp_group, or leave group= out after seqpar.init_process_groups)"
+        )
     bounds, bad_bounds, documents = None, None, None
     if isinstance(cu_seqlens, Tensor) and torch.compiler.is_compiling():
         # a traced call cannot read the values: the tensor goes to the compiled op, which reads and
@@ -357,6 +382,8 @@ def resolve_attention(
     check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
+        if not torch.compiler.is_compiling():  # eager only: see _check_equal_sizes
+            _check_equal_sizes(q, k, v)
     # a call that fails as bhsd and fits as bshd: name the layout, not the mismatch. Eager only: its comparisons of
     # symbolic sizes would add guards (a recompile per shape) where dynamo traces; the op's own checks refuse there
     if not explicit_layout and not torch.compiler.is_compiling():

@@ -22,6 +22,8 @@ recompute and prefetch order can be tested on CPU with a transfer that only clon
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +57,11 @@ class CudaTransfer(Transfer):
 
     def __init__(self) -> None:
         self.stream: Any = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CudaTransfer:
+        # a copied model (copy.deepcopy) gets a transfer of its own; its stream is made on its first copy, on the
+        # copy's device (a CUDA stream cannot be copied)
+        return CudaTransfer()
 
     def applies(self, args: tuple[Any, ...]) -> bool:
         return any(isinstance(a, Tensor) and a.is_cuda for a in args)
@@ -94,11 +101,29 @@ class CudaTransfer(Transfer):
 
 
 class OffloadState:
-    """Per-model bookkeeping: the forward order of offloaded layer calls, for the backward prefetch."""
+    """Per-model bookkeeping: the forward order of offloaded layer calls, for the backward prefetch.
+
+    It travels with its model: the model's hook and its layers' checkpoint functions hold it as objects
+    (not closures), so ``copy.deepcopy(model)`` gives the copy a state of its own (no calls, a copy of the
+    transfer) and the copy's calls never join the original's prefetch order."""
 
     def __init__(self, transfer: Transfer | None = None) -> None:
         self.transfer = transfer or CudaTransfer()
-        self.calls: list[Any] = []  # ctx of each offloaded call, in forward order
+        # each offloaded call's ctx, in forward order, held weakly: a forward whose graph is dropped without a
+        # backward (an evaluation under grad, an exception) frees its host copies instead of keeping them here
+        self.calls: list[weakref.ref] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadState:
+        # a copy's calls are its own (none yet); the original's pending calls stay the original's
+        return OffloadState(copy.deepcopy(self.transfer, memo))
+
+    def record(self, ctx: Any) -> None:
+        self.calls = [c for c in self.calls if c() is not None]
+        self.calls.append(weakref.ref(ctx))
+
+    def pending(self) -> list[Any]:
+        """The ctx of each offloaded call not yet back-propagated, in forward order."""
+        return [ctx for ctx in (c() for c in self.calls) if ctx is not None]
 
 
 def _rng_state(args: tuple[Any, ...]) -> tuple[Any, list[torch.device], list[Tensor]]:
@@ -116,7 +141,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         ctx.needs_grad = [isinstance(a, Tensor) and a.requires_grad for a in args]
         ctx.offloaded = [("off", state.transfer.to_host(a)) if isinstance(a, Tensor) else ("keep", a) for a in args]
         ctx.prefetched = None
-        state.calls.append(ctx)
+        state.record(ctx)
         with torch.no_grad():
             return run_fn(*args)
 
@@ -129,12 +154,12 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        calls = ctx.state.calls
+        calls = ctx.state.pending()
         index = next(i for i, c in enumerate(calls) if c is ctx)
         _OffloadedCheckpoint.start_prefetch(ctx)
         if index > 0:  # the layer before runs its backward next: start its copy now
             _OffloadedCheckpoint.start_prefetch(calls[index - 1])
-        del calls[index]
+        ctx.state.calls = [weakref.ref(c) for i, c in enumerate(calls) if i != index]
         inputs = []
         for (kind, value), needs_grad in zip(ctx.prefetched, ctx.needs_grad):
             if kind == "off":
@@ -154,18 +179,38 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, *(x.grad if isinstance(x, Tensor) and x.requires_grad else None for x in inputs))
 
 
+class _OffloadingCheckpointFn:
+    """A layer's checkpoint function routed through offload. An object, not a closure: ``copy.deepcopy`` of
+    the layer copies it, and its state with it (a closure would be shared with the copy)."""
+
+    _seqpar_offload = True
+
+    def __init__(self, checkpoint_fn: Callable[..., Any], state: OffloadState) -> None:
+        self.checkpoint_fn, self.state = checkpoint_fn, state
+
+    def __call__(self, run_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled() or not self.state.transfer.applies(args):
+            return self.checkpoint_fn(run_fn, *args, **kwargs)
+        return _OffloadedCheckpoint.apply(run_fn, self.state, *args)
+
+
 def offloading_checkpoint(checkpoint_fn: Callable[..., Any], state: OffloadState) -> Callable[..., Any]:
     """Wrap a model's checkpoint function (``checkpoint_fn(run_fn, *args)``): when the state's
     transfer applies (CUDA tensors), checkpoint with offloaded inputs; otherwise call
-    ``checkpoint_fn`` unchanged."""
+    ``checkpoint_fn`` unchanged. The result carries the state as ``.state``."""
+    return _OffloadingCheckpointFn(checkpoint_fn, state)
 
-    def checkpoint(run_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled() or not state.transfer.applies(args):
-            return checkpoint_fn(run_fn, *args, **kwargs)
-        return _OffloadedCheckpoint.apply(run_fn, state, *args)
 
-    checkpoint._seqpar_offload = True  # type: ignore[attr-defined]
-    return checkpoint
+class _RewrapHook:
+    """The model's forward pre-hook: wraps the hooked module's layers (looked up each call) with its state.
+    An object for the same reason as :class:`_OffloadingCheckpointFn`: a deep copy's hook holds the copy's
+    state, the one its layers' checkpoint functions were copied with."""
+
+    def __init__(self, state: OffloadState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, _args: Any) -> None:
+        _wrap_layers(_decoder_layers(module), self.state)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -198,8 +243,7 @@ def apply_offload(model: nn.Module, transfer: Transfer | None = None) -> str:
     if old is not None:
         old.remove()
     # the layers are looked up from the hooked module each time, so a deep copy of the model wraps its own
-    model._seqpar_offload_hook = model.register_forward_pre_hook(
-        lambda module, _args: _wrap_layers(_decoder_layers(module), state))
+    model._seqpar_offload_hook = model.register_forward_pre_hook(_RewrapHook(state))
     if transfer is None and not torch.cuda.is_available():
         return (f"{len(layers)} decoder layers hooked; this build has no CUDA, so their checkpointed "
                 "inputs stay where they are (an exact no-op)")

@@ -268,7 +268,7 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
         sharding = draws["sharding"]
         if draws.get("omit_sharding") and (draws["declare_sharding"] or sharding == "contiguous"):
             sharding = None
-        layout = None if draws.get("omit_layout") and draws["layout"] == "bhsd" else draws["layout"]
+        omit_layout = draws.get("omit_layout") and draws["layout"] == "bhsd"
         sinks = tensors["sinks"].to(dtype) if "sinks" in tensors else None
         if sinks is not None and draws.get("sinks_grad", True) and grad != "frozen_kv":
             sinks.requires_grad_()
@@ -277,6 +277,9 @@ def attention_task(ctx: Any, draws: dict[str, Any], tensors: dict[str, Any], pla
         for call, t in zip(draws["calls"], tensors["calls"], strict=True):
             pos = positions(sp_draws, call["cu"], sp_rank)
             q, k, v, dout = (_local(t[n], pos, dtype) for n in ("q", "k", "v", "dout"))
+            # layout=None where the shape tells: heads == seq_local reads alike as bhsd and bshd, which is refused
+            # without layout= (usr34); decided before a disagreement changes one rank's shard, as on every rank
+            layout = None if omit_layout and q.shape[1] != q.shape[2] else draws["layout"]
             cu = call["cu"]
             if input_disagreement(draws) and rank == world - 1:  # a user's mistake: check_inputs must refuse it (fz32)
                 q, k, v, dout, cu = disagreeing_inputs(input_disagreement(draws), q, k, v, dout, cu, sp_draws["seq"])
