@@ -89,6 +89,8 @@ class TilingError(ValueError):
 
 
 # ============================================================================ chunk sizes
+# where a tiled module keeps its own untiled forward (a bound method there follows the module into a deep copy)
+UNTILED_FORWARD = "_seqpar_untiled_forward"
 MAX_LOSS_CHUNK_ELEMENTS = 2**27  # 512 MiB of fp32 logits
 
 
@@ -795,9 +797,13 @@ def _loss_problems(name: str, lm: nn.Module) -> list[str]:
 
 def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> Callable[..., Any]:
     """A replacement ``forward`` for a causal LM: with ``labels`` / ``shift_labels`` it returns the
-    SP-correct loss from the tiled LM head and ``logits=None``; without, the original forward."""
-    original = lm.forward
-    signature = inspect.signature(original)
+    SP-correct loss from the tiled LM head and ``logits=None``; without, the original forward.
+
+    The original forward is kept on the module (``UNTILED_FORWARD``), not in this closure: ``copy.deepcopy`` rebinds a
+    bound method stored on the module to the copy, but shares a closure's, so a copy (a DPO reference model, an EMA
+    or teacher copied after the swap) would run the original module's weights."""
+    setattr(lm, UNTILED_FORWARD, lm.forward)
+    signature = inspect.signature(lm.forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         from seqpar.runtime.groups import resolve_group
@@ -807,7 +813,7 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
         extra = call.pop("kwargs", {})
         labels, shift_labels = call.pop("labels", None), extra.pop("shift_labels", None)
         if labels is None and shift_labels is None:
-            return original(*args, **kwargs)  # no loss wanted: logits as before (evaluation)
+            return getattr(self, UNTILED_FORWARD)(*args, **kwargs)  # no loss wanted: logits as before (evaluation)
         num_items = extra.pop("num_items_in_batch", None)
         call.pop("logits_to_keep", None)
         loss_group = call_group(extra, group)  # dynamic CP: the micro-batch's group travels with the call
@@ -839,7 +845,9 @@ def _tiled_causal_lm_forward(lm: nn.Module, group: dist.ProcessGroup | None) -> 
 
 
 def _tiled_mlp_forward(mlp: nn.Module, setting: int | str) -> Callable[[Tensor], Tensor]:
-    original = mlp.forward
+    """A replacement ``forward`` for a token-wise MLP: its rows in ``mlp_chunks`` chunks when grad is on, the
+    original forward (kept on the module as ``UNTILED_FORWARD``, so a deep copy runs its own weights) otherwise."""
+    setattr(mlp, UNTILED_FORWARD, mlp.forward)
     hidden_size = None
 
     def forward(self: nn.Module, x: Tensor) -> Tensor:
@@ -848,9 +856,10 @@ def _tiled_mlp_forward(mlp: nn.Module, setting: int | str) -> Callable[[Tensor],
         rows = x.numel() // x.shape[-1]
         chunks = mlp_chunks(setting, rows, hidden_size)
         params = [p for p in self.parameters()]
+        untiled = getattr(self, UNTILED_FORWARD)
         if chunks == 1 or not torch.is_grad_enabled():
-            return original(x)
-        return tiled_mlp(original, x, chunks, params)
+            return untiled(x)
+        return tiled_mlp(untiled, x, chunks, params)
 
     return types.MethodType(forward, mlp)
 
