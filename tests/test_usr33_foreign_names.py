@@ -31,6 +31,8 @@ EXPECTED = {
     "is_causal": ["causal="], "attn_mask": ["causal=", "window=", "cu_seqlens="], "enable_gqa": ["leave it out"],
     "attn_mask_type": ["causal=True"], "qkv_format": ["layout='bshd'"], "sliding_window": ["window="],
     "s_aux": ["sinks="], "block_table": ["not supported"],
+    "attention_mask": ["padding mask", "cu_seqlens=", "shard_batch"],
+    "key_padding_mask": ["padding mask", "cu_seqlens=", "shard_batch"],
 }
 
 

@@ -118,6 +118,10 @@ ATTENTION_FOREIGN_KEYWORDS: dict[str, str] = {
     "is_causal": "pass causal=",
     "attn_mask": "a dense mask has no seqpar form: pass its structure (causal=, window=, cu_seqlens= for packed "
                  "documents, chunk_size=)",
+    "attention_mask": "a padding mask has no seqpar form: pack the unpadded rows into one sequence and pass their "
+                      "boundaries as cu_seqlens= (seqpar.sequence.batch.shard_batch builds them from position_ids)",
+    "key_padding_mask": "a padding mask has no seqpar form: pack the unpadded rows into one sequence and pass their "
+                        "boundaries as cu_seqlens= (seqpar.sequence.batch.shard_batch builds them from position_ids)",
     "enable_gqa": "leave it out: q_heads a multiple of kv_heads is grouped-query attention, always accepted",
     "attn_mask_type": "pass causal=True for 'causal', causal=False for 'no_mask'; padding masks are packed documents "
                       "(cu_seqlens=)",
