@@ -250,6 +250,7 @@ def test_a_swapped_models_deep_copy_trains_with_offload_at_sp_2(dist_pool) -> No
         ref.train()
         for seed in seeds:
             _loss(ref, _inputs(seed, ref.config.vocab_size)).backward()
-        # 1e-6 of each parameter's own scale: the swapped float64 model is 7.8e-8 off on the embedding's gradient
-        # WITHOUT offload as well (measured, this setting); a prefetch of the wrong input is O(1) off
+        # 1e-6 of each parameter's own scale: transformers' causal-LM loss casts the logits to fp32 (`logits.float()`,
+        # a float64 model's too), on both sides; that rounding alone puts one process's float64 gradients 1.1e-7 off
+        # a float64 cross-entropy's (measured, this model). A prefetch of the wrong input is O(1) off
         _assert_exact(got["grads"][who], _grads(ref), who, tol=1e-6)
