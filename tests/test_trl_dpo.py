@@ -97,7 +97,9 @@ def _rewards_rounding(ref_step: dict[str, float], key: str) -> float:
     times beta), 4.2e-5 of its own size. Seen failing (tst34): the reference pass's first target token's logp counted
     twice in seqpar's fused-head gather (``_cut_fused_calls``' ``whole`` under no_grad) -> rewards/chosen 2.03 vs
     0.0 (step 1; allowance ~2e-5), rewards/rejected, rewards/accuracies and rewards/margins, reported beside the
-    gradient check's failure on both ranks."""
+    gradient check's failure on both ranks; beta applied twice to TRL's logged rewards at SP > 1 only (a plant in
+    DPOTrainer's metrics, the loss untouched) -> step 2's rewards/chosen -0.117 vs -0.234 and rewards/margins, both
+    ranks, both families, the gradients passing."""
     if not key.startswith("rewards/") or key == "rewards/accuracies":
         return 0.0
     logps = max(abs(ref_step["logps/chosen"]), abs(ref_step["logps/rejected"]))
