@@ -190,7 +190,10 @@ def trainer_run(rank: int, world: int, tmp: str, zero_stage: int | None,
                 **training_args: Any) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """SeqParTrainer's per-step losses and reduced gradients: FSDP2 (``zero_stage`` None; the gradients read
     in ``on_pre_optimizer_step``) or DeepSpeed (read at the boundary's ``engine.step``, before it updates).
-    ``training_args`` are added to its ``TrainingArguments`` (``torch_compile=True``: test_dynamic_compile)."""
+    ``training_args`` are added to its ``TrainingArguments`` (``torch_compile=True``: test_dynamic_compile).
+    Seen failing (tst34, with hf_tiny's every-step reader): layer 1's q_proj gradient doubled in
+    ``_dynamic_training_step`` after ``run_dynamic_step`` (FSDP2) -> "SeqParTrainer fsdp2 step 1: 1/21 gradients off,
+    worst model.layers.1.self_attn.q_proj.weight 1 of its scale (norm ratio 2)" on all 4 ranks, the losses passing."""
     import deepspeed
     import hf_tiny
     from deepspeed.utils import safe_get_full_grad
