@@ -271,19 +271,29 @@ def full_sequence_parity(build: Callable[[str, torch.dtype], Any], kind: str, wo
     return report
 
 
-def fsdp2_gradients_before_first_step(into: dict[str, torch.Tensor]) -> Any:
+def fsdp2_gradients_before_first_step(into: dict[str, torch.Tensor] | list[dict[str, torch.Tensor]],
+                                      every_step: bool = False) -> Any:
     """A ``transformers.TrainerCallback`` that fills ``into`` with an FSDP2-sharded model's reduced gradients
     (``full_tensor()``, whole, by parameter name; parameters with a gradient only) in ``on_pre_optimizer_step`` of
     the first step, before the update: the FSDP2 path's analogue of :func:`read_gradients_before_first_step`
-    (there the engine steps inside accelerate's ``backward``, before any callback). Collective: every rank runs it."""
+    (there the engine steps inside accelerate's ``backward``, before any callback). Collective: every rank runs it.
+
+    ``every_step=True``: ``into`` is a list, and every optimizer step appends its own ``{name: gradient}`` dict
+    (step k's at index k - 1), each read before that step's update (test_dynamic_engines compares every step)."""
     from torch.distributed.tensor import DTensor
     from transformers import TrainerCallback
 
+    def read(model: Any) -> dict[str, torch.Tensor]:
+        return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                for n, p in model.named_parameters() if p.grad is not None}
+
     class FirstGradients(TrainerCallback):
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if into:
-                return
-            into.update({n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                         for n, p in model.named_parameters() if p.grad is not None})
+            if every_step:
+                into.append(read(model))
+            elif not into:
+                into.update(read(model))
 
+    if every_step and not isinstance(into, list):
+        raise TypeError(f"every_step=True appends one dict per step: pass a list, not {type(into).__name__}")
     return FirstGradients()

@@ -190,22 +190,20 @@ def trainer_run(rank: int, world: int, tmp: str, zero_stage: int | None,
                 **training_args: Any) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """SeqParTrainer's per-step losses and reduced gradients: FSDP2 (``zero_stage`` None; the gradients read
     in ``on_pre_optimizer_step``) or DeepSpeed (read at the boundary's ``engine.step``, before it updates).
-    ``training_args`` are added to its ``TrainingArguments`` (``torch_compile=True``: test_dynamic_compile)."""
+    ``training_args`` are added to its ``TrainingArguments`` (``torch_compile=True``: test_dynamic_compile).
+    Seen failing (tst34, with hf_tiny's every-step reader): layer 1's q_proj gradient doubled in
+    ``_dynamic_training_step`` after ``run_dynamic_step`` (FSDP2) -> "SeqParTrainer fsdp2 step 1: 1/21 gradients off,
+    worst model.layers.1.self_attn.q_proj.weight 1 of its scale (norm ratio 2)" on all 4 ranks, the losses passing."""
     import deepspeed
     import hf_tiny
     from deepspeed.utils import safe_get_full_grad
-    from transformers import DataCollatorWithFlattening, TrainerCallback, TrainingArguments
+    from transformers import DataCollatorWithFlattening, TrainingArguments
 
     import seqpar
     from seqpar.integrations.trainer import SeqParTrainer
     from seqpar.testing.deepspeed_teardown import released_deepspeed_engines
 
     grads: list[dict[str, torch.Tensor]] = []
-
-    class Capture(TrainerCallback):  # FSDP2: the step's reduced gradients, before the update
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
-            if zero_stage is None:
-                grads.append({n: p.grad.full_tensor().detach().double().clone() for n, p in model.named_parameters()})
 
     engine_step = deepspeed.DeepSpeedEngine.step
 
@@ -215,6 +213,8 @@ def trainer_run(rank: int, world: int, tmp: str, zero_stage: int | None,
                           for n, p in engine.module.named_parameters()})
         return engine_step(engine, *a, **kw)
 
+    # FSDP2: every step's reduced gradients, whole, before its update (hf_tiny's reader, in every_step form)
+    callbacks = [hf_tiny.fsdp2_gradients_before_first_step(grads, every_step=True)] if zero_stage is None else []
     ds = None if zero_stage is None else {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
         "gradient_clipping": "auto", "zero_optimization": {"stage": zero_stage}, "steps_per_print": 10**6,
@@ -228,7 +228,7 @@ def trainer_run(rank: int, world: int, tmp: str, zero_stage: int | None,
         trainer = SeqParTrainer(model=hf_tiny.tiny_llama(), args=args,
                                 seqpar_config=TRAINER_SP if zero_stage is None else None,
                                 train_dataset=hf_tiny.ListDataset(trainer_documents()),
-                                data_collator=DataCollatorWithFlattening(), callbacks=[Capture()])
+                                data_collator=DataCollatorWithFlattening(), callbacks=callbacks)
         deepspeed.DeepSpeedEngine.step = step
         try:
             trainer.train()

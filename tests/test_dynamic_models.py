@@ -260,7 +260,11 @@ def test_train_dynamic_every_family_equals_one_process(dist_pool, tmp_path) -> N
     reduced gradient doubled in ``run_dynamic_step`` before ``update`` (every family) -> Llama's
     ``layers.1.self_attn.q_proj.weight`` off in all its elements (1.0 relative, 8.9e-9 allowed), where the losses
     alone passed it; seqpar's attention with dq doubled on a world > 1 the losses saw too (Llama's step 2 8.7e-5
-    off, allowed 1e-5)."""
+    off, allowed 1e-5). Every family is judged and the message holds each family's verdict (tst34): seen failing
+    together, at world > 1 only, the router loss's gradient doubled in ``swap/moe.py``'s switch form (mixtral: its
+    gradients and step-2 loss off), ``kv_b_proj``'s weight gradient doubled in ``swap/mla.py``'s ``_local_weight``
+    (deepseek_v3: ``layers.0.self_attn.kv_b_proj.weight`` 99% of elements) and the mixers' conv weight's doubled in
+    ``conv_shard`` (jamba: ``layers.0.mamba.conv1d.weight``, where the losses passed), llama reported ok."""
     import hf_tiny
 
     argvs = {}
@@ -270,12 +274,23 @@ def test_train_dynamic_every_family_equals_one_process(dist_pool, tmp_path) -> N
         argvs[family] = _argv(path)
     refs = {family: _launcher_reference(argv) for family, argv in argvs.items()}
     got = dist_pool.run(4, _train_families, argvs, timeout=500)
-    for family in FAMILIES:
-        assert all(g[family][0] == got[0][family][0] for g in got), \
-            f"every rank reports the same losses: {[g[family][0] for g in got]}"
+    # every family judged, its verdict in the message: a break on one family's path is named with the others'
+    # verdicts (the test stopped at the first failing family before, so only Llama's breaks were seen: tst34)
+    verdicts = {}
     for family, (ref, sizes, ref_grads) in refs.items():
-        assert set().union(*sizes) >= {1, 2}, (family, sizes)  # more than one group size in the plans
+        problems = []
+        if not all(g[family][0] == got[0][family][0] for g in got):
+            problems.append(f"ranks report different losses: {[g[family][0] for g in got]}")
+        if not set().union(*sizes) >= {1, 2}:  # more than one group size in the plans
+            problems.append(f"the plans use one group size: {sizes}")
         losses, grads = got[0][family]
-        hf_tiny.assert_gradients_close(grads, ref_grads, f"{family} --dynamic step 1")
-        for step, (a, b) in enumerate(zip(losses, ref, strict=True)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"{family} step {step}: --dynamic {a} vs one process {b}"
+        try:
+            hf_tiny.assert_gradients_close(grads, ref_grads, f"{family} --dynamic step 1")
+        except AssertionError as e:
+            problems.append(str(e).split("\n")[0] + " " + " ".join(str(e).split("\n")[1:4]))
+        if len(losses) != len(ref):
+            problems.append(f"{len(losses)} losses, the reference has {len(ref)}")
+        problems += [f"step {step}: --dynamic loss {a} vs one process {b}"
+                     for step, (a, b) in enumerate(zip(losses, ref)) if not abs(a - b) <= 1e-5 * abs(b)]
+        verdicts[family] = "; ".join(problems) or "ok"
+    assert all(v == "ok" for v in verdicts.values()), "\n".join(f"{f}: {v}" for f, v in verdicts.items())

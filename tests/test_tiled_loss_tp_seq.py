@@ -290,6 +290,10 @@ def test_tp_sequence_parallel_row_order_small_shapes_are_modelled(dist_pool) -> 
 # (vocab, hidden, seq): bf16 shapes where the automatic order under TP (``loss_backward_order(..., tp=2)``) is the
 # row order while the one-process rule at this rank's rows and slice would pick the vocabulary order (mut30's G6)
 AUTO_SHAPES = [(1024, 16, 256), (4096, 64, 1024)]
+AUTO_BAND = 0.002
+"""The automatic-order test's band over the measured peak (beside the lse): measured -0.013% / -0.001% on its two
+shapes, the same on both ranks in 2 runs (tst34); gloo's late copy that row33 took out of the model is +0.41% on both
+(+256 B / +4,096 B), which :data:`BAND`'s 1% let through."""
 
 
 def _auto_measured(rank: int, world: int) -> dict:
@@ -306,7 +310,9 @@ def test_tp_sequence_parallel_auto_order_is_chosen_with_tp(dist_pool) -> None:  
     and the band allowed it).
 
     Seen failing: the order chosen without ``tp=`` in ``_gathered_tiled_lm_loss`` (mut30's G6: the vocabulary
-    order runs): 80,388 B measured on 1024 x 16 against the row order's 63,488 modelled, -21.0%."""
+    order runs): 80,388 B measured on 1024 x 16 against the row order's 63,488 modelled, -21.0%. Seen failing
+    (tst34, at :data:`AUTO_BAND`): gloo's late copy put back into the row order's model (``gc h (a + e)`` in
+    ``_gathered_backward_bytes``' inner term): +0.41% on 1024 x 16 (it passed the 1% band)."""
     for shape in AUTO_SHAPES:
         vocab, hidden, seq = shape
         rows, v_local = seq // 2, vocab // 2
@@ -321,4 +327,4 @@ def test_tp_sequence_parallel_auto_order_is_chosen_with_tp(dist_pool) -> None:  
             lse = seq * 4  # every rank's rows' saved log-sum-exp: the model counts it, the measurement's baseline holds it
             assert picked == "rows", (shape, picked)
             assert model + SCALARS >= peak, (shape, peak, model, f"{model / peak - 1:+.2%}")
-            assert model - lse <= peak * (1 + BAND), (shape, peak, model, f"{model / peak - 1:+.2%}")
+            assert model - lse <= peak * (1 + AUTO_BAND), (shape, peak, model, f"{model / peak - 1:+.2%}")

@@ -94,7 +94,12 @@ def _rewards_rounding(ref_step: dict[str, float], key: str) -> float:
     less than they are: their fp32 rounding is the logps', not their own. 16 fp32 ulps of the step's largest logged
     logps (a margin is two rewards, each two logps), times beta; 0 for the other keys. Seen needed: a fresh install
     (session 33) put llama's step-3 rewards/rejected 9.5e-7 off (-0.0228138 vs -0.0228128: one ulp of logps ~24,
-    times beta), 4.2e-5 of its own size."""
+    times beta), 4.2e-5 of its own size. Seen failing (tst34): the reference pass's first target token's logp counted
+    twice in seqpar's fused-head gather (``_cut_fused_calls``' ``whole`` under no_grad) -> rewards/chosen 2.03 vs
+    0.0 (step 1; allowance ~2e-5), rewards/rejected, rewards/accuracies and rewards/margins, reported beside the
+    gradient check's failure on both ranks; beta applied twice to TRL's logged rewards at SP > 1 only (a plant in
+    DPOTrainer's metrics, the loss untouched) -> step 2's rewards/chosen -0.117 vs -0.234 and rewards/margins, both
+    ranks, both families, the gradients passing."""
     if not key.startswith("rewards/") or key == "rewards/accuracies":
         return 0.0
     logps = max(abs(ref_step["logps/chosen"]), abs(ref_step["logps/rejected"]))
@@ -108,11 +113,20 @@ def test_dpo_zero2_sp2_equals_one_process(dist_pool, tmp_path, family):
     sp2 = dist_pool.run(2, _dpo_run, family, str(tmp_path / "sp2"), timeout=400)
     assert len(ref["logs"]) == STEPS
     assert any(h["rewards/margins"] != 0 for h in ref["logs"])  # the policy moved away from its reference
-    for r in sp2:
-        # a parameter near 1.0 (norm weights) read from an fp32 update at lr 0.1 resolves ~1.2e-6 (one
-        # rounding step): a Llama layer norm's gradient of scale 2e-3 was 6e-7 (one step) off without it
-        trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
-        trl_tiny.assert_logs_close(r["logs"], ref["logs"], LOGGED, atol_of=_rewards_rounding)
+    failures = []  # both checks on every rank, each verdict in the message (a gradient failure hid the logs')
+    for rank, r in enumerate(sp2):
+        try:
+            # a parameter near 1.0 (norm weights) read from an fp32 update at lr 0.1 resolves ~1.2e-6 (one
+            # rounding step): a Llama layer norm's gradient of scale 2e-3 was 6e-7 (one step) off without it
+            trl_tiny.assert_gradients_close(r["grads"], ref["grads"], resolution=ref["resolution"])
+        except AssertionError as e:
+            failures.append(f"rank {rank} gradients: {str(e)[:400]}")
+        for key in LOGGED:  # each key's verdict (the first failing key, the loss, hid the rewards')
+            try:
+                trl_tiny.assert_logs_close(r["logs"], ref["logs"], (key,), atol_of=_rewards_rounding)
+            except AssertionError as e:
+                failures.append(f"rank {rank} logs: {str(e).split(' (all: ')[0]}")
+    assert not failures, "\n".join(failures)
 
 
 def _sync_ref_under_fsdp2(rank: int, world: int, tmp: str) -> str:

@@ -86,6 +86,9 @@ def test_cp_comm_type_names_the_mode() -> None:
     for theirs, ours in (("p2p", "ring"), ("all_gather", "allgather"), ("a2a", "ulysses"), ("a2a+p2p", "hybrid")):
         assert f"pass mode='{ours}'" in _refused(cp_comm_type=theirs), theirs
     assert "'a2a+p2p' 'hybrid'" in _refused(cp_comm_type="bogus")
+    # the hybrid's a2a degree is the groups' (tst34: the hint's second half was not asserted)
+    assert "init_process_groups(ulysses_size=u)" in _refused(cp_comm_type="a2a+p2p")
+    assert "ulysses_size" not in _refused(cp_comm_type="a2a")
 
 
 def _flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, left: int, right: int,
