@@ -299,6 +299,13 @@ class _ActivationBytes(NamedTuple):
     """One hidden-size gradient over the rows (one is counted in ``backward``, the gradient coming down): a second
     one is alive while a layer's MLP weight gradients are reduced (recorded at ZeRO-3's overflows at down_proj's,
     up_proj's and gate_proj's gradients: two of 8,192 B, est32)."""
+    final_norm_in_flight: int = 0
+    """ZeRO-3's reduction of a head gradient larger than the bucket runs inside the final norm's backward: the norm's
+    weight gradient's arrival overflows the bucket once the weight's product backward has run (freeing the normalised
+    copy it saved, the loss's gradient consumed): the norm's input (its fp32 upcast: the last layer's output itself in
+    fp32) and reciprocal RMS, which its other backward nodes still hold, and its weight gradient are alive beside the
+    gradient coming down (counted in ``backward``). Recorded at the 1e6-element bucket's measured peak (est34:
+    262,144 + 4,096 + 256 B at 1024 rows, hidden 64, fp32): the -0.29% (266,617 B) the model had left under there."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -481,6 +488,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     if tp_seq > 1 and not head_gathers:  # the tiled loss gathers chunk by chunk: the output stays local
         final_norm += h * e // tp_seq - h * e
     activations_at_loss += final_norm * rows
+    # inside the final norm's backward (ZeRO-3's head overflow): its saved tensors less the normalised copy and the
+    # output (both freed by then), and its weight's gradient (lean norms: their input only, counted as the output)
+    final_norm_in_flight = max(0, _norm_saved_bytes(h, e, recompute_norm, False, tp_seq) - h * e // tp_seq - h * e
+                               ) * rows + h * e
     activations += rows * h * e // tp_seq
     mlp_transient = mlp_grads = 0
     if tiled_mlp is not False:
@@ -508,7 +519,8 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
                             layer_freed=layer_freed, mlp_product=after_attention // 4,
                             mlp_input=rows * h * e if tiled_mlp is False else 0,
                             post_norm=_norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows,
-                            out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq)
+                            out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq,
+                            final_norm_in_flight=final_norm_in_flight)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -756,7 +768,9 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # ZeRO-3 reducing during the backward, when the gradients overflow the bucket (est29b, both recorded at the
         # measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting): a head gradient larger than
         # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
-        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
+        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%; and
+        # the final norm's backward in flight, whose weight gradient's arrival overflows the bucket: est34, -0.29% ->
+        # -121 B of scalars, ``acts.final_norm_in_flight``);
         # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
         # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket: +5.2% -> +0.7% once less what
         # the finished backward freed: ``freed``). Neither happens when
@@ -767,7 +781,7 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # rows x vocab x 4 = 32,768 B made by the LM head, recorded at the 8-layer overflow at gate_proj's gradient;
         # not counted at the other backward moments, whose settings were not recorded with them)
         "backward_reduction": static + acts.backward + comm + logits_kept + max(
-            head_grad + zero3_head_scatter if zero3_head_scatter else 0,
+            head_grad + zero3_head_scatter + acts.final_norm_in_flight if zero3_head_scatter else 0,
             (overflow_scatter or zero3_scatter) - freed if overflow is not None else 0),
     }
 
