@@ -154,14 +154,16 @@ def test_the_flat_input_at_q_projs_gradient_holds_the_buckets_contents() -> None
     norm and o_proj's, 2,101,376 elements, are in it). Recorded (est33, record_peak, rank 0): peak 92,774,745 B; the
     flat reduce-scatter input and gloo's copy are 2 x 8,405,504 B, the contents, beside the 8,412,000-byte bucket.
     The estimate counts the contents (est32 counted the full bucket there, 2 x 8,412,000): 93,717,408 -> 93,704,416 B,
-    +1.016% -> +1.002%. The rest of the +1.0% is what is in flight at q_proj's gradient (attention's backward has
-    freed the post-attention norm's tensors and made dq / dk / dv), not modelled: the band is 0 .. +1.01%.
+    +1.016% -> +1.002%. The rest of the +1.0% was what is in flight there, modelled since est34 (the first of q, k,
+    v's gradients to arrive is v_proj's, ``_Overflow.at_v_proj``; tests/test_est34_qkv_overflow.py): 92,774,624 B,
+    the measured bytes within 1 KiB (121 B under: scalars).
 
-    Seen failing: a full bucket at q_proj's (est32's rule): +1.016% (93,717,408 B), the contents 0."""
+    Seen failing: a full bucket at q_proj's (est32's rule): +1.016% (93,717,408 B), the contents 0; with est34's
+    terms, a full bucket: +12,992 B."""
     m = training._model_shape(MODEL)
     overflow = training._zero3_first_overflow(m, 2_103_000)
     assert overflow.after_mlp and not overflow.at_o_proj and overflow.contents * 4 == 8_405_504, overflow
     est = estimate_training_memory(MODEL, seq_len=2048, sp_size=2, engine="deepspeed", zero_stage=3, tiled_loss=True,
                                    reduce_bucket_size=2_103_000)
     assert est["moment"] == "backward_reduction", est
-    assert 0 <= est["peak"] / 92_774_745 - 1 <= 0.0101, (est["peak"], f"{est['peak'] / 92_774_745 - 1:+.3%}")
+    assert abs(est["peak"] - 92_774_745) <= 1024, (est["peak"], est["peak"] - 92_774_745)

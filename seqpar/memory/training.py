@@ -299,6 +299,19 @@ class _ActivationBytes(NamedTuple):
     """One hidden-size gradient over the rows (one is counted in ``backward``, the gradient coming down): a second
     one is alive while a layer's MLP weight gradients are reduced (recorded at ZeRO-3's overflows at down_proj's,
     up_proj's and gate_proj's gradients: two of 8,192 B, est32)."""
+    attn_saved: int = 0
+    """What one layer's attention saved (q, k, v, the output, its copy for o_proj where made, the log-sum-exp; not the
+    shared rotary pair), freed by attention's backward (recorded at ZeRO-3's overflow at v_proj's gradient, est34)."""
+    qkv_grads: int = 0
+    """Alive once attention's backward has run and v_proj's weight backward has: the gradients of q (rows x q heads'
+    width) and k (rows x kv heads' width), and v_proj's input gradient (rows x hidden) (recorded at that overflow)."""
+    final_norm_in_flight: int = 0
+    """ZeRO-3's reduction of a head gradient larger than the bucket runs inside the final norm's backward: the norm's
+    weight gradient's arrival overflows the bucket once the weight's product backward has run (freeing the normalised
+    copy it saved, the loss's gradient consumed): the norm's input (its fp32 upcast: the last layer's output itself in
+    fp32) and reciprocal RMS, which its other backward nodes still hold, and its weight gradient are alive beside the
+    gradient coming down (counted in ``backward``). Recorded at the 1e6-element bucket's measured peak (est34:
+    262,144 + 4,096 + 256 B at 1024 rows, hidden 64, fp32): the -0.29% (266,617 B) the model had left under there."""
 
 
 def _model_shape(model_config: Any) -> ModelShape:
@@ -440,6 +453,7 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     TP sequence parallelism's degree: the residual stream (layer inputs, norms) holds ``rows / tp_seq``;
     ``head_gathers``: the LM head saves the final norm's output all-gathered (untiled), else only the local one."""
     h, n_layers = m.hidden_size, m.num_hidden_layers
+    qd, kvd = m.num_attention_heads * m.d, m.num_key_value_heads * m.d
     low = e < 4
     mlp_rows = _mlp_chunk_rows(tiled_mlp, rows, h)
     if mlp_rows >= rows:  # one chunk: the tiled MLP calls the MLP as it is (seqpar.memory.tiling's forward), so no
@@ -481,6 +495,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
     if tp_seq > 1 and not head_gathers:  # the tiled loss gathers chunk by chunk: the output stays local
         final_norm += h * e // tp_seq - h * e
     activations_at_loss += final_norm * rows
+    # inside the final norm's backward (ZeRO-3's head overflow): its saved tensors less the normalised copy and the
+    # output (both freed by then), and its weight's gradient (lean norms: their input only, counted as the output)
+    final_norm_in_flight = max(0, _norm_saved_bytes(h, e, recompute_norm, False, tp_seq) - h * e // tp_seq - h * e
+                               ) * rows + h * e
     activations += rows * h * e // tp_seq
     mlp_transient = mlp_grads = 0
     if tiled_mlp is not False:
@@ -508,7 +526,10 @@ def _activation_bytes(m: ModelShape, e: int, *, rows: int, sp_size: int, mode: s
                             layer_freed=layer_freed, mlp_product=after_attention // 4,
                             mlp_input=rows * h * e if tiled_mlp is False else 0,
                             post_norm=_norm_saved_bytes(h, e, recompute_norm, False, tp_seq) * rows,
-                            out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq)
+                            out_grad=m.num_attention_heads * m.d * e * rows, hidden_grad=rows * h * e // tp_seq,
+                            final_norm_in_flight=final_norm_in_flight,
+                            attn_saved=(2 * qd + 2 * kvd + (qd if out_copy else 0)) * e * rows + m.num_attention_heads * 4 * rows,
+                            qkv_grads=(qd + kvd + h) * e * rows)
 
 
 def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq_len: int, sp_size: int, mode: str,
@@ -631,12 +652,23 @@ class _Overflow(NamedTuple):
     """The elements in the bucket when it overflows (what its flat reduce-scatter input copies), where the overflow
     is traced: at down_proj's, up_proj's, gate_proj's and o_proj's gradients (est32: the flat input and gloo's copy
     were 2 x 6,621,440 / 2 x 7,145,728 / 2 x 7,670,016 / 2 x 8,389,120 B, the contents, not the bucket's size),
-    and at attention's q, k, v and input norm gradients (est33: recorded at q_proj's, 2 x 8,405,504 B); 0 elsewhere
-    (the MLP's norm, hybrids' mixers, the remainder): a full bucket is counted (not traced)."""
+    and at attention's q, k, v and input norm gradients (est33: recorded at q_proj's, 2 x 8,405,504 B) and the
+    post-attention norm's (est34: 2 x 8,388,864 B); 0 elsewhere (hybrids' mixers, the remainder): a full bucket is
+    counted (not traced)."""
     at_o_proj: bool = False
     """The overflowing gradient is o_proj's, the first of attention's backward (est32, recorded at the 2.1e6-element
     bucket's peak): the post-attention norm's backward has freed its saved tensors, and o_proj's input gradient
     (rows x q heads' width) is alive beside its weight gradient (``arriving``)."""
+    at_v_proj: bool = False
+    """The first of q, k and v's weight gradients to arrive overflows the bucket: v_proj's (autograd runs the
+    projections' backwards in the reverse of their forward order). Recorded (est34, a 2,103,000-element bucket, 2,101,376
+    elements in it after o_proj's): v_proj's weight gradient (8,192 B) alive, attention's backward has freed its saved
+    tensors and the post-attention norm's backward its own; the gradients of q and k and v_proj's input gradient are
+    alive (3 x 262,144 B with the gradient coming down, and 131,072 B)."""
+    at_mlp_norm: bool = False
+    """The overflowing gradient is the post-attention norm's, after the MLP's (est34, recorded with a 2,097,279-element
+    bucket: the flat input holds the contents, and only one hidden-size gradient is alive, not the MLP weight
+    overflows' two: the MLP's input gradient has gone into the norm's backward)."""
 
 
 def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow | None:
@@ -663,16 +695,21 @@ def _zero3_first_overflow(m: ModelShape, reduce_bucket_size: int) -> _Overflow |
                 if elems + n > reduce_bucket_size and elems > 0:
                     if after_mlp:  # o, q, k, v, norm: traced at o_proj's (est32; not for hybrids' mixers)
                         traced = j == 0 and not m.layer_kinds
+                        # q's turn in this order, but v's gradient arrives first: traced where it overflows (est34)
+                        at_v = j == 1 and not m.layer_kinds and elems + part[3] > reduce_bucket_size
                         # the flat input holds the bucket's contents at attention's other gradients too (est33,
                         # recorded at q_proj's: 2 x 8,405,504 B, the 2,101,376 elements in it, not the bucket's
-                        # 2,103,000); what else is in flight there is not modelled (the estimate +1.0% over)
-                        return _Overflow(done, True, n if traced else 0,
-                                         contents=elems if not m.layer_kinds and j < 5 else 0, at_o_proj=traced)
+                        # 2,103,000); what is in flight there: ``at_v_proj`` (est34)
+                        return _Overflow(done, True, n if traced else part[3] if at_v else 0,
+                                         contents=elems if not m.layer_kinds and j < 5 else 0, at_o_proj=traced,
+                                         at_v_proj=at_v)
                     # down, up, gate, norm: the bucket's hook runs once the MLP's three weight backwards have
                     # run, so every MLP weight gradient from the overflowing one on is alive and its
                     # intermediates are freed (recorded: gate's overflow est31c, up's est31c, down's est32)
-                    return _Overflow(done, False, sum(part[j:3]) if j < 3 else n, True,
-                                     contents=elems if j < 3 else 0)
+                    # (and at the MLP's norm: est34, recorded with a 2,097,279-element bucket, the flat input and
+                    # gloo's copy 2 x 8,388,864 B, the contents, not a full bucket's 2 x 8,389,120)
+                    return _Overflow(done, False, sum(part[j:3]) if j < 3 else n, True, contents=elems,
+                                     at_mlp_norm=j == 3)
                 elems += n
     return None
 
@@ -722,13 +759,17 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         freed += sum(state.layer_copies[len(state.layer_copies) - overflow.done:]) if overflow.done else 0
         # (and with them the MLP's input, which only its projections saved: est33, recorded at gate_proj's overflow)
         freed += (acts.after_attention + acts.mlp_input if overflow.mlp_ran else 0) - overflow.arriving * e
-        if overflow.contents and not overflow.after_mlp:
+        if overflow.contents and not overflow.after_mlp and not overflow.at_mlp_norm:
             freed -= acts.hidden_grad  # a second hidden-size gradient in flight (recorded, est32)
         if overflow.at_o_proj:
             # o_proj's gradient overflows (est32, the 2.1e6-element bucket, recorded at the measured peak): the
             # post-attention norm's backward has freed its saved tensors (3 x 262,144 + 4,096 B), and o_proj's input
             # gradient (262,144 B) is alive beside its weight's (16,384 B, ``arriving``)
             freed += acts.post_norm - acts.out_grad
+        if overflow.at_v_proj:
+            # attention's backward has run: its saved tensors and the post-attention norm's are freed (est34, recorded
+            # at v_proj's overflow: the estimate was +929,792 B, +1.0%, counting them)
+            freed += acts.post_norm + acts.attn_saved - acts.qkv_grads
     moments = {} if not state.forward_fetch else {
         # ZeRO-3's forward in the traced step: the first fetch's coalesced all-gather flat buffer stays alive until
         # the last parameter it gathered is used (the last layer's MLP in a model it gathers whole), beside the
@@ -756,7 +797,9 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # ZeRO-3 reducing during the backward, when the gradients overflow the bucket (est29b, both recorded at the
         # measured peak of tests/test_training_memory.py's ZeRO-3 tiled-loss setting): a head gradient larger than
         # the bucket is reduced first, before any layer's backward (every layer's activations, the head's gradient
-        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%);
+        # and its scatter input and gloo's copy: _zero3_head_scatter_bytes; 1e6-element bucket, -5.5% -> -0.2%; and
+        # the final norm's backward in flight, whose weight gradient's arrival overflows the bucket: est34, -0.29% ->
+        # -121 B of scalars, ``acts.final_norm_in_flight``);
         # a bucket's worth is reduced inside a layer's backward (its flat input and gloo's copy, _zero3_scatter_bytes,
         # beside the bucket, which then holds the head's gradient; 2.1e6-element bucket: +5.2% -> +0.7% once less what
         # the finished backward freed: ``freed``). Neither happens when
@@ -767,7 +810,7 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         # rows x vocab x 4 = 32,768 B made by the LM head, recorded at the 8-layer overflow at gate_proj's gradient;
         # not counted at the other backward moments, whose settings were not recorded with them)
         "backward_reduction": static + acts.backward + comm + logits_kept + max(
-            head_grad + zero3_head_scatter if zero3_head_scatter else 0,
+            head_grad + zero3_head_scatter + acts.final_norm_in_flight if zero3_head_scatter else 0,
             (overflow_scatter or zero3_scatter) - freed if overflow is not None else 0),
     }
 
