@@ -374,10 +374,24 @@ def set_default_manager(manager: ProcessGroupManager | None) -> None:
     _DEFAULT = manager
 
 
+def _not_a_member(group: object) -> bool:
+    """This rank is outside ``group`` (``dist.new_group(ranks)`` on a rank not in ``ranks``): torch gives it rank -1.
+    Eager only: a traced call was checked when it ran eagerly, and the lookup would be one more traced call."""
+    import torch
+
+    if torch.compiler.is_compiling() or not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        return dist.get_rank(group) < 0
+    except (RuntimeError, ValueError, TypeError, AttributeError):  # not a registered group (a test's stand-in)
+        return False
+
+
 def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """The group a collective should use; the one rule behind every ``group=None`` in seqpar.
 
-    - ``group`` if given (``torch.distributed.group.WORLD`` to use the whole world on purpose);
+    - ``group`` if given (``torch.distributed.group.WORLD`` to use the whole world on purpose); a group this rank
+      is not a member of is refused (``ValueError``) naming the fix;
     - else the default manager's SP group (``seqpar.init_process_groups``);
     - else ``None`` when torch.distributed is not available or not initialised (a single process:
       world size 1);
@@ -387,6 +401,13 @@ def resolve_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup |
       Every rank raises the same error (it reads only the world size and the manager).
     """
     if group is not None:
+        if _not_a_member(group):
+            raise ValueError(
+                f"group= is a process group this rank (global rank {dist.get_rank()}) is not in: every rank that "
+                "passes it to seqpar must be a member (torch gives the others a size of -1, and collectives over it "
+                "return at once on them). Pass the sequence-parallel group this rank belongs to (the manager's "
+                "sp_group), or leave group= out after seqpar.init_process_groups(sp_size=...)"
+            )
         return group
     if _DEFAULT is not None:
         return _DEFAULT.sp_group
