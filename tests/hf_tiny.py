@@ -59,6 +59,23 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> Any:
     return LlamaForCausalLM(cfg).to(dtype)
 
 
+def swapped_one_layer_llama(world: int) -> Any:
+    """A float64 one-layer GQA Llama (vocab 64, 4 query / 2 K/V heads of 8) swapped for SP over ``world`` ranks, with
+    seqpar's process groups made from ``{"size": world}`` (the default manager); seeded, the same on every rank."""
+    import transformers
+
+    import seqpar
+
+    block = {"size": world}
+    seqpar.init_process_groups(config=block)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).double()
+    seqpar.swap_attention(model, block)
+    return model
+
+
 def samples() -> list[dict[str, torch.Tensor]]:
     """``ROWS`` fresh random token sequences (labels = input_ids, the HF causal-LM convention)."""
     g = torch.Generator().manual_seed(1234)

@@ -10,19 +10,11 @@ first) -> the same.
 from __future__ import annotations
 
 import torch
-import transformers
-
-import seqpar
+from hf_tiny import swapped_one_layer_llama
 
 
 def _run(rank: int, world: int) -> str:
-    block = {"size": world}
-    seqpar.init_process_groups(config=block)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).double()
-    seqpar.swap_attention(model, block)
+    model = swapped_one_layer_llama(world)
     local = 48 // world
     ids = torch.randint(0, 64, (3, local), generator=torch.Generator().manual_seed(3 + rank))
     right = torch.arange(rank * local, (rank + 1) * local)

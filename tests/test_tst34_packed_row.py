@@ -12,9 +12,7 @@ generic refusal, "got" showing the right row 0) and the +100 row's values were n
 from __future__ import annotations
 
 import torch
-import transformers
-
-import seqpar
+from hf_tiny import swapped_one_layer_llama
 
 DOCS = (10, 20, 18)  # 48 tokens: each rank's half holds pieces of two documents at P = 2
 
@@ -22,13 +20,7 @@ DOCS = (10, 20, 18)  # 48 tokens: each rank's half holds pieces of two documents
 def _run(rank: int, world: int) -> dict[str, str]:
     from seqpar.sequence.batch import shard_batch
 
-    block = {"size": world}
-    seqpar.init_process_groups(config=block)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).double()
-    seqpar.swap_attention(model, block)
+    model = swapped_one_layer_llama(world)
     bounds = torch.tensor([0, 10, 30, 48], dtype=torch.int32)
     full = {"input_ids": torch.randint(0, 64, (1, sum(DOCS)), generator=torch.Generator().manual_seed(3)),
             "position_ids": torch.cat([torch.arange(n) for n in DOCS])[None],
