@@ -14,6 +14,10 @@ many bytes of tensors were alive at the worst moment", so this tracker counts st
   ``UntypedStorage.resize_`` (FSDP2 frees and refills its unsharded parameters that way, outside the
   dispatcher) is wrapped to follow size changes.
 
+Only the thread that entered the tracker is counted: the dispatch mode is thread-local, and the ``resize_`` wrapper
+(global) registers that thread's resizes only, so a tensor another thread makes or refills inside the window (a
+library's worker, a communication backend's) never enters the step's figure.
+
 A storage is counted once however many views share it. Storages allocated by C++ code without a
 Python op (e.g. inside a communication backend) are not counted; neither is memory that is not a
 tensor (the CPU allocator's caches, Python objects).
@@ -221,12 +225,16 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def _wrap_resize(self) -> None:
         # UntypedStorage.resize_ does not go through the dispatcher: follow it here.
+        # Only the entering thread's resizes, as the dispatch mode (thread-local) sees only that thread's ops: the
+        # wrapper is global, and another thread's resize inside the window (a 1 MiB storage refilled by a library's
+        # thread) would otherwise enter the step's peak.
         self._orig_resize = torch.UntypedStorage.resize_
-        orig, tracker = self._orig_resize, self
+        orig, tracker, owner = self._orig_resize, self, threading.get_ident()
 
         def resize_(st: torch.UntypedStorage, size: int) -> Any:
             out = orig(st, size)
-            tracker._register(st)
+            if threading.get_ident() == owner:
+                tracker._register(st)
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
