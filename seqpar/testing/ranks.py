@@ -37,6 +37,7 @@ A killed pool reports ``closed``; :class:`PoolSet` starts a fresh one on next us
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import gc
 import inspect
@@ -44,6 +45,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import time
@@ -380,6 +382,9 @@ def _worker(
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)
+    # A rank killed by a signal from C++ (gloo's or libtorch's abort) leaves no Python traceback in the answer
+    # queue: faulthandler writes every thread's Python stack to the rank's stderr, which shows where it was.
+    faulthandler.enable(all_threads=True)
     try:
         dev = _join_group(rank, world, port, device, threads, pg_timeout_s)
         import torch.distributed as dist
@@ -422,6 +427,21 @@ def _worker(
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: every answer was delivered before the stop message
+
+
+def _exit_text(code: int | None) -> str:
+    """``-6, SIGABRT: ...``: a negative exit code is the signal that ended the rank; an abort is C++'s, whose
+    message and the rank's Python stacks (faulthandler) are on its stderr."""
+    if code is None or code >= 0:
+        return str(code)
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return str(code)
+    if -code == signal.SIGABRT:
+        return (f"{code}, {name}: a C++ abort (gloo, libtorch); its message and every thread's Python stack "
+                "are on that rank's stderr")
+    return f"{code}, {name}"
 
 
 class RankPool:
@@ -504,7 +524,7 @@ class RankPool:
         return self._closed
 
     def _dead(self) -> list[str]:
-        return [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self._procs) if not p.is_alive()]
+        return [f"rank {r} (exit code {_exit_text(p.exitcode)})" for r, p in enumerate(self._procs) if not p.is_alive()]
 
     @staticmethod
     def _failures(done: dict[int, tuple[bool, Any]]) -> str:
