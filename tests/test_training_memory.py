@@ -611,14 +611,15 @@ def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, h
     argv = ["--config", _config(tmp_path, "fsdp2", 0, model=model), "--sp-size", "2", "--seq-len", str(seq),
             "--no-progress", "--log-level", "WARNING", "--tiled-mlp", "1"]
     out = dist_pool.run(2, _run_main, argv, timeout=600)
-    # The two ranks' steps are alike; in about 1 run in 6 under the suite one rank measures exactly one to three MLP
-    # weights more (h I 4 B each: +524,288 / +1,048,576 B at I 2048, +3,145,728 at I 4096; session 34, 20 runs), in
-    # either step, never on both ranks at once. Not identified (flk34, rec34); whole weights on one rank fit buffers a
-    # gloo worker thread frees late. The other rank's peak, always the recorded 7,312,476 B at I 2048, is the step's
-    # own and is judged below; the gap is asserted to be whole MLP weights, nothing else.
+    # The two ranks' steps are alike; in about 1 run in 6 one rank measures more by whole MLP activations (the
+    # (seq / 2, I) fp32 tensors gate, up, act and their product, 4 B each element: +524,288 / +786,432 / +1,048,576 B
+    # at I 2048, +3,145,728 at I 4096; session 34, 21 runs), never on both ranks at once. Not identified (flk34,
+    # rec34); a release that depends on when that rank's process runs a garbage collection would fit. The other
+    # rank's peak, always the recorded 7,312,476 B at I 2048, is the step's own and is judged below; the gap is
+    # asserted to be whole activations, at most the MLP's four.
     low, high = sorted(out[0]["peak_mem_bytes"])
-    weight = hidden * inter * 4
-    assert (high - low) % weight == 0 and (high - low) // weight <= 3, (low, high, weight)
+    unit = seq // 2 * inter * 4
+    assert (high - low) % unit == 0 and (high - low) // unit <= 4, (low, high, unit)
     measured = low
     est = estimate_training_memory(model, seq_len=seq, sp_size=2, engine="fsdp2", tiled_mlp=1)
     print(f"\none layer, hidden {hidden}, I {inter}, {seq} tokens: estimate {est['peak']:,} vs measured {measured:,} "
