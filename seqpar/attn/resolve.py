@@ -179,7 +179,7 @@ def _group_and_manager(mode: str, group: dist.ProcessGroup | None) -> tuple[dist
             "call seqpar.init_process_groups(sp_size=P, ulysses_size=u) first (or use mode='ulysses' / 'ring' with group=)"
         )
     if group is not None:
-        return group, None
+        return resolve_group(group), None  # refuses a group this rank is not in, as every other entry point does
     if mode == "hybrid" and manager is None and dist.is_available() and dist.is_initialized() \
             and dist.get_world_size() > 1:
         raise ValueError(_HYBRID_NEEDS_MANAGER)  # resolve_group would raise too, less specifically
@@ -341,12 +341,6 @@ def resolve_attention(
     qb, kb, vb = (to_bhsd(t, layout) if isinstance(t, Tensor) else t for t in (q, k, v))
     group, manager = _group_and_manager(mode, group)
     world = 1 if group is None else dist.get_world_size(group)
-    if world < 1:  # torch gives -1 to a rank outside the group; the ring then failed on an empty hop list
-        raise ValueError(
-            f"seqpar.attention: group= is a process group this rank (global rank {dist.get_rank()}) is not in: every "
-            "rank that calls it must be a member. Pass the sequence-parallel group this rank belongs to (the "
-            "manager's sp_group, or leave group= out after seqpar.init_process_groups)"
-        )
     bounds, bad_bounds, documents = None, None, None
     if isinstance(cu_seqlens, Tensor) and torch.compiler.is_compiling():
         # a traced call cannot read the values: the tensor goes to the compiled op, which reads and
