@@ -53,10 +53,15 @@ class Transfer:
 
 
 class CudaTransfer(Transfer):
-    """Pinned host buffers; copies on one side stream, ordered against compute by events."""
+    """Pinned host buffers; copies on one side stream per device, ordered against compute by events.
+
+    One stream per device, not one for the transfer: a model spread over several GPUs (``device_map="auto"``,
+    a pipeline stage per device) offloads each layer's input from its own device, and a copy must be issued on a
+    stream of the device that holds the tensor (a stream of another device leaves the copy on that tensor's compute
+    stream, unordered by the recorded event, and ``record_stream`` with another device's stream is refused)."""
 
     def __init__(self) -> None:
-        self.stream: Any = None
+        self.streams: dict[torch.device, Any] = {}
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CudaTransfer:
         # a copied model (copy.deepcopy) gets a transfer of its own; its stream is made on its first copy, on the
@@ -67,9 +72,13 @@ class CudaTransfer(Transfer):
         return any(isinstance(a, Tensor) and a.is_cuda for a in args)
 
     def _side(self, device: torch.device) -> Any:
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(device=device)
-        return self.stream
+        """The side stream of ``device`` (a CUDA device with its index), made on its first copy."""
+        device = torch.device(device)
+        if device.index is None:  # "cuda" is the current device: key it by index so that both spellings share one
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device=device)
+        return self.streams[device]
 
     def to_host(self, t: Tensor) -> Any:
         stream = self._side(t.device)
