@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from seqpar.mixers.conv import causal_conv_shard, is_causal_depthwise_conv
 from seqpar.mixers.documents import carried_documents, carried_group
 from seqpar.mixers.scan_layout import ScanLayout, scan_layout
+from seqpar.runtime.groups import resolve_group
 
 __all__ = ["MixerFamily", "SwappedMixer", "is_transformers_class", "has_mixer_parts"]
 
@@ -149,8 +150,38 @@ class SwappedMixer(nn.Module):
         (:meth:`layout`)."""
         tf = sys.modules[self.transformers_module]
         cu = self.cu_seqlens(kwargs)
-        hidden_states = tf.apply_mask_to_padding_states(hidden_states, attention_mask)
+        hidden_states = tf.apply_mask_to_padding_states(hidden_states, self.padding_mask(attention_mask, hidden_states))
         return hidden_states, cu, self.layout(hidden_states.shape[1], cu)
+
+    def padding_mask(self, attention_mask: Tensor | None, hidden_states: Tensor) -> Tensor | None:
+        """``attention_mask`` checked as this rank's shard of a 2D padding mask for ``hidden_states``
+        ``(batch, seq_local, ...)``: ``(batch or 1, seq_local)``, zeroing the same positions transformers'
+        ``apply_mask_to_padding_states`` zeroes in one process when it is cut as the sequence is. Returned as
+        given when it fits (None, masks of other ranks, and the swapped model's own per-shard masks do).
+
+        Raises ValueError for a 2D mask whose length is not ``seq_local``: the whole sequence's mask (a
+        layer called directly, outside a swapped model, with the caller's mask) would otherwise fail on a
+        broadcast deep in the layer, or, at batch 1 with one rank, be read as another rank's positions."""
+        if attention_mask is None or attention_mask.dim() != 2:
+            return attention_mask
+        seq_local = hidden_states.shape[1]
+        if attention_mask.shape[-1] == seq_local and attention_mask.shape[0] in (1, hidden_states.shape[0]):
+            return attention_mask
+        group = resolve_group(self.group)
+        world = 1 if group is None else dist.get_world_size(group)
+        rank = 0 if group is None else dist.get_rank(group)
+        if attention_mask.shape[-1] == seq_local:
+            raise ValueError(
+                f"seqpar ({self.original_class}): attention_mask of shape {tuple(attention_mask.shape)} has batch "
+                f"{attention_mask.shape[0]}; hidden_states has batch {hidden_states.shape[0]}: pass one mask row per "
+                "batch row (or one row for all)")
+        whole = (f"; it is the whole sequence's ({seq_local} x {world} SP ranks): pass this rank's shard, "
+                 f"seqpar.shard_sequence(attention_mask, 1, sharding={self.sharding!r}, group=<the SP group>), cut as "
+                 "hidden_states is") if attention_mask.shape[-1] == seq_local * world and world > 1 else (
+                 ": pass this rank's shard of the padding mask, cut as hidden_states is (seqpar.shard_sequence)")
+        raise ValueError(
+            f"seqpar ({self.original_class}): attention_mask of shape {tuple(attention_mask.shape)} does not match "
+            f"hidden_states (batch {hidden_states.shape[0]}, {seq_local} tokens on SP rank {rank} of {world}){whole}")
 
     def conv_shard(self, conv: nn.Conv1d, x: Tensor, cu_seqlens: Tensor | None) -> Tensor:
         """The layer's causal depthwise ``conv`` (one of its children: ``weight (channels, 1, k)``, optional

@@ -152,6 +152,7 @@ class SeqParLightningAttention(SwappedMixer):
         batch, seq_local, _ = hidden_states.shape
         layout = self.layout(seq_local, self.cu_seqlens(kwargs))
         qkv = self.act_fn(self.qkv_proj(hidden_states))
+        attention_mask = self.padding_mask(attention_mask, hidden_states)
         if attention_mask is not None and attention_mask.dim() == 2:  # transformers' apply_mask_to_padding_states
             qkv = (qkv * attention_mask[:, :, None]).to(qkv.dtype)
         qkv = qkv.reshape(batch, seq_local, self.num_attention_heads, 3 * self.head_dim)

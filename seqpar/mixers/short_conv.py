@@ -57,6 +57,7 @@ class SeqParShortConv(SwappedMixer):
                 past_key_values: Any = None, **kwargs: Any) -> Tensor:
         """hidden_states ``(batch, seq_local, hidden)`` -> ``(batch, seq_local, hidden)``."""
         self.refuse_cache(cache, past_key_values)
+        attention_mask = self.padding_mask(attention_mask, hidden_states)
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states (2D padding mask)
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         bcx = self.in_proj(hidden_states).transpose(-1, -2)  # (B, 3*hidden, S_local)
