@@ -5,7 +5,7 @@ and the whole mask (the caller's, not cut) is refused on every rank naming ``sha
 broadcast error deep in the layer (``The size of tensor a (8) must match the size of tensor b (16)``).
 
 Seen failing: with ``SwappedMixer.padding_mask`` returning the mask unchecked, the refusal tests fail on that
-torch RuntimeError (Mamba, LFM2's short convolution); with the mask dropped in ``open_call`` (the padded
+torch RuntimeError (Mamba, LFM2's short convolution, MiniMax's lightning attention); with the mask dropped in ``open_call`` (the padded
 positions not zeroed), the Mamba parity fails on its output."""
 
 from __future__ import annotations
@@ -47,10 +47,32 @@ def _short_conv() -> tuple[torch.nn.Module, type, int]:
     return layer, SeqParShortConv, 16
 
 
-LAYERS = {"mamba": _mamba, "short_conv": _short_conv}
+def _lightning() -> tuple[torch.nn.Module, type, int]:
+    from seqpar.mixers.lightning import SeqParLightningAttention
+
+    if not hasattr(transformers, "MiniMaxConfig"):
+        pytest.skip("this transformers has no MiniMax")
+    cfg = transformers.MiniMaxConfig(
+        vocab_size=61, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention"], block_size=4, num_local_experts=2,
+        num_experts_per_tok=2, initializer_range=0.2, use_cache=False)
+    torch.manual_seed(0)
+    layer = transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0].self_attn.double()
+    with torch.no_grad():  # the decay buffers were computed in fp32 at init: recompute them in float64
+        for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), layer.decay_factors(layer.slope_rate)):
+            getattr(layer, name).copy_(value)
+    return layer, SeqParLightningAttention, 16
+
+
+LAYERS = {"mamba": _mamba, "short_conv": _short_conv, "lightning": _lightning}
 # Mamba's layer runs its scan partly in fp32 even in float64 (test_mixers_mamba): judged against each tensor's
 # largest entry; the convolution is float64 throughout
-CLOSE = {"mamba": relative_to_largest(1e-6), "short_conv": elementwise(1e-10)}
+CLOSE = {"mamba": relative_to_largest(1e-6), "short_conv": elementwise(1e-10), "lightning": elementwise(1e-10)}
+
+
+def _call(name: str, layer: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The layer's output: MiniMax's lightning layer takes (hidden, position embeddings, mask) and returns a pair."""
+    return layer(x, None, mask)[0] if name == "lightning" else layer(x, attention_mask=mask)
 
 
 def _padded(rank: int, world: int, name: str) -> str:
@@ -63,7 +85,7 @@ def _padded(rank: int, world: int, name: str) -> str:
     mask[1, :5] = 0  # left padding on row 1 (across rank 0's zigzag chunk and into the next)
     mask[0, seq - 3] = 0  # one masked position inside row 0, on the last rank's half
     ref_h = h.clone().requires_grad_()
-    ref = layer(ref_h, attention_mask=mask)
+    ref = _call(name, layer, ref_h, mask)
     (ref * grad).sum().backward()
     ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
     layer.zero_grad()
@@ -72,7 +94,7 @@ def _padded(rank: int, world: int, name: str) -> str:
     sp = sp_class(layer, group=group, sharding="zigzag")
     cut = dict(group=group, sharding="zigzag")
     h_sp = h.clone().requires_grad_()
-    out = sp(shard_sequence(h_sp, 1, **cut), attention_mask=shard_sequence(mask, 1, **cut))
+    out = _call(name, sp, shard_sequence(h_sp, 1, **cut), shard_sequence(mask, 1, **cut))
     (out * shard_sequence(grad, 1, **cut)).sum().backward()
     close = CLOSE[name]
     close(gather_sequence(out.detach(), 1, **cut), ref.detach(), f"{name}: output")
@@ -85,9 +107,9 @@ def _padded(rank: int, world: int, name: str) -> str:
     # the whole sequence's mask, not cut: refused on this rank, naming the fix
     with pytest.raises(ValueError, match=r"whole sequence's.*seqpar\.shard_sequence\(attention_mask, 1, "
                                          r"sharding='zigzag'"):
-        sp(shard_sequence(h, 1, **cut), attention_mask=mask)
+        _call(name, sp, shard_sequence(h, 1, **cut), mask)
     with pytest.raises(ValueError, match=r"has batch 3; hidden_states has batch 2"):
-        sp(shard_sequence(h, 1, **cut), attention_mask=torch.ones(3, seq // world))
+        _call(name, sp, shard_sequence(h, 1, **cut), torch.ones(3, seq // world))
     return "ok"
 
 
