@@ -5,8 +5,9 @@ and the whole mask (the caller's, not cut) is refused on every rank naming ``sha
 broadcast error deep in the layer (``The size of tensor a (8) must match the size of tensor b (16)``).
 
 Seen failing: with ``SwappedMixer.padding_mask`` returning the mask unchecked, the refusal tests fail on that
-torch RuntimeError (Mamba, LFM2's short convolution, MiniMax's lightning attention); with the mask dropped in ``open_call`` (the padded
-positions not zeroed), the Mamba parity fails on its output."""
+torch RuntimeError (Mamba, LFM2's short convolution, MiniMax's lightning attention); with the mask dropped in
+``open_call`` (the padded positions not zeroed), the Mamba parity fails on its output, and with lightning's
+mask multiplication dropped, the lightning parity."""
 
 from __future__ import annotations
 
