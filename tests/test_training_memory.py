@@ -578,7 +578,11 @@ def test_untiled_mlp_moment_counts_down_projs_gradient(dist_pool, tmp_path: Path
     """The untiled MLP's backward moment (``layer_backward``: the three intermediate gradients beside the MLP weights'
     gradients made so far, down_proj's ``h I e`` here, 32 rows a rank >= h) at FSDP2, fp32, SP 2, 64 tokens, the MLP
     model at hidden 32: the estimate is within 0 .. +5% of the measured peak (7,221,888 B on each rank; estimate
-    7,455,040, +3.23%, est30b), never under. The whole-step band (10%) lets the term go: here it is 3.3% of the peak.
+    7,455,040, +3.23%, est30b; 7,225,920, +0.06%, est37: down_proj's backward frees the product it saved, 32 x I
+    here, before the intermediates' gradients peak), never under. The whole-step band (10%) lets the term go: here it
+    is 3.3% of the peak. Since est37 the attention branch (its transients below what the MLP freed: the layer's
+    gradients made so far, 4,224 B above the MLP's) is the estimate's moment here, so W2 below no longer moves it;
+    tests/test_est37_ring_copies.py's tiled-loss row catches W2 (-65,728 B).
 
     Seen failing: the untiled MLP's ``mlp_grads = 0`` (mut29 / mut30's W2, down_proj's gradient not counted):
     7,209,536 B, -0.17%. (Not caught: mut30's W1, ``mlp_grads = h I e`` whatever the rows: it differs only when a
@@ -603,7 +607,10 @@ def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, h
     """FSDP2 with a one-layer model gathers the root and that layer only: there is no next layer to prefetch, so the
     estimate counts none (fp32, SP 2, untiled MLP, the MLP model at one layer; within 0 .. +10% of the measured peak:
     est30b measured 7,312,476 B at hidden 64 / I 2048 / 64 tokens, +2.2% with the fix, and 16,096,604 B at I 4096 /
-    128 tokens, +5.7%).
+    128 tokens, +5.7%). Since est37 the peak is modelled as it is recorded, FSDP2 unsharding the layer as its backward
+    starts (the all-gather's flat output, 1,638,912 B at I 2048, beside the layer's copies and every saved tensor):
+    7,312,256 and 16,096,384 B, the measured bytes less 220 B of scalars (AdamW's step counters among them), which the
+    floor of -512 B allows; the MLP moment, below it since est37 (the product freed), was 49,628 B under.
 
     Seen failing: the estimate counting a prefetched second layer whatever the depth (``gathered = (p_root + 2 *
     p_layer) * e``): +24.6% and +25.7%."""
@@ -624,7 +631,8 @@ def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, h
     est = estimate_training_memory(model, seq_len=seq, sp_size=2, engine="fsdp2", tiled_mlp=1)
     print(f"\none layer, hidden {hidden}, I {inter}, {seq} tokens: estimate {est['peak']:,} vs measured {measured:,} "
           f"({est['peak'] / measured - 1:+.2%}, at {est['moment']})")
-    assert 0 <= est["peak"] / measured - 1 <= TOLERANCE, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")
+    assert est["peak"] - measured >= -512, (est["peak"], measured, est["peak"] - measured)
+    assert est["peak"] / measured - 1 <= TOLERANCE, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")
 
 
 # DeepSpeed ZeRO-3 on models whose layers ZeRO-3 gathers (MLP weights above its 1e5-element persistence threshold),
