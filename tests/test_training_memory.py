@@ -101,6 +101,9 @@ TIGHT = {
     ("fsdp2", 0, 2, 8192, False, False, True, False, "allgather", "attn"): (-0.001, 0.02),
     ("fsdp2", 0, 4, 8192, False, False, True, False, "allgather", "attn"): (-0.001, 0.02),
     ("fsdp2", 0, 2, 8192, False, False, True, False, "ring", "attn"): (-0.001, 0.02),
+    # ZeRO-3's gradient bucket is allocated when the engine is built (stage3's IPG buffer, contiguous_gradients) and
+    # is alive at the loss's backward (est37: -3.31% -> -121 B, recorded). Seen failing on the estimate before: -3.3%
+    ("deepspeed", 3, 2, 2048, False, False, True): (-0.005, 0.02),
 }
 
 # each term of the estimate, by the estimator that makes it

@@ -787,8 +787,8 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         "forward_gather": static + comm + state.forward_fetch + acts.at_loss - acts.after_attention,
     }
     return moments | {
-        # the loss's backward: every layer's activations and the logits' buffers
-        "loss_backward": static + acts.at_loss + logits,
+        # the loss's backward: every layer's activations and the logits' buffers (ZeRO-3: its bucket, made at init)
+        "loss_backward": static + acts.at_loss + logits + (comm if engine == "deepspeed" and sharded else 0),
         # the last layer's backward (the first to run): the head's gradient made, then attention's
         # transients with the layer's gradients made so far (its MLP's and post-attention norm's saved tensors freed
         # by then: est37), or the MLP's with only the MLP weights' gradients made so far. The tiled MLP's transient
