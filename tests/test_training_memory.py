@@ -92,6 +92,18 @@ TIGHT = {
     # freed its saved tensors by then (est30: +5.2% -> +0.7%). Seen failing on the estimate before: 97,949,440 against
     # 93,147,769 bytes measured, +5.2%
     ("deepspeed", 3, 2, 2048, True, False, False, False, "ring", "train", 2_100_000): (-0.005, 0.02),
+    # FSDP2 at the last layer's backward (est37, tests/test_est37_ring_copies.py): the ring's copies of a pass's strided
+    # dout, k, v, the post-attention norm's saved tensors freed, the untiled loss's logits held, only the weight
+    # gradients made by then, the lse once, the MLP's product freed by down_proj's backward: ring +2.4% -> -156 B,
+    # all-gather +5.9% / +5.2% -> +0.57% / +0.47%, tiled loss +2.6% -> -192 B (what is under is scalars). Seen failing
+    # on the estimate before: the all-gather rows at +5.9% / +5.2%, the ring's at +2.4% and the tiled loss's at +2.6%
+    ("fsdp2", 0, 2, 4096, True, False, False): (-0.001, 0.02),
+    ("fsdp2", 0, 2, 8192, False, False, True, False, "allgather", "attn"): (-0.001, 0.02),
+    ("fsdp2", 0, 4, 8192, False, False, True, False, "allgather", "attn"): (-0.001, 0.02),
+    ("fsdp2", 0, 2, 8192, False, False, True, False, "ring", "attn"): (-0.001, 0.02),
+    # ZeRO-3's gradient bucket is allocated when the engine is built (stage3's IPG buffer, contiguous_gradients) and
+    # is alive at the loss's backward (est37: -3.31% -> -121 B, recorded). Seen failing on the estimate before: -3.3%
+    ("deepspeed", 3, 2, 2048, False, False, True): (-0.005, 0.02),
 }
 
 # each term of the estimate, by the estimator that makes it
@@ -578,7 +590,11 @@ def test_untiled_mlp_moment_counts_down_projs_gradient(dist_pool, tmp_path: Path
     """The untiled MLP's backward moment (``layer_backward``: the three intermediate gradients beside the MLP weights'
     gradients made so far, down_proj's ``h I e`` here, 32 rows a rank >= h) at FSDP2, fp32, SP 2, 64 tokens, the MLP
     model at hidden 32: the estimate is within 0 .. +5% of the measured peak (7,221,888 B on each rank; estimate
-    7,455,040, +3.23%, est30b), never under. The whole-step band (10%) lets the term go: here it is 3.3% of the peak.
+    7,455,040, +3.23%, est30b; 7,225,920, +0.06%, est37: down_proj's backward frees the product it saved, 32 x I
+    here, before the intermediates' gradients peak), never under. The whole-step band (10%) lets the term go: here it
+    is 3.3% of the peak. Since est37 the attention branch (its transients below what the MLP freed: the layer's
+    gradients made so far, 4,224 B above the MLP's) is the estimate's moment here, so W2 below no longer moves it;
+    tests/test_est37_ring_copies.py's tiled-loss row catches W2 (-65,728 B).
 
     Seen failing: the untiled MLP's ``mlp_grads = 0`` (mut29 / mut30's W2, down_proj's gradient not counted):
     7,209,536 B, -0.17%. (Not caught: mut30's W1, ``mlp_grads = h I e`` whatever the rows: it differs only when a
@@ -603,7 +619,10 @@ def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, h
     """FSDP2 with a one-layer model gathers the root and that layer only: there is no next layer to prefetch, so the
     estimate counts none (fp32, SP 2, untiled MLP, the MLP model at one layer; within 0 .. +10% of the measured peak:
     est30b measured 7,312,476 B at hidden 64 / I 2048 / 64 tokens, +2.2% with the fix, and 16,096,604 B at I 4096 /
-    128 tokens, +5.7%).
+    128 tokens, +5.7%). Since est37 the peak is modelled as it is recorded, FSDP2 unsharding the layer as its backward
+    starts (the all-gather's flat output, 1,638,912 B at I 2048, beside the layer's copies and every saved tensor):
+    7,312,256 and 16,096,384 B, the measured bytes less 220 B of scalars (AdamW's step counters among them), which the
+    floor of -512 B allows; the MLP moment, below it since est37 (the product freed), was 49,628 B under.
 
     Seen failing: the estimate counting a prefetched second layer whatever the depth (``gathered = (p_root + 2 *
     p_layer) * e``): +24.6% and +25.7%."""
@@ -624,7 +643,8 @@ def test_one_layer_fsdp2_counts_no_prefetched_layer(dist_pool, tmp_path: Path, h
     est = estimate_training_memory(model, seq_len=seq, sp_size=2, engine="fsdp2", tiled_mlp=1)
     print(f"\none layer, hidden {hidden}, I {inter}, {seq} tokens: estimate {est['peak']:,} vs measured {measured:,} "
           f"({est['peak'] / measured - 1:+.2%}, at {est['moment']})")
-    assert 0 <= est["peak"] / measured - 1 <= TOLERANCE, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")
+    assert est["peak"] - measured >= -512, (est["peak"], measured, est["peak"] - measured)
+    assert est["peak"] / measured - 1 <= TOLERANCE, (est["peak"], measured, f"{est['peak'] / measured - 1:+.2%}")
 
 
 # DeepSpeed ZeRO-3 on models whose layers ZeRO-3 gathers (MLP weights above its 1e5-element persistence threshold),

@@ -102,8 +102,9 @@ Head chunks (``head_chunks = G > 1``): the ring runs once per chunk of kv_heads 
 gradients ``dq, dk, dv`` are then full-size tensors filled chunk by chunk (Q + 2 K, fixed) and every
 transient above (accumulators, buffers, kernel outputs) is one chunk's, i.e. divided by G (the ring's
 fp32 accumulators are the gradients' own head slices when the inputs are in the accumulation dtype:
-then none beside them); with
-batch > 1 a head slice is strided, so each pass also copies its ``dout, k, v`` slices (Q + 2 K) / G.
+then none beside them). A strided slice is copied contiguous by each ring pass: its ``dout, k, v`` ((Q + 2 K) / G)
+with ``layout="bshd"`` (Hugging Face's projections seen transposed: at every G, one pass included) or at batch > 1
+in ``bhsd``, and its lse (lse / G) at batch > 1 (:func:`_pass_copies`).
 
 All three include the inputs, the output and their gradients, i.e. what a training step holds for
 the attention call. The forward peaks lower, except with few K/V heads (GQA), where the ring's backward
@@ -122,6 +123,7 @@ import torch
 from seqpar.attn.checks import check_dkv_wire, resolve_head_chunks
 from seqpar.attn.common import AttentionOptions, dkv_wire_dtype
 from seqpar.attn.masks import document_bounds, host_boundaries
+from seqpar.attn.resolve import LAYOUTS
 from seqpar.kernels.merge import cpu_merge_piece
 from seqpar.memory.masked import (
     RowBytes,
@@ -170,6 +172,7 @@ def estimate_attention_memory(
     chunk_size: int | None = None,
     sinks: bool = False,
     sharding: str | None = None,
+    layout: str = "bhsd",
 ) -> int:
     """Peak bytes per rank of one attention forward + backward, inputs, output and gradients included.
 
@@ -192,6 +195,10 @@ def estimate_attention_memory(
         sinks: the call passes ``sinks`` (per-head sink logits).
         sharding: how the sequence is cut (``"contiguous"``, ``"zigzag"``, ``"balanced"``); ``None``: zigzag
             when causal on more than one rank, else contiguous (the plan, and so the peak, depend on it).
+        layout: how q, k, v and the output's gradient lie in memory, as :func:`seqpar.attention`'s ``layout``:
+            ``"bhsd"`` (contiguous ``(batch, heads, seq, dim)``) or ``"bshd"`` (``(batch, seq, heads, dim)``
+            buffers, e.g. Hugging Face's projections seen transposed): the ring's contiguous copies of a pass's
+            inputs depend on it (:func:`_pass_copies`); the other modes' estimates do not read it.
     Returns:
         bytes, an estimate of the per-rank peak (the largest over the ranks).
     Raises:
@@ -202,6 +209,9 @@ def estimate_attention_memory(
     _check_sizes(mode, seq_len=seq_len, world_size=world_size, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
                  head_dim=head_dim, v_head_dim=head_dim if v_head_dim is None else v_head_dim)
     check_dkv_wire(dkv_wire_dtype, mode)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is invalid: pass 'bhsd' (batch, heads, seq, dim) or 'bshd' (batch, seq, "
+                         "heads, dim), as seqpar.attention takes it")
     dt = as_dtype(dtype)
     mode, world, u, chunks = _effective_run(mode, seq_len=seq_len, world_size=world_size, causal=causal,
                                             q_heads=q_heads, kv_heads=kv_heads, head_chunks=head_chunks,
@@ -225,7 +235,7 @@ def estimate_attention_memory(
     if masks is not None:
         return _masked_peak(sizes, masks, dt=dt, world=world, seq_len=seq_len, chunks=chunks, batch=batch,
                             q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim if v_head_dim is None else v_head_dim,
-                            wire=dkv_wire_dtype, sinks=sinks)
+                            wire=dkv_wire_dtype, sinks=sinks, layout=layout)
     if mode == "single":
         return _single_peak(sizes)
     if mode in ("ulysses", "hybrid"):
@@ -349,10 +359,12 @@ def _mask_options(seq_len: int, *, world: int, causal: bool, cu_seqlens: object,
 
 
 def _masked_peak(sizes: _Sizes, opts: AttentionOptions, *, dt: torch.dtype, world: int, seq_len: int, chunks: int,
-                 batch: int, q_heads: int, kv_heads: int, head_dim: int, wire: str, sinks: bool) -> int:
+                 batch: int, q_heads: int, kv_heads: int, head_dim: int, wire: str, sinks: bool,
+                 layout: str = "bhsd") -> int:
     """The ring (or one process) under masks / sinks: :func:`seqpar.memory.masked.masked_ring_peak` on one head
     chunk's row sizes, plus what the closed forms add around a pass (the always-live tensors; with G > 1 the
-    full-size gradients, out and lse, and batch > 1's contiguous head slices) and the sink gradient's moment."""
+    full-size gradients, out and lse; the pass's contiguous copies of strided inputs, :func:`_pass_copies`) and the
+    sink gradient's moment."""
     Q, K, Q32, lse, base, low = sizes.Q, sizes.K, sizes.Q32, sizes.lse, sizes.base, sizes.low
     G, L = chunks, seq_len // world
     acc_dt = torch.float64 if dt == torch.float64 else torch.float32
@@ -366,16 +378,32 @@ def _masked_peak(sizes: _Sizes, opts: AttentionOptions, *, dt: torch.dtype, worl
     bwd, fwd = masked_ring_peak(world=world, seq_local=L, opts=opts, units=units, into=into, cast=G == 1 and low,
                                 sinks=sinks)
     moments = [2 * Q + 2 * K + fwd + ((Q + lse) if G > 1 else 0)]
-    if G == 1:
-        moments.append(base + bwd)
-    else:  # the gradients written chunk by chunk; at batch > 1 a head slice is strided: each pass copies its
-        # dout, k, v and lse slices contiguous
-        moments.append(base + Q + 2 * K + bwd + ((Q + 2 * K + lse) / G if batch > 1 else 0))
+    copies = _pass_copies(sizes, layout=layout, batch=batch, q_heads=q_heads, kv_heads=kv_heads, chunks=G)
+    # G > 1: the gradients written chunk by chunk (Q + 2 K) beside the pass
+    moments.append(base + (Q + 2 * K if G > 1 else 0) + bwd + copies)
     if sinks:  # seqpar.kernels.merge.sink_grad after the ring: the gradients, p, dout * out (and their upcasts)
         moments.append(base + Q + 2 * K + Q32 * (3 if low else 1) + lse)
     # the sink logits themselves, (q_heads,) in the inputs' dtype, alive throughout
     sink_param = q_heads * torch.tensor([], dtype=dt).element_size() if sinks else 0
     return int(max(moments) + sink_param)
+
+
+def _pass_copies(sizes: _Sizes, *, layout: str, batch: int, q_heads: int, kv_heads: int, chunks: int) -> float:
+    """The contiguous copies a ring backward pass (of G = ``chunks``, on its head chunk's slices) makes of strided
+    inputs, alive through the pass (:func:`seqpar.attn.ring.ring_backward`): ``backward_layout`` copies ``dout``
+    dense on CPU (Q / G), ``k, v = k.contiguous(), v.contiguous()`` copies k and v (2 K / G), and
+    :func:`seqpar.attn.ring.ring_attention_backward` hands each pass ``lse[:, qs].contiguous()`` (lse / G). A
+    ``(batch, heads, seq, dim)`` slice is strided when its tensor is ``bshd`` in memory with more than one head
+    (a chunk of heads, or all of them, seen transposed: Hugging Face's q, k, v and o_proj's input gradient), or, in
+    ``bhsd``, when G > 1 cuts its heads at batch > 1; lse (``(batch, heads, seq)``, made contiguous by the forward) only
+    in the latter case. Recorded at the peak of tests/test_training_memory.py's FSDP2 ring setting (Hugging Face Llama,
+    8 / 8 heads of 16, 4096 rows, G = 4, fp32): dout's copy (524,288 B) and k's and v's (2 x 524,288 B) beside the
+    pass's buffers, which the estimate had left out (tests/test_est37_ring_copies.py)."""
+    def strided(heads: int) -> bool:
+        return heads > 1 if layout == "bshd" else batch > 1 and chunks > 1
+
+    lse = sizes.lse if batch > 1 and chunks > 1 else 0
+    return ((sizes.Q if strided(q_heads) else 0) + (2 * sizes.K if strided(kv_heads) else 0) + lse) / chunks
 
 
 def _single_peak(sizes: _Sizes) -> int:

@@ -536,14 +536,16 @@ def _attention_transient_bytes(m: ModelShape, dt: torch.dtype, *, rows: int, seq
                                batch: int, head_chunks: int | str, dkv_wire_dtype: str = "fp32",
                                masks: dict[str, Any] | None = None) -> int:
     """One layer's attention call (:func:`estimate_attention_memory`, with the data's ``masks``: cu_seqlens,
-    window, chunk_size, sinks, sharding) less its q, k, v and output, which the layer's activations already count."""
+    window, chunk_size, sinks, sharding; ``bshd``: Hugging Face's projections seen transposed) less its q, k, v,
+    output and log-sum-exp, which the layer's activations already count (the lse was counted twice until est37)."""
     e = torch.empty((), dtype=dt).element_size()
     attn = estimate_attention_memory(seq_len, world_size=sp_size, mode=mode if sp_size > 1 else "single",
                                      batch=batch, q_heads=m.num_attention_heads, kv_heads=m.num_key_value_heads,
                                      head_dim=m.d, dtype=dt, causal=True, head_chunks=head_chunks,
-                                     dkv_wire_dtype=dkv_wire_dtype, **(masks or {}))
+                                     dkv_wire_dtype=dkv_wire_dtype, layout="bshd", **(masks or {}))
     qkvo = rows * m.d * (2 * m.num_attention_heads + 2 * m.num_key_value_heads) * e
-    return max(0, attn - qkvo)
+    lse = rows * m.num_attention_heads * (8 if dt == torch.float64 else 4)
+    return max(0, attn - qkvo - lse)
 
 
 def _logits_loss_bytes(m: ModelShape, e: int, *, rows: int, tiled_loss: bool, tp_seq: int = 1) -> int:
@@ -736,7 +738,14 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
     # have freed their saved tensors, and so has the layer in flight's MLP once its backward ran. Counting every
     # layer's activations there was +5.2% over the 2.1e6-element bucket's measurement (the overflow at the last
     # layer's o_proj gradient, its MLP's saved gate, up, act(gate) and product gone: recorded at the peak, est30)
-    layer_grads, mlp_grads = p_layer * e, acts.mlp_grads
+    # at attention's backward the layer's q, k, v and input norm weight gradients are not made yet; down_proj's backward
+    # has freed the product it saved before the MLP backward's peak; FSDP2 holds the final norm's weight gradient, and
+    # unsharding the last layer as its backward starts, the all-gather's flat output beside the layer's copies (a deeper
+    # model's prefetched layer, in ``params``, is not gathered yet then). All recorded at FSDP2's peaks (est37)
+    h, qd, kvd = m.hidden_size, m.num_attention_heads * m.d, m.num_key_value_heads * m.d
+    layer_grads = (p_layer - (0 if m.layer_kinds else h * qd + 2 * h * kvd + h)) * e
+    norm_grad, unshard = (h * e, p_layer * e if n_layers == 1 else 0) if engine == "fsdp2" else (0, 0)
+    mlp_grads = acts.mlp_grads - acts.mlp_product
     if engine == "deepspeed" and sharded:
         # ZeRO-3 copies each whole gradient into its bucket (``comm``) as it is made and frees it: the untiled MLP's
         # backward holds one weight gradient (down_proj's, h I) beside the three intermediate gradients, and
@@ -778,16 +787,17 @@ def _moments(m: ModelShape, e: int, state: _StateBytes, acts: _ActivationBytes, 
         "forward_gather": static + comm + state.forward_fetch + acts.at_loss - acts.after_attention,
     }
     return moments | {
-        # the loss's backward: every layer's activations and the logits' buffers
-        "loss_backward": static + acts.at_loss + logits,
+        # the loss's backward: every layer's activations and the logits' buffers (ZeRO-3: its bucket, made at init)
+        "loss_backward": static + acts.at_loss + logits + (comm if engine == "deepspeed" and sharded else 0),
         # the last layer's backward (the first to run): the head's gradient made, then attention's
-        # transients with the layer's own whole gradients in flight (its MLP's saved tensors freed by
-        # then), or the MLP's with only the MLP weights' gradients made so far. The tiled MLP's transient
+        # transients with the layer's gradients made so far (its MLP's and post-attention norm's saved tensors freed
+        # by then: est37), or the MLP's with only the MLP weights' gradients made so far. The tiled MLP's transient
         # already holds them (accumulator + one chunk's): adding the layer's whole gradients counted 3 h I e
         # twice; untiled, only down_proj's is alive beside the three intermediate gradients (both measured at
-        # FSDP2: tests/test_training_memory.py)
-        "layer_backward": static + acts.backward + head_grad + comm
-        + max(layer_grads + max(attention - acts.after_attention, 0), acts.mlp_transient + mlp_grads),
+        # FSDP2: tests/test_training_memory.py). The untiled loss's logits are held throughout (est37)
+        "layer_backward": static + acts.backward + head_grad + norm_grad + comm + logits_kept + max(
+            layer_grads + max(attention - acts.after_attention - acts.post_norm, 0), acts.mlp_transient + mlp_grads,
+            unshard),
         # the end of backward: the root's gradients being reduced (FSDP2: copied into a flat fp32
         # reduce-scatter input while the last whole gradient is still alive, and the output shard),
         # the layers' reduced shards; ZeRO: every reduced gradient and the root's whole ones
