@@ -67,8 +67,9 @@ def attention(
         k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
             q_heads a multiple of kv_heads (GQA/MQA). V's head dim may differ from q/k's (MLA); the
             output then has V's.
-        causal: causal masking over the *global* positions of the sharded sequence.
-        scale: score multiplier, default ``head_dim ** -0.5``.
+        causal: causal masking over the *global* positions of the sharded sequence (a bool: anything else,
+            a string, None, 1 or a tensor, is refused).
+        scale: score multiplier, a finite float > 0 (default ``head_dim ** -0.5``).
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
             ``"ulysses"`` (all-to-all to head shards over the whole SP group; head counts P does not divide
             are split unevenly; fewer q_heads than P is refused),
