@@ -95,6 +95,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.attn.amp import autocast_inputs, autocast_off
 from seqpar.attn.checks import (
     CompileOnlyRefusal,
     check_across_ranks,
@@ -213,7 +214,22 @@ def dilated_attention(
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix.
+
+    Under ``torch.autocast`` q, k and v are first cast to its dtype (float64 excepted), as torch's SDPA casts them
+    (:mod:`seqpar.attn.amp`).
     """
+    q, k, v = autocast_inputs(q, k, v)
+    with autocast_off(q):
+        return _dilated_attention(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                                  causal=causal, scale=scale, mode=mode, group=group, sharding=sharding,
+                                  head_layout=head_layout, check_inputs=check_inputs, dkv_wire_dtype=dkv_wire_dtype)
+
+
+def _dilated_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+    scale: float | None, mode: str, group: dist.ProcessGroup | None, sharding: str, head_layout: str,
+    check_inputs: bool, dkv_wire_dtype: str,
+) -> Tensor:
     check_options(mode, sharding)
     if sharding != "contiguous":
         raise ValueError(

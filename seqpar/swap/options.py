@@ -170,13 +170,16 @@ class SwapOptions:
     def _resolved_attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
+        from seqpar.attn.amp import autocast_inputs, autocast_off
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.resolve import resolve_attention
 
         check = self._per_call_check()
+        # under torch.autocast: q, k, v as the layer's SDPA would take them (a Llama's float32 q / k beside its bf16 v)
+        q, k, v = autocast_inputs(q, k, v)
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
         # suspend the dispatcher so that call is the plain kernel, not a recursion.
-        with suspended():
+        with suspended(), autocast_off(q):
             if self.pattern.type == "dilated":
                 if masked:
                     raise ValueError(
