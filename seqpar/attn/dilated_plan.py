@@ -61,7 +61,8 @@ def check_pattern(
     """
     for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
         if not _is_list(values):
-            hint = (f" ({name}=[{values!r}] for one pattern)" if isinstance(values, int) and not isinstance(values, bool)
+            one = isinstance(values, int) and not isinstance(values, bool)
+            hint = (f" ({name}=[{values!r}] for one pattern)" if one
                     else f" ({name}=t.tolist())" if hasattr(values, "tolist") else
                     f" ({name}=list(...) of a generator)" if hasattr(values, "__next__") else "")
             raise TypeError(f"{name}={values!r} is invalid: pass a list of positive integers, one per pattern{hint}")

@@ -15,8 +15,8 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.alibi import with_alibi
-from seqpar.attn.amp import autocast_inputs, autocast_off
 from seqpar.attn.allgather import AllGatherAttention
+from seqpar.attn.amp import autocast_inputs, autocast_off
 from seqpar.attn.common import SingleRank
 from seqpar.attn.foreign import ATTENTION_FOREIGN_KEYWORDS, attention_foreign_keywords
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
