@@ -22,8 +22,13 @@ from torch import Tensor
 __all__ = ["autocast_inputs", "autocast_off"]
 
 
+def _autocast_on(device_type: str) -> bool:
+    # is_autocast_available first: is_autocast_enabled raises on a device type autocast does not know ("meta")
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+    return torch.get_autocast_dtype(device_type) if _autocast_on(device_type) else None
 
 
 def autocast_inputs(*tensors: Any) -> tuple[Any, ...]:
@@ -42,6 +47,6 @@ def autocast_inputs(*tensors: Any) -> tuple[Any, ...]:
 
 def autocast_off(t: Any) -> contextlib.AbstractContextManager:
     """A context with autocast off for ``t``'s device type where it is on (else a no-op)."""
-    if isinstance(t, Tensor) and torch.is_autocast_enabled(t.device.type):
+    if isinstance(t, Tensor) and _autocast_on(t.device.type):
         return torch.autocast(t.device.type, enabled=False)
     return contextlib.nullcontext()
