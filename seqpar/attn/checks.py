@@ -36,6 +36,8 @@ __all__ = [
     "check_dkv_wire",
     "dkv_wire_digest",
     "check_local",
+    "check_causal",
+    "check_scale",
     "check_across_ranks",
     "describe_call",
     "resolve_head_chunks",
@@ -247,12 +249,17 @@ def check_local(q: Tensor, k: Tensor, v: Tensor, *, world_size: int, sharding: s
             f"q {shown(q.shape)} and k {shown(k.shape)} must agree in batch, seq_local and head_dim "
             f"(layout (batch, heads, seq_local, head_dim); v's head_dim may differ)"
         )
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] and q.shape[1] % k.shape[1]:
         raise ValueError(
             f"q has {shown(q.shape[1])} heads and k/v have {shown(k.shape[1])}: q_heads must be a multiple of kv_heads (GQA)"
         )
     if q.shape[2] == 0:
         raise ValueError("seq_local is 0: every rank needs at least one token of the sequence")
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[3] == 0:
+        raise ValueError(
+            f"q {shown(q.shape)} and k {shown(k.shape)} need at least one head and a head_dim >= 1 (layout (batch, "
+            "heads, seq_local, head_dim)): a size of 0 there is no attention to compute"
+        )
     if length:
         check_local_length(q.shape[2], world_size=world_size, sharding=sharding)
 
@@ -267,6 +274,52 @@ def check_local_length(seq_local: int, *, world_size: int, sharding: str) -> Non
             f"pad the full sequence to a multiple of 2 * {world_size} (seqpar.sequence.sharding.pad_to_multiple) "
             f"or use sharding='contiguous'"
         )
+
+
+def check_causal(causal: object, entry: str = "seqpar.attention") -> bool:
+    """``causal`` as the bool it must be, or a TypeError naming the fix. Python reads any non-empty string as
+    true (``causal="False"`` ran causal), and torch's SDPA, which one rank runs, refused anything but a bool deep
+    inside torch while more ranks took ``1`` / ``None`` as their truth value: one rule for every world size. Called
+    after the cross-rank check (whose row carries :func:`causal_digest`), so every rank raises alike."""
+    if isinstance(causal, bool):
+        return causal
+    if isinstance(causal, str):
+        why = f" (a string is true whatever it says: {causal!r} would have run causal)"
+    elif isinstance(causal, Tensor):
+        why = f" (a tensor of shape {shown(tuple(causal.shape))}: pass causal=bool(t), a value fixed per call)"
+    elif causal is None:
+        why = " (None: seqpar has no layer to take causality from; transformers' is_causal=None means module.is_causal)"
+    else:
+        why = f" ({type(causal).__name__}: pass causal=bool(x))"
+    raise TypeError(f"{entry}: causal={causal!r} is not a bool{why}: pass causal=True (causal masking) or "
+                    "causal=False (none)")
+
+
+def causal_digest(causal: object) -> int:
+    """``causal`` as an int of the cross-rank row: 1 / 0 for a bool, -1 for anything :func:`check_causal` refuses
+    (``int()`` of a string or None raised on one rank before the all-gather, which could leave the others in it)."""
+    return int(causal) if isinstance(causal, bool) else -1
+
+
+def check_scale(scale: object, head_dim: int, entry: str = "seqpar.attention") -> float:
+    """The score multiplier a call runs with: ``head_dim ** -0.5`` for None, else ``scale`` as a float, which must be
+    finite and > 0. torch's attention kernels, which seqpar runs, return NaN for a scale <= 0 or an infinite one, and
+    with a window or documents a NaN scale came out as a finite, wrong output; ``q * scale`` with ``scale=1.0``
+    computes what such a scale means. A bool or a string is refused (``True`` ran as 1.0). Called after the
+    cross-rank check: every rank raises alike."""
+    if scale is None:
+        return float(head_dim ** -0.5)
+    if not _is_number(scale):
+        raise TypeError(f"{entry}: scale={scale!r} ({type(scale).__name__}) is invalid: pass a float > 0 (the score "
+                        "multiplier) or None for head_dim ** -0.5")
+    value = float(scale)
+    if not 0.0 < value < math.inf:
+        raise ValueError(
+            f"{entry}: scale={value!r} is invalid: pass a finite float > 0 (or None for head_dim ** -0.5). torch's "
+            "attention kernels, which seqpar runs, returned NaN for a scale <= 0 or an infinite one (CPU, measured); "
+            "for such a score multiplier s, pass q * s and scale=1.0"
+        )
+    return value
 
 
 def _describe(t: Tensor) -> list[int]:
@@ -284,6 +337,27 @@ def _scale_bits(scale: float) -> int:
     if isinstance(scale, (float, torch.SymFloat)):  # (dynamo's isinstance of a SymFloat says float)
         scale = guard_scalar(scale)
     return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _scale_digest(scale: object, head_dim: int) -> int:
+    """:func:`_scale_bits` of the call's scale (None: ``head_dim ** -0.5``), or -1 (a NaN's bits) where there is no
+    float to take (a head_dim of 0, a scale no float: :func:`check_scale` and :func:`check_local` refuse them after the
+    all-gather; raised here, on some ranks only, they left the others waiting in it)."""
+    if scale is None:
+        return _scale_bits(head_dim ** -0.5) if head_dim > 0 else -1
+    return _scale_bits(scale) if _is_number(scale) else -1
+
+
+def _is_number(scale: object) -> bool:
+    """A value a scale may be: anything ``float()`` takes as a number (a float, an int, numpy's scalars, a SymFloat, a
+    one-element tensor), except a bool and a string (which ``float()`` parses)."""
+    if isinstance(scale, (bool, str)):
+        return False
+    if isinstance(scale, (int, float, torch.SymInt, torch.SymFloat)):  # (dynamo's isinstance of a SymFloat: float)
+        return True
+    if not hasattr(type(scale), "__float__"):
+        return False
+    return not isinstance(scale, Tensor) or scale.numel() == 1
 
 
 def _bits_scale(bits: int) -> float:
@@ -304,11 +378,11 @@ def describe_call(
     meta += [
         _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1,
         {"cpu": 0, "cuda": 1}.get(q.device.type, 2),
-        int(causal),
+        causal_digest(causal),
         MODES.index(mode) * len(SHARDINGS) + SHARDINGS.index(sharding),
         0 if head_chunks == "auto" else (head_chunks if isinstance(head_chunks, int) else -1),
         # a scale differing between ranks would merge partial results of different softmaxes
-        _scale_bits(q.shape[-1] ** -0.5 if scale is None else scale),
+        _scale_digest(scale, q.shape[-1]),
     ]
     extra = [int(x) for x in extra]
     return meta + [len(extra), *extra]

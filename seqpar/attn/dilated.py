@@ -95,12 +95,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from seqpar.attn.amp import autocast_inputs, autocast_off
 from seqpar.attn.checks import (
     CompileOnlyRefusal,
     check_across_ranks,
+    check_causal,
     check_dkv_wire,
     check_local,
     check_options,
+    check_scale,
     dkv_wire_digest,
 )
 from seqpar.attn.dilated_blocks import kv_index
@@ -192,8 +195,8 @@ def dilated_attention(
         segment_lengths: segment length ``w`` of each pattern, in global positions; each divides the
             global length ``seq_local * P`` and, for ``P > 1``, divides or is a multiple of ``seq_local``.
         dilation_rates: dilation rate ``r`` of each pattern; ``r`` divides its ``w``.
-        causal: causal within each sparsified segment.
-        scale: score multiplier, default ``head_dim ** -0.5``.
+        causal: causal within each sparsified segment (a bool).
+        scale: score multiplier, a finite float > 0 (default ``head_dim ** -0.5``).
         mode: how segments spanning several ranks exchange their selected K/V rows: ``"ring"`` or
             ``"allgather"`` (see the module docstring for volumes).
         group: the SP process group; ``None`` = the default manager's SP group, or a single
@@ -211,7 +214,22 @@ def dilated_attention(
         ``(batch, q_heads, seq_local, head_dim)`` in q's dtype and the same sharding.
     Raises:
         ValueError / TypeError naming the problem and the fix.
+
+    Under ``torch.autocast`` q, k and v are first cast to its dtype (float64 excepted), as torch's SDPA casts them
+    (:mod:`seqpar.attn.amp`).
     """
+    q, k, v = autocast_inputs(q, k, v)
+    with autocast_off(q):
+        return _dilated_attention(q, k, v, segment_lengths=segment_lengths, dilation_rates=dilation_rates,
+                                  causal=causal, scale=scale, mode=mode, group=group, sharding=sharding,
+                                  head_layout=head_layout, check_inputs=check_inputs, dkv_wire_dtype=dkv_wire_dtype)
+
+
+def _dilated_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+    scale: float | None, mode: str, group: dist.ProcessGroup | None, sharding: str, head_layout: str,
+    check_inputs: bool, dkv_wire_dtype: str,
+) -> Tensor:
     check_options(mode, sharding)
     if sharding != "contiguous":
         raise ValueError(
@@ -246,6 +264,7 @@ def dilated_attention(
                                   dkv_wire_digest(dkv_wire_dtype)], entry="seqpar.dilated_attention")
     # every mode of the dilated pattern sends dK/dV point to point and sums it in fp32 at the receiver
     check_dkv_wire(dkv_wire_dtype)
+    causal = check_causal(causal, "seqpar.dilated_attention")  # after the cross-rank check, as the others
     if mode == "auto" and world == 1:
         # one rank exchanges nothing (every mode runs the same local pattern), and its group has no link to probe:
         # the probe measured 0 GB/s and the cost model divided by it (fuzz case 766629414: ZeroDivisionError)
@@ -256,6 +275,7 @@ def dilated_attention(
         mode = choose_mode(q, k, world=world, manager=None, causal=causal, group=group, features={"dilated"},
                            dkv_wire_dtype=dkv_wire_dtype)
     check_local(q, k, v, world_size=world, sharding=sharding)
+    scale = check_scale(scale, q.shape[-1], "seqpar.dilated_attention")
     if torch.compiler.is_compiling():
         # Traced, only the shape-free checks run here. A refusal raised while dynamo traces reaches a
         # fullgraph=True caller as dynamo's "Unsupported: Observed exception", not as this ValueError; the
@@ -266,8 +286,8 @@ def dilated_attention(
         check_pattern(segment_lengths, dilation_rates, head_layout=head_layout, q_heads=q.shape[1],
                       seq_local=q.shape[2], world_size=world)
     opts = DilatedOptions(
-        segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=bool(causal),
-        scale=float(q.shape[-1] ** -0.5 if scale is None else scale), mode=mode, head_layout=head_layout,
+        segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates), causal=causal,
+        scale=scale, mode=mode, head_layout=head_layout,
         dkv_wire_dtype=dkv_wire_dtype,
     )
     if torch.compiler.is_compiling():

@@ -59,6 +59,13 @@ def check_pattern(
     :class:`seqpar.config.PatternConfig`'s load-time ones; the shape-dependent ones (segment lengths
     against the sequence, head count for ``"grouped"``) run when ``q_heads`` / ``seq_local`` are given.
     """
+    for name, values in (("segment_lengths", segment_lengths), ("dilation_rates", dilation_rates)):
+        if not _is_list(values):
+            one = isinstance(values, int) and not isinstance(values, bool)
+            hint = (f" ({name}=[{values!r}] for one pattern)" if one
+                    else f" ({name}=t.tolist())" if hasattr(values, "tolist") else
+                    f" ({name}=list(...) of a generator)" if hasattr(values, "__next__") else "")
+            raise TypeError(f"{name}={values!r} is invalid: pass a list of positive integers, one per pattern{hint}")
     ws, rs = list(segment_lengths), list(dilation_rates)
     if head_layout not in HEAD_LAYOUTS:
         raise ValueError(f"head_layout={head_layout!r} is invalid: choose one of {list(HEAD_LAYOUTS)}")
@@ -121,10 +128,18 @@ def pattern_row(
     refused by :func:`check_pattern` right after)."""
 
     def ints(xs: Sequence[int]) -> list[int]:
-        return [x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in xs]
+        if not _is_list(xs):  # a bare int, a string, a generator: -2 (len() raised here, before the all-gather)
+            return [-2]
+        return [len(xs), *(x if isinstance(x, int) and not isinstance(x, bool) else -1 for x in xs)]
 
     layout = HEAD_LAYOUTS.index(head_layout) if head_layout in HEAD_LAYOUTS else -1
-    return [len(segment_lengths), *ints(segment_lengths), len(dilation_rates), *ints(dilation_rates), layout]
+    return [*ints(segment_lengths), *ints(dilation_rates), layout]
+
+
+def _is_list(values: object) -> bool:
+    """A pattern's list: a list, a tuple or another sequence, not a string (whose characters it would read) nor a
+    bare int or a generator (which ``len()`` refused deep inside, and which a first read would have used up)."""
+    return isinstance(values, Sequence) and not isinstance(values, (str, bytes))
 
 
 # --------------------------------------------------------------------------------------------- plan

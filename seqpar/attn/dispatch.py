@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from seqpar.attn.alibi import with_alibi
 from seqpar.attn.allgather import AllGatherAttention
+from seqpar.attn.amp import autocast_inputs, autocast_off
 from seqpar.attn.common import SingleRank
 from seqpar.attn.foreign import ATTENTION_FOREIGN_KEYWORDS, attention_foreign_keywords
 from seqpar.attn.hybrid import hybrid_attention, ulysses_attention
@@ -67,8 +68,9 @@ def attention(
         k, v: ``(batch, kv_heads, seq_local, head_dim)`` (bshd: ``(batch, seq_local, kv_heads, head_dim)``);
             q_heads a multiple of kv_heads (GQA/MQA). V's head dim may differ from q/k's (MLA); the
             output then has V's.
-        causal: causal masking over the *global* positions of the sharded sequence.
-        scale: score multiplier, default ``head_dim ** -0.5``.
+        causal: causal masking over the *global* positions of the sharded sequence (a bool: anything else,
+            a string, None, 1 or a tensor, is refused).
+        scale: score multiplier, a finite float > 0 (default ``head_dim ** -0.5``).
         mode: ``"ring"`` (P2P ring, O(S/P) memory), ``"allgather"`` (gathered K/V, O(S) memory),
             ``"ulysses"`` (all-to-all to head shards over the whole SP group; head counts P does not divide
             are split unevenly; fewer q_heads than P is refused),
@@ -141,20 +143,23 @@ def attention(
             it applies where the ring or the hybrid is chosen.
     Returns:
         ``(batch, q_heads, seq_local, v_head_dim)`` (bshd: ``(batch, seq_local, q_heads, v_head_dim)``) in
-        q's dtype and the same sharding.
+        q's dtype and the same sharding. Under ``torch.autocast`` q, k and v are first cast to its dtype (float64
+        excepted), as torch's SDPA casts them, and the output is in that dtype.
     Raises:
         ValueError / TypeError naming the problem and the fix, on every rank of the group. Another library's
         argument name (flash-attn's ``softmax_scale``, ``window_size``, ``dropout_p``; Megatron's ``cp_group``,
         ``cp_comm_type``; :data:`FOREIGN_KEYWORDS`) is a TypeError naming seqpar's form (docs/names.md); an
         unknown name gets Python's "unexpected keyword argument".
     """
-    plan = resolve_attention(
-        q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
-        check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
-        layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        dkv_wire_dtype=dkv_wire_dtype,
-    )
-    return run_attention(plan, q, k, v, sinks, alibi_slopes)
+    q, k, v = autocast_inputs(q, k, v)  # under torch.autocast: what SDPA would take (seqpar.attn.amp)
+    with autocast_off(q):
+        plan = resolve_attention(
+            q, k, v, causal=causal, scale=scale, mode=mode, group=group, sharding=sharding, overlap=overlap,
+            check_inputs=check_inputs, head_chunks=head_chunks, cu_seqlens=cu_seqlens, window=window, sinks=sinks,
+            layout=layout, chunk_size=chunk_size, softcap=softcap, alibi_slopes=alibi_slopes,
+            dkv_wire_dtype=dkv_wire_dtype,
+        )
+        return run_attention(plan, q, k, v, sinks, alibi_slopes)
 
 
 def run_attention(

@@ -29,9 +29,11 @@ from seqpar.attn.checks import (
     CompileOnlyRefusal,
     GpuCall,
     check_across_ranks,
+    check_causal,
     check_dkv_wire,
     check_local,
     check_options,
+    check_scale,
     dkv_wire_digest,
     resolve_head_chunks,
     shown,
@@ -374,6 +376,7 @@ def resolve_attention(
     if bad_bounds is not None:
         raise bad_bounds
     check_dkv_wire(dkv_wire_dtype, mode)  # after the cross-rank check: every rank raises alike
+    causal = check_causal(causal)
     if check_inputs and not explicit_layout:
         _check_unambiguous(q)
         if not torch.compiler.is_compiling():  # eager only: see _check_equal_sizes
@@ -403,7 +406,7 @@ def resolve_attention(
             "ignore. Drop the sinks / softcap, or ALiBi (no model combines them)"
         )
     opts = AttentionOptions(
-        causal=causal, scale=float(qb.shape[-1] ** -0.5 if scale is None else scale), sharding=sharding,
+        causal=causal, scale=check_scale(scale, qb.shape[-1]), sharding=sharding,
         overlap=overlap,
         head_chunks=resolve_head_chunks(head_chunks, None if in_op and head_chunks != "auto" else kb.shape[1],
                                         GpuCall.of(qb, kb, vb, world)),

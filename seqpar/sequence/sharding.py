@@ -258,13 +258,23 @@ def shard_sequence(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
+_DTYPES = sorted({str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)})
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as an int every rank derives alike (its index among torch's dtypes by name)."""
+    name = str(dtype)
+    return _DTYPES.index(name) if name in _DTYPES else -1
+
+
 def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup) -> None:
-    """Raise on every rank unless all ranks pass shards of one shape and element size.
+    """Raise on every rank unless all ranks pass shards of one shape and dtype.
 
     One tiny all-gather (seqpar.comm.agree); without it, unequal shards would hang the all-gather
-    or return garbage.
+    or return garbage. The dtype itself, not only its size: the all-gather moves bytes, so a float32
+    shard beside an int32 one (or bfloat16 beside float16) came back as the other's bits reinterpreted.
     """
-    row = [x.shape[dim], x.element_size(), x.dim(), *x.shape]
+    row = [x.shape[dim], x.element_size(), _dtype_code(x.dtype), x.dim(), *x.shape]
     rows = rows_across_ranks(row, group)
     if rows is None:
         return
@@ -275,11 +285,11 @@ def _check_same_shape(x: Tensor, dim: int, group: dist.ProcessGroup) -> None:
             f"({seq_locals}); every rank must pass its shard of the same sequence "
             f"(cut with shard_sequence)"
         )
-    shapes = [tuple(r[3:]) for r in rows]
-    itemsizes = [r[1] for r in rows]
+    shapes = [tuple(r[4:]) for r in rows]
+    dtypes = [_DTYPES[r[2]] if 0 <= r[2] < len(_DTYPES) else "?" for r in rows]
     raise ValueError(
-        f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, bytes "
-        f"per element {itemsizes}); every rank must pass a shard of the same shape and dtype"
+        f"gather_sequence: the ranks' shards differ outside dim {dim} (shapes {shapes}, dtypes {dtypes}); every "
+        "rank must pass a shard of the same shape and dtype (cast them to one dtype first)"
     )
 
 

@@ -170,13 +170,16 @@ class SwapOptions:
     def _resolved_attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None, masked: dict[str, Any]
     ) -> Tensor:
+        from seqpar.attn.amp import autocast_inputs, autocast_off
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.resolve import resolve_attention
 
         check = self._per_call_check()
+        # under torch.autocast: q, k, v as the layer's SDPA would take them (a Llama's float32 q / k beside its bf16 v)
+        q, k, v = autocast_inputs(q, k, v)
         # seqpar.attention may itself call F.scaled_dot_product_attention (one rank, no group):
         # suspend the dispatcher so that call is the plain kernel, not a recursion.
-        with suspended():
+        with suspended(), autocast_off(q):
             if self.pattern.type == "dilated":
                 if masked:
                     raise ValueError(
@@ -229,6 +232,7 @@ class SwapOptions:
         self, q: Tensor, call: Any, *, causal: bool, scale: float | None, layer: str | None,
         cu_seqlens: Any, window: int | None, sinks: Tensor | None, chunk_size: int | None, softcap: float | None,
     ) -> Tensor:
+        from seqpar.attn.amp import autocast_inputs, autocast_off
         from seqpar.attn.checks import CompileOnlyRefusal
         from seqpar.attn.dispatch import run_attention
         from seqpar.attn.latent import (
@@ -242,15 +246,22 @@ class SwapOptions:
         masked = {k: v for k, v in (("cu_seqlens", cu_seqlens), ("window", window), ("sinks", sinks),
                                     ("chunk_size", chunk_size), ("softcap", softcap)) if v is not None}
         check = self._per_call_check()
-        with suspended():
+        # under torch.autocast: q, the stand-ins and the latent as the layer's SDPA and kv_b_proj would take them
+        # (seqpar.attn.amp); the run below has autocast off, so the expansions are cast here explicitly
+        q, key, value, c_cast, r_cast = autocast_inputs(q, call.key, call.value, call.c, call.r)
+
+        def latent(c: Tensor, r: Tensor) -> tuple[Tensor, Tensor]:
+            return c.to(c_cast.dtype), r.to(r_cast.dtype)
+
+        with suspended(), autocast_off(q):
             plan = resolve_attention(
-                q, call.key, call.value, causal=causal, scale=scale, mode=self.mode, group=self.group,
+                q, key, value, causal=causal, scale=scale, mode=self.mode, group=self.group,
                 sharding=self.sharding, overlap=self.overlap, check_inputs=check,
                 head_chunks=self.head_chunks, layout="bhsd", dkv_wire_dtype=self.dkv_wire_dtype, **masked,
             )
             if plan.algorithm not in ("ring", "allgather") or plan.opts.softcap is not None:
-                k, v = call.expand(call.c, call.r)
-                return run_attention(plan, q, k, v, sinks)
+                k, v = call.expand(*latent(call.c, call.r))
+                return run_attention(plan, q, k.to(key.dtype), v.to(value.dtype), sinks)
             if plan.documents is not None and torch.compiler.is_compiling():
                 # traced: the latent kernels have no op reading the boundary tensor. Compile only (eager reads the
                 # tensor's values): never deferred, so that without fullgraph dynamo gives this frame up and
@@ -278,13 +289,13 @@ class SwapOptions:
             # run as kv_b_proj's forward (call.run), so engines that gather its weight per module see the use
             if torch.compiler.is_compiling():  # dynamo cannot trace the ring's P2P: custom ops (issue 31)
                 out = call.run(lambda weight, c, r: compiled_latent_attention(
-                    plan.algorithm, plan.group, plan.opts, call.dims, q, c, r, weight, sinks))
+                    plan.algorithm, plan.group, plan.opts, call.dims, q, *latent(c, r), weight, sinks))
             elif plan.algorithm == "ring":
                 out = call.run(lambda weight, c, r: LatentRingAttention.apply(
-                    q, c, r, weight, RingComm(plan.group), plan.opts, call.dims, sinks))
+                    q, *latent(c, r), weight, RingComm(plan.group), plan.opts, call.dims, sinks))
             else:
                 out = call.run(lambda weight, c, r: LatentAllGatherAttention.apply(
-                    q, c, r, weight, plan.group, plan.opts, call.dims, sinks))
+                    q, *latent(c, r), weight, plan.group, plan.opts, call.dims, sinks))
             if self.check_finite:
                 check_finite({"output": out}, self.group, f"layer {layer or '?'} attention output")
             return out
