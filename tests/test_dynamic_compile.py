@@ -160,7 +160,8 @@ def test_recompile_limit_covers_the_pool() -> None:
         torch._dynamo.config.recompile_limit = limit
 
 
-@pytest.mark.timeout(400)
+# 4 ranks on 2 cores: 333 s on session 37's AMD EPYC with another stage running (360 s timed out under load 13)
+@pytest.mark.timeout(700)
 def test_dynamic_compiled_equals_eager(dist_pool, tmp_path) -> None:
     from seqpar.sequence.call_group import dynamic_graph_bound
 
@@ -174,7 +175,7 @@ def test_dynamic_compiled_equals_eager(dist_pool, tmp_path) -> None:
     assert any(slot >= {2, 1} for slot in sizes) and {4, 2, 1} <= set().union(*sizes), sizes
     assert any(not mb.docs for plan in plans for slot in plan.slots for mb in slot)  # an empty micro-batch
     bound = dynamic_graph_bound(4)
-    per_rank = dist_pool.run(4, _eager_and_compiled, paths, str(tmp_path), timeout=360)
+    per_rank = dist_pool.run(4, _eager_and_compiled, paths, str(tmp_path), timeout=640)
     failures = []
     for rank, engines in enumerate(per_rank):
         for engine, ((eager, eager_grads, eager_graphs), (compiled, grads, graphs), limit) in engines.items():
