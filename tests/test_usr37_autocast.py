@@ -79,6 +79,21 @@ def test_two_ranks_under_autocast_equal_the_rounded_inputs_attention(dist_pool, 
         assert max(got["grads"]) <= 2e-2, got  # relative to each gradient's largest entry: bf16's backward
 
 
+def _swapped_vs_one(one: torch.nn.Module, config: object, vocab: int) -> tuple[float, float, bool]:
+    """``one``'s logits under autocast against a swapped deep copy's (gathered), and whether its gradients are finite."""
+    model = copy.deepcopy(one)
+    ids = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=BF16):
+        want = one(input_ids=ids).logits.float()
+    seqpar.swap_attention(model, config)
+    with torch.autocast("cpu", dtype=BF16):
+        out = model(**seqpar.shard_batch({"input_ids": ids})).logits.float()
+    out.sum().backward()
+    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
+    full = seqpar.gather_sequence(out.detach(), 1)
+    return float((full - want).abs().max()), float(want.abs().max()), finite
+
+
 def _llama_logits(rank: int, world: int) -> tuple[float, float, bool]:
     import transformers
 
@@ -88,17 +103,7 @@ def _llama_logits(rank: int, world: int) -> tuple[float, float, bool]:
                                    num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
     torch.manual_seed(0)
     one = transformers.LlamaForCausalLM(cfg)
-    model = copy.deepcopy(one)
-    ids = torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(3))
-    with torch.autocast("cpu", dtype=BF16):
-        want = one(input_ids=ids).logits.float()
-    seqpar.swap_attention(model, block)
-    with torch.autocast("cpu", dtype=BF16):
-        out = model(**seqpar.shard_batch({"input_ids": ids})).logits.float()
-    out.sum().backward()
-    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
-    full = seqpar.gather_sequence(out.detach(), 1)
-    return float((full - want).abs().max()), float(want.abs().max()), finite
+    return _swapped_vs_one(one, block, 64)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -120,17 +125,7 @@ def _deepseek_logits(rank: int, world: int, mode: str, transfer: str) -> tuple[f
         first_k_dense_replace=1, output_router_logits=False, experts_implementation="eager", n_group=1, topk_group=1)
     torch.manual_seed(0)
     one = transformers.DeepseekV3ForCausalLM(cfg)
-    model = copy.deepcopy(one)
-    ids = torch.randint(0, 61, (1, 16), generator=torch.Generator().manual_seed(3))
-    with torch.autocast("cpu", dtype=BF16):
-        want = one(input_ids=ids).logits.float()
-    seqpar.swap_attention(model, seqpar.SeqParConfig(size=world, mode=mode, mla_transfer=transfer))
-    with torch.autocast("cpu", dtype=BF16):
-        out = model(**seqpar.shard_batch({"input_ids": ids})).logits.float()
-    out.sum().backward()
-    finite = all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
-    full = seqpar.gather_sequence(out.detach(), 1)
-    return float((full - want).abs().max()), float(want.abs().max()), finite
+    return _swapped_vs_one(one, seqpar.SeqParConfig(size=world, mode=mode, mla_transfer=transfer), 61)
 
 
 @pytest.mark.parametrize("mode, transfer", [("ring", "latent"), ("allgather", "latent"), ("ring", "expanded")])
