@@ -14,6 +14,7 @@ the world (MX7) -> "SP rank 1 of 1"."""
 from __future__ import annotations
 
 import pytest
+import test_mixers_padding_mask
 import torch
 import torch.distributed as dist
 
@@ -23,29 +24,11 @@ transformers = pytest.importorskip("transformers")
 
 
 def _short_conv() -> tuple[torch.nn.Module, type]:
-    from seqpar.mixers.short_conv import SeqParShortConv
-
-    cfg = transformers.Lfm2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=2, conv_L_cache=3, layer_types=["conv"],
-                                  use_cache=False)
-    torch.manual_seed(0)
-    layer = transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0].conv.double()
-    with torch.no_grad():
-        if layer.conv.bias is not None:
-            layer.conv.bias.normal_()
-    return layer, SeqParShortConv
+    return test_mixers_padding_mask._short_conv()[:2]  # LFM2's short conv and its seqpar class
 
 
 def _mamba() -> tuple[torch.nn.Module, type]:
-    from seqpar.mixers.mamba import SeqParMambaMixer
-
-    cfg = transformers.MambaConfig(hidden_size=16, state_size=4, expand=2, conv_kernel=4, time_step_rank=4,
-                                   num_hidden_layers=1, use_cache=False)
-    torch.manual_seed(0)
-    layer = transformers.AutoModelForCausalLM.from_config(cfg).backbone.layers[0].mixer.double()
-    with torch.no_grad():
-        layer.D.normal_()
-    return layer, SeqParMambaMixer
+    return test_mixers_padding_mask._mamba()[:2]
 
 
 LAYERS = {"short_conv": _short_conv, "mamba": _mamba}
