@@ -22,9 +22,16 @@ from torch import Tensor
 __all__ = ["autocast_inputs", "autocast_off"]
 
 
+@torch.compiler.assume_constant_result
+def _autocast_known(device_type: str) -> bool:
+    """Whether autocast knows ``device_type``: a constant to dynamo, which cannot trace the lookup itself before
+    torch 2.13 (torch 2.11 broke every ``fullgraph`` compile of an attention call on it)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def _autocast_on(device_type: str) -> bool:
-    # is_autocast_available first: is_autocast_enabled raises on a device type autocast does not know ("meta")
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    # known first: is_autocast_enabled raises on a device type autocast does not know ("meta")
+    return _autocast_known(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
