@@ -96,7 +96,8 @@ def _call(q, k, v, cu, kw):  # noqa: ANN001, ANN202
         kw["cu_seqlens"] = cu if kw["cu_seqlens"] == "tensor" else cu[None]
     for name in ("alibi_slopes", "sinks"):  # one per query head, or one too few
         if name in kw:
-            kw[name] = torch.linspace(0.5, 0.1, q.shape[1] - (kw[name] == "short"))
+            # int(): a symbolic size minus a bool fails on torch 2.11
+            kw[name] = torch.linspace(0.5, 0.1, q.shape[1] - int(kw[name] == "short"))
     kw.setdefault("layout", "bhsd")
     kw.setdefault("check_inputs", False)
     return seqpar.attention(q, k, v, group=group, **kw)

@@ -335,10 +335,14 @@ def refused_output(q: object, v: object, error: Exception) -> Tensor | None:
     if not (torch.compiler.is_compiling() and isinstance(q, Tensor) and isinstance(v, Tensor)
             and q.dim() > 0 and v.dim() > 0):
         return None
-    kind = type(error).__name__
-    if REFUSALS.get(kind) is not type(error):
+    # by identity over the table, not type(error).__name__: dynamo before torch 2.13 cannot hash that name
+    kind = next((name for name, cls in REFUSALS.items() if type(error) is cls), None)
+    if kind is None:
         return None
-    return refusal(q, v, kind, str(error))
+    # one str argument (every seqpar refusal): read it, as str() of a subclass (ConfigError) is C code dynamo
+    # cannot trace before torch 2.13
+    one = error.args[0] if len(error.args) == 1 else None
+    return refusal(q, v, kind, one if isinstance(one, str) else str(error))
 
 
 def defer_refusals(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:

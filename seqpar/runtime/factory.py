@@ -376,10 +376,9 @@ def set_default_manager(manager: ProcessGroupManager | None) -> None:
 
 def _not_a_member(group: object) -> bool:
     """This rank is outside ``group`` (``dist.new_group(ranks)`` on a rank not in ``ranks``): torch gives it rank -1.
-    Eager only: a traced call was checked when it ran eagerly, and the lookup would be one more traced call."""
-    import torch
-
-    if torch.compiler.is_compiling() or not (dist.is_available() and dist.is_initialized()):
+    Also while compiling: dynamo folds the lookup into a constant at trace time (no op in the graph), and without it
+    a compiled call on such a rank failed deep inside the attention on ``AttributeError('group_name')``."""
+    if not (dist.is_available() and dist.is_initialized()):
         return False
     try:
         return dist.get_rank(group) < 0
