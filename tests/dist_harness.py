@@ -66,15 +66,19 @@ class DistPool:
         return self._pools.recycles
 
     def run(
-        self, world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, **kwargs: Any
+        self, world_size: int, fn: Callable, *args: Any, timeout: float = 120.0, fresh: bool = False, **kwargs: Any
     ) -> list:
         """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks.
 
-        Returns the per-rank return values (index = rank). Raises ``AssertionError`` with the
-        failing ranks' tracebacks if any rank raises, ``TimeoutError`` if ``timeout`` seconds pass.
+        ``fresh``: on newly started ranks (the pool of that size is restarted first), for a measurement that must
+        not see what earlier tasks left in the rank processes. Returns the per-rank return values (index = rank).
+        Raises ``AssertionError`` with the failing ranks' tracebacks if any rank raises, ``TimeoutError`` if
+        ``timeout`` seconds pass.
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if fresh:
+            self._pools.restart(world_size)
         try:
             return self._pools.run(world_size, _WithRank(fn), *args, timeout=timeout, **kwargs)
         except PoolTimeout:

@@ -158,3 +158,24 @@ def test_dynamo_generated_module_globals_are_no_patch():
         assert pool.run(_compile_with_a_break_in_seqpar) == [(0, 3, 8)]
         assert pool.run(_reset_dynamo) == ["reset"]
         assert not pool.closed
+
+
+def _mark_or_read(rank: int, world: int, mark: bool) -> tuple[int, bool]:
+    import os
+    import sys
+
+    if mark:
+        sys.seqpar_pool_mark = True  # data left on the rank's interpreter: what the guard does not see
+    return os.getpid(), getattr(sys, "seqpar_pool_mark", False)
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_run_starts_new_ranks(dist_pool) -> None:
+    """``dist_pool.run(..., fresh=True)`` runs on newly started interpreters (a measurement that must not see earlier
+    tasks' leftovers). Seen failing with ``PoolSet.restart`` a no-op: the same pids and the mark still set."""
+    first = dist_pool.run(2, _mark_or_read, True)
+    kept = dist_pool.run(2, _mark_or_read, False)
+    fresh = dist_pool.run(2, _mark_or_read, False, fresh=True)
+    assert kept == first and all(marked for _, marked in kept)
+    assert not {pid for pid, _ in fresh} & {pid for pid, _ in first}, (first, fresh)
+    assert not any(marked for _, marked in fresh), fresh

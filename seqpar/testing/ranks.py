@@ -690,6 +690,14 @@ class PoolSet:
                 self._pools.pop(world, None)
 
 
+    def restart(self, world: int) -> None:
+        """Stop the pool of ``world`` ranks (if started): the next task on that size starts fresh interpreters, which
+        carry no state from earlier tasks (caches, library registries)."""
+        pool = self._pools.pop(world, None)
+        if pool is not None:
+            pool.send_stop()
+            pool.stop()
+
     def close(self) -> None:
         """Stop every pool; all of them wind down at once."""
         pools, self._pools = list(self._pools.values()), {}
