@@ -689,7 +689,6 @@ class PoolSet:
                 self.recycles += 1
                 self._pools.pop(world, None)
 
-
     def restart(self, world: int) -> None:
         """Stop the pool of ``world`` ranks (if started): the next task on that size starts fresh interpreters, which
         carry no state from earlier tasks (caches, library registries)."""
