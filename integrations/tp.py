@@ -100,6 +100,24 @@ def expand_tp_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     return expanded
 
 
+def _check_transformers_tp_api() -> None:
+    """Refuse, naming the version, a transformers whose tensor-parallel API is not the one this module calls
+    (every rank reads the same installed package, so every rank refuses alike). transformers 5.17, seqpar's floor
+    for everything else, has no ``transformers.distributed.parallel_utils`` and an ``apply_tensor_parallelism(model,
+    tp_mesh)`` without the plan argument: TP there failed on an ImportError or a TypeError deep inside."""
+    import importlib.util
+
+    import transformers
+
+    if importlib.util.find_spec("transformers.distributed.parallel_utils") is None:
+        raise ImportError(
+            f"tensor parallelism (tp_size > 1) calls transformers' tensor-parallel API as of transformers 5.24 "
+            f"(transformers.distributed.parallel_utils, apply_tensor_parallelism(model, mesh, plan)), which the "
+            f"installed transformers {transformers.__version__} does not have: pip install -U 'transformers>=5.24', "
+            "or run tp_size 1 (sequence parallelism alone works from transformers 5.17)"
+        )
+
+
 def apply_tensor_parallel(
     model: nn.Module, manager: ProcessGroupManager | None = None, *, plan: dict[str, str] | None = None,
     sequence_parallel: bool = False, vocab_parallel: bool | None = None,
@@ -138,6 +156,7 @@ def apply_tensor_parallel(
                          "tp_size=...) first or pass manager=")
     if manager.tp_size == 1:
         return {}
+    _check_transformers_tp_api()
     if plan is None:
         plan = dict(getattr(model, "tp_plan", None) or {})
     if not plan:

@@ -33,10 +33,7 @@ def _direct(q, k, v, cu, kw):  # noqa: ANN001, ANN202
                             **kw)
 
 
-def _swapped(q, k, v, cu, kw):  # noqa: ANN001, ANN202
-    from seqpar.swap.options import SwapOptions
-
-    options = SwapOptions(group=torch.distributed.group.WORLD, check_inputs=False, **kw)
+def _swapped(q, k, v, cu, options):  # noqa: ANN001, ANN202
     return options.attention(q, k, v, causal=True, scale=None, cu_seqlens=cu)
 
 
@@ -50,6 +47,13 @@ def run_traced_plan(rank: int, world: int, site: str, kw: dict, brk: str, heads:
                      for n in ("q", "k", "v", "dout"))
     cu = torch.tensor(CU)
     fn = {"direct": _direct, "swapped": _swapped}[site]
+    if site == "swapped":
+        # made outside the compiled function, as swap_attention makes it once: torch 2.11's dynamo cannot trace the
+        # construction of a dataclass with a default_factory field (SwapOptions.pattern; an AssertionError in its
+        # variables/user_defined.py), which no swapped model does per call
+        from seqpar.swap.options import SwapOptions
+
+        kw = SwapOptions(group=torch.distributed.group.WORLD, check_inputs=False, **kw)
     import seqpar.attn.dispatch as dispatch
 
     saved, run = resolve._check_alibi, dispatch.run_attention

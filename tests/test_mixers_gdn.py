@@ -48,7 +48,9 @@ def _scan_inputs(rule: str, seq: int) -> dict[str, torch.Tensor]:
 def reference_scan(rule: str, t: dict[str, torch.Tensor], cu: list[int], chunk: int) -> torch.Tensor:
     """transformers' torch kernel on each document alone: ``(batch, seq, v_heads, d_v)``."""
     kernel = TORCH_KERNELS[rule]
-    return torch.cat([kernel(t["q"][:, a:b], t["k"][:, a:b], t["v"][:, a:b], g=t["g"][:, a:b], beta=t["beta"][:, a:b],
+    # grouped heads repeated as transformers' layer repeats them: 5.17's kernel (the floor) takes equal counts only
+    q, k = (t[n].repeat_interleave(t["v"].shape[2] // t[n].shape[2], dim=2) for n in "qk")
+    return torch.cat([kernel(q[:, a:b], k[:, a:b], t["v"][:, a:b], g=t["g"][:, a:b], beta=t["beta"][:, a:b],
                              use_qk_l2norm_in_kernel=True, chunk_size=chunk)[0] for a, b in zip(cu, cu[1:])], dim=1)
 
 

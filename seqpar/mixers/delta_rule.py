@@ -154,7 +154,7 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
     Args:
         kernel: see :func:`delta_rule_kernel`.
         q, k: ``(batch, seq_local, k_heads, d_k)``; v: ``(batch, seq_local, v_heads, d_v)`` (``v_heads`` a
-            multiple of ``k_heads``: grouped heads, as the kernels take them).
+            multiple of ``k_heads``: grouped heads, repeated to ``v_heads`` before the kernel).
         g: log decays, ``(batch, seq_local, v_heads)`` (GDN) or ``(batch, seq_local, v_heads, d_k)`` (KDA).
         beta: ``(batch, seq_local, v_heads)``.
         layout: :func:`seqpar.mixers.scan_layout.scan_layout` of the batch; None: every position alone
@@ -167,6 +167,12 @@ def delta_rule_shard(kernel: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor
     Returns:
         ``(batch, seq_local, v_heads, d_v)`` in ``q``'s dtype.
     """
+    if k.shape[2] != v.shape[2]:
+        # grouped heads, each q/k head serving v_heads // k_heads consecutive value heads: repeated here, so that
+        # every kernel gets equal head counts. transformers 5.17 (the floor, what the GPU machines run) repeats them
+        # in its layer, and its torch kernel takes equal counts only ("The size of tensor a (2) must match the size
+        # of tensor b (4)"); later releases repeat inside the kernel
+        q, k = (t.repeat_interleave(v.shape[2] // k.shape[2], dim=2) for t in (q, k))
     if layout is None:  # every position its own sequence: one kernel call on (batch * seq) runs of one
         batch, seq = q.shape[:2]
         flat = [t.reshape(batch * seq, 1, *t.shape[2:]) for t in (q, k, v, g, beta)]

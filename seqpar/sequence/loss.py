@@ -53,6 +53,13 @@ class _AllReduceSumIdentityBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:  # type: ignore[override]
+        if torch.compiler.is_compiling():
+            # torch's functional all-reduce: torch 2.11's dynamo traces the in-place one below in this Function
+            # with the right value but cuts the gradient (every compiled SP loss and router loss gave zero
+            # gradients there); 2.13 traces both
+            from torch.distributed import _functional_collectives as funcol
+
+            return funcol.all_reduce(x, "sum", group)
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
