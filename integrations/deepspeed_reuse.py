@@ -67,15 +67,18 @@ def refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
     frame: dict[str, dict[int, tuple[str, str]] | None] = {"used": None}
 
     def start(module: torch.nn.Module, args: Any) -> None:
-        frame["used"] = {}
+        # a forward without grad (torch.no_grad, inference) has no backward: nothing is reduced, nothing counted
+        frame["used"] = {} if torch.is_grad_enabled() else None
 
     def stop(module: torch.nn.Module, args: Any, output: Any) -> None:
         frame["used"] = None
 
     def count(name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
+            # not torch.is_grad_enabled() here: the hook runs inside the layer's checkpoint, which torch 2.11's
+            # reentrant checkpoint runs without grad (2.13's with it), so that check let every reuse through on 2.11
             used = frame["used"]
-            if used is None or not torch.is_grad_enabled() or not _reentrant(module):
+            if used is None or not _reentrant(module):
                 return
             for pname, p in module.named_parameters():
                 first = used.get(id(p))

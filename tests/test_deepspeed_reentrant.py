@@ -15,6 +15,7 @@ sequence.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -139,6 +140,34 @@ def test_the_rule_per_parameter_per_forward() -> None:
         model.train()
         _checkpoint(model, reentrant=False)
         assert _refused(model, ids) is None  # non-reentrant: one backward graph
+
+
+def _call_as_transformers_5_17(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """transformers 5.17's ``GradientCheckpointingLayer.__call__`` (seqpar's floor): the whole module call, its
+    hooks included, runs inside the checkpoint, whose reentrant forward runs without grad (played here by
+    ``torch.no_grad``); 5.24 checkpoints ``forward`` only, so the hooks run outside it, with grad."""
+    if self.gradient_checkpointing and self.training:
+        with torch.no_grad():
+            return nn.Module.__call__(self, *args, **kwargs)
+    return nn.Module.__call__(self, *args, **kwargs)
+
+
+def test_the_rule_when_the_layer_hooks_run_inside_the_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On transformers 5.17 a layer's hooks run inside its reentrant checkpoint, without grad: the rule reads grad
+    at the model's forward, so a shared block and a looped layer are refused there too, and a forward under
+    ``torch.no_grad`` still is not. Seen failing: with the layer hook reading the grad mode it runs in (the code
+    before session 39, which let every reuse through on transformers 5.17), neither was refused."""
+    from seqpar.integrations.deepspeed_reuse import refuse_reentrant_reuse
+
+    ids = _batch()["input_ids"]
+    for model, fragment in ((Toy(shared=True), "both use it"), (Toy(loops=2), "more than once")):
+        monkeypatch.setattr(type(model.layers[0]), "__call__", _call_as_transformers_5_17)
+        refuse_reentrant_reuse(model, 2)
+        _checkpoint(model, reentrant=True)
+        msg = _refused(model, ids)
+        assert msg is not None and fragment in msg, msg
+        with torch.no_grad():
+            assert _refused(model, ids) is None
 
 
 def test_the_rule_under_torch_compile() -> None:
