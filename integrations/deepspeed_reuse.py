@@ -75,8 +75,8 @@ def refuse_reentrant_reuse(model: torch.nn.Module, stage: int) -> None:
 
     def count(name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            # not torch.is_grad_enabled() here: the hook runs inside the layer's checkpoint, which torch 2.11's
-            # reentrant checkpoint runs without grad (2.13's with it), so that check let every reuse through on 2.11
+            # not torch.is_grad_enabled() here: transformers 5.17 runs a layer's hooks inside its reentrant checkpoint,
+            # without grad (5.24 checkpoints forward only), so that check let every reuse through on 5.17
             used = frame["used"]
             if used is None or not _reentrant(module):
                 return

@@ -56,7 +56,8 @@ class _AllReduceSumIdentityBackward(torch.autograd.Function):
         if torch.compiler.is_compiling():
             # torch's functional all-reduce: torch 2.11's dynamo traces the in-place one below in this Function
             # with the right value but cuts the gradient (every compiled SP loss and router loss gave zero
-            # gradients there); 2.13 traces both
+            # gradients there); 2.13 traces both. Still wrong on 2.11 under dynamo's "eager" backend (AOT backends and
+            # inductor are exact): the session 39 note says what is next
             from torch.distributed import _functional_collectives as funcol
 
             return funcol.all_reduce(x, "sum", group)
